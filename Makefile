@@ -1,0 +1,30 @@
+# Two commands: `make demo` and `make test`. Both set up .venv on first use.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed-stamp
+
+.PHONY: demo test setup bench clean
+
+$(STAMP): pyproject.toml $(wildcard csrc/*.c)
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# The CPU build of torch lies on this machine's disk; pin it before anything pulls a CUDA build.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e ".[test]"
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m autopar.demo
+
+# pytest exits 5 when it collects nothing; make propagates any non-zero status, so that fails too.
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+bench: $(STAMP)
+	$(PY) benchmarks/trace.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,33 @@
+"""autopar: a compiler-style auto-parallelizer for PyTorch training.
+
+``import autopar`` is cheap and does not import torch: heavy entry points load on first use.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from .mesh import MeshSpec
+from .spec import Partial, Replicate, Shard, TensorSpec
+
+__version__ = "0.1.0"
+
+# public name -> module that defines it (imported on first attribute access)
+_LAZY = {
+    "trace": "autopar.tracer",
+    "profile": "autopar.tracer",
+    "coverage": "autopar.tracer",
+    "TraceError": "autopar.tracer",
+    "TracedGraph": "autopar.tracer",
+}
+
+__all__ = ["MeshSpec", "TensorSpec", "Shard", "Replicate", "Partial", *_LAZY]
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'autopar' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
