@@ -1,0 +1,101 @@
+"""Run a function on N local processes joined in a torch.distributed process group.
+
+Used by tests, ``make demo`` and ``profile-mesh --local N``. Processes start with the ``fork``
+method (about 0.04 s per launch against about 4 s with ``spawn``), so ``fn`` may be a closure
+or a test-local function. Each child initialises the default process group (gloo on CPU),
+calls ``fn(rank, world_size, *args, **kwargs)`` and sends its return value back; the parent
+returns the values in rank order, or raises ``RuntimeError`` carrying the first failing rank's
+traceback. A child that hangs (a mismatched collective) is killed after ``timeout`` seconds.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import socket
+import traceback
+from typing import Any, Callable
+
+__all__ = ["run_local", "free_port"]
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _child(rank, world_size, port, backend, fn, args, kwargs, queue, num_threads) -> None:
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+        WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+    )
+    # Ranks share 2 cores here; one intra-op thread each avoids oversubscription.
+    torch.set_num_threads(num_threads)
+    try:
+        dist.init_process_group(backend, rank=rank, world_size=world_size)
+        try:
+            result = fn(rank, world_size, *args, **kwargs)
+        finally:
+            dist.destroy_process_group()
+        queue.put((rank, True, result))
+    except BaseException:  # noqa: BLE001 -- everything goes back to the parent as text
+        queue.put((rank, False, traceback.format_exc()))
+
+
+def run_local(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    backend: str = "gloo",
+    timeout: float = 240.0,
+    num_threads: int = 1,
+    **kwargs: Any,
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` forked processes."""
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    ctx = mp.get_context("fork")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(
+            target=_child,
+            args=(rank, world_size, port, backend, fn, args, kwargs, queue, num_threads),
+            daemon=True,
+        )
+        for rank in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    failure: tuple[int, str] | None = None
+    try:
+        for _ in range(world_size):
+            try:
+                rank, ok, value = queue.get(timeout=timeout)
+            except Exception:  # queue.Empty: some rank hung
+                missing = sorted(set(range(world_size)) - set(results))
+                raise RuntimeError(
+                    f"run_local: ranks {missing} of {world_size} did not finish within {timeout} s "
+                    f"(a collective that not every rank called?)"
+                ) from None
+            if not ok:
+                failure = (rank, value)
+                break
+            results[rank] = value
+    finally:
+        for p in procs:
+            if failure is not None:
+                p.kill()
+            p.join(timeout=5 if failure is None else 1)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=1)
+    if failure is not None:
+        rank, tb = failure
+        raise RuntimeError(f"rank {rank} of {world_size} failed:\n{tb}")
+    return [results[r] for r in range(world_size)]

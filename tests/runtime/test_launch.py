@@ -1,0 +1,40 @@
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from autopar.runtime.launch import run_local
+
+
+def _allreduce(rank, world_size, base):
+    t = torch.tensor([float(rank + base)])
+    dist.all_reduce(t)
+    return t.item()
+
+
+def test_run_local_returns_in_rank_order():
+    assert run_local(_allreduce, 4, 1.0) == [10.0] * 4
+    assert run_local(lambda r, w: r * 10, 2) == [0, 10]
+
+
+def test_run_local_reports_failing_rank():
+    def boom(rank, world_size):
+        if rank == 1:
+            raise ValueError("bad shard on rank one")
+        return rank
+
+    with pytest.raises(RuntimeError, match="rank 1 of 2 failed(.|\n)*bad shard on rank one"):
+        run_local(boom, 2)
+
+
+def test_run_local_times_out_on_hang():
+    def hang(rank, world_size):
+        if rank == 0:
+            dist.all_reduce(torch.ones(1))  # rank 1 never joins
+        else:
+            time.sleep(60)
+        return rank
+
+    with pytest.raises(RuntimeError, match="did not finish"):
+        run_local(hang, 2, timeout=5)
