@@ -73,6 +73,7 @@ def run_local(
         p.start()
     results: dict[int, Any] = {}
     failure: tuple[int, str] | None = None
+    finished = False
     try:
         for _ in range(world_size):
             try:
@@ -87,11 +88,12 @@ def run_local(
                 failure = (rank, value)
                 break
             results[rank] = value
+        finished = failure is None
     finally:
         for p in procs:
-            if failure is not None:
+            if not finished:
                 p.kill()
-            p.join(timeout=5 if failure is None else 1)
+            p.join(timeout=5 if finished else 1)
             if p.is_alive():
                 p.kill()
                 p.join(timeout=1)
