@@ -1,0 +1,412 @@
+"""The planner's contract: a plain-data ``Problem`` in, a plain-data ``Solution`` out.
+
+No torch import. Everything is str / int / float / tuples, frozen, with ``to_json``/``from_json``.
+The problem builder (graph + profile + strategies -> ``Problem``) lives elsewhere; the solver
+(``simplify`` + ``ilp``) only ever sees these records.
+
+Units: **seconds** for every cost, **bytes per device** for every memory figure. All figures
+are for one training step (forward + backward) on one device of the mesh.
+
+The model the solver optimises (``Problem.evaluate`` computes it for a given choice, exactly as
+the ILP does):
+
+* Every node picks exactly one of its ``options``.
+* Step time = sum over nodes of ``compute_s + comm_s`` of the chosen option
+  + sum over edges of ``costs[src choice][dst choice]`` (resharding, forward + backward).
+* Memory timeline: integer time points ``0 .. timeline_length-1`` (a linear order of the
+  forward and backward pass, e.g. forward op ``i`` at ``i`` and its backward at
+  ``2N-1-i``). A node's chosen ``act_bytes`` is held on every point of its closed interval
+  ``live = (start, end)`` (typically: produced at ``start`` in forward, freed after its last
+  backward use at ``end``). Parameters, gradients and optimizer state (``param_bytes``) are
+  held for the whole step. Per-device peak = sum of ``param_bytes`` + max over time points of
+  the ``act_bytes`` live there. The plan is feasible when peak <= ``budget_bytes``.
+
+Repeated structure: a node's ``block`` names the repeated module instance it belongs to, as
+``"<prefix>.<index>"`` (e.g. ``"transformer.h.3"``: the *root* of the repeated module, not a
+sub-module). Blocks with the same prefix whose nodes, in problem order, have equal
+``signature`` sequences and equal option names are treated as identical and share decisions
+(see ``autopar.solver.simplify``).
+
+Recompute (activation checkpointing) hook: ``Node.segment`` names the checkpointable segment
+the node belongs to and ``StrategyOption.forward_s`` is what recomputing it would cost; the
+current ILP records them but does not yet decide recompute (``Solution.recompute`` is empty).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+__all__ = ["StrategyOption", "Node", "Edge", "Problem", "Solution", "Evaluation", "PROBLEM_VERSION"]
+
+PROBLEM_VERSION = 1
+
+
+def _check_number(owner: str, name: str, value: Any, *, integer: bool = False) -> None:
+    ok_type = isinstance(value, int) if integer else isinstance(value, (int, float))
+    if isinstance(value, bool) or not ok_type or not math.isfinite(value) or value < 0:
+        kind = "an int" if integer else "a finite number"
+        raise ValueError(f"{owner}: {name} must be {kind} >= 0, got {value!r}")
+
+
+# ----------------------------------------------------------------------------------- records
+@dataclass(frozen=True, slots=True)
+class StrategyOption:
+    """One way to run one node, with per-device figures for one training step.
+
+    name:        readable strategy name, unique within its node (e.g. ``"S0R = S0R x RR"``).
+    compute_s:   forward + backward compute seconds on one device (local shard roofline).
+    comm_s:      forward + backward communication seconds *inside* the op (e.g. the all-reduce
+                 of a row-parallel matmul), not the resharding of its inputs (that is on edges).
+    param_bytes: bytes of parameters + gradients + optimizer state this choice puts on each
+                 device (the builder applies the optimizer multiplier); 0 for non-parameter nodes.
+                 Held for the whole step.
+    act_bytes:   bytes of this node's output kept alive per device over ``Node.live``.
+    forward_s:   forward-only seconds (compute + comm); what recomputing this node costs.
+    """
+
+    name: str
+    compute_s: float
+    comm_s: float = 0.0
+    param_bytes: int = 0
+    act_bytes: int = 0
+    forward_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"StrategyOption name must be a non-empty str, got {self.name!r}")
+        owner = f"option {self.name!r}"
+        for f in ("compute_s", "comm_s", "forward_s"):
+            _check_number(owner, f, getattr(self, f))
+        for f in ("param_bytes", "act_bytes"):
+            _check_number(owner, f, getattr(self, f), integer=True)
+
+    @property
+    def cost_s(self) -> float:
+        """Node-local seconds: compute + in-op communication."""
+        return self.compute_s + self.comm_s
+
+    def __str__(self) -> str:
+        return (f"{self.name} [{self.compute_s:.3g}s + comm {self.comm_s:.3g}s, "
+                f"param {self.param_bytes}B, act {self.act_bytes}B]")
+
+
+@dataclass(frozen=True, slots=True)
+class Node:
+    """One decision: which of ``options`` this graph node runs with.
+
+    name:      unique node name (the fx node name).
+    options:   the candidate strategies (at least one; names unique).
+    live:      closed interval ``(start, end)`` of timeline points on which the chosen
+               ``act_bytes`` is held; ``None`` when the node holds no activation (then every
+               option must have ``act_bytes == 0``).
+    block:     ``"<prefix>.<index>"`` of the repeated module instance the node belongs to, or None.
+    signature: op + shapes (+ anything else that makes two nodes interchangeable); equal
+               signatures at equal positions of equal blocks mean identical nodes.
+    segment:   checkpointable segment id (for recompute decisions), or None.
+    """
+
+    name: str
+    options: tuple[StrategyOption, ...]
+    live: tuple[int, int] | None = None
+    block: str | None = None
+    signature: str = ""
+    segment: str | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "options", tuple(self.options))
+        if self.live is not None:
+            object.__setattr__(self, "live", tuple(self.live))
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"Node name must be a non-empty str, got {self.name!r}")
+        if not self.options:
+            raise ValueError(f"node {self.name!r} has no options")
+        names = [o.name for o in self.options]
+        if len(set(names)) != len(names):
+            raise ValueError(f"node {self.name!r} has duplicate option names {names}")
+        if self.live is None:
+            if any(o.act_bytes for o in self.options):
+                raise ValueError(f"node {self.name!r} has act_bytes but no live interval")
+        elif (len(self.live) != 2 or not all(isinstance(t, int) and not isinstance(t, bool) for t in self.live)
+              or not 0 <= self.live[0] <= self.live[1]):
+            raise ValueError(f"node {self.name!r}: live must be (start, end) with 0 <= start <= end, "
+                             f"got {self.live!r}")
+
+    @property
+    def num_options(self) -> int:
+        return len(self.options)
+
+    def option_index(self, name: str) -> int:
+        for i, o in enumerate(self.options):
+            if o.name == name:
+                return i
+        raise ValueError(f"node {self.name!r} has no option {name!r}; options: {[o.name for o in self.options]}")
+
+    def __str__(self) -> str:
+        where = f" in {self.block}" if self.block else ""
+        return f"{self.name}{where} ({self.num_options} options, live {self.live})"
+
+
+@dataclass(frozen=True, slots=True)
+class Edge:
+    """Data flowing from ``src`` to ``dst``: ``costs[i][j]`` is the resharding time (forward +
+    backward seconds) when ``src`` runs option ``i`` and ``dst`` runs option ``j``. At most one
+    edge per ordered pair: sum the matrices when a node consumes a value twice."""
+
+    src: str
+    dst: str
+    costs: tuple[tuple[float, ...], ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "costs", tuple(tuple(float(c) for c in row) for row in self.costs))
+        if self.src == self.dst:
+            raise ValueError(f"edge {self.src!r} -> {self.dst!r} is a self-loop")
+        widths = {len(r) for r in self.costs}
+        if not self.costs or len(widths) != 1 or 0 in widths:
+            raise ValueError(f"edge {self.src!r} -> {self.dst!r}: costs must be a non-empty "
+                             f"rectangular matrix, got row lengths {[len(r) for r in self.costs]}")
+        for row in self.costs:
+            for c in row:
+                _check_number(f"edge {self.src!r} -> {self.dst!r}", "cost", c)
+
+    def __str__(self) -> str:
+        return f"{self.src} -> {self.dst} ({len(self.costs)}x{len(self.costs[0])})"
+
+
+@dataclass(frozen=True, slots=True)
+class Evaluation:
+    """The cost model evaluated for one full choice (``Problem.evaluate``)."""
+
+    objective: float  # seconds: compute + comm + reshard
+    compute_s: float
+    comm_s: float
+    reshard_s: float
+    param_bytes: int  # per device, whole step
+    peak_bytes: int  # per device: param_bytes + the largest live activation total
+    peak_time: int | None  # timeline point of the activation peak (None: no activations)
+
+    def __str__(self) -> str:
+        return (f"{self.objective:.6g}s (compute {self.compute_s:.4g}s, comm {self.comm_s:.4g}s, "
+                f"reshard {self.reshard_s:.4g}s), peak {self.peak_bytes}B at t={self.peak_time}")
+
+
+@dataclass(frozen=True, slots=True)
+class Problem:
+    """Everything the solver needs. ``budget_bytes=None`` means no memory constraint.
+
+    nodes:           decisions, in a deterministic order (graph order; blocks rely on it).
+    edges:           resharding costs between nodes.
+    budget_bytes:    per-device memory budget, or None.
+    timeline_length: number of timeline points; every ``Node.live`` lies inside it.
+    mesh_shape:      the mesh this problem was built for (reporting and error hints).
+    meta:            free-form (str -> str/int/float) provenance, e.g. model name, graph hash.
+    """
+
+    nodes: tuple[Node, ...]
+    edges: tuple[Edge, ...] = ()
+    budget_bytes: int | None = None
+    timeline_length: int = 0
+    mesh_shape: tuple[int, ...] = ()
+    meta: tuple[tuple[str, str | int | float], ...] = ()
+    _index: dict = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "nodes", tuple(self.nodes))
+        object.__setattr__(self, "edges", tuple(self.edges))
+        object.__setattr__(self, "mesh_shape", tuple(self.mesh_shape))
+        meta = self.meta.items() if isinstance(self.meta, Mapping) else self.meta
+        object.__setattr__(self, "meta", tuple(sorted((str(k), v) for k, v in meta)))
+        index: dict[str, int] = {}
+        for i, n in enumerate(self.nodes):
+            if n.name in index:
+                raise ValueError(f"duplicate node name {n.name!r}")
+            index[n.name] = i
+        object.__setattr__(self, "_index", index)
+        if not self.nodes:
+            raise ValueError("a Problem needs at least one node")
+        if self.budget_bytes is not None:
+            _check_number("Problem", "budget_bytes", self.budget_bytes, integer=True)
+        _check_number("Problem", "timeline_length", self.timeline_length, integer=True)
+        for n in self.nodes:
+            if n.live is not None and n.live[1] >= self.timeline_length:
+                raise ValueError(f"node {n.name!r}: live {n.live} outside the timeline "
+                                 f"0..{self.timeline_length - 1}")
+        seen: set[tuple[str, str]] = set()
+        for e in self.edges:
+            for end in (e.src, e.dst):
+                if end not in index:
+                    raise ValueError(f"edge {e.src!r} -> {e.dst!r}: unknown node {end!r}")
+            if (e.src, e.dst) in seen:
+                raise ValueError(f"duplicate edge {e.src!r} -> {e.dst!r}; sum their cost matrices")
+            seen.add((e.src, e.dst))
+            shape = (len(e.costs), len(e.costs[0]))
+            want = (self.node(e.src).num_options, self.node(e.dst).num_options)
+            if shape != want:
+                raise ValueError(f"edge {e.src!r} -> {e.dst!r}: cost matrix is {shape[0]}x{shape[1]}, "
+                                 f"nodes have {want[0]}x{want[1]} options")
+
+    # ----------------------------------------------------------------------------- queries
+    @property
+    def num_nodes(self) -> int:
+        return len(self.nodes)
+
+    @property
+    def num_edges(self) -> int:
+        return len(self.edges)
+
+    @property
+    def meta_dict(self) -> dict[str, str | int | float]:
+        return dict(self.meta)
+
+    def node(self, name: str) -> Node:
+        i = self._index.get(name)
+        if i is None:
+            raise ValueError(f"unknown node {name!r}")
+        return self.nodes[i]
+
+    def index(self, name: str) -> int:
+        self.node(name)
+        return self._index[name]
+
+    def with_budget(self, budget_bytes: int | None) -> "Problem":
+        return Problem(self.nodes, self.edges, budget_bytes, self.timeline_length, self.mesh_shape, self.meta)
+
+    def __str__(self) -> str:
+        budget = "none" if self.budget_bytes is None else f"{self.budget_bytes}B"
+        return (f"Problem({self.num_nodes} nodes, {self.num_edges} edges, budget {budget}, "
+                f"timeline {self.timeline_length}, mesh {self.mesh_shape})")
+
+    # -------------------------------------------------------------------------- evaluation
+    def evaluate(self, choice: Mapping[str, str]) -> Evaluation:
+        """Step time and per-device peak memory of ``choice`` (node name -> option name)."""
+        missing = [n.name for n in self.nodes if n.name not in choice]
+        extra = [k for k in choice if k not in self._index]
+        if missing or extra:
+            raise ValueError(f"choice must name every node exactly: missing {missing[:5]}, unknown {extra[:5]}")
+        pick = {n.name: n.option_index(choice[n.name]) for n in self.nodes}
+        compute = comm = reshard = 0.0
+        params = 0
+        delta = [0] * (self.timeline_length + 1)
+        for n in self.nodes:
+            o = n.options[pick[n.name]]
+            compute += o.compute_s
+            comm += o.comm_s
+            params += o.param_bytes
+            if n.live is not None and o.act_bytes:
+                delta[n.live[0]] += o.act_bytes
+                delta[n.live[1] + 1] -= o.act_bytes
+        for e in self.edges:
+            reshard += e.costs[pick[e.src]][pick[e.dst]]
+        peak, peak_t, running = 0, None, 0
+        for t in range(self.timeline_length):
+            running += delta[t]
+            if running > peak:
+                peak, peak_t = running, t
+        return Evaluation(compute + comm + reshard, compute, comm, reshard, params, params + peak, peak_t)
+
+    # ------------------------------------------------------------------------------- JSON
+    def to_json(self) -> str:
+        data = {
+            "version": PROBLEM_VERSION,
+            "budget_bytes": self.budget_bytes,
+            "timeline_length": self.timeline_length,
+            "mesh_shape": list(self.mesh_shape),
+            "meta": dict(self.meta),
+            "nodes": [
+                {"name": n.name, "live": None if n.live is None else list(n.live), "block": n.block,
+                 "signature": n.signature, "segment": n.segment,
+                 "options": [[o.name, o.compute_s, o.comm_s, o.param_bytes, o.act_bytes, o.forward_s]
+                             for o in n.options]}
+                for n in self.nodes
+            ],
+            "edges": [{"src": e.src, "dst": e.dst, "costs": [list(r) for r in e.costs]} for e in self.edges],
+        }
+        return json.dumps(data)
+
+    @classmethod
+    def from_json(cls, text: str) -> "Problem":
+        data = json.loads(text)
+        version = data.get("version")
+        if version != PROBLEM_VERSION:
+            raise ValueError(f"Problem JSON version {version!r} is not supported (expected {PROBLEM_VERSION})")
+        try:
+            nodes = tuple(
+                Node(n["name"], tuple(StrategyOption(*o) for o in n["options"]),
+                     None if n["live"] is None else tuple(n["live"]), n["block"], n["signature"], n["segment"])
+                for n in data["nodes"]
+            )
+            edges = tuple(Edge(e["src"], e["dst"], e["costs"]) for e in data["edges"])
+            return cls(nodes, edges, data["budget_bytes"], data["timeline_length"],
+                       tuple(data["mesh_shape"]), data["meta"])
+        except (KeyError, TypeError) as exc:
+            raise ValueError(f"malformed Problem JSON: {exc!r}") from None
+
+
+# ---------------------------------------------------------------------------------- solution
+SOLUTION_STATUSES = ("optimal", "feasible")
+
+
+@dataclass(frozen=True, slots=True)
+class Solution:
+    """The planner's answer.
+
+    choice:          node name -> chosen option name, for every node of the Problem.
+    objective:       estimated step time in seconds (``Problem.evaluate(choice).objective``).
+    lp_bound:        optimum of the LP relaxation (a lower bound on any plan's step time).
+    dual_bound:      best proven lower bound (== objective when ``status == "optimal"``).
+    gap:             ``(objective - dual_bound) / objective``: how far from optimal it may be.
+    status:          ``"optimal"`` or ``"feasible"`` (stopped at the time limit with a plan).
+    backend:         ``"highs"`` or ``"cbc"``.
+    timings:         seconds per phase: ``simplify_s``, ``build_s``, ``lp_s``, ``solve_s``.
+    peak_bytes:      per-device peak memory of the plan (``Problem.evaluate``).
+    num_variables:   columns of the solved ILP (after simplification).
+    num_constraints: rows of the solved ILP.
+    recompute:       checkpointable segments chosen for recomputation (empty: not decided yet).
+    stats:           simplification counts (groups, merged nodes, aliased nodes, ...).
+    """
+
+    choice: dict[str, str]
+    objective: float
+    lp_bound: float
+    dual_bound: float
+    gap: float
+    status: str
+    backend: str
+    timings: dict[str, float]
+    peak_bytes: int
+    num_variables: int
+    num_constraints: int
+    recompute: tuple[str, ...] = ()
+    stats: dict[str, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.status not in SOLUTION_STATUSES:
+            raise ValueError(f"Solution status must be one of {SOLUTION_STATUSES}, got {self.status!r}")
+        object.__setattr__(self, "recompute", tuple(self.recompute))
+
+    def __str__(self) -> str:
+        t = ", ".join(f"{k} {v:.3f}s" for k, v in self.timings.items())
+        return (f"{self.status} ({self.backend}): {self.objective:.6g}s, LP bound {self.lp_bound:.6g}s, "
+                f"gap {self.gap:.2%}, peak {self.peak_bytes}B, {self.num_variables} vars x "
+                f"{self.num_constraints} rows; {t}")
+
+    def to_json(self) -> str:
+        data = {"version": PROBLEM_VERSION}
+        for f in self.__dataclass_fields__:
+            value = getattr(self, f)
+            data[f] = list(value) if isinstance(value, tuple) else value
+        return json.dumps(data)
+
+    @classmethod
+    def from_json(cls, text: str) -> "Solution":
+        data = json.loads(text)
+        version = data.pop("version", None)
+        if version != PROBLEM_VERSION:
+            raise ValueError(f"Solution JSON version {version!r} is not supported (expected {PROBLEM_VERSION})")
+        try:
+            return cls(**data)
+        except TypeError as exc:
+            raise ValueError(f"malformed Solution JSON: {exc}") from None
+
