@@ -70,7 +70,9 @@ def count_collectives() -> Iterator[Counter]:
     try:
         yield counter
     finally:
-        _active_counters.remove(counter)
+        # By identity: two counters with equal counts compare equal, so list.remove could
+        # drop the wrong one.
+        del _active_counters[next(i for i, c in enumerate(_active_counters) if c is counter)]
 
 
 def _record(kind: str) -> None:
