@@ -39,7 +39,8 @@ import torch.distributed as dist
 
 from autopar.runtime.process_mesh import ProcessMesh
 from autopar.solver.reshard import ReshardStep
-from autopar.spec import Partial, Replicate, Shard, TensorSpec
+from autopar.solver.reshard import apply_step as reshard_apply_step
+from autopar.spec import Partial, Shard, TensorSpec
 
 __all__ = [
     "COLLECTIVE_KINDS",
@@ -232,41 +233,12 @@ class _ToPartial(torch.autograd.Function):
 
 
 # ------------------------------------------------------------------------------ spec tracking
-def _minor_most(spec: TensorSpec, dim: int, axis: int) -> bool:
-    """True when no mesh axis above ``axis`` shards ``dim`` (local-consistency rule)."""
-    return all(a <= axis for a in spec.shard_axes(dim))
-
-
 def next_spec(spec: TensorSpec | str, step: ReshardStep) -> TensorSpec:
-    """The layout after ``step``; ``ValueError`` if the step does not apply to ``spec``."""
-    spec = TensorSpec.parse(spec)
-    if not 0 <= step.axis < spec.num_axes:
-        raise ValueError(f"step {step} names mesh axis {step.axis}, but spec {spec} has "
-                         f"{spec.num_axes} axes")
-    here = spec.placements[step.axis]
-    if step.kind in ("all_gather", "all_to_all"):
-        want: Shard | Replicate | Partial = Shard(step.src_dim)
-    elif step.kind in ("split", "to_partial"):
-        want = Replicate()
-    else:
-        want = Partial()
-    if here != want:
-        raise ValueError(f"step {step} expects {want} on mesh axis {step.axis}, but spec {spec} "
-                         f"has {here}")
-    if step.kind in ("all_gather", "all_to_all") and not _minor_most(spec, step.src_dim, step.axis):
-        raise ValueError(f"step {step} on spec {spec}: axis {step.axis} is not the minor-most "
-                         f"axis sharding dim {step.src_dim} ({spec.shard_axes(step.src_dim)})")
-    if step.dst_dim is not None and not _minor_most(spec, step.dst_dim, step.axis):
-        raise ValueError(f"step {step} on spec {spec}: dim {step.dst_dim} is already sharded by "
-                         f"a higher axis {spec.shard_axes(step.dst_dim)}; axis {step.axis} "
-                         f"would not be minor-most")
-    if step.kind in ("all_gather", "all_reduce"):
-        result: Shard | Replicate | Partial = Replicate()
-    elif step.kind == "to_partial":
-        result = Partial()
-    else:
-        result = Shard(step.dst_dim)
-    return spec.with_placement(step.axis, result)
+    """The layout after ``step``; ``ValueError`` if the step does not apply to ``spec``.
+
+    The planner's own rule (``reshard.apply_step``): the placement on the step's axis must
+    match and only the minor-most axis sharding a dim may be added or removed."""
+    return reshard_apply_step(TensorSpec.parse(spec), step)
 
 
 # ------------------------------------------------------------------------------- execution
@@ -288,6 +260,17 @@ def apply_step(local: torch.Tensor, step: ReshardStep, pmesh: ProcessMesh) -> to
     raise ValueError(f"unknown reshard step kind {step.kind!r} in {step}")
 
 
+def _final_spec(src: TensorSpec, steps: Sequence[ReshardStep], pmesh: ProcessMesh | None) -> TensorSpec:
+    """Check every step against the layout it acts on; return the layout after the last."""
+    if pmesh is not None and src.num_axes != pmesh.ndim:
+        raise ValueError(f"spec {src} has {src.num_axes} placements for the {pmesh.ndim}-D "
+                         f"process mesh {pmesh.shape}")
+    spec = src
+    for step in steps:
+        spec = next_spec(spec, step)
+    return spec
+
+
 def apply_steps(
     local: torch.Tensor,
     steps: Sequence[ReshardStep],
@@ -298,27 +281,27 @@ def apply_steps(
     """Execute ``steps`` in order. With ``src``, every step is first checked against the layout
     it acts on, so a malformed plan fails with ``ValueError`` before any collective is issued."""
     if src is not None:
-        spec = TensorSpec.parse(src)
-        if spec.num_axes != pmesh.ndim:
-            raise ValueError(f"spec {spec} has {spec.num_axes} placements for the "
-                             f"{pmesh.ndim}-D process mesh {pmesh.shape}")
-        for step in steps:
-            spec = next_spec(spec, step)
+        _final_spec(TensorSpec.parse(src), steps, pmesh)
     for step in steps:
         local = apply_step(local, step, pmesh)
     return local
 
 
 def convert(local: torch.Tensor, conversion, pmesh: ProcessMesh) -> torch.Tensor:
-    """Run a planned ``Conversion`` (``autopar.solver.reshard``): ``src`` layout in, ``dst`` out."""
+    """Run a planned ``Conversion`` (``autopar.solver.reshard``): ``src`` layout in, ``dst`` out.
+
+    The steps are checked to lead from ``src`` to ``dst`` before any collective is issued."""
     src, dst = TensorSpec.parse(conversion.src), TensorSpec.parse(conversion.dst)
-    spec = src
-    for step in conversion.steps:
-        spec = next_spec(spec, step)
-    if spec != dst:
+    end = _final_spec(src, conversion.steps, None)
+    if end != dst:
         raise ValueError(f"conversion {src} -> {dst}: its steps "
-                         f"{[str(s) for s in conversion.steps]} end in {spec}")
-    return apply_steps(local, conversion.steps, pmesh)
+                         f"{[str(s) for s in conversion.steps]} end in {end}")
+    if src.num_axes != pmesh.ndim:
+        raise ValueError(f"conversion {src} -> {dst} is for a {src.num_axes}-D mesh, the "
+                         f"process mesh is {pmesh.shape}")
+    for step in conversion.steps:
+        local = apply_step(local, step, pmesh)
+    return local
 
 
 # ------------------------------------------------------------------- whole tensors <-> pieces

@@ -13,6 +13,7 @@ gradient layout. The gradient layout of a spec is its own layout with ``P`` read
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from collections import Counter
@@ -25,7 +26,7 @@ from autopar.mesh import MeshSpec
 from autopar.runtime import comm
 from autopar.runtime.launch import run_local
 from autopar.runtime.process_mesh import ProcessMesh
-from autopar.solver.reshard import ReshardStep
+from autopar.solver.reshard import ReshardStep, plan_conversion
 from autopar.spec import TensorSpec
 
 # The collectives each step kind must issue, forward and backward (the table in comm.py).
@@ -49,14 +50,15 @@ def _tensors(shape):
     return x, g
 
 
-def _check_case(pm: ProcessMesh, shape, src, dst, steps) -> tuple[list[str], Counter, Counter]:
-    """Run one conversion on this rank; return (failures, forward counts, backward counts)."""
+def _check_case(pm: ProcessMesh, shape, src, dst, steps, conv=None) -> tuple[list[str], Counter, Counter]:
+    """Run one conversion on this rank -- ``comm.convert(conv)`` for a planned ``Conversion``,
+    else ``apply_steps`` -- and return (failures, forward counts, backward counts)."""
     src, dst = TensorSpec.parse(src), TensorSpec.parse(dst)
     x_full, g_full = _tensors(shape)
     where = f"{src}->{dst} shape={shape} steps={[str(s) for s in steps]} coord={pm.coordinate}"
     x = comm.distribute(x_full, src, pm).requires_grad_()
     with comm.count_collectives() as fwd:
-        y = comm.apply_steps(x, steps, pm, src=src)
+        y = comm.convert(x, conv, pm) if conv is not None else comm.apply_steps(x, steps, pm, src=src)
     failures = []
     want_shape = dst.local_shape(shape, pm.shape)
     dst_slices = dst.local_slices(shape, pm.shape, pm.coordinate)
@@ -80,9 +82,9 @@ def _run_cases(rank, world_size, mesh_shape, cases):
     """Rank body: every case on this rank; failures and (rank 0's) counts come back."""
     pm = ProcessMesh.create(mesh_shape)
     failures, counts = [], []
-    for shape, src, dst, steps in cases:
+    for shape, src, dst, steps, *conv in cases:
         try:
-            bad, fwd, bwd = _check_case(pm, shape, src, dst, steps)
+            bad, fwd, bwd = _check_case(pm, shape, src, dst, steps, *conv)
         except Exception as exc:  # noqa: BLE001 -- keep going so peers do not hang
             bad, fwd, bwd = [f"{src}->{dst} shape={shape}: {type(exc).__name__}: {exc}"], {}, {}
         failures.extend(bad)
@@ -96,7 +98,7 @@ def _run_and_check(mesh_shape, cases):
     failures = [f for rank_failures, _ in results for f in rank_failures]
     assert not failures, f"{len(failures)} failures, first ones:\n" + "\n".join(failures[:10])
     counts = results[0][1]
-    for (shape, src, dst, steps), (fwd, bwd) in zip(cases, counts):
+    for (shape, src, dst, steps, *_), (fwd, bwd) in zip(cases, counts):
         assert Counter(fwd) == _expected_counts(steps, FORWARD), (src, dst, shape, steps, fwd)
         assert Counter(bwd) == _expected_counts(steps, BACKWARD), (src, dst, shape, steps, bwd)
     return counts
@@ -156,15 +158,23 @@ def test_next_spec_tracks_layouts():
 
 
 @pytest.mark.parametrize("spec, step, match", [
-    ("S0R", _step("all_gather", 0, src=1), r"expects S\(1\) on mesh axis 0.*has S\(0\)"),
-    ("RR", _step("all_reduce", 1), r"expects P on mesh axis 1"),
-    ("S0S0", _step("all_gather", 0, src=0), r"axis 0 is not the minor-most.*\(0, 1\)"),
-    ("RS0", _step("split", 0, dst=0), r"dim 0 is already sharded by a higher axis \(1,\)"),
+    ("S0R", _step("all_gather", 0, src=1), r"needs S1 on axis 0, spec is S0R"),
+    ("RR", _step("all_reduce", 1), r"needs P on axis 1"),
+    ("S0S0", _step("all_gather", 0, src=0), r"axis 0 is not the minor-most axis sharding dim 0"),
+    ("RS0", _step("split", 0, dst=0), r"axis 0 would not be the minor-most.*\[1\]"),
     ("RS1", _step("all_to_all", 2, src=1, dst=0), r"names mesh axis 2.*2 axes"),
 ])
 def test_next_spec_rejects_steps_that_do_not_apply(spec, step, match):
     with pytest.raises(ValueError, match=match):
         comm.next_spec(spec, step)
+
+
+def test_convert_refuses_steps_that_do_not_end_in_dst():
+    conv = plan_conversion("S0", "S1", (4, 8), 8, MeshSpec.preset("cpu", (2,)))
+    wrong = dataclasses.replace(conv, dst=TensorSpec.parse("R"))
+    # The check runs before any collective, so no process group is needed to see it fail.
+    with pytest.raises(ValueError, match=r"conversion S0 -> R: its steps .* end in S1"):
+        comm.convert(torch.zeros(2, 8), wrong, pmesh=None)
 
 
 def test_replicate_steps_remove_minor_axes_first():
@@ -239,3 +249,39 @@ def test_distribute_and_gather_full_round_trip_every_spec():
         return bad
 
     assert run_local(body, 4) == [[]] * 4
+
+
+# ------------------------------------------------------- acceptance: every planned conversion
+SPEC_TOKENS = ("R", "S0", "S1", "P")
+
+
+def _planned_cases(mesh_shape):
+    """Every ordered pair over R, S0, S1, P per axis, both shapes, uneven layouts excluded."""
+    mesh = MeshSpec.preset("cpu", mesh_shape)
+    cases = []
+    for shape in SHAPES:
+        specs = [s for s in ("".join(t) for t in itertools.product(SPEC_TOKENS, repeat=len(mesh_shape)))
+                 if TensorSpec.parse(s).is_valid(shape, mesh_shape)]
+        for src, dst in itertools.product(specs, repeat=2):
+            conv = plan_conversion(src, dst, shape, 8, mesh)  # float64 tensors
+            cases.append((shape, str(conv.src), str(conv.dst), list(conv.steps), conv))
+    return cases
+
+
+@pytest.mark.parametrize("mesh_shape", [(2,), (4,), (2, 2)], ids=["2", "4", "2x2"])
+def test_every_planned_conversion_on_gloo(mesh_shape):
+    cases = _planned_cases(mesh_shape)
+    expected_pairs = {(2,): 32, (4,): 16 + 9, (2, 2): 256 + 225}[mesh_shape]
+    assert len(cases) == expected_pairs  # (8, 6, 2) has no S1 over 4 shards
+    counts = _run_and_check(mesh_shape, cases)
+    by_pair = {(shape, src, dst): c for (shape, src, dst, *_), c in zip(cases, counts)}
+    if len(mesh_shape) == 1:
+        # The cheap routes the planner must find, as real collectives, forward and backward.
+        assert by_pair[((4, 8), "S0", "S1")] == ({"all_to_all": 1}, {"all_to_all": 1})
+        assert by_pair[((4, 8), "P", "S1")] == ({"reduce_scatter": 1}, {"all_gather": 1})
+        assert by_pair[((4, 8), "P", "R")] == ({"all_reduce": 1}, {})
+        assert by_pair[((4, 8), "R", "S0")] == ({}, {"all_gather": 1})
+    else:
+        assert by_pair[((4, 8), "S0R", "S1R")] == ({"all_to_all": 1}, {"all_to_all": 1})
+        assert by_pair[((4, 8), "RS1", "RS0")] == ({"all_to_all": 1}, {"all_to_all": 1})
+        assert by_pair[((4, 8), "PR", "S0R")] == ({"reduce_scatter": 1}, {"all_gather": 1})
