@@ -1,0 +1,14 @@
+"""The tracer ("ColoTracer"): model -> ATen fx graph with shapes, module paths and costs.
+
+- :func:`trace` captures the forward with ``torch.export`` (non-strict) on fake tensors.
+- :func:`profile` computes per-node FLOPs, bytes and saved-for-backward bytes symbolically.
+- :func:`coverage` counts each distinct ATen op.
+"""
+
+from .coverage import OpCount, coverage
+from .graph import Placeholder, TracedGraph
+from .profile import ModelProfile, NodeProfile, profile
+from .trace import TraceError, trace
+
+__all__ = ["trace", "profile", "coverage", "TraceError", "TracedGraph", "Placeholder",
+           "NodeProfile", "ModelProfile", "OpCount"]

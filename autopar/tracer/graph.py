@@ -1,0 +1,190 @@
+"""TracedGraph: an ATen-level fx graph of one model's forward, with the metadata planning needs.
+
+Contract (what later stages may rely on):
+- ``gm`` is a ``torch.fx.GraphModule`` whose placeholders are, in order, the parameters, the
+  buffers, lifted tensor constants and the flattened user inputs. Calling
+  ``gm(*placeholder_values)`` returns the flat outputs; ``unflatten_outputs`` rebuilds the
+  model's own output structure (tuple, dict or HF ``ModelOutput``).
+- Every node has ``meta["val"]`` (a fake tensor or a tuple of them: global shape and dtype) and
+  ``meta["autopar_module"]`` (the owning module's FQN, "" for the root module). Placeholders also
+  carry ``meta["autopar_placeholder"]`` (a :class:`Placeholder`).
+- A parameter shared by several modules (tied weights) is one placeholder; all its FQNs are in
+  ``Placeholder.aliases`` (canonical name first, the order of ``named_parameters``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+
+PARAMETER = "parameter"
+BUFFER = "buffer"
+CONSTANT = "constant"  # lifted tensor constant or a non-tensor user input
+INPUT = "input"
+
+MODULE_KEY = "autopar_module"
+PLACEHOLDER_KEY = "autopar_placeholder"
+
+
+@dataclass(frozen=True, slots=True)
+class Placeholder:
+    """One graph input. ``fqn`` is the canonical parameter/buffer FQN or the user input path."""
+
+    name: str
+    kind: str
+    fqn: str
+    aliases: tuple[str, ...]
+    shape: tuple[int, ...]
+    dtype: torch.dtype | None
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for size in self.shape:
+            n *= size
+        return n
+
+    def __str__(self) -> str:
+        alias = f" (also {', '.join(self.aliases[1:])})" if len(self.aliases) > 1 else ""
+        dtype = str(self.dtype).removeprefix("torch.") if self.dtype is not None else "-"
+        return f"{self.kind} {self.fqn}{alias}: {dtype}{list(self.shape)} [{self.name}]"
+
+
+def tensor_vals(val: Any) -> list[torch.Tensor]:
+    """The tensors inside a node's ``meta["val"]`` (which may be a tuple or list)."""
+    return [v for v in pytree.tree_leaves(val) if isinstance(v, torch.Tensor)]
+
+
+def op_name(node: fx.Node) -> str:
+    """'aten.addmm.default' for ATen overloads, the function's name otherwise."""
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload):
+        return str(target)
+    return getattr(target, "__name__", str(target))
+
+
+class TracedGraph:
+    """The traced forward of a model; see the module docstring for the contract."""
+
+    def __init__(
+        self, gm: fx.GraphModule, *, placeholders: tuple[Placeholder, ...], in_spec: Any,
+        out_spec: Any, constants: dict[str, Any], loss_name: str | None, model_name: str,
+    ) -> None:
+        self.gm = gm
+        self.placeholders = placeholders
+        self.in_spec = in_spec
+        self.out_spec = out_spec
+        self.constants = constants
+        self.model_name = model_name
+        self._loss_name = loss_name
+        self._by_name = {node.name: node for node in gm.graph.nodes}
+        self._by_fqn = {alias: p for p in placeholders for alias in p.aliases}
+
+    # ---- nodes -----------------------------------------------------------------------------
+    @property
+    def graph(self) -> fx.Graph:
+        return self.gm.graph
+
+    @property
+    def nodes(self) -> list[fx.Node]:
+        """All nodes in topological (execution) order."""
+        return list(self.gm.graph.nodes)
+
+    def node(self, name: str) -> fx.Node:
+        try:
+            return self._by_name[name]
+        except KeyError:
+            raise KeyError(f"no node named {name!r} in the traced graph of {self.model_name}") from None
+
+    def compute_nodes(self) -> Iterator[fx.Node]:
+        """The call_function nodes (the ops), in order."""
+        return (n for n in self.gm.graph.nodes if n.op == "call_function")
+
+    @staticmethod
+    def module_path(node: fx.Node) -> str:
+        return node.meta.get(MODULE_KEY, "")
+
+    # ---- placeholders ----------------------------------------------------------------------
+    def placeholders_of(self, kind: str) -> tuple[Placeholder, ...]:
+        return tuple(p for p in self.placeholders if p.kind == kind)
+
+    @property
+    def params(self) -> tuple[Placeholder, ...]:
+        return self.placeholders_of(PARAMETER)
+
+    @property
+    def buffers(self) -> tuple[Placeholder, ...]:
+        return self.placeholders_of(BUFFER)
+
+    @property
+    def inputs(self) -> tuple[Placeholder, ...]:
+        return self.placeholders_of(INPUT)
+
+    def by_fqn(self, fqn: str) -> Placeholder:
+        """The placeholder of a parameter/buffer by any of its names (tied aliases included)."""
+        try:
+            return self._by_fqn[fqn]
+        except KeyError:
+            raise KeyError(f"{fqn!r} is not a parameter, buffer or input of {self.model_name}") from None
+
+    @property
+    def num_params(self) -> int:
+        """Parameter element count, each tied parameter counted once."""
+        return sum(p.numel for p in self.params)
+
+    # ---- outputs ---------------------------------------------------------------------------
+    @property
+    def output_node(self) -> fx.Node:
+        return next(n for n in reversed(self.gm.graph.nodes) if n.op == "output")
+
+    @property
+    def flat_outputs(self) -> list[Any]:
+        """The output node's flat arguments (nodes or constants such as None)."""
+        return list(pytree.tree_leaves(self.output_node.args[0], is_leaf=lambda x: x is None))
+
+    def unflatten_outputs(self, flat_values: list[Any]) -> Any:
+        """Rebuild the model's output structure (tuple/dict/ModelOutput) from flat values."""
+        return pytree.tree_unflatten(list(flat_values), self.out_spec)
+
+    @property
+    def loss_node(self) -> fx.Node | None:
+        """The scalar floating-point output (the loss), or None when the model returns none."""
+        return self._by_name[self._loss_name] if self._loss_name else None
+
+    # ---- identity --------------------------------------------------------------------------
+    @property
+    def graph_hash(self) -> str:
+        """Stable hex digest of ops, wiring, shapes and parameter names (for plan files)."""
+        digest = hashlib.sha256()
+        for node in self.gm.graph.nodes:
+            args = pytree.tree_map(_arg_token, (node.args, node.kwargs))
+            vals = [(tuple(v.shape), str(v.dtype)) for v in tensor_vals(node.meta.get("val"))]
+            fqn = node.meta[PLACEHOLDER_KEY].fqn if PLACEHOLDER_KEY in node.meta else ""
+            digest.update(repr((node.op, node.name, op_name(node), args, vals, fqn)).encode())
+        return digest.hexdigest()[:16]
+
+    def op_counts(self) -> Counter:
+        return Counter(op_name(n) for n in self.compute_nodes())
+
+    def __str__(self) -> str:
+        return (f"TracedGraph({self.model_name}: {len(self._by_name)} nodes, "
+                f"{sum(1 for _ in self.compute_nodes())} ops, {len(self.params)} parameters "
+                f"({self.num_params:,} elements), loss={self._loss_name}, hash={self.graph_hash})")
+
+    __repr__ = __str__
+
+
+def _arg_token(arg: Any) -> Any:
+    if isinstance(arg, fx.Node):
+        return f"%{arg.name}"
+    if isinstance(arg, torch.device):  # plans made on meta apply on cuda: device is not identity
+        return "device"
+    if isinstance(arg, (torch.dtype, torch.layout, torch.memory_format)):
+        return str(arg)
+    return arg

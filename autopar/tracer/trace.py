@@ -1,0 +1,300 @@
+"""trace(): capture a model's forward as an ATen graph with torch.export (non-strict), shapes only.
+
+Inputs are turned into fake tensors on the model's device (meta or cpu), so no kernel runs and
+no parameter-sized memory is allocated, whether the model lives on ``meta`` or holds real
+weights. The graph is export's default training IR: no decompositions, so ``aten.linear``,
+``aten.scaled_dot_product_attention``, ``aten.layer_norm``, ``aten.cross_entropy_loss`` stay
+whole. When export fails, :class:`TraceError` names the op, the module path and the user's
+source line, with a hint.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import io
+import os
+import traceback
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.export.graph_signature import InputKind
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+from .graph import (BUFFER, CONSTANT, INPUT, MODULE_KEY, PARAMETER, PLACEHOLDER_KEY, Placeholder,
+                    TracedGraph)
+
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_AUTOPAR_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+_KIND = {InputKind.PARAMETER: PARAMETER, InputKind.BUFFER: BUFFER,
+         InputKind.CONSTANT_TENSOR: CONSTANT, InputKind.CUSTOM_OBJ: CONSTANT,
+         InputKind.USER_INPUT: INPUT}
+
+_PRIMITIVE = (int, float, bool, str, type(None), torch.dtype, torch.device)
+
+
+class TraceError(RuntimeError):
+    """A model could not be traced. Attributes: op, module_path, source, hint, cause."""
+
+    def __init__(self, message: str, *, op: str = "", module_path: str = "", source: str = "",
+                 hint: str = "", cause: str = "") -> None:
+        self.op, self.module_path, self.source, self.hint, self.cause = (
+            op, module_path, source, hint, cause)
+        parts = [message]
+        if op:
+            parts.append(f"  op: {op}")
+        parts.append(f"  module: {module_path or '<root>'}")
+        if source:
+            parts.append(f"  source: {source}")
+        if hint:
+            parts.append(f"  hint: {hint}")
+        if cause:
+            parts.append(f"  cause: {cause}")
+        super().__init__("\n".join(parts))
+
+
+def trace(model: nn.Module, meta_inputs: tuple | dict, *, name: str | None = None) -> TracedGraph:
+    """Trace ``model``'s forward on ``meta_inputs`` (positional tuple or keyword dict).
+
+    Tensors may be real, meta or fake; they are replaced by fake tensors of the same shape,
+    dtype and stride on the model's device. Non-tensor values are bound as constants.
+    """
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"trace() needs an nn.Module, got {type(model).__name__}")
+    if isinstance(meta_inputs, torch.Tensor):
+        meta_inputs = (meta_inputs,)
+    if not isinstance(meta_inputs, (tuple, list, dict)):
+        raise ValueError(f"meta_inputs must be a tuple (positional) or a dict (keyword), "
+                         f"got {type(meta_inputs).__name__}")
+    model_name = name or type(model).__name__
+    device = _model_device(model, meta_inputs)
+    fake_mode = FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True)
+    kwargs = _as_kwargs(model, meta_inputs)
+    tensors = {k: v for k, v in kwargs.items() if _has_tensor(v)}
+    constants = {k: v for k, v in kwargs.items() if k not in tensors}
+    fake = {k: pytree.tree_map(lambda v: _to_fake(v, fake_mode, device), v)
+            for k, v in tensors.items()}
+    ep = _export(model, fake, constants, model_name)
+    return _build(model, ep, model_name)
+
+
+# ---- inputs ------------------------------------------------------------------------------------
+def _model_device(model: nn.Module, inputs: Any) -> torch.device:
+    for tensor in _first(model.parameters()), _first(model.buffers()):
+        if tensor is not None:
+            return tensor.device
+    leaves = [v for v in pytree.tree_leaves(inputs) if isinstance(v, torch.Tensor)]
+    return leaves[0].device if leaves else torch.device("meta")
+
+
+def _first(it):
+    return next(iter(it), None)
+
+
+def _has_tensor(value: Any) -> bool:
+    return any(isinstance(v, torch.Tensor) for v in pytree.tree_leaves(value))
+
+
+def _as_kwargs(model: nn.Module, inputs: tuple | list | dict) -> dict:
+    """Positional inputs become keyword inputs, named after forward's parameters."""
+    if isinstance(inputs, dict):
+        return dict(inputs)
+    params = inspect.signature(model.forward).parameters.values()
+    if any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params):
+        return {f"args[{i}]": v for i, v in enumerate(inputs)}
+    try:
+        return dict(inspect.signature(model.forward).bind(*inputs).arguments)
+    except TypeError as err:
+        raise ValueError(f"{len(inputs)} positional inputs do not fit "
+                         f"{type(model).__name__}.forward{inspect.signature(model.forward)}: {err}"
+                         ) from None
+
+
+def _to_fake(value: Any, fake_mode: FakeTensorMode, device: torch.device) -> Any:
+    if not isinstance(value, torch.Tensor):
+        return value
+    with fake_mode:  # empty_strided under fake mode allocates nothing
+        return torch.empty_strided(tuple(value.shape), tuple(value.stride()), dtype=value.dtype,
+                                   device=device)
+
+
+# ---- export with diagnosis ----------------------------------------------------------------------
+def _export(model: nn.Module, fake: dict, constants: dict, model_name: str):
+    positional = [k for k in fake if k.startswith("args[")]
+    args = tuple(fake[k] for k in positional)
+    kwargs = {k: v for k, v in fake.items() if k not in positional}
+    paths = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
+    stack: list[str] = []
+
+    def push(module, _inputs):
+        stack.append(paths.get(id(module), type(module).__name__))
+
+    def pop(module, _inputs, _output):
+        if stack:
+            stack.pop()
+
+    hooks = [nn.modules.module.register_module_forward_pre_hook(push),
+             nn.modules.module.register_module_forward_hook(pop)]
+    bound = "forward" in vars(model)
+    original = model.forward
+    if constants:  # bind non-tensor inputs as constants: they are not graph inputs
+        model.forward = functools.partial(original, **constants)
+    try:
+        # export prints the partial graph to stdout on failure; the TraceError says it better
+        with contextlib.redirect_stdout(io.StringIO()):
+            return torch.export.export(model, args, kwargs=kwargs, strict=False)
+    except Exception as err:  # noqa: BLE001 - every export failure becomes a TraceError
+        raise _diagnose(err, stack, model_name) from err
+    finally:
+        for hook in hooks:
+            hook.remove()
+        if constants:
+            if bound:
+                model.forward = original
+            else:
+                del model.forward
+
+
+def _diagnose(err: Exception, stack: list[str], model_name: str) -> TraceError:
+    op = _failing_op(err)
+    source = _user_source(err)
+    text = str(err)
+    first_line = text.strip().splitlines()[0] if text.strip() else type(err).__name__
+    if "data-dependent" in text or "GuardOnDataDependent" in type(err).__name__:
+        hint = ("data-dependent control flow or shape: the code branches on, or sizes a tensor "
+                "by, a tensor's value, unknown when tracing with shapes only; use torch.where / "
+                "torch.cond, or pass that value as a constant (a Python number, not a tensor)")
+    elif "pytree" in text.lower() or "unsupported input" in text.lower() or "input type" in text:
+        hint = "a non-tensor input cannot be traced: pass it as a constant (a Python value)"
+    else:
+        hint = "the op or Python construct is not supported by torch.export (non-strict)"
+    return TraceError(f"cannot trace {model_name}: {type(err).__name__}", op=op,
+                      module_path=stack[-1] if stack else "", source=source, hint=hint,
+                      cause=first_line)
+
+
+def _failing_op(err: Exception) -> str:
+    """The innermost op being dispatched when export failed (from the traceback's frames)."""
+    found = ""
+    tb = err.__traceback__
+    while tb is not None:
+        func = tb.tb_frame.f_locals.get("func")
+        if isinstance(func, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+            found = str(func)
+        elif callable(func) and tb.tb_frame.f_code.co_name.startswith("__torch_"):
+            qualname = getattr(func, "__qualname__", getattr(func, "__name__", repr(func)))
+            found = qualname.replace("TensorBase.", "Tensor.")
+        tb = tb.tb_next
+    return found
+
+
+def _user_source(err: Exception) -> str:
+    """Innermost traceback frame outside torch and autopar: the model's own code."""
+    frames = [f for f in traceback.extract_tb(err.__traceback__)
+              if not f.filename.startswith((_TORCH_DIR, _AUTOPAR_DIR, "<string>"))]
+    if not frames:
+        return ""
+    frame = frames[-1]
+    line = f": {frame.line.strip()}" if frame.line else ""
+    return f"{frame.filename}:{frame.lineno} in {frame.name}{line}"
+
+
+# ---- post-processing ----------------------------------------------------------------------------
+def _build(model: nn.Module, ep, model_name: str) -> TracedGraph:
+    gm = ep.graph_module
+    graph = gm.graph
+    aliases = _alias_groups(model)
+    placeholders: list[Placeholder] = []
+    canonical_nodes: dict[str, fx.Node] = {}
+    input_paths = _input_paths(ep)
+    spec_by_name = {spec.arg.name: spec for spec in ep.graph_signature.input_specs
+                    if hasattr(spec.arg, "name")}
+    for node in list(graph.nodes):
+        if node.op != "placeholder":
+            continue
+        spec = spec_by_name.get(node.name)
+        kind = _KIND.get(spec.kind, CONSTANT) if spec is not None else INPUT
+        val = node.meta.get("val")
+        if kind == INPUT and not isinstance(val, torch.Tensor):
+            kind = CONSTANT
+        if kind in (PARAMETER, BUFFER):
+            names = aliases.get(spec.target, (spec.target,))
+            fqn = names[0]
+            if fqn in canonical_nodes:  # a tied weight already seen under its canonical name
+                node.replace_all_uses_with(canonical_nodes[fqn])
+                graph.erase_node(node)
+                continue
+            canonical_nodes[fqn] = node
+        else:
+            fqn = spec.target if spec is not None and spec.target else input_paths.get(node.name,
+                                                                                        node.name)
+            names = (fqn,)
+        info = Placeholder(name=node.name, kind=kind, fqn=fqn, aliases=tuple(names),
+                           shape=tuple(val.shape) if isinstance(val, torch.Tensor) else (),
+                           dtype=val.dtype if isinstance(val, torch.Tensor) else None)
+        node.meta[PLACEHOLDER_KEY] = info
+        placeholders.append(info)
+    for node in graph.nodes:
+        node.meta[MODULE_KEY] = _module_path(node)
+    graph.lint()
+    gm.recompile()
+    return TracedGraph(gm, placeholders=tuple(placeholders), in_spec=ep.call_spec.in_spec,
+                       out_spec=ep.call_spec.out_spec, constants=dict(ep.constants),
+                       loss_name=_loss_name(gm, ep), model_name=model_name)
+
+
+def _alias_groups(model: nn.Module) -> dict[str, tuple[str, ...]]:
+    """FQN -> all FQNs of the same tensor object, canonical (first registered) first."""
+    by_id: dict[int, list[str]] = {}
+    for fqn, tensor in [*model.named_parameters(remove_duplicate=False),
+                        *model.named_buffers(remove_duplicate=False)]:
+        by_id.setdefault(id(tensor), []).append(fqn)
+    return {fqn: tuple(names) for names in by_id.values() for fqn in names}
+
+
+def _input_paths(ep) -> dict[str, str]:
+    """User-input placeholder name -> its path in the (args, kwargs) input structure."""
+    user = [s.arg.name for s in ep.graph_signature.input_specs
+            if s.kind == InputKind.USER_INPUT and hasattr(s.arg, "name")]
+    try:
+        leaves = pytree.tree_flatten_with_path(
+            pytree.tree_unflatten([None] * ep.call_spec.in_spec.num_leaves, ep.call_spec.in_spec),
+            is_leaf=lambda x: x is None)[0]
+    except Exception:  # noqa: BLE001 - paths are cosmetic; fall back to node names
+        return {}
+    paths = [_keystr(path) for path, _ in leaves]
+    return dict(zip(user, paths)) if len(paths) == len(user) else {}
+
+
+def _keystr(path) -> str:
+    """'input_ids' for a keyword input, 'args[0]' for a positional one (path[0] picks which)."""
+    if getattr(path[0], "idx", 1) == 0:
+        return "args" + pytree.keystr(path[1:])
+    return str(getattr(path[1], "key", path[1])) + pytree.keystr(path[2:])
+
+
+def _module_path(node: fx.Node) -> str:
+    stack = node.meta.get("nn_module_stack")
+    if not stack:
+        return ""
+    path = list(stack.values())[-1][0]
+    return path if isinstance(path, str) else str(path)
+
+
+def _loss_name(gm: fx.GraphModule, ep) -> str | None:
+    """The first user output that is a floating-point scalar."""
+    outputs = {spec.arg.name for spec in ep.graph_signature.output_specs
+               if spec.kind.name == "USER_OUTPUT" and hasattr(spec.arg, "name")}
+    out_node = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    for arg in pytree.tree_leaves(out_node.args[0]):
+        if isinstance(arg, fx.Node) and arg.name in outputs:
+            val = arg.meta.get("val")
+            if isinstance(val, torch.Tensor) and val.dim() == 0 and val.dtype.is_floating_point:
+                return arg.name
+    return None
