@@ -17,7 +17,7 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Sequence
 
-__all__ = ["MeshSpec", "PRESETS", "parse_mesh_shape", "parse_bytes"]
+__all__ = ["MeshSpec", "PRESETS", "parse_mesh_shape", "parse_bytes", "profile_mesh"]
 
 GiB = 1024**3
 
@@ -170,6 +170,16 @@ class MeshSpec:
     def load(cls, path: str) -> "MeshSpec":
         with open(path) as f:
             return cls.from_json(f.read())
+
+
+def profile_mesh(shape: Sequence[int] | str, **kwargs) -> MeshSpec:
+    """Time real collectives and the device; see ``autopar.runtime.profile.profile_mesh``.
+
+    Imports torch on call only, so ``autopar.mesh`` stays device-free and cheap to import.
+    """
+    from .runtime.profile import profile_mesh as _profile_mesh
+
+    return _profile_mesh(shape, **kwargs)
 
 
 def default_axis_names(ndim: int) -> tuple[str, ...]:
