@@ -1,0 +1,65 @@
+"""Sharding strategies: per-op rules for one mesh axis, expanded over the whole mesh.
+
+Public API
+----------
+``strategies_for(node, mesh, *, flops=None, allow_replicate_fallback=False) -> list[Strategy]``
+    every candidate for an fx node (``node.target`` an ATen overload, ``node.meta["val"]`` set).
+    ``Strategy.input_specs[i]`` belongs to ``input_nodes(node)[i]``. No rule -> ``NoRuleError``
+    naming the op, the node and its module path; with ``allow_replicate_fallback=True`` one
+    replicated strategy with ``is_fallback=True`` and a warning.
+``enumerate_strategies(info, mesh, ...)`` the same from an ``OpInfo`` (``OpInfo.from_node``).
+
+How to add a rule family
+------------------------
+1. Create ``autopar/strategies/_<family>.py`` and add it to ``_FAMILIES`` below.
+2. Write a rule for ONE mesh axis: ``rule(info: OpInfo) -> list[AxisOption]``. ``info`` has the
+   global metadata (``info.input("self").shape``, ``info.arg("dim")``, ``info.output``). Build
+   options with ``info.option(out_placement, self=Shard(0), weight=R, ...)``: unnamed tensor
+   inputs are ``Replicate``; the all-replicate option is added for you, so list only the
+   splits and the ``Partial`` pass-throughs. Do not think about other axes or divisibility:
+   ``expand.py`` forms the product over axes, prunes uneven splits, dedups and costs.
+   - ``grad_partial`` is derived (a float input that is ``R`` while the option is not all-R has a
+     partial local gradient, all-reduced in the op's backward); pass ``grad_partial=[...]``
+     only to override. ``work_split`` is derived the same way; pass ``work_split=False`` for
+     options where every rank does the full work (e.g. ``P`` in -> ``P`` out).
+   - Options whose dims map across axes in a way the local op cannot honour (e.g. a flatten that
+     would reverse the major/minor order) are vetoed with ``register(..., combine_check=fn)``.
+3. Register it: ``@register(aten.op.overload, samples=fn)`` (several overloads may share one rule;
+   loop over a family table calling ``register(op, samples=...)(rule)``). ``has_flops=True`` makes
+   the cost model count FLOPs with ``torch.utils.flop_counter``; otherwise the op is costed as
+   memory-bound.
+4. ``samples()`` returns ``Sample(args, kwargs, label)`` with small float64 tensors (sizes divisible
+   by 4; helpers in ``samples.py``). The numerical check (``tests/strategies/test_rules_numeric.py``)
+   is parametrised over ``registered_targets()``: for every sample, on meshes (4,) and (2, 2), it
+   runs EVERY candidate strategy forward and backward on simulated ranks (``check.py``) against
+   the unsharded op. Nothing else to wire: registering the rule enrols it.
+5. Local op: by default "the same ATen op on local shards" (the runtime rewrites shape arguments).
+   When the sharded op needs different math (masking, collectives inside), give the option
+   ``kernel="name"`` and register ``@register_kernel("name", comm_cost=fn)`` with
+   ``fn(ctx: KernelContext, **bound_args)``; it communicates only through ``ctx.comm``
+   (``all_reduce(t, axes, op)``, ``coordinate(axis)``, ``size(axis)``; see ``comm.py``) and
+   ``comm_cost(info, input_specs, output_specs, mesh) -> (forward_s, backward_s)``.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from .comm import Comm, KernelContext
+from .expand import enumerate_strategies, estimate_flops, strategies_for
+from .registry import (
+    AxisOption, InputSlot, LocalKernel, NoRuleError, OpInfo, RuleEntry, Sample, Strategy, TensorMeta,
+    get_kernel, get_rule, input_nodes, register, register_kernel, registered_targets,
+)
+
+# Rule families, imported for their registrations.
+_FAMILIES = ("_matmul",)
+for _name in _FAMILIES:
+    importlib.import_module(f"{__name__}.{_name}")
+
+__all__ = [
+    "strategies_for", "enumerate_strategies", "estimate_flops", "Strategy", "AxisOption", "OpInfo",
+    "TensorMeta", "InputSlot", "Sample", "RuleEntry", "LocalKernel", "NoRuleError", "Comm",
+    "KernelContext", "register", "register_kernel", "get_rule", "get_kernel", "registered_targets",
+    "input_nodes",
+]
