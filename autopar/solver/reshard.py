@@ -293,6 +293,7 @@ def clear_conversion_cache() -> None:
     global _cache_hits, _cache_misses
     _cache.clear()
     _layout_graph.cache_clear()
+    _shortest_tree.cache_clear()
     _cache_hits = _cache_misses = 0
 
 
@@ -340,7 +341,13 @@ def plan_conversion(
     return conv
 
 
-def _dijkstra(src: TensorSpec, dst: TensorSpec, shape, itemsize: int, mesh: MeshSpec) -> Conversion:
+@lru_cache(maxsize=4096)
+def _shortest_tree(src: TensorSpec, shape: tuple[int, ...], itemsize: int,
+                   mesh: MeshSpec) -> dict[TensorSpec, tuple[TensorSpec, _Edge]]:
+    """Dijkstra from ``src`` to every layout: ``{layout: (previous layout, edge)}``.
+
+    One search serves every target of ``src`` (cost matrices ask for all of them).
+    """
     graph = _layout_graph(shape, itemsize, mesh)
     # Heap entries: (rounded cost, steps, tie counter, spec). The counter keeps the order of
     # equal entries deterministic (insertion order) and keeps specs out of comparisons.
@@ -351,12 +358,10 @@ def _dijkstra(src: TensorSpec, dst: TensorSpec, shape, itemsize: int, mesh: Mesh
     heap = [(0, 0, next(counter), src)]
     done: set[TensorSpec] = set()
     while heap:
-        qcost, num_steps, _, spec = heapq.heappop(heap)
+        _, num_steps, _, spec = heapq.heappop(heap)
         if spec in done:
             continue
         done.add(spec)
-        if spec == dst:
-            break
         for edge in graph[spec]:
             if edge.dst in done:
                 continue
@@ -367,10 +372,13 @@ def _dijkstra(src: TensorSpec, dst: TensorSpec, shape, itemsize: int, mesh: Mesh
                 exact[edge.dst] = cost
                 prev[edge.dst] = (spec, edge)
                 heapq.heappush(heap, (key[0], key[1], next(counter), edge.dst))
-    if dst not in done:
-        # Cannot happen for valid specs (every layout reaches R and R reaches every layout);
-        # kept as an internal invariant rather than a user error.
-        raise AssertionError(f"no conversion from {src} to {dst} for shape {shape} on {mesh}")
+    return prev
+
+
+def _dijkstra(src: TensorSpec, dst: TensorSpec, shape, itemsize: int, mesh: MeshSpec) -> Conversion:
+    prev = _shortest_tree(src, shape, itemsize, mesh)
+    # Every layout reaches R and R reaches every layout, so a valid dst is always in the tree.
+    assert dst == src or dst in prev, (src, dst, shape, mesh)
     edges = []
     spec = dst
     while spec != src:
