@@ -53,7 +53,7 @@ from .registry import (
 )
 
 # Rule families, imported for their registrations.
-_FAMILIES = ("_matmul",)
+_FAMILIES = ("_matmul", "_pointwise")
 for _name in _FAMILIES:
     importlib.import_module(f"{__name__}.{_name}")
 

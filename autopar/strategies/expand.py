@@ -101,16 +101,19 @@ def _normalise(info: OpInfo, opt: AxisOption) -> AxisOption:
         if (s.meta is None) != (p is None):
             raise ValueError(f"rule for {info.where()}: slot {s.arg} needs a placement iff it is a tensor")
     active = not opt.is_replicate()
+    # Gradients flow only if some output is differentiable (comparisons have none).
+    differentiable = any(m is not None and m.is_float for m in info.outputs)
     work = active if opt.work_split is None else opt.work_split
     if opt.grad_partial is None:
         # A replicated input read by a computation split over this axis only contributes to the
         # local piece of the output, so its local gradient is a partial sum (Megatron's "f").
         gp = tuple(
-            active and s.meta is not None and s.meta.is_float and isinstance(p, Replicate)
+            active and differentiable and s.meta is not None and s.meta.is_float and isinstance(p, Replicate)
             for s, p in zip(info.slots, opt.inputs)
         )
     else:
-        gp = tuple(g and s.meta is not None and s.meta.is_float for g, s in zip(opt.grad_partial, info.slots))
+        gp = tuple(g and differentiable and s.meta is not None and s.meta.is_float
+                   for g, s in zip(opt.grad_partial, info.slots))
     return AxisOption(opt.inputs, opt.outputs, gp, work, opt.kernel)
 
 
