@@ -35,7 +35,8 @@ def _worker(rank, world_size, sizes, repeats):
     profile = _profile_in_group((world_size,), "cpu", sizes, repeats, verbose=False)
     device_mesh = init_device_mesh("cpu", (world_size,))
     held_out = measure_axis(device_mesh, 0, sizes, device="cpu", repeats=repeats)
-    return profile.mesh, held_out
+    in_sample = [profile.predicted(t) / t.seconds for t in profile.timings]
+    return profile.mesh, held_out, statistics.median(in_sample)
 
 
 def main(argv=None) -> int:
@@ -50,7 +51,7 @@ def main(argv=None) -> int:
         raise ValueError(f"--procs must be >= 2 to communicate, got {args.procs}")
 
     start = time.perf_counter()
-    mesh, timings = run_local(_worker, args.procs, args.sizes, args.repeats)[0]
+    mesh, timings, in_sample = run_local(_worker, args.procs, args.sizes, args.repeats)[0]
     elapsed = time.perf_counter() - start
     print(f"fresh profile ({args.procs} gloo processes): alpha {mesh.alpha[0] * 1e6:.1f} us, "
           f"beta {mesh.beta[0] * 1e9:.3f} ns/B ({1 / mesh.beta[0] / 1e9:.2f} GB/s), "
@@ -69,7 +70,8 @@ def main(argv=None) -> int:
     for kind, values in ratios.items():
         print(f"median ratio {kind:<15}{statistics.median(values):6.2f}")
     overall = statistics.median(r for values in ratios.values() for r in values)
-    print(f"median ratio (all collectives, predicted/measured): {overall:.2f}")
+    print(f"median ratio (all collectives, predicted/measured): {overall:.2f} held out; "
+          f"{in_sample:.2f} on the points the fit came from")
     if args.jsonl:
         with args.jsonl.open("a") as f:
             for row in rows:

@@ -6,8 +6,9 @@ gloo/NCCL processes (``autopar.runtime.launch.run_local``). For every mesh axis 
 builds the per-axis groups with ``torch.distributed.device_mesh.init_device_mesh`` and times
 all-reduce, all-gather, reduce-scatter and all-to-all (the same torch.distributed calls that
 ``autopar.runtime.comm`` issues) over a range of full-tensor sizes: a barrier before each call,
-device synchronisation after it on CUDA, the median of ``repeats`` calls, and the slowest rank's
-median (a collective finishes when its last rank does).
+device synchronisation after it on CUDA, ``repeats`` rounds over all (collective, size) points
+(round-robin, so a burst of outside load spreads over every point), the median per point, and
+the slowest rank's median (a collective finishes when its last rank does).
 
 The fit: per axis, one ``alpha`` and one ``beta`` over *all four* collectives, by least squares
 against the ring model of ``autopar.cost`` (``t = alpha + beta * nbytes * f(kind, n)``) on log
@@ -191,25 +192,25 @@ def _op(kind: str, nbytes: int, n: int, group, device: torch.device):
     raise ValueError(f"unknown collective {kind!r}; expected one of {KINDS}")
 
 
+def _timed(op, group, device: torch.device) -> float:
+    """One sample: ranks enter together (barrier), the clock stops when the device is done."""
+    dist.barrier(group=group)
+    _sync(device)
+    start = time.perf_counter()
+    op()
+    _sync(device)
+    return time.perf_counter() - start
+
+
 def time_collective(kind: str, nbytes: int, group, *, device: torch.device | str = "cpu",
                     repeats: int = 5) -> float:
     """This rank's median seconds of ``kind`` on ``group`` (one untimed warm-up call first)."""
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     device = torch.device(device)
-    n = dist.get_world_size(group)
-    op = _op(kind, nbytes, n, group, device)
+    op = _op(kind, nbytes, dist.get_world_size(group), group, device)
     op()
-    _sync(device)
-    samples = []
-    for _ in range(repeats):
-        dist.barrier(group=group)
-        _sync(device)
-        start = time.perf_counter()
-        op()
-        _sync(device)
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
+    return statistics.median(_timed(op, group, device) for _ in range(repeats))
 
 
 def _reduce_max(values: list[float], device: torch.device, op=dist.ReduceOp.MAX) -> list[float]:
@@ -224,16 +225,27 @@ def measure_axis(device_mesh, axis: int, sizes: Sequence[int], *, device: torch.
 
     Collective over all ranks; every rank returns the same list (slowest rank's medians).
     """
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
     device = torch.device(device)
     group = device_mesh.get_group(axis)
     n = device_mesh.shape[axis]
-    local = []
-    for kind in kinds:
-        for nbytes in sizes:
-            local.append(time_collective(kind, int(nbytes), group, device=device, repeats=repeats))
+    points = [(k, int(s)) for k in kinds for s in sizes]
+    ops = [_op(k, s, n, group, device) for k, s in points]
+    for op in ops:  # warm-up: connections, allocator, first-touch pages
+        op()
+    # Round-robin over the points: a burst of load from elsewhere then spreads over all points
+    # instead of spoiling most repeats of a few of them.
+    samples: list[list[float]] = [[] for _ in points]
+    for r in range(repeats):
+        if verbose and dist.get_rank() == 0:
+            print(f"[profile-mesh] axis {axis} (n={n}): round {r + 1}/{repeats} of {len(points)} "
+                  f"collectives ({', '.join(kinds)})", flush=True)
+        for op, mine in zip(ops, samples):
+            mine.append(_timed(op, group, device))
+    local = [statistics.median(mine) for mine in samples]
     slowest = _reduce_max(local, device)
-    points = [(k, s) for k in kinds for s in sizes]
-    out = [Timing(axis, k, int(s), t) for (k, s), t in zip(points, slowest)]
+    out = [Timing(axis, k, s, t) for (k, s), t in zip(points, slowest)]
     if verbose and dist.get_rank() == 0:
         for timing in out:
             print(f"[profile-mesh] n={n} {timing}", flush=True)
