@@ -86,11 +86,16 @@ class ReshardStep:
     dst_dim: int | None = None  # split, all_to_all, reduce_scatter
 
     def __post_init__(self) -> None:
-        assert self.kind in STEP_KINDS, self.kind
+        if self.kind not in STEP_KINDS:
+            raise ValueError(f"unknown reshard step kind {self.kind!r}; expected one of {STEP_KINDS}")
         needs_src = self.kind in ("all_gather", "all_to_all")
         needs_dst = self.kind in ("split", "all_to_all", "reduce_scatter")
-        assert (self.src_dim is not None) == needs_src, self
-        assert (self.dst_dim is not None) == needs_dst, self
+        if (self.src_dim is not None) != needs_src or (self.dst_dim is not None) != needs_dst:
+            raise ValueError(
+                f"reshard step {self.kind} on axis {self.axis} got src_dim={self.src_dim}, "
+                f"dst_dim={self.dst_dim}; it needs "
+                f"{'src_dim' if needs_src else 'no src_dim'} and {'dst_dim' if needs_dst else 'no dst_dim'}"
+            )
 
     def __str__(self) -> str:
         dims = ""
@@ -199,8 +204,6 @@ def valid_specs(shape: tuple[int, ...], mesh_shape: tuple[int, ...]) -> tuple[Te
 def _candidate_steps(spec: TensorSpec, num_dims: int, mesh_shape) -> list[ReshardStep]:
     steps = []
     for axis, p in enumerate(spec.placements):
-        if mesh_shape[axis] == 1:
-            continue  # nothing moves on a trivial axis; its placement is free (and never changes)
         if isinstance(p, Shard):
             steps.append(ReshardStep("all_gather", axis, src_dim=p.dim))
             steps += [ReshardStep("all_to_all", axis, src_dim=p.dim, dst_dim=d)

@@ -321,6 +321,23 @@ def test_partial_source_must_reduce_first():
     assert set(STEP_KINDS) == {"all_gather", "split", "all_to_all", "all_reduce", "reduce_scatter", "to_partial"}
 
 
+def test_trivial_mesh_axis_costs_nothing_and_stays_reachable():
+    mesh = MeshSpec.preset("cpu", (1, 4))
+    shape = (8, 8)
+    conv = plan_conversion("S0S1", "RS1", shape, 4, mesh)
+    assert [str(s) for s in conv.steps] == ["all_gather[axis0] S0"] and conv.total_s == 0.0
+    for src in valid_specs(shape, mesh.shape):
+        for dst in valid_specs(shape, mesh.shape):
+            assert plan_conversion(src, dst, shape, 4, mesh).specs[-1] == dst
+
+
+def test_step_records_reject_bad_fields():
+    with pytest.raises(ValueError, match="'gather'"):
+        ReshardStep("gather", 0, src_dim=0)
+    with pytest.raises(ValueError, match="split on axis 1 got src_dim=0, dst_dim=None"):
+        ReshardStep("split", 1, src_dim=0)
+
+
 def test_large_mesh_all_pairs_fast_and_cached():
     mesh = MeshSpec.preset("h100-80gb", (8, 8))
     shape = (64, 128, 256)
