@@ -56,6 +56,12 @@ class Placeholder:
         return f"{self.kind} {self.fqn}{alias}: {dtype}{list(self.shape)} [{self.name}]"
 
 
+def keyword_path(path: tuple) -> str:
+    """'input_ids' / "x['a'][0]" for a pytree key path into a keyword-input dict."""
+    head = getattr(path[0], "key", path[0])
+    return str(head) + pytree.keystr(path[1:])
+
+
 def tensor_vals(val: Any) -> list[torch.Tensor]:
     """The tensors inside a node's ``meta["val"]`` (which may be a tuple or list)."""
     return [v for v in pytree.tree_leaves(val) if isinstance(v, torch.Tensor)]
@@ -132,6 +138,29 @@ class TracedGraph:
             return self._by_fqn[fqn]
         except KeyError:
             raise KeyError(f"{fqn!r} is not a parameter, buffer or input of {self.model_name}") from None
+
+    def bind(self, model: torch.nn.Module, inputs: dict) -> list[Any]:
+        """Real values for ``gm``'s placeholders, in order: the model's parameters and buffers
+        (by FQN) and ``inputs`` (the keyword dict given to :func:`trace`; non-tensor values
+        are taken from the dict too)."""
+        state = {**dict(model.named_parameters(remove_duplicate=False)),
+                 **dict(model.named_buffers(remove_duplicate=False))}
+        leaves = {keyword_path(path): value for path, value in
+                  pytree.tree_flatten_with_path(dict(inputs))[0]}
+        values = []
+        for p in self.placeholders:
+            if p.kind in (PARAMETER, BUFFER):
+                values.append(state[p.fqn])
+            elif p.fqn in self.constants:
+                values.append(self.constants[p.fqn])
+            elif p.fqn in leaves:
+                values.append(leaves[p.fqn])
+            elif p.kind == CONSTANT:
+                values.append(self.node(p.name).meta.get("val"))
+            else:
+                raise KeyError(f"input {p.fqn!r} of {self.model_name} is missing; "
+                               f"given: {sorted(leaves)}")
+        return values
 
     @property
     def num_params(self) -> int:

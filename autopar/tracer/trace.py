@@ -27,7 +27,7 @@ from torch.export.graph_signature import InputKind
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from .graph import (BUFFER, CONSTANT, INPUT, MODULE_KEY, PARAMETER, PLACEHOLDER_KEY, Placeholder,
-                    TracedGraph)
+                    TracedGraph, keyword_path)
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _AUTOPAR_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -276,7 +276,7 @@ def _keystr(path) -> str:
     """'input_ids' for a keyword input, 'args[0]' for a positional one (path[0] picks which)."""
     if getattr(path[0], "idx", 1) == 0:
         return "args" + pytree.keystr(path[1:])
-    return str(getattr(path[1], "key", path[1])) + pytree.keystr(path[2:])
+    return keyword_path(path[1:])
 
 
 def _module_path(node: fx.Node) -> str:
