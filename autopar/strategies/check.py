@@ -166,6 +166,14 @@ def _slot_values(bound: dict[str, Any]) -> list[Any]:
     return vals
 
 
+def _slot_names(bound: dict[str, Any]) -> list[str]:
+    names = []
+    for k, v in bound.items():
+        items = v if isinstance(v, (list, tuple)) else (v,)
+        names.extend(k for x in items if isinstance(x, torch.Tensor))
+    return names
+
+
 def _replace_slots(bound: dict[str, Any], new: list[Any]) -> dict[str, Any]:
     it = iter(new)
     out = {}
@@ -187,7 +195,9 @@ def reference(target: Any, sample: Sample, *, seed: int = 0) -> tuple[OpInfo, _R
     """The unsharded op on the sample, with a random output gradient and input gradients."""
     gen = torch.Generator().manual_seed(seed)
     bound = bind(target, sample.args, sample.kwargs)
-    leaves = [t.detach().clone().requires_grad_(t.is_floating_point()) for t in _slot_values(bound)]
+    needs_grad = [n not in sample.no_grad for n in _slot_names(bound)]
+    leaves = [t.detach().clone().requires_grad_(t.is_floating_point() and g)
+              for t, g in zip(_slot_values(bound), needs_grad)]
     bound = _replace_slots(bound, leaves)
     outs = _as_list(call_op(target, bound))
     grads = [torch.randn(o.shape, dtype=o.dtype, generator=gen)
@@ -247,7 +257,7 @@ def check_strategy(target: Any, sample: Sample, strategy: Strategy, mesh_shape: 
 
     def rank(comm) -> tuple[list, list]:
         coord = comm.coord
-        leaves = [t.clone().requires_grad_(t.is_floating_point()) for t in locals_by_coord[coord]]
+        leaves = [t.clone().requires_grad_(r.requires_grad) for t, r in zip(locals_by_coord[coord], values)]
         bound = _replace_slots(ref.bound, leaves)
         if kernel is None:
             outs = _as_list(call_op(target, bound))

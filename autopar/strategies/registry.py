@@ -361,6 +361,7 @@ class Sample:
     args: tuple
     kwargs: dict = field(default_factory=dict)
     label: str = ""
+    no_grad: tuple[str, ...] = ()  # float inputs that take no gradient (e.g. a loss's class weight)
 
 
 # -------------------------------------------------------------------------------- registry

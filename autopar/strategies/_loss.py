@@ -1,0 +1,131 @@
+"""Cross-entropy loss with class-index targets.
+
+``self`` (N, C, d1..dk) or (N, C), ``target`` (N, d1..dk) of class ids; the "sample" dims are
+``self``'s dims other than the class dim 1. Single-axis options:
+
+- split a sample dim (``target`` follows):
+  - ``reduction="none"``: same op on local shards, per-sample output split likewise;
+  - ``reduction="sum"``: same op on local shards, ``Partial`` output (a sum of local sums);
+  - ``reduction="mean"``: ``Partial`` output via kernel ``cross_entropy``: the local SUM divided
+    by the GLOBAL denominator (number of targets != ``ignore_index``, or the sum of their class
+    weights), which is all-reduced over the split axes -- a mean of local means would be wrong
+    as soon as ranks hold different numbers of ignored targets;
+- split the class dim (no class ``weight``): kernel ``cross_entropy``: the log-sum-exp from
+  max/sum all-reduces, the target logit picked by the rank that owns it and all-reduced, the
+  label-smoothing term from an all-reduced logit sum; the output is replicated over the class
+  axes (with ``Partial``/split over any sample axes, as above).
+
+Probability (float) targets get only the replicated strategy.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..cost import collective_seconds
+from ..spec import Partial, Replicate, Shard
+from .comm import KernelContext
+from .registry import AxisOption, OpInfo, Sample, register, register_kernel
+from .samples import ints, rand
+
+aten = torch.ops.aten
+R, P = Replicate(), Partial()
+_NONE, _MEAN, _SUM = 0, 1, 2  # at::Reduction
+
+
+def _ce_comm(info: OpInfo, input_specs, output_specs, mesh) -> tuple[float, float]:
+    x, spec = info.input("self"), input_specs[0]
+    class_axes = spec.shard_axes(1)
+    sample_axes = tuple(a for a, p in enumerate(spec.placements) if isinstance(p, Shard) and p.dim != 1)
+    local = spec.local_shape(x.shape, mesh.shape)
+    per_sample = math.prod(local) // local[1] * x.itemsize
+    fwd = 0.0
+    if class_axes:
+        num = 4 if info.arg("label_smoothing") else 3  # max, sum-exp, target logit (+ logit sum)
+        fwd += num * collective_seconds("all_reduce", per_sample, mesh, class_axes)
+    if sample_axes and info.arg("reduction") == _MEAN:
+        fwd += collective_seconds("all_reduce", x.itemsize, mesh, sample_axes)
+    return fwd, 0.0  # the all-reduces' backward is the identity
+
+
+@register_kernel("cross_entropy", comm_cost=_ce_comm)
+def cross_entropy(ctx: KernelContext, self, target, weight=None, reduction=_MEAN, ignore_index=-100,
+                  label_smoothing=0.0):
+    spec = ctx.spec("self")
+    class_axes = spec.shard_axes(1)
+    sample_axes = tuple(a for a, p in enumerate(spec.placements) if isinstance(p, Shard) and p.dim != 1)
+    valid = target != ignore_index
+    if class_axes:
+        loss = _class_parallel_loss(ctx, self, target, valid, class_axes, ignore_index, label_smoothing)
+        if reduction == _NONE:
+            return loss
+        total = loss.sum()
+    else:
+        total = aten.cross_entropy_loss.default(self, target, weight, _SUM, ignore_index, label_smoothing)
+        if reduction != _MEAN:
+            return total
+    if reduction == _SUM:
+        return total
+    if weight is None:
+        denom = valid.sum().to(self.dtype)
+    else:
+        denom = (weight[target.masked_fill(~valid, 0)] * valid).sum()
+    return total / ctx.comm.all_reduce(denom.detach(), sample_axes)
+
+
+def _class_parallel_loss(ctx: KernelContext, x, target, valid, class_axes, ignore_index, label_smoothing):
+    comm = ctx.comm
+    lo, hi = ctx.local_range("self", 1)
+    num_classes = ctx.info.input("self").shape[1]
+    # Max for stability only: constant for autograd, the softmax gradient is exact without it.
+    m = comm.all_reduce(x.detach().amax(1, keepdim=True), class_axes, "max")
+    sum_exp = comm.all_reduce((x - m).exp().sum(1, keepdim=True), class_axes)
+    lse = (m + sum_exp.log()).squeeze(1)
+    mine = valid & (target >= lo) & (target < hi)
+    local_t = (target - lo).masked_fill(~mine, 0)
+    picked = x.gather(1, local_t.unsqueeze(1)).squeeze(1) * mine
+    loss = lse - comm.all_reduce(picked, class_axes)
+    if label_smoothing:
+        logit_sum = comm.all_reduce(x.sum(1), class_axes)
+        loss = (1 - label_smoothing) * loss + label_smoothing * (lse - logit_sum / num_classes)
+    return torch.where(valid, loss, torch.zeros_like(loss))
+
+
+def _ce_samples() -> list[Sample]:
+    t = ints(16, 8)
+    t[1] = -100
+    t[6] = -100  # ignored targets on different ranks: the denominators differ per rank
+    t3 = ints(16, 4, 4)
+    t3[0, 1] = 5
+    t3[0, 2] = 5
+    return [
+        Sample((rand(8, 16), t), label="mean-ignore"),
+        Sample((rand(8, 16), t, None, _SUM), label="sum"),
+        Sample((rand(8, 16), t, None, _NONE), label="none"),
+        Sample((rand(8, 16), t, None, _MEAN, -100, 0.1), label="mean-smoothing"),
+        Sample((rand(8, 16), t, rand(16, positive=True), _MEAN, -100, 0.1), label="mean-weight",
+               no_grad=("weight",)),
+        Sample((rand(4, 16, 4), t3, None, _MEAN, 5), label="kdim-ignore5"),
+    ]
+
+
+@register(aten.cross_entropy_loss.default, samples=_ce_samples)
+def _cross_entropy(info: OpInfo) -> list[AxisOption]:
+    x, target = info.input("self"), info.input("target")
+    if x.ndim < 2 or target.is_float:
+        return []
+    reduction = info.arg("reduction")
+    options = []
+    for d in [0, *range(2, x.ndim)]:
+        t_dim = d if d == 0 else d - 1
+        if reduction == _NONE:
+            options.append(info.option(Shard(t_dim), self=Shard(d), target=Shard(t_dim), grad_partial=()))
+        else:
+            kernel = "cross_entropy" if reduction == _MEAN else None
+            options.append(info.option(P, self=Shard(d), target=Shard(t_dim), kernel=kernel, grad_partial=()))
+    # The class weight takes no gradient (nll_loss is not differentiable in it): grad_partial=().
+    if info.input("weight") is None:
+        options.append(info.option(R, self=Shard(1), kernel="cross_entropy"))
+    return options
