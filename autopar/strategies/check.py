@@ -273,11 +273,17 @@ def check_strategy(target: Any, sample: Sample, strategy: Strategy, mesh_shape: 
         grads = [t.grad if t.requires_grad else None for t in leaves]
         return [o.detach() if isinstance(o, torch.Tensor) else o for o in outs], grads
 
-    if kernel is None:
-        # The plain op never communicates: run the ranks one after the other.
-        results = {c: rank(SimComm(SimWorld(mesh_shape), c)) for c in coords}
-    else:
-        results = run_spmd(rank, mesh_shape)
+    try:
+        if kernel is None:
+            # The plain op never communicates: run the ranks one after the other.
+            results = {c: rank(SimComm(SimWorld(mesh_shape), c)) for c in coords}
+        else:
+            results = run_spmd(rank, mesh_shape)
+    except Exception as exc:  # the local op cannot even run on these shards
+        raise StrategyMismatch(
+            f"{info.target} strategy {strategy.name!r} on mesh {mesh_shape} (sample {sample.label or '-'}): "
+            f"the local op failed: {type(exc).__name__}: {exc}"
+        ) from exc
     problems = []
     for j, (ref_out, spec) in enumerate(zip(ref.outputs, out_specs)):
         if not isinstance(ref_out, torch.Tensor):

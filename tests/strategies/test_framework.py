@@ -1,0 +1,176 @@
+"""The framework: the harness catches wrong strategies, errors name the op, expansion and costs."""
+
+import dataclasses
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from autopar.cost import collective_seconds
+from autopar.mesh import MeshSpec
+from autopar.spec import TensorSpec
+from autopar.strategies import (
+    NoRuleError, OpInfo, Sample, enumerate_strategies, estimate_flops, get_rule, input_nodes,
+    strategies_for,
+)
+from autopar.strategies.check import StrategyMismatch, check_strategy, reference, run_spmd
+from autopar.strategies.samples import ints, rand
+
+aten = torch.ops.aten
+
+
+def _strategies(target, sample, shape, flops=(0.0, 0.0)):
+    info, _ = reference(target, sample)
+    return {s.name: s for s in enumerate_strategies(info, MeshSpec.preset("cpu", shape), flops=flops)}
+
+
+def _wrong(strategy, **changes):
+    return dataclasses.replace(strategy, **changes)
+
+
+# ------------------------------------------------------------------ the harness can fail
+def test_harness_rejects_a_wrong_output_layout():
+    sample = Sample((rand(8, 4), rand(4, 8)))
+    good = _strategies(aten.mm.default, sample, (4,))["S1 x S0 -> P"]
+    bad = _wrong(good, output_spec=TensorSpec.parse("R"))  # forgot the pending sum
+    check_strategy(aten.mm.default, sample, good, (4,))
+    with pytest.raises(StrategyMismatch, match="output 0"):
+        check_strategy(aten.mm.default, sample, bad, (4,))
+
+
+def test_harness_rejects_a_missing_gradient_all_reduce():
+    sample = Sample((rand(4, 8), rand(4, 8), rand(4)))
+    good = _strategies(aten.linear.default, sample, (4,))["S0 x R x R -> S0"]
+    assert good.grad_partial_axes == ((), (0,), (0,))
+    bad = _wrong(good, grad_partial_axes=((), (), ()))
+    with pytest.raises(StrategyMismatch, match="gradient of input 1"):
+        check_strategy(aten.linear.default, sample, bad, (4,))
+
+
+def test_harness_rejects_the_plain_op_where_a_kernel_is_needed():
+    ce = get_rule(aten.cross_entropy_loss.default).samples()[0]  # mean with ignored targets
+    mean = _strategies(aten.cross_entropy_loss.default, ce, (4,))["S0 x S0 -> P"]
+    assert mean.kernel == "cross_entropy"
+    with pytest.raises(StrategyMismatch):  # a mean of local means
+        check_strategy(aten.cross_entropy_loss.default, ce, _wrong(mean, kernel=None), (4,))
+    emb = Sample((rand(16, 8), ints(16, 4, 8)))
+    vocab = _strategies(aten.embedding.default, emb, (4,))["S0 x R -> P"]
+    assert vocab.kernel == "vocab_parallel_embedding"
+    with pytest.raises(StrategyMismatch):
+        check_strategy(aten.embedding.default, emb, _wrong(vocab, kernel=None), (4,))
+
+
+def test_simulated_rank_failure_is_reported_not_hung():
+    def fn(comm):
+        if comm.coordinate(0) == 1:
+            raise ValueError("boom")
+        return comm.all_reduce(torch.ones(2), 0)
+
+    with pytest.raises(RuntimeError, match=r"rank \(1,\).*boom"):
+        run_spmd(fn, (2,))
+
+
+def test_simulated_all_reduce_sums_over_the_axis_group_only():
+    out = run_spmd(lambda c: c.all_reduce(torch.tensor([float(c.coordinate(0) * 10 + c.coordinate(1))]), 1), (2, 2))
+    assert out[(0, 0)].item() == out[(0, 1)].item() == 1.0
+    assert out[(1, 0)].item() == 21.0
+
+
+# ------------------------------------------------------------------------- expansion
+def test_expansion_prunes_uneven_splits_and_names_strategies():
+    names = _strategies(aten.mm.default, Sample((rand(6, 8), rand(8, 8))), (4,))
+    assert "S0 x R -> S0" not in names  # 6 rows do not split over 4
+    assert {"R x R -> R", "R x S1 -> S1", "S1 x S0 -> P", "P x R -> P", "R x P -> P"} <= set(names)
+    two = _strategies(aten.mm.default, Sample((rand(8, 8), rand(8, 8))), (2, 2))
+    assert {"S0S0 x RR -> S0S0", "S0R x RS1 -> S0S1", "S1S1 x S0S0 -> PP"} <= set(two)
+    assert len(two) == len(set(two))
+
+
+def test_size_one_axis_adds_no_strategies():
+    sample = Sample((rand(8, 8), rand(8, 8)))
+    assert len(_strategies(aten.mm.default, sample, (1, 4))) == len(_strategies(aten.mm.default, sample, (4,)))
+
+
+# ----------------------------------------------------------------------------- costs
+def test_costs_follow_the_split():
+    sample = Sample((rand(64, 32), rand(16, 32), rand(16)))
+    info, _ = reference(aten.linear.default, sample)
+    fwd, bwd = estimate_flops(info)
+    assert fwd == 2 * 64 * 32 * 16 and bwd == 2 * fwd
+    mesh = MeshSpec.preset("cpu", (4,))
+    by_name = {s.name: s for s in enumerate_strategies(info, mesh)}
+    rep, dp = by_name["R x R x R -> R"], by_name["S0 x R x R -> S0"]
+    col, row = by_name["R x S0 x S0 -> S1"], by_name["S1 x S1 x P -> P"]
+    assert col.compute_s < rep.compute_s and dp.compute_s < rep.compute_s
+    assert rep.comm_s == 0 and row.comm_s == 0
+    # Data parallel: the replicated weight and bias gradients are all-reduced in backward.
+    assert dp.comm_s == pytest.approx(collective_seconds("all_reduce", 16 * 32 * 8, mesh, 0)
+                                      + collective_seconds("all_reduce", 16 * 8, mesh, 0))
+    # Column parallel: the replicated input's gradient is partial.
+    assert col.grad_partial_axes == ((0,), (), ())
+    assert col.output_bytes == 64 * 4 * 8 and col.input_bytes == (64 * 32 * 8, 4 * 32 * 8, 4 * 8)
+
+
+def test_class_parallel_cross_entropy_pays_for_its_all_reduces():
+    sample = get_rule(aten.cross_entropy_loss.default).samples()[0]
+    st = _strategies(aten.cross_entropy_loss.default, sample, (4,))["S1 x R -> R"]
+    assert st.kernel == "cross_entropy" and st.forward_comm_s > 0
+
+
+# ------------------------------------------------------------------- fx nodes, errors
+class _Inner(nn.Module):
+    def forward(self, x):
+        return torch.cumsum(x, 0)
+
+
+class _Outer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+        self.inner = _Inner()
+
+    def forward(self, x):
+        return self.inner(self.proj(x))
+
+
+@pytest.fixture(scope="module")
+def exported():
+    return torch.export.export(_Outer(), (torch.randn(4, 8),), strict=False).graph
+
+
+def test_missing_rule_names_op_node_and_module(exported):
+    node = next(n for n in exported.nodes if n.target == aten.cumsum.default)
+    mesh = MeshSpec.preset("cpu", (2,))
+    with pytest.raises(NoRuleError, match=r"aten\.cumsum\.default.*node 'cumsum'.*module inner"):
+        strategies_for(node, mesh)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        (only,) = strategies_for(node, mesh, allow_replicate_fallback=True)
+    assert only.is_fallback and only.output_spec.is_replicated() and "cumsum" in str(caught[0].message)
+
+
+def test_node_inputs_line_up_with_input_specs(exported):
+    node = next(n for n in exported.nodes if n.target == aten.linear.default)
+    info = OpInfo.from_node(node)
+    assert [n.name for n in input_nodes(node)] == ["x", "p_proj_weight", "p_proj_bias"]
+    assert [s.arg for s in info.slots] == ["input", "weight", "bias"]
+    assert info.module_path == "proj"
+    names = {s.name for s in strategies_for(node, MeshSpec.preset("cpu", (2,)))}
+    assert "R x S0 x S0 -> S1" in names
+
+
+def test_every_covered_node_of_tiny_gpt2_gets_strategies():
+    from autopar import zoo
+
+    model, inputs = zoo.build("gpt2", tiny=True)
+    graph = torch.export.export(model, (), inputs, strict=False).graph
+    mesh = MeshSpec.preset("cpu", (2, 2))
+    covered = [n for n in graph.nodes if n.op == "call_function" and get_rule(n.target) is not None]
+    targets = {str(n.target) for n in covered}
+    assert {"aten.linear.default", "aten.addmm.default", "aten.embedding.default", "aten.layer_norm.default",
+            "aten.scaled_dot_product_attention.default", "aten.cross_entropy_loss.default"} <= targets
+    for node in covered:
+        strategies = strategies_for(node, mesh)
+        assert any(not st.output_specs[0].is_replicated() for st in strategies), node.format_node()
+        assert all(st.compute_s > 0 for st in strategies)
