@@ -74,13 +74,18 @@ def trace(model: nn.Module, meta_inputs: tuple | dict, *, name: str | None = Non
                          f"got {type(meta_inputs).__name__}")
     model_name = name or type(model).__name__
     device = _model_device(model, meta_inputs)
+    if device.type == "meta":
+        # Trace as on a real device: meta kernels pick other code paths than real ones (math
+        # attention instead of the fused kernel, hence other strides and extra copies).
+        device = torch.device("cpu")
     fake_mode = FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True)
     kwargs = _as_kwargs(model, meta_inputs)
     tensors = {k: v for k, v in kwargs.items() if _has_tensor(v)}
     constants = {k: v for k, v in kwargs.items() if k not in tensors}
     fake = {k: pytree.tree_map(lambda v: _to_fake(v, fake_mode, device), v)
             for k, v in tensors.items()}
-    ep = _export(model, fake, constants, model_name)
+    with _fake_state(model, fake_mode, device):
+        ep = _export(model, fake, constants, model_name)
     return _build(model, ep, model_name)
 
 
@@ -122,6 +127,33 @@ def _to_fake(value: Any, fake_mode: FakeTensorMode, device: torch.device) -> Any
     with fake_mode:  # empty_strided under fake mode allocates nothing
         return torch.empty_strided(tuple(value.shape), tuple(value.stride()), dtype=value.dtype,
                                    device=device)
+
+
+@contextlib.contextmanager
+def _fake_state(model: nn.Module, fake_mode: FakeTensorMode, device: torch.device):
+    """Temporarily replace every parameter and buffer by a fake tensor on ``device``.
+
+    Tied tensors stay tied (one fake per original tensor); the originals are put back after.
+    """
+    fakes: dict[int, torch.Tensor] = {}
+    saved: list[tuple[dict, str, Any]] = []
+    for module in model.modules():
+        for table, is_param in ((module._parameters, True), (module._buffers, False)):
+            for key, tensor in list(table.items()):
+                if tensor is None:
+                    continue
+                if id(tensor) not in fakes:
+                    fake = _to_fake(tensor, fake_mode, device)
+                    if is_param:
+                        fake = nn.Parameter(fake, requires_grad=tensor.requires_grad)
+                    fakes[id(tensor)] = fake
+                saved.append((table, key, tensor))
+                table[key] = fakes[id(tensor)]
+    try:
+        yield
+    finally:
+        for table, key, tensor in saved:
+            table[key] = tensor
 
 
 # ---- export with diagnosis ----------------------------------------------------------------------
