@@ -18,11 +18,11 @@ from __future__ import annotations
 import string
 from typing import Sequence
 
+import torch
+
 from ..spec import Partial, Replicate, Shard
 from .registry import AxisOption, OpInfo, Sample, register
 from .samples import rand
-
-import torch
 
 aten = torch.ops.aten
 R, P = Replicate(), Partial()

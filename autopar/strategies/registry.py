@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 import torch.fx
 
-from ..spec import Partial, Placement, Replicate, Shard, TensorSpec
+from ..spec import Partial, Placement, Replicate, TensorSpec
 
 __all__ = [
     "TensorMeta", "InputSlot", "OpInfo", "AxisOption", "Strategy", "RuleEntry", "LocalKernel",
