@@ -56,6 +56,8 @@ DEFAULT_SIZES = {
     "cuda": [1 * MiB, 4 * MiB, 16 * MiB, 64 * MiB, 256 * MiB],
 }
 _ITEMSIZE = 4  # float32 buffers
+# Smallest share of the largest call's fitted time that bandwidth must explain for a usable beta.
+MIN_BANDWIDTH_SHARE = 0.05
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,6 +119,8 @@ def fit_alpha_beta(points: Sequence[tuple[float, float]], *, iterations: int = 1
     ``x = nbytes * ring_factor(kind, n)``, ``t`` measured seconds. Log residuals weigh a 2x
     over-prediction like a 2x under-prediction and small calls like large ones; fitting
     ``log alpha`` and ``log beta`` (Levenberg-Marquardt) keeps both strictly positive.
+    ``ValueError`` when the sizes are too small for bandwidth to show (see
+    ``MIN_BANDWIDTH_SHARE``).
     """
     pts = [(float(x), float(t)) for x, t in points]
     if len(pts) < 2 or any(not t > 0 or not x >= 0 for x, t in pts):
@@ -164,7 +168,17 @@ def fit_alpha_beta(points: Sequence[tuple[float, float]], *, iterations: int = 1
         damping = max(damping / 10, 1e-9)
         if improvement <= 1e-14 * max(current, 1e-30) and abs(dp) + abs(dq) < 1e-10:
             break
-    return math.exp(p), math.exp(q)
+    alpha, beta = math.exp(p), math.exp(q)
+    # If even the largest call is (nearly) all latency, the data do not determine beta: a tiny
+    # fitted beta would tell the planner that bandwidth is free. Refuse rather than mislead.
+    x_max = max(x for x, _ in pts)
+    share = beta * x_max / (alpha + beta * x_max)
+    if share < MIN_BANDWIDTH_SHARE:
+        raise ValueError(
+            f"timings do not grow with size (bandwidth is {share:.1%} of the largest call's fitted "
+            f"time; alpha {alpha:.3g} s, beta {beta:.3g} s/B): profile larger sizes; points {pts}"
+        )
+    return alpha, beta
 
 
 # --------------------------------------------------------------------------- measurement

@@ -61,6 +61,9 @@ def test_fit_is_symmetric_in_log_space_and_rejects_bad_input():
         fit_alpha_beta([(1.0, 0.0), (2.0, 1.0)])
     with pytest.raises(ValueError, match="distinct sizes"):
         fit_alpha_beta([(5.0, 1.0), (5.0, 2.0)])
+    # Times that do not grow with size (noise at tiny sizes) cannot determine beta.
+    with pytest.raises(ValueError, match="do not grow with size"):
+        fit_alpha_beta([(1e3, 1e-3), (1e4, 0.9e-3), (1e5, 1e-3)])
 
 
 def test_profile_two_gloo_processes_fits_its_timings():
@@ -89,7 +92,7 @@ def test_profile_two_gloo_processes_fits_its_timings():
 def test_profile_inside_an_existing_group_on_a_2x2_mesh():
     # run_local initialises the default group, as torchrun would: profile_mesh must reuse it.
     def worker(rank, world_size):
-        return profile_mesh((2, 2), sizes=[64 * KiB, 1 * MiB], repeats=2)
+        return profile_mesh((2, 2), sizes=[64 * KiB, 4 * MiB], repeats=3)
 
     meshes = run_local(worker, 4)
     assert all(m == meshes[0] for m in meshes)  # every rank returns the same fit
