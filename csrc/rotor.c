@@ -64,10 +64,23 @@ static int read_seq(PyObject *seq, Py_ssize_t n, const char *what, int is_int,
     return 0;
 }
 
+/* row[m] = min(row[m], (acc + right[m]) + left[m]) for m in 0..n-1, strict < keeping the earlier
+ * choice. Branch-free, over distinct rows (restrict), so the compiler vectorises it. */
+static void relax(double *restrict row, int32_t *restrict ch, const double *restrict right,
+                  const double *restrict left, int64_t n, double acc, int32_t j) {
+    for (int64_t m = 0; m < n; m++) {
+        const double v = (acc + right[m]) + left[m];
+        const double cur = row[m];
+        const int better = v < cur;
+        row[m] = better ? v : cur;
+        ch[m] = better ? j : ch[m];
+    }
+}
+
 /* The recurrence; see checkpoint.py's module docstring for its derivation. */
 static void rotor_dp(size_t L, int64_t M, const double *fwd, const double *bwd,
                      const int64_t *A, const int64_t *S, const int64_t *Ft, const int64_t *Bt,
-                     double *cost, int32_t *choice) {
+                     double *cost, int32_t *choice, int64_t *first) {
     const size_t W = (size_t)M + 1;
     for (size_t d = 0; d < L; d++) {
         for (size_t s = 0; s + d < L; s++) {
@@ -98,13 +111,18 @@ static void rotor_dp(size_t L, int64_t M, const double *fwd, const double *bwd,
                 acc += fwd[j - 1];
                 if (j - 1 > s) adv = max64(adv, A[t + 1] + A[j - 1] + A[j] + Ft[j - 1]);
                 const int64_t shift = A[j];
-                const double *right = cost + tri(j, t) * W;
-                const double *left = cost + tri(s, j - 1) * W;
-                for (int64_t m = max64(adv, shift); m <= M; m++) {
-                    const double v = (acc + right[m - shift]) + left[m];
-                    if (v < row[m]) { row[m] = v; ch[m] = (int32_t)j; }
-                }
+                /* Costs are finite exactly from a row's first finite entry on (more memory
+                 * never removes a schedule), so candidates below these bounds are inf. */
+                const int64_t lo = max64(max64(adv, shift),
+                                         max64(first[tri(j, t)] + shift, first[tri(s, j - 1)]));
+                if (lo > M) continue;
+                const double *right = cost + tri(j, t) * W + (lo - shift);
+                const double *left = cost + tri(s, j - 1) * W + lo;
+                relax(row + lo, ch + lo, right, left, M - lo + 1, acc, (int32_t)j);
             }
+            int64_t f = 0;
+            while (f <= M && row[f] == INFINITY) f++;
+            first[tri(s, t)] = f;
         }
     }
 }
@@ -141,6 +159,7 @@ static PyObject *rotor_solve(PyObject *self, PyObject *args) {
     double *bwd = fwd + L;
     int64_t *A = ints, *S = ints + L + 1, *Ft = S + L, *Bt = Ft + L;
     PyObject *cost = NULL, *choice = NULL, *result = NULL;
+    int64_t *first = NULL;
     if (read_seq(o_fwd, L, "fwd", 0, fwd, NULL) || read_seq(o_bwd, L, "bwd", 0, bwd, NULL) ||
         read_seq(o_act, L + 1, "act", 1, NULL, A) || read_seq(o_saved, L, "saved", 1, NULL, S) ||
         read_seq(o_ftmp, L, "fwd_tmp", 1, NULL, Ft) || read_seq(o_btmp, L, "bwd_tmp", 1, NULL, Bt))
@@ -149,13 +168,15 @@ static PyObject *rotor_solve(PyObject *self, PyObject *args) {
     for (Py_ssize_t i = 0; i < 5 * L + 1; i++)
         if (ints[i] > mem + 1) ints[i] = mem + 1;
 
+    first = PyMem_Malloc(sizeof(int64_t) * rows);
+    if (first == NULL) { PyErr_NoMemory(); goto done; }
     cost = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(n * sizeof(double)));
     choice = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(n * sizeof(int32_t)));
     if (cost == NULL || choice == NULL) goto done;
     double *c = (double *)PyBytes_AS_STRING(cost);
     int32_t *ch = (int32_t *)PyBytes_AS_STRING(choice);
     Py_BEGIN_ALLOW_THREADS
-    rotor_dp((size_t)L, (int64_t)mem, fwd, bwd, A, S, Ft, Bt, c, ch);
+    rotor_dp((size_t)L, (int64_t)mem, fwd, bwd, A, S, Ft, Bt, c, ch, first);
     Py_END_ALLOW_THREADS
     result = PyTuple_Pack(2, cost, choice);
 done:
@@ -163,6 +184,7 @@ done:
     Py_XDECREF(choice);
     PyMem_Free(fwd);
     PyMem_Free(ints);
+    PyMem_Free(first);
     return result;
 }
 
@@ -174,9 +196,11 @@ static PyMethodDef rotor_methods[] = {
 };
 
 static struct PyModuleDef rotor_module = {
-    PyModuleDef_HEAD_INIT, "autopar._rotor",
-    "Rotor optimal checkpointing DP (C twin of autopar.solver.checkpoint._dp_python).", -1,
-    rotor_methods,
+    PyModuleDef_HEAD_INIT,
+    .m_name = "autopar._rotor",
+    .m_doc = "Rotor optimal checkpointing DP (C twin of autopar.solver.checkpoint._dp_python).",
+    .m_size = -1,
+    .m_methods = rotor_methods,
 };
 
 PyMODINIT_FUNC PyInit__rotor(void) { return PyModule_Create(&rotor_module); }

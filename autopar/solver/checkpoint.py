@@ -348,6 +348,7 @@ def _dp_python(fwd, bwd, act, tape, fwd_tmp, bwd_tmp, mem: int) -> tuple[bytes, 
     rows: list[list[float] | None] = [None] * (num_stages * (num_stages + 1) // 2)
     choice = array("i")
     choice_rows: list[array | None] = [None] * len(rows)
+    first = [width] * len(rows)  # first finite entry of each row: finite from there on
     for d in range(num_stages):
         for s in range(num_stages - d):
             t = s + d
@@ -363,18 +364,20 @@ def _dp_python(fwd, bwd, act, tape, fwd_tmp, bwd_tmp, mem: int) -> tuple[bytes, 
                     r = sub[m - shift]
                     if r < inf:
                         row[m], ch[m] = (f + r) + b, -1
-            acc, adv = 0.0, act[t + 1] + act[s + 1] + fwd_tmp[s]
+            acc, adv, base_t = 0.0, act[t + 1] + act[s + 1] + fwd_tmp[s], _tri(0, t)
             for j in range(s + 1, t + 1):
                 acc += fwd[j - 1]
                 if j - 1 > s:
                     adv = max(adv, act[t + 1] + act[j - 1] + act[j] + fwd_tmp[j - 1])
-                shift = act[j]
-                right, left = rows[_tri(j, t)], rows[_tri(s, j - 1)]
-                for m in range(max(adv, shift), width):
+                shift, i_right, i_left = act[j], base_t + j, _tri(s, j - 1)
+                right, left = rows[i_right], rows[i_left]
+                lo = max(adv, shift, first[i_right] + shift, first[i_left])
+                for m in range(lo, width):
                     v = (acc + right[m - shift]) + left[m]
                     if v < row[m]:
                         row[m], ch[m] = v, j
             rows[_tri(s, t)] = row
+            first[_tri(s, t)] = next((m for m, v in enumerate(row) if v < inf), width)
             choice_rows[_tri(s, t)] = array("i", ch)
     cost = array("d")
     for row, ch in zip(rows, choice_rows):
@@ -454,9 +457,10 @@ def min_budget(chain: Chain) -> int:
                 best = max(best, b[s] + peak[s + 1, t])
             adv = a[t + 1] + a[s + 1] + u[s]
             for j in range(s + 1, t + 1):
-                if j - 1 > s:
-                    adv = max(adv, a[t + 1] + a[j - 1] + a[j] + u[j - 1])
-                best = min(best, max(adv, a[j] + peak[j, t], peak[s, j - 1]))
+                if j - 1 > s and a[t + 1] + a[j - 1] + a[j] + u[j - 1] > adv:
+                    adv = a[t + 1] + a[j - 1] + a[j] + u[j - 1]
+                if adv < best:  # else this split cannot win: its peak is at least adv
+                    best = min(best, max(adv, a[j] + peak[j, t], peak[s, j - 1]))
             peak[s, t] = best
     return a[0] + peak[0, num_stages - 1]
 

@@ -1,0 +1,214 @@
+"""Rotor checkpointing: C/Python agreement, brute-force optimality, the simulator, plain data."""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import random
+import warnings
+
+import pytest
+
+from autopar.solver import checkpoint
+from autopar.solver.checkpoint import (Chain, Op, Schedule, c_extension_available, min_budget,
+                                       simulate, solve_rotor)
+
+
+def random_chain(rng: random.Random, num_stages: int, *, scale: int = 1000) -> Chain:
+    """Heterogeneous stages; some with equal times and sizes so tie-breaking is exercised."""
+    def size(lo=1):
+        return rng.choice([lo, rng.randint(lo, scale), rng.randint(lo, scale // 10 + lo)])
+
+    def secs():
+        return rng.choice([1e-3, 2e-3, rng.uniform(1e-5, 5e-3), rng.uniform(0, 1e-2)])
+
+    out = [size() for _ in range(num_stages - 1)] + [rng.choice([1, 4, size()])]
+    return Chain(
+        fwd_time_s=[secs() for _ in range(num_stages)],
+        bwd_time_s=[rng.choice([2 * f, secs()]) for f in (secs() for _ in range(num_stages))],
+        input_bytes=size(), output_bytes=out,
+        saved_bytes=[o + rng.choice([0, size(0), 3 * o]) for o in out],
+        fwd_tmp_bytes=[rng.choice([0, size(0)]) for _ in range(num_stages)],
+        bwd_tmp_bytes=[rng.choice([0, size(0)]) for _ in range(num_stages)])
+
+
+def no_recompute_ops(num_stages: int) -> list[Op]:
+    return ([Op("forward_save", i) for i in range(num_stages)]
+            + [Op("backward", i) for i in reversed(range(num_stages))])
+
+
+# ------------------------------------------------------------------------ C and Python agree
+
+def test_c_extension_is_built():
+    # The agreement test below would compare Python with itself without the extension.
+    assert c_extension_available(), "autopar._rotor is missing: run `pip install -e .`"
+
+
+def test_c_and_python_agree_exactly_on_200_random_chains():
+    rng = random.Random(20240611)
+    num_feasible = 0
+    for case in range(200):
+        num_stages = 2 + case % 59  # every length 2..60, some twice or more
+        chain = random_chain(rng, num_stages)
+        lo = min_budget(chain)
+        hi = simulate(chain, no_recompute_ops(num_stages)).peak
+        # Mostly feasible budgets (coarse slots lose up to a slot per live item), a few below
+        # the minimum so that both implementations must refuse alike.
+        budget = lo - 1 if case % 20 == 7 else lo + int(rng.uniform(0.2, 1.0) * (hi - lo))
+        # Python's DP is ~L^3/6 * slots steps: fewer slots on long chains keeps this fast.
+        num_slots = max(12, min(150, 2_500_000 // num_stages**3))
+        results = []
+        for impl in ("c", "python"):
+            try:
+                results.append(solve_rotor(chain, budget, num_slots=num_slots, impl=impl))
+            except ValueError as err:
+                results.append(str(err))
+        assert results[0] == results[1], (case, chain, budget, num_slots)
+        if isinstance(results[0], Schedule):
+            num_feasible += 1
+            assert results[0].peak_bytes <= budget
+        else:
+            assert "minimum budget" in results[0]
+        if case % 10 == 0:  # the full tables too, bit for bit
+            sz = checkpoint._slot_sizes(chain, budget, num_slots)
+            mem = num_slots - sz.act[0]
+            if mem >= 0:
+                assert checkpoint._dp("c", sz, mem) == checkpoint._dp("python", sz, mem)
+    assert num_feasible >= 150, num_feasible
+
+
+# ------------------------------------------------------------------------ brute force
+
+@functools.lru_cache(maxsize=None)
+def expansions(s: int, t: int) -> tuple[tuple, ...]:
+    """The three rules of the schedule space for segment s..t, as task tuples (Op or (s, t))."""
+    out = [(Op("forward_save", s), Op("backward", s))] if s == t else [
+        (Op("forward_save", s), (s + 1, t), Op("backward", s))]
+    for j in range(s + 1, t + 1):
+        advance = [Op("forward", s)]
+        for i in range(s + 1, j):
+            advance += [Op("forward", i), Op("discard", i - 1)]
+        out.append((*advance, (j, t), Op("discard", j - 1), (s, j - 1)))
+    return tuple(out)
+
+
+@functools.lru_cache(maxsize=None)
+def all_schedules(s: int, t: int) -> tuple[tuple[Op, ...], ...]:
+    """Every op sequence of the space for segment s..t (no memory filtering)."""
+    result = []
+    for tasks in expansions(s, t):
+        partial = [()]
+        for task in tasks:
+            if isinstance(task, Op):
+                partial = [p + (task,) for p in partial]
+            else:
+                partial = [p + q for p in partial for q in all_schedules(*task)]
+        result += partial
+    return tuple(result)
+
+
+def brute_force_enumerate(chain: Chain, budget: int) -> tuple[float, tuple[Op, ...] | None]:
+    best_time, best_ops = math.inf, None
+    for ops in all_schedules(0, chain.num_stages - 1):
+        sim = simulate(chain, ops)
+        if sim.peak <= budget and sim.time_s < best_time:
+            best_time, best_ops = sim.time_s, ops
+    return best_time, best_ops
+
+
+def brute_force_search(chain: Chain, budget: int, *, below: float = math.inf) -> float:
+    """Least simulated time of a fitting schedule of the space that is < ``below`` (else inf).
+
+    Depth-first over the same space, executing ops with the simulator's step rule. Pruning is
+    safe: a prefix whose peak already exceeds the budget cannot fit, and a prefix whose time
+    plus a lower bound on the remaining work (every stage not yet back-propagated still needs
+    its backward, and its forward unless its tape is held) is >= the best so far cannot win.
+    """
+    sz = checkpoint._byte_sizes(chain)
+    best = [below]
+
+    def lower_bound(state) -> float:
+        held, _, _, time_s = state
+        done = min(k for kind, k in held if kind == "g")
+        return time_s + sum(sz.bwd[i] + (0.0 if ("tape", i) in held else sz.fwd[i])
+                            for i in range(done))
+
+    def search(tasks: tuple, state) -> None:
+        if state[2] > budget or lower_bound(state) >= best[0]:
+            return
+        if not tasks:
+            assert state[0] == {("g", 0)}
+            best[0] = state[3]
+            return
+        head, rest = tasks[0], tasks[1:]
+        if isinstance(head, Op):
+            search(rest, checkpoint._apply(sz, state, head))
+        else:
+            for expansion in expansions(*head):
+                search(expansion + rest, state)
+
+    search(((0, chain.num_stages - 1),), checkpoint._initial_state(sz))
+    return best[0] if best[0] < below else math.inf
+
+
+def budgets_between(chain: Chain, rng: random.Random, count: int) -> list[int]:
+    lo = min_budget(chain)
+    hi = simulate(chain, no_recompute_ops(chain.num_stages)).peak
+    return sorted({lo, hi, *(rng.randint(lo, hi) for _ in range(count))})
+
+
+def test_schedule_space_size_matches_schroeder_numbers():
+    # The space's recurrence N(n) = N(n-1) + sum_k N(k) N(n-k) gives the large Schroeder numbers.
+    assert [len(all_schedules(0, n - 1)) for n in range(1, 8)] == [1, 2, 6, 22, 90, 394, 1806]
+
+
+def test_rotor_equals_exhaustive_enumeration_on_short_chains():
+    """Brute force over the *whole* space: every op sequence that the recurrence's rules can
+    generate for the chain (``all_schedules``: for a segment s..t holding x_s and g_{t+1},
+    either F_s, a schedule of s+1..t, B_s — just F_s B_s when s == t — or, for any j in s+1..t,
+    f_s..f_{j-1} dropping each intermediate, a schedule of j..t, D_{j-1}, a schedule of
+    s..j-1), generated with no memory filtering, each executed by ``simulate`` (which knows
+    nothing of the DP); the optimum is the least simulated time whose simulated peak fits.
+    Exact discretisation: integer sizes and ``num_slots == budget`` make one slot one byte."""
+    rng = random.Random(7)
+    for num_stages in range(1, 8):
+        for _ in range(3 if num_stages < 7 else 2):
+            chain = random_chain(rng, num_stages, scale=60)
+            peaks = [simulate(chain, ops).peak for ops in all_schedules(0, num_stages - 1)]
+            assert min_budget(chain) == min(peaks)
+            for budget in budgets_between(chain, rng, 3):
+                best_time, best_ops = brute_force_enumerate(chain, budget)
+                sched = solve_rotor(chain, budget, num_slots=budget)
+                assert sched.peak_bytes <= budget
+                assert math.isclose(sched.time_s, best_time, rel_tol=1e-12), (
+                    chain, budget, sched, best_ops)
+                assert sched.ops in all_schedules(0, num_stages - 1)
+            with pytest.raises(ValueError, match=f"minimum budget {min(peaks)} bytes"):
+                solve_rotor(chain, min(peaks) - 1, num_slots=min(peaks) - 1)
+
+
+def test_search_agrees_with_enumeration():
+    rng = random.Random(3)
+    for num_stages in (5, 6):
+        chain = random_chain(rng, num_stages, scale=60)
+        for budget in budgets_between(chain, rng, 3):
+            assert brute_force_search(chain, budget) == brute_force_enumerate(chain, budget)[0]
+
+
+def test_rotor_equals_brute_force_on_12_stage_chains():
+    """The same space and semantics as the enumeration test (5,293,446 schedules at 12
+    stages), searched depth-first by ``brute_force_search``, seeded with Rotor's time so the
+    bound prunes hard: no fitting schedule is faster than Rotor's by more than 1e-12 relative,
+    and the search (which knows nothing of the DP) does reach a schedule of Rotor's time."""
+    rng = random.Random(12)
+    for _ in range(2):
+        chain = random_chain(rng, 12, scale=60)
+        lo = min_budget(chain)
+        hi = simulate(chain, no_recompute_ops(12)).peak
+        for budget in (lo, (3 * lo + hi) // 4, (lo + hi) // 2, hi):
+            sched = solve_rotor(chain, budget, num_slots=budget)
+            assert sched.peak_bytes <= budget
+            assert brute_force_search(chain, budget, below=sched.time_s * (1 - 1e-12)) == math.inf
+            found = brute_force_search(chain, budget, below=sched.time_s * (1 + 1e-12))
+            assert math.isclose(found, sched.time_s, rel_tol=1e-12), (chain, budget, sched)
