@@ -149,6 +149,8 @@ def profile(traced: TracedGraph) -> ModelProfile:
         for node in traced.graph.nodes:
             if node.op == "placeholder":
                 env[node] = _placeholder_value(node, traced)
+                for tensor in tensor_vals(env[node]):
+                    producer.setdefault(_storage_key(tensor), node.name)
                 if node.meta[PLACEHOLDER_KEY].kind in (PARAMETER, BUFFER):
                     fixed.update(_storage_key(t) for t in tensor_vals(env[node]))
             elif node.op == "get_attr":

@@ -178,8 +178,8 @@ def _export(model: nn.Module, fake: dict, constants: dict, model_name: str):
     if constants:  # bind non-tensor inputs as constants: they are not graph inputs
         model.forward = functools.partial(original, **constants)
     try:
-        # export prints the partial graph to stdout on failure; the TraceError says it better
-        with contextlib.redirect_stdout(io.StringIO()):
+        # export prints the partial graph on failure; the TraceError says it better
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
             return torch.export.export(model, args, kwargs=kwargs, strict=False)
     except Exception as err:  # noqa: BLE001 - every export failure becomes a TraceError
         raise _diagnose(err, stack, model_name) from err
