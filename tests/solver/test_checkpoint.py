@@ -212,3 +212,155 @@ def test_rotor_equals_brute_force_on_12_stage_chains():
             assert brute_force_search(chain, budget, below=sched.time_s * (1 - 1e-12)) == math.inf
             found = brute_force_search(chain, budget, below=sched.time_s * (1 + 1e-12))
             assert math.isclose(found, sched.time_s, rel_tol=1e-12), (chain, budget, sched)
+
+
+# ------------------------------------------------------------------------ properties
+
+def small_chain() -> Chain:
+    return Chain(fwd_time_s=[1e-3, 2e-3, 1e-3, 3e-3], bwd_time_s=[2e-3, 4e-3, 2e-3, 5e-3],
+                 input_bytes=100, output_bytes=[100, 200, 100, 4],
+                 saved_bytes=[300, 400, 300, 104], fwd_tmp_bytes=[0, 50, 0, 10],
+                 bwd_tmp_bytes=[20, 0, 0, 0], names=["embed", "block0", "block1", "loss"])
+
+
+def test_ample_budget_keeps_everything():
+    chain = small_chain()
+    sched = solve_rotor(chain, 10**6)
+    assert list(sched.ops) == no_recompute_ops(4)
+    assert sched.kept_stages == (0, 1, 2, 3) and sched.recomputed_stages == ()
+    assert sched.num_forwards == (1, 1, 1, 1)
+    assert math.isclose(sched.time_s, chain.no_recompute_time_s, rel_tol=1e-15)
+    # B2's peak: input 100, tapes 0-2 (1000), g_3 (100), and the g_2 it allocates (200)
+    assert sched.peak_bytes == simulate(chain, no_recompute_ops(4)).peak == 100 + 1000 + 100 + 200
+
+
+def test_time_never_falls_as_the_budget_shrinks():
+    rng = random.Random(11)
+    chain = random_chain(rng, 9, scale=60)
+    lo, previous = min_budget(chain), 0.0
+    hi = simulate(chain, no_recompute_ops(9)).peak
+    for budget in range(hi, lo - 1, -max(1, (hi - lo) // 12)):
+        sched = solve_rotor(chain, budget, num_slots=budget)  # exact: one slot per byte
+        assert sched.time_s >= previous - 1e-15 and sched.peak_bytes <= budget
+        previous = sched.time_s
+    assert previous > chain.no_recompute_time_s  # the tightest budget does recompute
+
+
+def test_coarse_slots_round_conservatively():
+    rng = random.Random(5)
+    for case in range(40):
+        chain = random_chain(rng, 2 + case % 15)
+        lo = min_budget(chain)
+        budget = lo + rng.randint(0, 3 * lo)
+        try:
+            sched = solve_rotor(chain, budget, num_slots=rng.choice([7, 20, 64]))
+        except ValueError as err:
+            assert "num_slots" in str(err)  # rounding lost too much, the budget is not < min
+            continue
+        assert sched.peak_bytes <= budget
+        assert simulate(chain, sched.ops).peak == sched.peak_bytes
+
+
+def test_infeasible_budgets_name_the_minimum():
+    chain = small_chain()
+    lowest = min_budget(chain)
+    assert solve_rotor(chain, lowest, num_slots=lowest).peak_bytes == lowest
+    with pytest.raises(ValueError, match=f"below the minimum budget {lowest} bytes"):
+        solve_rotor(chain, lowest - 1)
+    with pytest.raises(ValueError, match="raise num_slots"):
+        solve_rotor(chain, lowest, num_slots=3)
+    with pytest.raises(ValueError, match="below the minimum budget"):
+        solve_rotor(chain, 50)  # smaller than the input alone
+
+
+def test_schedule_str_and_json_round_trip():
+    chain = small_chain()
+    sched = solve_rotor(chain, 1000, num_slots=1000)
+    assert sched.recomputed_stages == (0, 1)  # the budget forces recomputation
+    text = str(sched)
+    assert "Rotor schedule: 4 stages" in text and "of 1000 B (1000 slots)" in text
+    assert "kept: 2-3" in text and "recomputed: 0-1 (2 extra forwards)" in text
+    assert "ops: " + " ".join(str(op) for op in sched.ops) in text
+    assert Schedule.from_json(json.loads(json.dumps(sched.to_json()))) == sched
+    assert Schedule.from_json(json.dumps(sched.to_json())) == sched
+    assert Chain.from_json(json.dumps(chain.to_json())) == chain
+    assert "4 stages" in str(chain) and chain.stage_name(1) == "block0"
+    assert [str(Op(k, 3)) for k in ("forward", "forward_save", "backward", "discard")] == [
+        "f3", "F3", "B3", "D3"]
+
+
+def test_bad_inputs_raise_value_errors_with_the_values():
+    good = small_chain().to_json()
+    for field_name, value, message in [
+            ("fwd_time_s", [1e-3, float("nan"), 1e-3, 1e-3], r"fwd_time_s\[1\] = nan"),
+            ("bwd_time_s", [1e-3, -1.0, 1e-3, 1e-3], r"bwd_time_s\[1\] = -1.0"),
+            ("output_bytes", [100, 200, 100], "output_bytes has 3 entries, expected 4"),
+            ("saved_bytes", [300, 100, 300, 104], r"saved_bytes\[1\] = 100 < output_bytes\[1\]"),
+            ("fwd_tmp_bytes", [0, 1.5, 0, 0], r"fwd_tmp_bytes\[1\] = 1.5"),
+            ("input_bytes", -3, r"input_bytes\[0\] = -3"),
+            ("names", ["a"], "names has 1 entries")]:
+        with pytest.raises(ValueError, match=message):
+            Chain(**{**good, field_name: value})
+    with pytest.raises(ValueError, match="at least one stage"):
+        Chain(**{k: ([] if isinstance(v, list) else v) for k, v in good.items()})
+    chain = small_chain()
+    with pytest.raises(ValueError, match="budget_bytes = 0"):
+        solve_rotor(chain, 0)
+    with pytest.raises(ValueError, match="num_slots = 2.5"):
+        solve_rotor(chain, 10**6, num_slots=2.5)
+    with pytest.raises(ValueError, match="impl = 'fortran'"):
+        solve_rotor(chain, 10**6, impl="fortran")
+    with pytest.raises(ValueError, match="op kind 'jump'"):
+        Op("jump", 0)
+
+
+def test_simulator_refuses_illegal_schedules():
+    chain = small_chain()
+    for ops, message in [
+            ([Op("backward", 3)], "input x_3 of stage 3 is not in memory"),
+            ([Op("forward", 0), Op("forward", 1), Op("forward", 2), Op("backward", 3)],
+             "needs tape 3"),
+            ([Op("forward", 1)], "input x_1 of stage 1 is not in memory"),
+            ([Op("forward_save", 0), Op("forward_save", 0)], "already in memory"),
+            ([Op("discard", 0)], "not held as a plain activation"),
+            ([Op("forward", 7)], "outside the chain of 4 stages"),
+            (no_recompute_ops(4)[:-1], "never produced"),
+            ([Op("forward", 0), *no_recompute_ops(4)], r"holds \[\('x', 1\)\]")]:
+        with pytest.raises(ValueError, match=message):
+            simulate(chain, ops)
+    # a legal schedule outside Rotor's space: recompute stage 0 while its tape is dropped
+    ops = [Op("forward", 0), Op("forward_save", 1), Op("forward_save", 2), Op("forward_save", 3),
+           Op("backward", 3), Op("backward", 2), Op("backward", 1), Op("discard", 0),
+           Op("forward_save", 0), Op("backward", 0)]
+    sim = simulate(chain, ops)
+    assert math.isclose(sim.time_s, chain.no_recompute_time_s + 1e-3, rel_tol=1e-12)
+
+
+def test_c_extension_validates_its_arguments():
+    rotor = checkpoint._rotor_c
+    args = ([1.0, 1.0], [1.0, 1.0], [1, 1, 1], [1, 1], [0, 0], [0, 0], 10)
+    cost, choice = rotor.solve(*args)
+    assert len(cost) == 3 * 11 * 8 and len(choice) == 3 * 11 * 4
+    with pytest.raises(ValueError, match="act has 2 entries, expected 3"):
+        rotor.solve(*args[:2], [1, 1], *args[3:])
+    with pytest.raises(ValueError, match="is not a finite time"):
+        rotor.solve([1.0, math.inf], *args[1:])
+    with pytest.raises(ValueError, match=r"saved\[1\] = -1 is negative"):
+        rotor.solve(*args[:3], [1, -1], *args[4:])
+    with pytest.raises(ValueError, match="mem = -1 slots"):
+        rotor.solve(*args[:6], -1)
+
+
+def test_python_fallback_warns_once(monkeypatch):
+    chain = small_chain()
+    expected = solve_rotor(chain, 1000, impl="c")
+    monkeypatch.setattr(checkpoint, "_rotor_c", None)
+    monkeypatch.setattr(checkpoint, "_warned_fallback", False)
+    assert not c_extension_available()
+    with pytest.warns(RuntimeWarning, match="autopar._rotor .* is not built"):
+        assert solve_rotor(chain, 1000) == expected
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert solve_rotor(chain, 1000) == expected  # no second warning
+    with pytest.raises(ImportError, match="impl='c'"):
+        solve_rotor(chain, 1000, impl="c")
