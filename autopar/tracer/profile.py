@@ -10,7 +10,8 @@ with parameters requiring grad, then one backward runs from the loss, also on fa
   autograd really saves, de-duplicated by storage, excluding parameters and buffers. Fake
   tensors are placed on ``cpu`` (not ``meta``) so attention takes the fused CPU kernel's
   autograd path, as a real run would, instead of the math fallback that saves the full
-  attention matrix.
+  attention matrix. Attention dropout is modelled as the fused GPU kernels do it (see
+  ``_fused_attention_dropout``).
 - Bytes read/written are the sizes of a node's tensor inputs and outputs; ops whose output
   aliases an input (views) move no bytes.
 """
@@ -208,6 +209,8 @@ def _on_cpu(value: Any) -> Any:
 def _run_node(node: fx.Node, env: dict, counter: _Counter) -> Any:
     args, kwargs = pytree.tree_map(
         lambda a: env[a] if isinstance(a, fx.Node) else _to_cpu(a), (node.args, node.kwargs))
+    if node.target is _aten.scaled_dot_product_attention.default:
+        args, kwargs = _fused_attention_dropout(args, kwargs)
     counter.current = node.name
     try:
         return node.target(*args, **kwargs)
@@ -216,6 +219,20 @@ def _run_node(node: fx.Node, env: dict, counter: _Counter) -> Any:
                          module_path=node.meta.get("autopar_module", ""),
                          source=_stack_line(node), hint="the op cannot run on fake tensors",
                          cause=str(err).strip().splitlines()[0] if str(err).strip() else "") from err
+
+
+def _fused_attention_dropout(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """Attention dropout as the fused GPU kernels do it: they keep the RNG state, not the mask.
+
+    The CPU fused kernel has no dropout and would fall back to the math path, which saves the
+    (batch, heads, seq, seq) probabilities: memory a GPU training step never holds. FLOPs are
+    the same either way.
+    """
+    if len(args) > 4:
+        return (*args[:4], 0.0, *args[5:]), kwargs
+    if kwargs.get("dropout_p"):
+        return args, {**kwargs, "dropout_p": 0.0}
+    return args, kwargs
 
 
 def _stack_line(node: fx.Node) -> str:

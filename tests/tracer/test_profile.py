@@ -145,3 +145,24 @@ def test_saved_bytes_are_attributed_to_the_saving_node(tiny):
     assert first.saved_from == ("x",)  # the first linear keeps the user input x
     assert first.saved_bytes == inputs["x"].numel() * 4
     assert all(p.saved_bytes == 0 for p in prof.nodes if p.op == "aten.view.default")
+
+
+class Attention(nn.Module):
+    def __init__(self, dropout_p):
+        super().__init__()
+        self.qkv = nn.Linear(16, 48)
+        self.dropout_p = dropout_p
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).view(2, 8, 3, 4, 4).permute(2, 0, 3, 1, 4)
+        return torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, dropout_p=self.dropout_p, is_causal=True).sum()
+
+
+def test_attention_dropout_is_modelled_as_a_fused_kernel():
+    """Dropout inside attention keeps no (seq x seq) probabilities, as on GPU flash kernels."""
+    x = torch.empty(2, 8, 16, device="meta")
+    plain = profile(trace(Attention(0.0).to("meta"), (x,)))
+    dropped = profile(trace(Attention(0.1).to("meta"), (x,)))
+    assert dropped.activation_bytes == plain.activation_bytes
+    assert dropped.fwd_flops == plain.fwd_flops and dropped.bwd_flops == plain.bwd_flops
