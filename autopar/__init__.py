@@ -19,6 +19,8 @@ _LAZY = {
     "coverage": "autopar.tracer",
     "TraceError": "autopar.tracer",
     "TracedGraph": "autopar.tracer",
+    "plan": "autopar.api",
+    "Plan": "autopar.plan",
 }
 
 __all__ = ["MeshSpec", "TensorSpec", "Shard", "Replicate", "Partial", *_LAZY]

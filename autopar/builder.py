@@ -1,0 +1,313 @@
+"""Problem builder: traced graph + profile + mesh -> the solver's plain-data ``Problem``.
+
+Decisions (``Problem`` nodes), in graph order:
+
+- every **parameter** and **buffer** placeholder: its layout, one option per valid spec built from
+  ``R`` and ``S(dim)`` on each mesh axis. A parameter option holds ``param_bytes`` = local bytes x
+  (1 parameter + 1 gradient + ``optimizer_multiplier`` optimizer state) for the whole step
+  (gradients arrive in the parameter's layout: DESIGN.md decision 8). Tied weights are one
+  placeholder, so one decision. Sharded parameters that a consumer needs replicated are
+  gathered on the edge: that is ZeRO-3/FSDP, priced by the same conversion planner.
+- every **user input**: its layout (the full input is on every rank; slicing it is free).
+- every **op** with a sharding rule: one option per ``Strategy``. Its activation (what autograd
+  saves for its backward, from the profile) scales with the strategy's local/global bytes and is
+  live from the op's forward to its backward on a timeline ``fwd i -> i``, ``bwd i -> 2N-1-i``.
+
+Values that need no decision resolve to their producer: ``getitem`` on a multi-output op reads
+the producer's output element ``k``; ops without tensor output (metadata asserts) are skipped.
+
+Edges carry, for every (producer option, consumer strategy) pair, the forward + backward seconds
+of the cheapest conversion from the producer's output spec to the spec the consumer's strategy
+requires (``autopar.solver.reshard.plan_conversion``; each distinct spec pair is planned once).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import operator
+import re
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+
+from .mesh import MeshSpec
+from .solver.problem import Edge, Node, Problem, StrategyOption
+from .solver.reshard import plan_conversion
+from .spec import R, Shard, TensorSpec
+from .strategies import Strategy, strategies_for
+from .tracer.graph import BUFFER, CONSTANT, INPUT, PARAMETER, PLACEHOLDER_KEY, TracedGraph
+from .tracer.profile import ModelProfile
+
+__all__ = ["BuildOptions", "BuiltProblem", "Choice", "build_problem", "block_of", "layout_specs"]
+
+_BLOCK = re.compile(r"^(.*?\.\d+)(?:\.|$)")
+_AT_REST = ("parameter", "buffer")
+
+# A restriction filters the candidate options of one decision (baseline plans): it receives the
+# decision kind ("parameter", "buffer", "input", "op"), the fx node and the candidate, and
+# returns whether the candidate is allowed.
+Restriction = Callable[[str, fx.Node, "Choice"], bool]
+
+
+@dataclass(frozen=True, slots=True)
+class BuildOptions:
+    optimizer_multiplier: float = 2.0  # optimizer state bytes per parameter byte (AdamW fp32: m, v)
+    allow_replicate_fallback: bool = False
+    restriction: Restriction | None = None
+    restriction_name: str = "autopar"
+
+
+@dataclass(frozen=True, slots=True)
+class Choice:
+    """One option of one decision, as the runtime needs it (the ``Problem`` has the costs)."""
+
+    name: str
+    output_specs: tuple[TensorSpec | None, ...]
+    strategy: Strategy | None = None  # None for placeholders (a layout only)
+
+    @property
+    def input_specs(self) -> tuple[TensorSpec | None, ...]:
+        return self.strategy.input_specs if self.strategy is not None else ()
+
+
+@dataclass
+class BuiltProblem:
+    problem: Problem
+    choices: dict[str, list[Choice]]  # decision node name -> options, aligned with the Problem's
+    kinds: dict[str, str]  # decision node name -> parameter | buffer | input | op
+    sources: dict[str, tuple[str, int]] = field(default_factory=dict)  # value -> (decision, output idx)
+    fallbacks: tuple[str, ...] = ()  # op nodes replicated without a rule (opt-in)
+
+
+def block_of(path: str) -> str | None:
+    """``"transformer.h.3.attn.c_attn"`` -> ``"transformer.h.3"``: the repeated-module root."""
+    m = _BLOCK.match(path or "")
+    return m.group(1) if m else None
+
+
+def layout_specs(shape: tuple[int, ...], mesh_shape: tuple[int, ...]) -> list[TensorSpec]:
+    """Every valid spec of a tensor from ``R``/``S(dim)`` per axis (no ``P``: values at rest)."""
+    per_axis = [R] + [Shard(d) for d in range(len(shape))]
+    out = []
+    for combo in itertools.product(per_axis, repeat=len(mesh_shape)):
+        # A size-1 axis only replicates: sharding over it changes nothing but the name.
+        if any(size == 1 and p != R for p, size in zip(combo, mesh_shape)):
+            continue
+        spec = TensorSpec(combo)
+        if spec.is_valid(shape, mesh_shape):
+            out.append(spec)
+    return out
+
+
+# --------------------------------------------------------------------------------- builder
+def build_problem(traced: TracedGraph, prof: ModelProfile, mesh: MeshSpec, *,
+                  budget_bytes: int | None, options: BuildOptions = BuildOptions()) -> BuiltProblem:
+    return _Builder(traced, prof, mesh, budget_bytes, options).build()
+
+
+class _Builder:
+    def __init__(self, traced, prof, mesh, budget_bytes, options) -> None:
+        self.traced, self.prof, self.mesh = traced, prof, mesh
+        self.budget, self.opts = budget_bytes, options
+        self.nodes: list[Node] = []
+        self.choices: dict[str, list[Choice]] = {}
+        self.kinds: dict[str, str] = {}
+        self.sources: dict[str, tuple[str, int]] = {}
+        self.meta: dict[str, list] = {}  # decision -> per-output TensorMeta-like (shape, itemsize)
+        self.fallbacks: list[str] = []
+        self._strategy_cache: dict[Any, list[Strategy]] = {}
+        self._conv_cache: dict[Any, float] = {}
+
+    def build(self) -> BuiltProblem:
+        ops = [n for n in self.traced.compute_nodes() if _has_tensor_output(n) and n.target is not operator.getitem]
+        self.num_ops = len(ops)
+        self.op_index = {n.name: i for i, n in enumerate(ops)}
+        edges: dict[tuple[str, str], list[list[float]]] = {}
+        for node in self.traced.nodes:
+            if node.op == "placeholder":
+                self._placeholder(node)
+            elif node.op == "call_function" and node.target is operator.getitem:
+                src, idx = self.sources.get(node.args[0].name, (None, None))
+                if src is not None:
+                    self.sources[node.name] = (src, node.args[1])
+            elif node.name in self.op_index:
+                self._op(node, edges)
+        problem = Problem(
+            nodes=tuple(self.nodes),
+            edges=tuple(Edge(s, d, tuple(tuple(r) for r in m)) for (s, d), m in edges.items()),
+            budget_bytes=self.budget,
+            timeline_length=max(2 * self.num_ops, 1),
+            mesh_shape=tuple(self.mesh.shape),
+            meta={"model": self.traced.model_name, "graph_hash": self.traced.graph_hash,
+                  "restriction": self.opts.restriction_name},
+        )
+        return BuiltProblem(problem, self.choices, self.kinds, self.sources, tuple(self.fallbacks))
+
+    # ----------------------------------------------------------------------------- decisions
+    def _allowed(self, kind: str, node: fx.Node, choice: Choice) -> bool:
+        return self.opts.restriction is None or self.opts.restriction(kind, node, choice)
+
+    def _placeholder(self, node: fx.Node) -> None:
+        ph = node.meta.get(PLACEHOLDER_KEY)
+        val = node.meta.get("val")
+        if ph is None or not isinstance(val, torch.Tensor):
+            return  # a non-tensor constant: nothing to lay out
+        shape, itemsize = tuple(val.shape), val.dtype.itemsize
+        kind = {PARAMETER: "parameter", BUFFER: "buffer", INPUT: "input", CONSTANT: "buffer"}[ph.kind]
+        specs = layout_specs(shape, self.mesh.shape) if kind != "buffer" or ph.kind != CONSTANT else [
+            TensorSpec.replicated(self.mesh.ndim)]
+        per_byte = 2.0 + self.opts.optimizer_multiplier if kind == "parameter" else 1.0
+        opts, choices = [], []
+        for spec in specs:
+            choice = Choice(str(spec), (spec,))
+            if not self._allowed(kind, node, choice):
+                continue
+            local = math.prod(spec.local_shape(shape, self.mesh.shape)) * itemsize
+            if kind == "input":
+                opts.append(StrategyOption(str(spec), compute_s=0.0, act_bytes=int(local)))
+            else:
+                opts.append(StrategyOption(str(spec), compute_s=0.0, param_bytes=int(round(local * per_byte))))
+            choices.append(choice)
+        if not opts:
+            raise ValueError(f"the {self.opts.restriction_name} restriction leaves no layout for "
+                             f"{kind} {ph.fqn!r} of shape {shape} on mesh {self.mesh.shape}")
+        live = (0, max(2 * self.num_ops - 1, 0)) if kind == "input" else None
+        self._add(node.name, kind, opts, choices, live=live, block=block_of(ph.fqn),
+                  signature=f"{kind}{shape}{val.dtype}", out_meta=[(shape, itemsize)])
+
+    def _op(self, node: fx.Node, edges: dict) -> None:
+        strategies = self._strategies(node)
+        slots = _input_nodes(node)
+        prof = self.prof[node.name]
+        i = self.op_index[node.name]
+        live = (i, 2 * self.num_ops - 1 - i) if prof.saved_bytes else None
+        activations = [self.kinds.get(src.name) not in _AT_REST for src in slots]
+        global_bytes = _global_bytes(node, slots, activations)
+        opts, choices = [], []
+        for s in strategies:
+            choice = Choice(s.name, s.output_specs, s)
+            if not self._allowed("op", node, choice):
+                continue
+            ratio = _local_bytes(s, slots, activations) / global_bytes if global_bytes else 1.0
+            act = int(round(prof.saved_bytes * min(ratio, 1.0))) if live else 0
+            opts.append(StrategyOption(
+                _unique(s.name, opts), compute_s=s.compute_s, comm_s=s.comm_s, act_bytes=act,
+                forward_s=s.forward_compute_s + s.forward_comm_s))
+            choices.append(choice)
+        if not opts:
+            raise ValueError(f"the {self.opts.restriction_name} restriction leaves no strategy for "
+                             f"node {node.name!r} (op {node.target}, module "
+                             f"{self.traced.module_path(node) or '<top level>'})")
+        outs = [(tuple(v.shape), v.dtype.itemsize) if isinstance(v, torch.Tensor) else None
+                for v in _as_tuple(node.meta.get("val"))]
+        self._add(node.name, "op", opts, choices, live=live, block=block_of(self.traced.module_path(node)),
+                  signature=self._signature(node), out_meta=outs)
+        for slot, src_node in enumerate(slots):
+            self._edge(src_node, node.name, slot, edges)
+
+    def _add(self, name, kind, opts, choices, *, live, block, signature, out_meta) -> None:
+        self.nodes.append(Node(name, tuple(opts), live=live, block=block, signature=signature))
+        self.choices[name] = choices
+        self.kinds[name] = kind
+        self.sources[name] = (name, 0)
+        self.meta[name] = out_meta
+
+    def _strategies(self, node: fx.Node) -> list[Strategy]:
+        key = self._signature(node)
+        cached = self._strategy_cache.get(key)
+        if cached is None:
+            prof = self.prof[node.name]
+            cached = strategies_for(node, self.mesh, flops=(prof.fwd_flops, prof.bwd_flops),
+                                    allow_replicate_fallback=self.opts.allow_replicate_fallback)
+            self._strategy_cache[key] = cached
+        if cached and cached[0].is_fallback:
+            self.fallbacks.append(node.name)
+        return cached
+
+    def _signature(self, node: fx.Node) -> str:
+        def token(a: Any) -> Any:
+            if isinstance(a, fx.Node):
+                v = a.meta.get("val")
+                return (tuple(v.shape), str(v.dtype)) if isinstance(v, torch.Tensor) else ("node", type(v).__name__)
+            if isinstance(a, (list, tuple)):
+                return tuple(token(x) for x in a)
+            return repr(a)
+
+        outs = tuple((tuple(v.shape), str(v.dtype)) if isinstance(v, torch.Tensor) else None
+                     for v in _as_tuple(node.meta.get("val")))
+        return repr((str(node.target), token(node.args), tuple(sorted((k, token(v)) for k, v in node.kwargs.items())), outs))
+
+    # ---------------------------------------------------------------------------------- edges
+    def _edge(self, src_node: fx.Node, dst: str, slot: int, edges: dict) -> None:
+        src, idx = self.sources.get(src_node.name, (None, None))
+        if src is None:
+            return  # a value with no layout decision (a SymInt or a non-tensor constant)
+        out_meta = self.meta[src][idx] if idx < len(self.meta[src]) else None
+        if out_meta is None:
+            return
+        shape, itemsize = out_meta
+        src_specs = [c.output_specs[idx] for c in self.choices[src]]
+        dst_specs = [c.input_specs[slot] for c in self.choices[dst]]
+        matrix = [[self._conversion_s(a, b, shape, itemsize) for b in dst_specs] for a in src_specs]
+        key = (src, dst)
+        if key in edges:  # a value consumed twice by one op: one edge, summed costs
+            old = edges[key]
+            edges[key] = [[x + y for x, y in zip(r0, r1)] for r0, r1 in zip(old, matrix)]
+        else:
+            edges[key] = matrix
+
+    def _conversion_s(self, a: TensorSpec | None, b: TensorSpec | None, shape, itemsize) -> float:
+        if a is None or b is None or a == b:
+            return 0.0
+        key = (a, b, shape, itemsize)
+        cost = self._conv_cache.get(key)
+        if cost is None:
+            conv = plan_conversion(a, b, shape, itemsize, self.mesh)
+            cost = self._conv_cache[key] = conv.forward_s + conv.backward_s
+        return cost
+
+
+# ----------------------------------------------------------------------------------- helpers
+def _as_tuple(val: Any) -> tuple:
+    return tuple(val) if isinstance(val, (tuple, list)) else (val,)
+
+
+def _has_tensor_output(node: fx.Node) -> bool:
+    return any(isinstance(v, torch.Tensor) for v in _as_tuple(node.meta.get("val")))
+
+
+def _input_nodes(node: fx.Node) -> list[fx.Node]:
+    from .strategies import input_nodes
+
+    return input_nodes(node)
+
+
+def _unique(name: str, opts: list[StrategyOption]) -> str:
+    taken = {o.name for o in opts}
+    if name not in taken:
+        return name
+    k = 2
+    while f"{name} #{k}" in taken:
+        k += 1
+    return f"{name} #{k}"
+
+
+def _is_float(v: Any) -> bool:
+    return isinstance(v, torch.Tensor) and v.dtype.is_floating_point
+
+
+def _global_bytes(node: fx.Node, slots: list[fx.Node], activations: list[bool]) -> int:
+    """Float bytes of the node's activation inputs and outputs (parameters are counted apart)."""
+    vals = [s.meta.get("val") for s, act in zip(slots, activations) if act]
+    vals += list(_as_tuple(node.meta.get("val")))
+    return sum(v.numel() * v.dtype.itemsize for v in vals if _is_float(v))
+
+
+def _local_bytes(s: Strategy, slots: list[fx.Node], activations: list[bool]) -> int:
+    """The same bytes per device under strategy ``s``: what its saved activations scale by."""
+    total = sum(s.input_bytes[i] for i, src in enumerate(slots)
+                if activations[i] and _is_float(src.meta.get("val")))
+    return total + s.output_bytes

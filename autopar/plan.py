@@ -1,0 +1,168 @@
+"""``Plan``: the chosen parallelisation of one model on one mesh, as plain versioned data.
+
+A plan records, per decision (parameter, buffer, user input, op), the chosen strategy name and
+its specs in the compact string form (``"S0R"``), together with the mesh, the budget, the cost
+model version and the traced graph's hash. ``autoparallelize(..., plan=path)`` applies a saved
+plan without solving; a plan whose graph hash, mesh or world size does not match is refused.
+
+No torch import: a plan can be read, diffed and printed anywhere.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from .mesh import MeshSpec
+
+__all__ = ["PLAN_VERSION", "COST_MODEL_VERSION", "NodePlan", "Estimate", "BaselineResult", "Plan"]
+
+PLAN_VERSION = 1
+COST_MODEL_VERSION = "roofline-ring-1"
+
+
+@dataclass(frozen=True, slots=True)
+class NodePlan:
+    """The choice for one decision node."""
+
+    name: str  # fx node name in the traced graph
+    kind: str  # parameter | buffer | input | op
+    strategy: str  # option name, e.g. "S0R x RS1 -> S0S1" or a layout "S0R"
+    input_specs: tuple[str | None, ...]  # per input slot (ops only)
+    output_specs: tuple[str | None, ...]  # per output
+    op: str = ""  # ATen overload for ops
+    module: str = ""  # owning module path (ops) or FQN (parameters, buffers, inputs)
+
+    def __str__(self) -> str:
+        where = f" @ {self.module}" if self.module else ""
+        return f"{self.name} [{self.op or self.kind}]{where}: {self.strategy}"
+
+
+@dataclass(frozen=True, slots=True)
+class Estimate:
+    """Cost-model estimate of one training step on one device."""
+
+    step_s: float
+    compute_s: float
+    comm_s: float  # communication inside ops (e.g. row-parallel all-reduce, gradient sync)
+    reshard_s: float  # layout conversions between ops
+    param_bytes: int  # parameters + gradients + optimizer state per device
+    peak_bytes: int  # per-device peak over the step
+
+    @property
+    def communication_s(self) -> float:
+        return self.comm_s + self.reshard_s
+
+    def __str__(self) -> str:
+        return (f"{self.step_s * 1e3:.3f} ms/step (compute {self.compute_s * 1e3:.3f} ms, "
+                f"communication {self.communication_s * 1e3:.3f} ms), peak "
+                f"{self.peak_bytes / 2**30:.2f} GiB/device")
+
+
+@dataclass(frozen=True, slots=True)
+class BaselineResult:
+    """A hand-written-style plan solved in the same cost model (restricted strategy set)."""
+
+    name: str
+    feasible: bool
+    estimate: Estimate | None  # None when no plan of this family fits the budget
+    note: str = ""
+
+    def __str__(self) -> str:
+        return f"{self.name}: {self.estimate}" if self.feasible else f"{self.name}: {self.note}"
+
+
+@dataclass(frozen=True)
+class Plan:
+    model: str
+    graph_hash: str
+    mesh: MeshSpec
+    budget_bytes: int | None
+    nodes: tuple[NodePlan, ...]
+    estimate: Estimate
+    solver: dict[str, Any]  # status, backend, objective, lp_bound, gap, timings, sizes
+    timings: dict[str, float] = field(default_factory=dict)  # trace/profile/build/solve seconds
+    baselines: tuple[BaselineResult, ...] = ()
+    fallbacks: tuple[str, ...] = ()  # op nodes replicated without a rule (explicit opt-in)
+    cost_model_version: str = COST_MODEL_VERSION
+    version: int = PLAN_VERSION
+
+    # ----------------------------------------------------------------------------- queries
+    def node(self, name: str) -> NodePlan:
+        for n in self.nodes:
+            if n.name == name:
+                return n
+        raise KeyError(f"plan for {self.model} has no node {name!r}")
+
+    def by_kind(self, kind: str) -> tuple[NodePlan, ...]:
+        return tuple(n for n in self.nodes if n.kind == kind)
+
+    def best_baseline(self) -> BaselineResult | None:
+        feasible = [b for b in self.baselines if b.feasible]
+        return min(feasible, key=lambda b: b.estimate.step_s) if feasible else None
+
+    def summary(self) -> str:
+        budget = "none" if self.budget_bytes is None else f"{self.budget_bytes / 2**30:.2f} GiB"
+        lines = [
+            f"plan for {self.model} on mesh {self.mesh} (budget {budget})",
+            f"  estimate: {self.estimate}",
+            f"  solver: {self.solver.get('backend')} {self.solver.get('status')}, objective "
+            f"{self.solver.get('objective', 0.0) * 1e3:.3f} ms, LP bound "
+            f"{self.solver.get('lp_bound', 0.0) * 1e3:.3f} ms, gap {self.solver.get('gap', 0.0):.2%}",
+        ]
+        if self.timings:
+            lines.append("  timings: " + ", ".join(f"{k} {v:.2f}s" for k, v in self.timings.items()))
+        for b in self.baselines:
+            lines.append(f"  baseline {b}")
+        best = self.best_baseline()
+        if best is not None:
+            lines.append(f"  speed-up over best baseline ({best.name}): "
+                         f"{best.estimate.step_s / self.estimate.step_s:.2f}x")
+        if self.fallbacks:
+            lines.append(f"  replicated without a rule (fallback): {', '.join(self.fallbacks)}")
+        return "\n".join(lines)
+
+    # -------------------------------------------------------------------------------- JSON
+    def to_json(self) -> str:
+        data = {
+            "version": self.version, "cost_model_version": self.cost_model_version,
+            "model": self.model, "graph_hash": self.graph_hash,
+            "mesh": json.loads(self.mesh.to_json()), "budget_bytes": self.budget_bytes,
+            "estimate": asdict(self.estimate), "solver": self.solver, "timings": self.timings,
+            "baselines": [asdict(b) for b in self.baselines], "fallbacks": list(self.fallbacks),
+            "nodes": [asdict(n) for n in self.nodes],
+        }
+        return json.dumps(data, indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> "Plan":
+        data = json.loads(text)
+        if data.get("version") != PLAN_VERSION:
+            raise ValueError(f"plan file version {data.get('version')!r} is not supported "
+                             f"(this autopar reads version {PLAN_VERSION})")
+        try:
+            return cls(
+                model=data["model"], graph_hash=data["graph_hash"],
+                mesh=MeshSpec.from_json(json.dumps(data["mesh"])), budget_bytes=data["budget_bytes"],
+                nodes=tuple(NodePlan(**{**n, "input_specs": tuple(n["input_specs"]),
+                                        "output_specs": tuple(n["output_specs"])}) for n in data["nodes"]),
+                estimate=Estimate(**data["estimate"]), solver=data["solver"], timings=data["timings"],
+                baselines=tuple(
+                    BaselineResult(b["name"], b["feasible"],
+                                   Estimate(**b["estimate"]) if b["estimate"] else None, b["note"])
+                    for b in data["baselines"]),
+                fallbacks=tuple(data["fallbacks"]), cost_model_version=data["cost_model_version"],
+                version=data["version"],
+            )
+        except (KeyError, TypeError) as exc:
+            raise ValueError(f"malformed plan JSON: {exc}") from None
+
+    def save(self, path: str) -> None:
+        with open(path, "w") as f:
+            f.write(self.to_json())
+
+    @classmethod
+    def load(cls, path: str) -> "Plan":
+        with open(path) as f:
+            return cls.from_json(f.read())
