@@ -1,0 +1,133 @@
+"""Rotor checkpointing: C extension vs Python reference on one long chain.
+
+Builds a deterministic transformer-like chain (``--stages`` stages, default 100: an embedding,
+alternating attention / MLP stages with heterogeneous times, activation and tape sizes, and a
+loss), sets the budget to ``--fraction`` of its no-recompute peak (default 0.5; raised to the
+minimum budget if that is below), solves it with ``num_slots = --slots`` (default 500) in C and
+in Python, checks both return the same schedule, and prints the median wall time of each —
+both for the DP tables alone and for the whole ``solve_rotor`` — and the speed-up ratio.
+
+    .venv/bin/python benchmarks/checkpoint.py [--stages 100] [--slots 500] [--fraction 0.5]
+        [--repeats 9] [--python-repeats 1] [--jsonl out.jsonl]
+
+On a shared 2-core machine the C timings are noisy: the median of --repeats runs is quoted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from autopar.solver import checkpoint  # noqa: E402
+from autopar.solver.checkpoint import Chain, Op, min_budget, simulate, solve_rotor  # noqa: E402
+
+MiB = 1024**2
+
+
+def transformer_like_chain(num_stages: int, *, seed: int = 0) -> Chain:
+    """Stage 0 embeds, the last is the loss, the rest alternate attention and MLP."""
+    rng = random.Random(seed)
+    fwd, bwd, out, tape, ftmp, btmp, names = [], [], [], [], [], [], []
+    hidden = 16 * MiB
+    for i in range(num_stages):
+        jitter = rng.uniform(0.8, 1.25)
+        if i == num_stages - 1:  # loss: logits in the tape, a scalar out
+            kind, f, o, t, u, v = "loss", 4e-3, 4, 8 * hidden, 4 * hidden, 8 * hidden
+        elif i == 0:
+            kind, f, o, t, u, v = "embed", 5e-4, hidden, hidden, 0, hidden
+        elif i % 2:
+            kind, f, o, t, u, v = "attn", 6e-3, hidden, 5 * hidden, 2 * hidden, 3 * hidden
+        else:
+            kind, f, o, t, u, v = "mlp", 8e-3, hidden, 9 * hidden, 4 * hidden, 4 * hidden
+        fwd.append(f * jitter)
+        bwd.append(2 * f * jitter * rng.uniform(0.9, 1.1))
+        out.append(o)
+        tape.append(max(o, int(t * jitter)))
+        ftmp.append(int(u * jitter))
+        btmp.append(int(v * jitter))
+        names.append(f"{kind}{i}")
+    return Chain(fwd_time_s=fwd, bwd_time_s=bwd, input_bytes=hidden // 4, output_bytes=out,
+                 saved_bytes=tape, fwd_tmp_bytes=ftmp, bwd_tmp_bytes=btmp, names=names)
+
+
+def _timed(fn, repeats: int):
+    """Median wall seconds over ``repeats`` calls, and the last call's result."""
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        result = fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times), result
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--stages", type=int, default=100)
+    parser.add_argument("--slots", type=int, default=500)
+    parser.add_argument("--fraction", type=float, default=0.5,
+                        help="budget as a fraction of the no-recompute peak")
+    parser.add_argument("--repeats", type=int, default=9, help="timed runs of the C solver")
+    parser.add_argument("--python-repeats", type=int, default=1,
+                        help="timed runs of the Python reference (slow)")
+    parser.add_argument("--jsonl", type=Path, default=None, help="append one JSON row")
+    args = parser.parse_args(argv)
+    if args.stages < 2 or args.slots < 1 or not 0 < args.fraction <= 1:
+        raise ValueError(f"need --stages >= 2, --slots >= 1, 0 < --fraction <= 1; got "
+                         f"{args.stages}, {args.slots}, {args.fraction}")
+    if not checkpoint.c_extension_available():
+        print("autopar._rotor is not built: run `pip install -e .` first", file=sys.stderr)
+        return 1
+
+    chain = transformer_like_chain(args.stages)
+    keep_all = [Op("forward_save", i) for i in range(args.stages)] + [
+        Op("backward", i) for i in reversed(range(args.stages))]
+    full_peak = simulate(chain, keep_all).peak
+    budget = max(min_budget(chain), int(args.fraction * full_peak))
+
+    repeats = {"c": args.repeats, "python": args.python_repeats}
+    solve_s, schedules = {}, {}
+    for impl in ("c", "python"):
+        solve_s[impl], schedules[impl] = _timed(
+            lambda: solve_rotor(chain, budget, num_slots=args.slots, impl=impl), repeats[impl])
+    if schedules["c"] != schedules["python"]:
+        print("MISMATCH: C and Python schedules differ", file=sys.stderr)
+        return 1
+    sched = schedules["c"]
+    sizes = checkpoint._slot_sizes(chain, budget, args.slots)
+    mem = args.slots - sizes.act[0]
+    dp_s = {impl: _timed(lambda: checkpoint._dp(impl, sizes, mem), repeats[impl])[0]
+            for impl in ("c", "python")}
+
+    print(f"{chain}; budget {budget / MiB:.0f} MiB = {budget / full_peak:.0%} of the "
+          f"no-recompute peak {full_peak / MiB:.0f} MiB; {args.slots} slots")
+    print(f"schedule: time {sched.time_s * 1e3:.1f} ms vs {chain.no_recompute_time_s * 1e3:.1f} ms"
+          f" without recompute (+{sched.time_s / chain.no_recompute_time_s - 1:.1%}), peak "
+          f"{sched.peak_bytes / MiB:.0f} MiB, {len(sched.recomputed_stages)} stages recomputed, "
+          f"{len(sched.ops)} ops; C and Python schedules identical")
+    print(f"{'':<14}{'C s':>10}{'Python s':>12}{'speed-up':>10}")
+    for label, timing in (("DP tables", dp_s), ("solve_rotor", solve_s)):
+        print(f"{label:<14}{timing['c']:>10.4f}{timing['python']:>12.3f}"
+              f"{timing['python'] / timing['c']:>9.0f}x")
+    if args.jsonl:
+        row = {"bench": "checkpoint", "stages": args.stages, "slots": args.slots,
+               "budget_bytes": budget, "time_s": sched.time_s,
+               "no_recompute_time_s": chain.no_recompute_time_s,
+               "dp_c_s": dp_s["c"], "dp_python_s": dp_s["python"],
+               "solve_c_s": solve_s["c"], "solve_python_s": solve_s["python"],
+               "speedup_dp": dp_s["python"] / dp_s["c"],
+               "speedup_solve": solve_s["python"] / solve_s["c"]}
+        with args.jsonl.open("a") as fh:
+            fh.write(json.dumps(row) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
