@@ -98,6 +98,7 @@ def _gpt2(name: str) -> Callable:
             bos_token_id=vocab - 1, eos_token_id=vocab - 1,
         )
         model = GPT2LMHeadModel(config)
+        model.loss_type = "ForCausalLM"  # HF's default for this class, named to skip a warning
         return model, _token_inputs(vocab=vocab, batch=batch, seq=seq, device=device)
     return build
 
@@ -141,6 +142,7 @@ def _llama(name: str) -> Callable:
             attn_implementation="sdpa",
         )
         model = LlamaForCausalLM(config)
+        model.loss_type = "ForCausalLM"  # HF's default for this class, named to skip a warning
         return model, _token_inputs(vocab=vocab, batch=batch, seq=seq, device=device)
     return build
 
@@ -226,6 +228,7 @@ def default_demo() -> tuple[nn.Module, dict]:
                         attn_implementation="sdpa")
     with torch.device("meta"):
         model = GPT2LMHeadModel(config)
+        model.loss_type = "ForCausalLM"
         inputs = _token_inputs(vocab=config.vocab_size, batch=batch, seq=seq, device="meta")
     model.train()
     return model, inputs
