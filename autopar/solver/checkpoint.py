@@ -51,6 +51,17 @@ and ``g_s`` — but not ``x_s``. With ``a_k`` = size of ``x_k``, ``b_i`` = tape,
 
 ``C = inf`` when no option fits. The minimum is taken in the order [tape, j = s+1, ..., t] with
 strict ``<``: ties keep the earlier option. The whole chain is ``C(0, L-1, slots - a_0)``.
+More memory never removes a schedule, so each row ``C(s, t, .)`` is finite exactly from its
+first finite entry on; both implementations skip the candidates below those bounds (all inf).
+The schedule is rebuilt from the choice table by ``_reconstruct``, shared by both.
+
+A ``Schedule`` lists the ops, the simulated time and peak, and per stage how often its forward
+runs: ``kept_stages`` run once (their tape is kept from the first forward on),
+``recomputed_stages`` more than once (backward recomputes them from a plain checkpoint).
+
+Building a chain from a traced graph: every tensor counts once. ``x_{i+1}`` belongs to stage
+``i``'s tape, so stage ``i+1``'s tape leaves out its input even when autograd saves it (its
+backward reads ``x_{i+1}`` from memory, as modelled); ``saved_bytes[i] >= output_bytes[i]``.
 
 Memory is discretised: ``num_slots`` slots stand for ``budget_bytes``, and every size becomes
 ``ceil(bytes * num_slots / budget_bytes)`` slots. Rounding every term up means a schedule that
