@@ -29,7 +29,7 @@ import torch
 
 from ..spec import Replicate, TensorSpec
 from .comm import KernelContext
-from .registry import OpInfo, Sample, Strategy, bind, call_op, get_kernel
+from .registry import OpInfo, Sample, Strategy, bind, call_op, get_kernel, local_arguments
 
 __all__ = ["SimWorld", "SimComm", "run_spmd", "check_strategy", "StrategyMismatch", "reference"]
 
@@ -187,6 +187,17 @@ def _replace_slots(bound: dict[str, Any], new: list[Any]) -> dict[str, Any]:
     return out
 
 
+def _run_op(target: Any, bound: dict[str, Any]) -> Any:
+    """``call_op``, but an argument the op writes in place (``add_``'s ``self``) is cloned first:
+    in a graph it is an activation, never an autograd leaf, and the caller's tensor stays intact."""
+    schema = getattr(target, "_schema", None)
+    if schema is not None:
+        written = {a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write}
+        if written:
+            bound = {k: v.clone() if k in written and isinstance(v, torch.Tensor) else v for k, v in bound.items()}
+    return call_op(target, bound)
+
+
 def _as_list(out: Any) -> list[Any]:
     return list(out) if isinstance(out, (list, tuple)) else [out]
 
@@ -199,7 +210,7 @@ def reference(target: Any, sample: Sample, *, seed: int = 0) -> tuple[OpInfo, _R
     leaves = [t.detach().clone().requires_grad_(t.is_floating_point() and g)
               for t, g in zip(_slot_values(bound), needs_grad)]
     bound = _replace_slots(bound, leaves)
-    outs = _as_list(call_op(target, bound))
+    outs = _as_list(_run_op(target, bound))
     grads = [torch.randn(o.shape, dtype=o.dtype, generator=gen)
              if isinstance(o, torch.Tensor) and o.requires_grad else None for o in outs]
     pairs = [(o, g) for o, g in zip(outs, grads) if g is not None]
@@ -210,7 +221,7 @@ def reference(target: Any, sample: Sample, *, seed: int = 0) -> tuple[OpInfo, _R
         it = iter(got)
         in_grads = [next(it) if t.requires_grad else None for t in leaves]
         in_grads = [torch.zeros_like(t) if g is None and t.requires_grad else g for g, t in zip(in_grads, leaves)]
-    info = OpInfo.from_values(target, sample.args, sample.kwargs, call_op(target, bind(target, sample.args, sample.kwargs)))
+    info = OpInfo.from_values(target, sample.args, sample.kwargs, _run_op(target, bind(target, sample.args, sample.kwargs)))
     detached = [o.detach() if isinstance(o, torch.Tensor) else o for o in outs]
     return info, _Reference(bound, detached, grads, in_grads)
 
@@ -260,7 +271,9 @@ def check_strategy(target: Any, sample: Sample, strategy: Strategy, mesh_shape: 
         leaves = [t.clone().requires_grad_(r.requires_grad) for t, r in zip(locals_by_coord[coord], values)]
         bound = _replace_slots(ref.bound, leaves)
         if kernel is None:
-            outs = _as_list(call_op(target, bound))
+            # The runtime's rewrite of shape arguments to local sizes (view, expand ...).
+            bound = local_arguments(target, info, bound, strategy.input_specs, out_specs, mesh_shape)
+            outs = _as_list(_run_op(target, bound))
         else:
             ctx = KernelContext(comm, info, strategy.input_specs, out_specs, mesh_shape)
             outs = _as_list(kernel(ctx, **bound))

@@ -18,6 +18,7 @@ order, so ``Strategy.input_specs[i]`` always belongs to ``input_nodes(node)[i]``
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
@@ -29,7 +30,7 @@ from ..spec import Partial, Placement, Replicate, TensorSpec
 __all__ = [
     "TensorMeta", "InputSlot", "OpInfo", "AxisOption", "Strategy", "RuleEntry", "LocalKernel",
     "NoRuleError", "register", "register_kernel", "get_rule", "get_kernel", "registered_targets",
-    "input_nodes", "call_op", "Sample",
+    "input_nodes", "call_op", "Sample", "local_arguments", "needs_no_decision",
 ]
 
 R = Replicate()
@@ -183,6 +184,14 @@ class OpInfo:
             return False, None
 
         raw = bind(node.target, node.args, node.kwargs)
+        if node.target is operator.getitem and isinstance(node.args[0], torch.fx.Node):
+            # ``getitem`` reads element ``k`` of a multi-output producer: its one input slot is
+            # that element (the producer's ``output_specs[k]`` is the layout it arrives in).
+            element = TensorMeta.of(node.meta.get("val"))
+            raw = {"arg0": node.args[0], "arg1": node.args[1]}
+            bound = {"arg0": element, "arg1": node.args[1]}
+            slots = (InputSlot("arg0", None, element),)
+            return cls(node.target, bound, slots, (element,), False, node.name, module_path_of(node))
         bound = {
             k: [meta_of(x) for x in v] if isinstance(v, (list, tuple)) else meta_of(v)
             for k, v in raw.items()
@@ -376,6 +385,11 @@ class RuleEntry:
     family: str
     has_flops: bool  # count FLOPs with torch.utils.flop_counter (else the op is memory-bound)
     combine_check: Callable[[OpInfo, tuple[AxisOption, ...]], bool] | None
+    # (info, bound, input_specs, output_specs, mesh_shape) -> bound with shape arguments rewritten
+    # to local sizes: the rewrite the runtime applies to the plain op (view sizes, expand ...).
+    local_args: Callable[..., dict[str, Any]] | None = None
+    # The rule offers only the replicated strategy, by design (documented in its family).
+    replicate_only: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -397,11 +411,16 @@ _KERNELS: dict[str, LocalKernel] = {}
 
 
 def register(*targets: Any, samples: Callable[[], list[Sample]], has_flops: bool = False,
-             combine_check: Callable[[OpInfo, tuple[AxisOption, ...]], bool] | None = None) -> Callable[[RuleFn], RuleFn]:
+             combine_check: Callable[[OpInfo, tuple[AxisOption, ...]], bool] | None = None,
+             local_args: Callable[..., dict[str, Any]] | None = None,
+             replicate_only: bool = False) -> Callable[[RuleFn], RuleFn]:
     """Register a single-axis rule for one or more ATen overloads (decorator).
 
     ``samples`` returns concrete inputs for the numerical check (required: every rule is
     checked). ``combine_check(info, per_axis_options)`` may veto a multi-axis combination.
+    ``local_args(info, bound, input_specs, output_specs, mesh_shape) -> bound`` rewrites shape
+    arguments to local sizes for the plain local op (see ``local_arguments``).
+    ``replicate_only=True`` declares a rule that offers only replication on purpose.
     """
     if not targets:
         raise ValueError("register() needs at least one op overload")
@@ -412,7 +431,7 @@ def register(*targets: Any, samples: Callable[[], list[Sample]], has_flops: bool
                 raise ValueError(f"a sharding rule for {t} is already registered "
                                  f"(by {_RULES[t].family}.{_RULES[t].rule.__name__})")
             family = rule.__module__.rsplit(".", 1)[-1]
-            _RULES[t] = RuleEntry(t, rule, samples, family, has_flops, combine_check)
+            _RULES[t] = RuleEntry(t, rule, samples, family, has_flops, combine_check, local_args, replicate_only)
         return rule
 
     return deco
@@ -442,3 +461,35 @@ def get_kernel(name: str) -> LocalKernel:
 
 def registered_targets() -> list[Any]:
     return sorted(_RULES, key=str)
+
+
+def local_arguments(target: Any, info: OpInfo, bound: dict[str, Any], input_specs: Sequence[TensorSpec | None],
+                    output_specs: Sequence[TensorSpec | None], mesh_shape: Sequence[int]) -> dict[str, Any]:
+    """``bound`` (one rank's arguments) with shape arguments rewritten to local sizes.
+
+    Ops whose arguments carry global sizes (``view``'s ``size``, ``expand``, ``new_ones`` ...)
+    register ``local_args``; the runtime applies the same rewrite when it emits the local op,
+    and the numerical check applies it before running the plain op on the shards. Splits are
+    even, so the rewritten arguments are the same on every rank.
+    """
+    entry = _RULES.get(target)
+    if entry is None or entry.local_args is None:
+        return bound
+    return entry.local_args(info, dict(bound), tuple(input_specs), tuple(output_specs), tuple(mesh_shape))
+
+
+def needs_no_decision(node: torch.fx.Node) -> bool:
+    """Whether the planner may skip ``node``: its layout is fixed by its producer.
+
+    - ``operator.getitem`` on a multi-output op: element ``k`` keeps the layout the producer
+      emits for its output ``k`` (``strategies_for`` still answers, with identity strategies);
+    - ops without a tensor output (``aten._assert_tensor_metadata``): nothing is laid out; the
+      op runs on whatever shard arrives (its rule checks that the local op accepts shards).
+    """
+    if node.op != "call_function":
+        return False
+    if node.target is operator.getitem:
+        return True
+    val = node.meta.get("val")
+    values = val if isinstance(val, (list, tuple)) else (val,)
+    return not any(isinstance(v, torch.Tensor) for v in values)

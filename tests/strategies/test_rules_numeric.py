@@ -18,10 +18,14 @@ def test_every_strategy_matches_the_unsharded_op(target):
         ref = reference(target, sample)
         for shape in MESHES:
             strategies = enumerate_strategies(ref[0], MeshSpec.preset("cpu", shape), flops=(0.0, 0.0))
-            # A rule must offer more than replication on a mesh its sample divides.
-            assert any(not all(s is None or s.is_replicated() for s in st.input_specs) for st in strategies), (
-                f"{target} sample {sample.label!r} on {shape}: only replicated strategies"
-            )
+            # A rule must offer more than replication on a mesh its sample divides (factory ops
+            # have no tensor input: their output counts), unless it declares replication only.
+            sharded = [st for st in strategies
+                       if not all(s is None or s.is_replicated() for s in st.input_specs + st.output_specs)]
+            if get_rule(target).replicate_only:
+                assert not sharded, f"{target} declares replicate_only but offers {sharded[0].name}"
+            else:
+                assert sharded, f"{target} sample {sample.label!r} on {shape}: only replicated strategies"
             for strategy in strategies:
                 num_checked += 1
                 try:
