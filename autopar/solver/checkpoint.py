@@ -72,6 +72,8 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
+import operator
 import warnings
 from array import array
 from collections import Counter
@@ -120,10 +122,18 @@ def _fmt_seconds(t: float) -> str:
     return f"{t * 1e6:.3f} us"
 
 
-def _check_bytes(name: str, values: tuple) -> None:
+def _as_bytes(name: str, values: tuple) -> tuple[int, ...]:
+    """Integral values (numpy ints included) >= 0 as plain ints; ValueError otherwise."""
+    out = []
     for i, v in enumerate(values):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+        try:
+            n = operator.index(v)
+        except TypeError:
+            n = -1
+        if isinstance(v, bool) or n < 0:
             raise ValueError(f"{name}[{i}] = {v!r}: byte counts must be ints >= 0")
+        out.append(n)
+    return tuple(out)
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,13 +163,13 @@ class Chain:
                 raise ValueError(f"{name} has {got} entries, expected {n} (one per stage)")
         for name in ("fwd_time_s", "bwd_time_s"):
             for i, v in enumerate(getattr(self, name)):
-                if isinstance(v, bool) or not isinstance(v, (int, float)) or not (
+                if isinstance(v, bool) or not isinstance(v, numbers.Real) or not (
                         math.isfinite(v) and v >= 0):
                     raise ValueError(f"{name}[{i}] = {v!r}: times must be finite seconds >= 0")
             object.__setattr__(self, name, tuple(float(v) for v in getattr(self, name)))
-        _check_bytes("input_bytes", (self.input_bytes,))
+        object.__setattr__(self, "input_bytes", _as_bytes("input_bytes", (self.input_bytes,))[0])
         for name in per_stage[2:6]:
-            _check_bytes(name, getattr(self, name))
+            object.__setattr__(self, name, _as_bytes(name, getattr(self, name)))
         for i, (out, tape) in enumerate(zip(self.output_bytes, self.saved_bytes)):
             if tape < out:
                 raise ValueError(f"saved_bytes[{i}] = {tape} < output_bytes[{i}] = {out}: "

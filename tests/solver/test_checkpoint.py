@@ -8,6 +8,7 @@ import math
 import random
 import warnings
 
+import numpy as np
 import pytest
 
 from autopar.solver import checkpoint
@@ -305,6 +306,11 @@ def test_bad_inputs_raise_value_errors_with_the_values():
             ("names", ["a"], "names has 1 entries")]:
         with pytest.raises(ValueError, match=message):
             Chain(**{**good, field_name: value})
+    numpy_chain = Chain(**{**good, "output_bytes": np.array(good["output_bytes"]),
+                           "fwd_time_s": np.array(good["fwd_time_s"], dtype=np.float32)})
+    assert numpy_chain.output_bytes == small_chain().output_bytes
+    assert all(type(v) is int for v in numpy_chain.output_bytes)
+    assert all(type(v) is float for v in numpy_chain.fwd_time_s)
     with pytest.raises(ValueError, match="at least one stage"):
         Chain(**{k: ([] if isinstance(v, list) else v) for k, v in good.items()})
     chain = small_chain()
