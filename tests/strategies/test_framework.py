@@ -172,5 +172,7 @@ def test_every_covered_node_of_tiny_gpt2_gets_strategies():
             "aten.scaled_dot_product_attention.default", "aten.cross_entropy_loss.default"} <= targets
     for node in covered:
         strategies = strategies_for(node, mesh)
-        assert any(not st.output_specs[0].is_replicated() for st in strategies), node.format_node()
+        val = node.meta["val"]
+        if isinstance(val, torch.Tensor) and any(size % 2 == 0 for size in val.shape):
+            assert any(not st.output_specs[0].is_replicated() for st in strategies), node.format_node()
         assert all(st.compute_s > 0 for st in strategies)
