@@ -1,0 +1,388 @@
+"""Shrink a ``Problem`` into a ``Reduced`` model with fewer decisions, then map answers back.
+
+A ``Reduced`` model has *groups* (one decision each) instead of nodes. Every problem node is a
+*member* of one group, with a map from the group's option index to the node's option; choosing
+option ``s`` for the group chooses ``member.option_names[s]`` for that node. Costs and memory
+are re-expressed on groups so that, for every group choice, the reduced objective and memory
+equal the problem's for the expanded node choice (``Problem.evaluate``). Four transformations:
+
+1. **Repeated-block aliasing** (an intended restriction, DESIGN.md decision 7). Nodes whose
+   ``block`` is ``"<prefix>.<i>"`` form instances of the prefix; instances with equal
+   (signature, option names) sequences form a class, and the k-th node of every instance of a
+   class joins one group. Costs of the members add up; each member keeps its own memory item
+   (own liveness interval); edges between members add up per group pair, so within-block and
+   block-to-block edges of a template pair share one edge variable; an edge whose two ends land
+   in the same group becomes a diagonal (linear) cost. The reduced objective is exact for every
+   shared choice; the only approximation is that instances may no longer differ.
+
+2. **Separable-edge folding** (exact). An edge cost ``C[s, t] = a[s] + b[t]`` (all-zero
+   matrices and any edge touching a single-option group included) needs no edge variables:
+   ``a`` joins the first group's cost, ``b`` the second's.
+
+3. **Dominated options** (exact). Option ``t`` of group ``g`` is dropped when another option
+   ``t'`` is never worse whatever the neighbours choose:
+   ``cost[t'] - cost[t] + sum_w max_r (C_gw[t', r] - C_gw[t, r]) <= 0`` over all neighbours
+   ``w``, and (when memory can bind) ``t'`` holds no more bytes than ``t`` in every memory item
+   and in parameters, and (when the group can be recomputed) recomputes no slower.
+
+4. **Follow-merge** (Alpa's, made exact). Group ``v`` *follows* a neighbour ``u``: for every
+   option ``s`` of ``u`` let ``t*(s)`` minimise ``cost_v[t] + C_uv[s, t]``. Following is exact
+   when, for every ``s`` and every ``t``,
+   ``cost_v[t*] + C_uv[s, t*] - cost_v[t] - C_uv[s, t] + sum_{w != u} max_r (C_vw[t*, r] - C_vw[t, r]) <= 0``
+   and ``t*`` dominates ``t`` in memory (when memory can bind) and recompute time: then given
+   ``u = s``, ``v = t*(s)`` is optimal whatever else is chosen, so ``v`` is removed and its
+   cost, memory items and edges move onto ``u`` through ``t*``. This is the usual case of an
+   elementwise op after its producer. Memory dominance is waived (chain merging) only where the
+   memory constraint cannot bind: no budget, or the worst choice everywhere fits the budget.
+
+Transformations 2-4 repeat until nothing changes. No torch import.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .problem import Problem
+
+__all__ = ["MemItem", "Member", "Reduced", "simplify", "peak_candidates"]
+
+_BLOCK_RE = re.compile(r"^(.*)\.(\d+)$")
+# Costs are seconds of order 1e-6..1e2; dominance and separability tests allow float noise only.
+_EPS = 1e-12
+
+
+@dataclass(frozen=True, slots=True)
+class MemItem:
+    """``bytes[s]`` held on timeline points ``start..end`` when the group picks option ``s``."""
+
+    group: int
+    start: int
+    end: int
+    bytes: np.ndarray
+    segment: str | None = None
+
+    def __str__(self) -> str:
+        return f"mem[g{self.group} t{self.start}..{self.end} max {int(self.bytes.max())}B]"
+
+
+@dataclass(frozen=True, slots=True)
+class Member:
+    """Problem node ``node`` follows group ``group``: its option is ``option_names[group choice]``."""
+
+    node: str
+    group: int
+    option_names: tuple[str, ...]
+
+    def __str__(self) -> str:
+        return f"{self.node} -> g{self.group}"
+
+
+@dataclass(frozen=True, slots=True)
+class Reduced:
+    """The simplified model the ILP solves (see the module docstring for the meaning).
+
+    cost[g][s]:        seconds when group g picks s (node costs + folded edge costs, summed).
+    param[g][s]:       bytes held for the whole step.
+    forward[g]:        segment -> forward seconds per option (what recomputing would cost).
+    mem_items:         activation memory items on the timeline.
+    edges:             ``(g1, g2)`` with ``g1 < g2`` -> cost matrix ``[s1, s2]`` (non-separable only).
+    constant:          seconds that do not depend on any choice.
+    memory_can_bind:   False when the budget is None or cannot be exceeded by any choice.
+    """
+
+    cost: tuple[np.ndarray, ...]
+    param: tuple[np.ndarray, ...]
+    forward: tuple[dict[str, np.ndarray], ...]
+    mem_items: tuple[MemItem, ...]
+    edges: dict[tuple[int, int], np.ndarray]
+    constant: float
+    members: tuple[Member, ...]
+    budget_bytes: int | None
+    timeline_length: int
+    memory_can_bind: bool
+    stats: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.cost)
+
+    def num_options(self, g: int) -> int:
+        return len(self.cost[g])
+
+    def expand(self, group_choice: list[int] | tuple[int, ...]) -> dict[str, str]:
+        """Group option indices -> option name for every problem node."""
+        if len(group_choice) != self.num_groups:
+            raise ValueError(f"expected {self.num_groups} group choices, got {len(group_choice)}")
+        return {m.node: m.option_names[group_choice[m.group]] for m in self.members}
+
+    def objective(self, group_choice: list[int] | tuple[int, ...]) -> float:
+        """The reduced objective of a group choice (equals the problem's for the expansion)."""
+        total = self.constant + sum(float(c[s]) for c, s in zip(self.cost, group_choice))
+        for (a, b), mat in self.edges.items():
+            total += float(mat[group_choice[a], group_choice[b]])
+        return total
+
+    def __str__(self) -> str:
+        opts = sum(len(c) for c in self.cost)
+        return (f"Reduced({self.num_groups} groups, {opts} options, {len(self.edges)} edges, "
+                f"{len(self.mem_items)} mem items, from {len(self.members)} nodes)")
+
+
+# ------------------------------------------------------------------------ working model
+class _Work:
+    """Mutable form of ``Reduced`` used while simplifying."""
+
+    def __init__(self, problem: Problem, alias: bool):
+        self.cost: dict[int, np.ndarray] = {}
+        self.param: dict[int, np.ndarray] = {}
+        self.forward: dict[int, dict[str, np.ndarray]] = {}
+        self.items: dict[int, list[MemItem]] = defaultdict(list)
+        self.adj: dict[int, dict[int, np.ndarray]] = defaultdict(dict)  # adj[a][b] is [s_a, s_b]
+        self.constant = 0.0
+        # node -> (group, node option index for each group option)
+        self.member: dict[str, tuple[int, np.ndarray]] = {}
+        self.group_members: dict[int, list[str]] = defaultdict(list)
+        self.names = {n.name: tuple(o.name for o in n.options) for n in problem.nodes}
+        self.num_aliased = 0
+        groups = _alias_groups(problem) if alias else {n.name: i for i, n in enumerate(problem.nodes)}
+        for n in problem.nodes:
+            g = groups[n.name]
+            k = n.num_options
+            if g not in self.cost:
+                self.cost[g], self.param[g], self.forward[g] = np.zeros(k), np.zeros(k), {}
+            else:
+                self.num_aliased += 1
+            self.cost[g] += [o.cost_s for o in n.options]
+            self.param[g] += [o.param_bytes for o in n.options]
+            if n.segment is not None:
+                fwd = self.forward[g].setdefault(n.segment, np.zeros(k))
+                fwd += [o.forward_s for o in n.options]
+            acts = np.array([o.act_bytes for o in n.options], dtype=float)
+            if n.live is not None and acts.any():
+                self.items[g].append(MemItem(g, n.live[0], n.live[1], acts, n.segment))
+            self.member[n.name] = (g, np.arange(k))
+            self.group_members[g].append(n.name)
+        for e in problem.edges:
+            ga, gb = groups[e.src], groups[e.dst]
+            mat = np.asarray(e.costs, dtype=float)
+            if ga == gb:  # both ends share one decision: only the diagonal is reachable
+                self.cost[ga] += np.diag(mat)
+            else:
+                self.add_edge(ga, gb, mat)
+
+    def add_edge(self, a: int, b: int, mat: np.ndarray) -> None:
+        if b in self.adj[a]:
+            self.adj[a][b] = self.adj[a][b] + mat
+        else:
+            self.adj[a][b] = mat
+        self.adj[b][a] = self.adj[a][b].T
+
+    def drop_edge(self, a: int, b: int) -> None:
+        del self.adj[a][b]
+        del self.adj[b][a]
+
+    # ------------------------------------------------------------------- transformations
+    def fold_if_separable(self, a: int, b: int) -> bool:
+        mat = self.adj[a][b]
+        rows, cols = mat[:, 0], mat[0, :] - mat[0, 0]
+        if np.abs(mat - rows[:, None] - cols[None, :]).max() > _EPS * (1.0 + np.abs(mat).max()):
+            return False
+        self.cost[a] = self.cost[a] + rows
+        self.cost[b] = self.cost[b] + cols
+        self.drop_edge(a, b)
+        return True
+
+    def regret(self, g: int, skip: int | None = None) -> np.ndarray:
+        """``R[t', t] = sum_w max_r (C_gw[t', r] - C_gw[t, r])`` over neighbours w != skip."""
+        k = len(self.cost[g])
+        total = np.zeros((k, k))
+        for w, mat in self.adj[g].items():
+            if w != skip:
+                total += (mat[:, None, :] - mat[None, :, :]).max(axis=2)
+        return total
+
+    def dominates(self, g: int, memory: bool) -> np.ndarray:
+        """``D[t', t]``: t' holds no more memory and recomputes no slower than t."""
+        k = len(self.cost[g])
+        ok = np.ones((k, k), dtype=bool)
+        vectors = list(self.forward[g].values())
+        if memory:
+            vectors += [self.param[g]] + [it.bytes for it in self.items[g]]
+        for vec in vectors:
+            ok &= vec[:, None] <= vec[None, :]
+        return ok
+
+    def prune_dominated(self, g: int, memory: bool) -> bool:
+        k = len(self.cost[g])
+        if k == 1:
+            return False
+        worse = self.cost[g][:, None] - self.cost[g][None, :] + self.regret(g)
+        dom = self.dominates(g, memory) & (worse <= _EPS * (1.0 + np.abs(self.cost[g]).max()))
+        keep = np.ones(k, dtype=bool)
+        for t in range(k):  # sequential so that of two equal options exactly one survives
+            if any(dom[t2, t] for t2 in range(k) if t2 != t and keep[t2]):
+                keep[t] = False
+        if keep.all():
+            return False
+        self.restrict(g, np.flatnonzero(keep))
+        return True
+
+    def restrict(self, g: int, kept: np.ndarray) -> None:
+        self.cost[g] = self.cost[g][kept]
+        self.param[g] = self.param[g][kept]
+        self.forward[g] = {s: v[kept] for s, v in self.forward[g].items()}
+        self.items[g] = [MemItem(g, it.start, it.end, it.bytes[kept], it.segment) for it in self.items[g]]
+        for w in list(self.adj[g]):
+            self.adj[g][w] = self.adj[g][w][kept, :]
+            self.adj[w][g] = self.adj[g][w].T
+        for node in self.group_members[g]:
+            self.member[node] = (g, self.member[node][1][kept])
+
+    def try_follow(self, v: int, u: int, memory: bool) -> bool:
+        """Merge v into neighbour u when following u is exact (module docstring, item 4)."""
+        c_uv = self.adj[u][v]  # [s_u, t_v]
+        q = self.cost[v][None, :] + c_uv
+        best = q.argmin(axis=1)
+        rows = np.arange(len(best))
+        loss = q[rows, best][:, None] - q + self.regret(v, skip=u)[best, :]
+        tol = _EPS * (1.0 + np.abs(q).max())
+        if (loss > tol).any() or not self.dominates(v, memory)[best, :].all():
+            return False
+        self.cost[u] = self.cost[u] + q[rows, best]
+        self.param[u] = self.param[u] + self.param[v][best]
+        for seg, vec in self.forward[v].items():
+            mine = self.forward[u].setdefault(seg, np.zeros(len(best)))
+            self.forward[u][seg] = mine + vec[best]
+        self.items[u] += [MemItem(u, it.start, it.end, it.bytes[best], it.segment) for it in self.items[v]]
+        self.drop_edge(u, v)
+        for w, mat in list(self.adj[v].items()):
+            self.drop_edge(v, w)
+            self.add_edge(u, w, mat[best, :])
+        for node in self.group_members[v]:
+            self.member[node] = (u, self.member[node][1][best])
+        self.group_members[u] += self.group_members[v]
+        for table in (self.cost, self.param, self.forward, self.items, self.adj, self.group_members):
+            table.pop(v, None)
+        return True
+
+
+def _alias_groups(problem: Problem) -> dict[str, int]:
+    """Node name -> group id; identical repeated-block instances share ids position by position."""
+    groups = {n.name: i for i, n in enumerate(problem.nodes)}
+    instances: dict[tuple[str, int], list] = defaultdict(list)
+    for n in problem.nodes:
+        m = _BLOCK_RE.match(n.block) if n.block else None
+        if m:
+            instances[(m.group(1), int(m.group(2)))].append(n)
+    classes: dict[tuple, list[list]] = defaultdict(list)
+    for (prefix, idx), nodes in sorted(instances.items(), key=lambda kv: kv[0]):
+        key = (prefix, tuple((n.signature, tuple(o.name for o in n.options)) for n in nodes))
+        classes[key].append(nodes)
+    for members in classes.values():
+        template = members[0]
+        for inst in members[1:]:
+            for k, n in enumerate(inst):
+                groups[n.name] = groups[template[k].name]
+    return groups
+
+
+def _worst_peak(work: _Work) -> float:
+    params = sum(float(p.max()) for p in work.param.values())
+    events: dict[int, float] = defaultdict(float)
+    for items in work.items.values():
+        for it in items:
+            events[it.start] += float(it.bytes.max())
+            events[it.end + 1] -= float(it.bytes.max())
+    running, peak = 0.0, 0.0
+    for t in sorted(events):
+        running += events[t]
+        peak = max(peak, running)
+    return params + peak
+
+
+def simplify(problem: Problem, *, alias: bool = True, merge: bool = True) -> Reduced:
+    """Reduce ``problem``; ``alias``/``merge`` switch transformations 1 and 3-4 off (folding of
+    separable edges is always done: it is exact and only removes variables)."""
+    work = _Work(problem, alias)
+    budget = problem.budget_bytes
+    memory = budget is not None and _worst_peak(work) > budget
+    num_folded = num_pruned = num_followed = 0
+    dirty = set(work.cost)
+    while dirty:
+        g = dirty.pop()
+        if g not in work.cost:
+            continue
+        for w in list(work.adj[g]):
+            if work.fold_if_separable(g, w):
+                num_folded += 1
+                dirty.update((g, w))
+        if not merge:
+            continue
+        if work.prune_dominated(g, memory):
+            num_pruned += 1
+            dirty.add(g)
+            dirty.update(work.adj[g])
+            continue
+        for u in sorted(work.adj[g], key=lambda w: len(work.cost[w]), reverse=True):
+            neighbours = set(work.adj[g])
+            if work.try_follow(g, u, memory):
+                num_followed += 1
+                dirty.update(neighbours)
+                break
+    return _freeze(work, problem, memory, {
+        "num_nodes": problem.num_nodes, "num_aliased": work.num_aliased, "num_folded_edges": num_folded,
+        "num_pruned": num_pruned, "num_followed": num_followed,
+    })
+
+
+def _freeze(work: _Work, problem: Problem, memory: bool, stats: dict[str, int]) -> Reduced:
+    order = sorted(work.cost)
+    new = {g: i for i, g in enumerate(order)}
+    edges = {}
+    for a in order:
+        for b, mat in work.adj[a].items():
+            if new[a] < new[b]:
+                edges[(new[a], new[b])] = mat
+    items = tuple(MemItem(new[g], it.start, it.end, it.bytes, it.segment) for g in order for it in work.items[g])
+    members = tuple(
+        Member(node, new[grp], tuple(work.names[node][i] for i in idx))
+        for node, (grp, idx) in work.member.items()
+    )
+    stats = {**stats, "num_groups": len(order), "num_group_edges": len(edges),
+             "num_options": int(sum(len(work.cost[g]) for g in order))}
+    return Reduced(
+        cost=tuple(work.cost[g] for g in order), param=tuple(work.param[g] for g in order),
+        forward=tuple(work.forward[g] for g in order), mem_items=items, edges=edges,
+        constant=work.constant, members=members, budget_bytes=problem.budget_bytes,
+        timeline_length=problem.timeline_length, memory_can_bind=memory, stats=stats,
+    )
+
+
+def peak_candidates(items: tuple[MemItem, ...] | list[MemItem]) -> list[int]:
+    """Timeline points whose live item sets are maximal (no other point's set contains them).
+
+    The total of non-negative interval loads peaks at some interval start; a start ``p`` whose
+    live set is also live at the next start ``q`` (every live interval outlasts ``q``) is
+    dominated by ``q``. So ``p`` is a candidate iff some interval live at ``p`` ends before ``q``.
+    """
+    import heapq
+
+    starts = sorted({it.start for it in items})
+    by_start: dict[int, list[int]] = defaultdict(list)
+    for it in items:
+        by_start[it.start].append(it.end)
+    heap: list[int] = []
+    out = []
+    for k, p in enumerate(starts):
+        for end in by_start[p]:
+            heapq.heappush(heap, end)
+        while heap and heap[0] < p:
+            heapq.heappop(heap)
+        nxt = starts[k + 1] if k + 1 < len(starts) else None
+        if nxt is None or heap[0] < nxt:
+            out.append(p)
+    return out
