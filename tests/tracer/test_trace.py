@@ -133,3 +133,14 @@ def test_positional_real_inputs_and_constants():
     positional = trace(block, (x,))
     assert [p.fqn for p in positional.inputs] == ["x"]
     assert "aten.neg.default" not in positional.op_counts()
+
+
+def test_stack_traces_on_request():
+    block = Block(True)
+    x = torch.randn(2, 8)
+    plain = trace(block, (x,))
+    assert all(not n.meta.get("stack_trace") for n in plain.compute_nodes())
+    with_stack = trace(block, (x,), stack_traces=True)
+    mul = next(n for n in with_stack.compute_nodes() if "mul" in str(n.target))
+    assert "y = self.lin(x) * scale" in mul.meta["stack_trace"]
+    assert with_stack.graph_hash == plain.graph_hash
