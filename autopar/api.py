@@ -53,10 +53,12 @@ def plan(
     allow_replicate_fallback: bool = False,
     verbose: bool = False,
     progress: Progress | None = None,
+    context: dict | None = None,
 ) -> Plan:
     """Plan ``model`` on ``mesh`` offline. ``mesh``: a MeshSpec, or a shape (``(2, 4)``/``"2x4"``)
     with the ``device`` preset's costs. ``memory_budget``: bytes or ``"16GiB"``; None = the
-    device capacity from the MeshSpec."""
+    device capacity from the MeshSpec. ``context``: a dict that receives the intermediate
+    ``traced``, ``profile``, ``built`` and ``solution`` (for reports that need per-node data)."""
     from .builder import BuildOptions, build_problem
     from .tracer import profile as profile_graph
     from .tracer import trace
@@ -73,6 +75,8 @@ def plan(
     with progress.stage("strategies", f"{sum(1 for _ in traced.compute_nodes())} ops on mesh {mesh}"):
         built = build_problem(traced, prof, mesh, budget_bytes=budget, options=options)
     solution = _solve(built.problem, solver=solver, time_limit=time_limit, progress=progress, stage="solve")
+    if context is not None:
+        context.update(traced=traced, profile=prof, built=built, solution=solution)
     results = ()
     if baselines:
         results = tuple(_baseline(name, traced, prof, mesh, budget, options, solver, time_limit, progress)
