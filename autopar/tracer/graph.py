@@ -42,6 +42,7 @@ class Placeholder:
     aliases: tuple[str, ...]
     shape: tuple[int, ...]
     dtype: torch.dtype | None
+    requires_grad: bool = False  # a trainable parameter (frozen ones and buffers: False)
 
     @property
     def numel(self) -> int:

@@ -182,8 +182,8 @@ def _placeholder_value(node: fx.Node, traced: TracedGraph) -> Any:
         return val
     tensor = torch.empty_strided(tuple(val.shape), tuple(val.stride()), dtype=val.dtype,
                                  device=_CPU)
-    # Only parameters require grad: a real training step does not differentiate its inputs.
-    if info.kind == PARAMETER and val.dtype.is_floating_point:
+    # Only trainable parameters require grad: a training step does not differentiate its inputs.
+    if info.requires_grad and val.dtype.is_floating_point:
         tensor.requires_grad_(True)
     return tensor
 

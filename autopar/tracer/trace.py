@@ -250,6 +250,7 @@ def _build(model: nn.Module, ep, model_name: str) -> TracedGraph:
     gm = ep.graph_module
     graph = gm.graph
     aliases = _alias_groups(model)
+    trainable = {fqn: p.requires_grad for fqn, p in model.named_parameters(remove_duplicate=False)}
     placeholders: list[Placeholder] = []
     canonical_nodes: dict[str, fx.Node] = {}
     input_paths = _input_paths(ep)
@@ -275,9 +276,11 @@ def _build(model: nn.Module, ep, model_name: str) -> TracedGraph:
             fqn = spec.target if spec is not None and spec.target else input_paths.get(node.name,
                                                                                         node.name)
             names = (fqn,)
+        is_tensor = isinstance(val, torch.Tensor)
         info = Placeholder(name=node.name, kind=kind, fqn=fqn, aliases=tuple(names),
-                           shape=tuple(val.shape) if isinstance(val, torch.Tensor) else (),
-                           dtype=val.dtype if isinstance(val, torch.Tensor) else None)
+                           shape=tuple(val.shape) if is_tensor else (),
+                           dtype=val.dtype if is_tensor else None,
+                           requires_grad=kind == PARAMETER and trainable.get(fqn, False))
         node.meta[PLACEHOLDER_KEY] = info
         placeholders.append(info)
     for node in graph.nodes:

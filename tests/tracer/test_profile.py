@@ -166,3 +166,25 @@ def test_attention_dropout_is_modelled_as_a_fused_kernel():
     dropped = profile(trace(Attention(0.1).to("meta"), (x,)))
     assert dropped.activation_bytes == plain.activation_bytes
     assert dropped.fwd_flops == plain.fwd_flops and dropped.bwd_flops == plain.bwd_flops
+
+
+class Frozen(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.frozen = nn.Linear(8, 8)
+        self.frozen.requires_grad_(False)
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.head(self.frozen(x))  # no loss: backward starts from the output
+
+
+def test_frozen_parameters_and_models_without_loss():
+    traced = trace(Frozen(), (torch.empty(2, 8, device="meta"),))
+    assert traced.loss_node is None
+    assert [p.requires_grad for p in traced.params] == [False, False, True, True]
+    prof = profile(traced)
+    frozen = prof[node_of(traced, "frozen", "linear")]
+    head = prof[node_of(traced, "head", "linear")]
+    assert frozen.fwd_flops == 2 * 2 * 8 * 8 and frozen.bwd_flops == 0 and frozen.saved_bytes == 0
+    assert head.bwd_flops == 2 * 2 * 8 * 4  # weight grad only: its input needs no grad
