@@ -30,6 +30,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+import numpy as np
 import torch
 import torch.fx as fx
 
@@ -120,12 +121,15 @@ class _Builder:
         self.fallbacks: list[str] = []
         self._strategy_cache: dict[Any, list[Strategy]] = {}
         self._conv_cache: dict[Any, float] = {}
+        self._choice_cache: dict[int, list[Choice]] = {}  # id(strategy list) -> its choices
+        self._edge_cache: dict[Any, np.ndarray] = {}
+        self._layout_choices: dict[str, Choice] = {}  # one shared Choice per placeholder layout
 
     def build(self) -> BuiltProblem:
         ops = [n for n in self.traced.compute_nodes() if _has_tensor_output(n) and n.target is not operator.getitem]
         self.num_ops = len(ops)
         self.op_index = {n.name: i for i, n in enumerate(ops)}
-        edges: dict[tuple[str, str], list[list[float]]] = {}
+        edges: dict[tuple[str, str], np.ndarray] = {}
         for node in self.traced.nodes:
             if node.op == "placeholder":
                 self._placeholder(node)
@@ -137,7 +141,7 @@ class _Builder:
                 self._op(node, edges)
         problem = Problem(
             nodes=tuple(self.nodes),
-            edges=tuple(Edge(s, d, tuple(tuple(r) for r in m)) for (s, d), m in edges.items()),
+            edges=tuple(Edge(s, d, tuple(map(tuple, m.tolist()))) for (s, d), m in edges.items()),
             budget_bytes=self.budget,
             timeline_length=max(2 * self.num_ops, 1),
             mesh_shape=tuple(self.mesh.shape),
@@ -162,7 +166,7 @@ class _Builder:
         per_byte = 2.0 + self.opts.optimizer_multiplier if kind == "parameter" else 1.0
         opts, choices = [], []
         for spec in specs:
-            choice = Choice(str(spec), (spec,))
+            choice = self._layout_choices.setdefault(str(spec), Choice(str(spec), (spec,)))
             if not self._allowed(kind, node, choice):
                 continue
             local = math.prod(spec.local_shape(shape, self.mesh.shape)) * itemsize
@@ -187,8 +191,7 @@ class _Builder:
         activations = [self.kinds.get(src.name) not in _AT_REST for src in slots]
         global_bytes = _global_bytes(node, slots, activations)
         opts, choices = [], []
-        for s in strategies:
-            choice = Choice(s.name, s.output_specs, s)
+        for s, choice in zip(strategies, self._choices_of(strategies)):
             if not self._allowed("op", node, choice):
                 continue
             ratio = _local_bytes(s, slots, activations) / global_bytes if global_bytes else 1.0
@@ -207,6 +210,14 @@ class _Builder:
                   signature=self._signature(node), out_meta=outs)
         for slot, src_node in enumerate(slots):
             self._edge(src_node, node.name, slot, edges)
+
+    def _choices_of(self, strategies: list[Strategy]) -> list[Choice]:
+        """One Choice list per cached strategy list, so identical nodes share choice objects
+        and their edges hit ``_edge_cache``."""
+        cached = self._choice_cache.get(id(strategies))
+        if cached is None:
+            cached = self._choice_cache[id(strategies)] = [Choice(s.name, s.output_specs, s) for s in strategies]
+        return cached
 
     def _add(self, name, kind, opts, choices, *, live, block, signature, out_meta) -> None:
         self.nodes.append(Node(name, tuple(opts), live=live, block=block, signature=signature))
@@ -248,26 +259,46 @@ class _Builder:
         out_meta = self.meta[src][idx] if idx < len(self.meta[src]) else None
         if out_meta is None:
             return
-        shape, itemsize = out_meta
-        src_specs = [c.output_specs[idx] for c in self.choices[src]]
-        dst_specs = [c.input_specs[slot] for c in self.choices[dst]]
-        matrix = [[self._conversion_s(a, b, shape, itemsize) for b in dst_specs] for a in src_specs]
+        matrix = self._edge_matrix(self.choices[src], idx, self.choices[dst], slot, out_meta)
         key = (src, dst)
-        if key in edges:  # a value consumed twice by one op: one edge, summed costs
-            old = edges[key]
-            edges[key] = [[x + y for x, y in zip(r0, r1)] for r0, r1 in zip(old, matrix)]
-        else:
-            edges[key] = matrix
+        edges[key] = edges[key] + matrix if key in edges else matrix  # consumed twice: summed
+
+    def _edge_matrix(self, src_choices, idx, dst_choices, slot, out_meta) -> np.ndarray:
+        # Keyed by the choice objects themselves: identical repeated blocks share them.
+        key = (tuple(map(id, src_choices)), idx, tuple(map(id, dst_choices)), slot, out_meta)
+        matrix = self._edge_cache.get(key)
+        if matrix is None:
+            shape, itemsize = out_meta
+            # Options share few distinct specs: cost each distinct pair once, expand by index.
+            src_keys, src_specs = _distinct([c.output_specs[idx] for c in src_choices])
+            dst_keys, dst_specs = _distinct([c.input_specs[slot] for c in dst_choices])
+            unique = np.array([[self._conversion_s(a, b, shape, itemsize) for b in dst_specs]
+                               for a in src_specs])
+            matrix = self._edge_cache[key] = unique[np.ix_(src_keys, dst_keys)]
+        return matrix
 
     def _conversion_s(self, a: TensorSpec | None, b: TensorSpec | None, shape, itemsize) -> float:
         if a is None or b is None or a == b:
             return 0.0
-        key = (a, b, shape, itemsize)
+        key = (str(a), str(b), shape, itemsize)
         cost = self._conv_cache.get(key)
         if cost is None:
             conv = plan_conversion(a, b, shape, itemsize, self.mesh)
             cost = self._conv_cache[key] = conv.forward_s + conv.backward_s
         return cost
+
+
+def _distinct(specs: list[TensorSpec | None]) -> tuple[list[int], list[TensorSpec | None]]:
+    """(index of each spec among the distinct ones, the distinct specs in first-seen order)."""
+    seen: dict[str, int] = {}
+    distinct, index = [], []
+    for spec in specs:
+        key = "-" if spec is None else str(spec)
+        if key not in seen:
+            seen[key] = len(distinct)
+            distinct.append(spec)
+        index.append(seen[key])
+    return index, distinct
 
 
 # ----------------------------------------------------------------------------------- helpers

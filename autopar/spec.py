@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence, Union
 
 __all__ = [
@@ -93,6 +93,8 @@ class TensorSpec:
     """One placement per mesh axis. Immutable and hashable; usable as a dict key."""
 
     placements: tuple[Placement, ...]
+    # The compact string, computed once: specs are printed and used as keys in hot loops.
+    _text: str = field(default="", init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.placements, tuple):
@@ -100,6 +102,7 @@ class TensorSpec:
         for p in self.placements:
             if not isinstance(p, (Shard, Replicate, Partial)):
                 raise ValueError(f"not a placement: {p!r} in {self.placements!r}")
+        object.__setattr__(self, "_text", "".join(p.compact for p in self.placements))
 
     # ----------------------------------------------------------------- construction / printing
     @classmethod
@@ -133,7 +136,7 @@ class TensorSpec:
         return cls((R,) * num_axes)
 
     def __str__(self) -> str:
-        return "".join(p.compact for p in self.placements)
+        return self._text
 
     def __repr__(self) -> str:
         return f"TensorSpec({str(self)!r})"
