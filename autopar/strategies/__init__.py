@@ -53,7 +53,7 @@ from .registry import (
 )
 
 # Rule families, imported for their registrations.
-_FAMILIES = ("_matmul", "_pointwise", "_attention", "_embedding", "_norm", "_loss", "_view", "_index", "_reduction", "_factory", "_conv")
+_FAMILIES = ("_matmul", "_pointwise", "_attention", "_embedding", "_norm", "_loss", "_view", "_index", "_reduction", "_factory", "_conv", "_misc")
 for _name in _FAMILIES:
     importlib.import_module(f"{__name__}.{_name}")
 

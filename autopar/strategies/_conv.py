@@ -181,7 +181,9 @@ def _batch_norm_rule(info: OpInfo) -> list[AxisOption]:
     options = [info.option(Shard(1), input=Shard(1), **per_channel)]
     batch_stats = bool(info.arg("training")) or info.input("running_mean") is None
     kernel = "sync_batch_norm" if batch_stats else None
-    options += [info.option(Shard(d), input=Shard(d), kernel=kernel) for d in range(x.ndim) if d != 1]
+    # Only the affine parameters have gradients; the running statistics are buffers.
+    options += [info.option(Shard(d), input=Shard(d), kernel=kernel, grad_partial=["weight", "bias"])
+                for d in range(x.ndim) if d != 1]
     return options
 
 
