@@ -87,6 +87,7 @@ def trace(model: nn.Module, meta_inputs: tuple | dict, *, name: str | None = Non
     kwargs = _as_kwargs(model, meta_inputs)
     tensors = {k: v for k, v in kwargs.items() if _has_tensor(v)}
     constants = {k: v for k, v in kwargs.items() if k not in tensors}
+    _check_leaves(tensors, model_name)
     fake = {k: pytree.tree_map(lambda v: _to_fake(v, fake_mode, device), v)
             for k, v in tensors.items()}
     with _fake_state(model, fake_mode, device):
@@ -124,6 +125,18 @@ def _as_kwargs(model: nn.Module, inputs: tuple | list | dict) -> dict:
         raise ValueError(f"{len(inputs)} positional inputs do not fit "
                          f"{type(model).__name__}.forward{inspect.signature(model.forward)}: {err}"
                          ) from None
+
+
+def _check_leaves(inputs: dict, model_name: str) -> None:
+    """Inside a structure that holds tensors, every other leaf must be a basic constant."""
+    for path, leaf in pytree.tree_flatten_with_path(inputs)[0]:
+        if not isinstance(leaf, (torch.Tensor, *_PRIMITIVE)):
+            raise TraceError(
+                f"cannot trace {model_name}: input {keyword_path(path)} is a "
+                f"{type(leaf).__name__}, neither a tensor nor a basic constant",
+                hint="pass it as a constant: give it as its own keyword input (non-tensor "
+                     "keyword inputs are bound as constants), or register its type with "
+                     "torch.utils._pytree")
 
 
 def _to_fake(value: Any, fake_mode: FakeTensorMode, device: torch.device) -> Any:

@@ -76,3 +76,23 @@ def test_bad_arguments_are_value_errors():
         trace(Net(), "x")
     with pytest.raises(ValueError, match="positional inputs do not fit"):
         trace(Net(), (torch.empty(4, 8), torch.empty(4, 8)))
+
+
+class Config:
+    scale = 2.0
+
+
+class Scaled(nn.Module):
+    def forward(self, batch, cfg=None):
+        x, inner = batch
+        return x * (cfg or inner).scale
+
+
+def test_non_tensor_object_inside_inputs_names_the_input():
+    with pytest.raises(TraceError) as info:
+        trace(Scaled(), {"batch": [torch.empty(2, 3), Config()]})
+    assert "input batch[1] is a Config" in str(info.value)
+    assert "pass it as a constant" in info.value.hint
+    # as its own keyword input, the object is a constant and the model traces
+    traced = trace(Scaled(), {"batch": [torch.empty(2, 3), None], "cfg": Config()})
+    assert "aten.mul.Tensor" in traced.op_counts()
