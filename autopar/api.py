@@ -147,6 +147,8 @@ def _node_plans(traced, built, choice: dict[str, str]) -> tuple[NodePlan, ...]:
         kind = built.kinds[node.name]
         if kind == "op":
             where, op = traced.module_path(fx_node), str(fx_node.target)
+        elif kind == "output":
+            where, op = "", ""
         else:
             where, op = fx_node.meta[PLACEHOLDER_KEY].fqn, ""
         out.append(NodePlan(

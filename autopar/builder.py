@@ -15,6 +15,8 @@ Decisions (``Problem`` nodes), in graph order:
 
 Values that need no decision resolve to their producer: ``getitem`` on a multi-output op reads
 the producer's output element ``k``; ops without tensor output (metadata asserts) are skipped.
+The graph **output** is one more (single-option) decision: the model returns full values, so
+each returned tensor pays its conversion to replicated on the edge into it.
 
 Edges carry, for every (producer option, consumer strategy) pair, the forward + backward seconds
 of the cheapest conversion from the producer's output spec to the spec the consumer's strategy
@@ -42,7 +44,7 @@ from .strategies import Strategy, strategies_for
 from .tracer.graph import BUFFER, CONSTANT, INPUT, PARAMETER, PLACEHOLDER_KEY, TracedGraph
 from .tracer.profile import ModelProfile
 
-__all__ = ["BuildOptions", "BuiltProblem", "Choice", "build_problem", "block_of", "layout_specs"]
+__all__ = ["BuildOptions", "BuiltProblem", "Choice", "ChosenConversion", "build_problem", "block_of", "layout_specs"]
 
 _BLOCK = re.compile(r"^(.*?\.\d+)(?:\.|$)")
 _AT_REST = ("parameter", "buffer")
@@ -67,11 +69,12 @@ class Choice:
 
     name: str
     output_specs: tuple[TensorSpec | None, ...]
-    strategy: Strategy | None = None  # None for placeholders (a layout only)
+    strategy: Strategy | None = None  # None for placeholders (a layout only) and the output
+    inputs: tuple[TensorSpec | None, ...] = ()  # what the graph output requires of each value
 
     @property
     def input_specs(self) -> tuple[TensorSpec | None, ...]:
-        return self.strategy.input_specs if self.strategy is not None else ()
+        return self.strategy.input_specs if self.strategy is not None else self.inputs
 
 
 @dataclass
@@ -81,6 +84,35 @@ class BuiltProblem:
     kinds: dict[str, str]  # decision node name -> parameter | buffer | input | op
     sources: dict[str, tuple[str, int]] = field(default_factory=dict)  # value -> (decision, output idx)
     fallbacks: tuple[str, ...] = ()  # op nodes replicated without a rule (opt-in)
+    # consumer decision -> {input slot: (producer decision, producer output index, shape, itemsize)}
+    inputs: dict[str, dict[int, tuple[str, int, tuple[int, ...], int]]] = field(default_factory=dict)
+    mesh: MeshSpec | None = None
+
+    def conversions(self, choice: dict[str, str]) -> list["ChosenConversion"]:
+        """The layout conversions a full choice (decision name -> option name) executes."""
+        out = []
+        for dst, slots in self.inputs.items():
+            dst_choice = self.choice_of(dst, choice[dst])
+            for slot, (src, idx, shape, itemsize) in sorted(slots.items()):
+                a = self.choice_of(src, choice[src]).output_specs[idx]
+                b = dst_choice.input_specs[slot]
+                if a is not None and b is not None and a != b:
+                    out.append(ChosenConversion(dst, slot, src, plan_conversion(a, b, shape, itemsize, self.mesh)))
+        return out
+
+    def choice_of(self, name: str, option: str) -> Choice:
+        return self.choices[name][self.problem.node(name).option_index(option)]
+
+
+@dataclass(frozen=True, slots=True)
+class ChosenConversion:
+    consumer: str
+    slot: int
+    producer: str
+    conversion: Any  # autopar.solver.reshard.Conversion
+
+    def __str__(self) -> str:
+        return f"{self.producer} -> {self.consumer}[{self.slot}]: {self.conversion}"
 
 
 def block_of(path: str) -> str | None:
@@ -119,6 +151,7 @@ class _Builder:
         self.sources: dict[str, tuple[str, int]] = {}
         self.meta: dict[str, list] = {}  # decision -> per-output TensorMeta-like (shape, itemsize)
         self.fallbacks: list[str] = []
+        self.inputs: dict[str, dict[int, tuple]] = {}
         self._strategy_cache: dict[Any, list[Strategy]] = {}
         self._conv_cache: dict[Any, float] = {}
         self._choice_cache: dict[int, list[Choice]] = {}  # id(strategy list) -> its choices
@@ -139,6 +172,8 @@ class _Builder:
                     self.sources[node.name] = (src, node.args[1])
             elif node.name in self.op_index:
                 self._op(node, edges)
+            elif node.op == "output":
+                self._output(node, edges)
         problem = Problem(
             nodes=tuple(self.nodes),
             edges=tuple(Edge(s, d, tuple(map(tuple, m.tolist()))) for (s, d), m in edges.items()),
@@ -148,7 +183,8 @@ class _Builder:
             meta={"model": self.traced.model_name, "graph_hash": self.traced.graph_hash,
                   "restriction": self.opts.restriction_name},
         )
-        return BuiltProblem(problem, self.choices, self.kinds, self.sources, tuple(self.fallbacks))
+        return BuiltProblem(problem, self.choices, self.kinds, self.sources, tuple(self.fallbacks),
+                            self.inputs, self.mesh)
 
     # ----------------------------------------------------------------------------- decisions
     def _allowed(self, kind: str, node: fx.Node, choice: Choice) -> bool:
@@ -211,6 +247,16 @@ class _Builder:
         for slot, src_node in enumerate(slots):
             self._edge(src_node, node.name, slot, edges)
 
+    def _output(self, node: fx.Node, edges: dict) -> None:
+        """The model returns full values: every tensor output is converted to replicated."""
+        flat = [a for a in self.traced.flat_outputs if isinstance(a, fx.Node)]
+        full = TensorSpec.replicated(self.mesh.ndim)
+        choice = Choice("R", (), inputs=tuple(full for _ in flat))
+        self._add(node.name, "output", [StrategyOption("R", compute_s=0.0)], [choice], live=None,
+                  block=None, signature="output", out_meta=[])
+        for slot, src_node in enumerate(flat):
+            self._edge(src_node, node.name, slot, edges)
+
     def _choices_of(self, strategies: list[Strategy]) -> list[Choice]:
         """One Choice list per cached strategy list, so identical nodes share choice objects
         and their edges hit ``_edge_cache``."""
@@ -259,6 +305,7 @@ class _Builder:
         out_meta = self.meta[src][idx] if idx < len(self.meta[src]) else None
         if out_meta is None:
             return
+        self.inputs.setdefault(dst, {})[slot] = (src, idx, *out_meta)
         matrix = self._edge_matrix(self.choices[src], idx, self.choices[dst], slot, out_meta)
         key = (src, dst)
         edges[key] = edges[key] + matrix if key in edges else matrix  # consumed twice: summed
