@@ -30,7 +30,8 @@ per checkpointable segment; ``held_bytes`` of an item in ``seg`` becomes a conti
 ``y >= x[g,s] + r[seg] - 1``. Both are overridable methods of ``IlpModel``.
 
 Backends through pulp: ``"highs"`` (``pulp.HiGHS``, the highspy API) and ``"cbc"``
-(``pulp.PULP_CBC_CMD``); ``"auto"`` prefers HiGHS. pulp reports ``Optimal`` when CBC stops at
+(``pulp.COIN_CMD`` on the CBC binary bundled with pulp, i.e. what the deprecated
+``PULP_CBC_CMD`` runs); ``"auto"`` prefers HiGHS. pulp reports ``Optimal`` when CBC stops at
 its time limit with a plan, so the status comes from ``sol_status``: ``optimal`` (proved, to
 ``MIP_REL_GAP``), ``feasible`` (time limit, plan found). An infeasible budget raises
 ``ValueError`` with the smallest budget any plan meets (a second ILP minimising the peak); no
@@ -40,6 +41,8 @@ plan within the time limit raises ``SolveTimeout``. No torch import.
 from __future__ import annotations
 
 import bisect
+import os
+import shutil
 import time
 from dataclasses import dataclass
 
@@ -62,11 +65,22 @@ class SolveTimeout(RuntimeError):
     """The solver found no plan within the time limit."""
 
 
+def _cbc_path() -> str | None:
+    """A ``cbc`` on PATH, else the binary bundled with pulp (``PULP_CBC_CMD`` is deprecated in
+    pulp 3.3, ``COIN_CMD`` on the same binary is not)."""
+    from pulp.apis.coin_api import pulp_cbc_path
+
+    found = shutil.which("cbc")
+    if found:
+        return found
+    return pulp_cbc_path if os.path.isfile(pulp_cbc_path) and os.access(pulp_cbc_path, os.X_OK) else None
+
+
 def available_backends() -> tuple[str, ...]:
     found = []
     if pulp.HiGHS(msg=False).available():
         found.append("highs")
-    if pulp.PULP_CBC_CMD(msg=False).available():
+    if _cbc_path():
         found.append("cbc")
     return tuple(found)
 
@@ -130,7 +144,7 @@ class IlpModel:
             if len(cost) == 1:
                 self.x.append(None)
                 continue
-            xs = [pulp.LpVariable(f"x_{g}_{s}", cat=pulp.LpBinary) for s in range(len(cost))]
+            xs = [self.prob.add_variable(f"x_{g}_{s}", cat=pulp.LpBinary) for s in range(len(cost))]
             self.x.append(xs)
             self.prob += pulp.LpAffineExpression([(v, 1.0) for v in xs]) == 1, f"one_hot_{g}"
 
@@ -139,7 +153,7 @@ class IlpModel:
             xa, xb = self.x[a], self.x[b]
             assert xa is not None and xb is not None, "edges of 1-option groups are folded by simplify"
             ka, kb = mat.shape
-            e = [[pulp.LpVariable(f"e_{a}_{b}_{s}_{t}", lowBound=0) for t in range(kb)] for s in range(ka)]
+            e = [[self.prob.add_variable(f"e_{a}_{b}_{s}_{t}", lowBound=0) for t in range(kb)] for s in range(ka)]
             self.num_edge_vars += ka * kb
             for s in range(ka):
                 self.prob += pulp.LpAffineExpression([(v, 1.0) for v in e[s]] + [(xa[s], -1.0)]) == 0, f"mr_{a}_{b}_{s}"
@@ -154,7 +168,7 @@ class IlpModel:
             terms += t
             const += c
         if len(terms) > 1:  # one variable instead of repeating the sum in every memory row
-            p = pulp.LpVariable("P", lowBound=0)
+            p = self.prob.add_variable("P", lowBound=0)
             self.prob += pulp.LpAffineExpression(terms + [(p, -1.0)]) == 0, "param_bytes"
             terms = [(p, 1.0)]
         return terms, const
@@ -225,7 +239,7 @@ class IlpModel:
         held = [self.held_bytes(it) for it in items]
         rows, prev = [], None
         for k in range(num_cands):
-            m = pulp.LpVariable(f"M_{k}", lowBound=0)
+            m = self.prob.add_variable(f"M_{k}", lowBound=0)
             terms, const = ([] if prev is None else [(prev, 1.0)]), 0.0
             for i in enter[k]:
                 terms += held[i][0]
@@ -247,10 +261,10 @@ class IlpModel:
         if backend == "highs":
             solver = pulp.HiGHS(mip=not relax, msg=msg, timeLimit=time_limit, gapRel=gap, **_HIGHS_OPTIONS)
         else:
-            solver = pulp.PULP_CBC_CMD(mip=not relax, msg=msg, timeLimit=time_limit, gapRel=gap)
+            solver = pulp.COIN_CMD(path=_cbc_path(), mip=not relax, msg=msg, timeLimit=time_limit, gapRel=gap)
         t0 = time.perf_counter()
         if not self.prob.variables():  # everything was decided by simplification
-            if not all(c.valid(1e-9) for c in self.prob.constraints.values()):
+            if not all(c.valid(1e-9) for c in self.prob.constraints()):
                 return _Outcome("infeasible", None, None, 0.0)
             value = float(self.prob.objective.constant)
             return _Outcome("optimal", value, value, 0.0)
@@ -281,7 +295,7 @@ class IlpModel:
 
     @property
     def num_constraints(self) -> int:
-        return len(self.prob.constraints)
+        return self.prob.numConstraints()
 
 
 def _build(reduced: Reduced, *, limit: float | None, name: str) -> IlpModel:
@@ -306,7 +320,7 @@ def minimum_budget(problem: Problem, *, solver: str = "auto", time_limit: float 
     reduced = simplify(problem.with_budget(0), alias=alias, merge=True)
     model = IlpModel(reduced, "autopar_min_peak")
     model.add_one_hot()
-    peak = pulp.LpVariable("peak", lowBound=0)
+    peak = model.prob.add_variable("peak", lowBound=0)
     model.add_memory(peak)
     model.set_objective([(peak, 1.0)], 0.0)
     lp = model.run(backend, time_limit=time_limit, relax=True)
