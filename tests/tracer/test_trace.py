@@ -144,3 +144,17 @@ def test_stack_traces_on_request():
     mul = next(n for n in with_stack.compute_nodes() if "mul" in str(n.target))
     assert "y = self.lin(x) * scale" in mul.meta["stack_trace"]
     assert with_stack.graph_hash == plain.graph_hash
+
+
+def test_fake_and_meta_inputs_give_the_same_graph():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    block = Block(True)
+    weight = block.lin.weight
+    with FakeTensorMode():
+        fake_x = torch.empty(2, 8)
+    from_fake = trace(block, {"x": fake_x})
+    from_meta = trace(block, {"x": torch.empty(2, 8, device="meta")})
+    assert from_fake.graph_hash == from_meta.graph_hash
+    assert block.lin.weight is weight and not isinstance(weight.data, type(fake_x))
+    assert "forward" not in vars(block)  # the model is untouched
