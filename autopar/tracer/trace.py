@@ -85,7 +85,8 @@ def trace(model: nn.Module, meta_inputs: tuple | dict, *, name: str | None = Non
         device = torch.device("cpu")
     fake_mode = FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True)
     kwargs = _as_kwargs(model, meta_inputs)
-    tensors = {k: v for k, v in kwargs.items() if _has_tensor(v)}
+    # Keyword values without tensors are bound as constants; *args entries stay positional.
+    tensors = {k: v for k, v in kwargs.items() if _has_tensor(v) or k.startswith("args[")}
     constants = {k: v for k, v in kwargs.items() if k not in tensors}
     _check_leaves(tensors, model_name)
     fake = {k: pytree.tree_map(lambda v: _to_fake(v, fake_mode, device), v)

@@ -158,3 +158,14 @@ def test_fake_and_meta_inputs_give_the_same_graph():
     assert from_fake.graph_hash == from_meta.graph_hash
     assert block.lin.weight is weight and not isinstance(weight.data, type(fake_x))
     assert "forward" not in vars(block)  # the model is untouched
+
+
+class VarArgs(nn.Module):
+    def forward(self, *xs):
+        return xs[0] * xs[1]
+
+
+def test_var_positional_inputs():
+    traced = trace(VarArgs(), (torch.empty(2, 3), 4.0))
+    assert [p.fqn for p in traced.inputs] == ["args[0]"]
+    assert traced.flat_outputs[0].meta["val"].shape == (2, 3)
