@@ -40,24 +40,25 @@ def _options(rng: random.Random, k: int, *, param: bool) -> tuple[StrategyOption
     return tuple(opts)
 
 
-def _edge(rng: random.Random, a: Node, b: Node) -> Edge:
-    costs = [[0.0 if oa.name[:2] == ob.name[:2] else rng.uniform(2e-4, 2e-3) for ob in b.options]
+def _edge(rng: random.Random, a: Node, b: Node, *, labelled: bool = True) -> Edge:
+    """Labelled: free between equal layout labels, random otherwise. Unlabelled: all random."""
+    costs = [[0.0 if labelled and oa.name[:2] == ob.name[:2] else rng.uniform(2e-4, 2e-3) for ob in b.options]
              for oa in a.options]
     return Edge(a.name, b.name, costs)
 
 
-def random_dag(n: int, *, seed: int = 0, skip: float = 0.3, budget_frac: float = 0.5) -> Problem:
+def random_dag(n: int, *, seed: int = 0, skip: float = 0.3, labelled: bool = True) -> Problem:
     rng = random.Random(seed)
     nodes = [Node(f"n{i}", _options(rng, rng.randint(4, 16), param=rng.random() < 0.3), live=(i, 2 * n - 1 - i))
              for i in range(n)]
-    edges = [_edge(rng, nodes[i - 1], nodes[i]) for i in range(1, n)]
+    edges = [_edge(rng, nodes[i - 1], nodes[i], labelled=labelled) for i in range(1, n)]
     for i in range(2, n):
         if rng.random() < skip:
-            edges.append(_edge(rng, nodes[rng.randrange(0, i - 1)], nodes[i]))
-    return _with_budget(Problem(tuple(nodes), tuple(edges), None, 2 * n, (8,), {"case": f"dag{n}"}), budget_frac)
+            edges.append(_edge(rng, nodes[rng.randrange(0, i - 1)], nodes[i], labelled=labelled))
+    return Problem(tuple(nodes), tuple(edges), None, 2 * n, (8,), {"case": f"dag{n}"})
 
 
-def repeated_blocks(depth: int, *, per_block: int = 12, seed: int = 0, budget_frac: float = 0.5) -> Problem:
+def repeated_blocks(depth: int, *, per_block: int = 12, seed: int = 0) -> Problem:
     rng = random.Random(seed)
     template = [_options(rng, rng.randint(4, 16), param=j % 3 == 0) for j in range(per_block)]
     # Identical blocks have identical edges: inside a block (j -> j+1) and block to block (last -> first).
@@ -79,15 +80,14 @@ def repeated_blocks(depth: int, *, per_block: int = 12, seed: int = 0, budget_fr
     head = Node("head", _options(rng, 8, param=True), live=(n - 1, n))
     edges.append(_edge(rng, nodes[-1], head))
     nodes.append(head)
-    return _with_budget(Problem(tuple(nodes), tuple(edges), None, 2 * n, (8,), {"case": f"blocks{depth}"}),
-                        budget_frac)
+    return Problem(tuple(nodes), tuple(edges), None, 2 * n, (8,), {"case": f"blocks{depth}"})
 
 
-def _with_budget(p: Problem, frac: float) -> Problem:
-    """A budget ``frac`` of the way from the smallest-footprint choice to the largest."""
+def binding_budget(p: Problem, free_peak: int, frac: float = 0.5) -> Problem:
+    """A budget ``frac`` of the way from the smallest-footprint choice's peak to the peak of the
+    unconstrained optimum ``free_peak``: below the latter, so the memory rows bind."""
     small = p.evaluate({n.name: min(n.options, key=lambda o: o.act_bytes + o.param_bytes).name for n in p.nodes})
-    big = p.evaluate({n.name: max(n.options, key=lambda o: o.act_bytes + o.param_bytes).name for n in p.nodes})
-    return p.with_budget(int(small.peak_bytes + frac * (big.peak_bytes - small.peak_bytes)))
+    return p.with_budget(int(small.peak_bytes + frac * max(0, free_peak - small.peak_bytes)))
 
 
 def run_case(name: str, problem: Problem, backend: str, time_limit: float) -> dict:
@@ -98,18 +98,20 @@ def run_case(name: str, problem: Problem, backend: str, time_limit: float) -> di
         return {"case": name, "nodes": problem.num_nodes, "backend": backend, "status": type(exc).__name__,
                 "total_s": time.perf_counter() - t0, "error": str(exc)[:200]}
     return {"case": name, "nodes": problem.num_nodes, "backend": backend, "status": sol.status,
+            "budget": "none" if problem.budget_bytes is None else f"{sol.peak_bytes / problem.budget_bytes:.0%}",
             "groups": sol.stats["num_groups"], "vars": sol.num_variables, "rows": sol.num_constraints,
             **{k: round(v, 3) for k, v in sol.timings.items()}, "total_s": round(time.perf_counter() - t0, 3),
             "objective": sol.objective, "lp_bound": sol.lp_bound, "gap": sol.gap,
-            "peak_MiB": sol.peak_bytes / MiB, "budget_MiB": problem.budget_bytes / MiB}
+            "peak_MiB": sol.peak_bytes / MiB,
+            "budget_MiB": None if problem.budget_bytes is None else problem.budget_bytes / MiB}
 
 
 def _print(row: dict) -> None:
     if "error" in row:
-        print(f"{row['case']:>10} {row['nodes']:>6} {row['backend']:>6} {row['status']:>9} "
+        print(f"{row['case']:>10} {row['nodes']:>6} {row['backend']:>6} {'':>6} {row['status']:>9} "
               f"total {row['total_s']:.1f}s  {row['error']}", flush=True)
         return
-    print(f"{row['case']:>10} {row['nodes']:>6} {row['backend']:>6} {row['status']:>9} {row['groups']:>6} "
+    print(f"{row['case']:>10} {row['nodes']:>6} {row['backend']:>6} {row['budget']:>6} {row['status']:>9} {row['groups']:>6} "
           f"{row['vars']:>7} {row['rows']:>7} {row['simplify_s']:>7.2f} {row['build_s']:>7.2f} "
           f"{row['lp_s']:>7.2f} {row['solve_s']:>7.2f} {row['total_s']:>7.2f} {row['objective']:>10.5f} "
           f"{row['lp_bound']:>10.5f} {row['gap']:>7.2%}", flush=True)
@@ -119,20 +121,29 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--time-limit", type=float, default=120.0)
     ap.add_argument("--sizes", default="800,2000")
+    ap.add_argument("--random-sizes", default="800", help="DAGs with unstructured (all random) reshard costs")
     ap.add_argument("--depths", default="12,24,48,96")
     ap.add_argument("--backends", default=",".join(available_backends()))
     ap.add_argument("--jsonl", default=None, help="append one JSON line per case")
     args = ap.parse_args(argv)
     backends = [b for b in args.backends.split(",") if b]
-    print(f"{'case':>10} {'nodes':>6} {'solver':>6} {'status':>9} {'groups':>6} {'vars':>7} {'rows':>7} "
+    print("budget: none, or the plan's peak as a share of a budget set below the unconstrained optimum's peak")
+    print(f"{'case':>10} {'nodes':>6} {'solver':>6} {'budget':>6} {'status':>9} {'groups':>6} {'vars':>7} {'rows':>7} "
           f"{'simpl_s':>7} {'build_s':>7} {'lp_s':>7} {'solve_s':>7} {'total_s':>7} {'objective':>10} "
           f"{'lp_bound':>10} {'gap':>7}")
     rows = []
     cases = [(f"dag{n}", random_dag(int(n))) for n in args.sizes.split(",") if n]
+    cases += [(f"dagR{n}", random_dag(int(n), labelled=False)) for n in args.random_sizes.split(",") if n]
     cases += [(f"blocks{d}", repeated_blocks(int(d))) for d in args.depths.split(",") if d]
     for name, problem in cases:
+        free = run_case(name, problem, backends[0], args.time_limit)
+        _print(free)
+        rows.append(free)
+        if "peak_MiB" not in free:
+            continue
+        bound = binding_budget(problem, round(free["peak_MiB"] * MiB))
         for backend in backends:
-            row = run_case(name, problem, backend, args.time_limit)
+            row = run_case(name, bound, backend, args.time_limit)
             _print(row)
             rows.append(row)
     if args.jsonl:
