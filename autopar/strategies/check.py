@@ -210,7 +210,8 @@ def reference(target: Any, sample: Sample, *, seed: int = 0) -> tuple[OpInfo, _R
     leaves = [t.detach().clone().requires_grad_(t.is_floating_point() and g)
               for t, g in zip(_slot_values(bound), needs_grad)]
     bound = _replace_slots(bound, leaves)
-    outs = _as_list(_run_op(target, bound))
+    raw = _run_op(target, bound)
+    outs = _as_list(raw)
     grads = [torch.randn(o.shape, dtype=o.dtype, generator=gen)
              if isinstance(o, torch.Tensor) and o.requires_grad else None for o in outs]
     pairs = [(o, g) for o, g in zip(outs, grads) if g is not None]
@@ -221,7 +222,9 @@ def reference(target: Any, sample: Sample, *, seed: int = 0) -> tuple[OpInfo, _R
         it = iter(got)
         in_grads = [next(it) if t.requires_grad else None for t in leaves]
         in_grads = [torch.zeros_like(t) if g is None and t.requires_grad else g for g, t in zip(in_grads, leaves)]
-    info = OpInfo.from_values(target, sample.args, sample.kwargs, _run_op(target, bind(target, sample.args, sample.kwargs)))
+    # The output metadata of the call above: no second call, which would mutate the sample's
+    # tensors for ops that write in place (batch norm's running statistics).
+    info = OpInfo.from_values(target, sample.args, sample.kwargs, raw)
     detached = [o.detach() if isinstance(o, torch.Tensor) else o for o in outs]
     return info, _Reference(bound, detached, grads, in_grads)
 

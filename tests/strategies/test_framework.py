@@ -121,7 +121,7 @@ def test_class_parallel_cross_entropy_pays_for_its_all_reduces():
 # ------------------------------------------------------------------- fx nodes, errors
 class _Inner(nn.Module):
     def forward(self, x):
-        return torch.cumsum(x, 0)
+        return torch.cumprod(x, 0)  # an op without a rule
 
 
 class _Outer(nn.Module):
@@ -140,14 +140,14 @@ def exported():
 
 
 def test_missing_rule_names_op_node_and_module(exported):
-    node = next(n for n in exported.nodes if n.target == aten.cumsum.default)
+    node = next(n for n in exported.nodes if n.target == aten.cumprod.default)
     mesh = MeshSpec.preset("cpu", (2,))
-    with pytest.raises(NoRuleError, match=r"aten\.cumsum\.default.*node 'cumsum'.*module inner"):
+    with pytest.raises(NoRuleError, match=r"aten\.cumprod\.default.*node 'cumprod'.*module inner"):
         strategies_for(node, mesh)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         (only,) = strategies_for(node, mesh, allow_replicate_fallback=True)
-    assert only.is_fallback and only.output_spec.is_replicated() and "cumsum" in str(caught[0].message)
+    assert only.is_fallback and only.output_spec.is_replicated() and "cumprod" in str(caught[0].message)
 
 
 def test_node_inputs_line_up_with_input_specs(exported):
