@@ -39,13 +39,23 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("names", nargs="*", default=list(DEFAULT))
     parser.add_argument("--repeat", type=int, default=1, help="runs per model; best is kept")
+    parser.add_argument("--cold", action="store_true",
+                        help="no warm-up: the first model also pays the one-time costs")
     parser.add_argument("--jsonl", help="append one JSON record per model to this file")
     args = parser.parse_args(argv)
     import torch  # noqa: F401 - import time is not tracing time
     import transformers  # noqa: F401
 
+
     print(f"machine: {platform.machine()}, {platform.processor() or 'cpu'}, python "
           f"{platform.python_version()}")
+    if not args.cold:  # one-time costs (lazy imports inside torch.export, dispatch caches)
+        from autopar import zoo
+        from autopar.tracer import profile, trace
+
+        start = time.perf_counter()
+        profile(trace(*zoo.build("gpt2", tiny=True)))
+        print(f"warm-up (tiny GPT-2, one-time per process): {time.perf_counter() - start:.2f} s")
     for name in args.names:
         runs = [measure(name) for _ in range(args.repeat)]
         best = min(runs, key=lambda r: r["total_s"])
