@@ -110,6 +110,14 @@ class _Outcome:
     seconds: float
 
 
+def _expr(terms, const: float = 0.0) -> pulp.LpAffineExpression:
+    """A pulp expression that *adds* repeated variables (pulp's constructor keeps the last)."""
+    acc: dict = {}
+    for v, c in terms:
+        acc[v] = acc.get(v, 0.0) + c
+    return pulp.LpAffineExpression([(v, c) for v, c in acc.items() if c != 0.0], const)
+
+
 class IlpModel:
     """A pulp model over a ``Reduced`` problem; each constraint family is one method."""
 
@@ -150,7 +158,7 @@ class IlpModel:
                 continue
             xs = [self.prob.add_variable(f"x_{g}_{s}", cat=pulp.LpBinary) for s in range(len(cost))]
             self.x.append(xs)
-            self.prob += pulp.LpAffineExpression([(v, 1.0) for v in xs]) == 1, f"one_hot_{g}"
+            self.prob += _expr([(v, 1.0) for v in xs]) == 1, f"one_hot_{g}"
 
     def add_edge_marginals(self, objective: list[tuple[pulp.LpVariable, float]]) -> None:
         for (a, b), mat in self.reduced.edges.items():
@@ -160,9 +168,9 @@ class IlpModel:
             e = [[self.prob.add_variable(f"e_{a}_{b}_{s}_{t}", lowBound=0) for t in range(kb)] for s in range(ka)]
             self.num_edge_vars += ka * kb
             for s in range(ka):
-                self.prob += pulp.LpAffineExpression([(v, 1.0) for v in e[s]] + [(xa[s], -1.0)]) == 0, f"mr_{a}_{b}_{s}"
+                self.prob += _expr([(v, 1.0) for v in e[s]] + [(xa[s], -1.0)]) == 0, f"mr_{a}_{b}_{s}"
             for t in range(kb):
-                self.prob += pulp.LpAffineExpression([(e[s][t], 1.0) for s in range(ka)] + [(xb[t], -1.0)]) == 0, f"mc_{a}_{b}_{t}"
+                self.prob += _expr([(e[s][t], 1.0) for s in range(ka)] + [(xb[t], -1.0)]) == 0, f"mc_{a}_{b}_{t}"
             objective += [(e[s][t], float(mat[s, t])) for s in range(ka) for t in range(kb) if mat[s, t]]
 
     def param_bytes(self) -> tuple[list[tuple[pulp.LpVariable, float]], float]:
@@ -173,7 +181,7 @@ class IlpModel:
             const += c
         if len(terms) > 1:  # one variable instead of repeating the sum in every memory row
             p = self.prob.add_variable("P", lowBound=0)
-            self.prob += pulp.LpAffineExpression(terms + [(p, -1.0)]) == 0, "param_bytes"
+            self.prob += _expr(terms + [(p, -1.0)]) == 0, "param_bytes"
             terms = [(p, 1.0)]
         return terms, const
 
@@ -186,7 +194,7 @@ class IlpModel:
         rhs_const = 0.0 if isinstance(limit, pulp.LpVariable) else float(limit) / MEM_UNIT
         cands = peak_candidates(items)
         if not cands:
-            self.prob += pulp.LpAffineExpression(p_terms + rhs_terms, p_const) <= rhs_const, "mem_params"
+            self.prob += _expr(p_terms + rhs_terms, p_const) <= rhs_const, "mem_params"
             return 1
         ranges = []
         for it in items:
@@ -199,7 +207,7 @@ class IlpModel:
         else:
             rows = self._chained_memory_rows(items, ranges, len(cands))
         for k, (terms, const) in enumerate(rows):
-            self.prob += pulp.LpAffineExpression(terms + p_terms + rhs_terms, const + p_const) <= rhs_const, f"mem_{k}"
+            self.prob += _expr(terms + p_terms + rhs_terms, const + p_const) <= rhs_const, f"mem_{k}"
         return len(rows)
 
     def _dense_memory_rows(self, items, ranges, num_cands):
@@ -219,7 +227,10 @@ class IlpModel:
         order = np.argsort(-(const + coef.sum(axis=1)), kind="stable")
         kept: list[int] = []
         for k in order:
-            if kept and ((coef[kept] >= coef[k] - 1e-12).all(axis=1) & (const[kept] >= const[k] - 1e-12)).any():
+            # Dominators are usually the largest rows, which come first: compare with those only,
+            # which bounds this loop to candidates x 64 x slots.
+            top = kept[:64]
+            if top and ((coef[top] >= coef[k] - 1e-12).all(axis=1) & (const[top] >= const[k] - 1e-12)).any():
                 continue
             kept.append(int(k))
         rows = []
@@ -253,13 +264,13 @@ class IlpModel:
             for i in leave[k]:
                 terms += [(v, -c) for v, c in held[i][0]]
                 const -= held[i][1]
-            self.prob += pulp.LpAffineExpression(terms + [(m, -1.0)], const) == 0, f"M_def_{k}"
+            self.prob += _expr(terms + [(m, -1.0)], const) == 0, f"M_def_{k}"
             rows.append(([(m, 1.0)], 0.0))
             prev = m
         return rows
 
     def set_objective(self, terms, const) -> None:
-        self.prob.setObjective(pulp.LpAffineExpression(terms, const))
+        self.prob.setObjective(_expr(terms, const))
 
     # --------------------------------------------------------------------------- solving
     def run(self, backend: str, *, time_limit: float, relax: bool = False, msg: bool = False,

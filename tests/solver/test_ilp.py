@@ -6,6 +6,7 @@ import re
 
 import pytest
 
+from autopar.solver import ilp
 from autopar.solver.ilp import available_backends, minimum_budget, solve
 from autopar.solver.problem import Edge, Node, Problem, Solution, StrategyOption
 
@@ -192,3 +193,21 @@ def test_bad_arguments_echo_the_value():
         solve(p, solver="gurobi")
     with pytest.raises(ValueError, match=re.escape("time_limit must be positive seconds, got 0")):
         solve(p, time_limit=0)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_chained_memory_rows_match_the_written_out_rows(seed, monkeypatch):
+    rng = random.Random(50 + seed)
+    p = _random_problem(rng, rng.randint(4, 6))
+    low, _ = minimum_budget(p)
+    p = p.with_budget(int(low * rng.uniform(1.0, 1.2)))
+    best = _brute_force(p)
+    tight = _repeated_chain(5)
+    tight = tight.with_budget(int(0.8 * tight.evaluate(solve(tight).choice).peak_bytes))
+    dense = solve(tight)
+    monkeypatch.setattr(ilp, "_DENSE_MEMORY_LIMIT", 0)
+    assert solve(p, merge=False).objective == pytest.approx(best, rel=2e-4)
+    chained = solve(tight)  # aliased: one group's items enter and leave the same chain link
+    assert chained.objective == pytest.approx(dense.objective, rel=2e-4)
+    assert chained.peak_bytes <= tight.budget_bytes
+    assert minimum_budget(tight) == minimum_budget(tight.with_budget(None))
