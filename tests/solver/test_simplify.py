@@ -156,3 +156,20 @@ def test_peak_candidates_are_the_maximal_live_sets():
     assert peak_candidates(items) == [1, 5]
     assert peak_candidates([item(0, 3), item(2, 5), item(4, 8)]) == [2, 4]
     assert peak_candidates([]) == []
+
+
+def test_a_recomputable_follower_keeps_its_faster_recompute_option():
+    lin = Node("linear", (_opt("S0", 1.0), _opt("R", 1.1)))
+    follow = Edge("linear", "relu", ((0.0, 2.0), (2.0, 0.0)))
+
+    def relu(segment):
+        return Node("relu", (_opt("S0", 0.1, fwd=0.5), _opt("R", 0.4, fwd=0.05)), segment=segment)
+
+    # Without a segment the pair collapses to its cheapest plan; with one, R-R recomputes
+    # faster, so it must survive for the recompute decision.
+    free = simplify(Problem((lin, relu(None)), (follow,)), merge=True)
+    assert [c["relu"] for c in _all_reduced_choices(free)] == ["S0"]
+    kept = simplify(Problem((lin, relu("block0")), (follow,)), merge=True)
+    assert sorted((c["linear"], c["relu"]) for c in _all_reduced_choices(kept)) == [("R", "R"), ("S0", "S0")]
+    (forward,) = [f for f in kept.forward if f]
+    assert sorted(forward["block0"]) == [0.05, 0.5]
