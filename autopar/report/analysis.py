@@ -1,0 +1,261 @@
+"""Per-node figures behind the inspect report, derived from a solved plan.
+
+``Plan`` keeps the chosen strategy per node; the report also needs what those choices imply:
+
+- **communication** per collective kind and mesh axis: the backward all-reduce of every partial
+  input gradient and the custom kernels' collectives (inside ops), plus every layout conversion
+  on a graph edge, re-planned with ``plan_conversion`` and split into its steps' forward and
+  backward collectives exactly as ``autopar.solver.reshard.step_seconds`` prices them (so the
+  totals equal the plan's ``comm_s`` and ``reshard_s``);
+- the **memory timeline**: per-device bytes at every point of the forward/backward order;
+- **per-layer rows**: decisions grouped by owning module, repeated blocks collapsed.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..builder import BuiltProblem, block_of
+from ..cost import collective_seconds, copy_seconds
+from ..mesh import MeshSpec
+from ..solver.reshard import apply_step
+
+__all__ = ["CommRow", "Timeline", "LayerRow", "comm_breakdown", "memory_timeline", "layer_rows",
+           "axis_label"]
+
+LOCAL = "local"  # collectives that move no bytes over a link (split, zeroing copy)
+
+
+@dataclass
+class CommRow:
+    """All collectives of one kind over one mesh axis group, over one training step."""
+
+    kind: str  # all_reduce | all_gather | reduce_scatter | all_to_all | split | to_partial | kernel:<name>
+    axes: str  # "ax1(4)", "ax0(2)+ax1(4)", or "-" when a kernel does not say
+    source: str  # "in-op" or "reshard"
+    count: int = 0
+    payload_bytes: int = 0  # full tensor bytes per collective, summed (0 when unknown)
+    seconds: float = 0.0
+
+
+@dataclass
+class Timeline:
+    """Per-device bytes over the step: ``params`` held throughout, ``activations[t]`` at point t."""
+
+    params: int
+    activations: list[int]
+    forward_points: int  # points 0..forward_points-1 are the forward pass, the rest backward
+    budget: int | None
+
+    @property
+    def peak(self) -> int:
+        return self.params + max(self.activations, default=0)
+
+    @property
+    def peak_point(self) -> int:
+        return max(range(len(self.activations)), key=self.activations.__getitem__) if self.activations else 0
+
+
+@dataclass
+class LayerRow:
+    """One module pattern (``transformer.h.*.mlp.c_fc``) whose instances chose alike."""
+
+    module: str
+    block: str | None  # the collapsed block pattern (``transformer.h.*``) or None
+    count: int  # instances collapsed into this row
+    instances: list[str]  # block instance names (``transformer.h.0`` ...), empty at top level
+    ops: int  # op decisions per instance
+    params: str  # "weight S1R, bias R"
+    strategy: str  # strategy of the instance's most expensive op
+    main_op: str
+    output: str  # output spec of the module's last op
+    compute_s: float = 0.0  # over all instances
+    comm_s: float = 0.0  # in-op + resharding into the module's ops, over all instances
+    act_bytes: int = 0  # saved activation bytes per device, per instance
+    signature: tuple = field(default=(), repr=False)
+
+
+def axis_label(mesh: MeshSpec, axes: tuple[int, ...]) -> str:
+    return "+".join(f"{mesh.axis_names[a]}({mesh.shape[a]})" for a in axes) if axes else "-"
+
+
+def _picked(built: BuiltProblem, choice: dict[str, str]) -> dict[str, int]:
+    return {n.name: n.option_index(choice[n.name]) for n in built.problem.nodes}
+
+
+# --------------------------------------------------------------------------- communication
+def _add(rows: dict, kind: str, axes: str, source: str, payload: float, seconds: float) -> None:
+    if seconds <= 0.0 and payload <= 0:
+        return
+    row = rows.setdefault((kind, axes, source), CommRow(kind, axes, source))
+    row.count += 1
+    row.payload_bytes += int(payload)
+    row.seconds += seconds
+
+
+def _step_parts(step, spec, shape, itemsize, mesh) -> list[tuple[str, float, float]]:
+    """(kind, payload bytes, seconds) of the forward and backward parts of one reshard step.
+
+    Mirrors ``reshard.step_seconds``: payload is the full size the cost model charges."""
+    local = math.prod(spec.local_shape(shape, mesh.shape)) * itemsize
+    n, axis, kind = mesh.shape[step.axis], step.axis, step.kind
+
+    def coll(k: str, nbytes: float) -> tuple[str, float, float]:
+        return k, nbytes, collective_seconds(k, nbytes, mesh, axis)
+
+    if kind == "all_gather":
+        return [coll("all_gather", local * n), coll("split", local * n)]
+    if kind == "split":
+        return [coll("split", local), coll("all_gather", local)]
+    if kind == "all_to_all":
+        return [coll("all_to_all", local * n), coll("all_to_all", local * n)]
+    if kind == "all_reduce":
+        return [coll("all_reduce", local)]
+    if kind == "reduce_scatter":
+        return [coll("reduce_scatter", local), coll("all_gather", local)]
+    return [("to_partial", local, copy_seconds(local, mesh) if n > 1 else 0.0)]
+
+
+def _in_op(rows: dict, strategy, mesh: MeshSpec) -> None:
+    """The op's own collectives: partial input gradients all-reduced in backward + its kernel."""
+    explained = 0.0
+    for i, axes in enumerate(strategy.grad_partial_axes):
+        if axes:
+            sec = collective_seconds("all_reduce", strategy.input_bytes[i], mesh, axes)
+            _add(rows, "all_reduce", axis_label(mesh, axes), "in-op", strategy.input_bytes[i], sec)
+            explained += sec
+    rest = strategy.comm_s - explained
+    if strategy.kernel is not None and rest > 1e-15:
+        # Kernels report seconds only; their collectives' sizes are internal to the kernel.
+        _add(rows, f"kernel:{strategy.kernel}", "-", "in-op", 0, rest)
+
+
+def _resharding(rows: dict, built: BuiltProblem, choice: dict[str, str], mesh: MeshSpec) -> None:
+    for cc in built.conversions(choice):
+        shape, itemsize = built.inputs[cc.consumer][cc.slot][2:]
+        spec = cc.conversion.src
+        for step in cc.conversion.steps:
+            for k, payload, sec in _step_parts(step, spec, shape, itemsize, mesh):
+                _add(rows, k, axis_label(mesh, (step.axis,)), "reshard", payload, sec)
+            spec = apply_step(spec, step)
+
+
+def comm_breakdown(built: BuiltProblem, choice: dict[str, str], mesh: MeshSpec) -> list[CommRow]:
+    """Communication of one training step, per (kind, axes, source), most expensive first."""
+    pick = _picked(built, choice)
+    rows: dict[tuple, CommRow] = {}
+    for name, kind in built.kinds.items():
+        strategy = built.choices[name][pick[name]].strategy
+        if kind == "op" and strategy is not None:
+            _in_op(rows, strategy, mesh)
+    _resharding(rows, built, choice, mesh)
+    return sorted(rows.values(), key=lambda r: -r.seconds)
+
+
+# ---------------------------------------------------------------------------- memory timeline
+def memory_timeline(problem, choice: dict[str, str]) -> Timeline:
+    """Per-device bytes at every timeline point, as ``Problem.evaluate`` counts them."""
+    delta = [0] * (problem.timeline_length + 1)
+    params = 0
+    for n in problem.nodes:
+        o = n.options[n.option_index(choice[n.name])]
+        params += o.param_bytes
+        if n.live is not None and o.act_bytes:
+            delta[n.live[0]] += o.act_bytes
+            delta[n.live[1] + 1] -= o.act_bytes
+    acts, running = [], 0
+    for t in range(problem.timeline_length):
+        running += delta[t]
+        acts.append(running)
+    return Timeline(params, acts, problem.timeline_length // 2, problem.budget_bytes)
+
+
+# ----------------------------------------------------------------------------- layer rows
+def _owner(plan_node) -> str:
+    if plan_node.kind == "output":
+        return "<graph output>"
+    if plan_node.kind == "op":
+        return plan_node.module
+    # Parameters and buffers: the FQN's module; user inputs belong to the top level.
+    return plan_node.module.rsplit(".", 1)[0] if "." in plan_node.module else ""
+
+
+def _pattern(path: str) -> tuple[str, str | None, str | None]:
+    """``transformer.h.3.attn`` -> (``transformer.h.*.attn``, ``transformer.h.*``, ``transformer.h.3``)."""
+    block = block_of(path)
+    if block is None:
+        return path, None, None
+    prefix = block.rsplit(".", 1)[0] + ".*"
+    return prefix + path[len(block):], prefix, block
+
+
+def _edge_seconds(built: BuiltProblem, pick: dict[str, int]) -> dict[str, float]:
+    into: dict[str, float] = {}
+    for e in built.problem.edges:
+        into[e.dst] = into.get(e.dst, 0.0) + e.costs[pick[e.src]][pick[e.dst]]
+    return into
+
+
+def layer_rows(plan, built: BuiltProblem, choice: dict[str, str]) -> list[LayerRow]:
+    """Decisions grouped by module; instances of a repeated block that chose alike share a row.
+
+    Rows come in graph order of their first op, the rows of one collapsed block kept together."""
+    pick = _picked(built, choice)
+    into = _edge_seconds(built, pick)
+    groups: dict[tuple[str, str | None], list[Any]] = {}  # (pattern, instance) -> decisions
+    first_op: dict[tuple[str, str | None], int] = {}  # -> graph position of its first op
+    first_any: dict[tuple[str, str | None], int] = {}
+    blocks: dict[str, str | None] = {}
+    for pos, n in enumerate(plan.nodes):
+        if n.kind == "input":
+            continue
+        pattern, block, instance = _pattern(_owner(n))
+        groups.setdefault((pattern, instance), []).append(n)
+        blocks[pattern] = block
+        first_any.setdefault((pattern, instance), pos)
+        if n.kind == "op":
+            first_op.setdefault((pattern, instance), pos)
+    rows: dict[tuple, LayerRow] = {}
+    order: dict[tuple, int] = {}
+    for key, nodes in groups.items():
+        pattern, instance = key
+        sig = tuple((n.kind, n.module.rsplit(".", 1)[-1] if n.kind != "op" else n.op, n.strategy) for n in nodes)
+        row = rows.get((pattern, sig))
+        if row is None:
+            row = rows[(pattern, sig)] = _new_row(pattern, blocks[pattern], nodes, built, pick, sig)
+            order[(pattern, sig)] = first_op.get(key, first_any[key])
+        row.count += 1
+        if instance is not None:
+            row.instances.append(instance)
+        for n in nodes:
+            o = built.problem.node(n.name).options[pick[n.name]]
+            row.compute_s += o.compute_s
+            row.comm_s += o.comm_s + into.get(n.name, 0.0)
+    block_start: dict[str, int] = {}
+    for k, row in rows.items():
+        if row.block is not None:
+            block_start[row.block] = min(block_start.get(row.block, order[k]), order[k])
+    ranked = sorted(rows, key=lambda k: (block_start.get(rows[k].block, order[k]), order[k]))
+    return [rows[k] for k in ranked]
+
+
+def _new_row(pattern, block, nodes, built, pick, sig) -> LayerRow:
+    ops = [n for n in nodes if n.kind == "op"]
+    params = ", ".join(f"{n.module.rsplit('.', 1)[-1]} {n.strategy}" for n in nodes
+                       if n.kind in ("parameter", "buffer"))
+    cost = {n.name: built.problem.node(n.name).options[pick[n.name]] for n in nodes}
+    main = max(ops, key=lambda n: cost[n.name].compute_s, default=None)
+    return LayerRow(
+        module=pattern or "<top level>", block=block, count=0, instances=[], ops=len(ops), params=params,
+        strategy=main.strategy if main else "", main_op=_short_op(main.op) if main else "",
+        output=(ops[-1].output_specs[0] or "") if ops and ops[-1].output_specs else "",
+        act_bytes=sum(cost[n.name].act_bytes for n in nodes), signature=sig,
+    )
+
+
+def _short_op(op: str) -> str:
+    """``aten.addmm.default`` -> ``addmm``."""
+    parts = op.split(".")
+    return parts[1] if len(parts) >= 2 and parts[0] == "aten" else op
