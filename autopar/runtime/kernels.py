@@ -1,0 +1,99 @@
+"""torch.distributed backing for custom local kernels, and the Megatron "f" gradient all-reduce.
+
+Custom kernels (``autopar.strategies.register_kernel``) talk to other ranks only through the
+``autopar.strategies.comm.Comm`` protocol. :class:`DistComm` implements it on the per-axis
+process groups of a :class:`~autopar.runtime.process_mesh.ProcessMesh`, with exactly the
+semantics of the numerical check's thread simulator (``autopar.strategies.check.SimComm``):
+
+- ``all_reduce(t, axes, "sum")`` is differentiable and its backward is the identity (the result
+  is replicated, so its gradient arrives replicated: DESIGN.md decision 8);
+- ``all_reduce(t, axes, "max")`` is not differentiable (the result never requires grad);
+- a reduction over several axes reduces over the ranks that differ in those coordinates only,
+  done as one all-reduce per axis (sums and maxima compose over axes).
+
+:func:`grad_all_reduce` is the "f" of a strategy whose input has ``grad_partial_axes``: the
+identity forward, and a sum all-reduce of the input's local gradient over those axes backward.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+from autopar.runtime.process_mesh import ProcessMesh
+
+__all__ = ["DistComm", "grad_all_reduce", "all_reduce_axes"]
+
+_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
+
+
+def _axes_tuple(axes: int | Sequence[int]) -> tuple[int, ...]:
+    return (axes,) if isinstance(axes, int) else tuple(sorted(axes))
+
+
+def all_reduce_axes(tensor: torch.Tensor, axes: Sequence[int], pmesh: ProcessMesh,
+                    op: str = "sum") -> torch.Tensor:
+    """A fresh tensor: ``tensor`` reduced over the mesh ``axes`` (no autograd)."""
+    if op not in _OPS:
+        raise ValueError(f"unsupported reduction {op!r}; expected 'sum' or 'max'")
+    out = tensor.detach().clone(memory_format=torch.contiguous_format)
+    for axis in axes:
+        if pmesh.axis_size(axis) > 1:
+            dist.all_reduce(out, op=_OPS[op], group=pmesh.group(axis))
+    return out
+
+
+class _SumAllReduce(torch.autograd.Function):
+    """Sum over axes; backward identity (the simulator's ``_AllReduceSum``)."""
+
+    @staticmethod
+    def forward(ctx, tensor, axes, pmesh):
+        return all_reduce_axes(tensor, axes, pmesh, "sum")
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None, None
+
+
+class _GradAllReduce(torch.autograd.Function):
+    """Identity forward; the local (partial) gradient is summed over ``axes`` backward."""
+
+    @staticmethod
+    def forward(ctx, tensor, axes, pmesh):
+        ctx.axes, ctx.pmesh = axes, pmesh
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_reduce_axes(grad, ctx.axes, ctx.pmesh, "sum"), None, None
+
+
+def grad_all_reduce(tensor: torch.Tensor, axes: Sequence[int], pmesh: ProcessMesh) -> torch.Tensor:
+    """Megatron's "f": ``tensor`` unchanged, its gradient all-reduced over ``axes``."""
+    axes = _axes_tuple(axes)
+    if not axes or not tensor.is_floating_point():
+        return tensor
+    return _GradAllReduce.apply(tensor, axes, pmesh)
+
+
+class DistComm:
+    """``Comm`` for one real rank, on the process groups of ``pmesh``."""
+
+    def __init__(self, pmesh: ProcessMesh) -> None:
+        self.pmesh = pmesh
+
+    def all_reduce(self, tensor: torch.Tensor, axes: int | Sequence[int], op: str = "sum") -> torch.Tensor:
+        axes = _axes_tuple(axes)
+        if not axes:
+            return tensor
+        if op == "sum":
+            return _SumAllReduce.apply(tensor, axes, self.pmesh)
+        return all_reduce_axes(tensor, axes, self.pmesh, op)
+
+    def coordinate(self, axis: int) -> int:
+        return self.pmesh.axis_coordinate(axis)
+
+    def size(self, axis: int) -> int:
+        return self.pmesh.axis_size(axis)

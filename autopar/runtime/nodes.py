@@ -1,0 +1,69 @@
+"""The modules that emitted graphs call: collectives, the gradient all-reduce and kernels.
+
+Every communication the runtime inserts is a ``call_module`` node on one of these, so that
+``print(module.code)`` names it: ``self.all_gather(x, axis=1, dim=0)``,
+``self.grad_all_reduce(w, axes=(0,))``, ``self.cross_entropy(...)``. They hold the
+``ProcessMesh`` (no parameters, no state dict entries) and call the autograd-aware
+collectives of :mod:`autopar.runtime.comm` and :mod:`autopar.runtime.kernels`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from autopar.runtime.comm import apply_step
+from autopar.runtime.kernels import DistComm, grad_all_reduce
+from autopar.runtime.process_mesh import ProcessMesh
+from autopar.solver.reshard import ReshardStep
+from autopar.strategies.comm import KernelContext
+
+__all__ = ["Collective", "GradAllReduce", "KernelCall"]
+
+
+class Collective(nn.Module):
+    """One reshard step kind (``all_gather``, ``split``, ``all_to_all``, ``all_reduce``,
+    ``reduce_scatter``, ``to_partial``) on one mesh axis per call."""
+
+    def __init__(self, kind: str, pmesh: ProcessMesh) -> None:
+        super().__init__()
+        self.kind, self.pmesh = kind, pmesh
+
+    def forward(self, x: torch.Tensor, *, axis: int, src_dim: int | None = None,
+                dst_dim: int | None = None) -> torch.Tensor:
+        return apply_step(x, ReshardStep(self.kind, axis, src_dim, dst_dim), self.pmesh)
+
+    def extra_repr(self) -> str:
+        return self.kind
+
+
+class GradAllReduce(nn.Module):
+    """Megatron's "f": identity forward, sum all-reduce of the gradient over ``axes``."""
+
+    def __init__(self, pmesh: ProcessMesh) -> None:
+        super().__init__()
+        self.pmesh = pmesh
+
+    def forward(self, x: torch.Tensor, *, axes: tuple[int, ...]) -> torch.Tensor:
+        return grad_all_reduce(x, axes, self.pmesh)
+
+
+class KernelCall(nn.Module):
+    """A strategy's custom local kernel for one node, with a torch.distributed ``Comm``."""
+
+    def __init__(self, name: str, fn: Callable[..., Any], ctx: KernelContext) -> None:
+        super().__init__()
+        self.name, self.fn, self.ctx = name, fn, ctx
+
+    def forward(self, **bound: Any) -> Any:
+        return self.fn(self.ctx, **bound)
+
+    def extra_repr(self) -> str:
+        return f"{self.name} for node {self.ctx.info.node_name}"
+
+
+def kernel_context(info, strategy, pmesh: ProcessMesh) -> KernelContext:
+    return KernelContext(DistComm(pmesh), info, tuple(strategy.input_specs),
+                         tuple(strategy.output_specs), tuple(pmesh.shape))

@@ -1,0 +1,339 @@
+"""Emit the local graph one rank runs: traced global graph + plan -> local fx graph.
+
+``emit_local_graph(traced, plan, pmesh, device=...)`` walks the traced graph once, in order,
+and builds a NEW ``fx.Graph`` (the traced graph is left untouched) in which
+
+- parameters, buffers and lifted constants are ``get_attr`` nodes named by their canonical FQN
+  (the local shards are attached by the caller; see :mod:`autopar.runtime.materialize`);
+- user inputs are placeholders that receive the FULL global value on every rank (layout ``R``);
+- every op runs on local shards under the strategy the plan chose: each input is first
+  converted from the layout its producer emits to the layout the strategy reads, by one
+  ``call_module`` node per reshard step (``self.all_gather(x, axis=1, src_dim=0)``). Conversion
+  steps come from ``plan_conversion`` at build time; each distinct (value, target layout) is
+  converted once and shared by all consumers;
+- an input with ``grad_partial_axes`` goes through ``self.grad_all_reduce(x, axes=...)``
+  (identity forward, all-reduce of its gradient backward: Megatron's "f"), once per
+  (value, layout, axes);
+- shape arguments are rewritten to local sizes with the rule's ``local_args`` hook
+  (``registry.local_arguments``) and ``device`` arguments point at this rank's device;
+- a strategy with a custom kernel becomes a ``call_module`` on a :class:`KernelCall` backed by
+  torch.distributed (:class:`autopar.runtime.kernels.DistComm`);
+- ``getitem`` reads its producer's element (the producer's ``output_specs[k]``); ops without a
+  tensor output (metadata asserts) run on whatever shard arrives when their rule accepts it;
+- every output is converted to ``R`` (full values on every rank).
+
+The result records each parameter/buffer's layout (``EmittedGraph.specs``) for the module.
+"""
+
+from __future__ import annotations
+
+import operator
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+
+from autopar.plan import NodePlan, Plan
+from autopar.runtime.nodes import Collective, GradAllReduce, KernelCall, kernel_context
+from autopar.runtime.process_mesh import ProcessMesh
+from autopar.solver.reshard import STEP_KINDS, plan_conversion
+from autopar.spec import TensorSpec
+from autopar.strategies import OpInfo, Strategy, get_kernel, input_nodes, strategies_for
+from autopar.strategies.registry import bind, local_arguments, needs_no_decision
+from autopar.tracer.graph import (BUFFER, INPUT, MODULE_KEY, PARAMETER, PLACEHOLDER_KEY, Placeholder,
+                                  TracedGraph)
+
+__all__ = ["EmittedGraph", "emit_local_graph", "find_strategy"]
+
+GRAD_ALL_REDUCE = "grad_all_reduce"
+_SUFFIX = re.compile(r" #\d+$")
+
+
+@dataclass
+class EmittedGraph:
+    graph: fx.Graph
+    modules: dict[str, torch.nn.Module]  # call_module / get_attr(module) targets -> module
+    specs: dict[str, TensorSpec]  # parameter/buffer/constant placeholder name -> layout
+    attr_of: dict[str, str]  # placeholder name -> get_attr target
+    num_conversions: int = 0
+    kernels: list[str] = field(default_factory=list)
+
+
+def find_strategy(node: fx.Node, node_plan: NodePlan, plan: Plan) -> Strategy:
+    """The ``Strategy`` a plan names for ``node`` (recomputed from the current rules)."""
+    want = _SUFFIX.sub("", node_plan.strategy)
+    candidates = strategies_for(node, plan.mesh, flops=(0.0, 0.0),
+                                allow_replicate_fallback=node.name in plan.fallbacks)
+    for s in candidates:
+        if s.name == want:
+            return s
+    raise ValueError(
+        f"the plan chose strategy {want!r} for node {node.name!r} (op {node.target}, module "
+        f"{node.meta.get(MODULE_KEY) or '<top level>'}), which the current sharding rules do not "
+        f"offer on mesh {plan.mesh.shape}; re-plan with this version of autopar"
+    )
+
+
+def emit_local_graph(traced: TracedGraph, plan: Plan, pmesh: ProcessMesh, *,
+                     device: torch.device, local_inputs: bool = False) -> EmittedGraph:
+    """``local_inputs``: user inputs arrive as this rank's piece under the plan's input layout
+    (instead of the full value)."""
+    return _Emitter(traced, plan, pmesh, torch.device(device), local_inputs).run()
+
+
+def _as_tuple(val: Any) -> tuple:
+    return tuple(val) if isinstance(val, (tuple, list)) else (val,)
+
+
+def _where(node: fx.Node) -> str:
+    return f"node {node.name!r} (op {node.target}, module {node.meta.get(MODULE_KEY) or '<top level>'})"
+
+
+class _Emitter:
+    def __init__(self, traced: TracedGraph, plan: Plan, pmesh: ProcessMesh, device: torch.device,
+                 local_inputs: bool) -> None:
+        self.traced, self.plan, self.pmesh, self.device = traced, plan, pmesh, device
+        self.local_inputs = local_inputs
+        self.mesh_shape = tuple(pmesh.shape)
+        self.decisions = {n.name: n for n in plan.nodes}
+        self.graph = fx.Graph()
+        self.modules: dict[str, torch.nn.Module] = {}
+        self.specs: dict[str, TensorSpec] = {}
+        self.attr_of: dict[str, str] = {}
+        self.env: dict[str, Any] = {}  # traced node name -> new node (or a constant)
+        self.layout: dict[str, Any] = {}  # traced node name -> spec (tuple of specs if multi-output)
+        self.converted: dict[tuple, fx.Node] = {}
+        self.num_conversions = 0
+        self.kernels: list[str] = []
+        taken = {name.split(".")[0] for p in traced.placeholders for name in p.aliases}
+        self.comm_names = {}
+        for kind in (*STEP_KINDS, GRAD_ALL_REDUCE):
+            name = kind
+            while name in taken:
+                name = f"{name}_"
+            self.comm_names[kind] = name
+            self.modules[name] = GradAllReduce(pmesh) if kind == GRAD_ALL_REDUCE else Collective(kind, pmesh)
+
+    # ------------------------------------------------------------------------------- driver
+    def run(self) -> EmittedGraph:
+        for node in self.traced.graph.nodes:
+            if node.op == "placeholder":
+                self._placeholder(node)
+            elif node.op == "get_attr":
+                self._get_attr(node)
+            elif node.op == "call_function":
+                self._call(node)
+            elif node.op == "output":
+                self._output(node)
+            else:
+                raise NotImplementedError(f"the runtime cannot emit {node.op} {_where(node)}")
+        used = {n.target for n in self.graph.nodes if n.op in ("call_module", "get_attr")}
+        modules = {k: v for k, v in self.modules.items() if k in used}
+        self.graph.lint()
+        return EmittedGraph(self.graph, modules, self.specs, self.attr_of, self.num_conversions, self.kernels)
+
+    def _copy_meta(self, new: fx.Node, old: fx.Node) -> fx.Node:
+        new.meta[MODULE_KEY] = old.meta.get(MODULE_KEY, "")
+        return new
+
+    # --------------------------------------------------------------------------- placeholders
+    def _placeholder(self, node: fx.Node) -> None:
+        ph: Placeholder = node.meta[PLACEHOLDER_KEY]
+        val = node.meta.get("val")
+        if not isinstance(val, torch.Tensor):
+            # A non-tensor constant input: inline its traced value.
+            self.env[node.name] = self.traced.constants.get(ph.fqn, val)
+            return
+        decision = self.decisions.get(node.name)
+        if ph.kind == INPUT:
+            self.env[node.name] = self._copy_meta(self.graph.placeholder(node.name), node)
+            spec = TensorSpec.replicated(len(self.mesh_shape))
+            if self.local_inputs and decision is not None:
+                spec = TensorSpec.parse(decision.output_specs[0])
+            self.layout[node.name] = spec
+            return
+        if decision is None:
+            raise ValueError(f"the plan has no layout for {ph.kind} {ph.fqn!r} (placeholder {node.name!r})")
+        spec = TensorSpec.parse(decision.output_specs[0])
+        target = ph.fqn if ph.kind in (PARAMETER, BUFFER) else f"_autopar_constants.{node.name}"
+        self.specs[node.name] = spec
+        self.attr_of[node.name] = target
+        self.env[node.name] = self._copy_meta(self.graph.create_node("get_attr", target, name=node.name), node)
+        self.layout[node.name] = spec
+
+    def _get_attr(self, node: fx.Node) -> None:
+        value = getattr(self.traced.gm, node.target)
+        if not isinstance(value, torch.nn.Module):
+            raise NotImplementedError(f"the runtime cannot emit a get_attr of a tensor {_where(node)}")
+        self.modules[node.target] = value  # e.g. the body of wrap_with_set_grad_enabled
+        self.env[node.name] = self.graph.get_attr(node.target)
+
+    # ---------------------------------------------------------------------------------- ops
+    def _call(self, node: fx.Node) -> None:
+        if node.target is operator.getitem and isinstance(node.args[0], fx.Node):
+            src, k = node.args
+            new = self.graph.create_node("call_function", operator.getitem, (self.env[src.name], k),
+                                         name=node.name)
+            self.env[node.name] = self._copy_meta(new, node)
+            specs = self.layout.get(src.name)
+            self.layout[node.name] = specs[k] if isinstance(specs, tuple) else specs
+            return
+        decision = self.decisions.get(node.name)
+        if decision is not None:
+            self._op(node, find_strategy(node, decision, self.plan))
+        elif needs_no_decision(node):
+            self._no_decision(node)
+        else:
+            raise ValueError(f"the plan has no strategy for {_where(node)}; was it made for this graph?")
+
+    def _no_decision(self, node: fx.Node) -> None:
+        """An op without tensor output: run it on the layouts that arrive when a strategy takes
+        them, else on the first (replicated) strategy."""
+        candidates = strategies_for(node, self.plan.mesh, flops=(0.0, 0.0), allow_replicate_fallback=True)
+        arriving = tuple(self.layout.get(src.name) for src in input_nodes(node))
+        chosen = next((s for s in candidates if all(
+            want is None or want == have for want, have in zip(s.input_specs, arriving))), candidates[0])
+        self._op(node, chosen)
+
+    def _op(self, node: fx.Node, strategy: Strategy) -> None:
+        info = OpInfo.from_node(node)
+        raw = bind(node.target, node.args, node.kwargs)
+        slot = 0
+        bound: dict[str, Any] = {}
+        for name, value in raw.items():
+            if isinstance(value, (list, tuple)):
+                items = []
+                for item in value:
+                    if isinstance(item, fx.Node):
+                        items.append(self._input(item, strategy, slot, node))
+                        slot += 1
+                    else:
+                        items.append(self._localise(item))
+                bound[name] = type(value)(items) if isinstance(value, tuple) else items
+            elif isinstance(value, fx.Node):
+                bound[name] = self._input(value, strategy, slot, node)
+                slot += 1
+            else:
+                bound[name] = self._localise(value)
+        if strategy.kernel is not None:
+            new = self._kernel(node, info, strategy, bound)
+        else:
+            bound = local_arguments(node.target, info, bound, strategy.input_specs,
+                                    strategy.output_specs, self.mesh_shape)
+            args, kwargs = _split_bound(node.target, bound)
+            new = self.graph.create_node("call_function", node.target, tuple(args), kwargs, name=node.name)
+        self.env[node.name] = self._copy_meta(new, node)
+        specs = strategy.output_specs
+        self.layout[node.name] = specs if info.multi_output else specs[0]
+
+    def _kernel(self, node: fx.Node, info: OpInfo, strategy: Strategy, bound: dict) -> fx.Node:
+        kernel = get_kernel(strategy.kernel)
+        name = self._unique(strategy.kernel)
+        self.modules[name] = KernelCall(kernel.name, kernel.fn, kernel_context(info, strategy, self.pmesh))
+        self.kernels.append(name)
+        return self.graph.create_node("call_module", name, (), bound, name=node.name)
+
+    def _unique(self, base: str) -> str:
+        name, k = base, 1
+        taken = {n.split(".")[0] for n in self.attr_of.values()}
+        while name in self.modules or name in taken:
+            name, k = f"{base}_{k}", k + 1
+        return name
+
+    def _localise(self, value: Any) -> Any:
+        """Non-tensor arguments: devices point at this rank's device."""
+        if isinstance(value, torch.device):
+            return self.device
+        return value
+
+    # -------------------------------------------------------------------------- conversions
+    def _input(self, src: fx.Node, strategy: Strategy, slot: int, consumer: fx.Node) -> Any:
+        value = self.env[src.name]
+        want = strategy.input_specs[slot]
+        if want is None or not isinstance(value, fx.Node):
+            return value
+        node = self._convert(src, want, consumer)
+        axes = strategy.grad_partial_axes[slot]
+        val = src.meta.get("val")
+        if axes and isinstance(val, torch.Tensor) and val.dtype.is_floating_point:
+            key = (src.name, want, tuple(axes), GRAD_ALL_REDUCE)
+            if key not in self.converted:
+                self.converted[key] = self.graph.call_module(
+                    self.comm_names[GRAD_ALL_REDUCE], (node,), {"axes": tuple(axes)})
+            node = self.converted[key]
+        return node
+
+    def _convert(self, src: fx.Node, want: TensorSpec, consumer: fx.Node) -> fx.Node:
+        have = self.layout.get(src.name)
+        node = self.env[src.name]
+        if have is None or isinstance(have, tuple):
+            raise ValueError(f"{_where(consumer)} reads {src.name!r}, whose layout is unknown")
+        if have == want:
+            return node
+        key = (src.name, want)
+        if key in self.converted:
+            return self.converted[key]
+        val = src.meta.get("val")
+        if not isinstance(val, torch.Tensor):
+            raise ValueError(f"{_where(consumer)}: input {src.name!r} is not a tensor but needs layout {want}")
+        conv = plan_conversion(have, want, tuple(val.shape), val.dtype.itemsize, self.plan.mesh)
+        for step in conv.steps:
+            kwargs = {"axis": step.axis}
+            if step.src_dim is not None:
+                kwargs["src_dim"] = step.src_dim
+            if step.dst_dim is not None:
+                kwargs["dst_dim"] = step.dst_dim
+            node = self.graph.call_module(self.comm_names[step.kind], (node,), kwargs)
+        self.num_conversions += 1
+        self.converted[key] = node
+        return node
+
+    # ------------------------------------------------------------------------------- output
+    def _output(self, node: fx.Node) -> None:
+        replicated = TensorSpec.replicated(len(self.mesh_shape))
+
+        def full(arg: Any) -> Any:
+            if isinstance(arg, fx.Node):
+                if self.layout.get(arg.name) is None:
+                    return self.env[arg.name]
+                return self._convert(arg, replicated, node)
+            return arg
+
+        self.graph.output(pytree.tree_map(full, node.args[0], is_leaf=lambda x: isinstance(x, fx.Node)))
+
+
+def _split_bound(target: Any, bound: dict[str, Any]) -> tuple[list, dict]:
+    """Positional and keyword arguments for ``target`` from schema-bound arguments; arguments
+    equal to their schema default are left out (trailing positional ones), for readability."""
+    schema = getattr(target, "_schema", None)
+    if schema is None:
+        return list(bound.values()), {}
+    args, kwargs, pending = [], {}, []
+    for a in schema.arguments:
+        if a.name not in bound:
+            continue
+        value = bound[a.name]
+        is_default = a.has_default_value() and _same(value, a.default_value)
+        if a.kwarg_only:
+            if not is_default:
+                kwargs[a.name] = value
+        elif is_default:
+            pending.append(value)  # kept only if a later positional argument is not default
+        else:
+            args.extend(pending)
+            pending = []
+            args.append(value)
+    return args, kwargs
+
+
+def _same(value: Any, default: Any) -> bool:
+    if isinstance(value, fx.Node) or isinstance(default, fx.Node):
+        return False
+    try:
+        return type(value) is type(default) and bool(value == default)
+    except Exception:  # noqa: BLE001 -- incomparable values are not defaults
+        return False
+
