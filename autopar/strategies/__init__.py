@@ -33,12 +33,28 @@ How to add a rule family
    is parametrised over ``registered_targets()``: for every sample, on meshes (4,) and (2, 2), it
    runs EVERY candidate strategy forward and backward on simulated ranks (``check.py``) against
    the unsharded op. Nothing else to wire: registering the rule enrols it.
-5. Local op: by default "the same ATen op on local shards" (the runtime rewrites shape arguments).
+5. Local op: by default "the same ATen op on local shards". Ops whose arguments hold global
+   sizes (``view``'s ``size``, ``expand``, ``new_ones`` ...) register
+   ``local_args=fn(info, bound, input_specs, output_specs, mesh_shape) -> bound``; the runtime
+   applies that rewrite when it emits the local op (``local_arguments``), and so does the check.
    When the sharded op needs different math (masking, collectives inside), give the option
    ``kernel="name"`` and register ``@register_kernel("name", comm_cost=fn)`` with
    ``fn(ctx: KernelContext, **bound_args)``; it communicates only through ``ctx.comm``
    (``all_reduce(t, axes, op)``, ``coordinate(axis)``, ``size(axis)``; see ``comm.py``) and
    ``comm_cost(info, input_specs, output_specs, mesh) -> (forward_s, backward_s)``.
+6. A rule that offers only replication on purpose (an opaque sub-graph, a 0-d value) says so
+   with ``register(..., replicate_only=True)``; the numerical check then asserts exactly that.
+
+Conventions for nodes that need no decision (``needs_no_decision(node)``)
+------------------------------------------------------------------------
+- ``operator.getitem(producer, k)`` on a multi-output op: its one input slot is the producer's
+  element ``k``; it receives the producer's ``output_specs[k]`` and is the identity on it. A
+  planner resolves it to its producer (``strategies_for`` still answers, with identity
+  strategies).
+- Ops without a tensor output (``aten._assert_tensor_metadata``) accept any layout; a planner
+  skips them and the runtime runs them on the local shard (their rule rewrites ``size``).
+- In-place ops (``add_``, ``relu_``) are sharded like their out-of-place versions; the check runs
+  them on a clone of the written argument, as on an activation in a graph.
 """
 
 from __future__ import annotations
@@ -49,11 +65,13 @@ from .comm import Comm, KernelContext
 from .expand import enumerate_strategies, estimate_flops, strategies_for
 from .registry import (
     AxisOption, InputSlot, LocalKernel, NoRuleError, OpInfo, RuleEntry, Sample, Strategy, TensorMeta,
-    get_kernel, get_rule, input_nodes, register, register_kernel, registered_targets,
+    get_kernel, get_rule, input_nodes, local_arguments, needs_no_decision, register, register_kernel,
+    registered_targets,
 )
 
 # Rule families, imported for their registrations.
-_FAMILIES = ("_matmul", "_pointwise", "_attention", "_embedding", "_norm", "_loss", "_view", "_index", "_reduction", "_factory", "_conv", "_misc")
+_FAMILIES = ("_matmul", "_pointwise", "_attention", "_embedding", "_norm", "_loss", "_view", "_index",
+             "_reduction", "_factory", "_conv", "_misc")
 for _name in _FAMILIES:
     importlib.import_module(f"{__name__}.{_name}")
 
@@ -61,5 +79,5 @@ __all__ = [
     "strategies_for", "enumerate_strategies", "estimate_flops", "Strategy", "AxisOption", "OpInfo",
     "TensorMeta", "InputSlot", "Sample", "RuleEntry", "LocalKernel", "NoRuleError", "Comm",
     "KernelContext", "register", "register_kernel", "get_rule", "get_kernel", "registered_targets",
-    "input_nodes",
+    "input_nodes", "local_arguments", "needs_no_decision",
 ]

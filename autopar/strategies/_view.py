@@ -123,7 +123,20 @@ def _local_unflatten_sizes(info: OpInfo, bound, input_specs, output_specs, mesh_
 
 # ------------------------------------------------------------------------------ the rules
 def _reshape_rule(info: OpInfo) -> list[AxisOption]:
-    return _dim_map_options(info, reshape_dim_map(info.input("self").shape, info.output.shape))
+    src, dst = info.input("self").shape, info.output.shape
+    if 0 in src or 0 in dst:
+        return [info.option(P, work_split=False, self=P)]  # an empty tensor: nothing to split
+    return _dim_map_options(info, reshape_dim_map(src, dst))
+
+
+def _squeeze_rule(info: OpInfo) -> list[AxisOption]:
+    """A named dim of global size > 1 stays (a no-op), but it must not be split: a shard of size
+    1 would be squeezed by the local op."""
+    ndim = info.input("self").ndim
+    named = info.arg("dim")
+    named = {d % ndim for d in ([named] if isinstance(named, int) else named)} if ndim else set()
+    return [o for o in _reshape_rule(info)
+            if not any(isinstance(p, Shard) and p.dim in named for p in o.inputs if p is not None)]
 
 
 def _view_samples() -> list[Sample]:
@@ -152,12 +165,13 @@ def _unflatten(info: OpInfo) -> list[AxisOption]:
 
 
 def _squeeze_samples() -> list[Sample]:
-    return [Sample((rand(4, 1, 8), 1), label="size-1"), Sample((rand(4, 8), 1), label="no-op")]
+    return [Sample((rand(4, 1, 8), 1), label="size-1"), Sample((rand(4, 8), 0), label="no-op")]
 
 
 register(aten.unsqueeze.default, samples=lambda: [Sample((rand(4, 8), 1)), Sample((rand(4, 8), -1))])(_reshape_rule)
-register(aten.squeeze.dim, samples=_squeeze_samples)(_reshape_rule)
-register(aten.squeeze.dims, samples=lambda: [Sample((rand(4, 1, 8, 1), [1, 3]))])(_reshape_rule)
+register(aten.squeeze.dim, samples=_squeeze_samples)(_squeeze_rule)
+register(aten.squeeze.dims, samples=lambda: [Sample((rand(4, 1, 8, 1), [1, 3])),
+                                             Sample((rand(4, 8), [0, 1]), label="no-op")])(_squeeze_rule)
 
 
 @register(aten.expand.default, local_args=_local_size("size"), samples=lambda: [
