@@ -110,12 +110,13 @@ def cmd_inspect(args) -> int:
         _positive(getattr(args, flag), f"--{flag}")
     if not args.time_limit > 0:
         raise CliError(f"--time-limit must be positive seconds, got {args.time_limit}")
-    check_model_spec(args.model, args.input)
+    # Cheap checks first (no torch import): bad input fails in well under a second.
     mesh = resolve_mesh(args.device, args.mesh)
     budget = parse_bytes(args.memory) if args.memory is not None else None
     extra = _checkpoint_kwargs(args.checkpoint, api.plan)
     _check_writable(args.json, "--json")
     _check_writable(args.html, "--html")
+    check_model_spec(args.model, args.input)
     sink = StageSink(quiet=args.quiet)
     progress = api.Progress(verbose=True, sink=sink)
     context: dict = {}
@@ -201,17 +202,24 @@ def cmd_profile_mesh(args) -> int:
     return 0
 
 
+def _is_planner_error(exc: RuntimeError) -> bool:
+    """Trace failures and solver time-outs are the user's to fix; other RuntimeErrors are bugs."""
+    from .solver.ilp import SolveTimeout
+    from .tracer import TraceError
+
+    return isinstance(exc, (TraceError, SolveTimeout))
+
+
 _COMMANDS = {"inspect": cmd_inspect, "coverage": cmd_coverage, "profile-mesh": cmd_profile_mesh}
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from .solver.ilp import SolveTimeout
-    from .tracer import TraceError
-
     try:
         return _COMMANDS[args.command](args)
-    except (ValueError, LookupError, TraceError, SolveTimeout, OSError) as exc:
+    except (ValueError, LookupError, OSError, RuntimeError) as exc:
+        if isinstance(exc, RuntimeError) and not _is_planner_error(exc):
+            raise  # an internal bug: keep the traceback for the report
         print(f"autopar: error: {_one_line(exc)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
