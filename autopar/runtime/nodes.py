@@ -53,12 +53,13 @@ class GradAllReduce(nn.Module):
 class KernelCall(nn.Module):
     """A strategy's custom local kernel for one node, with a torch.distributed ``Comm``."""
 
-    def __init__(self, name: str, fn: Callable[..., Any], ctx: KernelContext) -> None:
+    def __init__(self, name: str, fn: Callable[..., Any], ctx: KernelContext, arg_names: tuple[str, ...]) -> None:
         super().__init__()
-        self.name, self.fn, self.ctx = name, fn, ctx
+        self.name, self.fn, self.ctx, self.arg_names = name, fn, ctx, arg_names
 
-    def forward(self, **bound: Any) -> Any:
-        return self.fn(self.ctx, **bound)
+    def forward(self, *values: Any) -> Any:
+        # Positional: schema names such as ``self`` cannot be keyword arguments of a Module call.
+        return self.fn(self.ctx, **dict(zip(self.arg_names, values)))
 
     def extra_repr(self) -> str:
         return f"{self.name} for node {self.ctx.info.node_name}"

@@ -62,11 +62,41 @@ class EmittedGraph:
     kernels: list[str] = field(default_factory=list)
 
 
+_STRATEGY_CACHE: dict[Any, list[Strategy]] = {}
+_STRATEGY_CACHE_SIZE = 4096
+
+
+def _signature(node: fx.Node) -> Any:
+    """What a node's candidate strategies depend on: op, argument metadata, outputs."""
+    def token(a: Any) -> Any:
+        if isinstance(a, fx.Node):
+            v = a.meta.get("val")
+            return (tuple(v.shape), str(v.dtype)) if isinstance(v, torch.Tensor) else ("node", a.name)
+        if isinstance(a, (list, tuple)):
+            return tuple(token(x) for x in a)
+        return repr(a)
+
+    outs = tuple((tuple(v.shape), str(v.dtype)) if isinstance(v, torch.Tensor) else None
+                 for v in _as_tuple(node.meta.get("val")))
+    return (str(node.target), token(node.args), tuple(sorted((k, token(v)) for k, v in node.kwargs.items())), outs)
+
+
+def candidate_strategies(node: fx.Node, mesh, *, allow_replicate_fallback: bool) -> list[Strategy]:
+    """``strategies_for`` without costs, cached by node signature (repeated blocks repeat)."""
+    key = (_signature(node), mesh.shape, allow_replicate_fallback)
+    hit = _STRATEGY_CACHE.get(key)
+    if hit is None:
+        hit = strategies_for(node, mesh, flops=(0.0, 0.0), allow_replicate_fallback=allow_replicate_fallback)
+        if len(_STRATEGY_CACHE) >= _STRATEGY_CACHE_SIZE:
+            _STRATEGY_CACHE.clear()
+        _STRATEGY_CACHE[key] = hit
+    return hit
+
+
 def find_strategy(node: fx.Node, node_plan: NodePlan, plan: Plan) -> Strategy:
     """The ``Strategy`` a plan names for ``node`` (recomputed from the current rules)."""
     want = _SUFFIX.sub("", node_plan.strategy)
-    candidates = strategies_for(node, plan.mesh, flops=(0.0, 0.0),
-                                allow_replicate_fallback=node.name in plan.fallbacks)
+    candidates = candidate_strategies(node, plan.mesh, allow_replicate_fallback=node.name in plan.fallbacks)
     for s in candidates:
         if s.name == want:
             return s
@@ -192,7 +222,7 @@ class _Emitter:
     def _no_decision(self, node: fx.Node) -> None:
         """An op without tensor output: run it on the layouts that arrive when a strategy takes
         them, else on the first (replicated) strategy."""
-        candidates = strategies_for(node, self.plan.mesh, flops=(0.0, 0.0), allow_replicate_fallback=True)
+        candidates = candidate_strategies(node, self.plan.mesh, allow_replicate_fallback=True)
         arriving = tuple(self.layout.get(src.name) for src in input_nodes(node))
         chosen = next((s for s in candidates if all(
             want is None or want == have for want, have in zip(s.input_specs, arriving))), candidates[0])
@@ -232,9 +262,10 @@ class _Emitter:
     def _kernel(self, node: fx.Node, info: OpInfo, strategy: Strategy, bound: dict) -> fx.Node:
         kernel = get_kernel(strategy.kernel)
         name = self._unique(strategy.kernel)
-        self.modules[name] = KernelCall(kernel.name, kernel.fn, kernel_context(info, strategy, self.pmesh))
+        self.modules[name] = KernelCall(kernel.name, kernel.fn, kernel_context(info, strategy, self.pmesh),
+                                        tuple(bound))
         self.kernels.append(name)
-        return self.graph.create_node("call_module", name, (), bound, name=node.name)
+        return self.graph.create_node("call_module", name, tuple(bound.values()), name=node.name)
 
     def _unique(self, base: str) -> str:
         name, k = base, 1
