@@ -79,7 +79,7 @@ def plan(
         context.update(traced=traced, profile=prof, built=built, solution=solution)
     results = ()
     if baselines:
-        results = tuple(_baseline(name, traced, prof, mesh, budget, options, solver, time_limit, progress)
+        results = tuple(_baseline(name, traced, built, mesh, solver, time_limit, progress)
                         for name in _applicable_baselines(mesh.ndim))
     return Plan(
         model=traced.model_name, graph_hash=traced.graph_hash, mesh=mesh, budget_bytes=budget,
@@ -104,22 +104,44 @@ def _applicable_baselines(num_axes: int) -> list[str]:
     return [b for b in BASELINES if baseline_roles(b, num_axes) is not None]
 
 
-def _baseline(name, traced, prof, mesh, budget, options, solver, time_limit, progress) -> BaselineResult:
+def _baseline(name, traced, built, mesh, solver, time_limit, progress) -> BaselineResult:
     from .baselines import baseline_roles, make_restriction
-    from .builder import BuildOptions, build_problem
 
-    restricted = BuildOptions(optimizer_multiplier=options.optimizer_multiplier,
-                              allow_replicate_fallback=options.allow_replicate_fallback,
-                              restriction=make_restriction(baseline_roles(name, mesh.ndim)),
-                              restriction_name=name)
     try:
         with progress.stage(f"baseline {name}"):
-            built = build_problem(traced, prof, mesh, budget_bytes=budget, options=restricted)
-        solution = _solve(built.problem, solver=solver, time_limit=time_limit, progress=progress,
+            problem = _restricted_problem(built, traced, make_restriction(baseline_roles(name, mesh.ndim)), name)
+        solution = _solve(problem, solver=solver, time_limit=time_limit, progress=progress,
                           stage=f"baseline {name} solve")
     except ValueError as exc:  # the family cannot fit the budget (or has no legal layout)
         return BaselineResult(name, False, None, str(exc).splitlines()[0])
-    return BaselineResult(name, True, _estimate(built.problem, solution.choice))
+    return BaselineResult(name, True, _estimate(problem, solution.choice))
+
+
+def _restricted_problem(built, traced, restriction, name: str):
+    """``built.problem`` keeping only the options ``restriction`` allows: the problem
+    ``build_problem(..., restriction=...)`` builds (same options, costs and liveness), sliced from
+    the unrestricted one instead of re-deriving every strategy and conversion cost."""
+    from .solver.problem import Edge, Node, Problem
+
+    keep: dict[str, list[int]] = {}
+    nodes = []
+    for node in built.problem.nodes:
+        kind = built.kinds[node.name]
+        idx = list(range(node.num_options))
+        if kind != "output":  # the graph output is fixed (replicated), as in the builder
+            fx_node = traced.node(node.name)
+            idx = [i for i in idx if restriction(kind, fx_node, built.choices[node.name][i])]
+        if not idx:
+            module = traced.module_path(traced.node(node.name)) or "<top level>"
+            raise ValueError(f"the {name} restriction leaves no option for {kind} {node.name!r} (module {module})")
+        keep[node.name] = idx
+        nodes.append(Node(node.name, tuple(node.options[i] for i in idx), live=node.live, block=node.block,
+                          signature=node.signature, segment=node.segment))
+    edges = tuple(Edge(e.src, e.dst, tuple(tuple(e.costs[i][j] for j in keep[e.dst]) for i in keep[e.src]))
+                  for e in built.problem.edges)
+    p = built.problem
+    return Problem(tuple(nodes), edges, p.budget_bytes, p.timeline_length, p.mesh_shape,
+                   {**p.meta_dict, "restriction": name})
 
 
 def _estimate(problem, choice) -> Estimate:
