@@ -57,6 +57,7 @@ def _activation_ok(placement, role: str) -> bool:
 def make_restriction(roles: Sequence[str]):
     """A ``builder.Restriction`` enforcing ``roles`` (one per mesh axis)."""
     roles = tuple(roles)
+    weight_slots: dict[fx.Node, tuple[bool, ...]] = {}  # per op: which input slots are weights
 
     def allowed(kind: str, node: fx.Node, choice: Choice) -> bool:
         if kind in ("parameter", "buffer"):
@@ -65,8 +66,10 @@ def make_restriction(roles: Sequence[str]):
         specs = list(choice.output_specs)
         weight_specs = []
         if kind == "op":
-            for src, spec in zip(input_nodes(node), choice.input_specs):
-                (weight_specs if _is_weight(src) else specs).append(spec)
+            if node not in weight_slots:  # asked once per option: bind the op's inputs once
+                weight_slots[node] = tuple(_is_weight(src) for src in input_nodes(node))
+            for is_weight, spec in zip(weight_slots[node], choice.input_specs):
+                (weight_specs if is_weight else specs).append(spec)
         for spec in specs:
             if spec is not None and not all(_activation_ok(p, r) for p, r in zip(spec.placements, roles)):
                 return False
