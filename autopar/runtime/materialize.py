@@ -159,10 +159,13 @@ class _WriteRecorder(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         name = getattr(func, "__name__", "")
+        kwargs = kwargs or {}
         in_place = (name.endswith("_") and not name.endswith("__")) or name in _IN_PLACE_DUNDERS
-        if in_place and args and isinstance(args[0], torch.Tensor):
-            self.written.append(id(_root(args[0])))
-        return func(*args, **(kwargs or {}))
+        # torch.nn.init functions pass their tensor by keyword (``tensor=``).
+        target = args[0] if args else kwargs.get("tensor", kwargs.get("self"))
+        if in_place and isinstance(target, torch.Tensor):
+            self.written.append(id(_root(target)))
+        return func(*args, **kwargs)
 
 
 def _init_from_meta(model, traced, meta, specs, pmesh, device, seed, stats) -> dict[str, torch.Tensor]:
