@@ -369,7 +369,19 @@ def _infeasible(problem: Problem, backend: str, time_limit: float, alias: bool) 
 
 def solve(problem: Problem, *, solver: str = "auto", time_limit: float = 60.0, alias: bool = True,
           merge: bool = True, msg: bool = False) -> Solution:
-    """The fastest plan for ``problem`` within its budget (see the module docstring)."""
+    """The fastest plan for ``problem`` within its budget (see the module docstring).
+
+    solver:     ``"auto"`` (HiGHS when available), ``"highs"`` or ``"cbc"``.
+    time_limit: seconds for each of the two solver runs: the LP relaxation (for ``lp_bound``),
+                then the MIP search; at the limit the best plan found is returned with
+                ``status="feasible"`` and its gap to the best proven bound.
+    alias:      share decisions between identical repeated blocks (``simplify`` item 1).
+    merge:      dominated-option pruning and exact follow-merge (``simplify`` items 3-4).
+    msg:        show the backend's log.
+
+    Raises ``ValueError`` when no plan fits the budget (with the smallest budget that does),
+    ``SolveTimeout`` when no plan is found within the time limit.
+    """
     if not time_limit > 0:
         raise ValueError(f"time_limit must be positive seconds, got {time_limit!r}")
     backend = _pick_backend(solver)
