@@ -295,9 +295,12 @@ class IlpModel:
         value = float(pulp.value(self.prob.objective) or 0.0)
         status = "optimal" if sol == pulp.LpSolutionOptimal else "feasible"
         bound = value if status == "optimal" else None
-        if backend == "highs" and not relax and status == "feasible":
-            # pulp hands HiGHS the objective without its constant term
-            bound = float(self.prob.solverModel.getInfo().mip_dual_bound) + float(self.prob.objective.constant)
+        if backend == "highs" and not relax:
+            # HiGHS proves a bound even when "optimal" (to MIP_REL_GAP); pulp hands HiGHS the
+            # objective without its constant term.
+            proved = float(self.prob.solverModel.getInfo().mip_dual_bound)
+            if np.isfinite(proved):
+                bound = proved + float(self.prob.objective.constant)
         return _Outcome(status, value, bound, seconds)
 
     def choice(self) -> list[int]:
