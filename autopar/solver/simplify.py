@@ -40,6 +40,7 @@ Transformations 2-4 repeat until nothing changes. No torch import.
 
 from __future__ import annotations
 
+import heapq
 import re
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -369,8 +370,6 @@ def peak_candidates(items: tuple[MemItem, ...] | list[MemItem]) -> list[int]:
     live set is also live at the next start ``q`` (every live interval outlasts ``q``) is
     dominated by ``q``. So ``p`` is a candidate iff some interval live at ``p`` ends before ``q``.
     """
-    import heapq
-
     starts = sorted({it.start for it in items})
     by_start: dict[int, list[int]] = defaultdict(list)
     for it in items:
