@@ -81,13 +81,14 @@ def machine() -> dict:
 
 
 def versions() -> dict:
+    from importlib.metadata import PackageNotFoundError, version
+
     out = {}
-    for mod in ("torch", "transformers", "pulp", "highspy", "autopar"):
+    for dist in ("torch", "transformers", "pulp", "highspy", "autopar"):
         try:
-            m = __import__(mod)
-            out[mod] = getattr(m, "__version__", "?")
-        except ImportError:
-            out[mod] = None
+            out[dist] = version(dist)
+        except PackageNotFoundError:
+            out[dist] = None
     try:
         out["git"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=HERE, capture_output=True,
                                     text=True, timeout=10).stdout.strip() or None
