@@ -27,6 +27,7 @@ The result records each parameter/buffer's layout (``EmittedGraph.specs``) for t
 
 from __future__ import annotations
 
+import copy
 import operator
 import re
 from dataclasses import dataclass, field
@@ -198,8 +199,19 @@ class _Emitter:
         value = getattr(self.traced.gm, node.target)
         if not isinstance(value, torch.nn.Module):
             raise NotImplementedError(f"the runtime cannot emit a get_attr of a tensor {_where(node)}")
-        self.modules[node.target] = value  # e.g. the body of wrap_with_set_grad_enabled
+        self.modules[node.target] = self._on_device(value)  # e.g. the body of wrap_with_set_grad_enabled
         self.env[node.name] = self.graph.get_attr(node.target)
+
+    def _on_device(self, module: torch.nn.Module) -> torch.nn.Module:
+        """A sub-graph whose ``device`` arguments point at this rank's device (a copy)."""
+        if not isinstance(module, fx.GraphModule):
+            return module
+        body = fx.GraphModule(module, copy.deepcopy(module.graph))
+        for n in body.graph.nodes:
+            n.args = pytree.tree_map(self._localise, n.args)
+            n.kwargs = pytree.tree_map(self._localise, n.kwargs)
+        body.recompile()
+        return body
 
     # ---------------------------------------------------------------------------------- ops
     def _call(self, node: fx.Node) -> None:

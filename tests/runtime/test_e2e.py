@@ -1,6 +1,7 @@
 """End to end on real gloo processes: the emitted module trains exactly like the single-device model.
 
-For each zoo model (tiny config, dropout 0, fp32) and each mesh x budget, every rank checks
+For each zoo model (tiny config, dropout 0, fp32) on meshes (2,), (4,), (2, 2), each with an
+ample and a tight budget, every rank checks
 against the single-device reference computed before the fork:
 - the loss and every parameter gradient (``full_gradients()``), rtol 1e-4;
 - after 3 AdamW steps, ``full_state_dict()`` (parameters and buffers, tied names included).
@@ -147,7 +148,7 @@ def test_gpt2_tied_embeddings_all_meshes_and_budgets():
 
 @pytest.mark.parametrize("name", ["bert-base", "llama-1b", "vit-base", "resnet50"])
 def test_zoo_models(name):
-    run_matrix(name, {2: [((2,), "tight")], 4: [((2, 2), "tight"), ((4,), "ample")]})
+    run_matrix(name, FULL)
 
 
 def test_world_size_must_match_mesh():

@@ -97,7 +97,7 @@ def test_meta_gpt2_materialised_shard_by_shard():
 
 # ----------------------------------------------------------------------------- plan files
 def _solve_body(rank, world, model, inputs, budget):
-    pm = autoparallelize(model, inputs, mesh=(world,), memory_budget=budget)
+    pm = autoparallelize(model, inputs, memory_budget=budget)  # mesh None: 1-D over the world
     loss = loss_of(pm(**inputs))
     loss.backward()
     grads = {k: v.numpy() for k, v in pm.full_gradients().items()}
@@ -127,6 +127,7 @@ def test_plan_round_trip_and_refusals(tmp_path):
     plan_json, code, loss, grads = solved[0]
     assert all(s[0] == plan_json for s in solved), "ranks applied different plans"
     plan = Plan.from_json(plan_json)
+    assert plan.mesh.shape == (2,) and plan.mesh.name != "fast-links"
     path = tmp_path / "plan.json"
     plan.save(str(path))
     data = json.loads(plan_json)
