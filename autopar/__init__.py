@@ -20,7 +20,10 @@ _LAZY = {
     "TraceError": "autopar.tracer",
     "TracedGraph": "autopar.tracer",
     "plan": "autopar.api",
-    "Plan": "autopar.plan",
+    "Plan": "autopar.plans",
+    "autoparallelize": "autopar.runtime.api",
+    "AutoParallelModule": "autopar.runtime.module",
+    "clip_grad_norm_": "autopar.runtime.module",
 }
 
 __all__ = ["MeshSpec", "TensorSpec", "Shard", "Replicate", "Partial", *_LAZY]

@@ -2,7 +2,7 @@
 
 ``plan(model, meta_inputs, *, mesh, ...)`` traces the model on fake tensors, profiles it,
 enumerates sharding strategies per node, builds the plain-data problem, solves the ILP under the
-per-device memory budget and returns a :class:`~autopar.plan.Plan`. With ``baselines=True`` it
+per-device memory budget and returns a :class:`~autopar.plans.Plan`. With ``baselines=True`` it
 also solves data parallel, ZeRO-3, Megatron TP and DP x TP in the same cost model.
 """
 
@@ -14,7 +14,7 @@ from contextlib import contextmanager
 from typing import Any, Callable, Sequence
 
 from .mesh import MeshSpec, parse_bytes
-from .plan import BaselineResult, Estimate, NodePlan, Plan
+from .plans import BaselineResult, Estimate, NodePlan, Plan
 
 __all__ = ["plan", "Progress"]
 

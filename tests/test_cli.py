@@ -11,7 +11,7 @@ from html.parser import HTMLParser
 
 import pytest
 
-from autopar.plan import Plan
+from autopar.plans import Plan
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

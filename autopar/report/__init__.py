@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..plan import Plan
+from ..plans import Plan
 from .analysis import CommRow, LayerRow, Timeline, comm_breakdown, layer_rows, memory_timeline
 
 __all__ = ["Report", "build_report", "render_text", "render_html"]

@@ -20,7 +20,7 @@ import torch.fx as fx
 from torch import nn
 
 from autopar.mesh import MeshSpec
-from autopar.plan import Plan
+from autopar.plans import Plan
 from autopar.runtime.materialize import local_shards
 from autopar.runtime.module import AutoParallelModule
 from autopar.runtime.passes import emit_local_graph

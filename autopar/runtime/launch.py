@@ -3,7 +3,7 @@
 Used by tests, ``make demo`` and ``profile-mesh --local N``. Processes start with the ``fork``
 method (about 0.04 s per launch against about 4 s with ``spawn``), so ``fn`` may be a closure
 or a test-local function. Each child initialises the default process group (gloo on CPU),
-calls ``fn(rank, world_size, *args, **kwargs)`` and sends its return value back; the parent
+calls ``fn(rank, world_size, *args, **kwargs)`` and sends its return value back (plain-pickled, so tensors are fine); the parent
 returns the values in rank order, or raises ``RuntimeError`` carrying the first failing rank's
 traceback. A child that hangs (a mismatched collective) is killed after ``timeout`` seconds.
 """
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import socket
 import traceback
 from typing import Any, Callable
@@ -41,7 +42,9 @@ def _child(rank, world_size, port, backend, fn, args, kwargs, queue, num_threads
             result = fn(rank, world_size, *args, **kwargs)
         finally:
             dist.destroy_process_group()
-        queue.put((rank, True, result))
+        # Plain pickle (bytes), not torch's shared-memory reductions: a tensor result would
+        # otherwise hand the parent a file descriptor owned by a child that is about to exit.
+        queue.put((rank, True, pickle.dumps(result)))
     except BaseException:  # noqa: BLE001 -- everything goes back to the parent as text
         queue.put((rank, False, traceback.format_exc()))
 
@@ -87,7 +90,7 @@ def run_local(
             if not ok:
                 failure = (rank, value)
                 break
-            results[rank] = value
+            results[rank] = pickle.loads(value)
         finished = failure is None
     finally:
         for p in procs:

@@ -31,7 +31,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch import nn
 
-from autopar.plan import Plan
+from autopar.plans import Plan
 from autopar.runtime.comm import gather_full
 from autopar.runtime.kernels import all_reduce_axes
 from autopar.runtime.materialize import slice_local

@@ -37,7 +37,7 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
-from autopar.plan import NodePlan, Plan
+from autopar.plans import NodePlan, Plan
 from autopar.runtime.nodes import Collective, GradAllReduce, KernelCall, kernel_context
 from autopar.runtime.process_mesh import ProcessMesh
 from autopar.solver.reshard import STEP_KINDS, plan_conversion

@@ -18,6 +18,11 @@ def test_run_local_returns_in_rank_order():
     assert run_local(lambda r, w: r * 10, 2) == [0, 10]
 
 
+def test_run_local_returns_tensors():
+    out = run_local(lambda r, w: {"t": torch.full((64, 64), float(r))}, 2)
+    assert [o["t"].sum().item() for o in out] == [0.0, 4096.0]
+
+
 def test_run_local_reports_failing_rank():
     def boom(rank, world_size):
         if rank == 1:

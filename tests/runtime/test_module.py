@@ -20,7 +20,7 @@ import torch
 from autopar import zoo
 from autopar.api import plan as make_plan
 from autopar.mesh import MeshSpec
-from autopar.plan import Plan
+from autopar.plans import Plan
 from autopar.runtime.api import autoparallelize
 from autopar.runtime.comm import count_collectives
 from autopar.runtime.launch import run_local
