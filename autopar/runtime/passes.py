@@ -13,7 +13,8 @@ and builds a NEW ``fx.Graph`` (the traced graph is left untouched) in which
   converted once and shared by all consumers;
 - an input with ``grad_partial_axes`` goes through ``self.grad_all_reduce(x, axes=...)``
   (identity forward, all-reduce of its gradient backward: Megatron's "f"), once per
-  (value, layout, axes);
+  (value, layout, axes); a parameter read in its own layout goes through
+  ``self.grad_bucket(w, axes=..., slot=k)`` instead (bucketed: :mod:`autopar.runtime.bucketing`);
 - shape arguments are rewritten to local sizes with the rule's ``local_args`` hook
   (``registry.local_arguments``) and ``device`` arguments point at this rank's device;
 - a strategy with a custom kernel becomes a ``call_module`` on a :class:`KernelCall` backed by
@@ -38,6 +39,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from autopar.plans import NodePlan, Plan
+from autopar.runtime.bucketing import GradBucketer, bucket_cap_bytes
 from autopar.runtime.nodes import Collective, GradAllReduce, KernelCall, kernel_context
 from autopar.runtime.process_mesh import ProcessMesh
 from autopar.solver.reshard import STEP_KINDS, plan_conversion
@@ -50,6 +52,7 @@ from autopar.tracer.graph import (BUFFER, INPUT, MODULE_KEY, PARAMETER, PLACEHOL
 __all__ = ["EmittedGraph", "emit_local_graph", "find_strategy"]
 
 GRAD_ALL_REDUCE = "grad_all_reduce"
+GRAD_BUCKET = "grad_bucket"
 _SUFFIX = re.compile(r" #\d+$")
 
 
@@ -147,6 +150,15 @@ class _Emitter:
                 name = f"{name}_"
             self.comm_names[kind] = name
             self.modules[name] = GradAllReduce(pmesh) if kind == GRAD_ALL_REDUCE else Collective(kind, pmesh)
+        # Partial gradients of parameters are all-reduced in buckets (autopar.runtime.bucketing).
+        cap = bucket_cap_bytes()
+        self.bucketer = GradBucketer(pmesh, cap) if cap > 0 else None
+        if self.bucketer is not None:
+            name = GRAD_BUCKET
+            while name in taken:
+                name = f"{name}_"
+            self.comm_names[GRAD_BUCKET] = name
+            self.modules[name] = self.bucketer
 
     # ------------------------------------------------------------------------------- driver
     def run(self) -> EmittedGraph:
@@ -303,6 +315,12 @@ class _Emitter:
         val = src.meta.get("val")
         if axes and isinstance(val, torch.Tensor) and val.dtype.is_floating_point:
             key = (src.name, want, tuple(axes), GRAD_ALL_REDUCE)
+            if key not in self.converted and self.bucketer is not None and node is self.env[src.name] \
+                    and src.op == "placeholder" and src.meta[PLACEHOLDER_KEY].kind == PARAMETER:
+                slot = self.bucketer.add_slot(src.name, axes, want.local_shape(tuple(val.shape), self.mesh_shape),
+                                              val.dtype)
+                self.converted[key] = self.graph.call_module(
+                    self.comm_names[GRAD_BUCKET], (node,), {"axes": tuple(axes), "slot": slot})
             if key not in self.converted:
                 self.converted[key] = self.graph.call_module(
                     self.comm_names[GRAD_ALL_REDUCE], (node,), {"axes": tuple(axes)})

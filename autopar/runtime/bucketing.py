@@ -1,0 +1,269 @@
+"""Bucketed gradient all-reduce for parameters whose gradient is partial (data parallelism).
+
+A strategy that reads a replicated parameter but computes on a shard of the batch produces a
+*partial* gradient for it; the emitted graph used to route such a parameter through
+``self.grad_all_reduce(w, axes=...)``, one blocking all-reduce per parameter in backward.
+Here those parameters go through ``self.grad_bucket(w, axes=..., slot=k)`` instead:
+
+- forward is the identity (a view of ``w`` on the autograd tape, so every use of ``w`` in the
+  graph -- GPT-2's tied ``wte`` is read by the embedding and the LM head -- feeds ONE node whose
+  backward receives the fully accumulated local gradient of this backward pass);
+- its backward copies that local gradient into a flat bucket buffer and returns ``None`` (so
+  autograd does not accumulate the unreduced value into ``w.grad``);
+- buckets are laid out statically when the graph is emitted: slots in reverse forward order
+  (roughly the order their gradients become ready), grouped by (mesh axes, dtype), about
+  ``cap`` bytes each (25 MiB by default, like DDP). A bucket is all-reduced asynchronously as
+  soon as it is complete and every bucket before it has been issued, so every rank issues the
+  same collectives in the same order and communication overlaps the rest of backward;
+- at the end of the backward pass (an autograd engine callback) the remaining buckets are
+  issued, every pending all-reduce is waited on, and each slot's reduced gradient is added to
+  ``w.grad`` (or becomes it: a view into the bucket, no copy).
+
+The result equals the per-parameter all-reduce: ``grad += sum over ranks of the local partial
+gradient``, accumulation over several backward passes included (only the new contribution is
+reduced). A slot whose gradient arrives again after its bucket was issued (two forwards, one
+backward) is reduced in a second round at the end, so nothing is lost.
+
+``AUTOPAR_BUCKET_CAP_MB`` sets the cap when a graph is emitted; ``0`` disables bucketing (the
+per-parameter in-graph ``grad_all_reduce``). Gradients reach parameters through
+``loss.backward()``; ``torch.autograd.grad`` with respect to bucketed parameters is not
+supported (their gradients are delivered into ``.grad``).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from autopar.runtime.process_mesh import ProcessMesh
+
+__all__ = ["DEFAULT_CAP_MB", "GradBucketer", "bucket_cap_bytes"]
+
+DEFAULT_CAP_MB = 25.0
+ENV_VAR = "AUTOPAR_BUCKET_CAP_MB"
+
+
+def bucket_cap_bytes() -> int:
+    """The bucket cap for newly emitted graphs: ``AUTOPAR_BUCKET_CAP_MB`` (MiB) or 25 MiB;
+    0 means no bucketing."""
+    raw = os.environ.get(ENV_VAR)
+    if raw is None or raw.strip() == "":
+        return int(DEFAULT_CAP_MB * 2**20)
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"{ENV_VAR}={raw!r} is not a number of MiB") from None
+    if value < 0 or math.isnan(value):
+        raise ValueError(f"{ENV_VAR} must be >= 0, got {raw!r}")
+    return int(value * 2**20)
+
+
+@dataclass(frozen=True)
+class _Slot:
+    name: str  # the parameter's node name, for messages
+    axes: tuple[int, ...]
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass
+class _Bucket:
+    axes: tuple[int, ...]
+    dtype: torch.dtype
+    slots: list[int] = field(default_factory=list)
+    offsets: dict[int, int] = field(default_factory=dict)
+    numel: int = 0
+
+
+class _Pass:
+    """What one backward pass has gathered so far."""
+
+    def __init__(self, num_buckets: int) -> None:
+        self.flat: list[torch.Tensor | None] = [None] * num_buckets
+        self.ready: list[set[int]] = [set() for _ in range(num_buckets)]
+        self.params: dict[int, torch.Tensor] = {}
+        self.works: list[tuple[int, torch.Tensor, Any, tuple[int, ...]]] = []  # bucket, flat, work, axes left
+        self.next_issue = 0
+        self.late: dict[int, torch.Tensor] = {}  # slot -> local gradient that came after its bucket left
+
+
+class GradBucketer(nn.Module):
+    """The ``grad_bucket`` module of an emitted graph (see the module docstring)."""
+
+    def __init__(self, pmesh: ProcessMesh, cap_bytes: int) -> None:
+        super().__init__()
+        if cap_bytes <= 0:
+            raise ValueError(f"bucket cap must be positive, got {cap_bytes} bytes")
+        self.pmesh = pmesh
+        self.cap_bytes = int(cap_bytes)
+        self.slots: list[_Slot] = []
+        self._buckets: list[_Bucket] | None = None
+        self._bucket_of: dict[int, int] = {}
+        self._pass: _Pass | None = None
+        self.stats: Counter = Counter()  # buckets / all_reduces / bytes issued (this process)
+
+    # ------------------------------------------------------------------------- build time
+    def add_slot(self, name: str, axes: Sequence[int], shape: Sequence[int], dtype: torch.dtype) -> int:
+        """Register one bucketed parameter use (in forward order); returns its slot number."""
+        self.slots.append(_Slot(name, tuple(sorted(axes)), tuple(int(s) for s in shape), dtype))
+        self._buckets = None
+        return len(self.slots) - 1
+
+    @property
+    def buckets(self) -> list[_Bucket]:
+        if self._buckets is None:
+            self._buckets, self._bucket_of = self._layout()
+        return self._buckets
+
+    def _layout(self) -> tuple[list[_Bucket], dict[int, int]]:
+        buckets: list[_Bucket] = []
+        open_: dict[tuple, int] = {}
+        for slot in reversed(range(len(self.slots))):
+            s = self.slots[slot]
+            key = (s.axes, s.dtype)
+            size = s.numel * s.dtype.itemsize
+            b = open_.get(key)
+            if b is not None and buckets[b].numel * s.dtype.itemsize + size > self.cap_bytes:
+                b = None
+            if b is None:
+                b = open_[key] = len(buckets)
+                buckets.append(_Bucket(s.axes, s.dtype))
+            bucket = buckets[b]
+            bucket.offsets[slot] = bucket.numel
+            bucket.slots.append(slot)
+            bucket.numel += s.numel
+        return buckets, {slot: b for b, bucket in enumerate(buckets) for slot in bucket.slots}
+
+    def extra_repr(self) -> str:
+        total = sum(s.numel * s.dtype.itemsize for s in self.slots)
+        return (f"{len(self.slots)} parameters, {total / 2**20:.2f} MiB in {len(self.buckets)} buckets "
+                f"(cap {self.cap_bytes / 2**20:g} MiB)")
+
+    # -------------------------------------------------------------------------- run time
+    def forward(self, x: torch.Tensor, *, axes: tuple[int, ...], slot: int) -> torch.Tensor:
+        if not (torch.is_grad_enabled() and x.requires_grad):
+            return x
+        return _BucketGrad.apply(x, self, slot)
+
+    def _arrive(self, slot: int, param: torch.Tensor, grad: torch.Tensor) -> None:
+        buckets = self.buckets
+        if self._pass is None:
+            self._pass = _Pass(len(buckets))
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+        st = self._pass
+        b = self._bucket_of[slot]
+        bucket = buckets[b]
+        st.params[slot] = param
+        if b < st.next_issue:  # its bucket already left: reduce this contribution at the end
+            if slot in st.late:
+                st.late[slot] = st.late[slot] + grad
+            else:
+                st.late[slot] = grad.detach().clone()
+            return
+        if st.flat[b] is None:
+            st.flat[b] = torch.empty(bucket.numel, dtype=bucket.dtype, device=grad.device)
+        view = self._view(st.flat[b], bucket, slot)
+        if slot in st.ready[b]:
+            view.add_(grad.reshape(view.shape).to(view.dtype))
+        else:
+            view.copy_(grad.reshape(view.shape))
+            st.ready[b].add(slot)
+        while st.next_issue < len(buckets) and len(st.ready[st.next_issue]) == len(buckets[st.next_issue].slots):
+            self._issue(st, st.next_issue)
+
+    def _view(self, flat: torch.Tensor, bucket: _Bucket, slot: int) -> torch.Tensor:
+        s = self.slots[slot]
+        start = bucket.offsets[slot]
+        return flat[start:start + s.numel].view(s.shape)
+
+    def _issue(self, st: _Pass, b: int) -> None:
+        """Start bucket ``b``'s all-reduce (asynchronously on its first mesh axis)."""
+        bucket = self.buckets[b]
+        st.next_issue = b + 1
+        flat = st.flat[b]
+        if flat is None:
+            return  # no slot of this bucket received a gradient in this pass (same on every rank)
+        for slot in bucket.slots:
+            if slot not in st.ready[b]:
+                self._view(flat, bucket, slot).zero_()
+        axes = tuple(a for a in bucket.axes if self.pmesh.axis_size(a) > 1)
+        self.stats["buckets"] += 1
+        if not axes:
+            st.works.append((b, flat, None, ()))
+            return
+        work = self._all_reduce(flat, axes[0], async_op=True)
+        st.works.append((b, flat, work, axes[1:]))
+
+    def _all_reduce(self, flat: torch.Tensor, axis: int, *, async_op: bool):
+        self.stats["all_reduces"] += 1
+        self.stats["bytes"] += flat.numel() * flat.element_size()
+        return dist.all_reduce(flat, group=self.pmesh.group(axis), async_op=async_op)
+
+    def _finish(self) -> None:
+        """End of the backward pass: issue what is left, wait, deliver into ``.grad``."""
+        st, self._pass = self._pass, None
+        if st is None:
+            return
+        buckets = self.buckets
+        while st.next_issue < len(buckets):
+            self._issue(st, st.next_issue)
+        # Contributions that came after their bucket left: one more round, same static order.
+        late_flats = []
+        if st.late:
+            for b, bucket in enumerate(buckets):
+                slots = [s for s in bucket.slots if s in st.late]
+                if not slots:
+                    continue
+                flat = torch.zeros(bucket.numel, dtype=bucket.dtype, device=st.late[slots[0]].device)
+                for slot in slots:
+                    self._view(flat, bucket, slot).copy_(st.late[slot].reshape(self.slots[slot].shape))
+                for axis in bucket.axes:
+                    if self.pmesh.axis_size(axis) > 1:
+                        self._all_reduce(flat, axis, async_op=False)
+                late_flats.append((b, flat, slots))
+        for b, flat, work, rest in st.works:
+            if work is not None:
+                work.wait()
+            for axis in rest:
+                self._all_reduce(flat, axis, async_op=False)
+            self._deliver(st, buckets[b], flat, sorted(st.ready[b]))
+        for b, flat, slots in late_flats:
+            self._deliver(st, buckets[b], flat, slots)
+
+    def _deliver(self, st: _Pass, bucket: _Bucket, flat: torch.Tensor, slots: list[int]) -> None:
+        with torch.no_grad():
+            for slot in slots:
+                param = st.params[slot]
+                reduced = self._view(flat, bucket, slot)
+                if reduced.dtype != param.dtype:
+                    reduced = reduced.to(param.dtype)
+                if param.grad is None:
+                    param.grad = reduced if param.is_contiguous() else reduced.clone(
+                        memory_format=torch.preserve_format)
+                else:
+                    param.grad.add_(reduced)
+
+
+class _BucketGrad(torch.autograd.Function):
+    """Identity forward; backward hands the parameter's local gradient to the bucketer."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, bucketer: GradBucketer, slot: int) -> torch.Tensor:
+        ctx.bucketer, ctx.slot, ctx.param = bucketer, slot, x
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        ctx.bucketer._arrive(ctx.slot, ctx.param, grad)
+        return None, None, None
