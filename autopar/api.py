@@ -16,7 +16,7 @@ from typing import Any, Callable, Sequence
 from .mesh import MeshSpec, parse_bytes
 from .plans import BaselineResult, Estimate, NodePlan, Plan
 
-__all__ = ["plan", "Progress"]
+__all__ = ["plan", "plan_graph", "Progress"]
 
 
 class Progress:
@@ -59,17 +59,42 @@ def plan(
     with the ``device`` preset's costs. ``memory_budget``: bytes or ``"16GiB"``; None = the
     device capacity from the MeshSpec. ``context``: a dict that receives the intermediate
     ``traced``, ``profile``, ``built`` and ``solution`` (for reports that need per-node data)."""
-    from .builder import BuildOptions, build_problem
     from .tracer import profile as profile_graph
     from .tracer import trace
 
-    mesh = MeshSpec.coerce(mesh, device=device)
-    budget = mesh.mem_capacity if memory_budget is None else parse_bytes(memory_budget)
     progress = progress or Progress(verbose)
     with progress.stage("trace"):
         traced = trace(model, meta_inputs)
     with progress.stage("profile"):
         prof = profile_graph(traced)
+    return plan_graph(traced, prof, mesh=mesh, memory_budget=memory_budget, solver=solver,
+                      time_limit=time_limit, device=device, baselines=baselines,
+                      optimizer_multiplier=optimizer_multiplier,
+                      allow_replicate_fallback=allow_replicate_fallback, progress=progress,
+                      context=context)
+
+
+def plan_graph(
+    traced: Any,
+    prof: Any,
+    *,
+    mesh: MeshSpec | Sequence[int] | str,
+    memory_budget: int | float | str | None = None,
+    solver: str = "auto",
+    time_limit: float = 60.0,
+    device: str = "cpu",
+    baselines: bool = False,
+    optimizer_multiplier: float = 2.0,
+    allow_replicate_fallback: bool = False,
+    progress: Progress | None = None,
+    context: dict | None = None,
+) -> Plan:
+    """``plan`` from an existing trace and profile (one trace serves many meshes and budgets)."""
+    from .builder import BuildOptions, build_problem
+
+    mesh = MeshSpec.coerce(mesh, device=device)
+    budget = mesh.mem_capacity if memory_budget is None else parse_bytes(memory_budget)
+    progress = progress or Progress(False)
     options = BuildOptions(optimizer_multiplier=optimizer_multiplier,
                            allow_replicate_fallback=allow_replicate_fallback)
     with progress.stage("strategies", f"{sum(1 for _ in traced.compute_nodes())} ops on mesh {mesh}"):
