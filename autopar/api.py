@@ -54,11 +54,15 @@ def plan(
     verbose: bool = False,
     progress: Progress | None = None,
     context: dict | None = None,
+    checkpoint: str = "auto",
 ) -> Plan:
     """Plan ``model`` on ``mesh`` offline. ``mesh``: a MeshSpec, or a shape (``(2, 4)``/``"2x4"``)
     with the ``device`` preset's costs. ``memory_budget``: bytes or ``"16GiB"``; None = the
     device capacity from the MeshSpec. ``context``: a dict that receives the intermediate
-    ``traced``, ``profile``, ``built`` and ``solution`` (for reports that need per-node data)."""
+    ``traced``, ``profile``, ``built`` and ``solution`` (for reports that need per-node data).
+    ``checkpoint``: activation recompute planning, ``"auto"`` (the faster of the joint ILP +
+    Rotor refinement and Rotor alone; nothing when the budget cannot bind), ``"ilp"``,
+    ``"rotor"``, ``"both"`` or ``"none"`` (see ``autopar.checkpointing``)."""
     from .tracer import profile as profile_graph
     from .tracer import trace
 
@@ -71,7 +75,7 @@ def plan(
                       time_limit=time_limit, device=device, baselines=baselines,
                       optimizer_multiplier=optimizer_multiplier,
                       allow_replicate_fallback=allow_replicate_fallback, progress=progress,
-                      context=context)
+                      context=context, checkpoint=checkpoint)
 
 
 def plan_graph(
@@ -88,6 +92,7 @@ def plan_graph(
     allow_replicate_fallback: bool = False,
     progress: Progress | None = None,
     context: dict | None = None,
+    checkpoint: str = "auto",
 ) -> Plan:
     """``plan`` from an existing trace and profile (one trace serves many meshes and budgets)."""
     from .builder import BuildOptions, build_problem
@@ -99,19 +104,26 @@ def plan_graph(
                            allow_replicate_fallback=allow_replicate_fallback)
     with progress.stage("strategies", f"{sum(1 for _ in traced.compute_nodes())} ops on mesh {mesh}"):
         built = build_problem(traced, prof, mesh, budget_bytes=budget, options=options)
-    solution = _solve(built.problem, solver=solver, time_limit=time_limit, progress=progress, stage="solve")
+    from .checkpointing import plan_recompute
+
+    rc = plan_recompute(traced, prof, built, mode=checkpoint, solver=solver, time_limit=time_limit,
+                        solve_plain=lambda p: _solve(p, solver=solver, time_limit=time_limit,
+                                                     progress=progress, stage="solve"))
+    solution = rc.solution
     if context is not None:
-        context.update(traced=traced, profile=prof, built=built, solution=solution)
+        context.update(traced=traced, profile=prof, built=built, solution=solution, recompute=rc)
     results = ()
     if baselines:
         results = tuple(_baseline(name, traced, built, mesh, solver, time_limit, progress)
                         for name in _applicable_baselines(mesh.ndim))
     return Plan(
         model=traced.model_name, graph_hash=traced.graph_hash, mesh=mesh, budget_bytes=budget,
-        nodes=_node_plans(traced, built, solution.choice),
-        estimate=_estimate(built.problem, solution.choice),
+        nodes=_node_plans(traced, built, rc.choice),
+        estimate=_estimate_of(rc.evaluation),
         solver=_solver_stats(solution), timings=dict(progress.timings), baselines=results,
-        fallbacks=built.fallbacks,
+        fallbacks=built.fallbacks, recompute=rc.regions,
+        checkpoint={"mode": checkpoint, "method": rc.method, "units": list(rc.units),
+                    "activation_bytes": rc.activation_bytes, **rc.info},
     )
 
 
@@ -170,7 +182,10 @@ def _restricted_problem(built, traced, restriction, name: str):
 
 
 def _estimate(problem, choice) -> Estimate:
-    ev = problem.evaluate(choice)
+    return _estimate_of(problem.evaluate(choice))
+
+
+def _estimate_of(ev) -> Estimate:
     return Estimate(step_s=ev.objective, compute_s=ev.compute_s, comm_s=ev.comm_s,
                     reshard_s=ev.reshard_s, param_bytes=ev.param_bytes, peak_bytes=ev.peak_bytes)
 

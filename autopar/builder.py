@@ -13,6 +13,18 @@ Decisions (``Problem`` nodes), in graph order:
   saves for its backward, from the profile) scales with the strategy's local/global bytes and is
   live from the op's forward to its backward on a timeline ``fwd i -> i``, ``bwd i -> 2N-1-i``.
 
+Recompute segments: every op inside a repeated block gets ``Node.segment`` = its module path
+(``"transformer.h.3.mlp.act"``; a contiguous run of ops), the unit the ILP may recompute
+(``autopar.solver.recompute``), as can the whole block (``"transformer.h.3"``): the fine
+segments let the cheap-to-recompute, memory-heavy parts (activation functions, attention) go
+alone, the block keeps only its own input. The block's own ops (residual adds) form the segment
+``"<block>.(self)"``. A
+recomputed segment keeps only its inputs (what ``torch.utils.checkpoint`` holds):
+``BuiltProblem.segment_inputs`` lists, per segment, the activation values it reads from outside
+with their local bytes per producer option. An input whose storage is first saved for backward
+by a node *outside* the segment is left out (that node holds it whatever the segment does), so a
+storage is never counted twice.
+
 Values that need no decision resolve to their producer: ``getitem`` on a multi-output op reads
 the producer's output element ``k``; ops without tensor output (metadata asserts) are skipped.
 The graph **output** is one more (single-option) decision: the model returns full values, so
@@ -44,7 +56,8 @@ from .strategies import Strategy, strategies_for
 from .tracer.graph import BUFFER, CONSTANT, INPUT, PARAMETER, PLACEHOLDER_KEY, TracedGraph
 from .tracer.profile import ModelProfile
 
-__all__ = ["BuildOptions", "BuiltProblem", "Choice", "ChosenConversion", "build_problem", "block_of", "layout_specs"]
+__all__ = ["BuildOptions", "BuiltProblem", "Choice", "ChosenConversion", "build_problem", "block_of", "layout_specs",
+           "segment_inputs"]
 
 _BLOCK = re.compile(r"^(.*?\.\d+)(?:\.|$)")
 _AT_REST = ("parameter", "buffer")
@@ -87,6 +100,8 @@ class BuiltProblem:
     # consumer decision -> {input slot: (producer decision, producer output index, shape, itemsize)}
     inputs: dict[str, dict[int, tuple[str, int, tuple[int, ...], int]]] = field(default_factory=dict)
     mesh: MeshSpec | None = None
+    # segment -> inputs it keeps when recomputed (autopar.solver.recompute.SegmentInput)
+    segment_inputs: dict[str, tuple] = field(default_factory=dict)
 
     def conversions(self, choice: dict[str, str]) -> list["ChosenConversion"]:
         """The layout conversions a full choice (decision name -> option name) executes."""
@@ -183,8 +198,13 @@ class _Builder:
             meta={"model": self.traced.model_name, "graph_hash": self.traced.graph_hash,
                   "restriction": self.opts.restriction_name},
         )
-        return BuiltProblem(problem, self.choices, self.kinds, self.sources, tuple(self.fallbacks),
+        built = BuiltProblem(problem, self.choices, self.kinds, self.sources, tuple(self.fallbacks),
                             self.inputs, self.mesh)
+        fine = {n.name: n.segment for n in self.nodes if n.segment is not None}
+        blocks = {name: block_of(seg) for name, seg in fine.items()}
+        built.segment_inputs = {**segment_inputs(self.traced, self.prof, built, fine),
+                                **segment_inputs(self.traced, self.prof, built, blocks)}
+        return built
 
     # ----------------------------------------------------------------------------- decisions
     def _allowed(self, kind: str, node: fx.Node, choice: Choice) -> bool:
@@ -242,8 +262,9 @@ class _Builder:
                              f"{self.traced.module_path(node) or '<top level>'})")
         outs = [(tuple(v.shape), v.dtype.itemsize) if isinstance(v, torch.Tensor) else None
                 for v in _as_tuple(node.meta.get("val"))]
-        self._add(node.name, "op", opts, choices, live=live, block=block_of(self.traced.module_path(node)),
-                  signature=self._signature(node), out_meta=outs)
+        path = self.traced.module_path(node)
+        self._add(node.name, "op", opts, choices, live=live, block=block_of(path),
+                  signature=self._signature(node), out_meta=outs, module=path)
         for slot, src_node in enumerate(slots):
             self._edge(src_node, node.name, slot, edges)
 
@@ -265,12 +286,31 @@ class _Builder:
             cached = self._choice_cache[id(strategies)] = [Choice(s.name, s.output_specs, s) for s in strategies]
         return cached
 
-    def _add(self, name, kind, opts, choices, *, live, block, signature, out_meta) -> None:
-        self.nodes.append(Node(name, tuple(opts), live=live, block=block, signature=signature))
+    def _add(self, name, kind, opts, choices, *, live, block, signature, out_meta, module=None) -> None:
+        if block is not None and module == block:
+            module = f"{block}.(self)"  # the block's own ops (residual adds): not the block segment
+        segment = self._segment(module if block is not None else None) if kind == "op" else None
+        self.nodes.append(Node(name, tuple(opts), live=live, block=block, signature=signature, segment=segment))
         self.choices[name] = choices
         self.kinds[name] = kind
         self.sources[name] = (name, 0)
         self.meta[name] = out_meta
+
+    def _segment(self, block: str | None) -> str | None:
+        """The op's module inside a repeated block, as a contiguous run of ops: a module whose
+        ops resume after other ops gets a fresh segment (``"<module>#2"``), so every segment is
+        one contiguous range."""
+        run = getattr(self, "_run", None)  # (module, segment) of the current run of ops
+        if block is None:
+            self._run = None
+            return None
+        if run is not None and run[0] == block:
+            return run[1]
+        seen = self.__dict__.setdefault("_segments_seen", {})
+        k = seen[block] = seen.get(block, 0) + 1
+        segment = block if k == 1 else f"{block}#{k}"
+        self._run = (block, segment)
+        return segment
 
     def _strategies(self, node: fx.Node) -> list[Strategy]:
         key = self._signature(node)
@@ -348,6 +388,44 @@ def _distinct(specs: list[TensorSpec | None]) -> tuple[list[int], list[TensorSpe
     return index, distinct
 
 
+def segment_inputs(traced: TracedGraph, prof: ModelProfile, built: BuiltProblem,
+                   segment_of: dict[str, str]) -> dict[str, tuple]:
+    """Per segment (``segment_of``: op decision -> segment; each a contiguous run of ops), the
+    activation values its ops read from outside it, with their local bytes per producer option
+    (``autopar.solver.recompute.SegmentInput``). Left out: parameters, buffers and user inputs
+    (held anyway), and values whose storage is first saved for backward by a node outside the
+    segment (that node holds it whatever the segment does)."""
+    from .solver.recompute import SegmentInput
+
+    first_saver: dict[str, str] = {}  # storage producer -> first node saving it
+    for p in prof.nodes:
+        for producer in p.saved_from:
+            first_saver.setdefault(producer, p.name)
+    out: dict[str, list] = {}
+    seen: set[tuple[str, str, int]] = set()
+    for dst, slots in built.inputs.items():
+        seg = segment_of.get(dst)
+        if seg is None:
+            continue
+        for slot, (src, idx, shape, itemsize) in sorted(slots.items()):
+            if segment_of.get(src) == seg or built.kinds.get(src) in (*_AT_REST, "input"):
+                continue
+            if (seg, src, idx) in seen:
+                continue
+            seen.add((seg, src, idx))
+            src_node = traced.node(src)
+            val = _as_tuple(src_node.meta.get("val"))[idx] if src_node.meta.get("val") is not None else None
+            if not _is_float(val):
+                continue
+            saver = first_saver.get(_storage_base(src_node).name)
+            if saver is not None and segment_of.get(saver) != seg:
+                continue
+            sizes = tuple(int(math.prod(c.output_specs[idx].local_shape(shape, built.mesh.shape)) * itemsize)
+                          for c in built.choices[src])
+            out.setdefault(seg, []).append(SegmentInput(src, sizes))
+    return {k: tuple(v) for k, v in out.items()}
+
+
 # ----------------------------------------------------------------------------------- helpers
 def _as_tuple(val: Any) -> tuple:
     return tuple(val) if isinstance(val, (tuple, list)) else (val,)
@@ -371,6 +449,16 @@ def _unique(name: str, opts: list[StrategyOption]) -> str:
     while f"{name} #{k}" in taken:
         k += 1
     return f"{name} #{k}"
+
+
+def _storage_base(node: fx.Node) -> fx.Node:
+    """The node whose output owns ``node``'s storage (through views and ``getitem``)."""
+    from .tracer.profile import _is_view
+
+    while node.op == "call_function" and node.args and isinstance(node.args[0], fx.Node) and (
+            node.target is operator.getitem or _is_view(node.target)):
+        node = node.args[0]
+    return node
 
 
 def _is_float(v: Any) -> bool:

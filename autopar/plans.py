@@ -16,7 +16,7 @@ from typing import Any
 
 from .mesh import MeshSpec
 
-__all__ = ["PLAN_VERSION", "COST_MODEL_VERSION", "NodePlan", "Estimate", "BaselineResult", "Plan"]
+__all__ = ["PLAN_VERSION", "COST_MODEL_VERSION", "NodePlan", "Estimate", "BaselineResult", "RecomputeRegion", "Plan"]
 
 PLAN_VERSION = 1
 COST_MODEL_VERSION = "roofline-ring-1"
@@ -73,6 +73,21 @@ class BaselineResult:
         return f"{self.name}: {self.estimate}" if self.feasible else f"{self.name}: {self.note}"
 
 
+@dataclass(frozen=True, slots=True)
+class RecomputeRegion:
+    """Ops recomputed in backward as one ``torch.utils.checkpoint`` region.
+
+    name:  the segment or chain stages it comes from (e.g. ``"transformer.h.0"``).
+    nodes: the traced op names it spans, in graph order (a contiguous run of the graph's ops).
+    """
+
+    name: str
+    nodes: tuple[str, ...]
+
+    def __str__(self) -> str:
+        return f"{self.name} ({len(self.nodes)} ops: {self.nodes[0]} .. {self.nodes[-1]})"
+
+
 @dataclass(frozen=True)
 class Plan:
     model: str
@@ -85,6 +100,10 @@ class Plan:
     timings: dict[str, float] = field(default_factory=dict)  # trace/profile/build/solve seconds
     baselines: tuple[BaselineResult, ...] = ()
     fallbacks: tuple[str, ...] = ()  # op nodes replicated without a rule (explicit opt-in)
+    # Activation recompute: the regions, and how they were chosen (mode, method, estimates,
+    # activation_bytes = bytes saved for backward per device when the forward ends).
+    recompute: tuple[RecomputeRegion, ...] = ()
+    checkpoint: dict[str, Any] = field(default_factory=dict)
     cost_model_version: str = COST_MODEL_VERSION
     version: int = PLAN_VERSION
 
@@ -119,6 +138,9 @@ class Plan:
         if best is not None:
             lines.append(f"  speed-up over best baseline ({best.name}): "
                          f"{best.estimate.step_s / self.estimate.step_s:.2f}x")
+        if self.recompute:
+            lines.append(f"  recompute ({self.checkpoint.get('method', '?')}): "
+                         + ", ".join(r.name for r in self.recompute))
         if self.fallbacks:
             lines.append(f"  replicated without a rule (fallback): {', '.join(self.fallbacks)}")
         return "\n".join(lines)
@@ -132,6 +154,7 @@ class Plan:
             "estimate": asdict(self.estimate), "solver": self.solver, "timings": self.timings,
             "baselines": [asdict(b) for b in self.baselines], "fallbacks": list(self.fallbacks),
             "nodes": [asdict(n) for n in self.nodes],
+            "recompute": [asdict(r) for r in self.recompute], "checkpoint": self.checkpoint,
         }
         return json.dumps(data, indent=1)
 
@@ -152,7 +175,9 @@ class Plan:
                     BaselineResult(b["name"], b["feasible"],
                                    Estimate(**b["estimate"]) if b["estimate"] else None, b["note"])
                     for b in data["baselines"]),
-                fallbacks=tuple(data["fallbacks"]), cost_model_version=data["cost_model_version"],
+                fallbacks=tuple(data["fallbacks"]),
+                recompute=tuple(RecomputeRegion(r["name"], tuple(r["nodes"])) for r in data.get("recompute", ())),
+                checkpoint=data.get("checkpoint", {}), cost_model_version=data["cost_model_version"],
                 version=data["version"],
             )
         except (KeyError, TypeError) as exc:

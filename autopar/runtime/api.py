@@ -74,6 +74,7 @@ def autoparallelize(
     init_weights: bool = True,
     local_inputs: bool = False,
     allow_replicate_fallback: bool = False,
+    checkpoint: str = "auto",
 ) -> AutoParallelModule:
     """Shard ``model`` over the current process group; see the module docstring.
 
@@ -83,6 +84,8 @@ def autoparallelize(
     ``seed``: initialisation seed for a model on ``meta`` (``init_weights=False``: zeros, to be
     filled with ``load_full_state_dict``). ``local_inputs``: ``forward`` receives each rank's
     piece of every input under the plan's input layouts instead of the full batch.
+    ``checkpoint``: activation recompute planning (``autopar.api.plan``); a loaded plan's
+    recompute regions are applied as they are.
     """
     from autopar.api import plan as solve_plan
     from autopar.tracer import trace
@@ -98,7 +101,8 @@ def autoparallelize(
         spec = spec or MeshSpec.coerce((world,), device=mesh_preset(dev))
         plan, traced = _solve_on_rank0(solve_plan, model, meta_inputs, mesh=spec, memory_budget=memory_budget,
                                        solver=solver, time_limit=time_limit,
-                                       allow_replicate_fallback=allow_replicate_fallback)
+                                       allow_replicate_fallback=allow_replicate_fallback,
+                                       checkpoint=checkpoint)
         traced = traced or trace(model, meta_inputs)
     else:
         plan = plan if isinstance(plan, Plan) else Plan.load(os.fspath(plan))
@@ -113,6 +117,10 @@ def build_module(model: nn.Module, traced, plan: Plan, *, device: torch.device, 
     """Emit the local graph of ``traced`` under ``plan`` and attach this rank's shards."""
     pmesh = ProcessMesh.from_spec(plan.mesh, device_type=device.type)
     emitted = emit_local_graph(traced, plan, pmesh, device=device, local_inputs=local_inputs)
+    if plan.recompute:  # activation checkpointing: regions become torch.utils.checkpoint calls
+        from autopar.runtime.checkpoint import apply_recompute
+
+        apply_recompute(emitted.graph, emitted.modules, plan.recompute)
     shards, stats = local_shards(model, traced, emitted.specs, pmesh, device=device, seed=seed,
                                  init_weights=init_weights)
     root: dict[str, Any] = dict(emitted.modules)
