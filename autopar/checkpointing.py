@@ -32,7 +32,7 @@ and time model, exact per node) plus the forward seconds of the conversions a re
 
 from __future__ import annotations
 
-import operator
+import math
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -160,7 +160,142 @@ def _params_only(problem: Problem) -> Problem:
                    problem.meta)
 
 
+ROTOR_BUDGET_FRACTIONS = (1.0, 0.9, 0.8, 0.7, 0.6, 0.5)
+
+
+def build_chain(prof, built, choice):
+    """The chosen sharding's ops as a Rotor ``Chain`` (module docstring). Returns
+    ``(chain, stages, held_bytes)``: ``stages[i]`` the op names of stage ``i``, ``held_bytes``
+    the activation bytes held outside the chain (ops before it, user inputs)."""
+    from .solver.checkpoint import Chain
+
+    problem = built.problem
+    ops = [n for n in problem.nodes if built.kinds.get(n.name) == "op"]
+    first = next((i for i, n in enumerate(ops) if n.segment is not None), None)
+    if first is None:
+        return None
+    index = {n.name: i for i, n in enumerate(ops)}
+    consumers: dict[tuple[str, int], int] = {}  # value -> last consuming op index
+    readers: dict[tuple[str, int], set] = {}  # value made before the chain -> blocks reading it
+    for dst, slots in built.inputs.items():
+        if dst not in index:
+            continue
+        for src, idx, _, _ in slots.values():
+            if src in index:
+                key = (src, idx)
+                consumers[key] = max(consumers.get(key, -1), index[dst])
+                if index[src] < first:
+                    readers.setdefault(key, set()).add(block_of_segment(ops[index[dst]].segment or "") or "")
+    # Values made before the chain count only when one block reads them (the chain's input, not
+    # a mask or position table shared by every block: those are held throughout).
+    consumers = {k: v for k, v in consumers.items() if index[k[0]] >= first or len(readers.get(k, ())) == 1}
+    produced_until: dict[int, list] = {}
+    for key, last in consumers.items():
+        produced_until.setdefault(max(index[key[0]], first), []).append((key, last))
+    cuts, live = [], {}
+    for k in range(first, len(ops) - 1):
+        for key, last in produced_until.get(k, ()):
+            live[key] = last
+        live = {key: last for key, last in live.items() if last > k}
+        if len(live) == 1:
+            cuts.append((k, next(iter(live))))
+    if not cuts:
+        return None
+    option = {n.name: n.options[n.option_index(choice[n.name])] for n in ops}
+    conv_f: dict[str, float] = {}
+    conv_b: dict[str, float] = {}
+    for c in built.conversions(choice):
+        conv_f[c.consumer] = conv_f.get(c.consumer, 0.0) + c.conversion.forward_s
+        conv_b[c.consumer] = conv_b.get(c.consumer, 0.0) + c.conversion.backward_s
+
+    def local_bytes(key) -> int:
+        src, idx = key
+        shape, itemsize = next(v[2:] for d in built.inputs.values() for v in d.values() if v[:2] == key)
+        spec = built.choice_of(src, choice[src]).output_specs[idx]
+        return int(math.prod(spec.local_shape(shape, built.mesh.shape)) * itemsize)
+
+    first_saver: dict[str, str] = {}
+    for p in prof.nodes:
+        for producer in p.saved_from:
+            first_saver.setdefault(producer, p.name)
+    bounds = [first] + [k + 1 for k, _ in cuts] + [len(ops)]
+    crossing = [None] + [key for _, key in cuts]  # the value entering each stage
+    stages, fwd, bwd, out_b, tape, x0 = [], [], [], [], [], 0
+    for i in range(len(bounds) - 1):
+        names = [n.name for n in ops[bounds[i]:bounds[i + 1]]]
+        stages.append(tuple(names))
+        f = sum(option[n].forward_s + conv_f.get(n, 0.0) for n in names)
+        total = sum(option[n].cost_s + conv_f.get(n, 0.0) + conv_b.get(n, 0.0) for n in names)
+        fwd.append(f)
+        bwd.append(max(total - f, 0.0))
+        saved = sum(option[n].act_bytes for n in names)
+        if i > 0:
+            inp = crossing[i]
+            a_in = local_bytes(inp)
+            if first_saver.get(inp[0]) in names:
+                saved = max(saved - a_in, 0)  # the stage input is x_i, counted apart
+        out = local_bytes(crossing[i + 1]) if i + 1 < len(crossing) else 0
+        out_b.append(out)
+        tape.append(saved + out)
+    # x_0: the chain's input (what the first stage reads from before the chain), held apart
+    held = 0
+    for n in problem.nodes:
+        o = n.options[n.option_index(choice[n.name])]
+        if n.live is not None and (built.kinds.get(n.name) != "op" or index.get(n.name, first) < first):
+            held += o.act_bytes
+    chain = Chain(tuple(fwd), tuple(bwd), x0, tuple(out_b), tuple(tape), (0,) * len(fwd), (0,) * len(fwd),
+                  tuple(f"stage{i}" for i in range(len(fwd))))
+    return chain, stages, held
+
+
 def rotor_refine(traced, prof, built, choice, solution) -> RecomputePlan | None:
     """Stage 2 (module docstring); None when no Rotor placement fits the budget."""
-    return None
+    from .builder import segment_inputs
+    from .solver.checkpoint import solve_rotor
+
+    problem = built.problem
+    made = build_chain(prof, built, choice)
+    if made is None:
+        return None
+    chain, stages, held = made
+    avail = problem.budget_bytes - problem.evaluate(choice).param_bytes - held
+    if avail <= 0:
+        return None
+    best = None
+    tried = set()
+    for frac in ROTOR_BUDGET_FRACTIONS:
+        try:
+            sched = solve_rotor(chain, max(int(avail * frac), 1))
+        except ValueError:
+            break
+        runs, cur = [], []
+        for i in sched.recomputed_stages:
+            if cur and i == cur[-1] + 1:
+                cur.append(i)
+            else:
+                if cur:
+                    runs.append(cur)
+                cur = [i]
+        if cur:
+            runs.append(cur)
+        # One region per run of recomputed stages (only the run's input kept), or one per stage
+        # (each stage's input kept: Rotor's checkpoints of x_i); both are what torch can run.
+        for grouping in (runs, [[i] for r in runs for i in r]):
+            key = tuple(map(tuple, grouping))
+            if not grouping or key in tried:
+                continue
+            tried.add(key)
+            region_of = {name: f"rotor[{r[0]}-{r[-1]}]" for r in grouping for i in r for name in stages[i]}
+            nodes = tuple(replace(n, segment=region_of.get(n.name)) for n in problem.nodes)
+            p2 = Problem(nodes, problem.edges, problem.budget_bytes, problem.timeline_length,
+                         problem.mesh_shape, problem.meta)
+            inputs2 = segment_inputs(traced, prof, built, region_of)
+            geo = segment_geometry(p2)
+            units = tuple(u for u in dict.fromkeys(region_of.values()) if u in geo)  # regions that save
+            plan = _finish(built, p2, choice, solution, units, inputs2, "rotor",
+                           {"rotor_stages": len(stages), "rotor_budget_fraction": frac})
+            if plan.evaluation.peak_bytes <= problem.budget_bytes and (
+                    best is None or plan.evaluation.objective < best.evaluation.objective):
+                best = plan
+    return best
 

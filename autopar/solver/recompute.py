@@ -357,12 +357,16 @@ class RecomputeModel(IlpModel):
         return tuple(u for u in self.units if (self.r[u].varValue or 0.0) > 0.5)
 
 
-def _build(reduced, problem, inputs, *, limit, name) -> RecomputeModel:
+def _build(reduced, problem, inputs, *, limit, name, fixed=None) -> RecomputeModel:
     model = RecomputeModel(reduced, problem, inputs, name)
     model.add_one_hot()
     terms, const = model.step_time_terms()
     model.add_edge_marginals(terms)
     model.add_recompute(terms)
+    for i, (unit, value) in enumerate(sorted((fixed or {}).items())):
+        if unit not in model.r:
+            raise ValueError(f"cannot fix unknown segment {unit!r}; known: {sorted(model.r)}")
+        model.prob += _expr([(model.r[unit], 1.0)]) == int(bool(value)), f"fix_{i}"
     model.add_memory(limit)
     model.set_objective(terms, const)
     return model
@@ -387,11 +391,12 @@ def minimum_budget_recompute(problem: Problem, inputs: Mapping[str, Iterable[Seg
 
 def solve_recompute(problem: Problem, inputs: Mapping[str, Iterable[SegmentInput]], *, solver: str = "auto",
                     time_limit: float = 60.0, alias: bool = True, merge: bool = True,
-                    msg: bool = False) -> Solution:
+                    msg: bool = False, fixed: Mapping[str, bool] | None = None) -> Solution:
     """The fastest plan for ``problem`` within its budget, sharding and recompute decided
     together. ``inputs``: segment -> ``SegmentInput``s (``BuiltProblem.segment_inputs``).
     Arguments and errors as ``autopar.solver.ilp.solve``; ``Solution.recompute`` lists the
-    recomputed segments and ``objective``/``peak_bytes`` are ``evaluate_recompute``'s."""
+    recomputed segments and ``objective``/``peak_bytes`` are ``evaluate_recompute``'s.
+    ``fixed``: unit -> recomputed or not, imposed (e.g. uniform per-block checkpointing)."""
     if not time_limit > 0:
         raise ValueError(f"time_limit must be positive seconds, got {time_limit!r}")
     if problem.budget_bytes is None:
@@ -400,10 +405,14 @@ def solve_recompute(problem: Problem, inputs: Mapping[str, Iterable[SegmentInput
     t0 = time.perf_counter()
     reduced = simplify(problem, alias=alias, merge=merge)
     t1 = time.perf_counter()
-    model = _build(reduced, problem, inputs, limit=float(problem.budget_bytes), name="autopar_recompute")
+    model = _build(reduced, problem, inputs, limit=float(problem.budget_bytes), name="autopar_recompute",
+                   fixed=fixed)
     t2 = time.perf_counter()
     lp = model.run(backend, time_limit=time_limit, relax=True, msg=msg)
     out = model.run(backend, time_limit=time_limit, msg=msg) if lp.status == "optimal" else lp
+    if out.status == "infeasible" and fixed:
+        raise ValueError(f"no plan fits the budget {problem.budget_bytes} bytes with the fixed recompute "
+                         f"decisions {dict(fixed)}")
     if out.status == "infeasible":
         need = minimum_budget_recompute(problem, inputs, solver=backend, time_limit=time_limit, alias=alias)
         mesh = "x".join(map(str, problem.mesh_shape)) or "?"
