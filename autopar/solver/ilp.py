@@ -276,10 +276,7 @@ class IlpModel:
     def run(self, backend: str, *, time_limit: float, relax: bool = False, msg: bool = False,
             gap: float = MIP_REL_GAP) -> _Outcome:
         if backend == "highs":
-            # The relaxation's one long memory row slows dual simplex badly (2000 nodes: ~100 s);
-            # the interior-point solver takes about a quarter of that.
-            options = {**_HIGHS_OPTIONS, **({"solver": "ipm"} if relax else {})}
-            solver = pulp.HiGHS(mip=not relax, msg=msg, timeLimit=time_limit, gapRel=gap, **options)
+            solver = pulp.HiGHS(mip=not relax, msg=msg, timeLimit=time_limit, gapRel=gap, **_HIGHS_OPTIONS)
         else:
             solver = pulp.COIN_CMD(path=_cbc_path(), mip=not relax, msg=msg, timeLimit=time_limit, gapRel=gap)
         t0 = time.perf_counter()
