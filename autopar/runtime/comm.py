@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from autopar.runtime.process_mesh import ProcessMesh
-from autopar.solver.reshard import ReshardStep
+from autopar.solver.reshard import ReshardStep, replicate_steps
 from autopar.solver.reshard import apply_step as reshard_apply_step
 from autopar.spec import Partial, Shard, TensorSpec
 
@@ -317,22 +317,6 @@ def distribute(global_tensor: torch.Tensor, spec: TensorSpec | str, pmesh: Proce
     if any(pmesh.coordinate[a] != 0 for a in spec.partial_axes()):
         return torch.zeros_like(piece)
     return piece
-
-
-def replicate_steps(spec: TensorSpec | str) -> tuple[ReshardStep, ...]:
-    """Steps from ``spec`` to fully replicated: all-reduce partials, all-gather shards.
-
-    Axes go from the highest index down, so each all-gather removes the minor-most axis that
-    shards its dim (the local-consistency rule)."""
-    spec = TensorSpec.parse(spec)
-    steps = []
-    for axis in reversed(range(spec.num_axes)):
-        p = spec.placements[axis]
-        if isinstance(p, Shard):
-            steps.append(ReshardStep("all_gather", axis, src_dim=p.dim))
-        elif isinstance(p, Partial):
-            steps.append(ReshardStep("all_reduce", axis))
-    return tuple(steps)
 
 
 def gather_full(local: torch.Tensor, spec: TensorSpec | str, pmesh: ProcessMesh) -> torch.Tensor:

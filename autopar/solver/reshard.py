@@ -64,6 +64,7 @@ from ..spec import P, R, Partial, Replicate, Shard, TensorSpec
 
 __all__ = [
     "ReshardStep",
+    "replicate_steps",
     "STEP_KINDS",
     "Conversion",
     "plan_conversion",
@@ -396,3 +397,19 @@ def _dijkstra(src: TensorSpec, dst: TensorSpec, shape, itemsize: int, mesh: Mesh
         backward_s=sum(e.backward_s for e in edges),
         peak_extra_bytes=max((e.extra_bytes for e in edges), default=0),
     )
+
+
+def replicate_steps(spec: TensorSpec | str) -> tuple[ReshardStep, ...]:
+    """Steps from ``spec`` to fully replicated: all-reduce partials, all-gather shards.
+
+    Axes go from the highest index down, so each all-gather removes the minor-most axis that
+    shards its dim (the local-consistency rule)."""
+    spec = TensorSpec.parse(spec)
+    steps = []
+    for axis in reversed(range(spec.num_axes)):
+        p = spec.placements[axis]
+        if isinstance(p, Shard):
+            steps.append(ReshardStep("all_gather", axis, src_dim=p.dim))
+        elif isinstance(p, Partial):
+            steps.append(ReshardStep("all_reduce", axis))
+    return tuple(steps)

@@ -23,6 +23,7 @@ from autopar.solver.reshard import (
     Conversion,
     ReshardStep,
     apply_step,
+    replicate_steps,
     clear_conversion_cache,
     conversion_cache_info,
     plan_conversion,
@@ -67,13 +68,7 @@ def _route_cost(src: TensorSpec, steps, shape, mesh) -> tuple[float, TensorSpec]
 
 def _naive_steps(src: TensorSpec, dst: TensorSpec) -> list[ReshardStep]:
     """Gather/all-reduce everything to replicated (minor axes first), then split/to_partial."""
-    steps = []
-    for axis in reversed(range(src.num_axes)):
-        p = src.placements[axis]
-        if isinstance(p, Shard):
-            steps.append(ReshardStep("all_gather", axis, src_dim=p.dim))
-        elif isinstance(p, Partial):
-            steps.append(ReshardStep("all_reduce", axis))
+    steps = list(replicate_steps(src))
     for axis, p in enumerate(dst.placements):
         if isinstance(p, Shard):
             steps.append(ReshardStep("split", axis, dst_dim=p.dim))
