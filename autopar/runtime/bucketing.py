@@ -32,6 +32,7 @@ supported (their gradients are delivered into ``.grad``).
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from collections import Counter
@@ -110,7 +111,10 @@ class GradBucketer(nn.Module):
         self.slots: list[_Slot] = []
         self._buckets: list[_Bucket] | None = None
         self._bucket_of: dict[int, int] = {}
-        self._pass: _Pass | None = None
+        # One pass per autograd graph task (a reentrant checkpoint's nested backward is its own
+        # task, delivered at its own end); a task that raised never reaches its end callback,
+        # and its pass cannot leak into the next backward.
+        self._passes: dict[int, _Pass] = {}
         self.stats: Counter = Counter()  # buckets / all_reduces / bytes issued (this process)
 
     # ------------------------------------------------------------------------- build time
@@ -158,10 +162,11 @@ class GradBucketer(nn.Module):
 
     def _arrive(self, slot: int, param: torch.Tensor, grad: torch.Tensor) -> None:
         buckets = self.buckets
-        if self._pass is None:
-            self._pass = _Pass(len(buckets))
-            torch.autograd.Variable._execution_engine.queue_callback(self._finish)
-        st = self._pass
+        task = torch._C._current_graph_task_id()
+        st = self._passes.get(task)
+        if st is None:
+            st = self._passes[task] = _Pass(len(buckets))
+            torch.autograd.Variable._execution_engine.queue_callback(functools.partial(self._finish, task))
         b = self._bucket_of[slot]
         bucket = buckets[b]
         st.params[slot] = param
@@ -210,9 +215,9 @@ class GradBucketer(nn.Module):
         self.stats["bytes"] += flat.numel() * flat.element_size()
         return dist.all_reduce(flat, group=self.pmesh.group(axis), async_op=async_op)
 
-    def _finish(self) -> None:
+    def _finish(self, task: int) -> None:
         """End of the backward pass: issue what is left, wait, deliver into ``.grad``."""
-        st, self._pass = self._pass, None
+        st = self._passes.pop(task, None)
         if st is None:
             return
         buckets = self.buckets

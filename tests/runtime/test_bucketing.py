@@ -186,3 +186,33 @@ def test_tied_weight_accumulation_and_two_forwards(shape):
             _assert_close(res["two_forwards"][k], ref_ab[k], f"rank {rank} two-forward grad {k}")
         for n, g in res["local"].items():
             assert torch.equal(g, results[0]["local"][n]), f"rank {rank}: {n} differs from rank 0"
+
+
+def _after_failed_backward(rank, world, model, traced, plan, a):
+    pm = _emit(model, traced, plan, 25)
+    x = a["x"].clone().requires_grad_(True)
+
+    def boom(grad):
+        raise RuntimeError("backward interrupted on purpose")
+
+    x.register_hook(boom)  # x's gradient comes last: the parameters' buckets are under way
+    try:
+        loss_of(pm(x=x, labels=a["labels"])).backward()
+    except RuntimeError as exc:
+        assert "on purpose" in str(exc)
+    else:
+        raise AssertionError("the hook did not raise")
+    pm.zero_grad(set_to_none=True)
+    loss_of(pm(**a)).backward()  # a clean pass after the interrupted one
+    return _grads(pm)
+
+
+def test_backward_after_an_interrupted_backward():
+    torch.manual_seed(2)
+    model = TiedNet()
+    a = {"x": torch.randn(8, 4, 32), "labels": torch.randint(0, 8, (8, 4))}
+    plan = restricted_plan(model, a, mesh=fast_mesh((2,)))
+    ref = reference_grads(model, a)
+    for rank, grads in enumerate(run_local(_after_failed_backward, 2, model, trace(model, a), plan, a)):
+        for k, want in ref.items():
+            _assert_close(grads[k], want, f"rank {rank} grad {k} after an interrupted backward")
