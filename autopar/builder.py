@@ -57,7 +57,7 @@ from .tracer.graph import BUFFER, CONSTANT, INPUT, PARAMETER, PLACEHOLDER_KEY, T
 from .tracer.profile import ModelProfile
 
 __all__ = ["BuildOptions", "BuiltProblem", "Choice", "ChosenConversion", "build_problem", "block_of", "layout_specs",
-           "segment_inputs"]
+           "holder_of_producer", "saved_by", "segment_inputs"]
 
 _BLOCK = re.compile(r"^(.*?\.\d+)(?:\.|$)")
 _AT_REST = ("parameter", "buffer")
@@ -241,17 +241,16 @@ class _Builder:
     def _op(self, node: fx.Node, edges: dict) -> None:
         strategies = self._strategies(node)
         slots = _input_nodes(node)
-        prof = self.prof[node.name]
         i = self.op_index[node.name]
-        live = (i, 2 * self.num_ops - 1 - i) if prof.saved_bytes else None
+        parts = self._saved_parts(node)
+        live = (i, 2 * self.num_ops - 1 - i) if parts else None
         activations = [self.kinds.get(src.name) not in _AT_REST for src in slots]
         global_bytes = _global_bytes(node, slots, activations)
         opts, choices = [], []
         for s, choice in zip(strategies, self._choices_of(strategies)):
             if not self._allowed("op", node, choice):
                 continue
-            ratio = _local_bytes(s, slots, activations) / global_bytes if global_bytes else 1.0
-            act = int(round(prof.saved_bytes * min(ratio, 1.0))) if live else 0
+            act = _activation_bytes(node, s, slots, activations, global_bytes, parts) if live else 0
             opts.append(StrategyOption(
                 _unique(s.name, opts), compute_s=s.compute_s, comm_s=s.comm_s, act_bytes=act,
                 forward_s=s.forward_compute_s + s.forward_comm_s))
@@ -267,6 +266,17 @@ class _Builder:
                   signature=self._signature(node), out_meta=outs, module=path)
         for slot, src_node in enumerate(slots):
             self._edge(src_node, node.name, slot, edges)
+
+    def _saved_parts(self, node: fx.Node) -> list[tuple[str, int]]:
+        """(producer, bytes) of the storages this node's activation accounts for: those whose
+        last saver it is (``saved_by``); a profile without parts: its first-saver total."""
+        if not hasattr(self, "_saver"):
+            self._saver = saved_by(self.prof)
+        prof = self.prof[node.name]
+        if not prof.saved_parts:
+            return [("", prof.saved_bytes)] if prof.saved_bytes else []
+        return [(producer, nbytes) for sid, producer, nbytes in prof.saved_parts
+                if self._saver.get(sid) == node.name]
 
     def _output(self, node: fx.Node, edges: dict) -> None:
         """The model returns full values: every tensor output is converted to replicated."""
@@ -388,19 +398,46 @@ def _distinct(specs: list[TensorSpec | None]) -> tuple[list[int], list[TensorSpe
     return index, distinct
 
 
+def saved_by(prof: ModelProfile) -> dict[int, str]:
+    """Saved storage id -> the node whose activation counts it: its *last* saver in graph order.
+
+    A storage several nodes save (attention's output, saved by the attention op and by the
+    projection reading it) is held until the last of them has run its backward, and by any one
+    of them that is not recomputed. Counting it at the last saver, and as a recompute region's
+    kept input exactly when that saver is inside the region (``segment_inputs``), is right
+    whichever of the savers are recomputed: a kept last saver holds it; a recomputed one's
+    region keeps it as an input (a region that reads a storage from outside holds it)."""
+    out: dict[int, str] = {}
+    for p in prof.nodes:
+        for sid, _, _ in p.saved_parts:
+            out[sid] = p.name
+    return out
+
+
+def holder_of_producer(prof: ModelProfile) -> dict[str, str]:
+    """Producer node -> the node counting the storages it made (``saved_by``); a profile without
+    parts: the first node saving them."""
+    out: dict[str, str] = {}
+    last = saved_by(prof)
+    for p in prof.nodes:
+        for producer in p.saved_from:
+            out.setdefault(producer, p.name)
+        for sid, producer, _ in p.saved_parts:
+            out[producer] = last[sid]
+    return out
+
+
 def segment_inputs(traced: TracedGraph, prof: ModelProfile, built: BuiltProblem,
                    segment_of: dict[str, str]) -> dict[str, tuple]:
     """Per segment (``segment_of``: op decision -> segment; each a contiguous run of ops), the
     activation values its ops read from outside it, with their local bytes per producer option
     (``autopar.solver.recompute.SegmentInput``). Left out: parameters, buffers and user inputs
-    (held anyway), and values whose storage is first saved for backward by a node outside the
-    segment (that node holds it whatever the segment does)."""
+    (held anyway), and values whose storage is counted by a node outside the segment
+    (``saved_by``: that node, or its own region, holds it whatever the segment does). Non-float
+    tensors count too: the checkpoint keeps every tensor input."""
     from .solver.recompute import SegmentInput
 
-    first_saver: dict[str, str] = {}  # storage producer -> first node saving it
-    for p in prof.nodes:
-        for producer in p.saved_from:
-            first_saver.setdefault(producer, p.name)
+    holder = holder_of_producer(prof)  # storage producer -> the node whose activation counts it
     out: dict[str, list] = {}
     seen: set[tuple[str, str, int]] = set()
     for dst, slots in built.inputs.items():
@@ -415,9 +452,9 @@ def segment_inputs(traced: TracedGraph, prof: ModelProfile, built: BuiltProblem,
             seen.add((seg, src, idx))
             src_node = traced.node(src)
             val = _as_tuple(src_node.meta.get("val"))[idx] if src_node.meta.get("val") is not None else None
-            if not _is_float(val):
-                continue
-            saver = first_saver.get(_storage_base(src_node).name)
+            if not isinstance(val, torch.Tensor):
+                continue  # every tensor input is kept by the checkpoint (masks and indices too)
+            saver = holder.get(_storage_base(src_node).name)
             if saver is not None and segment_of.get(saver) != seg:
                 continue
             sizes = tuple(int(math.prod(c.output_specs[idx].local_shape(shape, built.mesh.shape)) * itemsize)
@@ -470,6 +507,36 @@ def _global_bytes(node: fx.Node, slots: list[fx.Node], activations: list[bool]) 
     vals = [s.meta.get("val") for s, act in zip(slots, activations) if act]
     vals += list(_as_tuple(node.meta.get("val")))
     return sum(v.numel() * v.dtype.itemsize for v in vals if _is_float(v))
+
+
+def _activation_bytes(node: fx.Node, s: Strategy, slots: list[fx.Node], activations: list[bool],
+                      global_bytes: int, parts: list[tuple[str, int]]) -> int:
+    """Local bytes of the saved storages ``parts`` ((producer, global bytes)) under strategy ``s``.
+
+    Each storage scales by the local fraction of the tensor it is: one the op made itself (its
+    outputs, internal temporaries such as attention's logsumexp) by the strategy's output
+    fraction; one made upstream by the fraction of the input slot whose value lives in that
+    storage (through views and ``getitem``), under the strategy's input spec (a column-parallel
+    linear keeps its replicated input whole, a row-parallel one its sharded input). A storage
+    matching neither (an upstream value reached another way) takes the op's blended fraction:
+    local/global bytes of all its activation inputs and outputs."""
+    blended = min(_local_bytes(s, slots, activations) / global_bytes, 1.0) if global_bytes else 1.0
+    out_global = sum(v.numel() * v.dtype.itemsize for v in _as_tuple(node.meta.get("val"))
+                     if isinstance(v, torch.Tensor))
+    out_frac = min(s.output_bytes / out_global, 1.0) if out_global else blended
+    slot_frac: dict[str, float] = {}
+    for k, src in enumerate(slots):
+        val = src.meta.get("val")
+        if not isinstance(val, torch.Tensor) or k >= len(s.input_bytes):
+            continue
+        full = val.numel() * val.dtype.itemsize
+        if full:
+            slot_frac.setdefault(_storage_base(src).name, min(s.input_bytes[k] / full, 1.0))
+    total = 0.0
+    for producer, nbytes in parts:
+        frac = out_frac if producer == node.name else slot_frac.get(producer, blended)
+        total += nbytes * frac
+    return int(round(total))
 
 
 def _local_bytes(s: Strategy, slots: list[fx.Node], activations: list[bool]) -> int:

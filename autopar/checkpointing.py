@@ -214,10 +214,9 @@ def build_chain(prof, built, choice):
         spec = built.choice_of(src, choice[src]).output_specs[idx]
         return int(math.prod(spec.local_shape(shape, built.mesh.shape)) * itemsize)
 
-    first_saver: dict[str, str] = {}
-    for p in prof.nodes:
-        for producer in p.saved_from:
-            first_saver.setdefault(producer, p.name)
+    from .builder import holder_of_producer
+
+    first_saver = holder_of_producer(prof)  # producer -> the node whose activation counts its storage
     bounds = [first] + [k + 1 for k, _ in cuts] + [len(ops)]
     crossing = [None] + [key for _, key in cuts]  # the value entering each stage
     stages, fwd, bwd, out_b, tape, x0 = [], [], [], [], [], 0

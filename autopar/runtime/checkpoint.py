@@ -24,6 +24,8 @@ import torch
 import torch.fx as fx
 from torch.utils.checkpoint import checkpoint
 
+from autopar.runtime.passes import TRACED_NAME_KEY
+
 __all__ = ["CheckpointRegion", "apply_recompute"]
 
 
@@ -62,7 +64,7 @@ def apply_recompute(graph: fx.Graph, modules: dict[str, torch.nn.Module], region
     for k, region in enumerate(regions):
         nodes = list(graph.nodes)
         pos = {n: i for i, n in enumerate(nodes)}
-        by_name = {n.name: n for n in nodes}
+        by_name = {n.meta.get(TRACED_NAME_KEY, n.name): n for n in nodes}  # emitted names may differ
         ops = [by_name[x] for x in region.nodes if x in by_name]
         if not ops:
             raise ValueError(f"recompute region {region.name!r}: none of its ops is in the emitted graph")

@@ -49,10 +49,11 @@ from autopar.strategies.registry import bind, local_arguments, needs_no_decision
 from autopar.tracer.graph import (BUFFER, INPUT, MODULE_KEY, PARAMETER, PLACEHOLDER_KEY, Placeholder,
                                   TracedGraph)
 
-__all__ = ["EmittedGraph", "emit_local_graph", "find_strategy"]
+__all__ = ["EmittedGraph", "TRACED_NAME_KEY", "emit_local_graph", "find_strategy"]
 
 GRAD_ALL_REDUCE = "grad_all_reduce"
 GRAD_BUCKET = "grad_bucket"
+TRACED_NAME_KEY = "autopar_traced_name"  # emitted node meta: the traced node it comes from
 _SUFFIX = re.compile(r" #\d+$")
 
 
@@ -180,6 +181,9 @@ class _Emitter:
 
     def _copy_meta(self, new: fx.Node, old: fx.Node) -> fx.Node:
         new.meta[MODULE_KEY] = old.meta.get(MODULE_KEY, "")
+        # fx renames a node whose name a conversion node already took ("split" -> "split_1"):
+        # passes that look traced ops up by name (recompute regions) read this instead.
+        new.meta[TRACED_NAME_KEY] = old.name
         return new
 
     # --------------------------------------------------------------------------- placeholders

@@ -18,7 +18,9 @@ first start of its items, ``b`` = the first end (the point where the segment's b
 ``Problem.evaluate``. Recomputed (``r_s = 1``): each item's *forward part* ``[start, b-1]`` is
 gone; its *backward part* ``[b, end]`` stays (backward rematerialises the whole segment when it
 reaches it, then frees each saved tensor after its own backward, as non-reentrant checkpoint
-does), and the inputs ``c_s(x)`` are held on ``[S0, E]``. Step time grows by ``F_s(x)``.
+does), and the inputs ``c_s(x)`` are held on ``[S0, E]``. Step time grows by ``F_s(x)``. A value
+several recomputed segments read is one tensor: ``evaluate_recompute`` counts it once (from the
+first such segment's start to the last one's end); the ILP counts it per segment (an upper bound).
 
 Every forward part of a segment is live at every timeline point ``t`` with ``N <= t < b`` (the
 backward half; all items start in forward, ``start < N``) and at the last forward start, the
@@ -133,12 +135,18 @@ def _units_of(segment: str | None, geo: Mapping[str, SegmentGeometry]) -> tuple[
     return tuple(u for u in dict.fromkeys((segment, block)) if u is not None and u in geo)
 
 
-def _input_bytes(problem: Problem, inputs: Mapping[str, Iterable[SegmentInput]], choice: Mapping[str, str],
-                 seg: str) -> int:
-    total = 0
-    for si in inputs.get(seg, ()):
-        total += si.bytes[problem.node(si.node).option_index(choice[si.node])]
-    return total
+def _held_inputs(problem: Problem, inputs: Mapping[str, Iterable[SegmentInput]], choice: Mapping[str, str],
+                 chosen: Iterable[str], geo: Mapping[str, SegmentGeometry]) -> list[tuple[int, int, int]]:
+    """(bytes, first, last timeline point) of every value the recomputed units keep: a value
+    several regions read (an attention mask) is one tensor, held from the first region's start
+    to the last one's end. (The ILP counts it once per region: conservative.)"""
+    held: dict[str, list] = {}
+    for u in sorted(chosen):
+        for si in inputs.get(u, ()):
+            c = si.bytes[problem.node(si.node).option_index(choice[si.node])]
+            span = held.setdefault(si.node, [c, geo[u].start, geo[u].end])
+            span[1], span[2] = min(span[1], geo[u].start), max(span[2], geo[u].end)
+    return [tuple(v) for v in held.values()]
 
 
 def _check_units(recompute: Iterable[str], geo: Mapping[str, SegmentGeometry]) -> set[str]:
@@ -172,10 +180,9 @@ def evaluate_recompute(problem: Problem, choice: Mapping[str, str], recompute: I
         start = geo[unit].bwd if unit is not None else n.live[0]
         delta[start] += o.act_bytes
         delta[n.live[1] + 1] -= o.act_bytes
-    for u in chosen:
-        c = _input_bytes(problem, inputs, choice, u)
-        delta[geo[u].start] += c
-        delta[geo[u].end + 1] -= c
+    for c, start, end in _held_inputs(problem, inputs, choice, chosen, geo):
+        delta[start] += c
+        delta[end + 1] -= c
     running = np.cumsum(delta[:-1])
     peak_t = int(np.argmax(running)) if len(running) and running.max() > 0 else None
     peak = int(running.max()) if peak_t is not None else 0
@@ -198,9 +205,9 @@ def activation_bytes(problem: Problem, choice: Mapping[str, str], recompute: Ite
         o = n.options[n.option_index(choice[n.name])]
         if n.live[0] <= t <= n.live[1] and (include_inputs or n.live != (0, problem.timeline_length - 1)):
             total += o.act_bytes
-    for u in chosen:
-        if geo[u].start <= t <= geo[u].end:
-            total += _input_bytes(problem, inputs, choice, u)
+    for c, start, end in _held_inputs(problem, inputs, choice, chosen, geo):
+        if start <= t <= end:
+            total += c
     return total
 
 

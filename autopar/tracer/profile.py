@@ -49,7 +49,10 @@ _CPU = torch.device("cpu")
 @dataclass(frozen=True, slots=True)
 class NodeProfile:
     """Costs of one op node. ``saved_bytes`` counts storages this node's backward keeps that no
-    earlier node already keeps; ``saved_from`` names the nodes that produced them."""
+    earlier node already keeps; ``saved_from`` names the nodes that produced them.
+    ``saved_parts``: every distinct storage this node's backward keeps, earlier savers' included,
+    as ``(storage id, producer node, bytes)`` (ids are per profile): a storage several nodes keep
+    is held as long as any of them (or a recompute region reading it) keeps it."""
 
     name: str
     op: str
@@ -62,6 +65,7 @@ class NodeProfile:
     output_bytes: int
     saved_bytes: int
     saved_from: tuple[str, ...]
+    saved_parts: tuple[tuple[int, str, int], ...] = ()
 
     def __str__(self) -> str:
         return (f"{self.name} [{self.op}] @ {self.module or '<root>'}: fwd {self.fwd_flops:.3g} "
@@ -135,10 +139,16 @@ def profile(traced: TracedGraph) -> ModelProfile:
     producer: dict = {}           # storage -> name of the node that first produced it
     saved_seen: set = set()
     saved: dict[str, list] = {}   # node -> [bytes, [producer names]]
+    parts: dict[str, dict] = {}   # node -> {storage id: (storage id, producer, bytes)}
+    storage_id: dict = {}         # storage -> id (saved storages, in first-saved order)
     grad_owner: dict = {}         # autograd node -> graph node name
 
     def pack(tensor: torch.Tensor):
         key = _storage_key(tensor)
+        if key is not None and key not in fixed:
+            sid = storage_id.setdefault(key, len(storage_id))
+            parts.setdefault(counter.current, {}).setdefault(
+                sid, (sid, producer.get(key, counter.current), tensor.untyped_storage().nbytes()))
         if key is not None and key not in fixed and key not in saved_seen:
             saved_seen.add(key)
             entry = saved.setdefault(counter.current, [0, []])
@@ -167,7 +177,7 @@ def profile(traced: TracedGraph) -> ModelProfile:
         counter.backward = True
         if roots:
             torch.autograd.backward([r for r, _ in roots], [g for _, g in roots])
-    return _summarize(traced, counter, saved, time.perf_counter() - start)
+    return _summarize(traced, counter, saved, parts, time.perf_counter() - start)
 
 
 # ---- interpretation ------------------------------------------------------------------------------
@@ -300,7 +310,7 @@ def _node_bytes(node: fx.Node) -> tuple[int, int, int]:
     return read, out, out
 
 
-def _summarize(traced: TracedGraph, counter: _Counter, saved: dict, seconds: float) -> ModelProfile:
+def _summarize(traced: TracedGraph, counter: _Counter, saved: dict, parts: dict, seconds: float) -> ModelProfile:
     profiles = []
     for node in traced.compute_nodes():
         read, written, out = _node_bytes(node)
@@ -312,6 +322,7 @@ def _summarize(traced: TracedGraph, counter: _Counter, saved: dict, seconds: flo
             bytes_read=read, bytes_written=written,
             bwd_bytes=counter.bwd_bytes.get(node.name, 0), output_bytes=out,
             saved_bytes=saved_bytes, saved_from=tuple(dict.fromkeys(saved_from)),
+            saved_parts=tuple(parts.get(node.name, {}).values()),
         ))
     size = {kind: sum(p.numel * (p.dtype.itemsize if p.dtype else 0)
                       for p in traced.placeholders_of(kind))
