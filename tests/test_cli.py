@@ -189,7 +189,6 @@ def test_profile_mesh_local_writes_a_loadable_mesh(tmp_path):
     (("inspect", "gpt2", "--mesh", "2x4", "--memory", "40QB"), ("cannot parse memory size '40QB'",)),
     (("inspect", "gpt2", "--mesh", "twoxfour"), ("cannot parse mesh shape",)),
     (("inspect", "gpt2", "--mesh", "2x4", "--device", "tpu-v9"), ("unknown --device 'tpu-v9'",)),
-    (("inspect", "gpt2", "--mesh", "2x4", "--checkpoint", "rotor"), ("--checkpoint rotor is not available yet",)),
     (("inspect", "gpt2", "--mesh", "2x4", "--input", "ids:int64(8)"), ("cannot parse --input",)),
     (("inspect", "nope.py:make", "--mesh", "2"), ("model file 'nope.py' not found",)),
     (("profile-mesh", "--mesh", "2x2", "-o", "m.json"), ("--local N", "torchrun")),
@@ -202,6 +201,13 @@ def test_infeasible_budget_names_the_smallest_budget():
     out = run_cli("inspect", "mlp", "--mesh", "2", "--memory", "256MiB", "--no-baselines", "--allow-fallback")
     line = assert_one_line_error(out, "cannot be met on mesh 2", "smallest budget")
     assert re.search(r"\d+\.\d+ GiB", line)
+
+
+def test_unknown_checkpoint_mode_is_a_usage_error():
+    out = run_cli("inspect", "gpt2", "--mesh", "2x4", "--checkpoint", "sometimes")
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    last = out.stderr.rstrip().splitlines()[-1]
+    assert "argument --checkpoint: invalid choice: 'sometimes'" in last and "'rotor'" in last, out.stderr
 
 
 def test_unknown_option_is_a_usage_error():
