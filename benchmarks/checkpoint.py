@@ -7,8 +7,14 @@ minimum budget if that is below), solves it with ``num_slots = --slots`` (defaul
 in Python, checks both return the same schedule, and prints the median wall time of each —
 both for the DP tables alone and for the whole ``solve_rotor`` — and the speed-up ratio.
 
+Then, for GPT-2-tiny (4 layers, batch 8, seq 128, the gloo recompute test's model) on a mesh of 2,
+at budgets of 100/70/50/35% of the no-recompute plan's peak: autopar's plan (``checkpoint="auto"``:
+sharding and recompute together) — estimated step time, overhead versus no recompute, peak, the
+recomputed units — next to uniform per-block checkpointing (every transformer block recomputed,
+sharding re-solved for it) in the same cost model (``autopar.checkpointing.estimate``).
+
     .venv/bin/python benchmarks/checkpoint.py [--stages 100] [--slots 500] [--fraction 0.5]
-        [--repeats 9] [--python-repeats 1] [--jsonl out.jsonl]
+        [--repeats 9] [--python-repeats 1] [--no-gpt2] [--jsonl out.jsonl]
 
 On a shared 2-core machine the C timings are noisy: the median of --repeats runs is quoted.
 """
@@ -57,6 +63,56 @@ def transformer_like_chain(num_stages: int, *, seed: int = 0) -> Chain:
                  saved_bytes=tape, fwd_tmp_bytes=ftmp, bwd_tmp_bytes=btmp, names=names)
 
 
+def gpt2_tiny_budgets(fractions=(1.0, 0.7, 0.5, 0.35)) -> list[dict]:
+    """autopar's plan vs uniform per-block checkpointing for GPT-2-tiny at each budget."""
+    import torch
+
+    from autopar import zoo
+    from autopar.api import plan as make_plan
+    from autopar.checkpointing import estimate
+    from autopar.solver.recompute import block_of_segment, solve_recompute
+
+    torch.manual_seed(0)
+    model, inputs = zoo.build("gpt2", tiny=True, batch=8, seq=128, num_layers=4, device="cpu")
+    ctx: dict = {}
+    base = make_plan(model, inputs, mesh=(2,), memory_budget=None, checkpoint="none", context=ctx)
+    built = ctx["built"]
+    blocks = sorted({block_of_segment(n.segment) for n in built.problem.nodes if n.segment})
+    rows = []
+    for frac in fractions:
+        budget = int(frac * base.estimate.peak_bytes)
+        p = make_plan(model, inputs, mesh=(2,), memory_budget=budget, checkpoint="auto")
+        try:
+            uni = solve_recompute(built.problem.with_budget(budget), built.segment_inputs,
+                                  fixed={b: True for b in blocks})
+            uni_ev = estimate(built, built.problem, uni.choice, uni.recompute, built.segment_inputs)
+            uniform_s, uniform_peak = uni_ev.objective, uni_ev.peak_bytes
+        except ValueError:  # uniform checkpointing does not fit this budget
+            uniform_s = uniform_peak = None
+        rows.append({"fraction": frac, "budget_bytes": budget, "step_s": p.estimate.step_s,
+                     "no_recompute_step_s": base.estimate.step_s, "peak_bytes": p.estimate.peak_bytes,
+                     "activation_bytes": p.checkpoint.get("activation_bytes"),
+                     "method": p.checkpoint.get("method"), "units": [r.name for r in p.recompute],
+                     "uniform_step_s": uniform_s, "uniform_peak_bytes": uniform_peak})
+    return rows
+
+
+def print_gpt2_rows(rows: list[dict]) -> None:
+    base = rows[0]["no_recompute_step_s"]
+    print(f"\nGPT-2-tiny (4 layers, batch 8, seq 128) on mesh (2,): no-recompute step "
+          f"{base * 1e3:.3f} ms (estimate)")
+    print(f"{'budget':>7}{'MiB':>8}{'autopar ms':>12}{'overhead':>10}{'peak MiB':>10}{'uniform ms':>12}"
+          f"{'overhead':>10}  method / recomputed units")
+    for r in rows:
+        uni = r["uniform_step_s"]
+        uni_s = f"{uni * 1e3:>12.3f}{uni / base - 1:>10.1%}" if uni is not None else f"{'does not fit':>22}"
+        print(f"{r['fraction']:>7.0%}{r['budget_bytes'] / MiB:>8.2f}{r['step_s'] * 1e3:>12.3f}"
+              f"{r['step_s'] / base - 1:>10.1%}{r['peak_bytes'] / MiB:>10.2f}{uni_s}  "
+              f"{r['method']}: {', '.join(r['units']) or '-'}")
+        if uni is not None and r["step_s"] > uni + 1e-12:
+            print(f"  WORSE THAN UNIFORM at {r['fraction']:.0%}", file=sys.stderr)
+
+
 def _timed(fn, repeats: int):
     """Median wall seconds over ``repeats`` calls, and the last call's result."""
     times = []
@@ -78,6 +134,7 @@ def main(argv=None) -> int:
     parser.add_argument("--python-repeats", type=int, default=1,
                         help="timed runs of the Python reference (slow)")
     parser.add_argument("--jsonl", type=Path, default=None, help="append one JSON row")
+    parser.add_argument("--no-gpt2", action="store_true", help="skip the GPT-2-tiny budget table")
     args = parser.parse_args(argv)
     if args.stages < 2 or args.slots < 1 or not 0 < args.fraction <= 1:
         raise ValueError(f"need --stages >= 2, --slots >= 1, 0 < --fraction <= 1; got "
@@ -126,6 +183,13 @@ def main(argv=None) -> int:
                "speedup_solve": solve_s["python"] / solve_s["c"]}
         with args.jsonl.open("a") as fh:
             fh.write(json.dumps(row) + "\n")
+    if not args.no_gpt2:
+        rows = gpt2_tiny_budgets()
+        print_gpt2_rows(rows)
+        if args.jsonl:
+            with args.jsonl.open("a") as fh:
+                for r in rows:
+                    fh.write(json.dumps({"bench": "checkpoint_gpt2_tiny", **r}) + "\n")
     return 0
 
 
