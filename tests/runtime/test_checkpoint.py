@@ -15,11 +15,44 @@ from autopar import zoo
 from autopar.api import plan as make_plan
 from autopar.plans import Plan
 from autopar.runtime.api import build_module
-from autopar.runtime.checkpoint import CheckpointRegion
+from autopar.runtime.checkpoint import CheckpointRegion, apply_recompute
+from autopar.runtime.passes import TRACED_NAME_KEY
 from autopar.runtime.launch import run_local
 from autopar.tracer import trace
 
-pytestmark = pytest.mark.slow
+
+
+def test_regions_find_ops_by_traced_name():
+    """The emitter's conversion nodes can take a traced op's name ("split" -> "split_1"): a region
+    must wrap the op it names, found through its meta, not whatever now bears that name."""
+    import torch.fx as fx
+
+    class Scale(torch.nn.Module):
+        def forward(self, x):
+            return 2 * x
+
+    g = fx.Graph()
+    x = g.placeholder("x")
+    conv = g.call_module("split", (x,))  # a conversion: takes the name "split"
+    a = g.create_node("call_function", torch.sin, (conv,), name="split")  # traced "split"
+    a.meta[TRACED_NAME_KEY] = "split"
+    b = g.create_node("call_function", torch.cos, (a,), name="split_1")  # traced "split_1"
+    b.meta[TRACED_NAME_KEY] = "split_1"
+    g.output(b)
+    assert (a.name, b.name) == ("split_1", "split_2")
+    modules = {"split": Scale()}
+
+    class Region:
+        name, nodes = "r", ("split_1",)
+
+    apply_recompute(g, modules, [Region()])
+    body = next(m for m in modules.values() if isinstance(m, CheckpointRegion)).body
+    assert [n.target for n in body.graph.nodes if n.op == "call_function"] == [torch.cos]
+    gm = fx.GraphModule(modules, g)
+    t = torch.randn(3)
+    assert torch.equal(gm(t), torch.cos(torch.sin(2 * t)))
+
+
 
 
 def _measure(rank, world, model, inputs, traced, plans):
@@ -59,6 +92,7 @@ def _measure(rank, world, model, inputs, traced, plans):
     return out
 
 
+@pytest.mark.slow
 def test_gpt2_tiny_recompute_budgets():
     torch.manual_seed(0)
     model, inputs = zoo.build("gpt2", tiny=True, batch=8, seq=128, num_layers=4, device="cpu")
