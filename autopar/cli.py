@@ -8,7 +8,6 @@ usage errors (unknown options) with argparse's status 2.
 from __future__ import annotations
 
 import argparse
-import inspect as _inspect
 import os
 import sys
 import time
@@ -16,7 +15,7 @@ import warnings
 
 __all__ = ["main", "build_parser"]
 
-CHECKPOINT_MODES = ("none", "ilp", "rotor", "both")
+CHECKPOINT_MODES = ("auto", "none", "ilp", "rotor", "both")
 
 
 class CliError(ValueError):
@@ -45,7 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--memory", help="per-device memory budget, e.g. 40GiB (default: the device capacity)")
     p.add_argument("--solver", default="auto", choices=("auto", "highs", "cbc"))
     p.add_argument("--time-limit", type=float, default=60.0, help="seconds per ILP solve (default 60)")
-    p.add_argument("--checkpoint", default="none", choices=CHECKPOINT_MODES, help="activation recompute planning")
+    p.add_argument("--checkpoint", default="auto", choices=CHECKPOINT_MODES,
+                   help="activation recompute planning (auto: the faster of the joint ILP and Rotor refinement)")
     p.add_argument("--optimizer-multiplier", type=float, default=2.0,
                    help="optimizer state bytes per parameter byte (default 2: AdamW fp32)")
     p.add_argument("--allow-fallback", action="store_true", help="replicate ops that have no sharding rule")
@@ -84,15 +84,6 @@ def _check_writable(path: str | None, flag: str) -> None:
         raise CliError(f"{flag} {path} is a folder")
 
 
-def _checkpoint_kwargs(mode: str, plan_fn) -> dict:
-    if "checkpoint" in _inspect.signature(plan_fn).parameters:
-        return {"checkpoint": mode}
-    if mode != "none":
-        raise CliError(f"--checkpoint {mode} is not available yet: this planner does not decide activation "
-                       f"recompute (use --checkpoint none)")
-    return {}
-
-
 def _positive(value, flag: str) -> None:
     if value is not None and value < 1:
         raise CliError(f"{flag} must be >= 1, got {value}")
@@ -113,7 +104,7 @@ def cmd_inspect(args) -> int:
     # Cheap checks first (no torch import): bad input fails in well under a second.
     mesh = resolve_mesh(args.device, args.mesh)
     budget = parse_bytes(args.memory) if args.memory is not None else None
-    extra = _checkpoint_kwargs(args.checkpoint, api.plan)
+    extra = {"checkpoint": args.checkpoint}  # recompute planning mode, as api.plan takes it
     _check_writable(args.json, "--json")
     _check_writable(args.html, "--html")
     check_model_spec(args.model, args.input)
