@@ -48,6 +48,7 @@ from autopar.runtime.process_mesh import ProcessMesh
 __all__ = ["DEFAULT_CAP_MB", "GradBucketer", "bucket_cap_bytes"]
 
 DEFAULT_CAP_MB = 25.0
+_MAX_OPEN_PASSES = 8  # nested (reentrant) backward passes open at once, at most
 ENV_VAR = "AUTOPAR_BUCKET_CAP_MB"
 
 
@@ -115,6 +116,8 @@ class GradBucketer(nn.Module):
         # task, delivered at its own end); a task that raised never reaches its end callback,
         # and its pass cannot leak into the next backward.
         self._passes: dict[int, _Pass] = {}
+        self._flats: dict[int, torch.Tensor] = {}  # bucket -> flat buffer kept for the next pass
+        self._params: dict[int, torch.Tensor] = {}  # slot -> the parameter it last delivered to
         self.stats: Counter = Counter()  # buckets / all_reduces / bytes issued (this process)
 
     # ------------------------------------------------------------------------- build time
@@ -165,11 +168,13 @@ class GradBucketer(nn.Module):
         task = torch._C._current_graph_task_id()
         st = self._passes.get(task)
         if st is None:
+            if len(self._passes) >= _MAX_OPEN_PASSES:  # left behind by backward passes that raised
+                del self._passes[min(self._passes)]
             st = self._passes[task] = _Pass(len(buckets))
             torch.autograd.Variable._execution_engine.queue_callback(functools.partial(self._finish, task))
         b = self._bucket_of[slot]
         bucket = buckets[b]
-        st.params[slot] = param
+        st.params[slot] = self._params[slot] = param
         if b < st.next_issue:  # its bucket already left: reduce this contribution at the end
             if slot in st.late:
                 st.late[slot] = st.late[slot] + grad
@@ -177,7 +182,7 @@ class GradBucketer(nn.Module):
                 st.late[slot] = grad.detach().clone()
             return
         if st.flat[b] is None:
-            st.flat[b] = torch.empty(bucket.numel, dtype=bucket.dtype, device=grad.device)
+            st.flat[b] = self._buffer(b, bucket, grad.device)
         view = self._view(st.flat[b], bucket, slot)
         if slot in st.ready[b]:
             view.add_(grad.reshape(view.shape).to(view.dtype))
@@ -186,6 +191,27 @@ class GradBucketer(nn.Module):
             st.ready[b].add(slot)
         while st.next_issue < len(buckets) and len(st.ready[st.next_issue]) == len(buckets[st.next_issue].slots):
             self._issue(st, st.next_issue)
+
+    def _buffer(self, b: int, bucket: _Bucket, device: torch.device) -> torch.Tensor:
+        """Bucket ``b``'s flat buffer, reused across backward passes (a fresh allocation each
+        pass costs page faults on CPU) unless a parameter's ``.grad`` still lives in it (the
+        caller accumulates over passes), or another pass is using it."""
+        flat = self._flats.get(b)
+        if flat is not None and flat.device == device and not self._in_use(flat, bucket):
+            return flat
+        flat = self._flats[b] = torch.empty(bucket.numel, dtype=bucket.dtype, device=device)
+        return flat
+
+    def _in_use(self, flat: torch.Tensor, bucket: _Bucket) -> bool:
+        ptr = flat.untyped_storage().data_ptr()
+        if any(st.flat[b] is flat for st in self._passes.values() for b in range(len(st.flat))):
+            return True
+        for slot in bucket.slots:
+            param = self._params.get(slot)
+            grad = None if param is None else param.grad
+            if grad is not None and grad.untyped_storage().data_ptr() == ptr:
+                return True
+        return False
 
     def _view(self, flat: torch.Tensor, bucket: _Bucket, slot: int) -> torch.Tensor:
         s = self.slots[slot]
