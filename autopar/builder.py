@@ -41,7 +41,7 @@ import itertools
 import math
 import operator
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 import numpy as np
@@ -130,6 +130,30 @@ class ChosenConversion:
         return f"{self.producer} -> {self.consumer}[{self.slot}]: {self.conversion}"
 
 
+_BATCH_NORMS = ("aten.batch_norm.", "aten._native_batch_norm_legit", "aten.native_batch_norm.",
+                "aten.cudnn_batch_norm.", "aten._batch_norm_impl_index.")
+
+
+def mutates_state(node: fx.Node) -> bool:
+    """Whether running ``node`` again would change model state: an in-place write into a
+    parameter or buffer (BatchNorm's ``num_batches_tracked += 1``), or a training-mode batch norm
+    that updates its running statistics. Such ops must never be recomputed in backward."""
+    if node.op != "call_function":
+        return False
+    schema = getattr(node.target, "_schema", None)
+    if schema is not None:
+        for arg, value in zip(schema.arguments, node.args):
+            written = arg.alias_info is not None and arg.alias_info.is_write
+            if written and isinstance(value, fx.Node) and value.op == "placeholder":
+                return True
+    if str(node.target).startswith(_BATCH_NORMS):
+        args = list(node.args) + [None] * 6
+        running_mean = node.kwargs.get("running_mean", args[3])
+        training = node.kwargs.get("training", args[5])
+        return running_mean is not None and bool(training)
+    return False
+
+
 def block_of(path: str) -> str | None:
     """``"transformer.h.3.attn.c_attn"`` -> ``"transformer.h.3"``: the repeated-module root."""
     m = _BLOCK.match(path or "")
@@ -200,11 +224,23 @@ class _Builder:
         )
         built = BuiltProblem(problem, self.choices, self.kinds, self.sources, tuple(self.fallbacks),
                             self.inputs, self.mesh)
-        fine = {n.name: n.segment for n in self.nodes if n.segment is not None}
+        problem = built.problem = self._without_stateful_segments(problem)
+        fine = {n.name: n.segment for n in problem.nodes if n.segment is not None}
         blocks = {name: block_of(seg) for name, seg in fine.items()}
         built.segment_inputs = {**segment_inputs(self.traced, self.prof, built, fine),
                                 **segment_inputs(self.traced, self.prof, built, blocks)}
         return built
+
+    def _without_stateful_segments(self, problem: Problem) -> Problem:
+        """Blocks holding an op that mutates state (``mutates_state``) get no recompute segments:
+        recomputing them would update running statistics twice."""
+        tainted = {block_of(n.segment) for n in problem.nodes
+                   if n.segment is not None and mutates_state(self.traced.node(n.name))}
+        if not tainted:
+            return problem
+        nodes = tuple(replace(n, segment=None) if n.segment is not None and block_of(n.segment) in tainted
+                      else n for n in problem.nodes)
+        return replace(problem, nodes=nodes)
 
     # ----------------------------------------------------------------------------- decisions
     def _allowed(self, kind: str, node: fx.Node, choice: Choice) -> bool:

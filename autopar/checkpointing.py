@@ -249,7 +249,7 @@ def build_chain(prof, built, choice):
 
 def rotor_refine(traced, prof, built, choice, solution) -> RecomputePlan | None:
     """Stage 2 (module docstring); None when no Rotor placement fits the budget."""
-    from .builder import segment_inputs
+    from .builder import mutates_state, segment_inputs
     from .solver.checkpoint import solve_rotor
 
     problem = built.problem
@@ -257,6 +257,8 @@ def rotor_refine(traced, prof, built, choice, solution) -> RecomputePlan | None:
     if made is None:
         return None
     chain, stages, held = made
+    # Stages that update model state (running statistics) are never recomputed.
+    stateful = {i for i, names in enumerate(stages) if any(mutates_state(traced.node(n)) for n in names)}
     avail = problem.budget_bytes - problem.evaluate(choice).param_bytes - held
     if avail <= 0:
         return None
@@ -277,6 +279,8 @@ def rotor_refine(traced, prof, built, choice, solution) -> RecomputePlan | None:
                 cur = [i]
         if cur:
             runs.append(cur)
+        if stateful.intersection(sched.recomputed_stages):
+            continue
         # One region per run of recomputed stages (only the run's input kept), or one per stage
         # (each stage's input kept: Rotor's checkpoints of x_i); both are what torch can run.
         for grouping in (runs, [[i] for r in runs for i in r]):
