@@ -59,17 +59,29 @@ def make_restriction(roles: Sequence[str]):
     roles = tuple(roles)
     weight_slots: dict[fx.Node, tuple[bool, ...]] = {}  # per op: which input slots are weights
 
+    verdicts: dict[tuple, bool] = {}  # (kind, choice, weight slots) -> allowed
+
     def allowed(kind: str, node: fx.Node, choice: Choice) -> bool:
+        slots = ()
+        if kind == "op":
+            if node not in weight_slots:  # asked once per option: bind the op's inputs once
+                weight_slots[node] = tuple(_is_weight(src) for src in input_nodes(node))
+            slots = weight_slots[node]
+        # Choices are shared objects across identical repeated blocks: judge each one once.
+        key = (kind, id(choice), slots)
+        verdict = verdicts.get(key)
+        if verdict is None:
+            verdict = verdicts[key] = _judge(kind, choice, slots)
+        return verdict
+
+    def _judge(kind: str, choice: Choice, slots: tuple[bool, ...]) -> bool:
         if kind in ("parameter", "buffer"):
             spec = choice.output_specs[0]
             return all(role != "dp" or isinstance(p, Replicate) for p, role in zip(spec.placements, roles))
         specs = list(choice.output_specs)
         weight_specs = []
-        if kind == "op":
-            if node not in weight_slots:  # asked once per option: bind the op's inputs once
-                weight_slots[node] = tuple(_is_weight(src) for src in input_nodes(node))
-            for is_weight, spec in zip(weight_slots[node], choice.input_specs):
-                (weight_specs if is_weight else specs).append(spec)
+        for is_weight, spec in zip(slots, choice.input_specs):
+            (weight_specs if is_weight else specs).append(spec)
         for spec in specs:
             if spec is not None and not all(_activation_ok(p, r) for p, r in zip(spec.placements, roles)):
                 return False

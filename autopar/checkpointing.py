@@ -111,6 +111,12 @@ def plan_recompute(traced, prof, built, *, mode: str = "auto", solver: str = "au
     plain = strip_segments(problem)
     if mode == "auto" and (problem.budget_bytes is None or not simplify(plain).memory_can_bind):
         mode = "none"
+    if mode == "auto":
+        # Recompute only adds forward time, so the unconstrained optimum bounds every mode from
+        # below: when it fits the budget as it is, it is the answer and the search is skipped.
+        free = solve_plain(plain.with_budget(None))
+        if plain.evaluate(free.choice).peak_bytes <= problem.budget_bytes:
+            return _finish(built, problem, free.choice, free, (), inputs, "none", {"unconstrained_fits": True})
     if mode == "none" or problem.budget_bytes is None:
         sol = solve_plain(plain)
         return _finish(built, problem, sol.choice, sol, (), inputs, "none", {})

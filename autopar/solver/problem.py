@@ -39,6 +39,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+import numpy as np
+
 __all__ = ["StrategyOption", "Node", "Edge", "Problem", "Solution", "Evaluation", "PROBLEM_VERSION"]
 
 PROBLEM_VERSION = 1
@@ -167,9 +169,13 @@ class Edge:
         if not self.costs or len(widths) != 1 or 0 in widths:
             raise ValueError(f"edge {self.src!r} -> {self.dst!r}: costs must be a non-empty "
                              f"rectangular matrix, got row lengths {[len(r) for r in self.costs]}")
-        for row in self.costs:
-            for c in row:
-                _check_number(f"edge {self.src!r} -> {self.dst!r}", "cost", c)
+        # One vectorised check (edges hold most of a problem's numbers); the slow per-number
+        # pass only runs to name the offending value.
+        flat = np.asarray(self.costs, dtype=float)
+        if not (np.isfinite(flat).all() and (flat >= 0).all()):
+            for row in self.costs:
+                for c in row:
+                    _check_number(f"edge {self.src!r} -> {self.dst!r}", "cost", c)
 
     def __str__(self) -> str:
         return f"{self.src} -> {self.dst} ({len(self.costs)}x{len(self.costs[0])})"
