@@ -118,6 +118,21 @@ def _expr(terms, const: float = 0.0) -> pulp.LpAffineExpression:
     return pulp.LpAffineExpression([(v, c) for v, c in acc.items() if c != 0.0], const)
 
 
+def undominated_rows(coef: np.ndarray, const: np.ndarray) -> list[int]:
+    """Indices (ascending) of the memory rows ``const[k] + coef[k] . x`` that no other row
+    dominates coefficient-wise: a dominated row can never be the binding peak."""
+    order = np.argsort(-(const + coef.sum(axis=1)), kind="stable")
+    kept: list[int] = []
+    for k in order:
+        # Dominators are usually the largest rows, which come first: compare with those only,
+        # which bounds this loop to candidates x 64 x slots.
+        top = kept[:64]
+        if top and ((coef[top] >= coef[k] - 1e-12).all(axis=1) & (const[top] >= const[k] - 1e-12)).any():
+            continue
+        kept.append(int(k))
+    return sorted(kept)
+
+
 class IlpModel:
     """A pulp model over a ``Reduced`` problem; each constraint family is one method."""
 
@@ -224,17 +239,8 @@ class IlpModel:
             const[a] += low
             const[b + 1] -= low
         coef, const = np.cumsum(coef, axis=0)[:-1], np.cumsum(const)[:-1]
-        order = np.argsort(-(const + coef.sum(axis=1)), kind="stable")
-        kept: list[int] = []
-        for k in order:
-            # Dominators are usually the largest rows, which come first: compare with those only,
-            # which bounds this loop to candidates x 64 x slots.
-            top = kept[:64]
-            if top and ((coef[top] >= coef[k] - 1e-12).all(axis=1) & (const[top] >= const[k] - 1e-12)).any():
-                continue
-            kept.append(int(k))
         rows = []
-        for k in sorted(kept):
+        for k in undominated_rows(coef, const):
             terms = []
             for g in range(len(self.reduced.cost)):
                 xs = self.x[g]

@@ -68,7 +68,7 @@ from typing import Iterable, Mapping
 import numpy as np
 import pulp
 
-from .ilp import MEM_UNIT, IlpModel, SolveTimeout, _expr, _pick_backend
+from .ilp import MEM_UNIT, IlpModel, SolveTimeout, _expr, _pick_backend, undominated_rows
 from .problem import Evaluation, Problem, Solution
 from .simplify import MemItem, Reduced, peak_candidates, simplify
 
@@ -340,15 +340,9 @@ class RecomputeModel(IlpModel):
         for c, (_, a, b) in enumerate(self.spans):
             add(a, b, [offsets[-1] + c], 1.0, 0.0)
         coef, const = np.cumsum(coef, axis=0)[:-1], np.cumsum(const)[:-1]
-        order = np.argsort(-(const + coef.sum(axis=1)), kind="stable")
-        kept: list[int] = []
-        for k in order:
-            top = kept[:64]
-            if top and ((coef[top] >= coef[k] - 1e-12).all(axis=1) & (const[top] >= const[k] - 1e-12)).any():
-                continue
-            kept.append(int(k))
         extra = [v for v, _, _ in self.spans]
-        for row, k in enumerate(sorted(kept)):
+        kept = undominated_rows(coef, const)
+        for row, k in enumerate(kept):
             terms = []
             for g in range(len(self.reduced.cost)):
                 xs = self.x[g]
