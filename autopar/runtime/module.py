@@ -111,7 +111,7 @@ class AutoParallelModule(nn.Module):
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         full: dict[str, torch.Tensor] = {}
         for name, ph, local in self._tensors():
-            value = gather_full(local.detach(), self._specs[name], self.pmesh)
+            value = _snapshot(local.detach(), self._specs[name], self.pmesh)
             for alias in ph.aliases:
                 full[alias] = value
         return {k: full[k] for k in self._state_keys if k in full}
@@ -142,7 +142,7 @@ class AutoParallelModule(nn.Module):
         for name, ph, local in self._tensors():
             if ph.kind != PARAMETER:
                 continue
-            grad = None if local.grad is None else gather_full(local.grad, self._specs[name], self.pmesh)
+            grad = None if local.grad is None else _snapshot(local.grad, self._specs[name], self.pmesh)
             for alias in ph.aliases:
                 out[alias] = grad
         return out
@@ -164,6 +164,14 @@ def _has_decision(plan: Plan, name: str) -> bool:
 
 # ------------------------------------------------------------------------------ clip_grad_norm_
 @torch.no_grad()
+def _snapshot(local: torch.Tensor, spec: TensorSpec, pmesh) -> torch.Tensor:
+    """The full tensor, never the live shard: a replicated local would otherwise be returned
+    itself and change under the caller with the next optimizer step."""
+    value = gather_full(local, spec, pmesh)
+    same = value.untyped_storage().data_ptr() == local.untyped_storage().data_ptr()
+    return value.clone() if same else value
+
+
 def clip_grad_norm_(model: AutoParallelModule, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
     """Clip the gradients of ``model``'s local shards by the TRUE global norm; returns it.
 

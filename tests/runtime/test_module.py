@@ -215,3 +215,28 @@ def test_clip_grad_norm_local_inputs_and_code():
         assert sum(counts.values()) > 0, "a split plan communicates"
         for kind, n in counts.items():
             assert n == 0 or any(f"self.{src}(" in code for src in sources[kind]), (kind, code)
+
+
+def _snapshot_body(rank, world_size, model, inputs):
+    module = autoparallelize(model, inputs, mesh=(2,))
+    loss, _ = module(**inputs)
+    loss.backward()
+    state, grads = module.full_state_dict(), module.full_gradients()
+    kept = {k: v.clone() for k, v in state.items()}
+    kept_grads = {k: v.clone() for k, v in grads.items() if v is not None}
+    with torch.no_grad():  # the next optimizer step and zero_grad, done by hand
+        for p in module.parameters():
+            p.add_(1.0)
+            p.grad.zero_()
+    same_state = all(torch.equal(state[k], v) for k, v in kept.items())
+    same_grads = all(torch.equal(grads[k], v) for k, v in kept_grads.items())
+    return same_state, same_grads, len(kept_grads)
+
+
+def test_full_state_dict_and_gradients_are_snapshots():
+    """Replicated parameters must not hand back the live shard: later steps would change the
+    caller's copy."""
+    torch.manual_seed(0)
+    model, inputs = zoo.build("mlp", tiny=True, device="cpu")
+    for same_state, same_grads, num_grads in run_local(_snapshot_body, 2, model, inputs):
+        assert same_state and same_grads and num_grads > 0
