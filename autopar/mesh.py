@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import asdict, dataclass
 from typing import Sequence
 
@@ -202,6 +203,7 @@ def parse_mesh_shape(shape: Sequence[int] | str | int) -> tuple[int, ...]:
     return shape
 
 
+_SIZE = re.compile(r"(\d+(?:\.\d*)?(?:e\d+)?)([kmgt]?i?b?)")
 _UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12,
           "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4}
 
@@ -213,14 +215,9 @@ def parse_bytes(value: int | float | str) -> int:
             raise ValueError(f"a memory size must be positive, got {value!r}")
         return int(value)
     if isinstance(value, str):
-        text = value.strip().lower().replace(" ", "")
-        num = text.rstrip("kmgtib")
-        unit = text[len(num):]
-        try:
-            if unit in _UNITS and num:
-                result = int(float(num) * _UNITS[unit])
-                if result > 0:
-                    return result
-        except ValueError:
-            pass
+        m = _SIZE.fullmatch(value.strip().lower().replace(" ", ""))
+        if m and m.group(2) in _UNITS:
+            result = int(float(m.group(1)) * _UNITS[m.group(2)])
+            if result > 0:
+                return result
     raise ValueError(f"cannot parse memory size {value!r}; expected e.g. '16GiB', '40GB' or bytes")
