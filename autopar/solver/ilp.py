@@ -413,18 +413,27 @@ def solve(problem: Problem, *, solver: str = "auto", time_limit: float = 60.0, a
                            f"LP bound {lp.value:.6g}s. "
                            f"Raise time_limit or try solver='highs'.")
     choice = reduced.expand(model.choice())
-    ev = problem.evaluate(choice)
+    return checked_solution(choice, problem.evaluate(choice), out, lp, budget=problem.budget_bytes,
+                            backend=backend, model=model, stats=dict(reduced.stats),
+                            timings={"simplify_s": t1 - t0, "build_s": t2 - t1})
+
+
+def checked_solution(choice, ev, out: _Outcome, lp: _Outcome, *, budget, backend: str, model: "IlpModel",
+                     stats: dict, timings: dict, recompute: tuple[str, ...] = ()) -> Solution:
+    """The ``Solution`` for ``choice`` (evaluated as ``ev``), after checking that the cost model
+    agrees with the solver's objective and that the plan fits the budget; the gap is measured
+    against the best proven bound (never below the LP relaxation)."""
     assert abs(ev.objective - out.value) <= 1e-4 * (1 + abs(ev.objective)), (ev.objective, out.value)
-    if problem.budget_bytes is not None and ev.peak_bytes > problem.budget_bytes:
+    if budget is not None and ev.peak_bytes > budget:
         raise RuntimeError(f"{backend}'s plan peaks at {ev.peak_bytes} bytes, over the budget "
-                           f"{problem.budget_bytes} (solver tolerance?); retry with the other backend")
+                           f"{budget} (solver tolerance?); retry with the other backend")
     dual = out.dual_bound if out.dual_bound is not None else lp.value
     dual = min(max(dual, lp.value), ev.objective)
     gap = (ev.objective - dual) / ev.objective if ev.objective > 0 else 0.0
     return Solution(
         choice=choice, objective=ev.objective, lp_bound=lp.value, dual_bound=dual, gap=gap,
         status=out.status, backend=backend,
-        timings={"simplify_s": t1 - t0, "build_s": t2 - t1, "lp_s": lp.seconds, "solve_s": out.seconds},
+        timings={**timings, "lp_s": lp.seconds, "solve_s": out.seconds},
         peak_bytes=ev.peak_bytes, num_variables=model.num_variables, num_constraints=model.num_constraints,
-        stats=dict(reduced.stats),
+        recompute=recompute, stats=stats,
     )

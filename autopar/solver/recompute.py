@@ -68,7 +68,7 @@ from typing import Iterable, Mapping
 import numpy as np
 import pulp
 
-from .ilp import MEM_UNIT, IlpModel, SolveTimeout, _expr, _pick_backend, undominated_rows
+from .ilp import MEM_UNIT, IlpModel, SolveTimeout, _expr, _pick_backend, checked_solution, undominated_rows
 from .problem import Evaluation, Problem, Solution
 from .simplify import MemItem, Reduced, peak_candidates, simplify
 
@@ -428,18 +428,7 @@ def solve_recompute(problem: Problem, inputs: Mapping[str, Iterable[SegmentInput
                            f"LP bound {lp.value:.6g}s. Raise time_limit.")
     choice = reduced.expand(model.choice())
     recompute = model.recomputed()
-    ev = evaluate_recompute(problem, choice, recompute, inputs)
-    assert abs(ev.objective - out.value) <= 1e-4 * (1 + abs(ev.objective)), (ev.objective, out.value)
-    if ev.peak_bytes > problem.budget_bytes:
-        raise RuntimeError(f"{backend}'s plan peaks at {ev.peak_bytes} bytes, over the budget "
-                           f"{problem.budget_bytes} (solver tolerance?); retry with the other backend")
-    dual = out.dual_bound if out.dual_bound is not None else lp.value
-    dual = min(max(dual, lp.value), ev.objective)
-    gap = (ev.objective - dual) / ev.objective if ev.objective > 0 else 0.0
-    return Solution(
-        choice=choice, objective=ev.objective, lp_bound=lp.value, dual_bound=dual, gap=gap,
-        status=out.status, backend=backend,
-        timings={"simplify_s": t1 - t0, "build_s": t2 - t1, "lp_s": lp.seconds, "solve_s": out.seconds},
-        peak_bytes=ev.peak_bytes, num_variables=model.num_variables, num_constraints=model.num_constraints,
-        recompute=recompute, stats={**reduced.stats, "num_segments": len(model.units)},
-    )
+    return checked_solution(choice, evaluate_recompute(problem, choice, recompute, inputs), out, lp,
+                            budget=problem.budget_bytes, backend=backend, model=model,
+                            stats={**reduced.stats, "num_segments": len(model.units)},
+                            timings={"simplify_s": t1 - t0, "build_s": t2 - t1}, recompute=recompute)
