@@ -239,17 +239,19 @@ class IlpModel:
             const[a] += low
             const[b + 1] -= low
         coef, const = np.cumsum(coef, axis=0)[:-1], np.cumsum(const)[:-1]
-        rows = []
-        for k in undominated_rows(coef, const):
-            terms = []
-            for g in range(len(self.reduced.cost)):
-                xs = self.x[g]
-                if xs is None:
-                    continue
-                for s in np.flatnonzero(coef[k, offsets[g]:offsets[g + 1]] > 0.5 / MEM_UNIT):
-                    terms.append((xs[s], float(coef[k, offsets[g] + s])))
-            rows.append((terms, float(const[k])))
-        return rows
+        return [(self.row_terms(coef[k], offsets), float(const[k])) for k in undominated_rows(coef, const)]
+
+    def row_terms(self, row: np.ndarray, offsets) -> list[tuple[pulp.LpVariable, float]]:
+        """Terms ``coef * x[g,s]`` of one memory row laid out as ``offsets`` (group ``g`` owns
+        ``row[offsets[g]:offsets[g+1]]``); sub-byte coefficients are noise and dropped."""
+        terms = []
+        for g in range(len(self.reduced.cost)):
+            xs = self.x[g]
+            if xs is None:
+                continue
+            for s in np.flatnonzero(row[offsets[g]:offsets[g + 1]] > 0.5 / MEM_UNIT):
+                terms.append((xs[s], float(row[offsets[g] + s])))
+        return terms
 
     def _chained_memory_rows(self, items, ranges, num_cands):
         """``M[k] = M[k-1] + starting - ending``: every item enters two equalities."""

@@ -343,13 +343,7 @@ class RecomputeModel(IlpModel):
         extra = [v for v, _, _ in self.spans]
         kept = undominated_rows(coef, const)
         for row, k in enumerate(kept):
-            terms = []
-            for g in range(len(self.reduced.cost)):
-                xs = self.x[g]
-                if xs is None:
-                    continue
-                for s in np.flatnonzero(coef[k, offsets[g]:offsets[g + 1]] > 0.5 / MEM_UNIT):
-                    terms.append((xs[s], float(coef[k, offsets[g] + s])))
+            terms = self.row_terms(coef[k], offsets)
             terms += [(extra[c], 1.0) for c in np.flatnonzero(coef[k, offsets[-1]:] > 0.5)]
             self.prob += _expr(terms + p_terms + rhs_terms, float(const[k]) + p_const) <= rhs_const, f"mem_{row}"
         return len(kept)
