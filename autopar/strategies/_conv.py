@@ -1,47 +1,45 @@
-"""Convolution, pooling and batch norm (channels at dim 1 of a batched input).
+"""Convolutions (plain and transposed) and the bilinear layer: channels at dim 1 of a batched input.
 
-Convolution (``conv1d/2d/3d``; ``input`` (N, C_in, *spatial), ``weight`` (C_out, C_in/groups, *k)):
+Convolution (``conv1d/2d/3d`` with int or string (``"same"``/``"valid"``) padding,
+``conv_transpose1d/2d/3d``, ``convolution``). ``input`` (N, C_in, *spatial) or unbatched
+(C_in, *spatial); ``weight`` (C_out, C_in/groups, *k), transposed (C_in, C_out/groups, *k):
 
 - batch split: ``input`` S0 -> output S0, weight and bias replicated (their gradients partial);
-- output-channel split (``groups == 1``): ``weight`` S0, ``bias`` S0 -> output S1;
-- input-channel split (``groups == 1``): ``input`` S1, ``weight`` S1 -> output ``P``, the bias
-  ``P`` (it must be added once, not once per rank);
-- pending sums: ``input`` P (weight R) or ``weight`` P (input R), bias P -> output P.
+- output-channel split (``groups == 1``): the weight's output-channel dim (0, transposed 1) and
+  ``bias`` S0 -> output S(channel);
+- input-channel split (``groups == 1``): ``input`` S(channel) and the weight's input-channel dim
+  (1, transposed 0) -> output ``P``: each rank sums over its channels only. The bias is ``P``
+  (it must be added once, not once per rank);
+- depthwise split (``groups == C_in``): ``input`` S(channel), ``weight`` S0 (group-major in both
+  layouts), ``bias`` S0 -> output S(channel); every shard holds whole groups, and the local op
+  runs with ``groups / shards`` (``local_args``). Other group counts would need the split to fall
+  on group boundaries, which depends on the mesh axis size, so they get no channel split;
+- pending sums (the op is linear in input and in weight): ``input`` P (weight R) or ``weight`` P
+  (input R), bias P -> output P, every rank doing the whole work.
 Spatial dims are never split (a window straddles shard edges: it would need halo exchange).
-With ``groups > 1`` the channel splits would have to respect group boundaries, so only the
-batch split and the pass-throughs are offered.
 
-Pooling (``max_pool2d``, ``avg_pool2d``, ``adaptive_avg_pool2d``): every non-spatial dim (batch,
-channels) is split; average pooling is linear, so ``P -> P``.
+Bilinear (``bilinear``: y[..., o] = sum_ij x1[..., i] W[o, i, j] x2[..., j] + b[o]):
 
-Batch norm (``batch_norm``; ``weight``, ``bias``, ``running_mean``, ``running_var`` per channel):
-
-- channel split: exact with the plain op (statistics are per channel); the per-channel tensors
-  are split alike, and each rank updates its slice of the running statistics in place;
-- split of a non-channel dim (batch, spatial): with running statistics in eval mode the op is
-  elementwise per channel, so the plain op is exact. When batch statistics are used (training,
-  or no running statistics) the ``sync_batch_norm`` kernel computes the GLOBAL per-channel mean
-  and variance (two all-reduces of per-channel sums: the mean, then the squared deviations --
-  the two-pass form keeps float32 precision), normalises the local shard with them, updates the
-  running statistics identically on every rank (unbiased variance over the global count), and in
-  backward all-reduces the two per-channel sums that the input gradient needs. The weight and
-  bias gradients are local partial sums, all-reduced through the derived ``grad_partial``.
+- split of a leading dim: ``input1`` and ``input2`` S(d) -> output S(d);
+- output-feature split: ``weight`` S0, ``bias`` S0 -> output S(-1);
+- contraction splits: ``input1`` S(-1) with ``weight`` S1, or ``input2`` S(-1) with ``weight``
+  S2 -> output P, the bias P;
+- pending sums: the op is linear in each of input1, input2 and weight separately, so one of
+  them P (the others R), bias P -> output P.
 """
 
 from __future__ import annotations
 
-import math
-
 import torch
 
-from ..cost import collective_seconds
-from ..spec import Partial, Replicate, Shard
-from .comm import KernelContext
-from .registry import AxisOption, OpInfo, Sample, register, register_kernel
+from ..spec import Partial, Shard
+from .registry import AxisOption, OpInfo, Sample, register
 from .samples import rand
 
 aten = torch.ops.aten
-R, P = Replicate(), Partial()
+P = Partial()
+
+_TRANSPOSED = (aten.conv_transpose1d.default, aten.conv_transpose2d.input, aten.conv_transpose3d.input)
 
 
 # ------------------------------------------------------------------------------ convolution
@@ -51,154 +49,128 @@ def _with_bias(info: OpInfo, placement, **inputs):
     return inputs
 
 
+def _is_transposed(info: OpInfo) -> bool:
+    return info.target in _TRANSPOSED or bool(info.bound.get("transposed", False))
+
+
+def _channel_dim(info: OpInfo) -> int:
+    return 1 if info.input("input").ndim == info.input("weight").ndim else 0
+
+
 def _conv_rule(info: OpInfo) -> list[AxisOption]:
-    x, w = info.input("input"), info.input("weight")
-    batched = x.ndim == w.ndim
-    channel = 1 if batched else 0
+    x, groups = info.input("input"), info.arg("groups")
+    channel = _channel_dim(info)
+    # Weight dims holding the output and the input channels.
+    w_out, w_in = (1, 0) if _is_transposed(info) else (0, 1)
     options = []
-    if batched:
+    if channel == 1:
         options.append(info.option(Shard(0), input=Shard(0)))
-    if info.arg("groups") == 1:
-        options.append(info.option(Shard(channel), **_with_bias(info, Shard(0), weight=Shard(0))))
-        options.append(info.option(P, **_with_bias(info, P, input=Shard(channel), weight=Shard(1))))
+    if groups == 1:
+        options.append(info.option(Shard(channel), **_with_bias(info, Shard(0), weight=Shard(w_out))))
+        options.append(info.option(P, **_with_bias(info, P, input=Shard(channel), weight=Shard(w_in))))
+    elif groups == x.shape[channel]:
+        options.append(info.option(Shard(channel), **_with_bias(info, Shard(0), input=Shard(channel),
+                                                                 weight=Shard(0))))
     options.append(info.option(P, work_split=False, **_with_bias(info, P, input=P)))
     options.append(info.option(P, work_split=False, **_with_bias(info, P, weight=P)))
     return options
 
 
-def _conv2d_samples() -> list[Sample]:
+def _local_groups(info: OpInfo, bound, input_specs, output_specs, mesh_shape):
+    """A depthwise split leaves ``groups / shards`` whole groups on every rank."""
+    groups = info.arg("groups")
+    spec = input_specs[info.slot_index("input")]
+    if groups > 1 and spec is not None:
+        bound["groups"] = groups // spec.num_shards(_channel_dim(info), mesh_shape)
+    return bound
+
+
+def _register_conv(op, samples) -> None:
+    register(op, has_flops=True, samples=samples, local_args=_local_groups)(_conv_rule)
+
+
+def _conv_samples(n: int):
+    k, sp = [3] * n, (6, 5, 4)[:n]  # odd and even spatial sizes
+
+    def samples() -> list[Sample]:
+        return [
+            Sample((rand(4, 4, *sp), rand(8, 4, *k), rand(8), [1] * n, [1] * n), label="bias-pad"),
+            Sample((rand(4, 8, *sp), rand(4, 8, *[2] * n), None, [2] * n), label="stride-no-bias"),
+            Sample((rand(4, 8, *sp), rand(8, 2, *[1] * n), None, [1] * n, [0] * n, [1] * n, 4), label="groups"),
+            Sample((rand(4, 4, *sp), rand(8, 1, *k), rand(8), [1] * n, [1] * n, [1] * n, 4), label="depthwise"),
+            Sample((rand(4, *sp), rand(8, 4, *k), rand(8)), label="unbatched"),
+        ]
+
+    return samples
+
+
+def _conv_padding_samples(n: int):
+    sp = (6, 5, 4)[:n]
+
+    def samples() -> list[Sample]:
+        return [
+            Sample((rand(4, 4, *sp), rand(8, 4, *[3] * n), rand(8), [1] * n, "same"), label="same"),
+            Sample((rand(4, 4, *sp), rand(8, 4, *[2] * n), None, [1] * n, "same", [2] * n), label="same-even-dilated"),
+            Sample((rand(4, 4, *sp), rand(4, 1, *[3] * n), rand(4), [1] * n, "same", [1] * n, 4),
+                   label="same-depthwise"),
+            Sample((rand(4, 4, *sp), rand(8, 4, *[2] * n), rand(8), [2] * n, "valid"), label="valid"),
+        ]
+
+    return samples
+
+
+def _conv_transpose_samples(n: int):
+    k, sp = [3] * n, (4, 3, 2)[:n]
+
+    def samples() -> list[Sample]:
+        return [
+            Sample((rand(4, 4, *sp), rand(4, 8, *k), rand(8), [2] * n, [1] * n, [1] * n), label="stride-outpad"),
+            Sample((rand(4, 8, *sp), rand(8, 4, *[2] * n), None), label="no-bias"),
+            Sample((rand(4, 8, *sp), rand(8, 2, *[1] * n), rand(8), [1] * n, [0] * n, [0] * n, 4), label="groups"),
+            Sample((rand(4, 4, *sp), rand(4, 2, *k), rand(8), [1] * n, [0] * n, [0] * n, 4, [2] * n),
+                   label="depthwise-dilated"),
+            Sample((rand(4, *sp), rand(4, 8, *k), rand(8)), label="unbatched"),
+        ]
+
+    return samples
+
+
+def _convolution_samples() -> list[Sample]:
     return [
-        Sample((rand(4, 4, 6, 6), rand(8, 4, 3, 3), rand(8), [1, 1], [1, 1]), label="bias-pad"),
-        Sample((rand(4, 8, 8, 8), rand(4, 8, 2, 2), None, [2, 2]), label="stride-no-bias"),
-        Sample((rand(4, 8, 4, 4), rand(8, 2, 1, 1), None, [1, 1], [0, 0], [1, 1], 4), label="groups"),
-        Sample((rand(4, 5, 5), rand(8, 4, 3, 3), rand(8)), label="unbatched"),
+        Sample((rand(4, 4, 6, 5), rand(8, 4, 3, 3), rand(8), [1, 1], [1, 1], [1, 1], False, [0, 0], 1), label="conv"),
+        Sample((rand(4, 4, 4, 3), rand(4, 8, 3, 3), rand(8), [2, 2], [1, 1], [1, 1], True, [1, 1], 1),
+               label="transposed"),
+        Sample((rand(4, 8, 6), rand(8, 1, 3), None, [1], [1], [1], False, [0], 8), label="depthwise"),
     ]
 
 
-register(aten.conv2d.default, has_flops=True, samples=_conv2d_samples)(_conv_rule)
-register(aten.conv1d.default, has_flops=True,
-         samples=lambda: [Sample((rand(4, 4, 8), rand(8, 4, 3), rand(8), [1], [1]))])(_conv_rule)
+_register_conv(aten.conv1d.default, _conv_samples(1))
+_register_conv(aten.conv2d.default, _conv_samples(2))
+_register_conv(aten.conv3d.default, _conv_samples(3))
+_register_conv(aten.conv1d.padding, _conv_padding_samples(1))
+_register_conv(aten.conv2d.padding, _conv_padding_samples(2))
+_register_conv(aten.conv3d.padding, _conv_padding_samples(3))
+_register_conv(aten.conv_transpose1d.default, _conv_transpose_samples(1))
+_register_conv(aten.conv_transpose2d.input, _conv_transpose_samples(2))
+_register_conv(aten.conv_transpose3d.input, _conv_transpose_samples(3))
+_register_conv(aten.convolution.default, _convolution_samples)
 
 
-# ---------------------------------------------------------------------------------- pooling
-def _pool_rule(*, linear: bool, num_spatial: int = 2):
-    def rule(info: OpInfo) -> list[AxisOption]:
-        ndim = info.input("self").ndim
-        options = [info.option(Shard(d), self=Shard(d)) for d in range(ndim - num_spatial)]
-        if linear:
-            options.append(info.option(P, work_split=False, self=P))
-        return options
-
-    rule.__name__ = "average_pool_rule" if linear else "max_pool_rule"
-    rule.__module__ = __name__
-    return rule
-
-
-register(aten.max_pool2d.default, samples=lambda: [
-    Sample((rand(4, 4, 8, 8), [3, 3], [2, 2], [1, 1]), label="resnet-stem"),
-    Sample((rand(4, 8, 8), [2, 2]), label="unbatched"),
-])(_pool_rule(linear=False))
-register(aten.avg_pool2d.default, samples=lambda: [
-    Sample((rand(4, 4, 8, 8), [3, 3], [2, 2], [1, 1]), label="pad"),
-    Sample((rand(4, 4, 8, 8), [2, 2], [2, 2], [0, 0], True, False, 3), label="divisor"),
-])(_pool_rule(linear=True))
-register(aten.adaptive_avg_pool2d.default, samples=lambda: [
-    Sample((rand(4, 8, 4, 4), [1, 1]), label="global"), Sample((rand(4, 4, 6, 6), [2, 3]), label="2x3"),
-])(_pool_rule(linear=True))
-
-
-# ------------------------------------------------------------------------------- batch norm
-def _stat_axes(ctx: KernelContext) -> tuple[int, ...]:
-    spec = ctx.spec("input")
-    return tuple(sorted(a for d in spec.sharded_dims() if d != 1 for a in spec.shard_axes(d)))
-
-
-def _per_channel(t: torch.Tensor, ndim: int) -> torch.Tensor:
-    return t.view((1, -1) + (1,) * (ndim - 2))
-
-
-class _SyncBatchNorm(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight, bias, comm, axes, count, eps):  # noqa: D401
-        dims = [d for d in range(x.ndim) if d != 1]
-        mean = comm.all_reduce(x.sum(dims), axes) / count
-        centred = x - _per_channel(mean, x.ndim)
-        var = comm.all_reduce((centred * centred).sum(dims), axes) / count
-        rstd = torch.rsqrt(var + eps)
-        xhat = centred * _per_channel(rstd, x.ndim)
-        y = xhat
-        if weight is not None:
-            y = y * _per_channel(weight, x.ndim)
-        if bias is not None:
-            y = y + _per_channel(bias, x.ndim)
-        ctx.save_for_backward(xhat, rstd, weight)
-        ctx.comm, ctx.axes, ctx.count, ctx.has_bias = comm, axes, count, bias is not None
-        return y, mean, var
-
-    @staticmethod
-    def backward(ctx, grad_y, _grad_mean, _grad_var):
-        xhat, rstd, weight = ctx.saved_tensors
-        dims = [d for d in range(xhat.ndim) if d != 1]
-        grad_xhat = grad_y if weight is None else grad_y * _per_channel(weight, xhat.ndim)
-        # The input gradient needs the GLOBAL per-channel means of grad_xhat and grad_xhat * xhat.
-        sums = ctx.comm.all_reduce(torch.stack([grad_xhat.sum(dims), (grad_xhat * xhat).sum(dims)]), ctx.axes)
-        mean_g, mean_gx = sums[0] / ctx.count, sums[1] / ctx.count
-        grad_x = _per_channel(rstd, xhat.ndim) * (
-            grad_xhat - _per_channel(mean_g, xhat.ndim) - xhat * _per_channel(mean_gx, xhat.ndim))
-        # Local partial sums; the strategy all-reduces them (grad_partial of a replicated input).
-        grad_w = (grad_y * xhat).sum(dims) if weight is not None else None
-        grad_b = grad_y.sum(dims) if ctx.has_bias else None
-        return grad_x, grad_w, grad_b, None, None, None, None
-
-
-def _sync_bn_comm(info: OpInfo, input_specs, output_specs, mesh) -> tuple[float, float]:
-    spec = input_specs[info.slot_index("input")]
-    x = info.input("input")
-    axes = tuple(sorted(a for d in spec.sharded_dims() if d != 1 for a in spec.shard_axes(d)))
-    channel_bytes = spec.local_shape(x.shape, mesh.shape)[1] * x.itemsize
-    fwd = 2 * collective_seconds("all_reduce", channel_bytes, mesh, axes)
-    return fwd, collective_seconds("all_reduce", 2 * channel_bytes, mesh, axes)
-
-
-@register_kernel("sync_batch_norm", comm_cost=_sync_bn_comm)
-def sync_batch_norm(ctx: KernelContext, input, weight, bias, running_mean, running_var, training, momentum, eps,
-                    cudnn_enabled):
-    x_meta = ctx.info.input("input")
-    count = math.prod(s for d, s in enumerate(x_meta.shape) if d != 1)
-    y, mean, var = _SyncBatchNorm.apply(input, weight, bias, ctx.comm, _stat_axes(ctx), count, eps)
-    if running_mean is not None and training:
-        # Every rank holds the same global statistics, so replicas stay identical.
-        with torch.no_grad():
-            running_mean.mul_(1 - momentum).add_(momentum * mean.to(running_mean.dtype))
-            unbiased = var * count / max(count - 1, 1)
-            running_var.mul_(1 - momentum).add_(momentum * unbiased.to(running_var.dtype))
-    return y
-
-
-def _batch_norm_rule(info: OpInfo) -> list[AxisOption]:
-    x = info.input("input")
-    per_channel = {n: Shard(0) for n in ("weight", "bias", "running_mean", "running_var") if info.input(n) is not None}
-    options = [info.option(Shard(1), input=Shard(1), **per_channel)]
-    batch_stats = bool(info.arg("training")) or info.input("running_mean") is None
-    kernel = "sync_batch_norm" if batch_stats else None
-    # Only the affine parameters have gradients; the running statistics are buffers.
-    options += [info.option(Shard(d), input=Shard(d), kernel=kernel, grad_partial=["weight", "bias"])
-                for d in range(x.ndim) if d != 1]
+# --------------------------------------------------------------------------------- bilinear
+def _bilinear_rule(info: OpInfo) -> list[AxisOption]:
+    out = info.output.ndim - 1
+    bias = lambda p: {"bias": p} if info.input("bias") is not None else {}  # noqa: E731
+    options = [info.option(Shard(d), input1=Shard(d), input2=Shard(d)) for d in range(out)]
+    options += [
+        info.option(Shard(out), weight=Shard(0), **bias(Shard(0))),
+        info.option(P, input1=Shard(out), weight=Shard(1), **bias(P)),
+        info.option(P, input2=Shard(out), weight=Shard(2), **bias(P)),
+    ]
+    options += [info.option(P, work_split=False, **{name: P}, **bias(P)) for name in ("input1", "input2", "weight")]
     return options
 
 
-_NO_GRAD_STATS = ("running_mean", "running_var")
-
-
-def _batch_norm_samples() -> list[Sample]:
-    stats = lambda: (rand(8) * 0.1, rand(8, positive=True))  # noqa: E731
-    return [
-        Sample((rand(4, 8, 2, 2), rand(8), rand(8), *stats(), True, 0.1, 1e-5, False), label="train",
-               no_grad=_NO_GRAD_STATS),
-        Sample((rand(4, 8, 4), None, None, *stats(), False, 0.1, 1e-5, False), label="eval-no-affine",
-               no_grad=_NO_GRAD_STATS),
-        Sample((rand(8, 8), rand(8), rand(8), None, None, True, 0.1, 1e-5, False), label="no-running-stats"),
-    ]
-
-
-register(aten.batch_norm.default, samples=_batch_norm_samples)(_batch_norm_rule)
+register(aten.bilinear.default, has_flops=True, samples=lambda: [
+    Sample((rand(4, 4), rand(4, 8), rand(8, 4, 8), rand(8)), label="bias"),
+    Sample((rand(4, 2, 4), rand(4, 2, 4), rand(4, 4, 4)), label="3-d-no-bias"),
+])(_bilinear_rule)
