@@ -5,7 +5,9 @@ no parameter-sized memory is allocated, whether the model lives on ``meta`` or h
 weights. The graph is export's default training IR: no decompositions, so ``aten.linear``,
 ``aten.scaled_dot_product_attention``, ``aten.layer_norm``, ``aten.cross_entropy_loss`` stay
 whole. When export fails, :class:`TraceError` names the op, the module path and the user's
-source line, with a hint.
+source line, with a hint matched to the cause; torch's own failure logs are kept off stderr, so
+the TraceError is the one message. Hugging Face models trace at their default configs: caches
+are off for the trace and cache objects never reach the outputs (see :mod:`.hf`).
 """
 
 from __future__ import annotations
@@ -14,9 +16,10 @@ import contextlib
 import functools
 import inspect
 import io
+import logging
 import os
 import traceback
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.fx as fx
@@ -27,6 +30,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.export.graph_signature import InputKind
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
+from . import hf
 from .graph import (BUFFER, CONSTANT, INPUT, MODULE_KEY, PARAMETER, PLACEHOLDER_KEY, Placeholder,
                     TracedGraph, keyword_path)
 
@@ -38,6 +42,13 @@ _KIND = {InputKind.PARAMETER: PARAMETER, InputKind.BUFFER: BUFFER,
          InputKind.USER_INPUT: INPUT}
 
 _PRIMITIVE = (int, float, bool, str, type(None), torch.dtype, torch.device)
+# What a traced forward may return besides tensors (export keeps these as constants).
+_OUTPUT_LEAVES = (torch.Tensor, torch.SymInt, torch.SymFloat, torch.SymBool, *_PRIMITIVE)
+# Loggers whose failure reports (e.g. fake_tensor's "failed while attempting to run meta" with a
+# traceback) would print next to the TraceError; silenced while export runs.
+_TORCH_LOGGERS = ("torch", "torch._subclasses.fake_tensor", "torch._dynamo", "torch.export",
+                  "torch._export", "torch.fx.experimental.symbolic_shapes", "torch._guards",
+                  "torch._functorch", "torch.fx.experimental.recording")
 
 
 class TraceError(RuntimeError):
@@ -61,14 +72,19 @@ class TraceError(RuntimeError):
 
 
 def trace(model: nn.Module, meta_inputs: tuple | dict, *, name: str | None = None,
-          stack_traces: bool = False) -> TracedGraph:
+          stack_traces: bool = False, decompose_if: Callable[[Any], bool] | None = None) -> TracedGraph:
     """Trace ``model``'s forward on ``meta_inputs`` (positional tuple or keyword dict).
 
     Tensors may be real, meta or fake; they are replaced by fake tensors of the same shape,
     dtype and stride on the model's device. Non-tensor values are bound as constants.
+    Hugging Face models: ``use_cache=False`` for the trace (configs restored afterwards) and
+    cache objects in the outputs become ``None``.
     ``stack_traces=True`` keeps each node's Python stack in ``meta["stack_trace"]``; it costs
     about a third of the tracing time on large models, so it is off unless asked for (failures
     name the source line either way: that comes from the exception's own traceback).
+    ``decompose_if(op)``: ops to replace by their PyTorch decompositions after export (the
+    planner passes ``autopar.strategies.needs_decomposition``); ``TracedGraph.decomposed``
+    records what each became.
     """
     if not isinstance(model, nn.Module):
         raise ValueError(f"trace() needs an nn.Module, got {type(model).__name__}")
@@ -85,15 +101,20 @@ def trace(model: nn.Module, meta_inputs: tuple | dict, *, name: str | None = Non
         device = torch.device("cpu")
     fake_mode = FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True)
     kwargs = _as_kwargs(model, meta_inputs)
+    if hf.wants_use_cache(model.forward, kwargs):
+        kwargs["use_cache"] = False  # a constant: caches are inference state, not training
     # Keyword values without tensors are bound as constants; *args entries stay positional.
     tensors = {k: v for k, v in kwargs.items() if _has_tensor(v) or k.startswith("args[")}
     constants = {k: v for k, v in kwargs.items() if k not in tensors}
     _check_leaves(tensors, model_name)
     fake = {k: pytree.tree_map(lambda v: _to_fake(v, fake_mode, device), v)
             for k, v in tensors.items()}
-    with _fake_state(model, fake_mode, device):
+    with _fake_state(model, fake_mode, device), hf.caches_off(model):
         ep = _export(model, fake, constants, model_name, stack_traces)
-    return _build(model, ep, model_name)
+    traced = _build(model, ep, model_name)
+    if decompose_if is not None:  # the planner's "no rule, but a decomposition" (tracer/decompose.py)
+        traced.decompose(decompose_if)
+    return traced
 
 
 # ---- inputs ------------------------------------------------------------------------------------
@@ -194,25 +215,72 @@ def _export(model: nn.Module, fake: dict, constants: dict, model_name: str, stac
              nn.modules.module.register_module_forward_hook(pop)]
     bound = "forward" in vars(model)
     original = model.forward
-    if constants:  # bind non-tensor inputs as constants: they are not graph inputs
-        model.forward = functools.partial(original, **constants)
+    model.forward = _traced_forward(original, constants, model_name)
     emit_before = fx_config.do_not_emit_stack_traces
     fx_config.do_not_emit_stack_traces = not stack_traces
     try:
         # export prints the partial graph on failure; the TraceError says it better
-        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()), \
+                _quiet_torch_logs():
             return torch.export.export(model, args, kwargs=kwargs, strict=False)
+    except TraceError:  # raised by _traced_forward: already names the output
+        raise
     except Exception as err:  # noqa: BLE001 - every export failure becomes a TraceError
         raise _diagnose(err, stack, model_name) from err
     finally:
         fx_config.do_not_emit_stack_traces = emit_before
         for hook in hooks:
             hook.remove()
-        if constants:
-            if bound:
-                model.forward = original
-            else:
-                del model.forward
+        if bound:
+            model.forward = original
+        else:
+            del model.forward
+
+
+def _traced_forward(original, constants: dict, model_name: str):
+    """``original`` with the constants bound (they are not graph inputs), caches dropped from
+    its output and every other output leaf checked: export's own error for an unknown output
+    type says neither which output nor what to do."""
+    @functools.wraps(original)
+    def forward(*args, **kwargs):
+        output = hf.drop_caches(original(*args, **constants, **kwargs))
+        _check_outputs(output, model_name)
+        return output
+
+    if constants:  # the signature export sees: without the bound constants, as before
+        forward.__wrapped__ = functools.partial(original, **constants)
+    return forward
+
+
+def _check_outputs(output: Any, model_name: str) -> None:
+    for path, leaf in pytree.tree_flatten_with_path(output)[0]:
+        if isinstance(leaf, _OUTPUT_LEAVES):
+            continue
+        name = "output" + pytree.keystr(path)
+        holds = " holding tensors" if _has_tensor(list(getattr(leaf, "__dict__", {}).values())) else ""
+        raise TraceError(
+            f"cannot trace {model_name}: {name} is a {type(leaf).__name__}{holds}, which "
+            f"torch.export cannot return",
+            hint=f"make forward return tensors (in tuples, lists, dicts or a ModelOutput) "
+                 f"instead of {name}, or register {type(leaf).__name__} with "
+                 f"torch.utils._pytree.register_pytree_node (a dataclass: "
+                 f"torch.export.register_dataclass) so its tensors can be flattened")
+
+
+@contextlib.contextmanager
+def _quiet_torch_logs():
+    """Disable torch's loggers while export runs (their failure reports duplicate the
+    TraceError, with torch-internal tracebacks); restore each logger's state after."""
+    names = {*_TORCH_LOGGERS, *(n for n in logging.root.manager.loggerDict if n.startswith("torch."))}
+    loggers = [logging.getLogger(n) for n in sorted(names)]
+    saved = [(logger, logger.disabled) for logger in loggers]
+    for logger in loggers:
+        logger.disabled = True
+    try:
+        yield
+    finally:
+        for logger, disabled in saved:
+            logger.disabled = disabled
 
 
 def _diagnose(err: Exception, stack: list[str], model_name: str) -> TraceError:
@@ -220,17 +288,73 @@ def _diagnose(err: Exception, stack: list[str], model_name: str) -> TraceError:
     source = _user_source(err)
     text = str(err)
     first_line = text.strip().splitlines()[0] if text.strip() else type(err).__name__
-    if "data-dependent" in text or "GuardOnDataDependent" in type(err).__name__:
+    missing = _missing_config_attribute(err)
+    if missing is not None:
+        config, attr = missing
+        hint = (f"the model's config ({type(config).__name__}) has no attribute {attr!r}, which "
+                f"the model's code reads: a setting missing from the config (the model fails "
+                f"the same way when run eagerly); set config.{attr} and trace again")
+    elif "data-dependent" in text or "GuardOnDataDependent" in type(err).__name__:
         hint = ("data-dependent control flow or shape: the code branches on, or sizes a tensor "
                 "by, a tensor's value, unknown when tracing with shapes only; use torch.where / "
                 "torch.cond, or pass that value as a constant (a Python number, not a tensor)")
+    elif "in output" in text and "not a known type" in text:
+        hint = ("forward returns an object torch.export cannot flatten: return tensors (in "
+                "tuples, dicts or a ModelOutput), or register its type with "
+                "torch.utils._pytree.register_pytree_node")
     elif "pytree" in text.lower() or "unsupported input" in text.lower() or "input type" in text:
         hint = "a non-tensor input cannot be traced: pass it as a constant (a Python value)"
+    elif _raised_in(err, _META_KERNEL_FILES):
+        hint = ("the op rejects the shapes or dtypes it was given (it would fail the same way "
+                "when run eagerly): check the shapes and dtypes of the inputs given to trace")
+    elif _raised_in_model_code(err):
+        hint = ("the model's own code raised this error (it would fail the same way when run "
+                "eagerly): check the inputs given to trace and the model's config")
     else:
         hint = "the op or Python construct is not supported by torch.export (non-strict)"
     return TraceError(f"cannot trace {model_name}: {type(err).__name__}", op=op,
                       module_path=stack[-1] if stack else "", source=source, hint=hint,
                       cause=first_line)
+
+
+# Where torch's shape checks live: an error raised here is the op refusing its arguments.
+_META_KERNEL_FILES = tuple(os.path.join(_TORCH_DIR, name) for name in (
+    "_meta_registrations.py", "_refs", "_prims_common", "_prims", "_decomp"))
+
+
+def _chain(err: BaseException):
+    """``err`` and the exceptions it was raised from or while handling, innermost last."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        yield err
+        err = err.__cause__ or err.__context__
+
+
+def _missing_config_attribute(err: Exception) -> tuple[Any, str] | None:
+    """(config, attribute) when the failure is an AttributeError on a Hugging Face config."""
+    for exc in _chain(err):
+        if isinstance(exc, AttributeError) and hf.is_config(getattr(exc, "obj", None)) \
+                and getattr(exc, "name", None):
+            return exc.obj, exc.name
+    return None
+
+
+def _innermost_file(err: BaseException) -> str:
+    frames = traceback.extract_tb(err.__traceback__)
+    return frames[-1].filename if frames else ""
+
+
+def _raised_in(err: Exception, prefixes: tuple[str, ...]) -> bool:
+    """Some frame of the traceback (the raise may sit in a helper such as torch._check) is in
+    one of these files."""
+    return any(f.filename.startswith(prefixes) for f in traceback.extract_tb(err.__traceback__))
+
+
+def _raised_in_model_code(err: Exception) -> bool:
+    """The exception was raised outside torch and autopar: in the model's (or its library's) code."""
+    filename = _innermost_file(err)
+    return bool(filename) and not filename.startswith((_TORCH_DIR, _AUTOPAR_DIR, "<"))
 
 
 def _failing_op(err: Exception) -> str:
@@ -250,8 +374,10 @@ def _failing_op(err: Exception) -> str:
 
 def _user_source(err: Exception) -> str:
     """Innermost traceback frame outside torch and autopar: the model's own code."""
+    # Attribute hooks (a config's __getattribute__) are plumbing: the line that read it counts.
     frames = [f for f in traceback.extract_tb(err.__traceback__)
-              if not f.filename.startswith((_TORCH_DIR, _AUTOPAR_DIR, "<string>"))]
+              if not f.filename.startswith((_TORCH_DIR, _AUTOPAR_DIR, "<string>"))
+              and f.name not in ("__getattribute__", "__getattr__")]
     if not frames:
         return ""
     frame = frames[-1]
