@@ -63,12 +63,13 @@ def plan(
     ``checkpoint``: activation recompute planning, ``"auto"`` (the faster of the joint ILP +
     Rotor refinement and Rotor alone; nothing when the budget cannot bind), ``"ilp"``,
     ``"rotor"``, ``"both"`` or ``"none"`` (see ``autopar.checkpointing``)."""
+    from .strategies import needs_decomposition
     from .tracer import profile as profile_graph
     from .tracer import trace
 
     progress = progress or Progress(verbose)
     with progress.stage("trace"):
-        traced = trace(model, meta_inputs)
+        traced = trace(model, meta_inputs, decompose_if=needs_decomposition)
     with progress.stage("profile"):
         prof = profile_graph(traced)
     return plan_graph(traced, prof, mesh=mesh, memory_budget=memory_budget, solver=solver,

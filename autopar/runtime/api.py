@@ -88,6 +88,7 @@ def autoparallelize(
     recompute regions are applied as they are.
     """
     from autopar.api import plan as solve_plan
+    from autopar.strategies import needs_decomposition
     from autopar.tracer import trace
 
     if not dist.is_initialized():
@@ -103,10 +104,10 @@ def autoparallelize(
                                        solver=solver, time_limit=time_limit,
                                        allow_replicate_fallback=allow_replicate_fallback,
                                        checkpoint=checkpoint)
-        traced = traced or trace(model, meta_inputs)
+        traced = traced or trace(model, meta_inputs, decompose_if=needs_decomposition)
     else:
         plan = plan if isinstance(plan, Plan) else Plan.load(os.fspath(plan))
-        traced = trace(model, meta_inputs)
+        traced = trace(model, meta_inputs, decompose_if=needs_decomposition)
     check_plan(plan, graph_hash=traced.graph_hash, world_size=world, mesh=spec)
     return build_module(model, traced, plan, device=dev, seed=seed, init_weights=init_weights,
                         local_inputs=local_inputs)

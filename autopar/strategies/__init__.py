@@ -62,6 +62,7 @@ from __future__ import annotations
 import importlib
 
 from .comm import Comm, KernelContext
+from .derived import SOURCES, has_decomposition, needs_decomposition, rule_for, rule_source
 from .expand import enumerate_strategies, estimate_flops, strategies_for
 from .registry import (
     AxisOption, InputSlot, LocalKernel, NoRuleError, OpInfo, RuleEntry, Sample, Strategy, TensorMeta,
@@ -80,5 +81,6 @@ __all__ = [
     "strategies_for", "enumerate_strategies", "estimate_flops", "Strategy", "AxisOption", "OpInfo",
     "TensorMeta", "InputSlot", "Sample", "RuleEntry", "LocalKernel", "NoRuleError", "Comm",
     "KernelContext", "register", "register_kernel", "get_rule", "get_kernel", "registered_targets",
-    "input_nodes", "local_arguments", "needs_no_decision",
+    "input_nodes", "local_arguments", "needs_no_decision", "rule_for", "rule_source", "needs_decomposition",
+    "has_decomposition", "SOURCES",
 ]

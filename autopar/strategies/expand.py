@@ -29,9 +29,9 @@ from ..cost import collective_seconds, compute_seconds
 from ..mesh import MeshSpec
 from ..spec import Partial, Replicate, Shard, TensorSpec
 from .registry import (
-    AxisOption, NoRuleError, OpInfo, RuleEntry, Strategy, TensorMeta, call_op, get_kernel,
-    get_rule, strategy_name,
+    AxisOption, NoRuleError, OpInfo, RuleEntry, Strategy, TensorMeta, call_op, get_kernel, strategy_name,
 )
+from .derived import rule_for
 
 __all__ = ["strategies_for", "enumerate_strategies", "axis_options", "estimate_flops", "replicate_option"]
 
@@ -51,7 +51,7 @@ def strategies_for(node: torch.fx.Node, mesh: MeshSpec, *, flops: tuple[float, f
 
 def enumerate_strategies(info: OpInfo, mesh: MeshSpec, *, flops: tuple[float, float] | None = None,
                          allow_replicate_fallback: bool = False) -> list[Strategy]:
-    entry = get_rule(info.target)
+    entry = rule_for(info.target)
     if entry is None:
         if not allow_replicate_fallback:
             raise NoRuleError(info.target, info.node_name, info.module_path)

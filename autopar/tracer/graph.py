@@ -17,7 +17,7 @@ from __future__ import annotations
 import hashlib
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.fx as fx
@@ -91,6 +91,8 @@ class TracedGraph:
         self.model_name = model_name
         self._loss_name = loss_name
         self._by_name = {node.name: node for node in gm.graph.nodes}
+        # decomposed op -> the ops it became (``decompose``), for coverage reports
+        self.decomposed: dict[str, tuple[str, ...]] = {}
         self._by_fqn = {alias: p for p in placeholders for alias in p.aliases}
 
     # ---- nodes -----------------------------------------------------------------------------
@@ -116,6 +118,22 @@ class TracedGraph:
     @staticmethod
     def module_path(node: fx.Node) -> str:
         return node.meta.get(MODULE_KEY, "")
+
+    def decompose(self, decompose_if: Callable[[Any], bool]) -> dict[str, tuple[str, ...]]:
+        """Replace the ops that satisfy ``decompose_if`` by their decompositions, in place (see
+        ``autopar.tracer.decompose``); returns and records what each decomposed op became."""
+        from .decompose import decompose_graph
+
+        flat = self.flat_outputs
+        loss_at = next((i for i, a in enumerate(flat) if isinstance(a, fx.Node) and a.name == self._loss_name), None)
+        record = decompose_graph(self.gm, decompose_if)
+        if record:
+            self._by_name = {node.name: node for node in self.gm.graph.nodes}
+            if loss_at is not None:  # the loss op itself may have been decomposed
+                self._loss_name = self.flat_outputs[loss_at].name
+            for op, pieces in record.items():
+                self.decomposed[op] = tuple(sorted(set(self.decomposed.get(op, ())) | set(pieces)))
+        return record
 
     # ---- placeholders ----------------------------------------------------------------------
     def placeholders_of(self, kind: str) -> tuple[Placeholder, ...]:
