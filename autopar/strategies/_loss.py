@@ -16,6 +16,19 @@
   axes (with ``Partial``/split over any sample axes, as above).
 
 Probability (float) targets get only the replicated strategy.
+
+Negative log-likelihood (``nll_loss_nd``, ``nll_loss``, ``nll_loss2d``): ``self`` holds
+log-probabilities (N, C, d1..dk), (N, C) or (C,); the loss of a sample is ``-weight[t] * self[t]``
+(0 for ``ignore_index``). Single-axis options:
+
+- split a sample dim: as for cross-entropy (``none`` split, ``sum`` ``Partial``, ``mean``
+  ``Partial`` via kernel ``nll_loss``: local sum / all-reduced global denominator);
+- split the class dim: kernel ``nll_loss``: each rank picks the target entries it owns (the others
+  contribute 0), so the per-sample loss is a sum over class shards: ``Partial`` output under
+  every reduction (``mean`` divides by the global denominator, which needs the class weight of
+  every target: the class ``weight`` stays replicated). No communication over the class axes;
+- pass a pending sum through (``P`` -> ``P``): the loss is linear in ``self`` and the ``mean``
+  denominator depends only on ``target`` and ``weight``.
 """
 
 from __future__ import annotations
@@ -68,11 +81,14 @@ def cross_entropy(ctx: KernelContext, self, target, weight=None, reduction=_MEAN
             return total
     if reduction == _SUM:
         return total
+    return total / ctx.comm.all_reduce(_denominator(target, valid, weight, self.dtype), sample_axes)
+
+
+def _denominator(target, valid, weight, dtype):
+    """The ``mean`` denominator of this rank's targets: their number, or their class weights' sum."""
     if weight is None:
-        denom = valid.sum().to(self.dtype)
-    else:
-        denom = (weight[target.masked_fill(~valid, 0)] * valid).sum()
-    return total / ctx.comm.all_reduce(denom.detach(), sample_axes)
+        return valid.sum().to(dtype)
+    return (weight[target.masked_fill(~valid, 0)] * valid).sum().detach()
 
 
 def _class_parallel_loss(ctx: KernelContext, x, target, valid, class_axes, ignore_index, label_smoothing):
@@ -129,3 +145,98 @@ def _cross_entropy(info: OpInfo) -> list[AxisOption]:
     if info.input("weight") is None:
         options.append(info.option(R, self=Shard(1), kernel="cross_entropy"))
     return options
+
+
+# ------------------------------------------------------------------------------------- NLL
+def _class_dim(ndim: int) -> int:
+    return 1 if ndim >= 2 else 0  # (C,) has no sample dim
+
+
+def _sample_axes(spec, class_dim: int) -> tuple[int, ...]:
+    return tuple(a for a, p in enumerate(spec.placements) if isinstance(p, Shard) and p.dim != class_dim)
+
+
+def _nll_comm(info: OpInfo, input_specs, output_specs, mesh) -> tuple[float, float]:
+    x = info.input("self")
+    axes = _sample_axes(input_specs[0], _class_dim(x.ndim))
+    if axes and info.arg("reduction") == _MEAN:
+        return collective_seconds("all_reduce", x.itemsize, mesh, axes), 0.0  # the denominator
+    return 0.0, 0.0
+
+
+@register_kernel("nll_loss", comm_cost=_nll_comm)
+def nll_loss(ctx: KernelContext, self, target, weight=None, reduction=_MEAN, ignore_index=-100):
+    cd = _class_dim(self.ndim)
+    spec = ctx.spec("self")
+    valid = target != ignore_index
+    if spec.shard_axes(cd):
+        lo, hi = ctx.local_range("self", cd)
+        mine = valid & (target >= lo) & (target < hi)
+        picked = self.gather(cd, (target - lo).masked_fill(~mine, 0).unsqueeze(cd)).squeeze(cd) * mine
+        if weight is not None:
+            picked = picked * weight[target.masked_fill(~valid, 0)]
+        if reduction == _NONE:
+            return -picked
+        total = -picked.sum()
+    else:
+        total = ctx.info.target(self, target, weight, _SUM, ignore_index)
+    if reduction == _SUM:
+        return total
+    return total / ctx.comm.all_reduce(_denominator(target, valid, weight, self.dtype), _sample_axes(spec, cd))
+
+
+def _nll_samples(kind: str):
+    def samples() -> list[Sample]:
+        x = torch.log_softmax(rand(8, 16), 1)
+        t = ints(16, 8)
+        t[2] = -100  # ignored targets on some ranks only: per-rank denominators differ
+        w = rand(16, positive=True)
+        x4 = torch.log_softmax(rand(4, 8, 4, 4), 1)
+        t4 = ints(8, 4, 4, 4)
+        t4[1, 0] = 3
+        out = []
+        if kind != "2d":
+            out += [
+                Sample((x, t), label="mean-ignore"),
+                Sample((x, t, w, _MEAN), label="mean-weight", no_grad=("weight",)),
+                Sample((x, t, w, _SUM), label="sum-weight", no_grad=("weight",)),
+                Sample((x, t, None, _NONE), label="none"),
+            ]
+        if kind != "1d":
+            out += [
+                Sample((x4, t4, w[:8], _MEAN, 3), label="4d-mean-weight-ignore3", no_grad=("weight",)),
+                Sample((x4, t4, None, _NONE, 3), label="4d-none"),
+            ]
+        if kind == "nd":
+            out += [
+                Sample((torch.log_softmax(rand(16), 0), torch.tensor(5)), label="unbatched-mean"),
+                Sample((torch.log_softmax(rand(4, 8, 8), 1), ints(8, 4, 8), None, _SUM), label="3d-sum"),
+            ]
+        return out
+
+    return samples
+
+
+def _nll_rule(info: OpInfo) -> list[AxisOption]:
+    x = info.input("self")
+    cd = _class_dim(x.ndim)
+    reduction = info.arg("reduction")
+    # The class weight takes no gradient (nll_loss is not differentiable in it): grad_partial=().
+    options = []
+    for d in (range(x.ndim) if x.ndim >= 2 else ()):
+        if d == cd:
+            continue
+        t_dim = d if d == 0 else d - 1
+        if reduction == _NONE:
+            options.append(info.option(Shard(t_dim), self=Shard(d), target=Shard(t_dim), grad_partial=()))
+        else:
+            kernel = "nll_loss" if reduction == _MEAN else None
+            options.append(info.option(P, self=Shard(d), target=Shard(t_dim), kernel=kernel, grad_partial=()))
+    options.append(info.option(P, self=Shard(cd), kernel="nll_loss", grad_partial=()))
+    options.append(info.option(P, self=P, work_split=False, grad_partial=()))
+    return options
+
+
+register(aten.nll_loss_nd.default, samples=_nll_samples("nd"))(_nll_rule)
+register(aten.nll_loss.default, samples=_nll_samples("1d"))(_nll_rule)
+register(aten.nll_loss2d.default, samples=_nll_samples("2d"))(_nll_rule)
