@@ -110,6 +110,8 @@ def _like_rule(info: OpInfo) -> list[AxisOption]:
 register(aten.ones_like.default, samples=lambda: [Sample((rand(4, 8),))])(_like_rule)
 register(aten.zeros_like.default, samples=lambda: [Sample((rand(4, 8),))])(_like_rule)
 register(aten.full_like.default, samples=lambda: [Sample((rand(4, 8), 2.0))])(_like_rule)
+# Uninitialised memory: the numeric check compares shapes only (check.UNINITIALIZED).
+register(aten.empty_like.default, samples=lambda: [Sample((rand(4, 8),))])(_like_rule)
 
 
 @register(aten.scalar_tensor.default, replicate_only=True, samples=lambda: [Sample((2.5,), _F64)])

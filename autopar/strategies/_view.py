@@ -213,5 +213,6 @@ def _t(info: OpInfo) -> list[AxisOption]:
 
 
 # Identity copies and aliases: every dim stays where it is.
-for _op in (aten.contiguous.default, aten.alias.default, aten.clone.default, aten.detach.default):
+for _op in (aten.contiguous.default, aten.alias.default, aten.clone.default, aten.detach.default,
+            aten.lift_fresh_copy.default):
     register(_op, samples=lambda: [Sample((rand(4, 8, 4),))])(identity_options)

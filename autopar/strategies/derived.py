@@ -48,17 +48,37 @@ R, P = Replicate(), Partial()
 SOURCES = ("native", "generic", "decomposed", "dtensor", "fallback", "missing")
 
 
+# Ops of other libraries, by qualified name -> (rule, samples) in a family file. Looked up by
+# name so that autopar imports none of them; the op exists once its library registered it.
+FOREIGN_RULES: dict[str, tuple[str, str, str]] = {
+    "transformers::grouped_mm_fallback": ("_moe", "grouped_mm_rule", "grouped_mm_samples"),
+}
+
+
 def rule_for(target: Any) -> RuleEntry | None:
     """The rule that plans ``target``: native, else generic, else DTensor-derived, else None."""
     entry = get_rule(target)
     if entry is not None:
         return entry
-    return _derived(target)
+    return _foreign(target) or _derived(target)
+
+
+@functools.cache
+def _foreign(target: Any) -> RuleEntry | None:
+    name = getattr(target, "_schema", None) and target._schema.name
+    if name not in FOREIGN_RULES:
+        return None
+    import importlib
+
+    module, rule, samples = FOREIGN_RULES[name]
+    family = importlib.import_module(f"{__package__}.{module}")
+    return RuleEntry(target, getattr(family, rule), getattr(family, samples), module, has_flops=True,
+                     combine_check=None)
 
 
 def rule_source(target: Any) -> str:
     """'native', 'generic', 'dtensor' or '' (no rule) for ``target``."""
-    if get_rule(target) is not None:
+    if get_rule(target) is not None or _foreign(target) is not None:
         return "native"
     entry = _derived(target)
     return "" if entry is None else entry.family
@@ -69,7 +89,7 @@ def needs_decomposition(target: Any) -> bool:
     has a decomposition for it (DTensor-derived candidates come after decomposition)."""
     if not isinstance(target, torch._ops.OpOverload):
         return False
-    if get_rule(target) is not None or _generic(target) is not None:
+    if get_rule(target) is not None or _foreign(target) is not None or _generic(target) is not None:
         return False
     return has_decomposition(target)
 
