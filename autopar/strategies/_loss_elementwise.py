@@ -1,5 +1,5 @@
-"""Elementwise losses with a ``reduction`` (at::Reduction: 0 none, 1 mean, 2 sum), and
-``log_sigmoid`` (from ``MultiLabelSoftMarginLoss`` graphs).
+"""Elementwise losses with a ``reduction`` (at::Reduction: 0 none, 1 mean, 2 sum), and the ops
+that come with them in traced loss graphs (``broadcast_tensors``, ``log_sigmoid``).
 
 Losses here: ``l1_loss``, ``mse_loss``, ``smooth_l1_loss``, ``huber_loss``,
 ``binary_cross_entropy`` (+ class ``weight``), ``binary_cross_entropy_with_logits`` (+ ``weight``,
@@ -23,8 +23,10 @@ The helpers ``reduced_option`` and ``elementwise_loss_rule`` are shared with the
 per-row losses (``_loss_margin.py``): ``reduced_option`` turns "the inputs are split so that
 the per-sample losses split on output dim ``d``" into the right option for the op's reduction.
 
+``broadcast_tensors`` (the nn losses call it first): every output has the broadcast shape; split a
+dim of it (inputs follow as above, every output ``Shard(d)``), or pass pending sums through (the
+op is a view per input: ``P`` in -> ``P`` out for that input, the others replicated).
 ``log_sigmoid`` (used by ``MultiLabelSoftMarginLoss``; not tagged pointwise in ATen): split any dim.
-(``broadcast_tensors``, which the nn losses call first, is in ``_index.py``.)
 """
 
 from __future__ import annotations
@@ -113,7 +115,34 @@ def loss_mean(ctx: KernelContext, **args):
     return call_op(ctx.info.target, args) / shards
 
 
-# ------------------------------------------------------------------------------ log_sigmoid
+# ------------------------------------------------------------------------- broadcast_tensors
+def _broadcast_tensors_samples() -> list[Sample]:
+    return [
+        Sample(([rand(4, 8), rand(4, 8)],), label="same"),
+        Sample(([rand(4, 1, 8), rand(4, 8), rand(1)],), label="broadcast"),
+    ]
+
+
+@register(aten.broadcast_tensors.default, samples=_broadcast_tensors_samples)
+def _broadcast_tensors(info: OpInfo) -> list[AxisOption]:
+    metas = [s.meta for s in info.slots]
+    shape = torch.broadcast_shapes(*(m.shape for m in metas))
+    options = []
+    for d in range(len(shape)):
+        ins = []
+        for m in metas:
+            j = d - (len(shape) - m.ndim)
+            ins.append(Shard(j) if j >= 0 and m.shape[j] == shape[d] else R)
+        options.append(info.option([Shard(d)] * len(metas), tensors=ins))
+    # Each output is a view of its own input: a pending sum stays pending, the others untouched.
+    for k in range(len(metas)):
+        ins = [P if i == k else R for i in range(len(metas))]
+        options.append(info.option(ins, tensors=ins, work_split=False, grad_partial=()))
+    if len(metas) > 1:
+        options.append(info.option([P] * len(metas), tensors=[P] * len(metas), work_split=False))
+    return options
+
+
 @register(aten.log_sigmoid.default, samples=lambda: [Sample((rand(4, 8),), label="2d")])
 def _log_sigmoid(info: OpInfo) -> list[AxisOption]:
     return [info.option(Shard(d), self=Shard(d)) for d in range(info.input("self").ndim)]
