@@ -96,3 +96,96 @@ def test_non_tensor_object_inside_inputs_names_the_input():
     # as its own keyword input, the object is a constant and the model traces
     traced = trace(Scaled(), {"batch": [torch.empty(2, 3), None], "cfg": Config()})
     assert "aten.mul.Tensor" in traced.op_counts()
+
+
+# ---- one clear message, a hint per cause ------------------------------------------------------
+def test_failed_trace_prints_nothing_and_restores_torch_loggers(capfd):
+
+    import io
+    import logging
+
+    # Under pytest, torch's own handler writes elsewhere than capfd sees: listen on the logger too.
+    fake_log = logging.getLogger("torch._subclasses.fake_tensor")
+    heard = io.StringIO()
+    listener = logging.StreamHandler(heard)
+    fake_log.addHandler(listener)
+    capfd.readouterr()
+    try:
+        with pytest.raises(TraceError) as info:  # fake_tensor logs "failed while attempting to run meta"
+            trace(nn.Linear(8, 4), (torch.empty(2, 5),))
+    finally:
+        fake_log.removeHandler(listener)
+    out, err = capfd.readouterr()
+    assert err == "" and out == "" and heard.getvalue() == ""
+    assert info.value.op == "aten.mm.default"
+    assert "shapes or dtypes" in info.value.hint and "not supported" not in info.value.hint
+    assert "[2, 5] X [8, 4]" in info.value.cause
+    assert not fake_log.disabled and not logging.getLogger("torch").disabled
+
+
+class Holder:
+    def __init__(self, tensor):
+        self.tensor = tensor
+
+
+class ReturnsObject(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, x):
+        y = self.proj(x)
+        return {"loss": y.sum(), "extra": [y, Holder(y)]}
+
+
+def test_unknown_output_type_names_the_output_and_hints_at_outputs(capfd):
+    capfd.readouterr()
+    with pytest.raises(TraceError) as info:
+        trace(ReturnsObject(), (torch.empty(2, 4),))
+    err = info.value
+    assert "output['extra'][1] is a Holder holding tensors" in str(err)
+    assert "register Holder with torch.utils._pytree" in err.hint and "return tensors" in err.hint
+    assert "input" not in err.hint
+    assert capfd.readouterr() == ("", "")
+
+
+def test_export_output_error_gets_the_output_hint():
+    # torch.export's own words for an unregistered output type (e.g. a class first created
+    # while tracing): the hint is about outputs, not inputs, though the text says "pytree".
+    from autopar.tracer.trace import _diagnose
+
+    err = RuntimeError("Found <class 'x.Y'> in output, which is not a known type. If this type holds "
+                       "tensors, you need to register a pytree for it.")
+    hint = _diagnose(err, [], "M").hint
+    assert "forward returns an object" in hint and "non-tensor input" not in hint
+    bad_input = RuntimeError("Unsupported input type <class 'x.Y'>: register a pytree")
+    assert "non-tensor input" in _diagnose(bad_input, [], "M").hint
+
+
+class Picky(nn.Module):
+    def forward(self, x):
+        if x.dim() != 3:
+            raise ValueError("Picky wants a 3-d input")
+        return x * 2
+
+
+def test_error_raised_by_the_model_code_says_so():
+    with pytest.raises(TraceError) as info:
+        trace(Picky(), (torch.empty(2, 4),))
+    err = info.value
+    assert err.cause == "Picky wants a 3-d input"
+    assert "model's own code raised" in err.hint and "not supported" not in err.hint
+    assert 'raise ValueError("Picky wants a 3-d input")' in err.source
+
+
+def test_failed_trace_in_a_fresh_process_says_only_the_trace_error():
+    # As a user sees it: torch's log handlers write to the real stderr of a fresh process.
+    import subprocess
+    import sys
+
+    code = ("import torch\nfrom autopar.tracer import TraceError, trace\n"
+            "try:\n    trace(torch.nn.Linear(8, 4), (torch.empty(2, 5),))\n"
+            "except TraceError as err:\n    print(err)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stderr == "", out.stderr[-2000:]
+    assert out.stdout.startswith("cannot trace Linear: RuntimeError") and "hint:" in out.stdout
