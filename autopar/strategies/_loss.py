@@ -15,7 +15,10 @@
   label-smoothing term from an all-reduced logit sum; the output is replicated over the class
   axes (with ``Partial``/split over any sample axes, as above).
 
-Probability (float) targets get only the replicated strategy.
+Probability (float) targets (``target`` shaped like ``self``): split a sample dim of both; the
+loss is per sample and ``mean`` divides by the number of samples whatever the class weights, so
+the generic ``reduced_option`` applies (``none`` split, ``sum`` ``Partial``, ``mean`` ``Partial``
+via ``loss_mean``). Their class dim is not split.
 
 Negative log-likelihood (``nll_loss_nd``, ``nll_loss``, ``nll_loss2d``): ``self`` holds
 log-probabilities (N, C, d1..dk), (N, C) or (C,); the loss of a sample is ``-weight[t] * self[t]``
@@ -40,6 +43,7 @@ import torch
 from ..cost import collective_seconds
 from ..spec import Partial, Replicate, Shard
 from .comm import KernelContext
+from ._loss_elementwise import reduced_option
 from .registry import AxisOption, OpInfo, Sample, register, register_kernel
 from .samples import ints, rand
 
@@ -124,14 +128,22 @@ def _ce_samples() -> list[Sample]:
         Sample((rand(8, 16), t, rand(16, positive=True), _MEAN, -100, 0.1), label="mean-weight",
                no_grad=("weight",)),
         Sample((rand(4, 16, 4), t3, None, _MEAN, 5), label="kdim-ignore5"),
+        Sample((rand(8, 16), torch.softmax(rand(8, 16), 1)), label="probs-mean"),
+        Sample((rand(4, 6, 8), torch.softmax(rand(4, 6, 8), 1), rand(6, positive=True), _MEAN, -100, 0.2),
+               label="probs-kdim-weight-smoothing", no_grad=("weight",)),
+        Sample((rand(8, 16), torch.softmax(rand(8, 16), 1), None, _SUM), label="probs-sum"),
+        Sample((rand(8, 16), torch.softmax(rand(8, 16), 1), None, _NONE), label="probs-none"),
     ]
 
 
 @register(aten.cross_entropy_loss.default, samples=_ce_samples)
 def _cross_entropy(info: OpInfo) -> list[AxisOption]:
     x, target = info.input("self"), info.input("target")
-    if x.ndim < 2 or target.is_float:
+    if x.ndim < 2:
         return []
+    if target.is_float:  # probabilities: per-sample losses averaged over the sample count
+        return [reduced_option(info, d if d == 0 else d - 1, no_grad=("weight",), self=Shard(d), target=Shard(d))
+                for d in [0, *range(2, x.ndim)]]
     reduction = info.arg("reduction")
     options = []
     for d in [0, *range(2, x.ndim)]:
