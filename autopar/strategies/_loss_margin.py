@@ -38,14 +38,13 @@ aten = torch.ops.aten
 R = Replicate()
 
 
-def _batch_rule(no_grad: Sequence[str] = ()):
-    """Split dim 0 of a batched call: tensors with the full batch there follow, size-1 ones
-    (broadcast) are replicated."""
+def _batch_rule(batched: Sequence[str], no_grad: Sequence[str] = ()):
+    """Split dim 0 of a batched call: the ``batched`` inputs with the full batch there follow,
+    size-1 ones (broadcast) are replicated; the others (a class ``weight``) stay replicated."""
 
     def rule(info: OpInfo) -> list[AxisOption]:
-        metas = {s.arg: s.meta for s in info.slots if s.meta is not None}
-        first = next(iter(metas.values()))
-        if first.ndim < 2:
+        metas = {name: info.input(name) for name in batched if info.input(name) is not None}
+        if metas[batched[0]].ndim < 2:
             return []  # unbatched: one sample, nothing to split
         n = max(m.shape[0] for m in metas.values() if m.ndim)
         ins = {k: Shard(0) if m.ndim and m.shape[0] == n else R for k, m in metas.items()}
@@ -85,6 +84,9 @@ def _multi_margin_samples() -> list[Sample]:
         Sample((x, t), label="default-mean"),
         Sample((x, t, 2, 0.5, rand(5, positive=True), SUM), label="p2-weight-sum", no_grad=("weight",)),
         Sample((x, t, 1, 1.5, None, NONE), label="none"),
+        # As many classes as samples: the (C,) weight must not be mistaken for a batched input.
+        Sample((rand(8, 8), ints(8, 8), 1, 1.0, rand(8, positive=True), MEAN), label="C==N-weight",
+               no_grad=("weight",)),
     ]
 
 
@@ -119,10 +121,10 @@ _TABLE: dict = {
     aten.soft_margin_loss.default: (elementwise_loss_rule(("target",)), _soft_margin_samples),
     aten.hinge_embedding_loss.default: (elementwise_loss_rule(), _hinge_samples),
     aten.margin_ranking_loss.default: (elementwise_loss_rule(), _ranking_samples),
-    aten.multi_margin_loss.default: (_batch_rule(("weight",)), _multi_margin_samples),
-    aten.multilabel_margin_loss.default: (_batch_rule(), _multilabel_samples),
-    aten.cosine_embedding_loss.default: (_batch_rule(), _cosine_embedding_samples),
-    aten.triplet_margin_loss.default: (_batch_rule(), _triplet_samples),
+    aten.multi_margin_loss.default: (_batch_rule(("self", "target"), ("weight",)), _multi_margin_samples),
+    aten.multilabel_margin_loss.default: (_batch_rule(("self", "target")), _multilabel_samples),
+    aten.cosine_embedding_loss.default: (_batch_rule(("input1", "input2", "target")), _cosine_embedding_samples),
+    aten.triplet_margin_loss.default: (_batch_rule(("anchor", "positive", "negative")), _triplet_samples),
 }
 
 for _op, (_rule, _samples) in _TABLE.items():
