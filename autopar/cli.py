@@ -24,7 +24,8 @@ class CliError(ValueError):
 
 # ------------------------------------------------------------------------------------ parser
 def _model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", help="zoo name (gpt2, gpt2-xl, llama-8b, resnet50, ...) or path/to/file.py:factory")
+    p.add_argument("model", help="zoo name (gpt2, gpt2-xl, llama-8b, resnet50, ...), path/to/file.py:factory, "
+                   "or a Hugging Face config.json (or its folder): the class in `architectures`, built on meta")
     p.add_argument("--batch", type=int, help="batch size (zoo models; factories that take `batch`)")
     p.add_argument("--seq", type=int, help="sequence length (zoo models; factories that take `seq`)")
     p.add_argument("--layers", type=int, help="override the number of layers/blocks")

@@ -214,3 +214,80 @@ def test_unknown_option_is_a_usage_error():
     out = run_cli("inspect", "gpt2", "--mesh", "2x4", "--colour")
     assert out.returncode == 2 and "unrecognized arguments: --colour" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+# --------------------------------------------------------------- inspect: Hugging Face config.json
+_TINY_HF = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                intermediate_size=128, vocab_size=128)
+
+
+def _save_config(tmp_path, name: str, **extra) -> str:
+    import transformers
+
+    arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mixtral": "MixtralForCausalLM"}[name]
+    config_class = getattr(transformers, arch).config_class
+    folder = tmp_path / name
+    config_class(architectures=[arch], **extra).save_pretrained(str(folder))  # as a user's config.json
+    return str(folder / "config.json")
+
+
+def _main(capsys, *args: str) -> tuple[int, str, str]:
+    from autopar.cli import main
+
+    code = main(list(args))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+@pytest.mark.parametrize("name, extra", [
+    ("llama", {}),
+    ("qwen2", {}),
+    ("mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+])
+def test_inspect_hf_config_json_in_process(tmp_path, capsys, name, extra):
+    path = _save_config(tmp_path, name, **_TINY_HF, **extra)
+    with open(path) as f:
+        assert json.load(f)["use_cache"] is True  # the default, as saved: the trace turns it off
+    code, out, err = _main(capsys, "inspect", path, "--mesh", "2", "--batch", "4", "--seq", "16",
+                           "--no-baselines", "--allow-fallback", "-q")
+    assert code == 0, err[-3000:]
+    with open(path) as f:
+        arch = json.load(f)["architectures"][0]
+    assert f"autopar plan: {arch} on mesh a100-80gb:2" in out
+    assert "model.layers.* x2" in out and "lm_head" in out and "step time" in out
+
+
+def test_inspect_hf_config_folder_real_width_llama_on_2x4(tmp_path, capsys):
+    # LlamaConfig() at its published defaults (hidden 4096, vocab 32000), 2 of its 32 layers to stay fast.
+    path = _save_config(tmp_path, "llama")
+    code, out, err = _main(capsys, "inspect", os.path.dirname(path), "--mesh", "2x4", "--layers", "2",
+                           "--batch", "8", "--seq", "1024", "--no-baselines", "--no-layers", "--allow-fallback",
+                           "-q", "--json", str(tmp_path / "plan.json"))
+    assert code == 0, err[-3000:]
+    assert "autopar plan: LlamaForCausalLM on mesh a100-80gb:2x4" in out
+    plan = Plan.load(str(tmp_path / "plan.json"))
+    assert plan.mesh.shape == (2, 4)
+    # real width: the embedding of 32000 x 4096 is in the plan
+    assert any("embed_tokens" in n.module for n in plan.nodes)
+
+
+def test_inspect_hf_config_bad_files_are_one_line(tmp_path, capsys):
+    import transformers
+
+    transformers.LlamaConfig(**_TINY_HF).save_pretrained(str(tmp_path / "noarch"))  # no architectures
+    (tmp_path / "alien.json").write_text(json.dumps({"architectures": ["AlienForCausalLM"], "vocab_size": 8}))
+    (tmp_path / "broken.json").write_text("{not json")
+    cases = [((str(tmp_path / "noarch" / "config.json"),), "'architectures' field is missing"),
+             ((str(tmp_path / "noarch"),), "'architectures' field is missing"),
+             ((str(tmp_path / "alien.json"),), "architecture 'AlienForCausalLM' is not a model class of transformers"),
+             ((str(tmp_path / "broken.json"),), "cannot read"),
+             ((str(tmp_path / "missing.json"),), "not found")]
+    # transformers 5's T5Config() lacks decoder_start_token_id: the trace error says so, in one line.
+    transformers.T5Config(architectures=["T5ForConditionalGeneration"], d_model=64, d_kv=16, d_ff=128,
+                          num_layers=2, num_heads=4, vocab_size=128).save_pretrained(str(tmp_path / "t5"))
+    cases.append(((str(tmp_path / "t5"), "--seq", "16"), "has no attribute 'decoder_start_token_id'"))
+    for args, needle in cases:
+        code, out, err = _main(capsys, "inspect", *args, "--mesh", "2", "-q")
+        assert code == 1 and out == "", (args, out)
+        lines = err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("autopar: error:") and needle in lines[0], err
