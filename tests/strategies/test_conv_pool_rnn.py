@@ -214,3 +214,93 @@ def test_rnn_batch_split_follows_batch_first():
         node = next(n for n in trace(module, (x,)).compute_nodes() if n.target is aten.lstm.input)
         names = {st.name for st in strategies_for(node, MeshSpec.preset("cpu", (4,)))}
         assert any(n.startswith(f"{split} x S1 x S1 x R") and n.endswith(f"-> ({split}, S1, S1)") for n in names)
+
+
+# ------------------------------------------------------------------------------ end to end
+class _ConvRnnNet(nn.Module):
+    """Depthwise and transposed convolutions, group/instance norm (tracked statistics),
+    resampling, pools, a bidirectional LSTM, a GRU, two cells and a bilinear head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dw = nn.Conv2d(8, 8, 3, padding=1, groups=8)
+        self.up = nn.ConvTranspose2d(8, 8, 2, stride=2)
+        self.gn = nn.GroupNorm(8, 8)
+        self.inorm = nn.InstanceNorm2d(8, affine=True, track_running_stats=True)
+        self.shuffle = nn.PixelShuffle(2)
+        self.lstm = nn.LSTM(32, 64, 2, batch_first=True, bidirectional=True)
+        self.gru = nn.GRU(128, 64)
+        self.cell = nn.LSTMCell(64, 64)
+        self.rcell = nn.RNNCell(64, 64, nonlinearity="relu")
+        self.bil = nn.Bilinear(64, 64, 32)
+        self.head = nn.Linear(32, 5)
+
+    def forward(self, x, labels):
+        h = self.gn(self.up(F.relu(self.dw(x))))                                # (B, 8, 16, 16)
+        h = self.inorm(F.interpolate(h, scale_factor=0.5, mode="bilinear"))     # (B, 8, 8, 8)
+        h = F.adaptive_avg_pool2d(F.max_pool2d(h, 2), 2)                         # (B, 8, 2, 2)
+        h = self.shuffle(torch.cat([h, 2 * h, 3 * h, 4 * h], 1))                  # (B, 8, 4, 4)
+        t = h.flatten(2).transpose(1, 2)                                         # (B, 16, 8)
+        seq, _ = self.lstm(torch.cat([t, t.sin(), t.cos(), t * t], 2))            # (B, 16, 128)
+        seq, _ = self.gru(seq.transpose(0, 1))                                   # (16, B, 64)
+        hx, cx = self.cell(seq[-1])
+        g = self.rcell(hx + cx)
+        logits = self.head(self.bil(g, hx))
+        return F.cross_entropy(logits, labels)
+
+
+def _train_steps(rank, world, model, inputs, plans):
+    from autopar.runtime.api import autoparallelize
+
+    out = []
+    for plan in plans:
+        pm = autoparallelize(model, inputs, plan=plan)
+        loss = pm(**inputs)
+        loss.backward()
+        out.append((loss.detach(), pm.full_gradients(), pm.full_state_dict(), pm.code))
+    return out
+
+
+def _split_ops(plan) -> dict[str, str]:
+    return {n.op: n.input_specs[0] for n in plan.nodes if n.input_specs and n.input_specs[0] not in ("R", None)}
+
+
+@pytest.mark.slow
+def test_conv_norm_rnn_model_trains_like_one_device_on_two_processes():
+    """Two plans in one launch: the solver's (channel splits with local group counts, bilinear's
+    contraction split) and the data-parallel one (instance norm's running-statistics kernel)."""
+    import copy
+    import dataclasses
+    import os
+    import sys
+
+    from autopar.api import plan as make_plan
+    from autopar.runtime.launch import run_local
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
+    from _baselines import restricted_plan
+
+    torch.manual_seed(0)
+    model = _ConvRnnNet().train()
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(16, 8, 8, 8, generator=gen)
+    x[8:] = 2 * x[8:] + 1.5  # the halves differ: per-shard running statistics would be wrong
+    inputs = {"x": x, "labels": torch.randint(0, 5, (16,), generator=gen)}
+    ref = copy.deepcopy(model)
+    want_loss = ref(**inputs)
+    want_loss.backward()
+    mesh = MeshSpec.preset("cpu", (2,))
+    mesh = dataclasses.replace(mesh, alpha=(1e-7,), beta=(1e-13,), name="fast-links")  # split compute
+    plans = [make_plan(model, inputs, mesh=mesh), restricted_plan(model, inputs, mesh=mesh)]
+    solved, data_parallel = (_split_ops(p) for p in plans)
+    assert {"aten.lstm.input", "aten.gru.input", "aten.lstm_cell.default", "aten.conv2d.default",
+            "aten.group_norm.default", "aten.instance_norm.default"} <= set(solved), solved
+    assert data_parallel.get("aten.instance_norm.default") == "S0", data_parallel
+    for results in run_local(_train_steps, 2, model, inputs, plans, timeout=300):
+        assert "instance_norm_running_stats" in results[1][3]
+        for loss, grads, state, _ in results:
+            torch.testing.assert_close(loss, want_loss.detach(), rtol=1e-4, atol=1e-6)
+            for k, p in ref.named_parameters():
+                torch.testing.assert_close(grads[k], p.grad, rtol=1e-4, atol=1e-6, msg=lambda m, k=k: f"grad {k}: {m}")
+            for k, v in ref.state_dict().items():
+                torch.testing.assert_close(state[k], v, rtol=1e-4, atol=1e-6, msg=lambda m, k=k: f"state {k}: {m}")
