@@ -130,6 +130,7 @@ def _einsum_samples() -> list[Sample]:
         Sample(("i,j->ij", [rand(8), rand(4)]), label="outer"),
         Sample(("ij->i", [rand(4, 8)]), label="sum-out"),
         Sample(("bii,bj->bij", [rand(4, 4, 4), rand(4, 8)]), label="diagonal"),
+        Sample(("ii->i", [rand(8, 8)]), label="diagonal-only"),
         Sample(("ij,ij", [rand(4, 8), rand(4, 8)]), label="implicit-full-contraction"),
     ]
 

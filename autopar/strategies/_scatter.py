@@ -74,7 +74,10 @@ def _pass_partial(info: OpInfo, names: Sequence[str]) -> list[AxisOption]:
 
 def _scattered_split(info: OpInfo, index: str, src: str, index_dim: int, src_dim: int) -> list[AxisOption]:
     """Split the scattered positions of a summing scatter: ``self P`` -> ``P`` (see docstring)."""
-    if info.input(index).shape[index_dim] != info.input(src).shape[src_dim]:
+    index_meta, src_meta = info.input(index), info.input(src)
+    if index_meta.ndim <= index_dim or src_meta.ndim <= src_dim:
+        return []  # 0-d index or source: a single position, nothing to split
+    if index_meta.shape[index_dim] != src_meta.shape[src_dim]:
         return []  # a shorter index reads only the head of ``src``: its chunks would not align
     return [info.option(P, self=P, **{index: Shard(index_dim), src: Shard(src_dim)})]
 
