@@ -253,6 +253,7 @@ def _index_put_samples() -> list[Sample]:
         Sample((rand(8, 4), [torch.randperm(8)[:4]], rand(4)), label="copy-broadcast-values"),
         Sample((rand(4, 8), [None, torch.randperm(8)[:4]], rand(4, 4)), label="second-dim"),
         Sample((rand(4, 8, 4), [rows, ints(8, 1, 8)], rand(4, 8, 1), True), label="two-indices-accumulate"),
+        Sample((rand(8), [ints(8, 8)], rand(), True), label="scalar-values-accumulate"),
     ]
 
 
