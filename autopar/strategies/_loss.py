@@ -1,6 +1,6 @@
-"""Cross-entropy loss with class-index targets.
+"""Losses over a class dim: cross-entropy (class-index or probability targets) and NLL.
 
-``self`` (N, C, d1..dk) or (N, C), ``target`` (N, d1..dk) of class ids; the "sample" dims are
+Cross-entropy, ``self`` (N, C, d1..dk) or (N, C), ``target`` (N, d1..dk) of class ids; the "sample" dims are
 ``self``'s dims other than the class dim 1. Single-axis options:
 
 - split a sample dim (``target`` follows):
