@@ -38,7 +38,7 @@ import torch
 from ..spec import Partial, Placement, Replicate, Shard
 from .comm import KernelContext
 from .registry import AxisOption, OpInfo, Sample, call_op, register, register_kernel
-from .samples import rand, randbool
+from .samples import rand
 
 aten = torch.ops.aten
 R, P = Replicate(), Partial()
