@@ -169,11 +169,12 @@ def restricted_plan(model, inputs, *, mesh, baseline: str = "data-parallel", mem
     from autopar.builder import BuildOptions, build_problem
     from autopar.mesh import MeshSpec, parse_bytes
     from autopar.plans import Plan
+    from autopar.strategies import needs_decomposition
     from autopar.tracer import profile, trace
 
     mesh = MeshSpec.coerce(mesh, device="cpu")
     budget = mesh.mem_capacity if memory_budget is None else parse_bytes(memory_budget)
-    traced = trace(model, inputs)
+    traced = trace(model, inputs, decompose_if=needs_decomposition)
     built = build_problem(traced, profile(traced), mesh, budget_bytes=budget, options=BuildOptions())
     roles = baseline_roles(baseline, mesh.ndim)
     if roles is None:

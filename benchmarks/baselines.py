@@ -27,6 +27,7 @@ from autopar import zoo
 from autopar.api import plan_graph
 from autopar.baselines import BASELINES
 from autopar.mesh import MeshSpec
+from autopar.strategies import needs_decomposition
 from autopar.tracer import profile, trace
 
 GiB = 2**30
@@ -89,7 +90,7 @@ def main(argv=None) -> int:
     records, failed = [], 0
     for model in args.models:
         m, inputs = zoo.build(model)
-        traced = trace(m, inputs)
+        traced = trace(m, inputs, decompose_if=needs_decomposition)
         prof = profile(traced)
         for shape in args.meshes:
             mesh = MeshSpec.preset(args.device, shape)

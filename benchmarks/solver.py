@@ -104,6 +104,7 @@ _TRACE_CACHE: dict[tuple, tuple] = {}
 def _traced(c: dict, *, reuse: bool) -> tuple:
     """(traced, profile, timings, reused) for the case's model shape."""
     from autopar import zoo
+    from autopar.strategies import needs_decomposition
     from autopar.tracer import profile, trace
 
     key = (c["model"], c.get("batch"), c.get("seq"), c.get("layers"))
@@ -113,7 +114,7 @@ def _traced(c: dict, *, reuse: bool) -> tuple:
     t0 = time.perf_counter()
     model, inputs = zoo.build(c["model"], batch=c.get("batch"), seq=c.get("seq"), num_layers=c.get("layers"))
     t1 = time.perf_counter()
-    traced = trace(model, inputs, name=c["model"])
+    traced = trace(model, inputs, name=c["model"], decompose_if=needs_decomposition)
     t2 = time.perf_counter()
     prof = profile(traced)
     t3 = time.perf_counter()

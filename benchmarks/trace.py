@@ -18,11 +18,12 @@ DEFAULT = ("gpt2", "gpt2-xl", "llama-8b")
 
 def measure(name: str) -> dict:
     from autopar import zoo
+    from autopar.strategies import needs_decomposition
     from autopar.tracer import profile, trace
 
     model, inputs = zoo.build(name)  # published size, batch 8, seq 1024, on meta
     start, cpu_start = time.perf_counter(), time.process_time()
-    traced = trace(model, inputs, name=name)
+    traced = trace(model, inputs, name=name, decompose_if=needs_decomposition)
     traced_at, cpu_traced_at = time.perf_counter(), time.process_time()
     prof = profile(traced)
     done, cpu_done = time.perf_counter(), time.process_time()
