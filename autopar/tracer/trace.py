@@ -253,10 +253,14 @@ def _traced_forward(original, constants: dict, model_name: str):
 
 
 def _check_outputs(output: Any, model_name: str) -> None:
-    for path, leaf in pytree.tree_flatten_with_path(output)[0]:
+    try:
+        leaves = [("output" + pytree.keystr(path), leaf)
+                  for path, leaf in pytree.tree_flatten_with_path(output)[0]]
+    except ValueError:  # a type registered without key paths: name the output as a whole
+        leaves = [("output", leaf) for leaf in pytree.tree_leaves(output)]
+    for name, leaf in leaves:
         if isinstance(leaf, _OUTPUT_LEAVES):
             continue
-        name = "output" + pytree.keystr(path)
         holds = " holding tensors" if _has_tensor(list(getattr(leaf, "__dict__", {}).values())) else ""
         raise TraceError(
             f"cannot trace {model_name}: {name} is a {type(leaf).__name__}{holds}, which "

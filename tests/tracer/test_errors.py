@@ -149,6 +149,29 @@ def test_unknown_output_type_names_the_output_and_hints_at_outputs(capfd):
     assert capfd.readouterr() == ("", "")
 
 
+class Pair:
+    def __init__(self, first, second):
+        self.first, self.second = first, second
+
+
+torch.utils._pytree.register_pytree_node(  # the old way: no key paths
+    Pair, lambda p: ([p.first, p.second], None), lambda values, _: Pair(*values))
+
+
+class ReturnsPair(ReturnsObject):
+    def forward(self, x):
+        y = self.proj(x)
+        return Pair(y.sum(), y)
+
+
+def test_registered_output_type_traces_and_rebuilds():
+    model, x = ReturnsPair(), torch.randn(2, 4)
+    traced = trace(model, {"x": x})
+    out = traced.unflatten_outputs(traced.gm(*traced.bind(model, {"x": x})))
+    assert isinstance(out, Pair)
+    torch.testing.assert_close(out.second, model.proj(x))
+
+
 def test_export_output_error_gets_the_output_hint():
     # torch.export's own words for an unregistered output type (e.g. a class first created
     # while tracing): the hint is about outputs, not inputs, though the text says "pytree".
