@@ -1,0 +1,514 @@
+"""The sweep harness: trace, plan and train catalog entries on real gloo processes.
+
+One entry = a model builder (real CPU weights under ``torch.manual_seed``) plus its inputs. For
+each entry the parent process
+
+1. traces and profiles it once (a :class:`TraceError` is the entry's result),
+2. plans it on every mesh WITHOUT replicate fallback; when an op has no rule it re-plans with
+   ``allow_replicate_fallback=True`` to list every unruled op (name and module path), and keeps
+   that plan so the entry is still checked end to end,
+3. computes the single-device loss and parameter gradients,
+
+then ONE ``run_local`` launch per world size runs all entries' plans one after the other: each
+rank builds the module, runs forward and backward on the full batch and compares the loss and
+every gathered parameter gradient with the reference (rtol 1e-4, atol 1e-6).
+
+Per-entry isolation inside a launch: an exception is caught and recorded for that entry; a rank
+that hangs (a collective the other ranks never call) is ended by a watchdog after
+``task_timeout`` seconds, the entry is recorded as hung and the launch resumes with the entries
+after it. Results go through per-rank files, so they survive a dead launch.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import math
+import multiprocessing as mp
+import multiprocessing.connection as mp_connection
+import os
+import pickle
+import shutil
+import tempfile
+import threading
+import time
+import traceback
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+
+from autopar.api import plan_graph
+from autopar.mesh import MeshSpec
+from autopar.runtime.api import build_module
+from autopar.runtime.launch import run_local
+from autopar.strategies.registry import NoRuleError
+from autopar.tracer import TraceError, profile, trace
+from autopar.tracer.graph import op_name
+
+RTOL, ATOL = 1e-4, 1e-6
+
+Mesh = tuple[int, ...]
+
+
+def fast_mesh(shape: Mesh) -> MeshSpec:
+    """The CPU preset with nearly free links: the solver then splits compute wherever it can."""
+    mesh = MeshSpec.preset("cpu", shape)
+    return dataclasses.replace(mesh, alpha=(1e-7,) * len(shape), beta=(1e-13,) * len(shape), name="fast-links")
+
+
+def mesh_label(shape: Mesh) -> str:
+    return "x".join(map(str, shape))
+
+
+def loss_of(out: Any) -> torch.Tensor:
+    """A scalar loss from a model output: the tensor itself, ``.loss`` / ``["loss"]``, or ``[0]``."""
+    if isinstance(out, torch.Tensor):
+        return out
+    loss = out.get("loss") if isinstance(out, dict) else getattr(out, "loss", None)
+    return loss if loss is not None else out[0]
+
+
+@dataclass
+class Entry:
+    """``build()`` -> (model, inputs): inputs a positional tuple or a keyword dict."""
+    name: str
+    build: Callable[[], tuple[nn.Module, tuple | dict]]
+    group: str = ""
+    seed: int = 0
+
+
+@dataclass
+class MeshResult:
+    strict: bool = False                 # planned without replicate fallback
+    missing: dict[str, str] = field(default_factory=dict)  # unruled op -> first module path
+    fallback_nodes: int = 0              # op nodes the fallback plan replicated
+    plan_error: str | None = None        # any other planning failure
+    errors: list[str] | None = None      # end to end: [] = match, None = not run
+
+    @property
+    def planned(self) -> bool:
+        return self.plan_error is None and (self.strict or bool(self.missing))
+
+    @property
+    def match(self) -> bool:
+        return self.errors == []
+
+
+@dataclass
+class Result:
+    name: str
+    group: str
+    trace_error: str | None = None
+    ref_error: str | None = None
+    meshes: dict[str, MeshResult] = field(default_factory=dict)
+    nodes: int = 0
+    prep_s: float = 0.0
+
+    @property
+    def traced(self) -> bool:
+        return self.trace_error is None
+
+    @property
+    def strict_ok(self) -> bool:
+        """Traced, planned without fallback and matched on every mesh."""
+        return self.traced and self.ref_error is None and bool(self.meshes) and all(
+            m.strict and m.match for m in self.meshes.values())
+
+    @property
+    def fallback_ok(self) -> bool:
+        """Matched on every mesh, some through a replicate-fallback plan."""
+        return self.traced and self.ref_error is None and bool(self.meshes) and all(
+            m.match for m in self.meshes.values())
+
+    @property
+    def missing_ops(self) -> dict[str, str]:
+        out: dict[str, str] = {}
+        for m in self.meshes.values():
+            for op, where in m.missing.items():
+                out.setdefault(op, where)
+        return out
+
+    def cause(self) -> str:
+        """One line: why this entry is not ``strict_ok`` ('' when it is)."""
+        if self.trace_error:
+            return f"trace error: {self.trace_error}"
+        if self.ref_error:
+            return f"single-device reference failed: {self.ref_error}"
+        parts = []
+        missing = self.missing_ops
+        if missing:
+            parts.append("missing rules: " + ", ".join(f"{op} (module {where or '<root>'})"
+                                                        for op, where in sorted(missing.items())))
+        for label, m in self.meshes.items():
+            if m.plan_error:
+                parts.append(f"mesh {label}: plan error: {m.plan_error}")
+            elif m.errors is None:
+                parts.append(f"mesh {label}: not run end to end")
+            elif m.errors:
+                how = "strict plan" if m.strict else "fallback plan"
+                parts.append(f"mesh {label} ({how}): " + "; ".join(m.errors[:4])
+                             + (f"; ... {len(m.errors) - 4} more" if len(m.errors) > 4 else ""))
+        return " | ".join(parts)
+
+
+@dataclass
+class _Prepared:
+    entry: Entry
+    result: Result
+    model: nn.Module | None = None
+    inputs: tuple | dict | None = None
+    traced: Any = None
+    ref: dict | None = None
+    plans: dict[str, Any] = field(default_factory=dict)  # mesh label -> Plan
+
+
+def _short(exc: BaseException, limit: int = 300) -> str:
+    text = " ".join(f"{type(exc).__name__}: {exc}".split())
+    return text if len(text) <= limit else text[:limit] + " ..."
+
+
+def _call(model: nn.Module, inputs: tuple | dict) -> Any:
+    return model(**inputs) if isinstance(inputs, dict) else model(*inputs)
+
+
+def _reference(model: nn.Module, inputs: tuple | dict) -> dict:
+    model = copy.deepcopy(model)
+    loss = loss_of(_call(model, inputs))
+    loss.backward()
+    grads = {k: (None if p.grad is None else p.grad.detach().clone())
+             for k, p in model.named_parameters(remove_duplicate=False)}
+    return {"loss": loss.detach().clone(), "grads": grads}
+
+
+def _plan_on(traced, prof, shape: Mesh) -> tuple[MeshResult, Any]:
+    """(what happened, the plan to check end to end or None) for one mesh."""
+    res = MeshResult()
+    try:
+        plan = plan_graph(traced, prof, mesh=fast_mesh(shape))
+        res.strict = True
+        return res, plan
+    except NoRuleError:
+        pass
+    except Exception as exc:  # noqa: BLE001 -- any planning failure is this entry's result
+        res.plan_error = _short(exc)
+        return res, None
+    try:  # list every unruled op, and keep a plan that still checks the rest end to end
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            plan = plan_graph(traced, prof, mesh=fast_mesh(shape), allow_replicate_fallback=True)
+    except Exception as exc:  # noqa: BLE001
+        res.plan_error = f"with replicate fallback: {_short(exc)}"
+        return res, None
+    res.fallback_nodes = len(plan.fallbacks)
+    for name in plan.fallbacks:
+        node = traced.node(name)
+        res.missing.setdefault(op_name(node), traced.module_path(node))
+    if not res.missing:
+        res.plan_error = "strict planning raised NoRuleError but the fallback plan replicated nothing"
+    return res, plan
+
+
+def _plan_all(traced, prof, meshes: Sequence[Mesh]) -> tuple[dict, dict, float]:
+    start = time.perf_counter()
+    results, plans = {}, {}
+    for shape in meshes:
+        label = mesh_label(shape)
+        results[label], plan = _plan_on(traced, prof, shape)
+        if plan is not None:
+            plans[label] = plan
+    return results, plans, time.perf_counter() - start
+
+
+def _front(entry: Entry) -> tuple[_Prepared, Any]:
+    """Build, trace, profile and compute the single-device reference; (prep, profile or None)."""
+    start = time.perf_counter()
+    prep = _Prepared(entry, Result(entry.name, entry.group))
+    prof = None
+    try:
+        torch.manual_seed(entry.seed)
+        prep.model, prep.inputs = entry.build()
+        prep.model.train()
+    except Exception as exc:  # noqa: BLE001 -- a broken recipe is reported, not raised
+        prep.result.ref_error = f"building the entry failed: {_short(exc)}"
+        return prep, None
+    traced = None
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            traced = trace(prep.model, prep.inputs, name=entry.name)
+        prep.result.nodes = sum(1 for _ in traced.compute_nodes())
+        prof = profile(traced)
+        prep.traced = traced
+    except TraceError as exc:
+        prep.result.trace_error = " ".join(str(exc).split())[:400]
+    except Exception as exc:  # noqa: BLE001 -- not a clear TraceError: reported as such
+        what = "profile failed:" if traced is not None else "(not a TraceError)"
+        prep.result.trace_error = f"{what} {_short(exc)}"
+    try:
+        prep.ref = _reference(prep.model, prep.inputs)
+    except Exception as exc:  # noqa: BLE001
+        prep.result.ref_error = _short(exc)
+    prep.result.prep_s = time.perf_counter() - start
+    return prep, prof
+
+
+def _plan_child(traced, prof, meshes, conn) -> None:
+    torch.set_num_threads(1)
+    warnings.simplefilter("ignore")
+    try:
+        payload = ("ok", _plan_all(traced, prof, meshes))
+    except BaseException:  # noqa: BLE001 -- sent back as text
+        payload = ("error", traceback.format_exc())
+    conn.send_bytes(pickle.dumps(payload))
+    conn.close()
+
+
+class _Planner:
+    """Plans each traced entry in a forked process, ``jobs`` at a time, while the parent traces
+    the next entries (planning a 2-D mesh costs several times the trace)."""
+
+    def __init__(self, meshes: Sequence[Mesh], jobs: int, timeout: float) -> None:
+        self.meshes, self.jobs, self.timeout = meshes, jobs, timeout
+        self.ctx = mp.get_context("fork")
+        self.running: dict[Any, tuple[Any, _Prepared, float]] = {}  # conn -> (process, prep, start)
+
+    def submit(self, prep: _Prepared, prof) -> None:
+        if self.jobs <= 1:
+            self._store(prep, ("ok", _plan_all(prep.traced, prof, self.meshes)))
+            return
+        while len(self.running) >= self.jobs:
+            self._collect(block=True)
+        parent, child = self.ctx.Pipe(duplex=False)
+        proc = self.ctx.Process(target=_plan_child, args=(prep.traced, prof, self.meshes, child), daemon=True)
+        proc.start()
+        child.close()
+        self.running[parent] = (proc, prep, time.perf_counter())
+
+    def finish(self) -> None:
+        while self.running:
+            self._collect(block=True)
+
+    def _collect(self, block: bool) -> None:
+        ready = mp_connection.wait(list(self.running), timeout=1.0 if block else 0)
+        for conn in ready:
+            proc, prep, _ = self.running.pop(conn)
+            try:
+                payload = pickle.loads(conn.recv_bytes())
+            except (EOFError, OSError):
+                payload = ("error", f"the planning process died (exit code {proc.exitcode})")
+            proc.join(timeout=5)
+            self._store(prep, payload)
+        now = time.perf_counter()
+        for conn, (proc, prep, started) in list(self.running.items()):
+            if now - started > self.timeout:
+                proc.kill()
+                proc.join(timeout=5)
+                del self.running[conn]
+                self._store(prep, ("error", f"planning did not finish within {self.timeout:.0f} s"))
+
+    def _store(self, prep: _Prepared, payload) -> None:
+        kind, value = payload
+        if kind == "ok":
+            results, plans, seconds = value
+            prep.result.meshes.update(results)
+            prep.plans.update(plans)
+            prep.result.prep_s += seconds
+        else:
+            text = " ".join(str(value).split())[-300:]
+            for shape in self.meshes:
+                prep.result.meshes[mesh_label(shape)] = MeshResult(plan_error=text)
+
+
+# ------------------------------------------------------------------------------ end to end
+def _compare(what: str, got: torch.Tensor | None, want: torch.Tensor) -> str | None:
+    if got is None:
+        return f"{what} missing"
+    if tuple(got.shape) != tuple(want.shape):
+        return f"{what} shape {tuple(got.shape)} != {tuple(want.shape)}"
+    if torch.allclose(got.detach().to(want.dtype), want, rtol=RTOL, atol=ATOL):
+        return None
+    diff = (got.detach().double() - want.double()).abs()
+    return f"{what} differs: max abs error {diff.max().item():.3g} (max |want| {want.abs().max().item():.3g})"
+
+
+def check_e2e(model, traced, plan, inputs, ref) -> list[str]:
+    """On one rank: build the module, run forward + backward, compare loss and gradients."""
+    pm = build_module(model, traced, plan, device=torch.device("cpu"))
+    loss = loss_of(_call(pm, inputs))
+    loss.backward()
+    errors = [e for e in [_compare("loss", loss, ref["loss"])] if e]
+    grads = pm.full_gradients()
+    for k, want in ref["grads"].items():
+        got = grads.get(k)
+        if want is None:
+            if got is not None and got.abs().max().item() > ATOL:
+                errors.append(f"grad {k} should be None (unused parameter) but is nonzero")
+            continue
+        err = _compare(f"grad {k}", got, want)
+        if err:
+            errors.append(err)
+    return errors
+
+
+def _where(exc: BaseException) -> str:
+    """The raising frame, and the last autopar frame above it when that is elsewhere."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    last = frames[-1]
+    ours = [f for f in frames if f"{os.sep}autopar{os.sep}" in f.filename]
+    where = f"{os.path.basename(last.filename)}:{last.lineno}"
+    if ours and ours[-1] is not last:
+        where += f" (from autopar/{ours[-1].filename.split(os.sep + 'autopar' + os.sep)[-1]}:{ours[-1].lineno})"
+    return where
+
+
+def _rank_main(rank: int, world: int, tasks: list, preps: list[_Prepared], out_dir: str,
+               task_timeout: float) -> int:
+    warnings.simplefilter("ignore")  # fallback plans warn once per replicated op and rank
+    path = os.path.join(out_dir, f"rank{rank}.jsonl")
+    with open(path, "a") as log:
+        def record(i: int, errors: list[str]) -> None:
+            log.write(json.dumps({"task": i, "errors": errors}) + "\n")
+            log.flush()
+
+        for i, (pi, label) in tasks:
+            prep = preps[pi]
+            timer = threading.Timer(task_timeout, lambda i=i: (
+                record(i, [f"hung: did not finish within {task_timeout:.0f} s on rank {rank} "
+                           f"(a collective that not every rank called?)"]), os._exit(17)))
+            timer.daemon = True
+            timer.start()
+            try:
+                errors = check_e2e(prep.model, prep.traced, prep.plans[label], prep.inputs, prep.ref)
+            except Exception as exc:  # noqa: BLE001 -- the entry's result
+                errors = [f"raised {_short(exc)} at {_where(exc)}"]
+            finally:
+                timer.cancel()
+            record(i, errors)
+    return len(tasks)
+
+
+def _read_logs(out_dir: str) -> dict[int, list[str]]:
+    found: dict[int, list[str]] = {}
+    for name in sorted(os.listdir(out_dir)):
+        with open(os.path.join(out_dir, name)) as f:
+            for line in f:
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+                errs = found.setdefault(rec["task"], [])
+                errs.extend(e for e in rec["errors"] if e not in errs)
+    return found
+
+
+def run_e2e(preps: list[_Prepared], meshes: Sequence[Mesh], *, task_timeout: float = 60.0) -> None:
+    """One launch per world size (relaunched after a hung or crashed entry); fills ``errors``."""
+    by_world: dict[int, list] = {}
+    for pi, prep in enumerate(preps):
+        if prep.ref is None:
+            continue
+        for shape in meshes:
+            label = mesh_label(shape)
+            if label in prep.plans:
+                by_world.setdefault(math.prod(shape), []).append((pi, label))
+    for world, pending in by_world.items():
+        tasks = list(enumerate(pending))
+        out_dir = tempfile.mkdtemp(prefix=f"autopar-sweep-w{world}-")
+        try:
+            while tasks:
+                failure = ""
+                try:
+                    run_local(_rank_main, world, tasks, preps, out_dir, task_timeout,
+                              timeout=task_timeout * len(tasks) + 60)
+                except RuntimeError as exc:
+                    failure = " ".join(str(exc).split())[-400:]
+                done = _read_logs(out_dir)
+                remaining = [t for t in tasks if t[0] not in done]
+                if failure and remaining:  # the launch died while running remaining[0]
+                    done[remaining[0][0]] = [f"the launch died during this entry: {failure}"]
+                    remaining = remaining[1:]
+                for i, (pi, label) in tasks:
+                    if i in done:
+                        preps[pi].result.meshes[label].errors = done[i]
+                tasks = remaining
+        finally:
+            shutil.rmtree(out_dir, ignore_errors=True)
+
+
+def sweep(entries: Sequence[Entry], meshes: Sequence[Mesh], *, task_timeout: float = 60.0,
+          plan_timeout: float = 300.0, jobs: int | None = None,
+          progress: Callable[[str], None] | None = None) -> list[Result]:
+    """Prepare every entry (planning in up to ``jobs`` forked processes, default: the CPU count,
+    at most 2), then run all of them end to end; one ``Result`` per entry, in order."""
+    names = [e.name for e in entries]
+    if len(set(names)) != len(names):
+        raise ValueError(f"duplicate entry names: {sorted({n for n in names if names.count(n) > 1})}")
+    jobs = min(2, os.cpu_count() or 1) if jobs is None else jobs
+    planner = _Planner(meshes, jobs, plan_timeout)
+    preps = []
+    for entry in entries:
+        prep, prof = _front(entry)
+        preps.append(prep)
+        if prep.traced is not None:
+            planner.submit(prep, prof)
+        if progress:
+            progress(f"traced {entry.name} in {prep.result.prep_s:.2f} s")
+    planner.finish()
+    run_e2e(preps, meshes, task_timeout=task_timeout)
+    return [p.result for p in preps]
+
+
+# ------------------------------------------------------------------------------ reporting
+def format_table(results: Sequence[Result]) -> str:
+    """model | trace | planned | fallback nodes | missing ops | e2e, one row per entry."""
+    rows = [("model", "trace", "planned", "fallback", "missing ops", "e2e")]
+    for r in results:
+        planned = ",".join(f"{k}:{'ok' if m.strict else ('fb' if m.planned else 'ERR')}"
+                           for k, m in r.meshes.items()) or "-"
+        fb = max((m.fallback_nodes for m in r.meshes.values()), default=0)
+        e2e = ",".join(f"{k}:{'ok' if m.match else ('-' if m.errors is None else 'FAIL')}"
+                       for k, m in r.meshes.items()) or "-"
+        rows.append((r.name, "ok" if r.traced else "ERR", planned, str(fb),
+                     " ".join(sorted(r.missing_ops)) or "-", e2e))
+    widths = [max(len(row[i]) for row in rows) for i in range(5)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(row[:5], widths)) + "  " + row[5] for row in rows]
+    return "\n".join(lines)
+
+
+def group_failures(results: Sequence[Result]) -> dict[str, list[str]]:
+    """Cause -> entry names, for entries that are not ``strict_ok``. A missing op is its own
+    cause (an entry with two missing ops is listed under both)."""
+    groups: dict[str, list[str]] = {}
+    for r in results:
+        if r.strict_ok:
+            continue
+        keys = []
+        if r.trace_error:
+            keys.append("trace error: " + r.trace_error.split(" module:")[0][:160])
+        elif r.ref_error:
+            keys.append("reference: " + r.ref_error[:160])
+        else:
+            keys += [f"missing rule {op}" for op in sorted(r.missing_ops)]
+            for m in r.meshes.values():
+                if m.plan_error:
+                    keys.append("plan error: " + m.plan_error[:160])
+                elif m.errors:
+                    first = m.errors[0]
+                    kind = "e2e raised" if first.startswith(("raised", "hung", "the launch")) else "e2e mismatch"
+                    keys.append(f"{kind} ({'strict' if m.strict else 'fallback'} plan): "
+                                + (first[:160] if kind == "e2e raised" else first.split(":")[0].split(" ")[0]))
+        for k in dict.fromkeys(keys):
+            groups.setdefault(k, []).append(r.name)
+    return dict(sorted(groups.items(), key=lambda kv: -len(kv[1])))
+
+
+def format_failures(results: Sequence[Result]) -> str:
+    lines = []
+    for cause, names in group_failures(results).items():
+        lines.append(f"[{len(names)}] {cause}: {', '.join(names)}")
+    return "\n".join(lines)
+

@@ -1,0 +1,194 @@
+"""The transformers architecture catalog: tiny models built from each config class's OWN defaults.
+
+Every entry starts from ``ConfigClass()`` and changes only:
+
+- size fields (``SHRINK``, applied where the default config has the field; per-entry ``sizes``
+  for fields whose meaning is family-specific, such as a vision model's stage widths): hidden
+  size, layers, heads, KV heads, intermediate size, vocabulary, experts, image size ...;
+- special token ids that the shrunk vocabulary no longer holds (moved to ``vocab - 1``);
+- dropout-like probabilities, set to 0 so that the comparison is exact (a dropout mask cannot
+  match across processes);
+- ``extra``: a setting eager mode needs at all (T5's ``decoder_start_token_id``).
+
+``use_cache``, the attention implementation, activations, tying, norms, rotary settings, MoE
+routing (top-k, with the shrunk expert count) and everything else stay at the default.
+
+Precision: float64 (parameters, buffers and float inputs; MoE models float32, see ARCHS), as in
+the rule checks: the comparison
+at rtol 1e-4 then sees sharding errors only, not float32 summation-order noise (a batch-norm
+weight gradient whose elements cancel to ~1e-2 differs by ~1e-5 in float32 between any two
+summation orders).
+
+Depth: 1 layer (Gemma-2: 2, it alternates two kinds of layers): planning on a 2-D mesh costs
+several seconds per layer on 2 cores.
+
+Inputs: batch 4, sequence 8; token ids below the vocabulary; labels valid for the head (token
+labels for LMs and seq2seq, class ids below ``num_labels`` for classifiers); 32x32 images.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .harness import Entry
+
+BATCH, SEQ, TARGET_SEQ, IMAGE = 4, 8, 6, 32
+VOCAB = 128
+
+# Generic size fields: applied when the default config has the field and it holds an int.
+SHRINK: dict[str, int] = {
+    "vocab_size": VOCAB, "decoder_vocab_size": VOCAB,
+    "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 64,
+    "n_embd": 64, "n_layer": 1, "n_head": 4, "n_inner": 128, "n_positions": 64,
+    "dim": 64, "hidden_dim": 128, "n_layers": 1, "n_heads": 4,
+    "d_model": 64, "d_ff": 128, "d_kv": 16, "num_layers": 1, "num_decoder_layers": 1, "num_heads": 4,
+    "encoder_layers": 1, "decoder_layers": 1, "encoder_attention_heads": 4,
+    "decoder_attention_heads": 4, "encoder_ffn_dim": 128, "decoder_ffn_dim": 128,
+    "ffn_dim": 128, "word_embed_proj_dim": 64, "num_kv_heads": 2, "ffn_hidden_size": 128,
+    "rotary_dim": 8, "pooler_hidden_size": 64, "pooler_output_size": 64,
+    "num_local_experts": 4, "num_experts": 4, "num_experts_per_tok": 2,
+    "moe_intermediate_size": 64, "shared_expert_intermediate_size": 64,
+    "image_size": IMAGE, "patch_size": 8,
+}
+
+_DROPOUT_WORDS = ("dropout", "pdrop", "drop_path", "layerdrop", "drop_rate")
+
+
+@dataclass
+class Arch:
+    model: str                    # transformers class name
+    config: str                   # its config class name
+    task: str                     # "causal" | "seqcls" | "seq2seq" | "image"
+    group: str                    # what the entry stands for (GQA decoder, MoE, ...)
+    sizes: dict[str, Any] = field(default_factory=dict)  # family-specific size fields
+    extra: dict[str, Any] = field(default_factory=dict)  # settings eager needs at all
+    dtype: torch.dtype = torch.float64
+
+
+ARCHS: list[Arch] = [
+    # ---- decoder-only language models
+    Arch("GPT2LMHeadModel", "GPT2Config", "causal", "decoder"),
+    Arch("LlamaForCausalLM", "LlamaConfig", "causal", "decoder-gqa"),
+    Arch("MistralForCausalLM", "MistralConfig", "causal", "decoder-gqa"),
+    Arch("Qwen2ForCausalLM", "Qwen2Config", "causal", "decoder-gqa"),
+    Arch("Qwen3ForCausalLM", "Qwen3Config", "causal", "decoder-gqa"),
+    Arch("GemmaForCausalLM", "GemmaConfig", "causal", "decoder-gqa"),
+    # Two layers: Gemma-2 alternates sliding-window and full attention.
+    Arch("Gemma2ForCausalLM", "Gemma2Config", "causal", "decoder-gqa", sizes={"num_hidden_layers": 2}),
+    Arch("Phi3ForCausalLM", "Phi3Config", "causal", "decoder-gqa"),
+    Arch("Starcoder2ForCausalLM", "Starcoder2Config", "causal", "decoder-gqa"),
+    Arch("GraniteForCausalLM", "GraniteConfig", "causal", "decoder"),
+    Arch("Olmo2ForCausalLM", "Olmo2Config", "causal", "decoder"),
+    Arch("CohereForCausalLM", "CohereConfig", "causal", "decoder"),
+    Arch("StableLmForCausalLM", "StableLmConfig", "causal", "decoder"),
+    Arch("PhiForCausalLM", "PhiConfig", "causal", "decoder"),
+    Arch("GPTNeoXForCausalLM", "GPTNeoXConfig", "causal", "decoder"),
+    Arch("GPTJForCausalLM", "GPTJConfig", "causal", "decoder"),
+    Arch("OPTForCausalLM", "OPTConfig", "causal", "decoder"),
+    Arch("BloomForCausalLM", "BloomConfig", "causal", "decoder"),
+    Arch("FalconForCausalLM", "FalconConfig", "causal", "decoder"),
+    Arch("GPTBigCodeForCausalLM", "GPTBigCodeConfig", "causal", "decoder"),
+    # ---- mixture of experts (top-k routing). float32: the default experts implementation calls
+    # torch._grouped_mm, which has no float64 kernel.
+    Arch("MixtralForCausalLM", "MixtralConfig", "causal", "moe", dtype=torch.float32),
+    Arch("Qwen2MoeForCausalLM", "Qwen2MoeConfig", "causal", "moe", dtype=torch.float32),
+    Arch("OlmoeForCausalLM", "OlmoeConfig", "causal", "moe", dtype=torch.float32),
+    # ---- encoder-only classifiers
+    Arch("BertForSequenceClassification", "BertConfig", "seqcls", "encoder"),
+    Arch("RobertaForSequenceClassification", "RobertaConfig", "seqcls", "encoder"),
+    Arch("DebertaV2ForSequenceClassification", "DebertaV2Config", "seqcls", "encoder"),
+    Arch("DistilBertForSequenceClassification", "DistilBertConfig", "seqcls", "encoder"),
+    Arch("AlbertForSequenceClassification", "AlbertConfig", "seqcls", "encoder", sizes={"embedding_size": 32}),
+    Arch("ElectraForSequenceClassification", "ElectraConfig", "seqcls", "encoder", sizes={"embedding_size": 32}),
+    # ---- encoder-decoder
+    Arch("T5ForConditionalGeneration", "T5Config", "seq2seq", "encoder-decoder",
+         extra={"decoder_start_token_id": 0}),  # T5's convention: decoding starts at the pad id
+    Arch("BartForConditionalGeneration", "BartConfig", "seq2seq", "encoder-decoder"),
+    Arch("PegasusForConditionalGeneration", "PegasusConfig", "seq2seq", "encoder-decoder"),
+    # ---- vision
+    Arch("ViTForImageClassification", "ViTConfig", "image", "vit"),
+    Arch("DeiTForImageClassification", "DeiTConfig", "image", "vit"),
+    Arch("BeitForImageClassification", "BeitConfig", "image", "vit"),
+    Arch("Dinov2ForImageClassification", "Dinov2Config", "image", "vit"),
+    Arch("SwinForImageClassification", "SwinConfig", "image", "vit",
+         # patch 2 on 32x32: stage resolutions 16, 8, 4, 2 all hold the 2x2 window
+         sizes={"patch_size": 2, "embed_dim": 16, "depths": [2, 2, 1, 1], "num_heads": [2, 2, 4, 4],
+                "window_size": 2}),
+    Arch("ResNetForImageClassification", "ResNetConfig", "image", "conv",
+         sizes={"embedding_size": 16, "hidden_sizes": [16, 32, 32, 64], "depths": [1, 1, 1, 1]}),
+    Arch("ConvNextForImageClassification", "ConvNextConfig", "image", "conv",
+         sizes={"patch_size": 4, "hidden_sizes": [8, 16, 32, 64], "depths": [1, 1, 1, 1]}),
+    Arch("RegNetForImageClassification", "RegNetConfig", "image", "conv",
+         sizes={"embedding_size": 16, "hidden_sizes": [16, 32, 32, 64], "depths": [1, 1, 1, 1],
+                "groups_width": 8}),
+    Arch("MobileNetV2ForImageClassification", "MobileNetV2Config", "image", "conv",
+         sizes={"depth_multiplier": 0.25}),
+]
+
+
+def _is_dropout(key: str, value: Any) -> bool:
+    return isinstance(value, float) and not isinstance(value, bool) and any(w in key for w in _DROPOUT_WORDS)
+
+
+def tiny_config(arch: Arch):
+    """The config class's defaults with sizes shrunk, dropout 0 and out-of-vocab token ids moved."""
+    import transformers
+
+    cls = getattr(transformers, arch.config)
+    # Only the constructor's own arguments: derived fields (Swin's num_layers) are recomputed.
+    accepted = set(inspect.signature(cls.__init__).parameters)
+    defaults = {k: v for k, v in cls().to_dict().items() if k in accepted}
+    kwargs: dict[str, Any] = {}
+    for key, value in SHRINK.items():
+        if isinstance(defaults.get(key), int) and not isinstance(defaults[key], bool):
+            kwargs[key] = value
+    for key, value in defaults.items():
+        if _is_dropout(key, value):
+            kwargs[key] = 0.0
+    kwargs.update(arch.sizes)
+    vocab = kwargs.get("vocab_size", defaults.get("vocab_size"))
+    if isinstance(vocab, int):
+        for key, value in defaults.items():
+            if key.endswith("_token_id") and isinstance(value, int) and value >= vocab:
+                kwargs[key] = vocab - 1
+            elif key.endswith("_token_id") and isinstance(value, list):
+                kwargs[key] = [v if v < vocab else vocab - 1 for v in value]
+    kwargs.update(arch.extra)
+    return cls(**kwargs)
+
+
+def _inputs(arch: Arch, config) -> dict:
+    vocab = getattr(config, "vocab_size", VOCAB)
+    if arch.task == "causal":
+        return {"input_ids": torch.randint(0, vocab, (BATCH, SEQ)),
+                "labels": torch.randint(0, vocab, (BATCH, SEQ))}
+    if arch.task == "seqcls":
+        return {"input_ids": torch.randint(0, vocab, (BATCH, SEQ)),
+                "labels": torch.randint(0, config.num_labels, (BATCH,))}
+    if arch.task == "seq2seq":
+        return {"input_ids": torch.randint(0, vocab, (BATCH, SEQ)),
+                "labels": torch.randint(0, vocab, (BATCH, TARGET_SEQ))}
+    if arch.task == "image":
+        return {"pixel_values": torch.randn(BATCH, config.num_channels, IMAGE, IMAGE),
+                "labels": torch.randint(0, config.num_labels, (BATCH,))}
+    raise ValueError(f"unknown task {arch.task!r}")
+
+
+def build(arch: Arch):
+    import transformers
+
+    config = tiny_config(arch)
+    model = getattr(transformers, arch.model)(config).to(arch.dtype)
+    model.train()
+    inputs = _inputs(arch, config)
+    return model, {k: v.to(arch.dtype) if v.is_floating_point() else v for k, v in inputs.items()}
+
+
+def entries(names: list[str] | None = None) -> list[Entry]:
+    archs = [a for a in ARCHS if names is None or a.model in names]
+    return [Entry(a.model, (lambda a=a: build(a)), group=a.group) for a in archs]
