@@ -1,13 +1,16 @@
 """The sweep harness: trace, plan and train catalog entries on real gloo processes.
 
 One entry = a model builder (real CPU weights under ``torch.manual_seed``) plus its inputs. For
-each entry the parent process
+each entry
 
-1. traces and profiles it once (a :class:`TraceError` is the entry's result),
-2. plans it on every mesh WITHOUT replicate fallback; when an op has no rule it re-plans with
-   ``allow_replicate_fallback=True`` to list every unruled op (name and module path), and keeps
-   that plan so the entry is still checked end to end,
-3. computes the single-device loss and parameter gradients,
+1. the parent traces (as ``plan()`` does, decomposing unruled ops that PyTorch can decompose)
+   and profiles it once (a :class:`TraceError` is the entry's result), and computes the
+   single-device loss and parameter gradients;
+2. a forked process plans it on every mesh WITHOUT replicate fallback; when an op has no rule
+   it re-plans with ``allow_replicate_fallback=True`` to list every unruled op (name and module
+   path), and keeps that plan so that the entry is still checked end to end. Up to two such
+   processes plan while the parent traces the next entries (a 2-D mesh plan costs several
+   times the trace);
 
 then ONE ``run_local`` launch per world size runs all entries' plans one after the other: each
 rank builds the module, runs forward and backward on the full batch and compares the loss and
@@ -45,6 +48,7 @@ from autopar.api import plan_graph
 from autopar.mesh import MeshSpec
 from autopar.runtime.api import build_module
 from autopar.runtime.launch import run_local
+from autopar.strategies import needs_decomposition
 from autopar.strategies.registry import NoRuleError
 from autopar.tracer import TraceError, profile, trace
 from autopar.tracer.graph import op_name
@@ -239,7 +243,9 @@ def _front(entry: Entry) -> tuple[_Prepared, Any]:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            traced = trace(prep.model, prep.inputs, name=entry.name)
+            # Exactly as plan() and autoparallelize() trace: unruled ops with a PyTorch
+            # decomposition are decomposed at trace time.
+            traced = trace(prep.model, prep.inputs, name=entry.name, decompose_if=needs_decomposition)
         prep.result.nodes = sum(1 for _ in traced.compute_nodes())
         prof = profile(traced)
         prep.traced = traced
