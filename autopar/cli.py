@@ -56,9 +56,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--html", metavar="FILE", help="write a self-contained HTML report")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
 
-    c = sub.add_parser("coverage", help="the ATen ops of a model and whether each has a sharding rule")
+    c = sub.add_parser("coverage", help="the ATen ops of a model and how each is covered (native, generic, decomposed, dtensor, fallback, missing)")
     _model_args(c)
     c.add_argument("--strict", action="store_true", help="exit 1 when an op has no rule")
+    c.add_argument("--allow-fallback", action="store_true",
+                   help="report uncovered ops as replicated by the fallback instead of missing")
 
     m = sub.add_parser("profile-mesh", help="time real collectives and write a MeshSpec JSON")
     m.add_argument("--mesh", required=True, help="mesh shape, e.g. 2x2")
@@ -149,29 +151,34 @@ def _report(plan, context, args):
 
 def cmd_coverage(args) -> int:
     from .cli_inputs import load_model
-    from .strategies import get_rule
+    from .strategies import needs_decomposition, rule_source
     from .strategies.registry import needs_no_decision
     from .tracer import coverage, trace
     from .tracer.graph import op_name
 
     model, meta = load_model(args.model, batch=args.batch, seq=args.seq, layers=args.layers, inputs=args.input)
-    traced = trace(model, meta)
+    traced = trace(model, meta, decompose_if=needs_decomposition)
+    uncovered = "fallback" if args.allow_fallback else "MISSING"
     status: dict[str, str] = {}
     for node in traced.compute_nodes():
         name = op_name(node)
         if name not in status:
-            status[name] = "yes" if get_rule(node.target) is not None else (
-                "no decision" if needs_no_decision(node) else "MISSING")
+            status[name] = rule_source(node.target) or ("no decision" if needs_no_decision(node) else uncovered)
     table = coverage(traced)
-    width = max(len(r.op) for r in table)
-    print(f"{'op':<{width}}  {'count':>5}  rule         first seen in")
+    width = max([len(r.op) for r in table] + [len(op) for op in traced.decomposed])
+    print(f"{'op':<{width}}  {'count':>5}  {'rule':<11}  first seen in")
     print(f"{'-' * width}  -----  -----------  -------------")
     for r in table:
         print(f"{r.op:<{width}}  {r.count:>5}  {status[r.op]:<11}  {r.first_module or '<top level>'}")
-    missing = [r for r in table if status[r.op] == "MISSING"]
+    for op, pieces in sorted(traced.decomposed.items()):
+        print(f"{op:<{width}}  {'-':>5}  {'decomposed':<11}  into {', '.join(pieces)}")
+    missing = [r for r in table if status[r.op] == uncovered]
+    by_source = {src: sum(1 for r in table if status[r.op] == src) for src in ("native", "generic", "dtensor")}
     print(f"{len(table)} distinct ops, {sum(r.count for r in table)} op nodes; "
-          f"{len(missing)} ops ({sum(r.count for r in missing)} nodes) without a sharding rule")
-    return 1 if args.strict and missing else 0
+          + ", ".join(f"{n} {src}" for src, n in by_source.items()) + f", {len(traced.decomposed)} decomposed; "
+          f"{len(missing)} ops ({sum(r.count for r in missing)} nodes) without a sharding rule"
+          + (" (replicated by the fallback)" if args.allow_fallback and missing else ""))
+    return 1 if args.strict and missing and not args.allow_fallback else 0
 
 
 def cmd_profile_mesh(args) -> int:

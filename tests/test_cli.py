@@ -145,8 +145,33 @@ def test_coverage_gpt2():
     lines = out.stdout.splitlines()
     assert lines[0].split()[:3] == ["op", "count", "rule"]
     row = next(line for line in lines if line.startswith("aten.addmm.default"))
-    assert row.split()[1] == "48" and row.split()[2] == "yes"  # 4 linears x 12 blocks
-    assert re.search(r"\d+ distinct ops, \d+ op nodes; \d+ ops \(\d+ nodes\) without a sharding rule", lines[-1])
+    assert row.split()[1] == "48" and row.split()[2] == "native"  # 4 linears x 12 blocks
+    assert re.search(r"\d+ distinct ops, \d+ op nodes; \d+ native, \d+ generic, \d+ dtensor, \d+ decomposed; "
+                     r"0 ops \(0 nodes\) without a sharding rule", lines[-1])
+
+
+def test_coverage_names_the_source_of_every_op(tmp_path):
+    src = tmp_path / "net.py"
+    src.write_text(
+        "import torch\n"
+        "from torch import nn\n"
+        "class Net(nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.lin = nn.Linear(16, 16)\n"
+        "    def forward(self, x):\n"
+        "        y = nn.functional.hardtanh(self.lin(x))\n"  # generic (pointwise tag)
+        "        y = nn.functional.glu(y, dim=-1)\n"  # decomposed
+        "        return torch.fft.rfft(y).real.sum()\n"  # fft: DTensor-derived, then view_as_real ...
+        "def factory():\n"
+        "    return Net(), {'x': torch.randn(4, 16)}\n")
+    out = run_cli("coverage", f"{src}:factory")
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = {line.split()[0]: line.split()[2] for line in out.stdout.splitlines()[2:-1]}
+    assert rows["aten.linear.default"] == "native"
+    assert rows["aten.hardtanh.default"] == "generic"
+    assert rows["aten.glu.default"] == "decomposed"
+    assert rows["aten._fft_r2c.default"] == "dtensor"
 
 
 def test_inspect_custom_factory_with_inputs(tmp_path):
@@ -249,7 +274,7 @@ def test_inspect_hf_config_json_in_process(tmp_path, capsys, name, extra):
     with open(path) as f:
         assert json.load(f)["use_cache"] is True  # the default, as saved: the trace turns it off
     code, out, err = _main(capsys, "inspect", path, "--mesh", "2", "--batch", "4", "--seq", "16",
-                           "--no-baselines", "--allow-fallback", "-q")
+                           "--no-baselines", "-q")  # no fallback: every op has a rule
     assert code == 0, err[-3000:]
     with open(path) as f:
         arch = json.load(f)["architectures"][0]
@@ -261,12 +286,12 @@ def test_inspect_hf_config_folder_real_width_llama_on_2x4(tmp_path, capsys):
     # LlamaConfig() at its published defaults (hidden 4096, vocab 32000), 2 of its 32 layers to stay fast.
     path = _save_config(tmp_path, "llama")
     code, out, err = _main(capsys, "inspect", os.path.dirname(path), "--mesh", "2x4", "--layers", "2",
-                           "--batch", "8", "--seq", "1024", "--no-baselines", "--no-layers", "--allow-fallback",
+                           "--batch", "8", "--seq", "1024", "--no-baselines", "--no-layers",
                            "-q", "--json", str(tmp_path / "plan.json"))
     assert code == 0, err[-3000:]
     assert "autopar plan: LlamaForCausalLM on mesh a100-80gb:2x4" in out
     plan = Plan.load(str(tmp_path / "plan.json"))
-    assert plan.mesh.shape == (2, 4)
+    assert plan.mesh.shape == (2, 4) and not plan.fallbacks
     # real width: the embedding of 32000 x 4096 is in the plan
     assert any("embed_tokens" in n.module for n in plan.nodes)
 
