@@ -28,6 +28,11 @@ def parse_mesh(text: str) -> tuple[int, ...]:
     return tuple(int(v) for v in text.lower().split("x"))
 
 
+def progress(line: str) -> None:
+    if not line.startswith("traced "):
+        print(line, flush=True)
+
+
 def run_suite(suite: str, meshes, names: list[str], jsonl) -> list[harness.Result]:
     entries = nn_catalog.entries() if suite == "nn" else hf_catalog.entries()
     if names:
@@ -35,7 +40,7 @@ def run_suite(suite: str, meshes, names: list[str], jsonl) -> list[harness.Resul
     if not entries:
         return []
     start = time.perf_counter()
-    results = harness.sweep(entries, meshes or SUITES[suite])
+    results = harness.sweep(entries, meshes or SUITES[suite], progress=progress)
     elapsed = time.perf_counter() - start
     print(f"\n== {suite}: {len(results)} entries on meshes "
           f"{', '.join(harness.mesh_label(m) for m in meshes or SUITES[suite])}")

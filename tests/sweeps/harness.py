@@ -282,8 +282,11 @@ class _Planner:
         self.ctx = mp.get_context("fork")
         self.running: dict[Any, tuple[Any, _Prepared, float]] = {}  # conn -> (process, prep, start)
 
+    # Forking costs more than planning a graph this small on a 1-D mesh (tens of milliseconds).
+    FORK_MIN_NODES = 50
+
     def submit(self, prep: _Prepared, prof) -> None:
-        if self.jobs <= 1:
+        if self.jobs <= 1 or prep.result.nodes < self.FORK_MIN_NODES:
             self._store(prep, ("ok", _plan_all(prep.traced, prof, self.meshes)))
             return
         while len(self.running) >= self.jobs:
@@ -454,6 +457,7 @@ def sweep(entries: Sequence[Entry], meshes: Sequence[Mesh], *, task_timeout: flo
     if len(set(names)) != len(names):
         raise ValueError(f"duplicate entry names: {sorted({n for n in names if names.count(n) > 1})}")
     jobs = min(2, os.cpu_count() or 1) if jobs is None else jobs
+    start = time.perf_counter()
     planner = _Planner(meshes, jobs, plan_timeout)
     preps = []
     for entry in entries:
@@ -463,8 +467,13 @@ def sweep(entries: Sequence[Entry], meshes: Sequence[Mesh], *, task_timeout: flo
             planner.submit(prep, prof)
         if progress:
             progress(f"traced {entry.name} in {prep.result.prep_s:.2f} s")
+    traced_at = time.perf_counter()
     planner.finish()
+    planned_at = time.perf_counter()
     run_e2e(preps, meshes, task_timeout=task_timeout)
+    if progress:
+        progress(f"sweep of {len(preps)}: traced by {traced_at - start:.1f} s, planned by "
+                 f"{planned_at - start:.1f} s, end to end {time.perf_counter() - planned_at:.1f} s")
     return [p.result for p in preps]
 
 
