@@ -15,10 +15,13 @@ module's inputs is checked as a parameter gradient even for modules without para
 ``Target`` marks inputs that take no gradient (loss targets, lengths, offsets); integer inputs
 never take one.
 
-Randomness: dropout cannot match across processes (each rank draws its own mask), so every
-dropout module runs in training mode with ``p=0``: the dropout op is still in the graph, must
-have a rule and is checked, and the result is exact. ``RReLU`` samples its negative slope in
-training mode; ``lower == upper`` makes the sample exact. ``FractionalMaxPool`` takes fixed
+Randomness: a dropout mask cannot match across processes (each rank draws its own), so every
+dropout module has two samples in training mode: ``p=0``, compared exactly (``nn.Dropout`` keeps
+its op in the graph; the feature and alpha dropouts decompose to the identity at trace time),
+and ``p=0.5`` (variant ``random``), whose random ops must trace and plan without fallback like
+any other and whose step must run on the ranks with a finite loss and every gradient present,
+but whose values are not compared (``Entry.exact=False``). ``RReLU`` likewise: ``lower ==
+upper`` (exact) and a random slope range. ``FractionalMaxPool`` takes fixed
 ``_random_samples``.
 
 Sizes: batch 4 and feature sizes of 4, 8 or 16, so that every dimension a rule may shard
@@ -233,6 +236,14 @@ SAMPLES: list[tuple[str, str, Recipe]] = [
     ("Dropout3d", "", lambda: (nn.Dropout3d(0.0), [x(4, 4, 2, 4, 4)])),
     ("AlphaDropout", "", lambda: (nn.AlphaDropout(0.0), [x(4, 8)])),
     ("FeatureAlphaDropout", "", lambda: (nn.FeatureAlphaDropout(0.0), [x(4, 4, 6, 6)])),
+    # random: traced, planned and run, values not compared (RANDOM)
+    ("Dropout", "random", lambda: (nn.Dropout(0.5), [x(4, 8)])),
+    ("Dropout1d", "random", lambda: (nn.Dropout1d(0.5), [x(4, 4, 8)])),
+    ("Dropout2d", "random", lambda: (nn.Dropout2d(0.5), [x(4, 4, 6, 6)])),
+    ("Dropout3d", "random", lambda: (nn.Dropout3d(0.5), [x(4, 4, 2, 4, 4)])),
+    ("AlphaDropout", "random", lambda: (nn.AlphaDropout(0.5), [x(4, 8)])),
+    ("FeatureAlphaDropout", "random", lambda: (nn.FeatureAlphaDropout(0.5), [x(4, 4, 6, 6)])),
+    ("RReLU", "random", lambda: (nn.RReLU(0.1, 0.3), [x(4, 8)])),
     # ---- padding
     ("ConstantPad1d", "", lambda: (nn.ConstantPad1d((1, 2), 0.5), [x(4, 4, 8)])),
     ("ConstantPad2d", "", lambda: (nn.ConstantPad2d((1, 2, 0, 1), 0.5), [x(4, 4, 6, 6)])),
@@ -376,5 +387,6 @@ def _builder(recipe: Recipe) -> Callable[[], tuple[nn.Module, tuple]]:
 
 
 def entries() -> list[Entry]:
-    return [Entry(sample_name(cls_name, variant), _builder(recipe), group=cls_name)
+    return [Entry(sample_name(cls_name, variant), _builder(recipe), group=cls_name, focus="m",
+                  exact=variant != "random")
             for cls_name, variant, recipe in SAMPLES]

@@ -83,6 +83,14 @@ def test_architectures_plan_without_fallback_and_match_one_device(results):
 
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
+def test_plans_split_the_model(results):
+    replicated = [f"{name} on mesh {', '.join(r.replicated_meshes)}" for name, r in results.items()
+                  if r.strict_ok and r.replicated_meshes]
+    assert not replicated, "plans that replicate every op:\n" + "\n".join(replicated)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
 def test_listed_architectures_raise_a_clear_trace_error(results):
     errors = []
     for name, reason in NOT_STRICT.items():
