@@ -58,7 +58,8 @@ def run_suite(suite: str, meshes, names: list[str], jsonl) -> list[harness.Resul
             jsonl.write(json.dumps({
                 "suite": suite, "model": r.name, "traced": r.traced, "strict_ok": r.strict_ok,
                 "fallback_ok": r.fallback_ok, "missing_ops": sorted(r.missing_ops), "cause": r.cause(),
-                "nodes": r.nodes, "prepare_s": round(r.prep_s, 3)}) + "\n")
+                "nodes": r.nodes, "prepare_s": round(r.prep_s, 3),
+                "e2e_s": {k: round(m.e2e_s, 3) for k, m in r.meshes.items()}}) + "\n")
     return results
 
 

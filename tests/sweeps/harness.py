@@ -55,6 +55,7 @@ from autopar.tracer import TraceError, profile, trace
 from autopar.tracer.graph import op_name
 
 RTOL, ATOL = 1e-4, 1e-6
+_HUNG = "hung:"  # how a rank's watchdog marks the entry it was stuck in
 
 Mesh = tuple[int, ...]
 
@@ -101,6 +102,7 @@ class MeshResult:
     sharded: bool | None = None          # the plan splits some op under the entry's focus
                                          # (None: no op there, e.g. nn.Identity)
     errors: list[str] | None = None      # end to end: [] = match, None = not run
+    e2e_s: float = 0.0                   # end-to-end check time (slowest rank)
 
     @property
     def planned(self) -> bool:
@@ -429,17 +431,18 @@ def _rank_main(rank: int, world: int, tasks: list, preps: list[_Prepared], out_d
     warnings.simplefilter("ignore")  # fallback plans warn once per replicated op and rank
     path = os.path.join(out_dir, f"rank{rank}.jsonl")
     with open(path, "a") as log:
-        def record(i: int, errors: list[str]) -> None:
-            log.write(json.dumps({"task": i, "errors": errors}) + "\n")
+        def record(i: int, errors: list[str], seconds: float = 0.0) -> None:
+            log.write(json.dumps({"task": i, "errors": errors, "seconds": seconds}) + "\n")
             log.flush()
 
         for i, (pi, label) in tasks:
             prep = preps[pi]
             timer = threading.Timer(task_timeout, lambda i=i: (
-                record(i, [f"hung: did not finish within {task_timeout:.0f} s on rank {rank} "
+                record(i, [f"{_HUNG} did not finish within {task_timeout:.0f} s on rank {rank} "
                            f"(a collective that not every rank called?)"]), os._exit(17)))
             timer.daemon = True
             timer.start()
+            started = time.perf_counter()
             try:
                 errors = check_e2e(prep.model, prep.traced, prep.plans[label], prep.inputs, prep.ref,
                                    exact=prep.entry.exact)
@@ -447,22 +450,90 @@ def _rank_main(rank: int, world: int, tasks: list, preps: list[_Prepared], out_d
                 errors = [f"raised {_short(exc)} at {_where(exc)}"]
             finally:
                 timer.cancel()
-            record(i, errors)
+            record(i, errors, time.perf_counter() - started)
     return len(tasks)
 
 
-def _read_logs(out_dir: str) -> dict[int, list[str]]:
-    found: dict[int, list[str]] = {}
-    for name in sorted(os.listdir(out_dir)):
+def _read_logs(out_dir: str) -> dict[int, dict[int, dict]]:
+    """task -> rank -> that rank's record (errors, seconds)."""
+    found: dict[int, dict[int, dict]] = {}
+    for name in os.listdir(out_dir):
+        rank = int(name[len("rank"):-len(".jsonl")])
         with open(os.path.join(out_dir, name)) as f:
             for line in f:
                 try:
                     rec = json.loads(line)
-                except json.JSONDecodeError:
+                except json.JSONDecodeError:  # a line cut short by a dying rank
                     continue
-                errs = found.setdefault(rec["task"], [])
-                errs.extend(e for e in rec["errors"] if e not in errs)
+                found.setdefault(rec["task"], {})[rank] = rec
     return found
+
+
+def _merge(records: dict[int, dict]) -> tuple[list[str], float]:
+    errors: list[str] = []
+    for rank in sorted(records):
+        errors.extend(e for e in records[rank]["errors"] if e not in errors)
+    return errors, max(r.get("seconds", 0.0) for r in records.values())
+
+
+def _run_watched(world: int, tasks: list, preps: list[_Prepared], out_dir: str, task_timeout: float) -> str:
+    """``run_local`` in a thread, watched: '' when every rank reported, else the failure.
+
+    A rank whose watchdog ended it (a hung entry) never reports, and ``run_local`` would wait
+    for its whole-launch timeout; so once a rank process is gone while the launch still waits
+    (a finished rank reports before it exits), the remaining ranks are killed and the launch
+    is abandoned."""
+    before = set(mp.active_children())
+    box: dict[str, str] = {}
+
+    def target() -> None:
+        try:
+            run_local(_rank_main, world, tasks, preps, out_dir, task_timeout,
+                      timeout=task_timeout * len(tasks) + 60)
+        except BaseException as exc:  # noqa: BLE001 -- the launch's failure, as text
+            box["error"] = " ".join(str(exc).split())[-400:]
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    gone_since = None
+    while thread.is_alive():
+        thread.join(0.5)
+        ranks = [p for p in mp.active_children() if p not in before]
+        if thread.is_alive() and len(ranks) < world:
+            gone_since = gone_since or time.perf_counter()
+            if time.perf_counter() - gone_since > 5:
+                for p in ranks:
+                    p.kill()
+                return "a rank exited without reporting (its watchdog ended it)"
+    return box.get("error", "")
+
+
+def _launch(world: int, tasks: list, preps: list[_Prepared], task_timeout: float) -> tuple[dict, list]:
+    """Run ``tasks`` in one launch: (task -> (errors, seconds), the tasks still to run).
+
+    When the launch dies, the culprit is the first task that some rank reported as hung or that
+    not every rank finished: it gets the launch's error; the tasks after it run again in a fresh
+    launch (their partial results are not trusted: a dead peer fails them all)."""
+    out_dir = tempfile.mkdtemp(prefix=f"autopar-sweep-w{world}-")
+    try:
+        failure = _run_watched(world, tasks, preps, out_dir, task_timeout)
+        logs = _read_logs(out_dir)
+    finally:
+        shutil.rmtree(out_dir, ignore_errors=True)
+    done: dict[int, tuple[list[str], float]] = {}
+    for pos, (i, _) in enumerate(tasks):
+        records = logs.get(i, {})
+        complete = len(records) == world
+        hung = any(e.startswith(_HUNG) for r in records.values() for e in r["errors"])
+        if not failure or (complete and not hung):
+            done[i] = _merge(records) if records else (["no rank reported this entry"], 0.0)
+            continue
+        errors = _merge(records)[0] if records else []
+        if not hung:
+            errors.append(f"the launch died during this entry: {failure}")
+        done[i] = (errors, 0.0)
+        return done, tasks[pos + 1:]
+    return done, []
 
 
 def run_e2e(preps: list[_Prepared], meshes: Sequence[Mesh], *, task_timeout: float = 60.0) -> None:
@@ -477,26 +548,13 @@ def run_e2e(preps: list[_Prepared], meshes: Sequence[Mesh], *, task_timeout: flo
                 by_world.setdefault(math.prod(shape), []).append((pi, label))
     for world, pending in by_world.items():
         tasks = list(enumerate(pending))
-        out_dir = tempfile.mkdtemp(prefix=f"autopar-sweep-w{world}-")
-        try:
-            while tasks:
-                failure = ""
-                try:
-                    run_local(_rank_main, world, tasks, preps, out_dir, task_timeout,
-                              timeout=task_timeout * len(tasks) + 60)
-                except RuntimeError as exc:
-                    failure = " ".join(str(exc).split())[-400:]
-                done = _read_logs(out_dir)
-                remaining = [t for t in tasks if t[0] not in done]
-                if failure and remaining:  # the launch died while running remaining[0]
-                    done[remaining[0][0]] = [f"the launch died during this entry: {failure}"]
-                    remaining = remaining[1:]
-                for i, (pi, label) in tasks:
-                    if i in done:
-                        preps[pi].result.meshes[label].errors = done[i]
-                tasks = remaining
-        finally:
-            shutil.rmtree(out_dir, ignore_errors=True)
+        while tasks:
+            done, rest = _launch(world, tasks, preps, task_timeout)
+            for i, (pi, label) in tasks:
+                if i in done:
+                    mesh = preps[pi].result.meshes[label]
+                    mesh.errors, mesh.e2e_s = done[i]
+            tasks = rest
 
 
 def sweep(entries: Sequence[Entry], meshes: Sequence[Mesh], *, task_timeout: float = 60.0,
@@ -511,15 +569,22 @@ def sweep(entries: Sequence[Entry], meshes: Sequence[Mesh], *, task_timeout: flo
     start = time.perf_counter()
     planner = _Planner(meshes, jobs, plan_timeout)
     preps = []
-    for entry in entries:
-        prep, prof = _front(entry)
-        preps.append(prep)
-        if prep.traced is not None:
-            planner.submit(prep, prof)
-        if progress:
-            progress(f"traced {entry.name} in {prep.result.prep_s:.2f} s")
-    traced_at = time.perf_counter()
-    planner.finish()
+    threads = torch.get_num_threads()
+    # One intra-op thread: the tiny reference steps gain nothing from more, and OpenMP threads
+    # that spin while the planning processes hold the cores cost seconds per step.
+    torch.set_num_threads(1)
+    try:
+        for entry in entries:
+            prep, prof = _front(entry)
+            preps.append(prep)
+            if prep.traced is not None:
+                planner.submit(prep, prof)
+            if progress:
+                progress(f"traced {entry.name} in {prep.result.prep_s:.2f} s")
+        traced_at = time.perf_counter()
+        planner.finish()
+    finally:
+        torch.set_num_threads(threads)
     planned_at = time.perf_counter()
     run_e2e(preps, meshes, task_timeout=task_timeout)
     if progress:

@@ -116,8 +116,9 @@ ARCHS: list[Arch] = [
     Arch("BeitForImageClassification", "BeitConfig", "image", "vit"),
     Arch("Dinov2ForImageClassification", "Dinov2Config", "image", "vit"),
     Arch("SwinForImageClassification", "SwinConfig", "image", "vit",
-         # patch 2 on 32x32: stage resolutions 16, 8, 4, 2 all hold the 2x2 window
-         sizes={"patch_size": 2, "embed_dim": 16, "depths": [2, 2, 1, 1], "num_heads": [2, 2, 4, 4],
+         # patch 2 on 32x32: stage resolutions 16, 8, 4, 2 all hold the 2x2 window; the first
+         # stage keeps 2 blocks (its second block shifts the windows)
+         sizes={"patch_size": 2, "embed_dim": 16, "depths": [2, 1, 1, 1], "num_heads": [2, 2, 4, 4],
                 "window_size": 2}),
     Arch("ResNetForImageClassification", "ResNetConfig", "image", "conv",
          sizes={"embedding_size": 16, "hidden_sizes": [16, 32, 32, 64], "depths": [1, 1, 1, 1]}),
