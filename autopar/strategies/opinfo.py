@@ -289,7 +289,7 @@ def _first_samples(opinfo: Any, limit: int, window: int = 24) -> Iterator[tuple[
         yield i, s
 
 
-def collect(*, per_opinfo: int = 4, per_op: int = 3, batch: int = 24, seed: int = 0,
+def collect(*, per_opinfo: int = 3, per_op: int = 3, batch: int = 24, seed: int = 0,
             opinfos: Iterable[Any] | None = None, bucket: Callable[[OpInfoSample], Any] | None = None,
             prefer: Callable[[OpInfoSample], Any] | None = None) -> Collection:
     """OpInfo samples for every ruled overload they reach.
@@ -298,7 +298,7 @@ def collect(*, per_opinfo: int = 4, per_op: int = 3, batch: int = 24, seed: int 
     ``per_op``: samples kept per bucket, where ``bucket(item)`` (default: the overload) groups
     them (the test keys expected failures by overload, OpInfo or quirk: each such group gets
     its own samples); the first ones by ``prefer(item)`` (a sort key, default ``preference``)
-    are kept.
+    are kept. Samples with a ``quirk`` are kept only for ops that have no other sample.
     """
     lookup = rule_lookup()
     db = candidate_opinfos(op_db() if opinfos is None else opinfos, lookup)
@@ -317,7 +317,10 @@ def collect(*, per_opinfo: int = 4, per_op: int = 3, batch: int = 24, seed: int 
     everything.sort(key=prefer or preference)
     bucket = bucket or (lambda item: item.target)
     kept: dict[Any, int] = {}
+    checkable = {item.target for item in everything if not item.quirk}
     for item in everything:
+        if item.quirk and item.target in checkable:
+            continue  # other samples check this op; this one cannot be compared anyway
         key = bucket(item)
         if kept.get(key, 0) < per_op:
             kept[key] = kept.get(key, 0) + 1
