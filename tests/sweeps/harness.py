@@ -201,7 +201,10 @@ def _reference(model: nn.Module, inputs: tuple | dict) -> dict:
     loss.backward()
     grads = {k: (None if p.grad is None else p.grad.detach().clone())
              for k, p in model.named_parameters(remove_duplicate=False)}
-    return {"loss": loss.detach().clone(), "grads": grads}
+    params = {k for k, _ in model.named_parameters(remove_duplicate=False)}
+    # Buffers the step updated (batch-norm running statistics and counters), as saved.
+    buffers = {k: v.detach().clone() for k, v in model.state_dict().items() if k not in params}
+    return {"loss": loss.detach().clone(), "grads": grads, "buffers": buffers}
 
 
 def is_sharded(plan, focus: str = "") -> bool | None:
@@ -366,6 +369,8 @@ def _compare(what: str, got: torch.Tensor | None, want: torch.Tensor) -> str | N
         return f"{what} missing"
     if tuple(got.shape) != tuple(want.shape):
         return f"{what} shape {tuple(got.shape)} != {tuple(want.shape)}"
+    if not want.is_floating_point():
+        return None if torch.equal(got, want) else f"{what} differs: {got.tolist()} != {want.tolist()}"
     if torch.allclose(got.detach().to(want.dtype), want, rtol=RTOL, atol=ATOL):
         return None
     diff = (got.detach().double() - want.double()).abs()
@@ -373,7 +378,8 @@ def _compare(what: str, got: torch.Tensor | None, want: torch.Tensor) -> str | N
 
 
 def check_e2e(model, traced, plan, inputs, ref, *, exact: bool = True) -> list[str]:
-    """On one rank: build the module, run forward + backward, compare loss and gradients.
+    """On one rank: build the module, run forward + backward, compare the loss, the buffers the
+    step updated (batch-norm running statistics) and every parameter gradient.
     ``exact=False`` (random ops): only a finite loss and every gradient present, full shape."""
     pm = build_module(model, traced, plan, device=torch.device("cpu"))
     loss = loss_of(_call(pm, inputs))
@@ -382,6 +388,12 @@ def check_e2e(model, traced, plan, inputs, ref, *, exact: bool = True) -> list[s
     if not exact:
         return _check_consistent(loss, grads, ref)
     errors = [e for e in [_compare("loss", loss, ref["loss"])] if e]
+    if ref["buffers"]:
+        state = pm.full_state_dict()
+        for k, want in ref["buffers"].items():
+            err = _compare(f"buffer {k} after the step", state.get(k), want)
+            if err:
+                errors.append(err)
     for k, want in ref["grads"].items():
         got = grads.get(k)
         if want is None:

@@ -126,6 +126,11 @@ def _pool_unpool(pool) -> Callable:
     return lambda m, v: m(*pool(v, 2, return_indices=True))
 
 
+def _masked_attention(m, v, key_padding_mask):
+    causal = torch.triu(torch.ones(v.shape[1], v.shape[1], dtype=torch.bool), 1)
+    return m(v, v, v, attn_mask=causal, key_padding_mask=key_padding_mask, need_weights=False)
+
+
 def _enc_layer() -> nn.TransformerEncoderLayer:
     return nn.TransformerEncoderLayer(16, 4, 32, dropout=0.0, batch_first=True)
 
@@ -168,6 +173,7 @@ SAMPLES: list[tuple[str, str, Recipe]] = [
     ("Bilinear", "", lambda: (nn.Bilinear(8, 6, 16), [x(4, 8), x(4, 6)])),
     ("Embedding", "", lambda: (nn.Embedding(16, 8), [idx(16, 4, 6)])),
     ("Embedding", "padding_idx", lambda: (nn.Embedding(16, 8, padding_idx=0), [idx(16, 4, 6)])),
+    ("Embedding", "max_norm", lambda: (nn.Embedding(16, 8, max_norm=1.0), [idx(16, 4, 6)])),
     ("EmbeddingBag", "", lambda: (nn.EmbeddingBag(16, 8), [idx(16, 4, 6)])),
     ("EmbeddingBag", "max", lambda: (nn.EmbeddingBag(16, 8, mode="max"), [idx(16, 4, 6)])),
     ("EmbeddingBag", "sum_offsets_weights", lambda: (
@@ -176,6 +182,7 @@ SAMPLES: list[tuple[str, str, Recipe]] = [
     ("PairwiseDistance", "", lambda: (nn.PairwiseDistance(), [x(4, 8), x(4, 8)])),
     # ---- convolutions
     ("Conv1d", "", lambda: (nn.Conv1d(4, 8, 3, padding=1), [x(4, 4, 8)])),
+    ("Conv1d", "same_dilated", lambda: (nn.Conv1d(4, 8, 3, padding="same", dilation=2), [x(4, 4, 8)])),
     ("Conv2d", "", lambda: (nn.Conv2d(4, 8, 3, padding=1), [x(4, 4, 8, 8)])),
     ("Conv2d", "strided_grouped", lambda: (nn.Conv2d(4, 8, 3, stride=2, padding=1, groups=2), [x(4, 4, 8, 8)])),
     ("Conv2d", "dilated_nobias", lambda: (nn.Conv2d(4, 8, 3, dilation=2, bias=False), [x(4, 4, 8, 8)])),
@@ -276,6 +283,8 @@ SAMPLES: list[tuple[str, str, Recipe]] = [
     ("RNN", "relu_2layer_bidirectional", lambda: (
         nn.RNN(8, 8, 2, nonlinearity="relu", batch_first=True, bidirectional=True), [x(4, 6, 8)])),
     ("LSTM", "", lambda: (nn.LSTM(8, 8, batch_first=True), [x(4, 6, 8)])),
+    ("LSTM", "initial_state", lambda: (Compose(nn.LSTM(8, 8, batch_first=True), lambda m, v, h, c: m(v, (h, c))),
+                                       [x(4, 6, 8), x(1, 4, 8), x(1, 4, 8)])),
     ("LSTM", "2layer_bidirectional_proj", lambda: (
         nn.LSTM(8, 8, 2, batch_first=True, bidirectional=True, proj_size=4), [x(4, 6, 8)])),
     ("GRU", "", lambda: (nn.GRU(8, 8, batch_first=True), [x(4, 6, 8)])),
@@ -288,7 +297,13 @@ SAMPLES: list[tuple[str, str, Recipe]] = [
                                         [x(4, 6, 16), x(4, 6, 16), x(4, 6, 16)])),
     ("MultiheadAttention", "kdim_vdim", lambda: (nn.MultiheadAttention(16, 4, kdim=8, vdim=12),
                                                  [x(6, 4, 16), x(5, 4, 8), x(5, 4, 12)])),
+    ("MultiheadAttention", "causal_padding_masks", lambda: (
+        Compose(nn.MultiheadAttention(16, 4, batch_first=True), _masked_attention),
+        [x(4, 6, 16), tgt(torch.tensor([[False] * 6, [False] * 6, [False] * 4 + [True] * 2, [False] * 5 + [True]]))])),
     ("TransformerEncoderLayer", "", lambda: (_enc_layer(), [x(4, 6, 16)])),
+    ("TransformerEncoderLayer", "norm_first_gelu", lambda: (
+        nn.TransformerEncoderLayer(16, 4, 32, dropout=0.0, activation="gelu", batch_first=True, norm_first=True),
+        [x(4, 6, 16)])),
     ("TransformerDecoderLayer", "", lambda: (_dec_layer(), [x(4, 6, 16), x(4, 5, 16)])),
     ("TransformerEncoder", "", lambda: (nn.TransformerEncoder(_enc_layer(), 2, enable_nested_tensor=False),
                                         [x(4, 6, 16)])),

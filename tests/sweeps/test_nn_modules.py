@@ -1,9 +1,10 @@
 """The torch.nn module sweep (issue 11): every buildable torch.nn module trains like one device.
 
 Each sample of ``nn_catalog.SAMPLES`` is traced, planned on mesh (2,) with nearly free links and
-NO replicate fallback, and trained one step on 2 real gloo processes: the loss and every
-parameter gradient (the module's own and the learnable input gains) equal the single-device
-values (rtol 1e-4, atol 1e-6, float64).
+NO replicate fallback, and trained one step on 2 real gloo processes: the loss, every
+parameter gradient (the module's own and the learnable input gains) and the buffers the step
+updates (batch-norm running statistics) equal the single-device values (rtol 1e-4, atol 1e-6,
+float64).
 
 Acceptance: at least 95% of the samples plan without fallback and match. The others are listed
 in ``NOT_STRICT`` with the reason; each must still match with ``allow_replicate_fallback=True``
