@@ -21,7 +21,9 @@ is then run on the sample's real tensors (an ``fx.Interpreter``) to record each 
 arguments, and every node whose overload has a rule yields one ``Sample`` with those arguments
 (a sample whose function is a Python composite of several ops checks each ruled piece).
 
-Tracing costs ~40 ms a sample, so names prune first: an OpInfo is traced only if an ATen packet
+Export's fixed cost (~40 ms) dominates on such small calls, so the samples are traced in
+batches of a few dozen calls per module (a batch that fails is bisected down to the culprit),
+and names prune first: an OpInfo is traced only if an ATen packet
 named like it (``aten_name``, ``name``, its last dotted part, ``name`` with dots as underscores,
 its aliases) has an overload with a rule, or if no packet is named like it at all (its function
 may reach any op: ``float`` -> ``_to_copy``, ``__rsub__`` -> ``rsub``). An OpInfo whose namesake
@@ -62,7 +64,7 @@ class OpInfoSample:
     source: str  # OpInfo name, with ".variant" when it has one
     index: int
     direct: bool  # the node read only the sample's own tensors (not an intermediate value)
-    quirk: str = ""  # "random" (two calls differ) or "nonfinite" (NaN/inf in the reference)
+    quirk: str = ""  # "random" or "nonfinite": cannot be compared whatever the strategy (``quirk``)
 
     @property
     def even(self) -> bool:
@@ -77,7 +79,7 @@ class Collection:
     samples: dict[Any, list[OpInfoSample]] = field(default_factory=dict)
     traced: int = 0  # OpInfo samples traced
     mapped_opinfos: set[str] = field(default_factory=set)  # OpInfos that reached a ruled op
-    trace_failures: dict[str, str] = field(default_factory=dict)  # OpInfo -> first error
+    trace_failures: dict[str, str] = field(default_factory=dict)  # OpInfo -> first error (untraced)
 
     def add(self, item: OpInfoSample) -> None:
         self.samples.setdefault(item.target, []).append(item)
@@ -268,7 +270,8 @@ def _call_index(module_path: str) -> int:
     return int(parts[1])
 
 
-def _first_samples(opinfo: Any, limit: int, window: int = 24) -> Iterator[tuple[int, Any]]:
+def _first_samples(opinfo: Any, limit: int, failures: dict[str, str],
+                   window: int = 24) -> Iterator[tuple[int, Any]]:
     """Up to ``limit`` small float64 samples among the first ``window`` of ``opinfo``, those
     with the most even dims first (OpInfo starts with 0-d and 1-d samples; a reduction over a
     (2,) vector leaves nothing to split, a (3, 2, 1, 2) input leaves a dim to split)."""
@@ -282,8 +285,8 @@ def _first_samples(opinfo: Any, limit: int, window: int = 24) -> Iterator[tuple[
                 continue
             even = sum(d % 2 == 0 and d >= 2 for t in tensors for d in t.shape)
             picked.append((-even, i, s))
-    except Exception:  # noqa: BLE001 - a generator that fails on CPU/float64 offers nothing
-        pass
+    except Exception as exc:  # noqa: BLE001 - a generator that fails on CPU/float64: recorded
+        failures.setdefault(full_name(opinfo), f"sample_inputs: {type(exc).__name__}: {exc}".splitlines()[0])
     picked.sort(key=operator.itemgetter(0, 1))
     for _, i, s in picked[:limit]:
         yield i, s
@@ -308,11 +311,12 @@ def collect(*, per_opinfo: int = 3, per_op: int = 3, batch: int = 24, seed: int 
     # reproducible (same values, same failures) without touching the caller's random state.
     with torch.random.fork_rng():
         torch.manual_seed(seed)
-        pending = [_Pending(opinfo, i, s) for opinfo in db for i, s in _first_samples(opinfo, per_opinfo)]
+        pending = [_Pending(opinfo, i, s) for opinfo in db
+                   for i, s in _first_samples(opinfo, per_opinfo, found.trace_failures)]
         found.traced = len(pending)
         for start in range(0, len(pending), batch):
             everything += _traced_or_bisected(pending[start:start + batch], lookup, found.trace_failures)
-        everything = [dataclasses.replace(item, quirk=quirk(item.target, item.sample)) for item in everything]
+        everything = [dataclasses.replace(item, quirk=_quirk_or_blank(item)) for item in everything]
     # Stable sort: within a preference class, op_db's order.
     everything.sort(key=prefer or preference)
     bucket = bucket or (lambda item: item.target)
@@ -360,6 +364,13 @@ def quirk(target: Any, sample: Sample) -> str:
            for v in runs[0]):
         return "nonfinite"
     return ""
+
+
+def _quirk_or_blank(item: OpInfoSample) -> str:
+    try:
+        return quirk(item.target, item.sample)
+    except Exception:  # noqa: BLE001 - the op fails on its own arguments: its test says how
+        return ""
 
 
 def info_of(item: OpInfoSample) -> OpInfo:

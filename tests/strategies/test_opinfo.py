@@ -184,6 +184,9 @@ def test_the_sweep_is_not_vacuous():
              for src in sorted({s for s, _ in table})]
     print(f"\n{opinfo.describe(FOUND)}\nsharded candidates checked on {MESHES} (even), only on an odd mesh "
           f"(odd), replication only (none), by rule source:\n" + "\n".join(lines) + f"\n  none: {none}")
-    if not os.environ.get("AUTOPAR_OPINFO"):
-        assert len(FOUND.samples) >= 100, opinfo.describe(FOUND)
-    assert len(none) <= len(kinds) // 10, f"no sharded candidate checked for: {none}"
+    if os.environ.get("AUTOPAR_OPINFO"):
+        return  # a restricted sweep: the counts above are the report
+    assert len(FOUND.samples) >= 100, opinfo.describe(FOUND)
+    # ~9% today: random ops, reductions over every dim, DTensor-derived rules whose candidates
+    # are admitted only on even sizes; the bound leaves room for new ops of those kinds.
+    assert len(none) <= len(kinds) * 15 // 100, f"no sharded candidate checked for: {none}"
