@@ -300,8 +300,9 @@ def collect(*, per_opinfo: int = 3, per_op: int = 3, batch: int = 24, seed: int 
     ``per_opinfo``: samples traced per OpInfo; ``batch``: samples traced in one export;
     ``per_op``: samples kept per bucket, where ``bucket(item)`` (default: the overload) groups
     them (the test keys expected failures by overload, OpInfo or quirk: each such group gets
-    its own samples); the first ones by ``prefer(item)`` (a sort key, default ``preference``)
-    are kept. Samples with a ``quirk`` are kept only for ops that have no other sample.
+    its own samples); the best ones by ``prefer(item) -> (class, tiebreak)`` (default
+    ``preference``) are kept, from different OpInfos where the best class allows. Samples with a
+    ``quirk`` are kept only for ops that have no other sample.
     """
     lookup = rule_lookup()
     db = candidate_opinfos(op_db() if opinfos is None else opinfos, lookup)
@@ -317,25 +318,39 @@ def collect(*, per_opinfo: int = 3, per_op: int = 3, batch: int = 24, seed: int 
         for start in range(0, len(pending), batch):
             everything += _traced_or_bisected(pending[start:start + batch], lookup, found.trace_failures)
         everything = [dataclasses.replace(item, quirk=_quirk_or_blank(item)) for item in everything]
-    # Stable sort: within a preference class, op_db's order.
-    everything.sort(key=prefer or preference)
+    prefer = prefer or preference
     bucket = bucket or (lambda item: item.target)
-    kept: dict[Any, int] = {}
     checkable = {item.target for item in everything if not item.quirk}
+    by_bucket: dict[Any, list[OpInfoSample]] = {}
     for item in everything:
         if item.quirk and item.target in checkable:
             continue  # other samples check this op; this one cannot be compared anyway
-        key = bucket(item)
-        if kept.get(key, 0) < per_op:
-            kept[key] = kept.get(key, 0) + 1
+        by_bucket.setdefault(bucket(item), []).append(item)
+    for items in by_bucket.values():
+        for item in _diverse(items, prefer, per_op):
             found.add(item)
     return found
 
 
+def _diverse(items: list[OpInfoSample], prefer: Callable[[OpInfoSample], Any], n: int) -> list[OpInfoSample]:
+    """The ``n`` best items by ``prefer(item) = (class, tiebreak)``; within the best class, one
+    per OpInfo first (``float``, ``half`` and ``double`` all reach ``to.dtype``: a bug may show
+    on one only)."""
+    ranked = sorted(items, key=prefer)  # stable: op_db's order within equal keys
+    best = prefer(ranked[0])[0]
+    picked, sources = [], set()
+    for item in ranked:
+        if prefer(item)[0] == best and item.source not in sources:
+            picked.append(item)
+            sources.add(item.source)
+    picked += [item for item in ranked if all(item is not p for p in picked)]
+    return sorted(picked[:n], key=prefer)
+
+
 def preference(item: OpInfoSample) -> tuple:
-    """Samples without a ``quirk`` first, then those that call the op on the sample's own
-    tensors, then those with an even dim (so a 2-way split may exist)."""
-    return item.quirk != "", not item.direct, not item.even
+    """``(class, tiebreak)``: samples without a ``quirk`` first, then those that call the op on
+    the sample's own tensors, then those with an even dim (so a 2-way split may exist)."""
+    return (item.quirk != "",), (not item.direct, not item.even)
 
 
 def quirk(target: Any, sample: Sample) -> str:
