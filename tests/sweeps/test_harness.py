@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import harness
+from . import e2e, harness
 
 
 class Tagged(nn.Module):
@@ -42,7 +42,7 @@ def entry(name: str, model_cls=Tagged) -> harness.Entry:
 @pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_hung_and_raising_entries_are_reported_and_the_others_still_run(monkeypatch):
-    real = harness.check_e2e
+    real = e2e.check_e2e
 
     def check(model, traced, plan, inputs, ref, *, exact=True):
         if model.tag == "hangs" and dist.get_rank() == 0:
@@ -51,7 +51,7 @@ def test_hung_and_raising_entries_are_reported_and_the_others_still_run(monkeypa
             raise NotImplementedError("no kernel for this layout")
         return real(model, traced, plan, inputs, ref, exact=exact)
 
-    monkeypatch.setattr(harness, "check_e2e", check)  # forked ranks inherit the patch
+    monkeypatch.setattr(e2e, "check_e2e", check)  # forked ranks inherit the patch
     entries = [entry("first"), entry("hangs"), entry("raises"), entry("last"),
                entry("traces_not", DataDependent)]
     start = time.perf_counter()
