@@ -122,6 +122,11 @@ def _ctc(m, log_probs, targets, input_lengths, target_lengths):
     return m(log_probs.log_softmax(2), targets, input_lengths, target_lengths)
 
 
+def _ctc_int_lengths(m, log_probs, targets):
+    # lengths as Python ints: the loss's shapes no longer depend on tensor values
+    return m(log_probs.log_softmax(2), targets, [12, 12, 12, 12], [4, 3, 4, 2])
+
+
 def _pool_unpool(pool) -> Callable:
     return lambda m, v: m(*pool(v, 2, return_indices=True))
 
@@ -349,6 +354,7 @@ SAMPLES: list[tuple[str, str, Recipe]] = [
                                                    [x(4, 8), x(4, 8), x(4, 8)])),
     ("CTCLoss", "", lambda: (Compose(nn.CTCLoss(), _ctc), [
         x(12, 4, 6), torch.randint(1, 6, (4, 4)), tgt(torch.full((4,), 12)), tgt(torch.tensor([4, 3, 4, 2]))])),
+    ("CTCLoss", "int_lengths", lambda: (Compose(nn.CTCLoss(), _ctc_int_lengths), [x(12, 4, 6), torch.randint(1, 6, (4, 4))])),
     ("LinearCrossEntropyLoss", "", lambda: (nn.LinearCrossEntropyLoss(8, 16), [x(4, 8), idx(16, 4)])),
     ("AdaptiveLogSoftmaxWithLoss", "", lambda: (nn.AdaptiveLogSoftmaxWithLoss(8, 16, [4, 8]),
                                                 [x(4, 8), idx(16, 4)])),

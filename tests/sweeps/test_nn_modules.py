@@ -29,6 +29,8 @@ NOT_STRICT: dict[str, str] = {
                        "computing; the tracer reports it (TraceError)",
     "CTCLoss": "data-dependent output shape: aten._ctc_loss with tensor lengths sizes its "
                "alignment buffer by the lengths' values (TraceError)",
+    "CTCLoss[int_lengths]": "aten._ctc_loss has no fake-tensor kernel, so even with Python-int "
+                            "lengths its output shape is data-dependent to the tracer (TraceError)",
     "AdaptiveLogSoftmaxWithLoss": "data-dependent: it routes each target to its cluster with "
                                   "nonzero() and indexes rows by the result (TraceError)",
 }
