@@ -120,11 +120,17 @@ def _scalar_tensor(info: OpInfo) -> list[AxisOption]:
 
 
 # ------------------------------------------------------------------------------- casts
+def _widening(src: torch.dtype, dst: torch.dtype) -> bool:
+    """Whether casting ``src`` to ``dst`` is exact, so that the cast of a pending sum's summands
+    adds up to the cast of the sum (a narrowing cast rounds every summand on its own)."""
+    return dst.is_floating_point and torch.promote_types(src, dst) == dst
+
+
 def _elementwise_rule(*, partial: bool):
     def rule(info: OpInfo) -> list[AxisOption]:
         name = info.slots[0].arg  # "self" for casts, "input" for dropout
         options = [info.option(Shard(d), **{name: Shard(d)}) for d in range(info.slots[0].meta.ndim)]
-        if partial:
+        if partial and _widening(info.slots[0].meta.dtype, info.output.dtype):
             options.append(info.option(P, work_split=False, **{name: P}))
         return options
 
@@ -139,11 +145,13 @@ _CPU = torch.device("cpu")
 def _cast_samples(**kwargs) -> callable:
     return lambda: [Sample((rand(4, 8),), dict(kwargs, dtype=torch.float64), "same-dtype"),
                     Sample((ints(10, 4, 8),), dict(kwargs, dtype=torch.float64), "int-to-float"),
-                    Sample((rand(4, 8) * 10,), dict(kwargs, dtype=torch.int64), "float-to-int")]
+                    Sample((rand(4, 8) * 10,), dict(kwargs, dtype=torch.int64), "float-to-int"),
+                    Sample((rand(4, 8) * 10,), dict(kwargs, dtype=torch.bfloat16), "narrowing")]
 
 
 register(aten.to.dtype, samples=lambda: [Sample((rand(4, 8), torch.float64)),
-                                         Sample((rand(4, 8) * 10, torch.int32), label="to-int")])(
+                                         Sample((rand(4, 8) * 10, torch.int32), label="to-int"),
+                                         Sample((rand(4, 8) * 10, torch.float16), label="narrowing")])(
     _elementwise_rule(partial=True))
 register(aten.to.dtype_layout, samples=_cast_samples(layout=torch.strided, device=_CPU))(_elementwise_rule(partial=True))
 register(aten._to_copy.default, samples=_cast_samples())(_elementwise_rule(partial=True))

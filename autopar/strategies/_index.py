@@ -128,6 +128,8 @@ def _gather(info: OpInfo) -> list[AxisOption]:
 @register(aten.index_select.default, samples=lambda: [Sample((rand(4, 8), 1, ints(8, 4))),
                                                      Sample((rand(8, 4), 0, ints(8, 8)))])
 def _index_select(info: OpInfo) -> list[AxisOption]:
+    if info.input("self").ndim == 0:  # a 0-d self: nothing to split
+        return []
     dim = info.arg("dim") % info.input("self").ndim
     return _untouched_dims(info, [dim]) + [info.option(Shard(dim), index=Shard(0))]
 

@@ -313,4 +313,7 @@ def _random_sample(info: OpInfo):
     for a in info.target._schema.arguments:
         (kwargs.__setitem__(a.name, make(info.bound.get(a.name))) if a.kwarg_only
          else args.append(make(info.bound.get(a.name))))
-    return Sample(tuple(args), kwargs, "admission")
+    # Tensors the op writes in place (running statistics) take no gradient.
+    written = tuple(a.name for a in info.target._schema.arguments
+                    if a.alias_info is not None and a.alias_info.is_write)
+    return Sample(tuple(args), kwargs, "admission", no_grad=written)

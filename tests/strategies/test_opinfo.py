@@ -12,7 +12,7 @@ Expected failures are listed in ``XFAIL`` with their reason, keyed by
 - ``"<overload>"``: every sample of the op;
 - ``"<overload>@<OpInfo name>"`` or ``"<overload>@<OpInfo name>[<sample index>]"``: the samples
   from that OpInfo (or that one sample) only; the op's other samples are still checked;
-- ``"<overload>@random"`` / ``"<overload>@nonfinite"``: samples that cannot be compared whatever
+- ``"<overload>@random"``: samples that cannot be compared whatever
   the strategy (``opinfo.quirk``), kept only for ops that have no other sample; such a sample
   fails its own test until it is listed.
 Entries are strict xfails: one that passes fails the run, and one that matches no sample fails
@@ -43,12 +43,7 @@ ODD_MESHES = [(3,), (5,)]
 _RANDOM = ("random: the op draws from the global generator, so the reference and every simulated rank "
            "draw different numbers (even the replicated strategy differs); a sharded random op needs a "
            "coordinated generator, which check.py does not model")
-_NONFINITE = ("the sample's reference holds NaN/inf (the function is undefined on part of OpInfo's "
-              "[-9, 9] inputs); check.py compares with torch.allclose(equal_nan=False), so even the "
-              "replicated strategy 'differs'")
 
-_NARROWING_CAST = ("rule bug: _factory.py's cast rule offers P -> P for every float cast, but a narrowing "
-                   "cast rounds each partial summand, so the sum of the casts is not the cast of the sum")
 
 XFAIL: dict[str, str] = {
     # Random ops (OpInfo samples on which two calls differ; quirk "random").
@@ -59,19 +54,9 @@ XFAIL: dict[str, str] = {
     "aten.multinomial.default@random": _RANDOM,
     "aten.normal_.default@random": _RANDOM,
     "aten.uniform_.default@random": _RANDOM,
-    # Undefined values in OpInfo's samples (quirk "nonfinite").
-    "aten.igamma.default@nonfinite": _NONFINITE,
-    "aten.igammac.default@nonfinite": _NONFINITE,
-    "aten.special_zeta.default@nonfinite": _NONFINITE,
     # The reference itself cannot be computed.
     "aten.linalg_eig.default": "reference backward raises: the gradient of complex eigenvectors is defined only "
                                "for losses invariant to their phase, and check.py draws a random output gradient",
-    # Rule bugs found by this sweep (reported; remove the entry with the fix).
-    "aten.index_select.default@index_select[0]": "rule bug: _index.py _index_select computes dim % ndim and "
-                                                 "raises ZeroDivisionError on a 0-d self",
-    "aten.to.dtype@bfloat16": _NARROWING_CAST + " (bfloat16: 0.03 on values of ~9)",
-    "aten.to.dtype@half": _NARROWING_CAST + " (float16: 0.004)",
-    "aten.to.dtype@float": _NARROWING_CAST + " (float32: 5e-7 on one of the samples)",
 }
 
 
