@@ -45,8 +45,9 @@ def group_failures(results: Sequence[Result]) -> dict[str, list[str]]:
                 elif m.errors:
                     first = m.errors[0]
                     kind = "e2e raised" if first.startswith(("raised", "hung", "the launch")) else "e2e mismatch"
-                    keys.append(f"{kind} ({'strict' if m.strict else 'fallback'} plan): "
-                                + (first[:160] if kind == "e2e raised" else first.split(":")[0].split(" ")[0]))
+                    # a mismatch is grouped by what differs (loss / grad / buffer), not by name
+                    what = first[:160] if kind == "e2e raised" else first.split(" ")[0] + " differs"
+                    keys.append(f"{kind} ({'strict' if m.strict else 'fallback'} plan): {what}")
         for k in dict.fromkeys(keys):
             groups.setdefault(k, []).append(r.name)
     return dict(sorted(groups.items(), key=lambda kv: -len(kv[1])))
