@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import gc
 import multiprocessing as mp
 import multiprocessing.connection as mp_connection
 import os
@@ -284,7 +285,11 @@ class _Planner:
         while len(self.running) >= self.jobs:
             self._collect(block=True)
         parent, child = self.ctx.Pipe(duplex=False)
-        proc = self.ctx.Process(target=_plan_child, args=(prep.traced, prof, self.meshes, prep.entry.focus, child), daemon=True)
+        # Frozen objects are never visited by the child's garbage collector, so the child does
+        # not copy the parent's whole heap page by page (copy-on-write) when it collects.
+        gc.freeze()
+        proc = self.ctx.Process(target=_plan_child, args=(prep.traced, prof, self.meshes, prep.entry.focus, child),
+                                daemon=True)
         proc.start()
         child.close()
         self.running[parent] = (proc, prep, time.perf_counter())
@@ -350,10 +355,13 @@ def sweep(entries: Sequence[Entry], meshes: Sequence[Mesh], *, task_timeout: flo
                 progress(f"traced {entry.name} in {prep.result.prep_s:.2f} s")
         traced_at = time.perf_counter()
         planner.finish()
+        torch.set_num_threads(threads)
+        planned_at = time.perf_counter()
+        gc.freeze()  # as for the planning processes: ranks forked next share the parent's pages
+        run_e2e(preps, meshes, task_timeout=task_timeout)
     finally:
         torch.set_num_threads(threads)
-    planned_at = time.perf_counter()
-    run_e2e(preps, meshes, task_timeout=task_timeout)
+        gc.unfreeze()  # the sweep's objects are collectable again once the caller drops them
     if progress:
         progress(f"sweep of {len(preps)}: traced by {traced_at - start:.1f} s, planned by "
                  f"{planned_at - start:.1f} s, end to end {time.perf_counter() - planned_at:.1f} s")
