@@ -96,3 +96,27 @@ for _n, (_max, _max_idx, _avg, _adaptive_avg, _adaptive_max) in {
     _register(_avg.default, _avg_samples, linear=True, num_spatial=_n)
     _register(_adaptive_avg.default, _adaptive_samples, linear=True, num_spatial=_n)
     _register(_adaptive_max.default, _adaptive_samples, linear=False, num_spatial=_n)
+
+
+# ------------------------------------------------------------------------- fractional max pool
+# ``fractional_max_poolNd(self (N, C, *spatial), kernel_size, output_size, random_samples (N, C, n))``:
+# the pseudo-random window offsets are an INPUT, one row per (sample, channel) plane, so a batch or
+# channel split that splits ``random_samples`` alike is exact (both outputs follow).
+def _fractional_rule(info: OpInfo) -> list[AxisOption]:
+    num_spatial = len(info.arg("output_size"))
+    if info.input("self").ndim != num_spatial + 2:
+        return []  # unbatched: (C, *spatial) with samples (1, C, n) -- only channels could split
+    return [info.option((Shard(d), Shard(d)), self=Shard(d), random_samples=Shard(d)) for d in (0, 1)]
+
+
+def _fractional_samples(n: int):
+    def samples() -> list[Sample]:
+        gen = torch.Generator().manual_seed(7)
+        offsets = torch.rand(4, 4, n, generator=gen, dtype=torch.float64)
+        return [Sample((rand(4, 4, *(8,) * n), [2] * n, [4] * n, offsets), label=f"{n}d",
+                       no_grad=("random_samples",))]
+    return samples
+
+
+register(aten.fractional_max_pool2d.default, samples=_fractional_samples(2))(_fractional_rule)
+register(aten.fractional_max_pool3d.default, samples=_fractional_samples(3))(_fractional_rule)

@@ -35,7 +35,7 @@ __all__ = ["SimWorld", "SimComm", "run_spmd", "check_strategy", "StrategyMismatc
 
 _BARRIER_TIMEOUT_S = 30.0
 # Ops whose output values are undefined (uninitialised memory): only shapes are compared.
-UNINITIALIZED = frozenset({torch.ops.aten.empty_like.default})
+UNINITIALIZED = frozenset({torch.ops.aten.empty_like.default, torch.ops.aten.empty.memory_format})
 
 
 class StrategyMismatch(AssertionError):

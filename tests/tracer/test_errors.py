@@ -212,3 +212,19 @@ def test_failed_trace_in_a_fresh_process_says_only_the_trace_error():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stderr == "", out.stderr[-2000:]
     assert out.stdout.startswith("cannot trace Linear: RuntimeError") and "hint:" in out.stdout
+
+
+def test_a_forward_that_writes_a_parameter_is_a_clear_trace_error():
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(16, 8, max_norm=1.0)  # renormalises its rows in forward
+
+        def forward(self, ids):
+            return self.emb(ids).sum()
+
+    with pytest.raises(TraceError) as info:
+        trace(Net(), (torch.randint(0, 16, (4, 5)),))
+    err = info.value
+    assert "writes parameter 'emb.weight' in place" in str(err)
+    assert err.op == "aten.embedding_renorm_.default" and err.module_path == "emb" and "max_norm" in err.hint
