@@ -152,8 +152,9 @@ def _all_to_all(x: torch.Tensor, src_dim: int, dst_dim: int, ax: _Axis) -> torch
             f"all-to-all on {ax}: bad dims S{src_dim}->S{dst_dim} for local shape {tuple(x.shape)}"
         )
     _check_divisible(x, dst_dim, ax, "all-to-all")
-    send = torch.stack(x.chunk(ax.size, dim=dst_dim))  # (size, *chunk shape), contiguous
-    recv = torch.empty_like(send)
+    # (size, *chunk shape); stack keeps a channels-last input's memory format: force contiguous
+    send = torch.stack(x.chunk(ax.size, dim=dst_dim)).contiguous()
+    recv = torch.empty_like(send, memory_format=torch.contiguous_format)
     _record("all_to_all")
     dist.all_to_all_single(recv, send, group=ax.group)
     return torch.cat(recv.unbind(0), dim=src_dim)

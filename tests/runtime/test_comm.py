@@ -285,3 +285,19 @@ def test_every_planned_conversion_on_gloo(mesh_shape):
         assert by_pair[((4, 8), "S0R", "S1R")] == ({"all_to_all": 1}, {"all_to_all": 1})
         assert by_pair[((4, 8), "RS1", "RS0")] == ({"all_to_all": 1}, {"all_to_all": 1})
         assert by_pair[((4, 8), "PR", "S0R")] == ({"reduce_scatter": 1}, {"all_gather": 1})
+
+
+def test_all_to_all_of_a_channels_last_shard():
+    """A channels-last activation (ConvNext, GPT-J's rotary interleave) reaches the all-to-all with
+    non-contiguous strides; torch.stack keeps that memory format and gloo refuses it."""
+    def body(rank, world):
+        pm = ProcessMesh.from_spec(MeshSpec.preset("cpu", (2,)), device_type="cpu")
+        full = torch.arange(4 * 4 * 2 * 2, dtype=torch.float64).reshape(4, 4, 2, 2)
+        x = comm.distribute(full, TensorSpec.parse("S0"), pm).contiguous(memory_format=torch.channels_last)
+        x.requires_grad_()
+        y = comm.apply_steps(x, [_step("all_to_all", 0, src=0, dst=1)], pm, src=TensorSpec.parse("S0"))
+        y.backward(torch.ones_like(y))
+        want = full[:, rank * 2:(rank + 1) * 2]
+        return torch.equal(y.detach(), want) and torch.equal(x.grad, torch.ones_like(x))
+
+    assert run_local(body, 2, timeout=120) == [True, True]
