@@ -80,7 +80,6 @@ def test_missing_rule_names_op_node_and_module():
 
 
 def test_foreign_op_by_name_when_its_library_is_loaded():
-    pytest.importorskip("transformers")
     import transformers.integrations.moe  # noqa: F401 - registers transformers::grouped_mm_fallback
 
     target = torch.ops.transformers.grouped_mm_fallback.default

@@ -370,7 +370,7 @@ def sweep(entries: Sequence[Entry], meshes: Sequence[Mesh], *, task_timeout: flo
 
 def __getattr__(name: str):
     """The reporting helpers live in ``report`` (imported lazily: it imports ``Result``)."""
-    if name in ("format_table", "group_failures", "format_failures"):
+    if name in ("format_table", "group_failures", "format_failures", "replicated_plans"):
         from . import report
 
         return getattr(report, name)

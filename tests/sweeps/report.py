@@ -58,3 +58,10 @@ def format_failures(results: Sequence[Result]) -> str:
     for cause, names in group_failures(results).items():
         lines.append(f"[{len(names)}] {cause}: {', '.join(names)}")
     return "\n".join(lines)
+
+
+def replicated_plans(results: dict[str, Result]) -> list[str]:
+    """Entries that planned strictly but kept every op replicated on some mesh: no rule was
+    exercised there (the sweep mesh prices compute far above communication to prevent it)."""
+    return [f"{name} on mesh {', '.join(r.replicated_meshes)}" for name, r in results.items()
+            if r.strict_ok and r.replicated_meshes]

@@ -85,8 +85,7 @@ def test_samples_plan_without_fallback_and_match_one_device(results):
 def test_plans_split_the_module_ops(results):
     """The sweep mesh prices compute far above communication, so a plan that keeps every op of
     the module replicated means no rule was exercised: the sample's sizes must change."""
-    replicated = [f"{name} on mesh {', '.join(r.replicated_meshes)}" for name, r in results.items()
-                  if r.strict_ok and r.replicated_meshes]
+    replicated = harness.replicated_plans(results)
     assert not replicated, "plans that replicate every op of the module:\n" + "\n".join(replicated)
 
 

@@ -85,8 +85,7 @@ def test_architectures_plan_without_fallback_and_match_one_device(results):
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
 def test_plans_split_the_model(results):
-    replicated = [f"{name} on mesh {', '.join(r.replicated_meshes)}" for name, r in results.items()
-                  if r.strict_ok and r.replicated_meshes]
+    replicated = harness.replicated_plans(results)
     assert not replicated, "plans that replicate every op:\n" + "\n".join(replicated)
 
 
