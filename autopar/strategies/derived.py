@@ -275,7 +275,6 @@ def _admitted(info: OpInfo, options: list[AxisOption]) -> list[AxisOption]:
 def _passes(info: OpInfo, option: AxisOption) -> bool:
     from .check import StrategyMismatch, check_strategy, reference
     from .expand import _build, _normalise
-    from .registry import Sample
     from ..mesh import MeshSpec
 
     if sum(s.meta.numel for s in info.slots if s.meta is not None) > _ADMISSION_NUMEL:

@@ -27,11 +27,13 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
+from .graph import MODULE_KEY
+
 __all__ = ["decompose_graph", "DECOMPOSED_KEY"]
 
 DECOMPOSED_KEY = "autopar_decomposed_from"  # meta key: the op a node's decomposition came from
 _MAX_ROUNDS = 6
-_COPIED_META = ("autopar_module", "nn_module_stack", "stack_trace", "source_fn_stack", "seq_nr")
+_COPIED_META = (MODULE_KEY, "nn_module_stack", "stack_trace", "source_fn_stack", "seq_nr")
 
 
 def decompose_graph(gm: fx.GraphModule, decompose_if: Callable[[Any], bool]) -> dict[str, tuple[str, ...]]:
