@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml $(wildcard csrc/*.c)
 setup: $(STAMP)
 
 demo: $(STAMP)
-	$(PY) -m autopar.demo
+	$(PY) -m autopar.cli.demo
 
 # pytest exits 5 when it collects nothing; make propagates any non-zero status, so that fails too.
 test: $(STAMP)

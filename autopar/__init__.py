@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import importlib
 
-from .mesh import MeshSpec
-from .spec import Partial, Replicate, Shard, TensorSpec
+from autopar.layout.mesh import MeshSpec
+from autopar.layout.placement import Partial, Replicate, Shard, TensorSpec
 
 __version__ = "0.1.0"
 
@@ -21,9 +21,10 @@ _LAZY = {
     "TracedGraph": "autopar.tracer",
     "plan": "autopar.api",
     "Plan": "autopar.plans",
-    "autoparallelize": "autopar.runtime.api",
+    "autoparallelize": "autopar.runtime.build",
     "AutoParallelModule": "autopar.runtime.module",
     "clip_grad_norm_": "autopar.runtime.module",
+    "profile_mesh": "autopar.runtime.mesh_profile",
 }
 
 __all__ = ["MeshSpec", "TensorSpec", "Shard", "Replicate", "Partial", *_LAZY]

@@ -13,8 +13,8 @@ import time
 from contextlib import contextmanager
 from typing import Any, Callable, Sequence
 
-from .mesh import MeshSpec, parse_bytes
-from .plans import BaselineResult, Estimate, NodePlan, Plan
+from autopar.layout.mesh import MeshSpec, parse_bytes
+from autopar.plans import BaselineResult, Estimate, NodePlan, Plan
 
 __all__ = ["plan", "plan_graph", "Progress"]
 
@@ -62,10 +62,10 @@ def plan(
     ``traced``, ``profile``, ``built`` and ``solution`` (for reports that need per-node data).
     ``checkpoint``: activation recompute planning, ``"auto"`` (the faster of the joint ILP +
     Rotor refinement and Rotor alone; nothing when the budget cannot bind), ``"ilp"``,
-    ``"rotor"``, ``"both"`` or ``"none"`` (see ``autopar.checkpointing``)."""
-    from .strategies import needs_decomposition
-    from .tracer import profile as profile_graph
-    from .tracer import trace
+    ``"rotor"``, ``"both"`` or ``"none"`` (see ``autopar.planner.checkpointing``)."""
+    from autopar.strategies import needs_decomposition
+    from autopar.tracer import profile as profile_graph
+    from autopar.tracer import trace
 
     progress = progress or Progress(verbose)
     with progress.stage("trace"):
@@ -96,7 +96,7 @@ def plan_graph(
     checkpoint: str = "auto",
 ) -> Plan:
     """``plan`` from an existing trace and profile (one trace serves many meshes and budgets)."""
-    from .builder import BuildOptions, build_problem
+    from autopar.planner.builder import BuildOptions, build_problem
 
     mesh = MeshSpec.coerce(mesh, device=device)
     budget = mesh.mem_capacity if memory_budget is None else parse_bytes(memory_budget)
@@ -105,7 +105,7 @@ def plan_graph(
                            allow_replicate_fallback=allow_replicate_fallback)
     with progress.stage("strategies", f"{sum(1 for _ in traced.compute_nodes())} ops on mesh {mesh}"):
         built = build_problem(traced, prof, mesh, budget_bytes=budget, options=options)
-    from .checkpointing import plan_recompute
+    from autopar.planner.checkpointing import plan_recompute
 
     rc = plan_recompute(traced, prof, built, mode=checkpoint, solver=solver, time_limit=time_limit,
                         solve_plain=lambda p: _solve(p, solver=solver, time_limit=time_limit,
@@ -130,20 +130,20 @@ def plan_graph(
 
 # ----------------------------------------------------------------------------------- helpers
 def _solve(problem, *, solver, time_limit, progress, stage):
-    from .solver.ilp import solve
+    from autopar.solver.ilp import solve
 
     with progress.stage(stage, f"{problem.num_nodes} decisions, {problem.num_edges} edges"):
         return solve(problem, solver=solver, time_limit=time_limit)
 
 
 def _applicable_baselines(num_axes: int) -> list[str]:
-    from .baselines import BASELINES, baseline_roles
+    from autopar.planner.baselines import BASELINES, baseline_roles
 
     return [b for b in BASELINES if baseline_roles(b, num_axes) is not None]
 
 
 def _baseline(name, traced, built, mesh, solver, time_limit, progress) -> BaselineResult:
-    from .baselines import baseline_roles, make_restriction
+    from autopar.planner.baselines import baseline_roles, make_restriction
 
     try:
         with progress.stage(f"baseline {name}"):
@@ -159,7 +159,7 @@ def _restricted_problem(built, traced, restriction, name: str):
     """``built.problem`` keeping only the options ``restriction`` allows: the problem
     ``build_problem(..., restriction=...)`` builds (same options, costs and liveness), sliced from
     the unrestricted one instead of re-deriving every strategy and conversion cost."""
-    from .solver.problem import Edge, Node, Problem
+    from autopar.solver.problem import Edge, Node, Problem
 
     keep: dict[str, list[int]] = {}
     nodes = []
@@ -200,7 +200,7 @@ def _solver_stats(solution) -> dict:
 
 
 def _node_plans(traced, built, choice: dict[str, str]) -> tuple[NodePlan, ...]:
-    from .tracer.graph import PLACEHOLDER_KEY
+    from autopar.tracer.graph import PLACEHOLDER_KEY
 
     out = []
     for node in built.problem.nodes:

@@ -14,7 +14,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from .mesh import MeshSpec
+from autopar.layout.mesh import MeshSpec
 
 __all__ = ["PLAN_VERSION", "COST_MODEL_VERSION", "NodePlan", "Estimate", "BaselineResult", "RecomputeRegion", "Plan"]
 

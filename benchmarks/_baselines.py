@@ -163,11 +163,11 @@ def ddp_model(hf_model: nn.Module) -> nn.Module:
 
 # --------------------------------------------------------------------- restricted plans
 def restricted_plan(model, inputs, *, mesh, baseline: str = "data-parallel", memory_budget=None):
-    """The best plan within one baseline family (``autopar.baselines``), as a runnable Plan."""
+    """The best plan within one baseline family (``autopar.planner.baselines``), as a runnable Plan."""
     from autopar import api
-    from autopar.baselines import baseline_roles, make_restriction
-    from autopar.builder import BuildOptions, build_problem
-    from autopar.mesh import MeshSpec, parse_bytes
+    from autopar.planner.baselines import baseline_roles, make_restriction
+    from autopar.planner.builder import BuildOptions, build_problem
+    from autopar.layout.mesh import MeshSpec, parse_bytes
     from autopar.plans import Plan
     from autopar.strategies import needs_decomposition
     from autopar.tracer import profile, trace

@@ -25,8 +25,8 @@ import warnings
 
 from autopar import zoo
 from autopar.api import plan_graph
-from autopar.baselines import BASELINES
-from autopar.mesh import MeshSpec
+from autopar.planner.baselines import BASELINES
+from autopar.layout.mesh import MeshSpec
 from autopar.strategies import needs_decomposition
 from autopar.tracer import profile, trace
 

@@ -11,7 +11,7 @@ Then, for GPT-2-tiny (4 layers, batch 8, seq 128, the gloo recompute test's mode
 at budgets of 100/70/50/35% of the no-recompute plan's peak: autopar's plan (``checkpoint="auto"``:
 sharding and recompute together) — estimated step time, overhead versus no recompute, peak, the
 recomputed units — next to uniform per-block checkpointing (every transformer block recomputed,
-sharding re-solved for it) in the same cost model (``autopar.checkpointing.estimate``).
+sharding re-solved for it) in the same cost model (``autopar.planner.checkpointing.estimate``).
 
     .venv/bin/python benchmarks/checkpoint.py [--stages 100] [--slots 500] [--fraction 0.5]
         [--repeats 9] [--python-repeats 1] [--no-gpt2] [--jsonl out.jsonl]
@@ -31,8 +31,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from autopar.solver import checkpoint  # noqa: E402
-from autopar.solver.checkpoint import Chain, Op, min_budget, simulate, solve_rotor  # noqa: E402
+from autopar.solver import rotor as checkpoint  # noqa: E402
+from autopar.solver.rotor import Chain, Op, min_budget, simulate, solve_rotor  # noqa: E402
 
 MiB = 1024**2
 
@@ -69,8 +69,8 @@ def gpt2_tiny_budgets(fractions=(1.0, 0.7, 0.5, 0.35)) -> list[dict]:
 
     from autopar import zoo
     from autopar.api import plan as make_plan
-    from autopar.checkpointing import estimate
-    from autopar.solver.recompute import block_of_segment, solve_recompute
+    from autopar.planner.checkpointing import estimate
+    from autopar.solver.recompute_ilp import block_of_segment, solve_recompute
 
     torch.manual_seed(0)
     model, inputs = zoo.build("gpt2", tiny=True, batch=8, seq=128, num_layers=4, device="cpu")

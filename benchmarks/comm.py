@@ -2,7 +2,7 @@
 
 Each run profiles a fresh ``MeshSpec`` (``profile_mesh`` on a 1-D mesh of ``--procs``
 processes), then times every collective again, independently of the profile, over the sizes
-(64 KiB .. 16 MiB by default) and prints measured vs predicted (``autopar.cost`` with the
+(64 KiB .. 16 MiB by default) and prints measured vs predicted (``autopar.layout.cost`` with the
 fitted alpha/beta) per collective and size, the median ratio per collective and overall.
 
     .venv/bin/python benchmarks/comm.py [--procs 2] [--repeats 7] [--jsonl out.jsonl]
@@ -21,9 +21,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from autopar.cost import collective_seconds  # noqa: E402
+from autopar.layout.cost import collective_seconds  # noqa: E402
 from autopar.runtime.launch import run_local  # noqa: E402
-from autopar.runtime.profile import KINDS, _profile_in_group, measure_axis  # noqa: E402
+from autopar.runtime.mesh_profile import KINDS, _profile_in_group, measure_axis  # noqa: E402
 
 KiB, MiB = 1024, 1024**2
 SIZES = [64 * KiB, 256 * KiB, 1 * MiB, 4 * MiB, 16 * MiB]

@@ -76,8 +76,8 @@ def _sync(device) -> None:
 
 def _bench(rank: int, world: int, args, model, inputs) -> dict:
     from autopar import autoparallelize
-    from autopar.demo import LossOnly
-    from autopar.runtime.api import runtime_device
+    from autopar.cli.demo import LossOnly
+    from autopar.runtime.build import runtime_device
 
     device = runtime_device()
     if device.type == "cuda":

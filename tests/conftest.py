@@ -2,7 +2,7 @@
 
 import pytest
 
-from autopar.mesh import MeshSpec
+from autopar.layout.mesh import MeshSpec
 
 
 @pytest.fixture(params=[(2,), (4,)], ids=lambda s: "x".join(map(str, s)))

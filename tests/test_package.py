@@ -6,8 +6,7 @@ import subprocess
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-TORCH_FREE = [ROOT / "autopar" / "solver", ROOT / "autopar" / "spec.py", ROOT / "autopar" / "mesh.py",
-              ROOT / "autopar" / "cost.py"]
+TORCH_FREE = [ROOT / "autopar" / "solver", ROOT / "autopar" / "layout"]
 
 
 def _imports(path: pathlib.Path) -> set[str]:

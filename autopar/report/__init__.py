@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..plans import Plan
-from .analysis import CommRow, LayerRow, Timeline, comm_breakdown, layer_rows, memory_timeline
+from autopar.plans import Plan
+from autopar.report.analysis import CommRow, LayerRow, Timeline, comm_breakdown, layer_rows, memory_timeline
 
 __all__ = ["Report", "build_report", "render_text", "render_html"]
 
@@ -34,12 +34,12 @@ def build_report(plan: Plan, context: dict) -> Report:
 
 
 def render_text(report: Report, **kwargs) -> str:
-    from .text import render
+    from autopar.report.text import render
 
     return render(report, **kwargs)
 
 
 def render_html(report: Report) -> str:
-    from .html import render
+    from autopar.report.html import render
 
     return render(report)

@@ -5,7 +5,7 @@
 - **communication** per collective kind and mesh axis: the backward all-reduce of every partial
   input gradient and the custom kernels' collectives (inside ops), plus every layout conversion
   on a graph edge, re-planned with ``plan_conversion`` and split into its steps' forward and
-  backward collectives exactly as ``autopar.solver.reshard.step_seconds`` prices them (so the
+  backward collectives exactly as ``autopar.layout.conversion.step_seconds`` prices them (so the
   totals equal the plan's ``comm_s`` and ``reshard_s``);
 - the **memory timeline**: per-device bytes at every point of the forward/backward order;
 - **per-layer rows**: decisions grouped by owning module, repeated blocks collapsed.
@@ -17,10 +17,10 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..builder import BuiltProblem, block_of
-from ..cost import collective_seconds, copy_seconds
-from ..mesh import MeshSpec
-from ..solver.reshard import apply_step
+from autopar.planner.builder import BuiltProblem, block_of
+from autopar.layout.cost import collective_seconds, copy_seconds
+from autopar.layout.mesh import MeshSpec
+from autopar.layout.conversion import apply_step
 
 __all__ = ["CommRow", "Timeline", "LayerRow", "comm_breakdown", "memory_timeline", "layer_rows",
            "axis_label"]

@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 from html import escape
 
-from .text import baseline_rows, block_groups, fmt_bytes, fmt_ms
+from autopar.report.text import baseline_rows, block_groups, fmt_bytes, fmt_ms
 
 __all__ = ["render", "memory_svg"]
 

@@ -1,7 +1,7 @@
 """torch.distributed backing for custom local kernels, and the Megatron "f" gradient all-reduce.
 
 Custom kernels (``autopar.strategies.register_kernel``) talk to other ranks only through the
-``autopar.strategies.comm.Comm`` protocol. :class:`DistComm` implements it on the per-axis
+``autopar.strategies.kernel_context.Comm`` protocol. :class:`DistComm` implements it on the per-axis
 process groups of a :class:`~autopar.runtime.process_mesh.ProcessMesh`, with exactly the
 semantics of the numerical check's thread simulator (``autopar.strategies.check.SimComm``):
 

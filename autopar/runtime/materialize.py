@@ -37,7 +37,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from autopar.runtime.process_mesh import ProcessMesh
-from autopar.spec import TensorSpec
+from autopar.layout.placement import TensorSpec
 from autopar.tracer.graph import PARAMETER, TracedGraph
 
 __all__ = ["local_shards", "slice_local", "MaterializeStats"]

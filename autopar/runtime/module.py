@@ -5,7 +5,7 @@ Contract:
 - ``forward`` takes the original model's inputs (positional or keyword; the FULL global batch,
   identical on every rank) and returns the original output structure (tuple, dict or HF
   ``ModelOutput``) with full, replicated values on every rank. With ``local_inputs=True``
-  (see :func:`autopar.runtime.api.autoparallelize`), each rank passes only its own piece of
+  (see :func:`autopar.runtime.build.autoparallelize`), each rank passes only its own piece of
   every input, as laid out by ``input_specs``.
 - ``parameters()`` / ``named_parameters()`` are this rank's local shards, named
   ``graph_module.<canonical FQN>``: any torch optimizer works on them. The gradient of a
@@ -32,11 +32,11 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from autopar.plans import Plan
-from autopar.runtime.comm import gather_full
+from autopar.runtime.collectives import gather_full
 from autopar.runtime.kernels import all_reduce_axes
 from autopar.runtime.materialize import slice_local
 from autopar.runtime.process_mesh import ProcessMesh
-from autopar.spec import TensorSpec
+from autopar.layout.placement import TensorSpec
 from autopar.tracer.graph import BUFFER, INPUT, PARAMETER, TracedGraph, keyword_path
 
 __all__ = ["AutoParallelModule", "clip_grad_norm_"]

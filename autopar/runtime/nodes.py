@@ -4,7 +4,7 @@ Every communication the runtime inserts is a ``call_module`` node on one of thes
 ``print(module.code)`` names it: ``self.all_gather(x, axis=1, dim=0)``,
 ``self.grad_all_reduce(w, axes=(0,))``, ``self.cross_entropy(...)``. They hold the
 ``ProcessMesh`` (no parameters, no state dict entries) and call the autograd-aware
-collectives of :mod:`autopar.runtime.comm` and :mod:`autopar.runtime.kernels`.
+collectives of :mod:`autopar.runtime.collectives` and :mod:`autopar.runtime.kernels`.
 """
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from autopar.runtime.comm import apply_step
+from autopar.runtime.collectives import apply_step
 from autopar.runtime.kernels import DistComm, grad_all_reduce
 from autopar.runtime.process_mesh import ProcessMesh
-from autopar.solver.reshard import ReshardStep
-from autopar.strategies.comm import KernelContext
+from autopar.layout.conversion import ReshardStep
+from autopar.strategies.kernel_context import KernelContext
 
 __all__ = ["Collective", "GradAllReduce", "KernelCall"]
 

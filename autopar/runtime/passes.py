@@ -42,8 +42,8 @@ from autopar.plans import NodePlan, Plan
 from autopar.runtime.bucketing import GradBucketer, bucket_cap_bytes
 from autopar.runtime.nodes import Collective, GradAllReduce, KernelCall, kernel_context
 from autopar.runtime.process_mesh import ProcessMesh
-from autopar.solver.reshard import STEP_KINDS, plan_conversion
-from autopar.spec import TensorSpec
+from autopar.layout.conversion import STEP_KINDS, plan_conversion
+from autopar.layout.placement import TensorSpec
 from autopar.strategies import OpInfo, Strategy, get_kernel, input_nodes, strategies_for
 from autopar.strategies.registry import bind, local_arguments, needs_no_decision
 from autopar.tracer.graph import (BUFFER, INPUT, MODULE_KEY, PARAMETER, PLACEHOLDER_KEY, Placeholder,

@@ -2,7 +2,7 @@
 
 A ``ProcessMesh`` wraps ``torch.distributed.device_mesh.DeviceMesh`` (created with
 ``init_device_mesh`` over the current default process group) and exposes what the collectives
-in ``autopar.runtime.comm`` need, per mesh axis: the ``ProcessGroup``, the axis size, and this
+in ``autopar.runtime.collectives`` need, per mesh axis: the ``ProcessGroup``, the axis size, and this
 rank's coordinate on the axis.
 
 Contract relied upon by ``comm``: on every axis group, a rank's *group rank* equals its mesh
@@ -21,7 +21,7 @@ from typing import Sequence
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from autopar.mesh import MeshSpec, default_axis_names, parse_mesh_shape
+from autopar.layout.mesh import MeshSpec, default_axis_names, parse_mesh_shape
 
 __all__ = ["ProcessMesh"]
 

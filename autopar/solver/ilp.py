@@ -50,8 +50,8 @@ from dataclasses import dataclass
 import numpy as np
 import pulp
 
-from .problem import Problem, Solution
-from .simplify import MemItem, Reduced, peak_candidates, simplify
+from autopar.solver.problem import Problem, Solution
+from autopar.solver.simplify import MemItem, Reduced, peak_candidates, simplify
 
 __all__ = ["solve", "minimum_budget", "IlpModel", "SolveTimeout", "available_backends", "MIP_REL_GAP"]
 

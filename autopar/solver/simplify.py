@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .problem import Problem
+from autopar.solver.problem import Problem
 
 __all__ = ["MemItem", "Member", "Reduced", "simplify", "peak_candidates"]
 

@@ -61,10 +61,10 @@ from __future__ import annotations
 
 import importlib
 
-from .comm import Comm, KernelContext
-from .derived import SOURCES, has_decomposition, needs_decomposition, rule_for, rule_source
-from .expand import enumerate_strategies, estimate_flops, strategies_for
-from .registry import (
+from autopar.strategies.kernel_context import Comm, KernelContext
+from autopar.strategies.derived import SOURCES, has_decomposition, needs_decomposition, rule_for, rule_source
+from autopar.strategies.expand import enumerate_strategies, estimate_flops, strategies_for
+from autopar.strategies.registry import (
     AxisOption, InputSlot, LocalKernel, NoRuleError, OpInfo, RuleEntry, Sample, Strategy, TensorMeta,
     get_kernel, get_rule, input_nodes, local_arguments, needs_no_decision, register, register_kernel,
     registered_targets,

@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import torch
 
-from ..spec import Replicate, Shard
-from .registry import AxisOption, OpInfo, Sample, register
-from .samples import rand, randbool
+from autopar.layout.placement import Replicate, Shard
+from autopar.strategies.registry import AxisOption, OpInfo, Sample, register
+from autopar.strategies.samples import rand, randbool
 
 aten = torch.ops.aten
 R = Replicate()

@@ -25,12 +25,12 @@ import math
 
 import torch
 
-from ..cost import collective_seconds
-from ..spec import Replicate, Shard
-from .comm import KernelContext
-from .registry import AxisOption, OpInfo, Sample, register, register_kernel
-from ._loss_elementwise import broadcast_split
-from .samples import rand
+from autopar.layout.cost import collective_seconds
+from autopar.layout.placement import Replicate, Shard
+from autopar.strategies.kernel_context import KernelContext
+from autopar.strategies.registry import AxisOption, OpInfo, Sample, register, register_kernel
+from autopar.strategies._loss_elementwise import broadcast_split
+from autopar.strategies.samples import rand
 
 aten = torch.ops.aten
 R = Replicate()

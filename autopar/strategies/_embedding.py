@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import torch
 
-from ..spec import Partial, Shard
-from .comm import KernelContext
-from .registry import AxisOption, OpInfo, Sample, register, register_kernel
-from .samples import ints, rand
+from autopar.layout.placement import Partial, Shard
+from autopar.strategies.kernel_context import KernelContext
+from autopar.strategies.registry import AxisOption, OpInfo, Sample, register, register_kernel
+from autopar.strategies.samples import ints, rand
 
 aten = torch.ops.aten
 P = Partial()

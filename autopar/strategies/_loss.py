@@ -40,12 +40,12 @@ import math
 
 import torch
 
-from ..cost import collective_seconds
-from ..spec import Partial, Replicate, Shard
-from .comm import KernelContext
-from ._loss_elementwise import reduced_option
-from .registry import AxisOption, OpInfo, Sample, register, register_kernel
-from .samples import ints, rand
+from autopar.layout.cost import collective_seconds
+from autopar.layout.placement import Partial, Replicate, Shard
+from autopar.strategies.kernel_context import KernelContext
+from autopar.strategies._loss_elementwise import reduced_option
+from autopar.strategies.registry import AxisOption, OpInfo, Sample, register, register_kernel
+from autopar.strategies.samples import ints, rand
 
 aten = torch.ops.aten
 R, P = Replicate(), Partial()

@@ -35,10 +35,10 @@ from typing import Callable, Sequence
 
 import torch
 
-from ..spec import Partial, Placement, Replicate, Shard
-from .comm import KernelContext
-from .registry import AxisOption, OpInfo, Sample, call_op, register, register_kernel
-from .samples import rand
+from autopar.layout.placement import Partial, Placement, Replicate, Shard
+from autopar.strategies.kernel_context import KernelContext
+from autopar.strategies.registry import AxisOption, OpInfo, Sample, call_op, register, register_kernel
+from autopar.strategies.samples import rand
 
 aten = torch.ops.aten
 R, P = Replicate(), Partial()

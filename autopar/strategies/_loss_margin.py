@@ -29,10 +29,10 @@ from typing import Sequence
 
 import torch
 
-from ..spec import Replicate, Shard
-from .registry import AxisOption, OpInfo, Sample, register
-from .samples import ints, rand, randbool
-from ._loss_elementwise import MEAN, NONE, SUM, elementwise_loss_rule, reduced_option
+from autopar.layout.placement import Replicate, Shard
+from autopar.strategies.registry import AxisOption, OpInfo, Sample, register
+from autopar.strategies.samples import ints, rand, randbool
+from autopar.strategies._loss_elementwise import MEAN, NONE, SUM, elementwise_loss_rule, reduced_option
 
 aten = torch.ops.aten
 R = Replicate()

@@ -24,10 +24,10 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from ..spec import Partial, Replicate, Shard
-from ._pointwise import pointwise_rule
-from .registry import AxisOption, OpInfo, Sample, TensorMeta, register
-from .samples import rand
+from autopar.layout.placement import Partial, Replicate, Shard
+from autopar.strategies._pointwise import pointwise_rule
+from autopar.strategies.registry import AxisOption, OpInfo, Sample, TensorMeta, register
+from autopar.strategies.samples import rand
 
 aten = torch.ops.aten
 R, P = Replicate(), Partial()

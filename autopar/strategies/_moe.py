@@ -24,9 +24,9 @@ from __future__ import annotations
 
 import torch
 
-from ..spec import Partial, Replicate, Shard
-from .registry import AxisOption, OpInfo, Sample, register
-from .samples import rand
+from autopar.layout.placement import Partial, Replicate, Shard
+from autopar.strategies.registry import AxisOption, OpInfo, Sample, register
+from autopar.strategies.samples import rand
 
 aten = torch.ops.aten
 R, P = Replicate(), Partial()

@@ -47,11 +47,11 @@ import math
 
 import torch
 
-from ..cost import collective_seconds
-from ..spec import Shard
-from .comm import KernelContext
-from .registry import AxisOption, OpInfo, Sample, register, register_kernel
-from .samples import rand
+from autopar.layout.cost import collective_seconds
+from autopar.layout.placement import Shard
+from autopar.strategies.kernel_context import KernelContext
+from autopar.strategies.registry import AxisOption, OpInfo, Sample, register, register_kernel
+from autopar.strategies.samples import rand
 
 aten = torch.ops.aten
 _AFFINE = ["weight", "bias"]

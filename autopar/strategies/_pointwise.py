@@ -17,9 +17,9 @@ from typing import Callable
 
 import torch
 
-from ..spec import Partial, Replicate, Shard
-from .registry import AxisOption, OpInfo, Sample, TensorMeta, register
-from .samples import rand, randbool
+from autopar.layout.placement import Partial, Replicate, Shard
+from autopar.strategies.registry import AxisOption, OpInfo, Sample, TensorMeta, register
+from autopar.strategies.samples import rand, randbool
 
 aten = torch.ops.aten
 R, P = Replicate(), Partial()

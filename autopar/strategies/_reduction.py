@@ -24,10 +24,10 @@ from typing import Sequence
 
 import torch
 
-from ..spec import Partial, Replicate, Shard
-from .comm import KernelContext
-from .registry import AxisOption, OpInfo, Sample, call_op, register, register_kernel
-from .samples import ints, rand, randbool
+from autopar.layout.placement import Partial, Replicate, Shard
+from autopar.strategies.kernel_context import KernelContext
+from autopar.strategies.registry import AxisOption, OpInfo, Sample, call_op, register, register_kernel
+from autopar.strategies.samples import ints, rand, randbool
 
 aten = torch.ops.aten
 R, P = Replicate(), Partial()

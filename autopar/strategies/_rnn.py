@@ -26,9 +26,9 @@ from __future__ import annotations
 
 import torch
 
-from ..spec import Shard
-from .registry import AxisOption, OpInfo, Sample, register
-from .samples import rand
+from autopar.layout.placement import Shard
+from autopar.strategies.registry import AxisOption, OpInfo, Sample, register
+from autopar.strategies.samples import rand
 
 aten = torch.ops.aten
 

@@ -38,9 +38,9 @@ from typing import Sequence
 
 import torch
 
-from ..spec import Partial, Replicate, Shard
-from .registry import AxisOption, OpInfo, Sample, TensorMeta, register
-from .samples import ints, rand, randbool
+from autopar.layout.placement import Partial, Replicate, Shard
+from autopar.strategies.registry import AxisOption, OpInfo, Sample, TensorMeta, register
+from autopar.strategies.samples import ints, rand, randbool
 
 aten = torch.ops.aten
 R, P = Replicate(), Partial()

@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import torch
 
-from ..spec import Shard
-from .registry import AxisOption, OpInfo, Sample, register
-from .samples import ints, rand
+from autopar.layout.placement import Shard
+from autopar.strategies.registry import AxisOption, OpInfo, Sample, register
+from autopar.strategies.samples import ints, rand
 
 aten = torch.ops.aten
 

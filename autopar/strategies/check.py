@@ -27,9 +27,9 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from ..spec import Replicate, TensorSpec
-from .comm import KernelContext
-from .registry import OpInfo, Sample, Strategy, bind, call_op, get_kernel, local_arguments
+from autopar.layout.placement import Replicate, TensorSpec
+from autopar.strategies.kernel_context import KernelContext
+from autopar.strategies.registry import OpInfo, Sample, Strategy, bind, call_op, get_kernel, local_arguments
 
 __all__ = ["SimWorld", "SimComm", "run_spmd", "check_strategy", "StrategyMismatch", "reference"]
 

@@ -37,8 +37,8 @@ from typing import Any
 
 import torch
 
-from ..spec import Partial, Replicate, Shard
-from .registry import AxisOption, OpInfo, RuleEntry, TensorMeta, get_rule
+from autopar.layout.placement import Partial, Replicate, Shard
+from autopar.strategies.registry import AxisOption, OpInfo, RuleEntry, TensorMeta, get_rule
 
 __all__ = ["rule_for", "rule_source", "needs_decomposition", "has_decomposition", "SOURCES"]
 
@@ -143,7 +143,7 @@ def _generic(target: Any) -> RuleEntry | None:
 
 
 def _pointwise_rule(info: OpInfo) -> list[AxisOption]:
-    from ._pointwise import broadcast_options
+    from autopar.strategies._pointwise import broadcast_options
 
     if info.multi_output or info.outputs[0] is None:
         return []
@@ -151,7 +151,7 @@ def _pointwise_rule(info: OpInfo) -> list[AxisOption]:
 
 
 def _reduction_rule(info: OpInfo) -> list[AxisOption]:
-    from ._reduction import reduction_options
+    from autopar.strategies._reduction import reduction_options
 
     self = info.input("self")
     if self is None or any(m is None for m in info.outputs):
@@ -262,7 +262,7 @@ _ADMITTED: dict[Any, tuple[bool, ...]] = {}
 
 def _admitted(info: OpInfo, options: list[AxisOption]) -> list[AxisOption]:
     """The options that pass the numeric check on this node's own shapes (see module doc)."""
-    from .expand import _freeze
+    from autopar.strategies.expand import _freeze
 
     if not options:
         return []
@@ -273,9 +273,9 @@ def _admitted(info: OpInfo, options: list[AxisOption]) -> list[AxisOption]:
 
 
 def _passes(info: OpInfo, option: AxisOption) -> bool:
-    from .check import StrategyMismatch, check_strategy, reference
-    from .expand import _build, _normalise
-    from ..mesh import MeshSpec
+    from autopar.strategies.check import StrategyMismatch, check_strategy, reference
+    from autopar.strategies.expand import _build, _normalise
+    from autopar.layout.mesh import MeshSpec
 
     if sum(s.meta.numel for s in info.slots if s.meta is not None) > _ADMISSION_NUMEL:
         return False
@@ -295,7 +295,7 @@ def _passes(info: OpInfo, option: AxisOption) -> bool:
 
 def _random_sample(info: OpInfo):
     """Concrete arguments like ``info.bound``: float64 noise for float tensors, zeros else."""
-    from .registry import Sample
+    from autopar.strategies.registry import Sample
 
     gen = torch.Generator().manual_seed(0)
 

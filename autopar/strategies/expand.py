@@ -25,13 +25,13 @@ from typing import Any, Sequence
 import torch
 import torch.fx
 
-from ..cost import collective_seconds, compute_seconds
-from ..mesh import MeshSpec
-from ..spec import Partial, Replicate, Shard, TensorSpec
-from .registry import (
+from autopar.layout.cost import collective_seconds, compute_seconds
+from autopar.layout.mesh import MeshSpec
+from autopar.layout.placement import Partial, Replicate, Shard, TensorSpec
+from autopar.strategies.registry import (
     AxisOption, NoRuleError, OpInfo, RuleEntry, Strategy, TensorMeta, call_op, get_kernel, strategy_name,
 )
-from .derived import rule_for
+from autopar.strategies.derived import rule_for
 
 __all__ = ["strategies_for", "enumerate_strategies", "axis_options", "estimate_flops", "replicate_option"]
 

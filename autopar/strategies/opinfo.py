@@ -44,7 +44,7 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
-from .registry import OpInfo, RuleEntry, Sample, bind, call_op
+from autopar.strategies.registry import OpInfo, RuleEntry, Sample, bind, call_op
 
 __all__ = ["OpInfoSample", "Collection", "op_db", "rule_lookup", "candidate_opinfos",
            "samples_of", "collect", "preference", "quirk", "info_of", "describe"]
@@ -100,7 +100,7 @@ def op_db() -> list:
 
 def rule_lookup() -> Callable[[Any], RuleEntry | None]:
     """``rule_for`` (native, generic, DTensor-derived) where it exists, else native rules only."""
-    from .. import strategies
+    from autopar import strategies
 
     return getattr(strategies, "rule_for", None) or strategies.get_rule
 
@@ -227,7 +227,7 @@ def samples_of(pending: list[_Pending], lookup: Callable[[Any], Any]) -> list[Op
     calls: one export for many samples is many times faster than one each).
     Raises what the tracer raises when a call cannot be traced.
     """
-    from ..tracer import trace
+    from autopar.tracer import trace
 
     module = _Calls(pending)
     traced = trace(module, tuple(module.tensors), name="opinfo_samples")

@@ -25,7 +25,7 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 import torch.fx
 
-from ..spec import Partial, Placement, Replicate, TensorSpec
+from autopar.layout.placement import Partial, Placement, Replicate, TensorSpec
 
 __all__ = [
     "TensorMeta", "InputSlot", "OpInfo", "AxisOption", "Strategy", "RuleEntry", "LocalKernel",

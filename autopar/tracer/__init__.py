@@ -6,10 +6,10 @@
 - :func:`coverage` counts each distinct ATen op.
 """
 
-from .coverage import OpCount, coverage
-from .graph import Placeholder, TracedGraph
-from .profile import ModelProfile, NodeProfile, profile
-from .trace import TraceError, trace
+from autopar.tracer.coverage import OpCount, coverage
+from autopar.tracer.graph import Placeholder, TracedGraph
+from autopar.tracer.profile import ModelProfile, NodeProfile, profile
+from autopar.tracer.trace import TraceError, trace
 
 __all__ = ["trace", "profile", "coverage", "TraceError", "TracedGraph", "Placeholder",
            "NodeProfile", "ModelProfile", "OpCount"]

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from .graph import TracedGraph, op_name
+from autopar.tracer.graph import TracedGraph, op_name
 
 
 @dataclass(frozen=True, slots=True)

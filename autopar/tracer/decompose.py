@@ -27,7 +27,7 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
-from .graph import MODULE_KEY
+from autopar.tracer.graph import MODULE_KEY
 
 __all__ = ["decompose_graph", "DECOMPOSED_KEY"]
 

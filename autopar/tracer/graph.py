@@ -122,7 +122,7 @@ class TracedGraph:
     def decompose(self, decompose_if: Callable[[Any], bool]) -> dict[str, tuple[str, ...]]:
         """Replace the ops that satisfy ``decompose_if`` by their decompositions, in place (see
         ``autopar.tracer.decompose``); returns and records what each decomposed op became."""
-        from .decompose import decompose_graph
+        from autopar.tracer.decompose import decompose_graph
 
         flat = self.flat_outputs
         loss_at = next((i for i, a in enumerate(flat) if isinstance(a, fx.Node) and a.name == self._loss_name), None)

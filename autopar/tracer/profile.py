@@ -32,8 +32,8 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
-from .graph import BUFFER, PARAMETER, PLACEHOLDER_KEY, TracedGraph, op_name, tensor_vals
-from .trace import TraceError
+from autopar.tracer.graph import BUFFER, PARAMETER, PLACEHOLDER_KEY, TracedGraph, op_name, tensor_vals
+from autopar.tracer.trace import TraceError
 
 _aten = torch.ops.aten
 # The fused CPU attention kernels have the same argument layout as the flash kernels whose

@@ -30,8 +30,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.export.graph_signature import InputKind
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-from . import hf
-from .graph import (BUFFER, CONSTANT, INPUT, MODULE_KEY, PARAMETER, PLACEHOLDER_KEY, Placeholder,
+from autopar.tracer import hf
+from autopar.tracer.graph import (BUFFER, CONSTANT, INPUT, MODULE_KEY, PARAMETER, PLACEHOLDER_KEY, Placeholder,
                     TracedGraph, keyword_path)
 
 _TORCH_DIR = os.path.dirname(torch.__file__)

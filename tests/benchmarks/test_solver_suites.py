@@ -11,7 +11,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmar
 import solver  # noqa: E402
 
 from autopar import zoo  # noqa: E402
-from autopar.mesh import MeshSpec, parse_bytes  # noqa: E402
+from autopar.layout.mesh import MeshSpec, parse_bytes  # noqa: E402
 
 
 @pytest.mark.parametrize("name", ["quick", "targets", "depth", "zoo"])

@@ -22,8 +22,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from autopar import zoo
-from autopar.mesh import MeshSpec
-from autopar.runtime.api import build_module
+from autopar.layout.mesh import MeshSpec
+from autopar.runtime.build import build_module
 from autopar.runtime.launch import run_local
 from autopar.tracer import trace
 

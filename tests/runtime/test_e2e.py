@@ -23,8 +23,8 @@ import torch
 
 from autopar import zoo
 from autopar.api import plan as make_plan
-from autopar.mesh import MeshSpec
-from autopar.runtime.api import autoparallelize, build_module
+from autopar.layout.mesh import MeshSpec
+from autopar.runtime.build import autoparallelize, build_module
 from autopar.runtime.launch import run_local
 from autopar.tracer import trace
 

@@ -19,10 +19,10 @@ import torch
 
 from autopar import zoo
 from autopar.api import plan as make_plan
-from autopar.mesh import MeshSpec
+from autopar.layout.mesh import MeshSpec
 from autopar.plans import Plan
-from autopar.runtime.api import autoparallelize
-from autopar.runtime.comm import count_collectives
+from autopar.runtime.build import autoparallelize
+from autopar.runtime.collectives import count_collectives
 from autopar.runtime.launch import run_local
 from autopar.runtime.module import clip_grad_norm_
 

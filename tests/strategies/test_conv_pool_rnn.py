@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from autopar.mesh import MeshSpec
+from autopar.layout.mesh import MeshSpec
 from autopar.strategies import KernelContext, Sample, enumerate_strategies, get_kernel, get_rule, strategies_for
 from autopar.strategies.check import reference, run_spmd
 from autopar.strategies.registry import bind, call_op, local_arguments
@@ -250,7 +250,7 @@ class _ConvRnnNet(nn.Module):
 
 
 def _train_steps(rank, world, model, inputs, plans):
-    from autopar.runtime.api import autoparallelize
+    from autopar.runtime.build import autoparallelize
 
     out = []
     for plan in plans:

@@ -4,7 +4,7 @@ the numeric check, foreign ops by name, and the order native > generic > decompo
 import pytest
 import torch
 
-from autopar.mesh import MeshSpec
+from autopar.layout.mesh import MeshSpec
 from autopar.strategies import (
     NoRuleError, Sample, enumerate_strategies, get_rule, needs_decomposition, rule_for, rule_source,
 )

@@ -4,8 +4,8 @@ import pytest
 import torch
 from torch import nn
 
-from autopar.mesh import MeshSpec
-from autopar.spec import Partial, Replicate, Shard, TensorSpec
+from autopar.layout.mesh import MeshSpec
+from autopar.layout.placement import Partial, Replicate, Shard, TensorSpec
 from autopar.strategies import OpInfo, Sample, enumerate_strategies, estimate_flops, get_rule, strategies_for
 from autopar.strategies._einsum import parse_einsum
 from autopar.strategies.check import check_strategy, reference

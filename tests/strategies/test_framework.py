@@ -7,9 +7,9 @@ import pytest
 import torch
 from torch import nn
 
-from autopar.cost import collective_seconds
-from autopar.mesh import MeshSpec
-from autopar.spec import TensorSpec
+from autopar.layout.cost import collective_seconds
+from autopar.layout.mesh import MeshSpec
+from autopar.layout.placement import TensorSpec
 from autopar.strategies import (
     NoRuleError, OpInfo, Sample, enumerate_strategies, estimate_flops, get_rule, input_nodes,
     strategies_for,

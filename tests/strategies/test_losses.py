@@ -20,7 +20,7 @@ import torch.fx
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
-from autopar.mesh import MeshSpec
+from autopar.layout.mesh import MeshSpec
 from autopar.strategies import enumerate_strategies, get_rule
 from autopar.strategies.check import StrategyMismatch, check_strategy, reference
 from autopar.strategies.registry import Sample

@@ -28,7 +28,7 @@ import os
 import pytest
 import torch
 
-from autopar.mesh import MeshSpec
+from autopar.layout.mesh import MeshSpec
 from autopar.strategies import enumerate_strategies, opinfo
 from autopar.strategies.check import StrategyMismatch, check_strategy, reference
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from autopar.mesh import MeshSpec
+from autopar.layout.mesh import MeshSpec
 from autopar.strategies import enumerate_strategies, get_rule, registered_targets
 from autopar.strategies.check import StrategyMismatch, check_strategy, reference
 

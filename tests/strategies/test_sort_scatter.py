@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from autopar.mesh import MeshSpec
-from autopar.spec import TensorSpec
+from autopar.layout.mesh import MeshSpec
+from autopar.layout.placement import TensorSpec
 from autopar.strategies import Sample, enumerate_strategies, get_rule, needs_no_decision, strategies_for
 from autopar.strategies.check import StrategyMismatch, check_strategy, reference
 from autopar.strategies.samples import ints, rand, randbool
@@ -186,7 +186,7 @@ class _MoENet(nn.Module):
 
 
 def _train_check(rank, world, model, inputs, plan, ref):
-    from autopar.runtime.api import autoparallelize
+    from autopar.runtime.build import autoparallelize
     from tests.runtime.test_e2e import check_module
 
     return check_module("moe (2, 2)", autoparallelize(model, inputs, plan=plan), inputs, ref)

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from autopar import zoo
-from autopar.mesh import MeshSpec
-from autopar.spec import TensorSpec
+from autopar.layout.mesh import MeshSpec
+from autopar.layout.placement import TensorSpec
 from autopar.strategies import (
     KernelContext, OpInfo, Sample, enumerate_strategies, get_kernel, get_rule, input_nodes, strategies_for,
 )

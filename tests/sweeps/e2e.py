@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from autopar.runtime.api import build_module
+from autopar.runtime.build import build_module
 from autopar.runtime.launch import run_local
 
 RTOL, ATOL = 1e-4, 1e-6

@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from autopar.api import plan_graph
-from autopar.mesh import MeshSpec
+from autopar.layout.mesh import MeshSpec
 from autopar.strategies import needs_decomposition
 from autopar.strategies.registry import NoRuleError
 from autopar.tracer import TraceError, profile, trace

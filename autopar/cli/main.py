@@ -1,0 +1,230 @@
+"""``autopar`` command line: ``inspect`` a plan offline, ``coverage`` of sharding rules, ``profile-mesh``.
+
+Bad input (unknown model, mesh that does not tile the device's nodes, unparsable sizes, an
+infeasible budget ...) ends with exit status 1 and one line ``autopar: error: ...`` on stderr;
+usage errors (unknown options) with argparse's status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+import warnings
+
+__all__ = ["main", "build_parser"]
+
+CHECKPOINT_MODES = ("auto", "none", "ilp", "rotor", "both")
+
+
+class CliError(ValueError):
+    """Bad input found by the CLI itself."""
+
+
+# ------------------------------------------------------------------------------------ parser
+def _model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", help="zoo name (gpt2, gpt2-xl, llama-8b, resnet50, ...), path/to/file.py:factory, "
+                   "or a Hugging Face config.json (or its folder): the class in `architectures`, built on meta")
+    p.add_argument("--batch", type=int, help="batch size (zoo models; factories that take `batch`)")
+    p.add_argument("--seq", type=int, help="sequence length (zoo models; factories that take `seq`)")
+    p.add_argument("--layers", type=int, help="override the number of layers/blocks")
+    p.add_argument("--input", action="append", metavar="NAME:DTYPE[SHAPE]",
+                   help="a model input as a meta tensor, e.g. input_ids:int64[8,1024] (repeatable)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="autopar", description="Automatic parallelization planner for PyTorch training.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("inspect", help="plan a model offline and show the plan")
+    _model_args(p)
+    p.add_argument("--mesh", help="logical mesh shape, e.g. 8, 2x4, 4x4 (optional with a mesh JSON)")
+    p.add_argument("--device", default="a100-80gb", help="device preset (a100-80gb, h100-80gb, cpu) or a "
+                   "profiled mesh JSON from `autopar profile-mesh` (default: a100-80gb)")
+    p.add_argument("--memory", help="per-device memory budget, e.g. 40GiB (default: the device capacity)")
+    p.add_argument("--solver", default="auto", choices=("auto", "highs", "cbc"))
+    p.add_argument("--time-limit", type=float, default=60.0, help="seconds per ILP solve (default 60)")
+    p.add_argument("--checkpoint", default="auto", choices=CHECKPOINT_MODES,
+                   help="activation recompute planning (auto: the faster of the joint ILP and Rotor refinement)")
+    p.add_argument("--optimizer-multiplier", type=float, default=2.0,
+                   help="optimizer state bytes per parameter byte (default 2: AdamW fp32)")
+    p.add_argument("--allow-fallback", action="store_true", help="replicate ops that have no sharding rule")
+    p.add_argument("--no-baselines", action="store_true", help="skip the baseline plans")
+    p.add_argument("--no-layers", action="store_true", help="omit the per-layer table from the text output")
+    p.add_argument("--json", metavar="FILE", help="write the plan (loadable by autoparallelize(plan=FILE))")
+    p.add_argument("--html", metavar="FILE", help="write a self-contained HTML report")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
+
+    c = sub.add_parser("coverage", help="the ATen ops of a model and how each is covered (native, generic, decomposed, dtensor, fallback, missing)")
+    _model_args(c)
+    c.add_argument("--strict", action="store_true", help="exit 1 when an op has no rule")
+    c.add_argument("--allow-fallback", action="store_true",
+                   help="report uncovered ops as replicated by the fallback instead of missing")
+
+    m = sub.add_parser("profile-mesh", help="time real collectives and write a MeshSpec JSON")
+    m.add_argument("--mesh", required=True, help="mesh shape, e.g. 2x2")
+    m.add_argument("--local", type=int, help="start N local processes (else run under torchrun)")
+    m.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    m.add_argument("--repeats", type=int, default=5)
+    m.add_argument("-o", "--output", required=True, metavar="FILE", help="where to write the MeshSpec JSON")
+    return parser
+
+
+# ----------------------------------------------------------------------------------- helpers
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(part.strip() for part in str(exc).strip().splitlines() if part.strip())
+    return text.replace("pass allow_replicate_fallback=True", "pass --allow-fallback") or type(exc).__name__
+
+
+def _check_writable(path: str | None, flag: str) -> None:
+    if path is None:
+        return
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise CliError(f"{flag} {path}: folder {folder} does not exist")
+    if os.path.isdir(path):
+        raise CliError(f"{flag} {path} is a folder")
+
+
+def _positive(value, flag: str) -> None:
+    if value is not None and value < 1:
+        raise CliError(f"{flag} must be >= 1, got {value}")
+
+
+# ---------------------------------------------------------------------------------- commands
+def cmd_inspect(args) -> int:
+    from autopar import api
+    from autopar.cli.inputs import check_model_spec, load_model, resolve_mesh
+    from autopar.cli.progress import StageSink
+    from autopar.layout.mesh import parse_bytes
+
+    t0 = time.perf_counter()
+    for flag in ("batch", "seq", "layers"):
+        _positive(getattr(args, flag), f"--{flag}")
+    if not args.time_limit > 0:
+        raise CliError(f"--time-limit must be positive seconds, got {args.time_limit}")
+    # Cheap checks first (no torch import): bad input fails in well under a second.
+    mesh = resolve_mesh(args.device, args.mesh)
+    budget = parse_bytes(args.memory) if args.memory is not None else None
+    extra = {"checkpoint": args.checkpoint}  # recompute planning mode, as api.plan takes it
+    _check_writable(args.json, "--json")
+    _check_writable(args.html, "--html")
+    check_model_spec(args.model, args.input)
+    sink = StageSink(quiet=args.quiet)
+    progress = api.Progress(verbose=True, sink=sink)
+    context: dict = {}
+    try:
+        with progress.stage("build model", args.model):
+            model, meta = load_model(args.model, batch=args.batch, seq=args.seq, layers=args.layers, inputs=args.input)
+        with warnings.catch_warnings():
+            # One summary line replaces a warning per replicated op.
+            warnings.filterwarnings("ignore", message="no sharding rule")
+            plan = api.plan(model, meta, mesh=mesh, memory_budget=budget, solver=args.solver,
+                            time_limit=args.time_limit, baselines=not args.no_baselines,
+                            optimizer_multiplier=args.optimizer_multiplier,
+                            allow_replicate_fallback=args.allow_fallback, progress=progress,
+                            context=context, **extra)
+        with progress.stage("report"):
+            report = _report(plan, context, args)
+    finally:
+        sink.close()
+    report.wall_s = time.perf_counter() - t0
+    from autopar.report import render_text
+
+    print(render_text(report, layers=not args.no_layers))
+    print(f"\nplanned in {report.wall_s:.1f}s" + "".join(f"; wrote {p}" for p in (args.json, args.html) if p))
+    return 0
+
+
+def _report(plan, context, args):
+    from autopar.report import build_report, render_html
+
+    report = build_report(plan, context)
+    if args.json:
+        plan.save(args.json)
+    if args.html:
+        with open(args.html, "w") as f:
+            f.write(render_html(report))
+    return report
+
+
+def cmd_coverage(args) -> int:
+    from autopar.cli.inputs import load_model
+    from autopar.strategies import needs_decomposition, rule_source
+    from autopar.strategies.registry import needs_no_decision
+    from autopar.tracer import coverage, trace
+    from autopar.tracer.graph import op_name
+
+    model, meta = load_model(args.model, batch=args.batch, seq=args.seq, layers=args.layers, inputs=args.input)
+    traced = trace(model, meta, decompose_if=needs_decomposition)
+    uncovered = "fallback" if args.allow_fallback else "MISSING"
+    status: dict[str, str] = {}
+    for node in traced.compute_nodes():
+        name = op_name(node)
+        if name not in status:
+            status[name] = rule_source(node.target) or ("no decision" if needs_no_decision(node) else uncovered)
+    table = coverage(traced)
+    width = max([len(r.op) for r in table] + [len(op) for op in traced.decomposed])
+    print(f"{'op':<{width}}  {'count':>5}  {'rule':<11}  first seen in")
+    print(f"{'-' * width}  -----  -----------  -------------")
+    for r in table:
+        print(f"{r.op:<{width}}  {r.count:>5}  {status[r.op]:<11}  {r.first_module or '<top level>'}")
+    for op, pieces in sorted(traced.decomposed.items()):
+        print(f"{op:<{width}}  {'-':>5}  {'decomposed':<11}  into {', '.join(pieces)}")
+    missing = [r for r in table if status[r.op] == uncovered]
+    by_source = {src: sum(1 for r in table if status[r.op] == src) for src in ("native", "generic", "dtensor")}
+    print(f"{len(table)} distinct ops, {sum(r.count for r in table)} op nodes; "
+          + ", ".join(f"{n} {src}" for src, n in by_source.items()) + f", {len(traced.decomposed)} decomposed; "
+          f"{len(missing)} ops ({sum(r.count for r in missing)} nodes) without a sharding rule"
+          + (" (replicated by the fallback)" if args.allow_fallback and missing else ""))
+    return 1 if args.strict and missing and not args.allow_fallback else 0
+
+
+def cmd_profile_mesh(args) -> int:
+    from autopar.layout.mesh import parse_mesh_shape
+    from autopar.runtime.mesh_profile import profile_mesh
+
+    shape = parse_mesh_shape(args.mesh)
+    _positive(args.repeats, "--repeats")
+    _check_writable(args.output, "-o")
+    if args.local is None and "RANK" not in os.environ:
+        raise CliError("profile-mesh needs processes: pass --local N, or run it under torchrun")
+    mesh = profile_mesh(shape, device=args.device, local=args.local, repeats=args.repeats)
+    if os.environ.get("RANK", "0") != "0":
+        return 0  # under torchrun every rank profiles; rank 0 writes
+    mesh.save(args.output)
+    for name, size, a, b in zip(mesh.axis_names, mesh.shape, mesh.alpha, mesh.beta):
+        bw = f"{1 / b / 1e9:.2f} GB/s" if b else "n/a"
+        print(f"axis {name} (n={size}): alpha {a * 1e6:.1f} us, beta {b * 1e9:.3f} ns/B ({bw})")
+    print(f"device: {mesh.peak_flops / 1e9:.1f} GFLOP/s, {mesh.mem_bandwidth / 1e9:.2f} GB/s; wrote {args.output}")
+    return 0
+
+
+def _is_planner_error(exc: RuntimeError) -> bool:
+    """Trace failures and solver time-outs are the user's to fix; other RuntimeErrors are bugs."""
+    from autopar.solver.ilp import SolveTimeout
+    from autopar.tracer import TraceError
+
+    return isinstance(exc, (TraceError, SolveTimeout))
+
+
+_COMMANDS = {"inspect": cmd_inspect, "coverage": cmd_coverage, "profile-mesh": cmd_profile_mesh}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return _COMMANDS[args.command](args)
+    except (ValueError, LookupError, OSError, RuntimeError) as exc:
+        if isinstance(exc, RuntimeError) and not _is_planner_error(exc):
+            raise  # an internal bug: keep the traceback for the report
+        print(f"autopar: error: {_one_line(exc)}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("autopar: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,213 @@
+"""``MeshSpec``: a logical device mesh described by numbers only, never by devices.
+
+A mesh is a shape (1-D to N-D, any sizes), one name per axis, per-axis link costs (``alpha``
+seconds of latency per collective, ``beta`` seconds per byte on the bottleneck link), and the
+per-device peak FLOP/s, memory bandwidth (bytes/s) and memory capacity (bytes).
+
+Presets come from public spec sheets, for planning without hardware. Devices fill nodes in
+row-major order (the last mesh axis is innermost); an axis whose devices all sit in one node
+gets NVLink costs, an axis that crosses nodes gets InfiniBand costs. Real links come from
+``autopar.profile_mesh`` (``autopar.runtime.mesh_profile``), which writes the same JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import asdict, dataclass
+from typing import Sequence
+
+__all__ = ["MeshSpec", "PRESETS", "parse_mesh_shape", "parse_bytes"]
+
+GiB = 1024**3
+
+
+@dataclass(frozen=True, slots=True)
+class _Device:
+    peak_flops: float  # dense FLOP/s at training precision (bf16 tensor cores; fp32 on CPU)
+    mem_bandwidth: float  # bytes/s
+    mem_capacity: int  # bytes
+    node_size: int  # devices per node
+    intra_alpha: float  # s per collective inside a node
+    intra_beta: float  # s per byte, per direction, inside a node
+    inter_alpha: float  # s per collective across nodes
+    inter_beta: float  # s per byte across nodes (one NIC per device)
+
+
+# Public spec-sheet numbers. NVLink figures are per direction (half the marketed bidirectional
+# bandwidth); inter-node is one HDR (200 Gb/s) or NDR (400 Gb/s) NIC per GPU.
+PRESETS: dict[str, _Device] = {
+    "a100-80gb": _Device(
+        peak_flops=312e12, mem_bandwidth=2.039e12, mem_capacity=80 * GiB, node_size=8,
+        intra_alpha=10e-6, intra_beta=1 / 300e9, inter_alpha=25e-6, inter_beta=1 / 25e9,
+    ),
+    "h100-80gb": _Device(
+        peak_flops=989e12, mem_bandwidth=3.35e12, mem_capacity=80 * GiB, node_size=8,
+        intra_alpha=8e-6, intra_beta=1 / 450e9, inter_alpha=20e-6, inter_beta=1 / 50e9,
+    ),
+    # This kind of machine: 2 cores, gloo over loopback (~20 ms per 1 MB all-reduce on 4 ranks).
+    "cpu": _Device(
+        peak_flops=50e9, mem_bandwidth=10e9, mem_capacity=24 * GiB, node_size=1 << 30,
+        intra_alpha=200e-6, intra_beta=1 / 1e9, inter_alpha=200e-6, inter_beta=1 / 1e9,
+    ),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class MeshSpec:
+    shape: tuple[int, ...]
+    axis_names: tuple[str, ...]
+    alpha: tuple[float, ...]  # per axis, seconds per collective
+    beta: tuple[float, ...]  # per axis, seconds per byte
+    peak_flops: float
+    mem_bandwidth: float
+    mem_capacity: int
+    name: str = "custom"
+
+    def __post_init__(self) -> None:
+        for field in ("shape", "axis_names", "alpha", "beta"):
+            object.__setattr__(self, field, tuple(getattr(self, field)))
+        n = len(self.shape)
+        if n == 0 or any((not isinstance(s, int)) or s < 1 for s in self.shape):
+            raise ValueError(f"mesh shape must be a non-empty tuple of positive ints, got {self.shape!r}")
+        for field in ("axis_names", "alpha", "beta"):
+            if len(getattr(self, field)) != n:
+                raise ValueError(
+                    f"MeshSpec.{field} has {len(getattr(self, field))} entries for a {n}-D mesh "
+                    f"{self.shape}"
+                )
+        if len(set(self.axis_names)) != n:
+            raise ValueError(f"mesh axis names must be distinct, got {self.axis_names!r}")
+        if min(self.peak_flops, self.mem_bandwidth, self.mem_capacity) <= 0:
+            raise ValueError(
+                f"peak_flops, mem_bandwidth and mem_capacity must be positive, got "
+                f"{self.peak_flops}, {self.mem_bandwidth}, {self.mem_capacity}"
+            )
+
+    # --------------------------------------------------------------------------- factories
+    @classmethod
+    def preset(cls, name: str, shape: Sequence[int] | str, *, axis_names: Sequence[str] | None = None) -> "MeshSpec":
+        """A mesh of ``shape`` built from the named device preset (``a100-80gb``, ``h100-80gb``, ``cpu``)."""
+        if name not in PRESETS:
+            raise ValueError(f"unknown device preset {name!r}; known: {sorted(PRESETS)}")
+        dev = PRESETS[name]
+        shape = parse_mesh_shape(shape)
+        total = math.prod(shape)
+        if total > dev.node_size and total % dev.node_size != 0:
+            raise ValueError(
+                f"mesh {shape} has {total} devices, not a multiple of the {dev.node_size} "
+                f"devices per node of preset {name!r}"
+            )
+        alpha, beta = [], []
+        inner = 1
+        for size in reversed(shape):
+            inner *= size
+            # Groups along this axis stay inside one node only if they tile nodes exactly.
+            inside = size == 1 or total <= dev.node_size or (
+                inner <= dev.node_size and dev.node_size % inner == 0
+            )
+            alpha.append(dev.intra_alpha if inside else dev.inter_alpha)
+            beta.append(dev.intra_beta if inside else dev.inter_beta)
+        return cls(
+            shape=shape,
+            axis_names=tuple(axis_names) if axis_names else default_axis_names(len(shape)),
+            alpha=tuple(reversed(alpha)),
+            beta=tuple(reversed(beta)),
+            peak_flops=dev.peak_flops,
+            mem_bandwidth=dev.mem_bandwidth,
+            mem_capacity=dev.mem_capacity,
+            name=name,
+        )
+
+    @classmethod
+    def coerce(cls, mesh: "MeshSpec | Sequence[int] | str", *, device: str = "cpu") -> "MeshSpec":
+        """Accept a MeshSpec, a shape tuple or ``"2x4"``; shapes get the ``device`` preset."""
+        if isinstance(mesh, MeshSpec):
+            return mesh
+        return cls.preset(device, mesh)
+
+    # ----------------------------------------------------------------------------- queries
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def num_devices(self) -> int:
+        return math.prod(self.shape)
+
+    def axis_index(self, axis: int | str) -> int:
+        if isinstance(axis, str):
+            if axis not in self.axis_names:
+                raise ValueError(f"unknown mesh axis {axis!r}; axes are {self.axis_names}")
+            return self.axis_names.index(axis)
+        if not 0 <= axis < self.ndim:
+            raise ValueError(f"mesh axis {axis} out of range for mesh {self.shape}")
+        return axis
+
+    def __str__(self) -> str:
+        return f"{self.name}:{'x'.join(map(str, self.shape))}"
+
+    # ------------------------------------------------------------------------------- JSON
+    def to_json(self) -> str:
+        return json.dumps({"version": 1, **asdict(self)}, indent=2)
+
+    @classmethod
+    def from_json(cls, text: str) -> "MeshSpec":
+        data = json.loads(text)
+        version = data.pop("version", 1)
+        if version != 1:
+            raise ValueError(f"MeshSpec JSON version {version} is not supported (expected 1)")
+        try:
+            return cls(**data)
+        except TypeError as exc:
+            raise ValueError(f"malformed MeshSpec JSON: {exc}") from None
+
+    def save(self, path: str) -> None:
+        with open(path, "w") as f:
+            f.write(self.to_json())
+
+    @classmethod
+    def load(cls, path: str) -> "MeshSpec":
+        with open(path) as f:
+            return cls.from_json(f.read())
+
+
+def default_axis_names(ndim: int) -> tuple[str, ...]:
+    return tuple(f"ax{i}" for i in range(ndim))
+
+
+def parse_mesh_shape(shape: Sequence[int] | str | int) -> tuple[int, ...]:
+    """``(2, 4)``, ``[2, 4]``, ``"2x4"``, ``"2,4"`` or ``8`` -> ``(2, 4)`` / ``(8,)``."""
+    if isinstance(shape, int):
+        shape = (shape,)
+    if isinstance(shape, str):
+        parts = shape.replace(",", "x").lower().split("x")
+        try:
+            shape = tuple(int(p) for p in parts if p.strip())
+        except ValueError:
+            raise ValueError(f"cannot parse mesh shape {shape!r}; expected e.g. '2x4'") from None
+    shape = tuple(shape)
+    if not shape or any((not isinstance(s, int)) or s < 1 for s in shape):
+        raise ValueError(f"mesh shape must be positive ints, got {shape!r}")
+    return shape
+
+
+_SIZE = re.compile(r"(\d+(?:\.\d*)?(?:e\d+)?)([kmgt]?i?b?)")
+_UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12,
+          "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4}
+
+
+def parse_bytes(value: int | float | str) -> int:
+    """``"16GiB"``, ``"40 GB"``, ``1e9`` or ``123`` -> bytes (int)."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if value <= 0:
+            raise ValueError(f"a memory size must be positive, got {value!r}")
+        return int(value)
+    if isinstance(value, str):
+        m = _SIZE.fullmatch(value.strip().lower().replace(" ", ""))
+        if m and m.group(2) in _UNITS:
+            result = int(float(m.group(1)) * _UNITS[m.group(2)])
+            if result > 0:
+                return result
+    raise ValueError(f"cannot parse memory size {value!r}; expected e.g. '16GiB', '40GB' or bytes")

@@ -1,0 +1,94 @@
+"""Hand-written-style baseline plans, as restricted strategy sets solved by the same code.
+
+Each baseline gives every mesh axis a role:
+
+- ``dp``   (data parallel): activations are replicated or split on their batch dim (dim 0) or
+  partial; parameters and buffers are replicated; ops read parameters replicated.
+- ``zero`` (ZeRO-3 / FSDP): activations as ``dp``; parameters may be stored sharded, but ops
+  still read them replicated -- the gather before use is the edge's conversion cost.
+- ``tp``   (Megatron-style tensor parallel): activations are never split on the batch dim;
+  parameters and ops may shard anything else (column/row splits, partial sums).
+
+Baselines: ``data-parallel`` (all axes dp), ``zero3`` (all zero), ``megatron-tp`` (all tp) and,
+on meshes with two or more axes, ``dp x tp`` (axis 0 dp, the others tp). autopar's own plan is
+the unrestricted problem, so at optimality it is never slower than any of them.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch.fx as fx
+
+from autopar.planner.builder import Choice
+from autopar.layout.placement import Partial, Replicate, Shard
+from autopar.strategies import input_nodes
+from autopar.tracer.graph import BUFFER, PARAMETER, PLACEHOLDER_KEY
+
+__all__ = ["BASELINES", "baseline_roles", "make_restriction"]
+
+BASELINES = ("data-parallel", "zero3", "megatron-tp", "dp x tp")
+
+
+def baseline_roles(name: str, num_axes: int) -> tuple[str, ...] | None:
+    """Per-axis roles of baseline ``name`` on a mesh of ``num_axes`` axes (None: not applicable)."""
+    if name == "data-parallel":
+        return ("dp",) * num_axes
+    if name == "zero3":
+        return ("zero",) * num_axes
+    if name == "megatron-tp":
+        return ("tp",) * num_axes
+    if name == "dp x tp":
+        return ("dp",) + ("tp",) * (num_axes - 1) if num_axes >= 2 else None
+    raise ValueError(f"unknown baseline {name!r}; known: {BASELINES}")
+
+
+def _is_weight(node: fx.Node) -> bool:
+    ph = node.meta.get(PLACEHOLDER_KEY)
+    return node.op == "placeholder" and ph is not None and ph.kind in (PARAMETER, BUFFER)
+
+
+def _activation_ok(placement, role: str) -> bool:
+    if role in ("dp", "zero"):
+        return isinstance(placement, (Replicate, Partial)) or placement == Shard(0)
+    return placement != Shard(0)  # tp: never the batch dim
+
+
+def make_restriction(roles: Sequence[str]):
+    """A ``builder.Restriction`` enforcing ``roles`` (one per mesh axis)."""
+    roles = tuple(roles)
+    weight_slots: dict[fx.Node, tuple[bool, ...]] = {}  # per op: which input slots are weights
+
+    verdicts: dict[tuple, bool] = {}  # (kind, choice, weight slots) -> allowed
+
+    def allowed(kind: str, node: fx.Node, choice: Choice) -> bool:
+        slots = ()
+        if kind == "op":
+            if node not in weight_slots:  # asked once per option: bind the op's inputs once
+                weight_slots[node] = tuple(_is_weight(src) for src in input_nodes(node))
+            slots = weight_slots[node]
+        # Choices are shared objects across identical repeated blocks: judge each one once.
+        key = (kind, id(choice), slots)
+        verdict = verdicts.get(key)
+        if verdict is None:
+            verdict = verdicts[key] = _judge(kind, choice, slots)
+        return verdict
+
+    def _judge(kind: str, choice: Choice, slots: tuple[bool, ...]) -> bool:
+        if kind in ("parameter", "buffer"):
+            spec = choice.output_specs[0]
+            return all(role != "dp" or isinstance(p, Replicate) for p, role in zip(spec.placements, roles))
+        specs = list(choice.output_specs)
+        weight_specs = []
+        for is_weight, spec in zip(slots, choice.input_specs):
+            (weight_specs if is_weight else specs).append(spec)
+        for spec in specs:
+            if spec is not None and not all(_activation_ok(p, r) for p, r in zip(spec.placements, roles)):
+                return False
+        for spec in weight_specs:  # data-parallel families read weights whole
+            if spec is not None and any(r in ("dp", "zero") and not isinstance(p, Replicate)
+                                        for p, r in zip(spec.placements, roles)):
+                return False
+        return True
+
+    return allowed

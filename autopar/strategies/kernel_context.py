@@ -1,0 +1,65 @@
+"""The communication interface seen by custom local kernels (no torch.distributed here).
+
+A custom kernel (``register_kernel``) runs on one rank with its local shards and may talk to the
+other ranks of a mesh axis group only through ``Comm``:
+
+- ``all_reduce(t, axes, op="sum")`` -- reduce ``t`` over the ranks that differ only in the
+  coordinates of ``axes`` (an int or a tuple of mesh axes). ``op="sum"`` is differentiable and
+  its backward is the identity: under the gradient layout invariant the result is replicated,
+  so its gradient arrives replicated and each rank keeps it for its own summand. ``op="max"``
+  is not differentiable (the result never requires grad; kernels use it on detached values).
+- ``coordinate(axis)`` -- this rank's index along ``axis``.
+- ``size(axis)``       -- the number of ranks along ``axis``.
+
+The runtime backs this with torch.distributed process groups; the numerical check
+(``autopar.strategies.check``) backs it with threads in one process.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, Sequence
+
+import torch
+
+from autopar.layout.placement import TensorSpec
+from autopar.strategies.registry import OpInfo
+
+__all__ = ["Comm", "KernelContext"]
+
+
+class Comm(Protocol):
+    def all_reduce(self, tensor: torch.Tensor, axes: int | Sequence[int], op: str = "sum") -> torch.Tensor: ...
+
+    def coordinate(self, axis: int) -> int: ...
+
+    def size(self, axis: int) -> int: ...
+
+
+@dataclass(frozen=True)
+class KernelContext:
+    """What a custom kernel knows: the comm interface, the op's global metadata, the specs."""
+
+    comm: Comm
+    info: OpInfo
+    input_specs: tuple[TensorSpec | None, ...]
+    output_specs: tuple[TensorSpec | None, ...]
+    mesh_shape: tuple[int, ...]
+
+    def coords(self) -> tuple[int, ...]:
+        return tuple(self.comm.coordinate(a) for a in range(len(self.mesh_shape)))
+
+    def spec(self, name: str, index: int | None = None) -> TensorSpec:
+        i = self.info.slot_index(name, index)
+        if i is None or self.input_specs[i] is None:
+            raise ValueError(f"{self.info.where()}: no tensor input {name!r}")
+        return self.input_specs[i]
+
+    def local_range(self, name: str, dim: int) -> tuple[int, int]:
+        """[start, stop) of this rank's piece of input ``name`` along ``dim`` (global indices)."""
+        meta = self.info.input(name)
+        sl = self.spec(name).local_slices(meta.shape, self.mesh_shape, self.coords())[dim]
+        return sl.start, sl.stop
+
+    def axes_sharding(self, name: str, dim: int) -> tuple[int, ...]:
+        return self.spec(name).shard_axes(dim)

@@ -1,0 +1,53 @@
+import pytest
+
+from autopar.layout.cost import collective_seconds, compute_seconds, KERNEL_FLOOR_S
+from autopar.layout.mesh import MeshSpec, parse_bytes, parse_mesh_shape
+
+
+def test_json_round_trip(any_mesh):
+    assert MeshSpec.from_json(any_mesh.to_json()) == any_mesh
+
+
+def test_preset_links_intra_vs_inter_node():
+    m = MeshSpec.preset("a100-80gb", (2, 8))
+    assert m.beta[1] < m.beta[0]  # axis 1 inside a node (NVLink), axis 0 across (IB)
+    single = MeshSpec.preset("a100-80gb", (2, 4))
+    assert single.beta[0] == single.beta[1]  # all 8 in one node
+    assert MeshSpec.preset("h100-80gb", (4, 4)).alpha[0] > MeshSpec.preset("h100-80gb", (4, 4)).alpha[1]
+    with pytest.raises(ValueError, match="not a multiple of the 8"):
+        MeshSpec.preset("h100-80gb", (3, 4))
+    with pytest.raises(ValueError, match="unknown device preset 'tpu'"):
+        MeshSpec.preset("tpu", (2,))
+
+
+def test_parsers():
+    assert parse_mesh_shape("2x4") == (2, 4) and parse_mesh_shape(8) == (8,)
+    assert parse_bytes("16GiB") == 16 * 1024**3 and parse_bytes("40 GB") == 40 * 10**9
+    for bad in ["abc", "-3GiB", "0"]:
+        with pytest.raises(ValueError, match="memory size"):
+            parse_bytes(bad)
+    with pytest.raises(ValueError, match="mesh shape"):
+        parse_mesh_shape("2xq")
+
+
+def test_ring_factors():
+    m = MeshSpec.preset("cpu", (4, 2))
+    b = 1e6
+    ag = collective_seconds("all_gather", b, m, 0)
+    assert ag == pytest.approx(m.alpha[0] + m.beta[0] * b * 3 / 4)
+    ar = collective_seconds("all_reduce", b, m, 0)
+    assert ar - m.alpha[0] == pytest.approx(2 * (ag - m.alpha[0]))
+    a2a = collective_seconds("all_to_all", b, m, 0)
+    assert a2a == pytest.approx(m.alpha[0] + m.beta[0] * b * 3 / 16)
+    both = collective_seconds("all_gather", b, m, (0, 1))
+    assert both == pytest.approx(max(m.alpha) + max(m.beta) * b * 7 / 8)
+    assert collective_seconds("all_reduce", b, MeshSpec.preset("cpu", (1, 2)), 0) == 0.0
+    with pytest.raises(ValueError, match="unknown collective"):
+        collective_seconds("broadcast", b, m, 0)
+
+
+def test_roofline():
+    m = MeshSpec.preset("a100-80gb", (8,))
+    assert compute_seconds(0, 0, m) == KERNEL_FLOOR_S
+    assert compute_seconds(312e12, 0, m) == pytest.approx(1.0)
+    assert compute_seconds(1, 2.039e12, m) == pytest.approx(1.0)

@@ -1,0 +1,58 @@
+import itertools
+
+import pytest
+
+from autopar.layout.placement import P, R, Partial, Replicate, Shard, TensorSpec, parse_placement
+
+
+@pytest.mark.parametrize(
+    "text, compact",
+    [("S0R", "S0R"), ("S(0),R", "S0R"), ("S(0)R", "S0R"), ("RR", "RR"), ("P", "P"),
+     ("S0S0", "S0S0"), ("S(12)S1", "S(12)S1"), (" S1 , P ", "S1P")],
+)
+def test_parse_print_round_trip(text, compact):
+    spec = TensorSpec.parse(text)
+    assert str(spec) == compact
+    assert TensorSpec.parse(str(spec)) == spec
+
+
+def test_placement_strings():
+    assert str(Shard(0)) == "S(0)" and str(R) == "R" and str(P) == "P"
+    assert parse_placement("S(3)") == Shard(3)
+    assert Replicate() == R and Partial() == P and hash(Shard(1)) == hash(Shard(1))
+
+
+@pytest.mark.parametrize("bad", ["", "X", "S", "SR", "S0Q", "RR,,x"])
+def test_parse_errors_echo_input(bad):
+    with pytest.raises(ValueError, match="spec"):
+        TensorSpec.parse(bad)
+
+
+def test_local_shape_and_uneven_error():
+    spec = TensorSpec.parse("S0S1")
+    assert spec.local_shape((8, 6), (2, 3)) == (4, 2)
+    assert TensorSpec.parse("S0S0").local_shape((8, 6), (2, 2)) == (2, 6)
+    with pytest.raises(ValueError, match=r"dim 1 of shape \(8, 6\).*not divisible by 4"):
+        TensorSpec.parse("RS1").local_shape((8, 6), (2, 4))
+    with pytest.raises(ValueError, match="has only 2 dims"):
+        TensorSpec.parse("S2R").validate((8, 6), (2, 2))
+    with pytest.raises(ValueError, match="2 axes"):
+        TensorSpec.parse("S0").validate((8, 6), (2, 2))
+
+
+def test_local_slices_tile_the_tensor_exactly():
+    shape, mesh = (8, 12, 4), (2, 2, 3)
+    for text in ["S0S0S1", "S1S0R", "PS2S1", "RRR", "S1S1S1"]:
+        spec = TensorSpec.parse(text)
+        if not spec.is_valid(shape, mesh):
+            continue
+        seen = {}
+        for coord in itertools.product(*map(range, mesh)):
+            key = tuple((s.start, s.stop) for s in spec.local_slices(shape, mesh, coord))
+            seen.setdefault(key, []).append(coord)
+        # every distinct slice is one tile; tiles times local size covers the global tensor
+        local = spec.local_shape(shape, mesh)
+        num_tiles = 1
+        for d in range(len(shape)):
+            num_tiles *= shape[d] // local[d]
+        assert len(seen) == num_tiles, text

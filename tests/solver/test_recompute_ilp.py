@@ -1,0 +1,141 @@
+"""The joint sharding + recompute ILP: known answers on small problems, exact agreement with
+``evaluate_recompute`` on every feasible choice, and GPT-2-tiny planning across budgets."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from autopar.solver.problem import Node, Problem, StrategyOption
+from autopar.solver.recompute_ilp import (SegmentInput, evaluate_recompute, minimum_budget_recompute,
+                                      segment_geometry, solve_recompute)
+
+
+def chain_problem(budget: int | None) -> tuple[Problem, dict]:
+    """Two blocks of two ops each (fine segments a/b inside blocks blk.0/blk.1) and a loss op.
+    Each op has a cheap (big activation) and an expensive (small activation) option."""
+    N = 5
+    nodes = []
+    for i in range(N - 1):
+        blk = f"blk.{i // 2}"
+        seg = f"{blk}.{'ab'[i % 2]}"
+        nodes.append(Node(f"op{i}", (StrategyOption("fast", 1.0, act_bytes=100, forward_s=0.3),
+                                     StrategyOption("slow", 3.0, act_bytes=40, forward_s=1.0)),
+                          live=(i, 2 * N - 1 - i), block=blk, signature=f"op{i % 2}", segment=seg))
+    nodes.append(Node("loss", (StrategyOption("only", 0.5, act_bytes=10, forward_s=0.1),), live=(N - 1, N)))
+    inputs = {"blk.0.a": (), "blk.0.b": (SegmentInput("op0", (20, 20)),),
+              "blk.1.a": (SegmentInput("op1", (20, 20)),), "blk.1.b": (SegmentInput("op2", (20, 20)),),
+              "blk.0": (), "blk.1": (SegmentInput("op1", (20, 20)),)}
+    return Problem(tuple(nodes), (), budget, 2 * N), inputs
+
+
+def brute_force(problem: Problem, inputs: dict):
+    geo = segment_geometry(problem)
+    units = sorted(geo)
+    best = None
+    for picks in itertools.product(*[range(n.num_options) for n in problem.nodes]):
+        choice = {n.name: n.options[k].name for n, k in zip(problem.nodes, picks)}
+        for mask in itertools.product((0, 1), repeat=len(units)):
+            chosen = [u for u, m in zip(units, mask) if m]
+            if any(geo[u].parent in chosen for u in chosen):
+                continue
+            ev = evaluate_recompute(problem, choice, chosen, inputs)
+            if problem.budget_bytes is not None and ev.peak_bytes > problem.budget_bytes:
+                continue
+            if best is None or ev.objective < best[0] - 1e-12:
+                best = (ev.objective, ev.peak_bytes)
+    return best
+
+
+def test_geometry_blocks_and_fine_segments():
+    problem, _ = chain_problem(None)
+    geo = segment_geometry(problem)
+    assert set(geo) == {"blk.0", "blk.1", "blk.0.a", "blk.0.b", "blk.1.a", "blk.1.b"}
+    assert geo["blk.0.a"].parent == "blk.0" and geo["blk.0"].parent is None
+    assert (geo["blk.0"].start, geo["blk.0"].bwd, geo["blk.0"].end) == (0, 8, 9)
+    assert (geo["blk.1.b"].start, geo["blk.1.b"].bwd, geo["blk.1.b"].end) == (3, 6, 6)
+
+
+def test_evaluate_recompute_by_hand():
+    problem, inputs = chain_problem(None)
+    fast = {n.name: n.options[0].name for n in problem.nodes}
+    base = problem.evaluate(fast)
+    ev = evaluate_recompute(problem, fast, ["blk.0"], inputs)
+    assert ev.objective == pytest.approx(base.objective + 0.6)
+    # blk.0 recomputed: at t=4 (loss) only blk.1 (200) + loss (10) are held; blk.0 keeps no input
+    # (its input is none); during blk.0's backward (t=8) op0, op1 are back: 100 + 100.
+    assert base.peak_bytes == 410
+    assert ev.peak_bytes == 210
+    with pytest.raises(ValueError, match="both alone and inside"):
+        evaluate_recompute(problem, fast, ["blk.0", "blk.0.a"], inputs)
+
+
+@pytest.mark.parametrize("budget", [None, 410, 300, 250, 210, 180, 150])
+def test_ilp_matches_brute_force(budget):
+    problem, inputs = chain_problem(budget)
+    want = brute_force(problem, inputs)
+    if budget is None:
+        with pytest.raises(ValueError, match="needs a memory budget"):
+            solve_recompute(problem, inputs)
+        return
+    if want is None:
+        with pytest.raises(ValueError, match="smallest budget any plan meets"):
+            solve_recompute(problem, inputs)
+        return
+    for alias in (True, False):
+        sol = solve_recompute(problem, inputs, alias=alias)
+        ev = evaluate_recompute(problem, sol.choice, sol.recompute, inputs)
+        assert ev.peak_bytes <= budget
+        if not alias:  # aliasing restricts identical blocks to one choice: never better
+            assert sol.objective == pytest.approx(want[0], rel=1e-6)
+        else:
+            assert sol.objective >= want[0] - 1e-9
+
+
+def test_minimum_budget_recompute_is_tight():
+    problem, inputs = chain_problem(0)
+    need = minimum_budget_recompute(problem, inputs)
+    solve_recompute(problem.with_budget(need), inputs)
+    assert brute_force(problem.with_budget(need - 1), inputs) is None
+
+
+def test_fixed_decisions():
+    problem, inputs = chain_problem(400)
+    sol = solve_recompute(problem, inputs, fixed={"blk.0": True, "blk.1": True})
+    assert set(sol.recompute) == {"blk.0", "blk.1"}
+    free = solve_recompute(problem, inputs)
+    assert free.objective <= sol.objective
+
+
+@pytest.mark.slow
+def test_gpt2_tiny_budgets_monotone_and_no_worse_than_uniform_blocks():
+    import torch
+
+    from autopar import zoo
+    from autopar.api import plan as make_plan
+    from autopar.solver.recompute_ilp import block_of_segment
+
+    torch.manual_seed(0)
+    model, inputs = zoo.build("gpt2", tiny=True, batch=8, seq=128, num_layers=4, device="cpu")
+    ctx: dict = {}
+    base = make_plan(model, inputs, mesh=(2,), memory_budget=None, checkpoint="none", context=ctx)
+    peak = base.estimate.peak_bytes
+    times = [base.estimate.step_s]
+    for frac in (0.7, 0.5, 0.35):
+        budget = int(frac * peak)
+        p = make_plan(model, inputs, mesh=(2,), memory_budget=budget, checkpoint="auto")
+        assert p.estimate.peak_bytes <= budget
+        assert p.recompute, f"{frac}: a plan under {frac:.0%} of the no-recompute peak must recompute"
+        assert p.estimate.step_s >= times[-1] - 1e-12
+        times.append(p.estimate.step_s)
+        if frac == 0.5:
+            assert p.estimate.step_s <= 1.25 * base.estimate.step_s
+            built = ctx["built"]
+            blocks = sorted({block_of_segment(n.segment) for n in built.problem.nodes if n.segment})
+            uniform = solve_recompute(built.problem.with_budget(budget), built.segment_inputs,
+                                      fixed={b: True for b in blocks})
+            from autopar.planner.checkpointing import estimate
+
+            same_model = estimate(built, built.problem, uniform.choice, uniform.recompute, built.segment_inputs)
+            assert p.estimate.step_s <= same_model.objective + 1e-12
