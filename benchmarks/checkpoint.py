@@ -70,7 +70,8 @@ def gpt2_tiny_budgets(fractions=(1.0, 0.7, 0.5, 0.35)) -> list[dict]:
     from autopar import zoo
     from autopar.api import plan as make_plan
     from autopar.planner.checkpointing import estimate
-    from autopar.solver.recompute_ilp import block_of_segment, solve_recompute
+    from autopar.solver.blocks import block_of as block_of_segment
+    from autopar.solver.recompute_ilp import solve_recompute
 
     torch.manual_seed(0)
     model, inputs = zoo.build("gpt2", tiny=True, batch=8, seq=128, num_layers=4, device="cpu")

@@ -40,7 +40,6 @@ from __future__ import annotations
 import itertools
 import math
 import operator
-import re
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
@@ -49,6 +48,7 @@ import torch
 import torch.fx as fx
 
 from autopar.layout.mesh import MeshSpec
+from autopar.solver.blocks import block_of
 from autopar.solver.problem import Edge, Node, Problem, StrategyOption
 from autopar.layout.conversion import plan_conversion
 from autopar.layout.placement import R, Shard, TensorSpec
@@ -59,7 +59,6 @@ from autopar.tracer.profile import ModelProfile
 __all__ = ["BuildOptions", "BuiltProblem", "Choice", "ChosenConversion", "build_problem", "block_of", "layout_specs",
            "holder_of_producer", "saved_by", "segment_inputs"]
 
-_BLOCK = re.compile(r"^(.*?\.\d+)(?:\.|$)")
 _AT_REST = ("parameter", "buffer")
 
 # A restriction filters the candidate options of one decision (baseline plans): it receives the
@@ -152,12 +151,6 @@ def mutates_state(node: fx.Node) -> bool:
         training = node.kwargs.get("training", args[5])
         return running_mean is not None and bool(training)
     return False
-
-
-def block_of(path: str) -> str | None:
-    """``"transformer.h.3.attn.c_attn"`` -> ``"transformer.h.3"``: the repeated-module root."""
-    m = _BLOCK.match(path or "")
-    return m.group(1) if m else None
 
 
 def layout_specs(shape: tuple[int, ...], mesh_shape: tuple[int, ...]) -> list[TensorSpec]:

@@ -37,8 +37,9 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from autopar.plans import RecomputeRegion
+from autopar.solver.blocks import block_of
 from autopar.solver.problem import Evaluation, Problem
-from autopar.solver.recompute_ilp import (activation_bytes, block_of_segment, evaluate_recompute,
+from autopar.solver.recompute_ilp import (activation_bytes, evaluate_recompute,
                                segment_geometry, solve_recompute)
 
 __all__ = ["MODES", "RecomputePlan", "plan_recompute", "estimate", "rotor_refine", "regions_of", "strip_segments"]
@@ -74,7 +75,7 @@ def regions_of(problem: Problem, units) -> tuple[RecomputeRegion, ...]:
     out = []
     for u in sorted(units, key=lambda u: segment_geometry(problem)[u].start):
         nodes = tuple(n.name for n in problem.nodes
-                      if n.segment is not None and (n.segment == u or block_of_segment(n.segment) == u))
+                      if n.segment is not None and (n.segment == u or block_of(n.segment) == u))
         out.append(RecomputeRegion(u, nodes))
     return tuple(out)
 
@@ -191,7 +192,7 @@ def build_chain(prof, built, choice):
                 key = (src, idx)
                 consumers[key] = max(consumers.get(key, -1), index[dst])
                 if index[src] < first:
-                    readers.setdefault(key, set()).add(block_of_segment(ops[index[dst]].segment or "") or "")
+                    readers.setdefault(key, set()).add(block_of(ops[index[dst]].segment or "") or "")
     # Values made before the chain count only when one block reads them (the chain's input, not
     # a mask or position table shared by every block: those are held throughout).
     consumers = {k: v for k, v in consumers.items() if index[k[0]] >= first or len(readers.get(k, ())) == 1}

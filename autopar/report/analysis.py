@@ -17,7 +17,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from autopar.planner.builder import BuiltProblem, block_of
+from autopar.planner.builder import BuiltProblem
+from autopar.solver.blocks import block_of
 from autopar.layout.cost import collective_seconds, copy_seconds
 from autopar.layout.mesh import MeshSpec
 from autopar.layout.conversion import apply_step

@@ -59,7 +59,6 @@ intervals) and checked against the solver's objective. No torch import.
 from __future__ import annotations
 
 import bisect
-import re
 import time
 from collections import defaultdict
 from dataclasses import dataclass
@@ -69,6 +68,7 @@ import numpy as np
 import pulp
 
 from autopar.solver.ilp import MEM_UNIT, IlpModel, SolveTimeout, _expr, _pick_backend, checked_solution, undominated_rows
+from autopar.solver.blocks import block_of
 from autopar.solver.problem import Evaluation, Problem, Solution
 from autopar.solver.simplify import MemItem, Reduced, peak_candidates, simplify
 
@@ -96,15 +96,6 @@ class SegmentGeometry:
     parent: str | None = None
 
 
-_BLOCK_RE = re.compile(r"^(.*?\.\d+)(?:\.|$)")
-
-
-def block_of_segment(segment: str) -> str | None:
-    """``"transformer.h.3.mlp.act"`` -> ``"transformer.h.3"`` (the builder's ``block_of``)."""
-    m = _BLOCK_RE.match(segment)
-    return m.group(1) if m else None
-
-
 def segment_geometry(problem: Problem) -> dict[str, SegmentGeometry]:
     """Every recomputable unit that holds activations: fine segments and their blocks."""
     spans: dict[str, list] = {}
@@ -112,7 +103,7 @@ def segment_geometry(problem: Problem) -> dict[str, SegmentGeometry]:
     for n in problem.nodes:
         if n.segment is None or n.live is None or not any(o.act_bytes for o in n.options):
             continue
-        block = block_of_segment(n.segment)
+        block = block_of(n.segment)
         parent[n.segment] = block if block != n.segment else None
         units = [n.segment] + ([block] if parent[n.segment] else [])
         s, e = n.live
@@ -131,7 +122,7 @@ def _units_of(segment: str | None, geo: Mapping[str, SegmentGeometry]) -> tuple[
     """The units a node of ``segment`` belongs to: its fine segment and its block (if known)."""
     if segment is None:
         return ()
-    block = block_of_segment(segment)
+    block = block_of(segment)
     return tuple(u for u in dict.fromkeys((segment, block)) if u is not None and u in geo)
 
 
@@ -171,7 +162,7 @@ def evaluate_recompute(problem: Problem, choice: Mapping[str, str], recompute: I
     for n in problem.nodes:
         o = n.options[n.option_index(choice[n.name])]
         seg = n.segment
-        block = block_of_segment(seg) if seg is not None else None
+        block = block_of(seg) if seg is not None else None
         unit = block if block in chosen else seg if seg in chosen else None
         if unit is not None:
             extra += o.forward_s
@@ -253,7 +244,7 @@ class RecomputeModel(IlpModel):
         fwd_vecs: dict[str, dict[int, np.ndarray]] = defaultdict(dict)
         for g, table in enumerate(self.reduced.forward):
             for seg, vec in table.items():
-                for u in dict.fromkeys((seg, block_of_segment(seg))):
+                for u in dict.fromkeys((seg, block_of(seg))):
                     if u in self.geo:
                         prev = fwd_vecs[u].get(g)
                         fwd_vecs[u][g] = vec if prev is None else prev + vec

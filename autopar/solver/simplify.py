@@ -41,17 +41,16 @@ Transformations 2-4 repeat until nothing changes. No torch import.
 from __future__ import annotations
 
 import heapq
-import re
 from collections import defaultdict
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from autopar.solver.blocks import split_block
 from autopar.solver.problem import Problem
 
 __all__ = ["MemItem", "Member", "Reduced", "simplify", "peak_candidates"]
 
-_BLOCK_RE = re.compile(r"^(.*)\.(\d+)$")
 # Costs are seconds of order 1e-6..1e2; dominance and separability tests allow float noise only.
 _EPS = 1e-12
 
@@ -276,9 +275,9 @@ def _alias_groups(problem: Problem) -> dict[str, int]:
     groups = {n.name: i for i, n in enumerate(problem.nodes)}
     instances: dict[tuple[str, int], list] = defaultdict(list)
     for n in problem.nodes:
-        m = _BLOCK_RE.match(n.block) if n.block else None
-        if m:
-            instances[(m.group(1), int(m.group(2)))].append(n)
+        where = split_block(n.block)
+        if where is not None:
+            instances[where].append(n)
     classes: dict[tuple, list[list]] = defaultdict(list)
     for (prefix, idx), nodes in sorted(instances.items(), key=lambda kv: kv[0]):
         key = (prefix, tuple((n.signature, tuple(o.name for o in n.options)) for n in nodes))

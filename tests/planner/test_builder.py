@@ -1,7 +1,8 @@
 """Problem builder: ops that update model state are never offered for recompute."""
 
 from autopar import zoo
-from autopar.planner.builder import block_of, build_problem, mutates_state
+from autopar.planner.builder import build_problem, mutates_state
+from autopar.solver.blocks import block_of
 from autopar.layout.mesh import MeshSpec
 from autopar.tracer import profile, trace
 
