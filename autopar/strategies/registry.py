@@ -26,6 +26,7 @@ import torch
 import torch.fx
 
 from autopar.layout.placement import Partial, Placement, Replicate, TensorSpec
+from autopar.tracer.graph import MODULE_KEY
 
 __all__ = [
     "TensorMeta", "InputSlot", "OpInfo", "AxisOption", "Strategy", "RuleEntry", "LocalKernel",
@@ -280,10 +281,13 @@ def _output_metas(val: Any) -> tuple[tuple[TensorMeta | None, ...], bool]:
 
 
 def module_path_of(node: torch.fx.Node) -> str:
-    """Dotted module path of a node (the tracer's key if set, else export's module stack)."""
-    path = node.meta.get("autopar_module_path") or node.meta.get("module_path")
-    if path:
-        return str(path)
+    """Dotted path of the module that owns ``node`` ("" for the root module).
+
+    The tracer's ``MODULE_KEY`` when set (every node of a ``TracedGraph`` has it); a graph
+    straight from ``torch.export`` has only export's module stack: its innermost entry.
+    """
+    if MODULE_KEY in node.meta:
+        return str(node.meta[MODULE_KEY])
     stack = node.meta.get("nn_module_stack")
     if stack:
         return str(list(stack.values())[-1][0])

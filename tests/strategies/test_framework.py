@@ -16,6 +16,8 @@ from autopar.strategies import (
 )
 from autopar.strategies.check import StrategyMismatch, check_strategy, reference, run_spmd
 from autopar.strategies.samples import ints, rand
+from autopar.tracer import trace
+from autopar.tracer.graph import MODULE_KEY
 
 aten = torch.ops.aten
 
@@ -148,6 +150,17 @@ def test_missing_rule_names_op_node_and_module(exported):
         warnings.simplefilter("always")
         (only,) = strategies_for(node, mesh, allow_replicate_fallback=True)
     assert only.is_fallback and only.output_spec.is_replicated() and "cumprod" in str(caught[0].message)
+
+
+def test_missing_rule_names_the_module_the_tracer_recorded():
+    traced = trace(_Outer(), (torch.randn(4, 8),))
+    node = next(n for n in traced.compute_nodes() if n.target == aten.cumprod.default)
+    # The tracer's key alone must name the module: nodes the runtime's emitter copies carry only it.
+    del node.meta["nn_module_stack"]
+    assert node.meta[MODULE_KEY] == "inner"
+    with pytest.raises(NoRuleError, match=r"node 'cumprod'.*module inner\)") as caught:
+        strategies_for(node, MeshSpec.preset("cpu", (2,)))
+    assert caught.value.module_path == "inner"
 
 
 def test_node_inputs_line_up_with_input_specs(exported):
