@@ -21,7 +21,7 @@ _LAZY = {
     "TracedGraph": "autopar.tracer",
     "plan": "autopar.api",
     "Plan": "autopar.plans",
-    "autoparallelize": "autopar.runtime.build",
+    "autoparallelize": "autopar.api",
     "AutoParallelModule": "autopar.runtime.module",
     "clip_grad_norm_": "autopar.runtime.module",
     "profile_mesh": "autopar.runtime.mesh_profile",

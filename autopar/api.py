@@ -1,26 +1,49 @@
-"""The public entry points: ``plan`` (offline, no process group).
+"""The public entry points: ``plan`` (offline, no process group) and ``autoparallelize`` (every rank).
 
 ``plan(model, meta_inputs, *, mesh, ...)`` traces the model on fake tensors, profiles it,
 enumerates sharding strategies per node, builds the plain-data problem, solves the ILP under the
 per-device memory budget and returns a :class:`~autopar.plans.Plan`. With ``baselines=True`` it
 also solves data parallel, ZeRO-3, Megatron TP and DP x TP in the same cost model.
+``plan_model`` and ``plan_traced`` (from an existing trace and profile: one trace serves many
+meshes and budgets) take a :class:`PlanOptions` and return a :class:`PlanResult`: the plan and
+the intermediate traced graph, profile, built problem and recompute plan (for reports).
+
+``autoparallelize`` is called on EVERY rank after ``torch.distributed.init_process_group``. How
+ranks agree on the plan: rank 0 solves and broadcasts the plan's JSON (``broadcast_object_list``);
+a solver failure on rank 0 is broadcast too, so every rank raises the same error instead of
+hanging. Every rank traces the model itself (tracing is deterministic; the plan's graph hash is
+checked against each rank's own trace), and ``autopar.runtime.build.build_module`` emits the
+module from the plan.
+
+Torch is imported inside the functions only, so ``import autopar`` stays cheap.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from contextlib import contextmanager
-from typing import Any, Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
-from autopar.layout.mesh import MeshSpec, parse_bytes
-from autopar.plans import BaselineResult, Estimate, NodePlan, Plan
+from autopar.layout.mesh import MeshSpec, resolve_preset
+from autopar.planner.options import PlanOptions
+from autopar.plans import BaselineResult, Plan
 
-__all__ = ["plan", "plan_graph", "Progress"]
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+    from autopar.runtime.module import AutoParallelModule
+
+__all__ = ["plan", "plan_model", "plan_traced", "autoparallelize", "PlanOptions", "PlanResult", "Progress"]
 
 
 class Progress:
-    """Stage lines with elapsed time (``verbose``), or silence. ``sink`` receives each line."""
+    """Stage lines with elapsed time (``verbose``), or silence; the seconds per stage either way.
+    ``sink`` receives each line: ``"<prefix> <stage> ..."`` when a stage starts, ``"<prefix>
+    <stage> done in <s>s"`` when it ends (the CLI's ``StageSink`` redraws the former in place)."""
 
     def __init__(self, verbose: bool = False, sink: Callable[[str], None] | None = None) -> None:
         self.verbose = verbose
@@ -39,6 +62,22 @@ class Progress:
             self.sink(f"[autopar {time.perf_counter() - self._start:6.1f}s] {name} done in {self.timings[name]:.2f}s")
 
 
+@dataclass(frozen=True, slots=True)
+class PlanResult:
+    """A plan and what it was made from."""
+
+    plan: Plan
+    traced: Any  # autopar.tracer.TracedGraph
+    profile: Any  # autopar.tracer.ModelProfile
+    built: Any  # autopar.planner.builder.BuiltProblem
+    recompute: Any  # autopar.planner.checkpointing.RecomputePlan: the choice and its ILP solution
+
+    def __str__(self) -> str:
+        return (f"{self.plan.model} on {self.plan.mesh}: {self.built.problem.num_nodes} decisions, "
+                f"recompute {self.recompute.method}, {self.plan.estimate}")
+
+
+# ---------------------------------------------------------------------------------- planning
 def plan(
     model: Any,
     meta_inputs: tuple | dict,
@@ -47,177 +86,169 @@ def plan(
     memory_budget: int | float | str | None = None,
     solver: str = "auto",
     time_limit: float = 60.0,
-    device: str = "cpu",
+    preset: str | None = None,
     baselines: bool = False,
     optimizer_multiplier: float = 2.0,
     allow_replicate_fallback: bool = False,
     verbose: bool = False,
     progress: Progress | None = None,
-    context: dict | None = None,
     checkpoint: str = "auto",
+    device: str | None = None,
 ) -> Plan:
     """Plan ``model`` on ``mesh`` offline. ``mesh``: a MeshSpec, or a shape (``(2, 4)``/``"2x4"``)
-    with the ``device`` preset's costs. ``memory_budget``: bytes or ``"16GiB"``; None = the
-    device capacity from the MeshSpec. ``context``: a dict that receives the intermediate
-    ``traced``, ``profile``, ``built`` and ``solution`` (for reports that need per-node data).
+    with the ``preset`` device preset's costs (default ``"cpu"``; ``device`` is its deprecated old
+    name). ``memory_budget``: bytes or ``"16GiB"``; None = the device capacity from the MeshSpec.
     ``checkpoint``: activation recompute planning, ``"auto"`` (the faster of the joint ILP +
     Rotor refinement and Rotor alone; nothing when the budget cannot bind), ``"ilp"``,
-    ``"rotor"``, ``"both"`` or ``"none"`` (see ``autopar.planner.checkpointing``)."""
+    ``"rotor"``, ``"both"`` or ``"none"`` (see ``autopar.planner.checkpointing``). The other
+    options: see :class:`PlanOptions`. ``plan_model`` returns the intermediate results too."""
+    options = PlanOptions(memory_budget=memory_budget, solver=solver, time_limit=time_limit,
+                          preset=resolve_preset(preset, device), baselines=baselines,
+                          optimizer_multiplier=optimizer_multiplier,
+                          allow_replicate_fallback=allow_replicate_fallback, checkpoint=checkpoint)
+    return plan_model(model, meta_inputs, mesh=mesh, options=options, progress=progress or Progress(verbose)).plan
+
+
+def plan_model(model: Any, meta_inputs: tuple | dict, *, mesh: MeshSpec | Sequence[int] | str,
+               options: PlanOptions = PlanOptions(), progress: Progress | None = None) -> PlanResult:
+    """Trace and profile ``model``, then ``plan_traced``."""
     from autopar.strategies import needs_decomposition
     from autopar.tracer import profile as profile_graph
     from autopar.tracer import trace
 
-    progress = progress or Progress(verbose)
+    mesh = options.mesh(mesh)  # a bad mesh fails before the trace
+    progress = progress or Progress()
     with progress.stage("trace"):
         traced = trace(model, meta_inputs, decompose_if=needs_decomposition)
     with progress.stage("profile"):
         prof = profile_graph(traced)
-    return plan_graph(traced, prof, mesh=mesh, memory_budget=memory_budget, solver=solver,
-                      time_limit=time_limit, device=device, baselines=baselines,
-                      optimizer_multiplier=optimizer_multiplier,
-                      allow_replicate_fallback=allow_replicate_fallback, progress=progress,
-                      context=context, checkpoint=checkpoint)
+    return plan_traced(traced, prof, mesh=mesh, options=options, progress=progress)
 
 
-def plan_graph(
-    traced: Any,
-    prof: Any,
-    *,
-    mesh: MeshSpec | Sequence[int] | str,
-    memory_budget: int | float | str | None = None,
-    solver: str = "auto",
-    time_limit: float = 60.0,
-    device: str = "cpu",
-    baselines: bool = False,
-    optimizer_multiplier: float = 2.0,
-    allow_replicate_fallback: bool = False,
-    progress: Progress | None = None,
-    context: dict | None = None,
-    checkpoint: str = "auto",
-) -> Plan:
-    """``plan`` from an existing trace and profile (one trace serves many meshes and budgets)."""
+def plan_traced(traced: Any, profile: Any, *, mesh: MeshSpec | Sequence[int] | str,
+                options: PlanOptions = PlanOptions(), progress: Progress | None = None) -> PlanResult:
+    """The plan of an existing trace and profile (one trace serves many meshes and budgets)."""
+    from autopar.planner.assemble import applicable_baselines, assemble_plan
     from autopar.planner.builder import BuildOptions, build_problem
-
-    mesh = MeshSpec.coerce(mesh, device=device)
-    budget = mesh.mem_capacity if memory_budget is None else parse_bytes(memory_budget)
-    progress = progress or Progress(False)
-    options = BuildOptions(optimizer_multiplier=optimizer_multiplier,
-                           allow_replicate_fallback=allow_replicate_fallback)
-    with progress.stage("strategies", f"{sum(1 for _ in traced.compute_nodes())} ops on mesh {mesh}"):
-        built = build_problem(traced, prof, mesh, budget_bytes=budget, options=options)
     from autopar.planner.checkpointing import plan_recompute
 
-    rc = plan_recompute(traced, prof, built, mode=checkpoint, solver=solver, time_limit=time_limit,
-                        solve_plain=lambda p: _solve(p, solver=solver, time_limit=time_limit,
-                                                     progress=progress, stage="solve"))
-    solution = rc.solution
-    if context is not None:
-        context.update(traced=traced, profile=prof, built=built, solution=solution, recompute=rc)
+    mesh = options.mesh(mesh)
+    progress = progress or Progress()
+    build_options = BuildOptions(optimizer_multiplier=options.optimizer_multiplier,
+                                 allow_replicate_fallback=options.allow_replicate_fallback)
+    with progress.stage("strategies", f"{sum(1 for _ in traced.compute_nodes())} ops on mesh {mesh}"):
+        built = build_problem(traced, profile, mesh, budget_bytes=options.budget_bytes(mesh), options=build_options)
+    rc = plan_recompute(traced, profile, built, mode=options.checkpoint, solver=options.solver,
+                        time_limit=options.time_limit,
+                        solve_plain=lambda p: _solve(p, options=options, progress=progress, stage="solve"))
     results = ()
-    if baselines:
-        results = tuple(_baseline(name, traced, built, mesh, solver, time_limit, progress)
-                        for name in _applicable_baselines(mesh.ndim))
-    return Plan(
-        model=traced.model_name, graph_hash=traced.graph_hash, mesh=mesh, budget_bytes=budget,
-        nodes=_node_plans(traced, built, rc.choice),
-        estimate=_estimate_of(rc.evaluation),
-        solver=_solver_stats(solution), timings=dict(progress.timings), baselines=results,
-        fallbacks=built.fallbacks, recompute=rc.regions,
-        checkpoint={"mode": checkpoint, "method": rc.method, "units": list(rc.units),
-                    "activation_bytes": rc.activation_bytes, **rc.info},
-    )
+    if options.baselines:
+        results = tuple(_baseline(name, traced, built, options=options, progress=progress)
+                        for name in applicable_baselines(mesh.ndim))
+    result = assemble_plan(
+        traced, built, choice=rc.choice, evaluation=rc.evaluation, solution=rc.solution,
+        timings=progress.timings, baselines=results, recompute=rc.regions,
+        checkpoint={"mode": options.checkpoint, "method": rc.method, "units": list(rc.units),
+                    "activation_bytes": rc.activation_bytes, **rc.info})
+    return PlanResult(result, traced, profile, built, rc)
 
 
-# ----------------------------------------------------------------------------------- helpers
-def _solve(problem, *, solver, time_limit, progress, stage):
+def _solve(problem, *, options: PlanOptions, progress: Progress, stage: str):
     from autopar.solver.ilp import solve
 
     with progress.stage(stage, f"{problem.num_nodes} decisions, {problem.num_edges} edges"):
-        return solve(problem, solver=solver, time_limit=time_limit)
+        return solve(problem, solver=options.solver, time_limit=options.time_limit)
 
 
-def _applicable_baselines(num_axes: int) -> list[str]:
-    from autopar.planner.baselines import BASELINES, baseline_roles
-
-    return [b for b in BASELINES if baseline_roles(b, num_axes) is not None]
-
-
-def _baseline(name, traced, built, mesh, solver, time_limit, progress) -> BaselineResult:
-    from autopar.planner.baselines import baseline_roles, make_restriction
+def _baseline(name: str, traced, built, *, options: PlanOptions, progress: Progress) -> BaselineResult:
+    from autopar.planner.assemble import baseline_problem, estimate_of
 
     try:
         with progress.stage(f"baseline {name}"):
-            problem = _restricted_problem(built, traced, make_restriction(baseline_roles(name, mesh.ndim)), name)
-        solution = _solve(problem, solver=solver, time_limit=time_limit, progress=progress,
-                          stage=f"baseline {name} solve")
+            problem = baseline_problem(name, traced, built)
+        solution = _solve(problem, options=options, progress=progress, stage=f"baseline {name} solve")
     except ValueError as exc:  # the family cannot fit the budget (or has no legal layout)
         return BaselineResult(name, False, None, str(exc).splitlines()[0])
-    return BaselineResult(name, True, _estimate(problem, solution.choice))
+    return BaselineResult(name, True, estimate_of(problem.evaluate(solution.choice)))
 
 
-def _restricted_problem(built, traced, restriction, name: str):
-    """``built.problem`` keeping only the options ``restriction`` allows: the problem
-    ``build_problem(..., restriction=...)`` builds (same options, costs and liveness), sliced from
-    the unrestricted one instead of re-deriving every strategy and conversion cost."""
-    from autopar.solver.problem import Edge, Node, Problem
+# ---------------------------------------------------------------------------------- runtime
+def autoparallelize(
+    model: nn.Module,
+    meta_inputs: tuple | dict,
+    *,
+    mesh: MeshSpec | Sequence[int] | str | None = None,
+    memory_budget: int | float | str | None = None,
+    plan: Plan | str | os.PathLike | None = None,
+    solver: str = "auto",
+    time_limit: float | None = None,
+    device: str | torch.device | None = None,
+    seed: int = 0,
+    init_weights: bool = True,
+    local_inputs: bool = False,
+    allow_replicate_fallback: bool = False,
+    checkpoint: str = "auto",
+) -> AutoParallelModule:
+    """Shard ``model`` over the current process group; see the module docstring.
 
-    keep: dict[str, list[int]] = {}
-    nodes = []
-    for node in built.problem.nodes:
-        kind = built.kinds[node.name]
-        idx = list(range(node.num_options))
-        if kind != "output":  # the graph output is fixed (replicated), as in the builder
-            fx_node = traced.node(node.name)
-            idx = [i for i in idx if restriction(kind, fx_node, built.choices[node.name][i])]
-        if not idx:
-            module = traced.module_path(traced.node(node.name)) or "<top level>"
-            raise ValueError(f"the {name} restriction leaves no option for {kind} {node.name!r} (module {module})")
-        keep[node.name] = idx
-        nodes.append(Node(node.name, tuple(node.options[i] for i in idx), live=node.live, block=node.block,
-                          signature=node.signature, segment=node.segment))
-    edges = tuple(Edge(e.src, e.dst, tuple(tuple(e.costs[i][j] for j in keep[e.dst]) for i in keep[e.src]))
-                  for e in built.problem.edges)
-    p = built.problem
-    return Problem(tuple(nodes), edges, p.budget_bytes, p.timeline_length, p.mesh_shape,
-                   {**p.meta_dict, "restriction": name})
+    ``mesh``: None = 1-D over the world size; a shape gets the ``cpu`` preset on CPU (an H100 or
+    A100 preset on CUDA); or a ``MeshSpec``. ``plan``: a ``Plan`` or a path to its JSON, applied
+    without solving. ``device``: the torch device where the local shards live (default: see
+    ``autopar.runtime.build.runtime_device``). ``time_limit``: None = ``PlanOptions``' default.
+    ``seed``: initialisation seed for a model on ``meta`` (``init_weights=False``: zeros, to be
+    filled with ``load_full_state_dict``). ``local_inputs``: ``forward`` receives each rank's
+    piece of every input under the plan's input layouts instead of the full batch.
+    ``checkpoint``: activation recompute planning (``plan``); a loaded plan's recompute regions
+    are applied as they are.
+    """
+    import torch.distributed as dist
+
+    from autopar.runtime.build import build_module, check_plan, mesh_preset, runtime_device
+    from autopar.strategies import needs_decomposition
+    from autopar.tracer import trace
+
+    if not dist.is_initialized():
+        raise ValueError("autoparallelize needs torch.distributed.init_process_group() first")
+    world = dist.get_world_size()
+    dev = runtime_device(device)
+    preset = mesh_preset(dev)
+    spec = None if mesh is None else MeshSpec.coerce(mesh, preset=preset)
+    if spec is not None and spec.num_devices != world:
+        raise ValueError(f"mesh {spec.shape} has {spec.num_devices} devices but the process group has {world} ranks")
+    if plan is None:
+        # Every rank checks the options (the same error everywhere, before any collective).
+        options = PlanOptions(memory_budget=memory_budget, solver=solver, preset=preset,
+                              allow_replicate_fallback=allow_replicate_fallback, checkpoint=checkpoint,
+                              **({} if time_limit is None else {"time_limit": time_limit}))
+        spec = spec or MeshSpec.coerce((world,), preset=preset)
+        plan, traced = _solve_on_rank0(model, meta_inputs, mesh=spec, options=options)
+        traced = traced or trace(model, meta_inputs, decompose_if=needs_decomposition)
+    else:
+        plan = plan if isinstance(plan, Plan) else Plan.load(os.fspath(plan))
+        traced = trace(model, meta_inputs, decompose_if=needs_decomposition)
+    check_plan(plan, graph_hash=traced.graph_hash, world_size=world, mesh=spec)
+    return build_module(model, traced, plan, device=dev, seed=seed, init_weights=init_weights,
+                        local_inputs=local_inputs)
 
 
-def _estimate(problem, choice) -> Estimate:
-    return _estimate_of(problem.evaluate(choice))
+def _solve_on_rank0(model, meta_inputs, *, mesh: MeshSpec, options: PlanOptions):
+    """Rank 0 solves; every rank gets the plan (or rank 0's error) by broadcast. Also returns
+    rank 0's trace (None elsewhere)."""
+    import torch.distributed as dist
 
-
-def _estimate_of(ev) -> Estimate:
-    return Estimate(step_s=ev.objective, compute_s=ev.compute_s, comm_s=ev.comm_s,
-                    reshard_s=ev.reshard_s, param_bytes=ev.param_bytes, peak_bytes=ev.peak_bytes)
-
-
-def _solver_stats(solution) -> dict:
-    return {
-        "status": solution.status, "backend": solution.backend, "objective": solution.objective,
-        "lp_bound": solution.lp_bound, "gap": solution.gap, "timings": dict(solution.timings),
-        "num_variables": solution.num_variables, "num_constraints": solution.num_constraints,
-    }
-
-
-def _node_plans(traced, built, choice: dict[str, str]) -> tuple[NodePlan, ...]:
-    from autopar.tracer.graph import PLACEHOLDER_KEY
-
-    out = []
-    for node in built.problem.nodes:
-        idx = node.option_index(choice[node.name])
-        c = built.choices[node.name][idx]
-        fx_node = traced.node(node.name)
-        kind = built.kinds[node.name]
-        if kind == "op":
-            where, op = traced.module_path(fx_node), str(fx_node.target)
-        elif kind == "output":
-            where, op = "", ""
-        else:
-            where, op = fx_node.meta[PLACEHOLDER_KEY].fqn, ""
-        out.append(NodePlan(
-            name=node.name, kind=kind, strategy=c.name,
-            input_specs=tuple(None if s is None else str(s) for s in c.input_specs),
-            output_specs=tuple(None if s is None else str(s) for s in c.output_specs),
-            op=op, module=where,
-        ))
-    return tuple(out)
+    traced, error = None, None
+    payload: list[Any] = [None]
+    if dist.get_rank() == 0:
+        try:
+            result = plan_model(model, meta_inputs, mesh=mesh, options=options)
+            payload[0] = ("ok", result.plan.to_json())
+            traced = result.traced
+        except Exception as exc:  # noqa: BLE001 -- re-raised on every rank below
+            payload[0], error = ("error", f"{type(exc).__name__}: {exc}"), exc
+    dist.broadcast_object_list(payload, src=0)
+    status, text = payload[0]
+    if error is not None:
+        raise error
+    if status != "ok":
+        raise ValueError(f"planning failed on rank 0: {text}")
+    return Plan.from_json(text), traced

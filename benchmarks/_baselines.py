@@ -164,27 +164,22 @@ def ddp_model(hf_model: nn.Module) -> nn.Module:
 # --------------------------------------------------------------------- restricted plans
 def restricted_plan(model, inputs, *, mesh, baseline: str = "data-parallel", memory_budget=None):
     """The best plan within one baseline family (``autopar.planner.baselines``), as a runnable Plan."""
-    from autopar import api
-    from autopar.planner.baselines import baseline_roles, make_restriction
+    from autopar.api import PlanOptions
+    from autopar.planner.assemble import assemble_plan, baseline_problem
     from autopar.planner.builder import BuildOptions, build_problem
-    from autopar.layout.mesh import MeshSpec, parse_bytes
-    from autopar.plans import Plan
+    from autopar.solver.ilp import solve
     from autopar.strategies import needs_decomposition
     from autopar.tracer import profile, trace
 
-    mesh = MeshSpec.coerce(mesh, device="cpu")
-    budget = mesh.mem_capacity if memory_budget is None else parse_bytes(memory_budget)
+    options = PlanOptions(memory_budget=memory_budget)
+    mesh = options.mesh(mesh)
     traced = trace(model, inputs, decompose_if=needs_decomposition)
-    built = build_problem(traced, profile(traced), mesh, budget_bytes=budget, options=BuildOptions())
-    roles = baseline_roles(baseline, mesh.ndim)
-    if roles is None:
-        raise ValueError(f"baseline {baseline!r} does not apply to mesh {mesh.shape}")
-    problem = api._restricted_problem(built, traced, make_restriction(roles), baseline)
-    solution = api._solve(problem, solver="auto", time_limit=60.0, progress=api.Progress(), stage="solve")
-    return Plan(model=traced.model_name, graph_hash=traced.graph_hash, mesh=mesh, budget_bytes=budget,
-                nodes=api._node_plans(traced, built, solution.choice),
-                estimate=api._estimate(problem, solution.choice), solver=api._solver_stats(solution),
-                timings={}, baselines=(), fallbacks=built.fallbacks)
+    built = build_problem(traced, profile(traced), mesh, budget_bytes=options.budget_bytes(mesh),
+                          options=BuildOptions())
+    problem = baseline_problem(baseline, traced, built)
+    solution = solve(problem, solver=options.solver, time_limit=options.time_limit)
+    return assemble_plan(traced, built, choice=solution.choice, evaluation=problem.evaluate(solution.choice),
+                         solution=solution)
 
 
 def median(values) -> float:

@@ -24,7 +24,7 @@ import time
 import warnings
 
 from autopar import zoo
-from autopar.api import plan_graph
+from autopar.api import PlanOptions, plan_traced
 from autopar.planner.baselines import BASELINES
 from autopar.layout.mesh import MeshSpec
 from autopar.strategies import needs_decomposition
@@ -34,11 +34,15 @@ GiB = 2**30
 TOLERANCE = 1e-9  # relative: the same ILP restricted can only be as fast or slower
 
 
+def _plan(traced, prof, mesh: MeshSpec, **options):
+    return plan_traced(traced, prof, mesh=mesh, options=PlanOptions(**options)).plan
+
+
 def _tight_budget(traced, prof, mesh) -> int:
-    ample = plan_graph(traced, prof, mesh=mesh)
+    ample = _plan(traced, prof, mesh)
     tight = ample.estimate.peak_bytes // 2
     try:
-        plan_graph(traced, prof, mesh=mesh, memory_budget=tight)
+        _plan(traced, prof, mesh, memory_budget=tight)
         return tight
     except ValueError as exc:  # below the smallest feasible budget: use that (the message says it)
         words = str(exc).split("the smallest budget any plan meets is ")[-1].split()
@@ -47,7 +51,7 @@ def _tight_budget(traced, prof, mesh) -> int:
 
 def run_case(traced, prof, model: str, mesh: MeshSpec, budget_name: str, budget: int) -> dict:
     t0 = time.perf_counter()
-    p = plan_graph(traced, prof, mesh=mesh, memory_budget=budget, baselines=True)
+    p = _plan(traced, prof, mesh, memory_budget=budget, baselines=True)
     record = {
         "model": model, "mesh": "x".join(map(str, mesh.shape)), "budget": budget_name,
         "budget_bytes": budget, "step_ms": p.estimate.step_s * 1e3, "peak_bytes": p.estimate.peak_bytes,

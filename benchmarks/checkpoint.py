@@ -68,6 +68,7 @@ def gpt2_tiny_budgets(fractions=(1.0, 0.7, 0.5, 0.35)) -> list[dict]:
     import torch
 
     from autopar import zoo
+    from autopar.api import PlanOptions, plan_model
     from autopar.api import plan as make_plan
     from autopar.planner.checkpointing import estimate
     from autopar.solver.blocks import block_of as block_of_segment
@@ -75,9 +76,8 @@ def gpt2_tiny_budgets(fractions=(1.0, 0.7, 0.5, 0.35)) -> list[dict]:
 
     torch.manual_seed(0)
     model, inputs = zoo.build("gpt2", tiny=True, batch=8, seq=128, num_layers=4, device="cpu")
-    ctx: dict = {}
-    base = make_plan(model, inputs, mesh=(2,), memory_budget=None, checkpoint="none", context=ctx)
-    built = ctx["built"]
+    result = plan_model(model, inputs, mesh=(2,), options=PlanOptions(checkpoint="none"))
+    base, built = result.plan, result.built
     blocks = sorted({block_of_segment(n.segment) for n in built.problem.nodes if n.segment})
     rows = []
     for frac in fractions:

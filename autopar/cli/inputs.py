@@ -224,19 +224,20 @@ def _config_int(config, arch: str, name: str) -> int:
     return value
 
 
-def resolve_mesh(device: str, mesh: str | None):
-    """A MeshSpec from a preset name + shape, or from a profiled mesh JSON (shape must agree)."""
+def resolve_mesh(preset: str, mesh: str | None, *, flag: str = "--preset"):
+    """A MeshSpec from a preset name + shape, or from a profiled mesh JSON (shape must agree).
+    ``flag``: the option name ``preset`` came from, for error messages."""
     from autopar.layout.mesh import PRESETS, MeshSpec, parse_mesh_shape
 
-    if device.endswith(".json") or os.path.sep in device:
-        if not os.path.isfile(device):
-            raise ValueError(f"mesh file {device!r} not found")
-        spec = MeshSpec.load(device)
+    if preset.endswith(".json") or os.path.sep in preset:
+        if not os.path.isfile(preset):
+            raise ValueError(f"mesh file {preset!r} not found")
+        spec = MeshSpec.load(preset)
         if mesh is not None and parse_mesh_shape(mesh) != spec.shape:
-            raise ValueError(f"--mesh {mesh} does not match the profiled mesh {spec.shape} in {device}")
+            raise ValueError(f"--mesh {mesh} does not match the profiled mesh {spec.shape} in {preset}")
         return spec
-    if device not in PRESETS:
-        raise ValueError(f"unknown --device {device!r}: use a preset ({', '.join(sorted(PRESETS))}) or a mesh JSON file")
+    if preset not in PRESETS:
+        raise ValueError(f"unknown {flag} {preset!r}: use a preset ({', '.join(sorted(PRESETS))}) or a mesh JSON file")
     if mesh is None:
         raise ValueError("--mesh is required with a device preset, e.g. --mesh 2x4")
-    return MeshSpec.preset(device, mesh)
+    return MeshSpec.preset(preset, mesh)

@@ -13,9 +13,9 @@ import sys
 import time
 import warnings
 
-__all__ = ["main", "build_parser"]
+from autopar.planner.options import CHECKPOINT_MODES, SOLVERS, PlanOptions
 
-CHECKPOINT_MODES = ("auto", "none", "ilp", "rotor", "both")
+__all__ = ["main", "build_parser"]
 
 
 class CliError(ValueError):
@@ -23,6 +23,15 @@ class CliError(ValueError):
 
 
 # ------------------------------------------------------------------------------------ parser
+class _NamedFlag(argparse.Action):
+    """Stores the value and which of the option's names was typed, as ``<dest>_flag`` (error
+    messages repeat the name the user typed, e.g. the old ``--device`` for ``--preset``)."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        setattr(namespace, self.dest, values)
+        setattr(namespace, f"{self.dest}_flag", option_string)
+
+
 def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="zoo name (gpt2, gpt2-xl, llama-8b, resnet50, ...), path/to/file.py:factory, "
                    "or a Hugging Face config.json (or its folder): the class in `architectures`, built on meta")
@@ -40,10 +49,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("inspect", help="plan a model offline and show the plan")
     _model_args(p)
     p.add_argument("--mesh", help="logical mesh shape, e.g. 8, 2x4, 4x4 (optional with a mesh JSON)")
-    p.add_argument("--device", default="a100-80gb", help="device preset (a100-80gb, h100-80gb, cpu) or a "
-                   "profiled mesh JSON from `autopar profile-mesh` (default: a100-80gb)")
+    p.add_argument("--preset", "--device", dest="preset", action=_NamedFlag, default="a100-80gb",
+                   help="device preset (a100-80gb, h100-80gb, cpu) or a profiled mesh JSON from "
+                   "`autopar profile-mesh` (default: a100-80gb; --device is its old name)")
+    p.set_defaults(preset_flag="--preset")
     p.add_argument("--memory", help="per-device memory budget, e.g. 40GiB (default: the device capacity)")
-    p.add_argument("--solver", default="auto", choices=("auto", "highs", "cbc"))
+    p.add_argument("--solver", default="auto", choices=SOLVERS)
     p.add_argument("--time-limit", type=float, default=60.0, help="seconds per ILP solve (default 60)")
     p.add_argument("--checkpoint", default="auto", choices=CHECKPOINT_MODES,
                    help="activation recompute planning (auto: the faster of the joint ILP and Rotor refinement)")
@@ -97,36 +108,29 @@ def cmd_inspect(args) -> int:
     from autopar import api
     from autopar.cli.inputs import check_model_spec, load_model, resolve_mesh
     from autopar.cli.progress import StageSink
-    from autopar.layout.mesh import parse_bytes
 
     t0 = time.perf_counter()
     for flag in ("batch", "seq", "layers"):
         _positive(getattr(args, flag), f"--{flag}")
-    if not args.time_limit > 0:
-        raise CliError(f"--time-limit must be positive seconds, got {args.time_limit}")
     # Cheap checks first (no torch import): bad input fails in well under a second.
-    mesh = resolve_mesh(args.device, args.mesh)
-    budget = parse_bytes(args.memory) if args.memory is not None else None
-    extra = {"checkpoint": args.checkpoint}  # recompute planning mode, as api.plan takes it
+    mesh = resolve_mesh(args.preset, args.mesh, flag=args.preset_flag)
+    options = PlanOptions(memory_budget=args.memory, solver=args.solver, time_limit=args.time_limit,
+                          baselines=not args.no_baselines, optimizer_multiplier=args.optimizer_multiplier,
+                          allow_replicate_fallback=args.allow_fallback, checkpoint=args.checkpoint)
     _check_writable(args.json, "--json")
     _check_writable(args.html, "--html")
     check_model_spec(args.model, args.input)
     sink = StageSink(quiet=args.quiet)
     progress = api.Progress(verbose=True, sink=sink)
-    context: dict = {}
     try:
         with progress.stage("build model", args.model):
             model, meta = load_model(args.model, batch=args.batch, seq=args.seq, layers=args.layers, inputs=args.input)
         with warnings.catch_warnings():
             # One summary line replaces a warning per replicated op.
             warnings.filterwarnings("ignore", message="no sharding rule")
-            plan = api.plan(model, meta, mesh=mesh, memory_budget=budget, solver=args.solver,
-                            time_limit=args.time_limit, baselines=not args.no_baselines,
-                            optimizer_multiplier=args.optimizer_multiplier,
-                            allow_replicate_fallback=args.allow_fallback, progress=progress,
-                            context=context, **extra)
+            result = api.plan_model(model, meta, mesh=mesh, options=options, progress=progress)
         with progress.stage("report"):
-            report = _report(plan, context, args)
+            report = _report(result, args)
     finally:
         sink.close()
     report.wall_s = time.perf_counter() - t0
@@ -137,12 +141,12 @@ def cmd_inspect(args) -> int:
     return 0
 
 
-def _report(plan, context, args):
+def _report(result, args):
     from autopar.report import build_report, render_html
 
-    report = build_report(plan, context)
+    report = build_report(result.plan, result)
     if args.json:
-        plan.save(args.json)
+        result.plan.save(args.json)
     if args.html:
         with open(args.html, "w") as f:
             f.write(render_html(report))

@@ -1,9 +1,10 @@
-"""Stage progress for the CLI: a live, self-updating line on a terminal, plain lines when piped.
+"""How the CLI shows stage progress: a live, self-updating line on a terminal, plain lines when piped.
 
-``api.Progress`` emits ``"[autopar   1.2s] trace ..."`` when a stage starts and
-``"[autopar   3.4s] trace done in 2.20s"`` when it ends. On a TTY the start line is redrawn in
-place with a ticking elapsed time (a daemon thread, 5 Hz) and replaced by the done line; when
-stderr is not a terminal every line is printed as is, so logs stay readable.
+Not a second progress mechanism: ``autopar.api.Progress`` times the stages and makes the lines,
+``StageSink`` is the ``sink`` it hands them to. ``Progress`` emits ``"[autopar   1.2s] trace ..."``
+when a stage starts and ``"[autopar   3.4s] trace done in 2.20s"`` when it ends. On a TTY the
+start line is redrawn in place with a ticking elapsed time (a daemon thread, 5 Hz) and replaced
+by the done line; when stderr is not a terminal every line is printed as is, so logs stay readable.
 """
 
 from __future__ import annotations
@@ -41,13 +42,6 @@ class StageSink:
             else:
                 self._current = None
                 self.stream.write("\r\033[K" + line + "\n")
-                self.stream.flush()
-
-    def note(self, line: str) -> None:
-        """A plain line between stages (e.g. the fallback count)."""
-        if not self.quiet:
-            with self._lock:
-                self.stream.write(("\r\033[K" if self.live else "") + line + "\n")
                 self.stream.flush()
 
     def close(self) -> None:

@@ -15,10 +15,11 @@ from __future__ import annotations
 import json
 import math
 import re
+import warnings
 from dataclasses import asdict, dataclass
 from typing import Sequence
 
-__all__ = ["MeshSpec", "PRESETS", "parse_mesh_shape", "parse_bytes"]
+__all__ = ["MeshSpec", "PRESETS", "parse_mesh_shape", "parse_bytes", "resolve_preset"]
 
 GiB = 1024**3
 
@@ -121,11 +122,14 @@ class MeshSpec:
         )
 
     @classmethod
-    def coerce(cls, mesh: "MeshSpec | Sequence[int] | str", *, device: str = "cpu") -> "MeshSpec":
-        """Accept a MeshSpec, a shape tuple or ``"2x4"``; shapes get the ``device`` preset."""
+    def coerce(cls, mesh: "MeshSpec | Sequence[int] | str", *, preset: str | None = None,
+               device: str | None = None) -> "MeshSpec":
+        """Accept a MeshSpec, a shape tuple or ``"2x4"``; shapes get the ``preset`` device preset
+        (default ``"cpu"``). ``device`` is the old name of ``preset`` (deprecated)."""
+        preset = resolve_preset(preset, device)
         if isinstance(mesh, MeshSpec):
             return mesh
-        return cls.preset(device, mesh)
+        return cls.preset(preset, mesh)
 
     # ----------------------------------------------------------------------------- queries
     @property
@@ -171,6 +175,19 @@ class MeshSpec:
     def load(cls, path: str) -> "MeshSpec":
         with open(path) as f:
             return cls.from_json(f.read())
+
+
+def resolve_preset(preset: str | None, device: str | None) -> str:
+    """The preset name from ``preset=`` or its deprecated old name ``device=`` (a FutureWarning;
+    both given: ValueError); neither: ``"cpu"``."""
+    if device is None:
+        return "cpu" if preset is None else preset
+    if preset is not None:
+        raise ValueError(f"pass preset= only (device= is its deprecated old name), got preset={preset!r} "
+                         f"and device={device!r}")
+    warnings.warn(f"device={device!r} names a mesh preset: pass preset={device!r} instead (device= is "
+                  f"deprecated)", FutureWarning, stacklevel=3)
+    return device
 
 
 def default_axis_names(ndim: int) -> tuple[str, ...]:

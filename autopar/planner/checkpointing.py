@@ -36,6 +36,7 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from autopar.planner.options import CHECKPOINT_MODES as MODES  # the modes above
 from autopar.plans import RecomputeRegion
 from autopar.solver.blocks import block_of
 from autopar.solver.problem import Evaluation, Problem
@@ -43,8 +44,6 @@ from autopar.solver.recompute_ilp import (activation_bytes, evaluate_recompute,
                                segment_geometry, solve_recompute)
 
 __all__ = ["MODES", "RecomputePlan", "plan_recompute", "estimate", "rotor_refine", "regions_of", "strip_segments"]
-
-MODES = ("auto", "none", "ilp", "rotor", "both")
 
 
 @dataclass

@@ -1,10 +1,9 @@
-"""``autoparallelize``: plan (or load a plan) and emit the module every rank trains.
+"""Emit the module every rank trains from a plan: ``build_module(model, traced, plan)``.
 
-Called on EVERY rank after ``torch.distributed.init_process_group``. How ranks agree on the
-plan: rank 0 solves and broadcasts the plan's JSON (``broadcast_object_list``); a solver
-failure on rank 0 is broadcast too, so every rank raises the same error instead of hanging.
-Every rank traces the model itself (tracing is deterministic; the plan's graph hash is
-checked against each rank's own trace).
+Pure runtime: the plan comes from elsewhere (``autopar.autoparallelize`` solves it on rank 0 or
+loads it, then calls ``build_module`` on every rank), so nothing here imports the planner or the
+solver. ``check_plan`` says why a plan does not fit this model or process group;
+``runtime_device`` and ``mesh_preset`` pick this rank's device and its cost preset.
 """
 
 from __future__ import annotations
@@ -12,7 +11,7 @@ from __future__ import annotations
 import inspect
 import math
 import os
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -26,7 +25,7 @@ from autopar.runtime.module import AutoParallelModule
 from autopar.runtime.passes import emit_local_graph
 from autopar.runtime.process_mesh import ProcessMesh
 
-__all__ = ["autoparallelize", "check_plan", "runtime_device", "mesh_preset"]
+__all__ = ["build_module", "check_plan", "runtime_device", "mesh_preset"]
 
 
 def runtime_device(device: str | torch.device | None = None) -> torch.device:
@@ -60,59 +59,6 @@ def check_plan(plan: Plan, *, graph_hash: str, world_size: int, mesh: MeshSpec |
         raise ValueError(f"the plan is for mesh {plan.mesh.shape}, autoparallelize was given mesh {mesh.shape}")
 
 
-def autoparallelize(
-    model: nn.Module,
-    meta_inputs: tuple | dict,
-    *,
-    mesh: MeshSpec | Sequence[int] | str | None = None,
-    memory_budget: int | float | str | None = None,
-    plan: Plan | str | os.PathLike | None = None,
-    solver: str = "auto",
-    time_limit: float | None = None,
-    device: str | torch.device | None = None,
-    seed: int = 0,
-    init_weights: bool = True,
-    local_inputs: bool = False,
-    allow_replicate_fallback: bool = False,
-    checkpoint: str = "auto",
-) -> AutoParallelModule:
-    """Shard ``model`` over the current process group; see the module docstring.
-
-    ``mesh``: None = 1-D over the world size; a shape gets the ``cpu`` preset on CPU (an H100 or
-    A100 preset on CUDA); or a ``MeshSpec``. ``plan``: a ``Plan`` or a path to its JSON, applied
-    without solving. ``device``: where the local shards live (default: see ``runtime_device``).
-    ``seed``: initialisation seed for a model on ``meta`` (``init_weights=False``: zeros, to be
-    filled with ``load_full_state_dict``). ``local_inputs``: ``forward`` receives each rank's
-    piece of every input under the plan's input layouts instead of the full batch.
-    ``checkpoint``: activation recompute planning (``autopar.api.plan``); a loaded plan's
-    recompute regions are applied as they are.
-    """
-    from autopar.api import plan as solve_plan
-    from autopar.strategies import needs_decomposition
-    from autopar.tracer import trace
-
-    if not dist.is_initialized():
-        raise ValueError("autoparallelize needs torch.distributed.init_process_group() first")
-    world = dist.get_world_size()
-    dev = runtime_device(device)
-    spec = None if mesh is None else MeshSpec.coerce(mesh, device=mesh_preset(dev))
-    if spec is not None and spec.num_devices != world:
-        raise ValueError(f"mesh {spec.shape} has {spec.num_devices} devices but the process group has {world} ranks")
-    if plan is None:
-        spec = spec or MeshSpec.coerce((world,), device=mesh_preset(dev))
-        plan, traced = _solve_on_rank0(solve_plan, model, meta_inputs, mesh=spec, memory_budget=memory_budget,
-                                       solver=solver, time_limit=time_limit,
-                                       allow_replicate_fallback=allow_replicate_fallback,
-                                       checkpoint=checkpoint)
-        traced = traced or trace(model, meta_inputs, decompose_if=needs_decomposition)
-    else:
-        plan = plan if isinstance(plan, Plan) else Plan.load(os.fspath(plan))
-        traced = trace(model, meta_inputs, decompose_if=needs_decomposition)
-    check_plan(plan, graph_hash=traced.graph_hash, world_size=world, mesh=spec)
-    return build_module(model, traced, plan, device=dev, seed=seed, init_weights=init_weights,
-                        local_inputs=local_inputs)
-
-
 def build_module(model: nn.Module, traced, plan: Plan, *, device: torch.device, seed: int = 0,
                  init_weights: bool = True, local_inputs: bool = False) -> AutoParallelModule:
     """Emit the local graph of ``traced`` under ``plan`` and attach this rank's shards."""
@@ -135,27 +81,3 @@ def build_module(model: nn.Module, traced, plan: Plan, *, device: torch.device, 
     module.materialize_stats = stats
     module.num_conversions = emitted.num_conversions
     return module
-
-
-def _solve_on_rank0(solve_plan, model, meta_inputs, **kwargs):
-    """Rank 0 solves; every rank gets the plan (or rank 0's error) by broadcast."""
-    traced, error = None, None
-    payload: list[Any] = [None]
-    if dist.get_rank() == 0:
-        context: dict = {}
-        try:
-            kw = dict(kwargs)
-            if kw.get("time_limit") is None:
-                kw.pop("time_limit")
-            result = solve_plan(model, meta_inputs, context=context, **kw)
-            payload[0] = ("ok", result.to_json())
-            traced = context.get("traced")
-        except Exception as exc:  # noqa: BLE001 -- re-raised on every rank below
-            payload[0], error = ("error", f"{type(exc).__name__}: {exc}"), exc
-    dist.broadcast_object_list(payload, src=0)
-    status, text = payload[0]
-    if error is not None:
-        raise error
-    if status != "ok":
-        raise ValueError(f"planning failed on rank 0: {text}")
-    return Plan.from_json(text), traced

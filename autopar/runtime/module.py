@@ -5,7 +5,7 @@ Contract:
 - ``forward`` takes the original model's inputs (positional or keyword; the FULL global batch,
   identical on every rank) and returns the original output structure (tuple, dict or HF
   ``ModelOutput``) with full, replicated values on every rank. With ``local_inputs=True``
-  (see :func:`autopar.runtime.build.autoparallelize`), each rank passes only its own piece of
+  (see :func:`autopar.api.autoparallelize`), each rank passes only its own piece of
   every input, as laid out by ``input_specs``.
 - ``parameters()`` / ``named_parameters()`` are this rank's local shards, named
   ``graph_module.<canonical FQN>``: any torch optimizer works on them. The gradient of a

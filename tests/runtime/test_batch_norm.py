@@ -20,8 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from autopar.api import autoparallelize
 from autopar.layout.mesh import MeshSpec
-from autopar.runtime.build import autoparallelize
 from autopar.runtime.launch import run_local
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))

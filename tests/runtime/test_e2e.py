@@ -21,9 +21,10 @@ import pytest
 import torch
 
 from autopar import zoo
+from autopar.api import autoparallelize
 from autopar.api import plan as make_plan
 from autopar.layout.mesh import MeshSpec
-from autopar.runtime.build import autoparallelize, build_module
+from autopar.runtime.build import build_module
 from autopar.runtime.launch import run_local
 from autopar.tracer import trace
 

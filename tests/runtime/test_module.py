@@ -18,10 +18,10 @@ import pytest
 import torch
 
 from autopar import zoo
+from autopar.api import autoparallelize
 from autopar.api import plan as make_plan
 from autopar.layout.mesh import MeshSpec
 from autopar.plans import Plan
-from autopar.runtime.build import autoparallelize
 from autopar.runtime.collectives import count_collectives
 from autopar.runtime.launch import run_local
 from autopar.runtime.module import clip_grad_norm_

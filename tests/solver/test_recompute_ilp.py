@@ -113,13 +113,14 @@ def test_gpt2_tiny_budgets_monotone_and_no_worse_than_uniform_blocks():
     import torch
 
     from autopar import zoo
+    from autopar.api import PlanOptions, plan_model
     from autopar.api import plan as make_plan
     from autopar.solver.blocks import block_of as block_of_segment
 
     torch.manual_seed(0)
     model, inputs = zoo.build("gpt2", tiny=True, batch=8, seq=128, num_layers=4, device="cpu")
-    ctx: dict = {}
-    base = make_plan(model, inputs, mesh=(2,), memory_budget=None, checkpoint="none", context=ctx)
+    result = plan_model(model, inputs, mesh=(2,), options=PlanOptions(checkpoint="none"))
+    base = result.plan
     peak = base.estimate.peak_bytes
     times = [base.estimate.step_s]
     for frac in (0.7, 0.5, 0.35):
@@ -131,7 +132,7 @@ def test_gpt2_tiny_budgets_monotone_and_no_worse_than_uniform_blocks():
         times.append(p.estimate.step_s)
         if frac == 0.5:
             assert p.estimate.step_s <= 1.25 * base.estimate.step_s
-            built = ctx["built"]
+            built = result.built
             blocks = sorted({block_of_segment(n.segment) for n in built.problem.nodes if n.segment})
             uniform = solve_recompute(built.problem.with_budget(budget), built.segment_inputs,
                                       fixed={b: True for b in blocks})

@@ -250,7 +250,7 @@ class _ConvRnnNet(nn.Module):
 
 
 def _train_steps(rank, world, model, inputs, plans):
-    from autopar.runtime.build import autoparallelize
+    from autopar.api import autoparallelize
 
     out = []
     for plan in plans:

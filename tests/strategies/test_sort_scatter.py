@@ -186,7 +186,7 @@ class _MoENet(nn.Module):
 
 
 def _train_check(rank, world, model, inputs, plan, ref):
-    from autopar.runtime.build import autoparallelize
+    from autopar.api import autoparallelize
     from tests.runtime.test_e2e import check_module
 
     return check_module("moe (2, 2)", autoparallelize(model, inputs, plan=plan), inputs, ref)

@@ -34,7 +34,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
-from autopar.api import plan_graph
+from autopar.api import PlanOptions, plan_traced
 from autopar.layout.mesh import MeshSpec
 from autopar.strategies import needs_decomposition
 from autopar.strategies.registry import NoRuleError
@@ -183,7 +183,7 @@ def _plan_on(traced, prof, shape: Mesh, focus: str = "") -> tuple[MeshResult, An
     """(what happened, the plan to check end to end or None) for one mesh."""
     res = MeshResult()
     try:
-        plan = plan_graph(traced, prof, mesh=fast_mesh(shape))
+        plan = plan_traced(traced, prof, mesh=fast_mesh(shape)).plan
         res.strict = True
         res.sharded = is_sharded(plan, focus)
         return res, plan
@@ -195,7 +195,8 @@ def _plan_on(traced, prof, shape: Mesh, focus: str = "") -> tuple[MeshResult, An
     try:  # list every unruled op, and keep a plan that still checks the rest end to end
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            plan = plan_graph(traced, prof, mesh=fast_mesh(shape), allow_replicate_fallback=True)
+            plan = plan_traced(traced, prof, mesh=fast_mesh(shape),
+                               options=PlanOptions(allow_replicate_fallback=True)).plan
     except Exception as exc:  # noqa: BLE001
         res.plan_error = f"with replicate fallback: {_short(exc)}"
         return res, None

@@ -1,0 +1,105 @@
+"""The public ``Plan`` record from a solved problem, and baseline families as restricted problems.
+
+``autopar.api`` assembles the plans it returns here, and so can anyone who solves a problem
+from ``build_problem`` by other means (benchmarks solve a baseline family's problem on its own and
+run the resulting plan): every record field is derived from the built problem, the solver's
+choice and its evaluation in one place.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from autopar.planner.baselines import BASELINES, baseline_roles, make_restriction
+from autopar.plans import Estimate, NodeKind, NodePlan, Plan
+from autopar.solver.problem import Edge, Node, Problem
+
+__all__ = ["assemble_plan", "node_plans", "estimate_of", "solver_stats", "applicable_baselines",
+           "baseline_problem", "restricted_problem"]
+
+
+def assemble_plan(traced, built, *, choice: dict[str, str], evaluation, solution,
+                  timings: dict[str, float] | None = None, baselines: tuple = (), recompute: tuple = (),
+                  checkpoint: dict[str, Any] | None = None) -> Plan:
+    """The ``Plan`` of ``choice`` (decision -> option name) on ``built`` (its mesh and budget).
+    ``evaluation``: the choice's cost-model evaluation (with recompute, where there is any);
+    ``solution``: the solver's ``Solution`` (its statistics go into ``Plan.solver``)."""
+    return Plan(
+        model=traced.model_name, graph_hash=traced.graph_hash, mesh=built.mesh,
+        budget_bytes=built.problem.budget_bytes, nodes=node_plans(built, choice),
+        estimate=estimate_of(evaluation), solver=solver_stats(solution), timings=dict(timings or {}),
+        baselines=tuple(baselines), fallbacks=built.fallbacks, recompute=tuple(recompute),
+        checkpoint=dict(checkpoint or {}),
+    )
+
+
+def node_plans(built, choice: dict[str, str]) -> tuple[NodePlan, ...]:
+    """One ``NodePlan`` per decision of ``built``, for the chosen option."""
+    out = []
+    for node in built.problem.nodes:
+        decision = built.decision(node.name)
+        c = built.choice_of(node.name, choice[node.name])
+        out.append(NodePlan(
+            name=node.name, kind=decision.kind, strategy=c.name,
+            input_specs=tuple(None if s is None else str(s) for s in c.input_specs),
+            output_specs=tuple(None if s is None else str(s) for s in c.output_specs),
+            op=decision.op, module=decision.module or "",  # the graph output has no module
+        ))
+    return tuple(out)
+
+
+def estimate_of(evaluation) -> Estimate:
+    """The public ``Estimate`` of a cost-model ``Evaluation``."""
+    ev = evaluation
+    return Estimate(step_s=ev.objective, compute_s=ev.compute_s, comm_s=ev.comm_s,
+                    reshard_s=ev.reshard_s, param_bytes=ev.param_bytes, peak_bytes=ev.peak_bytes)
+
+
+def solver_stats(solution) -> dict:
+    """``Plan.solver``: status, backend, objective, bound, gap, timings and model size."""
+    return {
+        "status": solution.status, "backend": solution.backend, "objective": solution.objective,
+        "lp_bound": solution.lp_bound, "gap": solution.gap, "timings": dict(solution.timings),
+        "num_variables": solution.num_variables, "num_constraints": solution.num_constraints,
+    }
+
+
+# ------------------------------------------------------------------------------- baselines
+def applicable_baselines(num_axes: int) -> tuple[str, ...]:
+    """The baseline families (``autopar.planner.baselines``) defined on a mesh of ``num_axes`` axes."""
+    return tuple(b for b in BASELINES if baseline_roles(b, num_axes) is not None)
+
+
+def baseline_problem(name: str, traced, built) -> Problem:
+    """``built.problem`` restricted to baseline family ``name`` on ``built``'s mesh. ValueError:
+    the family does not apply to the mesh, or leaves some decision without an option."""
+    roles = baseline_roles(name, built.mesh.ndim)
+    if roles is None:
+        raise ValueError(f"baseline {name!r} does not apply to mesh {built.mesh.shape}")
+    return restricted_problem(built, traced, make_restriction(roles), name)
+
+
+def restricted_problem(built, traced, restriction, name: str) -> Problem:
+    """``built.problem`` keeping only the options ``restriction`` allows: the problem
+    ``build_problem(..., restriction=...)`` builds (same options, costs and liveness), sliced from
+    the unrestricted one instead of re-deriving every strategy and conversion cost."""
+    keep: dict[str, list[int]] = {}
+    nodes = []
+    for node in built.problem.nodes:
+        decision = built.decision(node.name)
+        kind = decision.kind
+        idx = list(range(node.num_options))
+        if kind != NodeKind.OUTPUT:  # the graph output is fixed (replicated), as in the builder
+            fx_node = traced.node(node.name)
+            idx = [i for i in idx if restriction(kind, fx_node, decision.choices[i])]
+        if not idx:
+            module = traced.module_path(traced.node(node.name)) or "<top level>"
+            raise ValueError(f"the {name} restriction leaves no option for {kind} {node.name!r} (module {module})")
+        keep[node.name] = idx
+        nodes.append(Node(node.name, tuple(node.options[i] for i in idx), live=node.live, block=node.block,
+                          signature=node.signature, segment=node.segment))
+    edges = tuple(Edge(e.src, e.dst, tuple(tuple(e.costs[i][j] for j in keep[e.dst]) for i in keep[e.src]))
+                  for e in built.problem.edges)
+    p = built.problem
+    return Problem(tuple(nodes), edges, p.budget_bytes, p.timeline_length, p.mesh_shape,
+                   {**p.meta_dict, "restriction": name})

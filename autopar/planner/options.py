@@ -1,0 +1,69 @@
+"""``PlanOptions``: what a plan is solved under, apart from the model and the mesh.
+
+One record carries these options through ``autopar.plan``, ``autoparallelize``, the CLI and the
+benchmarks, checked once when it is made. Plain data without torch or numpy, so the CLI can
+check its flags before anything heavy is imported.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from autopar.layout.mesh import PRESETS, MeshSpec, parse_bytes
+
+__all__ = ["PlanOptions", "SOLVERS", "CHECKPOINT_MODES"]
+
+SOLVERS = ("auto", "highs", "cbc")  # ILP backends (autopar.solver.ilp); auto prefers HiGHS
+CHECKPOINT_MODES = ("auto", "none", "ilp", "rotor", "both")  # see autopar.planner.checkpointing
+
+
+@dataclass(frozen=True, slots=True)
+class PlanOptions:
+    """``memory_budget``: bytes per device (an int, or a size such as ``"16GiB"``, stored as
+    bytes); None = the mesh's device capacity. ``solver``: ILP backend. ``time_limit``: seconds per
+    ILP solve. ``preset``: the device preset (``autopar.layout.mesh.PRESETS``) a mesh given as a
+    shape gets. ``baselines``: also solve the baseline families. ``optimizer_multiplier``: optimizer
+    state bytes per parameter byte. ``allow_replicate_fallback``: replicate ops without a sharding
+    rule instead of failing. ``checkpoint``: activation recompute planning mode."""
+
+    memory_budget: int | None = None
+    solver: str = "auto"
+    time_limit: float = 60.0
+    preset: str = "cpu"
+    baselines: bool = False
+    optimizer_multiplier: float = 2.0
+    allow_replicate_fallback: bool = False
+    checkpoint: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.memory_budget is not None:
+            object.__setattr__(self, "memory_budget", parse_bytes(self.memory_budget))
+        if self.solver not in SOLVERS:
+            raise ValueError(f"unknown solver {self.solver!r}; expected one of {SOLVERS}")
+        if not _is_number(self.time_limit) or not self.time_limit > 0:
+            raise ValueError(f"time_limit must be positive seconds, got {self.time_limit!r}")
+        if self.preset not in PRESETS:
+            raise ValueError(f"unknown device preset {self.preset!r}; known: {sorted(PRESETS)}")
+        if not _is_number(self.optimizer_multiplier) or not 0 <= self.optimizer_multiplier < math.inf:
+            raise ValueError(f"optimizer_multiplier must be a finite number >= 0, got {self.optimizer_multiplier!r}")
+        if self.checkpoint not in CHECKPOINT_MODES:
+            raise ValueError(f"checkpoint must be one of {CHECKPOINT_MODES}, got {self.checkpoint!r}")
+
+    def mesh(self, mesh: MeshSpec | tuple[int, ...] | str) -> MeshSpec:
+        """``mesh`` as a MeshSpec: a shape gets this record's ``preset``."""
+        return MeshSpec.coerce(mesh, preset=self.preset)
+
+    def budget_bytes(self, mesh: MeshSpec) -> int:
+        """The per-device budget on ``mesh``: ``memory_budget``, else the device capacity."""
+        return mesh.mem_capacity if self.memory_budget is None else self.memory_budget
+
+    def __str__(self) -> str:
+        budget = "device capacity" if self.memory_budget is None else f"{self.memory_budget / 2**30:.2f} GiB"
+        return (f"budget {budget}, solver {self.solver} ({self.time_limit:g}s), preset {self.preset}, "
+                f"checkpoint {self.checkpoint}" + (", baselines" if self.baselines else "")
+                + (", replicate fallback" if self.allow_replicate_fallback else ""))
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
