@@ -63,7 +63,8 @@ import importlib
 
 from autopar.strategies.kernel_context import Comm, KernelContext
 from autopar.strategies.derived import SOURCES, has_decomposition, needs_decomposition, rule_for, rule_source
-from autopar.strategies.expand import enumerate_strategies, estimate_flops, strategies_for
+from autopar.strategies.combine import estimate_flops
+from autopar.strategies.expand import enumerate_strategies, strategies_for
 from autopar.strategies.registry import (
     AxisOption, InputSlot, LocalKernel, NoRuleError, OpInfo, RuleEntry, Sample, Strategy, TensorMeta,
     get_kernel, get_rule, input_nodes, local_arguments, needs_no_decision, register, register_kernel,

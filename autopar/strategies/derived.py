@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 from autopar.layout.placement import Partial, Replicate, Shard
+from autopar.strategies.combine import build_strategies, freeze, normalise_option
 from autopar.strategies.registry import AxisOption, OpInfo, RuleEntry, TensorMeta, get_rule
 
 __all__ = ["rule_for", "rule_source", "needs_decomposition", "has_decomposition", "SOURCES"]
@@ -262,11 +263,10 @@ _ADMITTED: dict[Any, tuple[bool, ...]] = {}
 
 def _admitted(info: OpInfo, options: list[AxisOption]) -> list[AxisOption]:
     """The options that pass the numeric check on this node's own shapes (see module doc)."""
-    from autopar.strategies.expand import _freeze
 
     if not options:
         return []
-    key = (info.target, tuple(_freeze(v) for v in info.bound.items()), tuple(options))
+    key = (info.target, tuple(freeze(v) for v in info.bound.items()), tuple(options))
     if key not in _ADMITTED:
         _ADMITTED[key] = tuple(_passes(info, o) for o in options)
     return [o for o, ok in zip(options, _ADMITTED[key]) if ok]
@@ -274,7 +274,6 @@ def _admitted(info: OpInfo, options: list[AxisOption]) -> list[AxisOption]:
 
 def _passes(info: OpInfo, option: AxisOption) -> bool:
     from autopar.strategies.check import StrategyMismatch, check_strategy, reference
-    from autopar.strategies.expand import _build, _normalise
     from autopar.layout.mesh import MeshSpec
 
     if sum(s.meta.numel for s in info.slots if s.meta is not None) > _ADMISSION_NUMEL:
@@ -284,7 +283,7 @@ def _passes(info: OpInfo, option: AxisOption) -> bool:
         ref = reference(info.target, sample)
         mesh = MeshSpec.preset("cpu", (2,))
         entry = _entry(info.target, lambda _: [option], "dtensor")
-        strategies = _build(ref[0], mesh, entry, [[_normalise(ref[0], option)]], (0.0, 0.0), fallback=False)
+        strategies = build_strategies(ref[0], mesh, entry, [[normalise_option(ref[0], option)]], (0.0, 0.0), fallback=False)
         if not strategies:
             return False  # uneven on an axis of 2: cannot be checked here
         check_strategy(info.target, sample, strategies[0], (2,), ref=ref)

@@ -13,29 +13,22 @@ For a node on a mesh of ``d`` axes:
 5. costs are filled in: compute = forward + backward roofline on the local work (FLOPs divided by
    the product of the work-splitting axes, bytes from the local shard sizes); communication =
    the backward all-reduce of every partial input gradient + the kernel's own collectives.
+
+Steps 3-5 live in ``autopar.strategies.combine`` (the DTensor admission check uses them too).
 """
 
 from __future__ import annotations
 
-import itertools
-import math
 import warnings
-from typing import Any, Sequence
 
-import torch
 import torch.fx
 
-from autopar.layout.cost import collective_seconds, compute_seconds
 from autopar.layout.mesh import MeshSpec
-from autopar.layout.placement import Partial, Replicate, Shard, TensorSpec
-from autopar.strategies.registry import (
-    AxisOption, NoRuleError, OpInfo, RuleEntry, Strategy, TensorMeta, call_op, get_kernel, strategy_name,
-)
+from autopar.strategies.combine import build_strategies, estimate_flops, fits_axis, normalise_option, replicate_option
+from autopar.strategies.registry import AxisOption, NoRuleError, OpInfo, RuleEntry, Strategy
 from autopar.strategies.derived import rule_for
 
-__all__ = ["strategies_for", "enumerate_strategies", "axis_options", "estimate_flops", "replicate_option"]
-
-R = Replicate()
+__all__ = ["strategies_for", "enumerate_strategies", "axis_options"]
 
 
 def strategies_for(node: torch.fx.Node, mesh: MeshSpec, *, flops: tuple[float, float] | None = None,
@@ -58,207 +51,28 @@ def enumerate_strategies(info: OpInfo, mesh: MeshSpec, *, flops: tuple[float, fl
         warnings.warn(f"no sharding rule for {info.where()}: replicating it on every device",
                       stacklevel=2)
         options = [[replicate_option(info)]] * mesh.ndim
-        return _build(info, mesh, None, options, flops or (0.0, 0.0), fallback=True)
+        return build_strategies(info, mesh, None, options, flops or (0.0, 0.0), fallback=True)
     per_axis = []
     base = axis_options(entry, info)
     for size in mesh.shape:
         if size == 1:
             per_axis.append([replicate_option(info)])
         else:
-            per_axis.append([o for o in base if _fits_axis(info, o, size)])
+            per_axis.append([o for o in base if fits_axis(info, o, size)])
     if flops is None:
         flops = estimate_flops(info) if entry.has_flops else (0.0, 0.0)
-    return _build(info, mesh, entry, per_axis, flops, fallback=False)
+    return build_strategies(info, mesh, entry, per_axis, flops, fallback=False)
 
 
 # ---------------------------------------------------------------------------------- options
-def replicate_option(info: OpInfo) -> AxisOption:
-    ins = tuple(None if s.meta is None else R for s in info.slots)
-    outs = tuple(None if m is None else R for m in info.outputs)
-    return AxisOption(ins, outs, tuple(False for _ in ins), False, None)
-
-
 def axis_options(entry: RuleEntry, info: OpInfo) -> list[AxisOption]:
     """The rule's options for one axis, normalised, replicate first, duplicates removed."""
     out = [replicate_option(info)]
     seen = {(out[0].inputs, out[0].outputs)}
     for opt in entry.rule(info):
-        opt = _normalise(info, opt)
+        opt = normalise_option(info, opt)
         key = (opt.inputs, opt.outputs)
         if key not in seen:
             seen.add(key)
             out.append(opt)
     return out
-
-
-def _normalise(info: OpInfo, opt: AxisOption) -> AxisOption:
-    if len(opt.inputs) != len(info.slots) or len(opt.outputs) != len(info.outputs):
-        raise ValueError(
-            f"rule for {info.where()} returned {len(opt.inputs)} input / {len(opt.outputs)} output "
-            f"placements for {len(info.slots)} input slots / {len(info.outputs)} outputs"
-        )
-    for s, p in zip(info.slots, opt.inputs):
-        if (s.meta is None) != (p is None):
-            raise ValueError(f"rule for {info.where()}: slot {s.arg} needs a placement iff it is a tensor")
-    active = not opt.is_replicate()
-    # Gradients flow only if some output is differentiable (comparisons have none).
-    differentiable = any(m is not None and m.is_float for m in info.outputs)
-    work = active if opt.work_split is None else opt.work_split
-    if opt.grad_partial is None:
-        # A replicated input read by a computation split over this axis only contributes to the
-        # local piece of the output, so its local gradient is a partial sum (Megatron's "f").
-        gp = tuple(
-            active and differentiable and s.meta is not None and s.meta.is_float and isinstance(p, Replicate)
-            for s, p in zip(info.slots, opt.inputs)
-        )
-    else:
-        gp = tuple(g and differentiable and s.meta is not None and s.meta.is_float
-                   for g, s in zip(opt.grad_partial, info.slots))
-    return AxisOption(opt.inputs, opt.outputs, gp, work, opt.kernel)
-
-
-def _fits_axis(info: OpInfo, opt: AxisOption, size: int) -> bool:
-    metas = [s.meta for s in info.slots] + list(info.outputs)
-    for meta, p in zip(metas, opt.inputs + opt.outputs):
-        if isinstance(p, Shard) and (meta is None or p.dim >= meta.ndim or meta.shape[p.dim] % size):
-            return False
-        if isinstance(p, Partial) and meta is not None and not meta.is_float:
-            return False  # an integer tensor cannot be a pending sum
-    return True
-
-
-# ------------------------------------------------------------------------------- expansion
-def _build(info: OpInfo, mesh: MeshSpec, entry: RuleEntry | None, per_axis: Sequence[Sequence[AxisOption]],
-           flops: tuple[float, float], *, fallback: bool) -> list[Strategy]:
-    out, seen = [], set()
-    for combo in itertools.product(*per_axis):
-        kernels = {o.kernel for o in combo} - {None}
-        if len(kernels) > 1:
-            continue
-        in_specs = _specs([o.inputs for o in combo], [s.meta for s in info.slots])
-        out_specs = _specs([o.outputs for o in combo], list(info.outputs))
-        if in_specs is None or out_specs is None:
-            continue
-        if not all(_valid(m, s, mesh.shape) for m, s in zip([x.meta for x in info.slots], in_specs)):
-            continue
-        if not all(_valid(m, s, mesh.shape) for m, s in zip(info.outputs, out_specs)):
-            continue
-        if entry is not None and entry.combine_check is not None and not entry.combine_check(info, combo):
-            continue
-        key = (in_specs, out_specs)
-        if key in seen:
-            continue
-        seen.add(key)
-        out.append(_strategy(info, mesh, combo, in_specs, out_specs, next(iter(kernels), None), flops, fallback))
-    return out
-
-
-def _specs(per_axis: list[tuple], metas: list[TensorMeta | None]) -> tuple[TensorSpec | None, ...] | None:
-    specs = []
-    for i, meta in enumerate(metas):
-        placements = tuple(axis[i] for axis in per_axis)
-        specs.append(None if meta is None or placements[0] is None else TensorSpec(placements))
-    return tuple(specs)
-
-
-def _valid(meta: TensorMeta | None, spec: TensorSpec | None, mesh_shape: tuple[int, ...]) -> bool:
-    return meta is None or spec is None or spec.is_valid(meta.shape, mesh_shape)
-
-
-def _strategy(info: OpInfo, mesh: MeshSpec, combo: tuple[AxisOption, ...], in_specs, out_specs,
-              kernel: str | None, flops: tuple[float, float], fallback: bool) -> Strategy:
-    work_axes = tuple(a for a, o in enumerate(combo) if o.work_split)
-    gp_axes = tuple(tuple(a for a, o in enumerate(combo) if o.grad_partial[i]) for i in range(len(info.slots)))
-    in_bytes = tuple(
-        0 if s.meta is None else s.meta.local_nbytes(spec, mesh.shape) for s, spec in zip(info.slots, in_specs)
-    )
-    out_bytes = sum(m.local_nbytes(s, mesh.shape) for m, s in zip(info.outputs, out_specs) if m is not None)
-    div = math.prod(mesh.shape[a] for a in work_axes)
-    moved = sum(in_bytes) + out_bytes
-    differentiable = any(s.meta is not None and s.meta.is_float for s in info.slots) and any(
-        m is not None and m.is_float for m in info.outputs
-    )
-    fwd_c = compute_seconds(flops[0] / div, moved, mesh)
-    # Backward reads the output gradient and the saved inputs and writes the input gradients.
-    bwd_c = compute_seconds(flops[1] / div, 2 * moved, mesh) if differentiable else 0.0
-    bwd_comm = sum(
-        collective_seconds("all_reduce", in_bytes[i], mesh, axes) for i, axes in enumerate(gp_axes) if axes
-    )
-    fwd_comm = 0.0
-    if kernel is not None:
-        kf, kb = get_kernel(kernel).comm_cost(info, in_specs, out_specs, mesh)
-        fwd_comm, bwd_comm = fwd_comm + kf, bwd_comm + kb
-    output_spec = out_specs if info.multi_output else out_specs[0]
-    return Strategy(
-        name=strategy_name(in_specs, out_specs, info.multi_output),
-        input_specs=in_specs,
-        output_spec=output_spec,
-        grad_partial_axes=gp_axes,
-        compute_s=fwd_c + bwd_c,
-        comm_s=fwd_comm + bwd_comm,
-        forward_compute_s=fwd_c,
-        forward_comm_s=fwd_comm,
-        output_bytes=out_bytes,
-        input_bytes=in_bytes,
-        kernel=kernel,
-        work_split_axes=work_axes,
-        is_fallback=fallback,
-    )
-
-
-# ------------------------------------------------------------------------------------ FLOPs
-def estimate_flops(info: OpInfo) -> tuple[float, float]:
-    """(forward, backward) FLOPs of the whole op, counted on fake tensors (cached per signature)."""
-    key = (info.target, tuple(_freeze(v) for v in info.bound.items()))
-    return _estimate_cached(key, info)
-
-
-def _freeze(value: Any) -> Any:
-    if isinstance(value, (list, tuple)):
-        return tuple(_freeze(v) for v in value)
-    if isinstance(value, (int, float, bool, str, type(None), TensorMeta, torch.dtype)):
-        return value
-    return repr(value)
-
-
-_FLOPS_CACHE: dict[Any, tuple[float, float]] = {}
-
-
-def _estimate_cached(key: Any, info: OpInfo) -> tuple[float, float]:
-    if key not in _FLOPS_CACHE:
-        _FLOPS_CACHE[key] = _count_flops(info)
-    return _FLOPS_CACHE[key]
-
-
-def _count_flops(info: OpInfo) -> tuple[float, float]:
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.utils.flop_counter import FlopCounterMode
-
-    with FakeTensorMode():
-        leaves: list[torch.Tensor] = []
-
-        def make(v: Any) -> Any:
-            if isinstance(v, TensorMeta):
-                t = torch.zeros(v.shape, dtype=v.dtype)
-                if v.is_float:
-                    t.requires_grad_(True)
-                    leaves.append(t)
-                return t
-            if isinstance(v, list):
-                return [make(x) for x in v]
-            return v
-
-        bound = {k: make(v) for k, v in info.bound.items()}
-        try:
-            with FlopCounterMode(display=False) as fwd:
-                out = call_op(info.target, bound)
-            outs = [o for o in (out if isinstance(out, (list, tuple)) else (out,))
-                    if isinstance(o, torch.Tensor) and o.requires_grad]
-            bwd_flops = 0
-            if outs and leaves:
-                with FlopCounterMode(display=False) as bwd:
-                    torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
-                bwd_flops = bwd.get_total_flops()
-        except Exception as exc:
-            raise RuntimeError(f"cannot count FLOPs of {info.where()}: {exc}") from exc
-    return float(fwd.get_total_flops()), float(bwd_flops)
