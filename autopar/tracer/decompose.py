@@ -27,11 +27,10 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
-from autopar.tracer.graph import MODULE_KEY
+from autopar.tracer.meta_keys import DECOMPOSED_KEY, MODULE_KEY
 
 __all__ = ["decompose_graph", "DECOMPOSED_KEY"]
 
-DECOMPOSED_KEY = "autopar_decomposed_from"  # meta key: the op a node's decomposition came from
 _MAX_ROUNDS = 6
 _COPIED_META = (MODULE_KEY, "nn_module_stack", "stack_trace", "source_fn_stack", "seq_nr")
 

@@ -1,0 +1,11 @@
+"""The keys under which the tracer stores its metadata in ``fx.Node.meta``.
+
+A module of their own so that every tracer module (the graph record, the decomposition pass)
+can import them without importing each other.
+"""
+
+__all__ = ["MODULE_KEY", "PLACEHOLDER_KEY", "DECOMPOSED_KEY"]
+
+MODULE_KEY = "autopar_module"  # the module path of the nn.Module that ran the op ("transformer.h.3.attn")
+PLACEHOLDER_KEY = "autopar_placeholder"  # a placeholder's Placeholder record (kind, FQN)
+DECOMPOSED_KEY = "autopar_decomposed_from"  # the op a node's decomposition came from
