@@ -154,7 +154,7 @@ def plan_traced(traced: Any, profile: Any, *, mesh: MeshSpec | Sequence[int] | s
 
 
 def _solve(problem, *, options: PlanOptions, progress: Progress, stage: str):
-    from autopar.solver.ilp import solve
+    from autopar.solver.pipeline import solve
 
     with progress.stage(stage, f"{problem.num_nodes} decisions, {problem.num_edges} edges"):
         return solve(problem, solver=options.solver, time_limit=options.time_limit)

@@ -167,7 +167,7 @@ def restricted_plan(model, inputs, *, mesh, baseline: str = "data-parallel", mem
     from autopar.api import PlanOptions
     from autopar.planner.assemble import assemble_plan, baseline_problem
     from autopar.planner.builder import BuildOptions, build_problem
-    from autopar.solver.ilp import solve
+    from autopar.solver.pipeline import solve
     from autopar.strategies import needs_decomposition
     from autopar.tracer import profile, trace
 

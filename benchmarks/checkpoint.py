@@ -72,7 +72,7 @@ def gpt2_tiny_budgets(fractions=(1.0, 0.7, 0.5, 0.35)) -> list[dict]:
     from autopar.api import plan as make_plan
     from autopar.planner.checkpointing import estimate
     from autopar.solver.blocks import block_of as block_of_segment
-    from autopar.solver.recompute_ilp import solve_recompute
+    from autopar.solver.pipeline import solve
 
     torch.manual_seed(0)
     model, inputs = zoo.build("gpt2", tiny=True, batch=8, seq=128, num_layers=4, device="cpu")
@@ -84,8 +84,8 @@ def gpt2_tiny_budgets(fractions=(1.0, 0.7, 0.5, 0.35)) -> list[dict]:
         budget = int(frac * base.estimate.peak_bytes)
         p = make_plan(model, inputs, mesh=(2,), memory_budget=budget, checkpoint="auto")
         try:
-            uni = solve_recompute(built.problem.with_budget(budget), built.segment_inputs,
-                                  fixed={b: True for b in blocks})
+            uni = solve(built.problem.with_budget(budget), recompute_inputs=built.segment_inputs,
+                        fixed={b: True for b in blocks})
             uni_ev = estimate(built, built.problem, uni.choice, uni.recompute, built.segment_inputs)
             uniform_s, uniform_peak = uni_ev.objective, uni_ev.peak_bytes
         except ValueError:  # uniform checkpointing does not fit this budget

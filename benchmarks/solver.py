@@ -127,7 +127,7 @@ def _traced(c: dict, *, reuse: bool) -> tuple:
 def run_case(c: dict, *, reuse: bool = True, time_limit: float = 120.0, allow_fallback: bool = True) -> dict:
     from autopar.planner.builder import BuildOptions, build_problem
     from autopar.layout.mesh import MeshSpec, parse_bytes
-    from autopar.solver.ilp import solve
+    from autopar.solver.pipeline import solve
 
     rec: dict = {"case": case_id(c), **{k: c.get(k) for k in CASE_KEYS}}
     try:

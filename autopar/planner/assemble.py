@@ -8,11 +8,12 @@ choice and its evaluation in one place.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from autopar.planner.baselines import BASELINES, baseline_roles, make_restriction
 from autopar.plans import Estimate, NodeKind, NodePlan, Plan
-from autopar.solver.problem import Edge, Node, Problem
+from autopar.solver.problem import Edge, Problem
 
 __all__ = ["assemble_plan", "node_plans", "estimate_of", "solver_stats", "applicable_baselines",
            "baseline_problem", "restricted_problem"]
@@ -96,10 +97,8 @@ def restricted_problem(built, traced, restriction, name: str) -> Problem:
             module = traced.module_path(traced.node(node.name)) or "<top level>"
             raise ValueError(f"the {name} restriction leaves no option for {kind} {node.name!r} (module {module})")
         keep[node.name] = idx
-        nodes.append(Node(node.name, tuple(node.options[i] for i in idx), live=node.live, block=node.block,
-                          signature=node.signature, segment=node.segment))
+        nodes.append(replace(node, options=tuple(node.options[i] for i in idx)))
     edges = tuple(Edge(e.src, e.dst, tuple(tuple(e.costs[i][j] for j in keep[e.dst]) for i in keep[e.src]))
                   for e in built.problem.edges)
     p = built.problem
-    return Problem(tuple(nodes), edges, p.budget_bytes, p.timeline_length, p.mesh_shape,
-                   {**p.meta_dict, "restriction": name})
+    return replace(p, nodes=tuple(nodes), edges=edges, meta={**p.meta_dict, "restriction": name})

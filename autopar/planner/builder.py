@@ -99,7 +99,7 @@ class BuiltProblem:
     # consumer decision -> {input slot: (producer decision, producer output index, shape, itemsize)}
     inputs: dict[str, dict[int, tuple[str, int, tuple[int, ...], int]]] = field(default_factory=dict)
     mesh: MeshSpec | None = None
-    # segment -> inputs it keeps when recomputed (autopar.solver.recompute_ilp.SegmentInput)
+    # segment -> inputs it keeps when recomputed (autopar.solver.timeline.SegmentInput)
     segment_inputs: dict[str, tuple] = field(default_factory=dict)
 
     def conversions(self, choice: dict[str, str]) -> list["ChosenConversion"]:
@@ -460,11 +460,11 @@ def segment_inputs(traced: TracedGraph, prof: ModelProfile, built: BuiltProblem,
                    segment_of: dict[str, str]) -> dict[str, tuple]:
     """Per segment (``segment_of``: op decision -> segment; each a contiguous run of ops), the
     activation values its ops read from outside it, with their local bytes per producer option
-    (``autopar.solver.recompute_ilp.SegmentInput``). Left out: parameters, buffers and user inputs
+    (``autopar.solver.timeline.SegmentInput``). Left out: parameters, buffers and user inputs
     (held anyway), and values whose storage is counted by a node outside the segment
     (``saved_by``: that node, or its own region, holds it whatever the segment does). Non-float
     tensors count too: the checkpoint keeps every tensor input."""
-    from autopar.solver.recompute_ilp import SegmentInput
+    from autopar.solver.timeline import SegmentInput
 
     holder = holder_of_producer(prof)  # storage producer -> the node whose activation counts it
     out: dict[str, list] = {}

@@ -26,8 +26,8 @@ kept only when it fits the budget. Rotor's slot rounding and its deeper multi-le
 do not map one to one onto single-level regions, so stage 2 tries a few Rotor budgets (from the
 real one down) and keeps the fastest region set that fits.
 
-The estimate of a region set (``estimate``) is ``evaluate_recompute`` (the joint ILP's memory
-and time model, exact per node) plus the forward seconds of the conversions a region re-runs.
+The estimate of a region set (``estimate``) is ``Problem.evaluate`` with the regions recomputed
+(the joint ILP's memory and time model, exact per node) plus the forward seconds of the conversions a region re-runs.
 """
 
 from __future__ import annotations
@@ -39,9 +39,8 @@ from typing import Any
 from autopar.planner.options import CHECKPOINT_MODES as MODES  # the modes above
 from autopar.plans import RecomputeRegion
 from autopar.solver.blocks import block_of
-from autopar.solver.problem import Evaluation, Problem
-from autopar.solver.recompute_ilp import (activation_bytes, evaluate_recompute,
-                               segment_geometry, solve_recompute)
+from autopar.solver.problem import Problem
+from autopar.solver.timeline import Evaluation, activation_bytes, segment_geometry
 
 __all__ = ["MODES", "RecomputePlan", "plan_recompute", "estimate", "rotor_refine", "regions_of", "strip_segments"]
 
@@ -64,9 +63,7 @@ def strip_segments(problem: Problem) -> Problem:
     """``problem`` without recompute segments (the plain sharding ILP merges more without them)."""
     if not any(n.segment for n in problem.nodes):
         return problem
-    nodes = tuple(replace(n, segment=None) if n.segment else n for n in problem.nodes)
-    return Problem(nodes, problem.edges, problem.budget_bytes, problem.timeline_length, problem.mesh_shape,
-                   problem.meta)
+    return replace(problem, nodes=tuple(replace(n, segment=None) if n.segment else n for n in problem.nodes))
 
 
 def regions_of(problem: Problem, units) -> tuple[RecomputeRegion, ...]:
@@ -85,7 +82,7 @@ def _conversion_forward_s(built, choice, region_nodes: set[str]) -> float:
 
 def estimate(built, problem: Problem, choice, units, inputs) -> Evaluation:
     """Step time and peak of ``choice`` with ``units`` recomputed (module docstring)."""
-    ev = evaluate_recompute(problem, choice, units, inputs)
+    ev = problem.evaluate(choice, recompute=units, segment_inputs=inputs)
     inside = {name for r in regions_of(problem, units) for name in r.nodes}
     extra = _conversion_forward_s(built, choice, inside) if inside else 0.0
     return replace(ev, objective=ev.objective + extra, reshard_s=ev.reshard_s + extra)
@@ -94,14 +91,14 @@ def estimate(built, problem: Problem, choice, units, inputs) -> Evaluation:
 def _finish(built, problem, choice, solution, units, inputs, method, info) -> RecomputePlan:
     ev = estimate(built, problem, choice, units, inputs)
     return RecomputePlan(choice, solution, tuple(units), regions_of(problem, units), ev, method,
-                         activation_bytes(problem, choice, units, inputs), info)
+                         activation_bytes(problem, choice, recompute=units, segment_inputs=inputs), info)
 
 
 def plan_recompute(traced, prof, built, *, mode: str = "auto", solver: str = "auto", time_limit: float = 60.0,
                    solve_plain=None) -> RecomputePlan:
     """Sharding + recompute for ``built`` (module docstring). ``solve_plain(problem)`` solves the
     sharding ILP without recompute (the caller's, for progress reporting)."""
-    from autopar.solver.ilp import solve
+    from autopar.solver.pipeline import solve
     from autopar.solver.simplify import simplify
 
     if mode not in MODES:
@@ -124,7 +121,7 @@ def plan_recompute(traced, prof, built, *, mode: str = "auto", solver: str = "au
     errors: list[Exception] = []
     if mode in ("ilp", "both", "auto"):
         try:
-            sol = solve_recompute(problem, inputs, solver=solver, time_limit=time_limit)
+            sol = solve(problem, recompute_inputs=inputs, solver=solver, time_limit=time_limit)
             first = _finish(built, problem, sol.choice, sol, sol.recompute, inputs, "ilp", {})
             candidates.append(first)
             if mode in ("both", "auto"):
@@ -162,8 +159,7 @@ def _params_only(problem: Problem) -> Problem:
     """``problem`` whose activations weigh nothing: the budget then binds parameters only."""
     nodes = tuple(replace(n, live=None, options=tuple(replace(o, act_bytes=0) for o in n.options))
                   if n.live is not None else n for n in problem.nodes)
-    return Problem(nodes, problem.edges, problem.budget_bytes, problem.timeline_length, problem.mesh_shape,
-                   problem.meta)
+    return replace(problem, nodes=nodes)
 
 
 ROTOR_BUDGET_FRACTIONS = (1.0, 0.9, 0.8, 0.7, 0.6, 0.5)
@@ -296,8 +292,7 @@ def rotor_refine(traced, prof, built, choice, solution) -> RecomputePlan | None:
             tried.add(key)
             region_of = {name: f"rotor[{r[0]}-{r[-1]}]" for r in grouping for i in r for name in stages[i]}
             nodes = tuple(replace(n, segment=region_of.get(n.name)) for n in problem.nodes)
-            p2 = Problem(nodes, problem.edges, problem.budget_bytes, problem.timeline_length,
-                         problem.mesh_shape, problem.meta)
+            p2 = replace(problem, nodes=nodes)
             inputs2 = segment_inputs(traced, prof, built, region_of)
             geo = segment_geometry(p2)
             units = tuple(u for u in dict.fromkeys(region_of.values()) if u in geo)  # regions that save

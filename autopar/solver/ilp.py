@@ -24,19 +24,17 @@ Constraints, one method each
         item appears twice, so the memory rows stay linear in size). Memory rows count MiB
         (``MEM_UNIT``) rather than bytes, for the solvers' tolerances.
 
-Recompute (the checkpoint issue adds it without rewriting anything here): a binary ``r[seg]``
-per checkpointable segment; ``held_bytes`` of an item in ``seg`` becomes a continuous
-``k_i >= held_i - max(bytes_i) r[seg]`` (exact: memory rows only bound it from above), and
-``step_time_terms`` gains ``sum_s forward[g][seg][s] y[g,seg,s]`` with
-``y >= x[g,s] + r[seg] - 1``. Both are overridable methods of ``IlpModel``.
+Recompute: ``autopar.solver.recompute_ilp.RecomputeModel`` is this model plus recompute
+variables; ``add_recompute`` (nothing here) is where it adds them, and it writes its own memory
+rows. ``build_fastest`` and ``build_min_peak`` assemble either family in the same order.
 
 Backends through pulp: ``"highs"`` (``pulp.HiGHS``, the highspy API) and ``"cbc"``
 (``pulp.COIN_CMD`` on the CBC binary bundled with pulp, i.e. what the deprecated
 ``PULP_CBC_CMD`` runs); ``"auto"`` prefers HiGHS. pulp reports ``Optimal`` when CBC stops at
 its time limit with a plan, so the status comes from ``sol_status``: ``optimal`` (proved, to
-``MIP_REL_GAP``), ``feasible`` (time limit, plan found). An infeasible budget raises
-``ValueError`` with the smallest budget any plan meets (a second ILP minimising the peak); no
-plan within the time limit raises ``SolveTimeout``. No torch import.
+``MIP_REL_GAP``), ``feasible`` (time limit, plan found), ``infeasible`` or ``no_solution``
+(``Outcome``). Solving a problem end to end (simplify, build, solve, check, errors) is
+``autopar.solver.pipeline``. No torch import.
 """
 
 from __future__ import annotations
@@ -50,23 +48,20 @@ from dataclasses import dataclass
 import numpy as np
 import pulp
 
-from autopar.solver.problem import Problem, Solution
-from autopar.solver.simplify import MemItem, Reduced, peak_candidates, simplify
+from autopar.solver.simplify import Reduced, peak_candidates
 
-__all__ = ["solve", "minimum_budget", "IlpModel", "SolveTimeout", "available_backends", "MIP_REL_GAP"]
+__all__ = ["IlpModel", "Outcome", "Terms", "affine", "undominated_rows", "available_backends", "pick_backend",
+           "MIP_REL_GAP", "MEM_UNIT"]
 
 MIP_REL_GAP = 1e-4  # "optimal" means proved within this relative gap
 # HiGHS 1.15.1's presolve "aggregator" rule (bit 12) loops forever, ignoring time_limit, on
 # some of our small models (marginal equalities + the parameter-bytes row); switch it off.
 _HIGHS_OPTIONS = {"presolve_rule_off": 1 << 12}
-_DENSE_MEMORY_LIMIT = 4_000_000
+_DENSE_MEMORY_LIMIT = 4_000_000  # candidates x option slots up to which memory rows are written out
 # Memory rows count MiB, not bytes, so their coefficients stay near 1 for the solvers' tolerances
 # (a power of two: the scaling itself is exact in floating point).
-MEM_UNIT = float(1 << 20)  # candidates x option slots up to which memory rows are written out
-
-
-class SolveTimeout(RuntimeError):
-    """The solver found no plan within the time limit."""
+MEM_UNIT = float(1 << 20)
+Terms = list[tuple[pulp.LpVariable, float]]  # a linear expression's variable part
 
 
 def _cbc_path() -> str | None:
@@ -89,7 +84,8 @@ def available_backends() -> tuple[str, ...]:
     return tuple(found)
 
 
-def _pick_backend(solver: str) -> str:
+def pick_backend(solver: str) -> str:
+    """The backend ``solver`` names (``"auto"``: the first available); ValueError if unavailable."""
     backends = available_backends()
     if solver == "auto":
         if not backends:
@@ -103,14 +99,16 @@ def _pick_backend(solver: str) -> str:
 
 
 @dataclass(frozen=True, slots=True)
-class _Outcome:
+class Outcome:
+    """One solver run: its status, objective and proven bound (None where it has none)."""
+
     status: str  # optimal | feasible | infeasible | no_solution
     value: float | None  # objective without the model's constant
     dual_bound: float | None
     seconds: float
 
 
-def _expr(terms, const: float = 0.0) -> pulp.LpAffineExpression:
+def affine(terms, const: float = 0.0) -> pulp.LpAffineExpression:
     """A pulp expression that *adds* repeated variables (pulp's constructor keeps the last)."""
     acc: dict = {}
     for v, c in terms:
@@ -141,10 +139,9 @@ class IlpModel:
         self.prob = pulp.LpProblem(name, pulp.LpMinimize)
         self.x: list[list[pulp.LpVariable] | None] = []
         self.constant = reduced.constant
-        self.num_edge_vars = 0
 
     # ---------------------------------------------------------------------- expressions
-    def linear(self, g: int, vec: np.ndarray) -> tuple[list[tuple[pulp.LpVariable, float]], float]:
+    def linear(self, g: int, vec: np.ndarray) -> tuple[Terms, float]:
         """``sum_s vec[s] x[g,s]`` as (terms, constant): the minimum moves into the constant."""
         low = float(vec.min())
         xs = self.x[g]
@@ -152,11 +149,7 @@ class IlpModel:
             return [], low
         return [(xs[s], float(v - low)) for s, v in enumerate(vec) if v != low], low
 
-    def held_bytes(self, item: MemItem) -> tuple[list[tuple[pulp.LpVariable, float]], float]:
-        """MiB ``item`` holds while live (the recompute hook replaces this)."""
-        return self.linear(item.group, item.bytes / MEM_UNIT)
-
-    def step_time_terms(self) -> tuple[list[tuple[pulp.LpVariable, float]], float]:
+    def step_time_terms(self) -> tuple[Terms, float]:
         """Objective: node costs (edges are added by ``add_edge_marginals``)."""
         terms, const = [], self.constant
         for g, cost in enumerate(self.reduced.cost):
@@ -173,22 +166,21 @@ class IlpModel:
                 continue
             xs = [self.prob.add_variable(f"x_{g}_{s}", cat=pulp.LpBinary) for s in range(len(cost))]
             self.x.append(xs)
-            self.prob += _expr([(v, 1.0) for v in xs]) == 1, f"one_hot_{g}"
+            self.prob += affine([(v, 1.0) for v in xs]) == 1, f"one_hot_{g}"
 
-    def add_edge_marginals(self, objective: list[tuple[pulp.LpVariable, float]]) -> None:
+    def add_edge_marginals(self, objective: Terms) -> None:
         for (a, b), mat in self.reduced.edges.items():
             xa, xb = self.x[a], self.x[b]
             assert xa is not None and xb is not None, "edges of 1-option groups are folded by simplify"
             ka, kb = mat.shape
             e = [[self.prob.add_variable(f"e_{a}_{b}_{s}_{t}", lowBound=0) for t in range(kb)] for s in range(ka)]
-            self.num_edge_vars += ka * kb
             for s in range(ka):
-                self.prob += _expr([(v, 1.0) for v in e[s]] + [(xa[s], -1.0)]) == 0, f"mr_{a}_{b}_{s}"
+                self.prob += affine([(v, 1.0) for v in e[s]] + [(xa[s], -1.0)]) == 0, f"mr_{a}_{b}_{s}"
             for t in range(kb):
-                self.prob += _expr([(e[s][t], 1.0) for s in range(ka)] + [(xb[t], -1.0)]) == 0, f"mc_{a}_{b}_{t}"
+                self.prob += affine([(e[s][t], 1.0) for s in range(ka)] + [(xb[t], -1.0)]) == 0, f"mc_{a}_{b}_{t}"
             objective += [(e[s][t], float(mat[s, t])) for s in range(ka) for t in range(kb) if mat[s, t]]
 
-    def param_bytes(self) -> tuple[list[tuple[pulp.LpVariable, float]], float]:
+    def param_bytes(self) -> tuple[Terms, float]:
         terms, const = [], 0.0
         for g, vec in enumerate(self.reduced.param):
             t, c = self.linear(g, vec / MEM_UNIT)
@@ -196,7 +188,7 @@ class IlpModel:
             const += c
         if len(terms) > 1:  # one variable instead of repeating the sum in every memory row
             p = self.prob.add_variable("P", lowBound=0)
-            self.prob += _expr(terms + [(p, -1.0)]) == 0, "param_bytes"
+            self.prob += affine(terms + [(p, -1.0)]) == 0, "param_bytes"
             terms = [(p, 1.0)]
         return terms, const
 
@@ -209,7 +201,7 @@ class IlpModel:
         rhs_const = 0.0 if isinstance(limit, pulp.LpVariable) else float(limit) / MEM_UNIT
         cands = peak_candidates(items)
         if not cands:
-            self.prob += _expr(p_terms + rhs_terms, p_const) <= rhs_const, "mem_params"
+            self.prob += affine(p_terms + rhs_terms, p_const) <= rhs_const, "mem_params"
             return 1
         ranges = []
         for it in items:
@@ -222,7 +214,7 @@ class IlpModel:
         else:
             rows = self._chained_memory_rows(items, ranges, len(cands))
         for k, (terms, const) in enumerate(rows):
-            self.prob += _expr(terms + p_terms + rhs_terms, const + p_const) <= rhs_const, f"mem_{k}"
+            self.prob += affine(terms + p_terms + rhs_terms, const + p_const) <= rhs_const, f"mem_{k}"
         return len(rows)
 
     def _dense_memory_rows(self, items, ranges, num_cands):
@@ -241,7 +233,7 @@ class IlpModel:
         coef, const = np.cumsum(coef, axis=0)[:-1], np.cumsum(const)[:-1]
         return [(self.row_terms(coef[k], offsets), float(const[k])) for k in undominated_rows(coef, const)]
 
-    def row_terms(self, row: np.ndarray, offsets) -> list[tuple[pulp.LpVariable, float]]:
+    def row_terms(self, row: np.ndarray, offsets) -> Terms:
         """Terms ``coef * x[g,s]`` of one memory row laid out as ``offsets`` (group ``g`` owns
         ``row[offsets[g]:offsets[g+1]]``); sub-byte coefficients are noise and dropped."""
         terms = []
@@ -261,7 +253,7 @@ class IlpModel:
             enter[a].append(i)
             if b + 1 < num_cands:
                 leave[b + 1].append(i)
-        held = [self.held_bytes(it) for it in items]
+        held = [self.linear(it.group, it.bytes / MEM_UNIT) for it in items]  # MiB each item holds
         rows, prev = [], None
         for k in range(num_cands):
             m = self.prob.add_variable(f"M_{k}", lowBound=0)
@@ -272,17 +264,39 @@ class IlpModel:
             for i in leave[k]:
                 terms += [(v, -c) for v, c in held[i][0]]
                 const -= held[i][1]
-            self.prob += _expr(terms + [(m, -1.0)], const) == 0, f"M_def_{k}"
+            self.prob += affine(terms + [(m, -1.0)], const) == 0, f"M_def_{k}"
             rows.append(([(m, 1.0)], 0.0))
             prev = m
         return rows
 
     def set_objective(self, terms, const) -> None:
-        self.prob.setObjective(_expr(terms, const))
+        self.prob.setObjective(affine(terms, const))
+
+    # ------------------------------------------------------------------------- assembling
+    def add_recompute(self, objective: Terms) -> None:
+        """Recompute decisions: none in the sharding ILP (``RecomputeModel`` adds them)."""
+
+    def build_fastest(self, limit: float | None) -> None:
+        """The fastest plan whose peak stays within ``limit`` bytes (None: no memory rows)."""
+        self.add_one_hot()
+        terms, const = self.step_time_terms()
+        self.add_edge_marginals(terms)
+        self.add_recompute(terms)
+        if limit is not None:
+            self.add_memory(limit)
+        self.set_objective(terms, const)
+
+    def build_min_peak(self) -> None:
+        """The smallest peak any choice reaches, step time ignored (the objective counts MiB)."""
+        self.add_one_hot()
+        self.add_recompute([])
+        peak = self.prob.add_variable("peak", lowBound=0)
+        self.add_memory(peak)
+        self.set_objective([(peak, 1.0)], 0.0)
 
     # --------------------------------------------------------------------------- solving
     def run(self, backend: str, *, time_limit: float, relax: bool = False, msg: bool = False,
-            gap: float = MIP_REL_GAP) -> _Outcome:
+            gap: float = MIP_REL_GAP) -> Outcome:
         if backend == "highs":
             solver = pulp.HiGHS(mip=not relax, msg=msg, timeLimit=time_limit, gapRel=gap, **_HIGHS_OPTIONS)
         else:
@@ -290,16 +304,16 @@ class IlpModel:
         t0 = time.perf_counter()
         if not self.prob.variables():  # everything was decided by simplification
             if not all(c.valid(1e-9) for c in self.prob.constraints()):
-                return _Outcome("infeasible", None, None, 0.0)
+                return Outcome("infeasible", None, None, 0.0)
             value = float(self.prob.objective.constant)
-            return _Outcome("optimal", value, value, 0.0)
+            return Outcome("optimal", value, value, 0.0)
         self.prob.solve(solver)
         seconds = time.perf_counter() - t0
         sol = self.prob.sol_status
         if self.prob.status == pulp.LpStatusInfeasible or sol == pulp.LpSolutionInfeasible:
-            return _Outcome("infeasible", None, None, seconds)
+            return Outcome("infeasible", None, None, seconds)
         if sol not in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
-            return _Outcome("no_solution", None, None, seconds)
+            return Outcome("no_solution", None, None, seconds)
         value = float(pulp.value(self.prob.objective) or 0.0)
         status = "optimal" if sol == pulp.LpSolutionOptimal else "feasible"
         bound = value if status == "optimal" else None
@@ -309,13 +323,23 @@ class IlpModel:
             proved = float(self.prob.solverModel.getInfo().mip_dual_bound)
             if np.isfinite(proved):
                 bound = proved + float(self.prob.objective.constant)
-        return _Outcome(status, value, bound, seconds)
+        return Outcome(status, value, bound, seconds)
 
     def choice(self) -> list[int]:
+        """The chosen option of every group (after ``run``)."""
         out = []
         for xs in self.x:
             out.append(0 if xs is None else int(np.argmax([v.varValue or 0.0 for v in xs])))
         return out
+
+    def recomputed(self) -> tuple[str, ...]:
+        """The recomputed units (after ``run``): none in the sharding ILP."""
+        return ()
+
+    @property
+    def stats(self) -> dict[str, int]:
+        """Model counts the solution reports beyond ``Reduced.stats``."""
+        return {}
 
     @property
     def num_variables(self) -> int:
@@ -324,118 +348,3 @@ class IlpModel:
     @property
     def num_constraints(self) -> int:
         return self.prob.numConstraints()
-
-
-def _build(reduced: Reduced, *, limit: float | None, name: str) -> IlpModel:
-    model = IlpModel(reduced, name)
-    model.add_one_hot()
-    terms, const = model.step_time_terms()
-    model.add_edge_marginals(terms)
-    if limit is not None:
-        model.add_memory(limit)
-    model.set_objective(terms, const)
-    return model
-
-
-def minimum_budget(problem: Problem, *, solver: str = "auto", time_limit: float = 60.0,
-                   alias: bool = True) -> tuple[int, int]:
-    """``(achieved, lower_bound)``: the smallest per-device peak any plan reaches (a second ILP
-    that minimises the peak, step time ignored) and a proven lower bound on it (equal when
-    proved optimal). ``alias`` as in ``solve``: with it, "any plan" means any plan that
-    ``solve`` can return."""
-    backend = _pick_backend(solver)
-    # Budget 0 makes every simplification memory-safe, hence exact for the peak objective too.
-    reduced = simplify(problem.with_budget(0), alias=alias, merge=True)
-    model = IlpModel(reduced, "autopar_min_peak")
-    model.add_one_hot()
-    peak = model.prob.add_variable("peak", lowBound=0)
-    model.add_memory(peak)
-    model.set_objective([(peak, 1.0)], 0.0)
-    lp = model.run(backend, time_limit=time_limit, relax=True)
-    out = model.run(backend, time_limit=time_limit, gap=0.0)  # an exact figure for the error message
-    if out.value is None:
-        raise SolveTimeout(f"no plan found within {time_limit}s while minimising peak memory")
-    achieved = problem.evaluate(reduced.expand(model.choice())).peak_bytes
-    bound = out.dual_bound if out.dual_bound is not None else (lp.value or 0.0)
-    if out.status == "optimal":
-        bound = out.value
-    return achieved, int(min(achieved, np.ceil(bound * MEM_UNIT - 1e-3)))
-
-
-def _infeasible(problem: Problem, backend: str, time_limit: float, alias: bool) -> Exception:
-    achieved, lower = minimum_budget(problem, solver=backend, time_limit=time_limit, alias=alias)
-    if achieved <= problem.budget_bytes:
-        return RuntimeError(f"{backend} reported budget {problem.budget_bytes} infeasible, yet a plan with "
-                            f"peak {achieved} bytes fits it (solver tolerance?); retry with the other backend")
-    exact = achieved == lower
-    need = f"{achieved} bytes ({achieved / 2**30:.3f} GiB)" if exact else (
-        f"between {lower} and {achieved} bytes ({lower / 2**30:.3f}-{achieved / 2**30:.3f} GiB)")
-    mesh = "x".join(map(str, problem.mesh_shape)) or "?"
-    return ValueError(
-        f"memory budget {problem.budget_bytes} bytes ({problem.budget_bytes / 2**30:.3f} GiB) per device "
-        f"cannot be met on mesh {mesh}: the smallest budget any plan meets is {need}. "
-        f"Try a bigger mesh (more devices to shard over), activation recompute, or a larger budget."
-    )
-
-
-def solve(problem: Problem, *, solver: str = "auto", time_limit: float = 60.0, alias: bool = True,
-          merge: bool = True, msg: bool = False) -> Solution:
-    """The fastest plan for ``problem`` within its budget (see the module docstring).
-
-    solver:     ``"auto"`` (HiGHS when available), ``"highs"`` or ``"cbc"``.
-    time_limit: seconds for each of the two solver runs: the LP relaxation (for ``lp_bound``),
-                then the MIP search; at the limit the best plan found is returned with
-                ``status="feasible"`` and its gap to the best proven bound.
-    alias:      share decisions between identical repeated blocks (``simplify`` item 1).
-    merge:      dominated-option pruning and exact follow-merge (``simplify`` items 3-4).
-    msg:        show the backend's log.
-
-    Raises ``ValueError`` when no plan fits the budget (with the smallest budget that does),
-    ``SolveTimeout`` when no plan is found within the time limit.
-    """
-    if not time_limit > 0:
-        raise ValueError(f"time_limit must be positive seconds, got {time_limit!r}")
-    backend = _pick_backend(solver)
-    t0 = time.perf_counter()
-    reduced = simplify(problem, alias=alias, merge=merge)
-    t1 = time.perf_counter()
-    limit = float(problem.budget_bytes) if reduced.memory_can_bind else None
-    model = _build(reduced, limit=limit, name="autopar")
-    t2 = time.perf_counter()
-    lp = model.run(backend, time_limit=time_limit, relax=True, msg=msg)
-    if lp.status == "infeasible":
-        raise _infeasible(problem, backend, time_limit, alias)
-    if lp.status != "optimal":
-        raise SolveTimeout(f"the LP relaxation did not finish within {time_limit}s ({problem})")
-    out = model.run(backend, time_limit=time_limit, msg=msg)
-    if out.status == "infeasible":
-        raise _infeasible(problem, backend, time_limit, alias)
-    if out.status == "no_solution":
-        raise SolveTimeout(f"{backend} found no plan within time_limit={time_limit}s ({problem}); "
-                           f"LP bound {lp.value:.6g}s. "
-                           f"Raise time_limit or try solver='highs'.")
-    choice = reduced.expand(model.choice())
-    return checked_solution(choice, problem.evaluate(choice), out, lp, budget=problem.budget_bytes,
-                            backend=backend, model=model, stats=dict(reduced.stats),
-                            timings={"simplify_s": t1 - t0, "build_s": t2 - t1})
-
-
-def checked_solution(choice, ev, out: _Outcome, lp: _Outcome, *, budget, backend: str, model: "IlpModel",
-                     stats: dict, timings: dict, recompute: tuple[str, ...] = ()) -> Solution:
-    """The ``Solution`` for ``choice`` (evaluated as ``ev``), after checking that the cost model
-    agrees with the solver's objective and that the plan fits the budget; the gap is measured
-    against the best proven bound (never below the LP relaxation)."""
-    assert abs(ev.objective - out.value) <= 1e-4 * (1 + abs(ev.objective)), (ev.objective, out.value)
-    if budget is not None and ev.peak_bytes > budget:
-        raise RuntimeError(f"{backend}'s plan peaks at {ev.peak_bytes} bytes, over the budget "
-                           f"{budget} (solver tolerance?); retry with the other backend")
-    dual = out.dual_bound if out.dual_bound is not None else lp.value
-    dual = min(max(dual, lp.value), ev.objective)
-    gap = (ev.objective - dual) / ev.objective if ev.objective > 0 else 0.0
-    return Solution(
-        choice=choice, objective=ev.objective, lp_bound=lp.value, dual_bound=dual, gap=gap,
-        status=out.status, backend=backend,
-        timings={**timings, "lp_s": lp.seconds, "solve_s": out.seconds},
-        peak_bytes=ev.peak_bytes, num_variables=model.num_variables, num_constraints=model.num_constraints,
-        recompute=recompute, stats=stats,
-    )

@@ -2,7 +2,7 @@
 
 No torch import. Everything is str / int / float / tuples, frozen, with ``to_json``/``from_json``.
 The problem builder (graph + profile + strategies -> ``Problem``) lives elsewhere; the solver
-(``simplify`` + ``ilp``) only ever sees these records.
+(``simplify``, the ILPs, ``pipeline``) only ever sees these records.
 
 Units: **seconds** for every cost, **bytes per device** for every memory figure. All figures
 are for one training step (forward + backward) on one device of the mesh.
@@ -27,21 +27,25 @@ sub-module). Blocks with the same prefix whose nodes, in problem order, have equ
 ``signature`` sequences and equal option names are treated as identical and share decisions
 (see ``autopar.solver.simplify``).
 
-Recompute (activation checkpointing) hook: ``Node.segment`` names the checkpointable segment
-the node belongs to and ``StrategyOption.forward_s`` is what recomputing it would cost; the
-current ILP records them but does not yet decide recompute (``Solution.recompute`` is empty).
+Recompute (activation checkpointing): ``Node.segment`` names the checkpointable segment the
+node belongs to and ``StrategyOption.forward_s`` is what recomputing it costs.
+``Problem.evaluate(choice, recompute=..., segment_inputs=...)`` evaluates a choice with some
+segments recomputed (``autopar.solver.timeline``); the recompute ILP
+(``autopar.solver.recompute_ilp``) decides them together with the sharding.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
-from typing import Any, Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any, Iterable, Mapping
 
 import numpy as np
 
-__all__ = ["StrategyOption", "Node", "Edge", "Problem", "Solution", "Evaluation", "PROBLEM_VERSION"]
+from autopar.solver.timeline import Evaluation, SegmentInputs, evaluate
+
+__all__ = ["StrategyOption", "Node", "Edge", "Problem", "Solution", "PROBLEM_VERSION"]
 
 PROBLEM_VERSION = 1
 
@@ -182,23 +186,6 @@ class Edge:
 
 
 @dataclass(frozen=True, slots=True)
-class Evaluation:
-    """The cost model evaluated for one full choice (``Problem.evaluate``)."""
-
-    objective: float  # seconds: compute + comm + reshard
-    compute_s: float
-    comm_s: float
-    reshard_s: float
-    param_bytes: int  # per device, whole step
-    peak_bytes: int  # per device: param_bytes + the largest live activation total
-    peak_time: int | None  # timeline point of the activation peak (None: no activations)
-
-    def __str__(self) -> str:
-        return (f"{self.objective:.6g}s (compute {self.compute_s:.4g}s, comm {self.comm_s:.4g}s, "
-                f"reshard {self.reshard_s:.4g}s), peak {self.peak_bytes}B at t={self.peak_time}")
-
-
-@dataclass(frozen=True, slots=True)
 class Problem:
     """Everything the solver needs. ``budget_bytes=None`` means no memory constraint.
 
@@ -208,6 +195,8 @@ class Problem:
     timeline_length: number of timeline points; every ``Node.live`` lies inside it.
     mesh_shape:      the mesh this problem was built for (reporting and error hints).
     meta:            free-form (str -> str/int/float) provenance, e.g. model name, graph hash.
+
+    A modified copy is ``dataclasses.replace(problem, nodes=...)`` (checked again on creation).
     """
 
     nodes: tuple[Node, ...]
@@ -277,7 +266,7 @@ class Problem:
         return self._index[name]
 
     def with_budget(self, budget_bytes: int | None) -> "Problem":
-        return Problem(self.nodes, self.edges, budget_bytes, self.timeline_length, self.mesh_shape, self.meta)
+        return replace(self, budget_bytes=budget_bytes)
 
     def __str__(self) -> str:
         budget = "none" if self.budget_bytes is None else f"{self.budget_bytes}B"
@@ -285,32 +274,11 @@ class Problem:
                 f"timeline {self.timeline_length}, mesh {self.mesh_shape})")
 
     # -------------------------------------------------------------------------- evaluation
-    def evaluate(self, choice: Mapping[str, str]) -> Evaluation:
-        """Step time and per-device peak memory of ``choice`` (node name -> option name)."""
-        missing = [n.name for n in self.nodes if n.name not in choice]
-        extra = [k for k in choice if k not in self._index]
-        if missing or extra:
-            raise ValueError(f"choice must name every node exactly: missing {missing[:5]}, unknown {extra[:5]}")
-        pick = {n.name: n.option_index(choice[n.name]) for n in self.nodes}
-        compute = comm = reshard = 0.0
-        params = 0
-        delta = [0] * (self.timeline_length + 1)
-        for n in self.nodes:
-            o = n.options[pick[n.name]]
-            compute += o.compute_s
-            comm += o.comm_s
-            params += o.param_bytes
-            if n.live is not None and o.act_bytes:
-                delta[n.live[0]] += o.act_bytes
-                delta[n.live[1] + 1] -= o.act_bytes
-        for e in self.edges:
-            reshard += e.costs[pick[e.src]][pick[e.dst]]
-        peak, peak_t, running = 0, None, 0
-        for t in range(self.timeline_length):
-            running += delta[t]
-            if running > peak:
-                peak, peak_t = running, t
-        return Evaluation(compute + comm + reshard, compute, comm, reshard, params, params + peak, peak_t)
+    def evaluate(self, choice: Mapping[str, str], *, recompute: Iterable[str] = (),
+                 segment_inputs: SegmentInputs | None = None) -> Evaluation:
+        """Step time and per-device memory timeline of ``choice`` (node name -> option name),
+        optionally with the segments in ``recompute`` recomputed (``autopar.solver.timeline``)."""
+        return evaluate(self, choice, recompute=recompute, segment_inputs=segment_inputs)
 
     # ------------------------------------------------------------------------------- JSON
     def to_json(self) -> str:
@@ -369,7 +337,7 @@ class Solution:
     peak_bytes:      per-device peak memory of the plan (``Problem.evaluate``).
     num_variables:   columns of the solved ILP (after simplification).
     num_constraints: rows of the solved ILP.
-    recompute:       checkpointable segments chosen for recomputation (empty: not decided yet).
+    recompute:       segments chosen for recomputation (always empty for the sharding ILP alone).
     stats:           simplification counts (groups, merged nodes, aliased nodes, ...).
     """
 

@@ -1,26 +1,19 @@
 """Recompute (activation checkpointing) decided inside the sharding ILP: one objective, one budget.
 
-Segments
---------
-A *segment* is a contiguous run of ops that may be recomputed as one
-``torch.utils.checkpoint`` region: the builder names one per repeated block
-(``Node.segment = "transformer.h.3"``). For a choice ``x`` (one option per node):
+Units (``autopar.solver.timeline``: geometry, what a recomputed unit keeps, the exact
+evaluation): for a choice ``x`` (one option per node) and a unit ``s``,
 
-* ``A_s(x)``: bytes the segment's nodes save for backward (their ``act_bytes``);
-* ``c_s(x)``: bytes of the activations the segment reads from outside (``SegmentInput``: what a
-  checkpoint region keeps; inputs whose storage an outside node saves anyway are left out by the
-  builder, so no storage counts twice);
+* ``A_s(x)``: bytes the unit's nodes save for backward (their ``act_bytes``);
+* ``c_s(x)``: bytes of the activations the unit reads from outside (its ``SegmentInput``s; inputs
+  whose storage an outside node saves anyway are left out by the builder, so no storage counts
+  twice);
 * ``F_s(x)``: forward seconds of its nodes (``StrategyOption.forward_s``): what recomputing costs.
 
-Timeline of a segment (items of the ``Problem`` memory timeline, closed intervals): ``S0`` = the
-first start of its items, ``b`` = the first end (the point where the segment's backward begins),
-``E`` = the last end. Kept (``r_s = 0``): each item is held on ``[start, end]`` as in
-``Problem.evaluate``. Recomputed (``r_s = 1``): each item's *forward part* ``[start, b-1]`` is
-gone; its *backward part* ``[b, end]`` stays (backward rematerialises the whole segment when it
-reaches it, then frees each saved tensor after its own backward, as non-reentrant checkpoint
-does), and the inputs ``c_s(x)`` are held on ``[S0, E]``. Step time grows by ``F_s(x)``. A value
-several recomputed segments read is one tensor: ``evaluate_recompute`` counts it once (from the
-first such segment's start to the last one's end); the ILP counts it per segment (an upper bound).
+``S0``, ``b``, ``E`` are the unit's ``start``, ``bwd`` and ``end`` (``SegmentGeometry``). Kept
+(``r_s = 0``): each item is held on ``[start, end]``. Recomputed (``r_s = 1``): each item's
+forward part ``[start, b-1]`` is gone, its backward part ``[b, end]`` stays, the inputs
+``c_s(x)`` are held on ``[S0, E]`` and step time grows by ``F_s(x)``. A value several recomputed
+units read is one tensor for the evaluation; the ILP counts it per unit (an upper bound).
 
 Every forward part of a segment is live at every timeline point ``t`` with ``N <= t < b`` (the
 backward half; all items start in forward, ``start < N``) and at the last forward start, the
@@ -52,167 +45,43 @@ count per alias class ``k = sum_i r_i`` would not be exact here: which blocks ar
 changes which memory rows drop (a recomputed block frees memory only *before* its own backward),
 and the contribution at a candidate is ``min(k, #blocks live there)``, not linear in ``k``.
 
-Everything is re-evaluated exactly by ``evaluate_recompute`` (item by item, on the true
-intervals) and checked against the solver's objective. No torch import.
+The pipeline (``autopar.solver.pipeline``) re-evaluates every answer exactly with
+``Problem.evaluate(choice, recompute=...)`` (item by item, on the true intervals) and checks it
+against the solver's objective. No torch import.
 """
 
 from __future__ import annotations
 
 import bisect
-import time
 from collections import defaultdict
-from dataclasses import dataclass
-from typing import Iterable, Mapping
+from typing import Mapping
 
 import numpy as np
 import pulp
 
-from autopar.solver.ilp import MEM_UNIT, IlpModel, SolveTimeout, _expr, _pick_backend, checked_solution, undominated_rows
 from autopar.solver.blocks import block_of
-from autopar.solver.problem import Evaluation, Problem, Solution
-from autopar.solver.simplify import MemItem, Reduced, peak_candidates, simplify
+from autopar.solver.ilp import MEM_UNIT, IlpModel, Terms, affine, undominated_rows
+from autopar.solver.problem import Problem
+from autopar.solver.simplify import MemItem, Reduced, peak_candidates
+from autopar.solver.timeline import SegmentInputs, segment_geometry
 
-__all__ = ["SegmentInput", "SegmentGeometry", "segment_geometry", "evaluate_recompute", "RecomputeModel",
-           "solve_recompute", "minimum_budget_recompute", "activation_bytes"]
-
-
-@dataclass(frozen=True, slots=True)
-class SegmentInput:
-    """An activation a recomputed segment keeps: ``bytes[k]`` when node ``node`` runs option ``k``."""
-
-    node: str
-    bytes: tuple[int, ...]
+__all__ = ["RecomputeModel"]
 
 
-@dataclass(frozen=True, slots=True)
-class SegmentGeometry:
-    """Where a unit sits on the timeline (module docstring): ``[start, bwd-1]`` forward part,
-    ``[bwd, end]`` backward part. ``parent``: the block of a fine segment (None for a block)."""
-
-    name: str
-    start: int
-    bwd: int
-    end: int
-    parent: str | None = None
-
-
-def segment_geometry(problem: Problem) -> dict[str, SegmentGeometry]:
-    """Every recomputable unit that holds activations: fine segments and their blocks."""
-    spans: dict[str, list] = {}
-    parent: dict[str, str | None] = {}
-    for n in problem.nodes:
-        if n.segment is None or n.live is None or not any(o.act_bytes for o in n.options):
-            continue
-        block = block_of(n.segment)
-        parent[n.segment] = block if block != n.segment else None
-        units = [n.segment] + ([block] if parent[n.segment] else [])
-        s, e = n.live
-        for u in units:
-            span = spans.setdefault(u, [s, e, e])
-            span[0], span[1], span[2] = min(span[0], s), min(span[1], e), max(span[2], e)
-    out = {}
-    for u, (s0, b, e) in spans.items():
-        if not s0 < b:
-            raise ValueError(f"segment {u!r}: an item ends at {b}, before the segment's forward ends")
-        out[u] = SegmentGeometry(u, s0, b, e, parent.get(u))
-    return out
-
-
-def _units_of(segment: str | None, geo: Mapping[str, SegmentGeometry]) -> tuple[str, ...]:
-    """The units a node of ``segment`` belongs to: its fine segment and its block (if known)."""
-    if segment is None:
-        return ()
-    block = block_of(segment)
-    return tuple(u for u in dict.fromkeys((segment, block)) if u is not None and u in geo)
-
-
-def _held_inputs(problem: Problem, inputs: Mapping[str, Iterable[SegmentInput]], choice: Mapping[str, str],
-                 chosen: Iterable[str], geo: Mapping[str, SegmentGeometry]) -> list[tuple[int, int, int]]:
-    """(bytes, first, last timeline point) of every value the recomputed units keep: a value
-    several regions read (an attention mask) is one tensor, held from the first region's start
-    to the last one's end. (The ILP counts it once per region: conservative.)"""
-    held: dict[str, list] = {}
-    for u in sorted(chosen):
-        for si in inputs.get(u, ()):
-            c = si.bytes[problem.node(si.node).option_index(choice[si.node])]
-            span = held.setdefault(si.node, [c, geo[u].start, geo[u].end])
-            span[1], span[2] = min(span[1], geo[u].start), max(span[2], geo[u].end)
-    return [tuple(v) for v in held.values()]
-
-
-def _check_units(recompute: Iterable[str], geo: Mapping[str, SegmentGeometry]) -> set[str]:
-    chosen = set(recompute)
-    unknown = chosen - set(geo)
-    if unknown:
-        raise ValueError(f"cannot recompute unknown segments {sorted(unknown)}; known: {sorted(geo)}")
-    both = sorted(u for u in chosen if geo[u].parent in chosen)
-    if both:
-        raise ValueError(f"segments {both} are recomputed both alone and inside their block")
-    return chosen
-
-
-def evaluate_recompute(problem: Problem, choice: Mapping[str, str], recompute: Iterable[str],
-                       inputs: Mapping[str, Iterable[SegmentInput]]) -> Evaluation:
-    """``Problem.evaluate`` with the units in ``recompute`` recomputed (module docstring)."""
-    base = problem.evaluate(choice)
-    geo = segment_geometry(problem)
-    chosen = _check_units(recompute, geo)
-    extra = 0.0
-    delta = np.zeros(problem.timeline_length + 1, dtype=np.int64)
-    for n in problem.nodes:
-        o = n.options[n.option_index(choice[n.name])]
-        seg = n.segment
-        block = block_of(seg) if seg is not None else None
-        unit = block if block in chosen else seg if seg in chosen else None
-        if unit is not None:
-            extra += o.forward_s
-        if n.live is None or not o.act_bytes:
-            continue
-        start = geo[unit].bwd if unit is not None else n.live[0]
-        delta[start] += o.act_bytes
-        delta[n.live[1] + 1] -= o.act_bytes
-    for c, start, end in _held_inputs(problem, inputs, choice, chosen, geo):
-        delta[start] += c
-        delta[end + 1] -= c
-    running = np.cumsum(delta[:-1])
-    peak_t = int(np.argmax(running)) if len(running) and running.max() > 0 else None
-    peak = int(running.max()) if peak_t is not None else 0
-    return Evaluation(base.objective + extra, base.compute_s + extra, base.comm_s, base.reshard_s,
-                      base.param_bytes, base.param_bytes + peak, peak_t)
-
-
-def activation_bytes(problem: Problem, choice: Mapping[str, str], recompute: Iterable[str],
-                     inputs: Mapping[str, Iterable[SegmentInput]], *, include_inputs: bool = False) -> int:
-    """Bytes saved for backward when the forward pass ends (timeline point ``N-1``): what
-    ``saved_tensors_hooks`` plus the checkpoint regions' kept inputs hold at that moment. User
-    inputs (held by the caller) are left out unless ``include_inputs``."""
-    geo = segment_geometry(problem)
-    chosen = _check_units(recompute, geo)
-    t = problem.timeline_length // 2 - 1
-    total = 0
-    for n in problem.nodes:
-        if n.live is None or any(u in chosen for u in _units_of(n.segment, geo)):
-            continue
-        o = n.options[n.option_index(choice[n.name])]
-        if n.live[0] <= t <= n.live[1] and (include_inputs or n.live != (0, problem.timeline_length - 1)):
-            total += o.act_bytes
-    for c, start, end in _held_inputs(problem, inputs, choice, chosen, geo):
-        if start <= t <= end:
-            total += c
-    return total
-
-
-# ----------------------------------------------------------------------------------- the ILP
 class RecomputeModel(IlpModel):
-    """``IlpModel`` plus the recompute variables and memory rows of the module docstring."""
+    """``IlpModel`` plus the recompute variables and memory rows of the module docstring.
+    ``inputs``: what each unit keeps when recomputed; ``fixed``: unit -> recomputed or not,
+    imposed (e.g. uniform per-block checkpointing)."""
 
-    def __init__(self, reduced: Reduced, problem: Problem, inputs: Mapping[str, Iterable[SegmentInput]],
-                 name: str = "autopar_recompute"):
+    def __init__(self, reduced: Reduced, problem: Problem, inputs: SegmentInputs, name: str = "autopar_recompute",
+                 *, fixed: Mapping[str, bool] | None = None):
         super().__init__(reduced, name)
         self.problem = problem
+        self.fixed = dict(fixed or {})
         self.geo = segment_geometry(problem)
         self.units = sorted(self.geo, key=lambda s: (self.geo[s].start, self.geo[s].parent is not None, s))
         self.r: dict[str, pulp.LpVariable] = {}
+        self.spans: list[tuple[pulp.LpVariable, int, int]] = []  # (var, first, last timeline point)
         self.c_vec = self._input_vectors(inputs)  # seg -> {group: MiB per group option}
 
     def _input_vectors(self, inputs) -> dict[str, dict[int, np.ndarray]]:
@@ -238,9 +107,9 @@ class RecomputeModel(IlpModel):
             top += float(np.max(vec))
         return terms, const, top
 
-    def add_recompute(self, objective: list) -> list[tuple[pulp.LpVariable, float]]:
-        """Variables and linking rows (module docstring); appends ``T_u`` to ``objective``."""
-        self.spans: list[tuple[pulp.LpVariable, int, int]] = []  # (var, first, last timeline point)
+    def add_recompute(self, objective: Terms) -> None:
+        """Variables and linking rows (module docstring), then the ``fixed`` decisions; appends
+        ``T_u`` to ``objective``."""
         fwd_vecs: dict[str, dict[int, np.ndarray]] = defaultdict(dict)
         for g, table in enumerate(self.reduced.forward):
             for seg, vec in table.items():
@@ -261,11 +130,11 @@ class RecomputeModel(IlpModel):
             c_terms, c_const, c_max = self._sum(self.c_vec[u])
             f_terms, f_const, f_max = self._sum(fwd_vecs.get(u, {}))
             t = self.prob.add_variable(f"T_{i}", lowBound=0)
-            self.prob += _expr(f_terms + [(r, f_max), (t, -1.0)], f_const - f_max) <= 0, f"T_f_{i}"
+            self.prob += affine(f_terms + [(r, f_max), (t, -1.0)], f_const - f_max) <= 0, f"T_f_{i}"
             objective.append((t, 1.0))
 
             def at_least_c(var, tag):  # var >= c(x) - Mc (1 - r)
-                self.prob += _expr(c_terms + [(r, c_max), (var, -1.0)], c_const - c_max) <= 0, f"{tag}_c_{i}"
+                self.prob += affine(c_terms + [(r, c_max), (var, -1.0)], c_const - c_max) <= 0, f"{tag}_c_{i}"
 
             if g.parent is None and any(self.geo[v].parent == u for v in self.units):  # a block
                 j = self.prob.add_variable(f"J_{i}", lowBound=0)
@@ -276,22 +145,25 @@ class RecomputeModel(IlpModel):
             rb = self.r.get(g.parent) if g.parent is not None else None
             b_block = self.geo[g.parent].bwd if rb is not None else g.bwd
             if rb is not None:
-                self.prob += _expr([(r, 1.0), (rb, 1.0)]) <= 1, f"excl_{i}"
+                self.prob += affine([(r, 1.0), (rb, 1.0)]) <= 1, f"excl_{i}"
             # before the block's backward: A unless recomputed (alone or in the block), c if alone
             h = self.prob.add_variable(f"H_{i}", lowBound=0)
             drop = [(r, -a_max)] + ([(rb, -a_max)] if rb is not None else [])
-            self.prob += _expr(a_terms + drop + [(h, -1.0)], a_const) <= 0, f"H_a_{i}"
+            self.prob += affine(a_terms + drop + [(h, -1.0)], a_const) <= 0, f"H_a_{i}"
             at_least_c(h, "H")
             self.spans.append((h, g.start, b_block - 1))
             if b_block < g.bwd:  # the block is rematerialised, this segment not yet (if alone)
                 h2 = self.prob.add_variable(f"H2_{i}", lowBound=0)
-                self.prob += _expr(a_terms + [(r, -a_max), (h2, -1.0)], a_const) <= 0, f"H2_a_{i}"
+                self.prob += affine(a_terms + [(r, -a_max), (h2, -1.0)], a_const) <= 0, f"H2_a_{i}"
                 at_least_c(h2, "H2")
                 self.spans.append((h2, b_block, g.bwd - 1))
             j = self.prob.add_variable(f"J_{i}", lowBound=0)
             at_least_c(j, "J")
             self.spans.append((j, g.bwd, g.end))
-        return objective
+        for i, (unit, value) in enumerate(sorted(self.fixed.items())):
+            if unit not in self.r:
+                raise ValueError(f"cannot fix unknown segment {unit!r}; known: {sorted(self.r)}")
+            self.prob += affine([(self.r[unit], 1.0)]) == int(bool(value)), f"fix_{i}"
 
     def add_memory(self, limit: float | pulp.LpVariable) -> int:
         """Memory rows at the peak candidates of the split timeline (module docstring)."""
@@ -308,7 +180,7 @@ class RecomputeModel(IlpModel):
         spans = [MemItem(-1, a, b, np.zeros(1)) for _, a, b in self.spans]
         cands = peak_candidates(plain + spans)
         if not cands:
-            self.prob += _expr(p_terms + rhs_terms, p_const) <= rhs_const, "mem_params"
+            self.prob += affine(p_terms + rhs_terms, p_const) <= rhs_const, "mem_params"
             return 1
         offsets = np.cumsum([0] + [len(c) for c in self.reduced.cost])
         width = offsets[-1] + len(self.spans)
@@ -336,84 +208,12 @@ class RecomputeModel(IlpModel):
         for row, k in enumerate(kept):
             terms = self.row_terms(coef[k], offsets)
             terms += [(extra[c], 1.0) for c in np.flatnonzero(coef[k, offsets[-1]:] > 0.5)]
-            self.prob += _expr(terms + p_terms + rhs_terms, float(const[k]) + p_const) <= rhs_const, f"mem_{row}"
+            self.prob += affine(terms + p_terms + rhs_terms, float(const[k]) + p_const) <= rhs_const, f"mem_{row}"
         return len(kept)
 
     def recomputed(self) -> tuple[str, ...]:
         return tuple(u for u in self.units if (self.r[u].varValue or 0.0) > 0.5)
 
-
-def _build(reduced, problem, inputs, *, limit, name, fixed=None) -> RecomputeModel:
-    model = RecomputeModel(reduced, problem, inputs, name)
-    model.add_one_hot()
-    terms, const = model.step_time_terms()
-    model.add_edge_marginals(terms)
-    model.add_recompute(terms)
-    for i, (unit, value) in enumerate(sorted((fixed or {}).items())):
-        if unit not in model.r:
-            raise ValueError(f"cannot fix unknown segment {unit!r}; known: {sorted(model.r)}")
-        model.prob += _expr([(model.r[unit], 1.0)]) == int(bool(value)), f"fix_{i}"
-    model.add_memory(limit)
-    model.set_objective(terms, const)
-    return model
-
-
-def minimum_budget_recompute(problem: Problem, inputs: Mapping[str, Iterable[SegmentInput]], *,
-                             solver: str = "auto", time_limit: float = 60.0, alias: bool = True) -> int:
-    """The smallest per-device peak any plan reaches with recompute allowed (time ignored)."""
-    backend = _pick_backend(solver)
-    reduced = simplify(problem.with_budget(0), alias=alias, merge=True)
-    model = RecomputeModel(reduced, problem, inputs, "autopar_recompute_min_peak")
-    model.add_one_hot()
-    model.add_recompute([])
-    peak = model.prob.add_variable("peak", lowBound=0)
-    model.add_memory(peak)
-    model.set_objective([(peak, 1.0)], 0.0)
-    out = model.run(backend, time_limit=time_limit, gap=0.0)
-    if out.value is None:
-        raise SolveTimeout(f"no plan found within {time_limit}s while minimising peak memory")
-    return evaluate_recompute(problem, reduced.expand(model.choice()), model.recomputed(), inputs).peak_bytes
-
-
-def solve_recompute(problem: Problem, inputs: Mapping[str, Iterable[SegmentInput]], *, solver: str = "auto",
-                    time_limit: float = 60.0, alias: bool = True, merge: bool = True,
-                    msg: bool = False, fixed: Mapping[str, bool] | None = None) -> Solution:
-    """The fastest plan for ``problem`` within its budget, sharding and recompute decided
-    together. ``inputs``: segment -> ``SegmentInput``s (``BuiltProblem.segment_inputs``).
-    Arguments and errors as ``autopar.solver.ilp.solve``; ``Solution.recompute`` lists the
-    recomputed segments and ``objective``/``peak_bytes`` are ``evaluate_recompute``'s.
-    ``fixed``: unit -> recomputed or not, imposed (e.g. uniform per-block checkpointing)."""
-    if not time_limit > 0:
-        raise ValueError(f"time_limit must be positive seconds, got {time_limit!r}")
-    if problem.budget_bytes is None:
-        raise ValueError("recompute needs a memory budget (budget_bytes=None never recomputes)")
-    backend = _pick_backend(solver)
-    t0 = time.perf_counter()
-    reduced = simplify(problem, alias=alias, merge=merge)
-    t1 = time.perf_counter()
-    model = _build(reduced, problem, inputs, limit=float(problem.budget_bytes), name="autopar_recompute",
-                   fixed=fixed)
-    t2 = time.perf_counter()
-    lp = model.run(backend, time_limit=time_limit, relax=True, msg=msg)
-    out = model.run(backend, time_limit=time_limit, msg=msg) if lp.status == "optimal" else lp
-    if out.status == "infeasible" and fixed:
-        raise ValueError(f"no plan fits the budget {problem.budget_bytes} bytes with the fixed recompute "
-                         f"decisions {dict(fixed)}")
-    if out.status == "infeasible":
-        need = minimum_budget_recompute(problem, inputs, solver=backend, time_limit=time_limit, alias=alias)
-        mesh = "x".join(map(str, problem.mesh_shape)) or "?"
-        raise ValueError(
-            f"memory budget {problem.budget_bytes} bytes ({problem.budget_bytes / 2**30:.3f} GiB) per device "
-            f"cannot be met on mesh {mesh} even with recompute: the smallest budget any plan meets is "
-            f"{need} bytes ({need / 2**30:.3f} GiB). Try a bigger mesh or a larger budget.")
-    if lp.status != "optimal":
-        raise SolveTimeout(f"the LP relaxation did not finish within {time_limit}s ({problem})")
-    if out.status == "no_solution":
-        raise SolveTimeout(f"{backend} found no plan within time_limit={time_limit}s ({problem}); "
-                           f"LP bound {lp.value:.6g}s. Raise time_limit.")
-    choice = reduced.expand(model.choice())
-    recompute = model.recomputed()
-    return checked_solution(choice, evaluate_recompute(problem, choice, recompute, inputs), out, lp,
-                            budget=problem.budget_bytes, backend=backend, model=model,
-                            stats={**reduced.stats, "num_segments": len(model.units)},
-                            timings={"simplify_s": t1 - t0, "build_s": t2 - t1}, recompute=recompute)
+    @property
+    def stats(self) -> dict[str, int]:
+        return {"num_segments": len(self.units)}

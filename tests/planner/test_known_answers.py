@@ -10,7 +10,7 @@ from autopar.planner.baselines import BASELINES
 from autopar.planner.builder import BuildOptions, build_problem
 from autopar.layout.cost import collective_seconds
 from autopar.layout.mesh import MeshSpec
-from autopar.solver.ilp import solve
+from autopar.solver.pipeline import solve
 from autopar.tracer import profile, trace
 
 GiB = 2**30

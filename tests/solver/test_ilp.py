@@ -7,7 +7,8 @@ import re
 import pytest
 
 from autopar.solver import ilp
-from autopar.solver.ilp import available_backends, minimum_budget, solve
+from autopar.solver.ilp import available_backends
+from autopar.solver.pipeline import minimum_budget, solve
 from autopar.solver.problem import Edge, Node, Problem, Solution, StrategyOption
 
 BACKENDS = available_backends()

@@ -1,5 +1,6 @@
 """The joint sharding + recompute ILP: known answers on small problems, exact agreement with
-``evaluate_recompute`` on every feasible choice, and GPT-2-tiny planning across budgets."""
+``Problem.evaluate(..., recompute=...)`` on every feasible choice, and GPT-2-tiny planning across
+budgets."""
 
 from __future__ import annotations
 
@@ -8,8 +9,8 @@ import itertools
 import pytest
 
 from autopar.solver.problem import Node, Problem, StrategyOption
-from autopar.solver.recompute_ilp import (SegmentInput, evaluate_recompute, minimum_budget_recompute,
-                                      segment_geometry, solve_recompute)
+from autopar.solver.pipeline import minimum_budget, solve
+from autopar.solver.timeline import SegmentInput, segment_geometry
 
 
 def chain_problem(budget: int | None) -> tuple[Problem, dict]:
@@ -40,7 +41,7 @@ def brute_force(problem: Problem, inputs: dict):
             chosen = [u for u, m in zip(units, mask) if m]
             if any(geo[u].parent in chosen for u in chosen):
                 continue
-            ev = evaluate_recompute(problem, choice, chosen, inputs)
+            ev = problem.evaluate(choice, recompute=chosen, segment_inputs=inputs)
             if problem.budget_bytes is not None and ev.peak_bytes > problem.budget_bytes:
                 continue
             if best is None or ev.objective < best[0] - 1e-12:
@@ -61,14 +62,14 @@ def test_evaluate_recompute_by_hand():
     problem, inputs = chain_problem(None)
     fast = {n.name: n.options[0].name for n in problem.nodes}
     base = problem.evaluate(fast)
-    ev = evaluate_recompute(problem, fast, ["blk.0"], inputs)
+    ev = problem.evaluate(fast, recompute=["blk.0"], segment_inputs=inputs)
     assert ev.objective == pytest.approx(base.objective + 0.6)
     # blk.0 recomputed: at t=4 (loss) only blk.1 (200) + loss (10) are held; blk.0 keeps no input
     # (its input is none); during blk.0's backward (t=8) op0, op1 are back: 100 + 100.
     assert base.peak_bytes == 410
     assert ev.peak_bytes == 210
     with pytest.raises(ValueError, match="both alone and inside"):
-        evaluate_recompute(problem, fast, ["blk.0", "blk.0.a"], inputs)
+        problem.evaluate(fast, recompute=["blk.0", "blk.0.a"], segment_inputs=inputs)
 
 
 @pytest.mark.parametrize("budget", [None, 410, 300, 250, 210, 180, 150])
@@ -77,15 +78,15 @@ def test_ilp_matches_brute_force(budget):
     want = brute_force(problem, inputs)
     if budget is None:
         with pytest.raises(ValueError, match="needs a memory budget"):
-            solve_recompute(problem, inputs)
+            solve(problem, recompute_inputs=inputs)
         return
     if want is None:
         with pytest.raises(ValueError, match="smallest budget any plan meets"):
-            solve_recompute(problem, inputs)
+            solve(problem, recompute_inputs=inputs)
         return
     for alias in (True, False):
-        sol = solve_recompute(problem, inputs, alias=alias)
-        ev = evaluate_recompute(problem, sol.choice, sol.recompute, inputs)
+        sol = solve(problem, recompute_inputs=inputs, alias=alias)
+        ev = problem.evaluate(sol.choice, recompute=sol.recompute, segment_inputs=inputs)
         assert ev.peak_bytes <= budget
         if not alias:  # aliasing restricts identical blocks to one choice: never better
             assert sol.objective == pytest.approx(want[0], rel=1e-6)
@@ -95,16 +96,16 @@ def test_ilp_matches_brute_force(budget):
 
 def test_minimum_budget_recompute_is_tight():
     problem, inputs = chain_problem(0)
-    need = minimum_budget_recompute(problem, inputs)
-    solve_recompute(problem.with_budget(need), inputs)
+    need, _ = minimum_budget(problem, recompute_inputs=inputs)
+    solve(problem.with_budget(need), recompute_inputs=inputs)
     assert brute_force(problem.with_budget(need - 1), inputs) is None
 
 
 def test_fixed_decisions():
     problem, inputs = chain_problem(400)
-    sol = solve_recompute(problem, inputs, fixed={"blk.0": True, "blk.1": True})
+    sol = solve(problem, recompute_inputs=inputs, fixed={"blk.0": True, "blk.1": True})
     assert set(sol.recompute) == {"blk.0", "blk.1"}
-    free = solve_recompute(problem, inputs)
+    free = solve(problem, recompute_inputs=inputs)
     assert free.objective <= sol.objective
 
 
@@ -134,8 +135,8 @@ def test_gpt2_tiny_budgets_monotone_and_no_worse_than_uniform_blocks():
             assert p.estimate.step_s <= 1.25 * base.estimate.step_s
             built = result.built
             blocks = sorted({block_of_segment(n.segment) for n in built.problem.nodes if n.segment})
-            uniform = solve_recompute(built.problem.with_budget(budget), built.segment_inputs,
-                                      fixed={b: True for b in blocks})
+            uniform = solve(built.problem.with_budget(budget), recompute_inputs=built.segment_inputs,
+                            fixed={b: True for b in blocks})
             from autopar.planner.checkpointing import estimate
 
             same_model = estimate(built, built.problem, uniform.choice, uniform.recompute, built.segment_inputs)

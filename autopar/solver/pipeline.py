@@ -1,0 +1,165 @@
+"""Solving a ``Problem`` end to end: simplify, build the ILP, solve, check, explain failures.
+
+One pipeline for both model families: the sharding ILP (``autopar.solver.ilp.IlpModel``) and,
+when ``recompute_inputs`` are given, the joint sharding + recompute ILP
+(``autopar.solver.recompute_ilp.RecomputeModel``). Every answer is re-evaluated with
+``Problem.evaluate`` (with the chosen recompute) and checked against the solver's objective and
+the budget. An infeasible budget raises ``ValueError`` with the smallest budget any plan meets
+(a second ILP minimising the peak); no plan within the time limit raises ``SolveTimeout``.
+No torch import.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Mapping
+
+import numpy as np
+
+from autopar.solver.ilp import MEM_UNIT, IlpModel, Outcome, pick_backend
+from autopar.solver.problem import Problem, Solution
+from autopar.solver.recompute_ilp import RecomputeModel
+from autopar.solver.simplify import Reduced, simplify
+from autopar.solver.timeline import Evaluation, SegmentInputs
+
+__all__ = ["solve", "minimum_budget", "SolveTimeout"]
+
+
+class SolveTimeout(RuntimeError):
+    """The solver found no plan within the time limit."""
+
+
+def _model(problem: Problem, reduced: Reduced, recompute_inputs: SegmentInputs | None, *, suffix: str = "",
+           fixed: Mapping[str, bool] | None = None) -> IlpModel:
+    """The model family ``recompute_inputs`` selects: the sharding ILP without them."""
+    if recompute_inputs is None:
+        return IlpModel(reduced, "autopar" + suffix)
+    return RecomputeModel(reduced, problem, recompute_inputs, "autopar_recompute" + suffix, fixed=fixed)
+
+
+def minimum_budget(problem: Problem, *, recompute_inputs: SegmentInputs | None = None, solver: str = "auto",
+                   time_limit: float = 60.0, alias: bool = True) -> tuple[int, int]:
+    """``(achieved, lower_bound)``: the smallest per-device peak any plan reaches (a second ILP
+    that minimises the peak, step time ignored) and a proven lower bound on the ILP's minimum
+    (equal when proved optimal; never above ``achieved``). ``alias`` as in ``solve``: with it,
+    "any plan" means any plan that ``solve`` can return. ``recompute_inputs``: plans may
+    recompute too (``solve``)."""
+    backend = pick_backend(solver)
+    # Budget 0 makes every simplification memory-safe, hence exact for the peak objective too.
+    reduced = simplify(problem.with_budget(0), alias=alias, merge=True)
+    model = _model(problem, reduced, recompute_inputs, suffix="_min_peak")
+    model.build_min_peak()
+    lp = model.run(backend, time_limit=time_limit, relax=True)
+    out = model.run(backend, time_limit=time_limit, gap=0.0)  # an exact figure for the error message
+    if out.value is None:
+        raise SolveTimeout(f"no plan found within {time_limit}s while minimising peak memory")
+    choice = reduced.expand(model.choice())
+    achieved = problem.evaluate(choice, recompute=model.recomputed(), segment_inputs=recompute_inputs).peak_bytes
+    bound = out.dual_bound if out.dual_bound is not None else (lp.value or 0.0)
+    if out.status == "optimal":
+        bound = out.value
+    return achieved, int(min(achieved, np.ceil(bound * MEM_UNIT - 1e-3)))
+
+
+def _infeasible(problem: Problem, recompute_inputs: SegmentInputs | None, fixed: Mapping[str, bool] | None,
+                backend: str, time_limit: float, alias: bool) -> Exception:
+    """The error for a budget no plan meets, naming the smallest budget that one does."""
+    if fixed:
+        return ValueError(f"no plan fits the budget {problem.budget_bytes} bytes with the fixed recompute "
+                          f"decisions {dict(fixed)}")
+    achieved, lower = minimum_budget(problem, recompute_inputs=recompute_inputs, solver=backend,
+                                     time_limit=time_limit, alias=alias)
+    # Only the sharding ILP's memory rows are exact; the recompute ILP counts a value several
+    # recomputed units read once per unit, so its "infeasible" may stand for a plan that fits.
+    if recompute_inputs is None and achieved <= problem.budget_bytes:
+        return RuntimeError(f"{backend} reported budget {problem.budget_bytes} infeasible, yet a plan with "
+                            f"peak {achieved} bytes fits it (solver tolerance?); retry with the other backend")
+    need = f"{achieved} bytes ({achieved / 2**30:.3f} GiB)" if achieved == lower else (
+        f"between {lower} and {achieved} bytes ({lower / 2**30:.3f}-{achieved / 2**30:.3f} GiB)")
+    mesh = "x".join(map(str, problem.mesh_shape)) or "?"
+    if recompute_inputs is None:
+        where, hint = "", "Try a bigger mesh (more devices to shard over), activation recompute, or a larger budget."
+    else:
+        where, hint = " even with recompute", "Try a bigger mesh or a larger budget."
+    return ValueError(
+        f"memory budget {problem.budget_bytes} bytes ({problem.budget_bytes / 2**30:.3f} GiB) per device "
+        f"cannot be met on mesh {mesh}{where}: the smallest budget any plan meets is {need}. {hint}"
+    )
+
+
+def solve(problem: Problem, *, recompute_inputs: SegmentInputs | None = None,
+          fixed: Mapping[str, bool] | None = None, solver: str = "auto", time_limit: float = 60.0,
+          alias: bool = True, merge: bool = True, msg: bool = False) -> Solution:
+    """The fastest plan for ``problem`` within its budget.
+
+    recompute_inputs: unit -> the ``SegmentInput``s it keeps when recomputed
+                (``BuiltProblem.segment_inputs``). Given, sharding and recompute are decided
+                together (``autopar.solver.recompute_ilp``; needs a budget):
+                ``Solution.recompute`` lists the recomputed units and ``objective``/``peak_bytes``
+                include them. Omitted, the sharding ILP alone (``autopar.solver.ilp``).
+    fixed:      unit -> recomputed or not, imposed (needs ``recompute_inputs``).
+    solver:     ``"auto"`` (HiGHS when available), ``"highs"`` or ``"cbc"``.
+    time_limit: seconds for each of the two solver runs: the LP relaxation (for ``lp_bound``),
+                then the MIP search; at the limit the best plan found is returned with
+                ``status="feasible"`` and its gap to the best proven bound.
+    alias:      share decisions between identical repeated blocks (``simplify`` item 1).
+    merge:      dominated-option pruning and exact follow-merge (``simplify`` items 3-4).
+    msg:        show the backend's log.
+
+    Raises ``ValueError`` when no plan fits the budget (with the smallest budget that does),
+    ``SolveTimeout`` when no plan is found within the time limit.
+    """
+    if not time_limit > 0:
+        raise ValueError(f"time_limit must be positive seconds, got {time_limit!r}")
+    if recompute_inputs is not None and problem.budget_bytes is None:
+        raise ValueError("recompute needs a memory budget (budget_bytes=None never recomputes)")
+    if fixed and recompute_inputs is None:
+        raise ValueError(f"fixed recompute decisions {dict(fixed)} need recompute_inputs")
+    backend = pick_backend(solver)
+    t0 = time.perf_counter()
+    reduced = simplify(problem, alias=alias, merge=merge)
+    t1 = time.perf_counter()
+    # The recompute ILP always has its memory rows: they are what its recompute decisions answer.
+    binds = recompute_inputs is not None or reduced.memory_can_bind
+    model = _model(problem, reduced, recompute_inputs, fixed=fixed)
+    model.build_fastest(float(problem.budget_bytes) if binds else None)
+    t2 = time.perf_counter()
+    lp = model.run(backend, time_limit=time_limit, relax=True, msg=msg)
+    if lp.status == "infeasible":
+        raise _infeasible(problem, recompute_inputs, fixed, backend, time_limit, alias)
+    if lp.status != "optimal":
+        raise SolveTimeout(f"the LP relaxation did not finish within {time_limit}s ({problem})")
+    out = model.run(backend, time_limit=time_limit, msg=msg)
+    if out.status == "infeasible":
+        raise _infeasible(problem, recompute_inputs, fixed, backend, time_limit, alias)
+    if out.status == "no_solution":
+        raise SolveTimeout(f"{backend} found no plan within time_limit={time_limit}s ({problem}); "
+                           f"LP bound {lp.value:.6g}s. Raise time_limit or try solver='highs'.")
+    choice = reduced.expand(model.choice())
+    recompute = model.recomputed()
+    ev = problem.evaluate(choice, recompute=recompute, segment_inputs=recompute_inputs)
+    return _checked_solution(choice, ev, out, lp, budget=problem.budget_bytes, backend=backend, model=model,
+                             stats={**reduced.stats, **model.stats}, recompute=recompute,
+                             timings={"simplify_s": t1 - t0, "build_s": t2 - t1})
+
+
+def _checked_solution(choice: dict[str, str], ev: Evaluation, out: Outcome, lp: Outcome, *, budget: int | None,
+                      backend: str, model: IlpModel, stats: dict, timings: dict,
+                      recompute: tuple[str, ...]) -> Solution:
+    """The ``Solution`` for ``choice`` (evaluated as ``ev``), after checking that the cost model
+    agrees with the solver's objective and that the plan fits the budget; the gap is measured
+    against the best proven bound (never below the LP relaxation)."""
+    assert abs(ev.objective - out.value) <= 1e-4 * (1 + abs(ev.objective)), (ev.objective, out.value)
+    if budget is not None and ev.peak_bytes > budget:
+        raise RuntimeError(f"{backend}'s plan peaks at {ev.peak_bytes} bytes, over the budget "
+                           f"{budget} (solver tolerance?); retry with the other backend")
+    dual = out.dual_bound if out.dual_bound is not None else lp.value
+    dual = min(max(dual, lp.value), ev.objective)
+    gap = (ev.objective - dual) / ev.objective if ev.objective > 0 else 0.0
+    return Solution(
+        choice=choice, objective=ev.objective, lp_bound=lp.value, dual_bound=dual, gap=gap,
+        status=out.status, backend=backend,
+        timings={**timings, "lp_s": lp.seconds, "solve_s": out.seconds},
+        peak_bytes=ev.peak_bytes, num_variables=model.num_variables, num_constraints=model.num_constraints,
+        recompute=recompute, stats=stats,
+    )
