@@ -129,15 +129,14 @@ def plan_traced(traced: Any, profile: Any, *, mesh: MeshSpec | Sequence[int] | s
                 options: PlanOptions = PlanOptions(), progress: Progress | None = None) -> PlanResult:
     """The plan of an existing trace and profile (one trace serves many meshes and budgets)."""
     from autopar.planner.assemble import applicable_baselines, assemble_plan
-    from autopar.planner.builder import BuildOptions, build_problem
+    from autopar.planner.builder import build_problem
     from autopar.planner.checkpointing import plan_recompute
 
     mesh = options.mesh(mesh)
     progress = progress or Progress()
-    build_options = BuildOptions(optimizer_multiplier=options.optimizer_multiplier,
-                                 allow_replicate_fallback=options.allow_replicate_fallback)
     with progress.stage("strategies", f"{sum(1 for _ in traced.compute_nodes())} ops on mesh {mesh}"):
-        built = build_problem(traced, profile, mesh, budget_bytes=options.budget_bytes(mesh), options=build_options)
+        built = build_problem(traced, profile, mesh, budget_bytes=options.budget_bytes(mesh),
+                              options=options.build_options())
     rc = plan_recompute(traced, profile, built, mode=options.checkpoint, solver=options.solver,
                         time_limit=options.time_limit,
                         solve_plain=lambda p: _solve(p, options=options, progress=progress, stage="solve"))

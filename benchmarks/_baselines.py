@@ -166,7 +166,7 @@ def restricted_plan(model, inputs, *, mesh, baseline: str = "data-parallel", mem
     """The best plan within one baseline family (``autopar.planner.baselines``), as a runnable Plan."""
     from autopar.api import PlanOptions
     from autopar.planner.assemble import assemble_plan, baseline_problem
-    from autopar.planner.builder import BuildOptions, build_problem
+    from autopar.planner.builder import build_problem
     from autopar.solver.pipeline import solve
     from autopar.strategies import needs_decomposition
     from autopar.tracer import profile, trace
@@ -175,7 +175,7 @@ def restricted_plan(model, inputs, *, mesh, baseline: str = "data-parallel", mem
     mesh = options.mesh(mesh)
     traced = trace(model, inputs, decompose_if=needs_decomposition)
     built = build_problem(traced, profile(traced), mesh, budget_bytes=options.budget_bytes(mesh),
-                          options=BuildOptions())
+                          options=options.build_options())
     problem = baseline_problem(baseline, traced, built)
     solution = solve(problem, solver=options.solver, time_limit=options.time_limit)
     return assemble_plan(traced, built, choice=solution.choice, evaluation=problem.evaluate(solution.choice),
