@@ -125,22 +125,24 @@ def _traced(c: dict, *, reuse: bool) -> tuple:
 
 
 def run_case(c: dict, *, reuse: bool = True, time_limit: float = 120.0, allow_fallback: bool = True) -> dict:
-    from autopar.planner.builder import BuildOptions, build_problem
-    from autopar.layout.mesh import MeshSpec, parse_bytes
+    from autopar.planner.builder import build_problem
+    from autopar.planner.options import PlanOptions
     from autopar.solver.pipeline import solve
 
     rec: dict = {"case": case_id(c), **{k: c.get(k) for k in CASE_KEYS}}
     try:
-        mesh = MeshSpec.preset(c["device"], c["mesh"])
-        budget = parse_bytes(c["budget"]) if c.get("budget") else mesh.mem_capacity
+        # A suite's "device" is the mesh preset (the data format keeps its key).
+        options = PlanOptions(memory_budget=c.get("budget") or None, solver=c["backend"], time_limit=time_limit,
+                              preset=c["device"], allow_replicate_fallback=allow_fallback)
+        mesh = options.mesh(c["mesh"])
+        budget = options.budget_bytes(mesh)
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="no sharding rule")
             traced, prof, t, reused = _traced(c, reuse=reuse)
             t0 = time.perf_counter()
-            built = build_problem(traced, prof, mesh, budget_bytes=budget,
-                                  options=BuildOptions(allow_replicate_fallback=allow_fallback))
+            built = build_problem(traced, prof, mesh, budget_bytes=budget, options=options.build_options())
         t1 = time.perf_counter()
-        sol = solve(built.problem, solver=c["backend"], time_limit=time_limit)
+        sol = solve(built.problem, solver=options.solver, time_limit=options.time_limit)
         t2 = time.perf_counter()
     except (ValueError, RuntimeError, LookupError) as exc:
         rec.update(ok=False, error=" ".join(str(exc).split())[:400])
