@@ -1,7 +1,7 @@
 """The inspect report: a solved plan plus what its choices imply, as text and as HTML.
 
-``build_report(plan, context)`` takes the ``Plan`` and the ``context`` dict that
-``autopar.plan(..., context=...)`` filled (traced graph, built problem, solution).
+``build_report(plan, result)`` takes the ``Plan`` and the ``autopar.api.PlanResult`` it came
+from (``autopar.api.plan_model``: the built problem and the recompute plan behind it).
 """
 
 from __future__ import annotations
@@ -23,13 +23,14 @@ class Report:
     wall_s: float = 0.0  # end-to-end seconds of the command (set by the CLI)
 
 
-def build_report(plan: Plan, context: dict) -> Report:
-    built, solution = context["built"], context["solution"]
+def build_report(plan: Plan, result) -> Report:
+    """The report of ``plan``; ``result``: the ``PlanResult`` it came from."""
+    built, choice = result.built, result.recompute.choice
     return Report(
         plan=plan,
-        comm=comm_breakdown(built, solution.choice, plan.mesh),
-        timeline=memory_timeline(built.problem, solution.choice),
-        layers=layer_rows(plan, built, solution.choice),
+        comm=comm_breakdown(built, choice, plan.mesh),
+        timeline=memory_timeline(result.recompute),
+        layers=layer_rows(plan, built, choice),
     )
 
 

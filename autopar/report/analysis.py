@@ -7,7 +7,8 @@
   on a graph edge, re-planned with ``plan_conversion`` and split into its steps' forward and
   backward collectives exactly as ``autopar.layout.conversion.step_seconds`` prices them (so the
   totals equal the plan's ``comm_s`` and ``reshard_s``);
-- the **memory timeline**: per-device bytes at every point of the forward/backward order;
+- the **memory timeline**: per-device bytes at every point of the forward/backward order, with
+  the plan's recompute (the evaluation behind ``Plan.estimate``);
 - **per-layer rows**: decisions grouped by owning module, repeated blocks collapsed.
 """
 
@@ -18,7 +19,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from autopar.planner.builder import BuiltProblem
+from autopar.planner.checkpointing import RecomputePlan
 from autopar.solver.blocks import block_of
+from autopar.solver.timeline import Evaluation
 from autopar.layout.cost import collective_seconds, copy_seconds
 from autopar.layout.mesh import MeshSpec
 from autopar.layout.conversion import apply_step
@@ -41,22 +44,18 @@ class CommRow:
     seconds: float = 0.0
 
 
-@dataclass
+@dataclass(frozen=True, slots=True)
 class Timeline:
-    """Per-device bytes over the step: ``params`` held throughout, ``activations[t]`` at point t."""
+    """Per-device bytes over the step: the plan's ``Evaluation`` (parameters held throughout,
+    ``activations[t]`` live at point t, recompute included) placed on the forward/backward order."""
 
-    params: int
-    activations: list[int]
+    evaluation: Evaluation
     forward_points: int  # points 0..forward_points-1 are the forward pass, the rest backward
     budget: int | None
 
-    @property
-    def peak(self) -> int:
-        return self.params + max(self.activations, default=0)
-
-    @property
-    def peak_point(self) -> int:
-        return max(range(len(self.activations)), key=self.activations.__getitem__) if self.activations else 0
+    def __str__(self) -> str:
+        return (f"peak {self.evaluation.peak_bytes}B at t={self.evaluation.peak_time} of "
+                f"{len(self.evaluation.activations)} points, budget {self.budget}")
 
 
 @dataclass
@@ -156,21 +155,11 @@ def comm_breakdown(built: BuiltProblem, choice: dict[str, str], mesh: MeshSpec) 
 
 
 # ---------------------------------------------------------------------------- memory timeline
-def memory_timeline(problem, choice: dict[str, str]) -> Timeline:
-    """Per-device bytes at every timeline point, as ``Problem.evaluate`` counts them."""
-    delta = [0] * (problem.timeline_length + 1)
-    params = 0
-    for n in problem.nodes:
-        o = n.options[n.option_index(choice[n.name])]
-        params += o.param_bytes
-        if n.live is not None and o.act_bytes:
-            delta[n.live[0]] += o.act_bytes
-            delta[n.live[1] + 1] -= o.act_bytes
-    acts, running = [], 0
-    for t in range(problem.timeline_length):
-        running += delta[t]
-        acts.append(running)
-    return Timeline(params, acts, problem.timeline_length // 2, problem.budget_bytes)
+def memory_timeline(recompute: RecomputePlan) -> Timeline:
+    """The memory timeline of the plan ``recompute`` describes: its evaluation (the one
+    ``Problem.evaluate``, with its recompute units), so the chart's peak is ``Plan.estimate``'s."""
+    problem = recompute.problem
+    return Timeline(recompute.evaluation, problem.timeline_length // 2, problem.budget_bytes)
 
 
 # ----------------------------------------------------------------------------- layer rows

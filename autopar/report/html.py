@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 from html import escape
 
-from autopar.report.text import baseline_rows, block_groups, fmt_bytes, fmt_ms
+from autopar.report.text import baseline_rows, block_groups, fmt_bytes, fmt_ms, recompute_note
 
 __all__ = ["render", "memory_svg"]
 
@@ -53,7 +53,9 @@ def _buckets(values: list[int]) -> list[tuple[int, int]]:
 
 def memory_svg(timeline) -> str:
     """Per-device memory over the step (parameters + live activations) against the budget."""
-    total = [timeline.params + a for a in timeline.activations] or [timeline.params]
+    ev = timeline.evaluation
+    params = ev.param_bytes
+    total = [params + a for a in ev.activations] or [params]
     top = max(max(total), timeline.budget or 0) * 1.08 or 1
     n = max(len(total) - 1, 1)
     w, h = _CHART_W - 2 * _PAD, _CHART_H - 2 * _PAD
@@ -80,18 +82,18 @@ def memory_svg(timeline) -> str:
         f'<text x="{(fwd + _PAD + w) / 2:.1f}" y="{_PAD + h + 18}" font-size="11" text-anchor="middle">backward</text>',
         f'<polygon points="{area}" fill="#4a7fc1" fill-opacity="0.25"/>',
         f'<polyline points="{pts}" fill="none" stroke="#4a7fc1" stroke-width="1.5"/>',
-        f'<line x1="{_PAD}" x2="{_PAD + w}" y1="{y(timeline.params):.1f}" y2="{y(timeline.params):.1f}" '
-        f'stroke="#7a5" stroke-dasharray="4,3"/><text x="{_PAD + 4}" y="{y(timeline.params) - 4:.1f}" '
-        f'font-size="10" fill="#585">parameters + grads + optimizer {fmt_bytes(timeline.params)}</text>',
+        f'<line x1="{_PAD}" x2="{_PAD + w}" y1="{y(params):.1f}" y2="{y(params):.1f}" '
+        f'stroke="#7a5" stroke-dasharray="4,3"/><text x="{_PAD + 4}" y="{y(params) - 4:.1f}" '
+        f'font-size="10" fill="#585">parameters + grads + optimizer {fmt_bytes(params)}</text>',
     ]
     if timeline.budget:
         parts.append(f'<line x1="{_PAD}" x2="{_PAD + w}" y1="{y(timeline.budget):.1f}" y2="{y(timeline.budget):.1f}" '
                      f'stroke="#c33" stroke-width="1.5" stroke-dasharray="6,3"/><text x="{_PAD + w - 4}" '
                      f'y="{y(timeline.budget) - 5:.1f}" font-size="11" fill="#c33" text-anchor="end">'
                      f'budget {fmt_bytes(timeline.budget)}</text>')
-    px = x(timeline.peak_point)
-    parts.append(f'<circle cx="{px:.1f}" cy="{y(timeline.peak):.1f}" r="3.5" fill="#c33"/><text x="{px + 6:.1f}" '
-                 f'y="{y(timeline.peak) - 6:.1f}" font-size="11">peak {fmt_bytes(timeline.peak)}</text>')
+    px, peak = x(ev.peak_time or 0), ev.peak_bytes
+    parts.append(f'<circle cx="{px:.1f}" cy="{y(peak):.1f}" r="3.5" fill="#c33"/><text x="{px + 6:.1f}" '
+                 f'y="{y(peak) - 6:.1f}" font-size="11">peak {fmt_bytes(peak)}</text>')
     parts.append(f'<text x="{_PAD}" y="{_PAD - 12}" font-size="12">per-device memory over one training step '
                  f'({len(total)} timeline points)</text></svg>')
     return "\n".join(parts)
@@ -105,6 +107,10 @@ def _summary(report) -> str:
         ("step time", f"{fmt_ms(est.step_s)} = compute {fmt_ms(est.compute_s)} + communication "
                       f"{fmt_ms(est.communication_s)} (in ops {fmt_ms(est.comm_s)}, resharding {fmt_ms(est.reshard_s)})"),
         ("peak memory", f"{fmt_bytes(est.peak_bytes)}{budget} per device"),
+    ]
+    if p.recompute:
+        items.append(("recompute", escape(recompute_note(p))))
+    items += [
         ("solver", f"{escape(str(s.get('backend')))} {escape(str(s.get('status')))}, LP bound "
                    f"{fmt_ms(s.get('lp_bound', 0.0))}, gap {s.get('gap', 0.0):.2%}, {s.get('num_variables')} "
                    f"variables, {s.get('num_constraints')} constraints"),

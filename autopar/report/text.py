@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Sequence
 
-__all__ = ["render", "fmt_bytes", "fmt_ms", "table", "baseline_rows", "block_groups"]
+__all__ = ["render", "fmt_bytes", "fmt_ms", "table", "baseline_rows", "recompute_note", "block_groups"]
 
 
 def fmt_bytes(n: float) -> str:
@@ -33,6 +33,12 @@ def table(header: Sequence[str], rows: Sequence[Sequence[str]], *, right: Sequen
 def baseline_rows(plan) -> list[tuple[str, bool, object, str]]:
     """(name, feasible, estimate, note) with autopar first."""
     return [("autopar", True, plan.estimate, "")] + [(b.name, b.feasible, b.estimate, b.note) for b in plan.baselines]
+
+
+def recompute_note(plan) -> str:
+    """The recomputed regions of ``plan`` in one line: how many, the method, their names."""
+    names = ", ".join(r.name for r in plan.recompute)
+    return f"{len(plan.recompute)} regions by {plan.checkpoint.get('method', '?')}: {names}"
 
 
 def block_groups(layers) -> list[tuple[str | None, list]]:
@@ -66,6 +72,8 @@ def _summary(report) -> list[str]:
         f"{solver.get('gap', 0.0):.2%}; {solver.get('num_variables')} variables, "
         f"{solver.get('num_constraints')} constraints",
     ]
+    if p.recompute:
+        lines.append(f"  recompute      {recompute_note(p)}")
     if p.timings:
         stages = ", ".join(f"{k} {v:.2f}s" for k, v in p.timings.items() if not k.startswith("baseline"))
         base = sum(v for k, v in p.timings.items() if k.startswith("baseline"))
