@@ -103,7 +103,7 @@ class Outcome:
     """One solver run: its status, objective and proven bound (None where it has none)."""
 
     status: str  # optimal | feasible | infeasible | no_solution
-    value: float | None  # objective without the model's constant
+    value: float | None  # objective value, its constant included
     dual_bound: float | None
     seconds: float
 

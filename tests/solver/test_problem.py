@@ -1,5 +1,7 @@
 """Problem/Solution records: validation with readable errors, evaluation, JSON round trips."""
 
+from dataclasses import replace
+
 import pytest
 
 from autopar.solver.problem import Edge, Node, Problem, Solution, StrategyOption
@@ -28,6 +30,16 @@ def test_evaluate_splits_time_and_takes_the_peak_not_the_sum():
     assert (ev.peak_bytes, ev.peak_time) == (10 + 100 + 7, 1)
     disjoint = Problem((p.nodes[0], Node("b", p.nodes[1].options, live=(4, 5))), p.edges, timeline_length=6)
     assert disjoint.evaluate({"a": "R", "b": "R"}).peak_bytes == 40 + 400
+
+
+def test_replace_derives_a_checked_copy():
+    p = _two_nodes(budget_bytes=500)
+    q = replace(p, nodes=(p.nodes[0], replace(p.nodes[1], live=(1, 3))))
+    assert (q.budget_bytes, q.meta, q.edges) == (500, p.meta, p.edges)
+    assert q.evaluate({"a": "S0", "b": "R"}).activations == (100, 107, 107, 107)
+    assert p.with_budget(None) == replace(p, budget_bytes=None)
+    with pytest.raises(ValueError, match="outside the timeline"):
+        replace(p, timeline_length=3)
 
 
 def test_problem_json_round_trip_keeps_everything():
