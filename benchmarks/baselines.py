@@ -83,7 +83,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", nargs="+", default=list(zoo.NAMES))
     ap.add_argument("--meshes", nargs="+", default=["8", "2x4", "4x4"])
-    ap.add_argument("--device", default="a100-80gb")
+    ap.add_argument("--preset", "--device", dest="preset", default="a100-80gb",
+                    help="mesh device preset (--device: its old name)")
     ap.add_argument("--jsonl", default=None)
     args = ap.parse_args(argv)
     warnings.simplefilter("ignore")
@@ -97,7 +98,7 @@ def main(argv=None) -> int:
         traced = trace(m, inputs, decompose_if=needs_decomposition)
         prof = profile(traced)
         for shape in args.meshes:
-            mesh = MeshSpec.preset(args.device, shape)
+            mesh = MeshSpec.preset(args.preset, shape)
             for name, budget in (("ample", mesh.mem_capacity), ("tight", _tight_budget(traced, prof, mesh))):
                 r = run_case(traced, prof, model, mesh, name, budget)
                 records.append(r)
