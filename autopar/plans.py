@@ -10,16 +10,37 @@ No torch import: a plan can be read, diffed and printed anywhere.
 
 from __future__ import annotations
 
+import enum
 import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from autopar.layout.mesh import MeshSpec
 
-__all__ = ["PLAN_VERSION", "COST_MODEL_VERSION", "NodePlan", "Estimate", "BaselineResult", "RecomputeRegion", "Plan"]
+__all__ = ["PLAN_VERSION", "COST_MODEL_VERSION", "NodeKind", "NodePlan", "Estimate", "BaselineResult",
+           "RecomputeRegion", "Plan"]
 
 PLAN_VERSION = 1
 COST_MODEL_VERSION = "roofline-ring-1"
+
+
+class NodeKind(str, enum.Enum):
+    """What a graph node is, one vocabulary for the tracer's placeholders, the planner's decisions
+    and ``NodePlan.kind``. Members are their plain-string values (JSON, comparisons, printing).
+
+    A decision is a parameter, buffer or user input placeholder (its layout), an op (its
+    strategy) or the graph output. ``CONSTANT`` is a placeholder kind only (a lifted tensor
+    constant or a non-tensor user input): the planner lays a tensor constant out as a buffer."""
+
+    PARAMETER = "parameter"
+    BUFFER = "buffer"
+    INPUT = "input"
+    OP = "op"
+    OUTPUT = "output"
+    CONSTANT = "constant"
+
+    def __str__(self) -> str:
+        return self.value
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,7 +48,7 @@ class NodePlan:
     """The choice for one decision node."""
 
     name: str  # fx node name in the traced graph
-    kind: str  # parameter | buffer | input | op
+    kind: NodeKind  # parameter | buffer | input | op | output
     strategy: str  # option name, e.g. "S0R x RS1 -> S0S1" or a layout "S0R"
     input_specs: tuple[str | None, ...]  # per input slot (ops only)
     output_specs: tuple[str | None, ...]  # per output
@@ -114,7 +135,7 @@ class Plan:
                 return n
         raise KeyError(f"plan for {self.model} has no node {name!r}")
 
-    def by_kind(self, kind: str) -> tuple[NodePlan, ...]:
+    def by_kind(self, kind: NodeKind | str) -> tuple[NodePlan, ...]:
         return tuple(n for n in self.nodes if n.kind == kind)
 
     def best_baseline(self) -> BaselineResult | None:
@@ -168,7 +189,8 @@ class Plan:
             return cls(
                 model=data["model"], graph_hash=data["graph_hash"],
                 mesh=MeshSpec.from_json(json.dumps(data["mesh"])), budget_bytes=data["budget_bytes"],
-                nodes=tuple(NodePlan(**{**n, "input_specs": tuple(n["input_specs"]),
+                nodes=tuple(NodePlan(**{**n, "kind": NodeKind(n["kind"]),
+                                        "input_specs": tuple(n["input_specs"]),
                                         "output_specs": tuple(n["output_specs"])}) for n in data["nodes"]),
                 estimate=Estimate(**data["estimate"]), solver=data["solver"], timings=data["timings"],
                 baselines=tuple(

@@ -23,13 +23,14 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
-PARAMETER = "parameter"
-BUFFER = "buffer"
-CONSTANT = "constant"  # lifted tensor constant or a non-tensor user input
-INPUT = "input"
+from autopar.plans import NodeKind  # defined with Plan, torch-free: a plan names kinds without torch
+from autopar.tracer.meta_keys import MODULE_KEY, PLACEHOLDER_KEY  # re-exported: the graph's users read them here
 
-MODULE_KEY = "autopar_module"
-PLACEHOLDER_KEY = "autopar_placeholder"
+# Placeholder kinds: shorthands for the ``NodeKind`` members (one vocabulary with the planner).
+PARAMETER = NodeKind.PARAMETER
+BUFFER = NodeKind.BUFFER
+CONSTANT = NodeKind.CONSTANT  # lifted tensor constant or a non-tensor user input
+INPUT = NodeKind.INPUT
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,7 +38,7 @@ class Placeholder:
     """One graph input. ``fqn`` is the canonical parameter/buffer FQN or the user input path."""
 
     name: str
-    kind: str
+    kind: NodeKind  # PARAMETER, BUFFER, CONSTANT or INPUT
     fqn: str
     aliases: tuple[str, ...]
     shape: tuple[int, ...]
@@ -136,7 +137,7 @@ class TracedGraph:
         return record
 
     # ---- placeholders ----------------------------------------------------------------------
-    def placeholders_of(self, kind: str) -> tuple[Placeholder, ...]:
+    def placeholders_of(self, kind: NodeKind) -> tuple[Placeholder, ...]:
         return tuple(p for p in self.placeholders if p.kind == kind)
 
     @property
