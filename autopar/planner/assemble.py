@@ -81,9 +81,9 @@ def baseline_problem(name: str, traced, built) -> Problem:
 
 
 def restricted_problem(built, traced, restriction, name: str) -> Problem:
-    """``built.problem`` keeping only the options ``restriction`` allows: the problem
-    ``build_problem(..., restriction=...)`` builds (same options, costs and liveness), sliced from
-    the unrestricted one instead of re-deriving every strategy and conversion cost."""
+    """``built.problem`` keeping only the options ``restriction(kind, fx_node, choice)`` allows
+    (same options, costs and liveness as the unrestricted problem, whose edges are sliced
+    instead of re-deriving every strategy and conversion cost)."""
     keep: dict[str, list[int]] = {}
     nodes = []
     for node in built.problem.nodes:

@@ -55,7 +55,8 @@ def _activation_ok(placement, role: str) -> bool:
 
 
 def make_restriction(roles: Sequence[str]):
-    """A ``builder.Restriction`` enforcing ``roles`` (one per mesh axis)."""
+    """``allowed(kind, fx_node, choice)``: whether a decision's option keeps ``roles`` (one per mesh
+    axis); ``autopar.planner.assemble.restricted_problem`` slices the built problem with it."""
     roles = tuple(roles)
     weight_slots: dict[fx.Node, tuple[bool, ...]] = {}  # per op: which input slots are weights
 

@@ -32,23 +32,30 @@ The estimate of a region set (``estimate``) is ``Problem.evaluate`` with the reg
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Mapping
 
 from autopar.planner.options import CHECKPOINT_MODES as MODES  # the modes above
-from autopar.plans import RecomputeRegion
+from autopar.plans import NodeKind, RecomputeRegion
+from autopar.planner.records import BuiltProblem, InputSlot
+from autopar.planner.segments import holder_of_producer, mutates_state, segment_inputs
 from autopar.solver.blocks import block_of
 from autopar.solver.problem import Problem
-from autopar.solver.timeline import Evaluation, activation_bytes, segment_geometry
+from autopar.solver.timeline import Evaluation, SegmentInput, activation_bytes, segment_geometry
 
 __all__ = ["MODES", "RecomputePlan", "plan_recompute", "estimate", "rotor_refine", "regions_of", "strip_segments"]
 
 
-@dataclass
+@dataclass(frozen=True)
 class RecomputePlan:
-    """Outcome of ``plan_recompute``: the sharding, the regions and their estimate."""
+    """Outcome of ``plan_recompute``: the sharding, the regions and their estimate.
 
+    ``problem`` is the problem the units are segments of, ``segment_inputs`` what each unit keeps
+    (the inputs it was evaluated with): the built problem's, or for a Rotor refinement its own,
+    with the Rotor regions as segments."""
+
+    problem: Problem
+    segment_inputs: Mapping[str, tuple[SegmentInput, ...]]
     choice: dict[str, str]
     solution: Any  # the sharding ILP's Solution (stage 1 or the plain ILP)
     units: tuple[str, ...]  # recomputed units (segment names or chain-stage region names)
@@ -90,7 +97,7 @@ def estimate(built, problem: Problem, choice, units, inputs) -> Evaluation:
 
 def _finish(built, problem, choice, solution, units, inputs, method, info) -> RecomputePlan:
     ev = estimate(built, problem, choice, units, inputs)
-    return RecomputePlan(choice, solution, tuple(units), regions_of(problem, units), ev, method,
+    return RecomputePlan(problem, inputs, choice, solution, tuple(units), regions_of(problem, units), ev, method,
                          activation_bytes(problem, choice, recompute=units, segment_inputs=inputs), info)
 
 
@@ -150,9 +157,8 @@ def plan_recompute(traced, prof, built, *, mode: str = "auto", solver: str = "au
         raise ValueError(f"checkpoint={mode!r}: Rotor found no recompute placement within the budget "
                          f"{problem.budget_bytes} bytes for the sharding the ILP chose; try checkpoint='ilp'")
     best = min(candidates, key=lambda c: c.evaluation.objective)
-    best.info = {**best.info, "candidates": {f"{c.method}#{i}": c.evaluation.objective
-                                             for i, c in enumerate(candidates)}}
-    return best
+    candidate_objectives = {f"{c.method}#{i}": c.evaluation.objective for i, c in enumerate(candidates)}
+    return replace(best, info={**best.info, "candidates": candidate_objectives})
 
 
 def _params_only(problem: Problem) -> Problem:
@@ -165,29 +171,31 @@ def _params_only(problem: Problem) -> Problem:
 ROTOR_BUDGET_FRACTIONS = (1.0, 0.9, 0.8, 0.7, 0.6, 0.5)
 
 
-def build_chain(prof, built, choice):
+def build_chain(prof, built: BuiltProblem, choice):
     """The chosen sharding's ops as a Rotor ``Chain`` (module docstring). Returns
     ``(chain, stages, held_bytes)``: ``stages[i]`` the op names of stage ``i``, ``held_bytes``
     the activation bytes held outside the chain (ops before it, user inputs)."""
     from autopar.solver.rotor import Chain
 
     problem = built.problem
-    ops = [n for n in problem.nodes if built.kinds.get(n.name) == "op"]
+    ops = [n for n in problem.nodes if built.decisions[n.name].kind == NodeKind.OP]
     first = next((i for i, n in enumerate(ops) if n.segment is not None), None)
     if first is None:
         return None
     index = {n.name: i for i, n in enumerate(ops)}
     consumers: dict[tuple[str, int], int] = {}  # value -> last consuming op index
     readers: dict[tuple[str, int], set] = {}  # value made before the chain -> blocks reading it
-    for dst, slots in built.inputs.items():
-        if dst not in index:
+    values: dict[tuple[str, int], InputSlot] = {}  # value -> as its consumers read it
+    for dst in built.decisions.values():
+        if dst.name not in index:
             continue
-        for src, idx, _, _ in slots.values():
-            if src in index:
-                key = (src, idx)
-                consumers[key] = max(consumers.get(key, -1), index[dst])
-                if index[src] < first:
-                    readers.setdefault(key, set()).add(block_of(ops[index[dst]].segment or "") or "")
+        for value in dst.inputs:
+            if value is not None and value.producer in index:
+                key = (value.producer, value.index)
+                values[key] = value
+                consumers[key] = max(consumers.get(key, -1), index[dst.name])
+                if index[value.producer] < first:
+                    readers.setdefault(key, set()).add(block_of(ops[index[dst.name]].segment or "") or "")
     # Values made before the chain count only when one block reads them (the chain's input, not
     # a mask or position table shared by every block: those are held throughout).
     consumers = {k: v for k, v in consumers.items() if index[k[0]] >= first or len(readers.get(k, ())) == 1}
@@ -211,12 +219,9 @@ def build_chain(prof, built, choice):
         conv_b[c.consumer] = conv_b.get(c.consumer, 0.0) + c.conversion.backward_s
 
     def local_bytes(key) -> int:
-        src, idx = key
-        shape, itemsize = next(v[2:] for d in built.inputs.values() for v in d.values() if v[:2] == key)
-        spec = built.choice_of(src, choice[src]).output_specs[idx]
-        return int(math.prod(spec.local_shape(shape, built.mesh.shape)) * itemsize)
-
-    from autopar.planner.builder import holder_of_producer
+        value = values[key]
+        spec = built.choice_of(value.producer, choice[value.producer]).output_specs[value.index]
+        return value.local_bytes(spec, built.mesh.shape)
 
     first_saver = holder_of_producer(prof)  # producer -> the node whose activation counts its storage
     bounds = [first] + [k + 1 for k, _ in cuts] + [len(ops)]
@@ -242,7 +247,7 @@ def build_chain(prof, built, choice):
     held = 0
     for n in problem.nodes:
         o = n.options[n.option_index(choice[n.name])]
-        if n.live is not None and (built.kinds.get(n.name) != "op" or index.get(n.name, first) < first):
+        if n.live is not None and (built.decisions[n.name].kind != NodeKind.OP or index.get(n.name, first) < first):
             held += o.act_bytes
     chain = Chain(tuple(fwd), tuple(bwd), x0, tuple(out_b), tuple(tape), (0,) * len(fwd), (0,) * len(fwd),
                   tuple(f"stage{i}" for i in range(len(fwd))))
@@ -251,7 +256,6 @@ def build_chain(prof, built, choice):
 
 def rotor_refine(traced, prof, built, choice, solution) -> RecomputePlan | None:
     """Stage 2 (module docstring); None when no Rotor placement fits the budget."""
-    from autopar.planner.builder import mutates_state, segment_inputs
     from autopar.solver.rotor import solve_rotor
 
     problem = built.problem
@@ -293,7 +297,7 @@ def rotor_refine(traced, prof, built, choice, solution) -> RecomputePlan | None:
             region_of = {name: f"rotor[{r[0]}-{r[-1]}]" for r in grouping for i in r for name in stages[i]}
             nodes = tuple(replace(n, segment=region_of.get(n.name)) for n in problem.nodes)
             p2 = replace(problem, nodes=nodes)
-            inputs2 = segment_inputs(traced, prof, built, region_of)
+            inputs2 = segment_inputs(traced, prof, built.decisions, built.mesh.shape, region_of)
             geo = segment_geometry(p2)
             units = tuple(u for u in dict.fromkeys(region_of.values()) if u in geo)  # regions that save
             plan = _finish(built, p2, choice, solution, units, inputs2, "rotor",

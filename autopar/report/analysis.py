@@ -18,7 +18,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from autopar.planner.builder import BuiltProblem
+from autopar.planner.records import BuiltProblem
+from autopar.plans import NodeKind
 from autopar.planner.checkpointing import RecomputePlan
 from autopar.solver.blocks import block_of
 from autopar.solver.timeline import Evaluation
@@ -134,10 +135,10 @@ def _in_op(rows: dict, strategy, mesh: MeshSpec) -> None:
 
 def _resharding(rows: dict, built: BuiltProblem, choice: dict[str, str], mesh: MeshSpec) -> None:
     for cc in built.conversions(choice):
-        shape, itemsize = built.inputs[cc.consumer][cc.slot][2:]
+        value = built.decisions[cc.consumer].inputs[cc.slot]
         spec = cc.conversion.src
         for step in cc.conversion.steps:
-            for k, payload, sec in _step_parts(step, spec, shape, itemsize, mesh):
+            for k, payload, sec in _step_parts(step, spec, value.shape, value.itemsize, mesh):
                 _add(rows, k, axis_label(mesh, (step.axis,)), "reshard", payload, sec)
             spec = apply_step(spec, step)
 
@@ -146,9 +147,9 @@ def comm_breakdown(built: BuiltProblem, choice: dict[str, str], mesh: MeshSpec) 
     """Communication of one training step, per (kind, axes, source), most expensive first."""
     pick = _picked(built, choice)
     rows: dict[tuple, CommRow] = {}
-    for name, kind in built.kinds.items():
-        strategy = built.choices[name][pick[name]].strategy
-        if kind == "op" and strategy is not None:
+    for name, decision in built.decisions.items():
+        strategy = decision.choices[pick[name]].strategy
+        if decision.kind == NodeKind.OP and strategy is not None:
             _in_op(rows, strategy, mesh)
     _resharding(rows, built, choice, mesh)
     return sorted(rows.values(), key=lambda r: -r.seconds)

@@ -1,16 +1,259 @@
-"""Problem builder: ops that update model state are never offered for recompute."""
+"""Problem builder: decisions, their options and costs, edges, recompute segments, the frozen form."""
+
+import dataclasses
+import json
+import operator
+
+import pytest
+import torch
+from torch import nn
 
 from autopar import zoo
-from autopar.planner.builder import build_problem, mutates_state
-from autopar.solver.blocks import block_of
+from autopar.layout.conversion import plan_conversion
 from autopar.layout.mesh import MeshSpec
+from autopar.plans import Estimate, NodeKind, NodePlan, Plan
+from autopar.planner.builder import BuildOptions, build_problem
+from autopar.planner.segments import mutates_state, op_segments
+from autopar.solver.blocks import block_of
+from autopar.strategies import input_nodes
 from autopar.tracer import profile, trace
+from autopar.tracer.graph import BUFFER, CONSTANT, INPUT, PARAMETER
+
+MESH = MeshSpec.preset("cpu", (2,))
 
 
 def _built(name: str):
     model, inputs = zoo.build(name, tiny=True)
     traced = trace(model, inputs)
     return traced, build_problem(traced, profile(traced), MeshSpec.preset("cpu", (2,)), budget_bytes=10**7)
+
+
+class Gated(nn.Module):
+    """A linear, a gate from a two-way split (a multi-output op read through ``getitem``), a
+    buffer, a linear and a sum."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(4, 16)
+        self.down = nn.Linear(8, 4)
+        self.register_buffer("scale", torch.ones(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a, b = self.up(x).chunk(2, dim=-1)
+        return (self.down(a * torch.sigmoid(b)) * self.scale).sum()
+
+
+class Blocks(nn.Module):
+    """Repeated residual blocks ``x + fc2(gelu(fc1(norm(x))))``; ``norm``: layer or batch norm."""
+
+    def __init__(self, d: int = 8, num_blocks: int = 2, batch_norm: bool = False) -> None:
+        super().__init__()
+        self.h = nn.ModuleList(_Block(d, batch_norm) for _ in range(num_blocks))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.h:
+            x = block(x)
+        return x.sum()
+
+
+class _Block(nn.Module):
+    def __init__(self, d: int, batch_norm: bool) -> None:
+        super().__init__()
+        self.norm = nn.BatchNorm1d(d) if batch_norm else nn.LayerNorm(d)
+        self.fc1, self.act, self.fc2 = nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(self.act(self.fc1(self.norm(x))))
+
+
+def _build(model: nn.Module, *args, mesh: MeshSpec = MESH, **kwargs):
+    traced = trace(model, args)
+    return traced, build_problem(traced, profile(traced), mesh, budget_bytes=None, **kwargs)
+
+
+# -------------------------------------------------------------------------------- decisions
+def test_decisions_in_graph_order_with_their_kinds():
+    traced, built = _build(Gated(), torch.randn(6, 4))
+    names = [n.name for n in built.problem.nodes]
+    assert list(built.decisions) == names  # one Decision per Problem node, same order
+    kinds = [built.decisions[n].kind for n in names]
+    assert all(isinstance(k, NodeKind) for k in kinds)
+    num_ops = kinds.count(NodeKind.OP)
+    assert kinds == [NodeKind.PARAMETER] * 4 + [NodeKind.BUFFER, NodeKind.INPUT] + [NodeKind.OP] * num_ops + [
+        NodeKind.OUTPUT]
+    params = [d for d in built.decisions.values() if d.kind == NodeKind.PARAMETER]
+    assert [d.module for d in params] == ["up.weight", "up.bias", "down.weight", "down.bias"]
+    assert built.decision(names[-1]).module is None  # the graph output
+    # every op with a tensor output is a decision, except getitem (it resolves to its producer)
+    ops = [n for n in traced.compute_nodes() if n.target is not operator.getitem]
+    assert [n.name for n in ops] == names[6:-1]
+    for n in ops:
+        d = built.decisions[n.name]
+        assert d.op == str(n.target) and d.module == traced.module_path(n)
+        assert len(d.choices) == built.problem.node(n.name).num_options
+        assert [c.name for c in d.choices] == [o.name.split(" #")[0] for o in built.problem.node(n.name).options]
+
+
+def test_input_slots_are_the_fx_producers():
+    traced, built = _build(Gated(), torch.randn(6, 4))
+    getitems = 0
+    for d in built.decisions.values():
+        if d.kind != NodeKind.OP:
+            continue
+        slots = input_nodes(traced.node(d.name))
+        assert len(d.inputs) == len(slots)
+        for value, src in zip(d.inputs, slots):
+            val = src.meta["val"]
+            if not isinstance(val, torch.Tensor):
+                assert value is None
+                continue
+            if src.target is operator.getitem:  # a chunk: its producer's element k
+                getitems += 1
+                assert (value.producer, value.index) == (src.args[0].name, src.args[1])
+            else:
+                assert (value.producer, value.index) == (src.name, 0)
+            assert value.shape == tuple(val.shape) and value.itemsize == val.dtype.itemsize
+            assert built.sources[src.name] == (value.producer, value.index)
+    assert getitems == 2  # a * sigmoid(b) reads both halves of the chunk
+
+
+def test_layout_options_hold_their_bytes():
+    traced, built = _build(Gated(), torch.randn(6, 4), options=BuildOptions(optimizer_multiplier=3.0))
+    weight = next(d for d in built.decisions.values() if d.module == "up.weight")  # 16 x 4 float32
+    options = {o.name: o for o in built.problem.node(weight.name).options}
+    assert set(options) == {"R", "S0", "S1"}
+    # parameter + gradient + 3 optimizer-state bytes per local byte
+    assert options["R"].param_bytes == 16 * 4 * 4 * (2 + 3)
+    assert options["S0"].param_bytes == options["S1"].param_bytes == 16 * 4 * 4 * 5 // 2
+    assert all(o.act_bytes == 0 for o in options.values()) and built.problem.node(weight.name).live is None
+    x = next(d for d in built.decisions.values() if d.kind == NodeKind.INPUT)  # 6 x 4 float32
+    node = built.problem.node(x.name)
+    assert {o.name: (o.act_bytes, o.param_bytes) for o in node.options} == {
+        "R": (96, 0), "S0": (48, 0), "S1": (48, 0)}
+    assert node.live == (0, built.problem.timeline_length - 1)  # held through the whole step
+    scale = next(d for d in built.decisions.values() if d.kind == NodeKind.BUFFER)
+    assert {o.name: o.param_bytes for o in built.problem.node(scale.name).options} == {"R": 16, "S0": 8}
+
+
+def test_edge_costs_are_the_planned_conversions():
+    traced, built = _build(Gated(), torch.randn(6, 4), mesh=MeshSpec.preset("cpu", (2, 2)))
+    assert built.problem.edges
+    for e in built.problem.edges:
+        src, dst = built.decisions[e.src], built.decisions[e.dst]
+        for i, c_src in enumerate(src.choices):
+            for j, c_dst in enumerate(dst.choices):
+                want = 0.0
+                for slot, value in enumerate(dst.inputs):  # a value read twice pays twice
+                    if value is None or value.producer != e.src:
+                        continue
+                    a, b = c_src.output_specs[value.index], c_dst.input_specs[slot]
+                    if a is not None and b is not None and a != b:
+                        conv = plan_conversion(a, b, value.shape, value.itemsize, built.mesh)
+                        want += conv.forward_s + conv.backward_s
+                assert e.costs[i][j] == pytest.approx(want, rel=1e-12, abs=0.0), (e.src, e.dst, i, j)
+
+
+def test_conversions_of_a_choice_are_the_edges_it_pays():
+    traced, built = _build(Gated(), torch.randn(6, 4))
+    choice = {n.name: n.options[-1].name for n in built.problem.nodes}
+    convs = built.conversions(choice)
+    assert convs
+    pick = {n.name: n.option_index(choice[n.name]) for n in built.problem.nodes}
+    edge_s = sum(e.costs[pick[e.src]][pick[e.dst]] for e in built.problem.edges)
+    assert sum(c.conversion.forward_s + c.conversion.backward_s for c in convs) == pytest.approx(edge_s)
+    for c in convs:
+        value = built.decisions[c.consumer].inputs[c.slot]
+        assert value.producer == c.producer
+        assert c.conversion.src == built.choice_of(c.producer, choice[c.producer]).output_specs[value.index]
+
+
+def test_built_problem_is_frozen():
+    _, built = _build(Gated(), torch.randn(6, 4))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        built.problem = None
+    with pytest.raises(TypeError):
+        built.decisions["x"] = None
+    d = next(iter(built.decisions.values()))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        d.kind = NodeKind.OP
+    with pytest.raises(KeyError, match="not a decision"):
+        built.decision("no_such_node")
+
+
+# ------------------------------------------------------------------------------- node kinds
+def test_node_kinds_are_one_vocabulary():
+    traced, built = _build(Gated(), torch.randn(6, 4))
+    assert (PARAMETER, BUFFER, INPUT) == (NodeKind.PARAMETER, NodeKind.BUFFER, NodeKind.INPUT)
+    assert CONSTANT is NodeKind.CONSTANT
+    for p in traced.placeholders:
+        assert built.decisions[p.name].kind is p.kind
+    # plain strings in comparisons, printing and JSON
+    assert NodeKind.OP == "op" and str(NodeKind.OP) == "op" and f"{NodeKind.BUFFER}" == "buffer"
+    assert json.dumps([NodeKind.INPUT]) == '["input"]'
+    plan = Plan("m", "h", MESH, None, (NodePlan("x", NodeKind.INPUT, "S0", (), ("S0",)),),
+                Estimate(1.0, 1.0, 0.0, 0.0, 0, 0), {})
+    text = plan.to_json()
+    assert json.loads(text)["nodes"][0]["kind"] == "input"
+    again = Plan.from_json(text)
+    assert again.nodes[0].kind is NodeKind.INPUT and again.by_kind("input") == again.nodes
+
+
+def test_tensor_constant_is_a_replicated_buffer():
+    class WithConstant(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weights = torch.arange(4.0)  # a plain tensor attribute: a lifted constant
+
+        def forward(self, x):
+            return (x * self.weights).sum()
+
+    traced, built = _build(WithConstant(), torch.randn(6, 4))
+    constants = [p for p in traced.placeholders if p.kind == CONSTANT]
+    assert constants
+    for p in constants:
+        d = built.decisions[p.name]
+        assert d.kind == NodeKind.BUFFER and [c.name for c in d.choices] == ["R"]
+
+
+# --------------------------------------------------------------------------------- segments
+def test_op_segments_are_contiguous_runs():
+    ops = [("a", "h.0.fc"), ("b", "h.0.fc"), ("c", "h.0.act"), ("d", "h.0.fc"), ("e", "h.0"),
+           ("f", "top"), ("g", "h.1.fc"), ("h", "")]
+    assert op_segments(ops) == {"a": "h.0.fc", "b": "h.0.fc", "c": "h.0.act", "d": "h.0.fc#2",
+                                "e": "h.0.(self)", "f": None, "g": "h.1.fc", "h": None}
+
+
+def test_block_segments_and_their_kept_inputs():
+    traced, built = _build(Blocks(), torch.randn(6, 8))
+    ops = [n for n in built.problem.nodes if built.decisions[n.name].kind == NodeKind.OP]
+    segments = [n.segment for n in ops]
+    assert {block_of(s) for s in segments if s} == {"h.0", "h.1"}
+    for seg in set(segments) - {None}:  # each segment one contiguous run of ops of one module
+        where = [i for i, s in enumerate(segments) if s == seg]
+        assert where == list(range(where[0], where[-1] + 1)), seg
+        module = seg.removesuffix(".(self)")
+        assert all(traced.module_path(traced.node(ops[i].name)) == module for i in where)
+    assert any(s == "h.0.(self)" for s in segments)  # the residual add
+    # A segment or block keeps only activations made outside it, with their bytes per option.
+    for unit, kept in built.segment_inputs.items():
+        for k in kept:
+            producer, where = built.decisions[k.node], built.problem.node(k.node).segment
+            assert producer.kind == NodeKind.OP and where != unit and block_of(where) != unit, (unit, k)
+            assert len(k.bytes) == len(producer.choices)
+    assert "h.0" not in built.segment_inputs  # it reads only the user input and weights: held anyway
+    (stream,) = built.segment_inputs["h.1"]  # h.0's output, the residual stream: 6 x 8 float32
+    assert built.problem.node(stream.node).segment == "h.0.(self)"
+    assert max(stream.bytes) == 6 * 8 * 4 and min(stream.bytes) == 6 * 8 * 4 // 2
+
+
+def test_training_batch_norm_blocks_get_no_segments():
+    traced, built = _build(Blocks(batch_norm=True), torch.randn(6, 8))
+    assert any(mutates_state(n) for n in traced.compute_nodes())
+    assert not any(n.segment for n in built.problem.nodes) and not built.segment_inputs
+    # in eval mode batch norm only reads its running statistics: the blocks stay recomputable
+    traced, built = _build(Blocks(batch_norm=True).eval(), torch.randn(6, 8))
+    assert not any(mutates_state(n) for n in traced.compute_nodes())
+    assert {block_of(n.segment) for n in built.problem.nodes if n.segment} == {"h.0", "h.1"}
 
 
 def test_batch_norm_blocks_are_not_recomputable():

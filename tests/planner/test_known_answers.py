@@ -40,8 +40,8 @@ def _built(d: int, batch: int, mesh: MeshSpec, budget: int | None, num_blocks: i
 
 
 def _layout(built, solution, fqn_suffix: str, traced) -> str:
-    for name, kind in built.kinds.items():
-        if kind == "parameter" and traced.node(name).meta["autopar_placeholder"].fqn.endswith(fqn_suffix):
+    for name, d in built.decisions.items():
+        if d.kind == "parameter" and traced.node(name).meta["autopar_placeholder"].fqn.endswith(fqn_suffix):
             return solution.choice[name]
     raise KeyError(fqn_suffix)
 
@@ -68,13 +68,13 @@ def test_tight_budget_gives_megatron_column_then_row():
 def test_large_batch_ample_memory_gives_data_parallel():
     mesh = MeshSpec.preset("a100-80gb", (4,))
     traced, built, sol = _built(1024, 65536, mesh, None)
-    params = [n for n, k in built.kinds.items() if k == "parameter"]
+    params = [n for n, d in built.decisions.items() if d.kind == "parameter"]
     assert params and all(sol.choice[n] == "R" for n in params)
-    inputs = [n for n, k in built.kinds.items() if k == "input"]
+    inputs = [n for n, d in built.decisions.items() if d.kind == "input"]
     assert [sol.choice[n] for n in inputs] == ["S0"]
     # every matmul runs on a batch shard: its activation input is S0
-    for name, kind in built.kinds.items():
-        if kind == "op" and "addmm" in str(traced.node(name).target):
+    for name, d in built.decisions.items():
+        if d.kind == "op" and "addmm" in str(traced.node(name).target):
             choice = built.choice_of(name, sol.choice[name])
             assert str(choice.input_specs[1]) == "S0", (name, choice.name)
     assert _forward_all_reduces(built, sol) == 1  # only the scalar loss
