@@ -83,9 +83,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # ----------------------------------------------------------------------------------- helpers
+# What the library's messages call an option -> the flag that sets it here.
+_FLAG_WORDS = {"pass allow_replicate_fallback=True": "pass --allow-fallback",
+               "time_limit must": "--time-limit must", "optimizer_multiplier must": "--optimizer-multiplier must"}
+
+
 def _one_line(exc: BaseException) -> str:
     text = " ".join(part.strip() for part in str(exc).strip().splitlines() if part.strip())
-    return text.replace("pass allow_replicate_fallback=True", "pass --allow-fallback") or type(exc).__name__
+    for word, flag in _FLAG_WORDS.items():
+        text = text.replace(word, flag)
+    return text or type(exc).__name__
 
 
 def _check_writable(path: str | None, flag: str) -> None:

@@ -214,6 +214,8 @@ def test_profile_mesh_local_writes_a_loadable_mesh(tmp_path):
     (("inspect", "gpt2", "--mesh", "2x4", "--memory", "40QB"), ("cannot parse memory size '40QB'",)),
     (("inspect", "gpt2", "--mesh", "twoxfour"), ("cannot parse mesh shape",)),
     (("inspect", "gpt2", "--mesh", "2x4", "--device", "tpu-v9"), ("unknown --device 'tpu-v9'",)),
+    (("inspect", "gpt2", "--mesh", "2x4", "--preset", "tpu-v9"), ("unknown --preset 'tpu-v9'",)),
+    (("inspect", "gpt2", "--mesh", "2x4", "--time-limit", "0"), ("--time-limit must be positive seconds, got 0.0",)),
     (("inspect", "gpt2", "--mesh", "2x4", "--input", "ids:int64(8)"), ("cannot parse --input",)),
     (("inspect", "nope.py:make", "--mesh", "2"), ("model file 'nope.py' not found",)),
     (("profile-mesh", "--mesh", "2x2", "-o", "m.json"), ("--local N", "torchrun")),
@@ -280,6 +282,15 @@ def test_inspect_hf_config_json_in_process(tmp_path, capsys, name, extra):
         arch = json.load(f)["architectures"][0]
     assert f"autopar plan: {arch} on mesh a100-80gb:2" in out
     assert "model.layers.* x2" in out and "lm_head" in out and "step time" in out
+
+
+def test_inspect_preset_and_its_old_name_device(tmp_path, capsys):
+    path = _save_config(tmp_path, "llama", **_TINY_HF)
+    for flag in ("--preset", "--device"):
+        code, out, err = _main(capsys, "inspect", path, "--mesh", "2", "--batch", "4", "--seq", "16",
+                               flag, "h100-80gb", "--no-baselines", "-q")
+        assert code == 0, err[-3000:]
+        assert "autopar plan: LlamaForCausalLM on mesh h100-80gb:2" in out, flag
 
 
 def test_inspect_hf_config_folder_real_width_llama_on_2x4(tmp_path, capsys):

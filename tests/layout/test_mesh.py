@@ -51,3 +51,14 @@ def test_roofline():
     assert compute_seconds(0, 0, m) == KERNEL_FLOOR_S
     assert compute_seconds(312e12, 0, m) == pytest.approx(1.0)
     assert compute_seconds(1, 2.039e12, m) == pytest.approx(1.0)
+
+
+def test_coerce_takes_a_preset_and_device_as_its_deprecated_name():
+    assert MeshSpec.coerce((2, 4), preset="h100-80gb") == MeshSpec.preset("h100-80gb", (2, 4))
+    assert MeshSpec.coerce("2x4") == MeshSpec.preset("cpu", (2, 4))
+    spec = MeshSpec.preset("a100-80gb", (8,))
+    assert MeshSpec.coerce(spec, preset="cpu") is spec  # a MeshSpec keeps its own costs
+    with pytest.warns(FutureWarning, match="pass preset='h100-80gb'"):
+        assert MeshSpec.coerce((2,), device="h100-80gb") == MeshSpec.preset("h100-80gb", (2,))
+    with pytest.raises(ValueError, match="preset='cpu' and device='h100-80gb'"):
+        MeshSpec.coerce((2,), preset="cpu", device="h100-80gb")
