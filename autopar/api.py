@@ -35,7 +35,11 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
+    from autopar.planner.checkpointing import RecomputePlan
+    from autopar.planner.records import BuiltProblem
     from autopar.runtime.module import AutoParallelModule
+    from autopar.tracer.graph import TracedGraph
+    from autopar.tracer.profile import ModelProfile
 
 __all__ = ["plan", "plan_model", "plan_traced", "autoparallelize", "PlanOptions", "PlanResult", "Progress"]
 
@@ -67,10 +71,10 @@ class PlanResult:
     """A plan and what it was made from."""
 
     plan: Plan
-    traced: Any  # autopar.tracer.TracedGraph
-    profile: Any  # autopar.tracer.ModelProfile
-    built: Any  # autopar.planner.builder.BuiltProblem
-    recompute: Any  # autopar.planner.checkpointing.RecomputePlan: the choice and its ILP solution
+    traced: TracedGraph
+    profile: ModelProfile
+    built: BuiltProblem  # the problem the plan solves
+    recompute: RecomputePlan  # the chosen sharding and recompute, their evaluation and ILP solution
 
     def __str__(self) -> str:
         return (f"{self.plan.model} on {self.plan.mesh}: {self.built.problem.num_nodes} decisions, "
@@ -125,7 +129,7 @@ def plan_model(model: Any, meta_inputs: tuple | dict, *, mesh: MeshSpec | Sequen
     return plan_traced(traced, prof, mesh=mesh, options=options, progress=progress)
 
 
-def plan_traced(traced: Any, profile: Any, *, mesh: MeshSpec | Sequence[int] | str,
+def plan_traced(traced: TracedGraph, profile: ModelProfile, *, mesh: MeshSpec | Sequence[int] | str,
                 options: PlanOptions = PlanOptions(), progress: Progress | None = None) -> PlanResult:
     """The plan of an existing trace and profile (one trace serves many meshes and budgets)."""
     from autopar.planner.assemble import applicable_baselines, assemble_plan
@@ -144,12 +148,12 @@ def plan_traced(traced: Any, profile: Any, *, mesh: MeshSpec | Sequence[int] | s
     if options.baselines:
         results = tuple(_baseline(name, traced, built, options=options, progress=progress)
                         for name in applicable_baselines(mesh.ndim))
-    result = assemble_plan(
+    assembled = assemble_plan(
         traced, built, choice=rc.choice, evaluation=rc.evaluation, solution=rc.solution,
         timings=progress.timings, baselines=results, recompute=rc.regions,
         checkpoint={"mode": options.checkpoint, "method": rc.method, "units": list(rc.units),
                     "activation_bytes": rc.activation_bytes, **rc.info})
-    return PlanResult(result, traced, profile, built, rc)
+    return PlanResult(assembled, traced, profile, built, rc)
 
 
 def _solve(problem, *, options: PlanOptions, progress: Progress, stage: str):
