@@ -71,7 +71,7 @@ def gpt2_tiny_budgets(fractions=(1.0, 0.7, 0.5, 0.35)) -> list[dict]:
     from autopar.api import PlanOptions, plan_model
     from autopar.api import plan as make_plan
     from autopar.planner.checkpointing import estimate
-    from autopar.solver.blocks import block_of as block_of_segment
+    from autopar.layout.blocks import block_of as block_of_segment
     from autopar.solver.pipeline import solve
 
     torch.manual_seed(0)

@@ -1,6 +1,7 @@
 """Layouts, device-free and torch-free: placements and ``TensorSpec``, ``MeshSpec`` (shape, axis
 names, link and device costs), the cost formulas in seconds, and the search for the cheapest
-sequence of collectives that converts one layout into another.
+sequence of collectives that converts one layout into another; and the naming of repeated blocks
+(``blocks.py``), which the planner, the solver and the report all group nodes by.
 
 Everything above (strategies, planner, solver, runtime, report) speaks this vocabulary; nothing
 here imports torch or any other autopar package.

@@ -50,7 +50,7 @@ from autopar.planner.records import BuiltProblem, Choice, ChosenConversion, Deci
 from autopar.planner.segments import (node_vals, op_segments, saved_by, segment_inputs, storage_base,
                                       without_stateful_segments)
 from autopar.plans import NodeKind
-from autopar.solver.blocks import block_of
+from autopar.layout.blocks import block_of
 from autopar.solver.problem import Edge, Node, Problem, StrategyOption
 from autopar.strategies import Strategy, input_nodes, strategies_for
 from autopar.tracer.graph import PLACEHOLDER_KEY, TracedGraph

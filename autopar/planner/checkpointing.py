@@ -39,7 +39,7 @@ from autopar.planner.options import CHECKPOINT_MODES as MODES  # the modes above
 from autopar.plans import NodeKind, RecomputeRegion
 from autopar.planner.records import BuiltProblem, InputSlot
 from autopar.planner.segments import holder_of_producer, mutates_state, segment_inputs
-from autopar.solver.blocks import block_of
+from autopar.layout.blocks import block_of
 from autopar.solver.problem import Problem
 from autopar.solver.timeline import Evaluation, SegmentInput, activation_bytes, segment_geometry
 

@@ -1,6 +1,6 @@
 """Recompute analysis: which op runs backward may recompute, and what each one keeps.
 
-Every op inside a repeated block (``autopar.solver.blocks.block_of``) gets a **segment**: its
+Every op inside a repeated block (``autopar.layout.blocks.block_of``) gets a **segment**: its
 module path (``"transformer.h.3.mlp.act"``) as a contiguous run of ops (``op_segments``), the
 unit the recompute ILP may recompute, as can the whole block (``"transformer.h.3"``). The fine
 segments let the cheap-to-recompute, memory-heavy parts (activation functions, attention) go
@@ -29,7 +29,7 @@ import torch.fx as fx
 
 from autopar.plans import NodeKind
 from autopar.planner.records import Decision
-from autopar.solver.blocks import block_of
+from autopar.layout.blocks import block_of
 from autopar.solver.problem import Problem
 from autopar.solver.timeline import SegmentInput
 from autopar.tracer.graph import TracedGraph

@@ -16,16 +16,18 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from autopar.planner.records import BuiltProblem
 from autopar.plans import NodeKind
 from autopar.planner.checkpointing import RecomputePlan
-from autopar.solver.blocks import block_of
-from autopar.solver.timeline import Evaluation
+from autopar.layout.blocks import block_of
 from autopar.layout.cost import collective_seconds, copy_seconds
 from autopar.layout.mesh import MeshSpec
 from autopar.layout.conversion import apply_step
+
+if TYPE_CHECKING:  # the report reads the plan's evaluation; it never runs the solver
+    from autopar.solver.timeline import Evaluation
 
 __all__ = ["CommRow", "Timeline", "LayerRow", "comm_breakdown", "memory_timeline", "layer_rows",
            "axis_label"]

@@ -59,7 +59,7 @@ from typing import Mapping
 import numpy as np
 import pulp
 
-from autopar.solver.blocks import block_of
+from autopar.layout.blocks import block_of
 from autopar.solver.ilp import MEM_UNIT, IlpModel, Terms, affine, undominated_rows
 from autopar.solver.problem import Problem
 from autopar.solver.simplify import MemItem, Reduced, peak_candidates

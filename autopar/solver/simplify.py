@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from autopar.solver.blocks import split_block
+from autopar.layout.blocks import split_block
 from autopar.solver.problem import Problem
 
 __all__ = ["MemItem", "Member", "Reduced", "simplify", "peak_candidates"]

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from itertools import accumulate
 from typing import TYPE_CHECKING, Iterable, Mapping
 
-from autopar.solver.blocks import block_of
+from autopar.layout.blocks import block_of
 
 if TYPE_CHECKING:
     from autopar.solver.problem import Problem

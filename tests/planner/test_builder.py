@@ -14,7 +14,7 @@ from autopar.layout.mesh import MeshSpec
 from autopar.plans import Estimate, NodeKind, NodePlan, Plan
 from autopar.planner.builder import BuildOptions, build_problem
 from autopar.planner.segments import mutates_state, op_segments
-from autopar.solver.blocks import block_of
+from autopar.layout.blocks import block_of
 from autopar.strategies import input_nodes
 from autopar.tracer import profile, trace
 from autopar.tracer.graph import BUFFER, CONSTANT, INPUT, PARAMETER

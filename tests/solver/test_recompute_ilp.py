@@ -116,7 +116,7 @@ def test_gpt2_tiny_budgets_monotone_and_no_worse_than_uniform_blocks():
     from autopar import zoo
     from autopar.api import PlanOptions, plan_model
     from autopar.api import plan as make_plan
-    from autopar.solver.blocks import block_of as block_of_segment
+    from autopar.layout.blocks import block_of as block_of_segment
 
     torch.manual_seed(0)
     model, inputs = zoo.build("gpt2", tiny=True, batch=8, seq=128, num_layers=4, device="cpu")

@@ -3,7 +3,9 @@
 A repeated block is the shortest module-path prefix ending in an integer index
 (``"transformer.h.3"`` in ``"transformer.h.3.attn.c_attn"``). The builder tags nodes with their
 block, the simplifier aliases identical block instances, and the recompute ILP and the recompute
-orchestration use blocks as recompute units; all of them go through these two functions.
+orchestration use blocks as recompute units, the report folds identical blocks into one row;
+all of them go through these two functions. It lives with the layout vocabulary, the lowest
+layer, so that every layer above can use it.
 """
 
 from __future__ import annotations
