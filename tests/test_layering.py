@@ -138,7 +138,7 @@ def test_import_reader_counts_lazy_and_relative_imports_but_not_type_checking_on
         "import torch",
         "from autopar.layout import placement",  # a submodule named in the import list
         "from autopar.strategies import Strategy",  # a name: the package itself
-        "from . import blocks",
+        "from . import rotor",
         "from .problem import Problem",
         "if TYPE_CHECKING:",
         "    from autopar.planner import builder",
@@ -151,7 +151,7 @@ def test_import_reader_counts_lazy_and_relative_imports_but_not_type_checking_on
     assert [str(i) for i in imports] == [
         "autopar.solver.ilp:3 imports autopar.layout.placement",
         "autopar.solver.ilp:4 imports autopar.strategies",
-        "autopar.solver.ilp:5 imports autopar.layout.blocks",
+        "autopar.solver.ilp:5 imports autopar.solver.rotor",
         "autopar.solver.ilp:6 imports autopar.solver.problem",
         "autopar.solver.ilp:10 imports autopar.plans",
         "autopar.solver.ilp:12 imports autopar.tracer.graph",
