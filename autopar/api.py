@@ -140,7 +140,7 @@ def plan_traced(traced: TracedGraph, profile: ModelProfile, *, mesh: MeshSpec | 
     progress = progress or Progress()
     with progress.stage("strategies", f"{sum(1 for _ in traced.compute_nodes())} ops on mesh {mesh}"):
         built = build_problem(traced, profile, mesh, budget_bytes=options.budget_bytes(mesh),
-                              options=options.build_options())
+                              options=options)
     rc = plan_recompute(traced, profile, built, mode=options.checkpoint, solver=options.solver,
                         time_limit=options.time_limit,
                         solve_plain=lambda p: _solve(p, options=options, progress=progress, stage="solve"))

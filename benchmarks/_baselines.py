@@ -175,7 +175,7 @@ def restricted_plan(model, inputs, *, mesh, baseline: str = "data-parallel", mem
     mesh = options.mesh(mesh)
     traced = trace(model, inputs, decompose_if=needs_decomposition)
     built = build_problem(traced, profile(traced), mesh, budget_bytes=options.budget_bytes(mesh),
-                          options=options.build_options())
+                          options=options)
     problem = baseline_problem(baseline, traced, built)
     solution = solve(problem, solver=options.solver, time_limit=options.time_limit)
     return assemble_plan(traced, built, choice=solution.choice, evaluation=problem.evaluate(solution.choice),

@@ -140,7 +140,7 @@ def run_case(c: dict, *, reuse: bool = True, time_limit: float = 120.0, allow_fa
             warnings.filterwarnings("ignore", message="no sharding rule")
             traced, prof, t, reused = _traced(c, reuse=reuse)
             t0 = time.perf_counter()
-            built = build_problem(traced, prof, mesh, budget_bytes=budget, options=options.build_options())
+            built = build_problem(traced, prof, mesh, budget_bytes=budget, options=options)
         t1 = time.perf_counter()
         sol = solve(built.problem, solver=options.solver, time_limit=options.time_limit)
         t2 = time.perf_counter()

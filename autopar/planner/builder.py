@@ -49,6 +49,7 @@ from autopar.layout.placement import R, Shard, TensorSpec
 from autopar.planner.records import BuiltProblem, Choice, ChosenConversion, Decision, InputSlot
 from autopar.planner.segments import (node_vals, op_segments, saved_by, segment_inputs, storage_base,
                                       without_stateful_segments)
+from autopar.planner.options import PlanOptions
 from autopar.plans import NodeKind
 from autopar.layout.blocks import block_of
 from autopar.solver.problem import Edge, Node, Problem, StrategyOption
@@ -56,20 +57,11 @@ from autopar.strategies import Strategy, input_nodes, strategies_for
 from autopar.tracer.graph import PLACEHOLDER_KEY, TracedGraph
 from autopar.tracer.profile import ModelProfile
 
-__all__ = ["BuildOptions", "BuiltProblem", "Choice", "ChosenConversion", "Decision", "InputSlot", "build_problem",
+__all__ = ["BuiltProblem", "Choice", "ChosenConversion", "Decision", "InputSlot", "build_problem",
            "layout_specs"]
 
 # Values held at rest the whole step (their bytes are param_bytes, not activations).
 _AT_REST = (NodeKind.PARAMETER, NodeKind.BUFFER)
-
-
-@dataclass(frozen=True, slots=True)
-class BuildOptions:
-    """How the problem is built: optimizer state per parameter byte, and whether ops without a
-    sharding rule are replicated (listed in ``BuiltProblem.fallbacks``) instead of refused."""
-
-    optimizer_multiplier: float = 2.0  # optimizer state bytes per parameter byte (AdamW fp32: m, v)
-    allow_replicate_fallback: bool = False
 
 
 def layout_specs(shape: tuple[int, ...], mesh_shape: tuple[int, ...]) -> list[TensorSpec]:
@@ -88,7 +80,7 @@ def layout_specs(shape: tuple[int, ...], mesh_shape: tuple[int, ...]) -> list[Te
 
 # --------------------------------------------------------------------------------- builder
 def build_problem(traced: TracedGraph, prof: ModelProfile, mesh: MeshSpec, *,
-                  budget_bytes: int | None, options: BuildOptions = BuildOptions()) -> BuiltProblem:
+                  budget_bytes: int | None, options: PlanOptions = PlanOptions()) -> BuiltProblem:
     return _Builder(traced, prof, mesh, budget_bytes=budget_bytes, options=options).build()
 
 
@@ -97,7 +89,7 @@ class _Builder:
     order, then freezes it into a ``BuiltProblem``."""
 
     def __init__(self, traced: TracedGraph, prof: ModelProfile, mesh: MeshSpec, *,
-                 budget_bytes: int | None, options: BuildOptions) -> None:
+                 budget_bytes: int | None, options: PlanOptions) -> None:
         self.traced, self.prof, self.mesh = traced, prof, mesh
         self.budget, self.opts = budget_bytes, options
         ops = [n for n in traced.compute_nodes() if _has_tensor_output(n) and n.target is not operator.getitem]

@@ -58,13 +58,6 @@ class PlanOptions:
         """The per-device budget on ``mesh``: ``memory_budget``, else the device capacity."""
         return mesh.mem_capacity if self.memory_budget is None else self.memory_budget
 
-    def build_options(self):
-        """The ``autopar.planner.builder.BuildOptions`` these options imply."""
-        from autopar.planner.builder import BuildOptions  # torch: only when a problem is built
-
-        return BuildOptions(optimizer_multiplier=self.optimizer_multiplier,
-                            allow_replicate_fallback=self.allow_replicate_fallback)
-
     def __str__(self) -> str:
         budget = "device capacity" if self.memory_budget is None else f"{self.memory_budget / 2**30:.2f} GiB"
         return (f"budget {budget}, solver {self.solver} ({self.time_limit:g}s), preset {self.preset}, "

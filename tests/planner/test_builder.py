@@ -12,7 +12,8 @@ from autopar import zoo
 from autopar.layout.conversion import plan_conversion
 from autopar.layout.mesh import MeshSpec
 from autopar.plans import Estimate, NodeKind, NodePlan, Plan
-from autopar.planner.builder import BuildOptions, build_problem
+from autopar.planner.builder import build_problem
+from autopar.planner.options import PlanOptions
 from autopar.planner.segments import mutates_state, op_segments
 from autopar.layout.blocks import block_of
 from autopar.strategies import input_nodes
@@ -118,7 +119,7 @@ def test_input_slots_are_the_fx_producers():
 
 
 def test_layout_options_hold_their_bytes():
-    traced, built = _build(Gated(), torch.randn(6, 4), options=BuildOptions(optimizer_multiplier=3.0))
+    traced, built = _build(Gated(), torch.randn(6, 4), options=PlanOptions(optimizer_multiplier=3.0))
     weight = next(d for d in built.decisions.values() if d.module == "up.weight")  # 16 x 4 float32
     options = {o.name: o for o in built.problem.node(weight.name).options}
     assert set(options) == {"R", "S0", "S1"}

@@ -18,8 +18,6 @@ def test_defaults_and_normalised_budget():
     assert options.mesh((2, 2)) == MeshSpec.preset("cpu", (2, 2))
     assert PlanOptions(preset="h100-80gb").mesh("2x4") == MeshSpec.preset("h100-80gb", (2, 4))
     assert PlanOptions(preset="h100-80gb").mesh(mesh) is mesh
-    build = PlanOptions(optimizer_multiplier=3.0, allow_replicate_fallback=True).build_options()
-    assert (build.optimizer_multiplier, build.allow_replicate_fallback) == (3.0, True)
     with pytest.raises(dataclasses.FrozenInstanceError):
         options.solver = "cbc"
     assert "checkpoint auto" in str(options) and "16.00 GiB" in str(PlanOptions(memory_budget="16GiB"))
