@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from autopar.layout.mesh import MeshSpec
+from autopar.layout.placement import Shard, TensorSpec
 
 __all__ = ["PLAN_VERSION", "COST_MODEL_VERSION", "NodeKind", "NodePlan", "Estimate", "BaselineResult",
            "RecomputeRegion", "Plan"]
@@ -137,6 +138,19 @@ class Plan:
 
     def by_kind(self, kind: NodeKind | str) -> tuple[NodePlan, ...]:
         return tuple(n for n in self.nodes if n.kind == kind)
+
+    def placements(self) -> dict[str, tuple[str, ...]]:
+        """Parameter and buffer FQN -> its layout as DTensor placements, one per mesh axis
+        (``"Shard(0)"``, ``"Replicate()"``), for users who shard by hand; a dim sharded by several
+        axes lists them in DTensor's default order (the lower mesh axis is the major piece).
+        ``autopar.runtime.dtensors.dtensor_placements`` gives the torch objects."""
+        out = {}
+        for n in self.nodes:
+            if n.kind in (NodeKind.PARAMETER, NodeKind.BUFFER):
+                spec = TensorSpec.parse(n.output_specs[0])
+                out[n.module] = tuple(f"Shard({p.dim})" if isinstance(p, Shard) else "Replicate()"
+                                      for p in spec.placements)
+        return out
 
     def best_baseline(self) -> BaselineResult | None:
         feasible = [b for b in self.baselines if b.feasible]

@@ -17,7 +17,9 @@ Here those parameters go through ``self.grad_bucket(w, axes=..., slot=k)`` inste
   same collectives in the same order and communication overlaps the rest of backward;
 - at the end of the backward pass (an autograd engine callback) the remaining buckets are
   issued, every pending all-reduce is waited on, and each slot's reduced gradient is added to
-  ``w.grad`` (or becomes it: a view into the bucket, no copy).
+  ``w.grad`` (or becomes it: a view into the bucket, no copy). When the graph reads the local
+  tensor of a DTensor parameter (``AutoParallelModule``), ``deliver_to`` names that parameter
+  and the gradient lands in its ``.grad`` as a DTensor with the parameter's placements.
 
 The result equals the per-parameter all-reduce: ``grad += sum over ranks of the local partial
 gradient``, accumulation over several backward passes included (only the new contribution is
@@ -37,12 +39,14 @@ import math
 import os
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
+from autopar.runtime.dtensors import local_of
 from autopar.runtime.process_mesh import ProcessMesh
 
 __all__ = ["DEFAULT_CAP_MB", "GradBucketer", "bucket_cap_bytes"]
@@ -118,6 +122,7 @@ class GradBucketer(nn.Module):
         self._passes: dict[int, _Pass] = {}
         self._flats: dict[int, torch.Tensor] = {}  # bucket -> flat buffer kept for the next pass
         self._params: dict[int, torch.Tensor] = {}  # slot -> the parameter it last delivered to
+        self._target: Callable[[str], torch.Tensor] | None = None  # see deliver_to
         self.stats: Counter = Counter()  # buckets / all_reduces / bytes issued (this process)
 
     # ------------------------------------------------------------------------- build time
@@ -157,6 +162,11 @@ class GradBucketer(nn.Module):
         return (f"{len(self.slots)} parameters, {total / 2**20:.2f} MiB in {len(self.buckets)} buckets "
                 f"(cap {self.cap_bytes / 2**20:g} MiB)")
 
+    def deliver_to(self, target: Callable[[str], torch.Tensor]) -> None:
+        """Deliver each slot's reduced gradient to ``target(slot name)`` (a DTensor parameter
+        whose local tensor the graph reads) instead of the tensor the graph passed in."""
+        self._target = target
+
     # -------------------------------------------------------------------------- run time
     def forward(self, x: torch.Tensor, *, axes: tuple[int, ...], slot: int) -> torch.Tensor:
         if not (torch.is_grad_enabled() and x.requires_grad):
@@ -174,6 +184,8 @@ class GradBucketer(nn.Module):
             torch.autograd.Variable._execution_engine.queue_callback(functools.partial(self._finish, task))
         b = self._bucket_of[slot]
         bucket = buckets[b]
+        if self._target is not None:
+            param = self._target(self.slots[slot].name)
         st.params[slot] = self._params[slot] = param
         if b < st.next_issue:  # its bucket already left: reduce this contribution at the end
             if slot in st.late:
@@ -209,7 +221,7 @@ class GradBucketer(nn.Module):
         for slot in bucket.slots:
             param = self._params.get(slot)
             grad = None if param is None else param.grad
-            if grad is not None and grad.untyped_storage().data_ptr() == ptr:
+            if grad is not None and local_of(grad).untyped_storage().data_ptr() == ptr:
                 return True
         return False
 
@@ -279,11 +291,14 @@ class GradBucketer(nn.Module):
                 reduced = self._view(flat, bucket, slot)
                 if reduced.dtype != param.dtype:
                     reduced = reduced.to(param.dtype)
-                if param.grad is None:
+                if param.grad is not None:
+                    local_of(param.grad).add_(reduced)
+                elif isinstance(param, DTensor):
+                    param.grad = DTensor.from_local(reduced, param.device_mesh, param.placements, run_check=False,
+                                                    shape=param.shape, stride=param.stride())
+                else:
                     param.grad = reduced if param.is_contiguous() else reduced.clone(
                         memory_format=torch.preserve_format)
-                else:
-                    param.grad.add_(reduced)
 
 
 class _BucketGrad(torch.autograd.Function):

@@ -20,9 +20,10 @@ from torch import nn
 
 from autopar.layout.mesh import MeshSpec
 from autopar.plans import Plan
+from autopar.runtime.dtensors import to_dtensor
 from autopar.runtime.materialize import local_shards
 from autopar.runtime.module import AutoParallelModule
-from autopar.runtime.passes import emit_local_graph
+from autopar.runtime.passes import STATE_KEY, emit_local_graph
 from autopar.runtime.process_mesh import ProcessMesh
 
 __all__ = ["build_module", "check_plan", "runtime_device", "mesh_preset"]
@@ -71,9 +72,17 @@ def build_module(model: nn.Module, traced, plan: Plan, *, device: torch.device, 
     shards, stats = local_shards(model, traced, emitted.specs, pmesh, device=device, seed=seed,
                                  init_weights=init_weights)
     root: dict[str, Any] = dict(emitted.modules)
+    state_names = {n.name for n in emitted.graph.nodes if n.meta.get(STATE_KEY)}
     for name, target in emitted.attr_of.items():
-        root[target] = shards[name]
+        if name not in state_names:
+            root[target] = shards[name]  # lifted constants stay plain local tensors
     gm = fx.GraphModule(root, emitted.graph, class_name=f"AutoParallel{traced.model_name}")
+    shapes = {p.name: p.shape for p in traced.placeholders}
+    for name in sorted(state_names):
+        dtensor = to_dtensor(shards[name], emitted.specs[name], pmesh, shapes[name])
+        if isinstance(shards[name], nn.Parameter):
+            dtensor = nn.Parameter(dtensor, requires_grad=shards[name].requires_grad)
+        _attach(gm, emitted.attr_of[name], dtensor)
     module = AutoParallelModule(
         gm, traced=traced, plan=plan, pmesh=pmesh, specs=emitted.specs, attr_of=emitted.attr_of,
         signature=inspect.signature(model.forward), state_keys=tuple(model.state_dict(keep_vars=True)),
@@ -81,3 +90,20 @@ def build_module(model: nn.Module, traced, plan: Plan, *, device: torch.device, 
     module.materialize_stats = stats
     module.num_conversions = emitted.num_conversions
     return module
+
+
+def _attach(root: nn.Module, path: str, tensor: torch.Tensor) -> None:
+    """Register ``tensor`` (a parameter or a buffer) at the dotted ``path`` under ``root``,
+    creating empty container modules on the way (the original model's names)."""
+    *parents, leaf = path.split(".")
+    owner = root
+    for part in parents:
+        child = owner._modules.get(part)
+        if child is None:
+            child = nn.Module()
+            owner.add_module(part, child)
+        owner = child
+    if isinstance(tensor, nn.Parameter):
+        owner.register_parameter(leaf, tensor)
+    else:
+        owner.register_buffer(leaf, tensor)

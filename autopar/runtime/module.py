@@ -7,34 +7,43 @@ Contract:
   ``ModelOutput``) with full, replicated values on every rank. With ``local_inputs=True``
   (see :func:`autopar.api.autoparallelize`), each rank passes only its own piece of
   every input, as laid out by ``input_specs``.
-- ``parameters()`` / ``named_parameters()`` are this rank's local shards, named
-  ``graph_module.<canonical FQN>``: any torch optimizer works on them. The gradient of a
-  parameter arrives in the parameter's own layout, so replicated parameters receive
-  identical gradients on every replica.
+- ``parameters()`` / ``named_parameters()`` and the buffers are ``DTensor``s on
+  ``device_mesh`` (a torch ``DeviceMesh`` whose dim names are the ``MeshSpec`` axis names),
+  named ``graph_module.<canonical FQN>``, with the plan's layouts as placements
+  (:mod:`autopar.runtime.dtensors`). The emitted graph runs on local tensors: ``forward``
+  passes their local views in (``local_views``), so no DTensor dispatch happens inside
+  forward or backward, and each gradient lands in ``.grad`` as a DTensor with the
+  parameter's placements (replicated parameters receive the reduced gradient, identical on
+  every replica; gradients come through ``loss.backward()``, not ``torch.autograd.grad``). torch's tools work unchanged on them: any ``torch.optim`` optimizer,
+  ``torch.nn.utils.clip_grad_norm_`` (the true global norm, as a replicated DTensor),
+  ``state_dict()`` / ``torch.distributed.checkpoint``.
 - ``full_state_dict()``: original FQNs (tied aliases all present, persistent buffers included)
   -> full tensors, gathered (a collective: every rank must call). ``load_full_state_dict(sd)``
   slices a full state dict into the local shards (no communication). ``full_gradients()``:
   FQN -> full gradient (or None), gathered.
 - ``code`` is the emitted graph's Python code: the inserted collectives appear by name.
 
-:func:`clip_grad_norm_` computes the true global norm over the shards.
+:func:`clip_grad_norm_` is ``torch.nn.utils.clip_grad_norm_`` over ``model.parameters()``
+returning the norm as a plain tensor (kept for code written against earlier versions).
 """
 
 from __future__ import annotations
 
 import inspect
-import math
 from typing import Any, Iterable
 
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from autopar.plans import Plan
+from autopar.runtime.bucketing import GradBucketer
 from autopar.runtime.collectives import gather_full
-from autopar.runtime.kernels import all_reduce_axes
+from autopar.runtime.dtensors import local_of, local_views
 from autopar.runtime.materialize import slice_local
+from autopar.runtime.passes import STATE_KEY
 from autopar.runtime.process_mesh import ProcessMesh
 from autopar.layout.placement import TensorSpec
 from autopar.tracer.graph import BUFFER, INPUT, PARAMETER, TracedGraph, keyword_path
@@ -58,6 +67,12 @@ class AutoParallelModule(nn.Module):
         self._placeholders = {p.name: p for p in traced.placeholders}
         self._inputs = [p for p in traced.placeholders if p.kind == INPUT]
         self._state_keys = state_keys
+        # The graph's placeholders in order: a parameter/buffer name, or None for the next user input.
+        self._arg_state = tuple(n.name if n.meta.get(STATE_KEY) else None
+                                for n in graph_module.graph.nodes if n.op == "placeholder")
+        for m in graph_module.modules():
+            if isinstance(m, GradBucketer):  # reduced gradients land in the DTensor parameters' .grad
+                m.deliver_to(self._state)
         self.input_specs = {p.fqn: TensorSpec.parse(plan.node(p.name).output_specs[0]) for p in self._inputs
                             if _has_decision(plan, p.name)}
 
@@ -66,8 +81,15 @@ class AutoParallelModule(nn.Module):
     def code(self) -> str:
         return self.graph_module.code
 
+    @property
+    def device_mesh(self):
+        """The torch ``DeviceMesh`` the parameters and buffers live on."""
+        return self.pmesh.device_mesh
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        values = self._flat_inputs(args, kwargs)
+        inputs = iter(self._flat_inputs(args, kwargs))
+        state = iter(local_views([self._state(name) for name in self._arg_state if name is not None]))
+        values = [next(inputs) if name is None else next(state) for name in self._arg_state]
         return self._traced.unflatten_outputs(list(self.graph_module(*values)))
 
     def _flat_inputs(self, args: tuple, kwargs: dict) -> list[torch.Tensor]:
@@ -93,7 +115,8 @@ class AutoParallelModule(nn.Module):
         return values
 
     # ------------------------------------------------------------------------ state and grads
-    def _local(self, name: str) -> torch.Tensor:
+    def _state(self, name: str) -> torch.Tensor:
+        """The DTensor parameter or buffer of placeholder ``name``."""
         return self.graph_module.get_parameter(self._attr_of[name]) if self._placeholders[name].kind == PARAMETER \
             else self.graph_module.get_buffer(self._attr_of[name])
 
@@ -101,7 +124,7 @@ class AutoParallelModule(nn.Module):
         """(placeholder name, Placeholder, local tensor) for every parameter and buffer."""
         for name, ph in self._placeholders.items():
             if ph.kind in (PARAMETER, BUFFER) and name in self._specs:
-                yield name, ph, self._local(name)
+                yield name, ph, local_of(self._state(name))
 
     def local_specs(self) -> dict[str, TensorSpec]:
         """Canonical FQN -> layout of every parameter and buffer."""
@@ -142,16 +165,14 @@ class AutoParallelModule(nn.Module):
         for name, ph, local in self._tensors():
             if ph.kind != PARAMETER:
                 continue
-            grad = None if local.grad is None else _snapshot(local.grad, self._specs[name], self.pmesh)
+            grad = self._state(name).grad
+            grad = None if grad is None else _snapshot(local_of(grad), self._specs[name], self.pmesh)
             for alias in ph.aliases:
                 out[alias] = grad
         return out
 
-    def param_specs(self) -> list[tuple[nn.Parameter, TensorSpec]]:
-        return [(local, self._specs[name]) for name, ph, local in self._tensors() if ph.kind == PARAMETER]
-
     def local_parameter_bytes(self) -> int:
-        return sum(p.numel() * p.element_size() for p in self.parameters())
+        return sum(local_of(p).numel() * p.element_size() for p in self.parameters())
 
 
 def _has_decision(plan: Plan, name: str) -> bool:
@@ -162,7 +183,6 @@ def _has_decision(plan: Plan, name: str) -> bool:
     return True
 
 
-# ------------------------------------------------------------------------------ clip_grad_norm_
 @torch.no_grad()
 def _snapshot(local: torch.Tensor, spec: TensorSpec, pmesh) -> torch.Tensor:
     """The full tensor, never the live shard: a replicated local would otherwise be returned
@@ -172,37 +192,13 @@ def _snapshot(local: torch.Tensor, spec: TensorSpec, pmesh) -> torch.Tensor:
     return value.clone() if same else value
 
 
+# ------------------------------------------------------------------------------ clip_grad_norm_
 def clip_grad_norm_(model: AutoParallelModule, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-    """Clip the gradients of ``model``'s local shards by the TRUE global norm; returns it.
-
-    Each shard's contribution is summed over the mesh axes that shard it and counted once over
-    the axes that replicate it (replicas hold identical gradients). Every rank must call."""
+    """``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)``: clips by the TRUE global norm
+    (the parameters are DTensors) and returns it as a plain tensor. Every rank must call."""
     if not isinstance(model, AutoParallelModule):
         raise ValueError(f"clip_grad_norm_ needs an AutoParallelModule, got {type(model).__name__}")
-    norm_type = float(norm_type)
-    if norm_type <= 0:
+    if not float(norm_type) > 0:
         raise ValueError(f"norm_type must be positive, got {norm_type}")
-    pairs = [(p, spec) for p, spec in model.param_specs() if p.grad is not None]
-    device = pairs[0][0].grad.device if pairs else torch.device("cpu")
-    by_axes: dict[tuple[int, ...], torch.Tensor] = {}
-    for p, spec in pairs:
-        axes = tuple(sorted(a for d in spec.sharded_dims() for a in spec.shard_axes(d)))
-        g = p.grad.detach().float()
-        part = g.abs().max() if math.isinf(norm_type) else g.abs().pow(norm_type).sum()
-        acc = by_axes.get(axes)
-        if acc is None:
-            by_axes[axes] = part
-        else:
-            by_axes[axes] = torch.maximum(acc, part) if math.isinf(norm_type) else acc + part
-    # One collective per distinct set of shard axes, in a fixed order on every rank.
-    total = torch.zeros((), device=device)
-    for axes in sorted(by_axes):
-        op = "max" if math.isinf(norm_type) else "sum"
-        reduced = all_reduce_axes(by_axes[axes].reshape(1), axes, model.pmesh, op)[0]
-        total = torch.maximum(total, reduced) if math.isinf(norm_type) else total + reduced
-    norm = total if math.isinf(norm_type) else total.pow(1.0 / norm_type)
-    coef = float(max_norm) / (float(norm) + 1e-6)
-    if coef < 1.0:
-        for p, _ in pairs:
-            p.grad.mul_(coef)
-    return norm
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, norm_type=norm_type)
+    return norm.full_tensor() if isinstance(norm, DTensor) else norm

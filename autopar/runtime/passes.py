@@ -3,8 +3,10 @@
 ``emit_local_graph(traced, plan, pmesh, device=...)`` walks the traced graph once, in order,
 and builds a NEW ``fx.Graph`` (the traced graph is left untouched) in which
 
-- parameters, buffers and lifted constants are ``get_attr`` nodes named by their canonical FQN
-  (the local shards are attached by the caller; see :mod:`autopar.runtime.materialize`);
+- parameters and buffers are placeholders (meta ``STATE_KEY``) that receive this rank's local
+  shard -- the module owns them as DTensors and passes their local tensors in, in placeholder
+  order; lifted constants are ``get_attr`` nodes (the local shards are made by the caller; see
+  :mod:`autopar.runtime.materialize`);
 - user inputs are placeholders that receive the FULL global value on every rank (layout ``R``);
 - every op runs on local shards under the strategy the plan chose: each input is first
   converted from the layout its producer emits to the layout the strategy reads, by one
@@ -49,11 +51,12 @@ from autopar.strategies.registry import bind, local_arguments, needs_no_decision
 from autopar.tracer.graph import (BUFFER, INPUT, MODULE_KEY, PARAMETER, PLACEHOLDER_KEY, Placeholder,
                                   TracedGraph)
 
-__all__ = ["EmittedGraph", "TRACED_NAME_KEY", "emit_local_graph", "find_strategy"]
+__all__ = ["EmittedGraph", "STATE_KEY", "TRACED_NAME_KEY", "emit_local_graph", "find_strategy"]
 
 GRAD_ALL_REDUCE = "grad_all_reduce"
 GRAD_BUCKET = "grad_bucket"
 TRACED_NAME_KEY = "autopar_traced_name"  # emitted node meta: the traced node it comes from
+STATE_KEY = "autopar_state"  # emitted placeholder meta: a parameter or buffer (not a user input)
 _SUFFIX = re.compile(r" #\d+$")
 
 
@@ -62,7 +65,7 @@ class EmittedGraph:
     graph: fx.Graph
     modules: dict[str, torch.nn.Module]  # call_module / get_attr(module) targets -> module
     specs: dict[str, TensorSpec]  # parameter/buffer/constant placeholder name -> layout
-    attr_of: dict[str, str]  # placeholder name -> get_attr target
+    attr_of: dict[str, str]  # placeholder name -> attribute path (parameters, buffers: the FQN)
     num_conversions: int = 0
     kernels: list[str] = field(default_factory=list)
 
@@ -205,10 +208,16 @@ class _Emitter:
         if decision is None:
             raise ValueError(f"the plan has no layout for {ph.kind} {ph.fqn!r} (placeholder {node.name!r})")
         spec = TensorSpec.parse(decision.output_specs[0])
-        target = ph.fqn if ph.kind in (PARAMETER, BUFFER) else f"_autopar_constants.{node.name}"
         self.specs[node.name] = spec
-        self.attr_of[node.name] = target
-        self.env[node.name] = self._copy_meta(self.graph.create_node("get_attr", target, name=node.name), node)
+        if ph.kind in (PARAMETER, BUFFER):
+            # The module owns it as a DTensor and passes its local tensor in (runtime/module.py).
+            self.attr_of[node.name] = ph.fqn
+            new = self.graph.placeholder(node.name)
+            new.meta[STATE_KEY] = True
+        else:
+            self.attr_of[node.name] = f"_autopar_constants.{node.name}"
+            new = self.graph.create_node("get_attr", self.attr_of[node.name], name=node.name)
+        self.env[node.name] = self._copy_meta(new, node)
         self.layout[node.name] = spec
 
     def _get_attr(self, node: fx.Node) -> None:

@@ -24,7 +24,7 @@ import torch
 import torch.fx as fx
 from torch.utils.checkpoint import checkpoint
 
-from autopar.runtime.passes import TRACED_NAME_KEY
+from autopar.runtime.passes import STATE_KEY, TRACED_NAME_KEY
 
 __all__ = ["CheckpointRegion", "apply_recompute"]
 
@@ -47,10 +47,10 @@ class CheckpointRegion(torch.nn.Module):
 
 
 def _is_grad_sync(node: fx.Node, modules: dict) -> bool:
-    """A gradient-synchronisation node of a parameter (it reads only ``get_attr`` values)."""
+    """A gradient-synchronisation node of a parameter (it reads only parameters)."""
     from autopar.runtime.nodes import GradAllReduce
 
-    if node.op != "call_module" or not all(a.op == "get_attr" for a in node.all_input_nodes):
+    if node.op != "call_module" or not all(a.meta.get(STATE_KEY) for a in node.all_input_nodes):
         return False
     mod = modules.get(node.target)
     return isinstance(mod, GradAllReduce) or type(mod).__name__ == "GradBucketer"

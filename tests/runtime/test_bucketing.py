@@ -163,7 +163,7 @@ def _tied_runs(rank, world, model, traced, plan, a, b):
     (loss_of(pm(**a)) + loss_of(pm(**b))).backward()
     out["two_forwards"] = _grads(pm)
     # Gradients stay identical on every replica (the local shards, not gathered copies).
-    out["local"] = {n: p.grad.clone() for n, p in pm.named_parameters()}
+    out["local"] = {n: p.grad.to_local().clone() for n, p in pm.named_parameters()}  # DTensor grads
     return out
 
 

@@ -3,8 +3,13 @@
 For each zoo model (tiny config, dropout 0, fp32) on meshes (2,), (4,), (2, 2), each with an
 ample and a tight budget, every rank checks
 against the single-device reference computed before the fork:
+- every parameter and buffer is a DTensor with the plan's placements, every gradient a DTensor
+  with its parameter's placements (the module contract, tests/runtime/test_dtensor.py);
 - the loss and every parameter gradient (``full_gradients()``), rtol 1e-4;
-- after 3 AdamW steps, ``full_state_dict()`` (parameters and buffers, tied names included).
+- ``torch.nn.utils.clip_grad_norm_`` over ``pm.parameters()`` returns the single-device global
+  norm at every step;
+- after 3 steps of ``torch.optim.AdamW(foreach=True)`` over ``pm.parameters()``,
+  ``full_state_dict()`` (parameters and buffers, tied names included).
 
 Budgets: "ample" plans on a mesh whose links are nearly free (so the solver shards compute:
 data parallel, sequence/column splits), "tight" plans under 60% of the replicated plan's peak
@@ -19,6 +24,7 @@ import dataclasses
 
 import pytest
 import torch
+from torch.distributed.tensor import DTensor
 
 from autopar import zoo
 from autopar.api import autoparallelize
@@ -27,6 +33,7 @@ from autopar.layout.mesh import MeshSpec
 from autopar.runtime.build import build_module
 from autopar.runtime.launch import run_local
 from autopar.tracer import trace
+from tests.runtime.test_dtensor import grad_layout_errors, layout_errors
 
 pytestmark = pytest.mark.slow
 
@@ -35,6 +42,7 @@ RTOL, ATOL = 1e-4, 1e-6
 # projection's bias; a ResNet channel whose gradient cancels) take negligible steps: with
 # eps=1e-8 their update is lr * sign(noise), a coin flip between any two summation orders.
 STEPS, LR, EPS = 3, 1e-3, 1e-5
+MAX_NORM = 0.5  # gradient clipping before every step (the global norm is checked each step)
 
 
 def fast_mesh(shape: tuple[int, ...]) -> MeshSpec:
@@ -48,18 +56,22 @@ def loss_of(out) -> torch.Tensor:
 
 
 def reference(model: torch.nn.Module, inputs: dict) -> dict:
-    """Single-device loss, gradients and the state after ``STEPS`` AdamW steps."""
+    """Single-device loss, gradients, global gradient norms and the state after ``STEPS``
+    clipped AdamW steps."""
     model = copy.deepcopy(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS, foreach=True)
     loss = loss_of(model(**inputs))
     loss.backward()
     grads = {k: p.grad.clone() for k, p in model.named_parameters(remove_duplicate=False) if p.grad is not None}
+    norms = [torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM).item()]
     opt.step()
     for _ in range(STEPS - 1):
         opt.zero_grad()
         loss_of(model(**inputs)).backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM).item())
         opt.step()
-    return {"loss": loss.detach(), "grads": grads, "state": {k: v.clone() for k, v in model.state_dict().items()}}
+    return {"loss": loss.detach(), "grads": grads, "norms": norms,
+            "state": {k: v.clone() for k, v in model.state_dict().items()}}
 
 
 def compare(label: str, what: str, got: torch.Tensor | None, want: torch.Tensor, rtol=RTOL, atol=ATOL) -> list[str]:
@@ -75,19 +87,23 @@ def compare(label: str, what: str, got: torch.Tensor | None, want: torch.Tensor,
 
 
 def check_module(label: str, pm, inputs: dict, ref: dict) -> list[str]:
-    """Loss, gradients, then AdamW steps and the full state, on one rank."""
-    errors = []
-    opt = torch.optim.AdamW(pm.parameters(), lr=LR, eps=EPS)
+    """DTensor layouts, loss, gradients, then clipped AdamW steps and the full state, on one rank."""
+    errors = layout_errors(pm, label)
+    opt = torch.optim.AdamW(pm.parameters(), lr=LR, eps=EPS, foreach=True)
     loss = loss_of(pm(**inputs))
     loss.backward()
     errors += compare(label, "loss", loss.detach(), ref["loss"])
+    errors += grad_layout_errors(pm, label)
     grads = pm.full_gradients()
     for k, want in ref["grads"].items():
         errors += compare(label, f"grad {k}", grads.get(k), want)
-    opt.step()
-    for _ in range(STEPS - 1):
-        opt.zero_grad()
-        loss_of(pm(**inputs)).backward()
+    for step in range(STEPS):
+        if step > 0:
+            opt.zero_grad()
+            loss_of(pm(**inputs)).backward()
+        norm = torch.nn.utils.clip_grad_norm_(pm.parameters(), MAX_NORM)
+        norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
+        errors += compare(label, f"global gradient norm at step {step}", norm, torch.tensor(ref["norms"][step], dtype=norm.dtype))
         opt.step()
     state = pm.full_state_dict()
     if set(state) != set(ref["state"]):

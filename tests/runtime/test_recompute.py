@@ -15,6 +15,7 @@ from autopar import zoo
 from autopar.api import plan as make_plan
 from autopar.plans import Plan
 from autopar.runtime.build import build_module
+from autopar.runtime.dtensors import local_of
 from autopar.runtime.recompute import CheckpointRegion, apply_recompute
 from autopar.runtime.passes import TRACED_NAME_KEY
 from autopar.runtime.launch import run_local
@@ -59,7 +60,8 @@ def _measure(rank, world, model, inputs, traced, plans):
     out = []
     for label, plan in plans:
         pm = build_module(model, traced, plan, device=torch.device("cpu"))
-        fixed = {t.untyped_storage().data_ptr() for t in [*pm.parameters(), *pm.buffers(), *inputs.values()]}
+        fixed = {local_of(t).untyped_storage().data_ptr()
+                 for t in [*pm.parameters(), *pm.buffers(), *inputs.values()]}
         seen: list = []  # weak references: only what is still alive when the forward ends counts
 
         def keep(t: torch.Tensor) -> None:
