@@ -102,7 +102,9 @@ def _bench(rank: int, world: int, args, model, inputs) -> dict:
         "megatron": (meg, lambda: meg(**full)),
         "ddp": (ddp, lambda: ddp(**local).loss),
     }
-    opts = {name: torch.optim.AdamW(m.parameters(), lr=1e-4) for name, (m, _) in impls.items()}
+    # torch's default AdamW: foreach on GPUs, a per-tensor loop on CPU (--foreach: foreach for all three)
+    opts = {name: torch.optim.AdamW(m.parameters(), lr=1e-4, foreach=args.foreach or None)
+            for name, (m, _) in impls.items()}
 
     def step(name):
         opts[name].zero_grad(set_to_none=True)
@@ -166,6 +168,9 @@ def main(argv=None) -> dict:
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--full-outputs", action="store_true",
                    help="autopar returns the HF outputs (full logits gathered on every rank) instead of the loss")
+    p.add_argument("--foreach", action="store_true",
+                   help="AdamW(foreach=True) for all three (torch's CPU default is the per-tensor loop, where "
+                        "autopar's DTensor parameters pay DTensor dispatch per tensor)")
     p.add_argument("--out", help="append one JSON line with the figures")
     args = p.parse_args(argv)
 
