@@ -26,7 +26,7 @@ import torch
 import torch.fx
 
 from autopar.layout.placement import Partial, Placement, Replicate, TensorSpec
-from autopar.tracer.graph import MODULE_KEY
+from autopar.tracer.meta_keys import MODULE_KEY, export_module_path
 
 __all__ = [
     "TensorMeta", "InputSlot", "OpInfo", "AxisOption", "Strategy", "RuleEntry", "LocalKernel",
@@ -288,10 +288,7 @@ def module_path_of(node: torch.fx.Node) -> str:
     """
     if MODULE_KEY in node.meta:
         return str(node.meta[MODULE_KEY])
-    stack = node.meta.get("nn_module_stack")
-    if stack:
-        return str(list(stack.values())[-1][0])
-    return ""
+    return export_module_path(node)
 
 
 # ------------------------------------------------------------------------------ rule records

@@ -31,6 +31,7 @@ from torch.export.graph_signature import InputKind
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from autopar.tracer import hf
+from autopar.tracer.meta_keys import export_module_path
 from autopar.tracer.graph import (BUFFER, CONSTANT, INPUT, MODULE_KEY, PARAMETER, PLACEHOLDER_KEY, Placeholder,
                     TracedGraph, keyword_path)
 
@@ -428,7 +429,7 @@ def _build(model: nn.Module, ep, model_name: str) -> TracedGraph:
         node.meta[PLACEHOLDER_KEY] = info
         placeholders.append(info)
     for node in graph.nodes:
-        node.meta[MODULE_KEY] = _module_path(node)
+        node.meta[MODULE_KEY] = export_module_path(node)
     _check_no_parameter_writes(graph, model_name)
     graph.lint()
     gm.recompile()
@@ -501,14 +502,6 @@ def _keystr(path) -> str:
     if getattr(path[0], "idx", 1) == 0:
         return "args" + pytree.keystr(path[1:])
     return keyword_path(path[1:])
-
-
-def _module_path(node: fx.Node) -> str:
-    stack = node.meta.get("nn_module_stack")
-    if not stack:
-        return ""
-    path = list(stack.values())[-1][0]
-    return path if isinstance(path, str) else str(path)
 
 
 def _loss_name(gm: fx.GraphModule, ep) -> str | None:
