@@ -25,6 +25,7 @@ _LAZY = {
     "AutoParallelModule": "autopar.runtime.module",
     "clip_grad_norm_": "autopar.runtime.module",
     "profile_mesh": "autopar.runtime.mesh_profile",
+    "GradScaler": "autopar.runtime.amp",
 }
 
 __all__ = ["MeshSpec", "TensorSpec", "Shard", "Replicate", "Partial", *_LAZY]

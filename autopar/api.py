@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from autopar.layout.mesh import MeshSpec, resolve_preset
-from autopar.planner.options import PlanOptions
+from autopar.planner.options import PlanOptions, precision_name
 from autopar.plans import BaselineResult, Plan
 
 if TYPE_CHECKING:
@@ -97,6 +97,8 @@ def plan(
     verbose: bool = False,
     progress: Progress | None = None,
     checkpoint: str = "auto",
+    precision: str = "fp32",
+    reduce_dtype: str = "fp32",
     device: str | None = None,
 ) -> Plan:
     """Plan ``model`` on ``mesh`` offline. ``mesh``: a MeshSpec, or a shape (``(2, 4)``/``"2x4"``)
@@ -104,12 +106,15 @@ def plan(
     name). ``memory_budget``: bytes or ``"16GiB"``; None = the device capacity from the MeshSpec.
     ``checkpoint``: activation recompute planning, ``"auto"`` (the faster of the joint ILP +
     Rotor refinement and Rotor alone; nothing when the budget cannot bind), ``"ilp"``,
-    ``"rotor"``, ``"both"`` or ``"none"`` (see ``autopar.planner.checkpointing``). The other
+    ``"rotor"``, ``"both"`` or ``"none"`` (see ``autopar.planner.checkpointing``). ``precision``:
+    ``"fp32"``, ``"bf16"`` or ``"fp16"`` compute with fp32 master weights, priced as it runs
+    (``autopar.tracer.precision``); ``reduce_dtype``: what gradients are summed in. The other
     options: see :class:`PlanOptions`. ``plan_model`` returns the intermediate results too."""
     options = PlanOptions(memory_budget=memory_budget, solver=solver, time_limit=time_limit,
                           preset=resolve_preset(preset, device), baselines=baselines,
                           optimizer_multiplier=optimizer_multiplier,
-                          allow_replicate_fallback=allow_replicate_fallback, checkpoint=checkpoint)
+                          allow_replicate_fallback=allow_replicate_fallback, checkpoint=checkpoint,
+                          precision=precision, reduce_dtype=reduce_dtype)
     return plan_model(model, meta_inputs, mesh=mesh, options=options, progress=progress or Progress(verbose)).plan
 
 
@@ -123,7 +128,7 @@ def plan_model(model: Any, meta_inputs: tuple | dict, *, mesh: MeshSpec | Sequen
     mesh = options.mesh(mesh)  # a bad mesh fails before the trace
     progress = progress or Progress()
     with progress.stage("trace"):
-        traced = trace(model, meta_inputs, decompose_if=needs_decomposition)
+        traced = trace(model, meta_inputs, decompose_if=needs_decomposition, precision=options.precision)
     with progress.stage("profile"):
         prof = profile_graph(traced)
     return plan_traced(traced, prof, mesh=mesh, options=options, progress=progress)
@@ -137,6 +142,9 @@ def plan_traced(traced: TracedGraph, profile: ModelProfile, *, mesh: MeshSpec | 
     from autopar.planner.checkpointing import plan_recompute
 
     mesh = options.mesh(mesh)
+    if traced.precision != options.precision:
+        raise ValueError(f"{traced.model_name} was traced for {traced.precision} compute but the options ask for "
+                         f"{options.precision}: trace with precision={options.precision!r}")
     progress = progress or Progress()
     with progress.stage("strategies", f"{sum(1 for _ in traced.compute_nodes())} ops on mesh {mesh}"):
         built = build_problem(traced, profile, mesh, budget_bytes=options.budget_bytes(mesh),
@@ -152,7 +160,8 @@ def plan_traced(traced: TracedGraph, profile: ModelProfile, *, mesh: MeshSpec | 
         traced, built, choice=rc.choice, evaluation=rc.evaluation, solution=rc.solution,
         timings=progress.timings, baselines=results, recompute=rc.regions,
         checkpoint={"mode": options.checkpoint, "method": rc.method, "units": list(rc.units),
-                    "activation_bytes": rc.activation_bytes, **rc.info})
+                    "activation_bytes": rc.activation_bytes, **rc.info},
+        reduce_dtype=options.reduce_dtype)
     return PlanResult(assembled, traced, profile, built, rc)
 
 
@@ -191,6 +200,8 @@ def autoparallelize(
     local_inputs: bool = False,
     allow_replicate_fallback: bool = False,
     checkpoint: str = "auto",
+    precision: str | None = None,
+    reduce_dtype: str | None = None,
 ) -> AutoParallelModule:
     """Shard ``model`` over the current process group; see the module docstring.
 
@@ -202,7 +213,10 @@ def autoparallelize(
     filled with ``load_full_state_dict``). ``local_inputs``: ``forward`` receives each rank's
     piece of every input under the plan's input layouts instead of the full batch.
     ``checkpoint``: activation recompute planning (``plan``); a loaded plan's recompute regions
-    are applied as they are.
+    are applied as they are. ``precision``: ``"fp32"`` (default), ``"bf16"`` or ``"fp16"`` compute;
+    parameters and optimizer state stay fp32, gradients are summed in ``reduce_dtype`` (default
+    fp32); a loaded plan brings its own (``ValueError`` when they disagree). fp16 wants loss
+    scaling: ``autopar.GradScaler``.
     """
     import torch.distributed as dist
 
@@ -222,13 +236,19 @@ def autoparallelize(
         # Every rank checks the options (the same error everywhere, before any collective).
         options = PlanOptions(memory_budget=memory_budget, solver=solver, preset=preset,
                               allow_replicate_fallback=allow_replicate_fallback, checkpoint=checkpoint,
+                              precision=precision or "fp32", reduce_dtype=reduce_dtype or "fp32",
                               **({} if time_limit is None else {"time_limit": time_limit}))
         spec = spec or MeshSpec.coerce((world,), preset=preset)
         plan, traced = _solve_on_rank0(model, meta_inputs, mesh=spec, options=options)
-        traced = traced or trace(model, meta_inputs, decompose_if=needs_decomposition)
     else:
         plan = plan if isinstance(plan, Plan) else Plan.load(os.fspath(plan))
-        traced = trace(model, meta_inputs, decompose_if=needs_decomposition)
+        for what, asked, planned in (("precision", precision, plan.precision),
+                                     ("reduce_dtype", reduce_dtype, plan.reduce_dtype)):
+            if asked is not None and precision_name(asked, what=what) != planned:
+                raise ValueError(f"{what}={asked!r} but the plan was made for {planned}; "
+                                 f"plan again or leave {what} out")
+        traced = None
+    traced = traced or trace(model, meta_inputs, decompose_if=needs_decomposition, precision=plan.precision)
     check_plan(plan, graph_hash=traced.graph_hash, world_size=world, mesh=spec)
     return build_module(model, traced, plan, device=dev, seed=seed, init_weights=init_weights,
                         local_inputs=local_inputs)

@@ -18,10 +18,11 @@ from typing import Any
 from autopar.layout.mesh import MeshSpec
 from autopar.layout.placement import Shard, TensorSpec
 
-__all__ = ["PLAN_VERSION", "COST_MODEL_VERSION", "NodeKind", "NodePlan", "Estimate", "BaselineResult",
+__all__ = ["PLAN_VERSION", "PRECISIONS", "COST_MODEL_VERSION", "NodeKind", "NodePlan", "Estimate", "BaselineResult",
            "RecomputeRegion", "Plan"]
 
 PLAN_VERSION = 1
+PRECISIONS = ("fp32", "bf16", "fp16")  # what ops compute in (torch dtypes: autopar.tracer.precision)
 COST_MODEL_VERSION = "roofline-ring-1"
 
 
@@ -126,6 +127,9 @@ class Plan:
     # activation_bytes = bytes saved for backward per device when the forward ends).
     recompute: tuple[RecomputeRegion, ...] = ()
     checkpoint: dict[str, Any] = field(default_factory=dict)
+    # Mixed precision: the dtype ops compute in (the traced graph's) and gradients are summed in.
+    precision: str = "fp32"
+    reduce_dtype: str = "fp32"
     cost_model_version: str = COST_MODEL_VERSION
     version: int = PLAN_VERSION
 
@@ -159,7 +163,9 @@ class Plan:
     def summary(self) -> str:
         budget = "none" if self.budget_bytes is None else f"{self.budget_bytes / 2**30:.2f} GiB"
         lines = [
-            f"plan for {self.model} on mesh {self.mesh} (budget {budget})",
+            f"plan for {self.model} on mesh {self.mesh} (budget {budget}"
+            + (f", {self.precision} compute, gradients summed in {self.reduce_dtype})" if self.precision != "fp32"
+               else ")"),
             f"  estimate: {self.estimate}",
             f"  solver: {self.solver.get('backend')} {self.solver.get('status')}, objective "
             f"{self.solver.get('objective', 0.0) * 1e3:.3f} ms, LP bound "
@@ -190,6 +196,7 @@ class Plan:
             "baselines": [asdict(b) for b in self.baselines], "fallbacks": list(self.fallbacks),
             "nodes": [asdict(n) for n in self.nodes],
             "recompute": [asdict(r) for r in self.recompute], "checkpoint": self.checkpoint,
+            "precision": self.precision, "reduce_dtype": self.reduce_dtype,
         }
         return json.dumps(data, indent=1)
 
@@ -199,6 +206,9 @@ class Plan:
         if data.get("version") != PLAN_VERSION:
             raise ValueError(f"plan file version {data.get('version')!r} is not supported "
                              f"(this autopar reads version {PLAN_VERSION})")
+        for key in ("precision", "reduce_dtype"):
+            if data.get(key, "fp32") not in PRECISIONS:
+                raise ValueError(f"plan {key} {data[key]!r} is not one of {PRECISIONS}")
         try:
             return cls(
                 model=data["model"], graph_hash=data["graph_hash"],
@@ -213,7 +223,8 @@ class Plan:
                     for b in data["baselines"]),
                 fallbacks=tuple(data["fallbacks"]),
                 recompute=tuple(RecomputeRegion(r["name"], tuple(r["nodes"])) for r in data.get("recompute", ())),
-                checkpoint=data.get("checkpoint", {}), cost_model_version=data["cost_model_version"],
+                checkpoint=data.get("checkpoint", {}), precision=data.get("precision", "fp32"),
+                reduce_dtype=data.get("reduce_dtype", "fp32"), cost_model_version=data["cost_model_version"],
                 version=data["version"],
             )
         except (KeyError, TypeError) as exc:

@@ -21,7 +21,7 @@ __all__ = ["assemble_plan", "node_plans", "estimate_of", "solver_stats", "applic
 
 def assemble_plan(traced, built, *, choice: dict[str, str], evaluation, solution,
                   timings: dict[str, float] | None = None, baselines: tuple = (), recompute: tuple = (),
-                  checkpoint: dict[str, Any] | None = None) -> Plan:
+                  checkpoint: dict[str, Any] | None = None, reduce_dtype: str = "fp32") -> Plan:
     """The ``Plan`` of ``choice`` (decision -> option name) on ``built`` (its mesh and budget).
     ``evaluation``: the choice's cost-model evaluation (with recompute, where there is any);
     ``solution``: the solver's ``Solution`` (its statistics go into ``Plan.solver``)."""
@@ -30,7 +30,7 @@ def assemble_plan(traced, built, *, choice: dict[str, str], evaluation, solution
         budget_bytes=built.problem.budget_bytes, nodes=node_plans(built, choice),
         estimate=estimate_of(evaluation), solver=solver_stats(solution), timings=dict(timings or {}),
         baselines=tuple(baselines), fallbacks=built.fallbacks, recompute=tuple(recompute),
-        checkpoint=dict(checkpoint or {}),
+        checkpoint=dict(checkpoint or {}), precision=traced.precision, reduce_dtype=reduce_dtype,
     )
 
 

@@ -11,8 +11,9 @@ import math
 from dataclasses import dataclass
 
 from autopar.layout.mesh import PRESETS, MeshSpec, parse_bytes
+from autopar.plans import PRECISIONS
 
-__all__ = ["PlanOptions", "SOLVERS", "CHECKPOINT_MODES"]
+__all__ = ["PlanOptions", "SOLVERS", "CHECKPOINT_MODES", "precision_name"]
 
 SOLVERS = ("auto", "highs", "cbc")  # ILP backends (autopar.solver.ilp); auto prefers HiGHS
 CHECKPOINT_MODES = ("auto", "none", "ilp", "rotor", "both")  # see autopar.planner.checkpointing
@@ -25,7 +26,9 @@ class PlanOptions:
     ILP solve. ``preset``: the device preset (``autopar.layout.mesh.PRESETS``) a mesh given as a
     shape gets. ``baselines``: also solve the baseline families. ``optimizer_multiplier``: optimizer
     state bytes per parameter byte. ``allow_replicate_fallback``: replicate ops without a sharding
-    rule instead of failing. ``checkpoint``: activation recompute planning mode."""
+    rule instead of failing. ``checkpoint``: activation recompute planning mode. ``precision``: what
+    ops compute in (``"fp32"``, ``"bf16"``, ``"fp16"``; parameters and optimizer state stay fp32).
+    ``reduce_dtype``: what gradients are summed in (default fp32)."""
 
     memory_budget: int | None = None
     solver: str = "auto"
@@ -35,6 +38,8 @@ class PlanOptions:
     optimizer_multiplier: float = 2.0
     allow_replicate_fallback: bool = False
     checkpoint: str = "auto"
+    precision: str = "fp32"
+    reduce_dtype: str = "fp32"
 
     def __post_init__(self) -> None:
         if self.memory_budget is not None:
@@ -49,6 +54,8 @@ class PlanOptions:
             raise ValueError(f"optimizer_multiplier must be a finite number >= 0, got {self.optimizer_multiplier!r}")
         if self.checkpoint not in CHECKPOINT_MODES:
             raise ValueError(f"checkpoint must be one of {CHECKPOINT_MODES}, got {self.checkpoint!r}")
+        object.__setattr__(self, "precision", precision_name(self.precision, what="precision"))
+        object.__setattr__(self, "reduce_dtype", precision_name(self.reduce_dtype, what="reduce_dtype"))
 
     def mesh(self, mesh: MeshSpec | tuple[int, ...] | str) -> MeshSpec:
         """``mesh`` as a MeshSpec: a shape gets this record's ``preset``."""
@@ -62,7 +69,21 @@ class PlanOptions:
         budget = "device capacity" if self.memory_budget is None else f"{self.memory_budget / 2**30:.2f} GiB"
         return (f"budget {budget}, solver {self.solver} ({self.time_limit:g}s), preset {self.preset}, "
                 f"checkpoint {self.checkpoint}" + (", baselines" if self.baselines else "")
+                + (f", {self.precision} compute (gradients summed in {self.reduce_dtype})"
+                   if self.precision != "fp32" else "")
                 + (", replicate fallback" if self.allow_replicate_fallback else ""))
+
+
+_ALIASES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float": "fp32"}
+
+
+def precision_name(value, *, what: str = "precision") -> str:
+    """``"bf16"``, ``"bfloat16"`` or ``torch.bfloat16`` -> ``"bf16"`` (one of ``PRECISIONS``)."""
+    name = str(value).removeprefix("torch.")
+    name = _ALIASES.get(name, name)
+    if name not in PRECISIONS:
+        raise ValueError(f"{what} must be one of {PRECISIONS} (or the torch dtype), got {value!r}")
+    return name
 
 
 def _is_number(value) -> bool:

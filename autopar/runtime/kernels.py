@@ -61,21 +61,27 @@ class _GradAllReduce(torch.autograd.Function):
     """Identity forward; the local (partial) gradient is summed over ``axes`` backward."""
 
     @staticmethod
-    def forward(ctx, tensor, axes, pmesh):
-        ctx.axes, ctx.pmesh = axes, pmesh
+    def forward(ctx, tensor, axes, pmesh, reduce_dtype):
+        ctx.axes, ctx.pmesh, ctx.reduce_dtype = axes, pmesh, reduce_dtype
         return tensor.view_as(tensor)
 
     @staticmethod
     def backward(ctx, grad):
-        return all_reduce_axes(grad, ctx.axes, ctx.pmesh, "sum"), None, None
+        wide = ctx.reduce_dtype
+        if wide is None or wide.itemsize <= grad.dtype.itemsize:
+            return all_reduce_axes(grad, ctx.axes, ctx.pmesh, "sum"), None, None, None
+        # Sum in the wide dtype, round once: a bf16 sum over many ranks loses digits at every hop.
+        return all_reduce_axes(grad.to(wide), ctx.axes, ctx.pmesh, "sum").to(grad.dtype), None, None, None
 
 
-def grad_all_reduce(tensor: torch.Tensor, axes: Sequence[int], pmesh: ProcessMesh) -> torch.Tensor:
-    """Megatron's "f": ``tensor`` unchanged, its gradient all-reduced over ``axes``."""
+def grad_all_reduce(tensor: torch.Tensor, axes: Sequence[int], pmesh: ProcessMesh, *,
+                    reduce_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Megatron's "f": ``tensor`` unchanged, its gradient all-reduced over ``axes``, summed in
+    ``reduce_dtype`` when that is wider than the gradient (a bf16 gradient summed in fp32)."""
     axes = _axes_tuple(axes)
     if not axes or not tensor.is_floating_point():
         return tensor
-    return _GradAllReduce.apply(tensor, axes, pmesh)
+    return _GradAllReduce.apply(tensor, axes, pmesh, reduce_dtype)
 
 
 class DistComm:

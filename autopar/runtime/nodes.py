@@ -42,12 +42,15 @@ class Collective(nn.Module):
 class GradAllReduce(nn.Module):
     """Megatron's "f": identity forward, sum all-reduce of the gradient over ``axes``."""
 
-    def __init__(self, pmesh: ProcessMesh) -> None:
+    def __init__(self, pmesh: ProcessMesh, *, reduce_dtype: torch.dtype | None = None) -> None:
         super().__init__()
-        self.pmesh = pmesh
+        self.pmesh, self.reduce_dtype = pmesh, reduce_dtype
 
     def forward(self, x: torch.Tensor, *, axes: tuple[int, ...]) -> torch.Tensor:
-        return grad_all_reduce(x, axes, self.pmesh)
+        return grad_all_reduce(x, axes, self.pmesh, reduce_dtype=self.reduce_dtype)
+
+    def extra_repr(self) -> str:
+        return "" if self.reduce_dtype is None else f"reduce_dtype={self.reduce_dtype}"
 
 
 class KernelCall(nn.Module):

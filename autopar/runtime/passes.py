@@ -48,6 +48,8 @@ from autopar.layout.conversion import STEP_KINDS, plan_conversion
 from autopar.layout.placement import TensorSpec
 from autopar.strategies import OpInfo, Strategy, get_kernel, input_nodes, strategies_for
 from autopar.strategies.registry import bind, local_arguments, needs_no_decision
+from autopar.tracer.meta_keys import PARAM_CAST_KEY
+from autopar.tracer.precision import compute_dtype
 from autopar.tracer.graph import (BUFFER, INPUT, MODULE_KEY, PARAMETER, PLACEHOLDER_KEY, Placeholder,
                                   TracedGraph)
 
@@ -136,6 +138,8 @@ class _Emitter:
         self.traced, self.plan, self.pmesh, self.device = traced, plan, pmesh, device
         self.local_inputs = local_inputs
         self.mesh_shape = tuple(pmesh.shape)
+        # Gradients are summed in this dtype (fp32 by default, also under bf16/fp16 compute).
+        self.reduce_dtype = compute_dtype(plan.reduce_dtype)
         self.decisions = {n.name: n for n in plan.nodes}
         self.graph = fx.Graph()
         self.modules: dict[str, torch.nn.Module] = {}
@@ -153,7 +157,8 @@ class _Emitter:
             while name in taken:
                 name = f"{name}_"
             self.comm_names[kind] = name
-            self.modules[name] = GradAllReduce(pmesh) if kind == GRAD_ALL_REDUCE else Collective(kind, pmesh)
+            self.modules[name] = GradAllReduce(pmesh, reduce_dtype=self.reduce_dtype) if kind == GRAD_ALL_REDUCE \
+                else Collective(kind, pmesh)
         # Partial gradients of parameters are all-reduced in buckets (autopar.runtime.bucketing).
         cap = bucket_cap_bytes()
         self.bucketer = GradBucketer(pmesh, cap) if cap > 0 else None
@@ -328,10 +333,13 @@ class _Emitter:
         val = src.meta.get("val")
         if axes and isinstance(val, torch.Tensor) and val.dtype.is_floating_point:
             key = (src.name, want, tuple(axes), GRAD_ALL_REDUCE)
-            if key not in self.converted and self.bucketer is not None and node is self.env[src.name] \
-                    and src.op == "placeholder" and src.meta[PLACEHOLDER_KEY].kind == PARAMETER:
-                slot = self.bucketer.add_slot(src.name, axes, want.local_shape(tuple(val.shape), self.mesh_shape),
-                                              val.dtype)
+            param = self._bucketable_parameter(src, want) if node is self.env[src.name] else None
+            if key not in self.converted and self.bucketer is not None and param is not None:
+                # A bf16 cast of a parameter is bucketed as the parameter itself: its gradient
+                # is summed in ``reduce_dtype`` and lands in the fp32 master's .grad.
+                dtype = val.dtype if param is src else self.reduce_dtype
+                slot = self.bucketer.add_slot(param.name, axes, want.local_shape(tuple(val.shape), self.mesh_shape),
+                                              dtype)
                 self.converted[key] = self.graph.call_module(
                     self.comm_names[GRAD_BUCKET], (node,), {"axes": tuple(axes), "slot": slot})
             if key not in self.converted:
@@ -339,6 +347,18 @@ class _Emitter:
                     self.comm_names[GRAD_ALL_REDUCE], (node,), {"axes": tuple(axes)})
             node = self.converted[key]
         return node
+
+    def _bucketable_parameter(self, src: fx.Node, want: TensorSpec) -> fx.Node | None:
+        """The parameter placeholder whose gradient a bucket can take for ``src`` read as
+        ``want``: ``src`` itself, or the parameter a mixed-precision cast ``src`` reads when the
+        cast keeps its layout (so the reduced gradient fits the master's local shard)."""
+        if src.op == "placeholder":
+            return src if src.meta[PLACEHOLDER_KEY].kind == PARAMETER else None
+        name = src.meta.get(PARAM_CAST_KEY)
+        if name is None:
+            return None
+        param = self.traced.node(name)
+        return param if self.layout.get(name) == want == self.layout.get(src.name) else None
 
     def _convert(self, src: fx.Node, want: TensorSpec, consumer: fx.Node) -> fx.Node:
         have = self.layout.get(src.name)

@@ -15,6 +15,7 @@ Contract (what later stages may rely on):
 from __future__ import annotations
 
 import hashlib
+from contextlib import contextmanager
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
@@ -95,6 +96,7 @@ class TracedGraph:
         # decomposed op -> the ops it became (``decompose``), for coverage reports
         self.decomposed: dict[str, tuple[str, ...]] = {}
         self._by_fqn = {alias: p for p in placeholders for alias in p.aliases}
+        self.precision = "fp32"  # what the ops compute in (``autopar.tracer.precision``)
 
     # ---- nodes -----------------------------------------------------------------------------
     @property
@@ -125,16 +127,21 @@ class TracedGraph:
         ``autopar.tracer.decompose``); returns and records what each decomposed op became."""
         from autopar.tracer.decompose import decompose_graph
 
+        with self.rewriting():
+            record = decompose_graph(self.gm, decompose_if)
+        for op, pieces in record.items():
+            self.decomposed[op] = tuple(sorted(set(self.decomposed.get(op, ())) | set(pieces)))
+        return record
+
+    @contextmanager
+    def rewriting(self) -> Iterator[None]:
+        """Around a pass that rewrites ``gm`` in place: node lookups and the loss follow it."""
         flat = self.flat_outputs
         loss_at = next((i for i, a in enumerate(flat) if isinstance(a, fx.Node) and a.name == self._loss_name), None)
-        record = decompose_graph(self.gm, decompose_if)
-        if record:
-            self._by_name = {node.name: node for node in self.gm.graph.nodes}
-            if loss_at is not None:  # the loss op itself may have been decomposed
-                self._loss_name = self.flat_outputs[loss_at].name
-            for op, pieces in record.items():
-                self.decomposed[op] = tuple(sorted(set(self.decomposed.get(op, ())) | set(pieces)))
-        return record
+        yield
+        self._by_name = {node.name: node for node in self.gm.graph.nodes}
+        if loss_at is not None:  # the loss op itself may have been replaced
+            self._loss_name = self.flat_outputs[loss_at].name
 
     # ---- placeholders ----------------------------------------------------------------------
     def placeholders_of(self, kind: NodeKind) -> tuple[Placeholder, ...]:

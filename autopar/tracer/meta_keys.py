@@ -4,11 +4,12 @@ A module of their own so that every tracer module (the graph record, the decompo
 can import them without importing each other.
 """
 
-__all__ = ["MODULE_KEY", "PLACEHOLDER_KEY", "DECOMPOSED_KEY", "export_module_path"]
+__all__ = ["MODULE_KEY", "PLACEHOLDER_KEY", "DECOMPOSED_KEY", "PARAM_CAST_KEY", "export_module_path"]
 
 MODULE_KEY = "autopar_module"  # the module path of the nn.Module that ran the op ("transformer.h.3.attn")
 PLACEHOLDER_KEY = "autopar_placeholder"  # a placeholder's Placeholder record (kind, FQN)
 DECOMPOSED_KEY = "autopar_decomposed_from"  # the op a node's decomposition came from
+PARAM_CAST_KEY = "autopar_param_cast"  # on a mixed-precision weight cast: its parameter's placeholder name
 
 
 def export_module_path(node) -> str:

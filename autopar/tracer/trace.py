@@ -32,6 +32,7 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from autopar.tracer import hf
 from autopar.tracer.meta_keys import export_module_path
+from autopar.tracer.precision import apply_precision, compute_dtype
 from autopar.tracer.graph import (BUFFER, CONSTANT, INPUT, MODULE_KEY, PARAMETER, PLACEHOLDER_KEY, Placeholder,
                     TracedGraph, keyword_path)
 
@@ -73,7 +74,8 @@ class TraceError(RuntimeError):
 
 
 def trace(model: nn.Module, meta_inputs: tuple | dict, *, name: str | None = None,
-          stack_traces: bool = False, decompose_if: Callable[[Any], bool] | None = None) -> TracedGraph:
+          stack_traces: bool = False, decompose_if: Callable[[Any], bool] | None = None,
+          precision: str = "fp32") -> TracedGraph:
     """Trace ``model``'s forward on ``meta_inputs`` (positional tuple or keyword dict).
 
     Tensors may be real, meta or fake; they are replaced by fake tensors of the same shape,
@@ -85,10 +87,12 @@ def trace(model: nn.Module, meta_inputs: tuple | dict, *, name: str | None = Non
     name the source line either way: that comes from the exception's own traceback).
     ``decompose_if(op)``: ops to replace by their PyTorch decompositions after export (the
     planner passes ``autopar.strategies.needs_decomposition``); ``TracedGraph.decomposed``
-    records what each became.
+    records what each became. ``precision``: ``"bf16"``/``"fp16"`` rewrite the graph to compute
+    in that dtype with fp32 master weights (``autopar.tracer.precision``).
     """
     if not isinstance(model, nn.Module):
         raise ValueError(f"trace() needs an nn.Module, got {type(model).__name__}")
+    compute_dtype(precision)  # a bad precision fails before the trace
     if isinstance(meta_inputs, torch.Tensor):
         meta_inputs = (meta_inputs,)
     if not isinstance(meta_inputs, (tuple, list, dict)):
@@ -115,7 +119,7 @@ def trace(model: nn.Module, meta_inputs: tuple | dict, *, name: str | None = Non
     traced = _build(model, ep, model_name)
     if decompose_if is not None:  # the planner's "no rule, but a decomposition" (tracer/decompose.py)
         traced.decompose(decompose_if)
-    return traced
+    return apply_precision(traced, precision)
 
 
 # ---- inputs ------------------------------------------------------------------------------------
