@@ -1,6 +1,8 @@
 """The cost model, in seconds (DESIGN.md decision 4). Device-free; no torch import.
 
-Compute: roofline ``max(flops / peak_flops, bytes / mem_bandwidth)`` with a per-kernel floor.
+Compute: roofline ``max(flops / peak, bytes / mem_bandwidth)`` with a per-kernel floor, where
+``peak`` is the mesh's peak at the op's compute precision (``MeshSpec.flops_at(itemsize)``: the
+bf16/fp16 peak for 2-byte floats, the fp32 peak otherwise).
 
 Communication over mesh axes ``axes`` of a tensor whose *full* size (over those axes) is
 ``nbytes``, with ``n`` the product of the axis sizes, ``alpha``/``beta`` the slowest of the
@@ -33,11 +35,12 @@ KERNEL_FLOOR_S = 2e-6
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "split")
 
 
-def compute_seconds(flops: float, nbytes: float, mesh: MeshSpec) -> float:
-    """Roofline time of one kernel moving ``nbytes`` and doing ``flops`` on one device."""
+def compute_seconds(flops: float, nbytes: float, mesh: MeshSpec, *, itemsize: int = 4) -> float:
+    """Roofline time of one kernel moving ``nbytes`` and doing ``flops`` on one device, computing
+    in ``itemsize``-byte floats (2: bf16/fp16, at the half-precision peak)."""
     if flops < 0 or nbytes < 0:
         raise ValueError(f"flops and bytes must be >= 0, got {flops}, {nbytes}")
-    return max(flops / mesh.peak_flops, nbytes / mesh.mem_bandwidth, KERNEL_FLOOR_S)
+    return max(flops / mesh.flops_at(itemsize), nbytes / mesh.mem_bandwidth, KERNEL_FLOOR_S)
 
 
 def copy_seconds(nbytes: float, mesh: MeshSpec) -> float:

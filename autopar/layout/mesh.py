@@ -4,6 +4,10 @@ A mesh is a shape (1-D to N-D, any sizes), one name per axis, per-axis link cost
 seconds of latency per collective, ``beta`` seconds per byte on the bottleneck link), and the
 per-device peak FLOP/s, memory bandwidth (bytes/s) and memory capacity (bytes).
 
+Two peaks: ``peak_flops`` in fp32 (what an fp32 model gets: torch does not use TF32 for matmuls
+by default) and ``half_peak_flops`` in bf16/fp16 (tensor cores on a GPU; ``None`` where half
+precision is no faster, e.g. a CPU). ``flops_at(itemsize)`` picks the one an op runs at.
+
 Presets come from public spec sheets, for planning without hardware. Devices fill nodes in
 row-major order (the last mesh axis is innermost); an axis whose devices all sit in one node
 gets NVLink costs, an axis that crosses nodes gets InfiniBand costs. Real links come from
@@ -22,11 +26,14 @@ from typing import Sequence
 __all__ = ["MeshSpec", "PRESETS", "parse_mesh_shape", "parse_bytes", "resolve_preset"]
 
 GiB = 1024**3
+# 2: half_peak_flops added and peak_flops became the fp32 peak (1: one peak, see from_json).
+JSON_VERSION = 2
 
 
 @dataclass(frozen=True, slots=True)
 class _Device:
-    peak_flops: float  # dense FLOP/s at training precision (bf16 tensor cores; fp32 on CPU)
+    peak_flops: float  # dense FLOP/s in fp32 (no TF32)
+    half_peak_flops: float | None  # dense FLOP/s in bf16/fp16 (tensor cores); None: as fp32
     mem_bandwidth: float  # bytes/s
     mem_capacity: int  # bytes
     node_size: int  # devices per node
@@ -36,20 +43,23 @@ class _Device:
     inter_beta: float  # s per byte across nodes (one NIC per device)
 
 
-# Public spec-sheet numbers. NVLink figures are per direction (half the marketed bidirectional
-# bandwidth); inter-node is one HDR (200 Gb/s) or NDR (400 Gb/s) NIC per GPU.
+# Public spec-sheet numbers. FLOP/s are dense (no 2:4 sparsity): A100 fp32 19.5 T, bf16 312 T;
+# H100 SXM fp32 67 T, bf16 989 T (the marketed 1979 T is sparse). NVLink figures are per
+# direction (half the marketed bidirectional bandwidth); inter-node is one HDR (200 Gb/s) or
+# NDR (400 Gb/s) NIC per GPU.
 PRESETS: dict[str, _Device] = {
     "a100-80gb": _Device(
-        peak_flops=312e12, mem_bandwidth=2.039e12, mem_capacity=80 * GiB, node_size=8,
+        peak_flops=19.5e12, half_peak_flops=312e12, mem_bandwidth=2.039e12, mem_capacity=80 * GiB, node_size=8,
         intra_alpha=10e-6, intra_beta=1 / 300e9, inter_alpha=25e-6, inter_beta=1 / 25e9,
     ),
     "h100-80gb": _Device(
-        peak_flops=989e12, mem_bandwidth=3.35e12, mem_capacity=80 * GiB, node_size=8,
+        peak_flops=67e12, half_peak_flops=989e12, mem_bandwidth=3.35e12, mem_capacity=80 * GiB, node_size=8,
         intra_alpha=8e-6, intra_beta=1 / 450e9, inter_alpha=20e-6, inter_beta=1 / 50e9,
     ),
-    # This kind of machine: 2 cores, gloo over loopback (~20 ms per 1 MB all-reduce on 4 ranks).
+    # This kind of machine: 2 cores, gloo over loopback (~20 ms per 1 MB all-reduce on 4 ranks);
+    # bf16 matmuls are no faster than fp32 on it.
     "cpu": _Device(
-        peak_flops=50e9, mem_bandwidth=10e9, mem_capacity=24 * GiB, node_size=1 << 30,
+        peak_flops=50e9, half_peak_flops=None, mem_bandwidth=10e9, mem_capacity=24 * GiB, node_size=1 << 30,
         intra_alpha=200e-6, intra_beta=1 / 1e9, inter_alpha=200e-6, inter_beta=1 / 1e9,
     ),
 }
@@ -61,10 +71,12 @@ class MeshSpec:
     axis_names: tuple[str, ...]
     alpha: tuple[float, ...]  # per axis, seconds per collective
     beta: tuple[float, ...]  # per axis, seconds per byte
-    peak_flops: float
+    peak_flops: float  # dense FLOP/s in fp32
     mem_bandwidth: float
     mem_capacity: int
     name: str = "custom"
+    # Dense FLOP/s in bf16/fp16; None: the same as peak_flops. Last because it has a default.
+    half_peak_flops: float | None = None
 
     def __post_init__(self) -> None:
         for field in ("shape", "axis_names", "alpha", "beta"):
@@ -85,6 +97,8 @@ class MeshSpec:
                 f"peak_flops, mem_bandwidth and mem_capacity must be positive, got "
                 f"{self.peak_flops}, {self.mem_bandwidth}, {self.mem_capacity}"
             )
+        if self.half_peak_flops is not None and not self.half_peak_flops > 0:
+            raise ValueError(f"half_peak_flops must be positive (or None), got {self.half_peak_flops}")
 
     # --------------------------------------------------------------------------- factories
     @classmethod
@@ -119,6 +133,7 @@ class MeshSpec:
             mem_bandwidth=dev.mem_bandwidth,
             mem_capacity=dev.mem_capacity,
             name=name,
+            half_peak_flops=dev.half_peak_flops,
         )
 
     @classmethod
@@ -140,6 +155,13 @@ class MeshSpec:
     def num_devices(self) -> int:
         return math.prod(self.shape)
 
+    def flops_at(self, itemsize: int) -> float:
+        """Peak FLOP/s of an op computing in ``itemsize``-byte floats: 2 (bf16/fp16) gets the
+        half-precision peak, anything else the fp32 peak."""
+        if itemsize == 2 and self.half_peak_flops is not None:
+            return self.half_peak_flops
+        return self.peak_flops
+
     def axis_index(self, axis: int | str) -> int:
         if isinstance(axis, str):
             if axis not in self.axis_names:
@@ -154,14 +176,22 @@ class MeshSpec:
 
     # ------------------------------------------------------------------------------- JSON
     def to_json(self) -> str:
-        return json.dumps({"version": 1, **asdict(self)}, indent=2)
+        return json.dumps({"version": JSON_VERSION, **asdict(self)}, indent=2)
 
     @classmethod
     def from_json(cls, text: str) -> "MeshSpec":
         data = json.loads(text)
         version = data.pop("version", 1)
-        if version != 1:
-            raise ValueError(f"MeshSpec JSON version {version} is not supported (expected 1)")
+        if version == 1:
+            # Version 1 had one peak, "at training precision": a profiled GPU's was a bf16 matmul
+            # and the GPU presets were bf16. Pricing half precision at it keeps old files' plans
+            # as they were (fp32 ops too: there is no fp32 figure to price them better).
+            if "half_peak_flops" in data:
+                raise ValueError("malformed MeshSpec JSON: version 1 has no half_peak_flops (use version 2)")
+            if "peak_flops" in data:
+                data["half_peak_flops"] = data["peak_flops"]
+        elif version != JSON_VERSION:
+            raise ValueError(f"MeshSpec JSON version {version} is not supported (expected 1 or {JSON_VERSION})")
         try:
             return cls(**data)
         except TypeError as exc:

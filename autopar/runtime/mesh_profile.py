@@ -16,10 +16,11 @@ residuals ``log(model / t)``, so that 64 KiB calls weigh as much as 16 MiB ones 
 over-prediction counts like a 2x under-prediction; both parameters come out strictly positive.
 Axes of size 1 never communicate: alpha = beta = 0 there.
 
-Device figures: peak FLOP/s from a timed square matmul (fp32 on CPU, bf16 on CUDA), memory
-bandwidth from a timed copy (``2 * bytes / s``, the convention of ``cost.copy_seconds``), the
-best of ``repeats`` on each rank and the slowest rank's value; capacity is the CUDA device's
-total memory or the machine's physical RAM. All ranks return the same ``MeshSpec``.
+Device figures: ``peak_flops`` from a timed fp32 square matmul and, on CUDA, ``half_peak_flops``
+from a bf16 one (None on CPU, where bf16 is no faster); memory bandwidth from a timed copy
+(``2 * bytes / s``, the convention of ``cost.copy_seconds``); the best of ``repeats`` on each rank
+and the slowest rank's value. Capacity is the CUDA device's total memory or the machine's
+physical RAM. All ranks return the same ``MeshSpec``.
 """
 
 from __future__ import annotations
@@ -266,20 +267,29 @@ def measure_axis(device_mesh, axis: int, sizes: Sequence[int], *, device: torch.
     return out
 
 
-def _device_figures(device: torch.device, repeats: int) -> tuple[float, float]:
-    """(peak matmul FLOP/s, copy bandwidth bytes/s) of this rank's device, best of ``repeats``."""
-    cuda = device.type == "cuda"
-    size = 8192 if cuda else 512
-    dtype = torch.bfloat16 if cuda else torch.float32
+def _matmul_flops(device: torch.device, dtype: torch.dtype, size: int, repeats: int) -> float:
+    """FLOP/s of a ``size``-square matmul in ``dtype``, best of ``repeats`` after one warm-up."""
     a = torch.randn(size, size, device=device, dtype=dtype)
     b = torch.randn(size, size, device=device, dtype=dtype)
-    best_mm = math.inf
+    best = math.inf
     for _ in range(repeats + 1):  # the first call warms up kernels and allocator
         _sync(device)
         start = time.perf_counter()
         torch.mm(a, b)
         _sync(device)
-        best_mm = min(best_mm, time.perf_counter() - start)
+        best = min(best, time.perf_counter() - start)
+    return 2.0 * size**3 / best
+
+
+def _device_figures(device: torch.device, repeats: int) -> tuple[float, float | None, float]:
+    """(fp32 matmul FLOP/s, bf16 matmul FLOP/s or None, copy bandwidth bytes/s) of this rank's
+    device, best of ``repeats``. fp32 runs under the process's matmul settings (torch's default:
+    no TF32), as an fp32 model would; bf16 only on CUDA, where tensor cores make it faster (on a
+    CPU it is not, and ``MeshSpec`` prices half precision at the fp32 peak when it is None)."""
+    cuda = device.type == "cuda"
+    size = 8192 if cuda else 512
+    fp32 = _matmul_flops(device, torch.float32, size, repeats)
+    half = _matmul_flops(device, torch.bfloat16, size, repeats) if cuda else None
     numel = (1 << 28) if cuda else (1 << 24)  # 1 GiB / 64 MiB of float32
     src = torch.ones(numel, device=device)
     dst = torch.empty_like(src)
@@ -290,7 +300,7 @@ def _device_figures(device: torch.device, repeats: int) -> tuple[float, float]:
         dst.copy_(src)
         _sync(device)
         best_copy = min(best_copy, time.perf_counter() - start)
-    return 2.0 * size**3 / best_mm, 2.0 * numel * 4 / best_copy
+    return fp32, half, 2.0 * numel * 4 / best_copy
 
 
 def _mem_capacity(device: torch.device) -> int:
@@ -325,14 +335,18 @@ def _profile_in_group(shape: tuple[int, ...], device_type: str, sizes: Sequence[
         if verbose and dist.get_rank() == 0:
             print(f"[profile-mesh] axis {axis} ({names[axis]}, n={n}): alpha {a * 1e6:.1f} us, "
                   f"beta {b * 1e9:.3f} ns/B ({1 / b / 1e9 if b else math.inf:.2f} GB/s)", flush=True)
-    flops, bandwidth = _device_figures(device, repeats)
-    flops, bandwidth = _reduce_max([flops, bandwidth], device, op=dist.ReduceOp.MIN)
+    flops, half, bandwidth = _device_figures(device, repeats)
+    # Every rank has the same device type, so all or none measured bf16.
+    figures = _reduce_max([flops, bandwidth] + ([] if half is None else [half]), device, op=dist.ReduceOp.MIN)
+    flops, bandwidth = figures[:2]
+    half = figures[2] if half is not None else None
     if verbose and dist.get_rank() == 0:
-        print(f"[profile-mesh] device: {flops / 1e9:.1f} GFLOP/s matmul, {bandwidth / 1e9:.2f} GB/s copy",
-              flush=True)
+        bf16 = "" if half is None else f", {half / 1e9:.1f} GFLOP/s bf16 matmul"
+        print(f"[profile-mesh] device: {flops / 1e9:.1f} GFLOP/s fp32 matmul{bf16}, "
+              f"{bandwidth / 1e9:.2f} GB/s copy", flush=True)
     mesh = MeshSpec(shape=shape, axis_names=names, alpha=tuple(alpha), beta=tuple(beta),
                     peak_flops=flops, mem_bandwidth=bandwidth, mem_capacity=_mem_capacity(device),
-                    name=f"profiled-{device_type}")
+                    name=f"profiled-{device_type}", half_peak_flops=half)
     return MeshProfile(mesh=mesh, timings=tuple(timings))
 
 

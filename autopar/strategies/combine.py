@@ -120,9 +120,10 @@ def _strategy(info: OpInfo, mesh: MeshSpec, combo: tuple[AxisOption, ...], in_sp
     differentiable = any(s.meta is not None and s.meta.is_float for s in info.slots) and any(
         m is not None and m.is_float for m in info.outputs
     )
-    fwd_c = compute_seconds(flops[0] / div, moved, mesh)
+    itemsize = _compute_itemsize(info)
+    fwd_c = compute_seconds(flops[0] / div, moved, mesh, itemsize=itemsize)
     # Backward reads the output gradient and the saved inputs and writes the input gradients.
-    bwd_c = compute_seconds(flops[1] / div, 2 * moved, mesh) if differentiable else 0.0
+    bwd_c = compute_seconds(flops[1] / div, 2 * moved, mesh, itemsize=itemsize) if differentiable else 0.0
     bwd_comm = sum(
         collective_seconds("all_reduce", in_bytes[i], mesh, axes) for i, axes in enumerate(gp_axes) if axes
     )
@@ -146,6 +147,20 @@ def _strategy(info: OpInfo, mesh: MeshSpec, combo: tuple[AxisOption, ...], in_sp
         work_split_axes=work_axes,
         is_fallback=fallback,
     )
+
+
+def _compute_itemsize(info: OpInfo) -> int:
+    """Bytes per float the op computes in, for ``compute_seconds``: the widest of its floating
+    outputs, or of its floating inputs when no output is floating (comparisons); 4 when none is.
+
+    Outputs decide because they show the precision the kernel ran at: a bf16 matmul writes bf16,
+    while an op that reads bf16 and writes fp32 (a cast up, a loss computed in fp32) ran in fp32.
+    The widest decides so that only an op entirely in bf16/fp16 gets the half-precision peak.
+    """
+    floats = [m for m in info.outputs if m is not None and m.is_float]
+    if not floats:
+        floats = [s.meta for s in info.slots if s.meta is not None and s.meta.is_float]
+    return max((m.itemsize for m in floats), default=4)
 
 
 # ------------------------------------------------------------------------------------ FLOPs

@@ -1,3 +1,5 @@
+import json
+
 import pytest
 
 from autopar.layout.cost import collective_seconds, compute_seconds, KERNEL_FLOOR_S
@@ -18,6 +20,55 @@ def test_preset_links_intra_vs_inter_node():
         MeshSpec.preset("h100-80gb", (3, 4))
     with pytest.raises(ValueError, match="unknown device preset 'tpu'"):
         MeshSpec.preset("tpu", (2,))
+
+
+def test_presets_carry_an_fp32_and_a_half_precision_peak():
+    a100, h100, cpu = (MeshSpec.preset(n, (8,)) for n in ("a100-80gb", "h100-80gb", "cpu"))
+    assert (a100.peak_flops, a100.half_peak_flops) == (19.5e12, 312e12)
+    assert (h100.peak_flops, h100.half_peak_flops) == (67e12, 989e12)
+    assert (cpu.peak_flops, cpu.half_peak_flops) == (50e9, None)
+    assert (a100.flops_at(4), a100.flops_at(2), a100.flops_at(8)) == (19.5e12, 312e12, 19.5e12)
+    assert h100.flops_at(2) == 989e12
+    assert cpu.flops_at(2) == cpu.flops_at(4) == 50e9  # None: half precision is no faster
+
+
+def test_half_peak_is_validated_and_optional():
+    base = dict(shape=(2,), axis_names=("dp",), alpha=(1e-5,), beta=(1e-9,), peak_flops=1e12,
+                mem_bandwidth=1e12, mem_capacity=2**30)
+    assert MeshSpec(**base).half_peak_flops is None  # existing keyword callers keep working
+    assert MeshSpec((2,), ("dp",), (1e-5,), (1e-9,), 1e12, 1e12, 2**30, "lab").name == "lab"
+    assert MeshSpec(**base, half_peak_flops=8e12).flops_at(2) == 8e12
+    for bad in (0.0, -1e12):
+        with pytest.raises(ValueError, match=f"half_peak_flops must be positive.*{bad}"):
+            MeshSpec(**base, half_peak_flops=bad)
+
+
+def test_json_version_2_round_trips_both_peaks():
+    mesh = MeshSpec.preset("h100-80gb", (2, 8))
+    data = json.loads(mesh.to_json())
+    assert data["version"] == 2 and data["half_peak_flops"] == 989e12 and data["peak_flops"] == 67e12
+    assert MeshSpec.from_json(mesh.to_json()) == mesh
+    cpu = MeshSpec.preset("cpu", (2,))
+    assert json.loads(cpu.to_json())["half_peak_flops"] is None
+    assert MeshSpec.from_json(cpu.to_json()) == cpu
+
+
+def test_json_version_1_prices_as_before():
+    # A v1 file has one peak, "at training precision" (a profiled GPU's was a bf16 matmul):
+    # both precisions get it, so an old file's plans do not change.
+    v1 = {"version": 1, "shape": [8], "axis_names": ["dp"], "alpha": [1e-5], "beta": [1 / 100e9],
+          "peak_flops": 300e12, "mem_bandwidth": 1e12, "mem_capacity": 16 * 2**30, "name": "lab"}
+    mesh = MeshSpec.from_json(json.dumps(v1))
+    assert mesh.peak_flops == mesh.half_peak_flops == 300e12
+    assert mesh.flops_at(4) == mesh.flops_at(2) == 300e12
+    assert MeshSpec.from_json(mesh.to_json()) == mesh  # re-saved as version 2
+    unversioned = dict(v1)
+    del unversioned["version"]
+    assert MeshSpec.from_json(json.dumps(unversioned)) == mesh
+    with pytest.raises(ValueError, match="version 1 has no half_peak_flops"):
+        MeshSpec.from_json(json.dumps({**v1, "half_peak_flops": 1e12}))
+    with pytest.raises(ValueError, match="version 3 is not supported"):
+        MeshSpec.from_json(json.dumps({**v1, "version": 3}))
 
 
 def test_parsers():
@@ -49,7 +100,7 @@ def test_ring_factors():
 def test_roofline():
     m = MeshSpec.preset("a100-80gb", (8,))
     assert compute_seconds(0, 0, m) == KERNEL_FLOOR_S
-    assert compute_seconds(312e12, 0, m) == pytest.approx(1.0)
+    assert compute_seconds(19.5e12, 0, m) == pytest.approx(1.0)  # fp32 peak by default
     assert compute_seconds(1, 2.039e12, m) == pytest.approx(1.0)
 
 

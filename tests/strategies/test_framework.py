@@ -189,3 +189,48 @@ def test_every_covered_node_of_tiny_gpt2_gets_strategies():
         if isinstance(val, torch.Tensor) and any(size % 2 == 0 for size in val.shape):
             assert any(not st.output_specs[0].is_replicated() for st in strategies), node.format_node()
         assert all(st.compute_s > 0 for st in strategies)
+
+
+# ------------------------------------------------------------------ compute precision
+def _fake_info(target, *shapes, of, **kwargs):
+    """OpInfo of ``target`` on fake tensors of dtype ``of`` and ``shapes`` (no data is allocated)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        args = [torch.empty(s, dtype=of) for s in shapes]
+        return OpInfo.from_values(target, args, kwargs, target(*args, **kwargs))
+
+
+def test_a_bf16_op_is_priced_at_the_half_precision_peak():
+    # 4096^3 matmul: 137 GFLOP against 200 MB moved, compute-bound in both precisions on an A100
+    # (7.0 ms fp32 / 0.44 ms bf16 of FLOPs vs 0.10 ms of memory), so the ratio is the peaks' ratio.
+    n = 4096
+    mesh = MeshSpec.preset("a100-80gb", (8,))
+    costs = {}
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        info = _fake_info(aten.addmm.default, (n,), (n, n), (n, n), of=dtype)
+        assert estimate_flops(info) == (2 * n**3, 4 * n**3)  # the same FLOPs whatever the dtype
+        costs[dtype] = {s.name: s for s in enumerate_strategies(info, mesh)}
+    rep, split = "R x R x R -> R", "R x S0 x R -> S0"
+    assert costs[torch.float32][rep].compute_s == pytest.approx(6 * n**3 / 19.5e12)
+    for half in (torch.bfloat16, torch.float16):
+        assert costs[torch.float32].keys() == costs[half].keys()
+        assert costs[half][rep].compute_s == pytest.approx(6 * n**3 / 312e12)
+        # A split strategy divides the FLOPs by 8 and stays compute-bound: the same ratio.
+        for name in (rep, split):
+            assert costs[torch.float32][name].compute_s / costs[half][name].compute_s == pytest.approx(312 / 19.5)
+
+
+def test_an_op_computes_in_its_widest_float_output_else_its_float_inputs():
+    from autopar.strategies.combine import _compute_itemsize
+
+    assert _compute_itemsize(_fake_info(aten.mm.default, (4, 4), (4, 4), of=torch.bfloat16)) == 2
+    assert _compute_itemsize(_fake_info(aten.mm.default, (4, 4), (4, 4), of=torch.float32)) == 4
+    # A cast up reads bf16 and writes fp32: it runs in fp32; a cast down writes bf16.
+    up = _fake_info(aten._to_copy.default, (4, 4), of=torch.bfloat16, dtype=torch.float32)
+    assert up.outputs[0].dtype == torch.float32 and _compute_itemsize(up) == 4
+    assert _compute_itemsize(_fake_info(aten._to_copy.default, (4, 4), of=torch.float32, dtype=torch.float16)) == 2
+    # A comparison writes bool: its floating inputs decide; no floats at all: fp32.
+    assert _compute_itemsize(_fake_info(aten.lt.Tensor, (4,), (4,), of=torch.bfloat16)) == 2
+    assert _compute_itemsize(_fake_info(aten.lt.Tensor, (4,), (4,), of=torch.float64)) == 8
+    assert _compute_itemsize(_fake_info(aten.lt.Tensor, (4,), (4,), of=torch.int64)) == 4
