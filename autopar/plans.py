@@ -23,7 +23,7 @@ __all__ = ["PLAN_VERSION", "PRECISIONS", "COST_MODEL_VERSION", "NodeKind", "Node
 
 PLAN_VERSION = 1
 PRECISIONS = ("fp32", "bf16", "fp16")  # what ops compute in (torch dtypes: autopar.tracer.precision)
-COST_MODEL_VERSION = "roofline-ring-1"
+COST_MODEL_VERSION = "roofline-ring-2"  # 2: compute at the op dtype's peak (fp32 vs bf16/fp16)
 
 
 class NodeKind(str, enum.Enum):

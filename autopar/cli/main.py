@@ -14,6 +14,7 @@ import time
 import warnings
 
 from autopar.planner.options import CHECKPOINT_MODES, SOLVERS, PlanOptions
+from autopar.plans import PRECISIONS
 
 __all__ = ["main", "build_parser"]
 
@@ -58,6 +59,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--time-limit", type=float, default=60.0, help="seconds per ILP solve (default 60)")
     p.add_argument("--checkpoint", default="auto", choices=CHECKPOINT_MODES,
                    help="activation recompute planning (auto: the faster of the joint ILP and Rotor refinement)")
+    p.add_argument("--precision", default="fp32", choices=PRECISIONS,
+                   help="what ops compute in; weights and optimizer state stay fp32 (default fp32)")
+    p.add_argument("--reduce-dtype", default="fp32", choices=PRECISIONS,
+                   help="what gradients are summed in (default fp32)")
     p.add_argument("--optimizer-multiplier", type=float, default=2.0,
                    help="optimizer state bytes per parameter byte (default 2: AdamW fp32)")
     p.add_argument("--allow-fallback", action="store_true", help="replicate ops that have no sharding rule")
@@ -123,7 +128,8 @@ def cmd_inspect(args) -> int:
     mesh = resolve_mesh(args.preset, args.mesh, flag=args.preset_flag)
     options = PlanOptions(memory_budget=args.memory, solver=args.solver, time_limit=args.time_limit,
                           baselines=not args.no_baselines, optimizer_multiplier=args.optimizer_multiplier,
-                          allow_replicate_fallback=args.allow_fallback, checkpoint=args.checkpoint)
+                          allow_replicate_fallback=args.allow_fallback, checkpoint=args.checkpoint,
+                          precision=args.precision, reduce_dtype=args.reduce_dtype)
     _check_writable(args.json, "--json")
     _check_writable(args.html, "--html")
     check_model_spec(args.model, args.input)

@@ -55,6 +55,7 @@ from autopar.layout.blocks import block_of
 from autopar.solver.problem import Edge, Node, Problem, StrategyOption
 from autopar.strategies import Strategy, input_nodes, strategies_for
 from autopar.tracer.graph import PLACEHOLDER_KEY, TracedGraph
+from autopar.tracer.precision import compute_dtype
 from autopar.tracer.profile import ModelProfile
 
 __all__ = ["BuiltProblem", "Choice", "ChosenConversion", "Decision", "InputSlot", "build_problem",
@@ -244,7 +245,8 @@ class _Builder:
         if cached is None:
             prof = self.prof[node.name]
             cached = strategies_for(node, self.mesh, flops=(prof.fwd_flops, prof.bwd_flops),
-                                    allow_replicate_fallback=self.opts.allow_replicate_fallback)
+                                    allow_replicate_fallback=self.opts.allow_replicate_fallback,
+                                    reduce_itemsize=compute_dtype(self.opts.reduce_dtype).itemsize)
             self._strategy_cache[key] = cached
         if cached and cached[0].is_fallback:
             self.fallbacks.append(node.name)
@@ -361,11 +363,30 @@ def _activation_bytes(node: fx.Node, s: Strategy, slots: list[fx.Node], activati
         full = val.numel() * val.dtype.itemsize
         if full:
             slot_frac.setdefault(storage_base(src).name, min(s.input_bytes[k] / full, 1.0))
+    in_frac = _input_fraction(s, slots, activations)
     total = 0.0
     for producer, nbytes in parts:
-        frac = out_frac if producer == node.name else slot_frac.get(producer, blended)
+        if producer != node.name:
+            frac = slot_frac.get(producer, blended)
+        elif nbytes <= out_global or in_frac is None:
+            frac = out_frac
+        else:
+            # A temporary bigger than the output is input-sized (cross-entropy's log-softmax
+            # behind a scalar loss): it is as sharded as the inputs, not as the output.
+            frac = in_frac
         total += nbytes * frac
     return int(round(total))
+
+
+def _input_fraction(s: Strategy, slots: list[fx.Node], activations: list[bool]) -> float | None:
+    """Local/global bytes of the op's floating activation inputs under ``s`` (None: none)."""
+    local = full = 0
+    for i, src in enumerate(slots):
+        val = src.meta.get("val")
+        if i < len(s.input_bytes) and activations[i] and _is_float(val):
+            local += s.input_bytes[i]
+            full += val.numel() * val.dtype.itemsize
+    return min(local / full, 1.0) if full else None
 
 
 def _local_bytes(s: Strategy, slots: list[fx.Node], activations: list[bool]) -> int:

@@ -71,7 +71,7 @@ def fits_axis(info: OpInfo, opt: AxisOption, size: int) -> bool:
 
 # ------------------------------------------------------------------------------- expansion
 def build_strategies(info: OpInfo, mesh: MeshSpec, entry: RuleEntry | None, per_axis: Sequence[Sequence[AxisOption]],
-           flops: tuple[float, float], *, fallback: bool) -> list[Strategy]:
+           flops: tuple[float, float], *, fallback: bool, reduce_itemsize: int | None = None) -> list[Strategy]:
     out, seen = [], set()
     for combo in itertools.product(*per_axis):
         kernels = {o.kernel for o in combo} - {None}
@@ -91,7 +91,8 @@ def build_strategies(info: OpInfo, mesh: MeshSpec, entry: RuleEntry | None, per_
         if key in seen:
             continue
         seen.add(key)
-        out.append(_strategy(info, mesh, combo, in_specs, out_specs, next(iter(kernels), None), flops, fallback))
+        out.append(_strategy(info, mesh, combo, in_specs, out_specs, next(iter(kernels), None), flops, fallback,
+                             reduce_itemsize))
     return out
 
 
@@ -107,8 +108,17 @@ def _valid(meta: TensorMeta | None, spec: TensorSpec | None, mesh_shape: tuple[i
     return meta is None or spec is None or spec.is_valid(meta.shape, mesh_shape)
 
 
+def _widening(meta: TensorMeta | None, reduce_itemsize: int | None) -> float:
+    """How much bigger a partial gradient is on the wire than the input: a bf16 gradient
+    summed in fp32 moves 4 bytes per element (``runtime.kernels.grad_all_reduce``)."""
+    if meta is None or reduce_itemsize is None or reduce_itemsize <= meta.itemsize:
+        return 1.0
+    return reduce_itemsize / meta.itemsize
+
+
 def _strategy(info: OpInfo, mesh: MeshSpec, combo: tuple[AxisOption, ...], in_specs, out_specs,
-              kernel: str | None, flops: tuple[float, float], fallback: bool) -> Strategy:
+              kernel: str | None, flops: tuple[float, float], fallback: bool,
+              reduce_itemsize: int | None = None) -> Strategy:
     work_axes = tuple(a for a, o in enumerate(combo) if o.work_split)
     gp_axes = tuple(tuple(a for a, o in enumerate(combo) if o.grad_partial[i]) for i in range(len(info.slots)))
     in_bytes = tuple(
@@ -125,7 +135,8 @@ def _strategy(info: OpInfo, mesh: MeshSpec, combo: tuple[AxisOption, ...], in_sp
     # Backward reads the output gradient and the saved inputs and writes the input gradients.
     bwd_c = compute_seconds(flops[1] / div, 2 * moved, mesh, itemsize=itemsize) if differentiable else 0.0
     bwd_comm = sum(
-        collective_seconds("all_reduce", in_bytes[i], mesh, axes) for i, axes in enumerate(gp_axes) if axes
+        collective_seconds("all_reduce", in_bytes[i] * _widening(info.slots[i].meta, reduce_itemsize), mesh, axes)
+        for i, axes in enumerate(gp_axes) if axes
     )
     fwd_comm = 0.0
     if kernel is not None:

@@ -32,18 +32,21 @@ __all__ = ["strategies_for", "enumerate_strategies", "axis_options"]
 
 
 def strategies_for(node: torch.fx.Node, mesh: MeshSpec, *, flops: tuple[float, float] | None = None,
-                   allow_replicate_fallback: bool = False) -> list[Strategy]:
+                   allow_replicate_fallback: bool = False, reduce_itemsize: int | None = None) -> list[Strategy]:
     """All candidate strategies of an fx node (``call_function`` on an ATen overload).
 
     ``flops``: (forward, backward) FLOPs of the whole op, e.g. from the tracer's profile; when
     None they are counted with ``torch.utils.flop_counter`` on fake tensors (cached).
+    ``reduce_itemsize``: bytes per element partial gradients are summed in when that is wider
+    than the input (bf16 gradients summed in fp32: 4); None = the input's own.
     """
     return enumerate_strategies(OpInfo.from_node(node), mesh, flops=flops,
-                                allow_replicate_fallback=allow_replicate_fallback)
+                                allow_replicate_fallback=allow_replicate_fallback, reduce_itemsize=reduce_itemsize)
 
 
 def enumerate_strategies(info: OpInfo, mesh: MeshSpec, *, flops: tuple[float, float] | None = None,
-                         allow_replicate_fallback: bool = False) -> list[Strategy]:
+                         allow_replicate_fallback: bool = False,
+                         reduce_itemsize: int | None = None) -> list[Strategy]:
     entry = rule_for(info.target)
     if entry is None:
         if not allow_replicate_fallback:
@@ -51,7 +54,8 @@ def enumerate_strategies(info: OpInfo, mesh: MeshSpec, *, flops: tuple[float, fl
         warnings.warn(f"no sharding rule for {info.where()}: replicating it on every device",
                       stacklevel=2)
         options = [[replicate_option(info)]] * mesh.ndim
-        return build_strategies(info, mesh, None, options, flops or (0.0, 0.0), fallback=True)
+        return build_strategies(info, mesh, None, options, flops or (0.0, 0.0), fallback=True,
+                                reduce_itemsize=reduce_itemsize)
     per_axis = []
     base = axis_options(entry, info)
     for size in mesh.shape:
@@ -61,7 +65,7 @@ def enumerate_strategies(info: OpInfo, mesh: MeshSpec, *, flops: tuple[float, fl
             per_axis.append([o for o in base if fits_axis(info, o, size)])
     if flops is None:
         flops = estimate_flops(info) if entry.has_flops else (0.0, 0.0)
-    return build_strategies(info, mesh, entry, per_axis, flops, fallback=False)
+    return build_strategies(info, mesh, entry, per_axis, flops, fallback=False, reduce_itemsize=reduce_itemsize)
 
 
 # ---------------------------------------------------------------------------------- options

@@ -234,3 +234,23 @@ def test_an_op_computes_in_its_widest_float_output_else_its_float_inputs():
     assert _compute_itemsize(_fake_info(aten.lt.Tensor, (4,), (4,), of=torch.bfloat16)) == 2
     assert _compute_itemsize(_fake_info(aten.lt.Tensor, (4,), (4,), of=torch.float64)) == 8
     assert _compute_itemsize(_fake_info(aten.lt.Tensor, (4,), (4,), of=torch.int64)) == 4
+
+
+def test_partial_gradients_are_priced_at_the_reduce_dtype():
+    """A data-parallel bf16 matmul's weight gradient is summed in fp32 by default: the backward
+    all-reduce moves 4 bytes per element (runtime.kernels.grad_all_reduce widens it)."""
+    from autopar.layout.cost import collective_seconds
+
+    mesh = MeshSpec.preset("a100-80gb", (8,))
+    info = _fake_info(aten.mm.default, (64, 512), (512, 512), of=torch.bfloat16)
+    plain = {s.name: s for s in enumerate_strategies(info, mesh)}
+    wide = {s.name: s for s in enumerate_strategies(info, mesh, reduce_itemsize=4)}
+    dp = "S0 x R -> S0"
+    assert plain[dp].grad_partial_axes == ((), (0,))
+    weight = 512 * 512
+    assert plain[dp].comm_s == pytest.approx(collective_seconds("all_reduce", 2 * weight, mesh, 0))
+    assert wide[dp].comm_s == pytest.approx(collective_seconds("all_reduce", 4 * weight, mesh, 0))
+    # Nothing narrows: an fp32 gradient "summed in bf16" still moves 4 bytes.
+    fp32 = _fake_info(aten.mm.default, (64, 512), (512, 512), of=torch.float32)
+    narrow = {s.name: s for s in enumerate_strategies(fp32, mesh, reduce_itemsize=2)}
+    assert narrow[dp].comm_s == pytest.approx(collective_seconds("all_reduce", 4 * weight, mesh, 0))
