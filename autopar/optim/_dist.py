@@ -1,0 +1,155 @@
+"""Shared plumbing of the layer-wise optimizers: where a parameter is sharded, and batched sums.
+
+A layer-wise optimizer needs statistics of the FULL parameter (a norm, row or column means)
+while it holds only a DTensor's local block. Every such statistic here is a sum, so each rank
+computes its local partial sum and the partial sums are added over the process groups of the
+mesh dims that shard the dims being reduced. Mesh dims on which the tensor is replicated need
+nothing: every replica holds the same block and computes the same partial sum.
+
+:class:`SumReducer` batches: an optimizer step adds all its partial sums of one phase, then
+one ``run`` concatenates them per (mesh, mesh dims, dtype, device) and issues one
+``all_reduce`` per mesh dim of each such bucket -- a constant number of collectives per phase,
+independent of how many parameters there are. A statistic reduced over two mesh dims is
+all-reduced over one and then the other (sums are associative; no flattened group needed).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+__all__ = ["Layout", "layout_of", "local", "SumReducer", "local_range"]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How one tensor is laid out: ``mesh`` (None for a plain tensor) and, per tensor dim, the
+    mesh dims that shard it, in mesh-dim order (DTensor's default left-to-right order)."""
+
+    mesh: Any  # torch DeviceMesh or None
+    dim_shards: tuple[tuple[int, ...], ...]
+    mesh_sizes: tuple[int, ...] = ()
+
+    @property
+    def is_sharded(self) -> bool:
+        return any(self.dim_shards)
+
+    def over(self, *tensor_dims: int) -> tuple[int, ...]:
+        """The mesh dims sharding any of ``tensor_dims`` (negative dims count from the end)."""
+        n = len(self.dim_shards)
+        return tuple(sorted({m for d in tensor_dims for m in self.dim_shards[d % n]}))
+
+    def all(self) -> tuple[int, ...]:
+        return self.over(*range(len(self.dim_shards)))
+
+
+def layout_of(t: Tensor) -> Layout:
+    """The :class:`Layout` of a plain tensor or a DTensor with ``Shard``/``Replicate`` placements.
+
+    Raises ValueError for placements the optimizers cannot reduce over (``Partial``: the local
+    values are not a block of the parameter; ``_StridedShard``: a block that is not contiguous)."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    if not isinstance(t, DTensor):
+        return Layout(None, tuple(() for _ in range(t.dim())))
+    dims: list[list[int]] = [[] for _ in range(t.dim())]
+    for mesh_dim, placement in enumerate(t.placements):
+        if type(placement) is Shard:
+            dims[placement.dim % max(t.dim(), 1)].append(mesh_dim)
+        elif not isinstance(placement, Replicate):
+            raise ValueError(f"layer-wise optimizers need Shard or Replicate placements, got {placement!r} "
+                             f"in {tuple(t.placements)} (redistribute the parameter first)")
+    return Layout(t.device_mesh, tuple(tuple(d) for d in dims), tuple(t.device_mesh.shape))
+
+
+def local(t: Tensor) -> Tensor:
+    """The local block of a DTensor (sharing its storage: in-place updates reach the DTensor);
+    a plain tensor itself."""
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def local_range(layout: Layout, size: int, tensor_dim: int) -> tuple[int, int]:
+    """[start, stop) of this rank's block along ``tensor_dim`` (global length ``size``).
+
+    DTensor's ``Shard`` splits like ``torch.chunk`` (chunks of ceil(n/k), trailing ones short or
+    empty), mesh dims in order, each splitting the previous one's block."""
+    start, length = 0, size
+    if layout.mesh is None:
+        return 0, size
+    for mesh_dim in layout.dim_shards[tensor_dim]:
+        k = layout.mesh_sizes[mesh_dim]
+        coord = layout.mesh.get_local_rank(mesh_dim)
+        chunk = -(-length // k) if length else 0
+        lo = min(coord * chunk, length)
+        hi = min(lo + chunk, length)
+        start, length = start + lo, hi - lo
+    return start, start + length
+
+
+class SumReducer:
+    """Collects local partial sums and sums each over the groups of its mesh dims, batched.
+
+    ``add`` returns an index; ``run`` returns the summed tensors in the order they were added
+    (the same shapes). Every rank of a group must add the same sequence of statistics; that
+    holds because all ranks step the same parameters in the same order and a statistic's shape
+    depends only on the mesh coordinates that are fixed inside the groups it is summed over.
+    """
+
+    def __init__(self) -> None:
+        self._items: list[tuple[tuple | None, Tensor]] = []
+
+    def add(self, partial: Tensor, layout: Layout, mesh_dims: tuple[int, ...]) -> int:
+        key = None
+        if layout.mesh is not None and mesh_dims:
+            key = (layout.mesh, tuple(sorted(mesh_dims)), partial.dtype, partial.device)
+        self._items.append((key, partial))
+        return len(self._items) - 1
+
+    def run(self) -> list[Tensor]:
+        out = [t for _, t in self._items]
+        buckets: dict[tuple, list[int]] = {}
+        for i, (key, _) in enumerate(self._items):
+            if key is not None:
+                buckets.setdefault(key, []).append(i)
+        for (mesh, mesh_dims, _, _), idxs in buckets.items():
+            flat = torch.cat([out[i].reshape(-1) for i in idxs])
+            if flat.numel() == 0:  # every rank of the group sees the same sizes: all skip
+                continue
+            for mesh_dim in mesh_dims:
+                dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=mesh.get_group(mesh_dim))
+            offset = 0
+            for i in idxs:
+                n = out[i].numel()
+                out[i] = flat[offset:offset + n].view(out[i].shape)
+                offset += n
+        self._items = []
+        return out
+
+
+def check_float(name: str, value: Any, *, low: float | None = None, high: float | None = None,
+                low_open: bool = False, high_open: bool = False) -> float:
+    """``value`` as a float within [low, high] (open ends when asked), else ValueError echoing it."""
+    if isinstance(value, Tensor):
+        if value.numel() != 1:
+            raise ValueError(f"{name} must be a number or a 1-element tensor, got shape {tuple(value.shape)}")
+        value = value.item()
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be a number, got {value!r}") from None
+    bad = v != v  # NaN
+    if low is not None:
+        bad |= v <= low if low_open else v < low
+    if high is not None:
+        bad |= v >= high if high_open else v > high
+    if bad:
+        lo = "" if low is None else ("(" if low_open else "[") + f"{low}"
+        hi = "" if high is None else f"{high}" + (")" if high_open else "]")
+        raise ValueError(f"{name} must be in {lo or '(-inf'}, {hi or 'inf)'}, got {value!r}")
+    return v

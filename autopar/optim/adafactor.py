@@ -1,0 +1,133 @@
+"""Adafactor with torch.optim.Adafactor's algorithm, on plain tensors and sharded DTensors."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ._dist import SumReducer, check_float, layout_of, local
+
+__all__ = ["Adafactor"]
+
+
+class Adafactor(torch.optim.Optimizer):
+    r"""Adafactor (Shazeer & Stern 2018) exactly as ``torch.optim.Adafactor`` computes it.
+
+    Same hyper-parameters, defaults and conventions (read torch's ``_single_tensor_adafactor``)::
+
+        t += 1;  beta2_hat = 1 - t**beta2_decay;  rho = min(lr, 1/sqrt(t))
+        alpha = max(eps2, RMS(p)) * rho                 # RMS of p BEFORE weight decay
+        p *= 1 - lr * weight_decay                      # decoupled, scaled by lr
+        dim(p) >= 2 (factored over the LAST TWO dims, leading dims are a batch):
+            R = lerp(R, mean_{-1}(g*g), 1 - beta2_hat)   # shape [..., m, 1]
+            C = lerp(C, mean_{-2}(g*g), 1 - beta2_hat)   # shape [..., 1, n]
+            V = R @ C / max(mean_{-2}(R), eps1)
+        else:  V = lerp(V, g*g, 1 - beta2_hat)
+        U = g / sqrt(max(V, eps1**2));  p -= alpha / max(1, RMS(U) / d) * U
+
+    ``eps1=None`` means ``finfo(p.dtype).eps``; ``maximize`` negates g. Step sizes are relative
+    (rho, alpha): there is no absolute-lr mode, as in torch.
+
+    On DTensors every rank works on its local block. Full statistics are sums over the shards:
+    the row mean (over dim -1) sums partial row sums over the mesh dims sharding dim -1, the
+    column mean over those sharding dim -2, ``mean_{-2}(R)`` over those sharding dim -2, the two
+    RMS over all sharded mesh dims. Three batched rounds per step (statistics of the
+    gradient and ||p||; the mean of R; RMS(U)), each one all-reduce of the concatenated
+    statistics per (mesh, mesh dims) -- independent of the number of parameters. R and C are
+    kept as local tensors: R is sharded like the rows and replicated across the column shards,
+    C the other way round.
+    """
+
+    def __init__(self, params, lr: float | Tensor = 1e-2, beta2_decay: float = -0.8,
+                 eps: tuple[float | None, float] = (None, 1e-3), d: float = 1.0,
+                 weight_decay: float = 0.0, *, maximize: bool = False) -> None:
+        check_float("lr", lr, low=0.0)
+        check_float("beta2_decay", beta2_decay, high=0.0)
+        if not isinstance(eps, (tuple, list)) or len(eps) != 2:
+            raise ValueError(f"eps must be a pair (eps1 or None, eps2), got {eps!r}")
+        if eps[0] is not None:
+            check_float("eps[0] (epsilon1)", eps[0], low=0.0)
+        check_float("eps[1] (epsilon2)", eps[1], low=0.0)
+        check_float("d (clipping threshold)", d, low=1.0)
+        check_float("weight_decay", weight_decay, low=0.0)
+        defaults = dict(lr=lr, beta2_decay=beta2_decay, eps=tuple(eps), d=d,
+                        weight_decay=weight_decay, maximize=maximize)
+        super().__init__(params, defaults)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        # ---- round 1: ||p||^2, partial row and column sums of g*g
+        red, work = SumReducer(), []
+        for group in self.param_groups:
+            lr = group["lr"].item() if isinstance(group["lr"], Tensor) else float(group["lr"])
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if torch.is_complex(p):
+                    raise RuntimeError("Adafactor does not support complex parameters")
+                if p.grad.is_sparse:
+                    raise RuntimeError("Adafactor does not support sparse gradients")
+                layout = layout_of(p)
+                x, g = local(p), local(p.grad)
+                if group["maximize"]:
+                    g = -g
+                state = self.state[p]
+                if not state:
+                    state["step"] = torch.tensor(0.0)
+                    if p.dim() > 1:
+                        state["row_var"] = g.new_zeros((*g.shape[:-1], 1))
+                        state["col_var"] = g.new_zeros((*g.shape[:-2], 1, g.shape[-1]))
+                    else:
+                        state["variance"] = torch.zeros_like(g, memory_format=torch.preserve_format)
+                state["step"] += 1
+                w = dict(group=group, lr=lr, p=p, x=x, g=g, state=state, layout=layout,
+                         i_p=red.add(torch.linalg.vector_norm(x).square(), layout, layout.all()))
+                if p.dim() > 1:
+                    # partial sums of squares, as torch's norm(g, dim).square()
+                    w["i_r"] = red.add(torch.linalg.vector_norm(g, dim=-1, keepdim=True).square_(),
+                                       layout, layout.over(-1))
+                    w["i_c"] = red.add(torch.linalg.vector_norm(g, dim=-2, keepdim=True).square_(),
+                                       layout, layout.over(-2))
+                work.append(w)
+        sums = red.run()
+        # ---- round 2: mean over rows of the updated row factor
+        red = SumReducer()
+        for w in work:
+            group, p, x, state, layout = w["group"], w["p"], w["x"], w["state"], w["layout"]
+            t = state["step"].item()
+            one_minus_beta2 = t ** group["beta2_decay"]
+            rho = min(w["lr"], 1 / t ** 0.5)
+            w["alpha"] = (sums[w["i_p"]].sqrt() / p.numel() ** 0.5).clamp(min=group["eps"][1]) * rho
+            if group["weight_decay"] != 0:
+                x.mul_(1 - w["lr"] * group["weight_decay"])
+            if p.dim() > 1:
+                state["row_var"].lerp_(sums[w["i_r"]].div_(p.shape[-1]), one_minus_beta2)
+                state["col_var"].lerp_(sums[w["i_c"]].div_(p.shape[-2]), one_minus_beta2)
+                w["i_m"] = red.add(state["row_var"].sum(dim=-2, keepdim=True), layout, layout.over(-2))
+            else:
+                state["variance"].lerp_(w["g"] * w["g"], one_minus_beta2)
+        sums = red.run()
+        # ---- round 3: RMS of the update
+        red = SumReducer()
+        for w in work:
+            group, p, state, layout = w["group"], w["p"], w["state"], w["layout"]
+            eps1 = group["eps"][0]
+            if eps1 is None:
+                eps1 = torch.finfo(p.dtype).eps
+            if p.dim() > 1:
+                var = state["row_var"] @ state["col_var"]
+                var.div_(sums[w["i_m"]].div_(p.shape[-2]).clamp_(min=eps1))
+            else:
+                var = state["variance"].clone()
+            update = var.clamp_(min=eps1 * eps1).rsqrt_().mul_(w["g"])
+            w["update"] = update
+            w["i_u"] = red.add(torch.linalg.vector_norm(update).square(), layout, layout.all())
+        sums = red.run()
+        for w in work:
+            rms = sums[w["i_u"]].sqrt() / (w["p"].numel() ** 0.5 * w["group"]["d"])
+            w["x"].sub_(w["update"].mul_(w["alpha"] / rms.clamp(min=1.0)))
+        return loss
