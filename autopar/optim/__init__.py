@@ -8,6 +8,8 @@ number of collectives per step, independent of the number of parameters.
 """
 
 from .adafactor import Adafactor
+from .came import CAME
+from .galore import GaLoreAdamW
 from .lamb import Lamb
 
-__all__ = ["Adafactor", "Lamb"]
+__all__ = ["Adafactor", "CAME", "GaLoreAdamW", "Lamb"]
