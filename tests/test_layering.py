@@ -43,6 +43,8 @@ MAY_IMPORT = {
     "autopar.runtime": {"autopar.runtime", "autopar.tracer", "autopar.strategies", "autopar.layout",
                         "autopar.plans"},
     "autopar.report": {"autopar.report", "autopar.planner", "autopar.layout", "autopar.plans"},
+    # runtime level: distributed optimizers on DTensors (torch, torch.distributed, the layout)
+    "autopar.optim": {"autopar.optim", "autopar.layout"},
 }
 
 
