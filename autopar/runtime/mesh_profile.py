@@ -16,8 +16,8 @@ residuals ``log(model / t)``, so that 64 KiB calls weigh as much as 16 MiB ones 
 over-prediction counts like a 2x under-prediction; both parameters come out strictly positive.
 Axes of size 1 never communicate: alpha = beta = 0 there.
 
-Device figures: ``peak_flops`` from a timed fp32 square matmul and, on CUDA, ``half_peak_flops``
-from a bf16 one (None on CPU, where bf16 is no faster); memory bandwidth from a timed copy
+Device figures: ``peak_flops`` from a timed fp32 square matmul and ``half_peak_flops``
+from a bf16 one (on a CPU without bf16 instructions: emulated, far slower); memory bandwidth from a timed copy
 (``2 * bytes / s``, the convention of ``cost.copy_seconds``); the best of ``repeats`` on each rank
 and the slowest rank's value. Capacity is the CUDA device's total memory or the machine's
 physical RAM. All ranks return the same ``MeshSpec``.
@@ -284,12 +284,12 @@ def _matmul_flops(device: torch.device, dtype: torch.dtype, size: int, repeats: 
 def _device_figures(device: torch.device, repeats: int) -> tuple[float, float | None, float]:
     """(fp32 matmul FLOP/s, bf16 matmul FLOP/s or None, copy bandwidth bytes/s) of this rank's
     device, best of ``repeats``. fp32 runs under the process's matmul settings (torch's default:
-    no TF32), as an fp32 model would; bf16 only on CUDA, where tensor cores make it faster (on a
-    CPU it is not, and ``MeshSpec`` prices half precision at the fp32 peak when it is None)."""
+    no TF32), as an fp32 model would; bf16 on tensor cores (CUDA) or however this CPU runs it
+    (emulated without AVX512-BF16/AMX: tens of times slower than fp32, so a smaller size)."""
     cuda = device.type == "cuda"
     size = 8192 if cuda else 512
     fp32 = _matmul_flops(device, torch.float32, size, repeats)
-    half = _matmul_flops(device, torch.bfloat16, size, repeats) if cuda else None
+    half = _matmul_flops(device, torch.bfloat16, size if cuda else 128, repeats)
     numel = (1 << 28) if cuda else (1 << 24)  # 1 GiB / 64 MiB of float32
     src = torch.ones(numel, device=device)
     dst = torch.empty_like(src)

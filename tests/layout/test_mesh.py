@@ -26,10 +26,10 @@ def test_presets_carry_an_fp32_and_a_half_precision_peak():
     a100, h100, cpu = (MeshSpec.preset(n, (8,)) for n in ("a100-80gb", "h100-80gb", "cpu"))
     assert (a100.peak_flops, a100.half_peak_flops) == (19.5e12, 312e12)
     assert (h100.peak_flops, h100.half_peak_flops) == (67e12, 989e12)
-    assert (cpu.peak_flops, cpu.half_peak_flops) == (50e9, None)
+    assert (cpu.peak_flops, cpu.half_peak_flops) == (50e9, 1e9)
     assert (a100.flops_at(4), a100.flops_at(2), a100.flops_at(8)) == (19.5e12, 312e12, 19.5e12)
     assert h100.flops_at(2) == 989e12
-    assert cpu.flops_at(2) == cpu.flops_at(4) == 50e9  # None: half precision is no faster
+    assert (cpu.flops_at(2), cpu.flops_at(4)) == (1e9, 50e9)  # bf16 emulated on this kind of CPU
 
 
 def test_half_peak_is_validated_and_optional():
@@ -49,7 +49,7 @@ def test_json_version_2_round_trips_both_peaks():
     assert data["version"] == 2 and data["half_peak_flops"] == 989e12 and data["peak_flops"] == 67e12
     assert MeshSpec.from_json(mesh.to_json()) == mesh
     cpu = MeshSpec.preset("cpu", (2,))
-    assert json.loads(cpu.to_json())["half_peak_flops"] is None
+    assert json.loads(cpu.to_json())["half_peak_flops"] == 1e9
     assert MeshSpec.from_json(cpu.to_json()) == cpu
 
 

@@ -73,7 +73,7 @@ def test_profile_two_gloo_processes_fits_its_timings():
     assert alpha > 0 and beta > 0
     assert mesh.shape == (2,) and mesh.name == "profiled-cpu"
     assert mesh.peak_flops > 1e8 and mesh.mem_bandwidth > 1e8
-    assert mesh.half_peak_flops is None  # measured in bf16 on CUDA only
+    assert mesh.half_peak_flops > 1e6  # measured in bf16 (emulated on most CPUs)
     assert mesh.mem_capacity == os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     assert sorted((t.kind, t.nbytes) for t in profile.timings) == sorted(
         (k, s) for k in KINDS for s in SIZES)
