@@ -31,9 +31,11 @@ class Adafactor(torch.optim.Optimizer):
     On DTensors every rank works on its local block. Full statistics are sums over the shards:
     the row mean (over dim -1) sums partial row sums over the mesh dims sharding dim -1, the
     column mean over those sharding dim -2, ``mean_{-2}(R)`` over those sharding dim -2, the two
-    RMS over all sharded mesh dims. Three batched rounds per step (statistics of the
-    gradient and ||p||; the mean of R; RMS(U)), each one all-reduce of the concatenated
-    statistics per (mesh, mesh dims) -- independent of the number of parameters. R and C are
+    RMS over all sharded mesh dims. ``mean_{-2}(R)`` of the updated R is linear in the old R and
+    g*g, so it comes in the same round as the row and column sums: two batched rounds per step
+    (||p||, row/column sums and the two sums for mean_{-2}(R); then RMS(U)), each one
+    all-reduce of the concatenated statistics per (mesh, mesh dims) and mesh dim --
+    independent of the number of parameters. R and C are
     kept as local tensors: R is sharded like the rows and replicated across the column shards,
     C the other way round.
     """
@@ -60,7 +62,7 @@ class Adafactor(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        # ---- round 1: ||p||^2, partial row and column sums of g*g
+        # ---- round 1: ||p||^2, partial row and column sums of g*g, sums for mean_{-2}(R)
         red, work = SumReducer(), []
         for group in self.param_groups:
             lr = group["lr"].item() if isinstance(group["lr"], Tensor) else float(group["lr"])
@@ -88,14 +90,17 @@ class Adafactor(torch.optim.Optimizer):
                          i_p=red.add(torch.linalg.vector_norm(x).square(), layout, layout.all()))
                 if p.dim() > 1:
                     # partial sums of squares, as torch's norm(g, dim).square()
-                    w["i_r"] = red.add(torch.linalg.vector_norm(g, dim=-1, keepdim=True).square_(),
-                                       layout, layout.over(-1))
+                    rows = torch.linalg.vector_norm(g, dim=-1, keepdim=True).square_()
+                    w["i_r"] = red.add(rows, layout, layout.over(-1))
                     w["i_c"] = red.add(torch.linalg.vector_norm(g, dim=-2, keepdim=True).square_(),
                                        layout, layout.over(-2))
+                    # For mean_{-2}(R) after the update, without another round: it is linear,
+                    # lerp(mean_{-2}(R_old), mean_{-2,-1}(g*g), 1 - beta2_hat).
+                    w["i_old"] = red.add(state["row_var"].sum(dim=-2, keepdim=True), layout, layout.over(-2))
+                    w["i_all"] = red.add(rows.sum(dim=-2, keepdim=True), layout, layout.over(-2, -1))
                 work.append(w)
         sums = red.run()
-        # ---- round 2: mean over rows of the updated row factor
-        red = SumReducer()
+        # ---- after round 1: decay, the factors and the mean of R
         for w in work:
             group, p, x, state, layout = w["group"], w["p"], w["x"], w["state"], w["layout"]
             t = state["step"].item()
@@ -107,11 +112,11 @@ class Adafactor(torch.optim.Optimizer):
             if p.dim() > 1:
                 state["row_var"].lerp_(sums[w["i_r"]].div_(p.shape[-1]), one_minus_beta2)
                 state["col_var"].lerp_(sums[w["i_c"]].div_(p.shape[-2]), one_minus_beta2)
-                w["i_m"] = red.add(state["row_var"].sum(dim=-2, keepdim=True), layout, layout.over(-2))
+                m, n = p.shape[-2], p.shape[-1]
+                w["row_mean"] = sums[w["i_old"]].div_(m).lerp_(sums[w["i_all"]].div_(m * n), one_minus_beta2)
             else:
                 state["variance"].lerp_(w["g"] * w["g"], one_minus_beta2)
-        sums = red.run()
-        # ---- round 3: RMS of the update
+        # ---- round 2: RMS of the update
         red = SumReducer()
         for w in work:
             group, p, state, layout = w["group"], w["p"], w["state"], w["layout"]
@@ -120,7 +125,7 @@ class Adafactor(torch.optim.Optimizer):
                 eps1 = torch.finfo(p.dtype).eps
             if p.dim() > 1:
                 var = state["row_var"] @ state["col_var"]
-                var.div_(sums[w["i_m"]].div_(p.shape[-2]).clamp_(min=eps1))
+                var.div_(w["row_mean"].clamp_(min=eps1))
             else:
                 var = state["variance"].clone()
             update = var.clamp_(min=eps1 * eps1).rsqrt_().mul_(w["g"])

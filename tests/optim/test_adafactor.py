@@ -1,5 +1,5 @@
 """autopar.optim.Adafactor: torch.optim.Adafactor's algorithm (matched against torch itself and
-against the equations written out here), and on DTensors the full-tensor result in three
+against the equations written out here), and on DTensors the full-tensor result in two
 batched rounds of all-reduces per step."""
 
 from __future__ import annotations
@@ -79,10 +79,10 @@ def test_dtensor_matches_full_tensors_with_batched_collectives(mesh, specs):
     for one, two in counts:
         assert one == two, (one, two)  # twice the parameters, the same collectives
         assert set(one) == {"c10d.allreduce_"}
-    # three rounds: (||p||, rows, cols), mean of R, RMS(U); each one all_reduce per mesh dim
-    # of each distinct set of mesh dims it sums over. 2x2: round 1 {0,1} {0} {1} (4 calls),
-    # round 2 {0} {0,1} (3: the column-sharding sets), round 3 as round 1 (4)
-    expected = 3 if mesh == (2,) else 11
+    # two rounds: (||p||, rows, cols, the sums for mean_{-2}(R)), RMS(U); each one all_reduce
+    # per mesh dim of each distinct set of mesh dims it sums over. 2x2: {0,1} {0} {1} in both
+    # rounds (4 calls each)
+    expected = 2 if mesh == (2,) else 8
     assert all(all_reduces(one) == expected for one, _ in counts), counts
 
 
