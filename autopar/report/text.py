@@ -60,6 +60,8 @@ def _summary(report) -> list[str]:
     in_op = est.comm_s
     lines = [f"autopar plan: {p.model} on mesh {p.mesh} ({p.mesh.num_devices} devices, axes "
              f"{', '.join(f'{n}={s}' for n, s in zip(p.mesh.axis_names, p.mesh.shape))})"]
+    lines.append(f"  precision      {p.precision} compute, fp32 master weights, gradients summed in {p.reduce_dtype}"
+                 if p.precision != "fp32" else "  precision      fp32")
     budget = p.budget_bytes
     used = f"{fmt_bytes(est.peak_bytes)} of {fmt_bytes(budget)} budget ({est.peak_bytes / budget:.0%})" if budget else fmt_bytes(est.peak_bytes)
     lines += [

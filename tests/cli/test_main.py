@@ -327,3 +327,15 @@ def test_inspect_hf_config_bad_files_are_one_line(tmp_path, capsys):
         assert code == 1 and out == "", (args, out)
         lines = err.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("autopar: error:") and needle in lines[0], err
+
+
+def test_inspect_precision_flag_plans_bf16_and_says_so(tmp_path, capsys):
+    path = _save_config(tmp_path, "llama", **_TINY_HF)
+    out_json = tmp_path / "plan.json"
+    code, out, err = _main(capsys, "inspect", path, "--mesh", "2", "--batch", "4", "--seq", "16", "--precision",
+                           "bf16", "--no-baselines", "-q", "--json", str(out_json))
+    assert code == 0, err[-3000:]
+    assert "precision      bf16 compute, fp32 master weights, gradients summed in fp32" in out
+    assert json.loads(out_json.read_text())["precision"] == "bf16"
+    code, _, err = _main(capsys, "inspect", path, "--mesh", "2", "--precision", "int8")
+    assert code == 2 and "invalid choice: 'int8'" in err
