@@ -39,16 +39,18 @@ class CAME(torch.optim.Optimizer):
 
     On DTensors each rank works on its local block; every mean over a dim sums partial sums
     over the mesh dims sharding that dim (the mean of R over its rows: the mesh dims sharding
-    dim -2), RMS(u) over all sharded mesh dims. Five batched rounds per step (row/col of g*g;
-    mean of R; RMS(u); row/col of res; mean of Rr), each one all-reduce of the concatenated
-    statistics per (mesh, mesh dims), independent of the number of parameters. The factored
+    dim -2), RMS(u) over all sharded mesh dims. The mean of an updated row factor is linear in
+    the old one and the new statistic, so it rides with the row/column sums: three batched
+    rounds per step (row/col of g*g; RMS(u); row/col of the instability), each one all-reduce
+    of the concatenated statistics per (mesh, mesh dims) and mesh dim, independent of the
+    number of parameters. The factored
     state is kept in local tensors (row factors replicated across the column shards).
     """
 
     def __init__(self, params, lr: float = 2e-4, eps: tuple[float, float] = (1e-30, 1e-16),
                  clip_threshold: float = 1.0, betas: tuple[float, float, float] = (0.9, 0.999, 0.9999),
                  weight_decay: float = 0.0, *, maximize: bool = False) -> None:
-        check_float("lr", lr, low=0.0, low_open=True)
+        lr = check_float("lr", lr, low=0.0, low_open=True)
         if not isinstance(eps, (tuple, list)) or len(eps) != 2:
             raise ValueError(f"eps must be a pair (eps1, eps2), got {eps!r}")
         for i, e in enumerate(eps):
@@ -64,16 +66,26 @@ class CAME(torch.optim.Optimizer):
         super().__init__(params, defaults)
 
     @staticmethod
-    def _add_row_col(red: SumReducer, w: dict, sq: Tensor) -> None:
-        """Partial row (over dim -1) and column (over dim -2) sums of ``sq``."""
+    def _add_row_col(red: SumReducer, w: dict, sq: Tensor, old_row: Tensor) -> None:
+        """Partial row (over dim -1) and column (over dim -2) sums of ``sq``, and the two sums
+        that give the mean of the updated row factor without another round (it is linear:
+        b * mean(old_row) + (1 - b) * mean_{-2,-1}(sq))."""
         lay = w["layout"]
-        w["i_r"] = red.add(sq.sum(dim=-1), lay, lay.over(-1))
+        rows = sq.sum(dim=-1)
+        w["i_r"] = red.add(rows, lay, lay.over(-1))
         w["i_c"] = red.add(sq.sum(dim=-2), lay, lay.over(-2))
+        w["i_old"] = red.add(old_row.sum(dim=-1), lay, lay.over(-2))
+        w["i_all"] = red.add(rows.sum(dim=-1), lay, lay.over(-2, -1))
 
     @staticmethod
-    def _approx(row: Tensor, col: Tensor, row_sum: Tensor, m: int) -> Tensor:
-        """rsqrt(row / mean(row)) outer rsqrt(col), the mean from the reduced ``row_sum``."""
-        r = (row / (row_sum / m).unsqueeze(-1)).rsqrt_().unsqueeze(-1)
+    def _ema_row_col(w: dict, sums: list[Tensor], row: Tensor, col: Tensor, beta: float) -> Tensor:
+        """Update the factors in place from round sums; returns rsqrt(row / mean(row)) outer
+        rsqrt(col) (came_pytorch's ``_approx_sq_grad``)."""
+        m, n = w["p"].shape[-2], w["p"].shape[-1]
+        row.mul_(beta).add_(sums[w["i_r"]] / n, alpha=1 - beta)
+        col.mul_(beta).add_(sums[w["i_c"]] / m, alpha=1 - beta)
+        mean = (sums[w["i_old"]] / m).mul_(beta).add_(sums[w["i_all"]] / (m * n), alpha=1 - beta)
+        r = (row / mean.unsqueeze(-1)).rsqrt_().unsqueeze(-1)
         return r * col.unsqueeze(-2).rsqrt()
 
     @torch.no_grad()
@@ -111,35 +123,25 @@ class CAME(torch.optim.Optimizer):
                 w = dict(group=group, p=p, x=x, g=g, state=state, layout=layout, factored=factored)
                 sq = (g * g).add_(group["eps"][0])
                 if factored:
-                    self._add_row_col(red, w, sq)
+                    self._add_row_col(red, w, sq, state["exp_avg_sq_row"])
                 else:
                     w["sq"] = sq
                 work.append(w)
         sums = red.run()
-        # ---- round 2: mean over rows of the second-moment row factor
+        # ---- round 2: RMS of the preconditioned update
         red = SumReducer()
         for w in work:
-            state, b2, p = w["state"], w["group"]["betas"][1], w["p"]
+            state, b2 = w["state"], w["group"]["betas"][1]
             if w["factored"]:
-                state["exp_avg_sq_row"].mul_(b2).add_(sums[w["i_r"]] / p.shape[-1], alpha=1 - b2)
-                state["exp_avg_sq_col"].mul_(b2).add_(sums[w["i_c"]] / p.shape[-2], alpha=1 - b2)
-                w["i_m"] = red.add(state["exp_avg_sq_row"].sum(dim=-1), w["layout"], w["layout"].over(-2))
-            else:
-                state["exp_avg_sq"].mul_(b2).add_(w.pop("sq"), alpha=1 - b2)
-        sums = red.run()
-        # ---- round 3: RMS of the preconditioned update
-        red = SumReducer()
-        for w in work:
-            state, p = w["state"], w["p"]
-            if w["factored"]:
-                u = self._approx(state["exp_avg_sq_row"], state["exp_avg_sq_col"], sums[w["i_m"]], p.shape[-2])
+                u = self._ema_row_col(w, sums, state["exp_avg_sq_row"], state["exp_avg_sq_col"], b2)
                 u.mul_(w["g"])
             else:
+                state["exp_avg_sq"].mul_(b2).add_(w.pop("sq"), alpha=1 - b2)
                 u = state["exp_avg_sq"].rsqrt().mul_(w["g"])
             w["u"] = u
             w["i_u"] = red.add(torch.linalg.vector_norm(u).square(), w["layout"], w["layout"].all())
         sums = red.run()
-        # ---- round 4: clip, first moment, row/col partial sums of the instability
+        # ---- round 3: clip, first moment, row/col sums of the instability
         red = SumReducer()
         for w in work:
             group, state, p = w["group"], w["state"], w["p"]
@@ -149,22 +151,13 @@ class CAME(torch.optim.Optimizer):
             state["exp_avg"].mul_(b1).add_(u, alpha=1 - b1)
             if w["factored"]:
                 res = (u - state["exp_avg"]).square_().add_(group["eps"][1])
-                self._add_row_col(red, w, res)
-        sums = red.run()
-        # ---- round 5: mean over rows of the instability row factor
-        red = SumReducer()
-        for w in work:
-            if w["factored"]:
-                state, b3, p = w["state"], w["group"]["betas"][2], w["p"]
-                state["exp_avg_res_row"].mul_(b3).add_(sums[w["i_r"]] / p.shape[-1], alpha=1 - b3)
-                state["exp_avg_res_col"].mul_(b3).add_(sums[w["i_c"]] / p.shape[-2], alpha=1 - b3)
-                w["i_m"] = red.add(state["exp_avg_res_row"].sum(dim=-1), w["layout"], w["layout"].over(-2))
+                self._add_row_col(red, w, res, state["exp_avg_res_row"])
         sums = red.run()
         for w in work:
             group, state, p, x = w["group"], w["state"], w["p"], w["x"]
             if w["factored"]:
-                update = self._approx(state["exp_avg_res_row"], state["exp_avg_res_col"],
-                                      sums[w["i_m"]], p.shape[-2]).mul_(state["exp_avg"])
+                update = self._ema_row_col(w, sums, state["exp_avg_res_row"], state["exp_avg_res_col"],
+                                           group["betas"][2]).mul_(state["exp_avg"])
             else:
                 update = state["exp_avg"].clone()
             if group["weight_decay"] != 0:

@@ -43,7 +43,7 @@ class GaLoreAdamW(torch.optim.Optimizer):
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2, *, rank: int | None = 128,
                  update_proj_gap: int = 200, scale: float = 0.25, maximize: bool = False) -> None:
-        check_float("lr", lr, low=0.0)
+        lr = check_float("lr", lr, low=0.0)
         if not isinstance(betas, (tuple, list)) or len(betas) != 2:
             raise ValueError(f"betas must be a pair, got {betas!r}")
         for i, b in enumerate(betas):

@@ -35,7 +35,7 @@ class Lamb(torch.optim.Optimizer):
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-6, weight_decay: float = 0.0, *, clamp_value: float | None = 10.0,
                  bias_correction: bool = True, maximize: bool = False) -> None:
-        check_float("lr", lr, low=0.0)
+        lr = check_float("lr", lr, low=0.0)
         if not isinstance(betas, (tuple, list)) or len(betas) != 2:
             raise ValueError(f"betas must be a pair, got {betas!r}")
         for i, b in enumerate(betas):

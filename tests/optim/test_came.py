@@ -1,6 +1,6 @@
 """autopar.optim.CAME: the paper's Algorithm 1 (written here with sums, as in the paper; the
 optimizer uses came_pytorch's means, the same numbers), and on DTensors the full-tensor
-result in five batched rounds of all-reduces per step."""
+result in three batched rounds of all-reduces per step."""
 
 from __future__ import annotations
 
@@ -64,10 +64,10 @@ def test_dtensor_matches_full_tensors_with_batched_collectives(mesh, specs):
     for one, two in counts:
         assert one == two, (one, two)  # twice the parameters, the same collectives
         assert set(one) == {"c10d.allreduce_"}
-    # five rounds, each one all_reduce per mesh dim of each distinct set of mesh dims:
-    # (2,): 5. 2x2: rows/cols {1} {0} {0,1} (4), mean of R {0} {0,1} (3), RMS {0,1} {1} {0} (4),
-    # rows/cols of the instability (4), mean of its R (3)
-    expected = 5 if mesh == (2,) else 18
+    # three rounds (g*g rows/cols with the sums for mean(R); RMS(u); the same for the
+    # instability), each one all_reduce per mesh dim of each distinct set of mesh dims:
+    # (2,): 3. 2x2: {0,1} {0} {1} in every round (4 calls each)
+    expected = 3 if mesh == (2,) else 12
     assert all(all_reduces(one) == expected for one, _ in counts), counts
 
 
