@@ -337,5 +337,5 @@ def test_inspect_precision_flag_plans_bf16_and_says_so(tmp_path, capsys):
     assert code == 0, err[-3000:]
     assert "precision      bf16 compute, fp32 master weights, gradients summed in fp32" in out
     assert json.loads(out_json.read_text())["precision"] == "bf16"
-    code, _, err = _main(capsys, "inspect", path, "--mesh", "2", "--precision", "int8")
-    assert code == 2 and "invalid choice: 'int8'" in err
+    bad = run_cli("inspect", "gpt2", "--mesh", "2", "--precision", "int8")
+    assert bad.returncode == 2 and "invalid choice: 'int8'" in bad.stderr
