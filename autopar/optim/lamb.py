@@ -4,7 +4,6 @@ minutes") on plain tensors and on sharded DTensor parameters."""
 from __future__ import annotations
 
 import torch
-from torch import Tensor
 
 from ._dist import SumReducer, check_float, layout_of, local
 
