@@ -1,0 +1,24 @@
+"""benchmarks/runtime.py runs end to end on a small GPT-2 (the figures themselves are quoted in the
+README, not asserted: speed is measured in benchmarks, not timed in tests)."""
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
+
+pytestmark = pytest.mark.slow
+
+
+def test_runtime_benchmark_times_autopar_plain_megatron_and_ddp(capsys):
+    import runtime  # benchmarks/runtime.py
+
+    record = runtime.main(["--hidden", "64", "--layers", "1", "--heads", "2", "--seq", "32", "--batch", "4",
+                           "--steps", "2", "--warmup", "1"])
+    out = capsys.readouterr().out
+    assert set(record["median_s"]) == {"autopar", "plain", "megatron", "ddp"}
+    # The same graph and weights: DTensor parameters and plain tensors compute the same loss.
+    assert record["first_loss"]["autopar"] == record["first_loss"]["plain"]
+    assert "DTensor parameters: autopar / plain = " in out and "optimizer: AdamW(foreach)" in out
+    assert record["dtensor_ratio"] > 0
