@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["Layout", "layout_of", "local", "SumReducer", "local_range"]
+__all__ = ["Layout", "layout_of", "local", "SumReducer", "local_range", "check_float"]
 
 
 @dataclass(frozen=True)
