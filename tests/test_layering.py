@@ -45,6 +45,9 @@ MAY_IMPORT = {
     "autopar.report": {"autopar.report", "autopar.planner", "autopar.layout", "autopar.plans"},
     # runtime level: distributed optimizers on DTensors (torch, torch.distributed, the layout)
     "autopar.optim": {"autopar.optim", "autopar.layout"},
+    # on top, like api: the Booster boosts through api and the runtime (optim imported lazily)
+    "autopar.booster": {"autopar.booster", "autopar.api", "autopar.runtime", "autopar.optim", "autopar.planner",
+                        "autopar.tracer", "autopar.layout", "autopar.plans"},
 }
 
 

@@ -130,6 +130,12 @@ class AutoParallelModule(nn.Module):
         """Canonical FQN -> layout of every parameter and buffer."""
         return {ph.fqn: self._specs[name] for name, ph, _ in self._tensors()}
 
+    def parameters_by_fqn(self) -> dict[str, nn.Parameter]:
+        """Original FQN -> DTensor parameter, every tied alias included (so an optimizer built
+        over the original model can be matched to these parameters by name)."""
+        return {alias: self._state(name) for name, ph, _ in self._tensors() if ph.kind == PARAMETER
+                for alias in ph.aliases}
+
     @torch.no_grad()
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         full: dict[str, torch.Tensor] = {}

@@ -1,0 +1,11 @@
+"""The Booster API: ``Booster(plugin=AutoParallelPlugin(...)).boost(model, optimizer, ...)``.
+
+See :mod:`autopar.booster.booster` for the training loop and :class:`AutoParallelPlugin` for
+the options. Torch is imported when this package is, not by ``import autopar``.
+"""
+
+from autopar.booster.booster import Booster
+from autopar.booster.optimizer import BoostedOptimizer
+from autopar.booster.plugin import AutoParallelPlugin
+
+__all__ = ["Booster", "AutoParallelPlugin", "BoostedOptimizer"]

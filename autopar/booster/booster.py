@@ -1,0 +1,183 @@
+"""``Booster``: model, optimizer, criterion, data loader and scheduler in, their parallel versions out.
+
+The product notes' training loop, with autopar deciding the parallelism::
+
+    plugin = AutoParallelPlugin(precision="bf16", max_norm=1.0)
+    booster = Booster(plugin=plugin)
+    loader = plugin.prepare_dataloader(dataset, batch_size=8, shuffle=True, drop_last=True)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 100))
+    model, optimizer, criterion, loader, scheduler = booster.boost(
+        model, optimizer, criterion, loader, scheduler)
+    for batch in loader:
+        loss = criterion(model(**batch), batch)
+        booster.backward(loss, optimizer)
+        optimizer.step()                  # clips to max_norm (the global norm), then steps
+        optimizer.zero_grad()
+        scheduler.step()
+    booster.save_model(model, "ckpt/model", shard=True)   # HF layout: from_pretrained loads it
+    booster.save_optimizer(optimizer, "ckpt/optim")       # reloads under another mesh
+
+Every rank runs the same calls (``boost`` and the checkpoint methods are collective), after
+``torch.distributed.init_process_group``.
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from autopar.booster import checkpoint_io
+from autopar.booster.dataloader import GlobalBatchSampler, configure_for, first_batch_inputs, input_shapes
+from autopar.booster.optimizer import BoostedOptimizer, rebuild_optimizer, repoint_scheduler
+from autopar.booster.plugin import AutoParallelPlugin
+from autopar.runtime.module import AutoParallelModule
+
+__all__ = ["Booster"]
+
+
+@dataclass(frozen=True, slots=True)
+class _Origin:
+    """What ``save_model`` needs of the model a boosted module came from."""
+
+    config: Any  # its Hugging Face config, or None
+    class_name: str
+
+
+class Booster:
+    """Boosts a model and its training objects with ``plugin`` (default: ``AutoParallelPlugin()``)."""
+
+    def __init__(self, plugin: AutoParallelPlugin | None = None) -> None:
+        if plugin is None:
+            plugin = AutoParallelPlugin()
+        if not isinstance(plugin, AutoParallelPlugin):
+            raise ValueError(f"plugin must be an AutoParallelPlugin, got {plugin!r}")
+        self.plugin = plugin
+        self._origins: weakref.WeakKeyDictionary[AutoParallelModule, _Origin] = weakref.WeakKeyDictionary()
+
+    # ------------------------------------------------------------------------------ boost
+    def boost(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
+              criterion: Callable | None = None, dataloader: Any = None, lr_scheduler: Any = None,
+              meta_inputs: tuple | dict | None = None) -> tuple[AutoParallelModule, BoostedOptimizer | None,
+                                                                  Callable | None, Any, Any]:
+        """``(model, optimizer, criterion, dataloader, lr_scheduler)``, boosted.
+
+        - ``model`` becomes an ``AutoParallelModule`` (``autopar.autoparallelize`` with the
+          plugin's options; meta inputs from ``dataloader``'s first batch unless given). Its
+          outputs are full on every rank, so ``criterion`` is returned as it is.
+        - ``optimizer`` (built over ``model``'s parameters) is rebuilt over the shards -- same
+          class, defaults and param groups matched by parameter name, each group's
+          hyper-parameters kept; ``torch.optim.Adafactor`` becomes ``autopar.optim.Adafactor``
+          -- and wrapped in a :class:`~autopar.booster.optimizer.BoostedOptimizer` (clipping
+          to ``max_norm``, fp16 loss scaling). Its state is not carried over.
+        - ``lr_scheduler`` (built over ``optimizer``) is re-pointed at the rebuilt optimizer.
+        - ``dataloader``: one from ``plugin.prepare_dataloader`` is configured so each rank loads
+          only its piece of every global batch when the plan splits the batch dim of every
+          input the same way (the model then takes those pieces); any other loader is returned
+          as it is, and the model takes full global batches from it.
+        """
+        from autopar.api import autoparallelize
+
+        if isinstance(model, AutoParallelModule):
+            raise ValueError("this model is already boosted (an AutoParallelModule); boost the original model")
+        if not isinstance(model, nn.Module):
+            raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        if lr_scheduler is not None and optimizer is None:
+            raise ValueError("an lr_scheduler needs the optimizer it drives: pass the optimizer too")
+        if meta_inputs is None:
+            if dataloader is None:
+                raise ValueError("boost needs meta_inputs or a dataloader to take the first batch from")
+            meta_inputs = first_batch_inputs(dataloader)
+        ours = dataloader is not None and isinstance(getattr(dataloader, "batch_sampler", None), GlobalBatchSampler)
+        options = self.plugin.autoparallelize_kwargs()
+        module = autoparallelize(model, meta_inputs, local_inputs=ours, **options)
+        if ours:
+            args, kwargs = (meta_inputs, {}) if isinstance(meta_inputs, tuple) else ((), meta_inputs)
+            if not configure_for(dataloader, module, input_shapes(model.forward, args, kwargs)):
+                # Inputs laid out otherwise: every rank loads the global batch, and the module
+                # (same plan, no new solve) takes it whole.
+                options = {**options, "plan": module.plan}
+                module = autoparallelize(model, meta_inputs, local_inputs=False, **options)
+        self._origins[module] = _Origin(getattr(model, "config", None), type(model).__name__)
+        boosted = None
+        if optimizer is not None:
+            rebuilt = rebuild_optimizer(optimizer, model, module.parameters_by_fqn())
+            boosted = BoostedOptimizer(rebuilt, module, max_norm=self.plugin.max_norm, scaler=self._scaler(module))
+            if lr_scheduler is not None:
+                repoint_scheduler(lr_scheduler, optimizer, rebuilt)
+        return module, boosted, criterion, dataloader, lr_scheduler
+
+    def _scaler(self, module: AutoParallelModule):
+        if self.plugin.precision != "fp16":
+            return None
+        from autopar.runtime.amp import GradScaler
+
+        p = self.plugin
+        return GradScaler(module.device_mesh.device_type, init_scale=p.initial_scale, growth_factor=p.growth_factor,
+                          backoff_factor=p.backoff_factor, growth_interval=p.growth_interval)
+
+    def backward(self, loss: torch.Tensor, optimizer: BoostedOptimizer) -> None:
+        """``loss.backward()``, the loss scaled first under fp16."""
+        _check_optimizer(optimizer)
+        optimizer.backward(loss)
+
+    # ------------------------------------------------------------------------ checkpoints
+    def save_model(self, model: AutoParallelModule, checkpoint: str | os.PathLike, shard: bool = True,
+                   size_per_shard: float = 1024, use_safetensors: bool = True) -> None:
+        """Write ``model``'s full tensors under the original names into the directory
+        ``checkpoint`` (rank 0 writes; a collective: every rank calls): Hugging Face sharded
+        safetensors (``model-00001-of-0000N.safetensors`` of at most ``size_per_shard`` MiB each
+        and ``model.safetensors.index.json``), one ``model.safetensors`` with ``shard=False``,
+        ``pytorch_model*.bin`` with ``use_safetensors=False``; and the model's HF config when it
+        has one, so ``from_pretrained(checkpoint)`` loads it. Tied weights are written once."""
+        origin = self._origin(model)
+        checkpoint_io.save_model(model, checkpoint, config=origin.config, shard=shard, size_per_shard=size_per_shard,
+                                 use_safetensors=use_safetensors, architectures=[origin.class_name])
+
+    def load_model(self, model: AutoParallelModule, checkpoint: str | os.PathLike, strict: bool = True) -> None:
+        """Load a directory written by ``save_model`` (or by HF's ``save_pretrained``) into
+        ``model`` under whatever plan and mesh it has: every rank reads the full tensors and
+        keeps its slices. ``strict``: every parameter and persistent buffer must be there and
+        nothing else."""
+        _check_module(model)
+        checkpoint_io.load_model(model, checkpoint, strict=strict)
+
+    def save_optimizer(self, optimizer: BoostedOptimizer, checkpoint: str | os.PathLike) -> None:
+        """The optimizer's state (and the fp16 loss scaler's) as a ``torch.distributed.checkpoint``
+        directory: each rank writes its shards (a collective)."""
+        _check_optimizer(optimizer)
+        checkpoint_io.save_optimizer(optimizer, checkpoint)
+
+    def load_optimizer(self, optimizer: BoostedOptimizer, checkpoint: str | os.PathLike) -> None:
+        """Load ``save_optimizer``'s directory, resharded to this optimizer's module (any mesh or
+        world size; the same parameter names and param groups)."""
+        _check_optimizer(optimizer)
+        checkpoint_io.load_optimizer(optimizer, checkpoint)
+
+    def save_lr_scheduler(self, lr_scheduler: Any, checkpoint: str | os.PathLike) -> None:
+        """``lr_scheduler.state_dict()`` into the file ``checkpoint`` (rank 0 writes)."""
+        checkpoint_io.save_lr_scheduler(lr_scheduler, checkpoint)
+
+    def load_lr_scheduler(self, lr_scheduler: Any, checkpoint: str | os.PathLike) -> None:
+        checkpoint_io.load_lr_scheduler(lr_scheduler, checkpoint)
+
+    def _origin(self, model: AutoParallelModule) -> _Origin:
+        _check_module(model)
+        origin = self._origins.get(model)
+        # A module boosted elsewhere (or built by autoparallelize): no HF config to write.
+        return origin if origin is not None else _Origin(None, "")
+
+
+def _check_module(model: Any) -> None:
+    if not isinstance(model, AutoParallelModule):
+        raise ValueError(f"expected the boosted model (an AutoParallelModule), got {type(model).__name__}")
+
+
+def _check_optimizer(optimizer: Any) -> None:
+    if not isinstance(optimizer, BoostedOptimizer):
+        raise ValueError(f"expected the optimizer returned by Booster.boost, got {type(optimizer).__name__}")

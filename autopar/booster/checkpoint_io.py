@@ -1,0 +1,198 @@
+"""Model, optimizer and scheduler checkpoints of a boosted model, independent of its plan.
+
+Model: full tensors under the original names, written by rank 0 in the Hugging Face layout --
+``model.safetensors``, or ``model-00001-of-0000N.safetensors`` shards with
+``model.safetensors.index.json`` (``{"metadata": {"total_size": ...}, "weight_map": {name:
+file}}``); ``pytorch_model*.bin`` with ``use_safetensors=False`` -- plus the model's HF config, so
+``transformers``' ``from_pretrained`` loads the directory. Tied parameters are written once
+(under the first name, the one ``named_parameters()`` reports; HF ties the others back). Since
+the tensors are full, ``load_model`` loads them under any plan and mesh: every rank reads the
+files and keeps its own slices (no communication).
+
+Optimizer: ``torch.distributed.checkpoint`` of ``get_optimizer_state_dict`` (DTensor state,
+keyed by parameter name): every rank writes its shards, and the load reshards to the new
+module's layouts, so it reloads under another mesh or world size. Scheduler: its
+``state_dict()``, written by rank 0 with ``torch.save``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from autopar.booster.optimizer import BoostedOptimizer
+    from autopar.runtime.module import AutoParallelModule
+
+__all__ = ["save_model", "load_model", "save_optimizer", "load_optimizer", "save_lr_scheduler",
+           "load_lr_scheduler", "shard_groups"]
+
+SAFE_INDEX, BIN_INDEX = "model.safetensors.index.json", "pytorch_model.bin.index.json"
+SAFE_SINGLE, BIN_SINGLE = "model.safetensors", "pytorch_model.bin"
+SCALER_KEY = "grad_scaler"
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _shard_name(single: str, index: int, total: int) -> str:
+    stem, ext = single.rsplit(".", 1)
+    return f"{stem}-{index:05d}-of-{total:05d}.{ext}"
+
+
+def shard_groups(state_dict: dict[str, torch.Tensor], max_bytes: int) -> list[dict[str, torch.Tensor]]:
+    """Consecutive groups of at most ``max_bytes`` each, in order (a tensor larger than that is
+    a group of its own, as in Hugging Face's sharding)."""
+    groups: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, tensor in state_dict.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if groups[-1] and size + nbytes > max_bytes:
+            groups.append({})
+            size = 0
+        groups[-1][name] = tensor
+        size += nbytes
+    return groups
+
+
+def _unique_tensors(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Each tensor once, under its first name (``full_state_dict`` gives tied aliases the same
+    tensor object); contiguous, as safetensors wants."""
+    seen: set[int] = set()
+    out = {}
+    for name, tensor in state_dict.items():
+        if id(tensor) not in seen:
+            seen.add(id(tensor))
+            out[name] = tensor.detach().contiguous()
+    return out
+
+
+def save_model(module: AutoParallelModule, path: str | os.PathLike, *, config: Any = None, shard: bool = True,
+               size_per_shard: float = 1024, use_safetensors: bool = True,
+               architectures: list[str] | None = None) -> None:
+    """See ``Booster.save_model``. ``config``: the original model's HF config (or None)."""
+    if not isinstance(size_per_shard, (int, float)) or isinstance(size_per_shard, bool) \
+            or not 0 < size_per_shard < math.inf:
+        raise ValueError(f"size_per_shard must be a positive number of MiB, got {size_per_shard!r}")
+    for name, value in (("shard", shard), ("use_safetensors", use_safetensors)):
+        if not isinstance(value, bool):
+            raise ValueError(f"{name} must be a bool, got {value!r}")
+    state = _unique_tensors(module.full_state_dict())  # a collective: every rank gathers
+    path = os.fspath(path)
+    if _rank() == 0:
+        os.makedirs(path, exist_ok=True)
+        single = SAFE_SINGLE if use_safetensors else BIN_SINGLE
+        groups = shard_groups(state, int(size_per_shard * 2**20)) if shard else [state]
+        files = [single] if len(groups) == 1 else [_shard_name(single, i + 1, len(groups))
+                                                    for i in range(len(groups))]
+        for stale in (SAFE_INDEX, BIN_INDEX, SAFE_SINGLE, BIN_SINGLE):  # a previous save's layout
+            if os.path.exists(os.path.join(path, stale)) and stale not in files:
+                os.remove(os.path.join(path, stale))
+        for group, file in zip(groups, files):
+            _write(group, os.path.join(path, file), use_safetensors)
+        if len(groups) > 1:
+            index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in state.values())},
+                     "weight_map": {name: file for group, file in zip(groups, files) for name in group}}
+            with open(os.path.join(path, SAFE_INDEX if use_safetensors else BIN_INDEX), "w") as f:
+                json.dump(index, f, indent=2, sort_keys=True)
+        if config is not None:
+            if architectures and not getattr(config, "architectures", None):
+                config = type(config).from_dict(config.to_dict())  # a copy: the user's stays as it was
+                config.architectures = list(architectures)
+            config.save_pretrained(path)
+    _barrier()  # the files exist for every rank once save_model returns
+
+
+def _write(tensors: dict[str, torch.Tensor], file: str, use_safetensors: bool) -> None:
+    if use_safetensors:
+        from safetensors.torch import save_file
+
+        save_file(tensors, file, metadata={"format": "pt"})
+    else:
+        torch.save(tensors, file)
+
+
+def read_full_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """Every tensor of a directory written by ``save_model`` (or HF's ``save_pretrained``)."""
+    path = os.fspath(path)
+    for index_name, single in ((SAFE_INDEX, SAFE_SINGLE), (BIN_INDEX, BIN_SINGLE)):
+        index_file = os.path.join(path, index_name)
+        if os.path.exists(index_file):
+            with open(index_file) as f:
+                files = sorted(set(json.load(f)["weight_map"].values()))
+            break
+        if os.path.exists(os.path.join(path, single)):
+            files = [single]
+            break
+    else:
+        raise ValueError(f"{path!r} holds no model checkpoint ({SAFE_SINGLE}, {SAFE_INDEX}, {BIN_SINGLE} "
+                         f"or {BIN_INDEX})")
+    state: dict[str, torch.Tensor] = {}
+    for file in files:
+        full = os.path.join(path, file)
+        if file.endswith(".safetensors"):
+            from safetensors.torch import load_file
+
+            state.update(load_file(full))
+        else:
+            state.update(torch.load(full, map_location="cpu", weights_only=True))
+    return state
+
+
+def load_model(module: AutoParallelModule, path: str | os.PathLike, *, strict: bool = True) -> None:
+    """See ``Booster.load_model``."""
+    module.load_full_state_dict(read_full_state_dict(path), strict=strict)
+
+
+# --------------------------------------------------------------------------------- optimizer
+def save_optimizer(optimizer: BoostedOptimizer, path: str | os.PathLike) -> None:
+    """See ``Booster.save_optimizer``."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    state: dict[str, Any] = {"optim": get_optimizer_state_dict(optimizer.module, optimizer.optim)}
+    if optimizer.scaler is not None:
+        state[SCALER_KEY] = optimizer.scaler.state_dict()
+    dcp.save(state, checkpoint_id=os.fspath(path))
+
+
+def load_optimizer(optimizer: BoostedOptimizer, path: str | os.PathLike) -> None:
+    """See ``Booster.load_optimizer``."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    # get_optimizer_state_dict initialises missing state, so there is a layout to load into.
+    state: dict[str, Any] = {"optim": get_optimizer_state_dict(optimizer.module, optimizer.optim)}
+    if optimizer.scaler is not None:
+        state[SCALER_KEY] = optimizer.scaler.state_dict()
+    dcp.load(state, checkpoint_id=os.fspath(path))
+    set_optimizer_state_dict(optimizer.module, optimizer.optim, optim_state_dict=state["optim"])
+    if optimizer.scaler is not None:
+        optimizer.scaler.load_state_dict(state[SCALER_KEY])
+
+
+# --------------------------------------------------------------------------------- scheduler
+def save_lr_scheduler(scheduler: Any, path: str | os.PathLike) -> None:
+    """See ``Booster.save_lr_scheduler``."""
+    if _rank() == 0:
+        parent = os.path.dirname(os.fspath(path))
+        if parent:
+            os.makedirs(parent, exist_ok=True)
+        torch.save(scheduler.state_dict(), os.fspath(path))
+    _barrier()
+
+
+def load_lr_scheduler(scheduler: Any, path: str | os.PathLike) -> None:
+    """See ``Booster.load_lr_scheduler``."""
+    scheduler.load_state_dict(torch.load(os.fspath(path), map_location="cpu", weights_only=True))

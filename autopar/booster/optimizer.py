@@ -1,0 +1,177 @@
+"""The user's optimizer, rebuilt over the boosted model's shards, and the wrapper ``boost`` returns.
+
+``rebuild_optimizer`` makes an optimizer of the same class over the ``AutoParallelModule``'s
+DTensor parameters: the original's ``defaults`` (those its constructor takes) and each param
+group's hyper-parameters as they are, with the group's parameters matched by NAME (a parameter
+of the original model -> its FQNs -> the boosted parameter of that FQN; tied aliases are one
+parameter). ``torch.optim.Adafactor`` becomes ``autopar.optim.Adafactor``: torch's refuses
+DTensor shards, and per-shard row/column statistics would be wrong. The original's state (if
+it already stepped) is not carried over: resume with ``Booster.load_optimizer``.
+
+``BoostedOptimizer`` wraps the rebuilt optimizer: ``step()`` unscales (fp16), clips to
+``max_norm`` (the true global norm over all shards) and steps; ``backward(loss)`` scales the
+loss for fp16; ``zero_grad``, ``param_groups``, ``state``, ``state_dict`` pass through.
+"""
+
+from __future__ import annotations
+
+import inspect
+import weakref
+from functools import wraps
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from autopar.runtime.amp import GradScaler
+
+__all__ = ["BoostedOptimizer", "rebuild_optimizer", "repoint_scheduler"]
+
+
+def _target_class(cls: type) -> type:
+    if cls is torch.optim.Adafactor:
+        try:
+            from autopar.optim import Adafactor
+        except ImportError as exc:
+            raise ValueError(f"torch.optim.Adafactor computes per-shard statistics on sharded parameters; "
+                             f"its distributed replacement autopar.optim.Adafactor could not be imported "
+                             f"({exc})") from exc
+        return Adafactor
+    return cls
+
+
+def rebuild_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module,
+                      by_fqn: dict[str, nn.Parameter]) -> torch.optim.Optimizer:
+    """``optimizer`` (built over ``model``'s parameters) rebuilt over ``by_fqn``'s parameters
+    (FQN -> boosted parameter, tied aliases included). A parameter the boosted model does not
+    have (the traced forward never uses it, so it never has a gradient) is left out."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ValueError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    names: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    groups = []
+    for i, group in enumerate(optimizer.param_groups):
+        params, seen = [], set()
+        for param in group["params"]:
+            if id(param) not in names:
+                raise ValueError(f"param group {i} of the optimizer holds a tensor of shape {list(param.shape)} "
+                                 f"that is not a parameter of the model being boosted")
+            found = next((by_fqn[n] for n in names[id(param)] if n in by_fqn), None)
+            if found is not None and id(found) not in seen:
+                seen.add(id(found))
+                params.append(found)
+        groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": params})
+    if not any(g["params"] for g in groups):
+        raise ValueError("none of the optimizer's parameters is a parameter of the boosted model")
+    cls = _target_class(type(optimizer))
+    accepted = inspect.signature(cls.__init__).parameters
+    kwargs = {k: v for k, v in optimizer.defaults.items() if k in accepted and k != "params"}
+    rebuilt = cls(groups, **kwargs)
+    if cls is not type(optimizer):  # hyper-parameters the new class does not know (torch's foreach)
+        for group in rebuilt.param_groups:
+            for key in set(group) - set(rebuilt.defaults) - {"params", "initial_lr"}:
+                del group[key]
+    return rebuilt
+
+
+def _track_steps(opt: torch.optim.Optimizer) -> None:
+    """Mark ``opt.step`` the way ``torch.optim.lr_scheduler.LRScheduler`` does when it is
+    built, so a re-pointed scheduler knows when the optimizer stepped (no false warning)."""
+    if hasattr(opt.step, "_wrapped_by_lr_sched"):
+        return
+    ref = weakref.ref(opt)  # the wrapper lives on opt: a strong reference would be a cycle
+    func = type(opt).step
+
+    @wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        this = ref()
+        this._opt_called = True
+        return func(this, *args, **kwargs)
+
+    wrapper._wrapped_by_lr_sched = True
+    opt.step = wrapper
+
+
+def repoint_scheduler(scheduler: Any, old: torch.optim.Optimizer, new: torch.optim.Optimizer) -> None:
+    """Make ``scheduler`` (built over ``old``) drive ``new``: its ``optimizer`` becomes ``new``
+    (chained and sequential schedulers: each of theirs too); base learning rates and the
+    epoch count stay, so ``scheduler.step()`` changes ``new``'s learning rates."""
+    if not hasattr(scheduler, "optimizer"):
+        raise ValueError(f"lr_scheduler must be a torch.optim.lr_scheduler scheduler, got {type(scheduler).__name__}")
+    if scheduler.optimizer is not old:
+        raise ValueError(f"lr_scheduler {type(scheduler).__name__} drives another optimizer than the one boosted")
+    scheduler.optimizer = new
+    for inner in getattr(scheduler, "_schedulers", ()):  # SequentialLR, ChainedScheduler
+        repoint_scheduler(inner, old, new)
+    _track_steps(new)
+
+
+class BoostedOptimizer:
+    """What ``Booster.boost`` returns for the user's optimizer (``optim``: the rebuilt one)."""
+
+    def __init__(self, optim: torch.optim.Optimizer, module: nn.Module, *, max_norm: float = 0.0,
+                 scaler: GradScaler | None = None) -> None:
+        self.optim = optim
+        self.module = module
+        self.max_norm = float(max_norm)
+        self.scaler = scaler
+
+    # ------------------------------------------------------------------------ pass through
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.optim.param_groups
+
+    @property
+    def state(self) -> Any:
+        return self.optim.state
+
+    @property
+    def defaults(self) -> dict[str, Any]:
+        return self.optim.defaults
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optim.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.optim.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.optim.load_state_dict(state_dict)
+
+    def unwrap(self) -> torch.optim.Optimizer:
+        """The rebuilt torch optimizer (give it to a scheduler made after ``boost``)."""
+        return self.optim
+
+    def __repr__(self) -> str:
+        extra = f", max_norm={self.max_norm:g}" if self.max_norm else ""
+        return f"BoostedOptimizer({type(self.optim).__name__}{extra}{', fp16 loss scaling' if self.scaler else ''})"
+
+    # ---------------------------------------------------------------------------- training
+    def backward(self, loss: torch.Tensor) -> None:
+        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+
+    def clip_grad_by_norm(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip every gradient to the global ``norm_type`` norm ``max_norm``; returns the norm
+        before clipping as a plain tensor. Every rank must call (DTensor gradients: the norm
+        is reduced over their shards)."""
+        params = [p for g in self.optim.param_groups for p in g["params"] if p.grad is not None]
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
+        return norm.full_tensor() if isinstance(norm, DTensor) else norm
+
+    def step(self, closure: Any = None) -> Any:
+        """Unscale (fp16), clip to ``max_norm`` (when > 0) and step. With fp16 the step is
+        skipped on every rank when any rank's gradients overflowed, and the scale is updated."""
+        if self.scaler is None:
+            if self.max_norm > 0:
+                self.clip_grad_by_norm(self.max_norm)
+            return self.optim.step(closure)
+        if closure is not None:
+            raise ValueError("a closure cannot be used with fp16 loss scaling (torch's GradScaler refuses it too)")
+        self.scaler.unscale_(self.optim)
+        if self.max_norm > 0:
+            self.clip_grad_by_norm(self.max_norm)
+        result = self.scaler.step(self.optim)
+        self.scaler.update()
+        return result

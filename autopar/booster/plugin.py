@@ -1,0 +1,165 @@
+"""``AutoParallelPlugin``: how the :class:`~autopar.booster.Booster` parallelises, in one checked record.
+
+The plugin carries the ``autoparallelize`` options (mesh, memory budget, precision, activation
+checkpointing, solver), the optimizer-side options (``max_norm`` gradient clipping, the fp16
+loss-scaler settings, ``zero_stage``) and makes the data loader (``prepare_dataloader``). Every
+argument is checked when the plugin is made, on every rank alike, so a bad value fails before
+any collective.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Sequence
+
+from autopar.layout.mesh import MeshSpec, parse_bytes, parse_mesh_shape
+from autopar.planner.options import CHECKPOINT_MODES, SOLVERS, precision_name
+
+if TYPE_CHECKING:
+    from torch.utils.data import DataLoader, Dataset
+
+__all__ = ["AutoParallelPlugin", "ZERO_STAGES"]
+
+ZERO_STAGES = ("auto", 0, 1, 2)
+ISSUE_ZERO = "issue 14 (ZeRO-1/2 planned with the sharding)"
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AutoParallelPlugin:
+    """The Booster's parallel training options.
+
+    Args:
+        mesh: ``None`` (a 1-D mesh over the world size), a shape (``(2, 2)`` or ``"2x2"``; the
+            device's cost preset) or a ``MeshSpec``. Its size must be the world size.
+        memory_budget: bytes per device (an int or ``"16GiB"``); ``None`` = the device capacity.
+        precision: ``"fp32"``, ``"bf16"`` or ``"fp16"`` compute with fp32 master weights and
+            optimizer state. ``"fp16"`` makes the boosted optimizer own an ``autopar.GradScaler``
+            (``booster.backward`` scales the loss, ``step()`` unscales before clipping and skips
+            the step on every rank when any rank's gradients overflowed).
+        zero_stage: ``"auto"``, 0, 1 or 2. ZeRO-1/2 (sharding the optimizer state, and the
+            gradients, of replicated parameters over their replicas) are being built under
+            issue 14: today ``"auto"`` and ``0`` both mean stage 0 (the plan's layouts decide
+            all sharding; ZeRO-3 is one of those layouts) and ``1``/``2`` raise
+            ``NotImplementedError``. ``"auto"`` will let the planner pick per parameter.
+        max_norm: clip gradients to this global L2 norm in ``optimizer.step()``; 0 = no clipping.
+        checkpoint: activation recompute planning (``autopar.plan``'s ``checkpoint``).
+        reduce_dtype: what gradients are summed in (``None`` = fp32).
+        solver, time_limit: the ILP backend and its seconds per solve (``None``: the default).
+        seed: initialisation seed for a model on ``meta``.
+        allow_replicate_fallback: replicate ops without a sharding rule instead of failing.
+        plan: a ``Plan`` (or the path of its JSON, e.g. from ``autopar plan``) to apply instead
+            of solving; ``memory_budget``, ``checkpoint`` and ``solver`` then do not matter.
+        device: the torch device of the local shards (``None``: CPU under gloo,
+            ``cuda:LOCAL_RANK`` under NCCL).
+        initial_scale, growth_factor, backoff_factor, growth_interval: the fp16 loss scaler's
+            settings (``torch.amp.GradScaler``'s ``init_scale`` and the rest); ignored otherwise.
+    """
+
+    mesh: MeshSpec | Sequence[int] | str | None = None
+    memory_budget: int | float | str | None = None
+    precision: str = "fp32"
+    zero_stage: int | str = "auto"
+    max_norm: float = 0.0
+    checkpoint: str = "auto"
+    reduce_dtype: str | None = None
+    solver: str = "auto"
+    time_limit: float | None = None
+    seed: int = 0
+    allow_replicate_fallback: bool = False
+    plan: Any = None
+    device: Any = None
+    initial_scale: float = 2.0**16
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 1000
+
+    def __post_init__(self) -> None:
+        if self.mesh is not None and not isinstance(self.mesh, MeshSpec):
+            try:
+                shape = parse_mesh_shape(self.mesh)
+            except (ValueError, TypeError) as exc:
+                raise ValueError(f"mesh must be None, a shape such as (2, 2) or '2x2', or a MeshSpec, "
+                                 f"got {self.mesh!r} ({exc})") from None
+            object.__setattr__(self, "mesh", shape)
+        if self.memory_budget is not None:
+            object.__setattr__(self, "memory_budget", parse_bytes(self.memory_budget))
+        object.__setattr__(self, "precision", precision_name(self.precision, what="precision"))
+        if self.reduce_dtype is not None:
+            object.__setattr__(self, "reduce_dtype", precision_name(self.reduce_dtype, what="reduce_dtype"))
+        if self.zero_stage != "auto" and (type(self.zero_stage) is not int or self.zero_stage not in ZERO_STAGES):
+            raise ValueError(f"zero_stage must be one of {ZERO_STAGES}, got {self.zero_stage!r}")
+        if self.zero_stage in (1, 2):
+            raise NotImplementedError(
+                f"zero_stage={self.zero_stage}: ZeRO-1/2 are not built yet ({ISSUE_ZERO}); use "
+                f"zero_stage='auto' or 0 (stage 0: the plan's layouts, ZeRO-3 among them, shard everything)")
+        if not _number(self.max_norm) or self.max_norm < 0:
+            raise ValueError(f"max_norm must be a finite number >= 0 (0 = no clipping), got {self.max_norm!r}")
+        if self.checkpoint not in CHECKPOINT_MODES:
+            raise ValueError(f"checkpoint must be one of {CHECKPOINT_MODES}, got {self.checkpoint!r}")
+        if self.solver not in SOLVERS:
+            raise ValueError(f"solver must be one of {SOLVERS}, got {self.solver!r}")
+        if self.time_limit is not None and (not _number(self.time_limit) or self.time_limit <= 0):
+            raise ValueError(f"time_limit must be positive seconds or None, got {self.time_limit!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise ValueError(f"seed must be an int, got {self.seed!r}")
+        if not isinstance(self.allow_replicate_fallback, bool):
+            raise ValueError(f"allow_replicate_fallback must be a bool, got {self.allow_replicate_fallback!r}")
+        if self.plan is not None:
+            from autopar.plans import Plan
+
+            if not isinstance(self.plan, (Plan, str, os.PathLike)):
+                raise ValueError(f"plan must be None, a Plan or the path of a plan's JSON, got {self.plan!r}")
+            if not isinstance(self.plan, Plan) and not os.path.isfile(self.plan):
+                raise ValueError(f"plan file {os.fspath(self.plan)!r} does not exist")
+        if self.device is not None:
+            import torch
+
+            try:
+                torch.device(self.device)
+            except (RuntimeError, TypeError):
+                raise ValueError(f"device must be None or a torch device such as 'cpu' or 'cuda:0', "
+                                 f"got {self.device!r}") from None
+        if not _number(self.initial_scale) or self.initial_scale <= 0:
+            raise ValueError(f"initial_scale must be > 0, got {self.initial_scale!r}")
+        if not _number(self.growth_factor) or self.growth_factor <= 1:
+            raise ValueError(f"growth_factor must be > 1, got {self.growth_factor!r}")
+        if not _number(self.backoff_factor) or not 0 < self.backoff_factor < 1:
+            raise ValueError(f"backoff_factor must be in (0, 1), got {self.backoff_factor!r}")
+        if isinstance(self.growth_interval, bool) or not isinstance(self.growth_interval, int) \
+                or self.growth_interval < 1:
+            raise ValueError(f"growth_interval must be an int >= 1, got {self.growth_interval!r}")
+
+    # ------------------------------------------------------------------------------ model
+    def autoparallelize_kwargs(self) -> dict[str, Any]:
+        """The ``autopar.autoparallelize`` keyword arguments this plugin stands for."""
+        return dict(mesh=self.mesh, memory_budget=self.memory_budget, solver=self.solver,
+                    time_limit=self.time_limit, device=self.device, seed=self.seed,
+                    allow_replicate_fallback=self.allow_replicate_fallback, checkpoint=self.checkpoint,
+                    precision=self.precision, reduce_dtype=self.reduce_dtype, plan=self.plan)
+
+    # ------------------------------------------------------------------------------- data
+    def prepare_dataloader(self, dataset: Dataset, batch_size: int, shuffle: bool = False, seed: int = 1024,
+                           drop_last: bool = False, **kwargs: Any) -> DataLoader:
+        """A torch ``DataLoader`` over a map-style ``dataset`` whose GLOBAL batches (``batch_size``
+        samples) come in the same order on every rank (shuffled with ``seed`` + the epoch when
+        ``shuffle``; ``loader.batch_sampler.set_epoch(e)`` reshuffles).
+
+        What each rank loads, once ``booster.boost`` has seen the plan: when the plan splits
+        every tensor input along its first (batch) dim by the same mesh axes and nothing else,
+        each rank loads only its own slice of every global batch, and the model is built to take
+        those pieces (``local_inputs=True``); otherwise (an input split along another dim, or
+        inputs split differently) every rank loads the whole global batch, and the model takes
+        it whole. Before ``boost`` every rank loads whole global batches. The plan is made for
+        one batch shape: use ``drop_last=True`` unless ``batch_size`` divides the dataset.
+        Other keyword arguments (``collate_fn``, ``num_workers``, ``pin_memory``, ...) go to
+        ``DataLoader``; ``sampler``/``batch_sampler`` are this method's to choose.
+        """
+        from autopar.booster.dataloader import make_dataloader
+
+        return make_dataloader(dataset, batch_size, shuffle=shuffle, seed=seed, drop_last=drop_last, **kwargs)
