@@ -128,7 +128,8 @@ def _train_and_save(rank, world, model, dataset, path):
         losses.append(loss.item())
         if step == STEPS + 1:
             break
-    return {"losses": losses, "lrs": lrs, "hyper": hyper, "pieces": pieces, "local_inputs": pm.local_inputs,
+    final = {k: v.clone() for k, v in pm.full_state_dict().items()}
+    return {"losses": losses, "lrs": lrs, "hyper": hyper, "final": final, "pieces": pieces, "local_inputs": pm.local_inputs,
             "specs": {k: str(v) for k, v in pm.input_specs.items()}}
 
 
@@ -153,7 +154,9 @@ def _load_and_step(rank, world, model, dataset, path):
         bopt.zero_grad()
         sched.step()  # from the loaded epoch count: the second step's lr needs it
         losses.append(loss.item())
-    return {"losses": losses, "lrs_before": lrs_before, "local_inputs": pm.local_inputs, "pieces": pieces,
+    final = {k: v.clone() for k, v in pm.full_state_dict().items()}
+    return {"losses": losses, "lrs_before": lrs_before, "final": final,
+            "lrs_after": [g["lr"] for g in bopt.param_groups], "local_inputs": pm.local_inputs, "pieces": pieces,
             "specs": {k: str(v) for k, v in pm.input_specs.items()}}
 
 
@@ -204,6 +207,13 @@ def test_booster_example_trains_like_one_device_and_checkpoints_across_meshes(tm
         assert res["losses"] == pytest.approx(want[STEPS:], rel=1e-4), (res["losses"], want[STEPS:])
         check_loading_rule(res, (2, 2), 2)
         assert res["lrs_before"] == pytest.approx([LRS[0] * warmup(STEPS), LRS[1] * warmup(STEPS)])
+        # the scheduler resumed from its epoch count
+        assert res["lrs_after"] == pytest.approx([LRS[0] * warmup(STEPS + 2), LRS[1] * warmup(STEPS + 2)])
+        # and the AdamW state: the parameters after the two steps are the uninterrupted run's
+        want_final = results[0]["final"]
+        assert set(res["final"]) == set(want_final)
+        wrong = [k for k, v in want_final.items() if not torch.allclose(res["final"][k], v, rtol=1e-4, atol=1e-6)]
+        assert not wrong, wrong[:5]
 
     from transformers import AutoModelForCausalLM
 

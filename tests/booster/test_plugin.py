@@ -1,0 +1,72 @@
+"""``AutoParallelPlugin`` and ``Booster`` check their arguments when made (every rank alike,
+before any collective), echoing the bad value."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from autopar.booster import AutoParallelPlugin, Booster
+from autopar.layout.mesh import MeshSpec
+
+BAD = [
+    ({"mesh": "2xq"}, "mesh.*'2xq'"),
+    ({"mesh": (2, 0)}, r"mesh.*\(2, 0\)"),
+    ({"memory_budget": -1}, "-1"),
+    ({"memory_budget": "lots"}, "'lots'"),
+    ({"precision": "fp8"}, "precision.*'fp8'"),
+    ({"reduce_dtype": "int8"}, "reduce_dtype.*'int8'"),
+    ({"zero_stage": 3}, "zero_stage.*3"),
+    ({"zero_stage": "1"}, "zero_stage.*'1'"),
+    ({"zero_stage": True}, "zero_stage.*True"),
+    ({"max_norm": -0.5}, "max_norm.*-0.5"),
+    ({"max_norm": float("inf")}, "max_norm.*inf"),
+    ({"max_norm": "1"}, "max_norm.*'1'"),
+    ({"checkpoint": "sometimes"}, "checkpoint.*'sometimes'"),
+    ({"solver": "gurobi"}, "solver.*'gurobi'"),
+    ({"time_limit": 0}, "time_limit.*0"),
+    ({"seed": 1.5}, "seed.*1.5"),
+    ({"allow_replicate_fallback": "yes"}, "allow_replicate_fallback.*'yes'"),
+    ({"plan": 42}, "plan.*42"),
+    ({"plan": "/no/such/plan.json"}, "plan.*'/no/such/plan.json'"),
+    ({"device": "gpu7"}, "device.*'gpu7'"),
+    ({"initial_scale": 0}, "initial_scale.*0"),
+    ({"growth_factor": 1.0}, "growth_factor.*1.0"),
+    ({"backoff_factor": 1.5}, "backoff_factor.*1.5"),
+    ({"growth_interval": 0}, "growth_interval.*0"),
+]
+
+
+@pytest.mark.parametrize("kwargs,match", BAD, ids=[next(iter(k)) + "=" + repr(next(iter(k.values()))) for k, _ in BAD])
+def test_bad_plugin_arguments_are_rejected(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        AutoParallelPlugin(**kwargs)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_zero_1_and_2_are_not_built_yet(stage):
+    with pytest.raises(NotImplementedError, match="issue 14"):
+        AutoParallelPlugin(zero_stage=stage)
+
+
+def test_good_arguments_are_normalised():
+    p = AutoParallelPlugin(mesh="2x2", memory_budget="1GiB", precision="bfloat16", zero_stage=0, max_norm=1,
+                           reduce_dtype=torch.float32, device="cpu")
+    assert (p.mesh, p.memory_budget, p.precision, p.reduce_dtype) == ((2, 2), 2**30, "bf16", "fp32")
+    assert AutoParallelPlugin(mesh=MeshSpec.preset("cpu", (4,))).mesh.shape == (4,)
+    assert AutoParallelPlugin().zero_stage == "auto"
+
+
+def test_booster_checks_its_arguments():
+    with pytest.raises(ValueError, match="AutoParallelPlugin.*'ddp'"):
+        Booster(plugin="ddp")
+    booster = Booster()
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="meta_inputs or a dataloader"):
+        booster.boost(model)
+    with pytest.raises(ValueError, match="lr_scheduler needs the optimizer"):
+        booster.boost(model, lr_scheduler=object(), meta_inputs=(torch.zeros(1, 2),))
+    with pytest.raises(ValueError, match="boosted model"):
+        booster.save_model(model, "unused")
+    with pytest.raises(ValueError, match="returned by Booster.boost"):
+        booster.backward(torch.zeros(()), torch.optim.SGD(model.parameters(), lr=1.0))
