@@ -89,11 +89,13 @@ class Booster:
             raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if lr_scheduler is not None and optimizer is None:
             raise ValueError("an lr_scheduler needs the optimizer it drives: pass the optimizer too")
+        ours = dataloader is not None and isinstance(getattr(dataloader, "batch_sampler", None), GlobalBatchSampler)
+        if ours:
+            dataloader.batch_sampler.piece = None  # global batches again (a loader boosted before)
         if meta_inputs is None:
             if dataloader is None:
                 raise ValueError("boost needs meta_inputs or a dataloader to take the first batch from")
             meta_inputs = first_batch_inputs(dataloader)
-        ours = dataloader is not None and isinstance(getattr(dataloader, "batch_sampler", None), GlobalBatchSampler)
         options = self.plugin.autoparallelize_kwargs()
         module = autoparallelize(model, meta_inputs, local_inputs=ours, **options)
         if ours:

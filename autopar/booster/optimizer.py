@@ -164,9 +164,14 @@ class BoostedOptimizer:
         """Unscale (fp16), clip to ``max_norm`` (when > 0) and step. With fp16 the step is
         skipped on every rank when any rank's gradients overflowed, and the scale is updated."""
         if self.scaler is None:
+            loss = None
+            if closure is not None:  # it computes the gradients: they must exist before clipping
+                with torch.enable_grad():
+                    loss = closure()
             if self.max_norm > 0:
                 self.clip_grad_by_norm(self.max_norm)
-            return self.optim.step(closure)
+            self.optim.step()
+            return loss
         if closure is not None:
             raise ValueError("a closure cannot be used with fp16 loss scaling (torch's GradScaler refuses it too)")
         self.scaler.unscale_(self.optim)

@@ -2,7 +2,8 @@
 
 - ``torch.optim.Adafactor`` with two param groups becomes ``autopar.optim.Adafactor`` with the
   groups' hyper-parameters kept by name; a ``StepLR`` drives it; with ``max_norm`` clipping the
-  losses equal single-device ``torch.optim.Adafactor`` (rtol 1e-4);
+  losses equal single-device ``torch.optim.Adafactor`` (rtol 1e-4), the last step taken through
+  ``step(closure)``;
 - fp16: the optimizer owns an ``autopar.GradScaler``; ``booster.backward`` scales the loss;
   an inf in one rank's gradient shard makes EVERY rank skip the step and halve the scale;
 - ``save_model(shard=False)`` writes one ``model.safetensors``, ``use_safetensors=False``
@@ -45,15 +46,27 @@ def _adafactor(rank, world, model, inputs, budget):
     assert [id(p) for p in bopt.param_groups[1]["params"]] == [id(by_fqn["head.weight"]), id(by_fqn["head.bias"])]
     hyper = [{k: v for k, v in g.items() if k != "params"} for g in bopt.param_groups]
     sharded = sorted(n for n, p in by_fqn.items() if local_of(p).shape != p.shape)
-    losses = []
-    for _ in range(STEPS):
+    def closure():
+        bopt.zero_grad()
         loss = pm(**inputs)[0]
         booster.backward(loss, bopt)
-        bopt.step()
+        return loss
+
+    losses = []
+    for step in range(STEPS):
+        if step == STEPS - 1:  # the closure form: gradients computed inside step(), then clipped
+            loss = bopt.step(closure)
+            clipped = bopt.clip_grad_by_norm(float("inf")).item()  # the norm left in .grad: no change
+        else:
+            loss = pm(**inputs)[0]
+            booster.backward(loss, bopt)
+            bopt.step()
         bopt.zero_grad()
         sched.step()
         losses.append(loss.item())
-    return losses, hyper, sharded
+    with torch.no_grad():
+        losses.append(pm(**inputs)[0].item())  # shows the last (closure) step's update
+    return losses, hyper, sharded, clipped
 
 
 def _fp16(rank, world, model, inputs, path):
@@ -106,8 +119,11 @@ def test_adafactor_groups_and_scheduler_survive_and_train_like_one_device():
         opt.zero_grad()
         sched.step()
         want.append(loss.item())
-    for losses, hyper, sharded in run_local(_adafactor, 2, model, inputs, budget, timeout=120):
+    with torch.no_grad():
+        want.append(ref(**inputs)[0].item())
+    for losses, hyper, sharded, clipped in run_local(_adafactor, 2, model, inputs, budget, timeout=120):
         assert sharded, "the budget should shard some parameters"
+        assert clipped == pytest.approx(MAX_NORM, rel=1e-4)  # the closure's gradients were clipped
         assert hyper[0]["lr"] == 1e-2 and hyper[0]["weight_decay"] == 0.0 and hyper[0]["beta2_decay"] == -0.7
         assert hyper[1]["lr"] == 3e-3 and hyper[1]["weight_decay"] == 0.1
         assert "foreach" not in hyper[0]  # torch's option, unknown to autopar.optim.Adafactor
