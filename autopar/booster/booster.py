@@ -129,44 +129,44 @@ class Booster:
         optimizer.backward(loss)
 
     # ------------------------------------------------------------------------ checkpoints
-    def save_model(self, model: AutoParallelModule, checkpoint: str | os.PathLike, shard: bool = True,
+    def save_model(self, model: AutoParallelModule, path: str | os.PathLike, shard: bool = True,
                    size_per_shard: float = 1024, use_safetensors: bool = True) -> None:
         """Write ``model``'s full tensors under the original names into the directory
-        ``checkpoint`` (rank 0 writes; a collective: every rank calls): Hugging Face sharded
+        ``path`` (rank 0 writes; a collective: every rank calls): Hugging Face sharded
         safetensors (``model-00001-of-0000N.safetensors`` of at most ``size_per_shard`` MiB each
         and ``model.safetensors.index.json``), one ``model.safetensors`` with ``shard=False``,
         ``pytorch_model*.bin`` with ``use_safetensors=False``; and the model's HF config when it
-        has one, so ``from_pretrained(checkpoint)`` loads it. Tied weights are written once."""
+        has one, so ``from_pretrained(path)`` loads it. Tied weights are written once."""
         origin = self._origin(model)
-        checkpoint_io.save_model(model, checkpoint, config=origin.config, shard=shard, size_per_shard=size_per_shard,
+        checkpoint_io.save_model(model, path, config=origin.config, shard=shard, size_per_shard=size_per_shard,
                                  use_safetensors=use_safetensors, architectures=[origin.class_name])
 
-    def load_model(self, model: AutoParallelModule, checkpoint: str | os.PathLike, strict: bool = True) -> None:
+    def load_model(self, model: AutoParallelModule, path: str | os.PathLike, strict: bool = True) -> None:
         """Load a directory written by ``save_model`` (or by HF's ``save_pretrained``) into
         ``model`` under whatever plan and mesh it has: every rank reads the full tensors and
         keeps its slices. ``strict``: every parameter and persistent buffer must be there and
         nothing else."""
         _check_module(model)
-        checkpoint_io.load_model(model, checkpoint, strict=strict)
+        checkpoint_io.load_model(model, path, strict=strict)
 
-    def save_optimizer(self, optimizer: BoostedOptimizer, checkpoint: str | os.PathLike) -> None:
+    def save_optimizer(self, optimizer: BoostedOptimizer, path: str | os.PathLike) -> None:
         """The optimizer's state (and the fp16 loss scaler's) as a ``torch.distributed.checkpoint``
         directory: each rank writes its shards (a collective)."""
         _check_optimizer(optimizer)
-        checkpoint_io.save_optimizer(optimizer, checkpoint)
+        checkpoint_io.save_optimizer(optimizer, path)
 
-    def load_optimizer(self, optimizer: BoostedOptimizer, checkpoint: str | os.PathLike) -> None:
+    def load_optimizer(self, optimizer: BoostedOptimizer, path: str | os.PathLike) -> None:
         """Load ``save_optimizer``'s directory, resharded to this optimizer's module (any mesh or
         world size; the same parameter names and param groups)."""
         _check_optimizer(optimizer)
-        checkpoint_io.load_optimizer(optimizer, checkpoint)
+        checkpoint_io.load_optimizer(optimizer, path)
 
-    def save_lr_scheduler(self, lr_scheduler: Any, checkpoint: str | os.PathLike) -> None:
-        """``lr_scheduler.state_dict()`` into the file ``checkpoint`` (rank 0 writes)."""
-        checkpoint_io.save_lr_scheduler(lr_scheduler, checkpoint)
+    def save_lr_scheduler(self, lr_scheduler: Any, path: str | os.PathLike) -> None:
+        """``lr_scheduler.state_dict()`` into the file ``path`` (rank 0 writes)."""
+        checkpoint_io.save_lr_scheduler(lr_scheduler, path)
 
-    def load_lr_scheduler(self, lr_scheduler: Any, checkpoint: str | os.PathLike) -> None:
-        checkpoint_io.load_lr_scheduler(lr_scheduler, checkpoint)
+    def load_lr_scheduler(self, lr_scheduler: Any, path: str | os.PathLike) -> None:
+        checkpoint_io.load_lr_scheduler(lr_scheduler, path)
 
     def _origin(self, model: AutoParallelModule) -> _Origin:
         _check_module(model)

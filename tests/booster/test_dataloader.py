@@ -102,6 +102,9 @@ def _train(rank, world, model, dataset, plan):
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
+    # boosting again with the same loader takes its meta inputs from a GLOBAL batch again
+    again, *_ = booster.boost(model, dataloader=loader)
+    assert again.local_inputs and [b["x"].shape[0] for b in loader] == rows
     return pm.local_inputs, rows, losses
 
 
