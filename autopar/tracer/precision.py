@@ -6,15 +6,16 @@ The policy is what ``model.to(bf16)`` computes, with fp32 master weights:
   use; all its uses read the cast. The planner lays the cast out like any op, so a sharded weight
   is cast on its shard *before* a gather and collectives move 2-byte data. Its backward hands an
   fp32 gradient to the master weight. Float inputs are cast the same way;
-- explicit casts that were no-ops in the fp32 trace (``x.to(torch.float32)`` on an fp32 ``x``,
-  ``_assert_tensor_metadata``) stand for "the model's dtype" (Hugging Face writes
-  ``.to(self.dtype)``), so they no longer force fp32;
+- casts that were no-ops in the fp32 trace stand for an explicit upcast (``x.to(torch.float32)``
+  before RMSNorm's variance: kept, the region computes in fp32) when they now meet a 2-byte
+  value, and for "back to the model's dtype" (``h.to(input_dtype)``: now the compute dtype) when
+  they meet a value computed inside such a region; ``_assert_tensor_metadata`` goes;
 - ops in ``FP32_OPS`` (losses, log-softmax) compute in fp32: their 2-byte inputs are cast up
   (their outputs stay fp32, e.g. the loss); ops in ``MIXED_OPS`` (batch norm) take a 2-byte
   input with fp32 weights and running statistics, so their weights are not cast;
 - any other op that meets both 2-byte and fp32 floating tensors (an fp32 buffer, an fp32 mask or
-  ``arange``) gets its fp32 ones cast down, *saturating* (``clamp`` to the low dtype's range
-  first: a mask of ``finfo(float32).min`` must not turn into ``-inf``). In-place ops are left to
+  ``arange``) gets its fp32 ones cast down, *saturating* (a mask of ``finfo(float32).min`` must
+  not turn into ``-inf``). In-place ops are left to
   type promotion (casting ``self`` would write into a copy). Buffers stay fp32 (rotary
   frequencies, running statistics).
 
@@ -100,6 +101,7 @@ class _Rewriter:
     def __init__(self, gm: fx.GraphModule, low: torch.dtype, fake_mode) -> None:
         self.gm, self.graph, self.low, self.fake_mode = gm, gm.graph, low, fake_mode
         self.param_casts: set[fx.Node] = set()
+        self.upcast: set[fx.Node] = set()  # fp32 values computed from an explicit upcast of a 2-byte one
         # Each node's dtype in the fp32 trace (a cast this pass adds: its source's).
         self.traced_dtype: dict[fx.Node, torch.dtype] = {
             n: n.meta["val"].dtype for n in gm.graph.nodes if isinstance(n.meta.get("val"), torch.Tensor)}
@@ -133,38 +135,38 @@ class _Rewriter:
     # ---------------------------------------------------------------------------- the walk
     def run(self) -> None:
         for node in list(self.graph.nodes):
-            if node.op == "call_function":
-                if node.target is aten._assert_tensor_metadata.default:
-                    self.graph.erase_node(node)  # asserts the fp32 dtype of the trace
-                    continue
-                if self._drop_noop_cast(node):
-                    continue
-                self._harmonise(node)
-            if node.op == "call_function":
-                node.meta["val"] = self._fake_value(node)
+            if node.op != "call_function":
+                continue
+            if node.target is aten._assert_tensor_metadata.default:
+                self.graph.erase_node(node)  # asserts the fp32 dtype of the trace
+                continue
+            if self._retype_noop_cast(node):
+                continue
+            self._harmonise(node)
+            node.meta["val"] = self._fake_value(node)
+            val = node.meta["val"]
+            if _is_fp32(val) and any(a in self.upcast for a in _node_args(node)):
+                self.upcast.add(node)  # computed from an explicit upcast: still the fp32 region
 
-    def _drop_noop_cast(self, node: fx.Node) -> bool:
-        """A cast that changed nothing in the fp32 trace now follows its input's dtype."""
+    def _retype_noop_cast(self, node: fx.Node) -> bool:
+        """A cast that changed nothing in the fp32 trace: ``x.to(torch.float32)`` (an explicit
+        upcast for accuracy: RMSNorm's variance, rotary tables) and ``x.to(self.dtype)`` (the
+        model's dtype) look alike there. Told apart by what they meet now: a 2-byte input means
+        an upcast (kept: the region computes in fp32); an input computed inside such a region
+        means the way back (cast to the compute dtype); an fp32 buffer's stays as it is."""
         if node.target not in _TO_OPS | _COPY_CASTS or node in self.param_casts:
             return False
         src = node.args[0] if node.args else None
         before, after = self.traced_dtype.get(src), self.traced_dtype.get(node)
         if before is None or before != after or not after.is_floating_point:
             return False
-        if node.target in _TO_OPS:
-            if node.kwargs.get("copy"):
-                with self.graph.inserting_before(node):
-                    new = self.graph.call_function(aten.clone.default, (src,))
-                new.meta.update({k: v for k, v in node.meta.items() if k != "val"})
-                new.meta["val"] = self._fake_value(new)
-                self.traced_dtype[new] = after
-            else:
-                new = src  # ``to`` returned its input unchanged
-            node.replace_all_uses_with(new)
-            self.graph.erase_node(node)
-            return True
-        node.kwargs = {k: v for k, v in node.kwargs.items() if k != "dtype"}  # a copy, same dtype
-        return False
+        now = src.meta["val"].dtype
+        if now.itemsize == 2:
+            self.upcast.add(node)
+        elif src in self.upcast:
+            _set_dtype(node, self.low)
+        node.meta["val"] = self._fake_value(node)
+        return True
 
     def _harmonise(self, node: fx.Node) -> None:
         if node.target is operator.getitem or not isinstance(node.target, torch._ops.OpOverload):
@@ -190,19 +192,20 @@ class _Rewriter:
 
     # ------------------------------------------------------------------------------ helpers
     def _cast(self, src: fx.Node, dtype: torch.dtype, *, before: fx.Node, saturate: bool) -> fx.Node:
+        """``src`` cast to ``dtype``; ``saturate``: what overflows becomes the dtype's largest
+        finite value (clamped after the cast, in 2 bytes: NaN stays NaN, and autograd keeps a
+        2-byte tensor for the clamp's mask, not the fp32 one)."""
         module = before.meta.get(MODULE_KEY, "")
         with self.graph.inserting_before(before):
-            x = src
+            out = cast = self.graph.call_function(aten._to_copy.default, (src,), {"dtype": dtype})
             if saturate:
                 info = torch.finfo(dtype)
-                x = self.graph.call_function(aten.clamp.default, (x, info.min, info.max))
-                x.meta[MODULE_KEY] = module
-                x.meta["val"] = self._fake_value(x)
-            cast = self.graph.call_function(aten._to_copy.default, (x,), {"dtype": dtype})
-        self.traced_dtype[cast] = self.traced_dtype.get(src, dtype)
-        cast.meta[MODULE_KEY] = module
-        cast.meta["val"] = self._fake_value(cast)
-        return cast
+                out = self.graph.call_function(aten.clamp.default, (cast, info.min, info.max))
+        for node in dict.fromkeys((cast, out)):  # in order: the clamp reads the cast
+            self.traced_dtype[node] = self.traced_dtype.get(src, dtype)
+            node.meta[MODULE_KEY] = module
+            node.meta["val"] = self._fake_value(node)
+        return out
 
     @staticmethod
     def _replace_input(node: fx.Node, old: fx.Node, new: fx.Node) -> None:
@@ -220,6 +223,14 @@ class _Rewriter:
         kwargs = pytree.tree_map(value, node.kwargs, is_leaf=lambda x: isinstance(x, fx.Node))
         with self.fake_mode:
             return node.target(*args, **kwargs)
+
+
+def _set_dtype(node: fx.Node, dtype: torch.dtype) -> None:
+    """Point a ``to``/``_to_copy`` node at ``dtype`` (positional in ``to.dtype``)."""
+    if node.target is aten.to.dtype and len(node.args) > 1:
+        node.args = (node.args[0], dtype, *node.args[2:])
+    else:
+        node.kwargs = {**node.kwargs, "dtype": dtype}
 
 
 def _weight_of_mixed_ops(node: fx.Node) -> bool:

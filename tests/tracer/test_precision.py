@@ -134,3 +134,25 @@ def test_bad_precision_and_second_rewrite_are_errors():
     assert apply_precision(low, "bf16") is low  # idempotent
     with pytest.raises(ValueError, match="already rewritten for bf16"):
         apply_precision(low, "fp16")
+
+
+def test_explicit_upcasts_keep_their_fp32_region_and_come_back_down():
+    """Llama's RMSNorm: ``h.to(float32)`` ... ``weight * h.to(input_dtype)`` -- both no-ops in the
+    fp32 trace. The first meets a 2-byte value (kept: variance and rsqrt in fp32, which fp16
+    needs: rsqrt's gradient of a 1e-3 variance overflows 65504), the second a value of that
+    region (back to the compute dtype). The rotary tables come from fp32 buffers and stay fp32
+    until they meet 2-byte queries."""
+    model, inputs, traced = traced_tiny("llama-1b")
+    low = traced_low("llama-1b", "fp16")
+    ops = list(low.compute_nodes())
+    rsqrt = [n for n in ops if n.target == aten.rsqrt.default]
+    assert rsqrt and all(n.meta["val"].dtype == torch.float32 for n in rsqrt)
+    for n in rsqrt:
+        (var,) = (a for a in n.all_input_nodes)
+        assert all(a.meta["val"].dtype == torch.float32 for a in var.all_input_nodes)
+    linears = [n for n in ops if n.target == aten.linear.default]
+    assert linears and all(n.meta["val"].dtype == torch.float16 for n in linears)
+    loss = _loss(low, low.gm(*low.bind(model, inputs)))
+    loss.backward()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+    model.zero_grad(set_to_none=True)
