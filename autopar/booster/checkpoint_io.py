@@ -9,9 +9,10 @@ file}}``); ``pytorch_model*.bin`` with ``use_safetensors=False`` -- plus the mod
 the tensors are full, ``load_model`` loads them under any plan and mesh: every rank reads the
 files and keeps its own slices (no communication).
 
-Optimizer: ``torch.distributed.checkpoint`` of ``get_optimizer_state_dict`` (DTensor state,
-keyed by parameter name): every rank writes its shards, and the load reshards to the new
-module's layouts, so it reloads under another mesh or world size. Scheduler: its
+Optimizer: ``torch.distributed.checkpoint`` of ``get_optimizer_state_dict`` (keyed by parameter
+name): every rank writes its shards, and the load reshards to the new module's layouts, so it
+reloads under another mesh or world size. torch's optimizers keep DTensor state already;
+``autopar.optim``'s keep local tensors, which are lifted to DTensors for DCP (``_lift``). Scheduler: its
 ``state_dict()``, written by rank 0 with ``torch.save``.
 """
 
@@ -156,12 +157,63 @@ def load_model(module: AutoParallelModule, path: str | os.PathLike, *, strict: b
 
 
 # --------------------------------------------------------------------------------- optimizer
+def _lift(value: Any, param: torch.Tensor, where: str) -> Any:
+    """A plain-tensor optimizer state of a sharded DTensor parameter as a DTensor, so DCP saves
+    every rank's piece and reshards it on load. ``autopar.optim``'s optimizers keep their state
+    as local tensors: elementwise state has the local shard's shape (it is sharded like the
+    parameter); a factored statistic has size 1 where the parameter's local shard has its
+    (possibly sharded) full extent, and is replicated across the shards of that dim (Adafactor's
+    and CAME's row/column statistics). Anything else cannot be laid out from its shape alone.
+    Scalars (step counts), DTensor state (torch's optimizers) and state of replicated
+    parameters stay as they are (DCP treats plain tensors as replicated)."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    if (not isinstance(param, DTensor) or not isinstance(value, torch.Tensor) or isinstance(value, DTensor)
+            or value.dim() == 0 or all(isinstance(pl, Replicate) for pl in param.placements)):
+        return value
+    local = param.to_local()
+    if value.dim() != local.dim() or any(v not in (n, 1) for v, n in zip(value.shape, local.shape)):
+        raise NotImplementedError(
+            f"save/load_optimizer: the state {where} has shape {list(value.shape)}, neither the local shard's "
+            f"{list(local.shape)} nor a factored statistic of it, so its layout across the shards of "
+            f"{list(param.shape)} ({param.placements}) is unknown; it cannot be resharded")
+    placements, shape = [], list(value.shape)
+    for axis, pl in enumerate(param.placements):
+        if isinstance(pl, Shard) and value.shape[pl.dim] == local.shape[pl.dim]:
+            placements.append(pl)
+            shape[pl.dim] *= param.device_mesh.size(axis)
+        else:  # replicated, or a statistic reduced over this dim: the same on every shard of it
+            placements.append(Replicate())
+    stride = torch.empty(shape, device="meta").stride()
+    return DTensor.from_local(value.contiguous(), param.device_mesh, placements, run_check=False,
+                              shape=torch.Size(shape), stride=stride)
+
+
+def _lifted(optim_state: dict[str, Any], module: AutoParallelModule) -> dict[str, Any]:
+    params = dict(module.named_parameters())
+    state = {fqn: {key: _lift(value, params[fqn], f"{key!r} of {fqn}") if fqn in params else value
+                   for key, value in entries.items()}
+             for fqn, entries in optim_state["state"].items()}
+    return {**optim_state, "state": state}
+
+
+def _unlifted(optim_state: dict[str, Any], like: dict[str, Any]) -> dict[str, Any]:
+    """The loaded state back as local tensors where ``like`` (the optimizer's own) had them."""
+    from torch.distributed.tensor import DTensor
+
+    state = {fqn: {key: value.to_local() if isinstance(value, DTensor) and not isinstance(like[fqn][key], DTensor)
+                   else value for key, value in entries.items()}
+             for fqn, entries in optim_state["state"].items()}
+    return {**optim_state, "state": state}
+
+
 def save_optimizer(optimizer: BoostedOptimizer, path: str | os.PathLike) -> None:
     """See ``Booster.save_optimizer``."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-    state: dict[str, Any] = {"optim": get_optimizer_state_dict(optimizer.module, optimizer.optim)}
+    optim_state = get_optimizer_state_dict(optimizer.module, optimizer.optim)
+    state: dict[str, Any] = {"optim": _lifted(optim_state, optimizer.module)}
     if optimizer.scaler is not None:
         state[SCALER_KEY] = optimizer.scaler.state_dict()
     dcp.save(state, checkpoint_id=os.fspath(path))
@@ -173,11 +225,12 @@ def load_optimizer(optimizer: BoostedOptimizer, path: str | os.PathLike) -> None
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
     # get_optimizer_state_dict initialises missing state, so there is a layout to load into.
-    state: dict[str, Any] = {"optim": get_optimizer_state_dict(optimizer.module, optimizer.optim)}
+    own = get_optimizer_state_dict(optimizer.module, optimizer.optim)
+    state: dict[str, Any] = {"optim": _lifted(own, optimizer.module)}
     if optimizer.scaler is not None:
         state[SCALER_KEY] = optimizer.scaler.state_dict()
     dcp.load(state, checkpoint_id=os.fspath(path))
-    set_optimizer_state_dict(optimizer.module, optimizer.optim, optim_state_dict=state["optim"])
+    set_optimizer_state_dict(optimizer.module, optimizer.optim, optim_state_dict=_unlifted(state["optim"], own["state"]))
     if optimizer.scaler is not None:
         optimizer.scaler.load_state_dict(state[SCALER_KEY])
 
