@@ -97,15 +97,18 @@ class Booster:
                 raise ValueError("boost needs meta_inputs or a dataloader to take the first batch from")
             meta_inputs = first_batch_inputs(dataloader)
         options = self.plugin.autoparallelize_kwargs()
-        module = autoparallelize(model, meta_inputs, local_inputs=ours, **options)
+        module = autoparallelize(model, meta_inputs, **options)
         if ours:
             args, kwargs = (meta_inputs, {}) if isinstance(meta_inputs, tuple) else ((), meta_inputs)
-            if not configure_for(dataloader, module, input_shapes(model.forward, args, kwargs)):
-                # Inputs laid out otherwise: every rank loads the global batch, and the module
-                # (same plan, no new solve) takes it whole.
-                options = {**options, "plan": module.plan}
-                module = autoparallelize(model, meta_inputs, local_inputs=False, **options)
-        self._origins[module] = _Origin(getattr(model, "config", None), type(model).__name__)
+            if configure_for(dataloader, module, input_shapes(model.forward, args, kwargs)):
+                # The plan splits every input's batch dim alike: the module is built again (same
+                # plan, no new solve) to take each rank's piece. Only then: the planner often
+                # leaves inputs replicated (splitting one locally costs nothing), and a module
+                # taking the full batch serves every other layout.
+                if dataloader.batch_sampler.piece is not None:
+                    module = autoparallelize(model, meta_inputs, local_inputs=True, **{**options, "plan": module.plan})
+        config = getattr(model, "config", None)
+        self._origins[module] = _Origin(config if hasattr(config, "save_pretrained") else None, type(model).__name__)
         boosted = None
         if optimizer is not None:
             rebuilt = rebuild_optimizer(optimizer, model, module.parameters_by_fqn())

@@ -153,9 +153,11 @@ class AutoParallelPlugin:
         What each rank loads, once ``booster.boost`` has seen the plan: when the plan splits
         every tensor input along its first (batch) dim by the same mesh axes and nothing else,
         each rank loads only its own slice of every global batch, and the model is built to take
-        those pieces (``local_inputs=True``); otherwise (an input split along another dim, or
-        inputs split differently) every rank loads the whole global batch, and the model takes
-        it whole. Before ``boost`` every rank loads whole global batches. The plan is made for
+        those pieces (``local_inputs=True``); otherwise (no input split, an input split along
+        another dim or not at all while others are, inputs split differently) every rank loads
+        the whole global batch, and the model takes it whole. Before ``boost`` every rank loads
+        whole global batches. (The planner often leaves inputs replicated, since splitting a
+        replicated input costs nothing; the per-rank path then does not apply.) The plan is made for
         one batch shape: use ``drop_last=True`` unless ``batch_size`` divides the dataset.
         Other keyword arguments (``collate_fn``, ``num_workers``, ``pin_memory``, ...) go to
         ``DataLoader``; ``sampler``/``batch_sampler`` are this method's to choose.
