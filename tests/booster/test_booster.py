@@ -4,6 +4,8 @@ GPT-2 (tiny, dropout 0) with AdamW in two param groups (decay / no decay, differ
 rates), a LambdaLR warm-up, ``max_norm`` clipping and ``plugin.prepare_dataloader`` over a
 map-style dataset of token sequences (shuffled, seeded):
 
+Each mesh gets a memory budget under which its plan shards parameters.
+
 - on 2 ranks (mesh (2,)): ``boost``, ``booster.backward``, ``optimizer.step`` for a few steps;
   the losses equal single-device training with the same clipping, groups and schedule
   (rtol 1e-4); every group's hyper-parameters survive by name and the scheduler drives the
@@ -27,6 +29,7 @@ import pytest
 import torch
 
 from autopar import zoo
+from autopar.api import plan as make_plan
 from autopar.booster.dataloader import batch_split
 from autopar.layout.placement import TensorSpec
 from autopar.runtime.launch import run_local
@@ -96,10 +99,14 @@ def single_device(model, batches) -> list[float]:
     return losses
 
 
-def _train_and_save(rank, world, model, dataset, path):
+def sharded_names(pm) -> list[str]:
+    return sorted(n for n, p in pm.parameters_by_fqn().items() if p.to_local().shape != p.shape)
+
+
+def _train_and_save(rank, world, model, dataset, path, budget):
     from autopar.booster import AutoParallelPlugin, Booster
 
-    plugin = AutoParallelPlugin(mesh=(2,), max_norm=MAX_NORM)
+    plugin = AutoParallelPlugin(mesh=(2,), memory_budget=budget, max_norm=MAX_NORM)
     booster = Booster(plugin=plugin)
     loader = plugin.prepare_dataloader(dataset, BATCH, shuffle=True, seed=SEED, drop_last=True)
     opt, sched = make_training(model)
@@ -130,13 +137,13 @@ def _train_and_save(rank, world, model, dataset, path):
             break
     final = {k: v.clone() for k, v in pm.full_state_dict().items()}
     return {"losses": losses, "lrs": lrs, "hyper": hyper, "final": final, "pieces": pieces, "local_inputs": pm.local_inputs,
-            "specs": {k: str(v) for k, v in pm.input_specs.items()}}
+            "sharded": sharded_names(pm), "specs": {k: str(v) for k, v in pm.input_specs.items()}}
 
 
-def _load_and_step(rank, world, model, dataset, path):
+def _load_and_step(rank, world, model, dataset, path, budget):
     from autopar.booster import AutoParallelPlugin, Booster
 
-    plugin = AutoParallelPlugin(mesh=(2, 2), max_norm=MAX_NORM)
+    plugin = AutoParallelPlugin(mesh=(2, 2), memory_budget=budget, max_norm=MAX_NORM)
     booster = Booster(plugin=plugin)
     loader = plugin.prepare_dataloader(dataset, BATCH, shuffle=True, seed=SEED, drop_last=True)
     opt, sched = make_training(model)
@@ -157,7 +164,7 @@ def _load_and_step(rank, world, model, dataset, path):
     final = {k: v.clone() for k, v in pm.full_state_dict().items()}
     return {"losses": losses, "lrs_before": lrs_before, "final": final,
             "lrs_after": [g["lr"] for g in bopt.param_groups], "local_inputs": pm.local_inputs, "pieces": pieces,
-            "specs": {k: str(v) for k, v in pm.input_specs.items()}}
+            "sharded": sharded_names(pm), "specs": {k: str(v) for k, v in pm.input_specs.items()}}
 
 
 def check_loading_rule(res: dict, mesh_shape: tuple[int, ...], steps: int) -> None:
@@ -174,13 +181,16 @@ def check_loading_rule(res: dict, mesh_shape: tuple[int, ...], steps: int) -> No
 @pytest.mark.timeout(240)
 def test_booster_example_trains_like_one_device_and_checkpoints_across_meshes(tmp_path):
     torch.manual_seed(0)
-    model, _ = zoo.build("gpt2", tiny=True, device="cpu", batch=BATCH, seq=SEQ)
+    model, inputs = zoo.build("gpt2", tiny=True, device="cpu", batch=BATCH, seq=SEQ)
     dataset = TokenDataset(model.config.vocab_size, SAMPLES)
+    # budgets that make each mesh's plan shard parameters (as tests/runtime/test_reshard.py)
+    budgets = {shape: int(0.6 * make_plan(model, inputs, mesh=shape).estimate.peak_bytes) for shape in ((2,), (2, 2))}
     batches = global_batches(dataset, STEPS + 2)
     want = single_device(model, batches)
 
-    results = run_local(_train_and_save, 2, model, dataset, str(tmp_path), timeout=200)
+    results = run_local(_train_and_save, 2, model, dataset, str(tmp_path), budgets[(2,)], timeout=200)
     for res in results:
+        assert res["sharded"], "the budget should shard parameters"
         assert res["losses"] == pytest.approx(want, rel=1e-4), (res["losses"], want)
         check_loading_rule(res, (2,), STEPS + 2)
         assert res["hyper"][0]["lr"] == pytest.approx(LRS[0] * warmup(0))
@@ -201,8 +211,9 @@ def test_booster_example_trains_like_one_device_and_checkpoints_across_meshes(tm
 
     torch.manual_seed(1)  # a fresh model with other weights: everything must come from the files
     fresh, _ = zoo.build("gpt2", tiny=True, device="cpu", batch=BATCH, seq=SEQ)
-    loaded = run_local(_load_and_step, 4, fresh, dataset, str(tmp_path), timeout=200)
+    loaded = run_local(_load_and_step, 4, fresh, dataset, str(tmp_path), budgets[(2, 2)], timeout=200)
     for res in loaded:
+        assert res["sharded"], "the budget should shard parameters"
         # the first loss needs the model back, the second the AdamW state and learning rate too
         assert res["losses"] == pytest.approx(want[STEPS:], rel=1e-4), (res["losses"], want[STEPS:])
         check_loading_rule(res, (2, 2), 2)
