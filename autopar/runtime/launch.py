@@ -5,7 +5,8 @@ method (about 0.04 s per launch against about 4 s with ``spawn``), so ``fn`` may
 or a test-local function. Each child initialises the default process group (gloo on CPU),
 calls ``fn(rank, world_size, *args, **kwargs)`` and sends its return value back (plain-pickled, so tensors are fine); the parent
 returns the values in rank order, or raises ``RuntimeError`` carrying the first failing rank's
-traceback. A child that hangs (a mismatched collective) is killed after ``timeout`` seconds.
+traceback. A child that hangs (a mismatched collective) is killed after ``timeout`` seconds in
+all; one that dies without reporting (killed, a native crash) fails the run within a few seconds.
 """
 
 from __future__ import annotations
@@ -13,7 +14,9 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import pickle
+import queue as pyqueue
 import socket
+import time
 import traceback
 from typing import Any, Callable
 
@@ -49,6 +52,28 @@ def _child(rank, world_size, port, backend, fn, args, kwargs, queue, num_threads
         queue.put((rank, False, traceback.format_exc()))
 
 
+_POLL_S = 0.5  # how often the parent looks for ranks that died without reporting
+
+
+def _check_alive(procs, results: dict, queue, deadline: float, timeout: float, world_size: int) -> None:
+    """Raise when a rank exited without reporting (killed, segfault, ``os._exit``: the others
+    would wait in a collective until the timeout) or when the deadline passed."""
+    for rank, p in enumerate(procs):
+        if rank in results or p.exitcode is None:
+            continue
+        try:  # a rank that reported just before exiting: its message may still be in flight
+            item = queue.get(timeout=2.0)
+        except pyqueue.Empty:
+            raise RuntimeError(f"run_local: rank {rank} of {world_size} exited with code {p.exitcode} "
+                               f"without reporting (killed, out of memory, or a crash in native code?)") from None
+        queue.put(item)  # handled by the caller's next get
+        return
+    if time.monotonic() > deadline:
+        missing = sorted(set(range(world_size)) - set(results))
+        raise RuntimeError(f"run_local: ranks {missing} of {world_size} did not finish within {timeout} s "
+                           f"(a collective that not every rank called?)")
+
+
 def run_local(
     fn: Callable[..., Any],
     world_size: int,
@@ -77,16 +102,14 @@ def run_local(
     results: dict[int, Any] = {}
     failure: tuple[int, str] | None = None
     finished = False
+    deadline = time.monotonic() + timeout
     try:
-        for _ in range(world_size):
+        while len(results) < world_size and failure is None:
             try:
-                rank, ok, value = queue.get(timeout=timeout)
-            except Exception:  # queue.Empty: some rank hung
-                missing = sorted(set(range(world_size)) - set(results))
-                raise RuntimeError(
-                    f"run_local: ranks {missing} of {world_size} did not finish within {timeout} s "
-                    f"(a collective that not every rank called?)"
-                ) from None
+                rank, ok, value = queue.get(timeout=_POLL_S)
+            except pyqueue.Empty:
+                _check_alive(procs, results, queue, deadline, timeout, world_size)
+                continue
             if not ok:
                 failure = (rank, value)
                 break
@@ -102,5 +125,8 @@ def run_local(
                 p.join(timeout=1)
     if failure is not None:
         rank, tb = failure
-        raise RuntimeError(f"rank {rank} of {world_size} failed:\n{tb}")
+        # A rank that died silently is usually the cause of the others' collective errors.
+        dead = [f"rank {r} of {world_size} exited with code {p.exitcode} without reporting; " for r, p in enumerate(procs)
+                if r != rank and r not in results and p.exitcode not in (None, 0, -9)]
+        raise RuntimeError(f"{''.join(dead)}rank {rank} of {world_size} failed:\n{tb}")
     return [results[r] for r in range(world_size)]

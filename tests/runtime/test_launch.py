@@ -43,3 +43,22 @@ def test_run_local_times_out_on_hang():
 
     with pytest.raises(RuntimeError, match="did not finish"):
         run_local(hang, 2, timeout=5)
+
+
+def _dies(rank, world, then):
+    import os
+
+    if rank == 1:
+        os._exit(3)  # no traceback, no report: a crash in native code looks like this
+    if then == "barrier":
+        dist.barrier()  # gloo notices the lost peer: rank 0 fails, naming rank 1 as the cause
+    else:
+        time.sleep(100)  # rank 0 busy: only the parent can notice
+
+
+@pytest.mark.parametrize("then", ["barrier", "compute"])
+def test_run_local_fails_fast_when_a_rank_dies_without_reporting(then):
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="rank 1 of 2 exited with code 3 without reporting"):
+        run_local(_dies, 2, then, timeout=120)
+    assert time.monotonic() - start < 30  # not the 120 s timeout
