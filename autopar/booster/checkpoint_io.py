@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -36,6 +37,9 @@ __all__ = ["save_model", "load_model", "save_optimizer", "load_optimizer", "save
 SAFE_INDEX, BIN_INDEX = "model.safetensors.index.json", "pytorch_model.bin.index.json"
 SAFE_SINGLE, BIN_SINGLE = "model.safetensors", "pytorch_model.bin"
 SCALER_KEY = "grad_scaler"
+# What save_model writes (weights and indexes; the config is overwritten anyway).
+_STALE = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors(\.index\.json)?|"
+                    r"pytorch_model(-\d{5}-of-\d{5})?\.bin(\.index\.json)?")
 
 
 def _rank() -> int:
@@ -97,8 +101,8 @@ def save_model(module: AutoParallelModule, path: str | os.PathLike, *, config: A
         groups = shard_groups(state, int(size_per_shard * 2**20)) if shard else [state]
         files = [single] if len(groups) == 1 else [_shard_name(single, i + 1, len(groups))
                                                     for i in range(len(groups))]
-        for stale in (SAFE_INDEX, BIN_INDEX, SAFE_SINGLE, BIN_SINGLE):  # a previous save's layout
-            if os.path.exists(os.path.join(path, stale)) and stale not in files:
+        for stale in os.listdir(path):  # a previous save's files that this one does not overwrite
+            if _STALE.fullmatch(stale) and stale not in files:
                 os.remove(os.path.join(path, stale))
         for group, file in zip(groups, files):
             _write(group, os.path.join(path, file), use_safetensors)

@@ -8,7 +8,8 @@
 - fp16: the optimizer owns an ``autopar.GradScaler``; ``booster.backward`` scales the loss;
   an inf in one rank's gradient shard makes EVERY rank skip the step and halve the scale;
 - ``save_model(shard=False)`` writes one ``model.safetensors``, ``use_safetensors=False``
-  sharded ``pytorch_model-*.bin`` with their index; both load back exactly.
+  sharded ``pytorch_model-*.bin`` with their index; both load back exactly; saving again
+  into a directory replaces the earlier save's files.
 """
 
 from __future__ import annotations
@@ -119,6 +120,8 @@ def _fp16(rank, world, model, inputs, path):
         booster.load_model(pm, os.path.join(path, name))
         reloaded = pm.full_state_dict()
         formats[name + " exact"] = all(torch.equal(reloaded[k], v) for k, v in after.items())
+    booster.save_model(pm, os.path.join(path, "bin"), shard=False)  # over the sharded .bin files
+    formats["resaved"] = sorted(os.listdir(os.path.join(path, "bin")))
     return {"scale": bopt.scaler.get_scale(), "skipped": skipped, "applied": applied, "scaled_finite": bool(scaled.isfinite().all()),
             "loss": loss.item(), "formats": formats}
 
@@ -170,4 +173,5 @@ def test_fp16_scaler_skips_everywhere_and_model_files_round_trip(tmp_path):
         bins = [f for f in res["formats"]["bin"] if f.endswith(".bin")]
         assert len(bins) >= 2 and "pytorch_model.bin.index.json" in res["formats"]["bin"]
         assert res["formats"]["single exact"] and res["formats"]["bin exact"]
+        assert res["formats"]["resaved"] == ["model.safetensors"]  # no stale files of the earlier save
     assert results[0]["loss"] == results[1]["loss"]
