@@ -22,7 +22,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["Layout", "layout_of", "local", "SumReducer", "local_range", "check_float"]
+__all__ = ["Layout", "layout_of", "local", "SumReducer", "local_range", "check_float", "state_like",
+           "elementwise_state"]
 
 
 @dataclass(frozen=True)
@@ -90,6 +91,39 @@ def local_range(layout: Layout, size: int, tensor_dim: int) -> tuple[int, int]:
         hi = min(lo + chunk, length)
         start, length = start + lo, hi - lo
     return start, start + length
+
+
+def state_like(value: Tensor, param: Tensor, *, shape, dims: tuple[int | None, ...]) -> Tensor:
+    """``value``, this rank's block of an optimizer state whose FULL-parameter shape is
+    ``shape``, as a DTensor on ``param``'s mesh; ``value`` itself when ``param`` is plain.
+
+    ``dims[d]`` is the state dim that parameter dim ``d`` becomes, or None where the state
+    reduced it away (or to size 1). A mesh dim sharding a kept dim shards the state's dim the
+    same way (same length, same mesh dims in the same order: the same block); one sharding a
+    reduced dim becomes Replicate, because the statistic is summed over those shards and so is
+    the same on each. The DTensor owns ``value``'s storage: the optimizer goes on computing on
+    ``local(state)``, and ``torch.distributed.checkpoint`` sees a tensor it can reshard."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    if not isinstance(param, DTensor):
+        return value
+    assert len(dims) == param.dim(), (dims, tuple(param.shape))
+    placements = []
+    for pl in param.placements:
+        kept = dims[pl.dim % param.dim()] if type(pl) is Shard else None
+        placements.append(Replicate() if kept is None else Shard(kept))
+    shape = torch.Size(shape)
+    out = DTensor.from_local(value.contiguous(), param.device_mesh, placements, run_check=False,
+                             shape=shape, stride=torch.empty(shape, device="meta").stride())
+    # the block DTensor assigns this rank must be the one the optimizer computed
+    want = tuple(b - a for a, b in (local_range(layout_of(out), n, d) for d, n in enumerate(shape)))
+    assert tuple(value.shape) == want, (tuple(value.shape), want, tuple(shape), placements)
+    return out
+
+
+def elementwise_state(value: Tensor, param: Tensor) -> Tensor:
+    """A state shaped and sharded like ``param`` (``value``: the local block)."""
+    return state_like(value, param, shape=param.shape, dims=tuple(range(param.dim())))
 
 
 class SumReducer:

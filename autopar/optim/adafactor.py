@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ._dist import SumReducer, check_float, layout_of, local
+from ._dist import SumReducer, check_float, elementwise_state, layout_of, local, state_like
 
 __all__ = ["Adafactor"]
 
@@ -35,9 +35,13 @@ class Adafactor(torch.optim.Optimizer):
     g*g, so it comes in the same round as the row and column sums: two batched rounds per step
     (||p||, row/column sums and the two sums for mean_{-2}(R); then RMS(U)), each one
     all-reduce of the concatenated statistics per (mesh, mesh dims) and mesh dim --
-    independent of the number of parameters. R and C are
-    kept as local tensors: R is sharded like the rows and replicated across the column shards,
-    C the other way round.
+    independent of the number of parameters.
+
+    State of a DTensor parameter is DTensors on its mesh, so ``torch.distributed.checkpoint``
+    reshards it: ``variance`` like the parameter; ``row_var`` of global shape [..., m, 1]
+    sharded like the rows and Replicate on the mesh dims sharding dim -1 (it is the full
+    row mean there), ``col_var`` ([..., 1, n]) the other way round. The arithmetic runs on
+    their local blocks.
     """
 
     def __init__(self, params, lr: float | Tensor = 1e-2, beta2_decay: float = -0.8,
@@ -80,11 +84,15 @@ class Adafactor(torch.optim.Optimizer):
                 state = self.state[p]
                 if not state:
                     state["step"] = torch.tensor(0.0)
-                    if p.dim() > 1:
-                        state["row_var"] = g.new_zeros((*g.shape[:-1], 1))
-                        state["col_var"] = g.new_zeros((*g.shape[:-2], 1, g.shape[-1]))
+                    if p.dim() > 1:  # torch's shapes: the reduced dim kept, size 1
+                        keep = tuple(range(p.dim() - 1))
+                        state["row_var"] = state_like(g.new_zeros((*g.shape[:-1], 1)), p,
+                                                      shape=(*p.shape[:-1], 1), dims=(*keep, None))
+                        state["col_var"] = state_like(g.new_zeros((*g.shape[:-2], 1, g.shape[-1])), p,
+                                                      shape=(*p.shape[:-2], 1, p.shape[-1]),
+                                                      dims=(*keep[:-1], None, p.dim() - 1))
                     else:
-                        state["variance"] = torch.zeros_like(g, memory_format=torch.preserve_format)
+                        state["variance"] = elementwise_state(torch.zeros_like(g), p)
                 state["step"] += 1
                 w = dict(group=group, lr=lr, p=p, x=x, g=g, state=state, layout=layout,
                          i_p=red.add(torch.linalg.vector_norm(x).square(), layout, layout.all()))
@@ -96,7 +104,7 @@ class Adafactor(torch.optim.Optimizer):
                                        layout, layout.over(-2))
                     # For mean_{-2}(R) after the update, without another round: it is linear,
                     # lerp(mean_{-2}(R_old), mean_{-2,-1}(g*g), 1 - beta2_hat).
-                    w["i_old"] = red.add(state["row_var"].sum(dim=-2, keepdim=True), layout, layout.over(-2))
+                    w["i_old"] = red.add(local(state["row_var"]).sum(dim=-2, keepdim=True), layout, layout.over(-2))
                     w["i_all"] = red.add(rows.sum(dim=-2, keepdim=True), layout, layout.over(-2, -1))
                 work.append(w)
         sums = red.run()
@@ -110,12 +118,12 @@ class Adafactor(torch.optim.Optimizer):
             if group["weight_decay"] != 0:
                 x.mul_(1 - w["lr"] * group["weight_decay"])
             if p.dim() > 1:
-                state["row_var"].lerp_(sums[w["i_r"]].div_(p.shape[-1]), one_minus_beta2)
-                state["col_var"].lerp_(sums[w["i_c"]].div_(p.shape[-2]), one_minus_beta2)
+                local(state["row_var"]).lerp_(sums[w["i_r"]].div_(p.shape[-1]), one_minus_beta2)
+                local(state["col_var"]).lerp_(sums[w["i_c"]].div_(p.shape[-2]), one_minus_beta2)
                 m, n = p.shape[-2], p.shape[-1]
                 w["row_mean"] = sums[w["i_old"]].div_(m).lerp_(sums[w["i_all"]].div_(m * n), one_minus_beta2)
             else:
-                state["variance"].lerp_(w["g"] * w["g"], one_minus_beta2)
+                local(state["variance"]).lerp_(w["g"] * w["g"], one_minus_beta2)
         # ---- round 2: RMS of the update
         red = SumReducer()
         for w in work:
@@ -124,10 +132,10 @@ class Adafactor(torch.optim.Optimizer):
             if eps1 is None:
                 eps1 = torch.finfo(p.dtype).eps
             if p.dim() > 1:
-                var = state["row_var"] @ state["col_var"]
+                var = local(state["row_var"]) @ local(state["col_var"])
                 var.div_(w["row_mean"].clamp_(min=eps1))
             else:
-                var = state["variance"].clone()
+                var = local(state["variance"]).clone()
             update = var.clamp_(min=eps1 * eps1).rsqrt_().mul_(w["g"])
             w["update"] = update
             w["i_u"] = red.add(torch.linalg.vector_norm(update).square(), layout, layout.all())

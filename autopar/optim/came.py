@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ._dist import SumReducer, check_float, layout_of, local
+from ._dist import SumReducer, check_float, elementwise_state, layout_of, local, state_like
 
 __all__ = ["CAME"]
 
@@ -43,8 +43,9 @@ class CAME(torch.optim.Optimizer):
     the old one and the new statistic, so it rides with the row/column sums: three batched
     rounds per step (row/col of g*g; RMS(u); row/col of the instability), each one all-reduce
     of the concatenated statistics per (mesh, mesh dims) and mesh dim, independent of the
-    number of parameters. The factored
-    state is kept in local tensors (row factors replicated across the column shards).
+    number of parameters. The state of a DTensor parameter is DTensors on its mesh (see
+    ``_init_state``), so ``torch.distributed.checkpoint`` reshards it; the arithmetic runs on
+    their local blocks.
     """
 
     def __init__(self, params, lr: float = 2e-4, eps: tuple[float, float] = (1e-30, 1e-16),
@@ -78,6 +79,25 @@ class CAME(torch.optim.Optimizer):
         w["i_all"] = red.add(rows.sum(dim=-1), lay, lay.over(-2, -1))
 
     @staticmethod
+    def _init_state(state: dict, p: Tensor, g: Tensor, *, factored: bool) -> None:
+        """Zero state; of a DTensor parameter, DTensors: ``exp_avg``/``exp_avg_sq`` like ``p``, the
+        row factors of global shape p.shape[:-1] (sharded like its rows, Replicate where dim -1
+        is sharded) and the column factors p.shape[:-2] + p.shape[-1:] the other way round."""
+        state["step"] = torch.tensor(0.0)
+        state["exp_avg"] = elementwise_state(torch.zeros_like(g), p)
+        if not factored:
+            state["exp_avg_sq"] = elementwise_state(torch.zeros_like(g), p)
+            return
+        n = p.dim()
+        row_dims = (*range(n - 1), None)
+        col_dims = (*range(n - 2), None, n - 2)
+        for kind in ("sq", "res"):
+            state[f"exp_avg_{kind}_row"] = state_like(g.new_zeros(g.shape[:-1]), p, shape=p.shape[:-1],
+                                                      dims=row_dims)
+            state[f"exp_avg_{kind}_col"] = state_like(g.new_zeros(g.shape[:-2] + g.shape[-1:]), p,
+                                                      shape=p.shape[:-2] + p.shape[-1:], dims=col_dims)
+
+    @staticmethod
     def _ema_row_col(w: dict, sums: list[Tensor], row: Tensor, col: Tensor, beta: float) -> Tensor:
         """Update the factors in place from round sums; returns rsqrt(row / mean(row)) outer
         rsqrt(col) (came_pytorch's ``_approx_sq_grad``)."""
@@ -108,17 +128,11 @@ class CAME(torch.optim.Optimizer):
                     g = g.float()
                 if group["maximize"]:
                     g = -g
-                state = self.state[p]
                 factored = p.dim() >= 2
-                if not state:
-                    state["step"] = torch.tensor(0.0)
-                    state["exp_avg"] = torch.zeros_like(g)
-                    if factored:
-                        for kind in ("sq", "res"):
-                            state[f"exp_avg_{kind}_row"] = g.new_zeros(g.shape[:-1])
-                            state[f"exp_avg_{kind}_col"] = g.new_zeros(g.shape[:-2] + g.shape[-1:])
-                    else:
-                        state["exp_avg_sq"] = torch.zeros_like(g)
+                if not self.state[p]:
+                    self._init_state(self.state[p], p, g, factored=factored)
+                # the local blocks: all updates below are in place, so they reach the DTensors
+                state = {key: local(value) for key, value in self.state[p].items()}
                 state["step"] += 1
                 w = dict(group=group, p=p, x=x, g=g, state=state, layout=layout, factored=factored)
                 sq = (g * g).add_(group["eps"][0])

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ._dist import SumReducer, check_float, layout_of, local, local_range
+from ._dist import SumReducer, check_float, layout_of, local, local_range, state_like
 
 __all__ = ["GaLoreAdamW"]
 
@@ -38,6 +38,12 @@ class GaLoreAdamW(torch.optim.Optimizer):
     all-reduced (an m_local x rank, or rank x n_local, block) over the mesh dims sharding that
     dim, all projected parameters in one batched all-reduce per (mesh, mesh dims) and step.
     R is then sharded like G along the kept dim, so the moments and ``back`` are local.
+
+    State of a DTensor parameter is DTensors on its mesh (so ``torch.distributed.checkpoint``
+    reshards it; the arithmetic runs on their local blocks): unprojected moments like the
+    parameter; ``proj`` (P, global r x n or m x r, identical on every rank) sharded like G's
+    projected dim, Replicate on the other mesh dims; the low-rank moments (global m x r or
+    r x n) sharded like G's kept dim, Replicate on the mesh dims sharding the projected one.
     """
 
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
@@ -87,7 +93,7 @@ class GaLoreAdamW(torch.optim.Optimizer):
                     k = int(state["step"].item())
                     if k % group["update_proj_gap"] == 0:
                         self._refresh(p, state, layout, group["rank"], maximize=group["maximize"])
-                    P = state["proj_local"]
+                    P = local(state["proj"])
                     if state["right"]:  # G (m_l x n_l) P^T (n_l x r): sum over the column shards
                         w["i"] = red.add(g @ P.T, layout, layout.over(1))
                     else:  # P^T (r x m_l) G (m_l x n_l): sum over the row shards
@@ -99,11 +105,11 @@ class GaLoreAdamW(torch.optim.Optimizer):
             grad = sums[w["i"]] if w["project"] else w["g"]
             beta1, beta2 = group["betas"]
             if "exp_avg" not in state:
-                state["exp_avg"] = torch.zeros_like(grad, memory_format=torch.preserve_format)
-                state["exp_avg_sq"] = torch.zeros_like(grad, memory_format=torch.preserve_format)
+                state["exp_avg"] = self._moment(torch.zeros_like(grad), p, state, w["project"])
+                state["exp_avg_sq"] = self._moment(torch.zeros_like(grad), p, state, w["project"])
             state["step"] += 1
             t = state["step"].item()
-            m, v = state["exp_avg"], state["exp_avg_sq"]
+            m, v = local(state["exp_avg"]), local(state["exp_avg_sq"])
             m.lerp_(grad, 1 - beta1)
             v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
             bc1, bc2 = 1 - beta1 ** t, 1 - beta2 ** t
@@ -114,7 +120,7 @@ class GaLoreAdamW(torch.optim.Optimizer):
                 x.mul_(1 - group["lr"] * group["weight_decay"])
             if w["project"]:
                 n = m / norm
-                P = state["proj_local"]
+                P = local(state["proj"])
                 back = n @ P if state["right"] else P @ n
                 x.add_(back.to(x.dtype), alpha=-step_size * group["scale"])
             else:
@@ -138,5 +144,28 @@ class GaLoreAdamW(torch.optim.Optimizer):
         else:
             lo, hi = local_range(layout, m, 0)
             proj = u[lo:hi, :rank]  # m_local x rank
+        proj = proj.to(p.dtype)
+        if "proj" in state:  # in place: whoever holds the state (a checkpoint) sees the new one
+            local(state["proj"]).copy_(proj)
+            return
         state["right"] = right
-        state["proj_local"] = proj.to(p.dtype).contiguous()
+        # P is the same full matrix on every rank; a rank keeps the slice its block of G meets,
+        # sharded like G's projected dim (right: P's columns like G's; left: P's rows like G's)
+        # and Replicate on the other mesh dims.
+        if right:
+            state["proj"] = state_like(proj, p, shape=(vh[:rank].shape[0], n), dims=(None, 1))
+        else:
+            state["proj"] = state_like(proj, p, shape=(m, u[:, :rank].shape[1]), dims=(0, None))
+
+    @staticmethod
+    def _moment(value: Tensor, p: Tensor, state: dict, project: bool) -> Tensor:
+        """A zero moment (``value``, the local block) as a DTensor: like ``p`` unprojected; the
+        low-rank moments like R -- right: (m x r), sharded like G's rows, Replicate where G's
+        columns are sharded (R sums over them); left: (r x n) the other way round."""
+        if not project:
+            return state_like(value, p, shape=p.shape, dims=(*range(p.dim()),))
+        r = state["proj"].shape[0] if state["right"] else state["proj"].shape[1]
+        m, n = p.shape
+        if state["right"]:
+            return state_like(value, p, shape=(m, r), dims=(0, None))
+        return state_like(value, p, shape=(r, n), dims=(None, 1))

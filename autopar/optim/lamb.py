@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ._dist import SumReducer, check_float, layout_of, local
+from ._dist import SumReducer, check_float, elementwise_state, layout_of, local
 
 __all__ = ["Lamb"]
 
@@ -27,7 +27,9 @@ class Lamb(torch.optim.Optimizer):
     pytorch-lamb reference; ``clamp_value=10`` is that reference's default for phi). The norms
     are over the FULL parameter: on a DTensor each rank sums the squares of its local block and
     the sums are all-reduced over the mesh dims the parameter is sharded on, every parameter's
-    two scalars in one concatenated all-reduce per (mesh, sharded mesh dims).
+    two scalars in one concatenated all-reduce per (mesh, sharded mesh dims). The moments of a
+    DTensor parameter are DTensors laid out like it (as torch's optimizers keep them), so
+    ``torch.distributed.checkpoint`` reshards them.
     ``maximize`` ascends (g is negated).
     """
 
@@ -69,11 +71,11 @@ class Lamb(torch.optim.Optimizer):
                 state = self.state[p]
                 if not state:
                     state["step"] = torch.tensor(0.0)
-                    state["exp_avg"] = torch.zeros_like(x, memory_format=torch.preserve_format)
-                    state["exp_avg_sq"] = torch.zeros_like(x, memory_format=torch.preserve_format)
+                    state["exp_avg"] = elementwise_state(torch.zeros_like(x), p)
+                    state["exp_avg_sq"] = elementwise_state(torch.zeros_like(x), p)
                 state["step"] += 1
                 t = state["step"].item()
-                m, v = state["exp_avg"], state["exp_avg_sq"]
+                m, v = local(state["exp_avg"]), local(state["exp_avg_sq"])
                 m.lerp_(g, 1 - beta1)
                 v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
                 bc1 = 1 - beta1 ** t if group["bias_correction"] else 1.0
