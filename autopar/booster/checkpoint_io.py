@@ -22,7 +22,7 @@ import json
 import math
 import os
 import re
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -46,9 +46,25 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
+def _on_rank0(write: Callable[[], None]) -> None:
+    """Rank 0 runs ``write``; every rank returns once it is done, or raises its error (so a
+    failed write cannot leave the other ranks waiting)."""
+    error: BaseException | None = None
+    if _rank() == 0:
+        try:
+            write()
+        except Exception as exc:  # noqa: BLE001 -- re-raised on every rank below
+            error = exc
+    if not dist.is_initialized():
+        if error is not None:
+            raise error
+        return
+    verdict: list[Any] = [None if error is None else f"{type(error).__name__}: {error}"]
+    dist.broadcast_object_list(verdict, src=0)
+    if error is not None:
+        raise error
+    if verdict[0] is not None:
+        raise RuntimeError(f"writing the checkpoint failed on rank 0: {verdict[0]}")
 
 
 def _shard_name(single: str, index: int, total: int) -> str:
@@ -95,7 +111,8 @@ def save_model(module: AutoParallelModule, path: str | os.PathLike, *, config: A
             raise ValueError(f"{name} must be a bool, got {value!r}")
     state = _unique_tensors(module.full_state_dict())  # a collective: every rank gathers
     path = os.fspath(path)
-    if _rank() == 0:
+
+    def write() -> None:
         os.makedirs(path, exist_ok=True)
         single = SAFE_SINGLE if use_safetensors else BIN_SINGLE
         groups = shard_groups(state, int(size_per_shard * 2**20)) if shard else [state]
@@ -112,11 +129,13 @@ def save_model(module: AutoParallelModule, path: str | os.PathLike, *, config: A
             with open(os.path.join(path, SAFE_INDEX if use_safetensors else BIN_INDEX), "w") as f:
                 json.dump(index, f, indent=2, sort_keys=True)
         if config is not None:
+            hf_config = config
             if architectures and not getattr(config, "architectures", None):
-                config = type(config).from_dict(config.to_dict())  # a copy: the user's stays as it was
-                config.architectures = list(architectures)
-            config.save_pretrained(path)
-    _barrier()  # the files exist for every rank once save_model returns
+                hf_config = type(config).from_dict(config.to_dict())  # a copy: the user's stays as it was
+                hf_config.architectures = list(architectures)
+            hf_config.save_pretrained(path)
+
+    _on_rank0(write)  # the files exist for every rank once save_model returns
 
 
 def _write(tensors: dict[str, torch.Tensor], file: str, use_safetensors: bool) -> None:
@@ -242,12 +261,13 @@ def load_optimizer(optimizer: BoostedOptimizer, path: str | os.PathLike) -> None
 # --------------------------------------------------------------------------------- scheduler
 def save_lr_scheduler(scheduler: Any, path: str | os.PathLike) -> None:
     """See ``Booster.save_lr_scheduler``."""
-    if _rank() == 0:
+    def write() -> None:
         parent = os.path.dirname(os.fspath(path))
         if parent:
             os.makedirs(parent, exist_ok=True)
         torch.save(scheduler.state_dict(), os.fspath(path))
-    _barrier()
+
+    _on_rank0(write)
 
 
 def load_lr_scheduler(scheduler: Any, path: str | os.PathLike) -> None:

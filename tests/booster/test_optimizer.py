@@ -122,7 +122,12 @@ def _fp16(rank, world, model, inputs, path):
         formats[name + " exact"] = all(torch.equal(reloaded[k], v) for k, v in after.items())
     booster.save_model(pm, os.path.join(path, "bin"), shard=False)  # over the sharded .bin files
     formats["resaved"] = sorted(os.listdir(os.path.join(path, "bin")))
-    return {"scale": bopt.scaler.get_scale(), "skipped": skipped, "applied": applied, "scaled_finite": bool(scaled.isfinite().all()),
+    try:  # rank 0 cannot write (a file is in the way): every rank raises instead of waiting
+        booster.save_model(pm, os.path.join(path, "a_file", "model"))
+        failed = None
+    except (OSError, RuntimeError) as exc:
+        failed = str(exc)
+    return {"failed": failed, "scale": bopt.scaler.get_scale(), "skipped": skipped, "applied": applied, "scaled_finite": bool(scaled.isfinite().all()),
             "loss": loss.item(), "formats": formats}
 
 
@@ -165,7 +170,9 @@ def test_adafactor_groups_and_scheduler_survive_train_like_one_device_and_reshar
 def test_fp16_scaler_skips_everywhere_and_model_files_round_trip(tmp_path):
     torch.manual_seed(0)
     model, inputs = zoo.build("mlp", tiny=True, device="cpu", batch=4, seq=4)
+    (tmp_path / "a_file").write_text("in the way")
     results = run_local(_fp16, 2, model, inputs, str(tmp_path), timeout=120)
+    assert "a_file" in results[0]["failed"] and "failed on rank 0" in results[1]["failed"]
     for res in results:
         assert res["scaled_finite"] and res["applied"] and res["skipped"]
         assert res["scale"] == 512.0  # backed off once, on both ranks
