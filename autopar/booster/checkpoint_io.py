@@ -11,8 +11,9 @@ files and keeps its own slices (no communication).
 
 Optimizer: ``torch.distributed.checkpoint`` of ``get_optimizer_state_dict`` (keyed by parameter
 name): every rank writes its shards, and the load reshards to the new module's layouts, so it
-reloads under another mesh or world size. torch's optimizers keep DTensor state already;
-``autopar.optim``'s keep local tensors, which are lifted to DTensors for DCP (``_lift``). Scheduler: its
+reloads under another mesh or world size. torch's and ``autopar.optim``'s optimizers keep
+DTensor state; an optimizer that keeps plain per-rank pieces has them lifted to DTensors for
+DCP where their shape tells the layout (``_lift``), and is refused where it does not. Scheduler: its
 ``state_dict()``, written by rank 0 with ``torch.save``.
 """
 
@@ -182,11 +183,12 @@ def load_model(module: AutoParallelModule, path: str | os.PathLike, *, strict: b
 # --------------------------------------------------------------------------------- optimizer
 def _lift(value: Any, param: torch.Tensor, where: str) -> Any:
     """A plain-tensor optimizer state of a sharded DTensor parameter as a DTensor, so DCP saves
-    every rank's piece and reshards it on load. ``autopar.optim``'s optimizers keep their state
-    as local tensors: elementwise state has the local shard's shape (it is sharded like the
-    parameter); a factored statistic has size 1 where the parameter's local shard has its
-    (possibly sharded) full extent, and is replicated across the shards of that dim (Adafactor's
-    and CAME's row/column statistics). Anything else cannot be laid out from its shape alone.
+    every rank's piece and reshards it on load (DCP takes a plain tensor for a replicated one
+    and would keep one rank's copy). For an optimizer computing on the local blocks, elementwise
+    state has the local shard's shape (it is sharded like the parameter); a factored statistic
+    has size 1 where the parameter's shard has its extent, and is the same on every shard of
+    that dim (Adafactor-style row/column statistics). Anything else cannot be laid out from its
+    shape alone.
     Scalars (step counts), DTensor state (torch's optimizers) and state of replicated
     parameters stay as they are (DCP treats plain tensors as replicated)."""
     from torch.distributed.tensor import DTensor, Replicate, Shard
