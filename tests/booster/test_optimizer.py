@@ -4,7 +4,8 @@
   groups' hyper-parameters kept by name; a ``StepLR`` drives it; with ``max_norm`` clipping the
   losses equal single-device ``torch.optim.Adafactor`` (rtol 1e-4), the last step taken through
   ``step(closure)``; its checkpoint (the row/column statistics saved from the shards) reloads
-  under another layout and the next step is the uninterrupted run's;
+  under another layout and the next step is the uninterrupted run's; plain per-rank state of
+  an optimizer that keeps it so is laid out as DTensors for the checkpoint (``_lift``);
 - fp16: the optimizer owns an ``autopar.GradScaler``; ``booster.backward`` scales the loss;
   an inf in one rank's gradient shard makes EVERY rank skip the step and halve the scale;
 - ``save_model(shard=False)`` writes one ``model.safetensors``, ``use_safetensors=False``
@@ -71,7 +72,36 @@ def _adafactor(rank, world, model, inputs, budget, path):
     booster.save_lr_scheduler(sched, os.path.join(path, "sched.pt"))
     with torch.no_grad():
         losses.append(pm(**inputs)[0].item())  # shows the last (closure) step's update
-    return losses, hyper, sharded, clipped
+    return losses, hyper, sharded, clipped, lift_checks(pm)
+
+
+def lift_checks(pm) -> tuple[list[str], int]:
+    """``checkpoint_io._lift`` lays plain per-rank optimizer state of a sharded parameter out as
+    a DTensor: elementwise state like the parameter, a row statistic (size 1 in the last dim)
+    replicated over that dim's shards; a shape it cannot explain is refused."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from autopar.booster.checkpoint_io import _lift
+
+    problems, checked = [], 0
+    for fqn, p in pm.parameters_by_fqn().items():
+        if p.dim() < 2 or local_of(p).shape == p.shape:
+            continue
+        checked += 1
+        full = p.detach().full_tensor()
+        if not torch.equal(_lift(local_of(p).clone(), p, fqn).full_tensor(), full):
+            problems.append(f"{fqn}: elementwise")
+        row = full.square().sum(-1, keepdim=True)
+        reduced = [Replicate() if isinstance(pl, Shard) and pl.dim in (-1, p.dim() - 1) else pl for pl in p.placements]
+        lifted = _lift(distribute_tensor(row, p.device_mesh, reduced).to_local(), p, fqn)
+        if not torch.equal(lifted.full_tensor(), row):
+            problems.append(f"{fqn}: row statistic")
+        try:
+            _lift(torch.zeros(3, 3, 3), p, fqn)
+            problems.append(f"{fqn}: an unexplained shape was accepted")
+        except NotImplementedError:
+            pass
+    return problems, checked
 
 
 def _adafactor_resume(rank, world, model, inputs, path):
@@ -149,9 +179,10 @@ def test_adafactor_groups_and_scheduler_survive_train_like_one_device_and_reshar
         want.append(loss.item())
     with torch.no_grad():
         want.append(ref(**inputs)[0].item())
-    for losses, hyper, sharded, clipped in run_local(_adafactor, 2, model, inputs, budget, str(tmp_path),
+    for losses, hyper, sharded, clipped, lifting in run_local(_adafactor, 2, model, inputs, budget, str(tmp_path),
                                                      timeout=120):
         assert sharded, "the budget should shard some parameters"
+        assert lifting[0] == [] and lifting[1] > 0
         assert clipped == pytest.approx(MAX_NORM, rel=1e-4)  # the closure's gradients were clipped
         assert hyper[0]["lr"] == 1e-2 and hyper[0]["weight_decay"] == 0.0 and hyper[0]["beta2_decay"] == -0.7
         assert hyper[1]["lr"] == 3e-3 and hyper[1]["weight_decay"] == 0.1
