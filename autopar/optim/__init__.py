@@ -5,6 +5,11 @@ Each computes on the local blocks (``to_local()``), never through DTensor dispat
 full-parameter statistics (norms, row/column means, low-rank projections) from local partial
 sums all-reduced over exactly the mesh dims the parameter is sharded on, batched: a constant
 number of collectives per step, independent of the number of parameters.
+
+The state of a DTensor parameter is DTensors on its mesh (``_dist.state_like``): global shape
+what the state means for the full parameter, placements that make the local block exactly what
+the rank computes on -- so ``torch.distributed.checkpoint`` saves and reshards it like the
+state of torch's own optimizers. Plain parameters keep plain state; ``step`` stays plain.
 """
 
 from .adafactor import Adafactor

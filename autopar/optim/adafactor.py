@@ -104,7 +104,8 @@ class Adafactor(torch.optim.Optimizer):
                                        layout, layout.over(-2))
                     # For mean_{-2}(R) after the update, without another round: it is linear,
                     # lerp(mean_{-2}(R_old), mean_{-2,-1}(g*g), 1 - beta2_hat).
-                    w["i_old"] = red.add(local(state["row_var"]).sum(dim=-2, keepdim=True), layout, layout.over(-2))
+                    w["i_old"] = red.add(local(state["row_var"]).sum(dim=-2, keepdim=True), layout,
+                                         layout.over(-2))
                     w["i_all"] = red.add(rows.sum(dim=-2, keepdim=True), layout, layout.over(-2, -1))
                 work.append(w)
         sums = red.run()
