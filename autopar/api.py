@@ -99,6 +99,7 @@ def plan(
     checkpoint: str = "auto",
     precision: str = "fp32",
     reduce_dtype: str = "fp32",
+    zero_stage: int = 0,
     device: str | None = None,
 ) -> Plan:
     """Plan ``model`` on ``mesh`` offline. ``mesh``: a MeshSpec, or a shape (``(2, 4)``/``"2x4"``)
@@ -108,13 +109,14 @@ def plan(
     Rotor refinement and Rotor alone; nothing when the budget cannot bind), ``"ilp"``,
     ``"rotor"``, ``"both"`` or ``"none"`` (see ``autopar.planner.checkpointing``). ``precision``:
     ``"fp32"``, ``"bf16"`` or ``"fp16"`` compute with fp32 master weights, priced as it runs
-    (``autopar.tracer.precision``); ``reduce_dtype``: what gradients are summed in. The other
+    (``autopar.tracer.precision``); ``reduce_dtype``: what gradients are summed in. ``zero_stage``:
+    1/2 shard optimizer state (and gradients) over each parameter's replicated axes. The other
     options: see :class:`PlanOptions`. ``plan_model`` returns the intermediate results too."""
     options = PlanOptions(memory_budget=memory_budget, solver=solver, time_limit=time_limit,
                           preset=resolve_preset(preset, device), baselines=baselines,
                           optimizer_multiplier=optimizer_multiplier,
                           allow_replicate_fallback=allow_replicate_fallback, checkpoint=checkpoint,
-                          precision=precision, reduce_dtype=reduce_dtype)
+                          precision=precision, reduce_dtype=reduce_dtype, zero_stage=zero_stage)
     return plan_model(model, meta_inputs, mesh=mesh, options=options, progress=progress or Progress(verbose)).plan
 
 
@@ -202,6 +204,7 @@ def autoparallelize(
     checkpoint: str = "auto",
     precision: str | None = None,
     reduce_dtype: str | None = None,
+    zero_stage: int | None = None,
 ) -> AutoParallelModule:
     """Shard ``model`` over the current process group; see the module docstring.
 
@@ -216,7 +219,9 @@ def autoparallelize(
     are applied as they are. ``precision``: ``"fp32"`` (default), ``"bf16"`` or ``"fp16"`` compute;
     parameters and optimizer state stay fp32, gradients are summed in ``reduce_dtype`` (default
     fp32); a loaded plan brings its own (``ValueError`` when they disagree). fp16 wants loss
-    scaling: ``autopar.GradScaler``.
+    scaling: ``autopar.GradScaler``. ``zero_stage``: 0 (default), 1 or 2 -- shard optimizer state
+    (and gradients) over each parameter's replicated axes; build the optimizer with
+    ``model.optimizer(torch.optim.AdamW, lr=...)`` (``autopar.runtime.zero``).
     """
     import torch.distributed as dist
 
@@ -237,6 +242,7 @@ def autoparallelize(
         options = PlanOptions(memory_budget=memory_budget, solver=solver, preset=preset,
                               allow_replicate_fallback=allow_replicate_fallback, checkpoint=checkpoint,
                               precision=precision or "fp32", reduce_dtype=reduce_dtype or "fp32",
+                              zero_stage=0 if zero_stage is None else zero_stage,
                               **({} if time_limit is None else {"time_limit": time_limit}))
         spec = spec or MeshSpec.coerce((world,), preset=preset)
         plan, traced = _solve_on_rank0(model, meta_inputs, mesh=spec, options=options)
@@ -247,6 +253,10 @@ def autoparallelize(
             if asked is not None and precision_name(asked, what=what) != planned:
                 raise ValueError(f"{what}={asked!r} but the plan was made for {planned}; "
                                  f"plan again or leave {what} out")
+        planned_zero = max((n.zero_stage for n in plan.nodes), default=0)
+        if zero_stage is not None and zero_stage != planned_zero:
+            raise ValueError(f"zero_stage={zero_stage!r} but the plan was made with ZeRO stage {planned_zero}; "
+                             f"plan again or leave zero_stage out")
         traced = None
     traced = traced or trace(model, meta_inputs, decompose_if=needs_decomposition, precision=plan.precision)
     check_plan(plan, graph_hash=traced.graph_hash, world_size=world, mesh=spec)

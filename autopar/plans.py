@@ -56,10 +56,14 @@ class NodePlan:
     output_specs: tuple[str | None, ...]  # per output
     op: str = ""  # ATen overload for ops
     module: str = ""  # owning module path (ops) or FQN (parameters, buffers, inputs)
+    # Parameters: ZeRO stage over the layout's replicated mesh axes (0: none; 1: optimizer state
+    # sharded; 2: gradients too). See ``autopar.runtime.zero``.
+    zero_stage: int = 0
 
     def __str__(self) -> str:
         where = f" @ {self.module}" if self.module else ""
-        return f"{self.name} [{self.op or self.kind}]{where}: {self.strategy}"
+        zero = f" +ZeRO-{self.zero_stage}" if self.zero_stage else ""
+        return f"{self.name} [{self.op or self.kind}]{where}: {self.strategy}{zero}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,6 +183,11 @@ class Plan:
         if best is not None:
             lines.append(f"  speed-up over best baseline ({best.name}): "
                          f"{best.estimate.step_s / self.estimate.step_s:.2f}x")
+        zero = [n for n in self.nodes if n.zero_stage]
+        if zero:
+            stages = sorted({n.zero_stage for n in zero})
+            lines.append(f"  ZeRO: stage {'/'.join(map(str, stages))} for {len(zero)} of "
+                         f"{len(self.by_kind(NodeKind.PARAMETER))} parameters")
         if self.recompute:
             lines.append(f"  recompute ({self.checkpoint.get('method', '?')}): "
                          + ", ".join(r.name for r in self.recompute))

@@ -111,8 +111,15 @@ class Booster:
         self._origins[module] = _Origin(config if hasattr(config, "save_pretrained") else None, type(model).__name__)
         boosted = None
         if optimizer is not None:
-            rebuilt = rebuild_optimizer(optimizer, model, module.parameters_by_fqn())
-            boosted = BoostedOptimizer(rebuilt, module, max_norm=self.plugin.max_norm, scaler=self._scaler(module))
+            zero = []
+
+            def build(cls, groups, **kwargs):  # ZeRO pieces replace the parameters the plan shards
+                zero.append(module.optimizer(cls, groups, **kwargs))
+                return zero[0].optimizer
+
+            rebuilt = rebuild_optimizer(optimizer, model, module.parameters_by_fqn(), build=build)
+            boosted = BoostedOptimizer(rebuilt, module, max_norm=self.plugin.max_norm, scaler=self._scaler(module),
+                                       zero=zero[0])
             if lr_scheduler is not None:
                 repoint_scheduler(lr_scheduler, optimizer, rebuilt)
         return module, boosted, criterion, dataloader, lr_scheduler

@@ -18,7 +18,7 @@ from __future__ import annotations
 import inspect
 import weakref
 from functools import wraps
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -42,10 +42,13 @@ def _target_class(cls: type) -> type:
 
 
 def rebuild_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module,
-                      by_fqn: dict[str, nn.Parameter]) -> torch.optim.Optimizer:
+                      by_fqn: dict[str, nn.Parameter], *, build: Callable[..., torch.optim.Optimizer] | None = None
+                      ) -> torch.optim.Optimizer:
     """``optimizer`` (built over ``model``'s parameters) rebuilt over ``by_fqn``'s parameters
     (FQN -> boosted parameter, tied aliases included). A parameter the boosted model does not
-    have (the traced forward never uses it, so it never has a gradient) is left out."""
+    have (the traced forward never uses it, so it never has a gradient) is left out.
+    ``build(cls, groups, **defaults)`` makes the new optimizer (default: ``cls(groups, ...)``;
+    the booster's builds it through ``AutoParallelModule.optimizer`` for ZeRO pieces)."""
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise ValueError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
     names: dict[int, list[str]] = {}
@@ -68,7 +71,7 @@ def rebuild_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module,
     cls = _target_class(type(optimizer))
     accepted = inspect.signature(cls.__init__).parameters
     kwargs = {k: v for k, v in optimizer.defaults.items() if k in accepted and k != "params"}
-    rebuilt = cls(groups, **kwargs)
+    rebuilt = (build or (lambda c, g, **kw: c(g, **kw)))(cls, groups, **kwargs)
     if cls is not type(optimizer):  # hyper-parameters the new class does not know (torch's foreach)
         for group in rebuilt.param_groups:
             for key in set(group) - set(rebuilt.defaults) - {"params", "initial_lr"}:
@@ -112,11 +115,12 @@ class BoostedOptimizer:
     """What ``Booster.boost`` returns for the user's optimizer (``optim``: the rebuilt one)."""
 
     def __init__(self, optim: torch.optim.Optimizer, module: nn.Module, *, max_norm: float = 0.0,
-                 scaler: GradScaler | None = None) -> None:
+                 scaler: GradScaler | None = None, zero=None) -> None:
         self.optim = optim
         self.module = module
         self.max_norm = float(max_norm)
         self.scaler = scaler
+        self.zero = zero  # the ZeroOptimizer whose inner optimizer ``optim`` is (ZeRO pieces), if any
 
     # ------------------------------------------------------------------------ pass through
     @property
@@ -132,7 +136,7 @@ class BoostedOptimizer:
         return self.optim.defaults
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self.optim.zero_grad(set_to_none=set_to_none)
+        (self.zero or self.optim).zero_grad(set_to_none=set_to_none)
 
     def state_dict(self) -> dict[str, Any]:
         return self.optim.state_dict()
@@ -168,15 +172,29 @@ class BoostedOptimizer:
             if closure is not None:  # it computes the gradients: they must exist before clipping
                 with torch.enable_grad():
                     loss = closure()
+            self._prepare()
             if self.max_norm > 0:
                 self.clip_grad_by_norm(self.max_norm)
             self.optim.step()
+            self._gather()
             return loss
         if closure is not None:
             raise ValueError("a closure cannot be used with fp16 loss scaling (torch's GradScaler refuses it too)")
+        self._prepare()
         self.scaler.unscale_(self.optim)
         if self.max_norm > 0:
             self.clip_grad_by_norm(self.max_norm)
         result = self.scaler.step(self.optim)
         self.scaler.update()
+        self._gather()
         return result
+
+    def _prepare(self) -> None:
+        """ZeRO: the pieces' gradients, before they are unscaled and clipped."""
+        if self.zero is not None:
+            self.zero.prepare_grads()
+
+    def _gather(self) -> None:
+        """ZeRO: the updated pieces back into the replicated parameters."""
+        if self.zero is not None:
+            self.zero.all_gather()

@@ -23,7 +23,6 @@ if TYPE_CHECKING:
 __all__ = ["AutoParallelPlugin", "ZERO_STAGES"]
 
 ZERO_STAGES = ("auto", 0, 1, 2)
-ISSUE_ZERO = "issue 14 (ZeRO-1/2 planned with the sharding)"
 
 
 def _number(value: Any) -> bool:
@@ -42,11 +41,10 @@ class AutoParallelPlugin:
             optimizer state. ``"fp16"`` makes the boosted optimizer own an ``autopar.GradScaler``
             (``booster.backward`` scales the loss, ``step()`` unscales before clipping and skips
             the step on every rank when any rank's gradients overflowed).
-        zero_stage: ``"auto"``, 0, 1 or 2. ZeRO-1/2 (sharding the optimizer state, and the
-            gradients, of replicated parameters over their replicas) are being built under
-            issue 14: today ``"auto"`` and ``0`` both mean stage 0 (the plan's layouts decide
-            all sharding; ZeRO-3 is one of those layouts) and ``1``/``2`` raise
-            ``NotImplementedError``. ``"auto"`` will let the planner pick per parameter.
+        zero_stage: ``"auto"``, 0, 1 or 2. ZeRO-1/2 shard the optimizer state (and the
+            gradients) of each parameter over the mesh axes its layout replicates it on
+            (``autopar.runtime.zero``; ZeRO-3 is one of the plan's layouts). ``"auto"`` is stage
+            0 until the planner chooses stages per parameter (issue 14).
         max_norm: clip gradients to this global L2 norm in ``optimizer.step()``; 0 = no clipping.
         checkpoint: activation recompute planning (``autopar.plan``'s ``checkpoint``).
         reduce_dtype: what gradients are summed in (``None`` = fp32).
@@ -94,10 +92,6 @@ class AutoParallelPlugin:
             object.__setattr__(self, "reduce_dtype", precision_name(self.reduce_dtype, what="reduce_dtype"))
         if self.zero_stage != "auto" and (type(self.zero_stage) is not int or self.zero_stage not in ZERO_STAGES):
             raise ValueError(f"zero_stage must be one of {ZERO_STAGES}, got {self.zero_stage!r}")
-        if self.zero_stage in (1, 2):
-            raise NotImplementedError(
-                f"zero_stage={self.zero_stage}: ZeRO-1/2 are not built yet ({ISSUE_ZERO}); use "
-                f"zero_stage='auto' or 0 (stage 0: the plan's layouts, ZeRO-3 among them, shard everything)")
         if not _number(self.max_norm) or self.max_norm < 0:
             raise ValueError(f"max_norm must be a finite number >= 0 (0 = no clipping), got {self.max_norm!r}")
         if self.checkpoint not in CHECKPOINT_MODES:
@@ -141,7 +135,8 @@ class AutoParallelPlugin:
         return dict(mesh=self.mesh, memory_budget=self.memory_budget, solver=self.solver,
                     time_limit=self.time_limit, device=self.device, seed=self.seed,
                     allow_replicate_fallback=self.allow_replicate_fallback, checkpoint=self.checkpoint,
-                    precision=self.precision, reduce_dtype=self.reduce_dtype, plan=self.plan)
+                    precision=self.precision, reduce_dtype=self.reduce_dtype, plan=self.plan,
+                    zero_stage=None if self.plan is not None else 0 if self.zero_stage == "auto" else self.zero_stage)
 
     # ------------------------------------------------------------------------------- data
     def prepare_dataloader(self, dataset: Dataset, batch_size: int, shuffle: bool = False, seed: int = 1024,

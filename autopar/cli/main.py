@@ -13,7 +13,7 @@ import sys
 import time
 import warnings
 
-from autopar.planner.options import CHECKPOINT_MODES, SOLVERS, PlanOptions
+from autopar.planner.options import CHECKPOINT_MODES, SOLVERS, ZERO_STAGES, PlanOptions
 from autopar.plans import PRECISIONS
 
 __all__ = ["main", "build_parser"]
@@ -63,6 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="what ops compute in; weights and optimizer state stay fp32 (default fp32)")
     p.add_argument("--reduce-dtype", default="fp32", choices=PRECISIONS,
                    help="what gradients are summed in (default fp32)")
+    p.add_argument("--zero-stage", type=int, default=0, choices=ZERO_STAGES,
+                   help="shard optimizer state (1) and gradients (2) over each parameter's replicated axes")
     p.add_argument("--optimizer-multiplier", type=float, default=2.0,
                    help="optimizer state bytes per parameter byte (default 2: AdamW fp32)")
     p.add_argument("--allow-fallback", action="store_true", help="replicate ops that have no sharding rule")
@@ -129,7 +131,7 @@ def cmd_inspect(args) -> int:
     options = PlanOptions(memory_budget=args.memory, solver=args.solver, time_limit=args.time_limit,
                           baselines=not args.no_baselines, optimizer_multiplier=args.optimizer_multiplier,
                           allow_replicate_fallback=args.allow_fallback, checkpoint=args.checkpoint,
-                          precision=args.precision, reduce_dtype=args.reduce_dtype)
+                          precision=args.precision, reduce_dtype=args.reduce_dtype, zero_stage=args.zero_stage)
     _check_writable(args.json, "--json")
     _check_writable(args.html, "--html")
     check_model_spec(args.model, args.input)

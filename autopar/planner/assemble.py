@@ -45,6 +45,7 @@ def node_plans(built, choice: dict[str, str]) -> tuple[NodePlan, ...]:
             input_specs=tuple(None if s is None else str(s) for s in c.input_specs),
             output_specs=tuple(None if s is None else str(s) for s in c.output_specs),
             op=decision.op, module=decision.module or "",  # the graph output has no module
+            zero_stage=built.zero_stages.get(node.name, {}).get(choice[node.name], 0),
         ))
     return tuple(out)
 

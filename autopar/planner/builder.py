@@ -44,6 +44,7 @@ import torch
 import torch.fx as fx
 
 from autopar.layout.conversion import plan_conversion
+from autopar.layout.cost import collective_seconds
 from autopar.layout.mesh import MeshSpec
 from autopar.layout.placement import R, Shard, TensorSpec
 from autopar.planner.records import BuiltProblem, Choice, ChosenConversion, Decision, InputSlot
@@ -105,6 +106,7 @@ class _Builder:
         self.values: dict[str, tuple[InputSlot | None, ...]] = {}  # decision -> its tensor outputs
         self.edges: dict[tuple[str, str], np.ndarray] = {}  # (producer, consumer) -> seconds per option pair
         self.fallbacks: list[str] = []
+        self.zero_stages: dict[str, dict[str, int]] = {}  # parameter -> layout -> ZeRO stage
         # Caches: identical repeated blocks share strategies, choices and edge matrices.
         self._strategy_cache: dict[str, list[Strategy]] = {}
         self._choice_cache: dict[int, tuple[Choice, ...]] = {}  # id(strategy list) -> its choices
@@ -140,7 +142,8 @@ class _Builder:
                 **segment_inputs(self.traced, self.prof, self.decisions, self.mesh.shape, blocks)}
         return BuiltProblem(problem=problem, decisions=MappingProxyType(self.decisions),
                             sources=MappingProxyType(self.sources), fallbacks=tuple(self.fallbacks),
-                            mesh=self.mesh, segment_inputs=MappingProxyType(kept))
+                            mesh=self.mesh, segment_inputs=MappingProxyType(kept),
+                            zero_stages=MappingProxyType({k: MappingProxyType(v) for k, v in self.zero_stages.items()}))
 
     # ----------------------------------------------------------------------------- decisions
     def _placeholder(self, node: fx.Node) -> None:
@@ -153,14 +156,21 @@ class _Builder:
             kind, specs = NodeKind.BUFFER, [TensorSpec.replicated(self.mesh.ndim)]
         else:
             kind, specs = NodeKind(ph.kind), layout_specs(shape, self.mesh.shape)
-        per_byte = 2.0 + self.opts.optimizer_multiplier if kind == NodeKind.PARAMETER else 1.0
         opts, choices = [], []
         for spec in specs:
             local = math.prod(spec.local_shape(shape, self.mesh.shape)) * itemsize
             if kind == NodeKind.INPUT:
                 opts.append(StrategyOption(str(spec), compute_s=0.0, act_bytes=int(local)))
+            elif kind == NodeKind.PARAMETER:
+                stage = self.opts.zero_stage if ph.requires_grad and shape else 0
+                per_byte, comm_s, stage = zero_cost(spec, self.mesh, local, stage=stage,
+                                                    optimizer_multiplier=self.opts.optimizer_multiplier)
+                opts.append(StrategyOption(str(spec), compute_s=0.0, comm_s=comm_s,
+                                           param_bytes=int(round(local * per_byte))))
+                if stage:
+                    self.zero_stages.setdefault(node.name, {})[str(spec)] = stage
             else:
-                opts.append(StrategyOption(str(spec), compute_s=0.0, param_bytes=int(round(local * per_byte))))
+                opts.append(StrategyOption(str(spec), compute_s=0.0, param_bytes=int(local)))
             choices.append(self._layout_choices.setdefault(str(spec), Choice(str(spec), (spec,))))
         live = (0, max(2 * self.num_ops - 1, 0)) if kind == NodeKind.INPUT else None
         self._add(Decision(node.name, kind, tuple(choices), module=ph.fqn), opts, live=live,
@@ -327,6 +337,32 @@ def _unique(name: str, opts: list[StrategyOption]) -> str:
     while f"{name} #{k}" in taken:
         k += 1
     return f"{name} #{k}"
+
+
+def zero_cost(spec: TensorSpec, mesh: MeshSpec, local_bytes: int, *, stage: int,
+              optimizer_multiplier: float) -> tuple[float, float, int]:
+    """(bytes held per parameter byte, extra communication seconds per step, effective stage) of a
+    trainable parameter laid out ``spec`` under ZeRO ``stage`` over the axes ``spec`` replicates
+    it on (``dp``: their size product; no such axis: stage 0).
+
+    ====== ===================================== =====================================================
+    stage  held: parameter + gradient + state    communication beyond stage 0
+    ====== ===================================== =====================================================
+    0      ``2 + m``                             --
+    1      ``2 + m/dp``                          all-gather of the updated parameter
+    2      ``1 + (1 + m)/dp``                    reduce-scatter + all-gather replace the all-reduce
+                                                 the consumers are priced with: the same bytes, one
+                                                 more collective's latency
+    ====== ===================================== =====================================================
+    """
+    axes = tuple(a for a, p in enumerate(spec.placements) if p == R and mesh.shape[a] > 1)
+    dp = math.prod(mesh.shape[a] for a in axes)
+    m = optimizer_multiplier
+    if stage == 0 or dp == 1:
+        return 2.0 + m, 0.0, 0
+    if stage == 1:
+        return 2.0 + m / dp, collective_seconds("all_gather", local_bytes, mesh, axes), 1
+    return 1.0 + (1.0 + m) / dp, max(mesh.alpha[a] for a in axes), 2
 
 
 def _is_float(v: Any) -> bool:

@@ -13,10 +13,11 @@ from dataclasses import dataclass
 from autopar.layout.mesh import PRESETS, MeshSpec, parse_bytes
 from autopar.plans import PRECISIONS
 
-__all__ = ["PlanOptions", "SOLVERS", "CHECKPOINT_MODES", "precision_name"]
+__all__ = ["PlanOptions", "SOLVERS", "CHECKPOINT_MODES", "ZERO_STAGES", "precision_name"]
 
 SOLVERS = ("auto", "highs", "cbc")  # ILP backends (autopar.solver.ilp); auto prefers HiGHS
 CHECKPOINT_MODES = ("auto", "none", "ilp", "rotor", "both")  # see autopar.planner.checkpointing
+ZERO_STAGES = (0, 1, 2)  # over each parameter's replicated axes (autopar.runtime.zero)
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,7 +29,9 @@ class PlanOptions:
     state bytes per parameter byte. ``allow_replicate_fallback``: replicate ops without a sharding
     rule instead of failing. ``checkpoint``: activation recompute planning mode. ``precision``: what
     ops compute in (``"fp32"``, ``"bf16"``, ``"fp16"``; parameters and optimizer state stay fp32).
-    ``reduce_dtype``: what gradients are summed in (default fp32)."""
+    ``reduce_dtype``: what gradients are summed in (default fp32). ``zero_stage``: shard each
+    trainable parameter's optimizer state (1), and its gradient (2), over the mesh axes its layout
+    replicates it on; 0: none."""
 
     memory_budget: int | None = None
     solver: str = "auto"
@@ -40,6 +43,7 @@ class PlanOptions:
     checkpoint: str = "auto"
     precision: str = "fp32"
     reduce_dtype: str = "fp32"
+    zero_stage: int = 0
 
     def __post_init__(self) -> None:
         if self.memory_budget is not None:
@@ -54,6 +58,8 @@ class PlanOptions:
             raise ValueError(f"optimizer_multiplier must be a finite number >= 0, got {self.optimizer_multiplier!r}")
         if self.checkpoint not in CHECKPOINT_MODES:
             raise ValueError(f"checkpoint must be one of {CHECKPOINT_MODES}, got {self.checkpoint!r}")
+        if self.zero_stage not in ZERO_STAGES or isinstance(self.zero_stage, bool):
+            raise ValueError(f"zero_stage must be one of {ZERO_STAGES}, got {self.zero_stage!r}")
         object.__setattr__(self, "precision", precision_name(self.precision, what="precision"))
         object.__setattr__(self, "reduce_dtype", precision_name(self.reduce_dtype, what="reduce_dtype"))
 
@@ -71,6 +77,7 @@ class PlanOptions:
                 f"checkpoint {self.checkpoint}" + (", baselines" if self.baselines else "")
                 + (f", {self.precision} compute (gradients summed in {self.reduce_dtype})"
                    if self.precision != "fp32" else "")
+                + (f", ZeRO-{self.zero_stage}" if self.zero_stage else "")
                 + (", replicate fallback" if self.allow_replicate_fallback else ""))
 
 

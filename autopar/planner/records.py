@@ -9,7 +9,8 @@ graph value comes from (``sources``), and the inputs each recompute segment keep
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Mapping
 
 from autopar.layout.conversion import Conversion, plan_conversion
@@ -105,6 +106,7 @@ class BuiltProblem:
                     to its producer's output element.
     fallbacks:      op nodes replicated without a sharding rule (opt-in).
     segment_inputs: recompute segment or block -> the inputs it keeps when recomputed.
+    zero_stages:    parameter decision -> option name -> its ZeRO stage (nonzero entries only).
     """
 
     problem: Problem
@@ -113,6 +115,7 @@ class BuiltProblem:
     fallbacks: tuple[str, ...]
     mesh: MeshSpec
     segment_inputs: Mapping[str, tuple[SegmentInput, ...]]
+    zero_stages: Mapping[str, Mapping[str, int]] = field(default_factory=lambda: MappingProxyType({}))
 
     def decision(self, name: str) -> Decision:
         try:

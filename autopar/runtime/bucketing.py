@@ -44,7 +44,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Partial
 
 from autopar.runtime.dtensors import local_of
 from autopar.runtime.process_mesh import ProcessMesh
@@ -77,6 +77,7 @@ class _Slot:
     axes: tuple[int, ...]
     shape: tuple[int, ...]
     dtype: torch.dtype
+    shard: bool = False  # ZeRO-2: reduce-scattered into this device's piece, in no bucket
 
     @property
     def numel(self) -> int:
@@ -102,6 +103,7 @@ class _Pass:
         self.works: list[tuple[int, torch.Tensor, Any, tuple[int, ...]]] = []  # bucket, flat, work, axes left
         self.next_issue = 0
         self.late: dict[int, torch.Tensor] = {}  # slot -> local gradient that came after its bucket left
+        self.shards: dict[int, torch.Tensor] = {}  # ZeRO-2 slot -> its local (partial) gradient
 
 
 class GradBucketer(nn.Module):
@@ -123,12 +125,15 @@ class GradBucketer(nn.Module):
         self._flats: dict[int, torch.Tensor] = {}  # bucket -> flat buffer kept for the next pass
         self._params: dict[int, torch.Tensor] = {}  # slot -> the parameter it last delivered to
         self._target: Callable[[str], torch.Tensor] | None = None  # see deliver_to
+        self._piece: Callable[[str], Any] | None = None  # see deliver_shards_to
         self.stats: Counter = Counter()  # buckets / all_reduces / bytes issued (this process)
 
     # ------------------------------------------------------------------------- build time
-    def add_slot(self, name: str, axes: Sequence[int], shape: Sequence[int], dtype: torch.dtype) -> int:
-        """Register one bucketed parameter use (in forward order); returns its slot number."""
-        self.slots.append(_Slot(name, tuple(sorted(axes)), tuple(int(s) for s in shape), dtype))
+    def add_slot(self, name: str, axes: Sequence[int], shape: Sequence[int], dtype: torch.dtype, *,
+                 shard: bool = False) -> int:
+        """Register one bucketed parameter use (in forward order); returns its slot number.
+        ``shard``: a ZeRO-2 parameter, reduce-scattered into its piece (``deliver_shards_to``)."""
+        self.slots.append(_Slot(name, tuple(sorted(axes)), tuple(int(s) for s in shape), dtype, shard))
         self._buckets = None
         return len(self.slots) - 1
 
@@ -143,6 +148,8 @@ class GradBucketer(nn.Module):
         open_: dict[tuple, int] = {}
         for slot in reversed(range(len(self.slots))):
             s = self.slots[slot]
+            if s.shard:
+                continue
             key = (s.axes, s.dtype)
             size = s.numel * s.dtype.itemsize
             b = open_.get(key)
@@ -167,6 +174,11 @@ class GradBucketer(nn.Module):
         whose local tensor the graph reads) instead of the tensor the graph passed in."""
         self._target = target
 
+    def deliver_shards_to(self, piece: Callable[[str], Any]) -> None:
+        """ZeRO-2 slots: ``piece(slot name)`` is the parameter's ``runtime.zero.Piece``, whose
+        ``master.grad`` receives this device's reduce-scattered piece of the gradient."""
+        self._piece = piece
+
     # -------------------------------------------------------------------------- run time
     def forward(self, x: torch.Tensor, *, axes: tuple[int, ...], slot: int) -> torch.Tensor:
         if not (torch.is_grad_enabled() and x.requires_grad):
@@ -182,6 +194,10 @@ class GradBucketer(nn.Module):
                 del self._passes[min(self._passes)]
             st = self._passes[task] = _Pass(len(buckets))
             torch.autograd.Variable._execution_engine.queue_callback(functools.partial(self._finish, task))
+        if self.slots[slot].shard:
+            prev = st.shards.get(slot)
+            st.shards[slot] = grad.detach().clone() if prev is None else prev + grad
+            return
         b = self._bucket_of[slot]
         bucket = buckets[b]
         if self._target is not None:
@@ -283,6 +299,33 @@ class GradBucketer(nn.Module):
             self._deliver(st, buckets[b], flat, sorted(st.ready[b]))
         for b, flat, slots in late_flats:
             self._deliver(st, buckets[b], flat, slots)
+        for slot in sorted(st.shards):  # the same slots in the same order on every rank
+            self._reduce_scatter(slot, st.shards[slot])
+
+    def _reduce_scatter(self, slot: int, grad: torch.Tensor) -> None:
+        """Sum a ZeRO-2 parameter's partial gradient over the slot's axes, keeping only this
+        device's piece (DTensor's reduce-scatter: uneven and nested pieces as DTensor chunks
+        them); mesh axes the parameter is replicated on without a partial gradient need no
+        communication, only the local chunk."""
+        s = self.slots[slot]
+        piece = self._piece(s.name) if self._piece is not None else None
+        if piece is None:
+            raise RuntimeError(f"ZeRO-2 gradient of {s.name!r} has no optimizer piece to land in: build the "
+                               f"optimizer with model.optimizer(...)")
+        master = piece.master
+        placements = tuple(Partial() if a in s.axes else p for a, p in enumerate(piece.param.placements))
+        full = DTensor.from_local(grad.to(s.dtype), master.device_mesh, placements, run_check=False,
+                                  shape=master.shape, stride=master.stride())
+        from autopar.runtime.zero import _quiet_redistribute  # zero imports nothing of this module
+
+        with _quiet_redistribute():
+            mine = local_of(full.redistribute(master.device_mesh, master.placements)).to(master.dtype)
+        self.stats["reduce_scatters"] += 1
+        with torch.no_grad():
+            if master.grad is None:
+                master.grad = piece.wrap(mine)
+            else:
+                local_of(master.grad).add_(mine)
 
     def _deliver(self, st: _Pass, bucket: _Bucket, flat: torch.Tensor, slots: list[int]) -> None:
         with torch.no_grad():

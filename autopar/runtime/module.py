@@ -75,6 +75,8 @@ class AutoParallelModule(nn.Module):
                 m.deliver_to(self._state)
         self.input_specs = {p.fqn: TensorSpec.parse(plan.node(p.name).output_specs[0]) for p in self._inputs
                             if _has_decision(plan, p.name)}
+        self._zero = None  # the ZeroOptimizer built by ``optimizer``
+        self._zero2 = [n.name for n in plan.nodes if n.zero_stage == 2]
 
     # ------------------------------------------------------------------------------ running
     @property
@@ -87,6 +89,12 @@ class AutoParallelModule(nn.Module):
         return self.pmesh.device_mesh
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self._zero is None and torch.is_grad_enabled() and self._zero2:
+            raise ValueError(
+                f"the plan shards the gradients of {len(self._zero2)} parameters (ZeRO-2, e.g. "
+                f"{self._placeholders[self._zero2[0]].fqn!r}): their .grad would hold only what is not "
+                f"reduce-scattered. Build the optimizer with model.optimizer(torch.optim.AdamW, lr=...) "
+                f"(or plan with zero_stage=0 or 1)")
         inputs = iter(self._flat_inputs(args, kwargs))
         state = iter(local_views([self._state(name) for name in self._arg_state if name is not None]))
         values = [next(inputs) if name is None else next(state) for name in self._arg_state]
@@ -129,6 +137,32 @@ class AutoParallelModule(nn.Module):
     def local_specs(self) -> dict[str, TensorSpec]:
         """Canonical FQN -> layout of every parameter and buffer."""
         return {ph.fqn: self._specs[name] for name, ph, _ in self._tensors()}
+
+    # ------------------------------------------------------------------------------- ZeRO
+    def optimizer(self, optimizer_class: type, /, params=None, **kwargs: Any):
+        """``optimizer_class(params, **kwargs)`` over this module's parameters (``params``: None
+        for all, or some of ``self.parameters()`` or param-group dicts of them), the ones the
+        plan shards with ZeRO replaced by this device's pieces (``autopar.runtime.zero``). Works
+        for every plan (ZeRO or not); required when the plan has ZeRO-2 parameters."""
+        from autopar.runtime.zero import ZeroOptimizer
+
+        return ZeroOptimizer(self, optimizer_class, params, **kwargs)
+
+    def zero_parameters(self) -> list[tuple[str, nn.Parameter, int]]:
+        """(placeholder name, DTensor parameter, ZeRO stage) of every parameter, in plan order."""
+        out = []
+        for n in self.plan.nodes:
+            if n.kind == PARAMETER and n.name in self._specs:
+                out.append((n.name, self._state(n.name), n.zero_stage))
+        return out
+
+    def attach_zero(self, optimizer) -> None:
+        """Record the ZeRO optimizer whose pieces receive the reduce-scattered gradients."""
+        self._zero = optimizer
+        pieces = {p.name: p for p in optimizer.pieces}
+        for m in self.graph_module.modules():
+            if isinstance(m, GradBucketer):
+                m.deliver_shards_to(lambda name: pieces.get(name))
 
     def parameters_by_fqn(self) -> dict[str, nn.Parameter]:
         """Original FQN -> DTensor parameter, every tied alias included (so an optimizer built

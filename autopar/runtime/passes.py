@@ -339,7 +339,7 @@ class _Emitter:
                 # is summed in ``reduce_dtype`` and lands in the fp32 master's .grad.
                 dtype = val.dtype if param is src else self.reduce_dtype
                 slot = self.bucketer.add_slot(param.name, axes, want.local_shape(tuple(val.shape), self.mesh_shape),
-                                              dtype)
+                                              dtype, shard=self.decisions[param.name].zero_stage == 2)
                 self.converted[key] = self.graph.call_module(
                     self.comm_names[GRAD_BUCKET], (node,), {"axes": tuple(axes), "slot": slot})
             if key not in self.converted:

@@ -43,10 +43,9 @@ def test_bad_plugin_arguments_are_rejected(kwargs, match):
         AutoParallelPlugin(**kwargs)
 
 
-@pytest.mark.parametrize("stage", [1, 2])
-def test_zero_1_and_2_are_not_built_yet(stage):
-    with pytest.raises(NotImplementedError, match="issue 14"):
-        AutoParallelPlugin(zero_stage=stage)
+@pytest.mark.parametrize("stage,planned", [("auto", 0), (0, 0), (1, 1), (2, 2)])
+def test_zero_stage_reaches_autoparallelize(stage, planned):
+    assert AutoParallelPlugin(zero_stage=stage).autoparallelize_kwargs()["zero_stage"] == planned
 
 
 def test_good_arguments_are_normalised():
