@@ -99,7 +99,7 @@ def plan(
     checkpoint: str = "auto",
     precision: str = "fp32",
     reduce_dtype: str = "fp32",
-    zero_stage: int = 0,
+    zero_stage: int | str = 0,
     device: str | None = None,
 ) -> Plan:
     """Plan ``model`` on ``mesh`` offline. ``mesh``: a MeshSpec, or a shape (``(2, 4)``/``"2x4"``)
@@ -157,7 +157,7 @@ def plan_traced(traced: TracedGraph, profile: ModelProfile, *, mesh: MeshSpec | 
     results = ()
     if options.baselines:
         results = tuple(_baseline(name, traced, built, options=options, progress=progress)
-                        for name in applicable_baselines(mesh.ndim))
+                        for name in applicable_baselines(mesh.ndim, zero=options.zero_stage == "auto"))
     assembled = assemble_plan(
         traced, built, choice=rc.choice, evaluation=rc.evaluation, solution=rc.solution,
         timings=progress.timings, baselines=results, recompute=rc.regions,
@@ -204,7 +204,7 @@ def autoparallelize(
     checkpoint: str = "auto",
     precision: str | None = None,
     reduce_dtype: str | None = None,
-    zero_stage: int | None = None,
+    zero_stage: int | str | None = None,
 ) -> AutoParallelModule:
     """Shard ``model`` over the current process group; see the module docstring.
 
@@ -220,7 +220,8 @@ def autoparallelize(
     parameters and optimizer state stay fp32, gradients are summed in ``reduce_dtype`` (default
     fp32); a loaded plan brings its own (``ValueError`` when they disagree). fp16 wants loss
     scaling: ``autopar.GradScaler``. ``zero_stage``: 0 (default), 1 or 2 -- shard optimizer state
-    (and gradients) over each parameter's replicated axes; build the optimizer with
+    (and gradients) over each parameter's replicated axes -- or ``"auto"`` (the solver picks per
+    parameter); build the optimizer with
     ``model.optimizer(torch.optim.AdamW, lr=...)`` (``autopar.runtime.zero``).
     """
     import torch.distributed as dist
@@ -254,7 +255,7 @@ def autoparallelize(
                 raise ValueError(f"{what}={asked!r} but the plan was made for {planned}; "
                                  f"plan again or leave {what} out")
         planned_zero = max((n.zero_stage for n in plan.nodes), default=0)
-        if zero_stage is not None and zero_stage != planned_zero:
+        if zero_stage not in (None, "auto") and zero_stage != planned_zero:
             raise ValueError(f"zero_stage={zero_stage!r} but the plan was made with ZeRO stage {planned_zero}; "
                              f"plan again or leave zero_stage out")
         traced = None

@@ -214,7 +214,13 @@ def _lift(value: Any, param: torch.Tensor, where: str) -> Any:
                               shape=torch.Size(shape), stride=stride)
 
 
-def _lifted(optim_state: dict[str, Any], module: AutoParallelModule) -> dict[str, Any]:
+def _holder(optimizer: BoostedOptimizer):
+    """The module whose parameters the optimizer holds under the boosted module's names: ZeRO
+    pieces in place of the parameters they shard (``ZeroOptimizer.state_module``)."""
+    return optimizer.zero.state_module() if optimizer.zero is not None else optimizer.module
+
+
+def _lifted(optim_state: dict[str, Any], module) -> dict[str, Any]:
     params = dict(module.named_parameters())
     state = {fqn: {key: _lift(value, params[fqn], f"{key!r} of {fqn}") if fqn in params else value
                    for key, value in entries.items()}
@@ -237,8 +243,9 @@ def save_optimizer(optimizer: BoostedOptimizer, path: str | os.PathLike) -> None
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-    optim_state = get_optimizer_state_dict(optimizer.module, optimizer.optim)
-    state: dict[str, Any] = {"optim": _lifted(optim_state, optimizer.module)}
+    holder = _holder(optimizer)
+    optim_state = get_optimizer_state_dict(holder, optimizer.optim)
+    state: dict[str, Any] = {"optim": _lifted(optim_state, holder)}
     if optimizer.scaler is not None:
         state[SCALER_KEY] = optimizer.scaler.state_dict()
     dcp.save(state, checkpoint_id=os.fspath(path))
@@ -250,12 +257,13 @@ def load_optimizer(optimizer: BoostedOptimizer, path: str | os.PathLike) -> None
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
     # get_optimizer_state_dict initialises missing state, so there is a layout to load into.
-    own = get_optimizer_state_dict(optimizer.module, optimizer.optim)
-    state: dict[str, Any] = {"optim": _lifted(own, optimizer.module)}
+    holder = _holder(optimizer)
+    own = get_optimizer_state_dict(holder, optimizer.optim)
+    state: dict[str, Any] = {"optim": _lifted(own, holder)}
     if optimizer.scaler is not None:
         state[SCALER_KEY] = optimizer.scaler.state_dict()
     dcp.load(state, checkpoint_id=os.fspath(path))
-    set_optimizer_state_dict(optimizer.module, optimizer.optim, optim_state_dict=_unlifted(state["optim"], own["state"]))
+    set_optimizer_state_dict(holder, optimizer.optim, optim_state_dict=_unlifted(state["optim"], own["state"]))
     if optimizer.scaler is not None:
         optimizer.scaler.load_state_dict(state[SCALER_KEY])
 

@@ -43,8 +43,9 @@ class AutoParallelPlugin:
             the step on every rank when any rank's gradients overflowed).
         zero_stage: ``"auto"``, 0, 1 or 2. ZeRO-1/2 shard the optimizer state (and the
             gradients) of each parameter over the mesh axes its layout replicates it on
-            (``autopar.runtime.zero``; ZeRO-3 is one of the plan's layouts). ``"auto"`` is stage
-            0 until the planner chooses stages per parameter (issue 14).
+            (``autopar.runtime.zero``; ZeRO-3 is one of the plan's layouts). ``"auto"``: the
+            planner picks the stage per parameter, pricing memory and communication with the
+            layouts (stage 0 wherever the budget does not need more).
         max_norm: clip gradients to this global L2 norm in ``optimizer.step()``; 0 = no clipping.
         checkpoint: activation recompute planning (``autopar.plan``'s ``checkpoint``).
         reduce_dtype: what gradients are summed in (``None`` = fp32).
@@ -136,7 +137,7 @@ class AutoParallelPlugin:
                     time_limit=self.time_limit, device=self.device, seed=self.seed,
                     allow_replicate_fallback=self.allow_replicate_fallback, checkpoint=self.checkpoint,
                     precision=self.precision, reduce_dtype=self.reduce_dtype, plan=self.plan,
-                    zero_stage=None if self.plan is not None else 0 if self.zero_stage == "auto" else self.zero_stage)
+                    zero_stage=None if self.plan is not None else self.zero_stage)
 
     # ------------------------------------------------------------------------------- data
     def prepare_dataloader(self, dataset: Dataset, batch_size: int, shuffle: bool = False, seed: int = 1024,

@@ -63,8 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="what ops compute in; weights and optimizer state stay fp32 (default fp32)")
     p.add_argument("--reduce-dtype", default="fp32", choices=PRECISIONS,
                    help="what gradients are summed in (default fp32)")
-    p.add_argument("--zero-stage", type=int, default=0, choices=ZERO_STAGES,
-                   help="shard optimizer state (1) and gradients (2) over each parameter's replicated axes")
+    p.add_argument("--zero-stage", type=_zero_stage, default=0, choices=(*ZERO_STAGES, "auto"),
+                   help="shard optimizer state (1) and gradients (2) over each parameter's replicated axes; "
+                        "auto: the solver picks per parameter (default 0)")
     p.add_argument("--optimizer-multiplier", type=float, default=2.0,
                    help="optimizer state bytes per parameter byte (default 2: AdamW fp32)")
     p.add_argument("--allow-fallback", action="store_true", help="replicate ops that have no sharding rule")
@@ -115,6 +116,10 @@ def _check_writable(path: str | None, flag: str) -> None:
 def _positive(value, flag: str) -> None:
     if value is not None and value < 1:
         raise CliError(f"{flag} must be >= 1, got {value}")
+
+
+def _zero_stage(text: str):
+    return text if text == "auto" else int(text) if text.isdigit() else text
 
 
 # ---------------------------------------------------------------------------------- commands

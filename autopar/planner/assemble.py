@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from autopar.planner.baselines import BASELINES, baseline_roles, make_restriction
+from autopar.planner.baselines import BASELINES, ZERO_BASELINES, baseline_roles, make_restriction
 from autopar.plans import Estimate, NodeKind, NodePlan, Plan
 from autopar.solver.problem import Edge, Problem
 
@@ -45,7 +45,7 @@ def node_plans(built, choice: dict[str, str]) -> tuple[NodePlan, ...]:
             input_specs=tuple(None if s is None else str(s) for s in c.input_specs),
             output_specs=tuple(None if s is None else str(s) for s in c.output_specs),
             op=decision.op, module=decision.module or "",  # the graph output has no module
-            zero_stage=built.zero_stages.get(node.name, {}).get(choice[node.name], 0),
+            zero_stage=c.zero_stage,
         ))
     return tuple(out)
 
@@ -67,9 +67,11 @@ def solver_stats(solution) -> dict:
 
 
 # ------------------------------------------------------------------------------- baselines
-def applicable_baselines(num_axes: int) -> tuple[str, ...]:
-    """The baseline families (``autopar.planner.baselines``) defined on a mesh of ``num_axes`` axes."""
-    return tuple(b for b in BASELINES if baseline_roles(b, num_axes) is not None)
+def applicable_baselines(num_axes: int, *, zero: bool = False) -> tuple[str, ...]:
+    """The baseline families (``autopar.planner.baselines``) defined on a mesh of ``num_axes`` axes;
+    ``zero``: the problem has ZeRO options (``zero_stage="auto"``), so ZeRO-1/2 families too."""
+    return tuple(b for b in BASELINES if baseline_roles(b, num_axes) is not None
+                 and (zero or b not in ZERO_BASELINES))
 
 
 def baseline_problem(name: str, traced, built) -> Problem:
@@ -78,7 +80,14 @@ def baseline_problem(name: str, traced, built) -> Problem:
     roles = baseline_roles(name, built.mesh.ndim)
     if roles is None:
         raise ValueError(f"baseline {name!r} does not apply to mesh {built.mesh.shape}")
-    return restricted_problem(built, traced, make_restriction(roles), name)
+    # Stages are a choice only where the problem offers several per layout (zero_stage="auto").
+    staged = any(len({c.zero_stage for c in d.choices}) > 1 for d in built.decisions.values()
+                 if d.kind == NodeKind.PARAMETER)
+    if name in ZERO_BASELINES and not staged:
+        raise ValueError(f"baseline {name!r} needs a problem with ZeRO options (zero_stage='auto')")
+    stage = ZERO_BASELINES.get(name, 0) if staged else None
+    return restricted_problem(built, traced, make_restriction(roles, zero_stage=stage, mesh_shape=built.mesh.shape),
+                              name)
 
 
 def restricted_problem(built, traced, restriction, name: str) -> Problem:

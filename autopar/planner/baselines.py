@@ -9,9 +9,11 @@ Each baseline gives every mesh axis a role:
 - ``tp``   (Megatron-style tensor parallel): activations are never split on the batch dim;
   parameters and ops may shard anything else (column/row splits, partial sums).
 
-Baselines: ``data-parallel`` (all axes dp), ``zero3`` (all zero), ``megatron-tp`` (all tp) and,
-on meshes with two or more axes, ``dp x tp`` (axis 0 dp, the others tp). autopar's own plan is
-the unrestricted problem, so at optimality it is never slower than any of them.
+Baselines: ``data-parallel`` (all axes dp), ``zero1`` and ``zero2`` (all axes dp, every trainable
+parameter at that ZeRO stage: only when the problem has ZeRO options, ``zero_stage="auto"``),
+``zero3`` (all zero), ``megatron-tp`` (all tp) and, on meshes with two or more axes, ``dp x tp``
+(axis 0 dp, the others tp). The other families keep ZeRO stage 0. autopar's own plan is the
+unrestricted problem, so at optimality it is never slower than any of them.
 """
 
 from __future__ import annotations
@@ -25,14 +27,15 @@ from autopar.layout.placement import Partial, Replicate, Shard
 from autopar.strategies import input_nodes
 from autopar.tracer.graph import BUFFER, PARAMETER, PLACEHOLDER_KEY
 
-__all__ = ["BASELINES", "baseline_roles", "make_restriction"]
+__all__ = ["BASELINES", "ZERO_BASELINES", "baseline_roles", "make_restriction"]
 
-BASELINES = ("data-parallel", "zero3", "megatron-tp", "dp x tp")
+BASELINES = ("data-parallel", "zero1", "zero2", "zero3", "megatron-tp", "dp x tp")
+ZERO_BASELINES = {"zero1": 1, "zero2": 2}  # family -> the ZeRO stage of its trainable parameters
 
 
 def baseline_roles(name: str, num_axes: int) -> tuple[str, ...] | None:
     """Per-axis roles of baseline ``name`` on a mesh of ``num_axes`` axes (None: not applicable)."""
-    if name == "data-parallel":
+    if name in ("data-parallel", *ZERO_BASELINES):
         return ("dp",) * num_axes
     if name == "zero3":
         return ("zero",) * num_axes
@@ -54,10 +57,14 @@ def _activation_ok(placement, role: str) -> bool:
     return placement != Shard(0)  # tp: never the batch dim
 
 
-def make_restriction(roles: Sequence[str]):
+def make_restriction(roles: Sequence[str], *, zero_stage: int | None = None, mesh_shape: Sequence[int] = ()):
     """``allowed(kind, fx_node, choice)``: whether a decision's option keeps ``roles`` (one per mesh
-    axis); ``autopar.planner.assemble.restricted_problem`` slices the built problem with it."""
+    axis) and, unless ``zero_stage`` is None (a problem with one stage per layout), ZeRO stage
+    ``zero_stage`` for trainable parameters (stage 0 for the others, and for all on a mesh
+    without an axis to shard over); ``autopar.planner.assemble.restricted_problem`` slices the
+    built problem with it."""
     roles = tuple(roles)
+    shardable = any(size > 1 for size in mesh_shape)
     weight_slots: dict[fx.Node, tuple[bool, ...]] = {}  # per op: which input slots are weights
 
     verdicts: dict[tuple, bool] = {}  # (kind, choice, weight slots) -> allowed
@@ -68,6 +75,11 @@ def make_restriction(roles: Sequence[str]):
             if node not in weight_slots:  # asked once per option: bind the op's inputs once
                 weight_slots[node] = tuple(_is_weight(src) for src in input_nodes(node))
             slots = weight_slots[node]
+        if kind == "parameter" and zero_stage is not None:
+            ph = node.meta[PLACEHOLDER_KEY]
+            trainable = ph.requires_grad and bool(ph.shape) and shardable
+            if choice.zero_stage != (zero_stage if trainable else 0):
+                return False
         # Choices are shared objects across identical repeated blocks: judge each one once.
         key = (kind, id(choice), slots)
         verdict = verdicts.get(key)

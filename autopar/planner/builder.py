@@ -106,11 +106,10 @@ class _Builder:
         self.values: dict[str, tuple[InputSlot | None, ...]] = {}  # decision -> its tensor outputs
         self.edges: dict[tuple[str, str], np.ndarray] = {}  # (producer, consumer) -> seconds per option pair
         self.fallbacks: list[str] = []
-        self.zero_stages: dict[str, dict[str, int]] = {}  # parameter -> layout -> ZeRO stage
         # Caches: identical repeated blocks share strategies, choices and edge matrices.
         self._strategy_cache: dict[str, list[Strategy]] = {}
         self._choice_cache: dict[int, tuple[Choice, ...]] = {}  # id(strategy list) -> its choices
-        self._layout_choices: dict[str, Choice] = {}  # one shared Choice per placeholder layout
+        self._layout_choices: dict[tuple[str, int], Choice] = {}  # one shared Choice per (layout, ZeRO stage)
         self._edge_cache: dict[Any, np.ndarray] = {}
         self._conv_cache: dict[Any, float] = {}
 
@@ -142,8 +141,7 @@ class _Builder:
                 **segment_inputs(self.traced, self.prof, self.decisions, self.mesh.shape, blocks)}
         return BuiltProblem(problem=problem, decisions=MappingProxyType(self.decisions),
                             sources=MappingProxyType(self.sources), fallbacks=tuple(self.fallbacks),
-                            mesh=self.mesh, segment_inputs=MappingProxyType(kept),
-                            zero_stages=MappingProxyType({k: MappingProxyType(v) for k, v in self.zero_stages.items()}))
+                            mesh=self.mesh, segment_inputs=MappingProxyType(kept))
 
     # ----------------------------------------------------------------------------- decisions
     def _placeholder(self, node: fx.Node) -> None:
@@ -162,19 +160,31 @@ class _Builder:
             if kind == NodeKind.INPUT:
                 opts.append(StrategyOption(str(spec), compute_s=0.0, act_bytes=int(local)))
             elif kind == NodeKind.PARAMETER:
-                stage = self.opts.zero_stage if ph.requires_grad and shape else 0
-                per_byte, comm_s, stage = zero_cost(spec, self.mesh, local, stage=stage,
-                                                    optimizer_multiplier=self.opts.optimizer_multiplier)
-                opts.append(StrategyOption(str(spec), compute_s=0.0, comm_s=comm_s,
-                                           param_bytes=int(round(local * per_byte))))
-                if stage:
-                    self.zero_stages.setdefault(node.name, {})[str(spec)] = stage
+                self._parameter_options(spec, local, trainable=ph.requires_grad and bool(shape),
+                                        opts=opts, choices=choices)
+                continue
             else:
                 opts.append(StrategyOption(str(spec), compute_s=0.0, param_bytes=int(local)))
-            choices.append(self._layout_choices.setdefault(str(spec), Choice(str(spec), (spec,))))
+            choices.append(self._layout_choices.setdefault((str(spec), 0), Choice(str(spec), (spec,))))
         live = (0, max(2 * self.num_ops - 1, 0)) if kind == NodeKind.INPUT else None
         self._add(Decision(node.name, kind, tuple(choices), module=ph.fqn), opts, live=live,
                   block=block_of(ph.fqn), signature=f"{kind}{shape}{val.dtype}", vals=(val,))
+
+    def _parameter_options(self, spec: TensorSpec, local: int, *, trainable: bool, opts: list, choices: list) -> None:
+        """One option per ZeRO stage the options allow for ``spec`` (``"auto"``: 0, 1 and 2,
+        named ``"RR"``, ``"RR z1"``, ``"RR z2"``; a stage with no replicated axis to shard over
+        is stage 0 and is not repeated)."""
+        wanted = (0, 1, 2) if self.opts.zero_stage == "auto" else (self.opts.zero_stage,)
+        seen = set()
+        for want in wanted:
+            per_byte, comm_s, stage = zero_cost(spec, self.mesh, local, stage=want if trainable else 0,
+                                                optimizer_multiplier=self.opts.optimizer_multiplier)
+            if stage in seen:
+                continue
+            seen.add(stage)
+            name = str(spec) if stage == 0 or len(wanted) == 1 else f"{spec} z{stage}"
+            opts.append(StrategyOption(name, compute_s=0.0, comm_s=comm_s, param_bytes=int(round(local * per_byte))))
+            choices.append(self._layout_choices.setdefault((name, stage), Choice(name, (spec,), zero_stage=stage)))
 
     def _op(self, node: fx.Node) -> None:
         strategies = self._strategies(node)

@@ -31,7 +31,8 @@ class PlanOptions:
     ops compute in (``"fp32"``, ``"bf16"``, ``"fp16"``; parameters and optimizer state stay fp32).
     ``reduce_dtype``: what gradients are summed in (default fp32). ``zero_stage``: shard each
     trainable parameter's optimizer state (1), and its gradient (2), over the mesh axes its layout
-    replicates it on; 0: none."""
+    replicates it on; 0: none; ``"auto"``: the solver picks per parameter, pricing each stage's
+    memory and communication with the layouts (the plan needs ``model.optimizer`` then)."""
 
     memory_budget: int | None = None
     solver: str = "auto"
@@ -43,7 +44,7 @@ class PlanOptions:
     checkpoint: str = "auto"
     precision: str = "fp32"
     reduce_dtype: str = "fp32"
-    zero_stage: int = 0
+    zero_stage: int | str = 0
 
     def __post_init__(self) -> None:
         if self.memory_budget is not None:
@@ -58,8 +59,8 @@ class PlanOptions:
             raise ValueError(f"optimizer_multiplier must be a finite number >= 0, got {self.optimizer_multiplier!r}")
         if self.checkpoint not in CHECKPOINT_MODES:
             raise ValueError(f"checkpoint must be one of {CHECKPOINT_MODES}, got {self.checkpoint!r}")
-        if self.zero_stage not in ZERO_STAGES or isinstance(self.zero_stage, bool):
-            raise ValueError(f"zero_stage must be one of {ZERO_STAGES}, got {self.zero_stage!r}")
+        if self.zero_stage not in (*ZERO_STAGES, "auto") or isinstance(self.zero_stage, bool):
+            raise ValueError(f"zero_stage must be one of {ZERO_STAGES} or 'auto', got {self.zero_stage!r}")
         object.__setattr__(self, "precision", precision_name(self.precision, what="precision"))
         object.__setattr__(self, "reduce_dtype", precision_name(self.reduce_dtype, what="reduce_dtype"))
 

@@ -32,6 +32,7 @@ class Choice:
     output_specs: tuple[TensorSpec | None, ...]
     strategy: Strategy | None = None  # None for placeholders (a layout only) and the output
     inputs: tuple[TensorSpec | None, ...] = ()  # what the graph output requires of each value
+    zero_stage: int = 0  # parameters: the ZeRO stage this option keeps (autopar.runtime.zero)
 
     @property
     def input_specs(self) -> tuple[TensorSpec | None, ...]:
@@ -106,7 +107,6 @@ class BuiltProblem:
                     to its producer's output element.
     fallbacks:      op nodes replicated without a sharding rule (opt-in).
     segment_inputs: recompute segment or block -> the inputs it keeps when recomputed.
-    zero_stages:    parameter decision -> option name -> its ZeRO stage (nonzero entries only).
     """
 
     problem: Problem
@@ -115,7 +115,6 @@ class BuiltProblem:
     fallbacks: tuple[str, ...]
     mesh: MeshSpec
     segment_inputs: Mapping[str, tuple[SegmentInput, ...]]
-    zero_stages: Mapping[str, Mapping[str, int]] = field(default_factory=lambda: MappingProxyType({}))
 
     def decision(self, name: str) -> Decision:
         try:

@@ -62,6 +62,10 @@ def _summary(report) -> list[str]:
              f"{', '.join(f'{n}={s}' for n, s in zip(p.mesh.axis_names, p.mesh.shape))})"]
     lines.append(f"  precision      {p.precision} compute, fp32 master weights, gradients summed in {p.reduce_dtype}"
                  if p.precision != "fp32" else "  precision      fp32")
+    params = [n for n in p.nodes if n.kind == "parameter"]
+    staged = Counter(n.zero_stage for n in params)
+    if any(stage for stage in staged):
+        lines.append("  ZeRO           " + ", ".join(f"stage {s}: {staged[s]} parameters" for s in sorted(staged)))
     budget = p.budget_bytes
     used = f"{fmt_bytes(est.peak_bytes)} of {fmt_bytes(budget)} budget ({est.peak_bytes / budget:.0%})" if budget else fmt_bytes(est.peak_bytes)
     lines += [

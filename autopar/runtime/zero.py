@@ -91,6 +91,7 @@ class ZeroOptimizer:
                 self.pieces.append(piece)
                 swap[id(param)] = piece.master
         self.optimizer = optimizer_class(_swapped(params, module, swap), **kwargs)
+        self._state_module: torch.nn.Module | None = None
         module.attach_zero(self)
 
     # ------------------------------------------------------------------------ optimizer API
@@ -107,6 +108,27 @@ class ZeroOptimizer:
 
     def load_state_dict(self, state: dict) -> None:
         self.optimizer.load_state_dict(state)
+
+    def state_module(self) -> torch.nn.Module:
+        """A module whose ``named_parameters`` are the module's (same names) with each ZeRO
+        parameter replaced by its piece -- the parameters the inner optimizer holds. Give it to
+        ``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict(opt.state_module(),
+        opt.optimizer)`` / ``set_optimizer_state_dict``: the state is keyed by parameter name and
+        every tensor is a DTensor of the full parameter's shape, so a checkpoint reshards across
+        meshes, plans and ZeRO stages like the module's own parameters do."""
+        if self._state_module is None:
+            piece_of_param = {id(p.param): p.master for p in self.pieces}
+            root = torch.nn.Module()
+            for name, param in self.module.named_parameters():
+                *path, leaf = name.split(".")
+                owner = root
+                for part in path:
+                    if not hasattr(owner, part):
+                        owner.add_module(part, torch.nn.Module())
+                    owner = getattr(owner, part)
+                owner.register_parameter(leaf, piece_of_param.get(id(param), param))
+            self._state_module = root
+        return self._state_module
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)

@@ -116,8 +116,10 @@ def _train_and_save(rank, world, model, dataset, path, budget):
     assert crit is criterion
     # hyper-parameters and membership of every group, by name
     by_fqn = pm.parameters_by_fqn()
+    # (a parameter the plan gives a ZeRO stage is stepped through its piece)
+    param_of = {id(piece.master): piece.param for piece in bopt.zero.pieces}
     for group, want in zip(bopt.param_groups, groups_by_name):
-        assert {id(p) for p in group["params"]} == {id(by_fqn[n]) for n in want}
+        assert {id(param_of.get(id(p), p)) for p in group["params"]} == {id(by_fqn[n]) for n in want}
     hyper = [{k: v for k, v in g.items() if k != "params"} for g in bopt.param_groups]
     losses, lrs, pieces = [], [], []
     for step, batch in enumerate(loader):

@@ -43,7 +43,7 @@ def test_bad_plugin_arguments_are_rejected(kwargs, match):
         AutoParallelPlugin(**kwargs)
 
 
-@pytest.mark.parametrize("stage,planned", [("auto", 0), (0, 0), (1, 1), (2, 2)])
+@pytest.mark.parametrize("stage,planned", [("auto", "auto"), (0, 0), (1, 1), (2, 2)])
 def test_zero_stage_reaches_autoparallelize(stage, planned):
     assert AutoParallelPlugin(zero_stage=stage).autoparallelize_kwargs()["zero_stage"] == planned
 

@@ -339,3 +339,17 @@ def test_inspect_precision_flag_plans_bf16_and_says_so(tmp_path, capsys):
     assert json.loads(out_json.read_text())["precision"] == "bf16"
     bad = run_cli("inspect", "gpt2", "--mesh", "2", "--precision", "int8")
     assert bad.returncode == 2 and "invalid choice: 'int8'" in bad.stderr
+
+
+def test_inspect_zero_stage_auto_shows_stages_and_zero_baselines(tmp_path, capsys):
+    path = _save_config(tmp_path, "llama", **_TINY_HF)
+    code, out, err = _main(capsys, "inspect", path, "--mesh", "2x2", "--batch", "8", "--seq", "32",
+                           "--zero-stage", "auto", "--preset", "cpu", "-q")
+    assert code == 0, err[-3000:]
+    assert "zero1" in out and "zero2" in out and "data-parallel" in out
+    code, out, err = _main(capsys, "inspect", path, "--mesh", "2x2", "--batch", "8", "--seq", "32",
+                           "--zero-stage", "2", "--preset", "cpu", "--no-baselines", "-q")
+    assert code == 0, err[-3000:]
+    assert "ZeRO           stage 0: " in out and "stage 2: " in out  # norms may be sharded whole
+    bad = run_cli("inspect", "gpt2", "--mesh", "2", "--zero-stage", "3")
+    assert bad.returncode == 2 and "invalid choice" in bad.stderr

@@ -102,3 +102,34 @@ def test_zero_1_and_2_train_like_one_device(name):
                     assert abs(grad_bytes - plan_grads) <= 0.05 * plan_grads, (where, grad_bytes, plan_grads)
                 else:
                     assert grad_bytes > 0
+
+
+def _auto_body(rank, world, model, inputs, plan):
+    pm = autopar.autoparallelize(copy.deepcopy(model), inputs, plan=plan, init_weights=False)
+    pm.load_full_state_dict(model.state_dict())
+    opt = pm.optimizer(torch.optim.AdamW, [{"params": list(pm.parameters()), "weight_decay": 0.05}],
+                       lr=1e-3, eps=EPS)
+    for _ in range(STEPS):
+        pm(**inputs).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return pm.full_state_dict(), [g["weight_decay"] for g in opt.param_groups]
+
+
+def test_auto_mixes_stages_under_a_tight_budget_and_trains_like_one_device():
+    model, inputs = _model("gpt2")
+    free = autopar.plan(model, inputs, mesh=(2, 2), zero_stage="auto", checkpoint="none")
+    plan = autopar.plan(model, inputs, mesh=(2, 2), zero_stage="auto", checkpoint="none",
+                        memory_budget=int(0.93 * free.estimate.peak_bytes))
+    stages = {n.zero_stage for n in plan.by_kind("parameter")}
+    assert 2 in stages and 0 in stages, stages
+    m = copy.deepcopy(model)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3, eps=EPS, weight_decay=0.05)
+    for _ in range(STEPS):
+        m(**inputs).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    for full, decays in run_local(_auto_body, 4, model, inputs, plan, timeout=300):
+        assert decays == [0.05]  # param groups pass through to the inner optimizer
+        for k, v in full.items():
+            assert torch.allclose(v, m.state_dict()[k], rtol=1e-4, atol=1e-5), k

@@ -1,0 +1,55 @@
+"""ZeRO stages in the plan: memory and communication priced per parameter, "auto" per parameter."""
+
+import pytest
+
+from autopar import zoo
+from autopar.api import plan_model
+from autopar.planner.options import PlanOptions
+
+
+@pytest.fixture(scope="module")
+def gpt2():
+    return zoo.build("gpt2", tiny=True, batch=32, seq=64, device="cpu")
+
+
+def _plan(gpt2, **kw):
+    model, inputs = gpt2
+    return plan_model(model, inputs, mesh=(2, 2), options=PlanOptions(checkpoint="none", **kw))
+
+
+def test_zero_stage_options_are_checked():
+    assert PlanOptions(zero_stage="auto").zero_stage == "auto"
+    assert "ZeRO-2" in str(PlanOptions(zero_stage=2))
+    for bad in (3, "2", True, None):
+        with pytest.raises(ValueError, match="zero_stage must be one of"):
+            PlanOptions(zero_stage=bad)
+
+
+def test_forced_stages_divide_state_and_gradients_over_the_replicas(gpt2):
+    held = {z: _plan(gpt2, zero_stage=z).plan for z in (0, 1, 2)}
+    params = {z: p.estimate.param_bytes for z, p in held.items()}
+    # every GPT-2 tiny parameter is replicated on the 4 devices here: P (params) + G + 2P (AdamW)
+    # = 4P at stage 0; P + G + 2P/4 at stage 1; P + (G + 2P)/4 at stage 2
+    base = params[0] / 4
+    assert params[1] == pytest.approx(base * 2.5, rel=1e-3) and params[2] == pytest.approx(base * 1.75, rel=1e-3)
+    assert {n.zero_stage for n in held[2].by_kind("parameter")} == {2}
+    assert "ZeRO: stage 2 for 28 of 28 parameters" in held[2].summary()
+    assert held[1].estimate.step_s > held[0].estimate.step_s  # ZeRO-1 adds the all-gather
+
+
+def test_auto_picks_zero_only_where_the_budget_needs_it(gpt2):
+    free = _plan(gpt2, zero_stage="auto", baselines=True).plan
+    assert {n.zero_stage for n in free.by_kind("parameter")} == {0}
+    tight_budget = int(0.93 * free.estimate.peak_bytes)
+    tight = _plan(gpt2, zero_stage="auto", memory_budget=tight_budget, baselines=True).plan
+    stages = [n.zero_stage for n in tight.by_kind("parameter")]
+    assert 2 in stages and tight.estimate.peak_bytes <= tight_budget
+    stage0 = _plan(gpt2, zero_stage=0, memory_budget=tight_budget).plan
+    assert tight.estimate.step_s <= stage0.estimate.step_s + 1e-12
+    names = {b.name for b in tight.baselines}
+    assert {"zero1", "zero2", "data-parallel", "zero3"} <= names
+    for b in tight.baselines:
+        if b.feasible:
+            assert tight.estimate.step_s <= b.estimate.step_s + 1e-12, b.name
+    # the ZeRO families exist only where stages are a choice
+    assert not {"zero1", "zero2"} & {b.name for b in _plan(gpt2, baselines=True).plan.baselines}
