@@ -161,6 +161,23 @@ def ddp_model(hf_model: nn.Module) -> nn.Module:
     return DistributedDataParallel(model)
 
 
+def fsdp2_model(hf_model: nn.Module) -> nn.Module:
+    """torch's FSDP2 (``fully_shard``) around a copy of ``hf_model``: each GPT-2 block, then the
+    root, sharded over a 1-D mesh of every rank (CPU/gloo, or the ranks' GPUs under NCCL)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    model = copy.deepcopy(hf_model)
+    cuda = dist.get_backend() == "nccl"
+    if cuda:
+        model = model.to(torch.device("cuda", torch.cuda.current_device()))
+    mesh = init_device_mesh("cuda" if cuda else "cpu", (dist.get_world_size(),))
+    for block in model.transformer.h:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
 # --------------------------------------------------------------------- restricted plans
 def restricted_plan(model, inputs, *, mesh, baseline: str = "data-parallel", memory_budget=None):
     """The best plan within one baseline family (``autopar.planner.baselines``), as a runnable Plan."""

@@ -3,10 +3,12 @@
 For each model (traced once), each mesh ((8,), (2,4), (4,4) by default) and two budgets -- the
 device capacity ("ample") and half of the peak of autopar's unconstrained plan ("tight",
 raised to the smallest feasible budget when that is higher) -- it solves autopar's plan and the
-baselines (data parallel, ZeRO-3, Megatron TP, DP x TP) in the same cost model, and prints one
+baselines (data parallel, ZeRO-1, ZeRO-2, ZeRO-3, Megatron TP, DP x TP) in the same cost model
+(``--zero-stage auto``, the default: autopar picks ZeRO stages per parameter too), and prints one
 row per case: autopar's estimated step time and peak memory, each baseline's step time (or
 "infeasible"), and autopar's speed-up over the best feasible baseline. It checks, for every
-case, that autopar's objective is <= every feasible baseline's and that its peak fits the budget.
+case, that autopar's objective is <= every feasible baseline's, that its peak fits the budget and
+that it is feasible wherever any baseline is.
 
     python benchmarks/baselines.py                       # the whole zoo (about 10-15 min here)
     python benchmarks/baselines.py --models gpt2 resnet50 --meshes 8 2x4
@@ -38,20 +40,20 @@ def _plan(traced, prof, mesh: MeshSpec, **options):
     return plan_traced(traced, prof, mesh=mesh, options=PlanOptions(**options)).plan
 
 
-def _tight_budget(traced, prof, mesh) -> int:
-    ample = _plan(traced, prof, mesh)
+def _tight_budget(traced, prof, mesh, zero_stage) -> int:
+    ample = _plan(traced, prof, mesh, zero_stage=zero_stage)
     tight = ample.estimate.peak_bytes // 2
     try:
-        _plan(traced, prof, mesh, memory_budget=tight)
+        _plan(traced, prof, mesh, memory_budget=tight, zero_stage=zero_stage)
         return tight
     except ValueError as exc:  # below the smallest feasible budget: use that (the message says it)
         words = str(exc).split("the smallest budget any plan meets is ")[-1].split()
         return int(words[2] if words[0] == "between" else words[0]) + 1
 
 
-def run_case(traced, prof, model: str, mesh: MeshSpec, budget_name: str, budget: int) -> dict:
+def run_case(traced, prof, model: str, mesh: MeshSpec, budget_name: str, budget: int, zero_stage="auto") -> dict:
     t0 = time.perf_counter()
-    p = _plan(traced, prof, mesh, memory_budget=budget, baselines=True)
+    p = _plan(traced, prof, mesh, memory_budget=budget, baselines=True, zero_stage=zero_stage)
     record = {
         "model": model, "mesh": "x".join(map(str, mesh.shape)), "budget": budget_name,
         "budget_bytes": budget, "step_ms": p.estimate.step_s * 1e3, "peak_bytes": p.estimate.peak_bytes,
@@ -85,6 +87,8 @@ def main(argv=None) -> int:
     ap.add_argument("--meshes", nargs="+", default=["8", "2x4", "4x4"])
     ap.add_argument("--preset", "--device", dest="preset", default="a100-80gb",
                     help="mesh device preset (--device: its old name)")
+    ap.add_argument("--zero-stage", default="auto", type=lambda v: v if v == "auto" else int(v),
+                    help="autopar's ZeRO stages (auto: per parameter, with zero1/zero2 baselines; 0, 1, 2)")
     ap.add_argument("--jsonl", default=None)
     args = ap.parse_args(argv)
     warnings.simplefilter("ignore")
@@ -99,8 +103,9 @@ def main(argv=None) -> int:
         prof = profile(traced)
         for shape in args.meshes:
             mesh = MeshSpec.preset(args.preset, shape)
-            for name, budget in (("ample", mesh.mem_capacity), ("tight", _tight_budget(traced, prof, mesh))):
-                r = run_case(traced, prof, model, mesh, name, budget)
+            tight = _tight_budget(traced, prof, mesh, args.zero_stage)
+            for name, budget in (("ample", mesh.mem_capacity), ("tight", tight)):
+                r = run_case(traced, prof, model, mesh, name, budget, args.zero_stage)
                 records.append(r)
                 failed += not r["ok"]
                 print(_row(r), flush=True)

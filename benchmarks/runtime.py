@@ -16,7 +16,10 @@ same weights:
   its slice of the batch;
 - ``plain``: autopar's same emitted graph (same plan) on plain local tensors instead of DTensor
   parameters -- the path the DTensor module contract replaced (issue 13's target: autopar
-  within 1.10x of it in the same run).
+  within 1.10x of it in the same run);
+- ``zero2``: autopar planned with ``zero_stage=2`` (optimizer state and gradients sharded over
+  the replicas; ``model.optimizer``), and ``fsdp2``: torch's ``fully_shard`` on the HF model
+  (per block, then the root), each rank feeding its slice of the batch like DDP.
 
 ``--precision bf16|fp16``: autopar and plain compute in that dtype with fp32 master weights;
 Megatron and DDP run under ``torch.autocast`` of the same dtype.
@@ -45,7 +48,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _baselines import MegatronGPT2, ddp_model, gpt2_config_model  # noqa: E402
+from _baselines import MegatronGPT2, ddp_model, fsdp2_model, gpt2_config_model  # noqa: E402
 
 TARGET = 1.15  # autopar / best of Megatron and DDP
 DTENSOR_TARGET = 1.10  # autopar (DTensor parameters) / the same graph on plain tensors
@@ -99,6 +102,9 @@ def _bench(rank: int, world: int, args, model, inputs) -> dict:
     pm = autoparallelize(wrapped, inputs, mesh=(world,), device=device, precision=args.precision)
     plan_s = time.perf_counter() - t0
     plain = PlainTensors(autoparallelize(copy.deepcopy(wrapped), inputs, plan=pm.plan, device=device))
+    zero2 = autoparallelize(copy.deepcopy(wrapped), inputs, mesh=(world,), device=device, precision=args.precision,
+                            zero_stage=2)
+    fsdp2 = fsdp2_model(model)
     pick = (lambda out: out.loss) if args.full_outputs else (lambda out: out)  # noqa: E731
     meg = MegatronGPT2(model).to(device)
     ddp = ddp_model(model)
@@ -116,9 +122,12 @@ def _bench(rank: int, world: int, args, model, inputs) -> dict:
         "plain": (plain, lambda: pick(plain(**full))),
         "megatron": (meg, under_autocast(lambda: meg(**full))),
         "ddp": (ddp, under_autocast(lambda: ddp(**local).loss)),
+        "zero2": (zero2, lambda: pick(zero2(**full))),
+        "fsdp2": (fsdp2, under_autocast(lambda: fsdp2(**local).loss)),
     }
     # foreach AdamW for all (torch's GPU default); --per-tensor: the loop, torch's CPU default
-    opts = {name: torch.optim.AdamW(m.parameters(), lr=1e-4, foreach=args.foreach)
+    opts = {name: (m.optimizer(torch.optim.AdamW, lr=1e-4, foreach=args.foreach) if name == "zero2"
+                   else torch.optim.AdamW(m.parameters(), lr=1e-4, foreach=args.foreach))
             for name, (m, _) in impls.items()}
 
     def step(name):
@@ -139,9 +148,10 @@ def _bench(rank: int, world: int, args, model, inputs) -> dict:
     sizes = ddp._get_ddp_logging_data().get("bucket_sizes", "")
     sizes = [int(x) for x in str(sizes).split(",") if x.strip()]
     comm["ddp"] = {"calls": {"all_reduce (reducer buckets)": len(sizes)}, "bytes": sum(sizes)}
-    # DDP's loss is its rank's half; the global loss is the mean over ranks.
-    dist.all_reduce(first["ddp"])
-    first = {k: float(v) / (world if k == "ddp" else 1) for k, v in first.items()}
+    # DDP's and FSDP2's losses are their rank's part; the global loss is the mean over ranks.
+    for k in ("ddp", "fsdp2"):
+        dist.all_reduce(first[k])
+    first = {k: float(v) / (world if k in ("ddp", "fsdp2") else 1) for k, v in first.items()}
     for _ in range(args.warmup):
         for name in impls:
             step(name)
@@ -276,6 +286,8 @@ def main(argv=None) -> dict:
     print(f"DTensor parameters: autopar / plain = {dt_ratio:.3f} (target <= {DTENSOR_TARGET}: "
           f"{'met' if dt_ratio <= DTENSOR_TARGET else 'MISSED'}); median of per-round ratios {dt_paired:.3f}; "
           f"optimizer: AdamW({'foreach' if args.foreach else 'per-tensor loop'})")
+    print(f"ZeRO-2: autopar zero2 / fsdp2 = {med['zero2'] / med['fsdp2']:.3f}, zero2 / ddp = "
+          f"{med['zero2'] / med['ddp']:.3f}, zero2 / autopar (stage 0) = {med['zero2'] / med['autopar']:.3f}")
     print(f"autopar / megatron = {med['autopar'] / med['megatron']:.3f}, autopar / ddp = "
           f"{med['autopar'] / med['ddp']:.3f}; autopar / best ({best_name}) = {ratio:.3f} "
           f"(target <= {TARGET}: {'met' if ratio <= TARGET else 'MISSED'}); median of per-round ratios "

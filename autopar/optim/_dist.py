@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 __all__ = ["Layout", "layout_of", "local", "SumReducer", "local_range", "check_float", "state_like",
-           "elementwise_state"]
+           "elementwise_state", "closure_loss", "grads_of"]
 
 
 @dataclass(frozen=True)
@@ -187,3 +187,29 @@ def check_float(name: str, value: Any, *, low: float | None = None, high: float 
         hi = "" if high is None else f"{high}" + (")" if high_open else "]")
         raise ValueError(f"{name} must be in {lo or '(-inf'}, {hi or 'inf)'}, got {value!r}")
     return v
+
+
+def closure_loss(closure) -> Any:
+    """``closure()`` with gradients enabled (``Optimizer.step``'s contract), or None."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
+
+
+def grads_of(group: dict, name: str, *, reject_complex: bool = False, upcast: bool = False):
+    """``(p, layout, local p, local gradient)`` for each parameter of ``group`` with a gradient;
+    the gradient negated under ``maximize`` and, with ``upcast``, a 2-byte one in fp32."""
+    for p in group["params"]:
+        if p.grad is None:
+            continue
+        if reject_complex and torch.is_complex(p):
+            raise RuntimeError(f"{name} does not support complex parameters")
+        if p.grad.is_sparse:
+            raise RuntimeError(f"{name} does not support sparse gradients")
+        g = local(p.grad)
+        if upcast and g.dtype in (torch.float16, torch.bfloat16):
+            g = g.float()
+        if group["maximize"]:
+            g = -g
+        yield p, layout_of(p), local(p), g

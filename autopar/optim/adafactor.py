@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ._dist import SumReducer, check_float, elementwise_state, layout_of, local, state_like
+from ._dist import SumReducer, check_float, closure_loss, elementwise_state, grads_of, local, state_like
 
 __all__ = ["Adafactor"]
 
@@ -62,25 +62,12 @@ class Adafactor(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         # ---- round 1: ||p||^2, partial row and column sums of g*g, sums for mean_{-2}(R)
         red, work = SumReducer(), []
         for group in self.param_groups:
             lr = group["lr"].item() if isinstance(group["lr"], Tensor) else float(group["lr"])
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if torch.is_complex(p):
-                    raise RuntimeError("Adafactor does not support complex parameters")
-                if p.grad.is_sparse:
-                    raise RuntimeError("Adafactor does not support sparse gradients")
-                layout = layout_of(p)
-                x, g = local(p), local(p.grad)
-                if group["maximize"]:
-                    g = -g
+            for p, layout, x, g in grads_of(group, "Adafactor", reject_complex=True):
                 state = self.state[p]
                 if not state:
                     state["step"] = torch.tensor(0.0)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ._dist import SumReducer, check_float, elementwise_state, layout_of, local, state_like
+from ._dist import SumReducer, check_float, closure_loss, elementwise_state, grads_of, local, state_like
 
 __all__ = ["CAME"]
 
@@ -110,24 +110,11 @@ class CAME(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         # ---- round 1: row/col partial sums of g*g + eps1
         red, work = SumReducer(), []
         for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if p.grad.is_sparse:
-                    raise RuntimeError("CAME does not support sparse gradients")
-                layout = layout_of(p)
-                x, g = local(p), local(p.grad)
-                if g.dtype in (torch.float16, torch.bfloat16):
-                    g = g.float()
-                if group["maximize"]:
-                    g = -g
+            for p, layout, x, g in grads_of(group, "CAME", upcast=True):
                 factored = p.dim() >= 2
                 if not self.state[p]:
                     self._init_state(self.state[p], p, g, factored=factored)

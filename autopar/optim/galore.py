@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ._dist import SumReducer, check_float, layout_of, local, local_range, state_like
+from ._dist import SumReducer, check_float, closure_loss, grads_of, local, local_range, state_like
 
 __all__ = ["GaLoreAdamW"]
 
@@ -69,21 +69,10 @@ class GaLoreAdamW(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         red, work = SumReducer(), []
         for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if p.grad.is_sparse:
-                    raise RuntimeError("GaLoreAdamW does not support sparse gradients")
-                layout = layout_of(p)
-                g = local(p.grad)
-                if group["maximize"]:
-                    g = -g
+            for p, layout, _, g in grads_of(group, "GaLoreAdamW"):
                 state = self.state[p]
                 if not state:
                     state["step"] = torch.tensor(0.0)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ._dist import SumReducer, check_float, elementwise_state, layout_of, local
+from ._dist import SumReducer, check_float, closure_loss, elementwise_state, grads_of, local
 
 __all__ = ["Lamb"]
 
@@ -51,23 +51,12 @@ class Lamb(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         reducer = SumReducer()
         pending = []  # (group, local param, update, index of ||p||^2, index of ||u||^2)
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if p.grad.is_sparse:
-                    raise RuntimeError("Lamb does not support sparse gradients")
-                layout = layout_of(p)
-                x, g = local(p), local(p.grad)
-                if group["maximize"]:
-                    g = -g
+            for p, layout, x, g in grads_of(group, "Lamb"):
                 state = self.state[p]
                 if not state:
                     state["step"] = torch.tensor(0.0)

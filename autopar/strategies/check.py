@@ -56,6 +56,7 @@ class SimWorld:
         self.mesh_shape = tuple(mesh_shape)
         self._groups: dict[Any, _Group] = {}
         self._lock = threading.Lock()
+        self._aborted = False  # a rank failed: groups made from now on are broken at once
 
     def group(self, axes: tuple[int, ...], coord: tuple[int, ...]) -> tuple[_Group, int]:
         key = (axes, tuple(c for a, c in enumerate(coord) if a not in axes))
@@ -68,10 +69,13 @@ class SimWorld:
                 for a in axes:
                     n *= self.mesh_shape[a]
                 self._groups[key] = _Group(n)
+                if self._aborted:  # its failed peer will never arrive: do not wait for the timeout
+                    self._groups[key].barrier.abort()
             return self._groups[key], rank
 
     def abort(self) -> None:
         with self._lock:
+            self._aborted = True
             for g in self._groups.values():
                 g.barrier.abort()
 

@@ -17,8 +17,10 @@ def test_runtime_benchmark_times_autopar_plain_megatron_and_ddp(capsys):
     record = runtime.main(["--hidden", "64", "--layers", "1", "--heads", "2", "--seq", "32", "--batch", "4",
                            "--steps", "2", "--warmup", "1"])
     out = capsys.readouterr().out
-    assert set(record["median_s"]) == {"autopar", "plain", "megatron", "ddp"}
+    assert set(record["median_s"]) == {"autopar", "plain", "megatron", "ddp", "zero2", "fsdp2"}
     # The same graph and weights: DTensor parameters and plain tensors compute the same loss.
     assert record["first_loss"]["autopar"] == record["first_loss"]["plain"]
+    assert abs(record["first_loss"]["zero2"] - record["first_loss"]["fsdp2"]) < 1e-4
+    assert "ZeRO-2: autopar zero2 / fsdp2 = " in out
     assert "DTensor parameters: autopar / plain = " in out and "optimizer: AdamW(foreach)" in out
     assert record["dtensor_ratio"] > 0
