@@ -32,6 +32,7 @@ __all__ = [
     "parse_placement",
     "R",
     "P",
+    "zero_split",
 ]
 
 
@@ -226,3 +227,20 @@ class TensorSpec:
                 index = index * mesh_shape[axis] + coord[axis]
             out.append(slice(index * size, (index + 1) * size))
         return tuple(out)
+
+
+def zero_split(spec: TensorSpec, ndim: int, mesh_shape: Sequence[int]) -> tuple[int, tuple[int, ...]] | None:
+    """How ZeRO splits a parameter laid out ``spec``: ``(dim, axes)`` -- its replicated mesh axes
+    of size > 1 (``axes``, in mesh order) further split tensor dim ``dim`` -- or None (no such
+    axis, a 0-dim tensor, or no dim to split).
+
+    ``dim`` is the first tensor dim whose existing shards all sit on lower mesh axes than every
+    ``axes`` member: DTensor splits a dim over its mesh axes in mesh order, so only then is this
+    device's ZeRO piece a block of its local shard (a view, no copy)."""
+    axes = tuple(a for a, p in enumerate(spec.placements) if isinstance(p, Replicate) and mesh_shape[a] > 1)
+    if not axes or ndim == 0:
+        return None
+    for dim in range(ndim):
+        if all(a < axes[0] for a in spec.shard_axes(dim)):
+            return dim, axes
+    return None

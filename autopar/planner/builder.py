@@ -46,7 +46,7 @@ import torch.fx as fx
 from autopar.layout.conversion import plan_conversion
 from autopar.layout.cost import collective_seconds
 from autopar.layout.mesh import MeshSpec
-from autopar.layout.placement import R, Shard, TensorSpec
+from autopar.layout.placement import R, Shard, TensorSpec, zero_split
 from autopar.planner.records import BuiltProblem, Choice, ChosenConversion, Decision, InputSlot
 from autopar.planner.segments import (node_vals, op_segments, saved_by, segment_inputs, storage_base,
                                       without_stateful_segments)
@@ -160,7 +160,7 @@ class _Builder:
             if kind == NodeKind.INPUT:
                 opts.append(StrategyOption(str(spec), compute_s=0.0, act_bytes=int(local)))
             elif kind == NodeKind.PARAMETER:
-                self._parameter_options(spec, local, trainable=ph.requires_grad and bool(shape),
+                self._parameter_options(spec, local, spec_shape=shape, trainable=ph.requires_grad and bool(shape),
                                         opts=opts, choices=choices)
                 continue
             else:
@@ -170,7 +170,8 @@ class _Builder:
         self._add(Decision(node.name, kind, tuple(choices), module=ph.fqn), opts, live=live,
                   block=block_of(ph.fqn), signature=f"{kind}{shape}{val.dtype}", vals=(val,))
 
-    def _parameter_options(self, spec: TensorSpec, local: int, *, trainable: bool, opts: list, choices: list) -> None:
+    def _parameter_options(self, spec: TensorSpec, local: int, *, spec_shape: tuple[int, ...], trainable: bool,
+                           opts: list, choices: list) -> None:
         """One option per ZeRO stage the options allow for ``spec`` (``"auto"``: 0, 1 and 2,
         named ``"RR"``, ``"RR z1"``, ``"RR z2"``; a stage with no replicated axis to shard over
         is stage 0 and is not repeated)."""
@@ -178,6 +179,7 @@ class _Builder:
         seen = set()
         for want in wanted:
             per_byte, comm_s, stage = zero_cost(spec, self.mesh, local, stage=want if trainable else 0,
+                                                ndim=len(spec_shape),
                                                 optimizer_multiplier=self.opts.optimizer_multiplier)
             if stage in seen:
                 continue
@@ -349,11 +351,11 @@ def _unique(name: str, opts: list[StrategyOption]) -> str:
     return f"{name} #{k}"
 
 
-def zero_cost(spec: TensorSpec, mesh: MeshSpec, local_bytes: int, *, stage: int,
+def zero_cost(spec: TensorSpec, mesh: MeshSpec, local_bytes: int, *, stage: int, ndim: int,
               optimizer_multiplier: float) -> tuple[float, float, int]:
     """(bytes held per parameter byte, extra communication seconds per step, effective stage) of a
-    trainable parameter laid out ``spec`` under ZeRO ``stage`` over the axes ``spec`` replicates
-    it on (``dp``: their size product; no such axis: stage 0).
+    trainable ``ndim``-dim parameter laid out ``spec`` under ZeRO ``stage`` over the axes ``spec``
+    replicates it on (``layout.placement.zero_split``; ``dp``: their size product; none: stage 0).
 
     ====== ===================================== =====================================================
     stage  held: parameter + gradient + state    communication beyond stage 0
@@ -365,11 +367,12 @@ def zero_cost(spec: TensorSpec, mesh: MeshSpec, local_bytes: int, *, stage: int,
                                                  more collective's latency
     ====== ===================================== =====================================================
     """
-    axes = tuple(a for a, p in enumerate(spec.placements) if p == R and mesh.shape[a] > 1)
-    dp = math.prod(mesh.shape[a] for a in axes)
+    split = zero_split(spec, ndim, mesh.shape)
     m = optimizer_multiplier
-    if stage == 0 or dp == 1:
+    if stage == 0 or split is None:
         return 2.0 + m, 0.0, 0
+    axes = split[1]
+    dp = math.prod(mesh.shape[a] for a in axes)
     if stage == 1:
         return 2.0 + m / dp, collective_seconds("all_gather", local_bytes, mesh, axes), 1
     return 1.0 + (1.0 + m) / dp, max(mesh.alpha[a] for a in axes), 2

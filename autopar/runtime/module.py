@@ -148,12 +148,12 @@ class AutoParallelModule(nn.Module):
 
         return ZeroOptimizer(self, optimizer_class, params, **kwargs)
 
-    def zero_parameters(self) -> list[tuple[str, nn.Parameter, int]]:
-        """(placeholder name, DTensor parameter, ZeRO stage) of every parameter, in plan order."""
+    def zero_parameters(self) -> list[tuple[str, nn.Parameter, int, TensorSpec]]:
+        """(placeholder name, DTensor parameter, ZeRO stage, layout) of every parameter, in plan order."""
         out = []
         for n in self.plan.nodes:
             if n.kind == PARAMETER and n.name in self._specs:
-                out.append((n.name, self._state(n.name), n.zero_stage))
+                out.append((n.name, self._state(n.name), n.zero_stage, self._specs[n.name]))
         return out
 
     def attach_zero(self, optimizer) -> None:

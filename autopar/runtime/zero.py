@@ -3,8 +3,9 @@
 A parameter the plan lays out replicated over some mesh axes (``dp`` devices in all) is, under
 ``zero_stage`` 1 or 2, updated by ONE of those devices per piece: its optimizer state lives only
 for this device's piece. The piece is a DTensor **view** into the parameter's local tensor, with
-the replicated axes turned into ``Shard(0)`` (DTensor's own chunking, so uneven and nested pieces
-agree with ``distribute_tensor``); the inner optimizer -- any ``torch.optim`` optimizer, or
+the replicated axes turned into ``Shard(d)`` (``layout.placement.zero_split`` picks ``d``;
+DTensor's own chunking, so uneven and nested pieces agree with ``distribute_tensor``); the inner
+optimizer -- any ``torch.optim`` optimizer, or
 ``autopar.optim``'s layer-wise ones, which are correct on any placements -- updates it in place,
 and the updated pieces are all-gathered back into the replicated parameter after the step.
 
@@ -29,9 +30,10 @@ from dataclasses import dataclass
 from typing import Any, Iterable
 
 import torch
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from autopar.layout.placement import TensorSpec, zero_split
 from autopar.runtime.dtensors import local_of
 
 __all__ = ["ZeroOptimizer", "Piece", "piece_of"]
@@ -56,16 +58,18 @@ class Piece:
                                   stride=m.stride())
 
 
-def piece_of(name: str, param: torch.nn.Parameter, stage: int) -> Piece | None:
-    """``param``'s piece on this device under ZeRO ``stage`` (None: nothing to shard -- no
-    replicated axis of size > 1, or a 0-dim parameter)."""
-    if not isinstance(param, DTensor) or param.dim() == 0 or stage == 0:
+def piece_of(name: str, param: torch.nn.Parameter, stage: int, spec: TensorSpec) -> Piece | None:
+    """``param``'s piece on this device under ZeRO ``stage``, the parameter laid out ``spec``
+    (``layout.placement.zero_split`` says which dim its replicated axes split; None: nothing to
+    split)."""
+    if not isinstance(param, DTensor) or stage == 0:
         return None
     mesh = param.device_mesh
-    axes = [a for a, p in enumerate(param.placements) if isinstance(p, Replicate) and mesh.size(a) > 1]
-    if not axes:
+    split = zero_split(spec, param.dim(), tuple(mesh.shape))
+    if split is None:
         return None
-    placements = tuple(Shard(0) if a in axes else p for a, p in enumerate(param.placements))
+    dim, axes = split
+    placements = tuple(Shard(dim) if a in axes else p for a, p in enumerate(param.placements))
     have_shape, have_offset = compute_local_shape_and_global_offset(param.shape, mesh, param.placements)
     want_shape, want_offset = compute_local_shape_and_global_offset(param.shape, mesh, placements)
     slices = tuple(slice(w - h, w - h + n) for h, w, n in zip(have_offset, want_offset, want_shape))
@@ -85,8 +89,8 @@ class ZeroOptimizer:
         self.module = module
         self.pieces: list[Piece] = []
         swap: dict[int, torch.nn.Parameter] = {}
-        for name, param, stage in module.zero_parameters():
-            piece = piece_of(name, param, stage)
+        for name, param, stage, spec in module.zero_parameters():
+            piece = piece_of(name, param, stage, spec)
             if piece is not None:
                 self.pieces.append(piece)
                 swap[id(param)] = piece.master
@@ -186,7 +190,7 @@ def _swapped(params: Iterable | None, module, swap: dict[int, torch.nn.Parameter
     """``params`` (None: all of ``module``'s, in plan order; or parameters; or param-group
     dicts) with each ZeRO parameter replaced by its piece."""
     if params is None:
-        return [swap.get(id(p), p) for _, p, _ in module.zero_parameters()]
+        return [swap.get(id(p), p) for _, p, _, _ in module.zero_parameters()]
     out = []
     for item in params:
         if isinstance(item, dict):

@@ -56,3 +56,16 @@ def test_local_slices_tile_the_tensor_exactly():
         for d in range(len(shape)):
             num_tiles *= shape[d] // local[d]
         assert len(seen) == num_tiles, text
+
+
+def test_zero_split_picks_a_dim_whose_shards_nest_above_the_replicated_axes():
+    from autopar.layout.placement import zero_split
+
+    spec = TensorSpec.parse
+    assert zero_split(spec("RR"), 2, (2, 2)) == (0, (0, 1))
+    assert zero_split(spec("S0R"), 2, (2, 2)) == (0, (1,))  # S0 on axis 0, then axis 1 splits further
+    assert zero_split(spec("RS0"), 2, (2, 2)) == (1, (0,))  # axis 0 would split dim 0 before axis 1
+    assert zero_split(spec("RS0"), 1, (2, 2)) is None  # a 1-D tensor has no other dim
+    assert zero_split(spec("S0S1"), 2, (2, 2)) is None  # nothing replicated
+    assert zero_split(spec("RR"), 2, (1, 2)) == (0, (1,))  # a size-1 axis splits nothing
+    assert zero_split(spec("R"), 0, (2,)) is None

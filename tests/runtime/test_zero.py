@@ -133,3 +133,35 @@ def test_auto_mixes_stages_under_a_tight_budget_and_trains_like_one_device():
         assert decays == [0.05]  # param groups pass through to the inner optimizer
         for k, v in full.items():
             assert torch.allclose(v, m.state_dict()[k], rtol=1e-4, atol=1e-5), k
+
+
+def _pieces_body(rank, world):
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from autopar.runtime.zero import piece_of
+
+    mesh = init_device_mesh("cpu", (2, 2))
+    torch.manual_seed(0)
+    full = torch.randn(6, 5)
+    out = {}
+    for text, placements in (("RR", (Replicate(), Replicate())), ("S0R", (Shard(0), Replicate())),
+                             ("RS0", (Replicate(), Shard(0))), ("RS1", (Replicate(), Shard(1)))):
+        param = torch.nn.Parameter(distribute_tensor(full, mesh, placements))
+        piece = piece_of("w", param, 2, TensorSpec.parse(text))
+        local = local_of(param)
+        mine = local_of(piece.master)
+        start = local.untyped_storage().data_ptr()
+        inside = start <= mine.data_ptr() < start + local.untyped_storage().nbytes()
+        out[text] = (inside or mine.numel() == 0, torch.equal(piece.master.full_tensor(), full),
+                     tuple(piece.master.placements))
+    return out
+
+
+def test_pieces_are_views_of_the_local_shard_for_any_layout():
+    """(R, S0) on a 2-D mesh: axis 0 would split dim 0 before axis 1 does, so the piece is cut
+    from dim 1 -- a block of the local shard (uneven: 5 columns over 2)."""
+    for result in run_local(_pieces_body, 4, timeout=120):
+        for text, (view, same, placements) in result.items():
+            assert view and same, text
+        assert result["RS0"][2][0].dim == 1
