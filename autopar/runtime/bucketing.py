@@ -44,7 +44,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor, Partial
+from torch.distributed.tensor import DTensor
 
 from autopar.runtime.dtensors import local_of
 from autopar.runtime.process_mesh import ProcessMesh
@@ -299,33 +299,34 @@ class GradBucketer(nn.Module):
             self._deliver(st, buckets[b], flat, sorted(st.ready[b]))
         for b, flat, slots in late_flats:
             self._deliver(st, buckets[b], flat, slots)
-        for slot in sorted(st.shards):  # the same slots in the same order on every rank
-            self._reduce_scatter(slot, st.shards[slot])
+        if st.shards:
+            self._reduce_scatter(st.shards)
 
-    def _reduce_scatter(self, slot: int, grad: torch.Tensor) -> None:
-        """Sum a ZeRO-2 parameter's partial gradient over the slot's axes, keeping only this
-        device's piece (DTensor's reduce-scatter: uneven and nested pieces as DTensor chunks
-        them); mesh axes the parameter is replicated on without a partial gradient need no
-        communication, only the local chunk."""
-        s = self.slots[slot]
-        piece = self._piece(s.name) if self._piece is not None else None
-        if piece is None:
-            raise RuntimeError(f"ZeRO-2 gradient of {s.name!r} has no optimizer piece to land in: build the "
-                               f"optimizer with model.optimizer(...)")
-        master = piece.master
-        placements = tuple(Partial() if a in s.axes else p for a, p in enumerate(piece.param.placements))
-        full = DTensor.from_local(grad.to(s.dtype), master.device_mesh, placements, run_check=False,
-                                  shape=master.shape, stride=master.stride())
-        from autopar.runtime.zero import _quiet_redistribute  # zero imports nothing of this module
+    def _reduce_scatter(self, shards: dict[int, torch.Tensor]) -> None:
+        """Sum the ZeRO-2 parameters' partial gradients over their partial axes, keeping only
+        this device's piece of each (``runtime.zero_comm.scatter_grads``: one reduce-scatter per
+        mesh axis for all of them; axes the gradient is not partial on keep the local chunk)."""
+        from autopar.runtime.zero_comm import scatter_grads  # zero_comm imports nothing of this module
 
-        with _quiet_redistribute():
-            mine = local_of(full.redistribute(master.device_mesh, master.placements)).to(master.dtype)
+        items, pieces = [], []
+        for slot in sorted(shards):  # the same slots in the same order on every rank
+            s = self.slots[slot]
+            piece = self._piece(s.name) if self._piece is not None else None
+            if piece is None:
+                raise RuntimeError(f"ZeRO-2 gradient of {s.name!r} has no optimizer piece to land in: build the "
+                                   f"optimizer with model.optimizer(...)")
+            items.append((piece, shards[slot].to(s.dtype), s.axes))
+            pieces.append(piece)
         self.stats["reduce_scatters"] += 1
         with torch.no_grad():
-            if master.grad is None:
-                master.grad = piece.wrap(mine)
-            else:
-                local_of(master.grad).add_(mine)
+            for piece, mine in zip(pieces, scatter_grads(items)):
+                master = piece.master
+                mine = mine.to(master.dtype)
+                if master.grad is None:
+                    master.grad = piece.wrap(mine.contiguous())
+                else:
+                    local_of(master.grad).add_(mine)
+
 
     def _deliver(self, st: _Pass, bucket: _Bucket, flat: torch.Tensor, slots: list[int]) -> None:
         with torch.no_grad():

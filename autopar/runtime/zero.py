@@ -18,8 +18,9 @@ and the updated pieces are all-gathered back into the replicated parameter after
   ``step`` folds this device's part of them in. ``.grad`` of such a parameter is therefore not
   its gradient: the module refuses to run backward for an optimizer it does not know of.
 
-Every rank must call ``step`` (it ends in collectives). The all-gather is one collective per
-parameter and mesh axis (DTensor's ``redistribute``); batching it is future work.
+Every rank must call ``step`` (it ends in collectives). The all-gathers after the step and the
+ZeRO-2 reduce-scatters at the end of backward are batched: one collective per mesh axis and
+dtype for all pieces (``runtime.zero_comm``).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from autopar.layout.placement import TensorSpec, zero_split
 from autopar.runtime.dtensors import local_of
+from autopar.runtime.zero_comm import gather_pieces
 
 __all__ = ["ZeroOptimizer", "Piece", "piece_of"]
 
@@ -48,6 +50,8 @@ class Piece:
     master: torch.nn.Parameter
     slices: tuple[slice, ...]  # the piece within the parameter's local tensor
     stage: int
+    dim: int = 0  # the tensor dim the ZeRO axes split
+    axes: tuple[int, ...] = ()  # the ZeRO mesh axes, in mesh order (each splits the previous block)
 
     def local_grad_view(self, grad: torch.Tensor) -> torch.Tensor:
         return local_of(grad)[self.slices]
@@ -76,7 +80,8 @@ def piece_of(name: str, param: torch.nn.Parameter, stage: int, spec: TensorSpec)
     view = local_of(param).detach()[slices]
     master = DTensor.from_local(view, mesh, placements, run_check=False, shape=param.shape,
                                 stride=param.stride())
-    return Piece(name, param, torch.nn.Parameter(master, requires_grad=param.requires_grad), slices, stage)
+    return Piece(name, param, torch.nn.Parameter(master, requires_grad=param.requires_grad), slices, stage,
+                 dim=dim, axes=axes)
 
 
 class ZeroOptimizer:
@@ -157,11 +162,9 @@ class ZeroOptimizer:
 
     @torch.no_grad()
     def all_gather(self) -> None:
-        """Every piece back into its replicated parameter (after the inner optimizer's step)."""
-        with _quiet_redistribute():
-            for piece in self.pieces:
-                full = piece.master.detach().redistribute(piece.param.device_mesh, piece.param.placements)
-                local_of(piece.param).copy_(local_of(full))
+        """Every piece back into its replicated parameter (after the inner optimizer's step):
+        one all-gather per mesh axis and dtype for all pieces (``runtime.zero_comm``)."""
+        gather_pieces(self.pieces)
 
     def __repr__(self) -> str:
         stages = sorted({p.stage for p in self.pieces})

@@ -165,3 +165,52 @@ def test_pieces_are_views_of_the_local_shard_for_any_layout():
         for text, (view, same, placements) in result.items():
             assert view and same, text
         assert result["RS0"][2][0].dim == 1
+
+
+def _batched_body(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+
+    from autopar.runtime.zero import piece_of
+    from autopar.runtime.zero_comm import gather_pieces, scatter_grads
+
+    mesh = init_device_mesh("cpu", (2, 2))
+    torch.manual_seed(0)
+    layouts = {"RR": (Replicate(), Replicate()), "S0R": (Shard(0), Replicate()),
+               "RS0": (Replicate(), Shard(0)), "RS1": (Replicate(), Shard(1))}
+    fulls = {text: torch.randn(7, 5) for text in layouts}  # 7 rows, 5 columns: uneven everywhere
+    pieces = []
+    for text, placements in layouts.items():
+        param = torch.nn.Parameter(distribute_tensor(fulls[text], mesh, placements))
+        pieces.append(piece_of(text, param, 2, TensorSpec.parse(text)))
+    with torch.no_grad():
+        for piece in pieces:  # an "optimizer step": every piece moves by its own amount
+            local_of(piece.master).add_(1.0 + rank)
+    gather_pieces(pieces)
+    gathered = {p.name: p.param.full_tensor() for p in pieces}
+    expected = {p.name: p.master.detach().full_tensor() for p in pieces}
+    # ZeRO-2: each rank's local gradient differs; partial on every ZeRO axis, or on the first only
+    results = {}
+    for partial_on in ("all", "first"):
+        items, want = [], []
+        for p in pieces:
+            grad = torch.full_like(local_of(p.param), float(rank + 1)) * torch.arange(
+                local_of(p.param).numel()).view_as(local_of(p.param))
+            partial = p.axes if partial_on == "all" else p.axes[:1]
+            items.append((p, grad, partial))
+            # the replicated axes that are not partial hold the same gradient: make it so
+            same = grad if partial_on == "all" else grad / (rank + 1) * (mesh.get_local_rank(p.axes[0]) + 1)
+            items[-1] = (p, same, partial)
+            placements = tuple(Partial() if a in partial else pl for a, pl in enumerate(p.param.placements))
+            full = DTensor.from_local(same, mesh, placements, run_check=False, shape=p.param.shape,
+                                      stride=p.param.stride())
+            want.append(local_of(full.redistribute(mesh, p.master.placements)))
+        got = scatter_grads(items)
+        results[partial_on] = all(torch.allclose(g, w) for g, w in zip(got, want))
+    return ({k: torch.equal(gathered[k], expected[k]) for k in gathered}, results)
+
+
+def test_batched_gather_and_reduce_scatter_match_dtensor_on_uneven_nested_pieces():
+    for gathered, scattered in run_local(_batched_body, 4, timeout=120):
+        assert all(gathered.values()), gathered
+        assert scattered == {"all": True, "first": True}, scattered

@@ -1,0 +1,143 @@
+"""Batched collectives of ZeRO pieces (``runtime.zero``): one per mesh axis and dtype.
+
+A piece is a nested block of its parameter's local tensor: ZeRO axes ``a1 < a2 < ...`` split
+tensor dim ``d`` in mesh order, each splitting the block the previous one left, with
+``torch.chunk`` sizes (DTensor's ``Shard``: ``ceil(n/k)`` rows each, the last ones short or
+empty). Every collective carries all pieces at once, each piece's chunk padded to the largest
+chunk of that split so that every rank sends the same number of elements:
+
+- ``gather_pieces``: after the step, axes from the last to the first: all-gather each piece's
+  block over the axis and stitch the chunks into the block one level up; the top level is the
+  parameter's local tensor.
+- ``scatter_grads``: at the end of backward (ZeRO-2), axes from the first to the last: a partial
+  gradient is reduce-scattered over an axis it is partial on; on an axis where every device holds
+  the same gradient (not partial) this device just keeps its chunk.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+from autopar.runtime.dtensors import local_of
+
+__all__ = ["chunk_sizes", "gather_pieces", "scatter_grads"]
+
+# torch 2.13 names them *_single and deprecates the *_tensor spellings.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def chunk_sizes(n: int, k: int) -> list[int]:
+    """``torch.chunk``'s sizes of ``n`` rows over ``k`` devices (trailing chunks may be empty)."""
+    full = -(-n // k) if n else 0
+    return [max(0, min(full, n - i * full)) for i in range(k)]
+
+
+def _levels(piece) -> list[tuple[int, list[int], int]]:
+    """Per ZeRO axis (in order): (axis, chunk sizes of the block it splits, this device's chunk)."""
+    mesh = piece.param.device_mesh
+    rows = local_of(piece.param).shape[piece.dim]
+    out = []
+    for a in piece.axes:
+        sizes = chunk_sizes(rows, mesh.size(a))
+        coord = mesh.get_local_rank(a)
+        out.append((a, sizes, coord))
+        rows = sizes[coord]
+    return out
+
+
+def _rows_first(t: torch.Tensor, dim: int) -> torch.Tensor:
+    return t.movedim(dim, 0) if dim else t
+
+
+@torch.no_grad()
+def gather_pieces(pieces: Sequence) -> None:
+    """Every piece's block all-gathered back into its parameter's local tensor."""
+    if not pieces:
+        return
+    levels = {id(p): _levels(p) for p in pieces}
+    blocks = {id(p): _rows_first(local_of(p.master).detach(), p.dim).contiguous() for p in pieces}
+    for axis in sorted({a for p in pieces for a in p.axes}, reverse=True):
+        batch = defaultdict(list)  # (mesh, dtype) -> pieces split by this axis
+        for p in pieces:
+            if axis in p.axes:
+                batch[(id(p.param.device_mesh), p.master.dtype)].append(p)
+        for group in batch.values():
+            _gather_round(group, axis, levels, blocks)
+    for p in pieces:
+        _rows_first(local_of(p.param), p.dim).copy_(blocks[id(p)])
+
+
+def _gather_round(pieces: list, axis: int, levels: dict, blocks: dict) -> None:
+    mesh = pieces[0].param.device_mesh
+    k = mesh.size(axis)
+    plan, total = [], 0
+    for p in pieces:
+        _, sizes, _ = next(lv for lv in levels[id(p)] if lv[0] == axis)
+        rest = blocks[id(p)].shape[1:]
+        seg = max(sizes) * math.prod(rest)
+        plan.append((p, sizes, rest, total, seg))
+        total += seg
+    send = blocks[id(pieces[0])].new_zeros(total)
+    for p, sizes, rest, offset, seg in plan:
+        block = blocks[id(p)].reshape(-1)
+        send[offset:offset + block.numel()].copy_(block)
+    recv = send.new_empty(k * total)
+    _all_gather(recv, send, group=mesh.get_group(axis))
+    recv = recv.view(k, total)
+    for p, sizes, rest, offset, seg in plan:
+        width = math.prod(rest)
+        parts = [recv[c, offset:offset + sizes[c] * width].view(sizes[c], *rest) for c in range(k)]
+        blocks[id(p)] = torch.cat(parts, dim=0)
+
+
+@torch.no_grad()
+def scatter_grads(items: Sequence[tuple]) -> list[torch.Tensor]:
+    """``items``: (piece, the parameter's local partial gradient, the mesh axes it is partial
+    on). Returns each piece's summed gradient block (the master's local shape)."""
+    blocks = {i: _rows_first(grad, p.dim).contiguous() for i, (p, grad, _) in enumerate(items)}
+    levels = {i: _levels(p) for i, (p, _, _) in enumerate(items)}
+    for axis in sorted({a for p, _, _ in items for a in p.axes}):
+        batch = defaultdict(list)  # (mesh, dtype) -> items reduce-scattered over this axis
+        for i, (p, _, partial) in enumerate(items):
+            if axis not in p.axes:
+                continue
+            _, sizes, coord = next(lv for lv in levels[i] if lv[0] == axis)
+            if axis in partial:
+                batch[(id(p.param.device_mesh), blocks[i].dtype)].append(i)
+            else:  # every device holds the same gradient here: keep this device's chunk
+                start = sum(sizes[:coord])
+                blocks[i] = blocks[i][start:start + sizes[coord]]
+        for group in batch.values():
+            _scatter_round(items, group, axis, levels, blocks)
+    return [blocks[i].movedim(0, p.dim) if p.dim else blocks[i] for i, (p, _, _) in enumerate(items)]
+
+
+def _scatter_round(items: Sequence[tuple], group: list[int], axis: int, levels: dict, blocks: dict) -> None:
+    mesh = items[group[0]][0].param.device_mesh
+    k = mesh.size(axis)
+    plan, total = [], 0
+    for i in group:
+        _, sizes, coord = next(lv for lv in levels[i] if lv[0] == axis)
+        rest = blocks[i].shape[1:]
+        seg = max(sizes) * math.prod(rest)
+        plan.append((i, sizes, coord, rest, total, seg))
+        total += seg
+    send = blocks[group[0]].new_zeros(k, total)
+    for i, sizes, coord, rest, offset, seg in plan:
+        width = math.prod(rest)
+        start = 0
+        for c in range(k):
+            rows = blocks[i][start:start + sizes[c]].reshape(-1)
+            send[c, offset:offset + rows.numel()].copy_(rows)
+            start += sizes[c]
+    recv = send.new_empty(total)
+    _reduce_scatter(recv, send.view(-1), group=mesh.get_group(axis))
+    for i, sizes, coord, rest, offset, seg in plan:
+        width = math.prod(rest)
+        blocks[i] = recv[offset:offset + sizes[coord] * width].view(sizes[coord], *rest)
