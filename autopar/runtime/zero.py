@@ -25,8 +25,6 @@ dtype for all pieces (``runtime.zero_comm``).
 
 from __future__ import annotations
 
-import logging
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Iterable
 
@@ -201,16 +199,3 @@ def _swapped(params: Iterable | None, module, swap: dict[int, torch.nn.Parameter
         else:
             out.append(swap.get(id(item), item))
     return out
-
-
-@contextmanager
-def _quiet_redistribute():
-    """DTensor logs a warning per redistribute over two mesh axes that could be one flattened
-    group; the pieces take that path on purpose (no flattened groups are made)."""
-    log = logging.getLogger("torch.distributed.tensor._redistribute")
-    level = log.level
-    log.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        log.setLevel(level)
