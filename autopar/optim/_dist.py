@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 __all__ = ["Layout", "layout_of", "local", "SumReducer", "local_range", "check_float", "state_like",
-           "elementwise_state", "closure_loss", "grads_of"]
+           "elementwise_state", "closure_loss", "grads_of", "check_betas"]
 
 
 @dataclass(frozen=True)
@@ -213,3 +213,12 @@ def grads_of(group: dict, name: str, *, reject_complex: bool = False, upcast: bo
         if group["maximize"]:
             g = -g
         yield p, layout_of(p), local(p), g
+
+
+def check_betas(betas) -> tuple[float, float]:
+    """Adam's ``(beta1, beta2)``, each in [0, 1), as a tuple."""
+    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+        raise ValueError(f"betas must be a pair, got {betas!r}")
+    for i, b in enumerate(betas):
+        check_float(f"betas[{i}]", b, low=0.0, high=1.0, high_open=True)
+    return tuple(betas)

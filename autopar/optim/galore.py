@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ._dist import SumReducer, check_float, closure_loss, grads_of, local, local_range, state_like
+from ._dist import SumReducer, check_betas, check_float, closure_loss, grads_of, local, local_range, state_like
 
 __all__ = ["GaLoreAdamW"]
 
@@ -50,10 +50,7 @@ class GaLoreAdamW(torch.optim.Optimizer):
                  eps: float = 1e-8, weight_decay: float = 1e-2, *, rank: int | None = 128,
                  update_proj_gap: int = 200, scale: float = 0.25, maximize: bool = False) -> None:
         lr = check_float("lr", lr, low=0.0)
-        if not isinstance(betas, (tuple, list)) or len(betas) != 2:
-            raise ValueError(f"betas must be a pair, got {betas!r}")
-        for i, b in enumerate(betas):
-            check_float(f"betas[{i}]", b, low=0.0, high=1.0, high_open=True)
+        betas = check_betas(betas)
         check_float("eps", eps, low=0.0)
         check_float("weight_decay", weight_decay, low=0.0)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, rank=rank,

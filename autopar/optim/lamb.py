@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ._dist import SumReducer, check_float, closure_loss, elementwise_state, grads_of, local
+from ._dist import SumReducer, check_betas, check_float, closure_loss, elementwise_state, grads_of, local
 
 __all__ = ["Lamb"]
 
@@ -37,10 +37,7 @@ class Lamb(torch.optim.Optimizer):
                  eps: float = 1e-6, weight_decay: float = 0.0, *, clamp_value: float | None = 10.0,
                  bias_correction: bool = True, maximize: bool = False) -> None:
         lr = check_float("lr", lr, low=0.0)
-        if not isinstance(betas, (tuple, list)) or len(betas) != 2:
-            raise ValueError(f"betas must be a pair, got {betas!r}")
-        for i, b in enumerate(betas):
-            check_float(f"betas[{i}]", b, low=0.0, high=1.0, high_open=True)
+        betas = check_betas(betas)
         check_float("eps", eps, low=0.0)
         check_float("weight_decay", weight_decay, low=0.0)
         if clamp_value is not None:
