@@ -238,30 +238,34 @@ def _unlifted(optim_state: dict[str, Any], like: dict[str, Any]) -> dict[str, An
     return {**optim_state, "state": state}
 
 
-def save_optimizer(optimizer: BoostedOptimizer, path: str | os.PathLike) -> None:
-    """See ``Booster.save_optimizer``."""
-    import torch.distributed.checkpoint as dcp
+def _optimizer_checkpoint(optimizer: BoostedOptimizer):
+    """(the module holding the optimizer's parameters, its state dict, what DCP saves or fills:
+    the state as DTensors and the fp16 scaler's state)."""
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
     holder = _holder(optimizer)
-    optim_state = get_optimizer_state_dict(holder, optimizer.optim)
-    state: dict[str, Any] = {"optim": _lifted(optim_state, holder)}
+    own = get_optimizer_state_dict(holder, optimizer.optim)
+    state: dict[str, Any] = {"optim": _lifted(own, holder)}
     if optimizer.scaler is not None:
         state[SCALER_KEY] = optimizer.scaler.state_dict()
+    return holder, own, state
+
+
+def save_optimizer(optimizer: BoostedOptimizer, path: str | os.PathLike) -> None:
+    """See ``Booster.save_optimizer``."""
+    import torch.distributed.checkpoint as dcp
+
+    _, _, state = _optimizer_checkpoint(optimizer)
     dcp.save(state, checkpoint_id=os.fspath(path))
 
 
 def load_optimizer(optimizer: BoostedOptimizer, path: str | os.PathLike) -> None:
     """See ``Booster.load_optimizer``."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
     # get_optimizer_state_dict initialises missing state, so there is a layout to load into.
-    holder = _holder(optimizer)
-    own = get_optimizer_state_dict(holder, optimizer.optim)
-    state: dict[str, Any] = {"optim": _lifted(own, holder)}
-    if optimizer.scaler is not None:
-        state[SCALER_KEY] = optimizer.scaler.state_dict()
+    holder, own, state = _optimizer_checkpoint(optimizer)
     dcp.load(state, checkpoint_id=os.fspath(path))
     set_optimizer_state_dict(holder, optimizer.optim, optim_state_dict=_unlifted(state["optim"], own["state"]))
     if optimizer.scaler is not None:

@@ -9,8 +9,7 @@ graph value comes from (``sources``), and the inputs each recompute segment keep
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-from types import MappingProxyType
+from dataclasses import dataclass
 from typing import Mapping
 
 from autopar.layout.conversion import Conversion, plan_conversion

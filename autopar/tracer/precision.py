@@ -174,21 +174,19 @@ class _Rewriter:
         if node.target._schema.is_mutable or node.target in _COPY_CASTS:
             return  # in place: type promotion writes into self's dtype
         inputs = [a for a in _node_args(node) if _is_float(a.meta.get("val"))]
-        if node.target.overloadpacket in MIXED_OPS:
-            for a in inputs[1:] if inputs and inputs[0] is node.args[0] else inputs:
-                if a.meta["val"].dtype.itemsize == 2:
-                    self._replace_input(node, a, self._cast(a, torch.float32, before=node, saturate=False))
-            return
-        if node.target.overloadpacket in FP32_OPS:
+        packet = node.target.overloadpacket
+        if packet in MIXED_OPS or packet in FP32_OPS:
+            # batch norm keeps its 2-byte input (the first argument); the rest compute in fp32
+            keep = inputs[0] if packet in MIXED_OPS and inputs and inputs[0] is node.args[0] else None
             for a in inputs:
-                if a.meta["val"].dtype.itemsize == 2:
-                    self._replace_input(node, a, self._cast(a, torch.float32, before=node, saturate=False))
+                if a is not keep and a.meta["val"].dtype.itemsize == 2:
+                    node.replace_input_with(a, self._cast(a, torch.float32, before=node, saturate=False))
             return
         has_low = any(a.meta["val"].dtype == self.low for a in inputs)
         for a in inputs:
             val = a.meta["val"]
             if has_low and val.dtype == torch.float32 and val.dim() > 0:
-                self._replace_input(node, a, self._cast(a, self.low, before=node, saturate=True))
+                node.replace_input_with(a, self._cast(a, self.low, before=node, saturate=True))
 
     # ------------------------------------------------------------------------------ helpers
     def _cast(self, src: fx.Node, dtype: torch.dtype, *, before: fx.Node, saturate: bool) -> fx.Node:
@@ -206,10 +204,6 @@ class _Rewriter:
             node.meta[MODULE_KEY] = module
             node.meta["val"] = self._fake_value(node)
         return out
-
-    @staticmethod
-    def _replace_input(node: fx.Node, old: fx.Node, new: fx.Node) -> None:
-        node.replace_input_with(old, new)
 
     def _fake_value(self, node: fx.Node) -> Any:
         def value(a: Any) -> Any:
