@@ -21,6 +21,12 @@ Here those parameters go through ``self.grad_bucket(w, axes=..., slot=k)`` inste
   tensor of a DTensor parameter (``AutoParallelModule``), ``deliver_to`` names that parameter
   and the gradient lands in its ``.grad`` as a DTensor with the parameter's placements.
 
+ZeRO-2 parameters (``add_slot(..., shard=True)``) take the same path into *shard buckets*:
+their local partial gradients are kept (not copied into a flat buffer) and, when the bucket is
+complete and its turn in the static order comes, reduce-scattered in one batched collective per
+mesh axis straight into their optimizer pieces (``runtime.zero_comm.scatter_grads``, the first
+axis asynchronously); the full local gradient is freed as soon as its bucket leaves.
+
 The result equals the per-parameter all-reduce: ``grad += sum over ranks of the local partial
 gradient``, accumulation over several backward passes included (only the new contribution is
 reduced). A slot whose gradient arrives again after its bucket was issued (two forwards, one
@@ -46,6 +52,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from autopar.runtime.counting import record
 from autopar.runtime.dtensors import local_of
 from autopar.runtime.process_mesh import ProcessMesh
 
@@ -77,7 +84,7 @@ class _Slot:
     axes: tuple[int, ...]
     shape: tuple[int, ...]
     dtype: torch.dtype
-    shard: bool = False  # ZeRO-2: reduce-scattered into this device's piece, in no bucket
+    shard: bool = False  # ZeRO-2: reduce-scattered into this device's piece (a shard bucket)
 
     @property
     def numel(self) -> int:
@@ -88,6 +95,7 @@ class _Slot:
 class _Bucket:
     axes: tuple[int, ...]
     dtype: torch.dtype
+    shard: bool = False  # ZeRO-2 slots: reduce-scattered into their pieces, no flat buffer
     slots: list[int] = field(default_factory=list)
     offsets: dict[int, int] = field(default_factory=dict)
     numel: int = 0
@@ -100,10 +108,13 @@ class _Pass:
         self.flat: list[torch.Tensor | None] = [None] * num_buckets
         self.ready: list[set[int]] = [set() for _ in range(num_buckets)]
         self.params: dict[int, torch.Tensor] = {}
-        self.works: list[tuple[int, torch.Tensor, Any, tuple[int, ...]]] = []  # bucket, flat, work, axes left
+        # In issue order: (bucket, flat, all-reduce work, axes left) or, for a shard bucket,
+        # (bucket, its slots, ScatterWork, ()).
+        self.works: list[tuple[int, Any, Any, tuple[int, ...]]] = []
         self.next_issue = 0
         self.late: dict[int, torch.Tensor] = {}  # slot -> local gradient that came after its bucket left
         self.shards: dict[int, torch.Tensor] = {}  # ZeRO-2 slot -> its local (partial) gradient
+        self.late_shards: dict[int, torch.Tensor] = {}  # the same, after its bucket left
 
 
 class GradBucketer(nn.Module):
@@ -148,16 +159,14 @@ class GradBucketer(nn.Module):
         open_: dict[tuple, int] = {}
         for slot in reversed(range(len(self.slots))):
             s = self.slots[slot]
-            if s.shard:
-                continue
-            key = (s.axes, s.dtype)
+            key = (s.axes, s.dtype, s.shard)
             size = s.numel * s.dtype.itemsize
             b = open_.get(key)
             if b is not None and buckets[b].numel * s.dtype.itemsize + size > self.cap_bytes:
                 b = None
             if b is None:
                 b = open_[key] = len(buckets)
-                buckets.append(_Bucket(s.axes, s.dtype))
+                buckets.append(_Bucket(s.axes, s.dtype, s.shard))
             bucket = buckets[b]
             bucket.offsets[slot] = bucket.numel
             bucket.slots.append(slot)
@@ -194,12 +203,16 @@ class GradBucketer(nn.Module):
                 del self._passes[min(self._passes)]
             st = self._passes[task] = _Pass(len(buckets))
             torch.autograd.Variable._execution_engine.queue_callback(functools.partial(self._finish, task))
-        if self.slots[slot].shard:
-            prev = st.shards.get(slot)
-            st.shards[slot] = grad.detach().clone() if prev is None else prev + grad
-            return
         b = self._bucket_of[slot]
         bucket = buckets[b]
+        if bucket.shard:
+            pending = st.late_shards if b < st.next_issue else st.shards
+            prev = pending.get(slot)
+            pending[slot] = grad.detach().clone() if prev is None else prev + grad
+            if b >= st.next_issue:
+                st.ready[b].add(slot)
+                self._issue_ready(st)
+            return
         if self._target is not None:
             param = self._target(self.slots[slot].name)
         st.params[slot] = self._params[slot] = param
@@ -217,6 +230,11 @@ class GradBucketer(nn.Module):
         else:
             view.copy_(grad.reshape(view.shape))
             st.ready[b].add(slot)
+        self._issue_ready(st)
+
+    def _issue_ready(self, st: _Pass) -> None:
+        """Issue buckets in their static order while the next one is complete."""
+        buckets = self.buckets
         while st.next_issue < len(buckets) and len(st.ready[st.next_issue]) == len(buckets[st.next_issue].slots):
             self._issue(st, st.next_issue)
 
@@ -250,6 +268,9 @@ class GradBucketer(nn.Module):
         """Start bucket ``b``'s all-reduce (asynchronously on its first mesh axis)."""
         bucket = self.buckets[b]
         st.next_issue = b + 1
+        if bucket.shard:
+            self._issue_shards(st, b)
+            return
         flat = st.flat[b]
         if flat is None:
             return  # no slot of this bucket received a gradient in this pass (same on every rank)
@@ -264,9 +285,48 @@ class GradBucketer(nn.Module):
         work = self._all_reduce(flat, axes[0], async_op=True)
         st.works.append((b, flat, work, axes[1:]))
 
+    def _issue_shards(self, st: _Pass, b: int) -> None:
+        """Start shard bucket ``b``'s reduce-scatter (its first mesh axis asynchronously)."""
+        slots = [slot for slot in self.buckets[b].slots if slot in st.shards]
+        if not slots:
+            return  # no slot of this bucket received a gradient in this pass (same on every rank)
+        work = self._scatter({slot: st.shards.pop(slot) for slot in slots}, async_op=True)
+        st.works.append((b, slots, work, ()))
+
+    def _scatter(self, grads: dict[int, torch.Tensor], *, async_op: bool):
+        """Sum ZeRO-2 partial gradients over their partial axes, keeping only this device's piece
+        of each (``runtime.zero_comm.scatter_grads``: one reduce-scatter per mesh axis for all of
+        them; axes a gradient is not partial on keep the local chunk)."""
+        from autopar.runtime.zero_comm import scatter_grads  # zero_comm imports nothing of this module
+
+        items = []
+        for slot, grad in grads.items():
+            s = self.slots[slot]
+            piece = self._piece(s.name) if self._piece is not None else None
+            if piece is None:
+                raise RuntimeError(f"ZeRO-2 gradient of {s.name!r} has no optimizer piece to land in: build the "
+                                   f"optimizer with model.optimizer(...)")
+            items.append((piece, grad.to(s.dtype), s.axes))
+        self.stats["reduce_scatters"] += 1
+        self.stats["bytes"] += sum(g.numel() * s.dtype.itemsize for g, s in
+                                   ((grads[slot], self.slots[slot]) for slot in grads))
+        return scatter_grads(items, async_op=async_op)
+
+    def _deliver_shards(self, slots: list[int], work) -> None:
+        with torch.no_grad():
+            for slot, mine in zip(slots, work.wait()):
+                master = self._piece(self.slots[slot].name).master
+                mine = mine.to(master.dtype)
+                if master.grad is None:
+                    master.grad = DTensor.from_local(mine.contiguous(), master.device_mesh, master.placements,
+                                                     run_check=False, shape=master.shape, stride=master.stride())
+                else:
+                    local_of(master.grad).add_(mine)
+
     def _all_reduce(self, flat: torch.Tensor, axis: int, *, async_op: bool):
         self.stats["all_reduces"] += 1
         self.stats["bytes"] += flat.numel() * flat.element_size()
+        record("all_reduce", flat.numel() * flat.element_size())
         return dist.all_reduce(flat, group=self.pmesh.group(axis), async_op=async_op)
 
     def _finish(self, task: int) -> None:
@@ -291,7 +351,14 @@ class GradBucketer(nn.Module):
                     if self.pmesh.axis_size(axis) > 1:
                         self._all_reduce(flat, axis, async_op=False)
                 late_flats.append((b, flat, slots))
+        late_shards = None
+        if st.late_shards:  # sorted: the same slots in the same order on every rank
+            slots = sorted(st.late_shards)
+            late_shards = slots, self._scatter({slot: st.late_shards[slot] for slot in slots}, async_op=False)
         for b, flat, work, rest in st.works:
+            if buckets[b].shard:
+                self._deliver_shards(flat, work)
+                continue
             if work is not None:
                 work.wait()
             for axis in rest:
@@ -299,34 +366,8 @@ class GradBucketer(nn.Module):
             self._deliver(st, buckets[b], flat, sorted(st.ready[b]))
         for b, flat, slots in late_flats:
             self._deliver(st, buckets[b], flat, slots)
-        if st.shards:
-            self._reduce_scatter(st.shards)
-
-    def _reduce_scatter(self, shards: dict[int, torch.Tensor]) -> None:
-        """Sum the ZeRO-2 parameters' partial gradients over their partial axes, keeping only
-        this device's piece of each (``runtime.zero_comm.scatter_grads``: one reduce-scatter per
-        mesh axis for all of them; axes the gradient is not partial on keep the local chunk)."""
-        from autopar.runtime.zero_comm import scatter_grads  # zero_comm imports nothing of this module
-
-        items, pieces = [], []
-        for slot in sorted(shards):  # the same slots in the same order on every rank
-            s = self.slots[slot]
-            piece = self._piece(s.name) if self._piece is not None else None
-            if piece is None:
-                raise RuntimeError(f"ZeRO-2 gradient of {s.name!r} has no optimizer piece to land in: build the "
-                                   f"optimizer with model.optimizer(...)")
-            items.append((piece, shards[slot].to(s.dtype), s.axes))
-            pieces.append(piece)
-        self.stats["reduce_scatters"] += 1
-        with torch.no_grad():
-            for piece, mine in zip(pieces, scatter_grads(items)):
-                master = piece.master
-                mine = mine.to(master.dtype)
-                if master.grad is None:
-                    master.grad = piece.wrap(mine.contiguous())
-                else:
-                    local_of(master.grad).add_(mine)
-
+        if late_shards is not None:
+            self._deliver_shards(*late_shards)
 
     def _deliver(self, st: _Pass, bucket: _Bucket, flat: torch.Tensor, slots: list[int]) -> None:
         with torch.no_grad():

@@ -24,19 +24,19 @@ index is the major digit (``TensorSpec.local_slices``). ``distribute`` places a 
 coordinate 0 of every partial axis and zeros elsewhere, the same convention as ``to_partial``.
 
 Every collective this module issues, forward or backward, is counted by kind while a
-``count_collectives()`` context is open (tests assert e.g. "S0->S1 is one all-to-all").
+``count_collectives()`` context is open (``runtime.counting``; tests assert e.g. "S0->S1 is
+one all-to-all").
 """
 
 from __future__ import annotations
 
-from collections import Counter
-from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import Sequence
 
 import torch
 import torch.distributed as dist
 
+from autopar.runtime.counting import COLLECTIVE_KINDS, count_collectives, record
 from autopar.runtime.process_mesh import ProcessMesh
 from autopar.layout.conversion import ReshardStep, replicate_steps
 from autopar.layout.conversion import apply_step as reshard_apply_step
@@ -53,33 +53,6 @@ __all__ = [
     "gather_full",
     "replicate_steps",
 ]
-
-# What count_collectives() reports: the torch.distributed collectives actually issued.
-COLLECTIVE_KINDS = ("all_gather", "all_to_all", "all_reduce", "reduce_scatter")
-
-_active_counters: list[Counter] = []
-
-
-@contextmanager
-def count_collectives() -> Iterator[Counter]:
-    """Count the collectives issued by this module (this process only) inside the block.
-
-    Yields a ``Counter`` keyed by ``COLLECTIVE_KINDS``; nested blocks all see each collective.
-    """
-    counter: Counter = Counter()
-    _active_counters.append(counter)
-    try:
-        yield counter
-    finally:
-        # By identity: two counters with equal counts compare equal, so list.remove could
-        # drop the wrong one.
-        del _active_counters[next(i for i, c in enumerate(_active_counters) if c is counter)]
-
-
-def _record(kind: str) -> None:
-    for counter in _active_counters:
-        counter[kind] += 1
-
 
 # --------------------------------------------------------------------------- one mesh axis
 @dataclass(frozen=True, slots=True)
@@ -122,7 +95,7 @@ def _all_gather(x: torch.Tensor, dim: int, ax: _Axis) -> torch.Tensor:
     # all_gather_single concatenates along dim 0; move ``dim`` there and back.
     front = x.movedim(dim, 0).contiguous()
     out = front.new_empty((front.shape[0] * ax.size, *front.shape[1:]))
-    _record("all_gather")
+    record("all_gather", out.numel() * out.element_size())
     dist.all_gather_single(out, front, group=ax.group)
     return out.movedim(0, dim).contiguous()
 
@@ -131,14 +104,14 @@ def _reduce_scatter(x: torch.Tensor, dim: int, ax: _Axis) -> torch.Tensor:
     _check_divisible(x, dim, ax, "reduce-scatter")
     front = x.movedim(dim, 0).contiguous()
     out = front.new_empty((front.shape[0] // ax.size, *front.shape[1:]))
-    _record("reduce_scatter")
+    record("reduce_scatter", front.numel() * front.element_size())
     dist.reduce_scatter_single(out, front, group=ax.group)
     return out.movedim(0, dim).contiguous()
 
 
 def _all_reduce(x: torch.Tensor, ax: _Axis) -> torch.Tensor:
     out = x.clone(memory_format=torch.contiguous_format)  # never reduce autograd's input in place
-    _record("all_reduce")
+    record("all_reduce", out.numel() * out.element_size())
     dist.all_reduce(out, group=ax.group)
     return out
 
@@ -155,7 +128,7 @@ def _all_to_all(x: torch.Tensor, src_dim: int, dst_dim: int, ax: _Axis) -> torch
     # (size, *chunk shape); stack keeps a channels-last input's memory format: force contiguous
     send = torch.stack(x.chunk(ax.size, dim=dst_dim)).contiguous()
     recv = torch.empty_like(send, memory_format=torch.contiguous_format)
-    _record("all_to_all")
+    record("all_to_all", send.numel() * send.element_size())
     dist.all_to_all_single(recv, send, group=ax.group)
     return torch.cat(recv.unbind(0), dim=src_dim)
 

@@ -22,6 +22,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
+from autopar.runtime.counting import record
 from autopar.runtime.process_mesh import ProcessMesh
 
 __all__ = ["DistComm", "grad_all_reduce", "all_reduce_axes"]
@@ -41,6 +42,7 @@ def all_reduce_axes(tensor: torch.Tensor, axes: Sequence[int], pmesh: ProcessMes
     out = tensor.detach().clone(memory_format=torch.contiguous_format)
     for axis in axes:
         if pmesh.axis_size(axis) > 1:
+            record("all_reduce", out.numel() * out.element_size())
             dist.all_reduce(out, op=_OPS[op], group=pmesh.group(axis))
     return out
 

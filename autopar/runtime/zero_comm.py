@@ -9,9 +9,10 @@ chunk of that split so that every rank sends the same number of elements:
 - ``gather_pieces``: after the step, axes from the last to the first: all-gather each piece's
   block over the axis and stitch the chunks into the block one level up; the top level is the
   parameter's local tensor.
-- ``scatter_grads``: at the end of backward (ZeRO-2), axes from the first to the last: a partial
-  gradient is reduce-scattered over an axis it is partial on; on an axis where every device holds
-  the same gradient (not partial) this device just keeps its chunk.
+- ``scatter_grads``: in backward, per bucket of ZeRO-2 gradients (``runtime.bucketing``), axes
+  from the first to the last: a partial gradient is reduce-scattered over an axis it is partial
+  on; on an axis where every device holds the same gradient (not partial) this device just
+  keeps its chunk. The first axis's collective can be left in flight (``ScatterWork``).
 """
 
 from __future__ import annotations
@@ -23,9 +24,10 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
+from autopar.runtime.counting import record
 from autopar.runtime.dtensors import local_of
 
-__all__ = ["chunk_sizes", "gather_pieces", "scatter_grads"]
+__all__ = ["ScatterWork", "chunk_sizes", "gather_pieces", "scatter_grads"]
 
 # torch 2.13 names them *_single and deprecates the *_tensor spellings.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -88,6 +90,7 @@ def _gather_round(pieces: list, axis: int, levels: dict, blocks: dict) -> None:
         block = blocks[id(p)].reshape(-1)
         send[offset:offset + block.numel()].copy_(block)
     recv = send.new_empty(k * total)
+    record("all_gather", recv.numel() * recv.element_size())
     _all_gather(recv, send, group=mesh.get_group(axis))
     recv = recv.view(k, total)
     for p, sizes, rest, offset, seg in plan:
@@ -97,47 +100,80 @@ def _gather_round(pieces: list, axis: int, levels: dict, blocks: dict) -> None:
 
 
 @torch.no_grad()
-def scatter_grads(items: Sequence[tuple]) -> list[torch.Tensor]:
+def scatter_grads(items: Sequence[tuple], *, async_op: bool = False) -> "ScatterWork":
     """``items``: (piece, the parameter's local partial gradient, the mesh axes it is partial
-    on). Returns each piece's summed gradient block (the master's local shape)."""
-    blocks = {i: _rows_first(grad, p.dim).contiguous() for i, (p, grad, _) in enumerate(items)}
-    levels = {i: _levels(p) for i, (p, _, _) in enumerate(items)}
-    for axis in sorted({a for p, _, _ in items for a in p.axes}):
+    on). Starts the batched reduce-scatter; ``.wait()`` returns each piece's summed gradient
+    block (the master's local shape). ``async_op``: the first axis's collectives are left in
+    flight (the bucketer overlaps them with the rest of backward); the others run in ``wait``."""
+    return ScatterWork(items, async_op=async_op)
+
+
+class ScatterWork:
+    """One batched ZeRO-2 reduce-scatter (``scatter_grads``), axes from the first to the last:
+    each axis's round depends on the block the previous one left."""
+
+    def __init__(self, items: Sequence[tuple], *, async_op: bool) -> None:
+        self.items = list(items)
+        self.blocks = {i: _rows_first(grad, p.dim).contiguous() for i, (p, grad, _) in enumerate(self.items)}
+        self.levels = {i: _levels(p) for i, (p, _, _) in enumerate(self.items)}
+        self.axes = sorted({a for p, _, _ in self.items for a in p.axes})
+        self.pending: list[tuple] = []  # (work or None, finish) of the round in flight
+        self.next_axis = 0
+        if self.axes:
+            self._round(async_op=async_op)
+
+    def _round(self, *, async_op: bool) -> None:
+        axis = self.axes[self.next_axis]
+        self.next_axis += 1
         batch = defaultdict(list)  # (mesh, dtype) -> items reduce-scattered over this axis
-        for i, (p, _, partial) in enumerate(items):
+        for i, (p, _, partial) in enumerate(self.items):
             if axis not in p.axes:
                 continue
-            _, sizes, coord = next(lv for lv in levels[i] if lv[0] == axis)
+            _, sizes, coord = next(lv for lv in self.levels[i] if lv[0] == axis)
             if axis in partial:
-                batch[(id(p.param.device_mesh), blocks[i].dtype)].append(i)
+                batch[(id(p.param.device_mesh), self.blocks[i].dtype)].append(i)
             else:  # every device holds the same gradient here: keep this device's chunk
                 start = sum(sizes[:coord])
-                blocks[i] = blocks[i][start:start + sizes[coord]]
+                self.blocks[i] = self.blocks[i][start:start + sizes[coord]]
         for group in batch.values():
-            _scatter_round(items, group, axis, levels, blocks)
-    return [blocks[i].movedim(0, p.dim) if p.dim else blocks[i] for i, (p, _, _) in enumerate(items)]
+            self.pending.append(self._scatter_round(group, axis, async_op=async_op))
 
+    def _scatter_round(self, group: list[int], axis: int, *, async_op: bool) -> tuple:
+        mesh = self.items[group[0]][0].param.device_mesh
+        k = mesh.size(axis)
+        plan, total = [], 0
+        for i in group:
+            _, sizes, coord = next(lv for lv in self.levels[i] if lv[0] == axis)
+            rest = self.blocks[i].shape[1:]
+            plan.append((i, sizes, coord, rest, total))
+            total += max(sizes) * math.prod(rest)
+        send = self.blocks[group[0]].new_zeros(k, total)
+        for i, sizes, coord, rest, offset in plan:
+            start = 0
+            for c in range(k):
+                rows = self.blocks[i][start:start + sizes[c]].reshape(-1)
+                send[c, offset:offset + rows.numel()].copy_(rows)
+                start += sizes[c]
+        recv = send.new_empty(total)
+        record("reduce_scatter", send.numel() * send.element_size())
+        work = _reduce_scatter(recv, send.view(-1), group=mesh.get_group(axis), async_op=async_op)
 
-def _scatter_round(items: Sequence[tuple], group: list[int], axis: int, levels: dict, blocks: dict) -> None:
-    mesh = items[group[0]][0].param.device_mesh
-    k = mesh.size(axis)
-    plan, total = [], 0
-    for i in group:
-        _, sizes, coord = next(lv for lv in levels[i] if lv[0] == axis)
-        rest = blocks[i].shape[1:]
-        seg = max(sizes) * math.prod(rest)
-        plan.append((i, sizes, coord, rest, total, seg))
-        total += seg
-    send = blocks[group[0]].new_zeros(k, total)
-    for i, sizes, coord, rest, offset, seg in plan:
-        width = math.prod(rest)
-        start = 0
-        for c in range(k):
-            rows = blocks[i][start:start + sizes[c]].reshape(-1)
-            send[c, offset:offset + rows.numel()].copy_(rows)
-            start += sizes[c]
-    recv = send.new_empty(total)
-    _reduce_scatter(recv, send.view(-1), group=mesh.get_group(axis))
-    for i, sizes, coord, rest, offset, seg in plan:
-        width = math.prod(rest)
-        blocks[i] = recv[offset:offset + sizes[coord] * width].view(sizes[coord], *rest)
+        def finish() -> None:
+            for i, sizes, coord, rest, offset in plan:
+                self.blocks[i] = recv[offset:offset + sizes[coord] * math.prod(rest)].view(sizes[coord], *rest)
+
+        return (work if async_op else None), finish
+
+    def _drain(self) -> None:
+        for work, finish in self.pending:
+            if work is not None:
+                work.wait()
+            finish()
+        self.pending = []
+
+    def wait(self) -> list[torch.Tensor]:
+        self._drain()
+        while self.next_axis < len(self.axes):
+            self._round(async_op=False)
+            self._drain()
+        return [self.blocks[i].movedim(0, p.dim) if p.dim else self.blocks[i] for i, (p, _, _) in enumerate(self.items)]

@@ -205,7 +205,7 @@ def _batched_body(rank, world):
             full = DTensor.from_local(same, mesh, placements, run_check=False, shape=p.param.shape,
                                       stride=p.param.stride())
             want.append(local_of(full.redistribute(mesh, p.master.placements)))
-        got = scatter_grads(items)
+        got = scatter_grads(items).wait()
         results[partial_on] = all(torch.allclose(g, w) for g, w in zip(got, want))
     return ({k: torch.equal(gathered[k], expected[k]) for k in gathered}, results)
 
