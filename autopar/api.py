@@ -176,6 +176,7 @@ def _solve(problem, *, options: PlanOptions, progress: Progress, stage: str):
 
 def _baseline(name: str, traced, built, *, options: PlanOptions, progress: Progress) -> BaselineResult:
     from autopar.planner.assemble import baseline_problem, estimate_of
+    from autopar.planner.checkpointing import estimate
 
     try:
         with progress.stage(f"baseline {name}"):
@@ -183,7 +184,8 @@ def _baseline(name: str, traced, built, *, options: PlanOptions, progress: Progr
         solution = _solve(problem, options=options, progress=progress, stage=f"baseline {name} solve")
     except ValueError as exc:  # the family cannot fit the budget (or has no legal layout)
         return BaselineResult(name, False, None, str(exc).splitlines()[0])
-    return BaselineResult(name, True, estimate_of(problem.evaluate(solution.choice)))
+    evaluation = estimate(built, problem, solution.choice, (), built.segment_inputs)
+    return BaselineResult(name, True, estimate_of(evaluation))
 
 
 # ---------------------------------------------------------------------------------- runtime

@@ -184,6 +184,7 @@ def restricted_plan(model, inputs, *, mesh, baseline: str = "data-parallel", mem
     from autopar.api import PlanOptions
     from autopar.planner.assemble import assemble_plan, baseline_problem
     from autopar.planner.builder import build_problem
+    from autopar.planner.checkpointing import estimate
     from autopar.solver.pipeline import solve
     from autopar.strategies import needs_decomposition
     from autopar.tracer import profile, trace
@@ -195,8 +196,8 @@ def restricted_plan(model, inputs, *, mesh, baseline: str = "data-parallel", mem
                           options=options)
     problem = baseline_problem(baseline, traced, built)
     solution = solve(problem, solver=options.solver, time_limit=options.time_limit)
-    return assemble_plan(traced, built, choice=solution.choice, evaluation=problem.evaluate(solution.choice),
-                         solution=solution)
+    evaluation = estimate(built, problem, solution.choice, (), built.segment_inputs)
+    return assemble_plan(traced, built, choice=solution.choice, evaluation=evaluation, solution=solution)
 
 
 def median(values) -> float:

@@ -99,6 +99,7 @@ class _Builder:
         self.op_index = {n.name: i for i, n in enumerate(ops)}  # op decision -> its timeline slot
         self.segment_of_op = op_segments((n.name, traced.module_path(n)) for n in ops)
         self.saver = saved_by(prof)  # storage id -> the node whose activation counts it
+        self.needs_grad = _needs_grad(traced)
         # Filled in graph order by ``build``:
         self.nodes: list[Node] = []
         self.decisions: dict[str, Decision] = {}
@@ -200,13 +201,17 @@ class _Builder:
         live = (i, 2 * self.num_ops - 1 - i) if parts else None
         activations = [self._kind(src.name) not in _AT_REST for src in slots]
         global_bytes = _global_bytes(node, slots, activations)
+        inputs = tuple(self._value_of(src) for src in slots)
+        zero2 = self._zero2_slots(inputs)
         opts = []
         for s in strategies:
             act = _activation_bytes(node, s, slots, activations, global_bytes, parts) if live else 0
+            # ZeRO-2 prices the gradient of a parameter it may shard as a reduce-scatter; the
+            # all-reduce's extra is charged on the edge unless the parameter is ZeRO-2.
+            comm_s = s.comm_s - sum(zero2_extra_s(s, slot, self.mesh) for slot in zero2)
             opts.append(StrategyOption(
-                _unique(s.name, opts), compute_s=s.compute_s, comm_s=s.comm_s, act_bytes=act,
+                _unique(s.name, opts), compute_s=s.compute_s, comm_s=comm_s, act_bytes=act,
                 forward_s=s.forward_compute_s + s.forward_comm_s))
-        inputs = tuple(self._value_of(src) for src in slots)
         decision = Decision(node.name, NodeKind.OP, self._choices_of(strategies), inputs, module=path,
                             op=str(node.target))
         self._add(decision, opts, live=live, block=block_of(path), signature=self._signature(node),
@@ -272,6 +277,14 @@ class _Builder:
             self._strategy_cache[key] = cached
         if cached and cached[0].is_fallback:
             self.fallbacks.append(node.name)
+        no_grad = tuple(i for i, src in enumerate(input_nodes(node)) if src.name not in self.needs_grad)
+        if no_grad and any(s.grad_partial_axes[i] for s in cached for i in no_grad):
+            # A value no trainable parameter feeds (rotary tables, masks) gets no gradient: its
+            # partial-gradient all-reduce never runs, so it is not priced.
+            key = (key, no_grad)
+            if key not in self._strategy_cache:
+                self._strategy_cache[key] = [s.without_gradients(no_grad, self.mesh) for s in cached]
+            cached = self._strategy_cache[key]
         return cached
 
     def _signature(self, node: fx.Node) -> str:
@@ -309,8 +322,32 @@ class _Builder:
             src_keys, src_specs = _distinct([c.output_specs[value.index] for c in src_choices])
             dst_keys, dst_specs = _distinct([c.input_specs[slot] for c in dst_choices])
             unique = np.array([[self._conversion_s(a, b, value) for b in dst_specs] for a in src_specs])
-            matrix = self._edge_cache[key] = unique[np.ix_(src_keys, dst_keys)]
+            matrix = unique[np.ix_(src_keys, dst_keys)]
+            if any(c.zero_stage == 2 for c in src_choices):
+                matrix = matrix + self._zero2_edge(src_choices, value, dst_choices, slot)
+            self._edge_cache[key] = matrix
         return matrix
+
+    def _zero2_slots(self, inputs: Sequence[InputSlot | None]) -> list[int]:
+        """Input slots that read a parameter with a ZeRO-2 option."""
+        return [slot for slot, v in enumerate(inputs) if v is not None
+                and self.decisions[v.producer].kind == NodeKind.PARAMETER
+                and any(c.zero_stage == 2 for c in self.decisions[v.producer].choices)]
+
+    def _zero2_edge(self, src_choices: tuple[Choice, ...], value: InputSlot, dst_choices: tuple[Choice, ...],
+                    slot: int) -> np.ndarray:
+        """The all-reduce's extra over a reduce-scatter (``zero2_extra_s``; the consumer's option
+        does not include it), for every pair except a ZeRO-2 parameter read in its own layout:
+        only there does the runtime reduce-scatter the gradient straight into the pieces."""
+        extra = np.zeros((len(src_choices), len(dst_choices)))
+        for j, dst in enumerate(dst_choices):
+            if dst.strategy is None:
+                continue
+            cost = zero2_extra_s(dst.strategy, slot, self.mesh)
+            for i, src in enumerate(src_choices):
+                own = src.zero_stage == 2 and dst.input_specs[slot] == src.output_specs[value.index]
+                extra[i, j] = 0.0 if own else cost
+        return extra
 
     def _conversion_s(self, a: TensorSpec | None, b: TensorSpec | None, value: InputSlot) -> float:
         if a is None or b is None or a == b:
@@ -362,10 +399,15 @@ def zero_cost(spec: TensorSpec, mesh: MeshSpec, local_bytes: int, *, stage: int,
     ====== ===================================== =====================================================
     0      ``2 + m``                             --
     1      ``2 + m/dp``                          all-gather of the updated parameter
-    2      ``1 + (1 + m)/dp``                    reduce-scatter + all-gather replace the all-reduce
-                                                 the consumers are priced with: the same bytes, one
-                                                 more collective's latency
+    2      ``1 + (1 + m)/dp``                    the same all-gather; a consumer's partial gradient
+                                                 is reduce-scattered instead of all-reduced
+                                                 (``zero2_extra_s``: the consumer is priced with
+                                                 the reduce-scatter, its edge with the difference
+                                                 unless the parameter is ZeRO-2 in that layout)
     ====== ===================================== =====================================================
+
+    A mixed-precision cast between the parameter and its consumer hides the consumer from the
+    parameter's edges: there stage 2 is priced with the full all-reduce (an over-estimate).
     """
     split = zero_split(spec, ndim, mesh.shape)
     m = optimizer_multiplier
@@ -373,9 +415,32 @@ def zero_cost(spec: TensorSpec, mesh: MeshSpec, local_bytes: int, *, stage: int,
         return 2.0 + m, 0.0, 0
     axes = split[1]
     dp = math.prod(mesh.shape[a] for a in axes)
+    gather_s = collective_seconds("all_gather", local_bytes, mesh, axes)
     if stage == 1:
-        return 2.0 + m / dp, collective_seconds("all_gather", local_bytes, mesh, axes), 1
-    return 1.0 + (1.0 + m) / dp, max(mesh.alpha[a] for a in axes), 2
+        return 2.0 + m / dp, gather_s, 1
+    return 1.0 + (1.0 + m) / dp, gather_s, 2
+
+
+def zero2_extra_s(strategy: Strategy, slot: int, mesh: MeshSpec) -> float:
+    """Seconds an all-reduce of input ``slot``'s partial gradient takes beyond a reduce-scatter
+    of it (0 when the gradient is not partial): what ZeRO-2 saves on a parameter read there."""
+    return strategy.grad_sync_s(slot, mesh) - strategy.grad_sync_s(slot, mesh, "reduce_scatter")
+
+
+def _needs_grad(traced: TracedGraph) -> set[str]:
+    """Nodes whose value takes a gradient in backward: trainable parameters, inputs that require
+    grad, and every floating value computed from one of them."""
+    out: set[str] = set()
+    for node in traced.nodes:
+        val = node.meta.get("val")
+        if node.op == "placeholder":
+            ph = node.meta.get(PLACEHOLDER_KEY)
+            if ph is not None and (ph.requires_grad or getattr(val, "requires_grad", False)):
+                out.add(node.name)
+        elif node.op == "call_function" and any(n.name in out for n in node.all_input_nodes):
+            if any(isinstance(v, torch.Tensor) and v.is_floating_point() for v in node_vals(node)):
+                out.add(node.name)
+    return out
 
 
 def _is_float(v: Any) -> bool:

@@ -27,7 +27,9 @@ do not map one to one onto single-level regions, so stage 2 tries a few Rotor bu
 real one down) and keeps the fastest region set that fits.
 
 The estimate of a region set (``estimate``) is ``Problem.evaluate`` with the regions recomputed
-(the joint ILP's memory and time model, exact per node) plus the forward seconds of the conversions a region re-runs.
+(the joint ILP's memory and time model, exact per node) plus the forward seconds of the
+conversions a region re-runs, less what several consumers share (``planner.executed``: a
+conversion or a gradient sum runs once for all of them).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from typing import Any, Mapping
 
 from autopar.planner.options import CHECKPOINT_MODES as MODES  # the modes above
 from autopar.plans import NodeKind, RecomputeRegion
+from autopar.planner.executed import shared_savings, unique_conversions
 from autopar.planner.records import BuiltProblem, InputSlot
 from autopar.planner.segments import holder_of_producer, mutates_state, segment_inputs
 from autopar.layout.blocks import block_of
@@ -84,7 +87,7 @@ def regions_of(problem: Problem, units) -> tuple[RecomputeRegion, ...]:
 
 
 def _conversion_forward_s(built, choice, region_nodes: set[str]) -> float:
-    return sum(c.conversion.forward_s for c in built.conversions(choice) if c.consumer in region_nodes)
+    return sum(c.conversion.forward_s for c in unique_conversions(built, choice)[0] if c.consumer in region_nodes)
 
 
 def estimate(built, problem: Problem, choice, units, inputs) -> Evaluation:
@@ -92,7 +95,9 @@ def estimate(built, problem: Problem, choice, units, inputs) -> Evaluation:
     ev = problem.evaluate(choice, recompute=units, segment_inputs=inputs)
     inside = {name for r in regions_of(problem, units) for name in r.nodes}
     extra = _conversion_forward_s(built, choice, inside) if inside else 0.0
-    return replace(ev, objective=ev.objective + extra, reshard_s=ev.reshard_s + extra)
+    comm_saved, reshard_saved = shared_savings(built, choice)  # counted once, as they run
+    return replace(ev, objective=ev.objective + extra - comm_saved - reshard_saved, comm_s=ev.comm_s - comm_saved,
+                   reshard_s=ev.reshard_s + extra - reshard_saved)
 
 
 def _finish(built, problem, choice, solution, units, inputs, method, info) -> RecomputePlan:

@@ -28,7 +28,8 @@ def build_report(plan: Plan, result) -> Report:
     built, choice = result.built, result.recompute.choice
     return Report(
         plan=plan,
-        comm=comm_breakdown(built, choice, plan.mesh),
+        comm=comm_breakdown(built, choice, plan.mesh,
+                            recomputed=frozenset(n for r in result.recompute.regions for n in r.nodes)),
         timeline=memory_timeline(result.recompute),
         layers=layer_rows(plan, built, choice),
     )

@@ -2,11 +2,13 @@
 
 ``Plan`` keeps the chosen strategy per node; the report also needs what those choices imply:
 
-- **communication** per collective kind and mesh axis: the backward all-reduce of every partial
-  input gradient and the custom kernels' collectives (inside ops), plus every layout conversion
-  on a graph edge, re-planned with ``plan_conversion`` and split into its steps' forward and
-  backward collectives exactly as ``autopar.layout.conversion.step_seconds`` prices them (so the
-  totals equal the plan's ``comm_s`` and ``reshard_s``);
+- **communication** per collective kind and mesh axis, as the runtime issues it: the backward
+  all-reduce of every partial input gradient and the custom kernels' collectives (inside ops),
+  every layout conversion on a graph edge, re-planned with ``plan_conversion`` and split into
+  its steps' forward and backward collectives exactly as ``autopar.layout.conversion.step_seconds``
+  prices them, ZeRO's all-gather after the step and ZeRO-2's gradient reduce-scatters; a
+  conversion or gradient sum several consumers share counted once (``planner.executed``), so
+  the totals equal the plan's ``comm_s`` and ``reshard_s``;
 - the **memory timeline**: per-device bytes at every point of the forward/backward order, with
   the plan's recompute (the evaluation behind ``Plan.estimate``);
 - **per-layer rows**: decisions grouped by owning module, repeated blocks collapsed.
@@ -18,6 +20,7 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from autopar.planner.executed import grad_syncs, unique_conversions
 from autopar.planner.records import BuiltProblem
 from autopar.plans import NodeKind
 from autopar.planner.checkpointing import RecomputePlan
@@ -25,6 +28,7 @@ from autopar.layout.blocks import block_of
 from autopar.layout.cost import collective_seconds, copy_seconds
 from autopar.layout.mesh import MeshSpec
 from autopar.layout.conversion import apply_step
+from autopar.layout.placement import zero_split
 
 if TYPE_CHECKING:  # the report reads the plan's evaluation; it never runs the solver
     from autopar.solver.timeline import Evaluation
@@ -41,7 +45,7 @@ class CommRow:
 
     kind: str  # all_reduce | all_gather | reduce_scatter | all_to_all | split | to_partial | kernel:<name>
     axes: str  # "ax1(4)", "ax0(2)+ax1(4)", or "-" when a kernel does not say
-    source: str  # "in-op" or "reshard"
+    source: str  # "in-op", "reshard", "recompute" or "zero"
     count: int = 0
     payload_bytes: int = 0  # full tensor bytes per collective, summed (0 when unknown)
     seconds: float = 0.0
@@ -121,39 +125,70 @@ def _step_parts(step, spec, shape, itemsize, mesh) -> list[tuple[str, float, flo
     return [("to_partial", local, copy_seconds(local, mesh) if n > 1 else 0.0)]
 
 
-def _in_op(rows: dict, strategy, mesh: MeshSpec) -> None:
-    """The op's own collectives: partial input gradients all-reduced in backward + its kernel."""
-    explained = 0.0
-    for i, axes in enumerate(strategy.grad_partial_axes):
-        if axes:
-            sec = collective_seconds("all_reduce", strategy.input_bytes[i], mesh, axes)
-            _add(rows, "all_reduce", axis_label(mesh, axes), "in-op", strategy.input_bytes[i], sec)
-            explained += sec
-    rest = strategy.comm_s - explained
-    if strategy.kernel is not None and rest > 1e-15:
-        # Kernels report seconds only; their collectives' sizes are internal to the kernel.
-        _add(rows, f"kernel:{strategy.kernel}", "-", "in-op", 0, rest)
+def _kernels(rows: dict, built: BuiltProblem, pick: dict[str, int], mesh: MeshSpec) -> None:
+    """Custom kernels' own collectives: the op's in-op seconds beyond its gradient sums."""
+    for name, decision in built.decisions.items():
+        s = decision.choices[pick[name]].strategy
+        if decision.kind != NodeKind.OP or s is None or s.kernel is None:
+            continue
+        rest = s.comm_s - sum(s.grad_sync_s(i, mesh) for i in range(len(s.grad_partial_axes)))
+        if rest > 1e-15:  # kernels report seconds only; their collectives' sizes are internal
+            _add(rows, f"kernel:{s.kernel}", "-", "in-op", 0, rest)
 
 
-def _resharding(rows: dict, built: BuiltProblem, choice: dict[str, str], mesh: MeshSpec) -> None:
-    for cc in built.conversions(choice):
+def _grad_syncs(rows: dict, built: BuiltProblem, choice: dict[str, str], mesh: MeshSpec) -> None:
+    """Partial input gradients summed in backward, once per (value, layout, axes)."""
+    for sync in grad_syncs(built, choice)[0]:
+        source = "zero" if sync.kind == "reduce_scatter" else "in-op"
+        _add(rows, sync.kind, axis_label(mesh, sync.axes), source, sync.strategy.grad_sync_bytes[sync.slot],
+             sync.seconds(mesh))
+
+
+def _zero(rows: dict, built: BuiltProblem, pick: dict[str, int], mesh: MeshSpec) -> None:
+    """ZeRO's all-gather of every stage 1/2 parameter after the step (one row per parameter,
+    over the axes ``zero_split`` shards it on)."""
+    shapes = {v.producer: v for d in built.decisions.values() for v in d.inputs if v is not None}
+    for name, decision in built.decisions.items():
+        chosen = decision.choices[pick[name]]
+        value = shapes.get(name)
+        if decision.kind != NodeKind.PARAMETER or not chosen.zero_stage or value is None:
+            continue
+        spec = chosen.output_specs[0]
+        _, axes = zero_split(spec, len(value.shape), mesh.shape)
+        local = value.local_bytes(spec, mesh.shape)
+        _add(rows, "all_gather", axis_label(mesh, axes), "zero", local,
+             collective_seconds("all_gather", local, mesh, axes))
+
+
+def _resharding(rows: dict, built: BuiltProblem, choice: dict[str, str], mesh: MeshSpec,
+                recomputed: frozenset[str]) -> None:
+    """Conversions, forward and backward; a conversion into a recomputed op runs its forward
+    again in backward (source "recompute")."""
+    for cc in unique_conversions(built, choice)[0]:
         value = built.decisions[cc.consumer].inputs[cc.slot]
         spec = cc.conversion.src
         for step in cc.conversion.steps:
-            for k, payload, sec in _step_parts(step, spec, value.shape, value.itemsize, mesh):
-                _add(rows, k, axis_label(mesh, (step.axis,)), "reshard", payload, sec)
+            parts = _step_parts(step, spec, value.shape, value.itemsize, mesh)
+            if cc.consumer in recomputed:
+                parts.append((*parts[0][:2], parts[0][2], "recompute"))
+            for k, payload, sec, *source in parts:
+                _add(rows, k, axis_label(mesh, (step.axis,)), source[0] if source else "reshard", payload, sec)
             spec = apply_step(spec, step)
 
 
-def comm_breakdown(built: BuiltProblem, choice: dict[str, str], mesh: MeshSpec) -> list[CommRow]:
-    """Communication of one training step, per (kind, axes, source), most expensive first."""
+def comm_breakdown(built: BuiltProblem, choice: dict[str, str], mesh: MeshSpec, *,
+                   recomputed: frozenset[str] = frozenset()) -> list[CommRow]:
+    """Communication of one training step, per (kind, axes, source), most expensive first, as
+    the runtime issues it (``planner.executed``: a shared conversion or gradient sum once).
+    ``source``: "in-op" (strategies' own), "reshard" (conversions on edges), "recompute" (the
+    forward of conversions into the ``recomputed`` ops, again) or "zero" (ZeRO's gather after
+    the step and ZeRO-2's gradient reduce-scatters)."""
     pick = _picked(built, choice)
     rows: dict[tuple, CommRow] = {}
-    for name, decision in built.decisions.items():
-        strategy = decision.choices[pick[name]].strategy
-        if decision.kind == NodeKind.OP and strategy is not None:
-            _in_op(rows, strategy, mesh)
-    _resharding(rows, built, choice, mesh)
+    _zero(rows, built, pick, mesh)
+    _grad_syncs(rows, built, choice, mesh)
+    _kernels(rows, built, pick, mesh)
+    _resharding(rows, built, choice, mesh, recomputed)
     return sorted(rows.values(), key=lambda r: -r.seconds)
 
 

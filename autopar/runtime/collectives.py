@@ -128,7 +128,7 @@ def _all_to_all(x: torch.Tensor, src_dim: int, dst_dim: int, ax: _Axis) -> torch
     # (size, *chunk shape); stack keeps a channels-last input's memory format: force contiguous
     send = torch.stack(x.chunk(ax.size, dim=dst_dim)).contiguous()
     recv = torch.empty_like(send, memory_format=torch.contiguous_format)
-    record("all_to_all", send.numel() * send.element_size())
+    record("all_to_all", send.numel() * send.element_size() * ax.size)  # the full size, as priced
     dist.all_to_all_single(recv, send, group=ax.group)
     return torch.cat(recv.unbind(0), dim=src_dim)
 

@@ -68,7 +68,7 @@ def gather_pieces(pieces: Sequence) -> None:
         batch = defaultdict(list)  # (mesh, dtype) -> pieces split by this axis
         for p in pieces:
             if axis in p.axes:
-                batch[(id(p.param.device_mesh), p.master.dtype)].append(p)
+                batch[(p.param.device_mesh, p.master.dtype)].append(p)
         for group in batch.values():
             _gather_round(group, axis, levels, blocks)
     for p in pieces:
@@ -131,7 +131,7 @@ class ScatterWork:
                 continue
             _, sizes, coord = next(lv for lv in self.levels[i] if lv[0] == axis)
             if axis in partial:
-                batch[(id(p.param.device_mesh), self.blocks[i].dtype)].append(i)
+                batch[(p.param.device_mesh, self.blocks[i].dtype)].append(i)
             else:  # every device holds the same gradient here: keep this device's chunk
                 start = sum(sizes[:coord])
                 self.blocks[i] = self.blocks[i][start:start + sizes[coord]]

@@ -134,10 +134,9 @@ def _strategy(info: OpInfo, mesh: MeshSpec, combo: tuple[AxisOption, ...], in_sp
     fwd_c = compute_seconds(flops[0] / div, moved, mesh, itemsize=itemsize)
     # Backward reads the output gradient and the saved inputs and writes the input gradients.
     bwd_c = compute_seconds(flops[1] / div, 2 * moved, mesh, itemsize=itemsize) if differentiable else 0.0
-    bwd_comm = sum(
-        collective_seconds("all_reduce", in_bytes[i] * _widening(info.slots[i].meta, reduce_itemsize), mesh, axes)
-        for i, axes in enumerate(gp_axes) if axes
-    )
+    wire = tuple(int(in_bytes[i] * _widening(info.slots[i].meta, reduce_itemsize)) if axes else 0
+                 for i, axes in enumerate(gp_axes))
+    bwd_comm = sum(collective_seconds("all_reduce", wire[i], mesh, axes) for i, axes in enumerate(gp_axes) if axes)
     fwd_comm = 0.0
     if kernel is not None:
         kf, kb = get_kernel(kernel).comm_cost(info, in_specs, out_specs, mesh)
@@ -157,6 +156,7 @@ def _strategy(info: OpInfo, mesh: MeshSpec, combo: tuple[AxisOption, ...], in_sp
         kernel=kernel,
         work_split_axes=work_axes,
         is_fallback=fallback,
+        grad_sync_bytes=wire,
     )
 
 

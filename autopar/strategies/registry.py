@@ -17,6 +17,7 @@ order, so ``Strategy.input_specs[i]`` always belongs to ``input_nodes(node)[i]``
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import operator
 from dataclasses import dataclass, field
@@ -25,6 +26,7 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 import torch.fx
 
+from autopar.layout.cost import collective_seconds
 from autopar.layout.placement import Partial, Placement, Replicate, TensorSpec
 from autopar.tracer.meta_keys import MODULE_KEY, export_module_path
 
@@ -330,6 +332,8 @@ class Strategy:
     forward_compute_s / forward_comm_s: the forward parts (what recompute costs).
     output_bytes:      per-device bytes of the (local) output(s).
     input_bytes:       per-device bytes of each input slot under its spec.
+    grad_sync_bytes:   per input slot, bytes its partial gradient moves on the wire (the input's
+                       local bytes, widened to the reduce dtype; 0 when not partial).
     kernel:            custom local kernel name; None = the same ATen op on local shards.
     work_split_axes:   mesh axes over which the work is divided.
     is_fallback:       replicated because no rule exists (``allow_replicate_fallback=True``).
@@ -348,11 +352,29 @@ class Strategy:
     kernel: str | None = None
     work_split_axes: tuple[int, ...] = ()
     is_fallback: bool = False
+    grad_sync_bytes: tuple[int, ...] = ()
 
     @property
     def output_specs(self) -> tuple[TensorSpec | None, ...]:
         """The output spec(s) as a tuple, whatever the op's arity."""
         return self.output_spec if isinstance(self.output_spec, tuple) else (self.output_spec,)
+
+    def grad_sync_s(self, slot: int, mesh, kind: str = "all_reduce") -> float:
+        """Seconds to sum input ``slot``'s partial gradient over its ``grad_partial_axes`` with
+        collective ``kind`` (the op prices an all-reduce; ZeRO-2 reduce-scatters parameters')."""
+        axes = self.grad_partial_axes[slot]
+        return collective_seconds(kind, self.grad_sync_bytes[slot], mesh, axes) if axes else 0.0
+
+    def without_gradients(self, slots: Iterable[int], mesh) -> "Strategy":
+        """This strategy where input ``slots`` take no gradient (a value no trainable parameter
+        feeds): nothing to sum there, so neither its axes nor its all-reduce's cost remain."""
+        slots = [i for i in slots if self.grad_partial_axes[i]]
+        if not slots:
+            return self
+        saved = sum(self.grad_sync_s(i, mesh) for i in slots)
+        axes = tuple(() if i in slots else a for i, a in enumerate(self.grad_partial_axes))
+        wire = tuple(0 if i in slots else b for i, b in enumerate(self.grad_sync_bytes))
+        return dataclasses.replace(self, grad_partial_axes=axes, grad_sync_bytes=wire, comm_s=self.comm_s - saved)
 
 
 def strategy_name(input_specs: Sequence[TensorSpec | None], output_specs: Sequence[TensorSpec | None],

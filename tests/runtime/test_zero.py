@@ -3,20 +3,27 @@
 GPT-2 tiny and Llama tiny on meshes (2,), (4,) and (2, 2), stages 1 and 2, AdamW through
 ``model.optimizer``: the parameters after 5 steps equal single-device training; the optimizer
 state held per rank is the plan's (1/dp of stage 0's), ZeRO-2's gradient pieces are 1/dp of the
-parameters; a plain optimizer is refused under ZeRO-2 with a clear error.
+parameters; the collectives one training step issues are the plan's (``autopar inspect``'s
+communication rows); a plain optimizer is refused under ZeRO-2 with a clear error.
 """
 
 from __future__ import annotations
 
 import copy
 import math
+import os
+from collections import Counter
 
 import pytest
 import torch
 
 import autopar
 from autopar import zoo
+from autopar.api import plan_model
 from autopar.layout.placement import R, TensorSpec
+from autopar.planner.options import PlanOptions
+from autopar.report import build_report
+from autopar.runtime.counting import COLLECTIVE_KINDS, count_collectives
 from autopar.runtime.dtensors import local_of
 from autopar.runtime.launch import run_local
 
@@ -60,27 +67,78 @@ def _planned_state_bytes(pm) -> tuple[int, int]:
     return int(state), int(grads)
 
 
-def _body(rank, world, model, inputs, mesh, stages):
+def _planned_collectives(rows, mesh_shape) -> tuple[Counter, Counter]:
+    """(collectives, bytes) per kind that one step issues by the plan's communication rows, as
+    the runtime issues them: a collective over several mesh axes runs as one per axis (a
+    reduce-scatter's later rounds, an all-gather's earlier ones, move a 1/n-th as much per
+    axis already split); ZeRO's all-gathers after the step are one per mesh axis for all
+    parameters; local steps (split, to_partial) issue nothing."""
+    counts, nbytes = Counter(), Counter()
+    zero_axes = set()
+    for row in rows:
+        if row.kind not in COLLECTIVE_KINDS:
+            assert not row.kind.startswith("kernel:"), f"a kernel's collectives are not itemised: {row}"
+            continue
+        axes = [int(a.split("(")[0].removeprefix("ax")) for a in row.axes.split("+")]
+        split = [math.prod(mesh_shape[a] for a in axes[:k]) for k in range(len(axes))]
+        per_axis = sum(1 / s for s in split) if row.kind in ("reduce_scatter", "all_gather") else len(axes)
+        nbytes[row.kind] += row.payload_bytes * per_axis
+        if row.source == "zero" and row.kind == "all_gather":
+            zero_axes.update(axes)
+        else:
+            counts[row.kind] += row.count * len(axes)
+    counts["all_gather"] += len(zero_axes)
+    return +counts, +nbytes
+
+
+def _body(rank, world, model, inputs, plans):
+    # A bucket per gradient: the plan prices one all-reduce (or ZeRO-2 reduce-scatter) per
+    # partial gradient; default buckets would merge them (tests/runtime/test_bucketing.py).
+    os.environ["AUTOPAR_BUCKET_CAP_MB"] = "1e-6"
     out = []
-    for stage in stages:
-        pm = autopar.autoparallelize(copy.deepcopy(model), inputs, mesh=mesh, zero_stage=stage, init_weights=False)
+    for stage, plan in plans:
+        pm = autopar.autoparallelize(copy.deepcopy(model), inputs, plan=plan, init_weights=False)
         pm.load_full_state_dict(model.state_dict())
         if stage == 2:
             with pytest.raises(ValueError, match="ZeRO-2.*model.optimizer"):
                 pm(**inputs)  # no ZeRO optimizer yet: .grad would not be the gradient
         opt = pm.optimizer(torch.optim.AdamW, lr=1e-3, eps=EPS)
+        early = _reduce_scatters_before_backward_ends(pm)
         grad_bytes = 0
-        for _ in range(STEPS):
-            pm(**inputs).loss.backward()
-            opt.prepare_grads()
-            grad_bytes = sum(local_of(p.master.grad).numel() * 4 for p in opt.pieces if p.master.grad is not None)
-            opt.step()
-            opt.zero_grad()
+        for step in range(STEPS):
+            with count_collectives() as counts:
+                pm(**inputs).loss.backward()
+                opt.prepare_grads()
+                grad_bytes = sum(local_of(p.master.grad).numel() * 4 for p in opt.pieces if p.master.grad is not None)
+                opt.step()
+                opt.zero_grad()
+            if step == 1:
+                issued = (dict(counts), dict(counts.bytes))
         state = sum(local_of(v).numel() * v.element_size() for s in opt.state.values() for k, v in s.items()
                     if k != "step")
         out.append((stage, pm.full_state_dict(), state, grad_bytes, _planned_state_bytes(pm),
-                    len(opt.pieces), {n.zero_stage for n in pm.plan.nodes if n.kind == "parameter"}))
+                    len(opt.pieces), {n.zero_stage for n in pm.plan.nodes if n.kind == "parameter"}, issued,
+                    early))
     return out
+
+
+def _reduce_scatters_before_backward_ends(pm) -> list[tuple[int, int]]:
+    """Per backward pass: (ZeRO-2 reduce-scatters already issued when the end-of-backward
+    callback starts, all issued by its end)."""
+    from autopar.runtime.bucketing import GradBucketer
+
+    seen = []
+    for m in pm.modules():
+        if isinstance(m, GradBucketer):
+            finish = m._finish
+
+            def spy(task, m=m, finish=finish):
+                before = m.stats["reduce_scatters"]
+                finish(task)
+                seen.append((before, m.stats["reduce_scatters"]))
+
+            m._finish = spy
+    return seen
 
 
 @pytest.mark.parametrize("name", ["gpt2", "llama-1b"])
@@ -89,10 +147,22 @@ def test_zero_1_and_2_train_like_one_device(name):
     want = _reference(model, inputs)
     for mesh in MESHES:
         world = math.prod(mesh)
-        results = run_local(_body, world, model, inputs, mesh, (1, 2), timeout=300)
+        plans, planned = [], {}
+        for stage in (1, 2):
+            result = plan_model(model, inputs, mesh=mesh, options=PlanOptions(zero_stage=stage))
+            plans.append((stage, result.plan))
+            planned[stage] = _planned_collectives(build_report(result.plan, result).comm, mesh)
+        results = run_local(_body, world, model, inputs, plans, timeout=300)
         for rank_results in results:
-            for stage, full, state, grad_bytes, (plan_state, plan_grads), num_pieces, stages in rank_results:
+            for stage, full, state, grad_bytes, (plan_state, plan_grads), num_pieces, stages, issued, early in rank_results:
                 where = f"{name} {mesh} ZeRO-{stage}"
+                if stage == 2 and issued[0].get("reduce_scatter"):  # issued during backward, not at its end
+                    ends = [0] + [end for _, end in early]
+                    assert early and all(before > end for (before, _), end in zip(early, ends)), (where, early)
+                counts, nbytes = planned[stage]
+                assert issued[0] == counts, (where, issued[0], counts)
+                for kind, n in nbytes.items():  # uneven pieces are padded on the wire
+                    assert n <= issued[1][kind] <= 1.05 * n, (where, kind, issued[1][kind], n)
                 # (a parameter the plan shards on every axis has nothing to split: stage 0)
                 assert stage in stages and stages <= {0, stage} and num_pieces > 0, where
                 for k, v in full.items():
@@ -205,12 +275,13 @@ def _batched_body(rank, world):
             full = DTensor.from_local(same, mesh, placements, run_check=False, shape=p.param.shape,
                                       stride=p.param.stride())
             want.append(local_of(full.redistribute(mesh, p.master.placements)))
-        got = scatter_grads(items).wait()
-        results[partial_on] = all(torch.allclose(g, w) for g, w in zip(got, want))
+        for async_op in (False, True):
+            got = scatter_grads(items, async_op=async_op).wait()
+            results[partial_on, async_op] = all(torch.allclose(g, w) for g, w in zip(got, want))
     return ({k: torch.equal(gathered[k], expected[k]) for k in gathered}, results)
 
 
 def test_batched_gather_and_reduce_scatter_match_dtensor_on_uneven_nested_pieces():
     for gathered, scattered in run_local(_batched_body, 4, timeout=120):
         assert all(gathered.values()), gathered
-        assert scattered == {"all": True, "first": True}, scattered
+        assert all(scattered.values()) and len(scattered) == 4, scattered
