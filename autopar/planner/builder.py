@@ -47,6 +47,7 @@ from autopar.layout.conversion import plan_conversion
 from autopar.layout.cost import collective_seconds
 from autopar.layout.mesh import MeshSpec
 from autopar.layout.placement import R, Shard, TensorSpec, zero_split
+from autopar.planner.executed import ReaderChain, sync_key
 from autopar.planner.records import BuiltProblem, Choice, ChosenConversion, Decision, InputSlot
 from autopar.planner.segments import (node_vals, op_segments, saved_by, segment_inputs, storage_base,
                                       without_stateful_segments)
@@ -103,6 +104,7 @@ class _Builder:
         # Filled in graph order by ``build``:
         self.nodes: list[Node] = []
         self.decisions: dict[str, Decision] = {}
+        self.chain = ReaderChain(self.decisions)  # fed as ops are added, in graph order
         self.sources: dict[str, tuple[str, int]] = {}  # value -> (decision, output index)
         self.values: dict[str, tuple[InputSlot | None, ...]] = {}  # decision -> its tensor outputs
         self.edges: dict[tuple[str, str], np.ndarray] = {}  # (producer, consumer) -> seconds per option pair
@@ -203,12 +205,17 @@ class _Builder:
         global_bytes = _global_bytes(node, slots, activations)
         inputs = tuple(self._value_of(src) for src in slots)
         zero2 = self._zero2_slots(inputs)
+        # A value an earlier op reads too: its gradient sum is priced on the edge from that
+        # reader, where their layouts differ (``planner.executed.ReaderChain``).
+        shared = {slot: prev for slot, v in enumerate(inputs)
+                  if (prev := self.chain.previous(node.name, slot, v)) is not None}
         opts = []
         for s in strategies:
             act = _activation_bytes(node, s, slots, activations, global_bytes, parts) if live else 0
             # ZeRO-2 prices the gradient of a parameter it may shard as a reduce-scatter; the
             # all-reduce's extra is charged on the edge unless the parameter is ZeRO-2.
-            comm_s = s.comm_s - sum(zero2_extra_s(s, slot, self.mesh) for slot in zero2)
+            comm_s = (s.comm_s - sum(zero2_extra_s(s, slot, self.mesh) for slot in zero2)
+                      - sum(s.grad_sync_s(slot, self.mesh) for slot in shared))
             opts.append(StrategyOption(
                 _unique(s.name, opts), compute_s=s.compute_s, comm_s=comm_s, act_bytes=act,
                 forward_s=s.forward_compute_s + s.forward_comm_s))
@@ -217,6 +224,9 @@ class _Builder:
         self._add(decision, opts, live=live, block=block_of(path), signature=self._signature(node),
                   vals=node_vals(node), segment=self.segment_of_op[node.name])
         self._edges_into(decision)
+        for slot, (reader, reader_slot) in shared.items():
+            self._add_edge(reader, decision.name, self._shared_sync_edge(self.decisions[reader].choices, reader_slot,
+                                                                          decision.choices, slot))
 
     def _output(self, node: fx.Node) -> None:
         """The model returns full values: every tensor output is converted to replicated."""
@@ -307,9 +317,29 @@ class _Builder:
         for slot, value in enumerate(dst.inputs):
             if value is None:
                 continue
-            matrix = self._edge_matrix(self.decisions[value.producer].choices, value, dst.choices, slot)
-            key = (value.producer, dst.name)
-            self.edges[key] = self.edges[key] + matrix if key in self.edges else matrix
+            self._add_edge(value.producer, dst.name,
+                           self._edge_matrix(self.decisions[value.producer].choices, value, dst.choices, slot))
+
+    def _add_edge(self, src: str, dst: str, matrix: np.ndarray) -> None:
+        key = (src, dst)
+        self.edges[key] = self.edges[key] + matrix if key in self.edges else matrix
+
+    def _shared_sync_edge(self, src_choices: tuple[Choice, ...], src_slot: int, dst_choices: tuple[Choice, ...],
+                          slot: int) -> np.ndarray:
+        """The reader's gradient sum of input ``slot``, unless its previous reader (``src``,
+        reading the same value in ``src_slot``) sums the same layout over the same axes."""
+        key = ("sync", tuple(map(id, src_choices)), src_slot, tuple(map(id, dst_choices)), slot)
+        matrix = self._edge_cache.get(key)
+        if matrix is None:
+            matrix = np.zeros((len(src_choices), len(dst_choices)))
+            for j, dst in enumerate(dst_choices):
+                cost = dst.strategy.grad_sync_s(slot, self.mesh) if dst.strategy is not None else 0.0
+                if cost:
+                    mine = sync_key(dst, slot)
+                    for i, src in enumerate(src_choices):
+                        matrix[i, j] = 0.0 if src.strategy is not None and sync_key(src, src_slot) == mine else cost
+            self._edge_cache[key] = matrix
+        return matrix
 
     def _edge_matrix(self, src_choices: tuple[Choice, ...], value: InputSlot, dst_choices: tuple[Choice, ...],
                      slot: int) -> np.ndarray:

@@ -4,10 +4,10 @@ The emitted graph converts a value to a layout ONCE for all the consumers that r
 and sums a partial gradient ONCE per (value, layout, mesh axes): the consumers' gradients meet
 in autograd before the all-reduce (or, for a ZeRO-2 parameter read in its own layout, the
 reduce-scatter into its pieces). The ILP prices each consumer's conversion and gradient sum on
-its own -- its costs are per option and per edge -- so it counts a shared one once per consumer
-(an over-estimate, e.g. the three projections reading one normalised activation).
-``Plan.estimate`` (``planner.checkpointing.estimate``) and the inspect report count what runs:
-``shared_savings`` is the difference.
+its own -- its costs are per option and per edge -- so it counts a shared conversion once per
+consumer; a shared gradient sum it prices along each value's ``ReaderChain`` (exact when the
+readers agree). ``Plan.estimate`` (``planner.checkpointing.estimate``) and the inspect report
+count what runs: ``shared_savings`` is the difference.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from autopar.plans import NodeKind
 from autopar.planner.records import BuiltProblem, ChosenConversion, InputSlot
 from autopar.strategies import Strategy
 
-__all__ = ["GradSync", "grad_syncs", "unique_conversions", "shared_savings"]
+__all__ = ["GradSync", "ReaderChain", "grad_syncs", "sync_key", "unique_conversions", "shared_savings"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,29 +51,67 @@ def _zero2_layouts(built: BuiltProblem, choice: Mapping[str, str]) -> dict[str, 
     return out
 
 
-def grad_syncs(built: BuiltProblem, choice: Mapping[str, str]) -> tuple[list[GradSync], list[GradSync]]:
-    """(the gradient sums the runtime issues, the consumers' uses that share one of them)."""
+class ReaderChain:
+    """Each value's readers in graph order, for the ILP's pricing of shared gradient sums.
+
+    The ILP prices a reader's partial-gradient all-reduce on its option, except that a reader
+    whose value an earlier op already reads (its *previous reader*) is priced on the edge from
+    that reader instead, and only where their (layout, axes) differ: exact when the readers agree
+    (the three projections of one normalised activation sum one gradient), an over-estimate for
+    patterns such as X, Y, X. Call ``previous`` once per (consumer, slot), in graph order.
+
+    A value that is a parameter with a ZeRO-2 option is left out (its readers are priced
+    against the parameter's own choice: ``builder._zero2_edge``), and so is a second slot of the
+    same reader (``x * x``: priced per slot)."""
+
+    def __init__(self, decisions: Mapping[str, object]) -> None:
+        self.decisions = decisions
+        self._last: dict[tuple[str, int], tuple[str, int]] = {}
+
+    def previous(self, consumer: str, slot: int, value: InputSlot | None) -> tuple[str, int] | None:
+        if value is None or _zero2_capable(self.decisions[value.producer]):
+            return None
+        key = (value.producer, value.index)
+        prev = self._last.get(key)
+        if prev is not None and prev[0] == consumer:
+            return None
+        self._last[key] = (consumer, slot)
+        return prev
+
+
+def _zero2_capable(decision) -> bool:
+    return decision.kind == NodeKind.PARAMETER and any(c.zero_stage == 2 for c in decision.choices)
+
+
+def sync_key(choice, slot: int) -> tuple:
+    """What a gradient sum of input ``slot`` is shared by: the layout read and the axes."""
+    return str(choice.input_specs[slot]), tuple(choice.strategy.grad_partial_axes[slot])
+
+
+def grad_syncs(built: BuiltProblem, choice: Mapping[str, str]) -> tuple[list[GradSync], float]:
+    """(the gradient sums the runtime issues, the seconds the ILP prices beyond them)."""
     zero2 = _zero2_layouts(built, choice)
+    chain = ReaderChain(built.decisions)
     first: dict[tuple, GradSync] = {}
-    shared: list[GradSync] = []
+    priced = 0.0
     for name, d in built.decisions.items():
         if d.kind != NodeKind.OP:
             continue
         c = built.choice_of(name, choice[name])
         s = c.strategy
-        for slot, axes in enumerate(s.grad_partial_axes if s is not None else ()):
-            value = d.inputs[slot]
+        for slot, value in enumerate(d.inputs):
+            prev = chain.previous(name, slot, value)
+            axes = s.grad_partial_axes[slot] if s is not None else ()
             if not axes or value is None:
                 continue
             spec = c.input_specs[slot]
             kind = "reduce_scatter" if zero2.get(value.producer) == spec else "all_reduce"
             sync = GradSync(name, slot, value, spec, tuple(axes), s, kind)
-            key = (value.producer, value.index, str(spec), tuple(axes))
-            if key in first:
-                shared.append(sync)
-            else:
-                first[key] = sync
-    return list(first.values()), shared
+            if prev is None or sync_key(built.choice_of(prev[0], choice[prev[0]]), prev[1]) != sync_key(c, slot):
+                priced += sync.seconds(built.mesh)
+            first.setdefault((value.producer, value.index) + sync_key(c, slot), sync)
+    syncs = list(first.values())
+    return syncs, priced - sum(s.seconds(built.mesh) for s in syncs)
 
 
 def unique_conversions(built: BuiltProblem,
@@ -93,7 +131,6 @@ def unique_conversions(built: BuiltProblem,
 
 def shared_savings(built: BuiltProblem, choice: Mapping[str, str]) -> tuple[float, float]:
     """(in-op, resharding) seconds the ILP's per-consumer pricing counts beyond what runs."""
-    _, syncs = grad_syncs(built, choice)
+    _, extra = grad_syncs(built, choice)
     _, convs = unique_conversions(built, choice)
-    return (sum(s.seconds(built.mesh) for s in syncs),
-            sum(c.conversion.forward_s + c.conversion.backward_s for c in convs))
+    return extra, sum(c.conversion.forward_s + c.conversion.backward_s for c in convs)
