@@ -8,12 +8,15 @@ also solves data parallel, ZeRO-3, Megatron TP and DP x TP in the same cost mode
 meshes and budgets) take a :class:`PlanOptions` and return a :class:`PlanResult`: the plan and
 the intermediate traced graph, profile, built problem and recompute plan (for reports).
 
-``autoparallelize`` is called on EVERY rank after ``torch.distributed.init_process_group``. How
-ranks agree on the plan: rank 0 solves and broadcasts the plan's JSON (``broadcast_object_list``);
-a solver failure on rank 0 is broadcast too, so every rank raises the same error instead of
-hanging. Every rank traces the model itself (tracing is deterministic; the plan's graph hash is
-checked against each rank's own trace), and ``autopar.runtime.build.build_module`` emits the
-module from the plan.
+``autoparallelize`` is called on EVERY rank after ``torch.distributed.init_process_group``.
+Ranks agree or all fail, never leaving one rank alone in a collective: every rank checks its
+arguments, loads the plan file if any and traces the model itself, then one
+``all_gather_object`` compares what can differ between ranks (graph hash with the input shapes,
+mesh, world size, versions, plan content, per-rank options) and any error so far; a difference
+or an error raises the same ``ValueError`` on every rank. Then rank 0 solves from its trace and
+broadcasts the plan's JSON (``broadcast_object_list``), or its error, which every rank raises.
+``autopar.runtime.build.build_module`` emits the module from the plan on every rank, and a
+second small gather makes a build failure on one rank fail every rank.
 
 Torch is imported inside the functions only, so ``import autopar`` stays cheap.
 """
@@ -225,66 +228,239 @@ def autoparallelize(
     (and gradients) over each parameter's replicated axes -- or ``"auto"`` (the solver picks per
     parameter); build the optimizer with
     ``model.optimizer(torch.optim.AdamW, lr=...)`` (``autopar.runtime.zero``).
+
+    Ranks agree or all fail: before anyone plans, the ranks compare (one ``all_gather_object``)
+    their traced graph, input shapes, mesh, world size, versions, plan file and per-rank options,
+    and an error on any rank up to then; after building, whether every rank built. Any
+    difference or failure raises the same ``ValueError`` on every rank. ``memory_budget``,
+    ``solver``, ``time_limit``, ``checkpoint`` and ``allow_replicate_fallback`` are rank 0's.
     """
     import torch.distributed as dist
 
-    from autopar.runtime.build import build_module, check_plan, mesh_preset, runtime_device
-    from autopar.strategies import needs_decomposition
-    from autopar.tracer import trace
+    from autopar.runtime.build import build_module, check_plan, runtime_device
 
     if not dist.is_initialized():
         raise ValueError("autoparallelize needs torch.distributed.init_process_group() first")
-    world = dist.get_world_size()
     dev = runtime_device(device)
-    preset = mesh_preset(dev)
+    progress = Progress()
+    try:
+        prep: _Prepared | Exception = _prepare(
+            model, meta_inputs, mesh=mesh, plan=plan, device=dev, progress=progress,
+            options={"memory_budget": memory_budget, "solver": solver, "checkpoint": checkpoint,
+                     "allow_replicate_fallback": allow_replicate_fallback, "precision": precision,
+                     "reduce_dtype": reduce_dtype, "zero_stage": zero_stage,
+                     **({} if time_limit is None else {"time_limit": time_limit})},
+            per_rank={"seed": seed, "init_weights": init_weights, "local_inputs": local_inputs})
+    except Exception as exc:  # noqa: BLE001 -- every rank learns of it in _agree
+        prep = exc
+    _agree(prep, device=dev)
+    assert isinstance(prep, _Prepared)  # _agree raised otherwise
+    chosen = prep.plan if prep.plan is not None else _solve_on_rank0(
+        prep.traced, mesh=prep.spec, options=prep.options, progress=progress, device=dev)
+    # Every rank has the same trace, mesh and plan now, so this check fails everywhere or nowhere.
+    check_plan(chosen, graph_hash=prep.traced.graph_hash, world_size=dist.get_world_size(), mesh=prep.spec)
+    try:
+        built: AutoParallelModule | Exception = build_module(
+            model, prep.traced, chosen, device=dev, seed=seed, init_weights=init_weights, local_inputs=local_inputs)
+    except Exception as exc:  # noqa: BLE001 -- every rank learns of it below
+        built = exc
+    _raise_failures(_all_gather(_status(built), device=dev), built, when="while building the module")
+    assert not isinstance(built, Exception)
+    return built
+
+
+@dataclass(frozen=True, slots=True)
+class _Prepared:
+    """One rank's inputs to planning and building, and what it must share with every other rank."""
+
+    traced: TracedGraph  # this rank's own trace
+    spec: MeshSpec | None  # the mesh asked for (None: the plan's)
+    options: PlanOptions | None  # rank 0 plans with these (None: a plan was given)
+    plan: Plan | None  # the given plan
+    fingerprint: tuple[tuple[str, str, str], ...]  # (what, compared key, shown) per check
+
+
+def _prepare(model, meta_inputs, *, mesh, plan, device, progress: Progress, options: dict,
+             per_rank: dict) -> _Prepared:
+    """Everything a rank does alone before the ranks compare: check the arguments, load the plan,
+    trace. Raises on bad input (``autoparallelize`` hands the error to ``_agree``)."""
+    import torch.distributed as dist
+
+    from autopar.runtime.build import mesh_preset
+    from autopar.strategies import needs_decomposition
+    from autopar.tracer import trace
+
+    world = dist.get_world_size()
+    preset = mesh_preset(device)
     spec = None if mesh is None else MeshSpec.coerce(mesh, preset=preset)
     if spec is not None and spec.num_devices != world:
         raise ValueError(f"mesh {spec.shape} has {spec.num_devices} devices but the process group has {world} ranks")
+    asked = {k: options[k] for k in ("precision", "reduce_dtype", "zero_stage")}
+    plan_options, source = None, "solved by rank 0"
     if plan is None:
-        # Every rank checks the options (the same error everywhere, before any collective).
-        options = PlanOptions(memory_budget=memory_budget, solver=solver, preset=preset,
-                              allow_replicate_fallback=allow_replicate_fallback, checkpoint=checkpoint,
-                              precision=precision or "fp32", reduce_dtype=reduce_dtype or "fp32",
-                              zero_stage=0 if zero_stage is None else zero_stage,
-                              **({} if time_limit is None else {"time_limit": time_limit}))
+        plan_options = PlanOptions(**{**options, "precision": options["precision"] or "fp32",
+                                      "reduce_dtype": options["reduce_dtype"] or "fp32",
+                                      "zero_stage": 0 if options["zero_stage"] is None else options["zero_stage"]},
+                                   preset=preset)
         spec = spec or MeshSpec.coerce((world,), preset=preset)
-        plan, traced = _solve_on_rank0(model, meta_inputs, mesh=spec, options=options)
     else:
+        source = "a Plan object" if isinstance(plan, Plan) else os.fspath(plan)
         plan = plan if isinstance(plan, Plan) else Plan.load(os.fspath(plan))
-        for what, asked, planned in (("precision", precision, plan.precision),
-                                     ("reduce_dtype", reduce_dtype, plan.reduce_dtype)):
-            if asked is not None and precision_name(asked, what=what) != planned:
-                raise ValueError(f"{what}={asked!r} but the plan was made for {planned}; "
-                                 f"plan again or leave {what} out")
-        planned_zero = max((n.zero_stage for n in plan.nodes), default=0)
-        if zero_stage not in (None, "auto") and zero_stage != planned_zero:
-            raise ValueError(f"zero_stage={zero_stage!r} but the plan was made with ZeRO stage {planned_zero}; "
-                             f"plan again or leave zero_stage out")
-        traced = None
-    traced = traced or trace(model, meta_inputs, decompose_if=needs_decomposition, precision=plan.precision)
-    check_plan(plan, graph_hash=traced.graph_hash, world_size=world, mesh=spec)
-    return build_module(model, traced, plan, device=dev, seed=seed, init_weights=init_weights,
-                        local_inputs=local_inputs)
+        _check_plan_options(plan, **asked)
+    with progress.stage("trace"):
+        traced = trace(model, meta_inputs, decompose_if=needs_decomposition,
+                       precision=plan.precision if plan_options is None else plan_options.precision)
+    fingerprint = _fingerprint(traced, meta_inputs, world=world, spec=spec, plan=plan, source=source,
+                               device=device, options={**asked, **per_rank})
+    return _Prepared(traced, spec, plan_options, plan, fingerprint)
 
 
-def _solve_on_rank0(model, meta_inputs, *, mesh: MeshSpec, options: PlanOptions):
-    """Rank 0 solves; every rank gets the plan (or rank 0's error) by broadcast. Also returns
-    rank 0's trace (None elsewhere)."""
+def _check_plan_options(plan: Plan, *, precision, reduce_dtype, zero_stage) -> None:
+    for what, asked, planned in (("precision", precision, plan.precision),
+                                 ("reduce_dtype", reduce_dtype, plan.reduce_dtype)):
+        if asked is not None and precision_name(asked, what=what) != planned:
+            raise ValueError(f"{what}={asked!r} but the plan was made for {planned}; "
+                             f"plan again or leave {what} out")
+    planned_zero = max((n.zero_stage for n in plan.nodes), default=0)
+    if zero_stage not in (None, "auto") and zero_stage != planned_zero:
+        raise ValueError(f"zero_stage={zero_stage!r} but the plan was made with ZeRO stage {planned_zero}; "
+                         f"plan again or leave zero_stage out")
+
+
+def _fingerprint(traced, meta_inputs, *, world: int, spec: MeshSpec | None, plan: Plan | None, source: str,
+                 device, options: dict) -> tuple[tuple[str, str, str], ...]:
+    """What every rank must agree on: (what, key compared across ranks, what the error shows)."""
+    import hashlib
+
+    import torch
+
+    from autopar import __version__
+    from autopar.plans import PLAN_VERSION
+
+    versions = f"autopar {__version__} (plan format {PLAN_VERSION}), torch {torch.__version__}"
+    graph = traced.graph_hash
+    mesh = "the plan's" if spec is None else f"{spec.shape} axes {spec.axis_names}"
+    if plan is None:
+        plan_key = plan_shown = source
+    else:
+        plan_key = hashlib.sha256(plan.to_json().encode()).hexdigest()[:16]
+        plan_shown = (f"{source} (content {plan_key}, for graph {plan.graph_hash} on mesh {plan.mesh.shape})")
+    opts = tuple((f"option {k}", repr(v), f"{k}={v!r}") for k, v in {**options, "device": device.type}.items())
+    return (("autopar version", versions, versions),
+            ("world size", str(world), str(world)),
+            ("traced graph (model or input shapes)", graph,
+             f"hash {graph} ({traced.model_name}; {_describe_inputs(meta_inputs)})"),
+            ("mesh", mesh, mesh),
+            ("plan", plan_key, plan_shown),
+            *opts)
+
+
+def _describe_inputs(meta_inputs) -> str:
+    """``input_ids (8, 64), labels (8, 64)``: the shapes users get wrong across ranks."""
+    import torch
+    from torch.utils import _pytree as pytree
+
+    leaves, _ = pytree.tree_flatten_with_path(meta_inputs)
+    parts = []
+    for path, leaf in leaves:
+        name = ".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+        parts.append(f"{name} {tuple(leaf.shape)}" if isinstance(leaf, torch.Tensor) else f"{name}={leaf!r:.40}")
+    return ", ".join(parts) or "no inputs"
+
+
+def _agree(prep: _Prepared | Exception, *, device) -> None:
+    """One ``all_gather_object`` of every rank's fingerprint (or error); the same ``ValueError``
+    on every rank when any rank failed or the ranks differ."""
+    gathered = _all_gather(_status(prep) if isinstance(prep, Exception) else ("ok", prep.fingerprint), device=device)
+    _raise_failures(gathered, prep, when="before planning")
+    fingerprints = [fp for _, fp in gathered]
+    differences = []
+    for i, (what, _, _) in enumerate(fingerprints[0]):
+        by_key: dict[str, tuple[str, list[int]]] = {}
+        for rank, fp in enumerate(fingerprints):
+            by_key.setdefault(fp[i][1], (fp[i][2], []))[1].append(rank)
+        if len(by_key) > 1:
+            differences.append(f"{what}: " + "; ".join(f"{_ranks(rs)} {shown}" for shown, rs in by_key.values()))
+    if differences:
+        raise ValueError("ranks disagree on the " + "; and on the ".join(differences) +
+                         ". Every rank must call autoparallelize with the same model, input shapes, mesh, "
+                         "plan and options")
+
+
+def _status(outcome: Any) -> tuple[str, Any]:
+    return ("error", f"{type(outcome).__name__}: {outcome}") if isinstance(outcome, Exception) else ("ok", None)
+
+
+def _raise_failures(gathered: list[tuple[str, Any]], local: Any, *, when: str) -> None:
+    """Raise the same error on every rank when any rank's status is an error: the error itself
+    when every rank had the same one, else a ``ValueError`` naming the failing ranks."""
+    failed: dict[str, list[int]] = {}
+    for rank, (status, text) in enumerate(gathered):
+        if status == "error":
+            failed.setdefault(text, []).append(rank)
+    if not failed:
+        return
+    if isinstance(local, Exception) and len(failed) == 1 and len(next(iter(failed.values()))) == len(gathered):
+        raise local
+    detail = "; ".join(f"{_ranks(rs)}: {text}" for text, rs in failed.items())
+    error = ValueError(f"autoparallelize failed {when} on {sum(map(len, failed.values()))} of {len(gathered)} "
+                       f"ranks, so every rank stops here: {detail}")
+    raise error from (local if isinstance(local, Exception) else None)
+
+
+def _ranks(ranks: list[int]) -> str:
+    """``rank 3`` or ``ranks 0-2, 5``."""
+    runs: list[list[int]] = []
+    for r in ranks:
+        if runs and r == runs[-1][1] + 1:
+            runs[-1][1] = r
+        else:
+            runs.append([r, r])
+    text = ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+    return f"rank {text}" if len(ranks) == 1 else f"ranks {text}"
+
+
+def _all_gather(obj: Any, *, device) -> list[Any]:
+    """``all_gather_object`` on the default group; NCCL sends through this rank's device."""
+    import torch
     import torch.distributed as dist
 
-    traced, error = None, None
+    out: list[Any] = [None] * dist.get_world_size()
+    if device.type == "cuda" and dist.get_backend() == "nccl":
+        with torch.cuda.device(device):
+            dist.all_gather_object(out, obj)
+    else:
+        dist.all_gather_object(out, obj)
+    return out
+
+
+def _solve_on_rank0(traced: TracedGraph, *, mesh: MeshSpec, options: PlanOptions, progress: Progress,
+                    device) -> Plan:
+    """Rank 0 solves from its trace (the same as every rank's: ``_agree`` compared them); every
+    rank gets the plan, or rank 0's error as the same message, by broadcast."""
+    import torch.distributed as dist
+
+    from autopar.tracer import profile as profile_graph
+
+    error = None
     payload: list[Any] = [None]
     if dist.get_rank() == 0:
         try:
-            result = plan_model(model, meta_inputs, mesh=mesh, options=options)
+            with progress.stage("profile"):
+                prof = profile_graph(traced)
+            result = plan_traced(traced, prof, mesh=mesh, options=options, progress=progress)
             payload[0] = ("ok", result.plan.to_json())
-            traced = result.traced
         except Exception as exc:  # noqa: BLE001 -- re-raised on every rank below
-            payload[0], error = ("error", f"{type(exc).__name__}: {exc}"), exc
-    dist.broadcast_object_list(payload, src=0)
+            payload[0], error = (type(exc).__name__, str(exc)), exc
+    if device.type == "cuda" and dist.get_backend() == "nccl":
+        dist.broadcast_object_list(payload, src=0, device=device)
+    else:
+        dist.broadcast_object_list(payload, src=0)
     status, text = payload[0]
     if error is not None:
         raise error
+    if status == "ValueError":  # bad input (e.g. no plan fits the budget): the same error everywhere
+        raise ValueError(text)
     if status != "ok":
-        raise ValueError(f"planning failed on rank 0: {text}")
-    return Plan.from_json(text), traced
+        raise ValueError(f"planning failed on rank 0: {status}: {text}")
+    return Plan.from_json(text)
