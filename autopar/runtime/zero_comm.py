@@ -29,10 +29,6 @@ from autopar.runtime.dtensors import local_of
 
 __all__ = ["ScatterWork", "chunk_sizes", "gather_pieces", "scatter_grads"]
 
-# torch 2.13 names them *_single and deprecates the *_tensor spellings.
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
 
 def chunk_sizes(n: int, k: int) -> list[int]:
     """``torch.chunk``'s sizes of ``n`` rows over ``k`` devices (trailing chunks may be empty)."""
@@ -91,7 +87,7 @@ def _gather_round(pieces: list, axis: int, levels: dict, blocks: dict) -> None:
         send[offset:offset + block.numel()].copy_(block)
     recv = send.new_empty(k * total)
     record("all_gather", recv.numel() * recv.element_size())
-    _all_gather(recv, send, group=mesh.get_group(axis))
+    dist.all_gather_single(recv, send, group=mesh.get_group(axis))
     recv = recv.view(k, total)
     for p, sizes, rest, offset, seg in plan:
         width = math.prod(rest)
@@ -156,7 +152,7 @@ class ScatterWork:
                 start += sizes[c]
         recv = send.new_empty(total)
         record("reduce_scatter", send.numel() * send.element_size())
-        work = _reduce_scatter(recv, send.view(-1), group=mesh.get_group(axis), async_op=async_op)
+        work = dist.reduce_scatter_single(recv, send.view(-1), group=mesh.get_group(axis), async_op=async_op)
 
         def finish() -> None:
             for i, sizes, coord, rest, offset in plan:
