@@ -146,7 +146,9 @@ class Booster:
         safetensors (``model-00001-of-0000N.safetensors`` of at most ``size_per_shard`` MiB each
         and ``model.safetensors.index.json``), one ``model.safetensors`` with ``shard=False``,
         ``pytorch_model*.bin`` with ``use_safetensors=False``; and the model's HF config when it
-        has one, so ``from_pretrained(path)`` loads it. Tied weights are written once."""
+        has one, so ``from_pretrained(path)`` loads it. Tied weights are written once. The
+        tensors are gathered one shard file at a time, so no rank holds more than
+        ``size_per_shard`` MiB of full tensors (``shard=False``: the whole model, on every rank)."""
         origin = self._origin(model)
         checkpoint_io.save_model(model, path, config=origin.config, shard=shard, size_per_shard=size_per_shard,
                                  use_safetensors=use_safetensors, architectures=[origin.class_name])

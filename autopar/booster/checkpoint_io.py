@@ -73,60 +73,56 @@ def _shard_name(single: str, index: int, total: int) -> str:
     return f"{stem}-{index:05d}-of-{total:05d}.{ext}"
 
 
-def shard_groups(state_dict: dict[str, torch.Tensor], max_bytes: int) -> list[dict[str, torch.Tensor]]:
-    """Consecutive groups of at most ``max_bytes`` each, in order (a tensor larger than that is
-    a group of its own, as in Hugging Face's sharding)."""
-    groups: list[dict[str, torch.Tensor]] = [{}]
+def shard_groups(sizes: list[int], max_bytes: int) -> list[list[int]]:
+    """Consecutive groups of indices into ``sizes`` (bytes) of at most ``max_bytes`` each, in
+    order (a tensor larger than that is a group of its own, as in Hugging Face's sharding)."""
+    groups: list[list[int]] = [[]]
     size = 0
-    for name, tensor in state_dict.items():
-        nbytes = tensor.numel() * tensor.element_size()
+    for i, nbytes in enumerate(sizes):
         if groups[-1] and size + nbytes > max_bytes:
-            groups.append({})
+            groups.append([])
             size = 0
-        groups[-1][name] = tensor
+        groups[-1].append(i)
         size += nbytes
     return groups
-
-
-def _unique_tensors(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Each tensor once, under its first name (``full_state_dict`` gives tied aliases the same
-    tensor object); contiguous, as safetensors wants."""
-    seen: set[int] = set()
-    out = {}
-    for name, tensor in state_dict.items():
-        if id(tensor) not in seen:
-            seen.add(id(tensor))
-            out[name] = tensor.detach().contiguous()
-    return out
 
 
 def save_model(module: AutoParallelModule, path: str | os.PathLike, *, config: Any = None, shard: bool = True,
                size_per_shard: float = 1024, use_safetensors: bool = True,
                architectures: list[str] | None = None) -> None:
-    """See ``Booster.save_model``. ``config``: the original model's HF config (or None)."""
+    """See ``Booster.save_model``. ``config``: the original model's HF config (or None).
+
+    Streams: the tensors of one shard file are gathered (a collective per tensor, every rank),
+    rank 0 writes the file, and they are dropped before the next file's, so no rank ever holds
+    more than one file's worth of full tensors (a model larger than a host's memory saves)."""
     if not isinstance(size_per_shard, (int, float)) or isinstance(size_per_shard, bool) \
             or not 0 < size_per_shard < math.inf:
         raise ValueError(f"size_per_shard must be a positive number of MiB, got {size_per_shard!r}")
     for name, value in (("shard", shard), ("use_safetensors", use_safetensors)):
         if not isinstance(value, bool):
             raise ValueError(f"{name} must be a bool, got {value!r}")
-    state = _unique_tensors(module.full_state_dict())  # a collective: every rank gathers
     path = os.fspath(path)
+    entries = module.full_state_entries()  # each tensor once, under its first name (tied weights)
+    sizes = [math.prod(shape) * dtype.itemsize for _, shape, dtype in entries]
+    groups = shard_groups(sizes, int(size_per_shard * 2**20)) if shard else [list(range(len(entries)))]
+    single = SAFE_SINGLE if use_safetensors else BIN_SINGLE
+    files = [single] if len(groups) == 1 else [_shard_name(single, i + 1, len(groups)) for i in range(len(groups))]
+    writer = _Rank0Writer()
+    writer.run(lambda: _start(path, files))
+    items = module.full_state_items()
+    for group, file in zip(groups, files):
+        tensors = {}
+        for _ in group:
+            names, value = next(items)  # every rank gathers; only rank 0 keeps
+            if writer.writing:
+                tensors[names[0]] = value.contiguous()
+        writer.run(lambda: _write(tensors, os.path.join(path, file), use_safetensors))
+        del tensors
 
-    def write() -> None:
-        os.makedirs(path, exist_ok=True)
-        single = SAFE_SINGLE if use_safetensors else BIN_SINGLE
-        groups = shard_groups(state, int(size_per_shard * 2**20)) if shard else [state]
-        files = [single] if len(groups) == 1 else [_shard_name(single, i + 1, len(groups))
-                                                    for i in range(len(groups))]
-        for stale in os.listdir(path):  # a previous save's files that this one does not overwrite
-            if _STALE.fullmatch(stale) and stale not in files:
-                os.remove(os.path.join(path, stale))
-        for group, file in zip(groups, files):
-            _write(group, os.path.join(path, file), use_safetensors)
+    def finish() -> None:
         if len(groups) > 1:
-            index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in state.values())},
-                     "weight_map": {name: file for group, file in zip(groups, files) for name in group}}
+            index = {"metadata": {"total_size": sum(sizes)},
+                     "weight_map": {entries[i][0][0]: file for group, file in zip(groups, files) for i in group}}
             with open(os.path.join(path, SAFE_INDEX if use_safetensors else BIN_INDEX), "w") as f:
                 json.dump(index, f, indent=2, sort_keys=True)
         if config is not None:
@@ -136,7 +132,42 @@ def save_model(module: AutoParallelModule, path: str | os.PathLike, *, config: A
                 hf_config.architectures = list(architectures)
             hf_config.save_pretrained(path)
 
-    _on_rank0(write)  # the files exist for every rank once save_model returns
+    writer.run(finish)
+    writer.done()  # the files exist for every rank once save_model returns
+
+
+def _start(path: str, files: list[str]) -> None:
+    os.makedirs(path, exist_ok=True)
+    for stale in os.listdir(path):  # a previous save's files that this one does not overwrite
+        if _STALE.fullmatch(stale) and stale not in files:
+            os.remove(os.path.join(path, stale))
+
+
+class _Rank0Writer:
+    """Rank 0's file writes between collectives: after a failed write rank 0 stops writing but
+    keeps taking part in the gathers, and ``done`` raises the error on every rank (a failure
+    cannot leave the other ranks waiting in a collective)."""
+
+    def __init__(self) -> None:
+        self.error: BaseException | None = None
+
+    @property
+    def writing(self) -> bool:
+        return _rank() == 0 and self.error is None
+
+    def run(self, write: Callable[[], None]) -> None:
+        if self.writing:
+            try:
+                write()
+            except Exception as exc:  # noqa: BLE001 -- raised on every rank by done()
+                self.error = exc
+
+    def done(self) -> None:
+        def check() -> None:
+            if self.error is not None:
+                raise self.error
+
+        _on_rank0(check)
 
 
 def _write(tensors: dict[str, torch.Tensor], file: str, use_safetensors: bool) -> None:

@@ -30,7 +30,7 @@ returning the norm as a plain tensor (kept for code written against earlier vers
 from __future__ import annotations
 
 import inspect
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 import torch
 import torch.fx as fx
@@ -173,11 +173,32 @@ class AutoParallelModule(nn.Module):
     @torch.no_grad()
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         full: dict[str, torch.Tensor] = {}
-        for name, ph, local in self._tensors():
-            value = _snapshot(local.detach(), self._specs[name], self.pmesh)
-            for alias in ph.aliases:
+        for names, value in self.full_state_items():
+            for alias in names:
                 full[alias] = value
         return {k: full[k] for k in self._state_keys if k in full}
+
+    def full_state_entries(self) -> list[tuple[tuple[str, ...], torch.Size, torch.dtype]]:
+        """(state-dict names, full shape, dtype) of each parameter and buffer, in state-dict
+        order of its first name (tied weights: one entry, several names). No collective."""
+        return [(names, ph.shape, local.dtype) for _, names, ph, local in self._state_order()]
+
+    def full_state_items(self) -> Iterator[tuple[tuple[str, ...], torch.Tensor]]:
+        """Each parameter and buffer gathered whole, one at a time, in ``full_state_entries``
+        order: (its state-dict names, a full tensor the caller owns). Every rank must consume
+        all of it (one collective per tensor); only one full tensor needs to be held at a time,
+        so a checkpoint writer streams a model larger than one device's memory."""
+        for name, names, _, local in self._state_order():
+            yield names, _snapshot(local.detach(), self._specs[name], self.pmesh)
+
+    def _state_order(self) -> list[tuple[str, tuple[str, ...], Any, torch.Tensor]]:
+        pos = {k: i for i, k in enumerate(self._state_keys)}
+        out = []
+        for name, ph, local in self._tensors():
+            names = tuple(sorted((a for a in ph.aliases if a in pos), key=pos.__getitem__))
+            if names:
+                out.append((name, names, ph, local))
+        return sorted(out, key=lambda item: pos[item[1][0]])
 
     @torch.no_grad()
     def load_full_state_dict(self, state_dict: dict[str, torch.Tensor], *, strict: bool = True) -> None:
