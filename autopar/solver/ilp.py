@@ -33,13 +33,23 @@ Backends through pulp: ``"highs"`` (``pulp.HiGHS``, the highspy API) and ``"cbc"
 ``PULP_CBC_CMD`` runs); ``"auto"`` prefers HiGHS. pulp reports ``Optimal`` when CBC stops at
 its time limit with a plan, so the status comes from ``sol_status``: ``optimal`` (proved, to
 ``MIP_REL_GAP``), ``feasible`` (time limit, plan found), ``infeasible`` or ``no_solution``
-(``Outcome``). Solving a problem end to end (simplify, build, solve, check, errors) is
+(``Outcome``).
+
+Watchdog: every backend run happens in a forked child with a hard deadline (``IlpModel.run``,
+``autopar.solver.watchdog``), since HiGHS runs in-process and has been seen to ignore its time
+limit. A HiGHS run that overruns keeps its best streamed solution; one with none, or one that
+crashes or fails, is retried once with CBC within ``HARD_FACTOR`` x the time limit.
+
+Solving a problem end to end (simplify, build, solve, check, errors) is
 ``autopar.solver.pipeline``. No torch import.
 """
 
 from __future__ import annotations
 
 import bisect
+import dataclasses
+import functools
+import logging
 import os
 import shutil
 import time
@@ -49,14 +59,23 @@ import numpy as np
 import pulp
 
 from autopar.solver.simplify import Reduced, peak_candidates
+from autopar.solver.watchdog import run_in_child
 
 __all__ = ["IlpModel", "Outcome", "Terms", "affine", "undominated_rows", "available_backends", "pick_backend",
-           "MIP_REL_GAP", "MEM_UNIT"]
+           "MIP_REL_GAP", "MEM_UNIT", "HARD_FACTOR", "CHILD_SOLVERS"]
+
+log = logging.getLogger(__name__)
 
 MIP_REL_GAP = 1e-4  # "optimal" means proved within this relative gap
 # HiGHS 1.15.1's presolve "aggregator" rule (bit 12) loops forever, ignoring time_limit, on
 # some of our small models (marginal equalities + the parameter-bytes row); switch it off.
 _HIGHS_OPTIONS = {"presolve_rule_off": 1 << 12}
+# The watchdog (``IlpModel.run``): a run returns by HARD_FACTOR x its time limit whatever the
+# backend does. HiGHS overrunning its limit is killed _GRACE of that slack after the limit (it
+# normally stops within milliseconds of it); CBC, the fallback, gets the rest.
+HARD_FACTOR = 1.1
+_GRACE = 0.3
+_CBC_MARGIN = 0.3  # CBC is told this share of its time (at most 1 s) less: see _solve_cbc
 _DENSE_MEMORY_LIMIT = 4_000_000  # candidates x option slots up to which memory rows are written out
 # Memory rows count MiB, not bytes, so their coefficients stay near 1 for the solvers' tolerances
 # (a power of two: the scaling itself is exact in floating point).
@@ -106,6 +125,8 @@ class Outcome:
     value: float | None  # objective value, its constant included
     dual_bound: float | None
     seconds: float
+    backend: str = ""  # the backend whose answer this is (cbc after a HiGHS fallback)
+    note: str = ""  # what the watchdog did: a backend stopped, failed or replaced; "" when nothing
 
 
 def affine(terms, const: float = 0.0) -> pulp.LpAffineExpression:
@@ -129,6 +150,57 @@ def undominated_rows(coef: np.ndarray, const: np.ndarray) -> list[int]:
             continue
         kept.append(int(k))
     return sorted(kept)
+
+
+class _DeadlineHighs(pulp.HiGHS):
+    """pulp's HiGHS told the time left when its search starts (building the highspy model from
+    pulp's counts against the deadline too)."""
+
+    def __init__(self, *, deadline: float, **kwargs):
+        super().__init__(**kwargs)
+        self.deadline = deadline
+
+    def callSolver(self, lp):
+        lp.solverModel.setOptionValue("time_limit", max(self.deadline - time.monotonic(), 1e-3))
+        super().callSolver(lp)
+
+
+def _values(prob: pulp.LpProblem) -> np.ndarray:
+    return np.array([np.nan if v.varValue is None else v.varValue for v in prob.variables()], dtype=float)
+
+
+def _solve_highs(prob: pulp.LpProblem, report, *, relax: bool, msg: bool, gap: float, deadline: float):
+    """In the watchdog's child: solve with HiGHS, reporting each improving solution as
+    ``(objective without constant, column values, dual bound)``; returns
+    ``(status, sol_status, column values, dual bound or None)``."""
+
+    def improving(_kind, _message, out, _data_in, _user):
+        report((float(out.objective_function_value), np.array(out.mip_solution, dtype=float),
+                float(out.mip_dual_bound)))
+
+    import highspy  # available wherever the "highs" backend is
+
+    callbacks = {} if relax else {"callbackTuple": (improving, None), "callbacksToActivate": [
+        highspy.cb.HighsCallbackType.kCallbackMipImprovingSolution]}
+    prob.solve(_DeadlineHighs(deadline=deadline, mip=not relax, msg=msg, gapRel=gap, **callbacks, **_HIGHS_OPTIONS))
+    bound = None if relax else float(prob.solverModel.getInfo().mip_dual_bound)
+    return prob.status, prob.sol_status, _values(prob), bound
+
+
+def _solve_cbc(prob: pulp.LpProblem, report, *, relax: bool, msg: bool, gap: float, deadline: float):
+    """In the watchdog's child: solve with CBC (a subprocess of this child); as ``_solve_highs``
+    without progress reports (CBC's binary has no callbacks) or bound. CBC checks its (wall-clock)
+    limit only between phases and overruns it by up to a few tenths of a second (its root node's
+    cuts; more under load), and a killed CBC leaves no plan, so it is told to stop earlier."""
+    del report
+    left = deadline - time.monotonic()
+    limit = max(left - min(_CBC_MARGIN * left, 1.0), 1e-2)
+    prob.solve(pulp.COIN_CMD(path=_cbc_path(), mip=not relax, msg=msg, timeLimit=limit, gapRel=gap, timeMode="elapsed"))
+    return prob.status, prob.sol_status, _values(prob), None
+
+
+# What the watchdog's child runs per backend (tests put hanging backends here).
+CHILD_SOLVERS = {"highs": _solve_highs, "cbc": _solve_cbc}
 
 
 class IlpModel:
@@ -296,34 +368,83 @@ class IlpModel:
 
     # --------------------------------------------------------------------------- solving
     def run(self, backend: str, *, time_limit: float, relax: bool = False, msg: bool = False,
-            gap: float = MIP_REL_GAP) -> Outcome:
-        if backend == "highs":
-            solver = pulp.HiGHS(mip=not relax, msg=msg, timeLimit=time_limit, gapRel=gap, **_HIGHS_OPTIONS)
-        else:
-            solver = pulp.COIN_CMD(path=_cbc_path(), mip=not relax, msg=msg, timeLimit=time_limit, gapRel=gap)
-        t0 = time.perf_counter()
+            gap: float = MIP_REL_GAP, hard_limit: float | None = None) -> Outcome:
+        """Solve with ``backend``, told to stop after ``time_limit`` seconds, and return within
+        ``hard_limit`` seconds (default ``HARD_FACTOR * time_limit``) whatever the backend does.
+
+        The backend runs in a forked child (``autopar.solver.watchdog``). HiGHS that overruns its
+        limit is killed a grace period after it. If it streamed an improving solution before it
+        was stopped (or crashed, or failed), the best one is the answer (``"feasible"``, with
+        HiGHS's last bound); if not, CBC solves once more until ``hard_limit``. Either way
+        ``Outcome.note`` says what happened, ``Outcome.backend`` whose answer it is, and a warning
+        is logged. CBC still running at ``hard_limit`` is killed (``"no_solution"``); CBC crashing
+        raises RuntimeError."""
+        t0 = time.monotonic()
         if not self.prob.variables():  # everything was decided by simplification
             if not all(c.valid(1e-9) for c in self.prob.constraints()):
-                return Outcome("infeasible", None, None, 0.0)
+                return Outcome("infeasible", None, None, 0.0, backend)
             value = float(self.prob.objective.constant)
-            return Outcome("optimal", value, value, 0.0)
-        self.prob.solve(solver)
-        seconds = time.perf_counter() - t0
-        sol = self.prob.sol_status
-        if self.prob.status == pulp.LpStatusInfeasible or sol == pulp.LpSolutionInfeasible:
-            return Outcome("infeasible", None, None, seconds)
-        if sol not in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
-            return Outcome("no_solution", None, None, seconds)
+            return Outcome("optimal", value, value, 0.0, backend)
+        soft = t0 + time_limit
+        hard = t0 + (HARD_FACTOR * time_limit if hard_limit is None else max(hard_limit, time_limit))
+        if backend != "highs" or _cbc_path() is None:  # nothing to fall back on
+            return self._attempt(backend, relax=relax, msg=msg, gap=gap, soft=soft, kill_at=hard, t0=t0)
+        first = self._attempt("highs", relax=relax, msg=msg, gap=gap, soft=soft,
+                              kill_at=soft + _GRACE * (hard - soft), t0=t0)
+        if not first.note:
+            return first
+        if first.status != "no_solution":  # stopped after streaming plans: the best is kept
+            log.warning("autopar: %s (%s)", first.note, self.prob.name)
+            return first
+        now = time.monotonic()
+        note = f"{first.note}; retried with cbc"
+        log.warning("autopar: %s (%s)", note, self.prob.name)
+        second = self._attempt("cbc", relax=relax, msg=msg, gap=gap, soft=max(soft, now + 0.6 * (hard - now)),
+                               kill_at=hard, t0=t0)
+        return dataclasses.replace(second, note=f"{note}: {second.note}" if second.note else note)
+
+    def _attempt(self, backend: str, *, relax: bool, msg: bool, gap: float, soft: float, kill_at: float,
+                 t0: float) -> Outcome:
+        """One backend run in a watched child. A HiGHS run that failed without a plan returns
+        ``no_solution`` with a ``note`` (the caller falls back); CBC's failures raise."""
+        fn = functools.partial(CHILD_SOLVERS[backend], self.prob, relax=relax, msg=msg, gap=gap, deadline=soft)
+        res = run_in_child(fn, deadline=kill_at)
+        seconds = time.monotonic() - t0
+        if res.ended == "done":
+            status, sol_status, values, bound = res.final
+            out = self._outcome(backend, status, sol_status, values, bound, relax=relax, seconds=seconds)
+            if out.status == "no_solution" and backend == "highs" and time.monotonic() < soft - 0.05 * (soft - t0):
+                return dataclasses.replace(out, note="highs stopped without a plan before its time limit")
+            return out
+        limit = f"{soft - t0:.3g}s"
+        what = {"killed": f"did not return within its {limit} limit (+{kill_at - soft:.2g}s grace) and was "
+                          f"stopped", "died": "died", "error": f"failed ({res.detail})"}[res.ended]
+        if res.latest is not None:  # HiGHS streamed plans before it overran, died or failed: keep the best
+            _, values, bound = res.latest
+            out = self._outcome(backend, pulp.LpStatusOptimal, pulp.LpSolutionIntegerFeasible, values, bound,
+                                relax=relax, seconds=seconds)
+            return dataclasses.replace(out, note=f"{backend} {what}; its best plan is kept")
+        if backend == "cbc" and res.ended != "killed":
+            raise RuntimeError(f"the ILP backend cbc {what}")
+        return Outcome("no_solution", None, None, seconds, backend, note=f"{backend} {what}")
+
+    def _outcome(self, backend: str, status: int, sol_status: int, values, bound: float | None, *, relax: bool,
+                 seconds: float) -> Outcome:
+        """An ``Outcome`` from the child's answer; its values are written into this model's variables."""
+        if status == pulp.LpStatusInfeasible or sol_status == pulp.LpSolutionInfeasible:
+            return Outcome("infeasible", None, None, seconds, backend)
+        if sol_status not in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
+            return Outcome("no_solution", None, None, seconds, backend)
+        for var, v in zip(self.prob.variables(), values):  # the child's order: same model, forked
+            var.varValue = None if np.isnan(v) else float(v)
         value = float(pulp.value(self.prob.objective) or 0.0)
-        status = "optimal" if sol == pulp.LpSolutionOptimal else "feasible"
-        bound = value if status == "optimal" else None
-        if backend == "highs" and not relax:
+        status = "optimal" if sol_status == pulp.LpSolutionOptimal else "feasible"
+        best = value if status == "optimal" else None
+        if bound is not None and not relax and np.isfinite(bound):
             # HiGHS proves a bound even when "optimal" (to MIP_REL_GAP); pulp hands HiGHS the
             # objective without its constant term.
-            proved = float(self.prob.solverModel.getInfo().mip_dual_bound)
-            if np.isfinite(proved):
-                bound = proved + float(self.prob.objective.constant)
-        return Outcome(status, value, bound, seconds)
+            best = bound + float(self.prob.objective.constant)
+        return Outcome(status, value, best, seconds, backend)
 
     def choice(self) -> list[int]:
         """The chosen option of every group (after ``run``)."""

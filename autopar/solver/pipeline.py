@@ -6,17 +6,19 @@ when ``recompute_inputs`` are given, the joint sharding + recompute ILP
 ``Problem.evaluate`` (with the chosen recompute) and checked against the solver's objective and
 the budget. An infeasible budget raises ``ValueError`` with the smallest budget any plan meets
 (a second ILP minimising the peak); no plan within the time limit raises ``SolveTimeout``.
-No torch import.
+The time limit is hard: the solver runs of one call share it and return by ``HARD_FACTOR`` x it
+even when a backend ignores it (``IlpModel.run``'s watchdog). No torch import.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Mapping
+from dataclasses import dataclass
+from typing import Callable, Mapping
 
 import numpy as np
 
-from autopar.solver.ilp import MEM_UNIT, IlpModel, Outcome, pick_backend
+from autopar.solver.ilp import HARD_FACTOR, MEM_UNIT, MIP_REL_GAP, IlpModel, Outcome, pick_backend
 from autopar.solver.problem import Problem, Solution
 from autopar.solver.recompute_ilp import RecomputeModel
 from autopar.solver.simplify import Reduced, simplify
@@ -27,6 +29,46 @@ __all__ = ["solve", "minimum_budget", "SolveTimeout"]
 
 class SolveTimeout(RuntimeError):
     """The solver found no plan within the time limit."""
+
+
+# The LP relaxation is told the first share of one call's time limit and stopped at the second,
+# so a HiGHS hang in it leaves CBC time to redo it and to search; it normally takes a tiny fraction.
+_LP_SHARE, _LP_HARD_SHARE = 0.4, 0.6
+
+
+@dataclass(frozen=True, slots=True)
+class _Clock:
+    """One call's solver time: the LP relaxation, then the MIP search with what is left; every
+    run returns by ``HARD_FACTOR`` x ``time_limit`` after ``start``."""
+
+    start: float
+    time_limit: float
+
+    def lp(self) -> dict[str, float]:
+        return {"time_limit": _LP_SHARE * self.time_limit, "hard_limit": _LP_HARD_SHARE * self.time_limit}
+
+    def mip(self) -> dict[str, float]:
+        now = time.monotonic()
+        left = max(self.start + self.time_limit - now, 1e-3)
+        return {"time_limit": left, "hard_limit": max(self.start + HARD_FACTOR * self.time_limit - now, left)}
+
+    def left(self) -> float:
+        return self.start + self.time_limit - time.monotonic()
+
+
+def _relaxation_then_search(model: IlpModel, backend: str, clock: _Clock, *, msg: bool = False,
+                            gap: float = MIP_REL_GAP,
+                            check: Callable[[Outcome], None] | None = None) -> tuple[Outcome, Outcome]:
+    """The LP relaxation, ``check(lp)`` (may raise), then the MIP search. A backend the watchdog
+    replaced in the relaxation is not tried again for the search."""
+    lp = model.run(backend, relax=True, msg=msg, **clock.lp())
+    if check is not None:
+        check(lp)
+    return lp, model.run(lp.backend or backend, msg=msg, gap=gap, **clock.mip())
+
+
+def _note(out: Outcome) -> str:
+    return f" ({out.note})" if out.note else ""
 
 
 def _model(problem: Problem, reduced: Reduced, recompute_inputs: SegmentInputs | None, *, suffix: str = "",
@@ -49,10 +91,10 @@ def minimum_budget(problem: Problem, *, recompute_inputs: SegmentInputs | None =
     reduced = simplify(problem.with_budget(0), alias=alias, merge=True)
     model = _model(problem, reduced, recompute_inputs, suffix="_min_peak")
     model.build_min_peak()
-    lp = model.run(backend, time_limit=time_limit, relax=True)
-    out = model.run(backend, time_limit=time_limit, gap=0.0)  # an exact figure for the error message
+    # gap 0: an exact figure for the error message
+    lp, out = _relaxation_then_search(model, backend, _Clock(time.monotonic(), time_limit), gap=0.0)
     if out.value is None:
-        raise SolveTimeout(f"no plan found within {time_limit}s while minimising peak memory")
+        raise SolveTimeout(f"no plan found within {time_limit}s while minimising peak memory{_note(out)}")
     choice = reduced.expand(model.choice())
     achieved = problem.evaluate(choice, recompute=model.recomputed(), segment_inputs=recompute_inputs).peak_bytes
     bound = out.dual_bound if out.dual_bound is not None else (lp.value or 0.0)
@@ -63,12 +105,18 @@ def minimum_budget(problem: Problem, *, recompute_inputs: SegmentInputs | None =
 
 def _infeasible(problem: Problem, recompute_inputs: SegmentInputs | None, fixed: Mapping[str, bool] | None,
                 backend: str, time_limit: float, alias: bool) -> Exception:
-    """The error for a budget no plan meets, naming the smallest budget that one does."""
+    """The error for a budget no plan meets, naming the smallest budget that one does (found
+    within ``time_limit``, the call's time left)."""
     if fixed:
         return ValueError(f"no plan fits the budget {problem.budget_bytes} bytes with the fixed recompute "
                           f"decisions {dict(fixed)}")
-    achieved, lower = minimum_budget(problem, recompute_inputs=recompute_inputs, solver=backend,
-                                     time_limit=time_limit, alias=alias)
+    mesh = "x".join(map(str, problem.mesh_shape)) or "?"
+    try:
+        achieved, lower = minimum_budget(problem, recompute_inputs=recompute_inputs, solver=backend,
+                                         time_limit=time_limit, alias=alias)
+    except SolveTimeout:
+        return ValueError(f"memory budget {problem.budget_bytes} bytes per device cannot be met on mesh {mesh}; "
+                          f"the smallest budget any plan meets was not found within the time limit")
     # Only the sharding ILP's memory rows are exact; the recompute ILP counts a value several
     # recomputed units read once per unit, so its "infeasible" may stand for a plan that fits.
     if recompute_inputs is None and achieved <= problem.budget_bytes:
@@ -76,7 +124,6 @@ def _infeasible(problem: Problem, recompute_inputs: SegmentInputs | None, fixed:
                             f"peak {achieved} bytes fits it (solver tolerance?); retry with the other backend")
     need = f"{achieved} bytes ({achieved / 2**30:.3f} GiB)" if achieved == lower else (
         f"between {lower} and {achieved} bytes ({lower / 2**30:.3f}-{achieved / 2**30:.3f} GiB)")
-    mesh = "x".join(map(str, problem.mesh_shape)) or "?"
     if recompute_inputs is None:
         where, hint = "", "Try a bigger mesh (more devices to shard over), activation recompute, or a larger budget."
     else:
@@ -99,9 +146,12 @@ def solve(problem: Problem, *, recompute_inputs: SegmentInputs | None = None,
                 include them. Omitted, the sharding ILP alone (``autopar.solver.ilp``).
     fixed:      unit -> recomputed or not, imposed (needs ``recompute_inputs``).
     solver:     ``"auto"`` (HiGHS when available), ``"highs"`` or ``"cbc"``.
-    time_limit: seconds for each of the two solver runs: the LP relaxation (for ``lp_bound``),
-                then the MIP search; at the limit the best plan found is returned with
-                ``status="feasible"`` and its gap to the best proven bound.
+    time_limit: seconds for the solver runs together: the LP relaxation (for ``lp_bound``; up
+                to 40%), then the MIP search (the rest); at the limit the best plan found is
+                returned with ``status="feasible"`` and its gap to the best proven bound. Hard:
+                the call returns by ``HARD_FACTOR`` (1.1) x ``time_limit`` after simplification
+                and model building even if the backend ignores it; a HiGHS that hangs or fails
+                is replaced by CBC (``Solution.backend``; a warning is logged).
     alias:      share decisions between identical repeated blocks (``simplify`` item 1).
     merge:      dominated-option pruning and exact follow-merge (``simplify`` items 3-4).
     msg:        show the backend's log.
@@ -124,21 +174,25 @@ def solve(problem: Problem, *, recompute_inputs: SegmentInputs | None = None,
     model = _model(problem, reduced, recompute_inputs, fixed=fixed)
     model.build_fastest(float(problem.budget_bytes) if binds else None)
     t2 = time.perf_counter()
-    lp = model.run(backend, time_limit=time_limit, relax=True, msg=msg)
-    if lp.status == "infeasible":
-        raise _infeasible(problem, recompute_inputs, fixed, backend, time_limit, alias)
-    if lp.status != "optimal":
-        raise SolveTimeout(f"the LP relaxation did not finish within {time_limit}s ({problem})")
-    out = model.run(backend, time_limit=time_limit, msg=msg)
+    clock = _Clock(time.monotonic(), time_limit)
+
+    def infeasible_or_unsolved(lp: Outcome) -> None:
+        if lp.status == "infeasible":
+            raise _infeasible(problem, recompute_inputs, fixed, lp.backend, max(clock.left(), 0.1 * time_limit), alias)
+        if lp.status != "optimal":
+            raise SolveTimeout(f"the LP relaxation did not finish within {time_limit}s{_note(lp)} ({problem})")
+
+    lp, out = _relaxation_then_search(model, backend, clock, msg=msg, check=infeasible_or_unsolved)
     if out.status == "infeasible":
-        raise _infeasible(problem, recompute_inputs, fixed, backend, time_limit, alias)
+        raise _infeasible(problem, recompute_inputs, fixed, out.backend, max(clock.left(), 0.1 * time_limit), alias)
     if out.status == "no_solution":
-        raise SolveTimeout(f"{backend} found no plan within time_limit={time_limit}s ({problem}); "
-                           f"LP bound {lp.value:.6g}s. Raise time_limit or try solver='highs'.")
+        other = "cbc" if out.backend == "highs" else "highs"
+        raise SolveTimeout(f"{out.backend} found no plan within time_limit={time_limit}s{_note(out)} ({problem}); "
+                           f"LP bound {lp.value:.6g}s. Raise time_limit or try solver={other!r}.")
     choice = reduced.expand(model.choice())
     recompute = model.recomputed()
     ev = problem.evaluate(choice, recompute=recompute, segment_inputs=recompute_inputs)
-    return _checked_solution(choice, ev, out, lp, budget=problem.budget_bytes, backend=backend, model=model,
+    return _checked_solution(choice, ev, out, lp, budget=problem.budget_bytes, backend=out.backend, model=model,
                              stats={**reduced.stats, **model.stats}, recompute=recompute,
                              timings={"simplify_s": t1 - t0, "build_s": t2 - t1})
 
