@@ -104,6 +104,7 @@ def plan(
     reduce_dtype: str = "fp32",
     zero_stage: int | str = 0,
     device: str | None = None,
+    cache: bool = True,
 ) -> Plan:
     """Plan ``model`` on ``mesh`` offline. ``mesh``: a MeshSpec, or a shape (``(2, 4)``/``"2x4"``)
     with the ``preset`` device preset's costs (default ``"cpu"``; ``device`` is its deprecated old
@@ -114,29 +115,78 @@ def plan(
     ``"fp32"``, ``"bf16"`` or ``"fp16"`` compute with fp32 master weights, priced as it runs
     (``autopar.tracer.precision``); ``reduce_dtype``: what gradients are summed in. ``zero_stage``:
     1/2 shard optimizer state (and gradients) over each parameter's replicated axes. The other
-    options: see :class:`PlanOptions`. ``plan_model`` returns the intermediate results too."""
+    options: see :class:`PlanOptions`. ``plan_model`` returns the intermediate results too.
+    ``cache``: serve the plan from the on-disk plan cache when this model, inputs, mesh and options
+    were planned before (no trace, no solve), and store it otherwise; ``AUTOPAR_CACHE=0`` switches
+    the cache off everywhere (``autopar.planner.cache``)."""
     options = PlanOptions(memory_budget=memory_budget, solver=solver, time_limit=time_limit,
                           preset=resolve_preset(preset, device), baselines=baselines,
                           optimizer_multiplier=optimizer_multiplier,
                           allow_replicate_fallback=allow_replicate_fallback, checkpoint=checkpoint,
                           precision=precision, reduce_dtype=reduce_dtype, zero_stage=zero_stage)
-    return plan_model(model, meta_inputs, mesh=mesh, options=options, progress=progress or Progress(verbose)).plan
+    progress = progress or Progress(verbose)
+    spec = options.mesh(mesh)  # a bad mesh fails before anything else
+    key = _cache_key(model, meta_inputs, mesh=spec, options=options, cache=cache)
+    if key is not None:
+        from autopar.planner import cache as plan_cache
+
+        hit = plan_cache.lookup(key, mesh=spec, options=options)
+        if hit is not None:
+            _note_hit(progress, hit[1])
+            return hit[0]
+    return _plan_and_store(model, meta_inputs, mesh=spec, options=options, progress=progress, key=key).plan
 
 
 def plan_model(model: Any, meta_inputs: tuple | dict, *, mesh: MeshSpec | Sequence[int] | str,
-               options: PlanOptions = PlanOptions(), progress: Progress | None = None) -> PlanResult:
-    """Trace and profile ``model``, then ``plan_traced``."""
+               options: PlanOptions = PlanOptions(), progress: Progress | None = None,
+               cache: bool = True) -> PlanResult:
+    """Trace and profile ``model``, then ``plan_traced``. ``cache``: store the plan in the plan
+    cache (where ``plan`` and ``autoparallelize`` find it); a ``PlanResult`` carries the problem
+    and solution behind the plan, which the cache does not keep, so this always solves."""
+    mesh = options.mesh(mesh)  # a bad mesh fails before the trace
+    key = _cache_key(model, meta_inputs, mesh=mesh, options=options, cache=cache)
+    return _plan_and_store(model, meta_inputs, mesh=mesh, options=options, progress=progress, key=key)
+
+
+def _plan_and_store(model, meta_inputs, *, mesh: MeshSpec, options: PlanOptions, progress: Progress | None,
+                    key: str | None) -> PlanResult:
     from autopar.strategies import needs_decomposition
     from autopar.tracer import profile as profile_graph
     from autopar.tracer import trace
 
-    mesh = options.mesh(mesh)  # a bad mesh fails before the trace
     progress = progress or Progress()
     with progress.stage("trace"):
         traced = trace(model, meta_inputs, decompose_if=needs_decomposition, precision=options.precision)
     with progress.stage("profile"):
         prof = profile_graph(traced)
-    return plan_traced(traced, prof, mesh=mesh, options=options, progress=progress)
+    result = plan_traced(traced, prof, mesh=mesh, options=options, progress=progress)
+    if key is not None:
+        from autopar.planner import cache as plan_cache
+
+        plan_cache.store(key, result.plan)
+    return result
+
+
+def _cache_key(model, meta_inputs, *, mesh: MeshSpec, options: PlanOptions, cache: bool) -> str | None:
+    """The plan cache key, or None when the cache is off or the model cannot be keyed (a model
+    that is not an ``nn.Module``, say: it is planned without the cache, with a warning)."""
+    from autopar.planner import cache as plan_cache
+
+    if not plan_cache.cache_enabled(cache):
+        return None
+    try:
+        return plan_cache.structural_key(model, meta_inputs, mesh=mesh, options=options)
+    except Exception as exc:  # noqa: BLE001 -- the cache must never stop planning
+        import warnings
+
+        warnings.warn(f"plan cache: cannot key this model ({type(exc).__name__}: {exc}); planning without the "
+                      f"cache", stacklevel=3)
+        return None
+
+
+def _note_hit(progress: Progress, path) -> None:
+    if progress.verbose:
+        progress.sink(f"[autopar {time.perf_counter() - progress._start:6.1f}s] plan cache hit {path}")
 
 
 def plan_traced(traced: TracedGraph, profile: ModelProfile, *, mesh: MeshSpec | Sequence[int] | str,
@@ -210,6 +260,7 @@ def autoparallelize(
     precision: str | None = None,
     reduce_dtype: str | None = None,
     zero_stage: int | str | None = None,
+    cache: bool = True,
 ) -> AutoParallelModule:
     """Shard ``model`` over the current process group; see the module docstring.
 
@@ -227,7 +278,10 @@ def autoparallelize(
     scaling: ``autopar.GradScaler``. ``zero_stage``: 0 (default), 1 or 2 -- shard optimizer state
     (and gradients) over each parameter's replicated axes -- or ``"auto"`` (the solver picks per
     parameter); build the optimizer with
-    ``model.optimizer(torch.optim.AdamW, lr=...)`` (``autopar.runtime.zero``).
+    ``model.optimizer(torch.optim.AdamW, lr=...)`` (``autopar.runtime.zero``). ``cache``: rank 0
+    serves the plan from the plan cache (``autopar.planner.cache``) when its structural key and
+    this trace's graph hash match an entry, and stores what it solves; the other ranks get the
+    plan by broadcast either way.
 
     Ranks agree or all fail: before anyone plans, the ranks compare (one ``all_gather_object``)
     their traced graph, input shapes, mesh, world size, versions, plan file and per-rank options,
@@ -256,7 +310,8 @@ def autoparallelize(
     _agree(prep, device=dev)
     assert isinstance(prep, _Prepared)  # _agree raised otherwise
     chosen = prep.plan if prep.plan is not None else _solve_on_rank0(
-        prep.traced, mesh=prep.spec, options=prep.options, progress=progress, device=dev)
+        prep.traced, mesh=prep.spec, options=prep.options, progress=progress, device=dev,
+        cache_of=(model, meta_inputs) if cache else None)
     # Every rank has the same trace, mesh and plan now, so this check fails everywhere or nowhere.
     check_plan(chosen, graph_hash=prep.traced.graph_hash, world_size=dist.get_world_size(), mesh=prep.spec)
     try:
@@ -435,21 +490,18 @@ def _all_gather(obj: Any, *, device) -> list[Any]:
 
 
 def _solve_on_rank0(traced: TracedGraph, *, mesh: MeshSpec, options: PlanOptions, progress: Progress,
-                    device) -> Plan:
+                    device, cache_of: tuple | None = None) -> Plan:
     """Rank 0 solves from its trace (the same as every rank's: ``_agree`` compared them); every
-    rank gets the plan, or rank 0's error as the same message, by broadcast."""
+    rank gets the plan, or rank 0's error as the same message, by broadcast. ``cache_of``: the
+    (model, meta inputs) to key the plan cache with; rank 0 alone reads and fills it."""
     import torch.distributed as dist
-
-    from autopar.tracer import profile as profile_graph
 
     error = None
     payload: list[Any] = [None]
     if dist.get_rank() == 0:
         try:
-            with progress.stage("profile"):
-                prof = profile_graph(traced)
-            result = plan_traced(traced, prof, mesh=mesh, options=options, progress=progress)
-            payload[0] = ("ok", result.plan.to_json())
+            payload[0] = ("ok", _plan_on_rank0(traced, mesh=mesh, options=options, progress=progress,
+                                               cache_of=cache_of).to_json())
         except Exception as exc:  # noqa: BLE001 -- re-raised on every rank below
             payload[0], error = (type(exc).__name__, str(exc)), exc
     if device.type == "cuda" and dist.get_backend() == "nccl":
@@ -464,3 +516,23 @@ def _solve_on_rank0(traced: TracedGraph, *, mesh: MeshSpec, options: PlanOptions
     if status != "ok":
         raise ValueError(f"planning failed on rank 0: {status}: {text}")
     return Plan.from_json(text)
+
+
+def _plan_on_rank0(traced: TracedGraph, *, mesh: MeshSpec, options: PlanOptions, progress: Progress,
+                   cache_of: tuple | None) -> Plan:
+    """The cached plan when its key and graph hash match this trace, else a solve (stored)."""
+    from autopar.planner import cache as plan_cache
+    from autopar.tracer import profile as profile_graph
+
+    key = None if cache_of is None else _cache_key(*cache_of, mesh=mesh, options=options, cache=True)
+    if key is not None:
+        hit = plan_cache.lookup(key, mesh=mesh, options=options, graph_hash=traced.graph_hash)
+        if hit is not None:
+            _note_hit(progress, hit[1])
+            return hit[0]
+    with progress.stage("profile"):
+        prof = profile_graph(traced)
+    plan = plan_traced(traced, prof, mesh=mesh, options=options, progress=progress).plan
+    if key is not None:
+        plan_cache.store(key, plan)
+    return plan

@@ -1,8 +1,30 @@
-"""Shared fixtures: device-free meshes of 1, 2 and 3 axes (CPU preset costs)."""
+"""Shared fixtures: device-free meshes of 1, 2 and 3 axes (CPU preset costs); every test plans
+with its own empty plan cache directory (never the user's, never another test's entries)."""
+
+import itertools
 
 import pytest
 
 from autopar.layout.mesh import MeshSpec
+
+_CACHE_DIRS = itertools.count()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _plan_cache_root(tmp_path_factory):
+    """The plan cache is on by default: never the user's directory, even for module fixtures."""
+    root = tmp_path_factory.mktemp("plan-cache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("AUTOPAR_CACHE_DIR", str(root / "shared"))
+        mp.delenv("AUTOPAR_CACHE", raising=False)
+        yield root
+
+
+@pytest.fixture(autouse=True)
+def _own_plan_cache(_plan_cache_root, monkeypatch):
+    """A fresh cache directory per test (created only when a plan is stored), so a test never
+    reads a plan another test solved."""
+    monkeypatch.setenv("AUTOPAR_CACHE_DIR", str(_plan_cache_root / str(next(_CACHE_DIRS))))
 
 
 @pytest.fixture(params=[(2,), (4,)], ids=lambda s: "x".join(map(str, s)))

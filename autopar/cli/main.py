@@ -71,6 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--allow-fallback", action="store_true", help="replicate ops that have no sharding rule")
     p.add_argument("--no-baselines", action="store_true", help="skip the baseline plans")
     p.add_argument("--no-layers", action="store_true", help="omit the per-layer table from the text output")
+    p.add_argument("--no-cache", action="store_true",
+                   help="do not store the plan in the plan cache ($AUTOPAR_CACHE_DIR, default ~/.cache/autopar/plans)")
     p.add_argument("--json", metavar="FILE", help="write the plan (loadable by autoparallelize(plan=FILE))")
     p.add_argument("--html", metavar="FILE", help="write a self-contained HTML report")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
@@ -148,7 +150,8 @@ def cmd_inspect(args) -> int:
         with warnings.catch_warnings():
             # One summary line replaces a warning per replicated op.
             warnings.filterwarnings("ignore", message="no sharding rule")
-            result = api.plan_model(model, meta, mesh=mesh, options=options, progress=progress)
+            result = api.plan_model(model, meta, mesh=mesh, options=options, progress=progress,
+                                    cache=not args.no_cache)
         with progress.stage("report"):
             report = _report(result, args)
     finally:
