@@ -20,7 +20,7 @@ import json
 import math
 import re
 import warnings
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Sequence
 
 __all__ = ["MeshSpec", "PRESETS", "parse_mesh_shape", "parse_bytes", "resolve_preset"]
@@ -107,8 +107,33 @@ class MeshSpec:
         """A mesh of ``shape`` built from the named device preset (``a100-80gb``, ``h100-80gb``, ``cpu``)."""
         if name not in PRESETS:
             raise ValueError(f"unknown device preset {name!r}; known: {sorted(PRESETS)}")
-        dev = PRESETS[name]
+        return cls._of(name, PRESETS[name], parse_mesh_shape(shape), axis_names)
+
+    @classmethod
+    def cluster(cls, *, nodes: int, devices_per_node: int, device: str = "h100-80gb",
+                shape: Sequence[int] | str | None = None, axis_names: Sequence[str] | None = None) -> "MeshSpec":
+        """``nodes`` x ``devices_per_node`` devices of preset ``device``, as a mesh of ``shape``
+        (default ``(nodes, devices_per_node)``; one node: ``(devices_per_node,)``). Devices fill
+        nodes in row-major order, so the inner axes get the intra-node links (an axis whose groups
+        stay inside a node) and the outer ones the inter-node links."""
+        if device not in PRESETS:
+            raise ValueError(f"unknown device preset {device!r}; known: {sorted(PRESETS)}")
+        for what, n in (("nodes", nodes), ("devices_per_node", devices_per_node)):
+            if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+                raise ValueError(f"{what} must be a positive int, got {n!r}")
+        if shape is None:
+            shape = (devices_per_node,) if nodes == 1 else (nodes, devices_per_node)
         shape = parse_mesh_shape(shape)
+        if math.prod(shape) != nodes * devices_per_node:
+            raise ValueError(f"mesh {shape} has {math.prod(shape)} devices, the cluster {nodes} x "
+                             f"{devices_per_node} = {nodes * devices_per_node}")
+        dev = PRESETS[device]
+        if dev.node_size != devices_per_node:
+            dev = replace(dev, node_size=devices_per_node)
+        return cls._of(device, dev, shape, axis_names)
+
+    @classmethod
+    def _of(cls, name: str, dev: _Device, shape: tuple[int, ...], axis_names) -> "MeshSpec":
         total = math.prod(shape)
         if total > dev.node_size and total % dev.node_size != 0:
             raise ValueError(

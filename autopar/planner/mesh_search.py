@@ -1,0 +1,126 @@
+"""``mesh="auto"``: plan every arrangement of a cluster's devices as a mesh and keep the fastest.
+
+The mesh shape is otherwise the user's guess: on 64 GPUs in 8 nodes, ``8x8``, ``4x16`` or
+``2x4x8`` give different plans. For ``nodes x devices_per_node`` devices every ordered
+factorisation of the device count into one to ``max_axes`` axes of size >= 2 is a candidate
+(``mesh_shapes``), costed as ``MeshSpec.cluster`` lays it out: devices fill nodes in row-major
+order, so inner axes get the intra-node links and an axis whose groups leave a node the
+inter-node ones. The model is traced and profiled once (``search_meshes`` takes a planning
+function of the mesh, ``autopar.api`` passes ``plan_traced`` over its trace); each candidate is
+planned with the same options, the fastest feasible plan wins (ties: fewer axes, then the
+order of ``mesh_shapes``), and every candidate's row -- shape, step time, peak memory,
+planning seconds, or why it has no plan -- is kept for the report.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from autopar.layout.mesh import MeshSpec
+
+__all__ = ["MeshRow", "MeshSearch", "mesh_shapes", "search_meshes"]
+
+
+@dataclass(frozen=True, slots=True)
+class MeshRow:
+    """One candidate mesh: its plan's estimate, or why it has none."""
+
+    shape: tuple[int, ...]
+    step_s: float | None  # None: no plan (``note`` says why)
+    peak_bytes: int | None
+    plan_s: float  # seconds spent planning this candidate
+    note: str = ""
+
+    @property
+    def feasible(self) -> bool:
+        return self.step_s is not None
+
+    def __str__(self) -> str:
+        shape = "x".join(map(str, self.shape))
+        if not self.feasible:
+            return f"{shape:>10}  {'-':>12}  {'-':>9}  {self.plan_s:7.1f}s  {self.note}"
+        return (f"{shape:>10}  {self.step_s * 1e3:9.3f} ms  {self.peak_bytes / 2**30:6.2f} GiB  "
+                f"{self.plan_s:7.1f}s  {self.note}")
+
+
+@dataclass(frozen=True)
+class MeshSearch:
+    """Every candidate's row (in planning order) and the winning candidate's planning result."""
+
+    rows: tuple[MeshRow, ...]
+    best: Any  # the planning function's result for the fastest feasible mesh (None: no feasible one)
+    best_shape: tuple[int, ...] | None
+
+    def table(self) -> str:
+        head = f"{'mesh':>10}  {'step':>12}  {'peak':>9}  {'planned':>8}"
+        lines = [head, "-" * len(head)]
+        for row in sorted(self.rows, key=_rank):
+            mark = "  <- chosen" if row.shape == self.best_shape else ""
+            lines.append(f"{row}{mark}")
+        return "\n".join(lines)
+
+
+def mesh_shapes(num_devices: int, *, max_axes: int = 3) -> list[tuple[int, ...]]:
+    """Every ordered factorisation of ``num_devices`` into 1..``max_axes`` factors >= 2, fewer
+    axes first (``(num_devices,)`` itself; one device: ``(1,)``)."""
+    if not isinstance(num_devices, int) or isinstance(num_devices, bool) or num_devices < 1:
+        raise ValueError(f"the device count must be a positive int, got {num_devices!r}")
+    if not isinstance(max_axes, int) or max_axes < 1:
+        raise ValueError(f"max_axes must be a positive int, got {max_axes!r}")
+    if num_devices == 1:
+        return [(1,)]
+    out: list[tuple[int, ...]] = []
+
+    def grow(prefix: tuple[int, ...], rest: int) -> None:
+        if rest == 1:
+            out.append(prefix)
+            return
+        if len(prefix) == max_axes:
+            return
+        for size in range(2, rest + 1):
+            if rest % size == 0:
+                grow(prefix + (size,), rest // size)
+
+    grow((), num_devices)
+    return sorted(out, key=lambda shape: (len(shape), shape))
+
+
+def _rank(row: MeshRow) -> tuple:
+    return (not row.feasible, row.step_s if row.feasible else 0.0, len(row.shape))
+
+
+def search_meshes(plan_on: Callable[[MeshSpec], Any], *, nodes: int, devices_per_node: int,
+                  device: str = "h100-80gb", max_axes: int = 3,
+                  estimate_of: Callable[[Any], Any] = lambda result: result.plan.estimate,
+                  report: Callable[[MeshRow], None] | None = None) -> MeshSearch:
+    """Plan every candidate mesh with ``plan_on(mesh)`` (a ``ValueError`` -- e.g. the budget
+    cannot be met on that mesh -- or a ``RuntimeError`` such as a solver time-out is that
+    candidate's note, not the search's end) and keep the fastest feasible result. ``report``
+    receives each row as it is planned (progress output)."""
+    rows, best, best_row = [], None, None
+    for shape in mesh_shapes(nodes * devices_per_node, max_axes=max_axes):
+        mesh = MeshSpec.cluster(nodes=nodes, devices_per_node=devices_per_node, device=device, shape=shape)
+        t0 = time.perf_counter()
+        try:
+            result = plan_on(mesh)
+        except (ValueError, RuntimeError) as exc:
+            row = MeshRow(shape, None, None, time.perf_counter() - t0, _first_line(exc))
+        else:
+            est = estimate_of(result)
+            row = MeshRow(shape, est.step_s, est.peak_bytes, time.perf_counter() - t0)
+            if best_row is None or _rank(row) < _rank(best_row):
+                best, best_row = result, row
+        rows.append(row)
+        if report is not None:
+            report(row)
+    if best_row is None:
+        detail = "; ".join(f"{'x'.join(map(str, r.shape))}: {r.note}" for r in rows)
+        raise ValueError(f"mesh='auto': no mesh of {nodes} x {devices_per_node} {device} devices has a plan ({detail})")
+    return MeshSearch(tuple(rows), best, best_row.shape)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"[:160]
