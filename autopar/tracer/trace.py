@@ -31,6 +31,7 @@ from torch.export.graph_signature import InputKind
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from autopar.tracer import hf
+from autopar.tracer.expand import trace_shallow
 from autopar.tracer.meta_keys import export_module_path
 from autopar.tracer.precision import apply_precision, compute_dtype
 from autopar.tracer.graph import (BUFFER, CONSTANT, INPUT, MODULE_KEY, PARAMETER, PLACEHOLDER_KEY, Placeholder,
@@ -75,7 +76,7 @@ class TraceError(RuntimeError):
 
 def trace(model: nn.Module, meta_inputs: tuple | dict, *, name: str | None = None,
           stack_traces: bool = False, decompose_if: Callable[[Any], bool] | None = None,
-          precision: str = "fp32") -> TracedGraph:
+          precision: str = "fp32", by_blocks: bool = True) -> TracedGraph:
     """Trace ``model``'s forward on ``meta_inputs`` (positional tuple or keyword dict).
 
     Tensors may be real, meta or fake; they are replaced by fake tensors of the same shape,
@@ -89,6 +90,9 @@ def trace(model: nn.Module, meta_inputs: tuple | dict, *, name: str | None = Non
     planner passes ``autopar.strategies.needs_decomposition``); ``TracedGraph.decomposed``
     records what each became. ``precision``: ``"bf16"``/``"fp16"`` rewrite the graph to compute
     in that dtype with fp32 master weights (``autopar.tracer.precision``).
+    ``by_blocks``: a model looping over one ``nn.ModuleList`` of identical blocks is exported
+    with four of them and expanded to the same graph (``autopar.tracer.expand``: tracing time
+    does not grow with depth); False, or a model it does not recognise, exports every block.
     """
     if not isinstance(model, nn.Module):
         raise ValueError(f"trace() needs an nn.Module, got {type(model).__name__}")
@@ -104,7 +108,6 @@ def trace(model: nn.Module, meta_inputs: tuple | dict, *, name: str | None = Non
         # Trace as on a real device: meta kernels pick other code paths than real ones (math
         # attention instead of the fused kernel, hence other strides and extra copies).
         device = torch.device("cpu")
-    fake_mode = FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True)
     kwargs = _as_kwargs(model, meta_inputs)
     if hf.wants_use_cache(model.forward, kwargs):
         kwargs["use_cache"] = False  # a constant: caches are inference state, not training
@@ -112,11 +115,18 @@ def trace(model: nn.Module, meta_inputs: tuple | dict, *, name: str | None = Non
     tensors = {k: v for k, v in kwargs.items() if _has_tensor(v) or k.startswith("args[")}
     constants = {k: v for k, v in kwargs.items() if k not in tensors}
     _check_leaves(tensors, model_name)
-    fake = {k: pytree.tree_map(lambda v: _to_fake(v, fake_mode, device), v)
-            for k, v in tensors.items()}
-    with _fake_state(model, fake_mode, device), hf.caches_off(model):
-        ep = _export(model, fake, constants, model_name, stack_traces)
-    traced = _build(model, ep, model_name)
+
+    def export_and_build(module: nn.Module) -> TracedGraph:
+        fake_mode = FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True)
+        fake = {k: pytree.tree_map(lambda v: _to_fake(v, fake_mode, device), v)
+                for k, v in tensors.items()}
+        with _fake_state(module, fake_mode, device), hf.caches_off(module):
+            ep = _export(module, fake, constants, model_name, stack_traces)
+        return _build(module, ep, model_name)
+
+    traced = trace_shallow(model, export_and_build) if by_blocks else None
+    if traced is None:
+        traced = export_and_build(model)
     if decompose_if is not None:  # the planner's "no rule, but a decomposition" (tracer/decompose.py)
         traced.decompose(decompose_if)
     return apply_precision(traced, precision)
