@@ -27,7 +27,7 @@ import os
 import sys
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from autopar.layout.mesh import MeshSpec, resolve_preset
@@ -105,10 +105,13 @@ def plan(
     zero_stage: int | str = 0,
     device: str | None = None,
     cache: bool = True,
+    nodes: int | None = None,
+    devices_per_node: int | None = None,
 ) -> Plan:
     """Plan ``model`` on ``mesh`` offline. ``mesh``: a MeshSpec, or a shape (``(2, 4)``/``"2x4"``)
     with the ``preset`` device preset's costs (default ``"cpu"``; ``device`` is its deprecated old
-    name). ``memory_budget``: bytes or ``"16GiB"``; None = the device capacity from the MeshSpec.
+    name), or ``"auto"``: the fastest arrangement of ``nodes`` x ``devices_per_node`` devices
+    as a 1-3 axis mesh (``plan_mesh_auto``; not cached). ``memory_budget``: bytes or ``"16GiB"``; None = the device capacity from the MeshSpec.
     ``checkpoint``: activation recompute planning, ``"auto"`` (the faster of the joint ILP +
     Rotor refinement and Rotor alone; nothing when the budget cannot bind), ``"ilp"``,
     ``"rotor"``, ``"both"`` or ``"none"`` (see ``autopar.planner.checkpointing``). ``precision``:
@@ -125,6 +128,11 @@ def plan(
                           allow_replicate_fallback=allow_replicate_fallback, checkpoint=checkpoint,
                           precision=precision, reduce_dtype=reduce_dtype, zero_stage=zero_stage)
     progress = progress or Progress(verbose)
+    if isinstance(mesh, str) and mesh == "auto":
+        return plan_mesh_auto(model, meta_inputs, nodes=nodes, devices_per_node=devices_per_node, options=options,
+                              progress=progress).best.plan
+    if nodes is not None or devices_per_node is not None:
+        raise ValueError(f"nodes= and devices_per_node= go with mesh='auto', got mesh={mesh!r}")
     spec = options.mesh(mesh)  # a bad mesh fails before anything else
     key = _cache_key(model, meta_inputs, mesh=spec, options=options, cache=cache)
     if key is not None:
@@ -146,6 +154,42 @@ def plan_model(model: Any, meta_inputs: tuple | dict, *, mesh: MeshSpec | Sequen
     mesh = options.mesh(mesh)  # a bad mesh fails before the trace
     key = _cache_key(model, meta_inputs, mesh=mesh, options=options, cache=cache)
     return _plan_and_store(model, meta_inputs, mesh=mesh, options=options, progress=progress, key=key)
+
+
+def plan_mesh_auto(model: Any, meta_inputs: tuple | dict, *, nodes: int | None, devices_per_node: int | None,
+                   options: PlanOptions = PlanOptions(), progress: Progress | None = None,
+                   time_budget: float | None = None):
+    """Plan ``model`` on every 1-3 axis arrangement of ``nodes`` x ``devices_per_node`` devices of
+    the ``options.preset`` preset (``autopar.planner.mesh_search``), tracing and profiling once;
+    returns the ``MeshSearch``: every candidate's row and the fastest one's ``PlanResult``
+    (``.best``). ``time_budget``: seconds for the search after the trace (default
+    ``options.time_limit``; each solve gets what is left, candidates not reached are reported
+    as such); the cluster's own ``nodes x devices_per_node`` shape goes first and is always
+    planned. Progress lines name each candidate."""
+    from autopar.layout.mesh import PRESETS
+    from autopar.planner.mesh_search import search_meshes
+    from autopar.strategies import needs_decomposition
+    from autopar.tracer import profile as profile_graph
+    from autopar.tracer import trace
+
+    if nodes is None or devices_per_node is None:
+        raise ValueError(f"mesh='auto' needs nodes= and devices_per_node=, got nodes={nodes!r}, "
+                         f"devices_per_node={devices_per_node!r}")
+    if options.preset not in PRESETS:
+        raise ValueError(f"mesh='auto' needs a device preset ({', '.join(sorted(PRESETS))}), got {options.preset!r}")
+    progress = progress or Progress()
+    with progress.stage("trace"):
+        traced = trace(model, meta_inputs, decompose_if=needs_decomposition, precision=options.precision)
+    with progress.stage("profile"):
+        prof = profile_graph(traced)
+
+    def plan_on(mesh: MeshSpec, left: float | None) -> PlanResult:
+        limited = options if left is None else replace(options, time_limit=min(options.time_limit, left))
+        with progress.stage(f"mesh {'x'.join(map(str, mesh.shape))}"):
+            return plan_traced(traced, prof, mesh=mesh, options=limited, progress=Progress())
+
+    return search_meshes(plan_on, nodes=nodes, devices_per_node=devices_per_node, device=options.preset,
+                         time_budget=options.time_limit if time_budget is None else time_budget)
 
 
 def _plan_and_store(model, meta_inputs, *, mesh: MeshSpec, options: PlanOptions, progress: Progress | None,

@@ -12,6 +12,7 @@ import os
 import sys
 import time
 import warnings
+from dataclasses import replace
 
 from autopar.planner.options import CHECKPOINT_MODES, SOLVERS, ZERO_STAGES, PlanOptions
 from autopar.plans import PRECISIONS
@@ -49,7 +50,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("inspect", help="plan a model offline and show the plan")
     _model_args(p)
-    p.add_argument("--mesh", help="logical mesh shape, e.g. 8, 2x4, 4x4 (optional with a mesh JSON)")
+    p.add_argument("--mesh", help="logical mesh shape, e.g. 8, 2x4, 4x4 (optional with a mesh JSON), or auto: "
+                                  "every 1-3 axis arrangement of --nodes x --devices-per-node devices, the fastest kept")
+    p.add_argument("--nodes", type=int, help="with --mesh auto: the number of nodes")
+    p.add_argument("--devices-per-node", type=int, help="with --mesh auto: devices per node")
     p.add_argument("--preset", "--device", dest="preset", action=_NamedFlag, default="a100-80gb",
                    help="device preset (a100-80gb, h100-80gb, cpu) or a profiled mesh JSON from "
                    "`autopar profile-mesh` (default: a100-80gb; --device is its old name)")
@@ -134,7 +138,17 @@ def cmd_inspect(args) -> int:
     for flag in ("batch", "seq", "layers"):
         _positive(getattr(args, flag), f"--{flag}")
     # Cheap checks first (no torch import): bad input fails in well under a second.
-    mesh = resolve_mesh(args.preset, args.mesh, flag=args.preset_flag)
+    auto = args.mesh == "auto"
+    if auto:
+        for flag in ("nodes", "devices_per_node"):
+            if getattr(args, flag) is None:
+                raise ValueError("--mesh auto needs --nodes and --devices-per-node")
+            _positive(getattr(args, flag), "--" + flag.replace("_", "-"))
+        mesh = None
+    else:
+        if args.nodes is not None or args.devices_per_node is not None:
+            raise ValueError("--nodes and --devices-per-node go with --mesh auto")
+        mesh = resolve_mesh(args.preset, args.mesh, flag=args.preset_flag)
     options = PlanOptions(memory_budget=args.memory, solver=args.solver, time_limit=args.time_limit,
                           baselines=not args.no_baselines, optimizer_multiplier=args.optimizer_multiplier,
                           allow_replicate_fallback=args.allow_fallback, checkpoint=args.checkpoint,
@@ -150,8 +164,13 @@ def cmd_inspect(args) -> int:
         with warnings.catch_warnings():
             # One summary line replaces a warning per replicated op.
             warnings.filterwarnings("ignore", message="no sharding rule")
-            result = api.plan_model(model, meta, mesh=mesh, options=options, progress=progress,
-                                    cache=not args.no_cache)
+            if auto:
+                search = api.plan_mesh_auto(model, meta, nodes=args.nodes, devices_per_node=args.devices_per_node,
+                                            options=replace(options, preset=args.preset), progress=progress)
+                result = search.best
+            else:
+                result = api.plan_model(model, meta, mesh=mesh, options=options, progress=progress,
+                                        cache=not args.no_cache)
         with progress.stage("report"):
             report = _report(result, args)
     finally:
@@ -159,6 +178,9 @@ def cmd_inspect(args) -> int:
     report.wall_s = time.perf_counter() - t0
     from autopar.report import render_text
 
+    if auto:
+        print(f"mesh search: {args.nodes} nodes x {args.devices_per_node} {args.preset} devices, "
+              f"{len(search.rows)} meshes\n{search.table()}\n")
     print(render_text(report, layers=not args.no_layers))
     print(f"\nplanned in {report.wall_s:.1f}s" + "".join(f"; wrote {p}" for p in (args.json, args.html) if p))
     return 0

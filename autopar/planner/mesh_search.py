@@ -91,20 +91,37 @@ def _rank(row: MeshRow) -> tuple:
     return (not row.feasible, row.step_s if row.feasible else 0.0, len(row.shape))
 
 
-def search_meshes(plan_on: Callable[[MeshSpec], Any], *, nodes: int, devices_per_node: int,
-                  device: str = "h100-80gb", max_axes: int = 3,
+def search_meshes(plan_on: Callable[[MeshSpec, float | None], Any], *, nodes: int, devices_per_node: int,
+                  device: str = "h100-80gb", max_axes: int = 3, time_budget: float | None = None,
                   estimate_of: Callable[[Any], Any] = lambda result: result.plan.estimate,
                   report: Callable[[MeshRow], None] | None = None) -> MeshSearch:
-    """Plan every candidate mesh with ``plan_on(mesh)`` (a ``ValueError`` -- e.g. the budget
-    cannot be met on that mesh -- or a ``RuntimeError`` such as a solver time-out is that
-    candidate's note, not the search's end) and keep the fastest feasible result. ``report``
-    receives each row as it is planned (progress output)."""
+    """Plan every candidate mesh with ``plan_on(mesh, seconds_left)`` (a ``ValueError`` -- e.g.
+    the budget cannot be met on that mesh -- or a ``RuntimeError`` such as a solver time-out is
+    that candidate's note, not the search's end) and keep the fastest feasible result.
+
+    The cluster's own shape (``nodes x devices_per_node``) goes first, so the search never
+    returns a slower plan than it; then fewer axes first (more axes mean more strategies per op
+    and slower solves). ``time_budget``: seconds for the whole search; ``seconds_left`` tells
+    ``plan_on`` what remains (its solver time limit), and candidates not reached when it is spent
+    get a row saying so. ``report`` receives each row as it is planned (progress output)."""
     rows, best, best_row = [], None, None
-    for shape in mesh_shapes(nodes * devices_per_node, max_axes=max_axes):
+    start = time.perf_counter()
+    shapes = mesh_shapes(nodes * devices_per_node, max_axes=max_axes)
+    own = (devices_per_node,) if nodes == 1 else (nodes, devices_per_node)
+    if own in shapes:
+        shapes.insert(0, shapes.pop(shapes.index(own)))
+    for shape in shapes:
         mesh = MeshSpec.cluster(nodes=nodes, devices_per_node=devices_per_node, device=device, shape=shape)
+        left = None if time_budget is None else time_budget - (time.perf_counter() - start)
         t0 = time.perf_counter()
+        if left is not None and left <= 0 and best_row is not None:
+            row = MeshRow(shape, None, None, 0.0, f"not planned: the search's {time_budget:g}s were spent")
+            rows.append(row)
+            if report is not None:
+                report(row)
+            continue
         try:
-            result = plan_on(mesh)
+            result = plan_on(mesh, None if left is None else max(left, 1.0))
         except (ValueError, RuntimeError) as exc:
             row = MeshRow(shape, None, None, time.perf_counter() - t0, _first_line(exc))
         else:

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from autopar import zoo
+from autopar.api import plan as autopar_plan
 from autopar.api import plan_model, plan_traced
 from autopar.layout.mesh import MeshSpec
 from autopar.planner.mesh_search import mesh_shapes, search_meshes
@@ -40,17 +41,55 @@ def test_search_keeps_the_fastest_feasible_mesh_and_reports_every_candidate():
     first = plan_model(model, inputs, mesh=(4,), options=PlanOptions(checkpoint="none"))
     seen = []
 
-    def plan_on(mesh):
+    def plan_on(mesh, left):
+        assert left is None
         if mesh.shape == (2, 2):
             raise ValueError("no plan fits\nsecond line")
         return plan_traced(first.traced, first.profile, mesh=mesh, options=PlanOptions(checkpoint="none"))
 
     found = search_meshes(plan_on, nodes=2, devices_per_node=2, device="a100-80gb", report=seen.append)
-    assert [r.shape for r in found.rows] == [(4,), (2, 2)] and seen == list(found.rows)
+    assert [r.shape for r in found.rows] == [(2, 2), (4,)] and seen == list(found.rows)  # the cluster's own first
     assert found.best_shape == (4,) and found.best.plan.mesh.shape == (4,)
-    assert found.rows[1].note == "ValueError: no plan fits" and not found.rows[1].feasible
-    assert "<- chosen" in found.table().splitlines()[2]
+    assert found.rows[0].note == "ValueError: no plan fits" and not found.rows[0].feasible
+    assert "<- chosen" in found.table().splitlines()[2]  # sorted: the fastest first
     # Every candidate's own plan is no faster than the chosen one.
     assert all(r.step_s >= found.best.plan.estimate.step_s for r in found.rows if r.feasible)
     with pytest.raises(ValueError, match="no mesh of 1 x 2"):
-        search_meshes(lambda mesh: (_ for _ in ()).throw(ValueError("nope")), nodes=1, devices_per_node=2)
+        search_meshes(lambda mesh, left: (_ for _ in ()).throw(ValueError("nope")), nodes=1, devices_per_node=2)
+
+
+def test_time_budget_plans_the_clusters_own_shape_and_reports_the_rest():
+    calls = []
+
+    class Result:
+        def __init__(self, step_s):
+            self.plan = type("P", (), {"estimate": type("E", (), {"step_s": step_s, "peak_bytes": 1})()})()
+
+    def plan_on(mesh, left):
+        calls.append((mesh.shape, left))
+        import time
+        time.sleep(0.05)
+        return Result(1.0 / len(mesh.shape))
+
+    found = search_meshes(plan_on, nodes=2, devices_per_node=4, device="a100-80gb", time_budget=0.01)
+    assert calls == [((2, 4), 1.0)]  # its own shape, with at least a second to solve
+    assert found.best_shape == (2, 4) and [r.shape for r in found.rows][0] == (2, 4)
+    assert all("not planned" in r.note for r in found.rows[1:]) and len(found.rows) == len(mesh_shapes(8))
+
+
+def test_plan_mesh_auto_and_inspect_mesh_auto(capsys):
+    from autopar.cli.main import main
+
+    torch.manual_seed(0)
+    model, inputs = zoo.build("mlp", tiny=True, device="meta")
+    plan = autopar_plan(model, inputs, mesh="auto", nodes=1, devices_per_node=4, preset="a100-80gb",
+                        checkpoint="none")
+    assert plan.mesh.shape in mesh_shapes(4)
+    with pytest.raises(ValueError, match="needs nodes= and devices_per_node="):
+        autopar_plan(model, inputs, mesh="auto")
+    with pytest.raises(ValueError, match="go with mesh='auto'"):
+        autopar_plan(model, inputs, mesh=(4,), nodes=1)
+    assert main(["inspect", "mlp", "--mesh", "auto", "--nodes", "1", "--devices-per-node", "4", "-q",
+                 "--no-baselines", "--no-layers", "--checkpoint", "none"]) == 0
+    out = capsys.readouterr().out
+    assert "mesh search: 1 nodes x 4 a100-80gb devices, 2 meshes" in out and "<- chosen" in out
