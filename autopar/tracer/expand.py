@@ -17,7 +17,6 @@ import re
 from typing import Any, Callable
 
 import torch.fx as fx
-import torch.utils._pytree as pytree
 from torch import nn
 
 from autopar.tracer.depth import BlockStructure, block_structure
@@ -216,7 +215,7 @@ class _Expansion:
 
     def copy(self, node: fx.Node, mapping: Callable[[fx.Node], fx.Node], name: str, meta: dict,
              target: Any = None) -> fx.Node:
-        args, kwargs = pytree.tree_map_only(fx.Node, mapping, (node.args, node.kwargs))
+        args, kwargs = fx.node.map_arg(node.args, mapping), fx.node.map_arg(node.kwargs, mapping)
         new = self.graph.create_node(node.op, node.target if target is None else target, args, kwargs,
                                      name=name, type_expr=node.type)
         if new.name != name:
