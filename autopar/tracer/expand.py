@@ -19,6 +19,7 @@ from typing import Any, Callable
 import torch.fx as fx
 from torch import nn
 
+from autopar.layout.blocks import split_block
 from autopar.tracer.depth import BlockStructure, block_structure
 from autopar.tracer.graph import BUFFER, MODULE_KEY, PARAMETER, PLACEHOLDER_KEY, Placeholder, TracedGraph
 
@@ -35,8 +36,9 @@ def repeated_list(model: nn.Module) -> tuple[str, nn.ModuleList] | None:
     if len(found) != 1:
         return None
     path, blocks = found[0]
-    if not path or any(isinstance(m, nn.ModuleList) and len(m) >= _MIN_DEPTH
-                       for b in blocks for m in b.modules()):
+    # The graph names blocks by their outermost indexed module (layout.blocks): a list nested in
+    # another indexed module (ResNet's stages.3.layers) would not be the graph's blocks.
+    if not path or split_block(path) is not None:
         return None
     if _shares_tensors(model, path) or len({id(b) for b in blocks}) != len(blocks):
         return None  # tied across blocks: the cut model would name fewer aliases
