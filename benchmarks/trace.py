@@ -3,6 +3,9 @@
 Usage: python benchmarks/trace.py [--repeat N] [--jsonl PATH] [names ...]
 Prints one line per model (best of N runs, wall clock and this process's CPU time: on a shared
 machine the CPU time is the fairer figure); target: GPT-2 XL traced + profiled in < 10 s.
+Measured (2-core EPYC, load ~1, since the depth-independent trace and profile, issue 17): GPT-2
+XL 1.17 + 0.50 s (was 4.61 + 2.71 s), Llama-3-8B shape 1.30 + 1.23 s (was 5.75 + 3.29 s); an
+80-layer Llama-8B shape 1.68 + 0.80 s.
 """
 
 from __future__ import annotations
