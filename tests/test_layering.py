@@ -34,7 +34,9 @@ EXTENSIONS = frozenset(e["name"] for e in tomllib.loads((ROOT / "pyproject.toml"
 MAY_IMPORT = {
     "autopar.layout": {"autopar.layout"},
     "autopar.plans": {"autopar.plans", "autopar.layout"},
-    "autopar.tracer": {"autopar.tracer", "autopar.plans"},
+    # layout is the device-free vocabulary (plans already build on it); the tracer reads its
+    # block names (``layout.blocks``) to recognise repeated blocks
+    "autopar.tracer": {"autopar.tracer", "autopar.plans", "autopar.layout"},
     "autopar.strategies": {"autopar.strategies", "autopar.tracer", "autopar.layout"},
     # the Rotor DP's C twin (autopar._rotor) is part of the solver
     "autopar.solver": {"autopar.solver", "autopar.layout", *EXTENSIONS},

@@ -31,7 +31,7 @@ from torch.export.graph_signature import InputKind
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from autopar.tracer import hf
-from autopar.tracer.expand import trace_shallow
+from autopar.tracer.unroll import trace_shallow
 from autopar.tracer.meta_keys import export_module_path
 from autopar.tracer.precision import apply_precision, compute_dtype
 from autopar.tracer.graph import (BUFFER, CONSTANT, INPUT, MODULE_KEY, PARAMETER, PLACEHOLDER_KEY, Placeholder,
@@ -91,7 +91,7 @@ def trace(model: nn.Module, meta_inputs: tuple | dict, *, name: str | None = Non
     records what each became. ``precision``: ``"bf16"``/``"fp16"`` rewrite the graph to compute
     in that dtype with fp32 master weights (``autopar.tracer.precision``).
     ``by_blocks``: a model looping over one ``nn.ModuleList`` of identical blocks is exported
-    with four of them and expanded to the same graph (``autopar.tracer.expand``: tracing time
+    with four of them and expanded to the same graph (``autopar.tracer.unroll``: tracing time
     does not grow with depth); False, or a model it does not recognise, exports every block.
     """
     if not isinstance(model, nn.Module):

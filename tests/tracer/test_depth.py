@@ -12,7 +12,7 @@ from torch import nn
 import autopar
 from autopar import zoo
 from autopar.strategies import needs_decomposition
-from autopar.tracer import depth, expand, profile, trace
+from autopar.tracer import depth, profile, trace, unroll
 from autopar.tracer.graph import PLACEHOLDER_KEY, op_name, tensor_vals
 
 trace_mod = importlib.import_module("autopar.tracer.trace")  # the package exports trace() by this name
@@ -33,7 +33,7 @@ def describe(traced):
 def spy(monkeypatch):
     """Counts how often the shortcuts really produced the result."""
     used = {"expand": 0, "stamp": 0}
-    real_expand, real_stamp = expand.expand, profile_mod.stamp
+    real_expand, real_stamp = unroll.expand, profile_mod.stamp
 
     def counted_expand(*args, **kwargs):
         out = real_expand(*args, **kwargs)
@@ -45,7 +45,7 @@ def spy(monkeypatch):
         used["stamp"] += out is not None
         return out
 
-    monkeypatch.setattr(expand, "expand", counted_expand)
+    monkeypatch.setattr(unroll, "expand", counted_expand)
     monkeypatch.setattr(profile_mod, "stamp", counted_stamp)
     return used
 
@@ -107,7 +107,7 @@ class Stack(nn.Module):
 def test_identical_toy_stack_uses_the_shortcuts():
     model = Stack([8] * 7, [1.0] * 7)
     traced = trace(model, (torch.randn(4, 8),))
-    assert expand.repeated_list(model) is not None and depth.block_structure(traced) is not None
+    assert unroll.repeated_list(model) is not None and depth.block_structure(traced) is not None
     full = trace(model, (torch.randn(4, 8),), by_blocks=False)
     assert describe(traced) == describe(full)
     assert profile(traced).nodes == profile(full, by_blocks=False).nodes
@@ -117,21 +117,21 @@ def test_non_identical_blocks_fall_back(monkeypatch):
     used = spy(monkeypatch)
     # A setting that differs in a middle block: the model is not cut.
     model = Stack([8] * 7, [1.0, 1.0, 1.0, 1.0, 0.5, 1.0, 1.0])
-    assert expand.repeated_list(model) is None
+    assert unroll.repeated_list(model) is None
     traced = trace(model, (torch.randn(4, 8),))
     full = trace(model, (torch.randn(4, 8),), by_blocks=False)
     assert describe(traced) == describe(full)
     # Shapes that differ in a middle block: the graph's blocks are not identical.
     model = Stack([8, 8, 8, 8, 8, 8, 8], [1.0] * 7)
     model.blocks[4].fc = nn.Linear(8, 8, bias=False)
-    assert expand.repeated_list(model) is None
+    assert unroll.repeated_list(model) is None
     traced = trace(model, (torch.randn(4, 8),))
     assert depth.block_structure(traced) is None
     assert profile(traced).nodes == profile(traced, by_blocks=False).nodes
     # One block object repeated (weights shared across depth): its aliases need the full model.
     model = Stack([8], [1.0])
     model.blocks = nn.ModuleList([model.blocks[0]] * 7)
-    assert expand.repeated_list(model) is None
+    assert unroll.repeated_list(model) is None
     traced = trace(model, (torch.randn(4, 8),))
     assert traced.params[0].aliases == tuple(f"blocks.{i}.fc.weight" for i in range(7))
     assert used == {"expand": 0, "stamp": 0}
