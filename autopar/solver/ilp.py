@@ -201,6 +201,7 @@ def _solve_cbc(prob: pulp.LpProblem, report, *, relax: bool, msg: bool, gap: flo
 
 # What the watchdog's child runs per backend (tests put hanging backends here).
 CHILD_SOLVERS = {"highs": _solve_highs, "cbc": _solve_cbc}
+_REUSE_MAX_VARIABLES = 20_000  # beyond this, pickling the model costs more than a fork
 
 
 class IlpModel:
@@ -408,7 +409,8 @@ class IlpModel:
         """One backend run in a watched child. A HiGHS run that failed without a plan returns
         ``no_solution`` with a ``note`` (the caller falls back); CBC's failures raise."""
         fn = functools.partial(CHILD_SOLVERS[backend], self.prob, relax=relax, msg=msg, gap=gap, deadline=soft)
-        res = run_in_child(fn, deadline=kill_at)
+        # Small models go to the long-lived worker (pickling beats a fork of a big planner process).
+        res = run_in_child(fn, deadline=kill_at, reuse=self.prob.numVariables() <= _REUSE_MAX_VARIABLES)
         seconds = time.monotonic() - t0
         if res.ended == "done":
             status, sol_status, values, bound = res.final

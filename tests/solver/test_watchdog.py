@@ -172,3 +172,28 @@ def test_every_rank_returns_within_the_limit_when_the_backend_hangs(monkeypatch)
         assert "did not return within" in hung, (rank, hung)  # rank 1: "planning failed on rank 0: ..."
         assert t_hung <= ref + HARD_FACTOR * T + SLACK and t_kept <= ref + HARD_FACTOR * T + SLACK, (rank, cases)
         assert t_kept >= T, (rank, cases)  # the kept plan came from the killed HiGHS at the limit
+
+
+def _pid_of_runner(report):
+    return os.getpid()
+
+
+def test_small_jobs_reuse_one_worker_until_it_overruns():
+    """``reuse=True``: the same long-lived worker runs each job (no fork per solve); one that
+    overruns is killed and the next job gets a new worker; a closure, which does not pickle,
+    runs in a fresh fork."""
+    soon = lambda: time.monotonic() + 5  # noqa: E731
+    first = run_in_child(_pid_of_runner, deadline=soon(), reuse=True)
+    second = run_in_child(_pid_of_runner, deadline=soon(), reuse=True)
+    assert first.ended == second.ended == "done" and first.final == second.final != os.getpid()
+    assert _running(first.final)
+    hung = run_in_child(_hang, deadline=time.monotonic() + 0.3, reuse=True)
+    assert hung.ended == "killed"
+    deadline = time.monotonic() + 5
+    while _running(first.final) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _running(first.final)  # the overrun worker is gone ...
+    third = run_in_child(_pid_of_runner, deadline=soon(), reuse=True)
+    assert third.ended == "done" and third.final not in (first.final, os.getpid())  # ... and replaced
+    closure = run_in_child(lambda report: os.getpid(), deadline=soon(), reuse=True)
+    assert closure.ended == "done" and closure.final not in (third.final, os.getpid())
