@@ -78,12 +78,13 @@ def strip_segments(problem: Problem) -> Problem:
 
 def regions_of(problem: Problem, units) -> tuple[RecomputeRegion, ...]:
     """The op names each recomputed unit (fine segment or block) spans, in graph order."""
-    out = []
-    for u in sorted(units, key=lambda u: segment_geometry(problem)[u].start):
-        nodes = tuple(n.name for n in problem.nodes
-                      if n.segment is not None and (n.segment == u or block_of(n.segment) == u))
-        out.append(RecomputeRegion(u, nodes))
-    return tuple(out)
+    geometry = segment_geometry(problem)  # once: it walks every node
+    members: dict[str, list[str]] = {}  # unit -> its ops in graph order (a segment, and its block)
+    for n in problem.nodes:
+        if n.segment is not None:
+            for unit in dict.fromkeys((n.segment, block_of(n.segment))):
+                members.setdefault(unit, []).append(n.name)
+    return tuple(RecomputeRegion(u, tuple(members.get(u, ()))) for u in sorted(units, key=lambda u: geometry[u].start))
 
 
 def _conversion_forward_s(built, choice, region_nodes: set[str]) -> float:
