@@ -47,7 +47,7 @@ from autopar.layout.conversion import plan_conversion
 from autopar.layout.cost import collective_seconds
 from autopar.layout.mesh import MeshSpec
 from autopar.layout.placement import R, Shard, TensorSpec, zero_split
-from autopar.planner.executed import ReaderChain, sync_key
+from autopar.planner.executed import ReaderChain, sync_key, zero2_capable
 from autopar.planner.records import BuiltProblem, Choice, ChosenConversion, Decision, InputSlot
 from autopar.planner.segments import (node_vals, op_segments, saved_by, segment_inputs, storage_base,
                                       without_stateful_segments)
@@ -360,9 +360,7 @@ class _Builder:
 
     def _zero2_slots(self, inputs: Sequence[InputSlot | None]) -> list[int]:
         """Input slots that read a parameter with a ZeRO-2 option."""
-        return [slot for slot, v in enumerate(inputs) if v is not None
-                and self.decisions[v.producer].kind == NodeKind.PARAMETER
-                and any(c.zero_stage == 2 for c in self.decisions[v.producer].choices)]
+        return [slot for slot, v in enumerate(inputs) if v is not None and zero2_capable(self.decisions[v.producer])]
 
     def _zero2_edge(self, src_choices: tuple[Choice, ...], value: InputSlot, dst_choices: tuple[Choice, ...],
                     slot: int) -> np.ndarray:

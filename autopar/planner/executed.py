@@ -20,7 +20,7 @@ from autopar.plans import NodeKind
 from autopar.planner.records import BuiltProblem, ChosenConversion, InputSlot
 from autopar.strategies import Strategy
 
-__all__ = ["GradSync", "ReaderChain", "grad_syncs", "sync_key", "unique_conversions", "shared_savings"]
+__all__ = ["GradSync", "ReaderChain", "grad_syncs", "sync_key", "unique_conversions", "shared_savings", "zero2_capable"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,7 +69,7 @@ class ReaderChain:
         self._last: dict[tuple[str, int], tuple[str, int]] = {}
 
     def previous(self, consumer: str, slot: int, value: InputSlot | None) -> tuple[str, int] | None:
-        if value is None or _zero2_capable(self.decisions[value.producer]):
+        if value is None or zero2_capable(self.decisions[value.producer]):
             return None
         key = (value.producer, value.index)
         prev = self._last.get(key)
@@ -79,7 +79,8 @@ class ReaderChain:
         return prev
 
 
-def _zero2_capable(decision) -> bool:
+def zero2_capable(decision) -> bool:
+    """A parameter decision with a ZeRO-2 option."""
     return decision.kind == NodeKind.PARAMETER and any(c.zero_stage == 2 for c in decision.choices)
 
 
