@@ -32,6 +32,7 @@ requires (``autopar.layout.conversion.plan_conversion``; each distinct spec pair
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import operator
@@ -65,6 +66,8 @@ __all__ = ["BuiltProblem", "Choice", "ChosenConversion", "Decision", "InputSlot"
 
 # Values held at rest the whole step (their bytes are param_bytes, not activations).
 _AT_REST = (NodeKind.PARAMETER, NodeKind.BUFFER)
+# A saved storage the op made itself (``_Builder._relative_parts``).
+_SELF = "self"
 
 
 def layout_specs(shape: tuple[int, ...], mesh_shape: tuple[int, ...]) -> list[TensorSpec]:
@@ -115,6 +118,9 @@ class _Builder:
         self._layout_choices: dict[tuple[str, int], Choice] = {}  # one shared Choice per (layout, ZeRO stage)
         self._edge_cache: dict[Any, np.ndarray] = {}
         self._conv_cache: dict[Any, float] = {}
+        self._option_cache: dict[tuple, tuple[StrategyOption, ...]] = {}  # op options by relative key
+        self._placeholder_cache: dict[tuple, tuple[tuple, tuple]] = {}  # (options, choices) by layout key
+        self._base_cache: dict[str, str] = {}  # value -> the node owning its storage
 
     def build(self) -> BuiltProblem:
         for node in self.traced.nodes:
@@ -130,7 +136,7 @@ class _Builder:
                 self._output(node)
         problem = Problem(
             nodes=tuple(self.nodes),
-            edges=tuple(Edge(s, d, tuple(map(tuple, m.tolist()))) for (s, d), m in self.edges.items()),
+            edges=self._edge_records(),
             budget_bytes=self.budget,
             timeline_length=max(2 * self.num_ops, 1),
             mesh_shape=tuple(self.mesh.shape),
@@ -146,6 +152,20 @@ class _Builder:
                             sources=MappingProxyType(self.sources), fallbacks=tuple(self.fallbacks),
                             mesh=self.mesh, segment_inputs=MappingProxyType(kept))
 
+    def _edge_records(self) -> tuple[Edge, ...]:
+        """The ``Problem``'s edges. Repeated blocks share cost matrices (``_edge_cache``): each
+        distinct matrix is converted and validated once, its repeats reuse the checked costs."""
+        made: dict[int, Edge] = {}
+        out = []
+        for (src, dst), matrix in self.edges.items():
+            template = made.get(id(matrix))
+            if template is None:
+                edge = made[id(matrix)] = Edge(src, dst, tuple(map(tuple, matrix.tolist())))
+            else:
+                edge = _moved_edge(template, src, dst)
+            out.append(edge)
+        return tuple(out)
+
     # ----------------------------------------------------------------------------- decisions
     def _placeholder(self, node: fx.Node) -> None:
         ph = node.meta.get(PLACEHOLDER_KEY)
@@ -153,25 +173,39 @@ class _Builder:
         if ph is None or not isinstance(val, torch.Tensor):
             return  # a non-tensor constant: nothing to lay out
         shape, itemsize = tuple(val.shape), val.dtype.itemsize
-        if ph.kind == NodeKind.CONSTANT:  # a lifted tensor constant: a buffer kept replicated
-            kind, specs = NodeKind.BUFFER, [TensorSpec.replicated(self.mesh.ndim)]
+        # A lifted tensor constant is a buffer kept replicated.
+        kind = NodeKind.BUFFER if ph.kind == NodeKind.CONSTANT else NodeKind(ph.kind)
+        # Options and choices depend on the layout key only: each block's weights share them.
+        key = (ph.kind, shape, itemsize, ph.requires_grad and bool(shape))
+        cached = self._placeholder_cache.get(key)
+        if cached is None:
+            cached = self._placeholder_cache[key] = self._layout_options(ph.kind, kind, shape, itemsize,
+                                                                         trainable=key[-1])
+        opts, choices = cached
+        live = (0, max(2 * self.num_ops - 1, 0)) if kind == NodeKind.INPUT else None
+        self._add(Decision(node.name, kind, choices, module=ph.fqn), opts, live=live,
+                  block=block_of(ph.fqn), signature=f"{kind}{shape}{val.dtype}", vals=(val,))
+
+    def _layout_options(self, ph_kind: str, kind: NodeKind, shape: tuple[int, ...], itemsize: int, *,
+                        trainable: bool) -> tuple[tuple[StrategyOption, ...], tuple[Choice, ...]]:
+        """A placeholder's options and choices: one per layout (and ZeRO stage, parameters)."""
+        if ph_kind == NodeKind.CONSTANT:
+            specs = [TensorSpec.replicated(self.mesh.ndim)]
         else:
-            kind, specs = NodeKind(ph.kind), layout_specs(shape, self.mesh.shape)
+            specs = layout_specs(shape, self.mesh.shape)
         opts, choices = [], []
         for spec in specs:
             local = math.prod(spec.local_shape(shape, self.mesh.shape)) * itemsize
             if kind == NodeKind.INPUT:
                 opts.append(StrategyOption(str(spec), compute_s=0.0, act_bytes=int(local)))
             elif kind == NodeKind.PARAMETER:
-                self._parameter_options(spec, local, spec_shape=shape, trainable=ph.requires_grad and bool(shape),
-                                        opts=opts, choices=choices)
+                self._parameter_options(spec, local, spec_shape=shape, trainable=trainable, opts=opts,
+                                        choices=choices)
                 continue
             else:
                 opts.append(StrategyOption(str(spec), compute_s=0.0, param_bytes=int(local)))
             choices.append(self._layout_choices.setdefault((str(spec), 0), Choice(str(spec), (spec,))))
-        live = (0, max(2 * self.num_ops - 1, 0)) if kind == NodeKind.INPUT else None
-        self._add(Decision(node.name, kind, tuple(choices), module=ph.fqn), opts, live=live,
-                  block=block_of(ph.fqn), signature=f"{kind}{shape}{val.dtype}", vals=(val,))
+        return tuple(opts), tuple(choices)
 
     def _parameter_options(self, spec: TensorSpec, local: int, *, spec_shape: tuple[int, ...], trainable: bool,
                            opts: list, choices: list) -> None:
@@ -192,7 +226,8 @@ class _Builder:
             choices.append(self._layout_choices.setdefault((name, stage), Choice(name, (spec,), zero_stage=stage)))
 
     def _op(self, node: fx.Node) -> None:
-        strategies = self._strategies(node)
+        signature = self._signature(node)
+        strategies = self._strategies(node, signature)
         path = self.traced.module_path(node)
         if not strategies:
             raise ValueError(f"no sharding strategy for node {node.name!r} (op {node.target}, module "
@@ -201,32 +236,69 @@ class _Builder:
         i = self.op_index[node.name]
         parts = self._saved_parts(node)
         live = (i, 2 * self.num_ops - 1 - i) if parts else None
-        activations = [self._kind(src.name) not in _AT_REST for src in slots]
-        global_bytes = _global_bytes(node, slots, activations)
+        activations = tuple(self._kind(src.name) not in _AT_REST for src in slots)
         inputs = tuple(self._value_of(src) for src in slots)
-        zero2 = self._zero2_slots(inputs)
+        zero2 = tuple(self._zero2_slots(inputs))
         # A value an earlier op reads too: its gradient sum is priced on the edge from that
         # reader, where their layouts differ (``planner.executed.ReaderChain``).
         shared = {slot: prev for slot, v in enumerate(inputs)
                   if (prev := self.chain.previous(node.name, slot, v)) is not None}
-        opts = []
-        for s in strategies:
-            act = _activation_bytes(node, s, slots, activations, global_bytes, parts) if live else 0
-            # ZeRO-2 prices the gradient of a parameter it may shard as a reduce-scatter; the
-            # all-reduce's extra is charged on the edge unless the parameter is ZeRO-2.
-            comm_s = (s.comm_s - sum(zero2_extra_s(s, slot, self.mesh) for slot in zero2)
-                      - sum(s.grad_sync_s(slot, self.mesh) for slot in shared))
-            opts.append(StrategyOption(
-                _unique(s.name, opts), compute_s=s.compute_s, comm_s=comm_s, act_bytes=act,
-                forward_s=s.forward_compute_s + s.forward_comm_s))
+        # The options are a function of the strategy list (so of the signature), which slots
+        # are activations, the saved parts relative to this node, and the ZeRO-2 / shared
+        # slots: repeated blocks compute them once.
+        rel_parts = self._relative_parts(node, slots, parts)
+        key = (id(strategies), activations, rel_parts, zero2, tuple(shared))
+        opts = self._option_cache.get(key)
+        if opts is None:
+            opts = self._option_cache[key] = self._op_options(node, strategies, slots, activations, rel_parts,
+                                                              zero2, tuple(shared))
         decision = Decision(node.name, NodeKind.OP, self._choices_of(strategies), inputs, module=path,
                             op=str(node.target))
-        self._add(decision, opts, live=live, block=block_of(path), signature=self._signature(node),
+        self._add(decision, opts, live=live, block=block_of(path), signature=signature,
                   vals=node_vals(node), segment=self.segment_of_op[node.name])
         self._edges_into(decision)
         for slot, (reader, reader_slot) in shared.items():
             self._add_edge(reader, decision.name, self._shared_sync_edge(self.decisions[reader].choices, reader_slot,
                                                                           decision.choices, slot))
+
+    def _op_options(self, node: fx.Node, strategies: list[Strategy], slots: list[fx.Node],
+                    activations: tuple[bool, ...], rel_parts: tuple, zero2: tuple[int, ...],
+                    shared: tuple[int, ...]) -> tuple[StrategyOption, ...]:
+        global_bytes = _global_bytes(node, slots, activations)
+        opts: list[StrategyOption] = []
+        taken: set[str] = set()
+        for s in strategies:
+            act = _activation_bytes(node, s, slots, activations, global_bytes, rel_parts) if rel_parts else 0
+            # ZeRO-2 prices the gradient of a parameter it may shard as a reduce-scatter; the
+            # all-reduce's extra is charged on the edge unless the parameter is ZeRO-2.
+            comm_s = (s.comm_s - sum(zero2_extra_s(s, slot, self.mesh) for slot in zero2)
+                      - sum(s.grad_sync_s(slot, self.mesh) for slot in shared))
+            name = _unique(s.name, taken)
+            taken.add(name)
+            opts.append(StrategyOption(name, compute_s=s.compute_s, comm_s=comm_s, act_bytes=act,
+                                       forward_s=s.forward_compute_s + s.forward_comm_s))
+        return tuple(opts)
+
+    def _relative_parts(self, node: fx.Node, slots: list[fx.Node],
+                        parts: list[tuple[str, int]]) -> tuple[tuple[Any, int], ...]:
+        """``parts`` with each producer named relative to ``node``: ``_SELF`` for the node's own
+        storages, else the input slots (in order) whose value lives in that storage, the ones
+        ``_activation_bytes`` may scale it by (none: the op's blended fraction)."""
+        if not parts:
+            return ()
+        bases = []
+        for src in slots:
+            val = src.meta.get("val")
+            usable = isinstance(val, torch.Tensor) and val.numel() * val.dtype.itemsize > 0
+            bases.append(self._storage_base(src) if usable else None)
+        return tuple((_SELF if producer == node.name else tuple(k for k, b in enumerate(bases) if b == producer),
+                      nbytes) for producer, nbytes in parts)
+
+    def _storage_base(self, src: fx.Node) -> str:
+        base = self._base_cache.get(src.name)
+        if base is None:
+            base = self._base_cache[src.name] = storage_base(src).name
+        return base
 
     def _output(self, node: fx.Node) -> None:
         """The model returns full values: every tensor output is converted to replicated."""
@@ -276,8 +348,7 @@ class _Builder:
             cached = self._choice_cache[id(strategies)] = tuple(Choice(s.name, s.output_specs, s) for s in strategies)
         return cached
 
-    def _strategies(self, node: fx.Node) -> list[Strategy]:
-        key = self._signature(node)
+    def _strategies(self, node: fx.Node, key: str) -> list[Strategy]:
         cached = self._strategy_cache.get(key)
         if cached is None:
             prof = self.prof[node.name]
@@ -402,12 +473,21 @@ def _distinct(specs: list[TensorSpec | None]) -> tuple[list[int], list[TensorSpe
 
 
 # ----------------------------------------------------------------------------------- helpers
+def _moved_edge(template: Edge, src: str, dst: str) -> Edge:
+    """``template`` between ``src`` and ``dst``: its costs were validated when it was made, so
+    its repeats skip ``Edge.__post_init__`` (its rectangularity and finiteness checks hold)."""
+    assert src != dst, src
+    edge = object.__new__(Edge)
+    for f in dataclasses.fields(Edge):
+        object.__setattr__(edge, f.name, {"src": src, "dst": dst}.get(f.name, getattr(template, f.name)))
+    return edge
+
+
 def _has_tensor_output(node: fx.Node) -> bool:
     return any(isinstance(v, torch.Tensor) for v in node_vals(node))
 
 
-def _unique(name: str, opts: list[StrategyOption]) -> str:
-    taken = {o.name for o in opts}
+def _unique(name: str, taken: set[str]) -> str:
     if name not in taken:
         return name
     k = 2
@@ -482,34 +562,32 @@ def _global_bytes(node: fx.Node, slots: list[fx.Node], activations: list[bool]) 
     return sum(v.numel() * v.dtype.itemsize for v in vals if _is_float(v))
 
 
-def _activation_bytes(node: fx.Node, s: Strategy, slots: list[fx.Node], activations: list[bool],
-                      global_bytes: int, parts: list[tuple[str, int]]) -> int:
-    """Local bytes of the saved storages ``parts`` ((producer, global bytes)) under strategy ``s``.
+def _activation_bytes(node: fx.Node, s: Strategy, slots: list[fx.Node], activations: Sequence[bool],
+                      global_bytes: int, parts: tuple[tuple[Any, int], ...]) -> int:
+    """Local bytes of the saved storages ``parts`` ((whose storage, global bytes), as
+    ``_Builder._relative_parts`` names them) under strategy ``s``.
 
     Each storage scales by the local fraction of the tensor it is: one the op made itself (its
     outputs, internal temporaries such as attention's logsumexp) by the strategy's output
-    fraction; one made upstream by the fraction of the input slot whose value lives in that
-    storage (through views and ``getitem``), under the strategy's input spec (a column-parallel
-    linear keeps its replicated input whole, a row-parallel one its sharded input). A storage
-    matching neither (an upstream value reached another way) takes the op's blended fraction:
-    local/global bytes of all its activation inputs and outputs."""
+    fraction; one made upstream by the fraction of the (first) input slot whose value lives in
+    that storage (through views and ``getitem``), under the strategy's input spec (a
+    column-parallel linear keeps its replicated input whole, a row-parallel one its sharded
+    input). A storage matching neither (an upstream value reached another way) takes the op's
+    blended fraction: local/global bytes of all its activation inputs and outputs."""
     blended = min(_local_bytes(s, slots, activations) / global_bytes, 1.0) if global_bytes else 1.0
     out_global = sum(v.numel() * v.dtype.itemsize for v in node_vals(node)
                      if isinstance(v, torch.Tensor))
     out_frac = min(s.output_bytes / out_global, 1.0) if out_global else blended
-    slot_frac: dict[str, float] = {}
-    for k, src in enumerate(slots):
-        val = src.meta.get("val")
-        if not isinstance(val, torch.Tensor) or k >= len(s.input_bytes):
-            continue
-        full = val.numel() * val.dtype.itemsize
-        if full:
-            slot_frac.setdefault(storage_base(src).name, min(s.input_bytes[k] / full, 1.0))
     in_frac = _input_fraction(s, slots, activations)
     total = 0.0
-    for producer, nbytes in parts:
-        if producer != node.name:
-            frac = slot_frac.get(producer, blended)
+    for where, nbytes in parts:
+        if where is not _SELF:
+            k = next((k for k in where if k < len(s.input_bytes)), None)
+            if k is None:
+                frac = blended
+            else:
+                val = slots[k].meta["val"]
+                frac = min(s.input_bytes[k] / (val.numel() * val.dtype.itemsize), 1.0)
         elif nbytes <= out_global or in_frac is None:
             frac = out_frac
         else:
