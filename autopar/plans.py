@@ -12,18 +12,19 @@ from __future__ import annotations
 
 import enum
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from autopar.layout.mesh import MeshSpec
 from autopar.layout.placement import Shard, TensorSpec
 
 __all__ = ["PLAN_VERSION", "PRECISIONS", "COST_MODEL_VERSION", "NodeKind", "NodePlan", "Estimate", "BaselineResult",
-           "RecomputeRegion", "Plan"]
+           "RecomputeRegion", "StagePlan", "PipelinePlan", "PIPELINE_SCHEDULES", "Plan"]
 
 PLAN_VERSION = 1
 PRECISIONS = ("fp32", "bf16", "fp16")  # what ops compute in (torch dtypes: autopar.tracer.precision)
 COST_MODEL_VERSION = "roofline-ring-2"  # 2: compute at the op dtype's peak (fp32 vs bf16/fp16)
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
 
 
 class NodeKind(str, enum.Enum):
@@ -115,6 +116,78 @@ class RecomputeRegion:
         return f"{self.name} ({len(self.nodes)} ops: {self.nodes[0]} .. {self.nodes[-1]})"
 
 
+@dataclass(frozen=True, slots=True)
+class StagePlan:
+    """One (virtual) pipeline stage.
+
+    index:  the stage's place in the pipeline order, 0 .. num_stages * virtual_stages - 1;
+    rank:   its position on the pipeline mesh axis (interleaved schedules: ``index % num_stages``);
+    layers: the repeated blocks it holds, ``[start, stop)`` (``autopar.layout.blocks``);
+    nodes:  the traced node names it runs, graph order: its ops (and ``getitem``/``get_attr``
+            nodes), the parameters/buffers they read, and the user inputs they read. A tied
+            parameter read by two stages is listed in both.
+    """
+
+    index: int
+    rank: int
+    layers: tuple[int, int]
+    nodes: tuple[str, ...]
+
+    def __str__(self) -> str:
+        return (f"stage {self.index} on pipeline rank {self.rank}: blocks {self.layers[0]}..{self.layers[1] - 1}, "
+                f"{len(self.nodes)} nodes")
+
+
+@dataclass(frozen=True, slots=True)
+class PipelinePlan:
+    """Pipeline parallelism over mesh axis ``axis`` (the first): ``num_stages`` ranks on that
+    axis, each holding ``virtual_stages`` stages; every stage runs on the sub-mesh without the
+    pipeline axis with the plan's per-node strategies, one micro-batch (``batch /
+    num_microbatches``, the traced graph's batch) at a time, under ``schedule``."""
+
+    num_stages: int
+    num_microbatches: int
+    schedule: str
+    virtual_stages: int
+    stages: tuple[StagePlan, ...]
+    axis: int = 0
+
+    def __post_init__(self) -> None:
+        if self.schedule not in PIPELINE_SCHEDULES:
+            raise ValueError(f"pipeline schedule {self.schedule!r} is not one of {PIPELINE_SCHEDULES}")
+        for what, n in (("num_stages", self.num_stages), ("num_microbatches", self.num_microbatches),
+                        ("virtual_stages", self.virtual_stages)):
+            if not isinstance(n, int) or n < 1:
+                raise ValueError(f"pipeline {what} must be a positive int, got {n!r}")
+        if self.axis != 0:
+            raise ValueError(f"the pipeline axis must be mesh axis 0, got {self.axis}")
+        if len(self.stages) != self.num_stages * self.virtual_stages:
+            raise ValueError(f"a pipeline of {self.num_stages} ranks x {self.virtual_stages} virtual stages needs "
+                             f"{self.num_stages * self.virtual_stages} stages, the plan lists {len(self.stages)}")
+        if [s.index for s in self.stages] != list(range(len(self.stages))):
+            raise ValueError(f"pipeline stages must be listed in order 0..{len(self.stages) - 1}, got "
+                             f"{[s.index for s in self.stages]}")
+
+    def __str__(self) -> str:
+        virtual = f" x {self.virtual_stages} virtual" if self.virtual_stages > 1 else ""
+        return (f"pipeline {self.num_stages} stages{virtual} on mesh axis {self.axis}, "
+                f"{self.num_microbatches} micro-batches, {self.schedule}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"num_stages": self.num_stages, "num_microbatches": self.num_microbatches,
+                "schedule": self.schedule, "virtual_stages": self.virtual_stages, "axis": self.axis,
+                "stages": [{"index": s.index, "rank": s.rank, "layers": list(s.layers), "nodes": list(s.nodes)}
+                           for s in self.stages]}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "PipelinePlan":
+        stages = tuple(StagePlan(int(s["index"]), int(s["rank"]), (int(s["layers"][0]), int(s["layers"][1])),
+                                 tuple(s["nodes"])) for s in data["stages"])
+        return cls(num_stages=data["num_stages"], num_microbatches=data["num_microbatches"],
+                   schedule=data["schedule"], virtual_stages=data["virtual_stages"], stages=stages,
+                   axis=data.get("axis", 0))
+
+
 @dataclass(frozen=True)
 class Plan:
     model: str
@@ -134,6 +207,10 @@ class Plan:
     # Mixed precision: the dtype ops compute in (the traced graph's) and gradients are summed in.
     precision: str = "fp32"
     reduce_dtype: str = "fp32"
+    # Pipeline parallelism over mesh axis 0: with it, ``nodes`` hold layouts over the stage
+    # sub-mesh (``stage_mesh()``: the mesh without the pipeline axis) and the traced graph (and
+    # ``graph_hash``) is the MICRO-batch graph.
+    pipeline: PipelinePlan | None = None
     cost_model_version: str = COST_MODEL_VERSION
     version: int = PLAN_VERSION
 
@@ -159,6 +236,14 @@ class Plan:
                 out[n.module] = tuple(f"Shard({p.dim})" if isinstance(p, Shard) else "Replicate()"
                                       for p in spec.placements)
         return out
+
+    def stage_mesh(self) -> MeshSpec:
+        """The mesh every node's layout is over: ``mesh`` without the pipeline axis (a 1-D
+        mesh of N pipeline stages leaves a one-device mesh, shape ``(1,)``); ``mesh`` itself
+        without a pipeline."""
+        if self.pipeline is None:
+            return self.mesh
+        return stage_mesh_of(self.mesh, self.pipeline.axis)
 
     def best_baseline(self) -> BaselineResult | None:
         feasible = [b for b in self.baselines if b.feasible]
@@ -191,6 +276,10 @@ class Plan:
         if self.recompute:
             lines.append(f"  recompute ({self.checkpoint.get('method', '?')}): "
                          + ", ".join(r.name for r in self.recompute))
+        if self.pipeline is not None:
+            lines.append(f"  {self.pipeline}; each stage on mesh {self.stage_mesh().shape}")
+            for st in self.pipeline.stages:
+                lines.append(f"    {st}")
         if self.fallbacks:
             lines.append(f"  replicated without a rule (fallback): {', '.join(self.fallbacks)}")
         return "\n".join(lines)
@@ -207,6 +296,8 @@ class Plan:
             "recompute": [asdict(r) for r in self.recompute], "checkpoint": self.checkpoint,
             "precision": self.precision, "reduce_dtype": self.reduce_dtype,
         }
+        if self.pipeline is not None:
+            data["pipeline"] = self.pipeline.to_dict()
         return json.dumps(data, indent=1)
 
     @classmethod
@@ -233,7 +324,9 @@ class Plan:
                 fallbacks=tuple(data["fallbacks"]),
                 recompute=tuple(RecomputeRegion(r["name"], tuple(r["nodes"])) for r in data.get("recompute", ())),
                 checkpoint=data.get("checkpoint", {}), precision=data.get("precision", "fp32"),
-                reduce_dtype=data.get("reduce_dtype", "fp32"), cost_model_version=data["cost_model_version"],
+                reduce_dtype=data.get("reduce_dtype", "fp32"),
+                pipeline=PipelinePlan.from_dict(data["pipeline"]) if data.get("pipeline") else None,
+                cost_model_version=data["cost_model_version"],
                 version=data["version"],
             )
         except (KeyError, TypeError) as exc:
@@ -247,3 +340,14 @@ class Plan:
     def load(cls, path: str) -> "Plan":
         with open(path) as f:
             return cls.from_json(f.read())
+
+
+def stage_mesh_of(mesh: MeshSpec, axis: int = 0) -> MeshSpec:
+    """``mesh`` without pipeline axis ``axis`` (its links, names and device kept); a 1-D mesh
+    leaves a one-device mesh ``(1,)`` (a stage on one device; its axis costs nothing)."""
+    if mesh.ndim == 1:
+        return replace(mesh, shape=(1,), axis_names=(f"{mesh.axis_names[0]}_stage",))
+    keep = [i for i in range(mesh.ndim) if i != axis]
+    return replace(mesh, shape=tuple(mesh.shape[i] for i in keep),
+                   axis_names=tuple(mesh.axis_names[i] for i in keep),
+                   alpha=tuple(mesh.alpha[i] for i in keep), beta=tuple(mesh.beta[i] for i in keep))

@@ -118,10 +118,12 @@ def find_strategy(node: fx.Node, node_plan: NodePlan, plan: Plan) -> Strategy:
 
 
 def emit_local_graph(traced: TracedGraph, plan: Plan, pmesh: ProcessMesh, *,
-                     device: torch.device, local_inputs: bool = False) -> EmittedGraph:
+                     device: torch.device, local_inputs: bool = False, bucket_cap: int | None = None) -> EmittedGraph:
     """``local_inputs``: user inputs arrive as this rank's piece under the plan's input layout
-    (instead of the full value)."""
-    return _Emitter(traced, plan, pmesh, torch.device(device), local_inputs).run()
+    (instead of the full value). ``bucket_cap``: bytes per gradient bucket, None for
+    ``bucket_cap_bytes()``; 0 emits in-graph ``grad_all_reduce`` nodes (plain autograd, which
+    ``torch.autograd.grad`` and the pipeline's split backward need)."""
+    return _Emitter(traced, plan, pmesh, torch.device(device), local_inputs, bucket_cap).run()
 
 
 def _as_tuple(val: Any) -> tuple:
@@ -134,7 +136,7 @@ def _where(node: fx.Node) -> str:
 
 class _Emitter:
     def __init__(self, traced: TracedGraph, plan: Plan, pmesh: ProcessMesh, device: torch.device,
-                 local_inputs: bool) -> None:
+                 local_inputs: bool, bucket_cap: int | None = None) -> None:
         self.traced, self.plan, self.pmesh, self.device = traced, plan, pmesh, device
         self.local_inputs = local_inputs
         self.mesh_shape = tuple(pmesh.shape)
@@ -160,7 +162,7 @@ class _Emitter:
             self.modules[name] = GradAllReduce(pmesh, reduce_dtype=self.reduce_dtype) if kind == GRAD_ALL_REDUCE \
                 else Collective(kind, pmesh)
         # Partial gradients of parameters are all-reduced in buckets (autopar.runtime.bucketing).
-        cap = bucket_cap_bytes()
+        cap = bucket_cap_bytes() if bucket_cap is None else bucket_cap
         self.bucketer = GradBucketer(pmesh, cap) if cap > 0 else None
         if self.bucketer is not None:
             name = GRAD_BUCKET

@@ -1,0 +1,141 @@
+"""Pipeline stages by an even cut at repeated-block boundaries, and the pipelined ``Plan``.
+
+``even_stages(traced, num_stages=S, virtual_stages=v)`` cuts the traced (micro-batch) graph into
+``S * v`` stages that each hold a contiguous run of whole repeated blocks (``transformer.h.3``,
+``model.layers.3``: :mod:`autopar.layout.blocks`), as evenly as the block count allows:
+
+- the repeated-block container is the module prefix with the most block indices (GPT-2's
+  ``transformer.h``); with N blocks and K = S * v stages, stage k holds blocks
+  ``[k * N // K, (k + 1) * N // K)``;
+- ops are walked in graph order: an op inside block b goes to b's stage, any other op to the
+  stage of the latest block op before it (so embeddings and everything before the first block
+  go to stage 0, the final norm, the head and the loss to the last stage); a ``getitem`` goes
+  with the op whose output it reads;
+- a parameter, buffer or user input is listed in every stage that reads it (GPT-2's tied
+  ``wte``: the first and the last stage); values crossing a cut are the runtime's business
+  (:mod:`autopar.runtime.pipeline_split`).
+
+Stage k runs on pipeline rank ``k % S`` (the loop placement of torch's interleaved schedules).
+The stage search proper (a DP over cut points priced by the cost model) is not here: this is
+the simple, cost-free cut the runtime is tested with.
+
+``pipeline_plan(sub_plan, traced, mesh=..., ...)`` wraps a plan solved on the stage sub-mesh
+(the mesh without its first axis) into a full-mesh ``Plan`` carrying a ``PipelinePlan``.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections import Counter
+from dataclasses import replace
+
+from autopar.layout.blocks import split_block
+from autopar.layout.mesh import MeshSpec
+from autopar.plans import PIPELINE_SCHEDULES, PipelinePlan, Plan, StagePlan, stage_mesh_of
+from autopar.tracer.graph import MODULE_KEY, TracedGraph
+
+__all__ = ["even_stages", "pipeline_plan", "block_container"]
+
+
+def block_container(traced: TracedGraph) -> tuple[str, int] | None:
+    """(module prefix, number of blocks) of the repeated-block container with the most block
+    indices among the ops, or None when the model has no repeated block."""
+    seen: dict[str, set[int]] = {}
+    for node in traced.compute_nodes():
+        found = split_block(node.meta.get(MODULE_KEY, ""))
+        if found is not None:
+            seen.setdefault(found[0], set()).add(found[1])
+    if not seen:
+        return None
+    prefix = max(seen, key=lambda p: len(seen[p]))  # first seen wins ties (dicts keep order)
+    indices = sorted(seen[prefix])
+    if indices != list(range(len(indices))):
+        raise ValueError(f"the blocks of {prefix!r} are not numbered 0..{len(indices) - 1}: {indices}")
+    return prefix, len(indices)
+
+
+def even_stages(traced: TracedGraph, *, num_stages: int, virtual_stages: int = 1) -> tuple[StagePlan, ...]:
+    for what, n in (("num_stages", num_stages), ("virtual_stages", virtual_stages)):
+        if not isinstance(n, int) or n < 1:
+            raise ValueError(f"{what} must be a positive int, got {n!r}")
+    total = num_stages * virtual_stages
+    found = block_container(traced)
+    num_blocks = 0 if found is None else found[1]
+    if num_blocks < total:
+        raise ValueError(f"{traced.model_name} has {num_blocks} repeated blocks"
+                         + (f" ({found[0]}.0..{num_blocks - 1})" if found else "")
+                         + f"; {num_stages} pipeline stages x {virtual_stages} virtual stages need at least "
+                           f"{total} (one whole block per stage)")
+    prefix = found[0]
+    block_stage = {b: k for k in range(total) for b in range(k * num_blocks // total, (k + 1) * num_blocks // total)}
+    stage_of: dict[str, int] = {}
+    current = 0
+    for node in traced.nodes:
+        if node.op in ("placeholder", "output"):
+            continue
+        if node.op == "call_function" and node.target is operator.getitem and node.args[0].name in stage_of:
+            stage_of[node.name] = stage_of[node.args[0].name]
+            continue
+        where = split_block(node.meta.get(MODULE_KEY, ""))
+        if where is not None and where[0] == prefix:
+            current = max(current, block_stage[where[1]])
+        stage_of[node.name] = current
+    _check_order(traced, stage_of)
+    readers: dict[str, set[int]] = {}
+    for node in traced.nodes:
+        if node.op == "placeholder":
+            readers[node.name] = {stage_of[u.name] for u in node.users if u.name in stage_of}
+            if any(u.op == "output" for u in node.users):
+                readers[node.name].add(total - 1)
+    stages = []
+    for k in range(total):
+        names = tuple(n.name for n in traced.nodes
+                      if (n.op == "placeholder" and k in readers[n.name]) or stage_of.get(n.name) == k)
+        first, last = min(b for b, s in block_stage.items() if s == k), max(b for b, s in block_stage.items() if s == k)
+        stages.append(StagePlan(index=k, rank=k % num_stages, layers=(first, last + 1), nodes=names))
+    return tuple(stages)
+
+
+def _check_order(traced: TracedGraph, stage_of: dict[str, int]) -> None:
+    """Every op reads values from its own or earlier stages (assert: graph order guarantees it
+    for the walk above; a later planner's cuts go through the same check)."""
+    for node in traced.nodes:
+        for src in node.all_input_nodes:
+            if src.name in stage_of and node.name in stage_of:
+                assert stage_of[src.name] <= stage_of[node.name], (src.name, node.name)
+
+
+def pipeline_plan(sub_plan: Plan, traced: TracedGraph, *, mesh: MeshSpec, num_stages: int, num_microbatches: int,
+                  schedule: str, virtual_stages: int = 1) -> Plan:
+    """The full-mesh plan: ``sub_plan`` (solved on ``traced``, the micro-batch graph, on the
+    stage sub-mesh) with even stages over mesh axis 0 of ``mesh`` (size ``num_stages``)."""
+    if schedule not in PIPELINE_SCHEDULES:
+        raise ValueError(f"pipeline schedule {schedule!r} is not one of {PIPELINE_SCHEDULES}")
+    if mesh.shape[0] != num_stages:
+        raise ValueError(f"the pipeline axis (mesh axis 0) of mesh {mesh.shape} has size {mesh.shape[0]}, "
+                         f"not num_stages={num_stages}")
+    sub = stage_mesh_of(mesh)
+    if tuple(sub_plan.mesh.shape) != tuple(sub.shape):
+        raise ValueError(f"the stage plan is for mesh {sub_plan.mesh.shape}; stages of mesh {mesh.shape} run on "
+                         f"{sub.shape} (the mesh without its pipeline axis)")
+    if sub_plan.graph_hash != traced.graph_hash:
+        raise ValueError(f"the stage plan was made for graph {sub_plan.graph_hash}, the traced graph is "
+                         f"{traced.graph_hash}")
+    if sub_plan.pipeline is not None:
+        raise ValueError("the stage plan is already pipelined")
+    if schedule in ("gpipe", "1f1b") and virtual_stages != 1:
+        raise ValueError(f"schedule {schedule!r} runs one stage per rank; got virtual_stages={virtual_stages} "
+                         f"(use 'interleaved-1f1b' or 'zero-bubble')")
+    if schedule == "interleaved-1f1b" and virtual_stages < 2:
+        raise ValueError(f"schedule 'interleaved-1f1b' needs virtual_stages >= 2, got {virtual_stages}")
+    if sub_plan.recompute or any(n.zero_stage for n in sub_plan.nodes):
+        raise ValueError("pipelined plans do not run with activation recompute or ZeRO yet: plan the stages "
+                         "with checkpoint=None and zero_stage=0")
+    stages = even_stages(traced, num_stages=num_stages, virtual_stages=virtual_stages)
+    counts = Counter(name for st in stages for name in st.nodes)
+    placeholders = {p.name for p in traced.placeholders}
+    doubled = sorted(n for n, c in counts.items() if c > 1 and n not in placeholders)
+    assert not doubled, doubled  # ops run on exactly one stage
+    pipe = PipelinePlan(num_stages=num_stages, num_microbatches=num_microbatches, schedule=schedule,
+                        virtual_stages=virtual_stages, stages=stages)
+    return replace(sub_plan, mesh=mesh, pipeline=pipe)

@@ -1,0 +1,397 @@
+"""Pipeline parallelism on ``torch.distributed.pipelining``: ``build_pipeline(model, traced, plan)``.
+
+The plan (``Plan.pipeline``) cuts the traced MICRO-batch graph into stages
+(:mod:`autopar.runtime.pipeline_split`); mesh axis 0 is the pipeline axis, and every stage runs
+on the sub-mesh without it (a torch ``DeviceMesh`` slice of ``init_device_mesh`` over the full
+shape; a 1-D mesh of S devices is laid out as (S, 1): each stage on one device) with the plan's
+per-node strategies. On each rank, for each stage it holds (rank r holds stages r, r + S, ...):
+
+- the stage's ops are emitted as a local graph on the stage sub-mesh (``emit_local_graph`` on
+  the stage's graph, in-graph gradient all-reduces: plain autograd, so the zero-bubble schedule's
+  split input/weight backward sees every weight gradient);
+- ONLY the parameters and buffers the rank's stages read are materialised
+  (``materialize.local_shards``), as local leaf parameters the stage modules share (one leaf per
+  parameter per rank, even when two of its stages read it), wrapped in ``PipelineStage`` with the
+  pipeline-axis process group; the schedule is torch's (``SCHEDULES``).
+
+``PipelineModule`` contract:
+
+- ``step(*args, **kwargs) -> loss``: the FULL batch, identical on every rank, split into
+  ``num_microbatches`` micro-batches along dim 0; forward and backward under the schedule; returns
+  the loss on EVERY rank (broadcast over the pipeline axis from the last stage). Gradients land in
+  ``.grad`` of ``parameters()`` (DTensors on the stage sub-mesh with the plan's placements, like
+  ``AutoParallelModule``) and accumulate over calls until zeroed (``optimizer.zero_grad()``).
+- Micro-batch loss scaling. The schedule runs with ``scale_grads=False`` and a loss function
+  that returns the model's loss divided by the number of micro-batches M, so the gradient is
+  (1/M) * sum of the micro-batch gradients and the returned loss the mean of the micro-batch
+  losses. Both equal ONE full-batch backward of the model's loss exactly when the loss is a mean
+  over the batch in which every micro-batch has the same weight -- a mean over samples or tokens
+  with the same number of counted tokens per micro-batch (Hugging Face's causal-LM loss without
+  ``-100`` labels, or with the same number of them in every micro-batch); a sum-reduced loss
+  would need no division (not supported: the division is fixed).
+- Tied weights read by stages on different pipeline ranks (GPT-2's ``wte``: the embedding in the
+  first stage, the LM head in the last) live on each of those ranks; their gradients are summed
+  over a process group of exactly those ranks (one group per sub-mesh coordinate) before
+  ``step`` returns, so the copies get equal gradients and stay equal under any optimizer.
+- ``pm(*args, **kwargs)``: forward only (``schedule.eval``), returns the model's output
+  structure on every rank: batch-major outputs concatenated over micro-batches, scalar outputs
+  (the loss) averaged.
+- ``full_state_dict()`` / ``full_gradients()``: EVERY rank returns the full dict (gathered over
+  each stage's sub-mesh, then broadcast over the pipeline axis from the lowest pipeline rank that
+  holds each tensor); every rank must call.
+
+Not yet: activation recompute, ZeRO and mixed precision inside pipelined stages (refused), DCP,
+a gradient-norm clip across stages (each rank's ``parameters()`` are its stages' only).
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+import torch.utils._pytree as pytree
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import (Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
+                                                    ScheduleInterleavedZeroBubble)
+
+from autopar.plans import Plan
+from autopar.runtime.dtensors import local_of, to_dtensor
+from autopar.runtime.materialize import local_shards
+from autopar.runtime.module import _snapshot
+from autopar.runtime.passes import STATE_KEY, emit_local_graph
+from autopar.runtime.pipeline_split import StageGraph, split_stages
+from autopar.runtime.process_mesh import ProcessMesh
+from autopar.tracer.graph import BUFFER, PARAMETER, TracedGraph, keyword_path
+
+__all__ = ["SCHEDULES", "PipelineModule", "build_pipeline", "pipeline_device_mesh"]
+
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved-1f1b": ScheduleInterleaved1F1B,
+             "zero-bubble": ScheduleInterleavedZeroBubble}
+
+
+def pipeline_device_mesh(plan: Plan, *, device_type: str) -> DeviceMesh:
+    """The full-shape ``DeviceMesh`` (pipeline axis first; a 1-D mesh gets a trailing axis of size 1)."""
+    sub = plan.stage_mesh()
+    if plan.mesh.ndim == 1:
+        shape, names = (plan.mesh.shape[0], 1), (plan.mesh.axis_names[0], sub.axis_names[0])
+    else:
+        shape, names = plan.mesh.shape, plan.mesh.axis_names
+    return init_device_mesh(device_type, tuple(shape), mesh_dim_names=tuple(names))
+
+
+class _StageModule(nn.Module):
+    """One stage's emitted graph; its parameters are this rank's local leaves (shared between
+    the rank's stages), passed to the graph in placeholder order."""
+
+    def __init__(self, gm: fx.GraphModule, stage: StageGraph, leaves: dict[str, torch.Tensor]) -> None:
+        super().__init__()
+        self.gm = gm
+        self.stage = stage
+        self._arg_state = tuple(n.name if n.meta.get(STATE_KEY) else None for n in gm.graph.nodes
+                                if n.op == "placeholder")
+        for name in self._arg_state:
+            if name is None:
+                continue
+            if isinstance(leaves[name], nn.Parameter):
+                self.register_parameter(name, leaves[name])
+            else:
+                self.register_buffer(name, leaves[name])
+
+    def forward(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        import os
+        if os.environ.get("PPDEBUG"):
+            print("stage", self.stage.index, [(n, tuple(x.shape), x.dtype, x.min().item() if x.numel() else None) for n, x in zip(self.stage.inputs, inputs)], flush=True)
+        it = iter(inputs)
+        values = [next(it) if name is None else getattr(self, name) for name in self._arg_state]
+        out = self.gm(*values)
+        if os.environ.get("PPDEBUG"):
+            print("stage out", self.stage.index, [(n, tuple(x.shape), x.dtype, x.min().item() if x.numel() else None) for n, x in zip(self.stage.outputs, out)], flush=True)
+        # Point-to-point sends need dense tensors (an expanded mask is a stride-0 view).
+        return tuple(o.contiguous() for o in out)
+
+
+class PipelineModule(nn.Module):
+    def __init__(self, *, plan: Plan, traced: TracedGraph, device_mesh: DeviceMesh, pmesh: ProcessMesh,
+                 stage_modules: list[_StageModule], leaves: dict[str, torch.Tensor], specs: dict,
+                 signature: inspect.Signature, state_keys: tuple[str, ...], device: torch.device,
+                 holders: dict[str, tuple[int, ...]]) -> None:
+        super().__init__()
+        pipe = plan.pipeline
+        self.plan, self.pmesh, self.device_mesh = plan, pmesh, device_mesh
+        self._traced, self._signature, self._state_keys, self._device = traced, signature, state_keys, device
+        self._stages = list(stage_modules)  # a plain list: their leaves are not this module's parameters
+        self._leaves, self._specs, self._holders = leaves, specs, holders
+        self.pp_group = device_mesh.get_group(0)
+        self.pp_rank = dist.get_group_rank(self.pp_group, dist.get_rank())
+        self.num_microbatches = pipe.num_microbatches
+        self._inputs = [p for p in traced.placeholders if p.kind == "input"
+                        and isinstance(traced.node(p.name).meta.get("val"), torch.Tensor)]
+        self._placeholders = {p.name: p for p in traced.placeholders}
+        self.stage_state = nn.Module()  # DTensor parameters and buffers at their canonical FQNs
+        self._dtensors: dict[str, torch.Tensor] = {}
+        for name, leaf in leaves.items():
+            if name not in specs or self._placeholders[name].kind not in (PARAMETER, BUFFER):
+                continue
+            ph = self._placeholders[name]
+            dt = to_dtensor(local_of(leaf), specs[name], pmesh, ph.shape)
+            if isinstance(leaf, nn.Parameter):
+                dt = nn.Parameter(dt, requires_grad=leaf.requires_grad)
+            _attach(self.stage_state, ph.fqn, dt)
+            self._dtensors[name] = dt
+        num_stages = len(pipe.stages)
+        self._pstages = [PipelineStage(m, m.stage.index, num_stages, device, group=self.pp_group,
+                                       input_args=_examples(traced, m.stage.inputs, device),
+                                       output_args=_examples(traced, m.stage.outputs, device))
+                         for m in stage_modules]
+        last = stage_modules[-1].stage
+        self._loss_at = (last.outputs.index(traced.loss_node.name)
+                         if traced.loss_node is not None and traced.loss_node.name in last.outputs else None)
+        if self._loss_at is None and any(m.stage.index == num_stages - 1 for m in stage_modules):
+            raise ValueError(f"{traced.model_name} returns no loss: a pipeline trains on the model's own loss")
+        m = self.num_microbatches
+        loss_at = self._loss_at
+
+        def loss_fn(output, _target):
+            out = output if isinstance(output, (tuple, list)) else (output,)
+            return out[loss_at] / m  # see the module docstring: mean losses, equal micro-batch weights
+
+        cls = SCHEDULES[pipe.schedule]
+        stages_arg = self._pstages[0] if pipe.schedule in ("gpipe", "1f1b") else self._pstages
+        self.schedule = cls(stages_arg, n_microbatches=m, loss_fn=loss_fn, scale_grads=False)
+        # The last stage's per-micro-batch outputs are merged here (``forward``): torch's merge
+        # concatenates every output along dim 0, which a scalar loss does not have.
+        self.schedule._merge_outputs = lambda chunks: None
+        self._last_rank = pipe.stages[-1].rank
+        self._tied_groups = _tied_groups(holders, device_mesh)
+
+    # ------------------------------------------------------------------------------ inputs
+    def _flat_inputs(self, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+        try:
+            bound = self._signature.bind(*args, **kwargs)
+        except TypeError as err:
+            raise ValueError(f"inputs do not fit {self._traced.model_name}.forward{self._signature}: {err}") from None
+        leaves = {keyword_path(path): v for path, v in pytree.tree_flatten_with_path(dict(bound.arguments))[0]}
+        values = []
+        for p in self._inputs:
+            value = leaves.get(p.fqn)
+            want = (p.shape[0] * self.num_microbatches, *p.shape[1:]) if p.shape else p.shape
+            if not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(want) or value.dtype != p.dtype:
+                got = f"{value.dtype}{list(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
+                raise ValueError(f"input {p.fqn!r}: expected the full batch {p.dtype}{list(want)} "
+                                 f"({self.num_microbatches} micro-batches of {p.shape[0] if p.shape else '?'}), "
+                                 f"got {got}")
+            values.append(value.to(self._device))
+        return values
+
+    # ---------------------------------------------------------------------------- running
+    def step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """Forward and backward of one full batch; returns the loss (every rank)."""
+        inputs = self._flat_inputs(args, kwargs)
+        for name, dt in self._dtensors.items():  # gradients accumulate across steps until zeroed
+            leaf = self._leaves[name]
+            if isinstance(leaf, nn.Parameter):
+                leaf.grad = None if dt.grad is None else local_of(dt.grad)
+        losses: list[torch.Tensor] = []
+        target = torch.zeros(self.num_microbatches, device=self._device)  # the loss lives in the graph
+        self.schedule.step(*inputs, target=target, losses=losses, return_outputs=False)
+        self._sum_tied_gradients()
+        for name, dt in self._dtensors.items():
+            leaf = self._leaves[name]
+            if isinstance(leaf, nn.Parameter) and leaf.grad is not None:
+                dt.grad = to_dtensor(leaf.grad, self._specs[name], self.pmesh, dt.shape)
+        loss = torch.stack([x.detach() for x in losses]).sum() if losses else torch.zeros((), device=self._device)
+        return self._from_last_stage(loss.to(self._loss_dtype()))
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Forward only: the model's outputs for the full batch, on every rank."""
+        inputs = self._flat_inputs(args, kwargs)
+        target = torch.zeros(self.num_microbatches, device=self._device)
+        with torch.no_grad():
+            self.schedule.eval(*inputs, target=target, losses=[], return_outputs=True)
+        last = next((s for s in self._pstages if s.is_last), None)
+        outs = self._last_stage_outputs()
+        flat = []
+        for k, meta in enumerate(outs):
+            value = None
+            if last is not None:
+                chunks = [c[k] for c in last.output_chunks]
+                value = torch.stack(chunks).mean(0) if meta.dim() == 0 else torch.cat(chunks, 0)
+            flat.append(self._from_last_stage(value, like=meta))
+        it = iter(flat)
+        values = [next(it) if isinstance(a, fx.Node) else a for a in self._traced.flat_outputs]
+        return self._traced.unflatten_outputs(values)
+
+    def _last_stage_outputs(self) -> list[torch.Tensor]:
+        """Fake values of the last stage's outputs, full batch (dim 0 times M for batch-major ones)."""
+        out = []
+        for a in self._traced.flat_outputs:
+            if isinstance(a, fx.Node):
+                v = a.meta["val"]
+                shape = (v.shape[0] * self.num_microbatches, *v.shape[1:]) if v.dim() else ()
+                out.append(torch.empty(shape, dtype=v.dtype, device="meta"))
+        return out
+
+    def _loss_dtype(self) -> torch.dtype:
+        node = self._traced.loss_node
+        return node.meta["val"].dtype if node is not None else torch.float32
+
+    def _from_last_stage(self, value: torch.Tensor | None, *, like: torch.Tensor | None = None) -> torch.Tensor:
+        """Broadcast over the pipeline axis from the rank holding the last stage."""
+        if self.pp_rank != self._last_rank:
+            ref = like if like is not None else value
+            value = torch.empty(ref.shape, dtype=ref.dtype, device=self._device)
+        value = value.contiguous()
+        dist.broadcast(value, src=dist.get_global_rank(self.pp_group, self._last_rank), group=self.pp_group)
+        return value
+
+    def _sum_tied_gradients(self) -> None:
+        for name, group in self._tied_groups.items():
+            leaf = self._leaves.get(name)
+            if group is None or leaf is None:
+                continue
+            if leaf.grad is None:
+                leaf.grad = torch.zeros_like(leaf)
+            dist.all_reduce(leaf.grad, group=group)
+
+    # ------------------------------------------------------------------------- gathering
+    def _gathered(self, kinds: tuple, value_of) -> dict[str, torch.Tensor | None]:
+        """name -> full tensor for every placeholder of ``kinds`` any rank holds: gathered over
+        the stage sub-mesh by its holders, then broadcast over the pipeline axis from the lowest
+        pipeline rank that holds it. ``value_of(name)`` is this rank's local tensor or None."""
+        names = [p.name for p in self._traced.placeholders if p.kind in kinds and p.name in self._holders]
+        mine = {}
+        for name in names:
+            if self.pp_rank in self._holders[name]:
+                local = value_of(name)
+                mine[name] = None if local is None else _snapshot(local.detach(), self._specs[name], self.pmesh)
+        out: dict[str, torch.Tensor | None] = {}
+        for name in names:
+            owner = min(self._holders[name])
+            ph = self._placeholders[name]
+            flag = torch.tensor([0 if self.pp_rank != owner or mine[name] is None else 1], device=self._device)
+            src = dist.get_global_rank(self.pp_group, owner)
+            dist.broadcast(flag, src=src, group=self.pp_group)
+            if not flag.item():
+                out[name] = None
+                continue
+            value = mine[name] if self.pp_rank == owner else torch.empty(ph.shape, dtype=ph.dtype, device=self._device)
+            dist.broadcast(value, src=src, group=self.pp_group)
+            out[name] = value
+        return out
+
+    @torch.no_grad()
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Original state-dict names (tied aliases included) -> full tensors, on every rank."""
+        full = self._gathered((PARAMETER, BUFFER), lambda name: local_of(self._dtensors[name]))
+        keys = set(self._state_keys)
+        return {alias: full[name] for name in full for alias in self._placeholders[name].aliases if alias in keys}
+
+    @torch.no_grad()
+    def full_gradients(self) -> dict[str, torch.Tensor | None]:
+        """Parameter FQN (tied aliases included) -> full gradient or None, on every rank."""
+        grads = self._gathered((PARAMETER,), lambda name: None if self._dtensors[name].grad is None
+                               else local_of(self._dtensors[name].grad))
+        return {alias: grads[name] for name in grads for alias in self._placeholders[name].aliases}
+
+    @property
+    def code(self) -> str:
+        return "\n".join(f"# stage {m.stage.index}\n{m.gm.code}" for m in self._stages)
+
+
+def _examples(traced: TracedGraph, names: tuple[str, ...], device: torch.device) -> tuple[torch.Tensor, ...]:
+    """Zero tensors shaped like the micro-batch values ``names`` (static stage metadata)."""
+    vals = [traced.node(n).meta["val"] for n in names]
+    # requires_grad marks what carries a gradient back (floating values)
+    return tuple(torch.zeros(v.shape, dtype=v.dtype, device=device).requires_grad_(v.dtype.is_floating_point)
+                 for v in vals)
+
+
+def _tied_groups(holders: dict[str, tuple[int, ...]], device_mesh: DeviceMesh) -> dict[str, Any]:
+    """Parameter name -> the process group of the pipeline ranks holding it at this rank's
+    sub-mesh coordinate (None where this rank holds it alone). Every rank creates every group,
+    in the same order (``new_group`` is collective over the default group)."""
+    mesh = device_mesh.mesh.reshape(device_mesh.mesh.shape[0], -1)
+    me = dist.get_rank()
+    made: dict[tuple[int, ...], Any] = {}
+    out: dict[str, Any] = {}
+    for name, pp_ranks in holders.items():
+        if len(pp_ranks) < 2:
+            continue
+        for col in range(mesh.shape[1]):
+            ranks = tuple(int(mesh[p, col]) for p in pp_ranks)
+            if ranks not in made:
+                made[ranks] = dist.new_group(list(ranks))
+            if me in ranks:
+                out[name] = made[ranks]
+    return out
+
+
+def _attach(root: nn.Module, path: str, tensor: torch.Tensor) -> None:
+    *parents, leaf = path.split(".")
+    owner = root
+    for part in parents:
+        child = owner._modules.get(part)
+        if child is None:
+            child = nn.Module()
+            owner.add_module(part, child)
+        owner = child
+    if isinstance(tensor, nn.Parameter):
+        owner.register_parameter(leaf, tensor)
+    else:
+        owner.register_buffer(leaf, tensor)
+
+
+def build_pipeline(model: nn.Module, traced: TracedGraph, plan: Plan, *, device: torch.device | str,
+                   seed: int = 0, init_weights: bool = True) -> PipelineModule:
+    """This rank's stages of ``plan`` (a plan with ``pipeline``) as a ``PipelineModule``. Every
+    rank of the default process group calls it; ``traced`` is the MICRO-batch trace."""
+    pipe = plan.pipeline
+    if pipe is None:
+        raise ValueError("build_pipeline needs a plan with a pipeline (Plan.pipeline); use build_module otherwise")
+    if plan.graph_hash != traced.graph_hash:
+        raise ValueError(f"stale plan for {plan.model}: made for graph {plan.graph_hash}, the micro-batch trace is "
+                         f"{traced.graph_hash}")
+    if plan.recompute or any(n.zero_stage for n in plan.nodes) or plan.precision != "fp32":
+        raise ValueError("pipelined plans run without activation recompute, ZeRO or mixed precision for now")
+    if pipe.schedule in ("gpipe", "1f1b") and pipe.virtual_stages != 1:
+        raise ValueError(f"schedule {pipe.schedule!r} runs one stage per rank, the plan has "
+                         f"{pipe.virtual_stages} virtual stages")
+    for st in pipe.stages:
+        if st.rank != st.index % pipe.num_stages:
+            raise ValueError(f"stage {st.index} is on pipeline rank {st.rank}; torch's schedules place it on "
+                             f"{st.index % pipe.num_stages}")
+    device = torch.device(device)
+    device_mesh = pipeline_device_mesh(plan, device_type=device.type)
+    sub_names = device_mesh.mesh_dim_names[1:]
+    pmesh = ProcessMesh(device_mesh[sub_names[0]] if len(sub_names) == 1 else device_mesh[tuple(sub_names)])
+    pp_rank = device_mesh.get_local_rank(0)
+    graphs = split_stages(traced, pipe)
+    holders: dict[str, set[int]] = {}
+    for g in graphs:
+        for name in g.state:
+            holders.setdefault(name, set()).add(pipe.stages[g.index].rank)
+    mine = [g for g in graphs if pipe.stages[g.index].rank == pp_rank]
+    stage_plan = Plan(**{**{f: getattr(plan, f) for f in plan.__dataclass_fields__},
+                         "mesh": plan.stage_mesh(), "pipeline": None})
+    emitted = [emit_local_graph(g.traced, stage_plan, pmesh, device=device, bucket_cap=0) for g in mine]
+    specs = {name: spec for e in emitted for name, spec in e.specs.items()}
+    shards, _ = local_shards(model, traced, specs, pmesh, device=device, seed=seed, init_weights=init_weights)
+    modules = []
+    for g, e in zip(mine, emitted):
+        state_names = {n.name for n in e.graph.nodes if n.meta.get(STATE_KEY)}
+        root: dict[str, Any] = dict(e.modules)
+        for name, target in e.attr_of.items():
+            if name not in state_names:
+                root[target] = shards[name]  # lifted constants: plain local tensors
+        gm = fx.GraphModule(root, e.graph, class_name=f"Pipeline{traced.model_name}Stage{g.index}")
+        modules.append(_StageModule(gm, g, shards))
+    state_keys = tuple(model.state_dict(keep_vars=True))
+    return PipelineModule(plan=plan, traced=traced, device_mesh=device_mesh, pmesh=pmesh, stage_modules=modules,
+                          leaves=shards, specs=specs, signature=inspect.signature(model.forward),
+                          state_keys=state_keys, device=device,
+                          holders={k: tuple(sorted(v)) for k, v in holders.items()})
