@@ -57,6 +57,7 @@ import itertools
 import math
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Sequence
 
 from autopar.layout.cost import collective_seconds, copy_seconds
 from autopar.layout.mesh import MeshSpec
@@ -68,6 +69,7 @@ __all__ = [
     "STEP_KINDS",
     "Conversion",
     "plan_conversion",
+    "conversion_seconds",
     "conversion_cache_info",
     "clear_conversion_cache",
     "apply_step",
@@ -153,7 +155,11 @@ def step_seconds(
     step: ReshardStep, spec: TensorSpec, *, shape: tuple[int, ...], itemsize: int, mesh: MeshSpec
 ) -> tuple[float, float]:
     """(forward, backward) seconds of ``step`` applied to a tensor laid out as ``spec``."""
-    local = _local_bytes(spec, shape, itemsize, mesh.shape)
+    return _step_seconds(step, _local_bytes(spec, shape, itemsize, mesh.shape), mesh)
+
+
+def _step_seconds(step: ReshardStep, local: int, mesh: MeshSpec) -> tuple[float, float]:
+    """``step_seconds`` of a step whose input holds ``local`` bytes per device."""
     n = mesh.shape[step.axis]
     axis = step.axis
     kind = step.kind
@@ -179,7 +185,10 @@ def step_seconds(
 def step_extra_bytes(step: ReshardStep, spec: TensorSpec, *, shape: tuple[int, ...], itemsize: int,
                      mesh_shape: tuple[int, ...]) -> int:
     """Bytes one device allocates for ``step`` next to its input buffer."""
-    local = _local_bytes(spec, shape, itemsize, mesh_shape)
+    return _step_extra_bytes(step, _local_bytes(spec, shape, itemsize, mesh_shape), mesh_shape)
+
+
+def _step_extra_bytes(step: ReshardStep, local: int, mesh_shape: tuple[int, ...]) -> int:
     n = mesh_shape[step.axis]
     if step.kind == "all_gather":
         return local * n
@@ -231,18 +240,20 @@ class _Edge:
 def _layout_graph(shape: tuple[int, ...], itemsize: int, mesh: MeshSpec) -> dict[TensorSpec, tuple[_Edge, ...]]:
     """Adjacency of the layout graph; built once per (shape, itemsize, mesh), shared by pairs."""
     graph: dict[TensorSpec, tuple[_Edge, ...]] = {}
-    for spec in valid_specs(shape, mesh.shape):
+    specs = valid_specs(shape, mesh.shape)
+    valid = {str(spec) for spec in specs}  # what ``is_valid`` accepts among the step results
+    for spec in specs:
+        local = _local_bytes(spec, shape, itemsize, mesh.shape)  # once per layout, not per step
         edges = []
         for step in _candidate_steps(spec, len(shape), mesh.shape):
             try:
                 nxt = apply_step(spec, step)
             except ValueError:
                 continue  # breaks local consistency
-            if not nxt.is_valid(shape, mesh.shape):
+            if str(nxt) not in valid:
                 continue  # uneven split
-            fwd, bwd = step_seconds(step, spec, shape=shape, itemsize=itemsize, mesh=mesh)
-            extra = step_extra_bytes(step, spec, shape=shape, itemsize=itemsize, mesh_shape=mesh.shape)
-            edges.append(_Edge(step, nxt, fwd, bwd, extra))
+            fwd, bwd = _step_seconds(step, local, mesh)
+            edges.append(_Edge(step, nxt, fwd, bwd, _step_extra_bytes(step, local, mesh.shape)))
         graph[spec] = tuple(edges)
     return graph
 
@@ -297,6 +308,7 @@ def clear_conversion_cache() -> None:
     global _cache_hits, _cache_misses
     _cache.clear()
     _layout_graph.cache_clear()
+    _indexed_graph.cache_clear()
     _shortest_tree.cache_clear()
     _cache_hits = _cache_misses = 0
 
@@ -345,50 +357,76 @@ def plan_conversion(
     return conv
 
 
+@dataclass(frozen=True, slots=True)
+class _IndexedGraph:
+    """The layout graph with layouts numbered: searches run on ints (hashing a ``TensorSpec``
+    costs more than the search itself). ``adjacency[i]``: ``(j, edge)`` per step out of layout i."""
+
+    specs: tuple[TensorSpec, ...]
+    index: dict[str, int]  # str(spec) -> its number
+    adjacency: tuple[tuple[tuple[int, _Edge], ...], ...]
+
+
+@lru_cache(maxsize=256)
+def _indexed_graph(shape: tuple[int, ...], itemsize: int, mesh: MeshSpec) -> _IndexedGraph:
+    graph = _layout_graph(shape, itemsize, mesh)
+    specs = tuple(graph)
+    index = {str(spec): i for i, spec in enumerate(specs)}
+    adjacency = tuple(tuple((index[str(e.dst)], e) for e in graph[spec]) for spec in specs)
+    return _IndexedGraph(specs, index, adjacency)
+
+
 @lru_cache(maxsize=4096)
-def _shortest_tree(src: TensorSpec, shape: tuple[int, ...], itemsize: int,
-                   mesh: MeshSpec) -> dict[TensorSpec, tuple[TensorSpec, _Edge]]:
-    """Dijkstra from ``src`` to every layout: ``{layout: (previous layout, edge)}``.
+def _shortest_tree(src: int, shape: tuple[int, ...], itemsize: int,
+                   mesh: MeshSpec) -> dict[int, tuple[int, _Edge]]:
+    """Dijkstra from layout number ``src`` (``_indexed_graph``) to every layout:
+    ``{layout: (previous layout, edge)}``.
 
     One search serves every target of ``src`` (cost matrices ask for all of them).
     """
-    graph = _layout_graph(shape, itemsize, mesh)
-    # Heap entries: (rounded cost, steps, tie counter, spec). The counter keeps the order of
-    # equal entries deterministic (insertion order) and keeps specs out of comparisons.
+    adjacency = _indexed_graph(shape, itemsize, mesh).adjacency
+    # Heap entries: (rounded cost, steps, tie counter, layout). The counter keeps the order of
+    # equal entries deterministic (insertion order) and keeps layouts out of comparisons.
     counter = itertools.count()
-    best: dict[TensorSpec, tuple[int, int]] = {src: (0, 0)}
-    prev: dict[TensorSpec, tuple[TensorSpec, _Edge]] = {}
-    exact: dict[TensorSpec, float] = {src: 0.0}
+    best: dict[int, tuple[int, int]] = {src: (0, 0)}
+    prev: dict[int, tuple[int, _Edge]] = {}
+    exact: dict[int, float] = {src: 0.0}
     heap = [(0, 0, next(counter), src)]
-    done: set[TensorSpec] = set()
+    done: set[int] = set()
     while heap:
         _, num_steps, _, spec = heapq.heappop(heap)
         if spec in done:
             continue
         done.add(spec)
-        for edge in graph[spec]:
-            if edge.dst in done:
+        for dst, edge in adjacency[spec]:
+            if dst in done:
                 continue
             cost = exact[spec] + edge.forward_s + edge.backward_s
             key = (round(cost / _COST_RESOLUTION_S), num_steps + 1)
-            if edge.dst not in best or key < best[edge.dst]:
-                best[edge.dst] = key
-                exact[edge.dst] = cost
-                prev[edge.dst] = (spec, edge)
-                heapq.heappush(heap, (key[0], key[1], next(counter), edge.dst))
+            if dst not in best or key < best[dst]:
+                best[dst] = key
+                exact[dst] = cost
+                prev[dst] = (spec, edge)
+                heapq.heappush(heap, (key[0], key[1], next(counter), dst))
     return prev
 
 
-def _dijkstra(src: TensorSpec, dst: TensorSpec, shape, itemsize: int, mesh: MeshSpec) -> Conversion:
-    prev = _shortest_tree(src, shape, itemsize, mesh)
+def _path(prev: dict[int, tuple[int, _Edge]], src: int, dst: int) -> list[_Edge]:
+    """The tree's edges from ``src`` to ``dst``, in order."""
     # Every layout reaches R and R reaches every layout, so a valid dst is always in the tree.
-    assert dst == src or dst in prev, (src, dst, shape, mesh)
+    assert dst == src or dst in prev, (src, dst)
     edges = []
-    spec = dst
-    while spec != src:
-        spec, edge = prev[spec]
+    while dst != src:
+        dst, edge = prev[dst]
         edges.append(edge)
     edges.reverse()
+    return edges
+
+
+def _dijkstra(src: TensorSpec, dst: TensorSpec, shape, itemsize: int, mesh: MeshSpec) -> Conversion:
+    index = _indexed_graph(shape, itemsize, mesh).index
+    i, j = index[str(src)], index[str(dst)]
+    edges = _path(_shortest_tree(i, shape, itemsize, mesh), i, j)
     return Conversion(
         src=src,
         dst=dst,
@@ -397,6 +435,29 @@ def _dijkstra(src: TensorSpec, dst: TensorSpec, shape, itemsize: int, mesh: Mesh
         backward_s=sum(e.backward_s for e in edges),
         peak_extra_bytes=max((e.extra_bytes for e in edges), default=0),
     )
+
+
+def conversion_seconds(src: TensorSpec | str, dsts: Sequence[TensorSpec | str], shape: tuple[int, ...],
+                       itemsize: int, mesh: MeshSpec) -> tuple[float, ...]:
+    """``plan_conversion(src, dst, ...).total_s`` for every ``dst`` in ``dsts`` (the same floats),
+    from one search: what a cost matrix row needs, without building a ``Conversion`` per pair."""
+    shape = _check_args(shape, itemsize, mesh)
+    graph = _indexed_graph(shape, itemsize, mesh)
+    i = _layout_number(src, "source", shape, mesh, graph)
+    prev = _shortest_tree(i, shape, itemsize, mesh)
+    out = []
+    for dst in dsts:
+        edges = _path(prev, i, _layout_number(dst, "target", shape, mesh, graph))
+        out.append(sum(e.forward_s for e in edges) + sum(e.backward_s for e in edges))
+    return tuple(out)
+
+
+def _layout_number(spec: TensorSpec | str, role: str, shape, mesh: MeshSpec, graph: _IndexedGraph) -> int:
+    number = graph.index.get(str(TensorSpec.parse(spec) if isinstance(spec, str) else spec))
+    if number is None:  # not a valid layout of this shape: say why
+        _as_spec(spec, role, shape, mesh)
+        raise AssertionError(f"{spec} is valid for {shape} on {mesh.shape} but not in its layout graph")
+    return number
 
 
 def replicate_steps(spec: TensorSpec | str) -> tuple[ReshardStep, ...]:

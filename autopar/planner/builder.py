@@ -44,7 +44,7 @@ import numpy as np
 import torch
 import torch.fx as fx
 
-from autopar.layout.conversion import plan_conversion
+from autopar.layout.conversion import conversion_seconds
 from autopar.layout.cost import collective_seconds
 from autopar.layout.mesh import MeshSpec
 from autopar.layout.placement import R, Shard, TensorSpec, zero_split
@@ -117,7 +117,7 @@ class _Builder:
         self._choice_cache: dict[int, tuple[Choice, ...]] = {}  # id(strategy list) -> its choices
         self._layout_choices: dict[tuple[str, int], Choice] = {}  # one shared Choice per (layout, ZeRO stage)
         self._edge_cache: dict[Any, np.ndarray] = {}
-        self._conv_cache: dict[Any, float] = {}
+        self._conv_cache: dict[Any, dict[str, float]] = {}  # (source layout, shape, itemsize) -> target -> s
         self._option_cache: dict[tuple, tuple[StrategyOption, ...]] = {}  # op options by relative key
         self._placeholder_cache: dict[tuple, tuple[tuple, tuple]] = {}  # (options, choices) by layout key
         self._base_cache: dict[str, str] = {}  # value -> the node owning its storage
@@ -422,7 +422,7 @@ class _Builder:
             # Options share few distinct specs: cost each distinct pair once, expand by index.
             src_keys, src_specs = _distinct([c.output_specs[value.index] for c in src_choices])
             dst_keys, dst_specs = _distinct([c.input_specs[slot] for c in dst_choices])
-            unique = np.array([[self._conversion_s(a, b, value) for b in dst_specs] for a in src_specs])
+            unique = np.array([self._conversion_row(a, dst_specs, value) for a in src_specs])
             matrix = unique[np.ix_(src_keys, dst_keys)]
             if any(c.zero_stage == 2 for c in src_choices):
                 matrix = matrix + self._zero2_edge(src_choices, value, dst_choices, slot)
@@ -448,15 +448,17 @@ class _Builder:
                 extra[i, j] = 0.0 if own else cost
         return extra
 
-    def _conversion_s(self, a: TensorSpec | None, b: TensorSpec | None, value: InputSlot) -> float:
-        if a is None or b is None or a == b:
-            return 0.0
-        key = (str(a), str(b), value.shape, value.itemsize)
-        cost = self._conv_cache.get(key)
-        if cost is None:
-            conv = plan_conversion(a, b, value.shape, value.itemsize, self.mesh)
-            cost = self._conv_cache[key] = conv.forward_s + conv.backward_s
-        return cost
+    def _conversion_row(self, a: TensorSpec | None, dsts: list[TensorSpec | None], value: InputSlot) -> list[float]:
+        """Forward + backward seconds of converting ``value`` from ``a`` to each of ``dsts``
+        (``plan_conversion``'s totals); each (layout, shape, dtype) source is searched once."""
+        if a is None:
+            return [0.0] * len(dsts)
+        known = self._conv_cache.setdefault((str(a), value.shape, value.itemsize), {})
+        missing = [b for b in dsts if b is not None and b != a and str(b) not in known]
+        if missing:
+            costs = conversion_seconds(a, missing, value.shape, value.itemsize, self.mesh)
+            known.update(zip(map(str, missing), costs))
+        return [0.0 if b is None or b == a else known[str(b)] for b in dsts]
 
 
 def _distinct(specs: list[TensorSpec | None]) -> tuple[list[int], list[TensorSpec | None]]:

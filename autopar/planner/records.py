@@ -22,6 +22,10 @@ from autopar.strategies import Strategy
 
 __all__ = ["BuiltProblem", "Choice", "ChosenConversion", "Decision", "InputSlot"]
 
+# (spec, shape, mesh shape, itemsize) -> local bytes: every block asks again for the same few
+# (segment inputs price each choice of each value they keep); bounded by the distinct shapes.
+_LOCAL_BYTES: dict[tuple, int] = {}
+
 
 @dataclass(frozen=True, slots=True)
 class Choice:
@@ -53,7 +57,11 @@ class InputSlot:
 
     def local_bytes(self, spec: TensorSpec, mesh_shape: tuple[int, ...]) -> int:
         """Bytes per device of this value laid out as ``spec``."""
-        return int(math.prod(spec.local_shape(self.shape, mesh_shape)) * self.itemsize)
+        key = (str(spec), self.shape, tuple(mesh_shape), self.itemsize)
+        nbytes = _LOCAL_BYTES.get(key)
+        if nbytes is None:
+            nbytes = _LOCAL_BYTES[key] = int(math.prod(spec.local_shape(self.shape, mesh_shape)) * self.itemsize)
+        return nbytes
 
     def __str__(self) -> str:
         return f"{self.producer}[{self.index}]: {list(self.shape)} x {self.itemsize} B"
