@@ -62,11 +62,14 @@ from autopar.solver.simplify import Reduced, peak_candidates
 from autopar.solver.watchdog import run_in_child
 
 __all__ = ["IlpModel", "Outcome", "Terms", "affine", "undominated_rows", "available_backends", "pick_backend",
-           "MIP_REL_GAP", "MEM_UNIT", "HARD_FACTOR", "CHILD_SOLVERS"]
+           "MIP_REL_GAP", "INTEGRAL_TOL", "MEM_UNIT", "HARD_FACTOR", "CHILD_SOLVERS"]
 
 log = logging.getLogger(__name__)
 
 MIP_REL_GAP = 1e-4  # "optimal" means proved within this relative gap
+# An LP-relaxation value this close to an integer counts as that integer (HiGHS's primal
+# feasibility tolerance is 1e-7; an x this close to 0/1 picks the same option either way).
+INTEGRAL_TOL = 1e-6
 # HiGHS 1.15.1's presolve "aggregator" rule (bit 12) loops forever, ignoring time_limit, on
 # some of our small models (marginal equalities + the parameter-bytes row); switch it off.
 _HIGHS_OPTIONS = {"presolve_rule_off": 1 << 12}
@@ -154,7 +157,9 @@ def undominated_rows(coef: np.ndarray, const: np.ndarray) -> list[int]:
 
 class _DeadlineHighs(pulp.HiGHS):
     """pulp's HiGHS told the time left when its search starts (building the highspy model from
-    pulp's counts against the deadline too)."""
+    pulp's counts against the deadline too), with the model passed to highspy in two bulk calls
+    (pulp adds it a column and a row at a time and lists the problem's variables four times:
+    2.7 s of a 3.4 s Llama-8B 8x8 relaxation, whose simplex took 0.7 s)."""
 
     def __init__(self, *, deadline: float, **kwargs):
         super().__init__(**kwargs)
@@ -164,9 +169,89 @@ class _DeadlineHighs(pulp.HiGHS):
         lp.solverModel.setOptionValue("time_limit", max(self.deadline - time.monotonic(), 1e-3))
         super().callSolver(lp)
 
+    def actualSolve(self, lp):  # type: ignore[override]
+        self.createAndConfigureSolver(lp)
+        variables = _columns_of(lp)
+        _pass_model(lp.solverModel, lp, variables, mip=self.mip)
+        self.callSolver(lp)
+        # The values go back to the parent as an array (``_solve_highs``), not into this
+        # (forked) child's variables.
+        status, sol_status, self.values = _highs_result(lp.solverModel)
+        lp.assignStatus(status, sol_status)
+        return status
+
+
+def _pass_model(highs, lp: pulp.LpProblem, variables: list, *, mip: bool) -> None:
+    """``lp`` (a minimisation) into ``highs``: columns in ``variables``' order, rows in
+    constraint order -- what pulp's ``buildSolverModel`` adds one by one."""
+    import highspy
+
+    inf = highspy.kHighsInf
+    assert lp.sense == pulp.LpMinimize, "autopar's models minimise"
+    col = {id(v): i for i, v in enumerate(variables)}
+    n = len(variables)
+    cost = np.zeros(n)
+    for v, c in lp.objective.items():
+        cost[col[id(v)]] = c
+    lower = np.array([-inf if v.lowBound is None else v.lowBound for v in variables], dtype=float)
+    upper = np.array([inf if v.upBound is None else v.upBound for v in variables], dtype=float)
+    highs.addCols(n, cost, lower, upper, 0, np.zeros(0, np.int32), np.zeros(0, np.int32), np.zeros(0))
+    if mip:
+        ints = np.array([i for i, v in enumerate(variables) if v.cat == pulp.LpInteger], dtype=np.int32)
+        if len(ints):
+            highs.changeColsIntegrality(len(ints), ints, np.full(len(ints), highspy.HighsVarType.kInteger))
+    starts, index, value, row_lo, row_hi = [], [], [], [], []
+    for con in lp._constraints.values():
+        starts.append(len(index))
+        for v, c in con.items():
+            if c != 0:
+                index.append(col[id(v)])
+                value.append(c)
+        lo, hi = con.getLb(), con.getUb()
+        row_lo.append(-inf if lo is None else lo)
+        row_hi.append(inf if hi is None else hi)
+    if starts:
+        highs.addRows(len(starts), np.array(row_lo, dtype=float), np.array(row_hi, dtype=float), len(index),
+                      np.array(starts, dtype=np.int32), np.array(index, dtype=np.int32), np.array(value, dtype=float))
+
+
+def _highs_result(highs) -> tuple[int, int, np.ndarray]:
+    """(pulp status, pulp solution status, column values) of a finished run, as pulp's
+    ``findSolutionValues`` maps them (a limit reached with no plan: not solved)."""
+    import highspy
+
+    ms = highspy.HighsModelStatus
+    status = highs.getModelStatus()
+    values = np.array(highs.getSolution().col_value, dtype=float)
+    if status == ms.kOptimal:
+        return pulp.LpStatusOptimal, pulp.LpSolutionOptimal, values
+    if status in (ms.kInfeasible, ms.kUnboundedOrInfeasible):
+        return pulp.LpStatusInfeasible, pulp.LpSolutionInfeasible, values
+    if status == ms.kUnbounded:
+        return pulp.LpStatusUnbounded, pulp.LpSolutionUnbounded, values
+    stopped = (ms.kObjectiveBound, ms.kObjectiveTarget, ms.kInterrupt, ms.kTimeLimit, ms.kIterationLimit)
+    if status in stopped and not (status in (ms.kTimeLimit, ms.kIterationLimit)
+                                  and highs.getObjectiveValue() == float(highspy.kHighsInf)):
+        return pulp.LpStatusOptimal, pulp.LpSolutionIntegerFeasible, values
+    return pulp.LpStatusNotSolved, pulp.LpSolutionNoSolutionFound, values
+
+
+def _columns_of(prob: pulp.LpProblem) -> list:
+    """``prob.variables()`` as ``IlpModel.columns`` cached it (pulp re-registers every
+    constraint's variables on each call: 0.4 s on a 35k-column model), unless the objective has
+    a variable the cache lacks (pulp's dummy for a constant objective)."""
+    cols = prob.__dict__.get("_autopar_columns")
+    if cols is not None:
+        if len(prob.objective) > 1:  # pulp adds its dummy to an objective without variables only
+            return cols
+        known = {id(v) for v in cols}
+        if all(id(v) in known for v in prob.objective):
+            return cols
+    return prob.variables()
+
 
 def _values(prob: pulp.LpProblem) -> np.ndarray:
-    return np.array([np.nan if v.varValue is None else v.varValue for v in prob.variables()], dtype=float)
+    return np.array([np.nan if v.varValue is None else v.varValue for v in _columns_of(prob)], dtype=float)
 
 
 def _solve_highs(prob: pulp.LpProblem, report, *, relax: bool, msg: bool, gap: float, deadline: float):
@@ -182,9 +267,10 @@ def _solve_highs(prob: pulp.LpProblem, report, *, relax: bool, msg: bool, gap: f
 
     callbacks = {} if relax else {"callbackTuple": (improving, None), "callbacksToActivate": [
         highspy.cb.HighsCallbackType.kCallbackMipImprovingSolution]}
-    prob.solve(_DeadlineHighs(deadline=deadline, mip=not relax, msg=msg, gapRel=gap, **callbacks, **_HIGHS_OPTIONS))
+    solver = _DeadlineHighs(deadline=deadline, mip=not relax, msg=msg, gapRel=gap, **callbacks, **_HIGHS_OPTIONS)
+    prob.solve(solver)
     bound = None if relax else float(prob.solverModel.getInfo().mip_dual_bound)
-    return prob.status, prob.sol_status, _values(prob), bound
+    return prob.status, prob.sol_status, solver.values, bound
 
 
 def _solve_cbc(prob: pulp.LpProblem, report, *, relax: bool, msg: bool, gap: float, deadline: float):
@@ -381,7 +467,7 @@ class IlpModel:
         is logged. CBC still running at ``hard_limit`` is killed (``"no_solution"``); CBC crashing
         raises RuntimeError."""
         t0 = time.monotonic()
-        if not self.prob.variables():  # everything was decided by simplification
+        if not self.columns():  # everything was decided by simplification
             if not all(c.valid(1e-9) for c in self.prob.constraints()):
                 return Outcome("infeasible", None, None, 0.0, backend)
             value = float(self.prob.objective.constant)
@@ -437,7 +523,7 @@ class IlpModel:
             return Outcome("infeasible", None, None, seconds, backend)
         if sol_status not in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
             return Outcome("no_solution", None, None, seconds, backend)
-        for var, v in zip(self.prob.variables(), values):  # the child's order: same model, forked
+        for var, v in zip(self.columns(), values):  # the child's order: same model, forked
             var.varValue = None if np.isnan(v) else float(v)
         value = float(pulp.value(self.prob.objective) or 0.0)
         status = "optimal" if sol_status == pulp.LpSolutionOptimal else "feasible"
@@ -447,6 +533,13 @@ class IlpModel:
             # objective without its constant term.
             best = bound + float(self.prob.objective.constant)
         return Outcome(status, value, best, seconds, backend)
+
+    def integral(self, tol: float = INTEGRAL_TOL) -> bool:
+        """Whether the values last written into the model (after ``run``) give every integer
+        variable an integer value: then the LP relaxation's optimum is the MIP's too."""
+        ints = [v for v in self.columns() if v.cat == pulp.LpInteger]
+        values = np.array([np.nan if v.varValue is None else v.varValue for v in ints], dtype=float)
+        return bool(np.all(np.abs(values - np.round(values)) <= tol))
 
     def choice(self) -> list[int]:
         """The chosen option of every group (after ``run``)."""
@@ -466,7 +559,16 @@ class IlpModel:
 
     @property
     def num_variables(self) -> int:
-        return len(self.prob.variables())
+        return len(self.columns())
+
+    def columns(self) -> list[pulp.LpVariable]:
+        """The model's variables in pulp's order (``prob.variables()``), listed once after the
+        model is built and kept on the problem, where the watchdog's child finds it too."""
+        cols = self.prob.__dict__.get("_autopar_columns")
+        if cols is None:
+            cols = list(self.prob.variables())
+            self.prob._autopar_columns = cols
+        return cols
 
     @property
     def num_constraints(self) -> int:

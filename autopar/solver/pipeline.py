@@ -12,6 +12,7 @@ even when a backend ignores it (``IlpModel.run``'s watchdog). No torch import.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Callable, Mapping
@@ -60,10 +61,17 @@ def _relaxation_then_search(model: IlpModel, backend: str, clock: _Clock, *, msg
                             gap: float = MIP_REL_GAP,
                             check: Callable[[Outcome], None] | None = None) -> tuple[Outcome, Outcome]:
     """The LP relaxation, ``check(lp)`` (may raise), then the MIP search. A backend the watchdog
-    replaced in the relaxation is not tried again for the search."""
+    replaced in the relaxation is not tried again for the search.
+
+    An optimal relaxation whose integer variables all came out integral is the MIP's optimum
+    (a relaxation's optimum that is feasible for the MIP): the search is skipped and the
+    relaxation is the answer, proved optimal with gap 0. Sharding models are often integral
+    at the root (Llama-8B on 8x8: the search took 70% of the solver's time to re-find it)."""
     lp = model.run(backend, relax=True, msg=msg, **clock.lp())
     if check is not None:
         check(lp)
+    if lp.status == "optimal" and lp.value is not None and model.integral():
+        return lp, dataclasses.replace(lp, dual_bound=lp.value, seconds=0.0)
     return lp, model.run(lp.backend or backend, msg=msg, gap=gap, **clock.mip())
 
 

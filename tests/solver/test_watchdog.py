@@ -104,11 +104,12 @@ def test_highs_hanging_after_a_plan_returns_that_plan_at_the_limit(monkeypatch):
 
 
 def test_highs_hanging_or_crashing_falls_back_to_cbc(monkeypatch, caplog):
-    best = solve(_hard(8, 3))
+    # seed 1: a fractional LP relaxation (an integral one is the answer, with no search to crash)
+    best = solve(_hard(8, 3, seed=1))
     for fake in (_hang, _crash_in_search):
         monkeypatch.setitem(ilp.CHILD_SOLVERS, "highs", fake)
         caplog.clear()
-        sol, took = _timed_solve(_hard(8, 3), solver="highs")
+        sol, took = _timed_solve(_hard(8, 3, seed=1), solver="highs")
         assert took <= HARD_FACTOR * T + SLACK, (fake, took)
         assert sol.backend == "cbc" and sol.status == "optimal", fake
         assert sol.objective == pytest.approx(best.objective, rel=1e-4)
@@ -117,7 +118,7 @@ def test_highs_hanging_or_crashing_falls_back_to_cbc(monkeypatch, caplog):
 
 def test_highs_hanging_in_the_search_falls_back_to_cbc_in_the_slack(monkeypatch):
     # The LP relaxation is fine; the MIP search hangs with no plan: CBC gets the last 7% of T.
-    small = _hard(6, 3)
+    small = _hard(6, 3, seed=1)  # a fractional LP relaxation: the search runs
     best = solve(small)
     hang_search = lambda prob, report, **kw: ilp._solve_highs(prob, report, **kw) if kw["relax"] else _hang()
     monkeypatch.setitem(ilp.CHILD_SOLVERS, "highs", hang_search)
@@ -144,11 +145,14 @@ def _plan_on_every_rank(rank, world):
     from autopar.api import autoparallelize
 
     model, inputs = zoo.build("mlp", tiny=True, device="cpu")
-    real = dict(ilp.CHILD_SOLVERS)
+    real, integral = dict(ilp.CHILD_SOLVERS), ilp.IlpModel.integral
     out = []
     for case, backends in (("warm-up", real), ("all hang", {"highs": _hang, "cbc": _hang}),
                            ("plan then hang", {"highs": _first_plan_then_hang, "cbc": _hang}), ("normal", real)):
         ilp.CHILD_SOLVERS.update(backends)  # this rank's copy: run_local forked it
+        # This model's relaxation comes out integral, which ends a solve before the search: the
+        # search must run here to hang after its first plan.
+        ilp.IlpModel.integral = (lambda self, tol=0.0: False) if case == "plan then hang" else integral
         t0 = time.monotonic()
         try:
             autoparallelize(model, inputs, mesh=(world,), time_limit=T, checkpoint="none", solver="highs")
