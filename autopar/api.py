@@ -162,12 +162,13 @@ def plan_mesh_auto(model: Any, meta_inputs: tuple | dict, *, nodes: int | None, 
     """Plan ``model`` on every 1-3 axis arrangement of ``nodes`` x ``devices_per_node`` devices of
     the ``options.preset`` preset (``autopar.planner.mesh_search``), tracing and profiling once;
     returns the ``MeshSearch``: every candidate's row and the fastest one's ``PlanResult``
-    (``.best``). ``time_budget``: seconds for the search after the trace (default
-    ``options.time_limit``; each solve gets what is left, candidates not reached are reported
-    as such); the cluster's own ``nodes x devices_per_node`` shape goes first and is always
-    planned. Progress lines name each candidate."""
+    (``.best``). ``time_budget``: seconds for the whole call, trace and profile included (default
+    ``options.time_limit``; each solve gets what is left, candidates not reached or predicted not
+    to fit are reported as such); the cluster's own ``nodes x devices_per_node`` shape goes first
+    and is always planned, with the full ``options.time_limit``. Baselines
+    (``options.baselines``) are solved for the chosen mesh only. Progress lines name each
+    candidate."""
     from autopar.layout.mesh import PRESETS
-    from autopar.planner.mesh_search import search_meshes
     from autopar.strategies import needs_decomposition
     from autopar.tracer import profile as profile_graph
     from autopar.tracer import trace
@@ -177,19 +178,41 @@ def plan_mesh_auto(model: Any, meta_inputs: tuple | dict, *, nodes: int | None, 
                          f"devices_per_node={devices_per_node!r}")
     if options.preset not in PRESETS:
         raise ValueError(f"mesh='auto' needs a device preset ({', '.join(sorted(PRESETS))}), got {options.preset!r}")
+    start = time.perf_counter()
     progress = progress or Progress()
     with progress.stage("trace"):
         traced = trace(model, meta_inputs, decompose_if=needs_decomposition, precision=options.precision)
     with progress.stage("profile"):
         prof = profile_graph(traced)
+    return _search_traced(traced, prof, cluster=(nodes, devices_per_node), options=options, progress=progress,
+                          start=start, time_budget=time_budget)
+
+
+def _search_traced(traced: TracedGraph, prof: ModelProfile, *, cluster: tuple[int, int], options: PlanOptions,
+                   progress: Progress, start: float, time_budget: float | None = None):
+    """``plan_mesh_auto`` from a trace and profile; ``start``: when the call began (its budget's origin)."""
+    from autopar.planner.mesh_search import search_meshes
+
+    each = replace(options, baselines=False)
 
     def plan_on(mesh: MeshSpec, left: float | None) -> PlanResult:
-        limited = options if left is None else replace(options, time_limit=min(options.time_limit, left))
+        limited = each if left is None else replace(each, time_limit=min(each.time_limit, left))
         with progress.stage(f"mesh {'x'.join(map(str, mesh.shape))}"):
             return plan_traced(traced, prof, mesh=mesh, options=limited, progress=Progress())
 
-    return search_meshes(plan_on, nodes=nodes, devices_per_node=devices_per_node, device=options.preset,
-                         time_budget=options.time_limit if time_budget is None else time_budget)
+    budget = options.time_limit if time_budget is None else time_budget
+    found = search_meshes(plan_on, nodes=cluster[0], devices_per_node=cluster[1], device=options.preset,
+                          time_budget=budget - (time.perf_counter() - start))
+    if not options.baselines:
+        return found
+    from autopar.planner.assemble import applicable_baselines
+
+    best = found.best
+    spec = best.plan.mesh
+    results = tuple(_baseline(name, traced, best.built, options=options, progress=progress)
+                    for name in applicable_baselines(spec.ndim, zero=options.zero_stage == "auto"))
+    best = replace(best, plan=replace(best.plan, baselines=results))
+    return replace(found, best=best)
 
 
 def _plan_and_store(model, meta_inputs, *, mesh: MeshSpec, options: PlanOptions, progress: Progress | None,
@@ -250,7 +273,8 @@ def plan_traced(traced: TracedGraph, profile: ModelProfile, *, mesh: MeshSpec | 
                               options=options)
     rc = plan_recompute(traced, profile, built, mode=options.checkpoint, solver=options.solver,
                         time_limit=options.time_limit,
-                        solve_plain=lambda p: _solve(p, options=options, progress=progress, stage="solve"))
+                        solve_plain=lambda p: _solve(p, options=options, progress=progress, stage="solve"),
+                        progress=progress)
     results = ()
     if options.baselines:
         results = tuple(_baseline(name, traced, built, options=options, progress=progress)
@@ -305,11 +329,17 @@ def autoparallelize(
     reduce_dtype: str | None = None,
     zero_stage: int | str | None = None,
     cache: bool = True,
+    nodes: int | None = None,
+    devices_per_node: int | None = None,
 ) -> AutoParallelModule:
     """Shard ``model`` over the current process group; see the module docstring.
 
     ``mesh``: None = 1-D over the world size; a shape gets the ``cpu`` preset on CPU (an H100 or
-    A100 preset on CUDA); or a ``MeshSpec``. ``plan``: a ``Plan`` or a path to its JSON, applied
+    A100 preset on CUDA); or a ``MeshSpec``; or ``"auto"``: rank 0 plans every 1-3 axis mesh of
+    the world's ``nodes`` x ``devices_per_node`` devices (``plan_mesh_auto``) and every rank
+    builds on the fastest; either count may be left out when the other or the launcher's
+    ``LOCAL_WORLD_SIZE`` (torchrun's devices per node) gives it, else one node of world-size
+    devices. ``plan``: a ``Plan`` or a path to its JSON, applied
     without solving. ``device``: the torch device where the local shards live (default: see
     ``autopar.runtime.build.runtime_device``). ``time_limit``: None = ``PlanOptions``' default.
     ``seed``: initialisation seed for a model on ``meta`` (``init_weights=False``: zeros, to be
@@ -344,6 +374,7 @@ def autoparallelize(
     try:
         prep: _Prepared | Exception = _prepare(
             model, meta_inputs, mesh=mesh, plan=plan, device=dev, progress=progress,
+            cluster=(nodes, devices_per_node),
             options={"memory_budget": memory_budget, "solver": solver, "checkpoint": checkpoint,
                      "allow_replicate_fallback": allow_replicate_fallback, "precision": precision,
                      "reduce_dtype": reduce_dtype, "zero_stage": zero_stage,
@@ -355,7 +386,7 @@ def autoparallelize(
     assert isinstance(prep, _Prepared)  # _agree raised otherwise
     chosen = prep.plan if prep.plan is not None else _solve_on_rank0(
         prep.traced, mesh=prep.spec, options=prep.options, progress=progress, device=dev,
-        cache_of=(model, meta_inputs) if cache else None)
+        cache_of=(model, meta_inputs) if cache else None, auto=prep.auto)
     # Every rank has the same trace, mesh and plan now, so this check fails everywhere or nowhere.
     check_plan(chosen, graph_hash=prep.traced.graph_hash, world_size=dist.get_world_size(), mesh=prep.spec)
     try:
@@ -377,10 +408,11 @@ class _Prepared:
     options: PlanOptions | None  # rank 0 plans with these (None: a plan was given)
     plan: Plan | None  # the given plan
     fingerprint: tuple[tuple[str, str, str], ...]  # (what, compared key, shown) per check
+    auto: tuple[int, int] | None = None  # mesh="auto": (nodes, devices per node) to search over
 
 
 def _prepare(model, meta_inputs, *, mesh, plan, device, progress: Progress, options: dict,
-             per_rank: dict) -> _Prepared:
+             per_rank: dict, cluster: tuple[int | None, int | None] = (None, None)) -> _Prepared:
     """Everything a rank does alone before the ranks compare: check the arguments, load the plan,
     trace. Raises on bad input (``autoparallelize`` hands the error to ``_agree``)."""
     import torch.distributed as dist
@@ -391,6 +423,13 @@ def _prepare(model, meta_inputs, *, mesh, plan, device, progress: Progress, opti
 
     world = dist.get_world_size()
     preset = mesh_preset(device)
+    auto = None
+    if isinstance(mesh, str) and mesh == "auto":
+        if plan is not None:
+            raise ValueError("mesh='auto' searches for a plan; a given plan brings its own mesh: leave one out")
+        auto, mesh = world_cluster(world, *cluster), None
+    elif cluster != (None, None):
+        raise ValueError(f"nodes= and devices_per_node= go with mesh='auto', got mesh={mesh!r}")
     spec = None if mesh is None else MeshSpec.coerce(mesh, preset=preset)
     if spec is not None and spec.num_devices != world:
         raise ValueError(f"mesh {spec.shape} has {spec.num_devices} devices but the process group has {world} ranks")
@@ -401,7 +440,8 @@ def _prepare(model, meta_inputs, *, mesh, plan, device, progress: Progress, opti
                                       "reduce_dtype": options["reduce_dtype"] or "fp32",
                                       "zero_stage": 0 if options["zero_stage"] is None else options["zero_stage"]},
                                    preset=preset)
-        spec = spec or MeshSpec.coerce((world,), preset=preset)
+        if auto is None:
+            spec = spec or MeshSpec.coerce((world,), preset=preset)
     else:
         source = "a Plan object" if isinstance(plan, Plan) else os.fspath(plan)
         plan = plan if isinstance(plan, Plan) else Plan.load(os.fspath(plan))
@@ -410,8 +450,36 @@ def _prepare(model, meta_inputs, *, mesh, plan, device, progress: Progress, opti
         traced = trace(model, meta_inputs, decompose_if=needs_decomposition,
                        precision=plan.precision if plan_options is None else plan_options.precision)
     fingerprint = _fingerprint(traced, meta_inputs, world=world, spec=spec, plan=plan, source=source,
-                               device=device, options={**asked, **per_rank})
-    return _Prepared(traced, spec, plan_options, plan, fingerprint)
+                               device=device, options={**asked, **per_rank}, auto=auto)
+    return _Prepared(traced, spec, plan_options, plan, fingerprint, auto)
+
+
+def world_cluster(world: int, nodes: int | None, devices_per_node: int | None,
+                  environ: dict | None = None) -> tuple[int, int]:
+    """``(nodes, devices per node)`` of a ``world``-rank launch for ``mesh="auto"``: as given,
+    the missing one from the other, devices per node from ``LOCAL_WORLD_SIZE`` (set by torchrun)
+    when neither is given, else one node. ``ValueError`` when they do not multiply to ``world``."""
+    env = os.environ if environ is None else environ
+    for name, value in (("nodes", nodes), ("devices_per_node", devices_per_node)):
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    source = "given"
+    if nodes is None and devices_per_node is None:
+        local = env.get("LOCAL_WORLD_SIZE")
+        if local is not None:
+            if not local.isdigit() or int(local) < 1:
+                raise ValueError(f"LOCAL_WORLD_SIZE={local!r} is not a positive int")
+            devices_per_node, source = int(local), f"LOCAL_WORLD_SIZE={local}"
+        else:
+            devices_per_node = world
+    if nodes is None:
+        nodes = world // devices_per_node
+    if devices_per_node is None:
+        devices_per_node = world // nodes
+    if nodes * devices_per_node != world:
+        raise ValueError(f"mesh='auto': {nodes} nodes x {devices_per_node} devices per node ({source}) is not the "
+                         f"world size {world}")
+    return nodes, devices_per_node
 
 
 def _check_plan_options(plan: Plan, *, precision, reduce_dtype, zero_stage) -> None:
@@ -427,7 +495,7 @@ def _check_plan_options(plan: Plan, *, precision, reduce_dtype, zero_stage) -> N
 
 
 def _fingerprint(traced, meta_inputs, *, world: int, spec: MeshSpec | None, plan: Plan | None, source: str,
-                 device, options: dict) -> tuple[tuple[str, str, str], ...]:
+                 device, options: dict, auto: tuple[int, int] | None = None) -> tuple[tuple[str, str, str], ...]:
     """What every rank must agree on: (what, key compared across ranks, what the error shows)."""
     import hashlib
 
@@ -438,7 +506,8 @@ def _fingerprint(traced, meta_inputs, *, world: int, spec: MeshSpec | None, plan
 
     versions = f"autopar {__version__} (plan format {PLAN_VERSION}), torch {torch.__version__}"
     graph = traced.graph_hash
-    mesh = "the plan's" if spec is None else f"{spec.shape} axes {spec.axis_names}"
+    mesh = ("the plan's" if spec is None and auto is None else
+            f"auto over {auto[0]} nodes x {auto[1]} devices" if spec is None else f"{spec.shape} axes {spec.axis_names}")
     if plan is None:
         plan_key = plan_shown = source
     else:
@@ -533,19 +602,23 @@ def _all_gather(obj: Any, *, device) -> list[Any]:
     return out
 
 
-def _solve_on_rank0(traced: TracedGraph, *, mesh: MeshSpec, options: PlanOptions, progress: Progress,
-                    device, cache_of: tuple | None = None) -> Plan:
+def _solve_on_rank0(traced: TracedGraph, *, mesh: MeshSpec | None, options: PlanOptions, progress: Progress,
+                    device, cache_of: tuple | None = None, auto: tuple[int, int] | None = None) -> Plan:
     """Rank 0 solves from its trace (the same as every rank's: ``_agree`` compared them); every
     rank gets the plan, or rank 0's error as the same message, by broadcast. ``cache_of``: the
-    (model, meta inputs) to key the plan cache with; rank 0 alone reads and fills it."""
+    (model, meta inputs) to key the plan cache with; rank 0 alone reads and fills it. ``auto``:
+    (nodes, devices per node) to search the mesh over (``mesh`` is then None; not cached)."""
     import torch.distributed as dist
 
     error = None
     payload: list[Any] = [None]
     if dist.get_rank() == 0:
         try:
-            payload[0] = ("ok", _plan_on_rank0(traced, mesh=mesh, options=options, progress=progress,
-                                               cache_of=cache_of).to_json())
+            if auto is not None:
+                plan = _search_on_rank0(traced, cluster=auto, options=options, progress=progress)
+            else:
+                plan = _plan_on_rank0(traced, mesh=mesh, options=options, progress=progress, cache_of=cache_of)
+            payload[0] = ("ok", plan.to_json())
         except Exception as exc:  # noqa: BLE001 -- re-raised on every rank below
             payload[0], error = (type(exc).__name__, str(exc)), exc
     if device.type == "cuda" and dist.get_backend() == "nccl":
@@ -560,6 +633,18 @@ def _solve_on_rank0(traced: TracedGraph, *, mesh: MeshSpec, options: PlanOptions
     if status != "ok":
         raise ValueError(f"planning failed on rank 0: {status}: {text}")
     return Plan.from_json(text)
+
+
+def _search_on_rank0(traced: TracedGraph, *, cluster: tuple[int, int], options: PlanOptions,
+                     progress: Progress) -> Plan:
+    """mesh="auto" under ``autoparallelize``: the fastest mesh's plan from this trace."""
+    from autopar.tracer import profile as profile_graph
+
+    start = time.perf_counter()
+    with progress.stage("profile"):
+        prof = profile_graph(traced)
+    found = _search_traced(traced, prof, cluster=cluster, options=options, progress=progress, start=start)
+    return found.best.plan
 
 
 def _plan_on_rank0(traced: TracedGraph, *, mesh: MeshSpec, options: PlanOptions, progress: Progress,

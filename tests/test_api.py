@@ -75,3 +75,56 @@ def test_bad_options_fail_before_the_trace():
         plan(Untraceable(), (torch.empty(2, device="meta"),), mesh=(2,), checkpoint="sometimes")
     with pytest.raises(ValueError, match="mesh shape"):
         plan(Untraceable(), (torch.empty(2, device="meta"),), mesh="2xq")
+
+
+# ------------------------------------------------------------------------------ mesh="auto"
+def test_world_cluster_comes_from_the_arguments_or_the_launcher():
+    from autopar.api import world_cluster
+
+    assert world_cluster(8, None, None, environ={}) == (1, 8)  # no launcher: one node
+    assert world_cluster(8, None, None, environ={"LOCAL_WORLD_SIZE": "4"}) == (2, 4)  # torchrun's per-node count
+    assert world_cluster(8, 2, None, environ={"LOCAL_WORLD_SIZE": "8"}) == (2, 4)  # an argument wins
+    assert world_cluster(8, None, 2, environ={}) == (4, 2) and world_cluster(8, 4, 2, environ={}) == (4, 2)
+    with pytest.raises(ValueError, match=r"3 nodes x 2 devices per node \(given\) is not the world size 8"):
+        world_cluster(8, 3, 2, environ={})
+    with pytest.raises(ValueError, match=r"LOCAL_WORLD_SIZE=3\) is not the world size 8"):
+        world_cluster(8, None, None, environ={"LOCAL_WORLD_SIZE": "3"})
+    with pytest.raises(ValueError, match="nodes must be a positive int, got 0"):
+        world_cluster(8, 0, None, environ={})
+
+
+def _auto_body(rank, world, model, inputs):
+    import os
+
+    from autopar.api import autoparallelize
+
+    out = {}
+    os.environ["LOCAL_WORLD_SIZE"] = "2"
+    pm = autoparallelize(model, inputs, mesh="auto", checkpoint="none")
+    out["mesh"] = tuple(pm.plan.mesh.shape)
+    out["loss"] = pm(**inputs)[0].item()
+    os.environ["LOCAL_WORLD_SIZE"] = "4" if rank == 3 else "2"  # one rank sees another launch layout
+    try:
+        autoparallelize(model, inputs, mesh="auto", checkpoint="none")
+        out["disagree"] = ("no error", "")
+    except Exception as exc:  # noqa: BLE001 -- compared across ranks
+        out["disagree"] = (type(exc).__name__, str(exc))
+    return out
+
+
+@pytest.mark.slow
+def test_autoparallelize_mesh_auto_searches_on_rank_0_and_every_rank_builds_it():
+    from autopar import zoo
+    from autopar.runtime.launch import run_local
+
+    torch.manual_seed(0)
+    model, inputs = zoo.build("mlp", tiny=True, device="cpu")
+    offline = plan(model, inputs, mesh="auto", nodes=2, devices_per_node=2, preset="cpu", checkpoint="none")
+    results = run_local(_auto_body, 4, model, inputs, timeout=120)
+    assert {r["mesh"] for r in results} == {tuple(offline.mesh.shape)}  # the search's choice, on every rank
+    assert len({r["loss"] for r in results}) == 1 and torch.isfinite(torch.tensor(results[0]["loss"]))
+    kinds, texts = {r["disagree"][0] for r in results}, {r["disagree"][1] for r in results}
+    assert kinds == {"ValueError"} and len(texts) == 1, results
+    text = texts.pop()
+    assert "ranks disagree on the mesh" in text and "auto over 2 nodes x 2 devices" in text
+    assert "rank 3 auto over 1 nodes x 4 devices" in text

@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 from autopar.layout.mesh import MeshSpec
 
-__all__ = ["MeshRow", "MeshSearch", "mesh_shapes", "search_meshes"]
+__all__ = ["MeshRow", "MeshSearch", "mesh_shapes", "predicted_seconds", "search_meshes"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,26 +102,36 @@ def search_meshes(plan_on: Callable[[MeshSpec, float | None], Any], *, nodes: in
     The cluster's own shape (``nodes x devices_per_node``) goes first, so the search never
     returns a slower plan than it; then fewer axes first (more axes mean more strategies per op
     and slower solves). ``time_budget``: seconds for the whole search; ``seconds_left`` tells
-    ``plan_on`` what remains (its solver time limit), and candidates not reached when it is spent
-    get a row saying so. ``report`` receives each row as it is planned (progress output)."""
+    ``plan_on`` what remains (its solver time limit); a candidate whose planning is predicted
+    (``predicted_seconds``: from the candidates planned so far) to overrun what remains is left
+    out, as are all once it is spent, each with a row saying so. ``report`` receives each row as
+    it is planned (progress output)."""
     rows, best, best_row = [], None, None
     start = time.perf_counter()
     shapes = mesh_shapes(nodes * devices_per_node, max_axes=max_axes)
     own = (devices_per_node,) if nodes == 1 else (nodes, devices_per_node)
     if own in shapes:
         shapes.insert(0, shapes.pop(shapes.index(own)))
+    took: dict[int, float] = {}  # axis count -> the longest planning of a mesh with that many axes
     for shape in shapes:
         mesh = MeshSpec.cluster(nodes=nodes, devices_per_node=devices_per_node, device=device, shape=shape)
         left = None if time_budget is None else time_budget - (time.perf_counter() - start)
         t0 = time.perf_counter()
-        if left is not None and left <= 0 and best_row is not None:
-            row = MeshRow(shape, None, None, 0.0, f"not planned: the search's {time_budget:g}s were spent")
-            rows.append(row)
-            if report is not None:
-                report(row)
-            continue
+        if left is not None and best_row is not None:
+            guess = predicted_seconds(len(shape), took)
+            why = (f"the search's {time_budget:g}s were spent" if left <= 0 else
+                   f"~{guess:.0f}s predicted for a {len(shape)}-axis mesh, {left:.0f}s of the search's "
+                   f"{time_budget:g}s left" if guess is not None and guess > left else None)
+            if why is not None:
+                row = MeshRow(shape, None, None, 0.0, f"not planned: {why}")
+                rows.append(row)
+                if report is not None:
+                    report(row)
+                continue
         try:
-            result = plan_on(mesh, None if left is None else max(left, 1.0))
+            # The cluster's own shape (planned first) gets the full solver time whatever is left:
+            # it is the plan the search must never be slower than.
+            result = plan_on(mesh, None if left is None or not rows else max(left, 1.0))
         except (ValueError, RuntimeError) as exc:
             row = MeshRow(shape, None, None, time.perf_counter() - t0, _first_line(exc))
         else:
@@ -129,6 +139,7 @@ def search_meshes(plan_on: Callable[[MeshSpec, float | None], Any], *, nodes: in
             row = MeshRow(shape, est.step_s, est.peak_bytes, time.perf_counter() - t0)
             if best_row is None or _rank(row) < _rank(best_row):
                 best, best_row = result, row
+        took[len(shape)] = max(took.get(len(shape), 0.0), row.plan_s)
         rows.append(row)
         if report is not None:
             report(row)
@@ -136,6 +147,25 @@ def search_meshes(plan_on: Callable[[MeshSpec, float | None], Any], *, nodes: in
         detail = "; ".join(f"{'x'.join(map(str, r.shape))}: {r.note}" for r in rows)
         raise ValueError(f"mesh='auto': no mesh of {nodes} x {devices_per_node} {device} devices has a plan ({detail})")
     return MeshSearch(tuple(rows), best, best_row.shape)
+
+
+# Planning a mesh with one more axis took about this many times longer (strategies per op grow
+# with the placements per axis multiplied; Llama-8B on 64 H100s: 8.5k options on 64, 48-59k on
+# two axes, 282k on 2x2x16, and its strategies 1.7 s, 5-9 s and 110 s on a loaded machine).
+AXIS_GROWTH = 6.0
+
+
+def predicted_seconds(num_axes: int, took: dict[int, float]) -> float | None:
+    """What planning a ``num_axes``-axis mesh should take, from the longest planning seen with as
+    many axes, else with the most axes below it times ``AXIS_GROWTH`` per missing axis; None
+    when nothing was planned yet. Only used to leave out meshes the time budget cannot fit."""
+    if num_axes in took:
+        return took[num_axes]
+    fewer = [k for k in took if k < num_axes]
+    if not fewer:
+        return None
+    k = max(fewer)
+    return took[k] * AXIS_GROWTH ** (num_axes - k)
 
 
 def _first_line(exc: BaseException) -> str:

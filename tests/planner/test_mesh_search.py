@@ -72,7 +72,7 @@ def test_time_budget_plans_the_clusters_own_shape_and_reports_the_rest():
         return Result(1.0 / len(mesh.shape))
 
     found = search_meshes(plan_on, nodes=2, devices_per_node=4, device="a100-80gb", time_budget=0.01)
-    assert calls == [((2, 4), 1.0)]  # its own shape, with at least a second to solve
+    assert calls == [((2, 4), None)]  # its own shape, with the full solver time limit
     assert found.best_shape == (2, 4) and [r.shape for r in found.rows][0] == (2, 4)
     assert all("not planned" in r.note for r in found.rows[1:]) and len(found.rows) == len(mesh_shapes(8))
 
