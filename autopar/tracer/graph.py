@@ -22,6 +22,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 import torch.fx as fx
+from torch.fx.immutable_collections import immutable_dict, immutable_list
 import torch.utils._pytree as pytree
 
 from autopar.plans import NodeKind  # defined with Plan, torch-free: a plan names kinds without torch
@@ -219,7 +220,7 @@ class TracedGraph:
         """Stable hex digest of ops, wiring, shapes and parameter names (for plan files)."""
         digest = hashlib.sha256()
         for node in self.gm.graph.nodes:
-            args = pytree.tree_map(_arg_token, (node.args, node.kwargs))
+            args = _tokens((node.args, node.kwargs))
             vals = [(tuple(v.shape), str(v.dtype)) for v in tensor_vals(node.meta.get("val"))]
             fqn = node.meta[PLACEHOLDER_KEY].fqn if PLACEHOLDER_KEY in node.meta else ""
             digest.update(repr((node.op, node.name, op_name(node), args, vals, fqn)).encode())
@@ -234,6 +235,19 @@ class TracedGraph:
                 f"({self.num_params:,} elements), loss={self._loss_name}, hash={self.graph_hash})")
 
     __repr__ = __str__
+
+
+def _tokens(arg: Any) -> Any:
+    """``pytree.tree_map(_arg_token, arg)`` (the hash is defined by it), with the containers fx
+    arguments are made of mapped directly: pytree's generic walk was most of the hash's time."""
+    kind = type(arg)
+    if kind is tuple or kind is list or kind is immutable_list:
+        return kind(_tokens(a) for a in arg)
+    if kind is dict or kind is immutable_dict:
+        return kind((k, _tokens(v)) for k, v in arg.items())
+    if isinstance(arg, (tuple, list, dict)):  # a namedtuple, an OrderedDict ...: pytree's own rules
+        return pytree.tree_map(_arg_token, arg)
+    return _arg_token(arg)
 
 
 def _arg_token(arg: Any) -> Any:

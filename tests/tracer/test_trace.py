@@ -169,3 +169,26 @@ def test_var_positional_inputs():
     traced = trace(VarArgs(), (torch.empty(2, 3), 4.0))
     assert [p.fqn for p in traced.inputs] == ["args[0]"]
     assert traced.flat_outputs[0].meta["val"].shape == (2, 3)
+
+
+def _pytree_graph_hash(traced) -> str:
+    """The hash's definition, with pytree walking every argument (graph_hash maps the usual
+    containers itself: it must agree)."""
+    import hashlib
+
+    import torch.utils._pytree as pytree
+
+    from autopar.tracer.graph import PLACEHOLDER_KEY, _arg_token, op_name
+
+    digest = hashlib.sha256()
+    for node in traced.gm.graph.nodes:
+        args = pytree.tree_map(_arg_token, (node.args, node.kwargs))
+        vals = [(tuple(v.shape), str(v.dtype)) for v in tensor_vals(node.meta.get("val"))]
+        fqn = node.meta[PLACEHOLDER_KEY].fqn if PLACEHOLDER_KEY in node.meta else ""
+        digest.update(repr((node.op, node.name, op_name(node), args, vals, fqn)).encode())
+    return digest.hexdigest()[:16]
+
+
+def test_graph_hash_is_the_pytree_definition(family):
+    name, _, _, traced = family
+    assert traced.graph_hash == _pytree_graph_hash(traced), name
