@@ -227,12 +227,12 @@ class _Builder:
 
     def _op(self, node: fx.Node) -> None:
         signature = self._signature(node)
-        strategies = self._strategies(node, signature)
+        slots = input_nodes(node)
+        strategies = self._strategies(node, signature, slots)
         path = self.traced.module_path(node)
         if not strategies:
             raise ValueError(f"no sharding strategy for node {node.name!r} (op {node.target}, module "
                              f"{path or '<top level>'}) on mesh {self.mesh.shape}")
-        slots = input_nodes(node)
         i = self.op_index[node.name]
         parts = self._saved_parts(node)
         live = (i, 2 * self.num_ops - 1 - i) if parts else None
@@ -348,7 +348,7 @@ class _Builder:
             cached = self._choice_cache[id(strategies)] = tuple(Choice(s.name, s.output_specs, s) for s in strategies)
         return cached
 
-    def _strategies(self, node: fx.Node, key: str) -> list[Strategy]:
+    def _strategies(self, node: fx.Node, key: str, slots: list[fx.Node]) -> list[Strategy]:
         cached = self._strategy_cache.get(key)
         if cached is None:
             prof = self.prof[node.name]
@@ -358,15 +358,18 @@ class _Builder:
             self._strategy_cache[key] = cached
         if cached and cached[0].is_fallback:
             self.fallbacks.append(node.name)
-        no_grad = tuple(i for i, src in enumerate(input_nodes(node)) if src.name not in self.needs_grad)
-        if no_grad and any(s.grad_partial_axes[i] for s in cached for i in no_grad):
-            # A value no trainable parameter feeds (rotary tables, masks) gets no gradient: its
-            # partial-gradient all-reduce never runs, so it is not priced.
-            key = (key, no_grad)
-            if key not in self._strategy_cache:
-                self._strategy_cache[key] = [s.without_gradients(no_grad, self.mesh) for s in cached]
-            cached = self._strategy_cache[key]
-        return cached
+        no_grad = tuple(i for i, src in enumerate(slots) if src.name not in self.needs_grad)
+        if not no_grad:
+            return cached
+        # A value no trainable parameter feeds (rotary tables, masks) gets no gradient: its
+        # partial-gradient all-reduce never runs, so it is not priced. (The same list when no
+        # strategy has one: repeated nodes keep sharing one list, so one set of options.)
+        resolved = self._strategy_cache.get((key, no_grad))
+        if resolved is None:
+            resolved = self._strategy_cache[(key, no_grad)] = (
+                [s.without_gradients(no_grad, self.mesh) for s in cached]
+                if any(s.grad_partial_axes[i] for s in cached for i in no_grad) else cached)
+        return resolved
 
     def _signature(self, node: fx.Node) -> str:
         def token(a: Any) -> Any:
