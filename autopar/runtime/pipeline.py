@@ -103,16 +103,13 @@ class _StageModule(nn.Module):
                 self.register_buffer(name, leaves[name])
 
     def forward(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        import os
-        if os.environ.get("PPDEBUG"):
-            print("stage", self.stage.index, [(n, tuple(x.shape), x.dtype, x.min().item() if x.numel() else None) for n, x in zip(self.stage.inputs, inputs)], flush=True)
         it = iter(inputs)
         values = [next(it) if name is None else getattr(self, name) for name in self._arg_state]
         out = self.gm(*values)
-        if os.environ.get("PPDEBUG"):
-            print("stage out", self.stage.index, [(n, tuple(x.shape), x.dtype, x.min().item() if x.numel() else None) for n, x in zip(self.stage.outputs, out)], flush=True)
-        # Point-to-point sends need dense tensors (an expanded mask is a stride-0 view).
-        return tuple(o.contiguous() for o in out)
+        # Point-to-point sends need dense tensors (an expanded mask is a stride-0 view), and the
+        # split backward detaches outputs in place, which a view refuses: views are copied.
+        return tuple(o.clone(memory_format=torch.contiguous_format) if o._is_view() or not o.is_contiguous() else o
+                     for o in out)
 
 
 class PipelineModule(nn.Module):
