@@ -148,6 +148,7 @@ class _Work:
         self.group_members: dict[int, list[str]] = defaultdict(list)
         self.names = {n.name: tuple(o.name for o in n.options) for n in problem.nodes}
         self.num_aliased = 0
+        self._regret: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}  # see regret_term
         groups = _alias_groups(problem) if alias else {n.name: i for i, n in enumerate(problem.nodes)}
         for n in problem.nodes:
             g = groups[n.name]
@@ -168,7 +169,7 @@ class _Work:
             self.group_members[g].append(n.name)
         for e in problem.edges:
             ga, gb = groups[e.src], groups[e.dst]
-            mat = np.asarray(e.costs, dtype=float)
+            mat = e.array
             if ga == gb:  # both ends share one decision: only the diagonal is reachable
                 self.cost[ga] += np.diag(mat)
             else:
@@ -202,8 +203,18 @@ class _Work:
         total = np.zeros((k, k))
         for w, mat in self.adj[g].items():
             if w != skip:
-                total += (mat[:, None, :] - mat[None, :, :]).max(axis=2)
+                total += self.regret_term(g, w, mat)
         return total
+
+    def regret_term(self, g: int, w: int, mat: np.ndarray) -> np.ndarray:
+        """``max_r (C_gw[t', r] - C_gw[t, r])``, kept while ``adj[g][w]`` is the same array (every
+        change to an edge makes a new one): a group is re-examined each time a neighbour
+        changes, and this k x k x k' maximum was most of a 3-axis simplification."""
+        hit = self._regret.get((g, w))
+        if hit is not None and hit[0] is mat:
+            return hit[1]
+        self._regret[(g, w)] = (mat, term := _max_row_difference(mat))
+        return term
 
     def dominates(self, g: int, memory: bool) -> np.ndarray:
         """``D[t', t]``: t' holds no more memory and recomputes no slower than t."""
@@ -222,9 +233,10 @@ class _Work:
             return False
         worse = self.cost[g][:, None] - self.cost[g][None, :] + self.regret(g)
         dom = self.dominates(g, memory) & (worse <= _EPS * (1.0 + np.abs(self.cost[g]).max()))
+        np.fill_diagonal(dom, False)
         keep = np.ones(k, dtype=bool)
-        for t in range(k):  # sequential so that of two equal options exactly one survives
-            if any(dom[t2, t] for t2 in range(k) if t2 != t and keep[t2]):
+        for t in np.flatnonzero(dom.any(axis=0)):  # sequential so that of two equal options exactly one survives
+            if (dom[:, t] & keep).any():
                 keep[t] = False
         if keep.all():
             return False
@@ -268,6 +280,18 @@ class _Work:
         for table in (self.cost, self.param, self.forward, self.items, self.adj, self.group_members):
             table.pop(v, None)
         return True
+
+
+def _max_row_difference(mat: np.ndarray) -> np.ndarray:
+    """``D[i, j] = max_r (mat[i, r] - mat[j, r])``, computed on the distinct rows and columns
+    (options that differ in nothing this edge sees repeat a row; duplicate columns change no
+    maximum): a k x k x k' array becomes u x u x u'."""
+    if mat.shape[0] * mat.shape[0] * mat.shape[1] <= 4096:
+        return (mat[:, None, :] - mat[None, :, :]).max(axis=2)
+    rows, inverse = np.unique(mat, axis=0, return_inverse=True)
+    rows = np.unique(rows, axis=1)
+    inverse = inverse.reshape(-1)
+    return (rows[:, None, :] - rows[None, :, :]).max(axis=2)[np.ix_(inverse, inverse)]
 
 
 def _alias_groups(problem: Problem) -> dict[str, int]:

@@ -212,3 +212,44 @@ def test_chained_memory_rows_match_the_written_out_rows(seed, monkeypatch):
     assert chained.objective == pytest.approx(dense.objective, rel=2e-4)
     assert chained.peak_bytes <= tight.budget_bytes
     assert minimum_budget(tight) == minimum_budget(tight.with_budget(None))
+
+
+# ------------------------------------------------------------------ integral relaxations
+# (seed, budget): without a budget these relaxations come out integral; the tight budgets make
+# them fractional, so the search runs.
+@pytest.mark.parametrize("seed,budget", [(2, False), (11, False), (16, False), (0, True), (3, True), (12, True)])
+def test_an_integral_relaxation_ends_the_solve_with_the_searched_optimum(seed, budget, monkeypatch):
+    """When the root LP comes out integral the MIP search is skipped; the answer is the optimum
+    the search finds (and brute force), proved with gap 0."""
+    rng = random.Random(100 + seed)
+    p = _random_problem(rng, rng.randint(4, 7), k=4)
+    if budget:
+        low, _ = minimum_budget(p)
+        p = p.with_budget(int(low * rng.uniform(1.0, 1.3)))
+    best = _brute_force(p)
+    first = solve(p, solver="highs")
+    monkeypatch.setattr(ilp.IlpModel, "integral", lambda self, tol=0.0: False)
+    searched = solve(p, solver="highs")
+    assert first.objective == pytest.approx(searched.objective, rel=1e-9, abs=1e-12)
+    assert first.objective == pytest.approx(best, rel=2e-4)
+    assert first.num_variables > 0 and (first.timings["solve_s"] == 0.0) == (not budget)
+    if not budget:  # the relaxation was the answer
+        assert first.status == "optimal" and first.gap < 1e-12 and first.lp_bound == pytest.approx(best)
+        assert searched.timings["solve_s"] > 0.0
+
+
+def test_integral_reads_every_integer_variable():
+    p = _random_problem(random.Random(7), 5, k=3)
+    from autopar.solver.simplify import simplify
+
+    model = ilp.IlpModel(simplify(p, merge=False))
+    model.build_fastest(None)
+    ints = [v for v in model.columns() if v.cat == "Integer"]
+    assert ints
+    for v in model.columns():
+        v.varValue = 0.0
+    assert model.integral()
+    ints[0].varValue = 0.5
+    assert not model.integral()
+    ints[0].varValue = 1.0 - 1e-9  # within the solver's feasibility tolerance
+    assert model.integral()

@@ -173,3 +173,32 @@ def test_a_recomputable_follower_keeps_its_faster_recompute_option():
     assert sorted((c["linear"], c["relu"]) for c in _all_reduced_choices(kept)) == [("R", "R"), ("S0", "S0")]
     (forward,) = [f for f in kept.forward if f]
     assert sorted(forward["block0"]) == [0.05, 0.5]
+
+
+def test_max_row_difference_on_distinct_rows_equals_the_full_maximum():
+    from autopar.solver.simplify import _max_row_difference
+
+    rng = np.random.default_rng(0)
+    for shape in ((3, 4), (20, 30), (40, 7)):
+        base = rng.uniform(0, 1, size=(5, 6))
+        mat = base[rng.integers(0, 5, shape[0])][:, rng.integers(0, 6, shape[1])]  # repeated rows and columns
+        full = (mat[:, None, :] - mat[None, :, :]).max(axis=2)
+        assert np.array_equal(_max_row_difference(mat), full)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_pruning_with_repeated_rows_keeps_the_optimum(seed):
+    """Options that look alike to a neighbour (equal cost rows: the layouts that edge sees) are
+    where the distinct-row regret and the vectorised dominance pass act."""
+    rng = random.Random(50 + seed)
+    p = _random_problem(rng, rng.randint(4, 6), k=4)
+    edges = []
+    for e in p.edges:
+        rows = [list(r) for r in e.costs]
+        for i in range(1, len(rows)):
+            if rng.random() < 0.5:
+                rows[i] = list(rows[rng.randrange(i)])
+        edges.append(Edge(e.src, e.dst, rows))
+    p = Problem(p.nodes, tuple(edges), None, p.timeline_length)
+    reduced = simplify(p)
+    assert _best(p, _all_reduced_choices(reduced)) == pytest.approx(_best(p, _all_choices(p)))
