@@ -30,10 +30,23 @@ The estimate of a region set (``estimate``) is ``Problem.evaluate`` with the reg
 (the joint ILP's memory and time model, exact per node) plus the forward seconds of the
 conversions a region re-runs, less what several consumers share (``planner.executed``: a
 conversion or a gradient sum runs once for all of them).
+
+Search cost (``plan_recompute``, exact: the answer is the exhaustive search's). The per-sharding
+parts of ``estimate`` are computed once per sharding (``ChoiceCosts``). The Rotor sharding is
+solved first; each refinement then only has to beat the candidates already found, and
+``recompute_lower_bound`` (no-recompute estimate + a fractional knapsack of forward seconds per
+byte the peak must lose) skips a refinement, and a region set within one, that cannot — never
+on a tie. The Rotor sharding's own refinement is skipped outright when its no-recompute plan
+fits (recompute only adds time to it). Rotor's DP shares the rows of identical subchains
+(``autopar.solver.rotor``: a chain of repeated blocks is periodic). The joint ILP, then every
+Rotor solve, is reported through ``progress``. A joint ILP that finds no plan within the time
+limit leaves the Rotor candidates to answer.
 """
 
 from __future__ import annotations
 
+import math
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
@@ -46,7 +59,8 @@ from autopar.layout.blocks import block_of
 from autopar.solver.problem import Problem
 from autopar.solver.timeline import Evaluation, SegmentInput, activation_bytes, segment_geometry
 
-__all__ = ["MODES", "RecomputePlan", "plan_recompute", "estimate", "rotor_refine", "regions_of", "strip_segments"]
+__all__ = ["MODES", "RecomputePlan", "ChoiceCosts", "plan_recompute", "estimate", "recompute_lower_bound", "rotor_refine",
+           "regions_of", "strip_segments"]
 
 
 @dataclass(frozen=True)
@@ -87,35 +101,132 @@ def regions_of(problem: Problem, units) -> tuple[RecomputeRegion, ...]:
     return tuple(RecomputeRegion(u, tuple(members.get(u, ()))) for u in sorted(units, key=lambda u: geometry[u].start))
 
 
-def _conversion_forward_s(built, choice, region_nodes: set[str]) -> float:
-    return sum(c.conversion.forward_s for c in unique_conversions(built, choice)[0] if c.consumer in region_nodes)
+class ChoiceCosts:
+    """The parts of ``estimate`` that depend on the sharding alone (the conversions the runtime
+    runs, what several consumers share), computed once per choice: a search evaluates many
+    recompute sets over one or two shardings, and these passes dominate each evaluation."""
+
+    def __init__(self, built) -> None:
+        self.built = built
+        self._by_choice: dict[tuple, tuple] = {}
+
+    def of(self, choice) -> tuple[tuple[tuple[str, float], ...], tuple[float, float]]:
+        """((consumer, forward seconds) of each conversion run, in order; shared savings)."""
+        key = tuple(choice[n.name] for n in self.built.problem.nodes)
+        hit = self._by_choice.get(key)
+        if hit is None:
+            runs = tuple((c.consumer, c.conversion.forward_s) for c in unique_conversions(self.built, choice)[0])
+            hit = self._by_choice[key] = (runs, shared_savings(self.built, choice))
+        return hit
 
 
-def estimate(built, problem: Problem, choice, units, inputs) -> Evaluation:
-    """Step time and peak of ``choice`` with ``units`` recomputed (module docstring)."""
+def estimate(built, problem: Problem, choice, units, inputs, *, costs: ChoiceCosts | None = None) -> Evaluation:
+    """Step time and peak of ``choice`` with ``units`` recomputed (module docstring). ``costs``:
+    a cache of the sharding-only parts (same result, computed once per choice)."""
     ev = problem.evaluate(choice, recompute=units, segment_inputs=inputs)
-    inside = {name for r in regions_of(problem, units) for name in r.nodes}
-    extra = _conversion_forward_s(built, choice, inside) if inside else 0.0
-    comm_saved, reshard_saved = shared_savings(built, choice)  # counted once, as they run
+    runs, (comm_saved, reshard_saved) = (costs or ChoiceCosts(built)).of(choice)
+    inside = {name for r in regions_of(problem, units) for name in r.nodes} if units else set()
+    extra = sum(f for consumer, f in runs if consumer in inside) if inside else 0.0
     return replace(ev, objective=ev.objective + extra - comm_saved - reshard_saved, comm_s=ev.comm_s - comm_saved,
                    reshard_s=ev.reshard_s + extra - reshard_saved)
 
 
-def _finish(built, problem, choice, solution, units, inputs, method, info) -> RecomputePlan:
-    ev = estimate(built, problem, choice, units, inputs)
+def _finish(built, problem, choice, solution, units, inputs, method, info, *, costs=None, ev=None) -> RecomputePlan:
+    ev = ev or estimate(built, problem, choice, units, inputs, costs=costs)
     return RecomputePlan(problem, inputs, choice, solution, tuple(units), regions_of(problem, units), ev, method,
                          activation_bytes(problem, choice, recompute=units, segment_inputs=inputs), info)
 
 
+class _Silent:
+    """A progress sink that reports nothing (``plan_recompute`` without one)."""
+
+    @contextmanager
+    def stage(self, name: str, detail: str = ""):
+        yield
+
+
+# A lower bound prunes a candidate only when it exceeds the bound by more than float noise (the
+# bound and the estimate add the same terms in different orders): ties are always evaluated.
+_PRUNE_RTOL = 1e-9
+
+
+def _beyond(lower: float, bound: float | None) -> bool:
+    return bound is not None and lower > bound + _PRUNE_RTOL * abs(bound)
+
+
+def recomputable_ops(built) -> frozenset[str]:
+    """Ops any recompute unit may hold: the op sequence from the first segmented op on (every
+    fine segment, block and Rotor chain stage lies there)."""
+    ops = [n for n in built.problem.nodes if built.decisions[n.name].kind == NodeKind.OP]
+    first = next((i for i, n in enumerate(ops) if n.segment is not None), len(ops))
+    return frozenset(n.name for n in ops[first:])
+
+
+def recompute_lower_bound(built, choice, *, costs: ChoiceCosts | None = None,
+                          recomputable: frozenset[str] | None = None) -> float:
+    """A lower bound on the estimate of ``choice`` with *any* recompute set that fits the budget
+    (inf when none can fit). Exact reasoning, no search:
+
+    * a recompute set only adds time: ``estimate(c, R) >= estimate(c, ()) + sum of forward_s``
+      over the recomputed ops (re-run conversions add more, never less);
+    * at the timeline point ``t`` of the no-recompute peak, recomputing op ``n`` frees at most its
+      activation, and only if it is live at ``t`` (it moves to ``[bwd, end]``; kept inputs only
+      add memory). Fitting needs ``sum(freed) >= peak - budget``.
+
+    The least forward seconds freeing that much is at least the fractional knapsack's optimum
+    (``_knapsack_bound``). ``recomputable``: the ops any unit may hold (``recomputable_ops``)."""
+    base = estimate(built, built.problem, choice, (), {}, costs=costs)
+    recomputable = recomputable_ops(built) if recomputable is None else recomputable
+    return _knapsack_bound(built.problem, choice, base, [(name,) for name in recomputable])
+
+
+def _knapsack_bound(problem: Problem, choice, base: Evaluation, groups) -> float:
+    """``base.objective`` plus the least forward seconds that free the bytes the no-recompute peak
+    exceeds the budget by, at the peak's timeline point, when only whole ``groups`` of ops are
+    recomputed (each group's seconds and the bytes it frees there), fractional knapsack (a group
+    by seconds per byte, the last in part): a lower bound (``recompute_lower_bound``)."""
+    need = base.peak_bytes - problem.budget_bytes
+    if need <= 0:
+        return base.objective
+    t = base.peak_time
+    if t is None:  # parameters alone exceed the budget: recompute cannot help
+        return math.inf
+    items = []
+    for group in groups:
+        seconds = freed = 0
+        for name in group:
+            n = problem.node(name)
+            o = n.options[n.option_index(choice[name])]
+            seconds += o.forward_s
+            if n.live is not None and n.live[0] <= t <= n.live[1]:
+                freed += o.act_bytes
+        if freed > 0:
+            items.append((seconds / freed, freed, seconds))
+    extra = 0.0
+    for per_byte, size, seconds in sorted(items):
+        if size >= need:
+            return base.objective + extra + per_byte * need
+        extra += seconds
+        need -= size
+    return math.inf  # recomputing every group live at the peak still does not fit
+
+
 def plan_recompute(traced, prof, built, *, mode: str = "auto", solver: str = "auto", time_limit: float = 60.0,
-                   solve_plain=None) -> RecomputePlan:
+                   solve_plain=None, progress=None, prune: bool = True) -> RecomputePlan:
     """Sharding + recompute for ``built`` (module docstring). ``solve_plain(problem)`` solves the
-    sharding ILP without recompute (the caller's, for progress reporting)."""
-    from autopar.solver.pipeline import solve
+    sharding ILP without recompute (the caller's, for progress reporting); ``progress``: an object
+    whose ``stage(name, detail)`` context reports each step (``autopar.api.Progress``).
+
+    ``prune`` skips Rotor refinements (and region sets within one) that a lower bound shows
+    cannot beat a candidate already found (``recompute_lower_bound``; never on a tie), and the
+    refinement of a sharding whose no-recompute plan fits (recompute only adds time to it): the
+    answer is the exhaustive search's. ``prune=False`` runs every step (for tests)."""
+    from autopar.solver.pipeline import SolveTimeout, solve
     from autopar.solver.simplify import simplify
 
     if mode not in MODES:
         raise ValueError(f"checkpoint must be one of {MODES}, got {mode!r}")
+    progress = progress or _Silent()
     solve_plain = solve_plain or (lambda p: solve(p, solver=solver, time_limit=time_limit))
     problem, inputs = built.problem, built.segment_inputs
     plain = strip_segments(problem)
@@ -130,33 +241,51 @@ def plan_recompute(traced, prof, built, *, mode: str = "auto", solver: str = "au
     if mode == "none" or problem.budget_bytes is None:
         sol = solve_plain(plain)
         return _finish(built, problem, sol.choice, sol, (), inputs, "none", {})
-    candidates: list[RecomputePlan] = []
+    costs = ChoiceCosts(built)
+    search = _Search(traced, prof, built, costs=costs, progress=progress, prune=prune)
+    # Listed (and tie-broken) in the order [ILP, its refinement, Rotor's sharding, its refinement];
+    # the Rotor sharding is solved first so that its plan bounds the ILP's refinement.
+    stage1: list[RecomputePlan] = []
+    stage2: list[RecomputePlan] = []
     errors: list[Exception] = []
-    if mode in ("ilp", "both", "auto"):
-        try:
-            sol = solve(problem, recompute_inputs=inputs, solver=solver, time_limit=time_limit)
-            first = _finish(built, problem, sol.choice, sol, sol.recompute, inputs, "ilp", {})
-            candidates.append(first)
-            if mode in ("both", "auto"):
-                refined = rotor_refine(traced, prof, built, sol.choice, sol)
-                if refined is not None:
-                    candidates.append(refined)
-        except ValueError as exc:
-            errors.append(exc)
+    rotor_error: Exception | None = None
+    rotor_sol = None
     if mode in ("rotor", "auto"):
         try:
             try:
-                sol = solve_plain(plain)
+                rotor_sol = solve_plain(plain)
             except ValueError:  # nothing fits without recompute: the fastest sharding whose params fit
-                sol = solve_plain(_params_only(plain))
-            ev = estimate(built, problem, sol.choice, (), inputs)
+                rotor_sol = solve_plain(_params_only(plain))
+            ev = estimate(built, problem, rotor_sol.choice, (), inputs, costs=costs)
             if ev.peak_bytes <= problem.budget_bytes:
-                candidates.append(_finish(built, problem, sol.choice, sol, (), inputs, "rotor", {}))
-            refined = rotor_refine(traced, prof, built, sol.choice, sol)
+                stage2.append(_finish(built, problem, rotor_sol.choice, rotor_sol, (), inputs, "rotor", {}, ev=ev))
+        except ValueError as exc:
+            rotor_error, rotor_sol = exc, None
+    if mode in ("ilp", "both", "auto"):
+        try:
+            with progress.stage("recompute ILP", f"{problem.num_nodes} decisions, {len(inputs)} units"):
+                sol = solve(problem, recompute_inputs=inputs, solver=solver, time_limit=time_limit)
+            stage1.append(_finish(built, problem, sol.choice, sol, sol.recompute, inputs, "ilp", {}, costs=costs))
+            if mode in ("both", "auto"):
+                bound = min(c.evaluation.objective for c in stage1 + stage2)
+                refined = search.refine(sol.choice, sol, "ILP sharding", bound=bound)
+                if refined is not None:
+                    stage1.append(refined)
+        except (ValueError, SolveTimeout) as exc:  # no plan in time: the Rotor candidates may still answer
+            errors.append(exc)
+    if rotor_error is not None:
+        errors.append(rotor_error)
+    elif rotor_sol is not None and not (prune and stage2):
+        # A fitting no-recompute plan of this sharding is listed before its refinement, which
+        # only adds recompute time to it: the refinement can at best tie, and ties go first.
+        try:
+            bound = min((c.evaluation.objective for c in stage1), default=None)
+            refined = search.refine(rotor_sol.choice, rotor_sol, "Rotor sharding", bound=bound)
             if refined is not None:
-                candidates.append(refined)
+                stage2.append(refined)
         except ValueError as exc:
             errors.append(exc)
+    candidates = stage1 + stage2
     if not candidates:
         if errors:
             raise errors[0]
@@ -164,7 +293,7 @@ def plan_recompute(traced, prof, built, *, mode: str = "auto", solver: str = "au
                          f"{problem.budget_bytes} bytes for the sharding the ILP chose; try checkpoint='ilp'")
     best = min(candidates, key=lambda c: c.evaluation.objective)
     candidate_objectives = {f"{c.method}#{i}": c.evaluation.objective for i, c in enumerate(candidates)}
-    return replace(best, info={**best.info, "candidates": candidate_objectives})
+    return replace(best, info={**best.info, "candidates": candidate_objectives, **search.stats})
 
 
 def _params_only(problem: Problem) -> Problem:
@@ -260,56 +389,100 @@ def build_chain(prof, built: BuiltProblem, choice):
     return chain, stages, held
 
 
-def rotor_refine(traced, prof, built, choice, solution) -> RecomputePlan | None:
-    """Stage 2 (module docstring); None when no Rotor placement fits the budget."""
-    from autopar.solver.rotor import solve_rotor
+def _runs(stages) -> list[list[int]]:
+    """Maximal runs of consecutive stage indices."""
+    runs: list[list[int]] = []
+    for i in stages:
+        if runs and i == runs[-1][-1] + 1:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    return runs
 
-    problem = built.problem
-    made = build_chain(prof, built, choice)
-    if made is None:
-        return None
-    chain, stages, held = made
-    # Stages that update model state (running statistics) are never recomputed.
-    stateful = {i for i, names in enumerate(stages) if any(mutates_state(traced.node(n)) for n in names)}
-    avail = problem.budget_bytes - problem.evaluate(choice).param_bytes - held
-    if avail <= 0:
-        return None
-    best = None
-    tried = set()
-    for frac in ROTOR_BUDGET_FRACTIONS:
-        try:
-            sched = solve_rotor(chain, max(int(avail * frac), 1))
-        except ValueError:
-            break
-        runs, cur = [], []
-        for i in sched.recomputed_stages:
-            if cur and i == cur[-1] + 1:
-                cur.append(i)
-            else:
-                if cur:
-                    runs.append(cur)
-                cur = [i]
-        if cur:
-            runs.append(cur)
-        if stateful.intersection(sched.recomputed_stages):
-            continue
-        # One region per run of recomputed stages (only the run's input kept), or one per stage
-        # (each stage's input kept: Rotor's checkpoints of x_i); both are what torch can run.
-        for grouping in (runs, [[i] for r in runs for i in r]):
-            key = tuple(map(tuple, grouping))
-            if not grouping or key in tried:
+
+class _Search:
+    """Stage 2 over one or more shardings (``refine``), sharing the per-choice costs, with the
+    pruning of ``plan_recompute`` and a progress stage per Rotor solve."""
+
+    def __init__(self, traced, prof, built, *, costs: ChoiceCosts, progress, prune: bool) -> None:
+        self.traced, self.prof, self.built = traced, prof, built
+        self.costs, self.progress, self.prune = costs, progress, prune
+        self.stats = {"rotor_solves": 0, "region_sets_evaluated": 0, "region_sets_pruned": 0, "refinements_pruned": 0}
+
+    def refine(self, choice, solution, label: str, *, bound: float | None = None) -> RecomputePlan | None:
+        """The fastest Rotor region set for ``choice`` that fits (module docstring), or None. With
+        pruning, None too when nothing it could find would beat ``bound`` (see ``_beyond``)."""
+        from autopar.solver.rotor import solve_rotor
+
+        built, problem = self.built, self.built.problem
+        bound = bound if self.prune else None
+        base_ev = estimate(built, problem, choice, (), {}, costs=self.costs)
+        made = build_chain(self.prof, built, choice)
+        if made is None:
+            return None
+        chain, stages, held = made
+        # Stages that update model state (running statistics) are never recomputed.
+        stateful = {i for i, names in enumerate(stages) if any(mutates_state(self.traced.node(n)) for n in names)}
+        if self.prune:  # a region set recomputes whole stages, never a stateful one
+            groups = [names for i, names in enumerate(stages) if i not in stateful]
+            lower = _knapsack_bound(problem, choice, base_ev, groups)
+            if lower == math.inf or _beyond(lower, bound):
+                self.stats["refinements_pruned"] += 1
+                return None
+        avail = problem.budget_bytes - base_ev.param_bytes - held
+        if avail <= 0:
+            return None
+        base = base_ev.objective
+        option = {n.name: n.options[n.option_index(choice[n.name])] for n in problem.nodes}
+        saves = {n.name for n in problem.nodes if n.live is not None and any(o.act_bytes for o in n.options)}
+        best: tuple[float, tuple, dict] | None = None  # (objective, evaluated plan parts, info)
+        tried = set()
+        for frac in ROTOR_BUDGET_FRACTIONS:
+            try:
+                with self.progress.stage("rotor", f"{label}: {chain.num_stages} stages at {frac:.0%} of "
+                                                  f"{avail / 2**30:.2f} GiB"):
+                    sched = solve_rotor(chain, max(int(avail * frac), 1))
+                self.stats["rotor_solves"] += 1
+            except ValueError:
+                break
+            if stateful.intersection(sched.recomputed_stages):
                 continue
-            tried.add(key)
-            region_of = {name: f"rotor[{r[0]}-{r[-1]}]" for r in grouping for i in r for name in stages[i]}
-            nodes = tuple(replace(n, segment=region_of.get(n.name)) for n in problem.nodes)
-            p2 = replace(problem, nodes=nodes)
-            inputs2 = segment_inputs(traced, prof, built.decisions, built.mesh.shape, region_of)
-            geo = segment_geometry(p2)
-            units = tuple(u for u in dict.fromkeys(region_of.values()) if u in geo)  # regions that save
-            plan = _finish(built, p2, choice, solution, units, inputs2, "rotor",
-                           {"rotor_stages": len(stages), "rotor_budget_fraction": frac})
-            if plan.evaluation.peak_bytes <= problem.budget_bytes and (
-                    best is None or plan.evaluation.objective < best.evaluation.objective):
-                best = plan
-    return best
+            runs = _runs(sched.recomputed_stages)
+            # One region per run of recomputed stages (only the run's input kept), or one per stage
+            # (each stage's input kept: Rotor's checkpoints of x_i); both are what torch can run.
+            for grouping in (runs, [[i] for r in runs for i in r]):
+                key = tuple(map(tuple, grouping))
+                if not grouping or key in tried:
+                    continue
+                tried.add(key)
+                region_of = {name: f"rotor[{r[0]}-{r[-1]}]" for r in grouping for i in r for name in stages[i]}
+                if self.prune:
+                    # Recompute seconds of the regions that save (segment_geometry's units), in
+                    # graph order; the conversions a region re-runs only add to it.
+                    regions = {region_of[name] for name in saves if name in region_of}
+                    lower = base + sum(option[n].forward_s for n in region_of if region_of[n] in regions)
+                    ceiling = bound if best is None else best[0] if bound is None else min(bound, best[0])
+                    if _beyond(lower, ceiling):
+                        self.stats["region_sets_pruned"] += 1
+                        continue
+                nodes = tuple(replace(n, segment=region_of.get(n.name)) for n in problem.nodes)
+                p2 = replace(problem, nodes=nodes)
+                inputs2 = segment_inputs(self.traced, self.prof, built.decisions, built.mesh.shape, region_of)
+                geo = segment_geometry(p2)
+                units = tuple(u for u in dict.fromkeys(region_of.values()) if u in geo)  # regions that save
+                ev = estimate(built, p2, choice, units, inputs2, costs=self.costs)
+                self.stats["region_sets_evaluated"] += 1
+                if ev.peak_bytes <= problem.budget_bytes and (best is None or ev.objective < best[0]):
+                    best = (ev.objective, (p2, units, inputs2, ev),
+                            {"rotor_stages": len(stages), "rotor_budget_fraction": frac})
+        if best is None:
+            return None
+        p2, units, inputs2, ev = best[1]
+        return _finish(built, p2, choice, solution, units, inputs2, "rotor", best[2], ev=ev)
 
+
+def rotor_refine(traced, prof, built, choice, solution) -> RecomputePlan | None:
+    """Stage 2 (module docstring) on ``choice``, every Rotor budget tried; None when no Rotor
+    placement fits the budget."""
+    search = _Search(traced, prof, built, costs=ChoiceCosts(built), progress=_Silent(), prune=False)
+    return search.refine(choice, solution, "sharding")

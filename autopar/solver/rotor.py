@@ -55,6 +55,12 @@ More memory never removes a schedule, so each row ``C(s, t, .)`` is finite exact
 first finite entry on; both implementations skip the candidates below those bounds (all inf).
 The schedule is rebuilt from the choice table by ``_reconstruct``, shared by both.
 
+Repeated blocks: ``C(s, t, .)`` depends only on the stages ``s..t``, so subchains made of the same
+stages (a transformer's identical blocks give a periodic chain) share one stored row
+(``_row_map``), computed once. A chain of ``L`` stages with period ``p`` stores about ``p * L``
+rows instead of ``L^2 / 2`` and does about ``6p / L`` of the work; the tables and schedules are
+bit-identical to computing every row.
+
 A ``Schedule`` lists the ops, the simulated time and peak, and per stage how often its forward
 runs: ``kept_stages`` run once (their tape is kept from the first forward on),
 ``recomputed_stages`` more than once (backward recomputes them from a plain checkpoint).
@@ -363,16 +369,44 @@ def _tri(s: int, t: int) -> int:
     return t * (t + 1) // 2 + s
 
 
-def _dp_python(fwd, bwd, act, tape, fwd_tmp, bwd_tmp, mem: int) -> tuple[bytes, bytes]:
-    """The recurrence of the module docstring; the C twin is ``rotor_dp`` in csrc/rotor.c."""
-    num_stages, width, inf = len(fwd), mem + 1, math.inf
-    rows: list[list[float] | None] = [None] * (num_stages * (num_stages + 1) // 2)
-    choice = array("i")
-    choice_rows: list[array | None] = [None] * len(rows)
-    first = [width] * len(rows)  # first finite entry of each row: finite from there on
+def _row_map(sz: _Sizes) -> tuple[array, array]:
+    """(stored row of each subchain ``(s, t)`` at index ``_tri(s, t)``; the ``s`` each stored row
+    was computed for). Subchains with identical stages (a chain of repeated blocks) share a row:
+    ``C(s, t, .)`` depends only on stages ``s..t`` (times, sizes, ``x_s`` and ``x_{t+1}``), and
+    both DPs compute a shared row once, at its first subchain in their order (``d`` ascending,
+    then ``s``), by the very operations that would compute it for any other one."""
+    num_stages = len(sz.fwd)
+    stage = {}  # stage key -> id; floats by their exact bits
+    sym = [stage.setdefault((sz.fwd[i].hex(), sz.bwd[i].hex(), sz.act[i], sz.act[i + 1], sz.tape[i],
+                             sz.fwd_tmp[i], sz.bwd_tmp[i]), len(stage)) for i in range(num_stages)]
+    rows = array("q", bytes(8 * (num_stages * (num_stages + 1) // 2)))
+    starts = array("q")
+    seen: dict[tuple[int, int], int] = {}  # (row of (s, t-1) or -1, stage t) -> row of (s, t)
     for d in range(num_stages):
         for s in range(num_stages - d):
             t = s + d
+            key = (rows[_tri(s, t - 1)] if d else -1, sym[t])
+            r = seen.get(key)
+            if r is None:
+                r = seen[key] = len(starts)
+                starts.append(s)
+            rows[_tri(s, t)] = r
+    return rows, starts
+
+
+def _dp_python(fwd, bwd, act, tape, fwd_tmp, bwd_tmp, mem: int, rows, num_rows: int) -> tuple[bytes, bytes]:
+    """The recurrence of the module docstring over the stored rows of ``_row_map``; the C twin
+    is ``rotor_dp`` in csrc/rotor.c."""
+    num_stages, width, inf = len(fwd), mem + 1, math.inf
+    cost: list[list[float] | None] = [None] * num_rows
+    choice_rows: list[array | None] = [None] * num_rows
+    first = [width] * num_rows  # first finite entry of each row: finite from there on
+    for d in range(num_stages):
+        for s in range(num_stages - d):
+            t = s + d
+            r = rows[_tri(s, t)]
+            if cost[r] is not None:
+                continue
             row, ch = [inf] * width, [0] * width
             need = max(act[t + 1] + tape[s] + fwd_tmp[s], tape[s] + act[s + 1] + act[s] + bwd_tmp[s])
             if d == 0:
@@ -380,34 +414,35 @@ def _dp_python(fwd, bwd, act, tape, fwd_tmp, bwd_tmp, mem: int) -> tuple[bytes, 
                 for m in range(need, width):
                     row[m], ch[m] = v, -1
             else:
-                sub, shift, f, b = rows[_tri(s + 1, t)], tape[s], fwd[s], bwd[s]
+                sub, shift, f, b = cost[rows[_tri(s + 1, t)]], tape[s], fwd[s], bwd[s]
                 for m in range(need, width):
-                    r = sub[m - shift]
-                    if r < inf:
-                        row[m], ch[m] = (f + r) + b, -1
-            acc, adv, base_t = 0.0, act[t + 1] + act[s + 1] + fwd_tmp[s], _tri(0, t)
+                    v = sub[m - shift]
+                    if v < inf:
+                        row[m], ch[m] = (f + v) + b, -1
+            acc, adv = 0.0, act[t + 1] + act[s + 1] + fwd_tmp[s]
             for j in range(s + 1, t + 1):
                 acc += fwd[j - 1]
                 if j - 1 > s:
                     adv = max(adv, act[t + 1] + act[j - 1] + act[j] + fwd_tmp[j - 1])
-                shift, i_right, i_left = act[j], base_t + j, _tri(s, j - 1)
-                right, left = rows[i_right], rows[i_left]
-                lo = max(adv, shift, first[i_right] + shift, first[i_left])
+                shift, r_right, r_left = act[j], rows[_tri(j, t)], rows[_tri(s, j - 1)]
+                right, left = cost[r_right], cost[r_left]
+                lo = max(adv, shift, first[r_right] + shift, first[r_left])
                 for m in range(lo, width):
                     v = (acc + right[m - shift]) + left[m]
                     if v < row[m]:
                         row[m], ch[m] = v, j
-            rows[_tri(s, t)] = row
-            first[_tri(s, t)] = next((m for m, v in enumerate(row) if v < inf), width)
-            choice_rows[_tri(s, t)] = array("i", ch)
-    cost = array("d")
-    for row, ch in zip(rows, choice_rows):
-        cost.extend(row)
-        choice.extend(ch)
-    return cost.tobytes(), choice.tobytes()
+            cost[r] = row
+            first[r] = next((m for m, v in enumerate(row) if v < inf), width)
+            choice_rows[r] = array("i", ch)
+    out_cost, out_choice = array("d"), array("i")
+    for row, ch in zip(cost, choice_rows):
+        out_cost.extend(row)
+        out_choice.extend(ch)
+    return out_cost.tobytes(), out_choice.tobytes()
 
 
-def _dp(impl: str, sz: _Sizes, mem: int) -> tuple[bytes, bytes]:
+def _dp(impl: str, sz: _Sizes, mem: int) -> tuple[bytes, bytes, array, array]:
+    """(cost, choice, rows, starts): the DP's stored rows and ``_row_map``'s map to them."""
     global _warned_fallback
     if impl not in _IMPLS:
         raise ValueError(f"impl = {impl!r} is not one of {_IMPLS}")
@@ -421,11 +456,14 @@ def _dp(impl: str, sz: _Sizes, mem: int) -> tuple[bytes, bytes]:
                       RuntimeWarning, stacklevel=3)
     use_c = impl == "c" or (impl == "auto" and _rotor_c is not None)
     solver = _rotor_c.solve if use_c else _dp_python
-    return solver(sz.fwd, sz.bwd, sz.act, sz.tape, sz.fwd_tmp, sz.bwd_tmp, mem)
+    rows, starts = _row_map(sz)
+    cost, choice = solver(sz.fwd, sz.bwd, sz.act, sz.tape, sz.fwd_tmp, sz.bwd_tmp, mem, rows, len(starts))
+    return cost, choice, rows, starts
 
 
-def _reconstruct(choice, num_stages: int, mem: int, sz: _Sizes) -> list[Op]:
-    """Walk the choice table from (0, L-1, mem); identical for both DP implementations."""
+def _reconstruct(choice, rows, starts, num_stages: int, mem: int, sz: _Sizes) -> list[Op]:
+    """Walk the choice table from (0, L-1, mem); identical for both DP implementations. A shared
+    row's checkpoint ``j`` is in the indices of the subchain it was computed for: shifted here."""
     width, ops = mem + 1, []
     # Explicit stack (LIFO) instead of recursion: chains may be longer than Python's stack.
     stack: list[tuple[int, int, int] | Op] = [(0, num_stages - 1, mem)]
@@ -435,7 +473,8 @@ def _reconstruct(choice, num_stages: int, mem: int, sz: _Sizes) -> list[Op]:
             ops.append(task)
             continue
         s, t, m = task
-        j = choice[_tri(s, t) * width + m]
+        r = rows[_tri(s, t)]
+        j = choice[r * width + m]
         assert j != 0, f"reconstruction reached an infeasible cell {(s, t, m)}"
         if j == -1:
             ops.append(Op("forward_save", s))
@@ -443,6 +482,7 @@ def _reconstruct(choice, num_stages: int, mem: int, sz: _Sizes) -> list[Op]:
             if s < t:
                 stack.append((s + 1, t, m - sz.tape[s]))
             continue
+        j += s - starts[r]
         for i in range(s, j):
             ops.append(Op("forward", i))
             if i > s:
@@ -508,8 +548,8 @@ def solve_rotor(chain: Chain, budget_bytes: int, *, num_slots: int = 500,
     mem = num_slots - sz.act[0]
     dp_time = math.inf
     if mem >= 0:
-        cost, choice = _dp(impl, sz, mem)
-        dp_time = memoryview(cost).cast("d")[_tri(0, chain.num_stages - 1) * (mem + 1) + mem]
+        cost, choice, rows, starts = _dp(impl, sz, mem)
+        dp_time = memoryview(cost).cast("d")[rows[_tri(0, chain.num_stages - 1)] * (mem + 1) + mem]
     if dp_time == math.inf:
         lowest = min_budget(chain)
         if budget_bytes < lowest:
@@ -519,7 +559,7 @@ def solve_rotor(chain: Chain, budget_bytes: int, *, num_slots: int = 500,
         raise ValueError(f"budget_bytes = {budget_bytes} is at least the minimum budget {lowest} "
                          f"bytes, but rounding sizes up to num_slots = {num_slots} slots loses "
                          "too much: raise num_slots or the budget")
-    ops = _reconstruct(memoryview(choice).cast("i"), chain.num_stages, mem, sz)
+    ops = _reconstruct(memoryview(choice).cast("i"), rows, starts, chain.num_stages, mem, sz)
     in_slots = _simulate_sizes(sz, ops)
     assert in_slots.peak <= num_slots, (in_slots, num_slots)
     assert math.isclose(in_slots.time_s, dp_time, rel_tol=1e-9, abs_tol=1e-300), (in_slots, dp_time)

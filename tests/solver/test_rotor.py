@@ -348,7 +348,7 @@ def test_simulator_refuses_illegal_schedules():
 
 def test_c_extension_validates_its_arguments():
     rotor = checkpoint._rotor_c
-    args = ([1.0, 1.0], [1.0, 1.0], [1, 1, 1], [1, 1], [0, 0], [0, 0], 10)
+    args = ([1.0, 1.0], [1.0, 1.0], [1, 1, 1], [1, 1], [0, 0], [0, 0], 10, [0, 1, 2], 3)
     cost, choice = rotor.solve(*args)
     assert len(cost) == 3 * 11 * 8 and len(choice) == 3 * 11 * 4
     with pytest.raises(ValueError, match="act has 2 entries, expected 3"):
@@ -358,7 +358,63 @@ def test_c_extension_validates_its_arguments():
     with pytest.raises(ValueError, match=r"saved\[1\] = -1 is negative"):
         rotor.solve(*args[:3], [1, -1], *args[4:])
     with pytest.raises(ValueError, match="mem = -1 slots"):
-        rotor.solve(*args[:6], -1)
+        rotor.solve(*args[:6], -1, *args[7:])
+    with pytest.raises(ValueError, match="rows has 2 entries, expected 3"):
+        rotor.solve(*args[:7], [0, 1], 3)
+    with pytest.raises(ValueError, match=r"rows\[2\] = 3 is not below num_rows = 3"):
+        rotor.solve(*args[:7], [0, 1, 3], 3)
+    with pytest.raises(ValueError, match="num_rows = 4 must be in"):
+        rotor.solve(*args[:8], 4)
+
+
+def periodic_chain(num_blocks: int, *, head: int = 1, tail: int = 1, seed: int = 0) -> Chain:
+    """``head`` stages, ``num_blocks`` copies of one 3-stage block, ``tail`` stages: a
+    transformer's shape (embedding, identical layers, loss)."""
+    rng = random.Random(seed)
+    block = random_chain(rng, 3)
+    edge = random_chain(rng, head + tail)
+    pick = lambda c, idx: [c.fwd_time_s[idx], c.bwd_time_s[idx], c.output_bytes[idx], c.saved_bytes[idx],
+                           c.fwd_tmp_bytes[idx], c.bwd_tmp_bytes[idx]]
+    stages = [pick(edge, i) for i in range(head)] + [pick(block, i % 3) for i in range(3 * num_blocks)] + \
+        [pick(edge, head + i) for i in range(tail)]
+    cols = list(zip(*stages))
+    return Chain(fwd_time_s=cols[0], bwd_time_s=cols[1], input_bytes=edge.input_bytes, output_bytes=cols[2],
+                 saved_bytes=cols[3], fwd_tmp_bytes=cols[4], bwd_tmp_bytes=cols[5])
+
+
+def test_repeated_blocks_share_rows_and_give_the_full_tables():
+    """A periodic chain stores ~period x L rows, and every subchain's row equals the row the
+    DP computes when each subchain gets its own (checked against a map with no sharing)."""
+    chain = periodic_chain(8)
+    num_stages = chain.num_stages
+    budget = (min_budget(chain) + simulate(chain, no_recompute_ops(num_stages)).peak) // 2
+    sz = checkpoint._slot_sizes(chain, budget, 60)
+    mem = 60 - sz.act[0]
+    rows, starts = checkpoint._row_map(sz)
+    num_all = num_stages * (num_stages + 1) // 2
+    assert len(starts) < 5 * num_stages < num_all
+    own = checkpoint.array("q", range(num_all))
+    width = mem + 1
+    for impl in ("c", "python"):
+        cost, choice, got_rows, _ = checkpoint._dp(impl, sz, mem)
+        assert got_rows == rows
+        solver = checkpoint._rotor_c.solve if impl == "c" else checkpoint._dp_python
+        full_cost, full_choice = solver(sz.fwd, sz.bwd, sz.act, sz.tape, sz.fwd_tmp, sz.bwd_tmp, mem, own, num_all)
+        cost, choice = memoryview(cost).cast("d"), memoryview(choice).cast("i")
+        full_cost, full_choice = memoryview(full_cost).cast("d"), memoryview(full_choice).cast("i")
+        for t in range(num_stages):
+            for s in range(t + 1):
+                r, shift = rows[checkpoint._tri(s, t)], s - starts[rows[checkpoint._tri(s, t)]]
+                f = checkpoint._tri(s, t)
+                assert cost[r * width:(r + 1) * width].tobytes() == full_cost[f * width:(f + 1) * width].tobytes()
+                assert [j + shift if j > 0 else j for j in choice[r * width:(r + 1) * width]] == \
+                    list(full_choice[f * width:(f + 1) * width])
+    # the schedule equals the one found by an exhaustive search on a short periodic chain
+    short = periodic_chain(2, seed=3)
+    lo, hi = min_budget(short), simulate(short, no_recompute_ops(short.num_stages)).peak
+    for budget in (lo, (lo + hi) // 2, hi):
+        got = solve_rotor(short, budget, num_slots=budget)
+        assert math.isclose(got.time_s, brute_force_enumerate(short, budget)[0], rel_tol=1e-12)
 
 
 def test_python_fallback_warns_once(monkeypatch):

@@ -1,0 +1,141 @@
+"""checkpoint='auto' search: the pruned search (lower bounds, cached per-sharding costs, no
+refinement of a fitting no-recompute plan) returns exactly the exhaustive search's plan, and
+reports its steps through the progress object."""
+
+from __future__ import annotations
+
+import math
+from contextlib import contextmanager
+
+import pytest
+
+from autopar import zoo
+from autopar.api import PlanOptions, plan_model
+from autopar.planner import checkpointing
+from autopar.planner.builder import build_problem
+from autopar.planner.checkpointing import (ChoiceCosts, estimate, plan_recompute, recompute_lower_bound,
+                                           rotor_refine)
+from autopar.solver import pipeline
+
+
+class _Recorder:
+    def __init__(self):
+        self.stages: list[tuple[str, str]] = []
+
+    @contextmanager
+    def stage(self, name, detail=""):
+        self.stages.append((name, detail))
+        yield
+
+
+@pytest.fixture(scope="module")
+def gpt2():
+    model, inputs = zoo.build("gpt2", tiny=True, batch=4, seq=64, num_layers=2, device="meta")
+    r = plan_model(model, inputs, mesh=(2,), options=PlanOptions(checkpoint="none", memory_budget=None))
+    return r.traced, r.profile, r.plan.estimate.peak_bytes
+
+
+@pytest.fixture(scope="module")
+def llama():
+    model, inputs = zoo.build("llama-1b", tiny=True, batch=4, seq=64, num_layers=2, device="meta")
+    r = plan_model(model, inputs, mesh=(2,), options=PlanOptions(checkpoint="none", memory_budget=None))
+    return r.traced, r.profile, r.plan.estimate.peak_bytes
+
+
+def _built(case, fraction):
+    traced, prof, peak = case
+    return build_problem(traced, prof, PlanOptions().mesh((2,)), budget_bytes=int(fraction * peak),
+                         options=PlanOptions())
+
+
+@pytest.fixture
+def solve_once(monkeypatch):
+    """Both searches solve the same ILPs: solve each once (the solver is deterministic here)."""
+    real, memo = pipeline.solve, {}
+
+    def solve(problem, **kwargs):
+        key = (id(problem), problem.budget_bytes, kwargs.get("recompute_inputs") is not None)
+        if key not in memo:
+            memo[key] = (problem, real(problem, **kwargs))  # the problem kept alive: ids stay unique
+        return memo[key][1]
+
+    monkeypatch.setattr(pipeline, "solve", solve)
+
+
+def _same(fast, full):
+    assert fast.method == full.method
+    assert fast.units == full.units
+    assert fast.choice == full.choice
+    assert fast.evaluation == full.evaluation
+    assert fast.regions == full.regions
+    assert fast.activation_bytes == full.activation_bytes
+
+
+@pytest.mark.parametrize("case, fraction, prunes", [("gpt2", 0.7, True), ("gpt2", 0.5, False), ("llama", 0.6, None)])
+def test_pruned_search_returns_the_exhaustive_plan(case, fraction, prunes, request, solve_once):
+    traced, prof, _ = data = request.getfixturevalue(case)
+    built = _built(data, fraction)
+    full = plan_recompute(traced, prof, built, mode="auto", prune=False)
+    rec = _Recorder()
+    fast = plan_recompute(traced, prof, built, mode="auto", prune=True, progress=rec)
+    _same(fast, full)
+    assert full.units, "the budget must force recompute"
+    assert full.info["region_sets_pruned"] == 0 and full.info["refinements_pruned"] == 0
+    if prunes is not None:  # the bounds cut region sets exactly where they cannot win
+        assert (fast.info["region_sets_evaluated"] < full.info["region_sets_evaluated"]) == prunes
+    names = [name for name, _ in rec.stages]
+    assert "recompute ILP" in names
+    assert names.count("rotor") >= fast.info["rotor_solves"] > 0  # one stage per Rotor solve tried
+
+
+def test_budget_that_cannot_bind_returns_the_unconstrained_plan(gpt2, solve_once):
+    traced, prof, _ = gpt2
+    built = _built(gpt2, 1.0)
+    rec = _Recorder()
+    fast = plan_recompute(traced, prof, built, mode="auto", progress=rec)
+    full = plan_recompute(traced, prof, built, mode="auto", prune=False)
+    _same(fast, full)
+    assert fast.method == "none" and fast.info.get("unconstrained_fits")
+    assert rec.stages == []  # nothing searched
+
+
+def test_rotor_mode_skips_refining_a_sharding_that_fits(gpt2, solve_once):
+    """Recompute only adds time to a sharding whose plan fits: its refinement can at best tie."""
+    traced, prof, _ = gpt2
+    built = _built(gpt2, 1.0)
+    fast = plan_recompute(traced, prof, built, mode="rotor")
+    full = plan_recompute(traced, prof, built, mode="rotor", prune=False)
+    _same(fast, full)
+    assert fast.method == "rotor" and fast.units == ()
+    assert fast.info["rotor_solves"] == 0 and full.info["rotor_solves"] > 0
+
+
+def test_lower_bound_holds_for_every_recompute_set(gpt2, solve_once):
+    traced, prof, _ = gpt2
+    built = _built(gpt2, 0.5)
+    problem, inputs = built.problem, built.segment_inputs
+    sol = pipeline.solve(problem, recompute_inputs=inputs)
+    costs = ChoiceCosts(built)
+    lower = recompute_lower_bound(built, sol.choice, costs=costs)
+    assert sol.recompute and math.isfinite(lower)
+    assert estimate(built, problem, sol.choice, sol.recompute, inputs).objective >= lower
+    refined = rotor_refine(traced, prof, built, sol.choice, sol)
+    assert refined is not None and refined.evaluation.objective >= lower
+    # no recompute set fits below what the parameters and the non-recomputable values need
+    low = build_problem(traced, prof, PlanOptions().mesh((2,)), budget_bytes=problem.evaluate(sol.choice).param_bytes,
+                        options=PlanOptions())
+    assert recompute_lower_bound(low, sol.choice) == math.inf
+    # a fitting plan: the bound is its own estimate
+    roomy = _built(gpt2, 10.0)
+    assert recompute_lower_bound(roomy, sol.choice) == estimate(roomy, roomy.problem, sol.choice, (), {}).objective
+
+
+def test_cached_costs_give_the_same_estimate(gpt2, solve_once):
+    built = _built(gpt2, 0.5)
+    sol = pipeline.solve(built.problem, recompute_inputs=built.segment_inputs)
+    costs = ChoiceCosts(built)
+    for units in ((), sol.recompute):
+        plain = estimate(built, built.problem, sol.choice, units, built.segment_inputs)
+        for _ in range(2):  # the first call fills the cache, the second reads it
+            assert estimate(built, built.problem, sol.choice, units, built.segment_inputs, costs=costs) == plain
+    assert len(costs._by_choice) == 1
