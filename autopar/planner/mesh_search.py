@@ -119,9 +119,9 @@ def search_meshes(plan_on: Callable[[MeshSpec, float | None], Any], *, nodes: in
         t0 = time.perf_counter()
         if left is not None and best_row is not None:
             guess = predicted_seconds(len(shape), took)
-            why = (f"the search's {time_budget:g}s were spent" if left <= 0 else
+            why = (f"the search's {time_budget:.0f}s were spent" if left <= 0 else
                    f"~{guess:.0f}s predicted for a {len(shape)}-axis mesh, {left:.0f}s of the search's "
-                   f"{time_budget:g}s left" if guess is not None and guess > left else None)
+                   f"{time_budget:.0f}s left" if guess is not None and guess > left else None)
             if why is not None:
                 row = MeshRow(shape, None, None, 0.0, f"not planned: {why}")
                 rows.append(row)
