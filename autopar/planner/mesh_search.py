@@ -149,10 +149,12 @@ def search_meshes(plan_on: Callable[[MeshSpec, float | None], Any], *, nodes: in
     return MeshSearch(tuple(rows), best, best_row.shape)
 
 
-# Planning a mesh with one more axis took about this many times longer (strategies per op grow
-# with the placements per axis multiplied; Llama-8B on 64 H100s: 8.5k options on 64, 48-59k on
-# two axes, 282k on 2x2x16, and its strategies 1.7 s, 5-9 s and 110 s on a loaded machine).
-AXIS_GROWTH = 6.0
+# Planning a mesh with one more axis takes about this many times longer. Options per op grow
+# ~6x per axis and the resharding matrices between ops with their square: Llama-8B on 64 H100s
+# has 8.5k options on 64, 48-59k on two axes, 336k on 2x4x8, and 2.8M edge-matrix entries on
+# 8x8 against 94M on 2x4x8; planning 8x8 took ~10 s, 2x4x8 over 300 s (strategies 254 s, ILP
+# build 71 s for its 1M-column relaxation) on a loaded machine.
+AXIS_GROWTH = 30.0
 
 
 def predicted_seconds(num_axes: int, took: dict[int, float]) -> float | None:

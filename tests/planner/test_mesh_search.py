@@ -93,3 +93,32 @@ def test_plan_mesh_auto_and_inspect_mesh_auto(capsys):
                  "--no-baselines", "--no-layers", "--checkpoint", "none"]) == 0
     out = capsys.readouterr().out
     assert "mesh search: 1 nodes x 4 a100-80gb devices, 2 meshes" in out and "<- chosen" in out
+
+
+def test_a_mesh_predicted_to_overrun_the_budget_is_reported_not_started():
+    from autopar.planner.mesh_search import AXIS_GROWTH, predicted_seconds
+
+    assert predicted_seconds(2, {}) is None
+    assert predicted_seconds(2, {2: 3.0, 1: 1.0}) == 3.0
+    assert predicted_seconds(3, {1: 1.0, 2: 2.0}) == 2.0 * AXIS_GROWTH
+    assert predicted_seconds(3, {1: 1.0}) == AXIS_GROWTH ** 2
+    calls = []
+
+    class Result:
+        def __init__(self, step_s):
+            self.plan = type("P", (), {"estimate": type("E", (), {"step_s": step_s, "peak_bytes": 1})()})()
+
+    def plan_on(mesh, left):
+        calls.append(mesh.shape)
+        import time
+        time.sleep(0.02 * len(mesh.shape))
+        return Result(1.0 / len(mesh.shape))
+
+    # 8 devices: 1- and 2-axis meshes take ~0.02-0.04 s here, so a 3-axis one is predicted at
+    # ~0.04 * AXIS_GROWTH s, more than the budget leaves: none is started.
+    found = search_meshes(plan_on, nodes=2, devices_per_node=4, device="a100-80gb", time_budget=0.5)
+    three = [r for r in found.rows if len(r.shape) == 3]
+    assert three and not any(len(s) == 3 for s in calls)
+    assert all(r.note.startswith("not planned: ~") and "predicted for a 3-axis mesh" in r.note for r in three)
+    assert {r.shape for r in found.rows if r.feasible} == set(calls) and len(calls) == 3
+    assert found.best_shape == (2, 4)  # the fastest of the planned ones (fake: fewer axes are slower)
