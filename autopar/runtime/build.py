@@ -63,6 +63,9 @@ def check_plan(plan: Plan, *, graph_hash: str, world_size: int, mesh: MeshSpec |
 def build_module(model: nn.Module, traced, plan: Plan, *, device: torch.device, seed: int = 0,
                  init_weights: bool = True, local_inputs: bool = False) -> AutoParallelModule:
     """Emit the local graph of ``traced`` under ``plan`` and attach this rank's shards."""
+    if plan.pipeline is not None:
+        raise ValueError("the plan is pipelined (Plan.pipeline): build it with "
+                         "autopar.runtime.pipeline.build_pipeline(model, micro_batch_trace, plan, device=...)")
     pmesh = ProcessMesh.from_spec(plan.mesh, device_type=device.type)
     emitted = emit_local_graph(traced, plan, pmesh, device=device, local_inputs=local_inputs)
     if plan.recompute:  # activation checkpointing: regions become torch.utils.checkpoint calls

@@ -46,6 +46,7 @@ a gradient-norm clip across stages (each rank's ``parameters()`` are its stages'
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from typing import Any
 
@@ -373,8 +374,7 @@ def build_pipeline(model: nn.Module, traced: TracedGraph, plan: Plan, *, device:
         for name in g.state:
             holders.setdefault(name, set()).add(pipe.stages[g.index].rank)
     mine = [g for g in graphs if pipe.stages[g.index].rank == pp_rank]
-    stage_plan = Plan(**{**{f: getattr(plan, f) for f in plan.__dataclass_fields__},
-                         "mesh": plan.stage_mesh(), "pipeline": None})
+    stage_plan = dataclasses.replace(plan, mesh=plan.stage_mesh(), pipeline=None)
     emitted = [emit_local_graph(g.traced, stage_plan, pmesh, device=device, bucket_cap=0) for g in mine]
     specs = {name: spec for e in emitted for name, spec in e.specs.items()}
     shards, _ = local_shards(model, traced, specs, pmesh, device=device, seed=seed, init_weights=init_weights)
