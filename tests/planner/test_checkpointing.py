@@ -48,16 +48,19 @@ def _built(case, fraction):
                          options=PlanOptions())
 
 
+_SOLVED: dict = {}  # shared by this module's tests: each ILP solved once
+
+
 @pytest.fixture
 def solve_once(monkeypatch):
     """Both searches solve the same ILPs: solve each once (the solver is deterministic here)."""
-    real, memo = pipeline.solve, {}
+    real, memo = pipeline.solve, _SOLVED
 
     def solve(problem, **kwargs):
-        key = (id(problem), problem.budget_bytes, kwargs.get("recompute_inputs") is not None)
+        key = (problem, kwargs.get("recompute_inputs") is not None, tuple(sorted(kwargs.get("fixed") or {})))
         if key not in memo:
-            memo[key] = (problem, real(problem, **kwargs))  # the problem kept alive: ids stay unique
-        return memo[key][1]
+            memo[key] = real(problem, **kwargs)
+        return memo[key]
 
     monkeypatch.setattr(pipeline, "solve", solve)
 
