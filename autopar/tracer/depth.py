@@ -21,10 +21,10 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-import torch.utils._pytree as pytree
 
 from autopar.layout.blocks import split_block
-from autopar.tracer.graph import PLACEHOLDER_KEY, BUFFER, PARAMETER, TracedGraph, tensor_vals
+from autopar.tracer.graph import (PLACEHOLDER_KEY, BUFFER, PARAMETER, TracedGraph, lazy_graph_module, map_args,
+                                  tensor_vals)
 
 _TEMPLATE = 2      # the block whose profile is stamped onto blocks 3 .. N-2
 _MIN_BLOCKS = 6    # below this the cut saves too little to be worth the checks
@@ -101,7 +101,7 @@ def _signature(traced: TracedGraph, s: BlockStructure, k: int, label: int, index
                 bad = True
             return ("x", arg.name)
 
-        args = pytree.tree_map(token, (node.args, node.kwargs), is_leaf=lambda a: isinstance(a, fx.Node))
+        args = map_args((node.args, node.kwargs), token)
         vals = tuple((tuple(v.shape), v.dtype, tuple(v.stride())) for v in tensor_vals(node.meta.get("val")))
         path = traced.module_path(node)[len(own):]
         out.append((str(node.target), repr(args), vals, path))
@@ -127,7 +127,7 @@ def shallow_graph(traced: TracedGraph, s: BlockStructure) -> TracedGraph:
             continue
         env[node] = graph.node_copy(node, lambda a: env[redirect.get(a, a)])
         assert env[node].name == node.name, (node.name, env[node].name)
-    gm = fx.GraphModule(traced.gm, graph)
+    gm = lazy_graph_module(traced.gm, graph)
     kept = {node.name for node in graph.nodes}
     shallow = TracedGraph(gm, placeholders=tuple(p for p in traced.placeholders if p.name in kept),
                           in_spec=traced.in_spec, out_spec=traced.out_spec,

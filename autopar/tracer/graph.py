@@ -237,17 +237,34 @@ class TracedGraph:
     __repr__ = __str__
 
 
-def _tokens(arg: Any) -> Any:
-    """``pytree.tree_map(_arg_token, arg)`` (the hash is defined by it), with the containers fx
-    arguments are made of mapped directly: pytree's generic walk was most of the hash's time."""
+def lazy_graph_module(root: torch.nn.Module, graph: fx.Graph) -> fx.GraphModule:
+    """``fx.GraphModule(root, graph)`` whose Python code is generated when first needed (a call,
+    ``.code``, ``str``): planning never runs the traced module, and generating the code of a deep
+    graph took longer than building it. torch's own lazy class; a plain module without it."""
+    try:
+        from torch.fx._lazy_graph_module import _LazyGraphModule
+    except ImportError:  # not in this torch: generate the code now
+        return fx.GraphModule(root, graph)
+    return _LazyGraphModule(root, graph)
+
+
+def map_args(arg: Any, fn: Callable[[Any], Any]) -> Any:
+    """``pytree.tree_map(fn, arg)`` over fx node arguments, with the containers they are made of
+    (tuples, lists, dicts and fx's immutable ones) mapped directly: pytree's generic walk was
+    most of the time of hashing or comparing a deep graph."""
     kind = type(arg)
     if kind is tuple or kind is list or kind is immutable_list:
-        return kind(_tokens(a) for a in arg)
+        return kind(map_args(a, fn) for a in arg)
     if kind is dict or kind is immutable_dict:
-        return kind((k, _tokens(v)) for k, v in arg.items())
+        return kind((k, map_args(v, fn)) for k, v in arg.items())
     if isinstance(arg, (tuple, list, dict)):  # a namedtuple, an OrderedDict ...: pytree's own rules
-        return pytree.tree_map(_arg_token, arg)
-    return _arg_token(arg)
+        return pytree.tree_map(fn, arg)
+    return fn(arg)
+
+
+def _tokens(arg: Any) -> Any:
+    """The hash's view of node arguments (defined as ``pytree.tree_map(_arg_token, arg)``)."""
+    return map_args(arg, _arg_token)
 
 
 def _arg_token(arg: Any) -> Any:

@@ -21,7 +21,8 @@ from torch import nn
 
 from autopar.layout.blocks import split_block
 from autopar.tracer.depth import BlockStructure, block_structure
-from autopar.tracer.graph import BUFFER, MODULE_KEY, PARAMETER, PLACEHOLDER_KEY, Placeholder, TracedGraph
+from autopar.tracer.graph import (BUFFER, MODULE_KEY, PARAMETER, PLACEHOLDER_KEY, Placeholder, TracedGraph,
+                                  lazy_graph_module)
 
 _MIN_DEPTH = 6  # shallower models export in full: the cut would save little
 _KEEP = 3       # blocks 0 .. _KEEP-1 stay, then the last one
@@ -217,11 +218,14 @@ class _Expansion:
 
     def copy(self, node: fx.Node, mapping: Callable[[fx.Node], fx.Node], name: str, meta: dict,
              target: Any = None) -> fx.Node:
-        args, kwargs = fx.node.map_arg(node.args, mapping), fx.node.map_arg(node.kwargs, mapping)
-        new = self.graph.create_node(node.op, node.target if target is None else target, args, kwargs,
-                                     name=name, type_expr=node.type)
+        # Created bare, then wired: create_node walks the arguments with pytree looking for raw
+        # SymInts (a warning; export's graphs have none), the longest part of copying a node.
+        new = self.graph.create_node(node.op, node.target if target is None else target, name=name,
+                                     type_expr=node.type)
         if new.name != name:
             raise _Mismatch(name)
+        new.args = fx.node.map_arg(node.args, mapping)
+        new.kwargs = fx.node.map_arg(node.kwargs, mapping)
         new.meta = meta
         return new
 
@@ -256,7 +260,7 @@ class _Expansion:
         if not inserted:
             raise _Mismatch("no blocks")
         self.graph.lint()
-        gm = fx.GraphModule(self.shallow.gm, self.graph)
+        gm = lazy_graph_module(self.shallow.gm, self.graph)
         loss = self.shallow.loss_node
         return TracedGraph(gm, placeholders=tuple(self.placeholders), in_spec=self.shallow.in_spec,
                            out_spec=self.shallow.out_spec, constants=self.shallow.constants,
