@@ -85,6 +85,10 @@ def test_plan_mesh_auto_and_inspect_mesh_auto(capsys):
     plan = autopar_plan(model, inputs, mesh="auto", nodes=1, devices_per_node=4, preset="a100-80gb",
                         checkpoint="none")
     assert plan.mesh.shape in mesh_shapes(4)
+    with_baselines = autopar_plan(model, inputs, mesh="auto", nodes=1, devices_per_node=4, preset="a100-80gb",
+                                  checkpoint="none", baselines=True)  # solved for the chosen mesh only
+    assert with_baselines.mesh.shape == plan.mesh.shape and with_baselines.baselines
+    assert with_baselines.estimate == plan.estimate
     with pytest.raises(ValueError, match="needs nodes= and devices_per_node="):
         autopar_plan(model, inputs, mesh="auto")
     with pytest.raises(ValueError, match="go with mesh='auto'"):
