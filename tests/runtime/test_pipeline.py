@@ -26,12 +26,14 @@ import dataclasses
 
 import pytest
 import torch
+from torch.distributed.tensor import DTensor
 
 from autopar import zoo
 from autopar.api import plan_traced
 from autopar.layout.mesh import MeshSpec
 from autopar.planner.pipeline_stages import pipeline_plan
 from autopar.plans import stage_mesh_of
+from autopar.runtime.build import build_module
 from autopar.runtime.launch import run_local
 from autopar.runtime.passes import find_strategy
 from autopar.runtime.pipeline import build_pipeline
@@ -93,12 +95,28 @@ def close(label: str, got, want, atol=ATOL) -> list[str]:
     return []
 
 
+def holding_errors(label: str, pm, traced, plan) -> list[str]:
+    """The rank holds exactly its stages' parameters (never the whole model), as DTensors on
+    the stage sub-mesh."""
+    ph = {p.name: p for p in traced.placeholders}
+    want = {ph[n].fqn for st in plan.pipeline.stages if st.rank == pm.pp_rank for n in st.nodes
+            if n in ph and ph[n].kind == "parameter"}
+    held = dict(pm.stage_state.named_parameters())
+    errors = [] if set(held) == want else [f"{label}: holds {sorted(set(held) ^ want)} wrongly"]
+    if len(held) >= len(traced.params):
+        errors.append(f"{label}: holds all {len(held)} parameters")
+    errors += [f"{label}: {k} is not a DTensor on the stage mesh" for k, p in held.items()
+               if not isinstance(p, DTensor) or p.device_mesh != pm.pmesh.device_mesh]
+    return errors
+
+
 def _run(rank, world, model, traced, plans, batches, refs, adamw):
     errors = []
     for (schedule, m), plan in plans.items():
         label = f"rank {rank} {schedule} x{m}"
         inputs, ref = batches[m], refs[m]
         pm = build_pipeline(model, traced, plan, device="cpu")
+        errors += holding_errors(label, pm, traced, plan)
         loss = pm.step(**inputs)
         errors += close(f"{label} loss", loss, ref["loss"])
         grads = pm.full_gradients()
@@ -147,6 +165,32 @@ def test_pipeline_schedules_match_single_device(name):
         assert len(errors) == 4
         flat = [e for rank_errors in errors for e in rank_errors]
         assert not flat, f"{name} mesh {shape}:\n" + "\n".join(flat[:20])
+
+
+def test_meta_model_materialises_only_each_stages_parameters():
+    """A model on meta: each rank initialises only its stage's parameters, with the values the
+    model's own initialisers give (seeded per module path, so equal to a whole-model build)."""
+    model, micro = zoo.build("mlp", tiny=True, num_layers=2, batch=MICRO_BATCH, device="meta")
+    traced = trace(model, micro, decompose_if=needs_decomposition)
+    one = plan_traced(traced, profile(traced), mesh=(1,)).plan
+    plan = pipeline_plan(one, traced, mesh=MeshSpec.preset("cpu", (2,)), num_stages=2, num_microbatches=2,
+                         schedule="gpipe")
+    _, inputs = zoo.build("mlp", tiny=True, num_layers=2, batch=2 * MICRO_BATCH, device="cpu")
+
+    def body(rank, world):
+        pm = build_pipeline(model, traced, plan, device="cpu")
+        loss = pm.step(**inputs)
+        return sorted(dict(pm.stage_state.named_parameters())), float(loss), pm.full_state_dict()
+
+    (held0, loss0, state0), (held1, loss1, state1) = run_local(body, 2, timeout=60)
+    assert held0 == ["blocks.0.0.bias", "blocks.0.0.weight", "blocks.0.2.bias", "blocks.0.2.weight"]
+    assert held1[0].startswith("blocks.1.") and "head.weight" in held1 and not set(held0) & set(held1)
+    assert loss0 == loss1 and torch.isfinite(torch.tensor(loss0))
+    assert set(state0) == set(model.state_dict()) and all(torch.equal(state0[k], state1[k]) for k in state0)
+    assert state0["head.weight"].abs().sum() > 0
+    whole = run_local(lambda rank, world: build_module(model, traced, one, device=torch.device("cpu"))
+                      .full_state_dict(), 1, timeout=60)[0]
+    assert all(torch.equal(state0[k], whole[k]) for k in whole)
 
 
 def test_bad_inputs_and_plans_are_refused():
