@@ -9,9 +9,13 @@ Usage:
 Suites are JSON files in ``benchmarks/suites/`` (see README.md there for the format). Every case
 runs the real pipeline in stages, timed apart: build the model on meta, trace, profile, strategy
 enumeration + problem build (``build_problem``), ILP build (simplify + pulp model) and solve (LP
-relaxation + MIP). One JSONL record per case and repeat; a table on stdout. Cases of an
+relaxation + MIP). An ``end_to_end`` suite instead times one ``autopar.plan`` call per case (no
+baselines, no plan cache, checkpoint planning as the user gets it), its stages read off the
+call's progress timings. One JSONL record per case and repeat; a table on stdout. Cases of an
 ``isolate`` suite each run in a fresh interpreter (no warm caches: honest end-to-end figures);
 otherwise traced graphs are shared between cases of the same model shape within one repeat.
+A suite's ``targets`` (max plan seconds per case) and ``ratios`` (max plan-time ratio between two
+cases) are checked at the end: one line each, met or not.
 """
 
 from __future__ import annotations
@@ -162,9 +166,55 @@ def run_case(c: dict, *, reuse: bool = True, time_limit: float = 120.0, allow_fa
     return rec
 
 
-def run_isolated(c: dict, *, time_limit: float) -> dict:
+def run_plan_case(c: dict, *, time_limit: float = 120.0, allow_fallback: bool = True) -> dict:
+    """The case through ``autopar.plan`` end to end (no baselines, no plan cache): the figure a
+    user waits for. Stages from the call's progress timings; ``other_s`` is what lies between
+    them (recompute planning, assembling the plan)."""
+    import autopar
+    from autopar import zoo
+    from autopar.api import Progress
+
+    rec: dict = {"case": case_id(c), "end_to_end": True, **{k: c.get(k) for k in CASE_KEYS}}
+    t0 = time.perf_counter()
+    model, inputs = zoo.build(c["model"], batch=c.get("batch"), seq=c.get("seq"), num_layers=c.get("layers"))
+    progress = Progress()
+    t1 = time.perf_counter()
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="no sharding rule")
+            plan = autopar.plan(model, inputs, mesh=c["mesh"], memory_budget=c.get("budget") or None,
+                                solver=c["backend"], time_limit=time_limit, preset=c["device"], baselines=False,
+                                allow_replicate_fallback=allow_fallback, cache=False, progress=progress)
+    except (ValueError, RuntimeError, LookupError) as exc:
+        rec.update(ok=False, error=" ".join(str(exc).split())[:400])
+        return rec
+    t2 = time.perf_counter()
+    stages = progress.timings
+    known = {name: stages.get(name, 0.0) for name in ("trace", "profile", "strategies", "solve")}
+    sol = plan.solver
+    st = sol.get("timings", {})
+    timings = {"model_s": t1 - t0, "trace_s": known["trace"], "profile_s": known["profile"],
+               "strategy_s": known["strategies"], "simplify_s": st.get("simplify_s", 0.0),
+               "ilp_build_s": st.get("simplify_s", 0.0) + st.get("build_s", 0.0), "lp_s": st.get("lp_s", 0.0),
+               "mip_s": st.get("solve_s", 0.0), "solve_s": st.get("lp_s", 0.0) + st.get("solve_s", 0.0),
+               "solver_stage_s": known["solve"], "other_s": (t2 - t1) - sum(known.values()), "plan_s": t2 - t1}
+    rec.update(
+        ok=True, trace_reused=False, budget_bytes=plan.budget_bytes,
+        timings={k: round(v, 4) for k, v in timings.items()}, stages={k: round(v, 4) for k, v in stages.items()},
+        num_decisions=len(plan.nodes), num_variables=sol.get("num_variables"),
+        num_constraints=sol.get("num_constraints"), objective_s=sol.get("objective"), lp_bound_s=sol.get("lp_bound"),
+        gap=sol.get("gap"), status=sol.get("status"), backend=sol.get("backend"), step_s=plan.estimate.step_s,
+        peak_bytes=plan.estimate.peak_bytes, fallbacks=len(plan.fallbacks),
+        checkpoint=plan.checkpoint.get("method"),
+    )
+    return rec
+
+
+def run_isolated(c: dict, *, time_limit: float, end_to_end: bool = False) -> dict:
     """The case in a fresh interpreter: cold caches, as a user's first `autopar inspect` sees it."""
     cmd = [sys.executable, os.path.abspath(__file__), "--case-json", json.dumps(c), "--time-limit", str(time_limit)]
+    if end_to_end:
+        cmd.append("--end-to-end")
     out = subprocess.run(cmd, capture_output=True, text=True)
     lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
     if out.returncode != 0 or not lines:
@@ -212,7 +262,7 @@ def _median_records(records: list[dict]) -> list[dict]:
 
 
 def depth_summary(records: list[dict]) -> list[str]:
-    """Solve-time growth with depth for each (model, mesh, budget, backend) swept over layers."""
+    """Plan- and solve-time growth with depth for each (model, mesh, budget, backend) swept over layers."""
     groups: dict[tuple, dict[int, dict]] = {}
     for r in records:
         if r.get("ok") and r.get("layers"):
@@ -226,7 +276,8 @@ def depth_summary(records: list[dict]) -> list[str]:
         parts = []
         for d in sorted(by_depth)[1:]:
             t = by_depth[d]["timings"]
-            parts.append(f"{d}/{base_depth}: solve {t['solve_s'] / base['solve_s']:.2f}x, solver stage "
+            parts.append(f"{d}/{base_depth}: plan {t['plan_s'] / base['plan_s']:.2f}x, "
+                         f"solve {t['solve_s'] / base['solve_s']:.2f}x, solver stage "
                          f"{t['solver_stage_s'] / base['solver_stage_s']:.2f}x, variables "
                          f"{by_depth[d]['num_variables']}/{by_depth[base_depth]['num_variables']}")
         lines.append(f"depth sweep {' '.join(str(k) for k in key)}: " + "; ".join(parts))
@@ -242,26 +293,38 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", help="run only cases whose id contains this text")
     ap.add_argument("--time-limit", type=float, default=120.0, help="seconds per ILP solve")
     ap.add_argument("--isolate", action="store_true", help="every case in a fresh interpreter")
+    ap.add_argument("--end-to-end", action="store_true",
+                    help="time each case as one autopar.plan call (suites may ask for it: \"end_to_end\")")
     ap.add_argument("--case-json", help=argparse.SUPPRESS)  # internal: one isolated case
     args = ap.parse_args(argv)
     if args.case_json:
-        print(json.dumps(run_case(json.loads(args.case_json), reuse=False, time_limit=args.time_limit)))
+        case = json.loads(args.case_json)
+        rec = (run_plan_case(case, time_limit=args.time_limit) if args.end_to_end
+               else run_case(case, reuse=False, time_limit=args.time_limit))
+        print(json.dumps(rec))
         return 0
     if args.repeat < 1:
         raise SystemExit("solver.py: error: --repeat must be >= 1")
     suite = load_suite(args.suite)
     cases = [c for c in suite["cases"] if not args.only or args.only in case_id(c)]
     isolate = args.isolate or suite.get("isolate", False)
+    end_to_end = args.end_to_end or suite.get("end_to_end", False)
     env = {"machine": machine(), "versions": versions()}
     print(f"suite {suite['name']}: {len(cases)} cases x {args.repeat} repeats"
-          f"{' (each in a fresh interpreter)' if isolate else ''}; {env['machine']['cpu']}, "
+          f"{' (each in a fresh interpreter)' if isolate else ''}"
+          f"{', autopar.plan end to end' if end_to_end else ''}; {env['machine']['cpu']}, "
           f"{env['machine']['cores']} cores, load {env['machine']['load_1m']}", flush=True)
     print(header(), flush=True)
     records = []
     for rep in range(args.repeat):
         _TRACE_CACHE.clear()
         for c in cases:
-            rec = run_isolated(c, time_limit=args.time_limit) if isolate else run_case(c, time_limit=args.time_limit)
+            if isolate:
+                rec = run_isolated(c, time_limit=args.time_limit, end_to_end=end_to_end)
+            elif end_to_end:
+                rec = run_plan_case(c, time_limit=args.time_limit)
+            else:
+                rec = run_case(c, time_limit=args.time_limit)
             rec.update(suite=suite["name"], repeat=rep, **env)
             rec["machine"] = dict(env["machine"], load_1m=round(os.getloadavg()[0], 2))
             records.append(rec)
@@ -280,19 +343,34 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def target_summary(suite: dict, records: list[dict]) -> list[str]:
-    """``targets``: {case id substring: max plan seconds}; one line per target, met or not."""
+    """``targets``: {case id substring: max plan seconds}; ``ratios``: [{"case": id substring,
+    "over": id substring, "max": ratio}] of plan seconds. One line per target, met or not."""
     lines = []
     for needle, limit in suite.get("targets", {}).items():
         hits = [r for r in records if needle in r["case"] and r.get("ok")]
         for r in hits:
-            t = r["timings"]["plan_s"]
-            lines.append(f"target {r['case']}: planned end to end in {t:.1f}s "
-                         f"(trace {r['timings']['trace_s']:.1f} + profile {r['timings']['profile_s']:.1f} + "
-                         f"strategies {r['timings']['strategy_s']:.1f} + solver {r['timings']['solver_stage_s']:.1f}) "
-                         f"-- target < {limit}s: {'met' if t < limit else 'NOT met'}")
+            t = r["timings"]
+            lines.append(f"target {r['case']}: planned end to end in {t['plan_s']:.1f}s "
+                         f"({_stage_text(t)}) -- target < {limit}s: {'met' if t['plan_s'] < limit else 'NOT met'}")
         if not hits:
             lines.append(f"target {needle}: no successful run")
+    for ratio in suite.get("ratios", []):
+        num = [r for r in records if ratio["case"] in r["case"] and r.get("ok")]
+        den = [r for r in records if ratio["over"] in r["case"] and r.get("ok")]
+        if len(num) != 1 or len(den) != 1:
+            lines.append(f"target ratio {ratio['case']} / {ratio['over']}: no single successful run of each")
+            continue
+        a, b = num[0]["timings"]["plan_s"], den[0]["timings"]["plan_s"]
+        met = a / b <= ratio["max"]
+        lines.append(f"target ratio {num[0]['case']} / {den[0]['case']}: {a:.1f}s / {b:.1f}s = {a / b:.2f}x "
+                     f"-- target <= {ratio['max']}x: {'met' if met else 'NOT met'}")
     return lines
+
+
+def _stage_text(t: dict) -> str:
+    text = (f"trace {t['trace_s']:.1f} + profile {t['profile_s']:.1f} + strategies {t['strategy_s']:.1f} + "
+            f"solver {t['solver_stage_s']:.1f}")
+    return text + (f" + other {t['other_s']:.1f}" if "other_s" in t else "")
 
 
 if __name__ == "__main__":

@@ -51,7 +51,49 @@ def test_depth_summary_and_table_from_records():
                 "timings": {"trace_s": 1, "profile_s": 1, "strategy_s": 1, "ilp_build_s": 1, "solve_s": solve,
                             "solver_stage_s": solve + 1, "plan_s": solve + 4}}
     lines = solver.depth_summary([rec(12, 1.0), rec(48, 1.5), rec(96, 2.0)])
-    assert lines == ["depth sweep gpt2 2x4 40GiB highs: 48/12: solve 1.50x, solver stage 1.25x, variables 100/100; "
-                     "96/12: solve 2.00x, solver stage 1.50x, variables 100/100"]
+    assert lines == ["depth sweep gpt2 2x4 40GiB highs: 48/12: plan 1.10x, solve 1.50x, solver stage 1.25x, "
+                     "variables 100/100; 96/12: plan 1.20x, solve 2.00x, solver stage 1.50x, variables 100/100"]
     assert "optimal" in solver.table_row(rec(12, 1.0))
     assert "error: boom" in solver.table_row({"case": "x", "ok": False, "error": "boom"})
+
+
+def _timed(case: str, plan_s: float) -> dict:
+    return {"case": case, "ok": True, "timings": {"trace_s": 1.0, "profile_s": 0.5, "strategy_s": 0.5,
+                                                   "solver_stage_s": 1.0, "other_s": 0.2, "plan_s": plan_s}}
+
+
+def test_targets_and_ratios_say_met_or_not():
+    suite = {"targets": {"gpt2-xl 2x4": 6, "llama-8b 8x8": 8},
+             "ratios": [{"case": "gpt2/L96", "over": "gpt2/L12", "max": 1.3}]}
+    records = [_timed("gpt2-xl 2x4 40GiB highs", 5.5), _timed("llama-8b 8x8 80GiB highs", 9.0),
+               _timed("gpt2/L12 2x4 40GiB highs", 4.0), _timed("gpt2/L96 2x4 40GiB highs", 5.0)]
+    lines = solver.target_summary(suite, records)
+    assert lines[0].startswith("target gpt2-xl 2x4 40GiB highs: planned end to end in 5.5s (trace 1.0 + profile 0.5")
+    assert lines[0].endswith("+ other 0.2) -- target < 6s: met")
+    assert lines[1].endswith("target < 8s: NOT met")
+    assert lines[2] == ("target ratio gpt2/L96 2x4 40GiB highs / gpt2/L12 2x4 40GiB highs: 5.0s / 4.0s = 1.25x "
+                        "-- target <= 1.3x: met")
+    records[3] = _timed("gpt2/L96 2x4 40GiB highs", 5.4)
+    assert solver.target_summary(suite, records)[2].endswith("1.35x -- target <= 1.3x: NOT met")
+    assert solver.target_summary(suite, records[:3])[2].endswith("no single successful run of each")
+
+
+def test_targets_suite_plans_its_cases_end_to_end():
+    suite = solver.load_suite("targets")
+    assert suite["end_to_end"] and suite["isolate"]
+    assert suite["targets"] == {"gpt2-xl 2x4": 6, "llama-8b 8x8": 8}
+    ids = [solver.case_id(c) for c in suite["cases"]]
+    for ratio in suite["ratios"]:
+        assert sum(ratio["case"] in i for i in ids) == 1 and sum(ratio["over"] in i for i in ids) == 1
+
+
+def test_an_end_to_end_case_is_one_autopar_plan_call():
+    rec = solver.run_plan_case({"model": "mlp", "batch": 4, "seq": None, "layers": None, "mesh": "2",
+                                "device": "a100-80gb", "budget": None, "backend": "highs"}, time_limit=30)
+    assert rec["ok"] and rec["end_to_end"], rec
+    t = rec["timings"]
+    assert t["plan_s"] >= t["trace_s"] + t["profile_s"] + t["strategy_s"] + t["solver_stage_s"] > 0
+    assert t["other_s"] == pytest.approx(t["plan_s"] - t["trace_s"] - t["profile_s"] - t["strategy_s"]
+                                         - t["solver_stage_s"], abs=1e-3)
+    assert rec["status"] == "optimal" and rec["objective_s"] == rec["step_s"] > 0 and rec["num_variables"] >= 0
+    assert "total" in solver.header() and rec["case"] in solver.table_row(rec)

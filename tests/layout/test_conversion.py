@@ -357,3 +357,27 @@ def test_large_mesh_all_pairs_fast_and_cached():
 def test_solver_does_not_import_torch():
     code = "import sys, autopar.layout.conversion; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+@pytest.mark.parametrize("mesh_shape,shape", [((4,), (8, 6)), ((2, 4), (8, 16, 12)), ((2, 2, 2), (12, 6))])
+def test_conversion_seconds_are_plan_conversion_totals(mesh_shape, shape):
+    """A cost-matrix row from one search: bit-for-bit the totals of planning each pair."""
+    from autopar.layout.conversion import conversion_seconds
+
+    mesh = MeshSpec.preset("a100-80gb", mesh_shape)
+    specs = valid_specs(shape, mesh_shape)
+    for src in specs[::3]:
+        row = conversion_seconds(src, specs, shape, 2, mesh)
+        assert row == tuple(plan_conversion(src, dst, shape, 2, mesh).total_s for dst in specs)
+    assert conversion_seconds(str(specs[1]), [str(specs[2])], shape, 2, mesh) == (
+        plan_conversion(specs[1], specs[2], shape, 2, mesh).total_s,)
+
+
+def test_conversion_seconds_refuses_an_invalid_layout():
+    from autopar.layout.conversion import conversion_seconds
+
+    mesh = MeshSpec.preset("a100-80gb", (4,))
+    with pytest.raises(ValueError, match="invalid target layout S1 for shape"):
+        conversion_seconds("R", ["S0", "S1"], (8, 6), 2, mesh)
+    with pytest.raises(ValueError, match="invalid source layout"):
+        conversion_seconds("S1", ["S0"], (8, 6), 2, mesh)

@@ -274,3 +274,37 @@ def test_transformer_blocks_stay_recomputable():
     traced, built = _built("gpt2")
     assert not any(mutates_state(n) for n in traced.compute_nodes())  # relu_/add_ on activations are fine
     assert sum(1 for n in built.problem.nodes if n.segment) > 0
+
+
+class _NoMemo(dict):
+    """A builder cache that never hits: every node computes its own records."""
+
+    def get(self, key, default=None):
+        return default
+
+    def setdefault(self, key, default=None):
+        return default
+
+
+@pytest.mark.parametrize("name,mesh_shape,zero", [("gpt2", (2, 2), "auto"), ("llama-1b", (2,), 0),
+                                                  ("bert-base", (2,), 1)])
+def test_repeated_blocks_reuse_records_exactly(name, mesh_shape, zero):
+    """Options, layout choices and conversion costs are computed once per repeated block position
+    and stamped onto the repeats: the Problem (options, costs, edges, liveness) and the decisions
+    are what computing every node on its own gives."""
+    from autopar.planner.builder import _Builder
+
+    model, inputs = zoo.build(name, tiny=True, num_layers=3)
+    traced = trace(model, inputs)
+    prof = profile(traced)
+    options = PlanOptions(preset="a100-80gb", zero_stage=zero)
+    mesh = options.mesh(mesh_shape)
+    memo = build_problem(traced, prof, mesh, budget_bytes=10**9, options=options)
+    fresh = _Builder(traced, prof, mesh, budget_bytes=10**9, options=options)
+    fresh._option_cache, fresh._placeholder_cache, fresh._conv_cache = _NoMemo(), _NoMemo(), _NoMemo()
+    plain = fresh.build()
+    assert memo.problem == plain.problem
+    assert dict(memo.decisions) == dict(plain.decisions) and dict(memo.sources) == dict(plain.sources)
+    assert dict(memo.segment_inputs) == dict(plain.segment_inputs)
+    ops = [n for n in memo.problem.nodes if memo.decisions[n.name].kind == NodeKind.OP]
+    assert len({id(n.options) for n in ops}) < len(ops) / 2  # the repeats did share
