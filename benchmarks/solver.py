@@ -6,7 +6,7 @@ Usage:
   python benchmarks/solver.py --suite depth --jsonl out.jsonl
   python benchmarks/solver.py --suite benchmarks/suites/zoo.json --only gpt2
 
-Suites are JSON files in ``benchmarks/suites/`` (see README.md there for the format). Every case
+Suites are JSON files in ``benchmarks/suites/`` (format: ``benchmarks/README.md``). Every case
 runs the real pipeline in stages, timed apart: build the model on meta, trace, profile, strategy
 enumeration + problem build (``build_problem``), ILP build (simplify + pulp model) and solve (LP
 relaxation + MIP). An ``end_to_end`` suite instead times one ``autopar.plan`` call per case (no
