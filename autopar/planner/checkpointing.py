@@ -230,8 +230,12 @@ def plan_recompute(traced, prof, built, *, mode: str = "auto", solver: str = "au
     solve_plain = solve_plain or (lambda p: solve(p, solver=solver, time_limit=time_limit))
     problem, inputs = built.problem, built.segment_inputs
     plain = strip_segments(problem)
-    if mode == "auto" and (problem.budget_bytes is None or not simplify(plain).memory_can_bind):
+    if mode == "auto" and problem.budget_bytes is None:
         mode = "none"
+    if mode == "auto":
+        with progress.stage("budget check", "can any sharding exceed the budget"):
+            if not simplify(plain).memory_can_bind:
+                mode = "none"
     if mode == "auto":
         # Recompute only adds forward time, so the unconstrained optimum bounds every mode from
         # below: when it fits the budget as it is, it is the answer and the search is skipped.
@@ -256,16 +260,18 @@ def plan_recompute(traced, prof, built, *, mode: str = "auto", solver: str = "au
                 rotor_sol = solve_plain(plain)
             except ValueError:  # nothing fits without recompute: the fastest sharding whose params fit
                 rotor_sol = solve_plain(_params_only(plain))
-            ev = estimate(built, problem, rotor_sol.choice, (), inputs, costs=costs)
-            if ev.peak_bytes <= problem.budget_bytes:
-                stage2.append(_finish(built, problem, rotor_sol.choice, rotor_sol, (), inputs, "rotor", {}, ev=ev))
+            with progress.stage("estimate", "the plan without recompute"):
+                ev = estimate(built, problem, rotor_sol.choice, (), inputs, costs=costs)
+                if ev.peak_bytes <= problem.budget_bytes:
+                    stage2.append(_finish(built, problem, rotor_sol.choice, rotor_sol, (), inputs, "rotor", {}, ev=ev))
         except ValueError as exc:
             rotor_error, rotor_sol = exc, None
     if mode in ("ilp", "both", "auto"):
         try:
             with progress.stage("recompute ILP", f"{problem.num_nodes} decisions, {len(inputs)} units"):
                 sol = solve(problem, recompute_inputs=inputs, solver=solver, time_limit=time_limit)
-            stage1.append(_finish(built, problem, sol.choice, sol, sol.recompute, inputs, "ilp", {}, costs=costs))
+            with progress.stage("estimate", f"the ILP's plan, {len(sol.recompute)} units recomputed"):
+                stage1.append(_finish(built, problem, sol.choice, sol, sol.recompute, inputs, "ilp", {}, costs=costs))
             if mode in ("both", "auto"):
                 bound = min(c.evaluation.objective for c in stage1 + stage2)
                 refined = search.refine(sol.choice, sol, "ILP sharding", bound=bound)
@@ -428,6 +434,9 @@ class _Search:
             lower = _knapsack_bound(problem, choice, base_ev, groups)
             if lower == math.inf or _beyond(lower, bound):
                 self.stats["refinements_pruned"] += 1
+                beat = "fits the budget" if bound is None or lower == math.inf else f"beats {bound * 1e3:.3f} ms"
+                with self.progress.stage("rotor", f"{label}: skipped, no region set {beat}"):
+                    pass
                 return None
         avail = problem.budget_bytes - base_ev.param_bytes - held
         if avail <= 0:
