@@ -15,6 +15,12 @@ sharding re-solved for it) in the same cost model (``autopar.planner.checkpointi
 
     .venv/bin/python benchmarks/checkpoint.py [--stages 100] [--slots 500] [--fraction 0.5]
         [--repeats 9] [--python-repeats 1] [--no-gpt2] [--jsonl out.jsonl]
+    .venv/bin/python benchmarks/checkpoint.py --llama70b [--layers 80]
+
+``--llama70b`` (issue 17): the Llama-70B shape (hidden 8192, batch 16 x seq 4096) on 16 nodes x
+8 H100 80GiB planned with ``checkpoint="none"`` and ``"auto"`` from one trace and profile: wall
+seconds of each (strategies + search), the seconds per planning stage, the candidates, and
+whether both give the same plan. The trace and profile are timed once, apart.
 
 On a shared 2-core machine the C timings are noisy: the median of --repeats runs is quoted.
 """
@@ -114,6 +120,45 @@ def print_gpt2_rows(rows: list[dict]) -> None:
             print(f"  WORSE THAN UNIFORM at {r['fraction']:.0%}", file=sys.stderr)
 
 
+def llama70b_case(layers: int = 80) -> dict:
+    """Issue 17's planning case (module docstring): one trace and profile, then both modes."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from autopar.api import PlanOptions, Progress, plan_traced
+    from autopar.layout.mesh import MeshSpec
+    from autopar.tracer import profile, trace
+
+    cfg = LlamaConfig(vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_hidden_layers=layers,
+                      num_attention_heads=64, num_key_value_heads=8, max_position_embeddings=8192,
+                      rope_theta=500000.0, tie_word_embeddings=False, attn_implementation="sdpa")
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    ids = torch.zeros(16, 4096, dtype=torch.long, device="meta")
+    mesh = MeshSpec.cluster(nodes=16, devices_per_node=8)
+    start = time.perf_counter()
+    traced = trace(model, {"input_ids": ids, "labels": ids})
+    prof = profile(traced)
+    row = {"layers": layers, "trace_profile_s": time.perf_counter() - start}
+    plans = {}
+    for mode in ("none", "auto"):
+        progress = Progress(verbose=True)
+        start = time.perf_counter()
+        res = plan_traced(traced, prof, mesh=mesh, options=PlanOptions(memory_budget="80GiB", checkpoint=mode),
+                          progress=progress)
+        plans[mode] = res
+        row[f"{mode}_s"] = time.perf_counter() - start
+        row[f"{mode}_stages_s"] = dict(progress.timings)
+        row[f"{mode}_step_s"] = res.recompute.evaluation.objective
+        row[f"{mode}_method"] = res.recompute.method
+    auto = plans["auto"].recompute
+    row["auto_candidates"] = auto.info.get("candidates", {})
+    row["auto_search"] = {k: auto.info[k] for k in ("rotor_solves", "region_sets_evaluated", "region_sets_pruned",
+                                                     "refinements_pruned") if k in auto.info}
+    row["same_plan"] = auto.choice == plans["none"].recompute.choice and not auto.units
+    return row
+
+
 def _timed(fn, repeats: int):
     """Median wall seconds over ``repeats`` calls, and the last call's result."""
     times = []
@@ -157,7 +202,16 @@ def main(argv=None) -> int:
                         help="timed runs of the Python reference (slow)")
     parser.add_argument("--jsonl", type=Path, default=None, help="append one JSON row")
     parser.add_argument("--no-gpt2", action="store_true", help="skip the GPT-2-tiny budget table")
+    parser.add_argument("--llama70b", action="store_true", help="only the issue-17 planning case")
+    parser.add_argument("--layers", type=int, default=80, help="layers of the --llama70b model")
     args = parser.parse_args(argv)
+    if args.llama70b:
+        row = llama70b_case(args.layers)
+        print(json.dumps(row, indent=1))
+        if args.jsonl:
+            with args.jsonl.open("a") as fh:
+                fh.write(json.dumps({"bench": "checkpoint_llama70b", **row}) + "\n")
+        return 0
     if args.stages < 2 or args.slots < 1 or not 0 < args.fraction <= 1:
         raise ValueError(f"need --stages >= 2, --slots >= 1, 0 < --fraction <= 1; got "
                          f"{args.stages}, {args.slots}, {args.fraction}")
