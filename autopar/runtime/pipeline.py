@@ -64,6 +64,7 @@ from autopar.plans import Plan
 from autopar.runtime.dtensors import local_of, to_dtensor
 from autopar.runtime.materialize import local_shards
 from autopar.runtime.module import _snapshot
+from autopar.runtime.nodes import GradAllReduce
 from autopar.runtime.passes import STATE_KEY, emit_local_graph
 from autopar.runtime.pipeline_split import StageGraph, split_stages
 from autopar.runtime.process_mesh import ProcessMesh
@@ -117,7 +118,7 @@ class PipelineModule(nn.Module):
     def __init__(self, *, plan: Plan, traced: TracedGraph, device_mesh: DeviceMesh, pmesh: ProcessMesh,
                  stage_modules: list[_StageModule], leaves: dict[str, torch.Tensor], specs: dict,
                  signature: inspect.Signature, state_keys: tuple[str, ...], device: torch.device,
-                 holders: dict[str, tuple[int, ...]]) -> None:
+                 holders: dict[str, tuple[int, ...]], deferred: dict[str, tuple[int, ...]]) -> None:
         super().__init__()
         pipe = plan.pipeline
         self.plan, self.pmesh, self.device_mesh = plan, pmesh, device_mesh
@@ -165,7 +166,9 @@ class PipelineModule(nn.Module):
         # concatenates every output along dim 0, which a scalar loss does not have.
         self.schedule._merge_outputs = lambda chunks: None
         self._last_rank = pipe.stages[-1].rank
-        self._tied_groups = _tied_groups(holders, device_mesh)
+        trained = {p.name for p in traced.params if p.requires_grad}
+        self._tied_groups = _tied_groups({k: v for k, v in holders.items() if k in trained}, device_mesh)
+        self._deferred = dict(deferred)  # parameter -> mesh axes its gradient is summed over per step
 
     # ------------------------------------------------------------------------------ inputs
     def _flat_inputs(self, args: tuple, kwargs: dict) -> list[torch.Tensor]:
@@ -190,18 +193,22 @@ class PipelineModule(nn.Module):
     def step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         """Forward and backward of one full batch; returns the loss (every rank)."""
         inputs = self._flat_inputs(args, kwargs)
-        for name, dt in self._dtensors.items():  # gradients accumulate across steps until zeroed
-            leaf = self._leaves[name]
+        # This step's gradients are summed (over data-parallel axes, over tied copies) on their
+        # own, then added to what ``.grad`` held (gradients accumulate across steps until zeroed).
+        for leaf in self._leaves.values():
             if isinstance(leaf, nn.Parameter):
-                leaf.grad = None if dt.grad is None else local_of(dt.grad)
+                leaf.grad = None
         losses: list[torch.Tensor] = []
         target = torch.zeros(self.num_microbatches, device=self._device)  # the loss lives in the graph
         self.schedule.step(*inputs, target=target, losses=losses, return_outputs=False)
-        self._sum_tied_gradients()
+        self._sync_gradients()
         for name, dt in self._dtensors.items():
-            leaf = self._leaves[name]
-            if isinstance(leaf, nn.Parameter) and leaf.grad is not None:
-                dt.grad = to_dtensor(leaf.grad, self._specs[name], self.pmesh, dt.shape)
+            grad = self._leaves[name].grad
+            if not isinstance(dt, nn.Parameter) or grad is None:
+                continue
+            if dt.grad is not None:
+                grad = local_of(dt.grad) + grad
+            dt.grad = to_dtensor(grad, self._specs[name], self.pmesh, dt.shape)
         loss = torch.stack([x.detach() for x in losses]).sum() if losses else torch.zeros((), device=self._device)
         return self._from_last_stage(loss.to(self._loss_dtype()))
 
@@ -247,7 +254,16 @@ class PipelineModule(nn.Module):
         dist.broadcast(value, src=dist.get_global_rank(self.pp_group, self._last_rank), group=self.pp_group)
         return value
 
-    def _sum_tied_gradients(self) -> None:
+    def _sync_gradients(self) -> None:
+        """Once per step: data-parallel sums inside the stage (taken out of the graph), then the
+        sum of a tied weight's copies over the pipeline ranks holding it (sums commute). Only the
+        step's gradients are in the leaves (``step`` adds them to ``.grad`` afterwards)."""
+        for name, axes in self._deferred.items():
+            leaf = self._leaves[name]
+            if leaf.grad is None:  # every rank of the stage sees the same graph: all skip or none
+                continue
+            for axis in axes:
+                dist.all_reduce(leaf.grad, group=self.pmesh.group(axis))
         for name, group in self._tied_groups.items():
             leaf = self._leaves.get(name)
             if group is None or leaf is None:
@@ -376,6 +392,11 @@ def build_pipeline(model: nn.Module, traced: TracedGraph, plan: Plan, *, device:
     mine = [g for g in graphs if pipe.stages[g.index].rank == pp_rank]
     stage_plan = dataclasses.replace(plan, mesh=plan.stage_mesh(), pipeline=None)
     emitted = [emit_local_graph(g.traced, stage_plan, pmesh, device=device, bucket_cap=0) for g in mine]
+    deferred: dict[str, tuple[int, ...]] = {}
+    for e in emitted:
+        for name, axes in _defer_gradient_sync(e).items():
+            if deferred.setdefault(name, axes) != axes:  # two stages of this rank disagree: cannot happen
+                raise AssertionError(f"{name}: gradient sync over {deferred[name]} and {axes}")
     specs = {name: spec for e in emitted for name, spec in e.specs.items()}
     shards, _ = local_shards(model, traced, specs, pmesh, device=device, seed=seed, init_weights=init_weights)
     modules = []
@@ -391,4 +412,32 @@ def build_pipeline(model: nn.Module, traced: TracedGraph, plan: Plan, *, device:
     return PipelineModule(plan=plan, traced=traced, device_mesh=device_mesh, pmesh=pmesh, stage_modules=modules,
                           leaves=shards, specs=specs, signature=inspect.signature(model.forward),
                           state_keys=state_keys, device=device,
-                          holders={k: tuple(sorted(v)) for k, v in holders.items()})
+                          holders={k: tuple(sorted(v)) for k, v in holders.items()}, deferred=deferred)
+
+
+def _defer_gradient_sync(emitted) -> dict[str, tuple[int, ...]]:
+    """Take the parameters' gradient all-reduces out of the graph, to run once per step.
+
+    A parameter whose every use in the stage graph goes through ``grad_all_reduce`` over the
+    same mesh axes (data parallelism inside the stage) has its partial gradient summed over
+    those axes in backward -- once per MICRO-batch. Summing the accumulated local gradient once
+    after the last micro-batch gives the same sum with 1/M of the collectives (DDP's
+    ``no_sync``): the nodes are removed here and ``PipelineModule.step`` all-reduces. Returns
+    parameter placeholder name -> axes."""
+    graph = emitted.graph
+    reducers = {name for name, m in emitted.modules.items() if isinstance(m, GradAllReduce)}
+    out = {}
+    for node in list(graph.nodes):
+        if node.op != "placeholder" or not node.meta.get(STATE_KEY) or not node.users:
+            continue
+        users = list(node.users)
+        if not all(u.op == "call_module" and u.target in reducers for u in users):
+            continue
+        axes = {tuple(u.kwargs["axes"]) for u in users}
+        if len(axes) != 1:
+            continue
+        for u in users:
+            u.replace_all_uses_with(node)
+            graph.erase_node(u)
+        out[node.name] = axes.pop()
+    return out

@@ -11,7 +11,8 @@ single-device reference computed before the fork:
 
 - ``pm.step(full batch)`` returns the full-batch loss on every rank and leaves every gradient
   (``full_gradients()``, tied names included) equal to one full-batch backward, rtol 1e-4;
-- forward only (``pm(...)``): the loss and the logits;
+- a second ``step`` without zeroing doubles every gradient; forward only (``pm(...)``): the
+  loss and the logits;
 - 3 steps of AdamW over ``pm.parameters()``: every DTensor parameter the rank holds (both copies
   of a tied weight included) and ``full_state_dict()`` equal the reference.
 
@@ -122,6 +123,10 @@ def _run(rank, world, model, traced, plans, batches, refs, adamw):
         grads = pm.full_gradients()
         errors += [e for k, want in ref["grads"].items() for e in close(f"{label} grad {k}", grads.get(k), want)]
         if (schedule, m) == next(iter(plans)):
+            pm.step(**inputs)  # gradients accumulate over steps until zeroed (each step's sum once)
+            grads = pm.full_gradients()
+            errors += [e for k, want in ref["grads"].items()
+                       for e in close(f"{label} accumulated grad {k}", grads.get(k), 2 * want)]
             out = pm(**inputs)
             errors += close(f"{label} forward loss", out.loss, ref["loss"])
             errors += close(f"{label} forward logits", out.logits, ref["logits"], atol=1e-5)
