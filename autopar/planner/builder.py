@@ -58,6 +58,7 @@ from autopar.layout.blocks import block_of
 from autopar.solver.problem import Edge, Node, Problem, StrategyOption
 from autopar.strategies import Strategy, input_nodes, strategies_for
 from autopar.tracer.graph import PLACEHOLDER_KEY, TracedGraph
+from autopar.tracer.heap import frozen_heap
 from autopar.tracer.precision import compute_dtype
 from autopar.tracer.profile import ModelProfile
 
@@ -87,7 +88,8 @@ def layout_specs(shape: tuple[int, ...], mesh_shape: tuple[int, ...]) -> list[Te
 # --------------------------------------------------------------------------------- builder
 def build_problem(traced: TracedGraph, prof: ModelProfile, mesh: MeshSpec, *,
                   budget_bytes: int | None, options: PlanOptions = PlanOptions()) -> BuiltProblem:
-    return _Builder(traced, prof, mesh, budget_bytes=budget_bytes, options=options).build()
+    with frozen_heap():  # the graph and profile are only read: full GC passes skip them
+        return _Builder(traced, prof, mesh, budget_bytes=budget_bytes, options=options).build()
 
 
 class _Builder:

@@ -33,6 +33,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
 from autopar.tracer.depth import block_structure, shallow_graph, stamp
+from autopar.tracer.heap import frozen_heap
 from autopar.tracer.graph import BUFFER, PARAMETER, PLACEHOLDER_KEY, TracedGraph, op_name, tensor_vals
 from autopar.tracer.trace import TraceError
 
@@ -137,13 +138,14 @@ def profile(traced: TracedGraph, *, by_blocks: bool = True) -> ModelProfile:
     the last and stamps the rest (``autopar.tracer.depth``: the same profile, in a time that
     does not grow with depth); False, or a graph it does not recognise, runs every node."""
     start = time.perf_counter()
-    structure = block_structure(traced) if by_blocks else None
-    if structure is not None:
-        shallow = _profile_nodes(shallow_graph(traced, structure))
-        nodes = stamp(traced, structure, tuple(shallow))
-        if nodes is not None:
-            return _totals(traced, nodes, time.perf_counter() - start)
-    return _totals(traced, _profile_nodes(traced), time.perf_counter() - start)
+    with frozen_heap():  # the traced graph is only read: out of full GC passes
+        structure = block_structure(traced) if by_blocks else None
+        if structure is not None:
+            shallow = _profile_nodes(shallow_graph(traced, structure))
+            nodes = stamp(traced, structure, tuple(shallow))
+            if nodes is not None:
+                return _totals(traced, nodes, time.perf_counter() - start)
+        return _totals(traced, _profile_nodes(traced), time.perf_counter() - start)
 
 
 def _profile_nodes(traced: TracedGraph) -> list[NodeProfile]:

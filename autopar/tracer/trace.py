@@ -31,6 +31,7 @@ from torch.export.graph_signature import InputKind
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from autopar.tracer import hf
+from autopar.tracer.heap import frozen_heap
 from autopar.tracer.unroll import trace_shallow
 from autopar.tracer.meta_keys import export_module_path
 from autopar.tracer.precision import apply_precision, compute_dtype
@@ -124,12 +125,13 @@ def trace(model: nn.Module, meta_inputs: tuple | dict, *, name: str | None = Non
             ep = _export(module, fake, constants, model_name, stack_traces)
         return _build(module, ep, model_name)
 
-    traced = trace_shallow(model, export_and_build) if by_blocks else None
-    if traced is None:
-        traced = export_and_build(model)
-    if decompose_if is not None:  # the planner's "no rule, but a decomposition" (tracer/decompose.py)
-        traced.decompose(decompose_if)
-    return apply_precision(traced, precision)
+    with frozen_heap():  # the model and the interpreter's modules: out of full GC passes
+        traced = trace_shallow(model, export_and_build) if by_blocks else None
+        if traced is None:
+            traced = export_and_build(model)
+        if decompose_if is not None:  # the planner's "no rule, but a decomposition" (tracer/decompose.py)
+            traced.decompose(decompose_if)
+        return apply_precision(traced, precision)
 
 
 # ---- inputs ------------------------------------------------------------------------------------

@@ -192,3 +192,23 @@ def _pytree_graph_hash(traced) -> str:
 def test_graph_hash_is_the_pytree_definition(family):
     name, _, _, traced = family
     assert traced.graph_hash == _pytree_graph_hash(traced), name
+
+
+def test_frozen_heap_thaws_and_nests():
+    import gc
+
+    from autopar.tracer.heap import frozen_heap
+
+    before = gc.get_freeze_count()
+    with frozen_heap():
+        frozen = gc.get_freeze_count()
+        with frozen_heap():  # an inner stage leaves the outer one's freeze alone
+            assert gc.get_freeze_count() == frozen
+        assert gc.get_freeze_count() == frozen > before
+    assert gc.get_freeze_count() == before
+    gc.disable()
+    try:
+        with frozen_heap():  # the collector is someone else's business when it is off
+            assert gc.get_freeze_count() == before
+    finally:
+        gc.enable()
