@@ -98,6 +98,7 @@ class TracedGraph:
         self.decomposed: dict[str, tuple[str, ...]] = {}
         self._by_fqn = {alias: p for p in placeholders for alias in p.aliases}
         self.precision = "fp32"  # what the ops compute in (``autopar.tracer.precision``)
+        self._hash: tuple[int, str] | None = None  # (node count, graph_hash): rewrites reset it
 
     # ---- nodes -----------------------------------------------------------------------------
     @property
@@ -140,6 +141,7 @@ class TracedGraph:
         flat = self.flat_outputs
         loss_at = next((i for i, a in enumerate(flat) if isinstance(a, fx.Node) and a.name == self._loss_name), None)
         yield
+        self._hash = None
         self._by_name = {node.name: node for node in self.gm.graph.nodes}
         if loss_at is not None:  # the loss op itself may have been replaced
             self._loss_name = self.flat_outputs[loss_at].name
@@ -217,7 +219,15 @@ class TracedGraph:
     # ---- identity --------------------------------------------------------------------------
     @property
     def graph_hash(self) -> str:
-        """Stable hex digest of ops, wiring, shapes and parameter names (for plan files)."""
+        """Stable hex digest of ops, wiring, shapes and parameter names (for plan files). Computed
+        once (a plan asks several times; a deep graph takes a while): in-place rewrites go through
+        ``rewriting``, which forgets it, and a changed node count recomputes it."""
+        size = len(self.gm.graph.nodes)
+        if getattr(self, "_hash", None) is None or self._hash[0] != size:
+            self._hash = (size, self._compute_hash())
+        return self._hash[1]
+
+    def _compute_hash(self) -> str:
         digest = hashlib.sha256()
         for node in self.gm.graph.nodes:
             args = _tokens((node.args, node.kwargs))

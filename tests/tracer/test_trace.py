@@ -212,3 +212,14 @@ def test_frozen_heap_thaws_and_nests():
             assert gc.get_freeze_count() == before
     finally:
         gc.enable()
+
+
+def test_graph_hash_follows_rewrites():
+    traced = trace(nn.Linear(4, 2), (torch.randn(3, 4),))
+    first = traced.graph_hash
+    assert traced.graph_hash == first == _pytree_graph_hash(traced)
+    x = next(n for n in traced.nodes if n.op == "placeholder")
+    with traced.rewriting():
+        with traced.graph.inserting_before(traced.output_node):
+            traced.graph.call_function(torch.ops.aten.neg.default, (x,))
+    assert traced.graph_hash == _pytree_graph_hash(traced) != first
