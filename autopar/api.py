@@ -44,7 +44,8 @@ if TYPE_CHECKING:
     from autopar.tracer.graph import TracedGraph
     from autopar.tracer.profile import ModelProfile
 
-__all__ = ["plan", "plan_model", "plan_traced", "autoparallelize", "PlanOptions", "PlanResult", "Progress"]
+__all__ = ["plan", "plan_model", "plan_traced", "plan_pipelined", "autoparallelize", "PlanOptions", "PlanResult",
+           "PipelinedResult", "Progress"]
 
 
 class Progress:
@@ -107,6 +108,9 @@ def plan(
     cache: bool = True,
     nodes: int | None = None,
     devices_per_node: int | None = None,
+    pipeline: int | str | None = None,
+    microbatches: int | str = "auto",
+    schedule: str = "auto",
 ) -> Plan:
     """Plan ``model`` on ``mesh`` offline. ``mesh``: a MeshSpec, or a shape (``(2, 4)``/``"2x4"``)
     with the ``preset`` device preset's costs (default ``"cpu"``; ``device`` is its deprecated old
@@ -121,13 +125,22 @@ def plan(
     options: see :class:`PlanOptions`. ``plan_model`` returns the intermediate results too.
     ``cache``: serve the plan from the on-disk plan cache when this model, inputs, mesh and options
     were planned before (no trace, no solve), and store it otherwise; ``AUTOPAR_CACHE=0`` switches
-    the cache off everywhere (``autopar.planner.cache``)."""
+    the cache off everywhere (``autopar.planner.cache``). ``pipeline``: None, N (pipeline
+    parallelism over mesh axis 0 of size N, stages and sharding planned together:
+    ``plan_pipelined``) or ``"auto"`` (the faster of no pipeline and one over axis 0), with
+    ``microbatches`` (``"auto"`` or M) and ``schedule`` (``"auto"``, ``"gpipe"``, ``"1f1b"``,
+    ``"interleaved-1f1b"``, ``"zero-bubble"``); pipelined plans are not cached."""
     options = PlanOptions(memory_budget=memory_budget, solver=solver, time_limit=time_limit,
                           preset=resolve_preset(preset, device), baselines=baselines,
                           optimizer_multiplier=optimizer_multiplier,
                           allow_replicate_fallback=allow_replicate_fallback, checkpoint=checkpoint,
-                          precision=precision, reduce_dtype=reduce_dtype, zero_stage=zero_stage)
+                          precision=precision, reduce_dtype=reduce_dtype, zero_stage=zero_stage,
+                          pipeline=pipeline, microbatches=microbatches, schedule=schedule)
     progress = progress or Progress(verbose)
+    if options.pipeline is not None:
+        if isinstance(mesh, str) and mesh == "auto":
+            raise ValueError("pipeline= plans over the given mesh's first axis; mesh='auto' is not supported with it")
+        return plan_pipelined(model, meta_inputs, mesh=mesh, options=options, progress=progress).plan
     if isinstance(mesh, str) and mesh == "auto":
         return plan_mesh_auto(model, meta_inputs, nodes=nodes, devices_per_node=devices_per_node, options=options,
                               progress=progress).best.plan
@@ -232,6 +245,75 @@ def _plan_and_store(model, meta_inputs, *, mesh: MeshSpec, options: PlanOptions,
 
         plan_cache.store(key, result.plan)
     return result
+
+
+@dataclass(frozen=True, slots=True)
+class PipelinedResult:
+    """A pipelined plan (or, under ``pipeline="auto"``, possibly a plain one), the graph it was
+    made for (the MICRO-batch trace when pipelined) and every candidate tried, as lines."""
+
+    plan: Plan
+    traced: TracedGraph
+    candidates: tuple[str, ...]
+
+
+def plan_pipelined(model: Any, meta_inputs: tuple | dict, *, mesh: MeshSpec | Sequence[int] | str,
+                   options: PlanOptions, progress: Progress | None = None) -> PipelinedResult:
+    """Plan ``model`` with pipeline parallelism over mesh axis 0 (``options.pipeline``: N, the
+    size of that axis, or ``"auto"``): for each micro-batch count (``options.microbatches``) the
+    micro-batch graph is traced once and ``autopar.planner.pipeline_search.search_stages`` cuts
+    it into stages, each sharded on the sub-mesh, for each schedule (``options.schedule``); the
+    fastest feasible candidate wins. ``"auto"`` also plans without a pipeline (the full batch on
+    the whole mesh) and keeps the faster of the two. ``ValueError`` when nothing fits."""
+    from autopar.planner.pipeline_search import (batch_size, micro_inputs, microbatch_counts, schedules_for,
+                                                 search_stages)
+    from autopar.strategies import needs_decomposition
+    from autopar.tracer import profile as profile_graph
+    from autopar.tracer import trace
+
+    spec = options.mesh(mesh)
+    progress = progress or Progress()
+    stages = spec.shape[0]
+    if options.pipeline != "auto" and options.pipeline != stages:
+        raise ValueError(f"pipeline={options.pipeline!r} runs over mesh axis 0, which has size {stages} in mesh "
+                         f"{spec.shape}: give a mesh whose first axis has size {options.pipeline}")
+    if options.checkpoint not in ("auto", "none") or options.zero_stage != 0:
+        raise ValueError(f"pipelined plans run without activation recompute and ZeRO for now; got "
+                         f"checkpoint={options.checkpoint!r}, zero_stage={options.zero_stage!r}")
+    best: tuple[Plan, Any] | None = None
+    lines: list[str] = []
+    for m in microbatch_counts(batch_size(meta_inputs), num_stages=stages, asked=options.microbatches):
+        with progress.stage("trace", f"micro-batch graph, {m} micro-batches"):
+            traced = trace(model, micro_inputs(meta_inputs, m), decompose_if=needs_decomposition,
+                           precision=options.precision)
+        with progress.stage("profile"):
+            prof = profile_graph(traced)
+        with progress.stage("pipeline stages", f"{stages} stages, {m} micro-batches"):
+            found = search_stages(traced, prof, mesh=spec, options=options, num_stages=stages, num_microbatches=m,
+                                  schedules=schedules_for(options.schedule))
+        lines += [f"pipeline {stages}: {c}" for c in found.candidates]
+        if found.plan is not None and (best is None or found.plan.estimate.step_s < best[0].estimate.step_s):
+            best = (found.plan, traced)
+    if options.pipeline == "auto":
+        with progress.stage("trace", "full batch, no pipeline"):
+            traced = trace(model, meta_inputs, decompose_if=needs_decomposition, precision=options.precision)
+        with progress.stage("profile"):
+            prof = profile_graph(traced)
+        try:
+            flat = plan_traced(traced, prof, mesh=spec, options=replace(options, pipeline=None, baselines=False),
+                               progress=progress).plan
+            lines.append(f"no pipeline: {flat.estimate.step_s * 1e3:.3f} ms/step")
+            if best is None or flat.estimate.step_s <= best[0].estimate.step_s:
+                best = (flat, traced)
+        except ValueError as exc:  # no plan without a pipeline fits the budget
+            lines.append(f"no pipeline: {str(exc).splitlines()[0]}")
+    if best is None:
+        raise ValueError(f"no pipelined plan of {stages} stages fits on mesh {spec.shape}: " + "; ".join(lines))
+    plan, traced = best
+    if plan.pipeline is not None:
+        plan = replace(plan, timings={**plan.timings, **progress.timings},
+                       solver={**plan.solver, "pipeline": {**plan.solver["pipeline"], "candidates": lines}})
+    return PipelinedResult(plan, traced, tuple(lines))
 
 
 def _cache_key(model, meta_inputs, *, mesh: MeshSpec, options: PlanOptions, cache: bool) -> str | None:

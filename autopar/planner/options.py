@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass
 
 from autopar.layout.mesh import PRESETS, MeshSpec, parse_bytes
-from autopar.plans import PRECISIONS
+from autopar.plans import PIPELINE_SCHEDULES, PRECISIONS
 
 __all__ = ["PlanOptions", "SOLVERS", "CHECKPOINT_MODES", "ZERO_STAGES", "precision_name"]
 
@@ -32,7 +32,12 @@ class PlanOptions:
     ``reduce_dtype``: what gradients are summed in (default fp32). ``zero_stage``: shard each
     trainable parameter's optimizer state (1), and its gradient (2), over the mesh axes its layout
     replicates it on; 0: none; ``"auto"``: the solver picks per parameter, pricing each stage's
-    memory and communication with the layouts (the plan needs ``model.optimizer`` then)."""
+    memory and communication with the layouts (the plan needs ``model.optimizer`` then).
+    ``pipeline``: None (no pipeline), N (pipeline parallelism over mesh axis 0, which must have
+    size N) or ``"auto"`` (the faster of no pipeline and a pipeline over axis 0);
+    ``microbatches``: micro-batches per step (``"auto"``: a few divisors of the batch that are
+    multiples of the stage count); ``schedule``: ``"auto"`` or one of ``PIPELINE_SCHEDULES``
+    (``autopar.planner.pipeline_search``)."""
 
     memory_budget: int | None = None
     solver: str = "auto"
@@ -45,6 +50,9 @@ class PlanOptions:
     precision: str = "fp32"
     reduce_dtype: str = "fp32"
     zero_stage: int | str = 0
+    pipeline: int | str | None = None
+    microbatches: int | str = "auto"
+    schedule: str = "auto"
 
     def __post_init__(self) -> None:
         if self.memory_budget is not None:
@@ -62,6 +70,7 @@ class PlanOptions:
         if self.zero_stage not in (*ZERO_STAGES, "auto") or isinstance(self.zero_stage, bool):
             raise ValueError(f"zero_stage must be one of {ZERO_STAGES} or 'auto', got {self.zero_stage!r}")
         object.__setattr__(self, "precision", precision_name(self.precision, what="precision"))
+        _check_pipeline(self.pipeline, self.microbatches, self.schedule)
         object.__setattr__(self, "reduce_dtype", precision_name(self.reduce_dtype, what="reduce_dtype"))
 
     def mesh(self, mesh: MeshSpec | tuple[int, ...] | str) -> MeshSpec:
@@ -79,7 +88,9 @@ class PlanOptions:
                 + (f", {self.precision} compute (gradients summed in {self.reduce_dtype})"
                    if self.precision != "fp32" else "")
                 + (f", ZeRO-{self.zero_stage}" if self.zero_stage else "")
-                + (", replicate fallback" if self.allow_replicate_fallback else ""))
+                + (", replicate fallback" if self.allow_replicate_fallback else "")
+                + (f", pipeline {self.pipeline} ({self.microbatches} micro-batches, schedule {self.schedule})"
+                   if self.pipeline is not None else ""))
 
 
 _ALIASES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float": "fp32"}
@@ -92,6 +103,18 @@ def precision_name(value, *, what: str = "precision") -> str:
     if name not in PRECISIONS:
         raise ValueError(f"{what} must be one of {PRECISIONS} (or the torch dtype), got {value!r}")
     return name
+
+
+def _check_pipeline(pipeline, microbatches, schedule) -> None:
+    def positive(n) -> bool:
+        return isinstance(n, int) and not isinstance(n, bool) and n >= 1
+
+    if pipeline is not None and pipeline != "auto" and not positive(pipeline):
+        raise ValueError(f"pipeline must be None, 'auto' or a positive int (the size of mesh axis 0), got {pipeline!r}")
+    if microbatches != "auto" and not positive(microbatches):
+        raise ValueError(f"microbatches must be 'auto' or a positive int, got {microbatches!r}")
+    if schedule != "auto" and schedule not in PIPELINE_SCHEDULES:
+        raise ValueError(f"schedule must be 'auto' or one of {PIPELINE_SCHEDULES}, got {schedule!r}")
 
 
 def _is_number(value) -> bool:

@@ -1,0 +1,444 @@
+"""Pipeline stages planned jointly with the sharding (DESIGN decision 14): inter-op DP x intra-op ILP.
+
+``search_stages(traced, profile, mesh=..., options=..., num_stages=S, num_microbatches=M, ...)``
+plans the MICRO-batch graph ``traced`` (batch / M) as ``S`` pipeline ranks over mesh axis 0:
+
+1. one ``Problem`` on the stage sub-mesh (the mesh without axis 0), built once: tracing and
+   building do not depend on where the cuts go;
+2. every op gets a block position as in :func:`autopar.planner.pipeline_stages.even_stages`
+   (its repeated block; ops before the first block go with block 0, after the last with the
+   last); a stage holding blocks ``[a, b)`` runs the ops whose position is in that range and
+   reads the parameters / inputs those ops read (a tied weight read by two stages is on both);
+3. a stage's cost is the intra-stage ILP on the Problem sliced to its decisions
+   (:meth:`StageCosts.cost`), memoised by (first?, last?, the blocks' structure classes, in-flight
+   count, step factor, budget): identical middle ranges share one solve. In the slice:
+
+   - ``in_flight - 1`` extra micro-batches' saved activations are priced as persistent memory:
+     every op option that is saved for backward (a live interval in the Problem) carries
+     ``(k - 1) * act_bytes`` more ``param_bytes`` (held the whole step), so the ILP's memory
+     constraint sees one micro-batch's activation timeline plus k - 1 micro-batches' saved bytes;
+   - parameter options (whose ``comm_s`` is the gradient synchronisation over the sub-mesh)
+     are scaled by ``1 / factor`` (``factor = M v + bubble``): the step runs every other option
+     ``factor`` times on the bottleneck stage but synchronises gradients once, so the ILP
+     minimises this stage's share of the step;
+   - a stage with ``v`` virtual stages per rank gets ``budget / v`` (its rank holds v chunks);
+   - values crossing the cut are sent replicated (``autopar.runtime.pipeline_split``); the
+     conversions at each side of a boundary are not priced, the point-to-point transfer is:
+     ``2 (alpha_0 + beta_0 * bytes)`` per micro-batch (activation forward, its gradient back)
+     over axis 0's link, part of the sending stage's time;
+4. ``best_cuts`` (:mod:`autopar.planner.pipeline_schedule`) picks the cut minimising the
+   schedule's step time, ``factor * max stage time + max gradient sync``;
+5. the chosen stages are solved once more in pipeline order, each with the placeholders an
+   earlier stage chose fixed (one layout per parameter: ``Plan.nodes`` covers all stages), and
+   the ``Plan`` records them (``Plan.pipeline``), the per-stage figures
+   (``Plan.solver["pipeline"]``) and an ``Estimate`` whose ``step_s`` is the schedule's formula
+   over those figures.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+import time
+from dataclasses import dataclass, replace
+from typing import Any, Callable
+
+import numpy as np
+
+from autopar.layout.blocks import split_block
+from autopar.layout.mesh import MeshSpec
+from autopar.planner.assemble import assemble_plan, solver_stats
+from autopar.planner.pipeline_schedule import (SCHEDULE_VIRTUAL_STAGES, best_cuts, in_flight, step_factor)
+from autopar.planner.pipeline_stages import block_container
+from autopar.plans import (PIPELINE_SCHEDULES, Estimate, NodeKind, PipelinePlan, Plan, StagePlan, stage_mesh_of)
+from autopar.solver.problem import Edge, Problem, Solution
+from autopar.tracer.graph import MODULE_KEY, TracedGraph
+
+__all__ = ["StageCost", "StageCosts", "PipelineCandidate", "PipelineSearch", "search_stages", "schedules_for"]
+
+
+@dataclass(frozen=True, slots=True)
+class StageCost:
+    """One stage's figures: per micro-batch ``time_s`` (ops + resharding + its boundary's
+    point-to-point ``p2p_s``), once-per-step gradient ``sync_s``, per-device ``peak_bytes``
+    (with its in-flight micro-batches) and ``param_bytes`` (parameters, gradients, optimizer)."""
+
+    time_s: float
+    sync_s: float
+    p2p_s: float
+    compute_s: float
+    reshard_s: float
+    peak_bytes: int
+    param_bytes: int
+    in_flight: int
+    status: str = "optimal"
+    gap: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class PipelineCandidate:
+    """One (micro-batch count, schedule) tried: its step time, or why it has none."""
+
+    num_microbatches: int
+    schedule: str
+    virtual_stages: int
+    step_s: float | None
+    note: str = ""
+
+    def __str__(self) -> str:
+        what = f"{self.step_s * 1e3:.3f} ms/step" if self.step_s is not None else self.note
+        return f"{self.schedule} x{self.virtual_stages}, {self.num_microbatches} micro-batches: {what}"
+
+
+@dataclass(frozen=True, slots=True)
+class PipelineSearch:
+    plan: Plan | None  # the fastest candidate's plan (None: none fits)
+    candidates: tuple[PipelineCandidate, ...]
+    num_solves: int
+
+
+def schedules_for(schedule: str) -> tuple[str, ...]:
+    if schedule == "auto":
+        return PIPELINE_SCHEDULES
+    if schedule not in PIPELINE_SCHEDULES:
+        raise ValueError(f"schedule must be 'auto' or one of {PIPELINE_SCHEDULES}, got {schedule!r}")
+    return (schedule,)
+
+
+class StageCosts:
+    """Stage slices of one micro-batch Problem and their memoised intra-stage solves."""
+
+    def __init__(self, traced: TracedGraph, built, *, mesh: MeshSpec, solve: Callable[[Problem], Solution]) -> None:
+        found = block_container(traced)
+        if found is None:
+            raise ValueError(f"{traced.model_name} has no repeated blocks to cut into pipeline stages")
+        self.traced, self.built, self.mesh, self._solve = traced, built, mesh, solve
+        self.prefix, self.num_blocks = found
+        self.num_solves = 0
+        # range shape (+ in-flight, budget) -> (choice, cost, the range it was solved on) or None
+        self._memo: dict[tuple, tuple[dict[str, str], StageCost, tuple[int, int]] | None] = {}
+        self._position()
+        self._classes()
+        self._boundaries()
+
+    # ------------------------------------------------------------------------- structure
+    def _position(self) -> None:
+        """Block position of every op (as ``even_stages``) and the positions reading each placeholder."""
+        pos: dict[str, int] = {}
+        current = 0
+        for node in self.traced.nodes:
+            if node.op in ("placeholder", "output"):
+                continue
+            if node.op == "call_function" and node.target is operator.getitem and node.args[0].name in pos:
+                pos[node.name] = pos[node.args[0].name]
+                continue
+            where = split_block(node.meta.get(MODULE_KEY, ""))
+            if where is not None and where[0] == self.prefix:
+                current = max(current, where[1])
+            pos[node.name] = current
+        last = self.num_blocks - 1
+        readers: dict[str, set[int]] = {}
+        for node in self.traced.nodes:
+            if node.op == "placeholder":
+                readers[node.name] = {pos[u.name] for u in node.users if u.name in pos}
+                if any(u.op == "output" for u in node.users):
+                    readers[node.name].add(last)
+        self.pos, self.readers = pos, readers
+        self.kind = {n.name: self.built.decision(n.name).kind for n in self.built.problem.nodes}
+
+    def _classes(self) -> None:
+        """Blocks with equal decision signatures get one class id (ranges of equal classes share solves)."""
+        sigs: dict[int, list[str]] = {b: [] for b in range(self.num_blocks)}
+        for node in self.built.problem.nodes:
+            if node.name in self.pos and self.kind[node.name] == NodeKind.OP:
+                sigs[self.pos[node.name]].append(node.signature + "|" + ",".join(o.name for o in node.options))
+        ids: dict[tuple, int] = {}
+        self.block_class = tuple(ids.setdefault(tuple(sigs[b]), len(ids)) for b in range(self.num_blocks))
+
+    def _boundaries(self) -> None:
+        """Bytes crossing each cut ``b`` (between blocks b - 1 and b): tensors made before, read after."""
+        import torch
+
+        delta = [0] * (self.num_blocks + 1)
+        placeholders = {p.name: p for p in self.traced.placeholders}
+        for node in self.traced.nodes:
+            if node.op == "output":
+                continue
+            if node.op == "placeholder":
+                if placeholders[node.name].kind != NodeKind.INPUT:
+                    continue  # parameters and buffers are held by their stages, never sent
+                made = 0
+                reads = self.readers[node.name]
+            else:
+                made = self.pos[node.name]
+                reads = {self.pos[u.name] for u in node.users if u.name in self.pos}
+                if any(u.op == "output" for u in node.users):
+                    reads.add(self.num_blocks - 1)
+            val = node.meta.get("val")
+            if not isinstance(val, torch.Tensor) or not reads or max(reads) <= made:
+                continue
+            size = val.numel() * val.element_size()
+            delta[made + 1] += size
+            delta[max(reads) + 1] -= size
+        self.boundary_bytes = tuple(int(x) for x in np.cumsum(delta))  # [b]: bytes crossing cut b
+
+    def p2p_s(self, b: int) -> float:
+        """Forward send + backward receive over axis 0's link at cut ``b`` (0 at the model's end)."""
+        if b >= self.num_blocks or self.boundary_bytes[b] == 0:
+            return 0.0
+        return 2 * (self.mesh.alpha[0] + self.mesh.beta[0] * self.boundary_bytes[b])
+
+    def decisions(self, a: int, b: int) -> set[str]:
+        """The Problem decisions of the stage holding blocks ``[a, b)``."""
+        out = set()
+        for node in self.built.problem.nodes:
+            kind = self.kind[node.name]
+            if kind == NodeKind.OUTPUT:
+                if b == self.num_blocks:
+                    out.add(node.name)
+            elif node.name in self.readers:
+                # Placeholders no op reads (a rotary embedding's unused buffer) stay with stage 0,
+                # as ``autopar.runtime.pipeline_split`` keeps them.
+                if any(a <= p < b for p in self.readers[node.name]) or (a == 0 and not self.readers[node.name]):
+                    out.add(node.name)
+            elif a <= self.pos[node.name] < b:
+                out.add(node.name)
+        return out
+
+    def stage_plans(self, bounds: tuple[int, ...], *, num_stages: int) -> tuple[StagePlan, ...]:
+        stages = []
+        for k in range(len(bounds) - 1):
+            a, b = bounds[k], bounds[k + 1]
+            names = tuple(n.name for n in self.traced.nodes
+                          if (n.op == "placeholder" and any(a <= p < b for p in self.readers[n.name]))
+                          or (n.name in self.pos and a <= self.pos[n.name] < b))
+            stages.append(StagePlan(index=k, rank=k % num_stages, layers=(a, b), nodes=names))
+        return tuple(stages)
+
+    # ---------------------------------------------------------------------------- solves
+    def cost(self, a: int, b: int, *, in_flight: int, factor: float, budget: int | None) -> StageCost | None:
+        """The memoised stage cost (None: it does not fit ``budget``)."""
+        shape = (a == 0, b == self.num_blocks, self.block_class[a:b], factor)
+        key = (*shape, in_flight, budget)
+        if key not in self._memo:
+            # The unconstrained optimum (one solve per range shape) answers whenever it fits with
+            # this in-flight count; only a binding budget needs a solve of its own.
+            # Peaks are evaluated on the range the memoised choice was solved for (equal shapes).
+            if (*shape, None, None) not in self._memo:
+                self._memo[(*shape, None, None)] = self._at(a, b, self.solve_range(a, b, in_flight=1, factor=factor,
+                                                                                   budget=None))
+            free = self._memo[(*shape, None, None)]
+            peak = None if free is None else self.peak_bytes(*free[2], free[0], in_flight=in_flight, factor=factor)
+            if free is not None and (budget is None or peak <= budget):
+                self._memo[key] = (free[0], replace(free[1], peak_bytes=peak, in_flight=in_flight), free[2])
+            else:
+                self._memo[key] = self._at(a, b, self.solve_range(a, b, in_flight=in_flight, factor=factor,
+                                                                  budget=budget))
+        found = self._memo[key]
+        return None if found is None else replace(found[1], time_s=found[1].time_s - found[1].p2p_s + self.p2p_s(b),
+                                                  p2p_s=self.p2p_s(b))
+
+    def solve_range(self, a: int, b: int, *, in_flight: int, factor: float, budget: int | None,
+                    fixed: dict[str, str] | None = None) -> tuple[dict[str, str], StageCost] | None:
+        """(choice, cost) of the stage holding ``[a, b)``, placeholders in ``fixed`` held to their option."""
+        problem = self.slice(self.decisions(a, b), in_flight=in_flight, factor=factor, budget=budget,
+                             fixed=fixed or {})
+        self.num_solves += 1
+        try:
+            sol = self._solve(problem)
+        except ValueError:  # no layout of this stage fits the budget
+            return None
+        ev = problem.evaluate(sol.choice)
+        params = [n for n in problem.nodes if self.kind[n.name] == NodeKind.PARAMETER]
+        original = self.built.problem
+        sync = sum(original.node(n.name).options[original.node(n.name).option_index(sol.choice[n.name])].cost_s
+                   for n in params)
+        param_bytes = sum(o.param_bytes for n in problem.nodes if self.kind[n.name] != NodeKind.OP
+                          for o in [original.node(n.name).options[original.node(n.name).option_index(sol.choice[n.name])]])
+        p2p = self.p2p_s(b)
+        cost = StageCost(time_s=ev.objective - sync / factor + p2p, sync_s=sync, p2p_s=p2p, compute_s=ev.compute_s,
+                         reshard_s=ev.reshard_s, peak_bytes=ev.peak_bytes, param_bytes=param_bytes,
+                         in_flight=in_flight, status=sol.status, gap=sol.gap)
+        return dict(sol.choice), cost
+
+    @staticmethod
+    def _at(a: int, b: int, found):
+        return None if found is None else (*found, (a, b))
+
+    def peak_bytes(self, a: int, b: int, choice: dict[str, str], *, in_flight: int, factor: float) -> int:
+        """Per-device peak of ``choice`` for the stage holding ``[a, b)`` with ``in_flight`` micro-batches."""
+        problem = self.slice(self.decisions(a, b), in_flight=in_flight, factor=factor, budget=None, fixed={})
+        return problem.evaluate(choice).peak_bytes
+
+    def slice(self, names: set[str], *, in_flight: int, factor: float, budget: int | None,
+              fixed: dict[str, str]) -> Problem:
+        """The Problem restricted to ``names`` and priced for the stage (module docstring)."""
+        base = self.built.problem
+        keep: dict[str, list[int]] = {}
+        nodes = []
+        for node in base.nodes:
+            if node.name not in names:
+                continue
+            idx = [node.option_index(fixed[node.name])] if node.name in fixed else list(range(node.num_options))
+            keep[node.name] = idx
+            kind = self.kind[node.name]
+            opts = []
+            for i in idx:
+                o = node.options[i]
+                if kind == NodeKind.PARAMETER:
+                    o = replace(o, compute_s=o.compute_s / factor, comm_s=o.comm_s / factor)
+                elif kind == NodeKind.OP and node.live is not None and in_flight > 1:
+                    o = replace(o, param_bytes=o.param_bytes + (in_flight - 1) * o.act_bytes)
+                opts.append(o)
+            nodes.append(replace(node, options=tuple(opts)))
+        edges = []
+        for e in base.edges:
+            if e.src in keep and e.dst in keep:
+                if len(keep[e.src]) == len(e.costs) and len(keep[e.dst]) == len(e.costs[0]):
+                    edges.append(e)
+                else:
+                    edges.append(Edge(e.src, e.dst, e.array[np.ix_(keep[e.src], keep[e.dst])].tolist()))
+        return replace(base, nodes=tuple(nodes), edges=tuple(edges), budget_bytes=budget,
+                       meta={**base.meta_dict, "pipeline_stage": f"{len(nodes)} decisions"})
+
+
+def _stage_budget(budget: int | None, virtual_stages: int) -> int | None:
+    return None if budget is None else budget // virtual_stages
+
+
+def search_stages(traced: TracedGraph, profile, *, mesh: MeshSpec, options, num_stages: int, num_microbatches: int,
+                  schedules: tuple[str, ...], progress=None, solve: Callable[[Problem], Solution] | None = None
+                  ) -> PipelineSearch:
+    """The fastest pipelined plan of the micro-batch graph ``traced`` over ``num_stages`` ranks on
+    mesh axis 0 among ``schedules`` (module docstring). ``options``: a ``PlanOptions``."""
+    from autopar.planner.builder import build_problem
+    from autopar.solver.pipeline import solve as solve_ilp
+
+    if mesh.shape[0] != num_stages:
+        raise ValueError(f"pipeline={num_stages} needs mesh axis 0 of size {num_stages}; mesh {mesh.shape} has "
+                         f"{mesh.shape[0]}")
+    t0 = time.perf_counter()
+    sub = stage_mesh_of(mesh)
+    budget = options.budget_bytes(mesh)
+    stage_options = replace(options, zero_stage=0, checkpoint="none", pipeline=None)
+    built = build_problem(traced, profile, sub, budget_bytes=None, options=stage_options)
+    t_build = time.perf_counter() - t0
+    solve = solve or (lambda p: solve_ilp(p, solver=options.solver, time_limit=options.time_limit))
+    costs = StageCosts(traced, built, mesh=mesh, solve=solve)
+    candidates, best = [], None
+    for schedule in schedules:
+        v = SCHEDULE_VIRTUAL_STAGES[schedule]
+        parts = num_stages * v
+        if costs.num_blocks < parts:
+            candidates.append(PipelineCandidate(num_microbatches, schedule, v, None,
+                                                f"{costs.num_blocks} blocks < {parts} stages"))
+            continue
+        factor = step_factor(schedule, num_stages=num_stages, virtual_stages=v, num_microbatches=num_microbatches)
+        flight = [in_flight(schedule, index=k, num_stages=num_stages, virtual_stages=v,
+                            num_microbatches=num_microbatches) for k in range(parts)]
+        stage_budget = _stage_budget(budget, v)
+
+        def cost(k, a, b, flight=flight, factor=factor, stage_budget=stage_budget):
+            c = costs.cost(a, b, in_flight=flight[k], factor=factor, budget=stage_budget)
+            return None if c is None else (c.time_s, c.sync_s)
+
+        cuts = best_cuts(costs.num_blocks, parts, cost, factor=factor)
+        if cuts is None:
+            candidates.append(PipelineCandidate(num_microbatches, schedule, v, None,
+                                                f"no cut fits the budget of {budget / 2**30:.2f} GiB"))
+            continue
+        candidates.append(PipelineCandidate(num_microbatches, schedule, v, cuts.objective))
+        if best is None or cuts.objective < best[1].objective:
+            best = (schedule, cuts, factor, flight, stage_budget)
+    if best is None:
+        return PipelineSearch(None, tuple(candidates), costs.num_solves)
+    schedule, cuts, factor, flight, stage_budget = best
+    plan = _assemble(costs, traced, cuts.bounds, schedule=schedule, num_stages=num_stages,
+                     num_microbatches=num_microbatches, factor=factor, flight=flight, budget=stage_budget,
+                     options=options, mesh=mesh, candidates=candidates,
+                     timings={"build_s": t_build, "search_s": time.perf_counter() - t0 - t_build})
+    return PipelineSearch(plan, tuple(candidates), costs.num_solves)
+
+
+def _assemble(costs: StageCosts, traced: TracedGraph, bounds: tuple[int, ...], *, schedule: str, num_stages: int,
+              num_microbatches: int, factor: float, flight: list[int], budget: int | None, options, mesh: MeshSpec,
+              candidates: list[PipelineCandidate], timings: dict[str, float]) -> Plan:
+    """Solve the chosen stages in order (shared placeholders fixed by the first stage holding them)."""
+    choice: dict[str, str] = {}
+    stage_costs: list[StageCost] = []
+    for k in range(len(bounds) - 1):
+        fixed = {n: choice[n] for n in costs.decisions(bounds[k], bounds[k + 1]) if n in choice}
+        found = costs.solve_range(bounds[k], bounds[k + 1], in_flight=flight[k], factor=factor, budget=budget,
+                                  fixed=fixed)
+        if found is None:
+            raise ValueError(f"pipeline stage {k} (blocks {bounds[k]}..{bounds[k + 1] - 1}) does not fit the budget "
+                             f"with the layouts earlier stages chose for their shared parameters")
+        choice.update(found[0])
+        stage_costs.append(found[1])
+    slowest = max(range(len(stage_costs)), key=lambda k: stage_costs[k].time_s)
+    top = stage_costs[slowest]
+    sync = max(c.sync_s for c in stage_costs)
+    step = factor * top.time_s + sync
+    compute, reshard = factor * top.compute_s, factor * top.reshard_s
+    estimate = Estimate(step_s=step, compute_s=compute, comm_s=max(step - compute - reshard, 0.0), reshard_s=reshard,
+                        param_bytes=max(c.param_bytes for c in stage_costs),
+                        peak_bytes=max(c.peak_bytes for c in stage_costs))
+    gap = max(c.gap for c in stage_costs)
+    solution = Solution(choice=choice, objective=step, lp_bound=step * (1 - gap), dual_bound=step * (1 - gap),
+                        gap=gap, status="optimal" if all(c.status == "optimal" for c in stage_costs) else "feasible",
+                        backend=options.solver, timings=timings, peak_bytes=estimate.peak_bytes,
+                        num_variables=0, num_constraints=0)
+    built = costs.built
+    plan = assemble_plan(traced, built, choice=choice, evaluation=built.problem.evaluate(choice), solution=solution,
+                         timings=timings, checkpoint={"mode": "none", "method": "none"},
+                         reduce_dtype=options.reduce_dtype)
+    pipe = PipelinePlan(num_stages=num_stages, num_microbatches=num_microbatches, schedule=schedule,
+                        virtual_stages=SCHEDULE_VIRTUAL_STAGES[schedule],
+                        stages=costs.stage_plans(bounds, num_stages=num_stages))
+    record = {"factor": factor, "num_solves": costs.num_solves, "boundary_bytes": list(costs.boundary_bytes),
+              "stages": [{"time_s": c.time_s, "sync_s": c.sync_s, "p2p_s": c.p2p_s, "peak_bytes": c.peak_bytes,
+                          "param_bytes": c.param_bytes, "in_flight": c.in_flight} for c in stage_costs],
+              "candidates": [str(c) for c in candidates]}
+    return replace(plan, mesh=mesh, estimate=estimate, pipeline=pipe, budget_bytes=options.budget_bytes(mesh),
+                   solver={**solver_stats(solution), "pipeline": record})
+
+
+def batch_size(meta_inputs: Any) -> int:
+    """Dim 0 of the first tensor input (the batch every batch-major input shares)."""
+    import torch
+    from torch.utils import _pytree as pytree
+
+    for leaf in pytree.tree_leaves(meta_inputs):
+        if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
+            return int(leaf.shape[0])
+    raise ValueError("pipelining splits the batch along dim 0, but the inputs hold no tensor with a batch dim")
+
+
+def micro_inputs(meta_inputs: Any, num_microbatches: int) -> Any:
+    """``meta_inputs`` with every batch-major tensor cut to one micro-batch (its first rows)."""
+    import torch
+    from torch.utils import _pytree as pytree
+
+    batch = batch_size(meta_inputs)
+    if batch % num_microbatches:
+        raise ValueError(f"microbatches={num_microbatches} does not divide the batch of {batch}")
+    micro = batch // num_microbatches
+    return pytree.tree_map(lambda x: x[:micro] if isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] == batch
+                           else x, meta_inputs)
+
+
+def microbatch_counts(batch: int, *, num_stages: int, asked: int | str, limit: int = 3) -> tuple[int, ...]:
+    """``asked``, or for ``"auto"`` up to ``limit`` divisors of ``batch`` that are multiples of
+    ``num_stages``: the smallest, the largest and one between (geometric middle)."""
+    if asked != "auto":
+        if batch % asked:
+            raise ValueError(f"microbatches={asked} does not divide the batch of {batch}")
+        return (asked,)
+    found = [d for d in range(num_stages, batch + 1, num_stages) if batch % d == 0]
+    if not found:
+        raise ValueError(f"pipeline of {num_stages} stages: no micro-batch count divides the batch of {batch} and is a "
+                         f"multiple of {num_stages}; give microbatches= or a batch that {num_stages} divides")
+    if len(found) <= limit:
+        return tuple(found)
+    mid = min(found, key=lambda d: abs(math.log(d) - (math.log(found[0]) + math.log(found[-1])) / 2))
+    return tuple(sorted({found[0], mid, found[-1]}))

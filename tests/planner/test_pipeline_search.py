@@ -1,0 +1,211 @@
+"""Pipeline stages searched jointly with the sharding: the cut DP, the schedule formulas, planned
+GPT-2 / Llama tiny on (2, 2) and (4,), and pipeline='auto' choosing by link speed and memory."""
+
+import dataclasses
+import itertools
+import math
+
+import pytest
+
+from autopar import zoo
+from autopar.api import plan, plan_pipelined
+from autopar.layout.mesh import MeshSpec
+from autopar.planner.options import PlanOptions
+from autopar.planner.pipeline_schedule import (SCHEDULE_VIRTUAL_STAGES, best_cuts, in_flight, step_factor,
+                                               step_time)
+from autopar.planner.pipeline_search import micro_inputs, microbatch_counts, search_stages
+from autopar.plans import PIPELINE_SCHEDULES, Plan
+from autopar.runtime.pipeline_split import stage_of_nodes
+from autopar.strategies import needs_decomposition
+from autopar.tracer import profile, trace
+
+
+# ------------------------------------------------------------------------------ formulas and DP
+def brute_force(num_blocks, parts, cost, factor):
+    best = None
+    for inner in itertools.combinations(range(1, num_blocks), parts - 1):
+        bounds = (0, *inner, num_blocks)
+        costs = [cost(k, bounds[k], bounds[k + 1]) for k in range(parts)]
+        if any(c is None for c in costs):
+            continue
+        value = factor * max(c[0] for c in costs) + max(c[1] for c in costs)
+        if best is None or value < best[0] - 1e-12:
+            best = (value, bounds)
+    return best
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_cut_dp_finds_the_brute_force_optimum(seed):
+    import random
+
+    rng = random.Random(seed)
+    num_blocks, parts = rng.randint(4, 9), rng.randint(1, 4)
+    weight = [rng.uniform(0.5, 2.0) for _ in range(num_blocks)]
+    sync = [rng.uniform(0.0, 3.0) for _ in range(num_blocks)]
+    cap = rng.uniform(2.0, 6.0)  # blocks per stage beyond which it "does not fit"
+
+    def cost(k, a, b):
+        if sum(weight[a:b]) > cap:
+            return None
+        return sum(weight[a:b]) + 0.1 * k, sum(sync[a:b])
+
+    factor = rng.choice([1.0, 3.0, 7.5])
+    got = best_cuts(num_blocks, parts, cost, factor=factor)
+    want = brute_force(num_blocks, parts, cost, factor)
+    if want is None:
+        assert got is None
+    else:
+        assert got is not None and got.objective == pytest.approx(want[0])
+        assert got.bounds[0] == 0 and got.bounds[-1] == num_blocks
+        assert all(a < b for a, b in zip(got.bounds, got.bounds[1:]))
+
+
+def test_cut_dp_known_optimum():
+    # Blocks of times 1,1,1,3: two stages balance at (1+1+1 | 3) -> max 3; a heavy sync on
+    # block 3 does not move the cut (it is paid once, on its stage, whatever the cut).
+    times = [1, 1, 1, 3]
+
+    def cost(k, a, b):
+        return float(sum(times[a:b])), 0.5 if a <= 3 < b else 0.0
+
+    cuts = best_cuts(4, 2, cost, factor=5.0)
+    assert cuts.bounds == (0, 3, 4) and cuts.objective == pytest.approx(5 * 3 + 0.5)
+    with pytest.raises(ValueError, match="cannot cut 2 blocks into 3"):
+        best_cuts(2, 3, cost, factor=1.0)
+    assert best_cuts(4, 2, lambda k, a, b: None, factor=1.0) is None
+
+
+def test_schedule_formulas():
+    assert step_factor("gpipe", num_stages=4, virtual_stages=1, num_microbatches=8) == 8 + 3
+    assert step_factor("1f1b", num_stages=4, virtual_stages=1, num_microbatches=8) == 8 + 3
+    # interleaved: (M + (S-1)/v) * v chunk times
+    assert step_factor("interleaved-1f1b", num_stages=4, virtual_stages=2, num_microbatches=8) == 8 * 2 + 3
+    assert step_factor("zero-bubble", num_stages=4, virtual_stages=2, num_microbatches=8) == pytest.approx(16 + 1)
+    assert [in_flight("gpipe", index=k, num_stages=4, virtual_stages=1, num_microbatches=8) for k in range(4)] == [8] * 4
+    assert [in_flight("1f1b", index=k, num_stages=4, virtual_stages=1, num_microbatches=8) for k in range(4)] == [4, 3, 2, 1]
+    assert [in_flight("1f1b", index=k, num_stages=4, virtual_stages=1, num_microbatches=2) for k in range(4)] == [2, 2, 2, 1]
+    # Megatron interleaved warm-up 2(S-r-1) + (v-1)S (+1 in flight) chunk passes over v chunks.
+    assert [in_flight("interleaved-1f1b", index=k, num_stages=2, virtual_stages=2, num_microbatches=4)
+            for k in range(4)] == [math.ceil(5 / 2), math.ceil(3 / 2)] * 2
+    assert step_time("1f1b", times=[1.0, 2.0], syncs=[0.5, 0.1], num_stages=2, virtual_stages=1,
+                     num_microbatches=4) == pytest.approx(5 * 2.0 + 0.5)
+    with pytest.raises(ValueError, match="schedule 'pipedream'"):
+        in_flight("pipedream", index=0, num_stages=2, virtual_stages=1, num_microbatches=2)
+
+
+def test_options_and_microbatch_counts():
+    assert PlanOptions(pipeline=2, microbatches=4, schedule="1f1b").pipeline == 2
+    for bad, match in (({"pipeline": 0}, "pipeline must be"), ({"pipeline": "yes"}, "pipeline must be"),
+                       ({"microbatches": 0}, "microbatches must be"), ({"schedule": "pipedream"}, "schedule must be")):
+        with pytest.raises(ValueError, match=match):
+            PlanOptions(**bad)
+    assert microbatch_counts(32, num_stages=2, asked="auto") == (2, 8, 32)
+    assert microbatch_counts(8, num_stages=4, asked="auto") == (4, 8)
+    assert microbatch_counts(8, num_stages=2, asked=4) == (4,)
+    with pytest.raises(ValueError, match="microbatches=3 does not divide the batch of 8"):
+        microbatch_counts(8, num_stages=2, asked=3)
+    with pytest.raises(ValueError, match="no micro-batch count divides the batch of 6"):
+        microbatch_counts(6, num_stages=4, asked="auto")
+
+
+# --------------------------------------------------------------------------- planned models
+@pytest.fixture(scope="module")
+def traced_models():
+    out = {}
+    for name, layers in (("gpt2", 8), ("llama-1b", 4)):
+        model, micro = zoo.build(name, tiny=True, num_layers=layers, batch=2, device="meta")
+        traced = trace(model, micro, decompose_if=needs_decomposition)
+        out[name] = (traced, profile(traced))
+    return out
+
+
+def check_pipelined(plan: Plan, traced, *, num_stages: int, schedule: str, num_microbatches: int) -> None:
+    pipe = plan.pipeline
+    v = SCHEDULE_VIRTUAL_STAGES[schedule]
+    assert (pipe.num_stages, pipe.virtual_stages, pipe.schedule, pipe.num_microbatches) == \
+        (num_stages, v, schedule, num_microbatches)
+    layers = [st.layers for st in pipe.stages]
+    assert layers[0][0] == 0 and all(a[1] == b[0] and a[0] < a[1] for a, b in zip(layers, layers[1:]))
+    assert [st.rank for st in pipe.stages] == [k % num_stages for k in range(num_stages * v)]
+    stage_of = stage_of_nodes(traced, pipe)  # raises unless every op is in exactly one stage, in order
+    ops = [n.name for n in traced.nodes if n.op not in ("placeholder", "output")]
+    assert set(stage_of) == set(ops)
+    figures = plan.solver["pipeline"]["stages"]
+    want = step_time(schedule, times=[f["time_s"] for f in figures], syncs=[f["sync_s"] for f in figures],
+                     num_stages=num_stages, virtual_stages=v, num_microbatches=num_microbatches)
+    assert plan.estimate.step_s == pytest.approx(want, rel=1e-9)
+    assert [f["in_flight"] for f in figures] == [
+        in_flight(schedule, index=k, num_stages=num_stages, virtual_stages=v, num_microbatches=num_microbatches)
+        for k in range(num_stages * v)]
+    assert {n.name for n in plan.nodes} >= set(ops) & {n.name for n in plan.nodes}
+    assert Plan.from_json(plan.to_json()).pipeline == pipe
+    assert "ms/micro" in plan.summary()
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama-1b"])
+@pytest.mark.parametrize("shape", [(2, 2), (4,)])
+def test_every_schedule_plans_contiguous_stages(traced_models, name, shape):
+    traced, prof = traced_models[name]
+    mesh = MeshSpec.preset("cpu", shape)
+    blocks = 8 if name == "gpt2" else 4
+    for schedule in PIPELINE_SCHEDULES:
+        found = search_stages(traced, prof, mesh=mesh, options=PlanOptions(), num_stages=shape[0],
+                              num_microbatches=4, schedules=(schedule,))
+        (cand,) = found.candidates
+        if blocks < shape[0] * SCHEDULE_VIRTUAL_STAGES[schedule]:  # Llama's 4 blocks on 4 ranks x 2 chunks
+            assert found.plan is None and cand.step_s is None and "blocks <" in cand.note
+            continue
+        check_pipelined(found.plan, traced, num_stages=shape[0], schedule=schedule, num_microbatches=4)
+        assert cand.step_s == pytest.approx(found.plan.estimate.step_s)
+
+
+def test_search_keeps_the_fastest_schedule(traced_models):
+    traced, prof = traced_models["llama-1b"]
+    found = search_stages(traced, prof, mesh=MeshSpec.preset("cpu", (2, 2)), options=PlanOptions(), num_stages=2,
+                          num_microbatches=4, schedules=PIPELINE_SCHEDULES)
+    best = min(found.candidates, key=lambda c: c.step_s)
+    assert found.plan.pipeline.schedule == best.schedule and found.plan.estimate.step_s == pytest.approx(best.step_s)
+
+
+def test_gpt2_tied_embedding_has_one_layout_on_both_stages(traced_models):
+    traced, prof = traced_models["gpt2"]
+    found = search_stages(traced, prof, mesh=MeshSpec.preset("cpu", (2, 2)), options=PlanOptions(), num_stages=2,
+                          num_microbatches=2, schedules=("1f1b",))
+    pipe = found.plan.pipeline
+    wte = next(p.name for p in traced.placeholders if p.fqn == "transformer.wte.weight")
+    assert wte in pipe.stages[0].nodes and wte in pipe.stages[-1].nodes
+    assert sum(n.name == wte for n in found.plan.nodes) == 1
+
+
+def test_micro_inputs_cut_the_batch():
+    model, inputs = zoo.build("gpt2", tiny=True, num_layers=2, batch=8, device="meta")
+    micro = micro_inputs(inputs, 4)
+    assert all(v.shape[0] == 2 for v in micro.values())
+    with pytest.raises(ValueError, match="microbatches=3 does not divide the batch of 8"):
+        micro_inputs(inputs, 3)
+
+
+def test_pipeline_n_must_match_the_first_axis():
+    model, inputs = zoo.build("mlp", tiny=True, num_layers=2, batch=4, device="meta")
+    with pytest.raises(ValueError, match=r"pipeline=4 runs over mesh axis 0, which has size 2 in mesh \(2, 2\)"):
+        plan(model, inputs, mesh=(2, 2), pipeline=4)
+    with pytest.raises(ValueError, match="without activation recompute and ZeRO"):
+        plan(model, inputs, mesh=(2, 2), pipeline=2, checkpoint="rotor")
+
+
+def test_auto_picks_no_pipeline_on_fast_links_and_a_pipeline_across_slow_nodes():
+    # Four wide blocks (134M parameters each) on a long batch: compute-heavy, so sharding every
+    # matmul over all 4 devices is best when the links are fast; across two nodes of two H100s
+    # (axis 0 on the slow inter-node link) with memory too tight to replicate over axis 0,
+    # cutting at a block boundary sends one activation per micro-batch instead.
+    model, inputs = zoo.build("mlp", num_layers=4, batch=16, seq=256, device="meta")
+    options = PlanOptions(pipeline="auto", microbatches=16, schedule="1f1b", memory_budget="5GiB")
+    fast = dataclasses.replace(MeshSpec.preset("h100-80gb", (2, 2)), alpha=(1e-7, 1e-7), beta=(1e-13, 1e-13))
+    chosen = plan_pipelined(model, inputs, mesh=fast, options=options)
+    assert chosen.plan.pipeline is None, chosen.candidates
+    slow = MeshSpec.cluster(nodes=2, devices_per_node=2, device="h100-80gb")
+    piped = plan_pipelined(model, inputs, mesh=slow, options=options)
+    assert piped.plan.pipeline is not None, piped.candidates
+    assert piped.plan.estimate.peak_bytes <= 5 * 2**30
+    no_pipe = next(c for c in piped.candidates if c.startswith("no pipeline"))
+    assert not no_pipe.endswith("ms/step") or float(no_pipe.split()[2]) * 1e-3 > piped.plan.estimate.step_s
