@@ -41,6 +41,7 @@ if TYPE_CHECKING:
     from autopar.planner.checkpointing import RecomputePlan
     from autopar.planner.records import BuiltProblem
     from autopar.runtime.module import AutoParallelModule
+    from autopar.runtime.pipeline import PipelineModule
     from autopar.tracer.graph import TracedGraph
     from autopar.tracer.profile import ModelProfile
 
@@ -413,7 +414,10 @@ def autoparallelize(
     cache: bool = True,
     nodes: int | None = None,
     devices_per_node: int | None = None,
-) -> AutoParallelModule:
+    pipeline: int | str | None = None,
+    microbatches: int | str = "auto",
+    schedule: str = "auto",
+) -> AutoParallelModule | PipelineModule:
     """Shard ``model`` over the current process group; see the module docstring.
 
     ``mesh``: None = 1-D over the world size; a shape gets the ``cpu`` preset on CPU (an H100 or
@@ -439,6 +443,11 @@ def autoparallelize(
     this trace's graph hash match an entry, and stores what it solves; the other ranks get the
     plan by broadcast either way.
 
+    ``pipeline``: None, N or ``"auto"`` with ``microbatches`` and ``schedule`` (see ``plan``):
+    rank 0 plans the stages (``plan_pipelined``), every rank traces the micro-batch graph and
+    builds its stages with ``autopar.runtime.pipeline.build_pipeline``; the result is then a
+    ``PipelineModule`` (``pm.step(**full_batch)`` runs forward and backward under the schedule).
+
     Ranks agree or all fail: before anyone plans, the ranks compare (one ``all_gather_object``)
     their traced graph, input shapes, mesh, world size, versions, plan file and per-rank options,
     and an error on any rank up to then; after building, whether every rank built. Any
@@ -459,7 +468,8 @@ def autoparallelize(
             cluster=(nodes, devices_per_node),
             options={"memory_budget": memory_budget, "solver": solver, "checkpoint": checkpoint,
                      "allow_replicate_fallback": allow_replicate_fallback, "precision": precision,
-                     "reduce_dtype": reduce_dtype, "zero_stage": zero_stage,
+                     "reduce_dtype": reduce_dtype, "zero_stage": zero_stage, "pipeline": pipeline,
+                     "microbatches": microbatches, "schedule": schedule,
                      **({} if time_limit is None else {"time_limit": time_limit})},
             per_rank={"seed": seed, "init_weights": init_weights, "local_inputs": local_inputs})
     except Exception as exc:  # noqa: BLE001 -- every rank learns of it in _agree
@@ -468,7 +478,10 @@ def autoparallelize(
     assert isinstance(prep, _Prepared)  # _agree raised otherwise
     chosen = prep.plan if prep.plan is not None else _solve_on_rank0(
         prep.traced, mesh=prep.spec, options=prep.options, progress=progress, device=dev,
-        cache_of=(model, meta_inputs) if cache else None, auto=prep.auto)
+        cache_of=(model, meta_inputs) if cache else None, auto=prep.auto, source=(model, meta_inputs))
+    if chosen.pipeline is not None:
+        return _build_pipelined(model, meta_inputs, chosen, spec=prep.spec, device=dev, seed=seed,
+                                init_weights=init_weights, local_inputs=local_inputs)
     # Every rank has the same trace, mesh and plan now, so this check fails everywhere or nowhere.
     check_plan(chosen, graph_hash=prep.traced.graph_hash, world_size=dist.get_world_size(), mesh=prep.spec)
     try:
@@ -478,6 +491,32 @@ def autoparallelize(
         built = exc
     _raise_failures(_all_gather(_status(built), device=dev), built, when="while building the module")
     assert not isinstance(built, Exception)
+    return built
+
+
+def _build_pipelined(model, meta_inputs, plan: Plan, *, spec: MeshSpec | None, device, seed: int, init_weights: bool,
+                     local_inputs: bool) -> PipelineModule:
+    """Every rank traces the plan's MICRO-batch graph and builds its stages (``build_pipeline``);
+    a failure on any rank fails every rank."""
+    import torch.distributed as dist
+
+    from autopar.planner.pipeline_search import micro_inputs
+    from autopar.runtime.pipeline import build_pipeline
+    from autopar.strategies import needs_decomposition
+    from autopar.tracer import trace
+
+    try:
+        if local_inputs:
+            raise ValueError("local_inputs=True does not apply to a pipelined plan (its step takes the full batch)")
+        if plan.mesh.num_devices != dist.get_world_size() or (spec is not None and tuple(spec.shape) != plan.mesh.shape):
+            raise ValueError(f"the pipelined plan is for mesh {plan.mesh.shape}; this launch has "
+                             f"{dist.get_world_size()} ranks" + (f" and mesh {spec.shape}" if spec is not None else ""))
+        micro = trace(model, micro_inputs(meta_inputs, plan.pipeline.num_microbatches),
+                      decompose_if=needs_decomposition, precision=plan.precision)
+        built: Any = build_pipeline(model, micro, plan, device=device, seed=seed, init_weights=init_weights)
+    except Exception as exc:  # noqa: BLE001 -- every rank learns of it below
+        built = exc
+    _raise_failures(_all_gather(_status(built), device=device), built, when="while building the pipeline")
     return built
 
 
@@ -685,7 +724,8 @@ def _all_gather(obj: Any, *, device) -> list[Any]:
 
 
 def _solve_on_rank0(traced: TracedGraph, *, mesh: MeshSpec | None, options: PlanOptions, progress: Progress,
-                    device, cache_of: tuple | None = None, auto: tuple[int, int] | None = None) -> Plan:
+                    device, cache_of: tuple | None = None, auto: tuple[int, int] | None = None,
+                    source: tuple | None = None) -> Plan:
     """Rank 0 solves from its trace (the same as every rank's: ``_agree`` compared them); every
     rank gets the plan, or rank 0's error as the same message, by broadcast. ``cache_of``: the
     (model, meta inputs) to key the plan cache with; rank 0 alone reads and fills it. ``auto``:
@@ -696,7 +736,11 @@ def _solve_on_rank0(traced: TracedGraph, *, mesh: MeshSpec | None, options: Plan
     payload: list[Any] = [None]
     if dist.get_rank() == 0:
         try:
-            if auto is not None:
+            if options.pipeline is not None:  # traces the micro-batch graphs itself: needs the model
+                if auto is not None or source is None:
+                    raise ValueError("pipeline= needs a given mesh (not mesh='auto') whose first axis is the pipeline")
+                plan = plan_pipelined(*source, mesh=mesh, options=options, progress=progress).plan
+            elif auto is not None:
                 plan = _search_on_rank0(traced, cluster=auto, options=options, progress=progress)
             else:
                 plan = _plan_on_rank0(traced, mesh=mesh, options=options, progress=progress, cache_of=cache_of)

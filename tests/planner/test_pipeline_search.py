@@ -209,3 +209,38 @@ def test_auto_picks_no_pipeline_on_fast_links_and_a_pipeline_across_slow_nodes()
     assert piped.plan.estimate.peak_bytes <= 5 * 2**30
     no_pipe = next(c for c in piped.candidates if c.startswith("no pipeline"))
     assert not no_pipe.endswith("ms/step") or float(no_pipe.split()[2]) * 1e-3 > piped.plan.estimate.step_s
+
+
+@pytest.mark.slow  # 4 processes
+def test_autoparallelize_pipeline_matches_single_device():
+    """autoparallelize(pipeline=2) on 4 gloo ranks: rank 0 searches the stages, every rank traces
+    the micro-batch graph and builds its stages; one step's loss and every gradient equal the
+    single-device model's."""
+    import copy
+
+    import torch
+
+    from autopar.api import autoparallelize
+    from autopar.runtime.launch import run_local
+    from tests.runtime.test_pipeline import close, fast_mesh
+
+    torch.manual_seed(0)
+    model, inputs = zoo.build("mlp", tiny=True, num_layers=4, batch=8, device="cpu")
+    ref = copy.deepcopy(model)
+    loss = ref(**inputs)[0]
+    loss.backward()
+    want = {k: p.grad.clone() for k, p in ref.named_parameters()}
+
+    def body(rank, world):
+        pm = autoparallelize(model, inputs, mesh=fast_mesh((2, 2)), pipeline=2, microbatches=4, schedule="1f1b",
+                             cache=False)
+        got_loss = pm.step(**inputs)
+        grads = pm.full_gradients()
+        errors = close("loss", got_loss, loss.detach())
+        errors += [e for k, w in want.items() for e in close(f"grad {k}", grads.get(k), w)]
+        return pm.plan.pipeline.num_stages, errors
+
+    results = run_local(body, 4, timeout=240)
+    assert [r[0] for r in results] == [2] * 4
+    flat = [e for _, errors in results for e in errors]
+    assert not flat, "\n".join(flat[:20])
