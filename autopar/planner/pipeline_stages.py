@@ -128,10 +128,17 @@ def pipeline_plan(sub_plan: Plan, traced: TracedGraph, *, mesh: MeshSpec, num_st
                          f"(use 'interleaved-1f1b' or 'zero-bubble')")
     if schedule == "interleaved-1f1b" and virtual_stages < 2:
         raise ValueError(f"schedule 'interleaved-1f1b' needs virtual_stages >= 2, got {virtual_stages}")
-    if sub_plan.recompute or any(n.zero_stage for n in sub_plan.nodes):
-        raise ValueError("pipelined plans do not run with activation recompute or ZeRO yet: plan the stages "
-                         "with checkpoint=None and zero_stage=0")
+    if any(n.zero_stage for n in sub_plan.nodes):
+        raise ValueError("pipelined plans do not run with ZeRO yet: plan the stages with zero_stage=0")
+    if sub_plan.recompute and schedule == "zero-bubble":
+        raise ValueError("activation recompute does not run under the zero-bubble schedule (its split backward "
+                         "unpacks a checkpoint region twice): plan with checkpoint='none' or another schedule")
     stages = even_stages(traced, num_stages=num_stages, virtual_stages=virtual_stages)
+    stage_of = {name: st.index for st in stages for name in st.nodes}
+    for region in sub_plan.recompute:  # a recompute region runs inside one stage
+        inside = {stage_of[name] for name in region.nodes if name in stage_of}
+        if len(inside) > 1:
+            raise ValueError(f"recompute region {region.name!r} spans pipeline stages {sorted(inside)}")
     counts = Counter(name for st in stages for name in st.nodes)
     placeholders = {p.name for p in traced.placeholders}
     doubled = sorted(n for n, c in counts.items() if c > 1 and n not in placeholders)

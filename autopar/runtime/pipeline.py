@@ -40,7 +40,8 @@ per-node strategies. On each rank, for each stage it holds (rank r holds stages 
   each stage's sub-mesh, then broadcast over the pipeline axis from the lowest pipeline rank that
   holds each tensor); every rank must call.
 
-Not yet: activation recompute, ZeRO and mixed precision inside pipelined stages (refused), DCP,
+Activation recompute regions (``Plan.recompute``) run inside their stage (a region spanning a cut
+is refused; so is recompute under the zero-bubble schedule). Not yet: ZeRO and mixed precision inside pipelined stages (refused), DCP,
 a gradient-norm clip across stages (each rank's ``parameters()`` are its stages' only).
 """
 
@@ -68,12 +69,19 @@ from autopar.runtime.nodes import GradAllReduce
 from autopar.runtime.passes import STATE_KEY, emit_local_graph
 from autopar.runtime.pipeline_split import StageGraph, split_stages
 from autopar.runtime.process_mesh import ProcessMesh
+from autopar.runtime.recompute import apply_recompute
 from autopar.tracer.graph import BUFFER, PARAMETER, TracedGraph, keyword_path
 
 __all__ = ["SCHEDULES", "PipelineModule", "build_pipeline", "pipeline_device_mesh"]
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved-1f1b": ScheduleInterleaved1F1B,
              "zero-bubble": ScheduleInterleavedZeroBubble}
+
+
+_ZB_RECOMPUTE = ("activation recompute does not run under the zero-bubble schedule: its split backward "
+                 "(input gradients, later weight gradients) unpacks a checkpoint region's saved tensors in two "
+                 "autograd passes, which torch.utils.checkpoint refuses for Llama's blocks; plan with "
+                 "checkpoint='none' or another schedule")
 
 
 def pipeline_device_mesh(plan: Plan, *, device_type: str) -> DeviceMesh:
@@ -370,8 +378,10 @@ def build_pipeline(model: nn.Module, traced: TracedGraph, plan: Plan, *, device:
     if plan.graph_hash != traced.graph_hash:
         raise ValueError(f"stale plan for {plan.model}: made for graph {plan.graph_hash}, the micro-batch trace is "
                          f"{traced.graph_hash}")
-    if plan.recompute or any(n.zero_stage for n in plan.nodes) or plan.precision != "fp32":
-        raise ValueError("pipelined plans run without activation recompute, ZeRO or mixed precision for now")
+    if any(n.zero_stage for n in plan.nodes) or plan.precision != "fp32":
+        raise ValueError("pipelined plans run without ZeRO or mixed precision for now")
+    if plan.recompute and pipe.schedule == "zero-bubble":
+        raise ValueError(_ZB_RECOMPUTE)
     if pipe.schedule in ("gpipe", "1f1b") and pipe.virtual_stages != 1:
         raise ValueError(f"schedule {pipe.schedule!r} runs one stage per rank, the plan has "
                          f"{pipe.virtual_stages} virtual stages")
@@ -392,6 +402,14 @@ def build_pipeline(model: nn.Module, traced: TracedGraph, plan: Plan, *, device:
     mine = [g for g in graphs if pipe.stages[g.index].rank == pp_rank]
     stage_plan = dataclasses.replace(plan, mesh=plan.stage_mesh(), pipeline=None)
     emitted = [emit_local_graph(g.traced, stage_plan, pmesh, device=device, bucket_cap=0) for g in mine]
+    for g, e in zip(mine, emitted):  # activation checkpointing: each region inside its stage
+        ops = {n.name for n in g.traced.nodes if n.op != "placeholder"}  # received values keep producer names
+        regions = [r for r in plan.recompute if ops & set(r.nodes)]
+        stray = [r.name for r in regions if not set(r.nodes) <= ops]
+        if stray:
+            raise ValueError(f"recompute regions {stray} span pipeline stages")
+        if regions:
+            apply_recompute(e.graph, e.modules, regions)
     deferred: dict[str, tuple[int, ...]] = {}
     for e in emitted:
         for name, axes in _defer_gradient_sync(e).items():

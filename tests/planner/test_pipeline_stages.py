@@ -1,5 +1,6 @@
 """Even pipeline cuts at repeated-block boundaries, the pipelined Plan and its JSON."""
 
+import dataclasses
 import json
 
 import pytest
@@ -8,7 +9,7 @@ from autopar import zoo
 from autopar.api import plan_traced
 from autopar.layout.mesh import MeshSpec
 from autopar.planner.pipeline_stages import block_container, even_stages, pipeline_plan
-from autopar.plans import PipelinePlan, Plan, StagePlan, stage_mesh_of
+from autopar.plans import PipelinePlan, Plan, RecomputeRegion, StagePlan, stage_mesh_of
 from autopar.runtime.pipeline_split import split_stages
 from autopar.strategies import needs_decomposition
 from autopar.tracer import profile, trace
@@ -98,6 +99,14 @@ def test_pipeline_plan_checks_its_arguments(mlp):
                       schedule="gpipe")
     with pytest.raises(ValueError, match="'gpipe' runs one stage per rank"):
         pipeline_plan(sub, traced, mesh=mesh, num_stages=2, num_microbatches=4, schedule="gpipe", virtual_stages=2)
+    region = RecomputeRegion("blocks.0", tuple(n.name for n in traced.compute_nodes())[:3])
+    with pytest.raises(ValueError, match="recompute does not run under the zero-bubble schedule"):
+        pipeline_plan(dataclasses.replace(sub, recompute=(region,)), traced, mesh=mesh, num_stages=2,
+                      num_microbatches=4, schedule="zero-bubble", virtual_stages=2)
+    spanning = RecomputeRegion("all", tuple(n.name for n in traced.compute_nodes()))
+    with pytest.raises(ValueError, match=r"recompute region 'all' spans pipeline stages \[0, 1\]"):
+        pipeline_plan(dataclasses.replace(sub, recompute=(spanning,)), traced, mesh=mesh, num_stages=2,
+                      num_microbatches=4, schedule="1f1b")
     with pytest.raises(ValueError, match="needs 4 stages, the plan lists 1"):
         PipelinePlan(num_stages=2, num_microbatches=4, schedule="gpipe", virtual_stages=2,
                      stages=(StagePlan(0, 0, (0, 1), ()),))

@@ -13,6 +13,7 @@ single-device reference computed before the fork:
   (``full_gradients()``, tied names included) equal to one full-batch backward, rtol 1e-4;
 - a second ``step`` without zeroing doubles every gradient; forward only (``pm(...)``): the
   loss and the logits;
+- the same with every block recomputed in backward (interleaved-1f1b on (2, 2), 1f1b on (4,));
 - 3 steps of AdamW over ``pm.parameters()``: every DTensor parameter the rank holds (both copies
   of a tied weight included) and ``full_state_dict()`` equal the reference.
 
@@ -31,9 +32,10 @@ from torch.distributed.tensor import DTensor
 
 from autopar import zoo
 from autopar.api import plan_traced
+from autopar.layout.blocks import split_block
 from autopar.layout.mesh import MeshSpec
 from autopar.planner.pipeline_stages import pipeline_plan
-from autopar.plans import stage_mesh_of
+from autopar.plans import RecomputeRegion, stage_mesh_of
 from autopar.runtime.build import build_module
 from autopar.runtime.launch import run_local
 from autopar.runtime.passes import find_strategy
@@ -53,6 +55,8 @@ NUM_LAYERS = 8  # (4,) with interleaving: 4 ranks x 2 virtual stages, one block 
 # the one named in ADAMW the optimizer steps.
 COMBOS = {(2, 2): (("gpipe", 1, 4), ("1f1b", 1, 4), ("interleaved-1f1b", 2, 4), ("zero-bubble", 2, 4)),
           (4,): (("gpipe", 1, 8), ("1f1b", 1, 8), ("interleaved-1f1b", 2, 8), ("zero-bubble", 2, 8))}
+# one more plan per launch recomputes every block in backward (checkpoint regions inside stages)
+RECOMPUTE = {(2, 2): ("interleaved-1f1b", 2, 4), (4,): ("1f1b", 1, 8)}
 ADAMW = {"gpt2": {(2, 2): "interleaved-1f1b", (4,): "zero-bubble"},
          "llama-1b": {(2, 2): "zero-bubble", (4,): "1f1b"}}
 
@@ -60,6 +64,17 @@ ADAMW = {"gpt2": {(2, 2): "interleaved-1f1b", (4,): "zero-bubble"},
 def fast_mesh(shape: tuple[int, ...]) -> MeshSpec:
     mesh = MeshSpec.preset("cpu", shape)
     return dataclasses.replace(mesh, alpha=(1e-7,) * len(shape), beta=(1e-13,) * len(shape), name="fast-links")
+
+
+def with_block_recompute(plan, traced):
+    """``plan`` with every repeated block recomputed in backward (one checkpoint region each)."""
+    blocks: dict[int, list[str]] = {}
+    for node in traced.compute_nodes():
+        found = split_block(traced.module_path(node))
+        if found is not None:
+            blocks.setdefault(found[1], []).append(node.name)
+    regions = tuple(RecomputeRegion(f"block {b}", tuple(names)) for b, names in sorted(blocks.items()))
+    return dataclasses.replace(plan, recompute=regions)
 
 
 def warm_strategy_cache(traced, plan) -> None:
@@ -118,6 +133,8 @@ def _run(rank, world, model, traced, plans, batches, refs, adamw):
         inputs, ref = batches[m], refs[m]
         pm = build_pipeline(model, traced, plan, device="cpu")
         errors += holding_errors(label, pm, traced, plan)
+        if plan.recompute and "self.recompute" not in pm.code:
+            errors.append(f"{label}: no checkpoint region in the stage graphs")
         loss = pm.step(**inputs)
         errors += close(f"{label} loss", loss, ref["loss"])
         grads = pm.full_gradients()
@@ -130,7 +147,7 @@ def _run(rank, world, model, traced, plans, batches, refs, adamw):
             out = pm(**inputs)
             errors += close(f"{label} forward loss", out.loss, ref["loss"])
             errors += close(f"{label} forward logits", out.logits, ref["logits"], atol=1e-5)
-        if schedule != adamw:
+        if schedule != adamw:  # (a "+recompute" label never matches)
             continue
         opt = torch.optim.AdamW(pm.parameters(), lr=LR, eps=EPS, foreach=True)
         for _ in range(STEPS):
@@ -165,6 +182,10 @@ def test_pipeline_schedules_match_single_device(name):
             assert any(set(n.output_specs[0] or "R") - {"R"} for n in sub.by_kind("op"))
         plans = {(s, m): pipeline_plan(sub, traced, mesh=mesh, num_stages=shape[0], num_microbatches=m,
                                        schedule=s, virtual_stages=v) for s, v, m in COMBOS[shape]}
+        s, v, m = RECOMPUTE[shape]
+        plans[(s + " +recompute", m)] = pipeline_plan(with_block_recompute(sub, traced), traced, mesh=mesh,
+                                                      num_stages=shape[0], num_microbatches=m, schedule=s,
+                                                      virtual_stages=v)
         warm_strategy_cache(traced, next(iter(plans.values())))
         errors = run_local(_run, 4, model, traced, plans, batches, refs, ADAMW[name][shape], timeout=240)
         assert len(errors) == 4
