@@ -80,11 +80,12 @@ def _note(out: Outcome) -> str:
 
 
 def _model(problem: Problem, reduced: Reduced, recompute_inputs: SegmentInputs | None, *, suffix: str = "",
-           fixed: Mapping[str, bool] | None = None) -> IlpModel:
+           fixed: Mapping[str, bool] | None = None, symmetry: bool = True) -> IlpModel:
     """The model family ``recompute_inputs`` selects: the sharding ILP without them."""
     if recompute_inputs is None:
         return IlpModel(reduced, "autopar" + suffix)
-    return RecomputeModel(reduced, problem, recompute_inputs, "autopar_recompute" + suffix, fixed=fixed)
+    return RecomputeModel(reduced, problem, recompute_inputs, "autopar_recompute" + suffix, fixed=fixed,
+                          order=symmetry)
 
 
 def minimum_budget(problem: Problem, *, recompute_inputs: SegmentInputs | None = None, solver: str = "auto",
@@ -144,7 +145,7 @@ def _infeasible(problem: Problem, recompute_inputs: SegmentInputs | None, fixed:
 
 def solve(problem: Problem, *, recompute_inputs: SegmentInputs | None = None,
           fixed: Mapping[str, bool] | None = None, solver: str = "auto", time_limit: float = 60.0,
-          alias: bool = True, merge: bool = True, msg: bool = False) -> Solution:
+          alias: bool = True, merge: bool = True, msg: bool = False, symmetry: bool = True) -> Solution:
     """The fastest plan for ``problem`` within its budget.
 
     recompute_inputs: unit -> the ``SegmentInput``s it keeps when recomputed
@@ -163,6 +164,8 @@ def solve(problem: Problem, *, recompute_inputs: SegmentInputs | None = None,
     alias:      share decisions between identical repeated blocks (``simplify`` item 1).
     merge:      dominated-option pruning and exact follow-merge (``simplify`` items 3-4).
     msg:        show the backend's log.
+    symmetry:   the recompute ILP's symmetry-breaking rows between identical blocks
+                (``autopar.solver.recompute_ilp``, "Symmetry"; exact, off only to check that).
 
     Raises ``ValueError`` when no plan fits the budget (with the smallest budget that does),
     ``SolveTimeout`` when no plan is found within the time limit.
@@ -179,7 +182,7 @@ def solve(problem: Problem, *, recompute_inputs: SegmentInputs | None = None,
     t1 = time.perf_counter()
     # The recompute ILP always has its memory rows: they are what its recompute decisions answer.
     binds = recompute_inputs is not None or reduced.memory_can_bind
-    model = _model(problem, reduced, recompute_inputs, fixed=fixed)
+    model = _model(problem, reduced, recompute_inputs, fixed=fixed, symmetry=symmetry)
     model.build_fastest(float(problem.budget_bytes) if binds else None)
     t2 = time.perf_counter()
     clock = _Clock(time.monotonic(), time_limit)

@@ -45,6 +45,35 @@ count per alias class ``k = sum_i r_i`` would not be exact here: which blocks ar
 changes which memory rows drop (a recomputed block frees memory only *before* its own backward),
 and the contribution at a candidate is ``min(k, #blocks live there)``, not linear in ``k``.
 
+Symmetry (``order``)
+--------------------
+Identical blocks share ``x`` but each has its own ``r``: the search meets every permutation of
+"which blocks recompute unit kind ``u``". Two instances ``u_i``, ``u_j`` of a kind are
+*identical* when their linear forms ``A``, ``c``, ``F`` are the same (same groups, same vectors:
+block 0 reading the embedding, not the previous block, is not identical to block 1), their
+blocks' fine segments have disjoint backward spans, and ``u_j`` (the later one in forward) ends
+before block ``i``'s backward begins (``E_{u_j} < b_{B_i}``). Between consecutive identical
+instances (``i`` earlier) the model adds ``w_i >= w_j`` for whole blocks and
+``r_{u,i} >= r_{u,j} - w_i - w_j`` for fine segments (``w``: the blocks' own ``r``). Exact, by
+exchange, in the model's own memory terms (all non-negative, so a point's total is at least
+any sub-sum): take an optimum; first drop every recomputed unit with ``c > A`` (its
+``d(t) = H - A`` before ``b`` and ``+c`` after is ``>= 0`` everywhere: more memory and more
+time), then swap until ordered. A swap moves a recompute from ``u_j`` to ``u_i`` with every
+other decision kept; time is unchanged (same ``F``). At a peak candidate ``t`` (``t >= N-1``):
+``t < b_{u_j}``: both give ``c - A``; ``t`` in ``[b_{u_j}, E_{u_j}]``: ``c - A`` instead of ``+c``;
+between ``E_{u_j}`` and ``b_{u_i}``: ``c - A <= 0`` instead of 0; ``t`` in ``[b_{u_i}, E_{u_i}]``:
+the total after the swap is at most the total before it at ``t' = b_{u_j}``: what is held at
+``t`` from outside the blocks, from earlier blocks and from block ``i``'s other units (its later
+fine segments are done, its earlier ones still forward-held) is held at ``t'`` too (everything
+starts in forward and ``t' < t``; block ``i`` is wholly forward-held at ``t' < b_{B_i}``), block
+``i``'s ``u`` then holds at most ``A + c``, and at ``t'`` the old plan held ``A`` in ``u_i`` and
+``J = c`` in ``u_j``. A whole-block swap (``w_j = 1``, ``w_i = 0``, block ``i``'s fine set ``T``
+moves to block ``j``) is checked the same way against the old plan at ``b_{B_j}``, where block
+``j`` holds ``c_B`` plus every rematerialised item. Fine swaps among blocks not recomputed whole
+then order each kind. Caveats: the argument is about this model (it counts a value several
+units keep once per unit); ``Problem.evaluate`` re-checks the plan either way.
+``tests/solver/test_recompute_ilp.py`` compares the optimum with and without the rows.
+
 The pipeline (``autopar.solver.pipeline``) re-evaluates every answer exactly with
 ``Problem.evaluate(choice, recompute=...)`` (item by item, on the true intervals) and checks it
 against the solver's objective. No torch import.
@@ -59,7 +88,7 @@ from typing import Mapping
 import numpy as np
 import pulp
 
-from autopar.layout.blocks import block_of
+from autopar.layout.blocks import block_of, split_block
 from autopar.solver.ilp import MEM_UNIT, IlpModel, Terms, affine, undominated_rows
 from autopar.solver.problem import Problem
 from autopar.solver.simplify import MemItem, Reduced, peak_candidates
@@ -71,10 +100,11 @@ __all__ = ["RecomputeModel"]
 class RecomputeModel(IlpModel):
     """``IlpModel`` plus the recompute variables and memory rows of the module docstring.
     ``inputs``: what each unit keeps when recomputed; ``fixed``: unit -> recomputed or not,
-    imposed (e.g. uniform per-block checkpointing)."""
+    imposed (e.g. uniform per-block checkpointing); ``order``: the symmetry-breaking rows of the
+    module docstring (exact: some optimum satisfies them)."""
 
     def __init__(self, reduced: Reduced, problem: Problem, inputs: SegmentInputs, name: str = "autopar_recompute",
-                 *, fixed: Mapping[str, bool] | None = None):
+                 *, fixed: Mapping[str, bool] | None = None, order: bool = True):
         super().__init__(reduced, name)
         self.problem = problem
         self.fixed = dict(fixed or {})
@@ -83,6 +113,8 @@ class RecomputeModel(IlpModel):
         self.r: dict[str, pulp.LpVariable] = {}
         self.spans: list[tuple[pulp.LpVariable, int, int]] = []  # (var, first, last timeline point)
         self.c_vec = self._input_vectors(inputs)  # seg -> {group: MiB per group option}
+        self.order = order
+        self.num_order_rows = 0
 
     def _input_vectors(self, inputs) -> dict[str, dict[int, np.ndarray]]:
         member = {m.node: m for m in self.reduced.members}
@@ -160,10 +192,58 @@ class RecomputeModel(IlpModel):
             j = self.prob.add_variable(f"J_{i}", lowBound=0)
             at_least_c(j, "J")
             self.spans.append((j, g.bwd, g.end))
+        if self.order:
+            self.num_order_rows = self._add_order(fwd_vecs, act_vecs)
         for i, (unit, value) in enumerate(sorted(self.fixed.items())):
             if unit not in self.r:
                 raise ValueError(f"cannot fix unknown segment {unit!r}; known: {sorted(self.r)}")
             self.prob += affine([(self.r[unit], 1.0)]) == int(bool(value)), f"fix_{i}"
+
+    def _add_order(self, fwd_vecs, act_vecs) -> int:
+        """Symmetry-breaking rows between identical units of identical blocks (module docstring,
+        "Symmetry"): ``r_{u,i} >= r_{u,j} - w_i - w_j`` for a fine segment kind ``u`` and
+        ``w_i >= w_j`` for whole blocks, ``i`` the earlier of two consecutive identical
+        instances. Returns the number of rows added."""
+        def form(vecs) -> tuple:
+            return tuple(sorted((g, np.asarray(v, dtype=float).tobytes()) for g, v in vecs.items()))
+
+        def key(u):
+            return form(fwd_vecs.get(u, {})), form(self.c_vec[u]), form(act_vecs.get(u, {}))
+
+        children: dict[str, list[str]] = defaultdict(list)
+        for u in self.units:
+            if self.geo[u].parent is not None:
+                children[self.geo[u].parent].append(u)
+        chains: dict[tuple, list[str]] = defaultdict(list)  # kind + identical forms -> units by start
+        for u in self.units:  # sorted by start: earlier blocks first
+            g = self.geo[u]
+            block = g.parent or u
+            where = split_block(block)
+            if where is None or not self._backward_disjoint(children.get(block, ())):
+                continue
+            kind = u[len(block):]
+            k = (where[0], kind, key(u))
+            if g.parent is None:  # a whole block: identical only with identical fine segments
+                k += tuple(sorted((v[len(u):], key(v)) for v in children.get(u, ())))
+            chains[k].append(u)
+        rows = 0
+        for units in chains.values():
+            for early, late in zip(units, units[1:]):
+                ge, gl = self.geo[early], self.geo[late]
+                if not gl.end < self.geo[ge.parent or early].bwd:  # the later one must be nested inside
+                    continue
+                terms = [(self.r[early], 1.0), (self.r[late], -1.0)]
+                if ge.parent is not None:  # only while neither block is recomputed whole
+                    terms += [(self.r[b], 1.0) for b in (ge.parent, gl.parent) if b in self.r]
+                self.prob += affine(terms) >= 0, f"order_{rows}"
+                rows += 1
+        return rows
+
+    def _backward_disjoint(self, segments) -> bool:
+        """Whether the backward spans ``[bwd, end]`` of a block's fine segments are disjoint
+        (the exchange argument needs one fine segment in backward at a time)."""
+        spans = sorted((self.geo[s].bwd, self.geo[s].end) for s in segments)
+        return all(a[1] < b[0] for a, b in zip(spans, spans[1:]))
 
     def add_memory(self, limit: float | pulp.LpVariable) -> int:
         """Memory rows at the peak candidates of the split timeline (module docstring)."""
@@ -216,4 +296,4 @@ class RecomputeModel(IlpModel):
 
     @property
     def stats(self) -> dict[str, int]:
-        return {"num_segments": len(self.units)}
+        return {"num_segments": len(self.units), "num_order_rows": self.num_order_rows}
