@@ -15,7 +15,7 @@ import warnings
 from dataclasses import replace
 
 from autopar.planner.options import CHECKPOINT_MODES, SOLVERS, ZERO_STAGES, PlanOptions
-from autopar.plans import PRECISIONS
+from autopar.plans import PIPELINE_SCHEDULES, PRECISIONS
 
 __all__ = ["main", "build_parser"]
 
@@ -70,6 +70,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--zero-stage", type=_zero_stage, default=0, choices=(*ZERO_STAGES, "auto"),
                    help="shard optimizer state (1) and gradients (2) over each parameter's replicated axes; "
                         "auto: the solver picks per parameter (default 0)")
+    p.add_argument("--pipeline", type=_count_or_auto, default=None,
+                   help="pipeline parallelism over mesh axis 0: N (its size) or auto (the faster of none and "
+                        "one over axis 0); stages and sharding are planned together (default: no pipeline)")
+    p.add_argument("--microbatches", type=_count_or_auto, default="auto",
+                   help="with --pipeline: micro-batches per step, or auto (a few divisors of the batch)")
+    p.add_argument("--schedule", default="auto", choices=("auto", *PIPELINE_SCHEDULES),
+                   help="with --pipeline: the pipeline schedule, or auto (the fastest)")
     p.add_argument("--optimizer-multiplier", type=float, default=2.0,
                    help="optimizer state bytes per parameter byte (default 2: AdamW fp32)")
     p.add_argument("--allow-fallback", action="store_true", help="replicate ops that have no sharding rule")
@@ -124,6 +131,10 @@ def _positive(value, flag: str) -> None:
         raise CliError(f"{flag} must be >= 1, got {value}")
 
 
+def _count_or_auto(text: str):
+    return int(text) if text.isdigit() else text  # PlanOptions names a bad value with the flag's text
+
+
 def _zero_stage(text: str):
     return text if text == "auto" else int(text) if text.isdigit() else text
 
@@ -152,7 +163,10 @@ def cmd_inspect(args) -> int:
     options = PlanOptions(memory_budget=args.memory, solver=args.solver, time_limit=args.time_limit,
                           baselines=not args.no_baselines, optimizer_multiplier=args.optimizer_multiplier,
                           allow_replicate_fallback=args.allow_fallback, checkpoint=args.checkpoint,
-                          precision=args.precision, reduce_dtype=args.reduce_dtype, zero_stage=args.zero_stage)
+                          precision=args.precision, reduce_dtype=args.reduce_dtype, zero_stage=args.zero_stage,
+                          pipeline=args.pipeline, microbatches=args.microbatches, schedule=args.schedule)
+    if options.pipeline is not None and (auto or args.html):
+        raise CliError("--pipeline plans over the given mesh's first axis, without --mesh auto and --html")
     _check_writable(args.json, "--json")
     _check_writable(args.html, "--html")
     check_model_spec(args.model, args.input)
@@ -164,6 +178,9 @@ def cmd_inspect(args) -> int:
         with warnings.catch_warnings():
             # One summary line replaces a warning per replicated op.
             warnings.filterwarnings("ignore", message="no sharding rule")
+            if options.pipeline is not None:
+                return _inspect_pipelined(api.plan_pipelined(model, meta, mesh=mesh, options=options,
+                                                             progress=progress), args, t0=t0, sink=sink)
             if auto:
                 search = api.plan_mesh_auto(model, meta, nodes=args.nodes, devices_per_node=args.devices_per_node,
                                             options=replace(options, preset=args.preset), progress=progress)
@@ -183,6 +200,17 @@ def cmd_inspect(args) -> int:
               f"{len(search.rows)} meshes\n{search.table()}\n")
     print(render_text(report, layers=not args.no_layers))
     print(f"\nplanned in {report.wall_s:.1f}s" + "".join(f"; wrote {p}" for p in (args.json, args.html) if p))
+    return 0
+
+
+def _inspect_pipelined(result, args, *, t0: float, sink) -> int:
+    """--pipeline: the plan's summary (its stage table) and every candidate tried."""
+    sink.close()
+    print(result.plan.summary())
+    print("candidates:\n" + "\n".join(f"  {line}" for line in result.candidates))
+    if args.json:
+        result.plan.save(args.json)
+    print(f"\nplanned in {time.perf_counter() - t0:.1f}s" + (f"; wrote {args.json}" if args.json else ""))
     return 0
 
 

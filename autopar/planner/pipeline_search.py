@@ -353,28 +353,39 @@ def search_stages(traced: TracedGraph, profile, *, mesh: MeshSpec, options, num_
     if best is None:
         return PipelineSearch(None, tuple(candidates), costs.num_solves)
     schedule, cuts, factor, flight, stage_budget = best
+    at = next(i for i, c in enumerate(candidates) if c.schedule == schedule)
     plan = _assemble(costs, traced, cuts.bounds, schedule=schedule, num_stages=num_stages,
                      num_microbatches=num_microbatches, factor=factor, flight=flight, budget=stage_budget,
                      options=options, mesh=mesh, candidates=candidates,
                      timings={"build_s": t_build, "search_s": time.perf_counter() - t0 - t_build})
+    # The chosen candidate's figure is the assembled plan's (shared layouts fixed across stages).
+    candidates[at] = replace(candidates[at], step_s=plan.estimate.step_s)
+    plan = replace(plan, solver={**plan.solver, "pipeline": {**plan.solver["pipeline"],
+                                                             "candidates": [str(c) for c in candidates]}})
     return PipelineSearch(plan, tuple(candidates), costs.num_solves)
 
 
 def _assemble(costs: StageCosts, traced: TracedGraph, bounds: tuple[int, ...], *, schedule: str, num_stages: int,
               num_microbatches: int, factor: float, flight: list[int], budget: int | None, options, mesh: MeshSpec,
               candidates: list[PipelineCandidate], timings: dict[str, float]) -> Plan:
-    """Solve the chosen stages in order (shared placeholders fixed by the first stage holding them)."""
+    """Solve the chosen stages once more, slowest first (by the search's figures): a parameter two
+    stages read (GPT-2's tied ``wte``) takes the layout the slower stage picks, the other stage
+    is solved with it fixed."""
+    num = len(bounds) - 1
+    order = sorted(range(num), key=lambda k: -(costs.cost(bounds[k], bounds[k + 1], in_flight=flight[k], factor=factor,
+                                                          budget=budget).time_s))
     choice: dict[str, str] = {}
-    stage_costs: list[StageCost] = []
-    for k in range(len(bounds) - 1):
+    found_at: dict[int, StageCost] = {}
+    for k in order:
         fixed = {n: choice[n] for n in costs.decisions(bounds[k], bounds[k + 1]) if n in choice}
         found = costs.solve_range(bounds[k], bounds[k + 1], in_flight=flight[k], factor=factor, budget=budget,
                                   fixed=fixed)
         if found is None:
             raise ValueError(f"pipeline stage {k} (blocks {bounds[k]}..{bounds[k + 1] - 1}) does not fit the budget "
-                             f"with the layouts earlier stages chose for their shared parameters")
+                             f"with the layouts other stages chose for their shared parameters")
         choice.update(found[0])
-        stage_costs.append(found[1])
+        found_at[k] = found[1]
+    stage_costs = [found_at[k] for k in range(num)]
     slowest = max(range(len(stage_costs)), key=lambda k: stage_costs[k].time_s)
     top = stage_costs[slowest]
     sync = max(c.sync_s for c in stage_costs)

@@ -244,3 +244,16 @@ def test_autoparallelize_pipeline_matches_single_device():
     assert [r[0] for r in results] == [2] * 4
     flat = [e for _, errors in results for e in errors]
     assert not flat, "\n".join(flat[:20])
+
+
+def test_cli_inspect_pipeline_prints_the_stage_table(capsys, tmp_path):
+    from autopar.cli.main import main
+
+    out = tmp_path / "plan.json"
+    assert main(["inspect", "mlp", "--layers", "4", "--batch", "4", "--seq", "8", "--mesh", "2x2", "--preset", "cpu",
+                 "--pipeline", "2", "--microbatches", "2", "--schedule", "gpipe", "-q", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "2 stages on mesh axis 0, 2 micro-batches, gpipe" in text and "ms/micro" in text
+    assert Plan.load(str(out)).pipeline.schedule == "gpipe"
+    assert main(["inspect", "mlp", "--mesh", "2x2", "--preset", "cpu", "--pipeline", "3", "-q"]) != 0
+    assert "pipeline=3 runs over mesh axis 0, which has size 2" in capsys.readouterr().err
