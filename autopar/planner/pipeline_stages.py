@@ -30,7 +30,7 @@ from collections import Counter
 from dataclasses import replace
 
 from autopar.layout.blocks import split_block
-from autopar.layout.mesh import MeshSpec
+from autopar.layout.mesh import MeshSpec, default_axis_names, parse_mesh_shape
 from autopar.plans import PIPELINE_SCHEDULES, PipelinePlan, Plan, StagePlan, stage_mesh_of
 from autopar.tracer.graph import MODULE_KEY, TracedGraph
 
@@ -105,10 +105,18 @@ def _check_order(traced: TracedGraph, stage_of: dict[str, int]) -> None:
                 assert stage_of[src.name] <= stage_of[node.name], (src.name, node.name)
 
 
-def pipeline_plan(sub_plan: Plan, traced: TracedGraph, *, mesh: MeshSpec, num_stages: int, num_microbatches: int,
-                  schedule: str, virtual_stages: int = 1) -> Plan:
+def pipeline_plan(sub_plan: Plan, traced: TracedGraph, *, mesh: MeshSpec | tuple[int, ...] | str, num_stages: int,
+                  num_microbatches: int, schedule: str, virtual_stages: int = 1) -> Plan:
     """The full-mesh plan: ``sub_plan`` (solved on ``traced``, the micro-batch graph, on the
-    stage sub-mesh) with even stages over mesh axis 0 of ``mesh`` (size ``num_stages``)."""
+    stage sub-mesh) with even stages over mesh axis 0 of ``mesh`` (size ``num_stages``; a shape
+    gets the stage plan's device costs)."""
+    if not isinstance(mesh, MeshSpec):
+        shape = parse_mesh_shape(mesh)
+        base = sub_plan.mesh
+        mesh = MeshSpec(shape=shape, axis_names=default_axis_names(len(shape)), alpha=(base.alpha[0],) * len(shape),
+                        beta=(base.beta[0],) * len(shape), peak_flops=base.peak_flops,
+                        mem_bandwidth=base.mem_bandwidth, mem_capacity=base.mem_capacity, name=base.name,
+                        half_peak_flops=base.half_peak_flops)
     if schedule not in PIPELINE_SCHEDULES:
         raise ValueError(f"pipeline schedule {schedule!r} is not one of {PIPELINE_SCHEDULES}")
     if mesh.shape[0] != num_stages:

@@ -70,7 +70,7 @@ from autopar.runtime.passes import STATE_KEY, emit_local_graph
 from autopar.runtime.pipeline_split import StageGraph, split_stages
 from autopar.runtime.process_mesh import ProcessMesh
 from autopar.runtime.recompute import apply_recompute
-from autopar.tracer.graph import BUFFER, PARAMETER, TracedGraph, keyword_path
+from autopar.tracer.graph import BUFFER, INPUT, PARAMETER, TracedGraph, keyword_path
 
 __all__ = ["SCHEDULES", "PipelineModule", "build_pipeline", "pipeline_device_mesh"]
 
@@ -123,6 +123,10 @@ class _StageModule(nn.Module):
 
 
 class PipelineModule(nn.Module):
+    """This rank's pipeline stages (see the module docstring for the contract): ``step`` trains on
+    one full batch, ``forward`` runs forward only; ``parameters()`` are the DTensors of the
+    parameters this rank's stages read (``stage_state.<FQN>``); ``code`` is the stage graphs."""
+
     def __init__(self, *, plan: Plan, traced: TracedGraph, device_mesh: DeviceMesh, pmesh: ProcessMesh,
                  stage_modules: list[_StageModule], leaves: dict[str, torch.Tensor], specs: dict,
                  signature: inspect.Signature, state_keys: tuple[str, ...], device: torch.device,
@@ -136,7 +140,7 @@ class PipelineModule(nn.Module):
         self.pp_group = device_mesh.get_group(0)
         self.pp_rank = dist.get_group_rank(self.pp_group, dist.get_rank())
         self.num_microbatches = pipe.num_microbatches
-        self._inputs = [p for p in traced.placeholders if p.kind == "input"
+        self._inputs = [p for p in traced.placeholders if p.kind == INPUT
                         and isinstance(traced.node(p.name).meta.get("val"), torch.Tensor)]
         self._placeholders = {p.name: p for p in traced.placeholders}
         self.stage_state = nn.Module()  # DTensor parameters and buffers at their canonical FQNs

@@ -87,6 +87,8 @@ def test_one_dimensional_mesh_leaves_one_device_per_stage(mlp):
     one = plan_traced(traced, profile(traced), mesh=stage_mesh_of(mesh)).plan
     plan = pipeline_plan(one, traced, mesh=mesh, num_stages=4, num_microbatches=4, schedule="gpipe")
     assert plan.stage_mesh().shape == (1,) and len(plan.pipeline.stages) == 4
+    by_shape = pipeline_plan(one, traced, mesh=(4,), num_stages=4, num_microbatches=4, schedule="gpipe")
+    assert by_shape.mesh.shape == (4,) and by_shape.pipeline == plan.pipeline
 
 
 def test_pipeline_plan_checks_its_arguments(mlp):
