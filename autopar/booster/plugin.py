@@ -20,9 +20,12 @@ from autopar.planner.options import CHECKPOINT_MODES, SOLVERS, precision_name
 if TYPE_CHECKING:
     from torch.utils.data import DataLoader, Dataset
 
-__all__ = ["AutoParallelPlugin", "ZERO_STAGES"]
+__all__ = ["AutoParallelPlugin", "ZERO_STAGES", "PP_STYLES"]
 
 ZERO_STAGES = ("auto", 0, 1, 2)
+# The product notes' pipeline styles -> autopar's schedules (``autopar.plans.PIPELINE_SCHEDULES``).
+PP_STYLES = {"auto": "auto", "gpipe": "gpipe", "1f1b": "1f1b", "interleaved": "interleaved-1f1b",
+             "interleaved-1f1b": "interleaved-1f1b", "zbv": "zero-bubble", "zero-bubble": "zero-bubble"}
 
 
 def _number(value: Any) -> bool:
@@ -58,6 +61,14 @@ class AutoParallelPlugin:
             ``cuda:LOCAL_RANK`` under NCCL).
         initial_scale, growth_factor, backoff_factor, growth_interval: the fp16 loss scaler's
             settings (``torch.amp.GradScaler``'s ``init_scale`` and the rest); ignored otherwise.
+        pp_size: pipeline parallelism over mesh axis 0: ``None`` or 1 (none), N (that axis's
+            size) or ``"auto"`` (the planner compares none with one over axis 0); the stage cuts
+            and each stage's sharding are planned together (``autopar.plan``'s ``pipeline``).
+        num_microbatches: micro-batches per step with a pipeline (``None``: the planner picks).
+        pp_style: ``"auto"`` (the fastest), ``"gpipe"``, ``"1f1b"``, ``"interleaved"`` or
+            ``"zbv"`` (zero-bubble; the long names ``"interleaved-1f1b"``/``"zero-bubble"`` too).
+        num_model_chunks: model chunks (virtual stages) per pipeline rank: 1 for gpipe/1f1b, 2
+            for the interleaved styles (what the planner plans them with); ``None``: as the style.
     """
 
     mesh: MeshSpec | Sequence[int] | str | None = None
@@ -77,6 +88,10 @@ class AutoParallelPlugin:
     growth_factor: float = 2.0
     backoff_factor: float = 0.5
     growth_interval: int = 1000
+    pp_size: int | str | None = None
+    num_microbatches: int | None = None
+    pp_style: str = "auto"
+    num_model_chunks: int | None = None
 
     def __post_init__(self) -> None:
         if self.mesh is not None and not isinstance(self.mesh, MeshSpec):
@@ -129,6 +144,42 @@ class AutoParallelPlugin:
         if isinstance(self.growth_interval, bool) or not isinstance(self.growth_interval, int) \
                 or self.growth_interval < 1:
             raise ValueError(f"growth_interval must be an int >= 1, got {self.growth_interval!r}")
+        self._check_pipeline()
+
+    def _check_pipeline(self) -> None:
+        def count(n) -> bool:
+            return type(n) is int and n >= 1
+
+        if self.pp_size is not None and self.pp_size != "auto" and not count(self.pp_size):
+            raise ValueError(f"pp_size must be None, 'auto' or a positive int, got {self.pp_size!r}")
+        if self.num_microbatches is not None and not count(self.num_microbatches):
+            raise ValueError(f"num_microbatches must be None or a positive int, got {self.num_microbatches!r}")
+        if self.pp_style not in PP_STYLES:
+            raise ValueError(f"pp_style must be one of {tuple(PP_STYLES)}, got {self.pp_style!r}")
+        if self.num_model_chunks is not None:
+            from autopar.planner.pipeline_schedule import SCHEDULE_VIRTUAL_STAGES
+
+            schedule = PP_STYLES[self.pp_style]
+            if schedule == "auto":
+                raise ValueError(f"num_model_chunks={self.num_model_chunks!r} goes with a pp_style (gpipe/1f1b: 1 "
+                                 f"chunk per rank, interleaved/zbv: 2); pp_style='auto' picks both together")
+            chunks = SCHEDULE_VIRTUAL_STAGES[schedule]
+            if self.num_model_chunks != chunks:
+                raise ValueError(f"num_model_chunks={self.num_model_chunks!r} with pp_style={self.pp_style!r}: "
+                                 f"autopar plans this style with {chunks} model chunk(s) per rank")
+        if self.pipeline is None and (self.num_microbatches is not None or self.pp_style != "auto"
+                                      or self.num_model_chunks is not None):
+            raise ValueError(f"num_microbatches, pp_style and num_model_chunks go with a pipeline (pp_size > 1 or "
+                             f"'auto'), got pp_size={self.pp_size!r}")
+
+    @property
+    def pipeline(self) -> int | str | None:
+        """``autopar.plan``'s ``pipeline`` for ``pp_size`` (1 means none)."""
+        return None if self.pp_size in (None, 1) else self.pp_size
+
+    def schedule(self) -> str:
+        """``autopar.plan``'s ``schedule`` for ``pp_style``."""
+        return PP_STYLES[self.pp_style]
 
     # ------------------------------------------------------------------------------ model
     def autoparallelize_kwargs(self) -> dict[str, Any]:
@@ -137,7 +188,12 @@ class AutoParallelPlugin:
                     time_limit=self.time_limit, device=self.device, seed=self.seed,
                     allow_replicate_fallback=self.allow_replicate_fallback, checkpoint=self.checkpoint,
                     precision=self.precision, reduce_dtype=self.reduce_dtype, plan=self.plan,
-                    zero_stage=None if self.plan is not None else self.zero_stage)
+                    # Pipelined stages run without ZeRO for now: "auto" means stage 0 there.
+                    zero_stage=None if self.plan is not None else
+                    0 if self.pipeline is not None and self.zero_stage == "auto" else self.zero_stage,
+                    **({} if self.pipeline is None else
+                       {"pipeline": self.pipeline, "schedule": self.schedule(),
+                        "microbatches": "auto" if self.num_microbatches is None else self.num_microbatches}))
 
     # ------------------------------------------------------------------------------- data
     def prepare_dataloader(self, dataset: Dataset, batch_size: int, shuffle: bool = False, seed: int = 1024,

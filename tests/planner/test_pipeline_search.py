@@ -257,3 +257,19 @@ def test_cli_inspect_pipeline_prints_the_stage_table(capsys, tmp_path):
     assert Plan.load(str(out)).pipeline.schedule == "gpipe"
     assert main(["inspect", "mlp", "--mesh", "2x2", "--preset", "cpu", "--pipeline", "3", "-q"]) != 0
     assert "pipeline=3 runs over mesh axis 0, which has size 2" in capsys.readouterr().err
+
+
+def test_plugin_pipeline_knobs_map_to_plan_options():
+    from autopar.booster.plugin import AutoParallelPlugin
+
+    kw = AutoParallelPlugin(mesh=(2, 2), pp_size=2, num_microbatches=4, pp_style="zbv", num_model_chunks=2,
+                            ).autoparallelize_kwargs()
+    assert (kw["pipeline"], kw["microbatches"], kw["schedule"], kw["zero_stage"]) == (2, 4, "zero-bubble", 0)
+    assert "pipeline" not in AutoParallelPlugin(pp_size=1).autoparallelize_kwargs()
+    assert AutoParallelPlugin(pp_size="auto").autoparallelize_kwargs()["microbatches"] == "auto"
+    for bad, match in (({"pp_size": 0}, "pp_size must be"), ({"pp_size": 2, "pp_style": "dualpipe"}, "pp_style must"),
+                       ({"pp_size": 2, "pp_style": "1f1b", "num_model_chunks": 2}, "with 1 model chunk"),
+                       ({"pp_size": 2, "num_model_chunks": 2}, "goes with a pp_style"),
+                       ({"num_microbatches": 4}, "go with a pipeline")):
+        with pytest.raises(ValueError, match=match):
+            AutoParallelPlugin(**bad)
