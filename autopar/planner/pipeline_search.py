@@ -54,7 +54,8 @@ from autopar.plans import (PIPELINE_SCHEDULES, Estimate, NodeKind, PipelinePlan,
 from autopar.solver.problem import Edge, Problem, Solution
 from autopar.tracer.graph import MODULE_KEY, TracedGraph
 
-__all__ = ["StageCost", "StageCosts", "PipelineCandidate", "PipelineSearch", "search_stages", "schedules_for"]
+__all__ = ["StageCost", "StageCosts", "PipelineCandidate", "PipelineSearch", "search_stages", "schedule_cuts",
+           "schedules_for"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -307,10 +308,12 @@ def _stage_budget(budget: int | None, virtual_stages: int) -> int | None:
 
 
 def search_stages(traced: TracedGraph, profile, *, mesh: MeshSpec, options, num_stages: int, num_microbatches: int,
-                  schedules: tuple[str, ...], progress=None, solve: Callable[[Problem], Solution] | None = None
-                  ) -> PipelineSearch:
+                  schedules: tuple[str, ...], progress=None, solve: Callable[[Problem], Solution] | None = None,
+                  window: int | None = None) -> PipelineSearch:
     """The fastest pipelined plan of the micro-batch graph ``traced`` over ``num_stages`` ranks on
-    mesh axis 0 among ``schedules`` (module docstring). ``options``: a ``PlanOptions``."""
+    mesh axis 0 among ``schedules`` (module docstring). ``options``: a ``PlanOptions``.
+    ``window``: stages hold between ``B / K - window`` and ``B / K + window`` blocks (None: any
+    count; deep models on many stages: fewer range shapes to solve)."""
     from autopar.planner.builder import build_problem
     from autopar.solver.pipeline import solve as solve_ilp
 
@@ -327,29 +330,11 @@ def search_stages(traced: TracedGraph, profile, *, mesh: MeshSpec, options, num_
     costs = StageCosts(traced, built, mesh=mesh, solve=solve)
     candidates, best = [], None
     for schedule in schedules:
-        v = SCHEDULE_VIRTUAL_STAGES[schedule]
-        parts = num_stages * v
-        if costs.num_blocks < parts:
-            candidates.append(PipelineCandidate(num_microbatches, schedule, v, None,
-                                                f"{costs.num_blocks} blocks < {parts} stages"))
-            continue
-        factor = step_factor(schedule, num_stages=num_stages, virtual_stages=v, num_microbatches=num_microbatches)
-        flight = [in_flight(schedule, index=k, num_stages=num_stages, virtual_stages=v,
-                            num_microbatches=num_microbatches) for k in range(parts)]
-        stage_budget = _stage_budget(budget, v)
-
-        def cost(k, a, b, flight=flight, factor=factor, stage_budget=stage_budget):
-            c = costs.cost(a, b, in_flight=flight[k], factor=factor, budget=stage_budget)
-            return None if c is None else (c.time_s, c.sync_s)
-
-        cuts = best_cuts(costs.num_blocks, parts, cost, factor=factor)
-        if cuts is None:
-            candidates.append(PipelineCandidate(num_microbatches, schedule, v, None,
-                                                f"no cut fits the budget of {budget / 2**30:.2f} GiB"))
-            continue
-        candidates.append(PipelineCandidate(num_microbatches, schedule, v, cuts.objective))
-        if best is None or cuts.objective < best[1].objective:
-            best = (schedule, cuts, factor, flight, stage_budget)
+        found = schedule_cuts(costs, schedule=schedule, num_stages=num_stages, num_microbatches=num_microbatches,
+                              budget=budget, window=window)
+        candidates.append(found[0])
+        if found[1] is not None and (best is None or found[1].objective < best[1].objective):
+            best = (schedule, *found[1:])
     if best is None:
         return PipelineSearch(None, tuple(candidates), costs.num_solves)
     schedule, cuts, factor, flight, stage_budget = best
@@ -363,6 +348,38 @@ def search_stages(traced: TracedGraph, profile, *, mesh: MeshSpec, options, num_
     plan = replace(plan, solver={**plan.solver, "pipeline": {**plan.solver["pipeline"],
                                                              "candidates": [str(c) for c in candidates]}})
     return PipelineSearch(plan, tuple(candidates), costs.num_solves)
+
+
+def schedule_cuts(costs: StageCosts, *, schedule: str, num_stages: int, num_microbatches: int, budget: int | None,
+                  window: int | None = None, allowed: Callable[[int, int, int], bool] | None = None):
+    """(candidate, cuts, factor, in-flight counts, stage budget) of the best cut under ``schedule``
+    (the last four None when no cut fits). ``allowed(k, a, b)``: which stage ranges may be used
+    (benchmarks price fixed cuts with it)."""
+    v = SCHEDULE_VIRTUAL_STAGES[schedule]
+    parts = num_stages * v
+    if costs.num_blocks < parts:
+        return PipelineCandidate(num_microbatches, schedule, v, None, f"{costs.num_blocks} blocks < {parts} stages"), \
+            None, None, None, None
+    factor = step_factor(schedule, num_stages=num_stages, virtual_stages=v, num_microbatches=num_microbatches)
+    flight = [in_flight(schedule, index=k, num_stages=num_stages, virtual_stages=v,
+                        num_microbatches=num_microbatches) for k in range(parts)]
+    stage_budget = _stage_budget(budget, v)
+    even = costs.num_blocks / parts
+
+    def cost(k, a, b):
+        if window is not None and abs((b - a) - even) > window:
+            return None
+        if allowed is not None and not allowed(k, a, b):
+            return None
+        c = costs.cost(a, b, in_flight=flight[k], factor=factor, budget=stage_budget)
+        return None if c is None else (c.time_s, c.sync_s)
+
+    cuts = best_cuts(costs.num_blocks, parts, cost, factor=factor)
+    if cuts is None:
+        budget_text = "no budget" if budget is None else f"the budget of {budget / 2**30:.2f} GiB"
+        return PipelineCandidate(num_microbatches, schedule, v, None, f"no cut fits {budget_text}"), \
+            None, None, None, None
+    return PipelineCandidate(num_microbatches, schedule, v, cuts.objective), cuts, factor, flight, stage_budget
 
 
 def _assemble(costs: StageCosts, traced: TracedGraph, bounds: tuple[int, ...], *, schedule: str, num_stages: int,
