@@ -118,12 +118,15 @@ def find_strategy(node: fx.Node, node_plan: NodePlan, plan: Plan) -> Strategy:
 
 
 def emit_local_graph(traced: TracedGraph, plan: Plan, pmesh: ProcessMesh, *,
-                     device: torch.device, local_inputs: bool = False, bucket_cap: int | None = None) -> EmittedGraph:
+                     device: torch.device, local_inputs: bool = False, bucket_cap: int | None = None,
+                     output_specs: dict[str, TensorSpec] | None = None) -> EmittedGraph:
     """``local_inputs``: user inputs arrive as this rank's piece under the plan's input layout
     (instead of the full value). ``bucket_cap``: bytes per gradient bucket, None for
     ``bucket_cap_bytes()``; 0 emits in-graph ``grad_all_reduce`` nodes (plain autograd, which
-    ``torch.autograd.grad`` and the pipeline's split backward need)."""
-    return _Emitter(traced, plan, pmesh, torch.device(device), local_inputs, bucket_cap).run()
+    ``torch.autograd.grad`` and the pipeline's split backward need). ``output_specs``: traced
+    value name -> the layout that output leaves in (default ``R``; a pipeline stage sends its
+    boundary values in their producers' layouts)."""
+    return _Emitter(traced, plan, pmesh, torch.device(device), local_inputs, bucket_cap, output_specs).run()
 
 
 def _as_tuple(val: Any) -> tuple:
@@ -136,7 +139,9 @@ def _where(node: fx.Node) -> str:
 
 class _Emitter:
     def __init__(self, traced: TracedGraph, plan: Plan, pmesh: ProcessMesh, device: torch.device,
-                 local_inputs: bool, bucket_cap: int | None = None) -> None:
+                 local_inputs: bool, bucket_cap: int | None = None,
+                 output_specs: dict[str, TensorSpec] | None = None) -> None:
+        self.output_specs = dict(output_specs or {})
         self.traced, self.plan, self.pmesh, self.device = traced, plan, pmesh, device
         self.local_inputs = local_inputs
         self.mesh_shape = tuple(pmesh.shape)
@@ -395,7 +400,7 @@ class _Emitter:
             if isinstance(arg, fx.Node):
                 if self.layout.get(arg.name) is None:
                     return self.env[arg.name]
-                return self._convert(arg, replicated, node)
+                return self._convert(arg, self.output_specs.get(arg.name, replicated), node)
             return arg
 
         self.graph.output(pytree.tree_map(full, node.args[0], is_leaf=lambda x: isinstance(x, fx.Node)))

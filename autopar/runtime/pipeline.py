@@ -9,6 +9,8 @@ per-node strategies. On each rank, for each stage it holds (rank r holds stages 
 - the stage's ops are emitted as a local graph on the stage sub-mesh (``emit_local_graph`` on
   the stage's graph, in-graph gradient all-reduces: plain autograd, so the zero-bubble schedule's
   split input/weight backward sees every weight gradient);
+- values crossing a cut are sent in their producer's layout over the stage sub-mesh (each rank
+  sends its piece to the same sub-mesh coordinate of the next stage; ``boundary_layouts``);
 - ONLY the parameters and buffers the rank's stages read are materialised
   (``materialize.local_shards``), as local leaf parameters the stage modules share (one leaf per
   parameter per rank, even when two of its stages read it), wrapped in ``PipelineStage`` with the
@@ -61,6 +63,7 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import (Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
                                                     ScheduleInterleavedZeroBubble)
 
+from autopar.layout.placement import TensorSpec
 from autopar.plans import Plan
 from autopar.runtime.dtensors import local_of, to_dtensor
 from autopar.runtime.materialize import local_shards
@@ -130,7 +133,8 @@ class PipelineModule(nn.Module):
     def __init__(self, *, plan: Plan, traced: TracedGraph, device_mesh: DeviceMesh, pmesh: ProcessMesh,
                  stage_modules: list[_StageModule], leaves: dict[str, torch.Tensor], specs: dict,
                  signature: inspect.Signature, state_keys: tuple[str, ...], device: torch.device,
-                 holders: dict[str, tuple[int, ...]], deferred: dict[str, tuple[int, ...]]) -> None:
+                 holders: dict[str, tuple[int, ...]], deferred: dict[str, tuple[int, ...]],
+                 layouts: dict[str, TensorSpec]) -> None:
         super().__init__()
         pipe = plan.pipeline
         self.plan, self.pmesh, self.device_mesh = plan, pmesh, device_mesh
@@ -156,8 +160,10 @@ class PipelineModule(nn.Module):
             self._dtensors[name] = dt
         num_stages = len(pipe.stages)
         self._pstages = [PipelineStage(m, m.stage.index, num_stages, device, group=self.pp_group,
-                                       input_args=_examples(traced, m.stage.inputs, device),
-                                       output_args=_examples(traced, m.stage.outputs, device))
+                                       input_args=_examples(traced, m.stage.inputs, layouts, pmesh, device),
+                                       output_args=_examples(traced, m.stage.outputs,
+                                                             layouts if m.stage.index < num_stages - 1 else {},
+                                                             pmesh, device))
                          for m in stage_modules]
         last = stage_modules[-1].stage
         self._loss_at = (last.outputs.index(traced.loss_node.name)
@@ -181,6 +187,7 @@ class PipelineModule(nn.Module):
         trained = {p.name for p in traced.params if p.requires_grad}
         self._tied_groups = _tied_groups({k: v for k, v in holders.items() if k in trained}, device_mesh)
         self._deferred = dict(deferred)  # parameter -> mesh axes its gradient is summed over per step
+        self.boundary_layouts = dict(layouts)  # value crossing a cut -> the layout it is sent in
 
     # ------------------------------------------------------------------------------ inputs
     def _flat_inputs(self, args: tuple, kwargs: dict) -> list[torch.Tensor]:
@@ -329,12 +336,32 @@ class PipelineModule(nn.Module):
         return "\n".join(f"# stage {m.stage.index}\n{m.gm.code}" for m in self._stages)
 
 
-def _examples(traced: TracedGraph, names: tuple[str, ...], device: torch.device) -> tuple[torch.Tensor, ...]:
-    """Zero tensors shaped like the micro-batch values ``names`` (static stage metadata)."""
-    vals = [traced.node(n).meta["val"] for n in names]
-    # requires_grad marks what carries a gradient back (floating values)
-    return tuple(torch.zeros(v.shape, dtype=v.dtype, device=device).requires_grad_(v.dtype.is_floating_point)
-                 for v in vals)
+def _examples(traced: TracedGraph, names: tuple[str, ...], layouts: dict[str, TensorSpec], pmesh: ProcessMesh,
+              device: torch.device) -> tuple[torch.Tensor, ...]:
+    """Zero tensors shaped like this rank's pieces of the micro-batch values ``names`` (static
+    stage metadata; ``layouts``: the boundary layouts, replicated where absent)."""
+    out = []
+    for name in names:
+        v = traced.node(name).meta["val"]
+        shape = layouts[name].local_shape(tuple(v.shape), pmesh.shape) if name in layouts else v.shape
+        # requires_grad marks what carries a gradient back (floating values)
+        out.append(torch.zeros(shape, dtype=v.dtype, device=device).requires_grad_(v.dtype.is_floating_point))
+    return tuple(out)
+
+
+def _boundary_layouts(stage_plan: Plan, graphs: list[StageGraph], ndim: int) -> dict[str, TensorSpec]:
+    """Traced value name -> the layout it crosses a cut in: its decision's (single) output
+    layout, the layout a receiving stage's emitter reads it in."""
+    decisions = {n.name: n for n in stage_plan.nodes}
+    out = {}
+    for g in graphs[:-1]:
+        for name in g.outputs:
+            d = decisions.get(name)
+            if d is not None and len(d.output_specs) == 1 and d.output_specs[0] is not None:
+                out[name] = TensorSpec.parse(d.output_specs[0])
+            else:
+                out[name] = TensorSpec.replicated(ndim)
+    return out
 
 
 def _tied_groups(holders: dict[str, tuple[int, ...]], device_mesh: DeviceMesh) -> dict[str, Any]:
@@ -404,8 +431,16 @@ def build_pipeline(model: nn.Module, traced: TracedGraph, plan: Plan, *, device:
         for name in g.state:
             holders.setdefault(name, set()).add(pipe.stages[g.index].rank)
     mine = [g for g in graphs if pipe.stages[g.index].rank == pp_rank]
-    stage_plan = dataclasses.replace(plan, mesh=plan.stage_mesh(), pipeline=None)
-    emitted = [emit_local_graph(g.traced, stage_plan, pmesh, device=device, bucket_cap=0) for g in mine]
+    # Boundary values cross in their producer's layout (no gather before a cut, no split after):
+    # a received value is a placeholder named like its producer, and with ``local_inputs`` the
+    # emitter lays it out as the plan's decision of that name says; the sender converts to the
+    # same. User inputs (and values without a single-output decision) cross replicated.
+    user = {p.name for p in traced.placeholders if p.kind == INPUT}
+    stage_plan = dataclasses.replace(plan, mesh=plan.stage_mesh(), pipeline=None,
+                                     nodes=tuple(n for n in plan.nodes if n.name not in user))
+    layouts = _boundary_layouts(stage_plan, graphs, len(pmesh.shape))
+    emitted = [emit_local_graph(g.traced, stage_plan, pmesh, device=device, bucket_cap=0, local_inputs=True,
+                                output_specs=layouts if g.index < len(graphs) - 1 else None) for g in mine]
     for g, e in zip(mine, emitted):  # activation checkpointing: each region inside its stage
         ops = {n.name for n in g.traced.nodes if n.op != "placeholder"}  # received values keep producer names
         regions = [r for r in plan.recompute if ops & set(r.nodes)]
@@ -432,6 +467,7 @@ def build_pipeline(model: nn.Module, traced: TracedGraph, plan: Plan, *, device:
         modules.append(_StageModule(gm, g, shards))
     state_keys = tuple(model.state_dict(keep_vars=True))
     return PipelineModule(plan=plan, traced=traced, device_mesh=device_mesh, pmesh=pmesh, stage_modules=modules,
+                          layouts=layouts,
                           leaves=shards, specs=specs, signature=inspect.signature(model.forward),
                           state_keys=state_keys, device=device,
                           holders={k: tuple(sorted(v)) for k, v in holders.items()}, deferred=deferred)

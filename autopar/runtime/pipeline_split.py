@@ -12,10 +12,10 @@ outputs (its tensors; ``None`` leaves are restored by the module).
 
 In a stage graph a received value is a user-input placeholder named like its producer, with
 the producer's ``val`` (so the plan's strategies for the stage's ops are found by name and by
-the same argument metadata); it arrives replicated over the stage sub-mesh and leaves
-replicated (the emitter converts outputs to ``R``): a boundary costs one conversion on each
-side when the producer's layout is sharded. Parameters, buffers and constants are placeholders
-of every stage that reads them (a tied weight read by two stages is in both).
+the same argument metadata, and ``autopar.runtime.pipeline`` sends and receives it in the
+layout the plan's decision of that name gives: no conversion at a cut). Parameters, buffers and
+constants are placeholders of every stage that reads them (a tied weight read by two stages is
+in both).
 """
 
 from __future__ import annotations

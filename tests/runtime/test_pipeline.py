@@ -9,6 +9,7 @@ and zero-bubble (interleaved, 2 virtual stages), 4 micro-batches on (2, 2) and 8
 graph is the micro-batch graph: one trace per model serves both). Every rank checks against the
 single-device reference computed before the fork:
 
+- boundary values cross the cuts in their producers' (sharded) layouts on (2, 2);
 - ``pm.step(full batch)`` returns the full-batch loss on every rank and leaves every gradient
   (``full_gradients()``, tied names included) equal to one full-batch backward, rtol 1e-4;
 - a second ``step`` without zeroing doubles every gradient; forward only (``pm(...)``): the
@@ -134,6 +135,8 @@ def _run(rank, world, model, traced, plans, batches, refs, adamw):
         inputs, ref = batches[m], refs[m]
         pm = build_pipeline(model, traced, plan, device="cpu")
         errors += holding_errors(label, pm, traced, plan)
+        if plan.mesh.ndim == 2 and all(set(str(v)) <= {"R"} for v in pm.boundary_layouts.values()):
+            errors.append(f"{label}: every boundary value crosses replicated ({pm.boundary_layouts})")
         if plan.recompute and "self.recompute" not in pm.code:
             errors.append(f"{label}: no checkpoint region in the stage graphs")
         loss = pm.step(**inputs)
