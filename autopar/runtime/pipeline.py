@@ -8,7 +8,9 @@ per-node strategies. On each rank, for each stage it holds (rank r holds stages 
 
 - the stage's ops are emitted as a local graph on the stage sub-mesh (``emit_local_graph`` on
   the stage's graph, in-graph gradient all-reduces: plain autograd, so the zero-bubble schedule's
-  split input/weight backward sees every weight gradient);
+  split input/weight backward sees every weight gradient); a parameter's data-parallel gradient
+  sum is then taken out of the graph and run once per step on the gradient accumulated over the
+  micro-batches (DDP's ``no_sync``: 1/M of the collectives);
 - values crossing a cut are sent in their producer's layout over the stage sub-mesh (each rank
   sends its piece to the same sub-mesh coordinate of the next stage; ``boundary_layouts``);
 - ONLY the parameters and buffers the rank's stages read are materialised
