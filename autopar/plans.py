@@ -19,7 +19,7 @@ from autopar.layout.mesh import MeshSpec
 from autopar.layout.placement import Shard, TensorSpec
 
 __all__ = ["PLAN_VERSION", "PRECISIONS", "COST_MODEL_VERSION", "NodeKind", "NodePlan", "Estimate", "BaselineResult",
-           "RecomputeRegion", "StagePlan", "PipelinePlan", "PIPELINE_SCHEDULES", "Plan"]
+           "RecomputeRegion", "StagePlan", "PipelinePlan", "PIPELINE_SCHEDULES", "Plan", "stage_mesh_of"]
 
 PLAN_VERSION = 1
 PRECISIONS = ("fp32", "bf16", "fp16")  # what ops compute in (torch dtypes: autopar.tracer.precision)
