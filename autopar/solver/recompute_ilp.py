@@ -21,22 +21,15 @@ only points where a peak can be (``simplify.peak_candidates``: nothing ends in f
 ``[S0, b-1]`` a segment contributes ``H_s = (1 - r_s) A_s(x) + r_s c_s(x)`` at every peak
 candidate, and on ``[b, E]`` its backward parts plus ``J_s = r_s c_s(x)``.
 
-Linearisation (exact for binary ``x`` and ``r``; all in MiB or seconds)
---------------------------------------------------------------------
-Variables per segment: ``r_s`` binary; ``H_s, J_s, T_s >= 0`` continuous. With
-``A_s(x) = sum_{g,k} a_{s,g,k} x[g,k]`` (likewise ``c_s``, ``F_s``) and the big-M constants
-``MA_s = sum_g max_k a_{s,g,k}`` (likewise ``Mc_s``, ``MF_s``)::
-
-    H_s >= A_s(x) - MA_s r_s          H_s >= c_s(x) - Mc_s (1 - r_s)
-    J_s >= c_s(x) - Mc_s (1 - r_s)    T_s >= F_s(x) - MF_s (1 - r_s)
-    memory at candidate k:  P + sum(plain items live at k) + sum_{s: S0<=k<b} H_s
-                            + sum_{s: b<=k<=E} (backward parts live at k + J_s)  <= budget
-    objective:              (the sharding ILP's) + sum_s T_s
-
-``H``, ``J`` appear only in ``<=`` memory rows with coefficient +1 and ``T`` only in the
-minimised objective, so each takes the larger of its lower bounds: with ``r_s = 0`` the bounds
-give ``H_s = A_s``, ``J_s = 0``, ``T_s = 0``; with ``r_s = 1``, ``H_s = J_s = c_s``,
-``T_s = F_s`` (``A_s <= MA_s`` etc.). Nothing multiplies two variables.
+Linearisation (exact for binary ``x`` and ``r``; all in MiB or seconds; no big-M)
+--------------------------------------------------------------------------------
+Each product ``form(x) * r_s`` (form = ``A``, ``c``, ``F``, or a child's ``A`` times its block's
+``r``) is written with ``z_{s,g,q} >= 0`` per group ``g`` and class ``q`` of options the forms
+cannot tell apart: ``z <= sum_{k in q} x[g,k]``, ``sum_q z_{s,g,q} = r_s`` (the convex hull of
+``x[g,.] * r_s``: the big-M version's LP relaxation freed a whole activation with a sliver of
+``r``; Llama-70B's LP bound 5.524 s -> 5.739 s, the best plan found 5.745 s). Then
+``H_s = A_s(x) - A_s r_s - A_s r_B + c_s r_s``, ``J_s = c_s r_s`` (equalities, ``>= 0``), and the
+objective gains ``F_s r_s``.
 
 Size and repeated blocks: ``x`` stays shared between identical blocks (``simplify`` aliasing), so
 the sharding part of the model is flat in depth; recompute adds one binary, three continuous
@@ -140,8 +133,8 @@ class RecomputeModel(IlpModel):
         return terms, const, top
 
     def add_recompute(self, objective: Terms) -> None:
-        """Variables and linking rows (module docstring), then the ``fixed`` decisions; appends
-        ``T_u`` to ``objective``."""
+        """Variables and rows of the module docstring, then the ``fixed`` decisions and the
+        symmetry rows; appends the recompute seconds to ``objective``."""
         fwd_vecs: dict[str, dict[int, np.ndarray]] = defaultdict(dict)
         for g, table in enumerate(self.reduced.forward):
             for seg, vec in table.items():
@@ -157,47 +150,78 @@ class RecomputeModel(IlpModel):
                 act_vecs[it.segment][it.group] = vec if prev is None else prev + vec
         for i, u in enumerate(self.units):
             self.r[u] = self.prob.add_variable(f"r_{i}", cat=pulp.LpBinary)
+        children: dict[str, list[str]] = defaultdict(list)
+        for u in self.units:
+            if self.geo[u].parent is not None:
+                children[self.geo[u].parent].append(u)
+        block_times: dict[str, Terms] = {}  # child -> A_child(x) * r_block
         for i, u in enumerate(self.units):
-            g, r = self.geo[u], self.r[u]
-            c_terms, c_const, c_max = self._sum(self.c_vec[u])
-            f_terms, f_const, f_max = self._sum(fwd_vecs.get(u, {}))
-            t = self.prob.add_variable(f"T_{i}", lowBound=0)
-            self.prob += affine(f_terms + [(r, f_max), (t, -1.0)], f_const - f_max) <= 0, f"T_f_{i}"
-            objective.append((t, 1.0))
-
-            def at_least_c(var, tag):  # var >= c(x) - Mc (1 - r)
-                self.prob += affine(c_terms + [(r, c_max), (var, -1.0)], c_const - c_max) <= 0, f"{tag}_c_{i}"
-
-            if g.parent is None and any(self.geo[v].parent == u for v in self.units):  # a block
-                j = self.prob.add_variable(f"J_{i}", lowBound=0)
-                at_least_c(j, "J")
-                self.spans.append((j, g.start, g.end))
+            if self.geo[u].parent is None and children.get(u):  # a block: J = c r, T = F r
+                kids = children[u]
+                f_r, c_r, *a_r = self._products(i, u, [fwd_vecs.get(u, {}), self.c_vec[u]]
+                                                + [act_vecs.get(v, {}) for v in kids])
+                block_times.update(zip(kids, a_r))
+                objective.extend(f_r)
+                self._span_var(f"J_{i}", c_r, 0.0, self.geo[u].start, self.geo[u].end)
+        for i, u in enumerate(self.units):
+            g = self.geo[u]
+            if g.parent is None and children.get(u):
                 continue
-            a_terms, a_const, a_max = self._sum(act_vecs[u])
-            rb = self.r.get(g.parent) if g.parent is not None else None
+            r, rb = self.r[u], self.r.get(g.parent) if g.parent is not None else None
+            f_r, a_r, c_r = self._products(i, u, [fwd_vecs.get(u, {}), act_vecs.get(u, {}), self.c_vec[u]])
+            objective.extend(f_r)
+            a_terms, a_const, _ = self._sum(act_vecs.get(u, {}))
+            minus_a = [(v, -c) for v, c in a_r]
+            # before the block's backward: A unless recomputed (alone or in the block), c if alone
+            drop_block = [(v, -c) for v, c in block_times.get(u, ())] if rb is not None else []
             b_block = self.geo[g.parent].bwd if rb is not None else g.bwd
             if rb is not None:
                 self.prob += affine([(r, 1.0), (rb, 1.0)]) <= 1, f"excl_{i}"
-            # before the block's backward: A unless recomputed (alone or in the block), c if alone
-            h = self.prob.add_variable(f"H_{i}", lowBound=0)
-            drop = [(r, -a_max)] + ([(rb, -a_max)] if rb is not None else [])
-            self.prob += affine(a_terms + drop + [(h, -1.0)], a_const) <= 0, f"H_a_{i}"
-            at_least_c(h, "H")
-            self.spans.append((h, g.start, b_block - 1))
+            self._span_var(f"H_{i}", a_terms + minus_a + drop_block + c_r, a_const, g.start, b_block - 1)
             if b_block < g.bwd:  # the block is rematerialised, this segment not yet (if alone)
-                h2 = self.prob.add_variable(f"H2_{i}", lowBound=0)
-                self.prob += affine(a_terms + [(r, -a_max), (h2, -1.0)], a_const) <= 0, f"H2_a_{i}"
-                at_least_c(h2, "H2")
-                self.spans.append((h2, b_block, g.bwd - 1))
-            j = self.prob.add_variable(f"J_{i}", lowBound=0)
-            at_least_c(j, "J")
-            self.spans.append((j, g.bwd, g.end))
-        if self.order:
-            self.num_order_rows = self._add_order(fwd_vecs, act_vecs)
+                self._span_var(f"H2_{i}", a_terms + minus_a + c_r, a_const, b_block, g.bwd - 1)
+            self._span_var(f"J_{i}", c_r, 0.0, g.bwd, g.end)
         for i, (unit, value) in enumerate(sorted(self.fixed.items())):
             if unit not in self.r:
                 raise ValueError(f"cannot fix unknown segment {unit!r}; known: {sorted(self.r)}")
             self.prob += affine([(self.r[unit], 1.0)]) == int(bool(value)), f"fix_{i}"
+        if self.order:
+            self.num_order_rows = self._add_order(fwd_vecs, act_vecs)
+
+    def _span_var(self, name: str, terms: Terms, const: float, first: int, last: int) -> None:
+        """A variable equal to ``terms + const`` (MiB, >= 0), held on ``[first, last]``."""
+        var = self.prob.add_variable(name, lowBound=0)
+        self.prob += affine(terms + [(var, -1.0)], const) == 0, f"{name}_def"
+        self.spans.append((var, first, last))
+
+    def _products(self, i: int, unit: str, forms: list[Mapping[int, np.ndarray]]) -> list[Terms]:
+        """``form(x) * r_unit`` for each form (group -> vector over the group's options), exact
+        and without big-M (module docstring): one ``z`` per group and class of options the forms
+        cannot tell apart, ``z <= sum of the class's x``, ``sum z = r``."""
+        r = self.r[unit]
+        out: list[Terms] = [[] for _ in forms]
+        for g in sorted(set().union(*forms)):
+            n = len(self.reduced.cost[g])
+            mat = np.array([np.broadcast_to(np.asarray(f.get(g, 0.0), dtype=float), (n,)) for f in forms])
+            low = mat.min(axis=1)
+            for f in np.flatnonzero(low):
+                out[f].append((r, float(low[f])))
+            classes: dict[tuple, list[int]] = {}
+            for k in range(n):
+                classes.setdefault(tuple(np.round(mat[:, k] - low, 9)), []).append(k)
+            xs = self.x[g]
+            if xs is None or len(classes) == 1:
+                continue
+            zs = []
+            for c, (values, members) in enumerate(classes.items()):
+                z = self.prob.add_variable(f"z_{i}_{g}_{c}", lowBound=0)
+                self.prob += affine([(z, 1.0)] + [(xs[k], -1.0) for k in members]) <= 0, f"zx_{i}_{g}_{c}"
+                zs.append(z)
+                for f, v in enumerate(values):
+                    if v:
+                        out[f].append((z, float(v)))
+            self.prob += affine([(z, 1.0) for z in zs] + [(r, -1.0)]) == 0, f"zr_{i}_{g}"
+        return out
 
     def _add_order(self, fwd_vecs, act_vecs) -> int:
         """Symmetry-breaking rows between identical units of identical blocks (module docstring,

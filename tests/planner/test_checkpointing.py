@@ -10,12 +10,13 @@ from contextlib import contextmanager
 import pytest
 
 from autopar import zoo
-from autopar.api import PlanOptions, plan_model
+from autopar.api import PlanOptions
 from autopar.planner import checkpointing
 from autopar.planner.builder import build_problem
 from autopar.planner.checkpointing import (ChoiceCosts, estimate, plan_recompute, recompute_lower_bound,
                                            rotor_refine)
 from autopar.solver import pipeline
+from autopar.tracer import profile, trace
 
 
 class _Recorder:
@@ -28,18 +29,24 @@ class _Recorder:
         yield
 
 
+def _case(name: str):
+    """(traced, profile, peak of the fastest plan without a budget): trace and profile once,
+    the budgets of the tests are fractions of that peak."""
+    model, inputs = zoo.build(name, tiny=True, batch=4, seq=64, num_layers=2, device="meta")
+    traced = trace(model, inputs)
+    prof = profile(traced)
+    free = build_problem(traced, prof, PlanOptions().mesh((2,)), budget_bytes=None, options=PlanOptions())
+    return traced, prof, pipeline.solve(free.problem).peak_bytes
+
+
 @pytest.fixture(scope="module")
 def gpt2():
-    model, inputs = zoo.build("gpt2", tiny=True, batch=4, seq=64, num_layers=2, device="meta")
-    r = plan_model(model, inputs, mesh=(2,), options=PlanOptions(checkpoint="none", memory_budget=None))
-    return r.traced, r.profile, r.plan.estimate.peak_bytes
+    return _case("gpt2")
 
 
 @pytest.fixture(scope="module")
 def llama():
-    model, inputs = zoo.build("llama-1b", tiny=True, batch=4, seq=64, num_layers=2, device="meta")
-    r = plan_model(model, inputs, mesh=(2,), options=PlanOptions(checkpoint="none", memory_budget=None))
-    return r.traced, r.profile, r.plan.estimate.peak_bytes
+    return _case("llama-1b")
 
 
 def _built(case, fraction):
