@@ -26,7 +26,7 @@ from autopar.runtime.module import AutoParallelModule
 from autopar.runtime.passes import STATE_KEY, emit_local_graph
 from autopar.runtime.process_mesh import ProcessMesh
 
-__all__ = ["build_module", "check_plan", "runtime_device", "mesh_preset"]
+__all__ = ["build_module", "check_plan", "runtime_device", "mesh_preset", "attach_tensor"]
 
 
 def runtime_device(device: str | torch.device | None = None) -> torch.device:
@@ -85,7 +85,7 @@ def build_module(model: nn.Module, traced, plan: Plan, *, device: torch.device, 
         dtensor = to_dtensor(shards[name], emitted.specs[name], pmesh, shapes[name])
         if isinstance(shards[name], nn.Parameter):
             dtensor = nn.Parameter(dtensor, requires_grad=shards[name].requires_grad)
-        _attach(gm, emitted.attr_of[name], dtensor)
+        attach_tensor(gm, emitted.attr_of[name], dtensor)
     module = AutoParallelModule(
         gm, traced=traced, plan=plan, pmesh=pmesh, specs=emitted.specs, attr_of=emitted.attr_of,
         signature=inspect.signature(model.forward), state_keys=tuple(model.state_dict(keep_vars=True)),
@@ -95,7 +95,7 @@ def build_module(model: nn.Module, traced, plan: Plan, *, device: torch.device, 
     return module
 
 
-def _attach(root: nn.Module, path: str, tensor: torch.Tensor) -> None:
+def attach_tensor(root: nn.Module, path: str, tensor: torch.Tensor) -> None:
     """Register ``tensor`` (a parameter or a buffer) at the dotted ``path`` under ``root``,
     creating empty container modules on the way (the original model's names)."""
     *parents, leaf = path.split(".")

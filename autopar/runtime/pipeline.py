@@ -67,6 +67,7 @@ from torch.distributed.pipelining.schedules import (Schedule1F1B, ScheduleGPipe,
 
 from autopar.layout.placement import TensorSpec
 from autopar.plans import Plan
+from autopar.runtime.build import attach_tensor
 from autopar.runtime.dtensors import local_of, to_dtensor
 from autopar.runtime.materialize import local_shards
 from autopar.runtime.module import _snapshot
@@ -158,7 +159,7 @@ class PipelineModule(nn.Module):
             dt = to_dtensor(local_of(leaf), specs[name], pmesh, ph.shape)
             if isinstance(leaf, nn.Parameter):
                 dt = nn.Parameter(dt, requires_grad=leaf.requires_grad)
-            _attach(self.stage_state, ph.fqn, dt)
+            attach_tensor(self.stage_state, ph.fqn, dt)
             self._dtensors[name] = dt
         num_stages = len(pipe.stages)
         self._pstages = [PipelineStage(m, m.stage.index, num_stages, device, group=self.pp_group,
@@ -384,21 +385,6 @@ def _tied_groups(holders: dict[str, tuple[int, ...]], device_mesh: DeviceMesh) -
             if me in ranks:
                 out[name] = made[ranks]
     return out
-
-
-def _attach(root: nn.Module, path: str, tensor: torch.Tensor) -> None:
-    *parents, leaf = path.split(".")
-    owner = root
-    for part in parents:
-        child = owner._modules.get(part)
-        if child is None:
-            child = nn.Module()
-            owner.add_module(part, child)
-        owner = child
-    if isinstance(tensor, nn.Parameter):
-        owner.register_parameter(leaf, tensor)
-    else:
-        owner.register_buffer(leaf, tensor)
 
 
 def build_pipeline(model: nn.Module, traced: TracedGraph, plan: Plan, *, device: torch.device | str,
