@@ -185,7 +185,7 @@ def restricted_plan(model, inputs, *, mesh, baseline: str = "data-parallel", mem
     from autopar.planner.assemble import assemble_plan, baseline_problem
     from autopar.planner.builder import build_problem
     from autopar.planner.checkpointing import estimate
-    from autopar.solver.pipeline import solve
+    from autopar.solver.driver import solve
     from autopar.strategies import needs_decomposition
     from autopar.tracer import profile, trace
 

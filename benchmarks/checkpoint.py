@@ -78,7 +78,7 @@ def gpt2_tiny_budgets(fractions=(1.0, 0.7, 0.5, 0.35)) -> list[dict]:
     from autopar.api import plan as make_plan
     from autopar.planner.checkpointing import estimate
     from autopar.layout.blocks import block_of as block_of_segment
-    from autopar.solver.pipeline import solve
+    from autopar.solver.driver import solve
 
     torch.manual_seed(0)
     model, inputs = zoo.build("gpt2", tiny=True, batch=8, seq=128, num_layers=4, device="cpu")

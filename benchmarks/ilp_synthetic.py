@@ -23,7 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from autopar.solver.ilp import available_backends  # noqa: E402
-from autopar.solver.pipeline import SolveTimeout, solve  # noqa: E402
+from autopar.solver.driver import SolveTimeout, solve  # noqa: E402
 from autopar.solver.problem import Edge, Node, Problem, StrategyOption  # noqa: E402
 
 MiB = 1 << 20

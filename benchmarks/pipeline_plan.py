@@ -40,7 +40,7 @@ from autopar.planner.builder import build_problem
 from autopar.planner.options import PlanOptions
 from autopar.planner.pipeline_search import StageCosts, micro_inputs, schedule_cuts, search_stages
 from autopar.plans import stage_mesh_of
-from autopar.solver.pipeline import solve as solve_ilp
+from autopar.solver.driver import solve as solve_ilp
 from autopar.strategies import needs_decomposition
 from autopar.tracer import profile, trace
 

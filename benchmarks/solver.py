@@ -131,7 +131,7 @@ def _traced(c: dict, *, reuse: bool) -> tuple:
 def run_case(c: dict, *, reuse: bool = True, time_limit: float = 120.0, allow_fallback: bool = True) -> dict:
     from autopar.planner.builder import build_problem
     from autopar.planner.options import PlanOptions
-    from autopar.solver.pipeline import solve
+    from autopar.solver.driver import solve
 
     rec: dict = {"case": case_id(c), **{k: c.get(k) for k in CASE_KEYS}}
     try:

@@ -280,7 +280,7 @@ def cmd_profile_mesh(args) -> int:
 
 def _is_planner_error(exc: RuntimeError) -> bool:
     """Trace failures and solver time-outs are the user's to fix; other RuntimeErrors are bugs."""
-    from autopar.solver.pipeline import SolveTimeout
+    from autopar.solver.driver import SolveTimeout
     from autopar.tracer import TraceError
 
     return isinstance(exc, (TraceError, SolveTimeout))

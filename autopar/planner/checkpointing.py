@@ -221,7 +221,7 @@ def plan_recompute(traced, prof, built, *, mode: str = "auto", solver: str = "au
     cannot beat a candidate already found (``recompute_lower_bound``; never on a tie), and the
     refinement of a sharding whose no-recompute plan fits (recompute only adds time to it): the
     answer is the exhaustive search's. ``prune=False`` runs every step (for tests)."""
-    from autopar.solver.pipeline import SolveTimeout, solve
+    from autopar.solver.driver import SolveTimeout, solve
     from autopar.solver.simplify import simplify
 
     if mode not in MODES:

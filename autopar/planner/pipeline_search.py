@@ -315,7 +315,7 @@ def search_stages(traced: TracedGraph, profile, *, mesh: MeshSpec, options, num_
     ``window``: stages hold between ``B / K - window`` and ``B / K + window`` blocks (None: any
     count; deep models on many stages: fewer range shapes to solve)."""
     from autopar.planner.builder import build_problem
-    from autopar.solver.pipeline import solve as solve_ilp
+    from autopar.solver.driver import solve as solve_ilp
 
     if mesh.shape[0] != num_stages:
         raise ValueError(f"pipeline={num_stages} needs mesh axis 0 of size {num_stages}; mesh {mesh.shape} has "

@@ -41,7 +41,7 @@ limit. A HiGHS run that overruns keeps its best streamed solution; one with none
 crashes or fails, is retried once with CBC within ``HARD_FACTOR`` x the time limit.
 
 Solving a problem end to end (simplify, build, solve, check, errors) is
-``autopar.solver.pipeline``. No torch import.
+``autopar.solver.driver``. No torch import.
 """
 
 from __future__ import annotations

@@ -67,7 +67,7 @@ then order each kind. Caveats: the argument is about this model (it counts a val
 units keep once per unit); ``Problem.evaluate`` re-checks the plan either way.
 ``tests/solver/test_recompute_ilp.py`` compares the optimum with and without the rows.
 
-The pipeline (``autopar.solver.pipeline``) re-evaluates every answer exactly with
+The pipeline (``autopar.solver.driver``) re-evaluates every answer exactly with
 ``Problem.evaluate(choice, recompute=...)`` (item by item, on the true intervals) and checks it
 against the solver's objective. No torch import.
 """

@@ -15,7 +15,7 @@ from autopar.planner import checkpointing
 from autopar.planner.builder import build_problem
 from autopar.planner.checkpointing import (ChoiceCosts, estimate, plan_recompute, recompute_lower_bound,
                                            rotor_refine)
-from autopar.solver import pipeline
+from autopar.solver import driver
 from autopar.tracer import profile, trace
 
 
@@ -36,7 +36,7 @@ def _case(name: str):
     traced = trace(model, inputs)
     prof = profile(traced)
     free = build_problem(traced, prof, PlanOptions().mesh((2,)), budget_bytes=None, options=PlanOptions())
-    return traced, prof, pipeline.solve(free.problem).peak_bytes
+    return traced, prof, driver.solve(free.problem).peak_bytes
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +61,7 @@ _SOLVED: dict = {}  # shared by this module's tests: each ILP solved once
 @pytest.fixture
 def solve_once(monkeypatch):
     """Both searches solve the same ILPs: solve each once (the solver is deterministic here)."""
-    real, memo = pipeline.solve, _SOLVED
+    real, memo = driver.solve, _SOLVED
 
     def solve(problem, **kwargs):
         key = (problem, kwargs.get("recompute_inputs") is not None, tuple(sorted(kwargs.get("fixed") or {})))
@@ -69,7 +69,7 @@ def solve_once(monkeypatch):
             memo[key] = real(problem, **kwargs)
         return memo[key]
 
-    monkeypatch.setattr(pipeline, "solve", solve)
+    monkeypatch.setattr(driver, "solve", solve)
 
 
 def _same(fast, full):
@@ -124,7 +124,7 @@ def test_lower_bound_holds_for_every_recompute_set(gpt2, solve_once):
     traced, prof, _ = gpt2
     built = _built(gpt2, 0.5)
     problem, inputs = built.problem, built.segment_inputs
-    sol = pipeline.solve(problem, recompute_inputs=inputs)
+    sol = driver.solve(problem, recompute_inputs=inputs)
     costs = ChoiceCosts(built)
     lower = recompute_lower_bound(built, sol.choice, costs=costs)
     assert sol.recompute and math.isfinite(lower)
@@ -142,7 +142,7 @@ def test_lower_bound_holds_for_every_recompute_set(gpt2, solve_once):
 
 def test_cached_costs_give_the_same_estimate(gpt2, solve_once):
     built = _built(gpt2, 0.5)
-    sol = pipeline.solve(built.problem, recompute_inputs=built.segment_inputs)
+    sol = driver.solve(built.problem, recompute_inputs=built.segment_inputs)
     costs = ChoiceCosts(built)
     for units in ((), sol.recompute):
         plain = estimate(built, built.problem, sol.choice, units, built.segment_inputs)

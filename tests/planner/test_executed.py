@@ -19,7 +19,7 @@ from autopar.planner.executed import grad_syncs, shared_savings, unique_conversi
 from autopar.planner.options import PlanOptions
 from autopar.plans import NodeKind
 from autopar.report.analysis import comm_breakdown
-from autopar.solver.pipeline import solve
+from autopar.solver.driver import solve
 
 
 @pytest.fixture(scope="module")

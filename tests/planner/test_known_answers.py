@@ -11,7 +11,7 @@ from autopar.planner.builder import build_problem
 from autopar.planner.options import PlanOptions
 from autopar.layout.cost import collective_seconds
 from autopar.layout.mesh import MeshSpec
-from autopar.solver.pipeline import solve
+from autopar.solver.driver import solve
 from autopar.tracer import profile, trace
 
 GiB = 2**30

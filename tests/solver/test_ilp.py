@@ -8,7 +8,7 @@ import pytest
 
 from autopar.solver import ilp
 from autopar.solver.ilp import available_backends
-from autopar.solver.pipeline import minimum_budget, solve
+from autopar.solver.driver import minimum_budget, solve
 from autopar.solver.problem import Edge, Node, Problem, Solution, StrategyOption
 
 BACKENDS = available_backends()

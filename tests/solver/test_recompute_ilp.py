@@ -9,7 +9,7 @@ import itertools
 import pytest
 
 from autopar.solver.problem import Node, Problem, StrategyOption
-from autopar.solver.pipeline import minimum_budget, solve
+from autopar.solver.driver import minimum_budget, solve
 from autopar.solver.timeline import SegmentInput, segment_geometry
 
 

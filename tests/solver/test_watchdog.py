@@ -16,7 +16,7 @@ import pytest
 
 from autopar.solver import ilp
 from autopar.solver.ilp import HARD_FACTOR
-from autopar.solver.pipeline import SolveTimeout, solve
+from autopar.solver.driver import SolveTimeout, solve
 from autopar.solver.problem import Edge, Node, Problem, StrategyOption
 from autopar.solver.watchdog import run_in_child
 
