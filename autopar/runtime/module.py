@@ -101,11 +101,7 @@ class AutoParallelModule(nn.Module):
         return self._traced.unflatten_outputs(list(self.graph_module(*values)))
 
     def _flat_inputs(self, args: tuple, kwargs: dict) -> list[torch.Tensor]:
-        try:
-            bound = self._signature.bind(*args, **kwargs)
-        except TypeError as err:
-            raise ValueError(f"inputs do not fit {self._traced.model_name}.forward{self._signature}: {err}") from None
-        leaves = {keyword_path(path): v for path, v in pytree.tree_flatten_with_path(dict(bound.arguments))[0]}
+        leaves = input_leaves(self._signature, self._traced.model_name, args, kwargs)
         values = []
         for p in self._inputs:
             if p.fqn not in leaves:
@@ -263,3 +259,13 @@ def clip_grad_norm_(model: AutoParallelModule, max_norm: float, norm_type: float
         raise ValueError(f"norm_type must be positive, got {norm_type}")
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, norm_type=norm_type)
     return norm.full_tensor() if isinstance(norm, DTensor) else norm
+
+
+def input_leaves(signature: inspect.Signature, model_name: str, args: tuple, kwargs: dict) -> dict[str, Any]:
+    """The call's arguments bound to ``signature`` and flattened: input FQN (as the trace names
+    placeholders) -> value. ``ValueError`` when they do not bind."""
+    try:
+        bound = signature.bind(*args, **kwargs)
+    except TypeError as err:
+        raise ValueError(f"inputs do not fit {model_name}.forward{signature}: {err}") from None
+    return {keyword_path(path): v for path, v in pytree.tree_flatten_with_path(dict(bound.arguments))[0]}

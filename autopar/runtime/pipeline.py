@@ -58,7 +58,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.fx as fx
-import torch.utils._pytree as pytree
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.pipelining import PipelineStage
@@ -70,13 +69,13 @@ from autopar.plans import Plan
 from autopar.runtime.build import attach_tensor
 from autopar.runtime.dtensors import local_of, to_dtensor
 from autopar.runtime.materialize import local_shards
-from autopar.runtime.module import _snapshot
+from autopar.runtime.module import _snapshot, input_leaves
 from autopar.runtime.nodes import GradAllReduce
 from autopar.runtime.passes import STATE_KEY, emit_local_graph
 from autopar.runtime.pipeline_split import StageGraph, split_stages
 from autopar.runtime.process_mesh import ProcessMesh
 from autopar.runtime.recompute import apply_recompute
-from autopar.tracer.graph import BUFFER, INPUT, PARAMETER, TracedGraph, keyword_path
+from autopar.tracer.graph import BUFFER, INPUT, PARAMETER, TracedGraph
 
 __all__ = ["SCHEDULES", "PipelineModule", "build_pipeline", "pipeline_device_mesh"]
 
@@ -194,11 +193,7 @@ class PipelineModule(nn.Module):
 
     # ------------------------------------------------------------------------------ inputs
     def _flat_inputs(self, args: tuple, kwargs: dict) -> list[torch.Tensor]:
-        try:
-            bound = self._signature.bind(*args, **kwargs)
-        except TypeError as err:
-            raise ValueError(f"inputs do not fit {self._traced.model_name}.forward{self._signature}: {err}") from None
-        leaves = {keyword_path(path): v for path, v in pytree.tree_flatten_with_path(dict(bound.arguments))[0]}
+        leaves = input_leaves(self._signature, self._traced.model_name, args, kwargs)
         values = []
         for p in self._inputs:
             value = leaves.get(p.fqn)
