@@ -221,8 +221,16 @@ def plan_recompute(traced, prof, built, *, mode: str = "auto", solver: str = "au
     cannot beat a candidate already found (``recompute_lower_bound``; never on a tie), and the
     refinement of a sharding whose no-recompute plan fits (recompute only adds time to it): the
     answer is the exhaustive search's. ``prune=False`` runs every step (for tests)."""
-    from autopar.solver.driver import SolveTimeout, solve
-    from autopar.solver.simplify import simplify
+    from autopar.solver.driver import remembering
+
+    with remembering():
+        return _plan_recompute(traced, prof, built, mode=mode, solver=solver, time_limit=time_limit,
+                               solve_plain=solve_plain, progress=progress, prune=prune)
+
+
+def _plan_recompute(traced, prof, built, *, mode: str, solver: str, time_limit: float, solve_plain, progress,
+                    prune: bool) -> RecomputePlan:
+    from autopar.solver.driver import SolveTimeout, simplified, solve
 
     if mode not in MODES:
         raise ValueError(f"checkpoint must be one of {MODES}, got {mode!r}")
@@ -234,7 +242,7 @@ def plan_recompute(traced, prof, built, *, mode: str = "auto", solver: str = "au
         mode = "none"
     if mode == "auto":
         with progress.stage("budget check", "can any sharding exceed the budget"):
-            if not simplify(plain).memory_can_bind:
+            if not simplified(plain).memory_can_bind:
                 mode = "none"
     if mode == "auto":
         # Recompute only adds forward time, so the unconstrained optimum bounds every mode from

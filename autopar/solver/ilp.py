@@ -73,6 +73,10 @@ INTEGRAL_TOL = 1e-6
 # HiGHS 1.15.1's presolve "aggregator" rule (bit 12) loops forever, ignoring time_limit, on
 # some of our small models (marginal equalities + the parameter-bytes row); switch it off.
 _HIGHS_OPTIONS = {"presolve_rule_off": 1 << 12}
+# LP relaxations run without presolve: on our models it costs more than it saves (the joint
+# recompute LP of Llama-70B on 16x8: 6.1 s with it, 3.4 s without; its sharding LP 0.34 -> 0.16 s).
+# MIP searches keep it (the recompute model's x-step: 7 s with it, 59 s without).
+_HIGHS_LP_OPTIONS = {**_HIGHS_OPTIONS, "presolve": "off"}
 # The watchdog (``IlpModel.run``): a run returns by HARD_FACTOR x its time limit whatever the
 # backend does. HiGHS overrunning its limit is killed _GRACE of that slack after the limit (it
 # normally stops within milliseconds of it); CBC, the fallback, gets the rest.
@@ -254,10 +258,15 @@ def _values(prob: pulp.LpProblem) -> np.ndarray:
     return np.array([np.nan if v.varValue is None else v.varValue for v in _columns_of(prob)], dtype=float)
 
 
-def _solve_highs(prob: pulp.LpProblem, report, *, relax: bool, msg: bool, gap: float, deadline: float):
+def _solve_highs(prob: pulp.LpProblem, report, *, relax: bool, msg: bool, gap: float, deadline: float,
+                 abs_gap: float | None = None):
     """In the watchdog's child: solve with HiGHS, reporting each improving solution as
     ``(objective without constant, column values, dual bound)``; returns
-    ``(status, sol_status, column values, dual bound or None)``."""
+    ``(status, sol_status, column values, dual bound or None)``. ``abs_gap``: stop when proved
+    within this many objective units as well (``gap`` is relative to the objective *without* its
+    constant). No warm start: HiGHS 1.15.1 started from a feasible plan of the recompute ILP
+    (``setSolution``) has returned a worse plan as "optimal" (tests/solver/test_recompute_ilp.py,
+    budget 150: 7.4 against 5.4)."""
 
     def improving(_kind, _message, out, _data_in, _user):
         report((float(out.objective_function_value), np.array(out.mip_solution, dtype=float),
@@ -267,13 +276,15 @@ def _solve_highs(prob: pulp.LpProblem, report, *, relax: bool, msg: bool, gap: f
 
     callbacks = {} if relax else {"callbackTuple": (improving, None), "callbacksToActivate": [
         highspy.cb.HighsCallbackType.kCallbackMipImprovingSolution]}
-    solver = _DeadlineHighs(deadline=deadline, mip=not relax, msg=msg, gapRel=gap, **callbacks, **_HIGHS_OPTIONS)
+    solver = _DeadlineHighs(deadline=deadline, mip=not relax, msg=msg, gapRel=gap, gapAbs=abs_gap,
+                            **callbacks, **(_HIGHS_LP_OPTIONS if relax else _HIGHS_OPTIONS))
     prob.solve(solver)
     bound = None if relax else float(prob.solverModel.getInfo().mip_dual_bound)
     return prob.status, prob.sol_status, solver.values, bound
 
 
-def _solve_cbc(prob: pulp.LpProblem, report, *, relax: bool, msg: bool, gap: float, deadline: float):
+def _solve_cbc(prob: pulp.LpProblem, report, *, relax: bool, msg: bool, gap: float, deadline: float,
+               abs_gap: float | None = None):
     """In the watchdog's child: solve with CBC (a subprocess of this child); as ``_solve_highs``
     without progress reports (CBC's binary has no callbacks) or bound. CBC checks its (wall-clock)
     limit only between phases and overruns it by up to a few tenths of a second (its root node's
@@ -281,7 +292,8 @@ def _solve_cbc(prob: pulp.LpProblem, report, *, relax: bool, msg: bool, gap: flo
     del report
     left = deadline - time.monotonic()
     limit = max(left - min(_CBC_MARGIN * left, 1.0), 1e-2)
-    prob.solve(pulp.COIN_CMD(path=_cbc_path(), mip=not relax, msg=msg, timeLimit=limit, gapRel=gap, timeMode="elapsed"))
+    prob.solve(pulp.COIN_CMD(path=_cbc_path(), mip=not relax, msg=msg, timeLimit=limit, gapRel=gap, gapAbs=abs_gap,
+                             timeMode="elapsed"))
     return prob.status, prob.sol_status, _values(prob), None
 
 
@@ -298,6 +310,7 @@ class IlpModel:
         self.prob = pulp.LpProblem(name, pulp.LpMinimize)
         self.x: list[list[pulp.LpVariable] | None] = []
         self.constant = reduced.constant
+        self.objective: str | None = None  # "time" or "peak", once built
 
     # ---------------------------------------------------------------------- expressions
     def linear(self, g: int, vec: np.ndarray) -> tuple[Terms, float]:
@@ -437,6 +450,7 @@ class IlpModel:
 
     def build_fastest(self, limit: float | None) -> None:
         """The fastest plan whose peak stays within ``limit`` bytes (None: no memory rows)."""
+        self.objective = "time"
         self.add_one_hot()
         terms, const = self.step_time_terms()
         self.add_edge_marginals(terms)
@@ -447,6 +461,7 @@ class IlpModel:
 
     def build_min_peak(self) -> None:
         """The smallest peak any choice reaches, step time ignored (the objective counts MiB)."""
+        self.objective = "peak"
         self.add_one_hot()
         self.add_recompute([])
         peak = self.prob.add_variable("peak", lowBound=0)
@@ -455,7 +470,7 @@ class IlpModel:
 
     # --------------------------------------------------------------------------- solving
     def run(self, backend: str, *, time_limit: float, relax: bool = False, msg: bool = False,
-            gap: float = MIP_REL_GAP, hard_limit: float | None = None) -> Outcome:
+            gap: float = MIP_REL_GAP, hard_limit: float | None = None, abs_gap: float | None = None) -> Outcome:
         """Solve with ``backend``, told to stop after ``time_limit`` seconds, and return within
         ``hard_limit`` seconds (default ``HARD_FACTOR * time_limit``) whatever the backend does.
 
@@ -465,8 +480,9 @@ class IlpModel:
         HiGHS's last bound); if not, CBC solves once more until ``hard_limit``. Either way
         ``Outcome.note`` says what happened, ``Outcome.backend`` whose answer it is, and a warning
         is logged. CBC still running at ``hard_limit`` is killed (``"no_solution"``); CBC crashing
-        raises RuntimeError."""
+        raises RuntimeError. ``abs_gap`` as in ``_solve_highs`` (both backends)."""
         t0 = time.monotonic()
+        extra = {"abs_gap": abs_gap}
         if not self.columns():  # everything was decided by simplification
             if not all(c.valid(1e-9) for c in self.prob.constraints()):
                 return Outcome("infeasible", None, None, 0.0, backend)
@@ -475,9 +491,9 @@ class IlpModel:
         soft = t0 + time_limit
         hard = t0 + (HARD_FACTOR * time_limit if hard_limit is None else max(hard_limit, time_limit))
         if backend != "highs" or _cbc_path() is None:  # nothing to fall back on
-            return self._attempt(backend, relax=relax, msg=msg, gap=gap, soft=soft, kill_at=hard, t0=t0)
+            return self._attempt(backend, relax=relax, msg=msg, gap=gap, soft=soft, kill_at=hard, t0=t0, **extra)
         first = self._attempt("highs", relax=relax, msg=msg, gap=gap, soft=soft,
-                              kill_at=soft + _GRACE * (hard - soft), t0=t0)
+                              kill_at=soft + _GRACE * (hard - soft), t0=t0, **extra)
         if not first.note:
             return first
         if first.status != "no_solution":  # stopped after streaming plans: the best is kept
@@ -487,14 +503,16 @@ class IlpModel:
         note = f"{first.note}; retried with cbc"
         log.warning("autopar: %s (%s)", note, self.prob.name)
         second = self._attempt("cbc", relax=relax, msg=msg, gap=gap, soft=max(soft, now + 0.6 * (hard - now)),
-                               kill_at=hard, t0=t0)
+                               kill_at=hard, t0=t0, **extra)
         return dataclasses.replace(second, note=f"{note}: {second.note}" if second.note else note)
 
     def _attempt(self, backend: str, *, relax: bool, msg: bool, gap: float, soft: float, kill_at: float,
-                 t0: float) -> Outcome:
+                 t0: float, abs_gap: float | None = None) -> Outcome:
         """One backend run in a watched child. A HiGHS run that failed without a plan returns
         ``no_solution`` with a ``note`` (the caller falls back); CBC's failures raise."""
-        fn = functools.partial(CHILD_SOLVERS[backend], self.prob, relax=relax, msg=msg, gap=gap, deadline=soft)
+        optional = {"abs_gap": abs_gap} if abs_gap else {}  # only when asked for (tests' fake backends)
+        fn = functools.partial(CHILD_SOLVERS[backend], self.prob, relax=relax, msg=msg, gap=gap, deadline=soft,
+                               **optional)
         # Small models go to the long-lived worker (pickling beats a fork of a big planner process).
         res = run_in_child(fn, deadline=kill_at, reuse=self.prob.numVariables() <= _REUSE_MAX_VARIABLES)
         seconds = time.monotonic() - t0

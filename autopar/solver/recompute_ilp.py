@@ -87,7 +87,11 @@ from autopar.solver.problem import Problem
 from autopar.solver.simplify import MemItem, Reduced, peak_candidates
 from autopar.solver.timeline import SegmentInputs, segment_geometry
 
-__all__ = ["RecomputeModel"]
+__all__ = ["RecomputeModel", "RECOMPUTE_GAP"]
+
+# The joint ILP is solved to within this share of the step time (``autopar.solver.driver``:
+# a first plan by ``autopar.solver.dive``, proved against the relaxation or searched from).
+RECOMPUTE_GAP = 1e-3
 
 
 class RecomputeModel(IlpModel):
@@ -108,6 +112,7 @@ class RecomputeModel(IlpModel):
         self.c_vec = self._input_vectors(inputs)  # seg -> {group: MiB per group option}
         self.order = order
         self.num_order_rows = 0
+        self._class_cache: dict[tuple, tuple[np.ndarray, dict[tuple, list[int]]]] = {}
 
     def _input_vectors(self, inputs) -> dict[str, dict[int, np.ndarray]]:
         member = {m.node: m for m in self.reduced.members}
@@ -200,17 +205,20 @@ class RecomputeModel(IlpModel):
         cannot tell apart, ``z <= sum of the class's x``, ``sum z = r``."""
         r = self.r[unit]
         out: list[Terms] = [[] for _ in forms]
+        if unit in self.fixed and not self.fixed[unit]:  # r = 0: every product is 0
+            return out
         for g in sorted(set().union(*forms)):
-            n = len(self.reduced.cost[g])
-            mat = np.array([np.broadcast_to(np.asarray(f.get(g, 0.0), dtype=float), (n,)) for f in forms])
-            low = mat.min(axis=1)
+            low, classes = self._classes(g, [f.get(g) for f in forms])
             for f in np.flatnonzero(low):
                 out[f].append((r, float(low[f])))
-            classes: dict[tuple, list[int]] = {}
-            for k in range(n):
-                classes.setdefault(tuple(np.round(mat[:, k] - low, 9)), []).append(k)
             xs = self.x[g]
             if xs is None or len(classes) == 1:
+                continue
+            if self.fixed.get(unit):  # r = 1: each product is its form (no z: a smaller model)
+                for values, members in classes.items():
+                    for f, v in enumerate(values):
+                        if v:
+                            out[f].extend((xs[k], float(v)) for k in members)
                 continue
             zs = []
             for c, (values, members) in enumerate(classes.items()):
@@ -222,6 +230,22 @@ class RecomputeModel(IlpModel):
                         out[f].append((z, float(v)))
             self.prob += affine([(z, 1.0) for z in zs] + [(r, -1.0)]) == 0, f"zr_{i}_{g}"
         return out
+
+    def _classes(self, g: int, vecs: list) -> tuple[np.ndarray, dict[tuple, list[int]]]:
+        """Per form its minimum over group ``g``'s options, and the options grouped by what the
+        forms add above it (``_products``). Cached by content: the units of identical blocks
+        share ``x`` and their forms, so 80 Llama-70B blocks compute each class set once."""
+        n = len(self.reduced.cost[g])
+        key = (g, tuple(None if v is None else np.asarray(v, dtype=float).tobytes() for v in vecs))
+        hit = self._class_cache.get(key)
+        if hit is None:
+            mat = np.array([np.broadcast_to(np.asarray(0.0 if v is None else v, dtype=float), (n,)) for v in vecs])
+            low = mat.min(axis=1)
+            classes: dict[tuple, list[int]] = {}
+            for k, col in enumerate(np.round(mat - low[:, None], 9).T):
+                classes.setdefault(tuple(col.tolist()), []).append(k)
+            hit = self._class_cache[key] = (low, classes)
+        return hit
 
     def _add_order(self, fwd_vecs, act_vecs) -> int:
         """Symmetry-breaking rows between identical units of identical blocks (module docstring,

@@ -1,0 +1,92 @@
+"""A first plan for the joint sharding + recompute ILP, by alternating its two halves.
+
+Why: the joint ILP's LP relaxation is often integral in its recompute decisions ``r`` but sits
+at a sharding vertex ``x`` that rounding makes slow or over budget, and HiGHS spends most of a
+long search (root cuts, then sub-MIPs) before it finds a good plan. Llama-70B on 16x8 H100
+(80 GiB): the relaxation has one fractional option group; rounding it gives 5.80 s or an
+over-budget plan, the optimum is 5.7436 s, and HiGHS first met a plan within 0.1% after 42 s.
+
+How: fix ``r`` at the relaxation's rounding and solve for ``x`` (a sharding ILP with the memory
+rows of those recompute decisions, built with them folded in), then fix that
+``x`` and solve for ``r`` (a recompute-only ILP), and repeat. It is block-coordinate descent: each
+step is optimal for its half given the other, so the objective never rises, and it stops after a
+round that does not improve. What it returns is a feasible plan of the joint model (an upper
+bound), which ``autopar.solver.driver`` compares with the relaxation's bound; when the two are
+not close enough the full search runs too and the better plan is kept. On the 70B shape one round
+reaches 5.7437 s in about 8 s, 0.08% above the relaxation's bound.
+
+Exactness is not claimed here: the driver proves the plan within ``RECOMPUTE_GAP`` of a bound,
+or runs the full search from it. No torch import.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Callable, Iterator
+
+import numpy as np
+import pulp
+
+from autopar.solver.ilp import IlpModel, Outcome
+from autopar.solver.recompute_ilp import RecomputeModel
+
+__all__ = ["alternate"]
+
+
+@contextmanager
+def _fixed(variables: list[pulp.LpVariable]) -> Iterator[None]:
+    """``variables`` fixed at their current values (rounded: they are binaries) for the block."""
+    saved = [(v.lowBound, v.upBound) for v in variables]
+    for v in variables:
+        v.lowBound = v.upBound = int(round(v.varValue or 0.0))
+    try:
+        yield
+    finally:
+        for v, (low, up) in zip(variables, saved):
+            v.lowBound, v.upBound = low, up
+
+
+def _values(model: IlpModel) -> np.ndarray:
+    return np.array([np.nan if v.varValue is None else v.varValue for v in model.columns()], dtype=float)
+
+
+def _restore(model: IlpModel, values: np.ndarray) -> None:
+    for v, value in zip(model.columns(), values):
+        v.varValue = None if np.isnan(value) else float(value)
+
+
+def alternate(model: RecomputeModel, backend: str, *, sharding_model: Callable[[dict[str, bool]], IlpModel],
+              limits: Callable[[], dict[str, float]], target: float = -np.inf, rounds: int = 2) -> Outcome | None:
+    """The best plan of block-coordinate descent from the relaxation's values the model's
+    variables hold (module docstring), or None when the first round finds none (the rounded
+    recompute decisions admit no sharding within the budget, or time ran out).
+
+    ``sharding_model(fixed)``: the joint model built with every recompute decision fixed
+    (``RecomputeModel(..., fixed=...)`` folds them into its forms: a model the size of the
+    sharding ILP, where bounds on the full model's ``r`` would leave HiGHS's presolve 3 s of
+    products to remove on the 70B shape); ``limits()``: the ``time_limit``/``hard_limit`` keywords
+    of each step's run; ``target``: a plan this fast is good enough (the caller's proof of
+    near-optimality), stop there. On return the model's variables hold the best plan's values."""
+    units = list(model.r)
+    sharding = [v for xs in model.x if xs is not None for v in xs]
+    rounded = {u: (model.r[u].varValue or 0.0) > 0.5 for u in units}
+    best: Outcome | None = None
+    best_values: np.ndarray | None = None
+    for _ in range(rounds):
+        sub = sharding_model(rounded)
+        if sub.run(backend, **limits()).value is None:
+            break
+        for xs, sub_xs in zip(model.x, sub.x):  # the same groups and options, in order
+            for v, w in zip(xs or (), sub_xs or ()):
+                v.varValue = w.varValue
+        with _fixed(sharding):
+            out = model.run(backend, **limits())
+        if out.value is None or (best is not None and out.value >= best.value - 1e-9):
+            break
+        best, best_values = out, _values(model)
+        if best.value <= target:
+            break
+        rounded = {u: (model.r[u].varValue or 0.0) > 0.5 for u in units}
+    if best_values is not None:
+        _restore(model, best_values)
+    return best
