@@ -12,6 +12,11 @@ Presets come from public spec sheets, for planning without hardware. Devices fil
 row-major order (the last mesh axis is innermost); an axis whose devices all sit in one node
 gets NVLink costs, an axis that crosses nodes gets InfiniBand costs. Real links come from
 ``autopar.profile_mesh`` (``autopar.runtime.mesh_profile``), which writes the same JSON.
+
+Host tier (offload, DESIGN.md decision 15): ``host_capacity`` bytes of host memory per device
+(None: no host tier), the host<->device link per device (``host_alpha`` s per transfer,
+``host_beta`` s per byte per direction) and ``host_mem_bandwidth`` (bytes/s of host memory per
+device: what a CPU optimizer step streams through).
 """
 
 from __future__ import annotations
@@ -27,7 +32,8 @@ __all__ = ["MeshSpec", "PRESETS", "parse_mesh_shape", "parse_bytes", "resolve_pr
 
 GiB = 1024**3
 # 2: half_peak_flops added and peak_flops became the fp32 peak (1: one peak, see from_json).
-JSON_VERSION = 2
+# 3: the host tier (host_capacity, host_alpha, host_beta, host_mem_bandwidth); 2 has none.
+JSON_VERSION = 3
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,20 +47,34 @@ class _Device:
     intra_beta: float  # s per byte, per direction, inside a node
     inter_alpha: float  # s per collective across nodes
     inter_beta: float  # s per byte across nodes (one NIC per device)
+    host_capacity: int | None = None  # host memory bytes per device (None: no host tier)
+    host_alpha: float = 0.0  # s per host<->device transfer
+    host_beta: float = 0.0  # s per byte per direction on the device's host link
+    host_mem_bandwidth: float = 0.0  # host memory bytes/s per device (CPU optimizer step)
 
 
 # Public spec-sheet numbers. FLOP/s are dense (no 2:4 sparsity): A100 fp32 19.5 T, bf16 312 T;
 # H100 SXM fp32 67 T, bf16 989 T (the marketed 1979 T is sparse). NVLink figures are per
 # direction (half the marketed bidirectional bandwidth); inter-node is one HDR (200 Gb/s) or
 # NDR (400 Gb/s) NIC per GPU.
+#
+# Host tier, per GPU. Link: one PCIe x16 per GPU. PCIe 4.0 (16 GT/s/lane, 128b/130b):
+# 16 x 16 / 8 x 128/130 = 31.5 GB/s per direction, ~25 GB/s achieved by pinned cudaMemcpy;
+# PCIe 5.0 (32 GT/s/lane): 63 GB/s, ~50 GB/s achieved. alpha: ~10 us per copy (launch + DMA
+# set-up; an estimate, not a spec figure). Memory: DGX A100 (80 GB) and DGX H100 ship 2 TB of
+# system memory for 8 GPUs: 256 GB per GPU. Host memory bandwidth (the CPU optimizer's roofline):
+# DGX A100 2x EPYC 7742, 8 channels DDR4-3200 each = 409.6 GB/s, /8 = 51 GB/s per GPU; DGX H100
+# 2x Xeon 8480C, 8 channels DDR5-4800 each = 614 GB/s, /8 = 77 GB/s per GPU.
 PRESETS: dict[str, _Device] = {
     "a100-80gb": _Device(
         peak_flops=19.5e12, half_peak_flops=312e12, mem_bandwidth=2.039e12, mem_capacity=80 * GiB, node_size=8,
         intra_alpha=10e-6, intra_beta=1 / 300e9, inter_alpha=25e-6, inter_beta=1 / 25e9,
+        host_capacity=256 * 10**9, host_alpha=10e-6, host_beta=1 / 25e9, host_mem_bandwidth=51e9,
     ),
     "h100-80gb": _Device(
         peak_flops=67e12, half_peak_flops=989e12, mem_bandwidth=3.35e12, mem_capacity=80 * GiB, node_size=8,
         intra_alpha=8e-6, intra_beta=1 / 450e9, inter_alpha=20e-6, inter_beta=1 / 50e9,
+        host_capacity=256 * 10**9, host_alpha=10e-6, host_beta=1 / 50e9, host_mem_bandwidth=77e9,
     ),
     # This kind of machine: 2 cores, gloo over loopback (~20 ms per 1 MB all-reduce on 4 ranks).
     # Without AVX512-BF16/AMX, bf16 and fp16 matmuls are emulated: ~1.3 GFLOP/s against ~73 fp32
@@ -62,6 +82,8 @@ PRESETS: dict[str, _Device] = {
     "cpu": _Device(
         peak_flops=50e9, half_peak_flops=1e9, mem_bandwidth=10e9, mem_capacity=24 * GiB, node_size=1 << 30,
         intra_alpha=200e-6, intra_beta=1 / 1e9, inter_alpha=200e-6, inter_beta=1 / 1e9,
+        # Both tiers are this machine's memory: a "host link" is a memcpy (~10 GB/s, one core).
+        host_capacity=24 * GiB, host_alpha=5e-6, host_beta=1 / 10e9, host_mem_bandwidth=10e9,
     ),
 }
 
@@ -78,6 +100,11 @@ class MeshSpec:
     name: str = "custom"
     # Dense FLOP/s in bf16/fp16; None: the same as peak_flops. Last because it has a default.
     half_peak_flops: float | None = None
+    # Host tier (see the module docstring); host_capacity None: none (offload is refused).
+    host_capacity: int | None = None
+    host_alpha: float = 0.0
+    host_beta: float = 0.0
+    host_mem_bandwidth: float = 0.0
 
     def __post_init__(self) -> None:
         for field in ("shape", "axis_names", "alpha", "beta"):
@@ -100,22 +127,57 @@ class MeshSpec:
             )
         if self.half_peak_flops is not None and not self.half_peak_flops > 0:
             raise ValueError(f"half_peak_flops must be positive (or None), got {self.half_peak_flops}")
+        if self.host_capacity is not None:
+            if isinstance(self.host_capacity, bool) or not isinstance(self.host_capacity, int) \
+                    or self.host_capacity <= 0:
+                raise ValueError(f"host_capacity must be positive bytes (or None: no host tier), "
+                                 f"got {self.host_capacity!r}")
+            if not (self.host_alpha >= 0 and self.host_beta > 0 and self.host_mem_bandwidth > 0):
+                raise ValueError(
+                    f"a host tier needs host_alpha >= 0, host_beta > 0 and host_mem_bandwidth > 0, got "
+                    f"{self.host_alpha}, {self.host_beta}, {self.host_mem_bandwidth}")
+
+    @property
+    def has_host_tier(self) -> bool:
+        return self.host_capacity is not None
+
+    def with_host(self, *, capacity: int | str | None = None, alpha: float | None = None,
+                  beta: float | None = None, mem_bandwidth: float | None = None) -> "MeshSpec":
+        """This mesh with its host tier's fields replaced where given (``capacity``: bytes or a
+        size such as ``"512GB"``, per device)."""
+        return replace(
+            self, host_capacity=self.host_capacity if capacity is None else parse_bytes(capacity),
+            host_alpha=self.host_alpha if alpha is None else alpha,
+            host_beta=self.host_beta if beta is None else beta,
+            host_mem_bandwidth=self.host_mem_bandwidth if mem_bandwidth is None else mem_bandwidth)
+
+    def host_str(self) -> str:
+        """The host tier in words (``"no host tier"`` without one)."""
+        if self.host_capacity is None:
+            return "no host tier"
+        return (f"host {self.host_capacity / 1e9:.0f} GB/device, link {1 / self.host_beta / 1e9:.0f} GB/s, "
+                f"host memory {self.host_mem_bandwidth / 1e9:.0f} GB/s")
 
     # --------------------------------------------------------------------------- factories
     @classmethod
-    def preset(cls, name: str, shape: Sequence[int] | str, *, axis_names: Sequence[str] | None = None) -> "MeshSpec":
-        """A mesh of ``shape`` built from the named device preset (``a100-80gb``, ``h100-80gb``, ``cpu``)."""
+    def preset(cls, name: str, shape: Sequence[int] | str, *, axis_names: Sequence[str] | None = None,
+               host_memory: int | str | None = None) -> "MeshSpec":
+        """A mesh of ``shape`` built from the named device preset (``a100-80gb``, ``h100-80gb``, ``cpu``);
+        ``host_memory``: host bytes per device instead of the preset's."""
         if name not in PRESETS:
             raise ValueError(f"unknown device preset {name!r}; known: {sorted(PRESETS)}")
-        return cls._of(name, PRESETS[name], parse_mesh_shape(shape), axis_names)
+        mesh = cls._of(name, PRESETS[name], parse_mesh_shape(shape), axis_names)
+        return mesh if host_memory is None else mesh.with_host(capacity=host_memory)
 
     @classmethod
     def cluster(cls, *, nodes: int, devices_per_node: int, device: str = "h100-80gb",
-                shape: Sequence[int] | str | None = None, axis_names: Sequence[str] | None = None) -> "MeshSpec":
+                shape: Sequence[int] | str | None = None, axis_names: Sequence[str] | None = None,
+                host_memory: int | str | None = None) -> "MeshSpec":
         """``nodes`` x ``devices_per_node`` devices of preset ``device``, as a mesh of ``shape``
         (default ``(nodes, devices_per_node)``; one node: ``(devices_per_node,)``). Devices fill
         nodes in row-major order, so the inner axes get the intra-node links (an axis whose groups
-        stay inside a node) and the outer ones the inter-node links."""
+        stay inside a node) and the outer ones the inter-node links. ``host_memory``: host bytes
+        per device instead of the preset's (the node's system memory over its devices)."""
         if device not in PRESETS:
             raise ValueError(f"unknown device preset {device!r}; known: {sorted(PRESETS)}")
         for what, n in (("nodes", nodes), ("devices_per_node", devices_per_node)):
@@ -130,7 +192,8 @@ class MeshSpec:
         dev = PRESETS[device]
         if dev.node_size != devices_per_node:
             dev = replace(dev, node_size=devices_per_node)
-        return cls._of(device, dev, shape, axis_names)
+        mesh = cls._of(device, dev, shape, axis_names)
+        return mesh if host_memory is None else mesh.with_host(capacity=host_memory)
 
     @classmethod
     def _of(cls, name: str, dev: _Device, shape: tuple[int, ...], axis_names) -> "MeshSpec":
@@ -160,6 +223,8 @@ class MeshSpec:
             mem_capacity=dev.mem_capacity,
             name=name,
             half_peak_flops=dev.half_peak_flops,
+            host_capacity=dev.host_capacity, host_alpha=dev.host_alpha, host_beta=dev.host_beta,
+            host_mem_bandwidth=dev.host_mem_bandwidth,
         )
 
     @classmethod
@@ -216,8 +281,12 @@ class MeshSpec:
                 raise ValueError("malformed MeshSpec JSON: version 1 has no half_peak_flops (use version 2)")
             if "peak_flops" in data:
                 data["half_peak_flops"] = data["peak_flops"]
+        if version in (1, 2):
+            # Versions 1 and 2 had no host tier: read as none (offload refused, as it was).
+            if any(k.startswith("host_") for k in data):
+                raise ValueError(f"malformed MeshSpec JSON: version {version} has no host tier (use version 3)")
         elif version != JSON_VERSION:
-            raise ValueError(f"MeshSpec JSON version {version} is not supported (expected 1 or {JSON_VERSION})")
+            raise ValueError(f"MeshSpec JSON version {version} is not supported (expected 1 to {JSON_VERSION})")
         try:
             return cls(**data)
         except TypeError as exc:

@@ -43,10 +43,10 @@ def test_half_peak_is_validated_and_optional():
             MeshSpec(**base, half_peak_flops=bad)
 
 
-def test_json_version_2_round_trips_both_peaks():
+def test_json_round_trips_both_peaks():
     mesh = MeshSpec.preset("h100-80gb", (2, 8))
     data = json.loads(mesh.to_json())
-    assert data["version"] == 2 and data["half_peak_flops"] == 989e12 and data["peak_flops"] == 67e12
+    assert data["version"] == 3 and data["half_peak_flops"] == 989e12 and data["peak_flops"] == 67e12
     assert MeshSpec.from_json(mesh.to_json()) == mesh
     cpu = MeshSpec.preset("cpu", (2,))
     assert json.loads(cpu.to_json())["half_peak_flops"] == 1e9
@@ -61,14 +61,46 @@ def test_json_version_1_prices_as_before():
     mesh = MeshSpec.from_json(json.dumps(v1))
     assert mesh.peak_flops == mesh.half_peak_flops == 300e12
     assert mesh.flops_at(4) == mesh.flops_at(2) == 300e12
-    assert MeshSpec.from_json(mesh.to_json()) == mesh  # re-saved as version 2
+    assert MeshSpec.from_json(mesh.to_json()) == mesh  # re-saved as version 3
     unversioned = dict(v1)
     del unversioned["version"]
     assert MeshSpec.from_json(json.dumps(unversioned)) == mesh
     with pytest.raises(ValueError, match="version 1 has no half_peak_flops"):
         MeshSpec.from_json(json.dumps({**v1, "half_peak_flops": 1e12}))
-    with pytest.raises(ValueError, match="version 3 is not supported"):
-        MeshSpec.from_json(json.dumps({**v1, "version": 3}))
+    with pytest.raises(ValueError, match="version 4 is not supported"):
+        MeshSpec.from_json(json.dumps({**v1, "version": 4}))
+    assert mesh.host_capacity is None  # no host tier before version 3
+
+
+def test_host_tier_presets_from_spec_sheets():
+    h100 = MeshSpec.cluster(nodes=1, devices_per_node=8)
+    a100 = MeshSpec.preset("a100-80gb", (8,))
+    # PCIe 5.0 x16 ~50 GB/s achieved (63 theoretical), PCIe 4.0 x16 ~25 (31.5); 2 TB per DGX / 8 GPUs.
+    assert h100.host_beta == pytest.approx(1 / 50e9) and a100.host_beta == pytest.approx(1 / 25e9)
+    assert h100.host_capacity == a100.host_capacity == 256 * 10**9
+    assert h100.host_mem_bandwidth > a100.host_mem_bandwidth > 0
+    assert "host 256 GB/device, link 50 GB/s" in h100.host_str()
+    small = MeshSpec.cluster(nodes=2, devices_per_node=8, host_memory="64GB")
+    assert small.host_capacity == 64 * 10**9 and small.host_beta == h100.host_beta
+    assert MeshSpec.preset("cpu", (1,), host_memory=2**30).host_capacity == 2**30
+
+
+def test_host_tier_json_round_trip_and_checks():
+    mesh = MeshSpec.preset("h100-80gb", (2, 4)).with_host(capacity="100GB", beta=1 / 20e9)
+    data = json.loads(mesh.to_json())
+    assert data["host_capacity"] == 100 * 10**9 and data["host_beta"] == pytest.approx(1 / 20e9)
+    assert MeshSpec.from_json(mesh.to_json()) == mesh
+    v2 = {**data, "version": 2}
+    with pytest.raises(ValueError, match="version 2 has no host tier"):
+        MeshSpec.from_json(json.dumps(v2))
+    v2 = {k: v for k, v in v2.items() if not k.startswith("host_")}
+    assert MeshSpec.from_json(json.dumps(v2)).host_capacity is None
+    bare = MeshSpec.from_json(json.dumps(v2))
+    assert not bare.has_host_tier and bare.host_str() == "no host tier"
+    with pytest.raises(ValueError, match="host_capacity must be positive bytes.*-5"):
+        MeshSpec(**{k: v for k, v in v2.items() if k != "version"}, host_capacity=-5)
+    with pytest.raises(ValueError, match="a host tier needs host_alpha >= 0, host_beta > 0"):
+        bare.with_host(capacity=2**30)  # no link figures
 
 
 def test_parsers():
