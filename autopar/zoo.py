@@ -24,7 +24,7 @@ from torch import nn
 
 NAMES: tuple[str, ...] = (
     "mlp", "gpt2", "gpt2-medium", "gpt2-xl", "bert-base",
-    "llama-1b", "llama-8b", "vit-base", "resnet50",
+    "llama-1b", "llama-8b", "llama-70b", "vit-base", "resnet50",
 )
 
 _TINY_BATCH = 4
@@ -122,6 +122,7 @@ def _build_bert(*, tiny, batch, seq, num_layers, device):
 _LLAMA_SIZES = {  # name -> (layers, hidden, heads, kv heads, intermediate, tied embeddings)
     "llama-1b": (16, 2048, 32, 8, 8192, True),    # Llama-3.2-1B
     "llama-8b": (32, 4096, 32, 8, 14336, False),  # Llama-3-8B
+    "llama-70b": (80, 8192, 64, 8, 28672, False),  # Llama-3-70B
 }
 
 

@@ -33,7 +33,7 @@ from statistics import median
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SUITES = os.path.join(HERE, "suites")
-CASE_KEYS = ("model", "batch", "seq", "layers", "mesh", "device", "budget", "backend")
+CASE_KEYS = ("model", "batch", "seq", "layers", "mesh", "device", "budget", "backend", "checkpoint")
 
 
 # ------------------------------------------------------------------------------------ suites
@@ -67,7 +67,7 @@ def expand_cases(suite: dict) -> list[dict]:
 
 def case_id(c: dict) -> str:
     parts = [c["model"] + (f"/L{c['layers']}" if c.get("layers") else ""), c["mesh"], c.get("budget") or "cap",
-             c["backend"]]
+             c["backend"]] + ([c["checkpoint"]] if c.get("checkpoint") else [])
     return " ".join(str(p) for p in parts)
 
 
@@ -184,7 +184,8 @@ def run_plan_case(c: dict, *, time_limit: float = 120.0, allow_fallback: bool = 
             warnings.filterwarnings("ignore", message="no sharding rule")
             plan = autopar.plan(model, inputs, mesh=c["mesh"], memory_budget=c.get("budget") or None,
                                 solver=c["backend"], time_limit=time_limit, preset=c["device"], baselines=False,
-                                allow_replicate_fallback=allow_fallback, cache=False, progress=progress)
+                                allow_replicate_fallback=allow_fallback, cache=False, progress=progress,
+                                checkpoint=c.get("checkpoint") or "auto")
     except (ValueError, RuntimeError, LookupError) as exc:
         rec.update(ok=False, error=" ".join(str(exc).split())[:400])
         return rec

@@ -81,8 +81,11 @@ def test_targets_and_ratios_say_met_or_not():
 def test_targets_suite_plans_its_cases_end_to_end():
     suite = solver.load_suite("targets")
     assert suite["end_to_end"] and suite["isolate"]
-    assert suite["targets"] == {"gpt2-xl 2x4": 6, "llama-8b 8x8": 8}
+    assert suite["targets"] == {"gpt2-xl 2x4": 6, "llama-8b 8x8": 8, "llama-70b 16x8 80GiB highs none": 20,
+                                "llama-70b 16x8 80GiB highs auto": 20}
     ids = [solver.case_id(c) for c in suite["cases"]]
+    for needle in suite["targets"]:  # each target names exactly one case
+        assert sum(needle in i for i in ids) == 1, needle
     for ratio in suite["ratios"]:
         assert sum(ratio["case"] in i for i in ids) == 1 and sum(ratio["over"] in i for i in ids) == 1
 
