@@ -31,7 +31,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from autopar.layout.mesh import MeshSpec, resolve_preset
-from autopar.planner.options import PlanOptions, precision_name
+from autopar.planner.options import OffloadPolicy, PlanOptions, precision_name
 from autopar.agreement import _agree, _all_gather, _check_plan_options, _fingerprint, _raise_failures, _ranks, _status, world_cluster  # noqa: F401
 from autopar.api_pipelined import PipelinedResult
 from autopar.plans import BaselineResult, Plan
@@ -114,6 +114,7 @@ def plan(
     pipeline: int | str | None = None,
     microbatches: int | str = "auto",
     schedule: str = "auto",
+    offload: str | OffloadPolicy = "none",
 ) -> Plan:
     """Plan ``model`` on ``mesh`` offline. ``mesh``: a MeshSpec, or a shape (``(2, 4)``/``"2x4"``)
     with the ``preset`` device preset's costs (default ``"cpu"``; ``device`` is its deprecated old
@@ -132,13 +133,15 @@ def plan(
     parallelism over mesh axis 0 of size N, stages and sharding planned together:
     ``plan_pipelined``) or ``"auto"`` (the faster of no pipeline and one over axis 0), with
     ``microbatches`` (``"auto"`` or M) and ``schedule`` (``"auto"``, ``"gpipe"``, ``"1f1b"``,
-    ``"interleaved-1f1b"``, ``"zero-bubble"``); pipelined plans are not cached."""
+    ``"interleaved-1f1b"``, ``"zero-bubble"``); pipelined plans are not cached. ``offload``:
+    ``"none"``, ``"auto"`` or an ``OffloadPolicy`` (parameters / optimizer state on the mesh's host
+    tier, ``autopar.planner.offload_pricing``; ``Plan.offload`` records where each one lives)."""
     options = PlanOptions(memory_budget=memory_budget, solver=solver, time_limit=time_limit,
                           preset=resolve_preset(preset, device), baselines=baselines,
                           optimizer_multiplier=optimizer_multiplier,
                           allow_replicate_fallback=allow_replicate_fallback, checkpoint=checkpoint,
                           precision=precision, reduce_dtype=reduce_dtype, zero_stage=zero_stage,
-                          pipeline=pipeline, microbatches=microbatches, schedule=schedule)
+                          pipeline=pipeline, microbatches=microbatches, schedule=schedule, offload=offload)
     progress = progress or Progress(verbose)
     if options.pipeline is not None:
         if isinstance(mesh, str) and mesh == "auto":
@@ -310,6 +313,9 @@ def plan_traced(traced: TracedGraph, profile: ModelProfile, *, mesh: MeshSpec | 
         checkpoint={"mode": options.checkpoint, "method": rc.method, "units": list(rc.units),
                     "activation_bytes": rc.activation_bytes, **rc.info},
         reduce_dtype=options.reduce_dtype)
+    if options.offload != "none":
+        from autopar.planner.offload_pricing import with_offload
+        assembled = with_offload(assembled, traced, built, rc.choice, options=options)
     return PlanResult(assembled, traced, profile, built, rc)
 
 
@@ -359,6 +365,7 @@ def autoparallelize(
     pipeline: int | str | None = None,
     microbatches: int | str = "auto",
     schedule: str = "auto",
+    offload: str | OffloadPolicy = "none",
 ) -> AutoParallelModule | PipelineModule:
     """Shard ``model`` over the current process group; see the module docstring.
 
@@ -411,7 +418,7 @@ def autoparallelize(
             options={"memory_budget": memory_budget, "solver": solver, "checkpoint": checkpoint,
                      "allow_replicate_fallback": allow_replicate_fallback, "precision": precision,
                      "reduce_dtype": reduce_dtype, "zero_stage": zero_stage, "pipeline": pipeline,
-                     "microbatches": microbatches, "schedule": schedule,
+                     "microbatches": microbatches, "schedule": schedule, "offload": offload,
                      **({} if time_limit is None else {"time_limit": time_limit})},
             per_rank={"seed": seed, "init_weights": init_weights, "local_inputs": local_inputs})
     except Exception as exc:  # noqa: BLE001 -- every rank learns of it in _agree
@@ -496,6 +503,8 @@ def _prepare(model, meta_inputs, *, mesh, plan, device, progress: Progress, opti
     spec = None if mesh is None else MeshSpec.coerce(mesh, preset=preset)
     if spec is not None and spec.num_devices != world:
         raise ValueError(f"mesh {spec.shape} has {spec.num_devices} devices but the process group has {world} ranks")
+    if options.get("offload", "none") != "none":  # until autopar.runtime.gemini executes Plan.offload
+        raise ValueError(f"offload={options['offload']!r} is planned (autopar.plan) but not yet executed by the runtime")
     asked = {k: options[k] for k in ("precision", "reduce_dtype", "zero_stage")}
     plan_options, source = None, "solved by rank 0"
     if plan is None:

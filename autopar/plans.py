@@ -77,14 +77,18 @@ class Estimate:
     reshard_s: float  # layout conversions between ops
     param_bytes: int  # parameters + gradients + optimizer state per device
     peak_bytes: int  # per-device peak over the step
+    # Host<->device transfer seconds of offloaded parameters and optimizer state (part of comm_s;
+    # the CPU optimizer step too: both are on the parameters' options, Plan.offload_info apart).
+    host_link_s: float = 0.0
 
     @property
     def communication_s(self) -> float:
         return self.comm_s + self.reshard_s
 
     def __str__(self) -> str:
+        host = f", host link {self.host_link_s * 1e3:.3f} ms" if self.host_link_s else ""
         return (f"{self.step_s * 1e3:.3f} ms/step (compute {self.compute_s * 1e3:.3f} ms, "
-                f"communication {self.communication_s * 1e3:.3f} ms), peak "
+                f"communication {self.communication_s * 1e3:.3f} ms{host}), peak "
                 f"{self.peak_bytes / 2**30:.2f} GiB/device")
 
 
@@ -211,6 +215,11 @@ class Plan:
     # sub-mesh (``stage_mesh()``: the mesh without the pipeline axis) and the traced graph (and
     # ``graph_hash``) is the MICRO-batch graph.
     pipeline: PipelinePlan | None = None
+    # Offload (autopar.planner.offload_pricing): trainable parameter FQN -> (parameter tier,
+    # optimizer-state tier), each "device" or "host" (empty: planned with offload="none"); and the
+    # policy, host bytes per device, host-link and CPU optimizer seconds, unpriced stream buffer.
+    offload: dict[str, tuple[str, str]] = field(default_factory=dict)
+    offload_info: dict[str, Any] = field(default_factory=dict)
     cost_model_version: str = COST_MODEL_VERSION
     version: int = PLAN_VERSION
 
@@ -273,6 +282,8 @@ class Plan:
             stages = sorted({n.zero_stage for n in zero})
             lines.append(f"  ZeRO: stage {'/'.join(map(str, stages))} for {len(zero)} of "
                          f"{len(self.by_kind(NodeKind.PARAMETER))} parameters")
+        if self.offload:
+            lines.extend(self._offload_lines())
         if self.recompute:
             lines.append(f"  recompute ({self.checkpoint.get('method', '?')}): "
                          + ", ".join(r.name for r in self.recompute))
@@ -295,6 +306,19 @@ class Plan:
             lines.append(f"  replicated without a rule (fallback): {', '.join(self.fallbacks)}")
         return "\n".join(lines)
 
+    def _offload_lines(self) -> list[str]:
+        info = self.offload_info
+        tiers = list(self.offload.values())
+        lines = [f"  offload ({info.get('policy', '?')}): {tiers.count(('host', 'host'))} parameters and their optimizer "
+                 f"state on the host, {tiers.count(('device', 'host'))} more optimizer states, of {len(tiers)}; "
+                 f"host {_gb(info.get('host_bytes', 0))} of {_gb(info.get('host_capacity') or 0)}/device, "
+                 f"host link {info.get('host_link_s', 0.0) * 1e3:.3f} ms + CPU optimizer "
+                 f"{info.get('cpu_optimizer_s', 0.0) * 1e3:.3f} ms per step (not overlapped)"]
+        if info.get("stream_buffer_bytes"):
+            lines.append(f"    streamed parameters also need ~{_gb(info['stream_buffer_bytes'])} of device "
+                         f"buffer, outside the planned peak")
+        return lines
+
     # -------------------------------------------------------------------------------- JSON
     def to_json(self) -> str:
         data = {
@@ -309,6 +333,9 @@ class Plan:
         }
         if self.pipeline is not None:
             data["pipeline"] = self.pipeline.to_dict()
+        if self.offload:
+            data["offload"] = {k: list(v) for k, v in self.offload.items()}
+            data["offload_info"] = self.offload_info
         return json.dumps(data, indent=1)
 
     @classmethod
@@ -337,6 +364,8 @@ class Plan:
                 checkpoint=data.get("checkpoint", {}), precision=data.get("precision", "fp32"),
                 reduce_dtype=data.get("reduce_dtype", "fp32"),
                 pipeline=PipelinePlan.from_dict(data["pipeline"]) if data.get("pipeline") else None,
+                offload={k: tuple(v) for k, v in data.get("offload", {}).items()},
+                offload_info=data.get("offload_info", {}),
                 cost_model_version=data["cost_model_version"],
                 version=data["version"],
             )
@@ -351,6 +380,11 @@ class Plan:
     def load(cls, path: str) -> "Plan":
         with open(path) as f:
             return cls.from_json(f.read())
+
+
+def _gb(nbytes: float) -> str:
+    """Decimal GB, or MB below 1 GB (tiny models' offload figures)."""
+    return f"{nbytes / 1e9:.2f} GB" if nbytes >= 1e9 else f"{nbytes / 1e6:.2f} MB"
 
 
 def stage_mesh_of(mesh: MeshSpec, axis: int = 0) -> MeshSpec:

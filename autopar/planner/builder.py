@@ -51,6 +51,7 @@ from autopar.planner.executed import ReaderChain, sync_key, zero2_capable
 from autopar.planner.records import BuiltProblem, Choice, ChosenConversion, Decision, InputSlot
 from autopar.planner.segments import (node_vals, op_segments, saved_by, segment_inputs, storage_base,
                                       without_stateful_segments)
+from autopar.planner.offload_pricing import offload_option, offload_tiers
 from autopar.planner.options import PlanOptions
 from autopar.planner.zero_pricing import zero2_extra_s, zero_cost
 from autopar.plans import NodeKind
@@ -123,6 +124,7 @@ class _Builder:
         self._option_cache: dict[tuple, tuple[StrategyOption, ...]] = {}  # op options by relative key
         self._placeholder_cache: dict[tuple, tuple[tuple, tuple]] = {}  # (options, choices) by layout key
         self._base_cache: dict[str, str] = {}  # value -> the node owning its storage
+        self.offload_tiers = offload_tiers(traced, mesh, options)  # None: offload="none"
 
     def build(self) -> BuiltProblem:
         for node in self.traced.nodes:
@@ -179,17 +181,22 @@ class _Builder:
         kind = NodeKind.BUFFER if ph.kind == NodeKind.CONSTANT else NodeKind(ph.kind)
         # Options and choices depend on the layout key only: each block's weights share them.
         key = (ph.kind, shape, itemsize, ph.requires_grad and bool(shape))
+        tiers = ("device",)
+        if self.offload_tiers is not None and key[-1]:
+            tiers = self.offload_tiers.get(node.name, ("device", "o", "po"))
+            key = (*key, tiers)
         cached = self._placeholder_cache.get(key)
         if cached is None:
             cached = self._placeholder_cache[key] = self._layout_options(ph.kind, kind, shape, itemsize,
-                                                                         trainable=key[-1])
+                                                                         trainable=key[3], tiers=tiers)
         opts, choices = cached
         live = (0, max(2 * self.num_ops - 1, 0)) if kind == NodeKind.INPUT else None
         self._add(Decision(node.name, kind, choices, module=ph.fqn), opts, live=live,
                   block=block_of(ph.fqn), signature=f"{kind}{shape}{val.dtype}", vals=(val,))
 
     def _layout_options(self, ph_kind: str, kind: NodeKind, shape: tuple[int, ...], itemsize: int, *,
-                        trainable: bool) -> tuple[tuple[StrategyOption, ...], tuple[Choice, ...]]:
+                        trainable: bool, tiers: tuple[str, ...] = ("device",),
+                        ) -> tuple[tuple[StrategyOption, ...], tuple[Choice, ...]]:
         """A placeholder's options and choices: one per layout (and ZeRO stage, parameters)."""
         if ph_kind == NodeKind.CONSTANT:
             specs = [TensorSpec.replicated(self.mesh.ndim)]
@@ -202,7 +209,7 @@ class _Builder:
                 opts.append(StrategyOption(str(spec), compute_s=0.0, act_bytes=int(local)))
             elif kind == NodeKind.PARAMETER:
                 self._parameter_options(spec, local, spec_shape=shape, trainable=trainable, opts=opts,
-                                        choices=choices)
+                                        choices=choices, tiers=tiers, itemsize=itemsize)
                 continue
             else:
                 opts.append(StrategyOption(str(spec), compute_s=0.0, param_bytes=int(local)))
@@ -210,10 +217,11 @@ class _Builder:
         return tuple(opts), tuple(choices)
 
     def _parameter_options(self, spec: TensorSpec, local: int, *, spec_shape: tuple[int, ...], trainable: bool,
-                           opts: list, choices: list) -> None:
+                           opts: list, choices: list, tiers: tuple[str, ...] = ("device",), itemsize: int = 4) -> None:
         """One option per ZeRO stage the options allow for ``spec`` (``"auto"``: 0, 1 and 2,
         named ``"RR"``, ``"RR z1"``, ``"RR z2"``; a stage with no replicated axis to shard over
-        is stage 0 and is not repeated)."""
+        is stage 0 and is not repeated), in each offload tier of ``tiers`` (``offload_pricing``:
+        ``"RR off:o"``, ``"RR z1 off:o"``; ``"RR off:po"`` once, at stage 0)."""
         wanted = (0, 1, 2) if self.opts.zero_stage == "auto" else (self.opts.zero_stage,)
         seen = set()
         for want in wanted:
@@ -224,8 +232,21 @@ class _Builder:
                 continue
             seen.add(stage)
             name = str(spec) if stage == 0 or len(wanted) == 1 else f"{spec} z{stage}"
-            opts.append(StrategyOption(name, compute_s=0.0, comm_s=comm_s, param_bytes=int(round(local * per_byte))))
-            choices.append(self._layout_choices.setdefault((name, stage), Choice(name, (spec,), zero_stage=stage)))
+            if "device" in tiers:
+                opts.append(StrategyOption(name, compute_s=0.0, comm_s=comm_s,
+                                           param_bytes=int(round(local * per_byte))))
+                choices.append(self._layout_choices.setdefault((name, stage), Choice(name, (spec,), zero_stage=stage)))
+            if "o" in tiers and trainable:
+                self._offload_option(spec, local, "o", name, stage, comm_s, spec_shape, itemsize, opts, choices)
+        if "po" in tiers and trainable:
+            self._offload_option(spec, local, "po", str(spec), 0, 0.0, spec_shape, itemsize, opts, choices)
+
+    def _offload_option(self, spec: TensorSpec, local: int, tier: str, base: str, stage: int, comm_s: float,
+                        spec_shape: tuple[int, ...], itemsize: int, opts: list, choices: list) -> None:
+        opt = offload_option(spec, local, tier, base, mesh=self.mesh, stage=stage, comm_s=comm_s,
+                             ndim=len(spec_shape), itemsize=itemsize, options=self.opts)
+        opts.append(opt)
+        choices.append(self._layout_choices.setdefault((opt.name, stage), Choice(opt.name, (spec,), zero_stage=stage)))
 
     def _op(self, node: fx.Node) -> None:
         signature = self._signature(node)

@@ -11,9 +11,10 @@ import math
 from dataclasses import dataclass
 
 from autopar.layout.mesh import PRESETS, MeshSpec, parse_bytes
+from autopar.planner.offload_pricing import OffloadPolicy, check_offload
 from autopar.plans import PIPELINE_SCHEDULES, PRECISIONS
 
-__all__ = ["PlanOptions", "SOLVERS", "CHECKPOINT_MODES", "ZERO_STAGES", "precision_name"]
+__all__ = ["PlanOptions", "OffloadPolicy", "SOLVERS", "CHECKPOINT_MODES", "ZERO_STAGES", "precision_name"]
 
 SOLVERS = ("auto", "highs", "cbc")  # ILP backends (autopar.solver.ilp); auto prefers HiGHS
 CHECKPOINT_MODES = ("auto", "none", "ilp", "rotor", "both")  # see autopar.planner.checkpointing
@@ -37,7 +38,10 @@ class PlanOptions:
     size N) or ``"auto"`` (the faster of no pipeline and a pipeline over axis 0);
     ``microbatches``: micro-batches per step (``"auto"``: a few divisors of the batch that are
     multiples of the stage count); ``schedule``: ``"auto"`` or one of ``PIPELINE_SCHEDULES``
-    (``autopar.planner.pipeline_search``)."""
+    (``autopar.planner.pipeline_search``). ``offload``: ``"none"`` (default), ``"auto"`` (the
+    solver places each trainable parameter and its optimizer state on the device or the mesh's
+    host tier, priced by host-link and CPU optimizer time) or an ``OffloadPolicy`` (Gemini's static
+    fractions); see ``autopar.planner.offload_pricing``."""
 
     memory_budget: int | None = None
     solver: str = "auto"
@@ -53,6 +57,7 @@ class PlanOptions:
     pipeline: int | str | None = None
     microbatches: int | str = "auto"
     schedule: str = "auto"
+    offload: str | OffloadPolicy = "none"
 
     def __post_init__(self) -> None:
         if self.memory_budget is not None:
@@ -72,6 +77,9 @@ class PlanOptions:
         object.__setattr__(self, "precision", precision_name(self.precision, what="precision"))
         _check_pipeline(self.pipeline, self.microbatches, self.schedule)
         object.__setattr__(self, "reduce_dtype", precision_name(self.reduce_dtype, what="reduce_dtype"))
+        check_offload(self.offload)
+        if self.offload != "none" and self.pipeline is not None:
+            raise ValueError(f"offload={self.offload!r} is not planned with a pipeline yet (pipeline={self.pipeline!r})")
 
     def mesh(self, mesh: MeshSpec | tuple[int, ...] | str) -> MeshSpec:
         """``mesh`` as a MeshSpec: a shape gets this record's ``preset``."""
@@ -90,7 +98,8 @@ class PlanOptions:
                 + (f", ZeRO-{self.zero_stage}" if self.zero_stage else "")
                 + (", replicate fallback" if self.allow_replicate_fallback else "")
                 + (f", pipeline {self.pipeline} ({self.microbatches} micro-batches, schedule {self.schedule})"
-                   if self.pipeline is not None else ""))
+                   if self.pipeline is not None else "")
+                + (f", offload {self.offload}" if self.offload != "none" else ""))
 
 
 _ALIASES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float": "fp32"}
