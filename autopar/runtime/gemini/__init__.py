@@ -1,0 +1,129 @@
+"""Gemini-style chunked, heterogeneous (device / host) memory for an ``AutoParallelModule``.
+
+Entry point::
+
+    module, optimizer = autopar.runtime.gemini.wrap(
+        module, torch.optim.AdamW, dict(lr=1e-3), policy=StaticPolicy(offload_optim_frac=1.0,
+        offload_param_frac=0.5, device_budget=...))
+
+``module`` is the emitted module (each rank's local shards; any plan without ZeRO-1/2 and
+without activation recompute). Its parameters are packed into chunks (``chunk``), placed on the
+device or the host tier by the policy (``placement``), fetched/evicted by the ``manager``
+during forward and backward, and stepped by the returned ``GeminiOptimizer`` (``optimizer``).
+``module.gemini`` is the ``Gemini`` controller: ``.manager.ledger`` has the exact bytes per
+tier, their peaks and the per-move log; ``.summary()`` the figures.
+
+Planner hand-off: the planner decides tiers and the device budget; give them as a
+``StaticPolicy`` (fractions of chunk bytes, last chunks first) or call
+``Gemini.place(tiers)`` with an explicit (payload tier, optimizer tier) per chunk.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from autopar.runtime.gemini.chunk import DEVICE, HOST, Chunk, search_chunk_size
+from autopar.runtime.gemini.cpu_optim import KINDS
+from autopar.runtime.gemini.hooks import SavedHooks, instrument, register
+from autopar.runtime.gemini.manager import ChunkManager, ChunkRange, Ledger
+from autopar.runtime.gemini.optimizer import GeminiOptimizer
+from autopar.runtime.gemini.placement import AutoPolicy, StaticPolicy, auto_tiers, make_policy, static_tiers
+
+__all__ = ["wrap", "Gemini", "GeminiOptimizer", "StaticPolicy", "AutoPolicy", "ChunkRange", "make_policy",
+           "search_chunk_size", "Ledger", "Chunk", "DEVICE", "HOST"]
+
+_KIND_OF = {torch.optim.AdamW: "adamw", torch.optim.Adam: "adam"}
+
+
+class Gemini:
+    """The controller attached to a wrapped module as ``module.gemini``."""
+
+    def __init__(self, module, policy: StaticPolicy | AutoPolicy, chunk_range: ChunkRange) -> None:
+        self.module = module
+        self.policy = policy
+        self.steps = 0
+        params = [(name, p) for name, p, stage, _ in module.zero_parameters()]
+        stages = {name: stage for name, _, stage, _ in module.zero_parameters()}
+        if any(stages.values()):
+            raise ValueError(f"gemini: the plan shards optimizer state with ZeRO-1/2 "
+                             f"({sorted(n for n, s in stages.items() if s)[:3]}...); plan with zero_stage=0 "
+                             f"(chunks offload the optimizer state instead)")
+        recompute = [n.name for n in module.plan.nodes if getattr(n, "recompute", False)]
+        if recompute:
+            raise ValueError(f"gemini: the plan recomputes activations ({recompute[:3]}...); plan with "
+                             f"checkpoint='none' (recompute regions would re-run chunk fetches)")
+        device = next(iter(module.parameters())).device
+        if isinstance(policy, AutoPolicy):
+            tiers = lambda payload, optim: [(HOST, HOST)] * len(payload)  # noqa: E731 -- warm-up: all on host
+            budget = policy.device_budget
+        else:
+            tiers = lambda payload, optim: static_tiers(payload, policy)  # noqa: E731
+            budget = policy.device_budget
+        self.manager = ChunkManager(params, device=device, tiers_of=tiers, chunk_range=chunk_range,
+                                    pin_memory=policy.pin_memory, budget=budget)
+        self.key = register(self.manager)
+        self.hooks = SavedHooks(self.manager)
+        self.num_instrumented = instrument(module.graph_module, set(self.manager.chunk_of), self.key)
+        self._forward = module.forward
+        module.forward = self.forward
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self.manager.start_pass()
+        with torch.autograd.graph.saved_tensors_hooks(self.hooks.pack, self.hooks.unpack):
+            return self._forward(*args, **kwargs)
+
+    def before_step(self) -> None:
+        """End of a step's forward/backward: record the access order, drop stale device copies;
+        after the auto policy's warm-up, place the chunks by what it measured."""
+        manager = self.manager
+        manager.end_step()
+        manager.evict_all()
+        self.steps += 1
+        if isinstance(self.policy, AutoPolicy) and self.steps == self.policy.warmup_steps:
+            order = list(dict.fromkeys(manager.order))
+            peak = max(manager.non_model_samples, default=0)
+            self.place(auto_tiers([c.payload_bytes for c in manager.chunks], [c.optim_bytes for c in manager.chunks],
+                                  budget=self.policy.device_budget, non_model_peak=peak, order=order))
+
+    def place(self, tiers: list[tuple[str, str]]) -> None:
+        """(payload tier, optimizer tier) per chunk, ``DEVICE`` or ``HOST``."""
+        if len(tiers) != len(self.manager.chunks) or any(t not in (DEVICE, HOST) for pair in tiers for t in pair):
+            raise ValueError(f"place needs one ('device'|'host', 'device'|'host') per chunk "
+                             f"({len(self.manager.chunks)}), got {tiers!r}")
+        # Host-bound first so the device tier never holds both copies of a chunk over budget.
+        moves = sorted(zip(self.manager.chunks, tiers), key=lambda ct: (ct[1][0] == DEVICE, ct[1][1] == DEVICE))
+        for chunk, (home, optim) in moves:
+            self.manager.replace(chunk, home, optim)
+
+    @torch.no_grad()
+    def reload_masters(self) -> None:
+        """fp32 masters from the parameters' payloads (after loading a model state dict)."""
+        for chunk in self.manager.chunks:
+            home = chunk.host_buf if chunk.home == HOST else chunk.device_buf
+            chunk.master.copy_(home)
+
+    def summary(self) -> dict:
+        return {**self.manager.summary(), "steps": self.steps, "instrumented": self.num_instrumented}
+
+
+def wrap(module, optimizer_cls: type = torch.optim.AdamW, optimizer_kwargs: dict | None = None, *,
+         policy: StaticPolicy | AutoPolicy | None = None, chunk_range: ChunkRange | None = None,
+         param_groups: list | None = None):
+    """(module, GeminiOptimizer): ``module`` with its parameters in chunks placed by ``policy``
+    (default: everything on the device), and an Adam/AdamW over them."""
+    from autopar.runtime.module import AutoParallelModule
+
+    if not isinstance(module, AutoParallelModule):
+        raise ValueError(f"gemini.wrap needs an AutoParallelModule, got {type(module).__name__}")
+    if getattr(module, "gemini", None) is not None:
+        raise ValueError("this module is already wrapped by gemini")
+    if optimizer_cls not in _KIND_OF:
+        raise ValueError(f"gemini's chunk optimizer runs {KINDS} (torch.optim.AdamW / torch.optim.Adam), "
+                         f"got {optimizer_cls!r}")
+    gemini = Gemini(module, policy or StaticPolicy(), chunk_range or ChunkRange())
+    module.gemini = gemini
+    groups = param_groups if param_groups is not None else list(module.parameters())
+    opt = GeminiOptimizer(groups, gemini=gemini, kind=_KIND_OF[optimizer_cls], **(optimizer_kwargs or {}))
+    return module, opt

@@ -1,0 +1,117 @@
+"""Chunks: parameters (each rank's LOCAL shards) packed into flat buffers, and the chunk-size search.
+
+A chunk holds a run of parameters in plan order, each at an element offset of one flat buffer of
+``capacity`` elements (the rest is padding). Like Gemini's ``search_chunk_configuration``, the
+chunk size is searched over a range for the least padding: every candidate size (a multiple of
+``step`` elements, at least the largest parameter) packs the parameters greedily in order, and
+the size that wastes the fewest elements wins (ties: the smaller, so more chunks can move
+independently).
+
+Per chunk (``Chunk``):
+- the parameter payload in the parameters' dtype: ``device_buf`` on the device tier, and for a
+  chunk whose home is the host tier, ``host_buf`` (pinned on CUDA) that holds it at rest;
+  ``device_buf``'s storage is then resized to 0 when the chunk is not resident, and back when it
+  is fetched -- the same storage object, so tensors autograd saved from it read valid data again
+  once the chunk is back (the trick Gemini and FSDP use);
+- the fp32 master copy and the two AdamW moments on the optimizer tier (``optim_tier``), and a
+  transient fp32 gradient buffer there during ``step``;
+- a state: ``COMPUTE`` (an op is using it: never evicted), ``HOLD`` (resident, evictable),
+  ``FREE`` (not resident on the device tier).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = ["COMPUTE", "HOLD", "FREE", "DEVICE", "HOST", "Slot", "Chunk", "search_chunk_size", "pack"]
+
+COMPUTE, HOLD, FREE = "compute", "hold", "free"
+DEVICE, HOST = "device", "host"
+
+
+@dataclass(frozen=True, slots=True)
+class Slot:
+    """One parameter inside a chunk."""
+
+    name: str  # placeholder name of the parameter in the traced graph
+    offset: int  # first element within the chunk
+    numel: int
+    shape: tuple[int, ...]
+
+
+def pack(sizes: list[int], capacity: int) -> list[list[int]]:
+    """Greedy in-order packing of parameters of ``sizes`` elements into chunks of ``capacity``
+    elements: indices per chunk. A parameter never straddles two chunks."""
+    if sizes and max(sizes) > capacity:
+        raise ValueError(f"chunk capacity {capacity} elements is below the largest parameter ({max(sizes)})")
+    chunks: list[list[int]] = []
+    used = capacity
+    for i, n in enumerate(sizes):
+        if used + n > capacity:
+            chunks.append([])
+            used = 0
+        chunks[-1].append(i)
+        used += n
+    return chunks
+
+
+def search_chunk_size(sizes: list[int], *, min_elems: int, max_elems: int, step: int) -> tuple[int, int]:
+    """(chunk capacity in elements, padding elements) with the least padding over the range
+    ``[max(min_elems, largest parameter), max_elems]`` in multiples of ``step``."""
+    if step < 1 or min_elems < 1 or max_elems < min_elems:
+        raise ValueError(f"chunk search range must satisfy 1 <= min <= max and step >= 1, got "
+                         f"min={min_elems}, max={max_elems}, step={step}")
+    if not sizes:
+        return min_elems, 0
+    largest = max(sizes)
+    start = max(min_elems, largest)
+    start = -(-start // step) * step
+    best: tuple[int, int] | None = None
+    capacity = start
+    while capacity <= max(max_elems, start):
+        waste = len(pack(sizes, capacity)) * capacity - sum(sizes)
+        if best is None or waste < best[1]:
+            best = (capacity, waste)
+        capacity += step
+    assert best is not None
+    return best
+
+
+@dataclass(eq=False)
+class Chunk:
+    index: int
+    slots: list[Slot]
+    capacity: int  # elements
+    dtype: torch.dtype
+    home: str = DEVICE  # where the parameter payload lives at rest
+    optim_tier: str = DEVICE  # where the fp32 master and optimizer state live
+    state: str = FREE
+    device_buf: torch.Tensor | None = None
+    host_buf: torch.Tensor | None = None
+    master: torch.Tensor | None = None
+    exp_avg: torch.Tensor | None = None
+    exp_avg_sq: torch.Tensor | None = None
+    pins: int = 0  # ops currently using it (COMPUTE while > 0)
+    names: dict[str, Slot] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.names = {s.name: s for s in self.slots}
+
+    @property
+    def payload_bytes(self) -> int:
+        return self.capacity * torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def optim_bytes(self) -> int:
+        """fp32 master + two moments."""
+        return 3 * self.capacity * 4
+
+    @property
+    def resident(self) -> bool:
+        return self.device_buf is not None and self.device_buf.untyped_storage().nbytes() > 0
+
+    def view(self, buf: torch.Tensor, name: str) -> torch.Tensor:
+        s = self.names[name]
+        return buf[s.offset:s.offset + s.numel].view(s.shape)

@@ -1,0 +1,162 @@
+"""Where the chunk manager meets the emitted graph: forward access spans and backward unpacking.
+
+``instrument(module, manager)`` rewrites the module's graph: each parameter of a chunk is read
+through ``gemini_use`` (fetch + pin, returns the device-tier view) placed before its first
+reader, and ``gemini_release`` (unpin) placed after the last node that reads it or any alias of
+it (view ops, and -- conservatively -- every call that is not a plain ATen op, such as the
+gradient-bucket identity or a collective). ``forward_hooks`` returns the saved-tensor hooks the
+module's forward runs under (``manager`` module docstring).
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+
+import torch
+import torch.fx as fx
+
+from autopar.runtime.gemini.chunk import HOST
+
+__all__ = ["instrument", "gemini_use", "gemini_release", "SavedHooks"]
+
+_MANAGERS: dict[int, "weakref.ReferenceType"] = {}
+_KEYS = itertools.count()
+
+
+def register(manager) -> int:
+    key = next(_KEYS)
+    _MANAGERS[key] = weakref.ref(manager)
+    return key
+
+
+def _manager(key: int):
+    manager = _MANAGERS[key]()
+    assert manager is not None, "gemini: the chunk manager of this module was garbage-collected"
+    return manager
+
+
+class _Use(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, key: int, name: str) -> torch.Tensor:
+        manager = _manager(key)
+        chunk = manager.chunk_of[name]
+        manager.access(chunk)
+        return chunk.view(chunk.device_buf, name).view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None, None
+
+
+def gemini_use(x: torch.Tensor, *, key: int, name: str) -> torch.Tensor:
+    return _Use.apply(x, key, name)
+
+
+def gemini_release(*_after, key: int, name: str) -> None:
+    manager = _manager(key)
+    manager.release(manager.chunk_of[name])
+
+
+def _aliases(node: fx.Node) -> bool:
+    """May ``node``'s output alias its inputs? (views; any non-ATen call, conservatively)"""
+    if node.op == "call_module":
+        return True
+    if node.op != "call_function":
+        return False
+    schema = getattr(node.target, "_schema", None)
+    if schema is None:
+        return True
+    return any(r.alias_info is not None for r in schema.returns)
+
+
+def instrument(graph_module: fx.GraphModule, names: set[str], key: int) -> int:
+    """Wrap the readers of parameter placeholders ``names`` in use/release; returns how many."""
+    graph = graph_module.graph
+    position = {n: i for i, n in enumerate(graph.nodes)}
+    done = 0
+    for ph in [n for n in graph.nodes if n.op == "placeholder" and n.name in names]:
+        users = sorted(ph.users, key=position.__getitem__)
+        if not users:
+            continue
+        with graph.inserting_before(users[0]):
+            use = graph.call_function(gemini_use, (ph,), {"key": key, "name": ph.name})
+        ph.replace_all_uses_with(use, delete_user_cb=lambda u: u is not use)
+        # The span: every reader of the value or of anything that may alias it.
+        last, frontier, seen = users[0], [use], {use}
+        while frontier:
+            node = frontier.pop()
+            for u in node.users:
+                if u.op == "output":
+                    raise ValueError(f"gemini: parameter {ph.name!r} (or a view of it) is a graph output; "
+                                     f"its chunk could not be released")
+                if position.get(u, -1) > position[last]:
+                    last = u
+                if u not in seen and _aliases(u):
+                    seen.add(u)
+                    frontier.append(u)
+        with graph.inserting_after(last):
+            graph.call_function(gemini_release, (last,), {"key": key, "name": ph.name})
+        done += 1
+    graph.lint()
+    graph_module.recompile()
+    return done
+
+
+class _Saved:
+    __slots__ = ("tensor", "group")
+
+    def __init__(self, tensor: torch.Tensor, group: frozenset) -> None:
+        self.tensor, self.group = tensor, group
+
+
+class SavedHooks:
+    """pack/unpack for ``torch.autograd.graph.saved_tensors_hooks`` over ``manager``'s chunks."""
+
+    def __init__(self, manager) -> None:
+        self.manager = manager
+        self._queued = False
+
+    def _chunk_at(self, ptr: int):
+        for c in self.manager.chunks:
+            if c.home == HOST and c.resident and c.device_buf.untyped_storage().data_ptr() == ptr:
+                return c
+        return None
+
+    def pack(self, t: torch.Tensor):
+        storage = t.untyped_storage()
+        chunk = self._chunk_at(storage.data_ptr())
+        if chunk is None:
+            self.manager.saved[storage.data_ptr()] = storage.nbytes()
+            return t
+        group = frozenset(c.index for c in self.manager.chunks if c.pins > 0) | {chunk.index}
+        return _Saved(t, group)
+
+    def unpack(self, obj):
+        if not isinstance(obj, _Saved):
+            return obj
+        manager = self.manager
+        if obj.group != manager.backward_group:
+            self._switch(obj.group)
+        return obj.tensor
+
+    def _switch(self, group: frozenset) -> None:
+        manager = self.manager
+        new = [manager.chunks[i] for i in sorted(group)]
+        for c in new:  # pin the new group first: releasing the old must not let them go
+            manager.access(c)
+        self._release_group()
+        manager.backward_group = group
+        if not self._queued:
+            self._queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+
+    def _release_group(self) -> None:
+        manager = self.manager
+        for i in manager.backward_group:
+            manager.release(manager.chunks[i])
+        manager.backward_group = frozenset()
+
+    def _end_backward(self) -> None:
+        self._queued = False
+        self._release_group()

@@ -1,0 +1,303 @@
+"""The chunk manager: where each chunk's bytes are, exact per-tier accounting, fetch / evict / prefetch.
+
+Forward: the emitted graph is instrumented (``hooks.instrument``) so that every parameter of a
+host-home chunk is read through ``access`` just before its first reader and released after its
+last (aliases such as views and the gradient-bucket identity count as readers): the chunk is
+``COMPUTE`` in between and never evicted then. Backward: tensors autograd saves from a chunk's
+device buffer are packed with the set of chunks in ``COMPUTE`` when they were saved; unpacking
+fetches that set again (an op's saved parameters come back together), the previous set becomes
+``HOLD``. Eviction (when a fetch would exceed the device budget) drops the ``HOLD`` chunk whose
+next use, by the order recorded in the previous step, is furthest away (Gemini's OPT policy);
+payloads are read-only during a step, so evicting frees the device buffer without a copy.
+After each fetch the next chunk in the recorded order is prefetched when it fits without
+evicting anything (a side stream on CUDA; synchronous on CPU, same code path).
+
+``ledger``: bytes per tier, allocated and freed through it only, so the figures are exact: the
+device tier holds device-home payloads, resident host-home payloads, device optimizer state
+(fp32 master + 2 moments) and device gradient chunks during ``step``; the host tier the rest.
+Every move is logged with the device bytes after it; ``peak`` per tier.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+import torch
+
+from autopar.runtime.dtensors import local_of
+from autopar.runtime.gemini.chunk import COMPUTE, DEVICE, FREE, HOLD, HOST, Chunk, Slot, pack, search_chunk_size
+
+__all__ = ["Ledger", "Move", "ChunkManager", "ChunkRange"]
+
+
+@dataclass(frozen=True, slots=True)
+class Move:
+    event: str  # alloc | free | fetch | evict | prefetch
+    chunk: int
+    tier: str
+    nbytes: int
+    device_bytes: int  # device-tier bytes after the move
+    host_bytes: int
+
+
+@dataclass
+class Ledger:
+    budget: int | None = None
+    bytes: dict = field(default_factory=lambda: {DEVICE: 0, HOST: 0})
+    peak: dict = field(default_factory=lambda: {DEVICE: 0, HOST: 0})
+    log: list = field(default_factory=list)
+
+    def add(self, event: str, chunk: int, tier: str, nbytes: int) -> None:
+        self.bytes[tier] += nbytes
+        assert self.bytes[tier] >= 0, (event, chunk, tier, nbytes)
+        self.peak[tier] = max(self.peak[tier], self.bytes[tier])
+        self.log.append(Move(event, chunk, tier, nbytes, self.bytes[DEVICE], self.bytes[HOST]))
+        if tier == DEVICE and self.budget is not None and self.bytes[DEVICE] > self.budget:
+            raise RuntimeError(f"gemini: chunk {chunk} ({event}, {nbytes} B) brings the device tier to "
+                               f"{self.bytes[DEVICE]} B, over its budget of {self.budget} B (the chunks one op "
+                               f"needs at once do not fit: raise the budget or lower the chunk size)")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ChunkRange:
+    """Chunk-size search range in elements (Gemini's ``search_range_m`` / ``min_chunk_size_m``)."""
+
+    min_elems: int = 1024
+    max_elems: int = 64 * 1024 * 1024
+    step: int = 1024
+
+    def __post_init__(self) -> None:
+        for name in ("min_elems", "max_elems", "step"):
+            v = getattr(self, name)
+            if type(v) is not int or v < 1:
+                raise ValueError(f"chunk range {name} must be a positive int, got {v!r}")
+        if self.max_elems < self.min_elems:
+            raise ValueError(f"chunk range max_elems={self.max_elems} < min_elems={self.min_elems}")
+
+
+class ChunkManager:
+    def __init__(self, params: list[tuple[str, torch.nn.Parameter]], *, device: torch.device,
+                 tiers_of, chunk_range: ChunkRange, pin_memory: bool, budget: int | None) -> None:
+        self.device = torch.device(device)
+        self.pin = bool(pin_memory) and self.device.type == "cuda"
+        self.ledger = Ledger(budget=budget)
+        self.params = dict(params)
+        self.chunks: list[Chunk] = []
+        self.chunk_of: dict[str, Chunk] = {}
+        self._build(params, chunk_range)
+        for chunk, (home, optim) in zip(self.chunks, tiers_of([c.payload_bytes for c in self.chunks],
+                                                              [c.optim_bytes for c in self.chunks])):
+            self._place_initial(chunk, home, optim)
+        self.padding = sum(c.capacity for c in self.chunks) - sum(s.numel for c in self.chunks for s in c.slots)
+        self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._events: dict[int, object] = {}
+        self.order: list[int] = []  # chunk accesses of the last complete step
+        self._uses: dict[int, list[int]] = {}
+        self.trace: list[int] = []
+        self.backward_group: frozenset = frozenset()
+        self.non_model_samples: list[int] = []
+        self.saved: dict[int, int] = {}  # storage pointer -> bytes autograd saved (non-model data, CPU)
+
+    # ------------------------------------------------------------------------------ building
+    def _build(self, params, chunk_range: ChunkRange) -> None:
+        runs: dict[torch.dtype, list[tuple[str, torch.Tensor]]] = {}
+        for name, p in params:
+            runs.setdefault(p.dtype, []).append((name, local_of(p)))
+        for dtype, items in runs.items():
+            sizes = [t.numel() for _, t in items]
+            capacity, _ = search_chunk_size(sizes, min_elems=chunk_range.min_elems,
+                                            max_elems=chunk_range.max_elems, step=chunk_range.step)
+            for members in pack(sizes, capacity):
+                slots, offset = [], 0
+                for i in members:
+                    name, t = items[i]
+                    slots.append(Slot(name, offset, t.numel(), tuple(t.shape)))
+                    offset += t.numel()
+                chunk = Chunk(len(self.chunks), slots, capacity, dtype)
+                self.chunks.append(chunk)
+                for s in slots:
+                    self.chunk_of[s.name] = chunk
+
+    def _buffer(self, n: int, dtype: torch.dtype, tier: str, *, zero: bool = False) -> torch.Tensor:
+        device = self.device if tier == DEVICE else torch.device("cpu")
+        pin = self.pin and tier == HOST
+        return (torch.zeros if zero else torch.empty)(n, dtype=dtype, device=device, pin_memory=pin)
+
+    @torch.no_grad()
+    def _place_initial(self, chunk: Chunk, home: str, optim: str) -> None:
+        buf = self._buffer(chunk.capacity, chunk.dtype, home, zero=True)
+        self.ledger.add("alloc", chunk.index, home, chunk.payload_bytes)
+        for s in chunk.slots:
+            chunk.view(buf, s.name).copy_(local_of(self.params[s.name]))
+        master = buf.float().to(self._tier_device(optim))
+        chunk.master = master.clone() if master.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr() \
+            else master
+        if self.pin and optim == HOST:
+            chunk.master = chunk.master.pin_memory()
+        chunk.exp_avg = self._buffer(chunk.capacity, torch.float32, optim, zero=True)
+        chunk.exp_avg_sq = self._buffer(chunk.capacity, torch.float32, optim, zero=True)
+        self.ledger.add("alloc", chunk.index, optim, chunk.optim_bytes)
+        chunk.optim_tier = optim
+        chunk.home = home
+        if home == DEVICE:
+            chunk.device_buf, chunk.host_buf, chunk.state = buf, None, HOLD
+        else:
+            chunk.host_buf, chunk.state = buf, FREE
+            chunk.device_buf = torch.empty(chunk.capacity, dtype=chunk.dtype, device=self.device)
+            chunk.device_buf.untyped_storage().resize_(0)
+        self._point_params(chunk, buf)
+
+    def _tier_device(self, tier: str) -> torch.device:
+        return self.device if tier == DEVICE else torch.device("cpu")
+
+    @torch.no_grad()
+    def _point_params(self, chunk: Chunk, buf: torch.Tensor) -> None:
+        """Each parameter's local tensor becomes a view of ``buf`` (same storage)."""
+        for s in chunk.slots:
+            param = self.params[s.name]
+            # The DTensor's own local tensor: ``to_local()`` of a parameter may hand out a fresh view.
+            local = param._local_tensor if hasattr(param, "_local_tensor") else param.data
+            local.set_(buf.untyped_storage(), buf.storage_offset() + s.offset, s.shape, _stride(s.shape))
+
+    @torch.no_grad()
+    def replace(self, chunk: Chunk, home: str, optim: str) -> None:
+        """Move ``chunk``'s payload home and optimizer state to new tiers (after a warm-up)."""
+        if chunk.resident and chunk.home == HOST:
+            self.evict(chunk)
+        if home != chunk.home:
+            src = chunk.device_buf if chunk.home == DEVICE else chunk.host_buf
+            buf = self._buffer(chunk.capacity, chunk.dtype, home)
+            buf.copy_(src)
+            self.ledger.add("alloc", chunk.index, home, chunk.payload_bytes)
+            self.ledger.add("free", chunk.index, chunk.home, -chunk.payload_bytes)
+            if home == DEVICE:
+                chunk.device_buf, chunk.host_buf, chunk.state = buf, None, HOLD
+            else:
+                chunk.host_buf, chunk.state = buf, FREE
+                chunk.device_buf = torch.empty(chunk.capacity, dtype=chunk.dtype, device=self.device)
+                chunk.device_buf.untyped_storage().resize_(0)
+            chunk.home = home
+            self._point_params(chunk, buf)
+        if optim != chunk.optim_tier:
+            self.ledger.add("alloc", chunk.index, optim, chunk.optim_bytes)
+            for attr in ("master", "exp_avg", "exp_avg_sq"):
+                moved = getattr(chunk, attr).to(self._tier_device(optim), copy=True)
+                setattr(chunk, attr, moved.pin_memory() if self.pin and optim == HOST else moved)
+            self.ledger.add("free", chunk.index, chunk.optim_tier, -chunk.optim_bytes)
+            chunk.optim_tier = optim
+
+    # ----------------------------------------------------------------------------- fetching
+    def start_pass(self) -> None:
+        self._pos = 0
+        self.trace = []
+        self.saved = {}
+
+    def end_step(self) -> None:
+        """The accesses of a complete step become the order eviction and prefetch follow."""
+        if self.trace:
+            self.order = list(self.trace)
+            self._uses = {}
+            for i, c in enumerate(self.order):
+                self._uses.setdefault(c, []).append(i)
+        self.trace = []
+
+    def access(self, chunk: Chunk) -> None:
+        """``chunk`` on the device and pinned (``COMPUTE``); prefetch the next one."""
+        self.trace.append(chunk.index)
+        self._pos = len(self.trace)
+        if chunk.home == HOST and not chunk.resident:
+            self._fetch(chunk, event="fetch")
+        event = self._events.pop(chunk.index, None)
+        if event is not None:
+            torch.cuda.current_stream(self.device).wait_event(event)
+        chunk.pins += 1
+        chunk.state = COMPUTE
+        self._prefetch()
+
+    def release(self, chunk: Chunk) -> None:
+        assert chunk.pins > 0, chunk.index
+        chunk.pins -= 1
+        if chunk.pins == 0:
+            chunk.state = HOLD
+
+    def _fetch(self, chunk: Chunk, *, event: str) -> None:
+        self._make_room(chunk.payload_bytes, keep=chunk)
+        self._sample_non_model()
+        chunk.device_buf.untyped_storage().resize_(chunk.payload_bytes)
+        self.ledger.add(event, chunk.index, DEVICE, chunk.payload_bytes)
+        if self.stream is not None and event == "prefetch":
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self.stream):
+                chunk.device_buf.copy_(chunk.host_buf, non_blocking=True)
+                ev = torch.cuda.Event()
+                ev.record(self.stream)
+            self._events[chunk.index] = ev
+        else:
+            chunk.device_buf.copy_(chunk.host_buf, non_blocking=self.pin)
+        if chunk.state == FREE:
+            chunk.state = HOLD
+
+    def evict(self, chunk: Chunk) -> None:
+        assert chunk.home == HOST and chunk.pins == 0 and chunk.resident, chunk.index
+        event = self._events.pop(chunk.index, None)
+        if event is not None:
+            event.synchronize()
+        chunk.device_buf.untyped_storage().resize_(0)
+        self.ledger.add("evict", chunk.index, DEVICE, -chunk.payload_bytes)
+        chunk.state = FREE
+
+    def evict_all(self) -> None:
+        for c in self.chunks:
+            if c.home == HOST and c.resident and c.pins == 0:
+                self.evict(c)
+
+    def _next_use(self, chunk: Chunk) -> float:
+        uses = self._uses.get(chunk.index, [])
+        k = bisect.bisect_left(uses, self._pos)
+        return uses[k] if k < len(uses) else float("inf")
+
+    def _make_room(self, nbytes: int, *, keep: Chunk | None = None) -> None:
+        budget = self.ledger.budget
+        if budget is None:
+            return
+        while self.ledger.bytes[DEVICE] + nbytes > budget:
+            victims = [c for c in self.chunks if c.home == HOST and c.resident and c.pins == 0 and c is not keep]
+            if not victims:
+                return  # the ledger raises on the move that exceeds the budget
+            self.evict(max(victims, key=self._next_use))
+
+    def _prefetch(self) -> None:
+        if not self.order or self._pos >= len(self.order):
+            return
+        nxt = self.chunks[self.order[self._pos]]
+        if nxt.home != HOST or nxt.resident:
+            return
+        budget = self.ledger.budget
+        if budget is not None and self.ledger.bytes[DEVICE] + nxt.payload_bytes > budget:
+            return  # prefetch never evicts
+        self._fetch(nxt, event="prefetch")
+
+    # -------------------------------------------------------------------------- statistics
+    def _sample_non_model(self) -> None:
+        if self.device.type == "cuda":
+            used = torch.cuda.max_memory_allocated(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.non_model_samples.append(max(0, used - self.ledger.bytes[DEVICE]))
+        else:  # both tiers are host memory: non-model data = what autograd holds for backward
+            self.non_model_samples.append(sum(self.saved.values()))
+
+    def summary(self) -> dict:
+        return {"num_chunks": len(self.chunks), "chunk_elems": sorted({c.capacity for c in self.chunks}),
+                "padding_elems": self.padding, "device_bytes": self.ledger.bytes[DEVICE],
+                "host_bytes": self.ledger.bytes[HOST], "peak_device_bytes": self.ledger.peak[DEVICE],
+                "peak_host_bytes": self.ledger.peak[HOST], "num_moves": len(self.ledger.log),
+                "tiers": [(c.home, c.optim_tier) for c in self.chunks]}
+
+
+def _stride(shape) -> tuple[int, ...]:
+    out, acc = [], 1
+    for n in reversed(shape):
+        out.append(acc)
+        acc *= max(int(n), 1)
+    return tuple(reversed(out))

@@ -1,0 +1,117 @@
+"""``GeminiOptimizer``: Adam/AdamW whose fp32 master weights and moments live in the chunks.
+
+A ``torch.optim.Optimizer`` over the module's DTensor parameters (so param groups, lr
+schedulers, ``clip_grad_norm_`` over ``.grad`` and ``state_dict`` work as usual). ``step``:
+
+1. host-home payloads still on the device are evicted (they go stale with the update);
+2. per chunk, a fp32 gradient chunk is allocated on the chunk's optimizer tier and each
+   parameter's ``.grad`` (local shard) copied into it;
+3. each parameter's slice of the master is updated in place by ``cpu_optim.adam_update_``
+   (torch's Adam/AdamW math, on the host for host-tier chunks, on the device otherwise) with its
+   group's hyper-parameters; the gradient chunk is freed;
+4. the master is copied (cast) into the payload's home buffer, which the parameters view.
+
+``state[p]`` holds ``step`` and DTensor views of the chunk's moments, so ``state_dict`` and
+``torch.distributed.checkpoint`` see the usual Adam state; ``load_state_dict`` copies loaded
+moments back into the chunks (and masters are re-read from the parameters).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from autopar.runtime.dtensors import local_of
+from autopar.runtime.gemini.chunk import HOST
+from autopar.runtime.gemini.cpu_optim import adam_update_
+
+__all__ = ["GeminiOptimizer"]
+
+
+class GeminiOptimizer(torch.optim.Optimizer):
+    def __init__(self, params, *, gemini, kind: str = "adamw", lr: float = 1e-3, betas=(0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 1e-2) -> None:
+        if not 0.0 <= lr or not 0.0 <= eps or not all(0.0 <= b < 1.0 for b in betas) or weight_decay < 0:
+            raise ValueError(f"invalid Adam hyper-parameters: lr={lr}, betas={betas}, eps={eps}, "
+                             f"weight_decay={weight_decay}")
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
+        self.gemini = gemini
+        self.kind = kind
+        self._name_of = {id(p): name for name, p in gemini.manager.params.items()}
+        for group in self.param_groups:
+            for p in group["params"]:
+                if id(p) not in self._name_of:
+                    raise ValueError(f"GeminiOptimizer: a parameter of shape {tuple(p.shape)} is not in the "
+                                     f"module's chunks")
+
+    def _views(self, p) -> tuple:
+        name = self._name_of[id(p)]
+        chunk = self.gemini.manager.chunk_of[name]
+        return name, chunk
+
+    def _init_state(self, p) -> dict:
+        state = self.state[p]
+        if not state:
+            name, chunk = self._views(p)
+            state["step"] = torch.tensor(0.0)
+            state["exp_avg"] = _wrap(chunk.view(chunk.exp_avg, name), p)
+            state["exp_avg_sq"] = _wrap(chunk.view(chunk.exp_avg_sq, name), p)
+        return state
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if closure is not None:
+            raise ValueError("GeminiOptimizer.step does not take a closure")
+        manager = self.gemini.manager
+        self.gemini.before_step()
+        group_of = {id(p): g for g in self.param_groups for p in g["params"]}
+        for chunk in manager.chunks:
+            members = [(s, manager.params[s.name]) for s in chunk.slots]
+            members = [(s, p) for s, p in members if p.grad is not None and id(p) in group_of]
+            if not members:
+                continue
+            tier_device = manager._tier_device(chunk.optim_tier)
+            grad = torch.zeros(chunk.capacity, dtype=torch.float32, device=tier_device)
+            manager.ledger.add("alloc_grad", chunk.index, chunk.optim_tier, grad.numel() * 4)
+            for s, p in members:
+                chunk.view(grad, s.name).copy_(local_of(p.grad))
+            for s, p in members:
+                g = group_of[id(p)]
+                state = self._init_state(p)
+                state["step"] += 1
+                beta1, beta2 = g["betas"]
+                adam_update_(chunk.view(chunk.master, s.name), chunk.view(grad, s.name),
+                             chunk.view(chunk.exp_avg, s.name), chunk.view(chunk.exp_avg_sq, s.name),
+                             step=int(state["step"].item()), lr=g["lr"], beta1=beta1, beta2=beta2, eps=g["eps"],
+                             weight_decay=g["weight_decay"], kind=self.kind)
+            del grad
+            manager.ledger.add("free_grad", chunk.index, chunk.optim_tier, -chunk.capacity * 4)
+            home = chunk.host_buf if chunk.home == HOST else chunk.device_buf
+            for s, _ in members:
+                chunk.view(home, s.name).copy_(chunk.view(chunk.master, s.name), non_blocking=False)
+        return None
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        super().load_state_dict(state_dict)
+        manager = self.gemini.manager
+        with torch.no_grad():
+            for p, state in list(self.state.items()):
+                name, chunk = self._views(p)
+                for key in ("exp_avg", "exp_avg_sq"):
+                    if key in state:
+                        view = chunk.view(getattr(chunk, key), name)
+                        view.copy_(local_of(state[key]))
+                        state[key] = _wrap(view, p)
+                if "step" in state and not isinstance(state["step"], torch.Tensor):
+                    state["step"] = torch.tensor(float(state["step"]))
+            self.gemini.reload_masters()
+        assert manager is self.gemini.manager
+
+
+def _wrap(view: torch.Tensor, p: Any):
+    if isinstance(p, DTensor):
+        return DTensor.from_local(view, p.device_mesh, p.placements, run_check=False, shape=p.shape,
+                                  stride=p.stride())
+    return view

@@ -1,0 +1,125 @@
+"""Placement policies: which tier each chunk's parameters and optimizer state live on.
+
+``StaticPolicy`` has Gemini's knobs with their meanings:
+- ``offload_param_frac``: the fraction of chunks (the last ones in order, by bytes) whose
+  parameter payload lives on the host and is fetched to the device when an op uses it;
+- ``offload_optim_frac``: the fraction of chunks (the last ones, by bytes) whose fp32 master
+  weights and optimizer state live on the host and are updated there by the CPU optimizer;
+- ``shard_param_frac``: Gemini's fraction of chunks sharded over the data-parallel group. In
+  autopar a parameter's sharding is the plan's layout (ZeRO-3 is a layout, ZeRO-1/2 a planner
+  decision), so only 0 is accepted here: plan with ``zero_stage`` / a memory budget instead;
+- ``pin_memory``: host buffers in pinned memory (CUDA only; ignored on a CPU device).
+- ``device_budget``: bytes of model data (chunk payloads, master weights, optimizer state,
+  gradient chunks during the step) the device tier may hold; ``None`` = unbounded.
+
+``AutoPolicy(device_budget)`` decides from a warm-up step's memory statistics: the first step
+runs with every payload and all optimizer state on the host while the manager samples
+non-model memory at each chunk move; after it, the device keeps as many chunks (payload, then
+optimizer state) as fit in ``device_budget`` minus the non-model peak, the rest stay on the host.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from autopar.runtime.gemini.chunk import DEVICE, HOST
+
+__all__ = ["StaticPolicy", "AutoPolicy", "static_tiers", "auto_tiers", "make_policy"]
+
+
+def _frac(value, what: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
+        raise ValueError(f"{what} must be a number in [0, 1], got {value!r}")
+    return float(value)
+
+
+def _budget(value) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"device_budget must be None or a positive int of bytes, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StaticPolicy:
+    shard_param_frac: float = 0.0
+    offload_optim_frac: float = 0.0
+    offload_param_frac: float = 0.0
+    pin_memory: bool = False
+    device_budget: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("shard_param_frac", "offload_optim_frac", "offload_param_frac"):
+            object.__setattr__(self, name, _frac(getattr(self, name), name))
+        if self.shard_param_frac != 0.0:
+            raise ValueError(f"shard_param_frac={self.shard_param_frac!r}: autopar shards parameters by the plan's "
+                             f"layouts (zero_stage, memory_budget), not by chunk; use shard_param_frac=0")
+        if not isinstance(self.pin_memory, bool):
+            raise ValueError(f"pin_memory must be a bool, got {self.pin_memory!r}")
+        object.__setattr__(self, "device_budget", _budget(self.device_budget))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AutoPolicy:
+    device_budget: int
+    pin_memory: bool = False
+    warmup_steps: int = 1
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "device_budget", _budget(self.device_budget))
+        if self.device_budget is None:
+            raise ValueError("the auto placement policy needs a device_budget in bytes")
+        if not isinstance(self.pin_memory, bool):
+            raise ValueError(f"pin_memory must be a bool, got {self.pin_memory!r}")
+        if type(self.warmup_steps) is not int or self.warmup_steps < 1:
+            raise ValueError(f"warmup_steps must be an int >= 1, got {self.warmup_steps!r}")
+
+
+def make_policy(placement_policy: str = "static", **knobs) -> StaticPolicy | AutoPolicy:
+    """The policy named ``placement_policy`` ('static' | 'auto') with Gemini's knobs."""
+    if placement_policy == "static":
+        return StaticPolicy(**knobs)
+    if placement_policy == "auto":
+        knobs = {k: v for k, v in knobs.items() if k in ("device_budget", "pin_memory", "warmup_steps")}
+        return AutoPolicy(**knobs)
+    raise ValueError(f"placement_policy must be 'static' or 'auto', got {placement_policy!r}")
+
+
+def _last_fraction(sizes: list[int], frac: float) -> set[int]:
+    """Indices of the trailing chunks holding ``frac`` of the bytes (rounded up to whole chunks)."""
+    want = math.ceil(frac * sum(sizes) - 1e-9)
+    out, acc = set(), 0
+    for i in reversed(range(len(sizes))):
+        if acc >= want:
+            break
+        out.add(i)
+        acc += sizes[i]
+    return out
+
+
+def static_tiers(payload: list[int], policy: StaticPolicy) -> list[tuple[str, str]]:
+    """(payload tier, optimizer tier) per chunk."""
+    params = _last_fraction(payload, policy.offload_param_frac)
+    optim = _last_fraction(payload, policy.offload_optim_frac)
+    return [(HOST if i in params else DEVICE, HOST if i in optim else DEVICE) for i in range(len(payload))]
+
+
+def auto_tiers(payload: list[int], optim: list[int], *, budget: int, non_model_peak: int,
+               order: list[int]) -> list[tuple[str, str]]:
+    """Chunks kept on the device, first used first, while payloads fit in ``budget`` minus the
+    non-model peak (a fetched chunk needs room too: the largest payload stays free); then their
+    optimizer state while it fits. Everything else on the host."""
+    room = budget - non_model_peak - (max(payload) if payload else 0)
+    first = order + [i for i in range(len(payload)) if i not in order]
+    tiers = [[HOST, HOST] for _ in payload]
+    for i in first:
+        if payload[i] <= room:
+            tiers[i][0] = DEVICE
+            room -= payload[i]
+    for i in first:
+        if tiers[i][0] == DEVICE and optim[i] <= room:
+            tiers[i][1] = DEVICE
+            room -= optim[i]
+    return [(a, b) for a, b in tiers]
