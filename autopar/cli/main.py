@@ -77,6 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --pipeline: micro-batches per step, or auto (a few divisors of the batch)")
     p.add_argument("--schedule", default="auto", choices=("auto", *PIPELINE_SCHEDULES),
                    help="with --pipeline: the pipeline schedule, or auto (the fastest)")
+    p.add_argument("--offload", type=_offload, default="none", metavar="none|auto|static:OPTIM,PARAM",
+                   help="parameters / optimizer state on the host tier: none (default), auto (planned per "
+                        "parameter), or static:OPTIM_FRAC,PARAM_FRAC (Gemini's fractions, e.g. static:1,0.5)")
     p.add_argument("--optimizer-multiplier", type=float, default=2.0,
                    help="optimizer state bytes per parameter byte (default 2: AdamW fp32)")
     p.add_argument("--allow-fallback", action="store_true", help="replicate ops that have no sharding rule")
@@ -135,6 +138,25 @@ def _count_or_auto(text: str):
     return int(text) if text.isdigit() else text  # PlanOptions names a bad value with the flag's text
 
 
+def _offload(text: str):
+    """``none``, ``auto`` or ``static:OPTIM,PARAM`` -> what ``PlanOptions.offload`` takes."""
+    from autopar.planner.offload_pricing import OffloadPolicy
+
+    if text in ("none", "auto"):
+        return text
+    head, _, fracs = text.partition(":")
+    try:
+        optim, param = (float(x) for x in fracs.split(","))
+    except ValueError:
+        optim = None
+    if head != "static" or optim is None:
+        raise argparse.ArgumentTypeError(f"--offload takes none, auto or static:OPTIM,PARAM, got {text!r}")
+    try:
+        return OffloadPolicy(offload_optim_frac=optim, offload_param_frac=param)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _zero_stage(text: str):
     return text if text == "auto" else int(text) if text.isdigit() else text
 
@@ -164,7 +186,8 @@ def cmd_inspect(args) -> int:
                           baselines=not args.no_baselines, optimizer_multiplier=args.optimizer_multiplier,
                           allow_replicate_fallback=args.allow_fallback, checkpoint=args.checkpoint,
                           precision=args.precision, reduce_dtype=args.reduce_dtype, zero_stage=args.zero_stage,
-                          pipeline=args.pipeline, microbatches=args.microbatches, schedule=args.schedule)
+                          pipeline=args.pipeline, microbatches=args.microbatches, schedule=args.schedule,
+                          offload=args.offload)
     if options.pipeline is not None and (auto or args.html):
         raise CliError("--pipeline plans over the given mesh's first axis, without --mesh auto and --html")
     _check_writable(args.json, "--json")

@@ -66,6 +66,8 @@ def _summary(report) -> list[str]:
     staged = Counter(n.zero_stage for n in params)
     if any(stage for stage in staged):
         lines.append("  ZeRO           " + ", ".join(f"stage {s}: {staged[s]} parameters" for s in sorted(staged)))
+    if p.offload:
+        lines += _offload(p)
     budget = p.budget_bytes
     used = f"{fmt_bytes(est.peak_bytes)} of {fmt_bytes(budget)} budget ({est.peak_bytes / budget:.0%})" if budget else fmt_bytes(est.peak_bytes)
     lines += [
@@ -88,6 +90,26 @@ def _summary(report) -> list[str]:
     if p.fallbacks:
         lines.append(f"  fallbacks      {len(p.fallbacks)} ops replicated without a sharding rule "
                      f"(--allow-fallback): {_fallback_ops(report)}")
+    return lines
+
+
+def _offload(plan, *, shown: int = 4) -> list[str]:
+    """What the plan keeps on the host tier and what moving it costs per step."""
+    info, tiers = plan.offload_info, plan.offload
+    host = [fqn for fqn, t in tiers.items() if t == ("host", "host")]
+    optim = [fqn for fqn, t in tiers.items() if t == ("device", "host")]
+    lines = [f"  offload        {info.get('policy', '?')}: {len(host)} parameters (with their optimizer state) and "
+             f"{len(optim)} more optimizer states on the host, of {len(tiers)} trainable parameters; host "
+             f"{fmt_bytes(info.get('host_bytes', 0))} of {fmt_bytes(info.get('host_capacity') or 0)} per device",
+             f"  host link      {fmt_ms(info.get('host_link_s', 0.0))} transfers + CPU optimizer "
+             f"{fmt_ms(info.get('cpu_optimizer_s', 0.0))} per step (in the step time, not overlapped)"]
+    for what, names in (("parameters on host", host), ("optimizer state on host", optim)):
+        if names:
+            more = f", ... (+{len(names) - shown})" if len(names) > shown else ""
+            lines.append(f"    {what}: {', '.join(names[:shown])}{more}")
+    if info.get("stream_buffer_bytes"):
+        lines.append(f"    streamed parameters need ~{fmt_bytes(info['stream_buffer_bytes'])} of device buffer "
+                     f"beyond the planned peak")
     return lines
 
 
