@@ -133,6 +133,19 @@ class Reduced:
 
 
 # ------------------------------------------------------------------------ working model
+def _option_arrays(options: tuple) -> tuple:
+    """(names, cost, param bytes, forward seconds, act bytes or None when all zero, indices) of
+    one node's options, read-only (nodes with the same options share them)."""
+    acts = np.array([o.act_bytes for o in options], dtype=float)
+    out = (np.array([o.cost_s for o in options], dtype=float), np.array([o.param_bytes for o in options], dtype=float),
+           np.array([o.forward_s for o in options], dtype=float), acts if acts.any() else None,
+           np.arange(len(options)))
+    for arr in out:
+        if arr is not None:
+            arr.setflags(write=False)
+    return (tuple(o.name for o in options), *out)
+
+
 class _Work:
     """Mutable form of ``Reduced`` used while simplifying."""
 
@@ -146,26 +159,33 @@ class _Work:
         # node -> (group, node option index for each group option)
         self.member: dict[str, tuple[int, np.ndarray]] = {}
         self.group_members: dict[int, list[str]] = defaultdict(list)
-        self.names = {n.name: tuple(o.name for o in n.options) for n in problem.nodes}
+        self.names: dict[str, tuple[str, ...]] = {}
         self.num_aliased = 0
         self._regret: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}  # see regret_term
         groups = _alias_groups(problem) if alias else {n.name: i for i, n in enumerate(problem.nodes)}
+        # The builder hands every repeat of a block position the same options tuple (GPT-2 96
+        # layers: 4865 nodes, 88 tuples): their arrays are built once (kept with the tuple, so
+        # an id is never reused within this loop).
+        arrays: dict[int, tuple] = {}
         for n in problem.nodes:
             g = groups[n.name]
-            k = n.num_options
+            hit = arrays.get(id(n.options))
+            if hit is None:
+                hit = arrays[id(n.options)] = (n.options, _option_arrays(n.options))
+            names, cost, param, fwd_s, acts, index = hit[1]
+            self.names[n.name] = names
             if g not in self.cost:
-                self.cost[g], self.param[g], self.forward[g] = np.zeros(k), np.zeros(k), {}
+                self.cost[g], self.param[g], self.forward[g] = cost.copy(), param.copy(), {}
             else:
                 self.num_aliased += 1
-            self.cost[g] += [o.cost_s for o in n.options]
-            self.param[g] += [o.param_bytes for o in n.options]
+                self.cost[g] += cost
+                self.param[g] += param
             if n.segment is not None:
-                fwd = self.forward[g].setdefault(n.segment, np.zeros(k))
-                fwd += [o.forward_s for o in n.options]
-            acts = np.array([o.act_bytes for o in n.options], dtype=float)
-            if n.live is not None and acts.any():
+                fwd = self.forward[g].get(n.segment)
+                self.forward[g][n.segment] = fwd_s.copy() if fwd is None else fwd + fwd_s
+            if n.live is not None and acts is not None:
                 self.items[g].append(MemItem(g, n.live[0], n.live[1], acts, n.segment))
-            self.member[n.name] = (g, np.arange(k))
+            self.member[n.name] = (g, index)
             self.group_members[g].append(n.name)
         for e in problem.edges:
             ga, gb = groups[e.src], groups[e.dst]
@@ -377,10 +397,16 @@ def _freeze(work: _Work, problem: Problem, memory: bool, stats: dict[str, int]) 
             if new[a] < new[b]:
                 edges[(new[a], new[b])] = mat
     items = tuple(MemItem(new[g], it.start, it.end, it.bytes, it.segment) for g in order for it in work.items[g])
-    members = tuple(
-        Member(node, new[grp], tuple(work.names[node][i] for i in idx))
-        for node, (grp, idx) in work.member.items()
-    )
+    picked: dict[tuple, tuple[str, ...]] = {}  # aliased nodes share their option names: build each once
+
+    def option_names(node: str, idx: np.ndarray) -> tuple[str, ...]:
+        key = (work.names[node], idx.tobytes())
+        hit = picked.get(key)
+        if hit is None:
+            hit = picked[key] = tuple(work.names[node][i] for i in idx)
+        return hit
+
+    members = tuple(Member(node, new[grp], option_names(node, idx)) for node, (grp, idx) in work.member.items())
     stats = {**stats, "num_groups": len(order), "num_group_edges": len(edges),
              "num_options": int(sum(len(work.cost[g]) for g in order))}
     return Reduced(
