@@ -86,40 +86,60 @@ def step_time(schedule: str, *, times, syncs, num_stages: int, virtual_stages: i
 
 @dataclass(frozen=True, slots=True)
 class Cuts:
-    """Stage k holds blocks ``[bounds[k], bounds[k + 1])``; ``objective`` = factor * max time + max sync."""
+    """Stage k holds blocks ``[bounds[k], bounds[k + 1])`` and runs its option ``picks[k]`` (of
+    those ``cost`` gave it); ``objective`` = factor * max time + max sync."""
 
     bounds: tuple[int, ...]
     objective: float
     max_time: float
     max_sync: float
+    picks: tuple[int, ...] = ()
 
 
-def best_cuts(num_blocks: int, num_parts: int, cost: Callable[[int, int, int], tuple[float, float] | None], *,
-              factor: float) -> Cuts | None:
+Option = tuple[float, float]  # (time per micro-batch, gradient sync per step)
+
+
+def best_cuts(num_blocks: int, num_parts: int,
+              cost: Callable[[int, int, int], Option | list[Option] | None], *, factor: float) -> Cuts | None:
     """The best contiguous cut of ``num_blocks`` blocks into ``num_parts`` non-empty stages, or
     None when no cut has every stage feasible. ``cost(k, a, b)``: (time, sync) of stage k
-    holding blocks ``[a, b)``, or None when it does not fit."""
+    holding blocks ``[a, b)``, or a list of such options (e.g. with and without activation
+    recompute: the DP picks one per stage), or None when it does not fit.
+
+    Exact: for a bottleneck ``T`` every stage takes, among its options no slower than ``T``, the
+    one of least sync (the objective only grows with a stage's sync once ``T`` is fixed), so the
+    threshold sweep over every option's time finds the optimum over cuts and options together."""
     if num_parts < 1 or num_blocks < num_parts:
         raise ValueError(f"cannot cut {num_blocks} blocks into {num_parts} non-empty stages")
-    table: dict[tuple[int, int, int], tuple[float, float]] = {}
+    table: dict[tuple[int, int, int], tuple[Option, ...]] = {}
     for k in range(num_parts):
         for a in range(k, num_blocks - num_parts + k + 1):
             for b in range(a + 1, num_blocks - num_parts + k + 2):
                 c = cost(k, a, b)
-                if c is not None:
-                    table[k, a, b] = c
+                if c is None:
+                    continue
+                opts = tuple(c) if isinstance(c, list) else (c,)
+                if opts:
+                    table[k, a, b] = opts
     best: Cuts | None = None
-    for limit in sorted({t for t, _ in table.values()}):
+    for limit in sorted({t for opts in table.values() for t, _ in opts}):
         if best is not None and factor * limit >= best.objective:
             break  # syncs are >= 0: no larger bottleneck can win
         found = _min_sync(num_blocks, num_parts, table, limit)
         if found is None:
             continue
         sync, bounds = found
-        time = max(table[k, bounds[k], bounds[k + 1]][0] for k in range(num_parts))
+        picks = tuple(_pick(table[k, bounds[k], bounds[k + 1]], limit) for k in range(num_parts))
+        time = max(table[k, bounds[k], bounds[k + 1]][i][0] for k, i in enumerate(picks))
         if best is None or factor * time + sync < best.objective:
-            best = Cuts(bounds, factor * time + sync, time, sync)
+            best = Cuts(bounds, factor * time + sync, time, sync, picks)
     return best
+
+
+def _pick(opts: tuple[Option, ...], limit: float) -> int | None:
+    """The option of least sync (then least time) no slower than ``limit``; None: none is."""
+    fit = [i for i, (t, _) in enumerate(opts) if t <= limit]
+    return min(fit, key=lambda i: (opts[i][1], opts[i][0])) if fit else None
 
 
 def _min_sync(num_blocks: int, num_parts: int, table, limit: float) -> tuple[float, tuple[int, ...]] | None:
@@ -134,10 +154,11 @@ def _min_sync(num_blocks: int, num_parts: int, table, limit: float) -> tuple[flo
             if f[k][a] == inf:
                 continue
             for b in range(a + 1, num_blocks + 1):
-                c = table.get((k, a, b))
-                if c is None or c[0] > limit:
+                opts = table.get((k, a, b))
+                i = None if opts is None else _pick(opts, limit)
+                if i is None:
                     continue
-                v = max(f[k][a], c[1])
+                v = max(f[k][a], opts[i][1])
                 if v < f[k + 1][b]:
                     f[k + 1][b], back[k + 1][b] = v, a
     if f[num_parts][num_blocks] == inf:

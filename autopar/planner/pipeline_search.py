@@ -45,14 +45,22 @@ from typing import Any, Callable
 
 import numpy as np
 
-from autopar.layout.blocks import split_block
+from autopar.layout.blocks import block_of, split_block
 from autopar.layout.mesh import MeshSpec
 from autopar.planner.assemble import assemble_plan, solver_stats
+from autopar.planner.checkpointing import regions_of
 from autopar.planner.pipeline_schedule import (SCHEDULE_VIRTUAL_STAGES, best_cuts, in_flight, step_factor)
 from autopar.planner.pipeline_stages import block_container
 from autopar.plans import (PIPELINE_SCHEDULES, Estimate, NodeKind, PipelinePlan, Plan, StagePlan, stage_mesh_of)
-from autopar.solver.problem import Edge, Problem, Solution
+from autopar.solver.problem import Edge, Node, Problem, Solution, StrategyOption
+from autopar.solver.timeline import segment_geometry
+from autopar.solver.timeline import activation_bytes
 from autopar.tracer.graph import MODULE_KEY, TracedGraph
+
+# A kept value's layout follows its producer's (``StageCosts.slice``): any other pairing costs
+# this many seconds, more than any real step, so an optimum never takes it while one fits.
+_TIE_S = 1e4
+HELD = "@held"
 
 __all__ = ["StageCost", "StageCosts", "PipelineCandidate", "PipelineSearch", "search_stages", "schedule_cuts",
            "schedules_for"]
@@ -62,7 +70,10 @@ __all__ = ["StageCost", "StageCosts", "PipelineCandidate", "PipelineSearch", "se
 class StageCost:
     """One stage's figures: per micro-batch ``time_s`` (ops + resharding + its boundary's
     point-to-point ``p2p_s``), once-per-step gradient ``sync_s``, per-device ``peak_bytes``
-    (with its in-flight micro-batches) and ``param_bytes`` (parameters, gradients, optimizer)."""
+    (with its in-flight micro-batches), ``param_bytes`` (parameters, gradients, optimizer) and
+    ``saved_bytes``: what ONE micro-batch's forward keeps saved for backward per device (user
+    inputs left out, as ``autopar.solver.timeline.activation_bytes``); the stage holds
+    ``in_flight * saved_bytes`` at its peak."""
 
     time_s: float
     sync_s: float
@@ -74,6 +85,8 @@ class StageCost:
     in_flight: int
     status: str = "optimal"
     gap: float = 0.0
+    saved_bytes: int = 0
+    recompute: bool = False  # every block of the stage recomputed in backward (Megatron's "full")
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,6 +134,7 @@ class StageCosts:
         self._position()
         self._classes()
         self._boundaries()
+        self._recompute_geometry()
 
     # ------------------------------------------------------------------------- structure
     def _position(self) -> None:
@@ -217,64 +231,112 @@ class StageCosts:
         return tuple(stages)
 
     # ---------------------------------------------------------------------------- solves
-    def cost(self, a: int, b: int, *, in_flight: int, factor: float, budget: int | None) -> StageCost | None:
-        """The memoised stage cost (None: it does not fit ``budget``)."""
-        shape = (a == 0, b == self.num_blocks, self.block_class[a:b], factor)
+    def cost(self, a: int, b: int, *, in_flight: int, factor: float, budget: int | None,
+             recompute: bool = False) -> StageCost | None:
+        """The memoised stage cost (None: it does not fit ``budget``); ``recompute``: every block of
+        the stage recomputed in backward (``slice``)."""
+        shape = (a == 0, b == self.num_blocks, self.block_class[a:b], factor, recompute)
         key = (*shape, in_flight, budget)
         if key not in self._memo:
             # The unconstrained optimum (one solve per range shape) answers whenever it fits with
-            # this in-flight count; only a binding budget needs a solve of its own.
-            # Peaks are evaluated on the range the memoised choice was solved for (equal shapes).
-            if (*shape, None, None) not in self._memo:
-                self._memo[(*shape, None, None)] = self._at(a, b, self.solve_range(a, b, in_flight=1, factor=factor,
-                                                                                   budget=None))
-            free = self._memo[(*shape, None, None)]
-            peak = None if free is None else self.peak_bytes(*free[2], free[0], in_flight=in_flight, factor=factor)
+            # this in-flight count; only a binding budget needs a solve of its own. Its peak with
+            # k micro-batches in flight is its peak with one plus (k - 1) x what one keeps saved
+            # (``slice``: the in-flight bytes are linear in k), so no second evaluation is needed.
+            free_key = (*shape, None, None)
+            if free_key not in self._memo:
+                self._memo[free_key] = self.solve_range(a, b, in_flight=1, factor=factor, budget=None,
+                                                        recompute=recompute)
+            free = self._memo[free_key]
+            peak = None if free is None else free[1].peak_bytes + (in_flight - 1) * free[2]
             if free is not None and (budget is None or peak <= budget):
                 self._memo[key] = (free[0], replace(free[1], peak_bytes=peak, in_flight=in_flight), free[2])
             else:
-                self._memo[key] = self._at(a, b, self.solve_range(a, b, in_flight=in_flight, factor=factor,
-                                                                  budget=budget))
+                self._memo[key] = self.solve_range(a, b, in_flight=in_flight, factor=factor, budget=budget,
+                                                   recompute=recompute)
         found = self._memo[key]
         return None if found is None else replace(found[1], time_s=found[1].time_s - found[1].p2p_s + self.p2p_s(b),
                                                   p2p_s=self.p2p_s(b))
 
+    def unconstrained(self, a: int, b: int, *, in_flight: int, factor: float, budget: int | None,
+                      recompute: bool = False) -> bool:
+        """Whether ``cost(...)`` with these arguments is the range's unconstrained optimum."""
+        shape = (a == 0, b == self.num_blocks, self.block_class[a:b], factor, recompute)
+        found, free = self._memo.get((*shape, in_flight, budget)), self._memo.get((*shape, None, None))
+        return found is not None and free is not None and found[0] is free[0]
+
     def solve_range(self, a: int, b: int, *, in_flight: int, factor: float, budget: int | None,
-                    fixed: dict[str, str] | None = None) -> tuple[dict[str, str], StageCost] | None:
-        """(choice, cost) of the stage holding ``[a, b)``, placeholders in ``fixed`` held to their option."""
+                    fixed: dict[str, str] | None = None,
+                    recompute: bool = False) -> tuple[dict[str, str], StageCost, int] | None:
+        """(choice, cost, bytes each further in-flight micro-batch adds) of the stage holding
+        ``[a, b)``, placeholders in ``fixed`` held to their option; None when nothing fits."""
         problem = self.slice(self.decisions(a, b), in_flight=in_flight, factor=factor, budget=budget,
-                             fixed=fixed or {})
+                             fixed=fixed or {}, recompute=recompute)
         self.num_solves += 1
         try:
             sol = self._solve(problem)
         except ValueError:  # no layout of this stage fits the budget
             return None
+        held = [n.name for n in problem.nodes if n.name.endswith(HELD)]
+        if any(sol.choice[h] != sol.choice[h[:-len(HELD)]] for h in held):
+            return None  # only a layout change of a kept value (priced _TIE_S) fits: infeasible
         ev = problem.evaluate(sol.choice)
-        params = [n for n in problem.nodes if self.kind[n.name] == NodeKind.PARAMETER]
         original = self.built.problem
-        sync = sum(original.node(n.name).options[original.node(n.name).option_index(sol.choice[n.name])].cost_s
-                   for n in params)
-        param_bytes = sum(o.param_bytes for n in problem.nodes if self.kind[n.name] != NodeKind.OP
-                          for o in [original.node(n.name).options[original.node(n.name).option_index(sol.choice[n.name])]])
+
+        def chosen(name):
+            node = original.node(name)
+            return node.options[node.option_index(sol.choice[name])]
+
+        params = [n.name for n in problem.nodes if self.kind.get(n.name) == NodeKind.PARAMETER]
+        sync = sum(chosen(n).cost_s for n in params)
+        param_bytes = sum(chosen(n.name).param_bytes for n in problem.nodes
+                          if n.name in self.kind and self.kind[n.name] != NodeKind.OP)
+        extra = sum(self._in_flight_bytes(problem, n, c, recompute=recompute) for n, c in sol.choice.items())
         p2p = self.p2p_s(b)
         cost = StageCost(time_s=ev.objective - sync / factor + p2p, sync_s=sync, p2p_s=p2p, compute_s=ev.compute_s,
                          reshard_s=ev.reshard_s, peak_bytes=ev.peak_bytes, param_bytes=param_bytes,
-                         in_flight=in_flight, status=sol.status, gap=sol.gap)
-        return dict(sol.choice), cost
+                         in_flight=in_flight, status=sol.status, gap=sol.gap,
+                         saved_bytes=activation_bytes(problem, sol.choice), recompute=recompute)
+        return {n: c for n, c in sol.choice.items() if not n.endswith(HELD)}, cost, extra
 
-    @staticmethod
-    def _at(a: int, b: int, found):
-        return None if found is None else (*found, (a, b))
+    def _in_flight_bytes(self, problem: Problem, name: str, option: str, *, recompute: bool) -> int:
+        """Bytes one more in-flight micro-batch keeps for node ``name`` of the stage slice
+        ``problem`` (``slice``): a kept value's, or a not-recomputed op's saved activation."""
+        if name.endswith(HELD):
+            node = problem.node(name)
+            return node.options[node.option_index(option)].act_bytes
+        base = self.built.problem.node(name)
+        if self.kind[name] != NodeKind.OP or base.live is None or (recompute and name in self.unit_of):
+            return 0
+        return base.options[base.option_index(option)].act_bytes
 
-    def peak_bytes(self, a: int, b: int, choice: dict[str, str], *, in_flight: int, factor: float) -> int:
-        """Per-device peak of ``choice`` for the stage holding ``[a, b)`` with ``in_flight`` micro-batches."""
-        problem = self.slice(self.decisions(a, b), in_flight=in_flight, factor=factor, budget=None, fixed={})
-        return problem.evaluate(choice).peak_bytes
+    def _recompute_geometry(self) -> None:
+        """The stage-recomputable units (the container's blocks), the unit of each op and where
+        each unit's backward begins (``autopar.solver.timeline``)."""
+        geo = segment_geometry(self.built.problem)
+        self.units = {u: g for u, g in geo.items() if g.parent is None and (split_block(u) or ("", 0))[0] == self.prefix}
+        self.unit_of: dict[str, str] = {}
+        for node in self.built.problem.nodes:
+            if node.segment is not None and self.kind[node.name] == NodeKind.OP:
+                block = block_of(node.segment)
+                if block in self.units:
+                    self.unit_of[node.name] = block
+        self.segment_inputs = getattr(self.built, "segment_inputs", None) or {}
 
     def slice(self, names: set[str], *, in_flight: int, factor: float, budget: int | None,
-              fixed: dict[str, str]) -> Problem:
-        """The Problem restricted to ``names`` and priced for the stage (module docstring)."""
+              fixed: dict[str, str], recompute: bool = False) -> Problem:
+        """The Problem restricted to ``names`` and priced for the stage (module docstring).
+
+        ``recompute``: every block unit of the stage is recomputed in backward, written into the
+        plain sharding Problem exactly as ``Problem.evaluate(..., recompute=units,
+        segment_inputs=...)`` prices it (``autopar.solver.timeline``): its ops cost their
+        ``forward_s`` more and hold their activation only from the unit's backward start on; each
+        value the units keep (a ``SegmentInput`` made inside the stage) becomes a node
+        ``<value>@held`` holding its bytes over the units' span, whose layout is tied to its
+        producer's by an edge priced ``_TIE_S`` off the diagonal. The value a stage receives
+        over its cut is not priced in either mode. In flight, a recomputed op keeps nothing, a
+        kept value ``(k - 1)`` x its bytes."""
         base = self.built.problem
+        units = {u for u in self.units if split_block(u)[1] in self._stage_blocks(names)} if recompute else set()
         keep: dict[str, list[int]] = {}
         nodes = []
         for node in base.nodes:
@@ -283,15 +345,20 @@ class StageCosts:
             idx = [node.option_index(fixed[node.name])] if node.name in fixed else list(range(node.num_options))
             keep[node.name] = idx
             kind = self.kind[node.name]
+            unit = self.unit_of.get(node.name) if units else None
+            unit = unit if unit in units else None
             opts = []
             for i in idx:
                 o = node.options[i]
                 if kind == NodeKind.PARAMETER:
                     o = replace(o, compute_s=o.compute_s / factor, comm_s=o.comm_s / factor)
+                elif unit is not None:
+                    o = replace(o, compute_s=o.compute_s + o.forward_s)
                 elif kind == NodeKind.OP and node.live is not None and in_flight > 1:
                     o = replace(o, param_bytes=o.param_bytes + (in_flight - 1) * o.act_bytes)
                 opts.append(o)
-            nodes.append(replace(node, options=tuple(opts)))
+            live = node.live if unit is None or node.live is None else (self.units[unit].bwd, node.live[1])
+            nodes.append(replace(node, options=tuple(opts), live=live))
         edges = []
         for e in base.edges:
             if e.src in keep and e.dst in keep:
@@ -299,8 +366,24 @@ class StageCosts:
                     edges.append(e)
                 else:
                     edges.append(Edge(e.src, e.dst, e.array[np.ix_(keep[e.src], keep[e.dst])].tolist()))
+        held: dict[str, list] = {}
+        for u in sorted(units):
+            g = self.units[u]
+            for si in self.segment_inputs.get(u, ()):
+                if si.node in keep:
+                    span = held.setdefault(si.node, [si.bytes, g.start, g.end])
+                    span[1], span[2] = min(span[1], g.start), max(span[2], g.end)
+        for value, (sizes, first, last) in held.items():
+            src, idx = base.node(value), keep[value]
+            opts = tuple(StrategyOption(src.options[i].name, 0.0, param_bytes=(in_flight - 1) * sizes[i],
+                                        act_bytes=sizes[i]) for i in idx)
+            nodes.append(Node(value + HELD, opts, live=(first, last), signature="held|" + src.signature))
+            edges.append(Edge(value, value + HELD, [[0.0 if i == j else _TIE_S for j in idx] for i in idx]))
         return replace(base, nodes=tuple(nodes), edges=tuple(edges), budget_bytes=budget,
                        meta={**base.meta_dict, "pipeline_stage": f"{len(nodes)} decisions"})
+
+    def _stage_blocks(self, names: set[str]) -> set[int]:
+        return {self.pos[n] for n in names if n in self.unit_of}
 
 
 def _stage_budget(budget: int | None, virtual_stages: int) -> int | None:
@@ -331,16 +414,17 @@ def search_stages(traced: TracedGraph, profile, *, mesh: MeshSpec, options, num_
     candidates, best = [], None
     for schedule in schedules:
         found = schedule_cuts(costs, schedule=schedule, num_stages=num_stages, num_microbatches=num_microbatches,
-                              budget=budget, window=window)
+                              budget=budget, window=window,
+                              recompute=(False,) if options.checkpoint == "none" else (False, True))
         candidates.append(found[0])
         if found[1] is not None and (best is None or found[1].objective < best[1].objective):
             best = (schedule, *found[1:])
     if best is None:
         return PipelineSearch(None, tuple(candidates), costs.num_solves)
-    schedule, cuts, factor, flight, stage_budget = best
+    schedule, cuts, factor, flight, stage_budget, modes = best
     at = next(i for i, c in enumerate(candidates) if c.schedule == schedule)
     plan = _assemble(costs, traced, cuts.bounds, schedule=schedule, num_stages=num_stages,
-                     num_microbatches=num_microbatches, factor=factor, flight=flight, budget=stage_budget,
+                     num_microbatches=num_microbatches, factor=factor, flight=flight, budget=stage_budget, modes=modes,
                      options=options, mesh=mesh, candidates=candidates,
                      timings={"build_s": t_build, "search_s": time.perf_counter() - t0 - t_build})
     # The chosen candidate's figure is the assembled plan's (shared layouts fixed across stages).
@@ -351,52 +435,71 @@ def search_stages(traced: TracedGraph, profile, *, mesh: MeshSpec, options, num_
 
 
 def schedule_cuts(costs: StageCosts, *, schedule: str, num_stages: int, num_microbatches: int, budget: int | None,
-                  window: int | None = None, allowed: Callable[[int, int, int], bool] | None = None):
-    """(candidate, cuts, factor, in-flight counts, stage budget) of the best cut under ``schedule``
-    (the last four None when no cut fits). ``allowed(k, a, b)``: which stage ranges may be used
-    (benchmarks price fixed cuts with it)."""
+                  window: int | None = None, allowed: Callable[[int, int, int], bool] | None = None,
+                  recompute: tuple[bool, ...] = (False, True)):
+    """(candidate, cuts, factor, in-flight counts, stage budget, recompute per stage) of the best
+    cut under ``schedule`` (the last five None when no cut fits). ``allowed(k, a, b)``: which
+    stage ranges may be used (benchmarks price fixed cuts with it). ``recompute``: the modes each
+    stage may run (``StageCosts.slice``); the DP picks one per stage (``best_cuts``)."""
     v = SCHEDULE_VIRTUAL_STAGES[schedule]
     parts = num_stages * v
+    none = (None,) * 5
     if costs.num_blocks < parts:
-        return PipelineCandidate(num_microbatches, schedule, v, None, f"{costs.num_blocks} blocks < {parts} stages"), \
-            None, None, None, None
+        return (PipelineCandidate(num_microbatches, schedule, v, None, f"{costs.num_blocks} blocks < {parts} stages"),
+                *none)
+    if schedule == "zero-bubble":
+        recompute = tuple(r for r in recompute if not r)  # the runtime refuses recompute under zero-bubble
     factor = step_factor(schedule, num_stages=num_stages, virtual_stages=v, num_microbatches=num_microbatches)
     flight = [in_flight(schedule, index=k, num_stages=num_stages, virtual_stages=v,
                         num_microbatches=num_microbatches) for k in range(parts)]
     stage_budget = _stage_budget(budget, v)
     even = costs.num_blocks / parts
+    modes: dict[tuple[int, int, int], list[bool]] = {}
 
     def cost(k, a, b):
         if window is not None and abs((b - a) - even) > window:
             return None
         if allowed is not None and not allowed(k, a, b):
             return None
-        c = costs.cost(a, b, in_flight=flight[k], factor=factor, budget=stage_budget)
-        return None if c is None else (c.time_s, c.sync_s)
+        found = []
+        for r in recompute:
+            c = costs.cost(a, b, in_flight=flight[k], factor=factor, budget=stage_budget, recompute=r)
+            if c is not None:
+                modes.setdefault((k, a, b), []).append(r)
+                found.append((c.time_s, c.sync_s))
+            if c is not None and not r and costs.unconstrained(a, b, in_flight=flight[k], factor=factor,
+                                                               budget=stage_budget):
+                # Without recompute the stage's unconstrained optimum fits: recompute only adds
+                # forward seconds to every layout (a heuristic for the DP's (time, sync) pairs).
+                break
+        return found or None
 
     cuts = best_cuts(costs.num_blocks, parts, cost, factor=factor)
     if cuts is None:
         budget_text = "no budget" if budget is None else f"the budget of {budget / 2**30:.2f} GiB"
-        return PipelineCandidate(num_microbatches, schedule, v, None, f"no cut fits {budget_text}"), \
-            None, None, None, None
-    return PipelineCandidate(num_microbatches, schedule, v, cuts.objective), cuts, factor, flight, stage_budget
+        return PipelineCandidate(num_microbatches, schedule, v, None, f"no cut fits {budget_text}"), *none
+    picked = tuple(modes[k, cuts.bounds[k], cuts.bounds[k + 1]][i] for k, i in enumerate(cuts.picks))
+    note = f"recompute in stages {[k for k, r in enumerate(picked) if r]}" if any(picked) else ""
+    return (PipelineCandidate(num_microbatches, schedule, v, cuts.objective, note), cuts, factor, flight, stage_budget,
+            picked)
 
 
 def _assemble(costs: StageCosts, traced: TracedGraph, bounds: tuple[int, ...], *, schedule: str, num_stages: int,
-              num_microbatches: int, factor: float, flight: list[int], budget: int | None, options, mesh: MeshSpec,
+              num_microbatches: int, factor: float, flight: list[int], budget: int | None, modes: tuple[bool, ...],
+              options, mesh: MeshSpec,
               candidates: list[PipelineCandidate], timings: dict[str, float]) -> Plan:
     """Solve the chosen stages once more, slowest first (by the search's figures): a parameter two
     stages read (GPT-2's tied ``wte``) takes the layout the slower stage picks, the other stage
     is solved with it fixed."""
     num = len(bounds) - 1
     order = sorted(range(num), key=lambda k: -(costs.cost(bounds[k], bounds[k + 1], in_flight=flight[k], factor=factor,
-                                                          budget=budget).time_s))
+                                                          budget=budget, recompute=modes[k]).time_s))
     choice: dict[str, str] = {}
     found_at: dict[int, StageCost] = {}
     for k in order:
         fixed = {n: choice[n] for n in costs.decisions(bounds[k], bounds[k + 1]) if n in choice}
         found = costs.solve_range(bounds[k], bounds[k + 1], in_flight=flight[k], factor=factor, budget=budget,
-                                  fixed=fixed)
+                                  fixed=fixed, recompute=modes[k])
         if found is None:
             raise ValueError(f"pipeline stage {k} (blocks {bounds[k]}..{bounds[k + 1] - 1}) does not fit the budget "
                              f"with the layouts other stages chose for their shared parameters")
@@ -417,15 +520,21 @@ def _assemble(costs: StageCosts, traced: TracedGraph, bounds: tuple[int, ...], *
                         backend=options.solver, timings=timings, peak_bytes=estimate.peak_bytes,
                         num_variables=0, num_constraints=0)
     built = costs.built
+    units = tuple(u for u in costs.units if any(m and bounds[k] <= split_block(u)[1] < bounds[k + 1]
+                                                for k, m in enumerate(modes)))
+    regions = regions_of(built.problem, units) if units else ()
+    checkpoint = {"mode": "stage-blocks", "method": "full recompute of every block in the stages that pick it"} \
+        if units else {"mode": "none", "method": "none"}
     plan = assemble_plan(traced, built, choice=choice, evaluation=built.problem.evaluate(choice), solution=solution,
-                         timings=timings, checkpoint={"mode": "none", "method": "none"},
-                         reduce_dtype=options.reduce_dtype)
+                         timings=timings, checkpoint=checkpoint, recompute=regions, reduce_dtype=options.reduce_dtype)
     pipe = PipelinePlan(num_stages=num_stages, num_microbatches=num_microbatches, schedule=schedule,
                         virtual_stages=SCHEDULE_VIRTUAL_STAGES[schedule],
                         stages=costs.stage_plans(bounds, num_stages=num_stages))
     record = {"factor": factor, "num_solves": costs.num_solves, "boundary_bytes": list(costs.boundary_bytes),
               "stages": [{"time_s": c.time_s, "sync_s": c.sync_s, "p2p_s": c.p2p_s, "peak_bytes": c.peak_bytes,
-                          "param_bytes": c.param_bytes, "in_flight": c.in_flight} for c in stage_costs],
+                          "param_bytes": c.param_bytes, "in_flight": c.in_flight, "saved_bytes": c.saved_bytes,
+                          "in_flight_saved_bytes": c.in_flight * c.saved_bytes, "recompute": c.recompute}
+                         for c in stage_costs],
               "candidates": [str(c) for c in candidates]}
     return replace(plan, mesh=mesh, estimate=estimate, pipeline=pipe, budget_bytes=options.budget_bytes(mesh),
                    solver={**solver_stats(solution), "pipeline": record})

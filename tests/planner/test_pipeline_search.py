@@ -273,3 +273,85 @@ def test_plugin_pipeline_knobs_map_to_plan_options():
                        ({"num_microbatches": 4}, "go with a pipeline")):
         with pytest.raises(ValueError, match=match):
             AutoParallelPlugin(**bad)
+
+
+# ------------------------------------------------------------- stage recompute and memoisation
+def _stage_costs(traced_models, name="llama-1b", shape=(2, 2)):
+    from autopar.planner.builder import build_problem
+    from autopar.planner.pipeline_search import StageCosts
+    from autopar.plans import stage_mesh_of
+    from autopar.solver.driver import solve
+
+    traced, prof = traced_models[name]
+    mesh = MeshSpec.preset("cpu", shape)
+    built = build_problem(traced, prof, stage_mesh_of(mesh), budget_bytes=None,
+                          options=PlanOptions(checkpoint="none"))
+    return StageCosts(traced, built, mesh=mesh, solve=lambda p: solve(p, time_limit=30))
+
+
+def test_stage_recompute_slice_is_the_timelines_recompute(traced_models):
+    """The recompute slice (a plain sharding Problem) prices a choice exactly as
+    ``Problem.evaluate(recompute=blocks, segment_inputs=...)`` prices it on the plain slice; and
+    k micro-batches in flight add (k - 1) x the kept values plus the not-recomputed saved bytes."""
+    from autopar.planner.pipeline_search import HELD
+
+    costs = _stage_costs(traced_models)
+    for a, b in ((0, 2), (1, 3), (2, 4)):
+        names = costs.decisions(a, b)
+        plain = costs.slice(names, in_flight=1, factor=3.0, budget=None, fixed={})
+        units = sorted(u for u in costs.units if a <= int(u.rsplit(".", 1)[1]) < b)
+        assert len(units) == b - a
+        inputs = {u: [si for si in costs.segment_inputs.get(u, ()) if si.node in names] for u in units}
+        for pick in (0, -1):  # two different layouts of every node
+            choice = {n.name: n.options[pick].name for n in plain.nodes}
+            want = plain.evaluate(choice, recompute=units, segment_inputs=inputs)
+            for k in (1, 3):
+                rec = costs.slice(names, in_flight=k, factor=3.0, budget=None, fixed={}, recompute=True)
+                full = {**choice, **{n.name: choice[n.name[:-len(HELD)]] for n in rec.nodes if n.name.endswith(HELD)}}
+                assert any(n.name.endswith(HELD) for n in rec.nodes)
+                got = rec.evaluate(full)
+                assert got.objective == pytest.approx(want.objective, rel=1e-12)
+                extra = sum(costs._in_flight_bytes(rec, n, c, recompute=True) for n, c in full.items())
+                assert got.peak_bytes == want.peak_bytes + (k - 1) * extra
+        # Without recompute, k in flight add (k - 1) x every saved op activation.
+        choice = {n.name: n.options[0].name for n in plain.nodes}
+        three = costs.slice(names, in_flight=3, factor=3.0, budget=None, fixed={})
+        extra = sum(costs._in_flight_bytes(plain, n, c, recompute=False) for n, c in choice.items())
+        assert extra > 0 and three.evaluate(choice).peak_bytes == plain.evaluate(choice).peak_bytes + 2 * extra
+
+
+def test_memoised_stage_costs_and_mode_choice_match_brute_force(traced_models):
+    """Costs memoised by range shape equal a fresh solve of the same shape elsewhere, and the cut
+    DP with a recompute choice per stage equals brute force over cuts x modes, under a budget
+    tight enough that some stages must recompute."""
+    from autopar.planner.pipeline_search import schedule_cuts
+
+    costs = _stage_costs(traced_models)
+    fresh = _stage_costs(traced_models)
+    for r in (False, True):
+        memo = costs.cost(1, 2, in_flight=2, factor=5.0, budget=None, recompute=r)  # solved at (1, 2) ...
+        again = costs.cost(2, 3, in_flight=2, factor=5.0, budget=None, recompute=r)  # ... reused at (2, 3)
+        solved = fresh.solve_range(2, 3, in_flight=2, factor=5.0, budget=None, recompute=r)[1]
+        assert costs.block_class[1] == costs.block_class[2]
+        assert again.time_s == pytest.approx(solved.time_s, rel=1e-9) and again.peak_bytes == solved.peak_bytes
+        assert memo.time_s - memo.p2p_s == pytest.approx(again.time_s - again.p2p_s, rel=1e-12)
+    factor = step_factor("1f1b", num_stages=2, virtual_stages=1, num_microbatches=4)
+    plain = costs.cost(0, 2, in_flight=2, factor=factor, budget=None)
+    rec = costs.cost(0, 2, in_flight=2, factor=factor, budget=None, recompute=True)
+    assert rec.peak_bytes < plain.peak_bytes and rec.time_s > plain.time_s
+    budget = (plain.peak_bytes + rec.peak_bytes) // 2  # stage 0 holding 2 blocks must recompute
+    found = schedule_cuts(costs, schedule="1f1b", num_stages=2, num_microbatches=4, budget=budget)
+    best = None
+    for cut in range(1, costs.num_blocks):
+        bounds = (0, cut, costs.num_blocks)
+        for modes in itertools.product((False, True), repeat=2):
+            stages = [costs.cost(bounds[k], bounds[k + 1], in_flight=in_flight("1f1b", index=k, num_stages=2,
+                                                                              virtual_stages=1, num_microbatches=4),
+                                 factor=factor, budget=budget, recompute=modes[k]) for k in range(2)]
+            if any(s is None for s in stages):
+                continue
+            value = factor * max(s.time_s for s in stages) + max(s.sync_s for s in stages)
+            best = value if best is None else min(best, value)
+    assert best is not None and found[1] is not None
+    assert found[1].objective == pytest.approx(best, rel=1e-9)
+    assert len(found[5]) == 2 and found[5][0] and found[0].note.startswith("recompute in stages [0]")
