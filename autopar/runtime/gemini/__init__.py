@@ -50,7 +50,7 @@ class Gemini:
             raise ValueError(f"gemini: the plan shards optimizer state with ZeRO-1/2 "
                              f"({sorted(n for n, s in stages.items() if s)[:3]}...); plan with zero_stage=0 "
                              f"(chunks offload the optimizer state instead)")
-        recompute = [n.name for n in module.plan.nodes if getattr(n, "recompute", False)]
+        recompute = [r.name for r in module.plan.recompute]
         if recompute:
             raise ValueError(f"gemini: the plan recomputes activations ({recompute[:3]}...); plan with "
                              f"checkpoint='none' (recompute regions would re-run chunk fetches)")
@@ -104,6 +104,42 @@ class Gemini:
             home = chunk.host_buf if chunk.home == HOST else chunk.device_buf
             chunk.master.copy_(home)
 
+    def apply_policy(self, policy: StaticPolicy) -> None:
+        """Re-place every chunk by a static policy's fractions and take its device budget."""
+        if not isinstance(policy, StaticPolicy):
+            raise ValueError(f"apply_policy takes a StaticPolicy, got {policy!r}")
+        self.manager.ledger.budget = None
+        self.manager.evict_all()
+        self.policy = policy
+        chunks = self.manager.chunks
+        self.place(static_tiers([c.payload_bytes for c in chunks], policy))
+        self.set_device_budget(policy.device_budget)
+
+    def optimizer(self, optimizer_cls: type = torch.optim.AdamW, optimizer_kwargs: dict | None = None, *,
+                  param_groups: list | None = None) -> GeminiOptimizer:
+        """A fresh Adam/AdamW (``optimizer_cls``) over the chunks (zero moments, step 0)."""
+        if optimizer_cls not in _KIND_OF:
+            raise ValueError(f"gemini's chunk optimizer runs {KINDS} (torch.optim.AdamW / torch.optim.Adam), "
+                             f"got {optimizer_cls!r}")
+        kwargs = dict(optimizer_kwargs or {})
+        for key, neutral in (("amsgrad", False), ("maximize", False), ("capturable", False),
+                             ("differentiable", False), ("foreach", None), ("fused", None),
+                             ("decoupled_weight_decay", optimizer_cls is torch.optim.AdamW)):
+            value = kwargs.pop(key, neutral)
+            if value != neutral and not (key in ("foreach", "fused") and value is False):
+                raise ValueError(f"gemini's chunk optimizer does not support {key}={value!r}")
+        groups = param_groups if param_groups is not None else list(self.module.parameters())
+        return GeminiOptimizer(groups, gemini=self, kind=_KIND_OF[optimizer_cls], **kwargs)
+
+    def set_device_budget(self, nbytes: int | None) -> None:
+        """Bound the device tier to ``nbytes`` from now on (``None``: unbounded); it must hold
+        what the device tier holds already."""
+        if nbytes is not None and (isinstance(nbytes, bool) or not isinstance(nbytes, int)
+                                   or nbytes < self.manager.ledger.bytes[DEVICE]):
+            raise ValueError(f"device budget must be None or an int >= the {self.manager.ledger.bytes[DEVICE]} B "
+                             f"the device tier holds now, got {nbytes!r}")
+        self.manager.ledger.budget = nbytes
+
     def summary(self) -> dict:
         return {**self.manager.summary(), "steps": self.steps, "instrumented": self.num_instrumented}
 
@@ -124,6 +160,4 @@ def wrap(module, optimizer_cls: type = torch.optim.AdamW, optimizer_kwargs: dict
                          f"got {optimizer_cls!r}")
     gemini = Gemini(module, policy or StaticPolicy(), chunk_range or ChunkRange())
     module.gemini = gemini
-    groups = param_groups if param_groups is not None else list(module.parameters())
-    opt = GeminiOptimizer(groups, gemini=gemini, kind=_KIND_OF[optimizer_cls], **(optimizer_kwargs or {}))
-    return module, opt
+    return module, gemini.optimizer(optimizer_cls, optimizer_kwargs, param_groups=param_groups)

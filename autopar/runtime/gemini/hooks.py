@@ -141,11 +141,14 @@ class SavedHooks:
         return obj.tensor
 
     def _switch(self, group: frozenset) -> None:
+        """The saved tensors of one backward node were all packed during one forward op, so
+        under one group: the previous group is done with when another one is unpacked."""
         manager = self.manager
-        new = [manager.chunks[i] for i in sorted(group)]
-        for c in new:  # pin the new group first: releasing the old must not let them go
-            manager.access(c)
-        self._release_group()
+        old = manager.backward_group
+        for i in sorted(old - group):
+            manager.release(manager.chunks[i])
+        for i in sorted(group - old):
+            manager.access(manager.chunks[i])
         manager.backward_group = group
         if not self._queued:
             self._queued = True

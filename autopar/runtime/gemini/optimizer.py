@@ -56,8 +56,10 @@ class GeminiOptimizer(torch.optim.Optimizer):
         if not state:
             name, chunk = self._views(p)
             state["step"] = torch.tensor(0.0)
-            state["exp_avg"] = _wrap(chunk.view(chunk.exp_avg, name), p)
-            state["exp_avg_sq"] = _wrap(chunk.view(chunk.exp_avg_sq, name), p)
+            for key in ("exp_avg", "exp_avg_sq"):  # fresh state: the chunk's slice may hold an old one's
+                view = chunk.view(getattr(chunk, key), name)
+                view.zero_()
+                state[key] = _wrap(view, p)
         return state
 
     @torch.no_grad()
