@@ -115,8 +115,9 @@ class ChoiceCosts:
         key = tuple(choice[n.name] for n in self.built.problem.nodes)
         hit = self._by_choice.get(key)
         if hit is None:
-            runs = tuple((c.consumer, c.conversion.forward_s) for c in unique_conversions(self.built, choice)[0])
-            hit = self._by_choice[key] = (runs, shared_savings(self.built, choice))
+            first, shared = unique_conversions(self.built, choice)
+            runs = tuple((c.consumer, c.conversion.forward_s) for c in first)
+            hit = self._by_choice[key] = (runs, shared_savings(self.built, choice, shared=shared))
         return hit
 
 

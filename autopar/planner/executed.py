@@ -130,8 +130,10 @@ def unique_conversions(built: BuiltProblem,
     return list(first.values()), shared
 
 
-def shared_savings(built: BuiltProblem, choice: Mapping[str, str]) -> tuple[float, float]:
-    """(in-op, resharding) seconds the ILP's per-consumer pricing counts beyond what runs."""
+def shared_savings(built: BuiltProblem, choice: Mapping[str, str], *,
+                   shared: list[ChosenConversion] | None = None) -> tuple[float, float]:
+    """(in-op, resharding) seconds the ILP's per-consumer pricing counts beyond what runs.
+    ``shared``: ``unique_conversions(built, choice)[1]`` when the caller has it already."""
     _, extra = grad_syncs(built, choice)
-    _, convs = unique_conversions(built, choice)
+    convs = unique_conversions(built, choice)[1] if shared is None else shared
     return extra, sum(c.conversion.forward_s + c.conversion.backward_s for c in convs)
