@@ -27,7 +27,7 @@ from __future__ import annotations
 import os
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -97,7 +97,13 @@ class Booster:
                 raise ValueError("boost needs meta_inputs or a dataloader to take the first batch from")
             meta_inputs = first_batch_inputs(dataloader)
         options = self.plugin.autoparallelize_kwargs()
+        pipeline_zero = 0
+        if self.plugin.pipeline is not None:
+            options, pipeline_zero = _pipeline_options(self.plugin, options)
         module = autoparallelize(model, meta_inputs, **options)
+        if _is_pipeline(module):
+            return self._boost_pipeline(model, module, optimizer, criterion, dataloader, lr_scheduler,
+                                        zero_stage=pipeline_zero)
         if ours:
             args, kwargs = (meta_inputs, {}) if isinstance(meta_inputs, tuple) else ((), meta_inputs)
             if configure_for(dataloader, module, input_shapes(model.forward, args, kwargs)):
@@ -114,6 +120,9 @@ class Booster:
             zero = []
 
             def build(cls, groups, **kwargs):  # ZeRO pieces replace the parameters the plan shards
+                if self.plugin.placement_policy is not None:  # chunked device/host memory (Gemini)
+                    zero.append(None)
+                    return self.plugin.wrap_gemini(module, cls, groups, kwargs)
                 zero.append(module.optimizer(cls, groups, **kwargs))
                 return zero[0].optimizer
 
@@ -123,6 +132,63 @@ class Booster:
             if lr_scheduler is not None:
                 repoint_scheduler(lr_scheduler, optimizer, rebuilt)
         return module, boosted, criterion, dataloader, lr_scheduler
+
+    def _boost_pipeline(self, model: nn.Module, module: Any, optimizer: torch.optim.Optimizer | None,
+                        criterion: Callable | None, dataloader: Any, lr_scheduler: Any, *, zero_stage: int) -> tuple:
+        """``boost`` for a pipelined plan: ``module`` is a ``PipelineModule`` taking full global
+        batches (a loader from ``prepare_dataloader`` keeps giving them); the optimizer is rebuilt
+        over this rank's stage parameters (ZeRO-1 over each stage's data-parallel axes when
+        ``zero_stage`` is 1), and ``optimizer.step()`` clips to ``max_norm`` by the norm over
+        every stage. Train with :meth:`execute_pipeline`."""
+        self._origins[module] = _Origin(None, type(model).__name__)
+        boosted = None
+        if optimizer is not None:
+            if getattr(self.plugin, "placement_policy", None) is not None:
+                raise ValueError("chunked host offload (placement_policy) does not run inside pipelined stages")
+            rebuilt = rebuild_optimizer(optimizer, model, module.parameters_by_fqn(),
+                                        build=lambda cls, groups, **kw: module.optimizer(cls, groups,
+                                                                                        zero_stage=zero_stage, **kw))
+            zero = rebuilt
+            boosted = _PipelineOptimizer(zero.optimizer, module, max_norm=self.plugin.max_norm, zero=zero)
+            if lr_scheduler is not None:
+                repoint_scheduler(lr_scheduler, optimizer, zero.optimizer)
+        return module, boosted, criterion, dataloader, lr_scheduler
+
+    def execute_pipeline(self, data_iter: Iterator, model: nn.Module, criterion: Callable | None = None,
+                         optimizer: BoostedOptimizer | None = None, return_loss: bool = True,
+                         return_outputs: bool = False) -> dict[str, Any]:
+        """Forward and backward of the next batch of ``data_iter`` through the pipelined
+        ``model`` (the product notes' signature): the batch is split into the plan's
+        micro-batches and run under its schedule; gradients land in the parameters' ``.grad``
+        (accumulating until ``optimizer.zero_grad()``), then ``optimizer.step()`` as usual.
+
+        ``criterion(outputs, inputs) -> loss`` runs on the last stage for every micro-batch
+        (``outputs``: the model's output structure, ``inputs``: that micro-batch, a dict when the
+        loader gives dicts); ``None`` trains on the model's own loss. Per-micro-batch losses are
+        averaged: gradients equal one full-batch backward when the loss is a mean over equally
+        weighted micro-batches. Returns ``{"loss": ..., "outputs": ...}`` on EVERY rank (the loss
+        when ``return_loss``, the full-batch outputs when ``return_outputs``; else None). Every
+        rank calls, with the same batch."""
+        if not _is_pipeline(model):
+            raise ValueError(f"execute_pipeline needs a model boosted with a pipeline (AutoParallelPlugin(pp_size=N)), "
+                             f"got {type(model).__name__}; call model(...) and booster.backward otherwise")
+        if optimizer is not None:
+            _check_optimizer(optimizer)
+            if optimizer.module is not model:
+                raise ValueError("the optimizer was boosted with another model")
+        try:
+            batch = next(data_iter)
+        except TypeError:
+            raise ValueError(f"data_iter must be an iterator (iter(dataloader) or iter([batch])), "
+                             f"got {type(data_iter).__name__}") from None
+        if isinstance(batch, dict):
+            args, kwargs = (), dict(batch)
+        elif isinstance(batch, (tuple, list)):
+            args, kwargs = tuple(batch), {}
+        else:
+            args, kwargs = (batch,), {}
+        loss, outputs = model.step_with(criterion, *args, return_outputs=return_outputs, **kwargs)
+        return {"loss": loss if return_loss else None, "outputs": outputs}
 
     def _scaler(self, module: AutoParallelModule):
         if self.plugin.precision != "fp16":
@@ -185,6 +251,34 @@ class Booster:
         origin = self._origins.get(model)
         # A module boosted elsewhere (or built by autoparallelize): no HF config to write.
         return origin if origin is not None else _Origin(None, "")
+
+
+def _is_pipeline(model: Any) -> bool:
+    from autopar.runtime.pipeline import PipelineModule
+
+    return isinstance(model, PipelineModule)
+
+
+def _pipeline_options(plugin: AutoParallelPlugin, options: dict[str, Any]) -> tuple[dict[str, Any], int]:
+    """The ``autoparallelize`` options for a pipelined plan and the ZeRO stage the optimizer
+    runs inside the stages: ZeRO-1 changes no forward or backward, so the stages are planned
+    without it and the optimizer shards its state (``PipelineModule.optimizer``)."""
+    zero = plugin.zero_stage
+    if zero == 2:
+        raise ValueError("zero_stage=2 does not compose with a pipeline (gradients accumulate over the micro-batches "
+                         "before the data-parallel sum): use zero_stage=1 or 0 with pp_size")
+    if plugin.precision == "fp16":
+        raise ValueError("pipelined stages compute in fp32 or bf16; fp16 loss scaling across stages is not built: "
+                         "use precision='bf16'")
+    return {**options, "zero_stage": None if options.get("zero_stage") is None else 0}, 1 if zero == 1 else 0
+
+
+class _PipelineOptimizer(BoostedOptimizer):
+    """A ``BoostedOptimizer`` over one rank's pipeline stages: clipping takes the norm over
+    every stage (``PipelineModule.clip_grad_norm_``), not over this rank's parameters only."""
+
+    def clip_grad_by_norm(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        return self.module.clip_grad_norm_(max_norm, norm_type)
 
 
 def _check_module(model: Any) -> None:

@@ -69,6 +69,19 @@ class AutoParallelPlugin:
             ``"zbv"`` (zero-bubble; the long names ``"interleaved-1f1b"``/``"zero-bubble"`` too).
         num_model_chunks: model chunks (virtual stages) per pipeline rank: 1 for gpipe/1f1b, 2
             for the interleaved styles (what the planner plans them with); ``None``: as the style.
+        placement_policy: ``None`` (no chunk runtime) or Gemini's ``"static"`` / ``"auto"``: the
+            boosted module's parameters go into chunks placed on the device or the host tier
+            (``autopar.runtime.gemini``), and the optimizer (Adam/AdamW) steps host chunks on the
+            host. Plans then use ZeRO stage 0 and no activation recompute (``zero_stage`` and
+            ``checkpoint`` must be ``"auto"`` or 0 / ``"none"``). ``"auto"`` places chunks after a
+            warm-up step, within ``memory_budget`` (required unless the device is CUDA, whose
+            total memory is then the budget); ``"static"`` bounds the device tier by
+            ``memory_budget`` when given.
+        shard_param_frac, offload_optim_frac, offload_param_frac, pin_memory: Gemini's static
+            knobs, same meanings (``autopar.runtime.gemini.placement``; shard_param_frac must be 0:
+            parameter sharding is the plan's layout decision).
+        chunk_search_range: ``(min, max, step)`` elements the chunk size is searched over for
+            the least padding (``None``: 1024 to 64 Mi elements in steps of 1024).
     """
 
     mesh: MeshSpec | Sequence[int] | str | None = None
@@ -92,6 +105,12 @@ class AutoParallelPlugin:
     num_microbatches: int | None = None
     pp_style: str = "auto"
     num_model_chunks: int | None = None
+    placement_policy: str | None = None
+    shard_param_frac: float = 0.0
+    offload_optim_frac: float = 0.0
+    offload_param_frac: float = 0.0
+    pin_memory: bool = False
+    chunk_search_range: tuple[int, int, int] | None = None
 
     def __post_init__(self) -> None:
         if self.mesh is not None and not isinstance(self.mesh, MeshSpec):
@@ -145,6 +164,76 @@ class AutoParallelPlugin:
                 or self.growth_interval < 1:
             raise ValueError(f"growth_interval must be an int >= 1, got {self.growth_interval!r}")
         self._check_pipeline()
+        self._check_gemini()
+
+    def _check_gemini(self) -> None:
+        from autopar.runtime.gemini.manager import ChunkRange
+        from autopar.runtime.gemini.placement import StaticPolicy
+
+        # The knobs are checked even without a policy: a typo must not pass silently.
+        StaticPolicy(shard_param_frac=self.shard_param_frac, offload_optim_frac=self.offload_optim_frac,
+                     offload_param_frac=self.offload_param_frac, pin_memory=self.pin_memory)
+        if self.chunk_search_range is not None:
+            rng = tuple(self.chunk_search_range) if isinstance(self.chunk_search_range, (tuple, list)) else ()
+            if len(rng) != 3:
+                raise ValueError(f"chunk_search_range must be (min, max, step) elements, got "
+                                 f"{self.chunk_search_range!r}")
+            ChunkRange(min_elems=rng[0], max_elems=rng[1], step=rng[2])
+            object.__setattr__(self, "chunk_search_range", rng)
+        if self.placement_policy is None:
+            if self.offload_optim_frac or self.offload_param_frac or self.chunk_search_range is not None:
+                raise ValueError("offload_optim_frac, offload_param_frac and chunk_search_range go with "
+                                 "placement_policy='static' or 'auto'")
+            return
+        if self.placement_policy not in ("static", "auto"):
+            raise ValueError(f"placement_policy must be None, 'static' or 'auto', got {self.placement_policy!r}")
+        if self.zero_stage not in ("auto", 0):
+            raise ValueError(f"placement_policy={self.placement_policy!r} offloads optimizer state by chunks; "
+                             f"zero_stage must be 'auto' or 0, got {self.zero_stage!r}")
+        if self.checkpoint not in ("auto", "none"):
+            raise ValueError(f"placement_policy={self.placement_policy!r} runs without activation recompute; "
+                             f"checkpoint must be 'auto' or 'none', got {self.checkpoint!r}")
+        if self.pipeline is not None:
+            raise ValueError(f"placement_policy={self.placement_policy!r} does not run under a pipeline "
+                             f"(pp_size={self.pp_size!r})")
+
+    def gemini_policy(self, device):
+        """The chunk runtime's policy for ``device`` (``None`` without ``placement_policy``)."""
+        import torch
+
+        from autopar.runtime.gemini.placement import AutoPolicy, StaticPolicy
+
+        if self.placement_policy is None:
+            return None
+        budget = self.memory_budget
+        if self.placement_policy == "auto":
+            if budget is None:
+                if torch.device(device).type != "cuda":
+                    raise ValueError("placement_policy='auto' needs memory_budget off CUDA (no device "
+                                     "capacity to read)")
+                budget = torch.cuda.get_device_properties(torch.device(device)).total_memory
+            return AutoPolicy(device_budget=int(budget), pin_memory=self.pin_memory)
+        return StaticPolicy(shard_param_frac=self.shard_param_frac, offload_optim_frac=self.offload_optim_frac,
+                            offload_param_frac=self.offload_param_frac, pin_memory=self.pin_memory,
+                            device_budget=None if budget is None else int(budget))
+
+    def wrap_gemini(self, module, optimizer_class: type, groups: list, kwargs: dict):
+        """``module``'s parameters into chunks (``autopar.runtime.gemini.wrap``) and the chunk
+        optimizer over ``groups`` (the booster's rebuilt param groups)."""
+        from autopar.runtime.gemini import wrap
+
+        device = next(iter(module.parameters())).device
+        _, optimizer = wrap(module, optimizer_class, kwargs, policy=self.gemini_policy(device),
+                            chunk_range=self.gemini_chunk_range(), param_groups=groups)
+        return optimizer
+
+    def gemini_chunk_range(self):
+        from autopar.runtime.gemini.manager import ChunkRange
+
+        if self.chunk_search_range is None:
+            return ChunkRange()
+        low, high, step = self.chunk_search_range
+        return ChunkRange(min_elems=low, max_elems=high, step=step)
 
     def _check_pipeline(self) -> None:
         def count(n) -> bool:
@@ -186,11 +275,13 @@ class AutoParallelPlugin:
         """The ``autopar.autoparallelize`` keyword arguments this plugin stands for."""
         return dict(mesh=self.mesh, memory_budget=self.memory_budget, solver=self.solver,
                     time_limit=self.time_limit, device=self.device, seed=self.seed,
-                    allow_replicate_fallback=self.allow_replicate_fallback, checkpoint=self.checkpoint,
+                    allow_replicate_fallback=self.allow_replicate_fallback,
+                    checkpoint="none" if self.placement_policy is not None else self.checkpoint,
                     precision=self.precision, reduce_dtype=self.reduce_dtype, plan=self.plan,
                     # Pipelined stages run without ZeRO for now: "auto" means stage 0 there.
                     zero_stage=None if self.plan is not None else
-                    0 if self.pipeline is not None and self.zero_stage == "auto" else self.zero_stage,
+                    0 if (self.pipeline is not None or self.placement_policy is not None)
+                    and self.zero_stage == "auto" else self.zero_stage,
                     **({} if self.pipeline is None else
                        {"pipeline": self.pipeline, "schedule": self.schedule(),
                         "microbatches": "auto" if self.num_microbatches is None else self.num_microbatches}))

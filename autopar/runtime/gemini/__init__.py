@@ -80,6 +80,7 @@ class Gemini:
         manager = self.manager
         manager.end_step()
         manager.evict_all()
+        manager.sync_masters()  # parameters written from outside (a loaded checkpoint) win
         self.steps += 1
         if isinstance(self.policy, AutoPolicy) and self.steps == self.policy.warmup_steps:
             order = list(dict.fromkeys(manager.order))
@@ -100,9 +101,7 @@ class Gemini:
     @torch.no_grad()
     def reload_masters(self) -> None:
         """fp32 masters from the parameters' payloads (after loading a model state dict)."""
-        for chunk in self.manager.chunks:
-            home = chunk.host_buf if chunk.home == HOST else chunk.device_buf
-            chunk.master.copy_(home)
+        self.manager.sync_masters(force=True)
 
     def apply_policy(self, policy: StaticPolicy) -> None:
         """Re-place every chunk by a static policy's fractions and take its device budget."""

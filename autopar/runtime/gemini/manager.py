@@ -147,6 +147,7 @@ class ChunkManager:
             chunk.device_buf = torch.empty(chunk.capacity, dtype=chunk.dtype, device=self.device)
             chunk.device_buf.untyped_storage().resize_(0)
         self._point_params(chunk, buf)
+        self.mark_synced(chunk)
 
     def _tier_device(self, tier: str) -> torch.device:
         return self.device if tier == DEVICE else torch.device("cpu")
@@ -155,9 +156,7 @@ class ChunkManager:
     def _point_params(self, chunk: Chunk, buf: torch.Tensor) -> None:
         """Each parameter's local tensor becomes a view of ``buf`` (same storage)."""
         for s in chunk.slots:
-            param = self.params[s.name]
-            # The DTensor's own local tensor: ``to_local()`` of a parameter may hand out a fresh view.
-            local = param._local_tensor if hasattr(param, "_local_tensor") else param.data
+            local = _own_local(self.params[s.name])
             local.set_(buf.untyped_storage(), buf.storage_offset() + s.offset, s.shape, _stride(s.shape))
 
     @torch.no_grad()
@@ -179,6 +178,7 @@ class ChunkManager:
                 chunk.device_buf.untyped_storage().resize_(0)
             chunk.home = home
             self._point_params(chunk, buf)
+            self.mark_synced(chunk)
         if optim != chunk.optim_tier:
             self.ledger.add("alloc", chunk.index, optim, chunk.optim_bytes)
             for attr in ("master", "exp_avg", "exp_avg_sq"):
@@ -186,6 +186,28 @@ class ChunkManager:
                 setattr(chunk, attr, moved.pin_memory() if self.pin and optim == HOST else moved)
             self.ledger.add("free", chunk.index, chunk.optim_tier, -chunk.optim_bytes)
             chunk.optim_tier = optim
+
+    @staticmethod
+    def home_buf(chunk: Chunk) -> torch.Tensor:
+        return chunk.host_buf if chunk.home == HOST else chunk.device_buf
+
+    def _versions(self, chunk: Chunk) -> int:
+        """In-place writes through the parameters' own local tensors (``load_full_state_dict``);
+        the manager writes through its buffers, which do not count here."""
+        return sum(_own_local(self.params[s.name])._version for s in chunk.slots)
+
+    def mark_synced(self, chunk: Chunk) -> None:
+        """The master and the payload agree now."""
+        chunk.synced_version = self._versions(chunk)
+
+    @torch.no_grad()
+    def sync_masters(self, *, force: bool = False) -> None:
+        """fp32 masters re-read from payloads written since the last sync."""
+        for chunk in self.chunks:
+            home = self.home_buf(chunk)
+            if force or self._versions(chunk) != chunk.synced_version:
+                chunk.master.copy_(home)
+                self.mark_synced(chunk)
 
     # ----------------------------------------------------------------------------- fetching
     def start_pass(self) -> None:
@@ -293,6 +315,11 @@ class ChunkManager:
                 "host_bytes": self.ledger.bytes[HOST], "peak_device_bytes": self.ledger.peak[DEVICE],
                 "peak_host_bytes": self.ledger.peak[HOST], "num_moves": len(self.ledger.log),
                 "tiers": [(c.home, c.optim_tier) for c in self.chunks]}
+
+
+def _own_local(param) -> torch.Tensor:
+    """The DTensor's own local tensor: ``to_local()`` of a parameter may hand out a fresh view."""
+    return param._local_tensor if hasattr(param, "_local_tensor") else param.data
 
 
 def _stride(shape) -> tuple[int, ...]:

@@ -93,6 +93,7 @@ class GeminiOptimizer(torch.optim.Optimizer):
             home = chunk.host_buf if chunk.home == HOST else chunk.device_buf
             for s, _ in members:
                 chunk.view(home, s.name).copy_(chunk.view(chunk.master, s.name), non_blocking=False)
+            manager.mark_synced(chunk)
         return None
 
     def load_state_dict(self, state_dict: dict) -> None:
