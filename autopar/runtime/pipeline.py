@@ -58,9 +58,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.fx as fx
+import torch.utils._pytree as pytree
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.pipelining import PipelineStage
+from torch.distributed.tensor import DTensor
 from torch.distributed.pipelining.schedules import (Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
                                                     ScheduleInterleavedZeroBubble)
 
@@ -174,10 +176,16 @@ class PipelineModule(nn.Module):
             raise ValueError(f"{traced.model_name} returns no loss: a pipeline trains on the model's own loss")
         m = self.num_microbatches
         loss_at = self._loss_at
+        self._criterion: Any = None  # set for one ``step_with`` call
+        self._micro_batches: list[Any] = []
 
-        def loss_fn(output, _target):
+        def loss_fn(output, target):
             out = output if isinstance(output, (tuple, list)) else (output,)
-            return out[loss_at] / m  # see the module docstring: mean losses, equal micro-batch weights
+            if self._criterion is None:
+                return out[loss_at] / m  # see the module docstring: mean losses, equal micro-batch weights
+            # ``target`` is this micro-batch's index (``step_with`` passes arange(M) as the target)
+            micro = self._micro_batches[int(target.reshape(-1)[0].item())]
+            return self._criterion(self._structured(out), micro) / m
 
         cls = SCHEDULES[pipe.schedule]
         stages_arg = self._pstages[0] if pipe.schedule in ("gpipe", "1f1b") else self._pstages
@@ -209,15 +217,38 @@ class PipelineModule(nn.Module):
     # ---------------------------------------------------------------------------- running
     def step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         """Forward and backward of one full batch; returns the loss (every rank)."""
+        return self.step_with(None, *args, **kwargs)[0]
+
+    def step_with(self, criterion: Any, *args: Any, return_outputs: bool = False,
+                  **kwargs: Any) -> tuple[torch.Tensor, Any]:
+        """``step`` with the loss taken from ``criterion(outputs, micro_batch)`` on the last stage
+        (``None``: the model's own loss): ``outputs`` is the model's output structure for one
+        micro-batch, ``micro_batch`` that micro-batch of the inputs (the kwargs dict, the single
+        positional argument, or ``(args, kwargs)``); it is divided by the micro-batch count like
+        the model's loss (a mean over equally weighted micro-batches). Returns ``(loss, outputs)``
+        on every rank, ``outputs`` the full-batch output structure when ``return_outputs`` (else
+        None). The product notes' ``Booster.execute_pipeline`` runs this."""
+        if criterion is not None and not callable(criterion):
+            raise ValueError(f"criterion must be callable (outputs, inputs) -> loss or None, got {criterion!r}")
         inputs = self._flat_inputs(args, kwargs)
+        self._criterion = criterion
+        self._micro_batches = _split_batch(args, kwargs, self.num_microbatches) if criterion is not None else []
+        try:
+            loss = self._train(inputs, return_outputs=return_outputs)
+        finally:
+            self._criterion, self._micro_batches = None, []
+        return loss, (self._merged_outputs() if return_outputs else None)
+
+    def _train(self, inputs: list[torch.Tensor], *, return_outputs: bool) -> torch.Tensor:
         # This step's gradients are summed (over data-parallel axes, over tied copies) on their
         # own, then added to what ``.grad`` held (gradients accumulate across steps until zeroed).
         for leaf in self._leaves.values():
             if isinstance(leaf, nn.Parameter):
                 leaf.grad = None
         losses: list[torch.Tensor] = []
-        target = torch.zeros(self.num_microbatches, device=self._device)  # the loss lives in the graph
-        self.schedule.step(*inputs, target=target, losses=losses, return_outputs=False)
+        # The loss lives in the graph (or in the criterion); the target is the micro-batch index.
+        target = torch.arange(self.num_microbatches, dtype=torch.float32, device=self._device)
+        self.schedule.step(*inputs, target=target, losses=losses, return_outputs=return_outputs)
         self._sync_gradients()
         for name, dt in self._dtensors.items():
             grad = self._leaves[name].grad
@@ -235,6 +266,16 @@ class PipelineModule(nn.Module):
         target = torch.zeros(self.num_microbatches, device=self._device)
         with torch.no_grad():
             self.schedule.eval(*inputs, target=target, losses=[], return_outputs=True)
+        return self._merged_outputs()
+
+    def _structured(self, out: tuple[torch.Tensor, ...]) -> Any:
+        """The model's output structure from the last stage's flat outputs (``None`` leaves back)."""
+        it = iter(out)
+        return self._traced.unflatten_outputs([next(it) if isinstance(a, fx.Node) else a
+                                               for a in self._traced.flat_outputs])
+
+    def _merged_outputs(self) -> Any:
+        """The last stage's saved micro-batch outputs as one full-batch output structure, every rank."""
         last = next((s for s in self._pstages if s.is_last), None)
         outs = self._last_stage_outputs()
         flat = []
@@ -243,10 +284,10 @@ class PipelineModule(nn.Module):
             if last is not None:
                 chunks = [c[k] for c in last.output_chunks]
                 value = torch.stack(chunks).mean(0) if meta.dim() == 0 else torch.cat(chunks, 0)
-            flat.append(self._from_last_stage(value, like=meta))
-        it = iter(flat)
-        values = [next(it) if isinstance(a, fx.Node) else a for a in self._traced.flat_outputs]
-        return self._traced.unflatten_outputs(values)
+            flat.append(self._from_last_stage(value.detach() if value is not None else None, like=meta))
+        if last is not None:
+            last.output_chunks.clear()
+        return self._structured(tuple(flat))
 
     def _last_stage_outputs(self) -> list[torch.Tensor]:
         """Fake values of the last stage's outputs, full batch (dim 0 times M for batch-major ones)."""
@@ -288,6 +329,81 @@ class PipelineModule(nn.Module):
             if leaf.grad is None:
                 leaf.grad = torch.zeros_like(leaf)
             dist.all_reduce(leaf.grad, group=group)
+
+    # ------------------------------------------------------------------------ optimizers
+    def parameters_by_fqn(self) -> dict[str, nn.Parameter]:
+        """Original FQN -> this rank's DTensor parameter, every tied alias included (as
+        ``AutoParallelModule.parameters_by_fqn``: an optimizer over the original model is
+        matched by name; only the parameters this rank's stages read are here)."""
+        return {alias: dt for name, dt in self._dtensors.items() if isinstance(dt, nn.Parameter)
+                for alias in self._placeholders[name].aliases}
+
+    def optimizer(self, optimizer_class: type, /, params=None, *, zero_stage: int | None = None, **kwargs: Any):
+        """``optimizer_class(params, **kwargs)`` over this rank's parameters (``params``: None for
+        all, or some of ``parameters()`` / param-group dicts of them), with ZeRO-1 inside each
+        stage: a parameter replicated over the stage's data-parallel axes keeps optimizer state
+        for this device's piece only, and the updated pieces are all-gathered after ``step``
+        (``autopar.runtime.zero``). ``zero_stage``: None = the plan's per-parameter stages, 0 or
+        1 for every parameter. ZeRO-2 is refused: the schedule accumulates each parameter's
+        gradient over the micro-batches before the once-per-step data-parallel sum, so there is
+        no per-micro-batch gradient to reduce-scatter (the product notes: ZeRO-2 does not
+        compose with pipelines)."""
+        from autopar.runtime.zero import ZeroOptimizer
+
+        if zero_stage not in (None, 0, 1):
+            raise ValueError(f"zero_stage must be None, 0 or 1 inside pipelined stages, got {zero_stage!r}")
+        self._zero_stage = zero_stage
+        return ZeroOptimizer(self, optimizer_class, params, **kwargs)
+
+    def zero_parameters(self) -> list[tuple[str, nn.Parameter, int, TensorSpec]]:
+        """(placeholder name, DTensor parameter, ZeRO stage, layout) of every parameter this rank
+        holds, in plan order (``ZeroOptimizer``'s view of a module)."""
+        asked = getattr(self, "_zero_stage", None)
+        out = []
+        for n in self.plan.nodes:
+            dt = self._dtensors.get(n.name)
+            if isinstance(dt, nn.Parameter):
+                out.append((n.name, dt, n.zero_stage if asked is None else asked, self._specs[n.name]))
+        return out
+
+    def attach_zero(self, optimizer) -> None:
+        """ZeRO-1 pieces read views of the whole gradient ``step`` leaves: nothing to deliver."""
+        stages = {p.stage for p in optimizer.pieces}
+        if stages - {1}:
+            raise ValueError(f"pipelined stages run ZeRO-1 only, the plan asks for ZeRO stages {sorted(stages)}")
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip every gradient of every stage to the GLOBAL ``norm_type`` norm ``max_norm`` (as
+        ``torch.nn.utils.clip_grad_norm_`` over the single-device model); returns the norm before
+        clipping, a plain tensor equal on every rank. Each stage's norm comes from its DTensor
+        gradients (sharded ones reduced over the stage sub-mesh); stages are combined over the
+        pipeline axis, a tied weight's copies counted once (at its lowest pipeline rank). Every
+        rank must call."""
+        norm_type = float(norm_type)
+        if not norm_type > 0:
+            raise ValueError(f"norm_type must be positive, got {norm_type}")
+        grads = [dt.grad for name, dt in self._dtensors.items() if isinstance(dt, nn.Parameter)
+                 and dt.grad is not None and min(self._holders[name]) == self.pp_rank]
+        if grads:
+            local = torch.nn.utils.get_total_norm(grads, norm_type)
+            local = local.full_tensor() if isinstance(local, DTensor) else local
+        else:
+            local = torch.zeros((), device=self._device)
+        local = local.to(torch.float64)
+        if norm_type == float("inf"):
+            dist.all_reduce(local, op=dist.ReduceOp.MAX, group=self.pp_group)
+            total = local
+        else:
+            local = local ** norm_type
+            dist.all_reduce(local, group=self.pp_group)
+            total = local ** (1.0 / norm_type)
+        coef = float(max_norm) / (float(total) + 1e-6)
+        if coef < 1.0:
+            for dt in self._dtensors.values():
+                if isinstance(dt, nn.Parameter) and dt.grad is not None:
+                    local_of(dt.grad).mul_(coef)
+        return total.to(torch.float32)
 
     # ------------------------------------------------------------------------- gathering
     def _gathered(self, kinds: tuple, value_of) -> dict[str, torch.Tensor | None]:
@@ -332,6 +448,17 @@ class PipelineModule(nn.Module):
     @property
     def code(self) -> str:
         return "\n".join(f"# stage {m.stage.index}\n{m.gm.code}" for m in self._stages)
+
+
+def _split_batch(args: tuple, kwargs: dict, num: int) -> list[Any]:
+    """The call's inputs as ``num`` micro-batches, in the form a criterion gets them: the kwargs
+    dict, the single positional argument, or ``(args, kwargs)``; tensors split along dim 0 like
+    the schedule splits them, everything else as it is."""
+    batch: Any = kwargs if not args else args[0] if len(args) == 1 and not kwargs else (args, kwargs)
+    leaves, spec = pytree.tree_flatten(batch)
+    pieces = [t.tensor_split(num) if isinstance(t, torch.Tensor) and t.dim() else None for t in leaves]
+    return [pytree.tree_unflatten([p[i] if p is not None else t for t, p in zip(leaves, pieces)], spec)
+            for i in range(num)]
 
 
 def _examples(traced: TracedGraph, names: tuple[str, ...], layouts: dict[str, TensorSpec], pmesh: ProcessMesh,
@@ -392,8 +519,13 @@ def build_pipeline(model: nn.Module, traced: TracedGraph, plan: Plan, *, device:
     if plan.graph_hash != traced.graph_hash:
         raise ValueError(f"stale plan for {plan.model}: made for graph {plan.graph_hash}, the micro-batch trace is "
                          f"{traced.graph_hash}")
-    if any(n.zero_stage for n in plan.nodes) or plan.precision != "fp32":
-        raise ValueError("pipelined plans run without ZeRO or mixed precision for now")
+    zero2 = [n.name for n in plan.nodes if n.zero_stage == 2]
+    if zero2:
+        raise ValueError(f"pipelined stages run ZeRO-1 at most; the plan shards the gradients of {len(zero2)} "
+                         f"parameters (ZeRO-2, e.g. {zero2[0]!r}): plan with zero_stage 0 or 1")
+    if plan.precision not in ("fp32", "bf16"):
+        # fp16 needs a loss scaler whose overflow verdict spans every stage; not built yet
+        raise ValueError(f"pipelined stages compute in fp32 or bf16, the plan asks for {plan.precision!r}")
     if plan.recompute and pipe.schedule == "zero-bubble":
         raise ValueError(_ZB_RECOMPUTE)
     if pipe.schedule in ("gpipe", "1f1b") and pipe.virtual_stages != 1:

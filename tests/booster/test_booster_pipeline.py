@@ -1,0 +1,126 @@
+"""``Booster`` with a pipelined plan (issue 15): ``AutoParallelPlugin(pp_size=2, ...)`` boosts
+GPT-2 tiny into a ``PipelineModule`` on 4 gloo ranks as mesh (2, 2), and
+``booster.execute_pipeline`` trains it exactly like the single-device model:
+
+- 3 AdamW steps (loss of every step on every rank, every parameter after them) equal the
+  single-device run, rtol 1e-4; the criterion ``(outputs, micro-batch) -> loss`` runs on the
+  last stage, ``return_outputs`` gives the full-batch logits;
+- ``max_norm`` clips by the global norm over BOTH stages (the tied ``wte`` counted once):
+  equal to ``torch.nn.utils.clip_grad_norm_`` over the single-device model, then AdamW;
+- ``zero_stage=1``: the same parameters, with AdamW state for only 1/dp of each replicated
+  parameter per rank.
+
+The plan is made in the parent (``autopar.plan`` with ``pipeline=2``) and given to the plugin,
+so the forked ranks only trace and build. One launch, with a timeout.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import autopar
+from autopar import zoo
+from autopar.booster import AutoParallelPlugin, Booster
+from autopar.runtime.dtensors import local_of
+from autopar.runtime.launch import run_local
+from tests.runtime.test_pipeline import close, fast_mesh
+
+pytestmark = pytest.mark.slow  # many processes
+
+LR, EPS, STEPS, MAX_NORM = 1e-3, 1e-5, 3, 0.05
+MICRO, NUM_MICRO = 2, 4
+
+
+def _reference(model, batch, *, max_norm: float = 0.0) -> dict:
+    m = copy.deepcopy(model)
+    opt = torch.optim.AdamW(m.parameters(), lr=LR, eps=EPS)
+    losses, logits, norms = [], None, []
+    for _ in range(STEPS):
+        out = m(**batch)
+        logits = out.logits.detach() if logits is None else logits
+        out.loss.backward()
+        if max_norm:
+            norms.append(torch.nn.utils.clip_grad_norm_(m.parameters(), max_norm))
+        opt.step()
+        opt.zero_grad()
+        losses.append(out.loss.detach())
+    return {"losses": losses, "logits": logits, "norms": norms,
+            "state": {k: v.clone() for k, v in m.state_dict().items()}}
+
+
+def _train(model, batch, plan, *, max_norm: float = 0.0, zero_stage: int | str = "auto"):
+    plugin = AutoParallelPlugin(plan=plan, pp_size=2, num_microbatches=NUM_MICRO, pp_style="1f1b",
+                                max_norm=max_norm, zero_stage=zero_stage)
+    booster = Booster(plugin=plugin)
+    m = copy.deepcopy(model)
+    opt = torch.optim.AdamW(m.parameters(), lr=LR, eps=EPS)
+    pm, opt, criterion, _, _ = booster.boost(m, opt, lambda outputs, inputs: outputs.loss, meta_inputs=batch)
+    losses, logits, norms = [], None, []
+    for step in range(STEPS):
+        out = booster.execute_pipeline(iter([batch]), pm, criterion, opt, return_outputs=step == 0)
+        if step == 0:
+            logits = out["outputs"].logits
+        if max_norm:  # the norm the step clips by, measured before it (same value, no clipping here)
+            norms.append(pm.clip_grad_norm_(float("inf")))
+        opt.step()
+        opt.zero_grad()
+        losses.append(out["loss"])
+    return pm, opt, losses, logits, norms
+
+
+def _body(rank, world, model, batch, plan, refs):
+    errors = []
+    for label, kwargs in (("plain", {}), ("clipped", {"max_norm": MAX_NORM}), ("zero1", {"zero_stage": 1})):
+        ref = refs["clipped" if label == "clipped" else "plain"]
+        pm, opt, losses, logits, norms = _train(model, batch, plan, **kwargs)
+        errors += [e for i, (got, want) in enumerate(zip(losses, ref["losses"]))
+                   for e in close(f"rank {rank} {label} loss {i}", got, want)]
+        errors += close(f"rank {rank} {label} logits", logits, ref["logits"], atol=1e-5)
+        errors += [e for i, (got, want) in enumerate(zip(norms, ref["norms"]))
+                   for e in close(f"rank {rank} {label} grad norm {i}", got, want)]
+        state = pm.full_state_dict()
+        errors += [e for k, want in ref["state"].items() for e in close(f"rank {rank} {label} {k}", state.get(k), want,
+                                                                         atol=1e-5)]
+        if label == "zero1":
+            errors += _zero_state_errors(f"rank {rank}", pm, opt)
+    return errors
+
+
+def _zero_state_errors(label, pm, opt) -> list[str]:
+    """AdamW's exp_avg holds 1/dp of every parameter replicated over the stage's (2,) sub-mesh
+    (up to uneven splits), the whole local shard of the others; most of the bytes are replicated."""
+    dp = pm.pmesh.shape[0]
+    repl = sum(local_of(p).numel() for p in pm.parameters() if all(pl.is_replicate() for pl in p.placements))
+    other = sum(local_of(p).numel() for p in pm.parameters()) - repl
+    state = sum(local_of(v).numel() for s in opt.state.values() for k, v in s.items() if k == "exp_avg")
+    slack = sum(max(p.shape) for p in pm.parameters())  # one row more per uneven piece at most
+    errors = []
+    if not repl > other:
+        errors.append(f"{label} zero1: only {repl} of {repl + other} elements replicated: nothing to test")
+    if not other + repl / dp - slack <= state <= other + repl / dp + slack:
+        errors.append(f"{label} zero1: AdamW exp_avg holds {state} elements, want {other} + {repl}/{dp}")
+    return errors
+
+
+def test_execute_pipeline_trains_like_single_device():
+    torch.manual_seed(0)
+    model, batch = zoo.build("gpt2", tiny=True, num_layers=4, batch=MICRO * NUM_MICRO, device="cpu")
+    plan = autopar.plan(model, batch, mesh=fast_mesh((2, 2)), pipeline=2, microbatches=NUM_MICRO, schedule="1f1b")
+    refs = {"plain": _reference(model, batch), "clipped": _reference(model, batch, max_norm=MAX_NORM)}
+    assert refs["clipped"]["norms"][0] > 2 * MAX_NORM  # the clip really clips
+    errors = run_local(_body, 4, model, batch, plan, refs, timeout=240)
+    flat = [e for rank_errors in errors for e in rank_errors]
+    assert not flat, "\n".join(flat[:20])
+
+
+def test_execute_pipeline_refuses_a_plain_model_and_zero2():
+    with pytest.raises(ValueError, match="zero_stage=2 does not compose with a pipeline"):
+        from autopar.booster.booster import _pipeline_options
+
+        plugin = AutoParallelPlugin(pp_size=2, zero_stage=2)
+        _pipeline_options(plugin, plugin.autoparallelize_kwargs())
+    with pytest.raises(ValueError, match="execute_pipeline needs a model boosted with a pipeline"):
+        Booster().execute_pipeline(iter([{}]), torch.nn.Linear(2, 2), None)
