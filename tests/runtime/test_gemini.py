@@ -170,3 +170,50 @@ def test_offload_trains_like_one_device_within_the_device_budget(mesh):
                 assert evictions > 0, (where, evictions)
             if p == 1.0:
                 assert host_chunks == num_chunks, where
+
+
+AUTO_BUDGET = 1_300_000
+
+
+def _auto_and_planned(rank, world, model, inputs, plan, tiers):
+    out = {}
+    for what in ("auto", "planned"):
+        pm = autopar.autoparallelize(copy.deepcopy(model), inputs, plan=plan, init_weights=False)
+        pm.load_full_state_dict(model.state_dict())
+        if what == "auto":  # GPT-2 tiny: 12 chunks of 64 KiB, ~0.86 MB non-model: room for about half
+            policy = AutoPolicy(device_budget=AUTO_BUDGET)
+        else:
+            policy = gemini.PlannedPolicy(tiers=tiers)
+        pm, opt = gemini.wrap(pm, torch.optim.AdamW, dict(lr=LR, eps=EPS), policy=policy, chunk_range=RANGE)
+        placed = [[(c.home, c.optim_tier) for c in pm.gemini.manager.chunks]]
+        for _ in range(STEPS):
+            pm(**inputs).loss.backward()
+            opt.step()
+            opt.zero_grad()
+            placed.append([(c.home, c.optim_tier) for c in pm.gemini.manager.chunks])
+        m = pm.gemini.manager
+        fqn_tiers = {pm._placeholders[s.name].fqn: (c.home, c.optim_tier) for c in m.chunks for s in c.slots}
+        out[what] = (pm.full_state_dict(), placed, max(x.device_bytes for x in m.ledger.log),
+                     max(m.non_model_samples, default=0), fqn_tiers)
+    return out
+
+
+def test_auto_policy_places_after_warmup_and_planned_tiers_are_kept():
+    model, inputs = _model("gpt2")
+    want = _reference(model, inputs)
+    plan = plan_model(model, inputs, mesh=(2,), options=PlanOptions(zero_stage=0, checkpoint="none")).plan
+    names = [n for n, p in model.named_parameters()]
+    tiers = {n: (HOST, HOST) if i % 3 == 0 else (HOST, DEVICE) if i % 3 == 1 else (DEVICE, DEVICE)
+             for i, n in enumerate(names)}
+    for result in run_local(_auto_and_planned, 2, model, inputs, plan, tiers, timeout=240):
+        for what, (full, placed, max_dev, non_model, fqn_tiers) in result.items():
+            for k, v in full.items():
+                assert torch.allclose(v, want[k], rtol=1e-4, atol=1e-5), f"{what}: {k}"
+        full, placed, max_dev, non_model, _ = result["auto"]
+        assert placed[0] == [(HOST, HOST)] * len(placed[0])  # the warm-up step: everything on the host
+        after = placed[-1]
+        assert DEVICE in {h for h, _ in after} and HOST in {h for h, _ in after}, after
+        assert placed[1:] == [after] * STEPS  # placed once, after the warm-up
+        assert 0 < non_model < AUTO_BUDGET and max_dev <= AUTO_BUDGET, (non_model, max_dev)
+        fqn_tiers = result["planned"][4]
+        assert all(fqn_tiers[f] == tiers[f] for f in fqn_tiers if f in tiers), fqn_tiers

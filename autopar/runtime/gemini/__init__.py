@@ -29,9 +29,11 @@ from autopar.runtime.gemini.cpu_optim import KINDS
 from autopar.runtime.gemini.hooks import SavedHooks, instrument, register
 from autopar.runtime.gemini.manager import ChunkManager, ChunkRange, Ledger
 from autopar.runtime.gemini.optimizer import GeminiOptimizer
-from autopar.runtime.gemini.placement import AutoPolicy, StaticPolicy, auto_tiers, make_policy, static_tiers
+from autopar.runtime.gemini.placement import (AutoPolicy, PlannedPolicy, StaticPolicy, auto_tiers, make_policy,
+                                              policy_from_plan, static_tiers)
 
-__all__ = ["wrap", "Gemini", "GeminiOptimizer", "StaticPolicy", "AutoPolicy", "ChunkRange", "make_policy",
+__all__ = ["wrap", "Gemini", "GeminiOptimizer", "StaticPolicy", "AutoPolicy", "PlannedPolicy", "policy_from_plan",
+           "ChunkRange", "make_policy",
            "search_chunk_size", "Ledger", "Chunk", "DEVICE", "HOST"]
 
 _KIND_OF = {torch.optim.AdamW: "adamw", torch.optim.Adam: "adam"}
@@ -40,7 +42,7 @@ _KIND_OF = {torch.optim.AdamW: "adamw", torch.optim.Adam: "adam"}
 class Gemini:
     """The controller attached to a wrapped module as ``module.gemini``."""
 
-    def __init__(self, module, policy: StaticPolicy | AutoPolicy, chunk_range: ChunkRange) -> None:
+    def __init__(self, module, policy: StaticPolicy | AutoPolicy | PlannedPolicy, chunk_range: ChunkRange) -> None:
         self.module = module
         self.policy = policy
         self.steps = 0
@@ -55,14 +57,21 @@ class Gemini:
             raise ValueError(f"gemini: the plan recomputes activations ({recompute[:3]}...); plan with "
                              f"checkpoint='none' (recompute regions would re-run chunk fetches)")
         device = next(iter(module.parameters())).device
+        group_of = None
         if isinstance(policy, AutoPolicy):
-            tiers = lambda payload, optim: [(HOST, HOST)] * len(payload)  # noqa: E731 -- warm-up: all on host
-            budget = policy.device_budget
+            tiers = lambda payload, optim, chunks: [(HOST, HOST)] * len(payload)  # noqa: E731 -- warm-up on host
+        elif isinstance(policy, PlannedPolicy):
+            planned = {}
+            for name, _ in params:
+                ph = module._placeholders[name]
+                planned[name] = next((policy.tiers[a] for a in (ph.fqn, *ph.aliases) if a in policy.tiers),
+                                     (DEVICE, DEVICE))
+            group_of = planned.__getitem__
+            tiers = lambda payload, optim, chunks: [c.group for c in chunks]  # noqa: E731
         else:
-            tiers = lambda payload, optim: static_tiers(payload, policy)  # noqa: E731
-            budget = policy.device_budget
+            tiers = lambda payload, optim, chunks: static_tiers(payload, policy)  # noqa: E731
         self.manager = ChunkManager(params, device=device, tiers_of=tiers, chunk_range=chunk_range,
-                                    pin_memory=policy.pin_memory, budget=budget)
+                                    pin_memory=policy.pin_memory, budget=policy.device_budget, group_of=group_of)
         self.key = register(self.manager)
         self.hooks = SavedHooks(self.manager)
         self.num_instrumented = instrument(module.graph_module, set(self.manager.chunk_of), self.key)

@@ -94,6 +94,7 @@ class Chunk:
     exp_avg: torch.Tensor | None = None
     exp_avg_sq: torch.Tensor | None = None
     pins: int = 0  # ops currently using it (COMPUTE while > 0)
+    group: tuple | None = None  # planned (payload tier, optimizer tier), if the planner chose
     synced_version: int = -1  # the payload's ``_version`` when the master last matched it
     names: dict[str, Slot] = field(default_factory=dict)
 

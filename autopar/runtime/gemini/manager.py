@@ -78,16 +78,17 @@ class ChunkRange:
 
 class ChunkManager:
     def __init__(self, params: list[tuple[str, torch.nn.Parameter]], *, device: torch.device,
-                 tiers_of, chunk_range: ChunkRange, pin_memory: bool, budget: int | None) -> None:
+                 tiers_of, chunk_range: ChunkRange, pin_memory: bool, budget: int | None,
+                 group_of=None) -> None:
         self.device = torch.device(device)
         self.pin = bool(pin_memory) and self.device.type == "cuda"
         self.ledger = Ledger(budget=budget)
         self.params = dict(params)
         self.chunks: list[Chunk] = []
         self.chunk_of: dict[str, Chunk] = {}
-        self._build(params, chunk_range)
+        self._build(params, chunk_range, group_of or (lambda name: None))
         for chunk, (home, optim) in zip(self.chunks, tiers_of([c.payload_bytes for c in self.chunks],
-                                                              [c.optim_bytes for c in self.chunks])):
+                                                              [c.optim_bytes for c in self.chunks], self.chunks)):
             self._place_initial(chunk, home, optim)
         self.padding = sum(c.capacity for c in self.chunks) - sum(s.numel for c in self.chunks for s in c.slots)
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
@@ -100,11 +101,12 @@ class ChunkManager:
         self.saved: dict[int, int] = {}  # storage pointer -> bytes autograd saved (non-model data, CPU)
 
     # ------------------------------------------------------------------------------ building
-    def _build(self, params, chunk_range: ChunkRange) -> None:
-        runs: dict[torch.dtype, list[tuple[str, torch.Tensor]]] = {}
+    def _build(self, params, chunk_range: ChunkRange, group_of) -> None:
+        """Chunks per (dtype, group) in parameter order; ``group_of(name)``: the planned tiers."""
+        runs: dict[tuple, list[tuple[str, torch.Tensor]]] = {}
         for name, p in params:
-            runs.setdefault(p.dtype, []).append((name, local_of(p)))
-        for dtype, items in runs.items():
+            runs.setdefault((p.dtype, group_of(name)), []).append((name, local_of(p)))
+        for (dtype, group), items in runs.items():
             sizes = [t.numel() for _, t in items]
             capacity, _ = search_chunk_size(sizes, min_elems=chunk_range.min_elems,
                                             max_elems=chunk_range.max_elems, step=chunk_range.step)
@@ -114,7 +116,7 @@ class ChunkManager:
                     name, t = items[i]
                     slots.append(Slot(name, offset, t.numel(), tuple(t.shape)))
                     offset += t.numel()
-                chunk = Chunk(len(self.chunks), slots, capacity, dtype)
+                chunk = Chunk(len(self.chunks), slots, capacity, dtype, group=group)
                 self.chunks.append(chunk)
                 for s in slots:
                     self.chunk_of[s.name] = chunk

@@ -25,7 +25,8 @@ from dataclasses import dataclass
 
 from autopar.runtime.gemini.chunk import DEVICE, HOST
 
-__all__ = ["StaticPolicy", "AutoPolicy", "static_tiers", "auto_tiers", "make_policy"]
+__all__ = ["StaticPolicy", "AutoPolicy", "PlannedPolicy", "policy_from_plan", "static_tiers", "auto_tiers",
+           "make_policy"]
 
 
 def _frac(value, what: str) -> float:
@@ -75,6 +76,34 @@ class AutoPolicy:
             raise ValueError(f"pin_memory must be a bool, got {self.pin_memory!r}")
         if type(self.warmup_steps) is not int or self.warmup_steps < 1:
             raise ValueError(f"warmup_steps must be an int >= 1, got {self.warmup_steps!r}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PlannedPolicy:
+    """The planner's decision per parameter: FQN -> (parameter tier, optimizer tier), each
+    ``"device"`` or ``"host"`` (``Plan.offload``). Parameters are chunked within groups of equal
+    tiers, so every chunk takes its parameters' tiers exactly; an FQN not named stays on the device."""
+
+    tiers: dict
+    device_budget: int | None = None
+    pin_memory: bool = False
+
+    def __post_init__(self) -> None:
+        for fqn, pair in self.tiers.items():
+            if not (isinstance(pair, (tuple, list)) and len(pair) == 2 and all(t in (DEVICE, HOST) for t in pair)):
+                raise ValueError(f"tiers[{fqn!r}] must be ('device'|'host', 'device'|'host'), got {pair!r}")
+        object.__setattr__(self, "tiers", {k: tuple(v) for k, v in self.tiers.items()})
+        object.__setattr__(self, "device_budget", _budget(self.device_budget))
+        if not isinstance(self.pin_memory, bool):
+            raise ValueError(f"pin_memory must be a bool, got {self.pin_memory!r}")
+
+
+def policy_from_plan(plan, *, device_budget: int | None = None, pin_memory: bool = False) -> PlannedPolicy:
+    """``plan.offload`` as a policy; the device budget defaults to the plan's memory budget."""
+    tiers = dict(getattr(plan, "offload", {}) or {})
+    if device_budget is None:
+        device_budget = getattr(plan, "budget_bytes", None) or None
+    return PlannedPolicy(tiers=tiers, device_budget=device_budget, pin_memory=pin_memory)
 
 
 def make_policy(placement_policy: str = "static", **knobs) -> StaticPolicy | AutoPolicy:
