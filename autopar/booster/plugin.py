@@ -69,7 +69,9 @@ class AutoParallelPlugin:
             ``"zbv"`` (zero-bubble; the long names ``"interleaved-1f1b"``/``"zero-bubble"`` too).
         num_model_chunks: model chunks (virtual stages) per pipeline rank: 1 for gpipe/1f1b, 2
             for the interleaved styles (what the planner plans them with); ``None``: as the style.
-        placement_policy: ``None`` (no chunk runtime) or Gemini's ``"static"`` / ``"auto"``: the
+        placement_policy: ``None`` (no chunk runtime), Gemini's ``"static"`` / ``"auto"``, or
+            ``"planned"`` (the tiers the planner chose: ``plan`` must be a Plan made with
+            ``offload=``, its ``Plan.offload`` is executed as it is). With any of them the
             boosted module's parameters go into chunks placed on the device or the host tier
             (``autopar.runtime.gemini``), and the optimizer (Adam/AdamW) steps host chunks on the
             host. Plans then use ZeRO stage 0 and no activation recompute (``zero_stage`` and
@@ -185,8 +187,12 @@ class AutoParallelPlugin:
                 raise ValueError("offload_optim_frac, offload_param_frac and chunk_search_range go with "
                                  "placement_policy='static' or 'auto'")
             return
-        if self.placement_policy not in ("static", "auto"):
-            raise ValueError(f"placement_policy must be None, 'static' or 'auto', got {self.placement_policy!r}")
+        if self.placement_policy not in ("static", "auto", "planned"):
+            raise ValueError(f"placement_policy must be None, 'static', 'auto' or 'planned', "
+                             f"got {self.placement_policy!r}")
+        if self.placement_policy == "planned" and self.plan is None:
+            raise ValueError("placement_policy='planned' executes a plan's offload decisions: give plan= (a Plan "
+                             "made by autopar.plan(..., offload=...))")
         if self.zero_stage not in ("auto", 0):
             raise ValueError(f"placement_policy={self.placement_policy!r} offloads optimizer state by chunks; "
                              f"zero_stage must be 'auto' or 0, got {self.zero_stage!r}")
@@ -197,15 +203,21 @@ class AutoParallelPlugin:
             raise ValueError(f"placement_policy={self.placement_policy!r} does not run under a pipeline "
                              f"(pp_size={self.pp_size!r})")
 
-    def gemini_policy(self, device):
-        """The chunk runtime's policy for ``device`` (``None`` without ``placement_policy``)."""
+    def gemini_policy(self, device, plan=None):
+        """The chunk runtime's policy for ``device`` (``None`` without ``placement_policy``);
+        ``plan``: the boosted module's, for ``"planned"``."""
         import torch
 
-        from autopar.runtime.gemini.placement import AutoPolicy, StaticPolicy
+        from autopar.runtime.gemini.placement import AutoPolicy, StaticPolicy, policy_from_plan
 
         if self.placement_policy is None:
             return None
         budget = self.memory_budget
+        if self.placement_policy == "planned":
+            if plan is None or not getattr(plan, "offload", None):
+                raise ValueError("placement_policy='planned': the plan has no offload decisions (make it with "
+                                 "autopar.plan(..., offload='auto' or OffloadPolicy(...)))")
+            return policy_from_plan(plan, device_budget=budget, pin_memory=self.pin_memory)
         if self.placement_policy == "auto":
             if budget is None:
                 if torch.device(device).type != "cuda":
@@ -223,7 +235,7 @@ class AutoParallelPlugin:
         from autopar.runtime.gemini import wrap
 
         device = next(iter(module.parameters())).device
-        _, optimizer = wrap(module, optimizer_class, kwargs, policy=self.gemini_policy(device),
+        _, optimizer = wrap(module, optimizer_class, kwargs, policy=self.gemini_policy(device, module.plan),
                             chunk_range=self.gemini_chunk_range(), param_groups=groups)
         return optimizer
 

@@ -4,6 +4,7 @@ GPT-2 tiny on 2 ranks, ``placement_policy='static'`` with all optimizer state an
 parameter chunks on the host: 3 AdamW steps through the booster equal single-device training;
 ``save_model`` / ``save_optimizer`` then a freshly boosted (differently seeded) model loads both
 and its next 2 steps equal the uninterrupted run's (masters and moments came back into the chunks).
+``placement_policy='planned'`` executes a plan's ``Plan.offload`` tiers per parameter.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ def _boosted(model, inputs, plan=None):
     return booster, pm, bopt
 
 
-def _body(rank, world, model, inputs, other, path):
+def _body(rank, world, model, inputs, other, path, offload_plan):
     booster, pm, opt = _boosted(copy.deepcopy(model), inputs)
     for _ in range(3):
         booster.backward(pm(**inputs).loss, opt)
@@ -51,7 +52,19 @@ def _body(rank, world, model, inputs, other, path):
         opt2.step()
         opt2.zero_grad()
     tiers = [(c.home, c.optim_tier) for c in pm2.gemini.manager.chunks]
-    return first, pm2.full_state_dict(), tiers, pm2.gemini.summary()
+    # The planner's own decisions, executed: Plan.offload's tiers per parameter.
+    plugin = AutoParallelPlugin(placement_policy="planned", plan=offload_plan, mesh=(2,),
+                                chunk_search_range=(1024, 1024, 1024))
+    fresh = copy.deepcopy(model)
+    pm3, opt3, *_ = Booster(plugin).boost(fresh, torch.optim.AdamW(fresh.parameters(), lr=LR, eps=EPS),
+                                         meta_inputs=inputs)
+    for _ in range(3):
+        pm3(**inputs).loss.backward()
+        opt3.step()
+        opt3.zero_grad()
+    planned = {pm3._placeholders[s.name].fqn: (c.home, c.optim_tier) for c in pm3.gemini.manager.chunks
+               for s in c.slots}
+    return first, pm2.full_state_dict(), tiers, pm2.gemini.summary(), pm3.full_state_dict(), planned
 
 
 def test_boost_with_offload_trains_and_checkpoints_like_one_device(tmp_path):
@@ -65,7 +78,17 @@ def test_boost_with_offload_trains_and_checkpoints_like_one_device(tmp_path):
         opt.step()
         opt.zero_grad()
         want.append({k: v.detach().clone() for k, v in ref.state_dict().items()})
-    for first, last, tiers, summary in run_local(_body, 2, model, inputs, other, str(tmp_path), timeout=240):
+    from autopar.api import plan as make_plan
+    from autopar.planner.offload_pricing import OffloadPolicy
+
+    offload_plan = make_plan(model, inputs, mesh=(2,), zero_stage=0, checkpoint="none",
+                             offload=OffloadPolicy(offload_optim_frac=1.0, offload_param_frac=0.5))
+    assert {t for t in offload_plan.offload.values()} == {("host", "host"), ("device", "host")}
+    results = run_local(_body, 2, model, inputs, other, str(tmp_path), offload_plan, timeout=240)
+    for first, last, tiers, summary, third, planned in results:
+        assert all(planned[f] == offload_plan.offload[f] for f in planned if f in offload_plan.offload), planned
+        for k, v in third.items():
+            assert torch.allclose(v, want[2][k], rtol=1e-4, atol=1e-5), f"planned: {k}"
         assert {o for _, o in tiers} == {"host"} and {"host", "device"} == {h for h, _ in tiers}, tiers
         for got, ref_state in ((first, want[2]), (last, want[4])):
             for k, v in got.items():
@@ -74,8 +97,10 @@ def test_boost_with_offload_trains_and_checkpoints_like_one_device(tmp_path):
 
 
 def test_gemini_knobs_are_checked():
-    with pytest.raises(ValueError, match="placement_policy must be None, 'static' or 'auto', got 'cuda'"):
+    with pytest.raises(ValueError, match="placement_policy must be None, 'static', 'auto' or 'planned', got 'cuda'"):
         AutoParallelPlugin(placement_policy="cuda")
+    with pytest.raises(ValueError, match="give plan="):
+        AutoParallelPlugin(placement_policy="planned")
     with pytest.raises(ValueError, match="go with placement_policy"):
         AutoParallelPlugin(offload_optim_frac=0.5)
     with pytest.raises(ValueError, match="zero_stage must be 'auto' or 0"):

@@ -52,7 +52,7 @@ def test_static_tiers_follow_gemini_fractions():
     sizes = [10, 10, 10, 10]
     assert static_tiers(sizes, StaticPolicy()) == [(DEVICE, DEVICE)] * 4
     tiers = static_tiers(sizes, StaticPolicy(offload_optim_frac=0.5, offload_param_frac=0.25))
-    assert tiers == [(DEVICE, DEVICE), (DEVICE, DEVICE), (DEVICE, HOST), (HOST, HOST)]
+    assert tiers == [(HOST, HOST), (DEVICE, HOST), (DEVICE, DEVICE), (DEVICE, DEVICE)]  # first chunks first
     assert static_tiers(sizes, StaticPolicy(offload_optim_frac=1.0, offload_param_frac=1.0)) == [(HOST, HOST)] * 4
 
 

@@ -1,10 +1,13 @@
 """Placement policies: which tier each chunk's parameters and optimizer state live on.
 
 ``StaticPolicy`` has Gemini's knobs with their meanings:
-- ``offload_param_frac``: the fraction of chunks (the last ones in order, by bytes) whose
+- ``offload_param_frac``: the fraction of chunks (the first ones in order, by bytes, as Gemini
+  and the planner's ``OffloadPolicy`` walk them) whose
   parameter payload lives on the host and is fetched to the device when an op uses it;
-- ``offload_optim_frac``: the fraction of chunks (the last ones, by bytes) whose fp32 master
-  weights and optimizer state live on the host and are updated there by the CPU optimizer;
+- ``offload_optim_frac``: the fraction of chunks (the first ones, by bytes) whose fp32 master
+  weights and optimizer state live on the host and are updated there by the CPU optimizer.
+  Gemini ignores ``offload_param_frac`` unless this is 1; here any mix runs (a host payload
+  with device optimizer state is updated on the device and copied back);
 - ``shard_param_frac``: Gemini's fraction of chunks sharded over the data-parallel group. In
   autopar a parameter's sharding is the plan's layout (ZeRO-3 is a layout, ZeRO-1/2 a planner
   decision), so only 0 is accepted here: plan with ``zero_stage`` / a memory budget instead;
@@ -116,11 +119,11 @@ def make_policy(placement_policy: str = "static", **knobs) -> StaticPolicy | Aut
     raise ValueError(f"placement_policy must be 'static' or 'auto', got {placement_policy!r}")
 
 
-def _last_fraction(sizes: list[int], frac: float) -> set[int]:
-    """Indices of the trailing chunks holding ``frac`` of the bytes (rounded up to whole chunks)."""
+def _first_fraction(sizes: list[int], frac: float) -> set[int]:
+    """Indices of the leading chunks holding ``frac`` of the bytes (rounded up to whole chunks)."""
     want = math.ceil(frac * sum(sizes) - 1e-9)
     out, acc = set(), 0
-    for i in reversed(range(len(sizes))):
+    for i in range(len(sizes)):
         if acc >= want:
             break
         out.add(i)
@@ -130,8 +133,8 @@ def _last_fraction(sizes: list[int], frac: float) -> set[int]:
 
 def static_tiers(payload: list[int], policy: StaticPolicy) -> list[tuple[str, str]]:
     """(payload tier, optimizer tier) per chunk."""
-    params = _last_fraction(payload, policy.offload_param_frac)
-    optim = _last_fraction(payload, policy.offload_optim_frac)
+    params = _first_fraction(payload, policy.offload_param_frac)
+    optim = _first_fraction(payload, policy.offload_optim_frac)
     return [(HOST if i in params else DEVICE, HOST if i in optim else DEVICE) for i in range(len(payload))]
 
 
