@@ -89,8 +89,23 @@ def simplified(problem: Problem, *, alias: bool = True, merge: bool = True) -> R
         return simplify(problem, alias=alias, merge=merge)
     key = (id(problem), alias, merge)
     if key not in _memo:
-        _memo[key] = (problem, simplify(problem, alias=alias, merge=merge))
+        _memo[key] = (problem, _unbudgeted(problem, alias, merge) or simplify(problem, alias=alias, merge=merge))
     return _memo[key][1]
+
+
+def _unbudgeted(problem: Problem, alias: bool, merge: bool) -> Reduced | None:
+    """For a problem without a budget, a remembered simplification of the same nodes and edges
+    under a budget: it kept only the memory-safe merges, which are exact for step time at any
+    budget, so it serves without memory rows (the recompute planner's unconstrained solve after
+    its budget check: one simplification instead of two, the growth of a 96-layer GPT-2's plan
+    over its 12-layer twin's)."""
+    if problem.budget_bytes is not None:
+        return None
+    for (other, reduced), (_, other_alias, other_merge) in zip(_memo.values(), _memo):
+        if (other.nodes is problem.nodes and other.edges is problem.edges
+                and (other_alias, other_merge) == (alias, merge)):
+            return dataclasses.replace(reduced, budget_bytes=None, memory_can_bind=False)
+    return None
 
 
 def _relaxation_then_search(model: IlpModel, backend: str, clock: _Clock, *, msg: bool = False,
