@@ -124,6 +124,7 @@ class _Builder:
         self._option_cache: dict[tuple, tuple[StrategyOption, ...]] = {}  # op options by relative key
         self._placeholder_cache: dict[tuple, tuple[tuple, tuple]] = {}  # (options, choices) by layout key
         self._base_cache: dict[str, str] = {}  # value -> the node owning its storage
+        self._token_cache: dict[str, tuple] = {}  # value -> (shape, dtype) in op signatures
         self.offload_tiers = offload_tiers(traced, mesh, options)  # None: offload="none"
 
     def build(self) -> BuiltProblem:
@@ -395,10 +396,16 @@ class _Builder:
         return resolved
 
     def _signature(self, node: fx.Node) -> str:
+        tokens = self._token_cache  # a value's token is read by each of its consumers: made once
+
         def token(a: Any) -> Any:
             if isinstance(a, fx.Node):
-                v = a.meta.get("val")
-                return (tuple(v.shape), str(v.dtype)) if isinstance(v, torch.Tensor) else ("node", type(v).__name__)
+                tok = tokens.get(a.name)
+                if tok is None:
+                    v = a.meta.get("val")
+                    tok = tokens[a.name] = ((tuple(v.shape), str(v.dtype)) if isinstance(v, torch.Tensor)
+                                            else ("node", type(v).__name__))
+                return tok
             if isinstance(a, (list, tuple)):
                 return tuple(token(x) for x in a)
             return repr(a)

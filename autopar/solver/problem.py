@@ -101,6 +101,12 @@ class StrategyOption:
                 f"param {self.param_bytes}B, act {self.act_bytes}B]")
 
 
+# Option tuples whose names were checked unique (the builder gives every repeat of a block
+# position the same tuple); an entry holds its tuple, so its id is not reused while listed.
+_VALID_OPTIONS: dict[int, tuple] = {}
+_VALID_OPTIONS_MAX = 65536
+
+
 @dataclass(frozen=True, slots=True)
 class Node:
     """One decision: which of ``options`` this graph node runs with.
@@ -131,9 +137,13 @@ class Node:
             raise ValueError(f"Node name must be a non-empty str, got {self.name!r}")
         if not self.options:
             raise ValueError(f"node {self.name!r} has no options")
-        names = [o.name for o in self.options]
-        if len(set(names)) != len(names):
-            raise ValueError(f"node {self.name!r} has duplicate option names {names}")
+        if _VALID_OPTIONS.get(id(self.options)) is not self.options:
+            names = [o.name for o in self.options]
+            if len(set(names)) != len(names):
+                raise ValueError(f"node {self.name!r} has duplicate option names {names}")
+            if len(_VALID_OPTIONS) >= _VALID_OPTIONS_MAX:
+                _VALID_OPTIONS.clear()
+            _VALID_OPTIONS[id(self.options)] = self.options
         if self.live is None:
             if any(o.act_bytes for o in self.options):
                 raise ValueError(f"node {self.name!r} has act_bytes but no live interval")
