@@ -63,7 +63,7 @@ from autopar.tracer.heap import frozen_heap
 from autopar.tracer.precision import compute_dtype
 from autopar.tracer.profile import ModelProfile
 
-__all__ = ["BuiltProblem", "Choice", "ChosenConversion", "Decision", "InputSlot", "build_problem",
+__all__ = ["BuiltProblem", "Choice", "ChosenConversion", "Decision", "InputSlot", "build_problem", "values_needing_grad",
            "layout_specs"]
 
 # Values held at rest the whole step (their bytes are param_bytes, not activations).
@@ -106,7 +106,7 @@ class _Builder:
         self.op_index = {n.name: i for i, n in enumerate(ops)}  # op decision -> its timeline slot
         self.segment_of_op = op_segments((n.name, traced.module_path(n)) for n in ops)
         self.saver = saved_by(prof)  # storage id -> the node whose activation counts it
-        self.needs_grad = _needs_grad(traced)
+        self.needs_grad = values_needing_grad(traced)
         # Filled in graph order by ``build``:
         self.nodes: list[Node] = []
         self.decisions: dict[str, Decision] = {}
@@ -531,7 +531,7 @@ def _unique(name: str, taken: set[str]) -> str:
     return f"{name} #{k}"
 
 
-def _needs_grad(traced: TracedGraph) -> set[str]:
+def values_needing_grad(traced: TracedGraph) -> set[str]:
     """Nodes whose value takes a gradient in backward: trainable parameters, inputs that require
     grad, and every floating value computed from one of them."""
     out: set[str] = set()

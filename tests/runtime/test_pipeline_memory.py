@@ -39,17 +39,6 @@ NUM_LAYERS = 4
 MICROBATCHES = {(2, 2): 4, (4,): 8}
 SCHEDULES = ("gpipe", "1f1b")
 
-# Llama's rotary tables and mask cross the cuts as floating values that need no gradient, but
-# ``autopar.runtime.pipeline._examples`` marks every floating boundary value requires_grad: the
-# receiving stage's ``q * cos`` then also saves q (and ``rotate_half(q) * sin`` saves rotate_half(q),
-# the same for k) to compute gradients of cos/sin that are sent back and discarded. Measured
-# 1.13-1.18x the estimate on the stages that receive them; with received values requiring grad
-# only where the traced value needs one (``autopar.planner.builder._needs_grad``) every stage is
-# within 1.4%. strict: this test fails as soon as the runtime is fixed, so the mark goes.
-RUNTIME_RECEIVES_EVERYTHING_WITH_GRAD = pytest.mark.xfail(
-    strict=True, raises=AssertionError, reason="runtime.pipeline._examples: received rotary tables/mask require grad (extra saves)")
-
-
 def fast_mesh(shape: tuple[int, ...]) -> MeshSpec:
     """The CPU preset with nearly free links, so the stages shard over the (2,) sub-mesh."""
     mesh = MeshSpec.preset("cpu", shape)
@@ -149,7 +138,6 @@ def test_gpt2_stage_saved_bytes_match_plan(shape):
     _check("gpt2", shape)
 
 
-@RUNTIME_RECEIVES_EVERYTHING_WITH_GRAD
 @pytest.mark.parametrize("shape", [(2, 2), (4,)], ids=["2x2", "4"])
 def test_llama_stage_saved_bytes_match_plan(shape):
     _check("llama-1b", shape)
