@@ -13,9 +13,15 @@ during forward and backward, and stepped by the returned ``GeminiOptimizer`` (``
 ``module.gemini`` is the ``Gemini`` controller: ``.manager.ledger`` has the exact bytes per
 tier, their peaks and the per-move log; ``.summary()`` the figures.
 
-Planner hand-off: the planner decides tiers and the device budget; give them as a
-``StaticPolicy`` (fractions of chunk bytes, last chunks first) or call
-``Gemini.place(tiers)`` with an explicit (payload tier, optimizer tier) per chunk.
+Planner hand-off: ``policy_from_plan(plan)`` turns ``Plan.offload`` (parameter FQN ->
+(parameter tier, optimizer tier)) into a ``PlannedPolicy``: parameters are chunked within groups
+of equal tiers, so each chunk takes exactly its parameters' planned tiers; the device budget
+defaults to the plan's. ``Gemini.place(tiers)`` re-places chunks at run time (one (payload,
+optimizer) tier pair per chunk); ``apply_policy`` / ``set_device_budget`` likewise.
+
+Not yet: gradients stay in autograd's ``.grad`` (on the device) until ``step`` packs them into
+fp32 gradient chunks on the optimizer tier, so the ledger counts them from then on only;
+``shard_param_frac`` must be 0 (sharding is the plan's layouts).
 """
 
 from __future__ import annotations
