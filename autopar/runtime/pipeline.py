@@ -44,9 +44,20 @@ per-node strategies. On each rank, for each stage it holds (rank r holds stages 
   each stage's sub-mesh, then broadcast over the pipeline axis from the lowest pipeline rank that
   holds each tensor); every rank must call.
 
-Activation recompute regions (``Plan.recompute``) run inside their stage (a region spanning a cut
-is refused; so is recompute under the zero-bubble schedule). Not yet: ZeRO and mixed precision inside pipelined stages (refused), DCP,
-a gradient-norm clip across stages (each rank's ``parameters()`` are its stages' only).
+- ``step_with(criterion, ...)``: ``step`` with the loss from ``criterion(outputs, micro_batch)``
+  on the last stage, optionally returning the full-batch outputs (``Booster.execute_pipeline``).
+
+Composition. Activation recompute regions (``Plan.recompute``) run inside their stage (a region
+spanning a cut is refused; so is recompute under the zero-bubble schedule). bf16 plans run as
+traced (fp32 masters, bf16 stage graphs and boundary values); fp16 is refused (its loss scaler
+would need an overflow verdict over every stage). ZeRO-1: ``pm.optimizer(cls, zero_stage=1,
+...)`` shards the optimizer state of each parameter over the stage's replicated axes
+(``autopar.runtime.zero``); ZeRO-2 is refused (gradients accumulate over the micro-batches before
+the once-per-step sum). ``clip_grad_norm_`` clips by the norm over EVERY stage (tied copies
+counted once). DCP: ``pm.state_dict()`` holds this rank's DTensors (``stage_state.<FQN>``, tied
+copies under one name on several ranks, deduplicated by DCP's planner), so
+``torch.distributed.checkpoint.save/load`` and ``get/set_optimizer_state_dict(pm, opt)`` work
+across stages; a load writes into the live parameters.
 """
 
 from __future__ import annotations
