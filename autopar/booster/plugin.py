@@ -80,7 +80,7 @@ class AutoParallelPlugin:
             total memory is then the budget); ``"static"`` bounds the device tier by
             ``memory_budget`` when given.
         shard_param_frac, offload_optim_frac, offload_param_frac, pin_memory: Gemini's static
-            knobs, same meanings (``autopar.runtime.gemini.placement``; shard_param_frac must be 0:
+            knobs, same meanings (``autopar.runtime.gemini.policies``; shard_param_frac must be 0:
             parameter sharding is the plan's layout decision).
         chunk_search_range: ``(min, max, step)`` elements the chunk size is searched over for
             the least padding (``None``: 1024 to 64 Mi elements in steps of 1024).
@@ -170,7 +170,7 @@ class AutoParallelPlugin:
 
     def _check_gemini(self) -> None:
         from autopar.runtime.gemini.manager import ChunkRange
-        from autopar.runtime.gemini.placement import StaticPolicy
+        from autopar.runtime.gemini.policies import StaticPolicy
 
         # The knobs are checked even without a policy: a typo must not pass silently.
         StaticPolicy(shard_param_frac=self.shard_param_frac, offload_optim_frac=self.offload_optim_frac,
@@ -208,7 +208,7 @@ class AutoParallelPlugin:
         ``plan``: the boosted module's, for ``"planned"``."""
         import torch
 
-        from autopar.runtime.gemini.placement import AutoPolicy, StaticPolicy, policy_from_plan
+        from autopar.runtime.gemini.policies import AutoPolicy, StaticPolicy, policy_from_plan
 
         if self.placement_policy is None:
             return None

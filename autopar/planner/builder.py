@@ -49,6 +49,7 @@ from autopar.layout.mesh import MeshSpec
 from autopar.layout.placement import R, Shard, TensorSpec
 from autopar.planner.executed import ReaderChain, sync_key, zero2_capable
 from autopar.planner.records import BuiltProblem, Choice, ChosenConversion, Decision, InputSlot
+from autopar.planner.saved_bytes import SELF, activation_bytes, global_bytes
 from autopar.planner.segments import (node_vals, op_segments, saved_by, segment_inputs, storage_base,
                                       without_stateful_segments)
 from autopar.planner.offload_pricing import offload_option, offload_tiers
@@ -58,18 +59,17 @@ from autopar.plans import NodeKind
 from autopar.layout.blocks import block_of
 from autopar.solver.problem import Edge, Node, Problem, StrategyOption
 from autopar.strategies import Strategy, input_nodes, strategies_for
-from autopar.tracer.graph import PLACEHOLDER_KEY, TracedGraph
+from autopar.tracer.graph import PLACEHOLDER_KEY, TracedGraph, values_needing_grad
 from autopar.tracer.heap import frozen_heap
 from autopar.tracer.precision import compute_dtype
 from autopar.tracer.profile import ModelProfile
 
-__all__ = ["BuiltProblem", "Choice", "ChosenConversion", "Decision", "InputSlot", "build_problem", "values_needing_grad",
+__all__ = ["BuiltProblem", "Choice", "ChosenConversion", "Decision", "InputSlot", "build_problem",
            "layout_specs"]
 
 # Values held at rest the whole step (their bytes are param_bytes, not activations).
 _AT_REST = (NodeKind.PARAMETER, NodeKind.BUFFER)
 # A saved storage the op made itself (``_Builder._relative_parts``).
-_SELF = "self"
 
 
 def layout_specs(shape: tuple[int, ...], mesh_shape: tuple[int, ...]) -> list[TensorSpec]:
@@ -288,11 +288,11 @@ class _Builder:
     def _op_options(self, node: fx.Node, strategies: list[Strategy], slots: list[fx.Node],
                     activations: tuple[bool, ...], rel_parts: tuple, zero2: tuple[int, ...],
                     shared: tuple[int, ...]) -> tuple[StrategyOption, ...]:
-        global_bytes = _global_bytes(node, slots, activations)
+        full_bytes = global_bytes(node, slots, activations)
         opts: list[StrategyOption] = []
         taken: set[str] = set()
         for s in strategies:
-            act = _activation_bytes(node, s, slots, activations, global_bytes, rel_parts) if rel_parts else 0
+            act = activation_bytes(node, s, slots, activations, full_bytes, rel_parts) if rel_parts else 0
             # ZeRO-2 prices the gradient of a parameter it may shard as a reduce-scatter; the
             # all-reduce's extra is charged on the edge unless the parameter is ZeRO-2.
             comm_s = (s.comm_s - sum(zero2_extra_s(s, slot, self.mesh) for slot in zero2)
@@ -305,9 +305,9 @@ class _Builder:
 
     def _relative_parts(self, node: fx.Node, slots: list[fx.Node],
                         parts: list[tuple[str, int]]) -> tuple[tuple[Any, int], ...]:
-        """``parts`` with each producer named relative to ``node``: ``_SELF`` for the node's own
+        """``parts`` with each producer named relative to ``node``: ``SELF`` for the node's own
         storages, else the input slots (in order) whose value lives in that storage, the ones
-        ``_activation_bytes`` may scale it by (none: the op's blended fraction)."""
+        ``saved_bytes.activation_bytes`` may scale it by (none: the op's blended fraction)."""
         if not parts:
             return ()
         bases = []
@@ -315,7 +315,7 @@ class _Builder:
             val = src.meta.get("val")
             usable = isinstance(val, torch.Tensor) and val.numel() * val.dtype.itemsize > 0
             bases.append(self._storage_base(src) if usable else None)
-        return tuple((_SELF if producer == node.name else tuple(k for k, b in enumerate(bases) if b == producer),
+        return tuple((SELF if producer == node.name else tuple(k for k, b in enumerate(bases) if b == producer),
                       nbytes) for producer, nbytes in parts)
 
     def _storage_base(self, src: fx.Node) -> str:
@@ -529,84 +529,3 @@ def _unique(name: str, taken: set[str]) -> str:
     while f"{name} #{k}" in taken:
         k += 1
     return f"{name} #{k}"
-
-
-def values_needing_grad(traced: TracedGraph) -> set[str]:
-    """Nodes whose value takes a gradient in backward: trainable parameters, inputs that require
-    grad, and every floating value computed from one of them."""
-    out: set[str] = set()
-    for node in traced.nodes:
-        val = node.meta.get("val")
-        if node.op == "placeholder":
-            ph = node.meta.get(PLACEHOLDER_KEY)
-            if ph is not None and (ph.requires_grad or getattr(val, "requires_grad", False)):
-                out.add(node.name)
-        elif node.op == "call_function" and any(n.name in out for n in node.all_input_nodes):
-            if any(isinstance(v, torch.Tensor) and v.is_floating_point() for v in node_vals(node)):
-                out.add(node.name)
-    return out
-
-
-def _is_float(v: Any) -> bool:
-    return isinstance(v, torch.Tensor) and v.dtype.is_floating_point
-
-
-def _global_bytes(node: fx.Node, slots: list[fx.Node], activations: list[bool]) -> int:
-    """Float bytes of the node's activation inputs and outputs (parameters are counted apart)."""
-    vals = [s.meta.get("val") for s, act in zip(slots, activations) if act]
-    vals += list(node_vals(node))
-    return sum(v.numel() * v.dtype.itemsize for v in vals if _is_float(v))
-
-
-def _activation_bytes(node: fx.Node, s: Strategy, slots: list[fx.Node], activations: Sequence[bool],
-                      global_bytes: int, parts: tuple[tuple[Any, int], ...]) -> int:
-    """Local bytes of the saved storages ``parts`` ((whose storage, global bytes), as
-    ``_Builder._relative_parts`` names them) under strategy ``s``.
-
-    Each storage scales by the local fraction of the tensor it is: one the op made itself (its
-    outputs, internal temporaries such as attention's logsumexp) by the strategy's output
-    fraction; one made upstream by the fraction of the (first) input slot whose value lives in
-    that storage (through views and ``getitem``), under the strategy's input spec (a
-    column-parallel linear keeps its replicated input whole, a row-parallel one its sharded
-    input). A storage matching neither (an upstream value reached another way) takes the op's
-    blended fraction: local/global bytes of all its activation inputs and outputs."""
-    blended = min(_local_bytes(s, slots, activations) / global_bytes, 1.0) if global_bytes else 1.0
-    out_global = sum(v.numel() * v.dtype.itemsize for v in node_vals(node)
-                     if isinstance(v, torch.Tensor))
-    out_frac = min(s.output_bytes / out_global, 1.0) if out_global else blended
-    in_frac = _input_fraction(s, slots, activations)
-    total = 0.0
-    for where, nbytes in parts:
-        if where is not _SELF:
-            k = next((k for k in where if k < len(s.input_bytes)), None)
-            if k is None:
-                frac = blended
-            else:
-                val = slots[k].meta["val"]
-                frac = min(s.input_bytes[k] / (val.numel() * val.dtype.itemsize), 1.0)
-        elif nbytes <= out_global or in_frac is None:
-            frac = out_frac
-        else:
-            # A temporary bigger than the output is input-sized (cross-entropy's log-softmax
-            # behind a scalar loss): it is as sharded as the inputs, not as the output.
-            frac = in_frac
-        total += nbytes * frac
-    return int(round(total))
-
-
-def _input_fraction(s: Strategy, slots: list[fx.Node], activations: list[bool]) -> float | None:
-    """Local/global bytes of the op's floating activation inputs under ``s`` (None: none)."""
-    local = full = 0
-    for i, src in enumerate(slots):
-        val = src.meta.get("val")
-        if i < len(s.input_bytes) and activations[i] and _is_float(val):
-            local += s.input_bytes[i]
-            full += val.numel() * val.dtype.itemsize
-    return min(local / full, 1.0) if full else None
-
-
-def _local_bytes(s: Strategy, slots: list[fx.Node], activations: list[bool]) -> int:
-    """The same bytes per device under strategy ``s``: what its saved activations scale by."""
-    total = sum(s.input_bytes[i] for i, src in enumerate(slots)
-                if activations[i] and _is_float(src.meta.get("val")))
-    return total + s.output_bytes

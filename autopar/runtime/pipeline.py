@@ -69,7 +69,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.fx as fx
-import torch.utils._pytree as pytree
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.pipelining import PipelineStage
@@ -78,7 +77,6 @@ from torch.distributed.pipelining.schedules import (Schedule1F1B, ScheduleGPipe,
                                                     ScheduleInterleavedZeroBubble)
 
 from autopar.layout.placement import TensorSpec
-from autopar.planner.builder import values_needing_grad
 from autopar.plans import Plan
 from autopar.runtime.build import attach_tensor
 from autopar.runtime.dtensors import local_of, to_dtensor
@@ -86,10 +84,10 @@ from autopar.runtime.materialize import local_shards
 from autopar.runtime.module import _snapshot, input_leaves
 from autopar.runtime.nodes import GradAllReduce
 from autopar.runtime.passes import STATE_KEY, emit_local_graph
-from autopar.runtime.pipeline_split import StageGraph, split_stages
+from autopar.runtime.pipeline_split import StageGraph, boundary_layouts, example_values, split_batch, split_stages
 from autopar.runtime.process_mesh import ProcessMesh
 from autopar.runtime.recompute import apply_recompute
-from autopar.tracer.graph import BUFFER, INPUT, PARAMETER, TracedGraph
+from autopar.tracer.graph import BUFFER, INPUT, PARAMETER, TracedGraph, values_needing_grad
 
 __all__ = ["SCHEDULES", "PipelineModule", "build_pipeline", "pipeline_device_mesh"]
 
@@ -177,9 +175,9 @@ class PipelineModule(nn.Module):
         num_stages = len(pipe.stages)
         with_grad = values_needing_grad(traced)
         self._pstages = [PipelineStage(m, m.stage.index, num_stages, device, group=self.pp_group,
-                                       input_args=_examples(traced, m.stage.inputs, layouts, pmesh, device,
+                                       input_args=example_values(traced, m.stage.inputs, layouts, pmesh, device,
                                                             with_grad=with_grad),
-                                       output_args=_examples(traced, m.stage.outputs,
+                                       output_args=example_values(traced, m.stage.outputs,
                                                              layouts if m.stage.index < num_stages - 1 else {},
                                                              pmesh, device, with_grad=with_grad))
                          for m in stage_modules]
@@ -246,7 +244,7 @@ class PipelineModule(nn.Module):
             raise ValueError(f"criterion must be callable (outputs, inputs) -> loss or None, got {criterion!r}")
         inputs = self._flat_inputs(args, kwargs)
         self._criterion = criterion
-        self._micro_batches = _split_batch(args, kwargs, self.num_microbatches) if criterion is not None else []
+        self._micro_batches = split_batch(args, kwargs, self.num_microbatches) if criterion is not None else []
         try:
             loss = self._train(inputs, return_outputs=return_outputs)
         finally:
@@ -464,47 +462,6 @@ class PipelineModule(nn.Module):
         return "\n".join(f"# stage {m.stage.index}\n{m.gm.code}" for m in self._stages)
 
 
-def _split_batch(args: tuple, kwargs: dict, num: int) -> list[Any]:
-    """The call's inputs as ``num`` micro-batches, in the form a criterion gets them: the kwargs
-    dict, the single positional argument, or ``(args, kwargs)``; tensors split along dim 0 like
-    the schedule splits them, everything else as it is."""
-    batch: Any = kwargs if not args else args[0] if len(args) == 1 and not kwargs else (args, kwargs)
-    leaves, spec = pytree.tree_flatten(batch)
-    pieces = [t.tensor_split(num) if isinstance(t, torch.Tensor) and t.dim() else None for t in leaves]
-    return [pytree.tree_unflatten([p[i] if p is not None else t for t, p in zip(leaves, pieces)], spec)
-            for i in range(num)]
-
-
-def _examples(traced: TracedGraph, names: tuple[str, ...], layouts: dict[str, TensorSpec], pmesh: ProcessMesh,
-              device: torch.device, *, with_grad: set[str]) -> tuple[torch.Tensor, ...]:
-    """Zero tensors shaped like this rank's pieces of the micro-batch values ``names`` (static
-    stage metadata; ``layouts``: the boundary layouts, replicated where absent)."""
-    out = []
-    for name in names:
-        v = traced.node(name).meta["val"]
-        shape = layouts[name].local_shape(tuple(v.shape), pmesh.shape) if name in layouts else v.shape
-        # requires_grad marks what carries a gradient back: only values a trainable parameter
-        # feeds (``values_needing_grad``). A received rotary table or mask marked too would make
-        # the receiving stage save what the plan (and one device) does not: 1.13-1.18x its bytes.
-        out.append(torch.zeros(shape, dtype=v.dtype, device=device).requires_grad_(name in with_grad))
-    return tuple(out)
-
-
-def _boundary_layouts(stage_plan: Plan, graphs: list[StageGraph], ndim: int) -> dict[str, TensorSpec]:
-    """Traced value name -> the layout it crosses a cut in: its decision's (single) output
-    layout, the layout a receiving stage's emitter reads it in."""
-    decisions = {n.name: n for n in stage_plan.nodes}
-    out = {}
-    for g in graphs[:-1]:
-        for name in g.outputs:
-            d = decisions.get(name)
-            if d is not None and len(d.output_specs) == 1 and d.output_specs[0] is not None:
-                out[name] = TensorSpec.parse(d.output_specs[0])
-            else:
-                out[name] = TensorSpec.replicated(ndim)
-    return out
-
-
 def _tied_groups(holders: dict[str, tuple[int, ...]], device_mesh: DeviceMesh) -> dict[str, Any]:
     """Parameter name -> the process group of the pipeline ranks holding it at this rank's
     sub-mesh coordinate (None where this rank holds it alone). Every rank creates every group,
@@ -569,7 +526,7 @@ def build_pipeline(model: nn.Module, traced: TracedGraph, plan: Plan, *, device:
     user = {p.name for p in traced.placeholders if p.kind == INPUT}
     stage_plan = dataclasses.replace(plan, mesh=plan.stage_mesh(), pipeline=None,
                                      nodes=tuple(n for n in plan.nodes if n.name not in user))
-    layouts = _boundary_layouts(stage_plan, graphs, len(pmesh.shape))
+    layouts = boundary_layouts(stage_plan, graphs, len(pmesh.shape))
     emitted = [emit_local_graph(g.traced, stage_plan, pmesh, device=device, bucket_cap=0, local_inputs=True,
                                 output_specs=layouts if g.index < len(graphs) - 1 else None) for g in mine]
     for g, e in zip(mine, emitted):  # activation checkpointing: each region inside its stage

@@ -21,14 +21,18 @@ in both).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.fx as fx
+import torch.utils._pytree as pytree
 
-from autopar.plans import NodeKind, PipelinePlan
+from autopar.layout.placement import TensorSpec
+from autopar.plans import NodeKind, Plan, PipelinePlan
+from autopar.runtime.process_mesh import ProcessMesh
 from autopar.tracer.graph import INPUT, PLACEHOLDER_KEY, Placeholder, TracedGraph
 
-__all__ = ["StageGraph", "split_stages", "stage_of_nodes"]
+__all__ = ["StageGraph", "split_stages", "stage_of_nodes", "split_batch", "example_values", "boundary_layouts"]
 
 
 @dataclass
@@ -146,3 +150,43 @@ def _stage_graph(traced: TracedGraph, k: int, stage_of: dict[str, int], received
     sub.precision = traced.precision
     return StageGraph(index=k, traced=sub, inputs=received, outputs=sent, state=tuple(state))
 
+
+def split_batch(args: tuple, kwargs: dict, num: int) -> list[Any]:
+    """The call's inputs as ``num`` micro-batches, in the form a criterion gets them: the kwargs
+    dict, the single positional argument, or ``(args, kwargs)``; tensors split along dim 0 like
+    the schedule splits them, everything else as it is."""
+    batch: Any = kwargs if not args else args[0] if len(args) == 1 and not kwargs else (args, kwargs)
+    leaves, spec = pytree.tree_flatten(batch)
+    pieces = [t.tensor_split(num) if isinstance(t, torch.Tensor) and t.dim() else None for t in leaves]
+    return [pytree.tree_unflatten([p[i] if p is not None else t for t, p in zip(leaves, pieces)], spec)
+            for i in range(num)]
+
+
+def example_values(traced: TracedGraph, names: tuple[str, ...], layouts: dict[str, TensorSpec], pmesh: ProcessMesh,
+              device: torch.device, *, with_grad: set[str]) -> tuple[torch.Tensor, ...]:
+    """Zero tensors shaped like this rank's pieces of the micro-batch values ``names`` (static
+    stage metadata; ``layouts``: the boundary layouts, replicated where absent)."""
+    out = []
+    for name in names:
+        v = traced.node(name).meta["val"]
+        shape = layouts[name].local_shape(tuple(v.shape), pmesh.shape) if name in layouts else v.shape
+        # requires_grad marks what carries a gradient back: only values a trainable parameter
+        # feeds (``values_needing_grad``). A received rotary table or mask marked too would make
+        # the receiving stage save what the plan (and one device) does not: 1.13-1.18x its bytes.
+        out.append(torch.zeros(shape, dtype=v.dtype, device=device).requires_grad_(name in with_grad))
+    return tuple(out)
+
+
+def boundary_layouts(stage_plan: Plan, graphs: list[StageGraph], ndim: int) -> dict[str, TensorSpec]:
+    """Traced value name -> the layout it crosses a cut in: its decision's (single) output
+    layout, the layout a receiving stage's emitter reads it in."""
+    decisions = {n.name: n for n in stage_plan.nodes}
+    out = {}
+    for g in graphs[:-1]:
+        for name in g.outputs:
+            d = decisions.get(name)
+            if d is not None and len(d.output_specs) == 1 and d.output_specs[0] is not None:
+                out[name] = TensorSpec.parse(d.output_specs[0])
+            else:
+                out[name] = TensorSpec.replicated(ndim)
+    return out

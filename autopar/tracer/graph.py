@@ -71,6 +71,23 @@ def tensor_vals(val: Any) -> list[torch.Tensor]:
     return [v for v in pytree.tree_leaves(val) if isinstance(v, torch.Tensor)]
 
 
+def values_needing_grad(traced: TracedGraph) -> set[str]:
+    """Nodes whose value takes a gradient in backward: trainable parameters, inputs that require
+    grad, and every floating value computed from one of them (the planner prices gradient sums
+    only for these; the pipeline runtime marks only these received values requires_grad)."""
+    out: set[str] = set()
+    for node in traced.nodes:
+        val = node.meta.get("val")
+        if node.op == "placeholder":
+            ph = node.meta.get(PLACEHOLDER_KEY)
+            if ph is not None and (ph.requires_grad or getattr(val, "requires_grad", False)):
+                out.add(node.name)
+        elif node.op == "call_function" and any(n.name in out for n in node.all_input_nodes):
+            if any(isinstance(v, torch.Tensor) and v.is_floating_point() for v in (val if isinstance(val, (tuple, list)) else (val,))):
+                out.add(node.name)
+    return out
+
+
 def op_name(node: fx.Node) -> str:
     """'aten.addmm.default' for ATen overloads, the function's name otherwise."""
     target = node.target

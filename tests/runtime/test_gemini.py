@@ -21,7 +21,7 @@ from autopar.planner.options import PlanOptions
 from autopar.runtime import gemini
 from autopar.runtime.gemini.chunk import DEVICE, HOST, pack, search_chunk_size
 from autopar.runtime.gemini.cpu_optim import adam_update_
-from autopar.runtime.gemini.placement import AutoPolicy, StaticPolicy, auto_tiers, make_policy, static_tiers
+from autopar.runtime.gemini.policies import AutoPolicy, StaticPolicy, auto_tiers, make_policy, static_tiers
 from autopar.runtime.launch import run_local
 
 STEPS, EPS, LR = 5, 1e-5, 1e-3

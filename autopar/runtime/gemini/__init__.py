@@ -34,8 +34,8 @@ from autopar.runtime.gemini.chunk import DEVICE, HOST, Chunk, search_chunk_size
 from autopar.runtime.gemini.cpu_optim import KINDS
 from autopar.runtime.gemini.hooks import SavedHooks, instrument, register
 from autopar.runtime.gemini.manager import ChunkManager, ChunkRange, Ledger
-from autopar.runtime.gemini.optimizer import GeminiOptimizer
-from autopar.runtime.gemini.placement import (AutoPolicy, PlannedPolicy, StaticPolicy, auto_tiers, make_policy,
+from autopar.runtime.gemini.gemini_optimizer import GeminiOptimizer
+from autopar.runtime.gemini.policies import (AutoPolicy, PlannedPolicy, StaticPolicy, auto_tiers, make_policy,
                                               policy_from_plan, static_tiers)
 
 __all__ = ["wrap", "Gemini", "GeminiOptimizer", "StaticPolicy", "AutoPolicy", "PlannedPolicy", "policy_from_plan",
