@@ -1,12 +1,15 @@
 """Pipelined step time: autopar's PipelineModule vs its plan's estimate vs a hand-written
 ``torch.distributed.pipelining`` split of the same model, same run (issue 15).
 
-    python benchmarks/pipeline.py [--hidden 512 --layers 8 --heads 8 --vocab 2048 --seq 128
+    python benchmarks/pipeline.py [--hidden 256 --layers 8 --heads 4 --vocab 1024 --seq 64
                                    --batch 16 --microbatches 8 --schedules gpipe,1f1b
                                    --world 4 --steps 5 --mesh-file mesh.json --out results.jsonl]
 
 A GPT-2 (``_baselines.gpt2_config_model``: HF GPT-2, dropout 0, sdpa, tied ``wte``) on ``--world``
-forked gloo processes, mesh ``(world,)``: ``pipeline=world`` stages, one device each.
+forked gloo processes, mesh ``(world,)``: ``pipeline=world`` stages, one device each. The default
+size makes a step ~1 s on a 2-core machine with 4 ranks (about 60 ms of compute per stage and
+micro-batch against ~5 ms of point-to-point), so compute dominates; ``--hidden 512 --seq 128
+--vocab 2048`` is ~8x that.
 
 1. The mesh is profiled on THIS machine first (``autopar.runtime.mesh_profile.profile_mesh`` on
    ``world`` forked processes: per-axis alpha/beta from timed collectives, fp32 matmul FLOP/s
@@ -17,8 +20,9 @@ forked gloo processes, mesh ``(world,)``: ``pipeline=world`` stages, one device 
    estimated step (``plan.estimate.step_s``: ``(M + S - 1) * slowest stage + gradient sync``).
 3. Each rank builds, from the same weights, the same batch:
 
-   - ``autopar``: ``autoparallelize(model, inputs, plan=plan)`` (the plan above applied): a
-     ``PipelineModule``; one step is ``pm.step(**batch)`` (forward + backward of every
+   - ``autopar``: the plan's ``PipelineModule`` (``autopar.runtime.pipeline.build_pipeline`` on the
+     parent's micro-batch trace: what ``autoparallelize(..., pipeline=N)`` builds on each rank,
+     without each rank tracing again); one step is ``pm.step(**batch)`` (forward + backward of every
      micro-batch under torch's schedule, gradient sums, the loss broadcast);
    - ``hand``: a hand-written split with the SAME block ranges as the plan: stage modules made of
      the HF model's own submodules (first: ``wte`` + ``wpe`` + its blocks; middle: blocks; last:
@@ -151,13 +155,13 @@ class HandPipeline:
 
 
 # ----------------------------------------------------------------------------- the run
-def _bench(rank: int, world: int, args, model, inputs, plans: dict) -> dict:
-    from autopar import autoparallelize
+def _bench(rank: int, world: int, args, model, inputs, plans: dict, traced: dict) -> dict:
+    from autopar.runtime.pipeline import build_pipeline
 
     out = {}
     micro = {k: v[: args.batch // args.microbatches] for k, v in inputs.items()}
     for schedule, plan in plans.items():
-        pm = autoparallelize(copy.deepcopy(model), inputs, plan=plan, device="cpu")
+        pm = build_pipeline(copy.deepcopy(model), traced[schedule], plan, device="cpu")
         st = plan.pipeline.stages[rank]
         hand = HandPipeline(model, layers=st.layers, num_stages=world, schedule=schedule,
                             num_microbatches=args.microbatches, micro=micro)
@@ -200,11 +204,11 @@ def measured_mesh(args):
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--vocab", type=int, default=2048)
-    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=1024)
+    p.add_argument("--seq", type=int, default=64)
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--microbatches", type=int, default=8)
     p.add_argument("--schedules", default="gpipe,1f1b", help="comma-separated: gpipe, 1f1b")
@@ -237,7 +241,7 @@ def main(argv=None) -> dict:
     t0 = time.perf_counter()
     mesh = measured_mesh(args)
     profile_s = time.perf_counter() - t0
-    plans, plan_s = {}, {}
+    plans, traced, plan_s = {}, {}, {}
     for schedule in schedules:
         t0 = time.perf_counter()
         found = plan_pipelined(model, inputs, mesh=mesh,
@@ -246,8 +250,8 @@ def main(argv=None) -> dict:
         plan_s[schedule] = time.perf_counter() - t0
         if found.plan.pipeline is None or found.plan.pipeline.schedule != schedule:
             raise AssertionError(f"plan_pipelined returned no {schedule} pipeline")
-        plans[schedule] = found.plan
-    results = run_local(_bench, args.world, args, model, inputs, plans, timeout=args.timeout)
+        plans[schedule], traced[schedule] = found.plan, found.traced
+    results = run_local(_bench, args.world, args, model, inputs, plans, traced, timeout=args.timeout)
 
     print(f"GPT-2 hidden {args.hidden}, {args.layers} layers, {args.heads} heads, vocab {args.vocab}; batch "
           f"{args.batch} x seq {args.seq}, {args.microbatches} micro-batches; {args.world} gloo processes, "
