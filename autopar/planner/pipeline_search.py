@@ -128,7 +128,9 @@ class StageCosts:
             raise ValueError(f"{traced.model_name} has no repeated blocks to cut into pipeline stages")
         self.traced, self.built, self.mesh, self._solve = traced, built, mesh, solve
         self.prefix, self.num_blocks = found
-        self.num_solves = 0
+        self.num_solves = self.num_reused = 0
+        # (shortest, longest) stage length the current cut search asks for (``_between``); None: off
+        self.lengths: tuple[int, int] | None = None
         # range shape (+ in-flight, budget) -> (choice, cost, the range it was solved on) or None
         self._memo: dict[tuple, tuple[dict[str, str], StageCost, tuple[int, int]] | None] = {}
         self._position()
@@ -140,16 +142,20 @@ class StageCosts:
     def _position(self) -> None:
         """Block position of every op (as ``even_stages``) and the positions reading each placeholder."""
         pos: dict[str, int] = {}
+        in_block: set[str] = set()  # ops inside a block of the container (not before or after all blocks)
         current = 0
         for node in self.traced.nodes:
             if node.op in ("placeholder", "output"):
                 continue
             if node.op == "call_function" and node.target is operator.getitem and node.args[0].name in pos:
                 pos[node.name] = pos[node.args[0].name]
+                if node.args[0].name in in_block:
+                    in_block.add(node.name)
                 continue
             where = split_block(node.meta.get(MODULE_KEY, ""))
             if where is not None and where[0] == self.prefix:
                 current = max(current, where[1])
+                in_block.add(node.name)
             pos[node.name] = current
         last = self.num_blocks - 1
         readers: dict[str, set[int]] = {}
@@ -158,7 +164,7 @@ class StageCosts:
                 readers[node.name] = {pos[u.name] for u in node.users if u.name in pos}
                 if any(u.op == "output" for u in node.users):
                     readers[node.name].add(last)
-        self.pos, self.readers = pos, readers
+        self.pos, self.readers, self.in_block = pos, readers, in_block
         self.kind = {n.name: self.built.decision(n.name).kind for n in self.built.problem.nodes}
 
     def _classes(self) -> None:
@@ -244,8 +250,8 @@ class StageCosts:
             # (``slice``: the in-flight bytes are linear in k), so no second evaluation is needed.
             free_key = (*shape, None, None)
             if free_key not in self._memo:
-                self._memo[free_key] = self.solve_range(a, b, in_flight=1, factor=factor, budget=None,
-                                                        recompute=recompute)
+                self._memo[free_key] = self._between(a, b, factor=factor, recompute=recompute) or \
+                    self.solve_range(a, b, in_flight=1, factor=factor, budget=None, recompute=recompute)
             free = self._memo[free_key]
             peak = None if free is None else free[1].peak_bytes + (in_flight - 1) * free[2]
             if free is not None and (budget is None or peak <= budget):
@@ -279,24 +285,115 @@ class StageCosts:
         held = [n.name for n in problem.nodes if n.name.endswith(HELD)]
         if any(sol.choice[h] != sol.choice[h[:-len(HELD)]] for h in held):
             return None  # only a layout change of a kept value (priced _TIE_S) fits: infeasible
-        ev = problem.evaluate(sol.choice)
+        return self._figures(problem, b, sol.choice, in_flight=in_flight, factor=factor, recompute=recompute,
+                             status=sol.status, gap=sol.gap)
+
+    def _figures(self, problem: Problem, b: int, choice: dict[str, str], *, in_flight: int, factor: float,
+                 recompute: bool, status: str, gap: float) -> tuple[dict[str, str], StageCost, int]:
+        """(choice without held values, the stage's figures, in-flight bytes) of ``choice`` on the slice."""
+        ev = problem.evaluate(choice)
         original = self.built.problem
 
         def chosen(name):
             node = original.node(name)
-            return node.options[node.option_index(sol.choice[name])]
+            return node.options[node.option_index(choice[name])]
 
         params = [n.name for n in problem.nodes if self.kind.get(n.name) == NodeKind.PARAMETER]
         sync = sum(chosen(n).cost_s for n in params)
         param_bytes = sum(chosen(n.name).param_bytes for n in problem.nodes
                           if n.name in self.kind and self.kind[n.name] != NodeKind.OP)
-        extra = sum(self._in_flight_bytes(problem, n, c, recompute=recompute) for n, c in sol.choice.items())
+        extra = sum(self._in_flight_bytes(problem, n, c, recompute=recompute) for n, c in choice.items())
         p2p = self.p2p_s(b)
         cost = StageCost(time_s=ev.objective - sync / factor + p2p, sync_s=sync, p2p_s=p2p, compute_s=ev.compute_s,
                          reshard_s=ev.reshard_s, peak_bytes=ev.peak_bytes, param_bytes=param_bytes,
-                         in_flight=in_flight, status=sol.status, gap=sol.gap,
-                         saved_bytes=activation_bytes(problem, sol.choice), recompute=recompute)
-        return {n: c for n, c in sol.choice.items() if not n.endswith(HELD)}, cost, extra
+                         in_flight=in_flight, status=status, gap=gap,
+                         saved_bytes=activation_bytes(problem, choice), recompute=recompute)
+        return {n: c for n, c in choice.items() if not n.endswith(HELD)}, cost, extra
+
+    # ---------------------------------------------------- unconstrained optima along a range family
+    def _family(self, a: int, b: int):
+        """Ranges of one family differ only in how many interior blocks they hold, all of one
+        class: (first?, last?, first block's class, last block's class, interior class)."""
+        if b - a < 3 or len(set(self.block_class[a + 1:b - 1])) != 1:
+            return None
+        return a == 0, b == self.num_blocks, self.block_class[a], self.block_class[b - 1], self.block_class[a + 1]
+
+    def _member(self, a: int, b: int, length: int) -> tuple[int, int] | None:
+        """The range of ``length`` blocks in the family of ``[a, b)`` (same first/last flags)."""
+        lo = 0 if a == 0 else (self.num_blocks - length if b == self.num_blocks else a)
+        hi = lo + length
+        if lo < 0 or hi > self.num_blocks or (lo == 0) != (a == 0) or (hi == self.num_blocks) != (b == self.num_blocks):
+            return None
+        return (lo, hi) if self._family(lo, hi) == self._family(a, b) else None
+
+    def _blocks(self, a: int, b: int) -> tuple[list[list[str]], list[str]]:
+        """Per block of ``[a, b)`` its decisions in problem order (its ops, the parameters only it
+        reads), and the stage's other decisions."""
+        per: list[list[str]] = [[] for _ in range(b - a)]
+        rest = []
+        for name in (n.name for n in self.built.problem.nodes):
+            kind = self.kind[name]
+            if kind == NodeKind.OP and name in self.in_block and a <= self.pos[name] < b:
+                per[self.pos[name] - a].append(name)
+            elif kind == NodeKind.PARAMETER and len(self.readers.get(name, ())) == 1 and \
+                    a <= next(iter(self.readers[name])) < b:
+                per[next(iter(self.readers[name])) - a].append(name)
+            else:
+                rest.append(name)
+        return per, rest
+
+    def _pattern(self, a: int, b: int, choice: dict[str, str]):
+        """The choice of ``[a, b)`` independent of its length: first, interior (all equal, as
+        repeated-block aliasing makes them), last block's options, and the rest by name."""
+        per, rest = self._blocks(a, b)
+        inner = {tuple(choice[n] for n in blk) for blk in per[1:-1]}
+        if len(inner) != 1:
+            return None
+        return (tuple(choice[n] for n in per[0]), inner.pop(), tuple(choice[n] for n in per[-1]),
+                tuple((n, choice[n]) for n in rest if n in choice))
+
+    def _between(self, a: int, b: int, *, factor: float, recompute: bool):
+        """The unconstrained optimum of ``[a, b)`` without a solve when the family's shortest and
+        longest ranges (``lengths``) have one and the same pattern: with aliased interior blocks a
+        pattern's objective is linear in the interior count ``n`` (``n A + B``) and the optimum
+        ``min over patterns`` is concave in ``n``, so a pattern optimal at both ends of an interval
+        is optimal inside it (exact up to the solver's gap). None: solve it."""
+        family = self._family(a, b)
+        if family is None or self.lengths is None:
+            return None
+        shortest, longest = max(self.lengths[0], 3), self.lengths[1]
+        if not shortest < b - a < longest:
+            return None
+        ends = [self._member(a, b, n) for n in (shortest, longest)]
+        if None in ends:
+            return None
+        found = []
+        for lo, hi in ends:
+            key = (lo == 0, hi == self.num_blocks, self.block_class[lo:hi], factor, recompute, None, None)
+            if key not in self._memo:
+                self._memo[key] = self.solve_range(lo, hi, in_flight=1, factor=factor, budget=None,
+                                                   recompute=recompute)
+            if self._memo[key] is None:
+                return None
+            found.append(self._pattern(lo, hi, self._memo[key][0]))
+        if found[0] is None or found[0] != found[1]:
+            return None
+        first, inner, last, rest = found[0]
+        per, _ = self._blocks(a, b)
+        if any(len(blk) != len(inner) for blk in per[1:-1]) or len(per[0]) != len(first) or len(per[-1]) != len(last):
+            return None
+        choice = dict(rest)
+        for blk, opts in [(per[0], first), (per[-1], last)] + [(blk, inner) for blk in per[1:-1]]:
+            choice.update(zip(blk, opts))
+        problem = self.slice(self.decisions(a, b), in_flight=1, factor=factor, budget=None, fixed={},
+                             recompute=recompute)
+        if set(choice) != {n.name for n in problem.nodes if not n.name.endswith(HELD)}:
+            return None
+        choice.update({n.name: choice[n.name[:-len(HELD)]] for n in problem.nodes if n.name.endswith(HELD)})
+        self.num_reused += 1
+        return self._figures(problem, b, choice, in_flight=1, factor=factor, recompute=recompute, status="optimal",
+                             gap=max(self._memo[(e[0] == 0, e[1] == self.num_blocks, self.block_class[e[0]:e[1]],
+                                                 factor, recompute, None, None)][1].gap for e in ends))
 
     def _in_flight_bytes(self, problem: Problem, name: str, option: str, *, recompute: bool) -> int:
         """Bytes one more in-flight micro-batch keeps for node ``name`` of the stage slice
@@ -392,11 +489,13 @@ def _stage_budget(budget: int | None, virtual_stages: int) -> int | None:
 
 def search_stages(traced: TracedGraph, profile, *, mesh: MeshSpec, options, num_stages: int, num_microbatches: int,
                   schedules: tuple[str, ...], progress=None, solve: Callable[[Problem], Solution] | None = None,
-                  window: int | None = None) -> PipelineSearch:
+                  window: int | None = None, costs: StageCosts | None = None) -> PipelineSearch:
     """The fastest pipelined plan of the micro-batch graph ``traced`` over ``num_stages`` ranks on
     mesh axis 0 among ``schedules`` (module docstring). ``options``: a ``PlanOptions``.
     ``window``: stages hold between ``B / K - window`` and ``B / K + window`` blocks (None: any
-    count; deep models on many stages: fewer range shapes to solve)."""
+    count; deep models on many stages: fewer range shapes to solve). ``costs``: stage costs of
+    ``traced`` on this mesh's stage sub-mesh already built (benchmarks share them and their memo
+    across schedules; built with ``zero_stage=0`` and no checkpoint, as here)."""
     from autopar.planner.builder import build_problem
     from autopar.solver.driver import solve as solve_ilp
 
@@ -406,11 +505,14 @@ def search_stages(traced: TracedGraph, profile, *, mesh: MeshSpec, options, num_
     t0 = time.perf_counter()
     sub = stage_mesh_of(mesh)
     budget = options.budget_bytes(mesh)
-    stage_options = replace(options, zero_stage=0, checkpoint="none", pipeline=None)
-    built = build_problem(traced, profile, sub, budget_bytes=None, options=stage_options)
+    if costs is None:
+        stage_options = replace(options, zero_stage=0, checkpoint="none", pipeline=None)
+        built = build_problem(traced, profile, sub, budget_bytes=None, options=stage_options)
+        solve = solve or (lambda p: solve_ilp(p, solver=options.solver, time_limit=options.time_limit))
+        costs = StageCosts(traced, built, mesh=mesh, solve=solve)
+    elif tuple(costs.mesh.shape) != tuple(mesh.shape):
+        raise ValueError(f"stage costs built for mesh {costs.mesh.shape}, searched on {mesh.shape}")
     t_build = time.perf_counter() - t0
-    solve = solve or (lambda p: solve_ilp(p, solver=options.solver, time_limit=options.time_limit))
-    costs = StageCosts(traced, built, mesh=mesh, solve=solve)
     candidates, best = [], None
     for schedule in schedules:
         found = schedule_cuts(costs, schedule=schedule, num_stages=num_stages, num_microbatches=num_microbatches,
@@ -455,6 +557,9 @@ def schedule_cuts(costs: StageCosts, *, schedule: str, num_stages: int, num_micr
     stage_budget = _stage_budget(budget, v)
     even = costs.num_blocks / parts
     modes: dict[tuple[int, int, int], list[bool]] = {}
+    longest = costs.num_blocks - parts + 1
+    costs.lengths = None if allowed is not None else (1, longest) if window is None else (max(1, math.ceil(even - window)),
+                                                          min(longest, math.floor(even + window)))
 
     def cost(k, a, b):
         if window is not None and abs((b - a) - even) > window:

@@ -355,3 +355,24 @@ def test_memoised_stage_costs_and_mode_choice_match_brute_force(traced_models):
     assert best is not None and found[1] is not None
     assert found[1].objective == pytest.approx(best, rel=1e-9)
     assert len(found[5]) == 2 and found[5][0] and found[0].note.startswith("recompute in stages [0]")
+
+
+def test_family_reuse_equals_solving_every_length(traced_models):
+    """Unconstrained optima taken from a range family's shortest and longest ranges (same
+    pattern at both ends: optimal between, by concavity) equal solving every range, and the
+    chosen cut is the same with and without reuse."""
+    from autopar.planner.pipeline_search import schedule_cuts
+
+    reuse, solve_all = _stage_costs(traced_models, "gpt2"), _stage_costs(traced_models, "gpt2")
+    solve_all._between = lambda *args, **kw: None
+    found = [schedule_cuts(c, schedule="1f1b", num_stages=2, num_microbatches=4, budget=None, recompute=(False,))
+             for c in (reuse, solve_all)]
+    assert reuse.num_reused > 0 and reuse.num_solves < solve_all.num_solves
+    assert found[0][1].objective == pytest.approx(found[1][1].objective, rel=1e-9)
+    assert found[0][1].bounds == found[1][1].bounds
+    for key, got in reuse._memo.items():
+        want = solve_all._memo.get(key)
+        if key[-2:] == (None, None) and got is not None and want is not None:
+            assert got[1].time_s == pytest.approx(want[1].time_s, rel=1e-9)
+            assert got[1].sync_s == pytest.approx(want[1].sync_s, rel=1e-9, abs=1e-15)
+            assert got[1].peak_bytes == want[1].peak_bytes and got[2] == want[2]
