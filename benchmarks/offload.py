@@ -21,6 +21,7 @@ import argparse
 import json
 import os
 import time
+from dataclasses import replace
 
 import torch
 
@@ -67,7 +68,14 @@ def run_case(name: str, devices: int, batch: int, seq: int, zero, *, layers: int
                "mesh": str(mesh), "host": mesh.host_str()}
         t0 = time.perf_counter()
         try:
-            plan = plan_traced(traced, prof, mesh=mesh, options=options).plan
+            try:
+                plan = plan_traced(traced, prof, mesh=mesh, options=options).plan
+            except RuntimeError as exc:
+                # The solver's own check: a plan over the budget by a float tolerance (HiGHS,
+                # tens of bytes in 80 GiB). Retried once 1 MiB under the budget, and recorded.
+                row["retried"] = str(exc).splitlines()[0][:200]
+                options = replace(options, memory_budget=options.budget_bytes(mesh) - 2**20)
+                plan = plan_traced(traced, prof, mesh=mesh, options=options).plan
         except ValueError as exc:
             row.update(feasible=False, note=str(exc).splitlines()[0][:300])
         else:
@@ -100,6 +108,8 @@ def main(argv=None) -> None:
             continue
         for row in run_case(*case, layers=args.layers, time_limit=args.time_limit):
             summary = row.pop("summary", None)
+            if row.get("retried"):
+                print(f"  (retried 1 MiB under the budget after: {row['retried']})")
             if row["feasible"]:
                 print(f"{row['model']} x{row['layers']} on {row['devices']} H100, offload={row['offload']}: "
                       f"{row['step_s']:.3f} s/step, host link {row['host_link_s']:.3f} s + CPU optimizer "
