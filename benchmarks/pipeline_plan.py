@@ -1,25 +1,26 @@
 """Offline pipeline planning: autopar's joint stage + sharding plan against Megatron-style 3-D
 configurations priced in the same cost model (issue 15).
 
-For each model shape and device count N (``MeshSpec.cluster``, 8 H100 per node) and each pipeline
-size PP:
+Cases: each model shape (Llama-70B, 80 layers; GPT-3-175B, 96 layers) on each device count N
+(``MeshSpec.cluster``, 8 H100 80 GB per node; 64, 256, 1024). For every pipeline size PP, tensor
+size TP in {1, 2, 4, 8} (DP = N / (PP TP)) and micro-batch count M, on mesh ``(PP, DP, TP)``
+(inner axes on the intra-node links), ONE stage Problem is built on the ``(DP, TP)`` sub-mesh and
+priced by both sides with the same stage slice, in-flight memory, schedule formula and budget
+check (``autopar.planner.pipeline_search``):
 
-- autopar: mesh ``(PP, N / (8 PP), 8)``; ``search_stages`` on the micro-batch graph (one trace per
-  micro-batch count), free cuts (within ``--window`` blocks of even) and free per-op sharding on
-  the ``(N / (8 PP), 8)`` stage sub-mesh, schedules 1F1B and interleaved 1F1B;
-- Megatron-style: for TP in {1, 2, 4, 8}: mesh ``(PP, N / (PP TP), TP)``, the ``dp x tp`` baseline
-  family on the stage sub-mesh (batch split on the DP axis, Megatron column/row splits on TP),
-  EVEN layer cuts, the same schedules and micro-batch counts, the same stage ILP and step formula
-  (``autopar.planner.pipeline_schedule``).
+- Megatron-style: the ``dp x tp`` baseline family (batch split on DP, Megatron column/row splits on
+  TP), EVEN layer cuts, each stage with or without full recompute of its blocks;
+- autopar: free per-op sharding on the same sub-mesh, free cuts (within ``--window`` blocks of
+  even: the even cut is always inside), the same per-stage recompute choice, the same schedules.
 
-Not priced here (both sides alike): activation recompute (the pipelined planner does not plan it
-yet, so the ``{no, full}`` recompute axis of the issue is only ``no``), ZeRO. Configurations that
-do not fit the memory budget are reported as such.
+So autopar searches a superset of each Megatron configuration, up to ILP gaps and the per-stage
+memo heuristics both sides share. Not priced (both sides alike): ZeRO. The micro-batch graph is
+traced once per (model, M) and shared by every device count, PP and TP.
 
-Run: ``python benchmarks/pipeline_plan.py --quick`` (8-layer versions of both shapes on 64 devices,
-minutes on 2 cores) or with ``--layers`` / ``--devices`` / ``--models`` to go bigger; the full
-shapes (80 / 96 layers) on 256 and 1024 devices take far longer than the 60 s planning target on
-this machine (see the printed planning times). One JSON line per configuration with ``--jsonl``.
+Reported per case: the best plan of each side, the speed-up (Megatron's best / autopar's best),
+autopar's planning seconds for the case (its traces + every (PP, TP, M) search), and at the end
+the mean and max speed-up. ``--quick``: 8-layer shapes on 64 devices (minutes on 2 cores).
+One JSON line per configuration with ``--jsonl``.
 """
 
 from __future__ import annotations
@@ -38,13 +39,13 @@ from autopar.planner.assemble import restricted_problem
 from autopar.planner.baselines import make_restriction
 from autopar.planner.builder import build_problem
 from autopar.planner.options import PlanOptions
+from autopar.planner.pipeline_schedule import SCHEDULE_VIRTUAL_STAGES
 from autopar.planner.pipeline_search import StageCosts, micro_inputs, schedule_cuts, search_stages
 from autopar.plans import stage_mesh_of
 from autopar.solver.driver import solve as solve_ilp
 from autopar.strategies import needs_decomposition
 from autopar.tracer import profile, trace
 
-SCHEDULES = ("1f1b", "interleaved-1f1b")
 
 
 def build_model(name: str, *, layers: int | None):
@@ -69,6 +70,7 @@ class _Restricted:
 
     def __init__(self, built, problem):
         self.problem, self._built = problem, built
+        self.segment_inputs = built.segment_inputs
 
     def decision(self, name):
         return self._built.decision(name)
@@ -79,105 +81,117 @@ class Row:
     model: str
     devices: int
     pp: int
-    tp: int | None
+    tp: int
     microbatches: int
     who: str
     step_s: float | None
     schedule: str
-    plan_s: float
+    plan_s: float  # this configuration's search (build and trace excluded)
+    recompute: str = ""
     note: str = ""
 
 
-def run(args) -> list[Row]:
+def _solver(options):
+    return lambda p: solve_ilp(p, solver=options.solver, time_limit=options.time_limit)
+
+
+def configs(n: int, pps, tps=(1, 2, 4, 8)):
+    """(PP, TP) with PP x TP dividing N and the pipeline axis outside the nodes (PP <= N / 8)."""
+    return [(pp, tp) for pp in pps for tp in tps if n % (pp * tp) == 0 and pp <= n // 8]
+
+
+def run(args) -> tuple[list[Row], dict]:
     rows: list[Row] = []
+    plan_s: dict[tuple[str, int], float] = {}
     options = PlanOptions(precision="bf16", preset="h100-80gb", time_limit=args.time_limit)
     for name in args.models:
         model, seq = build_model(name, layers=args.layers)
         ids = torch.zeros((args.batch, args.seq or seq), dtype=torch.long, device="meta")
         inputs = {"input_ids": ids, "labels": ids}
-        for n in args.devices:
-            nodes = n // 8
-            for pp in [p for p in args.pp if p <= nodes and n % (8 * p) == 0]:
-                for m in args.microbatches:
-                    if args.batch % m:
-                        continue
-                    t0 = time.perf_counter()
-                    traced = trace(model, micro_inputs(inputs, m), decompose_if=needs_decomposition,
-                                   precision="bf16")
-                    prof = profile(traced)
-                    trace_s = time.perf_counter() - t0
-                    rows += _one(name, n, pp, m, traced, prof, options, args, trace_s)
-                    for r in rows[-5:]:  # the configurations just priced
+        for m in args.microbatches:
+            if args.batch % m:
+                continue
+            t0 = time.perf_counter()
+            traced = trace(model, micro_inputs(inputs, m), decompose_if=needs_decomposition, precision="bf16")
+            prof = profile(traced)
+            trace_s = time.perf_counter() - t0
+            for n in args.devices:
+                plan_s[name, n] = plan_s.get((name, n), 0.0) + trace_s
+                for pp, tp in configs(n, args.pp):
+                    out, spent = _one(name, n, pp, tp, m, traced, prof, options, args)
+                    plan_s[name, n] += spent
+                    rows += out
+                    for r in out:
                         print(json.dumps(r.__dict__), flush=True)
-    return rows
+    return rows, plan_s
 
 
-def _one(name, n, pp, m, traced, prof, options, args, trace_s) -> list[Row]:
-    out = []
-    # autopar: stage sub-mesh (N / (8 PP), 8), free cuts and free sharding.
-    if n // pp >= 8:
-        mesh = MeshSpec.cluster(nodes=n // 8, devices_per_node=8, shape=(pp, n // (8 * pp), 8))
-        t0 = time.perf_counter()
-        found = search_stages(traced, prof, mesh=mesh, options=options, num_stages=pp, num_microbatches=m,
-                              schedules=SCHEDULES, window=args.window)
-        plan_s = time.perf_counter() - t0 + trace_s
-        best = found.plan
-        out.append(Row(name, n, pp, None, m, "autopar", None if best is None else best.estimate.step_s,
-                       "" if best is None else best.pipeline.schedule, plan_s,
-                       "; ".join(str(c) for c in found.candidates)))
-    for tp in (1, 2, 4, 8):
-        if n % (pp * tp):
-            continue
-        mesh = MeshSpec.cluster(nodes=n // 8, devices_per_node=8, shape=(pp, n // (pp * tp), tp))
-        t0 = time.perf_counter()
-        out.append(_megatron(name, n, pp, tp, m, traced, prof, mesh, options, time.perf_counter() - t0 + trace_s))
-    return out
+def _one(name, n, pp, tp, m, traced, prof, options, args) -> tuple[list[Row], float]:
+    """Both sides on mesh (PP, N / (PP TP), TP); returns their rows and autopar's seconds (its
+    build + search)."""
+    mesh = MeshSpec.cluster(nodes=n // 8, devices_per_node=8, shape=(pp, n // (pp * tp), tp))
+    sub = stage_mesh_of(mesh)
+    t0 = time.perf_counter()
+    built = build_problem(traced, prof, sub, budget_bytes=None,
+                          options=replace(options, zero_stage=0, checkpoint="none", pipeline=None))
+    costs = StageCosts(traced, built, mesh=mesh, solve=_solver(options))
+    found = search_stages(traced, prof, mesh=mesh, options=options, num_stages=pp, num_microbatches=m,
+                          schedules=args.schedules, window=args.window, costs=costs)
+    mine_s = time.perf_counter() - t0
+    best = found.plan
+    rec = "" if best is None else ",".join("R" if st["recompute"] else "-" for st in best.solver["pipeline"]["stages"])
+    out = [Row(name, n, pp, tp, m, "autopar", None if best is None else best.estimate.step_s,
+               "" if best is None else best.pipeline.schedule, mine_s, rec,
+               "; ".join(str(c) for c in found.candidates))]
+    out.append(_megatron(name, n, pp, tp, m, traced, built, mesh, options, args))
+    return out, mine_s
 
 
-def _megatron(name, n, pp, tp, m, traced, prof, mesh, options, t_start) -> Row:
+def _megatron(name, n, pp, tp, m, traced, built, mesh, options, args) -> Row:
     t0 = time.perf_counter()
     sub = stage_mesh_of(mesh)
-    built = build_problem(traced, prof, sub, budget_bytes=None, options=replace(options, zero_stage=0))
     roles = ("dp", "tp")[-sub.ndim:] if sub.ndim <= 2 else ("dp",) + ("tp",) * (sub.ndim - 1)
     try:
         problem = restricted_problem(built, traced, make_restriction(roles, mesh_shape=sub.shape), "dp x tp")
     except ValueError as exc:
-        return Row(name, n, pp, tp, m, "megatron", None, "", time.perf_counter() - t0 + t_start, str(exc)[:120])
-    costs = StageCosts(traced, _Restricted(built, problem), mesh=mesh,
-                       solve=lambda p: solve_ilp(p, solver=options.solver, time_limit=options.time_limit))
+        return Row(name, n, pp, tp, m, "megatron", None, "", time.perf_counter() - t0, "", str(exc)[:120])
+    costs = StageCosts(traced, _Restricted(built, problem), mesh=mesh, solve=_solver(options))
     best, notes = None, []
-    for schedule in SCHEDULES:
-        parts = pp * (2 if schedule == "interleaved-1f1b" else 1)
+    for schedule in args.schedules:
+        parts = pp * SCHEDULE_VIRTUAL_STAGES[schedule]
         even = {k: (k * costs.num_blocks // parts, (k + 1) * costs.num_blocks // parts) for k in range(parts)}
         found = schedule_cuts(costs, schedule=schedule, num_stages=pp, num_microbatches=m,
                               budget=options.budget_bytes(mesh), allowed=lambda k, a, b, even=even: even[k] == (a, b))
         notes.append(str(found[0]))
         if found[1] is not None and (best is None or found[1].objective < best[0]):
-            best = (found[1].objective, schedule)
+            best = (found[1].objective, schedule, ",".join("R" if r else "-" for r in found[5]))
     return Row(name, n, pp, tp, m, "megatron", None if best is None else best[0], "" if best is None else best[1],
-               time.perf_counter() - t0 + t_start, "; ".join(notes))
+               time.perf_counter() - t0, "" if best is None else best[2], "; ".join(notes))
 
 
-def summarise(rows: list[Row]) -> None:
-    print("\nmodel        devices  autopar ms (pp, M, schedule)      megatron ms (pp, tp, M, schedule)  speed-up  "
-          "autopar plan s")
+def summarise(rows: list[Row], plan_s: dict) -> list[float]:
+    print("\nmodel       devices  autopar ms (pp, tp, M, sched, recompute)  megatron ms (pp, tp, M, sched, recompute)  "
+          "speed-up  autopar plan s")
     speedups = []
+
+    def text(r):
+        return (f"{r.step_s * 1e3:9.1f} ({r.pp}, {r.tp}, {r.microbatches}, {r.schedule}, {r.recompute or '-'})"
+                if r else "no feasible plan")
+
     for key in sorted({(r.model, r.devices) for r in rows}):
         mine = [r for r in rows if (r.model, r.devices) == key and r.who == "autopar" and r.step_s is not None]
         theirs = [r for r in rows if (r.model, r.devices) == key and r.who == "megatron" and r.step_s is not None]
-        plan_s = max((r.plan_s for r in rows if (r.model, r.devices) == key and r.who == "autopar"), default=0.0)
         a = min(mine, key=lambda r: r.step_s, default=None)
         b = min(theirs, key=lambda r: r.step_s, default=None)
         ratio = b.step_s / a.step_s if a and b else None
         if ratio:
             speedups.append(ratio)
-        fa = f"{a.step_s * 1e3:10.1f} ({a.pp}, {a.microbatches}, {a.schedule})" if a else "no feasible plan"
-        fb = f"{b.step_s * 1e3:10.1f} ({b.pp}, {b.tp}, {b.microbatches}, {b.schedule})" if b else "no feasible config"
-        print(f"{key[0]:<12} {key[1]:>7}  {fa:<32}  {fb:<34}  {('%.2fx' % ratio) if ratio else '-':>8}  "
-              f"{plan_s:8.1f}")
+        print(f"{key[0]:<11} {key[1]:>7}  {text(a):<41}  {text(b):<42}  {('%.3fx' % ratio) if ratio else '-':>8}  "
+              f"{plan_s.get(key, 0.0):8.1f}")
     if speedups:
-        print(f"speed-up over the best Megatron-style configuration: mean {statistics.mean(speedups):.2f}x, "
-              f"max {max(speedups):.2f}x over {len(speedups)} (model, devices) cases")
+        print(f"speed-up over the best Megatron-style configuration: mean {statistics.mean(speedups):.3f}x, "
+              f"min {min(speedups):.3f}x, max {max(speedups):.3f}x over {len(speedups)} (model, devices) cases")
+    return speedups
 
 
 def main(argv=None) -> int:
@@ -186,20 +200,22 @@ def main(argv=None) -> int:
     p.add_argument("--devices", nargs="+", type=int, default=[64, 256, 1024])
     p.add_argument("--pp", nargs="+", type=int, default=[2, 4, 8, 16])
     p.add_argument("--microbatches", nargs="+", type=int, default=[8, 32])
+    p.add_argument("--schedules", nargs="+", default=["1f1b", "interleaved-1f1b"])
     p.add_argument("--batch", type=int, default=64, help="global batch (sequences)")
     p.add_argument("--seq", type=int, help="sequence length (default: the model's)")
     p.add_argument("--layers", type=int, help="override the depth (default: the full model)")
     p.add_argument("--window", type=int, default=2, help="stage lengths within this many blocks of even")
     p.add_argument("--time-limit", type=float, default=30.0)
-    p.add_argument("--quick", action="store_true", help="8-layer shapes, 64 devices, PP 2/4, M 8")
+    p.add_argument("--quick", action="store_true", help="8-layer shapes, 64 devices, PP 2/4, M 8, batch 32 x 1024")
     p.add_argument("--jsonl", help="write one JSON line per configuration")
     args = p.parse_args(argv)
     if args.quick:
         args.layers, args.devices, args.pp, args.microbatches = args.layers or 8, [64], [2, 4], [8]
         args.seq = args.seq or 1024
         args.batch = 32
-    rows = run(args)
-    summarise(rows)
+    args.schedules = tuple(args.schedules)
+    rows, plan_s = run(args)
+    summarise(rows, plan_s)
     if args.jsonl:
         with open(args.jsonl, "w") as f:
             for r in rows:
