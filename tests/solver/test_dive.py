@@ -58,14 +58,21 @@ def test_descent_plan_is_feasible_and_bounded_by_the_optimum(budget):
 
 
 def test_driver_answers_within_the_gap_and_never_above_the_search(monkeypatch):
-    """The driver's answer is within RECOMPUTE_GAP of the brute-force optimum; a descent that is
-    made useless (no plan) still leaves the search to find the optimum."""
+    """The driver's answer is within RECOMPUTE_GAP of the brute-force optimum, through the
+    descent (forced: these small relaxations leave recompute decisions fractional, where the
+    driver searches directly); a descent that is made useless (no plan) still leaves the search
+    to find the optimum."""
+    calls = []
+    real = driver.alternate
+    monkeypatch.setattr(driver, "_integral", lambda variables: True)
+    monkeypatch.setattr(driver, "alternate", lambda *a, **k: calls.append(1) or real(*a, **k))
     for budget in (250, 180, 150):
         problem, inputs = chain_problem(budget)
         best = brute_force(problem, inputs)[0]
         sol = driver.solve(problem, recompute_inputs=inputs, alias=False)
         assert best - 1e-9 <= sol.objective <= best * (1 + RECOMPUTE_GAP) + 1e-9
         assert sol.gap <= RECOMPUTE_GAP
+    assert len(calls) == 3
     monkeypatch.setattr(driver, "alternate", lambda *a, **k: None)
     problem, inputs = chain_problem(150)
     sol = driver.solve(problem, recompute_inputs=inputs, alias=False)
@@ -81,3 +88,12 @@ def test_descent_on_repeated_blocks_matches_the_search():
     plain = _model(tight, inputs)
     want = plain.run("highs", time_limit=10)
     assert sol.objective <= want.value * (1 + RECOMPUTE_GAP) + 1e-9
+
+
+def test_descent_only_from_decided_recompute_binaries():
+    """The driver starts the descent only when the relaxation left every recompute binary 0 or 1."""
+    class V:
+        def __init__(self, value):
+            self.varValue = value
+    assert driver._integral([V(0.0), V(1.0), V(1 - 1e-9), V(None)])
+    assert not driver._integral([V(0.0), V(0.4)])
