@@ -37,7 +37,8 @@ def plan_pipelined(model: Any, meta_inputs: tuple | dict, *, mesh: MeshSpec | Se
     fastest feasible candidate wins (``plan_traced``: ``autopar.api.plan_traced``, passed in so this
     module does not import the api). ``"auto"`` also plans without a pipeline (the full batch on
     the whole mesh) and keeps the faster of the two. ``ValueError`` when nothing fits."""
-    from autopar.planner.pipeline_search import (batch_size, micro_inputs, microbatch_counts, schedules_for,
+    from autopar.planner.pipeline_stages import batch_size, micro_inputs, microbatch_counts
+    from autopar.planner.pipeline_search import (schedules_for,
                                                  search_stages)
     from autopar.strategies import needs_decomposition
     from autopar.tracer import profile as profile_graph

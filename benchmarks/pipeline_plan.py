@@ -40,7 +40,8 @@ from autopar.planner.baselines import make_restriction
 from autopar.planner.builder import build_problem
 from autopar.planner.options import PlanOptions
 from autopar.planner.pipeline_schedule import SCHEDULE_VIRTUAL_STAGES
-from autopar.planner.pipeline_search import StageCosts, micro_inputs, schedule_cuts, search_stages
+from autopar.planner.pipeline_search import StageCosts, schedule_cuts, search_stages
+from autopar.planner.pipeline_stages import micro_inputs
 from autopar.plans import stage_mesh_of
 from autopar.solver.driver import solve as solve_ilp
 from autopar.strategies import needs_decomposition

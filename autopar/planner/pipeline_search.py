@@ -41,17 +41,16 @@ import math
 import operator
 import time
 from dataclasses import dataclass, replace
-from typing import Any, Callable
+from typing import Callable
 
 import numpy as np
 
 from autopar.layout.blocks import block_of, split_block
 from autopar.layout.mesh import MeshSpec
-from autopar.planner.assemble import assemble_plan, solver_stats
-from autopar.planner.checkpointing import regions_of
 from autopar.planner.pipeline_schedule import (SCHEDULE_VIRTUAL_STAGES, best_cuts, in_flight, step_factor)
+from autopar.planner.pipeline_assembly import assemble_pipelined
 from autopar.planner.pipeline_stages import block_container
-from autopar.plans import (PIPELINE_SCHEDULES, Estimate, NodeKind, PipelinePlan, Plan, StagePlan, stage_mesh_of)
+from autopar.plans import (PIPELINE_SCHEDULES, NodeKind, Plan, StagePlan, stage_mesh_of)
 from autopar.solver.problem import Edge, Node, Problem, Solution, StrategyOption
 from autopar.solver.timeline import segment_geometry
 from autopar.solver.timeline import activation_bytes
@@ -525,7 +524,7 @@ def search_stages(traced: TracedGraph, profile, *, mesh: MeshSpec, options, num_
         return PipelineSearch(None, tuple(candidates), costs.num_solves)
     schedule, cuts, factor, flight, stage_budget, modes = best
     at = next(i for i, c in enumerate(candidates) if c.schedule == schedule)
-    plan = _assemble(costs, traced, cuts.bounds, schedule=schedule, num_stages=num_stages,
+    plan = assemble_pipelined(costs, traced, cuts.bounds, schedule=schedule, num_stages=num_stages,
                      num_microbatches=num_microbatches, factor=factor, flight=flight, budget=stage_budget, modes=modes,
                      options=options, mesh=mesh, candidates=candidates,
                      timings={"build_s": t_build, "search_s": time.perf_counter() - t0 - t_build})
@@ -587,100 +586,3 @@ def schedule_cuts(costs: StageCosts, *, schedule: str, num_stages: int, num_micr
     note = f"recompute in stages {[k for k, r in enumerate(picked) if r]}" if any(picked) else ""
     return (PipelineCandidate(num_microbatches, schedule, v, cuts.objective, note), cuts, factor, flight, stage_budget,
             picked)
-
-
-def _assemble(costs: StageCosts, traced: TracedGraph, bounds: tuple[int, ...], *, schedule: str, num_stages: int,
-              num_microbatches: int, factor: float, flight: list[int], budget: int | None, modes: tuple[bool, ...],
-              options, mesh: MeshSpec,
-              candidates: list[PipelineCandidate], timings: dict[str, float]) -> Plan:
-    """Solve the chosen stages once more, slowest first (by the search's figures): a parameter two
-    stages read (GPT-2's tied ``wte``) takes the layout the slower stage picks, the other stage
-    is solved with it fixed."""
-    num = len(bounds) - 1
-    order = sorted(range(num), key=lambda k: -(costs.cost(bounds[k], bounds[k + 1], in_flight=flight[k], factor=factor,
-                                                          budget=budget, recompute=modes[k]).time_s))
-    choice: dict[str, str] = {}
-    found_at: dict[int, StageCost] = {}
-    for k in order:
-        fixed = {n: choice[n] for n in costs.decisions(bounds[k], bounds[k + 1]) if n in choice}
-        found = costs.solve_range(bounds[k], bounds[k + 1], in_flight=flight[k], factor=factor, budget=budget,
-                                  fixed=fixed, recompute=modes[k])
-        if found is None:
-            raise ValueError(f"pipeline stage {k} (blocks {bounds[k]}..{bounds[k + 1] - 1}) does not fit the budget "
-                             f"with the layouts other stages chose for their shared parameters")
-        choice.update(found[0])
-        found_at[k] = found[1]
-    stage_costs = [found_at[k] for k in range(num)]
-    slowest = max(range(len(stage_costs)), key=lambda k: stage_costs[k].time_s)
-    top = stage_costs[slowest]
-    sync = max(c.sync_s for c in stage_costs)
-    step = factor * top.time_s + sync
-    compute, reshard = factor * top.compute_s, factor * top.reshard_s
-    estimate = Estimate(step_s=step, compute_s=compute, comm_s=max(step - compute - reshard, 0.0), reshard_s=reshard,
-                        param_bytes=max(c.param_bytes for c in stage_costs),
-                        peak_bytes=max(c.peak_bytes for c in stage_costs))
-    gap = max(c.gap for c in stage_costs)
-    solution = Solution(choice=choice, objective=step, lp_bound=step * (1 - gap), dual_bound=step * (1 - gap),
-                        gap=gap, status="optimal" if all(c.status == "optimal" for c in stage_costs) else "feasible",
-                        backend=options.solver, timings=timings, peak_bytes=estimate.peak_bytes,
-                        num_variables=0, num_constraints=0)
-    built = costs.built
-    units = tuple(u for u in costs.units if any(m and bounds[k] <= split_block(u)[1] < bounds[k + 1]
-                                                for k, m in enumerate(modes)))
-    regions = regions_of(built.problem, units) if units else ()
-    checkpoint = {"mode": "stage-blocks", "method": "full recompute of every block in the stages that pick it"} \
-        if units else {"mode": "none", "method": "none"}
-    plan = assemble_plan(traced, built, choice=choice, evaluation=built.problem.evaluate(choice), solution=solution,
-                         timings=timings, checkpoint=checkpoint, recompute=regions, reduce_dtype=options.reduce_dtype)
-    pipe = PipelinePlan(num_stages=num_stages, num_microbatches=num_microbatches, schedule=schedule,
-                        virtual_stages=SCHEDULE_VIRTUAL_STAGES[schedule],
-                        stages=costs.stage_plans(bounds, num_stages=num_stages))
-    record = {"factor": factor, "num_solves": costs.num_solves, "boundary_bytes": list(costs.boundary_bytes),
-              "stages": [{"time_s": c.time_s, "sync_s": c.sync_s, "p2p_s": c.p2p_s, "peak_bytes": c.peak_bytes,
-                          "param_bytes": c.param_bytes, "in_flight": c.in_flight, "saved_bytes": c.saved_bytes,
-                          "in_flight_saved_bytes": c.in_flight * c.saved_bytes, "recompute": c.recompute}
-                         for c in stage_costs],
-              "candidates": [str(c) for c in candidates]}
-    return replace(plan, mesh=mesh, estimate=estimate, pipeline=pipe, budget_bytes=options.budget_bytes(mesh),
-                   solver={**solver_stats(solution), "pipeline": record})
-
-
-def batch_size(meta_inputs: Any) -> int:
-    """Dim 0 of the first tensor input (the batch every batch-major input shares)."""
-    import torch
-    from torch.utils import _pytree as pytree
-
-    for leaf in pytree.tree_leaves(meta_inputs):
-        if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
-            return int(leaf.shape[0])
-    raise ValueError("pipelining splits the batch along dim 0, but the inputs hold no tensor with a batch dim")
-
-
-def micro_inputs(meta_inputs: Any, num_microbatches: int) -> Any:
-    """``meta_inputs`` with every batch-major tensor cut to one micro-batch (its first rows)."""
-    import torch
-    from torch.utils import _pytree as pytree
-
-    batch = batch_size(meta_inputs)
-    if batch % num_microbatches:
-        raise ValueError(f"microbatches={num_microbatches} does not divide the batch of {batch}")
-    micro = batch // num_microbatches
-    return pytree.tree_map(lambda x: x[:micro] if isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] == batch
-                           else x, meta_inputs)
-
-
-def microbatch_counts(batch: int, *, num_stages: int, asked: int | str, limit: int = 3) -> tuple[int, ...]:
-    """``asked``, or for ``"auto"`` up to ``limit`` divisors of ``batch`` that are multiples of
-    ``num_stages``: the smallest, the largest and one between (geometric middle)."""
-    if asked != "auto":
-        if batch % asked:
-            raise ValueError(f"microbatches={asked} does not divide the batch of {batch}")
-        return (asked,)
-    found = [d for d in range(num_stages, batch + 1, num_stages) if batch % d == 0]
-    if not found:
-        raise ValueError(f"pipeline of {num_stages} stages: no micro-batch count divides the batch of {batch} and is a "
-                         f"multiple of {num_stages}; give microbatches= or a batch that {num_stages} divides")
-    if len(found) <= limit:
-        return tuple(found)
-    mid = min(found, key=lambda d: abs(math.log(d) - (math.log(found[0]) + math.log(found[-1])) / 2))
-    return tuple(sorted({found[0], mid, found[-1]}))

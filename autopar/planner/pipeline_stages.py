@@ -25,16 +25,18 @@ the simple, cost-free cut the runtime is tested with.
 
 from __future__ import annotations
 
+import math
 import operator
 from collections import Counter
 from dataclasses import replace
+from typing import Any
 
 from autopar.layout.blocks import split_block
 from autopar.layout.mesh import MeshSpec, default_axis_names, parse_mesh_shape
 from autopar.plans import PIPELINE_SCHEDULES, PipelinePlan, Plan, StagePlan, stage_mesh_of
 from autopar.tracer.graph import MODULE_KEY, TracedGraph
 
-__all__ = ["even_stages", "pipeline_plan", "block_container"]
+__all__ = ["even_stages", "pipeline_plan", "block_container", "batch_size", "micro_inputs", "microbatch_counts"]
 
 
 def block_container(traced: TracedGraph) -> tuple[str, int] | None:
@@ -154,3 +156,44 @@ def pipeline_plan(sub_plan: Plan, traced: TracedGraph, *, mesh: MeshSpec | tuple
     pipe = PipelinePlan(num_stages=num_stages, num_microbatches=num_microbatches, schedule=schedule,
                         virtual_stages=virtual_stages, stages=stages)
     return replace(sub_plan, mesh=mesh, pipeline=pipe)
+
+
+def batch_size(meta_inputs: Any) -> int:
+    """Dim 0 of the first tensor input (the batch every batch-major input shares)."""
+    import torch
+    from torch.utils import _pytree as pytree
+
+    for leaf in pytree.tree_leaves(meta_inputs):
+        if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
+            return int(leaf.shape[0])
+    raise ValueError("pipelining splits the batch along dim 0, but the inputs hold no tensor with a batch dim")
+
+
+def micro_inputs(meta_inputs: Any, num_microbatches: int) -> Any:
+    """``meta_inputs`` with every batch-major tensor cut to one micro-batch (its first rows)."""
+    import torch
+    from torch.utils import _pytree as pytree
+
+    batch = batch_size(meta_inputs)
+    if batch % num_microbatches:
+        raise ValueError(f"microbatches={num_microbatches} does not divide the batch of {batch}")
+    micro = batch // num_microbatches
+    return pytree.tree_map(lambda x: x[:micro] if isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] == batch
+                           else x, meta_inputs)
+
+
+def microbatch_counts(batch: int, *, num_stages: int, asked: int | str, limit: int = 3) -> tuple[int, ...]:
+    """``asked``, or for ``"auto"`` up to ``limit`` divisors of ``batch`` that are multiples of
+    ``num_stages``: the smallest, the largest and one between (geometric middle)."""
+    if asked != "auto":
+        if batch % asked:
+            raise ValueError(f"microbatches={asked} does not divide the batch of {batch}")
+        return (asked,)
+    found = [d for d in range(num_stages, batch + 1, num_stages) if batch % d == 0]
+    if not found:
+        raise ValueError(f"pipeline of {num_stages} stages: no micro-batch count divides the batch of {batch} and is a "
+                         f"multiple of {num_stages}; give microbatches= or a batch that {num_stages} divides")
+    if len(found) <= limit:
+        return tuple(found)
+    mid = min(found, key=lambda d: abs(math.log(d) - (math.log(found[0]) + math.log(found[-1])) / 2))
+    return tuple(sorted({found[0], mid, found[-1]}))

@@ -13,7 +13,8 @@ from autopar.layout.mesh import MeshSpec
 from autopar.planner.options import PlanOptions
 from autopar.planner.pipeline_schedule import (SCHEDULE_VIRTUAL_STAGES, best_cuts, in_flight, step_factor,
                                                step_time)
-from autopar.planner.pipeline_search import micro_inputs, microbatch_counts, search_stages
+from autopar.planner.pipeline_search import search_stages
+from autopar.planner.pipeline_stages import micro_inputs, microbatch_counts
 from autopar.plans import PIPELINE_SCHEDULES, Plan
 from autopar.runtime.pipeline_split import stage_of_nodes
 from autopar.strategies import needs_decomposition
