@@ -141,6 +141,11 @@ class ChunkManager:
         chunk.exp_avg_sq = self._buffer(chunk.capacity, torch.float32, optim, zero=True)
         self.ledger.add("alloc", chunk.index, optim, chunk.optim_bytes)
         chunk.optim_tier = optim
+        self._set_home(chunk, home, buf)
+
+    def _set_home(self, chunk: Chunk, home: str, buf: torch.Tensor) -> None:
+        """``buf`` becomes ``chunk``'s payload on tier ``home`` (a host chunk keeps an empty
+        device buffer to fetch into) and its parameters view it."""
         chunk.home = home
         if home == DEVICE:
             chunk.device_buf, chunk.host_buf, chunk.state = buf, None, HOLD
@@ -172,15 +177,7 @@ class ChunkManager:
             buf.copy_(src)
             self.ledger.add("alloc", chunk.index, home, chunk.payload_bytes)
             self.ledger.add("free", chunk.index, chunk.home, -chunk.payload_bytes)
-            if home == DEVICE:
-                chunk.device_buf, chunk.host_buf, chunk.state = buf, None, HOLD
-            else:
-                chunk.host_buf, chunk.state = buf, FREE
-                chunk.device_buf = torch.empty(chunk.capacity, dtype=chunk.dtype, device=self.device)
-                chunk.device_buf.untyped_storage().resize_(0)
-            chunk.home = home
-            self._point_params(chunk, buf)
-            self.mark_synced(chunk)
+            self._set_home(chunk, home, buf)
         if optim != chunk.optim_tier:
             self.ledger.add("alloc", chunk.index, optim, chunk.optim_bytes)
             for attr in ("master", "exp_avg", "exp_avg_sq"):
