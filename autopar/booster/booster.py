@@ -140,7 +140,8 @@ class Booster:
         over this rank's stage parameters (ZeRO-1 over each stage's data-parallel axes when
         ``zero_stage`` is 1), and ``optimizer.step()`` clips to ``max_norm`` by the norm over
         every stage. Train with :meth:`execute_pipeline`."""
-        self._origins[module] = _Origin(None, type(model).__name__)
+        config = getattr(model, "config", None)
+        self._origins[module] = _Origin(config if hasattr(config, "save_pretrained") else None, type(model).__name__)
         boosted = None
         if optimizer is not None:
             if getattr(self.plugin, "placement_policy", None) is not None:
@@ -214,7 +215,8 @@ class Booster:
         ``pytorch_model*.bin`` with ``use_safetensors=False``; and the model's HF config when it
         has one, so ``from_pretrained(path)`` loads it. Tied weights are written once. The
         tensors are gathered one shard file at a time, so no rank holds more than
-        ``size_per_shard`` MiB of full tensors (``shard=False``: the whole model, on every rank)."""
+        ``size_per_shard`` MiB of full tensors (``shard=False``: the whole model, on every rank).
+        A pipelined model saves the same files: each tensor comes from the stage that holds it."""
         origin = self._origin(model)
         checkpoint_io.save_model(model, path, config=origin.config, shard=shard, size_per_shard=size_per_shard,
                                  use_safetensors=use_safetensors, architectures=[origin.class_name])
@@ -282,8 +284,9 @@ class _PipelineOptimizer(BoostedOptimizer):
 
 
 def _check_module(model: Any) -> None:
-    if not isinstance(model, AutoParallelModule):
-        raise ValueError(f"expected the boosted model (an AutoParallelModule), got {type(model).__name__}")
+    if not isinstance(model, AutoParallelModule) and not _is_pipeline(model):
+        raise ValueError(f"expected the boosted model (an AutoParallelModule or a PipelineModule), "
+                         f"got {type(model).__name__}")
 
 
 def _check_optimizer(optimizer: Any) -> None:

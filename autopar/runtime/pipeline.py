@@ -42,7 +42,10 @@ per-node strategies. On each rank, for each stage it holds (rank r holds stages 
   (the loss) averaged.
 - ``full_state_dict()`` / ``full_gradients()``: EVERY rank returns the full dict (gathered over
   each stage's sub-mesh, then broadcast over the pipeline axis from the lowest pipeline rank that
-  holds each tensor); every rank must call.
+  holds each tensor); every rank must call. ``load_full_state_dict(sd)`` slices a full state
+  dict into what this rank's stages hold (no collective); with ``full_state_entries`` /
+  ``full_state_items`` (one tensor at a time) ``Booster.save_model`` / ``load_model`` take a
+  pipelined model as they take an ``AutoParallelModule`` (``autopar.runtime.pipeline_state``).
 
 - ``step_with(criterion, ...)``: ``step`` with the loss from ``criterion(outputs, micro_batch)``
   on the last stage, optionally returning the full-batch outputs (``Booster.execute_pipeline``).
@@ -81,10 +84,11 @@ from autopar.plans import Plan
 from autopar.runtime.build import attach_tensor
 from autopar.runtime.dtensors import local_of, to_dtensor
 from autopar.runtime.materialize import local_shards
-from autopar.runtime.module import _snapshot, input_leaves
+from autopar.runtime.module import input_leaves
 from autopar.runtime.nodes import GradAllReduce
 from autopar.runtime.passes import STATE_KEY, emit_local_graph
 from autopar.runtime.pipeline_split import StageGraph, boundary_layouts, example_values, split_batch, split_stages
+from autopar.runtime.pipeline_state import PipelineState
 from autopar.runtime.process_mesh import ProcessMesh
 from autopar.runtime.recompute import apply_recompute
 from autopar.tracer.graph import BUFFER, INPUT, PARAMETER, TracedGraph, values_needing_grad
@@ -139,7 +143,7 @@ class _StageModule(nn.Module):
                      for o in out)
 
 
-class PipelineModule(nn.Module):
+class PipelineModule(PipelineState, nn.Module):
     """This rank's pipeline stages (see the module docstring for the contract): ``step`` trains on
     one full batch, ``forward`` runs forward only; ``parameters()`` are the DTensors of the
     parameters this rank's stages read (``stage_state.<FQN>``); ``code`` is the stage graphs."""
@@ -416,46 +420,6 @@ class PipelineModule(nn.Module):
                 if isinstance(dt, nn.Parameter) and dt.grad is not None:
                     local_of(dt.grad).mul_(coef)
         return total.to(torch.float32)
-
-    # ------------------------------------------------------------------------- gathering
-    def _gathered(self, kinds: tuple, value_of) -> dict[str, torch.Tensor | None]:
-        """name -> full tensor for every placeholder of ``kinds`` any rank holds: gathered over
-        the stage sub-mesh by its holders, then broadcast over the pipeline axis from the lowest
-        pipeline rank that holds it. ``value_of(name)`` is this rank's local tensor or None."""
-        names = [p.name for p in self._traced.placeholders if p.kind in kinds and p.name in self._holders]
-        mine = {}
-        for name in names:
-            if self.pp_rank in self._holders[name]:
-                local = value_of(name)
-                mine[name] = None if local is None else _snapshot(local.detach(), self._specs[name], self.pmesh)
-        out: dict[str, torch.Tensor | None] = {}
-        for name in names:
-            owner = min(self._holders[name])
-            ph = self._placeholders[name]
-            flag = torch.tensor([0 if self.pp_rank != owner or mine[name] is None else 1], device=self._device)
-            src = dist.get_global_rank(self.pp_group, owner)
-            dist.broadcast(flag, src=src, group=self.pp_group)
-            if not flag.item():
-                out[name] = None
-                continue
-            value = mine[name] if self.pp_rank == owner else torch.empty(ph.shape, dtype=ph.dtype, device=self._device)
-            dist.broadcast(value, src=src, group=self.pp_group)
-            out[name] = value
-        return out
-
-    @torch.no_grad()
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Original state-dict names (tied aliases included) -> full tensors, on every rank."""
-        full = self._gathered((PARAMETER, BUFFER), lambda name: local_of(self._dtensors[name]))
-        keys = set(self._state_keys)
-        return {alias: full[name] for name in full for alias in self._placeholders[name].aliases if alias in keys}
-
-    @torch.no_grad()
-    def full_gradients(self) -> dict[str, torch.Tensor | None]:
-        """Parameter FQN (tied aliases included) -> full gradient or None, on every rank."""
-        grads = self._gathered((PARAMETER,), lambda name: None if self._dtensors[name].grad is None
-                               else local_of(self._dtensors[name].grad))
-        return {alias: grads[name] for name in grads for alias in self._placeholders[name].aliases}
 
     @property
     def code(self) -> str:

@@ -75,16 +75,62 @@ def _train(model, batch, plan, *, max_norm: float = 0.0, zero_stage: int | str =
         opt.step()
         opt.zero_grad()
         losses.append(out["loss"])
-    return pm, opt, losses, logits, norms
+    return booster, pm, opt, losses, logits, norms
 
 
-def _body(rank, world, model, batch, plan, refs):
+def _step(booster, pm, opt, batch) -> None:
+    booster.execute_pipeline(iter([batch]), pm, _criterion, opt)
+    opt.step()
+    opt.zero_grad()
+
+
+def _checkpoint_errors(rank, model, batch, plan, trained, path) -> list[str]:
+    """Booster.save_model / save_optimizer of a pipelined model (several shard files), loaded
+    by a fresh boost from other weights whose AdamW state already exists: the loaded model equals
+    the saved one, the files hold the full tensors, and the next step of both is identical."""
+    from autopar.booster.checkpoint_io import read_full_state_dict
+
+    booster, pm, opt = trained
+    booster.save_model(pm, f"{path}/model", size_per_shard=0.05)
+    booster.save_optimizer(opt, f"{path}/optim")
+    saved = pm.full_state_dict()
+    errors = []
+    if rank == 0:
+        files = read_full_state_dict(f"{path}/model")
+        errors += [f"checkpoint file misses {k}" for k in saved if k not in files and k != "lm_head.weight"]
+        errors += [f"checkpoint file {k} differs" for k in files if not torch.equal(files[k], saved[k])]
+        import transformers  # the directory loads as the original model: its config was written too
+
+        hf = transformers.AutoModelForCausalLM.from_pretrained(f"{path}/model")
+        errors += [f"from_pretrained: {k} differs" for k, v in hf.state_dict().items() if not torch.equal(v, saved[k])]
+    other = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.mul_(0.5)
+    plugin = AutoParallelPlugin(plan=plan, pp_size=2, num_microbatches=NUM_MICRO, pp_style="1f1b",
+                                max_norm=MAX_NORM, zero_stage=1)
+    booster2 = Booster(plugin=plugin)
+    pm2, opt2, _, _, _ = booster2.boost(other, torch.optim.AdamW(other.parameters(), lr=LR, eps=EPS), _criterion,
+                                        meta_inputs=batch)
+    _step(booster2, pm2, opt2, batch)  # AdamW state exists, with other values, before the load
+    booster2.load_model(pm2, f"{path}/model")
+    booster2.load_optimizer(opt2, f"{path}/optim")
+    loaded = pm2.full_state_dict()
+    errors += [f"rank {rank} loaded {k} differs" for k in saved if not torch.equal(loaded[k], saved[k])]
+    _step(booster, pm, opt, batch)
+    _step(booster2, pm2, opt2, batch)
+    want, got = pm.full_state_dict(), pm2.full_state_dict()
+    errors += [f"rank {rank} after load + step: {k} differs" for k in want if not torch.equal(got[k], want[k])]
+    return errors
+
+
+def _body(rank, world, model, batch, plan, refs, path):
     errors = []
     # Two boosts (each traces and builds): plain, and ZeRO-1 with clipping (the pieces' gradients
     # are views of the clipped ones).
     for label, kwargs in (("plain", {}), ("zero1 clipped", {"max_norm": MAX_NORM, "zero_stage": 1})):
         ref = refs["clipped" if "clipped" in label else "plain"]
-        pm, opt, losses, logits, norms = _train(model, batch, plan, **kwargs)
+        booster, pm, opt, losses, logits, norms = _train(model, batch, plan, **kwargs)
         errors += [e for i, (got, want) in enumerate(zip(losses, ref["losses"]))
                    for e in close(f"rank {rank} {label} loss {i}", got, want)]
         errors += close(f"rank {rank} {label} logits", logits, ref["logits"], atol=1e-5)
@@ -95,6 +141,7 @@ def _body(rank, world, model, batch, plan, refs):
                                                                          atol=1e-5)]
         if "zero1" in label:
             errors += _zero_state_errors(f"rank {rank}", pm, opt)
+            errors += _checkpoint_errors(rank, model, batch, plan, (booster, pm, opt), path)
     return errors
 
 
@@ -114,13 +161,13 @@ def _zero_state_errors(label, pm, opt) -> list[str]:
     return errors
 
 
-def test_execute_pipeline_trains_like_single_device():
+def test_execute_pipeline_trains_like_single_device(tmp_path):
     torch.manual_seed(0)
     model, batch = zoo.build("gpt2", tiny=True, num_layers=4, batch=MICRO * NUM_MICRO, device="cpu")
     plan = autopar.plan(model, batch, mesh=fast_mesh((2, 2)), pipeline=2, microbatches=NUM_MICRO, schedule="1f1b")
     refs = {"plain": _reference(model, batch), "clipped": _reference(model, batch, max_norm=MAX_NORM)}
     assert refs["clipped"]["norms"][0] > 2 * MAX_NORM  # the clip really clips
-    errors = run_local(_body, 4, model, batch, plan, refs, timeout=240)
+    errors = run_local(_body, 4, model, batch, plan, refs, str(tmp_path), timeout=300)
     flat = [e for rank_errors in errors for e in rank_errors]
     assert not flat, "\n".join(flat[:20])
 
