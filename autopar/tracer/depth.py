@@ -149,9 +149,14 @@ def stamp(traced: TracedGraph, s: BlockStructure, shallow_nodes: tuple) -> list 
         """Names in blocks src-1, src -> the same ops in blocks dst-1, dst."""
         return {**dict(zip(names[src - 1], names[dst - 1])), **dict(zip(names[src], names[dst]))}
 
-    def moved(p, rename: dict, name: str, module: str):
+    ids: dict = {}  # storage key -> id in first-saved order, as a full profile numbers them
+
+    def moved(p, rename: dict, name: str, module: str, *, number: bool = False):
+        """``p`` renamed; ``number``: its storages numbered (called in op order), else keyed."""
         parts = tuple(((rename.get(keys[sid][0], keys[sid][0]), keys[sid][1]), rename.get(producer, producer),
                        nbytes) for sid, producer, nbytes in p.saved_parts)
+        if number:
+            parts = tuple((ids.setdefault(key, len(ids)), producer, nbytes) for key, producer, nbytes in parts)
         return replace(p, name=name, module=module, saved_from=tuple(rename.get(f, f) for f in p.saved_from),
                        saved_parts=parts)
 
@@ -168,6 +173,7 @@ def stamp(traced: TracedGraph, s: BlockStructure, shallow_nodes: tuple) -> list 
                 or not reads_only(pb, {_TEMPLATE - 1, _TEMPLATE}):
             return None
     tail = shift(_TEMPLATE, n - 2)  # the last block and after read block 2 where they read N-2
+    rename, shifted_to = {}, None  # block k's renaming, made once per block
     before = set(s.before)
     out = []
     for node in traced.compute_nodes():
@@ -175,15 +181,17 @@ def stamp(traced: TracedGraph, s: BlockStructure, shallow_nodes: tuple) -> list 
         if k is None or k <= _TEMPLATE or k == n - 1:
             p = by_name[node.name]
             if k is None and node in before or k is not None and k <= _TEMPLATE:
-                out.append(moved(p, {}, p.name, p.module))  # the full graph's own prefix
+                out.append(moved(p, {}, p.name, p.module, number=True))  # the full graph's own prefix
                 continue
             if not reads_only(p, {_TEMPLATE, n - 1}):
                 return None  # the tail keeps a storage of an early block: not a chain
-            out.append(moved(p, tail, p.name, p.module))
+            out.append(moved(p, tail, p.name, p.module, number=True))
             continue
+        if k != shifted_to:
+            rename, shifted_to = shift(_TEMPLATE, k), k
         src = by_name[names[_TEMPLATE][j]]
-        out.append(moved(src, shift(_TEMPLATE, k), node.name, traced.module_path(node)))
-    return _renumber(out)
+        out.append(moved(src, rename, node.name, traced.module_path(node), number=True))
+    return out
 
 
 def _storage_keys(nodes: tuple) -> dict[int, tuple[str, int]]:
@@ -197,13 +205,3 @@ def _storage_keys(nodes: tuple) -> dict[int, tuple[str, int]]:
                 seen[sid] = (producer, count.get(producer, 0))
                 count[producer] = count.get(producer, 0) + 1
     return seen
-
-
-def _renumber(profiles: list) -> list:
-    """Storage keys -> ids in first-saved order, as a full profile numbers them."""
-    ids: dict = {}
-    out = []
-    for p in profiles:
-        parts = tuple((ids.setdefault(key, len(ids)), producer, nbytes) for key, producer, nbytes in p.saved_parts)
-        out.append(replace(p, saved_parts=parts))
-    return out

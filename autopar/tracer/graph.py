@@ -116,6 +116,8 @@ class TracedGraph:
         self._by_fqn = {alias: p for p in placeholders for alias in p.aliases}
         self.precision = "fp32"  # what the ops compute in (``autopar.tracer.precision``)
         self._hash: tuple[int, str] | None = None  # (node count, graph_hash): rewrites reset it
+        # ``block_structure()``: unknown until asked (or set by the unrolled trace); rewrites reset it
+        self._blocks: tuple[Any, ...] | None = None
 
     # ---- nodes -----------------------------------------------------------------------------
     @property
@@ -141,13 +143,25 @@ class TracedGraph:
     def module_path(node: fx.Node) -> str:
         return node.meta.get(MODULE_KEY, "")
 
+    def block_structure(self) -> Any:
+        """The graph's repeated blocks (``autopar.tracer.depth.block_structure``, None when it has
+        none), found once: the profile and the problem builder both walk them."""
+        if self._blocks is None:
+            from autopar.tracer.depth import block_structure
+
+            self._blocks = (block_structure(self),)
+        return self._blocks[0]
+
     def decompose(self, decompose_if: Callable[[Any], bool]) -> dict[str, tuple[str, ...]]:
         """Replace the ops that satisfy ``decompose_if`` by their decompositions, in place (see
         ``autopar.tracer.decompose``); returns and records what each decomposed op became."""
         from autopar.tracer.decompose import decompose_graph
 
+        blocks = self._blocks
         with self.rewriting():
             record = decompose_graph(self.gm, decompose_if)
+        if not record:  # nothing was replaced: the graph, its hash and its blocks are as they were
+            self._blocks = blocks
         for op, pieces in record.items():
             self.decomposed[op] = tuple(sorted(set(self.decomposed.get(op, ())) | set(pieces)))
         return record
@@ -159,6 +173,7 @@ class TracedGraph:
         loss_at = next((i for i, a in enumerate(flat) if isinstance(a, fx.Node) and a.name == self._loss_name), None)
         yield
         self._hash = None
+        self._blocks = None
         self._by_name = {node.name: node for node in self.gm.graph.nodes}
         if loss_at is not None:  # the loss op itself may have been replaced
             self._loss_name = self.flat_outputs[loss_at].name

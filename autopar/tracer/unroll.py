@@ -262,10 +262,23 @@ class _Expansion:
         self.graph.lint()
         gm = lazy_graph_module(self.shallow.gm, self.graph)
         loss = self.shallow.loss_node
-        return TracedGraph(gm, placeholders=tuple(self.placeholders), in_spec=self.shallow.in_spec,
-                           out_spec=self.shallow.out_spec, constants=self.shallow.constants,
-                           loss_name=env[loss].name if loss is not None else None,
-                           model_name=self.shallow.model_name)
+        traced = TracedGraph(gm, placeholders=tuple(self.placeholders), in_spec=self.shallow.in_spec,
+                             out_spec=self.shallow.out_spec, constants=self.shallow.constants,
+                             loss_name=env[loss].name if loss is not None else None,
+                             model_name=self.shallow.model_name)
+        # The full graph's blocks are known: the shallow graph's (checked alike by
+        # ``block_structure``) and the copies of block 2 put between them. Re-discovering them
+        # would walk every node again (the profile and the builder ask for them).
+        traced._blocks = (self.full_structure(),)
+        return traced
+
+    def full_structure(self) -> BlockStructure:
+        s, env = self.s, self.env
+        ours = [tuple(env[n] for n in run) for run in s.blocks[:_KEEP]]
+        ours += [tuple(env[(k, n)] for n in self.template) for k in range(_KEEP, self.depth - 1)]
+        ours.append(tuple(env[n] for n in s.blocks[_KEEP]))
+        return BlockStructure(s.prefix, tuple(ours), tuple(env[n] for n in s.before),
+                              tuple(env[n] for n in s.after))
 
     def insert_placeholders(self, kind) -> None:
         """Blocks 3 .. N-2's parameters (or buffers), named as the full export names them."""

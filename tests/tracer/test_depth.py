@@ -62,6 +62,10 @@ def test_fast_trace_and_profile_equal_the_full_path(name, depths, monkeypatch):
         assert fast.placeholders == full.placeholders
         assert fast.loss_node.name == full.loss_node.name
         assert fast.in_spec == full.in_spec and fast.out_spec == full.out_spec
+        # the expansion hands its blocks over: what discovering them on the graph finds
+        assert fast._blocks is not None and fast.block_structure() == depth.block_structure(fast)
+        assert [[n.name for n in run] for run in fast.block_structure().blocks] == \
+            [[n.name for n in run] for run in full.block_structure().blocks]
         slow, quick = profile(full, by_blocks=False), profile(full)
         assert quick.nodes == slow.nodes  # saved_parts' storage ids included
         assert (quick.fwd_flops, quick.bwd_flops, quick.activation_bytes, quick.param_bytes) == \
@@ -75,7 +79,7 @@ def test_plan_keeps_objective_and_strategies(monkeypatch):
     kwargs = dict(mesh=(2, 2), checkpoint="none", cache=False)
     fast = autopar.plan(model, inputs, **kwargs)
     monkeypatch.setattr(trace_mod, "trace_shallow", lambda *a, **k: None)
-    monkeypatch.setattr(profile_mod, "block_structure", lambda *a, **k: None)
+    monkeypatch.setattr(depth, "block_structure", lambda *a, **k: None)  # profile and builder per node
     full = autopar.plan(model, inputs, **kwargs)
     assert fast.graph_hash == full.graph_hash
     assert fast.solver["objective"] == pytest.approx(full.solver["objective"], rel=1e-9)
