@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from autopar.layout.mesh import MeshSpec, resolve_preset
 from autopar.planner.options import OffloadPolicy, PlanOptions, precision_name
+from autopar.planner.offload_pricing import runtime_options, with_offload
 from autopar.agreement import _agree, _all_gather, _check_plan_options, _fingerprint, _raise_failures, _ranks, _status, world_cluster  # noqa: F401
 from autopar.api_pipelined import PipelinedResult
 from autopar.plans import BaselineResult, Plan
@@ -314,7 +315,6 @@ def plan_traced(traced: TracedGraph, profile: ModelProfile, *, mesh: MeshSpec | 
                     "activation_bytes": rc.activation_bytes, **rc.info},
         reduce_dtype=options.reduce_dtype)
     if options.offload != "none":
-        from autopar.planner.offload_pricing import with_offload
         assembled = with_offload(assembled, traced, built, rc.choice, options=options)
     return PlanResult(assembled, traced, profile, built, rc)
 
@@ -396,6 +396,9 @@ def autoparallelize(
     rank 0 plans the stages (``plan_pipelined``), every rank traces the micro-batch graph and
     builds its stages with ``autopar.runtime.pipeline.build_pipeline``; the result is then a
     ``PipelineModule`` (``pm.step(**full_batch)`` runs forward and backward under the schedule).
+    ``offload``: ``"auto"`` or an ``OffloadPolicy`` (see ``plan``; ZeRO 0, no recompute): a plan that
+    offloads (planned or given) runs in the chunk runtime (``module.gemini``, ``autopar.runtime.gemini``);
+    ``module.optimizer(torch.optim.AdamW, ...)`` or the booster steps host chunks on the host.
 
     Ranks agree or all fail: before anyone plans, the ranks compare (one ``all_gather_object``)
     their traced graph, input shapes, mesh, world size, versions, plan file and per-rank options,
@@ -406,6 +409,7 @@ def autoparallelize(
     import torch.distributed as dist
 
     from autopar.runtime.build import build_module, check_plan, runtime_device
+    from autopar.runtime.gemini import attach_planned
 
     if not dist.is_initialized():
         raise ValueError("autoparallelize needs torch.distributed.init_process_group() first")
@@ -436,6 +440,7 @@ def autoparallelize(
     try:
         built: AutoParallelModule | Exception = build_module(
             model, prep.traced, chosen, device=dev, seed=seed, init_weights=init_weights, local_inputs=local_inputs)
+        attach_planned(built, chosen)  # parameters / optimizer state on Plan.offload's tiers, if any
     except Exception as exc:  # noqa: BLE001 -- every rank learns of it below
         built = exc
     _raise_failures(_all_gather(_status(built), device=dev), built, when="while building the module")
@@ -503,8 +508,7 @@ def _prepare(model, meta_inputs, *, mesh, plan, device, progress: Progress, opti
     spec = None if mesh is None else MeshSpec.coerce(mesh, preset=preset)
     if spec is not None and spec.num_devices != world:
         raise ValueError(f"mesh {spec.shape} has {spec.num_devices} devices but the process group has {world} ranks")
-    if options.get("offload", "none") != "none":  # until autopar.runtime.gemini executes Plan.offload
-        raise ValueError(f"offload={options['offload']!r} is planned (autopar.plan) but not yet executed by the runtime")
+    options = runtime_options(options, plan_given=plan is not None)  # with offload: ZeRO 0, no recompute
     asked = {k: options[k] for k in ("precision", "reduce_dtype", "zero_stage")}
     plan_options, source = None, "solved by rank 0"
     if plan is None:

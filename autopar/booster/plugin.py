@@ -70,20 +70,23 @@ class AutoParallelPlugin:
         num_model_chunks: model chunks (virtual stages) per pipeline rank: 1 for gpipe/1f1b, 2
             for the interleaved styles (what the planner plans them with); ``None``: as the style.
         placement_policy: ``None`` (no chunk runtime), Gemini's ``"static"`` / ``"auto"``, or
-            ``"planned"`` (the tiers the planner chose: ``plan`` must be a Plan made with
-            ``offload=``, its ``Plan.offload`` is executed as it is). With any of them the
-            boosted module's parameters go into chunks placed on the device or the host tier
-            (``autopar.runtime.gemini``), and the optimizer (Adam/AdamW) steps host chunks on the
-            host. Plans then use ZeRO stage 0 and no activation recompute (``zero_stage`` and
-            ``checkpoint`` must be ``"auto"`` or 0 / ``"none"``). ``"auto"`` places chunks after a
-            warm-up step, within ``memory_budget`` (required unless the device is CUDA, whose
-            total memory is then the budget); ``"static"`` bounds the device tier by
-            ``memory_budget`` when given.
+            ``"planned"`` (the tiers the planner chose: ``Plan.offload`` of ``plan``, or of the
+            plan solved with ``offload``, executed as it is; the policy when either offloads).
+            With any of them the boosted module's parameters go into chunks placed on the device
+            or the host tier (``autopar.runtime.gemini``), and the optimizer (Adam/AdamW) steps
+            host chunks on the host. Plans then use ZeRO stage 0 and no activation recompute
+            (``zero_stage`` and ``checkpoint`` must be ``"auto"`` or 0 / ``"none"``). ``"auto"``
+            places chunks after a warm-up step, within ``memory_budget`` (required unless the
+            device is CUDA, whose total memory is then the budget); ``"static"`` bounds the
+            device tier by ``memory_budget`` when given.
+        offload: ``"none"``, ``"auto"`` or an ``OffloadPolicy``: the planner decides what lives on
+            the host tier, within ``memory_budget`` (``autopar.plan``'s ``offload``).
         shard_param_frac, offload_optim_frac, offload_param_frac, pin_memory: Gemini's static
             knobs, same meanings (``autopar.runtime.gemini.policies``; shard_param_frac must be 0:
-            parameter sharding is the plan's layout decision).
+            parameter sharding is the plan's layout decision, other values are refused).
         chunk_search_range: ``(min, max, step)`` elements the chunk size is searched over for
-            the least padding (``None``: 1024 to 64 Mi elements in steps of 1024).
+            the least padding (``None``: 1024 to 64 Mi elements in steps of 1024); static and
+            auto policies (planned tiers chunk as the plan streams: ``ChunkManager``).
     """
 
     mesh: MeshSpec | Sequence[int] | str | None = None
@@ -113,6 +116,7 @@ class AutoParallelPlugin:
     offload_param_frac: float = 0.0
     pin_memory: bool = False
     chunk_search_range: tuple[int, int, int] | None = None
+    offload: Any = "none"
 
     def __post_init__(self) -> None:
         if self.mesh is not None and not isinstance(self.mesh, MeshSpec):
@@ -182,6 +186,15 @@ class AutoParallelPlugin:
                                  f"{self.chunk_search_range!r}")
             ChunkRange(min_elems=rng[0], max_elems=rng[1], step=rng[2])
             object.__setattr__(self, "chunk_search_range", rng)
+        from autopar.planner.offload_pricing import check_offload
+
+        check_offload(self.offload)
+        if self._plans_offload():
+            if self.placement_policy not in (None, "planned"):
+                raise ValueError(f"placement_policy={self.placement_policy!r} places chunks by its own rule; the "
+                                 f"plan's offload decisions (offload={self.offload!r} or plan.offload) are executed "
+                                 f"by placement_policy='planned' (or None)")
+            object.__setattr__(self, "placement_policy", "planned")
         if self.placement_policy is None:
             if self.offload_optim_frac or self.offload_param_frac or self.chunk_search_range is not None:
                 raise ValueError("offload_optim_frac, offload_param_frac and chunk_search_range go with "
@@ -190,9 +203,13 @@ class AutoParallelPlugin:
         if self.placement_policy not in ("static", "auto", "planned"):
             raise ValueError(f"placement_policy must be None, 'static', 'auto' or 'planned', "
                              f"got {self.placement_policy!r}")
-        if self.placement_policy == "planned" and self.plan is None:
+        if self.placement_policy == "planned" and not self._plans_offload():
             raise ValueError("placement_policy='planned' executes a plan's offload decisions: give plan= (a Plan "
-                             "made by autopar.plan(..., offload=...))")
+                             "made by autopar.plan(..., offload=...) that offloads) or offload='auto'")
+        if self.placement_policy == "planned" and (self.chunk_search_range is not None or self.offload_optim_frac
+                                                   or self.offload_param_frac):
+            raise ValueError("placement_policy='planned' takes the plan's tiers and chunking: chunk_search_range, "
+                             "offload_optim_frac and offload_param_frac go with 'static' or 'auto'")
         if self.zero_stage not in ("auto", 0):
             raise ValueError(f"placement_policy={self.placement_policy!r} offloads optimizer state by chunks; "
                              f"zero_stage must be 'auto' or 0, got {self.zero_stage!r}")
@@ -202,6 +219,20 @@ class AutoParallelPlugin:
         if self.pipeline is not None:
             raise ValueError(f"placement_policy={self.placement_policy!r} does not run under a pipeline "
                              f"(pp_size={self.pp_size!r})")
+
+    def _plans_offload(self) -> bool:
+        """Does the run execute planned offload decisions (``offload``, or a given plan that offloads)?"""
+        if self.offload != "none":
+            if self.plan is not None:
+                raise ValueError(f"offload={self.offload!r} with a given plan: the plan brings its own offload "
+                                 f"decisions; leave offload out")
+            return True
+        if self.plan is None:
+            return False
+        from autopar.plans import Plan
+
+        plan = self.plan if isinstance(self.plan, Plan) else Plan.load(os.fspath(self.plan))
+        return any(tuple(t) != ("device", "device") for t in plan.offload.values())
 
     def gemini_policy(self, device, plan=None):
         """The chunk runtime's policy for ``device`` (``None`` without ``placement_policy``);
@@ -217,7 +248,7 @@ class AutoParallelPlugin:
             if plan is None or not getattr(plan, "offload", None):
                 raise ValueError("placement_policy='planned': the plan has no offload decisions (make it with "
                                  "autopar.plan(..., offload='auto' or OffloadPolicy(...)))")
-            return policy_from_plan(plan, device_budget=budget, pin_memory=self.pin_memory)
+            return policy_from_plan(plan, pin_memory=self.pin_memory)
         if self.placement_policy == "auto":
             if budget is None:
                 if torch.device(device).type != "cuda":
@@ -234,6 +265,11 @@ class AutoParallelPlugin:
         optimizer over ``groups`` (the booster's rebuilt param groups)."""
         from autopar.runtime.gemini import wrap
 
+        if getattr(module, "gemini", None) is not None:  # autoparallelize placed the plan's tiers already
+            return module.gemini.optimizer(optimizer_class, kwargs, param_groups=groups)
+        if self.placement_policy == "planned":
+            raise ValueError("placement_policy='planned': the boosted plan offloads nothing (Plan.offload keeps "
+                             "every parameter on the device)")
         device = next(iter(module.parameters())).device
         _, optimizer = wrap(module, optimizer_class, kwargs, policy=self.gemini_policy(device, module.plan),
                             chunk_range=self.gemini_chunk_range(), param_groups=groups)
@@ -290,6 +326,7 @@ class AutoParallelPlugin:
                     allow_replicate_fallback=self.allow_replicate_fallback,
                     checkpoint="none" if self.placement_policy is not None else self.checkpoint,
                     precision=self.precision, reduce_dtype=self.reduce_dtype, plan=self.plan,
+                    **({} if self.offload == "none" else {"offload": self.offload}),
                     # Pipelined stages run without ZeRO for now: "auto" means stage 0 there.
                     zero_stage=None if self.plan is not None else
                     0 if (self.pipeline is not None or self.placement_policy is not None)

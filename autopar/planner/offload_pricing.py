@@ -39,7 +39,7 @@ from autopar.layout.placement import zero_split
 from autopar.solver.problem import StrategyOption
 
 __all__ = ["OffloadPolicy", "OffloadCost", "OFFLOAD_TIERS", "offload_cost", "offload_option", "offload_tier", "option_name",
-           "static_tiers", "offload_tiers", "tiers_of", "check_offload", "offload_summary", "check_host_capacity", "with_offload", "zero_dp",
+           "runtime_options", "static_tiers", "offload_tiers", "tiers_of", "check_offload", "offload_summary", "check_host_capacity", "with_offload", "zero_dp",
            "dtype_fraction"]
 
 # Tier keys: "device" (nothing offloaded), "o" (optimizer state on host), "po" (parameter too).
@@ -67,6 +67,27 @@ class OffloadPolicy:
         if self.offload_param_frac > 0 and self.offload_optim_frac != 1.0:
             raise ValueError(f"offload_param_frac={self.offload_param_frac} needs offload_optim_frac=1.0 (a host "
                              f"parameter is updated on the host), got {self.offload_optim_frac}")
+
+
+def runtime_options(options: dict, *, plan_given: bool) -> dict:
+    """``autoparallelize``'s planning ``options`` (a dict with ``offload``, ``zero_stage``,
+    ``checkpoint``) for a run with offload: the chunk runtime (``autopar.runtime.gemini``) holds
+    whole optimizer states and does not re-run recompute regions, so the plan uses ZeRO stage 0
+    and no activation recompute (``checkpoint="auto"`` means ``"none"`` here)."""
+    offload = check_offload(options.get("offload", "none"))
+    if offload == "none":
+        return options
+    if plan_given:
+        raise ValueError(f"offload={offload!r} with a given plan: the plan brings its own offload decisions "
+                         f"(Plan.offload, made by autopar.plan(..., offload=...)); leave offload out")
+    if options.get("zero_stage") not in (None, 0):
+        raise ValueError(f"offload={offload!r} runs in the chunk runtime, which keeps whole optimizer states: "
+                         f"zero_stage must be 0, got {options['zero_stage']!r}")
+    if options.get("checkpoint", "auto") not in ("auto", "none"):
+        raise ValueError(f"offload={offload!r} runs without activation recompute (the chunk runtime does not "
+                         f"re-run recompute regions): checkpoint must be 'auto' or 'none', "
+                         f"got {options['checkpoint']!r}")
+    return {**options, "zero_stage": 0, "checkpoint": "none"}
 
 
 def check_offload(value) -> "str | OffloadPolicy":
@@ -186,11 +207,13 @@ def offload_tiers(traced, mesh: MeshSpec, options) -> dict[str, tuple[str, ...]]
 def offload_summary(traced, built, choice: dict[str, str], *, options) -> tuple[dict, dict]:
     """(``Plan.offload``: parameter FQN -> (parameter tier, optimizer tier) for every trainable
     parameter, ``Plan.offload_info``: policy, host bytes per device, host-link and CPU optimizer
-    seconds per step, the unpriced stream buffer) of a solved ``choice``."""
+    seconds per step, the unpriced stream buffer, and ``device_model_bytes``: the model states
+    the plan keeps on the device tier -- the trainable parameters' chosen options' device bytes
+    plus the stream buffer -- which the chunk runtime's ledger measures) of a solved ``choice``."""
     from autopar.plans import NodeKind
 
     mesh = built.mesh
-    placement, host_bytes, link_s, cpu_s, streamed = {}, 0, 0.0, 0.0, []
+    placement, host_bytes, link_s, cpu_s, streamed, device_bytes = {}, 0, 0.0, 0.0, [], 0
     for node in built.problem.nodes:
         decision = built.decision(node.name)
         if decision.kind != NodeKind.PARAMETER or not _trainable(traced, node.name):
@@ -198,6 +221,7 @@ def offload_summary(traced, built, choice: dict[str, str], *, options) -> tuple[
         c = built.choice_of(node.name, choice[node.name])
         tier = offload_tier(c.name)
         placement[decision.module] = tiers_of(tier)
+        device_bytes += node.options[node.option_index(choice[node.name])].param_bytes
         if tier == "device":
             continue
         val = traced.node(node.name).meta["val"]
@@ -210,6 +234,9 @@ def offload_summary(traced, built, choice: dict[str, str], *, options) -> tuple[
     info = {"policy": _policy_str(options.offload), "host_bytes": host_bytes, "host_capacity": mesh.host_capacity,
             "host_link_s": link_s, "cpu_optimizer_s": cpu_s,
             "stream_buffer_bytes": sum(sorted(streamed)[-2:]),
+            # Model states on the device tier: the trainable parameters' options' device bytes
+            # (parameter, gradient and optimizer state as their tiers keep them) + the stream buffer.
+            "device_model_bytes": device_bytes + sum(sorted(streamed)[-2:]),
             "num_offloaded": sum(1 for t in placement.values() if t != ("device", "device"))}
     return placement, info
 

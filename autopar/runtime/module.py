@@ -139,9 +139,13 @@ class AutoParallelModule(nn.Module):
         """``optimizer_class(params, **kwargs)`` over this module's parameters (``params``: None
         for all, or some of ``self.parameters()`` or param-group dicts of them), the ones the
         plan shards with ZeRO replaced by this device's pieces (``autopar.runtime.zero``). Works
-        for every plan (ZeRO or not); required when the plan has ZeRO-2 parameters."""
+        for every plan (ZeRO or not); required when the plan has ZeRO-2 parameters. A module whose
+        parameters are in chunks (``autopar.runtime.gemini``: a plan with offload) gets the chunk
+        optimizer (Adam/AdamW) instead."""
         from autopar.runtime.zero import ZeroOptimizer
 
+        if getattr(self, "gemini", None) is not None:
+            return self.gemini.module_optimizer(optimizer_class, params, **kwargs)
         return ZeroOptimizer(self, optimizer_class, params, **kwargs)
 
     def zero_parameters(self) -> list[tuple[str, nn.Parameter, int, TensorSpec]]:

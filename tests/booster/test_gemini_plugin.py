@@ -4,7 +4,8 @@ GPT-2 tiny on 2 ranks, ``placement_policy='static'`` with all optimizer state an
 parameter chunks on the host: 3 AdamW steps through the booster equal single-device training;
 ``save_model`` / ``save_optimizer`` then a freshly boosted (differently seeded) model loads both
 and its next 2 steps equal the uninterrupted run's (masters and moments came back into the chunks).
-``placement_policy='planned'`` executes a plan's ``Plan.offload`` tiers per parameter.
+A plan that offloads (``placement_policy`` then ``'planned'``) executes its ``Plan.offload`` tiers
+per parameter, and its checkpoint resumes the same way.
 """
 
 from __future__ import annotations
@@ -52,19 +53,30 @@ def _body(rank, world, model, inputs, other, path, offload_plan):
         opt2.step()
         opt2.zero_grad()
     tiers = [(c.home, c.optim_tier) for c in pm2.gemini.manager.chunks]
-    # The planner's own decisions, executed: Plan.offload's tiers per parameter.
-    plugin = AutoParallelPlugin(placement_policy="planned", plan=offload_plan, mesh=(2,),
-                                chunk_search_range=(1024, 1024, 1024))
-    fresh = copy.deepcopy(model)
-    pm3, opt3, *_ = Booster(plugin).boost(fresh, torch.optim.AdamW(fresh.parameters(), lr=LR, eps=EPS),
-                                         meta_inputs=inputs)
+    # The planner's own decisions, executed: Plan.offload's tiers per parameter (a plan that
+    # offloads makes the policy 'planned'); its checkpoint resumes like any other plan's.
+    plugin = AutoParallelPlugin(plan=offload_plan, mesh=(2,))
+    assert plugin.placement_policy == "planned"
+    booster3, fresh = Booster(plugin), copy.deepcopy(model)
+    pm3, opt3, *_ = booster3.boost(fresh, torch.optim.AdamW(fresh.parameters(), lr=LR, eps=EPS), meta_inputs=inputs)
     for _ in range(3):
-        pm3(**inputs).loss.backward()
+        booster3.backward(pm3(**inputs).loss, opt3)
         opt3.step()
         opt3.zero_grad()
     planned = {pm3._placeholders[s.name].fqn: (c.home, c.optim_tier) for c in pm3.gemini.manager.chunks
                for s in c.slots}
-    return first, pm2.full_state_dict(), tiers, pm2.gemini.summary(), pm3.full_state_dict(), planned
+    third = pm3.full_state_dict()
+    booster3.save_model(pm3, f"{path}/model3")
+    booster3.save_optimizer(opt3, f"{path}/optim3")
+    booster4, fresh = Booster(plugin), copy.deepcopy(other)
+    pm4, opt4, *_ = booster4.boost(fresh, torch.optim.AdamW(fresh.parameters(), lr=LR, eps=EPS), meta_inputs=inputs)
+    booster4.load_model(pm4, f"{path}/model3")
+    booster4.load_optimizer(opt4, f"{path}/optim3")
+    for _ in range(2):
+        booster4.backward(pm4(**inputs).loss, opt4)
+        opt4.step()
+        opt4.zero_grad()
+    return first, pm2.full_state_dict(), tiers, pm2.gemini.summary(), third, planned, pm4.full_state_dict()
 
 
 def test_boost_with_offload_trains_and_checkpoints_like_one_device(tmp_path):
@@ -85,10 +97,12 @@ def test_boost_with_offload_trains_and_checkpoints_like_one_device(tmp_path):
                              offload=OffloadPolicy(offload_optim_frac=1.0, offload_param_frac=0.5))
     assert {t for t in offload_plan.offload.values()} == {("host", "host"), ("device", "host")}
     results = run_local(_body, 2, model, inputs, other, str(tmp_path), offload_plan, timeout=240)
-    for first, last, tiers, summary, third, planned in results:
+    for first, last, tiers, summary, third, planned, resumed in results:
         assert all(planned[f] == offload_plan.offload[f] for f in planned if f in offload_plan.offload), planned
         for k, v in third.items():
             assert torch.allclose(v, want[2][k], rtol=1e-4, atol=1e-5), f"planned: {k}"
+        for k, v in resumed.items():
+            assert torch.allclose(v, want[4][k], rtol=1e-4, atol=1e-5), f"planned, resumed: {k}"
         assert {o for _, o in tiers} == {"host"} and {"host", "device"} == {h for h, _ in tiers}, tiers
         for got, ref_state in ((first, want[2]), (last, want[4])):
             for k, v in got.items():
@@ -111,6 +125,16 @@ def test_gemini_knobs_are_checked():
         AutoParallelPlugin(placement_policy="static", chunk_search_range=(1, 2))
     with pytest.raises(ValueError, match="needs memory_budget off CUDA"):
         AutoParallelPlugin(placement_policy="auto").gemini_policy("cpu")
+    with pytest.raises(ValueError, match="executed by placement_policy='planned'"):
+        AutoParallelPlugin(placement_policy="static", offload="auto")
+    with pytest.raises(ValueError, match="takes the plan's tiers and chunking"):
+        AutoParallelPlugin(offload="auto", chunk_search_range=(1024, 1024, 1024))
+    with pytest.raises(ValueError, match="offload must be 'auto', 'none' or an OffloadPolicy"):
+        AutoParallelPlugin(offload="host")
+    planned = AutoParallelPlugin(offload="auto", memory_budget="1MiB")
+    kwargs = planned.autoparallelize_kwargs()
+    assert planned.placement_policy == "planned" and kwargs["offload"] == "auto"
+    assert kwargs["zero_stage"] == 0 and kwargs["checkpoint"] == "none"
     plugin = AutoParallelPlugin(placement_policy="auto", memory_budget="1MiB")
     assert plugin.gemini_policy("cpu").device_budget == 2**20
     assert plugin.autoparallelize_kwargs()["zero_stage"] == 0

@@ -117,8 +117,9 @@ def _train_cases(rank, world, jobs):
         chunk_bytes = max(c.payload_bytes for c in g.manager.chunks)
         for optim_frac, param_frac in CASES:
             g.apply_policy(StaticPolicy(offload_optim_frac=optim_frac, offload_param_frac=param_frac))
-            # Room for the device-home chunks, 3 fetched chunks and one gradient chunk (fp32).
-            budget = g.manager.ledger.bytes[DEVICE] + 3 * chunk_bytes + max(c.capacity for c in g.manager.chunks) * 4
+            # Room for the device-home chunks, their gradient chunks and 3 fetched chunks.
+            budget = (g.manager.ledger.bytes[DEVICE] + 3 * chunk_bytes
+                      + sum(c.grad_bytes for c in g.manager.chunks if c.home == DEVICE))
             g.set_device_budget(budget)
             pm.load_full_state_dict(model.state_dict())
             g.reload_masters()
@@ -137,12 +138,20 @@ def _train_cases(rank, world, jobs):
 
 
 def _expected_bytes(manager) -> dict:
-    """Each tier's bytes as the buffers that exist say (the ledger must agree)."""
-    out = {DEVICE: 0, HOST: 0}
+    """Each tier's bytes as the buffers that exist say, each storage once (an fp32 master on the
+    payload's tier is the payload): the ledger must agree."""
+    out, seen = {DEVICE: 0, HOST: 0}, set()
     for c in manager.chunks:
-        out[c.home] += (c.host_buf if c.home == HOST else c.device_buf).untyped_storage().nbytes()
-        out[DEVICE] += c.device_buf.untyped_storage().nbytes() if c.home == HOST else 0
-        out[c.optim_tier] += sum(getattr(c, k).untyped_storage().nbytes() for k in ("master", "exp_avg", "exp_avg_sq"))
+        home = c.host_buf if c.home == HOST else c.device_buf
+        owned = [(c.home, home), (c.home, c.grad)] + [(c.optim_tier, getattr(c, k)) for k in
+                                                      ("master", "exp_avg", "exp_avg_sq", "landing")]
+        if c.home == HOST:
+            owned.append((DEVICE, c.device_buf))
+        for tier, t in owned:
+            if t is not None and t.untyped_storage().data_ptr() not in seen:
+                if t.untyped_storage().nbytes():
+                    seen.add(t.untyped_storage().data_ptr())
+                out[tier] += t.untyped_storage().nbytes()
     return out
 
 

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from autopar.runtime.bucketing import GradBucketer
 from autopar.runtime.gemini.chunk import DEVICE, HOST, Chunk, search_chunk_size
 from autopar.runtime.gemini.cpu_optim import KINDS
 from autopar.runtime.gemini.hooks import SavedHooks, instrument, register
@@ -38,7 +39,7 @@ from autopar.runtime.gemini.gemini_optimizer import GeminiOptimizer
 from autopar.runtime.gemini.policies import (AutoPolicy, PlannedPolicy, StaticPolicy, auto_tiers, make_policy,
                                               policy_from_plan, static_tiers)
 
-__all__ = ["wrap", "Gemini", "GeminiOptimizer", "StaticPolicy", "AutoPolicy", "PlannedPolicy", "policy_from_plan",
+__all__ = ["wrap", "attach", "attach_planned", "Gemini", "GeminiOptimizer", "StaticPolicy", "AutoPolicy", "PlannedPolicy", "policy_from_plan",
            "ChunkRange", "make_policy",
            "search_chunk_size", "Ledger", "Chunk", "DEVICE", "HOST"]
 
@@ -78,6 +79,12 @@ class Gemini:
             tiers = lambda payload, optim, chunks: static_tiers(payload, policy)  # noqa: E731
         self.manager = ChunkManager(params, device=device, tiers_of=tiers, chunk_range=chunk_range,
                                     pin_memory=policy.pin_memory, budget=policy.device_budget, group_of=group_of)
+        if isinstance(policy, PlannedPolicy):  # the plan's stream buffer: one chunk in use, one prefetched
+            self.manager.stream_bytes = sum(sorted(c.payload_bytes for c in self.manager.chunks
+                                                   if c.home == HOST)[-2:])
+        for m in module.graph_module.modules():
+            if isinstance(m, GradBucketer):  # reduced gradients land in the gradient chunks
+                m.deliver_to(self.manager.grads.target)
         self.key = register(self.manager)
         self.hooks = SavedHooks(self.manager)
         self.num_instrumented = instrument(module.graph_module, set(self.manager.chunk_of), self.key)
@@ -85,6 +92,9 @@ class Gemini:
         module.forward = self.forward
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if torch.is_grad_enabled():
+            self.manager.grads.free_unused()  # .grad cleared by the user (model.zero_grad())
+        self.manager.sync_masters()  # parameters written from outside (a loaded checkpoint) win
         self.manager.start_pass()
         with torch.autograd.graph.saved_tensors_hooks(self.hooks.pack, self.hooks.unpack):
             return self._forward(*args, **kwargs)
@@ -145,6 +155,11 @@ class Gemini:
         groups = param_groups if param_groups is not None else list(self.module.parameters())
         return GeminiOptimizer(groups, gemini=self, kind=_KIND_OF[optimizer_cls], **kwargs)
 
+    def module_optimizer(self, optimizer_class: type, /, params=None, **kwargs: Any) -> GeminiOptimizer:
+        """``AutoParallelModule.optimizer``'s signature for a chunked module: an Adam/AdamW over
+        the chunks (``params``: None for all, or parameters / param-group dicts of them)."""
+        return self.optimizer(optimizer_class, kwargs, param_groups=None if params is None else list(params))
+
     def set_device_budget(self, nbytes: int | None) -> None:
         """Bound the device tier to ``nbytes`` from now on (``None``: unbounded); it must hold
         what the device tier holds already."""
@@ -158,20 +173,38 @@ class Gemini:
         return {**self.manager.summary(), "steps": self.steps, "instrumented": self.num_instrumented}
 
 
+def attach(module, *, policy: StaticPolicy | AutoPolicy | PlannedPolicy | None = None,
+           chunk_range: ChunkRange | None = None) -> Gemini:
+    """Put ``module``'s parameters into chunks placed by ``policy`` (default: everything on the
+    device); returns the controller, also ``module.gemini``. ``module.optimizer(AdamW, ...)``
+    then builds the chunk optimizer (``Gemini.optimizer``)."""
+    from autopar.runtime.module import AutoParallelModule
+
+    if not isinstance(module, AutoParallelModule):
+        raise ValueError(f"gemini needs an AutoParallelModule, got {type(module).__name__}")
+    if getattr(module, "gemini", None) is not None:
+        raise ValueError("this module is already wrapped by gemini")
+    gemini = Gemini(module, policy or StaticPolicy(), chunk_range or ChunkRange())
+    module.gemini = gemini
+    return gemini
+
+
+def attach_planned(module, plan) -> Gemini | None:
+    """``module``'s parameters and optimizer state on the tiers ``plan.offload`` gives them
+    (``policy_from_plan``; what ``autoparallelize`` does with a plan that offloads). A plan that
+    offloads nothing leaves the module as it is (None)."""
+    if all(tuple(tiers) == (DEVICE, DEVICE) for tiers in plan.offload.values()):
+        return None
+    return attach(module, policy=policy_from_plan(plan))
+
+
 def wrap(module, optimizer_cls: type = torch.optim.AdamW, optimizer_kwargs: dict | None = None, *,
          policy: StaticPolicy | AutoPolicy | None = None, chunk_range: ChunkRange | None = None,
          param_groups: list | None = None):
     """(module, GeminiOptimizer): ``module`` with its parameters in chunks placed by ``policy``
     (default: everything on the device), and an Adam/AdamW over them."""
-    from autopar.runtime.module import AutoParallelModule
-
-    if not isinstance(module, AutoParallelModule):
-        raise ValueError(f"gemini.wrap needs an AutoParallelModule, got {type(module).__name__}")
-    if getattr(module, "gemini", None) is not None:
-        raise ValueError("this module is already wrapped by gemini")
     if optimizer_cls not in _KIND_OF:
         raise ValueError(f"gemini's chunk optimizer runs {KINDS} (torch.optim.AdamW / torch.optim.Adam), "
                          f"got {optimizer_cls!r}")
-    gemini = Gemini(module, policy or StaticPolicy(), chunk_range or ChunkRange())
-    module.gemini = gemini
+    gemini = attach(module, policy=policy, chunk_range=chunk_range)
     return module, gemini.optimizer(optimizer_cls, optimizer_kwargs, param_groups=param_groups)

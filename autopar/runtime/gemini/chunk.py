@@ -13,8 +13,12 @@ Per chunk (``Chunk``):
   ``device_buf``'s storage is then resized to 0 when the chunk is not resident, and back when it
   is fetched -- the same storage object, so tensors autograd saved from it read valid data again
   once the chunk is back (the trick Gemini and FSDP use);
-- the fp32 master copy and the two AdamW moments on the optimizer tier (``optim_tier``), and a
-  transient fp32 gradient buffer there during ``step``;
+- the fp32 master copy and the two AdamW moments on the optimizer tier (``optim_tier``); the
+  master IS the payload buffer when both are fp32 on one tier (no second copy), and a chunk
+  whose two tiers differ keeps an fp32 gradient landing buffer (``landing``) on the optimizer
+  tier, where ``step`` copies the gradients to update them;
+- ``grad``: the gradient chunk (the parameters' dtype) on the payload's tier, allocated when the
+  first of its gradients arrives in backward (``grads``); the parameters' ``.grad`` are views of it;
 - a state: ``COMPUTE`` (an op is using it: never evicted), ``HOLD`` (resident, evictable),
   ``FREE`` (not resident on the device tier).
 """
@@ -93,6 +97,8 @@ class Chunk:
     master: torch.Tensor | None = None
     exp_avg: torch.Tensor | None = None
     exp_avg_sq: torch.Tensor | None = None
+    grad: torch.Tensor | None = None  # the gradient chunk, on the payload's home tier
+    landing: torch.Tensor | None = None  # fp32 gradients on the optimizer tier when it is not home
     pins: int = 0  # ops currently using it (COMPUTE while > 0)
     group: tuple | None = None  # planned (payload tier, optimizer tier), if the planner chose
     synced_version: int = -1  # the payload's ``_version`` when the master last matched it
@@ -107,8 +113,22 @@ class Chunk:
 
     @property
     def optim_bytes(self) -> int:
-        """fp32 master + two moments."""
+        """fp32 master + two moments (the placement policies' estimate; ``state_bytes`` is exact)."""
         return 3 * self.capacity * 4
+
+    def state_bytes(self, home: str, optim: str) -> int:
+        """Optimizer-tier bytes with the payload on ``home`` and the state on ``optim``: two fp32
+        moments, the fp32 master unless it is the payload itself, the landing buffer when the
+        tiers differ."""
+        n = self.capacity * 4
+        return n * (2 + (0 if self.master_is_payload(home, optim) else 1) + (0 if home == optim else 1))
+
+    def master_is_payload(self, home: str, optim: str) -> bool:
+        return home == optim and self.dtype == torch.float32
+
+    @property
+    def grad_bytes(self) -> int:
+        return self.payload_bytes
 
     @property
     def resident(self) -> bool:

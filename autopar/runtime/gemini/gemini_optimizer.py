@@ -4,12 +4,16 @@ A ``torch.optim.Optimizer`` over the module's DTensor parameters (so param group
 schedulers, ``clip_grad_norm_`` over ``.grad`` and ``state_dict`` work as usual). ``step``:
 
 1. host-home payloads still on the device are evicted (they go stale with the update);
-2. per chunk, a fp32 gradient chunk is allocated on the chunk's optimizer tier and each
-   parameter's ``.grad`` (local shard) copied into it;
+2. per chunk, each parameter's ``.grad`` (a view of the chunk's gradient buffer, ``grads``) is
+   read where it is when the optimizer state is on the same tier, else copied into the chunk's
+   fp32 landing buffer on the optimizer tier;
 3. each parameter's slice of the master is updated in place by ``cpu_optim.adam_update_``
    (torch's Adam/AdamW math, on the host for host-tier chunks, on the device otherwise) with its
-   group's hyper-parameters; the gradient chunk is freed;
-4. the master is copied (cast) into the payload's home buffer, which the parameters view.
+   group's hyper-parameters;
+4. the master is copied (cast) into the payload's home buffer, which the parameters view,
+   unless it is that buffer (fp32 on one tier).
+
+``zero_grad`` frees the gradient chunks no ``.grad`` refers to any more.
 
 ``state[p]`` holds ``step`` and DTensor views of the chunk's moments, so ``state_dict`` and
 ``torch.distributed.checkpoint`` see the usual Adam state; ``load_state_dict`` copies loaded
@@ -24,7 +28,6 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from autopar.runtime.dtensors import local_of
-from autopar.runtime.gemini.chunk import HOST
 from autopar.runtime.gemini.cpu_optim import adam_update_
 
 __all__ = ["GeminiOptimizer"]
@@ -75,26 +78,38 @@ class GeminiOptimizer(torch.optim.Optimizer):
             if not members:
                 continue
             tier_device = manager._tier_device(chunk.optim_tier)
-            grad = torch.zeros(chunk.capacity, dtype=torch.float32, device=tier_device)
-            manager.ledger.add("alloc_grad", chunk.index, chunk.optim_tier, grad.numel() * 4)
-            for s, p in members:
-                chunk.view(grad, s.name).copy_(local_of(p.grad))
             for s, p in members:
                 g = group_of[id(p)]
                 state = self._init_state(p)
                 state["step"] += 1
                 beta1, beta2 = g["betas"]
-                adam_update_(chunk.view(chunk.master, s.name), chunk.view(grad, s.name),
+                adam_update_(chunk.view(chunk.master, s.name), self._grad_on(chunk, s.name, p, tier_device),
                              chunk.view(chunk.exp_avg, s.name), chunk.view(chunk.exp_avg_sq, s.name),
                              step=int(state["step"].item()), lr=g["lr"], beta1=beta1, beta2=beta2, eps=g["eps"],
                              weight_decay=g["weight_decay"], kind=self.kind)
-            del grad
-            manager.ledger.add("free_grad", chunk.index, chunk.optim_tier, -chunk.capacity * 4)
-            home = chunk.host_buf if chunk.home == HOST else chunk.device_buf
-            for s, _ in members:
-                chunk.view(home, s.name).copy_(chunk.view(chunk.master, s.name), non_blocking=False)
+            home = manager.home_buf(chunk)
+            if chunk.master is not home:
+                for s, _ in members:
+                    chunk.view(home, s.name).copy_(chunk.view(chunk.master, s.name), non_blocking=False)
             manager.mark_synced(chunk)
         return None
+
+    @staticmethod
+    def _grad_on(chunk, name: str, p, device: torch.device) -> torch.Tensor:
+        """``p``'s gradient (fp32) where its optimizer state is: the gradient chunk itself when
+        that is there, else copied into the landing buffer (host-link traffic)."""
+        grad = local_of(p.grad)
+        if grad.device == device and grad.dtype == torch.float32:
+            return grad
+        if chunk.landing is None:  # a .grad set from outside onto another tier
+            return grad.to(device=device, dtype=torch.float32)
+        view = chunk.view(chunk.landing, name)
+        view.copy_(grad)
+        return view
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none=set_to_none)
+        self.gemini.manager.grads.free_unused()
 
     def load_state_dict(self, state_dict: dict) -> None:
         super().load_state_dict(state_dict)

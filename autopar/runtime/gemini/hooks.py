@@ -4,7 +4,8 @@
 through ``gemini_use`` (fetch + pin, returns the device-tier view) placed before its first
 reader, and ``gemini_release`` (unpin) placed after the last node that reads it or any alias of
 it (view ops, and -- conservatively -- every call that is not a plain ATen op, such as the
-gradient-bucket identity or a collective). ``forward_hooks`` returns the saved-tensor hooks the
+gradient-bucket identity or a collective). ``gemini_use``'s backward hands the parameter's
+gradient to the manager's gradient chunks (``grads``). ``forward_hooks`` returns the saved-tensor hooks the
 module's forward runs under (``manager`` module docstring).
 """
 
@@ -39,14 +40,20 @@ def _manager(key: int):
 class _Use(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, key: int, name: str) -> torch.Tensor:
+        ctx.key, ctx.name = key, name
+        ctx.set_materialize_grads(False)
         manager = _manager(key)
         chunk = manager.chunk_of[name]
         manager.access(chunk)
         return chunk.view(chunk.device_buf, name).view_as(x)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return grad, None, None
+    def backward(ctx, grad: torch.Tensor | None):
+        # The parameter's whole local gradient of this pass goes into its gradient chunk (none
+        # comes here when the bucketer takes it); nothing flows on to ``.grad`` by autograd.
+        if grad is not None:
+            _manager(ctx.key).grads.arrive(ctx.name, grad)
+        return None, None, None
 
 
 def gemini_use(x: torch.Tensor, *, key: int, name: str) -> torch.Tensor:

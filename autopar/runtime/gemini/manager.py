@@ -27,6 +27,7 @@ import torch
 
 from autopar.runtime.dtensors import local_of
 from autopar.runtime.gemini.chunk import COMPUTE, DEVICE, FREE, HOLD, HOST, Chunk, Slot, pack, search_chunk_size
+from autopar.runtime.gemini.grads import GradChunks
 
 __all__ = ["Ledger", "Move", "ChunkManager", "ChunkRange"]
 
@@ -77,9 +78,15 @@ class ChunkRange:
 
 
 class ChunkManager:
+    """``stream_bytes``: the most bytes of host-home payloads resident on the device at once
+    (``None``: bounded by ``budget`` only); chunks beyond it are evicted by next use, as for the
+    budget, except those an op is using (``COMPUTE``), so it is a target, not a limit.
+    ``host_capacity``: host-home groups (planned tiers) are packed into chunks of at most their
+    largest parameter, the granularity the planner streams at (``None``: the search range)."""
+
     def __init__(self, params: list[tuple[str, torch.nn.Parameter]], *, device: torch.device,
                  tiers_of, chunk_range: ChunkRange, pin_memory: bool, budget: int | None,
-                 group_of=None) -> None:
+                 group_of=None, stream_bytes: int | None = None) -> None:
         self.device = torch.device(device)
         self.pin = bool(pin_memory) and self.device.type == "cuda"
         self.ledger = Ledger(budget=budget)
@@ -91,6 +98,9 @@ class ChunkManager:
                                                               [c.optim_bytes for c in self.chunks], self.chunks)):
             self._place_initial(chunk, home, optim)
         self.padding = sum(c.capacity for c in self.chunks) - sum(s.numel for c in self.chunks for s in c.slots)
+        self.stream_bytes = stream_bytes
+        self.grads = GradChunks(self)
+        self.streamed = 0  # bytes of host-home payloads resident on the device now
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._events: dict[int, object] = {}
         self.order: list[int] = []  # chunk accesses of the last complete step
@@ -102,14 +112,20 @@ class ChunkManager:
 
     # ------------------------------------------------------------------------------ building
     def _build(self, params, chunk_range: ChunkRange, group_of) -> None:
-        """Chunks per (dtype, group) in parameter order; ``group_of(name)``: the planned tiers."""
+        """Chunks per (dtype, group) in parameter order; ``group_of(name)``: the planned tiers.
+        A planned host-home group is packed into chunks no larger than its largest parameter:
+        the planner prices streaming per parameter (two in flight), so larger chunks would hold
+        more on the device than it planned."""
         runs: dict[tuple, list[tuple[str, torch.Tensor]]] = {}
         for name, p in params:
             runs.setdefault((p.dtype, group_of(name)), []).append((name, local_of(p)))
         for (dtype, group), items in runs.items():
             sizes = [t.numel() for _, t in items]
-            capacity, _ = search_chunk_size(sizes, min_elems=chunk_range.min_elems,
-                                            max_elems=chunk_range.max_elems, step=chunk_range.step)
+            if group is not None and group[0] == HOST:
+                capacity = max(sizes)
+            else:
+                capacity, _ = search_chunk_size(sizes, min_elems=chunk_range.min_elems,
+                                                max_elems=chunk_range.max_elems, step=chunk_range.step)
             for members in pack(sizes, capacity):
                 slots, offset = [], 0
                 for i in members:
@@ -132,16 +148,28 @@ class ChunkManager:
         self.ledger.add("alloc", chunk.index, home, chunk.payload_bytes)
         for s in chunk.slots:
             chunk.view(buf, s.name).copy_(local_of(self.params[s.name]))
-        master = buf.float().to(self._tier_device(optim))
-        chunk.master = master.clone() if master.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr() \
-            else master
-        if self.pin and optim == HOST:
-            chunk.master = chunk.master.pin_memory()
-        chunk.exp_avg = self._buffer(chunk.capacity, torch.float32, optim, zero=True)
-        chunk.exp_avg_sq = self._buffer(chunk.capacity, torch.float32, optim, zero=True)
-        self.ledger.add("alloc", chunk.index, optim, chunk.optim_bytes)
-        chunk.optim_tier = optim
+        self._set_optim(chunk, home, optim, payload=buf, master=buf, moments=None)
         self._set_home(chunk, home, buf)
+
+    @torch.no_grad()
+    def _set_optim(self, chunk: Chunk, home: str, optim: str, *, payload: torch.Tensor, master: torch.Tensor,
+                   moments: tuple | None) -> None:
+        """The optimizer state of ``chunk`` on tier ``optim`` with its payload ``payload`` on
+        ``home``: master (``payload`` itself when both are fp32 on one tier, else a copy of
+        ``master``), the moments (``moments`` moved there, or zeros) and the landing buffer."""
+        if chunk.master_is_payload(home, optim):
+            chunk.master = payload
+        else:
+            chunk.master = self._buffer(chunk.capacity, torch.float32, optim)
+            chunk.master.copy_(master)
+        for attr, value in zip(("exp_avg", "exp_avg_sq"), moments or (None, None)):
+            buf = self._buffer(chunk.capacity, torch.float32, optim, zero=value is None)
+            if value is not None:
+                buf.copy_(value)
+            setattr(chunk, attr, buf)
+        chunk.landing = None if home == optim else self._buffer(chunk.capacity, torch.float32, optim, zero=True)
+        self.ledger.add("alloc", chunk.index, optim, chunk.state_bytes(home, optim))
+        chunk.optim_tier = optim
 
     def _set_home(self, chunk: Chunk, home: str, buf: torch.Tensor) -> None:
         """``buf`` becomes ``chunk``'s payload on tier ``home`` (a host chunk keeps an empty
@@ -168,23 +196,25 @@ class ChunkManager:
 
     @torch.no_grad()
     def replace(self, chunk: Chunk, home: str, optim: str) -> None:
-        """Move ``chunk``'s payload home and optimizer state to new tiers (after a warm-up)."""
+        """Move ``chunk``'s payload home and optimizer state to new tiers (after a warm-up, or
+        a new policy); a live gradient chunk moves with the payload."""
+        if (home, optim) == (chunk.home, chunk.optim_tier):
+            return
         if chunk.resident and chunk.home == HOST:
             self.evict(chunk)
-        if home != chunk.home:
-            src = chunk.device_buf if chunk.home == DEVICE else chunk.host_buf
+        old_home, old_optim, old_buf = chunk.home, chunk.optim_tier, self.home_buf(chunk)
+        self.ledger.add("free", chunk.index, old_optim, -chunk.state_bytes(old_home, old_optim))
+        buf = old_buf
+        if home != old_home:
+            self.ledger.add("free", chunk.index, old_home, -chunk.payload_bytes)
             buf = self._buffer(chunk.capacity, chunk.dtype, home)
-            buf.copy_(src)
+            buf.copy_(old_buf)
             self.ledger.add("alloc", chunk.index, home, chunk.payload_bytes)
-            self.ledger.add("free", chunk.index, chunk.home, -chunk.payload_bytes)
+        self._set_optim(chunk, home, optim, payload=buf, master=chunk.master,
+                        moments=(chunk.exp_avg, chunk.exp_avg_sq))
+        if home != old_home:
             self._set_home(chunk, home, buf)
-        if optim != chunk.optim_tier:
-            self.ledger.add("alloc", chunk.index, optim, chunk.optim_bytes)
-            for attr in ("master", "exp_avg", "exp_avg_sq"):
-                moved = getattr(chunk, attr).to(self._tier_device(optim), copy=True)
-                setattr(chunk, attr, moved.pin_memory() if self.pin and optim == HOST else moved)
-            self.ledger.add("free", chunk.index, chunk.optim_tier, -chunk.optim_bytes)
-            chunk.optim_tier = optim
+            self.grads.move(chunk, old_home, home)
 
     @staticmethod
     def home_buf(chunk: Chunk) -> torch.Tensor:
@@ -205,7 +235,10 @@ class ChunkManager:
         for chunk in self.chunks:
             home = self.home_buf(chunk)
             if force or self._versions(chunk) != chunk.synced_version:
-                chunk.master.copy_(home)
+                if chunk.master is not home:
+                    chunk.master.copy_(home)
+                if chunk.resident and chunk.home == HOST and chunk.pins == 0:
+                    self.evict(chunk)  # its device copy is stale
                 self.mark_synced(chunk)
 
     # ----------------------------------------------------------------------------- fetching
@@ -246,6 +279,7 @@ class ChunkManager:
         self._make_room(chunk.payload_bytes, keep=chunk)
         self._sample_non_model()
         chunk.device_buf.untyped_storage().resize_(chunk.payload_bytes)
+        self.streamed += chunk.payload_bytes
         self.ledger.add(event, chunk.index, DEVICE, chunk.payload_bytes)
         if self.stream is not None and event == "prefetch":
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -265,6 +299,7 @@ class ChunkManager:
         if event is not None:
             event.synchronize()
         chunk.device_buf.untyped_storage().resize_(0)
+        self.streamed -= chunk.payload_bytes
         self.ledger.add("evict", chunk.index, DEVICE, -chunk.payload_bytes)
         chunk.state = FREE
 
@@ -278,24 +313,24 @@ class ChunkManager:
         k = bisect.bisect_left(uses, self._pos)
         return uses[k] if k < len(uses) else float("inf")
 
-    def _make_room(self, nbytes: int, *, keep: Chunk | None = None) -> None:
+    def _over(self, nbytes: int) -> bool:
+        """Would ``nbytes`` more of streamed payload exceed the budget or the stream room?"""
         budget = self.ledger.budget
-        if budget is None:
-            return
-        while self.ledger.bytes[DEVICE] + nbytes > budget:
+        return ((budget is not None and self.ledger.bytes[DEVICE] + nbytes > budget)
+                or (self.stream_bytes is not None and self.streamed + nbytes > self.stream_bytes))
+
+    def _make_room(self, nbytes: int, *, keep: Chunk | None = None) -> None:
+        while self._over(nbytes):
             victims = [c for c in self.chunks if c.home == HOST and c.resident and c.pins == 0 and c is not keep]
             if not victims:
-                return  # the ledger raises on the move that exceeds the budget
+                return  # the ledger raises on the move that exceeds the budget; the stream room may stretch
             self.evict(max(victims, key=self._next_use))
 
     def _prefetch(self) -> None:
         if not self.order or self._pos >= len(self.order):
             return
         nxt = self.chunks[self.order[self._pos]]
-        if nxt.home != HOST or nxt.resident:
-            return
-        budget = self.ledger.budget
-        if budget is not None and self.ledger.bytes[DEVICE] + nxt.payload_bytes > budget:
+        if nxt.home != HOST or nxt.resident or self._over(nxt.payload_bytes):
             return  # prefetch never evicts
         self._fetch(nxt, event="prefetch")
 

@@ -1,0 +1,116 @@
+"""Gradient chunks: each chunk's gradients packed into one buffer as backward produces them.
+
+A chunk's gradient buffer (``Chunk.grad``, the parameters' dtype, ``capacity`` elements) lives
+on the payload's home tier: on the device for a device-home chunk (the planner's ``device`` and
+``off:o`` tiers keep the gradient there), on the host for a host-home chunk (``off:po``: the
+gradient goes down as soon as it is produced, the device keeps none). It is allocated through
+the ledger when the first of its gradients arrives and freed when none of its parameters'
+``.grad`` refers to it any more (``zero_grad``, or the next forward after the user cleared them).
+
+Gradients arrive two ways, both during backward: the parameter's ``gemini_use`` node receives
+its fully accumulated local gradient (``arrive``), or -- for a parameter whose gradient is
+partial and goes through the gradient bucketer (data parallelism) -- the bucketer asks for the
+parameter to deliver the reduced gradient into (``target``), whose ``.grad`` then is a view of
+the chunk already, so the bucketer's ``grad += reduced`` lands there. Either way each
+parameter's ``.grad`` is a DTensor (its placements) over its slice of the chunk: clipping,
+``full_gradients`` and the optimizer read it there, and accumulation over several backward
+passes adds into it.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from autopar.runtime.dtensors import local_of
+from autopar.runtime.gemini.chunk import DEVICE
+
+__all__ = ["GradChunks", "wrap_like"]
+
+
+def wrap_like(view: torch.Tensor, p) -> torch.Tensor:
+    """``view`` (a local tensor) as a tensor like ``p``: a DTensor with ``p``'s placements."""
+    if isinstance(p, DTensor):
+        return DTensor.from_local(view, p.device_mesh, p.placements, run_check=False, shape=p.shape,
+                                  stride=p.stride())
+    return view
+
+
+class GradChunks:
+    def __init__(self, manager) -> None:
+        self.manager = manager
+
+    def _buffer(self, chunk) -> torch.Tensor:
+        if chunk.grad is None:
+            if chunk.home == DEVICE:
+                self.manager._make_room(chunk.grad_bytes)  # streamed chunks may have to go first
+            chunk.grad = self.manager._buffer(chunk.capacity, chunk.dtype, chunk.home, zero=True)
+            self.manager.ledger.add("alloc_grad", chunk.index, chunk.home, chunk.grad_bytes)
+        return chunk.grad
+
+    def owns(self, chunk, grad) -> bool:
+        """Is ``grad`` (a parameter's ``.grad``) a view of ``chunk``'s gradient buffer?"""
+        return (grad is not None and chunk.grad is not None
+                and local_of(grad).untyped_storage().data_ptr() == chunk.grad.untyped_storage().data_ptr())
+
+    @torch.no_grad()
+    def slot(self, name: str) -> torch.Tensor:
+        """Parameter ``name``'s gradient slice, its ``.grad`` pointing at it (a ``.grad`` from
+        elsewhere is copied in; none: the slice starts at zero)."""
+        manager = self.manager
+        p, chunk = manager.params[name], manager.chunk_of[name]
+        was = p.grad
+        if self.owns(chunk, was):
+            return chunk.view(chunk.grad, name)
+        view = chunk.view(self._buffer(chunk), name)
+        if was is None:
+            view.zero_()
+        else:
+            view.copy_(local_of(was))
+        p.grad = wrap_like(view, p)
+        return view
+
+    @torch.no_grad()
+    def arrive(self, name: str, grad: torch.Tensor) -> None:
+        """Parameter ``name``'s local gradient from this backward pass, added to its ``.grad``."""
+        manager = self.manager
+        p, chunk = manager.params[name], manager.chunk_of[name]
+        if p.grad is None:  # the common case: copy, no zero fill first
+            view = chunk.view(self._buffer(chunk), name)
+            view.copy_(grad.reshape(view.shape))
+            p.grad = wrap_like(view, p)
+        else:
+            view = self.slot(name)
+            view.add_(grad.reshape(view.shape))
+
+    def target(self, name: str):
+        """The gradient bucketer's delivery target for ``name``: the parameter, its ``.grad``
+        a view of the chunk (the bucketer adds the reduced gradient into it)."""
+        self.slot(name)
+        return self.manager.params[name]
+
+    def free_unused(self) -> None:
+        """Free the gradient chunks no parameter's ``.grad`` refers to."""
+        manager = self.manager
+        for chunk in manager.chunks:
+            if chunk.grad is not None and not any(self.owns(chunk, manager.params[s.name].grad) for s in chunk.slots):
+                chunk.grad = None
+                manager.ledger.add("free_grad", chunk.index, chunk.home, -chunk.grad_bytes)
+
+    @torch.no_grad()
+    def move(self, chunk, old_home: str, home: str) -> None:
+        """``chunk``'s gradient buffer onto tier ``home`` (its payload moved there), the
+        parameters' ``.grad`` re-pointed at the new buffer."""
+        old = chunk.grad
+        if old is None:
+            return
+        manager = self.manager
+        ours = [s.name for s in chunk.slots if self.owns(chunk, manager.params[s.name].grad)]
+        chunk.grad = manager._buffer(chunk.capacity, chunk.dtype, home)
+        chunk.grad.copy_(old)
+        manager.ledger.add("free_grad", chunk.index, old_home, -chunk.grad_bytes)
+        manager.ledger.add("alloc_grad", chunk.index, home, chunk.grad_bytes)
+        for name in ours:
+            p = manager.params[name]
+            p.grad = wrap_like(chunk.view(chunk.grad, name), p)
+

@@ -1,0 +1,136 @@
+"""Planned offload executed (issue 16): ``autoparallelize(..., offload=...)`` runs the plan's
+tiers in the chunk runtime, and the manager's own ledger measures what the plan estimated.
+
+The quantity compared is the plan's ``offload_info["device_model_bytes"]``: the model states the
+plan keeps on the device tier -- each trainable parameter's chosen option's device bytes
+(parameter + gradient + optimizer state on the device; parameter + gradient under ``off:o``;
+nothing under ``off:po``) plus the stream buffer for the streamed parameters -- against the
+ledger's device-tier bytes after every chunk move (payloads, gradient chunks, optimizer state,
+fetched host chunks). Host tier: the plan's ``host_bytes`` against the ledger's host peak, exact
+up to the chunks' padding (16 B per padded element on the host: fp32 master or payload, two
+moments, gradient or landing buffer). On this CPU-only machine both tiers are host memory; the
+accounting is the same.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch.utils._pytree import tree_map
+
+import autopar
+from autopar import zoo
+from autopar.runtime.gemini.chunk import DEVICE, HOST
+from autopar.runtime.launch import run_local
+
+STEPS, EPS, LR = 5, 1e-5, 1e-3
+
+
+def _clone(x):
+    return x.clone() if isinstance(x, torch.Tensor) else x
+
+
+def _model(name):
+    torch.manual_seed(0)
+    return zoo.build(name, tiny=True, batch=4, seq=16, device="cpu")
+
+
+def _reference(model, inputs):
+    m = copy.deepcopy(model)
+    opt = torch.optim.AdamW(m.parameters(), lr=LR, eps=EPS)
+    for _ in range(STEPS):
+        m(**inputs).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return {k: v.detach() for k, v in m.state_dict().items()}
+
+
+def _tight_budget(model, inputs, mesh) -> int:
+    """Half the free plan's parameter bytes less than its peak: something must go to the host."""
+    free = autopar.plan(model, inputs, mesh=mesh, zero_stage=0, checkpoint="none", offload="auto")
+    return int(free.estimate.peak_bytes - 0.5 * free.estimate.param_bytes)
+
+
+def _train(rank, world, jobs, tmp):
+    out = []
+    for name, model, inputs, budget in jobs:
+        # The public path: rank 0 plans with offload, every rank builds and places the tiers.
+        pm = autopar.autoparallelize(copy.deepcopy(model), inputs, mesh=(world,), memory_budget=budget,
+                                     offload="auto", init_weights=False)
+        pm.load_full_state_dict(model.state_dict())
+        opt = pm.optimizer(torch.optim.AdamW, lr=LR, eps=EPS)
+        manager = pm.gemini.manager
+        start = len(manager.ledger.log)
+        backward_grads = []
+        for step in range(STEPS):
+            pm(**inputs).loss.backward()
+            # Gradients are in their chunks before the step: device-home ones on the device,
+            # host-home ones on the host, each .grad a view of its chunk.
+            backward_grads.append(sorted({(c.home, c.grad is not None) for c in manager.chunks}))
+            opt.step()
+            opt.zero_grad()
+            if step == 2:  # checkpoint mid-run: a fresh module from the same plan resumes it
+                state, optim_state = pm.full_state_dict(), tree_map(_clone, opt.state_dict())
+                pm2 = autopar.autoparallelize(copy.deepcopy(model), inputs, plan=pm.plan, init_weights=False)
+                pm2.load_full_state_dict(state)
+                opt2 = pm2.optimizer(torch.optim.AdamW, lr=LR, eps=EPS)
+                opt2.load_state_dict(optim_state)
+        for _ in range(STEPS - 3):
+            pm2(**inputs).loss.backward()
+            opt2.step()
+            opt2.zero_grad()
+        moves = manager.ledger.log[start:]
+        padding_host = sum(16 * (c.capacity - sum(s.numel for s in c.slots)) for c in manager.chunks
+                           if HOST in (c.home, c.optim_tier))
+        out.append((name, pm.plan, pm.full_state_dict(), pm2.full_state_dict(), [m.device_bytes for m in moves],
+                    manager.ledger.peak[HOST], padding_host, backward_grads,
+                    {(c.home, c.optim_tier) for c in manager.chunks},
+                    {m.event for m in moves if m.tier == HOST}, {m.event for m in moves if m.tier == DEVICE}))
+    return out
+
+
+def test_autoparallelize_offload_executes_the_plan_within_its_device_budget(tmp_path):
+    jobs, want = [], {}
+    for name in ("gpt2", "llama-1b"):
+        model, inputs = _model(name)
+        want[name] = _reference(model, inputs)
+        jobs.append((name, model, inputs, _tight_budget(model, inputs, (2,))))
+    for result in run_local(_train, 2, jobs, str(tmp_path), timeout=300):
+        for (name, plan, full, resumed, device_series, host_peak, padding_host, backward_grads, tiers,
+             host_events, device_events) in result:
+            info = plan.offload_info
+            assert info["num_offloaded"] > 0 and plan.estimate.host_link_s > 0, (name, info)
+            assert (HOST, HOST) in tiers or (DEVICE, HOST) in tiers, (name, tiers)
+            for k, v in full.items():  # the planned tiers train like one device
+                assert torch.allclose(v, want[name][k], rtol=1e-4, atol=1e-5), f"{name}: {k}"
+            for k, v in resumed.items():  # and so does the run resumed from its checkpoint
+                assert torch.allclose(v, want[name][k], rtol=1e-4, atol=1e-5), f"{name} resumed: {k}"
+            # Device tier: within the plan's budget at every chunk move, peak within 10% of the plan.
+            assert max(device_series) <= plan.budget_bytes, (name, max(device_series), plan.budget_bytes)
+            peak, planned = max(device_series), info["device_model_bytes"]
+            assert abs(peak - planned) <= 0.1 * planned, (name, peak, planned)
+            # Host tier: as planned, up to the chunks' padding.
+            assert host_peak == info["host_bytes"] + padding_host, (name, host_peak, info["host_bytes"], padding_host)
+            # Gradients went into chunks during backward, on their payload's tier.
+            assert "alloc_grad" in device_events and "free_grad" in device_events, (name, device_events)
+            if any(home == HOST for home, _ in tiers):
+                assert "alloc_grad" in host_events and "fetch" in device_events, (name, host_events, device_events)
+            assert all((home, True) in grads for grads in backward_grads for home, _ in tiers), backward_grads
+
+
+def test_offload_options_are_checked():
+    from autopar.planner.offload_pricing import runtime_options
+
+    base = {"offload": "auto", "zero_stage": None, "checkpoint": "auto"}
+    assert runtime_options(base, plan_given=False) == {**base, "zero_stage": 0, "checkpoint": "none"}
+    assert runtime_options({**base, "offload": "none"}, plan_given=False)["zero_stage"] is None
+    with pytest.raises(ValueError, match="zero_stage must be 0, got 2"):
+        runtime_options({**base, "zero_stage": 2}, plan_given=False)
+    with pytest.raises(ValueError, match="checkpoint must be 'auto' or 'none', got 'full'"):
+        runtime_options({**base, "checkpoint": "full"}, plan_given=False)
+    with pytest.raises(ValueError, match="the plan brings its own offload decisions"):
+        runtime_options(base, plan_given=True)
+    with pytest.raises(ValueError, match="offload must be 'auto', 'none' or an OffloadPolicy"):
+        runtime_options({**base, "offload": "yes"}, plan_given=False)
