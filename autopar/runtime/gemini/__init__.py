@@ -8,20 +8,26 @@ Entry point::
 
 ``module`` is the emitted module (each rank's local shards; any plan without ZeRO-1/2 and
 without activation recompute). Its parameters are packed into chunks (``chunk``), placed on the
-device or the host tier by the policy (``placement``), fetched/evicted by the ``manager``
-during forward and backward, and stepped by the returned ``GeminiOptimizer`` (``optimizer``).
+device or the host tier by the policy (``policies``), fetched/evicted by the ``manager``
+during forward and backward, and stepped by the returned ``GeminiOptimizer`` (``gemini_optimizer``).
 ``module.gemini`` is the ``Gemini`` controller: ``.manager.ledger`` has the exact bytes per
 tier, their peaks and the per-move log; ``.summary()`` the figures.
 
 Planner hand-off: ``policy_from_plan(plan)`` turns ``Plan.offload`` (parameter FQN ->
 (parameter tier, optimizer tier)) into a ``PlannedPolicy``: parameters are chunked within groups
-of equal tiers, so each chunk takes exactly its parameters' planned tiers; the device budget
-defaults to the plan's. ``Gemini.place(tiers)`` re-places chunks at run time (one (payload,
-optimizer) tier pair per chunk); ``apply_policy`` / ``set_device_budget`` likewise.
+of equal tiers, so each chunk takes exactly its parameters' planned tiers (host-home groups in
+chunks no larger than their largest parameter, the plan's streaming granularity, with two such
+chunks as the stream room); the device budget defaults to the plan's. ``attach_planned(module,
+plan)`` is what ``autoparallelize`` does with a plan that offloads; ``module.optimizer(AdamW,
+...)`` then returns the ``GeminiOptimizer``. ``Gemini.place(tiers)`` re-places chunks at run time
+(one (payload, optimizer) tier pair per chunk); ``apply_policy`` / ``set_device_budget`` likewise.
 
-Not yet: gradients stay in autograd's ``.grad`` (on the device) until ``step`` packs them into
-fp32 gradient chunks on the optimizer tier, so the ledger counts them from then on only;
-``shard_param_frac`` must be 0 (sharding is the plan's layouts).
+Gradients go into gradient chunks during backward (``grads``): on the device for device-home
+chunks, on the host for host-home ones; each ``.grad`` is a view of its chunk.
+
+Not yet: ``shard_param_frac`` must be 0 (parameter sharding is the plan's layouts; other values
+are refused); ZeRO-1/2 and activation recompute together with the chunks are refused; the CUDA
+path (side-stream prefetch, pinned memory, host ``.grad`` views) has not run on a GPU.
 """
 
 from __future__ import annotations

@@ -14,8 +14,11 @@ evicting anything (a side stream on CUDA; synchronous on CPU, same code path).
 
 ``ledger``: bytes per tier, allocated and freed through it only, so the figures are exact: the
 device tier holds device-home payloads, resident host-home payloads, device optimizer state
-(fp32 master + 2 moments) and device gradient chunks during ``step``; the host tier the rest.
-Every move is logged with the device bytes after it; ``peak`` per tier.
+(2 moments, the fp32 master unless it is the payload, a landing buffer for a host payload's
+gradients) and the gradient chunks of device-home chunks (from the backward that makes them
+to ``zero_grad``, ``grads``); the host tier the rest. These are the model states the planner
+prices per parameter (``offload_info["device_model_bytes"]``). Every move (alloc, free, fetch,
+prefetch, evict, alloc_grad, free_grad) is logged with the device bytes after it; ``peak`` per tier.
 """
 
 from __future__ import annotations
@@ -81,8 +84,8 @@ class ChunkManager:
     """``stream_bytes``: the most bytes of host-home payloads resident on the device at once
     (``None``: bounded by ``budget`` only); chunks beyond it are evicted by next use, as for the
     budget, except those an op is using (``COMPUTE``), so it is a target, not a limit.
-    ``host_capacity``: host-home groups (planned tiers) are packed into chunks of at most their
-    largest parameter, the granularity the planner streams at (``None``: the search range)."""
+    Planned host-home groups are packed into chunks of at most their largest parameter, the
+    granularity the planner streams at (``_build``)."""
 
     def __init__(self, params: list[tuple[str, torch.nn.Parameter]], *, device: torch.device,
                  tiers_of, chunk_range: ChunkRange, pin_memory: bool, budget: int | None,
@@ -115,7 +118,8 @@ class ChunkManager:
         """Chunks per (dtype, group) in parameter order; ``group_of(name)``: the planned tiers.
         A planned host-home group is packed into chunks no larger than its largest parameter:
         the planner prices streaming per parameter (two in flight), so larger chunks would hold
-        more on the device than it planned."""
+        more on the device than it planned; and each such chunk is as large as what it holds
+        (streamed chunks need no common size), so they carry no padding."""
         runs: dict[tuple, list[tuple[str, torch.Tensor]]] = {}
         for name, p in params:
             runs.setdefault((p.dtype, group_of(name)), []).append((name, local_of(p)))
@@ -127,6 +131,8 @@ class ChunkManager:
                 capacity, _ = search_chunk_size(sizes, min_elems=chunk_range.min_elems,
                                                 max_elems=chunk_range.max_elems, step=chunk_range.step)
             for members in pack(sizes, capacity):
+                if group is not None and group[0] == HOST:  # no padding to stream or hold on the host
+                    capacity = sum(sizes[i] for i in members)
                 slots, offset = [], 0
                 for i in members:
                     name, t = items[i]

@@ -13,7 +13,7 @@
   decision), so only 0 is accepted here: plan with ``zero_stage`` / a memory budget instead;
 - ``pin_memory``: host buffers in pinned memory (CUDA only; ignored on a CPU device).
 - ``device_budget``: bytes of model data (chunk payloads, master weights, optimizer state,
-  gradient chunks during the step) the device tier may hold; ``None`` = unbounded.
+  gradient chunks from backward to ``zero_grad``) the device tier may hold; ``None`` = unbounded.
 
 ``AutoPolicy(device_budget)`` decides from a warm-up step's memory statistics: the first step
 runs with every payload and all optimizer state on the host while the manager samples
