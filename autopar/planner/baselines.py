@@ -46,9 +46,27 @@ def baseline_roles(name: str, num_axes: int) -> tuple[str, ...] | None:
     raise ValueError(f"unknown baseline {name!r}; known: {BASELINES}")
 
 
-def _is_weight(node: fx.Node) -> bool:
-    ph = node.meta.get(PLACEHOLDER_KEY)
-    return node.op == "placeholder" and ph is not None and ph.kind in (PARAMETER, BUFFER)
+_WEIGHT_CHAIN = 6  # ops between a weight and a copy of it that still counts as one (cast, t, view)
+
+
+def _is_weight(node: fx.Node, memo: dict[fx.Node, bool], depth: int = 0) -> bool:
+    """A parameter or buffer, or a value made from nothing else within a few ops (a bf16 plan's
+    ``_to_copy`` of a weight, its ``t``): a Megatron column / row split shards such a copy as it
+    shards the weight, so the families judge it as a weight, not as an activation whose dim 0 is
+    the batch. The depth cap keeps an activation's check from walking the whole graph."""
+    if node in memo:
+        return memo[node]
+    if node.op == "placeholder":
+        ph = node.meta.get(PLACEHOLDER_KEY)
+        memo[node] = ph is not None and ph.kind in (PARAMETER, BUFFER)
+        return memo[node]
+    if node.op != "call_function" or depth >= _WEIGHT_CHAIN:
+        return False
+    srcs = input_nodes(node)
+    found = bool(srcs) and all(_is_weight(src, memo, depth + 1) for src in srcs)
+    if found or depth == 0:  # a False deeper down may only mean the cap was reached from there
+        memo[node] = found
+    return found
 
 
 def _activation_ok(placement, role: str) -> bool:
@@ -66,6 +84,7 @@ def make_restriction(roles: Sequence[str], *, zero_stage: int | None = None, mes
     roles = tuple(roles)
     shardable = any(size > 1 for size in mesh_shape)
     weight_slots: dict[fx.Node, tuple[bool, ...]] = {}  # per op: which input slots are weights
+    weights: dict[fx.Node, bool] = {}  # values that are weights or made from weights only
 
     verdicts: dict[tuple, bool] = {}  # (kind, choice, weight slots) -> allowed
 
@@ -73,7 +92,7 @@ def make_restriction(roles: Sequence[str], *, zero_stage: int | None = None, mes
         slots = ()
         if kind == "op":
             if node not in weight_slots:  # asked once per option: bind the op's inputs once
-                weight_slots[node] = tuple(_is_weight(src) for src in input_nodes(node))
+                weight_slots[node] = tuple(_is_weight(src, weights) for src in input_nodes(node))
             slots = weight_slots[node]
         if kind == "parameter" and zero_stage is not None:
             ph = node.meta[PLACEHOLDER_KEY]
@@ -91,8 +110,10 @@ def make_restriction(roles: Sequence[str], *, zero_stage: int | None = None, mes
         if kind in ("parameter", "buffer"):
             spec = choice.output_specs[0]
             return all(role != "dp" or isinstance(p, Replicate) for p, role in zip(spec.placements, roles))
-        specs = list(choice.output_specs)
-        weight_specs = []
+        # An op made from weights only (all its slots weights) outputs a weight copy.
+        made_from_weights = bool(slots) and all(slots)
+        specs = [] if made_from_weights else list(choice.output_specs)
+        weight_specs = list(choice.output_specs) if made_from_weights else []
         for is_weight, spec in zip(slots, choice.input_specs):
             (weight_specs if is_weight else specs).append(spec)
         for spec in specs:
