@@ -188,8 +188,8 @@ def cmd_inspect(args) -> int:
                           precision=args.precision, reduce_dtype=args.reduce_dtype, zero_stage=args.zero_stage,
                           pipeline=args.pipeline, microbatches=args.microbatches, schedule=args.schedule,
                           offload=args.offload)
-    if options.pipeline is not None and (auto or args.html):
-        raise CliError("--pipeline plans over the given mesh's first axis, without --mesh auto and --html")
+    if options.pipeline is not None and auto:
+        raise CliError("--pipeline plans over the given mesh's first axis, without --mesh auto")
     _check_writable(args.json, "--json")
     _check_writable(args.html, "--html")
     check_model_spec(args.model, args.input)
@@ -233,7 +233,13 @@ def _inspect_pipelined(result, args, *, t0: float, sink) -> int:
     print("candidates:\n" + "\n".join(f"  {line}" for line in result.candidates))
     if args.json:
         result.plan.save(args.json)
-    print(f"\nplanned in {time.perf_counter() - t0:.1f}s" + (f"; wrote {args.json}" if args.json else ""))
+    if args.html:
+        from autopar.report.pipeline_html import render_pipeline
+
+        with open(args.html, "w") as f:
+            f.write(render_pipeline(result.plan, candidates=result.candidates))
+    written = "".join(f"; wrote {p}" for p in (args.json, args.html) if p)
+    print(f"\nplanned in {time.perf_counter() - t0:.1f}s{written}")
     return 0
 
 

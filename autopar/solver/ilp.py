@@ -51,6 +51,7 @@ import dataclasses
 import functools
 import logging
 import os
+import sys
 import shutil
 import time
 from dataclasses import dataclass
@@ -101,9 +102,38 @@ def _cbc_path() -> str | None:
     return pulp_cbc_path if os.path.isfile(pulp_cbc_path) and os.access(pulp_cbc_path, os.X_OK) else None
 
 
+_BANNER_SILENCED = False
+
+
+def _silence_highs_banner() -> None:
+    """HiGHS 1.16 prints a copyright banner on stdout (C stdio, fd 1) when a process creates its
+    first solver, whatever its options say; a CLI's stdout must carry only what it prints. So
+    that first solver is created here, once, with fd 1 pointed at /dev/null (C's buffer flushed
+    before it is pointed back)."""
+    global _BANNER_SILENCED
+    if _BANNER_SILENCED:
+        return
+    _BANNER_SILENCED = True
+    import ctypes
+
+    import highspy
+
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 1)
+            highspy.Highs()
+            ctypes.CDLL(None).fflush(None)
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
 def available_backends() -> tuple[str, ...]:
     found = []
     if pulp.HiGHS(msg=False).available():
+        _silence_highs_banner()
         found.append("highs")
     if _cbc_path():
         found.append("cbc")

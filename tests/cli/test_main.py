@@ -353,3 +353,26 @@ def test_inspect_zero_stage_auto_shows_stages_and_zero_baselines(tmp_path, capsy
     assert "ZeRO           stage 0: " in out and "stage 2: " in out  # norms may be sharded whole
     bad = run_cli("inspect", "gpt2", "--mesh", "2", "--zero-stage", "3")
     assert bad.returncode == 2 and "invalid choice" in bad.stderr
+
+
+# ---------------------------------------------------------------------- inspect --pipeline --html
+def test_inspect_pipeline_html_shows_stages_and_the_schedule(tmp_path):
+    page_file = tmp_path / "pp.html"
+    out = run_cli("inspect", "gpt2", "--layers", "4", "--batch", "8", "--seq", "128", "--mesh", "2x2",
+                  "--pipeline", "2", "--schedule", "zero-bubble", "--microbatches", "4", "--no-baselines", "-q",
+                  "--html", str(page_file))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "4 micro-batches, zero-bubble" in out.stdout
+    assert "HiGHS" not in out.stdout  # highspy 1.16's banner is kept off stdout (solver.ilp)
+    page = page_file.read_text()
+    parser = _Html()
+    parser.feed(page)
+    assert not parser.open and {"stages", "schedule"} <= parser.ids
+    # 4 stages (2 ranks x 2 virtual) x 4 micro-batches x (forward, input grad, weight grad)
+    boxes = re.findall(r"<title>(forward|backward|weight gradient \(zero-bubble\)), stage (\d), micro-batch (\d)",
+                       page)
+    assert sorted(set(boxes)) == sorted({(k, str(s), str(m)) for k in ("forward", "backward",
+                                                                        "weight gradient (zero-bubble)")
+                                         for s in range(4) for m in range(4)})
+    assert len(boxes) == 48
+    assert _ms(r"Simulated step ([\d.]+) ms", page) > 0
