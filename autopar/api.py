@@ -178,16 +178,15 @@ def plan_model(model: Any, meta_inputs: tuple | dict, *, mesh: MeshSpec | Sequen
 
 def plan_mesh_auto(model: Any, meta_inputs: tuple | dict, *, nodes: int | None, devices_per_node: int | None,
                    options: PlanOptions = PlanOptions(), progress: Progress | None = None,
-                   time_budget: float | None = None):
-    """Plan ``model`` on every 1-3 axis arrangement of ``nodes`` x ``devices_per_node`` devices of
-    the ``options.preset`` preset (``autopar.planner.mesh_search``), tracing and profiling once;
-    returns the ``MeshSearch``: every candidate's row and the fastest one's ``PlanResult``
-    (``.best``). ``time_budget``: seconds for the whole call, trace and profile included (default
-    ``options.time_limit``; each solve gets what is left, candidates not reached or predicted not
-    to fit are reported as such); the cluster's own ``nodes x devices_per_node`` shape goes first
-    and is always planned, with the full ``options.time_limit``. Baselines
-    (``options.baselines``) are solved for the chosen mesh only. Progress lines name each
-    candidate."""
+                   time_budget: float | None = None, restrict: str = "auto"):
+    """Plan ``model`` on every 1-3 axis arrangement of ``nodes`` x ``devices_per_node`` devices of the
+    ``options.preset`` preset (``autopar.planner.mesh_search``), tracing and profiling once; returns
+    the ``MeshSearch``: every candidate's row and the fastest one's ``PlanResult`` (``.best``).
+    ``time_budget``: seconds for the whole call, trace and profile included (default
+    ``options.time_limit``; each solve gets what is left, candidates not reached or predicted not to
+    fit are reported as such); the cluster's own shape goes first, planned with the full
+    ``options.time_limit``. ``restrict``: 3-axis meshes exactly or restricted (``search_meshes``).
+    Baselines (``options.baselines``) are solved for the chosen mesh only."""
     from autopar.layout.mesh import PRESETS
     from autopar.strategies import needs_decomposition
     from autopar.tracer import profile as profile_graph
@@ -205,24 +204,24 @@ def plan_mesh_auto(model: Any, meta_inputs: tuple | dict, *, nodes: int | None, 
     with progress.stage("profile"):
         prof = profile_graph(traced)
     return _search_traced(traced, prof, cluster=(nodes, devices_per_node), options=options, progress=progress,
-                          start=start, time_budget=time_budget)
+                          start=start, time_budget=time_budget, restrict=restrict)
 
 
 def _search_traced(traced: TracedGraph, prof: ModelProfile, *, cluster: tuple[int, int], options: PlanOptions,
-                   progress: Progress, start: float, time_budget: float | None = None):
+                   progress: Progress, start: float, time_budget: float | None = None, restrict: str = "auto"):
     """``plan_mesh_auto`` from a trace and profile; ``start``: when the call began (its budget's origin)."""
     from autopar.planner.mesh_search import search_meshes
 
     each = replace(options, baselines=False)
 
-    def plan_on(mesh: MeshSpec, left: float | None) -> PlanResult:
+    def plan_on(mesh: MeshSpec, left: float | None, fixed: Callable | None = None) -> PlanResult:
         limited = each if left is None else replace(each, time_limit=min(each.time_limit, left))
-        with progress.stage(f"mesh {'x'.join(map(str, mesh.shape))}"):
-            return plan_traced(traced, prof, mesh=mesh, options=limited, progress=Progress())
+        with progress.stage(f"mesh {'x'.join(map(str, mesh.shape))}" + (f" ({fixed})" if fixed else "")):
+            return plan_traced(traced, prof, mesh=mesh, options=limited, progress=Progress(), fixed=fixed)
 
     budget = options.time_limit if time_budget is None else time_budget
     found = search_meshes(plan_on, nodes=cluster[0], devices_per_node=cluster[1], device=options.preset,
-                          time_budget=budget - (time.perf_counter() - start))
+                          time_budget=budget - (time.perf_counter() - start), restrict=restrict)
     if not options.baselines:
         return found
     from autopar.planner.assemble import applicable_baselines
@@ -286,8 +285,9 @@ def _note_hit(progress: Progress, path) -> None:
 
 
 def plan_traced(traced: TracedGraph, profile: ModelProfile, *, mesh: MeshSpec | Sequence[int] | str,
-                options: PlanOptions = PlanOptions(), progress: Progress | None = None) -> PlanResult:
-    """The plan of an existing trace and profile (one trace serves many meshes and budgets)."""
+                options: PlanOptions = PlanOptions(), progress: Progress | None = None,
+                fixed: Callable | None = None) -> PlanResult:
+    """The plan of an existing trace and profile (one trace serves many meshes); ``fixed``: ``build_problem``'s."""
     from autopar.planner.assemble import applicable_baselines, assemble_plan
     from autopar.planner.builder import build_problem
     from autopar.planner.checkpointing import plan_recompute
@@ -299,7 +299,7 @@ def plan_traced(traced: TracedGraph, profile: ModelProfile, *, mesh: MeshSpec | 
     progress = progress or Progress()
     with progress.stage("strategies", f"{sum(1 for _ in traced.compute_nodes())} ops on mesh {mesh}"):
         built = build_problem(traced, profile, mesh, budget_bytes=options.budget_bytes(mesh),
-                              options=options)
+                              options=options, fixed=fixed)
     rc = plan_recompute(traced, profile, built, mode=options.checkpoint, solver=options.solver,
                         time_limit=options.time_limit,
                         solve_plain=lambda p: _solve(p, options=options, progress=progress, stage="solve"),

@@ -38,7 +38,7 @@ import math
 import operator
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -58,7 +58,7 @@ from autopar.planner.zero_pricing import zero2_extra_s, zero_cost
 from autopar.plans import NodeKind
 from autopar.layout.blocks import block_of
 from autopar.solver.problem import Edge, Node, Problem, StrategyOption
-from autopar.strategies import Strategy, input_nodes, strategies_for
+from autopar.strategies import FixedAxis, Strategy, input_nodes, strategies_for
 from autopar.tracer.graph import PLACEHOLDER_KEY, TracedGraph, values_needing_grad
 from autopar.tracer.heap import frozen_heap
 from autopar.tracer.precision import compute_dtype
@@ -88,9 +88,12 @@ def layout_specs(shape: tuple[int, ...], mesh_shape: tuple[int, ...]) -> list[Te
 
 # --------------------------------------------------------------------------------- builder
 def build_problem(traced: TracedGraph, prof: ModelProfile, mesh: MeshSpec, *,
-                  budget_bytes: int | None, options: PlanOptions = PlanOptions()) -> BuiltProblem:
+                  budget_bytes: int | None, options: PlanOptions = PlanOptions(),
+                  fixed: Callable[[fx.Node], FixedAxis | None] | None = None) -> BuiltProblem:
+    """``fixed``: op node -> the placements its strategies must keep on one mesh axis (None: all
+    strategies); a restricted problem (``autopar.planner.mesh_search``'s 3-axis plans)."""
     with frozen_heap():  # the graph and profile are only read: full GC passes skip them
-        return _Builder(traced, prof, mesh, budget_bytes=budget_bytes, options=options).build()
+        return _Builder(traced, prof, mesh, budget_bytes=budget_bytes, options=options, fixed=fixed).build()
 
 
 class _Builder:
@@ -98,8 +101,9 @@ class _Builder:
     order, then freezes it into a ``BuiltProblem``."""
 
     def __init__(self, traced: TracedGraph, prof: ModelProfile, mesh: MeshSpec, *,
-                 budget_bytes: int | None, options: PlanOptions) -> None:
-        self.traced, self.prof, self.mesh = traced, prof, mesh
+                 budget_bytes: int | None, options: PlanOptions,
+                 fixed: Callable[[fx.Node], FixedAxis | None] | None = None) -> None:
+        self.traced, self.prof, self.mesh, self.fixed = traced, prof, mesh, fixed
         self.budget, self.opts = budget_bytes, options
         ops = [n for n in traced.compute_nodes() if _has_tensor_output(n) and n.target is not operator.getitem]
         self.num_ops = len(ops)
@@ -373,12 +377,15 @@ class _Builder:
         return cached
 
     def _strategies(self, node: fx.Node, key: str, slots: list[fx.Node]) -> list[Strategy]:
+        fixed = None if self.fixed is None else self.fixed(node)
+        if fixed is not None:  # alike nodes pinned alike share a list
+            key = (key, fixed)
         cached = self._strategy_cache.get(key)
         if cached is None:
             prof = self.prof[node.name]
             cached = strategies_for(node, self.mesh, flops=(prof.fwd_flops, prof.bwd_flops),
                                     allow_replicate_fallback=self.opts.allow_replicate_fallback,
-                                    reduce_itemsize=compute_dtype(self.opts.reduce_dtype).itemsize)
+                                    reduce_itemsize=compute_dtype(self.opts.reduce_dtype).itemsize, fixed=fixed)
             self._strategy_cache[key] = cached
         if cached and cached[0].is_fallback:
             self.fallbacks.append(node.name)

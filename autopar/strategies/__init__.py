@@ -64,7 +64,7 @@ import importlib
 from autopar.strategies.kernel_context import Comm, KernelContext
 from autopar.strategies.derived import SOURCES, has_decomposition, needs_decomposition, rule_for, rule_source
 from autopar.strategies.combine import estimate_flops
-from autopar.strategies.expand import enumerate_strategies, strategies_for
+from autopar.strategies.expand import FixedAxis, axis_placements, enumerate_strategies, strategies_for
 from autopar.strategies.registry import (
     AxisOption, InputSlot, LocalKernel, NoRuleError, OpInfo, RuleEntry, Sample, Strategy, TensorMeta,
     get_kernel, get_rule, input_nodes, local_arguments, needs_no_decision, register, register_kernel,
@@ -79,7 +79,7 @@ for _name in _FAMILIES:
     importlib.import_module(f"{__name__}.{_name}")
 
 __all__ = [
-    "strategies_for", "enumerate_strategies", "estimate_flops", "Strategy", "AxisOption", "OpInfo",
+    "strategies_for", "enumerate_strategies", "FixedAxis", "axis_placements", "estimate_flops", "Strategy", "AxisOption", "OpInfo",
     "TensorMeta", "InputSlot", "Sample", "RuleEntry", "LocalKernel", "NoRuleError", "Comm",
     "KernelContext", "register", "register_kernel", "get_rule", "get_kernel", "registered_targets",
     "input_nodes", "local_arguments", "needs_no_decision", "rule_for", "rule_source", "needs_decomposition",

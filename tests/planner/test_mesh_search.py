@@ -120,9 +120,72 @@ def test_a_mesh_predicted_to_overrun_the_budget_is_reported_not_started():
 
     # 8 devices: 1- and 2-axis meshes take ~0.02-0.04 s here, so a 3-axis one is predicted at
     # ~0.04 * AXIS_GROWTH s, more than the budget leaves: none is started.
-    found = search_meshes(plan_on, nodes=2, devices_per_node=4, device="a100-80gb", time_budget=0.5)
+    found = search_meshes(plan_on, nodes=2, devices_per_node=4, device="a100-80gb", time_budget=0.5,
+                          restrict="never")  # exact 3-axis planning, as predicted
     three = [r for r in found.rows if len(r.shape) == 3]
     assert three and not any(len(s) == 3 for s in calls)
     assert all(r.note.startswith("not planned: ~") and "predicted for a 3-axis mesh" in r.note for r in three)
     assert {r.shape for r in found.rows if r.feasible} == set(calls) and len(calls) == 3
     assert found.best_shape == (2, 4)  # the fastest of the planned ones (fake: fewer axes are slower)
+
+
+# ------------------------------------------------------------------ restricted 3-axis plans
+def _mlp_search(restrict: str):
+    torch.manual_seed(0)
+    model, inputs = zoo.build("mlp", batch=4, seq=64, num_layers=2, device="meta")
+    options = PlanOptions(checkpoint="none", preset="h100-80gb")
+    first = plan_model(model, inputs, mesh=(4,), options=options, cache=False)
+    calls = []
+
+    def plan_on(mesh, left, fixed=None):
+        calls.append((mesh.shape, fixed))
+        return plan_traced(first.traced, first.profile, mesh=mesh, options=options, fixed=fixed)
+
+    return search_meshes(plan_on, nodes=4, devices_per_node=4, device="h100-80gb", restrict=restrict), calls
+
+
+def test_every_three_axis_mesh_gets_a_restricted_plan_never_better_than_the_exact_one():
+    restricted, calls = _mlp_search("always")
+    exact, _ = _mlp_search("never")
+    three = [r for r in restricted.rows if len(r.shape) == 3]
+    assert {r.shape for r in three} == {(2, 2, 4), (2, 4, 2), (4, 2, 2)}
+    for row in three:  # a real plan, costed by the same model, whose note says how it was found
+        assert row.feasible and row.step_s > 0 and row.peak_bytes > 0 and row.restricted
+        assert "pinned-axis descent from" in row.note and row.note.endswith(", converged")
+        # The first step pins the axis a 2-axis parent shares, then every step pins one axis.
+        pins = [str(fixed) for shape, fixed in calls if shape == row.shape]
+        assert pins[0].endswith("'s plan") and all(p.startswith("axis ") for p in pins) and len(pins) >= 3
+    exact_rows = {r.shape: r for r in exact.rows}
+    assert not any(r.restricted for r in exact.rows)
+    for row in restricted.rows:
+        # 1-2 axis meshes are planned exactly either way; a restricted plan's options are a
+        # subset of the exact problem's, so it is never faster (to the solver's tolerance).
+        if len(row.shape) <= 2:
+            assert row.step_s == exact_rows[row.shape].step_s
+        else:
+            assert row.step_s >= exact_rows[row.shape].step_s * (1 - 1e-6)
+    # The search's choice is the fastest row, never slower than the cluster's own 4x4.
+    assert restricted.best.plan.estimate.step_s <= exact_rows[(4, 4)].step_s
+
+
+def test_a_pinned_problem_keeps_a_subset_of_the_options_and_the_pinned_plan():
+    from autopar.planner.mesh_search import pinned, pins_of
+
+    torch.manual_seed(0)
+    model, inputs = zoo.build("mlp", batch=4, seq=64, num_layers=2, device="meta")
+    options = PlanOptions(checkpoint="none", preset="h100-80gb")
+    mesh = MeshSpec.cluster(nodes=2, devices_per_node=4, device="h100-80gb", shape=(2, 2, 2))
+    full = plan_model(model, inputs, mesh=mesh, options=options, cache=False)
+    pins = pins_of(full)
+    for axis in range(3):
+        part = plan_traced(full.traced, full.profile, mesh=mesh, options=options,
+                           fixed=pinned(pins, src_axis=axis, dst_axis=axis))
+        whole = {n.name: {o.name for o in n.options} for n in full.built.problem.nodes}
+        smaller = False
+        for node in part.built.problem.nodes:
+            names = {o.name for o in node.options}
+            assert names <= whole[node.name]
+            smaller |= names < whole[node.name]
+        assert smaller
+        # The exact plan is in every space pinned from it: the restricted optimum equals it.
+        assert part.plan.estimate.step_s == pytest.approx(full.plan.estimate.step_s, rel=1e-6)
