@@ -189,3 +189,35 @@ def test_a_pinned_problem_keeps_a_subset_of_the_options_and_the_pinned_plan():
         assert smaller
         # The exact plan is in every space pinned from it: the restricted optimum equals it.
         assert part.plan.estimate.step_s == pytest.approx(full.plan.estimate.step_s, rel=1e-6)
+
+
+def test_descent_keeps_the_best_step_stops_when_two_pins_gain_nothing_and_skips_far_candidates():
+    class Result:
+        def __init__(self, step_s):
+            self.plan = type("P", (), {"estimate": type("E", (), {"step_s": step_s, "peak_bytes": 1})()})()
+
+    exact = {(8,): 9.0, (2, 4): 2.0, (4, 2): 3.0}
+    # Restricted steps per 3-axis shape (8 devices: only 2x2x2), in call order: the first step,
+    # a gain, a loss (not kept), then two pins without gain -> converged.
+    script = {(2, 2, 2): [2.1, 1.9, 2.5, 1.9]}
+    pins = []
+
+    def plan_on(mesh, left, fixed=None):
+        if fixed is None:
+            return Result(exact[mesh.shape])
+        pins.append(str(fixed))
+        return Result(script[mesh.shape].pop(0))
+
+    found = search_meshes(plan_on, nodes=2, devices_per_node=4, device="a100-80gb", time_budget=60.0, restrict="always",
+                          pins_of=lambda result: {})
+    row = next(r for r in found.rows if r.shape == (2, 2, 2))
+    assert row.step_s == 1.9 and row.note.endswith("4 steps, converged") and found.best_shape == (2, 2, 2)
+    assert pins == ["axis 0 pinned as 2x4's plan", "axis 1 pinned step 2", "axis 2 pinned step 3",
+                    "axis 0 pinned step 4"]  # after the gain (pin 1) pins 2 and 0 gained nothing
+    # Under a budget, a candidate over 10% slower than the fastest plan keeps its first step.
+    exact[(2, 4)] = 1.0
+    script[(2, 2, 2)] = [2.1]
+    found = search_meshes(plan_on, nodes=2, devices_per_node=4, device="a100-80gb", time_budget=60.0, restrict="always",
+                          pins_of=lambda result: {})
+    row = next(r for r in found.rows if r.shape == (2, 2, 2))
+    assert row.step_s == 2.1 and "1 step, not refined (over 10% slower" in row.note and found.best_shape == (2, 4)
