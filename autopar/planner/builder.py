@@ -47,6 +47,7 @@ import torch.fx as fx
 from autopar.layout.conversion import conversion_seconds
 from autopar.layout.mesh import MeshSpec
 from autopar.layout.placement import R, Shard, TensorSpec
+from autopar.planner.block_stamps import BlockStamps, Template, stamped_records
 from autopar.planner.executed import ReaderChain, sync_key, zero2_capable
 from autopar.planner.records import BuiltProblem, Choice, ChosenConversion, Decision, InputSlot
 from autopar.planner.saved_bytes import SELF, activation_bytes, global_bytes
@@ -102,7 +103,7 @@ class _Builder:
 
     def __init__(self, traced: TracedGraph, prof: ModelProfile, mesh: MeshSpec, *,
                  budget_bytes: int | None, options: PlanOptions,
-                 fixed: Callable[[fx.Node], FixedAxis | None] | None = None) -> None:
+                 fixed: Callable[[fx.Node], FixedAxis | None] | None = None, stamp_blocks: bool = True) -> None:
         self.traced, self.prof, self.mesh, self.fixed = traced, prof, mesh, fixed
         self.budget, self.opts = budget_bytes, options
         ops = [n for n in traced.compute_nodes() if _has_tensor_output(n) and n.target is not operator.getitem]
@@ -130,6 +131,10 @@ class _Builder:
         self._base_cache: dict[str, str] = {}  # value -> the node owning its storage
         self._token_cache: dict[str, tuple] = {}  # value -> (shape, dtype) in op signatures
         self.offload_tiers = offload_tiers(traced, mesh, options)  # None: offload="none"
+        # Repeated blocks: ops after block 2 are stamped from its records (``block_stamps``).
+        self._stamps = BlockStamps(traced, self.needs_grad, self._storage_base) if stamp_blocks else None
+        self._edge_log: list | None = None  # a template op's edges, in the order they are added
+        self.num_stamped = 0
 
     def build(self) -> BuiltProblem:
         for node in self.traced.nodes:
@@ -254,6 +259,11 @@ class _Builder:
         choices.append(self._layout_choices.setdefault((opt.name, stage), Choice(opt.name, (spec,), zero_stage=stage)))
 
     def _op(self, node: fx.Node) -> None:
+        shared = None
+        if self._stamps is not None and node.name in self._stamps.template_of:
+            shared = self._stamped(node)
+            if shared is True:
+                return
         signature = self._signature(node)
         slots = input_nodes(node)
         strategies = self._strategies(node, signature, slots)
@@ -269,8 +279,9 @@ class _Builder:
         zero2 = tuple(self._zero2_slots(inputs))
         # A value an earlier op reads too: its gradient sum is priced on the edge from that
         # reader, where their layouts differ (``planner.executed.ReaderChain``).
-        shared = {slot: prev for slot, v in enumerate(inputs)
-                  if (prev := self.chain.previous(node.name, slot, v)) is not None}
+        if shared is None:  # (a stamp that failed its last check asked the chain already)
+            shared = {slot: prev for slot, v in enumerate(inputs)
+                      if (prev := self.chain.previous(node.name, slot, v)) is not None}
         # The options are a function of the strategy list (so of the signature), which slots
         # are activations, the saved parts relative to this node, and the ZeRO-2 / shared
         # slots: repeated blocks compute them once.
@@ -284,10 +295,49 @@ class _Builder:
                             op=str(node.target))
         self._add(decision, opts, live=live, block=block_of(path), signature=signature,
                   vals=node_vals(node), segment=self.segment_of_op[node.name])
+        template = self._stamps is not None and node.name in self._stamps.is_template
+        if template:
+            self._edge_log = []
         self._edges_into(decision)
         for slot, (reader, reader_slot) in shared.items():
             self._add_edge(reader, decision.name, self._shared_sync_edge(self.decisions[reader].choices, reader_slot,
                                                                           decision.choices, slot))
+        if template:
+            self._stamps.keep(node.name, Template(
+                decision, self.nodes[-1], self.values[node.name], tuple(parts), tuple(shared.items()),
+                tuple(self._edge_log), fallback=bool(self.fallbacks) and self.fallbacks[-1] == node.name))
+            self._edge_log = None
+
+    def _stamped(self, node: fx.Node) -> bool | dict | None:
+        """``node``'s records stamped from its block-2 template (``block_stamps``): True when
+        done; else None, or the previous readers when the chain was asked (the op is then built
+        on its own with them)."""
+        name = node.name
+        if self.fixed is not None and self.fixed(node) != self.fixed(self._stamps.template_node(name)):
+            return None
+        parts = self._saved_parts(node)
+        found = self._stamps.stamp(name, self.decisions, parts)
+        if found is None:
+            return None
+        t, rename, inputs = found
+        shared = {slot: prev for slot, v in enumerate(inputs)
+                  if (prev := self.chain.previous(name, slot, v)) is not None}
+        if not self._stamps.shared_matches(t, rename, shared, self.decisions):
+            return shared
+        i = self.op_index[name]
+        decision, record, values = stamped_records(
+            t, name, inputs, module=self.traced.module_path(node),
+            live=(i, 2 * self.num_ops - 1 - i) if parts else None, segment=self.segment_of_op[name])
+        self.nodes.append(record)
+        self.decisions[name] = decision
+        self.sources[name] = (name, 0)
+        self.values[name] = values
+        if t.fallback:
+            self.fallbacks.append(name)
+        for src, matrix in t.edges:
+            self._add_edge(rename.get(src, src), name, matrix)
+        self.num_stamped += 1
+        return True
 
     def _op_options(self, node: fx.Node, strategies: list[Strategy], slots: list[fx.Node],
                     activations: tuple[bool, ...], rel_parts: tuple, zero2: tuple[int, ...],
@@ -432,6 +482,8 @@ class _Builder:
                            self._edge_matrix(self.decisions[value.producer].choices, value, dst.choices, slot))
 
     def _add_edge(self, src: str, dst: str, matrix: np.ndarray) -> None:
+        if self._edge_log is not None:
+            self._edge_log.append((src, matrix))
         key = (src, dst)
         self.edges[key] = self.edges[key] + matrix if key in self.edges else matrix
 
@@ -520,9 +572,14 @@ def _moved_edge(template: Edge, src: str, dst: str) -> Edge:
     its repeats skip ``Edge.__post_init__`` (its rectangularity and finiteness checks hold)."""
     assert src != dst, src
     edge = object.__new__(Edge)
-    for f in dataclasses.fields(Edge):
-        object.__setattr__(edge, f.name, {"src": src, "dst": dst}.get(f.name, getattr(template, f.name)))
+    for name in _EDGE_FIELDS:
+        object.__setattr__(edge, name, getattr(template, name))
+    object.__setattr__(edge, "src", src)
+    object.__setattr__(edge, "dst", dst)
     return edge
+
+
+_EDGE_FIELDS = tuple(f.name for f in dataclasses.fields(Edge))
 
 
 def _has_tensor_output(node: fx.Node) -> bool:

@@ -145,6 +145,9 @@ def segment_inputs(traced: TracedGraph, prof: ModelProfile, decisions: Mapping[s
     holder = holder_of_producer(prof)
     out: dict[str, list[SegmentInput]] = {}
     seen: set[tuple[str, str, int]] = set()
+    # Local bytes per producer option: repeated blocks' producers share their choices, so each
+    # (choices, output, shape) is sized once.
+    sizes_of: dict[tuple, tuple[int, ...]] = {}
     for dst in decisions.values():
         seg = segment_of.get(dst.name)
         if seg is None:
@@ -165,7 +168,12 @@ def segment_inputs(traced: TracedGraph, prof: ModelProfile, decisions: Mapping[s
             saver = holder.get(storage_base(src_node).name)
             if saver is not None and segment_of.get(saver) != seg:
                 continue
-            sizes = tuple(value.local_bytes(c.output_specs[value.index], mesh_shape) for c in decisions[src].choices)
+            choices = decisions[src].choices
+            key = (id(choices), value.index, value.shape, value.itemsize)
+            sizes = sizes_of.get(key)
+            if sizes is None:
+                sizes = sizes_of[key] = tuple(value.local_bytes(c.output_specs[value.index], mesh_shape)
+                                              for c in choices)
             out.setdefault(seg, []).append(SegmentInput(src, sizes))
     return {k: tuple(v) for k, v in out.items()}
 

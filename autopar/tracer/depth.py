@@ -40,6 +40,14 @@ class BlockStructure:
     after: tuple[fx.Node, ...]
 
 
+def blocks_of(traced: TracedGraph) -> BlockStructure | None:
+    """``block_structure(traced)``, found once per graph (kept on it until a rewrite; the unrolled
+    trace hands over the blocks it made): the profile and the problem builder both walk them."""
+    if traced._blocks is None:
+        traced._blocks = (block_structure(traced),)
+    return traced._blocks[0]
+
+
 def block_structure(traced: TracedGraph, *, indices: tuple[int, ...] | None = None,
                     min_blocks: int = _MIN_BLOCKS) -> BlockStructure | None:
     """The graph's repeated blocks, when they are identical and wired as a chain; else None.

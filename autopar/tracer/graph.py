@@ -116,7 +116,8 @@ class TracedGraph:
         self._by_fqn = {alias: p for p in placeholders for alias in p.aliases}
         self.precision = "fp32"  # what the ops compute in (``autopar.tracer.precision``)
         self._hash: tuple[int, str] | None = None  # (node count, graph_hash): rewrites reset it
-        # ``block_structure()``: unknown until asked (or set by the unrolled trace); rewrites reset it
+        # ``tracer.depth.blocks_of``'s answer: unknown until asked (or set by the unrolled trace);
+        # rewrites reset it
         self._blocks: tuple[Any, ...] | None = None
 
     # ---- nodes -----------------------------------------------------------------------------
@@ -142,15 +143,6 @@ class TracedGraph:
     @staticmethod
     def module_path(node: fx.Node) -> str:
         return node.meta.get(MODULE_KEY, "")
-
-    def block_structure(self) -> Any:
-        """The graph's repeated blocks (``autopar.tracer.depth.block_structure``, None when it has
-        none), found once: the profile and the problem builder both walk them."""
-        if self._blocks is None:
-            from autopar.tracer.depth import block_structure
-
-            self._blocks = (block_structure(self),)
-        return self._blocks[0]
 
     def decompose(self, decompose_if: Callable[[Any], bool]) -> dict[str, tuple[str, ...]]:
         """Replace the ops that satisfy ``decompose_if`` by their decompositions, in place (see

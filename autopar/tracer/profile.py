@@ -32,7 +32,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
-from autopar.tracer.depth import shallow_graph, stamp
+from autopar.tracer.depth import blocks_of, shallow_graph, stamp
 from autopar.tracer.heap import frozen_heap
 from autopar.tracer.graph import BUFFER, PARAMETER, PLACEHOLDER_KEY, TracedGraph, op_name, tensor_vals
 from autopar.tracer.trace import TraceError
@@ -139,7 +139,7 @@ def profile(traced: TracedGraph, *, by_blocks: bool = True) -> ModelProfile:
     does not grow with depth); False, or a graph it does not recognise, runs every node."""
     start = time.perf_counter()
     with frozen_heap():  # the traced graph is only read: out of full GC passes
-        structure = traced.block_structure() if by_blocks else None
+        structure = blocks_of(traced) if by_blocks else None
         if structure is not None:
             shallow = _profile_nodes(shallow_graph(traced, structure))
             nodes = stamp(traced, structure, tuple(shallow))

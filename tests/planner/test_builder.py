@@ -18,6 +18,7 @@ from autopar.planner.segments import mutates_state, op_segments
 from autopar.layout.blocks import block_of
 from autopar.strategies import input_nodes
 from autopar.tracer import profile, trace
+from autopar.tracer.depth import blocks_of
 from autopar.tracer.graph import BUFFER, CONSTANT, INPUT, PARAMETER
 
 MESH = MeshSpec.preset("cpu", (2,))
@@ -308,3 +309,72 @@ def test_repeated_blocks_reuse_records_exactly(name, mesh_shape, zero):
     assert dict(memo.segment_inputs) == dict(plain.segment_inputs)
     ops = [n for n in memo.problem.nodes if memo.decisions[n.name].kind == NodeKind.OP]
     assert len({id(n.options) for n in ops}) < len(ops) / 2  # the repeats did share
+
+
+_STAMP_MODELS: dict = {}
+
+
+def _stamp_model(name: str, frozen: int | None = None):
+    """Tiny ``name`` with 7 blocks (traced by blocks, so its block structure is known), traced
+    and profiled once per module; ``frozen``: that block's parameters take no gradient."""
+    key = (name, frozen)
+    if key not in _STAMP_MODELS:
+        model, inputs = zoo.build(name, tiny=True, num_layers=7)
+        if frozen is not None:
+            blocks = next(m for m in model.modules() if isinstance(m, nn.ModuleList))
+            blocks[frozen].requires_grad_(False)
+        traced = trace(model, inputs)
+        _STAMP_MODELS[key] = traced, profile(traced)
+    return _STAMP_MODELS[key]
+
+
+def _both_builds(traced, prof, mesh_shape, **option_kwargs):
+    from autopar.planner.builder import _Builder
+
+    options = PlanOptions(preset="a100-80gb", **option_kwargs)
+    mesh = options.mesh(mesh_shape)
+    out = []
+    for stamp in (True, False):
+        builder = _Builder(traced, prof, mesh, budget_bytes=10**9, options=options, stamp_blocks=stamp)
+        out.append((builder.build(), builder.num_stamped))
+    return out
+
+
+def _assert_same_build(stamped, plain):
+    assert stamped.problem.to_json() == plain.problem.to_json()
+    assert stamped.problem == plain.problem
+    assert dict(stamped.decisions) == dict(plain.decisions) and dict(stamped.sources) == dict(plain.sources)
+    assert list(stamped.decisions) == list(plain.decisions)
+    assert dict(stamped.segment_inputs) == dict(plain.segment_inputs) and stamped.fallbacks == plain.fallbacks
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama-1b", "bert-base"])
+@pytest.mark.parametrize("mesh_shape", [(2,), (2, 2), (2, 1, 2)])
+def test_stamped_blocks_equal_the_op_by_op_build(name, mesh_shape):
+    """Blocks 3 .. N-1 stamped from block 2's records (``planner.block_stamps``) build the very
+    Problem (byte for byte), decisions, sources and segment inputs of building every op."""
+    traced, prof = _stamp_model(name)
+    assert blocks_of(traced) is not None
+    (stamped, num_stamped), (plain, none) = _both_builds(traced, prof, mesh_shape)
+    _assert_same_build(stamped, plain)
+    ops_after_template = sum(len(run) for run in blocks_of(traced).blocks[3:])
+    assert none == 0 and num_stamped > ops_after_template / 2  # the stamps did the work
+
+
+@pytest.mark.parametrize("name,option_kwargs", [("gpt2", dict(zero_stage="auto", offload="auto")),
+                                                 ("llama-1b", dict(zero_stage=2))])
+def test_stamped_blocks_with_zero_and_offload_options(name, option_kwargs):
+    traced, prof = _stamp_model(name)
+    (stamped, num_stamped), (plain, _) = _both_builds(traced, prof, (2, 2), **option_kwargs)
+    _assert_same_build(stamped, plain)
+    assert num_stamped > 0
+
+
+def test_a_frozen_block_is_built_op_by_op():
+    """Block 4 takes no parameter gradient: its ops (which price no gradient sums) are not
+    stamped from block 2's; the build stays exact."""
+    traced, prof = _stamp_model("gpt2", frozen=4)
+    (stamped, num_stamped), (plain, _) = _both_builds(traced, prof, (2, 2))
+    _assert_same_build(stamped, plain)
+    blocks = blocks_of(traced).blocks
+    assert 0 < num_stamped <= sum(len(run) for k, run in enumerate(blocks[3:], 3) if k != 4)

@@ -63,9 +63,9 @@ def test_fast_trace_and_profile_equal_the_full_path(name, depths, monkeypatch):
         assert fast.loss_node.name == full.loss_node.name
         assert fast.in_spec == full.in_spec and fast.out_spec == full.out_spec
         # the expansion hands its blocks over: what discovering them on the graph finds
-        assert fast._blocks is not None and fast.block_structure() == depth.block_structure(fast)
-        assert [[n.name for n in run] for run in fast.block_structure().blocks] == \
-            [[n.name for n in run] for run in full.block_structure().blocks]
+        assert fast._blocks is not None and depth.blocks_of(fast) == depth.block_structure(fast)
+        assert [[n.name for n in run] for run in depth.blocks_of(fast).blocks] == \
+            [[n.name for n in run] for run in depth.blocks_of(full).blocks]
         slow, quick = profile(full, by_blocks=False), profile(full)
         assert quick.nodes == slow.nodes  # saved_parts' storage ids included
         assert (quick.fwd_flops, quick.bwd_flops, quick.activation_bytes, quick.param_bytes) == \
