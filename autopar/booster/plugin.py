@@ -82,8 +82,10 @@ class AutoParallelPlugin:
         offload: ``"none"``, ``"auto"`` or an ``OffloadPolicy``: the planner decides what lives on
             the host tier, within ``memory_budget`` (``autopar.plan``'s ``offload``).
         shard_param_frac, offload_optim_frac, offload_param_frac, pin_memory: Gemini's static
-            knobs, same meanings (``autopar.runtime.gemini.policies``; shard_param_frac must be 0:
-            parameter sharding is the plan's layout decision, other values are refused).
+            knobs, same meanings (``autopar.runtime.gemini.policies``). ``shard_param_frac``
+            (``"static"`` only): the leading fraction of chunks sharded ZeRO-3 style over the mesh
+            axes the plan replicates their parameters on; their gradients are chunk shards, not
+            ``.grad``, so ``max_norm`` clipping and fp16 loss scaling are refused with it.
         chunk_search_range: ``(min, max, step)`` elements the chunk size is searched over for
             the least padding (``None``: 1024 to 64 Mi elements in steps of 1024); static and
             auto policies (planned tiers chunk as the plan streams: ``ChunkManager``).
@@ -199,7 +201,16 @@ class AutoParallelPlugin:
             if self.offload_optim_frac or self.offload_param_frac or self.chunk_search_range is not None:
                 raise ValueError("offload_optim_frac, offload_param_frac and chunk_search_range go with "
                                  "placement_policy='static' or 'auto'")
+            if self.shard_param_frac:
+                raise ValueError(f"shard_param_frac={self.shard_param_frac!r} goes with placement_policy='static'")
             return
+        if self.shard_param_frac and self.placement_policy != "static":
+            raise ValueError(f"shard_param_frac={self.shard_param_frac!r} goes with placement_policy='static', "
+                             f"got placement_policy={self.placement_policy!r}")
+        if self.shard_param_frac and (self.max_norm > 0 or self.precision == "fp16"):
+            raise ValueError(f"shard_param_frac={self.shard_param_frac!r}: sharded chunks keep their gradients as "
+                             f"chunk shards, not .grad, so max_norm={self.max_norm!r} clipping and fp16 loss scaling "
+                             f"(precision={self.precision!r}) cannot see them; use max_norm=0 and fp32/bf16")
         if self.placement_policy not in ("static", "auto", "planned"):
             raise ValueError(f"placement_policy must be None, 'static', 'auto' or 'planned', "
                              f"got {self.placement_policy!r}")

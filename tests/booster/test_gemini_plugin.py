@@ -1,7 +1,8 @@
 """AutoParallelPlugin's Gemini knobs through Booster.boost on real gloo processes.
 
 GPT-2 tiny on 2 ranks, ``placement_policy='static'`` with all optimizer state and half the
-parameter chunks on the host: 3 AdamW steps through the booster equal single-device training;
+parameter chunks on the host, and half the chunks sharded over the two ranks
+(``shard_param_frac``): 3 AdamW steps through the booster equal single-device training;
 ``save_model`` / ``save_optimizer`` then a freshly boosted (differently seeded) model loads both
 and its next 2 steps equal the uninterrupted run's (masters and moments came back into the chunks).
 A plan that offloads (``placement_policy`` then ``'planned'``) executes its ``Plan.offload`` tiers
@@ -20,7 +21,7 @@ from autopar.booster import AutoParallelPlugin, Booster
 from autopar.runtime.launch import run_local
 
 LR, EPS = 1e-3, 1e-5
-KNOBS = dict(placement_policy="static", offload_optim_frac=1.0, offload_param_frac=0.5,
+KNOBS = dict(placement_policy="static", shard_param_frac=0.5, offload_optim_frac=1.0, offload_param_frac=0.5,
              chunk_search_range=(1024, 1024, 1024), mesh=(2,))
 
 
@@ -53,6 +54,7 @@ def _body(rank, world, model, inputs, other, path, offload_plan):
         opt2.step()
         opt2.zero_grad()
     tiers = [(c.home, c.optim_tier) for c in pm2.gemini.manager.chunks]
+    sharded = (len(pm2.gemini.manager.chunks), pm2.gemini.summary()["sharded"])
     # The planner's own decisions, executed: Plan.offload's tiers per parameter (a plan that
     # offloads makes the policy 'planned'); its checkpoint resumes like any other plan's.
     plugin = AutoParallelPlugin(plan=offload_plan, mesh=(2,))
@@ -76,7 +78,7 @@ def _body(rank, world, model, inputs, other, path, offload_plan):
         booster4.backward(pm4(**inputs).loss, opt4)
         opt4.step()
         opt4.zero_grad()
-    return first, pm2.full_state_dict(), tiers, pm2.gemini.summary(), third, planned, pm4.full_state_dict()
+    return first, pm2.full_state_dict(), tiers, pm2.gemini.summary(), third, planned, pm4.full_state_dict(), sharded
 
 
 def test_boost_with_offload_trains_and_checkpoints_like_one_device(tmp_path):
@@ -97,7 +99,8 @@ def test_boost_with_offload_trains_and_checkpoints_like_one_device(tmp_path):
                              offload=OffloadPolicy(offload_optim_frac=1.0, offload_param_frac=0.5))
     assert {t for t in offload_plan.offload.values()} == {("host", "host"), ("device", "host")}
     results = run_local(_body, 2, model, inputs, other, str(tmp_path), offload_plan, timeout=240)
-    for first, last, tiers, summary, third, planned, resumed in results:
+    for first, last, tiers, summary, third, planned, resumed, (num_chunks, sharded) in results:
+        assert 0 < len(sharded) < num_chunks, sharded
         assert all(planned[f] == offload_plan.offload[f] for f in planned if f in offload_plan.offload), planned
         for k, v in third.items():
             assert torch.allclose(v, want[2][k], rtol=1e-4, atol=1e-5), f"planned: {k}"
@@ -119,8 +122,12 @@ def test_gemini_knobs_are_checked():
         AutoParallelPlugin(offload_optim_frac=0.5)
     with pytest.raises(ValueError, match="zero_stage must be 'auto' or 0"):
         AutoParallelPlugin(placement_policy="static", zero_stage=2)
-    with pytest.raises(ValueError, match="shard_param_frac"):
-        AutoParallelPlugin(placement_policy="static", shard_param_frac=0.5)
+    with pytest.raises(ValueError, match=r"shard_param_frac=0.5: .* max_norm=1.0 clipping"):
+        AutoParallelPlugin(placement_policy="static", shard_param_frac=0.5, max_norm=1.0)
+    with pytest.raises(ValueError, match=r"shard_param_frac=0.5 goes with placement_policy='static', got .*'auto'"):
+        AutoParallelPlugin(placement_policy="auto", shard_param_frac=0.5)
+    with pytest.raises(ValueError, match=r"shard_param_frac must be a number in \[0, 1\], got 2"):
+        AutoParallelPlugin(placement_policy="static", shard_param_frac=2)
     with pytest.raises(ValueError, match=r"chunk_search_range must be \(min, max, step\)"):
         AutoParallelPlugin(placement_policy="static", chunk_search_range=(1, 2))
     with pytest.raises(ValueError, match="needs memory_budget off CUDA"):

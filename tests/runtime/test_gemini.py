@@ -1,14 +1,18 @@
 """Gemini-style chunk runtime (autopar.runtime.gemini): chunks, tiers, exact accounting, CPU Adam.
 
-Multi-process: GPT-2 tiny and Llama tiny on meshes (2,) and (2, 2) (gloo, fork). One module per
-model and mesh is wrapped once and re-placed for every (offload_optim_frac, offload_param_frac)
-case; per case, 5 AdamW steps must equal single-device training (rtol 1e-4), and the device-tier
-bytes after every chunk move stay within a budget that forces evictions.
+Multi-process: GPT-2 tiny and Llama tiny on meshes (2,) and (2, 2) (gloo, fork), planned on
+fast links so the plans are data-parallel (partial gradients, bucketed or reduce-scattered) with
+some parameters sharded by the plan itself. One module per model and mesh is wrapped once and
+re-placed for every (shard_param_frac, offload_optim_frac, offload_param_frac) case; per case, 5
+AdamW steps must equal single-device training (rtol 1e-4), the device-tier bytes after every chunk
+move stay within a budget that forces evictions, the ledger equals the buffers that exist, and a
+sharded chunk holds 1/dp of its payload at rest (its gathered copy only while in use).
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 
 import pytest
@@ -17,15 +21,18 @@ import torch
 import autopar
 from autopar import zoo
 from autopar.api import plan_model
+from autopar.layout.mesh import MeshSpec
 from autopar.planner.options import PlanOptions
 from autopar.runtime import gemini
-from autopar.runtime.gemini.chunk import DEVICE, HOST, pack, search_chunk_size
+from autopar.runtime.gemini.chunk import DEVICE, HOST, Chunk, Slot, pack, search_chunk_size
 from autopar.runtime.gemini.cpu_optim import adam_update_
 from autopar.runtime.gemini.policies import AutoPolicy, StaticPolicy, auto_tiers, make_policy, static_tiers
 from autopar.runtime.launch import run_local
 
 STEPS, EPS, LR = 5, 1e-5, 1e-3
-CASES = tuple((o, p) for o in (0.5, 1.0) for p in (0.0, 0.5, 1.0))
+# (shard_param_frac, offload_optim_frac, offload_param_frac)
+CASES = tuple((0.0, o, p) for o in (0.5, 1.0) for p in (0.0, 0.5, 1.0)) + (
+    (0.5, 0.5, 0.0), (0.5, 1.0, 1.0), (1.0, 0.0, 0.0), (1.0, 1.0, 0.5))
 # The smallest chunk that holds the largest parameter: many chunks even for tiny models.
 RANGE = gemini.ChunkRange(min_elems=1024, max_elems=1024, step=1024)
 
@@ -64,9 +71,23 @@ def test_auto_tiers_keep_what_fits_beside_non_model_memory():
     assert auto_tiers(payload, optim, budget=300, non_model_peak=300, order=[]) == [(HOST, HOST)] * 3
 
 
+def test_shard_pieces_nest_the_axes_in_mesh_order():
+    slots = [Slot("a", 0, 6, (2, 3)), Slot("b", 6, 5, (5,))]
+    # 11 elements over a 2x2 group: shards of 3 (padded to 12); coordinates (1, 0) -> shard 2.
+    chunk = Chunk(0, slots, 11, torch.float32, dp_axes=(0, 1), dp_sizes=(2, 2), dp_coords=(1, 0))
+    assert (chunk.num_shards, chunk.shard_index, chunk.shard_elems) == (4, 2, 3)
+    assert chunk.piece("a") == (0, 6, 0, 6) and chunk.piece("b") == (6, 11, 0, 5)  # unsharded: all of it
+    chunk.sharded = True
+    assert (chunk.elems, chunk.work_elems, chunk.payload_bytes, chunk.work_bytes) == (3, 12, 12, 48)
+    assert chunk.piece("a") == (0, 0, 6, 6)  # elements 6..8 of the chunk: none of "a"
+    assert chunk.piece("b") == (0, 3, 0, 3)
+    last = Chunk(0, slots, 11, torch.float32, dp_axes=(0, 1), dp_sizes=(2, 2), dp_coords=(1, 1), sharded=True)
+    assert last.piece("b") == (0, 2, 3, 5)  # elements 9..10, then padding
+
+
 def test_policies_are_checked():
-    with pytest.raises(ValueError, match="shard_param_frac"):
-        StaticPolicy(shard_param_frac=0.5)
+    with pytest.raises(ValueError, match=r"shard_param_frac must be a number in \[0, 1\], got 1.5"):
+        StaticPolicy(shard_param_frac=1.5)
     with pytest.raises(ValueError, match=r"offload_optim_frac must be a number in \[0, 1\], got 1.5"):
         StaticPolicy(offload_optim_frac=1.5)
     with pytest.raises(ValueError, match="device_budget"):
@@ -108,18 +129,31 @@ def _reference(model, inputs):
     return {k: v.detach() for k, v in m.state_dict().items()}
 
 
+def _fast(shape):
+    """Cheap links: the planner splits the batch (data parallelism), so gradients come partial."""
+    mesh = MeshSpec.preset("cpu", shape)
+    return dataclasses.replace(mesh, alpha=(1e-7,) * len(shape), beta=(1e-13,) * len(shape), name="fast-links")
+
+
 def _train_cases(rank, world, jobs):
     out = []
     for name, model, inputs, plan in jobs:
         pm = autopar.autoparallelize(copy.deepcopy(model), inputs, plan=plan, init_weights=False)
         pm, _ = gemini.wrap(pm, torch.optim.AdamW, dict(lr=LR, eps=EPS), chunk_range=RANGE)
         g = pm.gemini
-        chunk_bytes = max(c.payload_bytes for c in g.manager.chunks)
-        for optim_frac, param_frac in CASES:
-            g.apply_policy(StaticPolicy(offload_optim_frac=optim_frac, offload_param_frac=param_frac))
-            # Room for the device-home chunks, their gradient chunks and 3 fetched chunks.
-            budget = (g.manager.ledger.bytes[DEVICE] + 3 * chunk_bytes
-                      + sum(c.grad_bytes for c in g.manager.chunks if c.home == DEVICE))
+        whole = [c.num_shards == 1 for c in g.manager.chunks]
+        assert any(whole) and not all(whole), whole  # the plan shards some parameters on every axis
+        with pytest.raises(ValueError, match=r"chunks \[.*\] cannot be sharded"):
+            g.place([(DEVICE, DEVICE)] * len(whole), [True] * len(whole))
+        for shard_frac, optim_frac, param_frac in CASES:
+            g.apply_policy(StaticPolicy(shard_param_frac=shard_frac, offload_optim_frac=optim_frac,
+                                        offload_param_frac=param_frac))
+            chunks = g.manager.chunks
+            # Room for the device-home chunks, their gradient chunks, 3 fetched (gathered) chunks
+            # and the sharded chunks' whole gradients until backward's reduce-scatter.
+            budget = (g.manager.ledger.bytes[DEVICE] + 3 * max(c.work_bytes for c in chunks)
+                      + sum(c.grad_bytes for c in chunks if c.home == DEVICE)
+                      + sum(c.work_bytes for c in chunks if c.sharded))
             g.set_device_budget(budget)
             pm.load_full_state_dict(model.state_dict())
             g.reload_masters()
@@ -130,10 +164,17 @@ def _train_cases(rank, world, jobs):
                 opt.step()
                 opt.zero_grad()
             moves = g.manager.ledger.log[start:]
-            host_chunks = sum(c.home == HOST for c in g.manager.chunks)
-            out.append((name, optim_frac, param_frac, pm.full_state_dict(), budget,
+            host_chunks = sum(c.home == HOST for c in chunks)
+            # At rest, a sharded chunk holds its shard (1/dp of the padded payload), no gathered copy.
+            shards = [(c.payload_bytes, c.full_bytes, c.num_shards, c.itemsize,
+                       g.manager.home_buf(c).untyped_storage().nbytes(), c.device_buf.untyped_storage().nbytes())
+                      for c in chunks if c.sharded]
+            resting = (sum(c.payload_bytes for c in chunks if c.home == DEVICE)
+                       + sum(c.state_bytes(c.home, c.optim_tier) for c in chunks if c.optim_tier == DEVICE))
+            out.append(((shard_frac, optim_frac, param_frac), name, pm.full_state_dict(), budget,
                         max(m.device_bytes for m in moves), sum(m.event == "evict" for m in moves), host_chunks,
-                        len(g.manager.chunks), g.manager.ledger.bytes.copy(), _expected_bytes(g.manager)))
+                        len(chunks), g.manager.ledger.bytes.copy(), _expected_bytes(g.manager), shards, resting,
+                        sum(whole)))
     return out
 
 
@@ -142,10 +183,10 @@ def _expected_bytes(manager) -> dict:
     payload's tier is the payload): the ledger must agree."""
     out, seen = {DEVICE: 0, HOST: 0}, set()
     for c in manager.chunks:
-        home = c.host_buf if c.home == HOST else c.device_buf
-        owned = [(c.home, home), (c.home, c.grad)] + [(c.optim_tier, getattr(c, k)) for k in
-                                                      ("master", "exp_avg", "exp_avg_sq", "landing")]
-        if c.home == HOST:
+        owned = [(c.home, manager.home_buf(c)), (c.home, c.grad)] + [(c.optim_tier, getattr(c, k)) for k in
+                                                                     ("master", "exp_avg", "exp_avg_sq", "landing")]
+        owned += [(DEVICE, acc) for acc in c.acc.values()]
+        if c.streamed:
             owned.append((DEVICE, c.device_buf))
         for tier, t in owned:
             if t is not None and t.untyped_storage().data_ptr() not in seen:
@@ -161,13 +202,14 @@ def test_offload_trains_like_one_device_within_the_device_budget(mesh):
     for name in ("gpt2", "llama-1b"):
         model, inputs = _model(name)
         want[name] = _reference(model, inputs)
-        plan = plan_model(model, inputs, mesh=mesh, options=PlanOptions(zero_stage=0, checkpoint="none")).plan
+        plan = plan_model(model, inputs, mesh=_fast(mesh), options=PlanOptions(zero_stage=0, checkpoint="none")).plan
         jobs.append((name, model, inputs, plan))
     results = run_local(_train_cases, math.prod(mesh), jobs, timeout=240)
     for rank_results in results:
         assert len(rank_results) == 2 * len(CASES)
-        for name, o, p, full, budget, max_dev, evictions, host_chunks, num_chunks, ledger, real in rank_results:
-            where = f"{name} {mesh} optim={o} param={p}"
+        for (s, o, p), name, full, budget, max_dev, evictions, host_chunks, num_chunks, ledger, real, shards, \
+                resting, num_whole in rank_results:
+            where = f"{name} {mesh} shard={s} optim={o} param={p}"
             for k, v in full.items():
                 assert torch.allclose(v, want[name][k], rtol=1e-4, atol=1e-5), f"{where}: {k}"
             assert max_dev <= budget, (where, max_dev, budget)
@@ -179,6 +221,13 @@ def test_offload_trains_like_one_device_within_the_device_budget(mesh):
                 assert evictions > 0, (where, evictions)
             if p == 1.0:
                 assert host_chunks == num_chunks, where
+            assert len(shards) == (0 if s == 0 else num_chunks - num_whole if s == 1 else len(shards)), where
+            if s > 0:
+                assert 0 < len(shards) < num_chunks - num_whole or s == 1, (where, len(shards))
+            for payload, whole_bytes, num_shards, itemsize, home_bytes, gathered in shards:
+                assert home_bytes == payload and gathered == 0, where
+                assert 0 <= payload * num_shards - whole_bytes < num_shards * itemsize, where  # 1/dp, padded
+            assert ledger[DEVICE] == resting, (where, ledger, resting)  # at rest: what the device keeps
 
 
 AUTO_BUDGET = 1_300_000

@@ -25,16 +25,30 @@ plan)`` is what ``autoparallelize`` does with a plan that offloads; ``module.opt
 Gradients go into gradient chunks during backward (``grads``): on the device for device-home
 chunks, on the host for host-home ones; each ``.grad`` is a view of its chunk.
 
-Not yet: ``shard_param_frac`` must be 0 (parameter sharding is the plan's layouts; other values
-are refused); ZeRO-1/2 and activation recompute together with the chunks are refused; the CUDA
-path (side-stream prefetch, pinned memory, host ``.grad`` views) has not run on a GPU.
+Sharded chunks (``StaticPolicy(shard_param_frac=...)``, ZeRO-3 style): with a static policy,
+chunks are built per data-parallel axis set -- the mesh axes (size > 1) on which the plan keeps a
+parameter replicated, which are the axes the bucketer sums its partial gradient over or a
+superset of them -- and the leading ``shard_param_frac`` of them (by bytes) keep 1/dp of their
+payload, master, moments and gradient per rank (``chunk``). They are all-gathered on use like a
+host chunk is fetched (``manager``), their gradients reduce-scattered at the end of backward
+(``grads``, ``gradsync``), and the module's whole-state methods gather on demand (``state``);
+``Gemini.place`` / ``apply_policy`` re-shard at run time. Their parameters' ``.grad`` stay None
+(the gradient is the chunk's shard): clip by norm and fp16 loss scaling, which read ``.grad``,
+are refused by the booster with them, and ``module.zero_grad()`` does not clear them
+(``optimizer.zero_grad()`` does). Every rank must have the same chunks (checked).
+
+Not yet: ZeRO-1/2 and activation recompute together with the chunks are refused; sharding under
+the auto and planned policies; the CUDA path (side-stream prefetch, pinned memory, host ``.grad``
+views, all-gathers on the compute stream) has not run on a GPU.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from autopar.runtime.bucketing import GradBucketer
 from autopar.runtime.gemini.chunk import DEVICE, HOST, Chunk, search_chunk_size
@@ -42,8 +56,11 @@ from autopar.runtime.gemini.cpu_optim import KINDS
 from autopar.runtime.gemini.hooks import SavedHooks, instrument, register
 from autopar.runtime.gemini.manager import ChunkManager, ChunkRange, Ledger
 from autopar.runtime.gemini.gemini_optimizer import GeminiOptimizer
+from autopar.runtime.gemini.gradsync import GradSync
 from autopar.runtime.gemini.policies import (AutoPolicy, PlannedPolicy, StaticPolicy, auto_tiers, make_policy,
-                                              policy_from_plan, static_tiers)
+                                              policy_from_plan, static_shards, static_tiers)
+from autopar.runtime.gemini.shards import check_same_chunks
+from autopar.runtime.gemini.state import install as install_state
 
 __all__ = ["wrap", "attach", "attach_planned", "Gemini", "GeminiOptimizer", "StaticPolicy", "AutoPolicy", "PlannedPolicy", "policy_from_plan",
            "ChunkRange", "make_policy",
@@ -70,7 +87,7 @@ class Gemini:
             raise ValueError(f"gemini: the plan recomputes activations ({recompute[:3]}...); plan with "
                              f"checkpoint='none' (recompute regions would re-run chunk fetches)")
         device = next(iter(module.parameters())).device
-        group_of = None
+        group_of = dp_of = None
         if isinstance(policy, AutoPolicy):
             tiers = lambda payload, optim, chunks: [(HOST, HOST)] * len(payload)  # noqa: E731 -- warm-up on host
         elif isinstance(policy, PlannedPolicy):
@@ -83,8 +100,10 @@ class Gemini:
             tiers = lambda payload, optim, chunks: [c.group for c in chunks]  # noqa: E731
         else:
             tiers = lambda payload, optim, chunks: static_tiers(payload, policy)  # noqa: E731
+            dp_of = functools.partial(_dp_group, dict(params), module.pmesh)
         self.manager = ChunkManager(params, device=device, tiers_of=tiers, chunk_range=chunk_range,
-                                    pin_memory=policy.pin_memory, budget=policy.device_budget, group_of=group_of)
+                                    pin_memory=policy.pin_memory, budget=policy.device_budget, group_of=group_of,
+                                    dp_of=dp_of, pmesh=module.pmesh)
         if isinstance(policy, PlannedPolicy):  # the plan's stream buffer: one chunk in use, one prefetched
             self.manager.stream_bytes = sum(sorted(c.payload_bytes for c in self.manager.chunks
                                                    if c.home == HOST)[-2:])
@@ -92,10 +111,21 @@ class Gemini:
             if isinstance(m, GradBucketer):  # reduced gradients land in the gradient chunks
                 m.deliver_to(self.manager.grads.target)
         self.key = register(self.manager)
+        self.manager.gradsync = None
+        if any(c.num_shards > 1 for c in self.manager.chunks):  # shardable: partial gradients go by chunk
+            self.manager.gradsync = GradSync(self.manager, module.graph_module)
+            self.manager.gradsync.install(self.key)
+            install_state(self)
         self.hooks = SavedHooks(self.manager)
         self.num_instrumented = instrument(module.graph_module, set(self.manager.chunk_of), self.key)
         self._forward = module.forward
         module.forward = self.forward
+        if isinstance(policy, StaticPolicy) and policy.shard_param_frac > 0:
+            self.place([(c.home, c.optim_tier) for c in self.manager.chunks], self._shards(policy))
+
+    def _shards(self, policy: StaticPolicy) -> list[bool]:
+        chunks = self.manager.chunks
+        return static_shards([c.full_bytes for c in chunks], policy, [c.num_shards > 1 for c in chunks])
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if torch.is_grad_enabled():
@@ -119,15 +149,30 @@ class Gemini:
             self.place(auto_tiers([c.payload_bytes for c in manager.chunks], [c.optim_bytes for c in manager.chunks],
                                   budget=self.policy.device_budget, non_model_peak=peak, order=order))
 
-    def place(self, tiers: list[tuple[str, str]]) -> None:
-        """(payload tier, optimizer tier) per chunk, ``DEVICE`` or ``HOST``."""
-        if len(tiers) != len(self.manager.chunks) or any(t not in (DEVICE, HOST) for pair in tiers for t in pair):
+    def place(self, tiers: list[tuple[str, str]], shards: list[bool] | None = None) -> None:
+        """(payload tier, optimizer tier) per chunk, ``DEVICE`` or ``HOST``; ``shards``: per
+        chunk, sharded over its data-parallel group or not (None: as they are). Every rank must
+        place alike (unsharding all-gathers)."""
+        chunks = self.manager.chunks
+        if len(tiers) != len(chunks) or any(t not in (DEVICE, HOST) for pair in tiers for t in pair):
             raise ValueError(f"place needs one ('device'|'host', 'device'|'host') per chunk "
-                             f"({len(self.manager.chunks)}), got {tiers!r}")
+                             f"({len(chunks)}), got {tiers!r}")
+        shards = [c.sharded for c in chunks] if shards is None else list(shards)
+        if len(shards) != len(chunks) or any(not isinstance(s, bool) for s in shards):
+            raise ValueError(f"place needs one bool per chunk ({len(chunks)}) in shards, got {shards!r}")
+        bad = [c.index for c, s in zip(chunks, shards) if s and c.num_shards < 2]
+        if bad:
+            raise ValueError(f"place: chunks {bad} cannot be sharded: no mesh axis of size > 1 replicates their "
+                             f"parameters (chunks are built per data-parallel group under static policies only)")
+        resharded = any(c.sharded != s for c, s in zip(chunks, shards))
+        if any(shards) or any(c.sharded for c in chunks):
+            check_same_chunks(chunks)
         # Host-bound first so the device tier never holds both copies of a chunk over budget.
-        moves = sorted(zip(self.manager.chunks, tiers), key=lambda ct: (ct[1][0] == DEVICE, ct[1][1] == DEVICE))
-        for chunk, (home, optim) in moves:
-            self.manager.replace(chunk, home, optim)
+        moves = sorted(zip(chunks, tiers, shards), key=lambda ct: (ct[1][0] == DEVICE, ct[1][1] == DEVICE))
+        for chunk, (home, optim), sharded in moves:
+            self.manager.replace(chunk, home, optim, sharded)
+        if resharded:
+            self.manager.gradsync.rebuild()
 
     @torch.no_grad()
     def reload_masters(self) -> None:
@@ -142,7 +187,7 @@ class Gemini:
         self.manager.evict_all()
         self.policy = policy
         chunks = self.manager.chunks
-        self.place(static_tiers([c.payload_bytes for c in chunks], policy))
+        self.place(static_tiers([c.full_bytes for c in chunks], policy), self._shards(policy))
         self.set_device_budget(policy.device_budget)
 
     def optimizer(self, optimizer_cls: type = torch.optim.AdamW, optimizer_kwargs: dict | None = None, *,
@@ -177,6 +222,16 @@ class Gemini:
 
     def summary(self) -> dict:
         return {**self.manager.summary(), "steps": self.steps, "instrumented": self.num_instrumented}
+
+
+def _dp_group(params: dict, pmesh, name: str) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+    """(mesh axes of size > 1 the plan replicates parameter ``name`` on, their sizes, this
+    rank's coordinates): the group a chunk of such parameters can be sharded over."""
+    p = params[name]
+    if not isinstance(p, DTensor):
+        return (), (), ()
+    axes = tuple(a for a, pl in enumerate(p.placements) if pl.is_replicate() and pmesh.axis_size(a) > 1)
+    return axes, tuple(pmesh.axis_size(a) for a in axes), tuple(pmesh.axis_coordinate(a) for a in axes)
 
 
 def attach(module, *, policy: StaticPolicy | AutoPolicy | PlannedPolicy | None = None,

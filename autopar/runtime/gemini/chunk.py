@@ -21,10 +21,22 @@ Per chunk (``Chunk``):
   first of its gradients arrives in backward (``grads``); the parameters' ``.grad`` are views of it;
 - a state: ``COMPUTE`` (an op is using it: never evicted), ``HOLD`` (resident, evictable),
   ``FREE`` (not resident on the device tier).
+
+Sharded chunks (``sharded``, static policy's ``shard_param_frac``; ZeRO-3 style): the chunk's
+parameters are replicated by the plan over ``dp_axes`` (the mesh axes of size > 1 on which every
+one of its parameters is ``Replicate``: the same set the bucketer sums their partial gradients
+over, or a subset of it). Each rank of that group keeps ONE shard of ``shard_elems`` elements
+(``capacity`` padded to a multiple of ``num_shards``): the payload at rest (``shard_buf``, on the
+home tier), the fp32 master, the moments, the landing buffer and the gradient are all shard-sized.
+``device_buf`` is then the gathered working copy of ``work_elems`` elements on the device,
+resident only between fetch (an all-gather) and eviction, like a host-home chunk's device copy
+(``streamed``). Shard ``shard_index`` nests the axes in mesh order: over ``dp_axes[0]`` the
+buffer is cut in ``sizes[0]`` blocks, each block over ``dp_axes[1]`` and so on.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -103,24 +115,75 @@ class Chunk:
     group: tuple | None = None  # planned (payload tier, optimizer tier), if the planner chose
     synced_version: int = -1  # the payload's ``_version`` when the master last matched it
     names: dict[str, Slot] = field(default_factory=dict)
+    dp_axes: tuple[int, ...] = ()  # mesh axes (size > 1) replicating every parameter of the chunk
+    dp_sizes: tuple[int, ...] = ()
+    dp_coords: tuple[int, ...] = ()  # this rank's coordinate on each of them
+    sharded: bool = False
+    shard_buf: torch.Tensor | None = None  # a sharded chunk's payload shard at rest, on ``home``
+    acc: dict = field(default_factory=dict)  # sharded: partial axes -> full local gradient in backward
+    grad_names: set = field(default_factory=set)  # sharded: parameters whose gradient is in ``grad``
 
     def __post_init__(self) -> None:
         self.names = {s.name: s for s in self.slots}
 
     @property
+    def itemsize(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def num_shards(self) -> int:
+        return math.prod(self.dp_sizes)
+
+    @property
+    def shard_index(self) -> int:
+        index = 0
+        for coord, size in zip(self.dp_coords, self.dp_sizes):
+            index = index * size + coord
+        return index
+
+    @property
+    def shard_elems(self) -> int:
+        return -(-self.capacity // self.num_shards)
+
+    @property
+    def elems(self) -> int:
+        """Elements of the payload at rest and of each optimizer-side buffer."""
+        return self.shard_elems if self.sharded else self.capacity
+
+    @property
+    def work_elems(self) -> int:
+        """Elements of the device working copy (``device_buf``)."""
+        return self.shard_elems * self.num_shards if self.sharded else self.capacity
+
+    @property
+    def streamed(self) -> bool:
+        """Is ``device_buf`` a copy fetched on use and evicted (host home, or a sharded chunk)?"""
+        return self.home == "host" or self.sharded
+
+    @property
     def payload_bytes(self) -> int:
-        return self.capacity * torch.empty((), dtype=self.dtype).element_size()
+        """Bytes of the payload at rest (a shard of it when sharded)."""
+        return self.elems * self.itemsize
+
+    @property
+    def full_bytes(self) -> int:
+        """Bytes of the whole payload (what the policies' fractions count)."""
+        return self.capacity * self.itemsize
+
+    @property
+    def work_bytes(self) -> int:
+        return self.work_elems * self.itemsize
 
     @property
     def optim_bytes(self) -> int:
         """fp32 master + two moments (the placement policies' estimate; ``state_bytes`` is exact)."""
-        return 3 * self.capacity * 4
+        return 3 * self.elems * 4
 
     def state_bytes(self, home: str, optim: str) -> int:
         """Optimizer-tier bytes with the payload on ``home`` and the state on ``optim``: two fp32
         moments, the fp32 master unless it is the payload itself, the landing buffer when the
         tiers differ."""
-        n = self.capacity * 4
+        n = self.elems * 4
         return n * (2 + (0 if self.master_is_payload(home, optim) else 1) + (0 if home == optim else 1))
 
     def master_is_payload(self, home: str, optim: str) -> bool:
@@ -128,6 +191,7 @@ class Chunk:
 
     @property
     def grad_bytes(self) -> int:
+        """The gradient chunk at rest (shard-sized when sharded)."""
         return self.payload_bytes
 
     @property
@@ -135,5 +199,18 @@ class Chunk:
         return self.device_buf is not None and self.device_buf.untyped_storage().nbytes() > 0
 
     def view(self, buf: torch.Tensor, name: str) -> torch.Tensor:
+        """Parameter ``name`` within a whole-chunk buffer (the working copy, an unsharded chunk's)."""
         s = self.names[name]
         return buf[s.offset:s.offset + s.numel].view(s.shape)
+
+    def piece(self, name: str) -> tuple[int, int, int, int]:
+        """(start, stop) of parameter ``name``'s elements this rank keeps, within the chunk's
+        ``elems``-sized buffers (payload, master, moments, gradient), and (start, stop) of the same
+        elements within the flattened parameter; empty ranges when the shard holds none of it."""
+        s = self.names[name]
+        if not self.sharded:
+            return s.offset, s.offset + s.numel, 0, s.numel
+        base = self.shard_index * self.shard_elems
+        lo, hi = max(s.offset, base), min(s.offset + s.numel, base + self.shard_elems)
+        hi = max(lo, hi)
+        return lo - base, hi - base, lo - s.offset, hi - s.offset

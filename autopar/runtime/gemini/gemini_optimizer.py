@@ -15,9 +15,18 @@ schedulers, ``clip_grad_norm_`` over ``.grad`` and ``state_dict`` work as usual)
 
 ``zero_grad`` frees the gradient chunks no ``.grad`` refers to any more.
 
+Each parameter is updated on its piece of the chunk's flat buffers (``Chunk.piece``: all of it,
+or for a sharded chunk the part of it in this rank's shard; Adam is elementwise, so the pieces
+together are the whole update). A sharded chunk's gradient is its reduce-scattered shard
+(``grads``); a ``.grad`` set on one of its parameters from outside (torch's checkpoint helpers
+set zeros to initialise state) is used instead, sliced to the piece.
+
 ``state[p]`` holds ``step`` and DTensor views of the chunk's moments, so ``state_dict`` and
 ``torch.distributed.checkpoint`` see the usual Adam state; ``load_state_dict`` copies loaded
-moments back into the chunks (and masters are re-read from the parameters).
+moments back into the chunks (and masters are re-read from the parameters). A sharded chunk's
+parameters keep only ``step`` in ``state``: ``state_dict`` all-gathers their moments over the
+chunk's data-parallel group (a collective: every rank must call it) and ``load_state_dict``
+keeps this rank's pieces of what it is given.
 """
 
 from __future__ import annotations
@@ -29,6 +38,7 @@ from torch.distributed.tensor import DTensor
 
 from autopar.runtime.dtensors import local_of
 from autopar.runtime.gemini.cpu_optim import adam_update_
+from autopar.runtime.gemini.shards import gather_into
 
 __all__ = ["GeminiOptimizer"]
 
@@ -59,11 +69,15 @@ class GeminiOptimizer(torch.optim.Optimizer):
         if not state:
             name, chunk = self._views(p)
             state["step"] = torch.tensor(0.0)
+            lo, hi, _, _ = chunk.piece(name)
             for key in ("exp_avg", "exp_avg_sq"):  # fresh state: the chunk's slice may hold an old one's
-                view = chunk.view(getattr(chunk, key), name)
-                view.zero_()
-                state[key] = _wrap(view, p)
+                getattr(chunk, key)[lo:hi].zero_()
+                if not chunk.sharded:
+                    state[key] = _wrap(chunk.view(getattr(chunk, key), name), p)
         return state
+
+    def _has_grad(self, chunk, name: str, p) -> bool:
+        return p.grad is not None or (chunk.sharded and name in chunk.grad_names)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -74,42 +88,74 @@ class GeminiOptimizer(torch.optim.Optimizer):
         group_of = {id(p): g for g in self.param_groups for p in g["params"]}
         for chunk in manager.chunks:
             members = [(s, manager.params[s.name]) for s in chunk.slots]
-            members = [(s, p) for s, p in members if p.grad is not None and id(p) in group_of]
+            members = [(s, p) for s, p in members if id(p) in group_of and self._has_grad(chunk, s.name, p)]
             if not members:
                 continue
             tier_device = manager._tier_device(chunk.optim_tier)
+            home = manager.home_buf(chunk)
             for s, p in members:
                 g = group_of[id(p)]
                 state = self._init_state(p)
                 state["step"] += 1
+                lo, hi, plo, phi = chunk.piece(s.name)
+                if lo == hi:  # none of it in this rank's shard
+                    continue
                 beta1, beta2 = g["betas"]
-                adam_update_(chunk.view(chunk.master, s.name), self._grad_on(chunk, s.name, p, tier_device),
-                             chunk.view(chunk.exp_avg, s.name), chunk.view(chunk.exp_avg_sq, s.name),
+                adam_update_(chunk.master[lo:hi], self._grad_on(chunk, s.name, p, tier_device),
+                             chunk.exp_avg[lo:hi], chunk.exp_avg_sq[lo:hi],
                              step=int(state["step"].item()), lr=g["lr"], beta1=beta1, beta2=beta2, eps=g["eps"],
                              weight_decay=g["weight_decay"], kind=self.kind)
-            home = manager.home_buf(chunk)
-            if chunk.master is not home:
-                for s, _ in members:
-                    chunk.view(home, s.name).copy_(chunk.view(chunk.master, s.name), non_blocking=False)
+                if chunk.master is not home:
+                    home[lo:hi].copy_(chunk.master[lo:hi], non_blocking=False)
             manager.mark_synced(chunk)
         return None
 
     @staticmethod
     def _grad_on(chunk, name: str, p, device: torch.device) -> torch.Tensor:
-        """``p``'s gradient (fp32) where its optimizer state is: the gradient chunk itself when
-        that is there, else copied into the landing buffer (host-link traffic)."""
-        grad = local_of(p.grad)
+        """``p``'s gradient piece (fp32) where its optimizer state is: the gradient chunk itself
+        when that is there, else copied into the landing buffer (host-link traffic)."""
+        lo, hi, plo, phi = chunk.piece(name)
+        if chunk.sharded and p.grad is None:
+            grad = chunk.grad[lo:hi]
+        else:
+            grad = local_of(p.grad).reshape(-1)[plo:phi]
         if grad.device == device and grad.dtype == torch.float32:
             return grad
         if chunk.landing is None:  # a .grad set from outside onto another tier
             return grad.to(device=device, dtype=torch.float32)
-        view = chunk.view(chunk.landing, name)
+        view = chunk.landing[lo:hi]
         view.copy_(grad)
         return view
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none=set_to_none)
         self.gemini.manager.grads.free_unused()
+        self.gemini.manager.grads.clear_sharded(set_to_none=set_to_none)
+
+    @torch.no_grad()
+    def state_dict(self) -> dict:
+        """torch's, with the moments of sharded chunks' parameters gathered whole (every rank
+        must call: one all-gather per moment and sharded chunk that has state)."""
+        out = super().state_dict()
+        manager = self.gemini.manager
+        index, start = {}, 0  # torch's numbering of the parameters in ``state_dict``
+        for group in self.param_groups:
+            for i, p in enumerate(group["params"], start):
+                index.setdefault(id(p), i)
+            start += len(group["params"])
+        for chunk in manager.chunks:
+            params = [(s.name, manager.params[s.name]) for s in chunk.slots]
+            params = [(name, p) for name, p in params if p in self.state and id(p) in index]
+            if not chunk.sharded or not params:
+                continue
+            for key in ("exp_avg", "exp_avg_sq"):
+                shard = getattr(chunk, key)
+                whole = torch.empty(chunk.work_elems, dtype=shard.dtype, device=manager.device)
+                gather_into(whole, shard.to(manager.device), chunk, manager.pmesh)
+                for name, p in params:
+                    entry = out["state"][index[id(p)]] = dict(out["state"][index[id(p)]])
+                    entry[key] = _wrap(chunk.view(whole, name).to(shard.device), p)
+        return out
 
     def load_state_dict(self, state_dict: dict) -> None:
         super().load_state_dict(state_dict)
@@ -117,8 +163,13 @@ class GeminiOptimizer(torch.optim.Optimizer):
         with torch.no_grad():
             for p, state in list(self.state.items()):
                 name, chunk = self._views(p)
+                lo, hi, plo, phi = chunk.piece(name)
                 for key in ("exp_avg", "exp_avg_sq"):
-                    if key in state:
+                    if key not in state:
+                        continue
+                    if chunk.sharded:  # this rank's piece; the state keeps only ``step``
+                        getattr(chunk, key)[lo:hi].copy_(local_of(state.pop(key)).reshape(-1)[plo:phi])
+                    else:
                         view = chunk.view(getattr(chunk, key), name)
                         view.copy_(local_of(state[key]))
                         state[key] = _wrap(view, p)

@@ -15,6 +15,15 @@ the chunk already, so the bucketer's ``grad += reduced`` lands there. Either way
 parameter's ``.grad`` is a DTensor (its placements) over its slice of the chunk: clipping,
 ``full_gradients`` and the optimizer read it there, and accumulation over several backward
 passes adds into it.
+
+A sharded chunk (``Chunk.sharded``) keeps only this rank's shard of its gradient (``Chunk.grad``,
+``elems`` long, on the payload's home tier), and its parameters' ``.grad`` stay None: during
+backward each contribution is added into a whole-chunk accumulator on the device (one per set of
+mesh axes it is partial over: ``Chunk.acc``; contributions that the graph made complete go to
+the ``()`` one), and at the end of the backward pass (an autograd engine callback, chunks in
+index order, the same on every rank) each accumulator is reduce-scattered over its partial axes
+into the shard (``shards.scatter_sum``) and freed. ``GeminiOptimizer.zero_grad`` clears the
+shards (``clear_sharded``); ``module.zero_grad()`` cannot see them.
 """
 
 from __future__ import annotations
@@ -24,6 +33,7 @@ from torch.distributed.tensor import DTensor
 
 from autopar.runtime.dtensors import local_of
 from autopar.runtime.gemini.chunk import DEVICE
+from autopar.runtime.gemini.shards import scatter_sum
 
 __all__ = ["GradChunks", "wrap_like"]
 
@@ -39,12 +49,13 @@ def wrap_like(view: torch.Tensor, p) -> torch.Tensor:
 class GradChunks:
     def __init__(self, manager) -> None:
         self.manager = manager
+        self._queued = False  # a sharded chunk's flush is queued for the end of this backward
 
     def _buffer(self, chunk) -> torch.Tensor:
         if chunk.grad is None:
             if chunk.home == DEVICE:
                 self.manager._make_room(chunk.grad_bytes)  # streamed chunks may have to go first
-            chunk.grad = self.manager._buffer(chunk.capacity, chunk.dtype, chunk.home, zero=True)
+            chunk.grad = self.manager._buffer(chunk.elems, chunk.dtype, chunk.home, zero=True)
             self.manager.ledger.add("alloc_grad", chunk.index, chunk.home, chunk.grad_bytes)
         return chunk.grad
 
@@ -71,10 +82,15 @@ class GradChunks:
         return view
 
     @torch.no_grad()
-    def arrive(self, name: str, grad: torch.Tensor) -> None:
-        """Parameter ``name``'s local gradient from this backward pass, added to its ``.grad``."""
+    def arrive(self, name: str, grad: torch.Tensor, partial_axes: tuple[int, ...] = ()) -> None:
+        """Parameter ``name``'s local gradient from this backward pass (partial over
+        ``partial_axes``: only for a sharded chunk), added to its ``.grad``."""
         manager = self.manager
         p, chunk = manager.params[name], manager.chunk_of[name]
+        if chunk.sharded:
+            self._accumulate(chunk, name, grad, tuple(sorted(partial_axes)))
+            return
+        assert not partial_axes, (name, partial_axes)
         if p.grad is None:  # the common case: copy, no zero fill first
             view = chunk.view(self._buffer(chunk), name)
             view.copy_(grad.reshape(view.shape))
@@ -83,17 +99,58 @@ class GradChunks:
             view = self.slot(name)
             view.add_(grad.reshape(view.shape))
 
+    def _accumulate(self, chunk, name: str, grad: torch.Tensor, axes: tuple[int, ...]) -> None:
+        manager = self.manager
+        acc = chunk.acc.get(axes)
+        if acc is None:
+            manager._make_room(chunk.work_bytes)
+            acc = chunk.acc[axes] = manager._buffer(chunk.work_elems, chunk.dtype, DEVICE, zero=True)
+            manager.ledger.add("alloc_acc", chunk.index, DEVICE, chunk.work_bytes)
+        view = chunk.view(acc, name)
+        view.add_(grad.reshape(view.shape))
+        chunk.grad_names.add(name)
+        if not self._queued:
+            self._queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self.flush)
+
+    @torch.no_grad()
+    def flush(self) -> None:
+        """End of backward: every sharded chunk's accumulators reduce-scattered into its shard."""
+        self._queued = False
+        manager = self.manager
+        for chunk in manager.chunks:
+            for axes in sorted(chunk.acc):
+                mine = scatter_sum(chunk.acc[axes], axes, chunk, manager.pmesh)
+                shard = self._buffer(chunk)
+                shard.add_(mine.to(shard.device))
+                del mine
+                chunk.acc.pop(axes)
+                manager.ledger.add("free_acc", chunk.index, DEVICE, -chunk.work_bytes)
+
+    def clear_sharded(self, *, set_to_none: bool = True) -> None:
+        """Sharded chunks' gradient shards freed (or zeroed)."""
+        for chunk in self.manager.chunks:
+            if chunk.sharded and chunk.grad is not None:
+                if set_to_none:
+                    chunk.grad = None
+                    chunk.grad_names.clear()
+                    self.manager.ledger.add("free_grad", chunk.index, chunk.home, -chunk.grad_bytes)
+                else:
+                    chunk.grad.zero_()
+
     def target(self, name: str):
         """The gradient bucketer's delivery target for ``name``: the parameter, its ``.grad``
         a view of the chunk (the bucketer adds the reduced gradient into it)."""
+        assert not self.manager.chunk_of[name].sharded, name  # their slots leave the bucketer (gradsync)
         self.slot(name)
         return self.manager.params[name]
 
     def free_unused(self) -> None:
-        """Free the gradient chunks no parameter's ``.grad`` refers to."""
+        """Free the gradient chunks no parameter's ``.grad`` refers to (sharded chunks' shards
+        are the optimizer's to clear: no ``.grad`` refers to them)."""
         manager = self.manager
         for chunk in manager.chunks:
-            if chunk.grad is not None and not any(self.owns(chunk, manager.params[s.name].grad) for s in chunk.slots):
+            if chunk.grad is not None and not chunk.sharded and not any(self.owns(chunk, manager.params[s.name].grad) for s in chunk.slots):
                 chunk.grad = None
                 manager.ledger.add("free_grad", chunk.index, chunk.home, -chunk.grad_bytes)
 
@@ -106,7 +163,7 @@ class GradChunks:
             return
         manager = self.manager
         ours = [s.name for s in chunk.slots if self.owns(chunk, manager.params[s.name].grad)]
-        chunk.grad = manager._buffer(chunk.capacity, chunk.dtype, home)
+        chunk.grad = manager._buffer(chunk.elems, chunk.dtype, home)
         chunk.grad.copy_(old)
         manager.ledger.add("free_grad", chunk.index, old_home, -chunk.grad_bytes)
         manager.ledger.add("alloc_grad", chunk.index, home, chunk.grad_bytes)

@@ -17,8 +17,6 @@ import weakref
 import torch
 import torch.fx as fx
 
-from autopar.runtime.gemini.chunk import HOST
-
 __all__ = ["instrument", "gemini_use", "gemini_release", "SavedHooks"]
 
 _MANAGERS: dict[int, "weakref.ReferenceType"] = {}
@@ -126,7 +124,7 @@ class SavedHooks:
 
     def _chunk_at(self, ptr: int):
         for c in self.manager.chunks:
-            if c.home == HOST and c.resident and c.device_buf.untyped_storage().data_ptr() == ptr:
+            if c.streamed and c.resident and c.device_buf.untyped_storage().data_ptr() == ptr:
                 return c
         return None
 

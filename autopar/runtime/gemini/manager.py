@@ -31,6 +31,7 @@ import torch
 from autopar.runtime.dtensors import local_of
 from autopar.runtime.gemini.chunk import COMPUTE, DEVICE, FREE, HOLD, HOST, Chunk, Slot, pack, search_chunk_size
 from autopar.runtime.gemini.grads import GradChunks
+from autopar.runtime.gemini.shards import gather_into
 
 __all__ = ["Ledger", "Move", "ChunkManager", "ChunkRange"]
 
@@ -89,14 +90,15 @@ class ChunkManager:
 
     def __init__(self, params: list[tuple[str, torch.nn.Parameter]], *, device: torch.device,
                  tiers_of, chunk_range: ChunkRange, pin_memory: bool, budget: int | None,
-                 group_of=None, stream_bytes: int | None = None) -> None:
+                 group_of=None, stream_bytes: int | None = None, dp_of=None, pmesh=None) -> None:
         self.device = torch.device(device)
+        self.pmesh = pmesh  # per-axis process groups, for sharded chunks' collectives
         self.pin = bool(pin_memory) and self.device.type == "cuda"
         self.ledger = Ledger(budget=budget)
         self.params = dict(params)
         self.chunks: list[Chunk] = []
         self.chunk_of: dict[str, Chunk] = {}
-        self._build(params, chunk_range, group_of or (lambda name: None))
+        self._build(params, chunk_range, group_of or (lambda name: None), dp_of or (lambda name: ((), (), ())))
         for chunk, (home, optim) in zip(self.chunks, tiers_of([c.payload_bytes for c in self.chunks],
                                                               [c.optim_bytes for c in self.chunks], self.chunks)):
             self._place_initial(chunk, home, optim)
@@ -114,16 +116,18 @@ class ChunkManager:
         self.saved: dict[int, int] = {}  # storage pointer -> bytes autograd saved (non-model data, CPU)
 
     # ------------------------------------------------------------------------------ building
-    def _build(self, params, chunk_range: ChunkRange, group_of) -> None:
-        """Chunks per (dtype, group) in parameter order; ``group_of(name)``: the planned tiers.
+    def _build(self, params, chunk_range: ChunkRange, group_of, dp_of) -> None:
+        """Chunks per (dtype, group, data-parallel axes) in parameter order; ``group_of(name)``:
+        the planned tiers; ``dp_of(name)``: (axes, their sizes, this rank's coordinates) the
+        parameter is replicated over (so a chunk can be sharded over them: static policies).
         A planned host-home group is packed into chunks no larger than its largest parameter:
         the planner prices streaming per parameter (two in flight), so larger chunks would hold
         more on the device than it planned; and each such chunk is as large as what it holds
         (streamed chunks need no common size), so they carry no padding."""
         runs: dict[tuple, list[tuple[str, torch.Tensor]]] = {}
         for name, p in params:
-            runs.setdefault((p.dtype, group_of(name)), []).append((name, local_of(p)))
-        for (dtype, group), items in runs.items():
+            runs.setdefault((p.dtype, group_of(name), dp_of(name)), []).append((name, local_of(p)))
+        for (dtype, group, dp), items in runs.items():
             sizes = [t.numel() for _, t in items]
             if group is not None and group[0] == HOST:
                 capacity = max(sizes)
@@ -138,7 +142,8 @@ class ChunkManager:
                     name, t = items[i]
                     slots.append(Slot(name, offset, t.numel(), tuple(t.shape)))
                     offset += t.numel()
-                chunk = Chunk(len(self.chunks), slots, capacity, dtype, group=group)
+                chunk = Chunk(len(self.chunks), slots, capacity, dtype, group=group, dp_axes=dp[0], dp_sizes=dp[1],
+                              dp_coords=dp[2])
                 self.chunks.append(chunk)
                 for s in slots:
                     self.chunk_of[s.name] = chunk
@@ -166,14 +171,14 @@ class ChunkManager:
         if chunk.master_is_payload(home, optim):
             chunk.master = payload
         else:
-            chunk.master = self._buffer(chunk.capacity, torch.float32, optim)
+            chunk.master = self._buffer(chunk.elems, torch.float32, optim)
             chunk.master.copy_(master)
         for attr, value in zip(("exp_avg", "exp_avg_sq"), moments or (None, None)):
-            buf = self._buffer(chunk.capacity, torch.float32, optim, zero=value is None)
+            buf = self._buffer(chunk.elems, torch.float32, optim, zero=value is None)
             if value is not None:
                 buf.copy_(value)
             setattr(chunk, attr, buf)
-        chunk.landing = None if home == optim else self._buffer(chunk.capacity, torch.float32, optim, zero=True)
+        chunk.landing = None if home == optim else self._buffer(chunk.elems, torch.float32, optim, zero=True)
         self.ledger.add("alloc", chunk.index, optim, chunk.state_bytes(home, optim))
         chunk.optim_tier = optim
 
@@ -181,6 +186,14 @@ class ChunkManager:
         """``buf`` becomes ``chunk``'s payload on tier ``home`` (a host chunk keeps an empty
         device buffer to fetch into) and its parameters view it."""
         chunk.home = home
+        if chunk.sharded:  # the parameters view the working copy, gathered on use
+            chunk.shard_buf, chunk.host_buf, chunk.state = buf, None, FREE
+            chunk.device_buf = torch.empty(chunk.work_elems, dtype=chunk.dtype, device=self.device)
+            self._point_params(chunk, chunk.device_buf)  # while the storage has its size (set_ checks it)
+            chunk.device_buf.untyped_storage().resize_(0)
+            self.mark_synced(chunk)
+            return
+        chunk.shard_buf = None
         if home == DEVICE:
             chunk.device_buf, chunk.host_buf, chunk.state = buf, None, HOLD
         else:
@@ -201,29 +214,55 @@ class ChunkManager:
             local.set_(buf.untyped_storage(), buf.storage_offset() + s.offset, s.shape, _stride(s.shape))
 
     @torch.no_grad()
-    def replace(self, chunk: Chunk, home: str, optim: str) -> None:
+    def replace(self, chunk: Chunk, home: str, optim: str, sharded: bool | None = None) -> None:
         """Move ``chunk``'s payload home and optimizer state to new tiers (after a warm-up, or
-        a new policy); a live gradient chunk moves with the payload."""
-        if (home, optim) == (chunk.home, chunk.optim_tier):
+        a new policy), and shard or unshard it (``sharded``; None: as it is); a live gradient
+        chunk moves with the payload. Unsharding all-gathers (every rank of the chunk's
+        data-parallel group must re-place it alike); sharding keeps this rank's slice."""
+        sharded = chunk.sharded if sharded is None else bool(sharded)
+        if (home, optim, sharded) == (chunk.home, chunk.optim_tier, chunk.sharded):
             return
-        if chunk.resident and chunk.home == HOST:
+        reshard = sharded != chunk.sharded
+        if reshard and (chunk.grad is not None or chunk.acc):
+            raise ValueError(f"gemini: chunk {chunk.index} holds gradients; call optimizer.zero_grad() before "
+                             f"changing shard_param_frac")
+        if sharded and chunk.num_shards < 2:
+            raise ValueError(f"gemini: chunk {chunk.index} has no data-parallel axis to shard over (its parameters "
+                             f"are replicated on no mesh axis of size > 1)")
+        if chunk.resident and chunk.streamed:
             self.evict(chunk)
         old_home, old_optim, old_buf = chunk.home, chunk.optim_tier, self.home_buf(chunk)
         self.ledger.add("free", chunk.index, old_optim, -chunk.state_bytes(old_home, old_optim))
-        buf = old_buf
-        if home != old_home:
+        buf, master, moments = old_buf, chunk.master, (chunk.exp_avg, chunk.exp_avg_sq)
+        if home != old_home or reshard:
             self.ledger.add("free", chunk.index, old_home, -chunk.payload_bytes)
-            buf = self._buffer(chunk.capacity, chunk.dtype, home)
+            if reshard:
+                old_buf, master, *moments = [self._reshard(chunk, t, sharded) for t in (old_buf, master, *moments)]
+                chunk.sharded = sharded
+            buf = self._buffer(chunk.elems, chunk.dtype, home)
             buf.copy_(old_buf)
             self.ledger.add("alloc", chunk.index, home, chunk.payload_bytes)
-        self._set_optim(chunk, home, optim, payload=buf, master=chunk.master,
-                        moments=(chunk.exp_avg, chunk.exp_avg_sq))
-        if home != old_home:
+        self._set_optim(chunk, home, optim, payload=buf, master=master, moments=moments)
+        if home != old_home or reshard:
             self._set_home(chunk, home, buf)
             self.grads.move(chunk, old_home, home)
 
+    def _reshard(self, chunk: Chunk, t: torch.Tensor, sharded: bool) -> torch.Tensor:
+        """``t`` (a whole-chunk buffer, or this rank's shard of one) as the other: this rank's
+        slice of the zero-padded buffer, or all shards gathered (the padding dropped)."""
+        size = chunk.shard_elems
+        if sharded:
+            padded = torch.zeros(size * chunk.num_shards, dtype=t.dtype, device=t.device)
+            padded[:chunk.capacity].copy_(t)
+            return padded[chunk.shard_index * size:(chunk.shard_index + 1) * size].clone()
+        out = torch.empty(size * chunk.num_shards, dtype=t.dtype, device=self.device)
+        gather_into(out, t.to(self.device), chunk, self.pmesh)
+        return out[:chunk.capacity]
+
     @staticmethod
     def home_buf(chunk: Chunk) -> torch.Tensor:
+        if chunk.sharded:
+            return chunk.shard_buf
         return chunk.host_buf if chunk.home == HOST else chunk.device_buf
 
     def _versions(self, chunk: Chunk) -> int:
@@ -237,13 +276,15 @@ class ChunkManager:
 
     @torch.no_grad()
     def sync_masters(self, *, force: bool = False) -> None:
-        """fp32 masters re-read from payloads written since the last sync."""
+        """fp32 masters re-read from payloads written since the last sync. A sharded chunk's
+        parameters view its working copy, written only by ``Gemini``'s state loading, which
+        brings the shards and masters up to date itself: they are re-read here when forced."""
         for chunk in self.chunks:
             home = self.home_buf(chunk)
-            if force or self._versions(chunk) != chunk.synced_version:
+            if force or (not chunk.sharded and self._versions(chunk) != chunk.synced_version):
                 if chunk.master is not home:
                     chunk.master.copy_(home)
-                if chunk.resident and chunk.home == HOST and chunk.pins == 0:
+                if chunk.resident and chunk.streamed and chunk.pins == 0:
                     self.evict(chunk)  # its device copy is stale
                 self.mark_synced(chunk)
 
@@ -266,7 +307,7 @@ class ChunkManager:
         """``chunk`` on the device and pinned (``COMPUTE``); prefetch the next one."""
         self.trace.append(chunk.index)
         self._pos = len(self.trace)
-        if chunk.home == HOST and not chunk.resident:
+        if chunk.streamed and not chunk.resident:
             self._fetch(chunk, event="fetch")
         event = self._events.pop(chunk.index, None)
         if event is not None:
@@ -275,6 +316,13 @@ class ChunkManager:
         chunk.state = COMPUTE
         self._prefetch()
 
+    def hold(self, chunk: Chunk) -> None:
+        """``chunk`` on the device and pinned, outside the step's access order (state I/O)."""
+        if chunk.streamed and not chunk.resident:
+            self._fetch(chunk, event="fetch")
+        chunk.pins += 1
+        chunk.state = COMPUTE
+
     def release(self, chunk: Chunk) -> None:
         assert chunk.pins > 0, chunk.index
         chunk.pins -= 1
@@ -282,12 +330,15 @@ class ChunkManager:
             chunk.state = HOLD
 
     def _fetch(self, chunk: Chunk, *, event: str) -> None:
-        self._make_room(chunk.payload_bytes, keep=chunk)
+        self._make_room(chunk.work_bytes, keep=chunk)
         self._sample_non_model()
-        chunk.device_buf.untyped_storage().resize_(chunk.payload_bytes)
-        self.streamed += chunk.payload_bytes
-        self.ledger.add(event, chunk.index, DEVICE, chunk.payload_bytes)
-        if self.stream is not None and event == "prefetch":
+        chunk.device_buf.untyped_storage().resize_(chunk.work_bytes)
+        self.streamed += chunk.work_bytes
+        self.ledger.add(event, chunk.index, DEVICE, chunk.work_bytes)
+        if chunk.sharded:  # an all-gather: on the compute stream (collectives keep their own order)
+            shard = chunk.shard_buf.to(self.device, non_blocking=self.pin)
+            gather_into(chunk.device_buf, shard, chunk, self.pmesh)
+        elif self.stream is not None and event == "prefetch":
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self.stream):
                 chunk.device_buf.copy_(chunk.host_buf, non_blocking=True)
@@ -300,18 +351,18 @@ class ChunkManager:
             chunk.state = HOLD
 
     def evict(self, chunk: Chunk) -> None:
-        assert chunk.home == HOST and chunk.pins == 0 and chunk.resident, chunk.index
+        assert chunk.streamed and chunk.pins == 0 and chunk.resident, chunk.index
         event = self._events.pop(chunk.index, None)
         if event is not None:
             event.synchronize()
         chunk.device_buf.untyped_storage().resize_(0)
-        self.streamed -= chunk.payload_bytes
-        self.ledger.add("evict", chunk.index, DEVICE, -chunk.payload_bytes)
+        self.streamed -= chunk.work_bytes
+        self.ledger.add("evict", chunk.index, DEVICE, -chunk.work_bytes)
         chunk.state = FREE
 
     def evict_all(self) -> None:
         for c in self.chunks:
-            if c.home == HOST and c.resident and c.pins == 0:
+            if c.streamed and c.resident and c.pins == 0:
                 self.evict(c)
 
     def _next_use(self, chunk: Chunk) -> float:
@@ -327,7 +378,7 @@ class ChunkManager:
 
     def _make_room(self, nbytes: int, *, keep: Chunk | None = None) -> None:
         while self._over(nbytes):
-            victims = [c for c in self.chunks if c.home == HOST and c.resident and c.pins == 0 and c is not keep]
+            victims = [c for c in self.chunks if c.streamed and c.resident and c.pins == 0 and c is not keep]
             if not victims:
                 return  # the ledger raises on the move that exceeds the budget; the stream room may stretch
             self.evict(max(victims, key=self._next_use))
@@ -336,7 +387,7 @@ class ChunkManager:
         if not self.order or self._pos >= len(self.order):
             return
         nxt = self.chunks[self.order[self._pos]]
-        if nxt.home != HOST or nxt.resident or self._over(nxt.payload_bytes):
+        if not nxt.streamed or nxt.resident or self._over(nxt.work_bytes):
             return  # prefetch never evicts
         self._fetch(nxt, event="prefetch")
 
@@ -354,7 +405,8 @@ class ChunkManager:
                 "padding_elems": self.padding, "device_bytes": self.ledger.bytes[DEVICE],
                 "host_bytes": self.ledger.bytes[HOST], "peak_device_bytes": self.ledger.peak[DEVICE],
                 "peak_host_bytes": self.ledger.peak[HOST], "num_moves": len(self.ledger.log),
-                "tiers": [(c.home, c.optim_tier) for c in self.chunks]}
+                "tiers": [(c.home, c.optim_tier) for c in self.chunks],
+                "sharded": [c.index for c in self.chunks if c.sharded]}
 
 
 def _own_local(param) -> torch.Tensor:

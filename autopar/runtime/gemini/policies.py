@@ -8,9 +8,14 @@
   weights and optimizer state live on the host and are updated there by the CPU optimizer.
   Gemini ignores ``offload_param_frac`` unless this is 1; here any mix runs (a host payload
   with device optimizer state is updated on the device and copied back);
-- ``shard_param_frac``: Gemini's fraction of chunks sharded over the data-parallel group. In
-  autopar a parameter's sharding is the plan's layout (ZeRO-3 is a layout, ZeRO-1/2 a planner
-  decision), so only 0 is accepted here: plan with ``zero_stage`` / a memory budget instead;
+- ``shard_param_frac``: the fraction of chunks (the first ones, by bytes) sharded ZeRO-3 style
+  over their data-parallel group: the mesh axes (of size > 1) on which the plan keeps every
+  parameter of the chunk replicated (chunks are built per such axis set). Each rank keeps 1/dp
+  of the payload, of the fp32 master and moments and of the gradient; the chunk is all-gathered
+  when an op uses it (forward and backward) and dropped after, its gradient reduce-scattered into
+  the shard at the end of backward (``chunk``, ``shards``, ``grads``). A chunk whose parameters are
+  replicated on no such axis (the plan shards them everywhere already) stays whole. Composes with
+  the offload fractions: a sharded chunk's shard lives on the host or the device like any payload;
 - ``pin_memory``: host buffers in pinned memory (CUDA only; ignored on a CPU device).
 - ``device_budget``: bytes of model data (chunk payloads, master weights, optimizer state,
   gradient chunks from backward to ``zero_grad``) the device tier may hold; ``None`` = unbounded.
@@ -28,8 +33,8 @@ from dataclasses import dataclass
 
 from autopar.runtime.gemini.chunk import DEVICE, HOST
 
-__all__ = ["StaticPolicy", "AutoPolicy", "PlannedPolicy", "policy_from_plan", "static_tiers", "auto_tiers",
-           "make_policy"]
+__all__ = ["StaticPolicy", "AutoPolicy", "PlannedPolicy", "policy_from_plan", "static_tiers", "static_shards",
+           "auto_tiers", "make_policy"]
 
 
 def _frac(value, what: str) -> float:
@@ -57,9 +62,6 @@ class StaticPolicy:
     def __post_init__(self) -> None:
         for name in ("shard_param_frac", "offload_optim_frac", "offload_param_frac"):
             object.__setattr__(self, name, _frac(getattr(self, name), name))
-        if self.shard_param_frac != 0.0:
-            raise ValueError(f"shard_param_frac={self.shard_param_frac!r}: autopar shards parameters by the plan's "
-                             f"layouts (zero_stage, memory_budget), not by chunk; use shard_param_frac=0")
         if not isinstance(self.pin_memory, bool):
             raise ValueError(f"pin_memory must be a bool, got {self.pin_memory!r}")
         object.__setattr__(self, "device_budget", _budget(self.device_budget))
@@ -136,6 +138,13 @@ def static_tiers(payload: list[int], policy: StaticPolicy) -> list[tuple[str, st
     params = _first_fraction(payload, policy.offload_param_frac)
     optim = _first_fraction(payload, policy.offload_optim_frac)
     return [(HOST if i in params else DEVICE, HOST if i in optim else DEVICE) for i in range(len(payload))]
+
+
+def static_shards(payload: list[int], policy: StaticPolicy, shardable: list[bool]) -> list[bool]:
+    """Per chunk: sharded? The leading chunks holding ``shard_param_frac`` of the (whole) payload
+    bytes, those of them that have a data-parallel group (``shardable``)."""
+    first = _first_fraction(payload, policy.shard_param_frac)
+    return [i in first and ok for i, ok in enumerate(shardable)]
 
 
 def auto_tiers(payload: list[int], optim: list[int], *, budget: int, non_model_peak: int,
