@@ -159,11 +159,19 @@ def _train_cases(rank, world, jobs):
             g.reload_masters()
             opt = g.optimizer(torch.optim.AdamW, dict(lr=LR, eps=EPS))
             start = len(g.manager.ledger.log)
-            for _ in range(STEPS):
+            for step in range(STEPS):
+                last = len(g.manager.ledger.log)
                 pm(**inputs).loss.backward()
                 opt.step()
                 opt.zero_grad()
             moves = g.manager.ledger.log[start:]
+            # Whole gradients of sharded chunks alive at once in the last backward (each chunk is
+            # reduce-scattered once its contributions are in, as learned from the pass before).
+            live = acc_peak = 0
+            for m in g.manager.ledger.log[last:]:
+                if m.event in ("alloc_acc", "free_acc"):
+                    live += m.nbytes
+                    acc_peak = max(acc_peak, live)
             host_chunks = sum(c.home == HOST for c in chunks)
             # At rest, a sharded chunk holds its shard (1/dp of the padded payload), no gathered copy.
             shards = [(c.payload_bytes, c.full_bytes, c.num_shards, c.itemsize,
@@ -174,7 +182,7 @@ def _train_cases(rank, world, jobs):
             out.append(((shard_frac, optim_frac, param_frac), name, pm.full_state_dict(), budget,
                         max(m.device_bytes for m in moves), sum(m.event == "evict" for m in moves), host_chunks,
                         len(chunks), g.manager.ledger.bytes.copy(), _expected_bytes(g.manager), shards, resting,
-                        sum(whole)))
+                        sum(whole), acc_peak, max(c.work_bytes for c in chunks)))
     return out
 
 
@@ -208,7 +216,7 @@ def test_offload_trains_like_one_device_within_the_device_budget(mesh):
     for rank_results in results:
         assert len(rank_results) == 2 * len(CASES)
         for (s, o, p), name, full, budget, max_dev, evictions, host_chunks, num_chunks, ledger, real, shards, \
-                resting, num_whole in rank_results:
+                resting, num_whole, acc_peak, max_work in rank_results:
             where = f"{name} {mesh} shard={s} optim={o} param={p}"
             for k, v in full.items():
                 assert torch.allclose(v, want[name][k], rtol=1e-4, atol=1e-5), f"{where}: {k}"
@@ -228,6 +236,7 @@ def test_offload_trains_like_one_device_within_the_device_budget(mesh):
                 assert home_bytes == payload and gathered == 0, where
                 assert 0 <= payload * num_shards - whole_bytes < num_shards * itemsize, where  # 1/dp, padded
             assert ledger[DEVICE] == resting, (where, ledger, resting)  # at rest: what the device keeps
+            assert (acc_peak > 0) == (s > 0) and acc_peak <= 3 * max_work, (where, acc_peak, max_work, len(shards))
 
 
 AUTO_BUDGET = 1_300_000

@@ -20,9 +20,13 @@ A sharded chunk (``Chunk.sharded``) keeps only this rank's shard of its gradient
 ``elems`` long, on the payload's home tier), and its parameters' ``.grad`` stay None: during
 backward each contribution is added into a whole-chunk accumulator on the device (one per set of
 mesh axes it is partial over: ``Chunk.acc``; contributions that the graph made complete go to
-the ``()`` one), and at the end of the backward pass (an autograd engine callback, chunks in
-index order, the same on every rank) each accumulator is reduce-scattered over its partial axes
-into the shard (``shards.scatter_sum``) and freed. ``GeminiOptimizer.zero_grad`` clears the
+the ``()`` one), and each accumulator is reduce-scattered over its partial axes into the shard
+(``shards.scatter_sum``) and freed as soon as the chunk has received as many contributions as it
+did in the previous backward pass (learned per pass; the arrival order is the autograd engine's,
+the same on every rank of the group), so about one chunk's whole gradient is alive at a time, as
+in ZeRO-3. Whatever is left -- the first pass, a pass that differs -- is reduce-scattered at the
+end of the backward pass (an autograd engine callback, chunks in index order); reduce-scatters
+are linear, so a chunk scattered in two rounds adds up to the same shard. ``GeminiOptimizer.zero_grad`` clears the
 shards (``clear_sharded``); ``module.zero_grad()`` cannot see them.
 """
 
@@ -50,6 +54,9 @@ class GradChunks:
     def __init__(self, manager) -> None:
         self.manager = manager
         self._queued = False  # a sharded chunk's flush is queued for the end of this backward
+        self._expected: dict[int, int] = {}  # sharded chunk -> contributions in the last backward pass
+        self._arrived: dict[int, int] = {}  # ... in this one
+        self.early = 0  # chunks reduce-scattered before the end of their backward pass (statistics)
 
     def _buffer(self, chunk) -> torch.Tensor:
         if chunk.grad is None:
@@ -112,20 +119,29 @@ class GradChunks:
         if not self._queued:
             self._queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self.flush)
+        arrived = self._arrived[chunk.index] = self._arrived.get(chunk.index, 0) + 1
+        if arrived == self._expected.get(chunk.index):
+            self.early += 1
+            self._scatter(chunk)
 
     @torch.no_grad()
-    def flush(self) -> None:
-        """End of backward: every sharded chunk's accumulators reduce-scattered into its shard."""
-        self._queued = False
+    def _scatter(self, chunk) -> None:
+        """``chunk``'s accumulators reduce-scattered into its gradient shard, and freed."""
         manager = self.manager
-        for chunk in manager.chunks:
-            for axes in sorted(chunk.acc):
-                mine = scatter_sum(chunk.acc[axes], axes, chunk, manager.pmesh)
-                shard = self._buffer(chunk)
-                shard.add_(mine.to(shard.device))
-                del mine
-                chunk.acc.pop(axes)
-                manager.ledger.add("free_acc", chunk.index, DEVICE, -chunk.work_bytes)
+        for axes in sorted(chunk.acc):
+            mine = scatter_sum(chunk.acc[axes], axes, chunk, manager.pmesh)
+            shard = self._buffer(chunk)
+            shard.add_(mine.to(shard.device))
+            del mine
+            chunk.acc.pop(axes)
+            manager.ledger.add("free_acc", chunk.index, DEVICE, -chunk.work_bytes)
+
+    def flush(self) -> None:
+        """End of backward: what is left of the sharded chunks' accumulators, reduce-scattered."""
+        self._queued = False
+        for chunk in self.manager.chunks:
+            self._scatter(chunk)
+        self._expected, self._arrived = self._arrived, {}
 
     def clear_sharded(self, *, set_to_none: bool = True) -> None:
         """Sharded chunks' gradient shards freed (or zeroed)."""
