@@ -126,7 +126,9 @@ def _reference(model, inputs):
         m(**inputs).loss.backward()
         opt.step()
         opt.zero_grad()
-    return {k: v.detach() for k, v in m.state_dict().items()}
+    m(**inputs).loss.backward()  # the gradients of a 6th step, for full_gradients
+    grads = {k: p.grad.detach() for k, p in m.named_parameters()}
+    return {k: v.detach() for k, v in m.state_dict().items()}, grads
 
 
 def _fast(shape):
@@ -164,6 +166,12 @@ def _train_cases(rank, world, jobs):
                 pm(**inputs).loss.backward()
                 opt.step()
                 opt.zero_grad()
+            grads = None
+            if (shard_frac, optim_frac, param_frac) == (1.0, 0.0, 0.0):  # sharded gradients gathered on demand
+                pm(**inputs).loss.backward()
+                grads = pm.full_gradients()
+                opt.zero_grad()
+                g.manager.evict_all()  # no step follows to drop the gathered copies: at rest again
             moves = g.manager.ledger.log[start:]
             # Whole gradients of sharded chunks alive at once in the last backward (each chunk is
             # reduce-scattered once its contributions are in, as learned from the pass before).
@@ -182,7 +190,7 @@ def _train_cases(rank, world, jobs):
             out.append(((shard_frac, optim_frac, param_frac), name, pm.full_state_dict(), budget,
                         max(m.device_bytes for m in moves), sum(m.event == "evict" for m in moves), host_chunks,
                         len(chunks), g.manager.ledger.bytes.copy(), _expected_bytes(g.manager), shards, resting,
-                        sum(whole), acc_peak, max(c.work_bytes for c in chunks)))
+                        sum(whole), acc_peak, max(c.work_bytes for c in chunks), grads))
     return out
 
 
@@ -206,20 +214,24 @@ def _expected_bytes(manager) -> dict:
 
 @pytest.mark.parametrize("mesh", [(2,), (2, 2)])
 def test_offload_trains_like_one_device_within_the_device_budget(mesh):
-    jobs, want = [], {}
+    jobs, want, want_grads = [], {}, {}
     for name in ("gpt2", "llama-1b"):
         model, inputs = _model(name)
-        want[name] = _reference(model, inputs)
+        want[name], want_grads[name] = _reference(model, inputs)
         plan = plan_model(model, inputs, mesh=_fast(mesh), options=PlanOptions(zero_stage=0, checkpoint="none")).plan
         jobs.append((name, model, inputs, plan))
     results = run_local(_train_cases, math.prod(mesh), jobs, timeout=240)
     for rank_results in results:
         assert len(rank_results) == 2 * len(CASES)
         for (s, o, p), name, full, budget, max_dev, evictions, host_chunks, num_chunks, ledger, real, shards, \
-                resting, num_whole, acc_peak, max_work in rank_results:
+                resting, num_whole, acc_peak, max_work, grads in rank_results:
             where = f"{name} {mesh} shard={s} optim={o} param={p}"
             for k, v in full.items():
                 assert torch.allclose(v, want[name][k], rtol=1e-4, atol=1e-5), f"{where}: {k}"
+            if s == 1.0 and (o, p) == (0.0, 0.0):
+                assert all(grads[k] is not None for k in want_grads[name]), where
+                for k, v in want_grads[name].items():
+                    assert torch.allclose(grads[k], v, rtol=1e-4, atol=1e-5), f"{where}: grad {k}"
             assert max_dev <= budget, (where, max_dev, budget)
             assert ledger == real, (where, ledger, real)
             assert num_chunks >= 3, (where, num_chunks)
@@ -267,7 +279,7 @@ def _auto_and_planned(rank, world, model, inputs, plan, tiers):
 
 def test_auto_policy_places_after_warmup_and_planned_tiers_are_kept():
     model, inputs = _model("gpt2")
-    want = _reference(model, inputs)
+    want, _ = _reference(model, inputs)
     plan = plan_model(model, inputs, mesh=(2,), options=PlanOptions(zero_stage=0, checkpoint="none")).plan
     names = [n for n, p in model.named_parameters()]
     tiers = {n: (HOST, HOST) if i % 3 == 0 else (HOST, DEVICE) if i % 3 == 1 else (DEVICE, DEVICE)

@@ -12,11 +12,17 @@ payloads are read-only during a step, so evicting frees the device buffer withou
 After each fetch the next chunk in the recorded order is prefetched when it fits without
 evicting anything (a side stream on CUDA; synchronous on CPU, same code path).
 
+Sharded chunks (``Chunk.sharded``) are streamed the same way: their fetch is an all-gather of
+the ranks' shards into the device working copy (``shards.gather_into``, synchronous: collectives
+keep one order on every rank, which the shared access order and byte counts guarantee), their
+eviction drops it; ``replace`` shards (keeps this rank's slice) and unshards (all-gathers).
+
 ``ledger``: bytes per tier, allocated and freed through it only, so the figures are exact: the
 device tier holds device-home payloads, resident host-home payloads, device optimizer state
 (2 moments, the fp32 master unless it is the payload, a landing buffer for a host payload's
 gradients) and the gradient chunks of device-home chunks (from the backward that makes them
-to ``zero_grad``, ``grads``); the host tier the rest. These are the model states the planner
+to ``zero_grad``, ``grads``), sharded chunks' gathered copies and whole-gradient
+accumulators while they exist; the host tier the rest. These are the model states the planner
 prices per parameter (``offload_info["device_model_bytes"]``). Every move (alloc, free, fetch,
 prefetch, evict, alloc_grad, free_grad) is logged with the device bytes after it; ``peak`` per tier.
 """
