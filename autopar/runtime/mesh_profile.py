@@ -114,6 +114,33 @@ def _linear_relative_fit(pts: list[tuple[float, float]]) -> tuple[float, float]:
     return max(alpha, 1e-3 * t_min), max(beta, 1e-3 * t_min / max(x_max, 1.0))
 
 
+def _lm_step(pts, p: float, q: float, damping: float, current: float, loss):
+    """One Levenberg-Marquardt step from (log alpha, log beta) = (p, q): (dp, dq, new loss, the
+    damping that gave it), or None when no damping up to 1e12 lowers the loss."""
+    a, b = math.exp(p), math.exp(q)
+    jtj = [[0.0, 0.0], [0.0, 0.0]]
+    jtr = [0.0, 0.0]
+    for x, t in pts:
+        m = a + b * x
+        r = math.log(m) - math.log(t)
+        j = (a / m, b * x / m)  # d r / d(log alpha), d r / d(log beta)
+        for i in range(2):
+            jtr[i] += j[i] * r
+            for k in range(2):
+                jtj[i][k] += j[i] * j[k]
+    while damping <= 1e12:
+        h00, h11 = jtj[0][0] * (1 + damping), jtj[1][1] * (1 + damping)
+        det = h00 * h11 - jtj[0][1] * jtj[1][0]
+        if det > 0:
+            dp = -(h11 * jtr[0] - jtj[0][1] * jtr[1]) / det
+            dq = -(h00 * jtr[1] - jtj[1][0] * jtr[0]) / det
+            trial = loss(p + dp, q + dq)
+            if trial <= current:
+                return dp, dq, trial, damping
+        damping *= 10
+    return None
+
+
 def fit_alpha_beta(points: Sequence[tuple[float, float]], *, iterations: int = 100) -> tuple[float, float]:
     """Least squares of ``log(alpha + beta * x) - log(t)`` over ``points`` = ``(x, t)``.
 
@@ -132,38 +159,20 @@ def fit_alpha_beta(points: Sequence[tuple[float, float]], *, iterations: int = 1
     p, q = math.log(alpha), math.log(beta)
 
     def loss(p: float, q: float) -> float:
-        a, b = math.exp(p), math.exp(q)
-        return sum((math.log(a + b * x) - math.log(t)) ** 2 for x, t in pts)
+        # A wild trial step (noisy, non-monotone timings) can leave exp's range: an infinite
+        # loss rejects it, as any worse step is rejected, and the damping grows.
+        try:
+            a, b = math.exp(p), math.exp(q)
+            return sum((math.log(a + b * x) - math.log(t)) ** 2 for x, t in pts)
+        except (OverflowError, ValueError):
+            return math.inf
 
     damping, current = 1e-3, loss(p, q)
     for _ in range(iterations):
-        a, b = math.exp(p), math.exp(q)
-        jtj = [[0.0, 0.0], [0.0, 0.0]]
-        jtr = [0.0, 0.0]
-        for x, t in pts:
-            m = a + b * x
-            r = math.log(m) - math.log(t)
-            j = (a / m, b * x / m)  # d r / d(log alpha), d r / d(log beta)
-            for i in range(2):
-                jtr[i] += j[i] * r
-                for k in range(2):
-                    jtj[i][k] += j[i] * j[k]
-        while True:
-            h00, h11 = jtj[0][0] * (1 + damping), jtj[1][1] * (1 + damping)
-            det = h00 * h11 - jtj[0][1] * jtj[1][0]
-            if det <= 0:
-                damping *= 10
-                if damping > 1e12:
-                    return math.exp(p), math.exp(q)
-                continue
-            dp = -(h11 * jtr[0] - jtj[0][1] * jtr[1]) / det
-            dq = -(h00 * jtr[1] - jtj[1][0] * jtr[0]) / det
-            trial = loss(p + dp, q + dq)
-            if trial <= current:
-                break
-            damping *= 10
-            if damping > 1e12:
-                return math.exp(p), math.exp(q)
+        step = _lm_step(pts, p, q, damping, current, loss)
+        if step is None:  # no damping makes progress: (p, q) is as good as it gets
+            break
+        dp, dq, trial, damping = step
         p, q = p + dp, q + dq
         improvement, current = current - trial, trial
         damping = max(damping / 10, 1e-9)

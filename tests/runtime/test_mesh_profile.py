@@ -129,3 +129,25 @@ def test_profile_rejects_bad_arguments():
         return True
 
     assert run_local(wrong_world, 2) == [True, True]
+
+
+def test_fit_survives_noisy_timings():
+    """Noisy, non-monotone timings (tiny calls on a loaded host) either fit to a positive
+    (alpha, beta) or are refused with ValueError: never an OverflowError from a wild step, never
+    a beta of 0 slipping past the bandwidth check."""
+    import random
+
+    from autopar.runtime.mesh_profile import fit_alpha_beta
+
+    rng = random.Random(0)
+    fitted = 0
+    for _ in range(400):
+        xs = [0, 2 ** rng.randint(0, 6), 2 ** rng.randint(6, 12), 2 ** rng.randint(12, 20)]
+        points = [(x, rng.uniform(1e-5, 1e-3)) for x in xs]
+        try:
+            alpha, beta = fit_alpha_beta(points)
+        except ValueError:
+            continue
+        fitted += 1
+        assert alpha > 0 and beta > 0, (points, alpha, beta)
+    assert fitted > 50
