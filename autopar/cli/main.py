@@ -60,7 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(preset_flag="--preset")
     p.add_argument("--memory", help="per-device memory budget, e.g. 40GiB (default: the device capacity)")
     p.add_argument("--solver", default="auto", choices=SOLVERS)
-    p.add_argument("--time-limit", type=float, default=60.0, help="seconds per ILP solve (default 60)")
+    p.add_argument("--time-limit", type=float, default=60.0,
+                   help="seconds per ILP solve; with --mesh auto, for the whole search (default 60)")
     p.add_argument("--checkpoint", default="auto", choices=CHECKPOINT_MODES,
                    help="activation recompute planning (auto: the faster of the joint ILP and Rotor refinement)")
     p.add_argument("--precision", default="fp32", choices=PRECISIONS,
@@ -205,8 +206,10 @@ def cmd_inspect(args) -> int:
                 return _inspect_pipelined(api.plan_pipelined(model, meta, mesh=mesh, options=options,
                                                              progress=progress), args, t0=t0, sink=sink)
             if auto:
+                # --time-limit bounds the whole command, building the model included.
                 search = api.plan_mesh_auto(model, meta, nodes=args.nodes, devices_per_node=args.devices_per_node,
-                                            options=replace(options, preset=args.preset), progress=progress)
+                                            options=replace(options, preset=args.preset), progress=progress,
+                                            time_budget=max(options.time_limit - (time.perf_counter() - t0), 1.0))
                 result = search.best
             else:
                 result = api.plan_model(model, meta, mesh=mesh, options=options, progress=progress,
