@@ -73,6 +73,8 @@ class BlockStamps:
                 self.template_of[n.name] = (t.name, k)
         # Block -> {relative FQN: placeholder name} of its own parameters and buffers.
         self._params: dict[int, dict[str, str]] = {k: {} for k in range(len(blocks))}
+        # ``Node.block`` of block k's ops (module paths of a run all name that block: depth.py)
+        self._block_names = [block_of(traced.module_path(run[0])) for run in blocks]
         for p in traced.placeholders:
             where = split_block(p.fqn) if p.kind in (PARAMETER, BUFFER) else None
             if where is not None and where[0] == self.s.prefix and where[1] in self._params:
@@ -117,9 +119,10 @@ class BlockStamps:
     def keep(self, name: str, template: Template) -> None:
         self.templates[name] = template
 
-    def stamp(self, name: str, decisions, parts: list[tuple[str, int]]) -> tuple[Template, dict, tuple] | None:
+    def stamp(self, name: str, decisions, parts: list[tuple[str, int]]) -> tuple[Template, dict, tuple, str] | None:
         """Block k's op ``name`` from its template: (the template, block k's renaming, the op's
-        inputs renamed) when the per-block and input checks hold, else None (build it on its own).
+        inputs renamed, block k's name) when the per-block and input checks hold, else None (build
+        it on its own).
         ``parts``: the op's own saved parts (``_Builder._saved_parts``)."""
         where = self.template_of.get(name)
         if where is None:
@@ -139,7 +142,7 @@ class BlockStamps:
             inputs.append(InputSlot(mine.name, v.index, v.shape, v.itemsize))
         if tuple((rename.get(p, p), b) for p, b in t.parts) != tuple(parts):
             return None
-        return t, rename, tuple(inputs)
+        return t, rename, tuple(inputs), self._block_names[where[1]]
 
     def shared_matches(self, t: Template, rename: dict, shared: dict, decisions) -> bool:
         """The previous readers found for the stamped op are block 2's, renamed, and hold the
@@ -154,11 +157,10 @@ class BlockStamps:
         return True
 
 
-def stamped_records(t: Template, name: str, inputs: tuple, *, module: str, live, segment: str | None
-                    ) -> tuple[Decision, Node, tuple[InputSlot | None, ...]]:
+def stamped_records(t: Template, name: str, inputs: tuple, *, module: str, block: str, live,
+                    segment: str | None) -> tuple[Decision, Node, tuple[InputSlot | None, ...]]:
     """The stamped op's ``Decision``, ``Node`` and output values."""
     decision = Decision(name, NodeKind.OP, t.decision.choices, inputs, module=module, op=t.decision.op)
-    node = Node(name, t.node.options, live=live, block=block_of(module), signature=t.node.signature,
-                segment=segment)
+    node = Node(name, t.node.options, live=live, block=block, signature=t.node.signature, segment=segment)
     values = tuple(None if v is None else InputSlot(name, v.index, v.shape, v.itemsize) for v in t.values)
     return decision, node, values

@@ -319,14 +319,14 @@ class _Builder:
         found = self._stamps.stamp(name, self.decisions, parts)
         if found is None:
             return None
-        t, rename, inputs = found
+        t, rename, inputs, block = found
         shared = {slot: prev for slot, v in enumerate(inputs)
                   if (prev := self.chain.previous(name, slot, v)) is not None}
         if not self._stamps.shared_matches(t, rename, shared, self.decisions):
             return shared
         i = self.op_index[name]
         decision, record, values = stamped_records(
-            t, name, inputs, module=self.traced.module_path(node),
+            t, name, inputs, module=self.traced.module_path(node), block=block,
             live=(i, 2 * self.num_ops - 1 - i) if parts else None, segment=self.segment_of_op[name])
         self.nodes.append(record)
         self.decisions[name] = decision

@@ -102,9 +102,12 @@ class StrategyOption:
 
 
 # Option tuples whose names were checked unique (the builder gives every repeat of a block
-# position the same tuple); an entry holds its tuple, so its id is not reused while listed.
-_VALID_OPTIONS: dict[int, tuple] = {}
+# position the same tuple), with whether any holds activation bytes; an entry holds its tuple,
+# so its id is not reused while listed.
+_VALID_OPTIONS: dict[int, tuple[tuple, bool]] = {}
 _VALID_OPTIONS_MAX = 65536
+# id(options tuple) -> (the tuple, {option name: its first index}) for ``Node.option_index``.
+_OPTION_INDEX: dict[int, tuple[tuple, dict[str, int]]] = {}
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,18 +140,21 @@ class Node:
             raise ValueError(f"Node name must be a non-empty str, got {self.name!r}")
         if not self.options:
             raise ValueError(f"node {self.name!r} has no options")
-        if _VALID_OPTIONS.get(id(self.options)) is not self.options:
+        valid = _VALID_OPTIONS.get(id(self.options))
+        if valid is None or valid[0] is not self.options:
             names = [o.name for o in self.options]
             if len(set(names)) != len(names):
                 raise ValueError(f"node {self.name!r} has duplicate option names {names}")
             if len(_VALID_OPTIONS) >= _VALID_OPTIONS_MAX:
                 _VALID_OPTIONS.clear()
-            _VALID_OPTIONS[id(self.options)] = self.options
+            valid = _VALID_OPTIONS[id(self.options)] = (self.options, any(o.act_bytes for o in self.options))
         if self.live is None:
-            if any(o.act_bytes for o in self.options):
+            if valid[1]:
                 raise ValueError(f"node {self.name!r} has act_bytes but no live interval")
-        elif (len(self.live) != 2 or not all(isinstance(t, int) and not isinstance(t, bool) for t in self.live)
-              or not 0 <= self.live[0] <= self.live[1]):
+        elif not (len(self.live) == 2 and type(self.live[0]) is int and type(self.live[1]) is int
+                  and 0 <= self.live[0] <= self.live[1]) and (  # (plain ints: the common case, checked fast)
+                len(self.live) != 2 or not all(isinstance(t, int) and not isinstance(t, bool) for t in self.live)
+                or not 0 <= self.live[0] <= self.live[1]):
             raise ValueError(f"node {self.name!r}: live must be (start, end) with 0 <= start <= end, "
                              f"got {self.live!r}")
 
@@ -157,9 +163,19 @@ class Node:
         return len(self.options)
 
     def option_index(self, name: str) -> int:
-        for i, o in enumerate(self.options):
-            if o.name == name:
-                return i
+        # Looked up in a per-options-tuple table: repeated blocks' nodes share their options
+        # tuple, and a deep model's evaluations and plan assembly ask for every node.
+        hit = _OPTION_INDEX.get(id(self.options))
+        if hit is None or hit[0] is not self.options:
+            if len(_OPTION_INDEX) >= _VALID_OPTIONS_MAX:
+                _OPTION_INDEX.clear()
+            names: dict[str, int] = {}
+            for i, o in enumerate(self.options):
+                names.setdefault(o.name, i)
+            hit = _OPTION_INDEX[id(self.options)] = (self.options, names)
+        i = hit[1].get(name)
+        if i is not None:
+            return i
         raise ValueError(f"node {self.name!r} has no option {name!r}; options: {[o.name for o in self.options]}")
 
     def __str__(self) -> str:
@@ -254,7 +270,7 @@ class Problem:
                 raise ValueError(f"duplicate edge {e.src!r} -> {e.dst!r}; sum their cost matrices")
             seen.add((e.src, e.dst))
             shape = (len(e.costs), len(e.costs[0]))
-            want = (self.node(e.src).num_options, self.node(e.dst).num_options)
+            want = (len(self.nodes[index[e.src]].options), len(self.nodes[index[e.dst]].options))
             if shape != want:
                 raise ValueError(f"edge {e.src!r} -> {e.dst!r}: cost matrix is {shape[0]}x{shape[1]}, "
                                  f"nodes have {want[0]}x{want[1]} options")

@@ -224,8 +224,10 @@ class _Expansion:
                                      type_expr=node.type)
         if new.name != name:
             raise _Mismatch(name)
-        new.args = fx.node.map_arg(node.args, mapping)
-        new.kwargs = fx.node.map_arg(node.kwargs, mapping)
+        # What ``new.args = ...; new.kwargs = ...`` run, in one call: the attribute route also
+        # takes the node out of and back into the graph's lookup table (keyed by op and target,
+        # which do not change here) once per attribute.
+        new._update_args_kwargs(fx.node.map_arg(node.args, mapping), fx.node.map_arg(node.kwargs, mapping))
         new.meta = meta
         return new
 
