@@ -72,8 +72,8 @@ class OffloadPolicy:
 def runtime_options(options: dict, *, plan_given: bool) -> dict:
     """``autoparallelize``'s planning ``options`` (a dict with ``offload``, ``zero_stage``,
     ``checkpoint``) for a run with offload: the chunk runtime (``autopar.runtime.gemini``) holds
-    whole optimizer states and does not re-run recompute regions, so the plan uses ZeRO stage 0
-    and no activation recompute (``checkpoint="auto"`` means ``"none"`` here)."""
+    whole optimizer states, so the plan uses ZeRO stage 0; activation recompute is planned
+    jointly (``checkpoint`` as given: the chunk runtime re-fetches what a recomputed region reads)."""
     offload = check_offload(options.get("offload", "none"))
     if offload == "none":
         return options
@@ -83,11 +83,7 @@ def runtime_options(options: dict, *, plan_given: bool) -> dict:
     if options.get("zero_stage") not in (None, 0):
         raise ValueError(f"offload={offload!r} runs in the chunk runtime, which keeps whole optimizer states: "
                          f"zero_stage must be 0, got {options['zero_stage']!r}")
-    if options.get("checkpoint", "auto") not in ("auto", "none"):
-        raise ValueError(f"offload={offload!r} runs without activation recompute (the chunk runtime does not "
-                         f"re-run recompute regions): checkpoint must be 'auto' or 'none', "
-                         f"got {options['checkpoint']!r}")
-    return {**options, "zero_stage": 0, "checkpoint": "none"}
+    return {**options, "zero_stage": 0}
 
 
 def check_offload(value) -> "str | OffloadPolicy":

@@ -53,12 +53,19 @@ def _tight_budget(model, inputs, mesh) -> int:
     return int(free.estimate.peak_bytes - 0.5 * free.estimate.param_bytes)
 
 
+def _recompute_budget(model, inputs, mesh) -> int:
+    """Below what offload alone reaches (1.3x the parameter bytes off the free peak): the plan
+    must offload AND recompute activations."""
+    free = autopar.plan(model, inputs, mesh=mesh, zero_stage=0, checkpoint="none", offload="auto")
+    return int(free.estimate.peak_bytes - 1.3 * free.estimate.param_bytes)
+
+
 def _train(rank, world, jobs, tmp):
     out = []
-    for name, model, inputs, budget in jobs:
+    for name, model, inputs, budget, checkpoint in jobs:
         # The public path: rank 0 plans with offload, every rank builds and places the tiers.
         pm = autopar.autoparallelize(copy.deepcopy(model), inputs, mesh=(world,), memory_budget=budget,
-                                     offload="auto", init_weights=False)
+                                     offload="auto", checkpoint=checkpoint, init_weights=False)
         pm.load_full_state_dict(model.state_dict())
         opt = pm.optimizer(torch.optim.AdamW, lr=LR, eps=EPS)
         manager = pm.gemini.manager
@@ -84,8 +91,8 @@ def _train(rank, world, jobs, tmp):
         moves = manager.ledger.log[start:]
         padding_host = sum(16 * (c.capacity - sum(s.numel for s in c.slots)) for c in manager.chunks
                            if HOST in (c.home, c.optim_tier))
-        out.append((name, pm.plan, pm.full_state_dict(), pm2.full_state_dict(), [m.device_bytes for m in moves],
-                    manager.ledger.peak[HOST], padding_host, backward_grads,
+        out.append((name, checkpoint, manager.regathered, pm.plan, pm.full_state_dict(), pm2.full_state_dict(),
+                    [m.device_bytes for m in moves], manager.ledger.peak[HOST], padding_host, backward_grads,
                     {(c.home, c.optim_tier) for c in manager.chunks},
                     {m.event for m in moves if m.tier == HOST}, {m.event for m in moves if m.tier == DEVICE}))
     return out
@@ -96,21 +103,28 @@ def test_autoparallelize_offload_executes_the_plan_within_its_device_budget(tmp_
     for name in ("gpt2", "llama-1b"):
         model, inputs = _model(name)
         want[name] = _reference(model, inputs)
-        jobs.append((name, model, inputs, _tight_budget(model, inputs, (2,))))
+        jobs.append((name, model, inputs, _tight_budget(model, inputs, (2,)), "none"))
+        # Offload and activation recompute planned jointly, both executed.
+        jobs.append((name, model, inputs, _recompute_budget(model, inputs, (2,)), "auto"))
     for result in run_local(_train, 2, jobs, str(tmp_path), timeout=300):
-        for (name, plan, full, resumed, device_series, host_peak, padding_host, backward_grads, tiers,
-             host_events, device_events) in result:
+        assert len(result) == len(jobs)
+        for (name, checkpoint, regathered, plan, full, resumed, device_series, host_peak, padding_host,
+             backward_grads, tiers, host_events, device_events) in result:
+            want_params, name = want[name], f"{name} checkpoint={checkpoint}"
             info = plan.offload_info
             assert info["num_offloaded"] > 0 and plan.estimate.host_link_s > 0, (name, info)
+            # The recomputed regions re-read streamed chunks in backward (fetched and pinned again).
+            assert (len(plan.recompute) > 0) == (checkpoint == "auto") == (regathered > 0), (name, regathered)
             assert (HOST, HOST) in tiers or (DEVICE, HOST) in tiers, (name, tiers)
             for k, v in full.items():  # the planned tiers train like one device
-                assert torch.allclose(v, want[name][k], rtol=1e-4, atol=1e-5), f"{name}: {k}"
+                assert torch.allclose(v, want_params[k], rtol=1e-4, atol=1e-5), f"{name}: {k}"
             for k, v in resumed.items():  # and so does the run resumed from its checkpoint
-                assert torch.allclose(v, want[name][k], rtol=1e-4, atol=1e-5), f"{name} resumed: {k}"
+                assert torch.allclose(v, want_params[k], rtol=1e-4, atol=1e-5), f"{name} resumed: {k}"
             # Device tier: within the plan's budget at every chunk move, peak within 10% of the plan.
             assert max(device_series) <= plan.budget_bytes, (name, max(device_series), plan.budget_bytes)
             peak, planned = max(device_series), info["device_model_bytes"]
-            assert abs(peak - planned) <= 0.1 * planned, (name, peak, planned)
+            if not plan.recompute:  # a region pins all the chunks it reads at once (not priced)
+                assert abs(peak - planned) <= 0.1 * planned, (name, peak, planned)
             # Host tier: as planned, up to the chunks' padding.
             assert host_peak == info["host_bytes"] + padding_host, (name, host_peak, info["host_bytes"], padding_host)
             # Gradients went into chunks during backward, on their payload's tier.
@@ -124,12 +138,11 @@ def test_offload_options_are_checked():
     from autopar.planner.offload_pricing import runtime_options
 
     base = {"offload": "auto", "zero_stage": None, "checkpoint": "auto"}
-    assert runtime_options(base, plan_given=False) == {**base, "zero_stage": 0, "checkpoint": "none"}
+    assert runtime_options(base, plan_given=False) == {**base, "zero_stage": 0}  # recompute planned jointly
+    assert runtime_options({**base, "checkpoint": "full"}, plan_given=False)["checkpoint"] == "full"
     assert runtime_options({**base, "offload": "none"}, plan_given=False)["zero_stage"] is None
     with pytest.raises(ValueError, match="zero_stage must be 0, got 2"):
         runtime_options({**base, "zero_stage": 2}, plan_given=False)
-    with pytest.raises(ValueError, match="checkpoint must be 'auto' or 'none', got 'full'"):
-        runtime_options({**base, "checkpoint": "full"}, plan_given=False)
     with pytest.raises(ValueError, match="the plan brings its own offload decisions"):
         runtime_options(base, plan_given=True)
     with pytest.raises(ValueError, match="offload must be 'auto', 'none' or an OffloadPolicy"):

@@ -6,10 +6,10 @@ Entry point::
         module, torch.optim.AdamW, dict(lr=1e-3), policy=StaticPolicy(offload_optim_frac=1.0,
         offload_param_frac=0.5, device_budget=...))
 
-``module`` is the emitted module (each rank's local shards; any plan without ZeRO-1/2 and
-without activation recompute). Its parameters are packed into chunks (``chunk``), placed on the
-device or the host tier by the policy (``policies``), fetched/evicted by the ``manager``
-during forward and backward, and stepped by the returned ``GeminiOptimizer`` (``gemini_optimizer``).
+``module`` is the emitted module (each rank's local shards; any plan without ZeRO-1/2; its
+activation recompute regions re-fetch, when backward re-runs them, the chunks they read:
+``hooks``). Its parameters are packed into chunks (``chunk``), placed on the device or the
+host tier by the policy (``policies``), fetched/evicted by the ``manager`` during forward and backward, and stepped by the returned ``GeminiOptimizer`` (``gemini_optimizer``).
 ``module.gemini`` is the ``Gemini`` controller: ``.manager.ledger`` has the exact bytes per
 tier, their peaks and the per-move log; ``.summary()`` the figures.
 
@@ -37,7 +37,7 @@ host chunk is fetched (``manager``), their gradients reduce-scattered at the end
 are refused by the booster with them, and ``module.zero_grad()`` does not clear them
 (``optimizer.zero_grad()`` does). Every rank must have the same chunks (checked).
 
-Not yet: ZeRO-1/2 and activation recompute together with the chunks are refused; sharding under
+Not yet: ZeRO-1/2 together with the chunks is refused; sharding under
 the auto and planned policies; the CUDA path (side-stream prefetch, pinned memory, host ``.grad``
 views, all-gathers on the compute stream) has not run on a GPU.
 """
@@ -82,10 +82,6 @@ class Gemini:
             raise ValueError(f"gemini: the plan shards optimizer state with ZeRO-1/2 "
                              f"({sorted(n for n, s in stages.items() if s)[:3]}...); plan with zero_stage=0 "
                              f"(chunks offload the optimizer state instead)")
-        recompute = [r.name for r in module.plan.recompute]
-        if recompute:
-            raise ValueError(f"gemini: the plan recomputes activations ({recompute[:3]}...); plan with "
-                             f"checkpoint='none' (recompute regions would re-run chunk fetches)")
         device = next(iter(module.parameters())).device
         group_of = dp_of = None
         if isinstance(policy, AutoPolicy):

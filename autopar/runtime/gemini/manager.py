@@ -17,6 +17,10 @@ the ranks' shards into the device working copy (``shards.gather_into``, synchron
 keep one order on every rank, which the shared access order and byte counts guarantee), their
 eviction drops it; ``replace`` shards (keeps this rank's slice) and unshards (all-gathers).
 
+Recompute regions re-run in backward fetch their streamed chunks again (``recompute_access``,
+from the region's input gates, ``hooks.gate_regions``), pinned until the region's backward is
+done with them (``recompute_release``).
+
 ``ledger``: bytes per tier, allocated and freed through it only, so the figures are exact: the
 device tier holds device-home payloads, resident host-home payloads, device optimizer state
 (2 moments, the fp32 master unless it is the payload, a landing buffer for a host payload's
@@ -120,6 +124,9 @@ class ChunkManager:
         self.backward_group: frozenset = frozenset()
         self.non_model_samples: list[int] = []
         self.saved: dict[int, int] = {}  # storage pointer -> bytes autograd saved (non-model data, CPU)
+        self.recompute_pins: dict[int, list[list[Chunk]]] = {}  # region input gate -> chunks it pinned
+        self._recompute_queued = False
+        self.regathered = 0  # chunk accesses by recomputed regions (statistics)
 
     # ------------------------------------------------------------------------------ building
     def _build(self, params, chunk_range: ChunkRange, group_of, dp_of) -> None:
@@ -335,6 +342,36 @@ class ChunkManager:
         if chunk.pins == 0:
             chunk.state = HOLD
 
+    def recompute_access(self, gate: int, x: torch.Tensor, names: tuple[str, ...]) -> None:
+        """A recompute region re-runs in backward and reads ``x``, which may view the device
+        copy of one of ``names``' streamed chunks: fetch and pin that chunk until the gate's
+        backward (``recompute_release``) or the end of backward."""
+        storage = x.untyped_storage()._cdata
+        chunks = []
+        for name in names:
+            chunk = self.chunk_of[name]
+            if chunk.streamed and chunk not in chunks and chunk.device_buf.untyped_storage()._cdata == storage:
+                self.access(chunk)
+                chunks.append(chunk)
+                self.regathered += 1
+        self.recompute_pins.setdefault(gate, []).append(chunks)
+        if not self._recompute_queued:
+            self._recompute_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_recompute)
+
+    def recompute_release(self, gate: int) -> None:
+        stack = self.recompute_pins.get(gate)
+        if stack:
+            for chunk in stack.pop():
+                self.release(chunk)
+
+    def _end_recompute(self) -> None:
+        self._recompute_queued = False
+        for stack in self.recompute_pins.values():
+            while stack:
+                for chunk in stack.pop():
+                    self.release(chunk)
+
     def _fetch(self, chunk: Chunk, *, event: str) -> None:
         self._make_room(chunk.work_bytes, keep=chunk)
         self._sample_non_model()
@@ -412,7 +449,7 @@ class ChunkManager:
                 "host_bytes": self.ledger.bytes[HOST], "peak_device_bytes": self.ledger.peak[DEVICE],
                 "peak_host_bytes": self.ledger.peak[HOST], "num_moves": len(self.ledger.log),
                 "tiers": [(c.home, c.optim_tier) for c in self.chunks],
-                "sharded": [c.index for c in self.chunks if c.sharded]}
+                "sharded": [c.index for c in self.chunks if c.sharded], "regathered": self.regathered}
 
 
 def _own_local(param) -> torch.Tensor:
