@@ -37,13 +37,16 @@ def assemble_plan(traced, built, *, choice: dict[str, str], evaluation, solution
 def node_plans(built, choice: dict[str, str]) -> tuple[NodePlan, ...]:
     """One ``NodePlan`` per decision of ``built``, for the chosen option."""
     out = []
+    names: dict[int, tuple] = {}  # id(choice) -> (choice, its spec names): repeated blocks share choices
     for node in built.problem.nodes:
         decision = built.decision(node.name)
         c = built.choice_of(node.name, choice[node.name])
+        hit = names.get(id(c))
+        if hit is None:
+            hit = names[id(c)] = (c, tuple(None if s is None else str(s) for s in c.input_specs),
+                                  tuple(None if s is None else str(s) for s in c.output_specs))
         out.append(NodePlan(
-            name=node.name, kind=decision.kind, strategy=c.name,
-            input_specs=tuple(None if s is None else str(s) for s in c.input_specs),
-            output_specs=tuple(None if s is None else str(s) for s in c.output_specs),
+            name=node.name, kind=decision.kind, strategy=c.name, input_specs=hit[1], output_specs=hit[2],
             op=decision.op, module=decision.module or "",  # the graph output has no module
             zero_stage=c.zero_stage,
         ))

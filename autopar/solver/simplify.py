@@ -328,8 +328,16 @@ def _alias_groups(problem: Problem) -> dict[str, int]:
         if where is not None:
             instances[where].append(n)
     classes: dict[tuple, list[list]] = defaultdict(list)
+    names: dict[int, tuple] = {}  # id(options) -> (options, their names): repeats share the tuple
+
+    def option_names(options: tuple) -> tuple[str, ...]:
+        hit = names.get(id(options))
+        if hit is None:
+            hit = names[id(options)] = (options, tuple(o.name for o in options))
+        return hit[1]
+
     for (prefix, idx), nodes in sorted(instances.items(), key=lambda kv: kv[0]):
-        key = (prefix, tuple((n.signature, tuple(o.name for o in n.options)) for n in nodes))
+        key = (prefix, tuple((n.signature, option_names(n.options)) for n in nodes))
         classes[key].append(nodes)
     for members in classes.values():
         template = members[0]

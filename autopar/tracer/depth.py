@@ -16,7 +16,7 @@ that block 1 and block 2 came out the same up to renaming before trusting it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
@@ -165,8 +165,8 @@ def stamp(traced: TracedGraph, s: BlockStructure, shallow_nodes: tuple) -> list 
                        nbytes) for sid, producer, nbytes in p.saved_parts)
         if number:
             parts = tuple((ids.setdefault(key, len(ids)), producer, nbytes) for key, producer, nbytes in parts)
-        return replace(p, name=name, module=module, saved_from=tuple(rename.get(f, f) for f in p.saved_from),
-                       saved_parts=parts)
+        return _replaced(p, name=name, module=module, saved_from=tuple(rename.get(f, f) for f in p.saved_from),
+                         saved_parts=parts)
 
     def reads_only(p, blocks: set[int]) -> bool:
         """Every storage ``p`` keeps was made outside the blocks or in one of ``blocks``."""
@@ -200,6 +200,18 @@ def stamp(traced: TracedGraph, s: BlockStructure, shallow_nodes: tuple) -> list 
         src = by_name[names[_TEMPLATE][j]]
         out.append(moved(src, rename, node.name, traced.module_path(node), number=True))
     return out
+
+
+_FIELD_NAMES: dict[type, tuple[str, ...]] = {}
+
+
+def _replaced(p: Any, **changes: Any) -> Any:
+    """``dataclasses.replace(p, **changes)`` for a plain dataclass (every field an init field),
+    with its field names looked up once per class: stamping makes one per op of a deep model."""
+    names = _FIELD_NAMES.get(type(p))
+    if names is None:
+        names = _FIELD_NAMES[type(p)] = tuple(f.name for f in fields(p))
+    return type(p)(**{name: changes[name] if name in changes else getattr(p, name) for name in names})
 
 
 def _storage_keys(nodes: tuple) -> dict[int, tuple[str, int]]:
