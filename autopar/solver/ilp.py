@@ -51,7 +51,6 @@ import dataclasses
 import functools
 import logging
 import os
-import sys
 import shutil
 import time
 from dataclasses import dataclass
@@ -59,6 +58,7 @@ from dataclasses import dataclass
 import numpy as np
 import pulp
 
+from autopar.solver.highs_model import DeadlineHighs, columns_of, silence_highs_banner
 from autopar.solver.simplify import Reduced, peak_candidates
 from autopar.solver.watchdog import run_in_child
 
@@ -102,38 +102,10 @@ def _cbc_path() -> str | None:
     return pulp_cbc_path if os.path.isfile(pulp_cbc_path) and os.access(pulp_cbc_path, os.X_OK) else None
 
 
-_BANNER_SILENCED = False
-
-
-def _silence_highs_banner() -> None:
-    """HiGHS 1.16 prints a copyright banner on stdout (C stdio, fd 1) when a process creates its
-    first solver, whatever its options say; a CLI's stdout must carry only what it prints. So
-    that first solver is created here, once, with fd 1 pointed at /dev/null (C's buffer flushed
-    before it is pointed back)."""
-    global _BANNER_SILENCED
-    if _BANNER_SILENCED:
-        return
-    _BANNER_SILENCED = True
-    import ctypes
-
-    import highspy
-
-    sys.stdout.flush()
-    saved = os.dup(1)
-    try:
-        with open(os.devnull, "w") as null:
-            os.dup2(null.fileno(), 1)
-            highspy.Highs()
-            ctypes.CDLL(None).fflush(None)
-    finally:
-        os.dup2(saved, 1)
-        os.close(saved)
-
-
 def available_backends() -> tuple[str, ...]:
     found = []
     if pulp.HiGHS(msg=False).available():
-        _silence_highs_banner()
+        silence_highs_banner()
         found.append("highs")
     if _cbc_path():
         found.append("cbc")
@@ -189,103 +161,8 @@ def undominated_rows(coef: np.ndarray, const: np.ndarray) -> list[int]:
     return sorted(kept)
 
 
-class _DeadlineHighs(pulp.HiGHS):
-    """pulp's HiGHS told the time left when its search starts (building the highspy model from
-    pulp's counts against the deadline too), with the model passed to highspy in two bulk calls
-    (pulp adds it a column and a row at a time and lists the problem's variables four times:
-    2.7 s of a 3.4 s Llama-8B 8x8 relaxation, whose simplex took 0.7 s)."""
-
-    def __init__(self, *, deadline: float, **kwargs):
-        super().__init__(**kwargs)
-        self.deadline = deadline
-
-    def callSolver(self, lp):
-        lp.solverModel.setOptionValue("time_limit", max(self.deadline - time.monotonic(), 1e-3))
-        super().callSolver(lp)
-
-    def actualSolve(self, lp):  # type: ignore[override]
-        self.createAndConfigureSolver(lp)
-        variables = _columns_of(lp)
-        _pass_model(lp.solverModel, lp, variables, mip=self.mip)
-        self.callSolver(lp)
-        # The values go back to the parent as an array (``_solve_highs``), not into this
-        # (forked) child's variables.
-        status, sol_status, self.values = _highs_result(lp.solverModel)
-        lp.assignStatus(status, sol_status)
-        return status
-
-
-def _pass_model(highs, lp: pulp.LpProblem, variables: list, *, mip: bool) -> None:
-    """``lp`` (a minimisation) into ``highs``: columns in ``variables``' order, rows in
-    constraint order -- what pulp's ``buildSolverModel`` adds one by one."""
-    import highspy
-
-    inf = highspy.kHighsInf
-    assert lp.sense == pulp.LpMinimize, "autopar's models minimise"
-    col = {id(v): i for i, v in enumerate(variables)}
-    n = len(variables)
-    cost = np.zeros(n)
-    for v, c in lp.objective.items():
-        cost[col[id(v)]] = c
-    lower = np.array([-inf if v.lowBound is None else v.lowBound for v in variables], dtype=float)
-    upper = np.array([inf if v.upBound is None else v.upBound for v in variables], dtype=float)
-    highs.addCols(n, cost, lower, upper, 0, np.zeros(0, np.int32), np.zeros(0, np.int32), np.zeros(0))
-    if mip:
-        ints = np.array([i for i, v in enumerate(variables) if v.cat == pulp.LpInteger], dtype=np.int32)
-        if len(ints):
-            highs.changeColsIntegrality(len(ints), ints, np.full(len(ints), highspy.HighsVarType.kInteger))
-    starts, index, value, row_lo, row_hi = [], [], [], [], []
-    for con in lp._constraints.values():
-        starts.append(len(index))
-        for v, c in con.items():
-            if c != 0:
-                index.append(col[id(v)])
-                value.append(c)
-        lo, hi = con.getLb(), con.getUb()
-        row_lo.append(-inf if lo is None else lo)
-        row_hi.append(inf if hi is None else hi)
-    if starts:
-        highs.addRows(len(starts), np.array(row_lo, dtype=float), np.array(row_hi, dtype=float), len(index),
-                      np.array(starts, dtype=np.int32), np.array(index, dtype=np.int32), np.array(value, dtype=float))
-
-
-def _highs_result(highs) -> tuple[int, int, np.ndarray]:
-    """(pulp status, pulp solution status, column values) of a finished run, as pulp's
-    ``findSolutionValues`` maps them (a limit reached with no plan: not solved)."""
-    import highspy
-
-    ms = highspy.HighsModelStatus
-    status = highs.getModelStatus()
-    values = np.array(highs.getSolution().col_value, dtype=float)
-    if status == ms.kOptimal:
-        return pulp.LpStatusOptimal, pulp.LpSolutionOptimal, values
-    if status in (ms.kInfeasible, ms.kUnboundedOrInfeasible):
-        return pulp.LpStatusInfeasible, pulp.LpSolutionInfeasible, values
-    if status == ms.kUnbounded:
-        return pulp.LpStatusUnbounded, pulp.LpSolutionUnbounded, values
-    stopped = (ms.kObjectiveBound, ms.kObjectiveTarget, ms.kInterrupt, ms.kTimeLimit, ms.kIterationLimit)
-    if status in stopped and not (status in (ms.kTimeLimit, ms.kIterationLimit)
-                                  and highs.getObjectiveValue() == float(highspy.kHighsInf)):
-        return pulp.LpStatusOptimal, pulp.LpSolutionIntegerFeasible, values
-    return pulp.LpStatusNotSolved, pulp.LpSolutionNoSolutionFound, values
-
-
-def _columns_of(prob: pulp.LpProblem) -> list:
-    """``prob.variables()`` as ``IlpModel.columns`` cached it (pulp re-registers every
-    constraint's variables on each call: 0.4 s on a 35k-column model), unless the objective has
-    a variable the cache lacks (pulp's dummy for a constant objective)."""
-    cols = prob.__dict__.get("_autopar_columns")
-    if cols is not None:
-        if len(prob.objective) > 1:  # pulp adds its dummy to an objective without variables only
-            return cols
-        known = {id(v) for v in cols}
-        if all(id(v) in known for v in prob.objective):
-            return cols
-    return prob.variables()
-
-
 def _values(prob: pulp.LpProblem) -> np.ndarray:
-    return np.array([np.nan if v.varValue is None else v.varValue for v in _columns_of(prob)], dtype=float)
+    return np.array([np.nan if v.varValue is None else v.varValue for v in columns_of(prob)], dtype=float)
 
 
 def _solve_highs(prob: pulp.LpProblem, report, *, relax: bool, msg: bool, gap: float, deadline: float,
@@ -306,7 +183,7 @@ def _solve_highs(prob: pulp.LpProblem, report, *, relax: bool, msg: bool, gap: f
 
     callbacks = {} if relax else {"callbackTuple": (improving, None), "callbacksToActivate": [
         highspy.cb.HighsCallbackType.kCallbackMipImprovingSolution]}
-    solver = _DeadlineHighs(deadline=deadline, mip=not relax, msg=msg, gapRel=gap, gapAbs=abs_gap,
+    solver = DeadlineHighs(deadline=deadline, mip=not relax, msg=msg, gapRel=gap, gapAbs=abs_gap,
                             **callbacks, **(_HIGHS_LP_OPTIONS if relax else _HIGHS_OPTIONS))
     prob.solve(solver)
     bound = None if relax else float(prob.solverModel.getInfo().mip_dual_bound)
