@@ -72,18 +72,16 @@ class OffloadPolicy:
 def runtime_options(options: dict, *, plan_given: bool) -> dict:
     """``autoparallelize``'s planning ``options`` (a dict with ``offload``, ``zero_stage``,
     ``checkpoint``) for a run with offload: the chunk runtime (``autopar.runtime.gemini``) holds
-    whole optimizer states, so the plan uses ZeRO stage 0; activation recompute is planned
-    jointly (``checkpoint`` as given: the chunk runtime re-fetches what a recomputed region reads)."""
+    ZeRO-1/2 (optimizer state, and the gradient under stage 2, sharded in the chunks) and
+    activation recompute (a recomputed region re-fetches its chunks) as the plan chooses them:
+    ``zero_stage`` and ``checkpoint`` as given, ZeRO stage 0 when left out."""
     offload = check_offload(options.get("offload", "none"))
     if offload == "none":
         return options
     if plan_given:
         raise ValueError(f"offload={offload!r} with a given plan: the plan brings its own offload decisions "
                          f"(Plan.offload, made by autopar.plan(..., offload=...)); leave offload out")
-    if options.get("zero_stage") not in (None, 0):
-        raise ValueError(f"offload={offload!r} runs in the chunk runtime, which keeps whole optimizer states: "
-                         f"zero_stage must be 0, got {options['zero_stage']!r}")
-    return {**options, "zero_stage": 0}
+    return {**options, "zero_stage": 0 if options.get("zero_stage") is None else options["zero_stage"]}
 
 
 def check_offload(value) -> "str | OffloadPolicy":

@@ -296,3 +296,57 @@ def test_auto_policy_places_after_warmup_and_planned_tiers_are_kept():
         assert 0 < non_model < AUTO_BUDGET and max_dev <= AUTO_BUDGET, (non_model, max_dev)
         fqn_tiers = result["planned"][4]
         assert all(fqn_tiers[f] == tiers[f] for f in fqn_tiers if f in tiers), fqn_tiers
+
+
+def _zero_chunks(rank, world, jobs):
+    out = []
+    for name, zero_stage, model, inputs, plan, tiers in jobs:
+        pm = autopar.autoparallelize(copy.deepcopy(model), inputs, plan=plan, init_weights=False)
+        pm.load_full_state_dict(model.state_dict())
+        pm, opt = gemini.wrap(pm, torch.optim.AdamW, dict(lr=LR, eps=EPS), policy=gemini.PlannedPolicy(tiers=tiers),
+                              chunk_range=RANGE)
+        m = pm.gemini.manager
+        for _ in range(STEPS):
+            pm(**inputs).loss.backward()
+            opt.step()
+            opt.zero_grad()
+        pm(**inputs).loss.backward()  # a 6th backward: ZeRO-2 gradients are shards, gathered on demand
+        grads = pm.full_gradients()
+        shards = [(c.zero, c.capacity, c.num_shards, c.home, c.optim_tier, c.master.numel(), c.exp_avg.numel(),
+                   c.grad.numel()) for c in m.chunks if c.zero]
+        ledger, real = m.ledger.bytes.copy(), _expected_bytes(m)
+        opt.zero_grad()
+        out.append((name, zero_stage, pm.full_state_dict(), grads, shards, ledger, real))
+    return out
+
+
+def test_zero_chunks_train_like_one_device():
+    """The plan's ZeRO-1/2 in chunks (planned policy): optimizer state -- and under ZeRO-2 the
+    gradient -- sharded over the data-parallel axis, on the device or the host (ZeRO-Offload),
+    payload whole and all-gathered after each step."""
+    jobs, want = [], {}
+    for name, stages in (("gpt2", (1, 2)), ("llama-1b", (2,))):
+        model, inputs = _model(name)
+        want[name] = _reference(model, inputs)
+        names = [n for n, _ in model.named_parameters()]
+        # Every third parameter streamed from the host, every third with its state on the host.
+        tiers = {n: ((HOST, HOST), (DEVICE, HOST), (DEVICE, DEVICE))[i % 3] for i, n in enumerate(names)}
+        for stage in stages:
+            plan = plan_model(model, inputs, mesh=_fast((2,)),
+                              options=PlanOptions(zero_stage=stage, checkpoint="none")).plan
+            jobs.append((name, stage, model, inputs, plan, tiers))
+    for rank_results in run_local(_zero_chunks, 2, jobs, timeout=240):
+        assert len(rank_results) == len(jobs)
+        for name, stage, full, grads, shards, ledger, real in rank_results:
+            where = f"{name} zero_stage={stage}"
+            for k, v in full.items():
+                assert torch.allclose(v, want[name][0][k], rtol=1e-4, atol=1e-5), f"{where}: {k}"
+            for k, v in want[name][1].items():
+                assert torch.allclose(grads[k], v, rtol=1e-4, atol=1e-5), f"{where}: grad {k}"
+            assert shards and {z for z, *_ in shards} == {stage}, (where, shards)
+            assert (DEVICE, HOST) in {(home, optim) for _, _, _, home, optim, *_ in shards}, where  # ZeRO-Offload
+            for _, capacity, num_shards, _, _, master, moment, grad in shards:
+                piece = -(-capacity // num_shards)  # 1/dp of the chunk, padded
+                assert num_shards == 2 and master == moment == piece, (where, shards)
+                assert grad == (piece if stage == 2 else capacity), (where, shards)
+            assert ledger == real, (where, ledger, real)

@@ -15,6 +15,7 @@ accounting is the same.
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -22,6 +23,7 @@ from torch.utils._pytree import tree_map
 
 import autopar
 from autopar import zoo
+from autopar.layout.mesh import MeshSpec
 from autopar.runtime.gemini.chunk import DEVICE, HOST
 from autopar.runtime.launch import run_local
 
@@ -60,12 +62,19 @@ def _recompute_budget(model, inputs, mesh) -> int:
     return int(free.estimate.peak_bytes - 1.3 * free.estimate.param_bytes)
 
 
+def _fast(shape):
+    """Cheap links: data-parallel plans, where ZeRO has replicated parameters to shard."""
+    mesh = MeshSpec.preset("cpu", shape)
+    return dataclasses.replace(mesh, alpha=(1e-7,) * len(shape), beta=(1e-13,) * len(shape), name="fast-links")
+
+
 def _train(rank, world, jobs, tmp):
     out = []
-    for name, model, inputs, budget, checkpoint in jobs:
+    for name, model, inputs, budget, checkpoint, mesh, zero_stage in jobs:
         # The public path: rank 0 plans with offload, every rank builds and places the tiers.
-        pm = autopar.autoparallelize(copy.deepcopy(model), inputs, mesh=(world,), memory_budget=budget,
-                                     offload="auto", checkpoint=checkpoint, init_weights=False)
+        pm = autopar.autoparallelize(copy.deepcopy(model), inputs, mesh=mesh, memory_budget=budget,
+                                     offload="auto", checkpoint=checkpoint, zero_stage=zero_stage,
+                                     init_weights=False)
         pm.load_full_state_dict(model.state_dict())
         opt = pm.optimizer(torch.optim.AdamW, lr=LR, eps=EPS)
         manager = pm.gemini.manager
@@ -91,7 +100,9 @@ def _train(rank, world, jobs, tmp):
         moves = manager.ledger.log[start:]
         padding_host = sum(16 * (c.capacity - sum(s.numel for s in c.slots)) for c in manager.chunks
                            if HOST in (c.home, c.optim_tier))
-        out.append((name, checkpoint, manager.regathered, pm.plan, pm.full_state_dict(), pm2.full_state_dict(),
+        zero = [(c.zero, c.capacity, c.num_shards, c.master.numel(), c.exp_avg.numel(),
+                 None if c.grad is None else c.grad.numel()) for c in manager.chunks if c.zero]
+        out.append((name, checkpoint, zero, manager.regathered, pm.plan, pm.full_state_dict(), pm2.full_state_dict(),
                     [m.device_bytes for m in moves], manager.ledger.peak[HOST], padding_host, backward_grads,
                     {(c.home, c.optim_tier) for c in manager.chunks},
                     {m.event for m in moves if m.tier == HOST}, {m.event for m in moves if m.tier == DEVICE}))
@@ -103,14 +114,22 @@ def test_autoparallelize_offload_executes_the_plan_within_its_device_budget(tmp_
     for name in ("gpt2", "llama-1b"):
         model, inputs = _model(name)
         want[name] = _reference(model, inputs)
-        jobs.append((name, model, inputs, _tight_budget(model, inputs, (2,)), "none"))
+        jobs.append((name, model, inputs, _tight_budget(model, inputs, (2,)), "none", (2,), None))
         # Offload and activation recompute planned jointly, both executed.
-        jobs.append((name, model, inputs, _recompute_budget(model, inputs, (2,)), "auto"))
+        jobs.append((name, model, inputs, _recompute_budget(model, inputs, (2,)), "auto", (2,), None))
+    # Offload and ZeRO planned jointly (a data-parallel plan: ZeRO-2 on replicated parameters).
+    model, inputs = _model("gpt2")
+    jobs.append(("gpt2", model, inputs, _tight_budget(model, inputs, _fast((2,))), "none", _fast((2,)), "auto"))
     for result in run_local(_train, 2, jobs, str(tmp_path), timeout=300):
         assert len(result) == len(jobs)
-        for (name, checkpoint, regathered, plan, full, resumed, device_series, host_peak, padding_host,
+        for (name, checkpoint, zero, regathered, plan, full, resumed, device_series, host_peak, padding_host,
              backward_grads, tiers, host_events, device_events) in result:
-            want_params, name = want[name], f"{name} checkpoint={checkpoint}"
+            want_params, name = want[name], f"{name} checkpoint={checkpoint} zero={bool(zero)}"
+            stages = {n.zero_stage for n in plan.nodes if n.kind == "parameter"}
+            assert bool(zero) == (stages != {0}), (name, stages, zero)
+            for stage, capacity, num_shards, master, moment, grad in zero:  # state 1/dp, payload whole
+                assert num_shards == 2 and master == moment == -(-capacity // num_shards), (name, zero)
+                assert grad is None, (name, zero)  # freed by zero_grad after the step
             info = plan.offload_info
             assert info["num_offloaded"] > 0 and plan.estimate.host_link_s > 0, (name, info)
             # The recomputed regions re-read streamed chunks in backward (fetched and pinned again).
@@ -141,8 +160,7 @@ def test_offload_options_are_checked():
     assert runtime_options(base, plan_given=False) == {**base, "zero_stage": 0}  # recompute planned jointly
     assert runtime_options({**base, "checkpoint": "full"}, plan_given=False)["checkpoint"] == "full"
     assert runtime_options({**base, "offload": "none"}, plan_given=False)["zero_stage"] is None
-    with pytest.raises(ValueError, match="zero_stage must be 0, got 2"):
-        runtime_options({**base, "zero_stage": 2}, plan_given=False)
+    assert runtime_options({**base, "zero_stage": "auto"}, plan_given=False)["zero_stage"] == "auto"  # joint ZeRO
     with pytest.raises(ValueError, match="the plan brings its own offload decisions"):
         runtime_options(base, plan_given=True)
     with pytest.raises(ValueError, match="offload must be 'auto', 'none' or an OffloadPolicy"):

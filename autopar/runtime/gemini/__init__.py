@@ -6,10 +6,11 @@ Entry point::
         module, torch.optim.AdamW, dict(lr=1e-3), policy=StaticPolicy(offload_optim_frac=1.0,
         offload_param_frac=0.5, device_budget=...))
 
-``module`` is the emitted module (each rank's local shards; any plan without ZeRO-1/2; its
-activation recompute regions re-fetch, when backward re-runs them, the chunks they read:
-``hooks``). Its parameters are packed into chunks (``chunk``), placed on the device or the
-host tier by the policy (``policies``), fetched/evicted by the ``manager`` during forward and backward, and stepped by the returned ``GeminiOptimizer`` (``gemini_optimizer``).
+``module`` is the emitted module (each rank's local shards; any plan, its ZeRO-1/2 stages under
+the planned policy only; its activation recompute regions re-fetch, when backward re-runs them,
+the chunks they read: ``hooks``). Its parameters are packed into chunks (``chunk``), placed on
+the device or the host tier by the policy (``policies``), fetched/evicted by the ``manager``
+during forward and backward, and stepped by the returned ``GeminiOptimizer`` (``gemini_optimizer``).
 ``module.gemini`` is the ``Gemini`` controller: ``.manager.ledger`` has the exact bytes per
 tier, their peaks and the per-move log; ``.summary()`` the figures.
 
@@ -37,7 +38,13 @@ host chunk is fetched (``manager``), their gradients reduce-scattered at the end
 are refused by the booster with them, and ``module.zero_grad()`` does not clear them
 (``optimizer.zero_grad()`` does). Every rank must have the same chunks (checked).
 
-Not yet: ZeRO-1/2 together with the chunks is refused; sharding under
+ZeRO-1/2 (the plan's per-parameter ``zero_stage``, planned policy): a ZeRO parameter's chunk is
+built per data-parallel group; its payload stays whole, its fp32 master, moments (and under
+ZeRO-2 its gradient, reduce-scattered like a sharded chunk's) are this rank's shard, on the
+optimizer tier the plan gives it -- the host for ZeRO-Offload -- and the whole payload is
+all-gathered from the updated shards after each step (``chunk``, ``manager.gather_payload``).
+
+Not yet: ZeRO-1/2 chunks under the static and auto policies (refused); sharding under
 the auto and planned policies; the CUDA path (side-stream prefetch, pinned memory, host ``.grad``
 views, all-gathers on the compute stream) has not run on a GPU.
 """
@@ -78,12 +85,13 @@ class Gemini:
         self.steps = 0
         params = [(name, p) for name, p, stage, _ in module.zero_parameters()]
         stages = {name: stage for name, _, stage, _ in module.zero_parameters()}
-        if any(stages.values()):
-            raise ValueError(f"gemini: the plan shards optimizer state with ZeRO-1/2 "
-                             f"({sorted(n for n, s in stages.items() if s)[:3]}...); plan with zero_stage=0 "
-                             f"(chunks offload the optimizer state instead)")
+        zeroed = sorted(n for n, s in stages.items() if s)
+        if zeroed and not isinstance(policy, PlannedPolicy):
+            raise ValueError(f"gemini: the plan shards optimizer state with ZeRO-1/2 ({zeroed[:3]}...); the "
+                             f"{type(policy).__name__} runs plans with zero_stage=0 only (ZeRO stages run in "
+                             f"chunks under the planned policy: a plan that offloads, attach_planned)")
         device = next(iter(module.parameters())).device
-        group_of = dp_of = None
+        group_of = dp_of = zero_of = None
         if isinstance(policy, AutoPolicy):
             tiers = lambda payload, optim, chunks: [(HOST, HOST)] * len(payload)  # noqa: E731 -- warm-up on host
         elif isinstance(policy, PlannedPolicy):
@@ -94,12 +102,16 @@ class Gemini:
                                      (DEVICE, DEVICE))
             group_of = planned.__getitem__
             tiers = lambda payload, optim, chunks: [c.group for c in chunks]  # noqa: E731
+            # ZeRO-1/2 parameters: chunks per data-parallel group, their optimizer state sharded over it.
+            whole = ((), (), ())
+            dp_of = functools.partial(_zero_group, dict(params), module.pmesh, stages, whole)
+            zero_of = stages.__getitem__
         else:
             tiers = lambda payload, optim, chunks: static_tiers(payload, policy)  # noqa: E731
             dp_of = functools.partial(_dp_group, dict(params), module.pmesh)
         self.manager = ChunkManager(params, device=device, tiers_of=tiers, chunk_range=chunk_range,
                                     pin_memory=policy.pin_memory, budget=policy.device_budget, group_of=group_of,
-                                    dp_of=dp_of, pmesh=module.pmesh)
+                                    dp_of=dp_of, pmesh=module.pmesh, zero_of=zero_of)
         if isinstance(policy, PlannedPolicy):  # the plan's stream buffer: one chunk in use, one prefetched
             self.manager.stream_bytes = sum(sorted(c.payload_bytes for c in self.manager.chunks
                                                    if c.home == HOST)[-2:])
@@ -112,6 +124,9 @@ class Gemini:
             self.manager.gradsync = GradSync(self.manager, module.graph_module)
             self.manager.gradsync.install(self.key)
             install_state(self)
+        if any(c.zero for c in self.manager.chunks):
+            check_same_chunks(self.manager.chunks)  # ZeRO chunks gather and scatter every step
+            module._zero2 = []  # ZeRO-2 gradients land in the chunks' shards, the module need not refuse
         self.hooks = SavedHooks(self.manager)
         self.num_instrumented = instrument(module.graph_module, set(self.manager.chunk_of), self.key)
         self._forward = module.forward
@@ -121,7 +136,7 @@ class Gemini:
 
     def _shards(self, policy: StaticPolicy) -> list[bool]:
         chunks = self.manager.chunks
-        return static_shards([c.full_bytes for c in chunks], policy, [c.num_shards > 1 for c in chunks])
+        return static_shards([c.full_bytes for c in chunks], policy, [c.num_shards > 1 and not c.zero for c in chunks])
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if torch.is_grad_enabled():
@@ -228,6 +243,11 @@ def _dp_group(params: dict, pmesh, name: str) -> tuple[tuple[int, ...], tuple[in
         return (), (), ()
     axes = tuple(a for a, pl in enumerate(p.placements) if pl.is_replicate() and pmesh.axis_size(a) > 1)
     return axes, tuple(pmesh.axis_size(a) for a in axes), tuple(pmesh.axis_coordinate(a) for a in axes)
+
+
+def _zero_group(params: dict, pmesh, stages: dict, whole: tuple, name: str) -> tuple:
+    """``_dp_group`` of a parameter the plan gives a ZeRO stage, ``whole`` for the others."""
+    return _dp_group(params, pmesh, name) if stages[name] else whole
 
 
 def attach(module, *, policy: StaticPolicy | AutoPolicy | PlannedPolicy | None = None,

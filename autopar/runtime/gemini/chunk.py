@@ -32,6 +32,13 @@ home tier), the fp32 master, the moments, the landing buffer and the gradient ar
 resident only between fetch (an all-gather) and eviction, like a host-home chunk's device copy
 (``streamed``). Shard ``shard_index`` nests the axes in mesh order: over ``dp_axes[0]`` the
 buffer is cut in ``sizes[0]`` blocks, each block over ``dp_axes[1]`` and so on.
+
+ZeRO chunks (``zero`` 1 or 2: the plan's per-parameter ZeRO stage, planned policy): the payload
+stays whole on its home tier (every op reads it as usual), but the fp32 master, the moments and
+the landing buffer are this rank's shard over ``dp_axes`` (``state_elems``), and under stage 2
+the gradient at rest is too (``grad_elems``; reduce-scattered into it like a sharded chunk's).
+The optimizer updates this rank's shard of the master and the payload is all-gathered from the
+updated shards after the step (ZeRO-Offload when the optimizer tier is the host).
 """
 
 from __future__ import annotations
@@ -122,6 +129,7 @@ class Chunk:
     shard_buf: torch.Tensor | None = None  # a sharded chunk's payload shard at rest, on ``home``
     acc: dict = field(default_factory=dict)  # sharded: partial axes -> full local gradient in backward
     grad_names: set = field(default_factory=set)  # sharded: parameters whose gradient is in ``grad``
+    zero: int = 0  # ZeRO stage of an unsharded chunk's optimizer state (1, 2) over ``dp_axes``; 0: none
 
     def __post_init__(self) -> None:
         self.names = {s.name: s for s in self.slots}
@@ -151,6 +159,30 @@ class Chunk:
         return self.shard_elems if self.sharded else self.capacity
 
     @property
+    def state_elems(self) -> int:
+        """Elements of the fp32 master, each moment and the landing buffer."""
+        return self.shard_elems if self.sharded or self.zero else self.capacity
+
+    @property
+    def grad_elems(self) -> int:
+        """Elements of the gradient chunk at rest."""
+        return self.shard_elems if self.scatters else self.capacity
+
+    @property
+    def scatters(self) -> bool:
+        """Is the gradient reduce-scattered into a shard (sharded, or ZeRO-2)?"""
+        return self.sharded or self.zero == 2
+
+    @property
+    def padded_elems(self) -> int:
+        """Elements of a whole buffer cut into ``num_shards`` equal shards (gathers, scatters)."""
+        return self.shard_elems * self.num_shards
+
+    @property
+    def padded_bytes(self) -> int:
+        return self.padded_elems * self.itemsize
+
+    @property
     def work_elems(self) -> int:
         """Elements of the device working copy (``device_buf``)."""
         return self.shard_elems * self.num_shards if self.sharded else self.capacity
@@ -177,22 +209,22 @@ class Chunk:
     @property
     def optim_bytes(self) -> int:
         """fp32 master + two moments (the placement policies' estimate; ``state_bytes`` is exact)."""
-        return 3 * self.elems * 4
+        return 3 * self.state_elems * 4
 
     def state_bytes(self, home: str, optim: str) -> int:
         """Optimizer-tier bytes with the payload on ``home`` and the state on ``optim``: two fp32
         moments, the fp32 master unless it is the payload itself, the landing buffer when the
         tiers differ."""
-        n = self.elems * 4
+        n = self.state_elems * 4
         return n * (2 + (0 if self.master_is_payload(home, optim) else 1) + (0 if home == optim else 1))
 
     def master_is_payload(self, home: str, optim: str) -> bool:
-        return home == optim and self.dtype == torch.float32
+        return home == optim and self.dtype == torch.float32 and not self.zero
 
     @property
     def grad_bytes(self) -> int:
-        """The gradient chunk at rest (shard-sized when sharded)."""
-        return self.payload_bytes
+        """The gradient chunk at rest (shard-sized when sharded or ZeRO-2)."""
+        return self.grad_elems * self.itemsize
 
     @property
     def resident(self) -> bool:
@@ -205,10 +237,11 @@ class Chunk:
 
     def piece(self, name: str) -> tuple[int, int, int, int]:
         """(start, stop) of parameter ``name``'s elements this rank keeps, within the chunk's
-        ``elems``-sized buffers (payload, master, moments, gradient), and (start, stop) of the same
-        elements within the flattened parameter; empty ranges when the shard holds none of it."""
+        ``state_elems``-sized buffers (master, moments; payload and gradient when they are shards
+        too), and (start, stop) of the same elements within the flattened parameter; empty ranges
+        when the shard holds none of it."""
         s = self.names[name]
-        if not self.sharded:
+        if not (self.sharded or self.zero):
             return s.offset, s.offset + s.numel, 0, s.numel
         base = self.shard_index * self.shard_elems
         lo, hi = max(s.offset, base), min(s.offset + s.numel, base + self.shard_elems)

@@ -26,7 +26,10 @@ set zeros to initialise state) is used instead, sliced to the piece.
 moments back into the chunks (and masters are re-read from the parameters). A sharded chunk's
 parameters keep only ``step`` in ``state``: ``state_dict`` all-gathers their moments over the
 chunk's data-parallel group (a collective: every rank must call it) and ``load_state_dict``
-keeps this rank's pieces of what it is given.
+keeps this rank's pieces of what it is given. A ZeRO chunk (``Chunk.zero``: the plan's ZeRO-1/2)
+is stepped like a sharded one on its master shard (its gradient is whole under ZeRO-1, a shard
+under ZeRO-2), and its whole payload is then all-gathered from every rank's updated master
+(``ChunkManager.gather_payload``): every rank must call ``step``.
 """
 
 from __future__ import annotations
@@ -72,12 +75,12 @@ class GeminiOptimizer(torch.optim.Optimizer):
             lo, hi, _, _ = chunk.piece(name)
             for key in ("exp_avg", "exp_avg_sq"):  # fresh state: the chunk's slice may hold an old one's
                 getattr(chunk, key)[lo:hi].zero_()
-                if not chunk.sharded:
+                if not (chunk.sharded or chunk.zero):
                     state[key] = _wrap(chunk.view(getattr(chunk, key), name), p)
         return state
 
     def _has_grad(self, chunk, name: str, p) -> bool:
-        return p.grad is not None or (chunk.sharded and name in chunk.grad_names)
+        return p.grad is not None or (chunk.scatters and name in chunk.grad_names)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -105,8 +108,10 @@ class GeminiOptimizer(torch.optim.Optimizer):
                              chunk.exp_avg[lo:hi], chunk.exp_avg_sq[lo:hi],
                              step=int(state["step"].item()), lr=g["lr"], beta1=beta1, beta2=beta2, eps=g["eps"],
                              weight_decay=g["weight_decay"], kind=self.kind)
-                if chunk.master is not home:
+                if chunk.master is not home and not chunk.zero:
                     home[lo:hi].copy_(chunk.master[lo:hi], non_blocking=False)
+            if chunk.zero:  # the whole payload from every rank's updated shard
+                manager.gather_payload(chunk)
             manager.mark_synced(chunk)
         return None
 
@@ -115,7 +120,7 @@ class GeminiOptimizer(torch.optim.Optimizer):
         """``p``'s gradient piece (fp32) where its optimizer state is: the gradient chunk itself
         when that is there, else copied into the landing buffer (host-link traffic)."""
         lo, hi, plo, phi = chunk.piece(name)
-        if chunk.sharded and p.grad is None:
+        if chunk.scatters and p.grad is None:
             grad = chunk.grad[lo:hi]
         else:
             grad = local_of(p.grad).reshape(-1)[plo:phi]
@@ -146,11 +151,11 @@ class GeminiOptimizer(torch.optim.Optimizer):
         for chunk in manager.chunks:
             params = [(s.name, manager.params[s.name]) for s in chunk.slots]
             params = [(name, p) for name, p in params if p in self.state and id(p) in index]
-            if not chunk.sharded or not params:
+            if not (chunk.sharded or chunk.zero) or not params:
                 continue
             for key in ("exp_avg", "exp_avg_sq"):
                 shard = getattr(chunk, key)
-                whole = torch.empty(chunk.work_elems, dtype=shard.dtype, device=manager.device)
+                whole = torch.empty(chunk.padded_elems, dtype=shard.dtype, device=manager.device)
                 gather_into(whole, shard.to(manager.device), chunk, manager.pmesh)
                 for name, p in params:
                     entry = out["state"][index[id(p)]] = dict(out["state"][index[id(p)]])
@@ -167,7 +172,7 @@ class GeminiOptimizer(torch.optim.Optimizer):
                 for key in ("exp_avg", "exp_avg_sq"):
                     if key not in state:
                         continue
-                    if chunk.sharded:  # this rank's piece; the state keeps only ``step``
+                    if chunk.sharded or chunk.zero:  # this rank's piece; the state keeps only ``step``
                         getattr(chunk, key)[lo:hi].copy_(local_of(state.pop(key)).reshape(-1)[plo:phi])
                     else:
                         view = chunk.view(getattr(chunk, key), name)

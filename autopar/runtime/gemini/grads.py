@@ -16,7 +16,8 @@ parameter's ``.grad`` is a DTensor (its placements) over its slice of the chunk:
 ``full_gradients`` and the optimizer read it there, and accumulation over several backward
 passes adds into it.
 
-A sharded chunk (``Chunk.sharded``) keeps only this rank's shard of its gradient (``Chunk.grad``,
+A sharded chunk (``Chunk.sharded``), and a ZeRO-2 chunk (``Chunk.zero == 2``: its payload
+whole, its gradient not; ``Chunk.scatters`` is either), keeps only this rank's shard of its gradient (``Chunk.grad``,
 ``elems`` long, on the payload's home tier), and its parameters' ``.grad`` stay None: during
 backward each contribution is added into a whole-chunk accumulator on the device (one per set of
 mesh axes it is partial over: ``Chunk.acc``; contributions that the graph made complete go to
@@ -62,7 +63,7 @@ class GradChunks:
         if chunk.grad is None:
             if chunk.home == DEVICE:
                 self.manager._make_room(chunk.grad_bytes)  # streamed chunks may have to go first
-            chunk.grad = self.manager._buffer(chunk.elems, chunk.dtype, chunk.home, zero=True)
+            chunk.grad = self.manager._buffer(chunk.grad_elems, chunk.dtype, chunk.home, zero=True)
             self.manager.ledger.add("alloc_grad", chunk.index, chunk.home, chunk.grad_bytes)
         return chunk.grad
 
@@ -94,7 +95,7 @@ class GradChunks:
         ``partial_axes``: only for a sharded chunk), added to its ``.grad``."""
         manager = self.manager
         p, chunk = manager.params[name], manager.chunk_of[name]
-        if chunk.sharded:
+        if chunk.scatters:
             self._accumulate(chunk, name, grad, tuple(sorted(partial_axes)))
             return
         assert not partial_axes, (name, partial_axes)
@@ -110,9 +111,9 @@ class GradChunks:
         manager = self.manager
         acc = chunk.acc.get(axes)
         if acc is None:
-            manager._make_room(chunk.work_bytes)
-            acc = chunk.acc[axes] = manager._buffer(chunk.work_elems, chunk.dtype, DEVICE, zero=True)
-            manager.ledger.add("alloc_acc", chunk.index, DEVICE, chunk.work_bytes)
+            manager._make_room(chunk.padded_bytes)
+            acc = chunk.acc[axes] = manager._buffer(chunk.padded_elems, chunk.dtype, DEVICE, zero=True)
+            manager.ledger.add("alloc_acc", chunk.index, DEVICE, chunk.padded_bytes)
         view = chunk.view(acc, name)
         view.add_(grad.reshape(view.shape))
         chunk.grad_names.add(name)
@@ -134,7 +135,7 @@ class GradChunks:
             shard.add_(mine.to(shard.device))
             del mine
             chunk.acc.pop(axes)
-            manager.ledger.add("free_acc", chunk.index, DEVICE, -chunk.work_bytes)
+            manager.ledger.add("free_acc", chunk.index, DEVICE, -chunk.padded_bytes)
 
     def flush(self) -> None:
         """End of backward: what is left of the sharded chunks' accumulators, reduce-scattered."""
@@ -146,7 +147,7 @@ class GradChunks:
     def clear_sharded(self, *, set_to_none: bool = True) -> None:
         """Sharded chunks' gradient shards freed (or zeroed)."""
         for chunk in self.manager.chunks:
-            if chunk.sharded and chunk.grad is not None:
+            if chunk.scatters and chunk.grad is not None:
                 if set_to_none:
                     chunk.grad = None
                     chunk.grad_names.clear()
@@ -157,7 +158,7 @@ class GradChunks:
     def target(self, name: str):
         """The gradient bucketer's delivery target for ``name``: the parameter, its ``.grad``
         a view of the chunk (the bucketer adds the reduced gradient into it)."""
-        assert not self.manager.chunk_of[name].sharded, name  # their slots leave the bucketer (gradsync)
+        assert not self.manager.chunk_of[name].scatters, name  # their slots leave the bucketer (gradsync)
         self.slot(name)
         return self.manager.params[name]
 
@@ -166,7 +167,8 @@ class GradChunks:
         are the optimizer's to clear: no ``.grad`` refers to them)."""
         manager = self.manager
         for chunk in manager.chunks:
-            if chunk.grad is not None and not chunk.sharded and not any(self.owns(chunk, manager.params[s.name].grad) for s in chunk.slots):
+            if chunk.grad is not None and not chunk.scatters and not any(
+                    self.owns(chunk, manager.params[s.name].grad) for s in chunk.slots):
                 chunk.grad = None
                 manager.ledger.add("free_grad", chunk.index, chunk.home, -chunk.grad_bytes)
 
@@ -179,7 +181,7 @@ class GradChunks:
             return
         manager = self.manager
         ours = [s.name for s in chunk.slots if self.owns(chunk, manager.params[s.name].grad)]
-        chunk.grad = manager._buffer(chunk.elems, chunk.dtype, home)
+        chunk.grad = manager._buffer(chunk.grad_elems, chunk.dtype, home)
         chunk.grad.copy_(old)
         manager.ledger.add("free_grad", chunk.index, old_home, -chunk.grad_bytes)
         manager.ledger.add("alloc_grad", chunk.index, home, chunk.grad_bytes)

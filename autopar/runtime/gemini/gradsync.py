@@ -5,7 +5,8 @@ gradient bucketer (``self.grad_bucket(w, axes=..., slot=k)``), which all-reduces
 ``.grad``. A sharded chunk wants the partial gradient itself, to reduce-scatter it into its shard
 (``grads``). ``GradSync.install`` turns every bucket node into ``gemini_grad_sync(w, key=...,
 slot=k, axes=...)``, which decides at each forward: the parameter's chunk is sharded -> an
-identity whose backward hands the partial gradient to the chunk (``grads.arrive`` with its
+identity whose backward hands the partial gradient to the chunk (a ZeRO-2 chunk's too: the
+plan's ZeRO-2 slots, which the bucketer would reduce-scatter into pieces, come here) (``grads.arrive`` with its
 partial axes); otherwise -> the bucketer, as before. The bucketer is rebuilt with only the
 slots of unsharded chunks (``rebuild``, after every change of which chunks are sharded), so its
 buckets complete and overlap backward as they did, and no zeros are all-reduced for slots that
@@ -40,7 +41,7 @@ class _Partial(torch.autograd.Function):
 def gemini_grad_sync(x: torch.Tensor, *, key: int, slot: int, axes: tuple[int, ...]) -> torch.Tensor:
     sync = _manager(key).gradsync
     name = sync.slots[slot].name
-    if sync.manager.chunk_of[name].sharded:
+    if sync.manager.chunk_of[name].scatters:
         if not (torch.is_grad_enabled() and x.requires_grad):
             return x
         pmesh = sync.manager.pmesh
@@ -64,8 +65,6 @@ class GradSync:
         """Bucket nodes -> ``gemini_grad_sync`` nodes; returns how many."""
         if self.original is None:
             return 0
-        if any(s.shard for s in self.slots):
-            raise ValueError("gemini: the plan reduce-scatters gradients with ZeRO-2; plan with zero_stage=0")
         graph = self.graph_module.graph
         done = 0
         for node in list(graph.nodes):
@@ -85,7 +84,7 @@ class GradSync:
         """A bucketer over the slots of unsharded chunks only, delivering into the gradient chunks."""
         if self.original is None:
             return
-        sharded = {s.name for c in self.manager.chunks if c.sharded for s in c.slots}
+        sharded = {s.name for c in self.manager.chunks if c.scatters for s in c.slots}
         new = GradBucketer(self.original.pmesh, self.original.cap_bytes)
         self.slot_map = {k: new.add_slot(s.name, s.axes, s.shape, s.dtype) for k, s in enumerate(self.slots)
                          if s.name not in sharded}

@@ -100,7 +100,7 @@ class ChunkManager:
 
     def __init__(self, params: list[tuple[str, torch.nn.Parameter]], *, device: torch.device,
                  tiers_of, chunk_range: ChunkRange, pin_memory: bool, budget: int | None,
-                 group_of=None, stream_bytes: int | None = None, dp_of=None, pmesh=None) -> None:
+                 group_of=None, stream_bytes: int | None = None, dp_of=None, pmesh=None, zero_of=None) -> None:
         self.device = torch.device(device)
         self.pmesh = pmesh  # per-axis process groups, for sharded chunks' collectives
         self.pin = bool(pin_memory) and self.device.type == "cuda"
@@ -108,7 +108,8 @@ class ChunkManager:
         self.params = dict(params)
         self.chunks: list[Chunk] = []
         self.chunk_of: dict[str, Chunk] = {}
-        self._build(params, chunk_range, group_of or (lambda name: None), dp_of or (lambda name: ((), (), ())))
+        self._build(params, chunk_range, group_of or (lambda name: None), dp_of or (lambda name: ((), (), ())),
+                    zero_of or (lambda name: 0))
         for chunk, (home, optim) in zip(self.chunks, tiers_of([c.payload_bytes for c in self.chunks],
                                                               [c.optim_bytes for c in self.chunks], self.chunks)):
             self._place_initial(chunk, home, optim)
@@ -129,18 +130,21 @@ class ChunkManager:
         self.regathered = 0  # chunk accesses by recomputed regions (statistics)
 
     # ------------------------------------------------------------------------------ building
-    def _build(self, params, chunk_range: ChunkRange, group_of, dp_of) -> None:
-        """Chunks per (dtype, group, data-parallel axes) in parameter order; ``group_of(name)``:
-        the planned tiers; ``dp_of(name)``: (axes, their sizes, this rank's coordinates) the
-        parameter is replicated over (so a chunk can be sharded over them: static policies).
+    def _build(self, params, chunk_range: ChunkRange, group_of, dp_of, zero_of) -> None:
+        """Chunks per (dtype, group, data-parallel axes, ZeRO stage) in parameter order;
+        ``group_of(name)``: the planned tiers; ``dp_of(name)``: (axes, their sizes, this rank's
+        coordinates) the parameter is replicated over (so a chunk can be sharded over them:
+        static policies; or its optimizer state: ``zero_of(name)``, the plan's ZeRO stage).
         A planned host-home group is packed into chunks no larger than its largest parameter:
         the planner prices streaming per parameter (two in flight), so larger chunks would hold
         more on the device than it planned; and each such chunk is as large as what it holds
         (streamed chunks need no common size), so they carry no padding."""
         runs: dict[tuple, list[tuple[str, torch.Tensor]]] = {}
         for name, p in params:
-            runs.setdefault((p.dtype, group_of(name), dp_of(name)), []).append((name, local_of(p)))
-        for (dtype, group, dp), items in runs.items():
+            dp = dp_of(name)
+            zero = zero_of(name) if dp[0] else 0  # nothing to shard the state over: whole
+            runs.setdefault((p.dtype, group_of(name), dp, zero), []).append((name, local_of(p)))
+        for (dtype, group, dp, zero), items in runs.items():
             sizes = [t.numel() for _, t in items]
             if group is not None and group[0] == HOST:
                 capacity = max(sizes)
@@ -156,7 +160,7 @@ class ChunkManager:
                     slots.append(Slot(name, offset, t.numel(), tuple(t.shape)))
                     offset += t.numel()
                 chunk = Chunk(len(self.chunks), slots, capacity, dtype, group=group, dp_axes=dp[0], dp_sizes=dp[1],
-                              dp_coords=dp[2])
+                              dp_coords=dp[2], zero=zero)
                 self.chunks.append(chunk)
                 for s in slots:
                     self.chunk_of[s.name] = chunk
@@ -172,7 +176,8 @@ class ChunkManager:
         self.ledger.add("alloc", chunk.index, home, chunk.payload_bytes)
         for s in chunk.slots:
             chunk.view(buf, s.name).copy_(local_of(self.params[s.name]))
-        self._set_optim(chunk, home, optim, payload=buf, master=buf, moments=None)
+        self._set_optim(chunk, home, optim, payload=buf, master=self.mine(chunk, buf) if chunk.zero else buf,
+                        moments=None)
         self._set_home(chunk, home, buf)
 
     @torch.no_grad()
@@ -180,18 +185,20 @@ class ChunkManager:
                    moments: tuple | None) -> None:
         """The optimizer state of ``chunk`` on tier ``optim`` with its payload ``payload`` on
         ``home``: master (``payload`` itself when both are fp32 on one tier, else a copy of
-        ``master``), the moments (``moments`` moved there, or zeros) and the landing buffer."""
+        ``master``, ``state_elems`` long), the moments (``moments`` moved there, or zeros) and the
+        landing buffer."""
+        n = chunk.state_elems
         if chunk.master_is_payload(home, optim):
             chunk.master = payload
         else:
-            chunk.master = self._buffer(chunk.elems, torch.float32, optim)
+            chunk.master = self._buffer(n, torch.float32, optim)
             chunk.master.copy_(master)
         for attr, value in zip(("exp_avg", "exp_avg_sq"), moments or (None, None)):
-            buf = self._buffer(chunk.elems, torch.float32, optim, zero=value is None)
+            buf = self._buffer(n, torch.float32, optim, zero=value is None)
             if value is not None:
                 buf.copy_(value)
             setattr(chunk, attr, buf)
-        chunk.landing = None if home == optim else self._buffer(chunk.elems, torch.float32, optim, zero=True)
+        chunk.landing = None if home == optim else self._buffer(n, torch.float32, optim, zero=True)
         self.ledger.add("alloc", chunk.index, optim, chunk.state_bytes(home, optim))
         chunk.optim_tier = optim
 
@@ -236,6 +243,9 @@ class ChunkManager:
         if (home, optim, sharded) == (chunk.home, chunk.optim_tier, chunk.sharded):
             return
         reshard = sharded != chunk.sharded
+        if reshard and chunk.zero:
+            raise ValueError(f"gemini: chunk {chunk.index} shards its optimizer state by the plan's ZeRO-{chunk.zero}; "
+                             f"it cannot be sharded ZeRO-3 style (shard_param_frac) too")
         if reshard and (chunk.grad is not None or chunk.acc):
             raise ValueError(f"gemini: chunk {chunk.index} holds gradients; call optimizer.zero_grad() before "
                              f"changing shard_param_frac")
@@ -273,6 +283,31 @@ class ChunkManager:
         return out[:chunk.capacity]
 
     @staticmethod
+    def mine(chunk: Chunk, whole: torch.Tensor) -> torch.Tensor:
+        """This rank's shard (``shard_elems``, zero-padded) of a whole-chunk buffer ``whole``."""
+        n, base = chunk.shard_elems, chunk.shard_index * chunk.shard_elems
+        out = torch.zeros(n, dtype=whole.dtype, device=whole.device)
+        stop = min(base + n, chunk.capacity)
+        if stop > base:
+            out[:stop - base].copy_(whole[base:stop])
+        return out
+
+    @torch.no_grad()
+    def gather_payload(self, chunk: Chunk) -> None:
+        """A ZeRO chunk's whole payload from every rank's updated master shard (an all-gather
+        over its data-parallel axes, on the device; every rank of the group must call it)."""
+        self._make_room(chunk.padded_bytes)
+        self.ledger.add("alloc_gather", chunk.index, DEVICE, chunk.padded_bytes)
+        shard = chunk.master.to(device=self.device, dtype=chunk.dtype)
+        whole = torch.empty(chunk.padded_elems, dtype=chunk.dtype, device=self.device)
+        gather_into(whole, shard, chunk, self.pmesh)
+        self.home_buf(chunk).copy_(whole[:chunk.capacity])
+        if chunk.resident and chunk.streamed:  # a host-home payload's device copy is stale now
+            chunk.device_buf.copy_(whole[:chunk.capacity])
+        del whole, shard
+        self.ledger.add("free_gather", chunk.index, DEVICE, -chunk.padded_bytes)
+
+    @staticmethod
     def home_buf(chunk: Chunk) -> torch.Tensor:
         if chunk.sharded:
             return chunk.shard_buf
@@ -295,7 +330,9 @@ class ChunkManager:
         for chunk in self.chunks:
             home = self.home_buf(chunk)
             if force or (not chunk.sharded and self._versions(chunk) != chunk.synced_version):
-                if chunk.master is not home:
+                if chunk.zero:
+                    chunk.master.copy_(self.mine(chunk, home))
+                elif chunk.master is not home:
                     chunk.master.copy_(home)
                 if chunk.resident and chunk.streamed and chunk.pins == 0:
                     self.evict(chunk)  # its device copy is stale
@@ -449,7 +486,8 @@ class ChunkManager:
                 "host_bytes": self.ledger.bytes[HOST], "peak_device_bytes": self.ledger.peak[DEVICE],
                 "peak_host_bytes": self.ledger.peak[HOST], "num_moves": len(self.ledger.log),
                 "tiers": [(c.home, c.optim_tier) for c in self.chunks],
-                "sharded": [c.index for c in self.chunks if c.sharded], "regathered": self.regathered}
+                "sharded": [c.index for c in self.chunks if c.sharded], "regathered": self.regathered,
+                "zero": {c.index: c.zero for c in self.chunks if c.zero}}
 
 
 def _own_local(param) -> torch.Tensor:

@@ -10,7 +10,7 @@ exist only while gathered, so the module's state methods gather on demand.
   they were), the original load slices the full tensors into the local ones, then each rank
   copies its shard back into the payload at rest and the fp32 master, and the copies are dropped.
   The device budget is not enforced meanwhile (every sharded chunk is whole at once);
-- ``full_gradients``: sharded chunks' gradient shards are all-gathered into temporary ``.grad``
+- ``full_gradients``: sharded and ZeRO-2 chunks' gradient shards are all-gathered into temporary ``.grad``
   views for the call.
 
 All of them are collectives: every rank must call them, as the originals.
@@ -86,9 +86,9 @@ def _gradients(gemini, original):
     lent = []
     try:
         for chunk in manager.chunks:
-            if not chunk.sharded or chunk.grad is None:
+            if not chunk.scatters or chunk.grad is None:  # sharded, or ZeRO-2: the gradient is a shard
                 continue
-            whole = torch.empty(chunk.work_elems, dtype=chunk.dtype, device=manager.device)
+            whole = torch.empty(chunk.padded_elems, dtype=chunk.dtype, device=manager.device)
             gather_into(whole, chunk.grad.to(manager.device), chunk, manager.pmesh)
             for s in chunk.slots:
                 p = manager.params[s.name]
