@@ -32,6 +32,10 @@ In-flight micro-batches (``in_flight``), whose saved activations stage k holds a
 ``factor * max_k t_k + max_k sync_k`` exactly: for each candidate bottleneck T (every stage time,
 ascending) a DP over cut points minimises the largest sync among cuts whose stages all take at
 most T; it stops once ``factor * T`` alone cannot beat the best found.
+
+``schedule_cuts`` prices the stages with a ``StageCosts``
+(:mod:`autopar.planner.pipeline_search`) and runs the DP through ``LazyCuts``, which solves a
+stage whose memory budget binds only when its lower bound can still beat the best cut found.
 """
 
 from __future__ import annotations
@@ -42,7 +46,8 @@ from typing import Callable
 
 from autopar.plans import PIPELINE_SCHEDULES
 
-__all__ = ["SCHEDULE_VIRTUAL_STAGES", "bubble", "step_factor", "in_flight", "step_time", "Cuts", "best_cuts"]
+__all__ = ["SCHEDULE_VIRTUAL_STAGES", "bubble", "step_factor", "in_flight", "step_time", "Cuts", "best_cuts", "LazyCuts",
+           "PipelineCandidate", "schedule_cuts"]
 
 # Virtual stages per rank each schedule is planned with (the runtime's torch schedules run
 # gpipe/1f1b with one stage per rank; the interleaved ones with two or more).
@@ -121,11 +126,24 @@ def best_cuts(num_blocks: int, num_parts: int,
                 opts = tuple(c) if isinstance(c, list) else (c,)
                 if opts:
                     table[k, a, b] = opts
+    ends: dict[tuple[int, int], list] = {}  # (k, a) -> [(b, options)]: the DP's inner loop
+    for (k, a, b), opts in table.items():
+        ends.setdefault((k, a), []).append((b, opts))
     best: Cuts | None = None
-    for limit in sorted({t for opts in table.values() for t, _ in opts}):
+    limits = sorted({t for opts in table.values() for t, _ in opts})
+    # A cut with every stage within a limit exists from some limit on: bisect for the first one
+    # (the sweep below would try every smaller limit in vain).
+    lo, hi = 0, len(limits)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if _min_sync(num_blocks, num_parts, ends, limits[mid]) is None:
+            lo = mid + 1
+        else:
+            hi = mid
+    for limit in limits[lo:]:
         if best is not None and factor * limit >= best.objective:
             break  # syncs are >= 0: no larger bottleneck can win
-        found = _min_sync(num_blocks, num_parts, table, limit)
+        found = _min_sync(num_blocks, num_parts, ends, limit)
         if found is None:
             continue
         sync, bounds = found
@@ -142,8 +160,9 @@ def _pick(opts: tuple[Option, ...], limit: float) -> int | None:
     return min(fit, key=lambda i: (opts[i][1], opts[i][0])) if fit else None
 
 
-def _min_sync(num_blocks: int, num_parts: int, table, limit: float) -> tuple[float, tuple[int, ...]] | None:
-    """Cut points minimising the largest sync with every stage time <= ``limit``."""
+def _min_sync(num_blocks: int, num_parts: int, ends, limit: float) -> tuple[float, tuple[int, ...]] | None:
+    """Cut points minimising the largest sync with every stage time <= ``limit`` (``ends``:
+    (k, a) -> the stages k starting at a, as (b, options))."""
     inf = math.inf
     # f[k][b]: least max-sync of stages 0..k-1 covering blocks [0, b); back[k][b]: stage k-1's start.
     f = [[inf] * (num_blocks + 1) for _ in range(num_parts + 1)]
@@ -153,9 +172,8 @@ def _min_sync(num_blocks: int, num_parts: int, table, limit: float) -> tuple[flo
         for a in range(num_blocks):
             if f[k][a] == inf:
                 continue
-            for b in range(a + 1, num_blocks + 1):
-                opts = table.get((k, a, b))
-                i = None if opts is None else _pick(opts, limit)
+            for b, opts in ends.get((k, a), ()):
+                i = _pick(opts, limit)
                 if i is None:
                     continue
                 v = max(f[k][a], opts[i][1])
@@ -167,3 +185,173 @@ def _min_sync(num_blocks: int, num_parts: int, table, limit: float) -> tuple[flo
     for k in range(num_parts, 0, -1):
         bounds.append(back[k][bounds[-1]])
     return f[num_parts][num_blocks], tuple(reversed(bounds))
+
+
+@dataclass(frozen=True, slots=True)
+class PipelineCandidate:
+    """One (micro-batch count, schedule) tried: its step time, or why it has none."""
+
+    num_microbatches: int
+    schedule: str
+    virtual_stages: int
+    step_s: float | None
+    note: str = ""
+
+    def __str__(self) -> str:
+        what = f"{self.step_s * 1e3:.3f} ms/step" if self.step_s is not None else self.note
+        return f"{self.schedule} x{self.virtual_stages}, {self.num_microbatches} micro-batches: {what}"
+
+
+def _stage_budget(budget: int | None, virtual_stages: int) -> int | None:
+    return None if budget is None else budget // virtual_stages
+
+
+def schedule_cuts(costs, *, schedule: str, num_stages: int, num_microbatches: int, budget: int | None,
+                  window: int | None = None, allowed: Callable[[int, int, int], bool] | None = None,
+                  recompute: tuple[bool, ...] = (False, True), prune: bool = True, bound: float | None = None):
+    """(candidate, cuts, factor, in-flight counts, stage budget, recompute per stage) of the best
+    cut under ``schedule`` (the last five None when no cut fits). ``allowed(k, a, b)``: which
+    stage ranges may be used (benchmarks price fixed cuts with it). ``recompute``: the modes each
+    stage may run (``StageCosts.slice``); the DP picks one per stage (``best_cuts``).
+    ``prune``: solve a budget-bound stage only when its lower bound can beat the best cut found
+    (``LazyCuts``; the same optimum as solving every stage, which ``prune=False`` does).
+    ``bound``: the best step another schedule reached; a cut not beating it is reported as such
+    (its figure is then only an upper bound of this schedule's best)."""
+    v = SCHEDULE_VIRTUAL_STAGES[schedule]
+    parts = num_stages * v
+    none = (None,) * 5
+    if costs.num_blocks < parts:
+        return (PipelineCandidate(num_microbatches, schedule, v, None, f"{costs.num_blocks} blocks < {parts} stages"),
+                *none)
+    if schedule == "zero-bubble":
+        recompute = tuple(r for r in recompute if not r)  # the runtime refuses recompute under zero-bubble
+    factor = step_factor(schedule, num_stages=num_stages, virtual_stages=v, num_microbatches=num_microbatches)
+    flight = [in_flight(schedule, index=k, num_stages=num_stages, virtual_stages=v,
+                        num_microbatches=num_microbatches) for k in range(parts)]
+    stage_budget = _stage_budget(budget, v)
+    even = costs.num_blocks / parts
+    longest = costs.num_blocks - parts + 1
+    costs.lengths = None if allowed is not None else (1, longest) if window is None else (max(1, math.ceil(even - window)),
+                                                          min(longest, math.floor(even + window)))
+
+    def usable(k, a, b):
+        return (window is None or abs((b - a) - even) <= window) and (allowed is None or allowed(k, a, b))
+
+    lazy = LazyCuts(costs, parts, usable, flight=flight, factor=factor, budget=stage_budget, recompute=recompute)
+    cuts, modes = lazy.search(math.inf if bound is None else bound) if prune else lazy.solve_all()
+    if bound is not None and prune and (cuts is None or cuts.objective >= bound):
+        return (PipelineCandidate(num_microbatches, schedule, v, None,
+                                  f"no cut beats {bound * 1e3:.3f} ms/step (stages bounded, not all solved)"), *none)
+    if cuts is None:
+        budget_text = "no budget" if budget is None else f"the budget of {budget / 2**30:.2f} GiB"
+        return PipelineCandidate(num_microbatches, schedule, v, None, f"no cut fits {budget_text}"), *none
+    picked = tuple(modes[k, cuts.bounds[k], cuts.bounds[k + 1]][i] for k, i in enumerate(cuts.picks))
+    note = f"recompute in stages {[k for k, r in enumerate(picked) if r]}" if any(picked) else ""
+    return (PipelineCandidate(num_microbatches, schedule, v, cuts.objective, note), cuts, factor, flight, stage_budget,
+            picked)
+
+
+class LazyCuts:
+    """The cut DP over stage options, solving a budget-bound stage (one whose unconstrained
+    optimum does not fit with its in-flight micro-batches) only when it can matter.
+
+    Every usable (stage k, range, mode) first gets its range shape's unconstrained optimum (one
+    solve per shape, shared by all k). Where that fits, it is the stage's cost; where not, the
+    stage is *pending*, with a lower bound ``lb`` on ``time + sync / factor`` (a budget only
+    removes layouts). A cut holding a pending stage is worth at least ``factor * lb`` (the step is
+    ``factor * max time + max sync``), so once a cut worth ``U`` is known, stages with
+    ``factor * lb >= U`` need no solve: no cut through them beats ``U``. The search: (1) run
+    the DP with pending stages at their unconstrained figures (a guess), solve the pending stages
+    the guessed cut uses, and repeat until it uses none: a real cut, ``U``; (2) solve the pending
+    stages in increasing ``lb`` while ``factor * lb < U``, lowering ``U`` when one helps; (3) the
+    DP over the solved stages is the optimum over all of them. Without recompute when the plain
+    stage's unconstrained optimum fits (recompute only adds forward seconds to its layouts)."""
+
+    def __init__(self, costs, parts: int, usable, *, flight: list[int], factor: float,
+                 budget: int | None, recompute: tuple[bool, ...]) -> None:
+        self.costs, self.parts, self.factor = costs, parts, factor
+        self.flight, self.budget = flight, budget
+        self.known: dict[tuple[int, int, int, bool], tuple[float, float] | None] = {}  # solved (None: no fit)
+        self.pending: dict[tuple[int, int, int, bool], tuple[float, float, float | None]] = {}  # guess + lb
+        self.order: dict[tuple[int, int, int], list[bool]] = {}  # modes tried, in ``recompute`` order
+        n = costs.num_blocks
+        for k in range(parts):
+            for a in range(k, n - parts + k + 1):
+                for b in range(a + 1, n - parts + k + 2):
+                    if usable(k, a, b):
+                        self._gather(k, a, b, recompute)
+
+    def _gather(self, k: int, a: int, b: int, recompute: tuple[bool, ...]) -> None:
+        costs, kw = self.costs, dict(in_flight=self.flight[k], factor=self.factor, budget=self.budget)
+        for r in recompute:
+            free = costs.free(a, b, factor=self.factor, recompute=r)
+            if free is None:
+                continue
+            self.order.setdefault((k, a, b), []).append(r)
+            if costs.free_fits(a, b, recompute=r, **kw):
+                c = costs.cost(a, b, recompute=r, **kw)
+                self.known[k, a, b, r] = (c.time_s, c.sync_s)
+                if not r:
+                    break  # recompute only adds forward seconds to the fitting optimum's layouts
+                continue
+            c = free[1]
+            self.pending[k, a, b, r] = (c.time_s - c.p2p_s + costs.p2p_s(b), c.sync_s,
+                                        costs.lower_bound(a, b, factor=self.factor, recompute=r))
+
+    def _solve(self, key: tuple[int, int, int, bool]) -> None:
+        k, a, b, r = key
+        self.pending.pop(key)
+        c = self.costs.cost(a, b, in_flight=self.flight[k], factor=self.factor, budget=self.budget, recompute=r)
+        self.known[key] = None if c is None else (c.time_s, c.sync_s)
+
+    def _dp(self, *, guess: bool):
+        """The best cut over the solved stages (and, with ``guess``, the pending ones at their
+        unconstrained figures); also the (k, a, b) -> modes its options list."""
+        table: dict[tuple[int, int, int], list] = {}
+        modes: dict[tuple[int, int, int], list[bool]] = {}
+        for (k, a, b), tried in self.order.items():
+            for r in tried:
+                opt = self.known.get((k, a, b, r))
+                if opt is None and guess and (k, a, b, r) in self.pending:
+                    opt = self.pending[k, a, b, r][:2]
+                if opt is not None:
+                    table.setdefault((k, a, b), []).append(opt)
+                    modes.setdefault((k, a, b), []).append(r)
+        return best_cuts(self.costs.num_blocks, self.parts, lambda k, a, b: table.get((k, a, b)),
+                         factor=self.factor), modes
+
+    def solve_all(self):
+        for key in list(self.pending):
+            self._solve(key)
+        return self._dp(guess=False)
+
+    def search(self, bound: float = math.inf):
+        """The best cut (module docstring of ``LazyCuts``), or, given a ``bound`` (another
+        schedule's step), the best cut if one beats it: else a cut no better than it, or None."""
+        while self.pending and bound == math.inf:  # (1) a real cut, guided by the unconstrained figures
+            cuts, modes = self._dp(guess=True)
+            if cuts is None:
+                break
+            used = [(k, cuts.bounds[k], cuts.bounds[k + 1], modes[k, cuts.bounds[k], cuts.bounds[k + 1]][i])
+                    for k, i in enumerate(cuts.picks)]
+            used = [key for key in used if key in self.pending]
+            if not used:
+                break
+            for key in used:
+                self._solve(key)
+        best = self._dp(guess=False)[0]
+        bound = bound if best is None else min(bound, best.objective)
+        # (2) the pending stages that could still beat it, most promising first
+        for key in sorted(self.pending, key=lambda q: -math.inf if self.pending[q][2] is None else self.pending[q][2]):
+            lb = self.pending[key][2]
+            if lb is not None and self.factor * lb >= bound:
+                break  # sorted: no later one can beat it either
+            solves = self.costs.num_solves
+            self._solve(key)
+            opt = self.known[key]
+            # A new option below the bound may lower it; one from the memo (a shape solved for
+            # another stage) rarely does, and the DP costs a tenth of a solve: rerun it then only.
+            if opt is not None and self.factor * opt[0] + opt[1] < bound and self.costs.num_solves > solves:
+                best = self._dp(guess=False)[0]
+                bound = bound if best is None else min(bound, best.objective)
+        return self._dp(guess=False)  # (3)

@@ -26,8 +26,11 @@ plans the MICRO-batch graph ``traced`` (batch / M) as ``S`` pipeline ranks over 
      conversions at each side of a boundary are not priced, the point-to-point transfer is:
      ``2 (alpha_0 + beta_0 * bytes)`` per micro-batch (activation forward, its gradient back)
      over axis 0's link, part of the sending stage's time;
-4. ``best_cuts`` (:mod:`autopar.planner.pipeline_schedule`) picks the cut minimising the
-   schedule's step time, ``factor * max stage time + max gradient sync``;
+4. ``schedule_cuts`` (:mod:`autopar.planner.pipeline_schedule`) picks the cut minimising the
+   schedule's step time, ``factor * max stage time + max gradient sync`` (``best_cuts``), solving
+   a stage whose budget binds only when its lower bound (the shape's unconstrained optimum) can
+   beat the best cut found (``LazyCuts``: exact); 1F1B is searched first and its step bounds
+   the other schedules' searches;
 5. the chosen stages are solved once more in pipeline order, each with the placeholders an
    earlier stage chose fixed (one layout per parameter: ``Plan.nodes`` covers all stages), and
    the ``Plan`` records them (``Plan.pipeline``), the per-stage figures
@@ -47,7 +50,7 @@ import numpy as np
 
 from autopar.layout.blocks import block_of, split_block
 from autopar.layout.mesh import MeshSpec
-from autopar.planner.pipeline_schedule import (SCHEDULE_VIRTUAL_STAGES, best_cuts, in_flight, step_factor)
+from autopar.planner.pipeline_schedule import PipelineCandidate, schedule_cuts
 from autopar.planner.pipeline_assembly import assemble_pipelined
 from autopar.planner.pipeline_stages import block_container
 from autopar.plans import (PIPELINE_SCHEDULES, NodeKind, Plan, StagePlan, stage_mesh_of)
@@ -59,6 +62,9 @@ from autopar.tracer.graph import MODULE_KEY, TracedGraph
 # A kept value's layout follows its producer's (``StageCosts.slice``): any other pairing costs
 # this many seconds, more than any real step, so an optimum never takes it while one fits.
 _TIE_S = 1e4
+# Relative slack on a stage's lower bound (the solver proves optima to MIP_REL_GAP = 1e-4): a range
+# is skipped only when even its bound, less this, cannot beat the best cut found.
+_BOUND_SLACK = 1e-3
 HELD = "@held"
 
 __all__ = ["StageCost", "StageCosts", "PipelineCandidate", "PipelineSearch", "search_stages", "schedule_cuts",
@@ -86,21 +92,6 @@ class StageCost:
     gap: float = 0.0
     saved_bytes: int = 0
     recompute: bool = False  # every block of the stage recomputed in backward (Megatron's "full")
-
-
-@dataclass(frozen=True, slots=True)
-class PipelineCandidate:
-    """One (micro-batch count, schedule) tried: its step time, or why it has none."""
-
-    num_microbatches: int
-    schedule: str
-    virtual_stages: int
-    step_s: float | None
-    note: str = ""
-
-    def __str__(self) -> str:
-        what = f"{self.step_s * 1e3:.3f} ms/step" if self.step_s is not None else self.note
-        return f"{self.schedule} x{self.virtual_stages}, {self.num_microbatches} micro-batches: {what}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,6 +123,7 @@ class StageCosts:
         self.lengths: tuple[int, int] | None = None
         # range shape (+ in-flight, budget) -> (choice, cost, the range it was solved on) or None
         self._memo: dict[tuple, tuple[dict[str, str], StageCost, tuple[int, int]] | None] = {}
+        self._unfit: dict[tuple, int] = {}  # (range shape, budget) -> fewest in flight found not to fit
         self._position()
         self._classes()
         self._boundaries()
@@ -236,38 +228,62 @@ class StageCosts:
         return tuple(stages)
 
     # ---------------------------------------------------------------------------- solves
+    def _shape(self, a: int, b: int, factor: float, recompute: bool) -> tuple:
+        return a == 0, b == self.num_blocks, self.block_class[a:b], factor, recompute
+
+    def free(self, a: int, b: int, *, factor: float, recompute: bool = False):
+        """The range shape's unconstrained optimum (one solve per shape, or none: ``_between``):
+        (choice, cost, in-flight bytes), or None when no layout exists at all."""
+        free_key = (*self._shape(a, b, factor, recompute), None, None)
+        if free_key not in self._memo:
+            self._memo[free_key] = self._between(a, b, factor=factor, recompute=recompute) or \
+                self.solve_range(a, b, in_flight=1, factor=factor, budget=None, recompute=recompute)
+        return self._memo[free_key]
+
+    def free_fits(self, a: int, b: int, *, in_flight: int, factor: float, budget: int | None,
+                  recompute: bool = False) -> bool:
+        """Whether the unconstrained optimum fits ``budget`` with ``in_flight`` micro-batches (then
+        ``cost`` is it, without a solve of its own)."""
+        free = self.free(a, b, factor=factor, recompute=recompute)
+        return free is not None and (budget is None or free[1].peak_bytes + (in_flight - 1) * free[2] <= budget)
+
+    def lower_bound(self, a: int, b: int, *, factor: float, recompute: bool = False) -> float | None:
+        """A lower bound on ``time_s + sync_s / factor`` of the range under ANY budget and
+        in-flight count (the unconstrained optimum's value: a budget only removes layouts), less
+        the solver's relative gap; None: no bound (the free solve was not proved optimal)."""
+        free = self.free(a, b, factor=factor, recompute=recompute)
+        if free is None or free[1].status != "optimal":
+            return None
+        c = free[1]
+        return (c.time_s - c.p2p_s + c.sync_s / factor) * (1 - _BOUND_SLACK) + self.p2p_s(b)
+
     def cost(self, a: int, b: int, *, in_flight: int, factor: float, budget: int | None,
              recompute: bool = False) -> StageCost | None:
         """The memoised stage cost (None: it does not fit ``budget``); ``recompute``: every block of
         the stage recomputed in backward (``slice``)."""
-        shape = (a == 0, b == self.num_blocks, self.block_class[a:b], factor, recompute)
+        shape = self._shape(a, b, factor, recompute)
         key = (*shape, in_flight, budget)
         if key not in self._memo:
             # The unconstrained optimum (one solve per range shape) answers whenever it fits with
             # this in-flight count; only a binding budget needs a solve of its own. Its peak with
             # k micro-batches in flight is its peak with one plus (k - 1) x what one keeps saved
             # (``slice``: the in-flight bytes are linear in k), so no second evaluation is needed.
-            free_key = (*shape, None, None)
-            if free_key not in self._memo:
-                self._memo[free_key] = self._between(a, b, factor=factor, recompute=recompute) or \
-                    self.solve_range(a, b, in_flight=1, factor=factor, budget=None, recompute=recompute)
-            free = self._memo[free_key]
+            free = self.free(a, b, factor=factor, recompute=recompute)
             peak = None if free is None else free[1].peak_bytes + (in_flight - 1) * free[2]
             if free is not None and (budget is None or peak <= budget):
                 self._memo[key] = (free[0], replace(free[1], peak_bytes=peak, in_flight=in_flight), free[2])
+            elif self._unfit.get((shape, budget), math.inf) <= in_flight:
+                # Nothing fits with fewer micro-batches in flight: nothing fits with more (each
+                # adds bytes >= 0 to every layout's peak).
+                self._memo[key] = None
             else:
                 self._memo[key] = self.solve_range(a, b, in_flight=in_flight, factor=factor, budget=budget,
                                                    recompute=recompute)
+                if self._memo[key] is None:
+                    self._unfit[shape, budget] = min(self._unfit.get((shape, budget), math.inf), in_flight)
         found = self._memo[key]
         return None if found is None else replace(found[1], time_s=found[1].time_s - found[1].p2p_s + self.p2p_s(b),
                                                   p2p_s=self.p2p_s(b))
-
-    def unconstrained(self, a: int, b: int, *, in_flight: int, factor: float, budget: int | None,
-                      recompute: bool = False) -> bool:
-        """Whether ``cost(...)`` with these arguments is the range's unconstrained optimum."""
-        shape = (a == 0, b == self.num_blocks, self.block_class[a:b], factor, recompute)
-        found, free = self._memo.get((*shape, in_flight, budget)), self._memo.get((*shape, None, None))
-        return found is not None and free is not None and found[0] is free[0]
 
     def solve_range(self, a: int, b: int, *, in_flight: int, factor: float, budget: int | None,
                     fixed: dict[str, str] | None = None,
@@ -482,10 +498,6 @@ class StageCosts:
         return {self.pos[n] for n in names if n in self.unit_of}
 
 
-def _stage_budget(budget: int | None, virtual_stages: int) -> int | None:
-    return None if budget is None else budget // virtual_stages
-
-
 def search_stages(traced: TracedGraph, profile, *, mesh: MeshSpec, options, num_stages: int, num_microbatches: int,
                   schedules: tuple[str, ...], progress=None, solve: Callable[[Problem], Solution] | None = None,
                   window: int | None = None, costs: StageCosts | None = None) -> PipelineSearch:
@@ -512,14 +524,16 @@ def search_stages(traced: TracedGraph, profile, *, mesh: MeshSpec, options, num_
     elif tuple(costs.mesh.shape) != tuple(mesh.shape):
         raise ValueError(f"stage costs built for mesh {costs.mesh.shape}, searched on {mesh.shape}")
     t_build = time.perf_counter() - t0
-    candidates, best = [], None
-    for schedule in schedules:
+    found_for, best = {}, None
+    # 1F1B first: its step bounds the others' searches (a stage that cannot beat it is not solved).
+    for schedule in sorted(schedules, key=lambda s: s != "1f1b"):
         found = schedule_cuts(costs, schedule=schedule, num_stages=num_stages, num_microbatches=num_microbatches,
-                              budget=budget, window=window,
+                              budget=budget, window=window, bound=None if best is None else best[1].objective,
                               recompute=(False,) if options.checkpoint == "none" else (False, True))
-        candidates.append(found[0])
+        found_for[schedule] = found[0]
         if found[1] is not None and (best is None or found[1].objective < best[1].objective):
             best = (schedule, *found[1:])
+    candidates = [found_for[s] for s in schedules]
     if best is None:
         return PipelineSearch(None, tuple(candidates), costs.num_solves)
     schedule, cuts, factor, flight, stage_budget, modes = best
@@ -533,56 +547,3 @@ def search_stages(traced: TracedGraph, profile, *, mesh: MeshSpec, options, num_
     plan = replace(plan, solver={**plan.solver, "pipeline": {**plan.solver["pipeline"],
                                                              "candidates": [str(c) for c in candidates]}})
     return PipelineSearch(plan, tuple(candidates), costs.num_solves)
-
-
-def schedule_cuts(costs: StageCosts, *, schedule: str, num_stages: int, num_microbatches: int, budget: int | None,
-                  window: int | None = None, allowed: Callable[[int, int, int], bool] | None = None,
-                  recompute: tuple[bool, ...] = (False, True)):
-    """(candidate, cuts, factor, in-flight counts, stage budget, recompute per stage) of the best
-    cut under ``schedule`` (the last five None when no cut fits). ``allowed(k, a, b)``: which
-    stage ranges may be used (benchmarks price fixed cuts with it). ``recompute``: the modes each
-    stage may run (``StageCosts.slice``); the DP picks one per stage (``best_cuts``)."""
-    v = SCHEDULE_VIRTUAL_STAGES[schedule]
-    parts = num_stages * v
-    none = (None,) * 5
-    if costs.num_blocks < parts:
-        return (PipelineCandidate(num_microbatches, schedule, v, None, f"{costs.num_blocks} blocks < {parts} stages"),
-                *none)
-    if schedule == "zero-bubble":
-        recompute = tuple(r for r in recompute if not r)  # the runtime refuses recompute under zero-bubble
-    factor = step_factor(schedule, num_stages=num_stages, virtual_stages=v, num_microbatches=num_microbatches)
-    flight = [in_flight(schedule, index=k, num_stages=num_stages, virtual_stages=v,
-                        num_microbatches=num_microbatches) for k in range(parts)]
-    stage_budget = _stage_budget(budget, v)
-    even = costs.num_blocks / parts
-    modes: dict[tuple[int, int, int], list[bool]] = {}
-    longest = costs.num_blocks - parts + 1
-    costs.lengths = None if allowed is not None else (1, longest) if window is None else (max(1, math.ceil(even - window)),
-                                                          min(longest, math.floor(even + window)))
-
-    def cost(k, a, b):
-        if window is not None and abs((b - a) - even) > window:
-            return None
-        if allowed is not None and not allowed(k, a, b):
-            return None
-        found = []
-        for r in recompute:
-            c = costs.cost(a, b, in_flight=flight[k], factor=factor, budget=stage_budget, recompute=r)
-            if c is not None:
-                modes.setdefault((k, a, b), []).append(r)
-                found.append((c.time_s, c.sync_s))
-            if c is not None and not r and costs.unconstrained(a, b, in_flight=flight[k], factor=factor,
-                                                               budget=stage_budget):
-                # Without recompute the stage's unconstrained optimum fits: recompute only adds
-                # forward seconds to every layout (a heuristic for the DP's (time, sync) pairs).
-                break
-        return found or None
-
-    cuts = best_cuts(costs.num_blocks, parts, cost, factor=factor)
-    if cuts is None:
-        budget_text = "no budget" if budget is None else f"the budget of {budget / 2**30:.2f} GiB"
-        return PipelineCandidate(num_microbatches, schedule, v, None, f"no cut fits {budget_text}"), *none
-    picked = tuple(modes[k, cuts.bounds[k], cuts.bounds[k + 1]][i] for k, i in enumerate(cuts.picks))
-    note = f"recompute in stages {[k for k, r in enumerate(picked) if r]}" if any(picked) else ""
-    return (PipelineCandidate(num_microbatches, schedule, v, cuts.objective, note), cuts, factor, flight, stage_budget,
-            picked)

@@ -164,8 +164,16 @@ def test_search_keeps_the_fastest_schedule(traced_models):
     traced, prof = traced_models["llama-1b"]
     found = search_stages(traced, prof, mesh=MeshSpec.preset("cpu", (2, 2)), options=PlanOptions(), num_stages=2,
                           num_microbatches=4, schedules=PIPELINE_SCHEDULES)
-    best = min(found.candidates, key=lambda c: c.step_s)
+    best = min((c for c in found.candidates if c.step_s is not None), key=lambda c: c.step_s)
     assert found.plan.pipeline.schedule == best.schedule and found.plan.estimate.step_s == pytest.approx(best.step_s)
+    assert [c.schedule for c in found.candidates] == list(PIPELINE_SCHEDULES)
+    # 1F1B's step bounds the other schedules' searches: one reported as not beating it does not,
+    # searched alone.
+    for c in found.candidates:
+        if c.step_s is None and "no cut beats" in c.note:
+            alone = search_stages(traced, prof, mesh=MeshSpec.preset("cpu", (2, 2)), options=PlanOptions(),
+                                  num_stages=2, num_microbatches=4, schedules=(c.schedule,))
+            assert alone.plan is None or alone.plan.estimate.step_s >= best.step_s * (1 - 1e-6), c
 
 
 def test_gpt2_tied_embedding_has_one_layout_on_both_stages(traced_models):
@@ -377,3 +385,35 @@ def test_family_reuse_equals_solving_every_length(traced_models):
             assert got[1].time_s == pytest.approx(want[1].time_s, rel=1e-9)
             assert got[1].sync_s == pytest.approx(want[1].sync_s, rel=1e-9, abs=1e-15)
             assert got[1].peak_bytes == want[1].peak_bytes and got[2] == want[2]
+
+
+def test_bounded_stage_solves_find_the_same_cuts_as_solving_every_stage(traced_models):
+    """``schedule_cuts`` solves a budget-bound stage only when its lower bound (the shape's
+    unconstrained optimum) can beat the best cut found: the same cut, modes and step as solving
+    every stage (``prune=False``), with fewer solves; given another schedule's step as ``bound``
+    it returns that same cut when it beats the bound, and says it does not otherwise."""
+    from autopar.planner.pipeline_search import schedule_cuts
+
+    probe = _stage_costs(traced_models, "gpt2", (4, 2))
+    factor = step_factor("1f1b", num_stages=4, virtual_stages=1, num_microbatches=8)
+    one = probe.cost(0, 2, in_flight=1, factor=factor, budget=None)
+    four = probe.cost(0, 2, in_flight=4, factor=factor, budget=None)
+    assert four.peak_bytes > one.peak_bytes
+    budget = (one.peak_bytes + four.peak_bytes) // 2  # the first stages' optima do not fit: solves
+    for schedule in ("1f1b", "interleaved-1f1b"):
+        lazy, full = _stage_costs(traced_models, "gpt2", (4, 2)), _stage_costs(traced_models, "gpt2", (4, 2))
+        kw = dict(schedule=schedule, num_stages=4, num_microbatches=8, budget=budget)
+        got, want = schedule_cuts(lazy, **kw), schedule_cuts(full, prune=False, **kw)
+        assert (got[1] is None) == (want[1] is None), schedule
+        if want[1] is None:
+            continue
+        assert got[1].objective == pytest.approx(want[1].objective, rel=1e-9), schedule
+        assert got[1].bounds == want[1].bounds and got[5] == want[5], schedule
+        assert lazy.num_solves <= full.num_solves, schedule
+        if schedule != "1f1b":
+            continue
+        assert lazy.num_solves < full.num_solves  # the bound skipped some budget-bound stages
+        above = schedule_cuts(_stage_costs(traced_models, "gpt2", (4, 2)), bound=want[1].objective * 1.5, **kw)
+        assert above[1].bounds == want[1].bounds and above[1].objective == pytest.approx(want[1].objective)
+        below = schedule_cuts(_stage_costs(traced_models, "gpt2", (4, 2)), bound=want[1].objective * 0.999, **kw)
+        assert below[1] is None and below[0].step_s is None and "no cut beats" in below[0].note
