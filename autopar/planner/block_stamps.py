@@ -33,7 +33,7 @@ from autopar.planner.segments import storage_base
 from autopar.plans import NodeKind
 from autopar.solver.problem import Node
 from autopar.tracer.depth import blocks_of
-from autopar.tracer.graph import BUFFER, PARAMETER, TracedGraph
+from autopar.tracer.graph import BUFFER, MODULE_KEY, PARAMETER, TracedGraph
 
 __all__ = ["BlockStamps", "Template"]
 
@@ -63,6 +63,7 @@ class BlockStamps:
         self.template_of: dict[str, tuple[str, int]] = {}  # stamped op -> (template op, block)
         self.is_template: set[str] = set()
         self._rename: tuple[int, dict[str, str] | None] = (-1, None)  # the current block's
+        self._facts: dict[int, tuple] = {}  # ``_template_facts``
         if self.s is None or len(self.s.blocks) <= _TEMPLATE + 1:
             self.s = None
             return
@@ -99,17 +100,31 @@ class BlockStamps:
             out.update((a.name, b.name) for a, b in zip(blocks[t - d], blocks[k - d]))
         # Values taking a gradient (a frozen block prices no gradient sum) and storage owners
         # (the activation parts an option counts), in block k and the block it reads:
+        needs_grad = self.needs_grad
         for d in (0, 1):
-            for a, b in zip(blocks[t - d], blocks[k - d]):
-                if (a.name in self.needs_grad) != (b.name in self.needs_grad):
-                    return None
-                base = self.base_of(a)
-                if out.get(base, base) != self.base_of(b):
+            pattern, views = self._template_facts(d)
+            mine_run = blocks[k - d]
+            if tuple(n.name in needs_grad for n in mine_run) != pattern:
+                return None
+            # A storage is its own owner unless the op is a view or ``getitem`` (the same ops in
+            # every block: ``storage_base`` follows the same arguments); those are checked.
+            for j, base in views:
+                if out.get(base, base) != self.base_of(mine_run[j]):
                     return None
         for rel, name in theirs.items():
             if (name in self.needs_grad) != (mine[rel] in self.needs_grad):
                 return None
         return out
+
+    def _template_facts(self, d: int) -> tuple[tuple[bool, ...], tuple[tuple[int, str], ...]]:
+        """Block 2-d's gradient pattern and (position, storage owner) of its ops owning none."""
+        facts = self._facts.get(d)
+        if facts is None:
+            run = self.s.blocks[_TEMPLATE - d]
+            bases = [(j, self.base_of(n)) for j, n in enumerate(run)]
+            facts = self._facts[d] = (tuple(n.name in self.needs_grad for n in run),
+                                      tuple((j, b) for j, b in bases if b != run[j].name))
+        return facts
 
     def template_node(self, name: str):
         """The fx node of stamped op ``name``'s template."""
@@ -119,11 +134,12 @@ class BlockStamps:
     def keep(self, name: str, template: Template) -> None:
         self.templates[name] = template
 
-    def stamp(self, name: str, decisions, parts: list[tuple[str, int]]) -> tuple[Template, dict, tuple, str] | None:
-        """Block k's op ``name`` from its template: (the template, block k's renaming, the op's
-        inputs renamed, block k's name) when the per-block and input checks hold, else None (build
-        it on its own).
-        ``parts``: the op's own saved parts (``_Builder._saved_parts``)."""
+    def stamp(self, b, node) -> bool | dict | None:
+        """Block k's op ``node`` stamped into builder ``b`` (``planner.builder._Builder``) from
+        its template: True when done; None when a check before the reader chain fails, or the
+        previous readers the chain gave when a check after it fails (the op is then built on
+        its own, with them: the chain is asked once per input)."""
+        name = node.name
         where = self.template_of.get(name)
         if where is None:
             return None
@@ -131,6 +147,7 @@ class BlockStamps:
         rename = self.rename(where[1]) if t is not None else None
         if rename is None:
             return None
+        decisions = b.decisions
         inputs = []
         for v in t.decision.inputs:
             if v is None:
@@ -140,27 +157,30 @@ class BlockStamps:
             if mine is None or mine.choices is not decisions[v.producer].choices:
                 return None
             inputs.append(InputSlot(mine.name, v.index, v.shape, v.itemsize))
-        if tuple((rename.get(p, p), b) for p, b in t.parts) != tuple(parts):
+        parts = b._saved_parts(node)
+        if len(parts) != len(t.parts) or any((rename.get(p, p), n) != q for (p, n), q in zip(t.parts, parts)):
             return None
-        return t, rename, tuple(inputs), self._block_names[where[1]]
-
-    def shared_matches(self, t: Template, rename: dict, shared: dict, decisions) -> bool:
-        """The previous readers found for the stamped op are block 2's, renamed, and hold the
-        same choices (so the gradient-sum edges from them are block 2's matrices)."""
+        previous = b.chain.previous
+        shared = {slot: prev for slot, v in enumerate(inputs) if (prev := previous(name, slot, v)) is not None}
         if len(shared) != len(t.shared):
-            return False
+            return shared
         for slot, (reader, reader_slot) in t.shared:
-            got = shared.get(slot)
             mine = rename.get(reader, reader)
-            if got != (mine, reader_slot) or decisions[mine].choices is not decisions[reader].choices:
-                return False
+            if shared.get(slot) != (mine, reader_slot) or decisions[mine].choices is not decisions[reader].choices:
+                return shared
+        # Every check holds: block 2's records, renamed.
+        i = b.op_index[name]
+        decisions[name] = Decision(name, NodeKind.OP, t.decision.choices, tuple(inputs),
+                                   module=node.meta.get(MODULE_KEY, ""), op=t.decision.op)
+        b.nodes.append(Node(name, t.node.options, live=(i, 2 * b.num_ops - 1 - i) if parts else None,
+                            block=self._block_names[where[1]], signature=t.node.signature,
+                            segment=b.segment_of_op[name]))
+        b.sources[name] = (name, 0)
+        b.values[name] = tuple(None if v is None else InputSlot(name, v.index, v.shape, v.itemsize)
+                               for v in t.values)
+        if t.fallback:
+            b.fallbacks.append(name)
+        add_edge = b._add_edge
+        for src, matrix in t.edges:
+            add_edge(rename.get(src, src), name, matrix)
         return True
-
-
-def stamped_records(t: Template, name: str, inputs: tuple, *, module: str, block: str, live,
-                    segment: str | None) -> tuple[Decision, Node, tuple[InputSlot | None, ...]]:
-    """The stamped op's ``Decision``, ``Node`` and output values."""
-    decision = Decision(name, NodeKind.OP, t.decision.choices, inputs, module=module, op=t.decision.op)
-    node = Node(name, t.node.options, live=live, block=block, signature=t.node.signature, segment=segment)
-    values = tuple(None if v is None else InputSlot(name, v.index, v.shape, v.itemsize) for v in t.values)
-    return decision, node, values

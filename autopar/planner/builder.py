@@ -47,7 +47,7 @@ import torch.fx as fx
 from autopar.layout.conversion import conversion_seconds
 from autopar.layout.mesh import MeshSpec
 from autopar.layout.placement import R, Shard, TensorSpec
-from autopar.planner.block_stamps import BlockStamps, Template, stamped_records
+from autopar.planner.block_stamps import BlockStamps, Template
 from autopar.planner.executed import ReaderChain, sync_key, zero2_capable
 from autopar.planner.records import BuiltProblem, Choice, ChosenConversion, Decision, InputSlot
 from autopar.planner.saved_bytes import SELF, activation_bytes, global_bytes
@@ -160,8 +160,10 @@ class _Builder:
         problem = without_stateful_segments(problem, self.traced)
         fine = {n.name: n.segment for n in problem.nodes if n.segment is not None}
         blocks = {name: block_of(seg) for name, seg in fine.items()}
-        kept = {**segment_inputs(self.traced, self.prof, self.decisions, self.mesh.shape, fine),
-                **segment_inputs(self.traced, self.prof, self.decisions, self.mesh.shape, blocks)}
+        kept = {**segment_inputs(self.traced, self.prof, self.decisions, self.mesh.shape, fine,
+                                 base_of=self._storage_base),
+                **segment_inputs(self.traced, self.prof, self.decisions, self.mesh.shape, blocks,
+                                 base_of=self._storage_base)}
         return BuiltProblem(problem=problem, decisions=MappingProxyType(self.decisions),
                             sources=MappingProxyType(self.sources), fallbacks=tuple(self.fallbacks),
                             mesh=self.mesh, segment_inputs=MappingProxyType(kept))
@@ -309,35 +311,12 @@ class _Builder:
             self._edge_log = None
 
     def _stamped(self, node: fx.Node) -> bool | dict | None:
-        """``node``'s records stamped from its block-2 template (``block_stamps``): True when
-        done; else None, or the previous readers when the chain was asked (the op is then built
-        on its own with them)."""
-        name = node.name
-        if self.fixed is not None and self.fixed(node) != self.fixed(self._stamps.template_node(name)):
+        """``node``'s records stamped from its block-2 template (``BlockStamps.stamp``)."""
+        if self.fixed is not None and self.fixed(node) != self.fixed(self._stamps.template_node(node.name)):
             return None
-        parts = self._saved_parts(node)
-        found = self._stamps.stamp(name, self.decisions, parts)
-        if found is None:
-            return None
-        t, rename, inputs, block = found
-        shared = {slot: prev for slot, v in enumerate(inputs)
-                  if (prev := self.chain.previous(name, slot, v)) is not None}
-        if not self._stamps.shared_matches(t, rename, shared, self.decisions):
-            return shared
-        i = self.op_index[name]
-        decision, record, values = stamped_records(
-            t, name, inputs, module=self.traced.module_path(node), block=block,
-            live=(i, 2 * self.num_ops - 1 - i) if parts else None, segment=self.segment_of_op[name])
-        self.nodes.append(record)
-        self.decisions[name] = decision
-        self.sources[name] = (name, 0)
-        self.values[name] = values
-        if t.fallback:
-            self.fallbacks.append(name)
-        for src, matrix in t.edges:
-            self._add_edge(rename.get(src, src), name, matrix)
-        self.num_stamped += 1
-        return True
+        done = self._stamps.stamp(self, node)
+        self.num_stamped += done is True
+        return done
 
     def _op_options(self, node: fx.Node, strategies: list[Strategy], slots: list[fx.Node],
                     activations: tuple[bool, ...], rel_parts: tuple, zero2: tuple[int, ...],

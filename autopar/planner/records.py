@@ -136,17 +136,35 @@ class BuiltProblem:
     def conversions(self, choice: Mapping[str, str]) -> list[ChosenConversion]:
         """The layout conversions a full choice (decision name -> option name) executes."""
         out = []
+        chosen: dict[str, Choice] = {}
+        # (id(src spec), id(dst spec), shape, itemsize) -> its conversion (None: same layout).
+        # Repeated blocks share their choices, so their specs: each pair is looked at once.
+        convs: dict[tuple, Conversion | None] = {}
+
+        def pick(name: str) -> Choice:
+            c = chosen.get(name)
+            if c is None:
+                c = chosen[name] = self.choice_of(name, choice[name])
+            return c
+
         for dst in self.decisions.values():
             if all(value is None for value in dst.inputs):
                 continue
-            dst_choice = self.choice_of(dst.name, choice[dst.name])
+            dst_choice = pick(dst.name)
             for slot, value in enumerate(dst.inputs):
                 if value is None:
                     continue
-                a = self.choice_of(value.producer, choice[value.producer]).output_specs[value.index]
+                a = pick(value.producer).output_specs[value.index]
                 b = dst_choice.input_specs[slot]
-                if a is not None and b is not None and a != b:
-                    conv = plan_conversion(a, b, value.shape, value.itemsize, self.mesh)
+                if a is None or b is None:
+                    continue
+                key = (id(a), id(b), value.shape, value.itemsize)
+                if key in convs:
+                    conv = convs[key]
+                else:
+                    conv = convs[key] = None if a == b else plan_conversion(a, b, value.shape, value.itemsize,
+                                                                              self.mesh)
+                if conv is not None:
                     out.append(ChosenConversion(dst.name, slot, value.producer, conv))
         return out
 

@@ -19,10 +19,11 @@ batch norm, ``num_batches_tracked += 1``) get no segments (``without_stateful_se
 
 from __future__ import annotations
 
+import functools
 import operator
 from collections import Counter
 from dataclasses import replace
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import torch
 import torch.fx as fx
@@ -57,18 +58,30 @@ def mutates_state(node: fx.Node) -> bool:
     that updates its running statistics. Such ops must never be recomputed in backward."""
     if node.op != "call_function":
         return False
-    schema = getattr(node.target, "_schema", None)  # ATen overloads have one, Python callables not
-    if schema is not None:
-        for arg, value in zip(schema.arguments, node.args):
-            written = arg.alias_info is not None and arg.alias_info.is_write
-            if written and isinstance(value, fx.Node) and value.op == "placeholder":
-                return True
-    if str(node.target).startswith(_BATCH_NORMS):
+    try:
+        written, batch_norm = _mutation_info(node.target)
+    except TypeError:  # an unhashable callable target
+        written, batch_norm = _mutation_info.__wrapped__(node.target)
+    for i in written:
+        value = node.args[i] if i < len(node.args) else None
+        if isinstance(value, fx.Node) and value.op == "placeholder":
+            return True
+    if batch_norm:
         args = list(node.args) + [None] * 6
         running_mean = node.kwargs.get("running_mean", args[3])
         training = node.kwargs.get("training", args[5])
         return running_mean is not None and bool(training)
     return False
+
+
+@functools.lru_cache(maxsize=None)
+def _mutation_info(target: Any) -> tuple[tuple[int, ...], bool]:
+    """(positions of the arguments ``target`` writes, whether it is a batch norm), per op: every
+    repeat of a block asks for the same few targets."""
+    schema = getattr(target, "_schema", None)  # ATen overloads have one, Python callables not
+    written = () if schema is None else tuple(
+        i for i, arg in enumerate(schema.arguments) if arg.alias_info is not None and arg.alias_info.is_write)
+    return written, str(target).startswith(_BATCH_NORMS)
 
 
 def op_segments(ops: Iterable[tuple[str, str]]) -> dict[str, str | None]:
@@ -134,14 +147,14 @@ def holder_of_producer(prof: ModelProfile) -> dict[str, str]:
 
 
 def segment_inputs(traced: TracedGraph, prof: ModelProfile, decisions: Mapping[str, Decision],
-                   mesh_shape: tuple[int, ...], segment_of: Mapping[str, str],
-                   ) -> dict[str, tuple[SegmentInput, ...]]:
+                   mesh_shape: tuple[int, ...], segment_of: Mapping[str, str], *,
+                   base_of: Callable[[fx.Node], str] | None = None) -> dict[str, tuple[SegmentInput, ...]]:
     """Per segment (``segment_of``: op decision -> segment; each a contiguous run of ops), the
     activation values its ops read from outside it, with their local bytes per producer option.
     Left out: parameters, buffers and user inputs (held anyway), and values whose storage is
     counted by a node outside the segment (``saved_by``: that node, or its own region, holds it
     whatever the segment does). Non-float tensors count too: the checkpoint keeps every tensor
-    input."""
+    input. ``base_of``: ``storage_base(node).name``, from the caller's cache."""
     holder = holder_of_producer(prof)
     out: dict[str, list[SegmentInput]] = {}
     seen: set[tuple[str, str, int]] = set()
@@ -165,7 +178,7 @@ def segment_inputs(traced: TracedGraph, prof: ModelProfile, decisions: Mapping[s
             vals = node_vals(src_node)
             if value.index >= len(vals) or not isinstance(vals[value.index], torch.Tensor):
                 continue
-            saver = holder.get(storage_base(src_node).name)
+            saver = holder.get(storage_base(src_node).name if base_of is None else base_of(src_node))
             if saver is not None and segment_of.get(saver) != seg:
                 continue
             choices = decisions[src].choices

@@ -158,6 +158,7 @@ class _Namer:
 
     def __init__(self, step: dict[str, int]) -> None:
         self.step = step
+        self._split: dict[str, tuple[str, int]] = {}  # name -> (base, index): template names recur
 
     @staticmethod
     def build(s: BlockStructure) -> "_Namer | None":
@@ -169,7 +170,10 @@ class _Namer:
         return _Namer(step)
 
     def shifted(self, name: str, blocks: int) -> str:
-        base, idx = _split(name)
+        parts = self._split.get(name)
+        if parts is None:
+            parts = self._split[name] = _split(name)
+        base, idx = parts
         idx += self.step.get(base, 0) * blocks
         return f"{base}_{idx}" if idx else base
 
@@ -184,8 +188,10 @@ def _split(name: str) -> tuple[str, int]:
     return m.group(1), int(m.group(2) or 0)
 
 
-def _moved_meta(meta: dict, src: str, dst: str) -> dict:
-    """Node metadata with module paths in block ``src`` moved to block ``dst``."""
+def _moved_meta(meta: dict, src: str, dst: str, stacks: dict | None = None) -> dict:
+    """Node metadata with module paths in block ``src`` moved to block ``dst``. ``stacks``:
+    moved ``nn_module_stack``s of this move by content (a block's ops share a few stacks);
+    each node gets its own copy."""
     def move(path: Any) -> Any:
         if isinstance(path, str) and (path == src or path.startswith(src + ".")):
             return dst + path[len(src):]
@@ -193,8 +199,15 @@ def _moved_meta(meta: dict, src: str, dst: str) -> dict:
     out = dict(meta)
     if MODULE_KEY in out:
         out[MODULE_KEY] = move(out[MODULE_KEY])
-    if "nn_module_stack" in out:
-        out["nn_module_stack"] = {k: (move(v[0]), *v[1:]) for k, v in out["nn_module_stack"].items()}
+    stack = out.get("nn_module_stack")
+    if stack is not None:
+        key = tuple(stack.items()) if stacks is not None else None
+        moved = stacks.get(key) if key is not None else None
+        if moved is None:
+            moved = {k: (move(v[0]), *v[1:]) for k, v in stack.items()}
+            if key is not None:
+                stacks[key] = moved
+        out["nn_module_stack"] = dict(moved)
     return out
 
 
@@ -312,9 +325,10 @@ class _Expansion:
             return env[a]
 
         own = f"{self.s.prefix}.{k}"
+        stacks: dict = {}
         for src in self.template:
             env[(k, src)] = self.copy(src, inputs, self.namer.shifted(src.name, k - _KEEP + 1),
-                                      _moved_meta(src.meta, self.own_t, own))
+                                      _moved_meta(src.meta, self.own_t, own, stacks))
 
     def last_inputs(self, a: fx.Node) -> fx.Node:
         """The last block reads block N-2 where the shallow one read block 2."""
