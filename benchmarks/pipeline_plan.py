@@ -1,12 +1,22 @@
 """Offline pipeline planning: autopar's joint stage + sharding plan against Megatron-style 3-D
 configurations priced in the same cost model (issue 15).
 
-Cases: each model shape (Llama-70B, 80 layers; GPT-3-175B, 96 layers) on each device count N
-(``MeshSpec.cluster``, 8 H100 80 GB per node; 64, 256, 1024). For every pipeline size PP, tensor
-size TP in {1, 2, 4, 8} (DP = N / (PP TP)) and micro-batch count M, on mesh ``(PP, DP, TP)``
-(inner axes on the intra-node links), ONE stage Problem is built on the ``(DP, TP)`` sub-mesh and
-priced by both sides with the same stage slice, in-flight memory, schedule formula and budget
-check (``autopar.planner.pipeline_search``):
+Cases: each model shape (Llama-70B, 80 layers; GPT-3-175B, 96 layers, its LM head untied: see
+below) on each device count N (``MeshSpec.cluster``, 8 H100 80 GB per node; 64, 256, 1024).
+
+Global batch: weak scaling, as Megatron-LM reports its runs -- ``--batch-per-device`` (1)
+sequence per device, so ``B = N`` sequences of the model's length (Llama 4096, GPT-3 2048
+tokens): 1024 devices train on 1024 x 4096 = 4M tokens, Llama 2 70B's published batch. Both sides
+plan the same ``B`` per case.
+
+Configurations (Megatron's space): pipeline size PP (``--pp``, with PP <= N / 8: the pipeline
+axis spans nodes), tensor size TP in {1, 2, 4, 8}, DP = N / (PP TP); Megatron's micro-batch size
+``b`` sequences per data-parallel replica (``--micro-sizes``, 1 and 2, with b <= TP so that
+M >= PP), hence M = B / (b DP) micro-batches; schedules 1F1B and interleaved 1F1B (2 virtual
+stages); per stage no or full recompute. For every (PP, TP, M), on mesh ``(PP, DP, TP)`` (inner
+axes on the intra-node links), ONE stage Problem is built on the ``(DP, TP)`` sub-mesh for the
+micro-batch graph (B / M sequences) and priced by both sides with the same stage slice, in-flight
+memory, schedule formula and budget check (``autopar.planner.pipeline_search``):
 
 - Megatron-style: the ``dp x tp`` baseline family (batch split on DP, Megatron column/row splits on
   TP), EVEN layer cuts, each stage with or without full recompute of its blocks;
@@ -15,12 +25,18 @@ check (``autopar.planner.pipeline_search``):
 
 So autopar searches a superset of each Megatron configuration, up to ILP gaps and the per-stage
 memo heuristics both sides share. Not priced (both sides alike): ZeRO. The micro-batch graph is
-traced once per (model, M) and shared by every device count, PP and TP.
+traced once per (model, micro-batch size B / M) and shared by every configuration using it.
+
+GPT-3's head is untied (``--tie`` restores it): autopar's pipeline runtime sends a value made on
+one stage and read on a later one through every stage between, and a tied head's bf16 weight
+copy (1.2 GB) is such a value -- per micro-batch, both ways. Priced so for both sides it would
+dominate every stage (Megatron keeps a second copy on the last stage and all-reduces its gradient
+once per step instead), so the benchmark compares the untied shape.
 
 Reported per case: the best plan of each side, the speed-up (Megatron's best / autopar's best),
 autopar's planning seconds for the case (its traces + every (PP, TP, M) search), and at the end
-the mean and max speed-up. ``--quick``: 8-layer shapes on 64 devices (minutes on 2 cores).
-One JSON line per configuration with ``--jsonl``.
+the mean, min and max speed-up. ``--quick``: 8-layer shapes on 64 devices, sequence 1024, PP 2/4,
+b = 1. One JSON line per configuration with ``--jsonl``.
 """
 
 from __future__ import annotations
@@ -41,7 +57,6 @@ from autopar.planner.builder import build_problem
 from autopar.planner.options import PlanOptions
 from autopar.planner.pipeline_schedule import SCHEDULE_VIRTUAL_STAGES
 from autopar.planner.pipeline_search import StageCosts, schedule_cuts, search_stages
-from autopar.planner.pipeline_stages import micro_inputs
 from autopar.plans import stage_mesh_of
 from autopar.solver.driver import solve as solve_ilp
 from autopar.strategies import needs_decomposition
@@ -49,7 +64,7 @@ from autopar.tracer import profile, trace
 
 
 
-def build_model(name: str, *, layers: int | None):
+def build_model(name: str, *, layers: int | None, tie: bool = False):
     from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
     with torch.device("meta"):
@@ -61,7 +76,7 @@ def build_model(name: str, *, layers: int | None):
         if name == "gpt3-175b":
             cfg = GPT2Config(vocab_size=50257, n_positions=2048, n_embd=12288, n_layer=layers or 96, n_head=96,
                              use_cache=False, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                             attn_implementation="sdpa")
+                             attn_implementation="sdpa", tie_word_embeddings=tie)
             return GPT2LMHeadModel(cfg), 2048
     raise ValueError(f"unknown model {name!r}")
 
@@ -96,9 +111,19 @@ def _solver(options):
     return lambda p: solve_ilp(p, solver=options.solver, time_limit=options.time_limit)
 
 
-def configs(n: int, pps, tps=(1, 2, 4, 8)):
-    """(PP, TP) with PP x TP dividing N and the pipeline axis outside the nodes (PP <= N / 8)."""
-    return [(pp, tp) for pp in pps for tp in tps if n % (pp * tp) == 0 and pp <= n // 8]
+def configs(n: int, pps, tps=(1, 2, 4, 8), *, batch: int, micro_sizes=(1, 2)):
+    """(PP, TP, M) on N devices: PP x TP divides N, the pipeline axis outside the nodes (PP <= N /
+    8), M = batch / (b DP) for each micro-batch size b (sequences per replica) with M >= PP."""
+    out = []
+    for pp in pps:
+        for tp in tps:
+            if n % (pp * tp) or pp > n // 8:
+                continue
+            dp = n // (pp * tp)
+            for b in micro_sizes:
+                if batch % (b * dp) == 0 and batch // (b * dp) >= pp:
+                    out.append((pp, tp, batch // (b * dp)))
+    return out
 
 
 def run(args) -> tuple[list[Row], dict]:
@@ -106,24 +131,25 @@ def run(args) -> tuple[list[Row], dict]:
     plan_s: dict[tuple[str, int], float] = {}
     options = PlanOptions(precision="bf16", preset="h100-80gb", time_limit=args.time_limit)
     for name in args.models:
-        model, seq = build_model(name, layers=args.layers)
-        ids = torch.zeros((args.batch, args.seq or seq), dtype=torch.long, device="meta")
-        inputs = {"input_ids": ids, "labels": ids}
-        for m in args.microbatches:
-            if args.batch % m:
-                continue
-            t0 = time.perf_counter()
-            traced = trace(model, micro_inputs(inputs, m), decompose_if=needs_decomposition, precision="bf16")
-            prof = profile(traced)
-            trace_s = time.perf_counter() - t0
-            for n in args.devices:
-                plan_s[name, n] = plan_s.get((name, n), 0.0) + trace_s
-                for pp, tp in configs(n, args.pp):
+        model, seq = build_model(name, layers=args.layers, tie=args.tie)
+        seq = args.seq or seq
+        for n in args.devices:
+            batch = args.batch_per_device * n
+            plan_s[name, n] = 0.0
+            todo = configs(n, args.pp, args.tp, batch=batch, micro_sizes=args.micro_sizes)
+            for size in sorted({batch // m for _, _, m in todo}):  # one trace per micro-batch size
+                t0 = time.perf_counter()
+                ids = torch.zeros((size, seq), dtype=torch.long, device="meta")
+                traced = trace(model, {"input_ids": ids, "labels": ids}, decompose_if=needs_decomposition,
+                               precision="bf16")
+                prof = profile(traced)
+                plan_s[name, n] += time.perf_counter() - t0
+                for pp, tp, m in (c for c in todo if batch // c[2] == size):
                     out, spent = _one(name, n, pp, tp, m, traced, prof, options, args)
                     plan_s[name, n] += spent
                     rows += out
                     for r in out:
-                        print(json.dumps(r.__dict__), flush=True)
+                        print(json.dumps({**r.__dict__, "batch": batch}), flush=True)
     return rows, plan_s
 
 
@@ -192,7 +218,22 @@ def summarise(rows: list[Row], plan_s: dict) -> list[float]:
     if speedups:
         print(f"speed-up over the best Megatron-style configuration: mean {statistics.mean(speedups):.3f}x, "
               f"min {min(speedups):.3f}x, max {max(speedups):.3f}x over {len(speedups)} (model, devices) cases")
+    for line in slower(rows):
+        print("autopar SLOWER than Megatron-style on one configuration (a superset should not be):", line)
     return speedups
+
+
+def slower(rows: list[Row]) -> list[str]:
+    """Configurations (model, devices, PP, TP, M) where autopar's plan is slower than the
+    Megatron-style one, or has none where Megatron's fits: its space contains Megatron's."""
+    out = []
+    for key in sorted({(r.model, r.devices, r.pp, r.tp, r.microbatches) for r in rows}):
+        mine = [r for r in rows if (r.model, r.devices, r.pp, r.tp, r.microbatches) == key and r.who == "autopar"]
+        theirs = [r for r in rows if (r.model, r.devices, r.pp, r.tp, r.microbatches) == key and r.who == "megatron"]
+        for a, b in zip(mine, theirs):
+            if b.step_s is not None and (a.step_s is None or a.step_s > b.step_s * (1 + 1e-3)):
+                out.append(f"{key}: autopar {a.step_s}, megatron {b.step_s}")
+    return out
 
 
 def main(argv=None) -> int:
@@ -200,28 +241,32 @@ def main(argv=None) -> int:
     p.add_argument("--models", nargs="+", default=["llama-70b", "gpt3-175b"])
     p.add_argument("--devices", nargs="+", type=int, default=[64, 256, 1024])
     p.add_argument("--pp", nargs="+", type=int, default=[2, 4, 8, 16])
-    p.add_argument("--microbatches", nargs="+", type=int, default=[8, 32])
+    p.add_argument("--tp", nargs="+", type=int, default=[1, 2, 4, 8])
+    p.add_argument("--micro-sizes", nargs="+", type=int, default=[1, 2],
+                   help="Megatron micro-batch sizes b (sequences per data-parallel replica): M = B / (b DP)")
     p.add_argument("--schedules", nargs="+", default=["1f1b", "interleaved-1f1b"])
-    p.add_argument("--batch", type=int, default=64, help="global batch (sequences)")
+    p.add_argument("--batch-per-device", type=int, default=1,
+                   help="global batch B = this x the device count (sequences; weak scaling)")
+    p.add_argument("--tie", action="store_true", help="GPT-3 with its LM head tied to the embedding")
     p.add_argument("--seq", type=int, help="sequence length (default: the model's)")
     p.add_argument("--layers", type=int, help="override the depth (default: the full model)")
     p.add_argument("--window", type=int, default=2, help="stage lengths within this many blocks of even")
     p.add_argument("--time-limit", type=float, default=30.0)
-    p.add_argument("--quick", action="store_true", help="8-layer shapes, 64 devices, PP 2/4, M 8, batch 32 x 1024")
+    p.add_argument("--quick", action="store_true", help="8-layer shapes, 64 devices, PP 2/4, b 1, sequence 1024")
     p.add_argument("--jsonl", help="write one JSON line per configuration")
     args = p.parse_args(argv)
     if args.quick:
-        args.layers, args.devices, args.pp, args.microbatches = args.layers or 8, [64], [2, 4], [8]
+        args.layers, args.devices, args.pp, args.micro_sizes = args.layers or 8, [64], [2, 4], [1]
         args.seq = args.seq or 1024
-        args.batch = 32
     args.schedules = tuple(args.schedules)
     rows, plan_s = run(args)
     summarise(rows, plan_s)
+    print(f"global batch: {args.batch_per_device} sequence(s) per device; micro-batch sizes {args.micro_sizes}")
     if args.jsonl:
         with open(args.jsonl, "w") as f:
             for r in rows:
-                f.write(json.dumps(r.__dict__) + "\n")
-    return 0
+                f.write(json.dumps({**r.__dict__, "batch": args.batch_per_device * r.devices}) + "\n")
+    return 1 if slower(rows) else 0
 
 
 if __name__ == "__main__":

@@ -5,6 +5,8 @@ and their losses equal the single-device loss. Timings are not checked (benchmar
 from __future__ import annotations
 
 import importlib.util
+import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -40,3 +42,40 @@ def test_pipeline_benchmark_refuses_bad_arguments():
         bench.main(["--schedules", "zero-bubble"])
     with pytest.raises(ValueError, match="--microbatches 3 does not divide --batch 16"):
         bench.main(["--microbatches", "3"])
+
+
+PLAN_SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "pipeline_plan.py"
+
+
+def _load_plan_bench():
+    spec = importlib.util.spec_from_file_location("bench_pipeline_plan", PLAN_SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_pipeline_plan_configs_scale_the_batch_with_the_devices():
+    """Megatron's space per case: B = N sequences, M = B / (b DP) >= PP, PP <= N / 8."""
+    bench = _load_plan_bench()
+    found = bench.configs(64, [2, 4, 8, 16], batch=64, micro_sizes=(1, 2))
+    assert (16, 1, 16) not in found and all(pp <= 8 for pp, _, _ in found)  # 64 devices: 8 nodes
+    for pp, tp, m in found:
+        dp = 64 // (pp * tp)
+        assert m >= pp and 64 % m == 0 and (64 // m) % dp == 0 and 64 // (m * dp) in (1, 2)
+    assert (2, 1, 2) in found and (2, 1, 1) not in found  # b = 2 would leave M = 1 < PP
+    assert (4, 8, 32) in found and (4, 8, 16) in found
+    assert len(found) == 21
+
+
+def test_pipeline_plan_runs_one_configuration_and_autopar_is_not_slower(tmp_path, capsys):
+    bench = _load_plan_bench()
+    out = tmp_path / "plan.jsonl"
+    code = bench.main(["--models", "llama-70b", "--layers", "4", "--devices", "64", "--pp", "2", "--tp", "8",
+                       "--micro-sizes", "2", "--seq", "128", "--schedules", "1f1b", "--jsonl", str(out)])
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert code == 0 and [r["who"] for r in rows] == ["autopar", "megatron"]
+    assert all(r["batch"] == 64 and (r["pp"], r["tp"], r["microbatches"]) == (2, 8, 8) for r in rows)
+    assert rows[0]["step_s"] <= rows[1]["step_s"] * (1 + 1e-3)
+    printed = capsys.readouterr().out
+    assert "speed-up over the best Megatron-style configuration" in printed and "SLOWER" not in printed
