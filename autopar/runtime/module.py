@@ -172,11 +172,7 @@ class AutoParallelModule(nn.Module):
 
     @torch.no_grad()
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        full: dict[str, torch.Tensor] = {}
-        for names, value in self.full_state_items():
-            for alias in names:
-                full[alias] = value
-        return {k: full[k] for k in self._state_keys if k in full}
+        return collect_full_state(self.full_state_items(), self._state_keys)
 
     def full_state_entries(self) -> list[tuple[tuple[str, ...], torch.Size, torch.dtype]]:
         """(state-dict names, full shape, dtype) of each parameter and buffer, in state-dict
@@ -242,6 +238,17 @@ def _has_decision(plan: Plan, name: str) -> bool:
     except KeyError:
         return False
     return True
+
+
+def collect_full_state(items: Iterable[tuple[tuple[str, ...], torch.Tensor]],
+                       state_keys: Iterable[str]) -> dict[str, torch.Tensor]:
+    """``full_state_items()`` as a state dict: every name of each tensor (tied aliases), in
+    the original ``state_keys`` order."""
+    full: dict[str, torch.Tensor] = {}
+    for names, value in items:
+        for alias in names:
+            full[alias] = value
+    return {k: full[k] for k in state_keys if k in full}
 
 
 @torch.no_grad()

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from autopar.runtime.dtensors import local_of
 from autopar.runtime.materialize import slice_local
-from autopar.runtime.module import _snapshot
+from autopar.runtime.module import _snapshot, collect_full_state
 from autopar.tracer.graph import BUFFER, PARAMETER
 
 __all__ = ["PipelineState"]
@@ -85,11 +85,7 @@ class PipelineState:
     @torch.no_grad()
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Original state-dict names (tied aliases included) -> full tensors, on every rank."""
-        out: dict[str, torch.Tensor] = {}
-        for names, value in self.full_state_items():
-            for alias in names:
-                out[alias] = value
-        return {k: out[k] for k in self._state_keys if k in out}
+        return collect_full_state(self.full_state_items(), self._state_keys)
 
     @torch.no_grad()
     def full_gradients(self) -> dict[str, torch.Tensor | None]:
