@@ -350,10 +350,14 @@ def _alias_groups(problem: Problem) -> dict[str, int]:
 def _worst_peak(work: _Work) -> float:
     params = sum(float(p.max()) for p in work.param.values())
     events: dict[int, float] = defaultdict(float)
+    largest: dict[int, tuple] = {}  # id(bytes) -> (bytes, its max): aliased items share their arrays
     for items in work.items.values():
         for it in items:
-            events[it.start] += float(it.bytes.max())
-            events[it.end + 1] -= float(it.bytes.max())
+            hit = largest.get(id(it.bytes))
+            if hit is None:
+                hit = largest[id(it.bytes)] = (it.bytes, float(it.bytes.max()))
+            events[it.start] += hit[1]
+            events[it.end + 1] -= hit[1]
     running, peak = 0.0, 0.0
     for t in sorted(events):
         running += events[t]

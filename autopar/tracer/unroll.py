@@ -43,7 +43,8 @@ def repeated_list(model: nn.Module) -> tuple[str, nn.ModuleList] | None:
         return None
     if _shares_tensors(model, path) or len({id(b) for b in blocks}) != len(blocks):
         return None  # tied across blocks: the cut model would name fewer aliases
-    if not all(_alike(blocks[_KEEP - 1], _KEEP - 1, blocks[i], i) for i in range(_KEEP, len(blocks) - 1)):
+    template = _fingerprint(blocks[_KEEP - 1])  # (once: every later block is compared with it)
+    if not all(_alike(template, _KEEP - 1, blocks[i], i) for i in range(_KEEP, len(blocks) - 1)):
         return None
     return path, blocks
 
@@ -59,10 +60,11 @@ def _shares_tensors(model: nn.Module, path: str) -> bool:
     return any(names[i] > 1 for i in inside)
 
 
-def _alike(a: nn.Module, i: int, b: nn.Module, k: int) -> bool:
-    """Blocks ``i`` and ``k`` trace alike: same classes, tensor shapes/dtypes and plain settings,
-    except settings equal to the block's own index in both (``layer_idx``)."""
-    fa, fb = _fingerprint(a), _fingerprint(b)
+def _alike(fa: tuple | None, i: int, b: nn.Module, k: int) -> bool:
+    """Block ``i`` (its ``_fingerprint`` ``fa``) and block ``k`` trace alike: same classes, tensor
+    shapes/dtypes and plain settings, except settings equal to the block's own index in both
+    (``layer_idx``)."""
+    fb = _fingerprint(b)
     if fa is None or fb is None or fa[0] != fb[0] or fa[1].keys() != fb[1].keys():
         return False
     return all(va == vb or (type(va) is int and type(vb) is int and (va, vb) == (i, k))
@@ -78,9 +80,7 @@ def _fingerprint(block: nn.Module) -> tuple[tuple, dict] | None:
         tensors = tuple((k, None if t is None else (tuple(t.shape), t.dtype, t.requires_grad))
                         for table in (m._parameters, m._buffers) for k, t in table.items())
         shape.append((path, type(m), m.training, tensors))
-        for key, value in sorted(vars(m).items()):
-            if key.startswith("_"):
-                continue
+        for key, value in sorted((k, v) for k, v in vars(m).items() if not k.startswith("_")):
             if isinstance(value, (bool, int, float, str, type(None))):
                 settings[(path, key)] = value
             elif isinstance(value, (tuple, list)) and all(isinstance(v, (bool, int, float, str)) for v in value):
