@@ -396,7 +396,7 @@ def autoparallelize(
     rank 0 plans the stages (``plan_pipelined``), every rank traces the micro-batch graph and
     builds its stages with ``autopar.runtime.pipeline.build_pipeline``; the result is then a
     ``PipelineModule`` (``pm.step(**full_batch)`` runs forward and backward under the schedule).
-    ``offload``: ``"auto"`` or an ``OffloadPolicy`` (see ``plan``; ZeRO 0, recompute planned jointly): a plan that
+    ``offload``: ``"auto"`` or an ``OffloadPolicy`` (see ``plan``; ZeRO and recompute planned jointly): a plan that
     offloads (planned or given) runs in the chunk runtime (``module.gemini``, ``autopar.runtime.gemini``);
     ``module.optimizer(torch.optim.AdamW, ...)`` or the booster steps host chunks on the host.
 
@@ -508,7 +508,7 @@ def _prepare(model, meta_inputs, *, mesh, plan, device, progress: Progress, opti
     spec = None if mesh is None else MeshSpec.coerce(mesh, preset=preset)
     if spec is not None and spec.num_devices != world:
         raise ValueError(f"mesh {spec.shape} has {spec.num_devices} devices but the process group has {world} ranks")
-    options = runtime_options(options, plan_given=plan is not None)  # with offload: ZeRO 0
+    options = runtime_options(options, plan_given=plan is not None)  # offload: checked, ZeRO 0 unless given
     asked = {k: options[k] for k in ("precision", "reduce_dtype", "zero_stage")}
     plan_options, source = None, "solved by rank 0"
     if plan is None:

@@ -74,8 +74,11 @@ class AutoParallelPlugin:
             plan solved with ``offload``, executed as it is; the policy when either offloads).
             With any of them the boosted module's parameters go into chunks placed on the device
             or the host tier (``autopar.runtime.gemini``), and the optimizer (Adam/AdamW) steps
-            host chunks on the host. Plans then use ZeRO stage 0 and no activation recompute
-            (``zero_stage`` and ``checkpoint`` must be ``"auto"`` or 0 / ``"none"``). ``"auto"``
+            host chunks on the host. Activation recompute is planned as without them (recomputed
+            regions re-fetch their chunks); ZeRO-1/2 runs in the chunks under ``"planned"`` (the
+            plan's stages: optimizer state, and under ZeRO-2 the gradient, sharded; ZeRO-Offload
+            when the state is on the host), while ``"static"`` and ``"auto"`` plan ZeRO stage 0
+            (``zero_stage`` must be ``"auto"`` or 0 there). ``"auto"``
             places chunks after a warm-up step, within ``memory_budget`` (required unless the
             device is CUDA, whose total memory is then the budget); ``"static"`` bounds the
             device tier by ``memory_budget`` when given.
@@ -221,12 +224,10 @@ class AutoParallelPlugin:
                                                    or self.offload_param_frac):
             raise ValueError("placement_policy='planned' takes the plan's tiers and chunking: chunk_search_range, "
                              "offload_optim_frac and offload_param_frac go with 'static' or 'auto'")
-        if self.zero_stage not in ("auto", 0):
+        if self.placement_policy != "planned" and self.zero_stage not in ("auto", 0):
             raise ValueError(f"placement_policy={self.placement_policy!r} offloads optimizer state by chunks; "
-                             f"zero_stage must be 'auto' or 0, got {self.zero_stage!r}")
-        if self.checkpoint not in ("auto", "none"):
-            raise ValueError(f"placement_policy={self.placement_policy!r} runs without activation recompute; "
-                             f"checkpoint must be 'auto' or 'none', got {self.checkpoint!r}")
+                             f"zero_stage must be 'auto' or 0, got {self.zero_stage!r} (ZeRO-1/2 chunks run "
+                             f"under placement_policy='planned': offload='auto' or a plan that offloads)")
         if self.pipeline is not None:
             raise ValueError(f"placement_policy={self.placement_policy!r} does not run under a pipeline "
                              f"(pp_size={self.pp_size!r})")
@@ -277,6 +278,11 @@ class AutoParallelPlugin:
         from autopar.runtime.gemini import wrap
 
         if getattr(module, "gemini", None) is not None:  # autoparallelize placed the plan's tiers already
+            zero2 = [c.index for c in module.gemini.manager.chunks if c.zero == 2]
+            if zero2 and (self.max_norm > 0 or self.precision == "fp16"):
+                raise ValueError(f"the plan's ZeRO-2 keeps the gradients of chunks {zero2[:4]} as chunk shards, not "
+                                 f".grad, so max_norm={self.max_norm!r} clipping and fp16 loss scaling "
+                                 f"(precision={self.precision!r}) cannot see them; use zero_stage=0 or 1 with them")
             return module.gemini.optimizer(optimizer_class, kwargs, param_groups=groups)
         if self.placement_policy == "planned":
             raise ValueError("placement_policy='planned': the boosted plan offloads nothing (Plan.offload keeps "
@@ -335,12 +341,12 @@ class AutoParallelPlugin:
         return dict(mesh=self.mesh, memory_budget=self.memory_budget, solver=self.solver,
                     time_limit=self.time_limit, device=self.device, seed=self.seed,
                     allow_replicate_fallback=self.allow_replicate_fallback,
-                    checkpoint="none" if self.placement_policy is not None else self.checkpoint,
+                    checkpoint=self.checkpoint,
                     precision=self.precision, reduce_dtype=self.reduce_dtype, plan=self.plan,
                     **({} if self.offload == "none" else {"offload": self.offload}),
-                    # Pipelined stages run without ZeRO for now: "auto" means stage 0 there.
+                    # Pipelined stages and Gemini's own policies run without ZeRO: "auto" means 0 there.
                     zero_stage=None if self.plan is not None else
-                    0 if (self.pipeline is not None or self.placement_policy is not None)
+                    0 if (self.pipeline is not None or self.placement_policy in ("static", "auto"))
                     and self.zero_stage == "auto" else self.zero_stage,
                     **({} if self.pipeline is None else
                        {"pipeline": self.pipeline, "schedule": self.schedule(),

@@ -6,18 +6,21 @@ parameter chunks on the host, and half the chunks sharded over the two ranks
 ``save_model`` / ``save_optimizer`` then a freshly boosted (differently seeded) model loads both
 and its next 2 steps equal the uninterrupted run's (masters and moments came back into the chunks).
 A plan that offloads (``placement_policy`` then ``'planned'``) executes its ``Plan.offload`` tiers
-per parameter, and its checkpoint resumes the same way.
+per parameter, with its ZeRO-2 stages (a data-parallel plan: ZeRO-Offload for replicated
+parameters whose state is on the host), and its checkpoint resumes the same way.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
 
 from autopar import zoo
 from autopar.booster import AutoParallelPlugin, Booster
+from autopar.layout.mesh import MeshSpec
 from autopar.runtime.launch import run_local
 
 LR, EPS = 1e-3, 1e-5
@@ -57,7 +60,7 @@ def _body(rank, world, model, inputs, other, path, offload_plan):
     sharded = (len(pm2.gemini.manager.chunks), pm2.gemini.summary()["sharded"])
     # The planner's own decisions, executed: Plan.offload's tiers per parameter (a plan that
     # offloads makes the policy 'planned'); its checkpoint resumes like any other plan's.
-    plugin = AutoParallelPlugin(plan=offload_plan, mesh=(2,))
+    plugin = AutoParallelPlugin(plan=offload_plan, mesh=offload_plan.mesh)
     assert plugin.placement_policy == "planned"
     booster3, fresh = Booster(plugin), copy.deepcopy(model)
     pm3, opt3, *_ = booster3.boost(fresh, torch.optim.AdamW(fresh.parameters(), lr=LR, eps=EPS), meta_inputs=inputs)
@@ -67,6 +70,10 @@ def _body(rank, world, model, inputs, other, path, offload_plan):
         opt3.zero_grad()
     planned = {pm3._placeholders[s.name].fqn: (c.home, c.optim_tier) for c in pm3.gemini.manager.chunks
                for s in c.slots}
+    clipped, fresh = Booster(AutoParallelPlugin(plan=offload_plan, mesh=offload_plan.mesh, max_norm=1.0)), \
+        copy.deepcopy(model)
+    with pytest.raises(ValueError, match=r"ZeRO-2 keeps the gradients of chunks .* max_norm=1.0 clipping"):
+        clipped.boost(fresh, torch.optim.AdamW(fresh.parameters(), lr=LR, eps=EPS), meta_inputs=inputs)
     third = pm3.full_state_dict()
     booster3.save_model(pm3, f"{path}/model3")
     booster3.save_optimizer(opt3, f"{path}/optim3")
@@ -78,7 +85,8 @@ def _body(rank, world, model, inputs, other, path, offload_plan):
         booster4.backward(pm4(**inputs).loss, opt4)
         opt4.step()
         opt4.zero_grad()
-    return first, pm2.full_state_dict(), tiers, pm2.gemini.summary(), third, planned, pm4.full_state_dict(), sharded
+    return (first, pm2.full_state_dict(), tiers, pm2.gemini.summary(), third, planned, pm4.full_state_dict(), sharded,
+            pm4.gemini.summary()["zero"])
 
 
 def test_boost_with_offload_trains_and_checkpoints_like_one_device(tmp_path):
@@ -95,11 +103,15 @@ def test_boost_with_offload_trains_and_checkpoints_like_one_device(tmp_path):
     from autopar.api import plan as make_plan
     from autopar.planner.offload_pricing import OffloadPolicy
 
-    offload_plan = make_plan(model, inputs, mesh=(2,), zero_stage=0, checkpoint="none",
+    fast = dataclasses.replace(MeshSpec.preset("cpu", (2,)), alpha=(1e-7,), beta=(1e-13,), name="fast-links")
+    offload_plan = make_plan(model, inputs, mesh=fast, zero_stage=2, checkpoint="none",
                              offload=OffloadPolicy(offload_optim_frac=1.0, offload_param_frac=0.5))
     assert {t for t in offload_plan.offload.values()} == {("host", "host"), ("device", "host")}
+    zero2 = {n.module for n in offload_plan.nodes if n.kind == "parameter" and n.zero_stage == 2}
+    assert {offload_plan.offload[f] for f in zero2} == {("device", "host")}, zero2  # ZeRO-Offload
     results = run_local(_body, 2, model, inputs, other, str(tmp_path), offload_plan, timeout=240)
-    for first, last, tiers, summary, third, planned, resumed, (num_chunks, sharded) in results:
+    for first, last, tiers, summary, third, planned, resumed, (num_chunks, sharded), zero in results:
+        assert zero and set(zero.values()) == {2}, zero  # the plan's ZeRO-2 ran in chunks
         assert 0 < len(sharded) < num_chunks, sharded
         assert all(planned[f] == offload_plan.offload[f] for f in planned if f in offload_plan.offload), planned
         for k, v in third.items():
@@ -141,8 +153,8 @@ def test_gemini_knobs_are_checked():
     planned = AutoParallelPlugin(offload="auto", memory_budget="1MiB")
     kwargs = planned.autoparallelize_kwargs()
     assert planned.placement_policy == "planned" and kwargs["offload"] == "auto"
-    assert kwargs["zero_stage"] == 0 and kwargs["checkpoint"] == "none"
+    assert kwargs["zero_stage"] == "auto" and kwargs["checkpoint"] == "auto"  # planned jointly with offload
     plugin = AutoParallelPlugin(placement_policy="auto", memory_budget="1MiB")
     assert plugin.gemini_policy("cpu").device_budget == 2**20
-    assert plugin.autoparallelize_kwargs()["zero_stage"] == 0
-    assert plugin.autoparallelize_kwargs()["checkpoint"] == "none"
+    assert plugin.autoparallelize_kwargs()["zero_stage"] == 0  # Gemini's own policies: no ZeRO stages
+    assert plugin.autoparallelize_kwargs()["checkpoint"] == "auto"
