@@ -17,6 +17,10 @@ the ranks' shards into the device working copy (``shards.gather_into``, synchron
 keep one order on every rank, which the shared access order and byte counts guarantee), their
 eviction drops it; ``replace`` shards (keeps this rank's slice) and unshards (all-gathers).
 
+ZeRO chunks (``Chunk.zero``) keep their payload whole, their optimizer state as this rank's shard
+(``mine`` cuts it); after the optimizer steps the shard, ``gather_payload`` all-gathers the whole
+payload through a transient device buffer (``alloc_gather`` / ``free_gather`` in the ledger).
+
 Recompute regions re-run in backward fetch their streamed chunks again (``recompute_access``,
 from the region's input gates, ``hooks.gate_regions``), pinned until the region's backward is
 done with them (``recompute_release``).
