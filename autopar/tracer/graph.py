@@ -81,17 +81,18 @@ def values_needing_grad(traced: TracedGraph) -> set[str]:
     """Nodes whose value takes a gradient in backward: trainable parameters, inputs that require
     grad, and every floating value computed from one of them (the planner prices gradient sums
     only for these; the pipeline runtime marks only these received values requires_grad)."""
-    out: set[str] = set()
-    for node in traced.nodes:
-        val = node.meta.get("val")
+    out: set[fx.Node] = set()  # (nodes, not names: a set test per input instead of a name lookup)
+    for node in traced.gm.graph.nodes:
         if node.op == "placeholder":
+            val = node.meta.get("val")
             ph = node.meta.get(PLACEHOLDER_KEY)
             if ph is not None and (ph.requires_grad or getattr(val, "requires_grad", False)):
-                out.add(node.name)
-        elif node.op == "call_function" and any(n.name in out for n in node.all_input_nodes):
+                out.add(node)
+        elif node.op == "call_function" and not out.isdisjoint(node.all_input_nodes):
+            val = node.meta.get("val")
             if any(isinstance(v, torch.Tensor) and v.is_floating_point() for v in (val if isinstance(val, (tuple, list)) else (val,))):
-                out.add(node.name)
-    return out
+                out.add(node)
+    return {node.name for node in out}
 
 
 def op_name(node: fx.Node) -> str:
