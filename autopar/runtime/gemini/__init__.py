@@ -60,7 +60,7 @@ from torch.distributed.tensor import DTensor
 from autopar.runtime.bucketing import GradBucketer
 from autopar.runtime.gemini.chunk import DEVICE, HOST, Chunk, search_chunk_size
 from autopar.runtime.gemini.cpu_optim import KINDS
-from autopar.runtime.gemini.hooks import SavedHooks, instrument, register
+from autopar.runtime.gemini.hooks import SavedHooks, gemini_use, instrument, register
 from autopar.runtime.gemini.manager import ChunkManager, ChunkRange, Ledger
 from autopar.runtime.gemini.gemini_optimizer import GeminiOptimizer
 from autopar.runtime.gemini.gradsync import GradSync
@@ -129,6 +129,8 @@ class Gemini:
             module._zero2 = []  # ZeRO-2 gradients land in the chunks' shards, the module need not refuse
         self.hooks = SavedHooks(self.manager)
         self.num_instrumented = instrument(module.graph_module, set(self.manager.chunk_of), self.key)
+        self.manager.grads.set_used(n.kwargs["name"] for n in module.graph_module.graph.nodes
+                                    if n.op == "call_function" and n.target is gemini_use)
         self._forward = module.forward
         module.forward = self.forward
         if isinstance(policy, StaticPolicy) and policy.shard_param_frac > 0:

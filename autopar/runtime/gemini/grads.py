@@ -22,10 +22,11 @@ whole, its gradient not; ``Chunk.scatters`` is either), keeps only this rank's s
 backward each contribution is added into a whole-chunk accumulator on the device (one per set of
 mesh axes it is partial over: ``Chunk.acc``; contributions that the graph made complete go to
 the ``()`` one), and each accumulator is reduce-scattered over its partial axes into the shard
-(``shards.scatter_sum``) and freed as soon as the chunk has received as many contributions as it
-did in the previous backward pass (learned per pass; the arrival order is the autograd engine's,
-the same on every rank of the group), so about one chunk's whole gradient is alive at a time, as
-in ZeRO-3. Whatever is left -- the first pass, a pass that differs -- is reduce-scattered at the
+(``shards.scatter_sum``) and freed as soon as every parameter of the chunk that the graph reads
+has had its ``gemini_use`` backward (``done``: all of its contributions are in; known from the
+first pass on), or as soon as the chunk has received as many contributions as it did in the
+previous backward pass (the arrival order is the autograd engine's, the same on every rank of
+the group), so about one chunk's whole gradient is alive at a time, as in ZeRO-3. Whatever is left -- the first pass, a pass that differs -- is reduce-scattered at the
 end of the backward pass (an autograd engine callback, chunks in index order); reduce-scatters
 are linear, so a chunk scattered in two rounds adds up to the same shard. ``GeminiOptimizer.zero_grad`` clears the
 shards (``clear_sharded``); ``module.zero_grad()`` cannot see them.
@@ -58,6 +59,31 @@ class GradChunks:
         self._expected: dict[int, int] = {}  # sharded chunk -> contributions in the last backward pass
         self._arrived: dict[int, int] = {}  # ... in this one
         self.early = 0  # chunks reduce-scattered before the end of their backward pass (statistics)
+        self.used: dict[int, frozenset] = {}  # chunk -> its parameters read through ``gemini_use``
+        self._done: dict[int, set] = {}  # chunk -> its parameters whose gradient is complete in this pass
+
+    def set_used(self, names) -> None:
+        """The parameters the graph reads through ``gemini_use`` (``hooks.instrument``)."""
+        names = set(names)
+        self.used = {c.index: frozenset(s.name for s in c.slots if s.name in names) for c in self.manager.chunks}
+
+    def done(self, name: str) -> None:
+        """Parameter ``name``'s ``gemini_use`` backward ran: every contribution to its gradient
+        in this pass has arrived (partial ones come from nodes after it in forward, so before
+        it in backward). A chunk that scatters its gradient is reduce-scattered as soon as all
+        of its used parameters are done -- known in the first pass too, unlike the counts."""
+        chunk = self.manager.chunk_of[name]
+        if not chunk.scatters:
+            return
+        if not self._queued:  # the round ends with this backward pass
+            self._queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self.flush)
+        finished = self._done.setdefault(chunk.index, set())
+        finished.add(name)
+        if chunk.acc and finished >= self.used.get(chunk.index, frozenset(chunk.names)):
+            self.early += 1
+            self._scatter(chunk)
+            finished.clear()  # a later forward's contributions (accumulation) start a new round
 
     def _buffer(self, chunk) -> torch.Tensor:
         if chunk.grad is None:
@@ -142,7 +168,7 @@ class GradChunks:
         self._queued = False
         for chunk in self.manager.chunks:
             self._scatter(chunk)
-        self._expected, self._arrived = self._arrived, {}
+        self._expected, self._arrived, self._done = self._arrived, {}, {}
 
     def clear_sharded(self, *, set_to_none: bool = True) -> None:
         """Sharded chunks' gradient shards freed (or zeroed)."""

@@ -64,8 +64,10 @@ class _Use(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor | None):
         # The parameter's whole local gradient of this pass goes into its gradient chunk (none
         # comes here when the bucketer takes it); nothing flows on to ``.grad`` by autograd.
+        grads = _manager(ctx.key).grads
         if grad is not None:
-            _manager(ctx.key).grads.arrive(ctx.name, grad)
+            grads.arrive(ctx.name, grad)
+        grads.done(ctx.name)  # called even without a gradient: every contribution is in now
         return None, None, None
 
 

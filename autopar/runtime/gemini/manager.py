@@ -150,13 +150,16 @@ class ChunkManager:
             runs.setdefault((p.dtype, group_of(name), dp, zero), []).append((name, local_of(p)))
         for (dtype, group, dp, zero), items in runs.items():
             sizes = [t.numel() for _, t in items]
-            if group is not None and group[0] == HOST:
+            # Streamed at parameter granularity: a planned host-home group, and a ZeRO group (its
+            # whole gradient in backward, its gathered payload after the step are per chunk).
+            per_param = (group is not None and group[0] == HOST) or zero > 0
+            if per_param:
                 capacity = max(sizes)
             else:
                 capacity, _ = search_chunk_size(sizes, min_elems=chunk_range.min_elems,
                                                 max_elems=chunk_range.max_elems, step=chunk_range.step)
             for members in pack(sizes, capacity):
-                if group is not None and group[0] == HOST:  # no padding to stream or hold on the host
+                if per_param:  # no padding to stream or hold (a ZeRO chunk's: only its shards')
                     capacity = sum(sizes[i] for i in members)
                 slots, offset = [], 0
                 for i in members:
