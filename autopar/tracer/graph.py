@@ -311,8 +311,22 @@ def map_args(arg: Any, fn: Callable[[Any], Any]) -> Any:
     return fn(arg)
 
 
+_ATOMS = (int, float, bool, str, type(None))  # arguments that are their own token
+
+
 def _tokens(arg: Any) -> Any:
-    """The hash's view of node arguments (defined as ``pytree.tree_map(_arg_token, arg)``)."""
+    """The hash's view of node arguments (defined as ``pytree.tree_map(_arg_token, arg)``):
+    ``map_args(arg, _arg_token)`` with its common leaves (nodes, plain numbers) tokenised inline,
+    every node of a deep graph passes through here."""
+    kind = type(arg)
+    if kind is fx.Node:
+        return f"%{arg.name}"
+    if kind in _ATOMS:
+        return arg
+    if kind is tuple or kind is list or kind is immutable_list:
+        return kind([_tokens(a) for a in arg])
+    if kind is dict or kind is immutable_dict:
+        return kind((k, _tokens(v)) for k, v in arg.items())
     return map_args(arg, _arg_token)
 
 
