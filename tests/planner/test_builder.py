@@ -378,3 +378,31 @@ def test_a_frozen_block_is_built_op_by_op():
     _assert_same_build(stamped, plain)
     blocks = blocks_of(traced).blocks
     assert 0 < num_stamped <= sum(len(run) for k, run in enumerate(blocks[3:], 3) if k != 4)
+
+
+def test_pinned_ops_are_stamped_only_from_alike_pinned_templates():
+    """``build_problem(fixed=)`` (``planner.mesh_search``'s pinned axis) pins block 4's ops
+    only: block 4 differs from block 2, the others are stamped, the build stays exact."""
+    from autopar.planner.builder import _Builder
+    from autopar.strategies import axis_placements
+
+    traced, prof = _stamp_model("gpt2")
+    options = PlanOptions(preset="a100-80gb")
+    mesh = options.mesh((2, 2))
+    free = build_problem(traced, prof, mesh, budget_bytes=10**9, options=options)
+    block4 = {n.name for n in blocks_of(traced).blocks[4]}
+    pins = {d.name: d.choices[0].strategy for d in free.decisions.values()
+            if d.name in block4 and d.kind == NodeKind.OP and d.choices[0].strategy is not None}
+
+    def fixed(node):
+        s = pins.get(node.name)
+        return None if s is None else (1, *axis_placements(s, 1)[1:])
+
+    builds = []
+    for stamp in (True, False):
+        builder = _Builder(traced, prof, mesh, budget_bytes=10**9, options=options, fixed=fixed, stamp_blocks=stamp)
+        builds.append((builder.build(), builder.num_stamped))
+    (stamped, num_stamped), (plain, _) = builds
+    _assert_same_build(stamped, plain)
+    assert 0 < num_stamped <= sum(len(run) for k, run in enumerate(blocks_of(traced).blocks[3:], 3) if k != 4)
+    assert any(len(stamped.decisions[name].choices) < len(free.decisions[name].choices) for name in pins)
