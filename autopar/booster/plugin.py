@@ -75,10 +75,11 @@ class AutoParallelPlugin:
             With any of them the boosted module's parameters go into chunks placed on the device
             or the host tier (``autopar.runtime.gemini``), and the optimizer (Adam/AdamW) steps
             host chunks on the host. Activation recompute is planned as without them (recomputed
-            regions re-fetch their chunks); ZeRO-1/2 runs in the chunks under ``"planned"`` (the
-            plan's stages: optimizer state, and under ZeRO-2 the gradient, sharded; ZeRO-Offload
-            when the state is on the host), while ``"static"`` and ``"auto"`` plan ZeRO stage 0
-            (``zero_stage`` must be ``"auto"`` or 0 there). ``"auto"``
+            regions re-fetch their chunks); the plan's ZeRO-1/2 stages run in the chunks
+            (optimizer state, and under ZeRO-2 the gradient, sharded over the data-parallel axes;
+            ZeRO-Offload when the state is on the host). ``zero_stage="auto"`` is the solver's
+            choice with ``"planned"`` and stage 0 with ``"static"`` / ``"auto"`` (which manage
+            memory by their own rule; 1 or 2 there are the stage for every parameter). ``"auto"``
             places chunks after a warm-up step, within ``memory_budget`` (required unless the
             device is CUDA, whose total memory is then the budget); ``"static"`` bounds the
             device tier by ``memory_budget`` when given.
@@ -224,10 +225,6 @@ class AutoParallelPlugin:
                                                    or self.offload_param_frac):
             raise ValueError("placement_policy='planned' takes the plan's tiers and chunking: chunk_search_range, "
                              "offload_optim_frac and offload_param_frac go with 'static' or 'auto'")
-        if self.placement_policy != "planned" and self.zero_stage not in ("auto", 0):
-            raise ValueError(f"placement_policy={self.placement_policy!r} offloads optimizer state by chunks; "
-                             f"zero_stage must be 'auto' or 0, got {self.zero_stage!r} (ZeRO-1/2 chunks run "
-                             f"under placement_policy='planned': offload='auto' or a plan that offloads)")
         if self.pipeline is not None:
             raise ValueError(f"placement_policy={self.placement_policy!r} does not run under a pipeline "
                              f"(pp_size={self.pp_size!r})")
@@ -278,11 +275,7 @@ class AutoParallelPlugin:
         from autopar.runtime.gemini import wrap
 
         if getattr(module, "gemini", None) is not None:  # autoparallelize placed the plan's tiers already
-            zero2 = [c.index for c in module.gemini.manager.chunks if c.zero == 2]
-            if zero2 and (self.max_norm > 0 or self.precision == "fp16"):
-                raise ValueError(f"the plan's ZeRO-2 keeps the gradients of chunks {zero2[:4]} as chunk shards, not "
-                                 f".grad, so max_norm={self.max_norm!r} clipping and fp16 loss scaling "
-                                 f"(precision={self.precision!r}) cannot see them; use zero_stage=0 or 1 with them")
+            self._check_zero2(module.gemini)
             return module.gemini.optimizer(optimizer_class, kwargs, param_groups=groups)
         if self.placement_policy == "planned":
             raise ValueError("placement_policy='planned': the boosted plan offloads nothing (Plan.offload keeps "
@@ -290,7 +283,15 @@ class AutoParallelPlugin:
         device = next(iter(module.parameters())).device
         _, optimizer = wrap(module, optimizer_class, kwargs, policy=self.gemini_policy(device, module.plan),
                             chunk_range=self.gemini_chunk_range(), param_groups=groups)
+        self._check_zero2(module.gemini)
         return optimizer
+
+    def _check_zero2(self, gemini) -> None:
+        zero2 = [c.index for c in gemini.manager.chunks if c.zero == 2]
+        if zero2 and (self.max_norm > 0 or self.precision == "fp16"):
+            raise ValueError(f"the plan's ZeRO-2 keeps the gradients of chunks {zero2[:4]} as chunk shards, not "
+                             f".grad, so max_norm={self.max_norm!r} clipping and fp16 loss scaling "
+                             f"(precision={self.precision!r}) cannot see them; use zero_stage=0 or 1 with them")
 
     def gemini_chunk_range(self):
         from autopar.runtime.gemini.manager import ChunkRange

@@ -300,11 +300,10 @@ def test_auto_policy_places_after_warmup_and_planned_tiers_are_kept():
 
 def _zero_chunks(rank, world, jobs):
     out = []
-    for name, zero_stage, model, inputs, plan, tiers in jobs:
+    for name, zero_stage, model, inputs, plan, policy in jobs:
         pm = autopar.autoparallelize(copy.deepcopy(model), inputs, plan=plan, init_weights=False)
         pm.load_full_state_dict(model.state_dict())
-        pm, opt = gemini.wrap(pm, torch.optim.AdamW, dict(lr=LR, eps=EPS), policy=gemini.PlannedPolicy(tiers=tiers),
-                              chunk_range=RANGE)
+        pm, opt = gemini.wrap(pm, torch.optim.AdamW, dict(lr=LR, eps=EPS), policy=policy, chunk_range=RANGE)
         m = pm.gemini.manager
         for _ in range(STEPS):
             pm(**inputs).loss.backward()
@@ -316,14 +315,17 @@ def _zero_chunks(rank, world, jobs):
                    c.grad.numel()) for c in m.chunks if c.zero]
         ledger, real = m.ledger.bytes.copy(), _expected_bytes(m)
         opt.zero_grad()
-        out.append((name, zero_stage, pm.full_state_dict(), grads, shards, ledger, real))
+        out.append((f"{name} {type(policy).__name__}", zero_stage, pm.full_state_dict(), grads, shards, ledger, real,
+                    sum(c.sharded for c in m.chunks)))
     return out
 
 
 def test_zero_chunks_train_like_one_device():
-    """The plan's ZeRO-1/2 in chunks (planned policy): optimizer state -- and under ZeRO-2 the
-    gradient -- sharded over the data-parallel axis, on the device or the host (ZeRO-Offload),
-    payload whole and all-gathered after each step."""
+    """The plan's ZeRO-1/2 in chunks: optimizer state -- and under ZeRO-2 the gradient -- sharded
+    over the data-parallel axis, on the device or the host (ZeRO-Offload), payload whole and
+    all-gathered after each step; planned tiers, and Gemini's static (``shard_param_frac`` leaves
+    ZeRO chunks whole; the plan's other parameters are sharded by their layouts already) and auto
+    policies."""
     jobs, want = [], {}
     for name, stages in (("gpt2", (1, 2)), ("llama-1b", (2,))):
         model, inputs = _model(name)
@@ -334,17 +336,23 @@ def test_zero_chunks_train_like_one_device():
         for stage in stages:
             plan = plan_model(model, inputs, mesh=_fast((2,)),
                               options=PlanOptions(zero_stage=stage, checkpoint="none")).plan
-            jobs.append((name, stage, model, inputs, plan, tiers))
+            jobs.append((name, stage, model, inputs, plan, gemini.PlannedPolicy(tiers=tiers)))
+            if name == "gpt2" and stage == 2:
+                jobs.append((name, stage, model, inputs, plan, StaticPolicy(
+                    shard_param_frac=0.5, offload_optim_frac=1.0, offload_param_frac=0.5)))
+                jobs.append((name, stage, model, inputs, plan, AutoPolicy(device_budget=AUTO_BUDGET)))
     for rank_results in run_local(_zero_chunks, 2, jobs, timeout=240):
         assert len(rank_results) == len(jobs)
-        for name, stage, full, grads, shards, ledger, real in rank_results:
-            where = f"{name} zero_stage={stage}"
+        for name, stage, full, grads, shards, ledger, real, num_sharded in rank_results:
+            where, name = f"{name} zero_stage={stage}", name.split()[0]
             for k, v in full.items():
                 assert torch.allclose(v, want[name][0][k], rtol=1e-4, atol=1e-5), f"{where}: {k}"
             for k, v in want[name][1].items():
                 assert torch.allclose(grads[k], v, rtol=1e-4, atol=1e-5), f"{where}: grad {k}"
             assert shards and {z for z, *_ in shards} == {stage}, (where, shards)
-            assert (DEVICE, HOST) in {(home, optim) for _, _, _, home, optim, *_ in shards}, where  # ZeRO-Offload
+            assert num_sharded == 0, (where, num_sharded)  # shard_param_frac leaves ZeRO chunks whole
+            if "AutoPolicy" not in where:  # ZeRO-Offload (the auto policy places by its warm-up)
+                assert (DEVICE, HOST) in {(home, optim) for _, _, _, home, optim, *_ in shards}, where
             for _, capacity, num_shards, _, _, master, moment, grad in shards:
                 piece = -(-capacity // num_shards)  # 1/dp of the chunk, padded
                 assert num_shards == 2 and master == moment == piece, (where, shards)

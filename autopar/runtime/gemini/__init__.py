@@ -6,9 +6,9 @@ Entry point::
         module, torch.optim.AdamW, dict(lr=1e-3), policy=StaticPolicy(offload_optim_frac=1.0,
         offload_param_frac=0.5, device_budget=...))
 
-``module`` is the emitted module (each rank's local shards; any plan, its ZeRO-1/2 stages under
-the planned policy only; its activation recompute regions re-fetch, when backward re-runs them,
-the chunks they read: ``hooks``). Its parameters are packed into chunks (``chunk``), placed on
+``module`` is the emitted module (each rank's local shards; any plan: its ZeRO-1/2 stages run in
+the chunks, and its activation recompute regions re-fetch, when backward re-runs them, the
+chunks they read: ``hooks``). Its parameters are packed into chunks (``chunk``), placed on
 the device or the host tier by the policy (``policies``), fetched/evicted by the ``manager``
 during forward and backward, and stepped by the returned ``GeminiOptimizer`` (``gemini_optimizer``).
 ``module.gemini`` is the ``Gemini`` controller: ``.manager.ledger`` has the exact bytes per
@@ -38,14 +38,15 @@ host chunk is fetched (``manager``), their gradients reduce-scattered at the end
 are refused by the booster with them, and ``module.zero_grad()`` does not clear them
 (``optimizer.zero_grad()`` does). Every rank must have the same chunks (checked).
 
-ZeRO-1/2 (the plan's per-parameter ``zero_stage``, planned policy): a ZeRO parameter's chunk is
+ZeRO-1/2 (the plan's per-parameter ``zero_stage``, under every policy): a ZeRO parameter's chunk is
 built per data-parallel group; its payload stays whole, its fp32 master, moments (and under
 ZeRO-2 its gradient, reduce-scattered like a sharded chunk's) are this rank's shard, on the
-optimizer tier the plan gives it -- the host for ZeRO-Offload -- and the whole payload is
+optimizer tier the policy gives it -- the host for ZeRO-Offload -- and the whole payload is
 all-gathered from the updated shards after each step (``chunk``, ``manager.gather_payload``).
 
-Not yet: ZeRO-1/2 chunks under the static and auto policies (refused); sharding under
-the auto and planned policies; the CUDA path (side-stream prefetch, pinned memory, host ``.grad``
+ZeRO chunks are never sharded ZeRO-3 style too (``shard_param_frac`` skips them).
+
+Not yet: sharding under the auto and planned policies; the CUDA path (side-stream prefetch, pinned memory, host ``.grad``
 views, all-gathers on the compute stream) has not run on a GPU.
 """
 
@@ -85,13 +86,11 @@ class Gemini:
         self.steps = 0
         params = [(name, p) for name, p, stage, _ in module.zero_parameters()]
         stages = {name: stage for name, _, stage, _ in module.zero_parameters()}
-        zeroed = sorted(n for n, s in stages.items() if s)
-        if zeroed and not isinstance(policy, PlannedPolicy):
-            raise ValueError(f"gemini: the plan shards optimizer state with ZeRO-1/2 ({zeroed[:3]}...); the "
-                             f"{type(policy).__name__} runs plans with zero_stage=0 only (ZeRO stages run in "
-                             f"chunks under the planned policy: a plan that offloads, attach_planned)")
         device = next(iter(module.parameters())).device
-        group_of = dp_of = zero_of = None
+        group_of = None
+        # The plan's ZeRO-1/2 parameters: chunks per data-parallel group, their state sharded over it.
+        zero_of = stages.__getitem__
+        dp_of = functools.partial(_zero_group, dict(params), module.pmesh, stages, ((), (), ()))
         if isinstance(policy, AutoPolicy):
             tiers = lambda payload, optim, chunks: [(HOST, HOST)] * len(payload)  # noqa: E731 -- warm-up on host
         elif isinstance(policy, PlannedPolicy):
@@ -102,13 +101,9 @@ class Gemini:
                                      (DEVICE, DEVICE))
             group_of = planned.__getitem__
             tiers = lambda payload, optim, chunks: [c.group for c in chunks]  # noqa: E731
-            # ZeRO-1/2 parameters: chunks per data-parallel group, their optimizer state sharded over it.
-            whole = ((), (), ())
-            dp_of = functools.partial(_zero_group, dict(params), module.pmesh, stages, whole)
-            zero_of = stages.__getitem__
         else:
             tiers = lambda payload, optim, chunks: static_tiers(payload, policy)  # noqa: E731
-            dp_of = functools.partial(_dp_group, dict(params), module.pmesh)
+            dp_of = functools.partial(_dp_group, dict(params), module.pmesh)  # any chunk may be sharded
         self.manager = ChunkManager(params, device=device, tiers_of=tiers, chunk_range=chunk_range,
                                     pin_memory=policy.pin_memory, budget=policy.device_budget, group_of=group_of,
                                     dp_of=dp_of, pmesh=module.pmesh, zero_of=zero_of)
