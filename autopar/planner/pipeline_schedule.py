@@ -40,6 +40,7 @@ stage whose memory budget binds only when its lower bound can still beat the bes
 
 from __future__ import annotations
 
+import heapq
 import math
 from dataclasses import dataclass
 from typing import Callable
@@ -252,17 +253,18 @@ def schedule_cuts(costs, *, schedule: str, num_stages: int, num_microbatches: in
 
 
 class LazyCuts:
-    """The cut DP over stage options, solving a budget-bound stage (one whose unconstrained
-    optimum does not fit with its in-flight micro-batches) only when it can matter.
+    """The cut DP over stage options, solving a stage only when it can matter.
 
-    Every usable (stage k, range, mode) first gets its range shape's unconstrained optimum (one
-    solve per shape, shared by all k). Where that fits, it is the stage's cost; where not, the
-    stage is *pending*, with a lower bound ``lb`` on ``time + sync / factor`` (a budget only
-    removes layouts). A cut holding a pending stage is worth at least ``factor * lb`` (the step is
-    ``factor * max time + max sync``), so once a cut worth ``U`` is known, stages with
-    ``factor * lb >= U`` need no solve: no cut through them beats ``U``. The search: (1) run
-    the DP with pending stages at their unconstrained figures (a guess), solve the pending stages
-    the guessed cut uses, and repeat until it uses none: a real cut, ``U``; (2) solve the pending
+    A usable (stage k, range, mode) is *pending* until solved, with a lower bound ``lb`` on its
+    ``time + sync / factor`` that holds under any budget: first ``costs.quick_bound`` (each op at
+    its cheapest option, no solve), once its range shape's unconstrained optimum is solved (one
+    solve per shape, shared by all k) that optimum's value. Where the optimum fits the stage's
+    budget with its in-flight micro-batches it is the stage's cost; where not, the stage needs a
+    solve of its own. A cut holding a pending stage is worth at least ``factor * lb`` (the step
+    is ``factor * max time + max sync``), so once a cut worth ``U`` is known, stages with
+    ``factor * lb >= U`` need no solve: no cut through them beats ``U``. The search: (1) run the
+    DP with pending stages at a guess (their unconstrained figures, or ``(lb, 0)``), solve what the
+    guessed cut uses, and repeat until it uses nothing pending: a real cut, ``U``; (2) solve pending
     stages in increasing ``lb`` while ``factor * lb < U``, lowering ``U`` when one helps; (3) the
     DP over the solved stages is the optimum over all of them. Without recompute when the plain
     stage's unconstrained optimum fits (recompute only adds forward seconds to its layouts)."""
@@ -272,33 +274,49 @@ class LazyCuts:
         self.costs, self.parts, self.factor = costs, parts, factor
         self.flight, self.budget = flight, budget
         self.known: dict[tuple[int, int, int, bool], tuple[float, float] | None] = {}  # solved (None: no fit)
-        self.pending: dict[tuple[int, int, int, bool], tuple[float, float, float | None]] = {}  # guess + lb
-        self.order: dict[tuple[int, int, int], list[bool]] = {}  # modes tried, in ``recompute`` order
+        # pending -> (guess or None: the shape is not solved yet, lower bound or None: none)
+        self.pending: dict[tuple[int, int, int, bool], tuple[tuple[float, float] | None, float | None]] = {}
+        self.order: dict[tuple[int, int, int], list[bool]] = {}  # candidate modes, in ``recompute`` order
         n = costs.num_blocks
         for k in range(parts):
             for a in range(k, n - parts + k + 1):
                 for b in range(a + 1, n - parts + k + 2):
-                    if usable(k, a, b):
-                        self._gather(k, a, b, recompute)
+                    if not usable(k, a, b):
+                        continue
+                    self.order[k, a, b] = list(recompute)
+                    for r in recompute:
+                        if r not in self.order[k, a, b]:
+                            continue  # dropped: the plain stage's optimum fits
+                        if costs.has_free(a, b, factor=factor, recompute=r):
+                            self._classify((k, a, b, r))
+                        else:
+                            self.pending[k, a, b, r] = (None, costs.quick_bound(a, b, factor=factor, recompute=r))
 
-    def _gather(self, k: int, a: int, b: int, recompute: tuple[bool, ...]) -> None:
+    def _classify(self, key: tuple[int, int, int, bool]) -> None:
+        """Place a stage whose shape's unconstrained optimum is solved: known or pending a solve."""
+        k, a, b, r = key
         costs, kw = self.costs, dict(in_flight=self.flight[k], factor=self.factor, budget=self.budget)
-        for r in recompute:
-            free = costs.free(a, b, factor=self.factor, recompute=r)
-            if free is None:
-                continue
-            self.order.setdefault((k, a, b), []).append(r)
-            if costs.free_fits(a, b, recompute=r, **kw):
-                c = costs.cost(a, b, recompute=r, **kw)
-                self.known[k, a, b, r] = (c.time_s, c.sync_s)
-                if not r:
-                    break  # recompute only adds forward seconds to the fitting optimum's layouts
-                continue
+        self.pending.pop(key, None)
+        free = costs.free(a, b, factor=self.factor, recompute=r)
+        if free is None:
+            self.known[key] = None
+        elif costs.free_fits(a, b, recompute=r, **kw):
+            c = costs.cost(a, b, recompute=r, **kw)
+            self.known[key] = (c.time_s, c.sync_s)
+            if not r:  # recompute only adds forward seconds to the fitting optimum's layouts
+                self.order[k, a, b] = [m for m in self.order[k, a, b] if not m]
+                self.pending.pop((k, a, b, True), None)
+                self.known.pop((k, a, b, True), None)
+        else:
             c = free[1]
-            self.pending[k, a, b, r] = (c.time_s - c.p2p_s + costs.p2p_s(b), c.sync_s,
-                                        costs.lower_bound(a, b, factor=self.factor, recompute=r))
+            self.pending[key] = ((c.time_s - c.p2p_s + costs.p2p_s(b), c.sync_s),
+                                 costs.lower_bound(a, b, factor=self.factor, recompute=r))
 
     def _solve(self, key: tuple[int, int, int, bool]) -> None:
+        """One step closer: the shape's unconstrained optimum, or the stage's own solve."""
+        if self.pending[key][0] is None:
+            self._classify(key)
+            return
         k, a, b, r = key
         self.pending.pop(key)
         c = self.costs.cost(a, b, in_flight=self.flight[k], factor=self.factor, budget=self.budget, recompute=r)
@@ -306,14 +324,15 @@ class LazyCuts:
 
     def _dp(self, *, guess: bool):
         """The best cut over the solved stages (and, with ``guess``, the pending ones at their
-        unconstrained figures); also the (k, a, b) -> modes its options list."""
+        guesses); also the (k, a, b) -> modes its options list."""
         table: dict[tuple[int, int, int], list] = {}
         modes: dict[tuple[int, int, int], list[bool]] = {}
         for (k, a, b), tried in self.order.items():
             for r in tried:
                 opt = self.known.get((k, a, b, r))
                 if opt is None and guess and (k, a, b, r) in self.pending:
-                    opt = self.pending[k, a, b, r][:2]
+                    fig, lb = self.pending[k, a, b, r]
+                    opt = fig if fig is not None else (lb or 0.0, 0.0)
                 if opt is not None:
                     table.setdefault((k, a, b), []).append(opt)
                     modes.setdefault((k, a, b), []).append(r)
@@ -321,14 +340,14 @@ class LazyCuts:
                          factor=self.factor), modes
 
     def solve_all(self):
-        for key in list(self.pending):
-            self._solve(key)
+        while self.pending:
+            self._solve(next(iter(self.pending)))
         return self._dp(guess=False)
 
     def search(self, bound: float = math.inf):
-        """The best cut (module docstring of ``LazyCuts``), or, given a ``bound`` (another
-        schedule's step), the best cut if one beats it: else a cut no better than it, or None."""
-        while self.pending and bound == math.inf:  # (1) a real cut, guided by the unconstrained figures
+        """The best cut (class docstring), or, given a ``bound`` (another schedule's step), the
+        best cut if one beats it: else a cut no better than it, or None."""
+        while self.pending and bound == math.inf:  # (1) a real cut, guided by the guesses
             cuts, modes = self._dp(guess=True)
             if cuts is None:
                 break
@@ -338,20 +357,32 @@ class LazyCuts:
             if not used:
                 break
             for key in used:
-                self._solve(key)
+                if key in self.pending:  # (a plain stage that fits drops its recompute twin)
+                    self._solve(key)
         best = self._dp(guess=False)[0]
         bound = bound if best is None else min(bound, best.objective)
         # (2) the pending stages that could still beat it, most promising first
-        for key in sorted(self.pending, key=lambda q: -math.inf if self.pending[q][2] is None else self.pending[q][2]):
-            lb = self.pending[key][2]
-            if lb is not None and self.factor * lb >= bound:
-                break  # sorted: no later one can beat it either
+        heap = [(_bound(lb), key) for key, (_, lb) in self.pending.items()]
+        heapq.heapify(heap)
+        while heap:
+            lb, key = heapq.heappop(heap)
+            if key not in self.pending or _bound(self.pending[key][1]) != lb:
+                continue  # solved or dropped since, or its bound was tightened (pushed again)
+            if self.factor * lb >= bound:
+                break  # the smallest bound left: no pending stage can beat it
             solves = self.costs.num_solves
             self._solve(key)
-            opt = self.known[key]
+            if key in self.pending:  # now with its unconstrained optimum's (tighter) bound
+                heapq.heappush(heap, (_bound(self.pending[key][1]), key))
+                continue
+            opt = self.known.get(key)
             # A new option below the bound may lower it; one from the memo (a shape solved for
             # another stage) rarely does, and the DP costs a tenth of a solve: rerun it then only.
             if opt is not None and self.factor * opt[0] + opt[1] < bound and self.costs.num_solves > solves:
                 best = self._dp(guess=False)[0]
                 bound = bound if best is None else min(bound, best.objective)
         return self._dp(guess=False)  # (3)
+
+
+def _bound(lb: float | None) -> float:
+    return -math.inf if lb is None else lb

@@ -124,6 +124,8 @@ class StageCosts:
         # range shape (+ in-flight, budget) -> (choice, cost, the range it was solved on) or None
         self._memo: dict[tuple, tuple[dict[str, str], StageCost, tuple[int, int]] | None] = {}
         self._unfit: dict[tuple, int] = {}  # (range shape, budget) -> fewest in flight found not to fit
+        self._solved_on: dict[tuple, tuple[int, int]] = {}  # unconstrained memo key -> the range solved
+        self._quick: dict[tuple, np.ndarray] = {}  # (factor, recompute) -> prefix sums of ops' cheapest options
         self._position()
         self._classes()
         self._boundaries()
@@ -238,6 +240,7 @@ class StageCosts:
         if free_key not in self._memo:
             self._memo[free_key] = self._between(a, b, factor=factor, recompute=recompute) or \
                 self.solve_range(a, b, in_flight=1, factor=factor, budget=None, recompute=recompute)
+            self._solved_on[free_key] = (a, b)
         return self._memo[free_key]
 
     def free_fits(self, a: int, b: int, *, in_flight: int, factor: float, budget: int | None,
@@ -256,6 +259,26 @@ class StageCosts:
             return None
         c = free[1]
         return (c.time_s - c.p2p_s + c.sync_s / factor) * (1 - _BOUND_SLACK) + self.p2p_s(b)
+
+    def has_free(self, a: int, b: int, *, factor: float, recompute: bool = False) -> bool:
+        return (*self._shape(a, b, factor, recompute), None, None) in self._memo
+
+    def quick_bound(self, a: int, b: int, *, factor: float, recompute: bool = False) -> float:
+        """A lower bound on ``time_s + sync_s / factor`` of the range without a solve: each of
+        its ops at its cheapest option (as ``slice`` prices it), no resharding, plus the cut's
+        point-to-point (the objective adds edges >= 0 and parameters' syncs >= 0)."""
+        key = (factor, recompute)
+        if key not in self._quick:
+            per_block = np.zeros(self.num_blocks + 1)
+            for node in self.built.problem.nodes:
+                if self.kind[node.name] != NodeKind.OP:
+                    continue
+                extra = recompute and node.name in self.unit_of
+                per_block[self.pos[node.name] + 1] += min(o.cost_s + (o.forward_s if extra else 0.0)
+                                                          for o in node.options)
+            self._quick[key] = np.cumsum(per_block)
+        sums = self._quick[key]
+        return float(sums[b] - sums[a]) * (1 - _BOUND_SLACK) + self.p2p_s(b)
 
     def cost(self, a: int, b: int, *, in_flight: int, factor: float, budget: int | None,
              recompute: bool = False) -> StageCost | None:
@@ -388,9 +411,11 @@ class StageCosts:
             if key not in self._memo:
                 self._memo[key] = self.solve_range(lo, hi, in_flight=1, factor=factor, budget=None,
                                                    recompute=recompute)
+                self._solved_on[key] = (lo, hi)
             if self._memo[key] is None:
                 return None
-            found.append(self._pattern(lo, hi, self._memo[key][0]))
+            # The shape may have been solved on another range of it: its choice names that range's nodes.
+            found.append(self._pattern(*self._solved_on[key], self._memo[key][0]))
         if found[0] is None or found[0] != found[1]:
             return None
         first, inner, last, rest = found[0]
