@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from autopar.layout.mesh import MeshSpec, resolve_preset
 from autopar.planner.options import OffloadPolicy, PlanOptions, precision_name
-from autopar.planner.offload_pricing import runtime_options, with_offload
+from autopar.planner.offload_pricing import fit_device_room, runtime_options, with_offload
 from autopar.agreement import _agree, _all_gather, _check_plan_options, _fingerprint, _raise_failures, _ranks, _status, world_cluster  # noqa: F401
 from autopar.api_pipelined import PipelinedResult
 from autopar.plans import BaselineResult, Plan
@@ -300,10 +300,10 @@ def plan_traced(traced: TracedGraph, profile: ModelProfile, *, mesh: MeshSpec | 
     with progress.stage("strategies", f"{sum(1 for _ in traced.compute_nodes())} ops on mesh {mesh}"):
         built = build_problem(traced, profile, mesh, budget_bytes=options.budget_bytes(mesh),
                               options=options, fixed=fixed)
-    rc = plan_recompute(traced, profile, built, mode=options.checkpoint, solver=options.solver,
-                        time_limit=options.time_limit,
-                        solve_plain=lambda p: _solve(p, options=options, progress=progress, stage="solve"),
-                        progress=progress)
+    replan = lambda b: plan_recompute(traced, profile, b, mode=options.checkpoint, solver=options.solver,  # noqa: E731
+                                      time_limit=options.time_limit, progress=progress,
+                                      solve_plain=lambda p: _solve(p, options=options, progress=progress, stage="solve"))
+    rc = fit_device_room(traced, built, replan(built), options=options, replan=replan, progress=progress)  # offload
     results = ()
     if options.baselines:
         results = tuple(_baseline(name, traced, built, options=options, progress=progress)

@@ -8,12 +8,13 @@ from dataclasses import replace
 import pytest
 
 from autopar import zoo
-from autopar.api import plan_traced
+from autopar.api import Progress, plan_traced
 from autopar.layout.mesh import MeshSpec
 from autopar.planner.builder import build_problem
-from autopar.planner.offload_pricing import (OffloadPolicy, offload_cost, offload_tier, option_name, static_tiers)
+from autopar.planner.offload_pricing import (OffloadPolicy, offload_cost, offload_tier, option_name, pinned_room,
+                                             static_tiers)
 from autopar.planner.options import PlanOptions
-from autopar.plans import Plan
+from autopar.plans import Plan, RecomputeRegion
 from autopar.tracer import profile, trace
 
 
@@ -144,3 +145,43 @@ def test_cli_offload_flag_and_text_report(gpt2):
     plan = _plan(gpt2, mesh=(2,), offload=OffloadPolicy(offload_optim_frac=1.0, offload_param_frac=0.5))
     text = "\n".join(offload_lines(plan))
     assert "parameters on host: transformer.wte.weight" in text and "CPU optimizer" in text
+
+
+def test_pinned_room_is_what_an_op_or_a_recomputed_region_pins_at_once(gpt2):
+    _, _, traced, _ = gpt2
+    attn, fc, other = "p_transformer_h_0_attn_c_attn_weight", "p_transformer_h_0_mlp_c_fc_weight", \
+        "p_transformer_h_1_attn_c_attn_weight"
+    streamed = {attn: 100, fc: 10, other: 1000}
+    assert pinned_room(traced, (), streamed) == 1000  # their readers are apart: one at a time
+    block0 = RecomputeRegion("transformer.h.0", tuple(n.name for n in traced.compute_nodes()
+                                                      if traced.module_path(n).startswith("transformer.h.0")))
+    # Block 0 recomputed: its call reads both of its weights at once (its backward re-fetches both).
+    assert pinned_room(traced, (block0,), {attn: 100, fc: 10}) == 110
+    assert pinned_room(traced, (block0,), streamed) == 1000
+    # The tied embedding is read by the first op and the lm head: pinned in between.
+    assert pinned_room(traced, (), {"p_transformer_wte_weight": 7, other: 1000}) == 1007
+
+
+def test_device_room_fits_the_budget_with_recompute(gpt2):
+    """The stream room (what recomputed regions pin) and the ZeRO-2 gradient wait are added after
+    the ILP: a plan whose peak plus room exceeds the budget is re-solved under a lower one."""
+    _, _, traced, prof = gpt2
+    free = _plan(gpt2, offload="auto")
+    budget = int(free.estimate.peak_bytes - 1.25 * free.estimate.param_bytes)
+    lines = []
+    plan = plan_traced(traced, prof, mesh=(1,), options=PlanOptions(checkpoint="auto", offload="auto",
+                                                                    memory_budget=budget),
+                       progress=Progress(verbose=True, sink=lines.append)).plan
+    info = plan.offload_info
+    assert plan.recompute and info["num_offloaded"] > 0 and plan.budget_bytes == budget
+    assert any("offload refit 1" in line and "re-solving under" in line for line in lines), lines
+    assert plan.estimate.peak_bytes + info["stream_buffer_bytes"] + info["grad_wait_bytes"] <= budget
+    streamed = {n.name: traced.node(n.name).meta["val"].numel() * 4 for n in plan.nodes  # fp32, one device
+                if n.kind == "parameter" and plan.offload.get(n.module) == ("host", "host")}
+    assert info["stream_buffer_bytes"] == max(sum(sorted(streamed.values())[-2:]),
+                                              pinned_room(traced, plan.recompute, streamed)) > 0
+    # ZeRO-2 gradients wait whole for their reduce-scatter: the largest one is in the room.
+    zero = _plan(gpt2, mesh=(2,), offload=OffloadPolicy(offload_optim_frac=1.0), zero_stage=2)
+    waits = [traced.node(n.name).meta["val"].numel() * 4 for n in zero.nodes  # replicated: local = whole
+             if n.kind == "parameter" and n.zero_stage == 2]
+    assert waits and zero.offload_info["grad_wait_bytes"] == max(waits)

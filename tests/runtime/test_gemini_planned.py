@@ -4,7 +4,9 @@ tiers in the chunk runtime, and the manager's own ledger measures what the plan 
 The quantity compared is the plan's ``offload_info["device_model_bytes"]``: the model states the
 plan keeps on the device tier -- each trainable parameter's chosen option's device bytes
 (parameter + gradient + optimizer state on the device; parameter + gradient under ``off:o``;
-nothing under ``off:po``) plus the stream buffer for the streamed parameters -- against the
+nothing under ``off:po``) plus the device room the runtime needs beyond them -- the streamed
+parameters pinned at once (the two largest, or every one an op or a recomputed region reads
+together) and the largest ZeRO-2 gradient waiting whole for its reduce-scatter -- against the
 ledger's device-tier bytes after every chunk move (payloads, gradient chunks, optimizer state,
 fetched host chunks). Host tier: the plan's ``host_bytes`` against the ledger's host peak, exact
 up to the chunks' padding (16 B per padded element on the host: fp32 master or payload, two
@@ -50,17 +52,17 @@ def _reference(model, inputs):
     return {k: v.detach() for k, v in m.state_dict().items()}
 
 
-def _tight_budget(model, inputs, mesh) -> int:
-    """Half the free plan's parameter bytes less than its peak: something must go to the host."""
+def _tight_budget(model, inputs, mesh, frac: float = 0.5) -> int:
+    """``frac`` of the free plan's parameter bytes less than its peak: something must go to the host."""
     free = autopar.plan(model, inputs, mesh=mesh, zero_stage=0, checkpoint="none", offload="auto")
-    return int(free.estimate.peak_bytes - 0.5 * free.estimate.param_bytes)
+    return int(free.estimate.peak_bytes - frac * free.estimate.param_bytes)
 
 
 def _recompute_budget(model, inputs, mesh) -> int:
-    """Below what offload alone reaches (1.3x the parameter bytes off the free peak): the plan
-    must offload AND recompute activations."""
+    """Below what offload alone reaches with its stream room (1.25x the parameter bytes off the
+    free peak): the plan must offload AND recompute activations."""
     free = autopar.plan(model, inputs, mesh=mesh, zero_stage=0, checkpoint="none", offload="auto")
-    return int(free.estimate.peak_bytes - 1.3 * free.estimate.param_bytes)
+    return int(free.estimate.peak_bytes - 1.25 * free.estimate.param_bytes)
 
 
 def _fast(shape):
@@ -104,7 +106,7 @@ def _train(rank, world, jobs, tmp):
                            for c in manager.chunks if HOST in (c.home, c.optim_tier))
         zero = [(c.zero, c.capacity, c.num_shards, c.master.numel(), c.exp_avg.numel(),
                  None if c.grad is None else c.grad.numel(), c.optim_tier) for c in manager.chunks if c.zero]
-        # A ZeRO-2 chunk's whole gradient exists until its reduce-scatter (the plan prices 1/dp).
+        # A ZeRO-2 chunk's whole gradient exists until its reduce-scatter (in the plan's room).
         in_flight = max((c.padded_bytes for c in manager.chunks if c.zero == 2), default=0)
         out.append((name, checkpoint, zero, in_flight, manager.regathered, pm.plan, pm.full_state_dict(), pm2.full_state_dict(),
                     [m.device_bytes for m in moves], manager.ledger.peak[HOST], padding_host, backward_grads,
@@ -121,13 +123,16 @@ def test_autoparallelize_offload_executes_the_plan_within_its_device_budget(tmp_
         jobs.append((name, model, inputs, _tight_budget(model, inputs, (2,)), "none", (2,), None, "auto"))
         # Offload and activation recompute planned jointly, both executed.
         jobs.append((name, model, inputs, _recompute_budget(model, inputs, (2,)), "auto", (2,), None, "auto"))
-    # Offload and ZeRO planned jointly (a data-parallel plan: ZeRO-2 on replicated parameters).
+    # Offload and ZeRO planned jointly (a data-parallel plan: ZeRO-2 on replicated parameters;
+    # at 0.7 the plan takes both, with a ZeRO-2 gradient wait in its room).
     model, inputs = _model("gpt2")
-    jobs.append(("gpt2", model, inputs, _tight_budget(model, inputs, _fast((2,))), "none", _fast((2,)), "auto", "auto"))
+    jobs.append(("gpt2", model, inputs, _tight_budget(model, inputs, _fast((2,)), 0.7), "none", _fast((2,)), "auto",
+                 "auto"))
     # ZeRO-Offload: ZeRO-2 with the optimizer state of the replicated parameters on the host.
     jobs.append(("gpt2", model, inputs, None, "none", _fast((2,)), 2, OffloadPolicy(offload_optim_frac=1.0)))
     for result in run_local(_train, 2, jobs, str(tmp_path), timeout=300):
         assert len(result) == len(jobs)
+        assert [bool(r[2]) for r in result] == [False] * 4 + [True] * 2  # the last two run ZeRO chunks
         for (name, checkpoint, zero, in_flight, regathered, plan, full, resumed, device_series, host_peak, padding_host,
              backward_grads, tiers, host_events, device_events) in result:
             want_params, name = want[name], f"{name} checkpoint={checkpoint} zero={bool(zero)} {plan.offload_info['policy']}"
@@ -147,16 +152,21 @@ def test_autoparallelize_offload_executes_the_plan_within_its_device_budget(tmp_
                 assert torch.allclose(v, want_params[k], rtol=1e-4, atol=1e-5), f"{name}: {k}"
             for k, v in resumed.items():  # and so does the run resumed from its checkpoint
                 assert torch.allclose(v, want_params[k], rtol=1e-4, atol=1e-5), f"{name} resumed: {k}"
-            # Device tier: within the plan's budget at every chunk move, peak within 10% of the plan.
+            # Device tier: the plan fits its budget with the room the runtime needs beyond the
+            # ILP's figures; the ledger stays within the budget at every chunk move; its peak is
+            # the plan's within 10% (recomputed regions and ZeRO-2 gradient waits included).
+            room = info["stream_buffer_bytes"] + info["grad_wait_bytes"]
+            assert plan.budget_bytes is None or plan.estimate.peak_bytes + room <= plan.budget_bytes, (name, room)
             assert plan.budget_bytes is None or max(device_series) <= plan.budget_bytes, (name, plan.budget_bytes)
+            assert (info["grad_wait_bytes"] > 0) == (in_flight > 0), (name, info["grad_wait_bytes"], in_flight)
             peak, planned = max(device_series), info["device_model_bytes"]
-            if not plan.recompute:  # a region pins all the chunks it reads at once (not priced)
-                assert abs(peak - planned) <= 0.1 * planned + in_flight, (name, peak, planned, in_flight)
+            assert abs(peak - planned) <= 0.1 * planned, (name, peak, planned, peak / planned)
             # Host tier: as planned, up to the chunks' padding.
             assert abs(host_peak - info["host_bytes"] - padding_host) <= len(plan.offload), (  # plan: B per parameter
                 name, host_peak, info["host_bytes"], padding_host)
             # Gradients went into chunks during backward, on their payload's tier.
-            assert "alloc_grad" in device_events and "free_grad" in device_events, (name, device_events)
+            if any(home == DEVICE for home, _ in tiers):  # (a tight plan may stream every parameter)
+                assert "alloc_grad" in device_events and "free_grad" in device_events, (name, device_events)
             if any(home == HOST for home, _ in tiers):
                 assert "alloc_grad" in host_events and "fetch" in device_events, (name, host_events, device_events)
             assert all((home, True) in grads for grads in backward_grads for home, _ in tiers), backward_grads

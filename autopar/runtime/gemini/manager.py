@@ -99,7 +99,7 @@ class ChunkManager:
     """``stream_bytes``: the most bytes of host-home payloads resident on the device at once
     (``None``: bounded by ``budget`` only); chunks beyond it are evicted by next use, as for the
     budget, except those an op is using (``COMPUTE``), so it is a target, not a limit.
-    Planned host-home groups are packed into chunks of at most their largest parameter, the
+    Planned groups are packed without padding, host-home ones one parameter per chunk, the
     granularity the planner streams at (``_build``)."""
 
     def __init__(self, params: list[tuple[str, torch.nn.Parameter]], *, device: torch.device,
@@ -139,10 +139,12 @@ class ChunkManager:
         ``group_of(name)``: the planned tiers; ``dp_of(name)``: (axes, their sizes, this rank's
         coordinates) the parameter is replicated over (so a chunk can be sharded over them:
         static policies; or its optimizer state: ``zero_of(name)``, the plan's ZeRO stage).
-        A planned host-home group is packed into chunks no larger than its largest parameter:
-        the planner prices streaming per parameter (two in flight), so larger chunks would hold
-        more on the device than it planned; and each such chunk is as large as what it holds
-        (streamed chunks need no common size), so they carry no padding."""
+        A planned host-home group streams one parameter per chunk: the planner prices the
+        device room per parameter (two in flight, or all that an op or a recomputed region pins
+        at once), so a chunk shared with a neighbour would hold more on the device than it
+        planned; a planned device-home group is packed in runs of at most its largest parameter;
+        each such chunk is as large as what it holds (planned chunks need no common size), so
+        they carry no padding the plan would not know of."""
         runs: dict[tuple, list[tuple[str, torch.Tensor]]] = {}
         for name, p in params:
             dp = dp_of(name)
@@ -150,15 +152,21 @@ class ChunkManager:
             runs.setdefault((p.dtype, group_of(name), dp, zero), []).append((name, local_of(p)))
         for (dtype, group, dp, zero), items in runs.items():
             sizes = [t.numel() for _, t in items]
-            # Streamed at parameter granularity: a planned host-home group, and a ZeRO group (its
-            # whole gradient in backward, its gathered payload after the step are per chunk).
-            per_param = (group is not None and group[0] == HOST) or zero > 0
+            # As the planner prices them: a planned group, and a ZeRO group (its whole gradient in
+            # backward, its gathered payload after the step are per chunk), hold what they hold
+            # without padding, in runs of at most their largest parameter; a planned host-home
+            # group streams one parameter per chunk (a recomputed region pins every chunk it
+            # reads at once: a neighbour packed with one of them would be pinned too).
+            per_param = group is not None or zero > 0
             if per_param:
                 capacity = max(sizes)
+                runs_of = ([[i] for i in range(len(sizes))] if group is not None and group[0] == HOST
+                           else pack(sizes, capacity))
             else:
                 capacity, _ = search_chunk_size(sizes, min_elems=chunk_range.min_elems,
                                                 max_elems=chunk_range.max_elems, step=chunk_range.step)
-            for members in pack(sizes, capacity):
+                runs_of = pack(sizes, capacity)
+            for members in runs_of:
                 if per_param:  # no padding to stream or hold (a ZeRO chunk's: only its shards')
                     capacity = sum(sizes[i] for i in members)
                 slots, offset = [], 0
