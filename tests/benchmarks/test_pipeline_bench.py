@@ -26,8 +26,8 @@ def test_pipeline_benchmark_runs_and_losses_agree(tmp_path, capsys):
     out = tmp_path / "pipeline.jsonl"
     record = bench.main(["--hidden", "64", "--layers", "4", "--heads", "2", "--vocab", "128", "--seq", "16",
                          "--batch", "8", "--microbatches", "4", "--schedules", "1f1b", "--world", "2",
-                         "--steps", "1", "--warmup", "0", "--profile-sizes", "65536,262144",
-                         "--profile-repeats", "1", "--timeout", "120", "--out", str(out)])
+                         "--steps", "1", "--warmup", "0", "--profile-sizes", "1048576,4194304",
+                         "--profile-repeats", "3", "--timeout", "120", "--out", str(out)])
     row = record["rows"]["1f1b"]
     assert row["losses_agree"], row["loss"]
     assert row["autopar_s"] > 0 and row["hand_s"] > 0 and row["estimate_s"] > 0
