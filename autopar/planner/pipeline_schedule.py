@@ -190,16 +190,23 @@ def _min_sync(num_blocks: int, num_parts: int, ends, limit: float) -> tuple[floa
 
 @dataclass(frozen=True, slots=True)
 class PipelineCandidate:
-    """One (micro-batch count, schedule) tried: its step time, or why it has none."""
+    """One (micro-batch count, schedule) tried: its step time, or why it has none. ``assembled``:
+    ``step_s`` is the assembled plan's estimate (the chosen candidate: layouts shared across
+    stages fixed, which can only add time), else the stage search's objective."""
 
     num_microbatches: int
     schedule: str
     virtual_stages: int
     step_s: float | None
     note: str = ""
+    assembled: bool = False
 
     def __str__(self) -> str:
-        what = f"{self.step_s * 1e3:.3f} ms/step" if self.step_s is not None else self.note
+        if self.step_s is None:
+            what = self.note
+        else:  # say which figure it is: the two are not comparable to the last microsecond
+            what = f"{self.step_s * 1e3:.3f} ms/step ({'plan' if self.assembled else 'stage search'})"
+            what += f", {self.note}" if self.note else ""
         return f"{self.schedule} x{self.virtual_stages}, {self.num_microbatches} micro-batches: {what}"
 
 

@@ -568,7 +568,7 @@ def search_stages(traced: TracedGraph, profile, *, mesh: MeshSpec, options, num_
                      options=options, mesh=mesh, candidates=candidates,
                      timings={"build_s": t_build, "search_s": time.perf_counter() - t0 - t_build})
     # The chosen candidate's figure is the assembled plan's (shared layouts fixed across stages).
-    candidates[at] = replace(candidates[at], step_s=plan.estimate.step_s)
+    candidates[at] = replace(candidates[at], step_s=plan.estimate.step_s, assembled=True)
     plan = replace(plan, solver={**plan.solver, "pipeline": {**plan.solver["pipeline"],
                                                              "candidates": [str(c) for c in candidates]}})
     return PipelineSearch(plan, tuple(candidates), costs.num_solves)

@@ -84,3 +84,15 @@ def test_bad_inputs_are_refused():
         simulate("interleaved-1f1b", times=[1.0] * 4, num_ranks=2, virtual_stages=2, num_microbatches=5)
     with pytest.raises(ValueError, match="not one of"):
         simulate("dualpipe", times=[1.0] * 2, num_ranks=2, virtual_stages=1, num_microbatches=2)
+
+
+def test_candidate_lines_say_which_figure_they_show():
+    """The chosen candidate shows its assembled plan's estimate, the others the stage search's
+    objective (which can be lower): each line says which."""
+    from autopar.planner.pipeline_schedule import PipelineCandidate
+
+    searched = PipelineCandidate(8, "1f1b", 1, 0.011885, "recompute in stages [1]")
+    assert str(searched) == "1f1b x1, 8 micro-batches: 11.885 ms/step (stage search), recompute in stages [1]"
+    chosen = PipelineCandidate(4, "gpipe", 1, 0.012038, assembled=True)
+    assert str(chosen) == "gpipe x1, 4 micro-batches: 12.038 ms/step (plan)"
+    assert str(PipelineCandidate(4, "gpipe", 1, None, "no cut fits no budget")).endswith("no cut fits no budget")
