@@ -88,6 +88,11 @@ _DENSE_MEMORY_LIMIT = 4_000_000  # candidates x option slots up to which memory 
 # Memory rows count MiB, not bytes, so their coefficients stay near 1 for the solvers' tolerances
 # (a power of two: the scaling itself is exact in floating point).
 MEM_UNIT = float(1 << 20)
+# A solver accepts a row violated within its feasibility tolerance, which HiGHS applies to the
+# scaled row: at an 80 GiB budget a plan came back 64 B over and failed the exact byte check
+# after the solve. The memory rows therefore hold the budget less this fraction of it (860 B at
+# 80 GiB; on a small budget it is below the tolerance, so exact budgets still admit their plans).
+ROW_MARGIN = 1e-8
 Terms = list[tuple[pulp.LpVariable, float]]  # a linear expression's variable part
 
 
@@ -363,7 +368,7 @@ class IlpModel:
         self.add_edge_marginals(terms)
         self.add_recompute(terms)
         if limit is not None:
-            self.add_memory(limit)
+            self.add_memory(limit * (1.0 - ROW_MARGIN))
         self.set_objective(terms, const)
 
     def build_min_peak(self) -> None:
