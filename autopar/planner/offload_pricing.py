@@ -48,6 +48,7 @@ from typing import Iterable
 from autopar.layout.mesh import MeshSpec
 from autopar.layout.placement import zero_split
 from autopar.solver.problem import StrategyOption
+from autopar.tracer.graph import may_alias
 
 __all__ = ["OffloadPolicy", "OffloadCost", "OFFLOAD_TIERS", "offload_cost", "offload_option", "offload_tier", "option_name",
            "runtime_options", "static_tiers", "offload_tiers", "tiers_of", "check_offload", "offload_summary", "check_host_capacity", "with_offload", "zero_dp",
@@ -270,7 +271,7 @@ def pinned_room(traced, regions, streamed: dict[str, int]) -> int:
             for u in node.users:
                 p = position[u.name]
                 lo, hi = (p, p) if lo is None else (min(lo, p), max(hi, p))
-                if u.name not in seen and _view(u):
+                if u.name not in seen and may_alias(u):
                     seen.add(u.name)
                     frontier.append(u)
         if lo is not None:
@@ -280,16 +281,6 @@ def pinned_room(traced, regions, streamed: dict[str, int]) -> int:
         now += delta
         best = max(best, now)
     return best
-
-def _view(node) -> bool:
-    """May ``node``'s output alias its input (a view; any call without an ATen schema)?"""
-    if node.op != "call_function":
-        return False
-    schema = getattr(node.target, "_schema", None)
-    if schema is None:
-        return True
-    return any(r.alias_info is not None for r in schema.returns)
-
 
 def check_host_capacity(info: dict, mesh: MeshSpec) -> None:
     """ValueError when the plan's host bytes per device exceed the mesh's host tier."""

@@ -103,6 +103,17 @@ def op_name(node: fx.Node) -> str:
     return getattr(target, "__name__", str(target))
 
 
+def may_alias(node: fx.Node) -> bool:
+    """May ``node``'s output alias one of its inputs? A ``call_function`` with a return that has
+    alias info (a view), or without an ATen schema at all (unknown: conservatively yes)."""
+    if node.op != "call_function":
+        return False
+    schema = getattr(node.target, "_schema", None)
+    if schema is None:
+        return True
+    return any(r.alias_info is not None for r in schema.returns)
+
+
 class TracedGraph:
     """The traced forward of a model; see the module docstring for the contract."""
 

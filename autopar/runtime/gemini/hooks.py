@@ -32,6 +32,8 @@ import weakref
 import torch
 import torch.fx as fx
 
+from autopar.tracer.graph import may_alias
+
 __all__ = ["instrument", "gate_regions", "gemini_use", "gemini_release", "gemini_regather", "SavedHooks"]
 
 _MANAGERS: dict[int, "weakref.ReferenceType"] = {}
@@ -113,12 +115,7 @@ def _aliases(node: fx.Node, graph_module: fx.GraphModule | None = None) -> bool:
     if node.op == "call_module":
         module = None if graph_module is None else graph_module.get_submodule(node.target)
         return _region_aliases(module.body) if _is_region(module) else True
-    if node.op != "call_function":
-        return False
-    schema = getattr(node.target, "_schema", None)
-    if schema is None:
-        return True
-    return any(r.alias_info is not None for r in schema.returns)
+    return may_alias(node)
 
 
 def _is_region(module) -> bool:
