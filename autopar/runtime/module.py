@@ -198,23 +198,8 @@ class AutoParallelModule(nn.Module):
 
     @torch.no_grad()
     def load_full_state_dict(self, state_dict: dict[str, torch.Tensor], *, strict: bool = True) -> None:
-        known = set()
-        missing = []
-        for name, ph, local in self._tensors():
-            known.update(ph.aliases)
-            key = next((a for a in ph.aliases if a in state_dict), None)
-            if key is None:
-                if ph.fqn in self._state_keys:
-                    missing.append(ph.fqn)
-                continue
-            value = state_dict[key]
-            if tuple(value.shape) != tuple(ph.shape):
-                raise ValueError(f"load_full_state_dict: {key!r} has shape {tuple(value.shape)}, "
-                                 f"the model's is {tuple(ph.shape)}")
-            local.copy_(slice_local(value, self._specs[name], self.pmesh).to(local.device, local.dtype))
-        unexpected = sorted(set(state_dict) - known)
-        if strict and (missing or unexpected):
-            raise ValueError(f"load_full_state_dict: missing keys {missing}, unexpected keys {unexpected}")
+        load_full_tensors(((ph, local, self._specs[name]) for name, ph, local in self._tensors()), state_dict,
+                          state_keys=self._state_keys, pmesh=self.pmesh, strict=strict)
 
     @torch.no_grad()
     def full_gradients(self) -> dict[str, torch.Tensor | None]:
@@ -238,6 +223,33 @@ def _has_decision(plan: Plan, name: str) -> bool:
     except KeyError:
         return False
     return True
+
+
+def load_full_tensors(entries: Iterable[tuple[Any, torch.Tensor | None, TensorSpec | None]],
+                      state_dict: dict[str, torch.Tensor], *, state_keys: Iterable[str], pmesh,
+                      strict: bool) -> None:
+    """Copy full tensors (original names; a tied weight under any of its names) into local pieces.
+    ``entries``: (placeholder, its local tensor or None where this rank holds none, its layout)
+    for every parameter and buffer of the model. No collective. ``strict``: every one in the
+    state dict's keys must be there, and nothing else."""
+    keys = set(state_keys)
+    known, missing = set(), []
+    for ph, local, spec in entries:
+        known.update(ph.aliases)
+        key = next((a for a in ph.aliases if a in state_dict), None)
+        if key is None:
+            if ph.fqn in keys:
+                missing.append(ph.fqn)
+            continue
+        value = state_dict[key]
+        if tuple(value.shape) != tuple(ph.shape):
+            raise ValueError(f"load_full_state_dict: {key!r} has shape {tuple(value.shape)}, "
+                             f"the model's is {tuple(ph.shape)}")
+        if local is not None:
+            local.copy_(slice_local(value, spec, pmesh).to(local.device, local.dtype))
+    unexpected = sorted(set(state_dict) - known)
+    if strict and (missing or unexpected):
+        raise ValueError(f"load_full_state_dict: missing keys {missing}, unexpected keys {unexpected}")
 
 
 def collect_full_state(items: Iterable[tuple[tuple[str, ...], torch.Tensor]],

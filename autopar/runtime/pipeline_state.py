@@ -19,8 +19,7 @@ import torch
 import torch.distributed as dist
 
 from autopar.runtime.dtensors import local_of
-from autopar.runtime.materialize import slice_local
-from autopar.runtime.module import _snapshot, collect_full_state
+from autopar.runtime.module import _snapshot, collect_full_state, load_full_tensors
 from autopar.tracer.graph import BUFFER, PARAMETER
 
 __all__ = ["PipelineState"]
@@ -102,25 +101,7 @@ class PipelineState:
         """Copy full tensors (original names; a tied weight under any of its names) into the
         pieces this rank's stages hold. No collective. ``strict``: every parameter and persistent
         buffer of the model must be there, and nothing else."""
-        keys = set(self._state_keys)
-        known, missing = set(), []
-        for ph in self._traced.placeholders:
-            if ph.kind not in (PARAMETER, BUFFER):
-                continue
-            known.update(ph.aliases)
-            key = next((a for a in ph.aliases if a in state_dict), None)
-            if key is None:
-                if any(a in keys for a in ph.aliases):
-                    missing.append(ph.fqn)
-                continue
-            value = state_dict[key]
-            if tuple(value.shape) != tuple(ph.shape):
-                raise ValueError(f"load_full_state_dict: {key!r} has shape {tuple(value.shape)}, "
-                                 f"the model's is {tuple(ph.shape)}")
-            if ph.name in self._dtensors:
-                local = self._local(ph.name)
-                local.copy_(slice_local(value, self._specs[ph.name], self.pmesh).to(local.device, local.dtype))
-        unexpected = sorted(set(state_dict) - known)
-        if strict and (missing or unexpected):
-            raise ValueError(f"load_full_state_dict: missing keys {missing}, unexpected keys {unexpected}")
+        entries = ((ph, self._local(ph.name) if ph.name in self._dtensors else None, self._specs.get(ph.name))
+                   for ph in self._traced.placeholders if ph.kind in (PARAMETER, BUFFER))
+        load_full_tensors(entries, state_dict, state_keys=self._state_keys, pmesh=self.pmesh, strict=strict)
 
