@@ -40,22 +40,23 @@ def _boosted(model, inputs, plan=None):
     return booster, pm, bopt
 
 
-def _body(rank, world, model, inputs, other, path, offload_plan):
-    booster, pm, opt = _boosted(copy.deepcopy(model), inputs)
-    for _ in range(3):
+def _train(booster, pm, opt, inputs, *, steps: int) -> None:
+    for _ in range(steps):
         booster.backward(pm(**inputs).loss, opt)
         opt.step()
         opt.zero_grad()
+
+
+def _body(rank, world, model, inputs, other, path, offload_plan):
+    booster, pm, opt = _boosted(copy.deepcopy(model), inputs)
+    _train(booster, pm, opt, inputs, steps=3)
     first = pm.full_state_dict()
     booster.save_model(pm, f"{path}/model")
     booster.save_optimizer(opt, f"{path}/optim")
     booster2, pm2, opt2 = _boosted(other, inputs, plan=pm.plan)  # no second solve
     booster2.load_model(pm2, f"{path}/model")
     booster2.load_optimizer(opt2, f"{path}/optim")
-    for _ in range(2):
-        booster2.backward(pm2(**inputs).loss, opt2)
-        opt2.step()
-        opt2.zero_grad()
+    _train(booster2, pm2, opt2, inputs, steps=2)
     tiers = [(c.home, c.optim_tier) for c in pm2.gemini.manager.chunks]
     sharded = (len(pm2.gemini.manager.chunks), pm2.gemini.summary()["sharded"])
     # The planner's own decisions, executed: Plan.offload's tiers per parameter (a plan that
@@ -64,10 +65,7 @@ def _body(rank, world, model, inputs, other, path, offload_plan):
     assert plugin.placement_policy == "planned"
     booster3, fresh = Booster(plugin), copy.deepcopy(model)
     pm3, opt3, *_ = booster3.boost(fresh, torch.optim.AdamW(fresh.parameters(), lr=LR, eps=EPS), meta_inputs=inputs)
-    for _ in range(3):
-        booster3.backward(pm3(**inputs).loss, opt3)
-        opt3.step()
-        opt3.zero_grad()
+    _train(booster3, pm3, opt3, inputs, steps=3)
     planned = {pm3._placeholders[s.name].fqn: (c.home, c.optim_tier) for c in pm3.gemini.manager.chunks
                for s in c.slots}
     clipped, fresh = Booster(AutoParallelPlugin(plan=offload_plan, mesh=offload_plan.mesh, max_norm=1.0)), \
@@ -81,10 +79,7 @@ def _body(rank, world, model, inputs, other, path, offload_plan):
     pm4, opt4, *_ = booster4.boost(fresh, torch.optim.AdamW(fresh.parameters(), lr=LR, eps=EPS), meta_inputs=inputs)
     booster4.load_model(pm4, f"{path}/model3")
     booster4.load_optimizer(opt4, f"{path}/optim3")
-    for _ in range(2):
-        booster4.backward(pm4(**inputs).loss, opt4)
-        opt4.step()
-        opt4.zero_grad()
+    _train(booster4, pm4, opt4, inputs, steps=2)
     return (first, pm2.full_state_dict(), tiers, pm2.gemini.summary(), third, planned, pm4.full_state_dict(), sharded,
             pm4.gemini.summary()["zero"])
 

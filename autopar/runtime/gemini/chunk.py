@@ -185,7 +185,7 @@ class Chunk:
     @property
     def work_elems(self) -> int:
         """Elements of the device working copy (``device_buf``)."""
-        return self.shard_elems * self.num_shards if self.sharded else self.capacity
+        return self.padded_elems if self.sharded else self.capacity
 
     @property
     def streamed(self) -> bool:
