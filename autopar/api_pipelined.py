@@ -4,6 +4,7 @@ per schedule, and under ``pipeline="auto"`` the plain plan to compare with."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
@@ -13,6 +14,7 @@ from autopar.plans import Plan
 
 if TYPE_CHECKING:
     from autopar.api import Progress
+    from autopar.planner.pipeline_search import StageCosts
     from autopar.tracer.graph import TracedGraph
 
 __all__ = ["PipelinedResult", "plan_pipelined"]
@@ -37,9 +39,12 @@ def plan_pipelined(model: Any, meta_inputs: tuple | dict, *, mesh: MeshSpec | Se
     fastest feasible candidate wins (``plan_traced``: ``autopar.api.plan_traced``, passed in so this
     module does not import the api). ``"auto"`` also plans without a pipeline (the full batch on
     the whole mesh) and keeps the faster of the two. ``ValueError`` when nothing fits."""
+    from autopar.planner.builder import build_problem
+    from autopar.planner.pipeline_bounds import config_floors, in_bound_order
+    from autopar.planner.pipeline_search import StageCosts, schedules_for, search_stages
     from autopar.planner.pipeline_stages import batch_size, micro_inputs, microbatch_counts
-    from autopar.planner.pipeline_search import (schedules_for,
-                                                 search_stages)
+    from autopar.plans import stage_mesh_of
+    from autopar.solver.driver import solve as solve_ilp
     from autopar.strategies import needs_decomposition
     from autopar.tracer import profile as profile_graph
     from autopar.tracer import trace
@@ -52,20 +57,46 @@ def plan_pipelined(model: Any, meta_inputs: tuple | dict, *, mesh: MeshSpec | Se
     if options.checkpoint not in ("auto", "none") or options.zero_stage != 0:
         raise ValueError(f"pipelined plans run without activation recompute and ZeRO for now; got "
                          f"checkpoint={options.checkpoint!r}, zero_stage={options.zero_stage!r}")
-    best: tuple[Plan, Any] | None = None
-    lines: list[str] = []
+    schedules = schedules_for(options.schedule)
+    # Every micro-batch count's graph traced and its step floor found first (one small solve per
+    # block class), then the counts searched lowest floor first, each bounded by the best step so
+    # far: a count whose floor cannot beat it is not searched (``pipeline_bounds``).
+    staged: dict[int, tuple[Any, StageCosts]] = {}
+    floors: dict[int, float] = {}
+    stage_options = replace(options, zero_stage=0, checkpoint="none", pipeline=None)
+    solve = lambda p: solve_ilp(p, solver=options.solver, time_limit=options.time_limit)  # noqa: E731
     for m in microbatch_counts(batch_size(meta_inputs), num_stages=stages, asked=options.microbatches):
         with progress.stage("trace", f"micro-batch graph, {m} micro-batches"):
             traced = trace(model, micro_inputs(meta_inputs, m), decompose_if=needs_decomposition,
                            precision=options.precision)
         with progress.stage("profile"):
             prof = profile_graph(traced)
+        with progress.stage("pipeline floors", f"{m} micro-batches"):
+            built = build_problem(traced, prof, stage_mesh_of(spec), budget_bytes=None, options=stage_options)
+            costs = StageCosts(traced, built, mesh=spec, solve=solve)
+            floors[m] = min(config_floors(costs, schedules=schedules, num_stages=stages, num_microbatches=m).values())
+        staged[m] = (traced, costs)
+    lines: list[str] = []
+    found: dict[int, Any] = {}
+
+    def search(m: int, incumbent: float):
+        traced, costs = staged[m]
         with progress.stage("pipeline stages", f"{stages} stages, {m} micro-batches"):
-            found = search_stages(traced, prof, mesh=spec, options=options, num_stages=stages, num_microbatches=m,
-                                  schedules=schedules_for(options.schedule))
-        lines += [f"pipeline {stages}: {c}" for c in found.candidates]
-        if found.plan is not None and (best is None or found.plan.estimate.step_s < best[0].estimate.step_s):
-            best = (found.plan, traced)
+            found[m] = search_stages(traced, None, mesh=spec, options=options, num_stages=stages, num_microbatches=m,
+                                     schedules=schedules, costs=costs, bound=None if incumbent == math.inf else incumbent)
+        return found[m]
+
+    def skipped(m: int, floor: float, incumbent: float):
+        lines.append(f"pipeline {stages}: {m} micro-batches: not searched: its floor {floor * 1e3:.3f} ms/step does "
+                     f"not beat {incumbent * 1e3:.3f}")
+
+    in_bound_order(floors, search, step_of=lambda f: None if f.plan is None else f.plan.estimate.step_s,
+                   skipped=skipped)
+    best: tuple[Plan, Any] | None = None
+    for m, result in sorted(found.items()):
+        lines += [f"pipeline {stages}: {c}" for c in result.candidates]
+        if result.plan is not None and (best is None or result.plan.estimate.step_s < best[0].estimate.step_s):
+            best = (result.plan, staged[m][0])
     if options.pipeline == "auto":
         with progress.stage("trace", "full batch, no pipeline"):
             traced = trace(model, meta_inputs, decompose_if=needs_decomposition, precision=options.precision)

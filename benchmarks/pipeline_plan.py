@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 import time
@@ -55,6 +56,7 @@ from autopar.planner.assemble import restricted_problem
 from autopar.planner.baselines import make_restriction
 from autopar.planner.builder import build_problem
 from autopar.planner.options import PlanOptions
+from autopar.planner.pipeline_bounds import config_floors, in_bound_order
 from autopar.planner.pipeline_schedule import SCHEDULE_VIRTUAL_STAGES
 from autopar.planner.pipeline_search import StageCosts, schedule_cuts, search_stages
 from autopar.plans import stage_mesh_of
@@ -105,6 +107,7 @@ class Row:
     plan_s: float  # this configuration's search (build and trace excluded)
     recompute: str = ""
     note: str = ""
+    floor: float | None = None  # autopar's step floor for the configuration (pipeline_bounds)
 
 
 def _solver(options):
@@ -135,43 +138,64 @@ def run(args) -> tuple[list[Row], dict]:
         seq = args.seq or seq
         for n in args.devices:
             batch = args.batch_per_device * n
-            plan_s[name, n] = 0.0
             todo = configs(n, args.pp, args.tp, batch=batch, micro_sizes=args.micro_sizes)
-            for size in sorted({batch // m for _, _, m in todo}):  # one trace per micro-batch size
-                t0 = time.perf_counter()
-                ids = torch.zeros((size, seq), dtype=torch.long, device="meta")
-                traced = trace(model, {"input_ids": ids, "labels": ids}, decompose_if=needs_decomposition,
-                               precision="bf16")
-                prof = profile(traced)
-                plan_s[name, n] += time.perf_counter() - t0
-                for pp, tp, m in (c for c in todo if batch // c[2] == size):
-                    out, spent = _one(name, n, pp, tp, m, traced, prof, options, args)
-                    plan_s[name, n] += spent
-                    rows += out
-                    for r in out:
-                        print(json.dumps({**r.__dict__, "batch": batch}), flush=True)
+            t0 = time.perf_counter()
+            staged = _autopar_case(name, n, todo, model, seq, batch, options, args)
+            plan_s[name, n] = time.perf_counter() - t0
+            print(f"# {name} on {n} devices: autopar planned {len(todo)} configurations in {plan_s[name, n]:.1f} s "
+                  f"({sum(1 for r, _ in staged.values() if r.note.startswith('pruned'))} pruned by their floors)",
+                  flush=True)
+            for (pp, tp, m), (mine, costs) in staged.items():
+                theirs = _megatron(name, n, pp, tp, m, costs.traced, costs.built, costs.mesh, options, args)
+                for r in (mine, theirs):
+                    rows.append(r)
+                    print(json.dumps({**r.__dict__, "batch": batch}), flush=True)
     return rows, plan_s
 
 
-def _one(name, n, pp, tp, m, traced, prof, options, args) -> tuple[list[Row], float]:
-    """Both sides on mesh (PP, N / (PP TP), TP); returns their rows and autopar's seconds (its
-    build + search)."""
-    mesh = MeshSpec.cluster(nodes=n // 8, devices_per_node=8, shape=(pp, n // (pp * tp), tp))
-    sub = stage_mesh_of(mesh)
-    t0 = time.perf_counter()
-    built = build_problem(traced, prof, sub, budget_bytes=None,
-                          options=replace(options, zero_stage=0, checkpoint="none", pipeline=None))
-    costs = StageCosts(traced, built, mesh=mesh, solve=_solver(options))
-    found = search_stages(traced, prof, mesh=mesh, options=options, num_stages=pp, num_microbatches=m,
-                          schedules=args.schedules, window=args.window, costs=costs)
-    mine_s = time.perf_counter() - t0
-    best = found.plan
-    rec = "" if best is None else ",".join("R" if st["recompute"] else "-" for st in best.solver["pipeline"]["stages"])
-    out = [Row(name, n, pp, tp, m, "autopar", None if best is None else best.estimate.step_s,
-               "" if best is None else best.pipeline.schedule, mine_s, rec,
-               "; ".join(str(c) for c in found.candidates))]
-    out.append(_megatron(name, n, pp, tp, m, traced, built, mesh, options, args))
-    return out, mine_s
+def _autopar_case(name, n, todo, model, seq, batch, options, args) -> dict:
+    """autopar's search of one case: every configuration's micro-batch graph traced (once per
+    micro-batch size), its stage Problem built and its step floor computed
+    (``autopar.planner.pipeline_bounds``), then the configurations searched lowest floor first,
+    each given the best step so far (``in_bound_order``): one whose floor cannot beat it is
+    not searched (``--exhaustive``: every one is). Returns (PP, TP, M) -> (its row, its StageCosts)."""
+    staged: dict[tuple[int, int, int], StageCosts] = {}
+    floors: dict[tuple[int, int, int], float] = {}
+    for size in sorted({batch // m for _, _, m in todo}):  # one trace per micro-batch size
+        ids = torch.zeros((size, seq), dtype=torch.long, device="meta")
+        traced = trace(model, {"input_ids": ids, "labels": ids}, decompose_if=needs_decomposition, precision="bf16")
+        prof = profile(traced)
+        for pp, tp, m in (c for c in todo if batch // c[2] == size):
+            mesh = MeshSpec.cluster(nodes=n // 8, devices_per_node=8, shape=(pp, n // (pp * tp), tp))
+            built = build_problem(traced, prof, stage_mesh_of(mesh), budget_bytes=None,
+                                  options=replace(options, zero_stage=0, checkpoint="none", pipeline=None))
+            staged[pp, tp, m] = costs = StageCosts(traced, built, mesh=mesh, solve=_solver(options))
+            floors[pp, tp, m] = min(config_floors(costs, schedules=args.schedules, num_stages=pp, num_microbatches=m,
+                                                  window=args.window).values())
+    out: dict[tuple[int, int, int], tuple[Row, StageCosts]] = {}
+
+    def search(cfg, incumbent):
+        pp, tp, m = cfg
+        t0 = time.perf_counter()
+        costs = staged[cfg]
+        found = search_stages(costs.traced, None, mesh=costs.mesh, options=options, num_stages=pp, num_microbatches=m,
+                              schedules=args.schedules, window=args.window, costs=costs,
+                              bound=None if args.exhaustive or incumbent == math.inf else incumbent)
+        best = found.plan
+        rec = "" if best is None else ",".join("R" if st["recompute"] else "-"
+                                               for st in best.solver["pipeline"]["stages"])
+        out[cfg] = (Row(name, n, pp, tp, m, "autopar", None if best is None else best.estimate.step_s,
+                        "" if best is None else best.pipeline.schedule, time.perf_counter() - t0, rec,
+                        "; ".join(str(c) for c in found.candidates), floor=floors[cfg]), costs)
+        return out[cfg][0]
+
+    def skipped(cfg, floor, incumbent):
+        out[cfg] = (Row(name, n, *cfg, "autopar", None, "", 0.0, "",
+                        f"pruned: floor {floor * 1e3:.1f} ms/step >= best {incumbent * 1e3:.1f}", floor=floor), staged[cfg])
+
+    in_bound_order({c: (-math.inf if args.exhaustive else f) for c, f in floors.items()}, search,
+                   step_of=lambda r: r.step_s, skipped=skipped)
+    return dict(sorted(out.items(), key=lambda kv: floors[kv[0]]))
 
 
 def _megatron(name, n, pp, tp, m, traced, built, mesh, options, args) -> Row:
@@ -231,7 +255,13 @@ def slower(rows: list[Row]) -> list[str]:
         mine = [r for r in rows if (r.model, r.devices, r.pp, r.tp, r.microbatches) == key and r.who == "autopar"]
         theirs = [r for r in rows if (r.model, r.devices, r.pp, r.tp, r.microbatches) == key and r.who == "megatron"]
         for a, b in zip(mine, theirs):
-            if b.step_s is not None and (a.step_s is None or a.step_s > b.step_s * (1 + 1e-3)):
+            if b.step_s is None:
+                continue
+            if a.note.startswith("pruned"):
+                # Not searched: Megatron's plan lies in autopar's space, so it is at least the floor.
+                if a.floor is not None and b.step_s < a.floor * (1 - 1e-3):
+                    out.append(f"{key}: megatron {b.step_s} below autopar's floor {a.floor} (an invalid floor)")
+            elif a.step_s is None or a.step_s > b.step_s * (1 + 1e-3):
                 out.append(f"{key}: autopar {a.step_s}, megatron {b.step_s}")
     return out
 
@@ -254,6 +284,8 @@ def main(argv=None) -> int:
     p.add_argument("--time-limit", type=float, default=30.0)
     p.add_argument("--quick", action="store_true", help="8-layer shapes, 64 devices, PP 2/4, b 1, sequence 1024")
     p.add_argument("--jsonl", help="write one JSON line per configuration")
+    p.add_argument("--exhaustive", action="store_true",
+                   help="search every configuration (default: skip those whose step floor cannot beat the best found)")
     args = p.parse_args(argv)
     if args.quick:
         args.layers, args.devices, args.pp, args.micro_sizes = args.layers or 8, [64], [2, 4], [1]

@@ -50,7 +50,8 @@ import numpy as np
 
 from autopar.layout.blocks import block_of, split_block
 from autopar.layout.mesh import MeshSpec
-from autopar.planner.pipeline_schedule import PipelineCandidate, schedule_cuts
+from autopar.planner.pipeline_bounds import config_floors
+from autopar.planner.pipeline_schedule import SCHEDULE_VIRTUAL_STAGES, PipelineCandidate, schedule_cuts
 from autopar.planner.pipeline_assembly import assemble_pipelined
 from autopar.planner.pipeline_stages import block_container
 from autopar.plans import (PIPELINE_SCHEDULES, NodeKind, Plan, StagePlan, stage_mesh_of)
@@ -126,6 +127,8 @@ class StageCosts:
         self._unfit: dict[tuple, int] = {}  # (range shape, budget) -> fewest in flight found not to fit
         self._solved_on: dict[tuple, tuple[int, int]] = {}  # unconstrained memo key -> the range solved
         self._quick: dict[tuple, np.ndarray] = {}  # (factor, recompute) -> prefix sums of ops' cheapest options
+        self.floors: dict[tuple, float] = {}  # block shape -> its floor (``pipeline_bounds.block_floor``)
+        self.floor_sums: dict[float, tuple[float, ...]] = {}  # factor -> prefix sums of the blocks' floors
         self._position()
         self._classes()
         self._boundaries()
@@ -204,20 +207,19 @@ class StageCosts:
 
     def decisions(self, a: int, b: int) -> set[str]:
         """The Problem decisions of the stage holding blocks ``[a, b)``."""
-        out = set()
-        for node in self.built.problem.nodes:
-            kind = self.kind[node.name]
-            if kind == NodeKind.OUTPUT:
-                if b == self.num_blocks:
-                    out.add(node.name)
-            elif node.name in self.readers:
-                # Placeholders no op reads (a rotary embedding's unused buffer) stay with stage 0,
-                # as ``autopar.runtime.pipeline_split`` keeps them.
-                if any(a <= p < b for p in self.readers[node.name]) or (a == 0 and not self.readers[node.name]):
-                    out.add(node.name)
-            elif a <= self.pos[node.name] < b:
-                out.add(node.name)
-        return out
+        return {node.name for node in self.built.problem.nodes if any(a <= p < b for p in self.blocks_of(node.name))}
+
+    def blocks_of(self, name: str) -> set[int] | range:
+        """The blocks whose stage holds decision ``name``: an op's, the blocks reading a
+        placeholder, the last block for the output."""
+        kind = self.kind[name]
+        if kind == NodeKind.OUTPUT:
+            return {self.num_blocks - 1}
+        if name in self.readers:
+            # Placeholders no op reads (a rotary embedding's unused buffer) stay with stage 0,
+            # as ``autopar.runtime.pipeline_split`` keeps them.
+            return self.readers[name] or {0}
+        return {self.pos[name]}
 
     def stage_plans(self, bounds: tuple[int, ...], *, num_stages: int) -> tuple[StagePlan, ...]:
         stages = []
@@ -264,9 +266,16 @@ class StageCosts:
         return (*self._shape(a, b, factor, recompute), None, None) in self._memo
 
     def quick_bound(self, a: int, b: int, *, factor: float, recompute: bool = False) -> float:
-        """A lower bound on ``time_s + sync_s / factor`` of the range without a solve: each of
-        its ops at its cheapest option (as ``slice`` prices it), no resharding, plus the cut's
-        point-to-point (the objective adds edges >= 0 and parameters' syncs >= 0)."""
+        """A lower bound on ``time_s + sync_s / factor`` of the range without a solve of its own:
+        each of its ops at its cheapest option (as ``slice`` prices it), no resharding, plus the
+        cut's point-to-point (the objective adds edges >= 0 and parameters' syncs >= 0); or,
+        where tighter, the sum of its blocks' floors (``pipeline_bounds.step_floor`` stored
+        them, at a factor >= ``factor``: valid here) plus the point-to-point."""
+        floors = min((f for f in self.floor_sums if f >= factor), default=None)
+        floor = -math.inf if floors is None else self.floor_sums[floors][b] - self.floor_sums[floors][a]
+        return max(floor + self.p2p_s(b), self._cheapest(a, b, factor=factor, recompute=recompute))
+
+    def _cheapest(self, a: int, b: int, *, factor: float, recompute: bool) -> float:
         key = (factor, recompute)
         if key not in self._quick:
             per_block = np.zeros(self.num_blocks + 1)
@@ -525,13 +534,17 @@ class StageCosts:
 
 def search_stages(traced: TracedGraph, profile, *, mesh: MeshSpec, options, num_stages: int, num_microbatches: int,
                   schedules: tuple[str, ...], progress=None, solve: Callable[[Problem], Solution] | None = None,
-                  window: int | None = None, costs: StageCosts | None = None) -> PipelineSearch:
+                  window: int | None = None, costs: StageCosts | None = None,
+                  bound: float | None = None) -> PipelineSearch:
     """The fastest pipelined plan of the micro-batch graph ``traced`` over ``num_stages`` ranks on
     mesh axis 0 among ``schedules`` (module docstring). ``options``: a ``PlanOptions``.
     ``window``: stages hold between ``B / K - window`` and ``B / K + window`` blocks (None: any
     count; deep models on many stages: fewer range shapes to solve). ``costs``: stage costs of
     ``traced`` on this mesh's stage sub-mesh already built (benchmarks share them and their memo
-    across schedules; built with ``zero_stage=0`` and no checkpoint, as here)."""
+    across schedules; built with ``zero_stage=0`` and no checkpoint, as here). ``bound``: the best
+    step another configuration reached (``pipeline_bounds.in_bound_order``): a schedule whose
+    ``step_floor`` is not below it is not searched, and stages that cannot beat it are not solved;
+    ``plan`` is None when no schedule beats it."""
     from autopar.planner.builder import build_problem
     from autopar.solver.driver import solve as solve_ilp
 
@@ -550,10 +563,18 @@ def search_stages(traced: TracedGraph, profile, *, mesh: MeshSpec, options, num_
         raise ValueError(f"stage costs built for mesh {costs.mesh.shape}, searched on {mesh.shape}")
     t_build = time.perf_counter() - t0
     found_for, best = {}, None
-    # 1F1B first: its step bounds the others' searches (a stage that cannot beat it is not solved).
-    for schedule in sorted(schedules, key=lambda s: s != "1f1b"):
+    floors = config_floors(costs, schedules=schedules, num_stages=num_stages, num_microbatches=num_microbatches,
+                           window=window)
+    # Lowest floor first: its step bounds the others' searches (a stage that cannot beat it is not solved).
+    for schedule in sorted(schedules, key=lambda s: (floors[s], s != "1f1b")):
+        incumbent = min(bound if bound is not None else math.inf, math.inf if best is None else best[1].objective)
+        if floors[schedule] < math.inf and floors[schedule] >= incumbent:
+            found_for[schedule] = PipelineCandidate(
+                num_microbatches, schedule, SCHEDULE_VIRTUAL_STAGES[schedule], None,
+                f"not searched: its floor {floors[schedule] * 1e3:.3f} ms/step does not beat {incumbent * 1e3:.3f}")
+            continue
         found = schedule_cuts(costs, schedule=schedule, num_stages=num_stages, num_microbatches=num_microbatches,
-                              budget=budget, window=window, bound=None if best is None else best[1].objective,
+                              budget=budget, window=window, bound=None if incumbent == math.inf else incumbent,
                               recompute=(False,) if options.checkpoint == "none" else (False, True))
         found_for[schedule] = found[0]
         if found[1] is not None and (best is None or found[1].objective < best[1].objective):

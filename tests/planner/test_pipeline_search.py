@@ -167,10 +167,10 @@ def test_search_keeps_the_fastest_schedule(traced_models):
     best = min((c for c in found.candidates if c.step_s is not None), key=lambda c: c.step_s)
     assert found.plan.pipeline.schedule == best.schedule and found.plan.estimate.step_s == pytest.approx(best.step_s)
     assert [c.schedule for c in found.candidates] == list(PIPELINE_SCHEDULES)
-    # 1F1B's step bounds the other schedules' searches: one reported as not beating it does not,
-    # searched alone.
+    # The first schedule's step bounds the others' searches: one reported as not beating it (or
+    # not searched, its floor not below it) does not, searched alone.
     for c in found.candidates:
-        if c.step_s is None and "no cut beats" in c.note:
+        if c.step_s is None and ("no cut beats" in c.note or "not searched" in c.note):
             alone = search_stages(traced, prof, mesh=MeshSpec.preset("cpu", (2, 2)), options=PlanOptions(),
                                   num_stages=2, num_microbatches=4, schedules=(c.schedule,))
             assert alone.plan is None or alone.plan.estimate.step_s >= best.step_s * (1 - 1e-6), c

@@ -1,0 +1,128 @@
+"""Step floors of pipelined configurations (``autopar.planner.pipeline_bounds``): every floor is
+below every plan the stage search can find, the floors tighten the search's own stage bounds
+without changing its optimum, and configurations searched in floor order keep the exhaustive
+optimum."""
+
+import math
+
+import pytest
+
+from autopar.api import plan_pipelined
+from autopar import zoo
+from autopar.layout.mesh import MeshSpec
+from autopar.planner.options import PlanOptions
+from autopar.planner.pipeline_bounds import block_floor, config_floors, in_bound_order, step_floor
+from autopar.planner.pipeline_schedule import schedule_cuts, step_factor
+from autopar.planner.pipeline_search import search_stages
+from tests.planner.test_pipeline_search import _stage_costs, traced_models  # noqa: F401 (fixture)
+
+CASES = [("gpt2", (2, 2)), ("gpt2", (4, 2)), ("llama-1b", (2, 2))]
+
+
+@pytest.mark.parametrize("name,shape", CASES)
+def test_block_floors_bound_every_stage_range(traced_models, name, shape):
+    """For every range [a, b) and both recompute modes, the sum of its blocks' floors plus the
+    cut's point-to-point is at most the range's unconstrained optimum (time + sync / factor),
+    hence at most any budgeted plan of it; the floors of one class are one solve."""
+    costs = _stage_costs(traced_models, name, shape)
+    factor = step_factor("1f1b", num_stages=shape[0], virtual_stages=1, num_microbatches=4)
+    floors = [block_floor(costs, j, factor=factor) for j in range(costs.num_blocks)]
+    assert all(f > 0 for f in floors)
+    assert costs.num_solves <= 4  # first, middle, last (+ the second block when it differs)
+    for a in range(costs.num_blocks):
+        for b in range(a + 1, costs.num_blocks + 1):
+            for recompute in (False, True):
+                free = costs.free(a, b, factor=factor, recompute=recompute)[1]
+                value = free.time_s + free.sync_s / factor
+                assert sum(floors[a:b]) + costs.p2p_s(b) <= value * (1 + 1e-9), (a, b, recompute)
+    # Tight where it matters: a middle block alone is its own floor's problem but for shared inputs.
+    mid = costs.num_blocks // 2
+    one = costs.free(mid, mid + 1, factor=factor)[1]
+    assert floors[mid] >= 0.5 * (one.time_s - one.p2p_s + one.sync_s / factor)
+
+
+@pytest.mark.parametrize("name,shape", CASES)
+def test_step_floor_is_below_the_exhaustive_search(traced_models, name, shape):
+    """``step_floor`` (and ``config_floors``' shared floors at the largest factor) is at most the
+    best cut of an exhaustive search (every stage solved), under no budget and a tight one."""
+    probe = _stage_costs(traced_models, name, shape)
+    factor = step_factor("1f1b", num_stages=shape[0], virtual_stages=1, num_microbatches=8)
+    one = probe.cost(0, 1, in_flight=1, factor=factor, budget=None)
+    for budget in (None, int(one.peak_bytes * 1.3)):
+        costs = _stage_costs(traced_models, name, shape)  # its memo is shared by the schedules' searches
+        for schedule in ("1f1b", "interleaved-1f1b", "gpipe", "zero-bubble"):
+            kw = dict(schedule=schedule, num_stages=shape[0], num_microbatches=8)
+            floor = step_floor(costs, **kw)
+            shared = config_floors(costs, schedules=("1f1b", schedule), num_stages=shape[0], num_microbatches=8)
+            found = schedule_cuts(costs, budget=budget, prune=False, **kw)
+            if found[1] is None:
+                continue
+            assert 0 < shared[schedule] <= floor * (1 + 1e-12) <= found[1].objective * (1 + 1e-9), (schedule, budget)
+        with pytest.raises(ValueError, match="below the schedule's step factor"):
+            step_floor(costs, schedule="1f1b", num_stages=shape[0], num_microbatches=8, floor_factor=1.0)
+
+
+def test_floors_tighten_the_search_without_changing_its_optimum(traced_models):
+    """With the floors stored (``step_floor``), the lazy search's stage bounds are the floors
+    where tighter: the same cut, modes and step as solving every stage, in no more solves."""
+    probe = _stage_costs(traced_models, "gpt2", (4, 2))
+    factor = step_factor("1f1b", num_stages=4, virtual_stages=1, num_microbatches=8)
+    one, four = (probe.cost(0, 2, in_flight=k, factor=factor, budget=None) for k in (1, 4))
+    budget = (one.peak_bytes + four.peak_bytes) // 2
+    kw = dict(schedule="1f1b", num_stages=4, num_microbatches=8)
+    plain = _stage_costs(traced_models, "gpt2", (4, 2))
+    floored = _stage_costs(traced_models, "gpt2", (4, 2))
+    step_floor(floored, **kw)
+    before = floored.num_solves
+    want = schedule_cuts(_stage_costs(traced_models, "gpt2", (4, 2)), budget=budget, prune=False, **kw)
+    got_plain = schedule_cuts(plain, budget=budget, **kw)
+    got = schedule_cuts(floored, budget=budget, **kw)
+    assert floored.quick_bound(0, 2, factor=factor) > plain.quick_bound(0, 2, factor=factor)
+    for found in (got, got_plain):
+        assert found[1].objective == pytest.approx(want[1].objective, rel=1e-9)
+        assert found[1].bounds == want[1].bounds and found[5] == want[5]
+    assert floored.num_solves - before <= plain.num_solves
+
+
+def test_in_bound_order_skips_only_what_cannot_win():
+    steps = {"a": 5.0, "b": 3.0, "c": None, "d": 9.0, "e": 3.5}
+    bounds = {"a": 4.0, "b": 2.5, "c": 1.0, "d": 3.2, "e": 2.9}
+    seen, skipped = [], []
+
+    def search(key, incumbent):
+        seen.append((key, incumbent))
+        return steps[key]
+
+    out = in_bound_order(bounds, search, step_of=lambda s: s, skipped=lambda k, f, inc: skipped.append((k, f, inc)))
+    assert seen == [("c", math.inf), ("b", math.inf), ("e", 3.0)]
+    assert sorted(skipped) == [("a", 4.0, 3.0), ("d", 3.2, 3.0)]
+    assert min(s for s in out.values() if s is not None) == min(s for s in steps.values() if s is not None)
+
+
+def test_search_below_a_bound_returns_no_plan(traced_models):
+    """Given another configuration's step as ``bound``, a search that cannot beat it says so
+    (floors above it: not searched) and returns no plan; a loose bound changes nothing."""
+    traced, prof = traced_models["gpt2"]
+    mesh = MeshSpec.preset("cpu", (2, 2))
+    kw = dict(mesh=mesh, options=PlanOptions(), num_stages=2, num_microbatches=4, schedules=("1f1b", "gpipe"))
+    free = search_stages(traced, prof, **kw)
+    step = free.plan.estimate.step_s
+    loose = search_stages(traced, prof, bound=step * 2, **kw)
+    assert loose.plan.estimate.step_s == pytest.approx(step)
+    tight = search_stages(traced, prof, bound=step * 0.5, **kw)
+    assert tight.plan is None and all(c.step_s is None for c in tight.candidates)
+    assert any("not searched: its floor" in c.note for c in tight.candidates), [str(c) for c in tight.candidates]
+
+
+def test_auto_microbatches_equal_the_best_single_count():
+    """``microbatches="auto"`` searches the counts in floor order, skipping those whose floor
+    cannot win: its plan is as fast as the best count planned alone."""
+    model, inputs = zoo.build("gpt2", tiny=True, num_layers=4, batch=16, device="meta")
+    mesh = MeshSpec.preset("cpu", (2, 2))
+    auto = plan_pipelined(model, inputs, mesh=mesh, options=PlanOptions(pipeline=2, microbatches="auto",
+                                                                        schedule="1f1b"))
+    alone = {m: plan_pipelined(model, inputs, mesh=mesh, options=PlanOptions(pipeline=2, microbatches=m,
+                                                                             schedule="1f1b")).plan.estimate.step_s
+             for m in (2, 4, 16)}
+    assert auto.plan.estimate.step_s == pytest.approx(min(alone.values()), rel=1e-9), (alone, auto.candidates)
+    assert auto.plan.pipeline.num_microbatches == min(alone, key=alone.get)
