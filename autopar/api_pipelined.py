@@ -41,7 +41,7 @@ def plan_pipelined(model: Any, meta_inputs: tuple | dict, *, mesh: MeshSpec | Se
     the whole mesh) and keeps the faster of the two. ``ValueError`` when nothing fits."""
     from autopar.planner.builder import build_problem
     from autopar.planner.pipeline_bounds import config_floors, in_bound_order
-    from autopar.planner.pipeline_search import StageCosts, schedules_for, search_stages
+    from autopar.planner.pipeline_search import StageCosts, check_pipeline_zero, schedules_for, search_stages
     from autopar.planner.pipeline_stages import batch_size, micro_inputs, microbatch_counts
     from autopar.plans import stage_mesh_of
     from autopar.solver.driver import solve as solve_ilp
@@ -54,16 +54,17 @@ def plan_pipelined(model: Any, meta_inputs: tuple | dict, *, mesh: MeshSpec | Se
     if options.pipeline != "auto" and options.pipeline != stages:
         raise ValueError(f"pipeline={options.pipeline!r} runs over mesh axis 0, which has size {stages} in mesh "
                          f"{spec.shape}: give a mesh whose first axis has size {options.pipeline}")
-    if options.checkpoint not in ("auto", "none") or options.zero_stage != 0:
-        raise ValueError(f"pipelined plans run without activation recompute and ZeRO for now; got "
-                         f"checkpoint={options.checkpoint!r}, zero_stage={options.zero_stage!r}")
+    if options.checkpoint not in ("auto", "none"):
+        raise ValueError(f"pipelined plans decide activation recompute per stage (whole blocks): give "
+                         f"checkpoint='auto' (or 'none' for no recompute), got checkpoint={options.checkpoint!r}")
+    check_pipeline_zero(options.zero_stage)
     schedules = schedules_for(options.schedule)
     # Every micro-batch count's graph traced and its step floor found first (one small solve per
     # block class), then the counts searched lowest floor first, each bounded by the best step so
     # far: a count whose floor cannot beat it is not searched (``pipeline_bounds``).
     staged: dict[int, tuple[Any, StageCosts]] = {}
     floors: dict[int, float] = {}
-    stage_options = replace(options, zero_stage=0, checkpoint="none", pipeline=None)
+    stage_options = replace(options, checkpoint="none", pipeline=None)
     solve = lambda p: solve_ilp(p, solver=options.solver, time_limit=options.time_limit)  # noqa: E731
     for m in microbatch_counts(batch_size(meta_inputs), num_stages=stages, asked=options.microbatches):
         with progress.stage("trace", f"micro-batch graph, {m} micro-batches"):

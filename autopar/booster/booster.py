@@ -263,8 +263,9 @@ def _is_pipeline(model: Any) -> bool:
 
 def _pipeline_options(plugin: AutoParallelPlugin, options: dict[str, Any]) -> tuple[dict[str, Any], int]:
     """The ``autoparallelize`` options for a pipelined plan and the ZeRO stage the optimizer
-    runs inside the stages: ZeRO-1 changes no forward or backward, so the stages are planned
-    without it and the optimizer shards its state (``PipelineModule.optimizer``)."""
+    runs inside the stages (``PipelineModule.optimizer``): with ZeRO-1 the stages are planned
+    with it too, so each stage's memory holds only its share of the optimizer state and the
+    step pays the all-gather of the updated parameters."""
     zero = plugin.zero_stage
     if zero == 2:
         raise ValueError("zero_stage=2 does not compose with a pipeline (gradients accumulate over the micro-batches "
@@ -272,7 +273,8 @@ def _pipeline_options(plugin: AutoParallelPlugin, options: dict[str, Any]) -> tu
     if plugin.precision == "fp16":
         raise ValueError("pipelined stages compute in fp32 or bf16; fp16 loss scaling across stages is not built: "
                          "use precision='bf16'")
-    return {**options, "zero_stage": None if options.get("zero_stage") is None else 0}, 1 if zero == 1 else 0
+    stage = 1 if zero == 1 else 0
+    return {**options, "zero_stage": None if options.get("zero_stage") is None else stage}, stage
 
 
 class _PipelineOptimizer(BoostedOptimizer):

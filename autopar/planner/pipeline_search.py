@@ -69,7 +69,7 @@ _BOUND_SLACK = 1e-3
 HELD = "@held"
 
 __all__ = ["StageCost", "StageCosts", "PipelineCandidate", "PipelineSearch", "search_stages", "schedule_cuts",
-           "schedules_for"]
+           "schedules_for", "check_pipeline_zero"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,6 +100,16 @@ class PipelineSearch:
     plan: Plan | None  # the fastest candidate's plan (None: none fits)
     candidates: tuple[PipelineCandidate, ...]
     num_solves: int
+
+
+def check_pipeline_zero(zero_stage) -> None:
+    """Pipelined stages are planned (and run) with ZeRO-0 or ZeRO-1 per parameter over the stage
+    sub-mesh: ``zero_stage=1`` prices each replicated parameter's optimizer state split over its
+    replicas plus the all-gather after the step (``autopar.planner.zero_pricing``)."""
+    if zero_stage not in (0, 1):
+        raise ValueError(f"pipelined plans take zero_stage 0 or 1, got {zero_stage!r}: the schedule accumulates "
+                         f"each gradient over the micro-batches before the once-per-step data-parallel sum, so "
+                         f"ZeRO-2 has no per-micro-batch gradient to reduce-scatter")
 
 
 def schedules_for(schedule: str) -> tuple[str, ...]:
@@ -541,7 +551,7 @@ def search_stages(traced: TracedGraph, profile, *, mesh: MeshSpec, options, num_
     ``window``: stages hold between ``B / K - window`` and ``B / K + window`` blocks (None: any
     count; deep models on many stages: fewer range shapes to solve). ``costs``: stage costs of
     ``traced`` on this mesh's stage sub-mesh already built (benchmarks share them and their memo
-    across schedules; built with ``zero_stage=0`` and no checkpoint, as here). ``bound``: the best
+    across schedules; built with ``options.zero_stage`` and no checkpoint, as here). ``bound``: the best
     step another configuration reached (``pipeline_bounds.in_bound_order``): a schedule whose
     ``step_floor`` is not below it is not searched, and stages that cannot beat it are not solved;
     ``plan`` is None when no schedule beats it."""
@@ -555,7 +565,8 @@ def search_stages(traced: TracedGraph, profile, *, mesh: MeshSpec, options, num_
     sub = stage_mesh_of(mesh)
     budget = options.budget_bytes(mesh)
     if costs is None:
-        stage_options = replace(options, zero_stage=0, checkpoint="none", pipeline=None)
+        check_pipeline_zero(options.zero_stage)
+        stage_options = replace(options, checkpoint="none", pipeline=None)
         built = build_problem(traced, profile, sub, budget_bytes=None, options=stage_options)
         solve = solve or (lambda p: solve_ilp(p, solver=options.solver, time_limit=options.time_limit))
         costs = StageCosts(traced, built, mesh=mesh, solve=solve)

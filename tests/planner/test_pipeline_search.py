@@ -198,7 +198,7 @@ def test_pipeline_n_must_match_the_first_axis():
     model, inputs = zoo.build("mlp", tiny=True, num_layers=2, batch=4, device="meta")
     with pytest.raises(ValueError, match=r"pipeline=4 runs over mesh axis 0, which has size 2 in mesh \(2, 2\)"):
         plan(model, inputs, mesh=(2, 2), pipeline=4)
-    with pytest.raises(ValueError, match="without activation recompute and ZeRO"):
+    with pytest.raises(ValueError, match="decide activation recompute per stage"):
         plan(model, inputs, mesh=(2, 2), pipeline=2, checkpoint="rotor")
 
 
@@ -252,6 +252,65 @@ def test_autoparallelize_pipeline_matches_single_device():
     results = run_local(body, 4, timeout=240)
     assert [r[0] for r in results] == [2] * 4
     flat = [e for _, errors in results for e in errors]
+    assert not flat, "\n".join(flat[:20])
+
+
+def test_zero1_is_priced_in_the_stages_and_refused_beyond():
+    """``zero_stage=1`` with a pipeline: each replicated parameter's optimizer state is split over
+    its stage's replicas (less memory per stage) and the step pays the all-gather; ZeRO-2 and
+    "auto" are refused with the reason."""
+    model, inputs = zoo.build("gpt2", tiny=True, num_layers=4, batch=8, device="meta")
+    mesh = MeshSpec.preset("cpu", (2, 2))
+    got = {z: plan_pipelined(model, inputs, mesh=mesh, options=PlanOptions(pipeline=2, microbatches=4, schedule="1f1b",
+                                                                           zero_stage=z)).plan for z in (0, 1)}
+    params = {z: [n for n in p.nodes if n.kind.value == "parameter"] for z, p in got.items()}
+    assert {n.zero_stage for n in params[0]} == {0} and 1 in {n.zero_stage for n in params[1]}
+    for k in range(2):
+        zero0, zero1 = (got[z].solver["pipeline"]["stages"][k] for z in (0, 1))
+        assert zero1["param_bytes"] < zero0["param_bytes"], k
+    for bad in (2, "auto"):
+        with pytest.raises(ValueError, match="zero_stage 0 or 1.*ZeRO-2 has no per-micro-batch gradient"):
+            plan(model, inputs, mesh=mesh, pipeline=2, microbatches=4, zero_stage=bad)
+
+
+@pytest.mark.slow  # 4 processes
+def test_autoparallelize_pipeline_zero1_adamw_matches_single_device():
+    """A pipelined plan priced with ZeRO-1 runs its optimizer with the plan's per-parameter
+    stages: three AdamW steps on 4 gloo ranks leave every parameter equal to single-device AdamW."""
+    import copy
+
+    import torch
+
+    from autopar.api import autoparallelize
+    from autopar.runtime.launch import run_local
+    from tests.runtime.test_pipeline import close, fast_mesh
+
+    torch.manual_seed(0)
+    model, inputs = zoo.build("mlp", tiny=True, num_layers=4, batch=8, device="cpu")
+    ref = copy.deepcopy(model)
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, eps=1e-5)
+    for _ in range(3):
+        ref(**inputs)[0].backward()
+        opt.step()
+        opt.zero_grad()
+    want = {k: p.detach().clone() for k, p in ref.named_parameters()}
+
+    def body(rank, world):
+        pm = autoparallelize(model, inputs, mesh=fast_mesh((2, 2)), pipeline=2, microbatches=4, schedule="1f1b",
+                             zero_stage=1, cache=False)
+        opt = pm.optimizer(torch.optim.AdamW, lr=1e-3, eps=1e-5)
+        for _ in range(3):
+            pm.step(**inputs)
+            opt.step()
+            opt.zero_grad()
+        stages = {n.zero_stage for n in pm.plan.nodes if n.kind.value == "parameter"}
+        got = pm.full_state_dict()
+        return stages, len(opt.pieces), [e for k, w in want.items() for e in close(f"param {k}", got.get(k), w)]
+
+    results = run_local(body, 4, timeout=240)
+    assert all(1 in stages for stages, _, _ in results), [r[0] for r in results]
+    assert all(pieces > 0 for _, pieces, _ in results)
+    flat = [e for _, _, errors in results for e in errors]
     assert not flat, "\n".join(flat[:20])
 
 
