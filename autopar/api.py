@@ -454,7 +454,7 @@ def _build_pipelined(model, meta_inputs, plan: Plan, *, spec: MeshSpec | None, d
     a failure on any rank fails every rank."""
     import torch.distributed as dist
 
-    from autopar.planner.pipeline_stages import micro_inputs
+    from autopar.planner.pipeline_stages import PIPELINE_CASTS, micro_inputs
     from autopar.runtime.pipeline import build_pipeline
     from autopar.strategies import needs_decomposition
     from autopar.tracer import trace
@@ -466,7 +466,7 @@ def _build_pipelined(model, meta_inputs, plan: Plan, *, spec: MeshSpec | None, d
             raise ValueError(f"the pipelined plan is for mesh {plan.mesh.shape}; this launch has "
                              f"{dist.get_world_size()} ranks" + (f" and mesh {spec.shape}" if spec is not None else ""))
         micro = trace(model, micro_inputs(meta_inputs, plan.pipeline.num_microbatches),
-                      decompose_if=needs_decomposition, precision=plan.precision)
+                      decompose_if=needs_decomposition, precision=plan.precision, param_casts=PIPELINE_CASTS)
         built: Any = build_pipeline(model, micro, plan, device=device, seed=seed, init_weights=init_weights)
     except Exception as exc:  # noqa: BLE001 -- every rank learns of it below
         built = exc

@@ -42,7 +42,7 @@ def plan_pipelined(model: Any, meta_inputs: tuple | dict, *, mesh: MeshSpec | Se
     from autopar.planner.builder import build_problem
     from autopar.planner.pipeline_bounds import config_floors, in_bound_order
     from autopar.planner.pipeline_search import StageCosts, check_pipeline_zero, schedules_for, search_stages
-    from autopar.planner.pipeline_stages import batch_size, micro_inputs, microbatch_counts
+    from autopar.planner.pipeline_stages import PIPELINE_CASTS, batch_size, micro_inputs, microbatch_counts
     from autopar.plans import stage_mesh_of
     from autopar.solver.driver import solve as solve_ilp
     from autopar.strategies import needs_decomposition
@@ -69,7 +69,7 @@ def plan_pipelined(model: Any, meta_inputs: tuple | dict, *, mesh: MeshSpec | Se
     for m in microbatch_counts(batch_size(meta_inputs), num_stages=stages, asked=options.microbatches):
         with progress.stage("trace", f"micro-batch graph, {m} micro-batches"):
             traced = trace(model, micro_inputs(meta_inputs, m), decompose_if=needs_decomposition,
-                           precision=options.precision)
+                           precision=options.precision, param_casts=PIPELINE_CASTS)
         with progress.stage("profile"):
             prof = profile_graph(traced)
         with progress.stage("pipeline floors", f"{m} micro-batches"):

@@ -59,6 +59,7 @@ from autopar.planner.options import PlanOptions
 from autopar.planner.pipeline_bounds import config_floors, in_bound_order
 from autopar.planner.pipeline_schedule import SCHEDULE_VIRTUAL_STAGES
 from autopar.planner.pipeline_search import StageCosts, schedule_cuts, search_stages
+from autopar.planner.pipeline_stages import PIPELINE_CASTS
 from autopar.plans import stage_mesh_of
 from autopar.solver.driver import solve as solve_ilp
 from autopar.strategies import needs_decomposition
@@ -163,7 +164,8 @@ def _autopar_case(name, n, todo, model, seq, batch, options, args) -> dict:
     floors: dict[tuple[int, int, int], float] = {}
     for size in sorted({batch // m for _, _, m in todo}):  # one trace per micro-batch size
         ids = torch.zeros((size, seq), dtype=torch.long, device="meta")
-        traced = trace(model, {"input_ids": ids, "labels": ids}, decompose_if=needs_decomposition, precision="bf16")
+        traced = trace(model, {"input_ids": ids, "labels": ids}, decompose_if=needs_decomposition, precision="bf16",
+                       param_casts=PIPELINE_CASTS)
         prof = profile(traced)
         for pp, tp, m in (c for c in todo if batch // c[2] == size):
             mesh = MeshSpec.cluster(nodes=n // 8, devices_per_node=8, shape=(pp, n // (pp * tp), tp))

@@ -36,7 +36,14 @@ from autopar.layout.mesh import MeshSpec, default_axis_names, parse_mesh_shape
 from autopar.plans import PIPELINE_SCHEDULES, PipelinePlan, Plan, StagePlan, stage_mesh_of
 from autopar.tracer.graph import MODULE_KEY, TracedGraph
 
-__all__ = ["even_stages", "pipeline_plan", "block_container", "batch_size", "micro_inputs", "microbatch_counts"]
+__all__ = ["even_stages", "pipeline_plan", "block_container", "batch_size", "micro_inputs", "microbatch_counts",
+           "PIPELINE_CASTS"]
+
+# How a pipeline's micro-batch graph casts weights under bf16/fp16 (``autopar.tracer.precision``):
+# one cast per reading module, so a tied weight is cast on each stage holding it rather than
+# its first stage's low-precision copy sent through every stage per micro-batch. The planner and
+# every rank's build trace alike, or the plan's node names would not match.
+PIPELINE_CASTS = "per_module"
 
 
 def block_container(traced: TracedGraph) -> tuple[str, int] | None:

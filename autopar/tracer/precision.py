@@ -3,7 +3,7 @@
 The policy is what ``model.to(bf16)`` computes, with fp32 master weights:
 
 - every fp32 parameter gets ONE cast node (``aten._to_copy(w, dtype=low)``) just before its first
-  use; all its uses read the cast. The planner lays the cast out like any op, so a sharded weight
+  use; all its uses read the cast (pipelines: one per reading module, ``param_casts``). The planner lays the cast out like any op, so a sharded weight
   is cast on its shard *before* a gather and collectives move 2-byte data. Its backward hands an
   fp32 gradient to the master weight. Float inputs are cast the same way;
 - casts that were no-ops in the fp32 trace stand for an explicit upcast (``x.to(torch.float32)``
@@ -74,8 +74,14 @@ def compute_dtype(precision: str) -> torch.dtype:
     return PRECISIONS[precision]
 
 
-def apply_precision(traced: TracedGraph, precision: str) -> TracedGraph:
-    """Rewrite ``traced`` (in place) to compute in ``precision``; ``"fp32"`` leaves it as it is."""
+def apply_precision(traced: TracedGraph, precision: str, *, param_casts: str = "shared") -> TracedGraph:
+    """Rewrite ``traced`` (in place) to compute in ``precision``; ``"fp32"`` leaves it as it is.
+    ``param_casts``: ``"shared"``, one cast per parameter read by all its users; ``"per_module"``,
+    one per module reading it (a tied weight read by the embedding and the LM head gets two: a
+    pipeline then casts it on each stage that holds the weight instead of sending the first
+    stage's bf16 copy through every stage per micro-batch)."""
+    if param_casts not in ("shared", "per_module"):
+        raise ValueError(f"param_casts must be 'shared' or 'per_module', got {param_casts!r}")
     low = compute_dtype(precision)
     if low == torch.float32 or traced.precision == precision:
         return traced
@@ -88,7 +94,7 @@ def apply_precision(traced: TracedGraph, precision: str) -> TracedGraph:
     if fake_mode is None:
         raise ValueError(f"{traced.model_name}: the traced graph has no fake values to re-type")
     with traced.rewriting():
-        rewriter = _Rewriter(gm, low, fake_mode)
+        rewriter = _Rewriter(gm, low, fake_mode, per_module=param_casts == "per_module")
         rewriter.cast_placeholders()
         rewriter.run()
         gm.graph.lint()
@@ -98,8 +104,9 @@ def apply_precision(traced: TracedGraph, precision: str) -> TracedGraph:
 
 
 class _Rewriter:
-    def __init__(self, gm: fx.GraphModule, low: torch.dtype, fake_mode) -> None:
+    def __init__(self, gm: fx.GraphModule, low: torch.dtype, fake_mode, *, per_module: bool = False) -> None:
         self.gm, self.graph, self.low, self.fake_mode = gm, gm.graph, low, fake_mode
+        self.per_module = per_module
         self.param_casts: set[fx.Node] = set()
         self.upcast: set[fx.Node] = set()  # fp32 values computed from an explicit upcast of a 2-byte one
         # Each node's dtype in the fp32 trace (a cast this pass adds: its source's).
@@ -117,20 +124,27 @@ class _Rewriter:
             val = node.meta.get("val")
             if ph is None or ph.kind not in (PARAMETER, INPUT) or not _is_fp32(val) or _weight_of_mixed_ops(node):
                 continue
-            first = min(node.users, key=order.__getitem__)
-            if first.op == "output":
+            users = sorted((u for u in node.users if u.op != "output"), key=order.__getitem__)
+            if not users:
                 continue  # returned as it is: nothing computes with it
-            with self.graph.inserting_before(first):
-                cast = self.graph.call_function(aten._to_copy.default, (node,), {"dtype": self.low})
-            node.replace_all_uses_with(cast, delete_user_cb=lambda user: user is not cast and user.op != "output")
-            self.traced_dtype[cast] = torch.float32
-            module = ph.fqn.rpartition(".")[0] if ph.kind == PARAMETER else first.meta.get(MODULE_KEY, "")
-            cast.meta[MODULE_KEY] = module
-            if ph.kind == PARAMETER:
-                cast.meta[PARAM_CAST_KEY] = node.name
-                self.param_casts.add(cast)
-            # Placed before ``first`` but after the placeholders: order is recomputed lazily.
-            order[cast] = order[first] - 0.5
+            groups: dict[str, list[fx.Node]] = {}
+            for user in users:  # one group, or one per reading module (``per_module``)
+                key = user.meta.get(MODULE_KEY, "") if self.per_module and ph.kind == PARAMETER else ""
+                groups.setdefault(key, []).append(user)
+            for group in groups.values():
+                first = group[0]
+                with self.graph.inserting_before(first):
+                    cast = self.graph.call_function(aten._to_copy.default, (node,), {"dtype": self.low})
+                members = set(group)
+                node.replace_all_uses_with(cast, delete_user_cb=members.__contains__)
+                self.traced_dtype[cast] = torch.float32
+                module = ph.fqn.rpartition(".")[0] if ph.kind == PARAMETER else first.meta.get(MODULE_KEY, "")
+                cast.meta[MODULE_KEY] = module
+                if ph.kind == PARAMETER:
+                    cast.meta[PARAM_CAST_KEY] = node.name
+                    self.param_casts.add(cast)
+                # Placed before ``first`` but after the placeholders: order is recomputed lazily.
+                order[cast] = order[first] - 0.5
 
     # ---------------------------------------------------------------------------- the walk
     def run(self) -> None:

@@ -77,7 +77,7 @@ class TraceError(RuntimeError):
 
 def trace(model: nn.Module, meta_inputs: tuple | dict, *, name: str | None = None,
           stack_traces: bool = False, decompose_if: Callable[[Any], bool] | None = None,
-          precision: str = "fp32", by_blocks: bool = True) -> TracedGraph:
+          precision: str = "fp32", by_blocks: bool = True, param_casts: str = "shared") -> TracedGraph:
     """Trace ``model``'s forward on ``meta_inputs`` (positional tuple or keyword dict).
 
     Tensors may be real, meta or fake; they are replaced by fake tensors of the same shape,
@@ -90,7 +90,8 @@ def trace(model: nn.Module, meta_inputs: tuple | dict, *, name: str | None = Non
     ``decompose_if(op)``: ops to replace by their PyTorch decompositions after export (the
     planner passes ``autopar.strategies.needs_decomposition``); ``TracedGraph.decomposed``
     records what each became. ``precision``: ``"bf16"``/``"fp16"`` rewrite the graph to compute
-    in that dtype with fp32 master weights (``autopar.tracer.precision``).
+    in that dtype with fp32 master weights (``autopar.tracer.precision``; ``param_casts``: one
+    cast per parameter, or ``"per_module"``, one per reading module, as pipelines trace).
     ``by_blocks``: a model looping over one ``nn.ModuleList`` of identical blocks is exported
     with four of them and expanded to the same graph (``autopar.tracer.unroll``: tracing time
     does not grow with depth); False, or a model it does not recognise, exports every block.
@@ -131,7 +132,7 @@ def trace(model: nn.Module, meta_inputs: tuple | dict, *, name: str | None = Non
             traced = export_and_build(model)
         if decompose_if is not None:  # the planner's "no rule, but a decomposition" (tracer/decompose.py)
             traced.decompose(decompose_if)
-        return apply_precision(traced, precision)
+        return apply_precision(traced, precision, param_casts=param_casts)
 
 
 # ---- inputs ------------------------------------------------------------------------------------

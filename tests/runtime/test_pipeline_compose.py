@@ -30,11 +30,12 @@ from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, se
 from autopar import zoo
 from autopar.api import plan_traced
 from autopar.planner.options import PlanOptions
-from autopar.planner.pipeline_stages import pipeline_plan
+from autopar.planner.pipeline_stages import PIPELINE_CASTS, pipeline_plan
 from autopar.plans import stage_mesh_of
 from autopar.runtime.dtensors import local_of
 from autopar.runtime.launch import run_local
 from autopar.runtime.pipeline import build_pipeline
+from autopar.runtime.pipeline_split import split_stages, stage_of_nodes
 from autopar.strategies import needs_decomposition
 from autopar.tracer import profile, trace
 from tests.runtime.test_pipeline import close, fast_mesh, warm_strategy_cache
@@ -45,7 +46,8 @@ LR, EPS, STEPS, MICRO, NUM_MICRO, MAX_NORM = 1e-3, 1e-5, 3, 2, 4, 0.05
 
 
 def _plan(model, micro, precision: str):
-    traced = trace(model, micro, decompose_if=needs_decomposition, precision=precision)
+    # Traced as the API traces a pipeline: a tied weight gets one cast per reading module.
+    traced = trace(model, micro, decompose_if=needs_decomposition, precision=precision, param_casts=PIPELINE_CASTS)
     mesh = fast_mesh((2, 2))
     sub = plan_traced(traced, profile(traced), mesh=stage_mesh_of(mesh), options=PlanOptions(precision=precision)).plan
     plan = pipeline_plan(sub, traced, mesh=mesh, num_stages=2, num_microbatches=NUM_MICRO, schedule="1f1b")
@@ -153,6 +155,13 @@ def test_pipeline_composes_with_bf16_zero1_dcp_and_clipping(tmp_path):
     refs = {"autocast": _autocast_losses(model, batch), "clip": _clip_reference(model, batch)}
     assert refs["clip"]["norm"] > 2 * MAX_NORM  # the clip really clips
     fp32, bf16 = _plan(model, micro, "fp32"), _plan(model, micro, "bf16")
+    # The tied wte is cast on each stage holding it: no bf16 copy crosses the cut.
+    traced, plan = bf16
+    wte = next(p.name for p in traced.placeholders if p.fqn == "transformer.wte.weight")
+    casts = [u.name for u in traced.node(wte).users if u.target is torch.ops.aten._to_copy.default]
+    stage_of = stage_of_nodes(traced, plan.pipeline)
+    assert sorted(stage_of[c] for c in casts) == [0, 1]
+    assert not set(casts) & {v for st in split_stages(traced, plan.pipeline) for v in st.inputs}
     errors = run_local(_body, 4, model, fp32, bf16, batch, refs, str(tmp_path / "ckpt"), timeout=240)
     flat = [e for rank_errors in errors for e in rank_errors]
     assert not flat, "\n".join(flat[:20])

@@ -156,3 +156,38 @@ def test_explicit_upcasts_keep_their_fp32_region_and_come_back_down():
     loss.backward()
     assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
     model.zero_grad(set_to_none=True)
+
+
+def test_per_module_casts_give_a_tied_weight_one_cast_per_reader():
+    """``param_casts="per_module"`` (how pipelines trace): GPT-2's tied ``wte``, read by the
+    embedding and the LM head, gets two casts, each before its own reader; every other weight
+    keeps one; the graph computes the same values as with one shared cast."""
+    torch.manual_seed(0)
+    model, inputs = zoo.build("gpt2", tiny=True, num_layers=2, batch=2, device="cpu")
+    graphs = {c: trace(model, inputs, precision="bf16", param_casts=c) for c in ("shared", "per_module")}
+    for casts, traced in graphs.items():
+        counts = {p.fqn: sum(1 for u in traced.node(p.name).users if u.meta.get(PARAM_CAST_KEY) == p.name)
+                  for p in traced.placeholders if p.kind == "parameter"}
+        want_wte = 2 if casts == "per_module" else 1
+        assert counts.pop("transformer.wte.weight") == want_wte, casts
+        assert set(counts.values()) <= {0, 1}, (casts, counts)
+    wte = next(p.name for p in graphs["per_module"].placeholders if p.fqn == "transformer.wte.weight")
+    readers = [{u.meta.get("autopar_module") or "" for u in cast.users}
+               for cast in graphs["per_module"].node(wte).users]
+    assert len(readers) == 2 and all(len(r) == 1 for r in readers) and readers[0] != readers[1]
+    losses, grads = {}, {}
+    for c, g in graphs.items():
+        losses[c] = _loss(g, g.gm(*g.bind(model, inputs)))
+        losses[c].backward()
+        grads[c] = {k: p.grad.clone() for k, p in model.named_parameters()}
+        model.zero_grad(set_to_none=True)
+    assert torch.equal(losses["shared"], losses["per_module"])
+    for k, want in grads["shared"].items():
+        if k != "transformer.wte.weight":
+            assert torch.equal(grads["per_module"][k], want), k
+    # The tied gradient's two halves are summed in fp32 (after each cast's backward), not in bf16
+    # before one: equal to bf16 rounding.
+    torch.testing.assert_close(grads["per_module"]["transformer.wte.weight"], grads["shared"]["transformer.wte.weight"],
+                               rtol=1e-2, atol=1e-3)
+    with pytest.raises(ValueError, match="param_casts must be 'shared' or 'per_module', got 'each'"):
+        trace(model, inputs, precision="bf16", param_casts="each")
