@@ -27,6 +27,13 @@ So autopar searches a superset of each Megatron configuration, up to ILP gaps an
 memo heuristics both sides share. Not priced (both sides alike): ZeRO. The micro-batch graph is
 traced once per (model, micro-batch size B / M) and shared by every configuration using it.
 
+autopar's search of a case is branch and bound over its configurations
+(``autopar.planner.pipeline_bounds``): every configuration's step floor first (one small ILP per
+block class), then the configurations lowest floor first, each bounded by the best step so far;
+one whose floor cannot beat it is not searched (its row says "pruned" with its floor, and the
+per-configuration check then asks that Megatron's step there is at least that floor: Megatron's
+plan lies in autopar's space). ``--exhaustive`` searches every configuration.
+
 GPT-3's head is untied (``--tie`` restores it): autopar's pipeline runtime sends a value made on
 one stage and read on a later one through every stage between, and a tied head's bf16 weight
 copy (1.2 GB) is such a value -- per micro-batch, both ways. Priced so for both sides it would
@@ -34,7 +41,8 @@ dominate every stage (Megatron keeps a second copy on the last stage and all-red
 once per step instead), so the benchmark compares the untied shape.
 
 Reported per case: the best plan of each side, the speed-up (Megatron's best / autopar's best),
-autopar's planning seconds for the case (its traces + every (PP, TP, M) search), and at the end
+autopar's planning seconds for the case (its traces, builds, floors and searches, each also
+printed on a "#" line), and at the end
 the mean, min and max speed-up. ``--quick``: 8-layer shapes on 64 devices, sequence 1024, PP 2/4,
 b = 1. One JSON line per configuration with ``--jsonl``.
 """
@@ -162,18 +170,30 @@ def _autopar_case(name, n, todo, model, seq, batch, options, args) -> dict:
     not searched (``--exhaustive``: every one is). Returns (PP, TP, M) -> (its row, its StageCosts)."""
     staged: dict[tuple[int, int, int], StageCosts] = {}
     floors: dict[tuple[int, int, int], float] = {}
+    spent = dict.fromkeys(("trace", "build", "floors", "search"), 0.0)
+    clock = time.perf_counter()
+
+    def lap(phase):
+        nonlocal clock
+        now = time.perf_counter()
+        spent[phase] += now - clock
+        clock = now
+
     for size in sorted({batch // m for _, _, m in todo}):  # one trace per micro-batch size
         ids = torch.zeros((size, seq), dtype=torch.long, device="meta")
         traced = trace(model, {"input_ids": ids, "labels": ids}, decompose_if=needs_decomposition, precision="bf16",
                        param_casts=PIPELINE_CASTS)
         prof = profile(traced)
+        lap("trace")
         for pp, tp, m in (c for c in todo if batch // c[2] == size):
             mesh = MeshSpec.cluster(nodes=n // 8, devices_per_node=8, shape=(pp, n // (pp * tp), tp))
             built = build_problem(traced, prof, stage_mesh_of(mesh), budget_bytes=None,
                                   options=replace(options, zero_stage=0, checkpoint="none", pipeline=None))
             staged[pp, tp, m] = costs = StageCosts(traced, built, mesh=mesh, solve=_solver(options))
+            lap("build")
             floors[pp, tp, m] = min(config_floors(costs, schedules=args.schedules, num_stages=pp, num_microbatches=m,
                                                   window=args.window).values())
+            lap("floors")
     out: dict[tuple[int, int, int], tuple[Row, StageCosts]] = {}
 
     def search(cfg, incumbent):
@@ -197,6 +217,8 @@ def _autopar_case(name, n, todo, model, seq, batch, options, args) -> dict:
 
     in_bound_order({c: (-math.inf if args.exhaustive else f) for c, f in floors.items()}, search,
                    step_of=lambda r: r.step_s, skipped=skipped)
+    lap("search")
+    print(f"# {name} on {n} devices: " + ", ".join(f"{k} {v:.1f} s" for k, v in spent.items()), flush=True)
     return dict(sorted(out.items(), key=lambda kv: floors[kv[0]]))
 
 
