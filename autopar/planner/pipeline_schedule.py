@@ -47,12 +47,30 @@ from typing import Callable
 
 from autopar.plans import PIPELINE_SCHEDULES
 
-__all__ = ["SCHEDULE_VIRTUAL_STAGES", "bubble", "step_factor", "in_flight", "step_time", "Cuts", "best_cuts", "LazyCuts",
+__all__ = ["SCHEDULE_VIRTUAL_STAGES", "schedules_for", "check_pipeline_zero", "bubble", "step_factor", "in_flight", "step_time", "Cuts", "best_cuts", "LazyCuts",
            "PipelineCandidate", "schedule_cuts"]
 
 # Virtual stages per rank each schedule is planned with (the runtime's torch schedules run
 # gpipe/1f1b with one stage per rank; the interleaved ones with two or more).
 SCHEDULE_VIRTUAL_STAGES = {"gpipe": 1, "1f1b": 1, "interleaved-1f1b": 2, "zero-bubble": 2}
+
+
+def check_pipeline_zero(zero_stage) -> None:
+    """Pipelined stages are planned (and run) with ZeRO-0 or ZeRO-1 per parameter over the stage
+    sub-mesh: ``zero_stage=1`` prices each replicated parameter's optimizer state split over its
+    replicas plus the all-gather after the step (``autopar.planner.zero_pricing``)."""
+    if zero_stage not in (0, 1):
+        raise ValueError(f"pipelined plans take zero_stage 0 or 1, got {zero_stage!r}: the schedule accumulates "
+                         f"each gradient over the micro-batches before the once-per-step data-parallel sum, so "
+                         f"ZeRO-2 has no per-micro-batch gradient to reduce-scatter")
+
+
+def schedules_for(schedule: str) -> tuple[str, ...]:
+    if schedule == "auto":
+        return PIPELINE_SCHEDULES
+    if schedule not in PIPELINE_SCHEDULES:
+        raise ValueError(f"schedule must be 'auto' or one of {PIPELINE_SCHEDULES}, got {schedule!r}")
+    return (schedule,)
 
 
 def _check(schedule: str) -> None:

@@ -51,7 +51,8 @@ import numpy as np
 from autopar.layout.blocks import block_of, split_block
 from autopar.layout.mesh import MeshSpec
 from autopar.planner.pipeline_bounds import config_floors
-from autopar.planner.pipeline_schedule import SCHEDULE_VIRTUAL_STAGES, PipelineCandidate, schedule_cuts
+from autopar.planner.pipeline_schedule import (SCHEDULE_VIRTUAL_STAGES, PipelineCandidate, check_pipeline_zero,
+                                               schedule_cuts, schedules_for)
 from autopar.planner.pipeline_assembly import assemble_pipelined
 from autopar.planner.pipeline_stages import block_container
 from autopar.plans import (PIPELINE_SCHEDULES, NodeKind, Plan, StagePlan, stage_mesh_of)
@@ -100,24 +101,6 @@ class PipelineSearch:
     plan: Plan | None  # the fastest candidate's plan (None: none fits)
     candidates: tuple[PipelineCandidate, ...]
     num_solves: int
-
-
-def check_pipeline_zero(zero_stage) -> None:
-    """Pipelined stages are planned (and run) with ZeRO-0 or ZeRO-1 per parameter over the stage
-    sub-mesh: ``zero_stage=1`` prices each replicated parameter's optimizer state split over its
-    replicas plus the all-gather after the step (``autopar.planner.zero_pricing``)."""
-    if zero_stage not in (0, 1):
-        raise ValueError(f"pipelined plans take zero_stage 0 or 1, got {zero_stage!r}: the schedule accumulates "
-                         f"each gradient over the micro-batches before the once-per-step data-parallel sum, so "
-                         f"ZeRO-2 has no per-micro-batch gradient to reduce-scatter")
-
-
-def schedules_for(schedule: str) -> tuple[str, ...]:
-    if schedule == "auto":
-        return PIPELINE_SCHEDULES
-    if schedule not in PIPELINE_SCHEDULES:
-        raise ValueError(f"schedule must be 'auto' or one of {PIPELINE_SCHEDULES}, got {schedule!r}")
-    return (schedule,)
 
 
 class StageCosts:
