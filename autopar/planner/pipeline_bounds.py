@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Callable, Hashable, TypeVar
 
 from autopar.planner.pipeline_schedule import SCHEDULE_VIRTUAL_STAGES, best_cuts, step_factor
 from autopar.plans import NodeKind
+from autopar.solver.driver import SolveTimeout
 
 if TYPE_CHECKING:
     from autopar.planner.pipeline_search import StageCosts
@@ -58,8 +59,12 @@ def block_floor(costs: StageCosts, j: int, *, factor: float) -> float:
         free = tuple(replace(n, options=tuple(replace(o, compute_s=0.0, comm_s=0.0) for o in n.options))
                      if _shared(costs, n.name) else n for n in problem.nodes)
         costs.num_solves += 1
-        sol = costs._solve(replace(problem, nodes=free))
-        memo[key] = max(0.0, min(sol.objective, sol.dual_bound if sol.dual_bound is not None else sol.objective))
+        try:
+            sol = costs._solve(replace(problem, nodes=free))
+        except SolveTimeout:  # no plan within the time limit: no bound either (0 is one)
+            memo[key] = 0.0
+        else:
+            memo[key] = max(0.0, min(sol.objective, sol.dual_bound if sol.dual_bound is not None else sol.objective))
     return memo[key]
 
 
