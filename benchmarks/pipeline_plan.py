@@ -1,7 +1,7 @@
 """Offline pipeline planning: autopar's joint stage + sharding plan against Megatron-style 3-D
 configurations priced in the same cost model (issue 15).
 
-Cases: each model shape (Llama-70B, 80 layers; GPT-3-175B, 96 layers, its LM head untied: see
+Cases: each model shape (Llama-70B, 80 layers; GPT-3-175B, 96 layers, its LM head tied: see
 below) on each device count N (``MeshSpec.cluster``, 8 H100 80 GB per node; 64, 256, 1024).
 
 Global batch: weak scaling, as Megatron-LM reports its runs -- ``--batch-per-device`` (1)
@@ -34,11 +34,12 @@ one whose floor cannot beat it is not searched (its row says "pruned" with its f
 per-configuration check then asks that Megatron's step there is at least that floor: Megatron's
 plan lies in autopar's space). ``--exhaustive`` searches every configuration.
 
-GPT-3's head is untied (``--tie`` restores it): autopar's pipeline runtime sends a value made on
-one stage and read on a later one through every stage between, and a tied head's bf16 weight
-copy (1.2 GB) is such a value -- per micro-batch, both ways. Priced so for both sides it would
-dominate every stage (Megatron keeps a second copy on the last stage and all-reduces its gradient
-once per step instead), so the benchmark compares the untied shape.
+GPT-3's LM head is tied to its embedding, as GPT-2's and Megatron's GPT (``--untie`` unties
+it). Pipelines trace a tied weight with one bf16 cast per reading module
+(``PIPELINE_CASTS``): the first and last stages each hold the fp32 weight and cast it, as
+Megatron keeps a copy on the last stage; nothing of it crosses the cuts. (Before, one cast on
+the first stage sent its 1.2 GB bf16 copy through every stage per micro-batch, so this
+benchmark compared an untied head.)
 
 Reported per case: the best plan of each side, the speed-up (Megatron's best / autopar's best),
 autopar's planning seconds for the case (its traces, builds, floors and searches, each also
@@ -75,7 +76,7 @@ from autopar.tracer import profile, trace
 
 
 
-def build_model(name: str, *, layers: int | None, tie: bool = False):
+def build_model(name: str, *, layers: int | None, tie: bool = True):
     from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
     with torch.device("meta"):
@@ -143,7 +144,7 @@ def run(args) -> tuple[list[Row], dict]:
     plan_s: dict[tuple[str, int], float] = {}
     options = PlanOptions(precision="bf16", preset="h100-80gb", time_limit=args.time_limit)
     for name in args.models:
-        model, seq = build_model(name, layers=args.layers, tie=args.tie)
+        model, seq = build_model(name, layers=args.layers, tie=not args.untie)
         seq = args.seq or seq
         for n in args.devices:
             batch = args.batch_per_device * n
@@ -301,7 +302,7 @@ def main(argv=None) -> int:
     p.add_argument("--schedules", nargs="+", default=["1f1b", "interleaved-1f1b"])
     p.add_argument("--batch-per-device", type=int, default=1,
                    help="global batch B = this x the device count (sequences; weak scaling)")
-    p.add_argument("--tie", action="store_true", help="GPT-3 with its LM head tied to the embedding")
+    p.add_argument("--untie", action="store_true", help="GPT-3 with its LM head untied from the embedding")
     p.add_argument("--seq", type=int, help="sequence length (default: the model's)")
     p.add_argument("--layers", type=int, help="override the depth (default: the full model)")
     p.add_argument("--window", type=int, default=2, help="stage lengths within this many blocks of even")

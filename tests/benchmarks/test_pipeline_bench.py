@@ -79,3 +79,26 @@ def test_pipeline_plan_runs_one_configuration_and_autopar_is_not_slower(tmp_path
     assert rows[0]["step_s"] <= rows[1]["step_s"] * (1 + 1e-3)
     printed = capsys.readouterr().out
     assert "speed-up over the best Megatron-style configuration" in printed and "SLOWER" not in printed
+
+
+def test_pipeline_plan_prunes_configurations_by_their_floors(tmp_path):
+    """Configurations are searched lowest floor first; one whose floor cannot beat the best step
+    is reported as pruned (no step), and ``--exhaustive`` finds the same best step."""
+    bench = _load_plan_bench()
+    args = ["--models", "gpt3-175b", "--layers", "4", "--devices", "64", "--pp", "2", "4", "--tp", "2", "8",
+            "--micro-sizes", "1", "--seq", "128", "--schedules", "1f1b"]
+    runs = {}
+    for mode in ("pruned", "exhaustive"):
+        out = tmp_path / f"{mode}.jsonl"
+        assert bench.main(args + ["--jsonl", str(out)] + (["--exhaustive"] if mode == "exhaustive" else [])) == 0
+        runs[mode] = [r for r in map(json.loads, out.read_text().splitlines()) if r["who"] == "autopar"]
+    for mode, rows in runs.items():
+        assert len(rows) == 4 and all(r["floor"] is not None and r["floor"] > 0 for r in rows), mode
+        for r in rows:
+            if r["step_s"] is not None:
+                assert r["floor"] <= r["step_s"] * (1 + 1e-9), r
+    best = {mode: min(r["step_s"] for r in rows if r["step_s"] is not None) for mode, rows in runs.items()}
+    assert best["pruned"] == pytest.approx(best["exhaustive"], rel=1e-9)
+    pruned = [r for r in runs["pruned"] if r["note"].startswith("pruned")]
+    assert pruned and all(r["step_s"] is None and r["floor"] >= best["pruned"] for r in pruned)
+    assert not any(r["note"].startswith("pruned") for r in runs["exhaustive"])
