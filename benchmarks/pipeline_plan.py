@@ -118,6 +118,7 @@ class Row:
     recompute: str = ""
     note: str = ""
     floor: float | None = None  # autopar's step floor for the configuration (pipeline_bounds)
+    bound: float | None = None  # the best step of the case when this configuration was searched
 
 
 def _solver(options):
@@ -209,7 +210,8 @@ def _autopar_case(name, n, todo, model, seq, batch, options, args) -> dict:
                                                for st in best.solver["pipeline"]["stages"])
         out[cfg] = (Row(name, n, pp, tp, m, "autopar", None if best is None else best.estimate.step_s,
                         "" if best is None else best.pipeline.schedule, time.perf_counter() - t0, rec,
-                        "; ".join(str(c) for c in found.candidates), floor=floors[cfg]), costs)
+                        "; ".join(str(c) for c in found.candidates), floor=floors[cfg],
+                        bound=None if incumbent == math.inf else incumbent), costs)
         return out[cfg][0]
 
     def skipped(cfg, floor, incumbent):
@@ -282,10 +284,14 @@ def slower(rows: list[Row]) -> list[str]:
         for a, b in zip(mine, theirs):
             if b.step_s is None:
                 continue
+            # Megatron's plan lies in autopar's space: at least autopar's floor there, and at least
+            # the bound a search found no plan under ("no cut beats"): else autopar missed it.
             if a.note.startswith("pruned"):
-                # Not searched: Megatron's plan lies in autopar's space, so it is at least the floor.
                 if a.floor is not None and b.step_s < a.floor * (1 - 1e-3):
                     out.append(f"{key}: megatron {b.step_s} below autopar's floor {a.floor} (an invalid floor)")
+            elif a.step_s is None and a.bound is not None:
+                if b.step_s < a.bound * (1 - 1e-3):
+                    out.append(f"{key}: megatron {b.step_s} beats the bound {a.bound} autopar found no plan under")
             elif a.step_s is None or a.step_s > b.step_s * (1 + 1e-3):
                 out.append(f"{key}: autopar {a.step_s}, megatron {b.step_s}")
     return out
