@@ -126,12 +126,13 @@ def in_bound_order(bounds: dict[K, float], search: Callable[[K, float], R], *,
                    skipped: Callable[[K, float, float], None] | None = None) -> dict[K, R]:
     """Run ``search(key, incumbent)`` over ``bounds``' keys, lowest bound first, skipping a key
     (``skipped(key, its bound, the incumbent)``) once its bound is not below the best step found
-    (``step_of(result)``; None: no plan). ``incumbent`` is ``math.inf`` until a plan is found.
+    (``step_of(result)``; None: no plan). ``incumbent`` is ``math.inf`` until a plan is found;
+    until then every key is searched, an infinite bound too (its search says why it has no plan).
     Returns the results of the keys searched."""
     best = math.inf
     out: dict[K, R] = {}
     for key in sorted(bounds, key=lambda k: bounds[k]):
-        if bounds[key] >= best:
+        if best < math.inf and bounds[key] >= best:  # (an infinite bound is searched to say why)
             if skipped is not None:
                 skipped(key, bounds[key], best)
             continue

@@ -97,6 +97,10 @@ def test_in_bound_order_skips_only_what_cannot_win():
     assert seen == [("c", math.inf), ("b", math.inf), ("e", 3.0)]
     assert sorted(skipped) == [("a", 4.0, 3.0), ("d", 3.2, 3.0)]
     assert min(s for s in out.values() if s is not None) == min(s for s in steps.values() if s is not None)
+    # No plan yet: an infinite bound (too few blocks for the stages) is searched, to say why.
+    tried = []
+    out = in_bound_order({"x": math.inf, "y": math.inf}, lambda k, inc: tried.append(k), step_of=lambda s: None)
+    assert sorted(tried) == ["x", "y"] and set(out) == {"x", "y"}
 
 
 def test_search_below_a_bound_returns_no_plan(traced_models):
