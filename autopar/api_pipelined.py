@@ -75,7 +75,8 @@ def plan_pipelined(model: Any, meta_inputs: tuple | dict, *, mesh: MeshSpec | Se
         with progress.stage("pipeline floors", f"{m} micro-batches"):
             built = build_problem(traced, prof, stage_mesh_of(spec), budget_bytes=None, options=stage_options)
             costs = StageCosts(traced, built, mesh=spec, solve=solve)
-            floors[m] = min(config_floors(costs, schedules=schedules, num_stages=stages, num_microbatches=m).values())
+            floors[m] = min(config_floors(costs, schedules=schedules, num_stages=stages, num_microbatches=m,
+                                          window="auto").values())
         staged[m] = (traced, costs)
     lines: list[str] = []
     found: dict[int, Any] = {}
@@ -84,7 +85,8 @@ def plan_pipelined(model: Any, meta_inputs: tuple | dict, *, mesh: MeshSpec | Se
         traced, costs = staged[m]
         with progress.stage("pipeline stages", f"{stages} stages, {m} micro-batches"):
             found[m] = search_stages(traced, None, mesh=spec, options=options, num_stages=stages, num_microbatches=m,
-                                     schedules=schedules, costs=costs, bound=None if incumbent == math.inf else incumbent)
+                                     schedules=schedules, costs=costs, window="auto",
+                                     bound=None if incumbent == math.inf else incumbent)
         return found[m]
 
     def skipped(m: int, floor: float, incumbent: float):

@@ -29,7 +29,7 @@ import math
 from dataclasses import replace
 from typing import TYPE_CHECKING, Callable, Hashable, TypeVar
 
-from autopar.planner.pipeline_schedule import SCHEDULE_VIRTUAL_STAGES, best_cuts, step_factor
+from autopar.planner.pipeline_schedule import SCHEDULE_VIRTUAL_STAGES, best_cuts, stage_window, step_factor
 from autopar.plans import NodeKind
 from autopar.solver.driver import SolveTimeout
 
@@ -83,7 +83,7 @@ def _block(costs: StageCosts, j: int) -> tuple[set[str], tuple]:
 
 
 def step_floor(costs: StageCosts, *, schedule: str, num_stages: int, num_microbatches: int,
-               window: int | None = None, floor_factor: float | None = None) -> float:
+               window: int | str | None = None, floor_factor: float | None = None) -> float:
     """A lower bound on the step of every plan ``search_stages`` can find for ``schedule`` with
     ``num_microbatches`` micro-batches over ``num_stages`` ranks (module docstring); ``window``
     as the search's. ``math.inf`` when the blocks cannot be cut into the schedule's stages.
@@ -102,6 +102,7 @@ def step_floor(costs: StageCosts, *, schedule: str, num_stages: int, num_microba
         sums.append(sums[-1] + block_floor(costs, j, factor=floor_factor or factor))
     costs.floor_sums[floor_factor or factor] = tuple(sums)  # tightens the search's own stage bounds
     even = costs.num_blocks / parts
+    window = stage_window(window, num_blocks=costs.num_blocks, parts=parts)
 
     def floor(k: int, a: int, b: int):
         if window is not None and abs((b - a) - even) > window:
@@ -113,7 +114,7 @@ def step_floor(costs: StageCosts, *, schedule: str, num_stages: int, num_microba
 
 
 def config_floors(costs: StageCosts, *, schedules: tuple[str, ...], num_stages: int, num_microbatches: int,
-                  window: int | None = None) -> dict[str, float]:
+                  window: int | str | None = None) -> dict[str, float]:
     """``step_floor`` of each schedule, from one set of block floors (at the largest factor)."""
     top = max(step_factor(s, num_stages=num_stages, virtual_stages=SCHEDULE_VIRTUAL_STAGES[s],
                           num_microbatches=num_microbatches) for s in schedules)

@@ -527,12 +527,12 @@ class StageCosts:
 
 def search_stages(traced: TracedGraph, profile, *, mesh: MeshSpec, options, num_stages: int, num_microbatches: int,
                   schedules: tuple[str, ...], progress=None, solve: Callable[[Problem], Solution] | None = None,
-                  window: int | None = None, costs: StageCosts | None = None,
+                  window: int | str | None = None, costs: StageCosts | None = None,
                   bound: float | None = None) -> PipelineSearch:
     """The fastest pipelined plan of the micro-batch graph ``traced`` over ``num_stages`` ranks on
     mesh axis 0 among ``schedules`` (module docstring). ``options``: a ``PlanOptions``.
     ``window``: stages hold between ``B / K - window`` and ``B / K + window`` blocks (None: any
-    count; deep models on many stages: fewer range shapes to solve). ``costs``: stage costs of
+    count; ``"auto"``: ``pipeline_schedule.stage_window``, as ``autopar.plan`` searches). ``costs``: stage costs of
     ``traced`` on this mesh's stage sub-mesh already built (benchmarks share them and their memo
     across schedules; built with ``options.zero_stage`` and no checkpoint, as here). ``bound``: the best
     step another configuration reached (``pipeline_bounds.in_bound_order``): a schedule whose

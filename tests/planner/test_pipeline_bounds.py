@@ -130,3 +130,32 @@ def test_auto_microbatches_equal_the_best_single_count():
              for m in (2, 4, 16)}
     assert auto.plan.estimate.step_s == pytest.approx(min(alone.values()), rel=1e-9), (alone, auto.candidates)
     assert auto.plan.pipeline.num_microbatches == min(alone, key=alone.get)
+
+
+def test_a_range_that_does_not_fit_makes_every_wider_range_unfit(traced_models):
+    """What ``LazyCuts._unfit_around`` relies on, checked by solving every range: without
+    recompute, if blocks [a, b) with k micro-batches in flight fit no layout under a budget, no
+    range containing them fits with k or more in flight."""
+    costs = _stage_costs(traced_models, "gpt2", (4, 2))
+    factor = step_factor("1f1b", num_stages=4, virtual_stages=1, num_microbatches=8)
+    one = costs.cost(0, 2, in_flight=1, factor=factor, budget=None)
+    budget = int(one.peak_bytes * 1.15)
+    n = costs.num_blocks
+    fits = {(a, b, k): costs.cost(a, b, in_flight=k, factor=factor, budget=budget) is not None
+            for a in range(n) for b in range(a + 1, n + 1) for k in (1, 3)}
+    assert any(fits.values()) and not all(fits.values())
+    for (a, b, k), ok in fits.items():
+        if not ok:
+            wider = [key for key, ok2 in fits.items() if key[0] <= a and key[1] >= b and key[2] >= k and ok2]
+            assert not wider, ((a, b, k), wider)
+
+
+def test_stage_window():
+    from autopar.planner.pipeline_schedule import stage_window
+
+    assert stage_window("auto", num_blocks=24, parts=8) is None
+    assert stage_window("auto", num_blocks=96, parts=16) == 3 and stage_window("auto", num_blocks=96, parts=32) == 2
+    assert stage_window(None, num_blocks=96, parts=16) is None and stage_window(4, num_blocks=96, parts=16) == 4
+    for bad in (-1, 1.5, True, "wide"):
+        with pytest.raises(ValueError, match="window must be None, 'auto' or a block count"):
+            stage_window(bad, num_blocks=96, parts=16)
