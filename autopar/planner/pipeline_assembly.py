@@ -36,8 +36,12 @@ def assemble_pipelined(costs: StageCosts, traced: TracedGraph, bounds: tuple[int
     found_at: dict[int, StageCost] = {}
     for k in order:
         fixed = {n: choice[n] for n in costs.decisions(bounds[k], bounds[k + 1]) if n in choice}
-        found = costs.solve_range(bounds[k], bounds[k + 1], in_flight=flight[k], factor=factor, budget=budget,
-                                  fixed=fixed, recompute=modes[k])
+        kw = dict(in_flight=flight[k], factor=factor, budget=budget, recompute=modes[k])
+        # The search's own layout of the stage serves when it agrees with what earlier stages
+        # fixed (a stage sharing nothing with them, or sharing the same layouts): no solve.
+        found = costs.searched(bounds[k], bounds[k + 1], **kw)
+        if found is None or any(found[0][n] != v for n, v in fixed.items()):
+            found = costs.solve_range(bounds[k], bounds[k + 1], fixed=fixed, **kw)
         if found is None:
             raise ValueError(f"pipeline stage {k} (blocks {bounds[k]}..{bounds[k + 1] - 1}) does not fit the budget "
                              f"with the layouts other stages chose for their shared parameters")

@@ -310,6 +310,16 @@ class StageCosts:
         return None if found is None else replace(found[1], time_s=found[1].time_s - found[1].p2p_s + self.p2p_s(b),
                                                   p2p_s=self.p2p_s(b))
 
+    def searched(self, a: int, b: int, *, in_flight: int, factor: float, budget: int | None,
+                 recompute: bool = False) -> tuple[dict[str, str], StageCost] | None:
+        """The search's (choice, cost) of the stage holding ``[a, b)`` when its memo entry was
+        solved on this very range (a range of the same shape elsewhere names other nodes)."""
+        cost = self.cost(a, b, in_flight=in_flight, factor=factor, budget=budget, recompute=recompute)
+        found = self._memo[(*self._shape(a, b, factor, recompute), in_flight, budget)]
+        if cost is None or found is None or set(found[0]) != self.decisions(a, b):
+            return None
+        return found[0], cost
+
     def solve_range(self, a: int, b: int, *, in_flight: int, factor: float, budget: int | None,
                     fixed: dict[str, str] | None = None,
                     recompute: bool = False) -> tuple[dict[str, str], StageCost, int] | None:
