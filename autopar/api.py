@@ -69,8 +69,7 @@ class Progress:
             self.sink(f"[autopar {time.perf_counter() - self._start:6.1f}s] {name}{' ' + detail if detail else ''} ...")
         t0 = time.perf_counter()
         yield
-        spent = time.perf_counter() - t0
-        self.timings[name] = self.timings.get(name, 0.0) + spent  # a stage run again (per micro-batch count) adds up
+        self.timings[name] = self.timings.get(name, 0.0) + (spent := time.perf_counter() - t0)  # repeats add up
         if self.verbose:
             self.sink(f"[autopar {time.perf_counter() - self._start:6.1f}s] {name} done in {spent:.2f}s")
 
