@@ -39,12 +39,9 @@ def plan_pipelined(model: Any, meta_inputs: tuple | dict, *, mesh: MeshSpec | Se
     fastest feasible candidate wins (``plan_traced``: ``autopar.api.plan_traced``, passed in so this
     module does not import the api). ``"auto"`` also plans without a pipeline (the full batch on
     the whole mesh) and keeps the faster of the two. ``ValueError`` when nothing fits."""
-    from autopar.planner.builder import build_problem
     from autopar.planner.pipeline_bounds import config_floors, in_bound_order
-    from autopar.planner.pipeline_search import StageCosts, check_pipeline_zero, schedules_for, search_stages
+    from autopar.planner.pipeline_search import check_pipeline_zero, schedules_for, search_stages, stage_costs
     from autopar.planner.pipeline_stages import PIPELINE_CASTS, batch_size, micro_inputs, microbatch_counts
-    from autopar.plans import stage_mesh_of
-    from autopar.solver.driver import solve as solve_ilp
     from autopar.strategies import needs_decomposition
     from autopar.tracer import profile as profile_graph
     from autopar.tracer import trace
@@ -64,8 +61,6 @@ def plan_pipelined(model: Any, meta_inputs: tuple | dict, *, mesh: MeshSpec | Se
     # far: a count whose floor cannot beat it is not searched (``pipeline_bounds``).
     staged: dict[int, tuple[Any, StageCosts]] = {}
     floors: dict[int, float] = {}
-    stage_options = replace(options, checkpoint="none", pipeline=None)
-    solve = lambda p: solve_ilp(p, solver=options.solver, time_limit=options.time_limit)  # noqa: E731
     for m in microbatch_counts(batch_size(meta_inputs), num_stages=stages, asked=options.microbatches):
         with progress.stage("trace", f"micro-batch graph, {m} micro-batches"):
             traced = trace(model, micro_inputs(meta_inputs, m), decompose_if=needs_decomposition,
@@ -73,8 +68,7 @@ def plan_pipelined(model: Any, meta_inputs: tuple | dict, *, mesh: MeshSpec | Se
         with progress.stage("profile"):
             prof = profile_graph(traced)
         with progress.stage("pipeline floors", f"{m} micro-batches"):
-            built = build_problem(traced, prof, stage_mesh_of(spec), budget_bytes=None, options=stage_options)
-            costs = StageCosts(traced, built, mesh=spec, solve=solve)
+            costs = stage_costs(traced, prof, mesh=spec, options=options)
             floors[m] = min(config_floors(costs, schedules=schedules, num_stages=stages, num_microbatches=m,
                                           window="auto").values())
         staged[m] = (traced, costs)

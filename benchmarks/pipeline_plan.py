@@ -56,18 +56,17 @@ import math
 import statistics
 import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
 from autopar.layout.mesh import MeshSpec
 from autopar.planner.assemble import restricted_problem
 from autopar.planner.baselines import make_restriction
-from autopar.planner.builder import build_problem
 from autopar.planner.options import PlanOptions
 from autopar.planner.pipeline_bounds import config_floors, in_bound_order
 from autopar.planner.pipeline_schedule import SCHEDULE_VIRTUAL_STAGES
-from autopar.planner.pipeline_search import StageCosts, schedule_cuts, search_stages
+from autopar.planner.pipeline_search import StageCosts, schedule_cuts, search_stages, stage_costs
 from autopar.planner.pipeline_stages import PIPELINE_CASTS
 from autopar.plans import stage_mesh_of
 from autopar.solver.driver import solve as solve_ilp
@@ -189,9 +188,7 @@ def _autopar_case(name, n, todo, model, seq, batch, options, args) -> dict:
         lap("trace")
         for pp, tp, m in (c for c in todo if batch // c[2] == size):
             mesh = MeshSpec.cluster(nodes=n // 8, devices_per_node=8, shape=(pp, n // (pp * tp), tp))
-            built = build_problem(traced, prof, stage_mesh_of(mesh), budget_bytes=None,
-                                  options=replace(options, zero_stage=0, checkpoint="none", pipeline=None))
-            staged[pp, tp, m] = costs = StageCosts(traced, built, mesh=mesh, solve=_solver(options))
+            staged[pp, tp, m] = costs = stage_costs(traced, prof, mesh=mesh, options=options, solve=_solver(options))
             lap("build")
             floors[pp, tp, m] = min(config_floors(costs, schedules=args.schedules, num_stages=pp, num_microbatches=m,
                                                   window=args.window).values())
@@ -202,16 +199,15 @@ def _autopar_case(name, n, todo, model, seq, batch, options, args) -> dict:
         pp, tp, m = cfg
         t0 = time.perf_counter()
         costs = staged[cfg]
+        given = None if args.exhaustive or incumbent == math.inf else incumbent  # what the row records too
         found = search_stages(costs.traced, None, mesh=costs.mesh, options=options, num_stages=pp, num_microbatches=m,
-                              schedules=args.schedules, window=args.window, costs=costs,
-                              bound=None if args.exhaustive or incumbent == math.inf else incumbent)
+                              schedules=args.schedules, window=args.window, costs=costs, bound=given)
         best = found.plan
         rec = "" if best is None else ",".join("R" if st["recompute"] else "-"
                                                for st in best.solver["pipeline"]["stages"])
         out[cfg] = (Row(name, n, pp, tp, m, "autopar", None if best is None else best.estimate.step_s,
                         "" if best is None else best.pipeline.schedule, time.perf_counter() - t0, rec,
-                        "; ".join(str(c) for c in found.candidates), floor=floors[cfg],
-                        bound=None if incumbent == math.inf else incumbent), costs)
+                        "; ".join(str(c) for c in found.candidates), floor=floors[cfg], bound=given), costs)
         return out[cfg][0]
 
     def skipped(cfg, floor, incumbent):

@@ -71,15 +71,15 @@ def block_floor(costs: StageCosts, j: int, *, factor: float) -> float:
 def _block(costs: StageCosts, j: int) -> tuple[set[str], tuple]:
     """Block ``j``'s decisions and the (signature, shared?) of its non-op ones, for every block
     at once (one pass over the problem; memoised on ``costs``)."""
-    if "blocks" not in costs.floors:
+    if costs.floor_blocks is None:
         names: list[set[str]] = [set() for _ in range(costs.num_blocks)]
         for node in costs.built.problem.nodes:
             for b in costs.blocks_of(node.name):
                 names[b].add(node.name)
         held = [tuple((n.signature, _shared(costs, n.name)) for n in costs.built.problem.nodes
                       if n.name in names[b] and costs.kind[n.name] != NodeKind.OP) for b in range(costs.num_blocks)]
-        costs.floors["blocks"] = list(zip(names, held))
-    return costs.floors["blocks"][j]
+        costs.floor_blocks = list(zip(names, held))
+    return costs.floor_blocks[j]
 
 
 def step_floor(costs: StageCosts, *, schedule: str, num_stages: int, num_microbatches: int,
@@ -124,13 +124,15 @@ def config_floors(costs: StageCosts, *, schedules: tuple[str, ...], num_stages: 
 
 def in_bound_order(bounds: dict[K, float], search: Callable[[K, float], R], *,
                    step_of: Callable[[R], float | None],
-                   skipped: Callable[[K, float, float], None] | None = None) -> dict[K, R]:
-    """Run ``search(key, incumbent)`` over ``bounds``' keys, lowest bound first, skipping a key
-    (``skipped(key, its bound, the incumbent)``) once its bound is not below the best step found
-    (``step_of(result)``; None: no plan). ``incumbent`` is ``math.inf`` until a plan is found;
-    until then every key is searched, an infinite bound too (its search says why it has no plan).
-    Returns the results of the keys searched."""
-    best = math.inf
+                   skipped: Callable[[K, float, float], None] | None = None,
+                   incumbent: float = math.inf) -> dict[K, R]:
+    """Run ``search(key, incumbent)`` over ``bounds``' keys, lowest bound first (ties in the
+    dict's order), skipping a key (``skipped(key, its bound, the incumbent)``) once its bound is
+    not below the best step found (``step_of(result)``; None: no plan) or the ``incumbent`` given
+    (another search's step). ``incumbent`` is ``math.inf`` until a plan is found; until then
+    every key is searched, an infinite bound too (its search says why it has no plan). Returns
+    the results of the keys searched, in search order."""
+    best = incumbent
     out: dict[K, R] = {}
     for key in sorted(bounds, key=lambda k: bounds[k]):
         if best < math.inf and bounds[key] >= best:  # (an infinite bound is searched to say why)

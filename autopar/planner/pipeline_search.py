@@ -29,8 +29,8 @@ plans the MICRO-batch graph ``traced`` (batch / M) as ``S`` pipeline ranks over 
 4. ``schedule_cuts`` (:mod:`autopar.planner.pipeline_schedule`) picks the cut minimising the
    schedule's step time, ``factor * max stage time + max gradient sync`` (``best_cuts``), solving
    a stage whose budget binds only when its lower bound (the shape's unconstrained optimum) can
-   beat the best cut found (``LazyCuts``: exact); 1F1B is searched first and its step bounds
-   the other schedules' searches;
+   beat the best cut found (``LazyCuts``: exact); the schedule of lowest floor is searched first
+   (``pipeline_bounds``) and its step bounds the other schedules' searches;
 5. the chosen stages are solved once more in pipeline order, each with the placeholders an
    earlier stage chose fixed (one layout per parameter: ``Plan.nodes`` covers all stages), and
    the ``Plan`` records them (``Plan.pipeline``), the per-stage figures
@@ -50,12 +50,13 @@ import numpy as np
 
 from autopar.layout.blocks import block_of, split_block
 from autopar.layout.mesh import MeshSpec
-from autopar.planner.pipeline_bounds import config_floors
+from autopar.planner.pipeline_bounds import config_floors, in_bound_order
+from autopar.planner.pipeline_families import HELD, RangeFamilies
 from autopar.planner.pipeline_schedule import (SCHEDULE_VIRTUAL_STAGES, PipelineCandidate, check_pipeline_zero,
                                                schedule_cuts, schedules_for)
 from autopar.planner.pipeline_assembly import assemble_pipelined
 from autopar.planner.pipeline_stages import block_container
-from autopar.plans import (PIPELINE_SCHEDULES, NodeKind, Plan, StagePlan, stage_mesh_of)
+from autopar.plans import NodeKind, Plan, StagePlan, stage_mesh_of
 from autopar.solver.problem import Edge, Node, Problem, Solution, StrategyOption
 from autopar.solver.timeline import segment_geometry
 from autopar.solver.timeline import activation_bytes
@@ -67,9 +68,8 @@ _TIE_S = 1e4
 # Relative slack on a stage's lower bound (the solver proves optima to MIP_REL_GAP = 1e-4): a range
 # is skipped only when even its bound, less this, cannot beat the best cut found.
 _BOUND_SLACK = 1e-3
-HELD = "@held"
 
-__all__ = ["StageCost", "StageCosts", "PipelineCandidate", "PipelineSearch", "search_stages", "schedule_cuts",
+__all__ = ["StageCost", "StageCosts", "PipelineCandidate", "PipelineSearch", "stage_costs", "search_stages", "schedule_cuts",
            "schedules_for", "check_pipeline_zero"]
 
 
@@ -103,7 +103,7 @@ class PipelineSearch:
     num_solves: int
 
 
-class StageCosts:
+class StageCosts(RangeFamilies):
     """Stage slices of one micro-batch Problem and their memoised intra-stage solves."""
 
     def __init__(self, traced: TracedGraph, built, *, mesh: MeshSpec, solve: Callable[[Problem], Solution]) -> None:
@@ -122,6 +122,7 @@ class StageCosts:
         self._quick: dict[tuple, np.ndarray] = {}  # (factor, recompute) -> prefix sums of ops' cheapest options
         self.floors: dict[tuple, float] = {}  # block shape -> its floor (``pipeline_bounds.block_floor``)
         self.floor_sums: dict[float, tuple[float, ...]] = {}  # factor -> prefix sums of the blocks' floors
+        self.floor_blocks: list[tuple[set[str], tuple]] | None = None  # per block: decisions, shared pattern
         self._position()
         self._classes()
         self._boundaries()
@@ -360,93 +361,6 @@ class StageCosts:
                          saved_bytes=activation_bytes(problem, choice), recompute=recompute)
         return {n: c for n, c in choice.items() if not n.endswith(HELD)}, cost, extra
 
-    # ---------------------------------------------------- unconstrained optima along a range family
-    def _family(self, a: int, b: int):
-        """Ranges of one family differ only in how many interior blocks they hold, all of one
-        class: (first?, last?, first block's class, last block's class, interior class)."""
-        if b - a < 3 or len(set(self.block_class[a + 1:b - 1])) != 1:
-            return None
-        return a == 0, b == self.num_blocks, self.block_class[a], self.block_class[b - 1], self.block_class[a + 1]
-
-    def _member(self, a: int, b: int, length: int) -> tuple[int, int] | None:
-        """The range of ``length`` blocks in the family of ``[a, b)`` (same first/last flags)."""
-        lo = 0 if a == 0 else (self.num_blocks - length if b == self.num_blocks else a)
-        hi = lo + length
-        if lo < 0 or hi > self.num_blocks or (lo == 0) != (a == 0) or (hi == self.num_blocks) != (b == self.num_blocks):
-            return None
-        return (lo, hi) if self._family(lo, hi) == self._family(a, b) else None
-
-    def _blocks(self, a: int, b: int) -> tuple[list[list[str]], list[str]]:
-        """Per block of ``[a, b)`` its decisions in problem order (its ops, the parameters only it
-        reads), and the stage's other decisions."""
-        per: list[list[str]] = [[] for _ in range(b - a)]
-        rest = []
-        for name in (n.name for n in self.built.problem.nodes):
-            kind = self.kind[name]
-            if kind == NodeKind.OP and name in self.in_block and a <= self.pos[name] < b:
-                per[self.pos[name] - a].append(name)
-            elif kind == NodeKind.PARAMETER and len(self.readers.get(name, ())) == 1 and \
-                    a <= next(iter(self.readers[name])) < b:
-                per[next(iter(self.readers[name])) - a].append(name)
-            else:
-                rest.append(name)
-        return per, rest
-
-    def _pattern(self, a: int, b: int, choice: dict[str, str]):
-        """The choice of ``[a, b)`` independent of its length: first, interior (all equal, as
-        repeated-block aliasing makes them), last block's options, and the rest by name."""
-        per, rest = self._blocks(a, b)
-        inner = {tuple(choice[n] for n in blk) for blk in per[1:-1]}
-        if len(inner) != 1:
-            return None
-        return (tuple(choice[n] for n in per[0]), inner.pop(), tuple(choice[n] for n in per[-1]),
-                tuple((n, choice[n]) for n in rest if n in choice))
-
-    def _between(self, a: int, b: int, *, factor: float, recompute: bool):
-        """The unconstrained optimum of ``[a, b)`` without a solve when the family's shortest and
-        longest ranges (``lengths``) have one and the same pattern: with aliased interior blocks a
-        pattern's objective is linear in the interior count ``n`` (``n A + B``) and the optimum
-        ``min over patterns`` is concave in ``n``, so a pattern optimal at both ends of an interval
-        is optimal inside it (exact up to the solver's gap). None: solve it."""
-        family = self._family(a, b)
-        if family is None or self.lengths is None:
-            return None
-        shortest, longest = max(self.lengths[0], 3), self.lengths[1]
-        if not shortest < b - a < longest:
-            return None
-        ends = [self._member(a, b, n) for n in (shortest, longest)]
-        if None in ends:
-            return None
-        found = []
-        for lo, hi in ends:
-            key = (lo == 0, hi == self.num_blocks, self.block_class[lo:hi], factor, recompute, None, None)
-            if key not in self._memo:
-                self._memo[key] = self.solve_range(lo, hi, in_flight=1, factor=factor, budget=None,
-                                                   recompute=recompute)
-                self._solved_on[key] = (lo, hi)
-            if self._memo[key] is None:
-                return None
-            # The shape may have been solved on another range of it: its choice names that range's nodes.
-            found.append(self._pattern(*self._solved_on[key], self._memo[key][0]))
-        if found[0] is None or found[0] != found[1]:
-            return None
-        first, inner, last, rest = found[0]
-        per, _ = self._blocks(a, b)
-        if any(len(blk) != len(inner) for blk in per[1:-1]) or len(per[0]) != len(first) or len(per[-1]) != len(last):
-            return None
-        choice = dict(rest)
-        for blk, opts in [(per[0], first), (per[-1], last)] + [(blk, inner) for blk in per[1:-1]]:
-            choice.update(zip(blk, opts))
-        problem = self.slice(self.decisions(a, b), in_flight=1, factor=factor, budget=None, fixed={},
-                             recompute=recompute)
-        if set(choice) != {n.name for n in problem.nodes if not n.name.endswith(HELD)}:
-            return None
-        choice.update({n.name: choice[n.name[:-len(HELD)]] for n in problem.nodes if n.name.endswith(HELD)})
-        self.num_reused += 1
-        return self._figures(problem, b, choice, in_flight=1, factor=factor, recompute=recompute, status="optimal",
-                             gap=max(self._memo[(e[0] == 0, e[1] == self.num_blocks, self.block_class[e[0]:e[1]],
-                                                 factor, recompute, None, None)][1].gap for e in ends))
-
     def _in_flight_bytes(self, problem: Problem, name: str, option: str, *, recompute: bool) -> int:
         """Bytes one more in-flight micro-batch keeps for node ``name`` of the stage slice
         ``problem`` (``slice``): a kept value's, or a not-recomputed op's saved activation."""
@@ -535,6 +449,21 @@ class StageCosts:
         return {self.pos[n] for n in names if n in self.unit_of}
 
 
+def stage_costs(traced: TracedGraph, profile, *, mesh: MeshSpec, options,
+                solve: Callable[[Problem], Solution] | None = None) -> StageCosts:
+    """The ``StageCosts`` of the micro-batch graph ``traced`` on ``mesh``'s stage sub-mesh: its
+    Problem built with ``options`` (ZeRO 0 or 1) without a checkpoint mode (stages decide
+    recompute themselves), solved by ``solve`` (default: the options' solver and time limit)."""
+    from autopar.planner.builder import build_problem
+    from autopar.solver.driver import solve as solve_ilp
+
+    check_pipeline_zero(options.zero_stage)
+    built = build_problem(traced, profile, stage_mesh_of(mesh), budget_bytes=None,
+                          options=replace(options, checkpoint="none", pipeline=None))
+    solve = solve or (lambda p: solve_ilp(p, solver=options.solver, time_limit=options.time_limit))
+    return StageCosts(traced, built, mesh=mesh, solve=solve)
+
+
 def search_stages(traced: TracedGraph, profile, *, mesh: MeshSpec, options, num_stages: int, num_microbatches: int,
                   schedules: tuple[str, ...], progress=None, solve: Callable[[Problem], Solution] | None = None,
                   window: int | str | None = None, costs: StageCosts | None = None,
@@ -548,41 +477,40 @@ def search_stages(traced: TracedGraph, profile, *, mesh: MeshSpec, options, num_
     step another configuration reached (``pipeline_bounds.in_bound_order``): a schedule whose
     ``step_floor`` is not below it is not searched, and stages that cannot beat it are not solved;
     ``plan`` is None when no schedule beats it."""
-    from autopar.planner.builder import build_problem
-    from autopar.solver.driver import solve as solve_ilp
-
     if mesh.shape[0] != num_stages:
         raise ValueError(f"pipeline={num_stages} needs mesh axis 0 of size {num_stages}; mesh {mesh.shape} has "
                          f"{mesh.shape[0]}")
     t0 = time.perf_counter()
-    sub = stage_mesh_of(mesh)
     budget = options.budget_bytes(mesh)
     if costs is None:
-        check_pipeline_zero(options.zero_stage)
-        stage_options = replace(options, checkpoint="none", pipeline=None)
-        built = build_problem(traced, profile, sub, budget_bytes=None, options=stage_options)
-        solve = solve or (lambda p: solve_ilp(p, solver=options.solver, time_limit=options.time_limit))
-        costs = StageCosts(traced, built, mesh=mesh, solve=solve)
+        costs = stage_costs(traced, profile, mesh=mesh, options=options, solve=solve)
     elif tuple(costs.mesh.shape) != tuple(mesh.shape):
         raise ValueError(f"stage costs built for mesh {costs.mesh.shape}, searched on {mesh.shape}")
     t_build = time.perf_counter() - t0
-    found_for, best = {}, None
+    found_for: dict[str, PipelineCandidate] = {}
     floors = config_floors(costs, schedules=schedules, num_stages=num_stages, num_microbatches=num_microbatches,
                            window=window)
-    # Lowest floor first: its step bounds the others' searches (a stage that cannot beat it is not solved).
-    for schedule in sorted(schedules, key=lambda s: (floors[s], s != "1f1b")):
-        incumbent = min(bound if bound is not None else math.inf, math.inf if best is None else best[1].objective)
-        if floors[schedule] < math.inf and floors[schedule] >= incumbent:
-            found_for[schedule] = PipelineCandidate(
-                num_microbatches, schedule, SCHEDULE_VIRTUAL_STAGES[schedule], None,
-                f"not searched: its floor {floors[schedule] * 1e3:.3f} ms/step does not beat {incumbent * 1e3:.3f}")
-            continue
+
+    def run(schedule: str, incumbent: float):
         found = schedule_cuts(costs, schedule=schedule, num_stages=num_stages, num_microbatches=num_microbatches,
                               budget=budget, window=window, bound=None if incumbent == math.inf else incumbent,
                               recompute=(False,) if options.checkpoint == "none" else (False, True))
         found_for[schedule] = found[0]
-        if found[1] is not None and (best is None or found[1].objective < best[1].objective):
-            best = (schedule, *found[1:])
+        return found
+
+    def skipped(schedule: str, floor: float, incumbent: float):
+        found_for[schedule] = PipelineCandidate(num_microbatches, schedule, SCHEDULE_VIRTUAL_STAGES[schedule], None,
+                                                f"not searched: its floor {floor * 1e3:.3f} ms/step does not beat "
+                                                f"{incumbent * 1e3:.3f}")
+
+    # Lowest floor first (1F1B first among equals), each schedule's search bounded by the best step
+    # so far; a schedule that cannot be cut at all (infinite floor) is run first, to say why.
+    order = sorted(schedules, key=lambda s: s != "1f1b")
+    results = in_bound_order({s: -math.inf if floors[s] == math.inf else floors[s] for s in order}, run,
+                             step_of=lambda found: None if found[1] is None else found[1].objective,
+                             skipped=skipped, incumbent=math.inf if bound is None else bound)
+    done = [(s, found) for s, found in results.items() if found[1] is not None]
+    best = None if not done else min(((s, *found[1:]) for s, found in done), key=lambda b: b[1].objective)
     candidates = [found_for[s] for s in schedules]
     if best is None:
         return PipelineSearch(None, tuple(candidates), costs.num_solves)
