@@ -327,9 +327,10 @@ class _Builder:
         for s in strategies:
             act = activation_bytes(node, s, slots, activations, full_bytes, rel_parts) if rel_parts else 0
             # ZeRO-2 prices the gradient of a parameter it may shard as a reduce-scatter; the
-            # all-reduce's extra is charged on the edge unless the parameter is ZeRO-2.
-            comm_s = (s.comm_s - sum(zero2_extra_s(s, slot, self.mesh) for slot in zero2)
-                      - sum(s.grad_sync_s(slot, self.mesh) for slot in shared))
+            # all-reduce's extra is charged on the edge unless the parameter is ZeRO-2. A shared
+            # slot's sum is priced on its edge. Summed afresh, not subtracted from comm_s: that
+            # left a tiny negative where every term was taken out (Strategy.comm_seconds).
+            comm_s = s.comm_seconds(self.mesh, skip=shared, reduce_scatter=zero2)
             name = _unique(s.name, taken)
             taken.add(name)
             opts.append(StrategyOption(name, compute_s=s.compute_s, comm_s=comm_s, act_bytes=act,

@@ -94,7 +94,9 @@ def grad_syncs(built: BuiltProblem, choice: Mapping[str, str]) -> tuple[list[Gra
     zero2 = _zero2_layouts(built, choice)
     chain = ReaderChain(built.decisions)
     first: dict[tuple, GradSync] = {}
-    priced = 0.0
+    # The extra is summed from the sums priced beyond the first of their key (and less any first
+    # one left unpriced), not as (all priced) - (all issued): equal terms need not cancel there.
+    extra = 0.0
     for name, d in built.decisions.items():
         if d.kind != NodeKind.OP:
             continue
@@ -108,11 +110,14 @@ def grad_syncs(built: BuiltProblem, choice: Mapping[str, str]) -> tuple[list[Gra
             spec = c.input_specs[slot]
             kind = "reduce_scatter" if zero2.get(value.producer) == spec else "all_reduce"
             sync = GradSync(name, slot, value, spec, tuple(axes), s, kind)
-            if prev is None or sync_key(built.choice_of(prev[0], choice[prev[0]]), prev[1]) != sync_key(c, slot):
-                priced += sync.seconds(built.mesh)
-            first.setdefault((value.producer, value.index) + sync_key(c, slot), sync)
-    syncs = list(first.values())
-    return syncs, priced - sum(s.seconds(built.mesh) for s in syncs)
+            priced = prev is None or sync_key(built.choice_of(prev[0], choice[prev[0]]), prev[1]) != sync_key(c, slot)
+            key = (value.producer, value.index) + sync_key(c, slot)
+            issued = key not in first
+            if issued:
+                first[key] = sync
+            if priced != issued:
+                extra += sync.seconds(built.mesh) if priced else -sync.seconds(built.mesh)
+    return list(first.values()), extra
 
 
 def unique_conversions(built: BuiltProblem,

@@ -48,4 +48,6 @@ def zero_cost(spec: TensorSpec, mesh: MeshSpec, local_bytes: int, *, stage: int,
 def zero2_extra_s(strategy: Strategy, slot: int, mesh: MeshSpec) -> float:
     """Seconds an all-reduce of input ``slot``'s partial gradient takes beyond a reduce-scatter
     of it (0 when the gradient is not partial): what ZeRO-2 saves on a parameter read there."""
+    # A difference, yet never below 0: the all-reduce's bandwidth term is exactly twice the
+    # reduce-scatter's (same bytes, same alpha), and rounding is monotone, so AR >= RS as floats.
     return strategy.grad_sync_s(slot, mesh) - strategy.grad_sync_s(slot, mesh, "reduce_scatter")

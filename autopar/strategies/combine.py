@@ -136,11 +136,11 @@ def _strategy(info: OpInfo, mesh: MeshSpec, combo: tuple[AxisOption, ...], in_sp
     bwd_c = compute_seconds(flops[1] / div, 2 * moved, mesh, itemsize=itemsize) if differentiable else 0.0
     wire = tuple(int(in_bytes[i] * _widening(info.slots[i].meta, reduce_itemsize)) if axes else 0
                  for i, axes in enumerate(gp_axes))
-    bwd_comm = sum(collective_seconds("all_reduce", wire[i], mesh, axes) for i, axes in enumerate(gp_axes) if axes)
-    fwd_comm = 0.0
+    # The terms are added in ``Strategy.comm_seconds``'s order, which recomputes comm_s without some.
+    grads = sum(collective_seconds("all_reduce", wire[i], mesh, axes) for i, axes in enumerate(gp_axes) if axes)
+    fwd_comm = kb = 0.0
     if kernel is not None:
-        kf, kb = get_kernel(kernel).comm_cost(info, in_specs, out_specs, mesh)
-        fwd_comm, bwd_comm = fwd_comm + kf, bwd_comm + kb
+        fwd_comm, kb = get_kernel(kernel).comm_cost(info, in_specs, out_specs, mesh)
     output_spec = out_specs if info.multi_output else out_specs[0]
     return Strategy(
         name=strategy_name(in_specs, out_specs, info.multi_output),
@@ -148,7 +148,7 @@ def _strategy(info: OpInfo, mesh: MeshSpec, combo: tuple[AxisOption, ...], in_sp
         output_spec=output_spec,
         grad_partial_axes=gp_axes,
         compute_s=fwd_c + bwd_c,
-        comm_s=fwd_comm + bwd_comm,
+        comm_s=fwd_comm + (grads + kb),
         forward_compute_s=fwd_c,
         forward_comm_s=fwd_comm,
         output_bytes=out_bytes,
@@ -157,6 +157,7 @@ def _strategy(info: OpInfo, mesh: MeshSpec, combo: tuple[AxisOption, ...], in_sp
         work_split_axes=work_axes,
         is_fallback=fallback,
         grad_sync_bytes=wire,
+        kernel_bwd_comm_s=kb,
     )
 
 

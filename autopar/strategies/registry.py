@@ -334,6 +334,8 @@ class Strategy:
     input_bytes:       per-device bytes of each input slot under its spec.
     grad_sync_bytes:   per input slot, bytes its partial gradient moves on the wire (the input's
                        local bytes, widened to the reduce dtype; 0 when not partial).
+    kernel_bwd_comm_s: backward seconds of the custom kernel's own collectives: with
+                       ``forward_comm_s`` and the gradient sums, the terms of ``comm_s``.
     kernel:            custom local kernel name; None = the same ATen op on local shards.
     work_split_axes:   mesh axes over which the work is divided.
     is_fallback:       replicated because no rule exists (``allow_replicate_fallback=True``).
@@ -353,6 +355,7 @@ class Strategy:
     work_split_axes: tuple[int, ...] = ()
     is_fallback: bool = False
     grad_sync_bytes: tuple[int, ...] = ()
+    kernel_bwd_comm_s: float = 0.0
 
     @property
     def output_specs(self) -> tuple[TensorSpec | None, ...]:
@@ -365,16 +368,31 @@ class Strategy:
         axes = self.grad_partial_axes[slot]
         return collective_seconds(kind, self.grad_sync_bytes[slot], mesh, axes) if axes else 0.0
 
+    def comm_seconds(self, mesh, *, skip: Iterable[int] = (), reduce_scatter: Iterable[int] = ()) -> float:
+        """``comm_s`` with the gradient sums of input slots ``skip`` left out (priced elsewhere)
+        and those of ``reduce_scatter`` priced as reduce-scatters (ZeRO-2); nothing given:
+        ``comm_s`` itself, bit for bit (the terms are added in ``combine._strategy``'s order).
+
+        Summed from its terms, never subtracted from ``comm_s``: ``(a + b) - b`` in floats need not
+        be ``a``, and where every term is left out it came out a hair below zero (a negative cost
+        the solver's records reject)."""
+        skip, reduce_scatter = set(skip), set(reduce_scatter)
+        if skip & reduce_scatter:
+            raise ValueError(f"slots {sorted(skip & reduce_scatter)} both skipped and reduce-scattered")
+        grads = sum(self.grad_sync_s(i, mesh, "reduce_scatter" if i in reduce_scatter else "all_reduce")
+                    for i, axes in enumerate(self.grad_partial_axes) if axes and i not in skip)
+        return self.forward_comm_s + (grads + self.kernel_bwd_comm_s)
+
     def without_gradients(self, slots: Iterable[int], mesh) -> "Strategy":
         """This strategy where input ``slots`` take no gradient (a value no trainable parameter
         feeds): nothing to sum there, so neither its axes nor its all-reduce's cost remain."""
         slots = [i for i in slots if self.grad_partial_axes[i]]
         if not slots:
             return self
-        saved = sum(self.grad_sync_s(i, mesh) for i in slots)
         axes = tuple(() if i in slots else a for i, a in enumerate(self.grad_partial_axes))
         wire = tuple(0 if i in slots else b for i, b in enumerate(self.grad_sync_bytes))
-        return dataclasses.replace(self, grad_partial_axes=axes, grad_sync_bytes=wire, comm_s=self.comm_s - saved)
+        kept = dataclasses.replace(self, grad_partial_axes=axes, grad_sync_bytes=wire)
+        return dataclasses.replace(kept, comm_s=kept.comm_seconds(mesh))
 
 
 def strategy_name(input_specs: Sequence[TensorSpec | None], output_specs: Sequence[TensorSpec | None],

@@ -406,3 +406,19 @@ def test_pinned_ops_are_stamped_only_from_alike_pinned_templates():
     _assert_same_build(stamped, plain)
     assert 0 < num_stamped <= sum(len(run) for k, run in enumerate(blocks_of(traced).blocks[3:], 3) if k != 4)
     assert any(len(stamped.decisions[name].choices) < len(free.decisions[name].choices) for name in pins)
+
+
+def test_tiny_t5_plans_when_an_ops_gradient_sums_all_go_elsewhere():
+    """T5's position-bias ``where`` (data parallel) reads a bias whose gradient sum is priced on an
+    earlier reader's edge and a scalar no parameter feeds: the op's option is left with no
+    communication, which subtracting both sums from its comm_s made -2.7e-20 s (a ValueError)."""
+    tf = pytest.importorskip("transformers")
+    import autopar
+
+    config = tf.T5Config(vocab_size=101, d_model=64, d_ff=128, num_layers=2, num_heads=4, d_kv=16,
+                         decoder_start_token_id=0, pad_token_id=0)
+    with torch.device("meta"):
+        model = tf.T5ForConditionalGeneration(config)
+    ids, labels = torch.randint(1, 101, (4, 16)), torch.randint(1, 101, (4, 16))
+    plan = autopar.plan(model, {"input_ids": ids, "labels": labels}, mesh=(2,), cache=False)
+    assert plan.estimate.comm_s >= 0 and plan.estimate.step_s > 0

@@ -120,6 +120,36 @@ def test_class_parallel_cross_entropy_pays_for_its_all_reduces():
     assert st.kernel == "cross_entropy" and st.forward_comm_s > 0
 
 
+def test_comm_left_out_of_an_op_is_summed_not_subtracted():
+    """T5's position-bias ``where``: data parallel, the bias (4096 B) and a float scalar (4 B) both
+    take partial gradients. Leaving both sums out by subtraction left -2.7e-20 s (a negative cost
+    the solver rejects); ``comm_seconds`` sums what is kept, so nothing left is exactly 0."""
+    mesh = MeshSpec.preset("cpu", (2,))
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        args = [torch.empty((4, 1, 16, 16), dtype=torch.bool), torch.empty((1, 4, 16, 16)), torch.empty(())]
+        info = OpInfo.from_values(aten.where.self, args, {}, aten.where.self(*args))
+    strategies = {s.name: s for s in enumerate_strategies(info, mesh)}
+    dp = strategies["S0 x R x R -> S0"]
+    bias, scalar = dp.grad_sync_s(1, mesh), dp.grad_sync_s(2, mesh)
+    assert dp.grad_partial_axes == ((), (0,), (0,))
+    assert dp.comm_s - scalar - bias < 0, "these sizes no longer cancel on this preset: pick others"
+    assert dp.comm_seconds(mesh, skip=(1, 2)) == 0.0
+    assert dp.comm_seconds(mesh, skip=(1,)) == scalar
+    assert dp.comm_seconds(mesh, reduce_scatter=(1,), skip=(2,)) == dp.grad_sync_s(1, mesh, "reduce_scatter")
+    no_scalar = dp.without_gradients((2,), mesh)  # the scalar feeds no parameter: no gradient
+    assert no_scalar.comm_s == bias and no_scalar.comm_seconds(mesh, skip=(1,)) == 0.0
+    with pytest.raises(ValueError, match="both"):
+        dp.comm_seconds(mesh, skip=(1,), reduce_scatter=(1,))
+    # Nothing left out: comm_s itself, bit for bit, kernels' own collectives included.
+    sample = get_rule(aten.cross_entropy_loss.default).samples()[0]
+    kernels = _strategies(aten.cross_entropy_loss.default, sample, (4,)).values()
+    assert any(s.kernel is not None and s.forward_comm_s + s.kernel_bwd_comm_s > 0 for s in kernels)
+    assert all(s.comm_seconds(MeshSpec.preset("cpu", (4,))) == s.comm_s for s in kernels)
+    assert all(s.comm_seconds(mesh) == s.comm_s for s in strategies.values())
+
+
 # ------------------------------------------------------------------- fx nodes, errors
 class _Inner(nn.Module):
     def forward(self, x):
