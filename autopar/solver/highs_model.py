@@ -116,9 +116,11 @@ def _highs_result(highs) -> tuple[int, int, np.ndarray]:
         return pulp.LpStatusInfeasible, pulp.LpSolutionInfeasible, values
     if status == ms.kUnbounded:
         return pulp.LpStatusUnbounded, pulp.LpSolutionUnbounded, values
-    stopped = (ms.kObjectiveBound, ms.kObjectiveTarget, ms.kInterrupt, ms.kTimeLimit, ms.kIterationLimit)
-    if status in stopped and not (status in (ms.kTimeLimit, ms.kIterationLimit)
-                                  and highs.getObjectiveValue() == float(highspy.kHighsInf)):
+    # A limit that stopped the search leaves the best plan found, if any. kSolutionLimit (a node
+    # or plan limit) is set only by tests (``autopar.solver.ilp.CHILD_SOLVERS``'s ``plan_limit``).
+    limits = (ms.kTimeLimit, ms.kIterationLimit, ms.kSolutionLimit)
+    stopped = (ms.kObjectiveBound, ms.kObjectiveTarget, ms.kInterrupt, *limits)
+    if status in stopped and not (status in limits and highs.getObjectiveValue() == float(highspy.kHighsInf)):
         return pulp.LpStatusOptimal, pulp.LpSolutionIntegerFeasible, values
     return pulp.LpStatusNotSolved, pulp.LpSolutionNoSolutionFound, values
 

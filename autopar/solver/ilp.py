@@ -171,14 +171,14 @@ def _values(prob: pulp.LpProblem) -> np.ndarray:
 
 
 def _solve_highs(prob: pulp.LpProblem, report, *, relax: bool, msg: bool, gap: float, deadline: float,
-                 abs_gap: float | None = None):
+                 abs_gap: float | None = None, plan_limit: int | None = None):
     """In the watchdog's child: solve with HiGHS, reporting each improving solution as
     ``(objective without constant, column values, dual bound)``; returns
     ``(status, sol_status, column values, dual bound or None)``. ``abs_gap``: stop when proved
     within this many objective units as well (``gap`` is relative to the objective *without* its
-    constant). No warm start: HiGHS 1.15.1 started from a feasible plan of the recompute ILP
-    (``setSolution``) has returned a worse plan as "optimal" (tests/solver/test_recompute_ilp.py,
-    budget 150: 7.4 against 5.4)."""
+    constant). ``plan_limit``: tests only (``CHILD_SOLVERS``). No warm start: HiGHS 1.15.1 started
+    from a feasible plan of the recompute ILP (``setSolution``) has returned a worse plan as
+    "optimal" (tests/solver/test_recompute_ilp.py, budget 150: 7.4 against 5.4)."""
 
     def improving(_kind, _message, out, _data_in, _user):
         report((float(out.objective_function_value), np.array(out.mip_solution, dtype=float),
@@ -188,15 +188,18 @@ def _solve_highs(prob: pulp.LpProblem, report, *, relax: bool, msg: bool, gap: f
 
     callbacks = {} if relax else {"callbackTuple": (improving, None), "callbacksToActivate": [
         highspy.cb.HighsCallbackType.kCallbackMipImprovingSolution]}
+    # HiGHS reads mip_max_improving_sols=0 as no limit: 0 plans is 0 nodes, a stop before the root.
+    stop = {} if relax or plan_limit is None else (
+        {"mip_max_nodes": 0} if plan_limit == 0 else {"mip_max_improving_sols": plan_limit})
     solver = DeadlineHighs(deadline=deadline, mip=not relax, msg=msg, gapRel=gap, gapAbs=abs_gap,
-                            **callbacks, **(_HIGHS_LP_OPTIONS if relax else _HIGHS_OPTIONS))
+                            **callbacks, **(_HIGHS_LP_OPTIONS if relax else _HIGHS_OPTIONS), **stop)
     prob.solve(solver)
     bound = None if relax else float(prob.solverModel.getInfo().mip_dual_bound)
     return prob.status, prob.sol_status, solver.values, bound
 
 
 def _solve_cbc(prob: pulp.LpProblem, report, *, relax: bool, msg: bool, gap: float, deadline: float,
-               abs_gap: float | None = None):
+               abs_gap: float | None = None, plan_limit: int | None = None):
     """In the watchdog's child: solve with CBC (a subprocess of this child); as ``_solve_highs``
     without progress reports (CBC's binary has no callbacks) or bound. CBC checks its (wall-clock)
     limit only between phases and overruns it by up to a few tenths of a second (its root node's
@@ -204,12 +207,21 @@ def _solve_cbc(prob: pulp.LpProblem, report, *, relax: bool, msg: bool, gap: flo
     del report
     left = deadline - time.monotonic()
     limit = max(left - min(_CBC_MARGIN * left, 1.0), 1e-2)
+    # CBC has no "0 plans" limit (maxSolutions 0 means none): stopping at the root with its
+    # heuristics and cuts off leaves the root LP's fractional answer, i.e. no plan.
+    stop = [] if relax or plan_limit is None else (
+        ["maxNodes 0", "heuristicsOnOff off", "cuts off"] if plan_limit == 0 else [f"maxSolutions {plan_limit}"])
     prob.solve(pulp.COIN_CMD(path=_cbc_path(), mip=not relax, msg=msg, timeLimit=limit, gapRel=gap, gapAbs=abs_gap,
-                             timeMode="elapsed"))
+                             timeMode="elapsed", options=stop))
     return prob.status, prob.sol_status, _values(prob), None
 
 
-# What the watchdog's child runs per backend (tests put hanging backends here).
+# What the watchdog's child runs per backend. Tests put hanging backends here, and bind
+# ``plan_limit`` (functools.partial): the MIP search then stops once it has found that many
+# plans (0: before its first), answering as a time limit that struck there would ("feasible"
+# with its bound, or no plan), but at the same point on any machine -- a test that needs a
+# search cut short cannot wait for a time limit, which strikes at a point that depends on the
+# machine's speed and load. Production never sets it.
 CHILD_SOLVERS = {"highs": _solve_highs, "cbc": _solve_cbc}
 _REUSE_MAX_VARIABLES = 20_000  # beyond this, pickling the model costs more than a fork
 

@@ -58,7 +58,28 @@ def test_search_keeps_the_fastest_feasible_mesh_and_reports_every_candidate():
         search_meshes(lambda mesh, left: (_ for _ in ()).throw(ValueError("nope")), nodes=1, devices_per_node=2)
 
 
-def test_time_budget_plans_the_clusters_own_shape_and_reports_the_rest():
+class _FakeTime:
+    """Stands for the ``time`` module in ``autopar.planner.mesh_search``: the fake planners below
+    advance it by what their planning "takes", so which meshes fit a time budget does not
+    depend on how long a sleep or a call really takes on a loaded machine."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def fake_time(monkeypatch):
+    from autopar.planner import mesh_search
+
+    clock = _FakeTime()
+    monkeypatch.setattr(mesh_search, "time", clock)
+    return clock
+
+
+def test_time_budget_plans_the_clusters_own_shape_and_reports_the_rest(fake_time):
     calls = []
 
     class Result:
@@ -67,8 +88,7 @@ def test_time_budget_plans_the_clusters_own_shape_and_reports_the_rest():
 
     def plan_on(mesh, left):
         calls.append((mesh.shape, left))
-        import time
-        time.sleep(0.05)
+        fake_time.now += 0.05
         return Result(1.0 / len(mesh.shape))
 
     found = search_meshes(plan_on, nodes=2, devices_per_node=4, device="a100-80gb", time_budget=0.01)
@@ -99,7 +119,7 @@ def test_plan_mesh_auto_and_inspect_mesh_auto(capsys):
     assert "mesh search: 1 nodes x 4 a100-80gb devices, 2 meshes" in out and "<- chosen" in out
 
 
-def test_a_mesh_predicted_to_overrun_the_budget_is_reported_not_started():
+def test_a_mesh_predicted_to_overrun_the_budget_is_reported_not_started(fake_time):
     from autopar.planner.mesh_search import AXIS_GROWTH, predicted_seconds
 
     assert predicted_seconds(2, {}) is None
@@ -114,12 +134,11 @@ def test_a_mesh_predicted_to_overrun_the_budget_is_reported_not_started():
 
     def plan_on(mesh, left):
         calls.append(mesh.shape)
-        import time
-        time.sleep(0.02 * len(mesh.shape))
+        fake_time.now += 0.02 * len(mesh.shape)
         return Result(1.0 / len(mesh.shape))
 
-    # 8 devices: 1- and 2-axis meshes take ~0.02-0.04 s here, so a 3-axis one is predicted at
-    # ~0.04 * AXIS_GROWTH s, more than the budget leaves: none is started.
+    # 8 devices: 1- and 2-axis meshes take 0.02-0.04 s (fake), so a 3-axis one is predicted at
+    # 0.04 * AXIS_GROWTH s, more than the budget leaves: none is started.
     found = search_meshes(plan_on, nodes=2, devices_per_node=4, device="a100-80gb", time_budget=0.5,
                           restrict="never")  # exact 3-axis planning, as predicted
     three = [r for r in found.rows if len(r.shape) == 3]

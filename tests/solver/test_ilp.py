@@ -1,5 +1,6 @@
 """The ILP against hand-computed optima, brute force, both backends and the time limit."""
 
+import functools
 import itertools
 import random
 import re
@@ -8,7 +9,7 @@ import pytest
 
 from autopar.solver import ilp
 from autopar.solver.ilp import available_backends
-from autopar.solver.driver import minimum_budget, solve
+from autopar.solver.driver import SolveTimeout, minimum_budget, solve
 from autopar.solver.problem import Edge, Node, Problem, Solution, StrategyOption
 
 BACKENDS = available_backends()
@@ -177,15 +178,37 @@ def _hard(n=20, k=5, density=0.7, seed=1):
     return Problem(nodes, edges)
 
 
+def _search_stops_after(monkeypatch, plans):
+    """Every backend's MIP search stops once it has found ``plans`` plans (0: before its first),
+    answering as a time limit that struck there would. A real time limit strikes at a point that
+    depends on the machine's speed and load (this test's 1.5 s limit failed at load ~5)."""
+    for name, fn in list(ilp.CHILD_SOLVERS.items()):
+        monkeypatch.setitem(ilp.CHILD_SOLVERS, name, functools.partial(fn, plan_limit=plans))
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_status_is_honest_when_the_time_limit_stops_the_search(backend):
-    sol = solve(_hard(), solver=backend, time_limit=1.5)
-    assert sol.status == "feasible"  # pulp itself says "Optimal" for CBC here
+def test_status_is_honest_when_the_time_limit_stops_the_search(backend, monkeypatch):
+    _search_stops_after(monkeypatch, 1)  # as if the time limit struck right after the first plan
+    sol = solve(_hard(), solver=backend)
+    assert sol.status == "feasible" and sol.backend == backend  # pulp itself says "Optimal" for CBC here
     assert sol.lp_bound <= sol.dual_bound <= sol.objective
     assert sol.gap > 0.01
     assert sol.gap == pytest.approx((sol.objective - sol.dual_bound) / sol.objective)
     assert _hard().evaluate(sol.choice).objective == pytest.approx(sol.objective)
     assert Solution.from_json(sol.to_json()) == sol
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_search_stopped_before_its_first_plan_is_a_solve_timeout(backend, monkeypatch):
+    _search_stops_after(monkeypatch, 0)
+    with pytest.raises(SolveTimeout) as info:
+        solve(_hard(), solver=backend)
+    msg = str(info.value)
+    assert "cbc found no plan within time_limit=60.0s" in msg and "LP bound" in msg, msg
+    if backend == "highs":  # HiGHS stopping without a plan before its limit is retried with CBC, which stops too
+        assert "(highs stopped without a plan before its time limit; retried with cbc)" in msg, msg
+    else:
+        assert "try solver='highs'" in msg, msg
 
 
 def test_bad_arguments_echo_the_value():

@@ -30,11 +30,13 @@ def _hang(*_args, **_kwargs):
 
 
 def _first_plan_then_hang(prob, report, *, relax, msg, gap, deadline):
-    """HiGHS that reports its first improving plan, then loops forever (as 1.15.1 did)."""
+    """HiGHS that reports its first improving plan, then loops forever (as 1.15.1 did). Its search
+    stops at that plan (``plan_limit``), not at a time limit: a loaded machine may find none in
+    a fixed time."""
     if relax:
         return ilp._solve_highs(prob, report, relax=relax, msg=msg, gap=gap, deadline=deadline)
     found = []
-    ilp._solve_highs(prob, found.append, relax=False, msg=msg, gap=gap, deadline=time.monotonic() + 0.5)
+    ilp._solve_highs(prob, found.append, relax=False, msg=msg, gap=gap, deadline=deadline, plan_limit=1)
     report(found[0])
     _hang()
 
