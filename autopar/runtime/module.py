@@ -95,12 +95,17 @@ class AutoParallelModule(nn.Module):
                 f"{self._placeholders[self._zero2[0]].fqn!r}): their .grad would hold only what is not "
                 f"reduce-scattered. Build the optimizer with model.optimizer(torch.optim.AdamW, lr=...) "
                 f"(or plan with zero_stage=0 or 1)")
-        inputs = iter(self._flat_inputs(args, kwargs))
-        state = iter(local_views([self._state(name) for name in self._arg_state if name is not None]))
-        values = [next(inputs) if name is None else next(state) for name in self._arg_state]
-        return self._traced.unflatten_outputs(list(self.graph_module(*values)))
+        return self._traced.unflatten_outputs(list(self.graph_module(*self.graph_arguments(args, kwargs))))
 
-    def _flat_inputs(self, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    def graph_arguments(self, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+        """The emitted graph's arguments for a call ``forward(*args, **kwargs)``: the inputs and
+        the local views of the parameters and buffers, in placeholder order."""
+        inputs = iter(self.flat_inputs(args, kwargs))
+        state = iter(local_views([self._state(name) for name in self._arg_state if name is not None]))
+        return [next(inputs) if name is None else next(state) for name in self._arg_state]
+
+    def flat_inputs(self, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+        """The call's tensor inputs in traced order, checked against the traced shapes."""
         leaves = input_leaves(self._signature, self._traced.model_name, args, kwargs)
         values = []
         for p in self._inputs:
@@ -173,6 +178,11 @@ class AutoParallelModule(nn.Module):
     @torch.no_grad()
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         return collect_full_state(self.full_state_items(), self._state_keys)
+
+    def full_placeholder_values(self) -> dict[str, torch.Tensor]:
+        """Traced placeholder name -> full tensor of every parameter and buffer, non-persistent
+        buffers included (what the traced graph itself runs on). A collective."""
+        return {name: _snapshot(local.detach(), self._specs[name], self.pmesh) for name, _, local in self._tensors()}
 
     def full_state_entries(self) -> list[tuple[tuple[str, ...], torch.Size, torch.dtype]]:
         """(state-dict names, full shape, dtype) of each parameter and buffer, in state-dict

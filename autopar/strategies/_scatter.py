@@ -275,3 +275,28 @@ def _one_hot(info: OpInfo) -> list[AxisOption]:
     if info.arg("num_classes") < 0:
         return []  # the class count would come from each rank's own shard
     return [info.option(Shard(d), self=Shard(d)) for d in range(info.input("self").ndim)]
+
+
+# ------------------------------------------------------------ slice_scatter, select_scatter
+# What the tracer's functionalization writes through views becomes (``autopar.tracer.functionalize``):
+# ``self`` with the part a slice / select picks replaced by ``src``. Every dim but the written one
+# splits alike on both (the written dim's offsets are global); copies are linear jointly: P, P -> P.
+@register(aten.slice_scatter.default, samples=lambda: [
+    Sample((rand(4, 8), rand(4, 3), 1, 2, 5), label="inner"),
+    Sample((rand(8, 4), rand(4, 4), 0, 0, 8, 2), label="strided"),
+    Sample((rand(4, 4, 16), rand(4, 4, 8), 2, 8), label="tail"),
+])
+def _slice_scatter(info: OpInfo) -> list[AxisOption]:
+    dim = _dim(info)
+    return ([info.option(Shard(d), self=Shard(d), src=Shard(d)) for d in range(info.input("self").ndim) if d != dim]
+            + _pass_partial(info, ("self", "src")))
+
+
+@register(aten.select_scatter.default, samples=lambda: [
+    Sample((rand(4, 8), rand(8), 0, 2), label="row"),
+    Sample((rand(4, 8, 2), rand(4, 2), 1, 3), label="middle"),
+])
+def _select_scatter(info: OpInfo) -> list[AxisOption]:
+    dim = _dim(info)
+    return ([info.option(Shard(d), self=Shard(d), src=Shard(d if d < dim else d - 1))
+             for d in range(info.input("self").ndim) if d != dim] + _pass_partial(info, ("self", "src")))

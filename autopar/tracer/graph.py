@@ -176,6 +176,18 @@ class TracedGraph:
             self.decomposed[op] = tuple(sorted(set(self.decomposed.get(op, ())) | set(pieces)))
         return record
 
+    def functionalize(self) -> int:
+        """Remove in-place writes to activations (``autopar.tracer.functionalize``); returns how
+        many were removed. The graph, its hash and its blocks change only when some were."""
+        from autopar.tracer.functionalize import functionalize_activations
+
+        blocks = self._blocks
+        with self.rewriting():
+            removed = functionalize_activations(self.gm)
+        if not removed:
+            self._blocks = blocks
+        return removed
+
     @contextmanager
     def rewriting(self) -> Iterator[None]:
         """Around a pass that rewrites ``gm`` in place: node lookups and the loss follow it."""

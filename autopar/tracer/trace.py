@@ -31,6 +31,7 @@ from torch.export.graph_signature import InputKind
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from autopar.tracer import hf
+from autopar.tracer.errors import TraceError
 from autopar.tracer.heap import frozen_heap
 from autopar.tracer.unroll import trace_shallow
 from autopar.tracer.meta_keys import export_module_path
@@ -53,26 +54,6 @@ _OUTPUT_LEAVES = (torch.Tensor, torch.SymInt, torch.SymFloat, torch.SymBool, *_P
 _TORCH_LOGGERS = ("torch", "torch._subclasses.fake_tensor", "torch._dynamo", "torch.export",
                   "torch._export", "torch.fx.experimental.symbolic_shapes", "torch._guards",
                   "torch._functorch", "torch.fx.experimental.recording")
-
-
-class TraceError(RuntimeError):
-    """A model could not be traced. Attributes: op, module_path, source, hint, cause."""
-
-    def __init__(self, message: str, *, op: str = "", module_path: str = "", source: str = "",
-                 hint: str = "", cause: str = "") -> None:
-        self.op, self.module_path, self.source, self.hint, self.cause = (
-            op, module_path, source, hint, cause)
-        parts = [message]
-        if op:
-            parts.append(f"  op: {op}")
-        parts.append(f"  module: {module_path or '<root>'}")
-        if source:
-            parts.append(f"  source: {source}")
-        if hint:
-            parts.append(f"  hint: {hint}")
-        if cause:
-            parts.append(f"  cause: {cause}")
-        super().__init__("\n".join(parts))
 
 
 def trace(model: nn.Module, meta_inputs: tuple | dict, *, name: str | None = None,
@@ -130,6 +111,8 @@ def trace(model: nn.Module, meta_inputs: tuple | dict, *, name: str | None = Non
         traced = trace_shallow(model, export_and_build) if by_blocks else None
         if traced is None:
             traced = export_and_build(model)
+        # Every op a pure function of its inputs: layouts and recompute regions cannot lose a write.
+        traced.functionalize()
         if decompose_if is not None:  # the planner's "no rule, but a decomposition" (tracer/decompose.py)
             traced.decompose(decompose_if)
         return apply_precision(traced, precision, param_casts=param_casts)

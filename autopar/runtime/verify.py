@@ -1,0 +1,388 @@
+"""A plan proves itself: the emitted module against the all-replicated run, one step each.
+
+``verify_module(module, inputs)`` runs one forward and backward of an ``AutoParallelModule``
+and one of the all-replicated plan -- the traced graph itself on full tensors, computed whole on
+every rank -- on the same weights (the module's own, gathered) and the same inputs, and compares
+the loss and every parameter gradient under a dtype-aware tolerance (``tolerance``). The module
+is left as it was: its buffers (batch-norm statistics) and ``.grad`` are restored.
+
+On a mismatch it runs both again recording every traced node (``_Recorder``): the module's
+local values are gathered to full tensors under the plan's layout of each value (a ``P`` value
+summed, its gradient replicated: the runtime's gradient-layout invariant), the reference's are
+kept whole, and ``PlanVerificationError`` names the first node in execution order whose VALUE
+differs, or -- when every value agrees -- the gradient that diverges first in backward order
+(the latest such node in forward order: the op that computed it is one of its consumers).
+Nodes inside recompute regions are recorded too: the region's body is interpreted under the
+same non-reentrant checkpoint the runtime uses, so the backward replays it as in training.
+
+Every rank must call (collectives); every rank reaches the same verdict (the reference is
+computed identically everywhere and the mismatch flag is all-reduced), so all raise or none.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+from torch.utils.checkpoint import checkpoint
+
+from autopar.layout.placement import Partial, Replicate, TensorSpec
+from autopar.runtime.collectives import gather_full
+from autopar.runtime.dtensors import local_of
+from autopar.runtime.passes import TRACED_NAME_KEY
+from autopar.runtime.recompute import CheckpointRegion
+from autopar.tracer.graph import BUFFER, INPUT, MODULE_KEY, PARAMETER
+
+__all__ = ["PlanVerificationError", "Divergence", "VerifyReport", "verify_module", "tolerance"]
+
+# rtol per compute dtype: fp32 sums in a different order on shards (a few ulps per op, grown over
+# a deep graph); half types carry 8 (bf16) or 11 (fp16) mantissa bits.
+_RTOL = {torch.float64: 1e-7, torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 1e-2}
+
+
+def tolerance(dtype: torch.dtype) -> float:
+    """Relative tolerance for values computed in ``dtype`` (exact for integers and booleans)."""
+    return _RTOL.get(dtype, 0.0) if dtype.is_floating_point else 0.0
+
+
+@dataclass(frozen=True)
+class Divergence:
+    """The first traced node whose value (or gradient) differs from the all-replicated run."""
+
+    node: str
+    what: str  # "value" | "gradient"
+    op: str
+    module: str
+    strategy: str
+    input_specs: tuple[str | None, ...]
+    output_specs: tuple[str | None, ...]
+    error: float  # max |got - want|
+    scale: float  # max |want|
+    consumers: tuple[str, ...] = ()  # for a gradient: the ops whose backward produced it
+
+    def __str__(self) -> str:
+        where = f" (module {self.module})" if self.module else ""
+        text = (f"the {self.what} of node {self.node!r} [{self.op}]{where} diverges first: max abs error "
+                f"{self.error:.3g} against max |reference| {self.scale:.3g}; strategy {self.strategy!r}, "
+                f"inputs {list(self.input_specs)} -> outputs {list(self.output_specs)}")
+        if self.consumers:
+            text += f"; its gradient comes from the backward of {', '.join(self.consumers)}"
+        return text
+
+
+class PlanVerificationError(ValueError):
+    """The plan's module does not compute what the model computes (see ``verify_module``)."""
+
+    def __init__(self, message: str, *, mismatches: tuple[str, ...], divergence: Divergence | None) -> None:
+        super().__init__(message)
+        self.mismatches = mismatches
+        self.divergence = divergence
+
+
+@dataclass(frozen=True)
+class VerifyReport:
+    """What a passing check compared."""
+
+    loss: float
+    reference_loss: float
+    gradients: int  # parameter gradients compared
+    max_error: float  # the largest error relative to its tensor's tolerance scale (<= 1 passes)
+    seconds: float
+    mismatches: tuple[str, ...] = field(default=())
+
+    def __str__(self) -> str:
+        return (f"verified: loss {self.loss:.6g} (all-replicated {self.reference_loss:.6g}), {self.gradients} "
+                f"gradients, worst error {self.max_error:.2g} of tolerance, {self.seconds:.1f}s")
+
+
+def _error(got: torch.Tensor, want: torch.Tensor, rtol: float) -> tuple[float, float, float]:
+    """(max abs error, max |want|, error / tolerance): within tolerance when the last is <= 1.
+
+    The tolerance of an element is ``rtol * (|want| + max |want|)``: relative where values are
+    large, and scaled by the tensor's magnitude where they cancel to near zero."""
+    if tuple(got.shape) != tuple(want.shape):
+        return math.inf, math.inf, math.inf
+    if not want.is_floating_point():
+        bad = not torch.equal(got.to(want.dtype), want)
+        return float(bad), 1.0, math.inf if bad else 0.0
+    g, w = got.detach().double(), want.detach().double()
+    finite = torch.isfinite(w)
+    if not torch.equal(finite, torch.isfinite(g)) or not torch.equal(g[~finite], w[~finite]):
+        return math.inf, math.inf, math.inf  # a NaN/inf where the reference has none, or elsewhere
+    if not bool(finite.any()):
+        return 0.0, 0.0, 0.0
+    diff = (g - w)[finite].abs()
+    scale = float(w[finite].abs().max())
+    bound = rtol * (w[finite].abs() + scale) + 1e-30
+    return float(diff.max()), scale, float((diff / bound).max()) if rtol > 0 else float(diff.max() > 0) * math.inf
+
+
+def _compute_dtype(module) -> torch.dtype:
+    from autopar.tracer.precision import compute_dtype
+
+    return compute_dtype(module.plan.precision)
+
+
+def verify_module(module, inputs: tuple | dict, *, rtol: float | None = None) -> VerifyReport:
+    """Check ``module`` (an ``AutoParallelModule``) on ``inputs`` (the full batch, as ``forward``
+    takes it); ``PlanVerificationError`` on a mismatch. ``rtol``: None for ``tolerance`` of the
+    plan's compute dtype. Every rank must call."""
+    from autopar.runtime.module import AutoParallelModule
+
+    if not isinstance(module, AutoParallelModule):
+        raise NotImplementedError(f"verify checks an AutoParallelModule; got a {type(module).__name__} "
+                                  f"(pipelined and offloaded modules are not verified yet)")
+    traced = module._traced
+    if module.local_inputs:
+        raise ValueError("verify runs the full batch: build the module with local_inputs=False to verify it")
+    if traced.loss_node is None:
+        raise ValueError(f"{traced.model_name} returns no scalar loss: verify compares one forward and backward "
+                         f"of the loss (pass labels, or wrap the model so that it returns its loss)")
+    _no_random_ops(traced)
+    rtol = tolerance(_compute_dtype(module)) if rtol is None else rtol
+    args, kwargs = (inputs, {}) if isinstance(inputs, (tuple, list)) else ((), dict(inputs))
+    started = time.perf_counter()
+    with _restored(module):
+        full_state = module.full_placeholder_values()
+        ref = _Run.reference(module, full_state, args, kwargs, record=False)
+        got = _Run.planned(module, args, kwargs, record=False)
+        mismatches, worst = _compare_ends(got, ref, rtol)
+        flag = torch.tensor([1.0 if mismatches else 0.0])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if flag.item() == 0:
+            return VerifyReport(float(got.loss), float(ref.loss), len(ref.grads), worst,
+                                time.perf_counter() - started)
+        ref = _Run.reference(module, full_state, args, kwargs, record=True)
+        got = _Run.planned(module, args, kwargs, record=True)
+        divergence = _first_divergence(module, got, ref, rtol)
+    shown = "; ".join(mismatches[:6]) + (f"; ... ({len(mismatches)} in all)" if len(mismatches) > 6 else "")
+    where = str(divergence) if divergence is not None else "no single node was found to diverge"
+    raise PlanVerificationError(
+        f"the plan for {traced.model_name} on mesh {module.plan.mesh.shape} does not match the all-replicated run: "
+        f"{shown or 'the ranks disagree'}. {where}", mismatches=tuple(mismatches), divergence=divergence)
+
+
+def _no_random_ops(traced) -> None:
+    for node in traced.compute_nodes():
+        if torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ()) and _draws(node):
+            raise NotImplementedError(
+                f"verify cannot compare a model that draws random numbers in its step: node {node.name!r} "
+                f"({node.target}, module {node.meta.get(MODULE_KEY) or '<top level>'}); verify it in eval mode "
+                f"or with dropout 0")
+
+
+def _draws(node: fx.Node) -> bool:
+    """Whether a random-tagged op really draws: dropout with p 0 or train False does not."""
+    try:
+        bound = node.target._schema  # noqa: F841 -- only ops with a schema have named arguments
+        from autopar.strategies.registry import bind
+
+        args = bind(node.target, node.args, node.kwargs)
+    except Exception:  # noqa: BLE001 -- no schema: assume it draws
+        return True
+    if args.get("train") is False:
+        return False
+    p = args.get("dropout_p", args.get("p"))
+    return not (isinstance(p, (int, float)) and p == 0)
+
+
+class _restored:
+    """Leaves the module's buffers and gradients as they were before the check."""
+
+    def __init__(self, module) -> None:
+        self.module = module
+
+    def __enter__(self) -> None:
+        self.buffers = [(b, local_of(b).clone()) for b in self.module.buffers()]
+        self.grads = [(p, p.grad) for p in self.module.parameters()]
+        for p in self.module.parameters():
+            p.grad = None
+
+    def __exit__(self, *exc: Any) -> None:
+        with torch.no_grad():
+            for b, saved in self.buffers:
+                local_of(b).copy_(saved)
+        for p, grad in self.grads:
+            p.grad = grad
+
+
+@dataclass
+class _Run:
+    """One forward and backward: the loss, the parameter gradients by FQN and, when recorded,
+    every traced node's value and output gradient (full tensors)."""
+
+    loss: torch.Tensor
+    grads: dict[str, torch.Tensor | None]
+    values: dict[str, torch.Tensor] = field(default_factory=dict)
+    out_grads: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @classmethod
+    def reference(cls, module, full_state: dict, args: tuple, kwargs: dict, *, record: bool) -> "_Run":
+        """The all-replicated run: the traced graph on full tensors (the module's weights, gathered)."""
+        traced = module._traced
+        inputs = iter(module.flat_inputs(args, kwargs))
+        values, params = [], []
+        for ph in traced.placeholders:
+            if ph.kind in (PARAMETER, BUFFER):
+                value = full_state[ph.name].clone()
+                if ph.kind == PARAMETER and value.is_floating_point():
+                    params.append((ph, value.requires_grad_(True)))
+                values.append(value)
+            elif ph.kind == INPUT:
+                values.append(next(inputs))
+            else:  # a lifted constant or a non-tensor input: its traced value
+                values.append(traced.constants.get(ph.fqn, traced.node(ph.name).meta.get("val")))
+        recorder = _Recorder(traced.gm, record=record, key=lambda n: n.name)
+        loss = _loss_of(traced, recorder.run(*values))
+        loss.backward()
+        grads = {alias: value.grad for ph, value in params for alias in ph.aliases}
+        return cls(loss.detach(), grads, recorder.values, recorder.grads)
+
+    @classmethod
+    def planned(cls, module, args: tuple, kwargs: dict, *, record: bool) -> "_Run":
+        values = module.graph_arguments(args, kwargs)
+        recorder = _Recorder(module.graph_module, record=record, key=lambda n: n.meta.get(TRACED_NAME_KEY))
+        flat = recorder.run(*values)
+        loss = _loss_of(module._traced, flat)
+        loss.backward()
+        grads = module.full_gradients()
+        for p in module.parameters():
+            p.grad = None
+        full_values = {k: _gather(module, k, v, gradient=False) for k, v in recorder.values.items()}
+        full_grads = {k: _gather(module, k, v, gradient=True) for k, v in recorder.grads.items()}
+        return cls(loss.detach(), grads, full_values, full_grads)
+
+
+def _loss_of(traced, flat: Any) -> torch.Tensor:
+    outputs = traced.flat_outputs
+    loss_name = traced.loss_node.name
+    k = next(i for i, n in enumerate(outputs) if isinstance(n, fx.Node) and n.name == loss_name)
+    return list(flat)[k]
+
+
+class _Recorder(fx.Interpreter):
+    """Runs a graph module, recording (when asked) each traced node's output and, through a hook,
+    its gradient; ``key(node)`` is the traced name a node stands for (None: not recorded).
+    Recompute regions run their body through this recorder under the runtime's checkpoint."""
+
+    def __init__(self, gm: fx.GraphModule, *, record: bool, key: Callable[[fx.Node], str | None],
+                 sink: "_Recorder | None" = None) -> None:
+        super().__init__(gm)
+        self.record, self.key = record, key
+        self.values: dict[str, torch.Tensor] = {} if sink is None else sink.values
+        self.grads: dict[str, torch.Tensor] = {} if sink is None else sink.grads
+
+    def run_node(self, n: fx.Node) -> Any:
+        out = super().run_node(n)
+        name = self.key(n)
+        if self.record and name is not None and n.op not in ("output", "placeholder") \
+                and isinstance(out, torch.Tensor) and name not in self.values:
+            self.values[name] = out.detach().clone()
+            if out.requires_grad:
+                out.register_hook(lambda g, name=name: None if g is None else
+                                  self.grads.__setitem__(name, g.detach().clone()))
+        return out
+
+    def call_module(self, target: str, args: tuple, kwargs: dict) -> Any:
+        mod = self.fetch_attr(target)
+        if not isinstance(mod, CheckpointRegion) or not torch.is_grad_enabled():
+            return super().call_module(target, args, kwargs)
+        first = [True]
+
+        def body(*inner: Any) -> Any:
+            # The backward replays the body: record only its first (forward) run.
+            rec = _Recorder(mod.body, record=self.record and first[0], key=self.key, sink=self)
+            first[0] = False
+            return rec.run(*inner)
+
+        return checkpoint(body, *args, use_reentrant=False, preserve_rng_state=True)
+
+
+def _value_spec(module, name: str) -> TensorSpec | None:
+    """The plan's layout of traced value ``name`` (a ``getitem`` reads its producer's k-th)."""
+    traced, plan = module._traced, module.plan
+    node = traced.node(name)
+    k = 0
+    if node.target is __import__("operator").getitem and isinstance(node.args[0], fx.Node):
+        node, k = node.args[0], node.args[1]
+    try:
+        specs = plan.node(node.name).output_specs
+    except KeyError:
+        return None
+    return TensorSpec.parse(specs[k]) if k < len(specs) and specs[k] else None
+
+
+def _gather(module, name: str, local: torch.Tensor, *, gradient: bool) -> torch.Tensor | None:
+    spec = _value_spec(module, name)
+    if spec is None:
+        return None
+    if gradient:  # the gradient of a partial value is replicated (collectives' invariant)
+        spec = TensorSpec(tuple(Replicate() if isinstance(p, Partial) else p for p in spec.placements))
+    is_bool = local.dtype == torch.bool
+    with torch.no_grad():
+        full = gather_full(local.to(torch.uint8) if is_bool else local, spec, module.pmesh)
+    return full.bool() if is_bool else full
+
+
+def _compare_ends(got: _Run, ref: _Run, rtol: float) -> tuple[list[str], float]:
+    """The loss and every parameter gradient: (mismatch lines, worst error / tolerance)."""
+    mismatches, worst = [], 0.0
+    pairs = [("loss", got.loss, ref.loss)] + [(f"grad {k}", got.grads.get(k), w) for k, w in ref.grads.items()]
+    for what, g, w in pairs:
+        if w is None:
+            if g is not None and bool(g.abs().max() > 0):
+                mismatches.append(f"{what} should be None (unused) but is nonzero")
+            continue
+        if g is None:
+            mismatches.append(f"{what} is missing")
+            continue
+        err, scale, ratio = _error(g, w, rtol)
+        worst = max(worst, ratio)
+        if ratio > 1:
+            mismatches.append(f"{what} differs by {err:.3g} (max |reference| {scale:.3g})")
+    return mismatches, worst
+
+
+def _first_divergence(module, got: _Run, ref: _Run, rtol: float) -> Divergence | None:
+    order = [n.name for n in module._traced.nodes]
+    for name in order:
+        if name in got.values and name in ref.values and got.values[name] is not None:
+            err, scale, ratio = _error(got.values[name], ref.values[name], rtol)
+            if ratio > 1:
+                return _divergence(module, name, "value", err, scale)
+    for name in reversed(order):
+        if name in got.out_grads and name in ref.out_grads and got.out_grads[name] is not None:
+            err, scale, ratio = _error(got.out_grads[name], ref.out_grads[name], rtol)
+            if ratio > 1:
+                return _divergence(module, name, "gradient", err, scale)
+    return None
+
+
+def _divergence(module, name: str, what: str, err: float, scale: float) -> Divergence:
+    node = module._traced.node(name)
+    try:
+        decision = module.plan.node(name)
+        strategy, ins, outs = decision.strategy, decision.input_specs, decision.output_specs
+    except KeyError:
+        strategy, ins, outs = "(no decision)", (), ()
+    consumers = ()
+    if what == "gradient":
+        consumers = tuple(f"{u.name} [{_op(u)}: {_strategy_of(module, u.name)}]" for u in node.users)
+    return Divergence(name, what, _op(node), node.meta.get(MODULE_KEY, "") or "", strategy, tuple(ins),
+                      tuple(outs), err, scale, consumers)
+
+
+def _op(node: fx.Node) -> str:
+    return str(node.target) if node.op == "call_function" else node.op
+
+
+def _strategy_of(module, name: str) -> str:
+    try:
+        return module.plan.node(name).strategy
+    except KeyError:
+        return "-"
