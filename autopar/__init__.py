@@ -26,6 +26,9 @@ _LAZY = {
     "clip_grad_norm_": "autopar.runtime.module",
     "profile_mesh": "autopar.runtime.mesh_profile",
     "GradScaler": "autopar.runtime.amp",
+    "verify": "autopar.proof",
+    "PlanVerificationError": "autopar.runtime.verify",
+    "VerifyReport": "autopar.runtime.verify",
 }
 
 __all__ = ["MeshSpec", "TensorSpec", "Shard", "Replicate", "Partial", *_LAZY]

@@ -24,9 +24,7 @@ Torch is imported inside the functions only, so ``import autopar`` stays cheap.
 from __future__ import annotations
 
 import os
-import sys
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
@@ -36,6 +34,7 @@ from autopar.planner.offload_pricing import fit_device_room, runtime_options, wi
 from autopar.agreement import _agree, _all_gather, _check_plan_options, _fingerprint, _raise_failures, _ranks, _status, world_cluster  # noqa: F401
 from autopar.api_pipelined import PipelinedResult
 from autopar.plans import BaselineResult, Plan
+from autopar.stages import Progress
 
 if TYPE_CHECKING:
     import torch
@@ -50,28 +49,6 @@ if TYPE_CHECKING:
 
 __all__ = ["plan", "plan_model", "plan_traced", "plan_pipelined", "autoparallelize", "PlanOptions", "PlanResult",
            "PipelinedResult", "Progress"]
-
-
-class Progress:
-    """Stage lines with elapsed time (``verbose``), or silence; the seconds per stage either way.
-    ``sink`` receives each line: ``"<prefix> <stage> ..."`` when a stage starts, ``"<prefix>
-    <stage> done in <s>s"`` when it ends (the CLI's ``StageSink`` redraws the former in place)."""
-
-    def __init__(self, verbose: bool = False, sink: Callable[[str], None] | None = None) -> None:
-        self.verbose = verbose
-        self.sink = sink or (lambda line: print(line, file=sys.stderr, flush=True))
-        self.timings: dict[str, float] = {}
-        self._start = time.perf_counter()
-
-    @contextmanager
-    def stage(self, name: str, detail: str = ""):
-        if self.verbose:
-            self.sink(f"[autopar {time.perf_counter() - self._start:6.1f}s] {name}{' ' + detail if detail else ''} ...")
-        t0 = time.perf_counter()
-        yield
-        self.timings[name] = self.timings.get(name, 0.0) + (spent := time.perf_counter() - t0)  # repeats add up
-        if self.verbose:
-            self.sink(f"[autopar {time.perf_counter() - self._start:6.1f}s] {name} done in {spent:.2f}s")
 
 
 @dataclass(frozen=True, slots=True)
@@ -366,6 +343,7 @@ def autoparallelize(
     microbatches: int | str = "auto",
     schedule: str = "auto",
     offload: str | OffloadPolicy = "none",
+    verify: bool | tuple | dict = False,
 ) -> AutoParallelModule | PipelineModule:
     """Shard ``model`` over the current process group; see the module docstring.
 
@@ -399,6 +377,11 @@ def autoparallelize(
     ``offload``: ``"auto"`` or an ``OffloadPolicy`` (see ``plan``; ZeRO and recompute planned jointly): a plan that
     offloads (planned or given) runs in the chunk runtime (``module.gemini``, ``autopar.runtime.gemini``);
     ``module.optimizer(torch.optim.AdamW, ...)`` or the booster steps host chunks on the host.
+    ``verify``: after building, run one forward and backward under the plan and under the
+    all-replicated plan and compare the loss and every gradient (``autopar.runtime.verify``;
+    ``PlanVerificationError`` names the first diverging node); ``True`` checks on ``meta_inputs``
+    when they hold values, else on inputs made up from their shapes (``example_inputs``); or pass
+    the inputs to check on. Costs one extra step; the module is left as it was.
 
     Ranks agree or all fail: before anyone plans, the ranks compare (one ``all_gather_object``)
     their traced graph, input shapes, mesh, world size, versions, plan file and per-rank options,
@@ -433,6 +416,9 @@ def autoparallelize(
         prep.traced, mesh=prep.spec, options=prep.options, progress=progress, device=dev,
         cache_of=(model, meta_inputs) if cache else None, auto=prep.auto, source=(model, meta_inputs))
     if chosen.pipeline is not None:
+        if verify is not False:
+            raise NotImplementedError("verify=: pipelined plans are not verified yet; verify the plan without "
+                                      "pipeline= or leave verify off")
         return _build_pipelined(model, meta_inputs, chosen, spec=prep.spec, device=dev, seed=seed,
                                 init_weights=init_weights, local_inputs=local_inputs)
     # Every rank has the same trace, mesh and plan now, so this check fails everywhere or nowhere.
@@ -445,6 +431,10 @@ def autoparallelize(
         built = exc
     _raise_failures(_all_gather(_status(built), device=dev), built, when="while building the module")
     assert not isinstance(built, Exception)
+    if verify is not False:
+        from autopar.runtime.verify import verify_module, verify_inputs
+
+        verify_module(built, verify_inputs(prep.traced, meta_inputs if verify is True else verify, seed=seed))
     return built
 
 

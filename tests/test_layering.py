@@ -33,6 +33,7 @@ EXTENSIONS = frozenset(e["name"] for e in tomllib.loads((ROOT / "pyproject.toml"
 # api, cli, zoo and the package root sit on top and may import anything.
 MAY_IMPORT = {
     "autopar.layout": {"autopar.layout"},
+    "autopar.stages": {"autopar.stages"},
     "autopar.plans": {"autopar.plans", "autopar.layout"},
     # layout is the device-free vocabulary (plans already build on it); the tracer reads its
     # block names (``layout.blocks``) to recognise repeated blocks

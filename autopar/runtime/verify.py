@@ -38,7 +38,7 @@ from autopar.runtime.passes import TRACED_NAME_KEY
 from autopar.runtime.recompute import CheckpointRegion
 from autopar.tracer.graph import BUFFER, INPUT, MODULE_KEY, PARAMETER
 
-__all__ = ["PlanVerificationError", "Divergence", "VerifyReport", "verify_module", "tolerance"]
+__all__ = ["PlanVerificationError", "Divergence", "VerifyReport", "verify_module", "verify_inputs", "tolerance"]
 
 # rtol per compute dtype: fp32 sums in a different order on shards (a few ulps per op, grown over
 # a deep graph); half types carry 8 (bf16) or 11 (fp16) mantissa bits.
@@ -100,11 +100,24 @@ class VerifyReport:
                 f"gradients, worst error {self.max_error:.2g} of tolerance, {self.seconds:.1f}s")
 
 
-def _error(got: torch.Tensor, want: torch.Tensor, rtol: float) -> tuple[float, float, float]:
+# A tensor's errors are also allowed this fraction of rtol times the largest magnitude among all
+# tensors of its kind (all parameter gradients, say): a gradient that is zero in exact arithmetic
+# (a bias whose effect a softmax cancels) is rounding noise at 1e-10 whatever the plan.
+_GLOBAL_FLOOR = 1e-3
+
+
+def _floor(tensors, rtol: float) -> float:
+    scales = [float(t.detach().double().abs().nan_to_num(0.0, 0.0, 0.0).max()) for t in tensors
+              if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel()]
+    return _GLOBAL_FLOOR * rtol * max(scales, default=0.0)
+
+
+def _error(got: torch.Tensor, want: torch.Tensor, rtol: float, floor: float = 0.0) -> tuple[float, float, float]:
     """(max abs error, max |want|, error / tolerance): within tolerance when the last is <= 1.
 
-    The tolerance of an element is ``rtol * (|want| + max |want|)``: relative where values are
-    large, and scaled by the tensor's magnitude where they cancel to near zero."""
+    The tolerance of an element is ``rtol * (|want| + max |want|) + floor``: relative where values
+    are large, scaled by the tensor's magnitude where they cancel to near zero, and never below
+    ``floor`` (``_floor``: rounding noise of a value that is zero in exact arithmetic)."""
     if tuple(got.shape) != tuple(want.shape):
         return math.inf, math.inf, math.inf
     if not want.is_floating_point():
@@ -118,7 +131,7 @@ def _error(got: torch.Tensor, want: torch.Tensor, rtol: float) -> tuple[float, f
         return 0.0, 0.0, 0.0
     diff = (g - w)[finite].abs()
     scale = float(w[finite].abs().max())
-    bound = rtol * (w[finite].abs() + scale) + 1e-30
+    bound = rtol * (w[finite].abs() + scale) + floor + 1e-30
     return float(diff.max()), scale, float((diff / bound).max()) if rtol > 0 else float(diff.max() > 0) * math.inf
 
 
@@ -137,6 +150,9 @@ def verify_module(module, inputs: tuple | dict, *, rtol: float | None = None) ->
     if not isinstance(module, AutoParallelModule):
         raise NotImplementedError(f"verify checks an AutoParallelModule; got a {type(module).__name__} "
                                   f"(pipelined and offloaded modules are not verified yet)")
+    if getattr(module, "gemini", None) is not None:
+        raise NotImplementedError("verify: plans that offload parameters or optimizer state (the chunk runtime) "
+                                  "are not verified yet; verify the plan with offload='none'")
     traced = module._traced
     if module.local_inputs:
         raise ValueError("verify runs the full batch: build the module with local_inputs=False to verify it")
@@ -333,6 +349,7 @@ def _compare_ends(got: _Run, ref: _Run, rtol: float) -> tuple[list[str], float]:
     """The loss and every parameter gradient: (mismatch lines, worst error / tolerance)."""
     mismatches, worst = [], 0.0
     pairs = [("loss", got.loss, ref.loss)] + [(f"grad {k}", got.grads.get(k), w) for k, w in ref.grads.items()]
+    floor = _floor(ref.grads.values(), rtol)
     for what, g, w in pairs:
         if w is None:
             if g is not None and bool(g.abs().max() > 0):
@@ -341,7 +358,7 @@ def _compare_ends(got: _Run, ref: _Run, rtol: float) -> tuple[list[str], float]:
         if g is None:
             mismatches.append(f"{what} is missing")
             continue
-        err, scale, ratio = _error(g, w, rtol)
+        err, scale, ratio = _error(g, w, rtol, 0.0 if what == "loss" else floor)
         worst = max(worst, ratio)
         if ratio > 1:
             mismatches.append(f"{what} differs by {err:.3g} (max |reference| {scale:.3g})")
@@ -350,14 +367,16 @@ def _compare_ends(got: _Run, ref: _Run, rtol: float) -> tuple[list[str], float]:
 
 def _first_divergence(module, got: _Run, ref: _Run, rtol: float) -> Divergence | None:
     order = [n.name for n in module._traced.nodes]
+    floor = _floor(ref.values.values(), rtol)
     for name in order:
         if name in got.values and name in ref.values and got.values[name] is not None:
-            err, scale, ratio = _error(got.values[name], ref.values[name], rtol)
+            err, scale, ratio = _error(got.values[name], ref.values[name], rtol, floor)
             if ratio > 1:
                 return _divergence(module, name, "value", err, scale)
+    floor = _floor(ref.out_grads.values(), rtol)
     for name in reversed(order):
         if name in got.out_grads and name in ref.out_grads and got.out_grads[name] is not None:
-            err, scale, ratio = _error(got.out_grads[name], ref.out_grads[name], rtol)
+            err, scale, ratio = _error(got.out_grads[name], ref.out_grads[name], rtol, floor)
             if ratio > 1:
                 return _divergence(module, name, "gradient", err, scale)
     return None
@@ -386,3 +405,87 @@ def _strategy_of(module, name: str) -> str:
         return module.plan.node(name).strategy
     except KeyError:
         return "-"
+
+
+# --------------------------------------------------------------------------- example inputs
+_INDEX_OPS = {"aten.embedding.default": (1, 0, 0), "aten.cross_entropy_loss.default": (1, 0, 1),
+              "aten.nll_loss.default": (1, 0, 1), "aten.nll_loss_forward.default": (1, 0, 1),
+              "aten.one_hot.default": (0, None, None), "aten._embedding_bag.default": (1, 0, 0)}
+
+
+def verify_inputs(traced, inputs: Any, *, seed: int = 0) -> Any:
+    """``inputs`` with every tensor that holds no values (on ``meta``, or fake) replaced by one
+    that does: floats standard normal; integer and boolean inputs in the range the graph reads
+    them in -- an embedding's rows, a loss's classes -- or ones (attention masks: attend to all).
+    ``ValueError`` for anything but a tuple or dict of inputs. Same ``seed``, same values."""
+    import torch.utils._pytree as pytree
+
+    if inputs is True or not isinstance(inputs, (tuple, list, dict)):
+        raise ValueError(f"verify= takes True or the inputs to check on (a tuple or dict), got {type(inputs).__name__}")
+    generator = torch.Generator().manual_seed(seed)
+    bounds = _index_bounds(traced)
+    flat, spec = pytree.tree_flatten_with_path(inputs if isinstance(inputs, dict) else tuple(inputs))
+    names = [p.fqn for p in traced.inputs]
+    out = []
+    for k, (path, leaf) in enumerate(flat):
+        if isinstance(leaf, torch.Tensor) and (leaf.is_meta or _is_fake(leaf)):
+            key = _leaf_name(path, names, k, isinstance(inputs, dict))
+            leaf = _example(leaf, bounds.get(key), generator)
+        out.append(leaf)
+    made = pytree.tree_unflatten(out, spec)
+    return made if isinstance(inputs, dict) else tuple(made)
+
+
+def _is_fake(t: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(t, FakeTensor)
+
+
+def _leaf_name(path, names: list[str], k: int, keyed: bool) -> str:
+    from autopar.tracer.graph import keyword_path
+
+    return keyword_path(path) if keyed else (names[k] if k < len(names) else "")
+
+
+def _example(like: torch.Tensor, bound: int | None, generator: torch.Generator) -> torch.Tensor:
+    shape = tuple(like.shape)
+    if like.dtype.is_floating_point or like.dtype.is_complex:
+        return torch.randn(shape, generator=generator).to(like.dtype)
+    if like.dtype == torch.bool or bound is None:
+        return torch.ones(shape, dtype=like.dtype)
+    return torch.randint(0, max(bound, 1), shape, generator=generator).to(like.dtype)
+
+
+def _index_bounds(traced) -> dict[str, int]:
+    """Input FQN -> the exclusive upper bound of the values the graph indexes with it."""
+    inputs = {p.name: p.fqn for p in traced.inputs}
+    bounds: dict[str, int] = {}
+    for node in traced.compute_nodes():
+        entry = _INDEX_OPS.get(str(node.target))
+        if entry is None:
+            continue
+        index_arg, table_arg, table_dim = entry
+        source = _source_input(node.args[index_arg] if len(node.args) > index_arg else None, inputs)
+        if source is None:
+            continue
+        if table_arg is None:
+            bound = node.args[1] if len(node.args) > 1 and isinstance(node.args[1], int) and node.args[1] > 0 else None
+        else:
+            table = node.args[table_arg].meta.get("val")
+            bound = int(table.shape[table_dim]) if table is not None and table.dim() > table_dim else None
+        if bound is not None:
+            bounds[source] = min(bounds.get(source, bound), bound)
+    return bounds
+
+
+def _source_input(value: Any, inputs: dict[str, str]) -> str | None:
+    """The user input an index tensor is (through views and casts), or None."""
+    while isinstance(value, fx.Node):
+        if value.op == "placeholder":
+            return inputs.get(value.name)
+        tensors = [a for a in value.all_input_nodes]
+        if value.op != "call_function" or len(tensors) != 1:
+            return None
+        value = tensors[0]
+    return None
