@@ -90,6 +90,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="do not store the plan in the plan cache ($AUTOPAR_CACHE_DIR, default ~/.cache/autopar/plans)")
     p.add_argument("--json", metavar="FILE", help="write the plan (loadable by autoparallelize(plan=FILE))")
     p.add_argument("--html", metavar="FILE", help="write a self-contained HTML report")
+    p.add_argument("--verify", action="store_true",
+                   help="run one step of the plan on --local N processes against the all-replicated plan and "
+                        "compare the loss and every gradient (exit 1 naming the first diverging node)")
+    p.add_argument("--local", type=int, help="with --verify: start N local processes (N = the mesh's devices)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
 
     c = sub.add_parser("coverage", help="the ATen ops of a model and how each is covered (native, generic, decomposed, dtensor, fallback, missing)")
@@ -191,6 +195,7 @@ def cmd_inspect(args) -> int:
                           offload=args.offload)
     if options.pipeline is not None and auto:
         raise CliError("--pipeline plans over the given mesh's first axis, without --mesh auto")
+    _check_verify(args, mesh)
     _check_writable(args.json, "--json")
     _check_writable(args.html, "--html")
     check_model_spec(args.model, args.input)
@@ -226,6 +231,44 @@ def cmd_inspect(args) -> int:
               f"{len(search.rows)} meshes\n{search.table()}\n")
     print(render_text(report, layers=not args.no_layers))
     print(f"\nplanned in {report.wall_s:.1f}s" + "".join(f"; wrote {p}" for p in (args.json, args.html) if p))
+    return _verify_locally(model, meta, result.plan, args.local) if args.verify else 0
+
+
+def _check_verify(args, mesh) -> None:
+    if args.local is not None and not args.verify:
+        raise CliError("--local N goes with --verify")
+    if not args.verify:
+        return
+    if args.pipeline is not None:
+        raise CliError("--verify: pipelined plans are not verified yet")
+    if args.local is None:
+        raise CliError("--verify runs the plan on local processes: pass --local N (N = the mesh's devices)")
+    devices = mesh.num_devices if mesh is not None else args.nodes * args.devices_per_node
+    if args.local != devices:
+        raise CliError(f"--local {args.local}: the mesh has {devices} devices; pass --local {devices}")
+
+
+def _verify_locally(model, meta, plan, processes: int) -> int:
+    """One step of ``plan`` on ``processes`` gloo ranks against the all-replicated plan (inputs
+    made up from the meta shapes, weights from the model's own initialisation)."""
+    import autopar
+    from autopar.runtime.launch import run_local
+
+    def check(rank, world):
+        try:
+            return str(autopar.verify(model, meta, plan))
+        except (autopar.PlanVerificationError, NotImplementedError) as exc:
+            return exc
+
+    t0 = time.perf_counter()
+    outcome = run_local(check, processes, timeout=600)[0]
+    if isinstance(outcome, NotImplementedError):
+        print(f"\nverify could not run: {outcome}")
+        return 1
+    if isinstance(outcome, Exception):
+        print(f"\nverify FAILED on {processes} local processes: {outcome}")
+        return 1
+    print(f"\n{outcome} on {processes} local processes (in {time.perf_counter() - t0:.1f}s)")
     return 0
 
 

@@ -376,3 +376,22 @@ def test_inspect_pipeline_html_shows_stages_and_the_schedule(tmp_path):
                                          for s in range(4) for m in range(4)})
     assert len(boxes) == 48
     assert _ms(r"Simulated step ([\d.]+) ms", page) > 0
+
+
+# ------------------------------------------------------------------------------- inspect --verify
+def test_inspect_verify_runs_the_plan_on_local_processes(tmp_path, capsys):
+    path = _save_config(tmp_path, "llama", **_TINY_HF)
+    code, out, err = _main(capsys, "inspect", path, "--mesh", "2", "--batch", "4", "--seq", "16", "--preset", "cpu",
+                           "--no-baselines", "-q", "--verify", "--local", "2")
+    assert code == 0, err[-3000:]
+    assert re.search(r"verified: loss [\d.]+ \(all-replicated [\d.]+\), \d+ gradients", out), out[-2000:]
+    assert "on 2 local processes" in out
+
+
+@pytest.mark.parametrize("extra, needle", [
+    (("--verify",), "pass --local N"),
+    (("--verify", "--local", "4"), "the mesh has 2 devices; pass --local 2"),
+    (("--local", "2"), "--local N goes with --verify"),
+])
+def test_inspect_verify_flags_are_checked_first(extra, needle):
+    assert_one_line_error(run_cli("inspect", "gpt2", "--mesh", "2", *extra, timeout=60), needle)
