@@ -167,9 +167,12 @@ _TABLE: dict = {
     aten.logical_and.default: (_bool_samples, None),
     aten.logical_or.default: (_bool_samples, None),
     aten.logical_not.default: (lambda: [Sample((randbool(4, 8),))], None),
-    # In-place fills (export keeps them on fresh buffers): the filled tensor keeps its layout.
+    # Fills (export keeps the in-place ones on fresh buffers; the tracer's functionalization makes
+    # them out of place): the filled tensor keeps its layout.
     aten.fill_.Scalar: (_scalar_samples(2.0), None),
     aten.fill_.Tensor: (lambda: [Sample((rand(4, 8), rand()))], None),
+    aten.fill.Scalar: (_scalar_samples(2.0), None),
+    aten.fill.Tensor: (lambda: [Sample((rand(4, 8), rand()))], None),
 }
 
 for _op, (_samples, _partial) in _TABLE.items():

@@ -119,6 +119,13 @@ class _Rewriter:
         base, chain = self.resolve(writer.args[slot])
         if base.op == "placeholder":
             return  # a parameter or buffer: the runtime writes its shard (batch-norm statistics)
+        functional = _functional_op(writer)
+        if functional is None and writer.target != aten.copy_.default:
+            if chain:
+                raise _cannot(writer, "it writes through a view and has no out-of-place twin")
+            # A write straight into the value it returns (``bernoulli_`` on a fresh buffer): every
+            # later reader reads the write's own result, so it stays, as the runtime runs it.
+            return
         if base.op == "call_function" and base.target in _ZEROED and base not in self.version:
             base = self._zeroed(base)
         views = [self.current(base, writer)]
@@ -130,7 +137,7 @@ class _Rewriter:
         if writer.target == aten.copy_.default:
             new = self._copied(views[-1], args[1], writer)
         else:
-            new = self._emit(_functional_op(writer), tuple(args), kwargs, writer, writer)
+            new = self._emit(functional, tuple(args), kwargs, writer, writer)
         for view, parent in zip(reversed(chain), reversed(views[:-1])):
             new = self._scatter(view, parent, new, writer)
         self.version[base] = new
@@ -238,14 +245,11 @@ def _fake_value(target: Callable, args: tuple, kwargs: dict) -> Any:
         return target(*args_v, **kwargs_v)
 
 
-def _functional_op(writer: fx.Node) -> Callable:
+def _functional_op(writer: fx.Node) -> Callable | None:
     """The out-of-place twin of an in-place op (``index_put_.default`` -> ``index_put.default``)."""
     packet = writer.target.overloadpacket.__name__
     name = packet[:-1] if packet.endswith("_") else None
-    functional = getattr(getattr(aten, name, None), writer.target._overloadname, None) if name else None
-    if functional is None:
-        raise _cannot(writer, "it has no out-of-place twin")
-    return functional
+    return getattr(getattr(aten, name, None), writer.target._overloadname, None) if name else None
 
 
 def _cannot(node: fx.Node, why: str) -> Exception:

@@ -99,7 +99,25 @@ def check_e2e(model, traced, plan, inputs, ref, *, exact: bool = True) -> list[s
         err = _compare(f"grad {k}", got, want)
         if err:
             errors.append(err)
-    return errors
+    return errors + _diagnosis(pm, inputs, bool(errors))
+
+
+def _diagnosis(pm, inputs, failed: bool) -> list[str]:
+    """On a mismatch (on any rank: every rank must join), the plan's own check names the first
+    node whose value or gradient diverges from the all-replicated run."""
+    from autopar.runtime.verify import PlanVerificationError, verify_module
+
+    flag = torch.tensor([float(failed)])
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    if not flag.item():
+        return []
+    try:
+        verify_module(pm, inputs)
+    except PlanVerificationError as exc:
+        return [f"verify: {exc.divergence or 'no single node diverges'}"]
+    except Exception as exc:  # noqa: BLE001 -- the diagnosis is a hint, the mismatch stands
+        return [f"verify could not run: {_short(exc)}"]
+    return ["verify: the plan matches the all-replicated run (the mismatch is against the original model)"]
 
 
 def _check_consistent(loss: torch.Tensor, grads: dict, ref: dict) -> list[str]:

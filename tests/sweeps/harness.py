@@ -25,6 +25,7 @@ import multiprocessing as mp
 import multiprocessing.connection as mp_connection
 import os
 import pickle
+import re
 import time
 import traceback
 import warnings
@@ -74,6 +75,10 @@ class MeshResult:
                                          # (None: no op there, e.g. nn.Identity)
     errors: list[str] | None = None      # end to end: [] = match, None = not run
     e2e_s: float = 0.0                   # end-to-end check time (slowest rank)
+    min_budget: int | None = None        # tight mode: the smallest budget the planner reported
+    budget: int | None = None            # tight mode: the budget planned at
+    plan_s: float = 0.0                  # planning seconds (tight mode: at ``budget``)
+    status: str = ""                     # the solver's status and gap, e.g. "optimal 0.0%"
 
     @property
     def planned(self) -> bool:
@@ -179,16 +184,43 @@ def is_sharded(plan, focus: str = "") -> bool | None:
                for n in ops for spec in (*n.input_specs, *n.output_specs))
 
 
-def _plan_on(traced, prof, shape: Mesh, focus: str = "") -> tuple[MeshResult, Any]:
-    """(what happened, the plan to check end to end or None) for one mesh."""
-    res = MeshResult()
+_SMALLEST = re.compile(r"smallest budget any plan meets is (?:between \d+ and )?(\d+) bytes")
+
+
+def smallest_budget(traced, prof, shape: Mesh) -> int:
+    """The smallest per-device budget the planner reports for ``shape`` (recompute allowed): the
+    figure of the ``ValueError`` a 1-byte budget raises, as a user reads it."""
     try:
-        plan = plan_traced(traced, prof, mesh=fast_mesh(shape)).plan
+        plan_traced(traced, prof, mesh=fast_mesh(shape), options=PlanOptions(memory_budget=1))
+    except ValueError as exc:
+        found = _SMALLEST.search(str(exc))
+        if found is None:
+            raise
+        return int(found.group(1))
+    raise AssertionError("a 1-byte budget was met")
+
+
+def _plan_on(traced, prof, shape: Mesh, focus: str = "", budget_factor: float | None = None
+             ) -> tuple[MeshResult, Any]:
+    """(what happened, the plan to check end to end or None) for one mesh. ``budget_factor``:
+    plan at that multiple of the smallest budget the planner reports (tight mode, no fallback)."""
+    res = MeshResult()
+    options = PlanOptions()
+    try:
+        if budget_factor is not None:
+            res.min_budget = smallest_budget(traced, prof, shape)
+            res.budget = int(res.min_budget * budget_factor)
+            options = PlanOptions(memory_budget=res.budget)
+        start = time.perf_counter()
+        plan = plan_traced(traced, prof, mesh=fast_mesh(shape), options=options).plan
+        res.plan_s = time.perf_counter() - start
+        res.status = f"{plan.solver.get('status', '?')} {100 * (plan.solver.get('gap') or 0.0):.1f}%"
         res.strict = True
         res.sharded = is_sharded(plan, focus)
         return res, plan
     except NoRuleError:
-        pass
+        if budget_factor is not None:
+            raise
     except Exception as exc:  # noqa: BLE001 -- any planning failure is this entry's result
         res.plan_error = _short(exc)
         return res, None
@@ -210,12 +242,13 @@ def _plan_on(traced, prof, shape: Mesh, focus: str = "") -> tuple[MeshResult, An
     return res, plan
 
 
-def _plan_all(traced, prof, meshes: Sequence[Mesh], focus: str = "") -> tuple[dict, dict, float]:
+def _plan_all(traced, prof, meshes: Sequence[Mesh], focus: str = "", budget_factor: float | None = None
+              ) -> tuple[dict, dict, float]:
     start = time.perf_counter()
     results, plans = {}, {}
     for shape in meshes:
         label = mesh_label(shape)
-        results[label], plan = _plan_on(traced, prof, shape, focus)
+        results[label], plan = _plan_on(traced, prof, shape, focus, budget_factor)
         if plan is not None:
             plans[label] = plan
     return results, plans, time.perf_counter() - start
@@ -256,11 +289,11 @@ def _front(entry: Entry) -> tuple[_Prepared, Any]:
     return prep, prof
 
 
-def _plan_child(traced, prof, meshes, focus, conn) -> None:
+def _plan_child(traced, prof, meshes, focus, budget_factor, conn) -> None:
     torch.set_num_threads(1)
     warnings.simplefilter("ignore")
     try:
-        payload = ("ok", _plan_all(traced, prof, meshes, focus))
+        payload = ("ok", _plan_all(traced, prof, meshes, focus, budget_factor))
     except BaseException:  # noqa: BLE001 -- sent back as text
         payload = ("error", traceback.format_exc())
     conn.send_bytes(pickle.dumps(payload))
@@ -271,8 +304,8 @@ class _Planner:
     """Plans each traced entry in a forked process, ``jobs`` at a time, while the parent traces
     the next entries (planning a 2-D mesh costs several times the trace)."""
 
-    def __init__(self, meshes: Sequence[Mesh], jobs: int, timeout: float) -> None:
-        self.meshes, self.jobs, self.timeout = meshes, jobs, timeout
+    def __init__(self, meshes: Sequence[Mesh], jobs: int, timeout: float, budget_factor: float | None = None) -> None:
+        self.meshes, self.jobs, self.timeout, self.budget_factor = meshes, jobs, timeout, budget_factor
         self.ctx = mp.get_context("fork")
         self.running: dict[Any, tuple[Any, _Prepared, float]] = {}  # conn -> (process, prep, start)
 
@@ -281,7 +314,7 @@ class _Planner:
 
     def submit(self, prep: _Prepared, prof) -> None:
         if self.jobs <= 1 or prep.result.nodes < self.FORK_MIN_NODES:
-            self._store(prep, ("ok", _plan_all(prep.traced, prof, self.meshes, prep.entry.focus)))
+            self._store(prep, ("ok", _plan_all(prep.traced, prof, self.meshes, prep.entry.focus, self.budget_factor)))
             return
         while len(self.running) >= self.jobs:
             self._collect(block=True)
@@ -289,8 +322,8 @@ class _Planner:
         # Frozen objects are never visited by the child's garbage collector, so the child does
         # not copy the parent's whole heap page by page (copy-on-write) when it collects.
         gc.freeze()
-        proc = self.ctx.Process(target=_plan_child, args=(prep.traced, prof, self.meshes, prep.entry.focus, child),
-                                daemon=True)
+        proc = self.ctx.Process(target=_plan_child, daemon=True,
+                                args=(prep.traced, prof, self.meshes, prep.entry.focus, self.budget_factor, child))
         proc.start()
         child.close()
         self.running[parent] = (proc, prep, time.perf_counter())
@@ -331,16 +364,17 @@ class _Planner:
 
 
 def sweep(entries: Sequence[Entry], meshes: Sequence[Mesh], *, task_timeout: float = 60.0,
-          plan_timeout: float = 300.0, jobs: int | None = None,
+          plan_timeout: float = 300.0, jobs: int | None = None, budget_factor: float | None = None,
           progress: Callable[[str], None] | None = None) -> list[Result]:
     """Prepare every entry (planning in up to ``jobs`` forked processes, default: the CPU count,
-    at most 2), then run all of them end to end; one ``Result`` per entry, in order."""
+    at most 2), then run all of them end to end; one ``Result`` per entry, in order.
+    ``budget_factor``: plan each mesh at that multiple of its smallest budget (``_plan_on``)."""
     names = [e.name for e in entries]
     if len(set(names)) != len(names):
         raise ValueError(f"duplicate entry names: {sorted({n for n in names if names.count(n) > 1})}")
     jobs = min(2, os.cpu_count() or 1) if jobs is None else jobs
     start = time.perf_counter()
-    planner = _Planner(meshes, jobs, plan_timeout)
+    planner = _Planner(meshes, jobs, plan_timeout, budget_factor)
     preps = []
     threads = torch.get_num_threads()
     # One intra-op thread: the tiny reference steps gain nothing from more, and OpenMP threads

@@ -193,3 +193,22 @@ def build(arch: Arch):
 def entries(names: list[str] | None = None) -> list[Entry]:
     archs = [a for a in ARCHS if names is None or a.model in names]
     return [Entry(a.model, (lambda a=a: build(a)), group=a.group) for a in archs]
+
+
+def deepseek_entry() -> Entry:
+    """DeepSeek-V3 at the tiny sizes of issue 27 (multi-head latent attention, shared + routed
+    experts, group-limited routing): the held-out model that trained with wrong gradients under
+    a tight budget (an in-place write through a view lost to a layout conversion)."""
+
+    def make():
+        import transformers
+
+        config = transformers.DeepseekV3Config(
+            vocab_size=101, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
+            first_k_dense_replace=1, n_routed_experts=4, num_experts_per_tok=2, n_group=2, topk_group=1,
+            n_shared_experts=1, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=16,
+            qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, max_position_embeddings=64)
+        ids = torch.randint(0, 101, (4, 16))
+        return transformers.DeepseekV3ForCausalLM(config), {"input_ids": ids, "labels": ids}
+
+    return Entry("DeepseekV3ForCausalLM", make, group="moe")
