@@ -153,6 +153,10 @@ def verify_module(module, inputs: tuple | dict, *, rtol: float | None = None) ->
     if getattr(module, "gemini", None) is not None:
         raise NotImplementedError("verify: plans that offload parameters or optimizer state (the chunk runtime) "
                                   "are not verified yet; verify the plan with offload='none'")
+    if module._zero2:
+        raise NotImplementedError(
+            f"verify: the plan shards the gradients of {len(module._zero2)} parameters (ZeRO-2), whose .grad then "
+            f"holds only this rank's piece; verify the same plan with zero_stage=0 or 1 (same layouts)")
     traced = module._traced
     if module.local_inputs:
         raise ValueError("verify runs the full batch: build the module with local_inputs=False to verify it")
