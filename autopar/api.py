@@ -280,7 +280,10 @@ def plan_traced(traced: TracedGraph, profile: ModelProfile, *, mesh: MeshSpec | 
     replan = lambda b: plan_recompute(traced, profile, b, mode=options.checkpoint, solver=options.solver,  # noqa: E731
                                       time_limit=options.time_limit, progress=progress,
                                       solve_plain=lambda p: _solve(p, options=options, progress=progress, stage="solve"))
-    rc = fit_device_room(traced, built, replan(built), options=options, replan=replan, progress=progress)  # offload
+    from autopar.solver.driver import remembering
+
+    with remembering():  # one scope for the re-solves: each one's plans are incumbents of the next
+        rc = fit_device_room(traced, built, replan(built), options=options, replan=replan, progress=progress)  # offload
     results = ()
     if options.baselines:
         results = tuple(_baseline(name, traced, built, options=options, progress=progress)

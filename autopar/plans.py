@@ -267,7 +267,7 @@ class Plan:
             f"  estimate: {self.estimate}",
             f"  solver: {self.solver.get('backend')} {self.solver.get('status')}, objective "
             f"{self.solver.get('objective', 0.0) * 1e3:.3f} ms, LP bound "
-            f"{self.solver.get('lp_bound', 0.0) * 1e3:.3f} ms, gap {self.solver.get('gap', 0.0):.2%}",
+            f"{_ms_or_unknown(self.solver.get('lp_bound', 0.0))}, gap {_pct_or_unknown(self.solver.get('gap', 0.0))}",
         ]
         if self.timings:
             lines.append("  timings: " + ", ".join(f"{k} {v:.2f}s" for k, v in self.timings.items()))
@@ -380,6 +380,15 @@ class Plan:
     def load(cls, path: str) -> "Plan":
         with open(path) as f:
             return cls.from_json(f.read())
+
+
+def _ms_or_unknown(seconds: float | None) -> str:
+    """A solver bound in ms; None: the bound is unknown (a known plan answered a timed-out solve)."""
+    return "unknown" if seconds is None else f"{seconds * 1e3:.3f} ms"
+
+
+def _pct_or_unknown(share: float | None) -> str:
+    return "unknown" if share is None else f"{share:.2%}"
 
 
 def _gb(nbytes: float) -> str:

@@ -231,7 +231,7 @@ def plan_recompute(traced, prof, built, *, mode: str = "auto", solver: str = "au
 
 def _plan_recompute(traced, prof, built, *, mode: str, solver: str, time_limit: float, solve_plain, progress,
                     prune: bool) -> RecomputePlan:
-    from autopar.solver.driver import SolveTimeout, simplified, solve
+    from autopar.solver.driver import SolveTimeout, fallback, simplified, solve
 
     if mode not in MODES:
         raise ValueError(f"checkpoint must be one of {MODES}, got {mode!r}")
@@ -248,11 +248,20 @@ def _plan_recompute(traced, prof, built, *, mode: str, solver: str, time_limit: 
     if mode == "auto":
         # Recompute only adds forward time, so the unconstrained optimum bounds every mode from
         # below: when it fits the budget as it is, it is the answer and the search is skipped.
-        free = solve_plain(plain.with_budget(None))
-        if plain.evaluate(free.choice).peak_bytes <= problem.budget_bytes:
+        try:
+            free = solve_plain(plain.with_budget(None))
+        except SolveTimeout:  # only a shortcut: the budgeted search below decides
+            free = None
+        if free is not None and plain.evaluate(free.choice).peak_bytes <= problem.budget_bytes:
             return _finish(built, problem, free.choice, free, (), inputs, "none", {"unconstrained_fits": True})
     if mode == "none" or problem.budget_bytes is None:
-        sol = solve_plain(plain)
+        try:
+            sol = solve_plain(plain)
+        except SolveTimeout as exc:  # no plan in time: a known one that fits, else the error (one solve's
+            try:                     # time limit is this mode's: tests/solver/test_watchdog.py)
+                sol = fallback(plain, solver=solver, time_limit=time_limit, search=False)
+            except SolveTimeout:
+                raise exc from None
         return _finish(built, problem, sol.choice, sol, (), inputs, "none", {})
     costs = ChoiceCosts(built)
     search = _Search(traced, prof, built, costs=costs, progress=progress, prune=prune)
@@ -273,7 +282,7 @@ def _plan_recompute(traced, prof, built, *, mode: str, solver: str, time_limit: 
                 ev = estimate(built, problem, rotor_sol.choice, (), inputs, costs=costs)
                 if ev.peak_bytes <= problem.budget_bytes:
                     stage2.append(_finish(built, problem, rotor_sol.choice, rotor_sol, (), inputs, "rotor", {}, ev=ev))
-        except ValueError as exc:
+        except (ValueError, SolveTimeout) as exc:
             rotor_error, rotor_sol = exc, None
     if mode in ("ilp", "both", "auto"):
         try:
@@ -301,6 +310,17 @@ def _plan_recompute(traced, prof, built, *, mode: str, solver: str, time_limit: 
         except ValueError as exc:
             errors.append(exc)
     candidates = stage1 + stage2
+    if not candidates and any(isinstance(e, SolveTimeout) for e in errors):
+        # No plan in time: a known plan that fits, else the minimum-peak plan (with recompute, where
+        # the mode allows it: Rotor's mode only keeps known plans); the first error otherwise.
+        try:
+            sol = fallback(problem if mode != "rotor" else plain, solver=solver, time_limit=time_limit,
+                           recompute_inputs=inputs if mode != "rotor" else None, search=mode != "rotor")
+        except (ValueError, SolveTimeout):
+            raise errors[0] from None
+        method = "rotor" if mode == "rotor" else "ilp"
+        candidates = [_finish(built, problem, sol.choice, sol, sol.recompute, inputs, method, {"fallback": True},
+                              costs=costs)]
     if not candidates:
         if errors:
             raise errors[0]

@@ -337,7 +337,7 @@ class StageCosts(RangeFamilies):
         if any(sol.choice[h] != sol.choice[h[:-len(HELD)]] for h in held):
             return None  # only a layout change of a kept value (priced _TIE_S) fits: infeasible
         return self._figures(problem, b, sol.choice, in_flight=in_flight, factor=factor, recompute=recompute,
-                             status=sol.status, gap=sol.gap)
+                             status=sol.status, gap=1.0 if sol.gap is None else sol.gap)  # None: no bound known
 
     def _figures(self, problem: Problem, b: int, choice: dict[str, str], *, in_flight: int, factor: float,
                  recompute: bool, status: str, gap: float) -> tuple[dict[str, str], StageCost, int]:

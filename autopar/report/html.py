@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 from html import escape
 
-from autopar.report.text import baseline_rows, block_groups, fmt_bytes, fmt_ms, recompute_note
+from autopar.report.text import baseline_rows, block_groups, fmt_bytes, fmt_gap, fmt_ms, recompute_note
 
 __all__ = ["render", "memory_svg"]
 
@@ -112,7 +112,7 @@ def _summary(report) -> str:
         items.append(("recompute", escape(recompute_note(p))))
     items += [
         ("solver", f"{escape(str(s.get('backend')))} {escape(str(s.get('status')))}, LP bound "
-                   f"{fmt_ms(s.get('lp_bound', 0.0))}, gap {s.get('gap', 0.0):.2%}, {s.get('num_variables')} "
+                   f"{fmt_ms(s.get('lp_bound', 0.0))}, gap {fmt_gap(s.get('gap', 0.0))}, {s.get('num_variables')} "
                    f"variables, {s.get('num_constraints')} constraints"),
         ("planning", escape(", ".join(f"{k} {v:.2f}s" for k, v in p.timings.items()))),
     ]

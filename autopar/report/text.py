@@ -15,8 +15,12 @@ def fmt_bytes(n: float) -> str:
     return f"{int(n)} B"
 
 
-def fmt_ms(seconds: float) -> str:
-    return f"{seconds * 1e3:.3f} ms"
+def fmt_ms(seconds: float | None) -> str:
+    return "unknown" if seconds is None else f"{seconds * 1e3:.3f} ms"  # None: an unknown solver bound
+
+
+def fmt_gap(share: float | None) -> str:
+    return "unknown" if share is None else f"{share:.2%}"
 
 
 def table(header: Sequence[str], rows: Sequence[Sequence[str]], *, right: Sequence[int] = ()) -> list[str]:
@@ -77,7 +81,7 @@ def _summary(report) -> list[str]:
         f"{fmt_bytes(est.param_bytes)}",
         f"  solver         {solver.get('backend')} {solver.get('status')}: objective "
         f"{fmt_ms(solver.get('objective', 0.0))}, LP bound {fmt_ms(solver.get('lp_bound', 0.0))}, gap "
-        f"{solver.get('gap', 0.0):.2%}; {solver.get('num_variables')} variables, "
+        f"{fmt_gap(solver.get('gap', 0.0))}; {solver.get('num_variables')} variables, "
         f"{solver.get('num_constraints')} constraints",
     ]
     if p.recompute:

@@ -5,7 +5,13 @@ when ``recompute_inputs`` are given, the joint sharding + recompute ILP
 (``autopar.solver.recompute_ilp.RecomputeModel``). Every answer is re-evaluated with
 ``Problem.evaluate`` (with the chosen recompute) and checked against the solver's objective and
 the budget. An infeasible budget raises ``ValueError`` with the smallest budget any plan meets
-(a second ILP minimising the peak); no plan within the time limit raises ``SolveTimeout``.
+(a second ILP minimising the peak). A solve that finds no plan within the time limit answers
+with the fastest plan known in the planning call that fits (``autopar.solver.incumbents``:
+every plan a solve returned, every minimum-peak plan), status "feasible", its gap against the
+LP bound, or an unknown bound (None) when the relaxation did not finish; ``SolveTimeout`` only
+when no known plan fits. At a binding budget a relaxation that is not integral first gets a
+plan from its neighbourhood (``incumbents.neighbourhood``); the search then has a share of the
+time limit to improve on it (``_Clock.after_plan``), and the better plan is the answer.
 The time limit is hard: the solver runs of one call share it and return by ``HARD_FACTOR`` x it
 even when a backend ignores it (``IlpModel.run``'s watchdog). No torch import.
 """
@@ -13,6 +19,7 @@ even when a backend ignores it (``IlpModel.run``'s watchdog). No torch import.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -20,6 +27,7 @@ from typing import Callable, Iterator, Mapping
 
 import numpy as np
 
+from autopar.solver import incumbents
 from autopar.solver.ilp import HARD_FACTOR, INTEGRAL_TOL, MEM_UNIT, MIP_REL_GAP, IlpModel, Outcome, pick_backend
 from autopar.solver.problem import Problem, Solution
 from autopar.solver.dive import alternate
@@ -27,7 +35,10 @@ from autopar.solver.recompute_ilp import RECOMPUTE_GAP, RecomputeModel
 from autopar.solver.simplify import Reduced, simplify
 from autopar.solver.timeline import Evaluation, SegmentInputs
 
-__all__ = ["solve", "minimum_budget", "simplified", "remembering", "SolveTimeout"]
+__all__ = ["solve", "minimum_budget", "fallback", "simplified", "remembering", "SolveTimeout"]
+
+
+log = logging.getLogger(__name__)
 
 
 class SolveTimeout(RuntimeError):
@@ -37,8 +48,15 @@ class SolveTimeout(RuntimeError):
 # The LP relaxation is told the first share of one call's time limit and stopped at the second,
 # so a HiGHS hang in it leaves CBC time to redo it and to search; it normally takes a tiny fraction.
 _LP_SHARE, _LP_HARD_SHARE = 0.4, 0.6
-# Each step of the recompute ILP's first-plan descent gets this share of the time left.
+# Each step of the recompute ILP's first-plan descent gets this share of the time left, and so
+# does the neighbourhood MIP (``incumbents.neighbourhood``).
 _DIVE_SHARE = 0.25
+# Once a first plan is known (and not yet within the tolerance of the bound), the search may
+# improve on it for this share of the time limit. At a tight budget the relaxation is weak and
+# HiGHS's search closes the gap slowly while the first plan is already near the optimum: Llama
+# tiny on 2x2 at 1.1x its minimum budget, 25% at the root, proved at node 127 after 54 s, the
+# neighbourhood's plan 0.13% above that optimum in 0.35 s. The gap left is reported.
+_SEARCH_AFTER_PLAN = 0.1
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +80,11 @@ class _Clock:
         mip = self.mip()
         return {"time_limit": share * mip["time_limit"], "hard_limit": share * mip["hard_limit"]}
 
+    def after_plan(self) -> dict[str, float]:
+        """The search's limits once a first plan is known (``_SEARCH_AFTER_PLAN``)."""
+        mip, cap = self.mip(), _SEARCH_AFTER_PLAN * self.time_limit
+        return {"time_limit": min(mip["time_limit"], cap), "hard_limit": min(mip["hard_limit"], HARD_FACTOR * cap)}
+
     def left(self) -> float:
         return self.start + self.time_limit - time.monotonic()
 
@@ -73,11 +96,13 @@ _memo: dict | None = None  # (id(problem), alias, merge) -> (problem, Reduced), 
 def remembering() -> Iterator[None]:
     """Within the block, ``simplified`` remembers each problem object's result: the recompute
     planner simplifies the same problem for its budget check and then solves it (0.3-0.5 s on
-    Llama-70B). Scoped so that no problem outlives the planning call in a cache."""
+    Llama-70B); and the plans solves find are kept as incumbents (``incumbents.keeping``).
+    Scoped so that no problem outlives the planning call in a cache."""
     global _memo
     outer, _memo = _memo, ({} if _memo is None else _memo)
     try:
-        yield
+        with incumbents.keeping():
+            yield
     finally:
         _memo = outer
 
@@ -111,6 +136,7 @@ def _unbudgeted(problem: Problem, alias: bool, merge: bool) -> Reduced | None:
 def _relaxation_then_search(model: IlpModel, backend: str, clock: _Clock, *, msg: bool = False,
                             gap: float = MIP_REL_GAP, check: Callable[[Outcome], None] | None = None,
                             sharding_model: Callable[[dict[str, bool]], IlpModel] | None = None,
+                            first_plan: Callable[[IlpModel, Callable[[], dict]], Outcome | None] | None = None,
                             ) -> tuple[Outcome, Outcome]:
     """The LP relaxation, ``check(lp)`` (may raise), then the MIP search. A backend the watchdog
     replaced in the relaxation is not tried again for the search.
@@ -120,35 +146,61 @@ def _relaxation_then_search(model: IlpModel, backend: str, clock: _Clock, *, msg
     relaxation is the answer, proved optimal with gap 0. Sharding models are often integral
     at the root (Llama-8B on 8x8: the search took 70% of the solver's time to re-find it).
 
-    The joint recompute ILP (a ``RecomputeModel`` minimising step time; ``sharding_model``: it
-    rebuilt with fixed recompute decisions) whose relaxation decided every recompute binary first
-    gets a plan from ``autopar.solver.dive.alternate``. Within ``RECOMPUTE_GAP`` of the relaxation's bound it is
-    the answer ("optimal" to that tolerance); otherwise the search runs (not started from it: see
-    ``autopar.solver.ilp._solve_highs``), stops within the same tolerance, and the better of the
-    two plans is the answer. The tolerance is of the whole step time: the cost model is far
-    coarser than 0.1%, and proving the last 0.1% cost Llama-70B on 16x8 45 s of search."""
+    Otherwise first plans are sought. The joint recompute ILP (a ``RecomputeModel`` minimising
+    step time; ``sharding_model``: it rebuilt with fixed recompute decisions) whose relaxation
+    decided every recompute binary gets one from ``autopar.solver.dive.alternate``; a model with
+    memory rows gets one from its relaxation's neighbourhood (``first_plan(model, limits)``,
+    ``incumbents.neighbourhood``) unless the descent's is already close enough. A first plan
+    within the tolerance of the relaxation's bound is the answer ("optimal" to that tolerance):
+    ``RECOMPUTE_GAP`` of the whole step time for the joint ILP (the cost model is far coarser
+    than 0.1%, and proving the last 0.1% cost Llama-70B on 16x8 45 s of search), ``gap`` of the
+    objective without its constant (as HiGHS measures it) for the sharding ILP. Otherwise the
+    search runs (not started from it: see ``autopar.solver.ilp._solve_highs``) for
+    ``_Clock.after_plan``, stops within the same tolerance, and the better of the plans is the
+    answer (its status "feasible" when it is the first plan, with the search's bound)."""
     lp = model.run(backend, relax=True, msg=msg, **clock.lp())
     if check is not None:
         check(lp)
     if lp.status == "optimal" and lp.value is not None and model.integral():
         return lp, dataclasses.replace(lp, dual_bound=lp.value, seconds=0.0)
     backend = lp.backend or backend
-    if sharding_model is None or not (isinstance(model, RecomputeModel) and model.objective == "time"
-                                      and lp.status == "optimal" and _integral(model.r.values())):
+    if lp.status != "optimal" or lp.value is None:
         return lp, model.run(backend, msg=msg, gap=gap, **clock.mip())
-    tolerance = RECOMPUTE_GAP * abs(lp.value)
-    start = alternate(model, backend, sharding_model=sharding_model, limits=lambda: clock.step(_DIVE_SHARE),
-                      target=lp.value + tolerance)
-    if start is not None and start.value - lp.value <= tolerance:
-        return lp, dataclasses.replace(start, status="optimal", dual_bound=lp.value, note="")
-    values = [v.varValue for v in model.columns()]
-    out = model.run(backend, msg=msg, gap=gap, abs_gap=tolerance, **clock.mip())
-    if start is not None and (out.value is None or out.value > start.value):
-        for v, value in zip(model.columns(), values):  # the search did worse: keep the first plan
-            v.varValue = value
-        out = dataclasses.replace(start, status="feasible", dual_bound=max(out.dual_bound or lp.value, lp.value),
-                                  seconds=start.seconds + out.seconds, note=out.note)
+    joint = isinstance(model, RecomputeModel) and model.objective == "time"
+    tolerance = RECOMPUTE_GAP * abs(lp.value) if joint else gap * abs(lp.value - float(model.prob.objective.constant))
+    lp_values = _values(model)
+    best: Outcome | None = None
+    best_values: list | None = None
+    if sharding_model is not None and joint and _integral(model.r.values()):
+        best = alternate(model, backend, sharding_model=sharding_model, limits=lambda: clock.step(_DIVE_SHARE),
+                         target=lp.value + tolerance)
+        best_values = _values(model) if best is not None else None
+    if first_plan is not None and (best is None or best.value - lp.value > tolerance):
+        _restore(model, lp_values)  # the neighbourhood is read off the relaxation's values
+        found = first_plan(model, lambda: clock.step(_DIVE_SHARE))
+        if found is not None and (best is None or found.value < best.value):
+            best, best_values = found, _values(model)
+    if best is None:
+        return lp, model.run(backend, msg=msg, gap=gap, abs_gap=tolerance if joint else None, **clock.mip())
+    _restore(model, best_values)
+    if best.value - lp.value <= tolerance:
+        return lp, dataclasses.replace(best, status="optimal", dual_bound=lp.value, note="")
+    out = model.run(backend, msg=msg, gap=gap, abs_gap=tolerance if joint else None, **clock.after_plan())
+    if out.value is None or out.value > best.value:
+        _restore(model, best_values)  # the search did worse: keep the first plan (proved if the search proved its own)
+        out = dataclasses.replace(best, status="optimal" if out.status == "optimal" else "feasible",
+                                  dual_bound=max(out.dual_bound or lp.value, lp.value),
+                                  seconds=best.seconds + out.seconds, note=out.note)
     return lp, out
+
+
+def _values(model: IlpModel) -> list:
+    return [v.varValue for v in model.columns()]
+
+
+def _restore(model: IlpModel, values: list) -> None:
+    for v, value in zip(model.columns(), values):
+        v.varValue = value
 
 
 def _integral(variables) -> bool:
@@ -190,6 +242,7 @@ def minimum_budget(problem: Problem, *, recompute_inputs: SegmentInputs | None =
         raise SolveTimeout(f"no plan found within {time_limit}s while minimising peak memory{_note(out)}")
     choice = reduced.expand(model.choice())
     achieved = problem.evaluate(choice, recompute=model.recomputed(), segment_inputs=recompute_inputs).peak_bytes
+    incumbents.remember(problem, choice, model.recomputed(), recompute_inputs)  # fits every budget >= achieved
     bound = out.dual_bound if out.dual_bound is not None else (lp.value or 0.0)
     if out.status == "optimal":
         bound = out.value
@@ -252,8 +305,16 @@ def solve(problem: Problem, *, recompute_inputs: SegmentInputs | None = None,
                 (``autopar.solver.recompute_ilp``, "Symmetry"; exact, off only to check that).
 
     Raises ``ValueError`` when no plan fits the budget (with the smallest budget that does),
-    ``SolveTimeout`` when no plan is found within the time limit.
+    ``SolveTimeout`` when no plan is found within the time limit and no known plan fits (module
+    docstring: a search that runs out of time answers with a known plan, "feasible").
     """
+    with incumbents.keeping():  # a solve on its own keeps its minimum-peak plan for its fallback too
+        return _solve(problem, recompute_inputs=recompute_inputs, fixed=fixed, solver=solver, time_limit=time_limit,
+                      alias=alias, merge=merge, msg=msg, symmetry=symmetry)
+
+
+def _solve(problem: Problem, *, recompute_inputs: SegmentInputs | None, fixed: Mapping[str, bool] | None,
+           solver: str, time_limit: float, alias: bool, merge: bool, msg: bool, symmetry: bool) -> Solution:
     if not time_limit > 0:
         raise ValueError(f"time_limit must be positive seconds, got {time_limit!r}")
     if recompute_inputs is not None and problem.budget_bytes is None:
@@ -283,20 +344,94 @@ def solve(problem: Problem, *, recompute_inputs: SegmentInputs | None = None,
         sub.build_fastest(float(problem.budget_bytes))
         return sub
 
-    lp, out = _relaxation_then_search(model, backend, clock, msg=msg, check=infeasible_or_unsolved,
-                                      sharding_model=sharding_model if recompute_inputs is not None else None)
+    def first_plan(m: IlpModel, limits) -> Outcome | None:
+        found = incumbents.neighbourhood(m, problem, recompute_inputs, backend, limit=float(problem.budget_bytes),
+                                         limits=limits)
+        if found is None and incumbents.fitting(problem, recompute_inputs) is None:
+            # No known plan fits, and the relaxation's support alone admits none: the minimum-peak
+            # plan fits every feasible budget, and with its options the neighbourhood has a plan.
+            lp_values = _values(m)
+            try:
+                minimum_budget(problem, recompute_inputs=recompute_inputs, solver=backend,
+                               time_limit=limits()["time_limit"], alias=alias)
+            except SolveTimeout:
+                return None
+            _restore(m, lp_values)
+            found = incumbents.neighbourhood(m, problem, recompute_inputs, backend,
+                                             limit=float(problem.budget_bytes), limits=limits)
+        return found
+
+    stats, timings = {**reduced.stats, **model.stats}, {"simplify_s": t1 - t0, "build_s": t2 - t1}
+    known = dict(problem=problem, recompute_inputs=recompute_inputs, fixed=fixed, model=model, stats=stats,
+                 timings=timings)
+    try:
+        lp, out = _relaxation_then_search(model, backend, clock, msg=msg, check=infeasible_or_unsolved,
+                                          sharding_model=sharding_model if recompute_inputs is not None else None,
+                                          first_plan=first_plan if binds else None)
+    except SolveTimeout as exc:  # the relaxation did not finish: no bound is known
+        return _known_plan(exc, None, backend=backend, **known)
     if out.status == "infeasible":
         raise _infeasible(problem, recompute_inputs, fixed, out.backend, max(clock.left(), 0.1 * time_limit), alias)
     if out.status == "no_solution":
         other = "cbc" if out.backend == "highs" else "highs"
-        raise SolveTimeout(f"{out.backend} found no plan within time_limit={time_limit}s{_note(out)} ({problem}); "
+        exc = SolveTimeout(f"{out.backend} found no plan within time_limit={time_limit}s{_note(out)} ({problem}); "
                            f"LP bound {lp.value:.6g}s. Raise time_limit or try solver={other!r}.")
+        return _known_plan(exc, lp, backend=out.backend, **known)
     choice = reduced.expand(model.choice())
     recompute = model.recomputed()
     ev = problem.evaluate(choice, recompute=recompute, segment_inputs=recompute_inputs)
-    return _checked_solution(choice, ev, out, lp, budget=problem.budget_bytes, backend=out.backend, model=model,
-                             stats={**reduced.stats, **model.stats}, recompute=recompute,
-                             timings={"simplify_s": t1 - t0, "build_s": t2 - t1})
+    solution = _checked_solution(choice, ev, out, lp, budget=problem.budget_bytes, backend=out.backend, model=model,
+                                 stats=stats, recompute=recompute, timings=timings)
+    incumbents.remember(problem, choice, recompute, recompute_inputs)
+    return solution
+
+
+def _known_plan(exc: SolveTimeout, lp: Outcome | None, *, problem: Problem, recompute_inputs: SegmentInputs | None,
+                fixed: Mapping[str, bool] | None, backend: str, model: IlpModel, stats: dict,
+                timings: dict) -> Solution:
+    """A solve that found no plan in time: the fastest known plan that fits the budget
+    (``incumbents.fitting``; with ``fixed`` decisions, only one that keeps them), status
+    "feasible", its gap against the relaxation ``lp`` (None, with the bound, when the
+    relaxation did not finish: the bound is unknown); raises ``exc`` when no known plan fits."""
+    found = incumbents.fitting(problem, recompute_inputs)
+    if found is not None and fixed and any((u in found[0].recompute) != bool(v) for u, v in fixed.items()):
+        found = None
+    if found is None:
+        raise exc
+    plan, ev = found
+    log.warning("autopar: %s; answering with the fastest known plan that fits (%.6gs)", str(exc).split(" (")[0],
+                ev.objective)
+    bound = None if lp is None or lp.value is None else min(lp.value, ev.objective)
+    gap = None if bound is None else (ev.objective - bound) / ev.objective if ev.objective > 0 else 0.0
+    return Solution(choice=dict(plan.choice), objective=ev.objective, lp_bound=bound, dual_bound=bound, gap=gap,
+                    status="feasible", backend=backend, timings={**timings, "lp_s": lp.seconds if lp else 0.0},
+                    peak_bytes=ev.peak_bytes, num_variables=model.num_variables,
+                    num_constraints=model.num_constraints, recompute=plan.recompute, stats=stats)
+
+
+def fallback(problem: Problem, *, recompute_inputs: SegmentInputs | None = None, solver: str = "auto",
+             time_limit: float = 60.0, alias: bool = True, search: bool = True) -> Solution:
+    """A plan that fits ``problem``'s budget when its solves found none in time (the planner's
+    last resort): the fastest known plan that fits, else (``search``) the minimum-peak plan
+    (``minimum_budget``, one more solve of ``time_limit``; with recompute when ``recompute_inputs``
+    are given), which fits every budget at or above the minimum the planner reports. Status
+    "feasible", bound unknown (None). ``ValueError`` when the minimum is above the budget,
+    ``SolveTimeout`` when no plan is known (or, searching, found in time)."""
+    with incumbents.keeping():  # minimum_budget's plan is found as a known plan
+        found = incumbents.fitting(problem, recompute_inputs)
+        if found is None and not search:
+            raise SolveTimeout(f"no plan that fits the budget {problem.budget_bytes} bytes is known")
+        if found is None:
+            achieved, _ = minimum_budget(problem, recompute_inputs=recompute_inputs, solver=solver,
+                                         time_limit=time_limit, alias=alias)
+            found = incumbents.fitting(problem, recompute_inputs)
+    if found is None:
+        raise ValueError(f"memory budget {problem.budget_bytes} bytes per device cannot be met: the smallest "
+                         f"budget any plan meets is {achieved} bytes")
+    plan, ev = found
+    return Solution(choice=dict(plan.choice), objective=ev.objective, lp_bound=None, dual_bound=None, gap=None,
+                    status="feasible", backend=pick_backend(solver), timings={}, peak_bytes=ev.peak_bytes,
+                    num_variables=0, num_constraints=0, recompute=plan.recompute, stats={"fallback": 1})
 
 
 def _checked_solution(choice: dict[str, str], ev: Evaluation, out: Outcome, lp: Outcome, *, budget: int | None,

@@ -368,9 +368,12 @@ class Solution:
 
     choice:          node name -> chosen option name, for every node of the Problem.
     objective:       estimated step time in seconds (``Problem.evaluate(choice).objective``).
-    lp_bound:        optimum of the LP relaxation (a lower bound on any plan's step time).
-    dual_bound:      best proven lower bound (== objective when ``status == "optimal"``).
-    gap:             ``(objective - dual_bound) / objective``: how far from optimal it may be.
+    lp_bound:        optimum of the LP relaxation (a lower bound on any plan's step time); None
+                     when it is unknown (the relaxation did not finish: a known plan answered).
+    dual_bound:      best proven lower bound (== objective when ``status == "optimal"``; None
+                     when unknown).
+    gap:             ``(objective - dual_bound) / objective``: how far from optimal it may be
+                     (None when the bound is unknown).
     status:          ``"optimal"`` or ``"feasible"`` (stopped at the time limit with a plan).
     backend:         ``"highs"`` or ``"cbc"``.
     timings:         seconds per phase: ``simplify_s``, ``build_s``, ``lp_s``, ``solve_s``.
@@ -383,9 +386,9 @@ class Solution:
 
     choice: dict[str, str]
     objective: float
-    lp_bound: float
-    dual_bound: float
-    gap: float
+    lp_bound: float | None
+    dual_bound: float | None
+    gap: float | None
     status: str
     backend: str
     timings: dict[str, float]
@@ -402,8 +405,10 @@ class Solution:
 
     def __str__(self) -> str:
         t = ", ".join(f"{k} {v:.3f}s" for k, v in self.timings.items())
-        return (f"{self.status} ({self.backend}): {self.objective:.6g}s, LP bound {self.lp_bound:.6g}s, "
-                f"gap {self.gap:.2%}, peak {self.peak_bytes}B, {self.num_variables} vars x "
+        bound = "unknown" if self.lp_bound is None else f"{self.lp_bound:.6g}s"
+        gap = "unknown" if self.gap is None else f"{self.gap:.2%}"
+        return (f"{self.status} ({self.backend}): {self.objective:.6g}s, LP bound {bound}, "
+                f"gap {gap}, peak {self.peak_bytes}B, {self.num_variables} vars x "
                 f"{self.num_constraints} rows; {t}")
 
     def to_json(self) -> str:
