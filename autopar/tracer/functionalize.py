@@ -47,6 +47,12 @@ _ZEROED = {aten.empty.memory_format: aten.zeros.default, aten.empty_like.default
            aten.new_empty.default: aten.new_zeros.default}
 
 
+# Views that only regroup the same elements in the same order: the inverse is a reshape back.
+_RESHAPES = (aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.view_as.default,
+             aten.reshape_as.default, aten.flatten.using_ints, aten.unflatten.int, aten.squeeze.dim, aten.squeeze.dims,
+             aten.squeeze.default, aten.unsqueeze.default, aten.alias.default, aten.detach.default)
+
+
 def _written_slot(node: fx.Node) -> int | None:
     """The positional index of the argument ``node`` writes in place, or None."""
     if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
@@ -173,8 +179,7 @@ class _Rewriter:
             return self._emit(aten.slice_scatter.default, (parent, value, dim, start, end, step), {}, before, view)
         if target == aten.select.int:
             return self._emit(aten.select_scatter.default, (parent, value, args[1], args[2]), {}, before, view)
-        if target in (aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.squeeze.dim,
-                      aten.squeeze.dims, aten.squeeze.default, aten.unsqueeze.default, aten.alias.default):
+        if target in _RESHAPES:
             shape = list(parent.meta["val"].shape)
             return self._emit(aten.reshape.default, (value, shape), {}, before, view)
         if target == aten.transpose.int:
@@ -271,8 +276,8 @@ def functionalize_activations(gm: fx.GraphModule) -> int:
                 rewriter.read(node)
     removed = rewriter.writers
     if removed:
-        gm.graph.eliminate_dead_code()  # the views the writes went through, now unread
-        for writer in reversed(removed):
+        for writer in reversed(removed):  # last first: a view of an earlier write may feed a later one
+            gm.graph.eliminate_dead_code()  # the views the writes went through, now unread
             if writer.users:  # every read was redirected above: a user left is a bug here
                 raise RuntimeError(f"functionalize: {writer.name} still has users {list(writer.users)}")
             gm.graph.erase_node(writer)

@@ -101,6 +101,17 @@ def test_buffer_writes_stay_for_the_runtime():
     assert written and not any(_writes_activation(traced, n) for n in written)
 
 
+def test_an_in_place_activation_after_a_flatten_is_written_back():
+    """MobileNetV2's classifier: ``nn.Dropout(inplace=True)`` on ``x.flatten(1)`` (p=0 here)."""
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(inplace=True), nn.Flatten(1), nn.Dropout(0.0, inplace=True),
+                          nn.Linear(4 * 6 * 6, 3))
+    x = torch.randn(2, 3, 8, 8)
+    traced = trace(model.train(), (x,))
+    assert not [n.name for n in traced.compute_nodes() if _written_slot(n) is not None]
+    (got,) = traced.gm(*traced.bind(model, {"input": x}))
+    torch.testing.assert_close(got, model(x))
+
+
 class DiagonalWrite(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = x * 2
