@@ -17,7 +17,7 @@ reduce_scatter   P -> S(dst_dim)              reduce-scatter / all-gather
 to_partial       R -> P                       keep on coordinate 0, zeros elsewhere / identity
 ===============  ===========================  ==============================================
 
-Gradient layout invariant (DESIGN.md decision 8): the gradient of a value arrives in the same
+Gradient layout invariant (docs/architecture.md, Invariants): the gradient of a value arrives in the same
 layout as the value, except that the gradient of a ``P`` value is replicated (each summand's
 gradient is the full gradient).
 

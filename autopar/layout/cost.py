@@ -1,4 +1,4 @@
-"""The cost model, in seconds (DESIGN.md decision 4). Device-free; no torch import.
+"""The cost model, in seconds. Device-free; no torch import.
 
 Compute: roofline ``max(flops / peak, bytes / mem_bandwidth)`` with a per-kernel floor, where
 ``peak`` is the mesh's peak at the op's compute precision (``MeshSpec.flops_at(itemsize)``: the

@@ -13,7 +13,7 @@ row-major order (the last mesh axis is innermost); an axis whose devices all sit
 gets NVLink costs, an axis that crosses nodes gets InfiniBand costs. Real links come from
 ``autopar.profile_mesh`` (``autopar.runtime.mesh_profile``), which writes the same JSON.
 
-Host tier (offload, DESIGN.md decision 15): ``host_capacity`` bytes of host memory per device
+Host tier (offload): ``host_capacity`` bytes of host memory per device
 (None: no host tier), the host<->device link per device (``host_alpha`` s per transfer,
 ``host_beta`` s per byte per direction) and ``host_mem_bandwidth`` (bytes/s of host memory per
 device: what a CPU optimizer step streams through).

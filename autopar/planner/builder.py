@@ -5,7 +5,7 @@ Decisions (``Problem`` nodes), in graph order:
 - every **parameter** and **buffer** placeholder: its layout, one option per valid spec built from
   ``R`` and ``S(dim)`` on each mesh axis. A parameter option holds ``param_bytes`` = local bytes x
   (1 parameter + 1 gradient + ``optimizer_multiplier`` optimizer state) for the whole step
-  (gradients arrive in the parameter's layout: DESIGN.md decision 8). Tied weights are one
+  (gradients arrive in the parameter's layout: the gradient-layout invariant). Tied weights are one
   placeholder, so one decision. Sharded parameters that a consumer needs replicated are
   gathered on the edge: that is ZeRO-3/FSDP, priced by the same conversion planner.
 - every **user input**: its layout (the full input is on every rank; slicing it is free).

@@ -1,4 +1,4 @@
-"""Pipeline stages planned jointly with the sharding (DESIGN decision 14): inter-op DP x intra-op ILP.
+"""Pipeline stages planned jointly with the sharding (Alpa's structure): inter-op DP x intra-op ILP.
 
 ``search_stages(traced, profile, mesh=..., options=..., num_stages=S, num_microbatches=M, ...)``
 plans the MICRO-batch graph ``traced`` (batch / M) as ``S`` pipeline ranks over mesh axis 0:

@@ -6,7 +6,7 @@ process groups of a :class:`~autopar.runtime.process_mesh.ProcessMesh`, with exa
 semantics of the numerical check's thread simulator (``autopar.strategies.check.SimComm``):
 
 - ``all_reduce(t, axes, "sum")`` is differentiable and its backward is the identity (the result
-  is replicated, so its gradient arrives replicated: DESIGN.md decision 8);
+  is replicated, so its gradient arrives replicated: the gradient-layout invariant);
 - ``all_reduce(t, axes, "max")`` is not differentiable (the result never requires grad);
 - a reduction over several axes reduces over the ranks that differ in those coordinates only,
   done as one all-reduce per axis (sums and maxima compose over axes).

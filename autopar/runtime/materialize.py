@@ -6,7 +6,7 @@ by placeholder name (parameters as ``nn.Parameter`` with the original ``requires
 
 - A tensor with real data is sliced (``TensorSpec.local_slices`` at this rank's coordinate).
 - A tensor on ``meta`` is initialised the way the model would initialise it, one group at a time,
-  so no rank ever holds the whole parameter set (DESIGN.md decision 9):
+  so no rank ever holds the whole parameter set (a model on meta is never materialised whole):
 
   1. a dry run on ``meta`` calls every module's initialiser -- ``reset_parameters()`` if it has
      one, then the enclosing Hugging Face model's ``_init_weights(module)`` -- children before

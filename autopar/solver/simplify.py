@@ -6,7 +6,7 @@ option ``s`` for the group chooses ``member.option_names[s]`` for that node. Cos
 are re-expressed on groups so that, for every group choice, the reduced objective and memory
 equal the problem's for the expanded node choice (``Problem.evaluate``). Four transformations:
 
-1. **Repeated-block aliasing** (an intended restriction, DESIGN.md decision 7). Nodes whose
+1. **Repeated-block aliasing** (an intended restriction: without it, solve time grows with depth). Nodes whose
    ``block`` is ``"<prefix>.<i>"`` form instances of the prefix; instances with equal
    (signature, option names) sequences form a class, and the k-th node of every instance of a
    class joins one group. Costs of the members add up; each member keeps its own memory item

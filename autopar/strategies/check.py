@@ -101,7 +101,7 @@ class _AllReduceSum(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        # The result is replicated, so its gradient arrives replicated: identity (DESIGN.md 8).
+        # The result is replicated, so its gradient arrives replicated: identity (the gradient-layout invariant).
         return grad, None, None, None
 
 

@@ -1,6 +1,6 @@
 """Rules derived by mechanism, for ops that have no native rule.
 
-``rule_for(target)`` answers in this order (DESIGN.md, decision 16):
+``rule_for(target)`` answers in this order (op coverage is a mechanism, docs/architecture.md):
 
 1. **native**: a rule registered in one of the family files (``register``);
 2. **generic**, from the op's tags and schema:

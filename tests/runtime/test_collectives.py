@@ -8,7 +8,7 @@ Reference semantics (single-device identity): the forward output must be exactly
 local piece of the global tensor X (for partial axes: the pieces sum to it); feeding the global
 upstream gradient G in ``dst``'s gradient layout, the input gradient must be G in ``src``'s
 gradient layout. The gradient layout of a spec is its own layout with ``P`` read as ``R``
-(DESIGN.md decision 8), i.e. ``G[spec.local_slices(...)]`` on every rank.
+(docs/architecture.md, Invariants), i.e. ``G[spec.local_slices(...)]`` on every rank.
 """
 
 from __future__ import annotations
