@@ -198,7 +198,7 @@ class PlainTensors(torch.nn.Module):
         return iter(self.params)
 
     def forward(self, **kwargs):
-        inputs = iter(self.pm._flat_inputs((), kwargs))
+        inputs = iter(self.pm.flat_inputs((), kwargs))
         state = iter(self.state)
         values = [next(inputs) if name is None else next(state) for name in self.pm._arg_state]
         return self.pm._traced.unflatten_outputs(list(self.pm.graph_module(*values)))
