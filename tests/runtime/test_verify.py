@@ -99,16 +99,21 @@ def _wrong_grad_div(a, b):
     return _TripleGrad.apply(a, b)
 
 
-@pytest.mark.timeout(300)
-def test_a_wrong_op_is_named_as_the_first_diverging_value():
+def _run_sabotaged(target, replacement):
+    """(traced, plan, the sabotaged node's traced name, the divergence found, the message) on 2 ranks."""
     torch.manual_seed(0)
     model, inputs = Writes(), _inputs()
     traced = trace(model, inputs, decompose_if=needs_decomposition)
     plan = autopar.plan(model, inputs, mesh=(2,), cache=False)
-    results = run_local(_sabotaged, 2, model, traced, plan, inputs, aten.softmax.int, aten.log_softmax.int,
-                        timeout=240)
-    name, divergence, message = results[0]
+    name, divergence, message = run_local(_sabotaged, 2, model, traced, plan, inputs, target, replacement,
+                                          timeout=240)[0]
     assert divergence is not None, message
+    return traced, plan, name, divergence, message
+
+
+@pytest.mark.timeout(300)
+def test_a_wrong_op_is_named_as_the_first_diverging_value():
+    _, plan, name, divergence, message = _run_sabotaged(aten.softmax.int, aten.log_softmax.int)
     assert (divergence.node, divergence.what) == (name, "value"), message
     assert divergence.op == "aten.softmax.int" and divergence.strategy == plan.node(name).strategy
     assert f"the value of node {name!r}" in message and "strategy" in message
@@ -116,13 +121,7 @@ def test_a_wrong_op_is_named_as_the_first_diverging_value():
 
 @pytest.mark.timeout(300)
 def test_a_wrong_backward_is_named_by_the_gradient_it_spoils():
-    torch.manual_seed(0)
-    model, inputs = Writes(), _inputs()
-    traced = trace(model, inputs, decompose_if=needs_decomposition)
-    plan = autopar.plan(model, inputs, mesh=(2,), cache=False)
-    results = run_local(_sabotaged, 2, model, traced, plan, inputs, aten.div.Tensor, _wrong_grad_div, timeout=240)
-    name, divergence, message = results[0]
-    assert divergence is not None, message
+    traced, _, name, divergence, message = _run_sabotaged(aten.div.Tensor, _wrong_grad_div)
     spoiled = traced.node(name).args[0].name  # the div's input: its gradient is the first wrong one
     assert (divergence.node, divergence.what) == (spoiled, "gradient"), message
     assert any(c.startswith(name + " ") for c in divergence.consumers), message
