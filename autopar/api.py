@@ -282,8 +282,8 @@ def plan_traced(traced: TracedGraph, profile: ModelProfile, *, mesh: MeshSpec | 
                                       solve_plain=lambda p: _solve(p, options=options, progress=progress, stage="solve"))
     from autopar.solver.driver import remembering
 
-    with remembering():  # one scope for the re-solves: each one's plans are incumbents of the next
-        rc = fit_device_room(traced, built, replan(built), options=options, replan=replan, progress=progress)  # offload
+    with remembering():  # one scope for the re-solves (offload's refits): each one's plans are incumbents of the next
+        rc = fit_device_room(traced, built, replan(built), options=options, replan=replan, progress=progress)
     results = ()
     if options.baselines:
         results = tuple(_baseline(name, traced, built, options=options, progress=progress)
@@ -309,13 +309,14 @@ def _solve(problem, *, options: PlanOptions, progress: Progress, stage: str):
 def _baseline(name: str, traced, built, *, options: PlanOptions, progress: Progress) -> BaselineResult:
     from autopar.planner.assemble import baseline_problem, estimate_of
     from autopar.planner.checkpointing import estimate
+    from autopar.solver.driver import SolveTimeout
 
     try:
         with progress.stage(f"baseline {name}"):
             problem = baseline_problem(name, traced, built)
         solution = _solve(problem, options=options, progress=progress, stage=f"baseline {name} solve")
-    except ValueError as exc:  # the family cannot fit the budget (or has no legal layout)
-        return BaselineResult(name, False, None, str(exc).splitlines()[0])
+    except (ValueError, SolveTimeout) as exc:  # the family cannot fit the budget (or has no legal layout), or
+        return BaselineResult(name, False, None, str(exc).splitlines()[0])  # no plan of it was found in time
     evaluation = estimate(built, problem, solution.choice, (), built.segment_inputs)
     return BaselineResult(name, True, estimate_of(evaluation))
 

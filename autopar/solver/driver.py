@@ -10,8 +10,9 @@ with the fastest plan known in the planning call that fits (``autopar.solver.inc
 every plan a solve returned, every minimum-peak plan), status "feasible", its gap against the
 LP bound, or an unknown bound (None) when the relaxation did not finish; ``SolveTimeout`` only
 when no known plan fits. At a binding budget a relaxation that is not integral first gets a
-plan from its neighbourhood (``incumbents.neighbourhood``); the search then has a share of the
-time limit to improve on it (``_Clock.after_plan``), and the better plan is the answer.
+plan from its neighbourhood (``incumbents.neighbourhood``); the search then has what is left
+of a share of the time limit to improve on it (``_Clock.window``), and the better plan is the
+answer.
 The time limit is hard: the solver runs of one call share it and return by ``HARD_FACTOR`` x it
 even when a backend ignores it (``IlpModel.run``'s watchdog). No torch import.
 """
@@ -51,12 +52,20 @@ _LP_SHARE, _LP_HARD_SHARE = 0.4, 0.6
 # Each step of the recompute ILP's first-plan descent gets this share of the time left, and so
 # does the neighbourhood MIP (``incumbents.neighbourhood``).
 _DIVE_SHARE = 0.25
-# Once a first plan is known (and not yet within the tolerance of the bound), the search may
-# improve on it for this share of the time limit. At a tight budget the relaxation is weak and
-# HiGHS's search closes the gap slowly while the first plan is already near the optimum: Llama
-# tiny on 2x2 at 1.1x its minimum budget, 25% at the root, proved at node 127 after 54 s, the
-# neighbourhood's plan 0.13% above that optimum in 0.35 s. The gap left is reported.
-_SEARCH_AFTER_PLAN = 0.1
+# The neighbourhood MIP and, once it has a plan not yet within the tolerance of the bound, the
+# search that may improve on it share this share of the time limit (``_Clock.window``), the
+# search at most ``_SEARCH_SHARE`` of it (the rest of a quick neighbourhood's window too). At a
+# tight budget the relaxation is weak and HiGHS's search closes the gap slowly while the
+# neighbourhood's plan is already near the optimum: Llama tiny on 2x2 at 1.1x its minimum
+# budget, 25% at the root, proved at node 127 after 54 s, the neighbourhood's plan 0.13% above
+# that optimum in 0.35 s; T5 tiny at 1.1x, 30% at the root, proved 226 s later 6% below the
+# neighbourhood's plan. Over Llama, Qwen2-MoE, T5, ResNet and DeepseekV3 tiny at 1.1x their
+# minimum budgets a 3 s search after the first plan improved none of them (it proved ResNet's
+# plan optimal), while a longer neighbourhood MIP found T5 a 6% faster plan: the neighbourhood
+# goes first and the search gets what it leaves, at most enough to prove a small model's plan
+# (ResNet's in about a second). The gap left is reported.
+_IMPROVE_SHARE, _SEARCH_SHARE = 0.1, 0.03
+_MIN_SEARCH_S = 0.2  # a search told less than this is not started (a run costs a fork and the model's transfer)
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,10 +89,11 @@ class _Clock:
         mip = self.mip()
         return {"time_limit": share * mip["time_limit"], "hard_limit": share * mip["hard_limit"]}
 
-    def after_plan(self) -> dict[str, float]:
-        """The search's limits once a first plan is known (``_SEARCH_AFTER_PLAN``)."""
-        mip, cap = self.mip(), _SEARCH_AFTER_PLAN * self.time_limit
-        return {"time_limit": min(mip["time_limit"], cap), "hard_limit": min(mip["hard_limit"], HARD_FACTOR * cap)}
+    def window(self, end: float, share: float = 1.0) -> dict[str, float]:
+        """``share`` of the time left, until ``end`` at the latest (the first plan's improvement
+        window: ``_IMPROVE_SHARE``)."""
+        mip, until = self.step(share), max(end - time.monotonic(), 1e-3)
+        return {"time_limit": min(mip["time_limit"], until), "hard_limit": min(mip["hard_limit"], HARD_FACTOR * until)}
 
     def left(self) -> float:
         return self.start + self.time_limit - time.monotonic()
@@ -155,9 +165,12 @@ def _relaxation_then_search(model: IlpModel, backend: str, clock: _Clock, *, msg
     ``RECOMPUTE_GAP`` of the whole step time for the joint ILP (the cost model is far coarser
     than 0.1%, and proving the last 0.1% cost Llama-70B on 16x8 45 s of search), ``gap`` of the
     objective without its constant (as HiGHS measures it) for the sharding ILP. Otherwise the
-    search runs (not started from it: see ``autopar.solver.ilp._solve_highs``) for
-    ``_Clock.after_plan``, stops within the same tolerance, and the better of the plans is the
-    answer (its status "feasible" when it is the first plan, with the search's bound)."""
+    search runs (not started from it: see ``autopar.solver.ilp._solve_highs``), stops within the
+    same tolerance, and the better of the plans is the answer (its status "feasible" when it is
+    the first plan, with the search's bound). After a descent's plan the search has the time
+    left; the neighbourhood and the search after its plan share ``_IMPROVE_SHARE`` of the time
+    limit, the search at most ``_SEARCH_SHARE`` (``_Clock.window``): at a tight budget the bound
+    is what is weak, not the plan."""
     lp = model.run(backend, relax=True, msg=msg, **clock.lp())
     if check is not None:
         check(lp)
@@ -175,17 +188,23 @@ def _relaxation_then_search(model: IlpModel, backend: str, clock: _Clock, *, msg
         best = alternate(model, backend, sharding_model=sharding_model, limits=lambda: clock.step(_DIVE_SHARE),
                          target=lp.value + tolerance)
         best_values = _values(model) if best is not None else None
+    search = clock.mip  # the search's limits: the time left, or what the improvement window leaves
     if first_plan is not None and (best is None or best.value - lp.value > tolerance):
         _restore(model, lp_values)  # the neighbourhood is read off the relaxation's values
-        found = first_plan(model, lambda: clock.step(_DIVE_SHARE))
+        end = time.monotonic() + _IMPROVE_SHARE * clock.time_limit
+        found = first_plan(model, lambda: clock.window(end, _DIVE_SHARE))
         if found is not None and (best is None or found.value < best.value):
-            best, best_values = found, _values(model)
+            search_end = min(end, time.monotonic() + _SEARCH_SHARE * clock.time_limit)
+            best, best_values, search = found, _values(model), (lambda: clock.window(search_end))
     if best is None:
         return lp, model.run(backend, msg=msg, gap=gap, abs_gap=tolerance if joint else None, **clock.mip())
     _restore(model, best_values)
     if best.value - lp.value <= tolerance:
         return lp, dataclasses.replace(best, status="optimal", dual_bound=lp.value, note="")
-    out = model.run(backend, msg=msg, gap=gap, abs_gap=tolerance if joint else None, **clock.after_plan())
+    limits = search()
+    if limits["time_limit"] < _MIN_SEARCH_S:  # the neighbourhood used the window: no search worth a run
+        return lp, dataclasses.replace(best, status="feasible", dual_bound=lp.value)
+    out = model.run(backend, msg=msg, gap=gap, abs_gap=tolerance if joint else None, **limits)
     if out.value is None or out.value > best.value:
         _restore(model, best_values)  # the search did worse: keep the first plan (proved if the search proved its own)
         out = dataclasses.replace(best, status="optimal" if out.status == "optimal" else "feasible",
@@ -362,8 +381,8 @@ def _solve(problem: Problem, *, recompute_inputs: SegmentInputs | None, fixed: M
         return found
 
     stats, timings = {**reduced.stats, **model.stats}, {"simplify_s": t1 - t0, "build_s": t2 - t1}
-    known = dict(problem=problem, recompute_inputs=recompute_inputs, fixed=fixed, model=model, stats=stats,
-                 timings=timings)
+    known = {"problem": problem, "recompute_inputs": recompute_inputs, "fixed": fixed, "model": model,
+             "stats": stats, "timings": timings}
     try:
         lp, out = _relaxation_then_search(model, backend, clock, msg=msg, check=infeasible_or_unsolved,
                                           sharding_model=sharding_model if recompute_inputs is not None else None,

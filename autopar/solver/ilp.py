@@ -15,6 +15,11 @@ Constraints, one method each
     marginals (``add_edge_marginals``): ``sum_t e[a,b,s,t] = x[a,s]`` and ``sum_s e[a,b,s,t] = x[b,t]``.
         Continuous ``e`` is exact: with binary x, row ``s*`` (the chosen one) is the only row with
         mass 1 and column ``t*`` the only column with mass 1, so ``e`` is the indicator of (s*, t*).
+        Rows of ``C_ab`` that are equal (options of ``a`` whose output the edge converts alike)
+        share one row of ``e`` whose marginal is the sum of their ``x``, and likewise columns:
+        exact by the same argument (the chosen option's class is the only one with mass 1), and
+        the LP relaxation keeps its value (an aggregated ``e`` splits back in proportion to the
+        ``x`` of each class). A 2-layer DeepseekV3 on 2x2: 212,599 edge columns -> 118,266.
     memory (``add_memory``):           ``P + M[k] <= budget`` at every peak candidate ``k``, with
         ``P = sum param[g][s] x[g,s]`` and ``M[k] = sum_{items i live at k} held_i``,
         ``held_i = sum_s bytes_i[s] x[g_i,s]``. Candidates are the timeline points whose live
@@ -166,6 +171,15 @@ def undominated_rows(coef: np.ndarray, const: np.ndarray) -> list[int]:
     return sorted(kept)
 
 
+def _equal_lines(mat: np.ndarray) -> list[list[int]]:
+    """The row indices of ``mat`` grouped by equal rows (exactly equal: a class's cost is its
+    first row's), in order of first appearance."""
+    classes: dict[bytes, list[int]] = {}
+    for i, row in enumerate(np.ascontiguousarray(mat)):
+        classes.setdefault(row.tobytes(), []).append(i)
+    return list(classes.values())
+
+
 def _values(prob: pulp.LpProblem) -> np.ndarray:
     return np.array([np.nan if v.varValue is None else v.varValue for v in columns_of(prob)], dtype=float)
 
@@ -268,13 +282,18 @@ class IlpModel:
         for (a, b), mat in self.reduced.edges.items():
             xa, xb = self.x[a], self.x[b]
             assert xa is not None and xb is not None, "edges of 1-option groups are folded by simplify"
-            ka, kb = mat.shape
+            rows = _equal_lines(mat)  # classes of equal rows, then of equal columns (module docstring)
+            cols = _equal_lines(mat[[r[0] for r in rows]].T)
+            sub = mat[np.ix_([r[0] for r in rows], [c[0] for c in cols])]
+            ka, kb = sub.shape
             e = [[self.prob.add_variable(f"e_{a}_{b}_{s}_{t}", lowBound=0) for t in range(kb)] for s in range(ka)]
-            for s in range(ka):
-                self.prob += affine([(v, 1.0) for v in e[s]] + [(xa[s], -1.0)]) == 0, f"mr_{a}_{b}_{s}"
-            for t in range(kb):
-                self.prob += affine([(e[s][t], 1.0) for s in range(ka)] + [(xb[t], -1.0)]) == 0, f"mc_{a}_{b}_{t}"
-            objective += [(e[s][t], float(mat[s, t])) for s in range(ka) for t in range(kb) if mat[s, t]]
+            for s, members in enumerate(rows):
+                self.prob += affine([(v, 1.0) for v in e[s]] + [(xa[k], -1.0) for k in members]) == 0, f"mr_{a}_{b}_{s}"
+            for t, members in enumerate(cols):
+                self.prob += (affine([(e[s][t], 1.0) for s in range(ka)] + [(xb[k], -1.0) for k in members]) == 0,
+                              f"mc_{a}_{b}_{t}")
+            where = np.nonzero(sub)
+            objective += [(e[s][t], c) for s, t, c in zip(where[0].tolist(), where[1].tolist(), sub[where].tolist())]
 
     def param_bytes(self) -> tuple[Terms, float]:
         terms, const = [], 0.0

@@ -55,7 +55,7 @@ def test_tight_budget_plans_when_no_search_finds_a_plan(gpt2, checkpoint, search
 def test_offload_refit_plans_when_no_search_finds_a_plan(gpt2, searches_find_nothing):
     """The issue's path: ``fit_device_room`` re-solves the recompute plan under lower budgets."""
     traced, prof = gpt2
-    options = dict(checkpoint="auto", offload="auto")
+    options = {"checkpoint": "auto", "offload": "auto"}
     need = _smallest_budget(gpt2, (1,), **options)
     budget = int(1.3 * need)  # the first plan's peak plus its device room exceeds it: one refit
     lines = []

@@ -104,7 +104,7 @@ def test_the_neighbourhood_finds_a_plan_when_the_search_finds_none(backends):
 
 
 def test_restrict_keeps_objective_and_memory_for_the_options_left():
-    problem, inputs = chain_problem(BUDGET)
+    problem, _ = chain_problem(BUDGET)
     reduced = simplify(problem)
     keep = [np.array([len(c) - 1]) if g % 2 else np.arange(len(c)) for g, c in enumerate(reduced.cost)]
     sub = incumbents.restrict(reduced, keep)
