@@ -231,7 +231,7 @@ def plan_recompute(traced, prof, built, *, mode: str = "auto", solver: str = "au
 
 def _plan_recompute(traced, prof, built, *, mode: str, solver: str, time_limit: float, solve_plain, progress,
                     prune: bool) -> RecomputePlan:
-    from autopar.solver.driver import SolveTimeout, fallback, simplified, solve
+    from autopar.solver.driver import SolveTimeout, fallback, simplified, solve, terse_infeasible
 
     if mode not in MODES:
         raise ValueError(f"checkpoint must be one of {MODES}, got {mode!r}")
@@ -275,7 +275,8 @@ def _plan_recompute(traced, prof, built, *, mode: str, solver: str, time_limit: 
     if mode in ("rotor", "auto"):
         try:
             try:
-                rotor_sol = solve_plain(plain)
+                with terse_infeasible():  # its error is caught here: the smallest budget is not needed
+                    rotor_sol = solve_plain(plain)
             except ValueError:  # nothing fits without recompute: the fastest sharding whose params fit
                 rotor_sol = solve_plain(_params_only(plain))
             with progress.stage("estimate", "the plan without recompute"):

@@ -36,7 +36,7 @@ from autopar.solver.recompute_ilp import RECOMPUTE_GAP, RecomputeModel
 from autopar.solver.simplify import Reduced, simplify
 from autopar.solver.timeline import Evaluation, SegmentInputs
 
-__all__ = ["solve", "minimum_budget", "fallback", "simplified", "remembering", "SolveTimeout"]
+__all__ = ["solve", "minimum_budget", "fallback", "simplified", "remembering", "terse_infeasible", "SolveTimeout"]
 
 
 log = logging.getLogger(__name__)
@@ -64,7 +64,7 @@ _DIVE_SHARE = 0.25
 # plan optimal), while a longer neighbourhood MIP found T5 a 6% faster plan: the neighbourhood
 # goes first and the search gets what it leaves, at most enough to prove a small model's plan
 # (ResNet's in about a second). The gap left is reported.
-_IMPROVE_SHARE, _SEARCH_SHARE = 0.1, 0.03
+_IMPROVE_SHARE, _SEARCH_SHARE = 0.1, 0.02
 _MIN_SEARCH_S = 0.2  # a search told less than this is not started (a run costs a fork and the model's transfer)
 
 
@@ -100,6 +100,21 @@ class _Clock:
 
 
 _memo: dict | None = None  # (id(problem), alias, merge) -> (problem, Reduced), inside ``remembering``
+_terse = False  # inside ``terse_infeasible``: an infeasible budget's error does not look for the minimum
+
+
+@contextmanager
+def terse_infeasible() -> Iterator[None]:
+    """Within the block, a budget no plan meets raises ``ValueError`` without the smallest budget
+    that works (a second ILP): for a caller that catches it and moves on (the recompute planner's
+    plain sharding, whose figure it never shows: 1.5-2.5 s of the tight-budget plans of Swin and
+    DeepseekV3 tiny)."""
+    global _terse
+    outer, _terse = _terse, True
+    try:
+        yield
+    finally:
+        _terse = outer
 
 
 @contextmanager
@@ -276,6 +291,8 @@ def _infeasible(problem: Problem, recompute_inputs: SegmentInputs | None, fixed:
         return ValueError(f"no plan fits the budget {problem.budget_bytes} bytes with the fixed recompute "
                           f"decisions {dict(fixed)}")
     mesh = "x".join(map(str, problem.mesh_shape)) or "?"
+    if _terse:
+        return ValueError(f"memory budget {problem.budget_bytes} bytes per device cannot be met on mesh {mesh}")
     try:
         achieved, lower = minimum_budget(problem, recompute_inputs=recompute_inputs, solver=backend,
                                          time_limit=time_limit, alias=alias)
@@ -412,12 +429,11 @@ def _known_plan(exc: SolveTimeout, lp: Outcome | None, *, problem: Problem, reco
     (``incumbents.fitting``; with ``fixed`` decisions, only one that keeps them), status
     "feasible", its gap against the relaxation ``lp`` (None, with the bound, when the
     relaxation did not finish: the bound is unknown); raises ``exc`` when no known plan fits."""
-    found = incumbents.fitting(problem, recompute_inputs)
-    if found is not None and fixed and any((u in found[0].recompute) != bool(v) for u, v in fixed.items()):
-        found = None
-    if found is None:
+    keeps = [(plan, ev) for plan, ev in incumbents.fits(problem, recompute_inputs)
+             if not fixed or all((u in plan.recompute) == bool(v) for u, v in fixed.items())]
+    if not keeps:
         raise exc
-    plan, ev = found
+    plan, ev = keeps[0]
     log.warning("autopar: %s; answering with the fastest known plan that fits (%.6gs)", str(exc).split(" (")[0],
                 ev.objective)
     bound = None if lp is None or lp.value is None else min(lp.value, ev.objective)

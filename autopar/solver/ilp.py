@@ -287,11 +287,13 @@ class IlpModel:
             sub = mat[np.ix_([r[0] for r in rows], [c[0] for c in cols])]
             ka, kb = sub.shape
             e = [[self.prob.add_variable(f"e_{a}_{b}_{s}_{t}", lowBound=0) for t in range(kb)] for s in range(ka)]
+            # Every variable appears once in a marginal: no ``affine`` (it sums repeats) needed.
             for s, members in enumerate(rows):
-                self.prob += affine([(v, 1.0) for v in e[s]] + [(xa[k], -1.0) for k in members]) == 0, f"mr_{a}_{b}_{s}"
+                terms = [(v, 1.0) for v in e[s]] + [(xa[k], -1.0) for k in members]
+                self.prob += pulp.LpAffineExpression(terms) == 0, f"mr_{a}_{b}_{s}"
             for t, members in enumerate(cols):
-                self.prob += (affine([(e[s][t], 1.0) for s in range(ka)] + [(xb[k], -1.0) for k in members]) == 0,
-                              f"mc_{a}_{b}_{t}")
+                terms = [(e[s][t], 1.0) for s in range(ka)] + [(xb[k], -1.0) for k in members]
+                self.prob += pulp.LpAffineExpression(terms) == 0, f"mc_{a}_{b}_{t}"
             where = np.nonzero(sub)
             objective += [(e[s][t], c) for s, t, c in zip(where[0].tolist(), where[1].tolist(), sub[where].tolist())]
 

@@ -131,3 +131,16 @@ def test_fallback_finds_the_minimum_peak_plan_or_says_why_not():
         driver.fallback(problem.with_budget(79), recompute_inputs=inputs)
     with pytest.raises(SolveTimeout, match="no plan that fits"):
         driver.fallback(problem, recompute_inputs=inputs, search=False)
+
+
+def test_a_known_plan_that_breaks_fixed_decisions_is_no_answer(backends):
+    problem, inputs = chain_problem(BUDGET)
+    with remembering():
+        minimum_budget(problem, recompute_inputs=inputs)
+        (plan, _), = incumbents.fits(problem, inputs)
+        backends(relaxation=False)
+        kept = solve(problem, recompute_inputs=inputs, fixed={u: True for u in plan.recompute})
+        assert kept.status == "feasible" and set(kept.recompute) == set(plan.recompute)
+        unit = plan.recompute[0]
+        with pytest.raises(SolveTimeout, match="LP relaxation did not finish"):
+            solve(problem, recompute_inputs=inputs, fixed={unit: False})
