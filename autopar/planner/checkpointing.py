@@ -40,7 +40,10 @@ on a tie. The Rotor sharding's own refinement is skipped outright when its no-re
 fits (recompute only adds time to it). Rotor's DP shares the rows of identical subchains
 (``autopar.solver.rotor``: a chain of repeated blocks is periodic). The joint ILP, then every
 Rotor solve, is reported through ``progress``. A joint ILP that finds no plan within the time
-limit leaves the Rotor candidates to answer.
+limit answers with a known plan that fits (``autopar.solver.incumbents``), else leaves the Rotor
+candidates to answer; with none, the minimum-peak plan does (``autopar.solver.driver.fallback``:
+it fits every budget at or above the minimum the planner reports), and only when no plan that
+fits is found is the error ``SolveTimeout``.
 """
 
 from __future__ import annotations

@@ -64,7 +64,7 @@ _DIVE_SHARE = 0.25
 # plan optimal), while a longer neighbourhood MIP found T5 a 6% faster plan: the neighbourhood
 # goes first and the search gets what it leaves, at most enough to prove a small model's plan
 # (ResNet's in about a second). The gap left is reported.
-_IMPROVE_SHARE, _SEARCH_SHARE = 0.1, 0.02
+_IMPROVE_SHARE, _SEARCH_SHARE = 0.1, 0.03
 _MIN_SEARCH_S = 0.2  # a search told less than this is not started (a run costs a fork and the model's transfer)
 
 
