@@ -1,4 +1,4 @@
-"""The sharding ILP: fastest plan under a per-device memory budget (DESIGN.md decision 6).
+"""The sharding ILP: fastest plan under a per-device memory budget.
 
 Solved on the ``Reduced`` model of ``autopar.solver.simplify`` (groups ``g`` with options ``s``).
 
