@@ -384,7 +384,7 @@ def autoparallelize(
     ``verify``: after building, run one forward and backward under the plan and under the
     all-replicated plan and compare the loss and every gradient (``autopar.runtime.verify``;
     ``PlanVerificationError`` names the first diverging node); ``True`` checks on ``meta_inputs``
-    when they hold values, else on inputs made up from their shapes (``example_inputs``); or pass
+    when they hold values, else on inputs made up from their shapes (``autopar.runtime.verify.verify_inputs``); or pass
     the inputs to check on. Costs one extra step; the module is left as it was.
 
     Ranks agree or all fail: before anyone plans, the ranks compare (one ``all_gather_object``)

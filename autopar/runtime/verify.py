@@ -22,6 +22,7 @@ computed identically everywhere and the mismatch flag is all-reduced), so all ra
 from __future__ import annotations
 
 import math
+import operator
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -36,7 +37,9 @@ from autopar.runtime.collectives import gather_full
 from autopar.runtime.dtensors import local_of
 from autopar.runtime.passes import TRACED_NAME_KEY
 from autopar.runtime.recompute import CheckpointRegion
+from autopar.strategies.registry import bind
 from autopar.tracer.graph import BUFFER, INPUT, MODULE_KEY, PARAMETER
+from autopar.tracer.precision import compute_dtype
 
 __all__ = ["PlanVerificationError", "Divergence", "VerifyReport", "verify_module", "verify_inputs", "tolerance"]
 
@@ -135,12 +138,6 @@ def _error(got: torch.Tensor, want: torch.Tensor, rtol: float, floor: float = 0.
     return float(diff.max()), scale, float((diff / bound).max()) if rtol > 0 else float(diff.max() > 0) * math.inf
 
 
-def _compute_dtype(module) -> torch.dtype:
-    from autopar.tracer.precision import compute_dtype
-
-    return compute_dtype(module.plan.precision)
-
-
 def verify_module(module, inputs: tuple | dict, *, rtol: float | None = None) -> VerifyReport:
     """Check ``module`` (an ``AutoParallelModule``) on ``inputs`` (the full batch, as ``forward``
     takes it); ``PlanVerificationError`` on a mismatch. ``rtol``: None for ``tolerance`` of the
@@ -164,7 +161,7 @@ def verify_module(module, inputs: tuple | dict, *, rtol: float | None = None) ->
         raise ValueError(f"{traced.model_name} returns no scalar loss: verify compares one forward and backward "
                          f"of the loss (pass labels, or wrap the model so that it returns its loss)")
     _no_random_ops(traced)
-    rtol = tolerance(_compute_dtype(module)) if rtol is None else rtol
+    rtol = tolerance(compute_dtype(module.plan.precision)) if rtol is None else rtol
     args, kwargs = (inputs, {}) if isinstance(inputs, (tuple, list)) else ((), dict(inputs))
     started = time.perf_counter()
     with _restored(module):
@@ -199,11 +196,8 @@ def _no_random_ops(traced) -> None:
 def _draws(node: fx.Node) -> bool:
     """Whether a random-tagged op really draws: dropout with p 0 or train False does not."""
     try:
-        bound = node.target._schema  # noqa: F841 -- only ops with a schema have named arguments
-        from autopar.strategies.registry import bind
-
         args = bind(node.target, node.args, node.kwargs)
-    except Exception:  # noqa: BLE001 -- no schema: assume it draws
+    except Exception:  # noqa: BLE001 -- no schema to bind to: assume it draws
         return True
     if args.get("train") is False:
         return False
@@ -328,7 +322,7 @@ def _value_spec(module, name: str) -> TensorSpec | None:
     traced, plan = module._traced, module.plan
     node = traced.node(name)
     k = 0
-    if node.target is __import__("operator").getitem and isinstance(node.args[0], fx.Node):
+    if node.target is operator.getitem and isinstance(node.args[0], fx.Node):
         node, k = node.args[0], node.args[1]
     try:
         specs = plan.node(node.name).output_specs

@@ -141,11 +141,8 @@ def _group_options(reduced: Reduced, choice: Mapping[str, str]) -> list[int | No
     option was simplified away: the plan is then not of this model, only a hint for it)."""
     out: list[int | None] = [None] * reduced.num_groups
     for m in reduced.members:
-        if out[m.group] is None and m.node in choice:
-            try:
-                out[m.group] = m.option_names.index(choice[m.node])
-            except ValueError:
-                pass
+        if out[m.group] is None and choice.get(m.node) in m.option_names:
+            out[m.group] = m.option_names.index(choice[m.node])
     return out
 
 
