@@ -21,38 +21,14 @@ or runs the full search from it. No torch import.
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-from typing import Callable, Iterator
+from typing import Callable
 
 import numpy as np
-import pulp
 
 from autopar.solver.ilp import IlpModel, Outcome
 from autopar.solver.recompute_ilp import RecomputeModel
 
 __all__ = ["alternate"]
-
-
-@contextmanager
-def _fixed(variables: list[pulp.LpVariable]) -> Iterator[None]:
-    """``variables`` fixed at their current values (rounded: they are binaries) for the block."""
-    saved = [(v.lowBound, v.upBound) for v in variables]
-    for v in variables:
-        v.lowBound = v.upBound = int(round(v.varValue or 0.0))
-    try:
-        yield
-    finally:
-        for v, (low, up) in zip(variables, saved):
-            v.lowBound, v.upBound = low, up
-
-
-def _values(model: IlpModel) -> np.ndarray:
-    return np.array([np.nan if v.varValue is None else v.varValue for v in model.columns()], dtype=float)
-
-
-def _restore(model: IlpModel, values: np.ndarray) -> None:
-    for v, value in zip(model.columns(), values):
-        v.varValue = None if np.isnan(value) else float(value)
 
 
 def alternate(model: RecomputeModel, backend: str, *, sharding_model: Callable[[dict[str, bool]], IlpModel],
@@ -69,7 +45,7 @@ def alternate(model: RecomputeModel, backend: str, *, sharding_model: Callable[[
     near-optimality), stop there. On return the model's variables hold the best plan's values."""
     units = list(model.r)
     sharding = [v for xs in model.x if xs is not None for v in xs]
-    rounded = {u: (model.r[u].varValue or 0.0) > 0.5 for u in units}
+    rounded = {u: model.lp.value(model.r[u]) > 0.5 for u in units}
     best: Outcome | None = None
     best_values: np.ndarray | None = None
     for _ in range(rounds):
@@ -77,16 +53,16 @@ def alternate(model: RecomputeModel, backend: str, *, sharding_model: Callable[[
         if sub.run(backend, **limits()).value is None:
             break
         for xs, sub_xs in zip(model.x, sub.x):  # the same groups and options, in order
-            for v, w in zip(xs or (), sub_xs or ()):
-                v.varValue = w.varValue
-        with _fixed(sharding):
+            if xs is not None:
+                model.lp.values[xs] = sub.lp.values[sub_xs]
+        with model.lp.fixed(sharding):
             out = model.run(backend, **limits())
         if out.value is None or (best is not None and out.value >= best.value - 1e-9):
             break
-        best, best_values = out, _values(model)
+        best, best_values = out, model.lp.values.copy()
         if best.value <= target:
             break
-        rounded = {u: (model.r[u].varValue or 0.0) > 0.5 for u in units}
+        rounded = {u: model.lp.value(model.r[u]) > 0.5 for u in units}
     if best_values is not None:
-        _restore(model, best_values)
+        model.lp.values = best_values
     return best

@@ -195,11 +195,11 @@ def _relaxation_then_search(model: IlpModel, backend: str, clock: _Clock, *, msg
     if lp.status != "optimal" or lp.value is None:
         return lp, model.run(backend, msg=msg, gap=gap, **clock.mip())
     joint = isinstance(model, RecomputeModel) and model.objective == "time"
-    tolerance = RECOMPUTE_GAP * abs(lp.value) if joint else gap * abs(lp.value - float(model.prob.objective.constant))
+    tolerance = RECOMPUTE_GAP * abs(lp.value) if joint else gap * abs(lp.value - model.lp.constant)
     lp_values = _values(model)
     best: Outcome | None = None
     best_values: list | None = None
-    if sharding_model is not None and joint and _integral(model.r.values()):
+    if sharding_model is not None and joint and _integral(model.lp.values[list(model.r.values())]):
         best = alternate(model, backend, sharding_model=sharding_model, limits=lambda: clock.step(_DIVE_SHARE),
                          target=lp.value + tolerance)
         best_values = _values(model) if best is not None else None
@@ -219,7 +219,8 @@ def _relaxation_then_search(model: IlpModel, backend: str, clock: _Clock, *, msg
     limits = search()
     if limits["time_limit"] < _MIN_SEARCH_S:  # the neighbourhood used the window: no search worth a run
         return lp, dataclasses.replace(best, status="feasible", dual_bound=lp.value)
-    out = model.run(backend, msg=msg, gap=gap, abs_gap=tolerance if joint else None, **limits)
+    # No CBC retry when HiGHS finds nothing in this window: the first plan is in hand already.
+    out = model.run(backend, msg=msg, gap=gap, abs_gap=tolerance if joint else None, fallback=False, **limits)
     if out.value is None or out.value > best.value:
         _restore(model, best_values)  # the search did worse: keep the first plan (proved if the search proved its own)
         out = dataclasses.replace(best, status="optimal" if out.status == "optimal" else "feasible",
@@ -228,21 +229,21 @@ def _relaxation_then_search(model: IlpModel, backend: str, clock: _Clock, *, msg
     return lp, out
 
 
-def _values(model: IlpModel) -> list:
-    return [v.varValue for v in model.columns()]
+def _values(model: IlpModel) -> np.ndarray | None:
+    return None if model.lp.values is None else model.lp.values.copy()
 
 
-def _restore(model: IlpModel, values: list) -> None:
-    for v, value in zip(model.columns(), values):
-        v.varValue = value
+def _restore(model: IlpModel, values: np.ndarray | None) -> None:
+    model.lp.values = None if values is None else values.copy()
 
 
-def _integral(variables) -> bool:
+def _integral(values: np.ndarray) -> bool:
     """Whether the relaxation decided these binaries: the first plan's descent starts from them,
     and from fractional ones it is a guess that can cost more than the search (Llama tiny on 2x2
     at 60% of its peak: 12 of 20 recompute decisions fractional, descent 10 s then the search
     anyway; Llama-70B on 16x8: all 800 integral, descent 5 s instead of a 45 s search)."""
-    return all(abs((v.varValue or 0.0) - round(v.varValue or 0.0)) <= INTEGRAL_TOL for v in variables)
+    values = np.nan_to_num(np.asarray(values, dtype=float))  # unknown counts as 0
+    return bool(np.all(np.abs(values - np.round(values)) <= INTEGRAL_TOL))
 
 
 def _note(out: Outcome) -> str:

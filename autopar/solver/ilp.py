@@ -33,12 +33,11 @@ Recompute: ``autopar.solver.recompute_ilp.RecomputeModel`` is this model plus re
 variables; ``add_recompute`` (nothing here) is where it adds them, and it writes its own memory
 rows. ``build_fastest`` and ``build_min_peak`` assemble either family in the same order.
 
-Backends through pulp: ``"highs"`` (``pulp.HiGHS``, the highspy API) and ``"cbc"``
-(``pulp.COIN_CMD`` on the CBC binary bundled with pulp, i.e. what the deprecated
-``PULP_CBC_CMD`` runs); ``"auto"`` prefers HiGHS. pulp reports ``Optimal`` when CBC stops at
-its time limit with a plan, so the status comes from ``sol_status``: ``optimal`` (proved, to
-``MIP_REL_GAP``), ``feasible`` (time limit, plan found), ``infeasible`` or ``no_solution``
-(``Outcome``).
+Backends (``autopar.solver.linear``: the model is arrays, not a modelling library's objects):
+``"highs"`` (highspy, the model passed in bulk) and ``"cbc"`` (the CBC binary bundled with
+pulp, reading the model through pulp's ``COIN_CMD``); ``"auto"`` prefers HiGHS. The status is
+``optimal`` (proved, to ``MIP_REL_GAP``), ``feasible`` (time limit, plan found), ``infeasible``
+or ``no_solution`` (``Outcome``).
 
 Watchdog: every backend run happens in a forked child with a hard deadline (``IlpModel.run``,
 ``autopar.solver.watchdog``), since HiGHS runs in-process and has been seen to ignore its time
@@ -55,19 +54,17 @@ import bisect
 import dataclasses
 import functools
 import logging
-import os
-import shutil
 import time
 from dataclasses import dataclass
 
 import numpy as np
-import pulp
 
-from autopar.solver.highs_model import DeadlineHighs, columns_of, silence_highs_banner
+from autopar.solver.linear import LinearProgram, cbc_path, highs_available, silence_highs_banner, solve_cbc, \
+    solve_highs
 from autopar.solver.simplify import Reduced, peak_candidates
 from autopar.solver.watchdog import run_in_child
 
-__all__ = ["IlpModel", "Outcome", "Terms", "affine", "undominated_rows", "available_backends", "pick_backend",
+__all__ = ["IlpModel", "Outcome", "Terms", "undominated_rows", "available_backends", "pick_backend",
            "MIP_REL_GAP", "INTEGRAL_TOL", "MEM_UNIT", "HARD_FACTOR", "CHILD_SOLVERS"]
 
 log = logging.getLogger(__name__)
@@ -98,26 +95,15 @@ MEM_UNIT = float(1 << 20)
 # after the solve. The memory rows therefore hold the budget less this fraction of it (860 B at
 # 80 GiB; on a small budget it is below the tolerance, so exact budgets still admit their plans).
 ROW_MARGIN = 1e-8
-Terms = list[tuple[pulp.LpVariable, float]]  # a linear expression's variable part
-
-
-def _cbc_path() -> str | None:
-    """A ``cbc`` on PATH, else the binary bundled with pulp (``PULP_CBC_CMD`` is deprecated in
-    pulp 3.3, ``COIN_CMD`` on the same binary is not)."""
-    from pulp.apis.coin_api import pulp_cbc_path
-
-    found = shutil.which("cbc")
-    if found:
-        return found
-    return pulp_cbc_path if os.path.isfile(pulp_cbc_path) and os.access(pulp_cbc_path, os.X_OK) else None
+Terms = list[tuple[int, float]]  # a linear expression's variable part: (column, coefficient)
 
 
 def available_backends() -> tuple[str, ...]:
     found = []
-    if pulp.HiGHS(msg=False).available():
+    if highs_available():
         silence_highs_banner()
         found.append("highs")
-    if _cbc_path():
+    if cbc_path():
         found.append("cbc")
     return tuple(found)
 
@@ -148,14 +134,6 @@ class Outcome:
     note: str = ""  # what the watchdog did: a backend stopped, failed or replaced; "" when nothing
 
 
-def affine(terms, const: float = 0.0) -> pulp.LpAffineExpression:
-    """A pulp expression that *adds* repeated variables (pulp's constructor keeps the last)."""
-    acc: dict = {}
-    for v, c in terms:
-        acc[v] = acc.get(v, 0.0) + c
-    return pulp.LpAffineExpression([(v, c) for v, c in acc.items() if c != 0.0], const)
-
-
 def undominated_rows(coef: np.ndarray, const: np.ndarray) -> list[int]:
     """Indices (ascending) of the memory rows ``const[k] + coef[k] . x`` that no other row
     dominates coefficient-wise: a dominated row can never be the binding peak."""
@@ -180,39 +158,24 @@ def _equal_lines(mat: np.ndarray) -> list[list[int]]:
     return list(classes.values())
 
 
-def _values(prob: pulp.LpProblem) -> np.ndarray:
-    return np.array([np.nan if v.varValue is None else v.varValue for v in columns_of(prob)], dtype=float)
-
-
-def _solve_highs(prob: pulp.LpProblem, report, *, relax: bool, msg: bool, gap: float, deadline: float,
+def _solve_highs(lp: LinearProgram, report, *, relax: bool, msg: bool, gap: float, deadline: float,
                  abs_gap: float | None = None, plan_limit: int | None = None):
     """In the watchdog's child: solve with HiGHS, reporting each improving solution as
-    ``(objective without constant, column values, dual bound)``; returns
-    ``(status, sol_status, column values, dual bound or None)``. ``abs_gap``: stop when proved
-    within this many objective units as well (``gap`` is relative to the objective *without* its
-    constant). ``plan_limit``: tests only (``CHILD_SOLVERS``). No warm start: HiGHS 1.15.1 started
-    from a feasible plan of the recompute ILP (``setSolution``) has returned a worse plan as
-    "optimal" (tests/solver/test_recompute_ilp.py, budget 150: 7.4 against 5.4)."""
-
-    def improving(_kind, _message, out, _data_in, _user):
-        report((float(out.objective_function_value), np.array(out.mip_solution, dtype=float),
-                float(out.mip_dual_bound)))
-
-    import highspy  # available wherever the "highs" backend is
-
-    callbacks = {} if relax else {"callbackTuple": (improving, None), "callbacksToActivate": [
-        highspy.cb.HighsCallbackType.kCallbackMipImprovingSolution]}
+    ``(objective without constant, column values, dual bound)``; returns ``(status, column
+    values, dual bound or None)`` (``autopar.solver.linear.solve_highs``). ``abs_gap``: stop when
+    proved within this many objective units as well (``gap`` is relative to the objective
+    *without* its constant). ``plan_limit``: tests only (``CHILD_SOLVERS``). No warm start: HiGHS
+    1.15.1 started from a feasible plan of the recompute ILP (``setSolution``) has returned a
+    worse plan as "optimal" (tests/solver/test_recompute_ilp.py, budget 150: 7.4 against 5.4)."""
     # HiGHS reads mip_max_improving_sols=0 as no limit: 0 plans is 0 nodes, a stop before the root.
     stop = {} if relax or plan_limit is None else (
         {"mip_max_nodes": 0} if plan_limit == 0 else {"mip_max_improving_sols": plan_limit})
-    solver = DeadlineHighs(deadline=deadline, mip=not relax, msg=msg, gapRel=gap, gapAbs=abs_gap,
-                            **callbacks, **(_HIGHS_LP_OPTIONS if relax else _HIGHS_OPTIONS), **stop)
-    prob.solve(solver)
-    bound = None if relax else float(prob.solverModel.getInfo().mip_dual_bound)
-    return prob.status, prob.sol_status, solver.values, bound
+    return solve_highs(lp, relax=relax, msg=msg, gap=gap, deadline=deadline, abs_gap=abs_gap,
+                       options={**(_HIGHS_LP_OPTIONS if relax else _HIGHS_OPTIONS), **stop},
+                       on_plan=lambda obj, values, bound: report((obj, values, bound)))
 
 
-def _solve_cbc(prob: pulp.LpProblem, report, *, relax: bool, msg: bool, gap: float, deadline: float,
+def _solve_cbc(lp: LinearProgram, report, *, relax: bool, msg: bool, gap: float, deadline: float,
                abs_gap: float | None = None, plan_limit: int | None = None):
     """In the watchdog's child: solve with CBC (a subprocess of this child); as ``_solve_highs``
     without progress reports (CBC's binary has no callbacks) or bound. CBC checks its (wall-clock)
@@ -225,9 +188,7 @@ def _solve_cbc(prob: pulp.LpProblem, report, *, relax: bool, msg: bool, gap: flo
     # heuristics and cuts off leaves the root LP's fractional answer, i.e. no plan.
     stop = [] if relax or plan_limit is None else (
         ["maxNodes 0", "heuristicsOnOff off", "cuts off"] if plan_limit == 0 else [f"maxSolutions {plan_limit}"])
-    prob.solve(pulp.COIN_CMD(path=_cbc_path(), mip=not relax, msg=msg, timeLimit=limit, gapRel=gap, gapAbs=abs_gap,
-                             timeMode="elapsed", options=stop))
-    return prob.status, prob.sol_status, _values(prob), None
+    return solve_cbc(lp, relax=relax, msg=msg, gap=gap, time_limit=limit, abs_gap=abs_gap, options=stop)
 
 
 # What the watchdog's child runs per backend. Tests put hanging backends here, and bind
@@ -241,14 +202,17 @@ _REUSE_MAX_VARIABLES = 20_000  # beyond this, pickling the model costs more than
 
 
 class IlpModel:
-    """A pulp model over a ``Reduced`` problem; each constraint family is one method."""
+    """The ILP over a ``Reduced`` problem (a ``LinearProgram``); each constraint family is one method."""
 
     def __init__(self, reduced: Reduced, name: str = "autopar"):
         self.reduced = reduced
-        self.prob = pulp.LpProblem(name, pulp.LpMinimize)
-        self.x: list[list[pulp.LpVariable] | None] = []
-        self.constant = reduced.constant
+        self.lp = LinearProgram(name)
+        self.x: list[list[int] | None] = []  # group -> its option columns (None: a 1-option group)
         self.objective: str | None = None  # "time" or "peak", once built
+
+    @property
+    def name(self) -> str:
+        return self.lp.name
 
     # ---------------------------------------------------------------------- expressions
     def linear(self, g: int, vec: np.ndarray) -> tuple[Terms, float]:
@@ -261,7 +225,7 @@ class IlpModel:
 
     def step_time_terms(self) -> tuple[Terms, float]:
         """Objective: node costs (edges are added by ``add_edge_marginals``)."""
-        terms, const = [], self.constant
+        terms, const = [], self.reduced.constant
         for g, cost in enumerate(self.reduced.cost):
             t, c = self.linear(g, cost)
             terms += t
@@ -270,15 +234,17 @@ class IlpModel:
 
     # -------------------------------------------------------------- constraint families
     def add_one_hot(self) -> None:
-        for g, cost in enumerate(self.reduced.cost):
+        for cost in self.reduced.cost:
             if len(cost) == 1:
                 self.x.append(None)
                 continue
-            xs = [self.prob.add_variable(f"x_{g}_{s}", cat=pulp.LpBinary) for s in range(len(cost))]
+            xs = self.lp.add_binaries(len(cost))
             self.x.append(xs)
-            self.prob += affine([(v, 1.0) for v in xs]) == 1, f"one_hot_{g}"
+            self.lp.add_rows([len(xs)], xs, np.ones(len(xs)), lower=1.0, upper=1.0)
 
-    def add_edge_marginals(self, objective: Terms) -> None:
+    def add_edge_marginals(self) -> None:
+        """The edge variables, their marginal rows and their costs (added to the objective
+        directly: one array per edge)."""
         for (a, b), mat in self.reduced.edges.items():
             xa, xb = self.x[a], self.x[b]
             assert xa is not None and xb is not None, "edges of 1-option groups are folded by simplify"
@@ -286,16 +252,20 @@ class IlpModel:
             cols = _equal_lines(mat[[r[0] for r in rows]].T)
             sub = mat[np.ix_([r[0] for r in rows], [c[0] for c in cols])]
             ka, kb = sub.shape
-            e = [[self.prob.add_variable(f"e_{a}_{b}_{s}_{t}", lowBound=0) for t in range(kb)] for s in range(ka)]
-            # Every variable appears once in a marginal: no ``affine`` (it sums repeats) needed.
+            e = self.lp.add_columns(ka * kb).reshape(ka, kb)
+            # Row s: sum_t e[s,t] - sum_{k in class s} x_a[k] = 0; column t likewise.
+            lengths, index, value = [], [], []
             for s, members in enumerate(rows):
-                terms = [(v, 1.0) for v in e[s]] + [(xa[k], -1.0) for k in members]
-                self.prob += pulp.LpAffineExpression(terms) == 0, f"mr_{a}_{b}_{s}"
+                lengths.append(kb + len(members))
+                index += e[s].tolist() + [xa[k] for k in members]
+                value += [1.0] * kb + [-1.0] * len(members)
             for t, members in enumerate(cols):
-                terms = [(e[s][t], 1.0) for s in range(ka)] + [(xb[k], -1.0) for k in members]
-                self.prob += pulp.LpAffineExpression(terms) == 0, f"mc_{a}_{b}_{t}"
+                lengths.append(ka + len(members))
+                index += e[:, t].tolist() + [xb[k] for k in members]
+                value += [1.0] * ka + [-1.0] * len(members)
+            self.lp.add_rows(lengths, index, value, lower=0.0, upper=0.0)
             where = np.nonzero(sub)
-            objective += [(e[s][t], c) for s, t, c in zip(where[0].tolist(), where[1].tolist(), sub[where].tolist())]
+            self.lp.add_objective_arrays(e[where], sub[where])
 
     def param_bytes(self) -> tuple[Terms, float]:
         terms, const = [], 0.0
@@ -304,21 +274,27 @@ class IlpModel:
             terms += t
             const += c
         if len(terms) > 1:  # one variable instead of repeating the sum in every memory row
-            p = self.prob.add_variable("P", lowBound=0)
-            self.prob += affine(terms + [(p, -1.0)]) == 0, "param_bytes"
+            p = self.lp.add_column()
+            self.lp.add_row(terms + [(p, -1.0)], lower=0.0, upper=0.0)
             terms = [(p, 1.0)]
         return terms, const
 
-    def add_memory(self, limit: float | pulp.LpVariable) -> int:
-        """Memory rows at the peak candidates; returns how many. ``limit`` is bytes, or a
-        variable that then counts MiB."""
-        items = [it for it in self.reduced.mem_items]
+    def memory_rhs(self, *, budget: float | None, peak: int | None) -> tuple[Terms, float]:
+        """The right-hand side of every memory row, moved left: ``(terms, upper bound)``; a
+        budget in bytes, or the ``peak`` column (MiB)."""
+        if peak is not None:
+            return [(peak, -1.0)], 0.0
+        return [], float(budget) / MEM_UNIT
+
+    def add_memory(self, *, budget: float | None = None, peak: int | None = None) -> int:
+        """Memory rows at the peak candidates; returns how many. ``budget``: bytes; or ``peak``:
+        a column that then counts MiB."""
+        items = list(self.reduced.mem_items)
         p_terms, p_const = self.param_bytes()
-        rhs_terms = [] if not isinstance(limit, pulp.LpVariable) else [(limit, -1.0)]
-        rhs_const = 0.0 if isinstance(limit, pulp.LpVariable) else float(limit) / MEM_UNIT
+        rhs_terms, upper = self.memory_rhs(budget=budget, peak=peak)
         cands = peak_candidates(items)
         if not cands:
-            self.prob += affine(p_terms + rhs_terms, p_const) <= rhs_const, "mem_params"
+            self.lp.add_row(p_terms + rhs_terms, upper=upper, const=p_const)
             return 1
         ranges = []
         for it in items:
@@ -330,9 +306,18 @@ class IlpModel:
             rows = self._dense_memory_rows(items, ranges, len(cands))
         else:
             rows = self._chained_memory_rows(items, ranges, len(cands))
-        for k, (terms, const) in enumerate(rows):
-            self.prob += affine(terms + p_terms + rhs_terms, const + p_const) <= rhs_const, f"mem_{k}"
+        for terms, const in rows:
+            self.lp.add_row(terms + p_terms + rhs_terms, upper=upper, const=const + p_const)
         return len(rows)
+
+    def slot_columns(self) -> np.ndarray:
+        """Per option slot (group ``g`` owns ``offsets[g]:offsets[g+1]``), its ``x`` column; -1
+        for the slot of a 1-option group (a constant)."""
+        out = []
+        for g, cost in enumerate(self.reduced.cost):
+            xs = self.x[g]
+            out += [-1] * len(cost) if xs is None else list(xs)
+        return np.array(out, dtype=np.int64)
 
     def _dense_memory_rows(self, items, ranges, num_cands):
         """Write each candidate's live total out; drop candidates dominated coefficient-wise."""
@@ -348,19 +333,15 @@ class IlpModel:
             const[a] += low
             const[b + 1] -= low
         coef, const = np.cumsum(coef, axis=0)[:-1], np.cumsum(const)[:-1]
-        return [(self.row_terms(coef[k], offsets), float(const[k])) for k in undominated_rows(coef, const)]
+        slot_cols = self.slot_columns()
+        return [(self.row_terms(coef[k], slot_cols), float(const[k])) for k in undominated_rows(coef, const)]
 
-    def row_terms(self, row: np.ndarray, offsets) -> Terms:
-        """Terms ``coef * x[g,s]`` of one memory row laid out as ``offsets`` (group ``g`` owns
-        ``row[offsets[g]:offsets[g+1]]``); sub-byte coefficients are noise and dropped."""
-        terms = []
-        for g in range(len(self.reduced.cost)):
-            xs = self.x[g]
-            if xs is None:
-                continue
-            for s in np.flatnonzero(row[offsets[g]:offsets[g + 1]] > 0.5 / MEM_UNIT):
-                terms.append((xs[s], float(row[offsets[g] + s])))
-        return terms
+    @staticmethod
+    def row_terms(row: np.ndarray, slot_cols: np.ndarray) -> Terms:
+        """Terms ``coef * x[g,s]`` of one memory row over the option slots (``slot_columns``);
+        sub-byte coefficients are noise and dropped."""
+        nz = np.flatnonzero((row[:len(slot_cols)] > 0.5 / MEM_UNIT) & (slot_cols >= 0))
+        return list(zip(slot_cols[nz].tolist(), row[nz].tolist()))
 
     def _chained_memory_rows(self, items, ranges, num_cands):
         """``M[k] = M[k-1] + starting - ending``: every item enters two equalities."""
@@ -373,7 +354,7 @@ class IlpModel:
         held = [self.linear(it.group, it.bytes / MEM_UNIT) for it in items]  # MiB each item holds
         rows, prev = [], None
         for k in range(num_cands):
-            m = self.prob.add_variable(f"M_{k}", lowBound=0)
+            m = self.lp.add_column()
             terms, const = ([] if prev is None else [(prev, 1.0)]), 0.0
             for i in enter[k]:
                 terms += held[i][0]
@@ -381,13 +362,10 @@ class IlpModel:
             for i in leave[k]:
                 terms += [(v, -c) for v, c in held[i][0]]
                 const -= held[i][1]
-            self.prob += affine(terms + [(m, -1.0)], const) == 0, f"M_def_{k}"
+            self.lp.add_row(terms + [(m, -1.0)], lower=0.0, upper=0.0, const=const)
             rows.append(([(m, 1.0)], 0.0))
             prev = m
         return rows
-
-    def set_objective(self, terms, const) -> None:
-        self.prob.setObjective(affine(terms, const))
 
     # ------------------------------------------------------------------------- assembling
     def add_recompute(self, objective: Terms) -> None:
@@ -398,55 +376,62 @@ class IlpModel:
         self.objective = "time"
         self.add_one_hot()
         terms, const = self.step_time_terms()
-        self.add_edge_marginals(terms)
+        self.add_edge_marginals()
         self.add_recompute(terms)
         if limit is not None:
-            self.add_memory(limit * (1.0 - ROW_MARGIN))
-        self.set_objective(terms, const)
+            self.add_memory(budget=limit * (1.0 - ROW_MARGIN))
+        self.lp.add_objective(terms, const)
 
     def build_min_peak(self) -> None:
         """The smallest peak any choice reaches, step time ignored (the objective counts MiB)."""
         self.objective = "peak"
         self.add_one_hot()
         self.add_recompute([])
-        peak = self.prob.add_variable("peak", lowBound=0)
-        self.add_memory(peak)
-        self.set_objective([(peak, 1.0)], 0.0)
+        peak = self.lp.add_column()
+        self.add_memory(peak=peak)
+        self.lp.add_objective([(peak, 1.0)])
 
     # --------------------------------------------------------------------------- solving
     def run(self, backend: str, *, time_limit: float, relax: bool = False, msg: bool = False,
-            gap: float = MIP_REL_GAP, hard_limit: float | None = None, abs_gap: float | None = None) -> Outcome:
+            gap: float = MIP_REL_GAP, hard_limit: float | None = None, abs_gap: float | None = None,
+            fallback: bool = True) -> Outcome:
         """Solve with ``backend``, told to stop after ``time_limit`` seconds, and return within
         ``hard_limit`` seconds (default ``HARD_FACTOR * time_limit``) whatever the backend does.
 
         The backend runs in a forked child (``autopar.solver.watchdog``). HiGHS that overruns its
         limit is killed a grace period after it. If it streamed an improving solution before it
         was stopped (or crashed, or failed), the best one is the answer (``"feasible"``, with
-        HiGHS's last bound); if not, CBC solves once more until ``hard_limit``. Either way
-        ``Outcome.note`` says what happened, ``Outcome.backend`` whose answer it is, and a warning
-        is logged. CBC still running at ``hard_limit`` is killed (``"no_solution"``); CBC crashing
-        raises RuntimeError. ``abs_gap`` as in ``_solve_highs`` (both backends)."""
+        HiGHS's last bound); if not, CBC solves once more until ``hard_limit`` -- unless
+        ``fallback`` is False (the caller holds a plan already, and a second backend's first plan
+        in the time left would rarely beat it). Either way ``Outcome.note`` says what happened,
+        ``Outcome.backend`` whose answer it is, and a warning is logged. CBC still running at
+        ``hard_limit`` is killed (``"no_solution"``); CBC crashing raises RuntimeError.
+        ``abs_gap`` as in ``_solve_highs`` (both backends)."""
         t0 = time.monotonic()
         extra = {"abs_gap": abs_gap}
-        if not self.columns():  # everything was decided by simplification
-            if not all(c.valid(1e-9) for c in self.prob.constraints()):
+        if not self.lp.num_columns:  # everything was decided by simplification
+            if not self.lp.rows_hold(np.zeros(0)):
                 return Outcome("infeasible", None, None, 0.0, backend)
-            value = float(self.prob.objective.constant)
-            return Outcome("optimal", value, value, 0.0, backend)
+            self.lp.values = np.zeros(0)
+            return Outcome("optimal", self.lp.constant, self.lp.constant, 0.0, backend)
         soft = t0 + time_limit
         hard = t0 + (HARD_FACTOR * time_limit if hard_limit is None else max(hard_limit, time_limit))
-        if backend != "highs" or _cbc_path() is None:  # nothing to fall back on
-            return self._attempt(backend, relax=relax, msg=msg, gap=gap, soft=soft, kill_at=hard, t0=t0, **extra)
+        if backend != "highs" or cbc_path() is None or not fallback:  # nothing to fall back on
+            kill_at = hard if backend != "highs" or fallback else soft + _GRACE * (hard - soft)
+            out = self._attempt(backend, relax=relax, msg=msg, gap=gap, soft=soft, kill_at=kill_at, t0=t0, **extra)
+            if out.note and backend == "highs":
+                log.warning("autopar: %s (%s)", out.note, self.lp.name)
+            return out
         first = self._attempt("highs", relax=relax, msg=msg, gap=gap, soft=soft,
                               kill_at=soft + _GRACE * (hard - soft), t0=t0, **extra)
         if not first.note:
             return first
         if first.status != "no_solution":  # stopped after streaming plans: the best is kept
-            log.warning("autopar: %s (%s)", first.note, self.prob.name)
+            log.warning("autopar: %s (%s)", first.note, self.lp.name)
             return first
         now = time.monotonic()
         note = f"{first.note}; retried with cbc"
-        log.warning("autopar: %s (%s)", note, self.prob.name)
+        log.warning("autopar: %s (%s)", note, self.lp.name)
         second = self._attempt("cbc", relax=relax, msg=msg, gap=gap, soft=max(soft, now + 0.6 * (hard - now)),
                                kill_at=hard, t0=t0, **extra)
         return dataclasses.replace(second, note=f"{note}: {second.note}" if second.note else note)
@@ -456,14 +441,15 @@ class IlpModel:
         """One backend run in a watched child. A HiGHS run that failed without a plan returns
         ``no_solution`` with a ``note`` (the caller falls back); CBC's failures raise."""
         optional = {"abs_gap": abs_gap} if abs_gap else {}  # only when asked for (tests' fake backends)
-        fn = functools.partial(CHILD_SOLVERS[backend], self.prob, relax=relax, msg=msg, gap=gap, deadline=soft,
+        self.lp.arrays()  # built once here, not in every child
+        fn = functools.partial(CHILD_SOLVERS[backend], self.lp, relax=relax, msg=msg, gap=gap, deadline=soft,
                                **optional)
         # Small models go to the long-lived worker (pickling beats a fork of a big planner process).
-        res = run_in_child(fn, deadline=kill_at, reuse=self.prob.numVariables() <= _REUSE_MAX_VARIABLES)
+        res = run_in_child(fn, deadline=kill_at, reuse=self.lp.num_columns <= _REUSE_MAX_VARIABLES)
         seconds = time.monotonic() - t0
         if res.ended == "done":
-            status, sol_status, values, bound = res.final
-            out = self._outcome(backend, status, sol_status, values, bound, relax=relax, seconds=seconds)
+            status, values, bound = res.final
+            out = self._outcome(backend, status, values, bound, relax=relax, seconds=seconds)
             if out.status == "no_solution" and backend == "highs" and time.monotonic() < soft - 0.05 * (soft - t0):
                 return dataclasses.replace(out, note="highs stopped without a plan before its time limit")
             return out
@@ -472,44 +458,40 @@ class IlpModel:
                           f"stopped", "died": "died", "error": f"failed ({res.detail})"}[res.ended]
         if res.latest is not None:  # HiGHS streamed plans before it overran, died or failed: keep the best
             _, values, bound = res.latest
-            out = self._outcome(backend, pulp.LpStatusOptimal, pulp.LpSolutionIntegerFeasible, values, bound,
-                                relax=relax, seconds=seconds)
+            out = self._outcome(backend, "feasible", values, bound, relax=relax, seconds=seconds)
             return dataclasses.replace(out, note=f"{backend} {what}; its best plan is kept")
         if backend == "cbc" and res.ended != "killed":
             raise RuntimeError(f"the ILP backend cbc {what}")
         return Outcome("no_solution", None, None, seconds, backend, note=f"{backend} {what}")
 
-    def _outcome(self, backend: str, status: int, sol_status: int, values, bound: float | None, *, relax: bool,
+    def _outcome(self, backend: str, status: str, values, bound: float | None, *, relax: bool,
                  seconds: float) -> Outcome:
-        """An ``Outcome`` from the child's answer; its values are written into this model's variables."""
-        if status == pulp.LpStatusInfeasible or sol_status == pulp.LpSolutionInfeasible:
+        """An ``Outcome`` from the child's answer; its values become this model's ``lp.values``."""
+        if status == "infeasible":
             return Outcome("infeasible", None, None, seconds, backend)
-        if sol_status not in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
+        if status not in ("optimal", "feasible"):
             return Outcome("no_solution", None, None, seconds, backend)
-        for var, v in zip(self.columns(), values):  # the child's order: same model, forked
-            var.varValue = None if np.isnan(v) else float(v)
-        value = float(pulp.value(self.prob.objective) or 0.0)
-        status = "optimal" if sol_status == pulp.LpSolutionOptimal else "feasible"
+        self.lp.values = np.array(values, dtype=float)
+        value = self.lp.objective_value(self.lp.values)
         best = value if status == "optimal" else None
         if bound is not None and not relax and np.isfinite(bound):
-            # HiGHS proves a bound even when "optimal" (to MIP_REL_GAP); pulp hands HiGHS the
+            # HiGHS proves a bound even when "optimal" (to MIP_REL_GAP); it is handed the
             # objective without its constant term.
-            best = bound + float(self.prob.objective.constant)
+            best = bound + self.lp.constant
         return Outcome(status, value, best, seconds, backend)
 
     def integral(self, tol: float = INTEGRAL_TOL) -> bool:
         """Whether the values last written into the model (after ``run``) give every integer
         variable an integer value: then the LP relaxation's optimum is the MIP's too."""
-        ints = [v for v in self.columns() if v.cat == pulp.LpInteger]
-        values = np.array([np.nan if v.varValue is None else v.varValue for v in ints], dtype=float)
+        if self.lp.values is None:
+            return False
+        values = self.lp.values[self.lp.arrays()["integer"]]
         return bool(np.all(np.abs(values - np.round(values)) <= tol))
 
     def choice(self) -> list[int]:
         """The chosen option of every group (after ``run``)."""
-        out = []
-        for xs in self.x:
-            out.append(0 if xs is None else int(np.argmax([v.varValue or 0.0 for v in xs])))
-        return out
+        values = self.lp.values
+        return [0 if xs is None else int(np.argmax(np.nan_to_num(values[xs]))) for xs in self.x]
 
     def recomputed(self) -> tuple[str, ...]:
         """The recomputed units (after ``run``): none in the sharding ILP."""
@@ -522,17 +504,8 @@ class IlpModel:
 
     @property
     def num_variables(self) -> int:
-        return len(self.columns())
-
-    def columns(self) -> list[pulp.LpVariable]:
-        """The model's variables in pulp's order (``prob.variables()``), listed once after the
-        model is built and kept on the problem, where the watchdog's child finds it too."""
-        cols = self.prob.__dict__.get("_autopar_columns")
-        if cols is None:
-            cols = list(self.prob.variables())
-            self.prob._autopar_columns = cols
-        return cols
+        return self.lp.num_columns
 
     @property
     def num_constraints(self) -> int:
-        return self.prob.numConstraints()
+        return self.lp.num_rows

@@ -79,10 +79,9 @@ from collections import defaultdict
 from typing import Mapping
 
 import numpy as np
-import pulp
 
 from autopar.layout.blocks import block_of, split_block
-from autopar.solver.ilp import MEM_UNIT, IlpModel, Terms, affine, undominated_rows
+from autopar.solver.ilp import MEM_UNIT, IlpModel, Terms, undominated_rows
 from autopar.solver.problem import Problem
 from autopar.solver.simplify import MemItem, Reduced, peak_candidates
 from autopar.solver.timeline import SegmentInputs, segment_geometry
@@ -107,8 +106,8 @@ class RecomputeModel(IlpModel):
         self.fixed = dict(fixed or {})
         self.geo = segment_geometry(problem)
         self.units = sorted(self.geo, key=lambda s: (self.geo[s].start, self.geo[s].parent is not None, s))
-        self.r: dict[str, pulp.LpVariable] = {}
-        self.spans: list[tuple[pulp.LpVariable, int, int]] = []  # (var, first, last timeline point)
+        self.r: dict[str, int] = {}  # unit -> its recompute binary's column
+        self.spans: list[tuple[int, int, int]] = []  # (column, first, last timeline point)
         self.c_vec = self._input_vectors(inputs)  # seg -> {group: MiB per group option}
         self.order = order
         self.num_order_rows = 0
@@ -153,8 +152,7 @@ class RecomputeModel(IlpModel):
                 prev = act_vecs[it.segment].get(it.group)
                 vec = it.bytes / MEM_UNIT
                 act_vecs[it.segment][it.group] = vec if prev is None else prev + vec
-        for i, u in enumerate(self.units):
-            self.r[u] = self.prob.add_variable(f"r_{i}", cat=pulp.LpBinary)
+        self.r = dict(zip(self.units, self.lp.add_binaries(len(self.units))))
         children: dict[str, list[str]] = defaultdict(list)
         for u in self.units:
             if self.geo[u].parent is not None:
@@ -181,7 +179,7 @@ class RecomputeModel(IlpModel):
             drop_block = [(v, -c) for v, c in block_times.get(u, ())] if rb is not None else []
             b_block = self.geo[g.parent].bwd if rb is not None else g.bwd
             if rb is not None:
-                self.prob += affine([(r, 1.0), (rb, 1.0)]) <= 1, f"excl_{i}"
+                self.lp.add_row([(r, 1.0), (rb, 1.0)], upper=1.0)
             self._span_var(f"H_{i}", a_terms + minus_a + drop_block + c_r, a_const, g.start, b_block - 1)
             if b_block < g.bwd:  # the block is rematerialised, this segment not yet (if alone)
                 self._span_var(f"H2_{i}", a_terms + minus_a + c_r, a_const, b_block, g.bwd - 1)
@@ -189,14 +187,14 @@ class RecomputeModel(IlpModel):
         for i, (unit, value) in enumerate(sorted(self.fixed.items())):
             if unit not in self.r:
                 raise ValueError(f"cannot fix unknown segment {unit!r}; known: {sorted(self.r)}")
-            self.prob += affine([(self.r[unit], 1.0)]) == int(bool(value)), f"fix_{i}"
+            self.lp.add_row([(self.r[unit], 1.0)], lower=float(bool(value)), upper=float(bool(value)))
         if self.order:
             self.num_order_rows = self._add_order(fwd_vecs, act_vecs)
 
     def _span_var(self, name: str, terms: Terms, const: float, first: int, last: int) -> None:
         """A variable equal to ``terms + const`` (MiB, >= 0), held on ``[first, last]``."""
-        var = self.prob.add_variable(name, lowBound=0)
-        self.prob += affine(terms + [(var, -1.0)], const) == 0, f"{name}_def"
+        var = self.lp.add_column()
+        self.lp.add_row(terms + [(var, -1.0)], lower=0.0, upper=0.0, const=const)
         self.spans.append((var, first, last))
 
     def _products(self, i: int, unit: str, forms: list[Mapping[int, np.ndarray]]) -> list[Terms]:
@@ -222,13 +220,13 @@ class RecomputeModel(IlpModel):
                 continue
             zs = []
             for c, (values, members) in enumerate(classes.items()):
-                z = self.prob.add_variable(f"z_{i}_{g}_{c}", lowBound=0)
-                self.prob += affine([(z, 1.0)] + [(xs[k], -1.0) for k in members]) <= 0, f"zx_{i}_{g}_{c}"
+                z = self.lp.add_column()
+                self.lp.add_row([(z, 1.0)] + [(xs[k], -1.0) for k in members], upper=0.0)
                 zs.append(z)
                 for f, v in enumerate(values):
                     if v:
                         out[f].append((z, float(v)))
-            self.prob += affine([(z, 1.0) for z in zs] + [(r, -1.0)]) == 0, f"zr_{i}_{g}"
+            self.lp.add_row([(z, 1.0) for z in zs] + [(r, -1.0)], lower=0.0, upper=0.0)
         return out
 
     def _classes(self, g: int, vecs: list) -> tuple[np.ndarray, dict[tuple, list[int]]]:
@@ -283,7 +281,7 @@ class RecomputeModel(IlpModel):
                 terms = [(self.r[early], 1.0), (self.r[late], -1.0)]
                 if ge.parent is not None:  # only while neither block is recomputed whole
                     terms += [(self.r[b], 1.0) for b in (ge.parent, gl.parent) if b in self.r]
-                self.prob += affine(terms) >= 0, f"order_{rows}"
+                self.lp.add_row(terms, lower=0.0)
                 rows += 1
         return rows
 
@@ -293,11 +291,10 @@ class RecomputeModel(IlpModel):
         spans = sorted((self.geo[s].bwd, self.geo[s].end) for s in segments)
         return all(a[1] < b[0] for a, b in zip(spans, spans[1:]))
 
-    def add_memory(self, limit: float | pulp.LpVariable) -> int:
+    def add_memory(self, *, budget: float | None = None, peak: int | None = None) -> int:
         """Memory rows at the peak candidates of the split timeline (module docstring)."""
         p_terms, p_const = self.param_bytes()
-        rhs_terms = [] if not isinstance(limit, pulp.LpVariable) else [(limit, -1.0)]
-        rhs_const = 0.0 if isinstance(limit, pulp.LpVariable) else float(limit) / MEM_UNIT
+        rhs_terms, upper = self.memory_rhs(budget=budget, peak=peak)
         plain: list[MemItem] = []
         for it in self.reduced.mem_items:
             g = self.geo.get(it.segment)
@@ -308,7 +305,7 @@ class RecomputeModel(IlpModel):
         spans = [MemItem(-1, a, b, np.zeros(1)) for _, a, b in self.spans]
         cands = peak_candidates(plain + spans)
         if not cands:
-            self.prob += affine(p_terms + rhs_terms, p_const) <= rhs_const, "mem_params"
+            self.lp.add_row(p_terms + rhs_terms, upper=upper, const=p_const)
             return 1
         offsets = np.cumsum([0] + [len(c) for c in self.reduced.cost])
         width = offsets[-1] + len(self.spans)
@@ -333,14 +330,15 @@ class RecomputeModel(IlpModel):
         coef, const = np.cumsum(coef, axis=0)[:-1], np.cumsum(const)[:-1]
         extra = [v for v, _, _ in self.spans]
         kept = undominated_rows(coef, const)
-        for row, k in enumerate(kept):
-            terms = self.row_terms(coef[k], offsets)
+        slot_cols = self.slot_columns()
+        for k in kept:
+            terms = self.row_terms(coef[k], slot_cols)
             terms += [(extra[c], 1.0) for c in np.flatnonzero(coef[k, offsets[-1]:] > 0.5)]
-            self.prob += affine(terms + p_terms + rhs_terms, float(const[k]) + p_const) <= rhs_const, f"mem_{row}"
+            self.lp.add_row(terms + p_terms + rhs_terms, upper=upper, const=float(const[k]) + p_const)
         return len(kept)
 
     def recomputed(self) -> tuple[str, ...]:
-        return tuple(u for u in self.units if (self.r[u].varValue or 0.0) > 0.5)
+        return tuple(u for u in self.units if self.lp.value(self.r[u]) > 0.5)
 
     @property
     def stats(self) -> dict[str, int]:

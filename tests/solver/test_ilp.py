@@ -5,6 +5,7 @@ import itertools
 import random
 import re
 
+import numpy as np
 import pytest
 
 from autopar.solver import ilp
@@ -267,12 +268,11 @@ def test_integral_reads_every_integer_variable():
 
     model = ilp.IlpModel(simplify(p, merge=False))
     model.build_fastest(None)
-    ints = [v for v in model.columns() if v.cat == "Integer"]
-    assert ints
-    for v in model.columns():
-        v.varValue = 0.0
+    ints = np.flatnonzero(model.lp.arrays()["integer"])
+    assert len(ints)
+    model.lp.values = np.zeros(model.lp.num_columns)
     assert model.integral()
-    ints[0].varValue = 0.5
+    model.lp.values[ints[0]] = 0.5
     assert not model.integral()
-    ints[0].varValue = 1.0 - 1e-9  # within the solver's feasibility tolerance
+    model.lp.values[ints[0]] = 1.0 - 1e-9  # within the solver's feasibility tolerance
     assert model.integral()
