@@ -2,7 +2,7 @@
 
 Why a child process: HiGHS (through highspy) solves in-process and has been seen to loop forever
 in presolve, ignoring its own ``time_limit``; a thread cannot be stopped, a process can. Why
-``fork`` and not ``spawn``: the child inherits the built pulp model, so nothing is pickled on the
+``fork`` and not ``spawn``: the child inherits the built model (``autopar.solver.linear``), so nothing is pickled on the
 way in and no interpreter starts (a fork costs milliseconds, a spawned interpreter that imports
 pulp and highspy a few hundred), and ``os.fork`` also works inside the daemonic processes that
 ``autopar.runtime.launch.run_local`` starts, where ``multiprocessing`` refuses to start children.
@@ -10,7 +10,7 @@ pulp and highspy a few hundred), and ``os.fork`` also works inside the daemonic 
 The child runs ``fn(report)``; ``report(message)`` streams a progress message to the parent (the
 solvers send each improving solution, so a killed solve still has its best plan) and ``fn``'s
 return value is the final message. The child leads its own process group, so killing the group
-also ends what it started (CBC runs as a grandchild, ``pulp.COIN_CMD``). No torch import.
+also ends what it started (CBC runs as a grandchild, through pulp's ``COIN_CMD``). No torch import.
 """
 
 from __future__ import annotations
