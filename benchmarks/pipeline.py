@@ -157,9 +157,10 @@ class HandPipeline:
 # ----------------------------------------------------------------------------- the run
 def _bench(rank: int, world: int, args, model, inputs, plans: dict, traced: dict) -> dict:
     from autopar.runtime.pipeline import build_pipeline
+    from autopar.tracer.microbatch import micro_batch
 
     out = {}
-    micro = {k: v[: args.batch // args.microbatches] for k, v in inputs.items()}
+    micro = micro_batch(inputs, args.microbatches)  # the hand pipeline's example: the rule autopar traces by
     for schedule, plan in plans.items():
         pm = build_pipeline(copy.deepcopy(model), traced[schedule], plan, device="cpu")
         st = plan.pipeline.stages[rank]
@@ -282,7 +283,8 @@ def main(argv=None) -> dict:
           f"{'estimate/autopar':>17}  losses (autopar, hand, single device)")
     for schedule, row in rows.items():
         loss = row["loss"]
-        print(f"{schedule:<9} {row['autopar_s'] * 1e3:11.1f} {row['hand_s'] * 1e3:9.1f} {row['estimate_s'] * 1e3:12.1f} "
+        print(f"{schedule:<9} {row['autopar_s'] * 1e3:11.1f} {row['hand_s'] * 1e3:9.1f} "
+              f"{row['estimate_s'] * 1e3:12.1f} "
               f"{row['autopar_over_hand']:13.3f} {row['estimate_over_autopar']:17.3f}  {loss['autopar']:.6f}, "
               f"{loss['hand']:.6f}, {loss['single_device']:.6f} ({'agree' if row['losses_agree'] else 'DIFFER'})")
     record = {"bench": "pipeline", "args": vars(args), "mesh": {"alpha": mesh.alpha[0], "beta": mesh.beta[0],

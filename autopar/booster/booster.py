@@ -36,7 +36,7 @@ from autopar.booster import checkpoint_io
 from autopar.booster.dataloader import GlobalBatchSampler, configure_for, first_batch_inputs, input_shapes
 from autopar.booster.optimizer import BoostedOptimizer, rebuild_optimizer, repoint_scheduler
 from autopar.booster.plugin import AutoParallelPlugin
-from autopar.runtime.module import AutoParallelModule
+from autopar.runtime.parallel_module import ParallelModule
 
 __all__ = ["Booster"]
 
@@ -58,12 +58,12 @@ class Booster:
         if not isinstance(plugin, AutoParallelPlugin):
             raise ValueError(f"plugin must be an AutoParallelPlugin, got {plugin!r}")
         self.plugin = plugin
-        self._origins: weakref.WeakKeyDictionary[AutoParallelModule, _Origin] = weakref.WeakKeyDictionary()
+        self._origins: weakref.WeakKeyDictionary[ParallelModule, _Origin] = weakref.WeakKeyDictionary()
 
     # ------------------------------------------------------------------------------ boost
     def boost(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
               criterion: Callable | None = None, dataloader: Any = None, lr_scheduler: Any = None,
-              meta_inputs: tuple | dict | None = None) -> tuple[AutoParallelModule, BoostedOptimizer | None,
+              meta_inputs: tuple | dict | None = None) -> tuple[ParallelModule, BoostedOptimizer | None,
                                                                   Callable | None, Any, Any]:
         """``(model, optimizer, criterion, dataloader, lr_scheduler)``, boosted.
 
@@ -83,8 +83,8 @@ class Booster:
         """
         from autopar.api import autoparallelize
 
-        if isinstance(model, AutoParallelModule):
-            raise ValueError("this model is already boosted (an AutoParallelModule); boost the original model")
+        if isinstance(model, ParallelModule):
+            raise ValueError(f"this model is already boosted (a {type(model).__name__}); boost the original model")
         if not isinstance(model, nn.Module):
             raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if lr_scheduler is not None and optimizer is None:
@@ -100,8 +100,8 @@ class Booster:
         pipeline_zero = 0
         if self.plugin.pipeline is not None:
             options, pipeline_zero = _pipeline_options(self.plugin, options)
-        module = autoparallelize(model, meta_inputs, **options)
-        if _is_pipeline(module):
+        module: ParallelModule = autoparallelize(model, meta_inputs, **options)
+        if module.plan.pipeline is not None:  # a PipelineModule: full batches, step_with, ZeRO-1 at most
             return self._boost_pipeline(model, module, optimizer, criterion, dataloader, lr_scheduler,
                                         zero_stage=pipeline_zero)
         if ours:
@@ -133,7 +133,7 @@ class Booster:
                 repoint_scheduler(lr_scheduler, optimizer, rebuilt)
         return module, boosted, criterion, dataloader, lr_scheduler
 
-    def _boost_pipeline(self, model: nn.Module, module: Any, optimizer: torch.optim.Optimizer | None,
+    def _boost_pipeline(self, model: nn.Module, module: ParallelModule, optimizer: torch.optim.Optimizer | None,
                         criterion: Callable | None, dataloader: Any, lr_scheduler: Any, *, zero_stage: int) -> tuple:
         """``boost`` for a pipelined plan: ``module`` is a ``PipelineModule`` taking full global
         batches (a loader from ``prepare_dataloader`` keeps giving them); the optimizer is rebuilt
@@ -150,7 +150,7 @@ class Booster:
                                         build=lambda cls, groups, **kw: module.optimizer(cls, groups,
                                                                                         zero_stage=zero_stage, **kw))
             zero = rebuilt
-            boosted = _PipelineOptimizer(zero.optimizer, module, max_norm=self.plugin.max_norm, zero=zero)
+            boosted = BoostedOptimizer(zero.optimizer, module, max_norm=self.plugin.max_norm, zero=zero)
             if lr_scheduler is not None:
                 repoint_scheduler(lr_scheduler, optimizer, zero.optimizer)
         return module, boosted, criterion, dataloader, lr_scheduler
@@ -170,7 +170,7 @@ class Booster:
         weighted micro-batches. Returns ``{"loss": ..., "outputs": ...}`` on EVERY rank (the loss
         when ``return_loss``, the full-batch outputs when ``return_outputs``; else None). Every
         rank calls, with the same batch."""
-        if not _is_pipeline(model):
+        if not isinstance(model, ParallelModule) or model.plan.pipeline is None:
             raise ValueError(f"execute_pipeline needs a model boosted with a pipeline (AutoParallelPlugin(pp_size=N)), "
                              f"got {type(model).__name__}; call model(...) and booster.backward otherwise")
         if optimizer is not None:
@@ -191,7 +191,7 @@ class Booster:
         loss, outputs = model.step_with(criterion, *args, return_outputs=return_outputs, **kwargs)
         return {"loss": loss if return_loss else None, "outputs": outputs}
 
-    def _scaler(self, module: AutoParallelModule):
+    def _scaler(self, module: ParallelModule):
         if self.plugin.precision != "fp16":
             return None
         from autopar.runtime.amp import GradScaler
@@ -206,7 +206,7 @@ class Booster:
         optimizer.backward(loss)
 
     # ------------------------------------------------------------------------ checkpoints
-    def save_model(self, model: AutoParallelModule, path: str | os.PathLike, shard: bool = True,
+    def save_model(self, model: ParallelModule, path: str | os.PathLike, shard: bool = True,
                    size_per_shard: float = 1024, use_safetensors: bool = True) -> None:
         """Write ``model``'s full tensors under the original names into the directory
         ``path`` (rank 0 writes; a collective: every rank calls): Hugging Face sharded
@@ -221,7 +221,7 @@ class Booster:
         checkpoint_io.save_model(model, path, config=origin.config, shard=shard, size_per_shard=size_per_shard,
                                  use_safetensors=use_safetensors, architectures=[origin.class_name])
 
-    def load_model(self, model: AutoParallelModule, path: str | os.PathLike, strict: bool = True) -> None:
+    def load_model(self, model: ParallelModule, path: str | os.PathLike, strict: bool = True) -> None:
         """Load a directory written by ``save_model`` (or by HF's ``save_pretrained``) into
         ``model`` under whatever plan and mesh it has: every rank reads the full tensors and
         keeps its slices. ``strict``: every parameter and persistent buffer must be there and
@@ -248,17 +248,11 @@ class Booster:
     def load_lr_scheduler(self, lr_scheduler: Any, path: str | os.PathLike) -> None:
         checkpoint_io.load_lr_scheduler(lr_scheduler, path)
 
-    def _origin(self, model: AutoParallelModule) -> _Origin:
+    def _origin(self, model: ParallelModule) -> _Origin:
         _check_module(model)
         origin = self._origins.get(model)
         # A module boosted elsewhere (or built by autoparallelize): no HF config to write.
         return origin if origin is not None else _Origin(None, "")
-
-
-def _is_pipeline(model: Any) -> bool:
-    from autopar.runtime.pipeline import PipelineModule
-
-    return isinstance(model, PipelineModule)
 
 
 def _pipeline_options(plugin: AutoParallelPlugin, options: dict[str, Any]) -> tuple[dict[str, Any], int]:
@@ -277,16 +271,8 @@ def _pipeline_options(plugin: AutoParallelPlugin, options: dict[str, Any]) -> tu
     return {**options, "zero_stage": None if options.get("zero_stage") is None else stage}, stage
 
 
-class _PipelineOptimizer(BoostedOptimizer):
-    """A ``BoostedOptimizer`` over one rank's pipeline stages: clipping takes the norm over
-    every stage (``PipelineModule.clip_grad_norm_``), not over this rank's parameters only."""
-
-    def clip_grad_by_norm(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        return self.module.clip_grad_norm_(max_norm, norm_type)
-
-
 def _check_module(model: Any) -> None:
-    if not isinstance(model, AutoParallelModule) and not _is_pipeline(model):
+    if not isinstance(model, ParallelModule):
         raise ValueError(f"expected the boosted model (an AutoParallelModule or a PipelineModule), "
                          f"got {type(model).__name__}")
 

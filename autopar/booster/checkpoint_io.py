@@ -19,6 +19,7 @@ DCP where their shape tells the layout (``_lift``), and is refused where it does
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -30,7 +31,7 @@ import torch.distributed as dist
 
 if TYPE_CHECKING:
     from autopar.booster.optimizer import BoostedOptimizer
-    from autopar.runtime.module import AutoParallelModule
+    from autopar.runtime.parallel_module import ParallelModule
 
 __all__ = ["save_model", "load_model", "save_optimizer", "load_optimizer", "save_lr_scheduler",
            "load_lr_scheduler", "shard_groups"]
@@ -87,7 +88,7 @@ def shard_groups(sizes: list[int], max_bytes: int) -> list[list[int]]:
     return groups
 
 
-def save_model(module: AutoParallelModule, path: str | os.PathLike, *, config: Any = None, shard: bool = True,
+def save_model(module: ParallelModule, path: str | os.PathLike, *, config: Any = None, shard: bool = True,
                size_per_shard: float = 1024, use_safetensors: bool = True,
                architectures: list[str] | None = None) -> None:
     """See ``Booster.save_model``. ``config``: the original model's HF config (or None).
@@ -116,7 +117,8 @@ def save_model(module: AutoParallelModule, path: str | os.PathLike, *, config: A
             names, value = next(items)  # every rank gathers; only rank 0 keeps
             if writer.writing:
                 tensors[names[0]] = value.contiguous()
-        writer.run(lambda: _write(tensors, os.path.join(path, file), use_safetensors))
+        # bound now: the group's tensors are released (``del``) before the next group is gathered
+        writer.run(functools.partial(_write, tensors, os.path.join(path, file), use_safetensors))
         del tensors
 
     def finish() -> None:
@@ -206,7 +208,7 @@ def read_full_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     return state
 
 
-def load_model(module: AutoParallelModule, path: str | os.PathLike, *, strict: bool = True) -> None:
+def load_model(module: ParallelModule, path: str | os.PathLike, *, strict: bool = True) -> None:
     """See ``Booster.load_model``."""
     module.load_full_state_dict(read_full_state_dict(path), strict=strict)
 

@@ -9,7 +9,8 @@ DTensor shards, and per-shard row/column statistics would be wrong. The original
 it already stepped) is not carried over: resume with ``Booster.load_optimizer``.
 
 ``BoostedOptimizer`` wraps the rebuilt optimizer: ``step()`` unscales (fp16), clips to
-``max_norm`` (the true global norm over all shards) and steps; ``backward(loss)`` scales the
+``max_norm`` (the true global norm over all shards and stages, by the module's
+``clip_grad_norm_``) and steps; ``backward(loss)`` scales the
 loss for fp16; ``zero_grad``, ``param_groups``, ``state``, ``state_dict`` pass through.
 """
 
@@ -22,9 +23,9 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from autopar.runtime.amp import GradScaler
+from autopar.runtime.parallel_module import ParallelModule
 
 __all__ = ["BoostedOptimizer", "rebuild_optimizer", "repoint_scheduler"]
 
@@ -114,7 +115,7 @@ def repoint_scheduler(scheduler: Any, old: torch.optim.Optimizer, new: torch.opt
 class BoostedOptimizer:
     """What ``Booster.boost`` returns for the user's optimizer (``optim``: the rebuilt one)."""
 
-    def __init__(self, optim: torch.optim.Optimizer, module: nn.Module, *, max_norm: float = 0.0,
+    def __init__(self, optim: torch.optim.Optimizer, module: ParallelModule, *, max_norm: float = 0.0,
                  scaler: GradScaler | None = None, zero=None) -> None:
         self.optim = optim
         self.module = module
@@ -157,12 +158,12 @@ class BoostedOptimizer:
         (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
 
     def clip_grad_by_norm(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Clip every gradient to the global ``norm_type`` norm ``max_norm``; returns the norm
-        before clipping as a plain tensor. Every rank must call (DTensor gradients: the norm
-        is reduced over their shards)."""
+        """Clip the gradients of the optimizer's parameters (ZeRO pieces where it holds them) to
+        the global ``norm_type`` norm ``max_norm``; returns the norm before clipping as a plain
+        tensor. The module clips (``ParallelModule.clip_grad_norm_``): the norm spans every rank
+        of it (DTensor shards, a pipeline's stages). Every rank must call."""
         params = [p for g in self.optim.param_groups for p in g["params"] if p.grad is not None]
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
-        return norm.full_tensor() if isinstance(norm, DTensor) else norm
+        return self.module.clip_grad_norm_(max_norm, norm_type, parameters=params)
 
     def step(self, closure: Any = None) -> Any:
         """Unscale (fp16), clip to ``max_norm`` (when > 0) and step. With fp16 the step is

@@ -13,7 +13,7 @@
   with the op whose output it reads;
 - a parameter, buffer or user input is listed in every stage that reads it (GPT-2's tied
   ``wte``: the first and the last stage); values crossing a cut are the runtime's business
-  (:mod:`autopar.runtime.pipeline_split`).
+  (:mod:`autopar.runtime.pipeline.split`).
 
 Stage k runs on pipeline rank ``k % S`` (the loop placement of torch's interleaved schedules).
 The stage search proper (a DP over cut points priced by the cost model) is not here: this is
@@ -166,27 +166,20 @@ def pipeline_plan(sub_plan: Plan, traced: TracedGraph, *, mesh: MeshSpec | tuple
 
 
 def batch_size(meta_inputs: Any) -> int:
-    """Dim 0 of the first tensor input (the batch every batch-major input shares)."""
-    import torch
-    from torch.utils import _pytree as pytree
+    """Dim 0 of the first tensor input (the batch every batch-major input shares;
+    :mod:`autopar.tracer.microbatch`, the rule the runtime splits by too)."""
+    from autopar.tracer.microbatch import batch_size as rule_batch_size
 
-    for leaf in pytree.tree_leaves(meta_inputs):
-        if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
-            return int(leaf.shape[0])
-    raise ValueError("pipelining splits the batch along dim 0, but the inputs hold no tensor with a batch dim")
+    return rule_batch_size(meta_inputs)
 
 
 def micro_inputs(meta_inputs: Any, num_microbatches: int) -> Any:
-    """``meta_inputs`` with every batch-major tensor cut to one micro-batch (its first rows)."""
-    import torch
-    from torch.utils import _pytree as pytree
+    """``meta_inputs`` with every batch-major tensor cut to one micro-batch (its first rows), every
+    other input whole: :func:`autopar.tracer.microbatch.micro_batch`, the rule the runtime's
+    pipeline splits full batches by, so the traced micro-batch graph is the one run."""
+    from autopar.tracer.microbatch import micro_batch
 
-    batch = batch_size(meta_inputs)
-    if batch % num_microbatches:
-        raise ValueError(f"microbatches={num_microbatches} does not divide the batch of {batch}")
-    micro = batch // num_microbatches
-    return pytree.tree_map(lambda x: x[:micro] if isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] == batch
-                           else x, meta_inputs)
+    return micro_batch(meta_inputs, num_microbatches)
 
 
 def microbatch_counts(batch: int, *, num_stages: int, asked: int | str, limit: int = 3) -> tuple[int, ...]:

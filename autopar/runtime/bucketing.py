@@ -24,7 +24,7 @@ Here those parameters go through ``self.grad_bucket(w, axes=..., slot=k)`` inste
 ZeRO-2 parameters (``add_slot(..., shard=True)``) take the same path into *shard buckets*:
 their local partial gradients are kept (not copied into a flat buffer) and, when the bucket is
 complete and its turn in the static order comes, reduce-scattered in one batched collective per
-mesh axis straight into their optimizer pieces (``runtime.zero_comm.scatter_grads``, the first
+mesh axis straight into their optimizer pieces (``runtime.zero.comm.scatter_grads``, the first
 axis asynchronously); the full local gradient is freed as soon as its bucket leaves.
 
 The result equals the per-parameter all-reduce: ``grad += sum over ranks of the local partial
@@ -295,9 +295,9 @@ class GradBucketer(nn.Module):
 
     def _scatter(self, grads: dict[int, torch.Tensor], *, async_op: bool):
         """Sum ZeRO-2 partial gradients over their partial axes, keeping only this device's piece
-        of each (``runtime.zero_comm.scatter_grads``: one reduce-scatter per mesh axis for all of
+        of each (``runtime.zero.comm.scatter_grads``: one reduce-scatter per mesh axis for all of
         them; axes a gradient is not partial on keep the local chunk)."""
-        from autopar.runtime.zero_comm import scatter_grads  # zero_comm imports nothing of this module
+        from autopar.runtime.zero.comm import scatter_grads  # zero.comm imports nothing of this module
 
         items = []
         for slot, grad in grads.items():

@@ -3,7 +3,7 @@
 Every collective the runtime issues goes through ``record(kind, nbytes)`` just before it is
 started: layout conversions (``runtime.collectives``), the in-graph gradient all-reduce and the
 kernels' reductions (``runtime.kernels``), gradient buckets (``runtime.bucketing``) and ZeRO's
-batched gathers and reduce-scatters (``runtime.zero_comm``). Tests compare what a step issued
+batched gathers and reduce-scatters (``runtime.zero.comm``). Tests compare what a step issued
 with what the plan priced; a collective on a mesh axis of size 1 is not issued and not counted.
 """
 

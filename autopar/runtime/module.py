@@ -14,17 +14,20 @@ Contract:
   passes their local views in (``local_views``), so no DTensor dispatch happens inside
   forward or backward, and each gradient lands in ``.grad`` as a DTensor with the
   parameter's placements (replicated parameters receive the reduced gradient, identical on
-  every replica; gradients come through ``loss.backward()``, not ``torch.autograd.grad``). torch's tools work unchanged on them: any ``torch.optim`` optimizer,
+  every replica; gradients come through ``loss.backward()``, not ``torch.autograd.grad``).
+  torch's tools work unchanged on them: any ``torch.optim`` optimizer,
   ``torch.nn.utils.clip_grad_norm_`` (the true global norm, as a replicated DTensor),
   ``state_dict()`` / ``torch.distributed.checkpoint``.
+- It implements :class:`autopar.runtime.parallel_module.ParallelModule` (optimizer and ZeRO
+  hooks, ``clip_grad_norm_``, full state), as ``PipelineModule`` does.
 - ``full_state_dict()``: original FQNs (tied aliases all present, persistent buffers included)
   -> full tensors, gathered (a collective: every rank must call). ``load_full_state_dict(sd)``
   slices a full state dict into the local shards (no communication). ``full_gradients()``:
   FQN -> full gradient (or None), gathered.
 - ``code`` is the emitted graph's Python code: the inserted collectives appear by name.
 
-:func:`clip_grad_norm_` is ``torch.nn.utils.clip_grad_norm_`` over ``model.parameters()``
-returning the norm as a plain tensor (kept for code written against earlier versions).
+:func:`clip_grad_norm_` is ``model.clip_grad_norm_`` (the ``ParallelModule`` protocol's clipping,
+:mod:`autopar.runtime.parallel_module`), kept for code written against earlier versions.
 """
 
 from __future__ import annotations
@@ -36,13 +39,13 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from autopar.plans import Plan
 from autopar.runtime.bucketing import GradBucketer
 from autopar.runtime.collectives import gather_full
 from autopar.runtime.dtensors import local_of, local_views
 from autopar.runtime.materialize import slice_local
+from autopar.runtime.parallel_module import ParallelModule, clip_grad_norm
 from autopar.runtime.passes import STATE_KEY
 from autopar.runtime.process_mesh import ProcessMesh
 from autopar.layout.placement import TensorSpec
@@ -169,6 +172,15 @@ class AutoParallelModule(nn.Module):
             if isinstance(m, GradBucketer):
                 m.deliver_shards_to(lambda name: pieces.get(name))
 
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, *,
+                        parameters: Iterable[torch.Tensor] | None = None) -> torch.Tensor:
+        """Clip the gradients of ``parameters`` (default: ``self.parameters()``; the Booster passes
+        its optimizer's, ZeRO pieces included) to the global ``norm_type`` norm ``max_norm``; returns
+        the norm before clipping as a plain tensor (``autopar.runtime.parallel_module.clip_grad_norm``:
+        ``torch.nn.utils.clip_grad_norm_``'s result; DTensor gradients count globally). Every rank
+        must call."""
+        return clip_grad_norm(self.parameters() if parameters is None else parameters, max_norm, norm_type)
+
     def parameters_by_fqn(self) -> dict[str, nn.Parameter]:
         """Original FQN -> DTensor parameter, every tied alias included (so an optimizer built
         over the original model can be matched to these parameters by name)."""
@@ -283,15 +295,14 @@ def _snapshot(local: torch.Tensor, spec: TensorSpec, pmesh) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------------------ clip_grad_norm_
-def clip_grad_norm_(model: AutoParallelModule, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-    """``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)``: clips by the TRUE global norm
-    (the parameters are DTensors) and returns it as a plain tensor. Every rank must call."""
-    if not isinstance(model, AutoParallelModule):
-        raise ValueError(f"clip_grad_norm_ needs an AutoParallelModule, got {type(model).__name__}")
-    if not float(norm_type) > 0:
-        raise ValueError(f"norm_type must be positive, got {norm_type}")
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, norm_type=norm_type)
-    return norm.full_tensor() if isinstance(norm, DTensor) else norm
+def clip_grad_norm_(model: ParallelModule, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    """``model.clip_grad_norm_(max_norm, norm_type)``: clips by the TRUE global norm over every
+    rank (as ``torch.nn.utils.clip_grad_norm_`` over the single-device model) and returns it as
+    a plain tensor. Every rank must call."""
+    if not isinstance(model, ParallelModule):
+        raise ValueError(f"clip_grad_norm_ needs an AutoParallelModule (or another parallel module), "
+                         f"got {type(model).__name__}")
+    return model.clip_grad_norm_(max_norm, norm_type)
 
 
 def input_leaves(signature: inspect.Signature, model_name: str, args: tuple, kwargs: dict) -> dict[str, Any]:

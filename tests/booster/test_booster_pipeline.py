@@ -26,7 +26,7 @@ from autopar import zoo
 from autopar.booster import AutoParallelPlugin, Booster
 from autopar.runtime.dtensors import local_of
 from autopar.runtime.launch import run_local
-from tests.runtime.test_pipeline import close, fast_mesh
+from tests.runtime.pipeline.test_pipeline import close, fast_mesh
 
 pytestmark = pytest.mark.slow  # many processes
 

@@ -16,7 +16,7 @@ from autopar.planner.pipeline_schedule import (SCHEDULE_VIRTUAL_STAGES, best_cut
 from autopar.planner.pipeline_search import search_stages
 from autopar.planner.pipeline_stages import micro_inputs, microbatch_counts
 from autopar.plans import PIPELINE_SCHEDULES, Plan
-from autopar.runtime.pipeline_split import stage_of_nodes
+from autopar.runtime.pipeline.split import stage_of_nodes
 from autopar.strategies import needs_decomposition
 from autopar.tracer import profile, trace
 
@@ -231,7 +231,7 @@ def test_autoparallelize_pipeline_matches_single_device():
 
     from autopar.api import autoparallelize
     from autopar.runtime.launch import run_local
-    from tests.runtime.test_pipeline import close, fast_mesh
+    from tests.runtime.pipeline.test_pipeline import close, fast_mesh
 
     torch.manual_seed(0)
     model, inputs = zoo.build("mlp", tiny=True, num_layers=4, batch=8, device="cpu")
@@ -283,7 +283,7 @@ def test_autoparallelize_pipeline_zero1_adamw_matches_single_device():
 
     from autopar.api import autoparallelize
     from autopar.runtime.launch import run_local
-    from tests.runtime.test_pipeline import close, fast_mesh
+    from tests.runtime.pipeline.test_pipeline import close, fast_mesh
 
     torch.manual_seed(0)
     model, inputs = zoo.build("mlp", tiny=True, num_layers=4, batch=8, device="cpu")

@@ -10,7 +10,7 @@ from autopar.api import plan_traced
 from autopar.layout.mesh import MeshSpec
 from autopar.planner.pipeline_stages import block_container, even_stages, pipeline_plan
 from autopar.plans import PipelinePlan, Plan, RecomputeRegion, StagePlan, stage_mesh_of
-from autopar.runtime.pipeline_split import split_stages
+from autopar.runtime.pipeline.split import split_stages
 from autopar.strategies import needs_decomposition
 from autopar.tracer import profile, trace
 

@@ -25,6 +25,7 @@ from autopar.plans import Plan
 from autopar.runtime.collectives import count_collectives
 from autopar.runtime.launch import run_local
 from autopar.runtime.module import clip_grad_norm_
+from autopar.runtime.parallel_module import ParallelModule
 
 pytestmark = pytest.mark.slow
 
@@ -154,7 +155,7 @@ def _fast_mesh(shape):
 
 def _clip_body(rank, world, model, inputs, plan, ref):
     pm = autoparallelize(model, inputs, plan=plan, local_inputs=True)
-    errors = []
+    errors = [] if isinstance(pm, ParallelModule) else ["not a ParallelModule"]
     local = {}
     for k, v in inputs.items():
         spec = pm.input_specs[k]

@@ -35,10 +35,10 @@ from autopar.plans import stage_mesh_of
 from autopar.runtime.dtensors import local_of
 from autopar.runtime.launch import run_local
 from autopar.runtime.pipeline import build_pipeline
-from autopar.runtime.pipeline_split import split_stages, stage_of_nodes
+from autopar.runtime.pipeline.split import split_stages, stage_of_nodes
 from autopar.strategies import needs_decomposition
 from autopar.tracer import profile, trace
-from tests.runtime.test_pipeline import close, fast_mesh, warm_strategy_cache
+from tests.runtime.pipeline.test_pipeline import close, fast_mesh, warm_strategy_cache
 
 pytestmark = pytest.mark.slow  # many processes
 

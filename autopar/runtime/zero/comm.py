@@ -1,4 +1,4 @@
-"""Batched collectives of ZeRO pieces (``runtime.zero``): one per mesh axis and dtype.
+"""Batched collectives of ZeRO pieces (:mod:`autopar.runtime.zero`): one per mesh axis and dtype.
 
 A piece is a nested block of its parameter's local tensor: ZeRO axes ``a1 < a2 < ...`` split
 tensor dim ``d`` in mesh order, each splitting the block the previous one left, with

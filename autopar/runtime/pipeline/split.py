@@ -12,7 +12,7 @@ outputs (its tensors; ``None`` leaves are restored by the module).
 
 In a stage graph a received value is a user-input placeholder named like its producer, with
 the producer's ``val`` (so the plan's strategies for the stage's ops are found by name and by
-the same argument metadata, and ``autopar.runtime.pipeline`` sends and receives it in the
+the same argument metadata, and :mod:`autopar.runtime.pipeline` sends and receives it in the
 layout the plan's decision of that name gives: no conversion at a cut). Parameters, buffers and
 constants are placeholders of every stage that reads them (a tied weight read by two stages is
 in both).
@@ -21,18 +21,16 @@ in both).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.fx as fx
-import torch.utils._pytree as pytree
 
 from autopar.layout.placement import TensorSpec
 from autopar.plans import NodeKind, Plan, PipelinePlan
 from autopar.runtime.process_mesh import ProcessMesh
 from autopar.tracer.graph import INPUT, PLACEHOLDER_KEY, Placeholder, TracedGraph
 
-__all__ = ["StageGraph", "split_stages", "stage_of_nodes", "split_batch", "example_values", "boundary_layouts"]
+__all__ = ["StageGraph", "split_stages", "stage_of_nodes", "example_values", "boundary_layouts"]
 
 
 @dataclass
@@ -145,21 +143,11 @@ def _stage_graph(traced: TracedGraph, k: int, stage_of: dict[str, int], received
     gm = fx.GraphModule(traced.gm, graph)
     loss = traced.loss_node
     sub = TracedGraph(gm, placeholders=tuple(placeholders), in_spec=None, out_spec=None,
-                      constants=traced.constants, loss_name=loss.name if loss is not None and loss.name in sent else None,
+                      constants=traced.constants,
+                      loss_name=loss.name if loss is not None and loss.name in sent else None,
                       model_name=f"{traced.model_name}Stage{k}")
     sub.precision = traced.precision
     return StageGraph(index=k, traced=sub, inputs=received, outputs=sent, state=tuple(state))
-
-
-def split_batch(args: tuple, kwargs: dict, num: int) -> list[Any]:
-    """The call's inputs as ``num`` micro-batches, in the form a criterion gets them: the kwargs
-    dict, the single positional argument, or ``(args, kwargs)``; tensors split along dim 0 like
-    the schedule splits them, everything else as it is."""
-    batch: Any = kwargs if not args else args[0] if len(args) == 1 and not kwargs else (args, kwargs)
-    leaves, spec = pytree.tree_flatten(batch)
-    pieces = [t.tensor_split(num) if isinstance(t, torch.Tensor) and t.dim() else None for t in leaves]
-    return [pytree.tree_unflatten([p[i] if p is not None else t for t, p in zip(leaves, pieces)], spec)
-            for i in range(num)]
 
 
 def example_values(traced: TracedGraph, names: tuple[str, ...], layouts: dict[str, TensorSpec], pmesh: ProcessMesh,

@@ -154,7 +154,8 @@ def test_zero_1_and_2_train_like_one_device(name):
             planned[stage] = _planned_collectives(build_report(result.plan, result).comm, mesh)
         results = run_local(_body, world, model, inputs, plans, timeout=300)
         for rank_results in results:
-            for stage, full, state, grad_bytes, (plan_state, plan_grads), num_pieces, stages, issued, early in rank_results:
+            for (stage, full, state, grad_bytes, (plan_state, plan_grads), num_pieces, stages, issued,
+                 early) in rank_results:
                 where = f"{name} {mesh} ZeRO-{stage}"
                 if stage == 2 and issued[0].get("reduce_scatter"):  # issued during backward, not at its end
                     ends = [0] + [end for _, end in early]
@@ -242,7 +243,7 @@ def _batched_body(rank, world):
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
     from autopar.runtime.zero import piece_of
-    from autopar.runtime.zero_comm import gather_pieces, scatter_grads
+    from autopar.runtime.zero.comm import gather_pieces, scatter_grads
 
     mesh = init_device_mesh("cpu", (2, 2))
     torch.manual_seed(0)

@@ -1,92 +1,26 @@
-"""ZeRO-1/2 over the plan's replicated axes: ``model.optimizer(torch.optim.AdamW, lr=...)``.
-
-A parameter the plan lays out replicated over some mesh axes (``dp`` devices in all) is, under
-``zero_stage`` 1 or 2, updated by ONE of those devices per piece: its optimizer state lives only
-for this device's piece. The piece is a DTensor **view** into the parameter's local tensor, with
-the replicated axes turned into ``Shard(d)`` (``layout.placement.zero_split`` picks ``d``;
-DTensor's own chunking, so uneven and nested pieces agree with ``distribute_tensor``); the inner
-optimizer -- any ``torch.optim`` optimizer, or
-``autopar.optim``'s layer-wise ones, which are correct on any placements -- updates it in place,
-and the updated pieces are all-gathered back into the replicated parameter after the step.
-
-- stage 1: the gradient is all-reduced as without ZeRO (``.grad`` is whole); the piece's
-  gradient is a view of it. A plain optimizer over ``model.parameters()`` would still be correct
-  (it just keeps all of its state).
-- stage 2: data-parallel gradients are reduce-scattered in the backward pass
-  (``runtime/bucketing.py``, sharded buckets) straight into the pieces; only gradient
-  contributions that are not partial (an op computed whole on every device) reach ``.grad``, and
-  ``step`` folds this device's part of them in. ``.grad`` of such a parameter is therefore not
-  its gradient: the module refuses to run backward for an optimizer it does not know of.
-
-Every rank must call ``step`` (it ends in collectives). The all-gathers after the step and the
-ZeRO-2 reduce-scatters at the end of backward are batched: one collective per mesh axis and
-dtype for all pieces (``runtime.zero_comm``).
-"""
+"""``ZeroOptimizer``: the inner optimizer over the module's parameters, each ZeRO parameter
+replaced by this device's piece (:mod:`autopar.runtime.zero`)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Iterable
 
 import torch
-from torch.distributed.tensor import DTensor, Shard
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from autopar.layout.placement import TensorSpec, zero_split
 from autopar.runtime.dtensors import local_of
-from autopar.runtime.zero_comm import gather_pieces
+from autopar.runtime.parallel_module import ParallelModule
+from autopar.runtime.zero.comm import gather_pieces
+from autopar.runtime.zero.pieces import Piece, piece_of
 
-__all__ = ["ZeroOptimizer", "Piece", "piece_of"]
-
-
-@dataclass
-class Piece:
-    """One ZeRO parameter: the full DTensor ``param`` and this device's piece ``master``."""
-
-    name: str  # placeholder name in the traced graph
-    param: torch.nn.Parameter
-    master: torch.nn.Parameter
-    slices: tuple[slice, ...]  # the piece within the parameter's local tensor
-    stage: int
-    dim: int = 0  # the tensor dim the ZeRO axes split
-    axes: tuple[int, ...] = ()  # the ZeRO mesh axes, in mesh order (each splits the previous block)
-
-    def local_grad_view(self, grad: torch.Tensor) -> torch.Tensor:
-        return local_of(grad)[self.slices]
-
-    def wrap(self, local: torch.Tensor) -> DTensor:
-        m = self.master
-        return DTensor.from_local(local, m.device_mesh, m.placements, run_check=False, shape=m.shape,
-                                  stride=m.stride())
-
-
-def piece_of(name: str, param: torch.nn.Parameter, stage: int, spec: TensorSpec) -> Piece | None:
-    """``param``'s piece on this device under ZeRO ``stage``, the parameter laid out ``spec``
-    (``layout.placement.zero_split`` says which dim its replicated axes split; None: nothing to
-    split)."""
-    if not isinstance(param, DTensor) or stage == 0:
-        return None
-    mesh = param.device_mesh
-    split = zero_split(spec, param.dim(), tuple(mesh.shape))
-    if split is None:
-        return None
-    dim, axes = split
-    placements = tuple(Shard(dim) if a in axes else p for a, p in enumerate(param.placements))
-    have_shape, have_offset = compute_local_shape_and_global_offset(param.shape, mesh, param.placements)
-    want_shape, want_offset = compute_local_shape_and_global_offset(param.shape, mesh, placements)
-    slices = tuple(slice(w - h, w - h + n) for h, w, n in zip(have_offset, want_offset, want_shape))
-    view = local_of(param).detach()[slices]
-    master = DTensor.from_local(view, mesh, placements, run_check=False, shape=param.shape,
-                                stride=param.stride())
-    return Piece(name, param, torch.nn.Parameter(master, requires_grad=param.requires_grad), slices, stage,
-                 dim=dim, axes=axes)
+__all__ = ["ZeroOptimizer"]
 
 
 class ZeroOptimizer:
     """``optimizer_class`` over the module's parameters, ZeRO parameters replaced by their pieces
-    (module docstring). ``state_dict``/``param_groups``/``zero_grad`` are the inner optimizer's."""
+    (the package docstring). ``state_dict``/``param_groups``/``zero_grad`` are the inner optimizer's."""
 
-    def __init__(self, module, optimizer_class: type, /, params: Iterable | None = None, **kwargs: Any) -> None:
+    def __init__(self, module: ParallelModule, optimizer_class: type, /, params: Iterable | None = None,
+                 **kwargs: Any) -> None:
         if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
             raise ValueError(f"optimizer_class must be a torch.optim.Optimizer subclass, got {optimizer_class!r}")
         self.module = module
@@ -161,7 +95,7 @@ class ZeroOptimizer:
     @torch.no_grad()
     def all_gather(self) -> None:
         """Every piece back into its replicated parameter (after the inner optimizer's step):
-        one all-gather per mesh axis and dtype for all pieces (``runtime.zero_comm``)."""
+        one all-gather per mesh axis and dtype for all pieces (:mod:`autopar.runtime.zero.comm`)."""
         gather_pieces(self.pieces)
 
     def __repr__(self) -> str:
@@ -187,7 +121,7 @@ class ZeroOptimizer:
 
 
 
-def _swapped(params: Iterable | None, module, swap: dict[int, torch.nn.Parameter]) -> list:
+def _swapped(params: Iterable | None, module: ParallelModule, swap: dict[int, torch.nn.Parameter]) -> list:
     """``params`` (None: all of ``module``'s, in plan order; or parameters; or param-group
     dicts) with each ZeRO parameter replaced by its piece."""
     if params is None:

@@ -1,0 +1,372 @@
+"""``PipelineModule``: this rank's pipeline stages run under torch's schedule (the contract is
+:mod:`autopar.runtime.pipeline`'s docstring).
+
+The schedule is told how to cut and merge: inputs by the micro-batch rule the planner traced by
+(:mod:`autopar.tracer.microbatch`: batch-major inputs along dim 0, the others whole in every
+micro-batch), the last stage's outputs by ``output_merge_spec`` (batch-major outputs concatenated,
+scalar ones summed and divided here into the mean). It is made at the first call, when the call's
+inputs say which of them the rule keeps whole (the micro-batch trace alone cannot: a whole
+``(seq,)`` input and a cut ``(batch,)`` one can have the same traced shape).
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Iterable
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.microbatch import TensorChunkSpec, _Replicate, sum_reducer
+from torch.distributed.pipelining.schedules import (Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
+                                                    ScheduleInterleavedZeroBubble)
+
+from autopar.layout.placement import TensorSpec
+from autopar.plans import Plan
+from autopar.runtime.build import attach_tensor
+from autopar.runtime.dtensors import local_of, to_dtensor
+from autopar.runtime.module import input_leaves
+from autopar.runtime.parallel_module import clip_grad_norm
+from autopar.runtime.passes import STATE_KEY
+from autopar.runtime.pipeline.split import StageGraph, example_values
+from autopar.runtime.pipeline.state import PipelineState
+from autopar.runtime.process_mesh import ProcessMesh
+from autopar.tracer.graph import BUFFER, INPUT, PARAMETER, TracedGraph, values_needing_grad
+from autopar.tracer.microbatch import batch_size, is_batch_major, split_micro_batches
+
+__all__ = ["SCHEDULES", "PipelineModule", "StageModule"]
+
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved-1f1b": ScheduleInterleaved1F1B,
+             "zero-bubble": ScheduleInterleavedZeroBubble}
+
+
+class StageModule(nn.Module):
+    """One stage's emitted graph; its parameters are this rank's local leaves (shared between
+    the rank's stages), passed to the graph in placeholder order."""
+
+    def __init__(self, gm: fx.GraphModule, stage: StageGraph, leaves: dict[str, torch.Tensor]) -> None:
+        super().__init__()
+        self.gm = gm
+        self.stage = stage
+        self._arg_state = tuple(n.name if n.meta.get(STATE_KEY) else None for n in gm.graph.nodes
+                                if n.op == "placeholder")
+        for name in self._arg_state:
+            if name is None:
+                continue
+            if isinstance(leaves[name], nn.Parameter):
+                self.register_parameter(name, leaves[name])
+            else:
+                self.register_buffer(name, leaves[name])
+
+    def forward(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        it = iter(inputs)
+        values = [next(it) if name is None else getattr(self, name) for name in self._arg_state]
+        out = self.gm(*values)
+        # Point-to-point sends need dense tensors (an expanded mask is a stride-0 view), and the
+        # split backward detaches outputs in place, which a view refuses: views are copied.
+        return tuple(o.clone(memory_format=torch.contiguous_format) if o._is_view() or not o.is_contiguous() else o
+                     for o in out)
+
+
+class PipelineModule(PipelineState, nn.Module):
+    """This rank's pipeline stages (the contract: :mod:`autopar.runtime.pipeline`'s docstring):
+    ``step`` trains on one full batch, ``forward`` runs forward only; ``parameters()`` are the
+    DTensors of the parameters this rank's stages read (``stage_state.<FQN>``); ``code`` is the
+    stage graphs. It implements :class:`autopar.runtime.parallel_module.ParallelModule`."""
+
+    def __init__(self, *, plan: Plan, traced: TracedGraph, device_mesh: DeviceMesh, pmesh: ProcessMesh,
+                 stage_modules: list[StageModule], leaves: dict[str, torch.Tensor], specs: dict,
+                 signature: inspect.Signature, state_keys: tuple[str, ...], device: torch.device,
+                 holders: dict[str, tuple[int, ...]], deferred: dict[str, tuple[int, ...]],
+                 layouts: dict[str, TensorSpec], tied_groups: dict[str, Any]) -> None:
+        super().__init__()
+        pipe = plan.pipeline
+        self.plan, self.pmesh, self.device_mesh = plan, pmesh, device_mesh
+        self._traced, self._signature, self._state_keys, self._device = traced, signature, state_keys, device
+        self._stages = list(stage_modules)  # a plain list: their leaves are not this module's parameters
+        self._leaves, self._specs, self._holders = leaves, specs, holders
+        self.pp_group = device_mesh.get_group(0)
+        self.pp_rank = dist.get_group_rank(self.pp_group, dist.get_rank())
+        self.num_microbatches = pipe.num_microbatches
+        self._inputs = [p for p in traced.placeholders if p.kind == INPUT
+                        and isinstance(traced.node(p.name).meta.get("val"), torch.Tensor)]
+        self._placeholders = {p.name: p for p in traced.placeholders}
+        self.stage_state = nn.Module()  # DTensor parameters and buffers at their canonical FQNs
+        self._dtensors: dict[str, torch.Tensor] = {}
+        for name, leaf in leaves.items():
+            if name not in specs or self._placeholders[name].kind not in (PARAMETER, BUFFER):
+                continue
+            ph = self._placeholders[name]
+            dt = to_dtensor(local_of(leaf), specs[name], pmesh, ph.shape)
+            if isinstance(leaf, nn.Parameter):
+                dt = nn.Parameter(dt, requires_grad=leaf.requires_grad)
+            attach_tensor(self.stage_state, ph.fqn, dt)
+            self._dtensors[name] = dt
+        num_stages = len(pipe.stages)
+        with_grad = values_needing_grad(traced)
+        self._pstages = [PipelineStage(m, m.stage.index, num_stages, device, group=self.pp_group,
+                                       input_args=example_values(traced, m.stage.inputs, layouts, pmesh, device,
+                                                            with_grad=with_grad),
+                                       output_args=example_values(traced, m.stage.outputs,
+                                                             layouts if m.stage.index < num_stages - 1 else {},
+                                                             pmesh, device, with_grad=with_grad))
+                         for m in stage_modules]
+        last = stage_modules[-1].stage
+        self._loss_at = (last.outputs.index(traced.loss_node.name)
+                         if traced.loss_node is not None and traced.loss_node.name in last.outputs else None)
+        if self._loss_at is None and any(m.stage.index == num_stages - 1 for m in stage_modules):
+            raise ValueError(f"{traced.model_name} returns no loss: a pipeline trains on the model's own loss")
+        self._criterion: Any = None  # set for one ``step_with`` call
+        self._micro_batches: list[Any] = []
+        self.schedule: Any = None  # torch's schedule, made at the first call (``_schedule_for``)
+        self._whole: frozenset[str] | None = None  # the inputs it gives every micro-batch whole
+        self._zero: Any = None  # the ZeroOptimizer built by ``optimizer``
+        self._last_rank = pipe.stages[-1].rank
+        self._tied_groups = dict(tied_groups)  # tied parameter -> group of the pipeline ranks holding it
+        self._deferred = dict(deferred)  # parameter -> mesh axes its gradient is summed over per step
+        self.boundary_layouts = dict(layouts)  # value crossing a cut -> the layout it is sent in
+
+    # ------------------------------------------------------------------------------ inputs
+    def _flat_inputs(self, args: tuple, kwargs: dict) -> tuple[list[torch.Tensor], frozenset[str]]:
+        """The call's tensor inputs in traced order, each checked against its traced shape as the
+        micro-batch rule splits it (batch-major: M micro-batches of the traced rows; otherwise
+        whole, its traced shape), and the names of the inputs the rule keeps whole."""
+        leaves = input_leaves(self._signature, self._traced.model_name, args, kwargs)
+        m = self.num_microbatches
+        batch = batch_size((args, kwargs))
+        values, whole = [], set()
+        for p in self._inputs:
+            value = leaves.get(p.fqn)
+            cut = not isinstance(value, torch.Tensor) or is_batch_major(value, batch)
+            want = (p.shape[0] * m, *p.shape[1:]) if cut and p.shape else tuple(p.shape)
+            if not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(want) or value.dtype != p.dtype:
+                got = f"{value.dtype}{list(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
+                how = (f"the full batch {p.dtype}{list(want)} ({m} micro-batches of {p.shape[0] if p.shape else '?'})"
+                       if cut else f"{p.dtype}{list(want)} (not batch-major: whole in every micro-batch)")
+                raise ValueError(f"input {p.fqn!r}: expected {how}, got {got}")
+            if not cut:
+                whole.add(p.name)
+            values.append(value.to(self._device))
+        return values, frozenset(whole)
+
+    def _schedule_for(self, whole: frozenset[str]) -> Any:
+        """torch's schedule over this rank's stages, cutting the inputs as the rule does: made at
+        the first call. The traced shapes fix which inputs are whole (``_flat_inputs`` checks every
+        call against them), so every later call agrees."""
+        if self.schedule is not None:
+            if whole != self._whole:  # cannot happen: the traced shapes decide it for M > 1
+                raise AssertionError(f"inputs kept whole changed from {sorted(self._whole)} to {sorted(whole)}")
+            return self.schedule
+        pipe = self.plan.pipeline
+        # torch cuts every tensor along dim 0 unless told otherwise: an input the rule keeps whole
+        # is replicated into every micro-batch (torch's own spec for what it does not cut).
+        args_spec = tuple(_Replicate() if p.name in whole else TensorChunkSpec(0) for p in self._inputs)
+        # The last stage's outputs: batch-major ones concatenated; scalars (the loss) summed, the
+        # sum divided by M into the mean in ``_merged_outputs`` (torch's reducers only fold).
+        merge_spec = tuple(sum_reducer if meta.dim() == 0 else TensorChunkSpec(0)
+                           for meta in self._last_stage_outputs())
+        stages = self._pstages[0] if pipe.schedule in ("gpipe", "1f1b") else self._pstages
+        self.schedule = SCHEDULES[pipe.schedule](stages, n_microbatches=self.num_microbatches, loss_fn=self._loss,
+                                                 args_chunk_spec=args_spec, output_merge_spec=merge_spec,
+                                                 scale_grads=False)
+        self._whole = whole
+        return self.schedule
+
+    def _loss(self, output: Any, target: torch.Tensor) -> torch.Tensor:
+        """One micro-batch's loss, divided by M (see the contract: mean losses, equal micro-batch
+        weights): the model's own, or ``step_with``'s criterion's."""
+        out = output if isinstance(output, (tuple, list)) else (output,)
+        if self._criterion is None:
+            return out[self._loss_at] / self.num_microbatches
+        # ``target`` is this micro-batch's index (``step_with`` passes arange(M) as the target)
+        micro = self._micro_batches[int(target.reshape(-1)[0].item())]
+        return self._criterion(self._structured(out), micro) / self.num_microbatches
+
+    # ---------------------------------------------------------------------------- running
+    def step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """Forward and backward of one full batch; returns the loss (every rank)."""
+        return self.step_with(None, *args, **kwargs)[0]
+
+    def step_with(self, criterion: Any, *args: Any, return_outputs: bool = False,
+                  **kwargs: Any) -> tuple[torch.Tensor, Any]:
+        """``step`` with the loss taken from ``criterion(outputs, micro_batch)`` on the last stage
+        (``None``: the model's own loss): ``outputs`` is the model's output structure for one
+        micro-batch, ``micro_batch`` that micro-batch of the inputs (the kwargs dict, the single
+        positional argument, or ``(args, kwargs)``; cut by the micro-batch rule); it is divided by
+        the micro-batch count like the model's loss (a mean over equally weighted micro-batches).
+        Returns ``(loss, outputs)`` on every rank, ``outputs`` the full-batch output structure
+        when ``return_outputs`` (else None). The product notes' ``Booster.execute_pipeline`` runs
+        this."""
+        if criterion is not None and not callable(criterion):
+            raise ValueError(f"criterion must be callable (outputs, inputs) -> loss or None, got {criterion!r}")
+        inputs, whole = self._flat_inputs(args, kwargs)
+        self._criterion = criterion
+        if criterion is not None:
+            batch: Any = kwargs if not args else args[0] if len(args) == 1 and not kwargs else (args, kwargs)
+            self._micro_batches = split_micro_batches(batch, self.num_microbatches)
+        try:
+            loss, merged = self._train(inputs, whole, return_outputs=return_outputs)
+        finally:
+            self._criterion, self._micro_batches = None, []
+        return loss, (self._merged_outputs(merged) if return_outputs else None)
+
+    def _train(self, inputs: list[torch.Tensor], whole: frozenset[str], *,
+               return_outputs: bool) -> tuple[torch.Tensor, Any]:
+        # This step's gradients are summed (over data-parallel axes, over tied copies) on their
+        # own, then added to what ``.grad`` held (gradients accumulate across steps until zeroed).
+        for leaf in self._leaves.values():
+            if isinstance(leaf, nn.Parameter):
+                leaf.grad = None
+        losses: list[torch.Tensor] = []
+        # The loss lives in the graph (or in the criterion); the target is the micro-batch index.
+        target = torch.arange(self.num_microbatches, dtype=torch.float32, device=self._device)
+        merged = self._schedule_for(whole).step(*inputs, target=target, losses=losses, return_outputs=return_outputs)
+        self._sync_gradients()
+        for name, dt in self._dtensors.items():
+            grad = self._leaves[name].grad
+            if not isinstance(dt, nn.Parameter) or grad is None:
+                continue
+            if dt.grad is not None:
+                grad = local_of(dt.grad) + grad
+            dt.grad = to_dtensor(grad, self._specs[name], self.pmesh, dt.shape)
+        loss = torch.stack([x.detach() for x in losses]).sum() if losses else torch.zeros((), device=self._device)
+        return self._from_last_stage(loss.to(self._loss_dtype())), merged
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Forward only: the model's outputs for the full batch, on every rank."""
+        inputs, whole = self._flat_inputs(args, kwargs)
+        target = torch.zeros(self.num_microbatches, device=self._device)
+        with torch.no_grad():
+            merged = self._schedule_for(whole).eval(*inputs, target=target, losses=[], return_outputs=True)
+        return self._merged_outputs(merged)
+
+    def _structured(self, out: tuple[torch.Tensor, ...]) -> Any:
+        """The model's output structure from the last stage's flat outputs (``None`` leaves back)."""
+        it = iter(out)
+        return self._traced.unflatten_outputs([next(it) if isinstance(a, fx.Node) else a
+                                               for a in self._traced.flat_outputs])
+
+    def _merged_outputs(self, merged: Any) -> Any:
+        """The schedule's merge of the last stage's micro-batch outputs (``merged``: None on ranks
+        without the last stage) as one full-batch output structure, on every rank."""
+        last = next((s for s in self._pstages if s.is_last), None)
+        flat = []
+        for k, meta in enumerate(self._last_stage_outputs()):
+            value = None
+            if last is not None:
+                value = merged[k].detach()
+                if meta.dim() == 0:  # summed over the micro-batches by ``sum_reducer``: their mean
+                    value = (value / self.num_microbatches).to(meta.dtype)
+            flat.append(self._from_last_stage(value, like=meta))
+        if last is not None:
+            last.output_chunks.clear()  # the merged copy is all that is kept
+        return self._structured(tuple(flat))
+
+    def _last_stage_outputs(self) -> list[torch.Tensor]:
+        """Fake values of the last stage's outputs, full batch (dim 0 times M for batch-major ones)."""
+        out = []
+        for a in self._traced.flat_outputs:
+            if isinstance(a, fx.Node):
+                v = a.meta["val"]
+                shape = (v.shape[0] * self.num_microbatches, *v.shape[1:]) if v.dim() else ()
+                out.append(torch.empty(shape, dtype=v.dtype, device="meta"))
+        return out
+
+    def _loss_dtype(self) -> torch.dtype:
+        node = self._traced.loss_node
+        return node.meta["val"].dtype if node is not None else torch.float32
+
+    def _from_last_stage(self, value: torch.Tensor | None, *, like: torch.Tensor | None = None) -> torch.Tensor:
+        """Broadcast over the pipeline axis from the rank holding the last stage."""
+        if self.pp_rank != self._last_rank:
+            ref = like if like is not None else value
+            value = torch.empty(ref.shape, dtype=ref.dtype, device=self._device)
+        value = value.contiguous()
+        dist.broadcast(value, src=dist.get_global_rank(self.pp_group, self._last_rank), group=self.pp_group)
+        return value
+
+    def _sync_gradients(self) -> None:
+        """Once per step: data-parallel sums inside the stage (taken out of the graph), then the
+        sum of a tied weight's copies over the pipeline ranks holding it (sums commute). Only the
+        step's gradients are in the leaves (``step`` adds them to ``.grad`` afterwards)."""
+        for name, axes in self._deferred.items():
+            leaf = self._leaves[name]
+            if leaf.grad is None:  # every rank of the stage sees the same graph: all skip or none
+                continue
+            for axis in axes:
+                dist.all_reduce(leaf.grad, group=self.pmesh.group(axis))
+        for name, group in self._tied_groups.items():
+            leaf = self._leaves.get(name)
+            if group is None or leaf is None:
+                continue
+            if leaf.grad is None:
+                leaf.grad = torch.zeros_like(leaf)
+            dist.all_reduce(leaf.grad, group=group)
+
+    # ------------------------------------------------------------------------ optimizers
+    def parameters_by_fqn(self) -> dict[str, nn.Parameter]:
+        """Original FQN -> this rank's DTensor parameter, every tied alias included (as
+        ``AutoParallelModule.parameters_by_fqn``: an optimizer over the original model is
+        matched by name; only the parameters this rank's stages read are here)."""
+        return {alias: dt for name, dt in self._dtensors.items() if isinstance(dt, nn.Parameter)
+                for alias in self._placeholders[name].aliases}
+
+    def optimizer(self, optimizer_class: type, /, params=None, *, zero_stage: int | None = None, **kwargs: Any):
+        """``optimizer_class(params, **kwargs)`` over this rank's parameters (``params``: None for
+        all, or some of ``parameters()`` / param-group dicts of them), with ZeRO-1 inside each
+        stage: a parameter replicated over the stage's data-parallel axes keeps optimizer state
+        for this device's piece only, and the updated pieces are all-gathered after ``step``
+        (``autopar.runtime.zero``). ``zero_stage``: None = the plan's per-parameter stages, 0 or
+        1 for every parameter. ZeRO-2 is refused: the schedule accumulates each parameter's
+        gradient over the micro-batches before the once-per-step data-parallel sum, so there is
+        no per-micro-batch gradient to reduce-scatter (the product notes: ZeRO-2 does not
+        compose with pipelines)."""
+        from autopar.runtime.zero import ZeroOptimizer
+
+        if zero_stage not in (None, 0, 1):
+            raise ValueError(f"zero_stage must be None, 0 or 1 inside pipelined stages, got {zero_stage!r}")
+        self._zero_stage = zero_stage
+        return ZeroOptimizer(self, optimizer_class, params, **kwargs)
+
+    def zero_parameters(self) -> list[tuple[str, nn.Parameter, int, TensorSpec]]:
+        """(placeholder name, DTensor parameter, ZeRO stage, layout) of every parameter this rank
+        holds, in plan order (``ZeroOptimizer``'s view of a module)."""
+        asked = getattr(self, "_zero_stage", None)
+        out = []
+        for n in self.plan.nodes:
+            dt = self._dtensors.get(n.name)
+            if isinstance(dt, nn.Parameter):
+                out.append((n.name, dt, n.zero_stage if asked is None else asked, self._specs[n.name]))
+        return out
+
+    def attach_zero(self, optimizer) -> None:
+        """ZeRO-1 pieces read views of the whole gradient ``step`` leaves: nothing to deliver; the
+        optimizer is kept so clipping knows which parameter each piece is."""
+        stages = {p.stage for p in optimizer.pieces}
+        if stages - {1}:
+            raise ValueError(f"pipelined stages run ZeRO-1 only, the plan asks for ZeRO stages {sorted(stages)}")
+        self._zero = optimizer
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, *,
+                        parameters: Iterable[torch.Tensor] | None = None) -> torch.Tensor:
+        """Clip the gradients of ``parameters`` (default: every parameter of this rank's stages;
+        the Booster passes its optimizer's, ZeRO pieces included) to the GLOBAL ``norm_type`` norm
+        ``max_norm`` (as ``torch.nn.utils.clip_grad_norm_`` over the single-device model); returns
+        the norm before clipping, a plain tensor equal on every rank. Each stage's norm comes from
+        its DTensor gradients (sharded ones reduced over the stage sub-mesh); stages are combined
+        over the pipeline axis, a tied weight's copies counted once (at its lowest pipeline rank).
+        Every rank must call."""
+        name_of = {id(dt): name for name, dt in self._dtensors.items() if isinstance(dt, nn.Parameter)}
+        if self._zero is not None:
+            name_of.update((id(piece.master), piece.name) for piece in self._zero.pieces)
+        params = ([dt for dt in self._dtensors.values() if isinstance(dt, nn.Parameter)] if parameters is None
+                  else list(parameters))
+        counted = [p for p in params if id(p) not in name_of or min(self._holders[name_of[id(p)]]) == self.pp_rank]
+        return clip_grad_norm(params, max_norm, norm_type, counted=counted, group=self.pp_group, device=self._device)
+
+    @property
+    def code(self) -> str:
+        return "\n".join(f"# stage {m.stage.index}\n{m.gm.code}" for m in self._stages)
