@@ -11,8 +11,9 @@ from autopar import zoo
 from autopar.api import Progress, plan_traced
 from autopar.layout.mesh import MeshSpec
 from autopar.planner.builder import build_problem
-from autopar.planner.offload_pricing import (OffloadPolicy, offload_cost, offload_tier, option_name, pinned_room,
-                                             static_tiers)
+from autopar.offload import OffloadPolicy
+from autopar.planner.offload_fit import pinned_room
+from autopar.planner.offload_pricing import offload_cost, offload_tier, option_name, static_tiers
 from autopar.planner.options import PlanOptions
 from autopar.plans import Plan, RecomputeRegion
 from autopar.tracer import profile, trace

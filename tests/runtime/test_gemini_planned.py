@@ -26,7 +26,7 @@ from torch.utils._pytree import tree_map
 import autopar
 from autopar import zoo
 from autopar.layout.mesh import MeshSpec
-from autopar.planner.offload_pricing import OffloadPolicy
+from autopar.offload import OffloadPolicy
 from autopar.runtime.gemini.chunk import DEVICE, HOST
 from autopar.runtime.launch import run_local
 
@@ -173,7 +173,7 @@ def test_autoparallelize_offload_executes_the_plan_within_its_device_budget(tmp_
 
 
 def test_offload_options_are_checked():
-    from autopar.planner.offload_pricing import runtime_options
+    from autopar.offload import runtime_options
 
     base = {"offload": "auto", "zero_stage": None, "checkpoint": "auto"}
     assert runtime_options(base, plan_given=False) == {**base, "zero_stage": 0}  # recompute planned jointly
