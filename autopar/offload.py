@@ -95,11 +95,15 @@ class OffloadPolicy(StaticOffload):
 OffloadOption = Union[OffloadMode, OffloadPolicy]
 
 
-def check_offload(value) -> OffloadOption:
-    """``"auto"``, ``"none"`` or an ``OffloadPolicy``; ValueError otherwise."""
-    if isinstance(value, OffloadPolicy) or value in OFFLOAD_MODES:
-        return value
-    raise ValueError(f"offload must be 'auto', 'none' or an OffloadPolicy(...), got {value!r}")
+def check_offload(value, *, plan_given: bool = False) -> OffloadOption:
+    """``"auto"``, ``"none"`` or an ``OffloadPolicy``; ValueError otherwise, or when it asks to plan
+    offload for a run given a plan (``plan_given``), which brings its own offload decisions."""
+    if not (isinstance(value, OffloadPolicy) or value in OFFLOAD_MODES):
+        raise ValueError(f"offload must be 'auto', 'none' or an OffloadPolicy(...), got {value!r}")
+    if plan_given and value != "none":
+        raise ValueError(f"offload={value!r} with a given plan: the plan brings its own offload decisions "
+                         f"(Plan.offload, made by autopar.plan(..., offload=...)); leave offload out")
+    return value
 
 
 def parse_offload(text: str, *, what: str = "offload") -> OffloadOption:
@@ -113,10 +117,6 @@ def runtime_options(options: dict, *, plan_given: bool) -> dict:
     ZeRO-1/2 (optimizer state, and the gradient under stage 2, sharded in the chunks) and
     activation recompute (a recomputed region re-fetches its chunks) as the plan chooses them:
     ``zero_stage`` and ``checkpoint`` as given, ZeRO stage 0 when left out."""
-    offload = check_offload(options.get("offload", "none"))
-    if offload == "none":
+    if check_offload(options.get("offload", "none"), plan_given=plan_given) == "none":
         return options
-    if plan_given:
-        raise ValueError(f"offload={offload!r} with a given plan: the plan brings its own offload decisions "
-                         f"(Plan.offload, made by autopar.plan(..., offload=...)); leave offload out")
     return {**options, "zero_stage": 0 if options.get("zero_stage") is None else options["zero_stage"]}

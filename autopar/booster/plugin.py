@@ -180,7 +180,7 @@ class AutoParallelPlugin:
         self._check_gemini()
 
     def _check_gemini(self) -> None:
-        from autopar.offload import runtime_options
+        from autopar.offload import check_offload
 
         # The knobs are checked even without a policy: a typo must not pass silently.
         self._static_policy()
@@ -191,8 +191,7 @@ class AutoParallelPlugin:
                                  f"{self.chunk_search_range!r}")
             object.__setattr__(self, "chunk_search_range", rng)
             self.gemini_chunk_range()  # the runtime's ChunkRange checks the three numbers
-        # ``offload`` as autoparallelize checks it: a mode or an OffloadPolicy, and no given plan.
-        runtime_options({"offload": self.offload}, plan_given=self.plan is not None)
+        check_offload(self.offload, plan_given=self.plan is not None)  # as autoparallelize checks it
         plans_offload = self._plans_offload()
         if plans_offload:
             if self.placement_policy not in (None, "planned"):
