@@ -22,6 +22,7 @@ _LAZY = {
     "plan": "autopar.api",
     "Plan": "autopar.plans",
     "autoparallelize": "autopar.api",
+    "OffloadPolicy": "autopar.offload",
     "AutoParallelModule": "autopar.runtime.module",
     "clip_grad_norm_": "autopar.runtime.module",
     "profile_mesh": "autopar.runtime.mesh_profile",

@@ -30,7 +30,8 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from autopar.layout.mesh import MeshSpec, resolve_preset
 from autopar.planner.options import OffloadPolicy, PlanOptions, precision_name
-from autopar.planner.offload_pricing import fit_device_room, runtime_options, with_offload
+from autopar.offload import runtime_options
+from autopar.planner.offload_fit import fit_device_room, with_offload
 from autopar.agreement import _agree, _all_gather, _check_plan_options, _fingerprint, _raise_failures, _ranks, _status, world_cluster  # noqa: F401
 from autopar.api_pipelined import PipelinedResult
 from autopar.plans import BaselineResult, Plan

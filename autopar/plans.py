@@ -215,7 +215,7 @@ class Plan:
     # sub-mesh (``stage_mesh()``: the mesh without the pipeline axis) and the traced graph (and
     # ``graph_hash``) is the MICRO-batch graph.
     pipeline: PipelinePlan | None = None
-    # Offload (autopar.planner.offload_pricing): trainable parameter FQN -> (parameter tier,
+    # Offload (autopar.planner.offload_fit): trainable parameter FQN -> (parameter tier,
     # optimizer-state tier), each "device" or "host" (empty: planned with offload="none"); and the
     # policy, host bytes per device, host-link and CPU optimizer seconds, unpriced stream buffer.
     offload: dict[str, tuple[str, str]] = field(default_factory=dict)

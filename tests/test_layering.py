@@ -24,7 +24,7 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "autopar"
 MAX_LINES = 600
-TORCH_FREE = ("autopar.layout", "autopar.solver")
+TORCH_FREE = ("autopar.layout", "autopar.solver", "autopar.offload")
 # Compiled modules (built from csrc/): graph nodes without imports of their own.
 EXTENSIONS = frozenset(e["name"] for e in tomllib.loads((ROOT / "pyproject.toml").read_text())
                        ["tool"]["setuptools"].get("ext-modules", ()))
@@ -34,6 +34,8 @@ EXTENSIONS = frozenset(e["name"] for e in tomllib.loads((ROOT / "pyproject.toml"
 MAY_IMPORT = {
     "autopar.layout": {"autopar.layout"},
     "autopar.stages": {"autopar.stages"},
+    # the offload record (Gemini's static fractions), plain data read by planner, runtime and booster
+    "autopar.offload": {"autopar.offload"},
     "autopar.plans": {"autopar.plans", "autopar.layout"},
     # layout is the device-free vocabulary (plans already build on it); the tracer reads its
     # block names (``layout.blocks``) to recognise repeated blocks
@@ -42,15 +44,15 @@ MAY_IMPORT = {
     # the Rotor DP's C twin (autopar._rotor) is part of the solver
     "autopar.solver": {"autopar.solver", "autopar.layout", *EXTENSIONS},
     "autopar.planner": {"autopar.planner", "autopar.tracer", "autopar.strategies", "autopar.layout",
-                        "autopar.solver", "autopar.plans"},
+                        "autopar.solver", "autopar.plans", "autopar.offload"},
     "autopar.runtime": {"autopar.runtime", "autopar.tracer", "autopar.strategies", "autopar.layout",
-                        "autopar.plans"},
+                        "autopar.plans", "autopar.offload"},
     "autopar.report": {"autopar.report", "autopar.planner", "autopar.layout", "autopar.plans"},
     # runtime level: distributed optimizers on DTensors (torch, torch.distributed, the layout)
     "autopar.optim": {"autopar.optim", "autopar.layout"},
     # on top, like api: the Booster boosts through api and the runtime (optim imported lazily)
     "autopar.booster": {"autopar.booster", "autopar.api", "autopar.runtime", "autopar.optim", "autopar.planner",
-                        "autopar.tracer", "autopar.layout", "autopar.plans"},
+                        "autopar.tracer", "autopar.layout", "autopar.plans", "autopar.offload"},
 }
 
 

@@ -83,10 +83,11 @@ class AutoParallelPlugin:
             places chunks after a warm-up step, within ``memory_budget`` (required unless the
             device is CUDA, whose total memory is then the budget); ``"static"`` bounds the
             device tier by ``memory_budget`` when given.
-        offload: ``"none"``, ``"auto"`` or an ``OffloadPolicy``: the planner decides what lives on
-            the host tier, within ``memory_budget`` (``autopar.plan``'s ``offload``).
+        offload: ``"none"``, ``"auto"`` or an ``OffloadPolicy`` (``autopar.offload``): the planner
+            decides what lives on the host tier, within ``memory_budget`` (``autopar.plan``'s ``offload``).
         shard_param_frac, offload_optim_frac, offload_param_frac, pin_memory: Gemini's static
-            knobs, same meanings (``autopar.runtime.gemini.policies``). ``shard_param_frac``
+            knobs, same meanings: the offload record ``autopar.offload.StaticOffload`` and the chunk
+            runtime's ``StaticPolicy`` built from it (``autopar.runtime.gemini.policies``). ``shard_param_frac``
             (``"static"`` only): the leading fraction of chunks sharded ZeRO-3 style over the mesh
             axes the plan replicates their parameters on; their gradients are chunk shards, not
             ``.grad``, so ``max_norm`` clipping and fp16 loss scaling are refused with it.
@@ -179,23 +180,20 @@ class AutoParallelPlugin:
         self._check_gemini()
 
     def _check_gemini(self) -> None:
-        from autopar.runtime.gemini.manager import ChunkRange
-        from autopar.runtime.gemini.policies import StaticPolicy
+        from autopar.offload import check_offload
 
         # The knobs are checked even without a policy: a typo must not pass silently.
-        StaticPolicy(shard_param_frac=self.shard_param_frac, offload_optim_frac=self.offload_optim_frac,
-                     offload_param_frac=self.offload_param_frac, pin_memory=self.pin_memory)
+        self._static_policy()
         if self.chunk_search_range is not None:
             rng = tuple(self.chunk_search_range) if isinstance(self.chunk_search_range, (tuple, list)) else ()
             if len(rng) != 3:
                 raise ValueError(f"chunk_search_range must be (min, max, step) elements, got "
                                  f"{self.chunk_search_range!r}")
-            ChunkRange(min_elems=rng[0], max_elems=rng[1], step=rng[2])
             object.__setattr__(self, "chunk_search_range", rng)
-        from autopar.planner.offload_pricing import check_offload
-
-        check_offload(self.offload)
-        if self._plans_offload():
+            self.gemini_chunk_range()  # the runtime's ChunkRange checks the three numbers
+        check_offload(self.offload, plan_given=self.plan is not None)  # as autoparallelize checks it
+        plans_offload = self._plans_offload()
+        if plans_offload:
             if self.placement_policy not in (None, "planned"):
                 raise ValueError(f"placement_policy={self.placement_policy!r} places chunks by its own rule; the "
                                  f"plan's offload decisions (offload={self.offload!r} or plan.offload) are executed "
@@ -218,7 +216,7 @@ class AutoParallelPlugin:
         if self.placement_policy not in ("static", "auto", "planned"):
             raise ValueError(f"placement_policy must be None, 'static', 'auto' or 'planned', "
                              f"got {self.placement_policy!r}")
-        if self.placement_policy == "planned" and not self._plans_offload():
+        if self.placement_policy == "planned" and not plans_offload:
             raise ValueError("placement_policy='planned' executes a plan's offload decisions: give plan= (a Plan "
                              "made by autopar.plan(..., offload=...) that offloads) or offload='auto'")
         if self.placement_policy == "planned" and (self.chunk_search_range is not None or self.offload_optim_frac
@@ -232,9 +230,6 @@ class AutoParallelPlugin:
     def _plans_offload(self) -> bool:
         """Does the run execute planned offload decisions (``offload``, or a given plan that offloads)?"""
         if self.offload != "none":
-            if self.plan is not None:
-                raise ValueError(f"offload={self.offload!r} with a given plan: the plan brings its own offload "
-                                 f"decisions; leave offload out")
             return True
         if self.plan is None:
             return False
@@ -248,7 +243,7 @@ class AutoParallelPlugin:
         ``plan``: the boosted module's, for ``"planned"``."""
         import torch
 
-        from autopar.runtime.gemini.policies import AutoPolicy, StaticPolicy, policy_from_plan
+        from autopar.runtime.gemini.policies import AutoPolicy, policy_from_plan
 
         if self.placement_policy is None:
             return None
@@ -265,9 +260,16 @@ class AutoParallelPlugin:
                                      "capacity to read)")
                 budget = torch.cuda.get_device_properties(torch.device(device)).total_memory
             return AutoPolicy(device_budget=int(budget), pin_memory=self.pin_memory)
+        return self._static_policy(device_budget=None if budget is None else int(budget))
+
+    def _static_policy(self, device_budget: int | None = None):
+        """``placement_policy="static"``: Gemini's knobs as the chunk runtime's ``StaticPolicy``, the
+        offload record (``autopar.offload.StaticOffload``) with the runtime's knobs, checked there."""
+        from autopar.runtime.gemini.policies import StaticPolicy
+
         return StaticPolicy(shard_param_frac=self.shard_param_frac, offload_optim_frac=self.offload_optim_frac,
                             offload_param_frac=self.offload_param_frac, pin_memory=self.pin_memory,
-                            device_budget=None if budget is None else int(budget))
+                            device_budget=device_budget)
 
     def wrap_gemini(self, module, optimizer_class: type, groups: list, kwargs: dict):
         """``module``'s parameters into chunks (``autopar.runtime.gemini.wrap``) and the chunk

@@ -145,19 +145,10 @@ def _count_or_auto(text: str):
 
 def _offload(text: str):
     """``none``, ``auto`` or ``static:OPTIM,PARAM`` -> what ``PlanOptions.offload`` takes."""
-    from autopar.planner.offload_pricing import OffloadPolicy
+    from autopar.offload import parse_offload
 
-    if text in ("none", "auto"):
-        return text
-    head, _, fracs = text.partition(":")
     try:
-        optim, param = (float(x) for x in fracs.split(","))
-    except ValueError:
-        optim = None
-    if head != "static" or optim is None:
-        raise argparse.ArgumentTypeError(f"--offload takes none, auto or static:OPTIM,PARAM, got {text!r}")
-    try:
-        return OffloadPolicy(offload_optim_frac=optim, offload_param_frac=param)
+        return parse_offload(text, what="--offload")
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 

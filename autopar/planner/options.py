@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass
 
 from autopar.layout.mesh import PRESETS, MeshSpec, parse_bytes
-from autopar.planner.offload_pricing import OffloadPolicy, check_offload
+from autopar.offload import OffloadPolicy, check_offload
 from autopar.plans import PIPELINE_SCHEDULES, PRECISIONS
 
 __all__ = ["PlanOptions", "OffloadPolicy", "SOLVERS", "CHECKPOINT_MODES", "ZERO_STAGES", "precision_name"]

@@ -96,7 +96,7 @@ def test_boost_with_offload_trains_and_checkpoints_like_one_device(tmp_path):
         opt.zero_grad()
         want.append({k: v.detach().clone() for k, v in ref.state_dict().items()})
     from autopar.api import plan as make_plan
-    from autopar.planner.offload_pricing import OffloadPolicy
+    from autopar.offload import OffloadPolicy
 
     fast = dataclasses.replace(MeshSpec.preset("cpu", (2,)), alpha=(1e-7,), beta=(1e-13,), name="fast-links")
     offload_plan = make_plan(model, inputs, mesh=fast, zero_stage=2, checkpoint="none",

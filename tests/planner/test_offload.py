@@ -11,8 +11,9 @@ from autopar import zoo
 from autopar.api import Progress, plan_traced
 from autopar.layout.mesh import MeshSpec
 from autopar.planner.builder import build_problem
-from autopar.planner.offload_pricing import (OffloadPolicy, offload_cost, offload_tier, option_name, pinned_room,
-                                             static_tiers)
+from autopar.offload import OffloadPolicy
+from autopar.planner.offload_fit import pinned_room
+from autopar.planner.offload_pricing import offload_cost, offload_tier, option_name, static_tiers
 from autopar.planner.options import PlanOptions
 from autopar.plans import Plan, RecomputeRegion
 from autopar.tracer import profile, trace
@@ -45,7 +46,8 @@ def test_policy_and_option_checks():
     # Gemini's order: the first parameters (by bytes) go first.
     tiers = static_tiers([("a", 10), ("b", 30), ("c", 40), ("d", 20)], OffloadPolicy(1.0, 0.4))
     assert tiers == {"a": "po", "b": "po", "c": "o", "d": "o"}
-    assert set(static_tiers([("a", 1)], OffloadPolicy())) == {"a"} and static_tiers([("a", 1)], OffloadPolicy())["a"] == "device"
+    assert set(static_tiers([("a", 1)], OffloadPolicy())) == {"a"} \
+        and static_tiers([("a", 1)], OffloadPolicy())["a"] == "device"
 
 
 def test_offload_cost_formulas():

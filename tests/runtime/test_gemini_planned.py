@@ -26,7 +26,7 @@ from torch.utils._pytree import tree_map
 import autopar
 from autopar import zoo
 from autopar.layout.mesh import MeshSpec
-from autopar.planner.offload_pricing import OffloadPolicy
+from autopar.offload import OffloadPolicy
 from autopar.runtime.gemini.chunk import DEVICE, HOST
 from autopar.runtime.launch import run_local
 
@@ -108,7 +108,8 @@ def _train(rank, world, jobs, tmp):
                  None if c.grad is None else c.grad.numel(), c.optim_tier) for c in manager.chunks if c.zero]
         # A ZeRO-2 chunk's whole gradient exists until its reduce-scatter (in the plan's room).
         in_flight = max((c.padded_bytes for c in manager.chunks if c.zero == 2), default=0)
-        out.append((name, checkpoint, zero, in_flight, manager.regathered, pm.plan, pm.full_state_dict(), pm2.full_state_dict(),
+        out.append((name, checkpoint, zero, in_flight, manager.regathered, pm.plan, pm.full_state_dict(),
+                    pm2.full_state_dict(),
                     [m.device_bytes for m in moves], manager.ledger.peak[HOST], padding_host, backward_grads,
                     {(c.home, c.optim_tier) for c in manager.chunks},
                     {m.event for m in moves if m.tier == HOST}, {m.event for m in moves if m.tier == DEVICE}))
@@ -135,7 +136,8 @@ def test_autoparallelize_offload_executes_the_plan_within_its_device_budget(tmp_
         assert [bool(r[2]) for r in result] == [False] * 4 + [True] * 2  # the last two run ZeRO chunks
         for (name, checkpoint, zero, in_flight, regathered, plan, full, resumed, device_series, host_peak, padding_host,
              backward_grads, tiers, host_events, device_events) in result:
-            want_params, name = want[name], f"{name} checkpoint={checkpoint} zero={bool(zero)} {plan.offload_info['policy']}"
+            want_params = want[name]
+            name = f"{name} checkpoint={checkpoint} zero={bool(zero)} {plan.offload_info['policy']}"
             stages = {n.zero_stage for n in plan.nodes if n.kind == "parameter"}
             assert bool(zero) == (stages != {0}), (name, stages, zero)
             for stage, capacity, num_shards, master, moment, grad, _ in zero:  # state 1/dp, payload whole
@@ -173,7 +175,7 @@ def test_autoparallelize_offload_executes_the_plan_within_its_device_budget(tmp_
 
 
 def test_offload_options_are_checked():
-    from autopar.planner.offload_pricing import runtime_options
+    from autopar.offload import runtime_options
 
     base = {"offload": "auto", "zero_stage": None, "checkpoint": "auto"}
     assert runtime_options(base, plan_given=False) == {**base, "zero_stage": 0}  # recompute planned jointly

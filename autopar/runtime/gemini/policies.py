@@ -1,13 +1,16 @@
 """Placement policies: which tier each chunk's parameters and optimizer state live on.
 
-``StaticPolicy`` has Gemini's knobs with their meanings:
+``StaticPolicy`` is Gemini's ``placement_policy="static"``: the offload record
+(``autopar.offload.StaticOffload``, which the planner's ``OffloadPolicy`` is too) read per chunk,
+plus the chunk runtime's own knobs:
 - ``offload_param_frac``: the fraction of chunks (the first ones in order, by bytes, as Gemini
   and the planner's ``OffloadPolicy`` walk them) whose
   parameter payload lives on the host and is fetched to the device when an op uses it;
 - ``offload_optim_frac``: the fraction of chunks (the first ones, by bytes) whose fp32 master
   weights and optimizer state live on the host and are updated there by the CPU optimizer.
   Gemini ignores ``offload_param_frac`` unless this is 1; here any mix runs (a host payload
-  with device optimizer state is updated on the device and copied back);
+  with device optimizer state is updated on the device and copied back), so the runtime takes
+  the record without the planner's rule;
 - ``shard_param_frac``: the fraction of chunks (the first ones, by bytes) sharded ZeRO-3 style
   over their data-parallel group: the mesh axes (of size > 1) on which the plan keeps every
   parameter of the chunk replicated (chunks are built per such axis set). Each rank keeps 1/dp
@@ -31,16 +34,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from autopar.offload import StaticOffload, fraction
 from autopar.runtime.gemini.chunk import DEVICE, HOST
 
 __all__ = ["StaticPolicy", "AutoPolicy", "PlannedPolicy", "policy_from_plan", "static_tiers", "static_shards",
            "auto_tiers", "make_policy"]
-
-
-def _frac(value, what: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
-        raise ValueError(f"{what} must be a number in [0, 1], got {value!r}")
-    return float(value)
 
 
 def _budget(value) -> int | None:
@@ -52,19 +50,25 @@ def _budget(value) -> int | None:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class StaticPolicy:
+class StaticPolicy(StaticOffload):
+    """The offload fractions (``StaticOffload``, checked there) with the chunk runtime's knobs."""
+
     shard_param_frac: float = 0.0
-    offload_optim_frac: float = 0.0
-    offload_param_frac: float = 0.0
+    """fraction of the chunks, leading ones by bytes, sharded ZeRO-3 style over their data-parallel axes"""
     pin_memory: bool = False
+    """host buffers in pinned memory (CUDA only)"""
     device_budget: int | None = None
+    """bytes of model data the device tier may hold; None: unbounded"""
 
     def __post_init__(self) -> None:
-        for name in ("shard_param_frac", "offload_optim_frac", "offload_param_frac"):
-            object.__setattr__(self, name, _frac(getattr(self, name), name))
+        object.__setattr__(self, "shard_param_frac", fraction(self.shard_param_frac, "shard_param_frac"))
+        StaticOffload.__post_init__(self)  # slots dataclasses cannot use zero-argument super()
         if not isinstance(self.pin_memory, bool):
             raise ValueError(f"pin_memory must be a bool, got {self.pin_memory!r}")
         object.__setattr__(self, "device_budget", _budget(self.device_budget))
+
+    def __str__(self) -> str:  # the record's compact ``static:OPTIM,PARAM`` would hide the runtime's knobs
+        return repr(self)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
