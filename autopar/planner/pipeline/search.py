@@ -5,7 +5,7 @@ plans the MICRO-batch graph ``traced`` (batch / M) as ``S`` pipeline ranks over 
 
 1. one ``Problem`` on the stage sub-mesh (the mesh without axis 0), built once: tracing and
    building do not depend on where the cuts go;
-2. every op gets a block position as in :func:`autopar.planner.pipeline_stages.even_stages`
+2. every op gets a block position as in :func:`autopar.planner.pipeline.geometry.even_stages`
    (its repeated block; ops before the first block go with block 0, after the last with the
    last); a stage holding blocks ``[a, b)`` runs the ops whose position is in that range and
    reads the parameters / inputs those ops read (a tied weight read by two stages is on both);
@@ -26,7 +26,7 @@ plans the MICRO-batch graph ``traced`` (batch / M) as ``S`` pipeline ranks over 
      conversions at each side of a boundary are not priced, the point-to-point transfer is:
      ``2 (alpha_0 + beta_0 * bytes)`` per micro-batch (activation forward, its gradient back)
      over axis 0's link, part of the sending stage's time;
-4. ``schedule_cuts`` (:mod:`autopar.planner.pipeline_schedule`) picks the cut minimising the
+4. ``schedule_cuts`` (:mod:`autopar.planner.pipeline.schedule`) picks the cut minimising the
    schedule's step time, ``factor * max stage time + max gradient sync`` (``best_cuts``), solving
    a stage whose budget binds only when its lower bound (the shape's unconstrained optimum) can
    beat the best cut found (``LazyCuts``: exact); the schedule of lowest floor is searched first
@@ -50,12 +50,12 @@ import numpy as np
 
 from autopar.layout.blocks import block_of, split_block
 from autopar.layout.mesh import MeshSpec
-from autopar.planner.pipeline_bounds import config_floors, in_bound_order
-from autopar.planner.pipeline_families import HELD, RangeFamilies
-from autopar.planner.pipeline_schedule import (SCHEDULE_VIRTUAL_STAGES, PipelineCandidate, check_pipeline_zero,
+from autopar.planner.pipeline.bounds import config_floors, in_bound_order
+from autopar.planner.pipeline.costs import HELD, RangeFamilies
+from autopar.planner.pipeline.schedule import (SCHEDULE_VIRTUAL_STAGES, PipelineCandidate, check_pipeline_zero,
                                                schedule_cuts, schedules_for)
-from autopar.planner.pipeline_assembly import assemble_pipelined
-from autopar.planner.pipeline_stages import block_container
+from autopar.planner.pipeline.assemble import assemble_pipelined
+from autopar.planner.pipeline.geometry import block_container
 from autopar.plans import NodeKind, Plan, StagePlan, stage_mesh_of
 from autopar.solver.problem import Edge, Node, Problem, Solution, StrategyOption
 from autopar.solver.timeline import segment_geometry

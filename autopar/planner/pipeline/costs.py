@@ -14,7 +14,7 @@ HELD = "@held"
 
 
 class RangeFamilies:
-    """Methods of ``autopar.planner.pipeline_search.StageCosts`` (its attributes: ``block_class``,
+    """Methods of ``autopar.planner.pipeline.search.StageCosts`` (its attributes: ``block_class``,
     ``num_blocks``, ``lengths``, ``_memo``, ``_solved_on``, ...) for range families."""
 
     def _family(self, a: int, b: int):

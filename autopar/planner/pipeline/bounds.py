@@ -2,7 +2,7 @@
 several configurations in bound order (branch and bound over configurations).
 
 A configuration -- (micro-batch graph, stage sub-mesh, micro-batch count ``M``, schedule) -- is
-searched by ``autopar.planner.pipeline_search.search_stages``: tens of intra-stage ILP solves.
+searched by ``autopar.planner.pipeline.search.search_stages``: tens of intra-stage ILP solves.
 ``step_floor`` bounds its best step from below with one small solve per block class:
 
 - ``block_floor(j)``: the least ``time + sync / factor`` of block ``j``'s own decisions (its
@@ -29,12 +29,12 @@ import math
 from dataclasses import replace
 from typing import TYPE_CHECKING, Callable, Hashable, TypeVar
 
-from autopar.planner.pipeline_schedule import SCHEDULE_VIRTUAL_STAGES, best_cuts, stage_window, step_factor
+from autopar.planner.pipeline.schedule import SCHEDULE_VIRTUAL_STAGES, best_cuts, stage_window, step_factor
 from autopar.plans import NodeKind
 from autopar.solver.driver import SolveTimeout
 
 if TYPE_CHECKING:
-    from autopar.planner.pipeline_search import StageCosts
+    from autopar.planner.pipeline.search import StageCosts
 
 __all__ = ["block_floor", "step_floor", "config_floors", "in_bound_order"]
 

@@ -34,7 +34,7 @@ ascending) a DP over cut points minimises the largest sync among cuts whose stag
 most T; it stops once ``factor * T`` alone cannot beat the best found.
 
 ``schedule_cuts`` prices the stages with a ``StageCosts``
-(:mod:`autopar.planner.pipeline_search`) and runs the DP through ``LazyCuts``, which solves a
+(:mod:`autopar.planner.pipeline.search`) and runs the DP through ``LazyCuts``, which solves a
 stage whose memory budget binds only when its lower bound can still beat the best cut found.
 """
 

@@ -11,10 +11,10 @@ from autopar import zoo
 from autopar.api import plan, plan_pipelined
 from autopar.layout.mesh import MeshSpec
 from autopar.planner.options import PlanOptions
-from autopar.planner.pipeline_schedule import (SCHEDULE_VIRTUAL_STAGES, best_cuts, in_flight, step_factor,
+from autopar.planner.pipeline.schedule import (SCHEDULE_VIRTUAL_STAGES, best_cuts, in_flight, step_factor,
                                                step_time)
-from autopar.planner.pipeline_search import search_stages
-from autopar.planner.pipeline_stages import micro_inputs, microbatch_counts
+from autopar.planner.pipeline.search import search_stages
+from autopar.planner.pipeline.geometry import micro_inputs, microbatch_counts
 from autopar.plans import PIPELINE_SCHEDULES, Plan
 from autopar.runtime.pipeline_split import stage_of_nodes
 from autopar.strategies import needs_decomposition
@@ -346,7 +346,7 @@ def test_plugin_pipeline_knobs_map_to_plan_options():
 # ------------------------------------------------------------- stage recompute and memoisation
 def _stage_costs(traced_models, name="llama-1b", shape=(2, 2)):
     from autopar.planner.builder import build_problem
-    from autopar.planner.pipeline_search import StageCosts
+    from autopar.planner.pipeline.search import StageCosts
     from autopar.plans import stage_mesh_of
     from autopar.solver.driver import solve
 
@@ -361,7 +361,7 @@ def test_stage_recompute_slice_is_the_timelines_recompute(traced_models):
     """The recompute slice (a plain sharding Problem) prices a choice exactly as
     ``Problem.evaluate(recompute=blocks, segment_inputs=...)`` prices it on the plain slice; and
     k micro-batches in flight add (k - 1) x the kept values plus the not-recomputed saved bytes."""
-    from autopar.planner.pipeline_search import HELD
+    from autopar.planner.pipeline.search import HELD
 
     costs = _stage_costs(traced_models)
     for a, b in ((0, 2), (1, 3), (2, 4)):
@@ -392,7 +392,7 @@ def test_memoised_stage_costs_and_mode_choice_match_brute_force(traced_models):
     """Costs memoised by range shape equal a fresh solve of the same shape elsewhere, and the cut
     DP with a recompute choice per stage equals brute force over cuts x modes, under a budget
     tight enough that some stages must recompute."""
-    from autopar.planner.pipeline_search import schedule_cuts
+    from autopar.planner.pipeline.search import schedule_cuts
 
     costs = _stage_costs(traced_models)
     fresh = _stage_costs(traced_models)
@@ -429,7 +429,7 @@ def test_family_reuse_equals_solving_every_length(traced_models):
     """Unconstrained optima taken from a range family's shortest and longest ranges (same
     pattern at both ends: optimal between, by concavity) equal solving every range, and the
     chosen cut is the same with and without reuse."""
-    from autopar.planner.pipeline_search import schedule_cuts
+    from autopar.planner.pipeline.search import schedule_cuts
 
     reuse, solve_all = _stage_costs(traced_models, "gpt2"), _stage_costs(traced_models, "gpt2")
     solve_all._between = lambda *args, **kw: None
@@ -451,7 +451,7 @@ def test_bounded_stage_solves_find_the_same_cuts_as_solving_every_stage(traced_m
     unconstrained optimum) can beat the best cut found: the same cut, modes and step as solving
     every stage (``prune=False``), with fewer solves; given another schedule's step as ``bound``
     it returns that same cut when it beats the bound, and says it does not otherwise."""
-    from autopar.planner.pipeline_search import schedule_cuts
+    from autopar.planner.pipeline.search import schedule_cuts
 
     probe = _stage_costs(traced_models, "gpt2", (4, 2))
     factor = step_factor("1f1b", num_stages=4, virtual_stages=1, num_microbatches=8)

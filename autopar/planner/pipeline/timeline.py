@@ -1,6 +1,6 @@
 """The schedule of one pipelined step, simulated: which pass runs on which pipeline rank, and when.
 
-The plan's step time is a formula (``autopar.planner.pipeline_schedule``); this module plays the
+The plan's step time is a formula (``autopar.planner.pipeline.schedule``); this module plays the
 schedule out pass by pass so a user can see it (``autopar inspect --pipeline N --html``) and so
 the formula can be checked against it. Torch-free.
 

@@ -1,4 +1,4 @@
-"""The ``Plan`` of a pipelined search's chosen cuts (``autopar.planner.pipeline_search``): each
+"""The ``Plan`` of a pipelined search's chosen cuts (``autopar.planner.pipeline.search``): each
 stage solved once more with the layouts earlier stages chose for shared parameters, the
 schedule's estimate over the stages' figures, and the stage record ``Plan.pipeline`` holds."""
 
@@ -11,13 +11,13 @@ from autopar.layout.blocks import split_block
 from autopar.layout.mesh import MeshSpec
 from autopar.planner.assemble import assemble_plan, solver_stats
 from autopar.planner.checkpointing import regions_of
-from autopar.planner.pipeline_schedule import SCHEDULE_VIRTUAL_STAGES
+from autopar.planner.pipeline.schedule import SCHEDULE_VIRTUAL_STAGES
 from autopar.plans import Estimate, PipelinePlan, Plan
 from autopar.solver.problem import Solution
 from autopar.tracer.graph import TracedGraph
 
 if TYPE_CHECKING:  # the search module imports this one
-    from autopar.planner.pipeline_search import PipelineCandidate, StageCost, StageCosts
+    from autopar.planner.pipeline.search import PipelineCandidate, StageCost, StageCosts
 
 __all__ = ["assemble_pipelined"]
 
