@@ -14,7 +14,7 @@ from autopar.plans import Plan
 
 if TYPE_CHECKING:
     from autopar.stages import Progress
-    from autopar.planner.pipeline.search import StageCosts
+    from autopar.planner.pipeline.costs import StageCosts
     from autopar.tracer.graph import TracedGraph
 
 __all__ = ["PipelinedResult", "plan_pipelined"]
@@ -40,7 +40,9 @@ def plan_pipelined(model: Any, meta_inputs: tuple | dict, *, mesh: MeshSpec | Se
     module does not import the api). ``"auto"`` also plans without a pipeline (the full batch on
     the whole mesh) and keeps the faster of the two. ``ValueError`` when nothing fits."""
     from autopar.planner.pipeline.bounds import config_floors, in_bound_order
-    from autopar.planner.pipeline.search import check_pipeline_zero, schedules_for, search_stages, stage_costs
+    from autopar.planner.pipeline.costs import stage_costs
+    from autopar.planner.pipeline.schedule import check_pipeline_zero, schedules_for
+    from autopar.planner.pipeline.search import search_stages
     from autopar.planner.pipeline.geometry import PIPELINE_CASTS, batch_size, micro_inputs, microbatch_counts
     from autopar.strategies import needs_decomposition
     from autopar.tracer import profile as profile_graph

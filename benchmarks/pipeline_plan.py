@@ -65,8 +65,9 @@ from autopar.planner.assemble import restricted_problem
 from autopar.planner.baselines import make_restriction
 from autopar.planner.options import PlanOptions
 from autopar.planner.pipeline.bounds import config_floors, in_bound_order
-from autopar.planner.pipeline.schedule import SCHEDULE_VIRTUAL_STAGES
-from autopar.planner.pipeline.search import StageCosts, schedule_cuts, search_stages, stage_costs
+from autopar.planner.pipeline.costs import StageCosts, stage_costs
+from autopar.planner.pipeline.schedule import SCHEDULE_VIRTUAL_STAGES, schedule_cuts
+from autopar.planner.pipeline.search import search_stages
 from autopar.planner.pipeline.geometry import PIPELINE_CASTS
 from autopar.plans import stage_mesh_of
 from autopar.solver.driver import solve as solve_ilp
@@ -116,7 +117,7 @@ class Row:
     plan_s: float  # this configuration's search (build and trace excluded)
     recompute: str = ""
     note: str = ""
-    floor: float | None = None  # autopar's step floor for the configuration (pipeline_bounds)
+    floor: float | None = None  # autopar's step floor for the configuration (pipeline.bounds)
     bound: float | None = None  # the best step of the case when this configuration was searched
 
 

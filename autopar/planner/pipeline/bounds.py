@@ -21,68 +21,96 @@ Blocks of one class (equal decision signatures, the same shared pattern) share o
 96-layer model has three (first, middle, last). ``in_bound_order`` searches configurations
 cheapest bound first and skips one once its bound cannot beat the best step found: exact, the
 same optimum as searching every configuration.
+
+The floors of one ``StageCosts`` live in its ``BlockFloors`` (``costs.floors``): this module fills
+it and ``StageCosts.quick_bound`` reads it (``range_floor``), so the search after a configuration's
+floors prices its stage ranges no lower than their blocks' floors. The functions here take the
+``StageCosts`` (:mod:`autopar.planner.pipeline.costs`, which builds on this module) for its
+slices and solves.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import replace
-from typing import TYPE_CHECKING, Callable, Hashable, TypeVar
+from typing import Callable, Hashable, TypeVar
 
+from autopar.planner.pipeline.geometry import StageGeometry
 from autopar.planner.pipeline.schedule import SCHEDULE_VIRTUAL_STAGES, best_cuts, stage_window, step_factor
 from autopar.plans import NodeKind
 from autopar.solver.driver import SolveTimeout
 
-if TYPE_CHECKING:
-    from autopar.planner.pipeline.search import StageCosts
-
-__all__ = ["block_floor", "step_floor", "config_floors", "in_bound_order"]
+__all__ = ["BlockFloors", "block_floor", "step_floor", "config_floors", "in_bound_order"]
 
 K = TypeVar("K", bound=Hashable)
 R = TypeVar("R")
 
 
-def _shared(costs: StageCosts, name: str) -> bool:
-    """Whether decision ``name`` is read by more than one block (priced 0 in a block's floor)."""
-    return costs.kind[name] != NodeKind.OP and len(costs.readers.get(name, ())) > 1
+class BlockFloors:
+    """The block floors of one ``StageGeometry``, memoised: per block shape its floor
+    (``block_floor``), per step factor the prefix sums of every block's floor (``step_floor``),
+    and per block its decisions with the (signature, shared?) pattern of its non-op ones."""
+
+    def __init__(self, geometry: StageGeometry) -> None:
+        self.geometry = geometry
+        self.values: dict[tuple, float] = {}  # block shape -> its floor
+        self.sums: dict[float, tuple[float, ...]] = {}  # factor -> prefix sums of the blocks' floors
+        self._blocks: list[tuple[set[str], tuple]] | None = None
+
+    def shared(self, name: str) -> bool:
+        """Whether decision ``name`` is read by more than one block (priced 0 in a block's floor)."""
+        geo = self.geometry
+        return geo.kind[name] != NodeKind.OP and len(geo.readers.get(name, ())) > 1
+
+    def block(self, j: int) -> tuple[set[str], tuple]:
+        """Block ``j``'s decisions and the (signature, shared?) of its non-op ones, for every block
+        at once (one pass over the problem)."""
+        if self._blocks is None:
+            geo = self.geometry
+            nodes = geo.built.problem.nodes
+            names: list[set[str]] = [set() for _ in range(geo.num_blocks)]
+            for node in nodes:
+                for b in geo.blocks_of(node.name):
+                    names[b].add(node.name)
+            held = [tuple((n.signature, self.shared(n.name)) for n in nodes
+                          if n.name in names[b] and geo.kind[n.name] != NodeKind.OP) for b in range(geo.num_blocks)]
+            self._blocks = list(zip(names, held))
+        return self._blocks[j]
+
+    def key(self, j: int, *, factor: float) -> tuple:
+        """Blocks of one class with the same shared pattern have one floor (one solve)."""
+        geo = self.geometry
+        return j == 0, j == geo.num_blocks - 1, geo.block_class[j], factor, self.block(j)[1]
+
+    def range_floor(self, a: int, b: int, *, factor: float) -> float:
+        """The sum of the floors of blocks ``[a, b)`` at the smallest factor >= ``factor`` stored
+        (a floor only falls as the factor grows: valid at ``factor``); ``-inf`` when none is."""
+        at = min((f for f in self.sums if f >= factor), default=None)
+        return -math.inf if at is None else self.sums[at][b] - self.sums[at][a]
 
 
-def block_floor(costs: StageCosts, j: int, *, factor: float) -> float:
-    """The least ``time + sync / factor`` of block ``j``'s own decisions (module docstring),
-    memoised on ``costs`` by the block's class and shared pattern; the solver's proven bound,
-    so a gap never lifts it above the true optimum."""
-    names, held = _block(costs, j)
-    key = (j == 0, j == costs.num_blocks - 1, costs.block_class[j], factor, held)
-    memo = costs.floors
-    if key not in memo:
+def block_floor(costs, j: int, *, factor: float) -> float:
+    """The least ``time + sync / factor`` of block ``j``'s own decisions (module docstring) on
+    ``costs`` (a ``StageCosts``), memoised in ``costs.floors`` by the block's class and shared
+    pattern; the solver's proven bound, so a gap never lifts it above the true optimum."""
+    floors = costs.floors
+    names, _ = floors.block(j)
+    key = floors.key(j, factor=factor)
+    if key not in floors.values:
         problem = costs.slice(names, in_flight=1, factor=factor, budget=None, fixed={})
         free = tuple(replace(n, options=tuple(replace(o, compute_s=0.0, comm_s=0.0) for o in n.options))
-                     if _shared(costs, n.name) else n for n in problem.nodes)
-        costs.num_solves += 1
+                     if floors.shared(n.name) else n for n in problem.nodes)
         try:
-            sol = costs._solve(replace(problem, nodes=free))
+            sol = costs.solve(replace(problem, nodes=free))
         except SolveTimeout:  # no plan within the time limit: no bound either (0 is one)
-            memo[key] = 0.0
+            floors.values[key] = 0.0
         else:
-            memo[key] = max(0.0, min(sol.objective, sol.dual_bound if sol.dual_bound is not None else sol.objective))
-    return memo[key]
+            floors.values[key] = max(0.0, min(sol.objective,
+                                              sol.dual_bound if sol.dual_bound is not None else sol.objective))
+    return floors.values[key]
 
 
-def _block(costs: StageCosts, j: int) -> tuple[set[str], tuple]:
-    """Block ``j``'s decisions and the (signature, shared?) of its non-op ones, for every block
-    at once (one pass over the problem; memoised on ``costs``)."""
-    if costs.floor_blocks is None:
-        names: list[set[str]] = [set() for _ in range(costs.num_blocks)]
-        for node in costs.built.problem.nodes:
-            for b in costs.blocks_of(node.name):
-                names[b].add(node.name)
-        held = [tuple((n.signature, _shared(costs, n.name)) for n in costs.built.problem.nodes
-                      if n.name in names[b] and costs.kind[n.name] != NodeKind.OP) for b in range(costs.num_blocks)]
-        costs.floor_blocks = list(zip(names, held))
-    return costs.floor_blocks[j]
-
-
-def step_floor(costs: StageCosts, *, schedule: str, num_stages: int, num_microbatches: int,
+def step_floor(costs, *, schedule: str, num_stages: int, num_microbatches: int,
                window: int | str | None = None, floor_factor: float | None = None) -> float:
     """A lower bound on the step of every plan ``search_stages`` can find for ``schedule`` with
     ``num_microbatches`` micro-batches over ``num_stages`` ranks (module docstring); ``window``
@@ -100,7 +128,7 @@ def step_floor(costs: StageCosts, *, schedule: str, num_stages: int, num_microba
     sums = [0.0]
     for j in range(costs.num_blocks):
         sums.append(sums[-1] + block_floor(costs, j, factor=floor_factor or factor))
-    costs.floor_sums[floor_factor or factor] = tuple(sums)  # tightens the search's own stage bounds
+    costs.floors.sums[floor_factor or factor] = tuple(sums)  # tightens the search's own stage bounds
     even = costs.num_blocks / parts
     window = stage_window(window, num_blocks=costs.num_blocks, parts=parts)
 
@@ -113,7 +141,7 @@ def step_floor(costs: StageCosts, *, schedule: str, num_stages: int, num_microba
     return math.inf if cuts is None else cuts.objective
 
 
-def config_floors(costs: StageCosts, *, schedules: tuple[str, ...], num_stages: int, num_microbatches: int,
+def config_floors(costs, *, schedules: tuple[str, ...], num_stages: int, num_microbatches: int,
                   window: int | str | None = None) -> dict[str, float]:
     """``step_floor`` of each schedule, from one set of block floors (at the largest factor)."""
     top = max(step_factor(s, num_stages=num_stages, virtual_stages=SCHEDULE_VIRTUAL_STAGES[s],

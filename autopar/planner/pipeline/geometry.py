@@ -1,42 +1,44 @@
-"""Pipeline stages by an even cut at repeated-block boundaries, and the pipelined ``Plan``.
+"""Where a pipeline can be cut: repeated blocks, each op's block position, stage ranges.
 
-``even_stages(traced, num_stages=S, virtual_stages=v)`` cuts the traced (micro-batch) graph into
-``S * v`` stages that each hold a contiguous run of whole repeated blocks (``transformer.h.3``,
-``model.layers.3``: :mod:`autopar.layout.blocks`), as evenly as the block count allows:
+A pipeline stage holds a contiguous run of whole repeated blocks (``transformer.h.3``,
+``model.layers.3``: :mod:`autopar.layout.blocks`) of the repeated-block container, the module
+prefix with the most block indices (GPT-2's ``transformer.h``):
 
-- the repeated-block container is the module prefix with the most block indices (GPT-2's
-  ``transformer.h``); with N blocks and K = S * v stages, stage k holds blocks
-  ``[k * N // K, (k + 1) * N // K)``;
-- ops are walked in graph order: an op inside block b goes to b's stage, any other op to the
-  stage of the latest block op before it (so embeddings and everything before the first block
-  go to stage 0, the final norm, the head and the loss to the last stage); a ``getitem`` goes
-  with the op whose output it reads;
+- ops are walked in graph order: an op inside block b has position b, any other op the position
+  of the latest block op before it (so embeddings and everything before the first block go with
+  block 0, the final norm, the head and the loss with the last block); a ``getitem`` goes with
+  the op whose output it reads; the stage holding blocks ``[a, b)`` runs the ops of positions
+  ``a .. b - 1``;
 - a parameter, buffer or user input is listed in every stage that reads it (GPT-2's tied
   ``wte``: the first and the last stage); values crossing a cut are the runtime's business
   (:mod:`autopar.runtime.pipeline_split`).
 
 Stage k runs on pipeline rank ``k % S`` (the loop placement of torch's interleaved schedules).
-The stage search proper (a DP over cut points priced by the cost model) is not here: this is
-the simple, cost-free cut the runtime is tested with.
 
-``pipeline_plan(sub_plan, traced, mesh=..., ...)`` wraps a plan solved on the stage sub-mesh
-(the mesh without its first axis) into a full-mesh ``Plan`` carrying a ``PipelinePlan``.
+``even_stages(traced, num_stages=S, virtual_stages=v)`` is the simple, cost-free cut the runtime
+is tested with: ``S * v`` stages, stage k holding blocks ``[k * N // K, (k + 1) * N // K)`` of N.
+``StageGeometry`` is what the stage search prices (:mod:`autopar.planner.pipeline.costs`): every
+op's position, each stage range's decisions, the bytes crossing each cut, the blocks a stage
+can recompute, and range *families* (ranges that differ only in how many identical interior
+blocks they hold). ``micro_inputs`` cuts the inputs to one micro-batch, the graph the stages
+are planned on.
 """
 
 from __future__ import annotations
 
 import math
 import operator
-from collections import Counter
-from dataclasses import replace
 from typing import Any
 
-from autopar.layout.blocks import split_block
-from autopar.layout.mesh import MeshSpec, default_axis_names, parse_mesh_shape
-from autopar.plans import PIPELINE_SCHEDULES, PipelinePlan, Plan, StagePlan, stage_mesh_of
+import numpy as np
+
+from autopar.layout.blocks import block_of, split_block
+from autopar.plans import NodeKind, StagePlan
+from autopar.planner.records import BuiltProblem
+from autopar.solver.timeline import segment_geometry
 from autopar.tracer.graph import MODULE_KEY, TracedGraph
 
-__all__ = ["even_stages", "pipeline_plan", "block_container", "batch_size", "micro_inputs", "microbatch_counts",
+__all__ = ["even_stages", "block_container", "StageGeometry", "batch_size", "micro_inputs", "microbatch_counts",
            "PIPELINE_CASTS"]
 
 # How a pipeline's micro-batch graph casts weights under bf16/fp16 (``autopar.tracer.precision``):
@@ -114,57 +116,6 @@ def _check_order(traced: TracedGraph, stage_of: dict[str, int]) -> None:
                 assert stage_of[src.name] <= stage_of[node.name], (src.name, node.name)
 
 
-def pipeline_plan(sub_plan: Plan, traced: TracedGraph, *, mesh: MeshSpec | tuple[int, ...] | str, num_stages: int,
-                  num_microbatches: int, schedule: str, virtual_stages: int = 1) -> Plan:
-    """The full-mesh plan: ``sub_plan`` (solved on ``traced``, the micro-batch graph, on the
-    stage sub-mesh) with even stages over mesh axis 0 of ``mesh`` (size ``num_stages``; a shape
-    gets the stage plan's device costs)."""
-    if not isinstance(mesh, MeshSpec):
-        shape = parse_mesh_shape(mesh)
-        base = sub_plan.mesh
-        mesh = MeshSpec(shape=shape, axis_names=default_axis_names(len(shape)), alpha=(base.alpha[0],) * len(shape),
-                        beta=(base.beta[0],) * len(shape), peak_flops=base.peak_flops,
-                        mem_bandwidth=base.mem_bandwidth, mem_capacity=base.mem_capacity, name=base.name,
-                        half_peak_flops=base.half_peak_flops)
-    if schedule not in PIPELINE_SCHEDULES:
-        raise ValueError(f"pipeline schedule {schedule!r} is not one of {PIPELINE_SCHEDULES}")
-    if mesh.shape[0] != num_stages:
-        raise ValueError(f"the pipeline axis (mesh axis 0) of mesh {mesh.shape} has size {mesh.shape[0]}, "
-                         f"not num_stages={num_stages}")
-    sub = stage_mesh_of(mesh)
-    if tuple(sub_plan.mesh.shape) != tuple(sub.shape):
-        raise ValueError(f"the stage plan is for mesh {sub_plan.mesh.shape}; stages of mesh {mesh.shape} run on "
-                         f"{sub.shape} (the mesh without its pipeline axis)")
-    if sub_plan.graph_hash != traced.graph_hash:
-        raise ValueError(f"the stage plan was made for graph {sub_plan.graph_hash}, the traced graph is "
-                         f"{traced.graph_hash}")
-    if sub_plan.pipeline is not None:
-        raise ValueError("the stage plan is already pipelined")
-    if schedule in ("gpipe", "1f1b") and virtual_stages != 1:
-        raise ValueError(f"schedule {schedule!r} runs one stage per rank; got virtual_stages={virtual_stages} "
-                         f"(use 'interleaved-1f1b' or 'zero-bubble')")
-    if schedule == "interleaved-1f1b" and virtual_stages < 2:
-        raise ValueError(f"schedule 'interleaved-1f1b' needs virtual_stages >= 2, got {virtual_stages}")
-    if any(n.zero_stage for n in sub_plan.nodes):
-        raise ValueError("pipelined plans do not run with ZeRO yet: plan the stages with zero_stage=0")
-    if sub_plan.recompute and schedule == "zero-bubble":
-        raise ValueError("activation recompute does not run under the zero-bubble schedule (its split backward "
-                         "unpacks a checkpoint region twice): plan with checkpoint='none' or another schedule")
-    stages = even_stages(traced, num_stages=num_stages, virtual_stages=virtual_stages)
-    stage_of = {name: st.index for st in stages for name in st.nodes}
-    for region in sub_plan.recompute:  # a recompute region runs inside one stage
-        inside = {stage_of[name] for name in region.nodes if name in stage_of}
-        if len(inside) > 1:
-            raise ValueError(f"recompute region {region.name!r} spans pipeline stages {sorted(inside)}")
-    counts = Counter(name for st in stages for name in st.nodes)
-    placeholders = {p.name for p in traced.placeholders}
-    doubled = sorted(n for n, c in counts.items() if c > 1 and n not in placeholders)
-    assert not doubled, doubled  # ops run on exactly one stage
-    pipe = PipelinePlan(num_stages=num_stages, num_microbatches=num_microbatches, schedule=schedule,
-                        virtual_stages=virtual_stages, stages=stages)
-    return replace(sub_plan, mesh=mesh, pipeline=pipe)
-
-
 def batch_size(meta_inputs: Any) -> int:
     """Dim 0 of the first tensor input (the batch every batch-major input shares)."""
     import torch
@@ -204,3 +155,176 @@ def microbatch_counts(batch: int, *, num_stages: int, asked: int | str, limit: i
         return tuple(found)
     mid = min(found, key=lambda d: abs(math.log(d) - (math.log(found[0]) + math.log(found[-1])) / 2))
     return tuple(sorted({found[0], mid, found[-1]}))
+
+
+class StageGeometry:
+    """The stage ranges of one micro-batch Problem (``built``, solved on the stage sub-mesh) over
+    the blocks of ``traced`` (module docstring): positions, decisions, cut bytes, recompute
+    units and range families. Plain structure, no cost: ``StageCosts`` prices it."""
+
+    def __init__(self, traced: TracedGraph, built: BuiltProblem) -> None:
+        found = block_container(traced)
+        if found is None:
+            raise ValueError(f"{traced.model_name} has no repeated blocks to cut into pipeline stages")
+        self.traced, self.built = traced, built
+        self.prefix, self.num_blocks = found
+        self._position()
+        self._classes()
+        self._boundaries()
+        self._recompute_units()
+
+    # ------------------------------------------------------------------------- structure
+    def _position(self) -> None:
+        """Block position of every op (as ``even_stages``) and the positions reading each placeholder."""
+        pos: dict[str, int] = {}
+        in_block: set[str] = set()  # ops inside a block of the container (not before or after all blocks)
+        current = 0
+        for node in self.traced.nodes:
+            if node.op in ("placeholder", "output"):
+                continue
+            if node.op == "call_function" and node.target is operator.getitem and node.args[0].name in pos:
+                pos[node.name] = pos[node.args[0].name]
+                if node.args[0].name in in_block:
+                    in_block.add(node.name)
+                continue
+            where = split_block(node.meta.get(MODULE_KEY, ""))
+            if where is not None and where[0] == self.prefix:
+                current = max(current, where[1])
+                in_block.add(node.name)
+            pos[node.name] = current
+        last = self.num_blocks - 1
+        readers: dict[str, set[int]] = {}
+        for node in self.traced.nodes:
+            if node.op == "placeholder":
+                readers[node.name] = {pos[u.name] for u in node.users if u.name in pos}
+                if any(u.op == "output" for u in node.users):
+                    readers[node.name].add(last)
+        self.pos, self.readers, self.in_block = pos, readers, in_block
+        self.kind = {n.name: self.built.decision(n.name).kind for n in self.built.problem.nodes}
+
+    def _classes(self) -> None:
+        """Blocks with equal decision signatures get one class id (ranges of equal classes share solves)."""
+        sigs: dict[int, list[str]] = {b: [] for b in range(self.num_blocks)}
+        for node in self.built.problem.nodes:
+            if node.name in self.pos and self.kind[node.name] == NodeKind.OP:
+                sigs[self.pos[node.name]].append(node.signature + "|" + ",".join(o.name for o in node.options))
+        ids: dict[tuple, int] = {}
+        self.block_class = tuple(ids.setdefault(tuple(sigs[b]), len(ids)) for b in range(self.num_blocks))
+
+    def _boundaries(self) -> None:
+        """Bytes crossing each cut ``b`` (between blocks b - 1 and b): tensors made before, read after."""
+        import torch
+
+        delta = [0] * (self.num_blocks + 1)
+        placeholders = {p.name: p for p in self.traced.placeholders}
+        for node in self.traced.nodes:
+            if node.op == "output":
+                continue
+            if node.op == "placeholder":
+                if placeholders[node.name].kind != NodeKind.INPUT:
+                    continue  # parameters and buffers are held by their stages, never sent
+                made = 0
+                reads = self.readers[node.name]
+            else:
+                made = self.pos[node.name]
+                reads = {self.pos[u.name] for u in node.users if u.name in self.pos}
+                if any(u.op == "output" for u in node.users):
+                    reads.add(self.num_blocks - 1)
+            val = node.meta.get("val")
+            if not isinstance(val, torch.Tensor) or not reads or max(reads) <= made:
+                continue
+            size = val.numel() * val.element_size()
+            delta[made + 1] += size
+            delta[max(reads) + 1] -= size
+        self.boundary_bytes = tuple(int(x) for x in np.cumsum(delta))  # [b]: bytes crossing cut b
+
+    def _recompute_units(self) -> None:
+        """The stage-recomputable units (the container's blocks), the unit of each op and where
+        each unit's backward begins (``autopar.solver.timeline``)."""
+        geo = segment_geometry(self.built.problem)
+        self.units = {u: g for u, g in geo.items()
+                      if g.parent is None and (split_block(u) or ("", 0))[0] == self.prefix}
+        self.unit_of: dict[str, str] = {}
+        for node in self.built.problem.nodes:
+            if node.segment is not None and self.kind[node.name] == NodeKind.OP:
+                block = block_of(node.segment)
+                if block in self.units:
+                    self.unit_of[node.name] = block
+        self.segment_inputs = getattr(self.built, "segment_inputs", None) or {}
+
+    # ------------------------------------------------------------------------ stage ranges
+    def decisions(self, a: int, b: int) -> set[str]:
+        """The Problem decisions of the stage holding blocks ``[a, b)``."""
+        return {node.name for node in self.built.problem.nodes if any(a <= p < b for p in self.blocks_of(node.name))}
+
+    def blocks_of(self, name: str) -> set[int] | range:
+        """The blocks whose stage holds decision ``name``: an op's, the blocks reading a
+        placeholder, the last block for the output."""
+        kind = self.kind[name]
+        if kind == NodeKind.OUTPUT:
+            return {self.num_blocks - 1}
+        if name in self.readers:
+            # Placeholders no op reads (a rotary embedding's unused buffer) stay with stage 0,
+            # as ``autopar.runtime.pipeline_split`` keeps them.
+            return self.readers[name] or {0}
+        return {self.pos[name]}
+
+    def stage_blocks(self, names: set[str]) -> set[int]:
+        """The blocks of the recomputable ops among ``names``."""
+        return {self.pos[n] for n in names if n in self.unit_of}
+
+    def stage_plans(self, bounds: tuple[int, ...], *, num_stages: int) -> tuple[StagePlan, ...]:
+        stages = []
+        for k in range(len(bounds) - 1):
+            a, b = bounds[k], bounds[k + 1]
+            names = tuple(n.name for n in self.traced.nodes
+                          if (n.op == "placeholder" and any(a <= p < b for p in self.readers[n.name]))
+                          or (n.name in self.pos and a <= self.pos[n.name] < b))
+            stages.append(StagePlan(index=k, rank=k % num_stages, layers=(a, b), nodes=names))
+        return tuple(stages)
+
+    def shape(self, a: int, b: int) -> tuple:
+        """What the solves of ``[a, b)`` depend on: (first?, last?, its blocks' classes)."""
+        return a == 0, b == self.num_blocks, self.block_class[a:b]
+
+    # ---------------------------------------------------------------------- range families
+    def family(self, a: int, b: int):
+        """Ranges of one family differ only in how many interior blocks they hold, all of one
+        class: (first?, last?, first block's class, last block's class, interior class)."""
+        if b - a < 3 or len(set(self.block_class[a + 1:b - 1])) != 1:
+            return None
+        return a == 0, b == self.num_blocks, self.block_class[a], self.block_class[b - 1], self.block_class[a + 1]
+
+    def member(self, a: int, b: int, length: int) -> tuple[int, int] | None:
+        """The range of ``length`` blocks in the family of ``[a, b)`` (same first/last flags)."""
+        lo = 0 if a == 0 else (self.num_blocks - length if b == self.num_blocks else a)
+        hi = lo + length
+        if lo < 0 or hi > self.num_blocks or (lo == 0) != (a == 0) or (hi == self.num_blocks) != (b == self.num_blocks):
+            return None
+        return (lo, hi) if self.family(lo, hi) == self.family(a, b) else None
+
+    def per_block(self, a: int, b: int) -> tuple[list[list[str]], list[str]]:
+        """Per block of ``[a, b)`` its decisions in problem order (its ops, the parameters only it
+        reads), and the stage's other decisions."""
+        per: list[list[str]] = [[] for _ in range(b - a)]
+        rest = []
+        for name in (n.name for n in self.built.problem.nodes):
+            kind = self.kind[name]
+            if kind == NodeKind.OP and name in self.in_block and a <= self.pos[name] < b:
+                per[self.pos[name] - a].append(name)
+            elif kind == NodeKind.PARAMETER and len(self.readers.get(name, ())) == 1 and \
+                    a <= next(iter(self.readers[name])) < b:
+                per[next(iter(self.readers[name])) - a].append(name)
+            else:
+                rest.append(name)
+        return per, rest
+
+    def pattern(self, a: int, b: int, choice: dict[str, str]):
+        """The choice of ``[a, b)`` independent of its length: first, interior (all equal, as
+        repeated-block aliasing makes them), last block's options, and the rest by name."""
+        per, rest = self.per_block(a, b)
+        inner = {tuple(choice[n] for n in blk) for blk in per[1:-1]}
+        if len(inner) != 1:
+            return None
+        return (tuple(choice[n] for n in per[0]), inner.pop(), tuple(choice[n] for n in per[-1]),
+                tuple((n, choice[n]) for n in rest if n in choice))

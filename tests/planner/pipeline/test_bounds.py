@@ -14,7 +14,7 @@ from autopar.planner.options import PlanOptions
 from autopar.planner.pipeline.bounds import block_floor, config_floors, in_bound_order, step_floor
 from autopar.planner.pipeline.schedule import schedule_cuts, step_factor
 from autopar.planner.pipeline.search import search_stages
-from tests.planner.pipeline.test_search import _stage_costs, traced_models  # noqa: F401 (fixture)
+from tests.planner.pipeline.test_search import _stage_costs
 
 CASES = [("gpt2", (2, 2)), ("gpt2", (4, 2)), ("llama-1b", (2, 2))]
 

@@ -16,7 +16,7 @@ CASES = [("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("interleaved-1f1b"
 @pytest.mark.parametrize("schedule,virtual", CASES)
 def test_equal_stages_take_the_formula_time(schedule, virtual):
     """With equal stage times and at least as many micro-batches as ranks, the simulation and
-    ``pipeline_schedule.step_time`` agree exactly (the bubble formulas are about this case)."""
+    ``pipeline.schedule.step_time`` agree exactly (the bubble formulas are about this case)."""
     for ranks, micro in itertools.product((2, 3, 4), (4, 6, 8)):
         if micro < ranks:
             continue
