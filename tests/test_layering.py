@@ -5,7 +5,7 @@ The import graph is read from the source (``ast``), not from a running interpret
 inside a function is a dependency as much as one at the top (it runs on first call), and so is
 one under ``if TYPE_CHECKING:``: it never runs, but a reader still needs the imported module to
 understand the importer, so a cycle through it is a cycle of the design (``_graph``). Only the
-torch checks, which are about what loads at run time, leave those out. Imports by computed name
+layer rule, which is about what a layer needs to run, leaves those out. Imports by computed name
 (``importlib.import_module(f"...")``: the rule families, ``autopar.__getattr__``) are not seen.
 """
 

@@ -96,12 +96,13 @@ class RangeMemo:
 
     @staticmethod
     def free_key(shape: tuple) -> tuple:
+        """The unconstrained optimum's entry: no in-flight count, no budget."""
         return (*shape, None, None)
 
     def has_free(self, shape: tuple) -> bool:
         return self.free_key(shape) in self.entries
 
-    def set_free(self, shape: tuple, found: Found | None, *, on: tuple[int, int]) -> None:
+    def set_free(self, shape: tuple, *, found: Found | None, on: tuple[int, int]) -> None:
         self.entries[self.free_key(shape)] = found
         self.solved_on[self.free_key(shape)] = on
 
@@ -111,12 +112,13 @@ class RangeMemo:
     def free_range(self, shape: tuple) -> tuple[int, int]:
         return self.solved_on[self.free_key(shape)]
 
-    def known_unfit(self, shape: tuple, budget: int | None, in_flight: int) -> bool:
-        """Nothing fits with fewer micro-batches in flight: nothing fits with more (each adds
-        bytes >= 0 to every layout's peak)."""
+    def known_unfit(self, shape: tuple, *, budget: int | None, in_flight: int) -> bool:
+        """Whether no layout of ``shape`` fits ``budget`` with ``in_flight`` micro-batches in
+        flight, known without a solve: none did with as many or fewer, and each further one adds
+        bytes >= 0 to every layout's peak."""
         return self.unfit.get((shape, budget), math.inf) <= in_flight
 
-    def note_unfit(self, shape: tuple, budget: int | None, in_flight: int) -> None:
+    def note_unfit(self, shape: tuple, *, budget: int | None, in_flight: int) -> None:
         self.unfit[shape, budget] = min(self.unfit.get((shape, budget), math.inf), in_flight)
 
 
@@ -160,7 +162,7 @@ class StageCosts:
         if not self.memo.has_free(shape):
             found = self._between(a, b, factor=factor, recompute=recompute) or \
                 self.solve_range(a, b, in_flight=1, factor=factor, budget=None, recompute=recompute)
-            self.memo.set_free(shape, found, on=(a, b))
+            self.memo.set_free(shape, found=found, on=(a, b))
         return self.memo.free(shape)
 
     def free_fits(self, a: int, b: int, *, in_flight: int, factor: float, budget: int | None,
@@ -223,13 +225,13 @@ class StageCosts:
             peak = None if free is None else free[1].peak_bytes + (in_flight - 1) * free[2]
             if free is not None and (budget is None or peak <= budget):
                 memo[key] = (free[0], replace(free[1], peak_bytes=peak, in_flight=in_flight), free[2])
-            elif self.memo.known_unfit(shape, budget, in_flight):
+            elif self.memo.known_unfit(shape, budget=budget, in_flight=in_flight):
                 memo[key] = None
             else:
                 memo[key] = self.solve_range(a, b, in_flight=in_flight, factor=factor, budget=budget,
                                              recompute=recompute)
                 if memo[key] is None:
-                    self.memo.note_unfit(shape, budget, in_flight)
+                    self.memo.note_unfit(shape, budget=budget, in_flight=in_flight)
         found = memo[key]
         return None if found is None else replace(found[1], time_s=found[1].time_s - found[1].p2p_s + self.p2p_s(b),
                                                   p2p_s=self.p2p_s(b))
@@ -279,8 +281,8 @@ class StageCosts:
         for lo, hi in ends:
             shape = self._shape(lo, hi, factor, recompute)
             if not self.memo.has_free(shape):
-                self.memo.set_free(shape, self.solve_range(lo, hi, in_flight=1, factor=factor, budget=None,
-                                                           recompute=recompute), on=(lo, hi))
+                found_end = self.solve_range(lo, hi, in_flight=1, factor=factor, budget=None, recompute=recompute)
+                self.memo.set_free(shape, found=found_end, on=(lo, hi))
             if self.memo.free(shape) is None:
                 return None
             # The shape may have been solved on another range of it: its choice names that range's nodes.
