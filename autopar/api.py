@@ -449,7 +449,7 @@ def _build_pipelined(model, meta_inputs, plan: Plan, *, spec: MeshSpec | None, d
     a failure on any rank fails every rank."""
     import torch.distributed as dist
 
-    from autopar.planner.pipeline_stages import PIPELINE_CASTS, micro_inputs
+    from autopar.planner.pipeline.geometry import PIPELINE_CASTS, micro_inputs
     from autopar.runtime.pipeline import build_pipeline
     from autopar.strategies import needs_decomposition
     from autopar.tracer import trace

@@ -13,8 +13,8 @@ from autopar.planner.options import PlanOptions
 from autopar.plans import Plan
 
 if TYPE_CHECKING:
-    from autopar.api import Progress
-    from autopar.planner.pipeline_search import StageCosts
+    from autopar.stages import Progress
+    from autopar.planner.pipeline.costs import StageCosts
     from autopar.tracer.graph import TracedGraph
 
 __all__ = ["PipelinedResult", "plan_pipelined"]
@@ -39,9 +39,11 @@ def plan_pipelined(model: Any, meta_inputs: tuple | dict, *, mesh: MeshSpec | Se
     fastest feasible candidate wins (``plan_traced``: ``autopar.api.plan_traced``, passed in so this
     module does not import the api). ``"auto"`` also plans without a pipeline (the full batch on
     the whole mesh) and keeps the faster of the two. ``ValueError`` when nothing fits."""
-    from autopar.planner.pipeline_bounds import config_floors, in_bound_order
-    from autopar.planner.pipeline_search import check_pipeline_zero, schedules_for, search_stages, stage_costs
-    from autopar.planner.pipeline_stages import PIPELINE_CASTS, batch_size, micro_inputs, microbatch_counts
+    from autopar.planner.pipeline.bounds import config_floors, in_bound_order
+    from autopar.planner.pipeline.costs import stage_costs
+    from autopar.planner.pipeline.schedule import check_pipeline_zero, schedules_for
+    from autopar.planner.pipeline.search import search_stages
+    from autopar.planner.pipeline.geometry import PIPELINE_CASTS, batch_size, micro_inputs, microbatch_counts
     from autopar.strategies import needs_decomposition
     from autopar.tracer import profile as profile_graph
     from autopar.tracer import trace

@@ -289,7 +289,7 @@ class Plan:
                          + ", ".join(r.name for r in self.recompute))
         if self.pipeline is not None:
             lines.append(f"  {self.pipeline}; each stage on mesh {self.stage_mesh().shape}")
-            # The stage search (autopar.planner.pipeline_search) records per-stage figures.
+            # The stage search (autopar.planner.pipeline.search) records per-stage figures.
             figures = self.solver.get("pipeline", {}).get("stages", ())
             if len(figures) == len(self.pipeline.stages):
                 lines.append(f"    {'stage':>5} {'rank':>4} {'blocks':>9} {'nodes':>6} {'ms/micro':>9} {'p2p ms':>7} "

@@ -16,7 +16,7 @@ M >= PP), hence M = B / (b DP) micro-batches; schedules 1F1B and interleaved 1F1
 stages); per stage no or full recompute. For every (PP, TP, M), on mesh ``(PP, DP, TP)`` (inner
 axes on the intra-node links), ONE stage Problem is built on the ``(DP, TP)`` sub-mesh for the
 micro-batch graph (B / M sequences) and priced by both sides with the same stage slice, in-flight
-memory, schedule formula and budget check (``autopar.planner.pipeline_search``):
+memory, schedule formula and budget check (``autopar.planner.pipeline.search``):
 
 - Megatron-style: the ``dp x tp`` baseline family (batch split on DP, Megatron column/row splits on
   TP), EVEN layer cuts, each stage with or without full recompute of its blocks;
@@ -28,7 +28,7 @@ memo heuristics both sides share. Not priced (both sides alike): ZeRO. The micro
 traced once per (model, micro-batch size B / M) and shared by every configuration using it.
 
 autopar's search of a case is branch and bound over its configurations
-(``autopar.planner.pipeline_bounds``): every configuration's step floor first (one small ILP per
+(``autopar.planner.pipeline.bounds``): every configuration's step floor first (one small ILP per
 block class), then the configurations lowest floor first, each bounded by the best step so far;
 one whose floor cannot beat it is not searched (its row says "pruned" with its floor, and the
 per-configuration check then asks that Megatron's step there is at least that floor: Megatron's
@@ -64,10 +64,11 @@ from autopar.layout.mesh import MeshSpec
 from autopar.planner.assemble import restricted_problem
 from autopar.planner.baselines import make_restriction
 from autopar.planner.options import PlanOptions
-from autopar.planner.pipeline_bounds import config_floors, in_bound_order
-from autopar.planner.pipeline_schedule import SCHEDULE_VIRTUAL_STAGES
-from autopar.planner.pipeline_search import StageCosts, schedule_cuts, search_stages, stage_costs
-from autopar.planner.pipeline_stages import PIPELINE_CASTS
+from autopar.planner.pipeline.bounds import config_floors, in_bound_order
+from autopar.planner.pipeline.costs import StageCosts, stage_costs
+from autopar.planner.pipeline.schedule import SCHEDULE_VIRTUAL_STAGES, schedule_cuts
+from autopar.planner.pipeline.search import search_stages
+from autopar.planner.pipeline.geometry import PIPELINE_CASTS
 from autopar.plans import stage_mesh_of
 from autopar.solver.driver import solve as solve_ilp
 from autopar.strategies import needs_decomposition
@@ -116,7 +117,7 @@ class Row:
     plan_s: float  # this configuration's search (build and trace excluded)
     recompute: str = ""
     note: str = ""
-    floor: float | None = None  # autopar's step floor for the configuration (pipeline_bounds)
+    floor: float | None = None  # autopar's step floor for the configuration (pipeline.bounds)
     bound: float | None = None  # the best step of the case when this configuration was searched
 
 
@@ -166,7 +167,7 @@ def run(args) -> tuple[list[Row], dict]:
 def _autopar_case(name, n, todo, model, seq, batch, options, args) -> dict:
     """autopar's search of one case: every configuration's micro-batch graph traced (once per
     micro-batch size), its stage Problem built and its step floor computed
-    (``autopar.planner.pipeline_bounds``), then the configurations searched lowest floor first,
+    (``autopar.planner.pipeline.bounds``), then the configurations searched lowest floor first,
     each given the best step so far (``in_bound_order``): one whose floor cannot beat it is
     not searched (``--exhaustive``: every one is). Returns (PP, TP, M) -> (its row, its StageCosts)."""
     staged: dict[tuple[int, int, int], StageCosts] = {}

@@ -2,8 +2,10 @@
 torch-free, no import cycle, modules stay small and their names unique within their package.
 
 The import graph is read from the source (``ast``), not from a running interpreter: an import
-inside a function is a dependency as much as one at the top (it runs on first call), while one
-under ``if TYPE_CHECKING:`` never runs and is not counted. Imports by computed name
+inside a function is a dependency as much as one at the top (it runs on first call), and so is
+one under ``if TYPE_CHECKING:``: it never runs, but a reader still needs the imported module to
+understand the importer, so a cycle through it is a cycle of the design (``_graph``). Only the
+layer rule, which is about what a layer needs to run, leaves those out. Imports by computed name
 (``importlib.import_module(f"...")``: the rule families, ``autopar.__getattr__``) are not seen.
 """
 
@@ -61,6 +63,7 @@ class Import:
     importer: str  # dotted module name
     imported: str  # the most specific autopar module the statement names
     line: int
+    type_checking: bool = False  # under ``if TYPE_CHECKING:``: never runs, still a dependency of the design
 
     def __str__(self) -> str:
         return f"{self.importer}:{self.line} imports {self.imported}"
@@ -85,23 +88,25 @@ def _is_type_checking(test: ast.expr) -> bool:
         isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
 
 
-def _import_statements(tree: ast.AST) -> list[ast.Import | ast.ImportFrom]:
-    """Every import statement at any depth, except the body of ``if TYPE_CHECKING:``."""
-    found, stack = [], [tree]
+def _import_statements(tree: ast.AST) -> list[tuple[ast.Import | ast.ImportFrom, bool]]:
+    """Every import statement at any depth, with whether it sits in the body of ``if TYPE_CHECKING:``."""
+    found, stack = [], [(tree, False)]
     while stack:
-        node = stack.pop()
+        node, checking = stack.pop()
         if isinstance(node, (ast.Import, ast.ImportFrom)):
-            found.append(node)
+            found.append((node, checking))
         for child in ast.iter_child_nodes(node):
             if isinstance(child, ast.If) and _is_type_checking(child.test):
-                stack.extend(child.orelse)
+                stack.extend((c, True) for c in child.body)
+                stack.extend((c, checking) for c in child.orelse)
             else:
-                stack.append(child)
-    return sorted(found, key=lambda n: n.lineno)
+                stack.append((child, checking))
+    return sorted(found, key=lambda f: f[0].lineno)
 
 
 def _imports_of(name: str, source: str, *, is_package: bool) -> list[Import]:
-    """The autopar modules that module ``name`` imports (``from pkg import mod`` names ``pkg.mod``)."""
+    """The autopar modules that module ``name`` imports (``from pkg import mod`` names ``pkg.mod``),
+    those under ``if TYPE_CHECKING:`` marked."""
     known = set(_modules()) | EXTENSIONS
 
     def most_specific(dotted: str) -> str:
@@ -111,7 +116,7 @@ def _imports_of(name: str, source: str, *, is_package: bool) -> list[Import]:
 
     package = name if is_package else name.rpartition(".")[0]
     out = []
-    for node in _import_statements(ast.parse(source)):
+    for node, checking in _import_statements(ast.parse(source)):
         if isinstance(node, ast.Import):
             targets = [alias.name for alias in node.names]
         else:
@@ -122,7 +127,7 @@ def _imports_of(name: str, source: str, *, is_package: bool) -> list[Import]:
             targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names]
         for target in targets:
             if target.split(".")[0] == "autopar" and most_specific(target) != name:
-                out.append(Import(name, most_specific(target), node.lineno))
+                out.append(Import(name, most_specific(target), node.lineno, type_checking=checking))
     return out
 
 
@@ -133,6 +138,8 @@ def _all_imports() -> tuple[Import, ...]:
 
 
 def _graph() -> nx.DiGraph:
+    """Every import, ``TYPE_CHECKING`` ones included: a cycle that only type hints close is still
+    two modules that cannot be read, moved or tested one without the other."""
     graph = nx.DiGraph()
     graph.add_nodes_from(_modules())
     for imp in _all_imports():
@@ -142,7 +149,7 @@ def _graph() -> nx.DiGraph:
 
 
 # ------------------------------------------------------------------------------- the reader
-def test_import_reader_counts_lazy_and_relative_imports_but_not_type_checking_ones():
+def test_import_reader_counts_lazy_relative_and_type_checking_imports():
     source = "\n".join([
         "from typing import TYPE_CHECKING",
         "import torch",
@@ -157,7 +164,8 @@ def test_import_reader_counts_lazy_and_relative_imports_but_not_type_checking_on
         "def late():",
         "    from autopar.tracer.graph import MODULE_KEY",
     ])
-    imports = _imports_of("autopar.solver.ilp", source, is_package=False)
+    found = _imports_of("autopar.solver.ilp", source, is_package=False)
+    imports = [i for i in found if not i.type_checking]
     assert [str(i) for i in imports] == [
         "autopar.solver.ilp:3 imports autopar.layout.placement",
         "autopar.solver.ilp:4 imports autopar.strategies",
@@ -166,6 +174,8 @@ def test_import_reader_counts_lazy_and_relative_imports_but_not_type_checking_on
         "autopar.solver.ilp:10 imports autopar.plans",
         "autopar.solver.ilp:12 imports autopar.tracer.graph",
     ]
+    # the body of ``if TYPE_CHECKING:`` is read too, marked (the cycle check counts it)
+    assert [str(i) for i in found if i.type_checking] == ["autopar.solver.ilp:8 imports autopar.planner.builder"]
     # a package's own relative imports start from the package, not from its parent
     (own,) = _imports_of("autopar.solver", "from .rotor import rotor_schedule", is_package=True)
     assert own.imported == "autopar.solver.rotor"
@@ -220,8 +230,9 @@ def test_no_import_cycle_among_modules():
 @pytest.mark.parametrize("layer", sorted(MAY_IMPORT))
 def test_layer_imports_only_the_layers_below(layer):
     assert any(_layer(name) == layer for name in _modules()), f"no module in layer {layer}"
-    wrong = [str(i) for i in _all_imports()
-             if _layer(i.importer) == layer and _layer(i.imported) not in MAY_IMPORT[layer]]
+    # What a layer needs to run: a type-only import (the report's ``Evaluation``) loads nothing.
+    wrong = [str(i) for i in _all_imports() if not i.type_checking and _layer(i.importer) == layer
+             and _layer(i.imported) not in MAY_IMPORT[layer]]
     assert wrong == [], f"{layer} may import only {sorted(MAY_IMPORT[layer])}:\n" + "\n".join(wrong)
 
 
@@ -232,12 +243,19 @@ def test_no_module_over_600_lines():
     assert {name: n for name, n in sizes.items() if n > MAX_LINES} == {}
 
 
-def test_no_two_modules_share_a_name():
-    # Unique within a package: ``runtime/pipeline/build.py`` and ``runtime/build.py`` are told
-    # apart by their package, two modules of one package by nothing.
-    by_stem = collections.defaultdict(list)
-    for name, path in _modules().items():
-        if path.name not in ("__init__.py", "__main__.py"):
-            by_stem[(name.rpartition(".")[0], path.stem)].append(name)
-    assert by_stem
-    assert {stem: names for stem, names in by_stem.items() if len(names) > 1} == {}
+def test_no_two_modules_of_a_package_share_a_name():
+    """Names are unique within a package (``planner.pipeline.assemble`` beside ``planner.assemble``
+    is fine: a module is named by its package path); within one, a ``foo.py`` beside a package
+    ``foo/`` or a compiled ``foo.*.so`` would shadow one another."""
+    by_package = collections.defaultdict(list)
+    for path in PACKAGE.rglob("*"):
+        if path.suffix == ".py" and path.name not in ("__init__.py", "__main__.py"):
+            by_package[path.parent].append(path.stem)
+        elif path.suffix in (".so", ".pyd"):
+            by_package[path.parent].append(path.name.split(".")[0])
+        elif path.is_dir() and (path / "__init__.py").exists():
+            by_package[path.parent].append(path.name)
+    assert sum(map(len, by_package.values())) > len(_modules()) // 2
+    shared = {str(pkg.relative_to(ROOT)): sorted(n for n in set(names) if names.count(n) > 1)
+              for pkg, names in by_package.items() if len(set(names)) < len(names)}
+    assert shared == {}

@@ -314,7 +314,7 @@ class AutoParallelPlugin:
         if self.pp_style not in PP_STYLES:
             raise ValueError(f"pp_style must be one of {tuple(PP_STYLES)}, got {self.pp_style!r}")
         if self.num_model_chunks is not None:
-            from autopar.planner.pipeline_schedule import SCHEDULE_VIRTUAL_STAGES
+            from autopar.planner.pipeline.schedule import SCHEDULE_VIRTUAL_STAGES
 
             schedule = PP_STYLES[self.pp_style]
             if schedule == "auto":

@@ -1,6 +1,6 @@
 """Self-contained HTML of a pipelined plan: summary, stage table and the schedule timeline (SVG).
 
-The timeline is ``autopar.planner.pipeline_timeline.simulate`` over the plan's per-stage figures
+The timeline is ``autopar.planner.pipeline.timeline.simulate`` over the plan's per-stage figures
 (one row per pipeline rank, one box per pass: forward, backward, zero-bubble's weight-gradient
 pass, the step's gradient sync). The simulated step time is printed beside the plan's formula
 estimate; they agree for gpipe/1f1b and, with at least as many micro-batches as ranks, for the
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from html import escape
 
-from autopar.planner.pipeline_timeline import Timeline, simulate
+from autopar.planner.pipeline.timeline import Timeline, simulate
 from autopar.report.html import _CSS
 from autopar.report.text import fmt_bytes, fmt_ms
 

@@ -19,21 +19,33 @@ the unit's backward begins). With a unit recomputed:
 * step time grows by the forward seconds (``StrategyOption.forward_s``) of its nodes.
 
 A unit is recomputed alone or inside its block, never both. No torch import.
+
+The functions here take a ``Problem`` (``autopar.solver.problem``) but name only the fields they
+read (``Timed``): ``problem.py`` imports this module for ``Problem.evaluate``, so this one
+importing ``Problem`` back would make the two one module in all but name.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from itertools import accumulate
-from typing import TYPE_CHECKING, Iterable, Mapping
+from typing import Any, Iterable, Mapping, Protocol
 
 from autopar.layout.blocks import block_of
 
-if TYPE_CHECKING:
-    from autopar.solver.problem import Problem
-
-__all__ = ["Evaluation", "SegmentInput", "SegmentInputs", "SegmentGeometry", "segment_geometry", "evaluate",
+__all__ = ["Evaluation", "SegmentInput", "SegmentInputs", "SegmentGeometry", "Timed", "segment_geometry", "evaluate",
            "activation_bytes"]
+
+
+class Timed(Protocol):
+    """What the evaluator reads of a ``autopar.solver.problem.Problem``: its nodes (``name``,
+    ``options``, ``option_index``, ``live``, ``segment``), its edges (``src``, ``dst``,
+    ``costs``) and its timeline's length."""
+
+    nodes: tuple[Any, ...]
+    edges: tuple[Any, ...]
+    timeline_length: int
+    num_nodes: int
 
 SegmentInputs = Mapping[str, Iterable["SegmentInput"]]  # unit -> the values it keeps when recomputed
 
@@ -86,7 +98,7 @@ class Evaluation:
                 f"reshard {self.reshard_s:.4g}s), peak {self.peak_bytes}B at t={self.peak_time}")
 
 
-def segment_geometry(problem: Problem) -> dict[str, SegmentGeometry]:
+def segment_geometry(problem: Timed) -> dict[str, SegmentGeometry]:
     """Every recomputable unit that holds activations: fine segments and their blocks."""
     spans: dict[str, list] = {}
     parent: dict[str, str | None] = {}
@@ -127,7 +139,7 @@ def _recomputed_unit(segment: str | None, chosen: set[str]) -> str | None:
     return block if block in chosen else segment if segment in chosen else None
 
 
-def _held_inputs(problem: Problem, inputs: SegmentInputs, pick: Mapping[str, int], chosen: set[str],
+def _held_inputs(problem: Timed, inputs: SegmentInputs, pick: Mapping[str, int], chosen: set[str],
                  geo: Mapping[str, SegmentGeometry]) -> list[tuple[int, int, int]]:
     """(bytes, first, last timeline point) of every value the recomputed units keep, each value
     once (module docstring)."""
@@ -140,7 +152,7 @@ def _held_inputs(problem: Problem, inputs: SegmentInputs, pick: Mapping[str, int
     return [tuple(v) for v in held.values()]
 
 
-def _pick(problem: Problem, choice: Mapping[str, str]) -> dict[str, int]:
+def _pick(problem: Timed, choice: Mapping[str, str]) -> dict[str, int]:
     """node name -> chosen option index; ``choice`` must name every node exactly."""
     missing = [n.name for n in problem.nodes if n.name not in choice]
     if missing or len(choice) != problem.num_nodes:
@@ -150,7 +162,7 @@ def _pick(problem: Problem, choice: Mapping[str, str]) -> dict[str, int]:
     return {n.name: n.option_index(choice[n.name]) for n in problem.nodes}
 
 
-def evaluate(problem: Problem, choice: Mapping[str, str], *, recompute: Iterable[str] = (),
+def evaluate(problem: Timed, choice: Mapping[str, str], *, recompute: Iterable[str] = (),
              segment_inputs: SegmentInputs | None = None) -> Evaluation:
     """Step time and memory timeline of ``choice`` (node name -> option name) with the units in
     ``recompute`` recomputed, keeping ``segment_inputs`` (unit -> ``SegmentInput``s; none when
@@ -182,7 +194,7 @@ def evaluate(problem: Problem, choice: Mapping[str, str], *, recompute: Iterable
                       tuple(accumulate(delta)))
 
 
-def activation_bytes(problem: Problem, choice: Mapping[str, str], *, recompute: Iterable[str] = (),
+def activation_bytes(problem: Timed, choice: Mapping[str, str], *, recompute: Iterable[str] = (),
                      segment_inputs: SegmentInputs | None = None, include_inputs: bool = False) -> int:
     """Bytes saved for backward when the forward pass ends (the last forward point,
     ``timeline_length // 2 - 1``): what ``saved_tensors_hooks`` plus the checkpoint regions'

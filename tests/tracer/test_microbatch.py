@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from autopar.planner.pipeline_stages import micro_inputs
+from autopar.planner.pipeline.geometry import micro_inputs
 from autopar.tracer.microbatch import batch_size, is_batch_major, micro_batch, split_micro_batches
 
 B, S = 8, 6

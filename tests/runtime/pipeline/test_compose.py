@@ -30,7 +30,8 @@ from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, se
 from autopar import zoo
 from autopar.api import plan_traced
 from autopar.planner.options import PlanOptions
-from autopar.planner.pipeline_stages import PIPELINE_CASTS, pipeline_plan
+from autopar.planner.pipeline.assemble import pipeline_plan
+from autopar.planner.pipeline.geometry import PIPELINE_CASTS
 from autopar.plans import stage_mesh_of
 from autopar.runtime.dtensors import local_of
 from autopar.runtime.launch import run_local

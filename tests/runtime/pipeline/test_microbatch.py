@@ -20,7 +20,7 @@ from torch import nn
 
 from autopar.api import plan_traced
 from autopar.layout.mesh import MeshSpec
-from autopar.planner.pipeline_stages import micro_inputs, pipeline_plan
+from autopar.planner.pipeline.geometry import micro_inputs, pipeline_plan
 from autopar.runtime.launch import run_local
 from autopar.runtime.parallel_module import ParallelModule
 from autopar.runtime.pipeline import build_pipeline

@@ -36,7 +36,7 @@ from autopar import zoo
 from autopar.api import plan_traced
 from autopar.layout.blocks import split_block
 from autopar.layout.mesh import MeshSpec
-from autopar.planner.pipeline_stages import pipeline_plan
+from autopar.planner.pipeline.assemble import pipeline_plan
 from autopar.plans import RecomputeRegion, stage_mesh_of
 from autopar.runtime.build import build_module
 from autopar.runtime.launch import run_local

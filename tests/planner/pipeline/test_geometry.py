@@ -8,7 +8,8 @@ import pytest
 from autopar import zoo
 from autopar.api import plan_traced
 from autopar.layout.mesh import MeshSpec
-from autopar.planner.pipeline_stages import block_container, even_stages, pipeline_plan
+from autopar.planner.pipeline.assemble import pipeline_plan
+from autopar.planner.pipeline.geometry import block_container, even_stages
 from autopar.plans import PipelinePlan, Plan, RecomputeRegion, StagePlan, stage_mesh_of
 from autopar.runtime.pipeline.split import split_stages
 from autopar.strategies import needs_decomposition

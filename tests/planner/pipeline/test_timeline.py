@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from autopar.planner.pipeline_schedule import step_time
-from autopar.planner.pipeline_timeline import rank_order, simulate
+from autopar.planner.pipeline.schedule import step_time
+from autopar.planner.pipeline.timeline import rank_order, simulate
 
 CASES = [("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("interleaved-1f1b", 3), ("zero-bubble", 2)]
 
@@ -16,7 +16,7 @@ CASES = [("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("interleaved-1f1b"
 @pytest.mark.parametrize("schedule,virtual", CASES)
 def test_equal_stages_take_the_formula_time(schedule, virtual):
     """With equal stage times and at least as many micro-batches as ranks, the simulation and
-    ``pipeline_schedule.step_time`` agree exactly (the bubble formulas are about this case)."""
+    ``pipeline.schedule.step_time`` agree exactly (the bubble formulas are about this case)."""
     for ranks, micro in itertools.product((2, 3, 4), (4, 6, 8)):
         if micro < ranks:
             continue
@@ -89,7 +89,7 @@ def test_bad_inputs_are_refused():
 def test_candidate_lines_say_which_figure_they_show():
     """The chosen candidate shows its assembled plan's estimate, the others the stage search's
     objective (which can be lower): each line says which."""
-    from autopar.planner.pipeline_schedule import PipelineCandidate
+    from autopar.planner.pipeline.schedule import PipelineCandidate
 
     searched = PipelineCandidate(8, "1f1b", 1, 0.011885, "recompute in stages [1]")
     assert str(searched) == "1f1b x1, 8 micro-batches: 11.885 ms/step (stage search), recompute in stages [1]"

@@ -33,8 +33,8 @@ In-flight micro-batches (``in_flight``), whose saved activations stage k holds a
 ascending) a DP over cut points minimises the largest sync among cuts whose stages all take at
 most T; it stops once ``factor * T`` alone cannot beat the best found.
 
-``schedule_cuts`` prices the stages with a ``StageCosts``
-(:mod:`autopar.planner.pipeline_search`) and runs the DP through ``LazyCuts``, which solves a
+``schedule_cuts`` prices the stages with a ``StageCosts`` (:mod:`autopar.planner.pipeline.costs`,
+passed in: that module builds on this one) and runs the DP through ``LazyCuts``, which solves a
 stage whose memory budget binds only when its lower bound can still beat the best cut found.
 """
 
@@ -47,8 +47,8 @@ from typing import Callable
 
 from autopar.plans import PIPELINE_SCHEDULES
 
-__all__ = ["SCHEDULE_VIRTUAL_STAGES", "stage_window", "schedules_for", "check_pipeline_zero", "bubble", "step_factor", "in_flight", "step_time", "Cuts", "best_cuts", "LazyCuts",
-           "PipelineCandidate", "schedule_cuts"]
+__all__ = ["SCHEDULE_VIRTUAL_STAGES", "stage_window", "schedules_for", "check_pipeline_zero", "bubble", "step_factor",
+           "in_flight", "step_time", "Cuts", "best_cuts", "LazyCuts", "PipelineCandidate", "schedule_cuts"]
 
 # Virtual stages per rank each schedule is planned with (the runtime's torch schedules run
 # gpipe/1f1b with one stage per rank; the interleaved ones with two or more).
@@ -276,8 +276,8 @@ def schedule_cuts(costs, *, schedule: str, num_stages: int, num_microbatches: in
     stage_budget = _stage_budget(budget, v)
     even = costs.num_blocks / parts
     longest = costs.num_blocks - parts + 1
-    costs.lengths = None if allowed is not None else (1, longest) if window is None else (max(1, math.ceil(even - window)),
-                                                          min(longest, math.floor(even + window)))
+    costs.lengths = None if allowed is not None else (1, longest) if window is None else \
+        (max(1, math.ceil(even - window)), min(longest, math.floor(even + window)))
 
     def usable(k, a, b):
         return (window is None or abs((b - a) - even) <= window) and (allowed is None or allowed(k, a, b))

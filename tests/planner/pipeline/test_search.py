@@ -11,14 +11,12 @@ from autopar import zoo
 from autopar.api import plan, plan_pipelined
 from autopar.layout.mesh import MeshSpec
 from autopar.planner.options import PlanOptions
-from autopar.planner.pipeline_schedule import (SCHEDULE_VIRTUAL_STAGES, best_cuts, in_flight, step_factor,
+from autopar.planner.pipeline.schedule import (SCHEDULE_VIRTUAL_STAGES, best_cuts, in_flight, step_factor,
                                                step_time)
-from autopar.planner.pipeline_search import search_stages
-from autopar.planner.pipeline_stages import micro_inputs, microbatch_counts
+from autopar.planner.pipeline.search import search_stages
+from autopar.planner.pipeline.geometry import micro_inputs, microbatch_counts
 from autopar.plans import PIPELINE_SCHEDULES, Plan
 from autopar.runtime.pipeline.split import stage_of_nodes
-from autopar.strategies import needs_decomposition
-from autopar.tracer import profile, trace
 
 
 # ------------------------------------------------------------------------------ formulas and DP
@@ -82,9 +80,12 @@ def test_schedule_formulas():
     # interleaved: (M + (S-1)/v) * v chunk times
     assert step_factor("interleaved-1f1b", num_stages=4, virtual_stages=2, num_microbatches=8) == 8 * 2 + 3
     assert step_factor("zero-bubble", num_stages=4, virtual_stages=2, num_microbatches=8) == pytest.approx(16 + 1)
-    assert [in_flight("gpipe", index=k, num_stages=4, virtual_stages=1, num_microbatches=8) for k in range(4)] == [8] * 4
-    assert [in_flight("1f1b", index=k, num_stages=4, virtual_stages=1, num_microbatches=8) for k in range(4)] == [4, 3, 2, 1]
-    assert [in_flight("1f1b", index=k, num_stages=4, virtual_stages=1, num_microbatches=2) for k in range(4)] == [2, 2, 2, 1]
+    assert [in_flight("gpipe", index=k, num_stages=4, virtual_stages=1, num_microbatches=8)
+            for k in range(4)] == [8] * 4
+    assert [in_flight("1f1b", index=k, num_stages=4, virtual_stages=1, num_microbatches=8)
+            for k in range(4)] == [4, 3, 2, 1]
+    assert [in_flight("1f1b", index=k, num_stages=4, virtual_stages=1, num_microbatches=2)
+            for k in range(4)] == [2, 2, 2, 1]
     # Megatron interleaved warm-up 2(S-r-1) + (v-1)S (+1 in flight) chunk passes over v chunks.
     assert [in_flight("interleaved-1f1b", index=k, num_stages=2, virtual_stages=2, num_microbatches=4)
             for k in range(4)] == [math.ceil(5 / 2), math.ceil(3 / 2)] * 2
@@ -110,16 +111,6 @@ def test_options_and_microbatch_counts():
 
 
 # --------------------------------------------------------------------------- planned models
-@pytest.fixture(scope="module")
-def traced_models():
-    out = {}
-    for name, layers in (("gpt2", 8), ("llama-1b", 4)):
-        model, micro = zoo.build(name, tiny=True, num_layers=layers, batch=2, device="meta")
-        traced = trace(model, micro, decompose_if=needs_decomposition)
-        out[name] = (traced, profile(traced))
-    return out
-
-
 def check_pipelined(plan: Plan, traced, *, num_stages: int, schedule: str, num_microbatches: int) -> None:
     pipe = plan.pipeline
     v = SCHEDULE_VIRTUAL_STAGES[schedule]
@@ -346,7 +337,7 @@ def test_plugin_pipeline_knobs_map_to_plan_options():
 # ------------------------------------------------------------- stage recompute and memoisation
 def _stage_costs(traced_models, name="llama-1b", shape=(2, 2)):
     from autopar.planner.builder import build_problem
-    from autopar.planner.pipeline_search import StageCosts
+    from autopar.planner.pipeline.costs import StageCosts
     from autopar.plans import stage_mesh_of
     from autopar.solver.driver import solve
 
@@ -361,15 +352,15 @@ def test_stage_recompute_slice_is_the_timelines_recompute(traced_models):
     """The recompute slice (a plain sharding Problem) prices a choice exactly as
     ``Problem.evaluate(recompute=blocks, segment_inputs=...)`` prices it on the plain slice; and
     k micro-batches in flight add (k - 1) x the kept values plus the not-recomputed saved bytes."""
-    from autopar.planner.pipeline_search import HELD
+    from autopar.planner.pipeline.costs import HELD
 
     costs = _stage_costs(traced_models)
     for a, b in ((0, 2), (1, 3), (2, 4)):
-        names = costs.decisions(a, b)
+        names = costs.geometry.decisions(a, b)
         plain = costs.slice(names, in_flight=1, factor=3.0, budget=None, fixed={})
-        units = sorted(u for u in costs.units if a <= int(u.rsplit(".", 1)[1]) < b)
+        units = sorted(u for u in costs.geometry.units if a <= int(u.rsplit(".", 1)[1]) < b)
         assert len(units) == b - a
-        inputs = {u: [si for si in costs.segment_inputs.get(u, ()) if si.node in names] for u in units}
+        inputs = {u: [si for si in costs.geometry.segment_inputs.get(u, ()) if si.node in names] for u in units}
         for pick in (0, -1):  # two different layouts of every node
             choice = {n.name: n.options[pick].name for n in plain.nodes}
             want = plain.evaluate(choice, recompute=units, segment_inputs=inputs)
@@ -392,7 +383,7 @@ def test_memoised_stage_costs_and_mode_choice_match_brute_force(traced_models):
     """Costs memoised by range shape equal a fresh solve of the same shape elsewhere, and the cut
     DP with a recompute choice per stage equals brute force over cuts x modes, under a budget
     tight enough that some stages must recompute."""
-    from autopar.planner.pipeline_search import schedule_cuts
+    from autopar.planner.pipeline.schedule import schedule_cuts
 
     costs = _stage_costs(traced_models)
     fresh = _stage_costs(traced_models)
@@ -400,7 +391,7 @@ def test_memoised_stage_costs_and_mode_choice_match_brute_force(traced_models):
         memo = costs.cost(1, 2, in_flight=2, factor=5.0, budget=None, recompute=r)  # solved at (1, 2) ...
         again = costs.cost(2, 3, in_flight=2, factor=5.0, budget=None, recompute=r)  # ... reused at (2, 3)
         solved = fresh.solve_range(2, 3, in_flight=2, factor=5.0, budget=None, recompute=r)[1]
-        assert costs.block_class[1] == costs.block_class[2]
+        assert costs.geometry.block_class[1] == costs.geometry.block_class[2]
         assert again.time_s == pytest.approx(solved.time_s, rel=1e-9) and again.peak_bytes == solved.peak_bytes
         assert memo.time_s - memo.p2p_s == pytest.approx(again.time_s - again.p2p_s, rel=1e-12)
     factor = step_factor("1f1b", num_stages=2, virtual_stages=1, num_microbatches=4)
@@ -429,7 +420,7 @@ def test_family_reuse_equals_solving_every_length(traced_models):
     """Unconstrained optima taken from a range family's shortest and longest ranges (same
     pattern at both ends: optimal between, by concavity) equal solving every range, and the
     chosen cut is the same with and without reuse."""
-    from autopar.planner.pipeline_search import schedule_cuts
+    from autopar.planner.pipeline.schedule import schedule_cuts
 
     reuse, solve_all = _stage_costs(traced_models, "gpt2"), _stage_costs(traced_models, "gpt2")
     solve_all._between = lambda *args, **kw: None
@@ -438,8 +429,8 @@ def test_family_reuse_equals_solving_every_length(traced_models):
     assert reuse.num_reused > 0 and reuse.num_solves < solve_all.num_solves
     assert found[0][1].objective == pytest.approx(found[1][1].objective, rel=1e-9)
     assert found[0][1].bounds == found[1][1].bounds
-    for key, got in reuse._memo.items():
-        want = solve_all._memo.get(key)
+    for key, got in reuse.memo.entries.items():
+        want = solve_all.memo.entries.get(key)
         if key[-2:] == (None, None) and got is not None and want is not None:
             assert got[1].time_s == pytest.approx(want[1].time_s, rel=1e-9)
             assert got[1].sync_s == pytest.approx(want[1].sync_s, rel=1e-9, abs=1e-15)
@@ -451,7 +442,7 @@ def test_bounded_stage_solves_find_the_same_cuts_as_solving_every_stage(traced_m
     unconstrained optimum) can beat the best cut found: the same cut, modes and step as solving
     every stage (``prune=False``), with fewer solves; given another schedule's step as ``bound``
     it returns that same cut when it beats the bound, and says it does not otherwise."""
-    from autopar.planner.pipeline_search import schedule_cuts
+    from autopar.planner.pipeline.schedule import schedule_cuts
 
     probe = _stage_costs(traced_models, "gpt2", (4, 2))
     factor = step_factor("1f1b", num_stages=4, virtual_stages=1, num_microbatches=8)

@@ -1,4 +1,4 @@
-"""Step floors of pipelined configurations (``autopar.planner.pipeline_bounds``): every floor is
+"""Step floors of pipelined configurations (``autopar.planner.pipeline.bounds``): every floor is
 below every plan the stage search can find, the floors tighten the search's own stage bounds
 without changing its optimum, and configurations searched in floor order keep the exhaustive
 optimum."""
@@ -11,10 +11,10 @@ from autopar.api import plan_pipelined
 from autopar import zoo
 from autopar.layout.mesh import MeshSpec
 from autopar.planner.options import PlanOptions
-from autopar.planner.pipeline_bounds import block_floor, config_floors, in_bound_order, step_floor
-from autopar.planner.pipeline_schedule import schedule_cuts, step_factor
-from autopar.planner.pipeline_search import search_stages
-from tests.planner.test_pipeline_search import _stage_costs, traced_models  # noqa: F401 (fixture)
+from autopar.planner.pipeline.bounds import block_floor, config_floors, in_bound_order, step_floor
+from autopar.planner.pipeline.schedule import schedule_cuts, step_factor
+from autopar.planner.pipeline.search import search_stages
+from tests.planner.pipeline.test_search import _stage_costs
 
 CASES = [("gpt2", (2, 2)), ("gpt2", (4, 2)), ("llama-1b", (2, 2))]
 
@@ -151,7 +151,7 @@ def test_a_range_that_does_not_fit_makes_every_wider_range_unfit(traced_models):
 
 
 def test_stage_window():
-    from autopar.planner.pipeline_schedule import stage_window
+    from autopar.planner.pipeline.schedule import stage_window
 
     assert stage_window("auto", num_blocks=24, parts=8) is None
     assert stage_window("auto", num_blocks=96, parts=16) == 3 and stage_window("auto", num_blocks=96, parts=32) == 2
