@@ -20,7 +20,8 @@ from torch import nn
 
 from autopar.api import plan_traced
 from autopar.layout.mesh import MeshSpec
-from autopar.planner.pipeline.geometry import micro_inputs, pipeline_plan
+from autopar.planner.pipeline.assemble import pipeline_plan
+from autopar.planner.pipeline.geometry import micro_inputs
 from autopar.runtime.launch import run_local
 from autopar.runtime.parallel_module import ParallelModule
 from autopar.runtime.pipeline import build_pipeline
