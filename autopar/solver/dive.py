@@ -62,7 +62,10 @@ def alternate(model: RecomputeModel, backend: str, *, sharding_model: Callable[[
         best, best_values = out, model.lp.values.copy()
         if best.value <= target:
             break
-        rounded = {u: model.lp.value(model.r[u]) > 0.5 for u in units}
+        again = {u: model.lp.value(model.r[u]) > 0.5 for u in units}
+        if again == rounded:  # the next x-step would solve the same model again: a fixed point
+            break
+        rounded = again
     if best_values is not None:
         model.lp.values = best_values
     return best
