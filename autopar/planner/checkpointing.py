@@ -62,8 +62,8 @@ from autopar.layout.blocks import block_of
 from autopar.solver.problem import Problem
 from autopar.solver.timeline import Evaluation, SegmentInput, activation_bytes, segment_geometry
 
-__all__ = ["MODES", "RecomputePlan", "ChoiceCosts", "plan_recompute", "estimate", "recompute_lower_bound", "rotor_refine",
-           "regions_of", "strip_segments"]
+__all__ = ["MODES", "RecomputePlan", "ChoiceCosts", "plan_recompute", "estimate", "recompute_lower_bound",
+           "rotor_refine", "regions_of", "strip_segments"]
 
 
 @dataclass(frozen=True)
