@@ -45,7 +45,8 @@ def test_policy_and_option_checks():
     # Gemini's order: the first parameters (by bytes) go first.
     tiers = static_tiers([("a", 10), ("b", 30), ("c", 40), ("d", 20)], OffloadPolicy(1.0, 0.4))
     assert tiers == {"a": "po", "b": "po", "c": "o", "d": "o"}
-    assert set(static_tiers([("a", 1)], OffloadPolicy())) == {"a"} and static_tiers([("a", 1)], OffloadPolicy())["a"] == "device"
+    assert set(static_tiers([("a", 1)], OffloadPolicy())) == {"a"} and \
+        static_tiers([("a", 1)], OffloadPolicy())["a"] == "device"
 
 
 def test_offload_cost_formulas():
