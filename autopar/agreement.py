@@ -73,7 +73,8 @@ def _fingerprint(traced, meta_inputs, *, world: int, spec: MeshSpec | None, plan
     versions = f"autopar {__version__} (plan format {PLAN_VERSION}), torch {torch.__version__}"
     graph = traced.graph_hash
     mesh = ("the plan's" if spec is None and auto is None else
-            f"auto over {auto[0]} nodes x {auto[1]} devices" if spec is None else f"{spec.shape} axes {spec.axis_names}")
+            f"auto over {auto[0]} nodes x {auto[1]} devices" if spec is None else
+            f"{spec.shape} axes {spec.axis_names}")
     if plan is None:
         plan_key = plan_shown = source
     else:
@@ -102,9 +103,9 @@ def _describe_inputs(meta_inputs) -> str:
     return ", ".join(parts) or "no inputs"
 
 
-def _agree(prep: _Prepared | Exception, *, device) -> None:
-    """One ``all_gather_object`` of every rank's fingerprint (or error); the same ``ValueError``
-    on every rank when any rank failed or the ranks differ."""
+def _agree(prep: Any, *, device) -> None:
+    """One ``all_gather_object`` of every rank's fingerprint (``prep``: an ``autopar.parallelize.Prepared``,
+    or the error the rank met); the same ``ValueError`` on every rank when any rank failed or the ranks differ."""
     gathered = _all_gather(_status(prep) if isinstance(prep, Exception) else ("ok", prep.fingerprint), device=device)
     _raise_failures(gathered, prep, when="before planning")
     fingerprints = [fp for _, fp in gathered]

@@ -45,8 +45,9 @@ MAY_IMPORT = {
     "autopar.strategies": {"autopar.strategies", "autopar.tracer", "autopar.layout"},
     # the Rotor DP's C twin (autopar._rotor) is part of the solver
     "autopar.solver": {"autopar.solver", "autopar.layout", *EXTENSIONS},
+    # the orchestration (planner.orchestrate) reports its stages through the leaf Progress
     "autopar.planner": {"autopar.planner", "autopar.tracer", "autopar.strategies", "autopar.layout",
-                        "autopar.solver", "autopar.plans", "autopar.offload"},
+                        "autopar.solver", "autopar.plans", "autopar.offload", "autopar.stages"},
     "autopar.runtime": {"autopar.runtime", "autopar.tracer", "autopar.strategies", "autopar.layout",
                         "autopar.plans", "autopar.offload"},
     "autopar.report": {"autopar.report", "autopar.planner", "autopar.layout", "autopar.plans"},

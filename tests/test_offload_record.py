@@ -44,14 +44,14 @@ def test_string_form_parses_back():
 
 
 def test_old_names_keep_working():
-    from autopar.cli.main import _offload
+    from autopar.cli.flags import parse_offload as cli_offload
     from autopar.planner import offload_pricing, options
 
     assert autopar.OffloadPolicy is OffloadPolicy
     assert offload_pricing.OffloadPolicy is OffloadPolicy and options.OffloadPolicy is OffloadPolicy
     assert offload_pricing.check_offload is check_offload
     with pytest.raises(argparse.ArgumentTypeError, match="--offload takes none, auto or static:OPTIM,PARAM"):
-        _offload("gemini")
+        cli_offload("gemini")
 
 
 def test_plugin_builds_the_static_record_from_its_knobs():

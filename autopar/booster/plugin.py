@@ -9,27 +9,31 @@ any collective.
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Sequence
 
-from autopar.layout.mesh import MeshSpec, parse_bytes, parse_mesh_shape
-from autopar.planner.options import CHECKPOINT_MODES, SOLVERS, precision_name
+from autopar.layout.mesh import MeshSpec, parse_mesh_shape
+from autopar.planner.options import ZERO_STAGES, check_choice, check_count, check_number, check_option
 
 if TYPE_CHECKING:
     from torch.utils.data import DataLoader, Dataset
 
-__all__ = ["AutoParallelPlugin", "ZERO_STAGES", "PP_STYLES"]
+__all__ = ["AutoParallelPlugin", "ZERO_STAGES", "PP_STYLES", "PLANNING_NAMES"]
 
-ZERO_STAGES = ("auto", 0, 1, 2)
 # The product notes' pipeline styles -> autopar's schedules (``autopar.plans.PIPELINE_SCHEDULES``).
 PP_STYLES = {"auto": "auto", "gpipe": "gpipe", "1f1b": "1f1b", "interleaved": "interleaved-1f1b",
              "interleaved-1f1b": "interleaved-1f1b", "zbv": "zero-bubble", "zero-bubble": "zero-bubble"}
 
 
-def _number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+# The plugin's planning fields -> the ``PlanOptions`` field each one is (``autopar.planner.options``),
+# checked there under the plugin's name; None (where the plugin allows it) means the planner's default.
+PLANNING_NAMES = {"memory_budget": "memory_budget", "precision": "precision", "zero_stage": "zero_stage",
+                  "checkpoint": "checkpoint", "reduce_dtype": "reduce_dtype", "solver": "solver",
+                  "time_limit": "time_limit", "allow_replicate_fallback": "allow_replicate_fallback",
+                  "optimizer_multiplier": "optimizer_multiplier", "pp_size": "pipeline",
+                  "num_microbatches": "microbatches", "pp_style": "schedule", "offload": "offload"}
+_NONE_IS_DEFAULT = ("memory_budget", "reduce_dtype", "time_limit", "pp_size", "num_microbatches")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -53,6 +57,7 @@ class AutoParallelPlugin:
         checkpoint: activation recompute planning (``autopar.plan``'s ``checkpoint``).
         reduce_dtype: what gradients are summed in (``None`` = fp32).
         solver, time_limit: the ILP backend and its seconds per solve (``None``: the default).
+        optimizer_multiplier: optimizer state bytes per parameter byte the planner prices (2: AdamW).
         seed: initialisation seed for a model on ``meta``.
         allow_replicate_fallback: replicate ops without a sharding rule instead of failing.
         plan: a ``Plan`` (or the path of its JSON, e.g. from ``autopar plan``) to apply instead
@@ -105,6 +110,7 @@ class AutoParallelPlugin:
     reduce_dtype: str | None = None
     solver: str = "auto"
     time_limit: float | None = None
+    optimizer_multiplier: float = 2.0
     seed: int = 0
     allow_replicate_fallback: bool = False
     plan: Any = None
@@ -133,25 +139,14 @@ class AutoParallelPlugin:
                 raise ValueError(f"mesh must be None, a shape such as (2, 2) or '2x2', or a MeshSpec, "
                                  f"got {self.mesh!r} ({exc})") from None
             object.__setattr__(self, "mesh", shape)
-        if self.memory_budget is not None:
-            object.__setattr__(self, "memory_budget", parse_bytes(self.memory_budget))
-        object.__setattr__(self, "precision", precision_name(self.precision, what="precision"))
-        if self.reduce_dtype is not None:
-            object.__setattr__(self, "reduce_dtype", precision_name(self.reduce_dtype, what="reduce_dtype"))
-        if self.zero_stage != "auto" and (type(self.zero_stage) is not int or self.zero_stage not in ZERO_STAGES):
-            raise ValueError(f"zero_stage must be one of {ZERO_STAGES}, got {self.zero_stage!r}")
-        if not _number(self.max_norm) or self.max_norm < 0:
-            raise ValueError(f"max_norm must be a finite number >= 0 (0 = no clipping), got {self.max_norm!r}")
-        if self.checkpoint not in CHECKPOINT_MODES:
-            raise ValueError(f"checkpoint must be one of {CHECKPOINT_MODES}, got {self.checkpoint!r}")
-        if self.solver not in SOLVERS:
-            raise ValueError(f"solver must be one of {SOLVERS}, got {self.solver!r}")
-        if self.time_limit is not None and (not _number(self.time_limit) or self.time_limit <= 0):
-            raise ValueError(f"time_limit must be positive seconds or None, got {self.time_limit!r}")
+        for name, option in PLANNING_NAMES.items():  # the planner's own checks, under the plugin's names
+            value = getattr(self, name)
+            if option == "schedule" or (value is None and name in _NONE_IS_DEFAULT):
+                continue  # pp_style is the plugin's vocabulary (PP_STYLES), checked with the pipeline knobs
+            object.__setattr__(self, name, check_option(option, value, name=name))
+        check_number(self.max_norm, name="max_norm", low=0, what="a finite number >= 0 (0 = no clipping)")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ValueError(f"seed must be an int, got {self.seed!r}")
-        if not isinstance(self.allow_replicate_fallback, bool):
-            raise ValueError(f"allow_replicate_fallback must be a bool, got {self.allow_replicate_fallback!r}")
         if self.plan is not None:
             from autopar.plans import Plan
 
@@ -167,15 +162,11 @@ class AutoParallelPlugin:
             except (RuntimeError, TypeError):
                 raise ValueError(f"device must be None or a torch device such as 'cpu' or 'cuda:0', "
                                  f"got {self.device!r}") from None
-        if not _number(self.initial_scale) or self.initial_scale <= 0:
-            raise ValueError(f"initial_scale must be > 0, got {self.initial_scale!r}")
-        if not _number(self.growth_factor) or self.growth_factor <= 1:
-            raise ValueError(f"growth_factor must be > 1, got {self.growth_factor!r}")
-        if not _number(self.backoff_factor) or not 0 < self.backoff_factor < 1:
-            raise ValueError(f"backoff_factor must be in (0, 1), got {self.backoff_factor!r}")
-        if isinstance(self.growth_interval, bool) or not isinstance(self.growth_interval, int) \
-                or self.growth_interval < 1:
-            raise ValueError(f"growth_interval must be an int >= 1, got {self.growth_interval!r}")
+        check_number(self.initial_scale, name="initial_scale", low=0, low_open=True, what="> 0")
+        check_number(self.growth_factor, name="growth_factor", low=1, low_open=True, what="> 1")
+        check_number(self.backoff_factor, name="backoff_factor", low=0, high=1, low_open=True, high_open=True,
+                     what="in (0, 1)")
+        check_count(self.growth_interval, name="growth_interval")
         self._check_pipeline()
         self._check_gemini()
 
@@ -304,15 +295,7 @@ class AutoParallelPlugin:
         return ChunkRange(min_elems=low, max_elems=high, step=step)
 
     def _check_pipeline(self) -> None:
-        def count(n) -> bool:
-            return type(n) is int and n >= 1
-
-        if self.pp_size is not None and self.pp_size != "auto" and not count(self.pp_size):
-            raise ValueError(f"pp_size must be None, 'auto' or a positive int, got {self.pp_size!r}")
-        if self.num_microbatches is not None and not count(self.num_microbatches):
-            raise ValueError(f"num_microbatches must be None or a positive int, got {self.num_microbatches!r}")
-        if self.pp_style not in PP_STYLES:
-            raise ValueError(f"pp_style must be one of {tuple(PP_STYLES)}, got {self.pp_style!r}")
+        check_choice(self.pp_style, tuple(PP_STYLES), name="pp_style")
         if self.num_model_chunks is not None:
             from autopar.planner.pipeline.schedule import SCHEDULE_VIRTUAL_STAGES
 
@@ -343,6 +326,7 @@ class AutoParallelPlugin:
         """The ``autopar.autoparallelize`` keyword arguments this plugin stands for."""
         return dict(mesh=self.mesh, memory_budget=self.memory_budget, solver=self.solver,
                     time_limit=self.time_limit, device=self.device, seed=self.seed,
+                    optimizer_multiplier=self.optimizer_multiplier,
                     allow_replicate_fallback=self.allow_replicate_fallback,
                     checkpoint=self.checkpoint,
                     precision=self.precision, reduce_dtype=self.reduce_dtype, plan=self.plan,

@@ -14,8 +14,8 @@ import time
 import warnings
 from dataclasses import replace
 
-from autopar.planner.options import CHECKPOINT_MODES, SOLVERS, ZERO_STAGES, PlanOptions
-from autopar.plans import PIPELINE_SCHEDULES, PRECISIONS
+from autopar.cli.flags import add_option_flags, plan_options
+from autopar.planner.options import check_count
 
 __all__ = ["main", "build_parser"]
 
@@ -25,15 +25,6 @@ class CliError(ValueError):
 
 
 # ------------------------------------------------------------------------------------ parser
-class _NamedFlag(argparse.Action):
-    """Stores the value and which of the option's names was typed, as ``<dest>_flag`` (error
-    messages repeat the name the user typed, e.g. the old ``--device`` for ``--preset``)."""
-
-    def __call__(self, parser, namespace, values, option_string=None) -> None:
-        setattr(namespace, self.dest, values)
-        setattr(namespace, f"{self.dest}_flag", option_string)
-
-
 def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="zoo name (gpt2, gpt2-xl, llama-8b, resnet50, ...), path/to/file.py:factory, "
                    "or a Hugging Face config.json (or its folder): the class in `architectures`, built on meta")
@@ -45,46 +36,18 @@ def _model_args(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="autopar", description="Automatic parallelization planner for PyTorch training.")
+    parser = argparse.ArgumentParser(prog="autopar",
+                                     description="Automatic parallelization planner for PyTorch training.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("inspect", help="plan a model offline and show the plan")
     _model_args(p)
     p.add_argument("--mesh", help="logical mesh shape, e.g. 8, 2x4, 4x4 (optional with a mesh JSON), or auto: "
-                                  "every 1-3 axis arrangement of --nodes x --devices-per-node devices, the fastest kept")
+                                  "every 1-3 axis arrangement of --nodes x --devices-per-node devices, the fastest "
+                                  "kept")
     p.add_argument("--nodes", type=int, help="with --mesh auto: the number of nodes")
     p.add_argument("--devices-per-node", type=int, help="with --mesh auto: devices per node")
-    p.add_argument("--preset", "--device", dest="preset", action=_NamedFlag, default="a100-80gb",
-                   help="device preset (a100-80gb, h100-80gb, cpu) or a profiled mesh JSON from "
-                   "`autopar profile-mesh` (default: a100-80gb; --device is its old name)")
-    p.set_defaults(preset_flag="--preset")
-    p.add_argument("--memory", help="per-device memory budget, e.g. 40GiB (default: the device capacity)")
-    p.add_argument("--solver", default="auto", choices=SOLVERS)
-    p.add_argument("--time-limit", type=float, default=60.0,
-                   help="seconds per ILP solve; with --mesh auto, for the whole search (default 60)")
-    p.add_argument("--checkpoint", default="auto", choices=CHECKPOINT_MODES,
-                   help="activation recompute planning (auto: the faster of the joint ILP and Rotor refinement)")
-    p.add_argument("--precision", default="fp32", choices=PRECISIONS,
-                   help="what ops compute in; weights and optimizer state stay fp32 (default fp32)")
-    p.add_argument("--reduce-dtype", default="fp32", choices=PRECISIONS,
-                   help="what gradients are summed in (default fp32)")
-    p.add_argument("--zero-stage", type=_zero_stage, default=0, choices=(*ZERO_STAGES, "auto"),
-                   help="shard optimizer state (1) and gradients (2) over each parameter's replicated axes; "
-                        "auto: the solver picks per parameter (default 0)")
-    p.add_argument("--pipeline", type=_count_or_auto, default=None,
-                   help="pipeline parallelism over mesh axis 0: N (its size) or auto (the faster of none and "
-                        "one over axis 0); stages and sharding are planned together (default: no pipeline)")
-    p.add_argument("--microbatches", type=_count_or_auto, default="auto",
-                   help="with --pipeline: micro-batches per step, or auto (a few divisors of the batch)")
-    p.add_argument("--schedule", default="auto", choices=("auto", *PIPELINE_SCHEDULES),
-                   help="with --pipeline: the pipeline schedule, or auto (the fastest)")
-    p.add_argument("--offload", type=_offload, default="none", metavar="none|auto|static:OPTIM,PARAM",
-                   help="parameters / optimizer state on the host tier: none (default), auto (planned per "
-                        "parameter), or static:OPTIM_FRAC,PARAM_FRAC (Gemini's fractions, e.g. static:1,0.5)")
-    p.add_argument("--optimizer-multiplier", type=float, default=2.0,
-                   help="optimizer state bytes per parameter byte (default 2: AdamW fp32)")
-    p.add_argument("--allow-fallback", action="store_true", help="replicate ops that have no sharding rule")
-    p.add_argument("--no-baselines", action="store_true", help="skip the baseline plans")
+    add_option_flags(p)  # one flag per planning option (autopar.planner.options), in groups
     p.add_argument("--no-layers", action="store_true", help="omit the per-layer table from the text output")
     p.add_argument("--no-cache", action="store_true",
                    help="do not store the plan in the plan cache ($AUTOPAR_CACHE_DIR, default ~/.cache/autopar/plans)")
@@ -96,7 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--local", type=int, help="with --verify: start N local processes (N = the mesh's devices)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
 
-    c = sub.add_parser("coverage", help="the ATen ops of a model and how each is covered (native, generic, decomposed, dtensor, fallback, missing)")
+    c = sub.add_parser("coverage", help="the ATen ops of a model and how each is covered (native, generic, "
+                                        "decomposed, dtensor, fallback, missing)")
     _model_args(c)
     c.add_argument("--strict", action="store_true", help="exit 1 when an op has no rule")
     c.add_argument("--allow-fallback", action="store_true",
@@ -112,9 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # ----------------------------------------------------------------------------------- helpers
-# What the library's messages call an option -> the flag that sets it here.
-_FLAG_WORDS = {"pass allow_replicate_fallback=True": "pass --allow-fallback",
-               "time_limit must": "--time-limit must", "optimizer_multiplier must": "--optimizer-multiplier must"}
+# What the planner's messages tell a library user to pass -> the flag that does it here (the
+# options' own checks name the flag already: cli.flags).
+_FLAG_WORDS = {"pass allow_replicate_fallback=True": "pass --allow-fallback"}
 
 
 def _one_line(exc: BaseException) -> str:
@@ -134,29 +98,6 @@ def _check_writable(path: str | None, flag: str) -> None:
         raise CliError(f"{flag} {path} is a folder")
 
 
-def _positive(value, flag: str) -> None:
-    if value is not None and value < 1:
-        raise CliError(f"{flag} must be >= 1, got {value}")
-
-
-def _count_or_auto(text: str):
-    return int(text) if text.isdigit() else text  # PlanOptions names a bad value with the flag's text
-
-
-def _offload(text: str):
-    """``none``, ``auto`` or ``static:OPTIM,PARAM`` -> what ``PlanOptions.offload`` takes."""
-    from autopar.offload import parse_offload
-
-    try:
-        return parse_offload(text, what="--offload")
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def _zero_stage(text: str):
-    return text if text == "auto" else int(text) if text.isdigit() else text
-
-
 # ---------------------------------------------------------------------------------- commands
 def cmd_inspect(args) -> int:
     from autopar import api
@@ -165,25 +106,20 @@ def cmd_inspect(args) -> int:
 
     t0 = time.perf_counter()
     for flag in ("batch", "seq", "layers"):
-        _positive(getattr(args, flag), f"--{flag}")
+        check_count(getattr(args, flag), name=f"--{flag}", words=(None,))
     # Cheap checks first (no torch import): bad input fails in well under a second.
     auto = args.mesh == "auto"
     if auto:
         for flag in ("nodes", "devices_per_node"):
             if getattr(args, flag) is None:
                 raise ValueError("--mesh auto needs --nodes and --devices-per-node")
-            _positive(getattr(args, flag), "--" + flag.replace("_", "-"))
+            check_count(getattr(args, flag), name="--" + flag.replace("_", "-"))
         mesh = None
     else:
         if args.nodes is not None or args.devices_per_node is not None:
             raise ValueError("--nodes and --devices-per-node go with --mesh auto")
         mesh = resolve_mesh(args.preset, args.mesh, flag=args.preset_flag)
-    options = PlanOptions(memory_budget=args.memory, solver=args.solver, time_limit=args.time_limit,
-                          baselines=not args.no_baselines, optimizer_multiplier=args.optimizer_multiplier,
-                          allow_replicate_fallback=args.allow_fallback, checkpoint=args.checkpoint,
-                          precision=args.precision, reduce_dtype=args.reduce_dtype, zero_stage=args.zero_stage,
-                          pipeline=args.pipeline, microbatches=args.microbatches, schedule=args.schedule,
-                          offload=args.offload)
+    options = plan_options(args)  # the preset goes with the mesh (resolve_mesh: a name or a profiled JSON)
     if options.pipeline is not None and auto:
         raise CliError("--pipeline plans over the given mesh's first axis, without --mesh auto")
     _check_verify(args, mesh)
@@ -294,13 +230,14 @@ def _report(result, args):
 
 def cmd_coverage(args) -> int:
     from autopar.cli.inputs import load_model
-    from autopar.strategies import needs_decomposition, rule_source
+    from autopar.planner.orchestrate import trace_for_planning
+    from autopar.strategies import rule_source
     from autopar.strategies.registry import needs_no_decision
-    from autopar.tracer import coverage, trace
+    from autopar.tracer import coverage
     from autopar.tracer.graph import op_name
 
     model, meta = load_model(args.model, batch=args.batch, seq=args.seq, layers=args.layers, inputs=args.input)
-    traced = trace(model, meta, decompose_if=needs_decomposition)
+    traced = trace_for_planning(model, meta, precision="fp32")
     uncovered = "fallback" if args.allow_fallback else "MISSING"
     status: dict[str, str] = {}
     for node in traced.compute_nodes():
@@ -329,7 +266,7 @@ def cmd_profile_mesh(args) -> int:
     from autopar.runtime.mesh_profile import profile_mesh
 
     shape = parse_mesh_shape(args.mesh)
-    _positive(args.repeats, "--repeats")
+    check_count(args.repeats, name="--repeats")
     _check_writable(args.output, "-o")
     if args.local is None and "RANK" not in os.environ:
         raise CliError("profile-mesh needs processes: pass --local N, or run it under torchrun")

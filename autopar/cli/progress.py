@@ -1,6 +1,6 @@
 """How the CLI shows stage progress: a live, self-updating line on a terminal, plain lines when piped.
 
-Not a second progress mechanism: ``autopar.api.Progress`` times the stages and makes the lines,
+Not a second progress mechanism: ``autopar.stages.Progress`` times the stages and makes the lines,
 ``StageSink`` is the ``sink`` it hands them to. ``Progress`` emits ``"[autopar   1.2s] trace ..."``
 when a stage starts and ``"[autopar   3.4s] trace done in 2.20s"`` when it ends. On a TTY the
 start line is redrawn in place with a ticking elapsed time (a daemon thread, 5 Hz) and replaced

@@ -62,8 +62,8 @@ from autopar.layout.blocks import block_of
 from autopar.solver.problem import Problem
 from autopar.solver.timeline import Evaluation, SegmentInput, activation_bytes, segment_geometry
 
-__all__ = ["MODES", "RecomputePlan", "ChoiceCosts", "plan_recompute", "estimate", "recompute_lower_bound", "rotor_refine",
-           "regions_of", "strip_segments"]
+__all__ = ["MODES", "RecomputePlan", "ChoiceCosts", "plan_recompute", "estimate", "recompute_lower_bound",
+           "rotor_refine", "regions_of", "strip_segments"]
 
 
 @dataclass(frozen=True)
@@ -219,7 +219,7 @@ def plan_recompute(traced, prof, built, *, mode: str = "auto", solver: str = "au
                    solve_plain=None, progress=None, prune: bool = True) -> RecomputePlan:
     """Sharding + recompute for ``built`` (module docstring). ``solve_plain(problem)`` solves the
     sharding ILP without recompute (the caller's, for progress reporting); ``progress``: an object
-    whose ``stage(name, detail)`` context reports each step (``autopar.api.Progress``).
+    whose ``stage(name, detail)`` context reports each step (``autopar.stages.Progress``).
 
     ``prune`` skips Rotor refinements (and region sets within one) that a lower bound shows
     cannot beat a candidate already found (``recompute_lower_bound``; never on a tie), and the

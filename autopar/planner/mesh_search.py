@@ -128,7 +128,7 @@ def _rank(row: MeshRow) -> tuple:
 
 # ------------------------------------------------------------------------------ pinned axes
 def pins_of(result: Any) -> dict[str, Any]:
-    """Op decision -> the ``Strategy`` a planning result (``autopar.api.PlanResult``) chose."""
+    """Op decision -> the ``Strategy`` a planning result (``autopar.planner.orchestrate.PlanResult``) chose."""
     out = {}
     for name, option in result.recompute.choice.items():
         choice = result.built.choice_of(name, option)

@@ -1,85 +1,263 @@
-"""``PlanOptions``: what a plan is solved under, apart from the model and the mesh.
+"""The planning options, declared once: grouped, frozen records with one help line per field.
 
-One record carries these options through ``autopar.plan``, ``autoparallelize``, the CLI and the
-benchmarks, checked once when it is made. Plain data without torch or numpy, so the CLI can
-check its flags before anything heavy is imported.
+``SolverOptions``, ``MemoryOptions``, ``PrecisionOptions`` and ``PipelineOptions`` each declare
+one concern; ``PlanOptions`` is all of them in one flat record (``options.solver``,
+``options.zero_stage``), what the planner reads. Every field carries its help line, its checker
+and, where the entry points spell it differently, its other names in ``field(metadata=...)``:
+``autopar.plan`` and ``autoparallelize`` take the fields as keywords (applied to a record with
+``dataclasses.replace``), the CLI generates its flags and help from them
+(``autopar.cli.flags``), and ``AutoParallelPlugin`` validates its planning fields with
+``check_option`` under its own names. A value is checked in one place, ``check_option``, and the
+message names the option as the caller spelled it and echoes the value.
+
+Plain data without torch or numpy, so the CLI can check its flags before anything heavy is imported.
 """
 
-from __future__ import annotations
-
 import math
-from dataclasses import dataclass
+import types
+from dataclasses import dataclass, field, fields, replace
+from typing import Any, Callable, Literal, Union, get_args, get_origin
 
 from autopar.layout.mesh import PRESETS, MeshSpec, parse_bytes
 from autopar.offload import OffloadPolicy, check_offload
-from autopar.plans import PIPELINE_SCHEDULES, PRECISIONS
 
-__all__ = ["PlanOptions", "OffloadPolicy", "SOLVERS", "CHECKPOINT_MODES", "ZERO_STAGES", "precision_name"]
+__all__ = ["PlanOptions", "SolverOptions", "MemoryOptions", "PrecisionOptions", "PipelineOptions", "OffloadPolicy",
+           "SOLVERS", "CHECKPOINT_MODES", "ZERO_STAGES", "PRECISION_NAMES", "SCHEDULES", "OPTION_GROUPS",
+           "check_option", "check_choice", "check_number", "check_count", "choices_of", "precision_name"]
 
-SOLVERS = ("auto", "highs", "cbc")  # ILP backends (autopar.solver.ilp); auto prefers HiGHS
-CHECKPOINT_MODES = ("auto", "none", "ilp", "rotor", "both")  # see autopar.planner.checkpointing
-ZERO_STAGES = (0, 1, 2)  # over each parameter's replicated axes (autopar.runtime.zero)
+Solver = Literal["auto", "highs", "cbc"]  # ILP backends (autopar.solver.ilp); auto prefers HiGHS
+CheckpointMode = Literal["auto", "none", "ilp", "rotor", "both"]  # see autopar.planner.checkpointing
+Precision = Literal["fp32", "bf16", "fp16"]  # autopar.plans.PRECISIONS
+ZeroStage = Literal[0, 1, 2, "auto"]  # over each parameter's replicated axes (autopar.runtime.zero)
+Schedule = Literal["auto", "gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"]  # "auto" + plans.PIPELINE_SCHEDULES
+
+SOLVERS = get_args(Solver)
+CHECKPOINT_MODES = get_args(CheckpointMode)
+PRECISION_NAMES = get_args(Precision)
+ZERO_STAGES = get_args(ZeroStage)
+SCHEDULES = get_args(Schedule)
 
 
-@dataclass(frozen=True, slots=True)
-class PlanOptions:
-    """``memory_budget``: bytes per device (an int, or a size such as ``"16GiB"``, stored as
-    bytes); None = the mesh's device capacity. ``solver``: ILP backend. ``time_limit``: seconds per
-    ILP solve. ``preset``: the device preset (``autopar.layout.mesh.PRESETS``) a mesh given as a
-    shape gets. ``baselines``: also solve the baseline families. ``optimizer_multiplier``: optimizer
-    state bytes per parameter byte. ``allow_replicate_fallback``: replicate ops without a sharding
-    rule instead of failing. ``checkpoint``: activation recompute planning mode. ``precision``: what
-    ops compute in (``"fp32"``, ``"bf16"``, ``"fp16"``; parameters and optimizer state stay fp32).
-    ``reduce_dtype``: what gradients are summed in (default fp32). ``zero_stage``: shard each
-    trainable parameter's optimizer state (1), and its gradient (2), over the mesh axes its layout
-    replicates it on; 0: none; ``"auto"``: the solver picks per parameter, pricing each stage's
-    memory and communication with the layouts (the plan needs ``model.optimizer`` then).
-    ``pipeline``: None (no pipeline), N (pipeline parallelism over mesh axis 0, which must have
-    size N) or ``"auto"`` (the faster of no pipeline and a pipeline over axis 0);
-    ``microbatches``: micro-batches per step (``"auto"``: a few divisors of the batch that are
-    multiples of the stage count); ``schedule``: ``"auto"`` or one of ``PIPELINE_SCHEDULES``
-    (``autopar.planner.pipeline_search``). ``offload``: ``"none"`` (default), ``"auto"`` (the
-    solver places each trainable parameter and its optimizer state on the device or the mesh's
-    host tier, priced by host-link and CPU optimizer time) or an ``OffloadPolicy`` (Gemini's static
-    fractions); see ``autopar.planner.offload_pricing``."""
+# ------------------------------------------------------------------------------- checkers
+def check_choice(value, choices: tuple, *, name: str):
+    """``value`` when it is one of ``choices`` (``True`` is not ``1``: the type must match too)."""
+    if not any(value == c and type(value) is type(c) for c in choices):
+        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
+    return value
 
-    memory_budget: int | None = None
-    solver: str = "auto"
-    time_limit: float = 60.0
-    preset: str = "cpu"
-    baselines: bool = False
-    optimizer_multiplier: float = 2.0
-    allow_replicate_fallback: bool = False
-    checkpoint: str = "auto"
-    precision: str = "fp32"
-    reduce_dtype: str = "fp32"
-    zero_stage: int | str = 0
-    pipeline: int | str | None = None
-    microbatches: int | str = "auto"
-    schedule: str = "auto"
-    offload: str | OffloadPolicy = "none"
+
+def check_number(value, *, name: str, low: float = -math.inf, high: float = math.inf, low_open: bool = False,
+                 high_open: bool = False, what: str = ""):
+    """``value`` when it is a finite int or float (not a bool) within ``low``..``high`` (open ends:
+    ``low_open``/``high_open``); ``what`` words the bound in the message (default: the interval)."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if ok and (value < low or value > high or (low_open and value == low) or (high_open and value == high)):
+        ok = False
+    if not ok:
+        bounds = what or f"a finite number in {'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
+        raise ValueError(f"{name} must be {bounds}, got {value!r}")
+    return value
+
+
+def check_count(value, *, name: str, words: tuple = (), low: int = 1):
+    """``value`` when it is an int >= ``low`` (not a bool) or one of ``words`` (e.g. ``"auto"``, None)."""
+    if any(value is w or (isinstance(w, str) and value == w) for w in words):
+        return value
+    if type(value) is not int or value < low:
+        said = " or ".join([*(repr(w) for w in words), f"an int >= {low}" if low != 1 else "a positive int"])
+        raise ValueError(f"{name} must be {said}, got {value!r}")
+    return value
+
+
+def precision_name(value, *, what: str = "precision") -> str:
+    """``"bf16"``, ``"bfloat16"`` or ``torch.bfloat16`` -> ``"bf16"`` (one of ``PRECISION_NAMES``)."""
+    name = str(value).removeprefix("torch.")
+    name = _ALIASES.get(name, name)
+    if name not in PRECISION_NAMES:
+        raise ValueError(f"{what} must be one of {PRECISION_NAMES} (or the torch dtype), got {value!r}")
+    return name
+
+
+_ALIASES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float": "fp32"}
+
+
+def _budget(value, name: str):
+    return None if value is None else parse_bytes(value)  # parse_bytes echoes a bad size
+
+
+def _solver(value, name: str):
+    if value not in SOLVERS:  # the backend is named in the message, as pulp users expect
+        raise ValueError(f"unknown {name} {value!r}; expected one of {SOLVERS}")
+    return value
+
+
+def _preset(value, name: str):
+    if value not in PRESETS:
+        raise ValueError(f"unknown device {name} {value!r}; known: {sorted(PRESETS)}")
+    return value
+
+
+def _positive_seconds(value, name: str):
+    return check_number(value, name=name, low=0, low_open=True, what="positive seconds")
+
+
+def _multiplier(value, name: str):
+    return check_number(value, name=name, low=0, what="a finite number >= 0")
+
+
+def _flag(value, name: str):
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be a bool, got {value!r}")
+    return value
+
+
+def _zero_stage(value, name: str):
+    return check_choice(value, ZERO_STAGES, name=name)
+
+
+def _pipeline(value, name: str):
+    try:
+        return check_count(value, name=name, words=(None, "auto"))
+    except ValueError:  # the message says what the int means
+        raise ValueError(f"{name} must be None, 'auto' or a positive int (the size of mesh axis 0), "
+                         f"got {value!r}") from None
+
+
+def _microbatches(value, name: str):
+    return check_count(value, name=name, words=("auto",))
+
+
+def _offload(value, name: str):
+    return check_offload(value)
+
+
+def option(default: Any, help: str, *, check: Callable[[Any, str], Any] | None = None,
+           flags: tuple[str, ...] = (), training: bool = True) -> Any:
+    """A record field with its help line and checker. ``check(value, name)`` returns the value
+    (normalised) or raises ``ValueError`` naming ``name``; None: the field's ``Literal`` type is the
+    check. ``flags``: older CLI names kept as aliases of the generated flag. ``training``: False
+    for the planning-only options that ``autoparallelize`` and the plugin take from elsewhere."""
+    return field(default=default, metadata={"help": help, "check": check, "flags": flags, "training": training})
+
+
+def choices_of(annotation) -> tuple:
+    """The values a ``Literal`` annotation (or a union holding one) allows; () for none."""
+    if get_origin(annotation) is Literal:
+        return get_args(annotation)
+    if get_origin(annotation) in (Union, types.UnionType):
+        return tuple(v for arg in get_args(annotation) for v in choices_of(arg))
+    return ()
+
+
+def _field(name: str):
+    for f in fields(PlanOptions):
+        if f.name == name:
+            return f
+    raise TypeError(f"no planning option {name!r}; the options are {', '.join(f.name for f in fields(PlanOptions))}")
+
+
+def check_option(option_name: str, value, *, name: str | None = None):
+    """The one validation of a planning option: ``value`` checked (and normalised) as field
+    ``option_name`` of ``PlanOptions``; the ``ValueError`` names ``name`` (how the caller spelled
+    it: ``pp_size``, ``--time-limit``; default the field's name) and echoes the value."""
+    return _check_field(_field(option_name), value, name or option_name)
+
+
+def _check_field(f, value, name: str):
+    check = f.metadata["check"]
+    return check(value, name) if check is not None else check_choice(value, choices_of(f.type), name=name)
+
+
+class _Checked:
+    """Checks every field of the record it is mixed into with ``check_option``, once, when made."""
 
     def __post_init__(self) -> None:
-        if self.memory_budget is not None:
-            object.__setattr__(self, "memory_budget", parse_bytes(self.memory_budget))
-        if self.solver not in SOLVERS:
-            raise ValueError(f"unknown solver {self.solver!r}; expected one of {SOLVERS}")
-        if not _is_number(self.time_limit) or not self.time_limit > 0:
-            raise ValueError(f"time_limit must be positive seconds, got {self.time_limit!r}")
-        if self.preset not in PRESETS:
-            raise ValueError(f"unknown device preset {self.preset!r}; known: {sorted(PRESETS)}")
-        if not _is_number(self.optimizer_multiplier) or not 0 <= self.optimizer_multiplier < math.inf:
-            raise ValueError(f"optimizer_multiplier must be a finite number >= 0, got {self.optimizer_multiplier!r}")
-        if self.checkpoint not in CHECKPOINT_MODES:
-            raise ValueError(f"checkpoint must be one of {CHECKPOINT_MODES}, got {self.checkpoint!r}")
-        if self.zero_stage not in (*ZERO_STAGES, "auto") or isinstance(self.zero_stage, bool):
-            raise ValueError(f"zero_stage must be one of {ZERO_STAGES} or 'auto', got {self.zero_stage!r}")
-        object.__setattr__(self, "precision", precision_name(self.precision, what="precision"))
-        _check_pipeline(self.pipeline, self.microbatches, self.schedule)
-        object.__setattr__(self, "reduce_dtype", precision_name(self.reduce_dtype, what="reduce_dtype"))
-        check_offload(self.offload)
+        for f in fields(self):
+            value = getattr(self, f.name)
+            checked = _check_field(f, value, f.name)
+            if checked is not value:
+                object.__setattr__(self, f.name, checked)
+        self._check_together()
+
+    def _check_together(self) -> None:
+        """Rules across fields (none for a single group)."""
+
+
+# ----------------------------------------------------------------------------------- groups
+@dataclass(frozen=True, kw_only=True)
+class SolverOptions(_Checked):
+    """How the plan is searched for."""
+
+    solver: Solver = option("auto", "ILP backend (auto: HiGHS when installed)", check=_solver)
+    time_limit: float = option(60.0, "seconds per ILP solve; with mesh auto, for the whole search",
+                               check=_positive_seconds)
+    preset: str = option("cpu", "the device preset (autopar.layout.mesh.PRESETS) a mesh given as a shape gets",
+                         check=_preset, flags=("--device",), training=False)
+    baselines: bool = option(False, "also solve the baseline families (data parallel, ZeRO-3, Megatron TP, DP x TP)",
+                             check=_flag, training=False)
+    allow_replicate_fallback: bool = option(False, "replicate ops without a sharding rule instead of failing",
+                                            check=_flag, flags=("--allow-fallback",))
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemoryOptions(_Checked):
+    """What must fit in each device's memory, and the means to make it fit."""
+
+    memory_budget: int | str | None = option(None, "bytes per device, e.g. 40GiB (default: the device capacity)",
+                                             check=_budget, flags=("--memory",))
+    optimizer_multiplier: float = option(2.0, "optimizer state bytes per parameter byte (2: AdamW in fp32)",
+                                         check=_multiplier)
+    checkpoint: CheckpointMode = option("auto", "activation recompute planning (auto: the faster of the joint "
+                                                "ILP with Rotor refinement and Rotor alone)")
+    zero_stage: ZeroStage = option(0, "shard optimizer state (1) and gradients (2) over each parameter's "
+                                      "replicated axes; auto: the solver picks per parameter", check=_zero_stage)
+    offload: Literal["none", "auto"] | OffloadPolicy = option(
+        "none", "parameters / optimizer state on the host tier: none, auto (planned per parameter) or an "
+                "OffloadPolicy (CLI: static:OPTIM_FRAC,PARAM_FRAC, Gemini's fractions)", check=_offload)
+
+
+@dataclass(frozen=True, kw_only=True)
+class PrecisionOptions(_Checked):
+    """What runs in which dtype (parameters and optimizer state stay fp32)."""
+
+    precision: Precision = option("fp32", "what ops compute in (bf16/fp16 with fp32 master weights)",
+                                  check=lambda v, n: precision_name(v, what=n))
+    reduce_dtype: Precision = option("fp32", "what gradients are summed in",
+                                     check=lambda v, n: precision_name(v, what=n))
+
+
+@dataclass(frozen=True, kw_only=True)
+class PipelineOptions(_Checked):
+    """Pipeline parallelism over mesh axis 0 (autopar.planner.pipeline.search)."""
+
+    pipeline: int | Literal["auto"] | None = option(
+        None, "N: pipeline over mesh axis 0 (its size N); auto: the faster of none and one over axis 0",
+        check=_pipeline)
+    microbatches: int | Literal["auto"] = option("auto", "micro-batches per step with a pipeline (auto: a few "
+                                                         "divisors of the batch)", check=_microbatches)
+    schedule: Schedule = option("auto", "the pipeline schedule (auto: the fastest)")
+
+
+OPTION_GROUPS = (SolverOptions, MemoryOptions, PrecisionOptions, PipelineOptions)
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanOptions(PipelineOptions, PrecisionOptions, MemoryOptions, SolverOptions):
+    """Every planning option in one flat record (the groups' fields; see each group's help lines)."""
+
+    def _check_together(self) -> None:
         if self.offload != "none" and self.pipeline is not None:
-            raise ValueError(f"offload={self.offload!r} is not planned with a pipeline yet (pipeline={self.pipeline!r})")
+            raise ValueError(f"offload={self.offload!r} is not planned with a pipeline yet "
+                             f"(pipeline={self.pipeline!r})")
+
+    def override(self, overrides: dict[str, Any], *, caller: str) -> "PlanOptions":
+        """This record with ``overrides`` (option name -> value) applied by ``dataclasses.replace``;
+        a name that is no option is the ``TypeError`` Python gives an unknown keyword of ``caller``."""
+        names = {f.name for f in fields(self)}
+        for key in overrides:
+            if key not in names:
+                raise TypeError(f"{caller}() got an unexpected keyword argument {key!r}")
+        return replace(self, **overrides) if overrides else self
 
     def mesh(self, mesh: MeshSpec | tuple[int, ...] | str) -> MeshSpec:
         """``mesh`` as a MeshSpec: a shape gets this record's ``preset``."""
@@ -100,31 +278,3 @@ class PlanOptions:
                 + (f", pipeline {self.pipeline} ({self.microbatches} micro-batches, schedule {self.schedule})"
                    if self.pipeline is not None else "")
                 + (f", offload {self.offload}" if self.offload != "none" else ""))
-
-
-_ALIASES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float": "fp32"}
-
-
-def precision_name(value, *, what: str = "precision") -> str:
-    """``"bf16"``, ``"bfloat16"`` or ``torch.bfloat16`` -> ``"bf16"`` (one of ``PRECISIONS``)."""
-    name = str(value).removeprefix("torch.")
-    name = _ALIASES.get(name, name)
-    if name not in PRECISIONS:
-        raise ValueError(f"{what} must be one of {PRECISIONS} (or the torch dtype), got {value!r}")
-    return name
-
-
-def _check_pipeline(pipeline, microbatches, schedule) -> None:
-    def positive(n) -> bool:
-        return isinstance(n, int) and not isinstance(n, bool) and n >= 1
-
-    if pipeline is not None and pipeline != "auto" and not positive(pipeline):
-        raise ValueError(f"pipeline must be None, 'auto' or a positive int (the size of mesh axis 0), got {pipeline!r}")
-    if microbatches != "auto" and not positive(microbatches):
-        raise ValueError(f"microbatches must be 'auto' or a positive int, got {microbatches!r}")
-    if schedule != "auto" and schedule not in PIPELINE_SCHEDULES:
-        raise ValueError(f"schedule must be 'auto' or one of {PIPELINE_SCHEDULES}, got {schedule!r}")
-
-
-def _is_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)

@@ -14,6 +14,7 @@ from torch import nn
 
 import autopar.api as api
 import autopar.tracer
+from autopar.planner import orchestrate
 from autopar import zoo
 from autopar.layout.mesh import MeshSpec
 from autopar.planner import cache as plan_cache
@@ -34,13 +35,13 @@ def _entries() -> list[str]:
 def _count_solves(monkeypatch) -> list[int]:
     """Counts plan_traced calls (every solve goes through it)."""
     calls = [0]
-    real = api.plan_traced
+    real = orchestrate.plan_traced
 
     def counting(*args, **kwargs):
         calls[0] += 1
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(api, "plan_traced", counting)
+    monkeypatch.setattr(orchestrate, "plan_traced", counting)
     return calls
 
 
@@ -54,7 +55,7 @@ def test_a_hit_returns_the_same_plan_without_tracing_or_solving(monkeypatch):
     (entry,) = _entries()
     assert Plan.load(str(plan_cache.cache_dir() / entry)).to_json() == first.to_json()
     monkeypatch.setattr(autopar.tracer, "trace", _forbid)
-    monkeypatch.setattr(api, "plan_traced", _forbid)
+    monkeypatch.setattr(orchestrate, "plan_traced", _forbid)
     lines: list[str] = []
     again = api.plan(*_mlp(), mesh=(2,), memory_budget="1GiB", progress=api.Progress(True, sink=lines.append))
     assert again.to_json() == first.to_json()
@@ -184,13 +185,13 @@ def _ranks_share_one_entry(rank: int, world: int, cache_dir: str) -> dict:
 
     os.environ["AUTOPAR_CACHE_DIR"] = cache_dir
     solves = [0]
-    real = api.plan_traced
+    real = orchestrate.plan_traced
 
     def counting(*args, **kwargs):
         solves[0] += 1
         return real(*args, **kwargs)
 
-    api.plan_traced = counting
+    orchestrate.plan_traced = counting
     model, inputs = _mlp()
     out: dict = {"plans": [], "solves": [], "entries": []}
     for step in ("miss", "hit", "stale"):

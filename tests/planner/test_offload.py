@@ -137,7 +137,7 @@ def test_one_device_mesh_is_a_valid_plan(gpt2):
 def test_cli_offload_flag_and_text_report(gpt2):
     import argparse
 
-    from autopar.cli.main import _offload
+    from autopar.cli.flags import parse_offload as _offload
     from autopar.report.text import _offload as offload_lines
 
     assert _offload("auto") == "auto" and _offload("static:1,0.25") == OffloadPolicy(1.0, 0.25)

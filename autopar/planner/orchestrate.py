@@ -1,0 +1,376 @@
+"""Planning, start to finish: trace for planning, plan a traced graph, search meshes, plan pipelines.
+
+``trace_for_planning`` is the one trace the planner plans on (unruled ops decomposed, the
+precision's casts; per micro-batch for a pipeline). ``plan_traced`` turns a trace and its profile
+into a ``PlanResult``: strategies -> problem -> recompute and offload planning -> baselines ->
+``Plan``. ``plan_model`` traces first (and fills the plan cache), ``plan_mesh_auto`` plans every
+1-3 axis mesh of a cluster from one trace, ``plan_pipelined`` searches stage cuts over mesh axis
+0 per micro-batch count and schedule. ``autopar.plan`` and ``autoparallelize`` (rank 0) call these.
+
+Torch is imported inside the functions only, so importing the planner's options stays cheap.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any, Callable, Sequence
+
+from autopar.layout.mesh import MeshSpec
+from autopar.planner.offload_fit import fit_device_room, with_offload
+from autopar.planner.options import PlanOptions
+from autopar.plans import BaselineResult, Plan
+from autopar.stages import Progress
+
+if TYPE_CHECKING:
+    from autopar.planner.checkpointing import RecomputePlan
+    from autopar.planner.pipeline.costs import StageCosts
+    from autopar.planner.records import BuiltProblem
+    from autopar.tracer.graph import TracedGraph
+    from autopar.tracer.profile import ModelProfile
+
+__all__ = ["PlanResult", "PipelinedResult", "trace_for_planning", "plan_model", "plan_traced", "plan_mesh_auto",
+           "search_traced", "plan_pipelined", "cache_key", "cached_plan"]
+
+
+@dataclass(frozen=True, slots=True)
+class PlanResult:
+    """A plan and what it was made from."""
+
+    plan: Plan
+    traced: TracedGraph
+    profile: ModelProfile
+    built: BuiltProblem  # the problem the plan solves
+    recompute: RecomputePlan  # the chosen sharding and recompute, their evaluation and ILP solution
+
+    def __str__(self) -> str:
+        return (f"{self.plan.model} on {self.plan.mesh}: {self.built.problem.num_nodes} decisions, "
+                f"recompute {self.recompute.method}, {self.plan.estimate}")
+
+
+@dataclass(frozen=True, slots=True)
+class PipelinedResult:
+    """A pipelined plan (or, under ``pipeline="auto"``, possibly a plain one), the graph it was
+    made for (the MICRO-batch trace when pipelined) and every candidate tried, as lines."""
+
+    plan: Plan
+    traced: TracedGraph
+    candidates: tuple[str, ...]
+
+
+# ------------------------------------------------------------------------------------ trace
+def trace_for_planning(model: Any, meta_inputs: tuple | dict, *, precision: str,
+                       microbatches: int | None = None) -> TracedGraph:
+    """The graph the planner plans: ops without a sharding rule but with a decomposition
+    decomposed, ``precision``'s casts inserted. ``microbatches``: the graph of one of that many
+    micro-batches of ``meta_inputs``, with a cast per module (a pipeline stage owns its casts)."""
+    from autopar.strategies import needs_decomposition
+    from autopar.tracer import trace
+
+    if microbatches is None:
+        return trace(model, meta_inputs, decompose_if=needs_decomposition, precision=precision)
+    from autopar.planner.pipeline.geometry import PIPELINE_CASTS, micro_inputs
+
+    return trace(model, micro_inputs(meta_inputs, microbatches), decompose_if=needs_decomposition,
+                 precision=precision, param_casts=PIPELINE_CASTS)
+
+
+def _trace_and_profile(model, meta_inputs, *, precision: str, progress: Progress, microbatches: int | None = None,
+                       detail: str = "") -> tuple[TracedGraph, ModelProfile]:
+    from autopar.tracer import profile as profile_graph
+
+    with progress.stage("trace", detail):
+        traced = trace_for_planning(model, meta_inputs, precision=precision, microbatches=microbatches)
+    with progress.stage("profile"):
+        return traced, profile_graph(traced)
+
+
+# ------------------------------------------------------------------------------ plan cache
+def cache_key(model, meta_inputs, *, mesh: MeshSpec, options: PlanOptions, cache: bool) -> str | None:
+    """The plan cache key, or None when the cache is off or the model cannot be keyed (a model
+    that is not an ``nn.Module``, say: it is planned without the cache, with a warning)."""
+    from autopar.planner import cache as plan_cache
+
+    if not plan_cache.cache_enabled(cache):
+        return None
+    try:
+        return plan_cache.structural_key(model, meta_inputs, mesh=mesh, options=options)
+    except Exception as exc:  # noqa: BLE001 -- the cache must never stop planning
+        import warnings
+
+        warnings.warn(f"plan cache: cannot key this model ({type(exc).__name__}: {exc}); planning without the "
+                      f"cache", stacklevel=3)
+        return None
+
+
+def cached_plan(key: str | None, *, mesh: MeshSpec, options: PlanOptions, progress: Progress,
+                graph_hash: str | None = None) -> Plan | None:
+    """The plan cache's plan for ``key`` (None: not there, stale, or no key), the hit shown as a progress line."""
+    if key is None:
+        return None
+    from autopar.planner import cache as plan_cache
+
+    hit = plan_cache.lookup(key, mesh=mesh, options=options, graph_hash=graph_hash)
+    if hit is None:
+        return None
+    if progress.verbose:
+        progress.sink(f"[autopar {time.perf_counter() - progress._start:6.1f}s] plan cache hit {hit[1]}")
+    return hit[0]
+
+
+def _store(key: str | None, plan: Plan) -> None:
+    if key is not None:
+        from autopar.planner import cache as plan_cache
+
+        plan_cache.store(key, plan)
+
+
+# ---------------------------------------------------------------------------------- planning
+def plan_model(model: Any, meta_inputs: tuple | dict, *, mesh: MeshSpec | Sequence[int] | str,
+               options: PlanOptions = PlanOptions(), progress: Progress | None = None,
+               cache: bool = True) -> PlanResult:
+    """Trace and profile ``model``, then ``plan_traced``. ``cache``: store the plan in the plan
+    cache (where ``plan`` and ``autoparallelize`` find it); a ``PlanResult`` carries the problem
+    and solution behind the plan, which the cache does not keep, so this always solves."""
+    mesh = options.mesh(mesh)  # a bad mesh fails before the trace
+    key = cache_key(model, meta_inputs, mesh=mesh, options=options, cache=cache)
+    return plan_and_store(model, meta_inputs, mesh=mesh, options=options, progress=progress, key=key)
+
+
+def plan_and_store(model, meta_inputs, *, mesh: MeshSpec, options: PlanOptions, progress: Progress | None,
+                   key: str | None) -> PlanResult:
+    """Trace, profile and ``plan_traced``; the plan is stored under ``key`` (None: not stored)."""
+    progress = progress or Progress()
+    traced, prof = _trace_and_profile(model, meta_inputs, precision=options.precision, progress=progress)
+    result = plan_traced(traced, prof, mesh=mesh, options=options, progress=progress)
+    _store(key, result.plan)
+    return result
+
+
+def plan_traced_cached(traced: TracedGraph, *, mesh: MeshSpec, options: PlanOptions, progress: Progress,
+                       key: str | None) -> Plan:
+    """The cached plan when ``key`` and this trace's graph hash match an entry, else a solve (stored)."""
+    from autopar.tracer import profile as profile_graph
+
+    hit = cached_plan(key, mesh=mesh, options=options, progress=progress, graph_hash=traced.graph_hash)
+    if hit is not None:
+        return hit
+    with progress.stage("profile"):
+        prof = profile_graph(traced)
+    plan = plan_traced(traced, prof, mesh=mesh, options=options, progress=progress).plan
+    _store(key, plan)
+    return plan
+
+
+def plan_traced(traced: TracedGraph, profile: ModelProfile, *, mesh: MeshSpec | Sequence[int] | str,
+                options: PlanOptions = PlanOptions(), progress: Progress | None = None,
+                fixed: Callable | None = None) -> PlanResult:
+    """The plan of an existing trace and profile (one trace serves many meshes); ``fixed``: ``build_problem``'s."""
+    from autopar.planner.assemble import applicable_baselines, assemble_plan
+    from autopar.planner.builder import build_problem
+    from autopar.planner.checkpointing import plan_recompute
+    from autopar.solver.driver import remembering
+
+    mesh = options.mesh(mesh)
+    if traced.precision != options.precision:
+        raise ValueError(f"{traced.model_name} was traced for {traced.precision} compute but the options ask for "
+                         f"{options.precision}: trace with precision={options.precision!r}")
+    progress = progress or Progress()
+    with progress.stage("strategies", f"{sum(1 for _ in traced.compute_nodes())} ops on mesh {mesh}"):
+        built = build_problem(traced, profile, mesh, budget_bytes=options.budget_bytes(mesh),
+                              options=options, fixed=fixed)
+
+    def replan(b):
+        return plan_recompute(traced, profile, b, mode=options.checkpoint, solver=options.solver,
+                              time_limit=options.time_limit, progress=progress,
+                              solve_plain=lambda p: _solve(p, options=options, progress=progress, stage="solve"))
+
+    with remembering():  # one scope for the re-solves (offload's refits): each one's plans are incumbents of the next
+        rc = fit_device_room(traced, built, replan(built), options=options, replan=replan, progress=progress)
+    results = ()
+    if options.baselines:
+        results = tuple(_baseline(name, traced, built, options=options, progress=progress)
+                        for name in applicable_baselines(mesh.ndim, zero=options.zero_stage == "auto"))
+    assembled = assemble_plan(
+        traced, built, choice=rc.choice, evaluation=rc.evaluation, solution=rc.solution,
+        timings=progress.timings, baselines=results, recompute=rc.regions,
+        checkpoint={"mode": options.checkpoint, "method": rc.method, "units": list(rc.units),
+                    "activation_bytes": rc.activation_bytes, **rc.info},
+        reduce_dtype=options.reduce_dtype)
+    if options.offload != "none":
+        assembled = with_offload(assembled, traced, built, rc.choice, options=options)
+    return PlanResult(assembled, traced, profile, built, rc)
+
+
+def _solve(problem, *, options: PlanOptions, progress: Progress, stage: str):
+    from autopar.solver.driver import solve
+
+    with progress.stage(stage, f"{problem.num_nodes} decisions, {problem.num_edges} edges"):
+        return solve(problem, solver=options.solver, time_limit=options.time_limit)
+
+
+def _baseline(name: str, traced, built, *, options: PlanOptions, progress: Progress) -> BaselineResult:
+    from autopar.planner.assemble import baseline_problem, estimate_of
+    from autopar.planner.checkpointing import estimate
+    from autopar.solver.driver import SolveTimeout
+
+    try:
+        with progress.stage(f"baseline {name}"):
+            problem = baseline_problem(name, traced, built)
+        solution = _solve(problem, options=options, progress=progress, stage=f"baseline {name} solve")
+    except (ValueError, SolveTimeout) as exc:  # the family cannot fit the budget (or has no legal layout), or
+        return BaselineResult(name, False, None, str(exc).splitlines()[0])  # no plan of it was found in time
+    evaluation = estimate(built, problem, solution.choice, (), built.segment_inputs)
+    return BaselineResult(name, True, estimate_of(evaluation))
+
+
+# ------------------------------------------------------------------------------ mesh search
+def plan_mesh_auto(model: Any, meta_inputs: tuple | dict, *, nodes: int | None, devices_per_node: int | None,
+                   options: PlanOptions = PlanOptions(), progress: Progress | None = None,
+                   time_budget: float | None = None, restrict: str = "auto"):
+    """Plan ``model`` on every 1-3 axis arrangement of ``nodes`` x ``devices_per_node`` devices of the
+    ``options.preset`` preset (``autopar.planner.mesh_search``), tracing and profiling once; returns
+    the ``MeshSearch``: every candidate's row and the fastest one's ``PlanResult`` (``.best``).
+    ``time_budget``: seconds for the whole call, trace and profile included (default
+    ``options.time_limit``; each solve gets what is left, candidates not reached or predicted not to
+    fit are reported as such); the cluster's own shape goes first, planned with the full
+    ``options.time_limit``. ``restrict``: 3-axis meshes exactly or restricted (``search_meshes``).
+    Baselines (``options.baselines``) are solved for the chosen mesh only."""
+    from autopar.layout.mesh import PRESETS
+
+    if nodes is None or devices_per_node is None:
+        raise ValueError(f"mesh='auto' needs nodes= and devices_per_node=, got nodes={nodes!r}, "
+                         f"devices_per_node={devices_per_node!r}")
+    if options.preset not in PRESETS:
+        raise ValueError(f"mesh='auto' needs a device preset ({', '.join(sorted(PRESETS))}), got {options.preset!r}")
+    start = time.perf_counter()
+    progress = progress or Progress()
+    traced, prof = _trace_and_profile(model, meta_inputs, precision=options.precision, progress=progress)
+    return search_traced(traced, prof, cluster=(nodes, devices_per_node), options=options, progress=progress,
+                         start=start, time_budget=time_budget, restrict=restrict)
+
+
+def search_traced(traced: TracedGraph, prof: ModelProfile, *, cluster: tuple[int, int], options: PlanOptions,
+                  progress: Progress, start: float, time_budget: float | None = None, restrict: str = "auto"):
+    """``plan_mesh_auto`` from a trace and profile; ``start``: when the call began (its budget's origin)."""
+    from autopar.planner.mesh_search import search_meshes
+
+    each = replace(options, baselines=False)
+
+    def plan_on(mesh: MeshSpec, left: float | None, fixed: Callable | None = None) -> PlanResult:
+        limited = each if left is None else replace(each, time_limit=min(each.time_limit, left))
+        with progress.stage(f"mesh {'x'.join(map(str, mesh.shape))}" + (f" ({fixed})" if fixed else "")):
+            return plan_traced(traced, prof, mesh=mesh, options=limited, progress=Progress(), fixed=fixed)
+
+    budget = options.time_limit if time_budget is None else time_budget
+    found = search_meshes(plan_on, nodes=cluster[0], devices_per_node=cluster[1], device=options.preset,
+                          time_budget=budget - (time.perf_counter() - start), restrict=restrict)
+    if not options.baselines:
+        return found
+    from autopar.planner.assemble import applicable_baselines
+
+    best = found.best
+    spec = best.plan.mesh
+    results = tuple(_baseline(name, traced, best.built, options=options, progress=progress)
+                    for name in applicable_baselines(spec.ndim, zero=options.zero_stage == "auto"))
+    best = replace(best, plan=replace(best.plan, baselines=results))
+    return replace(found, best=best)
+
+
+# ---------------------------------------------------------------------------------- pipeline
+def plan_pipelined(model: Any, meta_inputs: tuple | dict, *, mesh: MeshSpec | Sequence[int] | str,
+                   options: PlanOptions, progress: Progress | None = None) -> PipelinedResult:
+    """Plan ``model`` with pipeline parallelism over mesh axis 0 (``options.pipeline``: N, the
+    size of that axis, or ``"auto"``): for each micro-batch count (``options.microbatches``) the
+    micro-batch graph is traced once and ``autopar.planner.pipeline.search.search_stages`` cuts
+    it into stages, each sharded on the sub-mesh, for each schedule (``options.schedule``); the
+    fastest feasible candidate wins. ``"auto"`` also plans without a pipeline (the full batch on
+    the whole mesh) and keeps the faster of the two. ``ValueError`` when nothing fits."""
+    from autopar.planner.pipeline.schedule import check_pipeline_zero, schedules_for
+
+    progress = progress or Progress()
+    spec = options.mesh(mesh)
+    stages = spec.shape[0]
+    if options.pipeline != "auto" and options.pipeline != stages:
+        raise ValueError(f"pipeline={options.pipeline!r} runs over mesh axis 0, which has size {stages} in mesh "
+                         f"{spec.shape}: give a mesh whose first axis has size {options.pipeline}")
+    if options.checkpoint not in ("auto", "none"):
+        raise ValueError(f"pipelined plans decide activation recompute per stage (whole blocks): give "
+                         f"checkpoint='auto' (or 'none' for no recompute), got checkpoint={options.checkpoint!r}")
+    check_pipeline_zero(options.zero_stage)
+    schedules = schedules_for(options.schedule)
+    staged = _stage_floors(model, meta_inputs, spec=spec, options=options, progress=progress, schedules=schedules)
+    lines: list[str] = []
+    best = _search_counts(staged, spec=spec, options=options, progress=progress, schedules=schedules, lines=lines)
+    if options.pipeline == "auto":
+        traced, prof = _trace_and_profile(model, meta_inputs, precision=options.precision, progress=progress,
+                                          detail="full batch, no pipeline")
+        try:
+            flat = plan_traced(traced, prof, mesh=spec, options=replace(options, pipeline=None, baselines=False),
+                               progress=progress).plan
+            lines.append(f"no pipeline: {flat.estimate.step_s * 1e3:.3f} ms/step")
+            if best is None or flat.estimate.step_s <= best[0].estimate.step_s:
+                best = (flat, traced)
+        except ValueError as exc:  # no plan without a pipeline fits the budget
+            lines.append(f"no pipeline: {str(exc).splitlines()[0]}")
+    if best is None:
+        raise ValueError(f"no pipelined plan of {stages} stages fits on mesh {spec.shape}: " + "; ".join(lines))
+    plan, traced = best
+    if plan.pipeline is not None:
+        plan = replace(plan, timings={**plan.timings, **progress.timings},
+                       solver={**plan.solver, "pipeline": {**plan.solver["pipeline"], "candidates": lines}})
+    return PipelinedResult(plan, traced, tuple(lines))
+
+
+def _stage_floors(model, meta_inputs, *, spec: MeshSpec, options: PlanOptions, progress: Progress,
+                  schedules) -> dict[int, tuple[TracedGraph, StageCosts, float]]:
+    """Per micro-batch count: its graph, stage costs and step floor (one small solve per block
+    class), so that the counts can be searched lowest floor first (``autopar.planner.pipeline.bounds``)."""
+    from autopar.planner.pipeline.bounds import config_floors
+    from autopar.planner.pipeline.costs import stage_costs
+    from autopar.planner.pipeline.geometry import batch_size, microbatch_counts
+
+    stages = spec.shape[0]
+    staged = {}
+    for m in microbatch_counts(batch_size(meta_inputs), num_stages=stages, asked=options.microbatches):
+        traced, prof = _trace_and_profile(model, meta_inputs, precision=options.precision, progress=progress,
+                                          microbatches=m, detail=f"micro-batch graph, {m} micro-batches")
+        with progress.stage("pipeline floors", f"{m} micro-batches"):
+            costs = stage_costs(traced, prof, mesh=spec, options=options)
+            floor = min(config_floors(costs, schedules=schedules, num_stages=stages, num_microbatches=m,
+                                      window="auto").values())
+        staged[m] = (traced, costs, floor)
+    return staged
+
+
+def _search_counts(staged: dict, *, spec: MeshSpec, options: PlanOptions, progress: Progress, schedules,
+                   lines: list[str]) -> tuple[Plan, TracedGraph] | None:
+    """The fastest pipelined plan over the micro-batch counts, each search bounded by the best
+    step so far: a count whose floor cannot beat it is not searched. ``lines`` gets every candidate."""
+    from autopar.planner.pipeline.bounds import in_bound_order
+    from autopar.planner.pipeline.search import search_stages
+
+    stages = spec.shape[0]
+    found: dict[int, Any] = {}
+
+    def search(m: int, incumbent: float):
+        traced, costs, _ = staged[m]
+        with progress.stage("pipeline stages", f"{stages} stages, {m} micro-batches"):
+            found[m] = search_stages(traced, None, mesh=spec, options=options, num_stages=stages, num_microbatches=m,
+                                     schedules=schedules, costs=costs, window="auto",
+                                     bound=None if incumbent == math.inf else incumbent)
+        return found[m]
+
+    def skipped(m: int, floor: float, incumbent: float):
+        lines.append(f"pipeline {stages}: {m} micro-batches: not searched: its floor {floor * 1e3:.3f} ms/step does "
+                     f"not beat {incumbent * 1e3:.3f}")
+
+    in_bound_order({m: floor for m, (_, _, floor) in staged.items()}, search,
+                   step_of=lambda f: None if f.plan is None else f.plan.estimate.step_s, skipped=skipped)
+    best: tuple[Plan, Any] | None = None
+    for m, result in sorted(found.items()):
+        lines += [f"pipeline {stages}: {c}" for c in result.candidates]
+        if result.plan is not None and (best is None or result.plan.estimate.step_s < best[0].estimate.step_s):
+            best = (result.plan, staged[m][0])
+    return best
