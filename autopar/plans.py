@@ -309,8 +309,9 @@ class Plan:
     def _offload_lines(self) -> list[str]:
         info = self.offload_info
         tiers = list(self.offload.values())
-        lines = [f"  offload ({info.get('policy', '?')}): {tiers.count(('host', 'host'))} parameters and their optimizer "
-                 f"state on the host, {tiers.count(('device', 'host'))} more optimizer states, of {len(tiers)}; "
+        lines = [f"  offload ({info.get('policy', '?')}): {tiers.count(('host', 'host'))} parameters and their "
+                 f"optimizer state on the host, {tiers.count(('device', 'host'))} more optimizer states, "
+                 f"of {len(tiers)}; "
                  f"host {_gb(info.get('host_bytes', 0))} of {_gb(info.get('host_capacity') or 0)}/device, "
                  f"host link {info.get('host_link_s', 0.0) * 1e3:.3f} ms + CPU optimizer "
                  f"{info.get('cpu_optimizer_s', 0.0) * 1e3:.3f} ms per step (not overlapped)"]

@@ -63,7 +63,8 @@ def repeated_blocks(depth: int, *, per_block: int = 12, seed: int = 0) -> Proble
     rng = random.Random(seed)
     template = [_options(rng, rng.randint(4, 16), param=j % 3 == 0) for j in range(per_block)]
     # Identical blocks have identical edges: inside a block (j -> j+1) and block to block (last -> first).
-    inner = [_edge(rng, Node("a", template[j], live=(0, 0)), Node("b", template[j + 1], live=(0, 0))).costs for j in range(per_block - 1)]
+    inner = [_edge(rng, Node("a", template[j], live=(0, 0)), Node("b", template[j + 1], live=(0, 0))).costs
+             for j in range(per_block - 1)]
     carry = _edge(rng, Node("a", template[-1], live=(0, 0)), Node("b", template[0], live=(0, 0))).costs
     n = depth * per_block + 2
     embed = Node("embed", _options(rng, 8, param=True), live=(0, 2 * n - 1))
@@ -112,8 +113,8 @@ def _print(row: dict) -> None:
         print(f"{row['case']:>10} {row['nodes']:>6} {row['backend']:>6} {'':>6} {row['status']:>9} "
               f"total {row['total_s']:.1f}s  {row['error']}", flush=True)
         return
-    print(f"{row['case']:>10} {row['nodes']:>6} {row['backend']:>6} {row['budget']:>6} {row['status']:>9} {row['groups']:>6} "
-          f"{row['vars']:>7} {row['rows']:>7} {row['simplify_s']:>7.2f} {row['build_s']:>7.2f} "
+    print(f"{row['case']:>10} {row['nodes']:>6} {row['backend']:>6} {row['budget']:>6} {row['status']:>9} "
+          f"{row['groups']:>6} {row['vars']:>7} {row['rows']:>7} {row['simplify_s']:>7.2f} {row['build_s']:>7.2f} "
           f"{row['lp_s']:>7.2f} {row['solve_s']:>7.2f} {row['total_s']:>7.2f} {row['objective']:>10.5f} "
           f"{row['lp_bound']:>10.5f} {row['gap']:>7.2%}", flush=True)
 

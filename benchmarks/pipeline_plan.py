@@ -213,7 +213,8 @@ def _autopar_case(name, n, todo, model, seq, batch, options, args) -> dict:
 
     def skipped(cfg, floor, incumbent):
         out[cfg] = (Row(name, n, *cfg, "autopar", None, "", 0.0, "",
-                        f"pruned: floor {floor * 1e3:.1f} ms/step >= best {incumbent * 1e3:.1f}", floor=floor), staged[cfg])
+                        f"pruned: floor {floor * 1e3:.1f} ms/step >= best {incumbent * 1e3:.1f}", floor=floor),
+                    staged[cfg])
 
     in_bound_order({c: (-math.inf if args.exhaustive else f) for c, f in floors.items()}, search,
                    step_of=lambda r: r.step_s, skipped=skipped)

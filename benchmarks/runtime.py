@@ -293,7 +293,8 @@ def main(argv=None) -> dict:
           f"(target <= {TARGET}: {'met' if ratio <= TARGET else 'MISSED'}); median of per-round ratios "
           f"autopar / {best_name} = {paired:.3f}")
     record = {"bench": "runtime", "args": vars(args), "world": world, "device": r0["device"],
-              "median_s": med, "ratio_vs_best": ratio, "dtensor_ratio": dt_ratio, "dtensor_paired_ratio": dt_paired, "paired_ratio_vs_best": paired, "best": best_name, "first_loss": r0["first_loss"],
+              "median_s": med, "ratio_vs_best": ratio, "dtensor_ratio": dt_ratio, "dtensor_paired_ratio": dt_paired,
+              "paired_ratio_vs_best": paired, "best": best_name, "first_loss": r0["first_loss"],
               "comm": {k: r0["comm"][k] for k in r0["comm"]}, "load_start": load, "load_end": os.getloadavg()[0],
               "torch": torch.__version__}
     if args.out:

@@ -22,7 +22,9 @@ if TYPE_CHECKING:
     from autopar.layout.placement import TensorSpec
     from autopar.runtime.module import AutoParallelModule
 
-__all__ = ["GlobalBatchSampler", "make_dataloader", "batch_split", "input_shapes", "configure_for", "first_batch_inputs"]
+__all__ = [
+    "GlobalBatchSampler", "make_dataloader", "batch_split", "input_shapes", "configure_for", "first_batch_inputs",
+]
 
 
 class GlobalBatchSampler(Sampler[list[int]]):

@@ -105,7 +105,8 @@ def _summary(report) -> str:
     items = [
         ("model", escape(p.model)), ("mesh", f"{escape(str(p.mesh))} ({p.mesh.num_devices} devices)"),
         ("step time", f"{fmt_ms(est.step_s)} = compute {fmt_ms(est.compute_s)} + communication "
-                      f"{fmt_ms(est.communication_s)} (in ops {fmt_ms(est.comm_s)}, resharding {fmt_ms(est.reshard_s)})"),
+                      f"{fmt_ms(est.communication_s)} (in ops {fmt_ms(est.comm_s)}, "
+                      f"resharding {fmt_ms(est.reshard_s)})"),
         ("peak memory", f"{fmt_bytes(est.peak_bytes)}{budget} per device"),
     ]
     if p.recompute:
@@ -131,8 +132,12 @@ def _layers(report) -> str:
                         f'<td class="num">{fmt_ms(sum(r.compute_s for r in group))}</td>'
                         f'<td class="num">{fmt_ms(sum(r.comm_s for r in group))}</td><td></td></tr>')
         for r in group:
-            name = ("&nbsp;&nbsp;" + escape(r.module[len(block):] or "(the block's own ops)")) if block else escape(r.module)
-            params = ", ".join(f"{escape(p.split(' ')[0])} {_spec(p.split(' ')[-1])}" for p in r.params.split(", ") if p)
+            if block:
+                name = "&nbsp;&nbsp;" + escape(r.module[len(block):] or "(the block's own ops)")
+            else:
+                name = escape(r.module)
+            params = ", ".join(f"{escape(p.split(' ')[0])} {_spec(p.split(' ')[-1])}"
+                               for p in r.params.split(", ") if p)
             rows.append(f"<tr><td><code>{name}</code></td><td class=num>{r.count}</td><td>{params or '-'}</td>"
                         f"<td><code>{escape(r.main_op)}</code></td><td><code>{escape(r.strategy)}</code></td>"
                         f"<td>{_spec(r.output)}</td><td class=num>{fmt_ms(r.compute_s)}</td>"

@@ -76,10 +76,11 @@ def schedule_svg(timeline: Timeline) -> str:
 def _stage_table(plan) -> str:
     rows = []
     for st, f in zip(plan.pipeline.stages, _figures(plan)):
-        rows.append(f"<tr><td class=num>{st.index}</td><td class=num>{st.rank}</td><td>{st.layers[0]}..{st.layers[1] - 1}"
-                    f"</td><td class=num>{len(st.nodes)}</td><td class=num>{fmt_ms(f['time_s'])}</td><td class=num>"
-                    f"{fmt_ms(f['p2p_s'])}</td><td class=num>{fmt_ms(f['sync_s'])}</td><td class=num>{f['in_flight']}"
-                    f"</td><td class=num>{fmt_bytes(f['peak_bytes'])}</td></tr>")
+        rows.append(f"<tr><td class=num>{st.index}</td><td class=num>{st.rank}</td>"
+                    f"<td>{st.layers[0]}..{st.layers[1] - 1}</td><td class=num>{len(st.nodes)}</td>"
+                    f"<td class=num>{fmt_ms(f['time_s'])}</td><td class=num>{fmt_ms(f['p2p_s'])}</td>"
+                    f"<td class=num>{fmt_ms(f['sync_s'])}</td><td class=num>{f['in_flight']}</td>"
+                    f"<td class=num>{fmt_bytes(f['peak_bytes'])}</td></tr>")
     return ('<table id="stages"><tr><th>stage</th><th>rank</th><th>blocks</th><th>nodes</th><th>per micro-batch</th>'
             '<th>p2p</th><th>gradient sync</th><th>in flight</th><th>peak</th></tr>' + "".join(rows) + "</table>")
 

@@ -73,7 +73,10 @@ def _summary(report) -> list[str]:
     if p.offload:
         lines += _offload(p)
     budget = p.budget_bytes
-    used = f"{fmt_bytes(est.peak_bytes)} of {fmt_bytes(budget)} budget ({est.peak_bytes / budget:.0%})" if budget else fmt_bytes(est.peak_bytes)
+    if budget:
+        used = f"{fmt_bytes(est.peak_bytes)} of {fmt_bytes(budget)} budget ({est.peak_bytes / budget:.0%})"
+    else:
+        used = fmt_bytes(est.peak_bytes)
     lines += [
         f"  step time      {fmt_ms(est.step_s)} = compute {fmt_ms(est.compute_s)} + communication "
         f"{fmt_ms(est.communication_s)} (in ops {fmt_ms(in_op)}, resharding {fmt_ms(est.reshard_s)})",

@@ -14,10 +14,10 @@ reduce_scatter   reduce-scatter P -> S(d)           all-gather
 to_partial       value on coordinate 0, else zeros  identity
 ===============  =================================  ==========================================
 
-The backward column follows the gradient-layout invariant (docs/architecture.md): a gradient arrives in the same layout as its
-forward value, except that the gradient of a ``P`` value is replicated. Under that invariant
-the gradient of a replicated value is the same on every rank, so the backward of an all-gather
-is a local split, not a reduce-scatter.
+The backward column follows the gradient-layout invariant (docs/architecture.md): a gradient
+arrives in the same layout as its forward value, except that the gradient of a ``P`` value is
+replicated. Under that invariant the gradient of a replicated value is the same on every rank,
+so the backward of an all-gather is a local split, not a reduce-scatter.
 
 Local pieces are indexed by mesh coordinate: for a dim sharded by several axes, the lower axis
 index is the major digit (``TensorSpec.local_slices``). ``distribute`` places a ``P`` value on

@@ -3,10 +3,11 @@
 Used by tests, ``make demo`` and ``profile-mesh --local N``. Processes start with the ``fork``
 method (about 0.04 s per launch against about 4 s with ``spawn``), so ``fn`` may be a closure
 or a test-local function. Each child initialises the default process group (gloo on CPU),
-calls ``fn(rank, world_size, *args, **kwargs)`` and sends its return value back (plain-pickled, so tensors are fine); the parent
-returns the values in rank order, or raises ``RuntimeError`` carrying the first failing rank's
-traceback. A child that hangs (a mismatched collective) is killed after ``timeout`` seconds in
-all; one that dies without reporting (killed, a native crash) fails the run within a few seconds.
+calls ``fn(rank, world_size, *args, **kwargs)`` and sends its return value back (plain-pickled,
+so tensors are fine); the parent returns the values in rank order, or raises ``RuntimeError``
+carrying the first failing rank's traceback. A child that hangs (a mismatched collective) is
+killed after ``timeout`` seconds in all; one that dies without reporting (killed, a native
+crash) fails the run within a few seconds.
 """
 
 from __future__ import annotations
@@ -126,7 +127,7 @@ def run_local(
     if failure is not None:
         rank, tb = failure
         # A rank that died silently is usually the cause of the others' collective errors.
-        dead = [f"rank {r} of {world_size} exited with code {p.exitcode} without reporting; " for r, p in enumerate(procs)
-                if r != rank and r not in results and p.exitcode not in (None, 0, -9)]
+        dead = [f"rank {r} of {world_size} exited with code {p.exitcode} without reporting; "
+                for r, p in enumerate(procs) if r != rank and r not in results and p.exitcode not in (None, 0, -9)]
         raise RuntimeError(f"{''.join(dead)}rank {rank} of {world_size} failed:\n{tb}")
     return [results[r] for r in range(world_size)]

@@ -155,13 +155,15 @@ register(aten.to.dtype, samples=lambda: [Sample((rand(4, 8), torch.float64)),
                                          Sample((rand(4, 8) * 10, torch.int32), label="to-int"),
                                          Sample((rand(4, 8) * 10, torch.float16), label="narrowing")])(
     _elementwise_rule(partial=True))
-register(aten.to.dtype_layout, samples=_cast_samples(layout=torch.strided, device=_CPU))(_elementwise_rule(partial=True))
+register(aten.to.dtype_layout, samples=_cast_samples(layout=torch.strided, device=_CPU))(
+    _elementwise_rule(partial=True))
 register(aten._to_copy.default, samples=_cast_samples())(_elementwise_rule(partial=True))
 register(aten.to.device, samples=lambda: [Sample((rand(4, 8), _CPU, torch.float64))])(_elementwise_rule(partial=True))
 # Elementwise random draws (Dropout1d/2d/3d's mask, alpha dropout): each rank draws its shard's
 # numbers; the samples use p in {0, 1}, where the draw is deterministic.
 register(aten.bernoulli.p, samples=lambda: [Sample((rand(4, 8), 0.0), label="p=0", no_grad=("self",)),
-                                            Sample((rand(4, 8), 1.0), label="p=1", no_grad=("self",))])(_elementwise_rule(partial=False))
+                                            Sample((rand(4, 8), 1.0), label="p=1", no_grad=("self",))])(
+    _elementwise_rule(partial=False))
 register(aten.dropout.default, samples=lambda: [Sample((rand(4, 8), 0.0, True), label="p=0"),
                                                 Sample((rand(4, 8, 4), 0.5, False), label="eval")])(
     _elementwise_rule(partial=False))

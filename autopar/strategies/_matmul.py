@@ -42,7 +42,7 @@ def einsum_options(info: OpInfo, factors: dict[str, str], out: str, *,
         meta = info.input(name)
         if meta is not None:
             labels[name] = out[len(out) - meta.ndim:] if meta.ndim else ""
-    present = {n: l for n, l in labels.items() if info.input(n) is not None}
+    present = {n: label for n, label in labels.items() if info.input(n) is not None}
     out_sizes = dict(zip(out, info.output.shape))
     options = []
     for d, label in enumerate(out):

@@ -101,7 +101,8 @@ def _extremum_rule(info: OpInfo) -> list[AxisOption]:
     return reduction_options(info, reduced_split=None, linear=False)
 
 
-register(aten.sum.dim_IntList, samples=lambda: _dim_samples() + [Sample((randbool(4, 8), [1]), label="bool")])(_sum_rule)
+register(aten.sum.dim_IntList,
+         samples=lambda: _dim_samples() + [Sample((randbool(4, 8), [1]), label="bool")])(_sum_rule)
 register(aten.sum.default, samples=_full_samples)(_sum_rule)
 register(aten.mean.dim, samples=_dim_samples)(_mean_rule)
 register(aten.mean.default, samples=_full_samples)(_mean_rule)

@@ -283,7 +283,8 @@ def _passes(info: OpInfo, option: AxisOption) -> bool:
         ref = reference(info.target, sample)
         mesh = MeshSpec.preset("cpu", (2,))
         entry = _entry(info.target, lambda _: [option], "dtensor")
-        strategies = build_strategies(ref[0], mesh, entry, [[normalise_option(ref[0], option)]], (0.0, 0.0), fallback=False)
+        strategies = build_strategies(ref[0], mesh, entry, [[normalise_option(ref[0], option)]], (0.0, 0.0),
+                                      fallback=False)
         if not strategies:
             return False  # uneven on an axis of 2: cannot be checked here
         check_strategy(info.target, sample, strategies[0], (2,), ref=ref)

@@ -90,7 +90,8 @@ def values_needing_grad(traced: TracedGraph) -> set[str]:
                 out.add(node)
         elif node.op == "call_function" and not out.isdisjoint(node.all_input_nodes):
             val = node.meta.get("val")
-            if any(isinstance(v, torch.Tensor) and v.is_floating_point() for v in (val if isinstance(val, (tuple, list)) else (val,))):
+            vals = val if isinstance(val, (tuple, list)) else (val,)
+            if any(isinstance(v, torch.Tensor) and v.is_floating_point() for v in vals):
                 out.add(node)
     return {node.name for node in out}
 

@@ -3,9 +3,10 @@
 The policy is what ``model.to(bf16)`` computes, with fp32 master weights:
 
 - every fp32 parameter gets ONE cast node (``aten._to_copy(w, dtype=low)``) just before its first
-  use; all its uses read the cast (pipelines: one per reading module, ``param_casts``). The planner lays the cast out like any op, so a sharded weight
-  is cast on its shard *before* a gather and collectives move 2-byte data. Its backward hands an
-  fp32 gradient to the master weight. Float inputs are cast the same way;
+  use; all its uses read the cast (pipelines: one per reading module, ``param_casts``). The
+  planner lays the cast out like any op, so a sharded weight is cast on its shard *before* a
+  gather and collectives move 2-byte data. Its backward hands an fp32 gradient to the master
+  weight. Float inputs are cast the same way;
 - casts that were no-ops in the fp32 trace stand for an explicit upcast (``x.to(torch.float32)``
   before RMSNorm's variance: kept, the region computes in fp32) when they now meet a 2-byte
   value, and for "back to the model's dtype" (``h.to(input_dtype)``: now the compute dtype) when

@@ -138,8 +138,9 @@ def _train_and_save(rank, world, model, dataset, path, budget):
         if step == STEPS + 1:
             break
     final = {k: v.clone() for k, v in pm.full_state_dict().items()}
-    return {"losses": losses, "lrs": lrs, "hyper": hyper, "final": final, "pieces": pieces, "local_inputs": pm.local_inputs,
-            "sharded": sharded_names(pm), "specs": {k: str(v) for k, v in pm.input_specs.items()}}
+    return {"losses": losses, "lrs": lrs, "hyper": hyper, "final": final, "pieces": pieces,
+            "local_inputs": pm.local_inputs, "sharded": sharded_names(pm),
+            "specs": {k: str(v) for k, v in pm.input_specs.items()}}
 
 
 def _load_and_step(rank, world, model, dataset, path, budget):

@@ -157,8 +157,8 @@ def _fp16(rank, world, model, inputs, path):
         failed = None
     except (OSError, RuntimeError) as exc:
         failed = str(exc)
-    return {"failed": failed, "scale": bopt.scaler.get_scale(), "skipped": skipped, "applied": applied, "scaled_finite": bool(scaled.isfinite().all()),
-            "loss": loss.item(), "formats": formats}
+    return {"failed": failed, "scale": bopt.scaler.get_scale(), "skipped": skipped, "applied": applied,
+            "scaled_finite": bool(scaled.isfinite().all()), "loss": loss.item(), "formats": formats}
 
 
 @pytest.mark.timeout(150)

@@ -52,7 +52,8 @@ def _specs(shape, mesh_shape):
 def _cases():
     for mesh_shape in MESHES:
         for shape in SHAPES:
-            yield pytest.param(mesh_shape, shape, id=f"mesh{'x'.join(map(str, mesh_shape))}-shape{'x'.join(map(str, shape))}")
+            yield pytest.param(mesh_shape, shape,
+                               id=f"mesh{'x'.join(map(str, mesh_shape))}-shape{'x'.join(map(str, shape))}")
 
 
 # ------------------------------------------------------------------------- reference routes
@@ -255,7 +256,8 @@ def test_named_shortcuts(mesh_shape):
     naive = plan_conversion("S0", "R", shape, 2, mesh).total_s + plan_conversion("R", "S1", shape, 2, mesh).total_s
     assert a2a.total_s < naive
     rs = plan_conversion("P", "S0", shape, 2, mesh)
-    assert rs.total_s < plan_conversion("P", "R", shape, 2, mesh).total_s + plan_conversion("R", "S0", shape, 2, mesh).total_s
+    assert rs.total_s < (plan_conversion("P", "R", shape, 2, mesh).total_s
+                         + plan_conversion("R", "S0", shape, 2, mesh).total_s)
 
 
 def test_costs_backward_duals_and_peak_bytes():

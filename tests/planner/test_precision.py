@@ -25,7 +25,8 @@ def test_a_trace_and_options_must_agree_on_precision():
     traced = trace(model, inputs, precision="bf16")
     with pytest.raises(ValueError, match="traced for bf16 compute but the options ask for fp32"):
         plan_traced(traced, profile(traced), mesh=(2,))
-    assert plan_traced(traced, profile(traced), mesh=(2,), options=PlanOptions(precision="bf16")).plan.precision == "bf16"
+    assert plan_traced(traced, profile(traced), mesh=(2,),
+                       options=PlanOptions(precision="bf16")).plan.precision == "bf16"
 
 
 @pytest.fixture(scope="module")

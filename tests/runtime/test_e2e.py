@@ -103,7 +103,8 @@ def check_module(label: str, pm, inputs: dict, ref: dict) -> list[str]:
             loss_of(pm(**inputs)).backward()
         norm = torch.nn.utils.clip_grad_norm_(pm.parameters(), MAX_NORM)
         norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
-        errors += compare(label, f"global gradient norm at step {step}", norm, torch.tensor(ref["norms"][step], dtype=norm.dtype))
+        errors += compare(label, f"global gradient norm at step {step}", norm,
+                          torch.tensor(ref["norms"][step], dtype=norm.dtype))
         opt.step()
     state = pm.full_state_dict()
     if set(state) != set(ref["state"]):

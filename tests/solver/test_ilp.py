@@ -144,7 +144,8 @@ def _repeated_chain(depth, budget=None):
     """Identical blocks of 4 ops; block d's first op also feeds block d+1's first op (a residual
     stream) with free resharding between equal layouts, so a uniform plan is optimal."""
     rng = random.Random(3)
-    template = [tuple(_opt(f"L{j}", rng.uniform(0.1, 1.0), act=rng.choice([10, 40])) for j in range(3)) for _ in range(4)]
+    template = [tuple(_opt(f"L{j}", rng.uniform(0.1, 1.0), act=rng.choice([10, 40])) for j in range(3))
+                for _ in range(4)]
     inner = [[[0.0 if s == t else rng.uniform(0.1, 0.5) for t in range(3)] for s in range(3)] for _ in range(3)]
     residual = [[0.0 if s == t else 0.3 for t in range(3)] for s in range(3)]
     nodes, edges, T = [], [], 8 * depth

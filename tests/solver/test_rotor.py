@@ -373,8 +373,11 @@ def periodic_chain(num_blocks: int, *, head: int = 1, tail: int = 1, seed: int =
     rng = random.Random(seed)
     block = random_chain(rng, 3)
     edge = random_chain(rng, head + tail)
-    pick = lambda c, idx: [c.fwd_time_s[idx], c.bwd_time_s[idx], c.output_bytes[idx], c.saved_bytes[idx],
-                           c.fwd_tmp_bytes[idx], c.bwd_tmp_bytes[idx]]
+
+    def pick(c, idx):
+        return [c.fwd_time_s[idx], c.bwd_time_s[idx], c.output_bytes[idx], c.saved_bytes[idx],
+                c.fwd_tmp_bytes[idx], c.bwd_tmp_bytes[idx]]
+
     stages = [pick(edge, i) for i in range(head)] + [pick(block, i % 3) for i in range(3 * num_blocks)] + \
         [pick(edge, head + i) for i in range(tail)]
     cols = list(zip(*stages))

@@ -100,7 +100,8 @@ def test_highs_hanging_after_a_plan_returns_that_plan_at_the_limit(monkeypatch):
     sol, took = _timed_solve(_hard(), solver="highs")
     assert T <= took <= HARD_FACTOR * T + SLACK, took
     assert sol.status == "feasible" and sol.backend == "highs"
-    assert sol.objective >= best.objective - 1e-9 and _hard().evaluate(sol.choice).objective == pytest.approx(sol.objective)
+    assert (sol.objective >= best.objective - 1e-9
+            and _hard().evaluate(sol.choice).objective == pytest.approx(sol.objective))
     assert sol.lp_bound <= sol.dual_bound <= sol.objective
     assert sol.gap == pytest.approx((sol.objective - sol.dual_bound) / sol.objective) and sol.gap > 0
 
@@ -122,7 +123,10 @@ def test_highs_hanging_in_the_search_falls_back_to_cbc_in_the_slack(monkeypatch)
     # The LP relaxation is fine; the MIP search hangs with no plan: CBC gets the last 7% of T.
     small = _hard(6, 3, seed=1)  # a fractional LP relaxation: the search runs
     best = solve(small)
-    hang_search = lambda prob, report, **kw: ilp._solve_highs(prob, report, **kw) if kw["relax"] else _hang()
+
+    def hang_search(prob, report, **kw):
+        return ilp._solve_highs(prob, report, **kw) if kw["relax"] else _hang()
+
     monkeypatch.setitem(ilp.CHILD_SOLVERS, "highs", hang_search)
     sol, took = _timed_solve(small, solver="highs")
     assert T <= took <= HARD_FACTOR * T + SLACK, took

@@ -354,7 +354,8 @@ SAMPLES: list[tuple[str, str, Recipe]] = [
                                                    [x(4, 8), x(4, 8), x(4, 8)])),
     ("CTCLoss", "", lambda: (Compose(nn.CTCLoss(), _ctc), [
         x(12, 4, 6), torch.randint(1, 6, (4, 4)), tgt(torch.full((4,), 12)), tgt(torch.tensor([4, 3, 4, 2]))])),
-    ("CTCLoss", "int_lengths", lambda: (Compose(nn.CTCLoss(), _ctc_int_lengths), [x(12, 4, 6), torch.randint(1, 6, (4, 4))])),
+    ("CTCLoss", "int_lengths", lambda: (Compose(nn.CTCLoss(), _ctc_int_lengths),
+                                        [x(12, 4, 6), torch.randint(1, 6, (4, 4))])),
     ("LinearCrossEntropyLoss", "", lambda: (nn.LinearCrossEntropyLoss(8, 16), [x(4, 8), idx(16, 4)])),
     ("AdaptiveLogSoftmaxWithLoss", "", lambda: (nn.AdaptiveLogSoftmaxWithLoss(8, 16, [4, 8]),
                                                 [x(4, 8), idx(16, 4)])),

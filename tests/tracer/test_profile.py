@@ -10,7 +10,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from autopar.tracer import profile, trace
 
 M, K, N, P, R = 8, 12, 16, 20, 6
-B, C, O, H, W = 2, 3, 4, 10, 10
+B, C, OC, H, W = 2, 3, 4, 10, 10  # OC: output channels
 
 
 class FlopNet(nn.Module):
@@ -20,7 +20,7 @@ class FlopNet(nn.Module):
         self.fc2 = nn.Linear(N, P, bias=False)
         self.w = nn.Parameter(torch.randn(P, R))
         self.w3 = nn.Parameter(torch.randn(2, R, P))
-        self.conv = nn.Conv2d(C, O, 3, padding=1)
+        self.conv = nn.Conv2d(C, OC, 3, padding=1)
 
     def forward(self, x, img):
         h = self.fc2(self.fc1(x))                    # addmm, then linear without bias
@@ -59,7 +59,7 @@ def test_matmul_and_conv_flops_equal_closed_forms(flopnet):
     assert fc2.bwd_flops == 4 * M * N * P         # input grad + weight grad
     assert mm.fwd_flops == 2 * M * P * R and mm.bwd_flops == 4 * M * P * R
     assert bmm.fwd_flops == 2 * M * R * P and bmm.bwd_flops == 4 * M * R * P
-    conv_flops = 2 * B * O * H * W * C * 3 * 3
+    conv_flops = 2 * B * OC * H * W * C * 3 * 3
     assert conv.fwd_flops == conv_flops and conv.bwd_flops == conv_flops  # weight grad only
     assert prof.fwd_flops == sum(p.fwd_flops for p in prof.nodes)
 

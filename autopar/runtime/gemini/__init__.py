@@ -46,8 +46,8 @@ all-gathered from the updated shards after each step (``chunk``, ``manager.gathe
 
 ZeRO chunks are never sharded ZeRO-3 style too (``shard_param_frac`` skips them).
 
-Not yet: sharding under the auto and planned policies; the CUDA path (side-stream prefetch, pinned memory, host ``.grad``
-views, all-gathers on the compute stream) has not run on a GPU.
+Not yet: sharding under the auto and planned policies; the CUDA path (side-stream prefetch,
+pinned memory, host ``.grad`` views, all-gathers on the compute stream) has not run on a GPU.
 """
 
 from __future__ import annotations
@@ -70,9 +70,10 @@ from autopar.runtime.gemini.policies import (AutoPolicy, PlannedPolicy, StaticPo
 from autopar.runtime.gemini.shards import check_same_chunks
 from autopar.runtime.gemini.state import install as install_state
 
-__all__ = ["wrap", "attach", "attach_planned", "Gemini", "GeminiOptimizer", "StaticPolicy", "AutoPolicy", "PlannedPolicy", "policy_from_plan",
-           "ChunkRange", "make_policy",
-           "search_chunk_size", "Ledger", "Chunk", "DEVICE", "HOST"]
+__all__ = [
+    "wrap", "attach", "attach_planned", "Gemini", "GeminiOptimizer", "StaticPolicy", "AutoPolicy", "PlannedPolicy",
+    "policy_from_plan", "ChunkRange", "make_policy", "search_chunk_size", "Ledger", "Chunk", "DEVICE", "HOST",
+]
 
 _KIND_OF = {torch.optim.AdamW: "adamw", torch.optim.Adam: "adam"}
 

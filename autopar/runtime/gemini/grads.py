@@ -26,10 +26,11 @@ the ``()`` one), and each accumulator is reduce-scattered over its partial axes 
 has had its ``gemini_use`` backward (``done``: all of its contributions are in; known from the
 first pass on), or as soon as the chunk has received as many contributions as it did in the
 previous backward pass (the arrival order is the autograd engine's, the same on every rank of
-the group), so about one chunk's whole gradient is alive at a time, as in ZeRO-3. Whatever is left -- the first pass, a pass that differs -- is reduce-scattered at the
-end of the backward pass (an autograd engine callback, chunks in index order); reduce-scatters
-are linear, so a chunk scattered in two rounds adds up to the same shard. ``GeminiOptimizer.zero_grad`` clears the
-shards (``clear_sharded``); ``module.zero_grad()`` cannot see them.
+the group), so about one chunk's whole gradient is alive at a time, as in ZeRO-3. Whatever is
+left -- the first pass, a pass that differs -- is reduce-scattered at the end of the backward
+pass (an autograd engine callback, chunks in index order); reduce-scatters are linear, so a
+chunk scattered in two rounds adds up to the same shard. ``GeminiOptimizer.zero_grad`` clears
+the shards (``clear_sharded``); ``module.zero_grad()`` cannot see them.
 """
 
 from __future__ import annotations
