@@ -19,8 +19,10 @@ setup: $(STAMP)
 demo: $(STAMP)
 	$(PY) -m autopar.cli.demo
 
+# The linter runs first ([tool.ruff] in pyproject.toml); a finding fails the target before pytest starts.
 # pytest exits 5 when it collects nothing; make propagates any non-zero status, so that fails too.
 test: $(STAMP)
+	$(PY) -m ruff check .
 	$(PY) -m pytest -q
 
 bench: $(STAMP)
