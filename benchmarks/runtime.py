@@ -273,7 +273,7 @@ def main(argv=None) -> dict:
     print(r0["plan"])
     print(f"  autopar graph communication: {r0['code_comm']}; planned in {r0['plan_s']:.1f} s; outputs: "
           f"{'HF outputs (full logits)' if args.full_outputs else 'loss only'}")
-    print(f"first losses: " + ", ".join(f"{k} {v:.6f}" for k, v in r0["first_loss"].items()))
+    print("first losses: " + ", ".join(f"{k} {v:.6f}" for k, v in r0["first_loss"].items()))
     print(f"{'impl':<10} {'median ms':>10} {'p25 ms':>8} {'p75 ms':>8}  collectives/step (rank 0)")
     for name, v in times.items():
         q = statistics.quantiles(v, n=4) if len(v) > 1 else [v[0]] * 3

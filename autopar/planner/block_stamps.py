@@ -29,7 +29,6 @@ import numpy as np
 
 from autopar.layout.blocks import block_of, split_block
 from autopar.planner.records import Decision, InputSlot
-from autopar.planner.segments import storage_base
 from autopar.plans import NodeKind
 from autopar.solver.problem import Node
 from autopar.tracer.depth import blocks_of

@@ -36,7 +36,6 @@ import dataclasses
 import itertools
 import math
 import operator
-from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Callable, Sequence
 

@@ -40,7 +40,7 @@ from autopar.runtime.counting import COLLECTIVE_KINDS, count_collectives, record
 from autopar.runtime.process_mesh import ProcessMesh
 from autopar.layout.conversion import ReshardStep, replicate_steps
 from autopar.layout.conversion import apply_step as reshard_apply_step
-from autopar.layout.placement import Partial, Shard, TensorSpec
+from autopar.layout.placement import TensorSpec
 
 __all__ = [
     "COLLECTIVE_KINDS",

@@ -19,7 +19,6 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
-import torch
 import torch.fx as fx
 
 from autopar.layout.blocks import split_block

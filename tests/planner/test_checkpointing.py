@@ -11,7 +11,6 @@ import pytest
 
 from autopar import zoo
 from autopar.api import PlanOptions
-from autopar.planner import checkpointing
 from autopar.planner.builder import build_problem
 from autopar.planner.checkpointing import (ChoiceCosts, estimate, plan_recompute, recompute_lower_bound,
                                            rotor_refine)

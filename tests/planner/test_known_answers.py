@@ -8,7 +8,6 @@ from torch import nn
 from autopar.api import plan
 from autopar.planner.baselines import BASELINES, ZERO_BASELINES
 from autopar.planner.builder import build_problem
-from autopar.planner.options import PlanOptions
 from autopar.layout.cost import collective_seconds
 from autopar.layout.mesh import MeshSpec
 from autopar.solver.driver import solve

@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-import torch.fx as fx
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.flop_counter import FlopCounterMode
