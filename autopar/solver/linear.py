@@ -41,48 +41,64 @@ class LinearProgram:
         self.name = name
         self.constant = 0.0
         self.values: np.ndarray | None = None
-        self._lower: list[np.ndarray] = []
-        self._upper: list[np.ndarray] = []
-        self._integer: list[np.ndarray] = []
+        # Plain lists while building (a row or column appended costs a list extend, not an
+        # array), made arrays once by ``arrays()``.
+        self._lower: list[float] = []
+        self._upper: list[float] = []
+        self._integer: list[bool] = []
         self._cost_cols: list[np.ndarray] = []
         self._cost_vals: list[np.ndarray] = []
-        self._row_len: list[np.ndarray] = []
-        self._row_idx: list[np.ndarray] = []
-        self._row_val: list[np.ndarray] = []
-        self._row_lo: list[np.ndarray] = []
-        self._row_hi: list[np.ndarray] = []
+        self._row_len: list[int] = []
+        self._row_idx: list[int] = []
+        self._row_val: list[float] = []
+        self._row_lo: list[float] = []
+        self._row_hi: list[float] = []
         self.num_columns = 0
         self.num_rows = 0
         self._frozen: dict | None = None
+
+    def __getstate__(self) -> dict:
+        """Once built, a child (``autopar.solver.watchdog``'s worker) needs the arrays only."""
+        state = dict(self.__dict__)
+        if self._frozen is not None:
+            for key in ("_lower", "_upper", "_integer", "_cost_cols", "_cost_vals", "_row_len", "_row_idx",
+                        "_row_val", "_row_lo", "_row_hi"):
+                state[key] = []
+        return state
 
     # ------------------------------------------------------------------------- building
     def add_columns(self, n: int, *, lower: float = 0.0, upper: float = INF, integer: bool = False) -> np.ndarray:
         """``n`` new columns with these bounds; returns their indices."""
         cols = np.arange(self.num_columns, self.num_columns + n, dtype=np.int64)
-        self._lower.append(np.full(n, lower, dtype=float))
-        self._upper.append(np.full(n, upper, dtype=float))
-        self._integer.append(np.full(n, integer, dtype=bool))
+        self._lower += [float(lower)] * n
+        self._upper += [float(upper)] * n
+        self._integer += [bool(integer)] * n
         self.num_columns += n
         self._frozen = None
         return cols
 
     def add_column(self, *, lower: float = 0.0, upper: float = INF, integer: bool = False) -> int:
-        return int(self.add_columns(1, lower=lower, upper=upper, integer=integer)[0])
+        self._lower.append(float(lower))
+        self._upper.append(float(upper))
+        self._integer.append(bool(integer))
+        self.num_columns += 1
+        self._frozen = None
+        return self.num_columns - 1
 
     def add_binaries(self, n: int) -> list[int]:
         return self.add_columns(n, lower=0.0, upper=1.0, integer=True).tolist()
 
-    def add_rows(self, lengths: np.ndarray, index: np.ndarray, value: np.ndarray, *, lower, upper) -> None:
+    def add_rows(self, lengths, index, value, *, lower, upper) -> None:
         """Rows in CSR form: row ``i`` has ``lengths[i]`` entries, taken in turn from
         ``index``/``value`` (a column at most once per row); ``lower``/``upper``: per row, or
         one bound for all."""
-        lengths = np.asarray(lengths, dtype=np.int64)
+        lengths = list(lengths)
         n = len(lengths)
-        self._row_len.append(lengths)
-        self._row_idx.append(np.asarray(index, dtype=np.int64))
-        self._row_val.append(np.asarray(value, dtype=float))
-        self._row_lo.append(np.broadcast_to(np.asarray(lower, dtype=float), (n,)).copy())
-        self._row_hi.append(np.broadcast_to(np.asarray(upper, dtype=float), (n,)).copy())
+        self._row_len += lengths
+        self._row_idx += index.tolist() if isinstance(index, np.ndarray) else list(index)
+        self._row_val += value.tolist() if isinstance(value, np.ndarray) else list(value)
+        self._row_lo += np.broadcast_to(np.asarray(lower, dtype=float), (n,)).tolist()
+        self._row_hi += np.broadcast_to(np.asarray(upper, dtype=float), (n,)).tolist()
         self.num_rows += n
         self._frozen = None
 
@@ -94,7 +110,13 @@ class LinearProgram:
         for col, c in terms:
             acc[col] = acc.get(col, 0.0) + c
         cols = [k for k, c in acc.items() if c != 0.0]
-        self.add_rows([len(cols)], cols, [acc[k] for k in cols], lower=lower - const, upper=upper - const)
+        self._row_len.append(len(cols))
+        self._row_idx += cols
+        self._row_val += [acc[k] for k in cols]
+        self._row_lo.append(float(lower - const))
+        self._row_hi.append(float(upper - const))
+        self.num_rows += 1
+        self._frozen = None
 
     def add_objective(self, terms: Sequence[tuple[int, float]], const: float = 0.0) -> None:
         """Add ``const + sum(c * v[col])`` to the objective."""
@@ -121,17 +143,15 @@ class LinearProgram:
             cost = np.zeros(self.num_columns)
             if self._cost_cols:
                 np.add.at(cost, cat(self._cost_cols, np.int64), cat(self._cost_vals, float))
-            lengths = cat(self._row_len, np.int64)
+            lengths = np.array(self._row_len, dtype=np.int64)
             self._frozen = {
-                "cost": cost, "lower": cat(self._lower, float), "upper": cat(self._upper, float),
-                "integer": cat(self._integer, bool),
+                "cost": cost, "lower": np.array(self._lower, dtype=float),
+                "upper": np.array(self._upper, dtype=float), "integer": np.array(self._integer, dtype=bool),
                 "starts": np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64) if len(lengths) else
                 np.zeros(0, np.int64),
-                "index": cat(self._row_idx, np.int64), "value": cat(self._row_val, float),
-                "row_lower": cat(self._row_lo, float), "row_upper": cat(self._row_hi, float),
+                "index": np.array(self._row_idx, dtype=np.int64), "value": np.array(self._row_val, dtype=float),
+                "row_lower": np.array(self._row_lo, dtype=float), "row_upper": np.array(self._row_hi, dtype=float),
             }
-            # Later edits (``fixed``) change the frozen arrays in place; keep one chunk each.
-            self._lower, self._upper = [self._frozen["lower"]], [self._frozen["upper"]]
         return self._frozen
 
     def objective_value(self, values: np.ndarray) -> float:
@@ -157,22 +177,23 @@ class LinearProgram:
         return bool(np.all(act >= a["row_lower"] - tol) and np.all(act <= a["row_upper"] + tol))
 
     def set_bounds(self, col: int, *, lower: float, upper: float) -> None:
-        a = self.arrays()
-        a["lower"][col], a["upper"][col] = lower, upper
+        self._lower[col], self._upper[col] = float(lower), float(upper)
+        if self._frozen is not None:
+            self._frozen["lower"][col], self._frozen["upper"][col] = lower, upper
 
     @contextmanager
     def fixed(self, cols: Sequence[int]) -> Iterator[None]:
         """Within the block, columns ``cols`` are fixed at their current values, rounded (they
         are binaries)."""
-        a = self.arrays()
-        cols = np.asarray(cols, dtype=np.int64)
-        saved = a["lower"][cols].copy(), a["upper"][cols].copy()
-        vals = np.round(np.nan_to_num(self.values[cols] if self.values is not None else np.zeros(len(cols))))
-        a["lower"][cols] = a["upper"][cols] = vals
+        saved = [(self._lower[c], self._upper[c]) for c in cols]
+        for c in cols:
+            v = round(self.value(c))
+            self.set_bounds(c, lower=v, upper=v)
         try:
             yield
         finally:
-            a["lower"][cols], a["upper"][cols] = saved
+            for c, (low, up) in zip(cols, saved):
+                self.set_bounds(c, lower=low, upper=up)
 
     def to_pulp(self, *, relax: bool):
         """The model as a pulp ``LpProblem`` (CBC reads it), columns ``c<i>`` in index order."""
