@@ -72,14 +72,15 @@ from autopar.strategies.registry import (
 )
 
 # Rule families, imported for their registrations.
-_FAMILIES = ("_matmul", "_einsum", "_pointwise", "_attention", "_embedding", "_norm", "_loss",
+_FAMILIES = ("_matmul", "_einsum", "_pointwise", "_attention", "_embedding", "_embedding_bag", "_norm", "_loss",
              "_loss_elementwise", "_loss_margin", "_distance", "_view", "_index", "_scatter", "_sort",
              "_reduction", "_factory", "_conv", "_pool", "_rnn", "_resample", "_moe", "_misc")
 for _name in _FAMILIES:
     importlib.import_module(f"{__name__}.{_name}")
 
 __all__ = [
-    "strategies_for", "enumerate_strategies", "FixedAxis", "axis_placements", "estimate_flops", "Strategy", "AxisOption", "OpInfo",
+    "strategies_for", "enumerate_strategies", "FixedAxis", "axis_placements", "estimate_flops", "Strategy",
+    "AxisOption", "OpInfo",
     "TensorMeta", "InputSlot", "Sample", "RuleEntry", "LocalKernel", "NoRuleError", "Comm",
     "KernelContext", "register", "register_kernel", "get_rule", "get_kernel", "registered_targets",
     "input_nodes", "local_arguments", "needs_no_decision", "rule_for", "rule_source", "needs_decomposition",
