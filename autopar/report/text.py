@@ -73,7 +73,8 @@ def _summary(report) -> list[str]:
     if p.offload:
         lines += _offload(p)
     budget = p.budget_bytes
-    used = f"{fmt_bytes(est.peak_bytes)} of {fmt_bytes(budget)} budget ({est.peak_bytes / budget:.0%})" if budget else fmt_bytes(est.peak_bytes)
+    used = (f"{fmt_bytes(est.peak_bytes)} of {fmt_bytes(budget)} budget ({est.peak_bytes / budget:.0%})"
+            if budget else fmt_bytes(est.peak_bytes))
     lines += [
         f"  step time      {fmt_ms(est.step_s)} = compute {fmt_ms(est.compute_s)} + communication "
         f"{fmt_ms(est.communication_s)} (in ops {fmt_ms(in_op)}, resharding {fmt_ms(est.reshard_s)})",
@@ -175,9 +176,19 @@ def _baselines(report) -> list[str]:
     return out
 
 
+def _tables(report) -> list[str]:
+    rows = getattr(report, "tables", [])  # autopar.report.tables.TableRow
+    if not rows:
+        return []
+    body = [(r.module, f"{r.rows:,} x {r.dim}", r.mode, r.weight_spec, r.placement) for r in rows]
+    return (["embedding tables (one line per table: its placement per mesh axis)"]
+            + table(("table", "rows x dim", "pool", "layout", "placement"), body, right=(1,)))
+
+
 def render(report, *, layers: bool = True) -> str:
     sections = [_summary(report), _comm(report)]
     if layers:
         sections.append(_layers(report))
+    sections.append(_tables(report))
     sections.append(_baselines(report))
     return "\n\n".join("\n".join(s) for s in sections if s)
