@@ -2,10 +2,12 @@
 dot interaction, top MLP, BCE loss) trains exactly like the single-device model on (2,) and (2, 2),
 without the replicate fallback.
 
-Plans: the solver's own under a budget that forces the tables to be sharded, and two with every
-table's placement pinned on mesh axis 0 (``fixed``: the rest of the plan, and axis 1, are solved):
-all of TorchRec's placements as autopar expresses them -- row-wise (partial sums, partial max),
-column-wise and data-parallel -- on every pooling mode. Each rank checks the loss, every gradient,
+Plans: the solver's own under a budget that forces the tables to be sharded; three with each
+table's placement pinned on mesh axis 0 (``fixed``: the rest of the plan, and axis 1, are solved),
+mixing TorchRec's placements as autopar expresses them -- row-wise (partial sums, partial max),
+column-wise and data-parallel -- over every pooling mode; and every table family
+(``planner.table_families``: all tables row-wise, column-wise, data-parallel, dp x row-wise) on
+every axis at once. Each rank checks the loss, every gradient,
 the gradient norms and the state after clipped AdamW steps (``tests/runtime/test_e2e.check_module``).
 """
 
@@ -17,6 +19,7 @@ import torch
 from autopar import zoo
 from autopar.api import PlanOptions, plan_traced
 from autopar.layout.placement import Replicate, Shard
+from autopar.planner.table_families import TABLE_FAMILIES, table_family_plan
 from autopar.runtime.build import build_module
 from autopar.runtime.launch import run_local
 from autopar.strategies import needs_decomposition
@@ -63,7 +66,8 @@ def test_dlrm_trains_like_one_device(shape):
     model, inputs = zoo.build("dlrm", tiny=True, device="cpu")
     traced = trace(model, inputs, decompose_if=needs_decomposition)
     prof = profile(traced)
-    replicated = plan_traced(traced, prof, mesh=shape, options=PlanOptions()).plan
+    result = plan_traced(traced, prof, mesh=shape, options=PlanOptions())
+    replicated = result.plan
     assert not replicated.fallbacks
     tables = sum(p.numel() * p.element_size() for p in model.tables.parameters())
     # Ample for everything but the replicated tables: the solver must shard some of them.
@@ -76,6 +80,9 @@ def test_dlrm_trains_like_one_device(shape):
     for label, placements in PINNED.items():
         plan = plan_traced(traced, prof, mesh=shape, options=PlanOptions(), fixed=pin(placements)).plan
         plans.append((f"dlrm {shape} {label}: {tables_of(plan)}", plan))
+    for family in TABLE_FAMILIES:
+        plan = table_family_plan(traced, result.built, family)
+        plans.append((f"dlrm {shape} tables {family}: {tables_of(plan)}", plan))
     ref = reference(model, inputs)
     errors = run_local(_train, len(shape) * 2 if len(shape) == 2 else 2, model, traced, plans, inputs, ref,
                        timeout=300)

@@ -1,0 +1,75 @@
+"""Embedding-table placement families: the best plan when every table is placed one given way.
+
+autopar places each table (each ``aten._embedding_bag``) as part of the one ILP; to show what that
+buys, a family pins every table's placement per mesh axis and leaves the rest of the model to the
+same solver, on the same built problem (``assemble.restricted_problem``: same options, costs and
+liveness, so the figures compare in one cost model). The families, in TorchRec's words
+(``autopar/strategies/_embedding_bag.py`` maps TorchRec's placements onto per-axis layouts):
+
+- ``row-wise``: every table ``Shard(0)`` on every axis (rows split over all devices, partial
+  pooled outputs reduced by their consumers);
+- ``column-wise``: every table ``Shard(1)`` on every axis -- the stand-in for table-wise, which is
+  not a per-axis placement (same bytes stored and moved per device, see the rule's docstring);
+- ``data-parallel``: every table replicated, each device pooling its slice of the batch;
+- ``dp x row-wise``: data-parallel over axis 0, row-wise over the others (TorchRec's
+  table-row-wise shape: rows split inside a node, the node's tables replicated across nodes).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.fx as fx
+
+from autopar.layout.placement import Placement, Replicate, Shard
+from autopar.plans import NodeKind
+
+__all__ = ["TABLE_FAMILIES", "table_roles", "table_restriction", "table_family_plan"]
+
+_BAG = torch.ops.aten._embedding_bag.default
+# Per-axis roles: (the table's placement, the pooled output's placement or None for any).
+_ROW, _COLUMN, _DATA = (Shard(0), None), (Shard(1), None), (Replicate(), Shard(0))
+TABLE_FAMILIES = ("row-wise", "column-wise", "data-parallel", "dp x row-wise")
+
+
+def table_roles(family: str, num_axes: int) -> tuple[tuple[Placement, Placement | None], ...]:
+    """Per mesh axis: where family ``family`` puts each table and its pooled output."""
+    roles = {"row-wise": _ROW, "column-wise": _COLUMN, "data-parallel": _DATA}
+    if family in roles:
+        return (roles[family],) * num_axes
+    if family == "dp x row-wise":
+        return (_DATA,) + (_ROW,) * (num_axes - 1)
+    raise ValueError(f"unknown table family {family!r}; known: {TABLE_FAMILIES}")
+
+
+def table_restriction(family: str, mesh_shape: tuple[int, ...]) -> Callable:
+    """``restricted_problem``'s ``restriction``: ``_embedding_bag`` options placing the table as
+    ``family`` says on every axis of size > 1 (an axis of size 1 holds every tensor whole);
+    every other decision keeps all its options."""
+    roles = table_roles(family, len(mesh_shape))
+
+    def allowed(kind: str, node: fx.Node, choice) -> bool:
+        if kind != NodeKind.OP or node.target is not _BAG:
+            return True
+        weight, out = choice.input_specs[0].placements, choice.output_specs[0].placements
+        return all(size == 1 or (weight[a] == w and (o is None or out[a] == o))
+                   for a, (size, (w, o)) in enumerate(zip(mesh_shape, roles)))
+
+    return allowed
+
+
+def table_family_plan(traced, built, family: str, *, solver: str = "auto", time_limit: float = 60.0):
+    """The best ``Plan`` of ``built`` with every table placed as ``family`` says. ValueError: some
+    table cannot be placed so (a dim that does not divide), or no such plan meets the budget."""
+    from autopar.planner.assemble import assemble_plan, restricted_problem
+    from autopar.planner.checkpointing import estimate
+    from autopar.solver.driver import SolveTimeout, solve
+
+    problem = restricted_problem(built, traced, table_restriction(family, built.mesh.shape), f"tables {family}")
+    try:
+        solution = solve(problem, solver=solver, time_limit=time_limit)
+    except SolveTimeout as exc:
+        raise ValueError(str(exc)) from exc
+    evaluation = estimate(built, problem, solution.choice, (), built.segment_inputs)
+    return assemble_plan(traced, built, choice=solution.choice, evaluation=evaluation, solution=solution)
