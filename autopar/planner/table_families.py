@@ -11,8 +11,14 @@ liveness, so the figures compare in one cost model). The families, in TorchRec's
 - ``column-wise``: every table ``Shard(1)`` on every axis -- the stand-in for table-wise, which is
   not a per-axis placement (same bytes stored and moved per device, see the rule's docstring);
 - ``data-parallel``: every table replicated, each device pooling its slice of the batch;
-- ``dp x row-wise``: data-parallel over axis 0, row-wise over the others (TorchRec's
-  table-row-wise shape: rows split inside a node, the node's tables replicated across nodes).
+- ``dp x row-wise``: data-parallel over axis 0, row-wise over the others (rows split inside a
+  node, every table replicated across nodes: the gradient all-reduce crosses nodes);
+- ``column x row-wise``: column-wise over axis 0, row-wise over the others -- the stand-in for
+  TorchRec's table-row-wise (each table on one node, rows split inside it), which, like
+  table-wise, places a table on some devices only.
+
+Each family also stores the table in the layout it looks it up in (a data-parallel table is
+replicated in memory, not sharded and gathered for every lookup).
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ __all__ = ["TABLE_FAMILIES", "table_roles", "table_restriction", "table_family_p
 _BAG = torch.ops.aten._embedding_bag.default
 # Per-axis roles: (the table's placement, the pooled output's placement or None for any).
 _ROW, _COLUMN, _DATA = (Shard(0), None), (Shard(1), None), (Replicate(), Shard(0))
-TABLE_FAMILIES = ("row-wise", "column-wise", "data-parallel", "dp x row-wise")
+TABLE_FAMILIES = ("row-wise", "column-wise", "data-parallel", "dp x row-wise", "column x row-wise")
 
 
 def table_roles(family: str, num_axes: int) -> tuple[tuple[Placement, Placement | None], ...]:
@@ -38,23 +44,31 @@ def table_roles(family: str, num_axes: int) -> tuple[tuple[Placement, Placement 
     roles = {"row-wise": _ROW, "column-wise": _COLUMN, "data-parallel": _DATA}
     if family in roles:
         return (roles[family],) * num_axes
-    if family == "dp x row-wise":
-        return (_DATA,) + (_ROW,) * (num_axes - 1)
+    if family in ("dp x row-wise", "column x row-wise"):
+        return ((_DATA if family.startswith("dp") else _COLUMN),) + (_ROW,) * (num_axes - 1)
     raise ValueError(f"unknown table family {family!r}; known: {TABLE_FAMILIES}")
 
 
 def table_restriction(family: str, mesh_shape: tuple[int, ...]) -> Callable:
     """``restricted_problem``'s ``restriction``: ``_embedding_bag`` options placing the table as
-    ``family`` says on every axis of size > 1 (an axis of size 1 holds every tensor whole);
-    every other decision keeps all its options."""
+    ``family`` says on every axis of size > 1 (an axis of size 1 holds every tensor whole), and
+    the table parameter stored in that layout; every other decision keeps all its options."""
     roles = table_roles(family, len(mesh_shape))
 
+    def placed(spec, out_spec=None) -> bool:
+        """``spec`` (and ``out_spec``, the pooled output, where given) as the roles say."""
+        def on(a: int, w, o) -> bool:
+            return spec.placements[a] == w and (o is None or out_spec is None or out_spec.placements[a] == o)
+        return all(size == 1 or on(a, w, o) for a, (size, (w, o)) in enumerate(zip(mesh_shape, roles)))
+
     def allowed(kind: str, node: fx.Node, choice) -> bool:
-        if kind != NodeKind.OP or node.target is not _BAG:
-            return True
-        weight, out = choice.input_specs[0].placements, choice.output_specs[0].placements
-        return all(size == 1 or (weight[a] == w and (o is None or out[a] == o))
-                   for a, (size, (w, o)) in enumerate(zip(mesh_shape, roles)))
+        if kind == NodeKind.OP and node.target is _BAG:
+            return placed(choice.input_specs[0], choice.output_specs[0])
+        if kind == NodeKind.PARAMETER and any(u.target is _BAG and u.args[0] is node for u in node.users):
+            # The table is also *stored* so (a replicated table is replicated in memory, as
+            # TorchRec's data-parallel keeps it, not sharded and gathered for each lookup).
+            return placed(choice.output_specs[0])
+        return True
 
     return allowed
 

@@ -177,7 +177,11 @@ def _baselines(report) -> list[str]:
 
 
 def _tables(report) -> list[str]:
-    rows = getattr(report, "tables", [])  # autopar.report.tables.TableRow
+    return render_tables(getattr(report, "tables", []))
+
+
+def render_tables(rows) -> list[str]:
+    """One line per embedding table (``autopar.report.tables.TableRow``); nothing without tables."""
     if not rows:
         return []
     body = [(r.module, f"{r.rows:,} x {r.dim}", r.mode, r.weight_spec, r.placement) for r in rows]
