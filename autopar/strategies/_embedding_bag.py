@@ -178,7 +178,17 @@ def _samples() -> list[Sample]:
         Sample((rand(16, 8), ids, offsets, False, MAX, False, None, False, 3), label="max-padding"),
         Sample((rand(16, 8), ids, last, False, SUM, False, psw, True, 3), label="psw-last-offset-padding"),
         Sample((rand(16, 8), ids, offsets, True, SUM), label="scale-grad-by-freq"),
+        Sample((_tied_rows(), torch.tensor([1, 13, 5, 2, 1, 13, 7, 8]), torch.tensor([0, 2, 4, 6]), False, MAX),
+               label="max-tie-across-ranks"),
     ]
+
+
+def _tied_rows() -> torch.Tensor:
+    """Rows 1 and 13 equal (different ranks on any row split): a partial max must count the tie
+    once, and bags 0 and 2 list row 1 first, so the lowest row is also the unsharded op's pick."""
+    weight = rand(16, 8)
+    weight[13] = weight[1]
+    return weight
 
 
 register(aten._embedding_bag.default, samples=_samples)(_embedding_bag)
