@@ -33,7 +33,7 @@ from autopar.plans import NodeKind
 
 __all__ = ["TABLE_FAMILIES", "table_roles", "table_restriction", "table_family_plan"]
 
-_BAG = torch.ops.aten._embedding_bag.default
+_BAGS = (torch.ops.aten._embedding_bag.default, torch.ops.aten._embedding_bag_forward_only.default)
 # Per-axis roles: (the table's placement, the pooled output's placement or None for any).
 _ROW, _COLUMN, _DATA = (Shard(0), None), (Shard(1), None), (Replicate(), Shard(0))
 TABLE_FAMILIES = ("row-wise", "column-wise", "data-parallel", "dp x row-wise", "column x row-wise")
@@ -62,9 +62,9 @@ def table_restriction(family: str, mesh_shape: tuple[int, ...]) -> Callable:
         return all(size == 1 or on(a, w, o) for a, (size, (w, o)) in enumerate(zip(mesh_shape, roles)))
 
     def allowed(kind: str, node: fx.Node, choice) -> bool:
-        if kind == NodeKind.OP and node.target is _BAG:
+        if kind == NodeKind.OP and node.target in _BAGS:
             return placed(choice.input_specs[0], choice.output_specs[0])
-        if kind == NodeKind.PARAMETER and any(u.target is _BAG and u.args[0] is node for u in node.users):
+        if kind == NodeKind.PARAMETER and any(u.target in _BAGS and u.args[0] is node for u in node.users):
             # The table is also *stored* so (a replicated table is replicated in memory, as
             # TorchRec's data-parallel keeps it, not sharded and gathered for each lookup).
             return placed(choice.output_specs[0])

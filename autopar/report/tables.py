@@ -15,7 +15,7 @@ from autopar.plans import Plan
 
 __all__ = ["TableRow", "embedding_tables", "torchrec_name"]
 
-_BAG = str(torch.ops.aten._embedding_bag.default)
+_BAGS = {str(torch.ops.aten._embedding_bag.default), str(torch.ops.aten._embedding_bag_forward_only.default)}
 _MODES = {0: "sum", 1: "mean", 2: "max"}
 
 
@@ -53,7 +53,7 @@ def embedding_tables(plan: Plan, traced) -> list[TableRow]:
     """One row per ``_embedding_bag`` decision of ``plan`` (graph order); ``traced``: its trace."""
     rows = []
     for n in plan.nodes:
-        if n.op != _BAG:
+        if n.op not in _BAGS:
             continue
         node = traced.node(n.name)
         rows_, dim = node.args[0].meta["val"].shape  # the schema's first argument: the table

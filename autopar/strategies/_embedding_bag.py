@@ -1,4 +1,5 @@
-"""Pooled embedding lookup (``nn.EmbeddingBag``): ``aten._embedding_bag``.
+"""Pooled embedding lookup (``nn.EmbeddingBag``): ``aten._embedding_bag`` (and its twin
+``_embedding_bag_forward_only``, what a table that takes no gradient is looked up with).
 
 ``_embedding_bag(weight (V, D), indices (N,), offsets (B,) or (B+1,), scale_grad_by_freq, mode,
 sparse, per_sample_weights (N,)?, include_last_offset, padding_idx)`` pools the rows of each bag
@@ -42,6 +43,8 @@ replicated strategy only.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 import torch.nn.functional as F
@@ -96,7 +99,8 @@ def embedding_bag_sharded(ctx: KernelContext, weight, indices, offsets, scale_gr
     psw = None if per_sample_weights is None else per_sample_weights[first:last][keep]
     # Padding entries are dropped above, so the local call has no padding index; a mean is a sum
     # divided by the bag's global count (another rank may hold some of its rows).
-    out, _, _, local_max_rows = aten._embedding_bag.default(
+    op = ctx.info.target  # _embedding_bag, or its forward-only twin for a frozen table
+    out, _, _, local_max_rows = op(
         weight, ids[keep] - lo, running[starts], scale_grad_by_freq, SUM if mode == MEAN else mode, sparse, psw,
         False, -1)
     max_indices = None
@@ -106,7 +110,7 @@ def embedding_bag_sharded(ctx: KernelContext, weight, indices, offsets, scale_gr
     elif mode == MAX:
         out, max_indices = _partial_max(ctx, out, local_max_rows + lo, (running[ends] - running[starts]) > 0,
                                         row_axes, num_rows)
-    offset2bag, bag_size, aux_max = _bookkeeping(weight, indices, offsets, mode, per_sample_weights,
+    offset2bag, bag_size, aux_max = _bookkeeping(op, weight, indices, offsets, mode, per_sample_weights,
                                                  include_last_offset, padding_idx)
     return out, offset2bag, bag_size, aux_max if max_indices is None else max_indices
 
@@ -132,14 +136,14 @@ def _partial_max(ctx: KernelContext, out, rows, has_local, row_axes, num_rows):
     return out.masked_fill(~won, 0.0), winner_rows
 
 
-def _bookkeeping(weight, indices, offsets, mode, per_sample_weights, include_last_offset, padding_idx):
+def _bookkeeping(op, weight, indices, offsets, mode, per_sample_weights, include_last_offset, padding_idx):
     """``offset2bag``, ``bag_size`` and ``max_indices`` of the unsharded call, exactly: they depend
     on the ids only through "is it the padding index", so the op runs on a 2-row table with ids
     0 (counted) / 1 (padding) -- no rows of the real table are touched."""
     with torch.no_grad():
         marker = (indices == padding_idx).long() if padding_idx >= 0 else torch.zeros_like(indices)
         psw = None if per_sample_weights is None else per_sample_weights.detach()
-        _, offset2bag, bag_size, max_indices = aten._embedding_bag.default(
+        _, offset2bag, bag_size, max_indices = op(
             weight.new_zeros(2, 1), marker, offsets, False, mode, False, psw, include_last_offset,
             1 if padding_idx >= 0 else -1)
     return offset2bag, bag_size, max_indices
@@ -191,4 +195,10 @@ def _tied_rows() -> torch.Tensor:
     return weight
 
 
+def _frozen_samples() -> list[Sample]:
+    # A table that takes no gradient (frozen) is looked up with _embedding_bag_forward_only.
+    return [dataclasses.replace(s, no_grad=("weight", "per_sample_weights")) for s in _samples()]
+
+
 register(aten._embedding_bag.default, samples=_samples)(_embedding_bag)
+register(aten._embedding_bag_forward_only.default, samples=_frozen_samples)(_embedding_bag)

@@ -38,10 +38,13 @@ PINNED = {
 }
 
 
+BAGS = (torch.ops.aten._embedding_bag.default, torch.ops.aten._embedding_bag_forward_only.default)
+
+
 def pin(placements):
     """``plan_traced``'s ``fixed``: table ``t``'s ``_embedding_bag`` placed ``placements[t]`` on axis 0."""
     def fixed(node):
-        if node.target is not torch.ops.aten._embedding_bag.default:
+        if node.target not in BAGS:
             return None
         weight, out = placements[int(module_path_of(node).rsplit(".", 1)[-1])]
         return 0, (weight, None, None), (out, None, None, None)
@@ -57,7 +60,7 @@ def _train(rank, world, model, traced, plans, inputs, ref):
 
 
 def tables_of(plan) -> dict[str, str]:
-    return {n.module: n.strategy for n in plan.nodes if n.op == str(torch.ops.aten._embedding_bag.default)}
+    return {n.module: n.strategy for n in plan.nodes if n.op in {str(op) for op in BAGS}}
 
 
 @pytest.mark.parametrize("shape", [(2,), (2, 2)])
@@ -86,5 +89,25 @@ def test_dlrm_trains_like_one_device(shape):
     ref = reference(model, inputs)
     errors = run_local(_train, len(shape) * 2 if len(shape) == 2 else 2, model, traced, plans, inputs, ref,
                        timeout=300)
+    flat = [e for rank_errors in errors for e in rank_errors]
+    assert not flat, "\n".join(flat[:20])
+
+
+def test_frozen_table_trains_like_one_device():
+    """A table that takes no gradient is looked up with ``_embedding_bag_forward_only``: the same
+    placements, on (2,), with the frozen table row-wise, column-wise and data-parallel."""
+    torch.manual_seed(0)
+    model, inputs = zoo.build("dlrm", tiny=True, device="cpu")
+    model.tables[2].weight.requires_grad_(False)  # the max-pooling table
+    traced = trace(model, inputs, decompose_if=needs_decomposition)
+    assert any(n.target is torch.ops.aten._embedding_bag_forward_only.default for n in traced.nodes)
+    prof = profile(traced)
+    plans = []
+    for label, placements in PINNED.items():
+        plan = plan_traced(traced, prof, mesh=(2,), options=PlanOptions(), fixed=pin(placements)).plan
+        assert not plan.fallbacks
+        plans.append((f"frozen table, {label}", plan))
+    ref = reference(model, inputs)
+    errors = run_local(_train, 2, model, traced, plans, inputs, ref, timeout=300)
     flat = [e for rank_errors in errors for e in rank_errors]
     assert not flat, "\n".join(flat[:20])
