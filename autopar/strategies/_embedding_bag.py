@@ -86,7 +86,8 @@ def embedding_bag_sharded(ctx: KernelContext, weight, indices, offsets, scale_gr
     lo, hi = ctx.local_range("weight", 0)
     row_axes = ctx.axes_sharding("weight", 0)
     out_meta = ctx.info.outputs[0]
-    b0, b1 = _slice_bounds(ctx.output_specs[0].local_slices(out_meta.shape, ctx.mesh_shape, ctx.coords())[0])
+    bags = ctx.output_specs[0].local_slices(out_meta.shape, ctx.mesh_shape, ctx.coords())[0]
+    b0, b1 = bags.start, bags.stop
     # bounds[b]:bounds[b+1] is bag b (the last bag runs to the end unless include_last_offset says).
     bounds = offsets if include_last_offset else torch.cat([offsets, offsets.new_full((1,), indices.shape[0])])
     first, last = int(bounds[b0]), int(bounds[b1])
@@ -113,10 +114,6 @@ def embedding_bag_sharded(ctx: KernelContext, weight, indices, offsets, scale_gr
     offset2bag, bag_size, aux_max = _bookkeeping(op, weight, indices, offsets, mode, per_sample_weights,
                                                  include_last_offset, padding_idx)
     return out, offset2bag, bag_size, aux_max if max_indices is None else max_indices
-
-
-def _slice_bounds(piece: slice) -> tuple[int, int]:
-    return piece.start, piece.stop
 
 
 def _partial_max(ctx: KernelContext, out, rows, has_local, row_axes, num_rows):
