@@ -10,7 +10,7 @@ Contract: ``build(name, ...) -> (model, inputs)`` where ``inputs`` is a kwargs d
 
 ``dlrm`` is the MLPerf DLRM on Criteo 1TB (26 tables of dim 128, published cardinalities and
 multi-hot sizes, global batch 65536), with DLRM's pairwise dot interaction; ``tiny=True`` gives 4
-small tables pooling by sum, mean, max and sum, with variable-length bags (empty ones included).
+small tables pooling by sum, mean, max and sum, over bags of random length (possibly empty).
 
 ``tiny=True`` keeps the family (same modules, same ops) at toy size: 2 layers, hidden 64,
 4 heads (Llama: 2 KV heads), vocab 128, small images, batch 4, seq 16, dropout 0 so that
@@ -122,7 +122,7 @@ CRITEO_1TB_BATCH = 65536  # MLPerf's global batch
 
 
 def dlrm_inputs(model: DLRM, *, batch: int, device: str) -> dict:
-    """Random valid inputs: ids below each table's size, bags of random lengths (some empty)."""
+    """Random valid inputs: ids below each table's size, bags of random lengths (possibly empty)."""
     num_dense = model.bottom[0].in_features
     dense = torch.randn(batch, num_dense, device=device)
     labels = torch.randint(0, 2, (batch,), device=device).float()
@@ -292,8 +292,8 @@ def build(
 ) -> tuple[nn.Module, dict]:
     """(model, inputs) for a zoo model; see the module docstring for sizes and devices.
 
-    ``num_layers`` overrides depth (transformer layers, MLP blocks, ResNet blocks per stage).
-    ``seq`` is ignored by the image models.
+    ``num_layers`` overrides depth (transformer layers, MLP blocks, ResNet blocks per stage; not
+    DLRM's). ``seq`` is ignored by the image models and DLRM.
     """
     if name not in _BUILDERS:
         raise ValueError(f"unknown zoo model {name!r}; known: {', '.join(NAMES)}")
