@@ -8,6 +8,10 @@ Contract: ``build(name, ...) -> (model, inputs)`` where ``inputs`` is a kwargs d
   the vocabulary size, class labels below the number of classes), deterministic under
   ``torch.manual_seed``. Intended for tiny configs in numerical tests.
 
+``dlrm`` is the MLPerf DLRM on Criteo 1TB (26 tables of dim 128, published cardinalities and
+multi-hot sizes, global batch 65536), with DLRM's pairwise dot interaction; ``tiny=True`` gives 4
+small tables pooling by sum, mean, max and sum, over bags of random length (possibly empty).
+
 ``tiny=True`` keeps the family (same modules, same ops) at toy size: 2 layers, hidden 64,
 4 heads (Llama: 2 KV heads), vocab 128, small images, batch 4, seq 16, dropout 0 so that
 numerical comparisons are exact. Every tiny size divides by 2 and 4, so sharding tests can split
@@ -24,7 +28,7 @@ from torch import nn
 
 NAMES: tuple[str, ...] = (
     "mlp", "gpt2", "gpt2-medium", "gpt2-xl", "bert-base",
-    "llama-1b", "llama-8b", "llama-70b", "vit-base", "resnet50",
+    "llama-1b", "llama-8b", "llama-70b", "vit-base", "resnet50", "dlrm",
 )
 
 _TINY_BATCH = 4
@@ -56,6 +60,92 @@ class MLP(nn.Module):
         logits = self.head(x)
         loss = F.cross_entropy(logits.reshape(-1, self.num_classes), labels.reshape(-1))
         return loss, logits
+
+
+class DLRM(nn.Module):
+    """DLRM (Naumov et al. 2019): a bottom MLP on the dense features, one ``nn.EmbeddingBag`` per
+    sparse feature, the pairwise dot products of the ``1 + T`` feature vectors, a top MLP, BCE loss.
+
+    ``forward(dense, indices, offsets, labels)``: ``dense`` (B, num_dense) floats; ``indices`` the
+    ids of every table back to back, table ``t`` owning ``B * hotness[t]`` of them (a static
+    slice); ``offsets`` (T, B) where each table's bags start within its own slice (bags may vary in
+    length and be empty, as in a jagged batch); ``labels`` (B,) in {0, 1}. Returns ``(loss, logits)``.
+    """
+
+    def __init__(self, *, num_dense: int, table_rows: tuple[int, ...], dim: int, bottom: tuple[int, ...],
+                 top: tuple[int, ...], hotness: tuple[int, ...], modes: tuple[str, ...] | None = None) -> None:
+        super().__init__()
+        if len(hotness) != len(table_rows):
+            raise ValueError(f"{len(table_rows)} tables but {len(hotness)} hotness values")
+        modes = modes or ("sum",) * len(table_rows)
+        self.bottom = _mlp((num_dense, *bottom, dim), last_relu=True)
+        self.tables = nn.ModuleList(nn.EmbeddingBag(rows, dim, mode=mode) for rows, mode in zip(table_rows, modes))
+        features = 1 + len(table_rows)
+        # Flat positions of the upper triangle (i < j) of the (F, F) dot-product matrix; a buffer,
+        # so that the graph indexes with a placeholder rather than a constant made inside forward.
+        rows, cols = torch.triu_indices(features, features, offset=1)
+        self.register_buffer("pairs", rows * features + cols, persistent=False)
+        self.top = _mlp((dim + len(rows), *top, 1), last_relu=False)
+        self.hotness = tuple(hotness)
+
+    def forward(self, dense: torch.Tensor, indices: torch.Tensor, offsets: torch.Tensor,
+                labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        batch = dense.shape[0]
+        x = self.bottom(dense)
+        pooled, start = [], 0
+        for t, table in enumerate(self.tables):
+            count = batch * self.hotness[t]
+            pooled.append(table(indices[start:start + count], offsets[t]))
+            start += count
+        features = torch.stack([x, *pooled], dim=1)  # (B, F, dim)
+        dots = torch.bmm(features, features.transpose(1, 2)).flatten(1)
+        logits = self.top(torch.cat([x, dots.index_select(1, self.pairs)], dim=1)).squeeze(1)
+        return F.binary_cross_entropy_with_logits(logits, labels), logits
+
+
+def _mlp(sizes: tuple[int, ...], *, last_relu: bool) -> nn.Sequential:
+    layers: list[nn.Module] = []
+    for i, (a, b) in enumerate(zip(sizes, sizes[1:])):
+        layers.append(nn.Linear(a, b))
+        if last_relu or i < len(sizes) - 2:
+            layers.append(nn.ReLU())
+    return nn.Sequential(*layers)
+
+
+# MLPerf Training's DLRM on Criteo 1TB (recommendation_v2/torchrec_dlrm in github.com/mlcommons/training,
+# its README's --num_embeddings_per_feature and --multi_hot_sizes): rows and ids per sample of each
+# of the 26 tables; embedding dim 128, dense arch 512-256-128, over arch 1024-1024-512-256-1.
+CRITEO_1TB_ROWS = (40000000, 39060, 17295, 7424, 20265, 3, 7122, 1543, 63, 40000000, 3067956, 405282, 10,
+                   2209, 11938, 155, 4, 976, 14, 40000000, 40000000, 40000000, 590152, 12973, 108, 36)
+CRITEO_1TB_HOTNESS = (3, 2, 1, 2, 6, 1, 1, 1, 1, 7, 3, 8, 1, 6, 9, 5, 1, 1, 1, 12, 100, 27, 10, 3, 1, 1)
+CRITEO_1TB_BATCH = 65536  # MLPerf's global batch
+
+
+def dlrm_inputs(model: DLRM, *, batch: int, device: str) -> dict:
+    """Random valid inputs: ids below each table's size, bags of random lengths (possibly empty)."""
+    num_dense = model.bottom[0].in_features
+    dense = torch.randn(batch, num_dense, device=device)
+    labels = torch.randint(0, 2, (batch,), device=device).float()
+    ids, offsets = [], []
+    for table, hot in zip(model.tables, model.hotness):
+        count = batch * hot
+        ids.append(torch.randint(0, table.num_embeddings, (count,), device=device))
+        if device == "meta":
+            offsets.append(torch.empty(batch, dtype=torch.long, device=device))
+        else:  # bag starts: sorted cut points of the table's ids, the first at 0
+            cuts = torch.sort(torch.randint(0, count + 1, (batch - 1,))).values
+            offsets.append(torch.cat([torch.zeros(1, dtype=torch.long), cuts]))
+    return {"dense": dense, "indices": torch.cat(ids), "offsets": torch.stack(offsets), "labels": labels}
+
+
+def _build_dlrm(*, tiny, batch, seq, num_layers, device):
+    if tiny:
+        model = DLRM(num_dense=16, table_rows=(32, 64, 16, 48), dim=8, bottom=(32,), top=(32,),
+                     hotness=(2, 3, 1, 4), modes=("sum", "mean", "max", "sum"))
+    else:
+        model = DLRM(num_dense=13, table_rows=CRITEO_1TB_ROWS, dim=128, bottom=(512, 256), top=(1024, 1024, 512, 256),
+                     hotness=CRITEO_1TB_HOTNESS)
+    return model, dlrm_inputs(model, batch=batch, device=device)
 
 
 def _pick(value: int | None, default: int) -> int:
@@ -191,6 +281,7 @@ _BUILDERS: dict[str, Callable] = {
     **{name: _llama(name) for name in _LLAMA_SIZES},
     "vit-base": _build_vit,
     "resnet50": _build_resnet,
+    "dlrm": _build_dlrm,
 }
 assert set(_BUILDERS) == set(NAMES)
 
@@ -201,8 +292,8 @@ def build(
 ) -> tuple[nn.Module, dict]:
     """(model, inputs) for a zoo model; see the module docstring for sizes and devices.
 
-    ``num_layers`` overrides depth (transformer layers, MLP blocks, ResNet blocks per stage).
-    ``seq`` is ignored by the image models.
+    ``num_layers`` overrides depth (transformer layers, MLP blocks, ResNet blocks per stage; not
+    DLRM's). ``seq`` is ignored by the image models and DLRM.
     """
     if name not in _BUILDERS:
         raise ValueError(f"unknown zoo model {name!r}; known: {', '.join(NAMES)}")
@@ -211,7 +302,7 @@ def build(
     for label, value in (("batch", batch), ("seq", seq), ("num_layers", num_layers)):
         if value is not None and value < 1:
             raise ValueError(f"{label} must be >= 1, got {value}")
-    batch = _pick(batch, _TINY_BATCH if tiny else _BATCH)
+    batch = _pick(batch, _TINY_BATCH if tiny else (CRITEO_1TB_BATCH if name == "dlrm" else _BATCH))
     seq = _pick(seq, _TINY_SEQ if tiny else (512 if name == "bert-base" else 1024))
     with torch.device(device):
         model, inputs = _BUILDERS[name](

@@ -84,3 +84,30 @@ def test_bad_arguments():
         zoo.build("gpt2", device="cuda:7")
     with pytest.raises(ValueError, match="batch must be >= 1, got 0"):
         zoo.build("gpt2", batch=0)
+
+
+def test_dlrm_is_mlperf_criteo_1tb_on_meta():
+    model, inputs = zoo.build("dlrm")
+    assert [t.num_embeddings for t in model.tables] == list(zoo.CRITEO_1TB_ROWS)
+    assert len(model.tables) == 26 and max(zoo.CRITEO_1TB_ROWS) == 40_000_000
+    assert {t.embedding_dim for t in model.tables} == {128} and {t.mode for t in model.tables} == {"sum"}
+    assert inputs["indices"].shape == (65536 * sum(zoo.CRITEO_1TB_HOTNESS),)
+    assert inputs["offsets"].shape == (26, 65536) and inputs["dense"].shape == (65536, 13)
+    assert model.top[0].in_features == 128 + 27 * 26 // 2  # the bottom output + the pairwise dots
+    assert all(p.device.type == "meta" for p in model.parameters())
+
+
+def test_tiny_dlrm_bags_are_jagged_and_valid():
+    torch.manual_seed(0)
+    model, inputs = zoo.build("dlrm", tiny=True, device="cpu")
+    offsets, start = inputs["offsets"], 0
+    for t, table in enumerate(model.tables):
+        count = 4 * model.hotness[t]
+        ids = inputs["indices"][start:start + count]
+        start += count
+        assert int(ids.max()) < table.num_embeddings and offsets[t, 0] == 0
+        assert bool((offsets[t, 1:] >= offsets[t, :-1]).all()) and int(offsets[t, -1]) <= count
+    assert start == inputs["indices"].numel()
+    loss, logits = model(**inputs)
+    loss.backward()
+    assert logits.shape == (4,) and all(p.grad is not None for p in model.parameters())

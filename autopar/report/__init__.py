@@ -6,10 +6,11 @@ from (``autopar.api.plan_model``: the built problem and the recompute plan behin
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from autopar.plans import Plan
 from autopar.report.analysis import CommRow, LayerRow, Timeline, comm_breakdown, layer_rows, memory_timeline
+from autopar.report.tables import TableRow, embedding_tables
 
 __all__ = ["Report", "build_report", "render_text", "render_html"]
 
@@ -21,6 +22,7 @@ class Report:
     timeline: Timeline
     layers: list[LayerRow]
     wall_s: float = 0.0  # end-to-end seconds of the command (set by the CLI)
+    tables: list[TableRow] = field(default_factory=list)  # embedding tables, one per _embedding_bag
 
 
 def build_report(plan: Plan, result) -> Report:
@@ -32,6 +34,7 @@ def build_report(plan: Plan, result) -> Report:
                             recomputed=frozenset(n for r in result.recompute.regions for n in r.nodes)),
         timeline=memory_timeline(result.recompute),
         layers=layer_rows(plan, built, choice),
+        tables=embedding_tables(plan, result.traced),
     )
 
 

@@ -178,9 +178,23 @@ def _baselines(report) -> list[str]:
     return out
 
 
+def _tables(report) -> list[str]:
+    return render_tables(getattr(report, "tables", []))
+
+
+def render_tables(rows) -> list[str]:
+    """One line per embedding table (``autopar.report.tables.TableRow``); nothing without tables."""
+    if not rows:
+        return []
+    body = [(r.module, f"{r.rows:,} x {r.dim}", r.mode, r.weight_spec, r.placement) for r in rows]
+    return (["embedding tables (one line per table: its placement per mesh axis)"]
+            + table(("table", "rows x dim", "pool", "layout", "placement"), body, right=(1,)))
+
+
 def render(report, *, layers: bool = True) -> str:
     sections = [_summary(report), _comm(report)]
     if layers:
         sections.append(_layers(report))
+    sections.append(_tables(report))
     sections.append(_baselines(report))
     return "\n\n".join("\n".join(s) for s in sections if s)

@@ -80,3 +80,27 @@ def test_plain_plan_report(result):
     assert {"memory-chart", "strategy-map", "communication", "baselines"} <= parser.ids
     assert f"peak {fmt_bytes(plan.estimate.peak_bytes)}" in page and "budget 1.00 GiB" in page
     assert "<script" not in page
+
+
+def test_one_line_per_embedding_table():
+    from autopar import zoo
+
+    model, inputs = zoo.build("dlrm", tiny=True)
+    res = plan_model(model, inputs, mesh=(2, 2), options=PlanOptions(checkpoint="none"))
+    report = build_report(res.plan, res)
+    assert [t.module for t in report.tables] == [f"tables.{i}" for i in range(4)]
+    assert [(t.rows, t.dim, t.mode) for t in report.tables] == [(32, 8, "sum"), (64, 8, "mean"), (16, 8, "max"),
+                                                               (48, 8, "sum")]
+    text = render_text(report)
+    assert "embedding tables (one line per table" in text
+    for t in report.tables:
+        line = next(x for x in text.splitlines() if x.strip().startswith(t.module + " "))
+        assert t.weight_spec in line and t.placement in line
+    assert "embedding tables" not in render_text(build_report(*_mlp_plan()))
+
+
+def _mlp_plan():
+    with torch.device("meta"):
+        model = Mlp(64, 1)
+    res = plan_model(model, (torch.empty(8, 64, device="meta"),), mesh=(2,), options=PlanOptions(checkpoint="none"))
+    return res.plan, res

@@ -1,0 +1,201 @@
+"""Pooled embedding lookup (``nn.EmbeddingBag``): ``aten._embedding_bag`` (and its twin
+``_embedding_bag_forward_only``, what a table that takes no gradient is looked up with).
+
+``_embedding_bag(weight (V, D), indices (N,), offsets (B,) or (B+1,), scale_grad_by_freq, mode,
+sparse, per_sample_weights (N,)?, include_last_offset, padding_idx)`` pools the rows of each bag
+``indices[offsets[b]:offsets[b+1]]`` (sum, mean or max; ``padding_idx`` entries are skipped and not
+counted) and returns ``(output (B, D), offset2bag, bag_size, max_indices)``. The last three are the
+op's bookkeeping for its own backward; a traced model never reads them, but the numerical check
+compares them, so every option reproduces them exactly (replicated, or sharded like ``output``).
+
+TorchRec's four table placements, in autopar's vocabulary (one placement per mesh axis):
+
+- **data-parallel** -- table ``R``, each rank pools its slice of the bags: output ``Shard(0)``;
+  the table's gradient is partial (all-reduced in backward, derived centrally). Kernel
+  ``embedding_bag_sharded`` (the bags arrive as flat ``indices`` + global ``offsets``, so a rank
+  cannot find its bags in a shard of ``indices``: ``indices``/``offsets`` are read replicated -- the
+  conversion from a batch-sharded input is an all-gather of integer ids, priced on the edge).
+- **row-wise** -- table ``Shard(0)``: each rank pools only the ids in its row range, so the sum over
+  the axis is the full pooled sum: output ``Partial`` (reduced, or reduce-scattered to the batch,
+  by the consumer's edge). ``mean`` divides the local sum by the bag's *global* count (computed
+  from the replicated ids). ``max`` is a partial max: the ranks all-reduce the local maxima (max)
+  inside the kernel, and only the rank holding the winning row keeps its value, the others write 0,
+  so the output is still a ``Partial`` sum and the gradient reaches only the winning row. Exact ties
+  between rows on different ranks go to the lowest row (the unsharded op takes the first in bag
+  order; the forward value is the same, only which tied row gets the gradient may differ).
+- **column-wise** -- table ``Shard(1)``: the plain op on local columns, output ``Shard(1)``.
+- **table-wise** -- a whole table on ONE device of an axis and nothing on its peers is not a
+  placement: every placement here is even over an axis (each device holds the same share of the
+  tensor), as in DTensor. What is expressible is a table *whole along an axis* (``R`` there) and
+  split along another, chosen per table by the ILP: on an ``(hosts, gpus)`` mesh ``R x S(0)`` is
+  TorchRec's table-row-wise within a host, ``S(0) x R`` across hosts, ``S(0) x S(0)`` row-wise over
+  every device, ``R x S(1)`` table-column-wise. Column-wise over an axis moves the same bytes as
+  table-wise over it (each device sends ``B*D/n`` per table in the all-to-all to batch-sharded
+  outputs, and holds ``V*D/n`` of each table), so it stands in for table-wise in the cost model;
+  it needs ``D`` divisible by the axis size.
+
+Every option also reads ``per_sample_weights`` replicated; its gradient is partial wherever the
+work is split (derived centrally). ``scale_grad_by_freq`` scales gradients by id frequencies
+over the whole id list -- and the CPU kernel's scaling depends on more than each row's own count
+(an id seen three times may come back unscaled), so only a rank that runs the op on every id
+reproduces it: only column-wise is offered then. ``sparse=True`` (sparse gradients) gets the
+replicated strategy only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+
+from autopar.layout.cost import collective_seconds
+from autopar.layout.placement import Partial, Replicate, Shard
+from autopar.strategies.kernel_context import KernelContext
+from autopar.strategies.registry import AxisOption, OpInfo, Sample, register, register_kernel
+from autopar.strategies.samples import ints, rand
+
+aten = torch.ops.aten
+R, P = Replicate(), Partial()
+SUM, MEAN, MAX = 0, 1, 2
+KERNEL = "embedding_bag_sharded"
+
+
+def _max_comm(info: OpInfo, input_specs, output_specs, mesh) -> tuple[float, float]:
+    """Row-wise ``max``: one all-reduce (max) of the local maxima and one of the winners' row keys
+    (int64), over the axes splitting the rows. Sums and means communicate nothing here: their
+    partial output is reduced by the consumer's edge."""
+    if info.arg("mode") != MAX:
+        return 0.0, 0.0
+    axes = input_specs[info.slot_index("weight")].shard_axes(0)
+    if not axes:
+        return 0.0, 0.0
+    out = info.outputs[0]
+    local = 1
+    for size in output_specs[0].local_shape(out.shape, mesh.shape):
+        local *= size
+    return collective_seconds("all_reduce", local * (out.itemsize + 8), mesh, axes), 0.0
+
+
+@register_kernel(KERNEL, comm_cost=_max_comm)
+def embedding_bag_sharded(ctx: KernelContext, weight, indices, offsets, scale_grad_by_freq=False, mode=SUM,
+                          sparse=False, per_sample_weights=None, include_last_offset=False, padding_idx=-1):
+    """One rank's pooled lookups: its bags (the output's dim-0 slice) over its rows (``weight``'s
+    dim-0 slice; its columns come with the local ``weight``). ``indices``/``offsets`` are global."""
+    num_rows = ctx.info.input("weight").shape[0]
+    lo, hi = ctx.local_range("weight", 0)
+    row_axes = ctx.axes_sharding("weight", 0)
+    out_meta = ctx.info.outputs[0]
+    bags = ctx.output_specs[0].local_slices(out_meta.shape, ctx.mesh_shape, ctx.coords())[0]
+    b0, b1 = bags.start, bags.stop
+    # bounds[b]:bounds[b+1] is bag b (the last bag runs to the end unless include_last_offset says).
+    bounds = offsets if include_last_offset else torch.cat([offsets, offsets.new_full((1,), indices.shape[0])])
+    first, last = int(bounds[b0]), int(bounds[b1])
+    ids = indices[first:last]
+    starts, ends = bounds[b0:b1] - first, bounds[b0 + 1:b1 + 1] - first
+    counted = ids != padding_idx if padding_idx >= 0 else torch.ones_like(ids, dtype=torch.bool)
+    keep = counted & (ids >= lo) & (ids < hi)
+    # The kept ids of bag b are kept[starts[b]:ends[b]]: new offsets from the running count.
+    running = F.pad(keep.cumsum(0), (1, 0))
+    psw = None if per_sample_weights is None else per_sample_weights[first:last][keep]
+    # Padding entries are dropped above, so the local call has no padding index; a mean is a sum
+    # divided by the bag's global count (another rank may hold some of its rows).
+    op = ctx.info.target  # _embedding_bag, or its forward-only twin for a frozen table
+    out, _, _, local_max_rows = op(
+        weight, ids[keep] - lo, running[starts], scale_grad_by_freq, SUM if mode == MEAN else mode, sparse, psw,
+        False, -1)
+    max_indices = None
+    if mode == MEAN:
+        total = F.pad(counted.cumsum(0), (1, 0))
+        out = out / (total[ends] - total[starts]).clamp(min=1).unsqueeze(1).to(out.dtype)
+    elif mode == MAX:
+        out, max_indices = _partial_max(ctx, out, local_max_rows + lo, (running[ends] - running[starts]) > 0,
+                                        row_axes, num_rows)
+    offset2bag, bag_size, aux_max = _bookkeeping(op, weight, indices, offsets, mode, per_sample_weights,
+                                                 include_last_offset, padding_idx)
+    return out, offset2bag, bag_size, aux_max if max_indices is None else max_indices
+
+
+def _partial_max(ctx: KernelContext, out, rows, has_local, row_axes, num_rows):
+    """The local maxima -> this rank's summand of the global maximum, and the winners' rows."""
+    has_local = has_local.unsqueeze(1).expand_as(out)
+    if not row_axes:
+        # The unsharded op reports row 0 for a bag with nothing to pool.
+        return out, torch.where(has_local, rows, torch.zeros_like(rows))
+    local = out.detach().masked_fill(~has_local, float("-inf"))
+    best = ctx.comm.all_reduce(local, row_axes, "max")
+    candidate = has_local & (local == best)
+    # One int all-reduce both breaks exact ties (the lowest row wins) and tells every rank the row.
+    key = torch.where(candidate, num_rows - rows, torch.full_like(rows, -1))
+    best_key = ctx.comm.all_reduce(key, row_axes, "max")
+    won = candidate & (key == best_key)
+    winner_rows = torch.where(best_key >= 0, num_rows - best_key, torch.zeros_like(best_key))
+    return out.masked_fill(~won, 0.0), winner_rows
+
+
+def _bookkeeping(op, weight, indices, offsets, mode, per_sample_weights, include_last_offset, padding_idx):
+    """``offset2bag``, ``bag_size`` and ``max_indices`` of the unsharded call, exactly: they depend
+    on the ids only through "is it the padding index", so the op runs on a 2-row table with ids
+    0 (counted) / 1 (padding) -- no rows of the real table are touched."""
+    with torch.no_grad():
+        marker = (indices == padding_idx).long() if padding_idx >= 0 else torch.zeros_like(indices)
+        psw = None if per_sample_weights is None else per_sample_weights.detach()
+        _, offset2bag, bag_size, max_indices = op(
+            weight.new_zeros(2, 1), marker, offsets, False, mode, False, psw, include_last_offset,
+            1 if padding_idx >= 0 else -1)
+    return offset2bag, bag_size, max_indices
+
+
+def _embedding_bag(info: OpInfo) -> list[AxisOption]:
+    if info.arg("sparse"):
+        return []  # a sparse gradient is summed by no collective here: replicate
+    is_max = info.arg("mode") == MAX
+    # Output placements: (output, offset2bag, bag_size, max_indices); the max mode's max_indices
+    # (B, D) is laid out like the output (replicated where the output is a partial sum: the kernel
+    # all-reduces the winners' rows), the other modes' bookkeeping is replicated.
+    column_wise = info.option((Shard(1), R, R, Shard(1) if is_max else R), weight=Shard(1))
+    if info.arg("scale_grad_by_freq"):
+        return [column_wise]
+    return [
+        column_wise,
+        info.option((P, R, R, R), weight=Shard(0), kernel=KERNEL),  # row-wise
+        info.option((Shard(0), R, R, Shard(0) if is_max else R), kernel=KERNEL),  # data-parallel
+    ]
+
+
+def _samples() -> list[Sample]:
+    # 4 bags of 16 ids over a 16 x 8 table: bag 1 is empty, bag 3 holds the padding index twice.
+    ids = ints(16, 16)
+    ids[12], ids[14] = 3, 3
+    offsets = torch.tensor([0, 5, 5, 11])
+    last = torch.tensor([0, 5, 5, 11, 16])
+    psw = rand(16)
+    return [
+        Sample((rand(16, 8), ids, offsets), label="sum"),
+        Sample((rand(16, 8), ids, offsets, False, MEAN), label="mean"),
+        Sample((rand(16, 8), ids, offsets, False, MAX), label="max"),
+        Sample((rand(16, 8), ids, offsets, False, SUM, False, psw), label="per-sample-weights"),
+        Sample((rand(16, 8), ids, last, False, MEAN, False, None, True, 3), label="mean-last-offset-padding"),
+        Sample((rand(16, 8), ids, offsets, False, MAX, False, None, False, 3), label="max-padding"),
+        Sample((rand(16, 8), ids, last, False, SUM, False, psw, True, 3), label="psw-last-offset-padding"),
+        Sample((rand(16, 8), ids, offsets, True, SUM), label="scale-grad-by-freq"),
+        Sample((_tied_rows(), torch.tensor([1, 13, 5, 2, 1, 13, 7, 8]), torch.tensor([0, 2, 4, 6]), False, MAX),
+               label="max-tie-across-ranks"),
+    ]
+
+
+def _tied_rows() -> torch.Tensor:
+    """Rows 1 and 13 equal (different ranks on any row split): a partial max must count the tie
+    once, and bags 0 and 2 list row 1 first, so the lowest row is also the unsharded op's pick."""
+    weight = rand(16, 8)
+    weight[13] = weight[1]
+    return weight
+
+
+def _frozen_samples() -> list[Sample]:
+    # A table that takes no gradient (frozen) is looked up with _embedding_bag_forward_only.
+    return [dataclasses.replace(s, no_grad=("weight", "per_sample_weights")) for s in _samples()]
+
+
+register(aten._embedding_bag.default, samples=_samples)(_embedding_bag)
+register(aten._embedding_bag_forward_only.default, samples=_frozen_samples)(_embedding_bag)
