@@ -79,7 +79,8 @@ for _name in _FAMILIES:
     importlib.import_module(f"{__name__}.{_name}")
 
 __all__ = [
-    "strategies_for", "enumerate_strategies", "FixedAxis", "axis_placements", "estimate_flops", "Strategy", "AxisOption", "OpInfo",
+    "strategies_for", "enumerate_strategies", "FixedAxis", "axis_placements", "estimate_flops", "Strategy",
+    "AxisOption", "OpInfo",
     "TensorMeta", "InputSlot", "Sample", "RuleEntry", "LocalKernel", "NoRuleError", "Comm",
     "KernelContext", "register", "register_kernel", "get_rule", "get_kernel", "registered_targets",
     "input_nodes", "local_arguments", "needs_no_decision", "rule_for", "rule_source", "needs_decomposition",

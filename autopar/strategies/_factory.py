@@ -149,6 +149,7 @@ register(aten.to.dtype, samples=lambda: [Sample((rand(4, 8), torch.float64)),
                                          Sample((rand(4, 8) * 10, torch.int32), label="to-int"),
                                          Sample((rand(4, 8) * 10, torch.float16), label="narrowing")])(
     _elementwise_rule(partial=True))
-register(aten.to.dtype_layout, samples=_cast_samples(layout=torch.strided, device=_CPU))(_elementwise_rule(partial=True))
+register(aten.to.dtype_layout, samples=_cast_samples(layout=torch.strided, device=_CPU))(
+    _elementwise_rule(partial=True))
 register(aten._to_copy.default, samples=_cast_samples())(_elementwise_rule(partial=True))
 register(aten.to.device, samples=lambda: [Sample((rand(4, 8), _CPU, torch.float64))])(_elementwise_rule(partial=True))

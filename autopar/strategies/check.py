@@ -32,7 +32,8 @@ from autopar.strategies.kernel_context import KernelContext
 from autopar.strategies.registry import (OpInfo, Sample, Strategy, bind, call_op, get_kernel, get_rule,
                                         local_arguments)
 
-__all__ = ["SimWorld", "SimComm", "run_spmd", "check_strategy", "StrategyMismatch", "reference"]
+__all__ = ["SimWorld", "SimComm", "run_spmd", "check_strategy", "StrategyMismatch", "reference", "run_whole",
+           "whole_kernel"]
 
 _BARRIER_TIMEOUT_S = 30.0
 # Ops whose output values are undefined (uninitialised memory): only shapes are compared.
@@ -209,22 +210,31 @@ def _as_list(out: Any) -> list[Any]:
     return list(out) if isinstance(out, (list, tuple)) else [out]
 
 
-def _whole(target: Any, sample: Sample, bound: dict[str, Any]) -> Any:
-    """The op on the whole sample: the plain op, or -- for a rule whose every strategy runs a
-    kernel (``kernel_for``: random draws) -- that kernel on one rank holding everything (what
-    mesh ``(1,)`` runs; the plain op would draw other numbers from torch's generator)."""
+def whole_kernel(target: Any, info: OpInfo) -> str | None:
+    """The kernel every strategy of this call runs (``register(kernel_for=...)``), else None."""
     entry = get_rule(target)
-    name = entry.kernel_for(OpInfo.from_values(target, sample.args, sample.kwargs, None)) \
-        if entry is not None and entry.kernel_for is not None else None
+    return entry.kernel_for(info) if entry is not None and entry.kernel_for is not None else None
+
+
+def run_whole(name: str, info: OpInfo, bound: dict[str, Any]) -> Any:
+    """Kernel ``name`` on one rank holding every tensor whole: what mesh ``(1,)`` runs, and so the
+    single-device value of a call whose every strategy runs it (random draws: the plain op would
+    draw other numbers from torch's generator)."""
+    replicated = lambda metas: tuple(None if m is None else TensorSpec((Replicate(),)) for m in metas)  # noqa: E731
+    ctx = KernelContext(SimComm(SimWorld((1,)), (0,)), info, replicated([s.meta for s in info.slots]),
+                        replicated(info.outputs), (1,))
+    return get_kernel(name).fn(ctx, **bound)
+
+
+def _whole(target: Any, sample: Sample, bound: dict[str, Any]) -> Any:
+    """The op on the whole sample: the plain op, or its ``whole_kernel`` (``run_whole``)."""
+    name = whole_kernel(target, OpInfo.from_values(target, sample.args, sample.kwargs, None))
     if name is None:
         return _run_op(target, bound)
     with torch.random.fork_rng(devices=[]), torch.no_grad():  # the output's metadata only
         info = OpInfo.from_values(target, sample.args, sample.kwargs, _run_op(target, _replace_slots(
             bound, [t.detach().clone() for t in _slot_values(bound)])))
-    replicated = lambda metas: tuple(None if m is None else TensorSpec((Replicate(),)) for m in metas)  # noqa: E731
-    ctx = KernelContext(SimComm(SimWorld((1,)), (0,)), info, replicated([s.meta for s in info.slots]),
-                        replicated(info.outputs), (1,))
-    return get_kernel(name).fn(ctx, **bound)
+    return run_whole(name, info, bound)
 
 
 def reference(target: Any, sample: Sample, *, seed: int = 0) -> tuple[OpInfo, _Reference]:

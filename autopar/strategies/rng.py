@@ -42,7 +42,7 @@ from typing import Iterator, Sequence
 import torch
 
 __all__ = ["Draw", "manual_seed", "initial_seed", "next_draw", "current", "drawing", "uniform", "normal",
-           "element_indices", "global_shape"]
+           "element_indices", "global_shape", "graph_draws", "module_call"]
 
 _MASK = (1 << 64) - 1
 _GAMMA = 0x9E3779B97F4A7C15
@@ -135,6 +135,19 @@ def drawing(draw: Draw) -> Iterator[Draw]:
         yield draw
     finally:
         _State.active.pop()
+
+
+def graph_draws(graph) -> bool:
+    """Whether an fx graph (a traced one) has an op that draws random numbers."""
+    from autopar.strategies.registry import bind, draws_random
+
+    return any(n.op == "call_function" and draws_random(n.target, bind(n.target, n.args, n.kwargs))
+               for n in graph.nodes)
+
+
+def module_call(draws: bool, **micro: int) -> contextlib.AbstractContextManager:
+    """The context one forward call of a module runs in: the next draw when its graph draws."""
+    return drawing(next_draw(**micro)) if draws else contextlib.nullcontext()
 
 
 # ------------------------------------------------------------------------------ generation
