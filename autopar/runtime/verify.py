@@ -165,7 +165,7 @@ def verify_module(module, inputs: tuple | dict, *, rtol: float | None = None) ->
                          f"of the loss (pass labels, or wrap the model so that it returns its loss)")
     # Random draws (dropout ...) are functions of the draw and each element's global index
     # (``strategies/rng.py``): both runs make the SAME draw, so they draw the same numbers.
-    draw = rng.next_draw() if rng.graph_draws(traced.gm.graph) else None
+    draw = rng.next_draw(advance=False) if rng.graph_draws(traced.gm.graph) else None
     rtol = tolerance(compute_dtype(module.plan.precision)) if rtol is None else rtol
     args, kwargs = (inputs, {}) if isinstance(inputs, (tuple, list)) else ((), dict(inputs))
     started = time.perf_counter()

@@ -114,10 +114,11 @@ def initial_seed() -> int:
     return _State.seed
 
 
-def next_draw(**micro: int) -> Draw:
-    """The draw of the next module call (advances the step counter)."""
+def next_draw(*, advance: bool = True, **micro: int) -> Draw:
+    """The draw of the next module call (advances the step counter unless ``advance`` is False:
+    ``verify`` draws what the next step will, and leaves training's sequence as it was)."""
     draw = Draw(initial_seed(), _State.step, **micro)
-    _State.step += 1
+    _State.step += advance
     return draw
 
 

@@ -160,3 +160,40 @@ def assert_same(label: str, got, want, *, rtol: float = 1e-4, atol: float = 1e-6
             f"{label}: grad {k} max error {(g - w).abs().max().item() if g is not None else 'missing'}"
     for k, w in w_state.items():
         assert torch.allclose(g_state[k], w, rtol=rtol, atol=atol), f"{label}: parameter {k} after the steps"
+
+
+def pipeline_plan_for(model, inputs, shape, *, microbatches: int = 2):
+    """(micro-batch trace, plan) with 2 pipeline stages on ``shape`` (stages on its sub-mesh)."""
+    from autopar.tracer.microbatch import micro_batch
+
+    plan = autopar.plan(model, inputs, mesh=fast_mesh(shape), pipeline=2, microbatches=microbatches,
+                        checkpoint="none", cache=False)
+    traced, _ = traced_of(model, micro_batch(inputs, microbatches))
+    return traced, plan
+
+
+def _train_pipeline(rank, world, model, traced, plan, inputs, steps, lr):
+    from autopar.runtime.pipeline import build_pipeline
+
+    autopar.manual_seed(SEED)
+    pm = build_pipeline(model, traced, plan, device="cpu")
+    opt = torch.optim.SGD(pm.parameters(), lr=lr)
+    losses, first = [], None
+    for _ in range(steps):
+        opt.zero_grad()
+        losses.append(pm.step(*inputs) if isinstance(inputs, tuple) else pm.step(**inputs))
+        if first is None:
+            first = pm.full_gradients()
+        opt.step()
+    return torch.stack([x.detach() for x in losses]), first, pm.full_state_dict(), 0
+
+
+def run_pipeline(model, traced, plan, inputs, *, steps: int = 1, lr: float = 0.1):
+    """``run_on`` for a pipeline plan (``pipeline_plan_for``)."""
+    world = 1
+    for s in plan.mesh.shape:
+        world *= s
+    results = run_local(_train_pipeline, world, model, traced, plan, inputs, steps, lr, timeout=240)
+    for other in results[1:]:
+        assert torch.equal(other[0], results[0][0]), "ranks disagree on the loss"
+    return results[0]
