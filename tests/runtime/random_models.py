@@ -24,6 +24,7 @@ from autopar.layout.mesh import MeshSpec
 from autopar.plans import RecomputeRegion
 from autopar.runtime.build import build_module
 from autopar.runtime.launch import run_local
+from autopar.runtime.nodes import KernelCall
 from autopar.strategies import needs_decomposition
 from autopar.tracer import profile, trace
 
@@ -129,7 +130,7 @@ def _train(rank, world, model, traced, plan, inputs, steps, lr):
         if first is None:
             first = pm.full_gradients()
         opt.step()
-    kernels = pm.code.count("random_draw") + pm.code.count("sdpa_dropout")
+    kernels = sum(isinstance(m, KernelCall) and m.name in ("random_draw", "sdpa_dropout") for m in pm.modules())
     return torch.stack(losses), first, pm.full_state_dict(), kernels
 
 
