@@ -1,5 +1,5 @@
-"""Random draws: dropout, ``bernoulli``, ``rand``/``randn`` (and ``*_like``), ``randint``, ``randperm``,
-``multinomial``. Local op: the ``random_draw`` kernel, for EVERY strategy.
+"""Random draws: dropout, ``bernoulli``, ``rrelu``, ``rand``/``randn`` (and ``*_like``), ``randint``,
+``randperm``, ``multinomial``. Local op: the ``random_draw`` kernel, for EVERY strategy.
 
 Each element is a function of the seed, the step, the op (traced node) and its GLOBAL index in
 the op's output (``autopar/strategies/rng.py``), so a rank of any plan draws exactly the numbers
@@ -10,7 +10,7 @@ there would draw from torch's generator. A call that does not draw (dropout with
 or ``p=0``) runs the plain op.
 
 Single-axis options:
-- elementwise draws (dropout, ``native_dropout``, ``bernoulli``): every dim maps to itself; no
+- elementwise draws (dropout, ``native_dropout``, ``bernoulli``, ``rrelu``): every dim maps to itself; no
   ``P`` (a mask of summands is not the mask of the sum);
 - ``rand_like``/``randn_like``: the output takes the input's split dims; a ``P`` input gives a
   replicated output (only the shape is read);
@@ -19,7 +19,7 @@ Single-axis options:
   permutation is not elementwise, and O(n log n) on an index vector is cheap);
 - ``multinomial`` on (rows, categories): rows split.
 
-Any other random op (``normal``, ``uniform_``, ``rrelu`` ...) has no rule here, and
+Any other random op (``normal``, ``uniform_``, ``exponential_`` ...) has no rule here, and
 ``expand.enumerate_strategies`` refuses it with a ``NoRuleError`` even under the replicate
 fallback (each rank would draw from its own generator).
 """
@@ -83,6 +83,11 @@ def random_draw(ctx: KernelContext, **a):
     if target is aten.native_dropout.default:
         keep = _keep(ctx, a["input"], a["p"])
         return _dropped(a["input"], keep, a["p"]), keep
+    if target is aten.rrelu.default:  # training: a negative x is scaled by a slope ~ U(lower, upper)
+        x = a["self"]
+        u = rng.uniform(key, _indices(ctx, draw, x.device), x.dtype)
+        slope = a["lower"] + u * (a["upper"] - a["lower"])
+        return torch.where(x >= 0, x, x * slope)
     if target is aten.bernoulli.p:
         x = a["self"]
         return (rng.uniform(key, _indices(ctx, draw, x.device)) < a["p"]).to(x.dtype)
@@ -164,6 +169,8 @@ _RANDOM = {
         Sample((rand(4, 8, 4), 0.5, False), label="eval")]),
     aten.native_dropout.default: (_elementwise, lambda: [
         Sample((rand(4, 8, 4), 0.25, True), label="p=0.25"), Sample((rand(4, 8), 0.0, True), label="p=0")]),
+    aten.rrelu.default: (_elementwise, lambda: [Sample((rand(4, 8, 4), 0.1, 0.3, True), label="training"),
+                                                Sample((rand(4, 8), 0.1, 0.3, False), label="eval")]),
     aten.bernoulli.p: (_elementwise, lambda: [Sample((rand(4, 8, 4), 0.4), label="p=0.4", no_grad=("self",))]),
     aten.bernoulli.default: (_elementwise, lambda: [
         Sample((rand(4, 8, 4).sigmoid(),), label="probabilities", no_grad=("self",))]),

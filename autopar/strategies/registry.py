@@ -552,11 +552,12 @@ def needs_no_decision(node: torch.fx.Node) -> bool:
 
 def draws_random(target: Any, bound: dict[str, Any]) -> bool:
     """Whether a call (arguments bound by schema name) draws random numbers: an op tagged
-    ``nondeterministic_seeded`` (dropout, ``rand``, ``bernoulli``, attention and RNNs with a
-    dropout argument) unless it is off: ``train`` False or a literal dropout probability of 0."""
+    ``nondeterministic_seeded`` (dropout, ``rand``, ``bernoulli``, ``rrelu``, attention and RNNs
+    with a dropout argument) unless it is off: ``train``/``training`` False or a literal dropout
+    probability of 0."""
     if torch.Tag.nondeterministic_seeded not in getattr(target, "tags", ()):
         return False
-    if bound.get("train") is False:
+    if bound.get("train") is False or bound.get("training") is False:
         return False
     for name in ("p", "dropout_p", "dropout"):
         p = bound.get(name)

@@ -86,26 +86,40 @@ class _Outer(nn.Module):
         return self.inner(x)
 
 
-class _RReLU(nn.Module):
-    """``rrelu_with_noise`` in training: DTensor has a strategy for it, which would draw per rank."""
-
+class _Poisson(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.act = nn.RReLU()
+        self.proj = nn.Linear(8, 8)
 
     def forward(self, x):
-        return self.act(x).sum()
+        return (self.proj(x) * torch.poisson(torch.full((4, 8), 2.0))).sum()
 
 
-@pytest.mark.parametrize("inner", [_Noisy, _RReLU], ids=["normal", "rrelu"])
+@pytest.mark.parametrize("inner", [_Noisy, _Poisson], ids=["normal", "poisson"])
 def test_an_unruled_random_op_is_a_no_rule_error_even_with_the_fallback(inner):
     model = _Outer(inner()).train()
     for fallback in (False, True):
         with pytest.raises(NoRuleError) as caught:
             autopar.plan(model, (torch.randn(4, 8),), mesh=(2,), allow_replicate_fallback=fallback, cache=False)
         text = str(caught.value)
-        assert "inner" in text and ("normal" in text or "rrelu" in text), text
+        assert "inner" in text and ("normal" in text or "poisson" in text), text
         assert "random" in text and "_random.py" in text and "fallback is refused" in text, text
+
+
+def test_a_derived_rule_of_a_random_op_is_refused():
+    """DTensor has a strategy for ``bernoulli_.float`` (each rank would draw its own numbers): a
+    draw is planned only by a mesh-invariant kernel, whatever other rule exists."""
+    from autopar.layout.mesh import MeshSpec
+    from autopar.strategies import OpInfo, enumerate_strategies, rule_for
+
+    op = torch.ops.aten.bernoulli_.float
+    assert rule_for(op) is not None
+    x = torch.rand(4, 8)
+    info = OpInfo.from_values(op, (x, 0.5), {}, x)
+    with pytest.raises(NoRuleError, match="bernoulli_"):
+        enumerate_strategies(info, MeshSpec.preset("cpu", (2,)), allow_replicate_fallback=True)
+    off = OpInfo.from_values(op, (x, 0.0), {}, x)  # p = 0 draws nothing: its rule plans it
+    assert enumerate_strategies(off, MeshSpec.preset("cpu", (2,)))
 
 
 def test_an_lstm_with_dropout_in_training_is_refused_and_planned_in_eval():
