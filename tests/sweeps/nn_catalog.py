@@ -16,14 +16,14 @@ module's inputs is checked as a parameter gradient even for modules without para
 never take one.
 
 Randomness: autopar's draws are mesh-invariant (``strategies/rng.py``) but are not the eager
-model's, which draws from torch's generator, so every dropout module has two samples in training mode: ``p=0``, compared exactly (``nn.Dropout`` keeps
-its op in the graph; the feature and alpha dropouts decompose to the identity at trace time),
-and ``p=0.5`` (variant ``random``), whose random ops must trace and plan without fallback like
-any other and whose step must run on the ranks with a finite loss and every gradient present,
-but whose values are not compared with the eager model (``Entry.exact=False``; equality across
-meshes is ``tests/runtime/test_randomness.py``'s). ``RReLU`` likewise: ``lower ==
-upper`` (exact) and a random slope range. ``FractionalMaxPool`` takes fixed
-``_random_samples``.
+model's, which draws from torch's generator, so every dropout module has two samples in training
+mode: ``p=0``, compared exactly (``nn.Dropout`` keeps its op in the graph; the feature and alpha
+dropouts decompose to the identity at trace time), and ``p=0.5`` (variant ``random``), whose
+random ops must trace and plan without fallback like any other and whose step must run on the
+ranks with a finite loss and every gradient present, but whose values are not compared with the
+eager model (``Entry.exact=False``; equality across meshes is ``tests/runtime/test_randomness.py``'s).
+``RReLU`` likewise: ``lower == upper`` (exact) and a random slope range. ``FractionalMaxPool``
+takes fixed ``_random_samples``.
 
 Sizes: batch 4 and feature sizes of 4, 8 or 16, so that every dimension a rule may shard
 divides by the mesh axis (2).
@@ -355,7 +355,8 @@ SAMPLES: list[tuple[str, str, Recipe]] = [
                                                    [x(4, 8), x(4, 8), x(4, 8)])),
     ("CTCLoss", "", lambda: (Compose(nn.CTCLoss(), _ctc), [
         x(12, 4, 6), torch.randint(1, 6, (4, 4)), tgt(torch.full((4,), 12)), tgt(torch.tensor([4, 3, 4, 2]))])),
-    ("CTCLoss", "int_lengths", lambda: (Compose(nn.CTCLoss(), _ctc_int_lengths), [x(12, 4, 6), torch.randint(1, 6, (4, 4))])),
+    ("CTCLoss", "int_lengths", lambda: (Compose(nn.CTCLoss(), _ctc_int_lengths),
+                                        [x(12, 4, 6), torch.randint(1, 6, (4, 4))])),
     ("LinearCrossEntropyLoss", "", lambda: (nn.LinearCrossEntropyLoss(8, 16), [x(4, 8), idx(16, 4)])),
     ("AdaptiveLogSoftmaxWithLoss", "", lambda: (nn.AdaptiveLogSoftmaxWithLoss(8, 16, [4, 8]),
                                                 [x(4, 8), idx(16, 4)])),
