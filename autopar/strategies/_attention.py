@@ -15,7 +15,10 @@ The embedding dim is never split: the softmax between the two contractions is no
 ``dropout_p > 0`` in training (GPT-2's and BERT's attention dropout): every strategy runs the
 ``sdpa_dropout`` kernel, attention written out (scores, mask, softmax, dropout, values) with
 the dropout mask of the attention weights (..., L, S) drawn by the counter-based generator at
-their GLOBAL indices (``rng.py``): the same mask on any mesh, as on mesh (1,).
+their GLOBAL indices (``rng.py``): the same mask on any mesh, as on mesh (1,). Like torch's
+math path it keeps the weights and the mask for backward; ``tracer.profile`` prices attention
+dropout as the fused GPU kernels run it (they keep only the RNG state), so on CPU this op saves
+more than its estimate.
 """
 
 from __future__ import annotations
