@@ -122,6 +122,7 @@ def test_a_derived_rule_of_a_random_op_is_refused():
     assert enumerate_strategies(off, MeshSpec.preset("cpu", (2,)))
 
 
+@pytest.mark.filterwarnings("ignore:The tensor attributes")  # export on nn.LSTM's flat weights
 def test_an_lstm_with_dropout_in_training_is_refused_and_planned_in_eval():
     lstm = nn.LSTM(8, 8, num_layers=2, dropout=0.5, batch_first=True)
 
@@ -167,11 +168,9 @@ def test_gpt2_dropout_same_through_a_pipeline(gpt2):
 
 
 def _verify(rank, world, model, traced, plan, inputs):
-    from autopar.runtime.verify import verify_module
-
     autopar.manual_seed(rm.SEED)
     pm = build_module(model, traced, plan, device=torch.device("cpu"))
-    report = verify_module(pm, inputs)
+    report = autopar.verify(pm, inputs)  # refused models that draw before (NotImplementedError)
     return report.loss, float(rm._call(pm, inputs))  # verify left the step counter at 0
 
 
