@@ -112,6 +112,14 @@ def plan_for(traced, prof, shape, *, recompute: bool = False):
     return with_block_recompute(plan, traced) if recompute else plan
 
 
+DRAW_OPS = ("dropout", "rand", "bernoulli", "scaled_dot_product_attention")
+
+
+def sharded_draws(plan) -> int:
+    """Random ops (and attention, which draws its dropout) the plan runs on shards."""
+    return sum(any(w in n.op for w in DRAW_OPS) and "S" in (n.output_specs[0] or "") for n in plan.by_kind("op"))
+
+
 def _call(model, inputs):
     out = model(**inputs) if isinstance(inputs, dict) else model(*inputs)
     return out if isinstance(out, torch.Tensor) else out.loss
