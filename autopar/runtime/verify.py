@@ -284,7 +284,7 @@ class _Recorder(fx.Interpreter):
         self.whole: dict[fx.Node, str] = {}
         if whole:
             for n in gm.graph.nodes:
-                if n.op == "call_function":
+                if n.op == "call_function" and torch.Tag.nondeterministic_seeded in getattr(n.target, "tags", ()):
                     name = whole_kernel(n.target, OpInfo.from_node(n))
                     if name is not None:
                         self.whole[n] = name

@@ -11,7 +11,8 @@ has no CPU version. Here every element is a pure function of
 
     (seed, step, op, global element index)
 
-- ``seed``: ``autopar.manual_seed(s)`` (default: ``torch.initial_seed()`` when first needed);
+- ``seed``: ``autopar.manual_seed(s)`` (default: ``torch.initial_seed()`` when first needed: at
+  the build of the first module that draws, where the ranks check they agree, ``runtime/draws.py``);
 - ``step``: a counter advanced once per forward call of an autoparallelized module (a pipeline
   advances it once per full-batch step, not per micro-batch), reset by ``manual_seed``;
 - ``op``: the traced node's name (stable across plans, meshes and pipeline stages);
@@ -41,7 +42,7 @@ from typing import Iterator, Sequence
 
 import torch
 
-__all__ = ["Draw", "manual_seed", "initial_seed", "next_draw", "current", "drawing", "uniform", "normal",
+__all__ = ["Draw", "manual_seed", "initial_seed", "state", "next_draw", "current", "drawing", "uniform", "normal",
            "element_indices", "global_shape", "graph_draws", "module_call"]
 
 _MASK = (1 << 64) - 1
@@ -112,6 +113,11 @@ def initial_seed() -> int:
     if _State.seed is None:
         _State.seed = int(torch.initial_seed())
     return _State.seed
+
+
+def state() -> tuple[int, int]:
+    """(seed, step): what the next module call draws from."""
+    return initial_seed(), _State.step
 
 
 def next_draw(*, advance: bool = True, **micro: int) -> Draw:

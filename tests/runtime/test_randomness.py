@@ -181,6 +181,21 @@ def test_verify_checks_a_model_with_dropout(gpt2):
         assert verified == pytest.approx(float(ref[0][0]), rel=1e-5) and first == pytest.approx(verified, rel=1e-5)
 
 
+def _seeded_by_rank(rank, world, model, traced, plan):
+    autopar.manual_seed(rank)  # e.g. a per-rank data seed mistaken for the model's
+    try:
+        build_module(model, traced, plan, device=torch.device("cpu"))
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def test_ranks_holding_different_seeds_refuse_to_build(gpt2):
+    model, _, traced, prof, _ = gpt2
+    errors = run_local(_seeded_by_rank, 2, model, traced, rm.plan_for(traced, prof, (2,)), timeout=240)
+    assert all(e is not None and "rank 1: seed 1 step 0" in e and "autopar.manual_seed" in e for e in errors), errors
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(rm.MODELS))
 def test_same_loss_and_gradients_on_every_mesh_under_recompute_and_pipelines(name):
