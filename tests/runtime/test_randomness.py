@@ -6,7 +6,7 @@ same counter-based draws on whole tensors); the eager model draws from torch's g
 (``autopar/strategies/rng.py``). Default suite: the generator's properties, the refusal of
 random ops without a rule, and GPT-2 tiny (dropout 0.1 everywhere, attention dropout inside
 SDPA) on (1,), (2, 2), recompute and a pipeline, plus ``verify`` on it. ``slow``: the whole
-matrix -- GPT-2, BERT, DINOv2 with drop-path on (1,), (2,), (2, 2), (4,), with every block
+matrix -- GPT-2, BERT, GPT-NeoX, DINOv2 with drop-path on (1,), (2,), (2, 2), (4,), with every block
 recomputed, through 2 pipeline stages -- and 20 training steps of GPT-2 on (2, 2).
 """
 
