@@ -25,6 +25,7 @@ from autopar.plans import RecomputeRegion
 from autopar.runtime.build import build_module
 from autopar.runtime.launch import run_local
 from autopar.runtime.nodes import KernelCall
+from autopar.runtime.recompute import CheckpointRegion
 from autopar.strategies import needs_decomposition
 from autopar.tracer import profile, trace
 
@@ -183,14 +184,15 @@ def assert_same(label: str, got, want, *, rtol: float = 1e-4, atol: float = 1e-6
         assert torch.allclose(g_state[k], w, rtol=rtol, atol=atol), f"{label}: parameter {k} after the steps"
 
 
-def pipeline_plan_for(model, inputs, shape, *, microbatches: int = 2):
-    """(micro-batch trace, plan) with 2 pipeline stages on ``shape`` (stages on its sub-mesh)."""
+def pipeline_plan_for(model, inputs, shape, *, microbatches: int = 2, recompute: bool = False):
+    """(micro-batch trace, plan) with 2 pipeline stages on ``shape`` (stages on its sub-mesh),
+    every block recomputed in backward when asked (regions inside the stages)."""
     from autopar.tracer.microbatch import micro_batch
 
     plan = autopar.plan(model, inputs, mesh=fast_mesh(shape), pipeline=2, microbatches=microbatches,
                         checkpoint="none", cache=False)
     traced, _ = traced_of(model, micro_batch(inputs, microbatches))
-    return traced, plan
+    return traced, with_block_recompute(plan, traced) if recompute else plan
 
 
 def _train_pipeline(rank, world, model, traced, plan, inputs, steps, lr):
@@ -206,11 +208,13 @@ def _train_pipeline(rank, world, model, traced, plan, inputs, steps, lr):
         if first is None:
             first = pm.full_gradients()
         opt.step()
-    return torch.stack([x.detach() for x in losses]), first, pm.full_state_dict(), 0
+    regions = sum(isinstance(m, CheckpointRegion) for stage in pm._stages for m in stage.modules())
+    return torch.stack([x.detach() for x in losses]), first, pm.full_state_dict(), regions
 
 
 def run_pipeline(model, traced, plan, inputs, *, steps: int = 1, lr: float = 0.1):
-    """``run_on`` for a pipeline plan (``pipeline_plan_for``)."""
+    """``run_on`` for a pipeline plan (``pipeline_plan_for``); the last item is the number of
+    checkpoint regions in rank 0's stages."""
     world = 1
     for s in plan.mesh.shape:
         world *= s

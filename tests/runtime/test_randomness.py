@@ -7,7 +7,8 @@ same counter-based draws on whole tensors); the eager model draws from torch's g
 random ops without a rule, and GPT-2 tiny (dropout 0.1 everywhere, attention dropout inside
 SDPA) on (1,), (2, 2), recompute and a pipeline, plus ``verify`` on it. ``slow``: the whole
 matrix -- GPT-2, BERT, GPT-NeoX, DINOv2 with drop-path on (1,), (2,), (2, 2), (4,), with every block
-recomputed, through 2 pipeline stages -- and 20 training steps of GPT-2 on (2, 2).
+recomputed, through 2 pipeline stages (with and without recompute) -- and 20 training steps of
+GPT-2 on (2, 2).
 """
 
 from __future__ import annotations
@@ -210,9 +211,11 @@ def test_same_loss_and_gradients_on_every_mesh_under_recompute_and_pipelines(nam
             got = rm.run_on(model, traced, plan, inputs, steps=2)
             assert got[3] == ref[3]
             rm.assert_same(f"{name} {shape} recompute={recompute}", got, ref)
-    for shape in ((2,), (2, 2)):
-        micro, plan = rm.pipeline_plan_for(model, inputs, shape)
-        rm.assert_same(f"{name} pipeline {shape}", rm.run_pipeline(model, micro, plan, inputs, steps=2), ref)
+    for shape, recompute in (((2,), False), ((2, 2), False), ((2, 2), True)):
+        micro, plan = rm.pipeline_plan_for(model, inputs, shape, recompute=recompute)
+        got = rm.run_pipeline(model, micro, plan, inputs, steps=2)
+        assert (got[3] > 0) == recompute  # checkpoint regions inside the stages
+        rm.assert_same(f"{name} pipeline {shape} recompute={recompute}", got, ref)
 
 
 @pytest.mark.slow
