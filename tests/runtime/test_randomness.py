@@ -172,14 +172,19 @@ def _verify(rank, world, model, traced, plan, inputs):
     autopar.manual_seed(rm.SEED)
     pm = build_module(model, traced, plan, device=torch.device("cpu"))
     report = autopar.verify(pm, inputs)  # refused models that draw before (NotImplementedError)
-    return report.loss, float(rm._call(pm, inputs))  # verify left the step counter at 0
+    first = float(rm._call(pm, inputs))  # verify left the step counter at 0: the same draw
+    built = autopar.autoparallelize(model, inputs, mesh=rm.fast_mesh(plan.mesh.shape), verify=True, cache=False)
+    return report.loss, first, built.plan.mesh.shape
 
 
 def test_verify_checks_a_model_with_dropout(gpt2):
+    """``autopar.verify`` and ``autoparallelize(verify=True)`` compare a model that draws (both
+    sides make the same draw)."""
     model, inputs, traced, prof, ref = gpt2
     results = run_local(_verify, 4, model, traced, rm.plan_for(traced, prof, (2, 2)), inputs, timeout=240)
-    for verified, first in results:
+    for verified, first, shape in results:
         assert verified == pytest.approx(float(ref[0][0]), rel=1e-5) and first == pytest.approx(verified, rel=1e-5)
+        assert shape == (2, 2)
 
 
 def _seeded_by_rank(rank, world, model, traced, plan):
