@@ -30,6 +30,7 @@ _LAZY = {
     "verify": "autopar.proof",
     "PlanVerificationError": "autopar.runtime.verify",
     "VerifyReport": "autopar.runtime.verify",
+    "manual_seed": "autopar.strategies.rng",
 }
 
 __all__ = ["MeshSpec", "TensorSpec", "Shard", "Replicate", "Partial", *_LAZY]

@@ -20,6 +20,7 @@ from torch import nn
 
 from autopar.layout.mesh import MeshSpec
 from autopar.plans import Plan
+from autopar.runtime.draws import check_ranks_draw_alike
 from autopar.runtime.dtensors import to_dtensor
 from autopar.runtime.materialize import local_shards
 from autopar.runtime.module import AutoParallelModule
@@ -92,6 +93,7 @@ def build_module(model: nn.Module, traced, plan: Plan, *, device: torch.device, 
         local_inputs=local_inputs)
     module.materialize_stats = stats
     module.num_conversions = emitted.num_conversions
+    check_ranks_draw_alike(traced.gm.graph)
     return module
 
 

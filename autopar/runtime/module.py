@@ -49,6 +49,7 @@ from autopar.runtime.parallel_module import ParallelModule, clip_grad_norm
 from autopar.runtime.passes import STATE_KEY
 from autopar.runtime.process_mesh import ProcessMesh
 from autopar.layout.placement import TensorSpec
+from autopar.strategies import rng
 from autopar.tracer.graph import BUFFER, INPUT, PARAMETER, TracedGraph, keyword_path
 
 __all__ = ["AutoParallelModule", "clip_grad_norm_"]
@@ -80,6 +81,7 @@ class AutoParallelModule(nn.Module):
                             if _has_decision(plan, p.name)}
         self._zero = None  # the ZeroOptimizer built by ``optimizer``
         self._zero2 = [n.name for n in plan.nodes if n.zero_stage == 2]
+        self._draws = rng.graph_draws(traced.gm.graph)  # each forward takes the next draw (rng.py)
 
     # ------------------------------------------------------------------------------ running
     @property
@@ -98,7 +100,8 @@ class AutoParallelModule(nn.Module):
                 f"{self._placeholders[self._zero2[0]].fqn!r}): their .grad would hold only what is not "
                 f"reduce-scattered. Build the optimizer with model.optimizer(torch.optim.AdamW, lr=...) "
                 f"(or plan with zero_stage=0 or 1)")
-        return self._traced.unflatten_outputs(list(self.graph_module(*self.graph_arguments(args, kwargs))))
+        with rng.module_call(self._draws):
+            return self._traced.unflatten_outputs(list(self.graph_module(*self.graph_arguments(args, kwargs))))
 
     def graph_arguments(self, args: tuple, kwargs: dict) -> list[torch.Tensor]:
         """The emitted graph's arguments for a call ``forward(*args, **kwargs)``: the inputs and

@@ -25,8 +25,9 @@ import torch.fx as fx
 from torch.utils.checkpoint import checkpoint
 
 from autopar.runtime.passes import STATE_KEY, TRACED_NAME_KEY
+from autopar.strategies import rng
 
-__all__ = ["CheckpointRegion", "apply_recompute"]
+__all__ = ["CheckpointRegion", "apply_recompute", "redrawing"]
 
 
 class CheckpointRegion(torch.nn.Module):
@@ -40,10 +41,24 @@ class CheckpointRegion(torch.nn.Module):
     def forward(self, *args: Any) -> tuple:
         if not torch.is_grad_enabled():
             return self.body(*args)
-        return checkpoint(self.body, *args, use_reentrant=False, preserve_rng_state=True)
+        return checkpoint(redrawing(self.body), *args, use_reentrant=False, preserve_rng_state=True)
 
     def extra_repr(self) -> str:
         return f"region={self.region!r}"
+
+
+def redrawing(body: Any) -> Any:
+    """``body`` run inside the draw current NOW (``strategies/rng.py``), whenever it is called:
+    the recompute in backward redraws exactly the forward's masks. ``preserve_rng_state`` covers
+    torch's generator only, and backward runs after the module call's draw has ended (in a
+    pipeline, after other micro-batches' forwards)."""
+    draw = rng.current()
+
+    def run(*args: Any) -> Any:
+        with rng.drawing(draw):
+            return body(*args)
+
+    return run
 
 
 def _is_grad_sync(node: fx.Node, modules: dict) -> bool:

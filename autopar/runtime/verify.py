@@ -21,6 +21,7 @@ computed identically everywhere and the mismatch flag is all-reduced), so all ra
 
 from __future__ import annotations
 
+import contextlib
 import math
 import operator
 import time
@@ -36,8 +37,10 @@ from autopar.layout.placement import Partial, Replicate, TensorSpec
 from autopar.runtime.collectives import gather_full
 from autopar.runtime.dtensors import local_of
 from autopar.runtime.passes import TRACED_NAME_KEY
-from autopar.runtime.recompute import CheckpointRegion
-from autopar.strategies.registry import bind
+from autopar.runtime.recompute import CheckpointRegion, redrawing
+from autopar.strategies import rng
+from autopar.strategies.check import run_whole, whole_kernel
+from autopar.strategies.registry import OpInfo, bind
 from autopar.tracer.graph import BUFFER, INPUT, MODULE_KEY, PARAMETER
 from autopar.tracer.precision import compute_dtype
 
@@ -160,22 +163,24 @@ def verify_module(module, inputs: tuple | dict, *, rtol: float | None = None) ->
     if traced.loss_node is None:
         raise ValueError(f"{traced.model_name} returns no scalar loss: verify compares one forward and backward "
                          f"of the loss (pass labels, or wrap the model so that it returns its loss)")
-    _no_random_ops(traced)
+    # Random draws (dropout ...) are functions of the draw and each element's global index
+    # (``strategies/rng.py``): both runs make the SAME draw, so they draw the same numbers.
+    draw = rng.next_draw(advance=False) if rng.graph_draws(traced.gm.graph) else None
     rtol = tolerance(compute_dtype(module.plan.precision)) if rtol is None else rtol
     args, kwargs = (inputs, {}) if isinstance(inputs, (tuple, list)) else ((), dict(inputs))
     started = time.perf_counter()
     with _restored(module):
         full_state = module.full_placeholder_values()
-        ref = _Run.reference(module, full_state, args, kwargs, record=False)
-        got = _Run.planned(module, args, kwargs, record=False)
+        ref = _Run.reference(module, full_state, args, kwargs, record=False, draw=draw)
+        got = _Run.planned(module, args, kwargs, record=False, draw=draw)
         mismatches, worst = _compare_ends(got, ref, rtol)
         flag = torch.tensor([1.0 if mismatches else 0.0])
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         if flag.item() == 0:
             return VerifyReport(float(got.loss), float(ref.loss), len(ref.grads), worst,
                                 time.perf_counter() - started)
-        ref = _Run.reference(module, full_state, args, kwargs, record=True)
-        got = _Run.planned(module, args, kwargs, record=True)
+        ref = _Run.reference(module, full_state, args, kwargs, record=True, draw=draw)
+        got = _Run.planned(module, args, kwargs, record=True, draw=draw)
         divergence = _first_divergence(module, got, ref, rtol)
     shown = "; ".join(mismatches[:6]) + (f"; ... ({len(mismatches)} in all)" if len(mismatches) > 6 else "")
     where = str(divergence) if divergence is not None else "no single node was found to diverge"
@@ -184,25 +189,8 @@ def verify_module(module, inputs: tuple | dict, *, rtol: float | None = None) ->
         f"{shown or 'the ranks disagree'}. {where}", mismatches=tuple(mismatches), divergence=divergence)
 
 
-def _no_random_ops(traced) -> None:
-    for node in traced.compute_nodes():
-        if torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ()) and _draws(node):
-            raise NotImplementedError(
-                f"verify cannot compare a model that draws random numbers in its step: node {node.name!r} "
-                f"({node.target}, module {node.meta.get(MODULE_KEY) or '<top level>'}); verify it in eval mode "
-                f"or with dropout 0")
-
-
-def _draws(node: fx.Node) -> bool:
-    """Whether a random-tagged op really draws: dropout with p 0 or train False does not."""
-    try:
-        args = bind(node.target, node.args, node.kwargs)
-    except Exception:  # noqa: BLE001 -- no schema to bind to: assume it draws
-        return True
-    if args.get("train") is False:
-        return False
-    p = args.get("dropout_p", args.get("p"))
-    return not (isinstance(p, (int, float)) and p == 0)
+def _drawing(draw: rng.Draw | None):
+    return rng.drawing(draw) if draw is not None else contextlib.nullcontext()
 
 
 class _restored:
@@ -236,7 +224,8 @@ class _Run:
     out_grads: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @classmethod
-    def reference(cls, module, full_state: dict, args: tuple, kwargs: dict, *, record: bool) -> "_Run":
+    def reference(cls, module, full_state: dict, args: tuple, kwargs: dict, *, record: bool,
+                  draw: rng.Draw | None = None) -> "_Run":
         """The all-replicated run: the traced graph on full tensors (the module's weights, gathered)."""
         traced = module._traced
         inputs = iter(module.flat_inputs(args, kwargs))
@@ -251,19 +240,21 @@ class _Run:
                 values.append(next(inputs))
             else:  # a lifted constant or a non-tensor input: its traced value
                 values.append(traced.constants.get(ph.fqn, traced.node(ph.name).meta.get("val")))
-        recorder = _Recorder(traced.gm, record=record, key=lambda n: n.name)
-        loss = _loss_of(traced, recorder.run(*values))
-        loss.backward()
+        recorder = _Recorder(traced.gm, record=record, key=lambda n: n.name, whole=True)
+        with _drawing(draw):
+            loss = _loss_of(traced, recorder.run(*values))
+            loss.backward()
         grads = {alias: value.grad for ph, value in params for alias in ph.aliases}
         return cls(loss.detach(), grads, recorder.values, recorder.grads)
 
     @classmethod
-    def planned(cls, module, args: tuple, kwargs: dict, *, record: bool) -> "_Run":
+    def planned(cls, module, args: tuple, kwargs: dict, *, record: bool, draw: rng.Draw | None = None) -> "_Run":
         values = module.graph_arguments(args, kwargs)
         recorder = _Recorder(module.graph_module, record=record, key=lambda n: n.meta.get(TRACED_NAME_KEY))
-        flat = recorder.run(*values)
-        loss = _loss_of(module._traced, flat)
-        loss.backward()
+        with _drawing(draw):
+            flat = recorder.run(*values)
+            loss = _loss_of(module._traced, flat)
+            loss.backward()
         grads = module.full_gradients()
         for p in module.parameters():
             p.grad = None
@@ -285,14 +276,27 @@ class _Recorder(fx.Interpreter):
     Recompute regions run their body through this recorder under the runtime's checkpoint."""
 
     def __init__(self, gm: fx.GraphModule, *, record: bool, key: Callable[[fx.Node], str | None],
-                 sink: "_Recorder | None" = None) -> None:
+                 sink: "_Recorder | None" = None, whole: bool = False) -> None:
         super().__init__(gm)
         self.record, self.key = record, key
+        # The traced graph's calls whose every strategy runs a kernel (random draws): the
+        # reference runs that kernel on whole tensors, as mesh (1,) does (``check.run_whole``).
+        self.whole: dict[fx.Node, str] = {}
+        if whole:
+            for n in gm.graph.nodes:
+                if n.op == "call_function" and torch.Tag.nondeterministic_seeded in getattr(n.target, "tags", ()):
+                    name = whole_kernel(n.target, OpInfo.from_node(n))
+                    if name is not None:
+                        self.whole[n] = name
         self.values: dict[str, torch.Tensor] = {} if sink is None else sink.values
         self.grads: dict[str, torch.Tensor] = {} if sink is None else sink.grads
 
     def run_node(self, n: fx.Node) -> Any:
-        out = super().run_node(n)
+        if n in self.whole:
+            args, kwargs = self.fetch_args_kwargs_from_env(n)
+            out = run_whole(self.whole[n], OpInfo.from_node(n), bind(n.target, args, kwargs))
+        else:
+            out = super().run_node(n)
         name = self.key(n)
         if self.record and name is not None and n.op not in ("output", "placeholder") \
                 and isinstance(out, torch.Tensor) and name not in self.values:
@@ -314,7 +318,7 @@ class _Recorder(fx.Interpreter):
             first[0] = False
             return rec.run(*inner)
 
-        return checkpoint(body, *args, use_reentrant=False, preserve_rng_state=True)
+        return checkpoint(redrawing(body), *args, use_reentrant=False, preserve_rng_state=True)
 
 
 def _value_spec(module, name: str) -> TensorSpec | None:

@@ -42,7 +42,11 @@ How to add a rule family
    ``fn(ctx: KernelContext, **bound_args)``; it communicates only through ``ctx.comm``
    (``all_reduce(t, axes, op)``, ``coordinate(axis)``, ``size(axis)``; see ``comm.py``) and
    ``comm_cost(info, input_specs, output_specs, mesh) -> (forward_s, backward_s)``.
-6. A rule that offers only replication on purpose (an opaque sub-graph, a 0-d value) says so
+6. A random op (``registry.draws_random``) is planned only when EVERY strategy of the call runs a
+   mesh-invariant kernel: ``register(..., kernel_for=fn)``, ``fn(info) -> kernel name | None``
+   (``_random.py``'s ``random_kernel``; the numeric check's reference is that kernel run whole).
+   Anything else -- no rule, a generic or DTensor-derived one, the fallback -- is a ``NoRuleError``.
+7. A rule that offers only replication on purpose (an opaque sub-graph, a 0-d value) says so
    with ``register(..., replicate_only=True)``; the numerical check then asserts exactly that.
 
 Conventions for nodes that need no decision (``needs_no_decision(node)``)
@@ -74,7 +78,7 @@ from autopar.strategies.registry import (
 # Rule families, imported for their registrations.
 _FAMILIES = ("_matmul", "_einsum", "_pointwise", "_attention", "_embedding", "_embedding_bag", "_norm", "_loss",
              "_loss_elementwise", "_loss_margin", "_distance", "_view", "_index", "_scatter", "_sort",
-             "_reduction", "_factory", "_conv", "_pool", "_rnn", "_resample", "_moe", "_misc")
+             "_reduction", "_factory", "_conv", "_pool", "_rnn", "_resample", "_moe", "_misc", "_random")
 for _name in _FAMILIES:
     importlib.import_module(f"{__name__}.{_name}")
 

@@ -12,16 +12,25 @@ broadcastable to (..., L, S); output (..., L, Ev). Single-axis options:
   rank's row offset in the mask, so it is not offered.
 
 The embedding dim is never split: the softmax between the two contractions is not linear.
-``dropout_p > 0`` draws a different mask per rank, as on a single device it draws a different
-mask per call; the rules hold in distribution, the numerical check runs with ``dropout_p=0``.
+``dropout_p > 0`` in training (GPT-2's and BERT's attention dropout): every strategy runs the
+``sdpa_dropout`` kernel, attention written out (scores, mask, softmax, dropout, values) with
+the dropout mask of the attention weights (..., L, S) drawn by the counter-based generator at
+their GLOBAL indices (``rng.py``): the same mask on any mesh, as on mesh (1,). Like torch's
+math path it keeps the weights and the mask for backward; ``tracer.profile`` prices attention
+dropout as the fused GPU kernels run it (they keep only the RNG state), so on CPU this op saves
+more than its estimate.
 """
 
 from __future__ import annotations
 
 import torch
 
+import math
+
 from autopar.layout.placement import Replicate, Shard
-from autopar.strategies.registry import AxisOption, OpInfo, Sample, register
+from autopar.strategies import rng
+from autopar.strategies.kernel_context import KernelContext
+from autopar.strategies.registry import AxisOption, OpInfo, Sample, draws_random, register, register_kernel
 from autopar.strategies.samples import rand, randbool
 
 aten = torch.ops.aten
@@ -43,10 +52,48 @@ def _sdpa_samples() -> list[Sample]:
         Sample((q, k, v, rand(4, 1, 8, 8)), {"scale": 0.3}, "float-mask-4d"),
         Sample((q, k, v, randbool(8, 8) | torch.eye(8, dtype=torch.bool)), label="bool-mask-2d"),
         Sample((rand(4, 4, 8, 4), rand(4, 2, 8, 4), rand(4, 2, 8, 4)), {"enable_gqa": True}, "gqa"),
+        Sample((q, k, v, rand(4, 1, 8, 8)), {"dropout_p": 0.3}, "dropout-mask"),
+        Sample((rand(4, 4, 8, 4), rand(4, 2, 8, 4), rand(4, 2, 8, 4)),
+               {"dropout_p": 0.5, "is_causal": True, "enable_gqa": True}, "dropout-causal-gqa"),
     ]
 
 
-@register(aten.scaled_dot_product_attention.default, has_flops=True, samples=_sdpa_samples)
+def _no_comm(info, input_specs, output_specs, mesh) -> tuple[float, float]:
+    return 0.0, 0.0
+
+
+@register_kernel("sdpa_dropout", comm_cost=_no_comm)
+def sdpa_dropout(ctx: KernelContext, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
+                 scale=None, enable_gqa=False):
+    """Attention with dropout on this rank's piece: the math of torch's reference implementation,
+    the dropout mask from the global indices of the attention weights (..., L, S)."""
+    L, S = query.shape[-2], key.shape[-2]
+    if enable_gqa and key.shape[-3] != query.shape[-3]:
+        reps = query.shape[-3] // key.shape[-3]
+        key, value = key.repeat_interleave(reps, -3), value.repeat_interleave(reps, -3)
+    factor = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
+    scores = (query * factor) @ key.transpose(-2, -1)
+    if is_causal:
+        scores = scores.masked_fill(~torch.ones(L, S, dtype=torch.bool, device=scores.device).tril(), float("-inf"))
+    if attn_mask is not None:
+        scores = scores.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool else scores + attn_mask
+    weights = torch.softmax(scores, dim=-1)
+    draw = rng.current()
+    out_meta = ctx.info.output
+    full = (*out_meta.shape[:-1], S)  # the weights' global shape: the output's, S for the last dim
+    slices = list(ctx.output_specs[0].local_slices(out_meta.shape, ctx.mesh_shape, ctx.coords()))[:-1]
+    idx = rng.element_indices(full, slices + [slice(0, S)], draw=draw, device=weights.device)
+    keep = rng.uniform(draw.key(ctx.info.node_name), idx) >= dropout_p
+    weights = weights * (keep.to(weights.dtype) * (1.0 / (1.0 - dropout_p))) if dropout_p < 1 else weights * 0
+    return weights @ value
+
+
+def _sdpa_kernel(info: OpInfo) -> str | None:
+    return "sdpa_dropout" if draws_random(info.target, info.bound) else None
+
+
+@register(aten.scaled_dot_product_attention.default, has_flops=True, samples=_sdpa_samples,
+          kernel_for=_sdpa_kernel)
 def _sdpa(info: OpInfo) -> list[AxisOption]:
     q = info.input("query")
     n = q.ndim

@@ -1,4 +1,4 @@
-"""Factory ops, dtype casts and dropout.
+"""Factory ops and dtype casts (random draws, dropout included: ``_random.py``).
 
 Factories (``arange``, ``ones``, ``zeros``, ``full``, ``new_*``, ``*_like``, ``scalar_tensor``)
 read no tensor data, so their output can be laid out any way for free:
@@ -17,12 +17,6 @@ numerical check can hold them to anything.
 
 Casts (``to.*``, ``_to_copy``): elementwise, so every dim maps to itself; a pending sum passes
 through float-to-float casts (integer pending sums are pruned centrally).
-
-Dropout: elementwise, every dim maps to itself; no ``P`` (the masks of the summands differ). The
-rules are exact in distribution: each rank draws the mask of its own shard, as a single device
-draws a fresh mask per call. The runtime must seed ranks that hold the SAME shard (replicas along
-an ``R`` axis) identically, or their copies diverge. The numerical check runs with ``p = 0`` or
-``train = False``.
 """
 
 from __future__ import annotations
@@ -136,7 +130,7 @@ def _elementwise_rule(*, partial: bool):
             options.append(info.option(P, work_split=False, **{name: P}))
         return options
 
-    rule.__name__ = "cast_rule" if partial else "dropout_rule"
+    rule.__name__ = "cast_rule" if partial else "elementwise_rule"
     rule.__module__ = __name__
     return rule
 
@@ -159,11 +153,3 @@ register(aten.to.dtype_layout, samples=_cast_samples(layout=torch.strided, devic
     _elementwise_rule(partial=True))
 register(aten._to_copy.default, samples=_cast_samples())(_elementwise_rule(partial=True))
 register(aten.to.device, samples=lambda: [Sample((rand(4, 8), _CPU, torch.float64))])(_elementwise_rule(partial=True))
-# Elementwise random draws (Dropout1d/2d/3d's mask, alpha dropout): each rank draws its shard's
-# numbers; the samples use p in {0, 1}, where the draw is deterministic.
-register(aten.bernoulli.p, samples=lambda: [Sample((rand(4, 8), 0.0), label="p=0", no_grad=("self",)),
-                                            Sample((rand(4, 8), 1.0), label="p=1", no_grad=("self",))])(
-    _elementwise_rule(partial=False))
-register(aten.dropout.default, samples=lambda: [Sample((rand(4, 8), 0.0, True), label="p=0"),
-                                                Sample((rand(4, 8, 4), 0.5, False), label="eval")])(
-    _elementwise_rule(partial=False))

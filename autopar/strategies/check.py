@@ -29,9 +29,11 @@ import torch
 
 from autopar.layout.placement import Replicate, TensorSpec
 from autopar.strategies.kernel_context import KernelContext
-from autopar.strategies.registry import OpInfo, Sample, Strategy, bind, call_op, get_kernel, local_arguments
+from autopar.strategies.registry import (OpInfo, Sample, Strategy, bind, call_op, get_kernel, get_rule,
+                                        local_arguments)
 
-__all__ = ["SimWorld", "SimComm", "run_spmd", "check_strategy", "StrategyMismatch", "reference"]
+__all__ = ["SimWorld", "SimComm", "run_spmd", "check_strategy", "StrategyMismatch", "reference", "run_whole",
+           "whole_kernel"]
 
 _BARRIER_TIMEOUT_S = 30.0
 # Ops whose output values are undefined (uninitialised memory): only shapes are compared.
@@ -208,6 +210,33 @@ def _as_list(out: Any) -> list[Any]:
     return list(out) if isinstance(out, (list, tuple)) else [out]
 
 
+def whole_kernel(target: Any, info: OpInfo) -> str | None:
+    """The kernel every strategy of this call runs (``register(kernel_for=...)``), else None."""
+    entry = get_rule(target)
+    return entry.kernel_for(info) if entry is not None and entry.kernel_for is not None else None
+
+
+def run_whole(name: str, info: OpInfo, bound: dict[str, Any]) -> Any:
+    """Kernel ``name`` on one rank holding every tensor whole: what mesh ``(1,)`` runs, and so the
+    single-device value of a call whose every strategy runs it (random draws: the plain op would
+    draw other numbers from torch's generator)."""
+    replicated = lambda metas: tuple(None if m is None else TensorSpec((Replicate(),)) for m in metas)  # noqa: E731
+    ctx = KernelContext(SimComm(SimWorld((1,)), (0,)), info, replicated([s.meta for s in info.slots]),
+                        replicated(info.outputs), (1,))
+    return get_kernel(name).fn(ctx, **bound)
+
+
+def _whole(target: Any, sample: Sample, bound: dict[str, Any]) -> Any:
+    """The op on the whole sample: the plain op, or its ``whole_kernel`` (``run_whole``)."""
+    name = whole_kernel(target, OpInfo.from_values(target, sample.args, sample.kwargs, None))
+    if name is None:
+        return _run_op(target, bound)
+    with torch.random.fork_rng(devices=[]), torch.no_grad():  # the output's metadata only
+        info = OpInfo.from_values(target, sample.args, sample.kwargs, _run_op(target, _replace_slots(
+            bound, [t.detach().clone() for t in _slot_values(bound)])))
+    return run_whole(name, info, bound)
+
+
 def reference(target: Any, sample: Sample, *, seed: int = 0) -> tuple[OpInfo, _Reference]:
     """The unsharded op on the sample, with a random output gradient and input gradients."""
     gen = torch.Generator().manual_seed(seed)
@@ -216,7 +245,7 @@ def reference(target: Any, sample: Sample, *, seed: int = 0) -> tuple[OpInfo, _R
     leaves = [t.detach().clone().requires_grad_(t.is_floating_point() and g)
               for t, g in zip(_slot_values(bound), needs_grad)]
     bound = _replace_slots(bound, leaves)
-    raw = _run_op(target, bound)
+    raw = _whole(target, sample, bound)
     outs = _as_list(raw)
     grads = [torch.randn(o.shape, dtype=o.dtype, generator=gen)
              if isinstance(o, torch.Tensor) and o.requires_grad else None for o in outs]

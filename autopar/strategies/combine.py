@@ -73,6 +73,9 @@ def fits_axis(info: OpInfo, opt: AxisOption, size: int) -> bool:
 def build_strategies(info: OpInfo, mesh: MeshSpec, entry: RuleEntry | None, per_axis: Sequence[Sequence[AxisOption]],
            flops: tuple[float, float], *, fallback: bool, reduce_itemsize: int | None = None) -> list[Strategy]:
     out, seen = [], set()
+    # A kernel the whole call runs whatever the layout (random draws: the all-replicated strategy
+    # and a size-1 mesh too must not fall back to the plain op and torch's generator).
+    whole = entry.kernel_for(info) if entry is not None and entry.kernel_for is not None else None
     for combo in itertools.product(*per_axis):
         kernels = {o.kernel for o in combo} - {None}
         if len(kernels) > 1:
@@ -91,7 +94,7 @@ def build_strategies(info: OpInfo, mesh: MeshSpec, entry: RuleEntry | None, per_
         if key in seen:
             continue
         seen.add(key)
-        out.append(_strategy(info, mesh, combo, in_specs, out_specs, next(iter(kernels), None), flops, fallback,
+        out.append(_strategy(info, mesh, combo, in_specs, out_specs, next(iter(kernels), whole), flops, fallback,
                              reduce_itemsize))
     return out
 

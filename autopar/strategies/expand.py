@@ -30,7 +30,7 @@ import torch.fx
 from autopar.layout.mesh import MeshSpec
 from autopar.layout.placement import Placement
 from autopar.strategies.combine import build_strategies, estimate_flops, fits_axis, normalise_option, replicate_option
-from autopar.strategies.registry import AxisOption, NoRuleError, OpInfo, RuleEntry, Strategy
+from autopar.strategies.registry import AxisOption, NoRuleError, OpInfo, RuleEntry, Strategy, draws_random
 from autopar.strategies.derived import rule_for
 
 __all__ = ["strategies_for", "enumerate_strategies", "axis_options", "FixedAxis", "axis_placements"]
@@ -67,6 +67,11 @@ def enumerate_strategies(info: OpInfo, mesh: MeshSpec, *, flops: tuple[float, fl
                          allow_replicate_fallback: bool = False, reduce_itemsize: int | None = None,
                          fixed: FixedAxis | None = None) -> list[Strategy]:
     entry = rule_for(info.target)
+    if draws_random(info.target, info.bound) and (entry is None or entry.kernel_for is None
+                                                  or entry.kernel_for(info) is None):
+        # A draw only a mesh-invariant kernel may make (``_random.py``): a plain op, a generic or
+        # DTensor-derived rule or the fallback would draw from each rank's own torch generator.
+        raise NoRuleError(info.target, info.node_name, info.module_path, random=True)
     if entry is None:
         if not allow_replicate_fallback:
             raise NoRuleError(info.target, info.node_name, info.module_path)

@@ -33,7 +33,7 @@ from autopar.tracer.meta_keys import MODULE_KEY, export_module_path
 __all__ = [
     "TensorMeta", "InputSlot", "OpInfo", "AxisOption", "Strategy", "RuleEntry", "LocalKernel",
     "NoRuleError", "register", "register_kernel", "get_rule", "get_kernel", "registered_targets",
-    "input_nodes", "call_op", "Sample", "local_arguments", "needs_no_decision",
+    "input_nodes", "call_op", "Sample", "local_arguments", "needs_no_decision", "draws_random",
 ]
 
 R = Replicate()
@@ -43,13 +43,19 @@ P = Partial()
 class NoRuleError(LookupError):
     """No sharding rule is registered for an op; names the op, the node and its module path."""
 
-    def __init__(self, target: Any, node_name: str = "?", module_path: str = "") -> None:
+    def __init__(self, target: Any, node_name: str = "?", module_path: str = "", *, random: bool = False) -> None:
         self.target, self.node_name, self.module_path = target, node_name, module_path
         where = module_path or "<top level>"
-        super().__init__(
-            f"no sharding rule for op {target} (node {node_name!r}, module {where}); add a rule "
-            f"in autopar/strategies/ or pass allow_replicate_fallback=True to replicate it"
-        )
+        if random:
+            # No fallback for a random draw: replicated or not, each rank would draw from its own
+            # torch generator, and the ranks would silently differ.
+            hint = ("it draws random numbers, and only ops with a mesh-invariant rule may (autopar/strategies/"
+                    "_random.py: each element a function of the seed and its global index); add one there, "
+                    "or trace the model in eval mode / with that probability 0. The replicate fallback is "
+                    "refused: each rank would draw its own numbers")
+        else:
+            hint = "add a rule in autopar/strategies/ or pass allow_replicate_fallback=True to replicate it"
+        super().__init__(f"no sharding rule for op {target} (node {node_name!r}, module {where}); {hint}")
 
 
 # ----------------------------------------------------------------------------------- metadata
@@ -431,6 +437,9 @@ class RuleEntry:
     local_args: Callable[..., dict[str, Any]] | None = None
     # The rule offers only the replicated strategy, by design (documented in its family).
     replicate_only: bool = False
+    # info -> the kernel EVERY strategy of the call runs (the all-replicated one included), or
+    # None for the plain op: random draws run the counter-based generator on one device too.
+    kernel_for: Callable[[OpInfo], str | None] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -454,7 +463,8 @@ _KERNELS: dict[str, LocalKernel] = {}
 def register(*targets: Any, samples: Callable[[], list[Sample]], has_flops: bool = False,
              combine_check: Callable[[OpInfo, tuple[AxisOption, ...]], bool] | None = None,
              local_args: Callable[..., dict[str, Any]] | None = None,
-             replicate_only: bool = False) -> Callable[[RuleFn], RuleFn]:
+             replicate_only: bool = False,
+             kernel_for: Callable[[OpInfo], str | None] | None = None) -> Callable[[RuleFn], RuleFn]:
     """Register a single-axis rule for one or more ATen overloads (decorator).
 
     ``samples`` returns concrete inputs for the numerical check (required: every rule is
@@ -462,6 +472,9 @@ def register(*targets: Any, samples: Callable[[], list[Sample]], has_flops: bool
     ``local_args(info, bound, input_specs, output_specs, mesh_shape) -> bound`` rewrites shape
     arguments to local sizes for the plain local op (see ``local_arguments``).
     ``replicate_only=True`` declares a rule that offers only replication on purpose.
+    ``kernel_for(info) -> name | None``: a local kernel every strategy of that call runs, the
+    all-replicated one included (random draws: ``_random.py``); it is also the numeric check's
+    reference. A call that ``draws_random`` is planned only when it names one.
     """
     if not targets:
         raise ValueError("register() needs at least one op overload")
@@ -472,7 +485,8 @@ def register(*targets: Any, samples: Callable[[], list[Sample]], has_flops: bool
                 raise ValueError(f"a sharding rule for {t} is already registered "
                                  f"(by {_RULES[t].family}.{_RULES[t].rule.__name__})")
             family = rule.__module__.rsplit(".", 1)[-1]
-            _RULES[t] = RuleEntry(t, rule, samples, family, has_flops, combine_check, local_args, replicate_only)
+            _RULES[t] = RuleEntry(t, rule, samples, family, has_flops, combine_check, local_args, replicate_only,
+                                  kernel_for)
         return rule
 
     return deco
@@ -534,3 +548,19 @@ def needs_no_decision(node: torch.fx.Node) -> bool:
     val = node.meta.get("val")
     values = val if isinstance(val, (list, tuple)) else (val,)
     return not any(isinstance(v, torch.Tensor) for v in values)
+
+
+def draws_random(target: Any, bound: dict[str, Any]) -> bool:
+    """Whether a call (arguments bound by schema name) draws random numbers: an op tagged
+    ``nondeterministic_seeded`` (dropout, ``rand``, ``bernoulli``, ``rrelu``, attention and RNNs
+    with a dropout argument) unless it is off: ``train``/``training`` False or a literal dropout
+    probability of 0."""
+    if torch.Tag.nondeterministic_seeded not in getattr(target, "tags", ()):
+        return False
+    if bound.get("train") is False or bound.get("training") is False:
+        return False
+    for name in ("p", "dropout_p", "dropout"):
+        p = bound.get(name)
+        if isinstance(p, (int, float)) and not isinstance(p, bool):
+            return p != 0
+    return True

@@ -6,8 +6,8 @@ Every entry starts from ``ConfigClass()`` and changes only:
   for fields whose meaning is family-specific, such as a vision model's stage widths): hidden
   size, layers, heads, KV heads, intermediate size, vocabulary, experts, image size ...;
 - special token ids that the shrunk vocabulary no longer holds (moved to ``vocab - 1``);
-- dropout-like probabilities, set to 0 so that the comparison is exact (a dropout mask cannot
-  match across processes);
+- dropout-like probabilities, set to 0 so that the comparison with the eager model is exact
+  (autopar's masks are mesh-invariant, ``tests/runtime/test_randomness.py``, but not torch's);
 - ``extra``: a setting eager mode needs at all (T5's ``decoder_start_token_id``).
 
 ``use_cache``, the attention implementation, activations, tying, norms, rotary settings, MoE

@@ -15,14 +15,15 @@ module's inputs is checked as a parameter gradient even for modules without para
 ``Target`` marks inputs that take no gradient (loss targets, lengths, offsets); integer inputs
 never take one.
 
-Randomness: a dropout mask cannot match across processes (each rank draws its own), so every
-dropout module has two samples in training mode: ``p=0``, compared exactly (``nn.Dropout`` keeps
-its op in the graph; the feature and alpha dropouts decompose to the identity at trace time),
-and ``p=0.5`` (variant ``random``), whose random ops must trace and plan without fallback like
-any other and whose step must run on the ranks with a finite loss and every gradient present,
-but whose values are not compared (``Entry.exact=False``). ``RReLU`` likewise: ``lower ==
-upper`` (exact) and a random slope range. ``FractionalMaxPool`` takes fixed
-``_random_samples``.
+Randomness: autopar's draws are mesh-invariant (``strategies/rng.py``) but are not the eager
+model's, which draws from torch's generator, so every dropout module has two samples in training
+mode: ``p=0``, compared exactly (``nn.Dropout`` keeps its op in the graph; the feature and alpha
+dropouts decompose to the identity at trace time), and ``p=0.5`` (variant ``random``), whose
+random ops must trace and plan without fallback like any other and whose step must run on the
+ranks with a finite loss and every gradient present, but whose values are not compared with the
+eager model (``Entry.exact=False``; equality across meshes is ``tests/runtime/test_randomness.py``'s).
+``RReLU`` likewise: ``lower == upper`` (exact) and a random slope range. ``FractionalMaxPool``
+takes fixed ``_random_samples``.
 
 Sizes: batch 4 and feature sizes of 4, 8 or 16, so that every dimension a rule may shard
 divides by the mesh axis (2).

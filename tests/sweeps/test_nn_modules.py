@@ -12,8 +12,8 @@ or fail to trace with a clear ``TraceError``. A listed sample that now passes st
 test too (the list must stay true).
 
 Dropout: every dropout module runs with ``p=0`` in training mode (see ``nn_catalog``): its op is
-planned and checked, and the comparison is exact; with ``p>0`` each rank draws its own mask and
-no comparison with one device can hold.
+planned and checked, and the comparison is exact; with ``p>0`` autopar draws mesh-invariant masks
+(``strategies/rng.py``) that are not the eager model's, so no comparison with it can hold.
 """
 
 from __future__ import annotations

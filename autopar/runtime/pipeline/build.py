@@ -20,6 +20,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from autopar.plans import Plan
+from autopar.runtime.draws import check_ranks_draw_alike
 from autopar.runtime.materialize import local_shards
 from autopar.runtime.nodes import GradAllReduce
 from autopar.runtime.passes import STATE_KEY, emit_local_graph
@@ -143,6 +144,7 @@ def build_pipeline(model: nn.Module, traced: TracedGraph, plan: Plan, *, device:
     held_by = {k: tuple(sorted(v)) for k, v in holders.items()}
     trained = {p.name for p in traced.params if p.requires_grad}
     tied = _tied_groups({k: v for k, v in held_by.items() if k in trained}, device_mesh)
+    check_ranks_draw_alike(traced.gm.graph)
     return PipelineModule(plan=plan, traced=traced, device_mesh=device_mesh, pmesh=pmesh, stage_modules=modules,
                           layouts=layouts, leaves=shards, specs=specs, signature=inspect.signature(model.forward),
                           state_keys=state_keys, device=device, holders=held_by, deferred=deferred,

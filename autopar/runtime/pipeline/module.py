@@ -11,6 +11,8 @@ inputs say which of them the rule keeps whole (the micro-batch trace alone canno
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import inspect
 from typing import Any, Iterable
 
@@ -34,6 +36,7 @@ from autopar.runtime.passes import STATE_KEY
 from autopar.runtime.pipeline.split import StageGraph, example_values
 from autopar.runtime.pipeline.state import PipelineState
 from autopar.runtime.process_mesh import ProcessMesh
+from autopar.strategies import rng
 from autopar.tracer.graph import BUFFER, INPUT, PARAMETER, TracedGraph, values_needing_grad
 from autopar.tracer.microbatch import batch_size, is_batch_major, split_micro_batches
 
@@ -61,10 +64,21 @@ class StageModule(nn.Module):
             else:
                 self.register_buffer(name, leaves[name])
 
+        self._draw: rng.Draw | None = None  # this step's draw (``begin_step``)
+        self._calls = 0  # forward calls in this step: the micro-batch index
+
+    def begin_step(self, draw: rng.Draw | None) -> None:
+        """A new step: its micro-batches run in order 0, 1, ... (every schedule runs one stage's
+        forwards in micro-batch order), each drawing its rows of the full batch's draw."""
+        self._draw, self._calls = draw, 0
+
     def forward(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         it = iter(inputs)
         values = [next(it) if name is None else getattr(self, name) for name in self._arg_state]
-        out = self.gm(*values)
+        draw = None if self._draw is None else dataclasses.replace(self._draw, micro_batch=self._calls)
+        self._calls += 1
+        with rng.drawing(draw) if draw is not None else contextlib.nullcontext():
+            out = self.gm(*values)
         # Point-to-point sends need dense tensors (an expanded mask is a stride-0 view), and the
         # split backward detaches outputs in place, which a view refuses: views are copied.
         return tuple(o.clone(memory_format=torch.contiguous_format) if o._is_view() or not o.is_contiguous() else o
@@ -128,6 +142,7 @@ class PipelineModule(PipelineState, nn.Module):
         self._tied_groups = dict(tied_groups)  # tied parameter -> group of the pipeline ranks holding it
         self._deferred = dict(deferred)  # parameter -> mesh axes its gradient is summed over per step
         self.boundary_layouts = dict(layouts)  # value crossing a cut -> the layout it is sent in
+        self._draws = rng.graph_draws(traced.gm.graph)
 
     # ------------------------------------------------------------------------------ inputs
     def _flat_inputs(self, args: tuple, kwargs: dict) -> tuple[list[torch.Tensor], frozenset[str]]:
@@ -203,6 +218,7 @@ class PipelineModule(PipelineState, nn.Module):
         if criterion is not None and not callable(criterion):
             raise ValueError(f"criterion must be callable (outputs, inputs) -> loss or None, got {criterion!r}")
         inputs, whole = self._flat_inputs(args, kwargs)
+        self._begin_step(args, kwargs)
         self._criterion = criterion
         if criterion is not None:
             batch: Any = kwargs if not args else args[0] if len(args) == 1 and not kwargs else (args, kwargs)
@@ -212,6 +228,17 @@ class PipelineModule(PipelineState, nn.Module):
         finally:
             self._criterion, self._micro_batches = None, []
         return loss, (self._merged_outputs(merged) if return_outputs else None)
+
+    def _begin_step(self, args: tuple, kwargs: dict) -> None:
+        """One draw per full-batch step (``strategies/rng.py``), as the unpipelined module takes
+        one per call: micro-batch ``k`` draws rows ``k * micro ...`` of every batch-major draw, so
+        the step draws what one call on the full batch draws."""
+        draw = None
+        if self._draws:
+            micro = batch_size((args, kwargs)) // self.num_microbatches
+            draw = rng.next_draw(micro_batches=self.num_microbatches, micro_batch_size=micro)
+        for stage in self._stages:
+            stage.begin_step(draw)
 
     def _train(self, inputs: list[torch.Tensor], whole: frozenset[str], *,
                return_outputs: bool) -> tuple[torch.Tensor, Any]:
@@ -238,6 +265,7 @@ class PipelineModule(PipelineState, nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Forward only: the model's outputs for the full batch, on every rank."""
         inputs, whole = self._flat_inputs(args, kwargs)
+        self._begin_step(args, kwargs)
         target = torch.zeros(self.num_microbatches, device=self._device)
         with torch.no_grad():
             merged = self._schedule_for(whole).eval(*inputs, target=target, losses=[], return_outputs=True)

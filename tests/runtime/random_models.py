@@ -1,0 +1,224 @@
+"""Tiny training-mode models that draw random numbers, and a runner comparing them across meshes.
+
+GPT-2 and BERT at their default dropout probabilities (0.1 everywhere: embeddings, attention
+weights inside SDPA, residual paths), a GPT-NeoX decoder with dropout 0.1, a DINOv2 ViT with
+stochastic depth (``drop_path_rate=0.1``: ``torch.rand`` inside forward) -- tiny widths, depths and
+vocabularies. ``run_on`` plans one model on a mesh with nearly free links (so the solver splits
+what rules let it split), then on forked gloo ranks seeds autopar (``autopar.manual_seed``), trains
+``steps`` steps of SGD and returns the loss curve, the first step's full gradients and the final
+full parameters (rank 0's, after checking every rank agrees).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+
+import torch
+from torch import nn
+
+import autopar
+from autopar.api import PlanOptions, plan_traced
+from autopar.layout.blocks import split_block
+from autopar.layout.mesh import MeshSpec
+from autopar.plans import RecomputeRegion
+from autopar.runtime.build import build_module
+from autopar.runtime.launch import run_local
+from autopar.runtime.nodes import KernelCall
+from autopar.runtime.recompute import CheckpointRegion
+from autopar.strategies import needs_decomposition
+from autopar.tracer import profile, trace
+
+SEED = 1234
+BATCH, SEQ, VOCAB = 4, 8, 96
+
+
+def gpt2():
+    import transformers as tf
+
+    cfg = tf.GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=VOCAB, n_positions=SEQ,
+                        bos_token_id=0, eos_token_id=0, attn_implementation="sdpa")
+    assert (cfg.resid_pdrop, cfg.embd_pdrop, cfg.attn_pdrop) == (0.1, 0.1, 0.1)  # the defaults
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ))
+    return tf.GPT2LMHeadModel(cfg), {"input_ids": ids, "labels": ids}
+
+
+def bert():
+    import transformers as tf
+
+    cfg = tf.BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+                        vocab_size=VOCAB, max_position_embeddings=SEQ, attn_implementation="sdpa")
+    assert (cfg.hidden_dropout_prob, cfg.attention_probs_dropout_prob) == (0.1, 0.1)
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ))
+    return tf.BertForMaskedLM(cfg), {"input_ids": ids, "labels": ids}
+
+
+def gpt_neox():
+    """The issue's example: a GPT-NeoX decoder with attention and hidden dropout 0.1 gave 4.62362 on
+    (1,), 4.62338 on (2,) and 4.62698 on (2, 2) when each rank drew its own masks."""
+    import transformers as tf
+
+    cfg = tf.GPTNeoXConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+                           vocab_size=VOCAB, max_position_embeddings=SEQ, attention_dropout=0.1, hidden_dropout=0.1,
+                           attn_implementation="sdpa")
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ))
+    return tf.GPTNeoXForCausalLM(cfg), {"input_ids": ids, "labels": ids}
+
+
+class _PixelLoss(nn.Module):
+    """A DINOv2 backbone with a linear classifier on the CLS token and cross entropy."""
+
+    def __init__(self, backbone: nn.Module, hidden: int, classes: int) -> None:
+        super().__init__()
+        self.backbone, self.head = backbone, nn.Linear(hidden, classes)
+
+    def forward(self, pixel_values, labels):
+        cls = self.backbone(pixel_values=pixel_values).last_hidden_state[:, 0]
+        return nn.functional.cross_entropy(self.head(cls), labels)
+
+
+def vit_drop_path():
+    import transformers as tf
+
+    cfg = tf.Dinov2Config(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, mlp_ratio=2, image_size=16,
+                          patch_size=4, drop_path_rate=0.1, attn_implementation="sdpa")
+    return _PixelLoss(tf.Dinov2Model(cfg), 32, 10), (torch.randn(BATCH, 3, 16, 16), torch.randint(0, 10, (BATCH,)))
+
+
+MODELS = {"gpt2": gpt2, "bert": bert, "vit-drop-path": vit_drop_path, "gpt-neox": gpt_neox}
+
+
+def build(name: str):
+    torch.manual_seed(0)
+    model, inputs = MODELS[name]()
+    return model.train(), inputs
+
+
+def traced_of(model, inputs):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        traced = trace(model, inputs, decompose_if=needs_decomposition)
+    return traced, profile(traced)
+
+
+def fast_mesh(shape: tuple[int, ...]) -> MeshSpec:
+    """Nearly free links and slow compute: the solver splits every op a rule lets it split."""
+    mesh = MeshSpec.preset("cpu", shape)
+    return dataclasses.replace(mesh, alpha=(1e-7,) * len(shape), beta=(1e-13,) * len(shape),
+                               peak_flops=1e6, mem_bandwidth=1e6, name="sweep")
+
+
+def with_block_recompute(plan, traced):
+    """``plan`` with every repeated block recomputed in backward (one checkpoint region each)."""
+    blocks: dict[int, list[str]] = {}
+    for node in traced.compute_nodes():
+        found = split_block(traced.module_path(node))
+        if found is not None:
+            blocks.setdefault(found[1], []).append(node.name)
+    regions = tuple(RecomputeRegion(f"block {b}", tuple(names)) for b, names in sorted(blocks.items()))
+    assert regions, "no repeated block to recompute"
+    return dataclasses.replace(plan, recompute=regions)
+
+
+def plan_for(traced, prof, shape, *, recompute: bool = False):
+    plan = plan_traced(traced, prof, mesh=fast_mesh(shape), options=PlanOptions(checkpoint="none")).plan
+    return with_block_recompute(plan, traced) if recompute else plan
+
+
+DRAW_OPS = ("dropout", "rand", "bernoulli", "scaled_dot_product_attention")
+
+
+def sharded_draws(plan) -> int:
+    """Random ops (and attention, which draws its dropout) the plan runs on shards."""
+    return sum(any(w in n.op for w in DRAW_OPS) and "S" in (n.output_specs[0] or "") for n in plan.by_kind("op"))
+
+
+def _call(model, inputs):
+    out = model(**inputs) if isinstance(inputs, dict) else model(*inputs)
+    return out if isinstance(out, torch.Tensor) else out.loss
+
+
+def _train(rank, world, model, traced, plan, inputs, steps, lr):
+    autopar.manual_seed(SEED)
+    pm = build_module(model, traced, plan, device=torch.device("cpu"))
+    opt = torch.optim.SGD(pm.parameters(), lr=lr)
+    losses, first = [], None
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = _call(pm, inputs)
+        loss.backward()
+        losses.append(loss.detach().clone())
+        if first is None:
+            first = pm.full_gradients()
+        opt.step()
+    kernels = sum(isinstance(m, KernelCall) and m.name in ("random_draw", "sdpa_dropout") for m in pm.modules())
+    return torch.stack(losses), first, pm.full_state_dict(), kernels
+
+
+def run_on(model, traced, plan, inputs, *, steps: int = 1, lr: float = 0.1):
+    """(loss curve, first step's gradients, final full state, random kernel calls in the code) on
+    rank 0, after checking that every rank returned the same."""
+    world = 1
+    for s in plan.mesh.shape:
+        world *= s
+    results = run_local(_train, world, model, traced, plan, inputs, steps, lr, timeout=240)
+    losses, grads, state, kernels = results[0]
+    for other in results[1:]:
+        assert torch.equal(other[0], losses), "ranks disagree on the loss"
+    return losses, grads, state, kernels
+
+
+def assert_same(label: str, got, want, *, rtol: float = 1e-4, atol: float = 1e-6) -> None:
+    """Loss curve, gradients and parameters equal (float tolerance: sums are ordered per plan)."""
+    g_loss, g_grads, g_state, _ = got
+    w_loss, w_grads, w_state, _ = want
+    assert torch.allclose(g_loss, w_loss, rtol=rtol, atol=atol), f"{label}: loss {g_loss.tolist()} != {w_loss.tolist()}"
+    for k, w in w_grads.items():
+        g = g_grads.get(k)
+        if w is None:
+            assert g is None or not g.abs().max() > atol, f"{label}: grad {k} should be zero"
+            continue
+        assert g is not None and torch.allclose(g, w, rtol=rtol, atol=atol), \
+            f"{label}: grad {k} max error {(g - w).abs().max().item() if g is not None else 'missing'}"
+    for k, w in w_state.items():
+        assert torch.allclose(g_state[k], w, rtol=rtol, atol=atol), f"{label}: parameter {k} after the steps"
+
+
+def pipeline_plan_for(model, inputs, shape, *, microbatches: int = 2, recompute: bool = False):
+    """(micro-batch trace, plan) with 2 pipeline stages on ``shape`` (stages on its sub-mesh),
+    every block recomputed in backward when asked (regions inside the stages)."""
+    from autopar.tracer.microbatch import micro_batch
+
+    plan = autopar.plan(model, inputs, mesh=fast_mesh(shape), pipeline=2, microbatches=microbatches,
+                        checkpoint="none", cache=False)
+    traced, _ = traced_of(model, micro_batch(inputs, microbatches))
+    return traced, with_block_recompute(plan, traced) if recompute else plan
+
+
+def _train_pipeline(rank, world, model, traced, plan, inputs, steps, lr):
+    from autopar.runtime.pipeline import build_pipeline
+
+    autopar.manual_seed(SEED)
+    pm = build_pipeline(model, traced, plan, device="cpu")
+    opt = torch.optim.SGD(pm.parameters(), lr=lr)
+    losses, first = [], None
+    for _ in range(steps):
+        opt.zero_grad()
+        losses.append(pm.step(*inputs) if isinstance(inputs, tuple) else pm.step(**inputs))
+        if first is None:
+            first = pm.full_gradients()
+        opt.step()
+    regions = sum(isinstance(m, CheckpointRegion) for stage in pm._stages for m in stage.modules())
+    return torch.stack([x.detach() for x in losses]), first, pm.full_state_dict(), regions
+
+
+def run_pipeline(model, traced, plan, inputs, *, steps: int = 1, lr: float = 0.1):
+    """``run_on`` for a pipeline plan (``pipeline_plan_for``); the last item is the number of
+    checkpoint regions in rank 0's stages."""
+    world = 1
+    for s in plan.mesh.shape:
+        world *= s
+    results = run_local(_train_pipeline, world, model, traced, plan, inputs, steps, lr, timeout=240)
+    for other in results[1:]:
+        assert torch.equal(other[0], results[0][0]), "ranks disagree on the loss"
+    return results[0]
