@@ -31,8 +31,7 @@ OffloadMode = Literal["none", "auto"]
 OFFLOAD_MODES: tuple[OffloadMode, ...] = ("none", "auto")
 
 
-# How a fraction out of [0, 1] is reported: the knob's name and the value given. (OffloadPolicy
-# keeps the planner's older wording, which its callers match on.)
+# How a fraction out of [0, 1] is reported, by every reader: the knob's name and the value given.
 RANGE_ERROR = "{name} must be a number in [0, 1], got {value!r}"
 
 
@@ -82,7 +81,7 @@ class OffloadPolicy(StaticOffload):
     ``offload_param_frac > 0`` needs ``offload_optim_frac == 1``, as in Gemini, where a host
     parameter is updated by the CPU optimizer."""
 
-    RANGE_ERROR: ClassVar[str] = "OffloadPolicy.{name} must be a fraction in [0, 1], got {value!r}"
+    RANGE_ERROR: ClassVar[str] = "OffloadPolicy." + RANGE_ERROR
 
     def __post_init__(self) -> None:
         StaticOffload.__post_init__(self)  # slots dataclasses cannot use zero-argument super()

@@ -36,7 +36,7 @@ def test_string_form_parses_back():
     for bad in ("static:1", "gemini", "static:a,b", "cpu:1,0"):
         with pytest.raises(ValueError, match=r"offload takes none, auto or static:OPTIM,PARAM, got"):
             parse_offload(bad)
-    with pytest.raises(ValueError, match=r"OffloadPolicy.offload_optim_frac must be a fraction in \[0, 1\], got 2.0"):
+    with pytest.raises(ValueError, match=r"OffloadPolicy.offload_optim_frac must be a number in \[0, 1\], got 2.0"):
         parse_offload("static:2,0")
     from autopar.planner.options import PlanOptions
 
