@@ -37,11 +37,6 @@ NOT_STRICT: dict[str, str] = {
                            "parameter): a parameter written by forward cannot be sharded (TraceError)",
     "CrossMapLRN2d": "its legacy autograd Function calls pow(..., out=...) on tensors that require "
                      "grad, which autograd refuses (TraceError from profiling)",
-    "EmbeddingBag": "aten._embedding_bag has no sharding rule yet (bags with offsets): replicated "
-                    "with the fallback, which matches",
-    "EmbeddingBag[max]": "aten._embedding_bag has no sharding rule yet: replicated with the fallback",
-    "EmbeddingBag[sum_offsets_weights]": "aten._embedding_bag has no sharding rule yet: replicated "
-                                         "with the fallback",
 }
 
 MIN_STRICT_FRACTION = 0.95
