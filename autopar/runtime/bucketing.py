@@ -12,7 +12,8 @@ Here those parameters go through ``self.grad_bucket(w, axes=..., slot=k)`` inste
   autograd does not accumulate the unreduced value into ``w.grad``);
 - buckets are laid out statically when the graph is emitted: slots in reverse forward order
   (roughly the order their gradients become ready), grouped by (mesh axes, dtype), about
-  ``cap`` bytes each (25 MiB by default, like DDP). A bucket is all-reduced asynchronously as
+  ``cap`` bytes each (25 MiB by default, like DDP), the first of each group at most 1 MiB
+  (DDP's first bucket, ``AUTOPAR_FIRST_BUCKET_CAP_MB``). A bucket is all-reduced asynchronously as
   soon as it is complete and every bucket before it has been issued, so every rank issues the
   same collectives in the same order and communication overlaps the rest of backward;
 - at the end of the backward pass (an autograd engine callback) the remaining buckets are
