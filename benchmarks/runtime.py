@@ -10,7 +10,9 @@ same weights:
 
 - ``autopar``: ``autoparallelize(model, inputs, mesh=(world,))`` -- the solver's own plan, on
   the model wrapped to return only the loss like the two others (``--full-outputs``: the HF
-  outputs, whose full logits are then all-gathered on every rank each step);
+  outputs, whose full logits are then all-gathered on every rank each step; ``--plan
+  data-parallel``: the best plan of the data-parallel baseline family instead, the layout DDP
+  runs);
 - ``megatron``: the hand-written Megatron tensor-parallel GPT-2 (``_baselines.MegatronGPT2``);
 - ``ddp``: ``torch.nn.parallel.DistributedDataParallel`` on the HF model, each rank feeding
   its slice of the batch;
@@ -99,7 +101,14 @@ def _bench(rank: int, world: int, args, model, inputs) -> dict:
 
     t0 = time.perf_counter()
     wrapped = copy.deepcopy(model) if args.full_outputs else LossOnly(copy.deepcopy(model))
-    pm = autoparallelize(wrapped, inputs, mesh=(world,), device=device, precision=args.precision)
+    if args.plan == "auto":
+        pm = autoparallelize(wrapped, inputs, mesh=(world,), device=device, precision=args.precision)
+    else:  # one baseline family's best plan (rank 0 solves, every rank builds the same one)
+        from _baselines import restricted_plan
+
+        box = [restricted_plan(wrapped, inputs, mesh=(world,), baseline=args.plan) if rank == 0 else None]
+        dist.broadcast_object_list(box, src=0)
+        pm = autoparallelize(wrapped, inputs, plan=box[0], device=device, precision=args.precision)
     plan_s = time.perf_counter() - t0
     plain = PlainTensors(autoparallelize(copy.deepcopy(wrapped), inputs, plan=pm.plan, device=device))
     zero2 = autoparallelize(copy.deepcopy(wrapped), inputs, mesh=(world,), device=device, precision=args.precision,
@@ -235,8 +244,14 @@ def main(argv=None) -> dict:
     p.add_argument("--foreach", dest="foreach", action="store_true", help="AdamW(foreach=True) for all (the default)")
     p.add_argument("--precision", default="fp32", choices=("fp32", "bf16", "fp16"),
                    help="autopar/plain compute dtype (fp32 masters); Megatron and DDP under torch.autocast")
+    p.add_argument("--plan", default="auto", choices=("auto", "data-parallel"),
+                   help="autopar's plan: the solver's own (auto), or the best plan of the data-parallel "
+                        "baseline family (autopar.planner.baselines), e.g. to compare its runtime with DDP "
+                        "at sizes where the solver picks tensor parallelism")
     p.add_argument("--out", help="append one JSON line with the figures")
     args = p.parse_args(argv)
+    if args.plan != "auto" and args.precision != "fp32":
+        p.error("--plan data-parallel plans the fp32 trace: use it with --precision fp32")
 
     model, inputs = gpt2_config_model(hidden=args.hidden, layers=args.layers, heads=args.heads, vocab=args.vocab,
                                       seq=args.seq, batch=args.batch)

@@ -12,7 +12,8 @@ Here those parameters go through ``self.grad_bucket(w, axes=..., slot=k)`` inste
   autograd does not accumulate the unreduced value into ``w.grad``);
 - buckets are laid out statically when the graph is emitted: slots in reverse forward order
   (roughly the order their gradients become ready), grouped by (mesh axes, dtype), about
-  ``cap`` bytes each (25 MiB by default, like DDP). A bucket is all-reduced asynchronously as
+  ``cap`` bytes each (25 MiB by default, like DDP), the first of each group at most 1 MiB
+  (DDP's first bucket, ``AUTOPAR_FIRST_BUCKET_CAP_MB``). A bucket is all-reduced asynchronously as
   soon as it is complete and every bucket before it has been issued, so every rank issues the
   same collectives in the same order and communication overlaps the rest of backward;
 - at the end of the backward pass (an autograd engine callback) the remaining buckets are
@@ -53,7 +54,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from autopar.runtime.counting import record
-from autopar.runtime.dtensors import local_of
+from autopar.runtime.dtensors import grad_like, local_of
 from autopar.runtime.process_mesh import ProcessMesh
 
 __all__ = ["DEFAULT_CAP_MB", "GradBucketer", "bucket_cap_bytes"]
@@ -61,6 +62,8 @@ __all__ = ["DEFAULT_CAP_MB", "GradBucketer", "bucket_cap_bytes"]
 DEFAULT_CAP_MB = 25.0
 _MAX_OPEN_PASSES = 8  # nested (reentrant) backward passes open at once, at most
 ENV_VAR = "AUTOPAR_BUCKET_CAP_MB"
+DEFAULT_FIRST_CAP_MB = 1.0  # torch.distributed._DEFAULT_FIRST_BUCKET_BYTES, DDP's first bucket
+FIRST_ENV_VAR = "AUTOPAR_FIRST_BUCKET_CAP_MB"
 
 
 def bucket_cap_bytes() -> int:
@@ -75,6 +78,16 @@ def bucket_cap_bytes() -> int:
         raise ValueError(f"{ENV_VAR}={raw!r} is not a number of MiB") from None
     if value < 0 or math.isnan(value):
         raise ValueError(f"{ENV_VAR} must be >= 0, got {raw!r}")
+    return int(value * 2**20)
+
+
+def first_cap_bytes_default() -> int:
+    """The first bucket's cap: ``AUTOPAR_FIRST_BUCKET_CAP_MB`` (MiB) or DDP's 1 MiB; 0 means
+    no separate first cap (the first bucket is as large as the others)."""
+    raw = os.environ.get(FIRST_ENV_VAR, "").strip()
+    value = float(raw) if raw else DEFAULT_FIRST_CAP_MB
+    if value < 0 or math.isnan(value):
+        raise ValueError(f"{FIRST_ENV_VAR} must be >= 0, got {raw!r}")
     return int(value * 2**20)
 
 
@@ -120,12 +133,17 @@ class _Pass:
 class GradBucketer(nn.Module):
     """The ``grad_bucket`` module of an emitted graph (see the module docstring)."""
 
-    def __init__(self, pmesh: ProcessMesh, cap_bytes: int) -> None:
+    def __init__(self, pmesh: ProcessMesh, cap_bytes: int, first_cap_bytes: int | None = None) -> None:
         super().__init__()
         if cap_bytes <= 0:
             raise ValueError(f"bucket cap must be positive, got {cap_bytes} bytes")
         self.pmesh = pmesh
         self.cap_bytes = int(cap_bytes)
+        # The first bucket to leave (per group of axes and dtype) is small, as DDP's: its
+        # gradients are ready early in backward, so its all-reduce overlaps the rest of backward
+        # instead of one 25 MiB bucket waiting for the last gradient of the step.
+        first = first_cap_bytes_default() if first_cap_bytes is None else first_cap_bytes
+        self.first_cap_bytes = min(self.cap_bytes, int(first)) if first > 0 else self.cap_bytes
         self.slots: list[_Slot] = []
         self._buckets: list[_Bucket] | None = None
         self._bucket_of: dict[int, int] = {}
@@ -157,15 +175,18 @@ class GradBucketer(nn.Module):
     def _layout(self) -> tuple[list[_Bucket], dict[int, int]]:
         buckets: list[_Bucket] = []
         open_: dict[tuple, int] = {}
+        first: dict[tuple, int] = {}  # key -> its first bucket, capped at first_cap_bytes
         for slot in reversed(range(len(self.slots))):
             s = self.slots[slot]
             key = (s.axes, s.dtype, s.shard)
             size = s.numel * s.dtype.itemsize
             b = open_.get(key)
-            if b is not None and buckets[b].numel * s.dtype.itemsize + size > self.cap_bytes:
+            cap = self.first_cap_bytes if b is not None and b == first.get(key) else self.cap_bytes
+            if b is not None and buckets[b].numel * s.dtype.itemsize + size > cap:
                 b = None
             if b is None:
                 b = open_[key] = len(buckets)
+                first.setdefault(key, b)
                 buckets.append(_Bucket(s.axes, s.dtype, s.shard))
             bucket = buckets[b]
             bucket.offsets[slot] = bucket.numel
@@ -379,8 +400,7 @@ class GradBucketer(nn.Module):
                 if param.grad is not None:
                     local_of(param.grad).add_(reduced)
                 elif isinstance(param, DTensor):
-                    param.grad = DTensor.from_local(reduced, param.device_mesh, param.placements, run_check=False,
-                                                    shape=param.shape, stride=param.stride())
+                    param.grad = grad_like(reduced, param)
                 else:
                     param.grad = reduced if param.is_contiguous() else reduced.clone(
                         memory_format=torch.preserve_format)

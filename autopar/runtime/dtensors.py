@@ -30,7 +30,7 @@ from autopar.layout.placement import Partial, TensorSpec
 from autopar.layout.placement import Shard as AutoparShard
 from autopar.runtime.process_mesh import ProcessMesh
 
-__all__ = ["dtensor_placements", "to_dtensor", "local_of", "local_views"]
+__all__ = ["dtensor_placements", "to_dtensor", "local_of", "local_views", "grad_like"]
 
 
 def dtensor_placements(spec: TensorSpec) -> tuple[Placement, ...]:
@@ -63,11 +63,31 @@ def to_dtensor(local: torch.Tensor, spec: TensorSpec, pmesh: ProcessMesh,
 
 
 def local_of(t: torch.Tensor) -> torch.Tensor:
-    """The local tensor of a DTensor (its storage, no autograd), else ``t`` itself."""
+    """The local tensor of a DTensor (its storage, no autograd), else ``t`` itself.
+
+    ``_local_tensor`` is what ``to_local()`` returns under ``no_grad``; read directly, it skips
+    the grad-mode switch and the method call, which the step pays for every parameter (forward's
+    local views, each gradient delivered): about 1.5 us each on CPU against 0.05 us."""
     if isinstance(t, DTensor):
-        with torch.no_grad():
-            return t.to_local()
+        return t._local_tensor
     return t
+
+
+def grad_like(local: torch.Tensor, param: DTensor) -> DTensor:
+    """``local`` (this rank's gradient of ``param``, contiguous) as a DTensor with ``param``'s
+    placements, shape and stride, without copying: what ``DTensor.from_local(local,
+    param.device_mesh, param.placements, run_check=False, shape=param.shape,
+    stride=param.stride())`` returns. The parameter's spec is reused as is (a gradient has its
+    parameter's layout and global shape; ``to_dtensor`` gives parameters contiguous strides), so
+    each delivered gradient costs one wrapper (about 2 us) instead of ``from_local``'s autograd
+    function and spec construction (about 17 us), once per parameter per step."""
+    spec = param._spec
+    meta = spec.tensor_meta
+    if (meta is None or local.dtype != meta.dtype or not local.is_contiguous()
+            or tuple(meta.stride) != _contiguous_stride(meta.shape)):
+        return DTensor.from_local(local, param.device_mesh, param.placements, run_check=False,
+                                  shape=param.shape, stride=param.stride())
+    return DTensor(local, spec, requires_grad=False)
 
 
 def local_views(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -98,6 +118,5 @@ class _LocalViews(torch.autograd.Function):
                 if t.grad is not None:
                     local_of(t.grad).add_(grad)
                 else:
-                    t.grad = DTensor.from_local(grad.contiguous(), t.device_mesh, t.placements, run_check=False,
-                                                shape=t.shape, stride=t.stride())
+                    t.grad = grad_like(grad.contiguous(), t)
         return (None,) * (1 + len(ctx.tensors))

@@ -71,6 +71,7 @@ class AutoParallelModule(nn.Module):
         self._placeholders = {p.name: p for p in traced.placeholders}
         self._inputs = [p for p in traced.placeholders if p.kind == INPUT]
         self._state_keys = state_keys
+        self._state_at: dict[str, tuple[nn.Module, str, str]] = {}  # see _state
         # The graph's placeholders in order: a parameter/buffer name, or None for the next user input.
         self._arg_state = tuple(n.name if n.meta.get(STATE_KEY) else None
                                 for n in graph_module.graph.nodes if n.op == "placeholder")
@@ -131,9 +132,19 @@ class AutoParallelModule(nn.Module):
 
     # ------------------------------------------------------------------------ state and grads
     def _state(self, name: str) -> torch.Tensor:
-        """The DTensor parameter or buffer of placeholder ``name``."""
-        return self.graph_module.get_parameter(self._attr_of[name]) if self._placeholders[name].kind == PARAMETER \
-            else self.graph_module.get_buffer(self._attr_of[name])
+        """The DTensor parameter or buffer of placeholder ``name``.
+
+        Read every step for every parameter (forward's local views, each bucketed gradient's
+        delivery): the owning submodule is found once (``get_parameter`` walks the dotted path,
+        about 80 us a call under load) and its ``_parameters``/``_buffers`` entry is read each
+        time, so a tensor replaced in place (``load_state_dict(assign=True)``, ``.to()``) is seen."""
+        found = self._state_at.get(name)
+        if found is None:
+            owner_path, _, leaf = self._attr_of[name].rpartition(".")
+            table = "_parameters" if self._placeholders[name].kind == PARAMETER else "_buffers"
+            found = self._state_at[name] = (self.graph_module.get_submodule(owner_path), table, leaf)
+        owner, table, leaf = found
+        return getattr(owner, table)[leaf]
 
     def _tensors(self) -> Iterable[tuple[str, Any, torch.Tensor]]:
         """(placeholder name, Placeholder, local tensor) for every parameter and buffer."""

@@ -24,3 +24,18 @@ def test_runtime_benchmark_times_autopar_plain_megatron_and_ddp(capsys):
     assert "ZeRO-2: autopar zero2 / fsdp2 = " in out
     assert "DTensor parameters: autopar / plain = " in out and "optimizer: AdamW(foreach)" in out
     assert record["dtensor_ratio"] > 0
+
+
+def test_runtime_benchmark_forced_data_parallel_plan(capsys):
+    import runtime  # benchmarks/runtime.py
+
+    record = runtime.main(["--hidden", "64", "--layers", "1", "--heads", "2", "--seq", "32", "--batch", "4",
+                           "--steps", "2", "--warmup", "1", "--plan", "data-parallel"])
+    out = capsys.readouterr().out
+    # The data-parallel family: batch splits, replicas' gradients all-reduced (bucketed), no
+    # tensor-parallel collective (at this size its best plan is even fully replicated).
+    comm = out.split("autopar graph communication:")[1].split(";")[0]
+    for kind in ("all_gather", "reduce_scatter", "all_to_all"):
+        assert kind not in comm, comm
+    assert abs(record["first_loss"]["autopar"] - record["first_loss"]["ddp"]) < 1e-4
+    assert record["first_loss"]["autopar"] == record["first_loss"]["plain"]

@@ -216,3 +216,23 @@ def test_backward_after_an_interrupted_backward():
     for rank, grads in enumerate(run_local(_after_failed_backward, 2, model, trace(model, a), plan, a)):
         for k, want in ref.items():
             _assert_close(grads[k], want, f"rank {rank} grad {k} after an interrupted backward")
+
+
+def test_first_bucket_is_small_like_ddp():
+    """Buckets fill in reverse forward order; the first to leave (per axes and dtype) is capped at
+    ``first_cap_bytes`` (DDP's 1 MiB) so it is issued early in backward, the rest at ``cap_bytes``."""
+    from autopar.runtime.bucketing import GradBucketer
+
+    half_mib = (2**17,)  # float32: 0.5 MiB
+    for first_cap, want in ((2**20, [[9, 8], [7, 6, 5, 4, 3, 2, 1, 0]]), (0, [[9, 8, 7, 6, 5, 4, 3, 2], [1, 0]])):
+        b = GradBucketer(None, 4 * 2**20, first_cap)  # the layout needs no process group
+        for k in range(10):
+            b.add_slot(f"w{k}", (0,), half_mib, torch.float32)
+        assert [bucket.slots for bucket in b.buckets] == want, first_cap
+    # Each (axes, dtype) group has its own small first bucket.
+    b = GradBucketer(None, 4 * 2**20, 2**20)
+    for k in range(6):
+        dtype = torch.float32 if k % 2 else torch.bfloat16
+        b.add_slot(f"w{k}", (0,), (2**19 // dtype.itemsize,), dtype)  # 0.5 MiB each
+    assert [(bucket.dtype, bucket.slots) for bucket in b.buckets] == [
+        (torch.float32, [5, 3]), (torch.bfloat16, [4, 2]), (torch.float32, [1]), (torch.bfloat16, [0])]

@@ -85,7 +85,7 @@ class GradSync:
         if self.original is None:
             return
         sharded = {s.name for c in self.manager.chunks if c.scatters for s in c.slots}
-        new = GradBucketer(self.original.pmesh, self.original.cap_bytes)
+        new = GradBucketer(self.original.pmesh, self.original.cap_bytes, self.original.first_cap_bytes)
         self.slot_map = {k: new.add_slot(s.name, s.axes, s.shape, s.dtype) for k, s in enumerate(self.slots)
                          if s.name not in sharded}
         new.deliver_to(self.manager.grads.target)
