@@ -265,6 +265,10 @@ def _cannot(node: fx.Node, why: str) -> Exception:
 
 def functionalize_activations(gm: fx.GraphModule) -> int:
     """Rewrite ``gm`` in place (see the module docstring); returns how many writes it removed."""
+    # Most graphs write nothing in place: then nothing is rewritten, and tracking every read (a
+    # 96-layer GPT-2's 1,900 of them: 0.05 s) is skipped.
+    if not any(_written_slot(n) is not None and not _is_view(n) for n in gm.graph.nodes):
+        return 0
     rewriter = _Rewriter(gm)
     for node in list(gm.graph.nodes):
         if node.op == "output":
