@@ -11,7 +11,6 @@ full parameters (rank 0's, after checking every rank agrees).
 
 from __future__ import annotations
 
-import dataclasses
 import warnings
 
 import torch
@@ -19,15 +18,14 @@ from torch import nn
 
 import autopar
 from autopar.api import PlanOptions, plan_traced
-from autopar.layout.blocks import split_block
-from autopar.layout.mesh import MeshSpec
-from autopar.plans import RecomputeRegion
 from autopar.runtime.build import build_module
 from autopar.runtime.launch import run_local
 from autopar.runtime.nodes import KernelCall
 from autopar.runtime.recompute import CheckpointRegion
 from autopar.strategies import needs_decomposition
 from autopar.tracer import profile, trace
+from tests.runtime.pipeline.test_pipeline import with_block_recompute
+from tests.sweeps.harness import fast_mesh
 
 SEED = 1234
 BATCH, SEQ, VOCAB = 4, 8, 96
@@ -99,25 +97,6 @@ def traced_of(model, inputs):
         warnings.simplefilter("ignore")
         traced = trace(model, inputs, decompose_if=needs_decomposition)
     return traced, profile(traced)
-
-
-def fast_mesh(shape: tuple[int, ...]) -> MeshSpec:
-    """Nearly free links and slow compute: the solver splits every op a rule lets it split."""
-    mesh = MeshSpec.preset("cpu", shape)
-    return dataclasses.replace(mesh, alpha=(1e-7,) * len(shape), beta=(1e-13,) * len(shape),
-                               peak_flops=1e6, mem_bandwidth=1e6, name="sweep")
-
-
-def with_block_recompute(plan, traced):
-    """``plan`` with every repeated block recomputed in backward (one checkpoint region each)."""
-    blocks: dict[int, list[str]] = {}
-    for node in traced.compute_nodes():
-        found = split_block(traced.module_path(node))
-        if found is not None:
-            blocks.setdefault(found[1], []).append(node.name)
-    regions = tuple(RecomputeRegion(f"block {b}", tuple(names)) for b, names in sorted(blocks.items()))
-    assert regions, "no repeated block to recompute"
-    return dataclasses.replace(plan, recompute=regions)
 
 
 def plan_for(traced, prof, shape, *, recompute: bool = False):

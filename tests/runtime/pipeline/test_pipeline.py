@@ -75,6 +75,7 @@ def with_block_recompute(plan, traced):
         if found is not None:
             blocks.setdefault(found[1], []).append(node.name)
     regions = tuple(RecomputeRegion(f"block {b}", tuple(names)) for b, names in sorted(blocks.items()))
+    assert regions, "no repeated block to recompute"
     return dataclasses.replace(plan, recompute=regions)
 
 
