@@ -31,12 +31,18 @@ _LAZY = {
     "PlanVerificationError": "autopar.runtime.verify",
     "VerifyReport": "autopar.runtime.verify",
     "manual_seed": "autopar.strategies.rng",
+    "ParallelModule": "autopar.runtime.parallel_module",
 }
+# Subpackages users reach as attributes (``autopar.optim.Lamb``, ``autopar.booster.Booster``) without
+# importing them first, as ``torch.optim`` is reached after ``import torch``.
+_SUBPACKAGES = ("optim", "booster")
 
-__all__ = ["MeshSpec", "TensorSpec", "Shard", "Replicate", "Partial", *_LAZY]
+__all__ = ["MeshSpec", "TensorSpec", "Shard", "Replicate", "Partial", *_LAZY, *_SUBPACKAGES]
 
 
 def __getattr__(name: str):
+    if name in _SUBPACKAGES:
+        return importlib.import_module(f"{__name__}.{name}")  # the import binds it here too
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'autopar' has no attribute {name!r}")

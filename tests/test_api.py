@@ -128,3 +128,20 @@ def test_autoparallelize_mesh_auto_searches_on_rank_0_and_every_rank_builds_it()
     text = texts.pop()
     assert "ranks disagree on the mesh" in text and "auto over 2 nodes x 2 devices" in text
     assert "rank 3 auto over 1 nodes x 4 devices" in text
+
+
+def test_subpackages_and_protocol_resolve_after_import_autopar():
+    """What a user types after ``import autopar`` alone, in a fresh process (no earlier import
+    of the subpackage): ``autopar.optim.Lamb``, ``autopar.booster.Booster`` and its plugin."""
+    import subprocess
+    import sys
+
+    code = ("import autopar; print(autopar.optim.Lamb.__name__, autopar.booster.Booster.__name__, "
+            "autopar.booster.AutoParallelPlugin.__name__, autopar.ParallelModule.__name__)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["Lamb", "Booster", "AutoParallelPlugin", "ParallelModule"]
+    import autopar
+
+    with pytest.raises(AttributeError, match="no attribute 'optimm'"):
+        autopar.optimm
+
