@@ -7,5 +7,6 @@ the options. Torch is imported when this package is, not by ``import autopar``.
 from autopar.booster.booster import Booster
 from autopar.booster.optimizer import BoostedOptimizer
 from autopar.booster.plugin import AutoParallelPlugin
+from autopar.booster.torch_plugins import TorchDDPPlugin, TorchFSDPPlugin
 
-__all__ = ["Booster", "AutoParallelPlugin", "BoostedOptimizer"]
+__all__ = ["Booster", "AutoParallelPlugin", "BoostedOptimizer", "TorchDDPPlugin", "TorchFSDPPlugin"]

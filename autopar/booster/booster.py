@@ -36,6 +36,7 @@ from autopar.booster import checkpoint_io
 from autopar.booster.dataloader import GlobalBatchSampler, configure_for, first_batch_inputs, input_shapes
 from autopar.booster.optimizer import BoostedOptimizer, rebuild_optimizer, repoint_scheduler
 from autopar.booster.plugin import AutoParallelPlugin
+from autopar.booster.torch_plugins import TorchDDPPlugin, TorchFSDPPlugin
 from autopar.runtime.parallel_module import ParallelModule
 
 __all__ = ["Booster"]
@@ -52,11 +53,11 @@ class _Origin:
 class Booster:
     """Boosts a model and its training objects with ``plugin`` (default: ``AutoParallelPlugin()``)."""
 
-    def __init__(self, plugin: AutoParallelPlugin | None = None) -> None:
+    def __init__(self, plugin: AutoParallelPlugin | TorchDDPPlugin | TorchFSDPPlugin | None = None) -> None:
         if plugin is None:
             plugin = AutoParallelPlugin()
-        if not isinstance(plugin, AutoParallelPlugin):
-            raise ValueError(f"plugin must be an AutoParallelPlugin, got {plugin!r}")
+        if not isinstance(plugin, (AutoParallelPlugin, TorchDDPPlugin, TorchFSDPPlugin)):
+            raise ValueError(f"plugin must be an AutoParallelPlugin, TorchDDPPlugin or TorchFSDPPlugin, got {plugin!r}")
         self.plugin = plugin
         self._origins: weakref.WeakKeyDictionary[ParallelModule, _Origin] = weakref.WeakKeyDictionary()
 
@@ -89,6 +90,13 @@ class Booster:
             raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if lr_scheduler is not None and optimizer is None:
             raise ValueError("an lr_scheduler needs the optimizer it drives: pass the optimizer too")
+        if isinstance(self.plugin, (TorchDDPPlugin, TorchFSDPPlugin)):
+            # Torch's own engines: no plan, so no meta inputs or loader configuration either.
+            boosted = self.plugin.boost(model, optimizer, criterion, dataloader, lr_scheduler)
+            config = getattr(model, "config", None)
+            self._origins[boosted[0]] = _Origin(config if hasattr(config, "save_pretrained") else None,
+                                                type(model).__name__)
+            return boosted
         ours = dataloader is not None and isinstance(getattr(dataloader, "batch_sampler", None), GlobalBatchSampler)
         if ours:
             dataloader.batch_sampler.piece = None  # global batches again (a loader boosted before)
