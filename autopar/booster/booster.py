@@ -77,6 +77,9 @@ class Booster:
           -- and wrapped in a :class:`~autopar.booster.optimizer.BoostedOptimizer` (clipping
           to ``max_norm``, fp16 loss scaling). Its state is not carried over.
         - ``lr_scheduler`` (built over ``optimizer``) is re-pointed at the rebuilt optimizer.
+        - with ``TorchDDPPlugin`` / ``TorchFSDPPlugin`` the plugin boosts instead
+          (``plugin.boost``): torch's DDP or FSDP2 engine in a ``TorchParallelModule``, no plan,
+          no meta inputs, ``dataloader`` returned as it is.
         - ``dataloader``: one from ``plugin.prepare_dataloader`` is configured so each rank loads
           only its piece of every global batch when the plan splits the batch dim of every
           input the same way (the model then takes those pieces); any other loader is returned
