@@ -201,3 +201,30 @@ def test_fsdp_knobs_keep_the_result(tmp_path):
 def test_ddp_knobs_keep_the_result(tmp_path):
     _check("gpt2", "ddp", {"bucket_cap_mb": 1, "gradient_as_bucket_view": True, "static_graph": True,
                            "broadcast_buffers": False}, tmp_path)
+
+
+def _meta_model(rank, world, model, batch):
+    """A model on ``meta`` materialised by ``param_init_fn`` (rank 0's weights reach every rank
+    only through ``sync_module_states``), sharded over an explicit ``process_group``."""
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.device("meta"):
+        meta = type(model)(model.config)
+
+    def init(module):  # FSDP1's contract: materialise the meta tensors
+        module.to_empty(device="cpu")
+        with torch.no_grad():
+            for key, value in module.state_dict().items():
+                value.copy_(state[key] if rank == 0 else torch.zeros_like(value))
+
+    plugin = TorchFSDPPlugin(dist.group.WORLD, param_init_fn=init, sync_module_states=True)
+    boosted, *_ = Booster(plugin=plugin).boost(meta)
+    assert boosted.device_mesh.size() == world
+    full = boosted.full_state_dict()
+    return {k: torch.equal(full[k], v) for k, v in state.items()}
+
+
+def test_fsdp_param_init_fn_process_group_and_sync_module_states():
+    torch.manual_seed(0)
+    model, inputs = zoo.build("gpt2", tiny=True, device="cpu")
+    results = run_local(_meta_model, 2, model, inputs, timeout=120)
+    assert all(all(r.values()) for r in results), results
