@@ -77,6 +77,21 @@ class ParallelModule(Protocol):
         """Slice full tensors into what this rank holds. No collective."""
 
 
+def _total_norm(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
+    """The ``norm_type`` norm of ``grads``, DTensors counted globally. DTensor and plain gradients
+    can meet (FSDP2's ``ignored_params`` stay plain tensors) and torch's norm refuses the mix, so
+    each kind is normed apart and the two combined."""
+    parts = []
+    for kind in ([g for g in grads if isinstance(g, DTensor)], [g for g in grads if not isinstance(g, DTensor)]):
+        if kind:
+            norm = torch.nn.utils.get_total_norm(kind, norm_type)
+            parts.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    if len(parts) == 1:
+        return parts[0]
+    stacked = torch.stack([p.to(parts[0].device) for p in parts])
+    return stacked.max() if norm_type == float("inf") else torch.linalg.vector_norm(stacked, norm_type)
+
+
 @torch.no_grad()
 def clip_grad_norm(parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0, *,
                    counted: Iterable[torch.Tensor] | None = None, group: Any = None,
@@ -99,8 +114,7 @@ def clip_grad_norm(parameters: Iterable[torch.Tensor], max_norm: float, norm_typ
     params = [p for p in parameters if p.grad is not None]
     grads = [p.grad for p in (params if counted is None else counted) if p.grad is not None]
     if grads:
-        norm = torch.nn.utils.get_total_norm(grads, norm_type)
-        norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
+        norm = _total_norm(grads, norm_type)
     else:
         norm = torch.zeros((), device=device)
     if group is not None:

@@ -228,3 +228,25 @@ def test_fsdp_param_init_fn_process_group_and_sync_module_states():
     model, inputs = zoo.build("gpt2", tiny=True, device="cpu")
     results = run_local(_meta_model, 2, model, inputs, timeout=120)
     assert all(all(r.values()) for r in results), results
+
+
+def _ignored_clip(rank, world, model, x):
+    booster = Booster(plugin=TorchFSDPPlugin(ignored_modules=[model[1]]))
+    module, optimizer, *_ = booster.boost(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    booster.backward(module(x).sum(), optimizer)
+    assert isinstance(module.model[0].weight, DTensor) and not isinstance(module.model[1].weight, DTensor)
+    return optimizer.clip_grad_by_norm(1.0).item()
+
+
+def test_fsdp_ignored_modules_stay_plain_and_clipping_counts_them():
+    """``ignored_modules`` -> ``ignored_params``: those stay plain tensors next to the DTensors,
+    and the one ``clip_grad_norm`` norms the mix (every rank sees the same batch here, so the
+    norm is the single-device one)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+    x = torch.randn(3, 4)
+    reference = copy.deepcopy(model)
+    reference(x).sum().backward()
+    expected = torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0).item()
+    for norm in run_local(_ignored_clip, 2, model, x, timeout=120):
+        assert norm == pytest.approx(expected, rel=1e-5)
