@@ -7,7 +7,8 @@
   through ``Booster.boost`` / ``booster.backward`` / ``optimizer.step``; every step's loss (the
   mean of the ranks' losses over their quarter of the batch) and the final parameters equal
   single-device training on the whole batch (fp32, rtol 1e-4); then ``save_model`` /
-  ``load_model`` of the full state dict round-trips into a fresh boosted model.
+  ``load_model`` of the full state dict and ``save_optimizer`` / ``load_optimizer`` round-trip
+  into a fresh boosted model and optimizer.
 """
 
 from __future__ import annotations
@@ -151,8 +152,15 @@ def _train(rank, world, model, fresh, batches, kind, options, path):
     state = model.full_state_dict()
     booster.save_model(model, path, shard=True, size_per_shard=0.05)
     other = Booster(plugin=_make_plugin(kind, options))
-    reloaded, *_ = other.boost(fresh)
+    booster.save_optimizer(optimizer, path + "-optim")
+    reloaded, fresh_optimizer, *_ = other.boost(fresh, torch.optim.AdamW(fresh.parameters(), lr=LR, eps=EPS))
     other.load_model(reloaded, path)
+    other.load_optimizer(fresh_optimizer, path + "-optim")
+    saved, loaded = optimizer.state_dict()["state"], fresh_optimizer.state_dict()["state"]
+    assert saved.keys() == loaded.keys() and saved
+    for key in saved:
+        for name, value in saved[key].items():
+            torch.testing.assert_close(loaded[key][name], value, rtol=0, atol=0)
     again = reloaded.full_state_dict()
     same = all(torch.equal(again[k], v) for k, v in state.items())
     # How many all-gather units FSDP2 made (the root, plus one per block an auto_wrap_policy took).
