@@ -258,3 +258,32 @@ def test_fsdp_ignored_modules_stay_plain_and_clipping_counts_them():
     expected = torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0).item()
     for norm in run_local(_ignored_clip, 2, model, x, timeout=120):
         assert norm == pytest.approx(expected, rel=1e-5)
+
+
+def _accumulate(rank, world, model, batch, kind):
+    booster = Booster(plugin=_make_plugin(kind, {}))
+    module, optimizer, *_ = booster.boost(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    piece = BATCH // world
+    local = {k: v[rank * piece:(rank + 1) * piece] for k, v in batch.items()}
+    half = piece // 2
+    with module.no_sync():  # the first micro-batch's gradients stay local ...
+        booster.backward(module(**{k: v[:half] for k, v in local.items()}).loss / 2, optimizer)
+    # ... and the second backward reduces the accumulated sum
+    booster.backward(module(**{k: v[half:] for k, v in local.items()}).loss / 2, optimizer)
+    optimizer.step()
+    return module.full_state_dict()
+
+
+@pytest.mark.parametrize("kind", ["ddp", "fsdp"])
+def test_no_sync_accumulation_equals_one_step(kind):
+    """``TorchParallelModule.no_sync`` (DDP's ``no_sync``, FSDP2's ``set_requires_gradient_sync``):
+    two accumulated half-batches on each of 2 ranks equal one SGD step on the whole batch."""
+    torch.manual_seed(0)
+    model, _ = zoo.build("gpt2", tiny=True, device="cpu")
+    batch = _batches(model.config.vocab_size)[0]
+    reference = copy.deepcopy(model)
+    reference(**batch).loss.backward()
+    torch.optim.SGD(reference.parameters(), lr=0.1).step()
+    state = run_local(_accumulate, 2, model, batch, kind, timeout=120)[0]
+    for key, value in reference.state_dict().items():
+        torch.testing.assert_close(state[key], value, rtol=1e-4, atol=1e-6, msg=lambda m, k=key: f"{k}: {m}")
