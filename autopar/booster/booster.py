@@ -181,7 +181,8 @@ class Booster:
         weighted micro-batches. Returns ``{"loss": ..., "outputs": ...}`` on EVERY rank (the loss
         when ``return_loss``, the full-batch outputs when ``return_outputs``; else None). Every
         rank calls, with the same batch."""
-        if not isinstance(model, ParallelModule) or model.plan.pipeline is None:
+        # A torch plugin's module has no plan (``plan`` is None): not pipelined either.
+        if not isinstance(model, ParallelModule) or getattr(model.plan, "pipeline", None) is None:
             raise ValueError(f"execute_pipeline needs a model boosted with a pipeline (AutoParallelPlugin(pp_size=N)), "
                              f"got {type(model).__name__}; call model(...) and booster.backward otherwise")
         if optimizer is not None:

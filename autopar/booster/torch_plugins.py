@@ -162,8 +162,10 @@ class _TorchPlugin:
     """What the Booster asks of a torch plugin: ``boost`` and ``prepare_dataloader``."""
 
     name = ""
-    # ``Booster._scaler`` and ``max_norm`` clipping read these: torch plugins compute in the
-    # model's dtype (FSDP2's mixed precision is its own policy) and clip only when asked.
+    # The fields code asking any plugin for its precision and clipping reads (AutoParallelPlugin
+    # has them): torch plugins compute in the model's dtype (FSDP2's mixed precision is its own
+    # policy, inside the engine), own no loss scaler and clip only when asked
+    # (``optimizer.clip_grad_by_norm``).
     precision = "fp32"
     max_norm = 0.0
 

@@ -271,6 +271,8 @@ def _accumulate(rank, world, model, batch, kind):
     # ... and the second backward reduces the accumulated sum
     booster.backward(module(**{k: v[half:] for k, v in local.items()}).loss / 2, optimizer)
     optimizer.step()
+    with pytest.raises(ValueError, match="execute_pipeline needs a model boosted with a pipeline"):
+        booster.execute_pipeline(iter([batch]), module)  # no plan, so no pipeline: a clear refusal
     return module.full_state_dict()
 
 
