@@ -50,7 +50,7 @@ class TorchParallelModule(nn.Module):
 
     plan = None
 
-    def __init__(self, engine: nn.Module, model: nn.Module, mesh: Any) -> None:
+    def __init__(self, engine: nn.Module, *, model: nn.Module, mesh: Any) -> None:
         super().__init__()
         self.engine = engine
         # ``model`` is ``engine`` for FSDP2 (sharded in place) and DDP's ``.module``: held
@@ -245,7 +245,7 @@ class TorchDDPPlugin(_TorchPlugin):
         ddp = nn.parallel.DistributedDataParallel(
             model, device_ids=[device.index] if device_type == "cuda" else None, **self.ddp_kwargs)
         mesh = init_device_mesh(device_type, (dist.get_world_size(),))
-        return TorchParallelModule(ddp, model, mesh)
+        return TorchParallelModule(ddp, model=model, mesh=mesh)
 
 
 class TorchFSDPPlugin(_TorchPlugin):
@@ -377,7 +377,7 @@ class TorchFSDPPlugin(_TorchPlugin):
                     fully_shard(sub, **kwargs)
                     done.update(id(p) for p in sub.parameters())
         fully_shard(model, **kwargs)
-        return TorchParallelModule(model, model, mesh)
+        return TorchParallelModule(model, model=model, mesh=mesh)
 
 
 def _cpu_offload_policy() -> type:
