@@ -263,7 +263,9 @@ class TorchFSDPPlugin(_TorchPlugin):
       gradients and the optimizer step on the host); ``offload_params=False`` -> no offload.
     - ``auto_wrap_policy``: FSDP1's ``policy(module=, recurse=False, nonwrapped_numel=)`` is asked
       of every sub-module, children first; each it accepts gets its own ``fully_shard`` (its own
-      all-gather unit, as an FSDP1 wrap); the root always gets one.
+      all-gather unit, as an FSDP1 wrap); the root always gets one. A policy object that is not
+      callable (``CustomPolicy``) names its modules through FSDP1's ``_run_policy``; per-module
+      FSDP1 arguments it returns raise ``NotImplementedError`` (they would be dropped).
     - ``backward_prefetch``: logged as ignored: FSDP2 always prefetches the next all-gather in
       backward (what ``BACKWARD_PRE`` asks); the order of communication, not the result.
     - ``mixed_precision``: ``MixedPrecision(param_dtype, reduce_dtype, cast_forward_inputs)`` ->
@@ -323,7 +325,7 @@ class TorchFSDPPlugin(_TorchPlugin):
                                       cast_forward_inputs=mixed_precision.cast_forward_inputs
                                       or mixed_precision.cast_root_forward_inputs)
         for key, fn in (("auto_wrap_policy", auto_wrap_policy), ("param_init_fn", param_init_fn)):
-            if fn is not None and not callable(fn):
+            if fn is not None and not callable(fn) and not (key == "auto_wrap_policy" and _policy_object(fn)):
                 raise ValueError(f"{key} must be callable, got {fn!r}")
         if not isinstance(sync_module_states, bool):
             raise ValueError(f"sync_module_states must be a bool, got {sync_module_states!r}")
@@ -367,17 +369,31 @@ class TorchFSDPPlugin(_TorchPlugin):
         for m in self.ignored_modules or ():
             ignored.update(m.parameters())
         kwargs = {**self.fsdp_kwargs, "mesh": mesh, "ignored_params": ignored or None}
-        if self.auto_wrap_policy is not None:
+        policy = self.auto_wrap_policy
+        if policy is not None and not callable(policy):  # an FSDP1 ``_Policy`` object
+            targets = policy._run_policy(model, set(self.ignored_modules or ()), {})
+            extra = {type(m).__name__: kw for m, kw in targets.items() if kw}
+            if extra:
+                raise NotImplementedError(f"TorchFSDPPlugin: auto_wrap_policy's per-module FSDP1 arguments {extra}")
+            chosen = {id(m) for m in targets}
+            policy = lambda module, recurse, nonwrapped_numel: id(module) in chosen  # noqa: E731
+        if policy is not None:
             done: set[int] = set(map(id, ignored))
             for sub in _children_first(model):
                 if sub is model:
                     continue
                 numel = sum(p.numel() for p in sub.parameters() if id(p) not in done)
-                if numel and self.auto_wrap_policy(module=sub, recurse=False, nonwrapped_numel=numel):
+                if numel and policy(module=sub, recurse=False, nonwrapped_numel=numel):
                     fully_shard(sub, **kwargs)
                     done.update(id(p) for p in sub.parameters())
         fully_shard(model, **kwargs)
         return TorchParallelModule(model, model=model, mesh=mesh)
+
+
+def _policy_object(policy: Any) -> bool:
+    from torch.distributed.fsdp.wrap import _Policy
+
+    return isinstance(policy, _Policy)
 
 
 def _cpu_offload_policy() -> type:

@@ -218,6 +218,14 @@ def test_fsdp_bf16_mixed_precision_tracks_fp32(tmp_path):
     _check("gpt2", "fsdp", {"mixed_precision": mp}, tmp_path, rtol=2e-2)
 
 
+def test_fsdp_custom_policy_object_wraps_its_modules(tmp_path):
+    """A non-callable FSDP1 policy object (``CustomPolicy``) chooses the wrapped blocks too."""
+    from torch.distributed.fsdp.wrap import CustomPolicy
+    from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+
+    _check("gpt2", "fsdp", {"auto_wrap_policy": CustomPolicy(lambda m: isinstance(m, GPT2Block))}, tmp_path)
+
+
 def test_ddp_knobs_keep_the_result(tmp_path):
     _check("gpt2", "ddp", {"bucket_cap_mb": 1, "gradient_as_bucket_view": True, "static_graph": True,
                            "broadcast_buffers": False}, tmp_path)
