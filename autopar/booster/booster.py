@@ -24,10 +24,11 @@ Every rank runs the same calls (``boost`` and the checkpoint methods are collect
 
 from __future__ import annotations
 
+import contextlib
 import os
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, ContextManager, Iterator
 
 import torch
 from torch import nn
@@ -204,6 +205,33 @@ class Booster:
         """``loss.backward()``, the loss scaled first under fp16."""
         _check_optimizer(optimizer)
         optimizer.backward(loss)
+
+    def no_sync(self, model: ParallelModule, optimizer: BoostedOptimizer | None = None) -> ContextManager[None]:
+        """Gradient accumulation (DDP's ``no_sync``): forwards run inside the returned context
+        keep their data-parallel gradient sums local; the next forward outside it, once its
+        backward runs, reduces every accumulated micro-step's gradient together with its own,
+        in one all-reduce (reduce-scatter for ZeRO-2) per bucket. The gradients then equal the
+        synced sum of every micro-step's, as if each had been reduced: step after that backward.
+        The flag is read at forward, so ``booster.backward`` may run inside or after the block.
+        Gradients that no data-parallel sum produces (sharded parameters) and those of a module
+        built without buckets (``AUTOPAR_BUCKET_CAP_MB=0``) or pipelined stages are reduced in
+        every backward as before -- still exact, just without the saving. ``optimizer`` is
+        accepted for the product notes' signature."""
+        _check_module(model)
+        if optimizer is not None:
+            _check_optimizer(optimizer)
+        from autopar.runtime.bucketing import GradBucketer
+
+        bucketers = [m for m in model.modules() if isinstance(m, GradBucketer)]
+
+        @contextlib.contextmanager
+        def context() -> Iterator[None]:  # entered lazily: the notes build it before `with`
+            with contextlib.ExitStack() as stack:
+                for bucketer in bucketers:
+                    stack.enter_context(bucketer.no_sync())
+                yield
+
+        return context()
 
     # ------------------------------------------------------------------------ checkpoints
     def save_model(self, model: ParallelModule, path: str | os.PathLike, shard: bool = True,
