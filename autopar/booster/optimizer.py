@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from autopar.runtime.amp import GradScaler
+from autopar.runtime.bucketing import GradBucketer
 from autopar.runtime.parallel_module import ParallelModule
 
 __all__ = ["BoostedOptimizer", "rebuild_optimizer", "repoint_scheduler"]
@@ -144,6 +145,9 @@ class BoostedOptimizer:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         (self.zero or self.optim).zero_grad(set_to_none=set_to_none)
+        for m in self.module.modules():  # no_sync micro-steps' unreduced gradients are gradients too
+            if isinstance(m, GradBucketer):
+                m.drop_unsynced()
         if self.scaler is None:  # with a scaler, an unscale_ stands until step() updates the scale
             self._ready = False
 

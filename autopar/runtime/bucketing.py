@@ -236,6 +236,11 @@ class GradBucketer(nn.Module):
             return x
         return _BucketGrad.apply(x, self, slot, self.sync)
 
+    def drop_unsynced(self) -> None:
+        """Forget no_sync micro-steps' stashed gradients (``zero_grad``: they are part of the
+        gradients being zeroed, as DDP's accumulate in ``.grad``)."""
+        self._stash.clear()
+
     def _stash_grad(self, slot: int, grad: torch.Tensor) -> None:
         prev = self._stash.get(slot)
         self._stash[slot] = grad.detach().clone() if prev is None else prev.add_(grad)
