@@ -4,7 +4,7 @@ The product notes' training loop, with autopar deciding the parallelism::
 
     plugin = AutoParallelPlugin(precision="bf16", max_norm=1.0)
     booster = Booster(plugin=plugin)
-    loader = plugin.prepare_dataloader(dataset, batch_size=8, shuffle=True, drop_last=True)
+    loader = plugin.prepare_dataloader(dataset, batch_size=8, shuffle=True, drop_last=True)  # 8 per rank
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 100))
     model, optimizer, criterion, loader, scheduler = booster.boost(
