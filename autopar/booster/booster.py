@@ -27,7 +27,7 @@ from __future__ import annotations
 import contextlib
 import os
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, ContextManager, Iterator
 
 import torch
@@ -53,12 +53,12 @@ class _Origin:
 class Booster:
     """Boosts a model and its training objects with ``plugin`` (default: ``AutoParallelPlugin()``)."""
 
-    def __init__(self, plugin: AutoParallelPlugin | None = None) -> None:
+    def __init__(self, plugin: AutoParallelPlugin | None = None, *, mixed_precision: Any = None) -> None:
         if plugin is None:
             plugin = AutoParallelPlugin()
         if not isinstance(plugin, AutoParallelPlugin):
             raise ValueError(f"plugin must be an AutoParallelPlugin, got {plugin!r}")
-        self.plugin = plugin
+        self.plugin = _with_precision(plugin, mixed_precision)
         self._origins: weakref.WeakKeyDictionary[ParallelModule, _Origin] = weakref.WeakKeyDictionary()
 
     # ------------------------------------------------------------------------------ boost
@@ -281,6 +281,29 @@ class Booster:
         origin = self._origins.get(model)
         # A module boosted elsewhere (or built by autoparallelize): no HF config to write.
         return origin if origin is not None else _Origin(None, "")
+
+
+_PRECISIONS = {"fp16": "fp16", "bf16": "bf16", "fp32": "fp32", "float16": "fp16", "bfloat16": "bf16",
+               "float32": "fp32"}
+
+
+def _with_precision(plugin: AutoParallelPlugin, mixed_precision: Any) -> AutoParallelPlugin:
+    """The product notes' ``Booster(mixed_precision="fp16", plugin=...)``: the plugin with that
+    precision. The plugin owns precision here (it plans fp16/bf16 compute and makes the loss
+    scaler from its ``initial_scale`` and friends), so the Booster's keyword maps onto it; a
+    plugin already set to ANOTHER non-default precision is a contradiction, refused rather than
+    one side silently winning. (``"fp32"`` is the plugin's default, so it cannot conflict.)"""
+    if mixed_precision is None:
+        return plugin
+    key = str(mixed_precision).removeprefix("torch.") if isinstance(mixed_precision, (str, torch.dtype)) else None
+    if key not in _PRECISIONS:
+        raise ValueError(f"mixed_precision must be one of 'fp16', 'bf16', 'fp32' (or the torch dtype), got "
+                         f"{mixed_precision!r}; the loss scaler's settings are the plugin's (initial_scale, ...)")
+    wanted = _PRECISIONS[key]
+    if plugin.precision not in ("fp32", wanted):
+        raise ValueError(f"Booster(mixed_precision={mixed_precision!r}) conflicts with the plugin's "
+                         f"precision={plugin.precision!r}: give one of them")
+    return plugin if plugin.precision == wanted else replace(plugin, precision=wanted)
 
 
 def _pipeline_options(plugin: AutoParallelPlugin, options: dict[str, Any]) -> tuple[dict[str, Any], int]:
