@@ -77,6 +77,8 @@ class Booster:
           -- and wrapped in a :class:`~autopar.booster.optimizer.BoostedOptimizer` (clipping
           to ``max_norm``, fp16 loss scaling). Its state is not carried over.
         - ``lr_scheduler`` (built over ``optimizer``) is re-pointed at the rebuilt optimizer.
+        - Neither ``dataloader`` nor ``meta_inputs``: the model is planned at its first forward,
+          from that call's inputs (:mod:`autopar.booster.deferred`; not for pipelines).
         - ``dataloader``: one from ``plugin.prepare_dataloader`` is configured so each rank loads
           only its piece of every global batch when the plan splits the batch dim of every
           input the same way (the model then takes those pieces); any other loader is returned
@@ -94,8 +96,10 @@ class Booster:
         if ours:
             dataloader.batch_sampler.piece = None  # global batches again (a loader boosted before)
         if meta_inputs is None:
-            if dataloader is None:
-                raise ValueError("boost needs meta_inputs or a dataloader to take the first batch from")
+            if dataloader is None:  # the notes' boost(model, optimizer, criterion, lr_scheduler=...)
+                from autopar.booster.deferred import boost_deferred
+
+                return boost_deferred(self, model, optimizer, criterion, lr_scheduler)
             meta_inputs = first_batch_inputs(dataloader)
         options = self.plugin.autoparallelize_kwargs()
         pipeline_zero = 0
