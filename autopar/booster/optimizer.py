@@ -197,6 +197,11 @@ class BoostedOptimizer:
             local_of(p.grad).clamp_(-clip_value, clip_value)
 
     def _grads_params(self) -> list[torch.Tensor]:
+        gemini = getattr(self.optim, "gemini", None)  # the chunk optimizer (placement_policy)
+        scattered = [c.index for c in gemini.manager.chunks if c.scatters] if gemini is not None else []
+        if scattered:  # their gradients are chunk shards, not .grad: a clip would silently skip them
+            raise ValueError(f"chunks {scattered[:4]} keep their gradients as chunk shards, not .grad, so they "
+                             f"cannot be clipped; use zero_stage=0 or 1 and shard_param_frac=0 to clip")
         return [p for g in self.optim.param_groups for p in g["params"] if p.grad is not None]
 
     def _unscale_once(self) -> None:

@@ -77,3 +77,28 @@ def test_user_clip_under_fp16_matches_fp32_reference(mode, zero_stage):
         assert (got - ref).norm() <= 3e-2 * ref.norm(), ((got - ref).norm(), ref.norm(), got.norm())
         if mode == "value":  # per-element clamp of the true gradient: no step beyond lr * clip
             assert got.abs().max() <= LR * CLIP_VALUE * (1 + 1e-3)
+
+
+def _sharded_chunks(rank, world, model, inputs):
+    plugin = AutoParallelPlugin(placement_policy="static", shard_param_frac=0.5, mesh=(2,),
+                                chunk_search_range=(1024, 1024, 1024))
+    booster = Booster(plugin)
+    pm, bopt, *_ = booster.boost(model, torch.optim.AdamW(model.parameters(), lr=1e-3), meta_inputs=inputs)
+    booster.backward(pm(**inputs).loss, bopt)
+    errors = []
+    for clip in (lambda: bopt.clip_grad_by_norm(1.0), lambda: bopt.clip_grad_by_value(1e-3)):
+        try:
+            clip()
+            errors.append(None)
+        except ValueError as exc:
+            errors.append(str(exc))
+    return errors
+
+
+@pytest.mark.timeout(200)
+def test_user_clip_refuses_gradients_held_as_chunk_shards():
+    """Sharded Gemini chunks keep gradients outside ``.grad``: a clip must say so, not skip them."""
+    torch.manual_seed(0)
+    model, inputs = zoo.build("gpt2", tiny=True, device="cpu", batch=4, seq=16)
+    for errors in run_local(_sharded_chunks, 2, model, inputs, timeout=180):
+        assert all(e and "cannot be clipped" in e for e in errors), errors
