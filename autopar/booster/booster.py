@@ -4,7 +4,7 @@ The product notes' training loop, with autopar deciding the parallelism::
 
     plugin = AutoParallelPlugin(precision="bf16", max_norm=1.0)
     booster = Booster(plugin=plugin)
-    loader = plugin.prepare_dataloader(dataset, batch_size=8, shuffle=True, drop_last=True)
+    loader = plugin.prepare_dataloader(dataset, batch_size=8, shuffle=True, drop_last=True)  # 8 per rank
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 100))
     model, optimizer, criterion, loader, scheduler = booster.boost(
@@ -24,10 +24,11 @@ Every rank runs the same calls (``boost`` and the checkpoint methods are collect
 
 from __future__ import annotations
 
+import contextlib
 import os
 import weakref
-from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from dataclasses import dataclass, replace
+from typing import Any, Callable, ContextManager, Iterator
 
 import torch
 from torch import nn
@@ -53,12 +54,18 @@ class _Origin:
 class Booster:
     """Boosts a model and its training objects with ``plugin`` (default: ``AutoParallelPlugin()``)."""
 
-    def __init__(self, plugin: AutoParallelPlugin | TorchDDPPlugin | TorchFSDPPlugin | None = None) -> None:
+    def __init__(self, plugin: AutoParallelPlugin | TorchDDPPlugin | TorchFSDPPlugin | None = None, *,
+                 mixed_precision: Any = None) -> None:
         if plugin is None:
             plugin = AutoParallelPlugin()
         if not isinstance(plugin, (AutoParallelPlugin, TorchDDPPlugin, TorchFSDPPlugin)):
             raise ValueError(f"plugin must be an AutoParallelPlugin, TorchDDPPlugin or TorchFSDPPlugin, got {plugin!r}")
-        self.plugin = plugin
+        if mixed_precision is not None and not isinstance(plugin, AutoParallelPlugin):
+            # torch's engines take their precision from the plugin (TorchFSDPPlugin's mixed_precision,
+            # autocast around DDP): a Booster-level switch would be a second, silent source of it.
+            raise NotImplementedError(f"Booster(mixed_precision={mixed_precision!r}) with {type(plugin).__name__}: "
+                                      f"set the precision on the plugin")
+        self.plugin = plugin if mixed_precision is None else _with_precision(plugin, mixed_precision)
         self._origins: weakref.WeakKeyDictionary[ParallelModule, _Origin] = weakref.WeakKeyDictionary()
 
     # ------------------------------------------------------------------------------ boost
@@ -80,6 +87,8 @@ class Booster:
         - with ``TorchDDPPlugin`` / ``TorchFSDPPlugin`` the plugin boosts instead
           (``plugin.boost``): torch's DDP or FSDP2 engine in a ``TorchParallelModule``, no plan,
           no meta inputs, ``dataloader`` returned as it is.
+        - Neither ``dataloader`` nor ``meta_inputs``: the model is planned at its first forward,
+          from that call's inputs (:mod:`autopar.booster.deferred`; not for pipelines).
         - ``dataloader``: one from ``plugin.prepare_dataloader`` is configured so each rank loads
           only its piece of every global batch when the plan splits the batch dim of every
           input the same way (the model then takes those pieces); any other loader is returned
@@ -104,8 +113,10 @@ class Booster:
         if ours:
             dataloader.batch_sampler.piece = None  # global batches again (a loader boosted before)
         if meta_inputs is None:
-            if dataloader is None:
-                raise ValueError("boost needs meta_inputs or a dataloader to take the first batch from")
+            if dataloader is None:  # the notes' boost(model, optimizer, criterion, lr_scheduler=...)
+                from autopar.booster.deferred import boost_deferred
+
+                return boost_deferred(self, model, optimizer, criterion, lr_scheduler)
             meta_inputs = first_batch_inputs(dataloader)
         options = self.plugin.autoparallelize_kwargs()
         pipeline_zero = 0
@@ -217,6 +228,37 @@ class Booster:
         _check_optimizer(optimizer)
         optimizer.backward(loss)
 
+    def no_sync(self, model: ParallelModule, optimizer: BoostedOptimizer | None = None) -> ContextManager[None]:
+        """Gradient accumulation (DDP's ``no_sync``): forwards run inside the returned context
+        keep their data-parallel gradient sums local; the next forward outside it, once its
+        backward runs, reduces every accumulated micro-step's gradient together with its own,
+        in one all-reduce (reduce-scatter for ZeRO-2) per bucket. The gradients then equal the
+        synced sum of every micro-step's, as if each had been reduced: step after that backward.
+        The flag is read at forward, so ``booster.backward`` may run inside or after the block.
+        Gradients that no data-parallel sum produces (sharded parameters) and those of a module
+        built without buckets (``AUTOPAR_BUCKET_CAP_MB=0``) or pipelined stages are reduced in
+        every backward as before -- still exact, just without the saving. ``optimizer`` is
+        accepted for the product notes' signature."""
+        _check_module(model)
+        if optimizer is not None:
+            _check_optimizer(optimizer)
+        from autopar.booster.torch_plugins import TorchParallelModule
+        from autopar.runtime.bucketing import GradBucketer
+
+        if isinstance(model, TorchParallelModule):  # torch's engine accumulates by itself
+            return model.no_sync()
+
+        bucketers = [m for m in model.modules() if isinstance(m, GradBucketer)]
+
+        @contextlib.contextmanager
+        def context() -> Iterator[None]:  # entered lazily: the notes build it before `with`
+            with contextlib.ExitStack() as stack:
+                for bucketer in bucketers:
+                    stack.enter_context(bucketer.no_sync())
+                yield
+
+        return context()
+
     # ------------------------------------------------------------------------ checkpoints
     def save_model(self, model: ParallelModule, path: str | os.PathLike, shard: bool = True,
                    size_per_shard: float = 1024, use_safetensors: bool = True) -> None:
@@ -265,6 +307,29 @@ class Booster:
         origin = self._origins.get(model)
         # A module boosted elsewhere (or built by autoparallelize): no HF config to write.
         return origin if origin is not None else _Origin(None, "")
+
+
+_PRECISIONS = {"fp16": "fp16", "bf16": "bf16", "fp32": "fp32", "float16": "fp16", "bfloat16": "bf16",
+               "float32": "fp32"}
+
+
+def _with_precision(plugin: AutoParallelPlugin, mixed_precision: Any) -> AutoParallelPlugin:
+    """The product notes' ``Booster(mixed_precision="fp16", plugin=...)``: the plugin with that
+    precision. The plugin owns precision here (it plans fp16/bf16 compute and makes the loss
+    scaler from its ``initial_scale`` and friends), so the Booster's keyword maps onto it; a
+    plugin already set to ANOTHER non-default precision is a contradiction, refused rather than
+    one side silently winning. (``"fp32"`` is the plugin's default, so it cannot conflict.)"""
+    if mixed_precision is None:
+        return plugin
+    key = str(mixed_precision).removeprefix("torch.") if isinstance(mixed_precision, (str, torch.dtype)) else None
+    if key not in _PRECISIONS:
+        raise ValueError(f"mixed_precision must be one of 'fp16', 'bf16', 'fp32' (or the torch dtype), got "
+                         f"{mixed_precision!r}; the loss scaler's settings are the plugin's (initial_scale, ...)")
+    wanted = _PRECISIONS[key]
+    if plugin.precision not in ("fp32", wanted):
+        raise ValueError(f"Booster(mixed_precision={mixed_precision!r}) conflicts with the plugin's "
+                         f"precision={plugin.precision!r}: give one of them")
+    return plugin if plugin.precision == wanted else replace(plugin, precision=wanted)
 
 
 def _pipeline_options(plugin: AutoParallelPlugin, options: dict[str, Any]) -> tuple[dict[str, Any], int]:

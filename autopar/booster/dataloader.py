@@ -73,10 +73,13 @@ class GlobalBatchSampler(Sampler[list[int]]):
 
 
 def make_dataloader(dataset: Dataset, batch_size: int, *, shuffle: bool = False, seed: int = 1024,
-                    drop_last: bool = False, **kwargs: Any) -> DataLoader:
-    """See ``AutoParallelPlugin.prepare_dataloader``."""
+                    drop_last: bool = False, data_parallel: int = 1, **kwargs: Any) -> DataLoader:
+    """See ``AutoParallelPlugin.prepare_dataloader``: ``batch_size`` samples per data-parallel
+    rank, ``data_parallel`` of them, so each global batch holds ``batch_size * data_parallel``."""
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
+    if isinstance(data_parallel, bool) or not isinstance(data_parallel, int) or data_parallel < 1:
+        raise ValueError(f"data_parallel must be an int >= 1, got {data_parallel!r}")
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise ValueError(f"seed must be an int, got {seed!r}")
     for name, value in (("shuffle", shuffle), ("drop_last", drop_last)):
@@ -92,7 +95,8 @@ def make_dataloader(dataset: Dataset, batch_size: int, *, shuffle: bool = False,
     except TypeError:
         raise ValueError(f"prepare_dataloader needs a map-style dataset with __len__, got "
                          f"{type(dataset).__name__}") from None
-    sampler = GlobalBatchSampler(num_samples, batch_size, shuffle=shuffle, seed=seed, drop_last=drop_last)
+    sampler = GlobalBatchSampler(num_samples, batch_size * data_parallel, shuffle=shuffle, seed=seed,
+                                 drop_last=drop_last)
     return DataLoader(dataset, batch_sampler=sampler, **kwargs)
 
 

@@ -12,6 +12,9 @@ it already stepped) is not carried over: resume with ``Booster.load_optimizer``.
 ``max_norm`` (the true global norm over all shards and stages, by the module's
 ``clip_grad_norm_``) and steps; ``backward(loss)`` scales the
 loss for fp16; ``zero_grad``, ``param_groups``, ``state``, ``state_dict`` pass through.
+``clip_grad_by_norm`` / ``clip_grad_by_value`` called by the user before ``step()`` unscale
+first (torch's AMP recipe: ``scaler.unscale_(opt)`` then clip), once per step: a threshold is
+about the true gradient, and clipping the scaled one would shrink the update by the scale.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import torch
 from torch import nn
 
 from autopar.runtime.amp import GradScaler
+from autopar.runtime.bucketing import GradBucketer
 from autopar.runtime.parallel_module import ParallelModule
 
 __all__ = ["BoostedOptimizer", "rebuild_optimizer", "repoint_scheduler"]
@@ -122,6 +126,9 @@ class BoostedOptimizer:
         self.max_norm = float(max_norm)
         self.scaler = scaler
         self.zero = zero  # the ZeroOptimizer whose inner optimizer ``optim`` is (ZeRO pieces), if any
+        # True once this step's gradients are in the pieces and unscaled (by a user's clip call
+        # before step()): step() must then neither unscale again nor re-add ZeRO-2 contributions.
+        self._ready = False
 
     # ------------------------------------------------------------------------ pass through
     @property
@@ -138,6 +145,11 @@ class BoostedOptimizer:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         (self.zero or self.optim).zero_grad(set_to_none=set_to_none)
+        for m in self.module.modules():  # no_sync micro-steps' unreduced gradients are gradients too
+            if isinstance(m, GradBucketer):
+                m.drop_unsynced()
+        if self.scaler is None:  # with a scaler, an unscale_ stands until step() updates the scale
+            self._ready = False
 
     def state_dict(self) -> dict[str, Any]:
         return self.optim.state_dict()
@@ -159,34 +171,73 @@ class BoostedOptimizer:
 
     def clip_grad_by_norm(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the gradients of the optimizer's parameters (ZeRO pieces where it holds them) to
-        the global ``norm_type`` norm ``max_norm``; returns the norm before clipping as a plain
-        tensor. The module clips (``ParallelModule.clip_grad_norm_``): the norm spans every rank
-        of it (DTensor shards, a pipeline's stages). Every rank must call."""
-        params = [p for g in self.optim.param_groups for p in g["params"] if p.grad is not None]
-        return self.module.clip_grad_norm_(max_norm, norm_type, parameters=params)
+        the global ``norm_type`` norm ``max_norm``; returns the norm before clipping (of the
+        true, unscaled gradients) as a plain tensor. Under fp16 the gradients are unscaled first
+        (once; ``step()`` does not unscale again). The module clips
+        (``ParallelModule.clip_grad_norm_``): the norm spans every rank of it (DTensor shards,
+        ZeRO pieces, a pipeline's stages). Every rank must call."""
+        self._unscale_once()
+        return self.module.clip_grad_norm_(max_norm, norm_type, parameters=self._grads_params())
+
+    @torch.no_grad()
+    def clip_grad_by_value(self, clip_value: float) -> None:
+        """Clamp every element of the (true, unscaled: fp16 unscales first, once) gradients of the
+        optimizer's parameters to ``[-clip_value, clip_value]``. Elementwise, so each rank clamps
+        its own shard or ZeRO piece: exact, and no communication. Every rank must call (the
+        fp16 unscale checks overflow across ranks)."""
+        clip_value = float(clip_value)
+        if not clip_value > 0:
+            raise ValueError(f"clip_value must be > 0, got {clip_value!r}")
+        self._unscale_once()
+        from autopar.runtime.dtensors import local_of
+
+        for p in self._grads_params():
+            # An overflowed (inf) element would become finite here; the scaler has already
+            # recorded the overflow in unscale_, so step() still skips.
+            local_of(p.grad).clamp_(-clip_value, clip_value)
+
+    def _grads_params(self) -> list[torch.Tensor]:
+        gemini = getattr(self.optim, "gemini", None)  # the chunk optimizer (placement_policy)
+        scattered = [c.index for c in gemini.manager.chunks if c.scatters] if gemini is not None else []
+        if scattered:  # their gradients are chunk shards, not .grad: a clip would silently skip them
+            raise ValueError(f"chunks {scattered[:4]} keep their gradients as chunk shards, not .grad, so they "
+                             f"cannot be clipped; use zero_stage=0 or 1 and shard_param_frac=0 to clip")
+        return [p for g in self.optim.param_groups for p in g["params"] if p.grad is not None]
+
+    def _unscale_once(self) -> None:
+        """This step's gradients into the ZeRO pieces and unscaled (fp16), at most once per step."""
+        if self._ready:
+            return
+        self._prepare()
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optim)
+        self._ready = True
 
     def step(self, closure: Any = None) -> Any:
-        """Unscale (fp16), clip to ``max_norm`` (when > 0) and step. With fp16 the step is
-        skipped on every rank when any rank's gradients overflowed, and the scale is updated."""
+        """Unscale (fp16; unless a clip call already did), clip to ``max_norm`` (when > 0) and
+        step. With fp16 the step is skipped on every rank when any rank's gradients
+        overflowed, and the scale is updated."""
         if self.scaler is None:
             loss = None
             if closure is not None:  # it computes the gradients: they must exist before clipping
                 with torch.enable_grad():
                     loss = closure()
-            self._prepare()
+                self._ready = False  # fresh gradients: the pieces must take them
+            self._unscale_once()
             if self.max_norm > 0:
                 self.clip_grad_by_norm(self.max_norm)
             self.optim.step()
+            self._ready = False
             self._gather()
             return loss
         if closure is not None:
             raise ValueError("a closure cannot be used with fp16 loss scaling (torch's GradScaler refuses it too)")
-        self._prepare()
-        self.scaler.unscale_(self.optim)
+        self._unscale_once()
         if self.max_norm > 0:
             self.clip_grad_by_norm(self.max_norm)
         result = self.scaler.step(self.optim)
         self.scaler.update()
+        self._ready = False
         self._gather()
         return result
 

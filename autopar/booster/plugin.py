@@ -341,10 +341,22 @@ class AutoParallelPlugin:
 
     # ------------------------------------------------------------------------------- data
     def prepare_dataloader(self, dataset: Dataset, batch_size: int, shuffle: bool = False, seed: int = 1024,
-                           drop_last: bool = False, **kwargs: Any) -> DataLoader:
-        """A torch ``DataLoader`` over a map-style ``dataset`` whose GLOBAL batches (``batch_size``
-        samples) come in the same order on every rank (shuffled with ``seed`` + the epoch when
-        ``shuffle``; ``loader.batch_sampler.set_epoch(e)`` reshuffles).
+                           drop_last: bool = False, pin_memory: bool = False, num_workers: int = 0,
+                           **kwargs: Any) -> DataLoader:
+        """A torch ``DataLoader`` over a map-style ``dataset``: ``batch_size`` samples per
+        DATA-PARALLEL rank per step (the product notes' meaning), in global batches that come in
+        the same order on every rank (shuffled with ``seed`` + the epoch when ``shuffle``;
+        ``loader.batch_sampler.set_epoch(e)`` reshuffles). ``drop_last`` drops a short last
+        global batch; ``pin_memory``, ``num_workers`` and other keyword arguments (``collate_fn``,
+        ...) go to ``DataLoader``; ``sampler``/``batch_sampler`` are this method's to choose.
+
+        The rule for the global batch: ``batch_size x data_parallel_size()``, where the
+        data-parallel size is the world size divided by the pipeline stage count (``pp_size``
+        when an int; ``"auto"`` or none counts 1). Why not a plan's own data-parallel axes: the
+        plan is made from the first global batch's shapes, so the global batch must be fixed
+        before it exists; every rank inside a stage is one the planner may split the batch over,
+        and a plan that splits it over the whole mesh gives each rank exactly ``batch_size``.
+        Rank 0 prints the global batch once. Scale the learning rate for the global batch.
 
         What each rank loads, once ``booster.boost`` has seen the plan: when the plan splits
         every tensor input along its first (batch) dim by the same mesh axes and nothing else,
@@ -354,10 +366,39 @@ class AutoParallelPlugin:
         the whole global batch, and the model takes it whole. Before ``boost`` every rank loads
         whole global batches. (The planner often leaves inputs replicated, since splitting a
         replicated input costs nothing; the per-rank path then does not apply.) The plan is made for
-        one batch shape: use ``drop_last=True`` unless ``batch_size`` divides the dataset.
-        Other keyword arguments (``collate_fn``, ``num_workers``, ``pin_memory``, ...) go to
-        ``DataLoader``; ``sampler``/``batch_sampler`` are this method's to choose.
+        one batch shape: use ``drop_last=True`` unless the global batch divides the dataset.
         """
         from autopar.booster.dataloader import make_dataloader
 
-        return make_dataloader(dataset, batch_size, shuffle=shuffle, seed=seed, drop_last=drop_last, **kwargs)
+        dp = self.data_parallel_size()
+        loader = make_dataloader(dataset, batch_size, shuffle=shuffle, seed=seed, drop_last=drop_last,
+                                 data_parallel=dp, pin_memory=pin_memory, num_workers=num_workers, **kwargs)
+        if _rank() == 0:  # once, so a changed effective batch (and LR schedule) is never silent
+            print(f"[autopar] prepare_dataloader: batch_size={batch_size} per data-parallel rank x {dp} "
+                  f"data-parallel ranks = global batch of {batch_size * dp} samples per step", flush=True)
+        return loader
+
+    def data_parallel_size(self) -> int:
+        """The data-parallel degree ``prepare_dataloader`` multiplies ``batch_size`` by: the
+        world size (the mesh's device count before ``torch.distributed`` starts) over an int
+        ``pp_size``."""
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            world = dist.get_world_size()
+        elif self.mesh is not None:
+            world = 1
+            for n in (self.mesh.shape if isinstance(self.mesh, MeshSpec) else self.mesh):
+                world *= int(n)
+        else:
+            world = 1
+        stages = self.pp_size if isinstance(self.pp_size, int) and self.pp_size > 1 else 1
+        if world % stages:
+            raise ValueError(f"pp_size={stages} does not divide the world size {world}")
+        return world // stages
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0

@@ -286,8 +286,11 @@ def train(rank: int, world: int, *, steps: int = DEFAULT_STEPS, batch: int = DEF
     plugin = AutoParallelPlugin(mesh=spec, memory_budget=budget, zero_stage="auto", precision="fp32",
                                 max_norm=MAX_NORM, checkpoint="none", device=device)
     booster = Booster(plugin=plugin)
+    dp = plugin.data_parallel_size()  # prepare_dataloader's batch_size is per data-parallel rank
+    if batch % dp:
+        raise ValueError(f"the batch {batch} must divide among the {dp} data-parallel ranks")
     loader = plugin.prepare_dataloader(SyntheticTokens(steps=steps, batch=batch, seq=seq, vocab=cfg.vocab_size),
-                                       batch_size=batch, drop_last=True)
+                                       batch_size=batch // dp, drop_last=True)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)  # over the original model: boost rebuilds it
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, functools.partial(lr_factor, steps=steps))
     _say(rank, "[autopar] booster.boost: rank 0 plans (trace, profile, strategies, ILP) and broadcasts the plan ...")

@@ -33,6 +33,14 @@ gradient``, accumulation over several backward passes included (only the new con
 reduced). A slot whose gradient arrives again after its bucket was issued (two forwards, one
 backward) is reduced in a second round at the end, so nothing is lost.
 
+Gradient accumulation without communication (DDP's ``no_sync``, ``Booster.no_sync``): a
+forward run under ``bucketer.no_sync()`` marks its backward as local; that backward adds each
+slot's local partial gradient to a per-slot stash and reduces nothing. The next synced
+backward adds the stash to the slot's fresh local gradient before bucketing, so one
+all-reduce (or reduce-scatter) carries the sum of every accumulated micro-step: the same
+``sum over ranks`` of the same local terms as reducing each step, with 1/N of the traffic.
+The flag is read at forward, as DDP does, so ``backward`` may run after the ``with`` block.
+
 ``AUTOPAR_BUCKET_CAP_MB`` sets the cap when a graph is emitted; ``0`` disables bucketing (the
 per-parameter in-graph ``grad_all_reduce``). Gradients reach parameters through
 ``loss.backward()``; ``torch.autograd.grad`` with respect to bucketed parameters is not
@@ -41,12 +49,13 @@ supported (their gradients are delivered into ``.grad``).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import os
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -156,6 +165,8 @@ class GradBucketer(nn.Module):
         self._target: Callable[[str], torch.Tensor] | None = None  # see deliver_to
         self._piece: Callable[[str], Any] | None = None  # see deliver_shards_to
         self.stats: Counter = Counter()  # buckets / all_reduces / bytes issued (this process)
+        self.sync = True  # False under no_sync(): forwards then accumulate their gradients locally
+        self._stash: dict[int, torch.Tensor] = {}  # slot -> unreduced local gradient (no_sync steps)
 
     # ------------------------------------------------------------------------- build time
     def add_slot(self, name: str, axes: Sequence[int], shape: Sequence[int], dtype: torch.dtype, *,
@@ -209,13 +220,35 @@ class GradBucketer(nn.Module):
         ``master.grad`` receives this device's reduce-scattered piece of the gradient."""
         self._piece = piece
 
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Forwards inside keep their parameters' gradients local (stashed, unreduced) until a
+        forward outside it runs a backward, which reduces them together with its own."""
+        old, self.sync = self.sync, False
+        try:
+            yield
+        finally:
+            self.sync = old
+
     # -------------------------------------------------------------------------- run time
     def forward(self, x: torch.Tensor, *, axes: tuple[int, ...], slot: int) -> torch.Tensor:
         if not (torch.is_grad_enabled() and x.requires_grad):
             return x
-        return _BucketGrad.apply(x, self, slot)
+        return _BucketGrad.apply(x, self, slot, self.sync)
+
+    def drop_unsynced(self) -> None:
+        """Forget no_sync micro-steps' stashed gradients (``zero_grad``: they are part of the
+        gradients being zeroed, as DDP's accumulate in ``.grad``)."""
+        self._stash.clear()
+
+    def _stash_grad(self, slot: int, grad: torch.Tensor) -> None:
+        prev = self._stash.get(slot)
+        self._stash[slot] = grad.detach().clone() if prev is None else prev.add_(grad)
 
     def _arrive(self, slot: int, param: torch.Tensor, grad: torch.Tensor) -> None:
+        stashed = self._stash.pop(slot, None)
+        if stashed is not None:  # the no_sync micro-steps' local sum rides with this reduction
+            grad = stashed.add_(grad)
         buckets = self.buckets
         task = torch._C._current_graph_task_id()
         st = self._passes.get(task)
@@ -410,11 +443,14 @@ class _BucketGrad(torch.autograd.Function):
     """Identity forward; backward hands the parameter's local gradient to the bucketer."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, bucketer: GradBucketer, slot: int) -> torch.Tensor:
-        ctx.bucketer, ctx.slot, ctx.param = bucketer, slot, x
+    def forward(ctx, x: torch.Tensor, bucketer: GradBucketer, slot: int, sync: bool) -> torch.Tensor:
+        ctx.bucketer, ctx.slot, ctx.param, ctx.sync = bucketer, slot, x, sync
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        ctx.bucketer._arrive(ctx.slot, ctx.param, grad)
-        return None, None, None
+        if ctx.sync:
+            ctx.bucketer._arrive(ctx.slot, ctx.param, grad)
+        else:
+            ctx.bucketer._stash_grad(ctx.slot, grad)
+        return None, None, None, None

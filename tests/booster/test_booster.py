@@ -108,7 +108,8 @@ def _train_and_save(rank, world, model, dataset, path, budget):
 
     plugin = AutoParallelPlugin(mesh=(2,), memory_budget=budget, max_norm=MAX_NORM)
     booster = Booster(plugin=plugin)
-    loader = plugin.prepare_dataloader(dataset, BATCH, shuffle=True, seed=SEED, drop_last=True)
+    # batch_size is per data-parallel rank: the same global batches of BATCH as the 4-rank resume
+    loader = plugin.prepare_dataloader(dataset, BATCH // world, shuffle=True, seed=SEED, drop_last=True)
     opt, sched = make_training(model)
     names = {id(p): n for n, p in model.named_parameters()}
     groups_by_name = [{names[id(p)] for p in g["params"]} for g in opt.param_groups]
@@ -148,7 +149,7 @@ def _load_and_step(rank, world, model, dataset, path, budget):
 
     plugin = AutoParallelPlugin(mesh=(2, 2), memory_budget=budget, max_norm=MAX_NORM)
     booster = Booster(plugin=plugin)
-    loader = plugin.prepare_dataloader(dataset, BATCH, shuffle=True, seed=SEED, drop_last=True)
+    loader = plugin.prepare_dataloader(dataset, BATCH // world, shuffle=True, seed=SEED, drop_last=True)
     opt, sched = make_training(model)
     pm, bopt, _, loader, sched = booster.boost(model, opt, criterion, loader, sched)
     booster.load_model(pm, os.path.join(path, "model"))

@@ -91,7 +91,7 @@ def _train(rank, world, model, dataset, plan):
 
     plugin = AutoParallelPlugin(plan=plan, max_norm=MAX_NORM)
     booster = Booster(plugin)
-    loader = plugin.prepare_dataloader(dataset, BATCH, shuffle=True, seed=3, drop_last=True)
+    loader = plugin.prepare_dataloader(dataset, BATCH // world, shuffle=True, seed=3, drop_last=True)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     pm, opt, _, loader, _ = booster.boost(model, opt, dataloader=loader)
     losses, rows = [], []

@@ -61,8 +61,11 @@ def test_booster_checks_its_arguments():
         Booster(plugin="ddp")
     booster = Booster()
     model = torch.nn.Linear(2, 2)
-    with pytest.raises(ValueError, match="meta_inputs or a dataloader"):
-        booster.boost(model)
+    deferred, *_ = booster.boost(model)  # no inputs to plan from: planned at the first forward
+    with pytest.raises(RuntimeError, match="planned at its first forward"):
+        deferred.plan
+    with pytest.raises(ValueError, match="a pipelined plan .* dataloader .* or meta_inputs"):
+        Booster(AutoParallelPlugin(pp_size=2)).boost(model)
     with pytest.raises(ValueError, match="lr_scheduler needs the optimizer"):
         booster.boost(model, lr_scheduler=object(), meta_inputs=(torch.zeros(1, 2),))
     with pytest.raises(ValueError, match="boosted model"):
