@@ -108,6 +108,9 @@ class Booster:
                 raise ValueError("boost needs meta_inputs or a dataloader to take the first batch from")
             meta_inputs = first_batch_inputs(dataloader)
         options = self.plugin.autoparallelize_kwargs()
+        fixed = self.plugin.family_plan(model, meta_inputs) if self.plugin.plan is None else None
+        if fixed is not None:  # a fixed configuration is a restricted plan of the planner's
+            options = {**options, "plan": fixed, "zero_stage": None}
         pipeline_zero = 0
         if self.plugin.pipeline is not None:
             options, pipeline_zero = _pipeline_options(self.plugin, options)
