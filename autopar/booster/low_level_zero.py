@@ -42,7 +42,9 @@ class LowLevelZeroPlugin(AutoParallelPlugin):
             collectives follow the plan); a non-default value logs one line.
         communication_dtype: ``None``, ``torch.float32``/``bfloat16``/``float16`` (or their names):
             the dtype gradients are reduced in (``reduce_dtype``).
-        cpu_offload: ZeRO-Offload, optimizer state on the host (not built yet: ``NotImplementedError``).
+        cpu_offload: ZeRO-Offload: the plan puts every parameter's optimizer state on the host
+            (``OffloadPolicy(offload_optim_frac=1.0)``, ``Plan.offload``), where the chunk runtime
+            steps it (``placement_policy="planned"``).
         master_weights: True only (fp32 masters); False raises ``NotImplementedError``.
     """
 
@@ -57,12 +59,11 @@ class LowLevelZeroPlugin(AutoParallelPlugin):
                              f"got {stage!r}")
         unsupported = [f"{name}={value!r}" for name, value, default in (
             ("min_scale", min_scale, 1), ("max_scale", max_scale, 2.0**32), ("hysteresis", hysteresis, 2),
-            ("norm_type", norm_type, 2.0), ("master_weights", master_weights, True),
-            ("cpu_offload", cpu_offload, False)) if value != default]
+            ("norm_type", norm_type, 2.0), ("master_weights", master_weights, True)) if value != default]
         if unsupported:
             raise NotImplementedError(f"LowLevelZeroPlugin: {', '.join(unsupported)} not supported by autopar "
                                       f"(its fp16 scaler has no min/max scale or hysteresis, clipping is L2, "
-                                      f"masters are fp32; ZeRO-Offload is not wired into this plugin yet)")
+                                      f"masters are fp32)")
         ignored = [f"{name}={value!r}" for name, value, default in (
             ("reduce_bucket_size_in_m", reduce_bucket_size_in_m, 12),
             ("overlap_communication", overlap_communication, True), ("verbose", verbose, False))
@@ -74,9 +75,14 @@ class LowLevelZeroPlugin(AutoParallelPlugin):
         if communication_dtype is not None:
             name = str(communication_dtype).removeprefix("torch.")
             reduce_dtype = _DTYPE_NAMES.get(name, name)
+        from autopar.offload import OffloadPolicy
+
+        # ZeRO-Offload: every parameter's optimizer state (and fp32 master) on the host, stepped there
+        # (the plan's offload tiers, executed by the chunk runtime: placement_policy "planned").
+        offload = OffloadPolicy(offload_optim_frac=1.0) if cpu_offload else "none"
         super().__init__(precision=precision, zero_stage=stage, max_norm=max_norm, reduce_dtype=reduce_dtype,
-                         initial_scale=initial_scale, growth_factor=growth_factor, backoff_factor=backoff_factor,
-                         growth_interval=growth_interval)
+                         offload=offload, initial_scale=initial_scale, growth_factor=growth_factor,
+                         backoff_factor=backoff_factor, growth_interval=growth_interval)
         object.__setattr__(self, "stage", stage)
         object.__setattr__(self, "cpu_offload", cpu_offload)
 
@@ -129,7 +135,7 @@ class LowLevelZeroPlugin(AutoParallelPlugin):
         preset = mesh_preset(device)
         options = PlanOptions(precision=self.precision, zero_stage="auto", reduce_dtype=self.reduce_dtype or "fp32",
                               checkpoint="none", optimizer_multiplier=self.optimizer_multiplier, preset=preset,
-                              solver=self.solver,
+                              solver=self.solver, offload=self.offload,
                               **({} if self.time_limit is None else {"time_limit": self.time_limit}))
         mesh = MeshSpec.coerce((dist.get_world_size(),), preset=preset)
         traced = trace_for_planning(model, meta_inputs, precision=self.precision)
@@ -138,5 +144,10 @@ class LowLevelZeroPlugin(AutoParallelPlugin):
         problem = baseline_problem(self.family, traced, built)
         solution = solve(problem, solver=options.solver, time_limit=options.time_limit)
         evaluation = estimate(built, problem, solution.choice, (), built.segment_inputs)
-        return assemble_plan(traced, built, choice=solution.choice, evaluation=evaluation, solution=solution,
+        plan = assemble_plan(traced, built, choice=solution.choice, evaluation=evaluation, solution=solution,
                              checkpoint={"mode": "none"}, reduce_dtype=options.reduce_dtype)
+        if options.offload != "none":
+            from autopar.planner.offload_fit import with_offload
+
+            plan = with_offload(plan, traced, built, solution.choice, options=options)
+        return plan

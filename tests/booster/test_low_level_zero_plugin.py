@@ -40,7 +40,7 @@ def test_signature_matches_colossalai():
 
 
 @pytest.mark.parametrize("kwargs", [dict(min_scale=2), dict(max_scale=2.0**16), dict(hysteresis=1),
-                                    dict(norm_type=1.0), dict(master_weights=False), dict(cpu_offload=True)])
+                                    dict(norm_type=1.0), dict(master_weights=False)])
 def test_unsupported_knobs_raise_naming_them(kwargs):
     name = next(iter(kwargs))
     with pytest.raises(NotImplementedError, match=name):
@@ -71,8 +71,8 @@ def _single(model, inputs):
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def _body(rank, world, model, inputs, stage):
-    booster = Booster(LowLevelZeroPlugin(stage=stage, precision="fp32"))
+def _body(rank, world, model, inputs, stage, cpu_offload=False):
+    booster = Booster(LowLevelZeroPlugin(stage=stage, precision="fp32", cpu_offload=cpu_offload))
     opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
     pm, bopt, *_ = booster.boost(model, opt, meta_inputs=inputs)
     losses = []
@@ -83,17 +83,23 @@ def _body(rank, world, model, inputs, stage):
         bopt.zero_grad()
         losses.append(loss.item())
     stages = {n.name: n.zero_stage for n in pm.plan.nodes if n.kind == "parameter"}
-    return losses, pm.full_state_dict(), pm.plan, stages
+    tiers = {tuple(t) for t in pm.plan.offload.values()} if pm.plan.offload else set()
+    return losses, pm.full_state_dict(), pm.plan, stages, tiers
 
 
+@pytest.mark.parametrize("cpu_offload", [False, True], ids=["device", "cpu_offload"])
 @pytest.mark.parametrize("stage", [1, 2])
-def test_low_level_zero_trains_like_one_device(stage):
+def test_low_level_zero_trains_like_one_device(stage, cpu_offload):
     from autopar.plans import Plan
 
     model, inputs = _model()
     ref_losses, ref_params = _single(model, inputs)
-    results = run_local(_body, 2, model, inputs, stage, timeout=300)
-    for losses, state, plan, stages in results:
+    results = run_local(_body, 2, model, inputs, stage, cpu_offload, timeout=300)
+    for losses, state, plan, stages, tiers in results:
+        if cpu_offload:  # ZeRO-Offload: the optimizer state's tier is the host
+            assert tiers and all(t[-1] == "host" for t in tiers), tiers
+        else:
+            assert not tiers or tiers == {("device", "device")}, tiers
         assert isinstance(plan, Plan)
         assert stages and set(stages.values()) == {stage}, stages
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-4, atol=1e-6)
