@@ -119,6 +119,9 @@ class Booster:
                 return boost_deferred(self, model, optimizer, criterion, lr_scheduler)
             meta_inputs = first_batch_inputs(dataloader)
         options = self.plugin.autoparallelize_kwargs()
+        fixed = self.plugin.family_plan(model, meta_inputs) if self.plugin.plan is None else None
+        if fixed is not None:  # a fixed configuration is a restricted plan of the planner's
+            options = {**{k: v for k, v in options.items() if k != "offload"}, "plan": fixed, "zero_stage": None}
         pipeline_zero = 0
         if self.plugin.pipeline is not None:
             options, pipeline_zero = _pipeline_options(self.plugin, options)

@@ -322,6 +322,11 @@ class AutoParallelPlugin:
         return PP_STYLES[self.pp_style]
 
     # ------------------------------------------------------------------------------ model
+    def family_plan(self, model: Any, meta_inputs: tuple | dict) -> Any:
+        """A fixed configuration's plan of ``model`` (a restricted plan of the planner, e.g.
+        ``LowLevelZeroPlugin``'s ZeRO family), or None: ``autoparallelize`` plans (or applies ``plan``)."""
+        return None
+
     def autoparallelize_kwargs(self) -> dict[str, Any]:
         """The ``autopar.autoparallelize`` keyword arguments this plugin stands for."""
         return dict(mesh=self.mesh, memory_budget=self.memory_budget, solver=self.solver,
