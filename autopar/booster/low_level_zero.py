@@ -123,14 +123,9 @@ class LowLevelZeroPlugin(AutoParallelPlugin):
         import torch.distributed as dist
 
         from autopar.layout.mesh import MeshSpec
-        from autopar.planner.assemble import assemble_plan, baseline_problem
-        from autopar.planner.builder import build_problem
-        from autopar.planner.checkpointing import estimate
         from autopar.planner.options import PlanOptions
-        from autopar.planner.orchestrate import trace_for_planning
+        from autopar.planner.orchestrate import plan_family
         from autopar.runtime.build import mesh_preset
-        from autopar.solver.driver import solve
-        from autopar.tracer import profile
 
         preset = mesh_preset(device)
         options = PlanOptions(precision=self.precision, zero_stage="auto", reduce_dtype=self.reduce_dtype or "fp32",
@@ -138,16 +133,4 @@ class LowLevelZeroPlugin(AutoParallelPlugin):
                               solver=self.solver, offload=self.offload,
                               **({} if self.time_limit is None else {"time_limit": self.time_limit}))
         mesh = MeshSpec.coerce((dist.get_world_size(),), preset=preset)
-        traced = trace_for_planning(model, meta_inputs, precision=self.precision)
-        built = build_problem(traced, profile(traced), mesh, budget_bytes=options.budget_bytes(mesh),
-                              options=options)
-        problem = baseline_problem(self.family, traced, built)
-        solution = solve(problem, solver=options.solver, time_limit=options.time_limit)
-        evaluation = estimate(built, problem, solution.choice, (), built.segment_inputs)
-        plan = assemble_plan(traced, built, choice=solution.choice, evaluation=evaluation, solution=solution,
-                             checkpoint={"mode": "none"}, reduce_dtype=options.reduce_dtype)
-        if options.offload != "none":
-            from autopar.planner.offload_fit import with_offload
-
-            plan = with_offload(plan, traced, built, solution.choice, options=options)
-        return plan
+        return plan_family(model, meta_inputs, self.family, mesh=mesh, options=options)

@@ -374,3 +374,30 @@ def _search_counts(staged: dict, *, spec: MeshSpec, options: PlanOptions, progre
         if result.plan is not None and (best is None or result.plan.estimate.step_s < best[0].estimate.step_s):
             best = (result.plan, staged[m][0])
     return best
+
+
+def plan_family(model: Any, meta_inputs: tuple | dict, family: str, *, mesh: MeshSpec,
+                options: PlanOptions) -> Plan:
+    """The fastest plan of one baseline ``family`` (``autopar.planner.baselines.BASELINES``:
+    ``"zero1"``, ``"zero2"``, ...) for ``model`` on ``mesh``: the planner's own problem restricted
+    to the family, solved and assembled (no recompute), with ``options.offload`` applied. What a
+    fixed-configuration plugin (``LowLevelZeroPlugin``) runs: the same kind of ``Plan`` as the
+    auto plan, inspectable alike."""
+    from autopar.planner.assemble import assemble_plan, baseline_problem
+    from autopar.planner.builder import build_problem
+    from autopar.planner.checkpointing import estimate
+    from autopar.solver.driver import solve
+    from autopar.tracer import profile as profile_graph
+
+    traced = trace_for_planning(model, meta_inputs, precision=options.precision)
+    built = build_problem(traced, profile_graph(traced), mesh, budget_bytes=options.budget_bytes(mesh),
+                          options=options)
+    problem = baseline_problem(family, traced, built)
+    solution = solve(problem, solver=options.solver, time_limit=options.time_limit)
+    evaluation = estimate(built, problem, solution.choice, (), built.segment_inputs)
+    plan = assemble_plan(traced, built, choice=solution.choice, evaluation=evaluation, solution=solution,
+                         checkpoint={"mode": "none"}, reduce_dtype=options.reduce_dtype)
+    if options.offload != "none":
+        plan = with_offload(plan, traced, built, solution.choice, options=options)
+    return plan
+
