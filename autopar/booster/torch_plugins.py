@@ -8,8 +8,8 @@ satisfies the ``ParallelModule`` protocol the rest of the booster is typed again
 gradient clipping through the one ``clip_grad_norm``, full state for ``save_model``/``load_model``).
 Its ``plan`` is ``None``: a fixed torch engine has no ``Plan``.
 
-Each documented constructor argument (``/work/shared/reference/booster_api_reference.txt``,
-positional order and defaults as there) is honoured, mapped to its torch equivalent (said in the
+Each documented constructor argument (the product notes' Booster API reference: positional
+order and defaults as there) is honoured, mapped to its torch equivalent (said in the
 class docstring), logged once as ignored when it has no meaning here, or refused with
 ``NotImplementedError`` when it would change training and FSDP2 cannot do it.
 """

@@ -1,8 +1,8 @@
 """``TorchDDPPlugin`` and ``TorchFSDPPlugin`` (issue 29 points 1-2).
 
-- Signatures: every parameter of the product notes' constructors
-  (``/work/shared/reference/booster_api_reference.txt``) accepted by name and position with its
-  documented default; ignored ones log one line; unsupported semantics raise NotImplementedError.
+- Signatures: every parameter of the product notes' constructors (their Booster API reference,
+  transcribed below) accepted by name and position with its documented default; ignored ones log
+  one line; unsupported semantics raise NotImplementedError.
 - Training on 4 gloo ranks: GPT-2 tiny and Llama tiny, 5 AdamW steps with gradient clipping
   through ``Booster.boost`` / ``booster.backward`` / ``optimizer.step``; every step's loss (the
   mean of the ranks' losses over their quarter of the batch) and the final parameters equal
@@ -16,8 +16,6 @@ from __future__ import annotations
 import copy
 import inspect
 import logging
-import os
-import re
 
 import pytest
 import torch
@@ -36,7 +34,6 @@ DDP_PARAMS = {"broadcast_buffers": True, "bucket_cap_mb": 25, "find_unused_param
 FSDP_PARAMS = {"process_group": None, "sharding_strategy": None, "cpu_offload": None, "auto_wrap_policy": None,
                "backward_prefetch": None, "mixed_precision": None, "ignored_modules": None, "param_init_fn": None,
                "sync_module_states": False}
-REFERENCE = "/work/shared/reference/booster_api_reference.txt"
 WORLD, STEPS, BATCH, SEQ, LR, MAX_NORM = 4, 5, 8, 16, 1e-3, 1.0
 # Adam divides by sqrt(v) + eps: a gradient that is zero in exact arithmetic (attention's key bias:
 # softmax ignores a shift) is float rounding, which a tiny eps would turn into lr-sized steps that
@@ -44,24 +41,11 @@ WORLD, STEPS, BATCH, SEQ, LR, MAX_NORM = 4, 5, 8, 16, 1e-3, 1.0
 EPS, PARAM_ATOL = 1e-6, 1e-5
 
 
-def _reference_signature(cls: str) -> dict[str, str]:
-    """name -> default text of the notes' signature of ``cls``."""
-    text = open(REFERENCE).read()
-    sig = re.search(rf"colossalai\.booster\.plugin\.{cls}\s*\n\s*\((.*)\)\s*\n", text).group(1)
-    names = re.findall(r"(?:^|, )(\w+): ", sig)
-    defaults = re.findall(r" = ([^,\[\]]+?)(?=, \w+: |$)", sig)
-    return dict(zip(names, defaults))
-
-
 @pytest.mark.parametrize("cls, params", [(TorchDDPPlugin, DDP_PARAMS), (TorchFSDPPlugin, FSDP_PARAMS)])
 def test_signature_matches_the_notes(cls, params):
     sig = inspect.signature(cls)
     assert {k: p.default for k, p in sig.parameters.items()} == params
     assert all(p.kind is p.POSITIONAL_OR_KEYWORD for p in sig.parameters.values())
-    if os.path.exists(REFERENCE):
-        documented = _reference_signature(cls.__name__)
-        assert list(documented) == list(params)
-        assert {k: eval(v) for k, v in documented.items()} == params
     cls(*params.values())  # by position
     cls(**params)  # by name
 
