@@ -37,7 +37,7 @@ from autopar.booster import checkpoint_io
 from autopar.booster.dataloader import GlobalBatchSampler, configure_for, first_batch_inputs, input_shapes
 from autopar.booster.optimizer import BoostedOptimizer, rebuild_optimizer, repoint_scheduler
 from autopar.booster.plugin import AutoParallelPlugin
-from autopar.booster.torch_plugins import TorchDDPPlugin, TorchFSDPPlugin
+from autopar.booster.torch_plugins import TorchDDPPlugin, TorchFSDPPlugin, TorchParallelModule
 from autopar.runtime.parallel_module import ParallelModule
 
 __all__ = ["Booster"]
@@ -245,7 +245,6 @@ class Booster:
         _check_module(model)
         if optimizer is not None:
             _check_optimizer(optimizer)
-        from autopar.booster.torch_plugins import TorchParallelModule
         from autopar.runtime.bucketing import GradBucketer
 
         if isinstance(model, TorchParallelModule):  # torch's engine accumulates by itself

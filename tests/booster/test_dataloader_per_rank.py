@@ -21,19 +21,9 @@ from autopar.api import plan as make_plan
 from autopar.booster import AutoParallelPlugin, Booster
 from autopar.booster.dataloader import GlobalBatchSampler
 from autopar.runtime.launch import run_local
+from tests.booster.test_dataloader import Samples
 
 PER_RANK, SAMPLES = 8, 40
-
-
-class Samples(torch.utils.data.Dataset):
-    def __init__(self, x: torch.Tensor, labels: torch.Tensor) -> None:
-        self.x, self.labels = x, labels
-
-    def __len__(self) -> int:
-        return len(self.x)
-
-    def __getitem__(self, i):
-        return {"x": self.x[i], "labels": self.labels[i]}
 
 
 def collate_tagged(samples):  # a keyword DataLoader receives as it is
