@@ -410,7 +410,7 @@ class IlpModel:
         t0 = time.monotonic()
         extra = {"abs_gap": abs_gap}
         if not self.lp.num_columns:  # everything was decided by simplification
-            if not self.lp.rows_hold(np.zeros(0)):
+            if not self.lp.rows_hold_without_columns():
                 return Outcome("infeasible", None, None, 0.0, backend)
             self.lp.values = np.zeros(0)
             return Outcome("optimal", self.lp.constant, self.lp.constant, 0.0, backend)

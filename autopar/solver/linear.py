@@ -122,8 +122,7 @@ class LinearProgram:
         """Add ``const + sum(c * v[col])`` to the objective."""
         if terms:
             cols, vals = zip(*terms)
-            self._cost_cols.append(np.asarray(cols, dtype=np.int64))
-            self._cost_vals.append(np.asarray(vals, dtype=float))
+            self.add_objective_arrays(np.asarray(cols), np.asarray(vals))
         self.constant += const
         self._frozen = None
 
@@ -164,17 +163,10 @@ class LinearProgram:
         v = self.values[col]
         return 0.0 if np.isnan(v) else float(v)
 
-    def rows_hold(self, values: np.ndarray, tol: float = 1e-9) -> bool:
-        """Whether ``values`` meet every row (within ``tol``)."""
+    def rows_hold_without_columns(self, tol: float = 1e-9) -> bool:
+        """For a model without columns (every row's activity is 0): whether every row holds."""
         a = self.arrays()
-        if not len(a["row_lower"]):
-            return True
-        lengths = np.diff(np.append(a["starts"], len(a["index"])))
-        act = np.zeros(len(lengths))
-        if len(a["index"]):
-            rows = np.repeat(np.arange(len(lengths)), lengths)
-            np.add.at(act, rows, a["value"] * np.nan_to_num(values)[a["index"]] if len(values) else 0.0)
-        return bool(np.all(act >= a["row_lower"] - tol) and np.all(act <= a["row_upper"] + tol))
+        return bool(np.all(a["row_lower"] <= tol) and np.all(a["row_upper"] >= -tol))
 
     def set_bounds(self, col: int, *, lower: float, upper: float) -> None:
         self._lower[col], self._upper[col] = float(lower), float(upper)
