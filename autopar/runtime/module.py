@@ -326,4 +326,9 @@ def input_leaves(signature: inspect.Signature, model_name: str, args: tuple, kwa
         bound = signature.bind(*args, **kwargs)
     except TypeError as err:
         raise ValueError(f"inputs do not fit {model_name}.forward{signature}: {err}") from None
-    return {keyword_path(path): v for path, v in pytree.tree_flatten_with_path(dict(bound.arguments))[0]}
+    arguments = dict(bound.arguments)
+    for name, param in signature.parameters.items():
+        # ``forward(self, **inputs)``: the trace names those inputs by their keys, not under ``inputs``
+        if param.kind is inspect.Parameter.VAR_KEYWORD and name in arguments:
+            arguments.update(arguments.pop(name))
+    return {keyword_path(path): v for path, v in pytree.tree_flatten_with_path(arguments)[0]}

@@ -241,3 +241,19 @@ def test_full_state_dict_and_gradients_are_snapshots():
     model, inputs = zoo.build("mlp", tiny=True, device="cpu")
     for same_state, same_grads, num_grads in run_local(_snapshot_body, 2, model, inputs):
         assert same_state and same_grads and num_grads > 0
+
+
+def test_var_keyword_forward_inputs_bind_by_their_keys():
+    """``forward(self, **inputs)`` (a loss wrapper around an HF model): the trace names the inputs
+    by their keys, so a call must bind them there too, not under ``inputs[...]``."""
+    import inspect
+
+    from autopar.runtime.module import input_leaves
+
+    def forward(x, **inputs):
+        return x
+
+    x, ids, labels = torch.zeros(1), torch.zeros(2), torch.ones(2)
+    leaves = input_leaves(inspect.signature(forward), "M", (x,), {"input_ids": ids, "labels": labels})
+    assert set(leaves) == {"x", "input_ids", "labels"}
+    assert leaves["labels"] is labels
