@@ -1,0 +1,405 @@
+"""Fidelity of the cost model: estimate vs measured step time and memory over many plans, same run.
+
+    python benchmarks/fidelity.py [--models gpt2,llama,cnn] [--meshes 2,2x2] [--profile PATH]
+                                  [--steps 8] [--warmup 2] [--out results.jsonl]
+
+For each (model, mesh) the parent process plans at least 8 distinct plans with ONE mesh profile
+(``--profile``: a machine profile JSON from ``autopar calibrate`` / ``autopar profile-mesh``, or,
+without it, the mesh is profiled here first on as many forked processes as it has devices):
+
+- ``auto``: ``autopar.plan`` at an ample budget and at 60% and 40% of the data-parallel plan's
+  peak (the budgets where data parallelism no longer fits);
+- the fixed configurations the plugins run, each a restricted plan of the same planner
+  (``planner.orchestrate.plan_family``): data parallel (autopar's runtime), ZeRO-1, ZeRO-2,
+  ZeRO-3, Megatron tensor parallel, and DP x TP on 2-D meshes;
+- a two-stage pipeline over mesh axis 0 (``pipeline=2``, ``checkpoint="none"``);
+- torch's ``DistributedDataParallel`` and FSDP2 (``fully_shard``) on the model itself, priced by
+  the data-parallel and ZeRO-3 families' estimates (the layouts they run).
+
+Identical plans (same strategy per node, ZeRO stages, recompute, stages) are kept once. Every
+rank then builds every plan from the same weights and times them in interleaved rounds (rotating
+order, a barrier before each step; one step = zero_grad, forward, backward, AdamW step); a step
+is the slowest rank's time, a plan's figure the median over rounds. Memory per rank is measured
+as the local bytes of parameters, gradients and optimizer state after a step plus the peak of
+the bytes saved for backward (``saved_tensors_hooks``, each storage counted once, parameters
+excluded, released when autograd frees them).
+
+Printed per (model, mesh): estimate vs measured per plan, Spearman's rank correlation, the
+median |estimate / measured - 1|, how far autopar's choice (at each budget) is from the fastest
+measured plan that fits that budget, and memory estimate vs measured; the targets are issue 30's
+(rho >= 0.9, median error <= 15%, choice within 3%, memory within 10%).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import os
+import statistics
+import sys
+import time
+import weakref
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _baselines import gpt2_config_model  # noqa: E402
+
+RHO_TARGET, ERROR_TARGET, CHOICE_TARGET, MEMORY_TARGET = 0.9, 0.15, 1.03, 0.10
+BUDGET_FRACTIONS = (0.6, 0.4)  # of the data-parallel plan's peak: the two tight auto plans
+
+
+# ----------------------------------------------------------------------------------- models
+class LossOnly(torch.nn.Module):
+    """An HF model returning only its loss (so no plan pays for gathering full logits)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, **inputs: torch.Tensor) -> torch.Tensor:
+        return self.model(**inputs).loss
+
+
+def build_model(name: str, *, batch: int) -> tuple[torch.nn.Module, dict]:
+    """(loss-only model with real weights, full-batch inputs) for ``gpt2``, ``llama`` or ``cnn``."""
+    torch.manual_seed(0)
+    if name == "gpt2":
+        model, inputs = gpt2_config_model(hidden=256, layers=4, heads=4, vocab=1000, seq=128, batch=batch)
+    elif name == "llama":  # issue 30's Qwen2-style decoder
+        from transformers import Qwen2Config, Qwen2ForCausalLM
+
+        config = Qwen2Config(vocab_size=1000, hidden_size=256, intermediate_size=704, num_hidden_layers=4,
+                             num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=256,
+                             attn_implementation="sdpa", use_cache=False, tie_word_embeddings=False)
+        model = Qwen2ForCausalLM(config).train()
+        ids = torch.randint(0, 1000, (batch, 128))
+        inputs = {"input_ids": ids, "labels": ids.clone()}
+    elif name == "cnn":
+        from transformers import ResNetConfig, ResNetForImageClassification
+
+        config = ResNetConfig(embedding_size=32, hidden_sizes=[64, 128, 256], depths=[2, 2, 2],
+                              layer_type="basic", num_labels=10)
+        model = ResNetForImageClassification(config).train()
+        inputs = {"pixel_values": torch.randn(batch, 3, 64, 64), "labels": torch.randint(0, 10, (batch,))}
+    else:
+        raise ValueError(f"unknown model {name!r}; expected gpt2, llama or cnn")
+    return LossOnly(model), inputs
+
+
+# ------------------------------------------------------------------------------------ plans
+@dataclass(frozen=True)
+class Candidate:
+    """One plan to time: ``plan`` is None for torch's engines (``engine`` ``ddp``/``fsdp2``)."""
+
+    name: str
+    estimate_s: float
+    estimate_bytes: int
+    plan: object = None
+    engine: str = "autopar"
+    budget: int | None = None  # the auto plans' budget (None: ample)
+
+
+def _signature(plan) -> tuple:
+    nodes = tuple((n.name, n.strategy, n.zero_stage) for n in plan.nodes)
+    stages = None if plan.pipeline is None else tuple(s.layers for s in plan.pipeline.stages)
+    return nodes, tuple(r.nodes for r in plan.recompute), stages
+
+
+def candidates(model, inputs, *, mesh) -> list[Candidate]:
+    """The distinct plans of one (model, mesh), planned in this process with ``mesh``'s costs."""
+    import autopar
+    from autopar.planner.baselines import BASELINES, baseline_roles
+    from autopar.planner.options import PlanOptions
+    from autopar.planner.orchestrate import plan_family
+
+    out: list[Candidate] = []
+    seen: set = set()
+
+    def add(name: str, plan, *, budget=None) -> None:
+        sig = _signature(plan)
+        if sig in seen:
+            print(f"  {name}: same plan as one already listed", flush=True)
+            return
+        seen.add(sig)
+        out.append(Candidate(name, plan.estimate.step_s, plan.estimate.peak_bytes, plan, budget=budget))
+        print(f"  {name}: {plan.estimate.step_s * 1e3:.1f} ms, {plan.estimate.peak_bytes / 2**20:.1f} MiB", flush=True)
+
+    families = {}
+    for family in ("data-parallel", *(f for f in BASELINES if f != "data-parallel")):
+        if baseline_roles(family, len(mesh.shape)) is None:
+            continue
+        options = PlanOptions(zero_stage="auto" if family in ("zero1", "zero2") else 0)
+        if family == "zero3" and "data-parallel" in families:
+            # At an ample budget ZeRO-3's best is to shard nothing (data parallelism again); what
+            # FSDP2 runs -- every parameter sharded -- is its plan once replicas no longer fit.
+            options = PlanOptions(memory_budget=int(0.6 * families["data-parallel"].estimate.peak_bytes))
+        try:
+            families[family] = plan_family(model, inputs, family, mesh=mesh, options=options)
+        except ValueError as exc:  # e.g. a family no layout of which fits
+            print(f"  {family}: {exc}", flush=True)
+    dp = families.get("data-parallel")
+    for name, fraction in (("auto", None), *((f"auto@{f:.0%}", f) for f in BUDGET_FRACTIONS)):
+        budget = None if fraction is None or dp is None else int(fraction * dp.estimate.peak_bytes)
+        try:
+            add(name, autopar.plan(model, inputs, mesh=mesh, memory_budget=budget, cache=False), budget=budget)
+        except ValueError as exc:
+            print(f"  {name}: no plan ({exc})", flush=True)
+    for family, plan in families.items():
+        add(family, plan)
+    try:
+        add("pipeline-2", autopar.plan(model, inputs, mesh=mesh, pipeline=2, checkpoint="none", cache=False))
+    except (ValueError, NotImplementedError) as exc:
+        print(f"  pipeline-2: {exc}", flush=True)
+    for engine, family in (("ddp", "data-parallel"), ("fsdp2", "zero3")):
+        if family in families:
+            est = families[family].estimate
+            out.append(Candidate(f"torch-{engine}", est.step_s, est.peak_bytes, engine=engine))
+    return out
+
+
+# ---------------------------------------------------------------------------------- running
+class SavedBytes:
+    """Peak bytes saved for backward while active: each storage once, parameters excluded."""
+
+    def __init__(self) -> None:
+        self.live: dict[int, int] = {}
+        self.refs: dict[int, int] = {}
+        self.now = self.peak = 0
+
+    def _release(self, key: int) -> None:
+        self.refs[key] -= 1
+        if not self.refs[key]:
+            self.now -= self.live.pop(key)
+            del self.refs[key]
+
+    def pack(self, t: torch.Tensor):
+        if isinstance(t, torch.nn.Parameter) or (t.is_leaf and t.requires_grad):
+            return t
+        local = t.to_local() if hasattr(t, "to_local") else t
+        storage = local.untyped_storage()
+        key = storage.data_ptr()
+        if key not in self.live:
+            self.live[key] = storage.nbytes()
+            self.now += storage.nbytes()
+            self.peak = max(self.peak, self.now)
+        self.refs[key] = self.refs.get(key, 0) + 1
+        box = _Box(t)
+        weakref.finalize(box, self._release, key)
+        return box
+
+    @staticmethod
+    def unpack(box):
+        return box.t if isinstance(box, _Box) else box
+
+
+class _Box:
+    """A saved tensor as autograd holds it: freed (and uncounted) when autograd drops it."""
+
+    __slots__ = ("t", "__weakref__")
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.t = t
+
+
+def _state_bytes(params, optimizer) -> int:
+    def local(t):
+        return t.to_local() if hasattr(t, "to_local") else t
+
+    total = 0
+    for p in params:
+        total += local(p).numel() * p.element_size()
+        if p.grad is not None:
+            total += local(p.grad).numel() * p.grad.element_size()
+    for state in getattr(optimizer, "state", {}).values():
+        total += sum(local(v).numel() * v.element_size() for v in state.values() if torch.is_tensor(v))
+    for piece in getattr(optimizer, "pieces", ()):  # ZeRO pieces: this rank's shards
+        for attr in ("grad",):
+            g = getattr(piece, attr, None)
+            if torch.is_tensor(g):
+                total += g.numel() * g.element_size()
+    return total
+
+
+def _fsdp2(model: torch.nn.Module) -> torch.nn.Module:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    model = copy.deepcopy(model)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for module in model.modules():
+        if isinstance(module, torch.nn.ModuleList):
+            for block in module:
+                fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def _engine(cand: Candidate, model, inputs, rank: int, world: int):
+    """(module, step closure, optimizer) of one candidate on this rank."""
+    from autopar import autoparallelize
+
+    per = next(iter(inputs.values())).shape[0] // world
+    local = {k: v[rank * per:(rank + 1) * per] for k, v in inputs.items()}
+    if cand.engine == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        module = DistributedDataParallel(copy.deepcopy(model))
+        return module, lambda: module(**local), torch.optim.AdamW(module.parameters(), lr=1e-4, foreach=True)
+    if cand.engine == "fsdp2":
+        module = _fsdp2(model)
+        return module, lambda: module(**local), torch.optim.AdamW(module.parameters(), lr=1e-4, foreach=True)
+    module = autoparallelize(copy.deepcopy(model), inputs, plan=cand.plan)
+    optimizer = module.optimizer(torch.optim.AdamW, lr=1e-4, foreach=True)
+    if cand.plan.pipeline is not None:
+        return module, lambda: module.step(**inputs), optimizer
+    return module, lambda: module(**inputs), optimizer
+
+
+def _worker(rank: int, world: int, cands: list[Candidate], model, inputs, steps: int, warmup: int) -> dict:
+    built = {c.name: _engine(c, model, inputs, rank, world) for c in cands}
+
+    def step(name: str, *, backward: bool = True):
+        module, forward, optimizer = built[name]
+        optimizer.zero_grad(set_to_none=True)
+        loss = forward()
+        if loss.requires_grad:  # a pipeline's step ran its backward already
+            loss.backward()
+        optimizer.step()
+
+    memory = {}
+    for name, (module, forward, optimizer) in built.items():
+        for _ in range(warmup):
+            step(name)
+        saved = SavedBytes()
+        optimizer.zero_grad(set_to_none=True)
+        with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
+            loss = forward()
+        if loss.requires_grad:
+            loss.backward()
+        optimizer.step()
+        memory[name] = {"saved": saved.peak, "state": _state_bytes(list(module.parameters()), optimizer)}
+    names = list(built)
+    times = {n: [] for n in names}
+    for r in range(steps):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            dist.barrier()
+            t = time.perf_counter()
+            step(name)
+            times[name].append(time.perf_counter() - t)
+    return {"times": times, "memory": memory}
+
+
+# ---------------------------------------------------------------------------------- figures
+def spearman(xs: list[float], ys: list[float]) -> float:
+    """Spearman's rank correlation (average ranks for ties)."""
+    def ranks(v):
+        order = sorted(range(len(v)), key=v.__getitem__)
+        r = [0.0] * len(v)
+        i = 0
+        while i < len(v):
+            j = i
+            while j + 1 < len(v) and v[order[j + 1]] == v[order[i]]:
+                j += 1
+            for k in range(i, j + 1):
+                r[order[k]] = (i + j) / 2
+            i = j + 1
+        return r
+
+    rx, ry = ranks(xs), ranks(ys)
+    mx, my = statistics.fmean(rx), statistics.fmean(ry)
+    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
+    var = (sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry)) ** 0.5
+    return cov / var if var else float("nan")
+
+
+def summarize(model_name: str, mesh, cands: list[Candidate], results: list[dict]) -> dict:
+    steps = len(results[0]["times"][cands[0].name])
+    measured = {c.name: statistics.median(max(r["times"][c.name][i] for r in results) for i in range(steps))
+                for c in cands}
+    mem = {c.name: max(r["memory"][c.name]["saved"] + r["memory"][c.name]["state"] for r in results) for c in cands}
+    print(f"\n{model_name} on mesh {tuple(mesh.shape)}  (load {os.getloadavg()[0]:.2f})")
+    print(f"{'plan':<14} {'est ms':>8} {'meas ms':>8} {'est/meas':>8} {'est MiB':>8} {'meas MiB':>8} {'mem':>6}")
+    for c in cands:
+        print(f"{c.name:<14} {c.estimate_s * 1e3:8.1f} {measured[c.name] * 1e3:8.1f} "
+              f"{c.estimate_s / measured[c.name]:8.2f} {c.estimate_bytes / 2**20:8.1f} {mem[c.name] / 2**20:8.1f} "
+              f"{c.estimate_bytes / mem[c.name]:6.2f}")
+    rho = spearman([c.estimate_s for c in cands], [measured[c.name] for c in cands])
+    errors = [abs(c.estimate_s / measured[c.name] - 1) for c in cands]
+    med_err = statistics.median(errors)
+    mem_err = statistics.median(abs(c.estimate_bytes / mem[c.name] - 1) for c in cands)
+    choices = {}
+    for c in cands:
+        if not c.name.startswith("auto"):
+            continue
+        fits = [d for d in cands if c.budget is None or d.estimate_bytes <= c.budget]
+        fastest = min(fits, key=lambda d: measured[d.name])
+        choices[c.name] = (measured[c.name] / measured[fastest.name], fastest.name)
+    print(f"Spearman rho {rho:.2f} (target >= {RHO_TARGET}); median |est/meas - 1| {med_err:.1%} "
+          f"(target <= {ERROR_TARGET:.0%}); median memory error {mem_err:.1%} (target <= {MEMORY_TARGET:.0%})")
+    for name, (ratio, fastest) in choices.items():
+        print(f"  {name}: measured {ratio:.3f}x the fastest plan that fits ({fastest}); target <= {CHOICE_TARGET}")
+    return {"model": model_name, "mesh": list(mesh.shape), "plans": [c.name for c in cands],
+            "estimate_s": {c.name: c.estimate_s for c in cands}, "measured_s": measured,
+            "estimate_bytes": {c.name: c.estimate_bytes for c in cands}, "measured_bytes": mem,
+            "spearman": rho, "median_error": med_err, "memory_error": mem_err,
+            "choice_ratio": {k: v[0] for k, v in choices.items()}, "load": os.getloadavg()[0]}
+
+
+def _mesh(shape: tuple[int, ...], profile: str | None):
+    from autopar.layout.mesh import MeshSpec
+    from autopar.runtime.mesh_profile import profile_mesh
+
+    if profile:
+        spec = MeshSpec.load(profile)
+        if tuple(spec.shape) != shape:
+            raise ValueError(f"--profile {profile} was measured on mesh {spec.shape}, not {shape}")
+        return spec
+    print(f"profiling mesh {shape} on {math.prod(shape)} local processes ...", flush=True)
+    return profile_mesh(shape, local=math.prod(shape))
+
+
+def main(argv=None) -> list[dict]:
+    from autopar.layout.mesh import parse_mesh_shape
+    from autopar.runtime.launch import run_local
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--models", default="gpt2,llama,cnn")
+    p.add_argument("--meshes", default="2,2x2")
+    p.add_argument("--profile", action="append", default=[],
+                   help="a machine profile JSON per mesh (autopar calibrate --out); repeat for several meshes")
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--out", help="append one JSON line per (model, mesh)")
+    args = p.parse_args(argv)
+    records = []
+    for mesh_text in args.meshes.split(","):
+        shape = parse_mesh_shape(mesh_text)
+        profile = next((f for f in args.profile if _profile_shape(f) == shape), None)
+        mesh = _mesh(shape, profile)
+        for name in args.models.split(","):
+            model, inputs = build_model(name, batch=args.batch)
+            print(f"planning {name} on {shape} ...", flush=True)
+            cands = candidates(model, inputs, mesh=mesh)
+            results = run_local(_worker, math.prod(shape), cands, model, inputs, args.steps, args.warmup,
+                                timeout=1800)
+            record = summarize(name, mesh, cands, results)
+            records.append(record)
+            if args.out:
+                with open(args.out, "a") as f:
+                    f.write(json.dumps(record) + "\n")
+    return records
+
+
+def _profile_shape(path: str) -> tuple[int, ...]:
+    with open(path) as f:
+        return tuple(json.load(f)["shape"])
+
+
+if __name__ == "__main__":
+    main()
