@@ -40,55 +40,16 @@ import os
 import statistics
 import sys
 import time
-import weakref
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _baselines import gpt2_config_model  # noqa: E402
+from _measure import SavedBytes, build_model, sharded_state_budget, spearman, state_bytes  # noqa: E402
 
 RHO_TARGET, ERROR_TARGET, CHOICE_TARGET, MEMORY_TARGET = 0.9, 0.15, 1.03, 0.10
 BUDGET_FRACTIONS = (0.6, 0.4)  # of the data-parallel plan's peak: the two tight auto plans
-
-
-# ----------------------------------------------------------------------------------- models
-class LossOnly(torch.nn.Module):
-    """An HF model returning only its loss (so no plan pays for gathering full logits)."""
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        super().__init__()
-        self.model = model
-
-    def forward(self, **inputs: torch.Tensor) -> torch.Tensor:
-        return self.model(**inputs).loss
-
-
-def build_model(name: str, *, batch: int) -> tuple[torch.nn.Module, dict]:
-    """(loss-only model with real weights, full-batch inputs) for ``gpt2``, ``llama`` or ``cnn``."""
-    torch.manual_seed(0)
-    if name == "gpt2":
-        model, inputs = gpt2_config_model(hidden=256, layers=4, heads=4, vocab=1000, seq=128, batch=batch)
-    elif name == "llama":  # issue 30's Qwen2-style decoder
-        from transformers import Qwen2Config, Qwen2ForCausalLM
-
-        config = Qwen2Config(vocab_size=1000, hidden_size=256, intermediate_size=704, num_hidden_layers=4,
-                             num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=256,
-                             attn_implementation="sdpa", use_cache=False, tie_word_embeddings=False)
-        model = Qwen2ForCausalLM(config).train()
-        ids = torch.randint(0, 1000, (batch, 128))
-        inputs = {"input_ids": ids, "labels": ids.clone()}
-    elif name == "cnn":
-        from transformers import ResNetConfig, ResNetForImageClassification
-
-        config = ResNetConfig(embedding_size=32, hidden_sizes=[64, 128, 256], depths=[2, 2, 2],
-                              layer_type="basic", num_labels=10)
-        model = ResNetForImageClassification(config).train()
-        inputs = {"pixel_values": torch.randn(batch, 3, 64, 64), "labels": torch.randint(0, 10, (batch,))}
-    else:
-        raise ValueError(f"unknown model {name!r}; expected gpt2, llama or cnn")
-    return LossOnly(model), inputs
 
 
 # ------------------------------------------------------------------------------------ plans
@@ -135,9 +96,8 @@ def candidates(model, inputs, *, mesh) -> list[Candidate]:
             continue
         options = PlanOptions(zero_stage="auto" if family in ("zero1", "zero2") else 0)
         if family == "zero3" and "data-parallel" in families:
-            # At an ample budget ZeRO-3's best is to shard nothing (data parallelism again); what
-            # FSDP2 runs -- every parameter sharded -- is its plan once replicas no longer fit.
-            options = PlanOptions(memory_budget=int(0.6 * families["data-parallel"].estimate.peak_bytes))
+            options = PlanOptions(memory_budget=sharded_state_budget(families["data-parallel"].estimate,
+                                                                     math.prod(mesh.shape)))
         try:
             families[family] = plan_family(model, inputs, family, mesh=mesh, options=options)
         except ValueError as exc:  # e.g. a family no layout of which fits
@@ -163,68 +123,6 @@ def candidates(model, inputs, *, mesh) -> list[Candidate]:
 
 
 # ---------------------------------------------------------------------------------- running
-class SavedBytes:
-    """Peak bytes saved for backward while active: each storage once, parameters excluded."""
-
-    def __init__(self) -> None:
-        self.live: dict[int, int] = {}
-        self.refs: dict[int, int] = {}
-        self.now = self.peak = 0
-
-    def _release(self, key: int) -> None:
-        self.refs[key] -= 1
-        if not self.refs[key]:
-            self.now -= self.live.pop(key)
-            del self.refs[key]
-
-    def pack(self, t: torch.Tensor):
-        if isinstance(t, torch.nn.Parameter) or (t.is_leaf and t.requires_grad):
-            return t
-        local = t.to_local() if hasattr(t, "to_local") else t
-        storage = local.untyped_storage()
-        key = storage.data_ptr()
-        if key not in self.live:
-            self.live[key] = storage.nbytes()
-            self.now += storage.nbytes()
-            self.peak = max(self.peak, self.now)
-        self.refs[key] = self.refs.get(key, 0) + 1
-        box = _Box(t)
-        weakref.finalize(box, self._release, key)
-        return box
-
-    @staticmethod
-    def unpack(box):
-        return box.t if isinstance(box, _Box) else box
-
-
-class _Box:
-    """A saved tensor as autograd holds it: freed (and uncounted) when autograd drops it."""
-
-    __slots__ = ("t", "__weakref__")
-
-    def __init__(self, t: torch.Tensor) -> None:
-        self.t = t
-
-
-def _state_bytes(params, optimizer) -> int:
-    def local(t):
-        return t.to_local() if hasattr(t, "to_local") else t
-
-    total = 0
-    for p in params:
-        total += local(p).numel() * p.element_size()
-        if p.grad is not None:
-            total += local(p.grad).numel() * p.grad.element_size()
-    for state in getattr(optimizer, "state", {}).values():
-        total += sum(local(v).numel() * v.element_size() for v in state.values() if torch.is_tensor(v))
-    for piece in getattr(optimizer, "pieces", ()):  # ZeRO pieces: this rank's shards
-        for attr in ("grad",):
-            g = getattr(piece, attr, None)
-            if torch.is_tensor(g):
-                total += g.numel() * g.element_size()
-    return total
-
-
 def _fsdp2(model: torch.nn.Module) -> torch.nn.Module:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -282,7 +180,7 @@ def _worker(rank: int, world: int, cands: list[Candidate], model, inputs, steps:
         if loss.requires_grad:
             loss.backward()
         optimizer.step()
-        memory[name] = {"saved": saved.peak, "state": _state_bytes(list(module.parameters()), optimizer)}
+        memory[name] = {"saved": saved.peak, "state": state_bytes(list(module.parameters()), optimizer)}
     names = list(built)
     times = {n: [] for n in names}
     for r in range(steps):
@@ -295,28 +193,6 @@ def _worker(rank: int, world: int, cands: list[Candidate], model, inputs, steps:
 
 
 # ---------------------------------------------------------------------------------- figures
-def spearman(xs: list[float], ys: list[float]) -> float:
-    """Spearman's rank correlation (average ranks for ties)."""
-    def ranks(v):
-        order = sorted(range(len(v)), key=v.__getitem__)
-        r = [0.0] * len(v)
-        i = 0
-        while i < len(v):
-            j = i
-            while j + 1 < len(v) and v[order[j + 1]] == v[order[i]]:
-                j += 1
-            for k in range(i, j + 1):
-                r[order[k]] = (i + j) / 2
-            i = j + 1
-        return r
-
-    rx, ry = ranks(xs), ranks(ys)
-    mx, my = statistics.fmean(rx), statistics.fmean(ry)
-    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
-    var = (sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry)) ** 0.5
-    return cov / var if var else float("nan")
-
-
 def summarize(model_name: str, mesh, cands: list[Candidate], results: list[dict]) -> dict:
     steps = len(results[0]["times"][cands[0].name])
     measured = {c.name: statistics.median(max(r["times"][c.name][i] for r in results) for i in range(steps))

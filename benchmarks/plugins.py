@@ -1,0 +1,191 @@
+"""The Booster's plugins side by side: every applicable fixed configuration and the auto plan, same run.
+
+    python benchmarks/plugins.py [--models gpt2,llama,cnn] [--world 4] [--batch 8] [--steps 6]
+                                 [--warmup 2] [--budgets ample,tight] [--out results.jsonl]
+
+One model at a time is trained through the product notes' API -- ``Booster(plugin=...)``,
+``booster.boost(model, optimizer, dataloader=plugin.prepare_dataloader(...))``, then
+``booster.backward(loss, optimizer)``, ``optimizer.step()`` -- with each configuration in
+``CONFIGS`` (torch's DDP and FSDP2, ZeRO-1 and ZeRO-2 as ``LowLevelZeroPlugin``, ...) and with
+``AutoParallelPlugin``, on ``--world`` forked gloo ranks, all boosted from the same weights and
+fed the same global batch (``--batch`` samples per step: each plugin's ``batch_size`` is that
+over its data-parallel size). After ``--warmup`` steps each, ``--steps`` rounds time them in
+rotating order (a barrier before each step; a step is the slowest rank's time; the figure is
+the median over rounds).
+
+Budgets: ``ample`` (the device's capacity) and ``tight``: 60% of the peak the planner estimates
+for plain data parallelism, where data parallelism does not fit. A configuration fits a budget
+when its measured peak per rank (parameters, gradients, optimizer state and the peak of the
+bytes saved for backward, as ``fidelity.py`` measures them) is within it; ``AutoParallelPlugin``
+plans with that budget. Printed per (model, budget): median ms/step, measured peak MiB per rank,
+the plan's estimate (torch's engines: the data-parallel and ZeRO-3 families' estimates, the
+layouts they run), and auto / fastest fitting configuration -- issue 29's target is <= 1.05,
+and auto must fit wherever any configuration fits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import itertools
+import json
+import os
+import statistics
+import sys
+import time
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _measure import SavedBytes, build_model, sharded_state_budget, state_bytes  # noqa: E402
+
+TARGET = 1.05
+TIGHT_FRACTION = 0.6  # of data parallelism's estimated peak
+
+
+def configs(budget: int | None) -> dict[str, Callable[[], object]]:
+    """Configuration name -> plugin factory, at ``budget`` bytes per device (None: ample). Fixed
+    configurations ignore the budget (they are what they are); the auto plan plans for it."""
+    from autopar.booster import AutoParallelPlugin, LowLevelZeroPlugin, TorchDDPPlugin, TorchFSDPPlugin
+
+    return {
+        "torch-ddp": TorchDDPPlugin,
+        "torch-fsdp2": TorchFSDPPlugin,
+        "zero1": lambda: LowLevelZeroPlugin(stage=1, precision="fp32"),
+        "zero2": lambda: LowLevelZeroPlugin(stage=2, precision="fp32"),
+        "auto": lambda: AutoParallelPlugin(memory_budget=budget),
+    }
+
+
+def _dataset(inputs: dict) -> list[dict]:
+    """The global batch as a map-style dataset of per-sample dicts (the default collate stacks them)."""
+    n = next(iter(inputs.values())).shape[0]
+    return [{k: v[i] for k, v in inputs.items()} for i in range(n)]
+
+
+def _boost(name: str, factory, model, inputs, world: int):
+    from autopar.booster import Booster
+
+    plugin = factory()
+    dp = plugin.data_parallel_size() if hasattr(plugin, "data_parallel_size") else world
+    batch = next(iter(inputs.values())).shape[0]
+    if batch % dp:
+        raise ValueError(f"{name}: the global batch {batch} does not divide over {dp} data-parallel ranks")
+    booster = Booster(plugin=plugin)
+    local = copy.deepcopy(model)
+    optimizer = torch.optim.AdamW(local.parameters(), lr=1e-4, foreach=True)
+    loader = plugin.prepare_dataloader(_dataset(inputs), batch_size=batch // dp, drop_last=True)
+    module, optimizer, _, loader, _ = booster.boost(local, optimizer, dataloader=loader)
+    return booster, module, optimizer, itertools.cycle(loader)
+
+
+def _step(booster, module, optimizer, batch) -> torch.Tensor:
+    optimizer.zero_grad()
+    loss = module(**batch)
+    booster.backward(loss, optimizer)
+    optimizer.step()
+    return loss.detach()
+
+
+def _worker(rank: int, world: int, model, inputs, budget, steps: int, warmup: int) -> dict:
+    built = {name: _boost(name, f, model, inputs, world) for name, f in configs(budget).items()}
+    memory, estimate = {}, {}
+    for name, (booster, module, optimizer, batches) in built.items():
+        for _ in range(warmup):
+            _step(booster, module, optimizer, next(batches))
+        saved = SavedBytes()
+        with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
+            _step(booster, module, optimizer, next(batches))
+        inner = getattr(optimizer, "optimizer", optimizer)
+        memory[name] = saved.peak + state_bytes(list(module.parameters()), inner)
+        plan = getattr(module, "plan", None)
+        estimate[name] = None if plan is None else (plan.estimate.step_s, plan.estimate.peak_bytes)
+    names = list(built)
+    times = {n: [] for n in names}
+    for r in range(steps):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            booster, module, optimizer, batches = built[name]
+            batch = next(batches)
+            dist.barrier()
+            t = time.perf_counter()
+            _step(booster, module, optimizer, batch)
+            times[name].append(time.perf_counter() - t)
+    return {"times": times, "memory": memory, "estimate": estimate}
+
+
+def _family_estimates(model, inputs, world: int) -> dict:
+    """The data-parallel and ZeRO-3 families' estimates (what torch's DDP and FSDP2 run)."""
+    from autopar.planner.options import PlanOptions
+    from autopar.planner.orchestrate import plan_family
+
+    options = PlanOptions()
+    mesh = options.mesh((world,))
+    dp = plan_family(model, inputs, "data-parallel", mesh=mesh, options=options)
+    zero3 = plan_family(model, inputs, "zero3", mesh=mesh,
+                        options=PlanOptions(memory_budget=sharded_state_budget(dp.estimate, world)))
+    return {"torch-ddp": dp.estimate, "torch-fsdp2": zero3.estimate}
+
+
+def report(model_name: str, label: str, budget, results: list[dict], families: dict) -> dict:
+    names = list(results[0]["times"])
+    steps = len(results[0]["times"][names[0]])
+    med = {n: statistics.median(max(r["times"][n][i] for r in results) for i in range(steps)) for n in names}
+    peak = {n: max(r["memory"][n] for r in results) for n in names}
+    est = {}
+    for n in names:
+        e = results[0]["estimate"][n]
+        est[n] = e if e is not None else ((families[n].step_s, families[n].peak_bytes) if n in families else None)
+    fits = {n: budget is None or peak[n] <= budget for n in names}
+    print(f"\n{model_name}, budget {label}" + (f" ({budget / 2**20:.1f} MiB/rank)" if budget else "")
+          + f"  (load {os.getloadavg()[0]:.2f})")
+    print(f"{'config':<12} {'median ms':>9} {'peak MiB':>9} {'fits':>5} {'est ms':>8} {'est MiB':>8}")
+    for n in names:
+        e = est[n]
+        print(f"{n:<12} {med[n] * 1e3:9.1f} {peak[n] / 2**20:9.1f} {'yes' if fits[n] else 'no':>5} "
+              + (f"{e[0] * 1e3:8.1f} {e[1] / 2**20:8.1f}" if e else f"{'-':>8} {'-':>8}"))
+    fixed = [n for n in names if n != "auto" and fits[n]]
+    ratio = None
+    if fixed:
+        best = min(fixed, key=med.__getitem__)
+        ratio = med["auto"] / med[best]
+        print(f"auto / fastest fitting ({best}) = {ratio:.3f} (target <= {TARGET}: "
+              f"{'met' if ratio <= TARGET and fits['auto'] else 'MISSED'}); auto fits: {fits['auto']}")
+    else:
+        print(f"no fixed configuration fits; auto fits: {fits['auto']}")
+    return {"model": model_name, "budget": label, "budget_bytes": budget, "median_s": med, "peak_bytes": peak,
+            "fits": fits, "estimate": est, "auto_ratio": ratio, "load": os.getloadavg()[0]}
+
+
+def main(argv=None) -> list[dict]:
+    from autopar.runtime.launch import run_local
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--models", default="gpt2,llama,cnn")
+    p.add_argument("--budgets", default="ample,tight")
+    p.add_argument("--world", type=int, default=4)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--out", help="append one JSON line per (model, budget)")
+    args = p.parse_args(argv)
+    records = []
+    for name in args.models.split(","):
+        model, inputs = build_model(name, batch=args.batch)
+        families = _family_estimates(model, inputs, args.world)
+        for label in args.budgets.split(","):
+            if label not in ("ample", "tight"):
+                p.error(f"--budgets: expected ample and/or tight, got {label!r}")
+            budget = None if label == "ample" else int(TIGHT_FRACTION * families["torch-ddp"].peak_bytes)
+            results = run_local(_worker, args.world, model, inputs, budget, args.steps, args.warmup, timeout=1800)
+            record = report(name, label, budget, results, {k: v for k, v in families.items()})
+            records.append(record)
+            if args.out:
+                with open(args.out, "a") as f:
+                    f.write(json.dumps(record, default=str) + "\n")
+    return records
+
+
+if __name__ == "__main__":
+    main()
