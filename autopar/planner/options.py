@@ -23,7 +23,8 @@ from autopar.offload import OffloadPolicy, check_offload
 
 __all__ = ["PlanOptions", "SolverOptions", "MemoryOptions", "PrecisionOptions", "PipelineOptions", "SequenceOptions",
            "OffloadPolicy", "SOLVERS", "SEQUENCE_MODES", "CHECKPOINT_MODES", "ZERO_STAGES", "PRECISION_NAMES",
-           "SCHEDULES", "OPTION_GROUPS", "check_option", "check_choice", "check_number", "check_count", "choices_of", "precision_name"]
+           "SCHEDULES", "OPTION_GROUPS", "check_option", "check_choice", "check_number", "check_count", "choices_of",
+           "precision_name"]
 
 Solver = Literal["auto", "highs", "cbc"]  # ILP backends (autopar.solver.ilp); auto prefers HiGHS
 CheckpointMode = Literal["auto", "none", "ilp", "rotor", "both"]  # see autopar.planner.checkpointing
