@@ -53,6 +53,11 @@ def sequence_pins(traced, mesh_shape: tuple[int, ...], mode: str) -> dict[str, F
                              f"whole by every strategy); trace in eval mode or with dropout 0")
         n = info.input("query").ndim
         dim = n - 2 if mode == "ring" else n - 3
+        for arg in _QKV:
+            size = info.input(arg).shape[dim]
+            if size % mesh_shape[axis]:
+                raise ValueError(f"{where}: the {arg}'s {'sequence' if mode == 'ring' else 'heads'} (dim {dim}, "
+                                 f"size {size}) does not split evenly over mesh axis {axis} of size {mesh_shape[axis]}")
         ins = tuple(Shard(dim) if s.arg in _QKV else None for s in info.slots)
         pins[node.name] = (axis, ins, (Shard(dim),))
         if mode == "all_to_all":
