@@ -5,7 +5,7 @@ Each plan pins every attention on the last mesh axis (``autopar.planner.sequence
 (query, key, value and output split on the sequence, the ring attention kernel with its
 point-to-point steps) and ``"all_to_all"`` (Ulysses: heads split inside, sequence-split inputs).
 With and without a left-padded ``attention_mask`` (HF's 4-D causal+padding mask, whose padded
-query rows see no key), on meshes (4,) and (2, 2): the loss, every gradient, the global gradient
+query rows see no key), on meshes (4,) and (2, 2) (the ring on both, Ulysses on (2, 2)): the loss, every gradient, the global gradient
 norm and the state after clipped AdamW steps equal the single-device run
 (``tests/runtime/test_e2e.check_module``), and each plan really runs the pinned strategy.
 """
@@ -66,8 +66,14 @@ def _run(rank, world, model, inputs, traced, plans, ref):
     return errors
 
 
-@pytest.mark.parametrize("padded", [False, True], ids=["causal", "padding-mask"])
-@pytest.mark.parametrize("name", ["llama", "qwen2"])
+# Llama with its padding mask runs in the default suite (about 30 s on 2 cores); the other three
+# with the whole sweeps (``pytest -m full_sweep``).
+CASES = [pytest.param("llama", True, id="llama-padding-mask")] + [
+    pytest.param(name, padded, id=f"{name}-{'padding-mask' if padded else 'causal'}", marks=pytest.mark.full_sweep)
+    for name, padded in (("llama", False), ("qwen2", False), ("qwen2", True))]
+
+
+@pytest.mark.parametrize("name, padded", CASES)
 def test_sequence_split_attention_matches_single_device(name, padded):
     model, inputs = build(name, padded)
     traced = trace(model, inputs, decompose_if=needs_decomposition)
@@ -89,3 +95,34 @@ def _pinned(strategy: str, mode: str) -> bool:
     for the ring, the heads (dim 1) for all-to-all, on the last mesh axis."""
     query = strategy.split(" x ")[0]
     return query.endswith("S2" if mode == "ring" else "S1")
+
+
+def _ring_steps(rank, world, model, x, traced, plan, ref):
+    pm = build_module(model, traced, plan, device=torch.device("cpu"))
+    with count_collectives() as counts:
+        loss = pm(x)
+        loss.backward()
+    grads = pm.full_gradients()
+    errors = [] if torch.allclose(loss.detach(), ref["loss"], rtol=1e-5) else [f"loss {loss} != {ref['loss']}"]
+    errors += [f"grad {k}" for k, want in ref["grads"].items() if not torch.allclose(grads[k], want, atol=1e-6)]
+    return errors, counts["send_recv"], counts.bytes["send_recv"]
+
+
+def test_the_ring_takes_the_steps_its_cost_prices():
+    """One causal attention ring-split over 4 ranks: the forward passes key and value 3 steps,
+    the backward passes them 3 steps again and their gradients 4 (home) -- ``ring_comm_cost``'s
+    open and closed turns -- each step one local block; and the result is exact."""
+    from tests.planner.test_sequence import Attention
+
+    torch.manual_seed(0)
+    model, x = Attention(heads=4), torch.randn(4, 8, 16)
+    traced = trace(model, (x,), decompose_if=needs_decomposition)
+    plan = plan_traced(traced, profile(traced), mesh=fast_mesh((4,)), options=PlanOptions(sequence_parallel="ring")).plan
+    assert not plan.recompute  # a recomputed forward would pass the blocks again
+    loss = model(x)
+    loss.backward()
+    ref = {"loss": loss.detach(), "grads": {k: p.grad for k, p in model.named_parameters()}}
+    block = 4 * 4 * 2 * 4 * 4  # one rank's key (or value): batch 4, 4 heads, 2 of 8 positions, dim 4, fp32
+    for errors, steps, nbytes in run_local(_ring_steps, 4, model, x, traced, plan, ref, timeout=120):
+        assert not errors, errors
+        assert (steps, nbytes) == (2 * 3 + 2 * 3 + 2 * 4, (2 * 3 + 2 * 3 + 2 * 4) * block)
