@@ -5,8 +5,8 @@ Each plan pins every attention on the last mesh axis (``autopar.planner.sequence
 (query, key, value and output split on the sequence, the ring attention kernel with its
 point-to-point steps) and ``"all_to_all"`` (Ulysses: heads split inside, sequence-split inputs).
 With and without a left-padded ``attention_mask`` (HF's 4-D causal+padding mask, whose padded
-query rows see no key), on meshes (4,) and (2, 2) (the ring on both, Ulysses on (2, 2)): the loss, every gradient, the global gradient
-norm and the state after clipped AdamW steps equal the single-device run
+query rows see no key), on meshes (4,) and (2, 2) (the ring on both, Ulysses on (2, 2)): the loss,
+every gradient, the global gradient norm and the state after clipped AdamW steps equal the single-device run
 (``tests/runtime/test_e2e.check_module``), and each plan really runs the pinned strategy.
 """
 
@@ -117,7 +117,8 @@ def test_the_ring_takes_the_steps_its_cost_prices():
     torch.manual_seed(0)
     model, x = Attention(heads=4), torch.randn(4, 8, 16)
     traced = trace(model, (x,), decompose_if=needs_decomposition)
-    plan = plan_traced(traced, profile(traced), mesh=fast_mesh((4,)), options=PlanOptions(sequence_parallel="ring")).plan
+    options = PlanOptions(sequence_parallel="ring")
+    plan = plan_traced(traced, profile(traced), mesh=fast_mesh((4,)), options=options).plan
     assert not plan.recompute  # a recomputed forward would pass the blocks again
     loss = model(x)
     loss.backward()
