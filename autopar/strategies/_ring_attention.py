@@ -94,6 +94,11 @@ class _Problem:
         self.mask, self.is_causal = attn_mask, is_causal
         self.scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
         self.reps = 1  # query heads per key/value head (GQA)
+        # Half-precision inputs are accumulated in fp32 (scores, log-sum-exp, output and the
+        # travelling gradients), as the fused kernels do; the results are cast back.
+        half = query.dtype in (torch.float16, torch.bfloat16)
+        self.acc = torch.float32 if half else query.dtype
+        self.out_dtype = query.dtype
 
     def key_range(self, source: tuple[int, ...]) -> tuple[int, int]:
         meta = self.ctx.info.input("key")
@@ -104,7 +109,10 @@ class _Problem:
         """Whether any local query row sees a key of the block starting at ``k0`` (causal)."""
         return not self.is_causal or k0 <= self.q0 + self.rows - 1
 
-    def expand(self, t: torch.Tensor) -> torch.Tensor:
+    def expand(self, t: torch.Tensor, *, acc: bool = False) -> torch.Tensor:
+        """A key/value block with its heads repeated to the query's (GQA); ``acc``: in the
+        accumulation dtype (blocks travel in their own, smaller one)."""
+        t = t.to(self.acc) if acc else t
         return t if self.reps == 1 else t.repeat_interleave(self.reps, -3)
 
     def fold(self, t: torch.Tensor) -> torch.Tensor:
@@ -112,7 +120,7 @@ class _Problem:
         return t if self.reps == 1 else t.unflatten(-3, (t.shape[-3] // self.reps, self.reps)).sum(-3)
 
     def scores(self, q, k, k0: int, k1: int) -> torch.Tensor:
-        s = (q * self.scale) @ self.expand(k).transpose(-2, -1)
+        s = (q * self.scale) @ self.expand(k, acc=True).transpose(-2, -1)
         if self.is_causal:
             rows = torch.arange(self.q0, self.q0 + self.rows, device=s.device).unsqueeze(-1)
             cols = torch.arange(k0, k1, device=s.device)
@@ -133,7 +141,7 @@ def _safe(lse: torch.Tensor) -> torch.Tensor:
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(autograd_ctx, query, key, value, attn_mask, problem: _Problem, ring: _Ring):
-        q = query.detach()
+        q = query.detach().to(problem.acc)
         out = q.new_zeros((*q.shape[:-1], value.shape[-1]))
         lse = q.new_full(q.shape[:-1], float("-inf"))
         blocks = [key.detach(), value.detach()]
@@ -144,25 +152,28 @@ class _RingAttention(torch.autograd.Function):
                 s = problem.scores(q, k, k0, k1)
                 new = torch.logaddexp(lse, torch.logsumexp(s, -1))
                 m = _safe(new)
-                out = out * torch.exp(lse - m).unsqueeze(-1) + torch.exp(s - m.unsqueeze(-1)) @ problem.expand(v)
+                p = torch.exp(s - m.unsqueeze(-1))
+                out = out * torch.exp(lse - m).unsqueeze(-1) + p @ problem.expand(v, acc=True)
                 lse = new
             if offsets != tuple(n - 1 for n in ring.sizes):  # the last block needs no passing on
                 blocks = ring.pass_on(blocks, offsets)
         autograd_ctx.save_for_backward(q, key.detach(), value.detach(), out, lse)
         autograd_ctx.problem, autograd_ctx.ring = problem, ring
         autograd_ctx.mask_grad = attn_mask is not None and attn_mask.requires_grad
-        return out
+        return out.to(query.dtype)
 
     @staticmethod
     def backward(autograd_ctx, grad_out):
         q, key, value, out, lse = autograd_ctx.saved_tensors
         problem, ring = autograd_ctx.problem, autograd_ctx.ring
         m = _safe(lse).unsqueeze(-1)
+        grad_out = grad_out.to(problem.acc)
         delta = (grad_out * out).sum(-1, keepdim=True)
         dq = torch.zeros_like(q)
         dmask = torch.zeros_like(problem.mask) if autograd_ctx.mask_grad else None
         # The key/value gradients travel with their blocks and arrive home after the last shift.
-        travelling = [key, value, torch.zeros_like(key), torch.zeros_like(value)]
+        zeros = [torch.zeros(t.shape, dtype=problem.acc, device=t.device) for t in (key, value)]
+        travelling = [key, value, *zeros]
         for offsets in ring.steps():
             k0, k1 = problem.key_range(ring.source(offsets))
             if problem.visible(k0):
@@ -170,8 +181,8 @@ class _RingAttention(torch.autograd.Function):
                 s = problem.scores(q, k, k0, k1)
                 p = torch.exp(s - m)
                 dv = dv + problem.fold(p.transpose(-2, -1) @ grad_out)
-                ds = p * (grad_out @ problem.expand(v).transpose(-2, -1) - delta)
-                dq = dq + ds @ problem.expand(k) * problem.scale
+                ds = p * (grad_out @ problem.expand(v, acc=True).transpose(-2, -1) - delta)
+                dq = dq + ds @ problem.expand(k, acc=True) * problem.scale
                 dk = dk + problem.fold(ds.transpose(-2, -1) @ q) * problem.scale
                 travelling = [k, v, dk, dv]
                 if dmask is not None:
@@ -182,7 +193,8 @@ class _RingAttention(torch.autograd.Function):
             else:
                 travelling = ring.pass_on(travelling, offsets)
         dk, dv = travelling[-2:]
-        return dq, dk, dv, dmask, None, None
+        dmask = None if dmask is None else dmask.to(problem.mask.dtype)
+        return dq.to(problem.out_dtype), dk.to(key.dtype), dv.to(value.dtype), dmask, None, None
 
 
 def _add_mask_grad(dmask: torch.Tensor, ds: torch.Tensor, k0: int, k1: int) -> None:
@@ -217,7 +229,8 @@ def ring_attention(ctx: KernelContext, query, key, value, attn_mask=None, dropou
 
 def ring_comm_cost(info, input_specs, output_specs, mesh) -> tuple[float, float]:
     """Forward: the key and value blocks passed around the ring (one shift short of a full turn);
-    backward: the same pass again, plus their gradients carried a full turn home."""
+    backward: the same pass again, plus their gradients carried a full turn home (in fp32 for
+    half-precision blocks: they accumulate there)."""
     seq_dim = info.input("query").ndim - 2
     k_slot, v_slot = info.slot_index("key"), info.slot_index("value")
     axes = input_specs[k_slot].shard_axes(seq_dim)
@@ -225,5 +238,6 @@ def ring_comm_cost(info, input_specs, output_specs, mesh) -> tuple[float, float]
         return 0.0, 0.0
     block = (info.input("key").local_nbytes(input_specs[k_slot], mesh.shape)
              + info.input("value").local_nbytes(input_specs[v_slot], mesh.shape))
+    widen = max(1, 4 // info.input("key").itemsize)
     forward = ring_seconds(block, mesh, axes, closed=False)
-    return forward, forward + ring_seconds(block, mesh, axes, closed=True)
+    return forward, forward + ring_seconds(block * widen, mesh, axes, closed=True)
