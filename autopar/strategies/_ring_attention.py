@@ -87,13 +87,13 @@ class _Ring:
 class _Problem:
     """What every block's scores need: the local query rows, their global offset, the mask."""
 
-    def __init__(self, ctx: KernelContext, query, attn_mask, is_causal: bool, scale, seq_dim: int) -> None:
-        self.ctx, self.seq_dim = ctx, seq_dim
-        self.q0 = ctx.local_range("query", seq_dim)[0]
+    def __init__(self, ctx: KernelContext, query, key, attn_mask, is_causal: bool, scale) -> None:
+        self.ctx, self.seq_dim = ctx, query.ndim - 2
+        self.q0 = ctx.local_range("query", self.seq_dim)[0]
         self.rows = query.shape[-2]
         self.mask, self.is_causal = attn_mask, is_causal
         self.scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
-        self.reps = 1  # query heads per key/value head (GQA)
+        self.reps = query.shape[-3] // key.shape[-3]  # query heads per key/value head (GQA)
         # Half-precision inputs are accumulated in fp32 (scores, log-sum-exp, output and the
         # travelling gradients), as the fused kernels do; the results are cast back.
         half = query.dtype in (torch.float16, torch.bfloat16)
@@ -170,7 +170,7 @@ class _RingAttention(torch.autograd.Function):
         grad_out = grad_out.to(problem.acc)
         delta = (grad_out * out).sum(-1, keepdim=True)
         dq = torch.zeros_like(q)
-        dmask = torch.zeros_like(problem.mask) if autograd_ctx.mask_grad else None
+        dmask = torch.zeros(problem.mask.shape, dtype=problem.acc) if autograd_ctx.mask_grad else None
         # The key/value gradients travel with their blocks and arrive home after the last shift.
         zeros = [torch.zeros(t.shape, dtype=problem.acc, device=t.device) for t in (key, value)]
         travelling = [key, value, *zeros]
@@ -198,12 +198,10 @@ class _RingAttention(torch.autograd.Function):
 
 
 def _add_mask_grad(dmask: torch.Tensor, ds: torch.Tensor, k0: int, k1: int) -> None:
-    """``dmask[..., k0:k1] += ds`` summed over the dims the mask broadcasts (size 1 or absent)."""
-    lead = ds.ndim - dmask.ndim
-    g = ds.sum(tuple(range(lead))) if lead else ds
-    dims = tuple(d for d in range(dmask.ndim - 1) if dmask.shape[d] == 1 and g.shape[d] != 1)
-    if dims:
-        g = g.sum(dims, keepdim=True)
+    """``dmask[..., k0:k1] += ds`` summed over the dims the mask broadcasts (size 1: the kernel
+    gives the mask the query's number of dims)."""
+    dims = tuple(d for d in range(dmask.ndim - 1) if dmask.shape[d] == 1 and ds.shape[d] != 1)
+    g = ds.sum(dims, keepdim=True) if dims else ds
     if dmask.shape[-1] == 1:
         dmask += g.sum(-1, keepdim=True)
     else:
@@ -214,16 +212,14 @@ def _add_mask_grad(dmask: torch.Tensor, ds: torch.Tensor, k0: int, k1: int) -> N
 def ring_attention(ctx: KernelContext, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
                    scale=None, enable_gqa=False):
     """One rank's attention output rows: its query block against every key/value block of the ring."""
-    seq_dim = query.ndim - 2
     if key.shape[-3] != query.shape[-3] and not enable_gqa:
         raise ValueError(f"{ctx.info.where()}: {query.shape[-3]} query heads and {key.shape[-3]} key heads "
                          f"without enable_gqa")
     mask = attn_mask
     if mask is not None and mask.ndim < query.ndim:  # leading broadcast dims made explicit (size 1)
         mask = mask.reshape((1,) * (query.ndim - mask.ndim) + tuple(mask.shape))
-    problem = _Problem(ctx, query, mask, bool(is_causal), scale, seq_dim)
-    problem.reps = query.shape[-3] // key.shape[-3]
-    ring = _Ring(ctx, ctx.axes_sharding("key", seq_dim))
+    problem = _Problem(ctx, query, key, mask, bool(is_causal), scale)
+    ring = _Ring(ctx, ctx.axes_sharding("key", problem.seq_dim))
     return _RingAttention.apply(query, key, value, mask, problem, ring)
 
 
