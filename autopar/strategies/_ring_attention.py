@@ -170,7 +170,8 @@ class _RingAttention(torch.autograd.Function):
         grad_out = grad_out.to(problem.acc)
         delta = (grad_out * out).sum(-1, keepdim=True)
         dq = torch.zeros_like(q)
-        dmask = torch.zeros(problem.mask.shape, dtype=problem.acc) if autograd_ctx.mask_grad else None
+        dmask = (torch.zeros(problem.mask.shape, dtype=problem.acc, device=q.device)
+                 if autograd_ctx.mask_grad else None)
         # The key/value gradients travel with their blocks and arrive home after the last shift.
         zeros = [torch.zeros(t.shape, dtype=problem.acc, device=t.device) for t in (key, value)]
         travelling = [key, value, *zeros]
