@@ -66,6 +66,9 @@ def _sdpa_samples() -> list[Sample]:
                {"enable_gqa": True}, "gqa-padding-causal-mask"),
         # A float padding mask that broadcasts over heads and query rows (its gradient partial).
         Sample((q, k, v, rand(4, 1, 1, 8)), label="row-broadcast-mask"),
+        # Cross-attention lengths (L 4, S 8): the causal mask is top-left aligned on global positions.
+        Sample((rand(4, 4, 4, 4), k, v), {"is_causal": True}, "causal-cross-lengths"),
+        Sample((rand(4, 4, 4, 4), k, v, rand(4, 1, 4, 8)), label="cross-lengths-mask"),
         Sample((q, k, v, rand(4, 1, 8, 8)), {"dropout_p": 0.3}, "dropout-mask"),
         Sample((rand(4, 4, 8, 4), rand(4, 2, 8, 4), rand(4, 2, 8, 4)),
                {"dropout_p": 0.5, "is_causal": True, "enable_gqa": True}, "dropout-causal-gqa"),
