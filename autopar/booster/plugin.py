@@ -32,7 +32,8 @@ PLANNING_NAMES = {"memory_budget": "memory_budget", "precision": "precision", "z
                   "checkpoint": "checkpoint", "reduce_dtype": "reduce_dtype", "solver": "solver",
                   "time_limit": "time_limit", "allow_replicate_fallback": "allow_replicate_fallback",
                   "optimizer_multiplier": "optimizer_multiplier", "pp_size": "pipeline",
-                  "num_microbatches": "microbatches", "pp_style": "schedule", "offload": "offload"}
+                  "num_microbatches": "microbatches", "pp_style": "schedule", "offload": "offload",
+                  "sequence_parallel": "sequence_parallel"}
 _NONE_IS_DEFAULT = ("memory_budget", "reduce_dtype", "time_limit", "pp_size", "num_microbatches")
 
 
@@ -99,6 +100,10 @@ class AutoParallelPlugin:
         chunk_search_range: ``(min, max, step)`` elements the chunk size is searched over for
             the least padding (``None``: 1024 to 64 Mi elements in steps of 1024); static and
             auto policies (planned tiers chunk as the plan streams: ``ChunkManager``).
+        sequence_parallel: ``"auto"`` (the solver's choice), ``"ring"`` or ``"all_to_all"``: every
+            attention split on the sequence over the last mesh axis (``autopar.plan``'s
+            ``sequence_parallel``; the notes' ``enable_sequence_parallelism`` with Colossal-AI's
+            ``ring_attn`` / ``all_to_all`` modes).
     """
 
     mesh: MeshSpec | Sequence[int] | str | None = None
@@ -130,6 +135,7 @@ class AutoParallelPlugin:
     pin_memory: bool = False
     chunk_search_range: tuple[int, int, int] | None = None
     offload: Any = "none"
+    sequence_parallel: str = "auto"
 
     def __post_init__(self) -> None:
         if self.mesh is not None and not isinstance(self.mesh, MeshSpec):
@@ -336,6 +342,7 @@ class AutoParallelPlugin:
                     checkpoint=self.checkpoint,
                     precision=self.precision, reduce_dtype=self.reduce_dtype, plan=self.plan,
                     **({} if self.offload == "none" else {"offload": self.offload}),
+                    **({} if self.sequence_parallel == "auto" else {"sequence_parallel": self.sequence_parallel}),
                     # Pipelined stages and Gemini's own policies run without ZeRO: "auto" means 0 there.
                     zero_stage=None if self.plan is not None else
                     0 if (self.pipeline is not None or self.placement_policy in ("static", "auto"))

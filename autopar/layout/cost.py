@@ -27,7 +27,7 @@ from typing import Iterable
 
 from autopar.layout.mesh import MeshSpec
 
-__all__ = ["KERNEL_FLOOR_S", "COLLECTIVES", "compute_seconds", "collective_seconds", "copy_seconds"]
+__all__ = ["KERNEL_FLOOR_S", "COLLECTIVES", "compute_seconds", "collective_seconds", "copy_seconds", "ring_seconds"]
 
 # Launch overhead of one kernel: a node never costs less than this, however small.
 KERNEL_FLOOR_S = 2e-6
@@ -75,3 +75,19 @@ def collective_seconds(kind: str, nbytes: float, mesh: MeshSpec, axes: Iterable[
     if kind == "split":
         return copy_seconds(nbytes / n, mesh)
     raise ValueError(f"unknown collective {kind!r}; expected one of {COLLECTIVES}")
+
+
+def ring_seconds(block_bytes: float, mesh: MeshSpec, axes: Iterable[int], *, closed: bool) -> float:
+    """A block of ``block_bytes`` per device passed around the ring of mesh ``axes`` (ring
+    attention's key/value blocks): one point-to-point step per shift, each paying its axis's
+    latency and moving the block once. Several axes turn as an odometer (the last fastest, an
+    outer one when the inner wraps), so axis ``axes[i]`` shifts ``prod(sizes[:i + 1])`` times for a
+    ``closed`` turn (every block back home) and once less per axis when the last shift is left out."""
+    total, turns = 0.0, 1
+    for a in axes:
+        turns *= mesh.shape[a]
+        if mesh.shape[a] == 1:
+            continue
+        steps = turns if closed else turns - 1
+        total += steps * (mesh.alpha[a] + mesh.beta[a] * block_bytes)
+    return total

@@ -21,21 +21,24 @@ from typing import Any, Callable, Literal, Union, get_args, get_origin
 from autopar.layout.mesh import PRESETS, MeshSpec, parse_bytes
 from autopar.offload import OffloadPolicy, check_offload
 
-__all__ = ["PlanOptions", "SolverOptions", "MemoryOptions", "PrecisionOptions", "PipelineOptions", "OffloadPolicy",
-           "SOLVERS", "CHECKPOINT_MODES", "ZERO_STAGES", "PRECISION_NAMES", "SCHEDULES", "OPTION_GROUPS",
-           "check_option", "check_choice", "check_number", "check_count", "choices_of", "precision_name"]
+__all__ = ["PlanOptions", "SolverOptions", "MemoryOptions", "PrecisionOptions", "PipelineOptions", "SequenceOptions",
+           "OffloadPolicy", "SOLVERS", "SEQUENCE_MODES", "CHECKPOINT_MODES", "ZERO_STAGES", "PRECISION_NAMES",
+           "SCHEDULES", "OPTION_GROUPS", "check_option", "check_choice", "check_number", "check_count", "choices_of",
+           "precision_name"]
 
 Solver = Literal["auto", "highs", "cbc"]  # ILP backends (autopar.solver.ilp); auto prefers HiGHS
 CheckpointMode = Literal["auto", "none", "ilp", "rotor", "both"]  # see autopar.planner.checkpointing
 Precision = Literal["fp32", "bf16", "fp16"]  # autopar.plans.PRECISIONS
 ZeroStage = Literal[0, 1, 2, "auto"]  # over each parameter's replicated axes (autopar.runtime.zero)
 Schedule = Literal["auto", "gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"]  # "auto" + plans.PIPELINE_SCHEDULES
+SequenceMode = Literal["auto", "ring", "all_to_all"]  # see autopar.planner.sequence
 
 SOLVERS = get_args(Solver)
 CHECKPOINT_MODES = get_args(CheckpointMode)
 PRECISION_NAMES = get_args(Precision)
 ZERO_STAGES = get_args(ZeroStage)
 SCHEDULES = get_args(Schedule)
+SEQUENCE_MODES = get_args(SequenceMode)
 
 
 # ------------------------------------------------------------------------------- checkers
@@ -238,16 +241,28 @@ class PipelineOptions(_Checked):
     schedule: Schedule = option("auto", "the pipeline schedule (auto: the fastest)")
 
 
-OPTION_GROUPS = (SolverOptions, MemoryOptions, PrecisionOptions, PipelineOptions)
+@dataclass(frozen=True, kw_only=True)
+class SequenceOptions(_Checked):
+    """Sequence-split attention (context parallelism), pinned on the last mesh axis of size > 1."""
+
+    sequence_parallel: SequenceMode = option(
+        "auto", "attention split on the sequence over the last mesh axis: ring (key/value blocks passed around), "
+                "all_to_all (Ulysses: inputs sequence-split, heads split inside); auto: the solver's choice")
+
+
+OPTION_GROUPS = (SolverOptions, MemoryOptions, PrecisionOptions, PipelineOptions, SequenceOptions)
 
 
 @dataclass(frozen=True, kw_only=True)
-class PlanOptions(PipelineOptions, PrecisionOptions, MemoryOptions, SolverOptions):
+class PlanOptions(SequenceOptions, PipelineOptions, PrecisionOptions, MemoryOptions, SolverOptions):
     """Every planning option in one flat record (the groups' fields; see each group's help lines)."""
 
     def _check_together(self) -> None:
         if self.offload != "none" and self.pipeline is not None:
             raise ValueError(f"offload={self.offload!r} is not planned with a pipeline yet "
+                             f"(pipeline={self.pipeline!r})")
+        if self.sequence_parallel != "auto" and self.pipeline is not None:
+            raise ValueError(f"sequence_parallel={self.sequence_parallel!r} is not pinned in pipeline stages yet "
                              f"(pipeline={self.pipeline!r})")
 
     def override(self, overrides: dict[str, Any], *, caller: str) -> "PlanOptions":
@@ -277,4 +292,5 @@ class PlanOptions(PipelineOptions, PrecisionOptions, MemoryOptions, SolverOption
                 + (", replicate fallback" if self.allow_replicate_fallback else "")
                 + (f", pipeline {self.pipeline} ({self.microbatches} micro-batches, schedule {self.schedule})"
                    if self.pipeline is not None else "")
-                + (f", offload {self.offload}" if self.offload != "none" else ""))
+                + (f", offload {self.offload}" if self.offload != "none" else "")
+                + (f", sequence-split attention {self.sequence_parallel}" if self.sequence_parallel != "auto" else ""))

@@ -15,7 +15,8 @@ from typing import Iterator
 
 __all__ = ["COLLECTIVE_KINDS", "CollectiveCounts", "count_collectives", "record"]
 
-COLLECTIVE_KINDS = ("all_gather", "all_to_all", "all_reduce", "reduce_scatter")
+# send_recv: one ring step of a kernel (``Comm.shift``: a send and a receive of the same bytes).
+COLLECTIVE_KINDS = ("all_gather", "all_to_all", "all_reduce", "reduce_scatter", "send_recv")
 
 
 class CollectiveCounts(Counter):

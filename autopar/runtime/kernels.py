@@ -9,7 +9,9 @@ semantics of the numerical check's thread simulator (``autopar.strategies.check.
   is replicated, so its gradient arrives replicated: the gradient-layout invariant);
 - ``all_reduce(t, axes, "max")`` is not differentiable (the result never requires grad);
 - a reduction over several axes reduces over the ranks that differ in those coordinates only,
-  done as one all-reduce per axis (sums and maxima compose over axes).
+  done as one all-reduce per axis (sums and maxima compose over axes);
+- ``shift(t, axis)`` is one ring step: a send to the next coordinate and a receive from the
+  previous one on the axis's group, not differentiable.
 
 :func:`grad_all_reduce` is the "f" of a strategy whose input has ``grad_partial_axes``: the
 identity forward, and a sum all-reduce of the input's local gradient over those axes backward.
@@ -99,6 +101,20 @@ class DistComm:
         if op == "sum":
             return _SumAllReduce.apply(tensor, axes, self.pmesh)
         return all_reduce_axes(tensor, axes, self.pmesh, op)
+
+    def shift(self, tensor: torch.Tensor, axis: int) -> torch.Tensor:
+        n = self.pmesh.axis_size(axis)
+        if n == 1:
+            return tensor
+        group, coord = self.pmesh.group(axis), self.pmesh.axis_coordinate(axis)
+        send = tensor.detach().contiguous()
+        received = torch.empty_like(send)
+        record("send_recv", send.numel() * send.element_size())
+        ops = [dist.P2POp(dist.isend, send, dist.get_global_rank(group, (coord + 1) % n), group=group),
+               dist.P2POp(dist.irecv, received, dist.get_global_rank(group, (coord - 1) % n), group=group)]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+        return received
 
     def coordinate(self, axis: int) -> int:
         return self.pmesh.axis_coordinate(axis)

@@ -40,7 +40,8 @@ How to add a rule family
    When the sharded op needs different math (masking, collectives inside), give the option
    ``kernel="name"`` and register ``@register_kernel("name", comm_cost=fn)`` with
    ``fn(ctx: KernelContext, **bound_args)``; it communicates only through ``ctx.comm``
-   (``all_reduce(t, axes, op)``, ``coordinate(axis)``, ``size(axis)``; see ``comm.py``) and
+   (``all_reduce(t, axes, op)``, ``shift(t, axis)``, ``coordinate(axis)``, ``size(axis)``; see
+   ``kernel_context.py``) and
    ``comm_cost(info, input_specs, output_specs, mesh) -> (forward_s, backward_s)``.
 6. A random op (``registry.draws_random``) is planned only when EVERY strategy of the call runs a
    mesh-invariant kernel: ``register(..., kernel_for=fn)``, ``fn(info) -> kernel name | None``

@@ -8,8 +8,16 @@ broadcastable to (..., L, S); output (..., L, Ev). Single-axis options:
   heads and the fewer key/value heads are split into the same number of contiguous chunks,
   which keeps every query head with its key/value head;
 - split the query length L when ``is_causal`` is False: key and value are replicated (their
-  gradients become partial), the mask is split on L. A causal split of L would need the
-  rank's row offset in the mask, so it is not offered.
+  gradients become partial), the mask is split on L. Causal, this plain op would mask with the
+  local block's own diagonal, so it is offered only non-causal;
+- ring attention (``_ring_attention.py``, kernel ``ring_attention``): query, key, value and the
+  output split on the sequence, the key/value blocks passed around the axis with online-softmax
+  merging, causal or not, with a mask (split on its query rows, or replicated where it
+  broadcasts over them; every key column) and GQA. Not offered with attention dropout (every
+  strategy then runs ``sdpa_dropout``, which holds every key).
+- Ulysses (the all-to-all sequence/head exchange) is no option of its own: it is the head split
+  above with its inputs converted ``S(seq) -> S(heads)`` and its output back, each one
+  all-to-all on the edge (``layout.conversion``), so the solver prices and picks it there.
 
 The embedding dim is never split: the softmax between the two contractions is not linear.
 ``dropout_p > 0`` in training (GPT-2's and BERT's attention dropout): every strategy runs the
@@ -29,6 +37,7 @@ import math
 
 from autopar.layout.placement import Replicate, Shard
 from autopar.strategies import rng
+from autopar.strategies._ring_attention import RING_KERNEL, ring_attention, ring_comm_cost
 from autopar.strategies.kernel_context import KernelContext
 from autopar.strategies.registry import AxisOption, OpInfo, Sample, draws_random, register, register_kernel
 from autopar.strategies.samples import rand, randbool
@@ -52,10 +61,27 @@ def _sdpa_samples() -> list[Sample]:
         Sample((q, k, v, rand(4, 1, 8, 8)), {"scale": 0.3}, "float-mask-4d"),
         Sample((q, k, v, randbool(8, 8) | torch.eye(8, dtype=torch.bool)), label="bool-mask-2d"),
         Sample((rand(4, 4, 8, 4), rand(4, 2, 8, 4), rand(4, 2, 8, 4)), {"enable_gqa": True}, "gqa"),
+        # HF's 4-D causal+padding mask (bool, (B, 1, L, S)) with GQA: rows 0-1 of batch 0 see no key.
+        Sample((rand(4, 4, 8, 4), rand(4, 2, 8, 4), rand(4, 2, 8, 4), _padded_causal(4, 8)),
+               {"enable_gqa": True}, "gqa-padding-causal-mask"),
+        # A float padding mask that broadcasts over heads and query rows (its gradient partial).
+        Sample((q, k, v, rand(4, 1, 1, 8)), label="row-broadcast-mask"),
+        # Cross-attention lengths (L 4, S 8): the causal mask is top-left aligned on global positions.
+        Sample((rand(4, 4, 4, 4), k, v), {"is_causal": True}, "causal-cross-lengths"),
+        Sample((rand(4, 4, 4, 4), k, v, rand(4, 1, 4, 8)), label="cross-lengths-mask"),
         Sample((q, k, v, rand(4, 1, 8, 8)), {"dropout_p": 0.3}, "dropout-mask"),
         Sample((rand(4, 4, 8, 4), rand(4, 2, 8, 4), rand(4, 2, 8, 4)),
                {"dropout_p": 0.5, "is_causal": True, "enable_gqa": True}, "dropout-causal-gqa"),
     ]
+
+
+def _padded_causal(batch: int, seq: int) -> torch.Tensor:
+    """A causal mask with left padding of ``b`` tokens in batch row ``b`` (a padded query row sees
+    no key at all, as in a left-padded batch whose first rows are all masked)."""
+    mask = torch.ones(seq, seq, dtype=torch.bool).tril().expand(batch, 1, seq, seq).clone()
+    for b in range(batch):
+        mask[b, :, :, :2 * b] = False
+    return mask
 
 
 def _no_comm(info, input_specs, output_specs, mesh) -> tuple[float, float]:
@@ -88,6 +114,16 @@ def sdpa_dropout(ctx: KernelContext, query, key, value, attn_mask=None, dropout_
     return weights @ value
 
 
+register_kernel(RING_KERNEL, comm_cost=ring_comm_cost)(ring_attention)
+
+
+def _ring_option(info: OpInfo, n: int) -> AxisOption:
+    """Query, key, value and output split on the sequence (dim ``n - 2``); the mask on its rows."""
+    seq = Shard(n - 2)
+    return info.option(seq, query=seq, key=seq, value=seq, kernel=RING_KERNEL,
+                       **_mask_placement(info, n - 2, n, info.input("query").shape[n - 2]))
+
+
 def _sdpa_kernel(info: OpInfo) -> str | None:
     return "sdpa_dropout" if draws_random(info.target, info.bound) else None
 
@@ -105,4 +141,6 @@ def _sdpa(info: OpInfo) -> list[AxisOption]:
     if not info.arg("is_causal"):
         options.append(info.option(Shard(n - 2), query=Shard(n - 2),
                                    **_mask_placement(info, n - 2, n, q.shape[n - 2])))
+    if not draws_random(info.target, info.bound):
+        options.append(_ring_option(info, n))
     return options

@@ -95,6 +95,15 @@ class SimWorld:
         group.barrier.wait()  # nobody overwrites a slot before everyone has read it
         return result
 
+    def shift(self, tensor: torch.Tensor, axis: int, coord: tuple[int, ...]) -> torch.Tensor:
+        """One ring step along ``axis``: the tensor of the previous coordinate (a copy)."""
+        group, rank = self.group((axis,), coord)
+        group.slots[rank] = tensor
+        group.barrier.wait()
+        result = group.slots[(rank - 1) % len(group.slots)].clone()
+        group.barrier.wait()
+        return result
+
 
 class _AllReduceSum(torch.autograd.Function):
     @staticmethod
@@ -120,6 +129,11 @@ class SimComm:
         if op == "sum":
             return _AllReduceSum.apply(tensor, self.world, axes, self.coord)
         return self.world.reduce(tensor.detach(), axes, self.coord, op)
+
+    def shift(self, tensor: torch.Tensor, axis: int) -> torch.Tensor:
+        if self.world.mesh_shape[axis] == 1:
+            return tensor
+        return self.world.shift(tensor.detach(), axis, self.coord)
 
     def coordinate(self, axis: int) -> int:
         return self.coord[axis]

@@ -8,6 +8,9 @@ other ranks of a mesh axis group only through ``Comm``:
   its backward is the identity: under the gradient layout invariant the result is replicated,
   so its gradient arrives replicated and each rank keeps it for its own summand. ``op="max"``
   is not differentiable (the result never requires grad; kernels use it on detached values).
+- ``shift(t, axis)`` -- every rank of an ``axis`` group sends ``t`` to the next coordinate (the
+  last to the first) and returns what the previous one sent: one step of a ring (ring attention).
+  Not differentiable: kernels call it inside their own ``autograd.Function``.
 - ``coordinate(axis)`` -- this rank's index along ``axis``.
 - ``size(axis)``       -- the number of ranks along ``axis``.
 
@@ -30,6 +33,8 @@ __all__ = ["Comm", "KernelContext"]
 
 class Comm(Protocol):
     def all_reduce(self, tensor: torch.Tensor, axes: int | Sequence[int], op: str = "sum") -> torch.Tensor: ...
+
+    def shift(self, tensor: torch.Tensor, axis: int) -> torch.Tensor: ...
 
     def coordinate(self, axis: int) -> int: ...
 

@@ -35,3 +35,23 @@ def test_bad_inputs_are_rejected():
     m = MeshSpec.preset("cpu", (2,))
     with pytest.raises(ValueError, match="-1"):
         compute_seconds(-1, 0, m, itemsize=2)
+
+
+def test_ring_steps_pay_latency_each_and_move_the_block_once():
+    import dataclasses
+
+    from autopar.layout.cost import collective_seconds, ring_seconds
+
+    m = dataclasses.replace(MeshSpec.preset("cpu", (4,)), alpha=(1e-5,), beta=(1e-9,))
+    block = 1e6
+    # An open turn (forward): 3 steps; closed (the gradients home): 4.
+    assert ring_seconds(block, m, (0,), closed=False) == pytest.approx(3 * (1e-5 + 1e-3))
+    assert ring_seconds(block, m, (0,), closed=True) == pytest.approx(4 * (1e-5 + 1e-3))
+    # The same bytes as an all-gather of the whole tensor, with one latency per step.
+    assert ring_seconds(block, m, (0,), closed=False) - collective_seconds("all_gather", 4 * block, m, 0) == \
+        pytest.approx(2e-5)
+    # An odometer over (2, 2): axis 1 turns 4 times (3 open), axis 0 twice (once open).
+    m2 = dataclasses.replace(MeshSpec.preset("cpu", (2, 2)), alpha=(1e-5, 1e-6), beta=(1e-9, 1e-10))
+    assert ring_seconds(block, m2, (0, 1), closed=True) == pytest.approx(2 * (1e-5 + 1e-3) + 4 * (1e-6 + 1e-4))
+    assert ring_seconds(block, m2, (0, 1), closed=False) == pytest.approx(1 * (1e-5 + 1e-3) + 3 * (1e-6 + 1e-4))
+    assert ring_seconds(block, MeshSpec.preset("cpu", (1, 4)), (0,), closed=True) == 0.0
