@@ -8,6 +8,11 @@ other ranks of a mesh axis group only through ``Comm``:
   its backward is the identity: under the gradient layout invariant the result is replicated,
   so its gradient arrives replicated and each rank keeps it for its own summand. ``op="max"``
   is not differentiable (the result never requires grad; kernels use it on detached values).
+- ``all_to_all(t, axis, send_counts, recv_counts)`` -- rows ``t[sum(send_counts[:j]):...]`` go
+  to rank ``j`` of ``axis``'s group, and the result stacks the rows received from each rank in
+  rank order (``recv_counts[j]`` from rank ``j``). Differentiable: its backward is the reverse
+  exchange (counts swapped). ``exchange_counts(counts, axis)`` tells each rank how many rows it
+  will receive: ``result[j]`` is rank ``j``'s ``counts[me]`` (plain ints, no autograd).
 - ``coordinate(axis)`` -- this rank's index along ``axis``.
 - ``size(axis)``       -- the number of ranks along ``axis``.
 
@@ -30,6 +35,11 @@ __all__ = ["Comm", "KernelContext"]
 
 class Comm(Protocol):
     def all_reduce(self, tensor: torch.Tensor, axes: int | Sequence[int], op: str = "sum") -> torch.Tensor: ...
+
+    def all_to_all(self, tensor: torch.Tensor, axis: int, send_counts: Sequence[int],
+                   recv_counts: Sequence[int]) -> torch.Tensor: ...
+
+    def exchange_counts(self, counts: Sequence[int], axis: int) -> list[int]: ...
 
     def coordinate(self, axis: int) -> int: ...
 
