@@ -21,7 +21,8 @@ from typing import Any, Callable, Literal, Union, get_args, get_origin
 from autopar.layout.mesh import PRESETS, MeshSpec, parse_bytes
 from autopar.offload import OffloadPolicy, check_offload
 
-__all__ = ["PlanOptions", "SolverOptions", "MemoryOptions", "PrecisionOptions", "PipelineOptions", "OffloadPolicy",
+__all__ = ["PlanOptions", "SolverOptions", "MemoryOptions", "PrecisionOptions", "PipelineOptions", "ParallelismOptions",
+           "OffloadPolicy",
            "SOLVERS", "CHECKPOINT_MODES", "ZERO_STAGES", "PRECISION_NAMES", "SCHEDULES", "OPTION_GROUPS",
            "check_option", "check_choice", "check_number", "check_count", "choices_of", "precision_name"]
 
@@ -238,11 +239,25 @@ class PipelineOptions(_Checked):
     schedule: Schedule = option("auto", "the pipeline schedule (auto: the fastest)")
 
 
-OPTION_GROUPS = (SolverOptions, MemoryOptions, PrecisionOptions, PipelineOptions)
+def _ep_size(value, name: str):
+    return check_count(value, name=name, words=(None,))
 
 
 @dataclass(frozen=True, kw_only=True)
-class PlanOptions(PipelineOptions, PrecisionOptions, MemoryOptions, SolverOptions):
+class ParallelismOptions(_Checked):
+    """Degrees of parallelism pinned by the user instead of chosen by the planner (autopar.planner.pins)."""
+
+    ep_size: int | None = option(
+        None, "expert parallelism: every MoE experts op splits its experts over mesh axes of this total size, "
+              "tokens sent to them by all-to-all; 1: experts never split (default: the planner decides)",
+        check=_ep_size)
+
+
+OPTION_GROUPS = (SolverOptions, MemoryOptions, PrecisionOptions, PipelineOptions, ParallelismOptions)
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanOptions(ParallelismOptions, PipelineOptions, PrecisionOptions, MemoryOptions, SolverOptions):
     """Every planning option in one flat record (the groups' fields; see each group's help lines)."""
 
     def _check_together(self) -> None:
