@@ -56,8 +56,17 @@ def _body(rank, world, model, inputs, plan):
     return losses, grads, pm.full_state_dict()
 
 
-@pytest.mark.parametrize("make,mesh", [(mixtral, (2,)), (qwen2_moe, (4,)), (qwen2_moe, (2, 2)), (mixtral, (2, 2))],
-                         ids=["mixtral-2", "qwen2moe-4", "qwen2moe-2x2", "mixtral-2x2"])
+def deepseek_v3():
+    """Shared plus routed experts with group-limited routing (the sweep's tiny DeepSeek-V3)."""
+    from tests.sweeps.hf_catalog import deepseek_entry
+
+    torch.manual_seed(0)
+    return deepseek_entry().build()[0]
+
+
+@pytest.mark.parametrize("make,mesh", [(mixtral, (2,)), (qwen2_moe, (4,)), (qwen2_moe, (2, 2)), (mixtral, (2, 2)),
+                                       (deepseek_v3, (2,))],
+                         ids=["mixtral-2", "qwen2moe-4", "qwen2moe-2x2", "mixtral-2x2", "deepseek-v3-2"])
 def test_expert_parallel_equals_one_device(make, mesh):
     model, inputs = make(), _inputs()
     ep = mesh[0]
