@@ -33,8 +33,8 @@ PLANNING_NAMES = {"memory_budget": "memory_budget", "precision": "precision", "z
                   "time_limit": "time_limit", "allow_replicate_fallback": "allow_replicate_fallback",
                   "optimizer_multiplier": "optimizer_multiplier", "pp_size": "pipeline",
                   "num_microbatches": "microbatches", "pp_style": "schedule", "offload": "offload",
-                  "sequence_parallel": "sequence_parallel"}
-_NONE_IS_DEFAULT = ("memory_budget", "reduce_dtype", "time_limit", "pp_size", "num_microbatches")
+                  "sequence_parallel": "sequence_parallel", "ep_size": "ep_size"}
+_NONE_IS_DEFAULT = ("memory_budget", "reduce_dtype", "time_limit", "pp_size", "num_microbatches", "ep_size")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -97,6 +97,9 @@ class AutoParallelPlugin:
             (``"static"`` only): the leading fraction of chunks sharded ZeRO-3 style over the mesh
             axes the plan replicates their parameters on; their gradients are chunk shards, not
             ``.grad``, so ``max_norm`` clipping and fp16 loss scaling are refused with it.
+        ep_size: expert parallelism pinned to this degree (``autopar.planner.pins``): each MoE
+            experts op splits its experts over mesh axes of this total size, tokens dispatched by
+            all-to-all; 1: experts never split; ``None``: the planner decides.
         chunk_search_range: ``(min, max, step)`` elements the chunk size is searched over for
             the least padding (``None``: 1024 to 64 Mi elements in steps of 1024); static and
             auto policies (planned tiers chunk as the plan streams: ``ChunkManager``).
@@ -136,6 +139,7 @@ class AutoParallelPlugin:
     chunk_search_range: tuple[int, int, int] | None = None
     offload: Any = "none"
     sequence_parallel: str = "auto"
+    ep_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.mesh is not None and not isinstance(self.mesh, MeshSpec):
@@ -339,7 +343,7 @@ class AutoParallelPlugin:
                     time_limit=self.time_limit, device=self.device, seed=self.seed,
                     optimizer_multiplier=self.optimizer_multiplier,
                     allow_replicate_fallback=self.allow_replicate_fallback,
-                    checkpoint=self.checkpoint,
+                    checkpoint=self.checkpoint, ep_size=self.ep_size,
                     precision=self.precision, reduce_dtype=self.reduce_dtype, plan=self.plan,
                     **({} if self.offload == "none" else {"offload": self.offload}),
                     **({} if self.sequence_parallel == "auto" else {"sequence_parallel": self.sequence_parallel}),

@@ -58,6 +58,7 @@ from autopar.planner.zero_pricing import zero2_extra_s, zero_cost
 from autopar.plans import NodeKind
 from autopar.layout.blocks import block_of
 from autopar.solver.problem import Edge, Node, Problem, StrategyOption
+from autopar.planner.pins import pins_of
 from autopar.strategies import FixedAxis, Strategy, input_nodes, strategies_for
 from autopar.tracer.graph import PLACEHOLDER_KEY, TracedGraph, values_needing_grad
 from autopar.tracer.heap import frozen_heap
@@ -130,6 +131,7 @@ class _Builder:
         self._base_cache: dict[str, str] = {}  # value -> the node owning its storage
         self._token_cache: dict[str, tuple] = {}  # value -> (shape, dtype) in op signatures
         self.offload_tiers = offload_tiers(traced, mesh, options)  # None: offload="none"
+        self.pin = pins_of(options, mesh)
         # Repeated blocks: ops after block 2 are stamped from its records (``block_stamps``).
         self._stamps = BlockStamps(traced, self.needs_grad, self._storage_base) if stamp_blocks else None
         self._edge_log: list | None = None  # a template op's edges, in the order they are added
@@ -415,6 +417,8 @@ class _Builder:
             cached = strategies_for(node, self.mesh, flops=(prof.fwd_flops, prof.bwd_flops),
                                     allow_replicate_fallback=self.opts.allow_replicate_fallback,
                                     reduce_itemsize=compute_dtype(self.opts.reduce_dtype).itemsize, fixed=fixed)
+            if self.pin is not None:  # a degree the user pinned (ParallelismOptions)
+                cached = self.pin(node, cached)
             self._strategy_cache[key] = cached
         if cached and cached[0].is_fallback:
             self.fallbacks.append(node.name)

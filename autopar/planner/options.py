@@ -21,7 +21,7 @@ from typing import Any, Callable, Literal, Union, get_args, get_origin
 from autopar.layout.mesh import PRESETS, MeshSpec, parse_bytes
 from autopar.offload import OffloadPolicy, check_offload
 
-__all__ = ["PlanOptions", "SolverOptions", "MemoryOptions", "PrecisionOptions", "PipelineOptions", "SequenceOptions",
+__all__ = ["PlanOptions", "SolverOptions", "MemoryOptions", "PrecisionOptions", "PipelineOptions", "ParallelismOptions",
            "OffloadPolicy", "SOLVERS", "SEQUENCE_MODES", "CHECKPOINT_MODES", "ZERO_STAGES", "PRECISION_NAMES",
            "SCHEDULES", "OPTION_GROUPS", "check_option", "check_choice", "check_number", "check_count", "choices_of",
            "precision_name"]
@@ -241,20 +241,29 @@ class PipelineOptions(_Checked):
     schedule: Schedule = option("auto", "the pipeline schedule (auto: the fastest)")
 
 
+def _ep_size(value, name: str):
+    return check_count(value, name=name, words=(None,))
+
+
 @dataclass(frozen=True, kw_only=True)
-class SequenceOptions(_Checked):
-    """Sequence-split attention (context parallelism), pinned on the last mesh axis of size > 1."""
+class ParallelismOptions(_Checked):
+    """Degrees of parallelism the user pins instead of the planner choosing them: sequence-split
+    attention (``autopar.planner.sequence``) and expert parallelism (``autopar.planner.pins``)."""
 
     sequence_parallel: SequenceMode = option(
         "auto", "attention split on the sequence over the last mesh axis: ring (key/value blocks passed around), "
                 "all_to_all (Ulysses: inputs sequence-split, heads split inside); auto: the solver's choice")
+    ep_size: int | None = option(
+        None, "expert parallelism: every MoE experts op splits its experts over mesh axes of this total size, "
+              "tokens sent to them by all-to-all; 1: experts never split (default: the planner decides)",
+        check=_ep_size)
 
 
-OPTION_GROUPS = (SolverOptions, MemoryOptions, PrecisionOptions, PipelineOptions, SequenceOptions)
+OPTION_GROUPS = (SolverOptions, MemoryOptions, PrecisionOptions, PipelineOptions, ParallelismOptions)
 
 
 @dataclass(frozen=True, kw_only=True)
-class PlanOptions(SequenceOptions, PipelineOptions, PrecisionOptions, MemoryOptions, SolverOptions):
+class PlanOptions(ParallelismOptions, PipelineOptions, PrecisionOptions, MemoryOptions, SolverOptions):
     """Every planning option in one flat record (the groups' fields; see each group's help lines)."""
 
     def _check_together(self) -> None:

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from autopar.runtime.counting import record
 from autopar.runtime.process_mesh import ProcessMesh
 
-__all__ = ["DistComm", "grad_all_reduce", "all_reduce_axes"]
+__all__ = ["DistComm", "grad_all_reduce", "all_reduce_axes", "all_to_all_rows"]
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 
@@ -88,6 +88,33 @@ def grad_all_reduce(tensor: torch.Tensor, axes: Sequence[int], pmesh: ProcessMes
     return _GradAllReduce.apply(tensor, axes, pmesh, reduce_dtype)
 
 
+def all_to_all_rows(tensor: torch.Tensor, axis: int, pmesh: ProcessMesh, send_counts: Sequence[int],
+                    recv_counts: Sequence[int]) -> torch.Tensor:
+    """A fresh tensor: ``tensor``'s row blocks exchanged over ``axis`` (``Comm.all_to_all``; no autograd)."""
+    rows = tensor.detach().contiguous()
+    out = rows.new_empty((sum(recv_counts), *rows.shape[1:]))
+    if pmesh.axis_size(axis) == 1:
+        return out.copy_(rows)
+    record("all_to_all", rows.numel() * rows.element_size())
+    dist.all_to_all_single(out, rows, output_split_sizes=list(recv_counts), input_split_sizes=list(send_counts),
+                           group=pmesh.group(axis))
+    return out
+
+
+class _AllToAll(torch.autograd.Function):
+    """Row blocks exchanged over one axis; backward: the reverse exchange (counts swapped)."""
+
+    @staticmethod
+    def forward(ctx, tensor, axis, pmesh, send_counts, recv_counts):
+        ctx.axis, ctx.pmesh, ctx.counts = axis, pmesh, (send_counts, recv_counts)
+        return all_to_all_rows(tensor, axis, pmesh, send_counts, recv_counts)
+
+    @staticmethod
+    def backward(ctx, grad):
+        send_counts, recv_counts = ctx.counts
+        return all_to_all_rows(grad, ctx.axis, ctx.pmesh, recv_counts, send_counts), None, None, None, None
+
+
 class DistComm:
     """``Comm`` for one real rank, on the process groups of ``pmesh``."""
 
@@ -115,6 +142,14 @@ class DistComm:
         for work in dist.batch_isend_irecv(ops):
             work.wait()
         return received
+
+    def all_to_all(self, tensor: torch.Tensor, axis: int, send_counts: Sequence[int],
+                   recv_counts: Sequence[int]) -> torch.Tensor:
+        return _AllToAll.apply(tensor, axis, self.pmesh, tuple(send_counts), tuple(recv_counts))
+
+    def exchange_counts(self, counts: Sequence[int], axis: int) -> list[int]:
+        send = torch.tensor(list(counts), dtype=torch.int64)
+        return all_to_all_rows(send, axis, self.pmesh, [1] * len(counts), [1] * len(counts)).tolist()
 
     def coordinate(self, axis: int) -> int:
         return self.pmesh.axis_coordinate(axis)

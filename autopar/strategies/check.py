@@ -104,6 +104,27 @@ class SimWorld:
         group.barrier.wait()
         return result
 
+    def exchange(self, blocks: list[torch.Tensor], axis: int, coord: tuple[int, ...]) -> torch.Tensor:
+        """Rank ``j`` of ``axis``'s group gets ``blocks[j]`` of every rank, stacked in rank order."""
+        group, rank = self.group((axis,), coord)
+        group.slots[rank] = blocks
+        group.barrier.wait()
+        result = torch.cat([group.slots[src][rank] for src in range(len(group.slots))])
+        group.barrier.wait()
+        return result
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor, world, axis, coord, send_counts, recv_counts):
+        ctx.args = (world, axis, coord, send_counts, recv_counts)
+        return world.exchange(list(tensor.detach().split(list(send_counts))), axis, coord)
+
+    @staticmethod
+    def backward(ctx, grad):
+        world, axis, coord, send_counts, recv_counts = ctx.args
+        return world.exchange(list(grad.split(list(recv_counts))), axis, coord), None, None, None, None, None
+
 
 class _AllReduceSum(torch.autograd.Function):
     @staticmethod
@@ -134,6 +155,14 @@ class SimComm:
         if self.world.mesh_shape[axis] == 1:
             return tensor
         return self.world.shift(tensor.detach(), axis, self.coord)
+
+    def all_to_all(self, tensor: torch.Tensor, axis: int, send_counts: Sequence[int],
+                   recv_counts: Sequence[int]) -> torch.Tensor:
+        return _AllToAll.apply(tensor, self.world, axis, self.coord, tuple(send_counts), tuple(recv_counts))
+
+    def exchange_counts(self, counts: Sequence[int], axis: int) -> list[int]:
+        blocks = list(torch.tensor(list(counts), dtype=torch.int64).split(1))
+        return self.world.exchange(blocks, axis, self.coord).tolist()
 
     def coordinate(self, axis: int) -> int:
         return self.coord[axis]

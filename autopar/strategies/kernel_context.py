@@ -11,6 +11,11 @@ other ranks of a mesh axis group only through ``Comm``:
 - ``shift(t, axis)`` -- every rank of an ``axis`` group sends ``t`` to the next coordinate (the
   last to the first) and returns what the previous one sent: one step of a ring (ring attention).
   Not differentiable: kernels call it inside their own ``autograd.Function``.
+- ``all_to_all(t, axis, send_counts, recv_counts)`` -- rows ``t[sum(send_counts[:j]):...]`` go
+  to rank ``j`` of ``axis``'s group, and the result stacks the rows received from each rank in
+  rank order (``recv_counts[j]`` from rank ``j``). Differentiable: its backward is the reverse
+  exchange (counts swapped). ``exchange_counts(counts, axis)`` tells each rank how many rows it
+  will receive: ``result[j]`` is rank ``j``'s ``counts[me]`` (plain ints, no autograd).
 - ``coordinate(axis)`` -- this rank's index along ``axis``.
 - ``size(axis)``       -- the number of ranks along ``axis``.
 
@@ -35,6 +40,10 @@ class Comm(Protocol):
     def all_reduce(self, tensor: torch.Tensor, axes: int | Sequence[int], op: str = "sum") -> torch.Tensor: ...
 
     def shift(self, tensor: torch.Tensor, axis: int) -> torch.Tensor: ...
+    def all_to_all(self, tensor: torch.Tensor, axis: int, send_counts: Sequence[int],
+                   recv_counts: Sequence[int]) -> torch.Tensor: ...
+
+    def exchange_counts(self, counts: Sequence[int], axis: int) -> list[int]: ...
 
     def coordinate(self, axis: int) -> int: ...
 

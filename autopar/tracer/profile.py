@@ -33,6 +33,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
 from autopar.tracer.depth import blocks_of, shallow_graph, stamp
+from autopar.tracer import experts as _experts  # noqa: F401 -- registers the experts op's FLOP formulas first
 from autopar.tracer.heap import frozen_heap
 from autopar.tracer.graph import BUFFER, PARAMETER, PLACEHOLDER_KEY, TracedGraph, op_name, tensor_vals
 from autopar.tracer.trace import TraceError

@@ -34,6 +34,7 @@ from autopar.tracer import hf
 from autopar.tracer.errors import TraceError
 from autopar.tracer.heap import frozen_heap
 from autopar.tracer.unroll import trace_shallow
+from autopar.tracer.experts import experts_as_ops
 from autopar.tracer.meta_keys import export_module_path
 from autopar.tracer.precision import apply_precision, compute_dtype
 from autopar.tracer.graph import (BUFFER, CONSTANT, INPUT, MODULE_KEY, PARAMETER, PLACEHOLDER_KEY, Placeholder,
@@ -103,7 +104,7 @@ def trace(model: nn.Module, meta_inputs: tuple | dict, *, name: str | None = Non
         fake_mode = FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True)
         fake = {k: pytree.tree_map(lambda v: _to_fake(v, fake_mode, device), v)
                 for k, v in tensors.items()}
-        with _fake_state(module, fake_mode, device), hf.caches_off(module):
+        with _fake_state(module, fake_mode, device), hf.caches_off(module), experts_as_ops(module):
             ep = _export(module, fake, constants, model_name, stack_traces)
         return _build(module, ep, model_name)
 
