@@ -36,6 +36,7 @@ _LAZY = {
     "launch": "autopar.runtime.launch",
     "launch_from_torch": "autopar.runtime.launch",
     "get_default_parser": "autopar.runtime.launch",
+    "Booster": "autopar.booster",  # the notes' ``from colossalai import Booster``
 }
 # Subpackages users reach as attributes (``autopar.optim.Lamb``, ``autopar.booster.Booster``) without
 # importing them first, as ``torch.optim`` is reached after ``import torch``.
