@@ -108,7 +108,7 @@ def save_model(module: ParallelModule, path: str | os.PathLike, *, config: Any =
         raise ValueError(f"prefix must be None or a file-name prefix without '/', got {prefix!r}")
     path = os.fspath(path)
     # shard=False names a file, unless it is a directory already (HF's single-file layout in it)
-    one_file = not shard and not os.path.isdir(path)
+    one_file = not shard and not os.path.isdir(path) and not path.endswith(("/", os.sep))
     entries = module.full_state_entries()  # each tensor once, under its first name (tied weights)
     sizes = [math.prod(shape) * dtype.itemsize for _, shape, dtype in entries]
     groups = shard_groups(sizes, int(size_per_shard * 2**20)) if shard else [list(range(len(entries)))]

@@ -7,7 +7,7 @@ fp32 equals one device on the global batch. fp16 and bf16 are compared with one 
 plan computes in the low dtype with fp32 master weights and losses in fp32, autocast chooses
 per op, so they agree to the low dtype's rounding; the loss scale after the steps is the same.
 The default suite runs fp32 (AutoParallelPlugin) and fp16 (LowLevelZeroPlugin); ``-m
-full_sweep`` adds AutoParallelPlugin fp16 and LowLevelZeroPlugin bf16.
+full_sweep`` adds AutoParallelPlugin fp16 and bf16 and LowLevelZeroPlugin bf16.
 """
 
 from __future__ import annotations
@@ -73,6 +73,7 @@ def one_device(model, dataset, precision):
     # the other two pairs take the same paths (a low-precision plan, the autocast criterion, the
     # scaler or none): the whole sweep runs them
     pytest.param("AutoParallelPlugin", "fp16", marks=pytest.mark.full_sweep),
+    pytest.param("AutoParallelPlugin", "bf16", marks=pytest.mark.full_sweep),
     pytest.param("LowLevelZeroPlugin", "bf16", marks=pytest.mark.full_sweep)])
 def test_cnn_with_tuple_batches_matches_one_device(name, precision):
     torch.manual_seed(0)
