@@ -293,13 +293,17 @@ class Booster:
           model's HF config when it has one, so ``from_pretrained(checkpoint)`` loads it. The
           tensors are gathered one file at a time: no rank holds more than ``size_per_shard`` MiB
           of full tensors.
-        - ``prefix``: put before every file name (``{prefix}-model-00001-of-00002.safetensors``;
-          ``None``/``""``: none); ``load_model`` finds them, ``from_pretrained`` does not.
+        - ``prefix``: put before every file name in a directory
+          (``{prefix}-model-00001-of-00002.safetensors``; ``None``/``""``: none); ``load_model``
+          finds them, ``from_pretrained`` does not. One file is named by ``checkpoint`` alone.
         - ``gather_dtensor=False`` (save each rank's shards instead) logs that full tensors are
           written anyway: they are streamed as above, and they load under any plan and mesh.
 
         Tied weights are written once; a pipelined model's tensors come from their stages."""
         origin = self._origin(model)
+        if prefix and not shard and not os.path.isdir(checkpoint):
+            _log_once("save_model: prefix names the files of a checkpoint directory; shard=False writes the one "
+                      "file named by checkpoint")
         if gather_dtensor is not True:
             _log_once("save_model(gather_dtensor=False): full tensors are written (gathered one shard file "
                       "at a time), which every plan, mesh and plain module loads")
