@@ -28,13 +28,14 @@ import contextlib
 import logging
 import os
 import weakref
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields
 from typing import Any, Callable, ContextManager, Iterator
 
 import torch
 from torch import nn
 
 from autopar.booster import checkpoint_io
+from autopar.booster.mixed_precision import FP16TorchMixedPrecision
 from autopar.booster.dataloader import GlobalBatchSampler, configure_for, first_batch_inputs, input_shapes
 from autopar.booster.optimizer import BoostedOptimizer, rebuild_optimizer, repoint_scheduler
 from autopar.booster.plugin import AutoParallelPlugin
@@ -65,8 +66,9 @@ class Booster:
             raise ValueError(f"plugin must be an AutoParallelPlugin, TorchDDPPlugin or TorchFSDPPlugin, got {plugin!r}")
         # torch's engines: the notes' torch AMP (autocast around forward and criterion, a loss scaler)
         self._autocast: torch.dtype | None = None
+        self._loss_scale: FP16TorchMixedPrecision | None = None
         if mixed_precision is not None and not isinstance(plugin, AutoParallelPlugin):
-            self._autocast = _torch_amp_dtype(plugin, mixed_precision)
+            self._autocast, self._loss_scale = _torch_amp(plugin, mixed_precision)
         self.plugin = _with_precision(plugin, mixed_precision) if isinstance(plugin, AutoParallelPlugin) else plugin
         self._origins: weakref.WeakKeyDictionary[ParallelModule, _Origin] = weakref.WeakKeyDictionary()
 
@@ -115,7 +117,7 @@ class Booster:
         if isinstance(self.plugin, (TorchDDPPlugin, TorchFSDPPlugin)):
             # Torch's own engines: no plan, so no meta inputs or loader configuration either.
             boosted = self.plugin.boost(model, optimizer, criterion, dataloader, lr_scheduler,
-                                        autocast=self._autocast)
+                                        autocast=self._autocast, loss_scale=self._loss_scale)
             config = getattr(model, "config", None)
             self._origins[boosted[0]] = _Origin(config if hasattr(config, "save_pretrained") else None,
                                                 type(model).__name__)
@@ -363,21 +365,43 @@ _PRECISIONS = {"fp16": "fp16", "bf16": "bf16", "fp32": "fp32", "float16": "fp16"
 
 def _with_precision(plugin: AutoParallelPlugin, mixed_precision: Any) -> AutoParallelPlugin:
     """The product notes' ``Booster(mixed_precision="fp16", plugin=...)``: the plugin with that
-    precision. The plugin owns precision here (it plans fp16/bf16 compute and makes the loss
-    scaler from its ``initial_scale`` and friends), so the Booster's keyword maps onto it; a
-    plugin already set to ANOTHER non-default precision is a contradiction, refused rather than
-    one side silently winning. (``"fp32"`` is the plugin's default, so it cannot conflict.)"""
+    precision (an ``FP16TorchMixedPrecision``: fp16 and its loss-scaler settings). The plugin
+    owns precision here (it plans fp16/bf16 compute and makes the loss scaler from its
+    ``initial_scale`` and friends), so the Booster's keyword maps onto it; a plugin already set
+    to ANOTHER non-default value is a contradiction, refused rather than one side silently
+    winning. (``"fp32"`` is the plugin's default, so it cannot conflict.)"""
     if mixed_precision is None:
         return plugin
-    key = str(mixed_precision).removeprefix("torch.") if isinstance(mixed_precision, (str, torch.dtype)) else None
-    if key not in _PRECISIONS:
-        raise ValueError(f"mixed_precision must be one of 'fp16', 'bf16', 'fp32' (or the torch dtype), got "
-                         f"{mixed_precision!r}; the loss scaler's settings are the plugin's (initial_scale, ...)")
-    wanted = _PRECISIONS[key]
+    scale = mixed_precision if isinstance(mixed_precision, FP16TorchMixedPrecision) else None
+    wanted = "fp16" if scale is not None else _precision_name(mixed_precision)
     if plugin.precision not in ("fp32", wanted):
         raise ValueError(f"Booster(mixed_precision={mixed_precision!r}) conflicts with the plugin's "
                          f"precision={plugin.precision!r}: give one of them")
-    return plugin if plugin.precision == wanted else replace(plugin, precision=wanted)
+    changes = {} if plugin.precision == wanted else {"precision": wanted}
+    if scale is not None:
+        unmade = type(plugin)()  # the defaults of the plugin's own class (LowLevelZeroPlugin's scale is 2**32)
+        for name, value in (("initial_scale", scale.init_scale), ("growth_factor", scale.growth_factor),
+                            ("backoff_factor", scale.backoff_factor), ("growth_interval", scale.growth_interval)):
+            mine = getattr(plugin, name)
+            if mine != value and mine != getattr(unmade, name):
+                raise ValueError(f"Booster(mixed_precision={mixed_precision!r}) conflicts with the plugin's "
+                                 f"{name}={mine!r}: give one of them")
+            if mine != value:
+                changes[name] = value
+    return _copy_plugin(type(plugin), plugin, changes) if changes else plugin
+
+
+def _copy_plugin(cls: type, plugin: AutoParallelPlugin, changes: dict[str, Any]) -> AutoParallelPlugin:
+    """``plugin`` with ``changes``, checked again. Not ``dataclasses.replace``: a subclass with its
+    own constructor (``LowLevelZeroPlugin``) does not take the fields as arguments; the
+    attributes it keeps beside them (``stage``) come along."""
+    new = object.__new__(cls)
+    for field in fields(AutoParallelPlugin):
+        object.__setattr__(new, field.name, changes.get(field.name, getattr(plugin, field.name)))
+    for key, value in getattr(plugin, "__dict__", {}).items():
+        object.__setattr__(new, key, value)
+    new.__post_init__()
+    return new
 
 
 def _pipeline_options(plugin: AutoParallelPlugin, options: dict[str, Any]) -> tuple[dict[str, Any], int]:
@@ -396,19 +420,29 @@ def _pipeline_options(plugin: AutoParallelPlugin, options: dict[str, Any]) -> tu
     return {**options, "zero_stage": None if options.get("zero_stage") is None else stage}, stage
 
 
-def _torch_amp_dtype(plugin: TorchDDPPlugin | TorchFSDPPlugin, mixed_precision: Any) -> torch.dtype | None:
-    """The autocast dtype of the notes' ``Booster(mixed_precision=..., plugin=TorchDDPPlugin())``
-    (None for fp32). A ``TorchFSDPPlugin`` with its own ``mixed_precision`` policy is refused:
-    two sources of the precision, one of them silently second."""
-    key = str(mixed_precision).removeprefix("torch.") if isinstance(mixed_precision, (str, torch.dtype)) else None
-    if key not in _PRECISIONS:
-        raise ValueError(f"mixed_precision must be one of 'fp16', 'bf16', 'fp32' (or the torch dtype), got "
-                         f"{mixed_precision!r}")
-    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": None}[_PRECISIONS[key]]
+def _torch_amp(plugin: TorchDDPPlugin | TorchFSDPPlugin,
+               mixed_precision: Any) -> tuple[torch.dtype | None, FP16TorchMixedPrecision | None]:
+    """The autocast dtype (None for fp32) and the fp16 loss scaler's settings of the notes'
+    ``Booster(mixed_precision=..., plugin=TorchDDPPlugin())``: ``"fp16"`` is
+    ``FP16TorchMixedPrecision()``'s. A ``TorchFSDPPlugin`` with its own ``mixed_precision``
+    policy is refused: two sources of the precision, one of them silently second."""
+    if isinstance(mixed_precision, FP16TorchMixedPrecision):
+        dtype, scale = torch.float16, mixed_precision
+    else:
+        dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": None}[_precision_name(mixed_precision)]
+        scale = FP16TorchMixedPrecision() if dtype is torch.float16 else None
     if dtype is not None and getattr(plugin, "mixed_precision", None) is not None:
         raise ValueError(f"Booster(mixed_precision={mixed_precision!r}) conflicts with TorchFSDPPlugin's own "
                          f"mixed_precision={plugin.mixed_precision!r}: give one of them")
-    return dtype
+    return dtype, scale
+
+
+def _precision_name(mixed_precision: Any) -> str:
+    key = str(mixed_precision).removeprefix("torch.") if isinstance(mixed_precision, (str, torch.dtype)) else None
+    if key not in _PRECISIONS:
+        raise ValueError(f"mixed_precision must be one of 'fp16', 'bf16', 'fp32' (or the torch dtype) or an "
+                         f"FP16TorchMixedPrecision, got {mixed_precision!r}")
+    return _PRECISIONS[key]
 
 
 def _check_order(criterion: Any, dataloader: Any) -> None:

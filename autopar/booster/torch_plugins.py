@@ -177,14 +177,15 @@ class _TorchPlugin:
         raise NotImplementedError
 
     def boost(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, criterion: Callable | None,
-              dataloader: Any, lr_scheduler: Any, *, autocast: torch.dtype | None = None) -> tuple:
+              dataloader: Any, lr_scheduler: Any, *, autocast: torch.dtype | None = None,
+              loss_scale: Any = None) -> tuple:
         """``Booster.boost`` for this plugin: the model wrapped by the engine, the optimizer rebuilt
         over the engine's parameters (FSDP2 replaces them with DTensors; param groups and
         hyper-parameters kept by name, state not carried) in a ``BoostedOptimizer``, the
         scheduler re-pointed at it; ``dataloader`` as it is. ``autocast`` (the Booster's
         ``mixed_precision``): forward and ``criterion`` run under ``torch.autocast`` of that
-        dtype, and fp16 gets a loss scaler (the notes' torch AMP: ``init_scale=2**16``,
-        ``growth_factor=2``, ``backoff_factor=0.5``, ``growth_interval=2000``)."""
+        dtype; ``loss_scale`` (an ``FP16TorchMixedPrecision``, fp16 only) gives the optimizer a
+        loss scaler of its settings."""
         _require_dist(type(self).__name__)
         # Names before wrapping: FSDP2 swaps the Parameter objects the optimizer holds.
         before = list(model.named_parameters(remove_duplicate=False))
@@ -195,11 +196,10 @@ class _TorchPlugin:
             named = types.SimpleNamespace(named_parameters=lambda remove_duplicate=False: before)
             rebuilt = rebuild_optimizer(optimizer, named, module.parameters_by_fqn())
             scaler = None
-            if autocast is torch.float16:
+            if loss_scale is not None:
                 from autopar.runtime.amp import GradScaler
 
-                scaler = GradScaler(_device_type(), init_scale=2.0**16, growth_factor=2.0, backoff_factor=0.5,
-                                    growth_interval=2000)
+                scaler = GradScaler(_device_type(), **loss_scale.scaler_kwargs())
             boosted = BoostedOptimizer(rebuilt, module, scaler=scaler)
             if lr_scheduler is not None:
                 repoint_scheduler(lr_scheduler, optimizer, rebuilt)

@@ -20,6 +20,7 @@ PATHS = {
     "colossalai.booster.plugin.TorchFSDPPlugin": "autopar.booster.TorchFSDPPlugin",
     "colossalai.booster.plugin.LowLevelZeroPlugin": "autopar.booster.LowLevelZeroPlugin",
     "colossalai.nn.optimizer.Lamb": "autopar.optim.Lamb",
+    "colossalai.mixed_precision.FP16TorchMixedPrecision": "autopar.booster.FP16TorchMixedPrecision",
     "colossalai.launch": "autopar.launch",
     "colossalai.launch_from_torch": "autopar.launch_from_torch",
     "colossalai.get_default_parser": "autopar.get_default_parser",
