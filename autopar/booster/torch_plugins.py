@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import types
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
@@ -224,20 +225,17 @@ class _TorchPlugin:
         return self.prepare_dataloader(dataset, batch_size, shuffle, seed, drop_last, **kwargs)
 
 
+@dataclass(frozen=True, slots=True)
 class Autocast:
-    """A criterion run under ``torch.autocast`` (the notes' torch AMP computes the loss there too:
-    autocast keeps losses such as cross entropy in fp32)."""
+    """A criterion run under ``torch.autocast`` of ``dtype`` (torch AMP computes the loss there
+    too: autocast keeps losses such as cross entropy in fp32)."""
 
-    def __init__(self, criterion: Callable, dtype: torch.dtype) -> None:
-        self.criterion = criterion
-        self.dtype = dtype
+    criterion: Callable
+    dtype: torch.dtype
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         with torch.autocast(_device_type(), dtype=self.dtype):
             return self.criterion(*args, **kwargs)
-
-    def __repr__(self) -> str:
-        return f"autocast({self.criterion!r}, {self.dtype})"
 
 
 class TorchDDPPlugin(_TorchPlugin):
