@@ -32,6 +32,11 @@ _LAZY = {
     "VerifyReport": "autopar.runtime.verify",
     "manual_seed": "autopar.strategies.rng",
     "ParallelModule": "autopar.runtime.parallel_module",
+    # the product notes' launchers (``colossalai.launch`` / ``launch_from_torch``)
+    "launch": "autopar.runtime.launch",
+    "launch_from_torch": "autopar.runtime.launch",
+    "get_default_parser": "autopar.runtime.launch",
+    "Booster": "autopar.booster",  # the notes' ``from colossalai import Booster``
 }
 # Subpackages users reach as attributes (``autopar.optim.Lamb``, ``autopar.booster.Booster``) without
 # importing them first, as ``torch.optim`` is reached after ``import torch``.

@@ -25,22 +25,26 @@ Every rank runs the same calls (``boost`` and the checkpoint methods are collect
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import weakref
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields
 from typing import Any, Callable, ContextManager, Iterator
 
 import torch
 from torch import nn
 
 from autopar.booster import checkpoint_io
+from autopar.booster.mixed_precision import FP16TorchMixedPrecision
 from autopar.booster.dataloader import GlobalBatchSampler, configure_for, first_batch_inputs, input_shapes
 from autopar.booster.optimizer import BoostedOptimizer, rebuild_optimizer, repoint_scheduler
 from autopar.booster.plugin import AutoParallelPlugin
-from autopar.booster.torch_plugins import TorchDDPPlugin, TorchFSDPPlugin, TorchParallelModule
+from autopar.booster.torch_plugins import Autocast, TorchDDPPlugin, TorchFSDPPlugin, TorchParallelModule
 from autopar.runtime.parallel_module import ParallelModule
 
 __all__ = ["Booster"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,12 +64,12 @@ class Booster:
             plugin = AutoParallelPlugin()
         if not isinstance(plugin, (AutoParallelPlugin, TorchDDPPlugin, TorchFSDPPlugin)):
             raise ValueError(f"plugin must be an AutoParallelPlugin, TorchDDPPlugin or TorchFSDPPlugin, got {plugin!r}")
+        # torch's engines: the notes' torch AMP (autocast around forward and criterion, a loss scaler)
+        self._autocast: torch.dtype | None = None
+        self._loss_scale: FP16TorchMixedPrecision | None = None
         if mixed_precision is not None and not isinstance(plugin, AutoParallelPlugin):
-            # torch's engines take their precision from the plugin (TorchFSDPPlugin's mixed_precision,
-            # autocast around DDP): a Booster-level switch would be a second, silent source of it.
-            raise NotImplementedError(f"Booster(mixed_precision={mixed_precision!r}) with {type(plugin).__name__}: "
-                                      f"set the precision on the plugin")
-        self.plugin = plugin if mixed_precision is None else _with_precision(plugin, mixed_precision)
+            self._autocast, self._loss_scale = _torch_amp(plugin, mixed_precision)
+        self.plugin = _with_precision(plugin, mixed_precision) if isinstance(plugin, AutoParallelPlugin) else plugin
         self._origins: weakref.WeakKeyDictionary[ParallelModule, _Origin] = weakref.WeakKeyDictionary()
 
     # ------------------------------------------------------------------------------ boost
@@ -87,6 +91,13 @@ class Booster:
         - with ``TorchDDPPlugin`` / ``TorchFSDPPlugin`` the plugin boosts instead
           (``plugin.boost``): torch's DDP or FSDP2 engine in a ``TorchParallelModule``, no plan,
           no meta inputs, ``dataloader`` returned as it is.
+        - batches: a dict is the model's keyword arguments; a tuple/list with a ``criterion`` is
+          the notes' ``(img, label)``: the model takes the leading elements its forward requires
+          (``model(img)``), the criterion the rest (``criterion(output, label)``), outside the
+          plan, on the full outputs every rank holds (``dataloader.model_inputs``).
+        - ``Booster(mixed_precision="fp16"|"bf16")`` with a torch plugin: the notes' torch AMP --
+          forward and ``criterion`` under ``torch.autocast``; fp16 adds a loss scaler
+          (``init_scale=2**16``, ``growth_interval=2000``: the notes' ``FP16TorchMixedPrecision``).
         - Neither ``dataloader`` nor ``meta_inputs``: the model is planned at its first forward,
           from that call's inputs (:mod:`autopar.booster.deferred`; not for pipelines).
         - ``dataloader``: one from ``plugin.prepare_dataloader`` is configured so each rank loads
@@ -102,13 +113,18 @@ class Booster:
             raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if lr_scheduler is not None and optimizer is None:
             raise ValueError("an lr_scheduler needs the optimizer it drives: pass the optimizer too")
+        _check_order(criterion, dataloader)
         if isinstance(self.plugin, (TorchDDPPlugin, TorchFSDPPlugin)):
             # Torch's own engines: no plan, so no meta inputs or loader configuration either.
-            boosted = self.plugin.boost(model, optimizer, criterion, dataloader, lr_scheduler)
+            boosted = self.plugin.boost(model, optimizer, criterion, dataloader, lr_scheduler,
+                                        autocast=self._autocast, loss_scale=self._loss_scale)
             config = getattr(model, "config", None)
             self._origins[boosted[0]] = _Origin(config if hasattr(config, "save_pretrained") else None,
                                                 type(model).__name__)
             return boosted
+        if criterion is not None and self.plugin.precision in ("fp16", "bf16") and not isinstance(criterion, Autocast):
+            # the criterion runs outside the plan: under autocast, as torch AMP runs it (losses in fp32)
+            criterion = Autocast(criterion, torch.float16 if self.plugin.precision == "fp16" else torch.bfloat16)
         ours = dataloader is not None and isinstance(getattr(dataloader, "batch_sampler", None), GlobalBatchSampler)
         if ours:
             dataloader.batch_sampler.piece = None  # global batches again (a loader boosted before)
@@ -117,7 +133,9 @@ class Booster:
                 from autopar.booster.deferred import boost_deferred
 
                 return boost_deferred(self, model, optimizer, criterion, lr_scheduler)
-            meta_inputs = first_batch_inputs(dataloader)
+            meta_inputs, targets = first_batch_inputs(dataloader, None if criterion is None else model.forward)
+            if targets:  # the criterion's targets come from the same batch: the loader keeps whole batches
+                ours = False
         options = self.plugin.autoparallelize_kwargs()
         fixed = self.plugin.family_plan(model, meta_inputs) if self.plugin.plan is None else None
         if fixed is not None:  # a fixed configuration is a restricted plan of the planner's
@@ -262,47 +280,77 @@ class Booster:
         return context()
 
     # ------------------------------------------------------------------------ checkpoints
-    def save_model(self, model: ParallelModule, path: str | os.PathLike, shard: bool = True,
-                   size_per_shard: float = 1024, use_safetensors: bool = True) -> None:
-        """Write ``model``'s full tensors under the original names into the directory
-        ``path`` (rank 0 writes; a collective: every rank calls): Hugging Face sharded
-        safetensors (``model-00001-of-0000N.safetensors`` of at most ``size_per_shard`` MiB each
-        and ``model.safetensors.index.json``), one ``model.safetensors`` with ``shard=False``,
-        ``pytorch_model*.bin`` with ``use_safetensors=False``; and the model's HF config when it
-        has one, so ``from_pretrained(path)`` loads it. Tied weights are written once. The
-        tensors are gathered one shard file at a time, so no rank holds more than
-        ``size_per_shard`` MiB of full tensors (``shard=False``: the whole model, on every rank).
-        A pipelined model saves the same files: each tensor comes from the stage that holds it."""
+    def save_model(self, model: ParallelModule, checkpoint: str | os.PathLike, shard: bool = False,
+                   gather_dtensor: bool = True, prefix: str | None = None, size_per_shard: float = 1024,
+                   use_safetensors: bool = False) -> None:
+        """Write ``model``'s full tensors under the original names (the notes' signature and
+        order; rank 0 writes; a collective: every rank calls).
+
+        - ``shard=False``: one file at ``checkpoint`` (safetensors with ``use_safetensors``, else
+          ``torch.save``); an existing directory gets ``model.safetensors`` / ``pytorch_model.bin``
+          inside (Hugging Face's single-file layout) and the HF config.
+        - ``shard=True``: the directory ``checkpoint`` in Hugging Face's sharded layout: files of
+          at most ``size_per_shard`` MiB (``model-00001-of-0000N.safetensors`` or
+          ``pytorch_model-...bin``) and their index json (``weight_map``: name -> file), plus the
+          model's HF config when it has one, so ``from_pretrained(checkpoint)`` loads it. The
+          tensors are gathered one file at a time: no rank holds more than ``size_per_shard`` MiB
+          of full tensors.
+        - ``prefix``: put before every file name in a directory
+          (``{prefix}-model-00001-of-00002.safetensors``; ``None``/``""``: none); ``load_model``
+          finds them, ``from_pretrained`` does not. One file is named by ``checkpoint`` alone.
+        - ``gather_dtensor=False`` (save each rank's shards instead) logs that full tensors are
+          written anyway: they are streamed as above, and they load under any plan and mesh.
+
+        Tied weights are written once; a pipelined model's tensors come from their stages."""
         origin = self._origin(model)
-        checkpoint_io.save_model(model, path, config=origin.config, shard=shard, size_per_shard=size_per_shard,
-                                 use_safetensors=use_safetensors, architectures=[origin.class_name])
+        if prefix and not shard and not os.path.isdir(checkpoint):
+            _log_once("save_model: prefix names the files of a checkpoint directory; shard=False writes the one "
+                      "file named by checkpoint")
+        if gather_dtensor is not True:
+            _log_once("save_model(gather_dtensor=False): full tensors are written (gathered one shard file "
+                      "at a time), which every plan, mesh and plain module loads")
+        checkpoint_io.save_model(model, checkpoint, config=origin.config, shard=shard, size_per_shard=size_per_shard,
+                                 use_safetensors=use_safetensors, architectures=[origin.class_name], prefix=prefix)
 
-    def load_model(self, model: ParallelModule, path: str | os.PathLike, strict: bool = True) -> None:
-        """Load a directory written by ``save_model`` (or by HF's ``save_pretrained``) into
-        ``model`` under whatever plan and mesh it has: every rank reads the full tensors and
-        keeps its slices. ``strict``: every parameter and persistent buffer must be there and
-        nothing else."""
-        _check_module(model)
-        checkpoint_io.load_model(model, path, strict=strict)
+    def load_model(self, model: nn.Module, checkpoint: str | os.PathLike, strict: bool = True) -> None:
+        """Load a checkpoint of ``save_model`` (or of HF's ``save_pretrained``): a single file, or
+        a directory (sharded with its index, or one file), the format detected. ``model`` is a
+        boosted model (under whatever plan and mesh it has: every rank reads the full tensors and
+        keeps its slices) or a plain ``nn.Module`` (``load_state_dict``; tied weights written
+        once are filled under every name). ``strict``: every parameter and persistent buffer
+        must be there and nothing else."""
+        if not isinstance(model, nn.Module):
+            raise ValueError(f"load_model: model must be a torch.nn.Module, got {type(model).__name__}")
+        checkpoint_io.load_model(model, checkpoint, strict=strict)
 
-    def save_optimizer(self, optimizer: BoostedOptimizer, path: str | os.PathLike) -> None:
-        """The optimizer's state (and the fp16 loss scaler's) as a ``torch.distributed.checkpoint``
-        directory: each rank writes its shards (a collective)."""
+    def save_optimizer(self, optimizer: BoostedOptimizer, checkpoint: str | os.PathLike, shard: bool = False,
+                       gather_dtensor: bool = True, prefix: str | None = None, size_per_shard: int = 1024) -> None:
+        """The optimizer's state (and the fp16 loss scaler's), the notes' signature and order (a
+        collective: every rank calls). ``shard=True``: a ``torch.distributed.checkpoint``
+        directory, each rank writing its own shards (no gather); ``shard=False``: one file at
+        ``checkpoint`` (``torch.save`` of the full state keyed by parameter name, gathered and
+        written by rank 0). Both reload under another plan, mesh or world size.
+        ``size_per_shard``, ``prefix`` and ``gather_dtensor`` have no meaning for these formats
+        (DCP writes one file per rank) and log one line when set."""
         _check_optimizer(optimizer)
-        checkpoint_io.save_optimizer(optimizer, path)
+        if size_per_shard != 1024 or prefix or gather_dtensor is not True:
+            _log_once("save_optimizer: size_per_shard, prefix and gather_dtensor are not used (a DCP directory "
+                      "holds one file per rank; a single file holds the gathered state)")
+        checkpoint_io.save_optimizer(optimizer, checkpoint, shard=shard)
 
-    def load_optimizer(self, optimizer: BoostedOptimizer, path: str | os.PathLike) -> None:
-        """Load ``save_optimizer``'s directory, resharded to this optimizer's module (any mesh or
-        world size; the same parameter names and param groups)."""
+    def load_optimizer(self, optimizer: BoostedOptimizer, checkpoint: str | os.PathLike) -> None:
+        """Load ``save_optimizer``'s file or directory (detected), resharded to this optimizer's
+        module (any plan, mesh or world size; the same parameter names and param groups)."""
         _check_optimizer(optimizer)
-        checkpoint_io.load_optimizer(optimizer, path)
+        checkpoint_io.load_optimizer(optimizer, checkpoint)
 
-    def save_lr_scheduler(self, lr_scheduler: Any, path: str | os.PathLike) -> None:
-        """``lr_scheduler.state_dict()`` into the file ``path`` (rank 0 writes)."""
-        checkpoint_io.save_lr_scheduler(lr_scheduler, path)
+    def save_lr_scheduler(self, lr_scheduler: Any, checkpoint: str | os.PathLike) -> None:
+        """``lr_scheduler.state_dict()`` into the file ``checkpoint`` (rank 0 writes)."""
+        checkpoint_io.save_lr_scheduler(lr_scheduler, checkpoint)
 
-    def load_lr_scheduler(self, lr_scheduler: Any, path: str | os.PathLike) -> None:
-        checkpoint_io.load_lr_scheduler(lr_scheduler, path)
+    def load_lr_scheduler(self, lr_scheduler: Any, checkpoint: str | os.PathLike) -> None:
+        """``lr_scheduler.load_state_dict`` of ``save_lr_scheduler``'s file."""
+        checkpoint_io.load_lr_scheduler(lr_scheduler, checkpoint)
 
     def _origin(self, model: ParallelModule) -> _Origin:
         _check_module(model)
@@ -317,21 +365,43 @@ _PRECISIONS = {"fp16": "fp16", "bf16": "bf16", "fp32": "fp32", "float16": "fp16"
 
 def _with_precision(plugin: AutoParallelPlugin, mixed_precision: Any) -> AutoParallelPlugin:
     """The product notes' ``Booster(mixed_precision="fp16", plugin=...)``: the plugin with that
-    precision. The plugin owns precision here (it plans fp16/bf16 compute and makes the loss
-    scaler from its ``initial_scale`` and friends), so the Booster's keyword maps onto it; a
-    plugin already set to ANOTHER non-default precision is a contradiction, refused rather than
-    one side silently winning. (``"fp32"`` is the plugin's default, so it cannot conflict.)"""
+    precision (an ``FP16TorchMixedPrecision``: fp16 and its loss-scaler settings). The plugin
+    owns precision here (it plans fp16/bf16 compute and makes the loss scaler from its
+    ``initial_scale`` and friends), so the Booster's keyword maps onto it; a plugin already set
+    to ANOTHER non-default value is a contradiction, refused rather than one side silently
+    winning. (``"fp32"`` is the plugin's default, so it cannot conflict.)"""
     if mixed_precision is None:
         return plugin
-    key = str(mixed_precision).removeprefix("torch.") if isinstance(mixed_precision, (str, torch.dtype)) else None
-    if key not in _PRECISIONS:
-        raise ValueError(f"mixed_precision must be one of 'fp16', 'bf16', 'fp32' (or the torch dtype), got "
-                         f"{mixed_precision!r}; the loss scaler's settings are the plugin's (initial_scale, ...)")
-    wanted = _PRECISIONS[key]
+    scale = mixed_precision if isinstance(mixed_precision, FP16TorchMixedPrecision) else None
+    wanted = "fp16" if scale is not None else _precision_name(mixed_precision)
     if plugin.precision not in ("fp32", wanted):
         raise ValueError(f"Booster(mixed_precision={mixed_precision!r}) conflicts with the plugin's "
                          f"precision={plugin.precision!r}: give one of them")
-    return plugin if plugin.precision == wanted else replace(plugin, precision=wanted)
+    changes = {} if plugin.precision == wanted else {"precision": wanted}
+    if scale is not None:
+        unmade = type(plugin)()  # the defaults of the plugin's own class (LowLevelZeroPlugin's scale is 2**32)
+        for name, value in (("initial_scale", scale.init_scale), ("growth_factor", scale.growth_factor),
+                            ("backoff_factor", scale.backoff_factor), ("growth_interval", scale.growth_interval)):
+            mine = getattr(plugin, name)
+            if mine != value and mine != getattr(unmade, name):
+                raise ValueError(f"Booster(mixed_precision={mixed_precision!r}) conflicts with the plugin's "
+                                 f"{name}={mine!r}: give one of them")
+            if mine != value:
+                changes[name] = value
+    return _copy_plugin(type(plugin), plugin, changes) if changes else plugin
+
+
+def _copy_plugin(cls: type, plugin: AutoParallelPlugin, changes: dict[str, Any]) -> AutoParallelPlugin:
+    """``plugin`` with ``changes``, checked again. Not ``dataclasses.replace``: a subclass with its
+    own constructor (``LowLevelZeroPlugin``) does not take the fields as arguments; the
+    attributes it keeps beside them (``stage``) come along."""
+    new = object.__new__(cls)
+    for field in fields(AutoParallelPlugin):
+        object.__setattr__(new, field.name, changes.get(field.name, getattr(plugin, field.name)))
+    for key, value in getattr(plugin, "__dict__", {}).items():
+        object.__setattr__(new, key, value)
+    new.__post_init__()
+    return new
 
 
 def _pipeline_options(plugin: AutoParallelPlugin, options: dict[str, Any]) -> tuple[dict[str, Any], int]:
@@ -348,6 +418,50 @@ def _pipeline_options(plugin: AutoParallelPlugin, options: dict[str, Any]) -> tu
                          "use precision='bf16'")
     stage = 1 if zero == 1 else 0
     return {**options, "zero_stage": None if options.get("zero_stage") is None else stage}, stage
+
+
+def _torch_amp(plugin: TorchDDPPlugin | TorchFSDPPlugin,
+               mixed_precision: Any) -> tuple[torch.dtype | None, FP16TorchMixedPrecision | None]:
+    """The autocast dtype (None for fp32) and the fp16 loss scaler's settings of the notes'
+    ``Booster(mixed_precision=..., plugin=TorchDDPPlugin())``: ``"fp16"`` is
+    ``FP16TorchMixedPrecision()``'s. A ``TorchFSDPPlugin`` with its own ``mixed_precision``
+    policy is refused: two sources of the precision, one of them silently second."""
+    if isinstance(mixed_precision, FP16TorchMixedPrecision):
+        dtype, scale = torch.float16, mixed_precision
+    else:
+        dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": None}[_precision_name(mixed_precision)]
+        scale = FP16TorchMixedPrecision() if dtype is torch.float16 else None
+    if dtype is not None and getattr(plugin, "mixed_precision", None) is not None:
+        raise ValueError(f"Booster(mixed_precision={mixed_precision!r}) conflicts with TorchFSDPPlugin's own "
+                         f"mixed_precision={plugin.mixed_precision!r}: give one of them")
+    return dtype, scale
+
+
+def _precision_name(mixed_precision: Any) -> str:
+    key = str(mixed_precision).removeprefix("torch.") if isinstance(mixed_precision, (str, torch.dtype)) else None
+    if key not in _PRECISIONS:
+        raise ValueError(f"mixed_precision must be one of 'fp16', 'bf16', 'fp32' (or the torch dtype) or an "
+                         f"FP16TorchMixedPrecision, got {mixed_precision!r}")
+    return _PRECISIONS[key]
+
+
+def _check_order(criterion: Any, dataloader: Any) -> None:
+    """``boost``'s order is (model, optimizer, criterion, dataloader, lr_scheduler); the notes'
+    plugin examples pass ``(train_dataloader, criterion)`` the other way round."""
+    if criterion is not None and not callable(criterion):
+        swapped = callable(dataloader) and not isinstance(dataloader, torch.utils.data.DataLoader)
+        raise ValueError(f"boost: criterion must be callable, got {type(criterion).__name__}"
+                         + ("; the arguments are (model, optimizer, criterion, dataloader, lr_scheduler): "
+                            "pass them by keyword" if swapped else ""))
+
+
+_LOGGED: set[str] = set()
+
+
+def _log_once(message: str) -> None:
+    if message not in _LOGGED:
+        _LOGGED.add(message)
+        log.info(message)
 
 
 def _check_module(model: Any) -> None:

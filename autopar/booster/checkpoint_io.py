@@ -1,20 +1,22 @@
 """Model, optimizer and scheduler checkpoints of a boosted model, independent of its plan.
 
-Model: full tensors under the original names, written by rank 0 in the Hugging Face layout --
-``model.safetensors``, or ``model-00001-of-0000N.safetensors`` shards with
-``model.safetensors.index.json`` (``{"metadata": {"total_size": ...}, "weight_map": {name:
-file}}``); ``pytorch_model*.bin`` with ``use_safetensors=False`` -- plus the model's HF config, so
-``transformers``' ``from_pretrained`` loads the directory. Tied parameters are written once
-(under the first name, the one ``named_parameters()`` reports; HF ties the others back). Since
-the tensors are full, ``load_model`` loads them under any plan and mesh: every rank reads the
-files and keeps its own slices (no communication).
+Model: full tensors under the original names, written by rank 0: one file (``shard=False``), or
+a directory in the Hugging Face layout -- ``model.safetensors``, or
+``model-00001-of-0000N.safetensors`` shards with ``model.safetensors.index.json``
+(``{"metadata": {"total_size": ...}, "weight_map": {name: file}}``); ``pytorch_model*.bin``
+with ``use_safetensors=False`` -- plus the model's HF config, so ``transformers``'
+``from_pretrained`` loads the directory. Tied parameters are written once (under the first
+name, the one ``named_parameters()`` reports; HF ties the others back). Since the tensors are
+full, ``load_model`` loads them under any plan and mesh: every rank reads the files and keeps
+its own slices (no communication); a plain, never boosted module copies them.
 
 Optimizer: ``torch.distributed.checkpoint`` of ``get_optimizer_state_dict`` (keyed by parameter
 name): every rank writes its shards, and the load reshards to the new module's layouts, so it
-reloads under another mesh or world size. torch's and ``autopar.optim``'s optimizers keep
-DTensor state; an optimizer that keeps plain per-rank pieces has them lifted to DTensors for
-DCP where their shape tells the layout (``_lift``), and is refused where it does not. Scheduler: its
-``state_dict()``, written by rank 0 with ``torch.save``.
+reloads under another mesh or world size; or (``shard=False``) the same state gathered into one
+``torch.save`` file by rank 0, which every rank reads and slices on load. torch's and
+``autopar.optim``'s optimizers keep DTensor state; an optimizer that keeps plain per-rank pieces
+has them lifted to DTensors where their shape tells the layout (``_lift``), and is refused where
+it does not. Scheduler: its ``state_dict()``, written by rank 0 with ``torch.save``.
 """
 
 from __future__ import annotations
@@ -40,8 +42,8 @@ SAFE_INDEX, BIN_INDEX = "model.safetensors.index.json", "pytorch_model.bin.index
 SAFE_SINGLE, BIN_SINGLE = "model.safetensors", "pytorch_model.bin"
 SCALER_KEY = "grad_scaler"
 # What save_model writes (weights and indexes; the config is overwritten anyway).
-_STALE = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors(\.index\.json)?|"
-                    r"pytorch_model(-\d{5}-of-\d{5})?\.bin(\.index\.json)?")
+_STALE = re.compile(r"(model(-\d{5}-of-\d{5})?\.safetensors(\.index\.json)?|"
+                    r"pytorch_model(-\d{5}-of-\d{5})?\.bin(\.index\.json)?)")
 
 
 def _rank() -> int:
@@ -88,9 +90,9 @@ def shard_groups(sizes: list[int], max_bytes: int) -> list[list[int]]:
     return groups
 
 
-def save_model(module: ParallelModule, path: str | os.PathLike, *, config: Any = None, shard: bool = True,
-               size_per_shard: float = 1024, use_safetensors: bool = True,
-               architectures: list[str] | None = None) -> None:
+def save_model(module: ParallelModule, path: str | os.PathLike, *, config: Any = None, shard: bool = False,
+               size_per_shard: float = 1024, use_safetensors: bool = False,
+               architectures: list[str] | None = None, prefix: str | None = None) -> None:
     """See ``Booster.save_model``. ``config``: the original model's HF config (or None).
 
     Streams: the tensors of one shard file are gathered (a collective per tensor, every rank),
@@ -102,14 +104,20 @@ def save_model(module: ParallelModule, path: str | os.PathLike, *, config: Any =
     for name, value in (("shard", shard), ("use_safetensors", use_safetensors)):
         if not isinstance(value, bool):
             raise ValueError(f"{name} must be a bool, got {value!r}")
+    if prefix is not None and (not isinstance(prefix, str) or "/" in prefix or os.sep in prefix):
+        raise ValueError(f"prefix must be None or a file-name prefix without '/', got {prefix!r}")
     path = os.fspath(path)
+    # shard=False names a file, unless it is a directory already (HF's single-file layout in it)
+    one_file = not shard and not os.path.isdir(path) and not path.endswith(("/", os.sep))
     entries = module.full_state_entries()  # each tensor once, under its first name (tied weights)
     sizes = [math.prod(shape) * dtype.itemsize for _, shape, dtype in entries]
     groups = shard_groups(sizes, int(size_per_shard * 2**20)) if shard else [list(range(len(entries)))]
-    single = SAFE_SINGLE if use_safetensors else BIN_SINGLE
+    single = _prefixed(SAFE_SINGLE if use_safetensors else BIN_SINGLE, prefix)
     files = [single] if len(groups) == 1 else [_shard_name(single, i + 1, len(groups)) for i in range(len(groups))]
+    if one_file:
+        path, files = os.path.dirname(os.path.abspath(path)), [os.path.basename(path)]
     writer = _Rank0Writer()
-    writer.run(lambda: _start(path, files))
+    writer.run(lambda: _start(path, files, prefix=prefix, clean=not one_file))
     items = module.full_state_items()
     for group, file in zip(groups, files):
         tensors = {}
@@ -125,9 +133,10 @@ def save_model(module: ParallelModule, path: str | os.PathLike, *, config: Any =
         if len(groups) > 1:
             index = {"metadata": {"total_size": sum(sizes)},
                      "weight_map": {entries[i][0][0]: file for group, file in zip(groups, files) for i in group}}
-            with open(os.path.join(path, SAFE_INDEX if use_safetensors else BIN_INDEX), "w") as f:
+            index_name = _prefixed(SAFE_INDEX if use_safetensors else BIN_INDEX, prefix)
+            with open(os.path.join(path, index_name), "w") as f:
                 json.dump(index, f, indent=2, sort_keys=True)
-        if config is not None:
+        if config is not None and not one_file:
             hf_config = config
             if architectures and not getattr(config, "architectures", None):
                 hf_config = type(config).from_dict(config.to_dict())  # a copy: the user's stays as it was
@@ -138,10 +147,17 @@ def save_model(module: ParallelModule, path: str | os.PathLike, *, config: Any =
     writer.done()  # the files exist for every rank once save_model returns
 
 
-def _start(path: str, files: list[str]) -> None:
+def _prefixed(name: str, prefix: str | None) -> str:
+    return f"{prefix}-{name}" if prefix else name
+
+
+def _start(path: str, files: list[str], *, prefix: str | None, clean: bool) -> None:
     os.makedirs(path, exist_ok=True)
-    for stale in os.listdir(path):  # a previous save's files that this one does not overwrite
-        if _STALE.fullmatch(stale) and stale not in files:
+    if not clean:  # one named file: the directory around it is the user's
+        return
+    lead = re.escape(f"{prefix}-") if prefix else ""
+    for stale in os.listdir(path):  # a previous save's files (same prefix) that this one does not overwrite
+        if re.fullmatch(lead + _STALE.pattern, stale) and stale not in files:
             os.remove(os.path.join(path, stale))
 
 
@@ -181,36 +197,82 @@ def _write(tensors: dict[str, torch.Tensor], file: str, use_safetensors: bool) -
         torch.save(tensors, file)
 
 
+def _checkpoint_files(path: str) -> list[str]:
+    """The weight files of a ``save_model`` checkpoint: the file ``path`` itself, or in the
+    directory ``path`` the files its index names, or its one weight file (any prefix)."""
+    if os.path.isfile(path):
+        return [path]
+    if not os.path.isdir(path):
+        raise ValueError(f"{path!r}: no such model checkpoint (file or directory)")
+    names = sorted(os.listdir(path))
+    for kind in (SAFE_INDEX, BIN_INDEX, SAFE_SINGLE, BIN_SINGLE):  # index files first, safetensors first
+        found = [n for n in names if n == kind or n.endswith("-" + kind)]
+        if len(found) > 1:
+            raise ValueError(f"{path!r} holds several checkpoints ({found}): load one by its file or its own "
+                             f"directory")
+        if found and kind.endswith(".json"):
+            with open(os.path.join(path, found[0])) as f:
+                return [os.path.join(path, n) for n in sorted(set(json.load(f)["weight_map"].values()))]
+        if found:
+            return [os.path.join(path, found[0])]
+    raise ValueError(f"{path!r} holds no model checkpoint ({SAFE_SINGLE}, {SAFE_INDEX}, {BIN_SINGLE} or "
+                     f"{BIN_INDEX}, optionally with a prefix)")
+
+
 def read_full_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
-    """Every tensor of a directory written by ``save_model`` (or HF's ``save_pretrained``)."""
-    path = os.fspath(path)
-    for index_name, single in ((SAFE_INDEX, SAFE_SINGLE), (BIN_INDEX, BIN_SINGLE)):
-        index_file = os.path.join(path, index_name)
-        if os.path.exists(index_file):
-            with open(index_file) as f:
-                files = sorted(set(json.load(f)["weight_map"].values()))
-            break
-        if os.path.exists(os.path.join(path, single)):
-            files = [single]
-            break
-    else:
-        raise ValueError(f"{path!r} holds no model checkpoint ({SAFE_SINGLE}, {SAFE_INDEX}, {BIN_SINGLE} "
-                         f"or {BIN_INDEX})")
+    """Every tensor of a checkpoint written by ``save_model`` (or HF's ``save_pretrained``): a
+    single file (safetensors by content, else ``torch.load``) or a directory."""
     state: dict[str, torch.Tensor] = {}
-    for file in files:
-        full = os.path.join(path, file)
-        if file.endswith(".safetensors"):
+    for file in _checkpoint_files(os.fspath(path)):
+        if _is_safetensors(file):
             from safetensors.torch import load_file
 
-            state.update(load_file(full))
+            state.update(load_file(file))
         else:
-            state.update(torch.load(full, map_location="cpu", weights_only=True))
+            state.update(torch.load(file, map_location="cpu", weights_only=True))
     return state
 
 
-def load_model(module: ParallelModule, path: str | os.PathLike, *, strict: bool = True) -> None:
-    """See ``Booster.load_model``."""
-    module.load_full_state_dict(read_full_state_dict(path), strict=strict)
+def _is_safetensors(file: str) -> bool:
+    """A safetensors file starts with its header's length (8 bytes, little endian) and the header
+    (a json object); a ``torch.save`` file is a zip archive (``PK``)."""
+    with open(file, "rb") as f:
+        head = f.read(9)
+    return len(head) == 9 and head[:2] != b"PK" and head[8:9] == b"{"
+
+
+def load_model(module: torch.nn.Module, path: str | os.PathLike, *, strict: bool = True) -> None:
+    """See ``Booster.load_model``: a boosted module slices the full tensors into its shards, a
+    plain module copies them."""
+    from autopar.runtime.parallel_module import ParallelModule
+
+    state = read_full_state_dict(path)
+    if isinstance(module, ParallelModule):
+        module.load_full_state_dict(state, strict=strict)
+    else:
+        load_plain(module, state, strict=strict)
+
+
+@torch.no_grad()
+def load_plain(module: torch.nn.Module, state: dict[str, torch.Tensor], *, strict: bool = True) -> None:
+    """A full state dict into a plain module: a tensor tied under several names (written once)
+    fills all of them; shapes must match; ``strict``: nothing missing, nothing unexpected."""
+    groups: dict[int, tuple[list[str], torch.Tensor]] = {}
+    for name, value in module.state_dict(keep_vars=True).items():
+        groups.setdefault(id(value), ([], value))[0].append(name)
+    missing, known = [], set()
+    for names, target in groups.values():
+        known.update(names)
+        value = next((state[n] for n in names if n in state), None)
+        if value is None:
+            missing.append(names[0])
+        elif tuple(value.shape) != tuple(target.shape):
+            raise ValueError(f"{names[0]}: checkpoint shape {list(value.shape)}, model {list(target.shape)}")
+        else:
+            target.copy_(value)
+    unexpected = sorted(set(state) - known)
+    if strict and (missing or unexpected):
+        raise ValueError(f"load_model(strict=True): missing {missing}, unexpected {unexpected}")
 
 
 # --------------------------------------------------------------------------------- optimizer
@@ -284,25 +346,111 @@ def _optimizer_checkpoint(optimizer: BoostedOptimizer):
     return holder, own, state
 
 
-def save_optimizer(optimizer: BoostedOptimizer, path: str | os.PathLike) -> None:
-    """See ``Booster.save_optimizer``."""
+def save_optimizer(optimizer: BoostedOptimizer, path: str | os.PathLike, *, shard: bool = True) -> None:
+    """See ``Booster.save_optimizer``: ``shard`` a DCP directory, else one ``torch.save`` file."""
     import torch.distributed.checkpoint as dcp
 
+    if not isinstance(shard, bool):
+        raise ValueError(f"shard must be a bool, got {shard!r}")
     _, _, state = _optimizer_checkpoint(optimizer)
-    dcp.save(state, checkpoint_id=os.fspath(path))
+    if shard:
+        dcp.save(state, checkpoint_id=os.fspath(path))
+        return
+    full = _merged(_gathered(state))  # a collective per sharded tensor, every rank in the same order
+
+    def write() -> None:
+        parent = os.path.dirname(os.fspath(path))
+        if parent:
+            os.makedirs(parent, exist_ok=True)
+        torch.save(full, os.fspath(path))
+
+    _on_rank0(write)
 
 
 def load_optimizer(optimizer: BoostedOptimizer, path: str | os.PathLike) -> None:
-    """See ``Booster.load_optimizer``."""
+    """See ``Booster.load_optimizer``: a DCP directory or ``save_optimizer(shard=False)``'s file."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
     # get_optimizer_state_dict initialises missing state, so there is a layout to load into.
     holder, own, state = _optimizer_checkpoint(optimizer)
-    dcp.load(state, checkpoint_id=os.fspath(path))
+    path = os.fspath(path)
+    if os.path.isfile(path):
+        full = torch.load(path, map_location="cpu", weights_only=True)
+        placed = _placed(state, full, "optimizer state")
+        # hyper-parameters from the file; each group's parameters this rank's own (a pipeline
+        # stage holds some of them, the file all)
+        groups = [{**saved, "params": own_group["params"]}
+                  for own_group, saved in zip(state["optim"]["param_groups"], full["optim"]["param_groups"])]
+        state = {**placed, "optim": {**placed["optim"], "param_groups": groups}}
+    elif os.path.isdir(path):
+        dcp.load(state, checkpoint_id=path)
+    else:
+        raise ValueError(f"{path!r}: no such optimizer checkpoint (file or directory)")
     set_optimizer_state_dict(holder, optimizer.optim, optim_state_dict=_unlifted(state["optim"], own["state"]))
     if optimizer.scaler is not None:
         optimizer.scaler.load_state_dict(state[SCALER_KEY])
+
+
+def _gathered(value: Any) -> Any:
+    """``value`` (the optimizer checkpoint's nested dicts and lists) with every DTensor made full
+    and every tensor on the CPU."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(value, DTensor):
+        return value.full_tensor().cpu()
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu().clone()
+    if isinstance(value, dict):
+        return {k: _gathered(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_gathered(v) for v in value)
+    return value
+
+
+def _merged(full: dict[str, Any]) -> dict[str, Any] | None:
+    """One rank's gathered optimizer checkpoint completed with every other rank's entries where
+    ranks hold different parameters (pipeline stages: each gathers its own stage's state); the
+    merge is rank 0's (None elsewhere). Ranks holding the same entries exchange only their names."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return full
+    names: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(names, sorted(full["optim"]["state"]))
+    if all(n == names[0] for n in names):
+        return full
+    parts: list[Any] = [None] * dist.get_world_size() if _rank() == 0 else None
+    dist.gather_object(full, parts, dst=0)
+    if _rank() != 0:
+        return None
+    merged = parts[0]
+    for other in parts[1:]:
+        for fqn, entry in other["optim"]["state"].items():
+            merged["optim"]["state"].setdefault(fqn, entry)
+        for group, more in zip(merged["optim"]["param_groups"], other["optim"]["param_groups"]):
+            group["params"] = list(dict.fromkeys([*group["params"], *more["params"]]))
+    return merged
+
+
+def _placed(target: Any, full: Any, where: str) -> Any:
+    """``full`` (a gathered checkpoint) laid out like ``target``: each DTensor of ``target`` gets
+    its slices of the full tensor (no communication: every rank holds ``full``), each plain
+    tensor the full value on its device, everything else ``full``'s value."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if isinstance(target, dict):
+        if not isinstance(full, dict) or set(target) - set(full):
+            missing = sorted(map(str, set(target) - set(full))) if isinstance(full, dict) else "all"
+            raise ValueError(f"load_optimizer: the checkpoint lacks {where} entries {missing}")
+        return {k: _placed(v, full[k], f"{where}[{k!r}]") for k, v in target.items()}
+    if isinstance(target, torch.Tensor):
+        if not isinstance(full, torch.Tensor) or tuple(full.shape) != tuple(target.shape):
+            got = list(full.shape) if isinstance(full, torch.Tensor) else type(full).__name__
+            raise ValueError(f"load_optimizer: {where} has shape {list(target.shape)} here, {got} in the checkpoint")
+        if isinstance(target, DTensor):
+            return distribute_tensor(full.to(target.dtype), target.device_mesh, target.placements,
+                                     src_data_rank=None)
+        return full.to(device=target.device, dtype=target.dtype)
+    return full
 
 
 # --------------------------------------------------------------------------------- scheduler

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "GlobalBatchSampler", "make_dataloader", "batch_split", "input_shapes", "configure_for", "first_batch_inputs",
+    "model_inputs",
 ]
 
 
@@ -138,15 +139,35 @@ def configure_for(loader: DataLoader, module: AutoParallelModule, shapes: dict[s
     return piece is not None
 
 
-def first_batch_inputs(loader: Any) -> tuple | dict:
-    """The model's inputs (``autoparallelize``'s ``meta_inputs``) from ``loader``'s first batch:
-    a dict is keyword arguments, a tuple/list positional ones, anything else the one argument."""
+def first_batch_inputs(loader: Any, forward: Any = None) -> tuple[tuple | dict, int]:
+    """The model's inputs (``autoparallelize``'s ``meta_inputs``) from ``loader``'s first batch,
+    and how many of the batch's elements are NOT the model's (the criterion's targets): see
+    :func:`model_inputs`."""
     try:
         batch = next(iter(loader))
     except StopIteration:
         raise ValueError("the dataloader is empty: no first batch to take the meta inputs from") from None
+    return model_inputs(batch, forward)
+
+
+def model_inputs(batch: Any, forward: Any = None) -> tuple[tuple | dict, int]:
+    """``(inputs, targets)``: a dict batch is the model's keyword arguments; anything else but a
+    tuple/list is its one argument. A tuple/list is positional arguments: all of them when
+    ``forward`` is None (no criterion: the model computes its own loss), else -- the notes'
+    ``output = model(img); loss = criterion(output, label)`` over ``(img, label)`` batches --
+    the leading elements ``forward`` requires (its positional parameters without a default, at
+    least one; all with ``*args``), the other ``targets`` elements being the criterion's."""
     if isinstance(batch, dict):
-        return dict(batch)
-    if isinstance(batch, (tuple, list)):
-        return tuple(batch)
-    return (batch,)
+        return dict(batch), 0
+    if not isinstance(batch, (tuple, list)):
+        return (batch,), 0
+    batch = tuple(batch)
+    if forward is None:
+        return batch, 0
+    params = inspect.signature(forward).parameters.values()
+    if any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params):
+        return batch, 0
+    required = sum(1 for p in params if p.default is inspect.Parameter.empty
+                   and p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD))
+    n = min(len(batch), max(1, required))
+    return batch[:n], len(batch) - n

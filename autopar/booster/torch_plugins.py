@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import types
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
@@ -29,7 +30,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from autopar.booster.optimizer import BoostedOptimizer, rebuild_optimizer, repoint_scheduler
 from autopar.runtime.parallel_module import clip_grad_norm
 
-__all__ = ["TorchDDPPlugin", "TorchFSDPPlugin", "TorchParallelModule"]
+__all__ = ["TorchDDPPlugin", "TorchFSDPPlugin", "TorchParallelModule", "Autocast"]
 
 log = logging.getLogger(__name__)
 
@@ -50,16 +51,20 @@ class TorchParallelModule(nn.Module):
 
     plan = None
 
-    def __init__(self, engine: nn.Module, *, model: nn.Module, mesh: Any) -> None:
+    def __init__(self, engine: nn.Module, *, model: nn.Module, mesh: Any, autocast: torch.dtype | None = None) -> None:
         super().__init__()
         self.engine = engine
+        self.autocast = autocast  # the Booster's mixed_precision: forward under torch.autocast
         # ``model`` is ``engine`` for FSDP2 (sharded in place) and DDP's ``.module``: held
         # outside the module tree so it is not registered twice.
         object.__setattr__(self, "_model", model)
         object.__setattr__(self, "_mesh", mesh)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self.engine(*args, **kwargs)
+        if self.autocast is None:
+            return self.engine(*args, **kwargs)
+        with torch.autocast(_device_type(), dtype=self.autocast):
+            return self.engine(*args, **kwargs)
 
     @property
     def device_mesh(self) -> Any:
@@ -173,22 +178,34 @@ class _TorchPlugin:
         raise NotImplementedError
 
     def boost(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, criterion: Callable | None,
-              dataloader: Any, lr_scheduler: Any) -> tuple:
+              dataloader: Any, lr_scheduler: Any, *, autocast: torch.dtype | None = None,
+              loss_scale: Any = None) -> tuple:
         """``Booster.boost`` for this plugin: the model wrapped by the engine, the optimizer rebuilt
         over the engine's parameters (FSDP2 replaces them with DTensors; param groups and
         hyper-parameters kept by name, state not carried) in a ``BoostedOptimizer``, the
-        scheduler re-pointed at it; ``criterion`` and ``dataloader`` as they are."""
+        scheduler re-pointed at it; ``dataloader`` as it is. ``autocast`` (the Booster's
+        ``mixed_precision``): forward and ``criterion`` run under ``torch.autocast`` of that
+        dtype; ``loss_scale`` (an ``FP16TorchMixedPrecision``, fp16 only) gives the optimizer a
+        loss scaler of its settings."""
         _require_dist(type(self).__name__)
         # Names before wrapping: FSDP2 swaps the Parameter objects the optimizer holds.
         before = list(model.named_parameters(remove_duplicate=False))
         module = self.wrap(model)
+        module.autocast = autocast
         boosted = None
         if optimizer is not None:
             named = types.SimpleNamespace(named_parameters=lambda remove_duplicate=False: before)
             rebuilt = rebuild_optimizer(optimizer, named, module.parameters_by_fqn())
-            boosted = BoostedOptimizer(rebuilt, module)
+            scaler = None
+            if loss_scale is not None:
+                from autopar.runtime.amp import GradScaler
+
+                scaler = GradScaler(_device_type(), **loss_scale.scaler_kwargs())
+            boosted = BoostedOptimizer(rebuilt, module, scaler=scaler)
             if lr_scheduler is not None:
                 repoint_scheduler(lr_scheduler, optimizer, rebuilt)
+        if autocast is not None and criterion is not None:
+            criterion = Autocast(criterion, autocast)
         return module, boosted, criterion, dataloader, lr_scheduler
 
     def prepare_dataloader(self, dataset: Any, batch_size: int, shuffle: bool = False, seed: int = 1024,
@@ -201,6 +218,24 @@ class _TorchPlugin:
         sampler = DistributedSampler(dataset, num_replicas=dist.get_world_size(), rank=dist.get_rank(),
                                      shuffle=shuffle, seed=seed, drop_last=drop_last)
         return DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=drop_last, **kwargs)
+
+    def prepare_train_dataloader(self, dataset: Any, batch_size: int, shuffle: bool = False, seed: int = 1024,
+                                 drop_last: bool = False, **kwargs: Any) -> Any:
+        """``prepare_dataloader`` under the name the notes' TorchFSDPPlugin example calls."""
+        return self.prepare_dataloader(dataset, batch_size, shuffle, seed, drop_last, **kwargs)
+
+
+@dataclass(frozen=True, slots=True)
+class Autocast:
+    """A criterion run under ``torch.autocast`` of ``dtype`` (torch AMP computes the loss there
+    too: autocast keeps losses such as cross entropy in fp32)."""
+
+    criterion: Callable
+    dtype: torch.dtype
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        with torch.autocast(_device_type(), dtype=self.dtype):
+            return self.criterion(*args, **kwargs)
 
 
 class TorchDDPPlugin(_TorchPlugin):

@@ -8,6 +8,11 @@ so tensors are fine); the parent returns the values in rank order, or raises ``R
 carrying the first failing rank's traceback. A child that hangs (a mismatched collective) is
 killed after ``timeout`` seconds in all; one that dies without reporting (killed, a native
 crash) fails the run within a few seconds.
+
+``launch`` / ``launch_from_torch`` are the product notes' launchers (a training script's first
+call): they join the default process group from explicit arguments or from the variables
+``torchrun`` sets. ``get_default_parser`` and ``priority_execution`` are the notes' helpers
+around them.
 """
 
 from __future__ import annotations
@@ -17,11 +22,13 @@ import os
 import pickle
 import queue as pyqueue
 import socket
+import argparse
+import contextlib
 import time
 import traceback
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
-__all__ = ["run_local", "free_port"]
+__all__ = ["run_local", "free_port", "launch", "launch_from_torch", "get_default_parser", "priority_execution"]
 
 
 def free_port() -> int:
@@ -131,3 +138,89 @@ def run_local(
                 for r, p in enumerate(procs) if r != rank and r not in results and p.exitcode not in (None, 0, -9)]
         raise RuntimeError(f"{''.join(dead)}rank {rank} of {world_size} failed:\n{tb}")
     return [results[r] for r in range(world_size)]
+
+
+# ------------------------------------------------------------------------------- launchers
+def _check_config(config: Any) -> None:
+    # The notes pass ``config=dict()``; a legacy config's keys configured parallelism and AMP,
+    # which are the plugin's here: dropping them silently would change training.
+    if config not in (None, {}) and not (isinstance(config, dict) and not config):
+        raise NotImplementedError(f"launch: config={config!r}: a legacy config's settings are not read; "
+                                  f"give the parallel and precision settings to the Booster's plugin")
+
+
+def launch(config: Any = None, rank: int = 0, world_size: int = 1, host: str = "localhost", port: int = 29500,
+           backend: str | None = None, local_rank: int | None = None, seed: int = 1024,
+           verbose: bool = True) -> None:
+    """Join the default process group as ``rank`` of ``world_size`` at ``host:port`` (the notes'
+    ``colossalai.launch``): ``backend`` None is NCCL when CUDA is available, else gloo; under
+    NCCL the CUDA device is ``local_rank`` (default: ``rank``). ``torch.manual_seed(seed)`` on
+    every rank, so a model built afterwards starts equal everywhere. A process group that
+    exists already with this rank and world size (a test's ``run_local``, a caller's
+    ``init_process_group``) is kept; a different one raises ``ValueError``."""
+    import torch
+    import torch.distributed as dist
+
+    _check_config(config)
+    for name, value in (("rank", rank), ("world_size", world_size), ("port", port)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"launch: {name} must be an int >= 0, got {value!r}")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"launch: rank {rank} is not in range(world_size={world_size})")
+    if dist.is_initialized():
+        if (dist.get_rank(), dist.get_world_size()) != (rank, world_size):
+            raise ValueError(f"launch: this process is already rank {dist.get_rank()} of {dist.get_world_size()}, "
+                             f"not rank {rank} of {world_size}")
+    else:
+        backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        if backend == "nccl":
+            torch.cuda.set_device(rank if local_rank is None else local_rank)
+        dist.init_process_group(backend, init_method=f"tcp://{host}:{port}", rank=rank, world_size=world_size)
+    torch.manual_seed(seed)
+    if verbose and rank == 0:
+        print(f"[autopar] launched: {world_size} rank(s), backend {dist.get_backend()}, seed {seed}", flush=True)
+
+
+def launch_from_torch(config: Any = None, backend: str | None = None, seed: int = 1024, verbose: bool = True) -> None:
+    """``launch`` with rank, world size, local rank and the rendezvous address from the
+    environment ``torchrun`` sets (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``,
+    ``MASTER_PORT``); a missing one raises ``ValueError`` naming it."""
+    names = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    missing = [n for n in names if n not in os.environ]
+    if missing:
+        raise ValueError(f"launch_from_torch: environment variables {missing} are not set (start the script "
+                         f"with torchrun, or call autopar.launch with explicit arguments)")
+    env = {n: os.environ[n] for n in names}
+    launch(config, rank=int(env["RANK"]), world_size=int(env["WORLD_SIZE"]), host=env["MASTER_ADDR"],
+           port=int(env["MASTER_PORT"]), backend=backend, local_rank=int(env["LOCAL_RANK"]), seed=seed,
+           verbose=verbose)
+
+
+def get_default_parser() -> argparse.ArgumentParser:
+    """The notes' command-line parser of a training script: ``--config``, ``--host``, ``--port``,
+    ``--world_size``, ``--rank``, ``--local_rank`` and ``--backend`` (what ``launch`` takes)."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--config", type=str, help="path to a config file (not read; see launch)")
+    parser.add_argument("--host", type=str, help="the master address for the process group")
+    parser.add_argument("--port", type=int, help="the master port for the process group")
+    parser.add_argument("--world_size", type=int, help="the number of processes")
+    parser.add_argument("--rank", type=int, help="this process's rank")
+    parser.add_argument("--local_rank", type=int, help="this process's rank on its machine")
+    parser.add_argument("--backend", type=str, default=None, help="the torch.distributed backend")
+    return parser
+
+
+@contextlib.contextmanager
+def priority_execution() -> Iterator[None]:
+    """Rank 0 runs the block first, the other ranks after it (a dataset download or a cache
+    written once, then read by everyone); without a process group the block just runs."""
+    import torch.distributed as dist
+
+    first = not dist.is_initialized() or dist.get_rank() == 0
+    if not first:
+        dist.barrier()
+    try:
+        yield
+    finally:
+        if first and dist.is_initialized():
+            dist.barrier()

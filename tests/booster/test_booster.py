@@ -131,7 +131,7 @@ def _train_and_save(rank, world, model, dataset, path, budget):
         bopt.zero_grad()
         sched.step()
         if step == STEPS - 1:  # checkpoint after STEPS steps, then two more steps
-            booster.save_model(pm, os.path.join(path, "model"), shard=True, size_per_shard=0.05)
+            booster.save_model(pm, os.path.join(path, "model"), shard=True, size_per_shard=0.05, use_safetensors=True)
             booster.save_optimizer(bopt, os.path.join(path, "optim"))
             booster.save_lr_scheduler(sched, os.path.join(path, "sched.pt"))
         lrs.append([g["lr"] for g in bopt.param_groups])

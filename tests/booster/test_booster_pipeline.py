@@ -91,7 +91,7 @@ def _checkpoint_errors(rank, model, batch, plan, trained, path) -> list[str]:
     from autopar.booster.checkpoint_io import read_full_state_dict
 
     booster, pm, opt = trained
-    booster.save_model(pm, f"{path}/model", size_per_shard=0.05)
+    booster.save_model(pm, f"{path}/model", shard=True, size_per_shard=0.05, use_safetensors=True)
     booster.save_optimizer(opt, f"{path}/optim")
     saved = pm.full_state_dict()
     errors = []

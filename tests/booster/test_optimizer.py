@@ -141,7 +141,9 @@ def _fp16(rank, world, model, inputs, path):
     skipped = all(torch.equal(after[k], v) for k, v in stepped.items())
     # file formats: one safetensors file; sharded .bin files with their index
     formats = {}
-    for name, kwargs in (("single", {"shard": False}), ("bin", {"use_safetensors": False, "size_per_shard": 0.02})):
+    os.makedirs(os.path.join(path, "single"), exist_ok=True)  # shard=False into a directory: HF's one file there
+    for name, kwargs in (("single", {"shard": False, "use_safetensors": True}),
+                         ("bin", {"shard": True, "size_per_shard": 0.02})):
         booster.save_model(pm, os.path.join(path, name), **kwargs)
         formats[name] = sorted(os.listdir(os.path.join(path, name)))
         with torch.no_grad():
@@ -150,10 +152,10 @@ def _fp16(rank, world, model, inputs, path):
         booster.load_model(pm, os.path.join(path, name))
         reloaded = pm.full_state_dict()
         formats[name + " exact"] = all(torch.equal(reloaded[k], v) for k, v in after.items())
-    booster.save_model(pm, os.path.join(path, "bin"), shard=False)  # over the sharded .bin files
+    booster.save_model(pm, os.path.join(path, "bin"), shard=False, use_safetensors=True)  # over the sharded .bin
     formats["resaved"] = sorted(os.listdir(os.path.join(path, "bin")))
     try:  # rank 0 cannot write (a file is in the way): every rank raises instead of waiting
-        booster.save_model(pm, os.path.join(path, "a_file", "model"))
+        booster.save_model(pm, os.path.join(path, "a_file", "model"), shard=True)
         failed = None
     except (OSError, RuntimeError) as exc:
         failed = str(exc)
