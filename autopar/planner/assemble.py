@@ -99,8 +99,10 @@ def _family_restriction(name: str, built):
     if roles is None:
         raise ValueError(f"family {name!r} does not apply to mesh {built.mesh.shape}")
     # Stages are a choice only where the problem offers several per layout (zero_stage="auto").
-    staged = any(len({c.zero_stage for c in d.choices}) > 1 for d in built.decisions.values()
-                 if d.kind == NodeKind.PARAMETER)
+    # (A problem built at one stage gives its sharded layouts stage 0: several stages overall, one per layout.)
+    staged = any(len({(str(c.output_specs[0]), c.zero_stage) for c in d.choices})
+                 > len({str(c.output_specs[0]) for c in d.choices})
+                 for d in built.decisions.values() if d.kind == NodeKind.PARAMETER)
     if name in FAMILY_ZERO and not staged:
         raise ValueError(f"family {name!r} needs a problem with ZeRO options (zero_stage='auto')")
     stage = FAMILY_ZERO.get(name, 0) if staged else None

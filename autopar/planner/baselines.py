@@ -9,10 +9,12 @@ Each baseline gives every mesh axis a role:
 - ``tp``   (Megatron-style tensor parallel): activations are never split on the batch dim;
   parameters and ops may shard anything else (column/row splits, partial sums).
 - ``megatron`` (Megatron's layout, what ``HybridParallelPlugin``'s ``tp_size`` means): ``tp``, and
-  every trainable parameter of two or more dims is stored split on this axis (a Linear weight
-  column- or row-wise, an embedding vocabulary-wise or by its hidden dim, whichever the costs
-  favour); without that a cheap-compute cost model may keep a small model's weights whole and
-  call it tensor parallel. 1-D parameters (norms, biases) follow the costs.
+  every trainable parameter of two or more dims is stored and read split on this axis (a Linear
+  weight column- or row-wise, whichever the costs favour), an embedding table is read split by
+  its vocabulary (``VocabParallelEmbedding``) and the cross entropy reads its logits split by
+  class (vocabulary-parallel cross entropy); without that a cheap-compute cost model may keep a
+  small model's weights whole and call it tensor parallel. 1-D parameters (norms, biases) and
+  the activations in between follow the costs.
 
 Baselines: ``data-parallel`` (all axes dp), ``zero1`` and ``zero2`` (all axes dp, every trainable
 parameter at that ZeRO stage: only when the problem has ZeRO options, ``zero_stage="auto"``),
@@ -32,6 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+import torch
 import torch.fx as fx
 
 from autopar.planner.builder import Choice
@@ -95,6 +98,10 @@ def baseline_roles(name: str, num_axes: int) -> tuple[str, ...] | None:
         return ("dp",) + ("megatron",) * (num_axes - 1) if num_axes >= 2 else None
     raise ValueError(f"unknown family {name!r}; known: {BASELINES + FIXED_FAMILIES}")
 
+
+# Ops the megatron role reads split by a fixed dim: op -> (input slot, dim): the table of an
+# embedding by its rows (vocabulary), the logits of a cross entropy by class.
+_MEGATRON_READS = {torch.ops.aten.embedding.default: (0, 0), torch.ops.aten.cross_entropy_loss.default: (0, 1)}
 
 _WEIGHT_CHAIN = 6  # ops between a weight and a copy of it that still counts as one (cast, t, view)
 
@@ -169,6 +176,8 @@ def make_restriction(roles: Sequence[str], *, zero_stage: int | None = None, mes
 
     def allowed(kind: str, node: fx.Node, choice: Choice) -> bool:
         slots, matrix = (), False  # matrix: a trainable parameter (or copy) of two or more dims
+        if kind == "op" and not _megatron_read_ok(node, choice):
+            return False
         if kind == "op":
             if node not in op_slots:  # asked once per option: bind the op's inputs once
                 kinds = tuple(slot_of(src) for src in input_nodes(node))
@@ -186,6 +195,14 @@ def make_restriction(roles: Sequence[str], *, zero_stage: int | None = None, mes
         if verdict is None:
             verdict = verdicts[key] = _judge(kind, choice, slots, matrix)
         return verdict
+
+    def _megatron_read_ok(node: fx.Node, choice: Choice) -> bool:
+        read = _MEGATRON_READS.get(node.target)
+        if read is None or "megatron" not in roles:
+            return True
+        spec = choice.input_specs[read[0]]
+        return spec is None or all(r != "megatron" or size == 1 or p == Shard(read[1])
+                                   for p, r, size in zip(spec.placements, roles, sizes))
 
     def weight_ok(spec, matrix: bool) -> bool:
         """Data-parallel families read weights whole; megatron splits (and reads split) a matrix."""
