@@ -234,3 +234,36 @@ CASES = {
 def test_trains_like_one_device(case):
     name, options = CASES[case]
     _check(name, options)
+
+
+# ------------------------------------------------------------------------------- bad sizes
+def _bad_sizes(rank, world, model, batch):
+    """Each bad configuration's error on this rank; the final barrier shows no rank was left
+    waiting in a collective."""
+    import torch.distributed as dist
+
+    said = []
+    attempts = [dict(tp_size=3, pp_size=1), dict(tp_size=1, pp_size=4, precision="fp32"),
+                dict(tp_size=1, pp_size=2, precision="bf16", zero_stage=2), dict(tp_size=2, pp_size=2),
+                dict(tp_size=1, pp_size=2, precision="fp32", microbatch_size=3)]
+    for options in attempts:
+        try:
+            booster = Booster(plugin=HybridParallelPlugin(**options))
+            booster.boost(copy.deepcopy(model), meta_inputs=batch)
+            said.append(None)
+        except ValueError as exc:
+            said.append(str(exc))
+    dist.barrier()
+    return said
+
+
+@pytest.mark.slow
+def test_bad_sizes_fail_on_every_rank_before_any_collective():
+    model, batches = _build("gpt2")  # 2 repeated blocks, global batch 8
+    results = run_local(_bad_sizes, WORLD, model, batches[0], timeout=120)
+    for said in results:
+        assert "tp_size=3" in said[0] and "world size 4" in said[0]
+        assert "pp_size=4" in said[1] and "has 2" in said[1]
+        assert "zero_stage=2" in said[2]
+        assert "precision='fp16'" in said[3]
+        assert "microbatch_size=3" in said[4]
