@@ -212,8 +212,11 @@ def _check(name: str, options: dict, *, timeout: float = 400) -> None:
             torch.testing.assert_close(state[key], value, rtol=1e-4, atol=PARAM_ATOL,
                                        msg=lambda m, k=key: f"rank {rank} {k}: {m}")
     plan = results[0][2]
-    if tp > 1:  # Megatron's layout: every trainable matrix split over the tp axis
-        assert not _whole_matrices(plan, model)
+    if tp > 1:  # Megatron's layout: every trainable matrix split over the tp axis, the vocabulary-
+        assert not _whole_matrices(plan, model)  # parallel embedding (table by rows) and cross entropy (by class)
+        for op, slot, dim in (("aten.embedding.default", 0, 0), ("aten.cross_entropy_loss.default", 0, 1)):
+            reads = [n.input_specs[slot] for n in plan.nodes if n.op == op]
+            assert reads and all(s.endswith(f"S{dim}") for s in reads), (op, reads)
     zero = options.get("zero_stage", 0)
     if zero:
         assert {n.zero_stage for n in plan.nodes if n.kind == "parameter"} >= {zero}
