@@ -60,8 +60,9 @@ class HybridParallelPlugin(AutoParallelPlugin):
             ``world / (tp_size * pp_size)`` (``prepare_dataloader``'s ``batch_size`` is per
             data-parallel rank). Both must divide the world size; ``pp_size`` (times
             ``num_model_chunks``) may not exceed the model's repeated blocks.
-        precision: ``"fp16"`` (loss-scaled), ``"bf16"`` or ``"fp32"`` compute, fp32 masters.
-            Pipelined stages do not scale a loss: fp16 with ``pp_size > 1`` is a ``ValueError``.
+        precision: ``"fp16"`` (loss-scaled, pipelined stages included: the last stage scales each
+            micro-batch's loss, the step skips on every rank when any overflowed), ``"bf16"`` or
+            ``"fp32"`` compute, fp32 master weights.
         zero_stage: 0 (data parallel), 1 or 2 (ZeRO over the data-parallel ranks: optimizer
             state, and gradients). With a pipeline, 0 or 1 (the notes: ZeRO-2 does not compose).
         enable_all_optimization, enable_fused_normalization, enable_flash_attention, enable_jit_fused:
@@ -83,7 +84,9 @@ class HybridParallelPlugin(AutoParallelPlugin):
         zero_bucket_size_in_m, overlap_communication, enable_metadata_cache: no meaning here (the
             plan's collectives and the planned stage shapes); a non-default value logs one line.
         cpu_offload: ZeRO-Offload (optimizer state on the host, as ``LowLevelZeroPlugin``): needs
-            ``zero_stage`` 1/2; with ``tp_size`` or ``pp_size`` > 1 ``NotImplementedError``.
+            ``zero_stage`` 1/2; with ``tp_size`` or ``pp_size`` > 1 ``NotImplementedError``; with
+            ZeRO-2, fp16 or ``max_norm`` is a ``ValueError`` (the offloaded gradient shards are not
+            ``.grad``: neither the scaler nor clipping sees them).
         communication_dtype: ``None`` or ``torch.float32``/``bfloat16``/``float16``: the dtype
             gradients are reduced in (``reduce_dtype``).
         custom_policy: a Shardformer policy; anything but None raises ``NotImplementedError``.
@@ -232,11 +235,13 @@ def _check_sizes(given: dict[str, Any]) -> None:
         raise ValueError("zero_stage=2 does not compose with a pipeline (pp_size="
                          f"{given['pp_size']}): gradients accumulate over the micro-batches before the data-parallel "
                          f"sum; use zero_stage=1 or 0")
-    if pipelined and given["precision"] == "fp16":
-        raise ValueError(f"precision='fp16' with pp_size={given['pp_size']}: pipelined stages do not scale the loss "
-                         f"(no fp16 loss scaler across stages); use precision='bf16' or 'fp32'")
     if given["cpu_offload"] and given["zero_stage"] == 0:
         raise ValueError("cpu_offload=True offloads ZeRO's optimizer state: give zero_stage=1 or 2")
+    if given["cpu_offload"] and given["zero_stage"] == 2 and (given["precision"] == "fp16" or given["max_norm"]):
+        # ZeRO-2 in host chunks keeps the gradients as chunk shards, which the scaler and clipping cannot see.
+        raise ValueError(f"precision={given['precision']!r}, max_norm={given['max_norm']!r} with cpu_offload=True and "
+                         f"zero_stage=2: fp16 loss scaling and clipping cannot see ZeRO-2's offloaded gradient shards; "
+                         f"use precision='bf16'/'fp32' and max_norm=0, or zero_stage=1")
     chunks, style = given["num_model_chunks"], given["pp_style"]
     if pipelined and style == "1f1b" and chunks != 1:
         raise ValueError(f"num_model_chunks={chunks} with pp_style='1f1b': 1f1b runs one chunk per rank; use "

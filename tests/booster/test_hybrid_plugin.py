@@ -4,7 +4,8 @@
   below) by name and by position with its documented default; ignored ones log one line,
   unsupported ones raise ``NotImplementedError`` naming them, bad values ``ValueError``.
 - Bad sizes on 4 gloo ranks: ``tp_size`` not dividing the world, ``pp_size`` above the model's
-  repeated blocks, ZeRO-2 or fp16 with a pipeline -- a ``ValueError`` naming the argument and its
+  repeated blocks, ZeRO-2 with a pipeline, fp16 with offloaded ZeRO-2 gradients (which no scaler
+  sees), a micro-batch size not dividing the batch -- a ``ValueError`` naming the argument and its
   value on every rank, before any collective (the launch would hang otherwise).
 - Training on 4 gloo ranks (fp32, 5 AdamW steps, rtol 1e-4 against the single-device model on
   the whole batch): the loss of every step and every parameter after the steps, for tp=2 x dp=2,
@@ -103,7 +104,9 @@ def test_unsupported_arguments_raise_naming_them(kwargs):
     (dict(tp_size=0), "tp_size"), (dict(pp_size=1.5), "pp_size"), (dict(zero_stage=3), "zero_stage"),
     (dict(precision="fp8"), "precision"), (dict(pp_style="gpipe"), "pp_style"),
     (dict(num_microbatches=0), "num_microbatches"), (dict(microbatch_size=-1), "microbatch_size"),
-    (dict(pp_size=2, precision="bf16", zero_stage=2), "zero_stage=2"), (dict(pp_size=2), "precision='fp16'"),
+    (dict(pp_size=2, precision="bf16", zero_stage=2), "zero_stage=2"),
+    (dict(tp_size=1, cpu_offload=True, zero_stage=2), "precision='fp16'"),
+    (dict(tp_size=1, cpu_offload=True, zero_stage=2, precision="bf16", max_norm=1.0), "max_norm=1.0"),
     (dict(pp_size=2, precision="bf16", num_model_chunks=2), "num_model_chunks=2"),
     (dict(pp_size=2, precision="bf16", pp_style="interleaved"), "num_model_chunks"),
     (dict(tp_size=1, cpu_offload=True), "cpu_offload"), (dict(max_norm=-1), "max_norm"),
@@ -247,7 +250,8 @@ def _bad_sizes(rank, world, model, batch):
 
     said = []
     attempts = [dict(tp_size=3, pp_size=1), dict(tp_size=1, pp_size=4, precision="fp32"),
-                dict(tp_size=1, pp_size=2, precision="bf16", zero_stage=2), dict(tp_size=2, pp_size=2),
+                dict(tp_size=1, pp_size=2, precision="bf16", zero_stage=2),
+                dict(tp_size=1, pp_size=1, cpu_offload=True, zero_stage=2),
                 dict(tp_size=1, pp_size=2, precision="fp32", microbatch_size=3)]
     for options in attempts:
         try:
@@ -270,3 +274,55 @@ def test_bad_sizes_fail_on_every_rank_before_any_collective():
         assert "zero_stage=2" in said[2]
         assert "precision='fp16'" in said[3]
         assert "microbatch_size=3" in said[4]
+
+
+# ----------------------------------------------------------------- fp16 and the notes' example
+def _notes_example(model, train_dataset):
+    """The notes' example block, with only the import line changed (the notes' ``...`` filled in
+    with a tiny model, its dataset, AdamW and a criterion), then their pipelined training step."""
+    from autopar.booster import Booster
+    from autopar.booster import HybridParallelPlugin
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
+    criterion = lambda outputs, inputs: outputs.loss  # noqa: E731 -- the notes' criterion slot
+    plugin =  HybridParallelPlugin(tp_size=2, pp_size=2)
+
+    train_dataloader = plugin.prepare_dataloader(train_dataset, batch_size=8)
+    booster = Booster(plugin=plugin)
+    model, optimizer, criterion, train_dataloader, _ = booster.boost(model, optimizer, criterion, train_dataloader)
+
+    losses = []
+    for batch in train_dataloader:
+        losses.append(booster.execute_pipeline(iter([batch]), model, criterion, optimizer)["loss"].item())
+        optimizer.step()
+        optimizer.zero_grad()
+    return losses, model, optimizer
+
+
+def _fp16_body(rank, world, model, batches):
+    # An initial scale no fp16 gradient survives: the step is skipped on every rank, the scale halved.
+    booster = Booster(plugin=HybridParallelPlugin(2, 2, initial_scale=2.0**40, num_microbatches=2))
+    first = copy.deepcopy(model)
+    pm, opt, *_ = booster.boost(first, torch.optim.AdamW(first.parameters(), lr=LR, eps=EPS), meta_inputs=batches[0])
+    before = pm.full_state_dict()
+    booster.execute_pipeline(iter([batches[0]]), pm, None, opt)
+    opt.step()
+    after = pm.full_state_dict()
+    skipped = all(torch.equal(after[k], v) for k, v in before.items()) and opt.scaler.get_scale() == 2.0**39
+    dataset = [{k: v[i] for k, v in batch.items()} for batch in batches for i in range(BATCH)]
+    losses, pm, opt = _notes_example(copy.deepcopy(model), dataset)
+    return skipped, losses, pm.full_state_dict(), opt.scaler.get_scale(), pm.plan.precision
+
+
+@pytest.mark.slow
+def test_notes_example_trains_in_fp16_across_pipeline_stages():
+    """The notes' ``HybridParallelPlugin(tp_size=2, pp_size=2)`` (fp16 by default) on GPT-2 tiny:
+    fp16 compute with the loss scaled on the last stage tracks fp32 single-device training within
+    fp16's rounding (2e-2 over 5 steps); a scale that overflows skips the step on every rank."""
+    model, batches = _build("gpt2")
+    ref_losses, ref_params = _single_device(model, batches)
+    for skipped, losses, state, scale, precision in run_local(_fp16_body, WORLD, model, batches, timeout=400):
+        assert skipped and precision == "fp16" and scale > 1
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=2e-2, atol=2e-2)
+        for key, value in ref_params.items():
+            torch.testing.assert_close(state[key], value, rtol=2e-2, atol=2e-2, msg=lambda m, k=key: f"{k}: {m}")
