@@ -140,8 +140,8 @@ class TinyLM(nn.Module):
 
 def _build(name: str):
     torch.manual_seed(0)
-    if name == "tinylm":
-        model, vocab = TinyLM(), 64
+    if name.startswith("tinylm"):  # "tinylm4": 4 blocks (2 pipeline ranks x 2 model chunks)
+        model, vocab = TinyLM(layers=int(name[6:] or 2)), 64
     else:
         model, _ = zoo.build(name, tiny=True, batch=BATCH, seq=SEQ, device="cpu")
         vocab = model.config.vocab_size
@@ -232,6 +232,8 @@ CASES = {
     "llama pp2 x dp2 zero1": ("llama-8b", dict(tp_size=1, pp_size=2, zero_stage=1, num_microbatches=2)),
     "tinylm tp2 x dp2 zero1": ("tinylm", dict(tp_size=2, pp_size=1, zero_stage=1)),
     "tinylm tp2 x pp2": ("tinylm", dict(tp_size=2, pp_size=2, microbatch_size=4)),
+    "tinylm4 pp2 x dp2 interleaved": ("tinylm4", dict(tp_size=1, pp_size=2, num_microbatches=2,
+                                                      pp_style="interleaved", num_model_chunks=2)),
 }
 
 
