@@ -124,6 +124,9 @@ class HybridParallelPlugin(AutoParallelPlugin):
         if communication_dtype is not None:
             name = str(communication_dtype).removeprefix("torch.")
             reduce_dtype = _DTYPE_NAMES.get(name, name)
+            if reduce_dtype not in _DTYPE_NAMES.values():
+                raise ValueError(f"communication_dtype must be None, torch.float32, torch.bfloat16 or torch.float16, "
+                                 f"got {communication_dtype!r}")
         super().__init__(precision=precision, zero_stage=zero_stage, max_norm=max_norm, reduce_dtype=reduce_dtype,
                          offload=offload, initial_scale=initial_scale, growth_factor=growth_factor,
                          backoff_factor=backoff_factor, growth_interval=growth_interval,

@@ -110,7 +110,7 @@ def test_unsupported_arguments_raise_naming_them(kwargs):
     (dict(pp_size=2, precision="bf16", num_model_chunks=2), "num_model_chunks=2"),
     (dict(pp_size=2, precision="bf16", pp_style="interleaved"), "num_model_chunks"),
     (dict(tp_size=1, cpu_offload=True), "cpu_offload"), (dict(max_norm=-1), "max_norm"),
-    (dict(enable_jit_fused=1), "enable_jit_fused"),
+    (dict(enable_jit_fused=1), "enable_jit_fused"), (dict(communication_dtype=torch.int8), "communication_dtype"),
 ])
 def test_bad_values_raise_value_error(kwargs, name):
     with pytest.raises(ValueError, match=name.replace("(", r"\(")):
