@@ -204,15 +204,16 @@ def make_restriction(roles: Sequence[str], *, zero_stage: int | None = None, mes
         return spec is None or all(r != "megatron" or size == 1 or p == Shard(read[1])
                                    for p, r, size in zip(spec.placements, roles, sizes))
 
-    def weight_ok(spec, matrix: bool) -> bool:
-        """Data-parallel families read weights whole; megatron splits (and reads split) a matrix."""
-        return spec is None or all((r not in ("dp", "zero") or isinstance(p, Replicate))
+    def weight_ok(spec, matrix: bool, *, whole: tuple[str, ...] = ("dp", "zero")) -> bool:
+        """Roles ``whole`` keep a weight whole (data-parallel families read weights whole; ZeRO-3
+        stores them split but reads them whole); megatron splits (and reads split) a matrix."""
+        return spec is None or all((r not in whole or isinstance(p, Replicate))
                                    and (r != "megatron" or not matrix or size == 1 or isinstance(p, Shard))
                                    for p, r, size in zip(spec.placements, roles, sizes))
 
     def _judge(kind: str, choice: Choice, slots: tuple[int, ...], matrix: bool) -> bool:
         if kind in ("parameter", "buffer"):
-            return weight_ok(choice.output_specs[0], matrix)
+            return weight_ok(choice.output_specs[0], matrix, whole=("dp",))
         # An op made from weights only (all its slots weights) outputs a weight copy.
         made_from_weights = bool(slots) and all(slots)
         specs = [] if made_from_weights else list(choice.output_specs)
