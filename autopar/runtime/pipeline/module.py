@@ -235,7 +235,7 @@ class PipelineModule(PipelineState, nn.Module):
         try:
             loss, merged = self._train(inputs, whole, return_outputs=return_outputs)
         finally:
-            self._criterion, self._micro_batches = None, []
+            self._criterion, self._micro_batches, self._scale = None, [], None
         return loss, (self._merged_outputs(merged) if return_outputs else None)
 
     def _begin_step(self, args: tuple, kwargs: dict) -> None:
