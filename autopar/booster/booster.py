@@ -25,6 +25,7 @@ Every rank runs the same calls (``boost`` and the checkpoint methods are collect
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 import weakref
 from dataclasses import dataclass, replace
@@ -332,7 +333,14 @@ def _with_precision(plugin: AutoParallelPlugin, mixed_precision: Any) -> AutoPar
     if plugin.precision not in ("fp32", wanted):
         raise ValueError(f"Booster(mixed_precision={mixed_precision!r}) conflicts with the plugin's "
                          f"precision={plugin.precision!r}: give one of them")
-    return plugin if plugin.precision == wanted else replace(plugin, precision=wanted)
+    if plugin.precision == wanted or type(plugin) is AutoParallelPlugin:
+        return plugin if plugin.precision == wanted else replace(plugin, precision=wanted)
+    # A plugin with the notes' own constructor (LowLevelZeroPlugin, HybridParallelPlugin) is not
+    # rebuilt from its fields (``replace`` would call that constructor with them): a copy with the
+    # precision set, which is one of the three checked above.
+    changed = copy.copy(plugin)
+    object.__setattr__(changed, "precision", wanted)
+    return changed
 
 
 def _pipeline_options(plugin: AutoParallelPlugin, options: dict[str, Any]) -> tuple[dict[str, Any], int]:

@@ -18,7 +18,7 @@ import inspect
 import logging
 from typing import Any
 
-from autopar.booster.low_level_zero import plan_on_rank0
+from autopar.booster.low_level_zero import OwnArguments, plan_on_rank0
 from autopar.booster.plugin import AutoParallelPlugin
 from autopar.planner.options import check_choice, check_count
 
@@ -51,7 +51,7 @@ _STYLES = ("1f1b", "interleaved", "zbv")
 _DTYPE_NAMES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
 
 
-class HybridParallelPlugin(AutoParallelPlugin):
+class HybridParallelPlugin(OwnArguments, AutoParallelPlugin):
     """Tensor x pipeline x data parallelism (Colossal-AI's ``HybridParallelPlugin`` signature).
 
     Args:

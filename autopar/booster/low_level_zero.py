@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 from autopar.booster.plugin import AutoParallelPlugin
 
-__all__ = ["LowLevelZeroPlugin", "LOW_LEVEL_ZERO_PARAMETERS", "plan_on_rank0"]
+__all__ = ["LowLevelZeroPlugin", "LOW_LEVEL_ZERO_PARAMETERS", "OwnArguments", "plan_on_rank0"]
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +28,20 @@ LOW_LEVEL_ZERO_PARAMETERS: dict[str, Any] = {
 _DTYPE_NAMES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
 
 
-class LowLevelZeroPlugin(AutoParallelPlugin):
+class OwnArguments:
+    """For an ``AutoParallelPlugin`` subclass with the notes' constructor, whose own arguments
+    (``stage``, ``tp_size`` ...) live outside the dataclass slots: copies and pickles keep them
+    (the slotted dataclass's state is its fields only)."""
+
+    def __getstate__(self) -> tuple:
+        return super().__getstate__(), dict(self.__dict__)  # type: ignore[misc]
+
+    def __setstate__(self, state: tuple) -> None:
+        super().__setstate__(state[0])  # type: ignore[misc]
+        self.__dict__.update(state[1])
+
+
+class LowLevelZeroPlugin(OwnArguments, AutoParallelPlugin):
     """ZeRO-1/2 data parallelism (Colossal-AI's ``LowLevelZeroPlugin`` signature).
 
     Args:

@@ -78,6 +78,19 @@ def test_layout_is_pp_dp_tp():
         HybridParallelPlugin(3, 1).layout(4)
 
 
+def test_booster_mixed_precision_and_pickling_keep_the_arguments():
+    """``Booster(mixed_precision=...)`` over a plugin left at fp32: the same plugin, that precision
+    (not a TypeError from rebuilding it); a pickled plugin keeps its own arguments."""
+    import pickle
+
+    booster = Booster(plugin=HybridParallelPlugin(2, 1, precision="fp32", zero_stage=1), mixed_precision="bf16")
+    assert (booster.plugin.precision, booster.plugin.tp_size, booster.plugin.zero_stage) == ("bf16", 2, 1)
+    again = pickle.loads(pickle.dumps(HybridParallelPlugin(2, 2, "bf16", microbatch_size=2)))
+    assert (again.tp_size, again.pipeline, again.microbatch_size, again.precision) == (2, 2, 2, "bf16")
+    with pytest.raises(ValueError, match="mixed_precision"):
+        Booster(plugin=HybridParallelPlugin(2, 1), mixed_precision="bf16")  # the plugin says fp16
+
+
 def test_ignored_arguments_log_one_line(caplog):
     with caplog.at_level(logging.INFO, logger="autopar.booster.hybrid"):
         HybridParallelPlugin(2, 1, enable_flash_attention=True, ddp_bucket_cap_mb=50, enable_metadata_cache=False,
