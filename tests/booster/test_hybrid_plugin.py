@@ -185,9 +185,17 @@ def _single_device(model, batches):
 
 
 def _train(rank, world, model, batches, options):
-    booster = Booster(plugin=HybridParallelPlugin(**options))
+    options = dict(options)
+    loader = options.pop("loader", False)
+    plugin = HybridParallelPlugin(**options)
+    booster = Booster(plugin=plugin)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
-    pm, opt, *_ = booster.boost(model, opt, meta_inputs=batches[0])
+    if loader:  # the notes' loader: batch_size samples per data-parallel rank, global batches in order
+        dataset = [{k: v[i] for k, v in batch.items()} for batch in batches for i in range(BATCH)]
+        batches = plugin.prepare_dataloader(dataset, batch_size=BATCH // plugin.data_parallel_size())
+        pm, opt, _, batches, _ = booster.boost(model, opt, dataloader=batches)
+    else:
+        pm, opt, *_ = booster.boost(model, opt, meta_inputs=batches[0])
     losses = []
     for batch in batches:
         if pm.plan.pipeline is not None:
@@ -246,7 +254,7 @@ CASES = {
     "llama tp4": ("llama-8b", dict(tp_size=4, pp_size=1)),
     "gpt2 tp2 x pp2": ("gpt2", dict(tp_size=2, pp_size=2, num_microbatches=2)),
     "llama pp2 x dp2 zero1": ("llama-8b", dict(tp_size=1, pp_size=2, zero_stage=1, num_microbatches=2)),
-    "tinylm tp2 x dp2 zero1": ("tinylm", dict(tp_size=2, pp_size=1, zero_stage=1)),
+    "tinylm tp2 x dp2 zero1, loader": ("tinylm", dict(tp_size=2, pp_size=1, zero_stage=1, loader=True)),
     "tinylm tp2 x pp2": ("tinylm", dict(tp_size=2, pp_size=2, microbatch_size=4)),
     "tinylm4 pp2 x dp2 interleaved": ("tinylm4", dict(tp_size=1, pp_size=2, num_microbatches=2,
                                                       pp_style="interleaved", num_model_chunks=2)),
