@@ -10,6 +10,13 @@ batch dim, the cost model choosing among those), on the dp axis data parallelism
 stages over axis 0 and plans each stage within that family on the (dp, tp) sub-mesh. Rank 0
 solves and broadcasts; autopar's runtime executes the ``Plan`` (``booster.boost(...)[0].plan``),
 which ``autopar inspect MODEL --mesh ... --family ... [--pipeline N]`` prints alike.
+
+Where the layouts cannot follow Megatron: a fused projection whose output is split into pieces
+(GPT-2's ``c_attn``, q, k and v in one Conv1D) is computed column-parallel, but its split does not
+align with the shards, so the attention between it and the row-parallel ``c_proj`` runs on
+gathered q, k, v (Megatron permutes that weight per rank; models with separate q/k/v projections,
+Llama's, run head-parallel attention). KV heads fewer than ``tp_size`` are gathered, as Megatron
+replicates them.
 """
 
 from __future__ import annotations
