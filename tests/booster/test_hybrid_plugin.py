@@ -8,7 +8,8 @@
   sees), a micro-batch size not dividing the batch -- a ``ValueError`` naming the argument and its
   value on every rank, before any collective (the launch would hang otherwise).
 - Training on 4 gloo ranks (fp32, 5 AdamW steps, rtol 1e-4 against the single-device model on
-  the whole batch): the loss of every step and every parameter after the steps, for tp=2 x dp=2,
+  the whole batch): every gradient of the first step, the loss of every step and every parameter
+  after the steps, for tp=2 x dp=2,
   tp=4, tp=2 x pp=2, pp=2 x dp=2 with ZeRO-1 and an interleaved pp=2 x dp=2, on GPT-2 tiny, Llama
   tiny and a model outside the zoo; the boosted model's ``.plan`` has the asked mesh, its matrices
   split over the tp axis, its embeddings and cross entropy vocabulary-parallel.
@@ -171,13 +172,16 @@ def _loss(out):
     return out if isinstance(out, torch.Tensor) else out.loss
 
 
-def _single_device(model, batches):
+def _single_device(model, batches, *, grads: dict | None = None):
+    """Losses and final parameters of 5 AdamW steps; ``grads`` gets the first step's gradients."""
     model = copy.deepcopy(model)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
     losses = []
     for batch in batches:
         loss = _loss(model(**batch))
         loss.backward()
+        if grads is not None and not losses:
+            grads.update({k: p.grad.clone() for k, p in model.named_parameters()})
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
@@ -196,17 +200,19 @@ def _train(rank, world, model, batches, options):
         pm, opt, _, batches, _ = booster.boost(model, opt, dataloader=batches)
     else:
         pm, opt, *_ = booster.boost(model, opt, meta_inputs=batches[0])
-    losses = []
+    losses, grads = [], None
     for batch in batches:
         if pm.plan.pipeline is not None:
             loss = booster.execute_pipeline(iter([batch]), pm, None, opt)["loss"]
         else:
             loss = _loss(pm(**batch))
             booster.backward(loss, opt)
+        if grads is None:
+            grads = pm.full_gradients()
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    return losses, pm.full_state_dict(), pm.plan
+    return losses, pm.full_state_dict(), pm.plan, grads
 
 
 def _whole_matrices(plan, model) -> list[str]:
@@ -226,11 +232,15 @@ def _whole_matrices(plan, model) -> list[str]:
 
 def _check(name: str, options: dict, *, timeout: float = 400) -> None:
     model, batches = _build(name)
-    ref_losses, ref_params = _single_device(model, batches)
+    ref_grads: dict = {}
+    ref_losses, ref_params = _single_device(model, batches, grads=ref_grads)
     options = {"precision": "fp32", **options}
     results = run_local(_train, WORLD, model, batches, options, timeout=timeout)
     tp, pp = options["tp_size"], options["pp_size"]
-    for rank, (losses, state, plan) in enumerate(results):
+    for rank, (losses, state, plan, grads) in enumerate(results):
+        for key, value in ref_grads.items():  # every gradient of the first step
+            torch.testing.assert_close(grads[key], value, rtol=1e-4, atol=1e-6,
+                                       msg=lambda m, k=key: f"rank {rank} grad {k}: {m}")
         expected = tuple(n for n in (pp, WORLD // (tp * pp), tp) if n > 1)
         assert tuple(plan.mesh.shape) == expected, (rank, plan.mesh.shape)
         assert (plan.pipeline is not None) == (pp > 1)
