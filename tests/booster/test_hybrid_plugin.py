@@ -10,7 +10,7 @@
 - Training on 4 gloo ranks (fp32, 5 AdamW steps, rtol 1e-4 against the single-device model on
   the whole batch): every gradient of the first step, the loss of every step and every parameter
   after the steps, for tp=2 x dp=2,
-  tp=4, tp=2 x pp=2, pp=2 x dp=2 with ZeRO-1 and an interleaved pp=2 x dp=2, on GPT-2 tiny, Llama
+  tp=4, tp=2 x pp=2 with ZeRO-1, pp=2 x dp=2 with ZeRO-1 and an interleaved pp=2 x dp=2, on GPT-2 tiny, Llama
   tiny and a model outside the zoo; the boosted model's ``.plan`` has the asked mesh, its matrices
   split over the tp axis, its embeddings and cross entropy vocabulary-parallel.
 - The notes' example block with only the import line changed and a tiny model: fp16 (their
@@ -262,7 +262,7 @@ def _check(name: str, options: dict, *, timeout: float = 400) -> None:
 CASES = {
     "gpt2 tp2 x dp2": ("gpt2", dict(tp_size=2, pp_size=1)),
     "llama tp4": ("llama-8b", dict(tp_size=4, pp_size=1)),
-    "gpt2 tp2 x pp2": ("gpt2", dict(tp_size=2, pp_size=2, num_microbatches=2)),
+    "gpt2 tp2 x pp2 zero1": ("gpt2", dict(tp_size=2, pp_size=2, zero_stage=1, num_microbatches=2)),
     "llama pp2 x dp2 zero1": ("llama-8b", dict(tp_size=1, pp_size=2, zero_stage=1, num_microbatches=2)),
     "tinylm tp2 x dp2 zero1, loader": ("tinylm", dict(tp_size=2, pp_size=1, zero_stage=1, loader=True)),
     "tinylm tp2 x pp2": ("tinylm", dict(tp_size=2, pp_size=2, microbatch_size=4)),
