@@ -5,11 +5,13 @@ the options. Torch is imported when this package is, not by ``import autopar``.
 """
 
 from autopar.booster.booster import Booster
+from autopar.booster.hybrid import HybridParallelPlugin
 from autopar.booster.low_level_zero import LowLevelZeroPlugin
 from autopar.booster.mixed_precision import FP16TorchMixedPrecision
 from autopar.booster.optimizer import BoostedOptimizer
 from autopar.booster.plugin import AutoParallelPlugin
 from autopar.booster.torch_plugins import TorchDDPPlugin, TorchFSDPPlugin
 
-__all__ = ["Booster", "AutoParallelPlugin", "BoostedOptimizer", "FP16TorchMixedPrecision", "LowLevelZeroPlugin",
+__all__ = ["Booster", "AutoParallelPlugin", "BoostedOptimizer", "FP16TorchMixedPrecision", "HybridParallelPlugin",
+           "LowLevelZeroPlugin",
            "TorchDDPPlugin", "TorchFSDPPlugin"]

@@ -193,7 +193,8 @@ class Booster:
                                         build=lambda cls, groups, **kw: module.optimizer(cls, groups,
                                                                                         zero_stage=zero_stage, **kw))
             zero = rebuilt
-            boosted = BoostedOptimizer(zero.optimizer, module, max_norm=self.plugin.max_norm, zero=zero)
+            scaler = module.loss_scaler = self._scaler(module)  # fp16: the stages scale their losses by it
+            boosted = BoostedOptimizer(zero.optimizer, module, max_norm=self.plugin.max_norm, scaler=scaler, zero=zero)
             if lr_scheduler is not None:
                 repoint_scheduler(lr_scheduler, optimizer, zero.optimizer)
         return module, boosted, criterion, dataloader, lr_scheduler
@@ -413,9 +414,6 @@ def _pipeline_options(plugin: AutoParallelPlugin, options: dict[str, Any]) -> tu
     if zero == 2:
         raise ValueError("zero_stage=2 does not compose with a pipeline (gradients accumulate over the micro-batches "
                          "before the data-parallel sum): use zero_stage=1 or 0 with pp_size")
-    if plugin.precision == "fp16":
-        raise ValueError("pipelined stages compute in fp32 or bf16; fp16 loss scaling across stages is not built: "
-                         "use precision='bf16'")
     stage = 1 if zero == 1 else 0
     return {**options, "zero_stage": None if options.get("zero_stage") is None else stage}, stage
 

@@ -10,11 +10,11 @@ plan are thus the same kind of object (``Plan``): ``booster.boost(...)[0].plan``
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Callable
 
 from autopar.booster.plugin import AutoParallelPlugin
 
-__all__ = ["LowLevelZeroPlugin", "LOW_LEVEL_ZERO_PARAMETERS"]
+__all__ = ["LowLevelZeroPlugin", "LOW_LEVEL_ZERO_PARAMETERS", "OwnArguments", "plan_on_rank0"]
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +28,20 @@ LOW_LEVEL_ZERO_PARAMETERS: dict[str, Any] = {
 _DTYPE_NAMES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
 
 
-class LowLevelZeroPlugin(AutoParallelPlugin):
+class OwnArguments:
+    """For an ``AutoParallelPlugin`` subclass with the notes' constructor, whose own arguments
+    (``stage``, ``tp_size`` ...) live outside the dataclass slots: copies and pickles keep them
+    (the slotted dataclass's state is its fields only)."""
+
+    def __getstate__(self) -> tuple:
+        return super().__getstate__(), dict(self.__dict__)  # type: ignore[misc]
+
+    def __setstate__(self, state: tuple) -> None:
+        super().__setstate__(state[0])  # type: ignore[misc]
+        self.__dict__.update(state[1])
+
+
+class LowLevelZeroPlugin(OwnArguments, AutoParallelPlugin):
     """ZeRO-1/2 data parallelism (Colossal-AI's ``LowLevelZeroPlugin`` signature).
 
     Args:
@@ -97,27 +110,11 @@ class LowLevelZeroPlugin(AutoParallelPlugin):
     def family_plan(self, model: Any, meta_inputs: tuple | dict):
         """The ``zero1``/``zero2`` family's plan of ``model`` on a 1-D mesh over the world: rank 0
         solves the restricted problem and broadcasts it (its error raises on every rank)."""
-        import torch.distributed as dist
-
-        from autopar.plans import Plan
         from autopar.runtime.build import runtime_device
 
         device = runtime_device(self.device)
-        payload: list[Any] = [None]
-        if dist.get_rank() == 0:
-            try:
-                payload[0] = ("ok", self._solve_family(model, meta_inputs, device).to_json())
-            except Exception as exc:  # noqa: BLE001 -- re-raised on every rank below
-                payload[0] = (type(exc).__name__, str(exc))
-        if device.type == "cuda" and dist.get_backend() == "nccl":
-            dist.broadcast_object_list(payload, src=0, device=device)
-        else:
-            dist.broadcast_object_list(payload, src=0)
-        status, text = payload[0]
-        if status != "ok":
-            raise ValueError(f"LowLevelZeroPlugin: planning the {self.family} family failed on rank 0: "
-                             f"{status}: {text}")
-        return Plan.from_json(text)
+        return plan_on_rank0(lambda: self._solve_family(model, meta_inputs, device), device=device,
+                             what=f"LowLevelZeroPlugin: planning the {self.family} family")
 
     def _solve_family(self, model: Any, meta_inputs: tuple | dict, device):
         import torch.distributed as dist
@@ -134,3 +131,26 @@ class LowLevelZeroPlugin(AutoParallelPlugin):
                               **({} if self.time_limit is None else {"time_limit": self.time_limit}))
         mesh = MeshSpec.coerce((dist.get_world_size(),), preset=preset)
         return plan_family(model, meta_inputs, self.family, mesh=mesh, options=options)
+
+
+def plan_on_rank0(solve: Callable[[], Any], *, device, what: str):
+    """``solve()``'s ``Plan`` solved on rank 0 and broadcast to every rank; its error raises on
+    every rank as a ``ValueError`` starting with ``what`` (no rank waits alone)."""
+    import torch.distributed as dist
+
+    from autopar.plans import Plan
+
+    payload: list[Any] = [None]
+    if dist.get_rank() == 0:
+        try:
+            payload[0] = ("ok", solve().to_json())
+        except Exception as exc:  # noqa: BLE001 -- re-raised on every rank below
+            payload[0] = (type(exc).__name__, str(exc))
+    if device.type == "cuda" and dist.get_backend() == "nccl":
+        dist.broadcast_object_list(payload, src=0, device=device)
+    else:
+        dist.broadcast_object_list(payload, src=0)
+    status, text = payload[0]
+    if status != "ok":
+        raise ValueError(f"{what} failed on rank 0: {status}: {text}")
+    return Plan.from_json(text)

@@ -48,6 +48,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nodes", type=int, help="with --mesh auto: the number of nodes")
     p.add_argument("--devices-per-node", type=int, help="with --mesh auto: devices per node")
     add_option_flags(p)  # one flag per planning option (autopar.planner.options), in groups
+    p.add_argument("--family", metavar="NAME",
+                   help="plan within one family of the planner (autopar.planner.baselines): a baseline (zero1, "
+                        "megatron-tp, 'dp x tp', ...) or a fixed configuration ('megatron', 'dp x megatron', "
+                        "'zero1 x megatron', ...: HybridParallelPlugin's; over the stage sub-mesh with --pipeline)")
     p.add_argument("--no-layers", action="store_true", help="omit the per-layer table from the text output")
     p.add_argument("--no-cache", action="store_true",
                    help="do not store the plan in the plan cache ($AUTOPAR_CACHE_DIR, default ~/.cache/autopar/plans)")
@@ -122,6 +126,7 @@ def cmd_inspect(args) -> int:
     options = plan_options(args)  # the preset goes with the mesh (resolve_mesh: a name or a profiled JSON)
     if options.pipeline is not None and auto:
         raise CliError("--pipeline plans over the given mesh's first axis, without --mesh auto")
+    _check_family(args, auto=auto)
     _check_verify(args, mesh)
     _check_writable(args.json, "--json")
     _check_writable(args.html, "--html")
@@ -136,7 +141,10 @@ def cmd_inspect(args) -> int:
             warnings.filterwarnings("ignore", message="no sharding rule")
             if options.pipeline is not None:
                 return _inspect_pipelined(api.plan_pipelined(model, meta, mesh=mesh, options=options,
-                                                             progress=progress), args, t0=t0, sink=sink)
+                                                             progress=progress, family=args.family),
+                                          args, t0=t0, sink=sink)
+            if args.family is not None:
+                return _inspect_family(model, meta, args, mesh=mesh, options=options, t0=t0, sink=sink)
             if auto:
                 # --time-limit bounds the whole command, building the model included.
                 search = api.plan_mesh_auto(model, meta, nodes=args.nodes, devices_per_node=args.devices_per_node,
@@ -196,6 +204,38 @@ def _verify_locally(model, meta, plan, processes: int) -> int:
         print(f"\nverify FAILED on {processes} local processes: {outcome}")
         return 1
     print(f"\n{outcome} on {processes} local processes (in {time.perf_counter() - t0:.1f}s)")
+    return 0
+
+
+def _check_family(args, *, auto: bool) -> None:
+    if args.family is None:
+        return
+    from autopar.planner.baselines import BASELINES, FIXED_FAMILIES
+
+    if args.family not in BASELINES + FIXED_FAMILIES:
+        raise CliError(f"--family {args.family!r}: known families are {', '.join(BASELINES + FIXED_FAMILIES)}")
+    if auto:
+        raise CliError("--family plans on the given mesh, without --mesh auto")
+    if args.verify or (args.html and args.pipeline is None):
+        raise CliError("--family (without --pipeline) writes the plan's summary and --json; not --html or --verify")
+
+
+def _inspect_family(model, meta, args, *, mesh, options, t0: float, sink) -> int:
+    """--family: the family's plan (``plan_family``): its summary and every parameter's layout."""
+    from autopar.planner.orchestrate import plan_family
+    from autopar.plans import NodeKind
+
+    if args.family.startswith("zero"):  # a ZeRO family picks among the problem's per-parameter stages
+        options = replace(options, zero_stage="auto")
+    plan = plan_family(model, meta, args.family, mesh=mesh, options=replace(options, checkpoint="none"))
+    sink.close()
+    print(plan.summary())
+    print(f"parameters ({args.family}):")
+    for node in plan.by_kind(NodeKind.PARAMETER):
+        print(f"  {node.module}: {node.output_specs[0]}" + (f" ZeRO-{node.zero_stage}" if node.zero_stage else ""))
+    if args.json:
+        plan.save(args.json)
+    print(f"\nplanned in {time.perf_counter() - t0:.1f}s" + (f"; wrote {args.json}" if args.json else ""))
     return 0
 
 

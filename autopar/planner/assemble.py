@@ -11,12 +11,12 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from autopar.planner.baselines import BASELINES, ZERO_BASELINES, baseline_roles, make_restriction
+from autopar.planner.baselines import BASELINES, FAMILY_ZERO, ZERO_BASELINES, baseline_roles, make_restriction
 from autopar.plans import Estimate, NodeKind, NodePlan, Plan
 from autopar.solver.problem import Edge, Problem
 
 __all__ = ["assemble_plan", "node_plans", "estimate_of", "solver_stats", "applicable_baselines",
-           "baseline_problem", "restricted_problem"]
+           "baseline_problem", "family_built", "restricted_problem"]
 
 
 def assemble_plan(traced, built, *, choice: dict[str, str], evaluation, solution,
@@ -80,24 +80,41 @@ def applicable_baselines(num_axes: int, *, zero: bool = False) -> tuple[str, ...
 def baseline_problem(name: str, traced, built) -> Problem:
     """``built.problem`` restricted to baseline family ``name`` on ``built``'s mesh. ValueError:
     the family does not apply to the mesh, or leaves some decision without an option."""
+    return restricted_problem(built, traced, _family_restriction(name, built), name)
+
+
+def family_built(name: str, traced, built):
+    """``built`` restricted to family ``name``: the ``BuiltProblem`` whose problem is
+    ``baseline_problem``'s and whose decisions keep the matching choices, so everything that
+    reads a built problem (the pipeline stage search, ``assemble_plan``) plans within the family."""
+    keep: dict[str, list[int]] = {}
+    problem = restricted_problem(built, traced, _family_restriction(name, built), name, keep=keep)
+    decisions = {n: d if n not in keep else replace(d, choices=tuple(d.choices[i] for i in keep[n]))
+                 for n, d in built.decisions.items()}
+    return replace(built, problem=problem, decisions=decisions)
+
+
+def _family_restriction(name: str, built):
     roles = baseline_roles(name, built.mesh.ndim)
     if roles is None:
-        raise ValueError(f"baseline {name!r} does not apply to mesh {built.mesh.shape}")
+        raise ValueError(f"family {name!r} does not apply to mesh {built.mesh.shape}")
     # Stages are a choice only where the problem offers several per layout (zero_stage="auto").
-    staged = any(len({c.zero_stage for c in d.choices}) > 1 for d in built.decisions.values()
-                 if d.kind == NodeKind.PARAMETER)
-    if name in ZERO_BASELINES and not staged:
-        raise ValueError(f"baseline {name!r} needs a problem with ZeRO options (zero_stage='auto')")
-    stage = ZERO_BASELINES.get(name, 0) if staged else None
-    return restricted_problem(built, traced, make_restriction(roles, zero_stage=stage, mesh_shape=built.mesh.shape),
-                              name)
+    # (A problem built at one stage gives its sharded layouts stage 0: several stages overall, one per layout.)
+    staged = any(len({(str(c.output_specs[0]), c.zero_stage) for c in d.choices})
+                 > len({str(c.output_specs[0]) for c in d.choices})
+                 for d in built.decisions.values() if d.kind == NodeKind.PARAMETER)
+    if name in FAMILY_ZERO and not staged:
+        raise ValueError(f"family {name!r} needs a problem with ZeRO options (zero_stage='auto')")
+    stage = FAMILY_ZERO.get(name, 0) if staged else None
+    return make_restriction(roles, zero_stage=stage, mesh_shape=built.mesh.shape)
 
 
-def restricted_problem(built, traced, restriction, name: str) -> Problem:
+def restricted_problem(built, traced, restriction, name: str, *, keep: dict[str, list[int]] | None = None) -> Problem:
     """``built.problem`` keeping only the options ``restriction(kind, fx_node, choice)`` allows
     (same options, costs and liveness as the unrestricted problem, whose edges are sliced
-    instead of re-deriving every strategy and conversion cost)."""
-    keep: dict[str, list[int]] = {}
+    instead of re-deriving every strategy and conversion cost). ``keep`` receives each node's
+    kept option indices."""
+    keep = {} if keep is None else keep
     nodes = []
     for node in built.problem.nodes:
         decision = built.decision(node.name)

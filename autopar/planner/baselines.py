@@ -8,18 +8,33 @@ Each baseline gives every mesh axis a role:
   still read them replicated -- the gather before use is the edge's conversion cost.
 - ``tp``   (Megatron-style tensor parallel): activations are never split on the batch dim;
   parameters and ops may shard anything else (column/row splits, partial sums).
+- ``megatron`` (Megatron's layout, what ``HybridParallelPlugin``'s ``tp_size`` means): ``tp``, and
+  every trainable parameter of two or more dims is stored and read split on this axis (a Linear
+  weight column- or row-wise, whichever the costs favour), an embedding table is read split by
+  its vocabulary (``VocabParallelEmbedding``) and the cross entropy reads its logits split by
+  class (vocabulary-parallel cross entropy); without that a cheap-compute cost model may keep a
+  small model's weights whole and call it tensor parallel. 1-D parameters (norms, biases) and
+  the activations in between follow the costs.
 
 Baselines: ``data-parallel`` (all axes dp), ``zero1`` and ``zero2`` (all axes dp, every trainable
 parameter at that ZeRO stage: only when the problem has ZeRO options, ``zero_stage="auto"``),
 ``zero3`` (all zero), ``megatron-tp`` (all tp) and, on meshes with two or more axes, ``dp x tp``
 (axis 0 dp, the others tp). The other families keep ZeRO stage 0. autopar's own plan is the
 unrestricted problem, so at optimality it is never slower than any of them.
+
+The fixed-configuration families (``FIXED_FAMILIES``, planned by the booster's plugins and
+``autopar inspect --family``, never solved as report baselines): ``megatron`` (all axes megatron),
+``dp x megatron`` (axis 0 dp, the others megatron) and its ZeRO-1/2 forms ``zero1 x megatron`` /
+``zero2 x megatron``. ``hybrid_layout`` maps ``HybridParallelPlugin``'s sizes onto a mesh and one
+of these families.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Sequence
 
+import torch
 import torch.fx as fx
 
 from autopar.planner.builder import Choice
@@ -27,10 +42,44 @@ from autopar.layout.placement import Partial, Replicate, Shard
 from autopar.strategies import input_nodes
 from autopar.tracer.graph import BUFFER, PARAMETER, PLACEHOLDER_KEY
 
-__all__ = ["BASELINES", "ZERO_BASELINES", "baseline_roles", "make_restriction"]
+__all__ = ["BASELINES", "ZERO_BASELINES", "FIXED_FAMILIES", "FAMILY_ZERO", "HybridLayout", "baseline_roles",
+           "hybrid_layout", "make_restriction"]
 
 BASELINES = ("data-parallel", "zero1", "zero2", "zero3", "megatron-tp", "dp x tp")
 ZERO_BASELINES = {"zero1": 1, "zero2": 2}  # family -> the ZeRO stage of its trainable parameters
+FIXED_FAMILIES = ("megatron", "dp x megatron", "zero1 x megatron", "zero2 x megatron")
+FAMILY_ZERO = {**ZERO_BASELINES, "zero1 x megatron": 1, "zero2 x megatron": 2}  # every family with a ZeRO stage
+
+
+@dataclass(frozen=True, slots=True)
+class HybridLayout:
+    """A ``tp_size`` x ``pp_size`` x data-parallel configuration as a mesh and a family: ``shape``
+    in axis order (pp, dp, tp) without the axes of size 1 (a single device: ``(1,)``),
+    ``axis_names`` to match, ``family`` the restriction of the mesh without its pipeline axis
+    (the stage sub-mesh when ``pipeline``), ``pipeline`` the stage count (None: no pipeline)."""
+
+    shape: tuple[int, ...]
+    axis_names: tuple[str, ...]
+    family: str
+    pipeline: int | None
+
+
+def hybrid_layout(world: int, *, tp_size: int, pp_size: int, zero_stage: int) -> HybridLayout:
+    """``HybridParallelPlugin``'s mesh and family on ``world`` devices: data parallelism (or ZeRO
+    ``zero_stage`` 1/2 over it) on ``world / (tp_size * pp_size)`` devices, Megatron tensor
+    parallelism on ``tp_size``, pipeline stages on ``pp_size``. A pipelined plan prices ZeRO-1 in
+    its stage problem (one stage per layout), so its family names no ZeRO stage."""
+    if world % (tp_size * pp_size):
+        raise ValueError(f"tp_size={tp_size} x pp_size={pp_size} does not divide the world size {world}")
+    sizes = {"pp": pp_size, "dp": world // (tp_size * pp_size), "tp": tp_size}
+    axes = tuple(name for name, size in sizes.items() if size > 1) or ("dp",)
+    dp, tp = sizes["dp"] > 1, tp_size > 1
+    zero = zero_stage if pp_size == 1 and dp else 0
+    if tp:
+        family = (f"zero{zero} x megatron" if zero else "dp x megatron") if dp else "megatron"
+    else:
+        family = f"zero{zero}" if zero else "data-parallel"
+    return HybridLayout(tuple(sizes[a] for a in axes), axes, family, pp_size if pp_size > 1 else None)
 
 
 def baseline_roles(name: str, num_axes: int) -> tuple[str, ...] | None:
@@ -43,8 +92,16 @@ def baseline_roles(name: str, num_axes: int) -> tuple[str, ...] | None:
         return ("tp",) * num_axes
     if name == "dp x tp":
         return ("dp",) + ("tp",) * (num_axes - 1) if num_axes >= 2 else None
-    raise ValueError(f"unknown baseline {name!r}; known: {BASELINES}")
+    if name == "megatron":
+        return ("megatron",) * num_axes
+    if name in ("dp x megatron", "zero1 x megatron", "zero2 x megatron"):
+        return ("dp",) + ("megatron",) * (num_axes - 1) if num_axes >= 2 else None
+    raise ValueError(f"unknown family {name!r}; known: {BASELINES + FIXED_FAMILIES}")
 
+
+# Ops the megatron role reads split by a fixed dim: op -> (input slot, dim): the table of an
+# embedding by its rows (vocabulary), the logits of a cross entropy by class.
+_MEGATRON_READS = {torch.ops.aten.embedding.default: (0, 0), torch.ops.aten.cross_entropy_loss.default: (0, 1)}
 
 _WEIGHT_CHAIN = 6  # ops between a weight and a copy of it that still counts as one (cast, t, view)
 
@@ -72,7 +129,27 @@ def _is_weight(node: fx.Node, memo: dict[fx.Node, bool], depth: int = 0) -> bool
 def _activation_ok(placement, role: str) -> bool:
     if role in ("dp", "zero"):
         return isinstance(placement, (Replicate, Partial)) or placement == Shard(0)
-    return placement != Shard(0)  # tp: never the batch dim
+    return placement != Shard(0)  # tp, megatron: never the batch dim
+
+
+def _trains(node: fx.Node, memo: dict[fx.Node, bool], depth: int = 0) -> bool:
+    """A weight value (``_is_weight``) made from at least one trainable parameter: a buffer's copy
+    (a causal mask, rotary frequencies) is not one Megatron splits."""
+    if node in memo:
+        return memo[node]
+    if node.op == "placeholder":
+        ph = node.meta.get(PLACEHOLDER_KEY)
+        memo[node] = ph is not None and ph.kind == PARAMETER and ph.requires_grad
+    elif node.op != "call_function" or depth >= _WEIGHT_CHAIN:
+        return False
+    else:
+        memo[node] = any(_trains(src, memo, depth + 1) for src in input_nodes(node))
+    return memo[node]
+
+
+def _ndim(node: fx.Node) -> int:
+    val = node.meta.get("val")
+    return len(val.shape) if hasattr(val, "shape") else 0
 
 
 def make_restriction(roles: Sequence[str], *, zero_stage: int | None = None, mesh_shape: Sequence[int] = ()):
@@ -83,46 +160,72 @@ def make_restriction(roles: Sequence[str], *, zero_stage: int | None = None, mes
     built problem with it."""
     roles = tuple(roles)
     shardable = any(size > 1 for size in mesh_shape)
-    weight_slots: dict[fx.Node, tuple[bool, ...]] = {}  # per op: which input slots are weights
+    sizes = tuple(mesh_shape) or (2,) * len(roles)  # no shape given: every axis may split
+    # Per op, what each input slot reads: 0 an activation, 1 a weight, 2 a trainable weight of two
+    # or more dims (a "matrix": the megatron role splits it); and whether its output is a matrix.
+    op_slots: dict[fx.Node, tuple[tuple[int, ...], bool]] = {}
     weights: dict[fx.Node, bool] = {}  # values that are weights or made from weights only
+    trains: dict[fx.Node, bool] = {}  # weight values made from a trainable parameter
 
-    verdicts: dict[tuple, bool] = {}  # (kind, choice, weight slots) -> allowed
+    def slot_of(src: fx.Node) -> int:
+        if not _is_weight(src, weights):
+            return 0
+        return 2 if _ndim(src) >= 2 and _trains(src, trains) else 1
+
+    verdicts: dict[tuple, bool] = {}  # (kind, choice, slots, matrix) -> allowed
 
     def allowed(kind: str, node: fx.Node, choice: Choice) -> bool:
-        slots = ()
+        slots, matrix = (), False  # matrix: a trainable parameter (or copy) of two or more dims
+        if kind == "op" and not _megatron_read_ok(node, choice):
+            return False
         if kind == "op":
-            if node not in weight_slots:  # asked once per option: bind the op's inputs once
-                weight_slots[node] = tuple(_is_weight(src, weights) for src in input_nodes(node))
-            slots = weight_slots[node]
-        if kind == "parameter" and zero_stage is not None:
+            if node not in op_slots:  # asked once per option: bind the op's inputs once
+                kinds = tuple(slot_of(src) for src in input_nodes(node))
+                op_slots[node] = kinds, bool(kinds) and all(kinds) and slot_of(node) == 2
+            slots, matrix = op_slots[node]
+        if kind == "parameter":
             ph = node.meta[PLACEHOLDER_KEY]
+            matrix = ph.requires_grad and len(ph.shape) >= 2
             trainable = ph.requires_grad and bool(ph.shape) and shardable
-            if choice.zero_stage != (zero_stage if trainable else 0):
+            if zero_stage is not None and choice.zero_stage != (zero_stage if trainable else 0):
                 return False
         # Choices are shared objects across identical repeated blocks: judge each one once.
-        key = (kind, id(choice), slots)
+        key = (kind, id(choice), slots, matrix)
         verdict = verdicts.get(key)
         if verdict is None:
-            verdict = verdicts[key] = _judge(kind, choice, slots)
+            verdict = verdicts[key] = _judge(kind, choice, slots, matrix)
         return verdict
 
-    def _judge(kind: str, choice: Choice, slots: tuple[bool, ...]) -> bool:
+    def _megatron_read_ok(node: fx.Node, choice: Choice) -> bool:
+        read = _MEGATRON_READS.get(node.target)
+        if read is None or "megatron" not in roles:
+            return True
+        spec = choice.input_specs[read[0]]
+        return spec is None or all(r != "megatron" or size == 1 or p == Shard(read[1])
+                                   for p, r, size in zip(spec.placements, roles, sizes))
+
+    def weight_ok(spec, matrix: bool, *, whole: tuple[str, ...] = ("dp", "zero")) -> bool:
+        """Roles ``whole`` keep a weight whole (data-parallel families read weights whole; ZeRO-3
+        stores them split but reads them whole); megatron splits (and reads split) a matrix."""
+        return spec is None or all((r not in whole or isinstance(p, Replicate))
+                                   and (r != "megatron" or not matrix or size == 1 or isinstance(p, Shard))
+                                   for p, r, size in zip(spec.placements, roles, sizes))
+
+    def _judge(kind: str, choice: Choice, slots: tuple[int, ...], matrix: bool) -> bool:
         if kind in ("parameter", "buffer"):
-            spec = choice.output_specs[0]
-            return all(role != "dp" or isinstance(p, Replicate) for p, role in zip(spec.placements, roles))
+            return weight_ok(choice.output_specs[0], matrix, whole=("dp",))
         # An op made from weights only (all its slots weights) outputs a weight copy.
         made_from_weights = bool(slots) and all(slots)
         specs = [] if made_from_weights else list(choice.output_specs)
-        weight_specs = list(choice.output_specs) if made_from_weights else []
-        for is_weight, spec in zip(slots, choice.input_specs):
-            (weight_specs if is_weight else specs).append(spec)
+        weight_specs = [(spec, matrix) for spec in choice.output_specs] if made_from_weights else []
+        for slot, spec in zip(slots, choice.input_specs):
+            if slot:
+                weight_specs.append((spec, slot == 2))
+            else:
+                specs.append(spec)
         for spec in specs:
             if spec is not None and not all(_activation_ok(p, r) for p, r in zip(spec.placements, roles)):
                 return False
-        for spec in weight_specs:  # data-parallel families read weights whole
-            if spec is not None and any(r in ("dp", "zero") and not isinstance(p, Replicate)
-                                        for p, r in zip(spec.placements, roles)):
-                return False
-        return True
+        return all(weight_ok(spec, m) for spec, m in weight_specs)
 
     return allowed

@@ -282,13 +282,16 @@ def search_traced(traced: TracedGraph, prof: ModelProfile, *, cluster: tuple[int
 
 # ---------------------------------------------------------------------------------- pipeline
 def plan_pipelined(model: Any, meta_inputs: tuple | dict, *, mesh: MeshSpec | Sequence[int] | str,
-                   options: PlanOptions, progress: Progress | None = None) -> PipelinedResult:
+                   options: PlanOptions, progress: Progress | None = None,
+                   family: str | None = None) -> PipelinedResult:
     """Plan ``model`` with pipeline parallelism over mesh axis 0 (``options.pipeline``: N, the
     size of that axis, or ``"auto"``): for each micro-batch count (``options.microbatches``) the
     micro-batch graph is traced once and ``autopar.planner.pipeline.search.search_stages`` cuts
     it into stages, each sharded on the sub-mesh, for each schedule (``options.schedule``); the
     fastest feasible candidate wins. ``"auto"`` also plans without a pipeline (the full batch on
-    the whole mesh) and keeps the faster of the two. ``ValueError`` when nothing fits."""
+    the whole mesh) and keeps the faster of the two. ``family``: each stage planned within that
+    family of ``autopar.planner.baselines`` on the stage sub-mesh (a fixed configuration:
+    ``HybridParallelPlugin``; needs an int ``options.pipeline``). ``ValueError`` when nothing fits."""
     from autopar.planner.pipeline.schedule import check_pipeline_zero, schedules_for
 
     progress = progress or Progress()
@@ -301,8 +304,11 @@ def plan_pipelined(model: Any, meta_inputs: tuple | dict, *, mesh: MeshSpec | Se
         raise ValueError(f"pipelined plans decide activation recompute per stage (whole blocks): give "
                          f"checkpoint='auto' (or 'none' for no recompute), got checkpoint={options.checkpoint!r}")
     check_pipeline_zero(options.zero_stage)
+    if family is not None and options.pipeline == "auto":
+        raise ValueError(f"family={family!r} plans a fixed configuration: give pipeline={stages}, not 'auto'")
     schedules = schedules_for(options.schedule)
-    staged = _stage_floors(model, meta_inputs, spec=spec, options=options, progress=progress, schedules=schedules)
+    staged = _stage_floors(model, meta_inputs, spec=spec, options=options, progress=progress, schedules=schedules,
+                           family=family)
     lines: list[str] = []
     best = _search_counts(staged, spec=spec, options=options, progress=progress, schedules=schedules, lines=lines)
     if options.pipeline == "auto":
@@ -326,7 +332,7 @@ def plan_pipelined(model: Any, meta_inputs: tuple | dict, *, mesh: MeshSpec | Se
 
 
 def _stage_floors(model, meta_inputs, *, spec: MeshSpec, options: PlanOptions, progress: Progress,
-                  schedules) -> dict[int, tuple[TracedGraph, StageCosts, float]]:
+                  schedules, family: str | None = None) -> dict[int, tuple[TracedGraph, StageCosts, float]]:
     """Per micro-batch count: its graph, stage costs and step floor (one small solve per block
     class), so that the counts can be searched lowest floor first (``autopar.planner.pipeline.bounds``)."""
     from autopar.planner.pipeline.bounds import config_floors
@@ -339,7 +345,7 @@ def _stage_floors(model, meta_inputs, *, spec: MeshSpec, options: PlanOptions, p
         traced, prof = _trace_and_profile(model, meta_inputs, precision=options.precision, progress=progress,
                                           microbatches=m, detail=f"micro-batch graph, {m} micro-batches")
         with progress.stage("pipeline floors", f"{m} micro-batches"):
-            costs = stage_costs(traced, prof, mesh=spec, options=options)
+            costs = stage_costs(traced, prof, mesh=spec, options=options, family=family)
             floor = min(config_floors(costs, schedules=schedules, num_stages=stages, num_microbatches=m,
                                       window="auto").values())
         staged[m] = (traced, costs, floor)
@@ -380,10 +386,11 @@ def _search_counts(staged: dict, *, spec: MeshSpec, options: PlanOptions, progre
 
 def plan_family(model: Any, meta_inputs: tuple | dict, family: str, *, mesh: MeshSpec,
                 options: PlanOptions) -> Plan:
-    """The fastest plan of one baseline ``family`` (``autopar.planner.baselines.BASELINES``:
-    ``"zero1"``, ``"zero2"``, ...) for ``model`` on ``mesh``: the planner's own problem restricted
-    to the family, solved and assembled (no recompute), with ``options.offload`` applied. What a
-    fixed-configuration plugin (``LowLevelZeroPlugin``) runs: the same kind of ``Plan`` as the
+    """The fastest plan of one ``family`` (``autopar.planner.baselines``: a baseline such as
+    ``"zero1"``, or a fixed configuration's, ``"dp x megatron"``) for ``model`` on ``mesh``: the
+    planner's own problem restricted to the family, solved and assembled (no recompute), with
+    ``options.offload`` applied. What a fixed-configuration plugin (``LowLevelZeroPlugin``,
+    ``HybridParallelPlugin``) runs: the same kind of ``Plan`` as the
     auto plan, inspectable alike."""
     from autopar.planner.assemble import assemble_plan, baseline_problem
     from autopar.planner.builder import build_problem

@@ -395,3 +395,26 @@ def test_inspect_verify_runs_the_plan_on_local_processes(tmp_path, capsys):
 ])
 def test_inspect_verify_flags_are_checked_first(extra, needle):
     assert_one_line_error(run_cli("inspect", "gpt2", "--mesh", "2", *extra, timeout=60), needle)
+
+
+# ------------------------------------------------------------------------------ inspect --family
+@pytest.mark.slow
+def test_inspect_family_prints_the_fixed_configuration(tmp_path, capsys):
+    """``--family``: HybridParallelPlugin's plan offline -- dp x Megatron on 2x2 (every matrix split
+    over the tp axis), and Megatron stages of a 2-stage pipeline; an unknown family is one line."""
+    path = _save_config(tmp_path, "llama", **_TINY_HF)
+    out_json = tmp_path / "plan.json"
+    code, out, err = _main(capsys, "inspect", path, "--mesh", "2x2", "--batch", "8", "--seq", "16", "--family",
+                           "dp x megatron", "--preset", "cpu", "-q", "--json", str(out_json))
+    assert code == 0, err[-3000:]
+    layouts = dict(re.findall(r"^  (\S+\.weight): (\S+)", out, flags=re.M))
+    matrices = [k for k in layouts if "proj" in k or "embed" in k or "lm_head" in k]
+    assert matrices and all(re.fullmatch(r"RS\d", layouts[k]) for k in matrices), layouts
+    assert Plan.load(str(out_json)).mesh.shape == (2, 2)
+    code, out, err = _main(capsys, "inspect", path, "--mesh", "2x2", "--batch", "8", "--seq", "16", "--family",
+                           "megatron", "--pipeline", "2", "--microbatches", "2", "--schedule", "1f1b",
+                           "--checkpoint", "none", "--preset", "cpu", "--no-baselines", "-q")
+    assert code == 0, err[-3000:]
+    assert "2 micro-batches, 1f1b" in out
+    code, out, err = _main(capsys, "inspect", path, "--mesh", "2", "--family", "nope", "-q")
+    assert code == 1 and "--family 'nope'" in err and len(err.strip().splitlines()) == 1

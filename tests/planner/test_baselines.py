@@ -1,5 +1,7 @@
 """Baseline families as restrictions of the built problem (``autopar.planner.baselines``)."""
 
+import re
+
 import torch
 from torch import nn
 
@@ -41,3 +43,61 @@ def test_dp_x_tp_splits_bf16_weight_copies_as_megatron():
         names = [o.name for o in problem.node(node.name).options]
         assert "RS0 -> RS0" in names and "RS1 -> RS1" in names, names  # tp shards the copy either way
         assert not any(n.startswith("S") for n in names), names  # dp reads it whole
+
+
+class _Lm(nn.Module):
+    """Embedding, an MLP, a head and the cross entropy: every piece Megatron's layout names."""
+
+    def __init__(self, vocab: int = 64, d: int = 32) -> None:
+        super().__init__()
+        self.embed, self.head = nn.Embedding(vocab, d), nn.Linear(d, vocab)
+        self.up, self.down = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, ids, labels):
+        x = self.embed(ids)
+        x = x + self.down(torch.relu(self.up(x)))
+        return nn.functional.cross_entropy(self.head(x).flatten(0, 1), labels.flatten())
+
+
+def test_megatron_family_is_megatrons_layout():
+    """``dp x megatron`` on (2, 2): every trainable matrix stored and read split on the tp axis, the
+    embedding table read by vocabulary rows, the cross entropy's logits by class; the restricted
+    ``BuiltProblem`` (``family_built``) names the same options as its problem; ZeRO-3 still stores
+    parameters split."""
+    from autopar.planner.assemble import assemble_plan, baseline_problem, family_built
+    from autopar.solver.driver import solve
+
+    with torch.device("meta"):
+        model = _Lm()
+    ids = torch.zeros(8, 16, dtype=torch.long, device="meta")
+    traced = trace(model, (ids, ids), decompose_if=needs_decomposition)
+    mesh = MeshSpec.preset("cpu", (2, 2))
+    built = build_problem(traced, profile(traced), mesh, budget_bytes=None, options=PlanOptions(checkpoint="none"))
+    restricted = family_built("dp x megatron", traced, built)
+    for node in restricted.problem.nodes:
+        assert [o.name for o in node.options] == [c.name for c in restricted.decision(node.name).choices]
+    solution = solve(restricted.problem)
+    plan = assemble_plan(traced, restricted, choice=solution.choice, solution=solution,
+                         evaluation=restricted.problem.evaluate(solution.choice))
+    matrices = {n.module: n.output_specs[0] for n in plan.nodes
+                if n.kind == "parameter" and n.module in ("embed.weight", "head.weight", "up.weight", "down.weight")}
+    assert len(matrices) == 4 and all(re.fullmatch(r"RS\d", spec) for spec in matrices.values()), matrices
+    reads = {n.op: n.input_specs[0] for n in plan.nodes if n.op in ("aten.embedding.default",
+                                                                     "aten.cross_entropy_loss.default")}
+    assert reads == {"aten.embedding.default": "RS0", "aten.cross_entropy_loss.default": "RS1"}, reads
+    zero3 = baseline_problem("zero3", traced, built)
+    assert any(o.name.startswith("S") for n in zero3.nodes if n.name.startswith("p_") for o in n.options)
+
+
+def test_hybrid_layout_orders_pp_dp_tp():
+    import pytest
+
+    from autopar.planner.baselines import hybrid_layout
+
+    got = hybrid_layout(16, tp_size=2, pp_size=2, zero_stage=1)
+    assert (got.shape, got.axis_names, got.family, got.pipeline) == ((2, 4, 2), ("pp", "dp", "tp"), "dp x megatron", 2)
+    assert hybrid_layout(4, tp_size=1, pp_size=1, zero_stage=2).family == "zero2"
+    assert hybrid_layout(4, tp_size=4, pp_size=1, zero_stage=1).family == "megatron"  # no dp axis to shard over
+    assert hybrid_layout(1, tp_size=1, pp_size=1, zero_stage=0).shape == (1,)
+    with pytest.raises(ValueError, match="tp_size=3"):
+        hybrid_layout(4, tp_size=3, pp_size=1, zero_stage=0)

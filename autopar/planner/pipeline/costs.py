@@ -402,15 +402,20 @@ class StageCosts:
 
 
 def stage_costs(traced: TracedGraph, profile, *, mesh: MeshSpec, options,
-                solve: Callable[[Problem], Solution] | None = None) -> StageCosts:
+                solve: Callable[[Problem], Solution] | None = None, family: str | None = None) -> StageCosts:
     """The ``StageCosts`` of the micro-batch graph ``traced`` on ``mesh``'s stage sub-mesh: its
     Problem built with ``options`` (ZeRO 0 or 1) without a checkpoint mode (stages decide
-    recompute themselves), solved by ``solve`` (default: the options' solver and time limit)."""
+    recompute themselves), solved by ``solve`` (default: the options' solver and time limit).
+    ``family``: every stage planned within that family of ``autopar.planner.baselines`` on the
+    sub-mesh (``HybridParallelPlugin``'s Megatron / data-parallel stages)."""
+    from autopar.planner.assemble import family_built
     from autopar.planner.builder import build_problem
     from autopar.solver.driver import solve as solve_ilp
 
     check_pipeline_zero(options.zero_stage)
     built = build_problem(traced, profile, stage_mesh_of(mesh), budget_bytes=None,
                           options=replace(options, checkpoint="none", pipeline=None))
+    if family is not None:
+        built = family_built(family, traced, built)
     solve = solve or (lambda p: solve_ilp(p, solver=options.solver, time_limit=options.time_limit))
     return StageCosts(traced, built, mesh=mesh, solve=solve)

@@ -53,15 +53,17 @@ per-node strategies. On each rank, for each stage it holds (rank r holds stages 
   on the last stage, optionally returning the full-batch outputs (``Booster.execute_pipeline``).
 
 Composition. Activation recompute regions (``Plan.recompute``) run inside their stage (a region
-spanning a cut is refused; so is recompute under the zero-bubble schedule). bf16 plans run as
-traced (fp32 masters, bf16 stage graphs and boundary values); fp16 is refused (its loss scaler
-would need an overflow verdict over every stage). ZeRO-1: ``pm.optimizer(cls, zero_stage=1,
-...)`` shards the optimizer state of each parameter over the stage's replicated axes
-(:mod:`autopar.runtime.zero`); ZeRO-2 is refused (gradients accumulate over the micro-batches before
-the once-per-step sum). ``clip_grad_norm_`` clips by the norm over EVERY stage (tied copies
-counted once). DCP: ``pm.state_dict()`` holds this rank's DTensors (``stage_state.<FQN>``, tied
-copies under one name on several ranks, deduplicated by DCP's planner), so
-``torch.distributed.checkpoint.save/load`` and ``get/set_optimizer_state_dict(pm, opt)`` work
+spanning a cut is refused; so is recompute under the zero-bubble schedule). bf16 plans run as traced
+(fp32 masters, bf16 stage graphs and boundary values); fp16 alike, its loss scaled by
+``PipelineModule.loss_scaler`` (a ``GradScaler``: the Booster attaches the optimizer's) on the last
+stage, so every stage's gradients are scaled; the scaler's step unscales them and skips the step on
+every rank when any rank's gradients overflowed (its verdict is reduced over the world). ZeRO-1:
+``pm.optimizer(cls, zero_stage=1, ...)`` shards the optimizer state of each parameter over the
+stage's replicated axes (:mod:`autopar.runtime.zero`); ZeRO-2 is refused (gradients accumulate over
+the micro-batches before the once-per-step sum). ``clip_grad_norm_`` clips by the norm over EVERY
+stage (tied copies counted once). DCP: ``pm.state_dict()`` holds this rank's DTensors
+(``stage_state.<FQN>``, tied copies under one name on several ranks, deduplicated by DCP's planner),
+so ``torch.distributed.checkpoint.save/load`` and ``get/set_optimizer_state_dict(pm, opt)`` work
 across stages; a load writes into the live parameters.
 
 Modules: :mod:`~autopar.runtime.pipeline.split` cuts the traced graph into stage graphs,

@@ -83,9 +83,8 @@ def build_pipeline(model: nn.Module, traced: TracedGraph, plan: Plan, *, device:
     if zero2:
         raise ValueError(f"pipelined stages run ZeRO-1 at most; the plan shards the gradients of {len(zero2)} "
                          f"parameters (ZeRO-2, e.g. {zero2[0]!r}): plan with zero_stage 0 or 1")
-    if plan.precision not in ("fp32", "bf16"):
-        # fp16 needs a loss scaler whose overflow verdict spans every stage; not built yet
-        raise ValueError(f"pipelined stages compute in fp32 or bf16, the plan asks for {plan.precision!r}")
+    if plan.precision not in ("fp32", "bf16", "fp16"):
+        raise ValueError(f"pipelined stages compute in fp32, bf16 or fp16, the plan asks for {plan.precision!r}")
     if plan.recompute and pipe.schedule == "zero-bubble":
         raise ValueError(_ZB_RECOMPUTE)
     if pipe.schedule in ("gpipe", "1f1b") and pipe.virtual_stages != 1:

@@ -135,6 +135,10 @@ class PipelineModule(PipelineState, nn.Module):
             raise ValueError(f"{traced.model_name} returns no loss: a pipeline trains on the model's own loss")
         self._criterion: Any = None  # set for one ``step_with`` call
         self._micro_batches: list[Any] = []
+        # fp16: the GradScaler whose scale multiplies every micro-batch's loss (the Booster attaches
+        # the optimizer's); its step unscales, and skips on every rank when any stage overflowed.
+        self.loss_scaler: Any = None
+        self._scale: torch.Tensor | None = None  # this step's scale, taken on every rank
         self.schedule: Any = None  # torch's schedule, made at the first call (``_schedule_for``)
         self._whole: frozenset[str] | None = None  # the inputs it gives every micro-batch whole
         self._zero: Any = None  # the ZeroOptimizer built by ``optimizer``
@@ -195,10 +199,12 @@ class PipelineModule(PipelineState, nn.Module):
         weights): the model's own, or ``step_with``'s criterion's."""
         out = output if isinstance(output, (tuple, list)) else (output,)
         if self._criterion is None:
-            return out[self._loss_at] / self.num_microbatches
-        # ``target`` is this micro-batch's index (``step_with`` passes arange(M) as the target)
-        micro = self._micro_batches[int(target.reshape(-1)[0].item())]
-        return self._criterion(self._structured(out), micro) / self.num_microbatches
+            loss = out[self._loss_at] / self.num_microbatches
+        else:
+            # ``target`` is this micro-batch's index (``step_with`` passes arange(M) as the target)
+            micro = self._micro_batches[int(target.reshape(-1)[0].item())]
+            loss = self._criterion(self._structured(out), micro) / self.num_microbatches
+        return loss if self._scale is None else loss * self._scale
 
     # ---------------------------------------------------------------------------- running
     def step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -220,13 +226,16 @@ class PipelineModule(PipelineState, nn.Module):
         inputs, whole = self._flat_inputs(args, kwargs)
         self._begin_step(args, kwargs)
         self._criterion = criterion
+        # Every rank takes the scale (its scaler's state starts with the first ``scale``), though
+        # only the last stage multiplies a loss by it: the gradients every stage receives are scaled.
+        self._scale = None if self.loss_scaler is None else self.loss_scaler.scale(torch.ones((), device=self._device))
         if criterion is not None:
             batch: Any = kwargs if not args else args[0] if len(args) == 1 and not kwargs else (args, kwargs)
             self._micro_batches = split_micro_batches(batch, self.num_microbatches)
         try:
             loss, merged = self._train(inputs, whole, return_outputs=return_outputs)
         finally:
-            self._criterion, self._micro_batches = None, []
+            self._criterion, self._micro_batches, self._scale = None, [], None
         return loss, (self._merged_outputs(merged) if return_outputs else None)
 
     def _begin_step(self, args: tuple, kwargs: dict) -> None:
@@ -260,6 +269,8 @@ class PipelineModule(PipelineState, nn.Module):
                 grad = local_of(dt.grad) + grad
             dt.grad = to_dtensor(grad, self._specs[name], self.pmesh, dt.shape)
         loss = torch.stack([x.detach() for x in losses]).sum() if losses else torch.zeros((), device=self._device)
+        if self._scale is not None:  # the loss as computed (the scaled one was for backward)
+            loss = loss / self._scale
         return self._from_last_stage(loss.to(self._loss_dtype())), merged
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:

@@ -168,15 +168,15 @@ def test_pipeline_composes_with_bf16_zero1_dcp_and_clipping(tmp_path):
     assert not flat, "\n".join(flat[:20])
 
 
-def test_fp16_and_zero2_are_refused_inside_stages():
+def test_unknown_precision_and_zero2_are_refused_inside_stages():
     import dataclasses
 
     model, micro = zoo.build("mlp", tiny=True, num_layers=2, batch=MICRO, device="cpu")
     traced = trace(model, micro, decompose_if=needs_decomposition)
     sub = plan_traced(traced, profile(traced), mesh=(1,)).plan
     plan = pipeline_plan(sub, traced, mesh=fast_mesh((2,)), num_stages=2, num_microbatches=2, schedule="gpipe")
-    with pytest.raises(ValueError, match="compute in fp32 or bf16, the plan asks for 'fp16'"):
-        build_pipeline(model, traced, dataclasses.replace(plan, precision="fp16"), device="cpu")
+    with pytest.raises(ValueError, match="compute in fp32, bf16 or fp16, the plan asks for 'fp8'"):
+        build_pipeline(model, traced, dataclasses.replace(plan, precision="fp8"), device="cpu")
     nodes = tuple(dataclasses.replace(n, zero_stage=2) if n.kind == "parameter" else n for n in plan.nodes)
     with pytest.raises(ValueError, match="ZeRO-1 at most"):
         build_pipeline(model, traced, dataclasses.replace(plan, nodes=nodes), device="cpu")
