@@ -161,7 +161,7 @@ class HybridParallelPlugin(OwnArguments, AutoParallelPlugin):
             raise ValueError(f"tp_size={self.tp_size} (x pp_size={self.hybrid_pp_size}) does not divide the world "
                              f"size {world}")
         return hybrid_layout(world, tp_size=self.tp_size, pp_size=self.hybrid_pp_size,
-                             zero_stage=self.zero_stage)
+                             zero_stage=self.zero_stage, experts=(self.ep_size or 1) > 1)
 
     def data_parallel_size(self) -> int:
         """``world / (tp_size * pp_size)``: the ranks ``prepare_dataloader``'s ``batch_size`` is per."""
@@ -216,7 +216,7 @@ class HybridParallelPlugin(OwnArguments, AutoParallelPlugin):
         options = PlanOptions(precision=self.precision, zero_stage="auto" if staged else 0,
                               reduce_dtype=self.reduce_dtype or "fp32", checkpoint="none",
                               optimizer_multiplier=self.optimizer_multiplier, preset=preset, solver=self.solver,
-                              offload=self.offload,
+                              offload=self.offload, ep_size=self.ep_size,
                               **({} if self.time_limit is None else {"time_limit": self.time_limit}))
         if layout.pipeline is None:
             return plan_family(model, meta_inputs, layout.family, mesh=mesh, options=options)

@@ -15,6 +15,9 @@ Each baseline gives every mesh axis a role:
   class (vocabulary-parallel cross entropy); without that a cheap-compute cost model may keep a
   small model's weights whole and call it tensor parallel. 1-D parameters (norms, biases) and
   the activations in between follow the costs.
+- ``ep`` (data parallel with expert parallelism, what ``MoeHybridParallelPlugin``'s ``ep_size``
+  adds): ``dp``, except that a MoE block's experts (``autopar::moe_experts``) and their weights
+  may be split by expert on this axis, tokens sent to their experts by all-to-all.
 
 Baselines: ``data-parallel`` (all axes dp), ``zero1`` and ``zero2`` (all axes dp, every trainable
 parameter at that ZeRO stage: only when the problem has ZeRO options, ``zero_stage="auto"``),
@@ -25,8 +28,10 @@ unrestricted problem, so at optimality it is never slower than any of them.
 The fixed-configuration families (``FIXED_FAMILIES``, planned by the booster's plugins and
 ``autopar inspect --family``, never solved as report baselines): ``megatron`` (all axes megatron),
 ``dp x megatron`` (axis 0 dp, the others megatron) and its ZeRO-1/2 forms ``zero1 x megatron`` /
-``zero2 x megatron``. ``hybrid_layout`` maps ``HybridParallelPlugin``'s sizes onto a mesh and one
-of these families.
+``zero2 x megatron``, and the same with ``ep`` in place of ``dp`` (``ep``, ``zero1 ep``, ``zero2 ep``,
+``ep x megatron``, ``zero1 ep x megatron``, ``zero2 ep x megatron``). ``hybrid_layout`` maps
+``HybridParallelPlugin``'s (and ``MoeHybridParallelPlugin``'s) sizes onto a mesh and one of these
+families.
 """
 
 from __future__ import annotations
@@ -47,8 +52,10 @@ __all__ = ["BASELINES", "ZERO_BASELINES", "FIXED_FAMILIES", "FAMILY_ZERO", "Hybr
 
 BASELINES = ("data-parallel", "zero1", "zero2", "zero3", "megatron-tp", "dp x tp")
 ZERO_BASELINES = {"zero1": 1, "zero2": 2}  # family -> the ZeRO stage of its trainable parameters
-FIXED_FAMILIES = ("megatron", "dp x megatron", "zero1 x megatron", "zero2 x megatron")
-FAMILY_ZERO = {**ZERO_BASELINES, "zero1 x megatron": 1, "zero2 x megatron": 2}  # every family with a ZeRO stage
+FIXED_FAMILIES = ("megatron", "dp x megatron", "zero1 x megatron", "zero2 x megatron",
+                  "ep", "zero1 ep", "zero2 ep", "ep x megatron", "zero1 ep x megatron", "zero2 ep x megatron")
+FAMILY_ZERO = {**ZERO_BASELINES, "zero1 x megatron": 1, "zero2 x megatron": 2, "zero1 ep": 1, "zero2 ep": 2,
+               "zero1 ep x megatron": 1, "zero2 ep x megatron": 2}  # every family with a ZeRO stage
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,11 +71,17 @@ class HybridLayout:
     pipeline: int | None
 
 
-def hybrid_layout(world: int, *, tp_size: int, pp_size: int, zero_stage: int) -> HybridLayout:
+# A data-parallel family -> the same with its data-parallel axis an ``ep`` axis.
+_WITH_EXPERTS = {"data-parallel": "ep", "zero1": "zero1 ep", "zero2": "zero2 ep", "dp x megatron": "ep x megatron",
+                 "zero1 x megatron": "zero1 ep x megatron", "zero2 x megatron": "zero2 ep x megatron"}
+
+
+def hybrid_layout(world: int, *, tp_size: int, pp_size: int, zero_stage: int, experts: bool = False) -> HybridLayout:
     """``HybridParallelPlugin``'s mesh and family on ``world`` devices: data parallelism (or ZeRO
     ``zero_stage`` 1/2 over it) on ``world / (tp_size * pp_size)`` devices, Megatron tensor
     parallelism on ``tp_size``, pipeline stages on ``pp_size``. A pipelined plan prices ZeRO-1 in
-    its stage problem (one stage per layout), so its family names no ZeRO stage."""
+    its stage problem (one stage per layout), so its family names no ZeRO stage. ``experts``: the
+    data-parallel axis is an ``ep`` axis (MoE experts may be split by expert over it)."""
     if world % (tp_size * pp_size):
         raise ValueError(f"tp_size={tp_size} x pp_size={pp_size} does not divide the world size {world}")
     sizes = {"pp": pp_size, "dp": world // (tp_size * pp_size), "tp": tp_size}
@@ -79,6 +92,8 @@ def hybrid_layout(world: int, *, tp_size: int, pp_size: int, zero_stage: int) ->
         family = (f"zero{zero} x megatron" if zero else "dp x megatron") if dp else "megatron"
     else:
         family = f"zero{zero}" if zero else "data-parallel"
+    if experts and dp:
+        family = _WITH_EXPERTS[family]
     return HybridLayout(tuple(sizes[a] for a in axes), axes, family, pp_size if pp_size > 1 else None)
 
 
@@ -96,6 +111,10 @@ def baseline_roles(name: str, num_axes: int) -> tuple[str, ...] | None:
         return ("megatron",) * num_axes
     if name in ("dp x megatron", "zero1 x megatron", "zero2 x megatron"):
         return ("dp",) + ("megatron",) * (num_axes - 1) if num_axes >= 2 else None
+    if name in ("ep", "zero1 ep", "zero2 ep"):
+        return ("ep",) * num_axes
+    if name in ("ep x megatron", "zero1 ep x megatron", "zero2 ep x megatron"):
+        return ("ep",) + ("megatron",) * (num_axes - 1) if num_axes >= 2 else None
     raise ValueError(f"unknown family {name!r}; known: {BASELINES + FIXED_FAMILIES}")
 
 
@@ -127,7 +146,7 @@ def _is_weight(node: fx.Node, memo: dict[fx.Node, bool], depth: int = 0) -> bool
 
 
 def _activation_ok(placement, role: str) -> bool:
-    if role in ("dp", "zero"):
+    if role in ("dp", "zero", "ep"):
         return isinstance(placement, (Replicate, Partial)) or placement == Shard(0)
     return placement != Shard(0)  # tp, megatron: never the batch dim
 
@@ -172,7 +191,8 @@ def make_restriction(roles: Sequence[str], *, zero_stage: int | None = None, mes
             return 0
         return 2 if _ndim(src) >= 2 and _trains(src, trains) else 1
 
-    verdicts: dict[tuple, bool] = {}  # (kind, choice, slots, matrix) -> allowed
+    verdicts: dict[tuple, bool] = {}  # (kind, choice, slots, matrix, experts) -> allowed
+    expert_weights: dict[fx.Node, bool] = {}
 
     def allowed(kind: str, node: fx.Node, choice: Choice) -> bool:
         slots, matrix = (), False  # matrix: a trainable parameter (or copy) of two or more dims
@@ -189,11 +209,15 @@ def make_restriction(roles: Sequence[str], *, zero_stage: int | None = None, mes
             trainable = ph.requires_grad and bool(ph.shape) and shardable
             if zero_stage is not None and choice.zero_stage != (zero_stage if trainable else 0):
                 return False
+        # A MoE block's experts (``autopar::moe_experts``) and their weights may be split by expert
+        # on a data-parallel axis: expert parallelism, tokens sent to their experts by all-to-all.
+        experts = (node.target is _EXPERTS if kind == "op" else
+                   kind == "parameter" and _feeds_experts(node, expert_weights))
         # Choices are shared objects across identical repeated blocks: judge each one once.
-        key = (kind, id(choice), slots, matrix)
+        key = (kind, id(choice), slots, matrix, experts)
         verdict = verdicts.get(key)
         if verdict is None:
-            verdict = verdicts[key] = _judge(kind, choice, slots, matrix)
+            verdict = verdicts[key] = _judge(kind, choice, slots, matrix, experts)
         return verdict
 
     def _megatron_read_ok(node: fx.Node, choice: Choice) -> bool:
@@ -204,16 +228,21 @@ def make_restriction(roles: Sequence[str], *, zero_stage: int | None = None, mes
         return spec is None or all(r != "megatron" or size == 1 or p == Shard(read[1])
                                    for p, r, size in zip(spec.placements, roles, sizes))
 
-    def weight_ok(spec, matrix: bool, *, whole: tuple[str, ...] = ("dp", "zero")) -> bool:
+    def weight_ok(spec, matrix: bool, *, whole: tuple[str, ...] = ("dp", "zero", "ep"),
+                  experts: bool = False) -> bool:
         """Roles ``whole`` keep a weight whole (data-parallel families read weights whole; ZeRO-3
-        stores them split but reads them whole); megatron splits (and reads split) a matrix."""
-        return spec is None or all((r not in whole or isinstance(p, Replicate))
-                                   and (r != "megatron" or not matrix or size == 1 or isinstance(p, Shard))
+        stores them split but reads them whole) -- experts' weights may be split by expert on an
+        ``ep`` axis; megatron splits (and reads split) a matrix, experts' aside (as the product's
+        MoE plugin, which splits experts by ``ep_size`` only)."""
+        return spec is None or all((r not in whole or isinstance(p, Replicate)
+                                    or (experts and r == "ep" and p == Shard(0)))
+                                   and (r != "megatron" or not matrix or size == 1 or isinstance(p, Shard)
+                                        or experts)  # experts are split by ep, not by Megatron's tp
                                    for p, r, size in zip(spec.placements, roles, sizes))
 
-    def _judge(kind: str, choice: Choice, slots: tuple[int, ...], matrix: bool) -> bool:
+    def _judge(kind: str, choice: Choice, slots: tuple[int, ...], matrix: bool, experts: bool) -> bool:
         if kind in ("parameter", "buffer"):
-            return weight_ok(choice.output_specs[0], matrix, whole=("dp",))
+            return weight_ok(choice.output_specs[0], matrix, whole=("dp", "ep"), experts=experts)
         # An op made from weights only (all its slots weights) outputs a weight copy.
         made_from_weights = bool(slots) and all(slots)
         specs = [] if made_from_weights else list(choice.output_specs)
@@ -226,6 +255,20 @@ def make_restriction(roles: Sequence[str], *, zero_stage: int | None = None, mes
         for spec in specs:
             if spec is not None and not all(_activation_ok(p, r) for p, r in zip(spec.placements, roles)):
                 return False
-        return all(weight_ok(spec, m) for spec, m in weight_specs)
+        return all(weight_ok(spec, m, experts=experts) for spec, m in weight_specs)
 
     return allowed
+
+
+_EXPERTS = torch.ops.autopar.moe_experts.default
+
+
+def _feeds_experts(node: fx.Node, memo: dict[fx.Node, bool], depth: int = 0) -> bool:
+    """A value read by a MoE experts op, directly or through a few ops (a bf16 plan's cast)."""
+    if node in memo:
+        return memo[node]
+    found = any(user.target is _EXPERTS or (depth < _WEIGHT_CHAIN and user.op == "call_function"
+                                            and _feeds_experts(user, memo, depth + 1)) for user in node.users)
+    if found or depth == 0:  # a False deeper down may only mean the cap was reached from there
+        memo[node] = found
+    return found

@@ -12,12 +12,12 @@ from autopar.tracer import profile, trace
 from autopar.tracer.experts import experts_as_ops, is_experts_module
 
 
-def mixtral():
+def mixtral(vocab: int = 101):
     from transformers import MixtralConfig, MixtralForCausalLM
 
     torch.manual_seed(0)
     return MixtralForCausalLM(MixtralConfig(
-        vocab_size=101, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2))
 
 
