@@ -22,7 +22,7 @@ from typing import Protocol, Sequence
 
 import torch
 
-from autopar.layout.placement import TensorSpec
+from autopar.layout.placement import Replicate, TensorSpec
 from autopar.strategies.registry import OpInfo
 
 __all__ = ["Comm", "KernelContext"]
@@ -45,6 +45,9 @@ class KernelContext:
     input_specs: tuple[TensorSpec | None, ...]
     output_specs: tuple[TensorSpec | None, ...]
     mesh_shape: tuple[int, ...]
+    # (input slot, mesh axis, owner coordinate): on that axis the slot's dim-0 split is not even
+    # but whole on the owner and empty on its peers (a table-wise table, ``Plan.tables``).
+    owners: tuple[tuple[int, int, int], ...] = ()
 
     def coords(self) -> tuple[int, ...]:
         return tuple(self.comm.coordinate(a) for a in range(len(self.mesh_shape)))
@@ -58,7 +61,14 @@ class KernelContext:
     def local_range(self, name: str, dim: int) -> tuple[int, int]:
         """[start, stop) of this rank's piece of input ``name`` along ``dim`` (global indices)."""
         meta = self.info.input(name)
-        sl = self.spec(name).local_slices(meta.shape, self.mesh_shape, self.coords())[dim]
+        spec, coords = self.spec(name), self.coords()
+        owned = [(axis, owner) for slot, axis, owner in self.owners
+                 if dim == 0 and slot == self.info.slot_index(name)]
+        for axis, _ in owned:
+            spec = spec.with_placement(axis, Replicate())
+        sl = spec.local_slices(meta.shape, self.mesh_shape, coords)[dim]
+        if any(coords[axis] != owner for axis, owner in owned):
+            return sl.start, sl.start  # a peer of the owner holds none of it
         return sl.start, sl.stop
 
     def axes_sharding(self, name: str, dim: int) -> tuple[int, ...]:
