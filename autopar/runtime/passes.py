@@ -44,6 +44,7 @@ from autopar.plans import NodePlan, Plan
 from autopar.runtime.bucketing import GradBucketer, bucket_cap_bytes
 from autopar.runtime.nodes import Collective, GradAllReduce, KernelCall, kernel_context
 from autopar.runtime.process_mesh import ProcessMesh
+from autopar.runtime.table_wise import kernel_owners, owners_of
 from autopar.layout.conversion import STEP_KINDS, plan_conversion
 from autopar.layout.placement import TensorSpec
 from autopar.strategies import OpInfo, Strategy, get_kernel, input_nodes, strategies_for
@@ -148,6 +149,7 @@ class _Emitter:
         # Gradients are summed in this dtype (fp32 by default, also under bf16/fp16 compute).
         self.reduce_dtype = compute_dtype(plan.reduce_dtype)
         self.decisions = {n.name: n for n in plan.nodes}
+        self.table_owners = owners_of(plan)
         self.graph = fx.Graph()
         self.modules: dict[str, torch.nn.Module] = {}
         self.specs: dict[str, TensorSpec] = {}
@@ -311,8 +313,10 @@ class _Emitter:
     def _kernel(self, node: fx.Node, info: OpInfo, strategy: Strategy, bound: dict) -> fx.Node:
         kernel = get_kernel(strategy.kernel)
         name = self._unique(strategy.kernel)
-        self.modules[name] = KernelCall(kernel.name, kernel.fn, kernel_context(info, strategy, self.pmesh),
-                                        tuple(bound))
+        # A table-wise table whole on one device (Plan.tables): the kernel reads its rows from there.
+        weight = input_nodes(node)[0].name if input_nodes(node) else ""
+        ctx = kernel_context(info, strategy, self.pmesh, owners=kernel_owners(weight, self.table_owners))
+        self.modules[name] = KernelCall(kernel.name, kernel.fn, ctx, tuple(bound))
         self.kernels.append(name)
         return self.graph.create_node("call_module", name, tuple(bound.values()), name=node.name)
 

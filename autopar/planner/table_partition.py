@@ -1,0 +1,175 @@
+"""Table-wise embedding tables: which device owns each one (TorchRec's enumerate-then-partition).
+
+The ILP prices a table-wise lookup (``strategies/_embedding_bag.py``: table ``Shard(0)`` and
+pooled output ``Shard(0)`` on an axis) at its balanced share: every device of the axis is charged
+``1/n`` of the table's bytes (parameter, gradient, optimizer state), ``1/n`` of the full-batch
+lookup, and its part of the pooled outputs' all-to-all. What runs is the whole table on ONE device
+of the axis and nothing on its peers, so after the solve ``partition`` gives each such table an
+owner: tables largest first, each onto the coordinate whose devices are least loaded so far (by
+table bytes; a table table-wise over several axes has one owner coordinate per axis). The real
+per-device peak is the planned peak plus the most any device holds over the balanced share it was
+charged; ``fit_tables`` re-solves under a budget lowered by that overflow while it does not fit.
+
+A table is owned only when its storage is exactly the layout its lookups read (so no conversion
+touches an owned table), every consumer is a table-wise lookup over the same axes, and neither
+ZeRO nor offload splits it further; otherwise it stays evenly split by rows, which the same
+kernel runs exactly (each rank pools its rows, the reduce-scatter sums them) -- listed in
+``Plan.solver["tables"]["even"]`` with the reason.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from autopar.plans import Plan, TableOwner
+from autopar.strategies._embedding_bag import table_wise_axes
+
+__all__ = ["TablePartition", "partition", "fit_tables", "with_tables", "MAX_TABLE_REFITS"]
+
+BAGS = (torch.ops.aten._embedding_bag.default, torch.ops.aten._embedding_bag_forward_only.default)
+MAX_TABLE_REFITS = 3
+
+
+@dataclass(frozen=True)
+class TablePartition:
+    """Owners of the table-wise tables and what they cost in memory.
+
+    owners:      one ``TableOwner`` per owned table, graph order.
+    device_bytes: per mesh coordinate, the owned tables' bytes it holds (with gradient and state).
+    charged_bytes: what the ILP charged every device for those tables (their balanced shares).
+    even:        table FQN -> why a table-wise lookup's table stays evenly split.
+    """
+
+    owners: tuple[TableOwner, ...] = ()
+    device_bytes: dict[tuple[int, ...], int] = field(default_factory=dict)
+    charged_bytes: int = 0
+    even: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def excess_bytes(self) -> int:
+        """The most any device holds over what it was charged (0 with no owned table)."""
+        return max(self.device_bytes.values(), default=self.charged_bytes) - self.charged_bytes
+
+    def info(self) -> dict:
+        loads = sorted(self.device_bytes.values())
+        return {"owned": len(self.owners), "charged_bytes": self.charged_bytes, "excess_bytes": self.excess_bytes,
+                "device_bytes_min": loads[0] if loads else 0, "device_bytes_max": loads[-1] if loads else 0,
+                "even": dict(self.even)}
+
+
+@dataclass(frozen=True)
+class _Candidate:
+    param: str
+    fqn: str
+    axes: tuple[int, ...]
+    charged: int  # bytes per device the ILP charged (the balanced share)
+    held: int  # bytes on the owner
+
+
+def _candidates(traced, built, choice: dict[str, str]) -> tuple[list[_Candidate], dict[str, str]]:
+    shape = built.mesh.shape
+    lookups: dict[str, list[tuple[tuple[int, ...], str]]] = {}
+    for node in traced.gm.graph.nodes:
+        if node.target in BAGS and node.name in choice:
+            c = built.choice_of(node.name, choice[node.name])
+            tw = table_wise_axes(c.input_specs, c.output_specs, shape)
+            lookups.setdefault(node.args[0].name, []).append((tw, str(c.input_specs[0])))
+    out, even = [], {}
+    for param, reads in lookups.items():
+        axes = reads[0][0]
+        if not any(tw for tw, _ in reads):
+            continue
+        fqn = built.decision(param).module if param in choice else param
+        reason = _why_even(traced, built, choice, param, reads)
+        if reason:
+            even[fqn] = reason
+            continue
+        c = built.choice_of(param, choice[param])
+        node = built.problem.node(param)
+        charged = node.options[node.option_index(choice[param])].param_bytes
+        out.append(_Candidate(param, fqn, axes, charged, charged * math.prod(shape[a] for a in axes)))
+    return out, even
+
+
+def _why_even(traced, built, choice, param: str, reads) -> str:
+    if param not in choice:
+        return "the table is not a planned parameter"
+    if len({r for r in reads}) > 1 or not reads[0][0]:
+        return "its lookups read it in different layouts"
+    users = [u for u in traced.node(param).users]
+    if any(u.target not in BAGS for u in users):
+        return "it is read by other ops than its lookups"
+    c = built.choice_of(param, choice[param])
+    if str(c.output_specs[0]) != reads[0][1]:
+        return f"stored {c.output_specs[0]}, read {reads[0][1]} (a conversion would touch the owned table)"
+    if c.zero_stage:
+        return f"ZeRO-{c.zero_stage} splits it"
+    if "off:" in choice[param]:
+        return "it is offloaded"
+    return ""
+
+
+def partition(traced, built, choice: dict[str, str]) -> TablePartition:
+    """Owners for the table-wise tables of ``choice`` (decision -> option name on ``built``)."""
+    tables, even = _candidates(traced, built, choice)
+    shape = built.mesh.shape
+    loads = {c: 0 for c in itertools.product(*(range(n) for n in shape))}
+    owners = {}
+    for t in sorted(tables, key=lambda t: (-t.held, t.fqn)):
+        best = None
+        for owner in itertools.product(*(range(shape[a]) for a in t.axes)):
+            landing = [d for d in loads if all(d[a] == o for a, o in zip(t.axes, owner))]
+            key = (max(loads[d] for d in landing) + t.held, sum(loads[d] for d in landing), owner)
+            if best is None or key < best[0]:
+                best = (key, owner, landing)
+        _, owner, landing = best
+        for d in landing:
+            loads[d] += t.held
+        owners[t.param] = TableOwner(t.param, t.fqn, t.axes, owner)
+    ordered = tuple(owners[t.param] for t in tables)
+    return TablePartition(ordered, loads if tables else {}, sum(t.charged for t in tables), even)
+
+
+def with_tables(plan: Plan, placed: TablePartition) -> Plan:
+    """``plan`` with its table owners, and its peak and parameter bytes on the fullest device."""
+    if not placed.owners and not placed.even:
+        return plan
+    excess = placed.excess_bytes
+    estimate = replace(plan.estimate, peak_bytes=plan.estimate.peak_bytes + excess,
+                       param_bytes=plan.estimate.param_bytes + excess)
+    return replace(plan, tables=placed.owners, estimate=estimate, solver={**plan.solver, "tables": placed.info()})
+
+
+def fit_tables(traced, built, rc, *, replan, progress=None):
+    """``(rc, partition)``: ``rc`` (``plan_recompute``'s outcome on ``built``) or a re-plan under a
+    lower budget, whose peak with every table-wise table whole on its owner fits ``built``'s
+    budget. ValueError naming the overflow when ``MAX_TABLE_REFITS`` re-solves do not."""
+    from autopar.planner.offload_fit import replace_budget
+
+    budget = built.problem.budget_bytes
+    solved = budget
+    for attempt in range(MAX_TABLE_REFITS + 1):
+        placed = partition(traced, built, rc.choice)
+        over = rc.evaluation.peak_bytes + placed.excess_bytes - (budget if budget is not None else 0)
+        if budget is None or over <= 0:
+            return rc, placed
+        if attempt == MAX_TABLE_REFITS:
+            break
+        # The fullest device holds ``excess`` over its share: leave that much room, and go at
+        # least 1/64 of the budget lower each round (the owners change with the plan).
+        solved = min(solved - over, solved - budget // 64)
+        detail = f"owned tables put {placed.excess_bytes} B over the balanced share on one device"
+        stage = progress.stage(f"table refit {attempt + 1}", f"{detail}: re-solving under {solved} B") \
+            if progress is not None else None
+        if stage is None:
+            rc = replan(replace_budget(built, solved))
+        else:
+            with stage:
+                rc = replan(replace_budget(built, solved))
+    raise ValueError(f"table-wise placement: with each table-wise table whole on one device, the fullest device "
+                     f"needs {rc.evaluation.peak_bytes + placed.excess_bytes} B, over the budget {budget} B, after "
+                     f"{MAX_TABLE_REFITS} re-solves under lower budgets. Give a larger budget.")
