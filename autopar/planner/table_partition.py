@@ -41,6 +41,7 @@ class TablePartition:
     owners:      one ``TableOwner`` per owned table, graph order.
     device_bytes: per mesh coordinate, the owned tables' bytes it holds (with gradient and state).
     charged_bytes: what the ILP charged every device for those tables (their balanced shares).
+    device_lookup_s / charged_lookup_s: the same for the tables' lookups (forward + backward seconds).
     even:        table FQN -> why a table-wise lookup's table stays evenly split.
     """
 
@@ -48,6 +49,13 @@ class TablePartition:
     device_bytes: dict[tuple[int, ...], int] = field(default_factory=dict)
     charged_bytes: int = 0
     even: dict[str, str] = field(default_factory=dict)
+    device_lookup_s: dict[tuple[int, ...], float] = field(default_factory=dict)
+    charged_lookup_s: float = 0.0
+
+    @property
+    def excess_lookup_s(self) -> float:
+        """The most lookup seconds any device spends over its charged share (the step waits for it)."""
+        return max(0.0, max(self.device_lookup_s.values(), default=0.0) - self.charged_lookup_s)
 
     @property
     def excess_bytes(self) -> int:
@@ -57,6 +65,7 @@ class TablePartition:
     def info(self) -> dict:
         loads = sorted(self.device_bytes.values())
         return {"owned": len(self.owners), "charged_bytes": self.charged_bytes, "excess_bytes": self.excess_bytes,
+                "excess_lookup_s": self.excess_lookup_s,
                 "device_bytes_min": loads[0] if loads else 0, "device_bytes_max": loads[-1] if loads else 0,
                 "even": dict(self.even)}
 
@@ -68,16 +77,22 @@ class _Candidate:
     axes: tuple[int, ...]
     charged: int  # bytes per device the ILP charged (the balanced share)
     held: int  # bytes on the owner
+    charged_s: float  # lookup seconds per device the ILP charged
+    held_s: float  # lookup seconds on the owner
 
 
 def _candidates(traced, built, choice: dict[str, str]) -> tuple[list[_Candidate], dict[str, str]]:
     shape = built.mesh.shape
     lookups: dict[str, list[tuple[tuple[int, ...], str]]] = {}
+    seconds: dict[str, float] = {}
     for node in traced.gm.graph.nodes:
         if node.target in BAGS and node.name in choice:
             c = built.choice_of(node.name, choice[node.name])
             tw = table_wise_axes(c.input_specs, c.output_specs, shape)
             lookups.setdefault(node.args[0].name, []).append((tw, str(c.input_specs[0])))
+            op = built.problem.node(node.name)
+            seconds[node.args[0].name] = (seconds.get(node.args[0].name, 0.0)
+                                          + op.options[op.option_index(choice[node.name])].compute_s)
     out, even = [], {}
     for param, reads in lookups.items():
         axes = reads[0][0]
@@ -91,7 +106,8 @@ def _candidates(traced, built, choice: dict[str, str]) -> tuple[list[_Candidate]
         c = built.choice_of(param, choice[param])
         node = built.problem.node(param)
         charged = node.options[node.option_index(choice[param])].param_bytes
-        out.append(_Candidate(param, fqn, axes, charged, charged * math.prod(shape[a] for a in axes)))
+        n = math.prod(shape[a] for a in axes)
+        out.append(_Candidate(param, fqn, axes, charged, charged * n, seconds[param], seconds[param] * n))
     return out, even
 
 
@@ -118,29 +134,36 @@ def partition(traced, built, choice: dict[str, str]) -> TablePartition:
     tables, even = _candidates(traced, built, choice)
     shape = built.mesh.shape
     loads = {c: 0 for c in itertools.product(*(range(n) for n in shape))}
+    busy = dict.fromkeys(loads, 0.0)
     owners = {}
-    for t in sorted(tables, key=lambda t: (-t.held, t.fqn)):
+    for t in sorted(tables, key=lambda t: (-t.held, -t.held_s, t.fqn)):
         best = None
         for owner in itertools.product(*(range(shape[a]) for a in t.axes)):
             landing = [d for d in loads if all(d[a] == o for a, o in zip(t.axes, owner))]
-            key = (max(loads[d] for d in landing) + t.held, sum(loads[d] for d in landing), owner)
+            # Memory first (the budget is hard), then lookup time, then the emptier devices.
+            key = (max(loads[d] for d in landing) + t.held, max(busy[d] for d in landing) + t.held_s,
+                   sum(loads[d] for d in landing), owner)
             if best is None or key < best[0]:
                 best = (key, owner, landing)
         _, owner, landing = best
         for d in landing:
             loads[d] += t.held
+            busy[d] += t.held_s
         owners[t.param] = TableOwner(t.param, t.fqn, t.axes, owner)
     ordered = tuple(owners[t.param] for t in tables)
-    return TablePartition(ordered, loads if tables else {}, sum(t.charged for t in tables), even)
+    return TablePartition(ordered, loads if tables else {}, sum(t.charged for t in tables), even,
+                          busy if tables else {}, sum(t.charged_s for t in tables))
 
 
 def with_tables(plan: Plan, placed: TablePartition) -> Plan:
-    """``plan`` with its table owners, and its peak and parameter bytes on the fullest device."""
+    """``plan`` with its table owners, its peak and parameter bytes on the fullest device, and its
+    step and compute seconds with the busiest device's lookups."""
     if not placed.owners and not placed.even:
         return plan
-    excess = placed.excess_bytes
+    excess, slow = placed.excess_bytes, placed.excess_lookup_s
     estimate = replace(plan.estimate, peak_bytes=plan.estimate.peak_bytes + excess,
-                       param_bytes=plan.estimate.param_bytes + excess)
+                       param_bytes=plan.estimate.param_bytes + excess, step_s=plan.estimate.step_s + slow,
+                       compute_s=plan.estimate.compute_s + slow)
     return replace(plan, tables=placed.owners, estimate=estimate, solver={**plan.solver, "tables": placed.info()})
 
 

@@ -136,11 +136,28 @@ def embedding_bag_sharded(ctx: KernelContext, weight, indices, offsets, scale_gr
     if tw:
         mine = ctx.output_specs[0].local_slices(out_meta.shape, ctx.mesh_shape, ctx.coords())[0]
         keep_bags = slice(mine.start - b0, mine.stop - b0)
-        out = _ScatterBags.apply(out, ctx.comm, tw, keep_bags)
+        owners = {axis: owner for slot, axis, owner in ctx.owners if slot == 0}
+        if set(owners) == set(tw):
+            out = _scatter_from_owner(ctx, out, tw, owners)
+        else:
+            out = _ScatterBags.apply(out, ctx.comm, tw, keep_bags)
         max_indices = None if max_indices is None else max_indices[keep_bags]
     offset2bag, bag_size, aux_max = _bookkeeping(op, weight, indices, offsets, mode, per_sample_weights,
                                                  include_last_offset, padding_idx)
     return out, offset2bag, bag_size, aux_max if max_indices is None else max_indices
+
+
+def _scatter_from_owner(ctx: KernelContext, pooled, axes: tuple[int, ...], owners: dict[int, int]):
+    """An owned table: the owner's pooled bags are the whole sum, so each table-wise axis in turn
+    scatters them from the owner's coordinate (mixed radix: the lowest axis is the major digit),
+    among the ranks that hold them by then (those at the owner's coordinates on the later axes)."""
+    coords = ctx.coords()
+    for k, axis in enumerate(axes):
+        if all(coords[a] == owners[a] for a in axes[k + 1:]):
+            pooled = ctx.comm.scatter(pooled, axis, owners[axis])
+        else:  # not holding them yet: the right size, no value (a later axis's scatter overwrites it)
+            pooled = pooled[:pooled.shape[0] // ctx.mesh_shape[axis]]
+    return pooled
 
 
 class _ScatterBags(torch.autograd.Function):

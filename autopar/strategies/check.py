@@ -95,6 +95,15 @@ class SimWorld:
         group.barrier.wait()  # nobody overwrites a slot before everyone has read it
         return result
 
+    def exchange(self, tensor: torch.Tensor, axes: tuple[int, ...], coord: tuple[int, ...]) -> list[torch.Tensor]:
+        """Every rank's ``tensor`` of the group, in rank order (an all-gather of whole tensors)."""
+        group, rank = self.group(axes, coord)
+        group.slots[rank] = tensor
+        group.barrier.wait()
+        result = [t.clone() for t in group.slots]
+        group.barrier.wait()
+        return result
+
 
 class _AllReduceSum(torch.autograd.Function):
     @staticmethod
@@ -105,6 +114,23 @@ class _AllReduceSum(torch.autograd.Function):
     def backward(ctx, grad):
         # The result is replicated, so its gradient arrives replicated: identity (the gradient-layout invariant).
         return grad, None, None, None
+
+
+class _Scatter(torch.autograd.Function):
+    """``Comm.scatter`` among threads; backward gathers the chunks' gradients onto ``src``."""
+
+    @staticmethod
+    def forward(ctx, tensor, world, axis, coord, src):
+        ctx.world, ctx.axis, ctx.coord, ctx.src = world, axis, coord, src
+        chunks = world.exchange(tensor.detach(), (axis,), coord)
+        n = world.mesh_shape[axis]
+        return chunks[src].chunk(n)[coord[axis]].clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        pieces = ctx.world.exchange(grad.contiguous(), (ctx.axis,), ctx.coord)
+        full = torch.cat(pieces)
+        return (full if ctx.coord[ctx.axis] == ctx.src else torch.zeros_like(full)), None, None, None, None
 
 
 class SimComm:
@@ -120,6 +146,9 @@ class SimComm:
         if op == "sum":
             return _AllReduceSum.apply(tensor, self.world, axes, self.coord)
         return self.world.reduce(tensor.detach(), axes, self.coord, op)
+
+    def scatter(self, tensor: torch.Tensor, axis: int, src: int) -> torch.Tensor:
+        return _Scatter.apply(tensor, self.world, axis, self.coord, src)
 
     def coordinate(self, axis: int) -> int:
         return self.coord[axis]

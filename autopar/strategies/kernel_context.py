@@ -8,6 +8,10 @@ other ranks of a mesh axis group only through ``Comm``:
   its backward is the identity: under the gradient layout invariant the result is replicated,
   so its gradient arrives replicated and each rank keeps it for its own summand. ``op="max"``
   is not differentiable (the result never requires grad; kernels use it on detached values).
+- ``scatter(t, axis, src)`` -- the rank at coordinate ``src`` of ``axis`` splits its ``t`` along
+  dim 0 into ``size(axis)`` equal chunks and each rank of the axis gets its own (the others'
+  ``t`` only gives the shape). Differentiable: backward gathers the chunks' gradients onto
+  ``src``; the others' input gradient is zeros.
 - ``coordinate(axis)`` -- this rank's index along ``axis``.
 - ``size(axis)``       -- the number of ranks along ``axis``.
 
@@ -30,6 +34,8 @@ __all__ = ["Comm", "KernelContext"]
 
 class Comm(Protocol):
     def all_reduce(self, tensor: torch.Tensor, axes: int | Sequence[int], op: str = "sum") -> torch.Tensor: ...
+
+    def scatter(self, tensor: torch.Tensor, axis: int, src: int) -> torch.Tensor: ...
 
     def coordinate(self, axis: int) -> int: ...
 
