@@ -15,6 +15,8 @@ liveness, so the figures compare in one cost model). The families, in TorchRec's
 - ``data-parallel``: every table replicated, each device pooling its slice of the batch;
 - ``dp x row-wise``: data-parallel over axis 0, row-wise over the others (rows split inside a
   node, every table replicated across nodes: the gradient all-reduce crosses nodes);
+- ``dp x table-wise``: data-parallel over axis 0, table-wise over the others (each table whole on
+  one device of every node; its gradient all-reduced across the nodes' owners);
 - ``column x row-wise``: column-wise over axis 0, row-wise over the others (TorchRec's
   table-row-wise -- a table on one node, rows split inside it -- is table-wise over axis 0 and
   row-wise inside; not a family here).
@@ -39,7 +41,8 @@ _BAGS = (torch.ops.aten._embedding_bag.default, torch.ops.aten._embedding_bag_fo
 # Per-axis roles: (the table's placement, the pooled output's placement or None for any).
 _ROW, _TABLE = (Shard(0), Partial()), (Shard(0), Shard(0))
 _COLUMN, _DATA = (Shard(1), None), (Replicate(), Shard(0))
-TABLE_FAMILIES = ("row-wise", "table-wise", "column-wise", "data-parallel", "dp x row-wise", "column x row-wise")
+TABLE_FAMILIES = ("row-wise", "table-wise", "column-wise", "data-parallel", "dp x row-wise", "dp x table-wise",
+                  "column x row-wise")
 
 
 def table_roles(family: str, num_axes: int) -> tuple[tuple[Placement, Placement | None], ...]:
@@ -49,6 +52,8 @@ def table_roles(family: str, num_axes: int) -> tuple[tuple[Placement, Placement 
         return (roles[family],) * num_axes
     if family in ("dp x row-wise", "column x row-wise"):
         return ((_DATA if family.startswith("dp") else _COLUMN),) + (_ROW,) * (num_axes - 1)
+    if family == "dp x table-wise":
+        return (_DATA,) + (_TABLE,) * (num_axes - 1)
     raise ValueError(f"unknown table family {family!r}; known: {TABLE_FAMILIES}")
 
 

@@ -45,6 +45,7 @@ from autopar.runtime.bucketing import GradBucketer, bucket_cap_bytes
 from autopar.runtime.nodes import Collective, GradAllReduce, KernelCall, kernel_context
 from autopar.runtime.process_mesh import ProcessMesh
 from autopar.runtime.table_wise import kernel_owners, owners_of
+from autopar.runtime.table_wise import local_shape as table_local_shape
 from autopar.layout.conversion import STEP_KINDS, plan_conversion
 from autopar.layout.placement import TensorSpec
 from autopar.strategies import OpInfo, Strategy, get_kernel, input_nodes, strategies_for
@@ -349,8 +350,11 @@ class _Emitter:
                 # A bf16 cast of a parameter is bucketed as the parameter itself: its gradient
                 # is summed in ``reduce_dtype`` and lands in the fp32 master's .grad.
                 dtype = val.dtype if param is src else self.reduce_dtype
-                slot = self.bucketer.add_slot(param.name, axes, want.local_shape(tuple(val.shape), self.mesh_shape),
-                                              dtype, shard=self.decisions[param.name].zero_stage == 2)
+                owner = self.table_owners.get(param.name)  # a table-wise table: its owner's shape
+                shape = (want.local_shape(tuple(val.shape), self.mesh_shape) if owner is None
+                         else table_local_shape(want, owner, tuple(val.shape), self.pmesh))
+                slot = self.bucketer.add_slot(param.name, axes, shape, dtype,
+                                              shard=self.decisions[param.name].zero_stage == 2)
                 self.converted[key] = self.graph.call_module(
                     self.comm_names[GRAD_BUCKET], (node,), {"axes": tuple(axes), "slot": slot})
             if key not in self.converted:

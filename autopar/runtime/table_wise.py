@@ -29,7 +29,7 @@ from autopar.layout.placement import Replicate, TensorSpec
 from autopar.plans import Plan, TableOwner
 from autopar.runtime.process_mesh import ProcessMesh
 
-__all__ = ["owners_of", "held_spec", "holds", "cut", "gather", "to_table_dtensor", "kernel_owners"]
+__all__ = ["owners_of", "held_spec", "holds", "cut", "gather", "local_shape", "to_table_dtensor", "kernel_owners"]
 
 
 def owners_of(plan: Plan) -> dict[str, TableOwner]:
@@ -87,16 +87,23 @@ def gather(local: torch.Tensor, spec: TensorSpec, owner: TableOwner, pmesh: Proc
     return value
 
 
+def local_shape(spec: TensorSpec, owner: TableOwner, global_shape: Sequence[int], pmesh: ProcessMesh
+                ) -> tuple[int, ...]:
+    """This rank's local shape of the table: the owner's whole along the owned axes, zero rows elsewhere."""
+    shape = list(held_spec(spec, owner).local_shape(tuple(global_shape), pmesh.shape))
+    if not holds(owner, pmesh.coordinate):
+        shape[0] = 0
+    return tuple(shape)
+
+
 def to_table_dtensor(local: torch.Tensor, spec: TensorSpec, owner: TableOwner, pmesh: ProcessMesh,
                      global_shape: Sequence[int]) -> DTensor:
     """``local`` (the owner's whole table, or a peer's zero rows) as a DTensor with the plan's
     placements, sharing its storage."""
     from autopar.runtime.dtensors import _contiguous_stride, dtensor_placements
 
-    want = list(held_spec(spec, owner).local_shape(tuple(global_shape), pmesh.shape))
-    if not holds(owner, pmesh.coordinate):
-        want[0] = 0
-    if list(local.shape) != want:
+    want = local_shape(spec, owner, global_shape, pmesh)
+    if tuple(local.shape) != want:
         raise ValueError(f"table {owner.fqn!r}: local shape {tuple(local.shape)} on this rank, expected {tuple(want)} "
                          f"({'owner' if holds(owner, pmesh.coordinate) else 'a peer of the owner'})")
     return DTensor.from_local(local.detach(), pmesh.device_mesh, dtensor_placements(spec), run_check=False,

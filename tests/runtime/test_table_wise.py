@@ -3,7 +3,8 @@
 The zoo's tiny DLRM (four tables pooling by sum, mean, max and sum over jagged bags) is planned
 with every table's lookup pinned table-wise (``fixed``: table and pooled output ``Shard(0)`` on an
 axis), with a mix of table-wise, row-wise, column-wise and data-parallel tables, and with every
-table table-wise on every axis (each on one device of the mesh: ``planner.table_families``); the
+table table-wise on every axis (each on one device of the mesh: ``planner.table_families``) or,
+on (2, 2), data-parallel over axis 0 and table-wise over axis 1; the
 planner's partition (``planner.table_partition``) names an owner per table-wise table (``Plan.tables``).
 On (2,) and (2, 2), every rank checks: the owner holds the whole table and its peers none; the
 loss, every gradient, the global gradient norm before each of 5 clipped AdamW steps, the full
@@ -137,10 +138,13 @@ def test_table_wise_dlrm_trains_like_one_device(shape):
         assert not plan.fallbacks and len(plan.tables) == want, (label, plan.tables, plan.solver.get("tables"))
         plans.append((f"dlrm {shape} {label}: {[str(t) for t in plan.tables]}", plan.to_json()))
     # Every table table-wise on every axis: each whole on one device of the mesh (TorchRec's table-wise).
+    # On (2, 2) also data-parallel over axis 0 x table-wise over axis 1: the owners' gradients are
+    # all-reduced across axis 0 (owner and peer shapes differ, but never inside one axis-0 group).
     built = plan_traced(traced, prof, mesh=shape, options=PlanOptions()).built
-    family = table_family_plan(traced, built, "table-wise")
-    assert len(family.tables) == 4 and all(t.axes == tuple(range(len(shape))) for t in family.tables)
-    plans.append((f"dlrm {shape} tables table-wise: {[str(t) for t in family.tables]}", family.to_json()))
+    for name, axes in [("table-wise", tuple(range(len(shape))))] + [("dp x table-wise", (1,))] * (len(shape) == 2):
+        family = table_family_plan(traced, built, name)
+        assert len(family.tables) == 4 and all(t.axes == axes for t in family.tables), family.tables
+        plans.append((f"dlrm {shape} tables {name}: {[str(t) for t in family.tables]}", family.to_json()))
     ref = reference(model, inputs)
     errors = run_local(_train, 2 if len(shape) == 1 else 4, model, traced, plans, inputs, ref, timeout=400)
     flat = [e for rank_errors in errors for e in rank_errors]
