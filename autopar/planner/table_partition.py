@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -28,7 +29,7 @@ import torch
 from autopar.plans import Plan, TableOwner
 from autopar.strategies._embedding_bag import table_wise_axes
 
-__all__ = ["TablePartition", "partition", "fit_tables", "with_tables", "MAX_TABLE_REFITS"]
+__all__ = ["TablePartition", "partition", "fit_tables", "charge_lookups", "with_tables", "MAX_TABLE_REFITS"]
 
 BAGS = (torch.ops.aten._embedding_bag.default, torch.ops.aten._embedding_bag_forward_only.default)
 MAX_TABLE_REFITS = 3
@@ -168,31 +169,77 @@ def with_tables(plan: Plan, placed: TablePartition) -> Plan:
 
 
 def fit_tables(traced, built, rc, *, replan, progress=None):
-    """``(rc, partition)``: ``rc`` (``plan_recompute``'s outcome on ``built``) or a re-plan under a
-    lower budget, whose peak with every table-wise table whole on its owner fits ``built``'s
-    budget. ValueError naming the overflow when ``MAX_TABLE_REFITS`` re-solves do not."""
+    """``(rc, partition)``: the best of ``rc`` (``plan_recompute``'s outcome on ``built``) and up to
+    ``MAX_TABLE_REFITS`` re-plans, judged with every table-wise table whole on its owner. A plan
+    whose fullest device overflows the budget is re-solved under a budget lowered by the overflow;
+    one whose busiest device's lookups exceed their charged share is re-solved with that
+    device's tables priced at their whole lookup (``charge_lookups``), which the ILP then weighs
+    against other placements. ValueError naming the overflow when no plan fits."""
     from autopar.planner.offload_fit import replace_budget
 
     budget = built.problem.budget_bytes
-    solved = budget
+    best, current, placed = None, built, None
     for attempt in range(MAX_TABLE_REFITS + 1):
+        rc = _on_priced_problem(built, rc)
         placed = partition(traced, built, rc.choice)
-        over = rc.evaluation.peak_bytes + placed.excess_bytes - (budget if budget is not None else 0)
-        if budget is None or over <= 0:
-            return rc, placed
-        if attempt == MAX_TABLE_REFITS:
+        over = rc.evaluation.peak_bytes + placed.excess_bytes - (budget or 0)
+        fits = budget is None or over <= 0
+        step = rc.evaluation.objective + placed.excess_lookup_s
+        if fits and (best is None or step < best[0]):
+            best = (step, rc, placed)
+        # Worth a re-solve from 1% of the step; a Rotor plan's problem is its own (not re-priced).
+        slow = placed.excess_lookup_s > 0.01 * rc.evaluation.objective and rc.method != "rotor"
+        if attempt == MAX_TABLE_REFITS or (fits and not slow):
             break
-        # The fullest device holds ``excess`` over its share: leave that much room, and go at
-        # least 1/64 of the budget lower each round (the owners change with the plan).
-        solved = min(solved - over, solved - budget // 64)
-        detail = f"owned tables put {placed.excess_bytes} B over the balanced share on one device"
-        stage = progress.stage(f"table refit {attempt + 1}", f"{detail}: re-solving under {solved} B") \
-            if progress is not None else None
-        if stage is None:
-            rc = replan(replace_budget(built, solved))
+        if not fits:
+            # Leave the fullest device's overflow free, at least 1/64 of the budget lower each round.
+            solved = current.problem.budget_bytes
+            current = replace_budget(current, min(solved - over, solved - budget // 64))
+            detail = f"owned tables put {placed.excess_bytes} B over the balanced share on one device"
         else:
-            with stage:
-                rc = replan(replace_budget(built, solved))
-    raise ValueError(f"table-wise placement: with each table-wise table whole on one device, the fullest device "
-                     f"needs {rc.evaluation.peak_bytes + placed.excess_bytes} B, over the budget {budget} B, after "
-                     f"{MAX_TABLE_REFITS} re-solves under lower budgets. Give a larger budget.")
+            current = replace(current, problem=charge_lookups(current.problem, built, traced, rc.choice, placed))
+            detail = f"the busiest device's lookups take {placed.excess_lookup_s * 1e3:.3f} ms over their share"
+        try:
+            with (progress.stage(f"table refit {attempt + 1}", f"{detail}: re-solving")
+                  if progress is not None else nullcontext()):
+                rc = replan(current)
+        except ValueError:
+            break
+    if best is None:
+        raise ValueError(f"table-wise placement: with each table-wise table whole on one device, the fullest device "
+                         f"needs {rc.evaluation.peak_bytes + placed.excess_bytes} B, over the budget {budget} B, "
+                         f"after {MAX_TABLE_REFITS} re-solves under lower budgets. Give a larger budget.")
+    return best[1], best[2]
+
+
+def _on_priced_problem(built, rc):
+    """``rc`` evaluated on ``built``'s own problem (a re-solve may have charged extra lookups)."""
+    from autopar.planner.checkpointing import estimate
+
+    if rc.problem is built.problem or rc.method == "rotor":
+        return rc
+    ev = estimate(built, built.problem, rc.choice, rc.units, built.segment_inputs)
+    return replace(rc, evaluation=ev, problem=built.problem)
+
+
+def charge_lookups(problem, built, traced, choice: dict[str, str], placed: TablePartition):
+    """``problem`` with the table-wise options of the busiest device's tables priced at the
+    owner's whole lookup (their compute times the devices they are table-wise over)."""
+    busiest = max(placed.device_lookup_s, key=placed.device_lookup_s.__getitem__)
+    mine = {t.param for t in placed.owners if all(busiest[a] == c for a, c in zip(t.axes, t.owner))}
+    shape = built.mesh.shape
+    nodes = []
+    for node in problem.nodes:
+        fx_node = traced.node(node.name) if node.name in choice else None
+        charged = node.signature.endswith("|whole lookup")
+        if fx_node is None or fx_node.target not in BAGS or fx_node.args[0].name not in mine or charged:
+            nodes.append(node)
+            continue
+        options = []
+        for option, c in zip(node.options, built.decision(node.name).choices):
+            tw = table_wise_axes(c.input_specs, c.output_specs, shape)
+            n = math.prod(shape[a] for a in tw)
+            options.append(replace(option, compute_s=option.compute_s * n) if tw else option)
+        # Its own signature: no longer interchangeable with an uncharged twin table.
+        nodes.append(replace(node, options=tuple(options), signature=f"{node.signature}|whole lookup"))
+    return replace(problem, nodes=tuple(nodes))
