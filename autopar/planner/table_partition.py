@@ -172,9 +172,9 @@ def fit_tables(traced, built, rc, *, replan, progress=None):
     """``(rc, partition)``: the best of ``rc`` (``plan_recompute``'s outcome on ``built``) and up to
     ``MAX_TABLE_REFITS`` re-plans, judged with every table-wise table whole on its owner. A plan
     whose fullest device overflows the budget is re-solved under a budget lowered by the overflow;
-    one whose busiest device's lookups exceed their charged share is re-solved with that
-    device's tables priced at their whole lookup (``charge_lookups``), which the ILP then weighs
-    against other placements. ValueError naming the overflow when no plan fits."""
+    one whose busiest device's lookups exceed their charged share is re-solved with the tables of
+    every device over its share priced at their whole lookup (``charge_lookups``), which the ILP
+    then weighs against other placements. ValueError naming the overflow when no plan fits."""
     from autopar.planner.offload_fit import replace_budget
 
     budget = built.problem.budget_bytes
@@ -197,7 +197,9 @@ def fit_tables(traced, built, rc, *, replan, progress=None):
             current = replace_budget(current, min(solved - over, solved - budget // 64))
             detail = f"owned tables put {placed.excess_bytes} B over the balanced share on one device"
         else:
-            current = replace(current, problem=charge_lookups(current.problem, built, traced, rc.choice, placed))
+            charged = charge_lookups(current.problem, built, traced, rc.choice, placed,
+                                     slack=0.01 * rc.evaluation.objective)
+            current = replace(current, problem=charged)
             detail = f"the busiest device's lookups take {placed.excess_lookup_s * 1e3:.3f} ms over their share"
         try:
             with (progress.stage(f"table refit {attempt + 1}", f"{detail}: re-solving")
@@ -222,11 +224,13 @@ def _on_priced_problem(built, rc):
     return replace(rc, evaluation=ev, problem=built.problem)
 
 
-def charge_lookups(problem, built, traced, choice: dict[str, str], placed: TablePartition):
-    """``problem`` with the table-wise options of the busiest device's tables priced at the
-    owner's whole lookup (their compute times the devices they are table-wise over)."""
-    busiest = max(placed.device_lookup_s, key=placed.device_lookup_s.__getitem__)
-    mine = {t.param for t in placed.owners if all(busiest[a] == c for a, c in zip(t.axes, t.owner))}
+def charge_lookups(problem, built, traced, choice: dict[str, str], placed: TablePartition, *, slack: float = 0.0):
+    """``problem`` with the table-wise options of the tables owned by every device whose lookups
+    exceed their charged share by more than ``slack`` seconds priced at the owner's whole lookup
+    (their compute times the devices they are table-wise over)."""
+    slow = {d for d, s in placed.device_lookup_s.items() if s - placed.charged_lookup_s > slack}
+    mine = {t.param for t in placed.owners
+            if any(all(d[a] == c for a, c in zip(t.axes, t.owner)) for d in slow)}
     shape = built.mesh.shape
     nodes = []
     for node in problem.nodes:
