@@ -170,7 +170,7 @@ def plan_traced(traced: TracedGraph, profile: ModelProfile, *, mesh: MeshSpec | 
     from autopar.planner.assemble import applicable_baselines, assemble_plan
     from autopar.planner.builder import build_problem
     from autopar.planner.checkpointing import plan_recompute
-    from autopar.planner.table_partition import fit_tables, with_tables
+    from autopar.planner.table_partition import TablePartition, fit_tables, with_tables
     from autopar.solver.driver import remembering
 
     mesh = options.mesh(mesh)
@@ -190,7 +190,10 @@ def plan_traced(traced: TracedGraph, profile: ModelProfile, *, mesh: MeshSpec | 
     with remembering():  # one scope for the re-solves (offload's refits): each one's plans are incumbents of the next
         rc = fit_device_room(traced, built, replan(built), options=options, replan=replan, progress=progress)
         # Table-wise tables go whole onto one device each; a re-plan if the fullest then overflows.
-        rc, tables = fit_tables(traced, built, rc, replan=replan, progress=progress)
+        # (The chunk runtime that runs an offloading plan keeps every table evenly split.)
+        tables = TablePartition()
+        if options.offload == "none":
+            rc, tables = fit_tables(traced, built, rc, replan=replan, progress=progress)
     results = ()
     if options.baselines:
         results = tuple(_baseline(name, traced, built, options=options, progress=progress)
