@@ -101,4 +101,6 @@ def test_criteo_1tb_on_8x8_plans_under_a_minute(tmp_path, capsys):
     # Real table-wise: each table whole on one device; the fullest device's peak fits 80 GiB.
     assert isinstance(padded["table-wise"], float) and padded["row-wise"] > padded["autopar"]
     assert record["padded_peak_bytes"]["table-wise"] <= 80 * 2**30
-    assert any(t["owner"] for t in record["tables"])
+    # Each table's line names its owner where it has one (none here: the hot tables' owners would
+    # do their whole batch's lookups, and the planner's re-solve moves them off table-wise).
+    assert all("owner" in t for t in record["tables"]) and padded["table-wise"] > padded["autopar"]
