@@ -178,9 +178,10 @@ def fit_tables(traced, built, rc, *, replan, progress=None):
     from autopar.planner.offload_fit import replace_budget
 
     budget = built.problem.budget_bytes
-    best, current, placed = None, built, None
+    best, current, placed, charged = None, built, None, False
     for attempt in range(MAX_TABLE_REFITS + 1):
-        rc = _on_priced_problem(built, rc)
+        if charged:  # judged on the problem as priced, without the lookups charged for the re-solve
+            rc = _on_priced_problem(built, rc)
         placed = partition(traced, built, rc.choice)
         over = rc.evaluation.peak_bytes + placed.excess_bytes - (budget or 0)
         fits = budget is None or over <= 0
@@ -197,9 +198,9 @@ def fit_tables(traced, built, rc, *, replan, progress=None):
             current = replace_budget(current, min(solved - over, solved - budget // 64))
             detail = f"owned tables put {placed.excess_bytes} B over the balanced share on one device"
         else:
-            charged = charge_lookups(current.problem, built, traced, rc.choice, placed,
+            problem = charge_lookups(current.problem, built, traced, rc.choice, placed,
                                      slack=0.01 * rc.evaluation.objective)
-            current = replace(current, problem=charged)
+            current, charged = replace(current, problem=problem), True
             detail = f"the busiest device's lookups take {placed.excess_lookup_s * 1e3:.3f} ms over their share"
         try:
             with (progress.stage(f"table refit {attempt + 1}", f"{detail}: re-solving")
@@ -218,7 +219,7 @@ def _on_priced_problem(built, rc):
     """``rc`` evaluated on ``built``'s own problem (a re-solve may have charged extra lookups)."""
     from autopar.planner.checkpointing import estimate
 
-    if rc.problem is built.problem or rc.method == "rotor":
+    if rc.method == "rotor":
         return rc
     ev = estimate(built, built.problem, rc.choice, rc.units, built.segment_inputs)
     return replace(rc, evaluation=ev, problem=built.problem)
