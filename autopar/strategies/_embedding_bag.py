@@ -30,14 +30,17 @@ TorchRec's four table placements, in autopar's vocabulary (one placement per mes
   balanced share once the planner spreads the tables over the axis), ids replicated (the ids'
   all-gather, on the edge), output ``Shard(0)`` (the pooled outputs go back to batch-sharded,
   priced as the all-to-all of ``B*D`` bytes forward and backward). The kernel pools *every* bag
-  over the rows this rank holds and reduce-scatters the result over those axes (gradient:
-  all-gathered back), which is exact whichever rows a rank holds: an even row split (the
-  numeric check), or -- what ``planner/table_partition.py`` records in ``Plan.tables`` and the
-  runtime materialises (``runtime/table_wise.py``) -- all rows on the owner and none on its
-  peers (``KernelContext.owners``), where it is the owner's lookup scattered to the batch. Over
+  over the rows this rank holds, then hands each rank its bags. What runs is TorchRec's table-wise
+  where the table is owned -- ``planner/table_partition.py`` records the owner in ``Plan.tables``,
+  the runtime gives it every row and its peers none (``runtime/table_wise.py``,
+  ``KernelContext.owners``) -- and the owner's bags are scattered from it (``Comm.scatter``;
+  backward gathers their gradients onto it). With an even row split (the numeric check; a table
+  the planner could not give an owner) the same lookup is exact as a reduce-scatter, run as a sum
+  all-reduce of the pooled bags (more bytes than priced; such tables are listed in the plan). Over
   several axes the table-wise ones must be minor to any other axis splitting the batch (the
-  owner's bags are then one block). On an ``(hosts, gpus)`` mesh ``R x S(0)`` is still
-  TorchRec's table-row-wise within a host and ``S(0) x R`` row-wise across hosts.
+  owner's bags are then one block). On an ``(hosts, gpus)`` mesh, table-wise over hosts and
+  row-wise over gpus (table ``S0S0``, output ``S0 P``) is TorchRec's table-row-wise; table ``R x
+  S(0)`` is row-wise inside every host, replicated across hosts.
 
 Every option also reads ``per_sample_weights`` replicated; its gradient is partial wherever the
 work is split (derived centrally). ``scale_grad_by_freq`` scales gradients by id frequencies
