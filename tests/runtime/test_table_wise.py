@@ -6,8 +6,8 @@ axis), with a mix of table-wise, row-wise, column-wise and data-parallel tables,
 table table-wise on every axis (each on one device of the mesh: ``planner.table_families``) or,
 on (2, 2), data-parallel over axis 0 and table-wise over axis 1; the
 planner's partition (``planner.table_partition``) names an owner per table-wise table (``Plan.tables``).
-On (2,) and (2, 2), every rank checks: the owner holds the whole table and its peers none; the
-loss, every gradient, the global gradient norm before each of 5 clipped AdamW steps, the full
+On (2,) and (2, 2), every rank checks: the owner holds the whole table and its peers none;
+``verify`` agrees with the all-replicated run; the loss, every gradient, the global gradient norm before each of 5 clipped AdamW steps, the full
 state after them (each table gathered from its owner) and a reload of that state match the
 single-device model; the optimizer holds state for a table only on its owner.
 """
@@ -28,6 +28,7 @@ from autopar.planner.table_families import table_family_plan
 from autopar.plans import Plan
 from autopar.runtime.build import build_module
 from autopar.runtime.launch import run_local
+from autopar.runtime.verify import verify_module
 from autopar.strategies import needs_decomposition
 from autopar.tracer import profile, trace
 from tests.runtime.test_dlrm import pin
@@ -90,6 +91,7 @@ def _train(rank, world, model, traced, plans, inputs, ref):
         plan = Plan.from_json(text)  # what a saved plan gives: the owners survive JSON
         pm = build_module(model, traced, plan, device=torch.device("cpu"))
         errors += layout_errors(pm, label) + _ownership_errors(label, pm, plan)
+        verify_module(pm, inputs)  # autopar's own check against the all-replicated run agrees
         opt = torch.optim.AdamW(pm.parameters(), lr=LR, eps=EPS, foreach=True)
         loss = loss_of(pm(**inputs))
         loss.backward()
