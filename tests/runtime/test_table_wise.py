@@ -4,12 +4,13 @@ The zoo's tiny DLRM (four tables pooling by sum, mean, max and sum over jagged b
 with every table's lookup pinned table-wise (``fixed``: table and pooled output ``Shard(0)`` on an
 axis), with a mix of table-wise, row-wise, column-wise and data-parallel tables, and with every
 table table-wise on every axis (each on one device of the mesh: ``planner.table_families``) or,
-on (2, 2), data-parallel over axis 0 and table-wise over axis 1; the
-planner's partition (``planner.table_partition``) names an owner per table-wise table (``Plan.tables``).
-On (2,) and (2, 2), every rank checks: the owner holds the whole table and its peers none;
-``verify`` agrees with the all-replicated run; the loss, every gradient, the global gradient norm before each of 5 clipped AdamW steps, the full
-state after them (each table gathered from its owner) and a reload of that state match the
-single-device model; the optimizer holds state for a table only on its owner.
+on (2, 2), data-parallel over axis 0 and table-wise over axis 1; the planner's partition
+(``planner.table_partition``) names an owner per table-wise table (``Plan.tables``). On (2,) and
+(2, 2), every rank checks: the owner holds the whole table and its peers none; ``verify`` agrees
+with the all-replicated run; the loss, every gradient, the global gradient norm before each of 5
+clipped AdamW steps, the full state after them (each table gathered from its owner) and a reload
+of that state match the single-device model; the optimizer holds state for a table only on its
+owner, and the Booster's DCP optimizer checkpoint refuses it.
 """
 
 from __future__ import annotations
