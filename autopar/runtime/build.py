@@ -26,7 +26,7 @@ from autopar.runtime.materialize import local_shards
 from autopar.runtime.module import AutoParallelModule
 from autopar.runtime.passes import STATE_KEY, emit_local_graph
 from autopar.runtime.process_mesh import ProcessMesh
-from autopar.runtime.table_wise import owners_of, to_table_dtensor
+from autopar.runtime.table_wise import check_tables, owners_of, to_table_dtensor
 
 __all__ = ["build_module", "check_plan", "runtime_device", "mesh_preset", "attach_tensor"]
 
@@ -65,9 +65,7 @@ def check_plan(plan: Plan, *, graph_hash: str, world_size: int, mesh: MeshSpec |
 def build_module(model: nn.Module, traced, plan: Plan, *, device: torch.device, seed: int = 0,
                  init_weights: bool = True, local_inputs: bool = False) -> AutoParallelModule:
     """Emit the local graph of ``traced`` under ``plan`` and attach this rank's shards."""
-    if plan.tables and (plan.offload or any(n.zero_stage for n in plan.nodes if n.name in owners_of(plan))):
-        raise NotImplementedError(f"plan for {plan.model}: table-wise tables ({', '.join(t.fqn for t in plan.tables)}) "
-                                  f"with ZeRO or offload are not run; re-plan (the planner leaves such tables split)")
+    check_tables(plan, traced)
     if plan.pipeline is not None:
         raise ValueError("the plan is pipelined (Plan.pipeline): build it with "
                          "autopar.runtime.pipeline.build_pipeline(model, micro_batch_trace, plan, device=...)")

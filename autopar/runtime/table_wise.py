@@ -29,7 +29,32 @@ from autopar.layout.placement import Replicate, TensorSpec
 from autopar.plans import Plan, TableOwner
 from autopar.runtime.process_mesh import ProcessMesh
 
-__all__ = ["owners_of", "held_spec", "holds", "cut", "gather", "local_shape", "to_table_dtensor", "kernel_owners"]
+__all__ = ["check_tables", "owners_of", "held_spec", "holds", "cut", "gather", "local_shape", "to_table_dtensor",
+           "kernel_owners"]
+
+
+_BAGS = (torch.ops.aten._embedding_bag.default, torch.ops.aten._embedding_bag_forward_only.default)
+
+
+def check_tables(plan: Plan, traced) -> None:
+    """ValueError / NotImplementedError unless each of ``plan``'s table-wise tables is what the
+    runtime can hold whole on one device: a parameter read only by lookups, in its stored layout
+    (no conversion of the owned table), without ZeRO or offload."""
+    for t in plan.tables:
+        try:
+            stored = plan.node(t.param)
+        except KeyError:
+            raise ValueError(f"Plan.tables names {t.fqn!r} (placeholder {t.param!r}), which the plan does not place")
+        _check(TensorSpec.parse(stored.output_specs[0]), t)
+        if stored.zero_stage or plan.offload:
+            raise NotImplementedError(f"table-wise table {t.fqn!r} under ZeRO or offload is not run; re-plan (the "
+                                      f"planner leaves such tables evenly split)")
+        for user in traced.node(t.param).users:
+            read = plan.node(user.name).input_specs[0] if user.target in _BAGS else None
+            if read != stored.output_specs[0]:
+                raise ValueError(f"table-wise table {t.fqn!r} is stored {stored.output_specs[0]} but node "
+                                 f"{user.name!r} reads it {read or 'as another op'}: an owned table is read only "
+                                 f"by lookups, in its stored layout")
 
 
 def owners_of(plan: Plan) -> dict[str, TableOwner]:

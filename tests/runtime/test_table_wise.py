@@ -159,3 +159,24 @@ def test_table_wise_dlrm_trains_like_one_device(shape):
     errors = run_local(_train, 2 if len(shape) == 1 else 4, model, traced, plans, inputs, ref, timeout=400)
     flat = [e for rank_errors in errors for e in rank_errors]
     assert not flat, "\n".join(flat[:20])
+
+
+def test_a_plan_whose_owned_table_is_converted_is_refused():
+    """``Plan.tables`` is data: a hand-made plan that owns a table its layout does not split by rows
+    on the owned axis (or one it does not place) is refused before any rank holds a table whole."""
+    import dataclasses
+
+    from autopar.plans import TableOwner
+    from autopar.runtime.table_wise import check_tables
+
+    torch.manual_seed(0)
+    model, inputs = zoo.build("dlrm", tiny=True, device="cpu")
+    traced = trace(model, inputs, decompose_if=needs_decomposition)
+    plan = plan_traced(traced, profile(traced), mesh=(2,), options=PlanOptions(), fixed=pin(PINNED["mixed"])).plan
+    check_tables(plan, traced)
+    column_wise = dataclasses.replace(plan, tables=plan.tables + (TableOwner("p_tables_2_weight", "tables.2.weight",
+                                                                             (0,), (0,)),))
+    with pytest.raises(ValueError, match="tables.2.weight.*does not split its rows"):
+        check_tables(column_wise, traced)
+    with pytest.raises(ValueError, match="does not place"):
+        check_tables(dataclasses.replace(plan, tables=(TableOwner("nope", "nope.weight", (0,), (1,)),)), traced)
