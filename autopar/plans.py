@@ -18,10 +18,12 @@ from typing import Any
 from autopar.layout.mesh import MeshSpec
 from autopar.layout.placement import Shard, TensorSpec
 
-__all__ = ["PLAN_VERSION", "PRECISIONS", "COST_MODEL_VERSION", "NodeKind", "NodePlan", "Estimate", "BaselineResult",
-           "RecomputeRegion", "StagePlan", "PipelinePlan", "PIPELINE_SCHEDULES", "Plan", "stage_mesh_of"]
+__all__ = ["PLAN_VERSION", "READABLE_PLAN_VERSIONS", "PRECISIONS", "COST_MODEL_VERSION", "NodeKind", "NodePlan",
+           "TableOwner", "Estimate", "BaselineResult", "RecomputeRegion", "StagePlan", "PipelinePlan",
+           "PIPELINE_SCHEDULES", "Plan", "stage_mesh_of"]
 
-PLAN_VERSION = 1
+PLAN_VERSION = 2  # 2: ``Plan.tables`` (table-wise embedding tables); version 1 files load with none
+READABLE_PLAN_VERSIONS = (1, 2)
 PRECISIONS = ("fp32", "bf16", "fp16")  # what ops compute in (torch dtypes: autopar.tracer.precision)
 COST_MODEL_VERSION = "roofline-ring-2"  # 2: compute at the op dtype's peak (fp32 vs bf16/fp16)
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
@@ -193,6 +195,30 @@ class PipelinePlan:
 
 
 @dataclass(frozen=True)
+class TableOwner:
+    """A table-wise embedding table: parameter placeholder ``param`` (FQN ``fqn``) is held whole by
+    the device at coordinate ``owner[i]`` of mesh axis ``axes[i]`` and not at all by its peers
+    there (its layout, ``Shard(0)`` on those axes, is the balanced share the planner priced);
+    ``autopar.planner.table_partition`` chooses the owners, ``autopar.runtime.table_wise`` runs it."""
+
+    param: str
+    fqn: str
+    axes: tuple[int, ...]
+    owner: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "axes", tuple(int(a) for a in self.axes))
+        object.__setattr__(self, "owner", tuple(int(c) for c in self.owner))
+        if len(self.axes) != len(self.owner) or not self.axes:
+            raise ValueError(f"table {self.fqn!r}: one owner coordinate per table-wise axis, got axes "
+                             f"{self.axes} and owner {self.owner}")
+
+    def __str__(self) -> str:
+        where = ", ".join(f"axis {a} device {c}" for a, c in zip(self.axes, self.owner))
+        return f"{self.fqn} on {where}"
+
+
+@dataclass(frozen=True)
 class Plan:
     model: str
     graph_hash: str
@@ -220,6 +246,9 @@ class Plan:
     # policy, host bytes per device, host-link and CPU optimizer seconds, unpriced stream buffer.
     offload: dict[str, tuple[str, str]] = field(default_factory=dict)
     offload_info: dict[str, Any] = field(default_factory=dict)
+    # Table-wise embedding tables and their owners (``TableOwner``); the partition's figures
+    # (per-device table bytes, the peak with the real owners) in ``solver["tables"]``.
+    tables: tuple[TableOwner, ...] = ()
     cost_model_version: str = COST_MODEL_VERSION
     version: int = PLAN_VERSION
 
@@ -302,6 +331,9 @@ class Plan:
             else:
                 for st in self.pipeline.stages:
                     lines.append(f"    {st}")
+        if self.tables:
+            lines.append(f"  table-wise: {len(self.tables)} tables, each whole on one device: "
+                         + "; ".join(map(str, self.tables)))
         if self.fallbacks:
             lines.append(f"  replicated without a rule (fallback): {', '.join(self.fallbacks)}")
         return "\n".join(lines)
@@ -334,6 +366,8 @@ class Plan:
         }
         if self.pipeline is not None:
             data["pipeline"] = self.pipeline.to_dict()
+        if self.tables:
+            data["tables"] = [asdict(t) for t in self.tables]
         if self.offload:
             data["offload"] = {k: list(v) for k, v in self.offload.items()}
             data["offload_info"] = self.offload_info
@@ -342,7 +376,7 @@ class Plan:
     @classmethod
     def from_json(cls, text: str) -> "Plan":
         data = json.loads(text)
-        if data.get("version") != PLAN_VERSION:
+        if data.get("version") not in READABLE_PLAN_VERSIONS:
             raise ValueError(f"plan file version {data.get('version')!r} is not supported "
                              f"(this autopar reads version {PLAN_VERSION})")
         for key in ("precision", "reduce_dtype"):
@@ -367,8 +401,9 @@ class Plan:
                 pipeline=PipelinePlan.from_dict(data["pipeline"]) if data.get("pipeline") else None,
                 offload={k: tuple(v) for k, v in data.get("offload", {}).items()},
                 offload_info=data.get("offload_info", {}),
+                tables=tuple(TableOwner(**t) for t in data.get("tables", ())),
                 cost_model_version=data["cost_model_version"],
-                version=data["version"],
+                version=PLAN_VERSION,
             )
         except (KeyError, TypeError) as exc:
             raise ValueError(f"malformed plan JSON: {exc}") from None

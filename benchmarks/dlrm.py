@@ -12,11 +12,13 @@ Printed: the plan's seconds (trace + profile + ``plan_traced``, what one ``autop
 its estimate and one line per table, as ``autopar inspect dlrm`` prints them.
 
 Then, in the same cost model (the same built problem, restricted: ``planner.table_families``),
-the best plans with every table placed one way: row-wise, column-wise (the stand-in for
-table-wise, which is not a per-axis placement), data-parallel and dp x row-wise. Row-wise needs
-each table's rows to divide by the devices it splits them over, so this comparison runs on a
-copy whose rows are rounded up to a multiple of the device count (at most 63 rows more per table,
-as a row-wise sharder pads its last shard); autopar's own plan is shown on both.
+the best plans with every table placed one way: row-wise, table-wise (each table whole on ONE of
+the 64 devices, owners from ``planner.table_partition``, the peak that of the fullest device),
+column-wise, data-parallel, dp x row-wise and column x row-wise. Row-wise and table-wise state a
+table as split by rows over the devices (table-wise: the balanced share the ILP prices), which
+needs its rows to divide by them, so this comparison runs on a copy whose rows are rounded up to
+a multiple of the device count (at most 63 rows more per table, as a row-wise sharder pads its
+last shard); autopar's own plan is shown on both.
 """
 
 from __future__ import annotations
@@ -99,7 +101,7 @@ def main(argv=None) -> int:
     plan = exact["plan"]
     print(f"DLRM Criteo-1TB (published table sizes), batch {args.batch}, mesh {mesh} at {args.memory}: "
           f"planned in {exact['plan_s']:.1f}s (trace + profile + plan, tables on meta)")
-    print(f"  autopar: {plan.estimate}")
+    print(f"  autopar: {plan.estimate}; {len(plan.tables)} tables table-wise (whole on one device)")
     print("\n".join(render_tables(exact["tables"])))
 
     model, inputs = dlrm_model(batch=args.batch, rows=padded_rows([t.num_embeddings for t in model.tables], devices))
@@ -108,6 +110,7 @@ def main(argv=None) -> int:
     print(f"\nsame cost model, rows rounded up to a multiple of {devices} (planned in {padded['plan_s']:.1f}s):")
     print(f"  {'plan':<24} {'step':>10} {'compute':>10} {'comm':>10} {'peak':>10}")
     print(_row("autopar (per table)", padded["plan"].estimate, None, None))
+    print("\n".join(f"    {line}" for line in render_tables(padded["tables"])))
     for family, (est, note) in padded["families"].items():
         print(_row(f"all tables {family}", est, note, best))
     if args.json:
@@ -115,6 +118,9 @@ def main(argv=None) -> int:
             "mesh": args.mesh, "preset": args.preset, "memory": args.memory, "batch": args.batch,
             "plan_s": exact["plan_s"], "step_s": plan.estimate.step_s, "peak_bytes": plan.estimate.peak_bytes,
             "tables": [t.__dict__ for t in exact["tables"]],
+            "padded_plan_s": padded["plan_s"], "padded_tables": [t.__dict__ for t in padded["tables"]],
+            "padded_peak_bytes": {"autopar": padded["plan"].estimate.peak_bytes,
+                                  **{f: e.peak_bytes for f, (e, _) in padded["families"].items() if e}},
             "padded": {"autopar": padded["plan"].estimate.step_s,
                        **{f: (e.step_s if e else note) for f, (e, note) in padded["families"].items()}},
         }

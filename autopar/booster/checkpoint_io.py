@@ -333,12 +333,31 @@ def _unlifted(optim_state: dict[str, Any], like: dict[str, Any]) -> dict[str, An
     return {**optim_state, "state": state}
 
 
+def _refuse_uneven(optimizer: BoostedOptimizer) -> None:
+    """NotImplementedError for a parameter whose local piece is not DTensor's even shard (a
+    table-wise embedding table, whole on its owner: ``Plan.tables``): DCP would describe its state
+    with the even shard's shape and offset, a checkpoint that loads wrong."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    for group in optimizer.optim.param_groups:
+        for p in group["params"]:
+            if isinstance(p, DTensor):
+                even, _ = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+                if tuple(even) != tuple(p._local_tensor.shape):
+                    raise NotImplementedError(
+                        f"save_optimizer/load_optimizer: a parameter of shape {tuple(p.shape)} is held whole by one "
+                        f"device (a table-wise embedding table, Plan.tables), which torch.distributed.checkpoint "
+                        f"cannot describe; plan without table-wise tables to checkpoint the optimizer this way")
+
+
 def _optimizer_checkpoint(optimizer: BoostedOptimizer):
     """(the module holding the optimizer's parameters, its state dict, what DCP saves or fills:
     the state as DTensors and the fp16 scaler's state)."""
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
     holder = _holder(optimizer)
+    _refuse_uneven(optimizer)
     own = get_optimizer_state_dict(holder, optimizer.optim)
     state: dict[str, Any] = {"optim": _lifted(own, holder)}
     if optimizer.scaler is not None:

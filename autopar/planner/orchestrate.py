@@ -171,6 +171,7 @@ def plan_traced(traced: TracedGraph, profile: ModelProfile, *, mesh: MeshSpec | 
     from autopar.planner.builder import build_problem
     from autopar.planner.checkpointing import plan_recompute
     from autopar.planner.sequence import with_sequence_pins
+    from autopar.planner.table_partition import TablePartition, fit_tables, with_tables
     from autopar.solver.driver import remembering
 
     mesh = options.mesh(mesh)
@@ -190,6 +191,11 @@ def plan_traced(traced: TracedGraph, profile: ModelProfile, *, mesh: MeshSpec | 
 
     with remembering():  # one scope for the re-solves (offload's refits): each one's plans are incumbents of the next
         rc = fit_device_room(traced, built, replan(built), options=options, replan=replan, progress=progress)
+        # Table-wise tables go whole onto one device each; a re-plan if the fullest then overflows.
+        # (The chunk runtime that runs an offloading plan keeps every table evenly split.)
+        tables = TablePartition()
+        if options.offload == "none":
+            rc, tables = fit_tables(traced, built, rc, replan=replan, progress=progress)
     results = ()
     if options.baselines:
         results = tuple(_baseline(name, traced, built, options=options, progress=progress)
@@ -200,6 +206,7 @@ def plan_traced(traced: TracedGraph, profile: ModelProfile, *, mesh: MeshSpec | 
         checkpoint={"mode": options.checkpoint, "method": rc.method, "units": list(rc.units),
                     "activation_bytes": rc.activation_bytes, **rc.info},
         reduce_dtype=options.reduce_dtype)
+    assembled = with_tables(assembled, tables)
     if options.offload != "none":
         assembled = with_offload(assembled, traced, built, rc.choice, options=options)
     return PlanResult(assembled, traced, profile, built, rc)

@@ -186,9 +186,10 @@ def render_tables(rows) -> list[str]:
     """One line per embedding table (``autopar.report.tables.TableRow``); nothing without tables."""
     if not rows:
         return []
-    body = [(r.module, f"{r.rows:,} x {r.dim}", r.mode, r.weight_spec, r.placement) for r in rows]
-    return (["embedding tables (one line per table: its placement per mesh axis)"]
-            + table(("table", "rows x dim", "pool", "layout", "placement"), body, right=(1,)))
+    body = [(r.module, f"{r.rows:,} x {r.dim}", r.mode, r.weight_spec, r.placement, r.owner or "-") for r in rows]
+    return (["embedding tables (one line per table: its placement per mesh axis; a table-wise table is whole "
+             "on its owner, the device at that coordinate of its table-wise axes)"]
+            + table(("table", "rows x dim", "pool", "layout", "placement", "owner"), body, right=(1,)))
 
 
 def render(report, *, layers: bool = True) -> str:

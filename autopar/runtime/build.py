@@ -26,6 +26,7 @@ from autopar.runtime.materialize import local_shards
 from autopar.runtime.module import AutoParallelModule
 from autopar.runtime.passes import STATE_KEY, emit_local_graph
 from autopar.runtime.process_mesh import ProcessMesh
+from autopar.runtime.table_wise import check_tables, owners_of, to_table_dtensor
 
 __all__ = ["build_module", "check_plan", "runtime_device", "mesh_preset", "attach_tensor"]
 
@@ -64,6 +65,7 @@ def check_plan(plan: Plan, *, graph_hash: str, world_size: int, mesh: MeshSpec |
 def build_module(model: nn.Module, traced, plan: Plan, *, device: torch.device, seed: int = 0,
                  init_weights: bool = True, local_inputs: bool = False) -> AutoParallelModule:
     """Emit the local graph of ``traced`` under ``plan`` and attach this rank's shards."""
+    check_tables(plan, traced)
     if plan.pipeline is not None:
         raise ValueError("the plan is pipelined (Plan.pipeline): build it with "
                          "autopar.runtime.pipeline.build_pipeline(model, micro_batch_trace, plan, device=...)")
@@ -73,8 +75,9 @@ def build_module(model: nn.Module, traced, plan: Plan, *, device: torch.device, 
         from autopar.runtime.recompute import apply_recompute
 
         apply_recompute(emitted.graph, emitted.modules, plan.recompute)
+    owners = owners_of(plan)
     shards, stats = local_shards(model, traced, emitted.specs, pmesh, device=device, seed=seed,
-                                 init_weights=init_weights)
+                                 init_weights=init_weights, owners=owners)
     root: dict[str, Any] = dict(emitted.modules)
     state_names = {n.name for n in emitted.graph.nodes if n.meta.get(STATE_KEY)}
     for name, target in emitted.attr_of.items():
@@ -83,7 +86,10 @@ def build_module(model: nn.Module, traced, plan: Plan, *, device: torch.device, 
     gm = fx.GraphModule(root, emitted.graph, class_name=f"AutoParallel{traced.model_name}")
     shapes = {p.name: p.shape for p in traced.placeholders}
     for name in sorted(state_names):
-        dtensor = to_dtensor(shards[name], emitted.specs[name], pmesh, shapes[name])
+        if name in owners:  # a table-wise table: whole on its owner, zero rows on its peers
+            dtensor = to_table_dtensor(shards[name], emitted.specs[name], owners[name], pmesh, shapes[name])
+        else:
+            dtensor = to_dtensor(shards[name], emitted.specs[name], pmesh, shapes[name])
         if isinstance(shards[name], nn.Parameter):
             dtensor = nn.Parameter(dtensor, requires_grad=shards[name].requires_grad)
         attach_tensor(gm, emitted.attr_of[name], dtensor)

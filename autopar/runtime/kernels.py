@@ -115,6 +115,30 @@ class _AllToAll(torch.autograd.Function):
         return all_to_all_rows(grad, ctx.axis, ctx.pmesh, recv_counts, send_counts), None, None, None, None
 
 
+class _Scatter(torch.autograd.Function):
+    """``Comm.scatter`` on the axis's process group; backward gathers onto ``src``."""
+
+    @staticmethod
+    def forward(ctx, tensor, axis, pmesh, src):
+        group = pmesh.group(axis)
+        ctx.group, ctx.src, ctx.mine = group, dist.get_global_rank(group, src), pmesh.axis_coordinate(axis) == src
+        chunks = list(tensor.detach().contiguous().chunk(pmesh.axis_size(axis)))
+        out = torch.empty_like(chunks[0], memory_format=torch.contiguous_format)
+        record("all_to_all", tensor.numel() * tensor.element_size())  # one table's share of the all-to-all
+        dist.scatter(out, [c.contiguous() for c in chunks] if ctx.mine else None, src=ctx.src, group=group)
+        ctx.n = len(chunks)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        pieces = [torch.empty_like(grad) for _ in range(ctx.n)] if ctx.mine else None
+        record("all_to_all", grad.numel() * grad.element_size() * ctx.n)
+        dist.gather(grad, pieces, dst=ctx.src, group=ctx.group)
+        full = torch.cat(pieces) if ctx.mine else grad.new_zeros((grad.shape[0] * ctx.n, *grad.shape[1:]))
+        return full, None, None, None
+
+
 class DistComm:
     """``Comm`` for one real rank, on the process groups of ``pmesh``."""
 
@@ -150,6 +174,11 @@ class DistComm:
     def exchange_counts(self, counts: Sequence[int], axis: int) -> list[int]:
         send = torch.tensor(list(counts), dtype=torch.int64)
         return all_to_all_rows(send, axis, self.pmesh, [1] * len(counts), [1] * len(counts)).tolist()
+
+    def scatter(self, tensor: torch.Tensor, axis: int, src: int) -> torch.Tensor:
+        if self.pmesh.axis_size(axis) == 1:
+            return tensor
+        return _Scatter.apply(tensor, axis, self.pmesh, src)
 
     def coordinate(self, axis: int) -> int:
         return self.pmesh.axis_coordinate(axis)

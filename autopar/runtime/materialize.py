@@ -36,6 +36,8 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from autopar.plans import TableOwner
+from autopar.runtime import table_wise
 from autopar.runtime.process_mesh import ProcessMesh
 from autopar.layout.placement import TensorSpec
 from autopar.tracer.graph import PARAMETER, TracedGraph
@@ -59,23 +61,32 @@ def slice_local(full: torch.Tensor, spec: TensorSpec, pmesh: ProcessMesh) -> tor
 
 
 def local_shards(model: nn.Module, traced: TracedGraph, specs: dict[str, TensorSpec], pmesh: ProcessMesh, *,
-                 device: torch.device, seed: int = 0, init_weights: bool = True
+                 device: torch.device, seed: int = 0, init_weights: bool = True,
+                 owners: dict[str, TableOwner] | None = None
                  ) -> tuple[dict[str, torch.Tensor], MaterializeStats]:
+    """``owners``: the plan's table-wise tables (``runtime.table_wise``), whole on their owner."""
     stats = MaterializeStats()
     originals = _original_tensors(model, traced, specs)
+    owners = owners or {}
+
+    def piece(name: str, full: torch.Tensor) -> torch.Tensor:
+        if name in owners:
+            return table_wise.cut(full, specs[name], owners[name], pmesh)
+        return slice_local(full, specs[name], pmesh)
+
     out: dict[str, torch.Tensor] = {}
     meta = {name: t for name, t in originals.items() if t.device.type == "meta"}
     for name, tensor in originals.items():
         if name not in meta:
-            out[name] = slice_local(tensor, specs[name], pmesh).to(device)
+            out[name] = piece(name, tensor).to(device)
             stats.sliced += 1
     if meta:
         if init_weights:
-            out.update(_init_from_meta(model, traced, meta, specs, pmesh, device, seed, stats))
+            out.update(_init_from_meta(model, traced, meta, piece, device, seed, stats))
         else:
             for name, t in meta.items():
-                out[name] = torch.zeros(specs[name].local_shape(tuple(t.shape), pmesh.shape),
-                                        dtype=t.dtype, device=device)
+                shape = piece(name, torch.empty(t.shape, dtype=t.dtype, device="meta")).shape
+                out[name] = torch.zeros(shape, dtype=t.dtype, device=device)
     by_name = {p.name: p for p in traced.placeholders}
     for name in list(out):
         ph = by_name[name]
@@ -168,7 +179,7 @@ class _WriteRecorder(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def _init_from_meta(model, traced, meta, specs, pmesh, device, seed, stats) -> dict[str, torch.Tensor]:
+def _init_from_meta(model, traced, meta, piece, device, seed, stats) -> dict[str, torch.Tensor]:
     init = _initialiser(model)
     order = _post_order(model)
     by_id = {id(t): name for name, t in meta.items()}
@@ -194,7 +205,7 @@ def _init_from_meta(model, traced, meta, specs, pmesh, device, seed, stats) -> d
     out = {}
     for k in sorted(groups):
         path, module = order[k]
-        out.update(_init_group(path, module, groups[k], init, meta, owners, specs, pmesh, device, seed, stats))
+        out.update(_init_group(path, module, groups[k], init, meta, owners, piece, device, seed, stats))
     return out
 
 
@@ -210,7 +221,7 @@ def _owner_slots(model: nn.Module, meta: dict[str, torch.Tensor]) -> dict[int, l
     return slots
 
 
-def _init_group(path, module, names, init, meta, owners, specs, pmesh, device, seed, stats):
+def _init_group(path, module, names, init, meta, owners, piece, device, seed, stats):
     fulls, saved = {}, []
     for name in names:
         t = meta[name]
@@ -224,7 +235,7 @@ def _init_group(path, module, names, init, meta, owners, specs, pmesh, device, s
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed((seed * 1_000_003 + zlib.crc32(path.encode())) % (2**63))
             init(path, module)
-        out = {name: slice_local(full, specs[name], pmesh).to(device) for name, full in fulls.items()}
+        out = {name: piece(name, full).to(device) for name, full in fulls.items()}
     finally:
         for table, key, t in saved:
             table[key] = t

@@ -44,7 +44,9 @@ from autopar.plans import Plan
 from autopar.runtime.bucketing import GradBucketer
 from autopar.runtime.collectives import gather_full
 from autopar.runtime.dtensors import local_of, local_views
+from autopar.runtime import table_wise
 from autopar.runtime.materialize import slice_local
+from autopar.runtime.table_wise import owners_of
 from autopar.runtime.parallel_module import ParallelModule, clip_grad_norm
 from autopar.runtime.passes import STATE_KEY
 from autopar.runtime.process_mesh import ProcessMesh
@@ -208,7 +210,7 @@ class AutoParallelModule(nn.Module):
     def full_placeholder_values(self) -> dict[str, torch.Tensor]:
         """Traced placeholder name -> full tensor of every parameter and buffer, non-persistent
         buffers included (what the traced graph itself runs on). A collective."""
-        return {name: _snapshot(local.detach(), self._specs[name], self.pmesh) for name, _, local in self._tensors()}
+        return {name: self._full(name, local.detach()) for name, _, local in self._tensors()}
 
     def full_state_entries(self) -> list[tuple[tuple[str, ...], torch.Size, torch.dtype]]:
         """(state-dict names, full shape, dtype) of each parameter and buffer, in state-dict
@@ -221,7 +223,7 @@ class AutoParallelModule(nn.Module):
         all of it (one collective per tensor); only one full tensor needs to be held at a time,
         so a checkpoint writer streams a model larger than one device's memory."""
         for name, names, _, local in self._state_order():
-            yield names, _snapshot(local.detach(), self._specs[name], self.pmesh)
+            yield names, self._full(name, local.detach())
 
     def _state_order(self) -> list[tuple[str, tuple[str, ...], Any, torch.Tensor]]:
         pos = {k: i for i, k in enumerate(self._state_keys)}
@@ -234,8 +236,24 @@ class AutoParallelModule(nn.Module):
 
     @torch.no_grad()
     def load_full_state_dict(self, state_dict: dict[str, torch.Tensor], *, strict: bool = True) -> None:
-        load_full_tensors(((ph, local, self._specs[name]) for name, ph, local in self._tensors()), state_dict,
+        owners = owners_of(self.plan)
+        load_full_tensors(((ph, None if name in owners else local, self._specs[name])
+                           for name, ph, local in self._tensors()), state_dict,
                           state_keys=self._state_keys, pmesh=self.pmesh, strict=strict)
+        for name, ph, local in self._tensors():  # table-wise tables: the owner takes the whole table
+            key = next((a for a in ph.aliases if a in state_dict), None)
+            if name in owners and key is not None:
+                local.copy_(table_wise.cut(state_dict[key], self._specs[name], owners[name], self.pmesh)
+                            .to(local.device, local.dtype))
+
+    def _full(self, name: str, local: torch.Tensor) -> torch.Tensor:
+        """The full tensor of placeholder ``name`` from this rank's ``local`` (a collective)."""
+        owner = owners_of(self.plan).get(name)
+        if owner is None:
+            return _snapshot(local, self._specs[name], self.pmesh)
+        value = table_wise.gather(local, self._specs[name], owner, self.pmesh, self._placeholders[name].shape)
+        same = value.untyped_storage().data_ptr() == local.untyped_storage().data_ptr()
+        return value.clone() if same else value
 
     @torch.no_grad()
     def full_gradients(self) -> dict[str, torch.Tensor | None]:
@@ -244,7 +262,7 @@ class AutoParallelModule(nn.Module):
             if ph.kind != PARAMETER:
                 continue
             grad = self._state(name).grad
-            grad = None if grad is None else _snapshot(local_of(grad), self._specs[name], self.pmesh)
+            grad = None if grad is None else self._full(name, local_of(grad))
             for alias in ph.aliases:
                 out[alias] = grad
         return out

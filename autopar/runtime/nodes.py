@@ -68,6 +68,6 @@ class KernelCall(nn.Module):
         return f"{self.name} for node {self.ctx.info.node_name}"
 
 
-def kernel_context(info, strategy, pmesh: ProcessMesh) -> KernelContext:
+def kernel_context(info, strategy, pmesh: ProcessMesh, *, owners: tuple = ()) -> KernelContext:
     return KernelContext(DistComm(pmesh), info, tuple(strategy.input_specs),
-                         tuple(strategy.output_specs), tuple(pmesh.shape))
+                         tuple(strategy.output_specs), tuple(pmesh.shape), owners=owners)

@@ -44,6 +44,8 @@ from autopar.plans import NodePlan, Plan
 from autopar.runtime.bucketing import GradBucketer, bucket_cap_bytes
 from autopar.runtime.nodes import Collective, GradAllReduce, KernelCall, kernel_context
 from autopar.runtime.process_mesh import ProcessMesh
+from autopar.runtime.table_wise import kernel_owners, owners_of
+from autopar.runtime.table_wise import local_shape as table_local_shape
 from autopar.layout.conversion import STEP_KINDS, plan_conversion
 from autopar.layout.placement import TensorSpec
 from autopar.strategies import OpInfo, Strategy, get_kernel, input_nodes, strategies_for
@@ -148,6 +150,7 @@ class _Emitter:
         # Gradients are summed in this dtype (fp32 by default, also under bf16/fp16 compute).
         self.reduce_dtype = compute_dtype(plan.reduce_dtype)
         self.decisions = {n.name: n for n in plan.nodes}
+        self.table_owners = owners_of(plan)
         self.graph = fx.Graph()
         self.modules: dict[str, torch.nn.Module] = {}
         self.specs: dict[str, TensorSpec] = {}
@@ -311,8 +314,10 @@ class _Emitter:
     def _kernel(self, node: fx.Node, info: OpInfo, strategy: Strategy, bound: dict) -> fx.Node:
         kernel = get_kernel(strategy.kernel)
         name = self._unique(strategy.kernel)
-        self.modules[name] = KernelCall(kernel.name, kernel.fn, kernel_context(info, strategy, self.pmesh),
-                                        tuple(bound))
+        # A table-wise table whole on one device (Plan.tables): the kernel reads its rows from there.
+        weight = input_nodes(node)[0].name if input_nodes(node) else ""
+        ctx = kernel_context(info, strategy, self.pmesh, owners=kernel_owners(weight, self.table_owners))
+        self.modules[name] = KernelCall(kernel.name, kernel.fn, ctx, tuple(bound))
         self.kernels.append(name)
         return self.graph.create_node("call_module", name, tuple(bound.values()), name=node.name)
 
@@ -345,8 +350,11 @@ class _Emitter:
                 # A bf16 cast of a parameter is bucketed as the parameter itself: its gradient
                 # is summed in ``reduce_dtype`` and lands in the fp32 master's .grad.
                 dtype = val.dtype if param is src else self.reduce_dtype
-                slot = self.bucketer.add_slot(param.name, axes, want.local_shape(tuple(val.shape), self.mesh_shape),
-                                              dtype, shard=self.decisions[param.name].zero_stage == 2)
+                owner = self.table_owners.get(param.name)  # a table-wise table: its owner's shape
+                shape = (want.local_shape(tuple(val.shape), self.mesh_shape) if owner is None
+                         else table_local_shape(want, owner, tuple(val.shape), self.pmesh))
+                slot = self.bucketer.add_slot(param.name, axes, shape, dtype,
+                                              shard=self.decisions[param.name].zero_stage == 2)
                 self.converted[key] = self.graph.call_module(
                     self.comm_names[GRAD_BUCKET], (node,), {"axes": tuple(axes), "slot": slot})
             if key not in self.converted:

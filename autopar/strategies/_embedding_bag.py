@@ -24,15 +24,23 @@ TorchRec's four table placements, in autopar's vocabulary (one placement per mes
   between rows on different ranks go to the lowest row (the unsharded op takes the first in bag
   order; the forward value is the same, only which tied row gets the gradient may differ).
 - **column-wise** -- table ``Shard(1)``: the plain op on local columns, output ``Shard(1)``.
-- **table-wise** -- a whole table on ONE device of an axis and nothing on its peers is not a
-  placement: every placement here is even over an axis (each device holds the same share of the
-  tensor), as in DTensor. What is expressible is a table *whole along an axis* (``R`` there) and
-  split along another, chosen per table by the ILP: on an ``(hosts, gpus)`` mesh ``R x S(0)`` is
-  TorchRec's table-row-wise within a host, ``S(0) x R`` across hosts, ``S(0) x S(0)`` row-wise over
-  every device, ``R x S(1)`` table-column-wise. Column-wise over an axis moves the same bytes as
-  table-wise over it (each device sends ``B*D/n`` per table in the all-to-all to batch-sharded
-  outputs, and holds ``V*D/n`` of each table), so it stands in for table-wise in the cost model;
-  it needs ``D`` divisible by the axis size.
+- **table-wise** -- the whole table on ONE device of an axis, nothing on its peers (TorchRec's
+  table-wise). Every placement here is even over an axis, so the rule states it as the layouts
+  it is read and priced in: table ``Shard(0)`` (each device holds ``V*D/n`` *on average*: the
+  balanced share once the planner spreads the tables over the axis), ids replicated (the ids'
+  all-gather, on the edge), output ``Shard(0)`` (the pooled outputs go back to batch-sharded,
+  priced as the all-to-all of ``B*D`` bytes forward and backward). The kernel pools *every* bag
+  over the rows this rank holds, then hands each rank its bags. What runs is TorchRec's table-wise
+  where the table is owned -- ``planner/table_partition.py`` records the owner in ``Plan.tables``,
+  the runtime gives it every row and its peers none (``runtime/table_wise.py``,
+  ``KernelContext.owners``) -- and the owner's bags are scattered from it (``Comm.scatter``;
+  backward gathers their gradients onto it). With an even row split (the numeric check; a table
+  the planner could not give an owner) the same lookup is exact as a reduce-scatter, run as a sum
+  all-reduce of the pooled bags (more bytes than priced; such tables are listed in the plan). Over
+  several axes the table-wise ones must be minor to any other axis splitting the batch (the
+  owner's bags are then one block). On an ``(hosts, gpus)`` mesh, table-wise over hosts and
+  row-wise over gpus (table ``S0S0``, output ``S0 P``) is TorchRec's table-row-wise; table ``R x
+  S(0)`` is row-wise inside every host, replicated across hosts.
 
 Every option also reads ``per_sample_weights`` replicated; its gradient is partial wherever the
 work is split (derived centrally). ``scale_grad_by_freq`` scales gradients by id frequencies
@@ -45,6 +53,7 @@ replicated strategy only.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 import torch.nn.functional as F
@@ -61,32 +70,48 @@ SUM, MEAN, MAX = 0, 1, 2
 KERNEL = "embedding_bag_sharded"
 
 
-def _max_comm(info: OpInfo, input_specs, output_specs, mesh) -> tuple[float, float]:
+def table_wise_axes(input_specs, output_specs, mesh_shape) -> tuple[int, ...]:
+    """The axes (of size > 1) on which a lookup is table-wise: the table split by rows and the
+    pooled output by bags (row-wise leaves a partial output, data-parallel a whole table)."""
+    weight, out = input_specs[0], output_specs[0]
+    return tuple(a for a, n in enumerate(mesh_shape)
+                 if n > 1 and weight.placements[a] == Shard(0) and out.placements[a] == Shard(0))
+
+
+def _kernel_comm(info: OpInfo, input_specs, output_specs, mesh) -> tuple[float, float]:
     """Row-wise ``max``: one all-reduce (max) of the local maxima and one of the winners' row keys
-    (int64), over the axes splitting the rows. Sums and means communicate nothing here: their
-    partial output is reduced by the consumer's edge."""
-    if info.arg("mode") != MAX:
-        return 0.0, 0.0
-    axes = input_specs[info.slot_index("weight")].shard_axes(0)
-    if not axes:
-        return 0.0, 0.0
+    (int64), over the axes splitting the rows. Table-wise: the pooled outputs' all-to-all to the
+    batch over those axes, forward and (their gradient) backward. Sums and means communicate
+    nothing else here: a row-wise partial output is reduced by the consumer's edge."""
     out = info.outputs[0]
-    local = 1
-    for size in output_specs[0].local_shape(out.shape, mesh.shape):
-        local *= size
-    return collective_seconds("all_reduce", local * (out.itemsize + 8), mesh, axes), 0.0
+    tw = table_wise_axes(input_specs, output_specs, mesh.shape)
+    before = output_specs[0]
+    for axis in tw:
+        before = before.with_placement(axis, R)
+    pooled = math.prod(before.local_shape(out.shape, mesh.shape)) * out.itemsize
+    exchange = collective_seconds("all_to_all", pooled, mesh, tw) if tw else 0.0
+    axes = input_specs[info.slot_index("weight")].shard_axes(0)
+    if info.arg("mode") != MAX or not axes:
+        return exchange, exchange
+    local = pooled // out.itemsize
+    return exchange + collective_seconds("all_reduce", local * (out.itemsize + 8), mesh, axes), exchange
 
 
-@register_kernel(KERNEL, comm_cost=_max_comm)
+@register_kernel(KERNEL, comm_cost=_kernel_comm)
 def embedding_bag_sharded(ctx: KernelContext, weight, indices, offsets, scale_grad_by_freq=False, mode=SUM,
                           sparse=False, per_sample_weights=None, include_last_offset=False, padding_idx=-1):
-    """One rank's pooled lookups: its bags (the output's dim-0 slice) over its rows (``weight``'s
-    dim-0 slice; its columns come with the local ``weight``). ``indices``/``offsets`` are global."""
+    """One rank's pooled lookups: its bags (the output's dim-0 slice, every bag on a table-wise
+    axis) over its rows (``weight``'s dim-0 slice: ``ctx.local_range``, which knows an owned
+    table; its columns come with the local ``weight``). ``indices``/``offsets`` are global."""
     num_rows = ctx.info.input("weight").shape[0]
     lo, hi = ctx.local_range("weight", 0)
     row_axes = ctx.axes_sharding("weight", 0)
     out_meta = ctx.info.outputs[0]
-    bags = ctx.output_specs[0].local_slices(out_meta.shape, ctx.mesh_shape, ctx.coords())[0]
+    tw = table_wise_axes(ctx.input_specs, ctx.output_specs, ctx.mesh_shape)
+    pooled_spec = ctx.output_specs[0]
+    for axis in tw:  # pool every bag on a table-wise axis; the exchange below hands them out
+        pooled_spec = pooled_spec.with_placement(axis, R)
+    bags = pooled_spec.local_slices(out_meta.shape, ctx.mesh_shape, ctx.coords())[0]
     b0, b1 = bags.start, bags.stop
     # bounds[b]:bounds[b+1] is bag b (the last bag runs to the end unless include_last_offset says).
     bounds = offsets if include_last_offset else torch.cat([offsets, offsets.new_full((1,), indices.shape[0])])
@@ -111,9 +136,50 @@ def embedding_bag_sharded(ctx: KernelContext, weight, indices, offsets, scale_gr
     elif mode == MAX:
         out, max_indices = _partial_max(ctx, out, local_max_rows + lo, (running[ends] - running[starts]) > 0,
                                         row_axes, num_rows)
+    if tw:
+        mine = ctx.output_specs[0].local_slices(out_meta.shape, ctx.mesh_shape, ctx.coords())[0]
+        keep_bags = slice(mine.start - b0, mine.stop - b0)
+        owners = {axis: owner for slot, axis, owner in ctx.owners if slot == 0}
+        if set(owners) == set(tw):
+            out = _scatter_from_owner(ctx, out, tw, owners)
+        else:
+            out = _ScatterBags.apply(out, ctx.comm, tw, keep_bags)
+        max_indices = None if max_indices is None else max_indices[keep_bags]
     offset2bag, bag_size, aux_max = _bookkeeping(op, weight, indices, offsets, mode, per_sample_weights,
                                                  include_last_offset, padding_idx)
     return out, offset2bag, bag_size, aux_max if max_indices is None else max_indices
+
+
+def _scatter_from_owner(ctx: KernelContext, pooled, axes: tuple[int, ...], owners: dict[int, int]):
+    """An owned table: the owner's pooled bags are the whole sum, so each table-wise axis in turn
+    scatters them from the owner's coordinate (mixed radix: the lowest axis is the major digit),
+    among the ranks that hold them by then (those at the owner's coordinates on the later axes)."""
+    coords = ctx.coords()
+    for k, axis in enumerate(axes):
+        if all(coords[a] == owners[a] for a in axes[k + 1:]):
+            pooled = ctx.comm.scatter(pooled, axis, owners[axis])
+        else:  # not holding them yet: the right size, no value (a later axis's scatter overwrites it)
+            pooled = pooled[:pooled.shape[0] // ctx.mesh_shape[axis]]
+    return pooled
+
+
+class _ScatterBags(torch.autograd.Function):
+    """Every bag's pooled summand on each rank of ``axes`` -> this rank's bags of the sum (a
+    reduce-scatter over dim 0); backward: each rank's bags' gradient back to every rank (an
+    all-gather). Both as sum all-reduces through ``Comm`` (exact: the others' bags add zeros)."""
+
+    @staticmethod
+    def forward(ctx, pooled, comm, axes, keep):
+        ctx.comm, ctx.axes, ctx.keep, ctx.shape = comm, axes, keep, pooled.shape
+        with torch.no_grad():
+            return comm.all_reduce(pooled.detach(), axes)[keep].clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        with torch.no_grad():
+            full = grad.new_zeros(ctx.shape)
+            full[ctx.keep] = grad
+            return ctx.comm.all_reduce(full, ctx.axes), None, None, None
 
 
 def _partial_max(ctx: KernelContext, out, rows, has_local, row_axes, num_rows):
@@ -160,6 +226,7 @@ def _embedding_bag(info: OpInfo) -> list[AxisOption]:
         column_wise,
         info.option((P, R, R, R), weight=Shard(0), kernel=KERNEL),  # row-wise
         info.option((Shard(0), R, R, Shard(0) if is_max else R), kernel=KERNEL),  # data-parallel
+        info.option((Shard(0), R, R, Shard(0) if is_max else R), weight=Shard(0), kernel=KERNEL),  # table-wise
     ]
 
 
@@ -197,5 +264,16 @@ def _frozen_samples() -> list[Sample]:
     return [dataclasses.replace(s, no_grad=("weight", "per_sample_weights")) for s in _samples()]
 
 
-register(aten._embedding_bag.default, samples=_samples)(_embedding_bag)
-register(aten._embedding_bag_forward_only.default, samples=_frozen_samples)(_embedding_bag)
+def _table_wise_minor(info: OpInfo, combo) -> bool:
+    """Table-wise axes come after every other axis splitting the batch: the bags a table-wise
+    group pools are then one block of the output (the mixed-radix order of ``local_slices``)."""
+    def batch_split(o) -> bool:
+        return o.outputs[0] == Shard(0)
+    table_wise = [a for a, o in enumerate(combo) if batch_split(o) and o.inputs[0] == Shard(0)]
+    others = [a for a, o in enumerate(combo) if batch_split(o) and o.inputs[0] != Shard(0)]
+    return not table_wise or not others or max(others) < min(table_wise)
+
+
+register(aten._embedding_bag.default, samples=_samples, combine_check=_table_wise_minor)(_embedding_bag)
+register(aten._embedding_bag_forward_only.default, samples=_frozen_samples,
+         combine_check=_table_wise_minor)(_embedding_bag)

@@ -125,6 +125,15 @@ class _AllToAll(torch.autograd.Function):
         world, axis, coord, send_counts, recv_counts = ctx.args
         return world.exchange(list(grad.split(list(recv_counts))), axis, coord), None, None, None, None, None
 
+    def exchange(self, tensor: torch.Tensor, axes: tuple[int, ...], coord: tuple[int, ...]) -> list[torch.Tensor]:
+        """Every rank's ``tensor`` of the group, in rank order (an all-gather of whole tensors)."""
+        group, rank = self.group(axes, coord)
+        group.slots[rank] = tensor
+        group.barrier.wait()
+        result = [t.clone() for t in group.slots]
+        group.barrier.wait()
+        return result
+
 
 class _AllReduceSum(torch.autograd.Function):
     @staticmethod
@@ -135,6 +144,23 @@ class _AllReduceSum(torch.autograd.Function):
     def backward(ctx, grad):
         # The result is replicated, so its gradient arrives replicated: identity (the gradient-layout invariant).
         return grad, None, None, None
+
+
+class _Scatter(torch.autograd.Function):
+    """``Comm.scatter`` among threads; backward gathers the chunks' gradients onto ``src``."""
+
+    @staticmethod
+    def forward(ctx, tensor, world, axis, coord, src):
+        ctx.world, ctx.axis, ctx.coord, ctx.src = world, axis, coord, src
+        chunks = world.exchange(tensor.detach(), (axis,), coord)
+        n = world.mesh_shape[axis]
+        return chunks[src].chunk(n)[coord[axis]].clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        pieces = ctx.world.exchange(grad.contiguous(), (ctx.axis,), ctx.coord)
+        full = torch.cat(pieces)
+        return (full if ctx.coord[ctx.axis] == ctx.src else torch.zeros_like(full)), None, None, None, None
 
 
 class SimComm:
@@ -163,6 +189,9 @@ class SimComm:
     def exchange_counts(self, counts: Sequence[int], axis: int) -> list[int]:
         blocks = list(torch.tensor(list(counts), dtype=torch.int64).split(1))
         return self.world.exchange(blocks, axis, self.coord).tolist()
+
+    def scatter(self, tensor: torch.Tensor, axis: int, src: int) -> torch.Tensor:
+        return _Scatter.apply(tensor, self.world, axis, self.coord, src)
 
     def coordinate(self, axis: int) -> int:
         return self.coord[axis]

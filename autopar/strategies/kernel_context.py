@@ -16,6 +16,10 @@ other ranks of a mesh axis group only through ``Comm``:
   rank order (``recv_counts[j]`` from rank ``j``). Differentiable: its backward is the reverse
   exchange (counts swapped). ``exchange_counts(counts, axis)`` tells each rank how many rows it
   will receive: ``result[j]`` is rank ``j``'s ``counts[me]`` (plain ints, no autograd).
+- ``scatter(t, axis, src)`` -- the rank at coordinate ``src`` of ``axis`` splits its ``t`` along
+  dim 0 into ``size(axis)`` equal chunks and each rank of the axis gets its own (the others'
+  ``t`` only gives the shape). Differentiable: backward gathers the chunks' gradients onto
+  ``src``; the others' input gradient is zeros.
 - ``coordinate(axis)`` -- this rank's index along ``axis``.
 - ``size(axis)``       -- the number of ranks along ``axis``.
 
@@ -30,7 +34,7 @@ from typing import Protocol, Sequence
 
 import torch
 
-from autopar.layout.placement import TensorSpec
+from autopar.layout.placement import Replicate, TensorSpec
 from autopar.strategies.registry import OpInfo
 
 __all__ = ["Comm", "KernelContext"]
@@ -40,10 +44,13 @@ class Comm(Protocol):
     def all_reduce(self, tensor: torch.Tensor, axes: int | Sequence[int], op: str = "sum") -> torch.Tensor: ...
 
     def shift(self, tensor: torch.Tensor, axis: int) -> torch.Tensor: ...
+
     def all_to_all(self, tensor: torch.Tensor, axis: int, send_counts: Sequence[int],
                    recv_counts: Sequence[int]) -> torch.Tensor: ...
 
     def exchange_counts(self, counts: Sequence[int], axis: int) -> list[int]: ...
+
+    def scatter(self, tensor: torch.Tensor, axis: int, src: int) -> torch.Tensor: ...
 
     def coordinate(self, axis: int) -> int: ...
 
@@ -59,6 +66,9 @@ class KernelContext:
     input_specs: tuple[TensorSpec | None, ...]
     output_specs: tuple[TensorSpec | None, ...]
     mesh_shape: tuple[int, ...]
+    # (input slot, mesh axis, owner coordinate): on that axis the slot's dim-0 split is not even
+    # but whole on the owner and empty on its peers (a table-wise table, ``Plan.tables``).
+    owners: tuple[tuple[int, int, int], ...] = ()
 
     def coords(self) -> tuple[int, ...]:
         return tuple(self.comm.coordinate(a) for a in range(len(self.mesh_shape)))
@@ -72,7 +82,14 @@ class KernelContext:
     def local_range(self, name: str, dim: int) -> tuple[int, int]:
         """[start, stop) of this rank's piece of input ``name`` along ``dim`` (global indices)."""
         meta = self.info.input(name)
-        sl = self.spec(name).local_slices(meta.shape, self.mesh_shape, self.coords())[dim]
+        spec, coords = self.spec(name), self.coords()
+        owned = [(axis, owner) for slot, axis, owner in self.owners
+                 if dim == 0 and slot == self.info.slot_index(name)]
+        for axis, _ in owned:
+            spec = spec.with_placement(axis, Replicate())
+        sl = spec.local_slices(meta.shape, self.mesh_shape, coords)[dim]
+        if any(coords[axis] != owner for axis, owner in owned):
+            return sl.start, sl.start  # a peer of the owner holds none of it
         return sl.start, sl.stop
 
     def axes_sharding(self, name: str, dim: int) -> tuple[int, ...]:

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from autopar import zoo
-from autopar.layout.placement import Replicate, Shard
+from autopar.layout.placement import Partial, Replicate, Shard
 from autopar.planner.table_families import TABLE_FAMILIES, table_family_plan, table_roles
 from autopar.report.tables import torchrec_name
 
@@ -39,13 +39,15 @@ def small_dlrm(rows=(1 << 20, 4096, 128, 8)):
 
 
 def test_table_roles_and_names():
-    assert table_roles("row-wise", 2) == ((Shard(0), None),) * 2
-    assert table_roles("dp x row-wise", 2) == ((Replicate(), Shard(0)), (Shard(0), None))
+    assert table_roles("row-wise", 2) == ((Shard(0), Partial()),) * 2
+    assert table_roles("table-wise", 2) == ((Shard(0), Shard(0)),) * 2
+    assert table_roles("dp x row-wise", 2) == ((Replicate(), Shard(0)), (Shard(0), Partial()))
     assert table_roles("column x row-wise", 3)[0] == (Shard(1), None)
     with pytest.raises(ValueError, match="unknown table family"):
-        table_roles("table-wise", 2)
+        table_roles("table-row-wise", 2)
     assert torchrec_name("S0S1", "PS1", ("ax0", "ax1")) == "row-wise over ax0, column-wise over ax1"
     assert torchrec_name("RR", "S0R", ("a", "b")) == "data-parallel over a, replicated over b"
+    assert torchrec_name("S0S1", "S0S1", ("a", "b")) == "table-wise over a, column-wise over b"
 
 
 def test_small_dlrm_tables_and_families():
@@ -75,6 +77,8 @@ def test_small_dlrm_tables_and_families():
         stored = {n.name: n.output_specs[0] for n in plan.nodes if n.kind == "parameter" and "tables" in n.name}
         assert set(stored.values()) == {want}, (family, stored)
         assert plan.estimate.step_s >= best * (1 - 1e-6), family  # autopar solves the unrestricted problem
+        if family == "table-wise":  # every table whole on one of the 8 devices
+            assert len(plan.tables) == 4 and all(len(t.owner) == 2 for t in plan.tables), plan.tables
 
     # Replicated tables take params + grads + Adam's two states: 4 x 64 MiB does not fit 200 MiB.
     tight = plan_traced(traced, profile(traced), mesh=(2, 4),
@@ -94,3 +98,9 @@ def test_criteo_1tb_on_8x8_plans_under_a_minute(tmp_path, capsys):
     assert "embedding tables" in capsys.readouterr().out
     padded = record["padded"]
     assert all(isinstance(v, str) or v >= padded["autopar"] * (1 - 1e-6) for v in padded.values())
+    # Real table-wise: each table whole on one device; the fullest device's peak fits 80 GiB.
+    assert isinstance(padded["table-wise"], float) and padded["row-wise"] > padded["autopar"]
+    assert record["padded_peak_bytes"]["table-wise"] <= 80 * 2**30
+    # Each table's line names its owner where it has one (none here: the hot tables' owners would
+    # do their whole batch's lookups, and the planner's re-solve moves them off table-wise).
+    assert all("owner" in t for t in record["tables"]) and padded["table-wise"] > padded["autopar"]
