@@ -113,6 +113,15 @@ class SimWorld:
         group.barrier.wait()
         return result
 
+    def gather_whole(self, tensor: torch.Tensor, axes: tuple[int, ...], coord: tuple[int, ...]) -> list[torch.Tensor]:
+        """Every rank's ``tensor`` of the group, in rank order (an all-gather of whole tensors)."""
+        group, rank = self.group(axes, coord)
+        group.slots[rank] = tensor
+        group.barrier.wait()
+        result = [t.clone() for t in group.slots]
+        group.barrier.wait()
+        return result
+
 
 class _AllToAll(torch.autograd.Function):
     @staticmethod
@@ -124,15 +133,6 @@ class _AllToAll(torch.autograd.Function):
     def backward(ctx, grad):
         world, axis, coord, send_counts, recv_counts = ctx.args
         return world.exchange(list(grad.split(list(recv_counts))), axis, coord), None, None, None, None, None
-
-    def exchange(self, tensor: torch.Tensor, axes: tuple[int, ...], coord: tuple[int, ...]) -> list[torch.Tensor]:
-        """Every rank's ``tensor`` of the group, in rank order (an all-gather of whole tensors)."""
-        group, rank = self.group(axes, coord)
-        group.slots[rank] = tensor
-        group.barrier.wait()
-        result = [t.clone() for t in group.slots]
-        group.barrier.wait()
-        return result
 
 
 class _AllReduceSum(torch.autograd.Function):
@@ -152,13 +152,13 @@ class _Scatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, world, axis, coord, src):
         ctx.world, ctx.axis, ctx.coord, ctx.src = world, axis, coord, src
-        chunks = world.exchange(tensor.detach(), (axis,), coord)
+        chunks = world.gather_whole(tensor.detach(), (axis,), coord)
         n = world.mesh_shape[axis]
         return chunks[src].chunk(n)[coord[axis]].clone()
 
     @staticmethod
     def backward(ctx, grad):
-        pieces = ctx.world.exchange(grad.contiguous(), (ctx.axis,), ctx.coord)
+        pieces = ctx.world.gather_whole(grad.contiguous(), (ctx.axis,), ctx.coord)
         full = torch.cat(pieces)
         return (full if ctx.coord[ctx.axis] == ctx.src else torch.zeros_like(full)), None, None, None, None
 
