@@ -28,13 +28,22 @@ from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
 __all__ = ["OP_CLASSES", "COMPUTE_BOUND", "MEMORY_BOUND", "DTYPES", "LINK_KINDS", "RateTable", "ComputeProfile",
-           "LinkFit", "MachineProfile", "dtype_name"]
+           "LinkFit", "MachineProfile", "dtype_name", "overlap_fraction"]
 
 OP_CLASSES = ("matmul", "attention", "elementwise", "norm", "other")
 COMPUTE_BOUND = ("matmul", "attention")  # keyed by FLOPs per call, rates in FLOP/s
 MEMORY_BOUND = ("elementwise", "norm")  # keyed by bytes per call, rates in bytes/s
 DTYPES = ("fp32", "bf16", "fp16")
 LINK_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+
+
+def overlap_fraction(t_comm: float, t_comp: float, t_both: float) -> float:
+    """The share of the shorter of a collective (``t_comm`` alone) and a computation (``t_comp``
+    alone) that ran hidden when both ran at once (``t_both``), clamped to [0, 1]: 1 when the
+    pair took as long as the longer one, 0 when it took their sum (or longer: contention)."""
+    if not (t_comm > 0 and t_comp > 0 and t_both > 0):
+        raise ValueError(f"overlap needs positive times, got comm {t_comm}, compute {t_comp}, both {t_both}")
+    return min(1.0, max(0.0, (t_comm + t_comp - t_both) / min(t_comm, t_comp)))
 
 
 def dtype_name(itemsize: int) -> str:

@@ -31,7 +31,7 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from autopar.layout.machine import LinkFit, MachineProfile
+from autopar.layout.machine import LinkFit, MachineProfile, overlap_fraction
 from autopar.layout.mesh import MeshSpec, default_axis_names, parse_mesh_shape
 from autopar.runtime.calibrate_compute import GRID, QUICK_GRID, device_figures, measure_compute
 from autopar.runtime.links import (DEFAULT_SIZES, KINDS, MeshProfile, Timing, _reduce_max, _sync, fit_alpha_beta,
@@ -88,8 +88,7 @@ def measure_overlap(*, nbytes: int, repeats: int, device: torch.device) -> tuple
 
     t_comp = lockstep_median(compute, repeats=repeats, device=device)
     t_both = lockstep_median(both, repeats=repeats, device=device)
-    hidden = (t_comm + t_comp - t_both) / min(t_comm, t_comp)
-    return min(1.0, max(0.0, hidden)), {"comm": t_comm, "compute": t_comp, "both": t_both}
+    return overlap_fraction(t_comm, t_comp, t_both), {"comm": t_comm, "compute": t_comp, "both": t_both}
 
 
 # ------------------------------------------------------------------------------- collectives
