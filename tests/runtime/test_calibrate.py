@@ -100,6 +100,15 @@ def test_plan_takes_the_profile_as_a_preset_for_its_shape_only(calibrated):
         PlanOptions(preset=missing)
 
 
+def test_the_plugin_takes_the_profile_as_its_mesh(calibrated):
+    from autopar.booster import AutoParallelPlugin
+
+    _, path = calibrated
+    assert AutoParallelPlugin(mesh=path).mesh == MeshSpec.load(path)
+    with pytest.raises(ValueError, match="absent.json' not found"):
+        AutoParallelPlugin(mesh=os.path.join(os.path.dirname(path), "absent.json"))
+
+
 def _autoparallelized(rank, world, path):
     meta = (torch.empty(8, 32, device="meta"), torch.empty(8, 16, device="meta"))
     module = autopar.autoparallelize(_mlp(), meta, mesh=(2,), preset=path, verify=True)
