@@ -34,7 +34,7 @@ import torch.distributed as dist
 from autopar.layout.machine import LinkFit, MachineProfile, overlap_fraction
 from autopar.layout.mesh import MeshSpec, default_axis_names, parse_mesh_shape
 from autopar.runtime.calibrate_compute import GRID, QUICK_GRID, device_figures, measure_compute
-from autopar.runtime.links import (DEFAULT_SIZES, KINDS, MeshProfile, Timing, _reduce_max, _sync, fit_alpha_beta,
+from autopar.runtime.links import (DEFAULT_SIZES, KINDS, MeshProfile, Timing, fit_alpha_beta, ranks_reduce,
                                    lockstep_median, measure_axis, ring_factor)
 
 __all__ = ["calibrate", "calibrate_detailed", "measure_overlap", "QUICK_SIZES"]
@@ -78,7 +78,7 @@ def measure_overlap(*, nbytes: int, repeats: int, device: torch.device) -> tuple
     # A probe of several products (all ranks busy, as in the loop) sizes the loop to about t_comm;
     # the same length on every rank, so no rank's compute outlasts the others'.
     t_probe = lockstep_median(matmuls(_PROBE), repeats=repeats, device=device)
-    loops = int(_reduce_max([float(max(1, math.ceil(_PROBE * t_comm / max(t_probe, 1e-7))))], device)[0])
+    loops = int(ranks_reduce([float(max(1, math.ceil(_PROBE * t_comm / max(t_probe, 1e-7))))], device)[0])
     compute = matmuls(loops)
 
     def both() -> None:
@@ -113,16 +113,32 @@ def _fit_links(axis: int, n: int, measured: list[Timing], say: Callable[[str], N
     return alpha, beta, fits
 
 
+def _collectives(device_mesh, shape: tuple[int, ...], sizes: Sequence[int], repeats: int, device: torch.device,
+                 say: Callable[[str], None]) -> tuple[list[float], list[float], list[LinkFit], list[Timing]]:
+    """Per axis: the all-kind alpha and beta (0 on an axis of size 1), the per-kind fits, the timings."""
+    timings: list[Timing] = []
+    alpha, beta, links = [], [], []
+    for axis, n in enumerate(shape):
+        if n == 1:
+            alpha.append(0.0)
+            beta.append(0.0)
+            continue
+        measured = measure_axis(device_mesh, axis, sizes, device=device, repeats=repeats)
+        timings += measured
+        a, b, fits = _fit_links(axis, n, measured, say)
+        alpha.append(a)
+        beta.append(b)
+        links += fits
+    return alpha, beta, links, timings
+
+
 # ------------------------------------------------------------------------------------ driver
 def _in_group(shape: tuple[int, ...], device_type: str, sizes: Sequence[int], repeats: int, quick: bool,
               verbose: bool) -> MeshProfile:
     from torch.distributed.device_mesh import init_device_mesh
 
-    if device_type == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", dist.get_rank() % torch.cuda.device_count())))
-        device = torch.device("cuda", torch.cuda.current_device())
-    else:
-        device = torch.device("cpu")
+    device = _local_device(device_type)
+    load = os.getloadavg()[0]
     names = default_axis_names(len(shape))
     device_mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
     say = _Stages(verbose)
@@ -132,39 +148,33 @@ def _in_group(shape: tuple[int, ...], device_type: str, sizes: Sequence[int], re
         unit = "GB/s" if kernel.op_class in ("elementwise", "norm") else "GFLOP/s"
         say(f"{kernel.dtype} {kernel.label}: {rate / 1e9:.2f} {unit}")
     say.stage = "stage 2/3 collectives: "
-    timings: list[Timing] = []
-    alpha, beta, links = [], [], []
-    for axis, n in enumerate(shape):
-        if n == 1:
-            alpha.append(0.0)
-            beta.append(0.0)
-            continue
-        measured_axis = measure_axis(device_mesh, axis, sizes, device=device, repeats=repeats, verbose=False)
-        timings += measured_axis
-        a, b, fits = _fit_links(axis, n, measured_axis, say)
-        alpha.append(a)
-        beta.append(b)
-        links += fits
+    alpha, beta, links, timings = _collectives(device_mesh, shape, sizes, repeats, device, say)
     say.stage = "stage 3/3 overlap: "
     overlap = 0.0
     if math.prod(shape) > 1:
         overlap, parts = measure_overlap(nbytes=OVERLAP_BYTES[device_type], repeats=repeats, device=device)
         say(f"all-reduce {parts['comm'] * 1e3:.2f} ms, compute {parts['compute'] * 1e3:.2f} ms, both "
             f"{parts['both'] * 1e3:.2f} ms: {overlap:.0%} of the collective hidden")
-    flops, half, bandwidth = device_figures(compute)
     note = (f"{'quick ' if quick else ''}calibration of {shape} on {os.uname().nodename}, {device_type}, "
-            f"{repeats} repetitions, load {os.getloadavg()[0]:.2f} at the start, "
+            f"{repeats} repetitions, load {load:.2f} at the start, "
             f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}")
     machine = MachineProfile(compute=compute, links=tuple(links), measured_shape=shape, measured_axis_names=names,
                              note=note)
+    flops, half, bandwidth = device_figures(compute)
     mesh = MeshSpec(shape=shape, axis_names=names, alpha=tuple(alpha), beta=tuple(beta), peak_flops=flops,
                     mem_bandwidth=bandwidth, mem_capacity=_mem_capacity(device), name=f"profiled-{device_type}",
                     half_peak_flops=half, comm_overlap=overlap, machine=machine)
     say.stage = ""
     say(f"done: fp32 matmul {flops / 1e9:.1f} GFLOP/s, bf16 {half / 1e9 if half else math.nan:.1f} GFLOP/s, "
         f"memory {bandwidth / 1e9:.2f} GB/s, overlap {overlap:.0%}")
-    _sync(device)
     return MeshProfile(mesh=mesh, timings=tuple(timings))
+
+
+def _local_device(device_type: str) -> torch.device:
+    if device_type != "cuda":
+        return torch.device("cpu")
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", dist.get_rank() % torch.cuda.device_count())))
+    return torch.device("cuda", torch.cuda.current_device())
 
 
 def _mem_capacity(device: torch.device) -> int:

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch.utils.flop_counter import sdpa_flop_count
 
 from autopar.layout.machine import DTYPES, ComputeProfile, RateTable
-from autopar.runtime.links import _reduce_max, _sync, lockstep_medians
+from autopar.runtime.links import lockstep_medians, ranks_reduce, sync_device
 
 __all__ = ["Grid", "Kernel", "GRID", "QUICK_GRID", "kernels", "measure_compute", "device_figures"]
 
@@ -123,13 +123,13 @@ def _inner_counts(points: list[Kernel], device: torch.device) -> list[int]:
     want = []
     for k in points:
         k.run()  # warm-up (kernel selection, first-touch pages) before the probe
-        _sync(device)
+        sync_device(device)
         t0 = time.perf_counter()
         k.run()
-        _sync(device)
+        sync_device(device)
         one = max(time.perf_counter() - t0, 1e-7)
         want.append(float(min(1000, max(1, math.ceil(MIN_REPETITION_S / one)))))
-    return [int(c) for c in _reduce_max(want, device)]
+    return [int(c) for c in ranks_reduce(want, device)]
 
 
 def _repeated(run: Callable[[], object], inner: int) -> Callable[[], None]:

@@ -36,6 +36,8 @@ __all__ = [
     "Timing",
     "MeshProfile",
     "lockstep_median",
+    "ranks_reduce",
+    "sync_device",
     "lockstep_medians",
     "slowest_medians",
     "time_collective",
@@ -186,7 +188,7 @@ def fit_alpha_beta(points: Sequence[tuple[float, float]], *, iterations: int = 1
 
 
 # --------------------------------------------------------------------------- measurement
-def _sync(device: torch.device) -> None:
+def sync_device(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -213,10 +215,10 @@ def _op(kind: str, nbytes: int, n: int, group, device: torch.device):
 def _timed(op, group, device: torch.device) -> float:
     """One sample: ranks enter together (barrier), the clock stops when the device is done."""
     dist.barrier(group=group)
-    _sync(device)
+    sync_device(device)
     start = time.perf_counter()
     op()
-    _sync(device)
+    sync_device(device)
     return time.perf_counter() - start
 
 
@@ -231,7 +233,7 @@ def time_collective(kind: str, nbytes: int, group, *, device: torch.device | str
     return statistics.median(_timed(op, group, device) for _ in range(repeats))
 
 
-def _reduce_max(values: list[float], device: torch.device, op=dist.ReduceOp.MAX) -> list[float]:
+def ranks_reduce(values: list[float], device: torch.device, op=dist.ReduceOp.MAX) -> list[float]:
     t = torch.tensor(values, dtype=torch.float64, device=device)
     dist.all_reduce(t, op=op)
     return t.tolist()
@@ -243,7 +245,7 @@ def slowest_medians(samples: list[list[float]], device: torch.device) -> list[fl
     ``samples[i][r]``: this rank's seconds of point ``i`` in repetition ``r`` (every rank the
     same counts). Collective over the default group; every rank gets the same list."""
     reps = len(samples[0]) if samples else 0
-    flat = _reduce_max([t for mine in samples for t in mine], device)
+    flat = ranks_reduce([t for mine in samples for t in mine], device)
     return [statistics.median(flat[i * reps:(i + 1) * reps]) for i in range(len(samples))]
 
 
