@@ -33,7 +33,8 @@ import torch.distributed as dist
 
 from autopar.layout.machine import LinkFit, MachineProfile, overlap_fraction
 from autopar.layout.mesh import MeshSpec, default_axis_names, parse_mesh_shape
-from autopar.runtime.calibrate_compute import GRID, QUICK_GRID, device_figures, measure_compute
+from autopar.runtime.calibrate_compute import (GRID, MIN_REPETITION_S, QUICK_GRID, QUICK_REPETITION_S, device_figures,
+                                               measure_compute)
 from autopar.runtime.links import (DEFAULT_SIZES, KINDS, MeshProfile, Timing, fit_alpha_beta, ranks_reduce,
                                    lockstep_median, measure_axis, ring_factor)
 
@@ -143,7 +144,8 @@ def _in_group(shape: tuple[int, ...], device_type: str, sizes: Sequence[int], re
     device_mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
     say = _Stages(verbose)
     say.stage = "stage 1/3 compute: "
-    compute, measured = measure_compute(QUICK_GRID if quick else GRID, repeats=repeats, device=device, progress=say)
+    compute, measured = measure_compute(QUICK_GRID if quick else GRID, repeats=repeats, device=device, progress=say,
+                                        min_repetition_s=QUICK_REPETITION_S if quick else MIN_REPETITION_S)
     for kernel, rate in measured:
         unit = "GB/s" if kernel.op_class in ("elementwise", "norm") else "GFLOP/s"
         say(f"{kernel.dtype} {kernel.label}: {rate / 1e9:.2f} {unit}")
