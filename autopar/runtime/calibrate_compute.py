@@ -34,7 +34,7 @@ from autopar.runtime.links import lockstep_medians, ranks_reduce, sync_device
 
 __all__ = ["Grid", "Kernel", "GRID", "QUICK_GRID", "kernels", "measure_compute", "device_figures"]
 
-MIN_REPETITION_S = 20e-3
+MIN_REPETITION_S = 10e-3
 QUICK_REPETITION_S = 2e-3
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -156,8 +156,9 @@ def measure_compute(grid: Grid, *, repeats: int, device: torch.device | str = "c
         if progress is not None:
             progress(f"round {r + 1}/{repeats} of {len(points)} kernels")
 
+    # The probe for ``inner`` warmed every kernel up already.
     seconds = lockstep_medians([_repeated(k.run, c) for k, c in zip(points, inner)], repeats=repeats, device=device,
-                               on_round=on_round)
+                               on_round=on_round, warm_up=False)
     measured = [(k, k.size * c / t) for k, c, t in zip(points, inner, seconds)]
     tables: dict[tuple[str, str], list[tuple[float, float]]] = {}
     for k, rate in measured:

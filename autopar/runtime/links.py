@@ -250,17 +250,18 @@ def slowest_medians(samples: list[list[float]], device: torch.device) -> list[fl
 
 
 def lockstep_medians(fns: Sequence, *, repeats: int, device: torch.device | str = "cpu", group=None,
-                     on_round=None) -> list[float]:
+                     on_round=None, warm_up: bool = True) -> list[float]:
     """Seconds of each of ``fns`` as a training step sees it: every rank runs it at once, each
     repetition starts after a barrier on ``group`` (default: every rank), and the figure is the
-    median over repetitions of the slowest rank's time. One untimed warm-up call of each first;
+    median over repetitions of the slowest rank's time. One untimed warm-up call of each first
+    (``warm_up=False``: the caller warmed them up);
     then ``repeats`` rounds over all of them (round-robin: a burst of outside load spreads over
     every one instead of spoiling most repetitions of a few). ``on_round(r)``: called before
     round ``r`` (progress lines). Collective over all ranks; every rank gets the same list."""
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     device = torch.device(device)
-    for fn in fns:  # warm-up: connections, allocator, first-touch pages, kernel selection
+    for fn in fns if warm_up else ():  # warm-up: connections, allocator, first-touch pages, kernel selection
         fn()
     samples: list[list[float]] = [[] for _ in fns]
     for r in range(repeats):
