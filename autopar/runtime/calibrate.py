@@ -43,7 +43,7 @@ __all__ = ["calibrate", "calibrate_detailed", "measure_overlap", "QUICK_SIZES"]
 KiB, MiB = 1024, 1024**2
 QUICK_SIZES = {"cpu": [64 * KiB, 256 * KiB, 1 * MiB], "cuda": [1 * MiB, 8 * MiB, 64 * MiB]}
 OVERLAP_BYTES = {"cpu": 4 * MiB, "cuda": 256 * MiB}
-_PROBE = 8  # products in the probe that sizes the overlap stage's compute loop
+_PROBE = 8  # products in the first guess of the overlap stage's compute loop
 
 
 class _Stages:
@@ -76,10 +76,16 @@ def measure_overlap(*, nbytes: int, repeats: int, device: torch.device) -> tuple
         return run
 
     t_comm = lockstep_median(comm, repeats=repeats, device=device)
-    # A probe of several products (all ranks busy, as in the loop) sizes the loop to about t_comm;
-    # the same length on every rank, so no rank's compute outlasts the others'.
-    t_probe = lockstep_median(matmuls(_PROBE), repeats=repeats, device=device)
-    loops = int(ranks_reduce([float(max(1, math.ceil(_PROBE * t_comm / max(t_probe, 1e-7))))], device)[0])
+    # The loop is sized to about t_comm (the fraction is of the shorter one; a loop far longer
+    # or shorter measures little): a first guess from a probe of a few products, rescaled while
+    # it misses by more than 2x (load changes between the probe and the loop). Every rank runs
+    # the same count, so no rank's compute outlasts the others'.
+    loops, t_comp = _PROBE, lockstep_median(matmuls(_PROBE), repeats=repeats, device=device)
+    for _ in range(3):
+        if 0.5 <= t_comm / t_comp <= 2.0:
+            break
+        loops = int(ranks_reduce([float(max(1, round(loops * t_comm / t_comp)))], device)[0])
+        t_comp = lockstep_median(matmuls(loops), repeats=repeats, device=device)
     compute = matmuls(loops)
 
     def both() -> None:
@@ -87,7 +93,6 @@ def measure_overlap(*, nbytes: int, repeats: int, device: torch.device) -> tuple
         compute()
         work.wait()
 
-    t_comp = lockstep_median(compute, repeats=repeats, device=device)
     t_both = lockstep_median(both, repeats=repeats, device=device)
     return overlap_fraction(t_comm, t_comp, t_both), {"comm": t_comm, "compute": t_comp, "both": t_both}
 
