@@ -16,6 +16,9 @@ The grid, per dtype (fp32, bf16, fp16):
   own FLOP count (``torch.utils.flop_counter.sdpa_flop_count``);
 - ``elementwise``: ``add`` of two tensors, keyed by the bytes one call reads and writes;
 - ``norm``: ``layer_norm`` over rows of 1024, keyed likewise.
+
+Forward kernels only: the cost model prices an op's backward FLOPs (or bytes) at its class's
+rate for that size, as if the backward kernels ran as efficiently as the forward ones.
 """
 
 from __future__ import annotations
