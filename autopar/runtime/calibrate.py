@@ -41,7 +41,7 @@ from autopar.runtime.links import (DEFAULT_SIZES, KINDS, MeshProfile, Timing, fi
 __all__ = ["calibrate", "calibrate_detailed", "measure_overlap", "QUICK_SIZES"]
 
 KiB, MiB = 1024, 1024**2
-QUICK_SIZES = {"cpu": [64 * KiB, 256 * KiB, 1 * MiB], "cuda": [1 * MiB, 8 * MiB, 64 * MiB]}
+QUICK_SIZES = {"cpu": [64 * KiB, 1 * MiB, 4 * MiB], "cuda": [1 * MiB, 8 * MiB, 64 * MiB]}
 OVERLAP_BYTES = {"cpu": 4 * MiB, "cuda": 256 * MiB}
 _PROBE = 8  # products in the first guess of the overlap stage's compute loop
 
