@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import bisect
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
 
 __all__ = ["OP_CLASSES", "COMPUTE_BOUND", "MEMORY_BOUND", "DTYPES", "LINK_KINDS", "RateTable", "ComputeProfile",
@@ -172,6 +172,9 @@ class MachineProfile:
     measured_shape: tuple[int, ...]
     measured_axis_names: tuple[str, ...]
     note: str = ""
+    # A mesh is a cache key (``layout.conversion``): hashing every rate each lookup would cost
+    # ten times the preset mesh's whole hash, so the profile's is computed once.
+    _hash: int = field(init=False, repr=False, compare=False, default=0)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "links", tuple(self.links))
@@ -180,6 +183,11 @@ class MachineProfile:
         keys = [(f.kind, f.axis) for f in self.links]
         if len(set(keys)) != len(keys):
             raise ValueError(f"MachineProfile has two link fits for one (kind, axis): {keys}")
+        object.__setattr__(self, "_hash", hash((self.compute, self.links, self.measured_shape,
+                                                self.measured_axis_names, self.note)))
+
+    def __hash__(self) -> int:
+        return self._hash
 
     def link(self, kind: str, axis: int) -> LinkFit | None:
         for fit in self.links:
