@@ -26,6 +26,7 @@ _LAZY = {
     "AutoParallelModule": "autopar.runtime.module",
     "clip_grad_norm_": "autopar.runtime.module",
     "profile_mesh": "autopar.runtime.mesh_profile",
+    "calibrate": "autopar.runtime.calibrate",
     "GradScaler": "autopar.runtime.amp",
     "verify": "autopar.proof",
     "PlanVerificationError": "autopar.runtime.verify",

@@ -43,7 +43,8 @@ def plan(model: Any, meta_inputs: tuple | dict, *, mesh: MeshSpec | Sequence[int
     as a 1-3 axis mesh (``plan_mesh_auto``; not cached).
 
     ``**overrides``: any :class:`PlanOptions` field, applied to ``options``: ``memory_budget``
-    (bytes or ``"16GiB"``; None = the device capacity), ``solver``, ``time_limit``, ``preset``,
+    (bytes or ``"16GiB"``; None = the device capacity), ``solver``, ``time_limit``, ``preset`` (a
+    name, or the path of a machine profile from ``autopar calibrate``, measured on ``mesh``'s shape),
     ``baselines`` (also solve data parallel, ZeRO-3, Megatron TP and DP x TP in the same cost
     model), ``optimizer_multiplier``, ``allow_replicate_fallback``, ``checkpoint`` (activation
     recompute planning: ``"auto"``, ``"ilp"``, ``"rotor"``, ``"both"``, ``"none"``; see
@@ -100,7 +101,8 @@ def autoparallelize(model: nn.Module, meta_inputs: tuple | dict, *, mesh: MeshSp
     filled with ``load_full_state_dict``). ``local_inputs``: ``forward`` receives each rank's
     piece of every input under the plan's input layouts instead of the full batch.
 
-    ``**overrides``: the :class:`PlanOptions` fields as for ``plan`` (the preset is the device's);
+    ``**overrides``: the :class:`PlanOptions` fields as for ``plan`` (``preset``: default the
+    device's; the path of a machine profile from ``autopar calibrate`` prices this machine as measured);
     None means not given. ``checkpoint``: a loaded plan's recompute regions are applied as they
     are. ``precision``/``reduce_dtype``: default fp32; a loaded plan brings its own
     (``ValueError`` when they disagree); fp16 wants loss scaling: ``autopar.GradScaler``.

@@ -51,7 +51,8 @@ def prepare(model, meta_inputs, *, mesh, plan, device, progress: Progress, optio
     from autopar.runtime.build import mesh_preset
 
     world = dist.get_world_size()
-    preset = mesh_preset(device)
+    # The runtime device's preset, unless a preset (a machine profile: autopar calibrate) is given.
+    preset = overrides.pop("preset", None) or mesh_preset(device)
     auto = None
     if isinstance(mesh, str) and mesh == "auto":
         if plan is not None:
@@ -62,8 +63,6 @@ def prepare(model, meta_inputs, *, mesh, plan, device, progress: Progress, optio
     spec = None if mesh is None else MeshSpec.coerce(mesh, preset=preset)
     if spec is not None and spec.num_devices != world:
         raise ValueError(f"mesh {spec.shape} has {spec.num_devices} devices but the process group has {world} ranks")
-    if "preset" in overrides:  # the preset is the runtime device's (runtime.build.mesh_preset)
-        raise TypeError("autoparallelize() got an unexpected keyword argument 'preset'")
     given = {k: v for k, v in overrides.items() if v is not None}
     given = runtime_options(given, plan_given=plan is not None)  # offload: checked, ZeRO 0 unless given
     # Checked whether or not a plan is given: a bad value fails the same way everywhere.

@@ -437,7 +437,4 @@ def stage_mesh_of(mesh: MeshSpec, axis: int = 0) -> MeshSpec:
     leaves a one-device mesh ``(1,)`` (a stage on one device; its axis costs nothing)."""
     if mesh.ndim == 1:
         return replace(mesh, shape=(1,), axis_names=(f"{mesh.axis_names[0]}_stage",))
-    keep = [i for i in range(mesh.ndim) if i != axis]
-    return replace(mesh, shape=tuple(mesh.shape[i] for i in keep),
-                   axis_names=tuple(mesh.axis_names[i] for i in keep),
-                   alpha=tuple(mesh.alpha[i] for i in keep), beta=tuple(mesh.beta[i] for i in keep))
+    return mesh.select_axes([i for i in range(mesh.ndim) if i != axis])

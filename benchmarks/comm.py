@@ -1,9 +1,10 @@
 """Measured vs predicted collective times on this machine (gloo, local processes).
 
-Each run profiles a fresh ``MeshSpec`` (``profile_mesh`` on a 1-D mesh of ``--procs``
-processes), then times every collective again, independently of the profile, over the sizes
-(64 KiB .. 16 MiB by default) and prints measured vs predicted (``autopar.layout.cost`` with the
-fitted alpha/beta) per collective and size, the median ratio per collective and overall.
+Each run calibrates a fresh ``MeshSpec`` (``autopar.calibrate`` on a 1-D mesh of ``--procs``
+processes, quick compute grid), then times every collective again, independently of the
+calibration, over the sizes (64 KiB .. 16 MiB by default) and prints measured vs predicted
+(``autopar.layout.cost`` with the fitted alpha/beta: per kind where calibration fitted one) per
+collective and size, the median ratio per collective and overall.
 
     .venv/bin/python benchmarks/comm.py [--procs 2] [--repeats 7] [--jsonl out.jsonl]
 
@@ -23,7 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from autopar.layout.cost import collective_seconds  # noqa: E402
 from autopar.runtime.launch import run_local  # noqa: E402
-from autopar.runtime.mesh_profile import KINDS, _profile_in_group, measure_axis  # noqa: E402
+from autopar.runtime.calibrate import _in_group  # noqa: E402
+from autopar.runtime.links import KINDS, measure_axis  # noqa: E402
 
 KiB, MiB = 1024, 1024**2
 SIZES = [64 * KiB, 256 * KiB, 1 * MiB, 4 * MiB, 16 * MiB]
@@ -32,7 +34,7 @@ SIZES = [64 * KiB, 256 * KiB, 1 * MiB, 4 * MiB, 16 * MiB]
 def _worker(rank, world_size, sizes, repeats):
     from torch.distributed.device_mesh import init_device_mesh
 
-    profile = _profile_in_group((world_size,), "cpu", sizes, repeats, verbose=False)
+    profile = _in_group((world_size,), "cpu", sizes, repeats, True, False)
     device_mesh = init_device_mesh("cpu", (world_size,))
     held_out = measure_axis(device_mesh, 0, sizes, device="cpu", repeats=repeats)
     in_sample = [profile.predicted(t) / t.seconds for t in profile.timings]

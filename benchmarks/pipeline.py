@@ -11,10 +11,10 @@ size makes a step ~1 s on a 2-core machine with 4 ranks (about 60 ms of compute 
 micro-batch against ~5 ms of point-to-point), so compute dominates; ``--hidden 512 --seq 128
 --vocab 2048`` is ~8x that.
 
-1. The mesh is profiled on THIS machine first (``autopar.runtime.mesh_profile.profile_mesh`` on
+1. The mesh is profiled on THIS machine first (``autopar.calibrate`` on
    ``world`` forked processes: per-axis alpha/beta from timed collectives, fp32 matmul FLOP/s
    and copy bandwidth measured while all ranks run at once, as they do in the pipeline's steady
-   state), or read from ``--mesh-file`` (``autopar profile-mesh --local N --out``).
+   state), or read from ``--mesh-file`` (``autopar calibrate --local N --out``).
 2. For each schedule the parent plans with that mesh (``autopar.api.plan_pipelined``,
    ``pipeline=world``, ``microbatches``, ``checkpoint="none"``): the plan's stage cut and its
    estimated step (``plan.estimate.step_s``: ``(M + S - 1) * slowest stage + gradient sync``).
@@ -192,7 +192,7 @@ def _bench(rank: int, world: int, args, model, inputs, plans: dict, traced: dict
 
 def measured_mesh(args):
     from autopar.layout.mesh import MeshSpec
-    from autopar.runtime.mesh_profile import profile_mesh
+    from autopar.runtime.calibrate import calibrate
 
     if args.mesh_file:
         mesh = MeshSpec.load(args.mesh_file)
@@ -200,7 +200,7 @@ def measured_mesh(args):
             raise ValueError(f"--mesh-file holds mesh {mesh.shape}, the run needs ({args.world},)")
         return mesh
     sizes = [int(s) for s in args.profile_sizes.split(",")]
-    return profile_mesh((args.world,), local=args.world, sizes=sizes, repeats=args.profile_repeats)
+    return calibrate((args.world,), local=args.world, sizes=sizes, repeats=args.profile_repeats)
 
 
 def main(argv=None) -> dict:

@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Sequence
 
-from autopar.layout.mesh import MeshSpec, parse_mesh_shape
+from autopar.layout.mesh import MeshSpec, is_profile_path, parse_mesh_shape
 from autopar.planner.options import ZERO_STAGES, check_choice, check_count, check_number, check_option
 
 if TYPE_CHECKING:
@@ -43,7 +43,8 @@ class AutoParallelPlugin:
 
     Args:
         mesh: ``None`` (a 1-D mesh over the world size), a shape (``(2, 2)`` or ``"2x2"``; the
-            device's cost preset) or a ``MeshSpec``. Its size must be the world size.
+            device's cost preset), a ``MeshSpec``, or the path of a machine profile from
+            ``autopar calibrate`` (its mesh, priced as measured). Its size must be the world size.
         memory_budget: bytes per device (an int or ``"16GiB"``); ``None`` = the device capacity.
         precision: ``"fp32"``, ``"bf16"`` or ``"fp16"`` compute with fp32 master weights and
             optimizer state. ``"fp16"`` makes the boosted optimizer own an ``autopar.GradScaler``
@@ -142,11 +143,13 @@ class AutoParallelPlugin:
     ep_size: int | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.mesh, (str, os.PathLike)) and is_profile_path(self.mesh):
+            object.__setattr__(self, "mesh", MeshSpec.from_profile(self.mesh))  # a calibrated machine
         if self.mesh is not None and not isinstance(self.mesh, MeshSpec):
             try:
                 shape = parse_mesh_shape(self.mesh)
             except (ValueError, TypeError) as exc:
-                raise ValueError(f"mesh must be None, a shape such as (2, 2) or '2x2', or a MeshSpec, "
+                raise ValueError(f"mesh must be None, a shape such as (2, 2) or '2x2', a MeshSpec or a profile JSON, "
                                  f"got {self.mesh!r} ({exc})") from None
             object.__setattr__(self, "mesh", shape)
         for name, option in PLANNING_NAMES.items():  # the planner's own checks, under the plugin's names

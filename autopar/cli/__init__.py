@@ -1,4 +1,4 @@
-"""Front ends: the ``autopar`` command (``inspect``, ``coverage``, ``profile-mesh``), its input
+"""Front ends: the ``autopar`` command (``inspect``, ``coverage``, ``calibrate``), its input
 parsing and progress output, and the ``make demo`` script (``autopar.cli.demo``)."""
 
 from autopar.cli.main import build_parser, main

@@ -77,8 +77,8 @@ def _argument(f: dataclasses.Field) -> dict:
         if f.name in _METAVARS:
             kwargs["metavar"] = _METAVARS[f.name]
     if f.name == "preset":  # a preset name or a profiled mesh JSON, resolved with the mesh (cli.inputs)
-        kwargs.update(action=NamedFlag, help=f"{f.metadata['help']}, or a profiled mesh JSON from "
-                                             f"`autopar profile-mesh` (default: {default}; --device is its old name)")
+        kwargs.update(action=NamedFlag, help=f"{f.metadata['help']}, or a machine profile JSON from "
+                                             f"`autopar calibrate` (default: {default}; --device is its old name)")
     return kwargs
 
 

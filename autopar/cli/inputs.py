@@ -225,17 +225,12 @@ def _config_int(config, arch: str, name: str) -> int:
 
 
 def resolve_mesh(preset: str, mesh: str | None, *, flag: str = "--preset"):
-    """A MeshSpec from a preset name + shape, or from a profiled mesh JSON (shape must agree).
+    """A MeshSpec from a preset name + shape, or from a calibrated profile (shape must agree).
     ``flag``: the option name ``preset`` came from, for error messages."""
-    from autopar.layout.mesh import PRESETS, MeshSpec, parse_mesh_shape
+    from autopar.layout.mesh import PRESETS, MeshSpec, is_profile_path
 
-    if preset.endswith(".json") or os.path.sep in preset:
-        if not os.path.isfile(preset):
-            raise ValueError(f"mesh file {preset!r} not found")
-        spec = MeshSpec.load(preset)
-        if mesh is not None and parse_mesh_shape(mesh) != spec.shape:
-            raise ValueError(f"--mesh {mesh} does not match the profiled mesh {spec.shape} in {preset}")
-        return spec
+    if is_profile_path(preset):
+        return MeshSpec.from_profile(preset, mesh)  # a calibrated profile: the shape it was measured on
     if preset not in PRESETS:
         raise ValueError(f"unknown {flag} {preset!r}: use a preset ({', '.join(sorted(PRESETS))}) or a mesh JSON file")
     if mesh is None:

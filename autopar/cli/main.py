@@ -1,4 +1,5 @@
-"""``autopar`` command line: ``inspect`` a plan offline, ``coverage`` of sharding rules, ``profile-mesh``.
+"""``autopar`` command line: ``inspect`` a plan offline, ``coverage`` of sharding rules, ``calibrate``
+the machine (``profile-mesh`` is its deprecated old name).
 
 Bad input (unknown model, mesh that does not tile the device's nodes, unparsable sizes, an
 infeasible budget ...) ends with exit status 1 and one line ``autopar: error: ...`` on stderr;
@@ -70,12 +71,24 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--allow-fallback", action="store_true",
                    help="report uncovered ops as replicated by the fallback instead of missing")
 
-    m = sub.add_parser("profile-mesh", help="time real collectives and write a MeshSpec JSON")
+    k = sub.add_parser("calibrate", help="measure this machine as a training step uses it (compute per op class, "
+                                         "size and dtype; collectives per kind and axis; overlap) into a machine "
+                                         "profile JSON that --preset takes")
+    k.add_argument("--mesh", required=True, help="mesh shape, e.g. 2x2 (the profile serves this shape)")
+    k.add_argument("--local", type=int, help="start N local processes (else run under torchrun)")
+    k.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    k.add_argument("--repeats", type=int, help="timed repetitions per point (default 5; --quick 3)")
+    k.add_argument("--quick", action="store_true", help="a smaller grid, fewer sizes and repetitions (tests)")
+    k.add_argument("--out", "-o", required=True, metavar="FILE", help="where to write the profile JSON")
+    k.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
+
+    m = sub.add_parser("profile-mesh", help="deprecated: autopar calibrate")
     m.add_argument("--mesh", required=True, help="mesh shape, e.g. 2x2")
     m.add_argument("--local", type=int, help="start N local processes (else run under torchrun)")
     m.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     m.add_argument("--repeats", type=int, default=5)
-    m.add_argument("-o", "--output", required=True, metavar="FILE", help="where to write the MeshSpec JSON")
+    m.add_argument("-o", "--output", dest="out", required=True, metavar="FILE", help="where to write the JSON")
+    m.set_defaults(quick=False, quiet=True)
     return parser
 
 
@@ -301,23 +314,28 @@ def cmd_coverage(args) -> int:
     return 1 if args.strict and missing and not args.allow_fallback else 0
 
 
-def cmd_profile_mesh(args) -> int:
+def cmd_calibrate(args) -> int:
     from autopar.layout.mesh import parse_mesh_shape
-    from autopar.runtime.mesh_profile import profile_mesh
+    from autopar.runtime.calibrate import calibrate
 
     shape = parse_mesh_shape(args.mesh)
-    check_count(args.repeats, name="--repeats")
-    _check_writable(args.output, "-o")
+    if args.repeats is not None:
+        check_count(args.repeats, name="--repeats")
+    _check_writable(args.out, "--out")
     if args.local is None and "RANK" not in os.environ:
-        raise CliError("profile-mesh needs processes: pass --local N, or run it under torchrun")
-    mesh = profile_mesh(shape, device=args.device, local=args.local, repeats=args.repeats)
+        raise CliError(f"{args.command} needs processes: pass --local N, or run it under torchrun")
+    mesh = calibrate(shape, device=args.device, local=args.local, repeats=args.repeats, quick=args.quick,
+                     out=args.out, verbose=not args.quiet)
     if os.environ.get("RANK", "0") != "0":
-        return 0  # under torchrun every rank profiles; rank 0 writes
-    mesh.save(args.output)
+        return 0  # under torchrun every rank measures; rank 0 writes and reports
     for name, size, a, b in zip(mesh.axis_names, mesh.shape, mesh.alpha, mesh.beta):
         bw = f"{1 / b / 1e9:.2f} GB/s" if b else "n/a"
         print(f"axis {name} (n={size}): alpha {a * 1e6:.1f} us, beta {b * 1e9:.3f} ns/B ({bw})")
-    print(f"device: {mesh.peak_flops / 1e9:.1f} GFLOP/s, {mesh.mem_bandwidth / 1e9:.2f} GB/s; wrote {args.output}")
+    half = f", bf16 {mesh.half_peak_flops / 1e9:.1f} GFLOP/s" if mesh.half_peak_flops else ""
+    print(f"device: {mesh.peak_flops / 1e9:.1f} GFLOP/s fp32 matmul{half}, {mesh.mem_bandwidth / 1e9:.2f} GB/s; "
+          f"{mesh.comm_overlap:.0%} of a collective hidden under compute; wrote {args.out}")
+    if args.command == "profile-mesh":
+        print("note: profile-mesh is deprecated; it ran `autopar calibrate`, which is the same measurement")
     return 0
 
 
@@ -329,7 +347,8 @@ def _is_planner_error(exc: RuntimeError) -> bool:
     return isinstance(exc, (TraceError, SolveTimeout))
 
 
-_COMMANDS = {"inspect": cmd_inspect, "coverage": cmd_coverage, "profile-mesh": cmd_profile_mesh}
+_COMMANDS = {"inspect": cmd_inspect, "coverage": cmd_coverage, "calibrate": cmd_calibrate,
+             "profile-mesh": cmd_calibrate}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -18,6 +18,14 @@ split (local)      ``2 * (nbytes / n) / mem_bandwidth``  (a copy of the local pi
 =================  ======================================================
 
 A collective over a single device (``n == 1``) costs nothing.
+
+On a calibrated mesh (``MeshSpec.machine``, ``autopar.layout.machine``) the same formulas take
+measured figures: a collective the per-(kind, axis) ``alpha``/``beta`` where that kind was fitted
+on that axis (else the axis's all-kind fit); a kernel of a measured op class its achieved rate at
+its size and dtype instead of the peak: ``flops / rate(flops)`` for matmul and attention,
+``nbytes / rate(nbytes)`` for elementwise and normalisation ops, each still no less than its
+other roofline term and the kernel floor. Other ops, unmeasured dtypes and uncalibrated meshes
+get the roofline as above, so a preset prices exactly as before.
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ from __future__ import annotations
 import math
 from typing import Iterable
 
+from autopar.layout.machine import COMPUTE_BOUND, MEMORY_BOUND, OP_CLASSES, dtype_name
 from autopar.layout.mesh import MeshSpec
 
 __all__ = ["KERNEL_FLOOR_S", "COLLECTIVES", "compute_seconds", "collective_seconds", "copy_seconds", "ring_seconds"]
@@ -35,12 +44,26 @@ KERNEL_FLOOR_S = 2e-6
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "split")
 
 
-def compute_seconds(flops: float, nbytes: float, mesh: MeshSpec, *, itemsize: int = 4) -> float:
-    """Roofline time of one kernel moving ``nbytes`` and doing ``flops`` on one device, computing
-    in ``itemsize``-byte floats (2: bf16/fp16, at the half-precision peak)."""
+def compute_seconds(flops: float, nbytes: float, mesh: MeshSpec, *, itemsize: int = 4, op_class: str = "other",
+                    dtype: str | None = None) -> float:
+    """Time of one kernel moving ``nbytes`` and doing ``flops`` on one device, computing in
+    ``itemsize``-byte floats (2: bf16/fp16, at the half-precision peak). ``op_class`` (one of
+    ``OP_CLASSES``) and ``dtype`` (``"fp32"``, ``"bf16"``, ``"fp16"``; None: from ``itemsize``)
+    pick the measured rate on a calibrated mesh; see the module docstring."""
     if flops < 0 or nbytes < 0:
         raise ValueError(f"flops and bytes must be >= 0, got {flops}, {nbytes}")
-    return max(flops / mesh.flops_at(itemsize), nbytes / mesh.mem_bandwidth, KERNEL_FLOOR_S)
+    if op_class not in OP_CLASSES:
+        raise ValueError(f"unknown op class {op_class!r}; expected one of {OP_CLASSES}")
+    flop_s, byte_s = flops / mesh.flops_at(itemsize), nbytes / mesh.mem_bandwidth
+    if mesh.machine is not None:
+        dtype = dtype or dtype_name(itemsize)
+        if op_class in COMPUTE_BOUND and flops > 0:
+            rate = mesh.machine.compute.rate(op_class, dtype, flops)
+            flop_s = flop_s if rate is None else flops / rate
+        elif op_class in MEMORY_BOUND and nbytes > 0:
+            rate = mesh.machine.compute.rate(op_class, dtype, nbytes)
+            byte_s = byte_s if rate is None else nbytes / rate
+    return max(flop_s, byte_s, KERNEL_FLOOR_S)
 
 
 def copy_seconds(nbytes: float, mesh: MeshSpec) -> float:
@@ -48,7 +71,7 @@ def copy_seconds(nbytes: float, mesh: MeshSpec) -> float:
     return 2.0 * nbytes / mesh.mem_bandwidth if nbytes else 0.0
 
 
-def _group(mesh: MeshSpec, axes: Iterable[int]) -> tuple[int, float, float]:
+def _group(mesh: MeshSpec, axes: Iterable[int], kind: str) -> tuple[int, float, float]:
     axes = tuple(axes)
     if not axes:
         raise ValueError("a collective needs at least one mesh axis")
@@ -56,14 +79,21 @@ def _group(mesh: MeshSpec, axes: Iterable[int]) -> tuple[int, float, float]:
         if not 0 <= a < mesh.ndim:
             raise ValueError(f"mesh axis {a} out of range for mesh {mesh.shape}")
     n = math.prod(mesh.shape[a] for a in axes)
-    return n, max(mesh.alpha[a] for a in axes), max(mesh.beta[a] for a in axes)
+    links = [_link(mesh, kind, a) for a in axes]
+    return n, max(alpha for alpha, _ in links), max(beta for _, beta in links)
+
+
+def _link(mesh: MeshSpec, kind: str, axis: int) -> tuple[float, float]:
+    """(alpha, beta) of ``kind`` on ``axis``: the calibrated per-kind fit, else the axis's."""
+    fit = None if mesh.machine is None else mesh.machine.link(kind, axis)
+    return (mesh.alpha[axis], mesh.beta[axis]) if fit is None else (fit.alpha, fit.beta)
 
 
 def collective_seconds(kind: str, nbytes: float, mesh: MeshSpec, axes: Iterable[int] | int) -> float:
     """Time of collective ``kind`` over mesh ``axes`` for a tensor of ``nbytes`` full size."""
     if isinstance(axes, int):
         axes = (axes,)
-    n, alpha, beta = _group(mesh, axes)
+    n, alpha, beta = _group(mesh, axes, kind)
     if n == 1:
         return 0.0
     if kind in ("all_gather", "reduce_scatter"):

@@ -10,8 +10,15 @@ precision is no faster, e.g. a CPU). ``flops_at(itemsize)`` picks the one an op 
 
 Presets come from public spec sheets, for planning without hardware. Devices fill nodes in
 row-major order (the last mesh axis is innermost); an axis whose devices all sit in one node
-gets NVLink costs, an axis that crosses nodes gets InfiniBand costs. Real links come from
-``autopar.profile_mesh`` (``autopar.runtime.mesh_profile``), which writes the same JSON.
+gets NVLink costs, an axis that crosses nodes gets InfiniBand costs. The real machine comes
+from ``autopar.calibrate`` (``autopar.runtime.calibrate``), which writes the same JSON with a
+``MachineProfile`` (``machine``: measured compute rates per op class, size and dtype, and
+alpha/beta per collective kind and axis; ``autopar.layout.machine``) and the measured
+``comm_overlap``. Wherever a preset name is accepted, the path of such a file is too
+(``MeshSpec.coerce``, ``is_profile_path``); a profile serves only the mesh shape it was measured on.
+
+``comm_overlap``: the fraction (0 to 1) of asynchronously issued communication that is hidden
+under concurrent compute on this backend (0: none, the presets' assumption).
 
 Host tier (offload): ``host_capacity`` bytes of host memory per device
 (None: no host tier), the host<->device link per device (``host_alpha`` s per transfer,
@@ -23,17 +30,21 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import warnings
 from dataclasses import asdict, dataclass, replace
 from typing import Sequence
 
-__all__ = ["MeshSpec", "PRESETS", "parse_mesh_shape", "parse_bytes", "resolve_preset"]
+from autopar.layout.machine import MachineProfile
+
+__all__ = ["MeshSpec", "PRESETS", "parse_mesh_shape", "parse_bytes", "resolve_preset", "is_profile_path"]
 
 GiB = 1024**3
 # 2: half_peak_flops added and peak_flops became the fp32 peak (1: one peak, see from_json).
 # 3: the host tier (host_capacity, host_alpha, host_beta, host_mem_bandwidth); 2 has none.
-JSON_VERSION = 3
+# 4: the calibrated machine (machine: a MachineProfile or null); comm_overlap is read from 3 too.
+JSON_VERSION = 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,6 +116,10 @@ class MeshSpec:
     host_alpha: float = 0.0
     host_beta: float = 0.0
     host_mem_bandwidth: float = 0.0
+    # Fraction of asynchronously issued communication hidden under concurrent compute (0..1).
+    comm_overlap: float = 0.0
+    # What calibration measured (None: the spec-sheet roofline above prices everything).
+    machine: MachineProfile | None = None
 
     def __post_init__(self) -> None:
         for field in ("shape", "axis_names", "alpha", "beta"):
@@ -136,6 +151,28 @@ class MeshSpec:
                 raise ValueError(
                     f"a host tier needs host_alpha >= 0, host_beta > 0 and host_mem_bandwidth > 0, got "
                     f"{self.host_alpha}, {self.host_beta}, {self.host_mem_bandwidth}")
+        self._check_measured()
+
+    def _check_measured(self) -> None:
+        if isinstance(self.comm_overlap, bool) or not isinstance(self.comm_overlap, (int, float)) \
+                or not 0.0 <= self.comm_overlap <= 1.0:
+            raise ValueError(f"comm_overlap must be a fraction in [0, 1], got {self.comm_overlap!r}")
+        if self.machine is None:
+            return
+        if not isinstance(self.machine, MachineProfile):
+            raise ValueError(f"MeshSpec.machine must be a MachineProfile or None, got {type(self.machine).__name__}")
+        bad = [f for f in self.machine.links if f.axis >= self.ndim]
+        if bad:
+            raise ValueError(f"machine profile has link fits for axes {sorted({f.axis for f in bad})} of a "
+                             f"{self.ndim}-D mesh {self.shape}")
+
+    def select_axes(self, keep: Sequence[int], *, axis_names: Sequence[str] | None = None) -> "MeshSpec":
+        """The sub-mesh of axes ``keep`` (their links, per-kind fits and device kept)."""
+        keep = tuple(keep)
+        return replace(self, shape=tuple(self.shape[i] for i in keep),
+                       axis_names=tuple(axis_names) if axis_names else tuple(self.axis_names[i] for i in keep),
+                       alpha=tuple(self.alpha[i] for i in keep), beta=tuple(self.beta[i] for i in keep),
+                       machine=None if self.machine is None else self.machine.select_axes(keep))
 
     @property
     def has_host_tier(self) -> bool:
@@ -230,12 +267,36 @@ class MeshSpec:
     @classmethod
     def coerce(cls, mesh: "MeshSpec | Sequence[int] | str", *, preset: str | None = None,
                device: str | None = None) -> "MeshSpec":
-        """Accept a MeshSpec, a shape tuple or ``"2x4"``; shapes get the ``preset`` device preset
-        (default ``"cpu"``). ``device`` is the old name of ``preset`` (deprecated)."""
+        """Accept a MeshSpec, a shape tuple or ``"2x4"``, or the path of a calibrated profile (its
+        mesh, whatever ``preset`` says); shapes get the ``preset`` device preset
+        (default ``"cpu"``) or, when ``preset`` is the path of a calibrated profile, that file's
+        mesh (``from_profile``: its shape must be the one asked for). ``device`` is the old name
+        of ``preset`` (deprecated)."""
         preset = resolve_preset(preset, device)
         if isinstance(mesh, MeshSpec):
             return mesh
+        if isinstance(mesh, (str, os.PathLike)) and is_profile_path(mesh):  # the mesh a profile was measured on
+            return cls.from_profile(mesh)
+        if is_profile_path(preset):
+            return cls.from_profile(preset, mesh)
         return cls.preset(preset, mesh)
+
+    @classmethod
+    def from_profile(cls, path: str, shape: Sequence[int] | str | None = None) -> "MeshSpec":
+        """The mesh in the profile (``autopar calibrate``) or mesh JSON at ``path``; ``shape``
+        given: it must be the shape the profile was measured on (links are per axis, so a (4,)
+        profile does not describe a (2, 2) mesh: calibrate that mesh)."""
+        path = os.fspath(path)
+        if not os.path.isfile(path):
+            raise ValueError(f"mesh profile {path!r} not found (make one with: autopar calibrate --mesh ... "
+                             f"--out {path})")
+        spec = cls.load(path)
+        if shape is not None and parse_mesh_shape(shape) != spec.shape:
+            want = "x".join(map(str, parse_mesh_shape(shape)))
+            raise ValueError(f"mesh profile {path!r} was measured on mesh {spec.shape}, not the {want} mesh asked "
+                             f"for: calibrate that mesh (autopar calibrate --mesh {want} --out FILE) or ask for "
+                             f"mesh {spec.shape}")
+        return spec
 
     # ----------------------------------------------------------------------------- queries
     @property
@@ -267,7 +328,9 @@ class MeshSpec:
 
     # ------------------------------------------------------------------------------- JSON
     def to_json(self) -> str:
-        return json.dumps({"version": JSON_VERSION, **asdict(self)}, indent=2)
+        data = asdict(self)
+        data["machine"] = None if self.machine is None else self.machine.to_dict()
+        return json.dumps({"version": JSON_VERSION, **data}, indent=2)
 
     @classmethod
     def from_json(cls, text: str) -> "MeshSpec":
@@ -285,8 +348,14 @@ class MeshSpec:
             # Versions 1 and 2 had no host tier: read as none (offload refused, as it was).
             if any(k.startswith("host_") for k in data):
                 raise ValueError(f"malformed MeshSpec JSON: version {version} has no host tier (use version 3)")
-        elif version != JSON_VERSION:
+        elif version not in (3, JSON_VERSION):
             raise ValueError(f"MeshSpec JSON version {version} is not supported (expected 1 to {JSON_VERSION})")
+        if version < 4 and data.get("machine") is not None:
+            raise ValueError(f"malformed MeshSpec JSON: version {version} has no machine profile (use version 4)")
+        if data.get("machine") is not None:
+            if not isinstance(data["machine"], dict):
+                raise ValueError(f"malformed MeshSpec JSON: machine must be an object or null, got {data['machine']!r}")
+            data["machine"] = MachineProfile.from_dict(data["machine"])
         try:
             return cls(**data)
         except TypeError as exc:
@@ -313,6 +382,12 @@ def resolve_preset(preset: str | None, device: str | None) -> str:
     warnings.warn(f"device={device!r} names a mesh preset: pass preset={device!r} instead (device= is "
                   f"deprecated)", FutureWarning, stacklevel=3)
     return device
+
+
+def is_profile_path(preset: str) -> bool:
+    """Whether ``preset`` names a mesh profile file rather than a preset: a ``.json`` name or a path."""
+    return isinstance(preset, (str, os.PathLike)) and (
+        os.fspath(preset).endswith(".json") or os.path.sep in os.fspath(preset))
 
 
 def default_axis_names(ndim: int) -> tuple[str, ...]:

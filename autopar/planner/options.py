@@ -14,11 +14,12 @@ Plain data without torch or numpy, so the CLI can check its flags before anythin
 """
 
 import math
+import os
 import types
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Callable, Literal, Union, get_args, get_origin
 
-from autopar.layout.mesh import PRESETS, MeshSpec, parse_bytes
+from autopar.layout.mesh import PRESETS, MeshSpec, is_profile_path, parse_bytes
 from autopar.offload import OffloadPolicy, check_offload
 
 __all__ = ["PlanOptions", "SolverOptions", "MemoryOptions", "PrecisionOptions", "PipelineOptions", "ParallelismOptions",
@@ -95,8 +96,16 @@ def _solver(value, name: str):
 
 
 def _preset(value, name: str):
+    if isinstance(value, os.PathLike):
+        value = os.fspath(value)
+    if isinstance(value, str) and is_profile_path(value):
+        if not os.path.isfile(value):  # its shape is checked with the mesh (MeshSpec.from_profile)
+            raise ValueError(f"{name}: mesh profile {value!r} not found (make one with: autopar calibrate --mesh ... "
+                             f"--out {value})")
+        return value
     if value not in PRESETS:
-        raise ValueError(f"unknown device {name} {value!r}; known: {sorted(PRESETS)}")
+        raise ValueError(f"unknown device {name} {value!r}; known: {sorted(PRESETS)}, or the path of a machine "
+                         f"profile JSON (autopar calibrate)")
     return value
 
 
@@ -194,7 +203,8 @@ class SolverOptions(_Checked):
     solver: Solver = option("auto", "ILP backend (auto: HiGHS when installed)", check=_solver)
     time_limit: float = option(60.0, "seconds per ILP solve; with mesh auto, for the whole search",
                                check=_positive_seconds)
-    preset: str = option("cpu", "the device preset (autopar.layout.mesh.PRESETS) a mesh given as a shape gets",
+    preset: str = option("cpu", "the device preset (autopar.layout.mesh.PRESETS) a mesh given as a shape gets, or a "
+                                "machine profile JSON (autopar calibrate) measured on that shape",
                          check=_preset, flags=("--device",), training=False)
     baselines: bool = option(False, "also solve the baseline families (data parallel, ZeRO-3, Megatron TP, DP x TP)",
                              check=_flag, training=False)

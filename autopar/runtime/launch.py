@@ -1,6 +1,6 @@
 """Run a function on N local processes joined in a torch.distributed process group.
 
-Used by tests, ``make demo`` and ``profile-mesh --local N``. Processes start with the ``fork``
+Used by tests, ``make demo`` and ``calibrate --local N``. Processes start with the ``fork``
 method (about 0.04 s per launch against about 4 s with ``spawn``), so ``fn`` may be a closure
 or a test-local function. Each child initialises the default process group (gloo on CPU),
 calls ``fn(rank, world_size, *args, **kwargs)`` and sends its return value back (plain-pickled,

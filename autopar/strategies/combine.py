@@ -22,7 +22,8 @@ from autopar.strategies.registry import (
     AxisOption, OpInfo, RuleEntry, Strategy, TensorMeta, call_op, get_kernel, strategy_name,
 )
 
-__all__ = ["replicate_option", "normalise_option", "fits_axis", "build_strategies", "estimate_flops", "freeze"]
+__all__ = ["replicate_option", "normalise_option", "fits_axis", "build_strategies", "estimate_flops", "freeze",
+           "op_class"]
 
 R = Replicate()
 
@@ -134,9 +135,10 @@ def _strategy(info: OpInfo, mesh: MeshSpec, combo: tuple[AxisOption, ...], in_sp
         m is not None and m.is_float for m in info.outputs
     )
     itemsize = _compute_itemsize(info)
-    fwd_c = compute_seconds(flops[0] / div, moved, mesh, itemsize=itemsize)
+    kind = {"itemsize": itemsize, "op_class": op_class(info.target), "dtype": _compute_dtype(info, itemsize)}
+    fwd_c = compute_seconds(flops[0] / div, moved, mesh, **kind)
     # Backward reads the output gradient and the saved inputs and writes the input gradients.
-    bwd_c = compute_seconds(flops[1] / div, 2 * moved, mesh, itemsize=itemsize) if differentiable else 0.0
+    bwd_c = compute_seconds(flops[1] / div, 2 * moved, mesh, **kind) if differentiable else 0.0
     wire = tuple(int(in_bytes[i] * _widening(info.slots[i].meta, reduce_itemsize)) if axes else 0
                  for i, axes in enumerate(gp_axes))
     # The terms are added in ``Strategy.comm_seconds``'s order, which recomputes comm_s without some.
@@ -176,6 +178,37 @@ def _compute_itemsize(info: OpInfo) -> int:
     if not floats:
         floats = [s.meta for s in info.slots if s.meta is not None and s.meta.is_float]
     return max((m.itemsize for m in floats), default=4)
+
+
+_MATMULS = frozenset({"mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "addbmm", "_addmm_activation", "einsum",
+                      "bilinear"})
+
+
+def op_class(target: Any) -> str:
+    """The cost model's op class of an ATen op (``autopar.layout.machine.OP_CLASSES``): what a
+    calibrated mesh measured its speed as. Matrix products (``mm``/``bmm``/``linear`` ...) are
+    ``matmul``; scaled dot-product attention ``attention``; normalisations and softmax ``norm``
+    (a reduction and a rescale per row: memory-bound); ops tagged pointwise ``elementwise``;
+    the rest (convolutions, gathers, reductions ...) ``other``, priced by the roofline."""
+    name = getattr(getattr(target, "overloadpacket", None), "__name__", "")
+    if name in _MATMULS:
+        return "matmul"
+    if "scaled_dot_product" in name:
+        return "attention"
+    if "norm" in name or "softmax" in name:
+        return "norm"
+    if torch.Tag.pointwise in getattr(target, "tags", ()):
+        return "elementwise"
+    return "other"
+
+
+def _compute_dtype(info: OpInfo, itemsize: int) -> str:
+    """The dtype name the op's measured rate is looked up at: fp16 where an ``itemsize`` of 2
+    comes from fp16 tensors, else as ``layout.machine.dtype_name``."""
+    if itemsize != 2:
+        return "fp32"
+    metas = [m for m in info.outputs if m is not None] + [s.meta for s in info.slots if s.meta is not None]
+    return "fp16" if any(m.dtype == torch.float16 for m in metas) else "bf16"
 
 
 # ------------------------------------------------------------------------------------ FLOPs

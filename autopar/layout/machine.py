@@ -1,0 +1,217 @@
+"""The measured machine: what ``autopar calibrate`` found, as device-free records (no torch).
+
+A ``MeshSpec`` may carry a ``MachineProfile`` (``MeshSpec.machine``); the cost model
+(``autopar.layout.cost``) then prices compute and collectives from it instead of the spec-sheet
+roofline. Its parts:
+
+- ``ComputeProfile``: per (op class, dtype) a ``RateTable`` of achieved rates at measured call
+  sizes. The compute-bound classes (``matmul``, ``attention``) are keyed by the FLOPs of one call
+  and rate FLOP/s; the memory-bound ones (``elementwise``, ``norm``) by the bytes one call reads
+  and writes and rate bytes/s. A size between two measured ones is interpolated linearly in
+  log(size); beyond the ends the nearest measured rate holds (a rate is an efficiency, which
+  flattens at both ends, unlike a time). Small and skinny products are measured, so they are
+  priced at their real, lower efficiency: keying by FLOPs merges a skinny and a square product
+  of equal FLOPs into one curve, which is what the grid then averages over.
+- ``LinkFit``: one collective kind's ``alpha``/``beta`` on one mesh axis (the per-axis fit of
+  ``MeshSpec.alpha``/``beta`` is over all kinds at once; gloo's reduce-scatter costs about an
+  all-reduce, its all-to-all less, so one pair cannot fit them all).
+
+The fraction of asynchronously issued communication hidden under concurrent compute is
+``MeshSpec.comm_overlap`` (one field of the mesh, whoever fills it), not a field here.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from dataclasses import dataclass, field, replace
+from typing import Any, Sequence
+
+__all__ = ["OP_CLASSES", "COMPUTE_BOUND", "MEMORY_BOUND", "DTYPES", "LINK_KINDS", "RateTable", "ComputeProfile",
+           "LinkFit", "MachineProfile", "dtype_name", "overlap_fraction"]
+
+OP_CLASSES = ("matmul", "attention", "elementwise", "norm", "other")
+COMPUTE_BOUND = ("matmul", "attention")  # keyed by FLOPs per call, rates in FLOP/s
+MEMORY_BOUND = ("elementwise", "norm")  # keyed by bytes per call, rates in bytes/s
+DTYPES = ("fp32", "bf16", "fp16")
+LINK_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+
+
+def overlap_fraction(t_comm: float, t_comp: float, t_both: float) -> float:
+    """The share of the shorter of a collective (``t_comm`` alone) and a computation (``t_comp``
+    alone) that ran hidden when both ran at once (``t_both``), clamped to [0, 1]: 1 when the
+    pair took as long as the longer one, 0 when it took their sum (or longer: contention)."""
+    if not (t_comm > 0 and t_comp > 0 and t_both > 0):
+        raise ValueError(f"overlap needs positive times, got comm {t_comm}, compute {t_comp}, both {t_both}")
+    return min(1.0, max(0.0, (t_comm + t_comp - t_both) / min(t_comm, t_comp)))
+
+
+def dtype_name(itemsize: int) -> str:
+    """The dtype class an op computing in ``itemsize``-byte floats is priced at (2: bf16)."""
+    return "bf16" if itemsize == 2 else "fp32"
+
+
+def _positive(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+
+
+@dataclass(frozen=True, slots=True)
+class RateTable:
+    """Achieved rate at measured call sizes: ``sizes`` strictly increasing, ``rates`` positive."""
+
+    sizes: tuple[float, ...]
+    rates: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "sizes", tuple(float(s) for s in self.sizes))
+        object.__setattr__(self, "rates", tuple(float(r) for r in self.rates))
+        if not self.sizes or len(self.sizes) != len(self.rates):
+            raise ValueError(f"a RateTable needs as many rates as sizes (>= 1), got {len(self.sizes)} sizes and "
+                             f"{len(self.rates)} rates")
+        if not all(_positive(v) for v in self.sizes + self.rates):
+            raise ValueError(f"RateTable sizes and rates must be positive and finite, got {self.sizes}, {self.rates}")
+        if any(b <= a for a, b in zip(self.sizes, self.sizes[1:])):
+            raise ValueError(f"RateTable sizes must be strictly increasing, got {self.sizes}")
+
+    @classmethod
+    def of(cls, points: Sequence[tuple[float, float]]) -> "RateTable":
+        """From (size, rate) points in any order; points of one size are merged by their
+        geometric mean (a skinny and a square product of the same FLOPs)."""
+        by_size: dict[float, list[float]] = {}
+        for size, rate in points:
+            by_size.setdefault(float(size), []).append(float(rate))
+        sizes = sorted(by_size)
+        return cls(tuple(sizes), tuple(math.exp(sum(map(math.log, by_size[s])) / len(by_size[s])) for s in sizes))
+
+    def at(self, size: float) -> float:
+        """The rate at ``size`` (> 0): linear in log(size) between measured sizes, the end rate beyond."""
+        if not size > 0:
+            raise ValueError(f"a call size must be positive, got {size}")
+        i = bisect.bisect_left(self.sizes, size)
+        if i == 0:
+            return self.rates[0]
+        if i == len(self.sizes):
+            return self.rates[-1]
+        lo, hi = math.log(self.sizes[i - 1]), math.log(self.sizes[i])
+        w = (math.log(size) - lo) / (hi - lo)
+        return self.rates[i - 1] + w * (self.rates[i] - self.rates[i - 1])
+
+    def to_dict(self) -> dict:
+        return {"sizes": list(self.sizes), "rates": list(self.rates)}
+
+
+@dataclass(frozen=True, slots=True)
+class ComputeProfile:
+    """``tables``: ((op class, dtype, RateTable), ...), at most one per (op class, dtype)."""
+
+    tables: tuple[tuple[str, str, RateTable], ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "tables", tuple(tuple(t) for t in self.tables))
+        seen = set()
+        for op_class, dtype, table in self.tables:
+            if op_class not in COMPUTE_BOUND + MEMORY_BOUND:
+                raise ValueError(f"unknown op class {op_class!r} in a ComputeProfile; expected one of "
+                                 f"{COMPUTE_BOUND + MEMORY_BOUND}")
+            if dtype not in DTYPES:
+                raise ValueError(f"unknown dtype {dtype!r} in a ComputeProfile; expected one of {DTYPES}")
+            if not isinstance(table, RateTable):
+                raise ValueError(f"ComputeProfile table ({op_class}, {dtype}) is not a RateTable: {table!r}")
+            if (op_class, dtype) in seen:
+                raise ValueError(f"ComputeProfile has two tables for ({op_class}, {dtype})")
+            seen.add((op_class, dtype))
+
+    def table(self, op_class: str, dtype: str) -> RateTable | None:
+        for c, d, t in self.tables:
+            if c == op_class and d == dtype:
+                return t
+        return None
+
+    def rate(self, op_class: str, dtype: str, size: float) -> float | None:
+        """FLOP/s (compute-bound classes) or bytes/s (memory-bound) of one ``size`` call; None
+        when this (op class, dtype) was not measured."""
+        table = self.table(op_class, dtype)
+        return None if table is None else table.at(size)
+
+    def to_list(self) -> list[dict]:
+        return [{"op_class": c, "dtype": d, **t.to_dict()} for c, d, t in self.tables]
+
+    @classmethod
+    def from_list(cls, items: list[dict]) -> "ComputeProfile":
+        return cls(tuple((i["op_class"], i["dtype"], RateTable(tuple(i["sizes"]), tuple(i["rates"]))) for i in items))
+
+
+@dataclass(frozen=True, slots=True)
+class LinkFit:
+    """Collective ``kind`` on mesh ``axis``: ``alpha`` s per call + ``beta`` s per byte on the
+    cost model's ring factor (``autopar.layout.cost``)."""
+
+    kind: str
+    axis: int
+    alpha: float
+    beta: float
+
+    def __post_init__(self) -> None:
+        if self.kind not in LINK_KINDS:
+            raise ValueError(f"unknown collective kind {self.kind!r}; expected one of {LINK_KINDS}")
+        if isinstance(self.axis, bool) or not isinstance(self.axis, int) or self.axis < 0:
+            raise ValueError(f"LinkFit axis must be a mesh axis index >= 0, got {self.axis!r}")
+        if not (_positive(self.alpha) and _positive(self.beta)):
+            raise ValueError(f"LinkFit {self.kind} on axis {self.axis}: alpha and beta must be positive, got "
+                             f"{self.alpha}, {self.beta}")
+
+
+@dataclass(frozen=True, slots=True)
+class MachineProfile:
+    """What calibration measured: compute rates, per-kind link fits, and where: the mesh shape
+    and axis names it ran on (provenance: a mesh derived from it, a pipeline stage's, keeps
+    them) and a free-form ``note`` (host, load, date, repetitions)."""
+
+    compute: ComputeProfile
+    links: tuple[LinkFit, ...]
+    measured_shape: tuple[int, ...]
+    measured_axis_names: tuple[str, ...]
+    note: str = ""
+    # A mesh is a cache key (``layout.conversion``): hashing every rate each lookup would cost
+    # ten times the preset mesh's whole hash, so the profile's is computed once.
+    _hash: int = field(init=False, repr=False, compare=False, default=0)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "links", tuple(self.links))
+        object.__setattr__(self, "measured_shape", tuple(self.measured_shape))
+        object.__setattr__(self, "measured_axis_names", tuple(self.measured_axis_names))
+        keys = [(f.kind, f.axis) for f in self.links]
+        if len(set(keys)) != len(keys):
+            raise ValueError(f"MachineProfile has two link fits for one (kind, axis): {keys}")
+        object.__setattr__(self, "_hash", hash((self.compute, self.links, self.measured_shape,
+                                                self.measured_axis_names, self.note)))
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def link(self, kind: str, axis: int) -> LinkFit | None:
+        for fit in self.links:
+            if fit.kind == kind and fit.axis == axis:
+                return fit
+        return None
+
+    def select_axes(self, keep: Sequence[int]) -> "MachineProfile":
+        """The profile of the sub-mesh made of axes ``keep`` (old indices, in their new order)."""
+        where = {old: new for new, old in enumerate(keep)}
+        return replace(self, links=tuple(replace(f, axis=where[f.axis]) for f in self.links if f.axis in where))
+
+    def to_dict(self) -> dict:
+        return {"compute": self.compute.to_list(),
+                "links": [{"kind": f.kind, "axis": f.axis, "alpha": f.alpha, "beta": f.beta} for f in self.links],
+                "measured_shape": list(self.measured_shape), "measured_axis_names": list(self.measured_axis_names),
+                "note": self.note}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "MachineProfile":
+        try:
+            return cls(compute=ComputeProfile.from_list(data["compute"]),
+                       links=tuple(LinkFit(**f) for f in data["links"]),
+                       measured_shape=tuple(data["measured_shape"]),
+                       measured_axis_names=tuple(data["measured_axis_names"]), note=data.get("note", ""))
+        except (KeyError, TypeError) as exc:
+            raise ValueError(f"malformed machine profile in MeshSpec JSON: {type(exc).__name__}: {exc}") from None

@@ -1,0 +1,259 @@
+"""Calibration: measure this machine the way a training step uses it, into a ``MeshSpec``.
+
+``calibrate(shape, ...)`` runs inside an existing process group (``torchrun``; the default group
+is initialised from the environment when it is not yet) or on ``local=N`` forked gloo/NCCL
+processes (``autopar.runtime.launch.run_local``). Every rank is busy at once, every timed
+repetition starts in lockstep (a barrier), and every figure is the median over repetitions of
+the slowest rank's time in each (``links.lockstep_medians``), never a best-of: a lucky
+repetition that had the machine to itself is not what a step gets. Three stages, each printing
+its progress with ``verbose``:
+
+1. **compute** (``calibrate_compute``): achieved FLOP/s of matmul/bmm and attention and bytes/s
+   of elementwise and normalisation ops over a grid of sizes, in fp32, bf16 and fp16 -> a
+   ``ComputeProfile``; the mesh's roofline peaks are its steady states.
+2. **collectives** (``links.measure_axis``): all-reduce, all-gather, reduce-scatter and
+   all-to-all over a range of sizes on every mesh axis of size > 1 -> one alpha/beta per axis
+   over all kinds (``MeshSpec.alpha``/``beta``) and one per kind and axis (``LinkFit``).
+3. **overlap**: an asynchronous all-reduce alone (``t_comm``), a matmul loop of about the same
+   length alone (``t_comp``) and both at once (``t_both``), over every rank:
+   ``comm_overlap = (t_comm + t_comp - t_both) / min(t_comm, t_comp)`` clamped to [0, 1].
+
+All ranks return the same ``MeshSpec`` (with its ``MachineProfile``); ``out=`` writes it (rank 0).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from typing import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from autopar.layout.machine import LinkFit, MachineProfile, overlap_fraction
+from autopar.layout.mesh import MeshSpec, default_axis_names, parse_mesh_shape
+from autopar.runtime.calibrate_compute import (GRID, MIN_REPETITION_S, QUICK_GRID, QUICK_REPETITION_S, device_figures,
+                                               measure_compute)
+from autopar.runtime.links import (DEFAULT_SIZES, KINDS, MeshProfile, Timing, fit_alpha_beta, ranks_reduce,
+                                   lockstep_median, measure_axis, ring_factor)
+
+__all__ = ["calibrate", "calibrate_detailed", "measure_overlap", "QUICK_SIZES"]
+
+KiB, MiB = 1024, 1024**2
+QUICK_SIZES = {"cpu": [64 * KiB, 1 * MiB, 4 * MiB], "cuda": [1 * MiB, 8 * MiB, 64 * MiB]}
+OVERLAP_BYTES = {"cpu": 4 * MiB, "cuda": 256 * MiB}
+_PROBE = 8  # products in the first guess of the overlap stage's compute loop
+
+
+class _Stages:
+    """Progress lines on rank 0: ``[calibrate 12.3s] stage 2/3 collectives: ...``."""
+
+    def __init__(self, verbose: bool) -> None:
+        self.verbose = verbose and dist.get_rank() == 0
+        self.start = time.perf_counter()
+        self.stage = ""
+
+    def __call__(self, text: str) -> None:
+        if self.verbose:
+            print(f"[calibrate {time.perf_counter() - self.start:6.1f}s] {self.stage}{text}", flush=True)
+
+
+# ----------------------------------------------------------------------------------- overlap
+def measure_overlap(*, nbytes: int, repeats: int, device: torch.device) -> tuple[float, dict[str, float]]:
+    """Fraction of an asynchronous all-reduce of ``nbytes`` over every rank that runs hidden under
+    a concurrent matmul loop of about its length, and the three times it comes from."""
+    full = torch.ones(max(1, nbytes // 4), device=device)
+    a = torch.randn(256, 256, device=device)
+
+    def comm() -> None:
+        dist.all_reduce(full, async_op=True).wait()
+
+    def matmuls(count: int) -> Callable[[], None]:
+        def run() -> None:
+            for _ in range(count):
+                torch.mm(a, a)
+        return run
+
+    t_comm = lockstep_median(comm, repeats=repeats, device=device)
+    # The loop is sized to about t_comm (the fraction is of the shorter one; a loop far longer
+    # or shorter measures little): a first guess from a probe of a few products, rescaled while
+    # it misses by more than 2x (load changes between the probe and the loop). Every rank runs
+    # the same count, so no rank's compute outlasts the others'.
+    loops, t_comp = _PROBE, lockstep_median(matmuls(_PROBE), repeats=repeats, device=device)
+    for _ in range(3):
+        if 0.5 <= t_comm / t_comp <= 2.0:
+            break
+        loops = int(ranks_reduce([float(max(1, round(loops * t_comm / t_comp)))], device)[0])
+        t_comp = lockstep_median(matmuls(loops), repeats=repeats, device=device)
+    compute = matmuls(loops)
+
+    def both() -> None:
+        work = dist.all_reduce(full, async_op=True)
+        compute()
+        work.wait()
+
+    t_both = lockstep_median(both, repeats=repeats, device=device)
+    return overlap_fraction(t_comm, t_comp, t_both), {"comm": t_comm, "compute": t_comp, "both": t_both}
+
+
+# ------------------------------------------------------------------------------- collectives
+def _fit_links(axis: int, n: int, measured: list[Timing], say: Callable[[str], None]) -> tuple[float, float, list]:
+    """The axis's all-kind (alpha, beta) and its per-kind ``LinkFit``s (a kind whose timings
+    do not grow with size keeps the all-kind figures: it gets no fit of its own)."""
+    alpha, beta = fit_alpha_beta([(t.nbytes * ring_factor(t.kind, n), t.seconds) for t in measured])
+    say(f"axis {axis} (n={n}) all kinds: alpha {alpha * 1e6:.1f} us, beta {beta * 1e9:.3f} ns/B "
+        f"({1 / beta / 1e9:.2f} GB/s)")
+    fits = []
+    for kind in KINDS:
+        mine = [(t.nbytes * ring_factor(kind, n), t.seconds) for t in measured if t.kind == kind]
+        if len(mine) < 2:
+            continue
+        try:
+            a, b = fit_alpha_beta(mine)
+        except ValueError as exc:
+            say(f"axis {axis} {kind}: no fit of its own ({exc}); it is priced by the all-kind fit")
+            continue
+        fits.append(LinkFit(kind, axis, a, b))
+        say(f"axis {axis} (n={n}) {kind}: alpha {a * 1e6:.1f} us, beta {b * 1e9:.3f} ns/B ({1 / b / 1e9:.2f} GB/s)")
+    return alpha, beta, fits
+
+
+def _collectives(device_mesh, shape: tuple[int, ...], sizes: Sequence[int], repeats: int, device: torch.device,
+                 say: Callable[[str], None]) -> tuple[list[float], list[float], list[LinkFit], list[Timing]]:
+    """Per axis: the all-kind alpha and beta (0 on an axis of size 1), the per-kind fits, the timings."""
+    timings: list[Timing] = []
+    alpha, beta, links = [], [], []
+    for axis, n in enumerate(shape):
+        if n == 1:
+            alpha.append(0.0)
+            beta.append(0.0)
+            continue
+        measured = measure_axis(device_mesh, axis, sizes, device=device, repeats=repeats)
+        timings += measured
+        a, b, fits = _fit_links(axis, n, measured, say)
+        alpha.append(a)
+        beta.append(b)
+        links += fits
+    return alpha, beta, links, timings
+
+
+# ------------------------------------------------------------------------------------ driver
+def _in_group(shape: tuple[int, ...], device_type: str, sizes: Sequence[int], repeats: int, quick: bool,
+              verbose: bool) -> MeshProfile:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    device = _local_device(device_type)
+    load = os.getloadavg()[0]
+    names = default_axis_names(len(shape))
+    device_mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
+    say = _Stages(verbose)
+    say.stage = "stage 1/3 compute: "
+    compute, measured = measure_compute(QUICK_GRID if quick else GRID, repeats=repeats, device=device, progress=say,
+                                        min_repetition_s=QUICK_REPETITION_S if quick else MIN_REPETITION_S)
+    for kernel, rate in measured:
+        unit = "GB/s" if kernel.op_class in ("elementwise", "norm") else "GFLOP/s"
+        say(f"{kernel.dtype} {kernel.label}: {rate / 1e9:.2f} {unit}")
+    say.stage = "stage 2/3 collectives: "
+    alpha, beta, links, timings = _collectives(device_mesh, shape, sizes, repeats, device, say)
+    say.stage = "stage 3/3 overlap: "
+    overlap = 0.0
+    if math.prod(shape) > 1:
+        # A difference of three noisy times: more repetitions than elsewhere (it is one point).
+        overlap, parts = measure_overlap(nbytes=OVERLAP_BYTES[device_type], repeats=max(repeats, 9), device=device)
+        say(f"all-reduce {parts['comm'] * 1e3:.2f} ms, compute {parts['compute'] * 1e3:.2f} ms, both "
+            f"{parts['both'] * 1e3:.2f} ms: {overlap:.0%} of the collective hidden")
+    note = (f"{'quick ' if quick else ''}calibration of {shape} on {os.uname().nodename}, {device_type}, "
+            f"{repeats} repetitions, load {load:.2f} at the start, "
+            f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}")
+    machine = MachineProfile(compute=compute, links=tuple(links), measured_shape=shape, measured_axis_names=names,
+                             note=note)
+    flops, half, bandwidth = device_figures(compute)
+    mesh = MeshSpec(shape=shape, axis_names=names, alpha=tuple(alpha), beta=tuple(beta), peak_flops=flops,
+                    mem_bandwidth=bandwidth, mem_capacity=_mem_capacity(device), name=f"profiled-{device_type}",
+                    half_peak_flops=half, comm_overlap=overlap, machine=machine)
+    say.stage = ""
+    say(f"done: fp32 matmul {flops / 1e9:.1f} GFLOP/s, bf16 {half / 1e9 if half else math.nan:.1f} GFLOP/s, "
+        f"memory {bandwidth / 1e9:.2f} GB/s, overlap {overlap:.0%}")
+    return MeshProfile(mesh=mesh, timings=tuple(timings))
+
+
+def _local_device(device_type: str) -> torch.device:
+    if device_type != "cuda":
+        return torch.device("cpu")
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", dist.get_rank() % torch.cuda.device_count())))
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def _mem_capacity(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def _local_worker(rank: int, world_size: int, *args) -> MeshProfile:
+    return _in_group(*args)
+
+
+def _checked(shape, device: str, sizes, repeats, quick: bool) -> tuple[tuple[int, ...], str, list[int], int]:
+    shape = parse_mesh_shape(shape)
+    device_type = torch.device(device).type
+    if device_type not in ("cpu", "cuda"):
+        raise ValueError(f"calibrate supports device 'cpu' or 'cuda', got {device!r}")
+    if not isinstance(quick, bool):
+        raise ValueError(f"quick must be a bool, got {quick!r}")
+    sizes = list((QUICK_SIZES if quick else DEFAULT_SIZES)[device_type] if sizes is None else sizes)
+    if len(sizes) < 2 or any(isinstance(s, bool) or not isinstance(s, int) or s <= 0 for s in sizes):
+        raise ValueError(f"sizes must be >= 2 positive byte counts, got {sizes!r}")
+    repeats = (3 if quick else 5) if repeats is None else repeats
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"repeats must be a positive int, got {repeats!r}")
+    return shape, device_type, sizes, repeats
+
+
+def calibrate_detailed(shape: Sequence[int] | str, *, local: int | None = None, quick: bool = False,
+                       device: str = "cpu", sizes: list[int] | None = None, repeats: int | None = None,
+                       backend: str | None = None, verbose: bool = False) -> MeshProfile:
+    """Like ``calibrate`` but also returns the collective timings the link fits came from."""
+    shape, device_type, sizes, repeats = _checked(shape, device, sizes, repeats, quick)
+    backend = backend or ("nccl" if device_type == "cuda" else "gloo")
+    world = math.prod(shape)
+    args = (shape, device_type, sizes, repeats, quick, verbose)
+    if local is not None:
+        if local != world:
+            raise ValueError(f"local={local} processes cannot form mesh {shape} of {world} devices")
+        from autopar.runtime.launch import run_local
+
+        return run_local(_local_worker, local, *args, backend=backend, timeout=900)[0]
+    created = False
+    if not dist.is_initialized():
+        if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+            raise ValueError("calibrate needs a process group: run it under torchrun, or pass local=N to start N "
+                             "local processes")
+        dist.init_process_group(backend)
+        created = True
+    try:
+        if dist.get_world_size() != world:
+            raise ValueError(f"mesh {shape} needs {world} ranks, the process group has {dist.get_world_size()}")
+        return _in_group(*args)
+    finally:
+        if created:
+            dist.destroy_process_group()
+
+
+def calibrate(shape: Sequence[int] | str, *, local: int | None = None, quick: bool = False,
+              out: str | os.PathLike | None = None, device: str = "cpu", sizes: list[int] | None = None,
+              repeats: int | None = None, backend: str | None = None, verbose: bool = False) -> MeshSpec:
+    """Measure this machine for a ``shape`` mesh (module docstring); returns the ``MeshSpec``
+    carrying its ``MachineProfile`` and ``comm_overlap``, and writes it to ``out`` (rank 0) when
+    given: pass that path wherever a preset name goes (``plan(..., preset=path)``, ``autopar
+    inspect --preset path``). ``local=N``: start N gloo processes (else run under ``torchrun``
+    on every rank). ``quick``: a smaller grid and fewer sizes and repetitions (tests).
+    ``sizes``: collective full-tensor bytes; ``repeats``: timed repetitions (default 5, quick 3)."""
+    spec = calibrate_detailed(shape, local=local, quick=quick, device=device, sizes=sizes, repeats=repeats,
+                              backend=backend, verbose=verbose).mesh
+    rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
+    if out is not None and (local is not None or rank == 0):
+        spec.save(os.fspath(out))
+    return spec
+

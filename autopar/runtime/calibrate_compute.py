@@ -1,0 +1,183 @@
+"""Compute throughput as a training step gets it: the compute half of ``autopar.runtime.calibrate``.
+
+Every rank runs the same grid of kernels at once (so the ranks contend for cores and memory
+exactly as they do in a step), each timed repetition starting after a barrier, and the figure of
+a kernel is the median over repetitions of the slowest rank's time (``links.lockstep_medians``).
+A repetition runs a kernel ``inner`` times back to back (agreed by all ranks), enough for about
+``MIN_REPETITION_S``: a 10-microsecond product is not lost in the timer's noise, and on a shared
+host a repetition spans several scheduler time slices, as a step does (a 1 ms burst can run
+between preemptions at a speed no step sees).
+
+The grid, per dtype (fp32, bf16, fp16):
+
+- ``matmul``: ``mm`` over square, small and skinny (M, N, K) and a few ``bmm`` batches, keyed by
+  the FLOPs of one call (``2 M N K``, times the batch);
+- ``attention``: ``scaled_dot_product_attention`` at a few (sequence, head dim), keyed by torch's
+  own FLOP count (``torch.utils.flop_counter.sdpa_flop_count``);
+- ``elementwise``: ``add`` of two tensors, keyed by the bytes one call reads and writes;
+- ``norm``: ``layer_norm`` over rows of 1024, keyed likewise.
+
+Forward kernels only: the cost model prices an op's backward FLOPs (or bytes) at its class's
+rate for that size, as if the backward kernels ran as efficiently as the forward ones.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch.utils.flop_counter import sdpa_flop_count
+
+from autopar.layout.machine import DTYPES, ComputeProfile, RateTable
+from autopar.runtime.links import lockstep_medians, ranks_reduce, sync_device
+
+__all__ = ["Grid", "Kernel", "GRID", "QUICK_GRID", "kernels", "measure_compute", "device_figures"]
+
+MIN_REPETITION_S = 10e-3
+QUICK_REPETITION_S = 2e-3
+TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True, slots=True)
+class Grid:
+    """What to measure: mm (M, N, K), bmm (B, M, N, K), attention (sequence, head dim) at batch 1
+    and 4 heads, elementwise numels, layer-norm rows of ``NORM_WIDTH``."""
+
+    mm: tuple[tuple[int, int, int], ...]
+    bmm: tuple[tuple[int, int, int, int], ...]
+    attention: tuple[tuple[int, int], ...]
+    elementwise: tuple[int, ...]
+    norm_rows: tuple[int, ...]
+
+
+NORM_WIDTH = 1024
+GRID = Grid(mm=((64, 64, 64), (256, 256, 256), (512, 512, 512), (1024, 1024, 1024), (16, 1024, 1024),
+                (1024, 16, 1024), (2048, 64, 2048)),
+            bmm=((8, 64, 64, 64), (8, 256, 256, 64)),
+            attention=((128, 32), (128, 64), (512, 64), (1024, 64)),
+            elementwise=(1 << 14, 1 << 17, 1 << 20, 1 << 22),
+            norm_rows=(16, 256, 4096))
+QUICK_GRID = Grid(mm=((64, 64, 64), (256, 256, 256), (16, 512, 512)), bmm=((4, 64, 64, 64),),
+                  attention=((128, 64), (256, 64)), elementwise=(1 << 14, 1 << 20), norm_rows=(16, 1024))
+
+
+@dataclass(frozen=True, slots=True)
+class Kernel:
+    """One grid point: ``run()`` makes one call of ``size`` FLOPs (compute-bound classes) or
+    bytes (memory-bound ones)."""
+
+    op_class: str
+    dtype: str
+    size: float
+    label: str
+    run: Callable[[], object]
+
+
+def _matmuls(grid: Grid, dtype: str, device: torch.device) -> list[Kernel]:
+    dt = TORCH_DTYPES[dtype]
+    out = []
+    for m, n, k in grid.mm:
+        a, b = torch.randn(m, k, dtype=dt, device=device), torch.randn(k, n, dtype=dt, device=device)
+        out.append(Kernel("matmul", dtype, 2.0 * m * n * k, f"mm {m}x{n}x{k}", lambda a=a, b=b: torch.mm(a, b)))
+    for bs, m, n, k in grid.bmm:
+        a, b = torch.randn(bs, m, k, dtype=dt, device=device), torch.randn(bs, k, n, dtype=dt, device=device)
+        out.append(Kernel("matmul", dtype, 2.0 * bs * m * n * k, f"bmm {bs}x{m}x{n}x{k}",
+                          lambda a=a, b=b: torch.bmm(a, b)))
+    return out
+
+
+def _attention(grid: Grid, dtype: str, device: torch.device) -> list[Kernel]:
+    out = []
+    for seq, head_dim in grid.attention:
+        q = torch.randn(1, 4, seq, head_dim, dtype=TORCH_DTYPES[dtype], device=device)
+        flops = sdpa_flop_count(q.shape, q.shape, q.shape)
+        out.append(Kernel("attention", dtype, float(flops), f"sdpa seq {seq} head_dim {head_dim}",
+                          lambda q=q: F.scaled_dot_product_attention(q, q, q)))
+    return out
+
+
+def _memory_bound(grid: Grid, dtype: str, device: torch.device) -> list[Kernel]:
+    dt = TORCH_DTYPES[dtype]
+    item = torch.empty((), dtype=dt).element_size()
+    out = []
+    for numel in grid.elementwise:
+        x, y = torch.randn(numel, dtype=dt, device=device), torch.randn(numel, dtype=dt, device=device)
+        # Reads two tensors, writes one: the bytes the cost model charges an elementwise op.
+        out.append(Kernel("elementwise", dtype, 3.0 * numel * item, f"add {numel:,}",
+                          lambda x=x, y=y: torch.add(x, y)))
+    for rows in grid.norm_rows:
+        x = torch.randn(rows, NORM_WIDTH, dtype=dt, device=device)
+        out.append(Kernel("norm", dtype, 2.0 * x.numel() * item, f"layer_norm {rows}x{NORM_WIDTH}",
+                          lambda x=x: F.layer_norm(x, (NORM_WIDTH,))))
+    return out
+
+
+def kernels(grid: Grid, device: torch.device) -> list[Kernel]:
+    """Every grid point in every dtype."""
+    out: list[Kernel] = []
+    for dtype in DTYPES:
+        out += _matmuls(grid, dtype, device) + _attention(grid, dtype, device) + _memory_bound(grid, dtype, device)
+    return out
+
+
+def _inner_counts(points: list[Kernel], device: torch.device, min_repetition_s: float) -> list[int]:
+    """Calls per timed repetition, the same on every rank (the largest any rank asks for)."""
+    want = []
+    for k in points:
+        k.run()  # warm-up (kernel selection, first-touch pages) before the probe
+        sync_device(device)
+        t0 = time.perf_counter()
+        k.run()
+        sync_device(device)
+        one = max(time.perf_counter() - t0, 1e-7)
+        want.append(float(min(1000, max(1, math.ceil(min_repetition_s / one)))))
+    return [int(c) for c in ranks_reduce(want, device)]
+
+
+def _repeated(run: Callable[[], object], inner: int) -> Callable[[], None]:
+    def call() -> None:
+        for _ in range(inner):
+            run()
+    return call
+
+
+def measure_compute(grid: Grid, *, repeats: int, device: torch.device | str = "cpu",
+                    progress: Callable[[str], None] | None = None, min_repetition_s: float = MIN_REPETITION_S,
+                    ) -> tuple[ComputeProfile, list[tuple[Kernel, float]]]:
+    """The ``ComputeProfile`` of this machine over ``grid`` and each kernel's achieved rate, each
+    repetition about ``min_repetition_s`` long. Collective over every rank; every rank returns
+    the same figures."""
+    device = torch.device(device)
+    points = kernels(grid, device)
+    inner = _inner_counts(points, device, min_repetition_s)
+
+    def on_round(r: int) -> None:
+        if progress is not None:
+            progress(f"round {r + 1}/{repeats} of {len(points)} kernels")
+
+    # The probe for ``inner`` warmed every kernel up already.
+    seconds = lockstep_medians([_repeated(k.run, c) for k, c in zip(points, inner)], repeats=repeats, device=device,
+                               on_round=on_round, warm_up=False)
+    measured = [(k, k.size * c / t) for k, c, t in zip(points, inner, seconds)]
+    tables: dict[tuple[str, str], list[tuple[float, float]]] = {}
+    for k, rate in measured:
+        tables.setdefault((k.op_class, k.dtype), []).append((k.size, rate))
+    profile = ComputeProfile(tuple((c, d, RateTable.of(pts)) for (c, d), pts in tables.items()))
+    return profile, measured
+
+
+def device_figures(profile: ComputeProfile) -> tuple[float, float | None, float]:
+    """(fp32 peak FLOP/s, bf16 peak FLOP/s, memory bandwidth bytes/s) for the mesh's roofline
+    (what ops outside the measured classes are priced at): the largest fp32 and bf16 matmuls'
+    rates and the largest fp32 elementwise call's, the steady states the tables end in."""
+    fp32 = profile.table("matmul", "fp32")
+    bf16 = profile.table("matmul", "bf16")
+    memory = profile.table("elementwise", "fp32")
+    if fp32 is None or memory is None:
+        raise ValueError("a compute profile needs fp32 matmul and fp32 elementwise tables for the roofline")
+    return fp32.rates[-1], None if bf16 is None else bf16.rates[-1], memory.rates[-1]
+

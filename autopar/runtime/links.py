@@ -1,0 +1,305 @@
+"""Collective timings and their alpha/beta fit: the link half of ``autopar.runtime.calibrate``.
+
+``measure_axis`` times all-reduce, all-gather, reduce-scatter and all-to-all (the same
+torch.distributed calls that ``autopar.runtime.collectives`` issues) over a range of full-tensor
+sizes on every group of one mesh axis at once (the training pattern). Every timed repetition
+starts in lockstep (a barrier), ends when the device is done (CUDA: synchronised), and runs
+round-robin over all (collective, size) points so a burst of outside load spreads over every
+point; the figure of a point is the median over repetitions of the slowest rank's time in that
+repetition (a step waits for its slowest rank), never a best-of. ``lockstep_median`` is that
+rule for any callable, and the compute measurements use it too.
+
+The fit (``fit_alpha_beta``): one ``alpha`` and one ``beta`` by least squares against the ring
+model of ``autopar.layout.cost`` (``t = alpha + beta * nbytes * f(kind, n)``) on log residuals
+``log(model / t)``, so that 64 KiB calls weigh as much as 16 MiB ones and a 2x over-prediction
+counts like a 2x under-prediction; both parameters come out strictly positive. Calibration fits
+it per axis over all four kinds (``MeshSpec.alpha``/``beta``) and per kind and axis
+(``MachineProfile.links``). Axes of size 1 never communicate: alpha = beta = 0 there.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+from autopar.layout.cost import collective_seconds
+from autopar.layout.mesh import MeshSpec
+
+__all__ = [
+    "KINDS",
+    "Timing",
+    "MeshProfile",
+    "lockstep_median",
+    "ranks_reduce",
+    "sync_device",
+    "lockstep_medians",
+    "slowest_medians",
+    "time_collective",
+    "measure_axis",
+    "fit_alpha_beta",
+    "ring_factor",
+]
+
+KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+KiB, MiB = 1024, 1024**2
+DEFAULT_SIZES = {
+    "cpu": [64 * KiB, 256 * KiB, 1 * MiB, 4 * MiB, 16 * MiB],
+    "cuda": [1 * MiB, 4 * MiB, 16 * MiB, 64 * MiB, 256 * MiB],
+}
+_ITEMSIZE = 4  # float32 buffers
+# Smallest share of the largest call's fitted time that bandwidth must explain for a usable beta.
+MIN_BANDWIDTH_SHARE = 0.05
+
+
+@dataclass(frozen=True, slots=True)
+class Timing:
+    """One measured point: ``kind`` on mesh ``axis`` for a tensor of ``nbytes`` full size."""
+
+    axis: int
+    kind: str
+    nbytes: int
+    seconds: float  # median over repetitions of the slowest rank's time
+
+    def __str__(self) -> str:
+        return f"axis{self.axis} {self.kind:<14} {self.nbytes:>11,d} B  {self.seconds * 1e3:9.3f} ms"
+
+
+@dataclass(frozen=True, slots=True)
+class MeshProfile:
+    """The fitted ``MeshSpec`` and the measurements it was fitted from."""
+
+    mesh: MeshSpec
+    timings: tuple[Timing, ...]
+
+    def predicted(self, timing: Timing) -> float:
+        return collective_seconds(timing.kind, timing.nbytes, self.mesh, timing.axis)
+
+    def __str__(self) -> str:
+        return f"{self.mesh} from {len(self.timings)} timings"
+
+
+# ----------------------------------------------------------------------------- the model
+def ring_factor(kind: str, n: int) -> float:
+    """``f(kind, n)`` of the cost model: seconds per byte of full size at beta = 1, alpha = 0.
+
+    Read off ``autopar.layout.cost.collective_seconds`` so the fit and the planner share one model.
+    """
+    unit = MeshSpec(shape=(n,), axis_names=("unit",), alpha=(0.0,), beta=(1.0,),
+                    peak_flops=1.0, mem_bandwidth=1.0, mem_capacity=1)
+    return collective_seconds(kind, 1.0, unit, 0)
+
+
+def _linear_relative_fit(pts: list[tuple[float, float]]) -> tuple[float, float]:
+    """Start point: least squares on relative residuals ``(alpha + beta*x - t) / t`` (linear)."""
+    u = [1.0 / t for _, t in pts]
+    v = [x / t for x, t in pts]
+    suu, svv = sum(a * a for a in u), sum(b * b for b in v)
+    suv, su, sv = sum(a * b for a, b in zip(u, v)), sum(u), sum(v)
+    det = suu * svv - suv * suv
+    alpha = (su * svv - sv * suv) / det if det > 0 else 0.0
+    beta = (sv * suu - su * suv) / det if det > 0 else 0.0
+    # Keep the start strictly positive (log-parameters below); tiny floors only seed the search.
+    t_min = min(t for _, t in pts)
+    x_max = max(x for x, _ in pts)
+    return max(alpha, 1e-3 * t_min), max(beta, 1e-3 * t_min / max(x_max, 1.0))
+
+
+def _lm_step(pts, p: float, q: float, damping: float, current: float, loss):
+    """One Levenberg-Marquardt step from (log alpha, log beta) = (p, q): (dp, dq, new loss, the
+    damping that gave it), or None when no damping up to 1e12 lowers the loss."""
+    a, b = math.exp(p), math.exp(q)
+    jtj = [[0.0, 0.0], [0.0, 0.0]]
+    jtr = [0.0, 0.0]
+    for x, t in pts:
+        m = a + b * x
+        r = math.log(m) - math.log(t)
+        j = (a / m, b * x / m)  # d r / d(log alpha), d r / d(log beta)
+        for i in range(2):
+            jtr[i] += j[i] * r
+            for k in range(2):
+                jtj[i][k] += j[i] * j[k]
+    while damping <= 1e12:
+        h00, h11 = jtj[0][0] * (1 + damping), jtj[1][1] * (1 + damping)
+        det = h00 * h11 - jtj[0][1] * jtj[1][0]
+        if det > 0:
+            dp = -(h11 * jtr[0] - jtj[0][1] * jtr[1]) / det
+            dq = -(h00 * jtr[1] - jtj[1][0] * jtr[0]) / det
+            trial = loss(p + dp, q + dq)
+            if trial <= current:
+                return dp, dq, trial, damping
+        damping *= 10
+    return None
+
+
+def fit_alpha_beta(points: Sequence[tuple[float, float]], *, iterations: int = 100) -> tuple[float, float]:
+    """Least squares of ``log(alpha + beta * x) - log(t)`` over ``points`` = ``(x, t)``.
+
+    ``x = nbytes * ring_factor(kind, n)``, ``t`` measured seconds. Log residuals weigh a 2x
+    over-prediction like a 2x under-prediction and small calls like large ones; fitting
+    ``log alpha`` and ``log beta`` (Levenberg-Marquardt) keeps both strictly positive.
+    ``ValueError`` when the sizes are too small for bandwidth to show (see
+    ``MIN_BANDWIDTH_SHARE``).
+    """
+    pts = [(float(x), float(t)) for x, t in points]
+    if len(pts) < 2 or any(not t > 0 or not x >= 0 for x, t in pts):
+        raise ValueError(f"need >= 2 points with x >= 0 and t > 0 to fit alpha/beta, got {pts}")
+    if len({x for x, _ in pts}) < 2:
+        raise ValueError(f"need >= 2 distinct sizes to separate alpha from beta, got {pts}")
+    alpha, beta = _linear_relative_fit(pts)
+    p, q = math.log(alpha), math.log(beta)
+
+    def loss(p: float, q: float) -> float:
+        # A wild trial step (noisy, non-monotone timings) can leave exp's range: an infinite
+        # loss rejects it, as any worse step is rejected, and the damping grows.
+        try:
+            a, b = math.exp(p), math.exp(q)
+            return sum((math.log(a + b * x) - math.log(t)) ** 2 for x, t in pts)
+        except (OverflowError, ValueError):
+            return math.inf
+
+    damping, current = 1e-3, loss(p, q)
+    for _ in range(iterations):
+        step = _lm_step(pts, p, q, damping, current, loss)
+        if step is None:  # no damping makes progress: (p, q) is as good as it gets
+            break
+        dp, dq, trial, damping = step
+        p, q = p + dp, q + dq
+        improvement, current = current - trial, trial
+        damping = max(damping / 10, 1e-9)
+        if improvement <= 1e-14 * max(current, 1e-30) and abs(dp) + abs(dq) < 1e-10:
+            break
+    alpha, beta = math.exp(p), math.exp(q)
+    # If even the largest call is (nearly) all latency, the data do not determine beta: a tiny
+    # fitted beta would tell the planner that bandwidth is free. Refuse rather than mislead.
+    x_max = max(x for x, _ in pts)
+    share = beta * x_max / (alpha + beta * x_max)
+    if share < MIN_BANDWIDTH_SHARE:
+        raise ValueError(
+            f"timings do not grow with size (bandwidth is {share:.1%} of the largest call's fitted "
+            f"time; alpha {alpha:.3g} s, beta {beta:.3g} s/B): profile larger sizes; points {pts}"
+        )
+    return alpha, beta
+
+
+# --------------------------------------------------------------------------- measurement
+def sync_device(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _op(kind: str, nbytes: int, n: int, group, device: torch.device):
+    """A zero-argument callable issuing ``kind`` for a tensor of ``nbytes`` full size."""
+    numel = max(n * n, (nbytes // _ITEMSIZE) // (n * n) * (n * n))  # divisible for every kind
+    full = torch.ones(numel, device=device)
+    piece = torch.ones(numel // n, device=device)
+    if kind == "all_reduce":
+        return lambda: dist.all_reduce(full, group=group)
+    if kind == "all_gather":
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        return lambda: gather(full, piece, group=group)
+    if kind == "reduce_scatter":
+        scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+        return lambda: scatter(piece, full, group=group)
+    if kind == "all_to_all":
+        recv = torch.empty_like(piece)  # each rank holds full/n and exchanges it
+        return lambda: dist.all_to_all_single(recv, piece, group=group)
+    raise ValueError(f"unknown collective {kind!r}; expected one of {KINDS}")
+
+
+def _timed(op, group, device: torch.device) -> float:
+    """One sample: ranks enter together (barrier), the clock stops when the device is done."""
+    dist.barrier(group=group)
+    sync_device(device)
+    start = time.perf_counter()
+    op()
+    sync_device(device)
+    return time.perf_counter() - start
+
+
+def time_collective(kind: str, nbytes: int, group, *, device: torch.device | str = "cpu",
+                    repeats: int = 5) -> float:
+    """This rank's median seconds of ``kind`` on ``group`` (one untimed warm-up call first)."""
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    device = torch.device(device)
+    op = _op(kind, nbytes, dist.get_world_size(group), group, device)
+    op()
+    return statistics.median(_timed(op, group, device) for _ in range(repeats))
+
+
+def ranks_reduce(values: list[float], device: torch.device, op=dist.ReduceOp.MAX) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=op)
+    return t.tolist()
+
+
+def slowest_medians(samples: list[list[float]], device: torch.device) -> list[float]:
+    """Per point, the median over repetitions of the slowest rank's time in each repetition.
+
+    ``samples[i][r]``: this rank's seconds of point ``i`` in repetition ``r`` (every rank the
+    same counts). Collective over the default group; every rank gets the same list."""
+    reps = len(samples[0]) if samples else 0
+    flat = ranks_reduce([t for mine in samples for t in mine], device)
+    return [statistics.median(flat[i * reps:(i + 1) * reps]) for i in range(len(samples))]
+
+
+def lockstep_medians(fns: Sequence, *, repeats: int, device: torch.device | str = "cpu", group=None,
+                     on_round=None, warm_up: bool = True) -> list[float]:
+    """Seconds of each of ``fns`` as a training step sees it: every rank runs it at once, each
+    repetition starts after a barrier on ``group`` (default: every rank), and the figure is the
+    median over repetitions of the slowest rank's time. One untimed warm-up call of each first
+    (``warm_up=False``: the caller warmed them up);
+    then ``repeats`` rounds over all of them (round-robin: a burst of outside load spreads over
+    every one instead of spoiling most repetitions of a few). ``on_round(r)``: called before
+    round ``r`` (progress lines). Collective over all ranks; every rank gets the same list."""
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    device = torch.device(device)
+    for fn in fns if warm_up else ():  # warm-up: connections, allocator, first-touch pages, kernel selection
+        fn()
+    samples: list[list[float]] = [[] for _ in fns]
+    for r in range(repeats):
+        if on_round is not None:
+            on_round(r)
+        for fn, mine in zip(fns, samples):
+            mine.append(_timed(fn, group, device))
+    return slowest_medians(samples, device)
+
+
+def lockstep_median(fn, *, repeats: int, device: torch.device | str = "cpu", group=None) -> float:
+    """``lockstep_medians`` of one callable."""
+    return lockstep_medians([fn], repeats=repeats, device=device, group=group)[0]
+
+
+def measure_axis(device_mesh, axis: int, sizes: Sequence[int], *, device: torch.device | str = "cpu",
+                 repeats: int = 5, kinds: Sequence[str] = KINDS, verbose: bool = False) -> list[Timing]:
+    """Time ``kinds`` x ``sizes`` on every group of mesh ``axis`` at once (the training pattern).
+
+    Collective over all ranks; every rank returns the same list (per point, the median over
+    repetitions of the slowest rank's time).
+    """
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    device = torch.device(device)
+    group = device_mesh.get_group(axis)
+    n = device_mesh.shape[axis]
+    points = [(k, int(s)) for k in kinds for s in sizes]
+    ops = [_op(k, s, n, group, device) for k, s in points]
+
+    def on_round(r: int) -> None:
+        if verbose and dist.get_rank() == 0:
+            print(f"[calibrate] axis {axis} (n={n}): round {r + 1}/{repeats} of {len(points)} "
+                  f"collectives ({', '.join(kinds)})", flush=True)
+
+    seconds = lockstep_medians(ops, repeats=repeats, device=device, group=group, on_round=on_round)
+    out = [Timing(axis, k, s, t) for (k, s), t in zip(points, seconds)]
+    if verbose and dist.get_rank() == 0:
+        for timing in out:
+            print(f"[calibrate] n={n} {timing}", flush=True)
+    return out

@@ -1,0 +1,167 @@
+"""The measured machine (``layout/machine.py``): rate interpolation, the JSON round trip on
+``MeshSpec`` (version 4, older versions still read), and the cost model priced from it."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import replace
+
+import pytest
+
+from autopar.layout.cost import KERNEL_FLOOR_S, collective_seconds, compute_seconds
+from autopar.layout.machine import ComputeProfile, LinkFit, MachineProfile, RateTable, overlap_fraction
+from autopar.layout.mesh import MeshSpec
+from autopar.plans import stage_mesh_of
+
+
+def _profile(shape=(2, 2)) -> MachineProfile:
+    compute = ComputeProfile((
+        ("matmul", "fp32", RateTable((1e6, 1e9), (10e9, 40e9))),
+        ("matmul", "bf16", RateTable((1e6, 1e9), (5e9, 200e9))),
+        ("elementwise", "fp32", RateTable((1e4, 1e7), (50e9, 5e9))),
+        ("norm", "fp32", RateTable((1e4,), (3e9,))),
+    ))
+    links = (LinkFit("all_reduce", 0, 1e-3, 2e-9), LinkFit("all_gather", 1, 5e-4, 4e-9))
+    return MachineProfile(compute, links, shape, ("ax0", "ax1")[:len(shape)], note="unit test")
+
+
+def _mesh(shape=(2, 2), **kw) -> MeshSpec:
+    """The cpu preset's mesh carrying a made-up calibration."""
+    return replace(MeshSpec.preset("cpu", shape), **{"machine": _profile(shape), "comm_overlap": 0.4, **kw})
+
+
+# ------------------------------------------------------------------------------ rate tables
+def test_rate_table_interpolates_in_log_size_and_holds_its_ends():
+    table = RateTable((1e3, 1e5, 1e7), (1.0, 3.0, 2.0))
+    assert table.at(1e3) == 1.0 and table.at(1e5) == 3.0 and table.at(1e7) == 2.0
+    assert table.at(1e4) == pytest.approx(2.0)  # halfway in log(size)
+    assert table.at(1e6) == pytest.approx(2.5)
+    assert table.at(10 ** 3.5) == pytest.approx(1.5)
+    assert table.at(1.0) == 1.0 and table.at(1e12) == 2.0  # beyond the ends: the end rates
+    with pytest.raises(ValueError, match="positive"):
+        table.at(0)
+
+
+def test_rate_table_merges_equal_sizes_and_checks_its_points():
+    # A skinny and a square product of the same FLOPs: one point at their geometric mean.
+    merged = RateTable.of([(1e6, 8.0), (1e3, 1.0), (1e6, 2.0)])
+    assert merged.sizes == (1e3, 1e6) and merged.rates == (1.0, pytest.approx(4.0))
+    with pytest.raises(ValueError, match="strictly increasing"):
+        RateTable((2.0, 1.0), (1.0, 1.0))
+    with pytest.raises(ValueError, match="positive and finite"):
+        RateTable((1.0,), (-1.0,))
+    with pytest.raises(ValueError, match="as many rates as sizes"):
+        RateTable((1.0, 2.0), (1.0,))
+
+
+def test_compute_profile_lookups_and_checks():
+    profile = _profile().compute
+    assert profile.rate("matmul", "fp32", 1e6) == 10e9
+    assert profile.rate("matmul", "fp16", 1e6) is None  # not measured
+    assert profile.rate("attention", "fp32", 1e6) is None
+    with pytest.raises(ValueError, match="unknown op class 'conv'"):
+        ComputeProfile((("conv", "fp32", RateTable((1.0,), (1.0,))),))
+    with pytest.raises(ValueError, match="unknown dtype 'fp8'"):
+        ComputeProfile((("matmul", "fp8", RateTable((1.0,), (1.0,))),))
+    with pytest.raises(ValueError, match="two tables"):
+        ComputeProfile((("norm", "fp32", RateTable((1.0,), (1.0,))),) * 2)
+    with pytest.raises(ValueError, match="unknown collective kind 'broadcast'"):
+        LinkFit("broadcast", 0, 1e-3, 1e-9)
+    with pytest.raises(ValueError, match="alpha and beta must be positive"):
+        LinkFit("all_reduce", 0, 0.0, 1e-9)
+
+
+def test_overlap_fraction_is_clamped():
+    assert overlap_fraction(1.0, 2.0, 2.0) == 1.0  # the shorter one fully hidden
+    assert overlap_fraction(1.0, 2.0, 3.0) == 0.0  # serial
+    assert overlap_fraction(1.0, 2.0, 2.5) == pytest.approx(0.5)
+    assert overlap_fraction(1.0, 2.0, 4.0) == 0.0 and overlap_fraction(1.0, 2.0, 1.0) == 1.0
+    with pytest.raises(ValueError, match="positive times"):
+        overlap_fraction(0.0, 1.0, 1.0)
+
+
+# ------------------------------------------------------------------------------------- JSON
+def test_calibrated_mesh_round_trips_as_version_4():
+    mesh = _mesh()
+    data = json.loads(mesh.to_json())
+    assert data["version"] == 4 and data["comm_overlap"] == 0.4
+    assert data["machine"]["compute"][0] == {"op_class": "matmul", "dtype": "fp32", "sizes": [1e6, 1e9],
+                                             "rates": [10e9, 40e9]}
+    assert data["machine"]["measured_shape"] == [2, 2]
+    back = MeshSpec.from_json(mesh.to_json())
+    assert back == mesh and back.machine.link("all_gather", 1).beta == 4e-9
+    assert json.loads(MeshSpec.preset("cpu", (2,)).to_json())["machine"] is None
+
+
+def test_older_versions_still_read_and_cannot_carry_a_machine():
+    data = json.loads(_mesh().to_json())
+    v3 = {**data, "version": 3, "machine": None}  # comm_overlap may sit in a version 3 file
+    assert MeshSpec.from_json(json.dumps(v3)) == _mesh(machine=None)
+    del v3["comm_overlap"], v3["machine"]
+    assert MeshSpec.from_json(json.dumps(v3)).comm_overlap == 0.0
+    with pytest.raises(ValueError, match="version 3 has no machine profile"):
+        MeshSpec.from_json(json.dumps({**data, "version": 3}))
+    with pytest.raises(ValueError, match="malformed machine profile"):
+        MeshSpec.from_json(json.dumps({**data, "machine": {"compute": []}}))
+    with pytest.raises(ValueError, match=r"comm_overlap must be a fraction in \[0, 1\], got 1.5"):
+        _mesh(comm_overlap=1.5)
+    with pytest.raises(ValueError, match=r"link fits for axes \[1\] of a 1-D mesh"):
+        _mesh(shape=(4,), machine=_profile((2, 2)))
+
+
+def test_a_pipeline_stage_mesh_keeps_the_fits_of_its_axes():
+    stage = stage_mesh_of(_mesh())  # drops axis 0: axis 1's all-gather fit becomes axis 0's
+    assert stage.shape == (2,) and stage.machine.links == (LinkFit("all_gather", 0, 5e-4, 4e-9),)
+    assert stage.machine.compute == _profile().compute and stage.machine.measured_shape == (2, 2)
+
+
+# ------------------------------------------------------------------------------- cost model
+def test_compute_is_priced_at_the_measured_rate_of_its_class_size_and_dtype():
+    mesh, preset = _mesh(), MeshSpec.preset("cpu", (2, 2))
+    flops, nbytes = 1e9, 1e3
+    assert compute_seconds(flops, nbytes, mesh, op_class="matmul") == pytest.approx(flops / 40e9)
+    assert compute_seconds(1e6, 0, mesh, op_class="matmul") == pytest.approx(1e6 / 10e9)
+    # bf16 (itemsize 2) has its own table; fp16 was not measured: the roofline's half peak.
+    assert compute_seconds(flops, 0, mesh, itemsize=2, op_class="matmul") == pytest.approx(flops / 200e9)
+    assert compute_seconds(flops, 0, mesh, itemsize=2, op_class="matmul", dtype="fp16") == pytest.approx(
+        flops / mesh.half_peak_flops)
+    # Memory-bound classes: bytes over the measured bandwidth at that size (10^5.5 B: halfway).
+    mid = 10 ** 5.5
+    assert compute_seconds(0, mid, mesh, op_class="elementwise") == pytest.approx(mid / 27.5e9)
+    assert compute_seconds(10.0, 1e6, mesh, op_class="norm") == pytest.approx(1e6 / 3e9)
+    # Other ops and uncalibrated meshes: the roofline, exactly as before.
+    for m in (mesh, preset):
+        roofline = max(flops / m.peak_flops, nbytes / m.mem_bandwidth)
+        assert compute_seconds(flops, nbytes, m, op_class="other") == roofline
+    assert compute_seconds(flops, nbytes, preset, op_class="matmul") == compute_seconds(flops, nbytes, preset)
+    assert compute_seconds(1.0, 1.0, mesh, op_class="matmul") == KERNEL_FLOOR_S
+    with pytest.raises(ValueError, match="unknown op class 'gemm'"):
+        compute_seconds(1.0, 1.0, mesh, op_class="gemm")
+
+
+def test_collectives_use_the_per_kind_fit_where_there_is_one():
+    mesh, nbytes = _mesh(), 1 << 20
+    assert collective_seconds("all_reduce", nbytes, mesh, 0) == pytest.approx(1e-3 + 2e-9 * nbytes)
+    assert collective_seconds("all_gather", nbytes, mesh, 1) == pytest.approx(5e-4 + 4e-9 * nbytes / 2)
+    # No fit of its own on that axis: the axis's all-kind alpha/beta (the preset's here).
+    assert collective_seconds("all_gather", nbytes, mesh, 0) == pytest.approx(
+        mesh.alpha[0] + mesh.beta[0] * nbytes / 2)
+    # Over both axes: the slowest link of the group, per kind.
+    assert collective_seconds("all_reduce", nbytes, mesh, (0, 1)) == pytest.approx(
+        max(1e-3, mesh.alpha[1]) + max(2e-9, mesh.beta[1]) * nbytes * 2 * 3 / 4)
+    assert math.isclose(collective_seconds("split", nbytes, mesh, 0), 2 * nbytes / 2 / mesh.mem_bandwidth)
+
+
+# ------------------------------------------------------------------------ profile as preset
+def test_a_profile_path_is_a_preset_for_its_own_shape_only(tmp_path):
+    path = tmp_path / "machine.json"
+    _mesh().save(str(path))
+    assert MeshSpec.coerce((2, 2), preset=str(path)) == _mesh()
+    assert MeshSpec.coerce("2x2", preset=str(path)).machine == _profile()
+    assert MeshSpec.coerce(str(path)) == _mesh()  # the path as the mesh: its own shape
+    with pytest.raises(ValueError, match=r"measured on mesh \(2, 2\), not the 4 mesh.*autopar calibrate --mesh 4"):
+        MeshSpec.coerce((4,), preset=str(path))
+    missing = str(tmp_path / "nope.json")
+    with pytest.raises(ValueError, match=r"mesh profile '.*nope.json' not found.*autopar calibrate"):
+        MeshSpec.coerce((2, 2), preset=missing)

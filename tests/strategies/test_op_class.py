@@ -1,0 +1,68 @@
+"""Each op is priced at its class's measured rate on a calibrated mesh (``combine.op_class``),
+at the size of its local shard, and at the roofline on a preset (unchanged)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+from torch import nn
+
+from autopar.layout.machine import ComputeProfile, MachineProfile, RateTable
+from autopar.layout.mesh import MeshSpec
+from autopar.strategies import strategies_for
+from autopar.strategies.combine import op_class
+from autopar.tracer import trace
+
+aten = torch.ops.aten
+
+
+@pytest.mark.parametrize("target, expected", [
+    (aten.mm.default, "matmul"), (aten.addmm.default, "matmul"), (aten.bmm.default, "matmul"),
+    (aten.linear.default, "matmul"), (aten.scaled_dot_product_attention.default, "attention"),
+    (aten.native_layer_norm.default, "norm"), (aten._softmax.default, "norm"), (aten.add.Tensor, "elementwise"),
+    (aten.gelu.default, "elementwise"), (aten.convolution.default, "other"), (aten.sum.dim_IntList, "other"),
+])
+def test_op_classes(target, expected):
+    assert op_class(target) == expected
+
+
+class _Mlp(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(256, 256, bias=False)
+
+    def forward(self, x):
+        return torch.relu(self.fc(x))
+
+
+def _calibrated(mesh: MeshSpec) -> MeshSpec:
+    # A matmul twice as fast on a quarter of the work (2^23 FLOPs) as on all of it (2^25): the
+    # small-product efficiency a roofline misses, here inverted so that both ends show.
+    compute = ComputeProfile((("matmul", "fp32", RateTable((2.0**23, 2.0**25), (2e9, 1e9))),
+                              ("elementwise", "fp32", RateTable((1e3,), (1e9,)))))
+    return replace(mesh, machine=MachineProfile(compute, (), mesh.shape, mesh.axis_names))
+
+
+def test_a_strategy_is_priced_at_the_rate_of_its_local_shard():
+    traced = trace(_Mlp(), (torch.randn(128, 256),))
+    (mm,) = [n for n in traced.compute_nodes() if op_class(n.target) == "matmul"]
+    (relu,) = [n for n in traced.compute_nodes() if op_class(n.target) == "elementwise"]
+    preset = MeshSpec.preset("cpu", (4,))
+    mesh = _calibrated(preset)
+    plain = {s.name: s for s in strategies_for(mm, preset)}
+    priced = {s.name: s for s in strategies_for(mm, mesh)}
+    whole = 2.0 * 128 * 256 * 256  # forward FLOPs of the whole product (2^24); backward twice that
+    replicated = next(s for s in priced.values() if not s.work_split_axes)
+    split = next(s for s in priced.values() if s.work_split_axes == (0,))
+    # Forward 2^24 FLOPs (halfway in log size: 1.5 GFLOP/s), backward 2^25 (1 GFLOP/s).
+    assert replicated.forward_compute_s == pytest.approx(whole / 1.5e9)
+    assert replicated.compute_s == pytest.approx(whole / 1.5e9 + 2 * whole / 1e9)
+    # A quarter each: 2^22 (beyond the small end: 2 GFLOP/s) forward, 2^23 backward.
+    assert split.compute_s == pytest.approx(whole / 4 / 2e9 + 2 * whole / 4 / 2e9)
+    # The preset prices the same strategy by its peak (compute-bound at this size), as before.
+    assert plain[split.name].forward_compute_s == pytest.approx(whole / 4 / preset.peak_flops)
+    (relu_strategy, *_) = strategies_for(relu, mesh)
+    moved = 2 * 128 * 256 * 4 / (4 if relu_strategy.work_split_axes else 1)
+    assert relu_strategy.forward_compute_s == pytest.approx(moved / 1e9)
