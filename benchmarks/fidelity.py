@@ -4,8 +4,8 @@
                                   [--steps 8] [--warmup 2] [--out results.jsonl]
 
 For each (model, mesh) the parent process plans at least 8 distinct plans with ONE mesh profile
-(``--profile``: a machine profile JSON from ``autopar calibrate`` / ``autopar profile-mesh``, or,
-without it, the mesh is profiled here first on as many forked processes as it has devices):
+(``--profile``: a machine profile JSON from ``autopar calibrate``, or, without it, the mesh is
+calibrated here first -- ``autopar.calibrate`` on as many forked processes as it has devices):
 
 - ``auto``: ``autopar.plan`` at an ample budget and at 60% and 40% of the data-parallel plan's
   peak (the budgets where data parallelism no longer fits);
@@ -228,15 +228,15 @@ def summarize(model_name: str, mesh, cands: list[Candidate], results: list[dict]
 
 def _mesh(shape: tuple[int, ...], profile: str | None):
     from autopar.layout.mesh import MeshSpec
-    from autopar.runtime.mesh_profile import profile_mesh
+    from autopar.runtime.calibrate import calibrate
 
     if profile:
         spec = MeshSpec.load(profile)
         if tuple(spec.shape) != shape:
             raise ValueError(f"--profile {profile} was measured on mesh {spec.shape}, not {shape}")
         return spec
-    print(f"profiling mesh {shape} on {math.prod(shape)} local processes ...", flush=True)
-    return profile_mesh(shape, local=math.prod(shape))
+    print(f"calibrating mesh {shape} on {math.prod(shape)} local processes ...", flush=True)
+    return calibrate(shape, local=math.prod(shape))
 
 
 def main(argv=None) -> list[dict]:
