@@ -5,10 +5,11 @@ the options. Torch is imported when this package is, not by ``import autopar``.
 """
 
 from autopar.booster.booster import Booster
+from autopar.booster.gemini import GeminiPlugin
 from autopar.booster.low_level_zero import LowLevelZeroPlugin
 from autopar.booster.optimizer import BoostedOptimizer
 from autopar.booster.plugin import AutoParallelPlugin
 from autopar.booster.torch_plugins import TorchDDPPlugin, TorchFSDPPlugin
 
-__all__ = ["Booster", "AutoParallelPlugin", "BoostedOptimizer", "LowLevelZeroPlugin", "TorchDDPPlugin",
+__all__ = ["Booster", "AutoParallelPlugin", "BoostedOptimizer", "GeminiPlugin", "LowLevelZeroPlugin", "TorchDDPPlugin",
            "TorchFSDPPlugin"]

@@ -153,7 +153,7 @@ class Booster:
 
             rebuilt = rebuild_optimizer(optimizer, model, module.parameters_by_fqn(), build=build)
             boosted = BoostedOptimizer(rebuilt, module, max_norm=self.plugin.max_norm, scaler=self._scaler(module),
-                                       zero=zero[0])
+                                       zero=zero[0], norm_type=self.plugin.norm_type)
             if lr_scheduler is not None:
                 repoint_scheduler(lr_scheduler, optimizer, rebuilt)
         return module, boosted, criterion, dataloader, lr_scheduler
@@ -175,7 +175,8 @@ class Booster:
                                         build=lambda cls, groups, **kw: module.optimizer(cls, groups,
                                                                                         zero_stage=zero_stage, **kw))
             zero = rebuilt
-            boosted = BoostedOptimizer(zero.optimizer, module, max_norm=self.plugin.max_norm, zero=zero)
+            boosted = BoostedOptimizer(zero.optimizer, module, max_norm=self.plugin.max_norm, zero=zero,
+                                       norm_type=self.plugin.norm_type)
             if lr_scheduler is not None:
                 repoint_scheduler(lr_scheduler, optimizer, zero.optimizer)
         return module, boosted, criterion, dataloader, lr_scheduler
@@ -224,7 +225,8 @@ class Booster:
 
         p = self.plugin
         return GradScaler(module.device_mesh.device_type, init_scale=p.initial_scale, growth_factor=p.growth_factor,
-                          backoff_factor=p.backoff_factor, growth_interval=p.growth_interval)
+                          backoff_factor=p.backoff_factor, growth_interval=p.growth_interval,
+                          min_scale=p.min_scale, max_scale=p.max_scale, hysteresis=p.hysteresis)
 
     def backward(self, loss: torch.Tensor, optimizer: BoostedOptimizer) -> None:
         """``loss.backward()``, the loss scaled first under fp16."""

@@ -14,7 +14,7 @@ from typing import Any
 
 from autopar.booster.plugin import AutoParallelPlugin
 
-__all__ = ["LowLevelZeroPlugin", "LOW_LEVEL_ZERO_PARAMETERS"]
+__all__ = ["LowLevelZeroPlugin", "LOW_LEVEL_ZERO_PARAMETERS", "family_plan_on_rank0"]
 
 log = logging.getLogger(__name__)
 
@@ -97,40 +97,48 @@ class LowLevelZeroPlugin(AutoParallelPlugin):
     def family_plan(self, model: Any, meta_inputs: tuple | dict):
         """The ``zero1``/``zero2`` family's plan of ``model`` on a 1-D mesh over the world: rank 0
         solves the restricted problem and broadcasts it (its error raises on every rank)."""
-        import torch.distributed as dist
+        return family_plan_on_rank0(self, model, meta_inputs, self.family, name="LowLevelZeroPlugin")
 
-        from autopar.plans import Plan
-        from autopar.runtime.build import runtime_device
 
-        device = runtime_device(self.device)
-        payload: list[Any] = [None]
-        if dist.get_rank() == 0:
-            try:
-                payload[0] = ("ok", self._solve_family(model, meta_inputs, device).to_json())
-            except Exception as exc:  # noqa: BLE001 -- re-raised on every rank below
-                payload[0] = (type(exc).__name__, str(exc))
-        if device.type == "cuda" and dist.get_backend() == "nccl":
-            dist.broadcast_object_list(payload, src=0, device=device)
-        else:
-            dist.broadcast_object_list(payload, src=0)
-        status, text = payload[0]
-        if status != "ok":
-            raise ValueError(f"LowLevelZeroPlugin: planning the {self.family} family failed on rank 0: "
-                             f"{status}: {text}")
-        return Plan.from_json(text)
+def family_plan_on_rank0(plugin: AutoParallelPlugin, model: Any, meta_inputs: tuple | dict, family: str, *,
+                         name: str):
+    """Baseline ``family``'s plan of ``model`` (``planner.orchestrate.plan_family``) on a 1-D mesh
+    over the world, with ``plugin``'s precision, solver and offload options: rank 0 solves the
+    restricted problem and broadcasts the plan; its error raises on every rank (named ``name``)."""
+    import torch.distributed as dist
 
-    def _solve_family(self, model: Any, meta_inputs: tuple | dict, device):
-        import torch.distributed as dist
+    from autopar.plans import Plan
+    from autopar.runtime.build import runtime_device
 
-        from autopar.layout.mesh import MeshSpec
-        from autopar.planner.options import PlanOptions
-        from autopar.planner.orchestrate import plan_family
-        from autopar.runtime.build import mesh_preset
+    device = runtime_device(plugin.device)
+    payload: list[Any] = [None]
+    if dist.get_rank() == 0:
+        try:
+            payload[0] = ("ok", _solve_family(plugin, model, meta_inputs, family, device).to_json())
+        except Exception as exc:  # noqa: BLE001 -- re-raised on every rank below
+            payload[0] = (type(exc).__name__, str(exc))
+    if device.type == "cuda" and dist.get_backend() == "nccl":
+        dist.broadcast_object_list(payload, src=0, device=device)
+    else:
+        dist.broadcast_object_list(payload, src=0)
+    status, text = payload[0]
+    if status != "ok":
+        raise ValueError(f"{name}: planning the {family} family failed on rank 0: {status}: {text}")
+    return Plan.from_json(text)
 
-        preset = mesh_preset(device)
-        options = PlanOptions(precision=self.precision, zero_stage="auto", reduce_dtype=self.reduce_dtype or "fp32",
-                              checkpoint="none", optimizer_multiplier=self.optimizer_multiplier, preset=preset,
-                              solver=self.solver, offload=self.offload,
-                              **({} if self.time_limit is None else {"time_limit": self.time_limit}))
-        mesh = MeshSpec.coerce((dist.get_world_size(),), preset=preset)
-        return plan_family(model, meta_inputs, self.family, mesh=mesh, options=options)
+
+def _solve_family(plugin: AutoParallelPlugin, model: Any, meta_inputs: tuple | dict, family: str, device):
+    import torch.distributed as dist
+
+    from autopar.layout.mesh import MeshSpec
+    from autopar.planner.options import PlanOptions
+    from autopar.planner.orchestrate import plan_family
+    from autopar.runtime.build import mesh_preset
+
+    preset = mesh_preset(device)
+    options = PlanOptions(precision=plugin.precision, zero_stage="auto", reduce_dtype=plugin.reduce_dtype or "fp32",
+                          checkpoint="none", optimizer_multiplier=plugin.optimizer_multiplier, preset=preset,
+                          solver=plugin.solver, offload=plugin.offload,
+                          **({} if plugin.time_limit is None else {"time_limit": plugin.time_limit}))
+    mesh = MeshSpec.coerce((dist.get_world_size(),), preset=preset)
+    return plan_family(model, meta_inputs, family, mesh=mesh, options=options)

@@ -46,7 +46,10 @@ all-gathered from the updated shards after each step (``chunk``, ``manager.gathe
 
 ZeRO chunks are never sharded ZeRO-3 style too (``shard_param_frac`` skips them).
 
-Not yet: sharding under the auto and planned policies; the CUDA path (side-stream prefetch,
+``AutoPolicy(sharded=True)`` shards every chunk that has a data-parallel group likewise (Gemini's
+auto placement is ZeRO-3): the warm-up and the placement after it move shards.
+
+Not yet: sharding under the planned policy; the CUDA path (side-stream prefetch,
 pinned memory, host ``.grad`` views, all-gathers on the compute stream) has not run on a GPU.
 """
 
@@ -94,6 +97,8 @@ class Gemini:
         dp_of = functools.partial(_zero_group, dict(params), module.pmesh, stages, ((), (), ()))
         if isinstance(policy, AutoPolicy):
             tiers = lambda payload, optim, chunks: [(HOST, HOST)] * len(payload)  # noqa: E731 -- warm-up on host
+            if policy.sharded:  # Gemini's auto placement runs ZeRO-3 chunks: group them to be shardable
+                dp_of = functools.partial(_dp_group, dict(params), module.pmesh)
         elif isinstance(policy, PlannedPolicy):
             planned = {}
             for name, _ in params:
@@ -131,6 +136,9 @@ class Gemini:
         module.forward = self.forward
         if isinstance(policy, StaticPolicy) and policy.shard_param_frac > 0:
             self.place([(c.home, c.optim_tier) for c in self.manager.chunks], self._shards(policy))
+        elif isinstance(policy, AutoPolicy) and policy.sharded:  # the warm-up's placement keeps them sharded
+            self.place([(c.home, c.optim_tier) for c in self.manager.chunks],
+                       [c.num_shards > 1 and not c.zero for c in self.manager.chunks])
 
     def _shards(self, policy: StaticPolicy) -> list[bool]:
         chunks = self.manager.chunks

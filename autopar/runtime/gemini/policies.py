@@ -76,6 +76,8 @@ class AutoPolicy:
     device_budget: int
     pin_memory: bool = False
     warmup_steps: int = 1
+    sharded: bool = False
+    """every chunk with a data-parallel group sharded ZeRO-3 style (as ``shard_param_frac=1``)"""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "device_budget", _budget(self.device_budget))
@@ -85,6 +87,8 @@ class AutoPolicy:
             raise ValueError(f"pin_memory must be a bool, got {self.pin_memory!r}")
         if type(self.warmup_steps) is not int or self.warmup_steps < 1:
             raise ValueError(f"warmup_steps must be an int >= 1, got {self.warmup_steps!r}")
+        if not isinstance(self.sharded, bool):
+            raise ValueError(f"sharded must be a bool, got {self.sharded!r}")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -120,7 +124,7 @@ def make_policy(placement_policy: str = "static", **knobs) -> StaticPolicy | Aut
     if placement_policy == "static":
         return StaticPolicy(**knobs)
     if placement_policy == "auto":
-        knobs = {k: v for k, v in knobs.items() if k in ("device_budget", "pin_memory", "warmup_steps")}
+        knobs = {k: v for k, v in knobs.items() if k in ("device_budget", "pin_memory", "warmup_steps", "sharded")}
         return AutoPolicy(**knobs)
     raise ValueError(f"placement_policy must be 'static' or 'auto', got {placement_policy!r}")
 
