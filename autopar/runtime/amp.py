@@ -147,6 +147,14 @@ class GradScaler(torch.amp.GradScaler):
                     if local.numel() == 0:
                         continue  # an empty shard (uneven sharding): nothing to check
                     buckets[(local.device, local.dtype)].append(local)
+            # Gradients kept outside .grad (chunk shards), this rank's share of them.
+            outside = getattr(optimizer, "sharded_grads", None)
+            for local in (outside() if outside is not None else ()):
+                if not allow_fp16 and local.dtype == torch.float16:
+                    raise ValueError("Attempting to unscale FP16 gradients: keep fp32 master parameters "
+                                     f"(got a {local.dtype} gradient shard of {local.numel()} elements)")
+                if local.numel():
+                    buckets[(local.device, local.dtype)].append(local)
 
             found_per_device: dict[torch.device, torch.Tensor] = {}
             inv_per_device: dict[torch.device, torch.Tensor] = {}
@@ -157,13 +165,6 @@ class GradScaler(torch.amp.GradScaler):
                 torch._amp_foreach_non_finite_check_and_unscale_(
                     grads, found_per_device[device], inv_per_device[device]
                 )
-            outside = getattr(optimizer, "sharded_grads", None)
-            for local in (outside() if outside is not None else ()):
-                if not allow_fp16 and local.dtype == torch.float16:
-                    raise ValueError("Attempting to unscale FP16 gradients: keep fp32 master parameters "
-                                     f"(got a {local.dtype} gradient shard of {local.numel()} elements)")
-                if local.numel():
-                    buckets[(local.device, local.dtype)].append(local)
             # A rank without gradients still takes part in the collective and reports a flag.
             if not found_per_device:
                 found_per_device[found_inf.device] = found_inf
