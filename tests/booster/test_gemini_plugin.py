@@ -33,7 +33,7 @@ from autopar.booster import AutoParallelPlugin, Booster, GeminiPlugin
 from autopar.runtime.launch import run_local
 
 LR, EPS, STEPS, WORLD = 1e-3, 1e-5, 5, 4
-FP16_EPS = 1e-3  # see test_default_fp16_zero3_with_clipping_equals_autocast_gradscaler
+FP16_EPS = 1e-3  # see test_default_fp16_zero3_equals_autocast_gradscaler
 
 # The notes' signature (booster_api_reference.txt, "colossalai.booster.plugin.GeminiPlugin"), in
 # order with its defaults, transcribed.
@@ -248,27 +248,36 @@ def _assert_fp32_equal(res: dict, ref: dict) -> None:
         torch.testing.assert_close(res["state"][name], want, rtol=1e-4, atol=1e-5, msg=f"parameter {name}")
 
 
+def _train_each(rank, world, model, inputs, runs):
+    return [_train(rank, world, copy.deepcopy(model), inputs, kwargs, eps) for kwargs, eps in runs]
+
+
 @pytest.mark.timeout(300)
-def test_default_fp16_zero3_with_clipping_equals_autocast_gradscaler():
-    """The documented default (ZeRO-3 chunks, static, fp16 with dynamic loss scaling) with
-    ``max_norm``: within the distance of one device's autocast + GradScaler from fp32. Adam's
-    ``eps`` is large enough that an update from gradients left scaled (or unclipped) is off by
-    far more than that distance: Adam alone is nearly blind to a gradient's scale."""
+def test_default_fp16_zero3_equals_autocast_gradscaler():
+    """The documented default (ZeRO-3 chunks, static, fp16 with dynamic loss scaling), without
+    and with ``max_norm``: within twice the distance of one device's autocast + GradScaler from
+    fp32. Adam is nearly blind to a gradient's scale, so its ``eps`` is made large enough that
+    gradients left scaled (no clip) or clipped wrongly (``max_norm``: unclipped is 10x the
+    tolerance away) put the update off by far more than that."""
     from autopar.plans import Plan
 
     model, inputs = _build("gpt2")
     start = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    ref16 = _reference(model, inputs, fp16=True, max_norm=0.05, eps=FP16_EPS)
-    ref32 = _reference(model, inputs, max_norm=0.05, eps=FP16_EPS)
-    assert ref16["grads"] and math.sqrt(sum(float((g ** 2).sum()) for g in ref16["grads"].values())) > 0.05
-    fp16_own = _relative_update(ref16["state"], ref32["state"], start)
-    unclipped = _relative_update(_reference(model, inputs, fp16=True, eps=FP16_EPS)["state"], ref16["state"], start)
-    assert unclipped > 10 * (2 * fp16_own + 1e-3), (unclipped, fp16_own)  # the clip matters at this eps
-    for res in run_local(_train, WORLD, model, inputs, dict(max_norm=0.05), FP16_EPS, timeout=280):
-        assert isinstance(res["plan"], Plan) and res["chunks"] and all(c[0] for c in res["chunks"]), res["chunks"]
-        assert res["scale"] == ref16["scale"] == 65536.0  # the same scaler trajectory: no overflow skipped a step
-        torch.testing.assert_close(torch.tensor(res["losses"]), torch.tensor(ref16["losses"]), rtol=1e-3, atol=0)
-        assert _relative_update(res["state"], ref16["state"], start) <= 2 * fp16_own + 1e-3, fp16_own
+    runs, refs = [], []
+    for max_norm in (0.0, 0.05):
+        ref16 = _reference(model, inputs, fp16=True, max_norm=max_norm, eps=FP16_EPS)
+        own = _relative_update(ref16["state"], _reference(model, inputs, max_norm=max_norm, eps=FP16_EPS)["state"],
+                               start)
+        runs.append((dict(max_norm=max_norm), FP16_EPS))
+        refs.append((ref16, 2 * own + 1e-3))
+    unclipped = _relative_update(refs[0][0]["state"], refs[1][0]["state"], start)
+    assert unclipped > 10 * refs[1][1], (unclipped, refs[1][1])  # the clip matters at this eps
+    for results in run_local(_train_each, WORLD, model, inputs, runs, timeout=280):
+        for res, (ref16, tolerance) in zip(results, refs):
+            assert isinstance(res["plan"], Plan) and res["chunks"] and all(c[0] for c in res["chunks"]), res["chunks"]
+            assert res["scale"] == ref16["scale"] == 65536.0  # the same scaler trajectory: no overflow skipped
+            torch.testing.assert_close(torch.tensor(res["losses"]), torch.tensor(ref16["losses"]), rtol=1e-3, atol=0)
+            assert _relative_update(res["state"], ref16["state"], start) <= tolerance, tolerance
 
 
 def _fp16_clip_and_overflow(rank, world, model, inputs, max_norm):
