@@ -334,7 +334,7 @@ FP32_CASES = {
     "llama-static-offload": ("llama-1b", dict(precision="fp32", shard_param_frac=0.5, offload_optim_frac=1.0,
                                               offload_param_frac=0.5, min_chunk_size_m=2**-10, search_range_m=0)),
     # A plain torch model under the auto policy (sharded chunks placed after a warm-up step).
-    "net-auto": ("net", dict(precision="fp32", placement_policy="auto", min_chunk_size_m=2**-12)),
+    "net-auto": ("net", dict(precision="fp32", placement_policy="auto", min_chunk_size_m=2**-12, search_range_m=0)),
     # shard_param_frac=0: the zero2 family (ZeRO-2 chunks), clipped by the norm over their shards.
     "gpt2-zero2-clip": ("gpt2", dict(precision="fp32", shard_param_frac=0.0, max_norm=0.05)),
 }
@@ -353,12 +353,59 @@ def test_fp32_trains_like_one_device(case):
             assert any(c[0] for c in chunks) and not all(c[0] for c in chunks), chunks
             assert {c[3] for c in chunks} == {"host"} and {c[2] for c in chunks} == {"host", "device"}, chunks
         elif case == "net-auto":
-            assert all(c[0] for c in chunks), chunks
+            assert len(chunks) > 1 and all(c[0] for c in chunks), chunks
         else:
             assert {c[1] for c in chunks} == {2} and not any(c[0] for c in chunks), chunks
             stages = {n.zero_stage for n in res["plan"].nodes if n.kind == "parameter"}
             assert stages == {2}, stages
         _assert_fp32_equal(res, ref)
+
+
+def _accumulate(rank, world, model, inputs, micro):
+    import io
+    from contextlib import redirect_stdout
+
+    printed = io.StringIO()
+    booster = Booster(GeminiPlugin(precision="fp32", enable_gradient_accumulation=True, verbose=True,
+                                   min_chunk_size_m=2**-12, search_range_m=0))
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
+    with redirect_stdout(printed):
+        pm, bopt, *_ = booster.boost(model, opt, meta_inputs=micro[0])
+    for _ in range(3):
+        for batch in micro:  # two backward passes accumulate into the chunk shards, one step
+            booster.backward(pm(**batch) / len(micro), bopt)
+        bopt.step()
+        bopt.zero_grad()
+    chunks = [c.sharded for c in pm.gemini.manager.chunks]
+    dtypes = []
+    for force in (False, True):  # fp16 plans of the logits model, with and without force_outputs_fp32
+        net = Net()
+        booster = Booster(GeminiPlugin(force_outputs_fp32=force))
+        out, *_ = booster.boost(net, torch.optim.AdamW(net.parameters()), meta_inputs=(inputs["x"],))
+        dtypes.append(out(inputs["x"]).dtype)
+    return pm.full_state_dict(), chunks, printed.getvalue(), dtypes
+
+
+@pytest.mark.timeout(200)
+def test_accumulation_outputs_and_verbose():
+    """``enable_gradient_accumulation``: two backward passes before a step add up in the sharded
+    chunks (fp32, exact); ``force_outputs_fp32`` casts the fp16 plan's output; ``verbose``
+    prints the chunks once, on rank 0."""
+    model, inputs = _build("net")
+    micro = [{k: v[i::2] for k, v in inputs.items()} for i in range(2)]
+    ref = copy.deepcopy(model)
+    opt = torch.optim.AdamW(ref.parameters(), lr=LR, eps=EPS)
+    for _ in range(3):
+        ref(**inputs).backward()  # the mean over both halves: what the two half-weighted passes add to
+        opt.step()
+        opt.zero_grad()
+    for rank, (state, chunks, printed, dtypes) in enumerate(run_local(_accumulate, WORLD, model, inputs, micro,
+                                                                      timeout=180)):
+        assert len(chunks) > 1 and all(chunks), chunks
+        for name, want in ref.state_dict().items():
+            torch.testing.assert_close(state[name], want, rtol=1e-4, atol=1e-5, msg=name)
+        assert ("GeminiPlugin:" in printed and "sharded" in printed) == (rank == 0), printed
+        assert dtypes == [torch.float16, torch.float32], dtypes
 
 
 # --------------------------------------------------------------------------- the notes' example
