@@ -34,9 +34,10 @@ payload, master, moments and gradient per rank (``chunk``). They are all-gathere
 host chunk is fetched (``manager``), their gradients reduce-scattered at the end of backward
 (``grads``, ``gradsync``), and the module's whole-state methods gather on demand (``state``);
 ``Gemini.place`` / ``apply_policy`` re-shard at run time. Their parameters' ``.grad`` stay None
-(the gradient is the chunk's shard): clip by norm and fp16 loss scaling, which read ``.grad``,
-are refused by the booster with them, and ``module.zero_grad()`` does not clear them
-(``optimizer.zero_grad()`` does). Every rank must have the same chunks (checked).
+(the gradient is the chunk's shard): the optimizer lists each parameter's piece of it
+(``GeminiOptimizer.sharded_grads``), which ``autopar.runtime.amp.GradScaler`` unscales and checks
+and ``parallel_module.clip_grad_norm(shards=...)`` counts and scales (the booster passes them);
+``module.zero_grad()`` does not clear them (``optimizer.zero_grad()`` does). Every rank must have the same chunks (checked).
 
 ZeRO-1/2 (the plan's per-parameter ``zero_stage``, under every policy): a ZeRO parameter's chunk is
 built per data-parallel group; its payload stays whole, its fp32 master, moments (and under

@@ -27,6 +27,8 @@ plus the chunk runtime's own knobs:
 runs with every payload and all optimizer state on the host while the manager samples
 non-model memory at each chunk move; after it, the device keeps as many chunks (payload, then
 optimizer state) as fit in ``device_budget`` minus the non-model peak, the rest stay on the host.
+``sharded=True`` (Gemini's auto placement, which is ZeRO-3) shards every chunk that has a
+data-parallel group from the start, so the warm-up and the placement move shards.
 """
 
 from __future__ import annotations
