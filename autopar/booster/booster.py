@@ -27,7 +27,7 @@ from __future__ import annotations
 import contextlib
 import os
 import weakref
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Callable, ContextManager, Iterator
 
 import torch
@@ -333,7 +333,7 @@ def _with_precision(plugin: AutoParallelPlugin, mixed_precision: Any) -> AutoPar
     if plugin.precision not in ("fp32", wanted):
         raise ValueError(f"Booster(mixed_precision={mixed_precision!r}) conflicts with the plugin's "
                          f"precision={plugin.precision!r}: give one of them")
-    return plugin if plugin.precision == wanted else replace(plugin, precision=wanted)
+    return plugin if plugin.precision == wanted else plugin.with_precision(wanted)
 
 
 def _pipeline_options(plugin: AutoParallelPlugin, options: dict[str, Any]) -> tuple[dict[str, Any], int]:

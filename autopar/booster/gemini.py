@@ -104,8 +104,8 @@ class GeminiPlugin(AutoParallelPlugin):
                  enable_fused_normalization: bool = False, enable_flash_attention: bool = False,
                  enable_sequence_parallelism: bool = False, enable_jit_fused: bool = False,
                  enable_sequence_overlap: bool = False, verbose: bool = False) -> None:
-        given = dict(locals())
-        given.pop("self")
+        arguments = locals()
+        given = {name: arguments[name] for name in GEMINI_PARAMETERS}
         _check_flags(given)
         _refuse_unsupported(given)
         policy, fracs = _placement(placement_policy, shard_param_frac, offload_optim_frac, offload_param_frac)
@@ -117,20 +117,20 @@ class GeminiPlugin(AutoParallelPlugin):
                          min_scale=min_scale, max_scale=max_scale, hysteresis=hysteresis, placement_policy=policy,
                          shard_param_frac=fracs[0] if policy == "static" else 0.0, offload_optim_frac=fracs[1],
                          offload_param_frac=fracs[2], pin_memory=pin_memory, chunk_search_range=chunk_range)
-        object.__setattr__(self, "gemini_settings", {**given, "placement_policy": policy,
-                                                     "shard_param_frac": fracs[0]})
+        object.__setattr__(self, "gemini_settings", given)  # the arguments as given
 
     def __repr__(self) -> str:
-        g = self.gemini_settings
-        return (f"GeminiPlugin(placement_policy={g['placement_policy']!r}, shard_param_frac={g['shard_param_frac']}, "
+        return (f"GeminiPlugin(placement_policy={self.placement_policy!r}, shard_param_frac={self.shard_param_frac}, "
                 f"offload_optim_frac={self.offload_optim_frac}, offload_param_frac={self.offload_param_frac}, "
                 f"precision={self.precision!r})")
+
+    def with_precision(self, precision: str) -> GeminiPlugin:
+        return GeminiPlugin(**{**self.gemini_settings, "precision": precision})
 
     @property
     def family(self) -> str:
         """The planner's baseline family this plugin's plan is (``autopar.planner.baselines``)."""
-        g = self.gemini_settings
-        return "zero2" if g["placement_policy"] == "static" and g["shard_param_frac"] == 0 else "data-parallel"
+        return "zero2" if self.placement_policy == "static" and self.shard_param_frac == 0 else "data-parallel"
 
     def family_plan(self, model: Any, meta_inputs: tuple | dict):
         """The family's plan of ``model`` on a 1-D mesh over the world (rank 0 solves, all get it)."""

@@ -89,6 +89,12 @@ class LowLevelZeroPlugin(AutoParallelPlugin):
     def __repr__(self) -> str:
         return f"LowLevelZeroPlugin(stage={self.stage}, precision={self.precision!r})"
 
+    def with_precision(self, precision: str) -> LowLevelZeroPlugin:
+        return LowLevelZeroPlugin(stage=self.stage, precision=precision, initial_scale=self.initial_scale,
+                                  growth_factor=self.growth_factor, backoff_factor=self.backoff_factor,
+                                  growth_interval=self.growth_interval, max_norm=self.max_norm,
+                                  communication_dtype=self.reduce_dtype, cpu_offload=self.cpu_offload)
+
     @property
     def family(self) -> str:
         """The planner's baseline family this plugin's plan is (``autopar.planner.baselines``)."""

@@ -233,6 +233,13 @@ class AutoParallelPlugin:
             raise ValueError(f"placement_policy={self.placement_policy!r} does not run under a pipeline "
                              f"(pp_size={self.pp_size!r})")
 
+    def with_precision(self, precision: str) -> AutoParallelPlugin:
+        """This plugin with ``precision`` (``Booster(mixed_precision=...)``); a plugin with its own
+        constructor (the notes' signatures) rebuilds itself from its arguments."""
+        from dataclasses import replace
+
+        return replace(self, precision=precision)
+
     def _plans_offload(self) -> bool:
         """Does the run execute planned offload decisions (``offload``, or a given plan that offloads)?"""
         if self.offload != "none":

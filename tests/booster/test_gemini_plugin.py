@@ -96,6 +96,11 @@ def test_arguments_are_mapped():
     cpu = GeminiPlugin(placement_policy="cpu")
     assert (cpu.placement_policy, cpu.shard_param_frac, cpu.offload_optim_frac, cpu.offload_param_frac) == \
         ("static", 1.0, 1.0, 1.0)
+    # Booster(mixed_precision=...) rebuilds the plugin from its own arguments (the notes' signature)
+    boosted = Booster(mixed_precision="fp16", plugin=GeminiPlugin(precision="fp32", placement_policy="cpu",
+                                                                  max_norm=1.0)).plugin
+    assert isinstance(boosted, GeminiPlugin) and (boosted.precision, boosted.max_norm) == ("fp16", 1.0)
+    assert (boosted.offload_optim_frac, boosted.offload_param_frac, boosted.hysteresis) == (1.0, 1.0, 2)
     auto = GeminiPlugin(placement_policy="auto", steady_cuda_cap_ratio=0.5)
     policy = auto.gemini_policy("cpu")
     assert policy.sharded and 0 < policy.device_budget and auto.family == "data-parallel"

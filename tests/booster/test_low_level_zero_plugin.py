@@ -39,6 +39,13 @@ def test_signature_matches_colossalai():
         (2, "fp32", 1024.0, 1.0, "bf16")
 
 
+def test_booster_mixed_precision_rebuilds_the_plugin():
+    given = LowLevelZeroPlugin(2, "fp32", max_norm=1.0, cpu_offload=True)
+    plugin = Booster(mixed_precision="bf16", plugin=given).plugin
+    assert isinstance(plugin, LowLevelZeroPlugin)
+    assert (plugin.precision, plugin.zero_stage, plugin.max_norm, plugin.cpu_offload) == ("bf16", 2, 1.0, True)
+
+
 @pytest.mark.parametrize("kwargs", [dict(min_scale=2), dict(max_scale=2.0**16), dict(hysteresis=1),
                                     dict(norm_type=1.0), dict(master_weights=False)])
 def test_unsupported_knobs_raise_naming_them(kwargs):

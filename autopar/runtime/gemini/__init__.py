@@ -37,7 +37,8 @@ host chunk is fetched (``manager``), their gradients reduce-scattered at the end
 (the gradient is the chunk's shard): the optimizer lists each parameter's piece of it
 (``GeminiOptimizer.sharded_grads``), which ``autopar.runtime.amp.GradScaler`` unscales and checks
 and ``parallel_module.clip_grad_norm(shards=...)`` counts and scales (the booster passes them);
-``module.zero_grad()`` does not clear them (``optimizer.zero_grad()`` does). Every rank must have the same chunks (checked).
+``module.zero_grad()`` does not clear them (``optimizer.zero_grad()`` does). Every rank must have
+the same chunks (checked).
 
 ZeRO-1/2 (the plan's per-parameter ``zero_stage``, under every policy): a ZeRO parameter's chunk is
 built per data-parallel group; its payload stays whole, its fp32 master, moments (and under
