@@ -63,7 +63,10 @@ class GeminiPlugin(AutoParallelPlugin):
             until ``optimizer.zero_grad()`` (sharded chunks add each pass's reduce-scatter).
         shard_param_frac, offload_optim_frac, offload_param_frac: static placement's fractions
             (``AutoParallelPlugin``'s knobs, ``autopar.runtime.gemini.StaticPolicy``); ``"auto"``
-            takes them at their defaults only. ``shard_param_frac=0``: the ``zero2`` family.
+            takes them at their defaults only. ``shard_param_frac=0``: the ``zero2`` family (whole
+            payloads, gradients and optimizer state sharded). Between 0 and 1 the unsharded chunks
+            keep their optimizer state whole on every rank where Colossal-AI shards it (ZeRO-2):
+            the same training, more memory; a line is logged.
         warmup_non_model_data_ratio: no meaning here (the auto warm-up keeps every chunk on the
             host); logged when changed. ``steady_cuda_cap_ratio``: the auto policy's device budget
             is this fraction of the device's memory (a CPU device: of the host's).
@@ -112,6 +115,9 @@ class GeminiPlugin(AutoParallelPlugin):
         _check_ratios(given)
         chunk_range = _chunk_range(chunk_config_dict, search_range_m, hidden_dim, min_chunk_size_m)
         _log_ignored(given)
+        if policy == "static" and 0 < fracs[0] < 1:
+            log.info("GeminiPlugin: shard_param_frac=%s: the unsharded chunks keep their optimizer state whole on "
+                     "every rank (Colossal-AI shards it, ZeRO-2): the same training, more memory", fracs[0])
         super().__init__(precision=precision, max_norm=max_norm, norm_type=norm_type, initial_scale=initial_scale,
                          growth_factor=growth_factor, backoff_factor=backoff_factor, growth_interval=growth_interval,
                          min_scale=min_scale, max_scale=max_scale, hysteresis=hysteresis, placement_policy=policy,

@@ -278,6 +278,10 @@ def test_default_fp16_zero3_equals_autocast_gradscaler():
     unclipped = _relative_update(refs[0][0]["state"], refs[1][0]["state"], start)
     assert unclipped > 10 * refs[1][1], (unclipped, refs[1][1])  # the clip matters at this eps
     for results in run_local(_train_each, WORLD, model, inputs, runs, timeout=280):
+        plan = results[0]["plan"]  # the data-parallel family: every parameter replicated, ZeRO-3 is the chunks'
+        params = [n for n in plan.nodes if n.kind == "parameter"]
+        assert params and all(n.output_specs == ("R",) and n.zero_stage == 0 for n in params), params[:2]
+        assert Plan.from_json(plan.to_json()) == plan and "mesh" in plan.summary()  # plain, inspectable data
         for res, (ref16, tolerance) in zip(results, refs):
             assert isinstance(res["plan"], Plan) and res["chunks"] and all(c[0] for c in res["chunks"]), res["chunks"]
             assert res["scale"] == ref16["scale"] == 65536.0  # the same scaler trajectory: no overflow skipped
