@@ -91,6 +91,9 @@ class GeminiPlugin(AutoParallelPlugin):
             enable_jit_fused, enable_sequence_parallelism, enable_sequence_overlap: CUDA kernel
             and Shardformer switches with no meaning for the traced ATen graph; logged, ignored.
         verbose: rank 0 prints the chunks (count, size, padding, sharded, tiers) once boosted.
+
+    The chunks are made with the optimizer (``boost`` with one): a model boosted without an
+    optimizer (inference) runs the plan's replicated parameters as they are.
     """
 
     def __init__(self, chunk_config_dict: dict | None = None, chunk_init_device: Any = None,

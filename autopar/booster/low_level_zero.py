@@ -34,10 +34,10 @@ class LowLevelZeroPlugin(AutoParallelPlugin):
     Args:
         stage: 1 (optimizer state sharded over the data-parallel ranks) or 2 (and gradients).
         precision: ``"fp16"`` (loss-scaled), ``"bf16"`` or ``"fp32"`` compute; fp32 master weights.
-        initial_scale, growth_factor, backoff_factor, growth_interval: the fp16 loss scaler's.
-        min_scale, max_scale, hysteresis: accepted at their defaults (autopar's scaler has no
-            floor, ceiling or hysteresis); other values raise ``NotImplementedError``.
-        max_norm: clip gradients to this global L2 norm (0: no clipping). ``norm_type``: 2 only.
+        initial_scale, growth_factor, backoff_factor, growth_interval, min_scale, max_scale,
+            hysteresis: the fp16 loss scaler's (``autopar.runtime.amp.GradScaler``, Colossal-AI's
+            rule: the scale backs off at the ``hysteresis``-th overflow since it last grew).
+        max_norm, norm_type: clip gradients to this global norm (0: no clipping).
         reduce_bucket_size_in_m, overlap_communication, verbose: no meaning here (the runtime's
             collectives follow the plan); a non-default value logs one line.
         communication_dtype: ``None``, ``torch.float32``/``bfloat16``/``float16`` (or their names):
@@ -57,13 +57,9 @@ class LowLevelZeroPlugin(AutoParallelPlugin):
         if isinstance(stage, bool) or stage not in (1, 2):
             raise ValueError(f"stage must be 1 or 2 (ZeRO-1/2; ZeRO-3 is GeminiPlugin / TorchFSDPPlugin), "
                              f"got {stage!r}")
-        unsupported = [f"{name}={value!r}" for name, value, default in (
-            ("min_scale", min_scale, 1), ("max_scale", max_scale, 2.0**32), ("hysteresis", hysteresis, 2),
-            ("norm_type", norm_type, 2.0), ("master_weights", master_weights, True)) if value != default]
-        if unsupported:
-            raise NotImplementedError(f"LowLevelZeroPlugin: {', '.join(unsupported)} not supported by autopar "
-                                      f"(its fp16 scaler has no min/max scale or hysteresis, clipping is L2, "
-                                      f"masters are fp32)")
+        if master_weights is not True:
+            raise NotImplementedError(f"LowLevelZeroPlugin: master_weights={master_weights!r} not supported by "
+                                      f"autopar (masters are fp32)")
         ignored = [f"{name}={value!r}" for name, value, default in (
             ("reduce_bucket_size_in_m", reduce_bucket_size_in_m, 12),
             ("overlap_communication", overlap_communication, True), ("verbose", verbose, False))
@@ -82,7 +78,8 @@ class LowLevelZeroPlugin(AutoParallelPlugin):
         offload = OffloadPolicy(offload_optim_frac=1.0) if cpu_offload else "none"
         super().__init__(precision=precision, zero_stage=stage, max_norm=max_norm, reduce_dtype=reduce_dtype,
                          offload=offload, initial_scale=initial_scale, growth_factor=growth_factor,
-                         backoff_factor=backoff_factor, growth_interval=growth_interval)
+                         backoff_factor=backoff_factor, growth_interval=growth_interval, min_scale=min_scale,
+                         max_scale=max_scale, hysteresis=hysteresis, norm_type=norm_type)
         object.__setattr__(self, "stage", stage)
         object.__setattr__(self, "cpu_offload", cpu_offload)
 
@@ -91,9 +88,11 @@ class LowLevelZeroPlugin(AutoParallelPlugin):
 
     def with_precision(self, precision: str) -> LowLevelZeroPlugin:
         return LowLevelZeroPlugin(stage=self.stage, precision=precision, initial_scale=self.initial_scale,
-                                  growth_factor=self.growth_factor, backoff_factor=self.backoff_factor,
-                                  growth_interval=self.growth_interval, max_norm=self.max_norm,
-                                  communication_dtype=self.reduce_dtype, cpu_offload=self.cpu_offload)
+                                  min_scale=self.min_scale, growth_factor=self.growth_factor,
+                                  backoff_factor=self.backoff_factor, growth_interval=self.growth_interval,
+                                  hysteresis=self.hysteresis, max_scale=self.max_scale, max_norm=self.max_norm,
+                                  norm_type=self.norm_type, communication_dtype=self.reduce_dtype,
+                                  cpu_offload=self.cpu_offload)
 
     @property
     def family(self) -> str:
