@@ -125,8 +125,9 @@ def clip_grad_norm(parameters: Iterable[torch.Tensor], max_norm: float, norm_typ
         norm = _total_norm(grads, norm_type)
     else:
         norm = torch.zeros((), device=device)
+    shards = None if shards is None else list(shards)  # read twice: its norm, then its scaling
     if shards is not None:
-        norm = _with_shards(norm, list(shards), norm_type)
+        norm = _with_shards(norm, shards, norm_type)
     if group is not None:
         norm = norm.to(torch.float64)
         if norm_type == float("inf"):
