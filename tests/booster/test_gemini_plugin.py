@@ -122,6 +122,15 @@ def test_meaningless_arguments_log_one_line(kwargs, caplog):
     assert len(lines) == 1 and next(iter(kwargs)) in lines[0] and "ignored" in lines[0], lines
 
 
+def test_partial_sharding_says_what_it_keeps_whole(caplog):
+    with caplog.at_level(logging.INFO, logger="autopar.booster.gemini"):
+        GeminiPlugin(shard_param_frac=0.5)
+        GeminiPlugin(shard_param_frac=1.0)
+        GeminiPlugin(shard_param_frac=0.0)
+    lines = [r.getMessage() for r in caplog.records if r.name == "autopar.booster.gemini"]
+    assert len(lines) == 1 and "shard_param_frac=0.5" in lines[0] and "more memory" in lines[0], lines
+
+
 @pytest.mark.parametrize("kwargs", [dict(master_weights=False), dict(tp_size=2), dict(extra_dp_size=2),
                                     dict(chunk_config_dict={"chunk_size": 1024, "keep_gathered": True}),
                                     dict(chunk_config_dict={"chunk_size": 1024, "init_device": "cpu"})])
