@@ -3,16 +3,17 @@
 The plugin is an :class:`AutoParallelPlugin` whose plan is one of the planner's baseline
 families (``autopar.planner.baselines``), solved by rank 0 on the boosted model with the same
 costs as the auto plan and broadcast (``family_plan_on_rank0``): ``data-parallel`` (every mesh
-axis data parallel, parameters replicated in the plan) for the ZeRO-3 chunks, which autopar's
-chunk runtime (``autopar.runtime.gemini``) then shards over the data-parallel ranks, places on
-the device or the host tier and steps; ``zero2`` when ``shard_param_frac=0`` (Gemini's "equal to
-ZeRO-2": whole payloads, optimizer state and gradients sharded, in the chunks). A fixed
+axis data parallel, parameters replicated in the plan), whose parameters autopar's chunk runtime
+(``autopar.runtime.gemini``) packs into chunks, shards over the data-parallel ranks -- the
+leading ``shard_param_frac`` of them ZeRO-3 style, the rest ZeRO-2 (whole payload, sharded
+optimizer state and gradient) -- places on the device or the host tier and steps. A fixed
 configuration and the auto plan are thus the same kind of object (``Plan``):
 ``booster.boost(...)[0].plan``, printable by ``autopar inspect``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -63,10 +64,9 @@ class GeminiPlugin(AutoParallelPlugin):
             until ``optimizer.zero_grad()`` (sharded chunks add each pass's reduce-scatter).
         shard_param_frac, offload_optim_frac, offload_param_frac: static placement's fractions
             (``AutoParallelPlugin``'s knobs, ``autopar.runtime.gemini.StaticPolicy``); ``"auto"``
-            takes them at their defaults only. ``shard_param_frac=0``: the ``zero2`` family (whole
-            payloads, gradients and optimizer state sharded). Between 0 and 1 the unsharded chunks
-            keep their optimizer state whole on every rank where Colossal-AI shards it (ZeRO-2):
-            the same training, more memory; a line is logged.
+            takes them at their defaults only. The chunks ``shard_param_frac`` leaves whole are
+            ZeRO-2 (whole payload; fp32 master, moments and gradient sharded: the notes'
+            "``shard_param_frac=0`` is equal to zero-2").
         warmup_non_model_data_ratio: no meaning here (the auto warm-up keeps every chunk on the
             host); logged when changed. ``steady_cuda_cap_ratio``: the auto policy's device budget
             is this fraction of the device's memory (a CPU device: of the host's).
@@ -118,9 +118,6 @@ class GeminiPlugin(AutoParallelPlugin):
         _check_ratios(given)
         chunk_range = _chunk_range(chunk_config_dict, search_range_m, hidden_dim, min_chunk_size_m)
         _log_ignored(given)
-        if policy == "static" and 0 < fracs[0] < 1:
-            log.info("GeminiPlugin: shard_param_frac=%s: the unsharded chunks keep their optimizer state whole on "
-                     "every rank (Colossal-AI shards it, ZeRO-2): the same training, more memory", fracs[0])
         super().__init__(precision=precision, max_norm=max_norm, norm_type=norm_type, initial_scale=initial_scale,
                          growth_factor=growth_factor, backoff_factor=backoff_factor, growth_interval=growth_interval,
                          min_scale=min_scale, max_scale=max_scale, hysteresis=hysteresis, placement_policy=policy,
@@ -139,7 +136,7 @@ class GeminiPlugin(AutoParallelPlugin):
     @property
     def family(self) -> str:
         """The planner's baseline family this plugin's plan is (``autopar.planner.baselines``)."""
-        return "zero2" if self.placement_policy == "static" and self.shard_param_frac == 0 else "data-parallel"
+        return "data-parallel"
 
     def family_plan(self, model: Any, meta_inputs: tuple | dict):
         """The family's plan of ``model`` on a 1-D mesh over the world (rank 0 solves, all get it)."""
@@ -148,8 +145,8 @@ class GeminiPlugin(AutoParallelPlugin):
     def gemini_policy(self, device, plan=None):
         """The chunk runtime's policy; ``"auto"``: sharded chunks within ``steady_cuda_cap_ratio``
         of the device's memory."""
-        if self.placement_policy != "auto":
-            return super().gemini_policy(device, plan)
+        if self.placement_policy != "auto":  # Gemini's chunks are ZeRO-3 (sharded) or ZeRO-2 (the rest)
+            return dataclasses.replace(super().gemini_policy(device, plan), unsharded_zero=2)
         from autopar.runtime.gemini.policies import AutoPolicy
 
         budget = math.floor(_device_memory(device) * self.gemini_settings["steady_cuda_cap_ratio"])

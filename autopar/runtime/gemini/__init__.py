@@ -138,9 +138,21 @@ class Gemini:
         module.forward = self.forward
         if isinstance(policy, StaticPolicy) and policy.shard_param_frac > 0:
             self.place([(c.home, c.optim_tier) for c in self.manager.chunks], self._shards(policy))
+        if isinstance(policy, StaticPolicy) and policy.unsharded_zero:
+            self._zero_unsharded(policy.unsharded_zero)
         elif isinstance(policy, AutoPolicy) and policy.sharded:  # the warm-up's placement keeps them sharded
             self.place([(c.home, c.optim_tier) for c in self.manager.chunks],
                        [c.num_shards > 1 and not c.zero for c in self.manager.chunks])
+
+    def _zero_unsharded(self, stage: int) -> None:
+        """The shardable chunks left whole, ZeRO-``stage`` (Gemini: the rest of ZeRO-3 is ZeRO-2)."""
+        chunks = [c for c in self.manager.chunks if c.num_shards > 1 and not c.sharded and not c.zero]
+        if not chunks:
+            return
+        check_same_chunks(self.manager.chunks)  # their state shards must line up on every rank
+        for chunk in chunks:
+            self.manager.make_zero(chunk, stage)
+        self.manager.gradsync.rebuild()  # ZeRO-2 gradients leave the bucketer for the shards
 
     def _shards(self, policy: StaticPolicy) -> list[bool]:
         chunks = self.manager.chunks

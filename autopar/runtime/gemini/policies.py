@@ -57,6 +57,8 @@ class StaticPolicy(StaticOffload):
 
     shard_param_frac: float = 0.0
     """fraction of the chunks, leading ones by bytes, sharded ZeRO-3 style over their data-parallel axes"""
+    unsharded_zero: int = 0
+    """ZeRO stage (0, 1 or 2) of the shardable chunks left whole: Gemini's are ZeRO-2"""
     pin_memory: bool = False
     """host buffers in pinned memory (CUDA only)"""
     device_budget: int | None = None
@@ -64,6 +66,8 @@ class StaticPolicy(StaticOffload):
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "shard_param_frac", fraction(self.shard_param_frac, "shard_param_frac"))
+        if isinstance(self.unsharded_zero, bool) or self.unsharded_zero not in (0, 1, 2):
+            raise ValueError(f"unsharded_zero must be 0, 1 or 2, got {self.unsharded_zero!r}")
         StaticOffload.__post_init__(self)  # slots dataclasses cannot use zero-argument super()
         if not isinstance(self.pin_memory, bool):
             raise ValueError(f"pin_memory must be a bool, got {self.pin_memory!r}")
