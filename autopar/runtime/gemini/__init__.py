@@ -46,7 +46,9 @@ ZeRO-2 its gradient, reduce-scattered like a sharded chunk's) are this rank's sh
 optimizer tier the policy gives it -- the host for ZeRO-Offload -- and the whole payload is
 all-gathered from the updated shards after each step (``chunk``, ``manager.gather_payload``).
 
-ZeRO chunks are never sharded ZeRO-3 style too (``shard_param_frac`` skips them).
+ZeRO chunks are never sharded ZeRO-3 style too (``shard_param_frac`` skips them). Under a static
+policy with ``unsharded_zero`` the chunks ``shard_param_frac`` leaves whole become ZeRO chunks
+of that stage after the sharding (Gemini: the rest of ZeRO-3 is ZeRO-2).
 
 ``AutoPolicy(sharded=True)`` shards every chunk that has a data-parallel group likewise (Gemini's
 auto placement is ZeRO-3): the warm-up and the placement after it move shards.

@@ -19,6 +19,9 @@ plus the chunk runtime's own knobs:
   the shard at the end of backward (``chunk``, ``shards``, ``grads``). A chunk whose parameters are
   replicated on no such axis (the plan shards them everywhere already) stays whole. Composes with
   the offload fractions: a sharded chunk's shard lives on the host or the device like any payload;
+- ``unsharded_zero``: the ZeRO stage (0, 1 or 2) of the chunks that have a data-parallel group but
+  ``shard_param_frac`` leaves whole: 2 (``GeminiPlugin``'s, as Gemini's) keeps their payload whole
+  and makes their fp32 master, moments and gradient this rank's shard (``ChunkManager.make_zero``);
 - ``pin_memory``: host buffers in pinned memory (CUDA only; ignored on a CPU device).
 - ``device_budget``: bytes of model data (chunk payloads, master weights, optimizer state,
   gradient chunks from backward to ``zero_grad``) the device tier may hold; ``None`` = unbounded.
