@@ -25,6 +25,7 @@ Every rank runs the same calls (``boost`` and the checkpoint methods are collect
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 import os
 import weakref
@@ -171,7 +172,7 @@ class Booster:
 
             rebuilt = rebuild_optimizer(optimizer, model, module.parameters_by_fqn(), build=build)
             boosted = BoostedOptimizer(rebuilt, module, max_norm=self.plugin.max_norm, scaler=self._scaler(module),
-                                       zero=zero[0])
+                                       zero=zero[0], norm_type=self.plugin.norm_type)
             if lr_scheduler is not None:
                 repoint_scheduler(lr_scheduler, optimizer, rebuilt)
         return module, boosted, criterion, dataloader, lr_scheduler
@@ -194,7 +195,8 @@ class Booster:
                                                                                         zero_stage=zero_stage, **kw))
             zero = rebuilt
             scaler = module.loss_scaler = self._scaler(module)  # fp16: the stages scale their losses by it
-            boosted = BoostedOptimizer(zero.optimizer, module, max_norm=self.plugin.max_norm, scaler=scaler, zero=zero)
+            boosted = BoostedOptimizer(zero.optimizer, module, max_norm=self.plugin.max_norm, scaler=scaler, zero=zero,
+                                       norm_type=self.plugin.norm_type)
             if lr_scheduler is not None:
                 repoint_scheduler(lr_scheduler, optimizer, zero.optimizer)
         return module, boosted, criterion, dataloader, lr_scheduler
@@ -243,7 +245,8 @@ class Booster:
 
         p = self.plugin
         return GradScaler(module.device_mesh.device_type, init_scale=p.initial_scale, growth_factor=p.growth_factor,
-                          backoff_factor=p.backoff_factor, growth_interval=p.growth_interval)
+                          backoff_factor=p.backoff_factor, growth_interval=p.growth_interval,
+                          min_scale=p.min_scale, max_scale=p.max_scale, hysteresis=p.hysteresis)
 
     def backward(self, loss: torch.Tensor, optimizer: BoostedOptimizer) -> None:
         """``loss.backward()``, the loss scaled first under fp16."""
@@ -380,11 +383,12 @@ def _with_precision(plugin: AutoParallelPlugin, mixed_precision: Any) -> AutoPar
                          f"precision={plugin.precision!r}: give one of them")
     changes = {} if plugin.precision == wanted else {"precision": wanted}
     if scale is not None:
-        unmade = type(plugin)()  # the defaults of the plugin's own class (LowLevelZeroPlugin's scale is 2**32)
+        # the defaults of the plugin's own constructor (LowLevelZeroPlugin's scale is 2**32)
+        defaults = {p.name: p.default for p in inspect.signature(type(plugin)).parameters.values()}
         for name, value in (("initial_scale", scale.init_scale), ("growth_factor", scale.growth_factor),
                             ("backoff_factor", scale.backoff_factor), ("growth_interval", scale.growth_interval)):
             mine = getattr(plugin, name)
-            if mine != value and mine != getattr(unmade, name):
+            if mine != value and mine != defaults.get(name, mine):
                 raise ValueError(f"Booster(mixed_precision={mixed_precision!r}) conflicts with the plugin's "
                                  f"{name}={mine!r}: give one of them")
             if mine != value:

@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 from autopar.booster.plugin import AutoParallelPlugin
 
-__all__ = ["LowLevelZeroPlugin", "LOW_LEVEL_ZERO_PARAMETERS", "OwnArguments", "plan_on_rank0"]
+__all__ = ["LowLevelZeroPlugin", "LOW_LEVEL_ZERO_PARAMETERS", "OwnArguments", "plan_on_rank0", "family_plan_on_rank0"]
 
 log = logging.getLogger(__name__)
 
@@ -47,10 +47,10 @@ class LowLevelZeroPlugin(OwnArguments, AutoParallelPlugin):
     Args:
         stage: 1 (optimizer state sharded over the data-parallel ranks) or 2 (and gradients).
         precision: ``"fp16"`` (loss-scaled), ``"bf16"`` or ``"fp32"`` compute; fp32 master weights.
-        initial_scale, growth_factor, backoff_factor, growth_interval: the fp16 loss scaler's.
-        min_scale, max_scale, hysteresis: accepted at their defaults (autopar's scaler has no
-            floor, ceiling or hysteresis); other values raise ``NotImplementedError``.
-        max_norm: clip gradients to this global L2 norm (0: no clipping). ``norm_type``: 2 only.
+        initial_scale, growth_factor, backoff_factor, growth_interval, min_scale, max_scale,
+            hysteresis: the fp16 loss scaler's (``autopar.runtime.amp.GradScaler``, Colossal-AI's
+            rule: the scale backs off at the ``hysteresis``-th overflow since it last grew).
+        max_norm, norm_type: clip gradients to this global norm (0: no clipping).
         reduce_bucket_size_in_m, overlap_communication, verbose: no meaning here (the runtime's
             collectives follow the plan); a non-default value logs one line.
         communication_dtype: ``None``, ``torch.float32``/``bfloat16``/``float16`` (or their names):
@@ -70,13 +70,9 @@ class LowLevelZeroPlugin(OwnArguments, AutoParallelPlugin):
         if isinstance(stage, bool) or stage not in (1, 2):
             raise ValueError(f"stage must be 1 or 2 (ZeRO-1/2; ZeRO-3 is GeminiPlugin / TorchFSDPPlugin), "
                              f"got {stage!r}")
-        unsupported = [f"{name}={value!r}" for name, value, default in (
-            ("min_scale", min_scale, 1), ("max_scale", max_scale, 2.0**32), ("hysteresis", hysteresis, 2),
-            ("norm_type", norm_type, 2.0), ("master_weights", master_weights, True)) if value != default]
-        if unsupported:
-            raise NotImplementedError(f"LowLevelZeroPlugin: {', '.join(unsupported)} not supported by autopar "
-                                      f"(its fp16 scaler has no min/max scale or hysteresis, clipping is L2, "
-                                      f"masters are fp32)")
+        if master_weights is not True:
+            raise NotImplementedError(f"LowLevelZeroPlugin: master_weights={master_weights!r} not supported by "
+                                      f"autopar (masters are fp32)")
         ignored = [f"{name}={value!r}" for name, value, default in (
             ("reduce_bucket_size_in_m", reduce_bucket_size_in_m, 12),
             ("overlap_communication", overlap_communication, True), ("verbose", verbose, False))
@@ -95,7 +91,8 @@ class LowLevelZeroPlugin(OwnArguments, AutoParallelPlugin):
         offload = OffloadPolicy(offload_optim_frac=1.0) if cpu_offload else "none"
         super().__init__(precision=precision, zero_stage=stage, max_norm=max_norm, reduce_dtype=reduce_dtype,
                          offload=offload, initial_scale=initial_scale, growth_factor=growth_factor,
-                         backoff_factor=backoff_factor, growth_interval=growth_interval)
+                         backoff_factor=backoff_factor, growth_interval=growth_interval, min_scale=min_scale,
+                         max_scale=max_scale, hysteresis=hysteresis, norm_type=norm_type)
         object.__setattr__(self, "stage", stage)
         object.__setattr__(self, "cpu_offload", cpu_offload)
 
@@ -110,27 +107,19 @@ class LowLevelZeroPlugin(OwnArguments, AutoParallelPlugin):
     def family_plan(self, model: Any, meta_inputs: tuple | dict):
         """The ``zero1``/``zero2`` family's plan of ``model`` on a 1-D mesh over the world: rank 0
         solves the restricted problem and broadcasts it (its error raises on every rank)."""
-        from autopar.runtime.build import runtime_device
+        return family_plan_on_rank0(self, model, meta_inputs, self.family, name="LowLevelZeroPlugin")
 
-        device = runtime_device(self.device)
-        return plan_on_rank0(lambda: self._solve_family(model, meta_inputs, device), device=device,
-                             what=f"LowLevelZeroPlugin: planning the {self.family} family")
 
-    def _solve_family(self, model: Any, meta_inputs: tuple | dict, device):
-        import torch.distributed as dist
+def family_plan_on_rank0(plugin: AutoParallelPlugin, model: Any, meta_inputs: tuple | dict, family: str, *,
+                         name: str):
+    """Baseline ``family``'s plan of ``model`` (``planner.orchestrate.plan_family``) on a 1-D mesh
+    over the world, with ``plugin``'s precision, solver and offload options, solved on rank 0 and
+    broadcast (``plan_on_rank0``); its error raises on every rank (named ``name``)."""
+    from autopar.runtime.build import runtime_device
 
-        from autopar.layout.mesh import MeshSpec
-        from autopar.planner.options import PlanOptions
-        from autopar.planner.orchestrate import plan_family
-        from autopar.runtime.build import mesh_preset
-
-        preset = mesh_preset(device)
-        options = PlanOptions(precision=self.precision, zero_stage="auto", reduce_dtype=self.reduce_dtype or "fp32",
-                              checkpoint="none", optimizer_multiplier=self.optimizer_multiplier, preset=preset,
-                              solver=self.solver, offload=self.offload,
-                              **({} if self.time_limit is None else {"time_limit": self.time_limit}))
-        mesh = MeshSpec.coerce((dist.get_world_size(),), preset=preset)
-        return plan_family(model, meta_inputs, self.family, mesh=mesh, options=options)
+    device = runtime_device(plugin.device)
+    return plan_on_rank0(lambda: _solve_family(plugin, model, meta_inputs, family, device), device=device,
+                         what=f"{name}: planning the {family} family")
 
 
 def plan_on_rank0(solve: Callable[[], Any], *, device, what: str):
@@ -154,3 +143,20 @@ def plan_on_rank0(solve: Callable[[], Any], *, device, what: str):
     if status != "ok":
         raise ValueError(f"{what} failed on rank 0: {status}: {text}")
     return Plan.from_json(text)
+
+
+def _solve_family(plugin: AutoParallelPlugin, model: Any, meta_inputs: tuple | dict, family: str, device):
+    import torch.distributed as dist
+
+    from autopar.layout.mesh import MeshSpec
+    from autopar.planner.options import PlanOptions
+    from autopar.planner.orchestrate import plan_family
+    from autopar.runtime.build import mesh_preset
+
+    preset = mesh_preset(device)
+    options = PlanOptions(precision=plugin.precision, zero_stage="auto", reduce_dtype=plugin.reduce_dtype or "fp32",
+                          checkpoint="none", optimizer_multiplier=plugin.optimizer_multiplier, preset=preset,
+                          solver=plugin.solver, offload=plugin.offload,
+                          **({} if plugin.time_limit is None else {"time_limit": plugin.time_limit}))
+    mesh = MeshSpec.coerce((dist.get_world_size(),), preset=preset)
+    return plan_family(model, meta_inputs, family, mesh=mesh, options=options)

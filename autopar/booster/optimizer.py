@@ -29,7 +29,7 @@ from torch import nn
 
 from autopar.runtime.amp import GradScaler
 from autopar.runtime.bucketing import GradBucketer
-from autopar.runtime.parallel_module import ParallelModule
+from autopar.runtime.parallel_module import ParallelModule, clip_grad_norm
 
 __all__ = ["BoostedOptimizer", "rebuild_optimizer", "repoint_scheduler"]
 
@@ -120,10 +120,11 @@ class BoostedOptimizer:
     """What ``Booster.boost`` returns for the user's optimizer (``optim``: the rebuilt one)."""
 
     def __init__(self, optim: torch.optim.Optimizer, module: ParallelModule, *, max_norm: float = 0.0,
-                 scaler: GradScaler | None = None, zero=None) -> None:
+                 scaler: GradScaler | None = None, zero=None, norm_type: float = 2.0) -> None:
         self.optim = optim
         self.module = module
         self.max_norm = float(max_norm)
+        self.norm_type = float(norm_type)  # the norm step() clips max_norm by
         self.scaler = scaler
         self.zero = zero  # the ZeroOptimizer whose inner optimizer ``optim`` is (ZeRO pieces), if any
         # True once this step's gradients are in the pieces and unscaled (by a user's clip call
@@ -177,7 +178,13 @@ class BoostedOptimizer:
         (``ParallelModule.clip_grad_norm_``): the norm spans every rank of it (DTensor shards,
         ZeRO pieces, a pipeline's stages). Every rank must call."""
         self._unscale_once()
-        return self.module.clip_grad_norm_(max_norm, norm_type, parameters=self._grads_params())
+        shards = self._sharded_grads()
+        if shards is None:
+            return self.module.clip_grad_norm_(max_norm, norm_type, parameters=self._grads_params())
+        # Sharded chunks: their gradients are this rank's pieces of the chunk shards, not .grad;
+        # the norm adds every rank's pieces (an all-reduce of their powers) to the rest's.
+        device = next(iter(self.module.parameters())).device
+        return clip_grad_norm(self._grads_params(), max_norm, norm_type, shards=shards, device=device)
 
     @torch.no_grad()
     def clip_grad_by_value(self, clip_value: float) -> None:
@@ -191,18 +198,23 @@ class BoostedOptimizer:
         self._unscale_once()
         from autopar.runtime.dtensors import local_of
 
-        for p in self._grads_params():
-            # An overflowed (inf) element would become finite here; the scaler has already
-            # recorded the overflow in unscale_, so step() still skips.
-            local_of(p.grad).clamp_(-clip_value, clip_value)
+        # An overflowed (inf) element would become finite here; the scaler has already
+        # recorded the overflow in unscale_, so step() still skips.
+        for local in [local_of(p.grad) for p in self._grads_params()] + (self._sharded_grads() or []):
+            local.clamp_(-clip_value, clip_value)
 
     def _grads_params(self) -> list[torch.Tensor]:
-        gemini = getattr(self.optim, "gemini", None)  # the chunk optimizer (placement_policy)
-        scattered = [c.index for c in gemini.manager.chunks if c.scatters] if gemini is not None else []
-        if scattered:  # their gradients are chunk shards, not .grad: a clip would silently skip them
-            raise ValueError(f"chunks {scattered[:4]} keep their gradients as chunk shards, not .grad, so they "
-                             f"cannot be clipped; use zero_stage=0 or 1 and shard_param_frac=0 to clip")
         return [p for g in self.optim.param_groups for p in g["params"] if p.grad is not None]
+
+    def _sharded_grads(self) -> list[torch.Tensor] | None:
+        """The chunk optimizer's gradients kept as chunk shards (``GeminiOptimizer.sharded_grads``:
+        sharded chunks, the plan's ZeRO-2 chunks), or None when it keeps them all in ``.grad``.
+        The same answer on every rank (every rank has the same chunks), so the collective the
+        shards' norm needs is joined by all."""
+        gemini = getattr(self.optim, "gemini", None)  # the chunk optimizer (placement_policy)
+        if gemini is None or not any(c.scatters for c in gemini.manager.chunks):
+            return None
+        return self.optim.sharded_grads()
 
     def _unscale_once(self) -> None:
         """This step's gradients into the ZeRO pieces and unscaled (fp16), at most once per step."""
@@ -225,7 +237,7 @@ class BoostedOptimizer:
                 self._ready = False  # fresh gradients: the pieces must take them
             self._unscale_once()
             if self.max_norm > 0:
-                self.clip_grad_by_norm(self.max_norm)
+                self.clip_grad_by_norm(self.max_norm, self.norm_type)
             self.optim.step()
             self._ready = False
             self._gather()
@@ -234,7 +246,7 @@ class BoostedOptimizer:
             raise ValueError("a closure cannot be used with fp16 loss scaling (torch's GradScaler refuses it too)")
         self._unscale_once()
         if self.max_norm > 0:
-            self.clip_grad_by_norm(self.max_norm)
+            self.clip_grad_by_norm(self.max_norm, self.norm_type)
         result = self.scaler.step(self.optim)
         self.scaler.update()
         self._ready = False

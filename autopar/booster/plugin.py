@@ -68,6 +68,9 @@ class AutoParallelPlugin:
             ``cuda:LOCAL_RANK`` under NCCL).
         initial_scale, growth_factor, backoff_factor, growth_interval: the fp16 loss scaler's
             settings (``torch.amp.GradScaler``'s ``init_scale`` and the rest); ignored otherwise.
+        min_scale, max_scale, hysteresis: the scaler's bounds and Colossal-AI's hysteresis
+            (``autopar.runtime.amp.GradScaler``); ``None``, ``None``, 1: torch's rule.
+        norm_type: the norm ``max_norm`` clips by (2.0: L2; ``inf``: the max norm).
         pp_size: pipeline parallelism over mesh axis 0: ``None`` or 1 (none), N (that axis's
             size) or ``"auto"`` (the planner compares none with one over axis 0); the stage cuts
             and each stage's sharding are planned together (``autopar.plan``'s ``pipeline``).
@@ -97,10 +100,15 @@ class AutoParallelPlugin:
             runtime's ``StaticPolicy`` built from it (``autopar.runtime.gemini.policies``). ``shard_param_frac``
             (``"static"`` only): the leading fraction of chunks sharded ZeRO-3 style over the mesh
             axes the plan replicates their parameters on; their gradients are chunk shards, not
+<<<<<<< HEAD
             ``.grad``, so ``max_norm`` clipping and fp16 loss scaling are refused with it.
         ep_size: expert parallelism pinned to this degree (``autopar.planner.pins``): each MoE
             experts op splits its experts over mesh axes of this total size, tokens dispatched by
             all-to-all; 1: experts never split; ``None``: the planner decides.
+=======
+            ``.grad``: the fp16 scaler unscales and checks them and ``max_norm`` clipping counts
+            them (the chunk optimizer's ``sharded_grads``; their squared norms all-reduced).
+>>>>>>> wt-gem
         chunk_search_range: ``(min, max, step)`` elements the chunk size is searched over for
             the least padding (``None``: 1024 to 64 Mi elements in steps of 1024); static and
             auto policies (planned tiers chunk as the plan streams: ``ChunkManager``).
@@ -128,6 +136,10 @@ class AutoParallelPlugin:
     growth_factor: float = 2.0
     backoff_factor: float = 0.5
     growth_interval: int = 1000
+    min_scale: float | None = None
+    max_scale: float | None = None
+    hysteresis: int = 1
+    norm_type: float = 2.0
     pp_size: int | str | None = None
     num_microbatches: int | None = None
     pp_style: str = "auto"
@@ -180,8 +192,19 @@ class AutoParallelPlugin:
         check_number(self.backoff_factor, name="backoff_factor", low=0, high=1, low_open=True, high_open=True,
                      what="in (0, 1)")
         check_count(self.growth_interval, name="growth_interval")
+        self._check_scaler_bounds()
         self._check_pipeline()
         self._check_gemini()
+
+    def _check_scaler_bounds(self) -> None:
+        for name in ("min_scale", "max_scale"):
+            if getattr(self, name) is not None:
+                check_number(getattr(self, name), name=name, low=0, low_open=True, what="None or > 0")
+        if self.min_scale is not None and self.max_scale is not None and self.min_scale > self.max_scale:
+            raise ValueError(f"min_scale={self.min_scale!r} must not exceed max_scale={self.max_scale!r}")
+        check_count(self.hysteresis, name="hysteresis")
+        if self.norm_type != float("inf"):
+            check_number(self.norm_type, name="norm_type", low=0, low_open=True, what="> 0 (inf: the max norm)")
 
     def _check_gemini(self) -> None:
         from autopar.offload import check_offload
@@ -213,10 +236,6 @@ class AutoParallelPlugin:
         if self.shard_param_frac and self.placement_policy != "static":
             raise ValueError(f"shard_param_frac={self.shard_param_frac!r} goes with placement_policy='static', "
                              f"got placement_policy={self.placement_policy!r}")
-        if self.shard_param_frac and (self.max_norm > 0 or self.precision == "fp16"):
-            raise ValueError(f"shard_param_frac={self.shard_param_frac!r}: sharded chunks keep their gradients as "
-                             f"chunk shards, not .grad, so max_norm={self.max_norm!r} clipping and fp16 loss scaling "
-                             f"(precision={self.precision!r}) cannot see them; use max_norm=0 and fp32/bf16")
         if self.placement_policy not in ("static", "auto", "planned"):
             raise ValueError(f"placement_policy must be None, 'static', 'auto' or 'planned', "
                              f"got {self.placement_policy!r}")
@@ -281,7 +300,6 @@ class AutoParallelPlugin:
         from autopar.runtime.gemini import wrap
 
         if getattr(module, "gemini", None) is not None:  # autoparallelize placed the plan's tiers already
-            self._check_zero2(module.gemini)
             return module.gemini.optimizer(optimizer_class, kwargs, param_groups=groups)
         if self.placement_policy == "planned":
             raise ValueError("placement_policy='planned': the boosted plan offloads nothing (Plan.offload keeps "
@@ -289,15 +307,7 @@ class AutoParallelPlugin:
         device = next(iter(module.parameters())).device
         _, optimizer = wrap(module, optimizer_class, kwargs, policy=self.gemini_policy(device, module.plan),
                             chunk_range=self.gemini_chunk_range(), param_groups=groups)
-        self._check_zero2(module.gemini)
         return optimizer
-
-    def _check_zero2(self, gemini) -> None:
-        zero2 = [c.index for c in gemini.manager.chunks if c.zero == 2]
-        if zero2 and (self.max_norm > 0 or self.precision == "fp16"):
-            raise ValueError(f"the plan's ZeRO-2 keeps the gradients of chunks {zero2[:4]} as chunk shards, not "
-                             f".grad, so max_norm={self.max_norm!r} clipping and fp16 loss scaling "
-                             f"(precision={self.precision!r}) cannot see them; use zero_stage=0 or 1 with them")
 
     def gemini_chunk_range(self):
         from autopar.runtime.gemini.manager import ChunkRange

@@ -14,6 +14,17 @@ fused-optimizer path alike):
   by every rank: ``step()`` skips the optimizer step everywhere and ``update()`` backs the scale
   off everywhere, so scales and parameters never diverge between ranks.
 
+Gradients an optimizer keeps outside ``.grad`` are unscaled and checked too: an optimizer with
+a ``sharded_grads()`` method (the chunk optimizer's sharded and ZeRO-2 chunks, whose gradient is
+this rank's shard of a chunk) lists them there, and each rank checks its own shard -- the
+global flag above is what makes the verdict the whole gradient's.
+
+Colossal-AI's ``DynamicGradScaler`` rule is available through three more settings (their
+defaults keep torch's rule exactly): ``hysteresis`` (an overflow backs the scale off only once
+``hysteresis`` overflows have been seen since the last growth; every overflowed step is still
+skipped), ``min_scale`` (backing off never goes below it) and ``max_scale`` (growing never goes
+above it).
+
 Every rank of ``process_group`` must call ``unscale_`` / ``step`` for each optimizer in the
 same order (each call is one collective), also a rank whose gradients are all ``None``.
 Parameters are expected to be fp32 master weights, as with torch's scaler: fp16 gradients are
@@ -37,6 +48,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from torch.amp.grad_scaler import _refresh_per_optimizer_state
+
 from autopar.runtime.dtensors import local_of
 
 __all__ = ["GradScaler"]
@@ -52,6 +65,9 @@ class GradScaler(torch.amp.GradScaler):
             ``process_group=None`` there is one process, and no collective is issued.
         init_scale, growth_factor, backoff_factor, growth_interval, enabled: as for
             ``torch.amp.GradScaler``.
+        min_scale, max_scale: bounds of the scale when it backs off / grows (``None``: none).
+        hysteresis: overflows (counted since the last growth) before the scale backs off; 1 is
+            torch's rule (every overflow backs off).
     """
 
     def __init__(
@@ -64,6 +80,9 @@ class GradScaler(torch.amp.GradScaler):
         backoff_factor: float = 0.5,
         growth_interval: int = 2000,
         enabled: bool = True,
+        min_scale: float | None = None,
+        max_scale: float | None = None,
+        hysteresis: int = 1,
     ) -> None:
         # torch asserts on some of these only when enabled; bad input is bad input either way.
         if not isinstance(device, str):
@@ -76,6 +95,16 @@ class GradScaler(torch.amp.GradScaler):
             raise ValueError(f"backoff_factor must be in (0, 1), got {backoff_factor!r}")
         if isinstance(growth_interval, bool) or not isinstance(growth_interval, int) or growth_interval < 1:
             raise ValueError(f"growth_interval must be an int >= 1, got {growth_interval!r}")
+        for name, bound in (("min_scale", min_scale), ("max_scale", max_scale)):
+            if bound is not None and (isinstance(bound, bool) or not isinstance(bound, (int, float))
+                                      or not bound > 0):
+                raise ValueError(f"{name} must be None or a number > 0, got {bound!r}")
+        if min_scale is not None and max_scale is not None and min_scale > max_scale:
+            raise ValueError(f"min_scale={min_scale!r} must not exceed max_scale={max_scale!r}")
+        if isinstance(hysteresis, bool) or not isinstance(hysteresis, int) or hysteresis < 1:
+            raise ValueError(f"hysteresis must be an int >= 1, got {hysteresis!r}")
+        self.min_scale, self.max_scale, self.hysteresis = min_scale, max_scale, hysteresis
+        self._hysteresis_step = 0  # overflows since the last growth
         super().__init__(
             device,
             init_scale=init_scale,
@@ -118,6 +147,14 @@ class GradScaler(torch.amp.GradScaler):
                     if local.numel() == 0:
                         continue  # an empty shard (uneven sharding): nothing to check
                     buckets[(local.device, local.dtype)].append(local)
+            # Gradients kept outside .grad (chunk shards), this rank's share of them.
+            outside = getattr(optimizer, "sharded_grads", None)
+            for local in (outside() if outside is not None else ()):
+                if not allow_fp16 and local.dtype == torch.float16:
+                    raise ValueError("Attempting to unscale FP16 gradients: keep fp32 master parameters "
+                                     f"(got a {local.dtype} gradient shard of {local.numel()} elements)")
+                if local.numel():
+                    buckets[(local.device, local.dtype)].append(local)
 
             found_per_device: dict[torch.device, torch.Tensor] = {}
             inv_per_device: dict[torch.device, torch.Tensor] = {}
@@ -133,6 +170,46 @@ class GradScaler(torch.amp.GradScaler):
                 found_per_device[found_inf.device] = found_inf
             self._reduce_found_inf(found_per_device)
         return found_per_device
+
+    def update(self, new_scale: float | torch.Tensor | None = None) -> None:
+        """torch's ``update``; with ``hysteresis`` > 1 or a scale bound, Colossal-AI's rule."""
+        if not self._enabled or new_scale is not None or (
+                self.hysteresis == 1 and self.min_scale is None and self.max_scale is None):
+            super().update(new_scale)
+            return
+        scale, tracker = self._check_scale_growth_tracker("update")
+        found = [f.to(scale.device) for state in self._per_optimizer_states.values()
+                 for f in state["found_inf_per_device"].values()]
+        if not found:
+            raise RuntimeError("No inf checks were recorded prior to update.")
+        # One host read per step: the hysteresis count is a Python int the rule branches on.
+        if bool(torch.stack(found).sum().item()):
+            tracker.zero_()
+            self._hysteresis_step += 1
+            if self._hysteresis_step >= self.hysteresis:
+                scale.mul_(self._backoff_factor)
+                if self.min_scale is not None:
+                    scale.clamp_(min=self.min_scale)
+        else:
+            tracker.add_(1)
+            if int(tracker.item()) >= self._growth_interval:
+                tracker.zero_()
+                self._hysteresis_step = 0
+                scale.mul_(self._growth_factor)
+                if self.max_scale is not None:
+                    scale.clamp_(max=self.max_scale)
+        self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
+
+    def state_dict(self) -> dict[str, Any]:
+        state = super().state_dict()
+        if state:
+            state["_hysteresis_step"] = self._hysteresis_step
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        state_dict = dict(state_dict)
+        self._hysteresis_step = int(state_dict.pop("_hysteresis_step", 0))
+        super().load_state_dict(state_dict)
 
     def _reduce_found_inf(self, found_per_device: dict[torch.device, torch.Tensor]) -> None:
         """Replace every per-device flag by the maximum over all devices and all ranks."""

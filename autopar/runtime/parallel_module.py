@@ -95,7 +95,8 @@ def _total_norm(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
 @torch.no_grad()
 def clip_grad_norm(parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0, *,
                    counted: Iterable[torch.Tensor] | None = None, group: Any = None,
-                   device: torch.device | str | None = None) -> torch.Tensor:
+                   device: torch.device | str | None = None,
+                   shards: Iterable[torch.Tensor] | None = None) -> torch.Tensor:
     """Clip the gradients of ``parameters`` in place to the global ``norm_type`` norm ``max_norm``
     and return the norm before clipping as a plain tensor, equal on every rank. Every rank must
     call. ``torch.nn.utils.clip_grad_norm_``'s formula: each gradient times ``min(1, max_norm /
@@ -107,6 +108,13 @@ def clip_grad_norm(parameters: Iterable[torch.Tensor], max_norm: float, norm_typ
     pipeline's stages): the per-rank norms are combined over it in float64, so ``counted`` must
     hold each parameter on exactly one of those ranks (a tied weight's copies: one); ``device``
     is where a rank with nothing counted makes its zero norm for that collective.
+
+    ``shards``: gradients kept outside ``.grad`` as plain local tensors of which every element is
+    held by exactly one rank of the default group (the chunk optimizer's sharded chunks:
+    ``GeminiOptimizer.sharded_grads``). Their ``norm_type`` powers are summed locally and
+    all-reduced (max for the inf norm) in float64, combined with the norm of the rest, and they
+    are scaled in place by the same coefficient. Given (even empty), it is one collective every
+    rank must join.
     """
     norm_type = float(norm_type)
     if not norm_type > 0:
@@ -117,6 +125,9 @@ def clip_grad_norm(parameters: Iterable[torch.Tensor], max_norm: float, norm_typ
         norm = _total_norm(grads, norm_type)
     else:
         norm = torch.zeros((), device=device)
+    shards = None if shards is None else list(shards)  # read twice: its norm, then its scaling
+    if shards is not None:
+        norm = _with_shards(norm, shards, norm_type)
     if group is not None:
         norm = norm.to(torch.float64)
         if norm_type == float("inf"):
@@ -126,9 +137,23 @@ def clip_grad_norm(parameters: Iterable[torch.Tensor], max_norm: float, norm_typ
             dist.all_reduce(norm, group=group)
             norm = norm ** (1.0 / norm_type)
     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-    for p in params:
-        local = local_of(p.grad)
+    for local in [local_of(p.grad) for p in params] + list(shards or ()):
         local.mul_(coef.to(local.device))
-    # Combined over a group, the norm was summed in float64 (stage norms of very different sizes);
-    # it is returned as the float32 a single module's norm is.
-    return norm if group is None else norm.to(torch.float32)
+    # Combined over a group or with shards, the norm was summed in float64 (parts of very
+    # different sizes); it is returned as the float32 a single module's norm is.
+    return norm if group is None and shards is None else norm.to(torch.float32)
+
+
+def _with_shards(norm: torch.Tensor, shards: list[torch.Tensor], norm_type: float) -> torch.Tensor:
+    """``norm`` (of the gradients every rank sees globally) combined with the ``norm_type`` norm
+    of ``shards`` over every rank: the shards' powers summed here, all-reduced, then added to
+    ``norm``'s power (the global norm of disjoint pieces), in float64."""
+    inf = norm_type == float("inf")
+    part = torch.zeros((), dtype=torch.float64, device=norm.device)
+    for shard in shards:
+        value = shard.detach().to(norm.device, torch.float64)
+        part = torch.maximum(part, value.abs().max()) if inf else part + value.abs().pow(norm_type).sum()
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(part, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM)
+    whole = norm.to(torch.float64)
+    return torch.maximum(whole, part) if inf else (whole.pow(norm_type) + part).pow(1.0 / norm_type)

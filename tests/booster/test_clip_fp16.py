@@ -21,6 +21,7 @@ from autopar.booster import AutoParallelPlugin, Booster
 from autopar.runtime.launch import run_local
 
 LR, MAX_NORM, CLIP_VALUE, SCALE = 0.1, 1.0, 1e-3, 65536.0
+SHARD_MAX_NORM = 0.1  # below the tiny GPT-2's first gradient norm in L2 and in max
 
 
 def _boosted_update(rank, world, model, inputs, mode, plan):
@@ -79,26 +80,36 @@ def test_user_clip_under_fp16_matches_fp32_reference(mode, zero_stage):
             assert got.abs().max() <= LR * CLIP_VALUE * (1 + 1e-3)
 
 
-def _sharded_chunks(rank, world, model, inputs):
+def _sharded_chunks(rank, world, model, inputs, norm_type):
     plugin = AutoParallelPlugin(placement_policy="static", shard_param_frac=0.5, mesh=(2,),
                                 chunk_search_range=(1024, 1024, 1024))
     booster = Booster(plugin)
     pm, bopt, *_ = booster.boost(model, torch.optim.AdamW(model.parameters(), lr=1e-3), meta_inputs=inputs)
     booster.backward(pm(**inputs).loss, bopt)
-    errors = []
-    for clip in (lambda: bopt.clip_grad_by_norm(1.0), lambda: bopt.clip_grad_by_value(1e-3)):
-        try:
-            clip()
-            errors.append(None)
-        except ValueError as exc:
-            errors.append(str(exc))
-    return errors
+    norm = float(bopt.clip_grad_by_norm(SHARD_MAX_NORM, norm_type))
+    by_norm = pm.full_gradients()
+    bopt.clip_grad_by_value(CLIP_VALUE)
+    summary = pm.gemini.summary()
+    return norm, by_norm, pm.full_gradients(), (summary["sharded"], len(pm.gemini.manager.chunks))
 
 
 @pytest.mark.timeout(200)
-def test_user_clip_refuses_gradients_held_as_chunk_shards():
-    """Sharded Gemini chunks keep gradients outside ``.grad``: a clip must say so, not skip them."""
+@pytest.mark.parametrize("norm_type", [2.0, float("inf")])
+def test_user_clip_counts_gradients_held_as_chunk_shards(norm_type):
+    """Sharded Gemini chunks keep gradients outside ``.grad`` (chunk shards): clipping by norm
+    counts them (their powers all-reduced) and scales them, clipping by value clamps them."""
     torch.manual_seed(0)
     model, inputs = zoo.build("gpt2", tiny=True, device="cpu", batch=4, seq=16)
-    for errors in run_local(_sharded_chunks, 2, model, inputs, timeout=180):
-        assert all(e and "cannot be clipped" in e for e in errors), errors
+    ref = copy.deepcopy(model)
+    ref(**inputs).loss.backward()
+    want_norm = float(torch.nn.utils.clip_grad_norm_(ref.parameters(), SHARD_MAX_NORM, norm_type))
+    assert want_norm > SHARD_MAX_NORM, "the reference must actually clip for the test to mean anything"
+    want = {n: p.grad.clone() for n, p in ref.named_parameters()}
+    for norm, by_norm, by_value, (sharded, chunks) in run_local(_sharded_chunks, 2, model, inputs, norm_type,
+                                                                timeout=180):
+        assert 0 < len(sharded) < chunks, (sharded, chunks)
+        assert norm == pytest.approx(want_norm, rel=1e-4)
+        for name, grad in want.items():
+            torch.testing.assert_close(by_norm[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+            torch.testing.assert_close(by_value[name], grad.clamp(-CLIP_VALUE, CLIP_VALUE), rtol=1e-4, atol=1e-7,
+                                       msg=name)

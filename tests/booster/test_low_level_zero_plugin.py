@@ -39,12 +39,22 @@ def test_signature_matches_colossalai():
         (2, "fp32", 1024.0, 1.0, "bf16")
 
 
-@pytest.mark.parametrize("kwargs", [dict(min_scale=2), dict(max_scale=2.0**16), dict(hysteresis=1),
-                                    dict(norm_type=1.0), dict(master_weights=False)])
-def test_unsupported_knobs_raise_naming_them(kwargs):
-    name = next(iter(kwargs))
-    with pytest.raises(NotImplementedError, match=name):
-        LowLevelZeroPlugin(**kwargs)
+def test_booster_mixed_precision_rebuilds_the_plugin():
+    given = LowLevelZeroPlugin(2, "fp32", max_norm=1.0, cpu_offload=True)
+    plugin = Booster(mixed_precision="bf16", plugin=given).plugin
+    assert isinstance(plugin, LowLevelZeroPlugin)
+    assert (plugin.precision, plugin.zero_stage, plugin.max_norm, plugin.cpu_offload) == ("bf16", 2, 1.0, True)
+
+
+def test_unsupported_knobs_raise_naming_them():
+    with pytest.raises(NotImplementedError, match="master_weights"):
+        LowLevelZeroPlugin(master_weights=False)
+
+
+def test_scaler_knobs_map_onto_the_plugin():
+    plugin = LowLevelZeroPlugin(min_scale=2, max_scale=2.0**16, hysteresis=1, norm_type=1.0)
+    assert (plugin.min_scale, plugin.max_scale, plugin.hysteresis, plugin.norm_type) == (2, 2.0**16, 1, 1.0)
+    assert (LowLevelZeroPlugin().hysteresis, LowLevelZeroPlugin().min_scale) == (2, 1)  # Colossal-AI's rule
 
 
 @pytest.mark.parametrize("stage", [0, 3, "auto", True])

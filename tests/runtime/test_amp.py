@@ -248,3 +248,57 @@ def test_bad_arguments_are_refused(kwargs, message):
 def test_arguments_after_device_are_keyword_only():
     with pytest.raises(TypeError):
         GradScaler("cpu", None)  # type: ignore[misc]
+
+
+def _scales(scaler, overflows: list[bool]) -> list[float]:
+    """The scale after each step of a one-process run; ``True`` puts an inf into a gradient."""
+    torch.manual_seed(0)
+    model = nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    out = []
+    for bad in overflows:
+        scaler.scale(model(torch.ones(1, 2)).sum()).backward()
+        if bad:
+            model.weight.grad[0, 0] = math.inf
+        before = model.weight.detach().clone()
+        scaler.step(opt)
+        scaler.update()
+        assert torch.equal(before, model.weight) == bad  # an overflowed step is skipped, whatever the rule
+        opt.zero_grad()
+        out.append(scaler.get_scale())
+    return out
+
+
+def test_colossal_hysteresis_backs_off_at_the_hysteresis_th_overflow_since_growth():
+    scaler = GradScaler("cpu", init_scale=16.0, growth_interval=2, hysteresis=2)
+    # 1st overflow: skipped only; 2nd, 3rd: halved; two clean steps grow it and reset the count
+    assert _scales(scaler, [True, True, True, False, False, True, True]) == [16, 8, 4, 4, 8, 8, 4]
+
+
+def test_scale_bounds_clamp_backoff_and_growth():
+    scaler = GradScaler("cpu", init_scale=4.0, growth_interval=1, min_scale=2.0, max_scale=8.0)
+    assert _scales(scaler, [True, True, False, False, False]) == [2, 2, 4, 8, 8]
+
+
+def test_default_rule_is_torchs():
+    pattern = [False, True, False, False, False, True, True, False]
+    ours = _scales(GradScaler("cpu", init_scale=64.0, growth_interval=2), pattern)
+    assert ours == _scales(torch.amp.GradScaler("cpu", init_scale=64.0, growth_interval=2), pattern)
+
+
+def test_hysteresis_count_is_in_the_state_dict():
+    scaler = GradScaler("cpu", init_scale=16.0, growth_interval=100, hysteresis=2)
+    _scales(scaler, [True])  # one overflow seen: the next one backs off
+    state = scaler.state_dict()
+    assert state["_hysteresis_step"] == 1
+    resumed = GradScaler("cpu", init_scale=1.0, growth_interval=100, hysteresis=2)
+    resumed.load_state_dict(state)
+    assert _scales(resumed, [True]) == [8.0]
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"hysteresis": 0}, "hysteresis must be an int >= 1, got 0"), ({"min_scale": 0}, "min_scale must be None or"),
+    ({"max_scale": -1.0}, "max_scale must be None or"), ({"min_scale": 4.0, "max_scale": 2.0}, "must not exceed")])
+def test_bad_colossal_settings_are_refused(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        GradScaler("cpu", **kwargs)

@@ -49,6 +49,8 @@ def test_chunk_search_picks_least_padding():
 def test_chunk_search_bounds_and_errors():
     assert search_chunk_size([700], min_elems=100, max_elems=200, step=100) == (700, 0)  # the largest wins
     assert search_chunk_size([300, 300, 400], min_elems=100, max_elems=1000, step=100) == (1000, 0)
+    # a model under the minimum is one chunk of its size (Gemini's rule), not a padded minimum
+    assert search_chunk_size([300, 200], min_elems=2**20, max_elems=2**21, step=1024) == (500, 0)
     with pytest.raises(ValueError, match="min <= max"):
         search_chunk_size([1], min_elems=10, max_elems=5, step=1)
     with pytest.raises(ValueError, match="below the largest"):
@@ -95,6 +97,9 @@ def test_policies_are_checked():
     with pytest.raises(ValueError, match="placement_policy"):
         make_policy("cuda")
     assert make_policy("auto", device_budget=10, offload_optim_frac=0.5) == AutoPolicy(device_budget=10)
+    assert make_policy("auto", device_budget=10, sharded=True) == AutoPolicy(device_budget=10, sharded=True)
+    with pytest.raises(ValueError, match="sharded must be a bool, got 1"):
+        AutoPolicy(device_budget=10, sharded=1)
 
 
 @pytest.mark.parametrize("kind,cls", [("adamw", torch.optim.AdamW), ("adam", torch.optim.Adam)])

@@ -47,6 +47,19 @@ def test_counted_subset_sets_the_norm_and_every_gradient_is_clipped():
         clip_grad_norm(params, 1.0, 0.0)
 
 
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, float("inf")])
+def test_shards_count_in_the_norm_and_are_clipped(norm_type):
+    """Gradients held outside ``.grad`` (chunk shards; one process: the all-reduce is skipped)
+    count as if they were ``.grad`` of parameters of their own, and are scaled alike."""
+    ours, theirs = _params(2), _params(2)
+    shards = [p.grad for p in ours[1:2]]  # the second parameter's gradient, handed over as a shard
+    ours[1].grad = None
+    want = torch.nn.utils.clip_grad_norm_(theirs, 0.5, norm_type=norm_type)
+    got = clip_grad_norm(ours, 0.5, norm_type, shards=iter(shards))  # an iterator: read once
+    assert want > 0.5 and torch.allclose(got, want) and got.dtype == torch.float32
+    assert torch.allclose(ours[0].grad, theirs[0].grad) and torch.allclose(shards[0], theirs[1].grad)
+
+
 def test_every_module_kind_implements_the_protocol():
     # methods (``plan`` and ``device_mesh`` are instance attributes of a PipelineModule: the
     # multi-rank tests check ``isinstance(module, ParallelModule)`` on built modules)

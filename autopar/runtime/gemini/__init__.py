@@ -34,9 +34,11 @@ payload, master, moments and gradient per rank (``chunk``). They are all-gathere
 host chunk is fetched (``manager``), their gradients reduce-scattered at the end of backward
 (``grads``, ``gradsync``), and the module's whole-state methods gather on demand (``state``);
 ``Gemini.place`` / ``apply_policy`` re-shard at run time. Their parameters' ``.grad`` stay None
-(the gradient is the chunk's shard): clip by norm and fp16 loss scaling, which read ``.grad``,
-are refused by the booster with them, and ``module.zero_grad()`` does not clear them
-(``optimizer.zero_grad()`` does). Every rank must have the same chunks (checked).
+(the gradient is the chunk's shard): the optimizer lists each parameter's piece of it
+(``GeminiOptimizer.sharded_grads``), which ``autopar.runtime.amp.GradScaler`` unscales and checks
+and ``parallel_module.clip_grad_norm(shards=...)`` counts and scales (the booster passes them);
+``module.zero_grad()`` does not clear them (``optimizer.zero_grad()`` does). Every rank must have
+the same chunks (checked).
 
 ZeRO-1/2 (the plan's per-parameter ``zero_stage``, under every policy): a ZeRO parameter's chunk is
 built per data-parallel group; its payload stays whole, its fp32 master, moments (and under
@@ -44,9 +46,14 @@ ZeRO-2 its gradient, reduce-scattered like a sharded chunk's) are this rank's sh
 optimizer tier the policy gives it -- the host for ZeRO-Offload -- and the whole payload is
 all-gathered from the updated shards after each step (``chunk``, ``manager.gather_payload``).
 
-ZeRO chunks are never sharded ZeRO-3 style too (``shard_param_frac`` skips them).
+ZeRO chunks are never sharded ZeRO-3 style too (``shard_param_frac`` skips them). Under a static
+policy with ``unsharded_zero`` the chunks ``shard_param_frac`` leaves whole become ZeRO chunks
+of that stage after the sharding (Gemini: the rest of ZeRO-3 is ZeRO-2).
 
-Not yet: sharding under the auto and planned policies; the CUDA path (side-stream prefetch,
+``AutoPolicy(sharded=True)`` shards every chunk that has a data-parallel group likewise (Gemini's
+auto placement is ZeRO-3): the warm-up and the placement after it move shards.
+
+Not yet: sharding under the planned policy; the CUDA path (side-stream prefetch,
 pinned memory, host ``.grad`` views, all-gathers on the compute stream) has not run on a GPU.
 """
 
@@ -94,6 +101,8 @@ class Gemini:
         dp_of = functools.partial(_zero_group, dict(params), module.pmesh, stages, ((), (), ()))
         if isinstance(policy, AutoPolicy):
             tiers = lambda payload, optim, chunks: [(HOST, HOST)] * len(payload)  # noqa: E731 -- warm-up on host
+            if policy.sharded:  # Gemini's auto placement runs ZeRO-3 chunks: group them to be shardable
+                dp_of = functools.partial(_dp_group, dict(params), module.pmesh)
         elif isinstance(policy, PlannedPolicy):
             planned = {}
             for name, _ in params:
@@ -131,6 +140,21 @@ class Gemini:
         module.forward = self.forward
         if isinstance(policy, StaticPolicy) and policy.shard_param_frac > 0:
             self.place([(c.home, c.optim_tier) for c in self.manager.chunks], self._shards(policy))
+        if isinstance(policy, StaticPolicy) and policy.unsharded_zero:
+            self._zero_unsharded(policy.unsharded_zero)
+        elif isinstance(policy, AutoPolicy) and policy.sharded:  # the warm-up's placement keeps them sharded
+            self.place([(c.home, c.optim_tier) for c in self.manager.chunks],
+                       [c.num_shards > 1 and not c.zero for c in self.manager.chunks])
+
+    def _zero_unsharded(self, stage: int) -> None:
+        """The shardable chunks left whole, ZeRO-``stage`` (Gemini: the rest of ZeRO-3 is ZeRO-2)."""
+        chunks = [c for c in self.manager.chunks if c.num_shards > 1 and not c.sharded and not c.zero]
+        if not chunks:
+            return
+        check_same_chunks(self.manager.chunks)  # their state shards must line up on every rank
+        for chunk in chunks:
+            self.manager.make_zero(chunk, stage)
+        self.manager.gradsync.rebuild()  # ZeRO-2 gradients leave the bucketer for the shards
 
     def _shards(self, policy: StaticPolicy) -> list[bool]:
         chunks = self.manager.chunks

@@ -82,12 +82,16 @@ def pack(sizes: list[int], capacity: int) -> list[list[int]]:
 
 def search_chunk_size(sizes: list[int], *, min_elems: int, max_elems: int, step: int) -> tuple[int, int]:
     """(chunk capacity in elements, padding elements) with the least padding over the range
-    ``[max(min_elems, largest parameter), max_elems]`` in multiples of ``step``."""
+    ``[max(min_elems, largest parameter), max_elems]`` in multiples of ``step``. Parameters that
+    all fit under ``min_elems`` together go into one chunk of their total size (Gemini's rule: a
+    minimum larger than the model is not padding to allocate)."""
     if step < 1 or min_elems < 1 or max_elems < min_elems:
         raise ValueError(f"chunk search range must satisfy 1 <= min <= max and step >= 1, got "
                          f"min={min_elems}, max={max_elems}, step={step}")
     if not sizes:
         return min_elems, 0
+    if sum(sizes) <= min_elems:
+        return sum(sizes), 0
     largest = max(sizes)
     start = max(min_elems, largest)
     start = -(-start // step) * step

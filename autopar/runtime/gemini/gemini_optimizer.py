@@ -115,6 +115,23 @@ class GeminiOptimizer(torch.optim.Optimizer):
             manager.mark_synced(chunk)
         return None
 
+    def sharded_grads(self) -> list[torch.Tensor]:
+        """The gradients of this optimizer's parameters that are not ``.grad``: this rank's
+        piece of each sharded (or ZeRO-2) chunk's gradient shard (views: unscaling or clipping
+        them in place changes what ``step`` reads). Each element of such a gradient is held by
+        exactly one rank of the mesh (the chunk's data-parallel group splits what the plan
+        keeps replicated; the other axes split it already), so a norm over them is a sum of
+        every rank's pieces. What the fp16 scaler unscales and clipping by norm counts."""
+        out = []
+        for group in self.param_groups:
+            for p in group["params"]:
+                name, chunk = self._views(p)
+                if chunk.scatters and p.grad is None and chunk.grad is not None and name in chunk.grad_names:
+                    lo, hi, _, _ = chunk.piece(name)
+                    if lo < hi:
+                        out.append(chunk.grad[lo:hi])
+        return out
+
     @staticmethod
     def _grad_on(chunk, name: str, p, device: torch.device) -> torch.Tensor:
         """``p``'s gradient piece (fp32) where its optimizer state is: the gradient chunk itself

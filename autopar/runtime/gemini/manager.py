@@ -285,6 +285,22 @@ class ChunkManager:
             self._set_home(chunk, home, buf)
             self.grads.move(chunk, old_home, home)
 
+    @torch.no_grad()
+    def make_zero(self, chunk: Chunk, stage: int) -> None:
+        """An unsharded chunk becomes a ZeRO-``stage`` chunk (1 or 2): its payload stays whole, its
+        fp32 master and moments (and under stage 2 its gradient) become this rank's shard over its
+        data-parallel group. Gemini's rule for the chunks ``shard_param_frac`` leaves whole."""
+        if stage not in (1, 2) or chunk.zero or chunk.sharded or chunk.num_shards < 2:
+            raise ValueError(f"gemini: chunk {chunk.index} cannot become ZeRO-{stage} (zero={chunk.zero}, "
+                             f"sharded={chunk.sharded}, {chunk.num_shards} data-parallel ranks)")
+        if chunk.grad is not None or chunk.acc:
+            raise ValueError(f"gemini: chunk {chunk.index} holds gradients; call optimizer.zero_grad() first")
+        home, optim = chunk.home, chunk.optim_tier
+        self.ledger.add("free", chunk.index, optim, -chunk.state_bytes(home, optim))
+        master, *moments = [self.mine(chunk, t) for t in (chunk.master, chunk.exp_avg, chunk.exp_avg_sq)]
+        chunk.zero = stage
+        self._set_optim(chunk, home, optim, payload=self.home_buf(chunk), master=master, moments=tuple(moments))
+
     def _reshard(self, chunk: Chunk, t: torch.Tensor, sharded: bool) -> torch.Tensor:
         """``t`` (a whole-chunk buffer, or this rank's shard of one) as the other: this rank's
         slice of the zero-padded buffer, or all shards gathered (the padding dropped)."""

@@ -19,6 +19,9 @@ plus the chunk runtime's own knobs:
   the shard at the end of backward (``chunk``, ``shards``, ``grads``). A chunk whose parameters are
   replicated on no such axis (the plan shards them everywhere already) stays whole. Composes with
   the offload fractions: a sharded chunk's shard lives on the host or the device like any payload;
+- ``unsharded_zero``: the ZeRO stage (0, 1 or 2) of the chunks that have a data-parallel group but
+  ``shard_param_frac`` leaves whole: 2 (``GeminiPlugin``'s, as Gemini's) keeps their payload whole
+  and makes their fp32 master, moments and gradient this rank's shard (``ChunkManager.make_zero``);
 - ``pin_memory``: host buffers in pinned memory (CUDA only; ignored on a CPU device).
 - ``device_budget``: bytes of model data (chunk payloads, master weights, optimizer state,
   gradient chunks from backward to ``zero_grad``) the device tier may hold; ``None`` = unbounded.
@@ -27,6 +30,8 @@ plus the chunk runtime's own knobs:
 runs with every payload and all optimizer state on the host while the manager samples
 non-model memory at each chunk move; after it, the device keeps as many chunks (payload, then
 optimizer state) as fit in ``device_budget`` minus the non-model peak, the rest stay on the host.
+``sharded=True`` (Gemini's auto placement, which is ZeRO-3) shards every chunk that has a
+data-parallel group from the start, so the warm-up and the placement move shards.
 """
 
 from __future__ import annotations
@@ -55,6 +60,8 @@ class StaticPolicy(StaticOffload):
 
     shard_param_frac: float = 0.0
     """fraction of the chunks, leading ones by bytes, sharded ZeRO-3 style over their data-parallel axes"""
+    unsharded_zero: int = 0
+    """ZeRO stage (0, 1 or 2) of the shardable chunks left whole: Gemini's are ZeRO-2"""
     pin_memory: bool = False
     """host buffers in pinned memory (CUDA only)"""
     device_budget: int | None = None
@@ -62,6 +69,8 @@ class StaticPolicy(StaticOffload):
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "shard_param_frac", fraction(self.shard_param_frac, "shard_param_frac"))
+        if isinstance(self.unsharded_zero, bool) or self.unsharded_zero not in (0, 1, 2):
+            raise ValueError(f"unsharded_zero must be 0, 1 or 2, got {self.unsharded_zero!r}")
         StaticOffload.__post_init__(self)  # slots dataclasses cannot use zero-argument super()
         if not isinstance(self.pin_memory, bool):
             raise ValueError(f"pin_memory must be a bool, got {self.pin_memory!r}")
@@ -76,6 +85,8 @@ class AutoPolicy:
     device_budget: int
     pin_memory: bool = False
     warmup_steps: int = 1
+    sharded: bool = False
+    """every chunk with a data-parallel group sharded ZeRO-3 style (as ``shard_param_frac=1``)"""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "device_budget", _budget(self.device_budget))
@@ -85,6 +96,8 @@ class AutoPolicy:
             raise ValueError(f"pin_memory must be a bool, got {self.pin_memory!r}")
         if type(self.warmup_steps) is not int or self.warmup_steps < 1:
             raise ValueError(f"warmup_steps must be an int >= 1, got {self.warmup_steps!r}")
+        if not isinstance(self.sharded, bool):
+            raise ValueError(f"sharded must be a bool, got {self.sharded!r}")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -120,7 +133,7 @@ def make_policy(placement_policy: str = "static", **knobs) -> StaticPolicy | Aut
     if placement_policy == "static":
         return StaticPolicy(**knobs)
     if placement_policy == "auto":
-        knobs = {k: v for k, v in knobs.items() if k in ("device_budget", "pin_memory", "warmup_steps")}
+        knobs = {k: v for k, v in knobs.items() if k in ("device_budget", "pin_memory", "warmup_steps", "sharded")}
         return AutoPolicy(**knobs)
     raise ValueError(f"placement_policy must be 'static' or 'auto', got {placement_policy!r}")
 
