@@ -133,7 +133,8 @@ def restrict(reduced: Reduced, keep: list[np.ndarray]) -> Reduced:
                         for it in reduced.mem_items),
         edges=edges, constant=constant,
         members=tuple(Member(m.node, m.group, tuple(m.option_names[k] for k in keep[m.group]))
-                      for m in reduced.members))
+                      for m in reduced.members),
+        overlap=None if reduced.overlap is None else reduced.overlap.restricted(keep))
 
 
 def _group_options(reduced: Reduced, choice: Mapping[str, str]) -> list[int | None]:

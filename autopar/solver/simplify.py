@@ -35,6 +35,13 @@ equal the problem's for the expanded node choice (``Problem.evaluate``). Four tr
    elementwise op after its producer. Memory dominance is waived (chain merging) only where the
    memory constraint cannot bind: no budget, or the worst choice everywhere fits the budget.
 
+Communication overlap (``autopar.solver.overlap``), when a problem has it: each group also
+carries, per option, its asynchronous communication ``a`` and the compute ``w`` it may hide under
+(aliased members add up, a follower's move onto its leader through ``t*`` like its cost). The
+step is then ``max(C - rho a, C - w)`` summed, so the cost comparisons of 3 and 4 (including the
+regret terms, which are edges: synchronous) must hold for both ``cost - rho a`` and ``cost - w``.
+Without overlap the tests are the plain ones above, unchanged.
+
 Transformations 2-4 repeat until nothing changes. No torch import.
 """
 
@@ -47,6 +54,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from autopar.layout.blocks import split_block
+from autopar.solver.overlap import Overlap, overlap_active
 from autopar.solver.problem import Problem
 
 __all__ = ["MemItem", "Member", "Reduced", "simplify", "peak_candidates"]
@@ -92,6 +100,7 @@ class Reduced:
     edges:             ``(g1, g2)`` with ``g1 < g2`` -> cost matrix ``[s1, s2]`` (non-separable only).
     constant:          seconds that do not depend on any choice.
     memory_can_bind:   False when the budget is None or cannot be exceeded by any choice.
+    overlap:           the overlap terms (``autopar.solver.overlap.Overlap``), None without overlap.
     """
 
     cost: tuple[np.ndarray, ...]
@@ -105,6 +114,7 @@ class Reduced:
     timeline_length: int
     memory_can_bind: bool
     stats: dict[str, int] = field(default_factory=dict)
+    overlap: Overlap | None = None
 
     @property
     def num_groups(self) -> int:
@@ -124,7 +134,7 @@ class Reduced:
         total = self.constant + sum(float(c[s]) for c, s in zip(self.cost, group_choice))
         for (a, b), mat in self.edges.items():
             total += float(mat[group_choice[a], group_choice[b]])
-        return total
+        return total - self.overlap.hidden(group_choice) if self.overlap is not None else total
 
     def __str__(self) -> str:
         opts = sum(len(c) for c in self.cost)
@@ -134,12 +144,14 @@ class Reduced:
 
 # ------------------------------------------------------------------------ working model
 def _option_arrays(options: tuple) -> tuple:
-    """(names, cost, param bytes, forward seconds, act bytes or None when all zero, indices) of
-    one node's options, read-only (nodes with the same options share them)."""
+    """(names, cost, param bytes, forward seconds, act bytes or None when all zero, indices,
+    async seconds, overlappable compute seconds) of one node's options, read-only (nodes with
+    the same options share them)."""
     acts = np.array([o.act_bytes for o in options], dtype=float)
     out = (np.array([o.cost_s for o in options], dtype=float), np.array([o.param_bytes for o in options], dtype=float),
            np.array([o.forward_s for o in options], dtype=float), acts if acts.any() else None,
-           np.arange(len(options)))
+           np.arange(len(options)), np.array([o.async_s for o in options], dtype=float),
+           np.array([o.overlap_s for o in options], dtype=float))
     for arr in out:
         if arr is not None:
             arr.setflags(write=False)
@@ -150,6 +162,11 @@ class _Work:
     """Mutable form of ``Reduced`` used while simplifying."""
 
     def __init__(self, problem: Problem, alias: bool):
+        # Overlap terms (module docstring): rho, and per group its async and overlappable seconds.
+        self.rho = problem.comm_overlap if overlap_active(problem.comm_overlap, (n.options for n in problem.nodes)) \
+            else None
+        self.asy: dict[int, np.ndarray] = {}
+        self.ovl: dict[int, np.ndarray] = {}
         self.cost: dict[int, np.ndarray] = {}
         self.param: dict[int, np.ndarray] = {}
         self.forward: dict[int, dict[str, np.ndarray]] = {}
@@ -172,14 +189,19 @@ class _Work:
             hit = arrays.get(id(n.options))
             if hit is None:
                 hit = arrays[id(n.options)] = (n.options, _option_arrays(n.options))
-            names, cost, param, fwd_s, acts, index = hit[1]
+            names, cost, param, fwd_s, acts, index, asy, ovl = hit[1]
             self.names[n.name] = names
             if g not in self.cost:
                 self.cost[g], self.param[g], self.forward[g] = cost.copy(), param.copy(), {}
+                if self.rho is not None:
+                    self.asy[g], self.ovl[g] = asy.copy(), ovl.copy()
             else:
                 self.num_aliased += 1
                 self.cost[g] += cost
                 self.param[g] += param
+                if self.rho is not None:
+                    self.asy[g] += asy
+                    self.ovl[g] += ovl
             if n.segment is not None:
                 fwd = self.forward[g].get(n.segment)
                 self.forward[g][n.segment] = fwd_s.copy() if fwd is None else fwd + fwd_s
@@ -247,12 +269,22 @@ class _Work:
             ok &= vec[:, None] <= vec[None, :]
         return ok
 
+    def step_costs(self, g: int, cost: np.ndarray) -> list[np.ndarray]:
+        """The per-option costs a dominance test compares for group ``g`` whose options cost
+        ``cost`` (indexed like ``g``'s options, possibly per row: ``cost[..., t]``): ``cost``
+        itself, or with overlap ``cost - rho a`` and ``cost - w`` (module docstring)."""
+        if self.rho is None:
+            return [cost]
+        return [cost - self.rho * self.asy[g], cost - self.ovl[g]]
+
     def prune_dominated(self, g: int, memory: bool) -> bool:
         k = len(self.cost[g])
         if k == 1:
             return False
-        worse = self.cost[g][:, None] - self.cost[g][None, :] + self.regret(g)
-        dom = self.dominates(g, memory) & (worse <= _EPS * (1.0 + np.abs(self.cost[g]).max()))
+        regret = self.regret(g)
+        dom = self.dominates(g, memory)
+        for c in self.step_costs(g, self.cost[g]):
+            dom &= c[:, None] - c[None, :] + regret <= _EPS * (1.0 + np.abs(c).max())
         np.fill_diagonal(dom, False)
         keep = np.ones(k, dtype=bool)
         for t in np.flatnonzero(dom.any(axis=0)):  # sequential so that of two equal options exactly one survives
@@ -266,6 +298,8 @@ class _Work:
     def restrict(self, g: int, kept: np.ndarray) -> None:
         self.cost[g] = self.cost[g][kept]
         self.param[g] = self.param[g][kept]
+        if self.rho is not None:
+            self.asy[g], self.ovl[g] = self.asy[g][kept], self.ovl[g][kept]
         self.forward[g] = {s: v[kept] for s, v in self.forward[g].items()}
         self.items[g] = [MemItem(g, it.start, it.end, it.bytes[kept], it.segment) for it in self.items[g]]
         for w in list(self.adj[g]):
@@ -280,12 +314,17 @@ class _Work:
         q = self.cost[v][None, :] + c_uv
         best = q.argmin(axis=1)
         rows = np.arange(len(best))
-        loss = q[rows, best][:, None] - q + self.regret(v, skip=u)[best, :]
-        tol = _EPS * (1.0 + np.abs(q).max())
-        if (loss > tol).any() or not self.dominates(v, memory)[best, :].all():
+        regret = self.regret(v, skip=u)[best, :]
+        for c in self.step_costs(v, q):
+            loss = c[rows, best][:, None] - c + regret
+            if (loss > _EPS * (1.0 + np.abs(c).max())).any():
+                return False
+        if not self.dominates(v, memory)[best, :].all():
             return False
         self.cost[u] = self.cost[u] + q[rows, best]
         self.param[u] = self.param[u] + self.param[v][best]
+        if self.rho is not None:
+            self.asy[u], self.ovl[u] = self.asy[u] + self.asy[v][best], self.ovl[u] + self.ovl[v][best]
         for seg, vec in self.forward[v].items():
             mine = self.forward[u].setdefault(seg, np.zeros(len(best)))
             self.forward[u][seg] = mine + vec[best]
@@ -297,7 +336,8 @@ class _Work:
         for node in self.group_members[v]:
             self.member[node] = (u, self.member[node][1][best])
         self.group_members[u] += self.group_members[v]
-        for table in (self.cost, self.param, self.forward, self.items, self.adj, self.group_members):
+        for table in (self.cost, self.param, self.forward, self.items, self.adj, self.group_members, self.asy,
+                      self.ovl):
             table.pop(v, None)
         return True
 
@@ -421,11 +461,13 @@ def _freeze(work: _Work, problem: Problem, memory: bool, stats: dict[str, int]) 
     members = tuple(Member(node, new[grp], option_names(node, idx)) for node, (grp, idx) in work.member.items())
     stats = {**stats, "num_groups": len(order), "num_group_edges": len(edges),
              "num_options": int(sum(len(work.cost[g]) for g in order))}
+    overlap = None if work.rho is None else Overlap(work.rho, tuple(work.asy[g] for g in order),
+                                                    tuple(work.ovl[g] for g in order))
     return Reduced(
         cost=tuple(work.cost[g] for g in order), param=tuple(work.param[g] for g in order),
         forward=tuple(work.forward[g] for g in order), mem_items=items, edges=edges,
         constant=work.constant, members=members, budget_bytes=problem.budget_bytes,
-        timeline_length=problem.timeline_length, memory_can_bind=memory, stats=stats,
+        timeline_length=problem.timeline_length, memory_can_bind=memory, stats=stats, overlap=overlap,
     )
 
 
