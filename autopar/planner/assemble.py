@@ -57,7 +57,8 @@ def estimate_of(evaluation) -> Estimate:
     """The public ``Estimate`` of a cost-model ``Evaluation``."""
     ev = evaluation
     return Estimate(step_s=ev.objective, compute_s=ev.compute_s, comm_s=ev.comm_s,
-                    reshard_s=ev.reshard_s, param_bytes=ev.param_bytes, peak_bytes=ev.peak_bytes)
+                    reshard_s=ev.reshard_s, param_bytes=ev.param_bytes, peak_bytes=ev.peak_bytes,
+                    async_s=ev.async_s, hidden_s=ev.hidden_s)
 
 
 def solver_stats(solution) -> dict:

@@ -25,6 +25,14 @@ each returned tensor pays its conversion to replicated on the edge into it.
 The result (``autopar.planner.records``) is built once, then frozen: one ``Decision`` per
 ``Problem`` node (its kind, its ``Choice`` per option, the ``InputSlot`` each input slot reads).
 
+Overlap (``autopar.solver.overlap``): an op option's ``async_s`` is the gradient sums of the
+parameters it reads (directly or through a mixed-precision cast): the runtime issues them
+asynchronously in gradient buckets (all-reduce; ZeRO-2: reduce-scatter). All else is synchronous,
+two bucketed parts included (an over-estimate of exposure): later readers' sums (on the edge from
+the previous reader, ``ReaderChain``) and ZeRO-2's all-reduce extra (``_zero2_edge``). A cast in
+another layout than its parameter's is summed in-graph, yet counted asynchronous (rare: casts
+follow their parameter). ``overlap_s`` is the op's backward compute, what the sums can hide under.
+
 Edges carry, for every (producer option, consumer strategy) pair, the forward + backward seconds
 of the cheapest conversion from the producer's output spec to the spec the consumer's strategy
 requires (``autopar.layout.conversion.plan_conversion``; each distinct spec pair is planned once).
@@ -60,6 +68,7 @@ from autopar.layout.blocks import block_of
 from autopar.solver.problem import Edge, Node, Problem, StrategyOption
 from autopar.strategies import FixedAxis, Strategy, input_nodes, strategies_for
 from autopar.tracer.graph import PLACEHOLDER_KEY, TracedGraph, values_needing_grad
+from autopar.tracer.meta_keys import PARAM_CAST_KEY
 from autopar.tracer.heap import frozen_heap
 from autopar.tracer.precision import compute_dtype
 from autopar.tracer.profile import ModelProfile
@@ -155,6 +164,7 @@ class _Builder:
             mesh_shape=tuple(self.mesh.shape),
             # "restriction": the unrestricted family (baseline families' problems name theirs)
             meta={"model": self.traced.model_name, "graph_hash": self.traced.graph_hash, "restriction": "autopar"},
+            comm_overlap=self.mesh.comm_overlap,
         )
         problem = without_stateful_segments(problem, self.traced)
         fine = {n.name: n.segment for n in problem.nodes if n.segment is not None}
@@ -287,13 +297,15 @@ class _Builder:
         # are activations, the saved parts relative to this node, and the ZeRO-2 / shared
         # slots: repeated blocks compute them once.
         rel_parts = self._relative_parts(node, slots, parts)
-        key = (id(strategies), activations, rel_parts, zero2, tuple(shared))
+        bucketed = tuple(slot for slot, (src, v) in enumerate(zip(slots, inputs))
+                         if slot not in shared and self._reads_parameter(src, v))
+        key = (id(strategies), activations, rel_parts, zero2, tuple(shared), bucketed)
         opts = self._option_cache.get(key)
         if opts is None:
             opts = self._option_cache[key] = self._op_options(node, strategies, slots, activations, rel_parts,
-                                                              zero2, tuple(shared))
+                                                              zero2, tuple(shared), bucketed)
         decision = Decision(node.name, NodeKind.OP, self._choices_of(strategies), inputs, module=path,
-                            op=str(node.target))
+                            op=str(node.target), bucketed=bucketed)
         self._add(decision, opts, live=live, block=block_of(path), signature=signature,
                   vals=node_vals(node), segment=self.segment_of_op[node.name])
         template = self._stamps is not None and node.name in self._stamps.is_template
@@ -317,9 +329,15 @@ class _Builder:
         self.num_stamped += done is True
         return done
 
+    def _reads_parameter(self, src: fx.Node, value: InputSlot | None) -> bool:
+        """Whether a slot reads a parameter, itself or through a mixed-precision cast: its partial
+        gradient goes to a gradient bucket (``runtime.passes``), issued asynchronously."""
+        return value is not None and (self._kind(value.producer) == NodeKind.PARAMETER
+                                      or src.meta.get(PARAM_CAST_KEY) is not None)
+
     def _op_options(self, node: fx.Node, strategies: list[Strategy], slots: list[fx.Node],
                     activations: tuple[bool, ...], rel_parts: tuple, zero2: tuple[int, ...],
-                    shared: tuple[int, ...]) -> tuple[StrategyOption, ...]:
+                    shared: tuple[int, ...], bucketed: tuple[int, ...] = ()) -> tuple[StrategyOption, ...]:
         full_bytes = global_bytes(node, slots, activations)
         opts: list[StrategyOption] = []
         taken: set[str] = set()
@@ -330,10 +348,16 @@ class _Builder:
             # slot's sum is priced on its edge. Summed afresh, not subtracted from comm_s: that
             # left a tiny negative where every term was taken out (Strategy.comm_seconds).
             comm_s = s.comm_seconds(self.mesh, skip=shared, reduce_scatter=zero2)
+            # The bucketed sums are terms of comm_s added in its order: never more than it.
+            async_s = min(sum(s.grad_sync_s(i, self.mesh, "reduce_scatter" if i in zero2 else "all_reduce")
+                              for i in bucketed if s.grad_partial_axes[i]), comm_s)
             name = _unique(s.name, taken)
             taken.add(name)
+            # Backward compute: the op's whole compute less its forward part (clamped: both are
+            # rooflines of one op, so the difference is its backward term up to rounding).
             opts.append(StrategyOption(name, compute_s=s.compute_s, comm_s=comm_s, act_bytes=act,
-                                       forward_s=s.forward_compute_s + s.forward_comm_s))
+                                       forward_s=s.forward_compute_s + s.forward_comm_s, async_s=async_s,
+                                       overlap_s=max(s.compute_s - s.forward_compute_s, 0.0)))
         return tuple(opts)
 
     def _relative_parts(self, node: fx.Node, slots: list[fx.Node],

@@ -36,6 +36,7 @@ class GradSync:
     axes: tuple[int, ...]
     strategy: Strategy
     kind: str  # all_reduce | reduce_scatter
+    bucketed: bool = False  # issued asynchronously in a gradient bucket (``Decision.bucketed``)
 
     def seconds(self, mesh) -> float:
         return self.strategy.grad_sync_s(self.slot, mesh, self.kind)
@@ -109,7 +110,7 @@ def grad_syncs(built: BuiltProblem, choice: Mapping[str, str]) -> tuple[list[Gra
                 continue
             spec = c.input_specs[slot]
             kind = "reduce_scatter" if zero2.get(value.producer) == spec else "all_reduce"
-            sync = GradSync(name, slot, value, spec, tuple(axes), s, kind)
+            sync = GradSync(name, slot, value, spec, tuple(axes), s, kind, slot in d.bucketed)
             priced = prev is None or sync_key(built.choice_of(prev[0], choice[prev[0]]), prev[1]) != sync_key(c, slot)
             key = (value.producer, value.index) + sync_key(c, slot)
             issued = key not in first
