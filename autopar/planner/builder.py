@@ -27,7 +27,8 @@ The result (``autopar.planner.records``) is built once, then frozen: one ``Decis
 
 Overlap (``autopar.solver.overlap``): an op option's ``async_s`` is the gradient sums of the
 parameters it reads (directly or through a mixed-precision cast): the runtime issues them
-asynchronously in gradient buckets (all-reduce; ZeRO-2: reduce-scatter). All else is synchronous,
+asynchronously in gradient buckets (all-reduce; ZeRO-2: reduce-scatter; over several mesh axes
+the first axis's collective only: ``bucketed_async_s``). All else is synchronous,
 two bucketed parts included (an over-estimate of exposure): later readers' sums (on the edge from
 the previous reader, ``ReaderChain``) and ZeRO-2's all-reduce extra (``_zero2_edge``). A cast in
 another layout than its parameter's is summed in-graph, yet counted asynchronous (rare: casts
@@ -55,7 +56,7 @@ from autopar.layout.conversion import conversion_seconds
 from autopar.layout.mesh import MeshSpec
 from autopar.layout.placement import R, Shard, TensorSpec
 from autopar.planner.block_stamps import BlockStamps, Template
-from autopar.planner.executed import ReaderChain, sync_key, zero2_capable
+from autopar.planner.executed import ReaderChain, bucketed_async_s, sync_key, zero2_capable
 from autopar.planner.records import BuiltProblem, Choice, ChosenConversion, Decision, InputSlot
 from autopar.planner.saved_bytes import SELF, activation_bytes, global_bytes
 from autopar.planner.segments import (node_vals, op_segments, saved_by, segment_inputs, storage_base,
@@ -348,8 +349,8 @@ class _Builder:
             # slot's sum is priced on its edge. Summed afresh, not subtracted from comm_s: that
             # left a tiny negative where every term was taken out (Strategy.comm_seconds).
             comm_s = s.comm_seconds(self.mesh, skip=shared, reduce_scatter=zero2)
-            # The bucketed sums are terms of comm_s added in its order: never more than it.
-            async_s = min(sum(s.grad_sync_s(i, self.mesh, "reduce_scatter" if i in zero2 else "all_reduce")
+            # The bucketed sums are parts of terms of comm_s: never more than it.
+            async_s = min(sum(bucketed_async_s(s, i, self.mesh, "reduce_scatter" if i in zero2 else "all_reduce")
                               for i in bucketed if s.grad_partial_axes[i]), comm_s)
             name = _unique(s.name, taken)
             taken.add(name)

@@ -15,12 +15,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping
 
+from autopar.layout.cost import collective_seconds
 from autopar.layout.placement import TensorSpec
 from autopar.plans import NodeKind
 from autopar.planner.records import BuiltProblem, ChosenConversion, InputSlot
 from autopar.strategies import Strategy
 
-__all__ = ["GradSync", "ReaderChain", "grad_syncs", "sync_key", "unique_conversions", "shared_savings", "zero2_capable"]
+__all__ = ["GradSync", "ReaderChain", "bucketed_async_s", "grad_syncs", "sync_key", "unique_conversions",
+           "shared_savings", "zero2_capable"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +42,22 @@ class GradSync:
 
     def seconds(self, mesh) -> float:
         return self.strategy.grad_sync_s(self.slot, mesh, self.kind)
+
+    def async_seconds(self, mesh) -> float:
+        """Of ``seconds``, what a gradient bucket issues asynchronously (0 when not bucketed)."""
+        return bucketed_async_s(self.strategy, self.slot, mesh, self.kind) if self.bucketed else 0.0
+
+
+def bucketed_async_s(strategy: Strategy, slot: int, mesh, kind: str = "all_reduce") -> float:
+    """Seconds of input ``slot``'s gradient sum (``kind``) that a gradient bucket leaves in flight
+    while backward goes on: the whole sum over one mesh axis; over several, the first axis's
+    collective only (``runtime.bucketing`` and ``runtime.zero.comm.ScatterWork`` issue that one
+    asynchronously and the others when backward has ended), never more than the whole sum."""
+    total = strategy.grad_sync_s(slot, mesh, kind)
+    axes = [a for a in strategy.grad_partial_axes[slot] if mesh.shape[a] > 1]
+    if len(axes) <= 1:
+        return total
+    return min(collective_seconds(kind, strategy.grad_sync_bytes[slot], mesh, axes[0]), total)
 
 
 def _zero2_layouts(built: BuiltProblem, choice: Mapping[str, str]) -> dict[str, TensorSpec]:

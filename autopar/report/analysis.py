@@ -12,7 +12,7 @@
   asynchronously in buckets (source ``bucket``, or ``zero`` for ZeRO-2's reduce-scatters) carry
   their share of the plan's hidden seconds (``Estimate.hidden_s``: the hidden part of the
   asynchronous seconds is one pool, ``autopar.solver.overlap``, so each asynchronous collective
-  hides the same fraction of itself);
+  hides the same fraction of its asynchronous part);
 - the **memory timeline**: per-device bytes at every point of the forward/backward order, with
   the plan's recompute (the evaluation behind ``Plan.estimate``);
 - **per-layer rows**: decisions grouped by owning module, repeated blocks collapsed.
@@ -150,12 +150,11 @@ def _kernels(rows: dict, built: BuiltProblem, pick: dict[str, int], mesh: MeshSp
 def _grad_syncs(rows: dict, built: BuiltProblem, choice: dict[str, str], mesh: MeshSpec,
                 hidden_share: float) -> None:
     """Partial input gradients summed in backward, once per (value, layout, axes); a bucketed
-    one hides ``hidden_share`` of itself."""
+    one hides ``hidden_share`` of its asynchronous part (``GradSync.async_seconds``)."""
     for sync in grad_syncs(built, choice)[0]:
         source = "zero" if sync.kind == "reduce_scatter" else "bucket" if sync.bucketed else "in-op"
-        seconds = sync.seconds(mesh)
         _add(rows, sync.kind, axis_label(mesh, sync.axes), source, sync.strategy.grad_sync_bytes[sync.slot],
-             seconds, seconds * hidden_share if sync.bucketed else 0.0)
+             sync.seconds(mesh), sync.async_seconds(mesh) * hidden_share)
 
 
 def _zero(rows: dict, built: BuiltProblem, pick: dict[str, int], mesh: MeshSpec) -> None:
