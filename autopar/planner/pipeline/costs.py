@@ -410,7 +410,10 @@ def stage_costs(traced: TracedGraph, profile, *, mesh: MeshSpec, options,
     from autopar.solver.driver import solve as solve_ilp
 
     check_pipeline_zero(options.zero_stage)
-    built = build_problem(traced, profile, stage_mesh_of(mesh), budget_bytes=None,
+    # No overlap inside a stage: the pipeline runtime sums data-parallel gradients once per step,
+    # after the last micro-batch and on the critical path (``runtime.pipeline``: no buckets).
+    sub = replace(stage_mesh_of(mesh), comm_overlap=0.0)
+    built = build_problem(traced, profile, sub, budget_bytes=None,
                           options=replace(options, checkpoint="none", pipeline=None))
     solve = solve or (lambda p: solve_ilp(p, solver=options.solver, time_limit=options.time_limit))
     return StageCosts(traced, built, mesh=mesh, solve=solve)
