@@ -181,6 +181,6 @@ class BlockStamps:
         if t.fallback:
             b.fallbacks.append(name)
         add_edge = b._add_edge
-        for src, matrix in t.edges:
-            add_edge(rename.get(src, src), name, matrix)
+        for src, matrix, asy in t.edges:
+            add_edge(rename.get(src, src), name, matrix, asy)
         return True

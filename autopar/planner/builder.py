@@ -25,14 +25,9 @@ each returned tensor pays its conversion to replicated on the edge into it.
 The result (``autopar.planner.records``) is built once, then frozen: one ``Decision`` per
 ``Problem`` node (its kind, its ``Choice`` per option, the ``InputSlot`` each input slot reads).
 
-Overlap (``autopar.solver.overlap``): an op option's ``async_s`` is the gradient sums of the
-parameters it reads (directly or through a mixed-precision cast): the runtime issues them
-asynchronously in gradient buckets (all-reduce; ZeRO-2: reduce-scatter; over several mesh axes
-the first axis's collective only: ``bucketed_async_s``). All else is synchronous,
-two bucketed parts included (an over-estimate of exposure): later readers' sums (on the edge from
-the previous reader, ``ReaderChain``) and ZeRO-2's all-reduce extra (``_zero2_edge``). A cast in
-another layout than its parameter's is summed in-graph, yet counted asynchronous (rare: casts
-follow their parameter). ``overlap_s`` is the op's backward compute, what the sums can hide under.
+Overlap (``autopar.solver.overlap``): a parameter's gradient sum, read in its own layout, is
+asynchronous (an edge's ``async_costs``: ``executed.async_edge`` says which and why); all else is
+synchronous. An op option's ``overlap_s`` is its backward compute, what such sums hide under.
 
 Edges carry, for every (producer option, consumer strategy) pair, the forward + backward seconds
 of the cheapest conversion from the producer's output spec to the spec the consumer's strategy
@@ -56,7 +51,7 @@ from autopar.layout.conversion import conversion_seconds
 from autopar.layout.mesh import MeshSpec
 from autopar.layout.placement import R, Shard, TensorSpec
 from autopar.planner.block_stamps import BlockStamps, Template
-from autopar.planner.executed import ReaderChain, bucketed_async_s, sync_key, zero2_capable
+from autopar.planner.executed import ReaderChain, async_edge, sync_key, zero2_capable
 from autopar.planner.records import BuiltProblem, Choice, ChosenConversion, Decision, InputSlot
 from autopar.planner.saved_bytes import SELF, activation_bytes, global_bytes
 from autopar.planner.segments import (node_vals, op_segments, saved_by, segment_inputs, storage_base,
@@ -74,12 +69,10 @@ from autopar.tracer.heap import frozen_heap
 from autopar.tracer.precision import compute_dtype
 from autopar.tracer.profile import ModelProfile
 
-__all__ = ["BuiltProblem", "Choice", "ChosenConversion", "Decision", "InputSlot", "build_problem",
-           "layout_specs"]
+__all__ = ["BuiltProblem", "Choice", "ChosenConversion", "Decision", "InputSlot", "build_problem", "layout_specs"]
 
 # Values held at rest the whole step (their bytes are param_bytes, not activations).
 _AT_REST = (NodeKind.PARAMETER, NodeKind.BUFFER)
-# A saved storage the op made itself (``_Builder._relative_parts``).
 
 
 def layout_specs(shape: tuple[int, ...], mesh_shape: tuple[int, ...]) -> list[TensorSpec]:
@@ -128,6 +121,7 @@ class _Builder:
         self.sources: dict[str, tuple[str, int]] = {}  # value -> (decision, output index)
         self.values: dict[str, tuple[InputSlot | None, ...]] = {}  # decision -> its tensor outputs
         self.edges: dict[tuple[str, str], np.ndarray] = {}  # (producer, consumer) -> seconds per option pair
+        self.edge_async: dict[tuple[str, str], np.ndarray] = {}  # of those, asynchronous seconds (overlap)
         self.fallbacks: list[str] = []
         # Caches: identical repeated blocks share strategies, choices and edge matrices.
         self._strategy_cache: dict[str, list[Strategy]] = {}
@@ -181,12 +175,14 @@ class _Builder:
     def _edge_records(self) -> tuple[Edge, ...]:
         """The ``Problem``'s edges. Repeated blocks share cost matrices (``_edge_cache``): each
         distinct matrix is converted and validated once, its repeats reuse the checked costs."""
-        made: dict[int, Edge] = {}
+        made: dict[tuple, Edge] = {}
         out = []
         for (src, dst), matrix in self.edges.items():
-            template = made.get(id(matrix))
+            asy = self.edge_async.get((src, dst))
+            template = made.get((id(matrix), id(asy)))
             if template is None:
-                edge = made[id(matrix)] = Edge(src, dst, tuple(map(tuple, matrix.tolist())))
+                edge = made[(id(matrix), id(asy))] = Edge(src, dst, tuple(map(tuple, matrix.tolist())),
+                                                          None if asy is None else asy.tolist())
             else:
                 edge = _moved_edge(template, src, dst)
             out.append(edge)
@@ -300,11 +296,11 @@ class _Builder:
         rel_parts = self._relative_parts(node, slots, parts)
         bucketed = tuple(slot for slot, (src, v) in enumerate(zip(slots, inputs))
                          if slot not in shared and self._reads_parameter(src, v))
-        key = (id(strategies), activations, rel_parts, zero2, tuple(shared), bucketed)
+        key = (id(strategies), activations, rel_parts, zero2, tuple(shared))
         opts = self._option_cache.get(key)
         if opts is None:
             opts = self._option_cache[key] = self._op_options(node, strategies, slots, activations, rel_parts,
-                                                              zero2, tuple(shared), bucketed)
+                                                              zero2, tuple(shared))
         decision = Decision(node.name, NodeKind.OP, self._choices_of(strategies), inputs, module=path,
                             op=str(node.target), bucketed=bucketed)
         self._add(decision, opts, live=live, block=block_of(path), signature=signature,
@@ -331,14 +327,13 @@ class _Builder:
         return done
 
     def _reads_parameter(self, src: fx.Node, value: InputSlot | None) -> bool:
-        """Whether a slot reads a parameter, itself or through a mixed-precision cast: its partial
-        gradient goes to a gradient bucket (``runtime.passes``), issued asynchronously."""
+        """A slot reading a parameter or its cast: the runtime buckets its gradient sum."""
         return value is not None and (self._kind(value.producer) == NodeKind.PARAMETER
                                       or src.meta.get(PARAM_CAST_KEY) is not None)
 
     def _op_options(self, node: fx.Node, strategies: list[Strategy], slots: list[fx.Node],
                     activations: tuple[bool, ...], rel_parts: tuple, zero2: tuple[int, ...],
-                    shared: tuple[int, ...], bucketed: tuple[int, ...] = ()) -> tuple[StrategyOption, ...]:
+                    shared: tuple[int, ...]) -> tuple[StrategyOption, ...]:
         full_bytes = global_bytes(node, slots, activations)
         opts: list[StrategyOption] = []
         taken: set[str] = set()
@@ -349,15 +344,12 @@ class _Builder:
             # slot's sum is priced on its edge. Summed afresh, not subtracted from comm_s: that
             # left a tiny negative where every term was taken out (Strategy.comm_seconds).
             comm_s = s.comm_seconds(self.mesh, skip=shared, reduce_scatter=zero2)
-            # The bucketed sums are parts of terms of comm_s: never more than it.
-            async_s = min(sum(bucketed_async_s(s, i, self.mesh, "reduce_scatter" if i in zero2 else "all_reduce")
-                              for i in bucketed if s.grad_partial_axes[i]), comm_s)
             name = _unique(s.name, taken)
             taken.add(name)
             # Backward compute: the op's whole compute less its forward part (clamped: both are
             # rooflines of one op, so the difference is its backward term up to rounding).
             opts.append(StrategyOption(name, compute_s=s.compute_s, comm_s=comm_s, act_bytes=act,
-                                       forward_s=s.forward_compute_s + s.forward_comm_s, async_s=async_s,
+                                       forward_s=s.forward_compute_s + s.forward_comm_s,
                                        overlap_s=max(s.compute_s - s.forward_compute_s, 0.0)))
         return tuple(opts)
 
@@ -482,14 +474,23 @@ class _Builder:
         for slot, value in enumerate(dst.inputs):
             if value is None:
                 continue
-            self._add_edge(value.producer, dst.name,
-                           self._edge_matrix(self.decisions[value.producer].choices, value, dst.choices, slot))
+            src = self.decisions[value.producer].choices
+            asy = None
+            if slot in dst.bucketed:  # cached as the cost matrices: repeated blocks share them
+                key = ("async", tuple(map(id, src)), value.index, tuple(map(id, dst.choices)), slot)
+                if key not in self._edge_cache:
+                    kind = "reduce_scatter" if zero2_capable(self.decisions[value.producer]) else "all_reduce"
+                    self._edge_cache[key] = async_edge(src, value, dst.choices, slot, self.mesh, kind=kind)
+                asy = self._edge_cache[key]
+            self._add_edge(value.producer, dst.name, self._edge_matrix(src, value, dst.choices, slot), asy)
 
-    def _add_edge(self, src: str, dst: str, matrix: np.ndarray) -> None:
+    def _add_edge(self, src: str, dst: str, matrix: np.ndarray, asy: np.ndarray | None = None) -> None:
         if self._edge_log is not None:
-            self._edge_log.append((src, matrix))
+            self._edge_log.append((src, matrix, asy))
         key = (src, dst)
         self.edges[key] = self.edges[key] + matrix if key in self.edges else matrix
+        if asy is not None:
+            self.edge_async[key] = self.edge_async[key] + asy if key in self.edge_async else asy
 
     def _shared_sync_edge(self, src_choices: tuple[Choice, ...], src_slot: int, dst_choices: tuple[Choice, ...],
                           slot: int) -> np.ndarray:

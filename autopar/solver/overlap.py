@@ -5,9 +5,12 @@ Every communication cost the builder emits is one of two kinds:
 * **synchronous**: issued on the critical path and waited on at once (a layout conversion inside
   forward or backward, a row-parallel all-reduce, a ZeRO gather after the optimizer step); it
   adds to the step in full;
-* **asynchronous** (``StrategyOption.async_s``, a part of its ``comm_s``): issued without waiting
-  -- a parameter's partial gradient, which the runtime sums in gradient buckets all-reduced (or,
-  ZeRO-2, reduce-scattered) while the rest of backward runs (``autopar.runtime.bucketing``).
+* **asynchronous**: issued without waiting -- a parameter's partial gradient, which the runtime
+  sums in gradient buckets all-reduced (or, ZeRO-2, reduce-scattered) while the rest of backward
+  runs (``autopar.runtime.bucketing``), but only where its reader takes the parameter in the
+  parameter's own layout (a gathered parameter's sum runs in-graph). So it is a property of a
+  pair of choices: ``Edge.async_costs[i][j]``, a part of the reader's ``comm_s`` (an option's own
+  asynchronous part, ``StrategyOption.async_s``, adds to it).
 
 Asynchronous communication runs beside compute: the backward compute after its bucket is ready.
 That is approximated by the whole step's backward compute (``StrategyOption.overlap_s``; the
@@ -16,6 +19,7 @@ others). With ``A`` the chosen async seconds, ``W`` the chosen backward compute 
 mesh's ``comm_overlap``::
 
     hidden  = min(rho * A, W)          (hidden <= rho * A and hidden <= W, as large as they allow)
+    A       = sum of chosen options' async_s + sum over edges of async_costs at the chosen pair
     exposed = A - hidden
     step    = compute + sync communication + exposed  =  (everything summed) - hidden
 
@@ -26,14 +30,15 @@ number. ``rho = 0`` (or no asynchronous communication) adds nothing: the model i
 
 Simplification stays exact: the step is ``max(C - rho * A, C - W)`` (``C``: everything summed),
 so an option that is no worse in both ``C - rho * A`` and ``C - W`` is no worse in the step
-(``autopar.solver.simplify``'s dominance and follow tests run on both when overlap is active).
+(``autopar.solver.simplify``'s dominance and follow tests run on both when overlap is active,
+the first with edge costs ``costs - rho * async_costs``).
 
 No torch import.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -48,33 +53,33 @@ def hidden_seconds(comm_overlap: float, async_s: float, overlap_s: float) -> flo
     return min(comm_overlap * async_s, overlap_s)
 
 
-def overlap_active(comm_overlap: float, options) -> bool:
-    """Whether a problem with these nodes' options can hide anything: a positive overlap and some
-    asynchronous communication (otherwise the model is the plain sum, bit for bit)."""
-    return comm_overlap > 0.0 and any(o.async_s > 0.0 for opts in options for o in opts)
+def overlap_active(problem) -> bool:
+    """Whether a ``Problem`` can hide anything: a positive overlap and some asynchronous
+    communication, on an option or an edge (otherwise the model is the plain sum, bit for bit)."""
+    return problem.comm_overlap > 0.0 and (any(e.async_array is not None for e in problem.edges) or any(
+        o.async_s > 0.0 for n in problem.nodes for o in n.options))
 
 
 @dataclass(frozen=True, slots=True)
 class Overlap:
     """The overlap terms of a simplified model (``autopar.solver.simplify.Reduced.overlap``):
     per group ``g`` and option ``s``, ``async_s[g][s]`` seconds of asynchronous communication and
-    ``compute_s[g][s]`` seconds of compute it may hide under; ``rho``: the mesh's ``comm_overlap``.
-    The reduced model's step is its summed objective less ``hidden_seconds(rho, A, W)``."""
+    ``compute_s[g][s]`` seconds of compute it may hide under; ``edges[(a, b)][s, t]`` the
+    asynchronous seconds of a group edge (the pairs ``Reduced.edges`` holds, where nonzero);
+    ``rho``: the mesh's ``comm_overlap``. The reduced model's step is its summed objective less
+    ``hidden_seconds(rho, A, W)``."""
 
     rho: float
     async_s: tuple[np.ndarray, ...]
     compute_s: tuple[np.ndarray, ...]
+    edges: dict = field(default_factory=dict)
 
     def totals(self, group_choice) -> tuple[float, float]:
         """``(A, W)`` of a group choice."""
         a = sum(float(v[s]) for v, s in zip(self.async_s, group_choice))
+        a += sum(float(m[group_choice[g1], group_choice[g2]]) for (g1, g2), m in self.edges.items())
         w = sum(float(v[s]) for v, s in zip(self.compute_s, group_choice))
         return a, w
 
     def hidden(self, group_choice) -> float:
         return hidden_seconds(self.rho, *self.totals(group_choice))
-
-    def restricted(self, keep) -> "Overlap":
-        """Group ``g`` limited to the options ``keep[g]``."""
-        return replace(self, async_s=tuple(v[k] for v, k in zip(self.async_s, keep)),
-                       compute_s=tuple(v[k] for v, k in zip(self.compute_s, keep)))

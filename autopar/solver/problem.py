@@ -14,8 +14,8 @@ the ILP does):
 * Step time = sum over nodes of ``compute_s + comm_s`` of the chosen option
   + sum over edges of ``costs[src choice][dst choice]`` (resharding, forward + backward)
   - the communication hidden under compute: ``min(comm_overlap * A, W)`` with ``A`` the chosen
-  options' ``async_s`` and ``W`` their ``overlap_s`` (``autopar.solver.overlap``; 0 when
-  ``comm_overlap`` is 0: then the plain sum).
+  options' ``async_s`` plus the edges' ``async_costs`` at the chosen pairs and ``W`` the options'
+  ``overlap_s`` (``autopar.solver.overlap``; 0 when ``comm_overlap`` is 0: the plain sum).
 * Memory timeline: integer time points ``0 .. timeline_length-1`` (a linear order of the
   forward and backward pass, e.g. forward op ``i`` at ``i`` and its backward at
   ``2N-1-i``). A node's chosen ``act_bytes`` is held on every point of its closed interval
@@ -198,14 +198,20 @@ class Node:
 class Edge:
     """Data flowing from ``src`` to ``dst``: ``costs[i][j]`` is the resharding time (forward +
     backward seconds) when ``src`` runs option ``i`` and ``dst`` runs option ``j``. At most one
-    edge per ordered pair: sum the matrices when a node consumes a value twice."""
+    edge per ordered pair: sum the matrices when a node consumes a value twice.
+
+    ``async_costs[i][j]`` (None: all 0): seconds of ``dst``'s ``comm_s`` issued asynchronously
+    when the pair is (i, j) -- a parameter's gradient sum is bucketed only when its reader takes
+    it in the parameter's own layout (``autopar.solver.overlap``)."""
 
     src: str
     dst: str
     costs: tuple[tuple[float, ...], ...]
+    async_costs: tuple[tuple[float, ...], ...] | None = None
     # ``costs`` as a read-only float array, made once here: converting the nested tuples again
     # cost the solver 16 s of its 3-axis Llama-8B simplification (94M entries).
     array: np.ndarray = field(init=False, repr=False, compare=False)
+    async_array: np.ndarray | None = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "costs", tuple(tuple(float(c) for c in row) for row in self.costs))
@@ -224,6 +230,28 @@ class Edge:
                     _check_number(f"edge {self.src!r} -> {self.dst!r}", "cost", c)
         flat.flags.writeable = False
         object.__setattr__(self, "array", flat)
+        object.__setattr__(self, "async_array", self._async_array(flat.shape))
+
+    def _async_array(self, shape: tuple[int, ...]) -> np.ndarray | None:
+        if self.async_costs is None:
+            return None
+        asy = np.asarray(self.async_costs, dtype=float)
+        if asy.shape != shape:
+            raise ValueError(f"edge {self.src!r} -> {self.dst!r}: async_costs is {asy.shape}, costs {shape}")
+        if not (np.isfinite(asy).all() and (asy >= 0).all()):
+            raise ValueError(f"edge {self.src!r} -> {self.dst!r}: async_costs must be finite and >= 0")
+        if not asy.any():  # all zero is no asynchronous seconds: one form for both
+            object.__setattr__(self, "async_costs", None)
+            return None
+        object.__setattr__(self, "async_costs", tuple(map(tuple, asy.tolist())))
+        asy.flags.writeable = False
+        return asy
+
+    def restricted(self, rows, cols) -> "Edge":
+        """This edge between the options ``rows`` of ``src`` and ``cols`` of ``dst``."""
+        where = np.ix_(list(rows), list(cols))
+        return Edge(self.src, self.dst, self.array[where].tolist(),
+                    None if self.async_array is None else self.async_array[where].tolist())
 
     def __str__(self) -> str:
         return f"{self.src} -> {self.dst} ({len(self.costs)}x{len(self.costs[0])})"
@@ -354,7 +382,8 @@ class Problem:
                              for o in n.options]}
                 for n in self.nodes
             ],
-            "edges": [{"src": e.src, "dst": e.dst, "costs": [list(r) for r in e.costs]} for e in self.edges],
+            "edges": [{"src": e.src, "dst": e.dst, "costs": [list(r) for r in e.costs]}
+                      | ({} if e.async_array is None else {"async_costs": e.async_array.tolist()}) for e in self.edges],
         }
         return json.dumps(data)
 
@@ -370,7 +399,7 @@ class Problem:
                      None if n["live"] is None else tuple(n["live"]), n["block"], n["signature"], n["segment"])
                 for n in data["nodes"]
             )
-            edges = tuple(Edge(e["src"], e["dst"], e["costs"]) for e in data["edges"])
+            edges = tuple(Edge(e["src"], e["dst"], e["costs"], e.get("async_costs")) for e in data["edges"])
             # comm_overlap and the options' last two figures came later: absent, no overlap.
             return cls(nodes, edges, data["budget_bytes"], data["timeline_length"],
                        tuple(data["mesh_shape"]), data["meta"], data.get("comm_overlap", 0.0))

@@ -36,11 +36,13 @@ equal the problem's for the expanded node choice (``Problem.evaluate``). Four tr
    memory constraint cannot bind: no budget, or the worst choice everywhere fits the budget.
 
 Communication overlap (``autopar.solver.overlap``), when a problem has it: each group also
-carries, per option, its asynchronous communication ``a`` and the compute ``w`` it may hide under
-(aliased members add up, a follower's move onto its leader through ``t*`` like its cost). The
-step is then ``max(C - rho a, C - w)`` summed, so the cost comparisons of 3 and 4 (including the
-regret terms, which are edges: synchronous) must hold for both ``cost - rho a`` and ``cost - w``.
-Without overlap the tests are the plain ones above, unchanged.
+carries, per option, its asynchronous communication ``a`` and the compute ``w`` it may hide under,
+and each edge its asynchronous matrix ``M`` beside ``C`` (aliased members and parallel edges add
+up, a follower's move onto its leader through ``t*`` like its cost, a separable ``M`` folds into
+``a`` like ``C`` into the cost: an edge folds only when both are separable). The step is then
+``max(C - rho a, C - w)`` summed, so the cost comparisons of 3 and 4 must hold for both: with
+node costs ``cost - rho a`` and edge costs ``C - rho M`` (their regret terms), and with
+``cost - w`` and ``C``. Without overlap the tests are the plain ones above, unchanged.
 
 Transformations 2-4 repeat until nothing changes. No torch import.
 """
@@ -163,10 +165,11 @@ class _Work:
 
     def __init__(self, problem: Problem, alias: bool):
         # Overlap terms (module docstring): rho, and per group its async and overlappable seconds.
-        self.rho = problem.comm_overlap if overlap_active(problem.comm_overlap, (n.options for n in problem.nodes)) \
-            else None
+        self.rho = problem.comm_overlap if overlap_active(problem) else None
         self.asy: dict[int, np.ndarray] = {}
         self.ovl: dict[int, np.ndarray] = {}
+        self.aadj: dict[int, dict[int, np.ndarray]] = defaultdict(dict)  # async matrices, as adj (nonzero ones)
+        self._regret_async: dict[tuple[int, int], tuple] = {}  # see regret_term
         self.cost: dict[int, np.ndarray] = {}
         self.param: dict[int, np.ndarray] = {}
         self.forward: dict[int, dict[str, np.ndarray]] = {}
@@ -212,41 +215,68 @@ class _Work:
         for e in problem.edges:
             ga, gb = groups[e.src], groups[e.dst]
             mat = e.array
+            asy = e.async_array if self.rho is not None else None
             if ga == gb:  # both ends share one decision: only the diagonal is reachable
                 self.cost[ga] += np.diag(mat)
+                if asy is not None:
+                    self.asy[ga] = self.asy[ga] + np.diag(asy)
             else:
-                self.add_edge(ga, gb, mat)
+                self.add_edge(ga, gb, mat, asy)
 
-    def add_edge(self, a: int, b: int, mat: np.ndarray) -> None:
+    def add_edge(self, a: int, b: int, mat: np.ndarray, asy: np.ndarray | None = None) -> None:
         if b in self.adj[a]:
             self.adj[a][b] = self.adj[a][b] + mat
         else:
             self.adj[a][b] = mat
         self.adj[b][a] = self.adj[a][b].T
+        if asy is not None:
+            held = self.aadj[a].get(b)
+            self.aadj[a][b] = asy if held is None else held + asy
+            self.aadj[b][a] = self.aadj[a][b].T
 
     def drop_edge(self, a: int, b: int) -> None:
         del self.adj[a][b]
         del self.adj[b][a]
+        if b in self.aadj[a]:
+            del self.aadj[a][b]
+            del self.aadj[b][a]
 
     # ------------------------------------------------------------------- transformations
     def fold_if_separable(self, a: int, b: int) -> bool:
-        mat = self.adj[a][b]
-        rows, cols = mat[:, 0], mat[0, :] - mat[0, 0]
-        if np.abs(mat - rows[:, None] - cols[None, :]).max() > _EPS * (1.0 + np.abs(mat).max()):
-            return False
-        self.cost[a] = self.cost[a] + rows
-        self.cost[b] = self.cost[b] + cols
+        mats = [self.adj[a][b]] + ([self.aadj[a][b]] if b in self.aadj[a] else [])
+        parts = []
+        for mat in mats:
+            rows, cols = mat[:, 0], mat[0, :] - mat[0, 0]
+            if np.abs(mat - rows[:, None] - cols[None, :]).max() > _EPS * (1.0 + np.abs(mat).max()):
+                return False
+            parts.append((rows, cols))
+        self.cost[a] = self.cost[a] + parts[0][0]
+        self.cost[b] = self.cost[b] + parts[0][1]
+        if len(parts) > 1:
+            self.asy[a] = self.asy[a] + parts[1][0]
+            self.asy[b] = self.asy[b] + parts[1][1]
         self.drop_edge(a, b)
         return True
 
-    def regret(self, g: int, skip: int | None = None) -> np.ndarray:
-        """``R[t', t] = sum_w max_r (C_gw[t', r] - C_gw[t, r])`` over neighbours w != skip."""
+    def regret(self, g: int, skip: int | None = None, *, rho: float | None = None) -> np.ndarray:
+        """``R[t', t] = sum_w max_r (C_gw[t', r] - C_gw[t, r])`` over neighbours w != skip;
+        ``rho``: of ``C_gw - rho M_gw`` (module docstring, overlap)."""
         k = len(self.cost[g])
         total = np.zeros((k, k))
         for w, mat in self.adj[g].items():
-            if w != skip:
-                total += self.regret_term(g, w, mat)
+            if w == skip:
+                continue
+            asy = self.aadj[g].get(w) if rho is not None else None
+            total += self.regret_term(g, w, mat) if asy is None else self.async_regret_term(g, w, mat, asy, rho)
         return total
+
+    def async_regret_term(self, g: int, w: int, mat: np.ndarray, asy: np.ndarray, rho: float) -> np.ndarray:
+        """``regret_term`` of ``mat - rho asy``, kept while both arrays are the same."""
+        hit = self._regret_async.get((g, w))
+        if hit is not None and hit[0] is mat and hit[1] is asy:
+            return hit[2]
+        self._regret_async[(g, w)] = (mat, asy, term := _max_row_difference(mat - rho * asy))
+        return term
 
     def regret_term(self, g: int, w: int, mat: np.ndarray) -> np.ndarray:
         """``max_r (C_gw[t', r] - C_gw[t, r])``, kept while ``adj[g][w]`` is the same array (every
@@ -269,21 +299,20 @@ class _Work:
             ok &= vec[:, None] <= vec[None, :]
         return ok
 
-    def step_costs(self, g: int, cost: np.ndarray) -> list[np.ndarray]:
-        """The per-option costs a dominance test compares for group ``g`` whose options cost
-        ``cost`` (indexed like ``g``'s options, possibly per row: ``cost[..., t]``): ``cost``
-        itself, or with overlap ``cost - rho a`` and ``cost - w`` (module docstring)."""
+    def comparisons(self, g: int, skip: int | None = None) -> list[tuple[np.ndarray, np.ndarray]]:
+        """(per-option cost, regret) pairs a dominance test of group ``g`` must pass: the plain
+        ones, or with overlap those of ``max(C - rho A, C - W)`` (module docstring)."""
         if self.rho is None:
-            return [cost]
-        return [cost - self.rho * self.asy[g], cost - self.ovl[g]]
+            return [(self.cost[g], self.regret(g, skip))]
+        return [(self.cost[g] - self.rho * self.asy[g], self.regret(g, skip, rho=self.rho)),
+                (self.cost[g] - self.ovl[g], self.regret(g, skip))]
 
     def prune_dominated(self, g: int, memory: bool) -> bool:
         k = len(self.cost[g])
         if k == 1:
             return False
-        regret = self.regret(g)
         dom = self.dominates(g, memory)
-        for c in self.step_costs(g, self.cost[g]):
+        for c, regret in self.comparisons(g):
             dom &= c[:, None] - c[None, :] + regret <= _EPS * (1.0 + np.abs(c).max())
         np.fill_diagonal(dom, False)
         keep = np.ones(k, dtype=bool)
@@ -305,6 +334,9 @@ class _Work:
         for w in list(self.adj[g]):
             self.adj[g][w] = self.adj[g][w][kept, :]
             self.adj[w][g] = self.adj[g][w].T
+        for w in list(self.aadj[g]):
+            self.aadj[g][w] = self.aadj[g][w][kept, :]
+            self.aadj[w][g] = self.aadj[g][w].T
         for node in self.group_members[g]:
             self.member[node] = (g, self.member[node][1][kept])
 
@@ -314,9 +346,12 @@ class _Work:
         q = self.cost[v][None, :] + c_uv
         best = q.argmin(axis=1)
         rows = np.arange(len(best))
-        regret = self.regret(v, skip=u)[best, :]
-        for c in self.step_costs(v, q):
-            loss = c[rows, best][:, None] - c + regret
+        m_uv = self.aadj[u].get(v) if self.rho is not None else None
+        # The pair's own edge in each comparison: C_uv, less rho M_uv in the first overlap one.
+        pairs = [c_uv] if self.rho is None else [c_uv if m_uv is None else c_uv - self.rho * m_uv, c_uv]
+        for (cost, regret), pair in zip(self.comparisons(v, skip=u), pairs):
+            c = cost[None, :] + pair
+            loss = c[rows, best][:, None] - c + regret[best, :]
             if (loss > _EPS * (1.0 + np.abs(c).max())).any():
                 return False
         if not self.dominates(v, memory)[best, :].all():
@@ -324,20 +359,22 @@ class _Work:
         self.cost[u] = self.cost[u] + q[rows, best]
         self.param[u] = self.param[u] + self.param[v][best]
         if self.rho is not None:
-            self.asy[u], self.ovl[u] = self.asy[u] + self.asy[v][best], self.ovl[u] + self.ovl[v][best]
+            self.asy[u] = self.asy[u] + self.asy[v][best] + (0.0 if m_uv is None else m_uv[rows, best])
+            self.ovl[u] = self.ovl[u] + self.ovl[v][best]
         for seg, vec in self.forward[v].items():
             mine = self.forward[u].setdefault(seg, np.zeros(len(best)))
             self.forward[u][seg] = mine + vec[best]
         self.items[u] += [MemItem(u, it.start, it.end, it.bytes[best], it.segment) for it in self.items[v]]
         self.drop_edge(u, v)
         for w, mat in list(self.adj[v].items()):
+            asy = self.aadj[v].get(w)
             self.drop_edge(v, w)
-            self.add_edge(u, w, mat[best, :])
+            self.add_edge(u, w, mat[best, :], None if asy is None else asy[best, :])
         for node in self.group_members[v]:
             self.member[node] = (u, self.member[node][1][best])
         self.group_members[u] += self.group_members[v]
         for table in (self.cost, self.param, self.forward, self.items, self.adj, self.group_members, self.asy,
-                      self.ovl):
+                      self.ovl, self.aadj):
             table.pop(v, None)
         return True
 
@@ -461,8 +498,9 @@ def _freeze(work: _Work, problem: Problem, memory: bool, stats: dict[str, int]) 
     members = tuple(Member(node, new[grp], option_names(node, idx)) for node, (grp, idx) in work.member.items())
     stats = {**stats, "num_groups": len(order), "num_group_edges": len(edges),
              "num_options": int(sum(len(work.cost[g]) for g in order))}
-    overlap = None if work.rho is None else Overlap(work.rho, tuple(work.asy[g] for g in order),
-                                                    tuple(work.ovl[g] for g in order))
+    overlap = None if work.rho is None else Overlap(
+        work.rho, tuple(work.asy[g] for g in order), tuple(work.ovl[g] for g in order),
+        {(new[a], new[b]): m for a in order for b, m in work.aadj[a].items() if new[a] < new[b]})
     return Reduced(
         cost=tuple(work.cost[g] for g in order), param=tuple(work.param[g] for g in order),
         forward=tuple(work.forward[g] for g in order), mem_items=items, edges=edges,

@@ -198,6 +198,8 @@ def evaluate(problem: Timed, choice: Mapping[str, str], *, recompute: Iterable[s
             delta[n.live[1] + 1] -= o.act_bytes
     for e in problem.edges:
         reshard += e.costs[pick[e.src]][pick[e.dst]]
+        if e.async_array is not None:
+            async_s += float(e.async_array[pick[e.src], pick[e.dst]])
     for c, first, last in _held_inputs(problem, segment_inputs or {}, pick, chosen, geo):
         delta[first] += c
         delta[last + 1] -= c

@@ -57,6 +57,14 @@ def test_only_the_parameters_gradient_sums_are_asynchronous():
     backward = sum(n.options[n.option_index(dp[n.name])].overlap_s for n in p.nodes)
     assert 0 < backward < ev.compute_s
     assert ev.hidden_s == min(0.5 * ev.async_s, backward) > 0
+    # The same plan with one weight sharded: gathered before its reader, whose gradient sum then
+    # runs in-graph (runtime.passes buckets only a parameter read in its own layout).
+    name = next(n for n, d in built.decisions.items() if d.kind == "parameter" and d.module.endswith("up.weight"))
+    gathered = {**dp, name: "S0"}
+    synced = [s for s in grad_syncs(built, gathered)[0] if s.value.producer == name]
+    assert synced and not any(s.bucketed for s in synced)
+    assert p.evaluate(gathered).async_s == pytest.approx(ev.async_s - sum(s.seconds(built.mesh) for s in syncs
+                                                                          if s.value.producer == name))
     tp = solve(baseline_problem("megatron-tp", traced, built)).choice
     ev_tp = p.evaluate(tp)
     assert ev_tp.comm_s + ev_tp.reshard_s > 0 and ev_tp.async_s == 0.0  # its all-reduces wait on the critical path

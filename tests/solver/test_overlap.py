@@ -37,12 +37,18 @@ def _random_problem(seed: int, *, rho: float, budget: bool) -> Problem:
     names = [n.name for n in nodes]
     for a, b in zip(names, names[1:]):
         ka, kb = nodes[names.index(a)].num_options, nodes[names.index(b)].num_options
-        edges.append(Edge(a, b, [[0.0 if i == j else rng.uniform(0.0, 1.5) for j in range(kb)] for i in range(ka)]))
+        # Some edges carry asynchronous seconds on some pairs (a gradient sum read without conversion).
+        asy = [[rng.choice([0.0, rng.uniform(0.2, 1.5)]) for _ in range(kb)] for _ in range(ka)] \
+            if rng.random() < 0.6 else None
+        edges.append(Edge(a, b, [[0.0 if i == j else rng.uniform(0.0, 1.5) for j in range(kb)] for i in range(ka)],
+                          asy))
     p = Problem(tuple(nodes), tuple(edges), timeline_length=14, comm_overlap=rho)
     if not budget:
         return p
     peaks = sorted({p.evaluate(c).peak_bytes for c in _choices(p)})
-    return p.with_budget(peaks[len(peaks) // 2])  # binds: half the plans are over it
+    # binds (about half the plans are over it), half a MiB clear of any plan's peak (whole MiB):
+    # a plan exactly at a budget is within the backends' row tolerances, admitted or not
+    return p.with_budget(peaks[len(peaks) // 2] + (1 << 19))
 
 
 def _choices(problem: Problem):
@@ -65,6 +71,18 @@ def test_hidden_is_the_smaller_of_the_two_bounds():
     assert hidden_seconds(0.5, 4.0, 10.0) == 2.0  # overlap-bound
     assert hidden_seconds(1.0, 4.0, 1.5) == 1.5  # compute-bound
     assert hidden_seconds(0.0, 4.0, 10.0) == 0.0
+
+
+def test_an_edges_asynchronous_seconds_count_for_the_chosen_pair_only():
+    w = Node("w", (_opt("R", 0.0), _opt("S", 0.0)))
+    mm = Node("mm", (_opt("dp", 4.0, 2.0, ovl=3.0), _opt("tp", 2.0, 3.0)))
+    # dp reads w replicated: its 2 s gradient sum is bucketed only when w is R (no gather first)
+    p = Problem((w, mm), (Edge("w", "mm", [[0.0, 0.1], [0.5, 0.0]], [[2.0, 0.0], [0.0, 0.0]]),), comm_overlap=1.0)
+    assert p.evaluate({"w": "R", "mm": "dp"}).hidden_s == 2.0
+    assert p.evaluate({"w": "S", "mm": "dp"}).hidden_s == 0.0
+    sol = solve(p)
+    assert sol.choice == {"w": "R", "mm": "dp"} and sol.objective == pytest.approx(4.0)
+    assert solve(replace(p, comm_overlap=0.0)).choice == {"w": "S", "mm": "tp"}
 
 
 def test_evaluator_subtracts_hidden_communication():
@@ -101,7 +119,8 @@ def test_zero_overlap_is_the_plain_sum_bit_for_bit():
     p = _random_problem(3, rho=0.0, budget=True)
     assert simplify(p).overlap is None
     plain = Problem(tuple(replace(n, options=tuple(replace(o, async_s=0.0, overlap_s=0.0) for o in n.options))
-                          for n in p.nodes), p.edges, p.budget_bytes, p.timeline_length)
+                          for n in p.nodes), tuple(Edge(e.src, e.dst, e.costs) for e in p.edges), p.budget_bytes,
+                    p.timeline_length)
     a, b = solve(p), solve(plain)
     assert a.choice == b.choice and a.objective == b.objective and a.lp_bound == b.lp_bound
     ev = p.evaluate(a.choice)
@@ -122,12 +141,16 @@ def test_problem_json_keeps_overlap_and_reads_files_without_it():
     p = _random_problem(1, rho=0.4, budget=True)
     back = Problem.from_json(p.to_json())
     assert back == p and back.comm_overlap == 0.4
+    assert [e.async_costs for e in back.edges] == [e.async_costs for e in p.edges]
     data = json.loads(p.to_json())
     del data["comm_overlap"]
     for n in data["nodes"]:
         n["options"] = [o[:6] for o in n["options"]]
+    for e in data["edges"]:
+        e.pop("async_costs", None)
     old = Problem.from_json(json.dumps(data))
     assert old.comm_overlap == 0.0 and all(o.async_s == 0.0 for n in old.nodes for o in n.options)
+    assert all(e.async_array is None for e in old.edges)
 
 
 def test_records_refuse_bad_overlap_figures():
@@ -135,3 +158,19 @@ def test_records_refuse_bad_overlap_figures():
         StrategyOption("x", 1.0, 0.5, async_s=0.6)
     with pytest.raises(ValueError, match="comm_overlap"):
         Problem((Node("a", (_opt("x", 1.0),)),), comm_overlap=1.5)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_restricted_model_keeps_every_overlap_term(seed):
+    # incumbents.restrict folds edges whose ends keep one option: their async seconds too.
+    import numpy as np
+
+    from autopar.solver.incumbents import restrict
+
+    p = _random_problem(seed, rho=1.0, budget=False)
+    red = simplify(p, merge=False)
+    rng = random.Random(seed)
+    keep = [np.array(sorted(rng.sample(range(len(c)), rng.randint(1, len(c)))), dtype=int) for c in red.cost]
+    sub = restrict(red, keep)
+    for combo in itertools.product(*[range(len(c)) for c in sub.cost]):
+        assert sub.objective(combo) == pytest.approx(p.evaluate(sub.expand(combo)).objective, rel=1e-9)
