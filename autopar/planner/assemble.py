@@ -13,7 +13,7 @@ from typing import Any
 
 from autopar.planner.baselines import BASELINES, ZERO_BASELINES, baseline_roles, make_restriction
 from autopar.plans import Estimate, NodeKind, NodePlan, Plan
-from autopar.solver.problem import Edge, Problem
+from autopar.solver.problem import Problem
 
 __all__ = ["assemble_plan", "node_plans", "estimate_of", "solver_stats", "applicable_baselines",
            "baseline_problem", "restricted_problem"]
@@ -112,7 +112,6 @@ def restricted_problem(built, traced, restriction, name: str) -> Problem:
             raise ValueError(f"the {name} restriction leaves no option for {kind} {node.name!r} (module {module})")
         keep[node.name] = idx
         nodes.append(replace(node, options=tuple(node.options[i] for i in idx)))
-    edges = tuple(Edge(e.src, e.dst, tuple(tuple(e.costs[i][j] for j in keep[e.dst]) for i in keep[e.src]))
-                  for e in built.problem.edges)
+    edges = tuple(e.restricted(keep[e.src], keep[e.dst]) for e in built.problem.edges)
     p = built.problem
     return replace(p, nodes=tuple(nodes), edges=edges, meta={**p.meta_dict, "restriction": name})

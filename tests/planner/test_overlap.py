@@ -49,7 +49,8 @@ def test_only_the_parameters_gradient_sums_are_asynchronous():
     traced, built = _built(MeshSpec.preset("cpu", (2,)))
     p = built.problem
     assert p.comm_overlap == 0.5
-    dp = solve(baseline_problem("data-parallel", traced, built)).choice
+    family = solve(baseline_problem("data-parallel", traced, built))  # a restricted problem keeps the overlap
+    dp = family.choice
     syncs, _ = grad_syncs(built, dp)
     assert syncs and all(s.bucketed for s in syncs)  # every partial gradient is a weight's or bias's
     ev = p.evaluate(dp)
@@ -57,6 +58,7 @@ def test_only_the_parameters_gradient_sums_are_asynchronous():
     backward = sum(n.options[n.option_index(dp[n.name])].overlap_s for n in p.nodes)
     assert 0 < backward < ev.compute_s
     assert ev.hidden_s == min(0.5 * ev.async_s, backward) > 0
+    assert family.objective == pytest.approx(ev.objective, rel=1e-9)
     # The same plan with one weight sharded: gathered before its reader, whose gradient sum then
     # runs in-graph (runtime.passes buckets only a parameter read in its own layout).
     name = next(n for n, d in built.decisions.items() if d.kind == "parameter" and d.module.endswith("up.weight"))

@@ -383,7 +383,7 @@ class StageCosts:
                 if len(keep[e.src]) == len(e.costs) and len(keep[e.dst]) == len(e.costs[0]):
                     edges.append(e)
                 else:
-                    edges.append(Edge(e.src, e.dst, e.array[np.ix_(keep[e.src], keep[e.dst])].tolist()))
+                    edges.append(e.restricted(keep[e.src], keep[e.dst]))
         held: dict[str, list] = {}
         for u in sorted(units):
             g = geo.units[u]
