@@ -25,7 +25,7 @@ each returned tensor pays its conversion to replicated on the edge into it.
 The result (``autopar.planner.records``) is built once, then frozen: one ``Decision`` per
 ``Problem`` node (its kind, its ``Choice`` per option, the ``InputSlot`` each input slot reads).
 
-Overlap (``autopar.solver.overlap``): a parameter's gradient sum, read in its own layout, is
+Overlap (``autopar.solver.overlap``): a parameter's gradient sum, read directly in its own layout, is
 asynchronous (an edge's ``async_costs``: ``executed.async_edge`` says which and why); all else is
 synchronous. An op option's ``overlap_s`` is its backward compute, what such sums hide under.
 
@@ -64,7 +64,6 @@ from autopar.layout.blocks import block_of
 from autopar.solver.problem import Edge, Node, Problem, StrategyOption
 from autopar.strategies import FixedAxis, Strategy, input_nodes, strategies_for
 from autopar.tracer.graph import PLACEHOLDER_KEY, TracedGraph, values_needing_grad
-from autopar.tracer.meta_keys import PARAM_CAST_KEY
 from autopar.tracer.heap import frozen_heap
 from autopar.tracer.precision import compute_dtype
 from autopar.tracer.profile import ModelProfile
@@ -294,8 +293,9 @@ class _Builder:
         # are activations, the saved parts relative to this node, and the ZeRO-2 / shared
         # slots: repeated blocks compute them once.
         rel_parts = self._relative_parts(node, slots, parts)
-        bucketed = tuple(slot for slot, (src, v) in enumerate(zip(slots, inputs))
-                         if slot not in shared and self._reads_parameter(src, v))
+        # Slots whose gradient sum a bucket takes (``executed.async_edge``): a parameter's, read directly.
+        bucketed = tuple(slot for slot, v in enumerate(inputs)
+                         if slot not in shared and v is not None and self._kind(v.producer) == NodeKind.PARAMETER)
         key = (id(strategies), activations, rel_parts, zero2, tuple(shared))
         opts = self._option_cache.get(key)
         if opts is None:
@@ -325,11 +325,6 @@ class _Builder:
         done = self._stamps.stamp(self, node)
         self.num_stamped += done is True
         return done
-
-    def _reads_parameter(self, src: fx.Node, value: InputSlot | None) -> bool:
-        """A slot reading a parameter or its cast: the runtime buckets its gradient sum."""
-        return value is not None and (self._kind(value.producer) == NodeKind.PARAMETER
-                                      or src.meta.get(PARAM_CAST_KEY) is not None)
 
     def _op_options(self, node: fx.Node, strategies: list[Strategy], slots: list[fx.Node],
                     activations: tuple[bool, ...], rel_parts: tuple, zero2: tuple[int, ...],

@@ -59,9 +59,11 @@ def async_edge(src_choices, value: InputSlot, dst_choices, slot: int, mesh, *, k
 
     Counted synchronous although bucketed (an over-estimate of exposure): a parameter's later
     readers' sums (priced on the edge from the previous reader, ``ReaderChain``) and ZeRO-2's
-    all-reduce extra (``builder._zero2_edge``). Counted asynchronous although summed in-graph:
-    a cast read in its own layout whose layout is not its parameter's (three choices, beyond
-    a pairwise edge; rare, a cast follows its parameter)."""
+    all-reduce extra (``builder._zero2_edge``), and the sum of a mixed-precision cast of a
+    parameter: the runtime buckets it only where parameter, cast and reader share one layout,
+    a condition on three choices that a pairwise edge cannot state -- counted asynchronous on
+    the cast -> reader edge, it was: the planner gathered fp32 masters before their casts to
+    "hide" sums that then ran in-graph."""
     out = np.zeros((len(src_choices), len(dst_choices)))
     for j, dst in enumerate(dst_choices):
         s = dst.strategy

@@ -79,7 +79,7 @@ class Decision:
              the graph output.
     op:      the ATen overload of an op ("" otherwise).
     bucketed: the input slots whose partial gradient the cost model counts asynchronous (a
-             parameter's, read directly or through a cast: ``autopar.planner.builder``).
+             parameter's, read directly: ``autopar.planner.builder``).
     """
 
     name: str
