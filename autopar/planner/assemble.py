@@ -13,7 +13,7 @@ from typing import Any
 
 from autopar.planner.baselines import BASELINES, FAMILY_ZERO, ZERO_BASELINES, baseline_roles, make_restriction
 from autopar.plans import Estimate, NodeKind, NodePlan, Plan
-from autopar.solver.problem import Edge, Problem
+from autopar.solver.problem import Problem
 
 __all__ = ["assemble_plan", "node_plans", "estimate_of", "solver_stats", "applicable_baselines",
            "baseline_problem", "family_built", "restricted_problem"]
@@ -57,7 +57,8 @@ def estimate_of(evaluation) -> Estimate:
     """The public ``Estimate`` of a cost-model ``Evaluation``."""
     ev = evaluation
     return Estimate(step_s=ev.objective, compute_s=ev.compute_s, comm_s=ev.comm_s,
-                    reshard_s=ev.reshard_s, param_bytes=ev.param_bytes, peak_bytes=ev.peak_bytes)
+                    reshard_s=ev.reshard_s, param_bytes=ev.param_bytes, peak_bytes=ev.peak_bytes,
+                    async_s=ev.async_s, hidden_s=ev.hidden_s)
 
 
 def solver_stats(solution) -> dict:
@@ -128,7 +129,6 @@ def restricted_problem(built, traced, restriction, name: str, *, keep: dict[str,
             raise ValueError(f"the {name} restriction leaves no option for {kind} {node.name!r} (module {module})")
         keep[node.name] = idx
         nodes.append(replace(node, options=tuple(node.options[i] for i in idx)))
-    edges = tuple(Edge(e.src, e.dst, tuple(tuple(e.costs[i][j] for j in keep[e.dst]) for i in keep[e.src]))
-                  for e in built.problem.edges)
+    edges = tuple(e.restricted(keep[e.src], keep[e.dst]) for e in built.problem.edges)
     p = built.problem
     return replace(p, nodes=tuple(nodes), edges=edges, meta={**p.meta_dict, "restriction": name})

@@ -170,7 +170,8 @@ class BlockStamps:
         # Every check holds: block 2's records, renamed.
         i = b.op_index[name]
         decisions[name] = Decision(name, NodeKind.OP, t.decision.choices, tuple(inputs),
-                                   module=node.meta.get(MODULE_KEY, ""), op=t.decision.op)
+                                   module=node.meta.get(MODULE_KEY, ""), op=t.decision.op,
+                                   bucketed=t.decision.bucketed)
         b.nodes.append(Node(name, t.node.options, live=(i, 2 * b.num_ops - 1 - i) if parts else None,
                             block=self._block_names[where[1]], signature=t.node.signature,
                             segment=b.segment_of_op[name]))
@@ -180,6 +181,6 @@ class BlockStamps:
         if t.fallback:
             b.fallbacks.append(name)
         add_edge = b._add_edge
-        for src, matrix in t.edges:
-            add_edge(rename.get(src, src), name, matrix)
+        for src, matrix, asy in t.edges:
+            add_edge(rename.get(src, src), name, matrix, asy)
         return True

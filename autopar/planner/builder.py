@@ -25,6 +25,10 @@ each returned tensor pays its conversion to replicated on the edge into it.
 The result (``autopar.planner.records``) is built once, then frozen: one ``Decision`` per
 ``Problem`` node (its kind, its ``Choice`` per option, the ``InputSlot`` each input slot reads).
 
+Overlap (``autopar.solver.overlap``): a parameter's gradient sum, read directly in its own layout, is
+asynchronous (an edge's ``async_costs``: ``executed.async_edge`` says which and why); all else is
+synchronous. An op option's ``overlap_s`` is its backward compute, what such sums hide under.
+
 Edges carry, for every (producer option, consumer strategy) pair, the forward + backward seconds
 of the cheapest conversion from the producer's output spec to the spec the consumer's strategy
 requires (``autopar.layout.conversion.plan_conversion``; each distinct spec pair is planned once).
@@ -47,7 +51,7 @@ from autopar.layout.conversion import conversion_seconds
 from autopar.layout.mesh import MeshSpec
 from autopar.layout.placement import R, Shard, TensorSpec
 from autopar.planner.block_stamps import BlockStamps, Template
-from autopar.planner.executed import ReaderChain, sync_key, zero2_capable
+from autopar.planner.executed import ReaderChain, async_edge, sync_key, zero2_capable
 from autopar.planner.records import BuiltProblem, Choice, ChosenConversion, Decision, InputSlot
 from autopar.planner.saved_bytes import SELF, activation_bytes, global_bytes
 from autopar.planner.segments import (node_vals, op_segments, saved_by, segment_inputs, storage_base,
@@ -65,12 +69,10 @@ from autopar.tracer.heap import frozen_heap
 from autopar.tracer.precision import compute_dtype
 from autopar.tracer.profile import ModelProfile
 
-__all__ = ["BuiltProblem", "Choice", "ChosenConversion", "Decision", "InputSlot", "build_problem",
-           "layout_specs"]
+__all__ = ["BuiltProblem", "Choice", "ChosenConversion", "Decision", "InputSlot", "build_problem", "layout_specs"]
 
 # Values held at rest the whole step (their bytes are param_bytes, not activations).
 _AT_REST = (NodeKind.PARAMETER, NodeKind.BUFFER)
-# A saved storage the op made itself (``_Builder._relative_parts``).
 
 
 def layout_specs(shape: tuple[int, ...], mesh_shape: tuple[int, ...]) -> list[TensorSpec]:
@@ -119,6 +121,7 @@ class _Builder:
         self.sources: dict[str, tuple[str, int]] = {}  # value -> (decision, output index)
         self.values: dict[str, tuple[InputSlot | None, ...]] = {}  # decision -> its tensor outputs
         self.edges: dict[tuple[str, str], np.ndarray] = {}  # (producer, consumer) -> seconds per option pair
+        self.edge_async: dict[tuple[str, str], np.ndarray] = {}  # of those, asynchronous seconds (overlap)
         self.fallbacks: list[str] = []
         # Caches: identical repeated blocks share strategies, choices and edge matrices.
         self._strategy_cache: dict[str, list[Strategy]] = {}
@@ -157,6 +160,7 @@ class _Builder:
             mesh_shape=tuple(self.mesh.shape),
             # "restriction": the unrestricted family (baseline families' problems name theirs)
             meta={"model": self.traced.model_name, "graph_hash": self.traced.graph_hash, "restriction": "autopar"},
+            comm_overlap=self.mesh.comm_overlap,
         )
         problem = without_stateful_segments(problem, self.traced)
         fine = {n.name: n.segment for n in problem.nodes if n.segment is not None}
@@ -172,12 +176,14 @@ class _Builder:
     def _edge_records(self) -> tuple[Edge, ...]:
         """The ``Problem``'s edges. Repeated blocks share cost matrices (``_edge_cache``): each
         distinct matrix is converted and validated once, its repeats reuse the checked costs."""
-        made: dict[int, Edge] = {}
+        made: dict[tuple, Edge] = {}
         out = []
         for (src, dst), matrix in self.edges.items():
-            template = made.get(id(matrix))
+            asy = self.edge_async.get((src, dst))
+            template = made.get((id(matrix), id(asy)))
             if template is None:
-                edge = made[id(matrix)] = Edge(src, dst, tuple(map(tuple, matrix.tolist())))
+                edge = made[(id(matrix), id(asy))] = Edge(src, dst, tuple(map(tuple, matrix.tolist())),
+                                                          None if asy is None else asy.tolist())
             else:
                 edge = _moved_edge(template, src, dst)
             out.append(edge)
@@ -289,13 +295,16 @@ class _Builder:
         # are activations, the saved parts relative to this node, and the ZeRO-2 / shared
         # slots: repeated blocks compute them once.
         rel_parts = self._relative_parts(node, slots, parts)
+        # Slots whose gradient sum a bucket takes (``executed.async_edge``): a parameter's, read directly.
+        bucketed = tuple(slot for slot, v in enumerate(inputs)
+                         if slot not in shared and v is not None and self._kind(v.producer) == NodeKind.PARAMETER)
         key = (id(strategies), activations, rel_parts, zero2, tuple(shared))
         opts = self._option_cache.get(key)
         if opts is None:
             opts = self._option_cache[key] = self._op_options(node, strategies, slots, activations, rel_parts,
                                                               zero2, tuple(shared))
         decision = Decision(node.name, NodeKind.OP, self._choices_of(strategies), inputs, module=path,
-                            op=str(node.target))
+                            op=str(node.target), bucketed=bucketed)
         self._add(decision, opts, live=live, block=block_of(path), signature=signature,
                   vals=node_vals(node), segment=self.segment_of_op[node.name])
         template = self._stamps is not None and node.name in self._stamps.is_template
@@ -334,8 +343,11 @@ class _Builder:
             comm_s = s.comm_seconds(self.mesh, skip=shared, reduce_scatter=zero2)
             name = _unique(s.name, taken)
             taken.add(name)
+            # Backward compute: the op's whole compute less its forward part (clamped: both are
+            # rooflines of one op, so the difference is its backward term up to rounding).
             opts.append(StrategyOption(name, compute_s=s.compute_s, comm_s=comm_s, act_bytes=act,
-                                       forward_s=s.forward_compute_s + s.forward_comm_s))
+                                       forward_s=s.forward_compute_s + s.forward_comm_s,
+                                       overlap_s=max(s.compute_s - s.forward_compute_s, 0.0)))
         return tuple(opts)
 
     def _relative_parts(self, node: fx.Node, slots: list[fx.Node],
@@ -461,14 +473,23 @@ class _Builder:
         for slot, value in enumerate(dst.inputs):
             if value is None:
                 continue
-            self._add_edge(value.producer, dst.name,
-                           self._edge_matrix(self.decisions[value.producer].choices, value, dst.choices, slot))
+            src = self.decisions[value.producer].choices
+            asy = None
+            if slot in dst.bucketed:  # cached as the cost matrices: repeated blocks share them
+                key = ("async", tuple(map(id, src)), value.index, tuple(map(id, dst.choices)), slot)
+                if key not in self._edge_cache:
+                    kind = "reduce_scatter" if zero2_capable(self.decisions[value.producer]) else "all_reduce"
+                    self._edge_cache[key] = async_edge(src, value, dst.choices, slot, self.mesh, kind=kind)
+                asy = self._edge_cache[key]
+            self._add_edge(value.producer, dst.name, self._edge_matrix(src, value, dst.choices, slot), asy)
 
-    def _add_edge(self, src: str, dst: str, matrix: np.ndarray) -> None:
+    def _add_edge(self, src: str, dst: str, matrix: np.ndarray, asy: np.ndarray | None = None) -> None:
         if self._edge_log is not None:
-            self._edge_log.append((src, matrix))
+            self._edge_log.append((src, matrix, asy))
         key = (src, dst)
         self.edges[key] = self.edges[key] + matrix if key in self.edges else matrix
+        if asy is not None:
+            self.edge_async[key] = self.edge_async[key] + asy if key in self.edge_async else asy
 
     def _shared_sync_edge(self, src_choices: tuple[Choice, ...], src_slot: int, dst_choices: tuple[Choice, ...],
                           slot: int) -> np.ndarray:

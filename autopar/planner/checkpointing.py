@@ -59,6 +59,7 @@ from autopar.planner.executed import shared_savings, unique_conversions
 from autopar.planner.records import BuiltProblem, InputSlot
 from autopar.planner.segments import holder_of_producer, mutates_state, segment_inputs
 from autopar.layout.blocks import block_of
+from autopar.solver.overlap import hidden_seconds
 from autopar.solver.problem import Problem
 from autopar.solver.timeline import Evaluation, SegmentInput, activation_bytes, segment_geometry
 
@@ -131,8 +132,13 @@ def estimate(built, problem: Problem, choice, units, inputs, *, costs: ChoiceCos
     runs, (comm_saved, reshard_saved) = (costs or ChoiceCosts(built)).of(choice)
     inside = {name for r in regions_of(problem, units) for name in r.nodes} if units else set()
     extra = sum(f for consumer, f in runs if consumer in inside) if inside else 0.0
-    return replace(ev, objective=ev.objective + extra - comm_saved - reshard_saved, comm_s=ev.comm_s - comm_saved,
-                   reshard_s=ev.reshard_s + extra - reshard_saved)
+    # A gradient sum priced twice may be an asynchronous one the evaluator hid: what runs hides
+    # no more than its share of the asynchronous seconds left (at worst all the savings were those).
+    hidden = ev.hidden_s
+    if comm_saved > 0 and hidden > 0:
+        hidden = min(hidden, hidden_seconds(problem.comm_overlap, max(ev.async_s - comm_saved, 0.0), hidden))
+    return replace(ev, objective=ev.objective + extra - comm_saved - reshard_saved + (ev.hidden_s - hidden),
+                   comm_s=ev.comm_s - comm_saved, reshard_s=ev.reshard_s + extra - reshard_saved, hidden_s=hidden)
 
 
 def _finish(built, problem, choice, solution, units, inputs, method, info, *, costs=None, ev=None) -> RecomputePlan:

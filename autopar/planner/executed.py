@@ -15,12 +15,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping
 
+import numpy as np
+
+from autopar.layout.cost import collective_seconds
 from autopar.layout.placement import TensorSpec
 from autopar.plans import NodeKind
 from autopar.planner.records import BuiltProblem, ChosenConversion, InputSlot
 from autopar.strategies import Strategy
 
-__all__ = ["GradSync", "ReaderChain", "grad_syncs", "sync_key", "unique_conversions", "shared_savings", "zero2_capable"]
+__all__ = ["GradSync", "ReaderChain", "async_edge", "bucketed_async_s", "grad_syncs", "sync_key", "unique_conversions",
+           "shared_savings", "zero2_capable"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,9 +40,52 @@ class GradSync:
     axes: tuple[int, ...]
     strategy: Strategy
     kind: str  # all_reduce | reduce_scatter
+    bucketed: bool = False  # issued asynchronously in a gradient bucket (``Decision.bucketed``)
 
     def seconds(self, mesh) -> float:
         return self.strategy.grad_sync_s(self.slot, mesh, self.kind)
+
+    def async_seconds(self, mesh) -> float:
+        """Of ``seconds``, what a gradient bucket issues asynchronously (0 when not bucketed)."""
+        return bucketed_async_s(self.strategy, self.slot, mesh, self.kind) if self.bucketed else 0.0
+
+
+def async_edge(src_choices, value: InputSlot, dst_choices, slot: int, mesh, *, kind: str) -> np.ndarray | None:
+    """The asynchronous seconds of the edge into ``slot`` (a bucketed slot: ``Decision.bucketed``)
+    per (producer option, reader option): the reader's gradient sum of that slot (``kind``,
+    ``bucketed_async_s``) where it reads the value in the producer's own layout -- the runtime
+    buckets only such a read (``runtime.passes``); a converted one is summed in-graph. None when
+    all are 0.
+
+    Counted synchronous although bucketed (an over-estimate of exposure): a parameter's later
+    readers' sums (priced on the edge from the previous reader, ``ReaderChain``) and ZeRO-2's
+    all-reduce extra (``builder._zero2_edge``), and the sum of a mixed-precision cast of a
+    parameter: the runtime buckets it only where parameter, cast and reader share one layout,
+    a condition on three choices that a pairwise edge cannot state -- counted asynchronous on
+    the cast -> reader edge, it was: the planner gathered fp32 masters before their casts to
+    "hide" sums that then ran in-graph."""
+    out = np.zeros((len(src_choices), len(dst_choices)))
+    for j, dst in enumerate(dst_choices):
+        s = dst.strategy
+        if s is None or not s.grad_partial_axes[slot]:
+            continue
+        seconds = bucketed_async_s(s, slot, mesh, kind)
+        for i, src in enumerate(src_choices):
+            if src.output_specs[value.index] == dst.input_specs[slot]:
+                out[i, j] = seconds
+    return out if out.any() else None
+
+
+def bucketed_async_s(strategy: Strategy, slot: int, mesh, kind: str = "all_reduce") -> float:
+    """Seconds of input ``slot``'s gradient sum (``kind``) that a gradient bucket leaves in flight
+    while backward goes on: the whole sum over one mesh axis; over several, the first axis's
+    collective only (``runtime.bucketing`` and ``runtime.zero.comm.ScatterWork`` issue that one
+    asynchronously and the others when backward has ended), never more than the whole sum."""
+    total = strategy.grad_sync_s(slot, mesh, kind)
+    axes = [a for a in strategy.grad_partial_axes[slot] if mesh.shape[a] > 1]
+    if len(axes) <= 1:
+        return total
+    return min(collective_seconds(kind, strategy.grad_sync_bytes[slot], mesh, axes[0]), total)
 
 
 def _zero2_layouts(built: BuiltProblem, choice: Mapping[str, str]) -> dict[str, TensorSpec]:
@@ -109,7 +156,9 @@ def grad_syncs(built: BuiltProblem, choice: Mapping[str, str]) -> tuple[list[Gra
                 continue
             spec = c.input_specs[slot]
             kind = "reduce_scatter" if zero2.get(value.producer) == spec else "all_reduce"
-            sync = GradSync(name, slot, value, spec, tuple(axes), s, kind)
+            # bucketed: a parameter's (``Decision.bucketed``) read in its producer's layout
+            own = built.choice_of(value.producer, choice[value.producer]).output_specs[value.index] == spec
+            sync = GradSync(name, slot, value, spec, tuple(axes), s, kind, slot in d.bucketed and own)
             priced = prev is None or sync_key(built.choice_of(prev[0], choice[prev[0]]), prev[1]) != sync_key(c, slot)
             key = (value.producer, value.index) + sync_key(c, slot)
             issued = key not in first

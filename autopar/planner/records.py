@@ -78,6 +78,8 @@ class Decision:
     module:  the owning module path of an op ("" at top level), the FQN of a placeholder, None for
              the graph output.
     op:      the ATen overload of an op ("" otherwise).
+    bucketed: the input slots whose partial gradient the cost model counts asynchronous (a
+             parameter's, read directly: ``autopar.planner.builder``).
     """
 
     name: str
@@ -86,6 +88,7 @@ class Decision:
     inputs: tuple[InputSlot | None, ...] = ()
     module: str | None = None
     op: str = ""
+    bucketed: tuple[int, ...] = ()
 
     def __str__(self) -> str:
         where = f" @ {self.module}" if self.module else ""

@@ -28,10 +28,12 @@ class Report:
 def build_report(plan: Plan, result) -> Report:
     """The report of ``plan``; ``result``: the ``PlanResult`` it came from."""
     built, choice = result.built, result.recompute.choice
+    est = plan.estimate
     return Report(
         plan=plan,
         comm=comm_breakdown(built, choice, plan.mesh,
-                            recomputed=frozenset(n for r in result.recompute.regions for n in r.nodes)),
+                            recomputed=frozenset(n for r in result.recompute.regions for n in r.nodes),
+                            hidden_share=min(est.hidden_s / est.async_s, 1.0) if est.async_s > 0 else 0.0),
         timeline=memory_timeline(result.recompute),
         layers=layer_rows(plan, built, choice),
         tables=embedding_tables(plan, result.traced),

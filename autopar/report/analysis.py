@@ -8,7 +8,11 @@
   its steps' forward and backward collectives exactly as ``autopar.layout.conversion.step_seconds``
   prices them, ZeRO's all-gather after the step and ZeRO-2's gradient reduce-scatters; a
   conversion or gradient sum several consumers share counted once (``planner.executed``), so
-  the totals equal the plan's ``comm_s`` and ``reshard_s``;
+  the totals equal the plan's ``comm_s`` and ``reshard_s``; the gradient sums issued
+  asynchronously in buckets (source ``bucket``, or ``zero`` for ZeRO-2's reduce-scatters) carry
+  their share of the plan's hidden seconds (``Estimate.hidden_s``: the hidden part of the
+  asynchronous seconds is one pool, ``autopar.solver.overlap``, so each asynchronous collective
+  hides the same fraction of its asynchronous part);
 - the **memory timeline**: per-device bytes at every point of the forward/backward order, with
   the plan's recompute (the evaluation behind ``Plan.estimate``);
 - **per-layer rows**: decisions grouped by owning module, repeated blocks collapsed.
@@ -49,6 +53,11 @@ class CommRow:
     count: int = 0
     payload_bytes: int = 0  # full tensor bytes per collective, summed (0 when unknown)
     seconds: float = 0.0
+    hidden_s: float = 0.0  # of ``seconds``, hidden under compute (asynchronous collectives only)
+
+    @property
+    def exposed_s(self) -> float:
+        return max(self.seconds - self.hidden_s, 0.0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,13 +102,14 @@ def _picked(built: BuiltProblem, choice: dict[str, str]) -> dict[str, int]:
 
 
 # --------------------------------------------------------------------------- communication
-def _add(rows: dict, kind: str, axes: str, source: str, payload: float, seconds: float) -> None:
+def _add(rows: dict, kind: str, axes: str, source: str, payload: float, seconds: float, hidden: float = 0.0) -> None:
     if seconds <= 0.0 and payload <= 0:
         return
     row = rows.setdefault((kind, axes, source), CommRow(kind, axes, source))
     row.count += 1
     row.payload_bytes += int(payload)
     row.seconds += seconds
+    row.hidden_s += hidden
 
 
 def _step_parts(step, spec, shape, itemsize, mesh) -> list[tuple[str, float, float]]:
@@ -137,12 +147,14 @@ def _kernels(rows: dict, built: BuiltProblem, pick: dict[str, int], mesh: MeshSp
             _add(rows, f"kernel:{s.kernel}", "-", "in-op", 0, rest)
 
 
-def _grad_syncs(rows: dict, built: BuiltProblem, choice: dict[str, str], mesh: MeshSpec) -> None:
-    """Partial input gradients summed in backward, once per (value, layout, axes)."""
+def _grad_syncs(rows: dict, built: BuiltProblem, choice: dict[str, str], mesh: MeshSpec,
+                hidden_share: float) -> None:
+    """Partial input gradients summed in backward, once per (value, layout, axes); a bucketed
+    one hides ``hidden_share`` of its asynchronous part (``GradSync.async_seconds``)."""
     for sync in grad_syncs(built, choice)[0]:
-        source = "zero" if sync.kind == "reduce_scatter" else "in-op"
+        source = "zero" if sync.kind == "reduce_scatter" else "bucket" if sync.bucketed else "in-op"
         _add(rows, sync.kind, axis_label(mesh, sync.axes), source, sync.strategy.grad_sync_bytes[sync.slot],
-             sync.seconds(mesh))
+             sync.seconds(mesh), sync.async_seconds(mesh) * hidden_share)
 
 
 def _zero(rows: dict, built: BuiltProblem, pick: dict[str, int], mesh: MeshSpec) -> None:
@@ -178,16 +190,20 @@ def _resharding(rows: dict, built: BuiltProblem, choice: dict[str, str], mesh: M
 
 
 def comm_breakdown(built: BuiltProblem, choice: dict[str, str], mesh: MeshSpec, *,
-                   recomputed: frozenset[str] = frozenset()) -> list[CommRow]:
+                   recomputed: frozenset[str] = frozenset(), hidden_share: float = 0.0) -> list[CommRow]:
     """Communication of one training step, per (kind, axes, source), most expensive first, as
     the runtime issues it (``planner.executed``: a shared conversion or gradient sum once).
-    ``source``: "in-op" (strategies' own), "reshard" (conversions on edges), "recompute" (the
-    forward of conversions into the ``recomputed`` ops, again) or "zero" (ZeRO's gather after
-    the step and ZeRO-2's gradient reduce-scatters)."""
+    ``source``: "in-op" (strategies' own), "bucket" (parameters' gradient sums, all-reduced
+    asynchronously in buckets), "reshard" (conversions on edges), "recompute" (the forward of
+    conversions into the ``recomputed`` ops, again) or "zero" (ZeRO's gather after the step and
+    ZeRO-2's gradient reduce-scatters). ``hidden_share``: the fraction of every asynchronous
+    collective hidden under compute (the plan's ``hidden_s / async_s``)."""
+    if not 0.0 <= hidden_share <= 1.0:
+        raise ValueError(f"hidden_share must be in [0, 1], got {hidden_share!r}")
     pick = _picked(built, choice)
     rows: dict[tuple, CommRow] = {}
     _zero(rows, built, pick, mesh)
-    _grad_syncs(rows, built, choice, mesh)
+    _grad_syncs(rows, built, choice, mesh, hidden_share)
     _kernels(rows, built, pick, mesh)
     _resharding(rows, built, choice, mesh, recomputed)
     return sorted(rows.values(), key=lambda r: -r.seconds)

@@ -106,7 +106,9 @@ def _summary(report) -> str:
         ("model", escape(p.model)), ("mesh", f"{escape(str(p.mesh))} ({p.mesh.num_devices} devices)"),
         ("step time", f"{fmt_ms(est.step_s)} = compute {fmt_ms(est.compute_s)} + communication "
                       f"{fmt_ms(est.communication_s)} (in ops {fmt_ms(est.comm_s)}, "
-                      f"resharding {fmt_ms(est.reshard_s)})"),
+                      f"resharding {fmt_ms(est.reshard_s)})"
+                      + (f" &minus; hidden under compute {fmt_ms(est.hidden_s)} (of {fmt_ms(est.async_s)} issued "
+                         f"asynchronously, overlap {p.mesh.comm_overlap:.2f})" if est.hidden_s else "")),
         ("peak memory", f"{fmt_bytes(est.peak_bytes)}{budget} per device"),
     ]
     if p.recompute:
@@ -151,9 +153,13 @@ def _comm(report) -> str:
     rows = "".join(
         f"<tr><td><code>{escape(r.kind)}</code></td><td>{escape(r.axes)}</td><td>{r.source}</td>"
         f"<td class=num>{r.count}</td><td class=num>{fmt_bytes(r.payload_bytes) if r.payload_bytes else '-'}</td>"
-        f"<td class=num>{fmt_ms(r.seconds)}</td></tr>" for r in report.comm)
+        f"<td class=num>{fmt_ms(r.seconds)}</td><td class=num>{fmt_ms(r.exposed_s)}</td>"
+        f"<td class=num>{fmt_ms(r.hidden_s)}</td></tr>" for r in report.comm)
+    total, hidden = sum(r.seconds for r in report.comm), sum(r.hidden_s for r in report.comm)
+    foot = (f'<tr class="block"><td colspan="5">total</td><td class=num>{fmt_ms(total)}</td>'
+            f"<td class=num>{fmt_ms(total - hidden)}</td><td class=num>{fmt_ms(hidden)}</td></tr>")
     return ('<table id="communication"><tr><th>collective</th><th>mesh axes</th><th>where</th><th>count</th>'
-            f"<th>volume</th><th>time</th></tr>{rows}</table>")
+            f"<th>volume</th><th>time</th><th>exposed</th><th>hidden</th></tr>{rows}{foot}</table>")
 
 
 def _baselines(report) -> str:

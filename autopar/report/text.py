@@ -77,9 +77,11 @@ def _summary(report) -> list[str]:
         used = f"{fmt_bytes(est.peak_bytes)} of {fmt_bytes(budget)} budget ({est.peak_bytes / budget:.0%})"
     else:
         used = fmt_bytes(est.peak_bytes)
+    hidden = (f" - hidden under compute {fmt_ms(est.hidden_s)} (of {fmt_ms(est.async_s)} issued asynchronously, "
+              f"overlap {p.mesh.comm_overlap:.2f})") if est.hidden_s else ""
     lines += [
         f"  step time      {fmt_ms(est.step_s)} = compute {fmt_ms(est.compute_s)} + communication "
-        f"{fmt_ms(est.communication_s)} (in ops {fmt_ms(in_op)}, resharding {fmt_ms(est.reshard_s)})",
+        f"{fmt_ms(est.communication_s)} (in ops {fmt_ms(in_op)}, resharding {fmt_ms(est.reshard_s)}){hidden}",
         f"  peak memory    {used} per device; parameters + gradients + optimizer state "
         f"{fmt_bytes(est.param_bytes)}",
         f"  solver         {solver.get('backend')} {solver.get('status')}: objective "
@@ -129,12 +131,14 @@ def _comm(report) -> list[str]:
     if not report.comm:
         return ["communication: none (every device computes independently)"]
     rows = [(r.kind, r.axes, r.source, str(r.count), fmt_bytes(r.payload_bytes) if r.payload_bytes else "-",
-             fmt_ms(r.seconds)) for r in report.comm]
+             fmt_ms(r.seconds), fmt_ms(r.exposed_s), fmt_ms(r.hidden_s)) for r in report.comm]
     total = sum(r.seconds for r in report.comm)
+    hidden = sum(r.hidden_s for r in report.comm)
     return (["communication per collective and mesh axis (one step, forward + backward; "
-             "volume = full tensor bytes per collective, summed)"]
-            + table(("collective", "axes", "where", "count", "volume", "time"), rows, right=(3, 4, 5))
-            + [f"  total {fmt_ms(total)}"])
+             "volume = full tensor bytes per collective, summed; hidden = under compute, not in the step time)"]
+            + table(("collective", "axes", "where", "count", "volume", "time", "exposed", "hidden"), rows,
+                    right=(3, 4, 5, 6, 7))
+            + [f"  total {fmt_ms(total)}: exposed {fmt_ms(total - hidden)}, hidden {fmt_ms(hidden)}"])
 
 
 def _layers(report) -> list[str]:

@@ -7,8 +7,11 @@ Variables
     ``e[a,b,s,t] >= 0`` (continuous)        edge (a,b) sees options (s,t)
     ``P >= 0``, ``M[k] >= 0`` (continuous)  parameter bytes, live activation bytes at candidate k
 
+    ``h >= 0`` (continuous, with overlap)    asynchronous communication hidden under compute
+
 Objective (seconds per training step)
-    ``min  const + sum_{g,s} cost[g][s] x[g,s] + sum_{(a,b),s,t} C_ab[s,t] e[a,b,s,t]``
+    ``min  const + sum_{g,s} cost[g][s] x[g,s] + sum_{(a,b),s,t} C_ab[s,t] e[a,b,s,t] - h``
+    (``- h`` only when the problem has overlap: ``Reduced.overlap``)
 
 Constraints, one method each
     choice (``add_one_hot``):          ``sum_s x[g,s] = 1``
@@ -28,6 +31,14 @@ Constraints, one method each
         chain ``M[k] = M[k-1] + held(items starting at k) - held(items ending at k-1)`` (each
         item appears twice, so the memory rows stay linear in size). Memory rows count MiB
         (``MEM_UNIT``) rather than bytes, for the solvers' tolerances.
+    overlap (``add_overlap``):         ``h <= rho (A0 + sum a[g][s] x[g,s] + sum M_ab[s,t] e[a,b,s,t])``
+        and ``h <= W0 + sum w[g][s] x[g,s]``: ``a`` and ``M_ab`` the asynchronous communication
+        seconds of options and of edges (a parameter's gradient sum is asynchronous only when
+        its reader takes it in its own layout: a pair), ``w`` the compute they may hide under,
+        ``rho`` the mesh's ``comm_overlap`` (``autopar.solver.overlap``).
+        Minimising ``- h`` sets ``h = min(rho A, W)`` at the optimum, the evaluator's hidden seconds;
+        a plan the backend returns gets that ``h`` written back (``polish_hidden``) before its
+        objective is read, so every answer is priced as ``Problem.evaluate`` prices it.
 
 Recompute: ``autopar.solver.recompute_ilp.RecomputeModel`` is this model plus recompute
 variables; ``add_recompute`` (nothing here) is where it adds them, and it writes its own memory
@@ -209,6 +220,8 @@ class IlpModel:
         self.lp = LinearProgram(name)
         self.x: list[list[int] | None] = []  # group -> its option columns (None: a 1-option group)
         self.objective: str | None = None  # "time" or "peak", once built
+        self.hidden: tuple[int, Terms, float, Terms, float] | None = None  # add_overlap: h and its two bounds
+        self.edge_async: list[tuple[np.ndarray, np.ndarray]] = []  # (edge columns, async seconds): add_overlap
 
     @property
     def name(self) -> str:
@@ -244,15 +257,23 @@ class IlpModel:
 
     def add_edge_marginals(self) -> None:
         """The edge variables, their marginal rows and their costs (added to the objective
-        directly: one array per edge)."""
+        directly: one array per edge). An edge with asynchronous seconds (``Reduced.overlap``)
+        groups rows and columns equal in both matrices, and keeps its variables and that matrix
+        for ``add_overlap``."""
+        asyncs = {} if self.reduced.overlap is None else self.reduced.overlap.edges
         for (a, b), mat in self.reduced.edges.items():
             xa, xb = self.x[a], self.x[b]
             assert xa is not None and xb is not None, "edges of 1-option groups are folded by simplify"
-            rows = _equal_lines(mat)  # classes of equal rows, then of equal columns (module docstring)
-            cols = _equal_lines(mat[[r[0] for r in rows]].T)
-            sub = mat[np.ix_([r[0] for r in rows], [c[0] for c in cols])]
+            asy = asyncs.get((a, b))
+            # classes of equal rows, then of equal columns (module docstring), in both matrices
+            rows = _equal_lines(mat if asy is None else np.hstack([mat, asy]))
+            reps = [r[0] for r in rows]
+            cols = _equal_lines(mat[reps].T if asy is None else np.vstack([mat[reps], asy[reps]]).T)
+            sub = mat[np.ix_(reps, [c[0] for c in cols])]
             ka, kb = sub.shape
             e = self.lp.add_columns(ka * kb).reshape(ka, kb)
+            if asy is not None:
+                self.edge_async.append((e, asy[np.ix_(reps, [c[0] for c in cols])]))
             # Row s: sum_t e[s,t] - sum_{k in class s} x_a[k] = 0; column t likewise.
             lengths, index, value = [], [], []
             for s, members in enumerate(rows):
@@ -367,6 +388,42 @@ class IlpModel:
             prev = m
         return rows
 
+    def add_overlap(self, objective: Terms) -> None:
+        """The hidden seconds ``h`` and its two bounds (module docstring); appends ``-h`` to
+        ``objective``. Nothing without overlap (``Reduced.overlap`` None)."""
+        ov = self.reduced.overlap
+        if ov is None:
+            return
+        bounds = []
+        for vecs, scale in ((ov.async_s, ov.rho), (ov.compute_s, 1.0)):
+            terms, const = [], 0.0
+            for g, vec in enumerate(vecs):
+                t, c = self.linear(g, scale * vec)
+                terms += t
+                const += c
+            bounds.append((terms, const))
+        for e, asy in self.edge_async:  # the edges' asynchronous seconds (add_edge_marginals)
+            where = np.nonzero(asy)
+            bounds[0][0].extend(zip(e[where].tolist(), (ov.rho * asy[where]).tolist()))
+        h = self.lp.add_column()
+        for terms, const in bounds:  # h - sum(terms) <= const
+            self.lp.add_row([(h, 1.0)] + [(v, -c) for v, c in terms], upper=const)
+        self.hidden = (h, *bounds[0], *bounds[1])
+        objective.append((h, -1.0))
+
+    def polish_hidden(self, values: np.ndarray) -> None:
+        """Set ``h`` in ``values`` to the largest its bounds allow at the other columns' values
+        (a backend's plan may leave it lower: a heuristic's, or within tolerance)."""
+        if self.hidden is None:
+            return
+        h, a_terms, a_const, w_terms, w_const = self.hidden
+        x = np.nan_to_num(values)
+
+        def bound(terms: Terms, const: float) -> float:
+            return const + sum(c * x[v] for v, c in terms)
+
+        values[h] = max(0.0, min(bound(a_terms, a_const), bound(w_terms, w_const)))
+
     # ------------------------------------------------------------------------- assembling
     def add_recompute(self, objective: Terms) -> None:
         """Recompute decisions: none in the sharding ILP (``RecomputeModel`` adds them)."""
@@ -378,6 +435,7 @@ class IlpModel:
         terms, const = self.step_time_terms()
         self.add_edge_marginals()
         self.add_recompute(terms)
+        self.add_overlap(terms)
         if limit is not None:
             self.add_memory(budget=limit * (1.0 - ROW_MARGIN))
         self.lp.add_objective(terms, const)
@@ -472,6 +530,7 @@ class IlpModel:
         if status not in ("optimal", "feasible"):
             return Outcome("no_solution", None, None, seconds, backend)
         self.lp.values = np.array(values, dtype=float)
+        self.polish_hidden(self.lp.values)
         value = self.lp.objective_value(self.lp.values)
         best = value if status == "optimal" else None
         if bound is not None and not relax and np.isfinite(bound):

@@ -117,15 +117,16 @@ def restrict(reduced: Reduced, keep: list[np.ndarray]) -> Reduced:
     constant = reduced.constant
     edges = {}
     for (a, b), mat in reduced.edges.items():
-        sub = mat[np.ix_(keep[a], keep[b])]
-        if len(keep[a]) > 1 and len(keep[b]) > 1:
-            edges[(a, b)] = sub
-        elif len(keep[b]) > 1:
-            cost[b] = cost[b] + sub[0, :]
-        elif len(keep[a]) > 1:
-            cost[a] = cost[a] + sub[:, 0]
-        else:
-            constant += float(sub[0, 0])
+        constant += _fold_or_keep(edges, cost, a, b, mat[np.ix_(keep[a], keep[b])], keep)
+    overlap = reduced.overlap
+    if overlap is not None:  # the edges' asynchronous seconds go where their edges went
+        asy = [v[k].astype(float) for v, k in zip(overlap.async_s, keep)]
+        kept_async: dict = {}
+        for (a, b), mat in overlap.edges.items():
+            # a constant left here is asynchronous seconds every plan has: onto a 1-option group
+            asy[a][0] += _fold_or_keep(kept_async, asy, a, b, mat[np.ix_(keep[a], keep[b])], keep)
+        overlap = replace(overlap, async_s=tuple(asy), compute_s=tuple(v[k] for v, k in zip(overlap.compute_s, keep)),
+                          edges=kept_async)
     return replace(
         reduced, cost=tuple(cost), param=tuple(reduced.param[g][k] for g, k in enumerate(keep)),
         forward=tuple({s: v[k] for s, v in reduced.forward[g].items()} for g, k in enumerate(keep)),
@@ -133,7 +134,22 @@ def restrict(reduced: Reduced, keep: list[np.ndarray]) -> Reduced:
                         for it in reduced.mem_items),
         edges=edges, constant=constant,
         members=tuple(Member(m.node, m.group, tuple(m.option_names[k] for k in keep[m.group]))
-                      for m in reduced.members))
+                      for m in reduced.members),
+        overlap=overlap)
+
+
+def _fold_or_keep(edges: dict, vecs: list, a: int, b: int, sub: np.ndarray, keep: list) -> float:
+    """Keep edge ``(a, b)`` restricted to ``sub`` in ``edges`` when both ends keep several options;
+    else fold it into the other end's vector in ``vecs``; returns what is left for a constant."""
+    if len(keep[a]) > 1 and len(keep[b]) > 1:
+        edges[(a, b)] = sub
+    elif len(keep[b]) > 1:
+        vecs[b] = vecs[b] + sub[0, :]
+    elif len(keep[a]) > 1:
+        vecs[a] = vecs[a] + sub[:, 0]
+    else:
+        return float(sub[0, 0])
+    return 0.0
 
 
 def _group_options(reduced: Reduced, choice: Mapping[str, str]) -> list[int | None]:

@@ -12,7 +12,10 @@ the ILP does):
 
 * Every node picks exactly one of its ``options``.
 * Step time = sum over nodes of ``compute_s + comm_s`` of the chosen option
-  + sum over edges of ``costs[src choice][dst choice]`` (resharding, forward + backward).
+  + sum over edges of ``costs[src choice][dst choice]`` (resharding, forward + backward)
+  - the communication hidden under compute: ``min(comm_overlap * A, W)`` with ``A`` the chosen
+  options' ``async_s`` plus the edges' ``async_costs`` at the chosen pairs and ``W`` the options'
+  ``overlap_s`` (``autopar.solver.overlap``; 0 when ``comm_overlap`` is 0: the plain sum).
 * Memory timeline: integer time points ``0 .. timeline_length-1`` (a linear order of the
   forward and backward pass, e.g. forward op ``i`` at ``i`` and its backward at
   ``2N-1-i``). A node's chosen ``act_bytes`` is held on every point of its closed interval
@@ -73,6 +76,9 @@ class StrategyOption:
                  Held for the whole step.
     act_bytes:   bytes of this node's output kept alive per device over ``Node.live``.
     forward_s:   forward-only seconds (compute + comm); what recomputing this node costs.
+    async_s:     the part of ``comm_s`` issued asynchronously (a parameter's gradient sum, which
+                 the runtime buckets and overlaps with backward: ``autopar.solver.overlap``).
+    overlap_s:   compute seconds asynchronous communication can run beside (backward compute).
     """
 
     name: str
@@ -81,13 +87,18 @@ class StrategyOption:
     param_bytes: int = 0
     act_bytes: int = 0
     forward_s: float = 0.0
+    async_s: float = 0.0
+    overlap_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
             raise ValueError(f"StrategyOption name must be a non-empty str, got {self.name!r}")
         owner = f"option {self.name!r}"
-        for f in ("compute_s", "comm_s", "forward_s"):
+        for f in ("compute_s", "comm_s", "forward_s", "async_s", "overlap_s"):
             _check_number(owner, f, getattr(self, f))
+        if self.async_s > self.comm_s:
+            raise ValueError(f"{owner}: async_s {self.async_s!r} is part of comm_s {self.comm_s!r}, "
+                             f"so cannot exceed it")
         for f in ("param_bytes", "act_bytes"):
             _check_number(owner, f, getattr(self, f), integer=True)
 
@@ -187,14 +198,20 @@ class Node:
 class Edge:
     """Data flowing from ``src`` to ``dst``: ``costs[i][j]`` is the resharding time (forward +
     backward seconds) when ``src`` runs option ``i`` and ``dst`` runs option ``j``. At most one
-    edge per ordered pair: sum the matrices when a node consumes a value twice."""
+    edge per ordered pair: sum the matrices when a node consumes a value twice.
+
+    ``async_costs[i][j]`` (None: all 0): seconds of ``dst``'s ``comm_s`` issued asynchronously
+    when the pair is (i, j) -- a parameter's gradient sum is bucketed only when its reader takes
+    it in the parameter's own layout (``autopar.solver.overlap``)."""
 
     src: str
     dst: str
     costs: tuple[tuple[float, ...], ...]
+    async_costs: tuple[tuple[float, ...], ...] | None = None
     # ``costs`` as a read-only float array, made once here: converting the nested tuples again
     # cost the solver 16 s of its 3-axis Llama-8B simplification (94M entries).
     array: np.ndarray = field(init=False, repr=False, compare=False)
+    async_array: np.ndarray | None = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "costs", tuple(tuple(float(c) for c in row) for row in self.costs))
@@ -213,6 +230,28 @@ class Edge:
                     _check_number(f"edge {self.src!r} -> {self.dst!r}", "cost", c)
         flat.flags.writeable = False
         object.__setattr__(self, "array", flat)
+        object.__setattr__(self, "async_array", self._async_array(flat.shape))
+
+    def _async_array(self, shape: tuple[int, ...]) -> np.ndarray | None:
+        if self.async_costs is None:
+            return None
+        asy = np.asarray(self.async_costs, dtype=float)
+        if asy.shape != shape:
+            raise ValueError(f"edge {self.src!r} -> {self.dst!r}: async_costs is {asy.shape}, costs {shape}")
+        if not (np.isfinite(asy).all() and (asy >= 0).all()):
+            raise ValueError(f"edge {self.src!r} -> {self.dst!r}: async_costs must be finite and >= 0")
+        if not asy.any():  # all zero is no asynchronous seconds: one form for both
+            object.__setattr__(self, "async_costs", None)
+            return None
+        object.__setattr__(self, "async_costs", tuple(map(tuple, asy.tolist())))
+        asy.flags.writeable = False
+        return asy
+
+    def restricted(self, rows, cols) -> "Edge":
+        """This edge between the options ``rows`` of ``src`` and ``cols`` of ``dst``."""
+        where = np.ix_(list(rows), list(cols))
+        return Edge(self.src, self.dst, self.array[where].tolist(),
+                    None if self.async_array is None else self.async_array[where].tolist())
 
     def __str__(self) -> str:
         return f"{self.src} -> {self.dst} ({len(self.costs)}x{len(self.costs[0])})"
@@ -228,6 +267,8 @@ class Problem:
     timeline_length: number of timeline points; every ``Node.live`` lies inside it.
     mesh_shape:      the mesh this problem was built for (reporting and error hints).
     meta:            free-form (str -> str/int/float) provenance, e.g. model name, graph hash.
+    comm_overlap:    share of asynchronous communication hidden under compute, in [0, 1] (the
+                     mesh's ``MeshSpec.comm_overlap``; module docstring).
 
     A modified copy is ``dataclasses.replace(problem, nodes=...)`` (checked again on creation).
     """
@@ -238,6 +279,7 @@ class Problem:
     timeline_length: int = 0
     mesh_shape: tuple[int, ...] = ()
     meta: tuple[tuple[str, str | int | float], ...] = ()
+    comm_overlap: float = 0.0
     _index: dict = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -257,6 +299,9 @@ class Problem:
         if self.budget_bytes is not None:
             _check_number("Problem", "budget_bytes", self.budget_bytes, integer=True)
         _check_number("Problem", "timeline_length", self.timeline_length, integer=True)
+        _check_number("Problem", "comm_overlap", self.comm_overlap)
+        if self.comm_overlap > 1:
+            raise ValueError(f"Problem: comm_overlap must be in [0, 1], got {self.comm_overlap!r}")
         for n in self.nodes:
             if n.live is not None and n.live[1] >= self.timeline_length:
                 raise ValueError(f"node {n.name!r}: live {n.live} outside the timeline "
@@ -328,14 +373,17 @@ class Problem:
             "timeline_length": self.timeline_length,
             "mesh_shape": list(self.mesh_shape),
             "meta": dict(self.meta),
+            "comm_overlap": self.comm_overlap,
             "nodes": [
                 {"name": n.name, "live": None if n.live is None else list(n.live), "block": n.block,
                  "signature": n.signature, "segment": n.segment,
                  "options": [[o.name, o.compute_s, o.comm_s, o.param_bytes, o.act_bytes, o.forward_s]
+                             + ([o.async_s, o.overlap_s] if o.async_s or o.overlap_s else [])
                              for o in n.options]}
                 for n in self.nodes
             ],
-            "edges": [{"src": e.src, "dst": e.dst, "costs": [list(r) for r in e.costs]} for e in self.edges],
+            "edges": [{"src": e.src, "dst": e.dst, "costs": [list(r) for r in e.costs]}
+                      | ({} if e.async_array is None else {"async_costs": e.async_array.tolist()}) for e in self.edges],
         }
         return json.dumps(data)
 
@@ -351,9 +399,10 @@ class Problem:
                      None if n["live"] is None else tuple(n["live"]), n["block"], n["signature"], n["segment"])
                 for n in data["nodes"]
             )
-            edges = tuple(Edge(e["src"], e["dst"], e["costs"]) for e in data["edges"])
+            edges = tuple(Edge(e["src"], e["dst"], e["costs"], e.get("async_costs")) for e in data["edges"])
+            # comm_overlap and the options' last two figures came later: absent, no overlap.
             return cls(nodes, edges, data["budget_bytes"], data["timeline_length"],
-                       tuple(data["mesh_shape"]), data["meta"])
+                       tuple(data["mesh_shape"]), data["meta"], data.get("comm_overlap", 0.0))
         except (KeyError, TypeError) as exc:
             raise ValueError(f"malformed Problem JSON: {exc!r}") from None
 

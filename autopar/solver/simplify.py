@@ -35,6 +35,15 @@ equal the problem's for the expanded node choice (``Problem.evaluate``). Four tr
    elementwise op after its producer. Memory dominance is waived (chain merging) only where the
    memory constraint cannot bind: no budget, or the worst choice everywhere fits the budget.
 
+Communication overlap (``autopar.solver.overlap``), when a problem has it: each group also
+carries, per option, its asynchronous communication ``a`` and the compute ``w`` it may hide under,
+and each edge its asynchronous matrix ``M`` beside ``C`` (aliased members and parallel edges add
+up, a follower's move onto its leader through ``t*`` like its cost, a separable ``M`` folds into
+``a`` like ``C`` into the cost: an edge folds only when both are separable). The step is then
+``max(C - rho a, C - w)`` summed, so the cost comparisons of 3 and 4 must hold for both: with
+node costs ``cost - rho a`` and edge costs ``C - rho M`` (their regret terms), and with
+``cost - w`` and ``C``. Without overlap the tests are the plain ones above, unchanged.
+
 Transformations 2-4 repeat until nothing changes. No torch import.
 """
 
@@ -47,6 +56,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from autopar.layout.blocks import split_block
+from autopar.solver.overlap import Overlap, overlap_active
 from autopar.solver.problem import Problem
 
 __all__ = ["MemItem", "Member", "Reduced", "simplify", "peak_candidates"]
@@ -92,6 +102,7 @@ class Reduced:
     edges:             ``(g1, g2)`` with ``g1 < g2`` -> cost matrix ``[s1, s2]`` (non-separable only).
     constant:          seconds that do not depend on any choice.
     memory_can_bind:   False when the budget is None or cannot be exceeded by any choice.
+    overlap:           the overlap terms (``autopar.solver.overlap.Overlap``), None without overlap.
     """
 
     cost: tuple[np.ndarray, ...]
@@ -105,6 +116,7 @@ class Reduced:
     timeline_length: int
     memory_can_bind: bool
     stats: dict[str, int] = field(default_factory=dict)
+    overlap: Overlap | None = None
 
     @property
     def num_groups(self) -> int:
@@ -124,7 +136,7 @@ class Reduced:
         total = self.constant + sum(float(c[s]) for c, s in zip(self.cost, group_choice))
         for (a, b), mat in self.edges.items():
             total += float(mat[group_choice[a], group_choice[b]])
-        return total
+        return total - self.overlap.hidden(group_choice) if self.overlap is not None else total
 
     def __str__(self) -> str:
         opts = sum(len(c) for c in self.cost)
@@ -134,12 +146,14 @@ class Reduced:
 
 # ------------------------------------------------------------------------ working model
 def _option_arrays(options: tuple) -> tuple:
-    """(names, cost, param bytes, forward seconds, act bytes or None when all zero, indices) of
-    one node's options, read-only (nodes with the same options share them)."""
+    """(names, cost, param bytes, forward seconds, act bytes or None when all zero, indices,
+    async seconds, overlappable compute seconds) of one node's options, read-only (nodes with
+    the same options share them)."""
     acts = np.array([o.act_bytes for o in options], dtype=float)
     out = (np.array([o.cost_s for o in options], dtype=float), np.array([o.param_bytes for o in options], dtype=float),
            np.array([o.forward_s for o in options], dtype=float), acts if acts.any() else None,
-           np.arange(len(options)))
+           np.arange(len(options)), np.array([o.async_s for o in options], dtype=float),
+           np.array([o.overlap_s for o in options], dtype=float))
     for arr in out:
         if arr is not None:
             arr.setflags(write=False)
@@ -150,6 +164,12 @@ class _Work:
     """Mutable form of ``Reduced`` used while simplifying."""
 
     def __init__(self, problem: Problem, alias: bool):
+        # Overlap terms (module docstring): rho, and per group its async and overlappable seconds.
+        self.rho = problem.comm_overlap if overlap_active(problem) else None
+        self.asy: dict[int, np.ndarray] = {}
+        self.ovl: dict[int, np.ndarray] = {}
+        self.aadj: dict[int, dict[int, np.ndarray]] = defaultdict(dict)  # async matrices, as adj (nonzero ones)
+        self._regret_async: dict[tuple[int, int], tuple] = {}  # see regret_term
         self.cost: dict[int, np.ndarray] = {}
         self.param: dict[int, np.ndarray] = {}
         self.forward: dict[int, dict[str, np.ndarray]] = {}
@@ -172,14 +192,19 @@ class _Work:
             hit = arrays.get(id(n.options))
             if hit is None:
                 hit = arrays[id(n.options)] = (n.options, _option_arrays(n.options))
-            names, cost, param, fwd_s, acts, index = hit[1]
+            names, cost, param, fwd_s, acts, index, asy, ovl = hit[1]
             self.names[n.name] = names
             if g not in self.cost:
                 self.cost[g], self.param[g], self.forward[g] = cost.copy(), param.copy(), {}
+                if self.rho is not None:
+                    self.asy[g], self.ovl[g] = asy.copy(), ovl.copy()
             else:
                 self.num_aliased += 1
                 self.cost[g] += cost
                 self.param[g] += param
+                if self.rho is not None:
+                    self.asy[g] += asy
+                    self.ovl[g] += ovl
             if n.segment is not None:
                 fwd = self.forward[g].get(n.segment)
                 self.forward[g][n.segment] = fwd_s.copy() if fwd is None else fwd + fwd_s
@@ -190,41 +215,68 @@ class _Work:
         for e in problem.edges:
             ga, gb = groups[e.src], groups[e.dst]
             mat = e.array
+            asy = e.async_array if self.rho is not None else None
             if ga == gb:  # both ends share one decision: only the diagonal is reachable
                 self.cost[ga] += np.diag(mat)
+                if asy is not None:
+                    self.asy[ga] = self.asy[ga] + np.diag(asy)
             else:
-                self.add_edge(ga, gb, mat)
+                self.add_edge(ga, gb, mat, asy)
 
-    def add_edge(self, a: int, b: int, mat: np.ndarray) -> None:
+    def add_edge(self, a: int, b: int, mat: np.ndarray, asy: np.ndarray | None = None) -> None:
         if b in self.adj[a]:
             self.adj[a][b] = self.adj[a][b] + mat
         else:
             self.adj[a][b] = mat
         self.adj[b][a] = self.adj[a][b].T
+        if asy is not None:
+            held = self.aadj[a].get(b)
+            self.aadj[a][b] = asy if held is None else held + asy
+            self.aadj[b][a] = self.aadj[a][b].T
 
     def drop_edge(self, a: int, b: int) -> None:
         del self.adj[a][b]
         del self.adj[b][a]
+        if b in self.aadj[a]:
+            del self.aadj[a][b]
+            del self.aadj[b][a]
 
     # ------------------------------------------------------------------- transformations
     def fold_if_separable(self, a: int, b: int) -> bool:
-        mat = self.adj[a][b]
-        rows, cols = mat[:, 0], mat[0, :] - mat[0, 0]
-        if np.abs(mat - rows[:, None] - cols[None, :]).max() > _EPS * (1.0 + np.abs(mat).max()):
-            return False
-        self.cost[a] = self.cost[a] + rows
-        self.cost[b] = self.cost[b] + cols
+        mats = [self.adj[a][b]] + ([self.aadj[a][b]] if b in self.aadj[a] else [])
+        parts = []
+        for mat in mats:
+            rows, cols = mat[:, 0], mat[0, :] - mat[0, 0]
+            if np.abs(mat - rows[:, None] - cols[None, :]).max() > _EPS * (1.0 + np.abs(mat).max()):
+                return False
+            parts.append((rows, cols))
+        self.cost[a] = self.cost[a] + parts[0][0]
+        self.cost[b] = self.cost[b] + parts[0][1]
+        if len(parts) > 1:
+            self.asy[a] = self.asy[a] + parts[1][0]
+            self.asy[b] = self.asy[b] + parts[1][1]
         self.drop_edge(a, b)
         return True
 
-    def regret(self, g: int, skip: int | None = None) -> np.ndarray:
-        """``R[t', t] = sum_w max_r (C_gw[t', r] - C_gw[t, r])`` over neighbours w != skip."""
+    def regret(self, g: int, skip: int | None = None, *, rho: float | None = None) -> np.ndarray:
+        """``R[t', t] = sum_w max_r (C_gw[t', r] - C_gw[t, r])`` over neighbours w != skip;
+        ``rho``: of ``C_gw - rho M_gw`` (module docstring, overlap)."""
         k = len(self.cost[g])
         total = np.zeros((k, k))
         for w, mat in self.adj[g].items():
-            if w != skip:
-                total += self.regret_term(g, w, mat)
+            if w == skip:
+                continue
+            asy = self.aadj[g].get(w) if rho is not None else None
+            total += self.regret_term(g, w, mat) if asy is None else self.async_regret_term(g, w, mat, asy, rho)
         return total
+
+    def async_regret_term(self, g: int, w: int, mat: np.ndarray, asy: np.ndarray, rho: float) -> np.ndarray:
+        """``regret_term`` of ``mat - rho asy``, kept while both arrays are the same."""
+        hit = self._regret_async.get((g, w))
+        if hit is not None and hit[0] is mat and hit[1] is asy:
+            return hit[2]
+        self._regret_async[(g, w)] = (mat, asy, term := _max_row_difference(mat - rho * asy))
+        return term
 
     def regret_term(self, g: int, w: int, mat: np.ndarray) -> np.ndarray:
         """``max_r (C_gw[t', r] - C_gw[t, r])``, kept while ``adj[g][w]`` is the same array (every
@@ -247,12 +299,21 @@ class _Work:
             ok &= vec[:, None] <= vec[None, :]
         return ok
 
+    def comparisons(self, g: int, skip: int | None = None) -> list[tuple[np.ndarray, np.ndarray]]:
+        """(per-option cost, regret) pairs a dominance test of group ``g`` must pass: the plain
+        ones, or with overlap those of ``max(C - rho A, C - W)`` (module docstring)."""
+        if self.rho is None:
+            return [(self.cost[g], self.regret(g, skip))]
+        return [(self.cost[g] - self.rho * self.asy[g], self.regret(g, skip, rho=self.rho)),
+                (self.cost[g] - self.ovl[g], self.regret(g, skip))]
+
     def prune_dominated(self, g: int, memory: bool) -> bool:
         k = len(self.cost[g])
         if k == 1:
             return False
-        worse = self.cost[g][:, None] - self.cost[g][None, :] + self.regret(g)
-        dom = self.dominates(g, memory) & (worse <= _EPS * (1.0 + np.abs(self.cost[g]).max()))
+        dom = self.dominates(g, memory)
+        for c, regret in self.comparisons(g):
+            dom &= c[:, None] - c[None, :] + regret <= _EPS * (1.0 + np.abs(c).max())
         np.fill_diagonal(dom, False)
         keep = np.ones(k, dtype=bool)
         for t in np.flatnonzero(dom.any(axis=0)):  # sequential so that of two equal options exactly one survives
@@ -266,11 +327,16 @@ class _Work:
     def restrict(self, g: int, kept: np.ndarray) -> None:
         self.cost[g] = self.cost[g][kept]
         self.param[g] = self.param[g][kept]
+        if self.rho is not None:
+            self.asy[g], self.ovl[g] = self.asy[g][kept], self.ovl[g][kept]
         self.forward[g] = {s: v[kept] for s, v in self.forward[g].items()}
         self.items[g] = [MemItem(g, it.start, it.end, it.bytes[kept], it.segment) for it in self.items[g]]
         for w in list(self.adj[g]):
             self.adj[g][w] = self.adj[g][w][kept, :]
             self.adj[w][g] = self.adj[g][w].T
+        for w in list(self.aadj[g]):
+            self.aadj[g][w] = self.aadj[g][w][kept, :]
+            self.aadj[w][g] = self.aadj[g][w].T
         for node in self.group_members[g]:
             self.member[node] = (g, self.member[node][1][kept])
 
@@ -280,24 +346,35 @@ class _Work:
         q = self.cost[v][None, :] + c_uv
         best = q.argmin(axis=1)
         rows = np.arange(len(best))
-        loss = q[rows, best][:, None] - q + self.regret(v, skip=u)[best, :]
-        tol = _EPS * (1.0 + np.abs(q).max())
-        if (loss > tol).any() or not self.dominates(v, memory)[best, :].all():
+        m_uv = self.aadj[u].get(v) if self.rho is not None else None
+        # The pair's own edge in each comparison: C_uv, less rho M_uv in the first overlap one.
+        pairs = [c_uv] if self.rho is None else [c_uv if m_uv is None else c_uv - self.rho * m_uv, c_uv]
+        for (cost, regret), pair in zip(self.comparisons(v, skip=u), pairs):
+            c = cost[None, :] + pair
+            loss = c[rows, best][:, None] - c + regret[best, :]
+            if (loss > _EPS * (1.0 + np.abs(c).max())).any():
+                return False
+        if not self.dominates(v, memory)[best, :].all():
             return False
         self.cost[u] = self.cost[u] + q[rows, best]
         self.param[u] = self.param[u] + self.param[v][best]
+        if self.rho is not None:
+            self.asy[u] = self.asy[u] + self.asy[v][best] + (0.0 if m_uv is None else m_uv[rows, best])
+            self.ovl[u] = self.ovl[u] + self.ovl[v][best]
         for seg, vec in self.forward[v].items():
             mine = self.forward[u].setdefault(seg, np.zeros(len(best)))
             self.forward[u][seg] = mine + vec[best]
         self.items[u] += [MemItem(u, it.start, it.end, it.bytes[best], it.segment) for it in self.items[v]]
         self.drop_edge(u, v)
         for w, mat in list(self.adj[v].items()):
+            asy = self.aadj[v].get(w)
             self.drop_edge(v, w)
-            self.add_edge(u, w, mat[best, :])
+            self.add_edge(u, w, mat[best, :], None if asy is None else asy[best, :])
         for node in self.group_members[v]:
             self.member[node] = (u, self.member[node][1][best])
         self.group_members[u] += self.group_members[v]
-        for table in (self.cost, self.param, self.forward, self.items, self.adj, self.group_members):
+        for table in (self.cost, self.param, self.forward, self.items, self.adj, self.group_members, self.asy,
+                      self.ovl, self.aadj):
             table.pop(v, None)
         return True
 
@@ -421,11 +498,14 @@ def _freeze(work: _Work, problem: Problem, memory: bool, stats: dict[str, int]) 
     members = tuple(Member(node, new[grp], option_names(node, idx)) for node, (grp, idx) in work.member.items())
     stats = {**stats, "num_groups": len(order), "num_group_edges": len(edges),
              "num_options": int(sum(len(work.cost[g]) for g in order))}
+    overlap = None if work.rho is None else Overlap(
+        work.rho, tuple(work.asy[g] for g in order), tuple(work.ovl[g] for g in order),
+        {(new[a], new[b]): m for a in order for b, m in work.aadj[a].items() if new[a] < new[b]})
     return Reduced(
         cost=tuple(work.cost[g] for g in order), param=tuple(work.param[g] for g in order),
         forward=tuple(work.forward[g] for g in order), mem_items=items, edges=edges,
         constant=work.constant, members=members, budget_bytes=problem.budget_bytes,
-        timeline_length=problem.timeline_length, memory_can_bind=memory, stats=stats,
+        timeline_length=problem.timeline_length, memory_can_bind=memory, stats=stats, overlap=overlap,
     )
 
 

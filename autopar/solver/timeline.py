@@ -32,6 +32,7 @@ from itertools import accumulate
 from typing import Any, Iterable, Mapping, Protocol
 
 from autopar.layout.blocks import block_of
+from autopar.solver.overlap import hidden_seconds
 
 __all__ = ["Evaluation", "SegmentInput", "SegmentInputs", "SegmentGeometry", "Timed", "segment_geometry", "evaluate",
            "activation_bytes"]
@@ -40,12 +41,13 @@ __all__ = ["Evaluation", "SegmentInput", "SegmentInputs", "SegmentGeometry", "Ti
 class Timed(Protocol):
     """What the evaluator reads of a ``autopar.solver.problem.Problem``: its nodes (``name``,
     ``options``, ``option_index``, ``live``, ``segment``), its edges (``src``, ``dst``,
-    ``costs``) and its timeline's length."""
+    ``costs``), its timeline's length and its ``comm_overlap``."""
 
     nodes: tuple[Any, ...]
     edges: tuple[Any, ...]
     timeline_length: int
     num_nodes: int
+    comm_overlap: float
 
 SegmentInputs = Mapping[str, Iterable["SegmentInput"]]  # unit -> the values it keeps when recomputed
 
@@ -75,12 +77,19 @@ class Evaluation:
     """The cost model evaluated for one full choice (``evaluate``). Seconds for one training
     step; bytes per device."""
 
-    objective: float  # seconds: compute + comm + reshard (compute includes recompute)
+    objective: float  # seconds: compute + comm + reshard - hidden (compute includes recompute)
     compute_s: float
-    comm_s: float
+    comm_s: float  # in ops, asynchronous communication included (hidden or not)
     reshard_s: float
     param_bytes: int  # parameters, gradients and optimizer state, held the whole step
     activations: tuple[int, ...] = field(repr=False)  # live activation bytes per timeline point
+    async_s: float = 0.0  # the part of comm_s issued asynchronously (``autopar.solver.overlap``)
+    hidden_s: float = 0.0  # the part of async_s hidden under compute (not in objective)
+
+    @property
+    def exposed_async_s(self) -> float:
+        """Asynchronous communication the step waits for: ``async_s - hidden_s``."""
+        return max(self.async_s - self.hidden_s, 0.0)
 
     @property
     def peak_bytes(self) -> int:
@@ -94,7 +103,8 @@ class Evaluation:
         return self.activations.index(top) if top > 0 else None
 
     def __str__(self) -> str:
-        return (f"{self.objective:.6g}s (compute {self.compute_s:.4g}s, comm {self.comm_s:.4g}s, "
+        hidden = f", {self.hidden_s:.4g}s of it hidden" if self.hidden_s else ""
+        return (f"{self.objective:.6g}s (compute {self.compute_s:.4g}s, comm {self.comm_s:.4g}s{hidden}, "
                 f"reshard {self.reshard_s:.4g}s), peak {self.peak_bytes}B at t={self.peak_time}")
 
 
@@ -170,13 +180,15 @@ def evaluate(problem: Timed, choice: Mapping[str, str], *, recompute: Iterable[s
     pick = _pick(problem, choice)
     geo = segment_geometry(problem) if recompute else {}
     chosen = _chosen_units(recompute, geo)
-    compute = comm = reshard = recompute_s = 0.0
+    compute = comm = reshard = recompute_s = async_s = overlap_s = 0.0
     params = 0
     delta = [0] * (problem.timeline_length + 1)
     for n in problem.nodes:
         o = n.options[pick[n.name]]
         compute += o.compute_s
         comm += o.comm_s
+        async_s += o.async_s
+        overlap_s += o.overlap_s
         params += o.param_bytes
         unit = _recomputed_unit(n.segment, chosen) if chosen else None
         if unit is not None:
@@ -186,12 +198,17 @@ def evaluate(problem: Timed, choice: Mapping[str, str], *, recompute: Iterable[s
             delta[n.live[1] + 1] -= o.act_bytes
     for e in problem.edges:
         reshard += e.costs[pick[e.src]][pick[e.dst]]
+        if e.async_array is not None:
+            async_s += float(e.async_array[pick[e.src], pick[e.dst]])
     for c, first, last in _held_inputs(problem, segment_inputs or {}, pick, chosen, geo):
         delta[first] += c
         delta[last + 1] -= c
     delta.pop()
-    return Evaluation(compute + comm + reshard + recompute_s, compute + recompute_s, comm, reshard, params,
-                      tuple(accumulate(delta)))
+    hidden = hidden_seconds(problem.comm_overlap, async_s, overlap_s)
+    total = compute + comm + reshard + recompute_s
+    # Subtracted only when something hides: without overlap the objective is the plain sum, bit for bit.
+    return Evaluation(total - hidden if hidden else total, compute + recompute_s, comm, reshard, params,
+                      tuple(accumulate(delta)), async_s=async_s, hidden_s=hidden)
 
 
 def activation_bytes(problem: Timed, choice: Mapping[str, str], *, recompute: Iterable[str] = (),

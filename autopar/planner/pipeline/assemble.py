@@ -98,7 +98,7 @@ def pipeline_plan(sub_plan: Plan, traced: TracedGraph, *, mesh: MeshSpec | tuple
         mesh = MeshSpec(shape=shape, axis_names=default_axis_names(len(shape)), alpha=(base.alpha[0],) * len(shape),
                         beta=(base.beta[0],) * len(shape), peak_flops=base.peak_flops,
                         mem_bandwidth=base.mem_bandwidth, mem_capacity=base.mem_capacity, name=base.name,
-                        half_peak_flops=base.half_peak_flops)
+                        half_peak_flops=base.half_peak_flops, comm_overlap=base.comm_overlap)
     if schedule not in PIPELINE_SCHEDULES:
         raise ValueError(f"pipeline schedule {schedule!r} is not one of {PIPELINE_SCHEDULES}")
     if mesh.shape[0] != num_stages:

@@ -98,7 +98,8 @@ def block_floor(costs, j: int, *, factor: float) -> float:
     key = floors.key(j, factor=factor)
     if key not in floors.values:
         problem = costs.slice(names, in_flight=1, factor=factor, budget=None, fixed={})
-        free = tuple(replace(n, options=tuple(replace(o, compute_s=0.0, comm_s=0.0) for o in n.options))
+        free = tuple(replace(n, options=tuple(replace(o, compute_s=0.0, comm_s=0.0, async_s=0.0, overlap_s=0.0)
+                                                      for o in n.options))
                      if floors.shared(n.name) else n for n in problem.nodes)
         try:
             sol = costs.solve(replace(problem, nodes=free))

@@ -383,7 +383,7 @@ class StageCosts:
                 if len(keep[e.src]) == len(e.costs) and len(keep[e.dst]) == len(e.costs[0]):
                     edges.append(e)
                 else:
-                    edges.append(Edge(e.src, e.dst, e.array[np.ix_(keep[e.src], keep[e.dst])].tolist()))
+                    edges.append(e.restricted(keep[e.src], keep[e.dst]))
         held: dict[str, list] = {}
         for u in sorted(units):
             g = geo.units[u]
@@ -413,7 +413,10 @@ def stage_costs(traced: TracedGraph, profile, *, mesh: MeshSpec, options,
     from autopar.solver.driver import solve as solve_ilp
 
     check_pipeline_zero(options.zero_stage)
-    built = build_problem(traced, profile, stage_mesh_of(mesh), budget_bytes=None,
+    # No overlap inside a stage: the pipeline runtime sums data-parallel gradients once per step,
+    # after the last micro-batch and on the critical path (``runtime.pipeline``: no buckets).
+    sub = replace(stage_mesh_of(mesh), comm_overlap=0.0)
+    built = build_problem(traced, profile, sub, budget_bytes=None,
                           options=replace(options, checkpoint="none", pipeline=None))
     if family is not None:
         built = family_built(family, traced, built)
