@@ -119,14 +119,18 @@ def find_strategy(node: fx.Node, node_plan: NodePlan, plan: Plan) -> Strategy:
 
 def emit_local_graph(traced: TracedGraph, plan: Plan, pmesh: ProcessMesh, *,
                      device: torch.device, local_inputs: bool = False, bucket_cap: int | None = None,
-                     output_specs: dict[str, TensorSpec] | None = None) -> EmittedGraph:
+                     output_specs: dict[str, TensorSpec] | None = None,
+                     pending_outputs: bool = False) -> EmittedGraph:
     """``local_inputs``: user inputs arrive as this rank's piece under the plan's input layout
     (instead of the full value). ``bucket_cap``: bytes per gradient bucket, None for
     ``bucket_cap_bytes()``; 0 emits in-graph ``grad_all_reduce`` nodes (plain autograd, which
     ``torch.autograd.grad`` and the pipeline's split backward need). ``output_specs``: traced
     value name -> the layout that output leaves in (default ``R``; a pipeline stage sends its
-    boundary values in their producers' layouts)."""
-    return _Emitter(traced, plan, pmesh, torch.device(device), local_inputs, bucket_cap, output_specs).run()
+    boundary values in their producers' layouts). ``pending_outputs``: an output made replicated by
+    one all-reduce (a data-parallel loss) is returned while that all-reduce is in flight, waited
+    on at its first read (:mod:`autopar.runtime.pending`)."""
+    return _Emitter(traced, plan, pmesh, torch.device(device), local_inputs, bucket_cap, output_specs,
+                    pending_outputs=pending_outputs).run()
 
 
 def _as_tuple(val: Any) -> tuple:
@@ -140,8 +144,9 @@ def _where(node: fx.Node) -> str:
 class _Emitter:
     def __init__(self, traced: TracedGraph, plan: Plan, pmesh: ProcessMesh, device: torch.device,
                  local_inputs: bool, bucket_cap: int | None = None,
-                 output_specs: dict[str, TensorSpec] | None = None) -> None:
+                 output_specs: dict[str, TensorSpec] | None = None, *, pending_outputs: bool = False) -> None:
         self.output_specs = dict(output_specs or {})
+        self.pending_outputs = pending_outputs  # see emit_local_graph
         self.traced, self.plan, self.pmesh, self.device = traced, plan, pmesh, device
         self.local_inputs = local_inputs
         self.mesh_shape = tuple(pmesh.shape)
@@ -400,10 +405,29 @@ class _Emitter:
             if isinstance(arg, fx.Node):
                 if self.layout.get(arg.name) is None:
                     return self.env[arg.name]
+                if self.pending_outputs and arg.name not in self.output_specs:
+                    pending = self._pending_reduce(arg, replicated)
+                    if pending is not None:
+                        return pending
                 return self._convert(arg, self.output_specs.get(arg.name, replicated), node)
             return arg
 
         self.graph.output(pytree.tree_map(full, node.args[0], is_leaf=lambda x: isinstance(x, fx.Node)))
+
+    def _pending_reduce(self, src: fx.Node, want: TensorSpec) -> fx.Node | None:
+        """An output whose conversion to ``want`` is one all-reduce (a ``P`` loss): that
+        all-reduce left in flight (``pending=True``), unless another consumer already converts it."""
+        have, val = self.layout.get(src.name), src.meta.get("val")
+        if (src.name, want) in self.converted or isinstance(have, tuple) or not isinstance(val, torch.Tensor):
+            return None
+        steps = plan_conversion(have, want, tuple(val.shape), val.dtype.itemsize, self.plan.mesh).steps
+        if len(steps) != 1 or steps[0].kind != "all_reduce":
+            return None
+        node = self.graph.call_module(self.comm_names["all_reduce"], (self.env[src.name],),
+                                      {"axis": steps[0].axis, "pending": True})
+        self.num_conversions += 1
+        self.converted[(src.name, want)] = node
+        return node
 
 
 def _split_bound(target: Any, bound: dict[str, Any]) -> tuple[list, dict]:
