@@ -354,11 +354,44 @@ class _Emitter:
                                               dtype, shard=self.decisions[param.name].zero_stage == 2)
                 self.converted[key] = self.graph.call_module(
                     self.comm_names[GRAD_BUCKET], (node,), {"axes": tuple(axes), "slot": slot})
+            if key not in self.converted and node is self.env[src.name] and self._bucket_chain(src, want, axes):
+                self.converted[key] = node  # its partial gradient flows to the parameter's bucket
             if key not in self.converted:
                 self.converted[key] = self.graph.call_module(
                     self.comm_names[GRAD_ALL_REDUCE], (node,), {"axes": tuple(axes)})
             node = self.converted[key]
         return node
+
+    def _bucket_chain(self, src: fx.Node, want: TensorSpec, axes) -> bool:
+        """Bucket the parameter ``src`` is a linear function of, instead of all-reducing ``src``'s
+        gradient in backward (a blocking collective): GPT-2's position embedding, looked up
+        replicated and added to a batch-split activation. The gradient is linear along the chain,
+        so summing the parameter's local gradients equals the parameter gradient of the summed
+        activation gradient (exactly, when no two positions of the chain meet in one element, as
+        for an embedding of distinct positions). Only a chain of single-use replicated values
+        whose ops are linear in their first input and read no other floating input qualifies."""
+        if self.bucketer is None:
+            return False
+        chain, node = [], src
+        while node.op == "call_function":
+            if (node.target not in _LINEAR_IN_FIRST | _SAME_DTYPE_CASTS or self.layout.get(node.name) != want
+                    or len(_tensor_users(node)) != 1 or not _only_first_floating(node)):
+                return False
+            chain.append(node)
+            node = input_nodes(node)[0]
+        ph = node.meta.get(PLACEHOLDER_KEY)
+        if (not chain or node.op != "placeholder" or ph is None or ph.kind != PARAMETER or not ph.requires_grad
+                or self.layout.get(node.name) != want or _tensor_users(node) != [chain[-1]]):
+            return False
+        first, param = self.env[chain[-1].name], self.env[node.name]
+        if param not in first.all_input_nodes:
+            return False  # read through a conversion: not the parameter at rest
+        slot = self.bucketer.add_slot(node.name, axes, want.local_shape(tuple(ph.shape), self.mesh_shape), ph.dtype,
+                                      shard=self.decisions[node.name].zero_stage == 2)
+        with self.graph.inserting_before(first):
+            bucket = self.graph.call_module(self.comm_names[GRAD_BUCKET], (param,), {"axes": tuple(axes), "slot": slot})
+        first.replace_input_with(param, bucket)
+        return True
 
     def _bucketable_parameter(self, src: fx.Node, want: TensorSpec) -> fx.Node | None:
         """The parameter placeholder whose gradient a bucket can take for ``src`` read as
@@ -428,6 +461,37 @@ class _Emitter:
         self.num_conversions += 1
         self.converted[(src.name, want)] = node
         return node
+
+
+aten = torch.ops.aten
+# Ops whose output is linear in their first input (their backward is a linear map of the
+# gradient); ``_bucket_chain`` also requires every other input to be non-floating.
+_LINEAR_IN_FIRST = frozenset({
+    aten.embedding.default, aten.view.default, aten.reshape.default, aten._unsafe_view.default,
+    aten.unsqueeze.default, aten.squeeze.dim, aten.alias.default, aten.expand.default, aten.clone.default,
+    aten.contiguous.default, aten.permute.default, aten.transpose.int, aten.t.default, aten.slice.Tensor,
+})
+_SAME_DTYPE_CASTS = frozenset({aten.to.dtype, aten.to.dtype_layout, aten._to_copy.default})
+
+
+def _tensor_users(node: fx.Node) -> list[fx.Node]:
+    """``node``'s consumers, without ops that produce no tensor (metadata asserts)."""
+    return [u for u in node.users if not (u.op == "call_function" and needs_no_decision(u)
+                                          and u.target is not operator.getitem)]
+
+
+def _only_first_floating(node: fx.Node) -> bool:
+    """Whether only ``node``'s first input is floating point (an embedding's indices are not),
+    and a cast keeps the dtype (a rounding cast is not linear)."""
+    ins = input_nodes(node)
+    vals = [n.meta.get("val") for n in ins]
+    if node.target is aten.embedding.default and bind(node.target, node.args, node.kwargs).get("sparse"):
+        return False  # a sparse gradient has no bucket
+    floating = [isinstance(v, torch.Tensor) and v.dtype.is_floating_point for v in vals]
+    if not ins or not floating[0] or any(floating[1:]):
+        return False
+    out = node.meta.get("val")
+    return node.target not in _SAME_DTYPE_CASTS or (isinstance(out, torch.Tensor) and out.dtype == vals[0].dtype)
 
 
 def _split_bound(target: Any, bound: dict[str, Any]) -> tuple[list, dict]:

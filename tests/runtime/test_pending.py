@@ -1,6 +1,8 @@
 """The output all-reduce left in flight (``runtime.pending``): a data-parallel loss is returned
 before its all-reduce completes and waited on at its first read, with the blocking version's
-values; backward does not wait for it."""
+values; backward does not wait for it. With it, GPT-2's data-parallel step has no blocking
+collective left but the loss denominator's (the position embedding's gradient is bucketed:
+``passes._Emitter._bucket_chain``)."""
 
 from __future__ import annotations
 
@@ -96,6 +98,9 @@ def test_data_parallel_loss_is_pending_and_exact_on_two_ranks():
     results = run_local(_steps, 2, model, traced, plan, a, b, timeout=300)
     for rank, res in enumerate(results):
         assert "pending = True" in res["code"], res["code"]
+        # The position embedding (looked up replicated, added to the batch-split token embedding)
+        # is bucketed like every other weight: no blocking all-reduce of its activation gradient.
+        assert "self.grad_all_reduce(" not in res["code"] and "wpe_weight, axes = (0,), slot = 1)" in res["code"]
         assert res["pending"] and res["logits"], rank
         assert res["loss"] == pytest.approx(ref_loss, rel=1e-5)
         assert res["eval"] == res["loss"]
