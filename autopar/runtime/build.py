@@ -70,7 +70,7 @@ def build_module(model: nn.Module, traced, plan: Plan, *, device: torch.device, 
         raise ValueError("the plan is pipelined (Plan.pipeline): build it with "
                          "autopar.runtime.pipeline.build_pipeline(model, micro_batch_trace, plan, device=...)")
     pmesh = ProcessMesh.from_spec(plan.mesh, device_type=device.type)
-    emitted = emit_local_graph(traced, plan, pmesh, device=device, local_inputs=local_inputs)
+    emitted = emit_local_graph(traced, plan, pmesh, device=device, local_inputs=local_inputs, pending_outputs=True)
     if plan.recompute:  # activation checkpointing: regions become torch.utils.checkpoint calls
         from autopar.runtime.recompute import apply_recompute
 

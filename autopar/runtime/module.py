@@ -4,7 +4,9 @@ Contract:
 
 - ``forward`` takes the original model's inputs (positional or keyword; the FULL global batch,
   identical on every rank) and returns the original output structure (tuple, dict or HF
-  ``ModelOutput``) with full, replicated values on every rank. With ``local_inputs=True``
+  ``ModelOutput``) with full, replicated values on every rank; an output summed over ranks by one
+  all-reduce (a data-parallel loss) is a ``runtime.pending.PendingTensor`` whose all-reduce is
+  still in flight, waited on at its first read (backward does not wait). With ``local_inputs=True``
   (see :func:`autopar.api.autoparallelize`), each rank passes only its own piece of
   every input, as laid out by ``input_specs``.
 - ``parameters()`` / ``named_parameters()`` and the buffers are ``DTensor``s on

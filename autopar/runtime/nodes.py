@@ -16,6 +16,7 @@ from torch import nn
 
 from autopar.runtime.collectives import apply_step
 from autopar.runtime.kernels import DistComm, grad_all_reduce
+from autopar.runtime.pending import Inflight, all_reduce_pending
 from autopar.runtime.process_mesh import ProcessMesh
 from autopar.layout.conversion import ReshardStep
 from autopar.strategies.kernel_context import KernelContext
@@ -25,14 +26,22 @@ __all__ = ["Collective", "GradAllReduce", "KernelCall"]
 
 class Collective(nn.Module):
     """One reshard step kind (``all_gather``, ``split``, ``all_to_all``, ``all_reduce``,
-    ``reduce_scatter``, ``to_partial``) on one mesh axis per call."""
+    ``reduce_scatter``, ``to_partial``) on one mesh axis per call. ``pending=True`` (an
+    ``all_reduce`` of a graph output): issued asynchronously, the result a ``PendingTensor``
+    waited on at its first read (:mod:`autopar.runtime.pending`)."""
 
     def __init__(self, kind: str, pmesh: ProcessMesh) -> None:
         super().__init__()
         self.kind, self.pmesh = kind, pmesh
+        self.inflight = Inflight()
 
     def forward(self, x: torch.Tensor, *, axis: int, src_dim: int | None = None,
-                dst_dim: int | None = None) -> torch.Tensor:
+                dst_dim: int | None = None, pending: bool = False) -> torch.Tensor:
+        if pending:
+            if self.kind != "all_reduce":
+                raise ValueError(f"only an all_reduce can be left pending, not {self.kind}")
+            if self.pmesh.axis_size(axis) > 1:
+                return all_reduce_pending(x, self.pmesh.group(axis), self.inflight)
         return apply_step(x, ReshardStep(self.kind, axis, src_dim, dst_dim), self.pmesh)
 
     def extra_repr(self) -> str:

@@ -121,14 +121,18 @@ def find_strategy(node: fx.Node, node_plan: NodePlan, plan: Plan) -> Strategy:
 
 def emit_local_graph(traced: TracedGraph, plan: Plan, pmesh: ProcessMesh, *,
                      device: torch.device, local_inputs: bool = False, bucket_cap: int | None = None,
-                     output_specs: dict[str, TensorSpec] | None = None) -> EmittedGraph:
+                     output_specs: dict[str, TensorSpec] | None = None,
+                     pending_outputs: bool = False) -> EmittedGraph:
     """``local_inputs``: user inputs arrive as this rank's piece under the plan's input layout
     (instead of the full value). ``bucket_cap``: bytes per gradient bucket, None for
     ``bucket_cap_bytes()``; 0 emits in-graph ``grad_all_reduce`` nodes (plain autograd, which
     ``torch.autograd.grad`` and the pipeline's split backward need). ``output_specs``: traced
     value name -> the layout that output leaves in (default ``R``; a pipeline stage sends its
-    boundary values in their producers' layouts)."""
-    return _Emitter(traced, plan, pmesh, torch.device(device), local_inputs, bucket_cap, output_specs).run()
+    boundary values in their producers' layouts). ``pending_outputs``: an output made replicated by
+    one all-reduce (a data-parallel loss) is returned while that all-reduce is in flight, waited
+    on at its first read (:mod:`autopar.runtime.pending`)."""
+    return _Emitter(traced, plan, pmesh, torch.device(device), local_inputs, bucket_cap, output_specs,
+                    pending_outputs=pending_outputs).run()
 
 
 def _as_tuple(val: Any) -> tuple:
@@ -142,8 +146,9 @@ def _where(node: fx.Node) -> str:
 class _Emitter:
     def __init__(self, traced: TracedGraph, plan: Plan, pmesh: ProcessMesh, device: torch.device,
                  local_inputs: bool, bucket_cap: int | None = None,
-                 output_specs: dict[str, TensorSpec] | None = None) -> None:
+                 output_specs: dict[str, TensorSpec] | None = None, *, pending_outputs: bool = False) -> None:
         self.output_specs = dict(output_specs or {})
+        self.pending_outputs = pending_outputs  # see emit_local_graph
         self.traced, self.plan, self.pmesh, self.device = traced, plan, pmesh, device
         self.local_inputs = local_inputs
         self.mesh_shape = tuple(pmesh.shape)
@@ -357,11 +362,44 @@ class _Emitter:
                                               shard=self.decisions[param.name].zero_stage == 2)
                 self.converted[key] = self.graph.call_module(
                     self.comm_names[GRAD_BUCKET], (node,), {"axes": tuple(axes), "slot": slot})
+            if key not in self.converted and node is self.env[src.name] and self._bucket_chain(src, want, axes):
+                self.converted[key] = node  # its partial gradient flows to the parameter's bucket
             if key not in self.converted:
                 self.converted[key] = self.graph.call_module(
                     self.comm_names[GRAD_ALL_REDUCE], (node,), {"axes": tuple(axes)})
             node = self.converted[key]
         return node
+
+    def _bucket_chain(self, src: fx.Node, want: TensorSpec, axes) -> bool:
+        """Bucket the parameter ``src`` is a linear function of, instead of all-reducing ``src``'s
+        gradient in backward (a blocking collective): GPT-2's position embedding, looked up
+        replicated and added to a batch-split activation. The gradient is linear along the chain,
+        so summing the parameter's local gradients equals the parameter gradient of the summed
+        activation gradient (exactly, when no two positions of the chain meet in one element, as
+        for an embedding of distinct positions). Only a chain of single-use replicated values
+        whose ops are linear in their first input and read no other floating input qualifies."""
+        if self.bucketer is None:
+            return False
+        chain, node = [], src
+        while node.op == "call_function":
+            if (node.target not in _LINEAR_IN_FIRST | _SAME_DTYPE_CASTS or self.layout.get(node.name) != want
+                    or len(_tensor_users(node)) != 1 or not _only_first_floating(node)):
+                return False
+            chain.append(node)
+            node = input_nodes(node)[0]
+        ph = node.meta.get(PLACEHOLDER_KEY)
+        if (not chain or node.op != "placeholder" or ph is None or ph.kind != PARAMETER or not ph.requires_grad
+                or self.layout.get(node.name) != want or _tensor_users(node) != [chain[-1]]):
+            return False
+        first, param = self.env[chain[-1].name], self.env[node.name]
+        if param not in first.all_input_nodes:
+            return False  # read through a conversion: not the parameter at rest
+        slot = self.bucketer.add_slot(node.name, axes, want.local_shape(tuple(ph.shape), self.mesh_shape), ph.dtype,
+                                      shard=self.decisions[node.name].zero_stage == 2)
+        with self.graph.inserting_before(first):
+            bucket = self.graph.call_module(self.comm_names[GRAD_BUCKET], (param,), {"axes": tuple(axes), "slot": slot})
+        first.replace_input_with(param, bucket)
+        return True
 
     def _bucketable_parameter(self, src: fx.Node, want: TensorSpec) -> fx.Node | None:
         """The parameter placeholder whose gradient a bucket can take for ``src`` read as
@@ -408,10 +446,60 @@ class _Emitter:
             if isinstance(arg, fx.Node):
                 if self.layout.get(arg.name) is None:
                     return self.env[arg.name]
+                if self.pending_outputs and arg.name not in self.output_specs:
+                    pending = self._pending_reduce(arg, replicated)
+                    if pending is not None:
+                        return pending
                 return self._convert(arg, self.output_specs.get(arg.name, replicated), node)
             return arg
 
         self.graph.output(pytree.tree_map(full, node.args[0], is_leaf=lambda x: isinstance(x, fx.Node)))
+
+    def _pending_reduce(self, src: fx.Node, want: TensorSpec) -> fx.Node | None:
+        """An output whose conversion to ``want`` is one all-reduce (a ``P`` loss): that
+        all-reduce left in flight (``pending=True``), unless another consumer already converts it."""
+        have, val = self.layout.get(src.name), src.meta.get("val")
+        if (src.name, want) in self.converted or isinstance(have, tuple) or not isinstance(val, torch.Tensor):
+            return None
+        steps = plan_conversion(have, want, tuple(val.shape), val.dtype.itemsize, self.plan.mesh).steps
+        if len(steps) != 1 or steps[0].kind != "all_reduce":
+            return None
+        node = self.graph.call_module(self.comm_names["all_reduce"], (self.env[src.name],),
+                                      {"axis": steps[0].axis, "pending": True})
+        self.num_conversions += 1
+        self.converted[(src.name, want)] = node
+        return node
+
+
+aten = torch.ops.aten
+# Ops whose output is linear in their first input (their backward is a linear map of the
+# gradient); ``_bucket_chain`` also requires every other input to be non-floating.
+_LINEAR_IN_FIRST = frozenset({
+    aten.embedding.default, aten.view.default, aten.reshape.default, aten._unsafe_view.default,
+    aten.unsqueeze.default, aten.squeeze.dim, aten.alias.default, aten.expand.default, aten.clone.default,
+    aten.contiguous.default, aten.permute.default, aten.transpose.int, aten.t.default, aten.slice.Tensor,
+})
+_SAME_DTYPE_CASTS = frozenset({aten.to.dtype, aten.to.dtype_layout, aten._to_copy.default})
+
+
+def _tensor_users(node: fx.Node) -> list[fx.Node]:
+    """``node``'s consumers, without ops that produce no tensor (metadata asserts)."""
+    return [u for u in node.users if not (u.op == "call_function" and needs_no_decision(u)
+                                          and u.target is not operator.getitem)]
+
+
+def _only_first_floating(node: fx.Node) -> bool:
+    """Whether only ``node``'s first input is floating point (an embedding's indices are not),
+    and a cast keeps the dtype (a rounding cast is not linear)."""
+    ins = input_nodes(node)
+    vals = [n.meta.get("val") for n in ins]
+    if node.target is aten.embedding.default and bind(node.target, node.args, node.kwargs).get("sparse"):
+        return False  # a sparse gradient has no bucket
+    floating = [isinstance(v, torch.Tensor) and v.dtype.is_floating_point for v in vals]
+    if not ins or not floating[0] or any(floating[1:]):
+        return False
+    out = node.meta.get("val")
+    return node.target not in _SAME_DTYPE_CASTS or (isinstance(out, torch.Tensor) and out.dtype == vals[0].dtype)
 
 
 def _split_bound(target: Any, bound: dict[str, Any]) -> tuple[list, dict]:
