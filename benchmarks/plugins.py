@@ -6,7 +6,8 @@
 One model at a time is trained through the product notes' API -- ``Booster(plugin=...)``,
 ``booster.boost(model, optimizer, dataloader=plugin.prepare_dataloader(...))``, then
 ``booster.backward(loss, optimizer)``, ``optimizer.step()`` -- with each configuration in
-``CONFIGS`` (torch's DDP and FSDP2, ZeRO-1 and ZeRO-2 as ``LowLevelZeroPlugin``, ...) and with
+``configs`` (torch's DDP and FSDP2, ZeRO-1 and ZeRO-2 as ``LowLevelZeroPlugin``, Gemini's
+static ZeRO-3 chunks, ``HybridParallelPlugin(tp_size=2)``) and with
 ``AutoParallelPlugin``, on ``--world`` forked gloo ranks, all boosted from the same weights and
 fed the same global batch (``--batch`` samples per step: each plugin's ``batch_size`` is that
 over its data-parallel size). After ``--warmup`` steps each, ``--steps`` rounds time them in
@@ -48,13 +49,16 @@ TIGHT_FRACTION = 0.6  # of data parallelism's estimated peak
 def configs(budget: int | None) -> dict[str, Callable[[], object]]:
     """Configuration name -> plugin factory, at ``budget`` bytes per device (None: ample). Fixed
     configurations ignore the budget (they are what they are); the auto plan plans for it."""
-    from autopar.booster import AutoParallelPlugin, LowLevelZeroPlugin, TorchDDPPlugin, TorchFSDPPlugin
+    from autopar.booster import (AutoParallelPlugin, GeminiPlugin, HybridParallelPlugin, LowLevelZeroPlugin,
+                                 TorchDDPPlugin, TorchFSDPPlugin)
 
     return {
         "torch-ddp": TorchDDPPlugin,
         "torch-fsdp2": TorchFSDPPlugin,
         "zero1": lambda: LowLevelZeroPlugin(stage=1, precision="fp32"),
         "zero2": lambda: LowLevelZeroPlugin(stage=2, precision="fp32"),
+        "gemini": lambda: GeminiPlugin(precision="fp32"),  # the notes' default placement: static, ZeRO-3 chunks
+        "hybrid-tp2": lambda: HybridParallelPlugin(tp_size=2, pp_size=1, precision="fp32"),
         "auto": lambda: AutoParallelPlugin(memory_budget=budget),
     }
 
@@ -90,7 +94,12 @@ def _step(booster, module, optimizer, batch) -> torch.Tensor:
 
 
 def _worker(rank: int, world: int, model, inputs, budget, steps: int, warmup: int) -> dict:
-    built = {name: _boost(name, f, model, inputs, world) for name, f in configs(budget).items()}
+    built, refused = {}, {}
+    for name, factory in configs(budget).items():
+        try:
+            built[name] = _boost(name, factory, model, inputs, world)
+        except (ValueError, NotImplementedError) as exc:  # raised alike on every rank: this one does not apply
+            refused[name] = f"{type(exc).__name__}: {exc}"[:160]
     memory, estimate = {}, {}
     for name, (booster, module, optimizer, batches) in built.items():
         for _ in range(warmup):
@@ -112,7 +121,7 @@ def _worker(rank: int, world: int, model, inputs, budget, steps: int, warmup: in
             t = time.perf_counter()
             _step(booster, module, optimizer, batch)
             times[name].append(time.perf_counter() - t)
-    return {"times": times, "memory": memory, "estimate": estimate}
+    return {"times": times, "memory": memory, "estimate": estimate, "refused": refused}
 
 
 def _family_estimates(model, inputs, world: int) -> dict:
@@ -138,6 +147,8 @@ def report(model_name: str, label: str, budget, results: list[dict], families: d
         e = results[0]["estimate"][n]
         est[n] = e if e is not None else ((families[n].step_s, families[n].peak_bytes) if n in families else None)
     fits = {n: budget is None or peak[n] <= budget for n in names}
+    for n, why in results[0]["refused"].items():
+        print(f"  {n}: not run ({why})")
     print(f"\n{model_name}, budget {label}" + (f" ({budget / 2**20:.1f} MiB/rank)" if budget else "")
           + f"  (load {os.getloadavg()[0]:.2f})")
     print(f"{'config':<12} {'median ms':>9} {'peak MiB':>9} {'fits':>5} {'est ms':>8} {'est MiB':>8}")
