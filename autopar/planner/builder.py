@@ -58,7 +58,7 @@ from autopar.planner.segments import (node_vals, op_segments, saved_by, segment_
                                       without_stateful_segments)
 from autopar.planner.offload_pricing import offload_option, offload_tiers
 from autopar.planner.options import PlanOptions
-from autopar.planner.zero_pricing import zero2_extra_s, zero_cost
+from autopar.planner.zero_pricing import zero2_extra_s, zero2_priced_rs, zero_cost
 from autopar.plans import NodeKind
 from autopar.layout.blocks import block_of
 from autopar.solver.problem import Edge, Node, Problem, StrategyOption
@@ -336,11 +336,13 @@ class _Builder:
         taken: set[str] = set()
         for s in strategies:
             act = activation_bytes(node, s, slots, activations, full_bytes, rel_parts) if rel_parts else 0
-            # ZeRO-2 prices the gradient of a parameter it may shard as a reduce-scatter; the
-            # all-reduce's extra is charged on the edge unless the parameter is ZeRO-2. A shared
-            # slot's sum is priced on its edge. Summed afresh, not subtracted from comm_s: that
-            # left a tiny negative where every term was taken out (Strategy.comm_seconds).
-            comm_s = s.comm_seconds(self.mesh, skip=shared, reduce_scatter=zero2)
+            # The gradient of a parameter ZeRO-2 may shard is priced here at the cheaper of its
+            # reduce-scatter and all-reduce; the edge charges what the sum the runtime runs costs
+            # beyond that (``zero2_extra_s``). A shared slot's sum is priced on its edge. Summed
+            # afresh, not subtracted from comm_s: that left a tiny negative where every term was
+            # taken out (Strategy.comm_seconds).
+            rs = tuple(slot for slot in zero2 if zero2_priced_rs(s, slot, self.mesh))
+            comm_s = s.comm_seconds(self.mesh, skip=shared, reduce_scatter=rs)
             name = _unique(s.name, taken)
             taken.add(name)
             # Backward compute: the op's whole compute less its forward part (clamped: both are
@@ -531,17 +533,17 @@ class _Builder:
 
     def _zero2_edge(self, src_choices: tuple[Choice, ...], value: InputSlot, dst_choices: tuple[Choice, ...],
                     slot: int) -> np.ndarray:
-        """The all-reduce's extra over a reduce-scatter (``zero2_extra_s``; the consumer's option
-        does not include it), for every pair except a ZeRO-2 parameter read in its own layout:
-        only there does the runtime reduce-scatter the gradient straight into the pieces."""
+        """What the runtime's gradient sum costs beyond the consumer's priced one (``zero2_extra_s``):
+        a reduce-scatter straight into the pieces for a ZeRO-2 parameter read in its own layout, an
+        all-reduce for every other pair."""
         extra = np.zeros((len(src_choices), len(dst_choices)))
         for j, dst in enumerate(dst_choices):
             if dst.strategy is None:
                 continue
-            cost = zero2_extra_s(dst.strategy, slot, self.mesh)
+            costs = {own: zero2_extra_s(dst.strategy, slot, self.mesh, reduce_scatter=own) for own in (False, True)}
             for i, src in enumerate(src_choices):
                 own = src.zero_stage == 2 and dst.input_specs[slot] == src.output_specs[value.index]
-                extra[i, j] = 0.0 if own else cost
+                extra[i, j] = costs[own]
         return extra
 
     def _conversion_row(self, a: TensorSpec | None, dsts: list[TensorSpec | None], value: InputSlot) -> list[float]:

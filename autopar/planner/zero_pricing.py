@@ -9,7 +9,7 @@ from autopar.layout.mesh import MeshSpec
 from autopar.layout.placement import TensorSpec, zero_split
 from autopar.strategies import Strategy
 
-__all__ = ["zero_cost", "zero2_extra_s"]
+__all__ = ["zero_cost", "zero2_extra_s", "zero2_priced_rs"]
 
 
 def zero_cost(spec: TensorSpec, mesh: MeshSpec, local_bytes: int, *, stage: int, ndim: int,
@@ -25,9 +25,9 @@ def zero_cost(spec: TensorSpec, mesh: MeshSpec, local_bytes: int, *, stage: int,
     1      ``2 + m/dp``                          all-gather of the updated parameter
     2      ``1 + (1 + m)/dp``                    the same all-gather; a consumer's partial gradient
                                                  is reduce-scattered instead of all-reduced
-                                                 (``zero2_extra_s``: the consumer is priced with
-                                                 the reduce-scatter, its edge with the difference
-                                                 unless the parameter is ZeRO-2 in that layout)
+                                                 (the consumer is priced with the cheaper of
+                                                 reduce-scatter and all-reduce, its edge with what
+                                                 the runtime's sum costs beyond: ``zero2_extra_s``)
     ====== ===================================== =====================================================
 
     A mixed-precision cast between the parameter and its consumer hides the consumer from the
@@ -45,9 +45,18 @@ def zero_cost(spec: TensorSpec, mesh: MeshSpec, local_bytes: int, *, stage: int,
     return 1.0 + (1.0 + m) / dp, gather_s, 2
 
 
-def zero2_extra_s(strategy: Strategy, slot: int, mesh: MeshSpec) -> float:
-    """Seconds an all-reduce of input ``slot``'s partial gradient takes beyond a reduce-scatter
-    of it (0 when the gradient is not partial): what ZeRO-2 saves on a parameter read there."""
-    # A difference, yet never below 0: the all-reduce's bandwidth term is exactly twice the
-    # reduce-scatter's (same bytes, same alpha), and rounding is monotone, so AR >= RS as floats.
-    return strategy.grad_sync_s(slot, mesh) - strategy.grad_sync_s(slot, mesh, "reduce_scatter")
+def zero2_priced_rs(strategy: Strategy, slot: int, mesh: MeshSpec) -> bool:
+    """Is input ``slot``'s partial gradient priced in the consumer's option as a reduce-scatter
+    (the cheaper of the two; else as an all-reduce)? The edge charges the rest (``zero2_extra_s``)."""
+    return strategy.grad_sync_s(slot, mesh, "reduce_scatter") <= strategy.grad_sync_s(slot, mesh)
+
+
+def zero2_extra_s(strategy: Strategy, slot: int, mesh: MeshSpec, *, reduce_scatter: bool) -> float:
+    """Seconds the gradient sum the runtime runs for input ``slot`` (a reduce-scatter into ZeRO-2
+    pieces when ``reduce_scatter``, else an all-reduce) takes beyond what the consumer's option
+    priced (``zero2_priced_rs``: the cheaper of the two) -- 0, or the larger less the smaller.
+    Calibrated per-kind links may make either one the cheaper, so neither is assumed."""
+    rs = strategy.grad_sync_s(slot, mesh, "reduce_scatter")
+    ar = strategy.grad_sync_s(slot, mesh)
+    runs, priced = (rs, min(rs, ar)) if reduce_scatter else (ar, min(rs, ar))
+    return runs - priced if runs > priced else 0.0

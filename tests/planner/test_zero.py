@@ -56,3 +56,23 @@ def test_auto_picks_zero_only_where_the_budget_needs_it(gpt2):
             assert tight.estimate.step_s <= b.estimate.step_s + 1e-12, b.name
     # the ZeRO families exist only where stages are a choice
     assert not {"zero1", "zero2"} & {b.name for b in _plan(gpt2, baselines=True).plan.baselines}
+
+
+def test_zero2_prices_whichever_gradient_sum_is_cheaper_on_calibrated_links(gpt2):
+    """A calibration fits each collective kind on its own, so a reduce-scatter may be slower than
+    the all-reduce of the same gradient (measured on gloo: 0.16 against 0.29 GB/s). The consumer
+    prices the cheaper one and the edge the rest: every cost stays >= 0 and the zero2 family plans
+    (it stopped on a negative edge cost, the all-reduce's "extra" over a slower reduce-scatter)."""
+    from dataclasses import replace
+
+    from autopar.layout.machine import ComputeProfile, LinkFit, MachineProfile
+    from autopar.layout.mesh import MeshSpec
+    from autopar.planner.orchestrate import plan_family
+
+    model, inputs = gpt2
+    links = (LinkFit("all_reduce", 0, 1e-4, 1e-9), LinkFit("reduce_scatter", 0, 1e-4, 6e-9))
+    machine = MachineProfile(ComputeProfile(()), links, (2,), ("dp",), note="reduce-scatter slower")
+    mesh = replace(MeshSpec.preset("cpu", (2,)), machine=machine)
+    plan = plan_family(model, inputs, "zero2", mesh=mesh, options=PlanOptions(zero_stage="auto"))
+    assert {n.zero_stage for n in plan.nodes if n.kind == "parameter" and n.zero_stage} == {2}
+    assert plan.estimate.step_s > 0
