@@ -98,8 +98,11 @@ def _round_trip(rank, world, name, path, optimizer_file):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("name, optimizer_file", [("AutoParallelPlugin", True), ("TorchDDPPlugin", False),
-                                                  ("TorchFSDPPlugin", True), ("LowLevelZeroPlugin", False)])
+@pytest.mark.parametrize("name, optimizer_file", [
+    ("AutoParallelPlugin", True), ("TorchDDPPlugin", False),
+    # the default suite's time: these two run with `pytest -m full_sweep`
+    pytest.param("TorchFSDPPlugin", True, marks=pytest.mark.full_sweep),
+    pytest.param("LowLevelZeroPlugin", False, marks=pytest.mark.full_sweep)])
 def test_checkpoints_round_trip_into_boosted_and_plain_models(tmp_path, name, optimizer_file):
     results = run_local(_round_trip, WORLD, name, str(tmp_path), optimizer_file, timeout=280)
     index = json.loads((tmp_path / "sharded" / "model.safetensors.index.json").read_text())
