@@ -336,11 +336,9 @@ class _Builder:
         taken: set[str] = set()
         for s in strategies:
             act = activation_bytes(node, s, slots, activations, full_bytes, rel_parts) if rel_parts else 0
-            # The gradient of a parameter ZeRO-2 may shard is priced here at the cheaper of its
-            # reduce-scatter and all-reduce; the edge charges what the sum the runtime runs costs
-            # beyond that (``zero2_extra_s``). A shared slot's sum is priced on its edge. Summed
-            # afresh, not subtracted from comm_s: that left a tiny negative where every term was
-            # taken out (Strategy.comm_seconds).
+            # A ZeRO-2-capable parameter's gradient sum: the cheaper of reduce-scatter and all-reduce
+            # here, the rest on the edge (``zero2_extra_s``); a shared slot's on its edge. Summed afresh,
+            # not subtracted from comm_s (that left a tiny negative: Strategy.comm_seconds).
             rs = tuple(slot for slot in zero2 if zero2_priced_rs(s, slot, self.mesh))
             comm_s = s.comm_seconds(self.mesh, skip=shared, reduce_scatter=rs)
             name = _unique(s.name, taken)

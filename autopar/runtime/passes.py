@@ -391,6 +391,10 @@ class _Emitter:
         if (not chain or node.op != "placeholder" or ph is None or ph.kind != PARAMETER or not ph.requires_grad
                 or self.layout.get(node.name) != want or _tensor_users(node) != [chain[-1]]):
             return False
+        if self.decisions[node.name].zero_stage:
+            # A ZeRO parameter's bucket reduces it as its pieces need (the runtime's zero/comm), which
+            # this chain's partial sum has not been checked against: the blocking all-reduce stays.
+            return False
         first, param = self.env[chain[-1].name], self.env[node.name]
         if param not in first.all_input_nodes:
             return False  # read through a conversion: not the parameter at rest

@@ -108,7 +108,11 @@ def _check(results, want: dict[str, dict[str, torch.Tensor]], model, where: str,
             assert projected == (matrices if name == "GaLoreAdamW" else 0), (where, name, projected)
             assert full.keys() == want[name].keys(), (where, name)
             for k, v in full.items():
-                torch.testing.assert_close(v, want[name][k], rtol=RTOL, atol=ATOL,
+                # Lamb at lr 1e-2 moves an element whose gradient is at rounding level by up to
+                # ~lr * 1e-4 whichever its rounding (seen: 1.2e-6 on one bias element of 256 under
+                # the plan the overlap-aware cost model picks); a local-norm trust ratio would miss
+                # by far more, over whole matrices.
+                torch.testing.assert_close(v, want[name][k], rtol=RTOL, atol=5 * ATOL if name == "Lamb" else ATOL,
                                            msg=lambda m: f"{where} rank {rank} {name} {k}: {m}")
             moved = [k for k in full if not torch.equal(full[k], initial[k])]
             assert len(moved) > len(full) // 2, (where, name, moved)  # it trained
