@@ -141,6 +141,9 @@ def _sdpa(info: OpInfo) -> list[AxisOption]:
     if not info.arg("is_causal"):
         options.append(info.option(Shard(n - 2), query=Shard(n - 2),
                                    **_mask_placement(info, n - 2, n, q.shape[n - 2])))
-    if not draws_random(info.target, info.bound):
+    # The ring kernel takes as many key heads as query heads, or fewer under enable_gqa; key heads
+    # broadcast without it (multi-query attention traced so: Falcon's one key head) are not its.
+    heads_ok = n < 3 or info.input("key").shape[n - 3] == q.shape[n - 3] or bool(info.arg("enable_gqa"))
+    if not draws_random(info.target, info.bound) and heads_ok:
         options.append(_ring_option(info, n))
     return options
