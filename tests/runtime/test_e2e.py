@@ -55,8 +55,8 @@ def loss_of(out) -> torch.Tensor:
     return out[0] if isinstance(out, tuple) else out.loss
 
 
-def reference(model: torch.nn.Module, inputs: dict) -> dict:
-    """Single-device loss, gradients, global gradient norms and the state after ``STEPS``
+def reference(model: torch.nn.Module, inputs: dict, *, steps: int = STEPS) -> dict:
+    """Single-device loss, gradients, global gradient norms and the state after ``steps``
     clipped AdamW steps."""
     model = copy.deepcopy(model)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS, foreach=True)
@@ -65,7 +65,7 @@ def reference(model: torch.nn.Module, inputs: dict) -> dict:
     grads = {k: p.grad.clone() for k, p in model.named_parameters(remove_duplicate=False) if p.grad is not None}
     norms = [torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM).item()]
     opt.step()
-    for _ in range(STEPS - 1):
+    for _ in range(steps - 1):
         opt.zero_grad()
         loss_of(model(**inputs)).backward()
         norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM).item())

@@ -15,7 +15,6 @@ owner, and the Booster's DCP optimizer checkpoint refuses it.
 
 from __future__ import annotations
 
-import copy
 from types import SimpleNamespace
 
 import pytest
@@ -35,6 +34,7 @@ from autopar.tracer import profile, trace
 from tests.runtime.test_dlrm import pin
 from tests.runtime.test_dtensor import grad_layout_errors, layout_errors
 from tests.runtime.test_e2e import compare, loss_of
+from tests.runtime.test_e2e import reference as e2e_reference
 
 pytestmark = pytest.mark.slow
 
@@ -48,20 +48,7 @@ PINNED = {
 
 
 def reference(model, inputs) -> dict:
-    model = copy.deepcopy(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS, foreach=True)
-    loss = loss_of(model(**inputs))
-    loss.backward()
-    grads = {k: p.grad.clone() for k, p in model.named_parameters()}
-    norms = []
-    for step in range(STEPS):
-        if step:
-            opt.zero_grad()
-            loss_of(model(**inputs)).backward()
-        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM).item())
-        opt.step()
-    return {"loss": loss.detach(), "grads": grads, "norms": norms,
-            "state": {k: v.clone() for k, v in model.state_dict().items()}}
+    return e2e_reference(model, inputs, steps=STEPS)
 
 
 def _ownership_errors(label, pm, plan) -> list[str]:
