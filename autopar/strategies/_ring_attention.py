@@ -325,7 +325,8 @@ def ring_comm_cost(info, input_specs, output_specs, mesh) -> tuple[float, float]
     mask = info.input("attn_mask")
     mask_bytes = mask.local_nbytes(input_specs[info.slot_index("attn_mask")], mesh.shape) if _mask_rows(info) else 0
     fwd_perm = sum(_all_to_alls(b, mesh, axes) for b in (*moved.values(), mask_bytes))
-    bwd_perm = sum(_all_to_alls(b, mesh, axes) for b in (*moved.values(), mask_bytes if mask_bytes and mask.is_float else 0))
+    mask_grad = mask_bytes if mask_bytes and mask.is_float else 0
+    bwd_perm = sum(_all_to_alls(b, mesh, axes) for b in (*moved.values(), mask_grad))
     return forward + fwd_perm, backward + bwd_perm
 
 
@@ -346,4 +347,5 @@ def ring_work_share(info, input_specs, mesh_shape) -> tuple[tuple[int, ...], flo
     if not info.arg("is_causal") or m <= 1:
         return None
     seq_dim = info.input("query").ndim - 2
-    return axes, causal_share(ZigZag(info.input("query").shape[seq_dim], m), ZigZag(info.input("key").shape[seq_dim], m))
+    lengths = (info.input("query").shape[seq_dim], info.input("key").shape[seq_dim])
+    return axes, causal_share(ZigZag(lengths[0], m), ZigZag(lengths[1], m))

@@ -62,6 +62,8 @@ def _run(rank, world, model, inputs, traced, plans, ref):
             errors += check_module(label, pm, inputs, ref)
         if "ring" in label and not counts["send_recv"]:
             errors.append(f"{label}: no ring step ran")
+        if "ring" in label and not counts["all_to_all"]:  # HF's causal masks vary over the rows
+            errors.append(f"{label}: no zig-zag permutation ran")
         if "all_to_all" in label and not counts["all_to_all"]:
             errors.append(f"{label}: no all-to-all ran")
     return errors
@@ -116,13 +118,14 @@ def _ring_steps(rank, world, model, x, traced, plan, ref):
     grads = pm.full_gradients()
     errors = [] if torch.allclose(loss.detach(), ref["loss"], rtol=1e-5) else [f"loss {loss} != {ref['loss']}"]
     errors += [f"grad {k}" for k, want in ref["grads"].items() if not torch.allclose(grads[k], want, atol=1e-6)]
-    return errors, counts["send_recv"], counts.bytes["send_recv"]
+    return errors, counts["send_recv"], counts.bytes["send_recv"], counts["all_to_all"], counts.bytes["all_to_all"]
 
 
 def test_the_ring_takes_the_steps_its_cost_prices():
     """One causal attention ring-split over 4 ranks: the forward passes key and value 3 steps,
     the backward passes them 3 steps again and their gradients 4 (home) -- ``ring_comm_cost``'s
-    open and closed turns -- each step one local block; and the result is exact."""
+    open and closed turns -- each step one local block; the zig-zag layout (causal) moves query,
+    key, value and output by one all-to-all each, and their gradients back; the result is exact."""
     from tests.planner.test_sequence import Attention
 
     torch.manual_seed(0)
@@ -135,6 +138,10 @@ def test_the_ring_takes_the_steps_its_cost_prices():
     loss.backward()
     ref = {"loss": loss.detach(), "grads": {k: p.grad for k, p in model.named_parameters()}}
     block = 4 * 4 * 2 * 4 * 4  # one rank's key (or value): batch 4, 4 heads, 2 of 8 positions, dim 4, fp32
-    for errors, steps, nbytes in run_local(_ring_steps, 4, model, x, traced, plan, ref, timeout=120):
+    for errors, steps, nbytes, exchanges, exchanged in run_local(_ring_steps, 4, model, x, traced, plan, ref,
+                                                                timeout=120):
         assert not errors, errors
         assert (steps, nbytes) == (2 * 3 + 2 * 3 + 2 * 4, (2 * 3 + 2 * 3 + 2 * 4) * block)
+        # Causal: the zig-zag layout's all-to-alls, each one local block (query, key, value, the
+        # output; backward their gradients).
+        assert (exchanges, exchanged) == (8, 8 * block)
