@@ -37,7 +37,8 @@ import math
 
 from autopar.layout.placement import Replicate, Shard
 from autopar.strategies import rng
-from autopar.strategies._ring_attention import RING_KERNEL, ring_attention, ring_comm_cost, ring_work_share
+from autopar.strategies._ring_attention import (RING_KERNEL, ring_attention, ring_comm_cost, ring_saved_bytes,
+                                                ring_work_share)
 from autopar.strategies.kernel_context import KernelContext
 from autopar.strategies.registry import AxisOption, OpInfo, Sample, draws_random, register, register_kernel
 from autopar.strategies.samples import rand, randbool
@@ -114,7 +115,8 @@ def sdpa_dropout(ctx: KernelContext, query, key, value, attn_mask=None, dropout_
     return weights @ value
 
 
-register_kernel(RING_KERNEL, comm_cost=ring_comm_cost, work_share=ring_work_share)(ring_attention)
+register_kernel(RING_KERNEL, comm_cost=ring_comm_cost, work_share=ring_work_share,
+                saved_bytes=ring_saved_bytes)(ring_attention)
 
 
 def _ring_option(info: OpInfo, n: int) -> AxisOption:

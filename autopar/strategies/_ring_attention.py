@@ -53,7 +53,7 @@ from autopar.layout.cost import collective_seconds, ring_seconds
 from autopar.strategies._zigzag import ZigZag, causal_share, flat_index, route
 from autopar.strategies.kernel_context import KernelContext
 
-__all__ = ["ring_attention", "ring_comm_cost", "ring_work_share", "zigzag_axes", "RING_KERNEL"]
+__all__ = ["ring_attention", "ring_comm_cost", "ring_work_share", "ring_saved_bytes", "zigzag_axes", "RING_KERNEL"]
 
 RING_KERNEL = "ring_attention"
 
@@ -217,15 +217,20 @@ class _RingAttention(torch.autograd.Function):
                 lse[..., rows] = new
             if not ring.last(offsets):  # the last block needs no passing on
                 blocks = ring.pass_on(blocks, offsets)
-        autograd_ctx.save_for_backward(q, key.detach(), value.detach(), out, lse)
+        # The mask too goes through save_for_backward (not only ``problem``): it is held for
+        # backward, and what saved_tensors_hooks sees is what memory accounting measures.
+        mask = () if problem.mask is None else (problem.mask.detach(),)
+        autograd_ctx.save_for_backward(q, key.detach(), value.detach(), out, lse, *mask)
+        problem.mask = None
         autograd_ctx.problem, autograd_ctx.ring = problem, ring
         autograd_ctx.mask_grad = attn_mask is not None and attn_mask.requires_grad
         return out.to(query.dtype)
 
     @staticmethod
     def backward(autograd_ctx, grad_out):
-        q, key, value, out, lse = autograd_ctx.saved_tensors
+        q, key, value, out, lse, *mask = autograd_ctx.saved_tensors
         problem, ring = autograd_ctx.problem, autograd_ctx.ring
+        problem.mask = mask[0] if mask else None
         m = _safe(lse).unsqueeze(-1)
         grad_out = grad_out.to(problem.acc)
         delta = (grad_out * out).sum(-1, keepdim=True)
@@ -256,6 +261,7 @@ class _RingAttention(torch.autograd.Function):
                 travelling = ring.pass_on(travelling, offsets)
         dk, dv = travelling[-2:]
         dmask = None if dmask is None else dmask.to(problem.mask.dtype)
+        problem.mask = None
         return dq.to(problem.out_dtype), dk.to(key.dtype), dv.to(value.dtype), dmask, None, None
 
 
@@ -349,3 +355,21 @@ def ring_work_share(info, input_specs, mesh_shape) -> tuple[tuple[int, ...], flo
     seq_dim = info.input("query").ndim - 2
     lengths = (info.input("query").shape[seq_dim], info.input("key").shape[seq_dim])
     return axes, causal_share(ZigZag(lengths[0], m), ZigZag(lengths[1], m))
+
+
+def ring_saved_bytes(info, strategy) -> int | None:
+    """Bytes per device the zig-zag ring saves for backward: its own copies (``route``'s) of
+    query (in the accumulation dtype), key, value and the mask, its output and log-sum-exp (in
+    the accumulation dtype). Torch's fused CPU kernel, which the profile runs, keeps a float copy
+    of a bool mask, whole, instead. None for the plain layout: it saves the inputs' own storages,
+    which the profile's parts already name (shared with other savers)."""
+    if not zigzag_axes(info, strategy.input_specs):
+        return None
+    local = {name: strategy.input_bytes[info.slot_index(name)] for name in ("query", "key", "value")}
+    query, out = info.input("query"), info.outputs[0]
+    acc = 4 if query.itemsize < 4 else query.itemsize  # half precision accumulates in fp32
+    out_elements = strategy.output_bytes // out.itemsize
+    lse = out_elements // out.shape[-1] * acc
+    mask = strategy.input_bytes[info.slot_index("attn_mask")] if info.input("attn_mask") is not None else 0
+    return (local["query"] // query.itemsize * acc + local["key"] + local["value"] + out_elements * acc + lse
+            + mask)
