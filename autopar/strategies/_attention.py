@@ -13,7 +13,8 @@ broadcastable to (..., L, S); output (..., L, Ev). Single-axis options:
 - ring attention (``_ring_attention.py``, kernel ``ring_attention``): query, key, value and the
   output split on the sequence, the key/value blocks passed around the axis with online-softmax
   merging, causal or not, with a mask (split on its query rows, or replicated where it
-  broadcasts over them; every key column) and GQA. Not offered with attention dropout (every
+  broadcasts over them; every key column) and GQA; load-balanced (zig-zag, permuted inside the
+  kernel) when causal or under a row-varying mask. Not offered with attention dropout (every
   strategy then runs ``sdpa_dropout``, which holds every key).
 - Ulysses (the all-to-all sequence/head exchange) is no option of its own: it is the head split
   above with its inputs converted ``S(seq) -> S(heads)`` and its output back, each one
