@@ -2,7 +2,9 @@
 
 The builder names each saved storage relative to the op (``SELF``: the op's own outputs and
 temporaries; else the input slots whose value lives in that storage) and prices it here, once per
-distinct (strategy list, relative parts). No process groups; torch only for the traced values.
+distinct (strategy list, relative parts). A strategy whose local kernel saves other tensors than
+the op the profile ran declares its bytes (``LocalKernel.saved_bytes``: the zig-zag ring's own
+copies); they replace the parts. No process groups; torch only for the traced values.
 """
 
 from __future__ import annotations
