@@ -13,6 +13,7 @@ gradients must equal the single-device run's (the plan is a real one, not only a
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from autopar import zoo
@@ -24,6 +25,8 @@ from autopar.strategies import needs_decomposition
 from autopar.tracer import profile, trace
 from tests.runtime.pipeline.test_memory import SavedBytes
 from tests.runtime.test_e2e import loss_of, reference
+
+pytestmark = pytest.mark.slow
 
 SEQ = 1024
 TOLERANCE = 0.10
