@@ -29,7 +29,10 @@ of the unmasked product, ``(2m + 1) / (2m)^2`` for equal lengths instead of the 
 rank's ``1 / m``, and ``ring_comm_cost`` adds the all-to-alls. A mask's structure is data, unknown
 when planning: its work is priced as every block computed (``1 / m``, the bound), though the
 kernel skips the blocks it masks whole. Without a causal mask or a row-varying one the plain
-layout stays (every rank computes every block either way; a permutation would gain nothing).
+layout stays (every rank computes every block either way; a permutation would gain nothing), and
+where the query is split on more axes than the key (the query-split option on another axis).
+Memory: ``ring_saved_bytes`` prices what the zig-zag kernel saves (its routed copies, the output,
+the log-sum-exp, the mask), not what torch's fused kernel the profile ran keeps.
 
 Masks: the causal mask is evaluated on global positions (query row ``i`` sees key ``j <= i``,
 torch's top-left alignment). ``attn_mask`` (bool or additive float, broadcastable to
