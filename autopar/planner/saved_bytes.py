@@ -2,7 +2,9 @@
 
 The builder names each saved storage relative to the op (``SELF``: the op's own outputs and
 temporaries; else the input slots whose value lives in that storage) and prices it here, once per
-distinct (strategy list, relative parts). No process groups; torch only for the traced values.
+distinct (strategy list, relative parts). A strategy whose local kernel saves other tensors than
+the op the profile ran declares its bytes (``LocalKernel.saved_bytes``: the zig-zag ring's own
+copies); they replace the parts. No process groups; torch only for the traced values.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import torch.fx as fx
 
 from autopar.planner.segments import node_vals
 from autopar.strategies import Strategy
+from autopar.strategies.registry import OpInfo, get_kernel
 
 __all__ = ["SELF", "global_bytes", "activation_bytes"]
 
@@ -43,6 +46,10 @@ def activation_bytes(node: fx.Node, s: Strategy, slots: list[fx.Node], activatio
     column-parallel linear keeps its replicated input whole, a row-parallel one its sharded
     input). A storage matching neither (an upstream value reached another way) takes the op's
     blended fraction: local/global bytes of all its activation inputs and outputs."""
+    own = get_kernel(s.kernel).saved_bytes if s.kernel is not None else None
+    own = own(OpInfo.from_node(node), s) if own is not None else None
+    if own is not None:  # the kernel keeps its own tensors, not those of the op the profile ran
+        return own
     blended = min(local_bytes(s, slots, activations) / global_bytes, 1.0) if global_bytes else 1.0
     out_global = sum(v.numel() * v.dtype.itemsize for v in node_vals(node)
                      if isinstance(v, torch.Tensor))

@@ -13,7 +13,8 @@ broadcastable to (..., L, S); output (..., L, Ev). Single-axis options:
 - ring attention (``_ring_attention.py``, kernel ``ring_attention``): query, key, value and the
   output split on the sequence, the key/value blocks passed around the axis with online-softmax
   merging, causal or not, with a mask (split on its query rows, or replicated where it
-  broadcasts over them; every key column) and GQA. Not offered with attention dropout (every
+  broadcasts over them; every key column) and GQA; load-balanced (zig-zag, permuted inside the
+  kernel) when causal or under a row-varying mask. Not offered with attention dropout (every
   strategy then runs ``sdpa_dropout``, which holds every key).
 - Ulysses (the all-to-all sequence/head exchange) is no option of its own: it is the head split
   above with its inputs converted ``S(seq) -> S(heads)`` and its output back, each one
@@ -37,7 +38,8 @@ import math
 
 from autopar.layout.placement import Replicate, Shard
 from autopar.strategies import rng
-from autopar.strategies._ring_attention import RING_KERNEL, ring_attention, ring_comm_cost
+from autopar.strategies._ring_attention import (RING_KERNEL, ring_attention, ring_comm_cost, ring_saved_bytes,
+                                                ring_work_share)
 from autopar.strategies.kernel_context import KernelContext
 from autopar.strategies.registry import AxisOption, OpInfo, Sample, draws_random, register, register_kernel
 from autopar.strategies.samples import rand, randbool
@@ -114,7 +116,8 @@ def sdpa_dropout(ctx: KernelContext, query, key, value, attn_mask=None, dropout_
     return weights @ value
 
 
-register_kernel(RING_KERNEL, comm_cost=ring_comm_cost)(ring_attention)
+register_kernel(RING_KERNEL, comm_cost=ring_comm_cost, work_share=ring_work_share,
+                saved_bytes=ring_saved_bytes)(ring_attention)
 
 
 def _ring_option(info: OpInfo, n: int) -> AxisOption:

@@ -130,6 +130,10 @@ def _strategy(info: OpInfo, mesh: MeshSpec, combo: tuple[AxisOption, ...], in_sp
     )
     out_bytes = sum(m.local_nbytes(s, mesh.shape) for m, s in zip(info.outputs, out_specs) if m is not None)
     div = math.prod(mesh.shape[a] for a in work_axes)
+    share = get_kernel(kernel).work_share if kernel is not None else None
+    share = share(info, in_specs, mesh.shape) if share is not None else None
+    if share is not None:  # the kernel's own share over its axes, the even split over the others
+        div = math.prod(mesh.shape[a] for a in work_axes if a not in share[0]) / share[1]
     moved = sum(in_bytes) + out_bytes
     differentiable = any(s.meta is not None and s.meta.is_float for s in info.slots) and any(
         m is not None and m.is_float for m in info.outputs

@@ -449,11 +449,19 @@ class LocalKernel:
     fn(ctx, **bound_args) -> output: runs on one rank; ``ctx`` is a ``KernelContext`` (the
     communication interface plus the strategy's specs); tensors in ``bound_args`` are local.
     comm_cost(info, input_specs, output_specs, mesh) -> (forward_s, backward_s).
+    work_share(info, input_specs, mesh_shape) -> (axes, share) or None: the share of the op's
+    FLOPs one rank computes over the work-split mesh ``axes``, where it is not ``1 / prod(sizes)``
+    (a causal zig-zag ring computes fewer, not all, of the unmasked blocks); None: the even share.
+    saved_bytes(info, strategy) -> int or None: the bytes per device the kernel saves for backward
+    where they are not the profiled op's (``tracer.profile`` runs torch's kernel, which may keep
+    other tensors: the CPU fused attention a float copy of a bool mask); None: the profile's.
     """
 
     name: str
     fn: Callable[..., Any]
     comm_cost: Callable[..., tuple[float, float]]
+    work_share: Callable[..., tuple[tuple[int, ...], float] | None] | None = None
+    saved_bytes: Callable[..., int | None] | None = None
 
 
 _RULES: dict[Any, RuleEntry] = {}
@@ -492,13 +500,15 @@ def register(*targets: Any, samples: Callable[[], list[Sample]], has_flops: bool
     return deco
 
 
-def register_kernel(name: str, *, comm_cost: Callable[..., tuple[float, float]]) -> Callable:
+def register_kernel(name: str, *, comm_cost: Callable[..., tuple[float, float]],
+                    work_share: Callable[..., tuple[tuple[int, ...], float] | None] | None = None,
+                    saved_bytes: Callable[..., int | None] | None = None) -> Callable:
     """Register a custom local kernel under ``name`` (decorator)."""
 
     def deco(fn: Callable) -> Callable:
         if name in _KERNELS:
             raise ValueError(f"local kernel {name!r} is already registered")
-        _KERNELS[name] = LocalKernel(name, fn, comm_cost)
+        _KERNELS[name] = LocalKernel(name, fn, comm_cost, work_share, saved_bytes)
         return fn
 
     return deco

@@ -28,6 +28,7 @@ from tests.runtime.test_e2e import check_module, fast_mesh, reference
 pytestmark = pytest.mark.slow
 
 SEQ = 64
+SDPA = torch.ops.aten.scaled_dot_product_attention.default
 
 
 def qwen2_tiny():
@@ -62,6 +63,8 @@ def _run(rank, world, model, inputs, traced, plans, ref):
             errors += check_module(label, pm, inputs, ref)
         if "ring" in label and not counts["send_recv"]:
             errors.append(f"{label}: no ring step ran")
+        if "ring" in label and not counts["all_to_all"]:  # HF's causal masks vary over the rows
+            errors.append(f"{label}: no zig-zag permutation ran")
         if "all_to_all" in label and not counts["all_to_all"]:
             errors.append(f"{label}: no all-to-all ran")
     return errors
@@ -116,13 +119,14 @@ def _ring_steps(rank, world, model, x, traced, plan, ref):
     grads = pm.full_gradients()
     errors = [] if torch.allclose(loss.detach(), ref["loss"], rtol=1e-5) else [f"loss {loss} != {ref['loss']}"]
     errors += [f"grad {k}" for k, want in ref["grads"].items() if not torch.allclose(grads[k], want, atol=1e-6)]
-    return errors, counts["send_recv"], counts.bytes["send_recv"]
+    return errors, counts["send_recv"], counts.bytes["send_recv"], counts["all_to_all"], counts.bytes["all_to_all"]
 
 
 def test_the_ring_takes_the_steps_its_cost_prices():
     """One causal attention ring-split over 4 ranks: the forward passes key and value 3 steps,
     the backward passes them 3 steps again and their gradients 4 (home) -- ``ring_comm_cost``'s
-    open and closed turns -- each step one local block; and the result is exact."""
+    open and closed turns -- each step one local block; the zig-zag layout (causal) moves query,
+    key, value and output by one all-to-all each, and their gradients back; the result is exact."""
     from tests.planner.test_sequence import Attention
 
     torch.manual_seed(0)
@@ -135,6 +139,69 @@ def test_the_ring_takes_the_steps_its_cost_prices():
     loss.backward()
     ref = {"loss": loss.detach(), "grads": {k: p.grad for k, p in model.named_parameters()}}
     block = 4 * 4 * 2 * 4 * 4  # one rank's key (or value): batch 4, 4 heads, 2 of 8 positions, dim 4, fp32
-    for errors, steps, nbytes in run_local(_ring_steps, 4, model, x, traced, plan, ref, timeout=120):
+    for errors, steps, nbytes, exchanges, exchanged in run_local(_ring_steps, 4, model, x, traced, plan, ref,
+                                                                timeout=120):
         assert not errors, errors
         assert (steps, nbytes) == (2 * 3 + 2 * 3 + 2 * 4, (2 * 3 + 2 * 3 + 2 * 4) * block)
+        # Causal: the zig-zag layout's all-to-alls, each one local block (query, key, value, the
+        # output; backward their gradients).
+        assert (exchanges, exchanged) == (8, 8 * block)
+
+
+def _ring_kernel_on_gloo(rank, world, shape, sample, strategy, ref):
+    """One rank: its local pieces of the sample through the ring kernel on the gloo process
+    groups (``runtime.nodes.kernel_context``), forward and backward against the reference's."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from autopar.runtime.nodes import kernel_context
+    from autopar.runtime.process_mesh import ProcessMesh
+    from autopar.strategies.registry import OpInfo, get_kernel
+
+    pmesh = ProcessMesh(init_device_mesh("cpu", shape))
+    out_full, grads_full, grad_out = ref
+    info = OpInfo.from_values(SDPA, sample.args, sample.kwargs, out_full)
+
+    def local(t, spec):
+        return t[spec.local_slices(t.shape, shape, pmesh.coordinate)].detach()
+
+    args = [local(t, s).requires_grad_(t.is_floating_point()) for t, s in zip(sample.args, strategy.input_specs)]
+    ctx = kernel_context(info, strategy, pmesh)
+    out = get_kernel("ring_attention").fn(ctx, *args, **sample.kwargs)
+    out.backward(local(grad_out, strategy.output_specs[0]))
+    errors = [] if torch.allclose(out, local(out_full, strategy.output_specs[0]), atol=1e-10) else ["output"]
+    for i, (a, spec) in enumerate(zip(args, strategy.input_specs)):
+        if a.requires_grad and not torch.allclose(a.grad, local(grads_full[i], spec), atol=1e-10):
+            errors.append(f"grad of input {i}")
+    return errors
+
+
+@pytest.mark.full_sweep
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "padding-causal-mask"])
+def test_a_zigzag_ring_over_two_axes_on_gloo(causal):
+    """The zig-zag routing over two mesh axes (one all-to-all per axis, ``strategies/_zigzag.route``)
+    on real process groups: the sequence split over both axes of (2, 2), forward and backward equal
+    to the unsplit op's (the per-rule check runs the same on simulated ranks)."""
+    from autopar.layout.mesh import MeshSpec
+    from autopar.strategies import enumerate_strategies
+    from autopar.strategies.registry import OpInfo, Sample
+
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, h, 16, 4, dtype=torch.float64, generator=gen) for h in (4, 2, 2))
+    if causal:
+        sample = Sample((q, k, v), {"is_causal": True, "enable_gqa": True})
+    else:
+        mask = torch.ones(16, 16, dtype=torch.bool).tril().expand(2, 1, 16, 16).clone()
+        mask[1, :, :, :3] = False  # left padding in batch row 1
+        sample = Sample((q, k, v, mask), {"enable_gqa": True})
+    leaves = [t.clone().requires_grad_(t.is_floating_point()) for t in sample.args]
+    out = SDPA(*leaves, **sample.kwargs)
+    grad_out = torch.randn(out.shape, dtype=out.dtype, generator=gen)
+    out.backward(grad_out)
+    ref = (out.detach(), [t.grad for t in leaves], grad_out)
+    info = OpInfo.from_values(SDPA, sample.args, sample.kwargs, ref[0])
+    rings = [s for s in enumerate_strategies(info, MeshSpec.preset("cpu", (2, 2)), flops=(0.0, 0.0))
+             if s.kernel == "ring_attention" and s.input_specs[0].shard_axes(2) == (0, 1)
+             and s.input_specs[1].shard_axes(2) == (0, 1)]
+    assert rings
+    for errors in run_local(_ring_kernel_on_gloo, 4, (2, 2), sample, rings[0], ref, timeout=120):
+        assert not errors, errors
