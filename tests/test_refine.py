@@ -1,0 +1,125 @@
+"""``autoparallelize(refine=True)`` on real gloo processes: a plan made on a profile whose links are
+far off is replaced after the first timed steps, and training continues exactly as one device's
+(losses at every step, the parameters after the last); a plan the measurement confirms is kept.
+The Booster's ``AutoParallelPlugin(refine=True)`` does the same through ``boost``."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+from torch import nn
+
+from autopar.api import autoparallelize
+from autopar.layout.mesh import MeshSpec
+from autopar.refine import RefineOptions
+from autopar.runtime.launch import run_local
+
+RTOL, ATOL = 1e-4, 1e-6
+LR, EPS = 1e-2, 1e-5
+STEPS = 5
+OPTS = RefineOptions(warmup=1, steps=1)  # refines before forward call 2 (the third step)
+
+
+class MLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(64, 256)
+        self.b = nn.Linear(256, 64)
+
+    def forward(self, x, y):
+        return nn.functional.mse_loss(self.b(torch.relu(self.a(x))), y)
+
+
+def links(alpha: float, beta: float, shape=(2,)) -> MeshSpec:
+    """The CPU preset with every link priced at ``alpha``/``beta``."""
+    mesh = MeshSpec.preset("cpu", shape)
+    return dataclasses.replace(mesh, alpha=(alpha,) * len(shape), beta=(beta,) * len(shape), name="links-off")
+
+
+def batches(n: int = STEPS) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(32, 64, generator=g), torch.randn(32, 64, generator=g)) for _ in range(n)]
+
+
+def reference(model: nn.Module, data) -> tuple[list[float], dict[str, torch.Tensor]]:
+    model = copy.deepcopy(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
+    losses = []
+    for x, y in data:
+        opt.zero_grad()
+        loss = model(x, y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def _comm_nodes(plan) -> int:
+    """Decisions whose layout is split or partial somewhere (anything but all-replicated)."""
+    return sum(1 for n in plan.nodes if any(s and any(c != "R" for c in s) for s in n.output_specs))
+
+
+def _train(rank, world, model, data, mesh, zero_stage):
+    pm = autoparallelize(model, data[0], mesh=mesh, refine=OPTS, cache=False, zero_stage=zero_stage)
+    first = _comm_nodes(pm.plan)
+    opt = pm.optimizer(torch.optim.AdamW, lr=LR, eps=EPS)
+    inner = opt.optimizer
+    losses = []
+    for x, y in data:
+        opt.zero_grad()
+        loss = pm(x, y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert opt.optimizer is inner  # rebuilt in place
+    return losses, pm.full_state_dict(), pm.refinement, first, _comm_nodes(pm.plan)
+
+
+def _check(out, ref_losses, ref_state):
+    for rank, (losses, state, refinement, _, _) in enumerate(out):
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=RTOL, atol=ATOL,
+                                   msg=lambda m: f"rank {rank} losses ({refinement}): {m}")
+        assert set(state) == set(ref_state)
+        for k, want in ref_state.items():
+            torch.testing.assert_close(state[k], want, rtol=RTOL, atol=1e-5, msg=lambda m: f"rank {rank} {k}: {m}")
+
+
+@pytest.mark.parametrize("zero_stage", [0, pytest.param(1, marks=pytest.mark.full_sweep)])
+def test_a_plan_on_links_priced_far_too_fast_is_replaced_and_training_continues_exactly(zero_stage):
+    torch.manual_seed(0)
+    model, data = MLP(), batches()
+    ref_losses, ref_state = reference(model, data)
+    # Links priced ~1e5x faster than gloo's: the first plan shards and communicates every step.
+    out = run_local(_train, 2, model, data, links(1e-7, 1e-13), zero_stage, timeout=240)
+    _check(out, ref_losses, ref_state)
+    refinement, first, last = out[0][2], out[0][3], out[0][4]
+    assert first > 0, "the first plan should communicate"
+    assert refinement.replaced and refinement.step == OPTS.warmup + OPTS.steps, str(refinement)
+    assert refinement.ratios["comm"] > 100, str(refinement)  # measured collectives far slower than priced
+    assert refinement.gain > 0.05 and last < first, str(refinement)
+    assert all(o[2] == refinement for o in out)  # every rank adopted the same verdict
+
+
+def test_a_plan_the_measurement_confirms_is_kept():
+    torch.manual_seed(0)
+    model, data = MLP(), batches()
+    ref_losses, ref_state = reference(model, data)
+    # Links priced at a second per collective: no plan communicates, before or after the refit.
+    out = run_local(_train, 2, model, data, links(1.0, 1e-3), 0, timeout=240)
+    _check(out, ref_losses, ref_state)
+    refinement, first, last = out[0][2], out[0][3], out[0][4]
+    assert not refinement.replaced and first == last == 0, str(refinement)
+    assert "comm" not in refinement.ratios  # nothing communicated: the links keep their price
+
+
+def test_refine_options_are_checked():
+    assert RefineOptions.coerce(True) == RefineOptions() and RefineOptions.coerce(False) is None
+    with pytest.raises(ValueError, match="steps.*0"):
+        RefineOptions(steps=0)
+    with pytest.raises(ValueError, match="threshold.*1.5"):
+        RefineOptions(threshold=1.5)
+    with pytest.raises(ValueError, match="refine.*'yes'"):
+        RefineOptions.coerce("yes")
