@@ -18,6 +18,7 @@ from autopar.planner.orchestrate import (PipelinedResult, PlanResult, cache_key,
                                          plan_mesh_auto, plan_model, plan_pipelined, plan_traced, trace_for_planning)
 from autopar.planner.options import OffloadPolicy, PlanOptions
 from autopar.plans import Plan
+from autopar.refine import RefineOptions
 from autopar.stages import Progress
 
 if TYPE_CHECKING:
@@ -29,7 +30,8 @@ if TYPE_CHECKING:
     from autopar.runtime.pipeline import PipelineModule
 
 __all__ = ["plan", "plan_model", "plan_traced", "plan_pipelined", "plan_mesh_auto", "autoparallelize", "PlanOptions",
-           "PlanResult", "PipelinedResult", "Progress", "OffloadPolicy", "trace_for_planning", "world_cluster",
+           "PlanResult", "PipelinedResult", "Progress", "OffloadPolicy", "RefineOptions", "trace_for_planning",
+           "world_cluster",
            "_ranks"]
 
 
@@ -134,7 +136,7 @@ def autoparallelize(model: nn.Module, meta_inputs: tuple | dict, *, mesh: MeshSp
     import torch.distributed as dist
 
     from autopar.parallelize import Prepared, build_pipelined, prepare, solve_on_rank0
-    from autopar.refine import RefineOptions, attach_refiner
+    from autopar.refine import attach_refiner
     from autopar.runtime.build import build_module, check_plan, runtime_device
     from autopar.runtime.gemini import attach_planned
 

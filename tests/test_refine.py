@@ -123,3 +123,51 @@ def test_refine_options_are_checked():
         RefineOptions(threshold=1.5)
     with pytest.raises(ValueError, match="refine.*'yes'"):
         RefineOptions.coerce("yes")
+
+
+def _train_boosted(rank, world, model, data, mesh):
+    from autopar.booster import AutoParallelPlugin, Booster
+
+    opt, sched = _groups_and_schedule(model)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.cat([x for x, _ in data]),
+                                                                        torch.cat([y for _, y in data])),
+                                         batch_size=len(data[0][0]))
+    booster = Booster(plugin=AutoParallelPlugin(mesh=mesh, zero_stage=0, refine=OPTS))
+    pm, opt, _, loader, sched = booster.boost(model, opt, dataloader=loader, lr_scheduler=sched)
+    losses = []
+    for x, y in loader:
+        opt.zero_grad()
+        loss = pm(x, y)
+        booster.backward(loss, opt)
+        opt.step()
+        sched.step()
+        losses.append(loss.item())
+    return losses, pm.full_state_dict(), pm.refinement, None, [g["lr"] for g in opt.param_groups]
+
+
+def _groups_and_schedule(model):
+    """AdamW over two groups of different hyper-parameters and a warm-up LambdaLR."""
+    opt = torch.optim.AdamW([{"params": [model.a.weight, model.b.weight], "weight_decay": 0.1},
+                             {"params": [model.a.bias, model.b.bias], "lr": LR / 2, "betas": (0.8, 0.99)}],
+                            lr=LR, eps=EPS)
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1.0, (step + 1) / 4))
+
+
+def test_the_plugin_refines_through_the_booster():
+    torch.manual_seed(0)
+    model, data = MLP(), batches()
+    ref = copy.deepcopy(model)
+    opt, sched = _groups_and_schedule(ref)
+    ref_losses = []
+    for x, y in data:
+        opt.zero_grad()
+        loss = ref(x, y)
+        loss.backward()
+        opt.step()
+        sched.step()
+        ref_losses.append(loss.item())
+    out = run_local(_train_boosted, 2, model, data, links(1e-7, 1e-13), timeout=240)
+    _check(out, ref_losses, ref.state_dict())
+    refinement = out[0][2]
+    assert refinement.replaced, str(refinement)
+    assert out[0][4] == [g["lr"] for g in opt.param_groups]  # the scheduler drove the rebuilt groups
