@@ -88,7 +88,8 @@ def autoparallelize(model: nn.Module, meta_inputs: tuple | dict, *, mesh: MeshSp
                     plan: Plan | str | os.PathLike | None = None, options: PlanOptions | None = None,
                     device: Any = None, seed: int = 0, init_weights: bool = True, local_inputs: bool = False,
                     cache: bool = True, nodes: int | None = None, devices_per_node: int | None = None,
-                    verify: bool | tuple | dict = False, refine: Any = False, **overrides: Any) -> AutoParallelModule | PipelineModule:
+                    verify: bool | tuple | dict = False, refine: bool | RefineOptions = False,
+                    **overrides: Any) -> AutoParallelModule | PipelineModule:
     """Shard ``model`` over the current process group (call it on EVERY rank after
     ``torch.distributed.init_process_group``).
 

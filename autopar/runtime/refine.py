@@ -58,14 +58,14 @@ def op_class_of_event(name: str) -> str:
     """The op class of the ATen op a profiler event names (``"aten::mm"`` -> ``"matmul"``)."""
     from autopar.strategies.combine import op_class
 
-    packet = getattr(torch.ops.aten, name.removeprefix("aten::"), None)
-    target = getattr(packet, "default", packet)
-    if target is None:
-        return "other"
     try:
-        return op_class(target)
-    except Exception:  # noqa: BLE001 -- an op the class rule cannot read is priced by the roofline
+        packet = getattr(torch.ops.aten, name.removeprefix("aten::"))
+        classes = [op_class(getattr(packet, o)) for o in packet.overloads()]
+    except (AttributeError, RuntimeError):  # not an ATen op: priced by the roofline
         return "other"
+    # The event names the packet, not the overload: the tensor overloads give the class (``add``'s
+    # ``default`` is the integer one, untagged; ``add.Tensor`` and ``add.Scalar`` are pointwise).
+    return next((c for c in classes if c != "other"), "other")
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,7 +154,7 @@ class StepTimer:
         self._profiler = profile(activities=activities)
         try:
             self._profiler.__enter__()
-        except RuntimeError as exc:  # another profiler is running: the steps cannot be timed
+        except RuntimeError as exc:  # the profiler refused to start (e.g. one of another kind is on)
             self._profiler = None
             raise ValueError(f"refine=True times training steps with torch.profiler, which could not start "
                              f"({exc}); stop the other profiler or leave refine off") from None

@@ -1,0 +1,110 @@
+"""The planner's side of ``refine=True`` (``autopar.planner.refit``): what a plan priced, the
+profile scaled to measured figures, and the re-plan under it -- without processes."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from torch import nn
+
+from autopar.layout.cost import collective_seconds, compute_seconds
+from autopar.layout.machine import ComputeProfile, LinkFit, MachineProfile, RateTable
+from autopar.layout.mesh import MeshSpec
+from autopar.planner.options import PlanOptions
+from autopar.planner.orchestrate import plan_traced, trace_for_planning
+from autopar.planner.refit import Priced, check_refinable, priced_parts, refit_mesh, replan
+from autopar.plans import RecomputeRegion
+from autopar.tracer import profile
+
+
+class MLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(64, 256)
+        self.b = nn.Linear(256, 64)
+
+    def forward(self, x, y):
+        return nn.functional.mse_loss(self.b(torch.relu(self.a(x))), y)
+
+
+def _priced(**compute: float) -> Priced:
+    return Priced({c: compute.get(c, 0.0) for c in ("matmul", "attention", "elementwise", "norm", "other")},
+                  compute.get("comm", 0.0))
+
+
+def test_a_preset_mesh_is_refit_per_part():
+    mesh = MeshSpec.preset("cpu", (2, 2))
+    refit, ratios = refit_mesh(mesh, measured={"matmul": 4.0, "elementwise": 0.5, "other": 3.0}, measured_comm=20.0,
+                               priced=_priced(matmul=1.0, elementwise=1.0, other=1.0, comm=2.0), precision="fp32")
+    assert ratios == {"matmul": 4.0, "elementwise": 0.5, "other": 3.0, "comm": 10.0}
+    flops = 1e12  # compute-bound, far above the kernel floor
+    assert compute_seconds(flops, 1.0, refit, op_class="matmul") == pytest.approx(
+        4 * compute_seconds(flops, 1.0, mesh, op_class="matmul"))
+    nbytes = 1e10
+    assert compute_seconds(1.0, nbytes, refit, op_class="elementwise") == pytest.approx(
+        0.5 * compute_seconds(1.0, nbytes, mesh, op_class="elementwise"))
+    assert compute_seconds(flops, 1.0, refit, op_class="other") == pytest.approx(
+        3 * compute_seconds(flops, 1.0, mesh, op_class="other"))
+    for axes in (0, 1, (0, 1)):
+        assert collective_seconds("all_reduce", 1e6, refit, axes) == pytest.approx(
+            10 * collective_seconds("all_reduce", 1e6, mesh, axes))
+    assert refit.shape == mesh.shape and "refit" in refit.machine.note
+
+
+def test_a_calibrated_mesh_keeps_its_curves_and_fits_scaled():
+    table = RateTable((1e6, 1e9), (1e9, 1e11))
+    machine = MachineProfile(ComputeProfile((("matmul", "fp32", table),)),
+                             (LinkFit("all_gather", 0, 1e-4, 1e-9),), (2,), ("x",))
+    mesh = dataclasses.replace(MeshSpec.preset("cpu", (2,)), machine=machine)
+    # nothing measured for a part (no collective ran): it keeps its figures
+    refit, ratios = refit_mesh(mesh, measured={"matmul": 2.0}, measured_comm=0.0,
+                               priced=_priced(matmul=1.0, comm=1.0), precision="fp32")
+    assert ratios == {"matmul": 2.0}
+    assert refit.machine.compute.table("matmul", "fp32").rates == pytest.approx((5e8, 5e10))
+    assert refit.machine.links == machine.links and refit.alpha == mesh.alpha
+    refit, _ = refit_mesh(mesh, measured={}, measured_comm=3.0, priced=_priced(comm=1.0), precision="fp32")
+    fit = refit.machine.link("all_gather", 0)
+    assert (fit.alpha, fit.beta) == pytest.approx((3e-4, 3e-9))
+    assert refit.machine.compute.table("matmul", "fp32") == table
+
+
+@pytest.fixture(scope="module")
+def traced():
+    torch.manual_seed(0)
+    return trace_for_planning(MLP(), (torch.randn(32, 64), torch.randn(32, 64)), precision="fp32")
+
+
+def _fast(shape=(2,)) -> MeshSpec:
+    return dataclasses.replace(MeshSpec.preset("cpu", shape), alpha=(1e-7,), beta=(1e-13,), name="fast")
+
+
+def test_a_plan_measured_as_priced_is_kept(traced):
+    prof, options = profile(traced), PlanOptions()
+    plan = plan_traced(traced, prof, mesh=_fast(), options=options).plan
+    priced = priced_parts(traced, prof, plan, options=options)
+    assert priced.comm > 0 and priced.compute["matmul"] > 0
+    refit = replan(traced, prof, plan, options=options, measured=priced.compute, measured_comm=priced.comm)
+    assert refit.plan is plan and refit.gain == 0.0
+    assert refit.current_s == pytest.approx(plan.estimate.step_s, rel=1e-6)  # the same model: the same price
+
+
+def test_slow_measured_links_replan_without_communication(traced):
+    prof, options = profile(traced), PlanOptions()
+    plan = plan_traced(traced, prof, mesh=_fast(), options=options).plan
+    priced = priced_parts(traced, prof, plan, options=options)
+    refit = replan(traced, prof, plan, options=options, measured=priced.compute, measured_comm=priced.comm * 1e6)
+    assert refit.ratios == pytest.approx({**{c: 1.0 for c, v in priced.compute.items() if v > 0}, "comm": 1e6})
+    assert refit.plan is not plan and refit.gain > 0.5
+    assert refit.plan.estimate.comm_s + refit.plan.estimate.reshard_s < priced.comm
+
+
+def test_plans_refine_cannot_carry_are_refused(traced):
+    plan = plan_traced(traced, profile(traced), mesh=_fast(), options=PlanOptions()).plan
+    check_refinable(plan)
+    rotor = dataclasses.replace(plan, recompute=(RecomputeRegion("a", ("linear",)),), checkpoint={"method": "rotor"})
+    with pytest.raises(NotImplementedError, match="refine=True.*'rotor'.*'a'"):
+        check_refinable(rotor)
+    with pytest.raises(NotImplementedError, match="refine=True.*offload"):
+        check_refinable(dataclasses.replace(plan, offload={"p_a_weight": ("host", "host")}))
