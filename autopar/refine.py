@@ -188,9 +188,12 @@ def _any_rank_holds_gradients(module: AutoParallelModule, device) -> bool:
     import torch
     import torch.distributed as dist
 
+    from autopar.runtime.dtensors import local_of
+
     zero = getattr(module, "_zero", None)
     tensors = list(module.parameters()) + ([t for p in zero.pieces for t in (p.param, p.master)] if zero else [])
-    held = any(t.grad is not None and bool((t.grad != 0).any()) for t in tensors)
+    # Local pieces: a DTensor's comparison would be a collective of its own, per parameter.
+    held = any(t.grad is not None and bool(local_of(t.grad).count_nonzero()) for t in tensors)
     flag = torch.tensor([float(held)], device=device if device.type == "cuda" else "cpu")
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     return bool(flag.item())

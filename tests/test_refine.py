@@ -44,17 +44,24 @@ def batches(n: int = STEPS) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(torch.randn(32, 64, generator=g), torch.randn(32, 64, generator=g)) for _ in range(n)]
 
 
-def reference(model: nn.Module, data) -> tuple[list[float], dict[str, torch.Tensor]]:
+def reference(model: nn.Module, data, *, accumulate: int = 1) -> tuple[list[float], dict[str, torch.Tensor]]:
     model = copy.deepcopy(model)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
+    return _loop(model, opt, data, accumulate), {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def _loop(model, opt, data, accumulate: int) -> list[float]:
+    """Train on ``data``, ``accumulate`` batches' gradients per optimizer step; every batch's loss."""
     losses = []
-    for x, y in data:
-        opt.zero_grad()
+    for i, (x, y) in enumerate(data):
+        if i % accumulate == 0:
+            opt.zero_grad()
         loss = model(x, y)
         loss.backward()
-        opt.step()
+        if i % accumulate == accumulate - 1:
+            opt.step()
         losses.append(loss.item())
-    return losses, {k: v.clone() for k, v in model.state_dict().items()}
+    return losses
 
 
 def _comm_nodes(plan) -> int:
@@ -62,18 +69,12 @@ def _comm_nodes(plan) -> int:
     return sum(1 for n in plan.nodes if any(s and any(c != "R" for c in s) for s in n.output_specs))
 
 
-def _train(rank, world, model, data, mesh, zero_stage):
-    pm = autoparallelize(model, data[0], mesh=mesh, refine=OPTS, cache=False, zero_stage=zero_stage)
+def _train(rank, world, model, data, mesh, zero_stage, opts=OPTS, accumulate=1):
+    pm = autoparallelize(model, data[0], mesh=mesh, refine=opts, cache=False, zero_stage=zero_stage)
     first = _comm_nodes(pm.plan)
     opt = pm.optimizer(torch.optim.AdamW, lr=LR, eps=EPS)
     inner = opt.optimizer
-    losses = []
-    for x, y in data:
-        opt.zero_grad()
-        loss = pm(x, y)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
+    losses = _loop(pm, opt, data, accumulate)
     assert opt.optimizer is inner  # rebuilt in place
     return losses, pm.full_state_dict(), pm.refinement, first, _comm_nodes(pm.plan)
 
@@ -99,8 +100,21 @@ def test_a_plan_on_links_priced_far_too_fast_is_replaced_and_training_continues_
     assert first > 0, "the first plan should communicate"
     assert refinement.replaced and refinement.step == OPTS.warmup + OPTS.steps, str(refinement)
     assert refinement.ratios["comm"] > 100, str(refinement)  # measured collectives far slower than priced
-    assert refinement.gain > 0.05 and last < first, str(refinement)
+    assert refinement.gain > 0.05, str(refinement)
+    assert last < first or zero_stage, str(refinement)  # (ZeRO-1 shards the optimizer state either way)
     assert all(o[2] == refinement for o in out)  # every rank adopted the same verdict
+
+
+@pytest.mark.full_sweep
+def test_refinement_waits_for_a_step_boundary_while_gradients_accumulate():
+    torch.manual_seed(0)
+    model, data = MLP(), batches(8)
+    ref_losses, ref_state = reference(model, data, accumulate=2)
+    # Timing ends before forward call 3, the second half of an accumulated step: it waits for call 4.
+    opts = RefineOptions(warmup=1, steps=2)
+    out = run_local(_train, 2, model, data, links(1e-7, 1e-13), 0, opts, 2, timeout=240)
+    _check(out, ref_losses, ref_state)
+    assert out[0][2].replaced and out[0][2].step == 4, str(out[0][2])
 
 
 def test_a_plan_the_measurement_confirms_is_kept():
