@@ -185,3 +185,33 @@ def test_the_plugin_refines_through_the_booster():
     refinement = out[0][2]
     assert refinement.replaced, str(refinement)
     assert out[0][4] == [g["lr"] for g in opt.param_groups]  # the scheduler drove the rebuilt groups
+
+
+def _misuse(rank, world, model, data):
+    errors = []
+    plan = autoparallelize(model, data[0], cache=False).plan
+    for kwargs in ({"plan": plan}, {"local_inputs": True}, {"refine": "yes"}):
+        try:
+            autoparallelize(model, data[0], cache=False, **{"refine": True, **kwargs})
+            errors.append(f"{kwargs}: accepted")
+        except ValueError as exc:
+            errors.append(str(exc).split(":")[0])
+    pm = autoparallelize(model, data[0], cache=False, refine=RefineOptions(warmup=0, steps=1))
+    opt = torch.optim.AdamW(pm.parameters(), lr=LR)  # not module.optimizer: refine could not rebuild it
+    pm(*data[0]).backward()
+    opt.step()
+    opt.zero_grad()
+    try:
+        pm(*data[0])
+        errors.append("a refinement without module.optimizer: accepted")
+    except ValueError as exc:
+        errors.append(str(exc))
+    return errors
+
+
+def test_refine_refuses_what_it_cannot_carry():
+    model, data = MLP(), batches(1)
+    (errors,) = run_local(_misuse, 1, model, data, timeout=120)
+    starts = ["refine=True re-plans the model"] * 2 + ["refine must be a bool or a RefineOptions, got 'yes'",
+                                                       "refine=True: build the optimizer with module.optimizer("]
+    assert len(errors) == 4 and all(e.startswith(s) for e, s in zip(errors, starts)), errors
