@@ -215,3 +215,36 @@ def test_refine_refuses_what_it_cannot_carry():
     starts = ["refine=True re-plans the model"] * 2 + ["refine must be a bool or a RefineOptions, got 'yes'",
                                                        "refine=True: build the optimizer with module.optimizer("]
     assert len(errors) == 4 and all(e.startswith(s) for e, s in zip(errors, starts)), errors
+
+
+def _train_zoo(rank, world, model, inputs, mesh):
+    pm = autoparallelize(model, inputs, mesh=mesh, refine=OPTS, cache=False, zero_stage=0)
+    opt = pm.optimizer(torch.optim.AdamW, lr=LR, eps=EPS)
+    losses = []
+    for _ in range(STEPS):
+        opt.zero_grad()
+        loss = pm(**inputs).loss
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, pm.full_state_dict(), pm.refinement, None, None
+
+
+@pytest.mark.full_sweep
+def test_a_transformer_is_refined_exactly():
+    from autopar import zoo
+
+    torch.manual_seed(0)
+    model, inputs = zoo.build("gpt2", tiny=True, device="cpu")
+    ref = copy.deepcopy(model)
+    opt = torch.optim.AdamW(ref.parameters(), lr=LR, eps=EPS)
+    ref_losses = []
+    for _ in range(STEPS):
+        opt.zero_grad()
+        loss = ref(**inputs).loss
+        loss.backward()
+        opt.step()
+        ref_losses.append(loss.item())
+    out = run_local(_train_zoo, 2, model, inputs, links(1e-7, 1e-13), timeout=600)
+    _check(out, ref_losses, ref.state_dict())
+    assert out[0][2].replaced, str(out[0][2])
