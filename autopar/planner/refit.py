@@ -3,22 +3,24 @@ measured, and the re-plan under it.
 
 ``priced_parts`` reads a plan's estimate apart the way the runtime measures a step
 (``autopar.runtime.refine.StepTimes``): compute seconds per op class (each op's chosen option's
-``compute_s``, classed by ``strategies.combine.op_class``) and communication seconds (the
-estimate's in-op communication plus its layout conversions, asynchronous parts included: the
-measured figure is the collectives' wall time, hidden or not).
+``compute_s``, classed by ``strategies.combine.op_class``) and link seconds: the estimate's in-op
+communication plus its layout conversions, asynchronous parts included (the measured figure is
+the collectives' wall time, hidden or not), less what the same plan is priced at on free links
+(a conversion's local copy, ``split``, is priced as communication but runs as a copy, never as a
+collective the backend reports).
 
 ``refit_mesh`` scales the mesh's profile by measured / priced, per part:
 
-- each measured compute-bound or memory-bound class's rates (``layout.machine.RateTable``) by
-  priced / measured; a class the mesh has no table for (a preset, or an unmeasured class or dtype)
-  gets a one-point table at its roofline rate so scaled (the class's rate at every size);
-- ``other`` ops (priced by the roofline) through the mesh's peaks and memory bandwidth;
+- each measured op class's time (``MachineProfile.time_scale``: a factor on every kernel of the
+  class, the per-kernel floor included, so the refit mesh prices this plan's compute at what was
+  measured; a mesh without a profile gets one holding only the factors, which leaves the rest of
+  its pricing as it was);
 - every link's ``alpha`` and ``beta`` (the axis's and each per-kind ``LinkFit``) by the
   communication ratio: the profiler does not say which mesh axis or which byte count a backend
   event served, so the links are scaled together, keeping their measured shape.
 
 A part the plan does not price or the step did not run (no collective in a replicated plan) keeps
-its figures. Kernels priced at the per-kernel floor (``layout.cost.KERNEL_FLOOR_S``) stay at it.
+its figures.
 
 ``replan`` plans again on the refit mesh and prices the current plan there too (its own choice on
 the refit problem), so the two predictions come from one model.
@@ -29,7 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Mapping
 
-from autopar.layout.machine import COMPUTE_BOUND, MEMORY_BOUND, OP_CLASSES, ComputeProfile, MachineProfile, RateTable
+from autopar.layout.machine import OP_CLASSES, ComputeProfile, MachineProfile
 from autopar.layout.mesh import MeshSpec
 from autopar.planner.options import PlanOptions
 from autopar.plans import NodeKind, Plan
@@ -41,12 +43,9 @@ if TYPE_CHECKING:
 
 __all__ = ["Priced", "Refit", "check_refinable", "priced_parts", "refit_mesh", "replan"]
 
-_DTYPE = {"fp32": ("fp32", 4), "bf16": ("bf16", 2), "fp16": ("fp16", 2)}
-
-
 @dataclass(frozen=True, slots=True)
 class Priced:
-    """What a plan priced per step: compute seconds per op class, communication seconds."""
+    """What a plan priced per step: compute seconds per op class, seconds on the links."""
 
     compute: Mapping[str, float]
     comm: float
@@ -99,59 +98,50 @@ def _evaluate(built: BuiltProblem, plan: Plan):
                          f"made by another autopar version?)") from None
 
 
-def priced_parts(traced: TracedGraph, prof: ModelProfile, plan: Plan, *, options: PlanOptions) -> Priced:
-    """``plan``'s step as priced on its own mesh, in the measured parts (module docstring)."""
+def priced_parts(traced: TracedGraph, prof: ModelProfile, plan: Plan, *, options: PlanOptions,
+                 mesh: MeshSpec | None = None) -> Priced:
+    """``plan``'s step as priced on ``mesh`` (default its own), in the measured parts (module docstring)."""
     from autopar.planner.builder import build_problem
     from autopar.strategies.combine import op_class
 
-    built = build_problem(traced, prof, plan.mesh, budget_bytes=options.budget_bytes(plan.mesh), options=options)
-    choice = _choice(plan)
-    compute = dict.fromkeys(OP_CLASSES, 0.0)
-    for node in built.problem.nodes:
-        if built.decision(node.name).kind != NodeKind.OP:
-            continue
-        option = node.options[node.option_index(choice[node.name])]
-        compute[op_class(traced.node(node.name).target)] += option.compute_s
-    ev = _evaluate(built, plan)
-    return Priced(compute, ev.comm_s + ev.reshard_s)
+    mesh = plan.mesh if mesh is None else mesh
+    free = replace(mesh, alpha=(0.0,) * mesh.ndim, beta=(0.0,) * mesh.ndim,
+                   machine=None if mesh.machine is None else replace(mesh.machine, links=()))
+    comm = []
+    for on in (mesh, free):
+        built = build_problem(traced, prof, on, budget_bytes=options.budget_bytes(on), options=options)
+        ev = _evaluate(built, plan)
+        comm.append(ev.comm_s + ev.reshard_s)
+        if on is mesh:
+            choice = _choice(plan)
+            compute = dict.fromkeys(OP_CLASSES, 0.0)
+            for node in built.problem.nodes:
+                if built.decision(node.name).kind == NodeKind.OP:
+                    option = node.options[node.option_index(choice[node.name])]
+                    compute[op_class(traced.node(node.name).target)] += option.compute_s
+    return Priced(compute, max(comm[0] - comm[1], 0.0))
 
 
 def _ratio(measured: float, priced: float) -> float | None:
     return measured / priced if measured > 0 and priced > 0 else None
 
 
-def refit_mesh(mesh: MeshSpec, *, measured: Mapping[str, float], measured_comm: float, priced: Priced,
-               precision: str) -> tuple[MeshSpec, dict[str, float]]:
+def refit_mesh(mesh: MeshSpec, *, measured: Mapping[str, float], measured_comm: float,
+               priced: Priced) -> tuple[MeshSpec, dict[str, float]]:
     """``mesh`` with its profile scaled to the measured parts (module docstring); the ratios used."""
-    dtype, itemsize = _DTYPE[precision]
     ratios = {c: r for c in OP_CLASSES if (r := _ratio(measured.get(c, 0.0), priced.compute[c])) is not None}
     comm = _ratio(measured_comm, priced.comm)
+    machine = mesh.machine or MachineProfile(ComputeProfile(()), (), mesh.shape, mesh.axis_names)
+    scale = tuple((c, machine.scale_of(c) * ratios.get(c, 1.0)) for c in OP_CLASSES
+                  if c in ratios or machine.scale_of(c) != 1.0)
+    links, alpha, beta = machine.links, mesh.alpha, mesh.beta
     if comm is not None:
         ratios["comm"] = comm
-    machine = mesh.machine
-    tables = {(c, d): t for c, d, t in machine.compute.tables} if machine is not None else {}
-    for c in COMPUTE_BOUND + MEMORY_BOUND:
-        if c not in ratios:
-            continue
-        for key in [k for k in tables if k[0] == c] or [(c, dtype)]:
-            table = tables.get(key) or RateTable((1.0,), (mesh.flops_at(itemsize) if c in COMPUTE_BOUND
-                                                         else mesh.mem_bandwidth,))
-            tables[key] = RateTable(table.sizes, tuple(r / ratios[c] for r in table.rates))
-    links = () if machine is None else machine.links
-    alpha, beta = mesh.alpha, mesh.beta
-    if comm is not None:
         links = tuple(replace(f, alpha=f.alpha * comm, beta=f.beta * comm) for f in links)
         alpha, beta = tuple(a * comm for a in alpha), tuple(b * comm for b in beta)
-    other = ratios.get("other", 1.0)
     note = "refit to measured steps: " + ", ".join(f"{k} x{v:.3g}" for k, v in ratios.items())
-    profile = MachineProfile(
-        compute=ComputeProfile(tuple((c, d, t) for (c, d), t in sorted(tables.items()))), links=links,
-        measured_shape=mesh.shape if machine is None else machine.measured_shape,
-        measured_axis_names=mesh.axis_names if machine is None else machine.measured_axis_names, note=note)
-    refit = replace(mesh, alpha=alpha, beta=beta, peak_flops=mesh.peak_flops / other,
-                    half_peak_flops=None if mesh.half_peak_flops is None else mesh.half_peak_flops / other,
-                    mem_bandwidth=mesh.mem_bandwidth / other, machine=profile, name=f"{mesh.name} (refit)")
-    return refit, ratios
+    machine = replace(machine, links=links, time_scale=scale, note=f"{machine.note}; {note}" if machine.note else note)
+    return replace(mesh, alpha=alpha, beta=beta, machine=machine, name=f"{mesh.name} (refit)"), ratios
 
 
 def replan(traced: TracedGraph, prof: ModelProfile, plan: Plan, *, options: PlanOptions,
@@ -161,8 +151,7 @@ def replan(traced: TracedGraph, prof: ModelProfile, plan: Plan, *, options: Plan
 
     options = replace(options, baselines=False)
     priced = priced_parts(traced, prof, plan, options=options)
-    mesh, ratios = refit_mesh(plan.mesh, measured=measured, measured_comm=measured_comm, priced=priced,
-                              precision=plan.precision)
+    mesh, ratios = refit_mesh(plan.mesh, measured=measured, measured_comm=measured_comm, priced=priced)
     result = plan_traced(traced, prof, mesh=mesh, options=options)
     current = _evaluate(result.built, plan).objective
     best = result.plan.estimate.step_s
