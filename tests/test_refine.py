@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import logging
 
 import pytest
 import torch
@@ -69,13 +70,27 @@ def _comm_nodes(plan) -> int:
     return sum(1 for n in plan.nodes if any(s and any(c != "R" for c in s) for s in n.output_specs))
 
 
+class _Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
 def _train(rank, world, model, data, mesh, zero_stage, opts=OPTS, accumulate=1):
+    lines = _Lines()
+    logger = logging.getLogger("autopar.refine")
+    logger.addHandler(lines)
+    logger.setLevel(logging.INFO)
     pm = autoparallelize(model, data[0], mesh=mesh, refine=opts, cache=False, zero_stage=zero_stage)
     first = _comm_nodes(pm.plan)
     opt = pm.optimizer(torch.optim.AdamW, lr=LR, eps=EPS)
     inner = opt.optimizer
     losses = _loop(pm, opt, data, accumulate)
     assert opt.optimizer is inner  # rebuilt in place
+    assert lines.lines == ([str(pm.refinement)] if rank == 0 else []), lines.lines  # one line, rank 0's
     return losses, pm.full_state_dict(), pm.refinement, first, _comm_nodes(pm.plan)
 
 
