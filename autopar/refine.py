@@ -60,7 +60,7 @@ class RefineOptions:
     """``autoparallelize(refine=...)``: ``True`` means ``RefineOptions()``."""
 
     warmup: int = 1  # training steps run before timing (first calls allocate and fill caches)
-    steps: int = 2  # training steps timed
+    steps: int = 2  # training steps timed (the profiler runs until the next training forward call)
     threshold: float = 0.05  # re-plan when the new plan is predicted faster by more than this share
 
     def __post_init__(self) -> None:
@@ -141,6 +141,7 @@ class Refiner:
             _swap(module, Plan.from_json(text), model=self.model, traced=self.traced, device=self.device,
                   seed=self.seed)
         self.result = module.refinement = Refinement(replaced, self.calls, current_s, best_s, ratios)
+        self.model = self.traced = None  # done: the model and its trace need not be kept alive
         import torch.distributed as dist
 
         if dist.get_rank() == 0:

@@ -103,7 +103,7 @@ def _check(out, ref_losses, ref_state):
             torch.testing.assert_close(state[k], want, rtol=RTOL, atol=1e-5, msg=lambda m: f"rank {rank} {k}: {m}")
 
 
-@pytest.mark.parametrize("zero_stage", [0, pytest.param(1, marks=pytest.mark.full_sweep)])
+@pytest.mark.parametrize("zero_stage", [0, *(pytest.param(z, marks=pytest.mark.full_sweep) for z in (1, 2, "auto"))])
 def test_a_plan_on_links_priced_far_too_fast_is_replaced_and_training_continues_exactly(zero_stage):
     torch.manual_seed(0)
     model, data = MLP(), batches()
@@ -116,7 +116,7 @@ def test_a_plan_on_links_priced_far_too_fast_is_replaced_and_training_continues_
     assert refinement.replaced and refinement.step == OPTS.warmup + OPTS.steps, str(refinement)
     assert refinement.ratios["comm"] > 100, str(refinement)  # measured collectives far slower than priced
     assert refinement.gain > 0.05, str(refinement)
-    assert last < first or zero_stage, str(refinement)  # (ZeRO-1 shards the optimizer state either way)
+    assert last < first or zero_stage in (1, 2), str(refinement)  # (ZeRO shards the optimizer state either way)
     assert all(o[2] == refinement for o in out)  # every rank adopted the same verdict
 
 
