@@ -154,6 +154,16 @@ def test_refine_options_are_checked():
         RefineOptions.coerce("yes")
 
 
+def test_the_plugin_checks_and_passes_refine():
+    from autopar.booster import AutoParallelPlugin
+
+    with pytest.raises(ValueError, match="refine.*'yes'"):
+        AutoParallelPlugin(refine="yes")
+    assert AutoParallelPlugin(refine=True).autoparallelize_kwargs()["refine"] == RefineOptions()
+    assert AutoParallelPlugin(refine=OPTS).refine is OPTS
+    assert "refine" not in AutoParallelPlugin().autoparallelize_kwargs()
+
+
 def _train_boosted(rank, world, model, data, mesh):
     from autopar.booster import AutoParallelPlugin, Booster
 
