@@ -119,14 +119,16 @@ class Refiner:
         self.calls = 0  # training forward calls seen
         self.timer = StepTimer(device=device)
         self.result: Refinement | None = None
+        self.finished = False  # refined, or failed trying: once either way
 
     def __call__(self, module: AutoParallelModule) -> None:
-        if self.result is not None:
+        if self.finished:
             return
         start, stop = self.opts.warmup, self.opts.warmup + self.opts.steps
         if self.calls == start:
             self.timer.start()
         if self.calls >= stop and not _any_rank_holds_gradients(module, self.device):
+            self.finished = True
             self.refine(module, self.timer.stop(steps=self.calls - start))
         self.calls += 1
 
