@@ -121,6 +121,16 @@ def test_a_plan_on_links_priced_far_too_fast_is_replaced_and_training_continues_
 
 
 @pytest.mark.full_sweep
+def test_a_two_axis_mesh_is_refined_exactly():
+    torch.manual_seed(0)
+    model, data = MLP(), batches()
+    ref_losses, ref_state = reference(model, data)
+    out = run_local(_train, 4, model, data, links(1e-7, 1e-13, (2, 2)), "auto", timeout=400)
+    _check(out, ref_losses, ref_state)
+    assert out[0][2].replaced and all(o[2] == out[0][2] for o in out), str(out[0][2])
+
+
+@pytest.mark.full_sweep
 def test_refinement_waits_for_a_step_boundary_while_gradients_accumulate():
     torch.manual_seed(0)
     model, data = MLP(), batches(8)
