@@ -18,6 +18,7 @@ from autopar.planner.orchestrate import (PipelinedResult, PlanResult, cache_key,
                                          plan_mesh_auto, plan_model, plan_pipelined, plan_traced, trace_for_planning)
 from autopar.planner.options import OffloadPolicy, PlanOptions
 from autopar.plans import Plan
+from autopar.refine import RefineOptions
 from autopar.stages import Progress
 
 if TYPE_CHECKING:
@@ -29,7 +30,8 @@ if TYPE_CHECKING:
     from autopar.runtime.pipeline import PipelineModule
 
 __all__ = ["plan", "plan_model", "plan_traced", "plan_pipelined", "plan_mesh_auto", "autoparallelize", "PlanOptions",
-           "PlanResult", "PipelinedResult", "Progress", "OffloadPolicy", "trace_for_planning", "world_cluster",
+           "PlanResult", "PipelinedResult", "Progress", "OffloadPolicy", "RefineOptions", "trace_for_planning",
+           "world_cluster",
            "_ranks"]
 
 
@@ -86,7 +88,8 @@ def autoparallelize(model: nn.Module, meta_inputs: tuple | dict, *, mesh: MeshSp
                     plan: Plan | str | os.PathLike | None = None, options: PlanOptions | None = None,
                     device: Any = None, seed: int = 0, init_weights: bool = True, local_inputs: bool = False,
                     cache: bool = True, nodes: int | None = None, devices_per_node: int | None = None,
-                    verify: bool | tuple | dict = False, **overrides: Any) -> AutoParallelModule | PipelineModule:
+                    verify: bool | tuple | dict = False, refine: bool | RefineOptions = False,
+                    **overrides: Any) -> AutoParallelModule | PipelineModule:
     """Shard ``model`` over the current process group (call it on EVERY rank after
     ``torch.distributed.init_process_group``).
 
@@ -119,6 +122,10 @@ def autoparallelize(model: nn.Module, meta_inputs: tuple | dict, *, mesh: MeshSp
     ``PlanVerificationError`` names the first diverging node); ``True`` checks on ``meta_inputs``
     when they hold values, else on inputs made up from their shapes
     (``autopar.runtime.verify.verify_inputs``); or pass the inputs to check on.
+    ``refine``: ``True`` or an ``autopar.refine.RefineOptions``: the module times its first
+    training steps with torch's profiler, refits the mesh's profile to them and re-plans once,
+    adopting the new plan on every rank (training state carried over exactly) when it is predicted
+    more than 5% faster (``autopar.refine``); build the optimizer with ``module.optimizer(...)``.
 
     Ranks agree or all fail: before anyone plans, the ranks compare (one ``all_gather_object``)
     their traced graph, input shapes, mesh, world size, versions, plan file and per-rank options,
@@ -130,6 +137,7 @@ def autoparallelize(model: nn.Module, meta_inputs: tuple | dict, *, mesh: MeshSp
     import torch.distributed as dist
 
     from autopar.parallelize import Prepared, build_pipelined, prepare, solve_on_rank0
+    from autopar.refine import attach_refiner
     from autopar.runtime.build import build_module, check_plan, runtime_device
     from autopar.runtime.gemini import attach_planned
 
@@ -137,6 +145,10 @@ def autoparallelize(model: nn.Module, meta_inputs: tuple | dict, *, mesh: MeshSp
         raise ValueError("autoparallelize needs torch.distributed.init_process_group() first")
     dev = runtime_device(device)
     progress = Progress()
+    refining = RefineOptions.coerce(refine)
+    if refining is not None and (plan is not None or local_inputs):
+        raise ValueError("refine=True re-plans the model: it needs the planning options, not a given plan=, and "
+                         "full-batch inputs (local_inputs=False: a new plan may lay the inputs out differently)")
     try:
         prep: Prepared | Exception = prepare(
             model, meta_inputs, mesh=mesh, plan=plan, device=dev, progress=progress, options=options,
@@ -149,6 +161,10 @@ def autoparallelize(model: nn.Module, meta_inputs: tuple | dict, *, mesh: MeshSp
     chosen = prep.plan if prep.plan is not None else solve_on_rank0(
         prep.traced, mesh=prep.spec, options=prep.options, progress=progress, device=dev,
         cache_of=(model, meta_inputs) if cache else None, auto=prep.auto, source=(model, meta_inputs))
+    if refining is not None:
+        from autopar.planner.refit import check_refinable
+
+        check_refinable(chosen)  # the same plan on every rank: fails everywhere or nowhere
     if chosen.pipeline is not None:
         if verify is not False:
             raise NotImplementedError("verify=: pipelined plans are not verified yet; verify the plan without "
@@ -169,4 +185,6 @@ def autoparallelize(model: nn.Module, meta_inputs: tuple | dict, *, mesh: MeshSp
         from autopar.runtime.verify import verify_inputs, verify_module
 
         verify_module(built, verify_inputs(prep.traced, meta_inputs if verify is True else verify, seed=seed))
+    if refining is not None:
+        attach_refiner(built, refining, model=model, traced=prep.traced, options=prep.options, device=dev, seed=seed)
     return built

@@ -260,3 +260,18 @@ def test_no_two_modules_of_a_package_share_a_name():
     shared = {str(pkg.relative_to(ROOT)): sorted(n for n in set(names) if names.count(n) > 1)
               for pkg, names in by_package.items() if len(set(names)) < len(names)}
     assert shared == {}
+
+
+def test_no_merge_conflict_markers_left_in_the_tree():
+    """A conflict resolved inside a docstring still imports, so only a scan of the text catches
+    it (one was left in ``AutoParallelPlugin``'s docstring by a merge)."""
+    markers = ("<" * 7 + " ", ">" * 7 + " ", "=" * 7 + "\n")
+    found = []
+    for path in ROOT.rglob("*"):
+        if path.suffix not in {".py", ".md", ".toml", ".json", ".c", ".txt"} or ".venv" in path.parts \
+                or ".git" in path.parts or not path.is_file():
+            continue
+        for number, line in enumerate(path.read_text(errors="replace").splitlines(keepends=True), 1):
+            if line.startswith(markers):
+                found.append(f"{path.relative_to(ROOT)}:{number}")
+    assert not found, f"merge-conflict markers left in: {found}"

@@ -148,7 +148,7 @@ class Booster:
         if module.plan.pipeline is not None:  # a PipelineModule: full batches, step_with, ZeRO-1 at most
             return self._boost_pipeline(model, module, optimizer, criterion, dataloader, lr_scheduler,
                                         zero_stage=pipeline_zero)
-        if ours:
+        if ours and not self.plugin.refine:  # refine may re-plan: the module keeps taking whole batches
             args, kwargs = (meta_inputs, {}) if isinstance(meta_inputs, tuple) else ((), meta_inputs)
             if configure_for(dataloader, module, input_shapes(model.forward, args, kwargs)):
                 # The plan splits every input's batch dim alike: the module is built again (same

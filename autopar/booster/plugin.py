@@ -100,15 +100,11 @@ class AutoParallelPlugin:
             runtime's ``StaticPolicy`` built from it (``autopar.runtime.gemini.policies``). ``shard_param_frac``
             (``"static"`` only): the leading fraction of chunks sharded ZeRO-3 style over the mesh
             axes the plan replicates their parameters on; their gradients are chunk shards, not
-<<<<<<< HEAD
-            ``.grad``, so ``max_norm`` clipping and fp16 loss scaling are refused with it.
+            ``.grad``: the fp16 scaler unscales and checks them and ``max_norm`` clipping counts
+            them (the chunk optimizer's ``sharded_grads``; their squared norms all-reduced).
         ep_size: expert parallelism pinned to this degree (``autopar.planner.pins``): each MoE
             experts op splits its experts over mesh axes of this total size, tokens dispatched by
             all-to-all; 1: experts never split; ``None``: the planner decides.
-=======
-            ``.grad``: the fp16 scaler unscales and checks them and ``max_norm`` clipping counts
-            them (the chunk optimizer's ``sharded_grads``; their squared norms all-reduced).
->>>>>>> wt-gem
         chunk_search_range: ``(min, max, step)`` elements the chunk size is searched over for
             the least padding (``None``: 1024 to 64 Mi elements in steps of 1024); static and
             auto policies (planned tiers chunk as the plan streams: ``ChunkManager``).
@@ -116,6 +112,10 @@ class AutoParallelPlugin:
             attention split on the sequence over the last mesh axis (``autopar.plan``'s
             ``sequence_parallel``; the notes' ``enable_sequence_parallelism`` with Colossal-AI's
             ``ring_attn`` / ``all_to_all`` modes).
+        refine: ``False``, ``True`` or an ``autopar.refine.RefineOptions``: the boosted module times
+            its first training steps, refits the profile and re-plans once, rebuilding itself and
+            the boosted optimizer in place when the new plan is predicted faster
+            (``autoparallelize``'s ``refine``); the loader then gives whole global batches.
     """
 
     mesh: MeshSpec | Sequence[int] | str | None = None
@@ -153,6 +153,7 @@ class AutoParallelPlugin:
     offload: Any = "none"
     sequence_parallel: str = "auto"
     ep_size: int | None = None
+    refine: Any = False
 
     def __post_init__(self) -> None:
         if isinstance(self.mesh, (str, os.PathLike)) and is_profile_path(self.mesh):
@@ -170,6 +171,9 @@ class AutoParallelPlugin:
                 continue  # pp_style is the plugin's vocabulary (PP_STYLES), checked with the pipeline knobs
             object.__setattr__(self, name, check_option(option, value, name=name))
         check_number(self.max_norm, name="max_norm", low=0, what="a finite number >= 0 (0 = no clipping)")
+        from autopar.api import RefineOptions
+
+        object.__setattr__(self, "refine", RefineOptions.coerce(self.refine) or False)
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ValueError(f"seed must be an int, got {self.seed!r}")
         if self.plan is not None:
@@ -358,6 +362,7 @@ class AutoParallelPlugin:
                     allow_replicate_fallback=self.allow_replicate_fallback,
                     checkpoint=self.checkpoint, ep_size=self.ep_size,
                     precision=self.precision, reduce_dtype=self.reduce_dtype, plan=self.plan,
+                    **({"refine": self.refine} if self.refine else {}),
                     **({} if self.offload == "none" else {"offload": self.offload}),
                     **({} if self.sequence_parallel == "auto" else {"sequence_parallel": self.sequence_parallel}),
                     # Pipelined stages and Gemini's own policies run without ZeRO: "auto" means 0 there.

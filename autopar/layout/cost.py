@@ -24,8 +24,9 @@ measured figures: a collective the per-(kind, axis) ``alpha``/``beta`` where tha
 on that axis (else the axis's all-kind fit); a kernel of a measured op class its achieved rate at
 its size and dtype instead of the peak: ``flops / rate(flops)`` for matmul and attention,
 ``nbytes / rate(nbytes)`` for elementwise and normalisation ops, each still no less than its
-other roofline term and the kernel floor. Other ops, unmeasured dtypes and uncalibrated meshes
-get the roofline as above, so a preset prices exactly as before.
+other roofline term and the kernel floor; times the profile's ``time_scale`` factor of the class
+where a model's timed steps refit it (``refine=True``). Other ops, unmeasured dtypes and
+uncalibrated meshes get the roofline as above, so a preset prices exactly as before.
 """
 
 from __future__ import annotations
@@ -55,15 +56,16 @@ def compute_seconds(flops: float, nbytes: float, mesh: MeshSpec, *, itemsize: in
     if op_class not in OP_CLASSES:
         raise ValueError(f"unknown op class {op_class!r}; expected one of {OP_CLASSES}")
     flop_s, byte_s = flops / mesh.flops_at(itemsize), nbytes / mesh.mem_bandwidth
-    if mesh.machine is not None:
-        dtype = dtype or dtype_name(itemsize)
-        if op_class in COMPUTE_BOUND and flops > 0:
-            rate = mesh.machine.compute.rate(op_class, dtype, flops)
-            flop_s = flop_s if rate is None else flops / rate
-        elif op_class in MEMORY_BOUND and nbytes > 0:
-            rate = mesh.machine.compute.rate(op_class, dtype, nbytes)
-            byte_s = byte_s if rate is None else nbytes / rate
-    return max(flop_s, byte_s, KERNEL_FLOOR_S)
+    if mesh.machine is None:
+        return max(flop_s, byte_s, KERNEL_FLOOR_S)
+    dtype = dtype or dtype_name(itemsize)
+    if op_class in COMPUTE_BOUND and flops > 0:
+        rate = mesh.machine.compute.rate(op_class, dtype, flops)
+        flop_s = flop_s if rate is None else flops / rate
+    elif op_class in MEMORY_BOUND and nbytes > 0:
+        rate = mesh.machine.compute.rate(op_class, dtype, nbytes)
+        byte_s = byte_s if rate is None else nbytes / rate
+    return max(flop_s, byte_s, KERNEL_FLOOR_S) * mesh.machine.scale_of(op_class)
 
 
 def copy_seconds(nbytes: float, mesh: MeshSpec) -> float:

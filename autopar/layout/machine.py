@@ -16,6 +16,9 @@ roofline. Its parts:
   ``MeshSpec.alpha``/``beta`` is over all kinds at once; gloo's reduce-scatter costs about an
   all-reduce, its all-to-all less, so one pair cannot fit them all).
 
+- ``time_scale``: per op class, a model's timed steps over what the profile priced them at
+  (``autoparallelize(refine=True)``): a factor on each kernel's priced seconds.
+
 The fraction of asynchronously issued communication hidden under concurrent compute is
 ``MeshSpec.comm_overlap`` (one field of the mesh, whoever fills it), not a field here.
 """
@@ -173,6 +176,10 @@ class MachineProfile:
     measured_shape: tuple[int, ...]
     measured_axis_names: tuple[str, ...]
     note: str = ""
+    # ((op class, factor), ...): a model's timed steps over what this profile priced them at
+    # (``refine=True``, ``planner/refit.py``); each kernel of the class costs its priced seconds
+    # times the factor, the per-kernel floor included (a rate scale would leave floor-bound kernels).
+    time_scale: tuple[tuple[str, float], ...] = ()
     # A mesh is a cache key (``layout.conversion``): hashing every rate each lookup would cost
     # ten times the preset mesh's whole hash, so the profile's is computed once.
     _hash: int = field(init=False, repr=False, compare=False, default=0)
@@ -184,11 +191,21 @@ class MachineProfile:
         keys = [(f.kind, f.axis) for f in self.links]
         if len(set(keys)) != len(keys):
             raise ValueError(f"MachineProfile has two link fits for one (kind, axis): {keys}")
+        object.__setattr__(self, "time_scale", tuple((str(c), float(f)) for c, f in self.time_scale))
+        classes = [c for c, _ in self.time_scale]
+        if any(c not in OP_CLASSES for c in classes) or len(set(classes)) != len(classes) \
+                or not all(_positive(f) for _, f in self.time_scale):
+            raise ValueError(f"MachineProfile.time_scale needs distinct op classes of {OP_CLASSES} with positive "
+                             f"factors, got {self.time_scale}")
         object.__setattr__(self, "_hash", hash((self.compute, self.links, self.measured_shape,
-                                                self.measured_axis_names, self.note)))
+                                                self.measured_axis_names, self.note, self.time_scale)))
 
     def __hash__(self) -> int:
         return self._hash
+
+    def scale_of(self, op_class: str) -> float:
+        """The ``time_scale`` factor of ``op_class`` (1: not refit)."""
+        return next((f for c, f in self.time_scale if c == op_class), 1.0)
 
     def link(self, kind: str, axis: int) -> LinkFit | None:
         for fit in self.links:
@@ -205,7 +222,7 @@ class MachineProfile:
         return {"compute": self.compute.to_list(),
                 "links": [{"kind": f.kind, "axis": f.axis, "alpha": f.alpha, "beta": f.beta} for f in self.links],
                 "measured_shape": list(self.measured_shape), "measured_axis_names": list(self.measured_axis_names),
-                "note": self.note}
+                "note": self.note, **({"time_scale": dict(self.time_scale)} if self.time_scale else {})}
 
     @classmethod
     def from_dict(cls, data: dict) -> "MachineProfile":
@@ -213,6 +230,7 @@ class MachineProfile:
             return cls(compute=ComputeProfile.from_list(data["compute"]),
                        links=tuple(LinkFit(**f) for f in data["links"]),
                        measured_shape=tuple(data["measured_shape"]),
-                       measured_axis_names=tuple(data["measured_axis_names"]), note=data.get("note", ""))
+                       measured_axis_names=tuple(data["measured_axis_names"]), note=data.get("note", ""),
+                       time_scale=tuple(data.get("time_scale", {}).items()))
         except (KeyError, TypeError) as exc:
             raise ValueError(f"malformed machine profile in MeshSpec JSON: {type(exc).__name__}: {exc}") from None

@@ -87,6 +87,9 @@ class AutoParallelModule(nn.Module):
         self._zero = None  # the ZeroOptimizer built by ``optimizer``
         self._zero2 = [n.name for n in plan.nodes if n.zero_stage == 2]
         self._draws = rng.graph_draws(traced.gm.graph)  # each forward takes the next draw (rng.py)
+        # Called with this module at the start of each training forward call (``autopar.refine``:
+        # ``refine=True`` times the first steps there and may rebuild the module in place).
+        self.step_hook = None
 
     # ------------------------------------------------------------------------------ running
     @property
@@ -99,6 +102,8 @@ class AutoParallelModule(nn.Module):
         return self.pmesh.device_mesh
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.step_hook is not None and torch.is_grad_enabled():
+            self.step_hook(self)
         if self._zero is None and torch.is_grad_enabled() and self._zero2:
             raise ValueError(
                 f"the plan shards the gradients of {len(self._zero2)} parameters (ZeRO-2, e.g. "

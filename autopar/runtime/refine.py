@@ -1,0 +1,169 @@
+"""Timing training steps per op class with torch's profiler: the measuring side of ``refine=True``.
+
+``StepTimer`` profiles a window of whole training steps (from the start of one forward call to the
+start of a later one: forward, backward, the optimizer step and everything in between) and
+``StepTimes.of_events`` sorts what the profiler saw into the cost model's terms:
+
+- **compute** per op class (``layout.machine.OP_CLASSES``, by ``strategies.combine.op_class`` of
+  the ATen op each event names): the self time of every ATen event, except those run inside the
+  optimizer (``Optimizer.step``/``zero_grad``: the planner does not price the optimizer's kernels),
+  inside a collective (``c10d::``, the backend's own events) or inside the runtime's communication
+  functions (``runtime.collectives``, ``kernels``, ``pending``, ``bucketing``: their copies and
+  concatenations are part of the conversion the planner prices as communication);
+- **communication**: the wall time of the backend's collective events (``gloo:all_reduce`` ...,
+  recorded on the backend's worker thread: the time the collective ran, waiting for its peers
+  included; NCCL's likewise), whatever issued them (conversions, in-op reductions, gradient buckets).
+
+On CUDA the device time of each event is used where it has one (the kernel's), else its CPU time.
+Every figure is per step (the window's sum over its steps). ``agreed`` makes every rank hold the
+same figures: the maximum over ranks of each (a step waits for its slowest rank).
+
+The runtime never imports the planner: the planner side (``autopar.planner.refit``) compares these
+figures with what the plan priced and refits the mesh's profile.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import torch
+import torch.distributed as dist
+
+from autopar.layout.machine import OP_CLASSES
+
+__all__ = ["StepTimes", "StepTimer", "op_class_of_event"]
+
+# Events of collectives: the backend's own (the time the collective ran) and the c10d entry points
+# (the issuing thread's call, which for an asynchronous collective returns at once).
+_BACKEND_PREFIXES = ("gloo:", "nccl:")
+_COLLECTIVE_PREFIXES = ("c10d::", "record_param_comms", *_BACKEND_PREFIXES)
+# The optimizer's own kernels: not part of the step the planner prices.
+_OPTIMIZER_PREFIXES = ("Optimizer.",)
+
+
+def _runtime_comm_functions() -> frozenset[str]:
+    """The names the profiler gives the runtime's communication functions (forward and backward)."""
+    from autopar.runtime import bucketing, collectives, dtensors, kernels, pending
+
+    names = set()
+    for mod in (collectives, kernels, pending, bucketing, dtensors):
+        for value in vars(mod).values():
+            if isinstance(value, type) and issubclass(value, torch.autograd.Function):
+                names.update((value.__name__, f"{value.__name__}Backward"))
+    return frozenset(names)
+
+
+def op_class_of_event(name: str) -> str:
+    """The op class of the ATen op a profiler event names (``"aten::mm"`` -> ``"matmul"``)."""
+    from autopar.strategies.combine import op_class
+
+    try:
+        packet = getattr(torch.ops.aten, name.removeprefix("aten::"))
+        classes = [op_class(getattr(packet, o)) for o in packet.overloads()]
+    except (AttributeError, RuntimeError):  # not an ATen op: priced by the roofline
+        return "other"
+    # The event names the packet, not the overload: the tensor overloads give the class (``add``'s
+    # ``default`` is the integer one, untagged; ``add.Tensor`` and ``add.Scalar`` are pointwise).
+    return next((c for c in classes if c != "other"), "other")
+
+
+@dataclass(frozen=True, slots=True)
+class StepTimes:
+    """Seconds per training step: ``compute`` per op class (``OP_CLASSES`` order), ``comm`` the
+    collectives' wall time; ``steps``: how many steps the figures are the mean of."""
+
+    compute: tuple[float, ...]
+    comm: float
+    steps: int
+
+    def __post_init__(self) -> None:
+        if len(self.compute) != len(OP_CLASSES):
+            raise ValueError(f"StepTimes.compute needs one figure per op class {OP_CLASSES}, got {self.compute}")
+        if self.steps < 1:
+            raise ValueError(f"StepTimes.steps must be >= 1, got {self.steps}")
+
+    def by_class(self) -> dict[str, float]:
+        return dict(zip(OP_CLASSES, self.compute))
+
+    @classmethod
+    def of_events(cls, events: Iterable[Any], *, steps: int, device_time: bool = False) -> "StepTimes":
+        """The figures of a profiler's ``events()`` over ``steps`` steps (module docstring)."""
+        skip = _runtime_comm_functions()
+        compute = dict.fromkeys(OP_CLASSES, 0.0)
+        comm = 0.0
+        classes: dict[str, str] = {}
+        for e in events:
+            name = e.name
+            if name.startswith(_BACKEND_PREFIXES):
+                comm += _seconds(e, device_time, total=True)
+                continue
+            if not name.startswith("aten::") or _inside(e, skip):
+                continue
+            if name not in classes:
+                classes[name] = op_class_of_event(name)
+            compute[classes[name]] += _seconds(e, device_time, total=False)
+        return cls(tuple(compute[c] / steps for c in OP_CLASSES), comm / steps, steps)
+
+    def agreed(self, *, device: torch.device) -> "StepTimes":
+        """Every rank's figures replaced by the maximum over ranks (one all-reduce)."""
+        values = torch.tensor([*self.compute, self.comm], dtype=torch.float64,
+                              device=device if device.type == "cuda" else "cpu")
+        dist.all_reduce(values, op=dist.ReduceOp.MAX)
+        out = values.tolist()
+        return StepTimes(tuple(out[:-1]), out[-1], self.steps)
+
+
+def _seconds(event: Any, device_time: bool, *, total: bool) -> float:
+    if device_time:
+        us = event.device_time_total if total else event.self_device_time_total
+        if us > 0:
+            return us * 1e-6
+    return (event.cpu_time_total if total else event.self_cpu_time_total) * 1e-6
+
+
+def _inside(event: Any, skip: frozenset[str]) -> bool:
+    """Whether ``event`` ran inside the optimizer, a collective or a runtime communication function."""
+    parent = event.cpu_parent
+    while parent is not None:
+        name = parent.name
+        if name in skip or name.startswith(_COLLECTIVE_PREFIXES) or name.startswith(_OPTIMIZER_PREFIXES):
+            return True
+        parent = parent.cpu_parent
+    return False
+
+
+class StepTimer:
+    """torch's profiler over a window of steps: ``start()`` at the start of the first timed
+    step's forward call, ``stop()`` at the start of the forward call after the last one."""
+
+    def __init__(self, *, device: torch.device) -> None:
+        self.device = device
+        self._profiler: Any = None
+
+    @property
+    def running(self) -> bool:
+        return self._profiler is not None
+
+    def start(self) -> None:
+        from torch.profiler import ProfilerActivity, profile
+
+        activities = [ProfilerActivity.CPU]
+        if self.device.type == "cuda":
+            activities.append(ProfilerActivity.CUDA)
+        self._profiler = profile(activities=activities)
+        try:
+            self._profiler.__enter__()
+        except RuntimeError as exc:  # the profiler refused to start (e.g. one of another kind is on)
+            self._profiler = None
+            raise ValueError(f"refine=True times training steps with torch.profiler, which could not start "
+                             f"({exc}); stop the other profiler or leave refine off") from None
+
+    def stop(self, *, steps: int) -> StepTimes:
+        if self._profiler is None:
+            raise ValueError("StepTimer.stop() without start()")
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        prof, self._profiler = self._profiler, None
+        prof.__exit__(None, None, None)
+        return StepTimes.of_events(prof.events(), steps=steps, device_time=self.device.type == "cuda")
