@@ -1,4 +1,4 @@
-"""``PlanOptions.sequence_parallel``: pinning sequence-split attention (``autopar.planner.sequence``).
+"""``PlanOptions.sequence_parallel`` / ``sp_size``: pinning sequence-split attention (``autopar.planner.pins``).
 
 HF Llama (tiny, sequence 64) planned with the ring pinned splits every attention on the sequence
 and keeps the layer around it sequence-split (Megatron's sequence parallelism: norms, rotary,
@@ -17,7 +17,7 @@ from torch import nn
 from autopar import zoo
 from autopar.api import PlanOptions, plan_traced
 from autopar.layout.mesh import MeshSpec
-from autopar.planner.sequence import sequence_pins
+from autopar.planner.pins import pins_of
 from autopar.strategies import needs_decomposition
 from autopar.tracer import profile, trace
 from tests.runtime.test_e2e import fast_mesh
@@ -52,7 +52,7 @@ def test_all_to_all_splits_heads_inside_with_sequence_split_inputs(llama):
     plan = plan_traced(traced, prof, mesh=fast_mesh((2, 2)),
                        options=PlanOptions(sequence_parallel="all_to_all")).plan
     by_name = {n.name: n for n in plan.by_kind("op")}
-    pins = sequence_pins(traced, (2, 2), "all_to_all")
+    pins = _pins(traced, (2, 2), sequence_parallel="all_to_all").pins
     attention = [name for name in pins if name.startswith("scaled_dot_product_attention")]
     assert len(attention) == 2
     for name in attention:
@@ -63,10 +63,14 @@ def test_all_to_all_splits_heads_inside_with_sequence_split_inputs(llama):
         assert by_name[name].strategy.split(" -> ")[1].endswith("S2"), by_name[name].strategy  # sequence, axis 1
 
 
+def _pins(traced, shape, **options):
+    return pins_of(traced, PlanOptions(**options), MeshSpec.preset("cpu", shape))
+
+
 def test_auto_and_a_single_device_pin_nothing(llama):
     traced, _ = llama
-    assert sequence_pins(traced, (4,), "auto") == {}
-    assert sequence_pins(traced, (1,), "ring") == {}
+    assert _pins(traced, (4,), sequence_parallel="auto") is None
+    assert _pins(traced, (1,), sequence_parallel="ring") is None
 
 
 class Attention(nn.Module):
@@ -104,7 +108,7 @@ def test_refusals_name_the_option_and_the_node():
                                          "attention dropout"):
         _plan(Attention(dropout=0.1), 8, sequence_parallel="ring")
     with pytest.raises(ValueError, match="ring'.*the query's sequence \\(dim 2, size 6\\) does not split evenly "
-                                         "over mesh axis 0 of size 4"):
+                                         "over mesh axes \\(0,\\) of size 4"):
         _plan(Attention(), 6, sequence_parallel="ring")
     with pytest.raises(ValueError, match="all_to_all'.*the query's heads \\(dim 1, size 2\\)"):
         _plan(Attention(), 8, sequence_parallel="all_to_all")
