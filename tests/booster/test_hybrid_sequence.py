@@ -145,7 +145,7 @@ CASES = {
     "split_gather dp2 x tp2": dict(tp_size=2, sequence_parallelism_mode="split_gather"),
     "ring tp4": dict(tp_size=4, sequence_parallelism_mode="ring"),
 }
-DEFAULT_CASES = ("ring_attn tp2 x sp2",)  # about a minute on 2 cores; `pytest -m full_sweep` runs the rest
+DEFAULT_CASES = ("ring_attn tp2 x sp2",)  # 2 min at load 27 on 2 cores; `pytest -m full_sweep` runs the rest
 
 
 @pytest.mark.slow

@@ -125,3 +125,54 @@ def test_auto_reaches_the_ring_where_nothing_else_splits_causal_attention():
     # split is the ring, which the solver takes on its own on links this fast.
     plan = _plan(Attention(heads=1), 64, batch=1, mesh=fast_mesh((4,))).plan
     assert [n.strategy for n in plan.by_kind("op") if n.name.startswith("scaled")] == ["S2 x S2 x S2 -> S2"]
+
+
+def test_off_keeps_the_sequence_whole_where_auto_takes_the_ring():
+    # The model of the test above: auto rings it; "off" (the plan without context parallelism)
+    # may not split the query or the output on the sequence over any axis.
+    plan = _plan(Attention(heads=1), 64, batch=1, mesh=fast_mesh((4,)), sequence_parallel="off").plan
+    [strategy] = [n.strategy for n in plan.by_kind("op") if n.name.startswith("scaled")]
+    query, out = strategy.split(" x ")[0], strategy.split(" -> ")[1]
+    assert "S2" not in query and "S2" not in out, strategy
+
+
+def test_sp_size_picks_the_innermost_axes(llama):
+    traced, prof = llama
+    both = plan_traced(traced, prof, mesh=fast_mesh((2, 2)), options=PlanOptions(sequence_parallel="ring", sp_size=4))
+    attention = [n.strategy for n in both.plan.by_kind("op") if n.name.startswith("scaled_dot_product_attention")]
+    assert attention and all(s.split(" x ")[0] == "S2S2" for s in attention), attention
+    pins = _pins(traced, (2, 2), sequence_parallel="ring", sp_size=2).pins
+    assert {p.axes for p in pins.values()} == {(1,)}
+    with pytest.raises(ValueError, match="sp_size=3: the innermost axes of mesh \\(2, 2\\)"):
+        _pins(traced, (2, 2), sequence_parallel="ring", sp_size=3)
+    with pytest.raises(ValueError, match="sp_size=2 pins the degree.*sequence_parallel='auto'"):
+        PlanOptions(sp_size=2)
+    with pytest.raises(ValueError, match="sp_size must be"):
+        PlanOptions(sequence_parallel="ring", sp_size=0)
+
+
+def test_split_gather_splits_every_norm_on_the_sequence(llama):
+    traced, prof = llama
+    plan = plan_traced(traced, prof, mesh=fast_mesh((4,)), options=PlanOptions(sequence_parallel="split_gather")).plan
+    norms = [n for n in plan.by_kind("op") if n.module.endswith("norm") and n.output_specs[0] != "R"]
+    assert len({n.module for n in norms}) == 5, norms  # two per layer and the final one
+    assert all(n.output_specs[0] == "S1" for n in norms), [(n.name, n.strategy) for n in norms]
+    with pytest.raises(ValueError, match="split_gather'.*has no normalization module"):
+        _plan(Attention(), 8, sequence_parallel="split_gather")
+
+
+def test_ep_size_is_the_same_filter():
+    # The experts op of a MoE model gets an ``experts`` pin of the asked degree (numerics: tests/runtime/
+    # test_expert_parallel.py); a degree no axes multiply to is refused naming ep_size.
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    config = MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                           num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)
+    with torch.device("meta"):
+        model = MixtralForCausalLM(config)
+    ids = torch.zeros(4, 8, dtype=torch.long, device="meta")
+    traced = trace(model, {"input_ids": ids, "labels": ids}, decompose_if=needs_decomposition)
+    pins = _pins(traced, (2, 2), ep_size=4).pins
+    assert [(p.kind, p.degree) for p in pins.values()] == [("experts", 4)]
+    with pytest.raises(ValueError, match="ep_size=3"):
+        _pins(traced, (2, 2), ep_size=3)
