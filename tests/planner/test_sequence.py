@@ -2,9 +2,12 @@
 
 HF Llama (tiny, sequence 64) planned with the ring pinned splits every attention on the sequence
 and keeps the layer around it sequence-split (Megatron's sequence parallelism: norms, rotary,
-MLP); Ulysses splits the heads inside with sequence-split inputs. A model the pin cannot apply to
-is refused with a message naming the option, the node and its module. (The numerics of these plans
-on gloo: ``tests/runtime/test_sequence_parallel.py``.)
+MLP); Ulysses splits the heads inside with sequence-split inputs; ``split_gather`` splits every
+norm on the sequence; ``off`` keeps the sequence whole where ``auto`` rings; ``sp_size`` picks the
+innermost axes multiplying to it; ``ep_size`` is a pin of the same filter. A model the pin cannot
+apply to is refused with a message naming the option, the node and its module. (The numerics of
+these plans on gloo: ``tests/runtime/test_sequence_parallel.py``,
+``tests/booster/test_hybrid_sequence.py``.)
 """
 
 from __future__ import annotations
