@@ -11,6 +11,12 @@ stages over axis 0 and plans each stage within that family on the (dp, tp) sub-m
 solves and broadcasts; autopar's runtime executes the ``Plan`` (``booster.boost(...)[0].plan``),
 which ``autopar inspect MODEL --mesh ... --family ... [--pipeline N]`` prints alike.
 
+Sequence parallelism (``enable_sequence_parallelism=True``) takes the later releases' keywords,
+``sp_size`` and ``sequence_parallelism_mode``, and pins the planner's ``sequence_parallel`` option
+(``autopar.planner.pins``) inside the family: ``"split_gather"`` and ``"ring"`` on the tp axis
+(sp == tp, no axis of its own), ``"all_to_all"`` and ``"ring_attn"`` on an ``sp`` axis appended
+to the mesh (pp, dp, tp, sp), world = pp * dp * tp * sp (the product's axis order).
+
 Where the layouts cannot follow Megatron: a fused projection whose output is split into pieces
 (GPT-2's ``c_attn``, q, k and v in one Conv1D) is computed column-parallel, but its split does not
 align with the shards, so the attention between it and the row-parallel ``c_proj`` runs on
@@ -29,7 +35,7 @@ from autopar.booster.low_level_zero import OwnArguments, plan_on_rank0
 from autopar.booster.plugin import AutoParallelPlugin
 from autopar.planner.options import check_choice, check_count
 
-__all__ = ["HybridParallelPlugin", "HYBRID_PARALLEL_PARAMETERS"]
+__all__ = ["HybridParallelPlugin", "HYBRID_PARALLEL_PARAMETERS", "LATER_PARAMETERS", "SP_MODES"]
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +53,12 @@ HYBRID_PARALLEL_PARAMETERS: dict[str, Any] = {
     "overlap_communication": True, "custom_policy": None, "pp_style": "1f1b", "num_model_chunks": 1,
     "enable_metadata_cache": True,
 }
+# The later releases' sequence-parallel keywords, keyword-only after the notes' signature (whose
+# positional order stays the notes'), with the product's defaults.
+LATER_PARAMETERS: dict[str, Any] = {"sp_size": None, "sequence_parallelism_mode": None}
+SP_MODES = ("split_gather", "ring", "all_to_all", "ring_attn")
+# Mode -> the planner's sequence_parallel pin (``autopar.planner.pins``).
+_SP_PINS = {"split_gather": "split_gather", "ring": "split_gather", "all_to_all": "all_to_all", "ring_attn": "ring"}
 # Switches that pick kernels or engine internals: autopar's plan computes the same values without them.
 _IGNORED = ("enable_all_optimization", "enable_fused_normalization", "enable_flash_attention", "enable_jit_fused",
             "broadcast_buffers", "ddp_bucket_cap_mb", "find_unused_parameters", "check_reduction",
@@ -74,7 +86,31 @@ class HybridParallelPlugin(OwnArguments, AutoParallelPlugin):
             state, and gradients). With a pipeline, 0 or 1 (the notes: ZeRO-2 does not compose).
         enable_all_optimization, enable_fused_normalization, enable_flash_attention, enable_jit_fused:
             kernel switches; the plan's ops compute the same values, so a True logs one line.
-        enable_sequence_parallelism, enable_sequence_overlap: ``NotImplementedError`` when True.
+        enable_sequence_parallelism: sequence parallelism, ``sequence_parallelism_mode`` of the
+            planner's restricted plan (below); needs ``pp_size=1`` (``NotImplementedError`` else:
+            the pipeline planner does not pin it in its stages yet).
+        enable_sequence_overlap: the product overlaps split_gather's all-gather with the column-
+            parallel matmul; that is a kernel schedule, the values are the same, so True logs
+            that it is ignored (autopar's runtime issues the plan's collectives where priced).
+        sp_size (keyword-only, the later releases'): the sequence-parallel degree of
+            ``"all_to_all"`` / ``"ring_attn"``: an ``sp`` mesh axis of this size, last (the data-
+            parallel size is ``world / (pp_size * tp_size * sp_size)``); must be > 1 there. With
+            ``"split_gather"`` / ``"ring"`` the degree is ``tp_size`` and another value logs that it
+            is ignored (as the product warns). Without sequence parallelism only None or 1.
+        sequence_parallelism_mode (keyword-only, the later releases'): ``None`` (the product's
+            default, ``"all_to_all"``) or one of:
+
+            - ``"split_gather"``: Megatron sequence parallelism on the tp axis (needs ``tp_size`` > 1):
+              the normalization modules' values split on the sequence, the matmuls column/row-
+              parallel; the solver places the all-gather before a column-parallel matmul and the
+              reduce-scatter after a row-parallel one (``sequence_parallel="split_gather"``);
+            - ``"ring"``: the product's name for the same layout with its all-gather and reduce-
+              scatter done as ring exchanges overlapped with the matmul chunks: a communication
+              schedule, the same values; planned as ``"split_gather"``;
+            - ``"all_to_all"``: DeepSpeed-Ulysses on the sp axis: the attention's inputs sequence-
+              split, its heads split inside, all-to-alls between (``sequence_parallel="all_to_all"``);
+            - ``"ring_attn"``: ring attention (context parallelism) on the sp axis: query, key,
+              value split on the sequence, key/value blocks passed around (``sequence_parallel="ring"``).
         parallel_output: accepted either way: the loss is computed inside the plan (vocabulary-
             parallel where the costs choose it) and the boosted model's outputs are full on every
             rank, as with ``parallel_output=False``.
@@ -114,11 +150,13 @@ class HybridParallelPlugin(OwnArguments, AutoParallelPlugin):
                  check_reduction: bool = False, gradient_as_bucket_view: bool = False, static_graph: bool = False,
                  zero_bucket_size_in_m: int = 12, cpu_offload: bool = False, communication_dtype: Any = None,
                  overlap_communication: bool = True, custom_policy: Any = None, pp_style: str = "1f1b",
-                 num_model_chunks: int = 1, enable_metadata_cache: bool = True) -> None:
+                 num_model_chunks: int = 1, enable_metadata_cache: bool = True, *, sp_size: int | None = None,
+                 sequence_parallelism_mode: str | None = None) -> None:
         given = dict(locals())
         given.pop("self")
         given.pop("__class__", None)
         _check_sizes(given)
+        sp_mode, sp_axis = _sequence_parallelism(given)
         _refuse_unsupported(given)
         _log_ignored(given)
         pipelined = pp_size > 1
@@ -139,9 +177,13 @@ class HybridParallelPlugin(OwnArguments, AutoParallelPlugin):
                          backoff_factor=backoff_factor, growth_interval=growth_interval,
                          pp_size=pp_size if pipelined else None,
                          num_microbatches=num_microbatches if pipelined else None,
-                         pp_style=pp_style if pipelined else "auto")
+                         pp_style=pp_style if pipelined else "auto",
+                         sequence_parallel=_SP_PINS[sp_mode] if sp_mode else "auto",
+                         sp_size=(sp_axis if sp_axis > 1 else tp_size) if sp_mode else None)
         for name in ("tp_size", "microbatch_size", "parallel_output", "cpu_offload"):
             object.__setattr__(self, name, given[name])
+        object.__setattr__(self, "sequence_parallelism_mode", sp_mode)
+        object.__setattr__(self, "hybrid_sp_size", sp_axis)  # the sp axis (1: none)
         object.__setattr__(self, "hybrid_pp_size", pp_size)
         world = _world_size()
         if world is not None:  # a launched process group: the sizes must tile it (else at boost)
@@ -149,7 +191,9 @@ class HybridParallelPlugin(OwnArguments, AutoParallelPlugin):
 
     def __repr__(self) -> str:
         return (f"HybridParallelPlugin(tp_size={self.tp_size}, pp_size={self.hybrid_pp_size}, "
-                f"zero_stage={self.zero_stage}, precision={self.precision!r})")
+                + (f"sp_size={self.sp_size}, sequence_parallelism_mode={self.sequence_parallelism_mode!r}, "
+                   if self.sequence_parallelism_mode else "")
+                + f"zero_stage={self.zero_stage}, precision={self.precision!r})")
 
     def layout(self, world: int):
         """The mesh (pp, dp, tp) and family this plugin plans on ``world`` devices
@@ -157,16 +201,18 @@ class HybridParallelPlugin(OwnArguments, AutoParallelPlugin):
         sizes do not divide ``world``."""
         from autopar.planner.baselines import hybrid_layout
 
-        if world % (self.tp_size * self.hybrid_pp_size):
-            raise ValueError(f"tp_size={self.tp_size} (x pp_size={self.hybrid_pp_size}) does not divide the world "
-                             f"size {world}")
+        sp = self.hybrid_sp_size
+        if world % (self.tp_size * self.hybrid_pp_size * sp):
+            raise ValueError(f"tp_size={self.tp_size} (x pp_size={self.hybrid_pp_size}"
+                             + (f" x sp_size={sp}" if sp > 1 else "") + f") does not divide the world size {world}")
         return hybrid_layout(world, tp_size=self.tp_size, pp_size=self.hybrid_pp_size,
-                             zero_stage=self.zero_stage, experts=(self.ep_size or 1) > 1)
+                             zero_stage=self.zero_stage, experts=(self.ep_size or 1) > 1, sp_size=sp)
 
     def data_parallel_size(self) -> int:
-        """``world / (tp_size * pp_size)``: the ranks ``prepare_dataloader``'s ``batch_size`` is per."""
+        """``world / (tp_size * pp_size * sp_size)``: the ranks ``prepare_dataloader``'s
+        ``batch_size`` is per (the sequence ranks read the same batch)."""
         world = _world_size() or 1
-        return world // (self.tp_size * self.hybrid_pp_size) or 1
+        return world // (self.tp_size * self.hybrid_pp_size * self.hybrid_sp_size) or 1
 
     # ------------------------------------------------------------------------------ plan
     def family_plan(self, model: Any, meta_inputs: tuple | dict):
@@ -217,6 +263,7 @@ class HybridParallelPlugin(OwnArguments, AutoParallelPlugin):
                               reduce_dtype=self.reduce_dtype or "fp32", checkpoint="none",
                               optimizer_multiplier=self.optimizer_multiplier, preset=preset, solver=self.solver,
                               offload=self.offload, ep_size=self.ep_size,
+                              sequence_parallel=self.sequence_parallel, sp_size=self.sp_size,
                               **({} if self.time_limit is None else {"time_limit": self.time_limit}))
         if layout.pipeline is None:
             return plan_family(model, meta_inputs, layout.family, mesh=mesh, options=options)
@@ -260,11 +307,38 @@ def _check_sizes(given: dict[str, Any]) -> None:
         raise ValueError(f"pp_style={style!r} runs several model chunks per rank: give num_model_chunks=2, got 1")
 
 
+def _sequence_parallelism(given: dict[str, Any]) -> tuple[str | None, int]:
+    """(the sequence-parallel mode or None, the size of its own sp axis, 1 when none); a
+    ``ValueError`` naming the argument and its value for a combination the product refuses too."""
+    sp_size, mode = given["sp_size"], given["sequence_parallelism_mode"]
+    check_count(sp_size, name="sp_size", words=(None,))
+    if not given["enable_sequence_parallelism"]:
+        if sp_size not in (None, 1) or mode is not None:
+            raise ValueError(f"sp_size={sp_size!r}, sequence_parallelism_mode={mode!r} need "
+                             f"enable_sequence_parallelism=True")
+        return None, 1
+    mode = check_choice("all_to_all" if mode is None else mode, SP_MODES, name="sequence_parallelism_mode")
+    if mode in ("split_gather", "ring"):
+        if given["tp_size"] == 1:
+            raise ValueError(f"sequence_parallelism_mode={mode!r} splits the sequence over the tensor-parallel ranks: "
+                             f"give tp_size > 1 (got tp_size=1), or use 'all_to_all' / 'ring_attn' with sp_size")
+        if sp_size not in (None, 1, given["tp_size"]):
+            log.info("HybridParallelPlugin: sp_size=%s is ignored with sequence_parallelism_mode=%r: the sequence "
+                     "splits over the tp_size=%s tensor-parallel ranks", sp_size, mode, given["tp_size"])
+        return mode, 1
+    if sp_size in (None, 1):
+        raise ValueError(f"sequence_parallelism_mode={mode!r} splits the sequence over an sp axis of sp_size ranks: "
+                         f"give sp_size > 1 (got sp_size={sp_size!r})")
+    return mode, sp_size
+
+
 def _refuse_unsupported(given: dict[str, Any]) -> None:
     """Arguments whose effect autopar does not reproduce: ``NotImplementedError`` naming them."""
     refused = [f"{name}={given[name]!r}" for name in (*_SCALER_BOUNDS, "custom_policy")
                if given[name] != HYBRID_PARALLEL_PARAMETERS[name]]
-    refused += [f"{name}=True" for name in ("enable_sequence_parallelism", "enable_sequence_overlap") if given[name]]
+    if given["enable_sequence_parallelism"] and given["pp_size"] > 1:
+        refused.append(f"enable_sequence_parallelism=True with pp_size={given['pp_size']} (the pipeline planner does "
+                       f"not pin sequence parallelism in its stages yet)")
     if given["pp_size"] > 1 and given["pp_style"] != "1f1b" and given["num_model_chunks"] > 2:
         refused.append(f"num_model_chunks={given['num_model_chunks']} (the pipeline planner plans 2 chunks per rank)")
     if given["cpu_offload"] and (given["tp_size"] > 1 or given["pp_size"] > 1):
@@ -273,11 +347,14 @@ def _refuse_unsupported(given: dict[str, Any]) -> None:
     if refused:
         raise NotImplementedError(f"HybridParallelPlugin: {', '.join(refused)} not supported by autopar (its fp16 "
                                   f"scaler has no min/max scale or hysteresis; layouts come from its planner, not a "
-                                  f"Shardformer policy; sequence parallelism is not this plugin's)")
+                                  f"Shardformer policy)")
 
 
 def _log_ignored(given: dict[str, Any]) -> None:
     ignored = [f"{name}={given[name]!r}" for name in _IGNORED if given[name] != HYBRID_PARALLEL_PARAMETERS[name]]
+    if given["enable_sequence_overlap"]:
+        ignored.append("enable_sequence_overlap=True (it overlaps split_gather's all-gather with the matmul: a "
+                       "schedule, the same values)")
     if given["pp_size"] == 1:
         ignored += [f"{name}={given[name]!r}" for name in ("num_microbatches", "microbatch_size", "pp_style",
                                                            "num_model_chunks")

@@ -28,7 +28,10 @@ class MoeHybridParallelPlugin(HybridParallelPlugin):
             so training equals one device's). 1: experts whole on every rank. Expert parallelism
             over part of the data-parallel ranks (``ep_size`` between 1 and
             ``world / (tp_size * pp_size)``) raises ``NotImplementedError``.
-        *args, **kwargs: ``HybridParallelPlugin``'s other arguments, in its order after ``pp_size``.
+        *args, **kwargs: ``HybridParallelPlugin``'s other arguments, in its order after ``pp_size``,
+            its sequence parallelism included (``enable_sequence_parallelism=True, sp_size=...,
+            sequence_parallelism_mode=...``, the later releases' keywords: the sp axis comes after
+            tp, and the data-parallel -- expert-parallel -- size is ``world / (pp * tp * sp)``).
     """
 
     def __init__(self, tp_size: int, pp_size: int, ep_size: int = 1, *args: Any, **kwargs: Any) -> None:
@@ -45,7 +48,7 @@ class MoeHybridParallelPlugin(HybridParallelPlugin):
         """``HybridParallelPlugin.layout`` with the data-parallel axis an expert-parallel one;
         ``ep_size`` must be 1 or the data-parallel size."""
         layout = super().layout(world)
-        dp = world // (self.tp_size * self.hybrid_pp_size)
+        dp = world // (self.tp_size * self.hybrid_pp_size * self.hybrid_sp_size)
         if self.ep_size is not None and self.ep_size != dp:
             raise NotImplementedError(
                 f"ep_size={self.ep_size}: expert parallelism over part of the {dp} data-parallel ranks is not "

@@ -33,8 +33,9 @@ PLANNING_NAMES = {"memory_budget": "memory_budget", "precision": "precision", "z
                   "time_limit": "time_limit", "allow_replicate_fallback": "allow_replicate_fallback",
                   "optimizer_multiplier": "optimizer_multiplier", "pp_size": "pipeline",
                   "num_microbatches": "microbatches", "pp_style": "schedule", "offload": "offload",
-                  "sequence_parallel": "sequence_parallel", "ep_size": "ep_size"}
-_NONE_IS_DEFAULT = ("memory_budget", "reduce_dtype", "time_limit", "pp_size", "num_microbatches", "ep_size")
+                  "sequence_parallel": "sequence_parallel", "sp_size": "sp_size", "ep_size": "ep_size"}
+_NONE_IS_DEFAULT = ("memory_budget", "reduce_dtype", "time_limit", "pp_size", "num_microbatches", "ep_size",
+                    "sp_size")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -108,10 +109,12 @@ class AutoParallelPlugin:
         chunk_search_range: ``(min, max, step)`` elements the chunk size is searched over for
             the least padding (``None``: 1024 to 64 Mi elements in steps of 1024); static and
             auto policies (planned tiers chunk as the plan streams: ``ChunkManager``).
-        sequence_parallel: ``"auto"`` (the solver's choice), ``"ring"`` or ``"all_to_all"``: every
-            attention split on the sequence over the last mesh axis (``autopar.plan``'s
-            ``sequence_parallel``; the notes' ``enable_sequence_parallelism`` with Colossal-AI's
-            ``ring_attn`` / ``all_to_all`` modes).
+        sequence_parallel: ``"auto"`` (the solver's choice), ``"off"`` (no attention split on the
+            sequence), ``"ring"``, ``"all_to_all"`` or ``"split_gather"``: pinned over ``sp_size``
+            devices (``autopar.plan``'s ``sequence_parallel``, ``autopar.planner.pins``; what
+            ``HybridParallelPlugin``'s ``enable_sequence_parallelism`` modes plan).
+        sp_size: the devices a pinned ``sequence_parallel`` splits over (the innermost mesh axes
+            multiplying to it; ``None``: the last axis of size > 1).
         refine: ``False``, ``True`` or an ``autopar.refine.RefineOptions``: the boosted module times
             its first training steps, refits the profile and re-plans once, rebuilding itself and
             the boosted optimizer in place when the new plan is predicted faster
@@ -152,6 +155,7 @@ class AutoParallelPlugin:
     chunk_search_range: tuple[int, int, int] | None = None
     offload: Any = "none"
     sequence_parallel: str = "auto"
+    sp_size: int | None = None
     ep_size: int | None = None
     refine: Any = False
 
@@ -360,7 +364,7 @@ class AutoParallelPlugin:
                     time_limit=self.time_limit, device=self.device, seed=self.seed,
                     optimizer_multiplier=self.optimizer_multiplier,
                     allow_replicate_fallback=self.allow_replicate_fallback,
-                    checkpoint=self.checkpoint, ep_size=self.ep_size,
+                    checkpoint=self.checkpoint, ep_size=self.ep_size, sp_size=self.sp_size,
                     precision=self.precision, reduce_dtype=self.reduce_dtype, plan=self.plan,
                     **({"refine": self.refine} if self.refine else {}),
                     **({} if self.offload == "none" else {"offload": self.offload}),

@@ -18,6 +18,9 @@ Each baseline gives every mesh axis a role:
 - ``ep`` (data parallel with expert parallelism, what ``MoeHybridParallelPlugin``'s ``ep_size``
   adds): ``dp``, except that a MoE block's experts (``autopar::moe_experts``) and their weights
   may be split by expert on this axis, tokens sent to their experts by all-to-all.
+- ``sp`` (the sequence axis of ``HybridParallelPlugin``'s ``sp_size``): parameters stored and
+  read whole (their gradients summed over it, as data parallelism's); activations as the costs
+  choose around the attention that ``sequence_parallel`` pins on it (``autopar.planner.pins``).
 
 Baselines: ``data-parallel`` (all axes dp), ``zero1`` and ``zero2`` (all axes dp, every trainable
 parameter at that ZeRO stage: only when the problem has ZeRO options, ``zero_stage="auto"``),
@@ -29,7 +32,8 @@ The fixed-configuration families (``FIXED_FAMILIES``, planned by the booster's p
 ``autopar inspect --family``, never solved as report baselines): ``megatron`` (all axes megatron),
 ``dp x megatron`` (axis 0 dp, the others megatron) and its ZeRO-1/2 forms ``zero1 x megatron`` /
 ``zero2 x megatron``, and the same with ``ep`` in place of ``dp`` (``ep``, ``zero1 ep``, ``zero2 ep``,
-``ep x megatron``, ``zero1 ep x megatron``, ``zero2 ep x megatron``). ``hybrid_layout`` maps
+``ep x megatron``, ``zero1 ep x megatron``, ``zero2 ep x megatron``), each of those and the
+data-parallel ones with a last ``sp`` axis (``... x sp``; ``sp`` alone: every axis sp). ``hybrid_layout`` maps
 ``HybridParallelPlugin``'s (and ``MoeHybridParallelPlugin``'s) sizes onto a mesh and one of these
 families.
 """
@@ -56,6 +60,10 @@ FIXED_FAMILIES = ("megatron", "dp x megatron", "zero1 x megatron", "zero2 x mega
                   "ep", "zero1 ep", "zero2 ep", "ep x megatron", "zero1 ep x megatron", "zero2 ep x megatron")
 FAMILY_ZERO = {**ZERO_BASELINES, "zero1 x megatron": 1, "zero2 x megatron": 2, "zero1 ep": 1, "zero2 ep": 2,
                "zero1 ep x megatron": 1, "zero2 ep x megatron": 2}  # every family with a ZeRO stage
+# The families with a sequence axis last (HybridParallelPlugin's sp_size): "<family> x sp".
+_SP = " x sp"
+FIXED_FAMILIES += ("sp", *(f + _SP for f in ("data-parallel", "zero1", "zero2") + FIXED_FAMILIES))
+FAMILY_ZERO.update({f + _SP: stage for f, stage in FAMILY_ZERO.items()})
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,15 +84,18 @@ _WITH_EXPERTS = {"data-parallel": "ep", "zero1": "zero1 ep", "zero2": "zero2 ep"
                  "zero1 x megatron": "zero1 ep x megatron", "zero2 x megatron": "zero2 ep x megatron"}
 
 
-def hybrid_layout(world: int, *, tp_size: int, pp_size: int, zero_stage: int, experts: bool = False) -> HybridLayout:
+def hybrid_layout(world: int, *, tp_size: int, pp_size: int, zero_stage: int, experts: bool = False,
+                  sp_size: int = 1) -> HybridLayout:
     """``HybridParallelPlugin``'s mesh and family on ``world`` devices: data parallelism (or ZeRO
-    ``zero_stage`` 1/2 over it) on ``world / (tp_size * pp_size)`` devices, Megatron tensor
-    parallelism on ``tp_size``, pipeline stages on ``pp_size``. A pipelined plan prices ZeRO-1 in
+    ``zero_stage`` 1/2 over it) on ``world / (tp_size * pp_size * sp_size)`` devices, Megatron tensor
+    parallelism on ``tp_size``, pipeline stages on ``pp_size``, a sequence axis (``sp`` role, last,
+    as the product's mesh (pp, dp, tp, sp)) on ``sp_size``. A pipelined plan prices ZeRO-1 in
     its stage problem (one stage per layout), so its family names no ZeRO stage. ``experts``: the
     data-parallel axis is an ``ep`` axis (MoE experts may be split by expert over it)."""
-    if world % (tp_size * pp_size):
-        raise ValueError(f"tp_size={tp_size} x pp_size={pp_size} does not divide the world size {world}")
-    sizes = {"pp": pp_size, "dp": world // (tp_size * pp_size), "tp": tp_size}
+    if world % (tp_size * pp_size * sp_size):
+        raise ValueError(f"tp_size={tp_size} x pp_size={pp_size}" + (f" x sp_size={sp_size}" if sp_size > 1 else "")
+                         + f" does not divide the world size {world}")
+    sizes = {"pp": pp_size, "dp": world // (tp_size * pp_size * sp_size), "tp": tp_size, "sp": sp_size}
     axes = tuple(name for name, size in sizes.items() if size > 1) or ("dp",)
     dp, tp = sizes["dp"] > 1, tp_size > 1
     zero = zero_stage if pp_size == 1 and dp else 0
@@ -94,11 +105,18 @@ def hybrid_layout(world: int, *, tp_size: int, pp_size: int, zero_stage: int, ex
         family = f"zero{zero}" if zero else "data-parallel"
     if experts and dp:
         family = _WITH_EXPERTS[family]
+    if sp_size > 1:
+        family = family + _SP if dp or tp else "sp"
     return HybridLayout(tuple(sizes[a] for a in axes), axes, family, pp_size if pp_size > 1 else None)
 
 
 def baseline_roles(name: str, num_axes: int) -> tuple[str, ...] | None:
     """Per-axis roles of baseline ``name`` on a mesh of ``num_axes`` axes (None: not applicable)."""
+    if name == "sp":
+        return ("sp",) * num_axes
+    if name.endswith(_SP):  # the family's roles on the axes before a last sequence axis
+        roles = baseline_roles(name.removesuffix(_SP), num_axes - 1) if num_axes >= 2 else None
+        return None if roles is None else (*roles, "sp")
     if name in ("data-parallel", *ZERO_BASELINES):
         return ("dp",) * num_axes
     if name == "zero3":
@@ -146,6 +164,8 @@ def _is_weight(node: fx.Node, memo: dict[fx.Node, bool], depth: int = 0) -> bool
 
 
 def _activation_ok(placement, role: str) -> bool:
+    if role == "sp":
+        return True  # around the pinned attention, the costs choose
     if role in ("dp", "zero", "ep"):
         return isinstance(placement, (Replicate, Partial)) or placement == Shard(0)
     return placement != Shard(0)  # tp, megatron: never the batch dim
@@ -228,7 +248,7 @@ def make_restriction(roles: Sequence[str], *, zero_stage: int | None = None, mes
         return spec is None or all(r != "megatron" or size == 1 or p == Shard(read[1])
                                    for p, r, size in zip(spec.placements, roles, sizes))
 
-    def weight_ok(spec, matrix: bool, *, whole: tuple[str, ...] = ("dp", "zero", "ep"),
+    def weight_ok(spec, matrix: bool, *, whole: tuple[str, ...] = ("dp", "zero", "ep", "sp"),
                   experts: bool = False) -> bool:
         """Roles ``whole`` keep a weight whole (data-parallel families read weights whole; ZeRO-3
         stores them split but reads them whole) -- experts' weights may be split by expert on an
@@ -242,7 +262,7 @@ def make_restriction(roles: Sequence[str], *, zero_stage: int | None = None, mes
 
     def _judge(kind: str, choice: Choice, slots: tuple[int, ...], matrix: bool, experts: bool) -> bool:
         if kind in ("parameter", "buffer"):
-            return weight_ok(choice.output_specs[0], matrix, whole=("dp", "ep"), experts=experts)
+            return weight_ok(choice.output_specs[0], matrix, whole=("dp", "ep", "sp"), experts=experts)
         # An op made from weights only (all its slots weights) outputs a weight copy.
         made_from_weights = bool(slots) and all(slots)
         specs = [] if made_from_weights else list(choice.output_specs)

@@ -93,8 +93,7 @@ def layout_specs(shape: tuple[int, ...], mesh_shape: tuple[int, ...]) -> list[Te
 def build_problem(traced: TracedGraph, prof: ModelProfile, mesh: MeshSpec, *,
                   budget_bytes: int | None, options: PlanOptions = PlanOptions(),
                   fixed: Callable[[fx.Node], FixedAxis | None] | None = None) -> BuiltProblem:
-    """``fixed``: op node -> the placements its strategies must keep on one mesh axis (None: all
-    strategies); a restricted problem (``autopar.planner.mesh_search``'s 3-axis plans)."""
+    """``fixed``: op node -> the placements its strategies keep on one axis (mesh_search's 3-axis plans)."""
     with frozen_heap():  # the graph and profile are only read: full GC passes skip them
         return _Builder(traced, prof, mesh, budget_bytes=budget_bytes, options=options, fixed=fixed).build()
 
@@ -134,7 +133,7 @@ class _Builder:
         self._base_cache: dict[str, str] = {}  # value -> the node owning its storage
         self._token_cache: dict[str, tuple] = {}  # value -> (shape, dtype) in op signatures
         self.offload_tiers = offload_tiers(traced, mesh, options)  # None: offload="none"
-        self.pin = pins_of(options, mesh)
+        self.pin = pins_of(traced, options, mesh)  # the degrees the user pinned (ParallelismOptions)
         # Repeated blocks: ops after block 2 are stamped from its records (``block_stamps``).
         self._stamps = BlockStamps(traced, self.needs_grad, self._storage_base) if stamp_blocks else None
         self._edge_log: list | None = None  # a template op's edges, in the order they are added
@@ -322,7 +321,7 @@ class _Builder:
 
     def _stamped(self, node: fx.Node) -> bool | dict | None:
         """``node``'s records stamped from its block-2 template (``BlockStamps.stamp``)."""
-        if self.fixed is not None and self.fixed(node) != self.fixed(self._stamps.template_node(node.name)):
+        if self._pinned(node) != self._pinned(self._stamps.template_node(node.name)):
             return None
         done = self._stamps.stamp(self, node)
         self.num_stamped += done is True
@@ -419,18 +418,20 @@ class _Builder:
             cached = self._choice_cache[id(strategies)] = tuple(Choice(s.name, s.output_specs, s) for s in strategies)
         return cached
 
+    def _pinned(self, node: fx.Node) -> tuple:
+        """(``fixed``'s axis, the user's ``Pin``) of ``node``: alike nodes pinned alike share a list."""
+        return (None if self.fixed is None else self.fixed(node), None if self.pin is None else self.pin.key(node))
+
     def _strategies(self, node: fx.Node, key: str, slots: list[fx.Node]) -> list[Strategy]:
-        fixed = None if self.fixed is None else self.fixed(node)
-        if fixed is not None:  # alike nodes pinned alike share a list
-            key = (key, fixed)
+        fixed, pin = pinned = self._pinned(node)
+        key = key if pinned == (None, None) else (key, pinned)
         cached = self._strategy_cache.get(key)
         if cached is None:
             prof = self.prof[node.name]
             cached = strategies_for(node, self.mesh, flops=(prof.fwd_flops, prof.bwd_flops),
                                     allow_replicate_fallback=self.opts.allow_replicate_fallback,
                                     reduce_itemsize=compute_dtype(self.opts.reduce_dtype).itemsize, fixed=fixed)
-            if self.pin is not None:  # a degree the user pinned (ParallelismOptions)
-                cached = self.pin(node, cached)
+            cached = cached if pin is None else self.pin.keep(node, cached)
             self._strategy_cache[key] = cached
         if cached and cached[0].is_fallback:
             self.fallbacks.append(node.name)

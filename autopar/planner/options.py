@@ -32,7 +32,7 @@ CheckpointMode = Literal["auto", "none", "ilp", "rotor", "both"]  # see autopar.
 Precision = Literal["fp32", "bf16", "fp16"]  # autopar.plans.PRECISIONS
 ZeroStage = Literal[0, 1, 2, "auto"]  # over each parameter's replicated axes (autopar.runtime.zero)
 Schedule = Literal["auto", "gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"]  # "auto" + plans.PIPELINE_SCHEDULES
-SequenceMode = Literal["auto", "ring", "all_to_all"]  # see autopar.planner.sequence
+SequenceMode = Literal["auto", "off", "ring", "all_to_all", "split_gather"]  # see autopar.planner.sequence
 
 SOLVERS = get_args(Solver)
 CHECKPOINT_MODES = get_args(CheckpointMode)
@@ -251,22 +251,27 @@ class PipelineOptions(_Checked):
     schedule: Schedule = option("auto", "the pipeline schedule (auto: the fastest)")
 
 
-def _ep_size(value, name: str):
+def _degree(value, name: str):
     return check_count(value, name=name, words=(None,))
 
 
 @dataclass(frozen=True, kw_only=True)
 class ParallelismOptions(_Checked):
     """Degrees of parallelism the user pins instead of the planner choosing them: sequence-split
-    attention (``autopar.planner.sequence``) and expert parallelism (``autopar.planner.pins``)."""
+    attention (``autopar.planner.sequence``) and expert parallelism, both strategy filters
+    (``autopar.planner.pins``)."""
 
     sequence_parallel: SequenceMode = option(
-        "auto", "attention split on the sequence over the last mesh axis: ring (key/value blocks passed around), "
-                "all_to_all (Ulysses: inputs sequence-split, heads split inside); auto: the solver's choice")
+        "auto", "ring: attention split on the sequence (key/value blocks passed around); all_to_all (Ulysses): "
+                "heads split inside, sequence-split inputs; split_gather (Megatron SP): norms sequence-split; "
+                "off: no attention split on the sequence; auto: the solver's choice")
+    sp_size: int | None = option(
+        None, "the devices a pinned sequence_parallel mode splits over: the innermost mesh axes whose sizes "
+              "multiply to it (default: the last mesh axis of size > 1)", check=_degree)
     ep_size: int | None = option(
         None, "expert parallelism: every MoE experts op splits its experts over mesh axes of this total size, "
               "tokens sent to them by all-to-all; 1: experts never split (default: the planner decides)",
-        check=_ep_size)
+        check=_degree)
 
 
 OPTION_GROUPS = (SolverOptions, MemoryOptions, PrecisionOptions, PipelineOptions, ParallelismOptions)
@@ -283,6 +288,9 @@ class PlanOptions(ParallelismOptions, PipelineOptions, PrecisionOptions, MemoryO
         if self.sequence_parallel != "auto" and self.pipeline is not None:
             raise ValueError(f"sequence_parallel={self.sequence_parallel!r} is not pinned in pipeline stages yet "
                              f"(pipeline={self.pipeline!r})")
+        if self.sp_size is not None and self.sequence_parallel in ("auto", "off"):
+            raise ValueError(f"sp_size={self.sp_size} pins the degree of a sequence_parallel mode ('ring', "
+                             f"'all_to_all' or 'split_gather'), not of sequence_parallel={self.sequence_parallel!r}")
 
     def override(self, overrides: dict[str, Any], *, caller: str) -> "PlanOptions":
         """This record with ``overrides`` (option name -> value) applied by ``dataclasses.replace``;
@@ -312,4 +320,5 @@ class PlanOptions(ParallelismOptions, PipelineOptions, PrecisionOptions, MemoryO
                 + (f", pipeline {self.pipeline} ({self.microbatches} micro-batches, schedule {self.schedule})"
                    if self.pipeline is not None else "")
                 + (f", offload {self.offload}" if self.offload != "none" else "")
-                + (f", sequence-split attention {self.sequence_parallel}" if self.sequence_parallel != "auto" else ""))
+                + (f", sequence parallel {self.sequence_parallel}" if self.sequence_parallel != "auto" else "")
+                + (f" over {self.sp_size} devices" if self.sp_size is not None else ""))

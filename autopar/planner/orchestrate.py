@@ -170,7 +170,6 @@ def plan_traced(traced: TracedGraph, profile: ModelProfile, *, mesh: MeshSpec | 
     from autopar.planner.assemble import applicable_baselines, assemble_plan
     from autopar.planner.builder import build_problem
     from autopar.planner.checkpointing import plan_recompute
-    from autopar.planner.sequence import with_sequence_pins
     from autopar.planner.table_partition import TablePartition, fit_tables, with_tables
     from autopar.solver.driver import remembering
 
@@ -179,7 +178,6 @@ def plan_traced(traced: TracedGraph, profile: ModelProfile, *, mesh: MeshSpec | 
         raise ValueError(f"{traced.model_name} was traced for {traced.precision} compute but the options ask for "
                          f"{options.precision}: trace with precision={options.precision!r}")
     progress = progress or Progress()
-    fixed = with_sequence_pins(traced, mesh.shape, options.sequence_parallel, fixed)
     with progress.stage("strategies", f"{sum(1 for _ in traced.compute_nodes())} ops on mesh {mesh}"):
         built = build_problem(traced, profile, mesh, budget_bytes=options.budget_bytes(mesh),
                               options=options, fixed=fixed)

@@ -3,7 +3,9 @@
 On 4 gloo ranks Mixtral tiny (4 experts, top-2) with ``ep_size`` over every data-parallel rank --
 tp=2 x (dp=ep=2), and ep=4 alone -- trains 3 SGD steps through the booster like one device
 (losses, every first-step gradient, final parameters), and the plan splits every experts op by
-expert over the data-parallel axis with its tokens (the all-to-all dispatch).
+expert over the data-parallel axis with its tokens (the all-to-all dispatch). Under ``full_sweep``
+also ep=2 with Ulysses sequence parallelism on an sp axis of 2 (the later releases'
+``enable_sequence_parallelism=True, sp_size=2``: mesh (dp, sp)).
 """
 
 from __future__ import annotations
@@ -59,8 +61,9 @@ def _single(model, batches):
     return losses, grads, {n: p.detach() for n, p in model.named_parameters()}
 
 
-def _body(rank, world, model, batches, tp, ep):
-    booster = Booster(plugin=MoeHybridParallelPlugin(tp, 1, ep, precision="fp32"))
+def _body(rank, world, model, batches, tp, ep, sp):
+    extra = dict(enable_sequence_parallelism=True, sp_size=sp) if sp > 1 else {}  # Ulysses, the product's default
+    booster = Booster(plugin=MoeHybridParallelPlugin(tp, 1, ep, precision="fp32", **extra))
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
     pm, opt, *_ = booster.boost(model, opt, meta_inputs=batches[0])
     losses, grads = [], None
@@ -75,11 +78,16 @@ def _body(rank, world, model, batches, tp, ep):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tp,ep", [(2, 2), (1, 4)], ids=["tp2-ep2", "ep4"])
-def test_trains_like_one_device(tp, ep):
+@pytest.mark.parametrize("tp,ep,sp", [(2, 2, 1), (1, 4, 1),
+                                      pytest.param(1, 2, 2, marks=pytest.mark.full_sweep)],
+                         ids=["tp2-ep2", "ep4", "ep2-sp2-all_to_all"])
+def test_trains_like_one_device(tp, ep, sp):
     model, batches = mixtral(vocab=128), _batches()  # a vocabulary tp splits
     ref_losses, ref_grads, ref_params = _single(model, batches)
-    losses, grads, params, plan = run_local(_body, 4, model, batches, tp, ep, timeout=400)[0]
+    losses, grads, params, plan = run_local(_body, 4, model, batches, tp, ep, sp, timeout=400)[0]
+    if sp > 1:  # Ulysses on the sp axis (the last): every attention split on its heads there
+        attention = [n for n in plan.nodes if n.op == "aten.scaled_dot_product_attention.default"]
+        assert attention and all(TensorSpec.parse(n.input_specs[0]).shard_axes(1) == (1,) for n in attention)
     experts = [n for n in plan.nodes if n.op == "autopar.moe_experts.default"]
     assert experts
     for n in experts:  # split by expert over the data-parallel axis (0), the tokens with them

@@ -101,3 +101,34 @@ def test_hybrid_layout_orders_pp_dp_tp():
     assert hybrid_layout(1, tp_size=1, pp_size=1, zero_stage=0).shape == (1,)
     with pytest.raises(ValueError, match="tp_size=3"):
         hybrid_layout(4, tp_size=3, pp_size=1, zero_stage=0)
+
+
+def test_a_sequence_axis_comes_last_with_weights_whole():
+    import pytest
+
+    from autopar.planner.baselines import FAMILY_ZERO, baseline_roles, hybrid_layout
+
+    got = hybrid_layout(16, tp_size=2, pp_size=1, zero_stage=1, sp_size=2)
+    assert (got.shape, got.axis_names, got.family) == ((4, 2, 2), ("dp", "tp", "sp"), "zero1 x megatron x sp")
+    assert FAMILY_ZERO[got.family] == 1 and baseline_roles(got.family, 3) == ("dp", "megatron", "sp")
+    assert hybrid_layout(4, tp_size=1, pp_size=1, zero_stage=0, sp_size=4).family == "sp"
+    assert hybrid_layout(4, tp_size=1, pp_size=1, zero_stage=0, sp_size=2, experts=True).family == "ep x sp"
+    with pytest.raises(ValueError, match="sp_size=3"):
+        hybrid_layout(4, tp_size=1, pp_size=1, zero_stage=0, sp_size=3)
+    # The sp role (the last axis) stores every weight whole and lets activations split on any dim
+    # there (the sequence, dim 1), where the dp role only splits the batch.
+    from autopar.planner.assemble import baseline_problem
+
+    with torch.device("meta"):
+        model = _Lm()
+    ids = torch.zeros(8, 16, dtype=torch.long, device="meta")
+    traced = trace(model, (ids, ids), decompose_if=needs_decomposition)
+    built = build_problem(traced, profile(traced), MeshSpec.preset("cpu", (2, 2)), budget_bytes=None,
+                          options=PlanOptions(checkpoint="none"))
+    problem = baseline_problem("data-parallel x sp", traced, built)
+    params = [n for n in problem.nodes if n.name.startswith("p_")]
+    assert params and all(o.name.endswith("RR") for n in params for o in n.options), \
+        [(n.name, [o.name for o in n.options]) for n in params]
+    embedding = next(n for n in problem.nodes if n.name.startswith("embedding"))
+    assert any(o.name.endswith("-> S0S1") for o in embedding.options), [o.name for o in embedding.options]
+    assert not any(o.name.endswith("-> S1R") for o in embedding.options)  # dp: the batch only
