@@ -7,7 +7,8 @@ One model at a time is trained through the product notes' API -- ``Booster(plugi
 ``booster.boost(model, optimizer, dataloader=plugin.prepare_dataloader(...))``, then
 ``booster.backward(loss, optimizer)``, ``optimizer.step()`` -- with each configuration in
 ``configs`` (torch's DDP and FSDP2, ZeRO-1 and ZeRO-2 as ``LowLevelZeroPlugin``, Gemini's
-static ZeRO-3 chunks, ``HybridParallelPlugin(tp_size=2)``) and with
+static ZeRO-3 chunks, ``HybridParallelPlugin`` with tp=2, tp=2 x pp=2 and pp=2, the pipelines
+stepped by ``booster.execute_pipeline`` over two micro-batches) and with
 ``AutoParallelPlugin``, on ``--world`` forked gloo ranks, all boosted from the same weights and
 fed the same global batch (``--batch`` samples per step: each plugin's ``batch_size`` is that
 over its data-parallel size). After ``--warmup`` steps each, ``--steps`` rounds time them in
@@ -59,6 +60,9 @@ def configs(budget: int | None) -> dict[str, Callable[[], object]]:
         "zero2": lambda: LowLevelZeroPlugin(stage=2, precision="fp32"),
         "gemini": lambda: GeminiPlugin(precision="fp32"),  # the notes' default placement: static, ZeRO-3 chunks
         "hybrid-tp2": lambda: HybridParallelPlugin(tp_size=2, pp_size=1, precision="fp32"),
+        # Two micro-batches per step: the fewest that overlap the stages at all.
+        "tp2xpp2": lambda: HybridParallelPlugin(tp_size=2, pp_size=2, precision="fp32", num_microbatches=2),
+        "pp2": lambda: HybridParallelPlugin(tp_size=1, pp_size=2, precision="fp32", num_microbatches=2),
         "auto": lambda: AutoParallelPlugin(memory_budget=budget),
     }
 
@@ -87,8 +91,11 @@ def _boost(name: str, factory, model, inputs, world: int):
 
 def _step(booster, module, optimizer, batch) -> torch.Tensor:
     optimizer.zero_grad()
-    loss = module(**batch)
-    booster.backward(loss, optimizer)
+    if getattr(getattr(module, "plan", None), "pipeline", None) is not None:  # the notes' pipelined step
+        loss = booster.execute_pipeline(iter([batch]), module, None, optimizer)["loss"]
+    else:
+        loss = module(**batch)
+        booster.backward(loss, optimizer)
     optimizer.step()
     return loss.detach()
 
