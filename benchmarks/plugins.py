@@ -18,7 +18,8 @@ the median over rounds).
 Budgets: ``ample`` (the device's capacity) and ``tight``: 60% of the peak the planner estimates
 for plain data parallelism, where data parallelism does not fit. A configuration fits a budget
 when its measured peak per rank (parameters, gradients, optimizer state and the peak of the
-bytes saved for backward, as ``fidelity.py`` measures them) is within it; ``AutoParallelPlugin``
+bytes saved for backward, as ``fidelity.py`` measures them, each storage once; ``GeminiPlugin``:
+its chunk ledger's device peak plus the bytes its own saved-tensor hooks saw in the step) is within it; ``AutoParallelPlugin``
 plans with that budget. Printed per (model, budget): median ms/step, measured peak MiB per rank,
 the plan's estimate (torch's engines: the data-parallel and ZeRO-3 families' estimates, the
 layouts they run), and auto / fastest fitting configuration -- issue 29's target is <= 1.05,
@@ -117,6 +118,9 @@ def _worker(rank: int, world: int, model, inputs, budget, steps: int, warmup: in
             _step(booster, module, optimizer, next(batches))
         inner = getattr(optimizer, "optimizer", optimizer)
         memory[name] = saved.peak + state_bytes(list(module.parameters()), inner)
+        gemini = getattr(module, "gemini", None)
+        if gemini is not None:  # chunks hide both from the above: their ledger and the runtime's own saved-tensor hooks
+            memory[name] = gemini.manager.ledger.peak["device"] + sum(gemini.manager.saved.values())
         plan = getattr(module, "plan", None)
         estimate[name] = None if plan is None else (plan.estimate.step_s, plan.estimate.peak_bytes)
     names = list(built)
