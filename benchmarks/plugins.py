@@ -20,7 +20,8 @@ for plain data parallelism, where data parallelism does not fit. A configuration
 when its measured peak per rank (parameters, gradients, optimizer state and the peak of the
 bytes saved for backward, as ``fidelity.py`` measures them, each storage once; ``GeminiPlugin``:
 its chunk ledger's device peak plus the bytes its own saved-tensor hooks saw in the step) is
-within it; ``AutoParallelPlugin`` plans with that budget. Printed per (model, budget): median ms/step, measured peak MiB per rank,
+within it; ``AutoParallelPlugin`` plans with that budget. Printed per (model, budget): median
+ms/step, measured peak MiB per rank,
 the plan's estimate (torch's engines: the data-parallel and ZeRO-3 families' estimates, the
 layouts they run), and auto / fastest fitting configuration -- issue 29's target is <= 1.05,
 and auto must fit wherever any configuration fits.
