@@ -57,10 +57,18 @@ def build_model(name: str, *, batch: int) -> tuple[torch.nn.Module, dict]:
     return LossOnly(model), inputs
 
 
-class SavedBytes:
-    """Peak bytes saved for backward while active: each storage once, parameters excluded."""
+def _storage_key(t: torch.Tensor) -> int:
+    local = t.to_local() if hasattr(t, "to_local") else t
+    return local.untyped_storage().data_ptr()
 
-    def __init__(self) -> None:
+
+class SavedBytes:
+    """Peak bytes saved for backward while active: each storage once, parameters excluded --
+    also a view of one (a DTensor parameter's ``to_local()``, its ``t()``, which a planned module
+    reads and autograd saves): ``params``' storages are counted as state, never as activations."""
+
+    def __init__(self, params=()) -> None:
+        self.skip = {_storage_key(p) for p in params}
         self.live: dict[int, int] = {}
         self.refs: dict[int, int] = {}
         self.now = self.peak = 0
@@ -77,6 +85,8 @@ class SavedBytes:
         local = t.to_local() if hasattr(t, "to_local") else t
         storage = local.untyped_storage()
         key = storage.data_ptr()
+        if key in self.skip:
+            return t
         if key not in self.live:
             self.live[key] = storage.nbytes()
             self.now += storage.nbytes()
@@ -101,22 +111,21 @@ class _Box:
 
 
 def state_bytes(params, optimizer) -> int:
-    def local(t):
-        return t.to_local() if hasattr(t, "to_local") else t
-
-    total = 0
+    """A rank's parameter, gradient and optimizer-state bytes, each storage once: the module's
+    parameters and gradients, the optimizer's own parameters and gradients (ZeRO pieces: views of
+    the parameters, but a ZeRO-2 piece's gradient is its own reduce-scattered storage) and state."""
+    tensors = []
     for p in params:
-        total += local(p).numel() * p.element_size()
-        if p.grad is not None:
-            total += local(p.grad).numel() * p.grad.element_size()
-    for state in getattr(optimizer, "state", {}).values():
-        total += sum(local(v).numel() * v.element_size() for v in state.values() if torch.is_tensor(v))
-    for piece in getattr(optimizer, "pieces", ()):  # ZeRO pieces: this rank's shards
-        for attr in ("grad",):
-            g = getattr(piece, attr, None)
-            if torch.is_tensor(g):
-                total += g.numel() * g.element_size()
-    return total
+        tensors += [p, p.grad]
+    groups = getattr(optimizer, "param_groups", ())
+    tensors += [t for g in groups for p in g["params"] for t in (p, p.grad)]
+    tensors += [v for state in getattr(optimizer, "state", {}).values() for v in state.values()]
+    sizes: dict[int, int] = {}
+    for t in tensors:
+        if torch.is_tensor(t) and t.numel():
+            local = t.to_local() if hasattr(t, "to_local") else t
+            sizes[local.untyped_storage().data_ptr()] = local.untyped_storage().nbytes()
+    return sum(sizes.values())
 
 
 def spearman(xs: list[float], ys: list[float]) -> float:

@@ -264,12 +264,20 @@ class AutoParallelModule(nn.Module):
 
     @torch.no_grad()
     def full_gradients(self) -> dict[str, torch.Tensor | None]:
+        # A ZeRO-2 parameter's reduce-scattered gradient is its piece's (the bucketer delivers it
+        # there); .grad holds only the contributions that were not partial, until the optimizer
+        # folds them into the piece: the full gradient is the sum of both.
+        pieces = {} if self._zero is None else {p.name: p for p in self._zero.pieces if p.stage == 2}
         out: dict[str, torch.Tensor | None] = {}
         for name, ph, local in self._tensors():
             if ph.kind != PARAMETER:
                 continue
             grad = self._state(name).grad
             grad = None if grad is None else self._full(name, local_of(grad))
+            piece = pieces.get(name)
+            if piece is not None and piece.master.grad is not None:
+                shard = piece.master.grad.full_tensor()
+                grad = shard if grad is None else grad + shard
             for alias in ph.aliases:
                 out[alias] = grad
         return out

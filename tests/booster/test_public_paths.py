@@ -35,7 +35,7 @@ def test_notes_paths_resolve_after_import_autopar():
             "    for part in path.split('.')[1:]:\n"
             "        obj = getattr(obj, part)\n"
             "    assert callable(obj), path\n"
-            "from autopar.optim.lr_scheduler import CosineAnnealingLR\n"
+            "from autopar.optim.lr_scheduler import CosineAnnealingLR, LinearWarmupLR\n"
             "from autopar.runtime.launch import priority_execution\n"
             "print(lazy, autopar.booster.AutoParallelPlugin.__name__)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
