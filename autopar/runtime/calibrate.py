@@ -31,7 +31,7 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from autopar.layout.machine import LinkFit, MachineProfile, overlap_fraction
+from autopar.layout.machine import FLOP_KEYED, LinkFit, MachineProfile, overlap_fraction
 from autopar.layout.mesh import MeshSpec, default_axis_names, parse_mesh_shape
 from autopar.runtime.calibrate_compute import (GRID, MIN_REPETITION_S, QUICK_GRID, QUICK_REPETITION_S, device_figures,
                                                measure_compute)
@@ -152,7 +152,7 @@ def _in_group(shape: tuple[int, ...], device_type: str, sizes: Sequence[int], re
     compute, measured = measure_compute(QUICK_GRID if quick else GRID, repeats=repeats, device=device, progress=say,
                                         min_repetition_s=QUICK_REPETITION_S if quick else MIN_REPETITION_S)
     for kernel, rate in measured:
-        unit = "GB/s" if kernel.op_class in ("elementwise", "norm") else "GFLOP/s"
+        unit = "GFLOP/s" if kernel.op_class in FLOP_KEYED else "GB/s"
         say(f"{kernel.dtype} {kernel.label}: {rate / 1e9:.2f} {unit}")
     say.stage = "stage 2/3 collectives: "
     alpha, beta, links, timings = _collectives(device_mesh, shape, sizes, repeats, device, say)
