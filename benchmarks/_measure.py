@@ -1,6 +1,6 @@
 """Measuring helpers shared by ``fidelity.py`` and ``plugins.py``: the three benchmark models,
-the bytes a step saves for backward, a rank's parameter/gradient/optimizer-state bytes, and
-Spearman's rank correlation."""
+the bytes a step saves for backward, a rank's parameter/gradient/optimizer-state bytes, the CUDA
+allocator's peak where there is one, and Spearman's rank correlation."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _baselines import gpt2_config_model  # noqa: E402
 
-__all__ = ["LossOnly", "build_model", "SavedBytes", "state_bytes", "spearman", "MODELS"]
+__all__ = ["LossOnly", "build_model", "SavedBytes", "PeakAllocated", "state_bytes", "spearman", "MODELS"]
 
 MODELS = ("gpt2", "llama", "cnn")
 
@@ -98,6 +98,24 @@ class _Box:
 
     def __init__(self, t: torch.Tensor) -> None:
         self.t = t
+
+
+class PeakAllocated:
+    """The CUDA allocator's peak bytes from construction to ``peak()`` on ``device``
+    (``torch.cuda.max_memory_allocated``: everything the step allocated, temporaries and
+    communication buffers included); None on the CPU, which keeps no such count."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+
+    def peak(self) -> int | None:
+        if self.device.type != "cuda":
+            return None
+        torch.cuda.synchronize(self.device)
+        return int(torch.cuda.max_memory_allocated(self.device))
 
 
 def state_bytes(params, optimizer) -> int:

@@ -33,14 +33,15 @@ import json
 import os
 import statistics
 import sys
-import time
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _measure import SavedBytes, build_model, sharded_state_budget, state_bytes  # noqa: E402
+from _measure import PeakAllocated, SavedBytes, build_model, sharded_state_budget, state_bytes  # noqa: E402
+
+from autopar.runtime.links import Stopwatch, default_device, rank_device, sync_device  # noqa: E402
 
 TARGET = 1.05
 TIGHT_FRACTION = 0.6  # of data parallelism's estimated peak
@@ -69,7 +70,13 @@ def _dataset(inputs: dict) -> list[dict]:
     return [{k: v[i] for k, v in inputs.items()} for i in range(n)]
 
 
-def _boost(name: str, factory, model, inputs, world: int):
+def _on(device: torch.device, batches):
+    """The loader's batches on this rank's device (the loader collates on the CPU)."""
+    for batch in batches:
+        yield {k: v.to(device) for k, v in batch.items()}
+
+
+def _boost(name: str, factory, model, inputs, world: int, device: torch.device):
     from autopar.booster import Booster
 
     plugin = factory()
@@ -82,7 +89,7 @@ def _boost(name: str, factory, model, inputs, world: int):
     optimizer = torch.optim.AdamW(local.parameters(), lr=1e-4, foreach=True)
     loader = plugin.prepare_dataloader(_dataset(inputs), batch_size=batch // dp, drop_last=True)
     module, optimizer, _, loader, _ = booster.boost(local, optimizer, dataloader=loader)
-    return booster, module, optimizer, itertools.cycle(loader)
+    return booster, module, optimizer, _on(device, itertools.cycle(loader))
 
 
 def _step(booster, module, optimizer, batch) -> torch.Tensor:
@@ -93,35 +100,41 @@ def _step(booster, module, optimizer, batch) -> torch.Tensor:
     return loss.detach()
 
 
-def _worker(rank: int, world: int, model, inputs, budget, steps: int, warmup: int) -> dict:
+def _worker(rank: int, world: int, model, inputs, budget, steps: int, warmup: int, device_type: str = "cpu") -> dict:
+    device = rank_device(device_type)
     built, refused = {}, {}
     for name, factory in configs(budget).items():
         try:
-            built[name] = _boost(name, factory, model, inputs, world)
+            built[name] = _boost(name, factory, model, inputs, world, device)
         except (ValueError, NotImplementedError) as exc:  # raised alike on every rank: this one does not apply
             refused[name] = f"{type(exc).__name__}: {exc}"[:160]
-    memory, estimate = {}, {}
+    memory, estimate, allocated = {}, {}, {}
     for name, (booster, module, optimizer, batches) in built.items():
         for _ in range(warmup):
             _step(booster, module, optimizer, next(batches))
         saved = SavedBytes()
+        allocator = PeakAllocated(device)
         with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
             _step(booster, module, optimizer, next(batches))
         inner = getattr(optimizer, "optimizer", optimizer)
         memory[name] = saved.peak + state_bytes(list(module.parameters()), inner)
+        allocated[name] = allocator.peak()
         plan = getattr(module, "plan", None)
         estimate[name] = None if plan is None else (plan.estimate.step_s, plan.estimate.peak_bytes)
     names = list(built)
     times = {n: [] for n in names}
+    watch = Stopwatch(device)
     for r in range(steps):
         for name in names[r % len(names):] + names[:r % len(names)]:
             booster, module, optimizer, batches = built[name]
             batch = next(batches)
             dist.barrier()
-            t = time.perf_counter()
+            sync_device(device)  # the barrier's kernels (NCCL) are not the step's
+            watch.start()
             _step(booster, module, optimizer, batch)
-            times[name].append(time.perf_counter() - t)
-    return {"times": times, "memory": memory, "estimate": estimate, "refused": refused}
+            times[name].append(watch.stop())
+    return {"times": times, "memory": memory, "estimate": estimate, "refused": refused, "allocated": allocated,
+            "device": str(device)}
 
 
 def _family_estimates(model, inputs, world: int) -> dict:
@@ -150,7 +163,10 @@ def report(model_name: str, label: str, budget, results: list[dict], families: d
     for n, why in results[0]["refused"].items():
         print(f"  {n}: not run ({why})")
     print(f"\n{model_name}, budget {label}" + (f" ({budget / 2**20:.1f} MiB/rank)" if budget else "")
-          + f"  (load {os.getloadavg()[0]:.2f})")
+          + f" on {results[0]['device']}  (load {os.getloadavg()[0]:.2f})")
+    allocated = {n: max(r["allocated"][n] or 0 for r in results) for n in names}
+    if any(allocated.values()):
+        print("CUDA allocator peaks (MiB): " + ", ".join(f"{n} {b / 2**20:.1f}" for n, b in allocated.items()))
     print(f"{'config':<12} {'median ms':>9} {'peak MiB':>9} {'fits':>5} {'est ms':>8} {'est MiB':>8}")
     for n in names:
         e = est[n]
@@ -181,6 +197,7 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--out", help="append one JSON line per (model, budget)")
     args = p.parse_args(argv)
+    device_type, backend = default_device()
     records = []
     for name in args.models.split(","):
         model, inputs = build_model(name, batch=args.batch)
@@ -189,7 +206,8 @@ def main(argv=None) -> list[dict]:
             if label not in ("ample", "tight"):
                 p.error(f"--budgets: expected ample and/or tight, got {label!r}")
             budget = None if label == "ample" else int(TIGHT_FRACTION * families["torch-ddp"].peak_bytes)
-            results = run_local(_worker, args.world, model, inputs, budget, args.steps, args.warmup, timeout=1800)
+            results = run_local(_worker, args.world, model, inputs, budget, args.steps, args.warmup, device_type,
+                                backend=backend, timeout=1800)
             record = report(name, label, budget, results, {k: v for k, v in families.items()})
             records.append(record)
             if args.out:
