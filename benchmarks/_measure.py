@@ -57,10 +57,18 @@ def build_model(name: str, *, batch: int) -> tuple[torch.nn.Module, dict]:
     return LossOnly(model), inputs
 
 
-class SavedBytes:
-    """Peak bytes saved for backward while active: each storage once, parameters excluded."""
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
 
-    def __init__(self) -> None:
+
+class SavedBytes:
+    """Peak bytes saved for backward while active: each storage once, parameters excluded --
+    the ``Parameter`` objects themselves and any view of their storage (``params``): a runtime
+    that computes on ``DTensor.to_local()`` or a cast-free alias saves a non-leaf view of the
+    parameter, which holds no byte beyond the parameter that ``state_bytes`` already counts."""
+
+    def __init__(self, params=()) -> None:
+        self.params = {_local(p).untyped_storage().data_ptr() for p in params}
         self.live: dict[int, int] = {}
         self.refs: dict[int, int] = {}
         self.now = self.peak = 0
@@ -74,9 +82,10 @@ class SavedBytes:
     def pack(self, t: torch.Tensor):
         if isinstance(t, torch.nn.Parameter) or (t.is_leaf and t.requires_grad):
             return t
-        local = t.to_local() if hasattr(t, "to_local") else t
-        storage = local.untyped_storage()
+        storage = _local(t).untyped_storage()
         key = storage.data_ptr()
+        if key in self.params:
+            return t
         if key not in self.live:
             self.live[key] = storage.nbytes()
             self.now += storage.nbytes()

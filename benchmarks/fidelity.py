@@ -179,7 +179,7 @@ def _worker(rank: int, world: int, cands: list[Candidate], model, inputs, steps:
     for name, (module, forward, optimizer) in built.items():
         for _ in range(warmup):
             step(name)
-        saved = SavedBytes()
+        saved = SavedBytes(module.parameters())
         optimizer.zero_grad(set_to_none=True)
         allocator = PeakAllocated(device)
         with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):

@@ -112,7 +112,7 @@ def _worker(rank: int, world: int, model, inputs, budget, steps: int, warmup: in
     for name, (booster, module, optimizer, batches) in built.items():
         for _ in range(warmup):
             _step(booster, module, optimizer, next(batches))
-        saved = SavedBytes()
+        saved = SavedBytes(module.parameters())
         allocator = PeakAllocated(device)
         with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
             _step(booster, module, optimizer, next(batches))
