@@ -6,8 +6,10 @@ roofline. Its parts:
 
 - ``ComputeProfile``: per (op class, dtype) a ``RateTable`` of achieved rates at measured call
   sizes. The compute-bound classes (``matmul``, ``attention``, ``conv``) are keyed by the FLOPs
-  of one call and rate FLOP/s; the memory-bound ones (``elementwise``, ``norm``, ``pool``) by the
-  bytes one call reads and writes and rate bytes/s; ``conv`` and ``pool`` have backward tables
+  of one call and rate FLOP/s; the memory-bound ones (``elementwise``, ``norm``, ``pool``...) by the
+  bytes one call reads and writes and rate bytes/s (``batch_norm`` apart from ``norm``: its
+  per-channel statistics over an NCHW tensor run far below a row-wise layer norm's rate on a
+  CPU); ``conv`` and ``pool`` have backward tables
   of their own (``BACKWARD_CLASSES``); ``optimizer`` is the AdamW step per parameter byte.
   A size between two measured ones is interpolated linearly in
   log(size); beyond the ends the nearest measured rate holds (a rate is an efficiency, which
@@ -33,9 +35,9 @@ __all__ = ["OP_CLASSES", "COMPUTE_BOUND", "MEMORY_BOUND", "BACKWARD_CLASSES", "O
            "FLOP_KEYED", "DTYPES", "LINK_KINDS", "RateTable", "ComputeProfile",
            "LinkFit", "MachineProfile", "dtype_name", "overlap_fraction"]
 
-OP_CLASSES = ("matmul", "attention", "conv", "elementwise", "norm", "pool", "other")
+OP_CLASSES = ("matmul", "attention", "conv", "elementwise", "norm", "batch_norm", "pool", "other")
 COMPUTE_BOUND = ("matmul", "attention", "conv")  # keyed by FLOPs per call, rates in FLOP/s
-MEMORY_BOUND = ("elementwise", "norm", "pool")  # keyed by bytes per call, rates in bytes/s
+MEMORY_BOUND = ("elementwise", "norm", "batch_norm", "pool")  # keyed by bytes per call, rates in bytes/s
 # Classes whose backward kernels run at a rate of their own (measured apart, keyed by the
 # backward's FLOPs or bytes): a CPU convolution's backward runs well below its forward, a max
 # pool's backward (a scatter by the saved indices) well above it. The other classes' backward is

@@ -36,7 +36,8 @@ from autopar.layout.mesh import MeshSpec, default_axis_names, parse_mesh_shape
 from autopar.runtime.calibrate_compute import (GRID, MIN_REPETITION_S, QUICK_GRID, QUICK_REPETITION_S, device_figures,
                                                measure_compute)
 from autopar.runtime.links import (DEFAULT_SIZES, KINDS, MeshProfile, Timing, default_device, fit_alpha_beta,
-                                   lockstep_median, measure_axis, rank_device, ranks_reduce, ring_factor)
+                                   lockstep_median, lockstep_medians, measure_axis, rank_device, ranks_reduce,
+                                   ring_factor)
 
 __all__ = ["calibrate", "calibrate_detailed", "measure_overlap", "QUICK_SIZES"]
 
@@ -93,7 +94,10 @@ def measure_overlap(*, nbytes: int, repeats: int, device: torch.device) -> tuple
         compute()
         work.wait()
 
-    t_both = lockstep_median(both, repeats=repeats, device=device)
+    # The three figures come from the same rounds (comm, compute, both back to back in each):
+    # the fraction is a difference of them, and timed one after another a change of outside
+    # load between them swung it from 0 to 0.9 on a shared host.
+    t_comm, t_comp, t_both = lockstep_medians([comm, compute, both], repeats=repeats, device=device)
     return overlap_fraction(t_comm, t_comp, t_both), {"comm": t_comm, "compute": t_comp, "both": t_both}
 
 

@@ -19,6 +19,8 @@ The grid, per dtype (fp32, bf16, fp16):
   (both counted by ``torch.utils.flop_counter``, as the tracer's profile counts them);
 - ``elementwise``: ``add`` of two tensors, keyed by the bytes one call reads and writes;
 - ``norm``: ``layer_norm`` over rows of 1024, keyed likewise;
+- ``batch_norm``: training-mode ``batch_norm`` of an NCHW tensor, keyed by the bytes of its
+  tensor arguments and output (what ``strategies.combine`` charges an op);
 - ``pool``: ``max_pool2d`` (3x3, stride 2: a ResNet stem's) keyed by its input and output bytes,
   and ``pool_backward``: its input gradient, keyed by twice those (what the cost model charges a
   backward: ``strategies.combine``);
@@ -55,7 +57,8 @@ class Grid:
     """What to measure: mm (M, N, K), bmm (B, M, N, K), attention (sequence, head dim) at batch 1
     and 4 heads, conv2d (batch, channels in = out, image side, kernel side; stride 1, same
     padding), elementwise numels, layer-norm rows of ``NORM_WIDTH``, max-pool inputs (batch,
-    channels, image side), optimizer parameter numels (16 parameters each)."""
+    channels, image side), batch-norm inputs (batch, channels, image side), optimizer parameter
+    numels (16 parameters each)."""
 
     mm: tuple[tuple[int, int, int], ...]
     bmm: tuple[tuple[int, int, int, int], ...]
@@ -64,6 +67,7 @@ class Grid:
     elementwise: tuple[int, ...]
     norm_rows: tuple[int, ...]
     pool: tuple[tuple[int, int, int], ...]
+    batch_norm: tuple[tuple[int, int, int], ...]
     optimizer: tuple[int, ...]
 
 
@@ -76,10 +80,12 @@ GRID = Grid(mm=((64, 64, 64), (256, 256, 256), (512, 512, 512), (1024, 1024, 102
             elementwise=(1 << 14, 1 << 17, 1 << 20, 1 << 22),
             norm_rows=(16, 256, 4096),
             pool=((2, 16, 16), (4, 32, 32), (8, 64, 32)),
+            batch_norm=((2, 16, 16), (4, 32, 32), (4, 128, 16), (8, 64, 32)),
             optimizer=(1 << 8, 1 << 12, 1 << 16, 1 << 18))
 QUICK_GRID = Grid(mm=((64, 64, 64), (256, 256, 256), (16, 512, 512)), bmm=((4, 64, 64, 64),),
                   attention=((128, 64), (256, 64)), conv=((2, 16, 16, 3), (4, 32, 16, 3)),
                   elementwise=(1 << 14, 1 << 20), norm_rows=(16, 1024), pool=((2, 16, 16), (4, 32, 16)),
+                  batch_norm=((2, 16, 16), (4, 32, 16)),
                   optimizer=(1 << 8, 1 << 14))
 
 
@@ -182,6 +188,22 @@ def _pools(grid: Grid, dtype: str, device: torch.device) -> list[Kernel]:
     return out
 
 
+def _batch_norms(grid: Grid, dtype: str, device: torch.device) -> list[Kernel]:
+    dt = TORCH_DTYPES[dtype]
+    out = []
+    for batch, channels, side in grid.batch_norm:
+        x = torch.randn(batch, channels, side, side, dtype=dt, device=device)
+        stats = [torch.zeros(channels, dtype=dt, device=device), torch.ones(channels, dtype=dt, device=device)]
+        affine = [torch.ones(channels, dtype=dt, device=device), torch.zeros(channels, dtype=dt, device=device)]
+        moved = float(2 * x.numel() * x.element_size() + sum(t.numel() * t.element_size() for t in stats + affine))
+
+        def run(x=x, stats=stats, affine=affine):
+            return F.batch_norm(x, *stats, *affine, training=True)
+
+        out.append(Kernel("batch_norm", dtype, moved, f"batch_norm {batch}x{channels}x{side}x{side}", run))
+    return out
+
+
 OPTIMIZER_PARAMETERS = 16  # parameters per measured step: a foreach step's per-tensor share
 
 
@@ -203,7 +225,7 @@ def kernels(grid: Grid, device: torch.device) -> list[Kernel]:
     out: list[Kernel] = []
     for dtype in DTYPES:
         out += (_matmuls(grid, dtype, device) + _attention(grid, dtype, device) + _convolutions(grid, dtype, device)
-                + _memory_bound(grid, dtype, device) + _pools(grid, dtype, device))
+                + _memory_bound(grid, dtype, device) + _batch_norms(grid, dtype, device) + _pools(grid, dtype, device))
     return out + _optimizers(grid, device)
 
 

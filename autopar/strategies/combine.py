@@ -188,8 +188,8 @@ def op_class(target: Any) -> str:
     """The cost model's op class of an ATen op (``autopar.layout.machine.OP_CLASSES``): what a
     calibrated mesh measured its speed as. Matrix products (``mm``/``bmm``/``linear`` ...) are
     ``matmul``; scaled dot-product attention ``attention``; convolutions (transposed too)
-    ``conv``; normalisations and softmax ``norm`` (a reduction and a rescale per row:
-    memory-bound); max and average pools ``pool``; ops tagged pointwise ``elementwise``; the
+    ``conv``; batch norm ``batch_norm``; other normalisations and softmax ``norm`` (a reduction
+    and a rescale per row: memory-bound); max and average pools ``pool``; ops tagged pointwise ``elementwise``; the
     rest (gathers, reductions ...) ``other``, priced by the roofline."""
     name = getattr(getattr(target, "overloadpacket", None), "__name__", "")
     if name in _MATMULS:
@@ -200,6 +200,8 @@ def op_class(target: Any) -> str:
         return "conv"
     if "pool" in name:
         return "pool"
+    if "batch_norm" in name:
+        return "batch_norm"
     if "norm" in name or "softmax" in name:
         return "norm"
     if torch.Tag.pointwise in getattr(target, "tags", ()):

@@ -24,7 +24,9 @@ aten = torch.ops.aten
     (aten.native_layer_norm.default, "norm"), (aten._softmax.default, "norm"), (aten.add.Tensor, "elementwise"),
     (aten.gelu.default, "elementwise"), (aten.convolution.default, "conv"), (aten.conv2d.default, "conv"),
     (aten.conv_transpose2d.input, "conv"), (aten.max_pool2d.default, "pool"),
-    (aten.adaptive_avg_pool2d.default, "pool"), (aten.sum.dim_IntList, "other"),
+    (aten.adaptive_avg_pool2d.default, "pool"), (aten.batch_norm.default, "batch_norm"),
+    (aten._native_batch_norm_legit_functional.default, "batch_norm"), (aten.group_norm.default, "norm"),
+    (aten.sum.dim_IntList, "other"),
 ])
 def test_op_classes(target, expected):
     assert op_class(target) == expected
