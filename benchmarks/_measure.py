@@ -128,22 +128,26 @@ class PeakAllocated:
 
 
 def state_bytes(params, optimizer) -> int:
-    def local(t):
-        return t.to_local() if hasattr(t, "to_local") else t
+    """A rank's bytes of parameters, gradients and optimizer state: every distinct storage once
+    (local shards of DTensors), ZeRO's per-rank gradient pieces (``piece.master.grad``: a view
+    of the parameter's gradient at stage 1, a reduce-scattered piece of its own at stage 2)."""
+    seen: dict[int, int] = {}
 
-    total = 0
+    def add(t) -> None:
+        if torch.is_tensor(t):
+            storage = _local(t).untyped_storage()
+            seen.setdefault(storage.data_ptr(), storage.nbytes())
+
     for p in params:
-        total += local(p).numel() * p.element_size()
-        if p.grad is not None:
-            total += local(p.grad).numel() * p.grad.element_size()
+        add(p)
+        add(p.grad)
     for state in getattr(optimizer, "state", {}).values():
-        total += sum(local(v).numel() * v.element_size() for v in state.values() if torch.is_tensor(v))
-    for piece in getattr(optimizer, "pieces", ()):  # ZeRO pieces: this rank's shards
-        for attr in ("grad",):
-            g = getattr(piece, attr, None)
-            if torch.is_tensor(g):
-                total += g.numel() * g.element_size()
-    return total
+        for v in state.values():
+            if torch.is_tensor(v) and v.dim():  # not Adam's scalar step counts
+                add(v)
+    for piece in getattr(optimizer, "pieces", ()):  # ZeRO: this rank's pieces
+        add(piece.master.grad)
+    return sum(seen.values())
 
 
 def spearman(xs: list[float], ys: list[float]) -> float:
