@@ -27,3 +27,21 @@ def test_saved_bytes_skip_views_of_parameters_but_count_activations():
     # weight's view; tanh saves its (8, 4) output: 128 bytes.
     assert _saved(weight, [weight]) == 8 * 4 * 4
     assert _saved(weight, []) == 8 * 4 * 4 + 16 * 4 * 4  # without the parameters named: counted
+
+
+def test_state_bytes_count_each_storage_once_and_zero_gradient_pieces():
+    from types import SimpleNamespace
+
+    from _measure import state_bytes  # benchmarks/_measure.py
+
+    weight = torch.nn.Parameter(torch.zeros(64, 4))  # 1 KiB
+    weight.grad = torch.zeros(64, 4)
+    state = {weight: {"step": torch.tensor(3.0), "exp_avg": torch.zeros(64, 4), "exp_avg_sq": torch.zeros(64, 4)}}
+    # A ZeRO-1 piece's gradient is a view of the parameter's gradient (no bytes of its own); a
+    # ZeRO-2 piece's is its own reduce-scattered tensor.
+    stage1 = SimpleNamespace(master=SimpleNamespace(grad=weight.grad[:32]))
+    stage2 = SimpleNamespace(master=SimpleNamespace(grad=torch.zeros(32, 4)))
+    plain = SimpleNamespace(state=state)
+    assert state_bytes([weight], plain) == 4 * 1024  # parameter, gradient, two moments
+    assert state_bytes([weight], SimpleNamespace(state=state, pieces=[stage1])) == 4 * 1024
+    assert state_bytes([weight], SimpleNamespace(state=state, pieces=[stage2])) == 4 * 1024 + 512
