@@ -19,10 +19,12 @@ calibrated here first -- ``autopar.calibrate`` on as many forked processes as it
 Identical plans (same strategy per node, ZeRO stages, recompute, stages) are kept once. Every
 rank then builds every plan from the same weights and times them in interleaved rounds (rotating
 order, a barrier before each step; one step = zero_grad, forward, backward, AdamW step); a step
-is the slowest rank's time, a plan's figure the median over rounds. Memory per rank is measured
-as the local bytes of parameters, gradients and optimizer state after a step plus the peak of
-the bytes saved for backward (``saved_tensors_hooks``, each storage counted once, parameters
-excluded, released when autograd frees them).
+is the slowest rank's time, a plan's figure the median over rounds of its share of the round
+(``round_normalized``: outside load that changes between rounds cancels). Memory per rank is
+measured as the local bytes of parameters, gradients and optimizer state after a step (each
+storage once, ZeRO's gradient pieces included) plus the peak of the bytes saved for backward
+(``saved_tensors_hooks``, each storage counted once, parameters and views of them excluded,
+released when autograd frees them); on CUDA the allocator's peak is printed beside it.
 
 Printed per (model, mesh): estimate vs measured per plan, Spearman's rank correlation, the
 median |estimate / measured - 1|, how far autopar's choice (at each budget) is from the fastest
@@ -203,10 +205,23 @@ def _worker(rank: int, world: int, cands: list[Candidate], model, inputs, steps:
 
 
 # ---------------------------------------------------------------------------------- figures
+def round_normalized(times: dict[str, list[float]]) -> dict[str, float]:
+    """Each plan's step seconds with the load drift between rounds taken out: in round ``r``
+    every plan ran once, back to back, so their times share that round's load. A plan's figure
+    is the median over rounds of its time over the round's geometric mean, times the median
+    round mean -- on a steady machine the plain median, on a shared one (outside load swinging
+    2x between rounds) a ranking that does not depend on which round a plan drew."""
+    names = list(times)
+    rounds = len(times[names[0]])
+    means = [math.exp(statistics.fmean(math.log(times[n][r]) for n in names)) for r in range(rounds)]
+    scale = statistics.median(means)
+    return {n: scale * statistics.median(times[n][r] / means[r] for r in range(rounds)) for n in names}
+
+
 def summarize(model_name: str, mesh, cands: list[Candidate], results: list[dict]) -> dict:
     steps = len(results[0]["times"][cands[0].name])
-    measured = {c.name: statistics.median(max(r["times"][c.name][i] for r in results) for i in range(steps))
-                for c in cands}
+    measured = round_normalized({c.name: [max(r["times"][c.name][i] for r in results) for i in range(steps)]
+                                 for c in cands})
     mem = {c.name: max(r["memory"][c.name]["saved"] + r["memory"][c.name]["state"] for r in results) for c in cands}
     allocated = {c.name: max(r["memory"][c.name]["allocated"] or 0 for r in results) for c in cands}
     on_gpu = any(allocated.values())

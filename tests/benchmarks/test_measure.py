@@ -4,6 +4,7 @@ storage however the runtime reaches it (a ``DTensor.to_local()`` is a non-leaf v
 import os
 import sys
 
+import pytest
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
@@ -45,3 +46,15 @@ def test_state_bytes_count_each_storage_once_and_zero_gradient_pieces():
     assert state_bytes([weight], plain) == 4 * 1024  # parameter, gradient, two moments
     assert state_bytes([weight], SimpleNamespace(state=state, pieces=[stage1])) == 4 * 1024
     assert state_bytes([weight], SimpleNamespace(state=state, pieces=[stage2])) == 4 * 1024 + 512
+
+
+def test_fidelity_takes_the_load_of_each_round_out():
+    import fidelity  # benchmarks/fidelity.py
+
+    # Round 2 ran at twice the load: every plan twice as slow. The ratio between plans holds.
+    times = {"a": [1.0, 2.0, 1.0], "b": [2.0, 4.0, 2.0], "c": [4.0, 8.0, 4.0]}
+    got = fidelity.round_normalized(times)
+    assert got == pytest.approx({"a": 1.0, "b": 2.0, "c": 4.0})
+    # A plan that drew a loaded round alone does not pass a faster one.
+    got = fidelity.round_normalized({"fast": [1.0, 1.0, 3.0], "slow": [1.5, 1.5, 1.5]})
+    assert got["fast"] < got["slow"]
