@@ -28,8 +28,8 @@ released when autograd frees them); on CUDA the allocator's peak is printed besi
 
 Printed per (model, mesh): estimate vs measured per plan, Spearman's rank correlation, the
 median |estimate / measured - 1|, how far autopar's choice (at each budget) is from the fastest
-measured plan that fits that budget, and memory estimate vs measured; the targets are issue 30's
-(rho >= 0.9, median error <= 15%, choice within 3%, memory within 10%).
+measured plan that fits that budget (by its measured bytes), and memory estimate vs measured;
+the targets are issue 30's (rho >= 0.9, median error <= 15%, choice within 3%, memory within 10%).
 """
 
 from __future__ import annotations
@@ -240,13 +240,17 @@ def summarize(model_name: str, mesh, cands: list[Candidate], results: list[dict]
     for c in cands:
         if not c.name.startswith("auto"):
             continue
-        fits = [d for d in cands if c.budget is None or d.estimate_bytes <= c.budget]
+        # What fits is what measured within the budget: an estimate that under-counts a plan's
+        # bytes (a pipeline's, here) must not make it the plan to beat.
+        fits = [d for d in cands if c.budget is None or mem[d.name] <= c.budget] or [c]
         fastest = min(fits, key=lambda d: measured[d.name])
-        choices[c.name] = (measured[c.name] / measured[fastest.name], fastest.name)
+        choices[c.name] = (measured[c.name] / measured[fastest.name], fastest.name,
+                           c.budget is None or mem[c.name] <= c.budget)
     print(f"Spearman rho {rho:.2f} (target >= {RHO_TARGET}); median |est/meas - 1| {med_err:.1%} "
           f"(target <= {ERROR_TARGET:.0%}); median memory error {mem_err:.1%} (target <= {MEMORY_TARGET:.0%})")
-    for name, (ratio, fastest) in choices.items():
-        print(f"  {name}: measured {ratio:.3f}x the fastest plan that fits ({fastest}); target <= {CHOICE_TARGET}")
+    for name, (ratio, fastest, fits) in choices.items():
+        print(f"  {name}: measured {ratio:.3f}x the fastest plan that fits ({fastest}); target <= {CHOICE_TARGET}"
+              + ("" if fits else "; its own measured bytes exceed the budget"))
     return {"model": model_name, "mesh": list(mesh.shape), "plans": [c.name for c in cands],
             "estimate_s": {c.name: c.estimate_s for c in cands}, "measured_s": measured,
             "estimate_bytes": {c.name: c.estimate_bytes for c in cands}, "measured_bytes": mem,

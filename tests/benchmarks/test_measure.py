@@ -58,3 +58,24 @@ def test_fidelity_takes_the_load_of_each_round_out():
     # A plan that drew a loaded round alone does not pass a faster one.
     got = fidelity.round_normalized({"fast": [1.0, 1.0, 3.0], "slow": [1.5, 1.5, 1.5]})
     assert got["fast"] < got["slow"]
+
+
+def test_fidelity_summary_judges_the_choice_by_measured_bytes(capsys):
+    from types import SimpleNamespace
+
+    import fidelity  # benchmarks/fidelity.py
+
+    mib = 2**20
+    cands = [fidelity.Candidate("auto", 1.0, 100 * mib), fidelity.Candidate("auto@60%", 1.2, 60 * mib, budget=60 * mib),
+             fidelity.Candidate("data-parallel", 1.0, 100 * mib), fidelity.Candidate("pipeline-2", 0.8, 40 * mib)]
+    # The pipeline's estimate says 40 MiB, but it measured 80: it does not fit the 60 MiB budget.
+    steps = {"auto": 1.0, "auto@60%": 1.3, "data-parallel": 1.1, "pipeline-2": 0.9}
+    mem = {"auto": 100, "auto@60%": 59, "data-parallel": 100, "pipeline-2": 80}
+    rank = {"times": {n: [t] * 3 for n, t in steps.items()}, "device": "cuda:0",
+            "memory": {n: {"saved": 0, "state": b * mib, "allocated": (b + 10) * mib} for n, b in mem.items()}}
+    record = fidelity.summarize("toy", SimpleNamespace(shape=(2,)), cands, [rank, rank])
+    assert record["choice_ratio"]["auto@60%"] == pytest.approx(1.0)  # the only plan that fits
+    assert record["choice_ratio"]["auto"] == pytest.approx(1.0 / 0.9)  # the pipeline fits an ample budget
+    assert record["allocated_bytes"]["auto"] == 110 * mib and record["device"] == "cuda:0"
+    out = capsys.readouterr().out
+    assert "alloc MiB" in out and "on cuda:0" in out
