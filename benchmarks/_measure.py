@@ -1,6 +1,6 @@
 """Measuring helpers shared by ``fidelity.py`` and ``plugins.py``: the three benchmark models,
-the bytes a step saves for backward, a rank's parameter/gradient/optimizer-state bytes, and
-Spearman's rank correlation."""
+the bytes a step saves for backward, a rank's parameter/gradient/optimizer-state bytes, the CUDA
+allocator's peak where there is one, and Spearman's rank correlation."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _baselines import gpt2_config_model  # noqa: E402
 
-__all__ = ["LossOnly", "build_model", "SavedBytes", "state_bytes", "spearman", "MODELS"]
+__all__ = ["LossOnly", "build_model", "SavedBytes", "PeakAllocated", "state_bytes", "spearman", "MODELS"]
 
 MODELS = ("gpt2", "llama", "cnn")
 
@@ -57,18 +57,18 @@ def build_model(name: str, *, batch: int) -> tuple[torch.nn.Module, dict]:
     return LossOnly(model), inputs
 
 
-def _storage_key(t: torch.Tensor) -> int:
-    local = t.to_local() if hasattr(t, "to_local") else t
-    return local.untyped_storage().data_ptr()
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
 
 
 class SavedBytes:
     """Peak bytes saved for backward while active: each storage once, parameters excluded --
-    also a view of one (a DTensor parameter's ``to_local()``, its ``t()``, which a planned module
-    reads and autograd saves): ``params``' storages are counted as state, never as activations."""
+    the ``Parameter`` objects themselves and any view of their storage (``params``): a runtime
+    that computes on ``DTensor.to_local()`` or a cast-free alias saves a non-leaf view of the
+    parameter, which holds no byte beyond the parameter that ``state_bytes`` already counts."""
 
     def __init__(self, params=()) -> None:
-        self.skip = {_storage_key(p) for p in params}
+        self.params = {_local(p).untyped_storage().data_ptr() for p in params}
         self.live: dict[int, int] = {}
         self.refs: dict[int, int] = {}
         self.now = self.peak = 0
@@ -82,10 +82,9 @@ class SavedBytes:
     def pack(self, t: torch.Tensor):
         if isinstance(t, torch.nn.Parameter) or (t.is_leaf and t.requires_grad):
             return t
-        local = t.to_local() if hasattr(t, "to_local") else t
-        storage = local.untyped_storage()
+        storage = _local(t).untyped_storage()
         key = storage.data_ptr()
-        if key in self.skip:
+        if key in self.params:
             return t
         if key not in self.live:
             self.live[key] = storage.nbytes()
@@ -110,22 +109,45 @@ class _Box:
         self.t = t
 
 
+class PeakAllocated:
+    """The CUDA allocator's peak bytes from construction to ``peak()`` on ``device``
+    (``torch.cuda.max_memory_allocated``: everything the step allocated, temporaries and
+    communication buffers included); None on the CPU, which keeps no such count."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+
+    def peak(self) -> int | None:
+        if self.device.type != "cuda":
+            return None
+        torch.cuda.synchronize(self.device)
+        return int(torch.cuda.max_memory_allocated(self.device))
+
+
 def state_bytes(params, optimizer) -> int:
-    """A rank's parameter, gradient and optimizer-state bytes, each storage once: the module's
-    parameters and gradients, the optimizer's own parameters and gradients (ZeRO pieces: views of
-    the parameters, but a ZeRO-2 piece's gradient is its own reduce-scattered storage) and state."""
-    tensors = []
+    """A rank's bytes of parameters, gradients and optimizer state: every distinct storage once
+    (local shards of DTensors), ZeRO's per-rank gradient pieces (``piece.master.grad``: a view
+    of the parameter's gradient at stage 1, a reduce-scattered piece of its own at stage 2)."""
+    seen: dict[int, int] = {}
+
+    def add(t) -> None:
+        if torch.is_tensor(t):
+            storage = _local(t).untyped_storage()
+            seen.setdefault(storage.data_ptr(), storage.nbytes())
+
     for p in params:
-        tensors += [p, p.grad]
-    groups = getattr(optimizer, "param_groups", ())
-    tensors += [t for g in groups for p in g["params"] for t in (p, p.grad)]
-    tensors += [v for state in getattr(optimizer, "state", {}).values() for v in state.values()]
-    sizes: dict[int, int] = {}
-    for t in tensors:
-        if torch.is_tensor(t) and t.numel():
-            local = t.to_local() if hasattr(t, "to_local") else t
-            sizes[local.untyped_storage().data_ptr()] = local.untyped_storage().nbytes()
-    return sum(sizes.values())
+        add(p)
+        add(p.grad)
+    for state in getattr(optimizer, "state", {}).values():
+        for v in state.values():
+            if torch.is_tensor(v) and v.dim():  # not Adam's scalar step counts
+                add(v)
+    for piece in getattr(optimizer, "pieces", ()):  # ZeRO: this rank's pieces
+        add(piece.master.grad)
+    return sum(seen.values())
 
 
 def spearman(xs: list[float], ys: list[float]) -> float:

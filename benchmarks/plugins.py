@@ -36,14 +36,15 @@ import json
 import os
 import statistics
 import sys
-import time
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _measure import SavedBytes, build_model, sharded_state_budget, state_bytes  # noqa: E402
+from _measure import PeakAllocated, SavedBytes, build_model, sharded_state_budget, state_bytes  # noqa: E402
+
+from autopar.runtime.links import Stopwatch, default_device, rank_device, sync_device  # noqa: E402
 
 TARGET = 1.05
 TIGHT_FRACTION = 0.6  # of data parallelism's estimated peak
@@ -80,7 +81,13 @@ def _dataset(inputs: dict) -> list[dict]:
     return [{k: v[i] for k, v in inputs.items()} for i in range(n)]
 
 
-def _boost(name: str, factory, model, inputs, world: int):
+def _on(device: torch.device, batches):
+    """The loader's batches on this rank's device (the loader collates on the CPU)."""
+    for batch in batches:
+        yield {k: v.to(device) for k, v in batch.items()}
+
+
+def _boost(name: str, factory, model, inputs, world: int, device: torch.device):
     from autopar.booster import Booster
 
     plugin = factory()
@@ -94,7 +101,7 @@ def _boost(name: str, factory, model, inputs, world: int):
     optimizer = torch.optim.AdamW(local.parameters(), lr=1e-4)
     loader = plugin.prepare_dataloader(_dataset(inputs), batch_size=batch // dp, drop_last=True)
     module, optimizer, _, loader, _ = booster.boost(local, optimizer, dataloader=loader)
-    return booster, module, optimizer, itertools.cycle(loader)
+    return booster, module, optimizer, _on(device, itertools.cycle(loader))
 
 
 def _step(booster, module, optimizer, batch) -> torch.Tensor:
@@ -108,18 +115,21 @@ def _step(booster, module, optimizer, batch) -> torch.Tensor:
     return loss.detach()
 
 
-def _worker(rank: int, world: int, model, inputs, budget, steps: int, warmup: int, auto_pipeline: bool) -> dict:
+def _worker(rank: int, world: int, model, inputs, budget, steps: int, warmup: int, auto_pipeline: bool,
+            device_type: str = "cpu") -> dict:
+    device = rank_device(device_type)
     built, refused = {}, {}
     for name, factory in configs(budget, world=world, auto_pipeline=auto_pipeline).items():
         try:
-            built[name] = _boost(name, factory, model, inputs, world)
+            built[name] = _boost(name, factory, model, inputs, world, device)
         except (ValueError, NotImplementedError) as exc:  # raised alike on every rank: this one does not apply
             refused[name] = f"{type(exc).__name__}: {exc}"[:160]
-    memory, estimate = {}, {}
+    memory, estimate, allocated = {}, {}, {}
     for name, (booster, module, optimizer, batches) in built.items():
         for _ in range(warmup):
             _step(booster, module, optimizer, next(batches))
         saved = SavedBytes(module.parameters())
+        allocator = PeakAllocated(device)
         with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
             _step(booster, module, optimizer, next(batches))
         inner = getattr(optimizer, "optimizer", optimizer)
@@ -127,19 +137,23 @@ def _worker(rank: int, world: int, model, inputs, budget, steps: int, warmup: in
         gemini = getattr(module, "gemini", None)
         if gemini is not None:  # chunks hide both from the above: their ledger and the runtime's own saved-tensor hooks
             memory[name] = gemini.manager.ledger.peak["device"] + sum(gemini.manager.saved.values())
+        allocated[name] = allocator.peak()
         plan = getattr(module, "plan", None)
         estimate[name] = None if plan is None else (plan.estimate.step_s, plan.estimate.peak_bytes)
     names = list(built)
     times = {n: [] for n in names}
+    watch = Stopwatch(device)
     for r in range(steps):
         for name in names[r % len(names):] + names[:r % len(names)]:
             booster, module, optimizer, batches = built[name]
             batch = next(batches)
             dist.barrier()
-            t = time.perf_counter()
+            sync_device(device)  # the barrier's kernels (NCCL) are not the step's
+            watch.start()
             _step(booster, module, optimizer, batch)
-            times[name].append(time.perf_counter() - t)
-    return {"times": times, "memory": memory, "estimate": estimate, "refused": refused}
+            times[name].append(watch.stop())
+    return {"times": times, "memory": memory, "estimate": estimate, "refused": refused, "allocated": allocated,
+            "device": str(device)}
 
 
 def _family_estimates(model, inputs, world: int) -> dict:
@@ -170,7 +184,10 @@ def report(model_name: str, label: str, budget, results: list[dict], families: d
     for n, why in results[0]["refused"].items():
         print(f"  {n}: not run ({why})")
     print(f"\n{model_name}, budget {label}" + (f" ({budget / 2**20:.1f} MiB/rank)" if budget else "")
-          + f"  (load {os.getloadavg()[0]:.2f})")
+          + f" on {results[0]['device']}  (load {os.getloadavg()[0]:.2f})")
+    allocated = {n: max(r["allocated"][n] or 0 for r in results) for n in names}
+    if any(allocated.values()):
+        print("CUDA allocator peaks (MiB): " + ", ".join(f"{n} {b / 2**20:.1f}" for n, b in allocated.items()))
     print(f"{'config':<12} {'median ms':>9} {'min ms':>8} {'peak MiB':>9} {'fits':>5} {'est ms':>8} {'est MiB':>8}")
     for n in names:
         e = est[n]
@@ -207,6 +224,7 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--auto-pipeline", action="store_true",
                    help="also AutoParallelPlugin on a (2, world/2) mesh with pp_size='auto' (auto-pp)")
     args = p.parse_args(argv)
+    device_type, backend = default_device()
     records = []
     for name in args.models.split(","):
         model, inputs = build_model(name, batch=args.batch)
@@ -216,7 +234,7 @@ def main(argv=None) -> list[dict]:
                 p.error(f"--budgets: expected ample and/or tight, got {label!r}")
             budget = None if label == "ample" else int(TIGHT_FRACTION * families["torch-ddp"].peak_bytes)
             results = run_local(_worker, args.world, model, inputs, budget, args.steps, args.warmup,
-                                args.auto_pipeline, timeout=1800)
+                                args.auto_pipeline, device_type, backend=backend, timeout=1800)
             record = report(name, label, budget, results, {k: v for k, v in families.items()})
             records.append(record)
             if args.out:

@@ -53,6 +53,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _baselines import MegatronGPT2, ddp_model, fsdp2_model, gpt2_config_model  # noqa: E402
+from autopar.runtime.links import default_device  # noqa: E402
 
 TARGET = 1.15  # autopar / best of Megatron and DDP
 DTENSOR_TARGET = 1.10  # autopar (DTensor parameters) / the same graph on plain tensors
@@ -276,7 +277,7 @@ def main(argv=None) -> dict:
                                       seq=args.seq, batch=args.batch)
     load = os.getloadavg()[0]
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        dist.init_process_group(default_device()[1])
         try:
             results = [_bench(dist.get_rank(), dist.get_world_size(), args, model, inputs)]
         finally:
@@ -288,7 +289,7 @@ def main(argv=None) -> dict:
         from autopar.runtime.launch import run_local
 
         world = args.world
-        results = run_local(_bench, world, args, model, inputs, timeout=900)
+        results = run_local(_bench, world, args, model, inputs, backend=default_device()[1], timeout=900)
     r0 = results[0]
     # A step ends when the slowest rank ends: take each step's maximum over ranks.
     times = {name: [max(r["times"][name][i] for r in results) for i in range(args.steps)] for name in r0["times"]}

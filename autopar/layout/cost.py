@@ -23,10 +23,12 @@ On a calibrated mesh (``MeshSpec.machine``, ``autopar.layout.machine``) the same
 measured figures: a collective the per-(kind, axis) ``alpha``/``beta`` where that kind was fitted
 on that axis (else the axis's all-kind fit); a kernel of a measured op class its achieved rate at
 its size and dtype instead of the peak: ``flops / rate(flops)`` for matmul and attention,
-``nbytes / rate(nbytes)`` for elementwise and normalisation ops, each still no less than its
-other roofline term and the kernel floor; times the profile's ``time_scale`` factor of the class
-where a model's timed steps refit it (``refine=True``). Other ops, unmeasured dtypes and
-uncalibrated meshes get the roofline as above, so a preset prices exactly as before.
+``nbytes / rate(nbytes)`` for elementwise, normalisation and pooling ops, each still no less than
+its other roofline term and the kernel floor; a convolution's or pool's backward at its own
+measured backward rate; the optimizer step (``optimizer_seconds``) at the measured AdamW rate;
+each times the profile's ``time_scale`` factor of the class where a model's timed steps refit it
+(``refine=True``). Other ops, unmeasured dtypes and uncalibrated meshes get the roofline as above,
+so a preset prices exactly as before.
 """
 
 from __future__ import annotations
@@ -34,10 +36,11 @@ from __future__ import annotations
 import math
 from typing import Iterable
 
-from autopar.layout.machine import COMPUTE_BOUND, MEMORY_BOUND, OP_CLASSES, dtype_name
+from autopar.layout.machine import COMPUTE_BOUND, MEMORY_BOUND, OP_CLASSES, OPTIMIZER, dtype_name
 from autopar.layout.mesh import MeshSpec
 
-__all__ = ["KERNEL_FLOOR_S", "COLLECTIVES", "compute_seconds", "collective_seconds", "copy_seconds", "ring_seconds"]
+__all__ = ["KERNEL_FLOOR_S", "COLLECTIVES", "compute_seconds", "collective_seconds", "copy_seconds", "ring_seconds",
+           "optimizer_bytes_per_byte", "optimizer_seconds"]
 
 # Launch overhead of one kernel: a node never costs less than this, however small.
 KERNEL_FLOOR_S = 2e-6
@@ -46,11 +49,12 @@ COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "spli
 
 
 def compute_seconds(flops: float, nbytes: float, mesh: MeshSpec, *, itemsize: int = 4, op_class: str = "other",
-                    dtype: str | None = None) -> float:
+                    dtype: str | None = None, backward: bool = False) -> float:
     """Time of one kernel moving ``nbytes`` and doing ``flops`` on one device, computing in
     ``itemsize``-byte floats (2: bf16/fp16, at the half-precision peak). ``op_class`` (one of
     ``OP_CLASSES``) and ``dtype`` (``"fp32"``, ``"bf16"``, ``"fp16"``; None: from ``itemsize``)
-    pick the measured rate on a calibrated mesh; see the module docstring."""
+    pick the measured rate on a calibrated mesh, ``backward`` the class's backward rate where it
+    has its own (``machine.BACKWARD_CLASSES``); see the module docstring."""
     if flops < 0 or nbytes < 0:
         raise ValueError(f"flops and bytes must be >= 0, got {flops}, {nbytes}")
     if op_class not in OP_CLASSES:
@@ -60,12 +64,33 @@ def compute_seconds(flops: float, nbytes: float, mesh: MeshSpec, *, itemsize: in
         return max(flop_s, byte_s, KERNEL_FLOOR_S)
     dtype = dtype or dtype_name(itemsize)
     if op_class in COMPUTE_BOUND and flops > 0:
-        rate = mesh.machine.compute.rate(op_class, dtype, flops)
+        rate = mesh.machine.compute.rate(op_class, dtype, flops, backward=backward)
         flop_s = flop_s if rate is None else flops / rate
     elif op_class in MEMORY_BOUND and nbytes > 0:
-        rate = mesh.machine.compute.rate(op_class, dtype, nbytes)
+        rate = mesh.machine.compute.rate(op_class, dtype, nbytes, backward=backward)
         byte_s = byte_s if rate is None else nbytes / rate
     return max(flop_s, byte_s, KERNEL_FLOOR_S) * mesh.machine.scale_of(op_class)
+
+
+# Bytes an Adam-style step moves per parameter byte: reads parameter, gradient and the ``m``
+# states, writes parameter and states (``3 + 2m``; offload prices the host's step so too).
+def optimizer_bytes_per_byte(optimizer_multiplier: float) -> float:
+    return 3.0 + 2.0 * optimizer_multiplier
+
+
+def optimizer_seconds(param_bytes: float, mesh: MeshSpec, *, optimizer_multiplier: float) -> float:
+    """The optimizer step's seconds for ``param_bytes`` of parameters updated on one device, on a
+    mesh whose calibration measured the step (``machine.OPTIMIZER``: AdamW, ``m = 2``, rate in
+    parameter bytes per second; another ``m`` scaled by the bytes its step moves); 0 elsewhere:
+    a spec sheet says nothing of the optimizer's many small passes, and presets price as before."""
+    if param_bytes < 0:
+        raise ValueError(f"parameter bytes must be >= 0, got {param_bytes}")
+    rate = None if mesh.machine is None or not param_bytes else mesh.machine.compute.rate(OPTIMIZER, "fp32",
+                                                                                            param_bytes)
+    if rate is None:
+        return 0.0
+    scale = optimizer_bytes_per_byte(optimizer_multiplier) / optimizer_bytes_per_byte(2.0)
+    return param_bytes * scale / rate
 
 
 def copy_seconds(nbytes: float, mesh: MeshSpec) -> float:

@@ -5,9 +5,13 @@ A ``MeshSpec`` may carry a ``MachineProfile`` (``MeshSpec.machine``); the cost m
 roofline. Its parts:
 
 - ``ComputeProfile``: per (op class, dtype) a ``RateTable`` of achieved rates at measured call
-  sizes. The compute-bound classes (``matmul``, ``attention``) are keyed by the FLOPs of one call
-  and rate FLOP/s; the memory-bound ones (``elementwise``, ``norm``) by the bytes one call reads
-  and writes and rate bytes/s. A size between two measured ones is interpolated linearly in
+  sizes. The compute-bound classes (``matmul``, ``attention``, ``conv``) are keyed by the FLOPs
+  of one call and rate FLOP/s; the memory-bound ones (``elementwise``, ``norm``, ``pool``...) by the
+  bytes one call reads and writes and rate bytes/s (``batch_norm`` apart from ``norm``: its
+  per-channel statistics over an NCHW tensor run far below a row-wise layer norm's rate on a
+  CPU); ``conv`` and ``pool`` have backward tables
+  of their own (``BACKWARD_CLASSES``); ``optimizer`` is the AdamW step per parameter byte.
+  A size between two measured ones is interpolated linearly in
   log(size); beyond the ends the nearest measured rate holds (a rate is an efficiency, which
   flattens at both ends, unlike a time). Small and skinny products are measured, so they are
   priced at their real, lower efficiency: keying by FLOPs merges a skinny and a square product
@@ -30,12 +34,24 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
 
-__all__ = ["OP_CLASSES", "COMPUTE_BOUND", "MEMORY_BOUND", "DTYPES", "LINK_KINDS", "RateTable", "ComputeProfile",
+__all__ = ["OP_CLASSES", "COMPUTE_BOUND", "MEMORY_BOUND", "BACKWARD_CLASSES", "OPTIMIZER", "MEASURED_CLASSES",
+           "FLOP_KEYED", "DTYPES", "LINK_KINDS", "RateTable", "ComputeProfile",
            "LinkFit", "MachineProfile", "dtype_name", "overlap_fraction"]
 
-OP_CLASSES = ("matmul", "attention", "elementwise", "norm", "other")
-COMPUTE_BOUND = ("matmul", "attention")  # keyed by FLOPs per call, rates in FLOP/s
-MEMORY_BOUND = ("elementwise", "norm")  # keyed by bytes per call, rates in bytes/s
+OP_CLASSES = ("matmul", "attention", "conv", "elementwise", "norm", "batch_norm", "pool", "other")
+COMPUTE_BOUND = ("matmul", "attention", "conv")  # keyed by FLOPs per call, rates in FLOP/s
+MEMORY_BOUND = ("elementwise", "norm", "batch_norm", "pool")  # keyed by bytes per call, rates in bytes/s
+# Classes whose backward kernels run at a rate of their own (measured apart, keyed by the
+# backward's FLOPs or bytes): a CPU convolution's backward runs well below its forward, a max
+# pool's backward (a scatter by the saved indices) well above it. The other classes' backward is
+# priced at the forward table's rate for its size.
+BACKWARD_CLASSES = {"conv": "conv_backward", "pool": "pool_backward"}
+# The optimizer step (AdamW, foreach) keyed by the bytes of the parameters one step updates, rate
+# in those bytes per second: not an op of the graph, priced on each trainable parameter's option.
+OPTIMIZER = "optimizer"
+# The tables keyed by FLOPs (the rest by bytes).
+FLOP_KEYED = COMPUTE_BOUND + tuple(BACKWARD_CLASSES[c] for c in COMPUTE_BOUND if c in BACKWARD_CLASSES)
+MEASURED_CLASSES = COMPUTE_BOUND + MEMORY_BOUND + tuple(BACKWARD_CLASSES.values()) + (OPTIMIZER,)
 DTYPES = ("fp32", "bf16", "fp16")
 LINK_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 
@@ -113,9 +129,9 @@ class ComputeProfile:
         object.__setattr__(self, "tables", tuple(tuple(t) for t in self.tables))
         seen = set()
         for op_class, dtype, table in self.tables:
-            if op_class not in COMPUTE_BOUND + MEMORY_BOUND:
+            if op_class not in MEASURED_CLASSES:
                 raise ValueError(f"unknown op class {op_class!r} in a ComputeProfile; expected one of "
-                                 f"{COMPUTE_BOUND + MEMORY_BOUND}")
+                                 f"{MEASURED_CLASSES}")
             if dtype not in DTYPES:
                 raise ValueError(f"unknown dtype {dtype!r} in a ComputeProfile; expected one of {DTYPES}")
             if not isinstance(table, RateTable):
@@ -130,10 +146,12 @@ class ComputeProfile:
                 return t
         return None
 
-    def rate(self, op_class: str, dtype: str, size: float) -> float | None:
+    def rate(self, op_class: str, dtype: str, size: float, *, backward: bool = False) -> float | None:
         """FLOP/s (compute-bound classes) or bytes/s (memory-bound) of one ``size`` call; None
-        when this (op class, dtype) was not measured."""
-        table = self.table(op_class, dtype)
+        when this (op class, dtype) was not measured. ``backward``: of the class's backward
+        kernels, from its own table where it has one (``BACKWARD_CLASSES``), else the forward's."""
+        table = self.table(BACKWARD_CLASSES[op_class], dtype) if backward and op_class in BACKWARD_CLASSES else None
+        table = table or self.table(op_class, dtype)
         return None if table is None else table.at(size)
 
     def to_list(self) -> list[dict]:

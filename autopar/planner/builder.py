@@ -243,15 +243,15 @@ class _Builder:
         wanted = (0, 1, 2) if self.opts.zero_stage == "auto" else (self.opts.zero_stage,)
         seen = set()
         for want in wanted:
-            per_byte, comm_s, stage = zero_cost(spec, self.mesh, local, stage=want if trainable else 0,
-                                                ndim=len(spec_shape),
-                                                optimizer_multiplier=self.opts.optimizer_multiplier)
+            per_byte, comm_s, stage, step_s = zero_cost(spec, self.mesh, local, stage=want, ndim=len(spec_shape),
+                                                        optimizer_multiplier=self.opts.optimizer_multiplier,
+                                                        trainable=trainable)
             if stage in seen:
                 continue
             seen.add(stage)
             name = str(spec) if stage == 0 or len(wanted) == 1 else f"{spec} z{stage}"
             if "device" in tiers:
-                opts.append(StrategyOption(name, compute_s=0.0, comm_s=comm_s,
+                opts.append(StrategyOption(name, compute_s=step_s, comm_s=comm_s,
                                            param_bytes=int(round(local * per_byte))))
                 choices.append(self._layout_choices.setdefault((name, stage), Choice(name, (spec,), zero_stage=stage)))
             if "o" in tiers and trainable:

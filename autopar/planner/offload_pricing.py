@@ -33,6 +33,7 @@ import math
 from dataclasses import dataclass
 from typing import Iterable
 
+from autopar.layout.cost import optimizer_bytes_per_byte
 from autopar.layout.mesh import MeshSpec
 from autopar.layout.placement import zero_split
 from autopar.offload import OffloadPolicy, check_offload, runtime_options
@@ -68,7 +69,7 @@ def offload_cost(tier: str, local: int, mesh: MeshSpec, *, stage: int, dp: int, 
                          f"MeshSpec.with_host(...))")
     m = optimizer_multiplier
     piece = dp if stage >= 1 else 1  # the optimizer's piece on this rank's host
-    cpu_s = (3 + 2 * m) * local / piece / mesh.host_mem_bandwidth
+    cpu_s = optimizer_bytes_per_byte(m) * local / piece / mesh.host_mem_bandwidth
     if tier == "o":
         grad_dev = 1.0 / dp if stage == 2 else 1.0
         link_s = 2 * mesh.host_alpha + (reduce_frac + 1.0) * local / piece * mesh.host_beta

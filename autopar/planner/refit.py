@@ -129,7 +129,7 @@ def _ratio(measured: float, priced: float) -> float | None:
 def refit_mesh(mesh: MeshSpec, *, measured: Mapping[str, float], measured_comm: float,
                priced: Priced) -> tuple[MeshSpec, dict[str, float]]:
     """``mesh`` with its profile scaled to the measured parts (module docstring); the ratios used."""
-    ratios = {c: r for c in OP_CLASSES if (r := _ratio(measured.get(c, 0.0), priced.compute[c])) is not None}
+    ratios = {c: r for c in OP_CLASSES if (r := _ratio(measured.get(c, 0.0), priced.compute.get(c, 0.0))) is not None}
     comm = _ratio(measured_comm, priced.comm)
     machine = mesh.machine or MachineProfile(ComputeProfile(()), (), mesh.shape, mesh.axis_names)
     scale = tuple((c, machine.scale_of(c) * ratios.get(c, 1.0)) for c in OP_CLASSES

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from autopar.layout.cost import collective_seconds
+from autopar.layout.cost import collective_seconds, optimizer_seconds
 from autopar.layout.mesh import MeshSpec
 from autopar.layout.placement import TensorSpec, zero_split
 from autopar.strategies import Strategy
@@ -13,10 +13,13 @@ __all__ = ["zero_cost", "zero2_extra_s", "zero2_priced_rs"]
 
 
 def zero_cost(spec: TensorSpec, mesh: MeshSpec, local_bytes: int, *, stage: int, ndim: int,
-              optimizer_multiplier: float) -> tuple[float, float, int]:
-    """(bytes held per parameter byte, extra communication seconds per step, effective stage) of a
-    trainable ``ndim``-dim parameter laid out ``spec`` under ZeRO ``stage`` over the axes ``spec``
-    replicates it on (``layout.placement.zero_split``; ``dp``: their size product; none: stage 0).
+              optimizer_multiplier: float, trainable: bool = True) -> tuple[float, float, int, float]:
+    """(bytes held per parameter byte, extra communication seconds per step, effective stage,
+    optimizer step seconds) of an ``ndim``-dim parameter laid out ``spec`` under ZeRO ``stage``
+    over the axes ``spec`` replicates it on (``layout.placement.zero_split``; ``dp``: their size
+    product; none: stage 0). A frozen parameter (``trainable=False``) is stage 0 and not stepped;
+    a trainable one's step updates its ``local_bytes``, a ZeRO rank's ``1/dp`` of them
+    (``layout.cost.optimizer_seconds``).
 
     ====== ===================================== =====================================================
     stage  held: parameter + gradient + state    communication beyond stage 0
@@ -33,16 +36,18 @@ def zero_cost(spec: TensorSpec, mesh: MeshSpec, local_bytes: int, *, stage: int,
     A mixed-precision cast between the parameter and its consumer hides the consumer from the
     parameter's edges: there stage 2 is priced with the full all-reduce (an over-estimate).
     """
-    split = zero_split(spec, ndim, mesh.shape)
+    split = zero_split(spec, ndim, mesh.shape) if trainable else None
     m = optimizer_multiplier
     if stage == 0 or split is None:
-        return 2.0 + m, 0.0, 0
+        step_s = optimizer_seconds(local_bytes, mesh, optimizer_multiplier=m) if trainable else 0.0
+        return 2.0 + m, 0.0, 0, step_s
     axes = split[1]
     dp = math.prod(mesh.shape[a] for a in axes)
     gather_s = collective_seconds("all_gather", local_bytes, mesh, axes)
+    step_s = optimizer_seconds(local_bytes / dp, mesh, optimizer_multiplier=m)
     if stage == 1:
-        return 2.0 + m / dp, gather_s, 1
-    return 1.0 + (1.0 + m) / dp, gather_s, 2
+        return 2.0 + m / dp, gather_s, 1, step_s
+    return 1.0 + (1.0 + m) / dp, gather_s, 2, step_s
 
 
 def zero2_priced_rs(strategy: Strategy, slot: int, mesh: MeshSpec) -> bool:

@@ -31,12 +31,13 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from autopar.layout.machine import LinkFit, MachineProfile, overlap_fraction
+from autopar.layout.machine import FLOP_KEYED, LinkFit, MachineProfile, overlap_fraction
 from autopar.layout.mesh import MeshSpec, default_axis_names, parse_mesh_shape
 from autopar.runtime.calibrate_compute import (GRID, MIN_REPETITION_S, QUICK_GRID, QUICK_REPETITION_S, device_figures,
                                                measure_compute)
-from autopar.runtime.links import (DEFAULT_SIZES, KINDS, MeshProfile, Timing, fit_alpha_beta, ranks_reduce,
-                                   lockstep_median, measure_axis, ring_factor)
+from autopar.runtime.links import (DEFAULT_SIZES, KINDS, MeshProfile, Timing, default_device, fit_alpha_beta,
+                                   lockstep_median, lockstep_medians, measure_axis, rank_device, ranks_reduce,
+                                   ring_factor)
 
 __all__ = ["calibrate", "calibrate_detailed", "measure_overlap", "QUICK_SIZES"]
 
@@ -93,7 +94,10 @@ def measure_overlap(*, nbytes: int, repeats: int, device: torch.device) -> tuple
         compute()
         work.wait()
 
-    t_both = lockstep_median(both, repeats=repeats, device=device)
+    # The three figures come from the same rounds (comm, compute, both back to back in each):
+    # the fraction is a difference of them, and timed one after another a change of outside
+    # load between them swung it from 0 to 0.9 on a shared host.
+    t_comm, t_comp, t_both = lockstep_medians([comm, compute, both], repeats=repeats, device=device)
     return overlap_fraction(t_comm, t_comp, t_both), {"comm": t_comm, "compute": t_comp, "both": t_both}
 
 
@@ -143,7 +147,7 @@ def _in_group(shape: tuple[int, ...], device_type: str, sizes: Sequence[int], re
               verbose: bool) -> MeshProfile:
     from torch.distributed.device_mesh import init_device_mesh
 
-    device = _local_device(device_type)
+    device = rank_device(device_type)
     load = os.getloadavg()[0]
     names = default_axis_names(len(shape))
     device_mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
@@ -152,7 +156,7 @@ def _in_group(shape: tuple[int, ...], device_type: str, sizes: Sequence[int], re
     compute, measured = measure_compute(QUICK_GRID if quick else GRID, repeats=repeats, device=device, progress=say,
                                         min_repetition_s=QUICK_REPETITION_S if quick else MIN_REPETITION_S)
     for kernel, rate in measured:
-        unit = "GB/s" if kernel.op_class in ("elementwise", "norm") else "GFLOP/s"
+        unit = "GFLOP/s" if kernel.op_class in FLOP_KEYED else "GB/s"
         say(f"{kernel.dtype} {kernel.label}: {rate / 1e9:.2f} {unit}")
     say.stage = "stage 2/3 collectives: "
     alpha, beta, links, timings = _collectives(device_mesh, shape, sizes, repeats, device, say)
@@ -178,13 +182,6 @@ def _in_group(shape: tuple[int, ...], device_type: str, sizes: Sequence[int], re
     return MeshProfile(mesh=mesh, timings=tuple(timings))
 
 
-def _local_device(device_type: str) -> torch.device:
-    if device_type != "cuda":
-        return torch.device("cpu")
-    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", dist.get_rank() % torch.cuda.device_count())))
-    return torch.device("cuda", torch.cuda.current_device())
-
-
 def _mem_capacity(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).total_memory
@@ -195,9 +192,9 @@ def _local_worker(rank: int, world_size: int, *args) -> MeshProfile:
     return _in_group(*args)
 
 
-def _checked(shape, device: str, sizes, repeats, quick: bool) -> tuple[tuple[int, ...], str, list[int], int]:
+def _checked(shape, device: str | None, sizes, repeats, quick: bool) -> tuple[tuple[int, ...], str, list[int], int]:
     shape = parse_mesh_shape(shape)
-    device_type = torch.device(device).type
+    device_type = default_device()[0] if device is None else torch.device(device).type
     if device_type not in ("cpu", "cuda"):
         raise ValueError(f"calibrate supports device 'cpu' or 'cuda', got {device!r}")
     if not isinstance(quick, bool):
@@ -212,7 +209,7 @@ def _checked(shape, device: str, sizes, repeats, quick: bool) -> tuple[tuple[int
 
 
 def calibrate_detailed(shape: Sequence[int] | str, *, local: int | None = None, quick: bool = False,
-                       device: str = "cpu", sizes: list[int] | None = None, repeats: int | None = None,
+                       device: str | None = None, sizes: list[int] | None = None, repeats: int | None = None,
                        backend: str | None = None, verbose: bool = False) -> MeshProfile:
     """Like ``calibrate`` but also returns the collective timings the link fits came from."""
     shape, device_type, sizes, repeats = _checked(shape, device, sizes, repeats, quick)
@@ -242,13 +239,15 @@ def calibrate_detailed(shape: Sequence[int] | str, *, local: int | None = None, 
 
 
 def calibrate(shape: Sequence[int] | str, *, local: int | None = None, quick: bool = False,
-              out: str | os.PathLike | None = None, device: str = "cpu", sizes: list[int] | None = None,
+              out: str | os.PathLike | None = None, device: str | None = None, sizes: list[int] | None = None,
               repeats: int | None = None, backend: str | None = None, verbose: bool = False) -> MeshSpec:
     """Measure this machine for a ``shape`` mesh (module docstring); returns the ``MeshSpec``
     carrying its ``MachineProfile`` and ``comm_overlap``, and writes it to ``out`` (rank 0) when
     given: pass that path wherever a preset name goes (``plan(..., preset=path)``, ``autopar
-    inspect --preset path``). ``local=N``: start N gloo processes (else run under ``torchrun``
-    on every rank). ``quick``: a smaller grid and fewer sizes and repetitions (tests).
+    inspect --preset path``). ``device``: ``"cpu"`` or ``"cuda"``; None: CUDA where it is
+    available (``links.default_device``), each rank on GPU ``LOCAL_RANK``, NCCL unless ``backend``
+    says otherwise. ``local=N``: start N gloo (NCCL on CUDA) processes (else run under
+    ``torchrun`` on every rank). ``quick``: a smaller grid and fewer sizes and repetitions (tests).
     ``sizes``: collective full-tensor bytes; ``repeats``: timed repetitions (default 5, quick 3)."""
     spec = calibrate_detailed(shape, local=local, quick=quick, device=device, sizes=sizes, repeats=repeats,
                               backend=backend, verbose=verbose).mesh

@@ -14,11 +14,21 @@ The grid, per dtype (fp32, bf16, fp16):
   the FLOPs of one call (``2 M N K``, times the batch);
 - ``attention``: ``scaled_dot_product_attention`` at a few (sequence, head dim), keyed by torch's
   own FLOP count (``torch.utils.flop_counter.sdpa_flop_count``);
+- ``conv``: ``conv2d`` at a few (batch, channels, image size, kernel), keyed by its FLOPs, and
+  ``conv_backward``: the same convolution's input and weight gradients, keyed by their FLOPs
+  (both counted by ``torch.utils.flop_counter``, as the tracer's profile counts them);
 - ``elementwise``: ``add`` of two tensors, keyed by the bytes one call reads and writes;
-- ``norm``: ``layer_norm`` over rows of 1024, keyed likewise.
+- ``norm``: ``layer_norm`` over rows of 1024, keyed likewise;
+- ``batch_norm``: training-mode ``batch_norm`` of an NCHW tensor, keyed by the bytes of its
+  tensor arguments and output (what ``strategies.combine`` charges an op);
+- ``pool``: ``max_pool2d`` (3x3, stride 2: a ResNet stem's) keyed by its input and output bytes,
+  and ``pool_backward``: its input gradient, keyed by twice those (what the cost model charges a
+  backward: ``strategies.combine``);
+- ``optimizer`` (fp32 only): one ``AdamW(foreach=True)`` step over 16 parameters of one size,
+  keyed by one parameter's bytes, rate in parameter bytes per second (``layout.cost.optimizer_seconds``).
 
-Forward kernels only: the cost model prices an op's backward FLOPs (or bytes) at its class's
-rate for that size, as if the backward kernels ran as efficiently as the forward ones.
+Only ``conv`` and ``pool`` have backward tables (``layout.machine.BACKWARD_CLASSES``): the cost
+model prices other classes' backward FLOPs (or bytes) at the forward rate for that size.
 """
 
 from __future__ import annotations
@@ -30,7 +40,7 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
-from torch.utils.flop_counter import sdpa_flop_count
+from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 
 from autopar.layout.machine import DTYPES, ComputeProfile, RateTable
 from autopar.runtime.links import lockstep_medians, ranks_reduce, sync_device
@@ -45,13 +55,20 @@ TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.flo
 @dataclass(frozen=True, slots=True)
 class Grid:
     """What to measure: mm (M, N, K), bmm (B, M, N, K), attention (sequence, head dim) at batch 1
-    and 4 heads, elementwise numels, layer-norm rows of ``NORM_WIDTH``."""
+    and 4 heads, conv2d (batch, channels in = out, image side, kernel side; stride 1, same
+    padding), elementwise numels, layer-norm rows of ``NORM_WIDTH``, max-pool inputs (batch,
+    channels, image side), batch-norm inputs (batch, channels, image side), optimizer parameter
+    numels (16 parameters each)."""
 
     mm: tuple[tuple[int, int, int], ...]
     bmm: tuple[tuple[int, int, int, int], ...]
     attention: tuple[tuple[int, int], ...]
+    conv: tuple[tuple[int, int, int, int], ...]
     elementwise: tuple[int, ...]
     norm_rows: tuple[int, ...]
+    pool: tuple[tuple[int, int, int], ...]
+    batch_norm: tuple[tuple[int, int, int], ...]
+    optimizer: tuple[int, ...]
 
 
 NORM_WIDTH = 1024
@@ -59,22 +76,30 @@ GRID = Grid(mm=((64, 64, 64), (256, 256, 256), (512, 512, 512), (1024, 1024, 102
                 (1024, 16, 1024), (2048, 64, 2048)),
             bmm=((8, 64, 64, 64), (8, 256, 256, 64)),
             attention=((128, 32), (128, 64), (512, 64), (1024, 64)),
+            conv=((2, 16, 16, 3), (4, 32, 32, 3), (4, 64, 16, 3), (4, 128, 8, 3), (8, 64, 32, 3), (4, 64, 16, 1)),
             elementwise=(1 << 14, 1 << 17, 1 << 20, 1 << 22),
-            norm_rows=(16, 256, 4096))
+            norm_rows=(16, 256, 4096),
+            pool=((2, 16, 16), (4, 32, 32), (8, 64, 32)),
+            batch_norm=((2, 16, 16), (4, 32, 32), (4, 128, 16), (8, 64, 32)),
+            optimizer=(1 << 8, 1 << 12, 1 << 16, 1 << 18))
 QUICK_GRID = Grid(mm=((64, 64, 64), (256, 256, 256), (16, 512, 512)), bmm=((4, 64, 64, 64),),
-                  attention=((128, 64), (256, 64)), elementwise=(1 << 14, 1 << 20), norm_rows=(16, 1024))
+                  attention=((128, 64), (256, 64)), conv=((2, 16, 16, 3), (4, 32, 16, 3)),
+                  elementwise=(1 << 14, 1 << 20), norm_rows=(16, 1024), pool=((2, 16, 16), (4, 32, 16)),
+                  batch_norm=((2, 16, 16), (4, 32, 16)),
+                  optimizer=(1 << 8, 1 << 14))
 
 
 @dataclass(frozen=True, slots=True)
 class Kernel:
-    """One grid point: ``run()`` makes one call of ``size`` FLOPs (compute-bound classes) or
-    bytes (memory-bound ones)."""
+    """One grid point: ``run()`` makes ``count`` calls of ``size`` FLOPs (compute-bound classes)
+    or bytes (memory-bound ones) each (an optimizer step: ``count`` parameters)."""
 
     op_class: str
     dtype: str
     size: float
     label: str
     run: Callable[[], object]
+    count: int = 1
 
 
 def _matmuls(grid: Grid, dtype: str, device: torch.device) -> list[Kernel]:
@@ -116,12 +141,92 @@ def _memory_bound(grid: Grid, dtype: str, device: torch.device) -> list[Kernel]:
     return out
 
 
+def _flops(fn: Callable[[], object]) -> float:
+    """FLOPs of one call as ``torch.utils.flop_counter`` counts them (the tracer's profile does)."""
+    with FlopCounterMode(display=False) as counter:
+        fn()
+    return float(counter.get_total_flops())
+
+
+def _gradient(out: torch.Tensor, inputs: tuple[torch.Tensor, ...]) -> Callable[[], object]:
+    """The backward kernels alone: the forward's graph kept, its gradients computed again each call."""
+    grad = torch.randn_like(out)
+    return lambda: torch.autograd.grad(out, inputs, grad, retain_graph=True)
+
+
+def _convolutions(grid: Grid, dtype: str, device: torch.device) -> list[Kernel]:
+    dt = TORCH_DTYPES[dtype]
+    out = []
+    for batch, channels, side, k in grid.conv:
+        x = torch.randn(batch, channels, side, side, dtype=dt, device=device, requires_grad=True)
+        w = torch.randn(channels, channels, k, k, dtype=dt, device=device, requires_grad=True)
+
+        def forward(x=x, w=w, k=k):
+            return F.conv2d(x, w, padding=k // 2)
+
+        label = f"conv2d {batch}x{channels}x{side}x{side} k{k}"
+        out.append(Kernel("conv", dtype, _flops(forward), label, forward))
+        backward = _gradient(forward(), (x, w))
+        out.append(Kernel("conv_backward", dtype, _flops(backward), f"{label} backward", backward))
+    return out
+
+
+def _pools(grid: Grid, dtype: str, device: torch.device) -> list[Kernel]:
+    dt = TORCH_DTYPES[dtype]
+    out = []
+    for batch, channels, side in grid.pool:
+        x = torch.randn(batch, channels, side, side, dtype=dt, device=device, requires_grad=True)
+
+        def forward(x=x):
+            return F.max_pool2d(x, 3, 2, 1)
+
+        y = forward()
+        moved = float(x.numel() * x.element_size() + y.numel() * y.element_size())
+        label = f"max_pool2d {batch}x{channels}x{side}x{side}"
+        out.append(Kernel("pool", dtype, moved, label, forward))
+        out.append(Kernel("pool_backward", dtype, 2.0 * moved, f"{label} backward", _gradient(y, (x,))))
+    return out
+
+
+def _batch_norms(grid: Grid, dtype: str, device: torch.device) -> list[Kernel]:
+    dt = TORCH_DTYPES[dtype]
+    out = []
+    for batch, channels, side in grid.batch_norm:
+        x = torch.randn(batch, channels, side, side, dtype=dt, device=device)
+        stats = [torch.zeros(channels, dtype=dt, device=device), torch.ones(channels, dtype=dt, device=device)]
+        affine = [torch.ones(channels, dtype=dt, device=device), torch.zeros(channels, dtype=dt, device=device)]
+        moved = float(2 * x.numel() * x.element_size() + sum(t.numel() * t.element_size() for t in stats + affine))
+
+        def run(x=x, stats=stats, affine=affine):
+            return F.batch_norm(x, *stats, *affine, training=True)
+
+        out.append(Kernel("batch_norm", dtype, moved, f"batch_norm {batch}x{channels}x{side}x{side}", run))
+    return out
+
+
+OPTIMIZER_PARAMETERS = 16  # parameters per measured step: a foreach step's per-tensor share
+
+
+def _optimizers(grid: Grid, device: torch.device) -> list[Kernel]:
+    out = []
+    for numel in grid.optimizer:
+        params = [torch.zeros(numel, device=device, requires_grad=True) for _ in range(OPTIMIZER_PARAMETERS)]
+        for p in params:
+            p.grad = torch.randn_like(p)
+        optimizer = torch.optim.AdamW(params, lr=1e-4, foreach=True)
+        # Keyed by ONE parameter's bytes: the cost model prices each parameter's share of the step.
+        out.append(Kernel("optimizer", "fp32", float(numel * 4), f"AdamW {OPTIMIZER_PARAMETERS} x {numel:,}",
+                          optimizer.step, count=OPTIMIZER_PARAMETERS))
+    return out
+
+
 def kernels(grid: Grid, device: torch.device) -> list[Kernel]:
-    """Every grid point in every dtype."""
+    """Every grid point in every dtype (the optimizer's in fp32: it updates fp32 masters)."""
     out: list[Kernel] = []
     for dtype in DTYPES:
-        out += _matmuls(grid, dtype, device) + _attention(grid, dtype, device) + _memory_bound(grid, dtype, device)
-    return out
+        out += (_matmuls(grid, dtype, device) + _attention(grid, dtype, device) + _convolutions(grid, dtype, device)
+                + _memory_bound(grid, dtype, device) + _batch_norms(grid, dtype, device) + _pools(grid, dtype, device))
+    return out + _optimizers(grid, device)
 
 
 def _inner_counts(points: list[Kernel], device: torch.device, min_repetition_s: float) -> list[int]:
@@ -162,7 +267,7 @@ def measure_compute(grid: Grid, *, repeats: int, device: torch.device | str = "c
     # The probe for ``inner`` warmed every kernel up already.
     seconds = lockstep_medians([_repeated(k.run, c) for k, c in zip(points, inner)], repeats=repeats, device=device,
                                on_round=on_round, warm_up=False)
-    measured = [(k, k.size * c / t) for k, c, t in zip(points, inner, seconds)]
+    measured = [(k, k.size * k.count * c / t) for k, c, t in zip(points, inner, seconds)]
     tables: dict[tuple[str, str], list[tuple[float, float]]] = {}
     for k, rate in measured:
         tables.setdefault((k.op_class, k.dtype), []).append((k.size, rate))

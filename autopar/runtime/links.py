@@ -3,7 +3,8 @@
 ``measure_axis`` times all-reduce, all-gather, reduce-scatter and all-to-all (the same
 torch.distributed calls that ``autopar.runtime.collectives`` issues) over a range of full-tensor
 sizes on every group of one mesh axis at once (the training pattern). Every timed repetition
-starts in lockstep (a barrier), ends when the device is done (CUDA: synchronised), and runs
+starts in lockstep (a barrier), ends when the device is done (CUDA: timed by events, read after
+synchronising: ``Stopwatch``), and runs
 round-robin over all (collective, size) points so a burst of outside load spreads over every
 point; the figure of a point is the median over repetitions of the slowest rank's time in that
 repetition (a step waits for its slowest rank), never a best-of. ``lockstep_median`` is that
@@ -20,6 +21,7 @@ it per axis over all four kinds (``MeshSpec.alpha``/``beta``) and per kind and a
 from __future__ import annotations
 
 import math
+import os
 import statistics
 import time
 from dataclasses import dataclass
@@ -38,6 +40,9 @@ __all__ = [
     "lockstep_median",
     "ranks_reduce",
     "sync_device",
+    "default_device",
+    "rank_device",
+    "Stopwatch",
     "lockstep_medians",
     "slowest_medians",
     "time_collective",
@@ -187,10 +192,56 @@ def fit_alpha_beta(points: Sequence[tuple[float, float]], *, iterations: int = 1
     return alpha, beta
 
 
-# --------------------------------------------------------------------------- measurement
+# ------------------------------------------------------------------------------- devices
+def default_device() -> tuple[str, str]:
+    """(device type, process-group backend) a measurement runs on unless told: ``("cuda",
+    "nccl")`` where CUDA is available, else ``("cpu", "gloo")``. Calibration and the benchmarks
+    ask this one rule."""
+    return ("cuda", "nccl") if torch.cuda.is_available() else ("cpu", "gloo")
+
+
+def rank_device(device_type: str) -> torch.device:
+    """This rank's device of ``device_type``: on CUDA the GPU ``LOCAL_RANK`` names (else the rank
+    modulo the visible GPUs), made current so that NCCL and the allocator use it; else the CPU."""
+    if device_type != "cuda":
+        return torch.device("cpu")
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank % max(torch.cuda.device_count(), 1))))
+    return torch.device("cuda", torch.cuda.current_device())
+
+
 def sync_device(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+class Stopwatch:
+    """Seconds of the work issued between ``start()`` and ``stop()`` on ``device``: on a GPU
+    from CUDA events on the current stream (kernels run after the host returns: a host clock
+    would time their launch), read once ``stop`` has synchronised the device; on the CPU from
+    ``time.perf_counter``."""
+
+    def __init__(self, device: torch.device | str) -> None:
+        self.device = torch.device(device)
+        self._begin = None
+
+    def start(self) -> None:
+        if self.device.type == "cuda":
+            self._begin = torch.cuda.Event(enable_timing=True)
+            self._begin.record()
+        else:
+            self._begin = time.perf_counter()
+
+    def stop(self) -> float:
+        if self._begin is None:
+            raise RuntimeError("Stopwatch.stop() before start()")
+        begin, self._begin = self._begin, None
+        if self.device.type != "cuda":
+            return time.perf_counter() - begin
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        torch.cuda.synchronize(self.device)
+        return begin.elapsed_time(end) / 1e3  # CUDA events count milliseconds
 
 
 def _op(kind: str, nbytes: int, n: int, group, device: torch.device):
@@ -215,11 +266,11 @@ def _op(kind: str, nbytes: int, n: int, group, device: torch.device):
 def _timed(op, group, device: torch.device) -> float:
     """One sample: ranks enter together (barrier), the clock stops when the device is done."""
     dist.barrier(group=group)
-    sync_device(device)
-    start = time.perf_counter()
+    sync_device(device)  # the barrier's own kernels (NCCL) are not this sample's
+    watch = Stopwatch(device)
+    watch.start()
     op()
-    sync_device(device)
-    return time.perf_counter() - start
+    return watch.stop()
 
 
 def time_collective(kind: str, nbytes: int, group, *, device: torch.device | str = "cpu",

@@ -142,7 +142,7 @@ def _strategy(info: OpInfo, mesh: MeshSpec, combo: tuple[AxisOption, ...], in_sp
     kind = {"itemsize": itemsize, "op_class": op_class(info.target), "dtype": _compute_dtype(info, itemsize)}
     fwd_c = compute_seconds(flops[0] / div, moved, mesh, **kind)
     # Backward reads the output gradient and the saved inputs and writes the input gradients.
-    bwd_c = compute_seconds(flops[1] / div, 2 * moved, mesh, **kind) if differentiable else 0.0
+    bwd_c = compute_seconds(flops[1] / div, 2 * moved, mesh, backward=True, **kind) if differentiable else 0.0
     wire = tuple(int(in_bytes[i] * _widening(info.slots[i].meta, reduce_itemsize)) if axes else 0
                  for i, axes in enumerate(gp_axes))
     # The terms are added in ``Strategy.comm_seconds``'s order, which recomputes comm_s without some.
@@ -191,14 +191,21 @@ _MATMULS = frozenset({"mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "addb
 def op_class(target: Any) -> str:
     """The cost model's op class of an ATen op (``autopar.layout.machine.OP_CLASSES``): what a
     calibrated mesh measured its speed as. Matrix products (``mm``/``bmm``/``linear`` ...) are
-    ``matmul``; scaled dot-product attention ``attention``; normalisations and softmax ``norm``
-    (a reduction and a rescale per row: memory-bound); ops tagged pointwise ``elementwise``;
-    the rest (convolutions, gathers, reductions ...) ``other``, priced by the roofline."""
+    ``matmul``; scaled dot-product attention ``attention``; convolutions (transposed too)
+    ``conv``; batch norm ``batch_norm``; other normalisations and softmax ``norm`` (a reduction
+    and a rescale per row: memory-bound); max and average pools ``pool``; ops tagged pointwise ``elementwise``; the
+    rest (gathers, reductions ...) ``other``, priced by the roofline."""
     name = getattr(getattr(target, "overloadpacket", None), "__name__", "")
     if name in _MATMULS:
         return "matmul"
     if "scaled_dot_product" in name:
         return "attention"
+    if name.startswith(("conv", "_conv")):
+        return "conv"
+    if "pool" in name:
+        return "pool"
+    if "batch_norm" in name:
+        return "batch_norm"
     if "norm" in name or "softmax" in name:
         return "norm"
     if torch.Tag.pointwise in getattr(target, "tags", ()):

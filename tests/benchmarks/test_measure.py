@@ -1,38 +1,81 @@
-"""``benchmarks/_measure.py``'s memory accounting: each storage once, a parameter's views (what a
-planned module reads: ``to_local()``, ``t()``) state rather than activations, and an optimizer's
-own parameters (ZeRO pieces: views of the parameters) counted by their storage."""
-
-from __future__ import annotations
+"""benchmarks/_measure.py's memory definition: bytes saved for backward exclude the parameters'
+storage however the runtime reaches it (a ``DTensor.to_local()`` is a non-leaf view of it)."""
 
 import os
 import sys
 
+import pytest
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
-from _measure import SavedBytes, state_bytes  # noqa: E402
 
 
-def test_saved_bytes_leaves_out_views_of_parameters():
-    weight = torch.nn.Parameter(torch.randn(32, 64))
-    x = torch.randn(8, 64, requires_grad=True)
-    counted, naive = SavedBytes([weight]), SavedBytes()
-    for saved in (counted, naive):
-        with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
-            h = x.tanh()  # saves its output: an activation
-            y = h @ weight.view(32, 64).t()  # a view of the weight's storage, not the leaf itself
-        y.sum().backward()
-    activation = 8 * 64 * 4
-    assert counted.peak == activation
-    assert naive.peak == activation + weight.numel() * 4  # the weight's storage taken for an activation
+def _saved(weight, params):
+    from _measure import SavedBytes  # benchmarks/_measure.py
+
+    x = torch.randn(8, 16, requires_grad=True)
+    saved = SavedBytes(params)
+    with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
+        # A view of the parameter, as a DTensor parameter's local tensor is; tanh saves its output.
+        loss = torch.tanh(x @ weight.view(16, 4)).sum()
+    loss.backward()
+    return saved.peak
 
 
-def test_state_bytes_counts_each_storage_once():
-    param = torch.nn.Parameter(torch.randn(16, 4))
-    param.grad = torch.randn(16, 4)
-    piece = torch.nn.Parameter(param.detach()[:4])  # a ZeRO piece: a view of the parameter
-    piece.grad = torch.randn(4, 4)  # ZeRO-2: its reduce-scattered gradient, its own storage
-    opt = torch.optim.AdamW([piece], lr=0.1)
-    opt.step()  # two moments of the piece, and the step count
-    moments = 2 * 4 * 4 * 4
-    assert state_bytes([param], opt) == 2 * 16 * 4 * 4 + 4 * 4 * 4 + moments + 4
+def test_saved_bytes_skip_views_of_parameters_but_count_activations():
+    weight = torch.nn.Parameter(torch.randn(16, 4))
+    # matmul saves x (a leaf that requires grad: skipped as an input like a parameter) and the
+    # weight's view; tanh saves its (8, 4) output: 128 bytes.
+    assert _saved(weight, [weight]) == 8 * 4 * 4
+    assert _saved(weight, []) == 8 * 4 * 4 + 16 * 4 * 4  # without the parameters named: counted
+
+
+def test_state_bytes_count_each_storage_once_and_zero_gradient_pieces():
+    from types import SimpleNamespace
+
+    from _measure import state_bytes  # benchmarks/_measure.py
+
+    weight = torch.nn.Parameter(torch.zeros(64, 4))  # 1 KiB
+    weight.grad = torch.zeros(64, 4)
+    state = {weight: {"step": torch.tensor(3.0), "exp_avg": torch.zeros(64, 4), "exp_avg_sq": torch.zeros(64, 4)}}
+    # A ZeRO-1 piece's gradient is a view of the parameter's gradient (no bytes of its own); a
+    # ZeRO-2 piece's is its own reduce-scattered tensor.
+    stage1 = SimpleNamespace(master=SimpleNamespace(grad=weight.grad[:32]))
+    stage2 = SimpleNamespace(master=SimpleNamespace(grad=torch.zeros(32, 4)))
+    plain = SimpleNamespace(state=state)
+    assert state_bytes([weight], plain) == 4 * 1024  # parameter, gradient, two moments
+    assert state_bytes([weight], SimpleNamespace(state=state, pieces=[stage1])) == 4 * 1024
+    assert state_bytes([weight], SimpleNamespace(state=state, pieces=[stage2])) == 4 * 1024 + 512
+
+
+def test_fidelity_takes_the_load_of_each_round_out():
+    import fidelity  # benchmarks/fidelity.py
+
+    # Round 2 ran at twice the load: every plan twice as slow. The ratio between plans holds.
+    times = {"a": [1.0, 2.0, 1.0], "b": [2.0, 4.0, 2.0], "c": [4.0, 8.0, 4.0]}
+    got = fidelity.round_normalized(times)
+    assert got == pytest.approx({"a": 1.0, "b": 2.0, "c": 4.0})
+    # A plan that drew a loaded round alone does not pass a faster one.
+    got = fidelity.round_normalized({"fast": [1.0, 1.0, 3.0], "slow": [1.5, 1.5, 1.5]})
+    assert got["fast"] < got["slow"]
+
+
+def test_fidelity_summary_judges_the_choice_by_measured_bytes(capsys):
+    from types import SimpleNamespace
+
+    import fidelity  # benchmarks/fidelity.py
+
+    mib = 2**20
+    cands = [fidelity.Candidate("auto", 1.0, 100 * mib), fidelity.Candidate("auto@60%", 1.2, 60 * mib, budget=60 * mib),
+             fidelity.Candidate("data-parallel", 1.0, 100 * mib), fidelity.Candidate("pipeline-2", 0.8, 40 * mib)]
+    # The pipeline's estimate says 40 MiB, but it measured 80: it does not fit the 60 MiB budget.
+    steps = {"auto": 1.0, "auto@60%": 1.3, "data-parallel": 1.1, "pipeline-2": 0.9}
+    mem = {"auto": 100, "auto@60%": 59, "data-parallel": 100, "pipeline-2": 80}
+    rank = {"times": {n: [t] * 3 for n, t in steps.items()}, "device": "cuda:0",
+            "memory": {n: {"saved": 0, "state": b * mib, "allocated": (b + 10) * mib} for n, b in mem.items()}}
+    record = fidelity.summarize("toy", SimpleNamespace(shape=(2,)), cands, [rank, rank])
+    assert record["choice_ratio"]["auto@60%"] == pytest.approx(1.0)  # the only plan that fits
+    assert record["choice_ratio"]["auto"] == pytest.approx(1.0 / 0.9)  # the pipeline fits an ample budget
+    assert record["allocated_bytes"]["auto"] == 110 * mib and record["device"] == "cuda:0"
+    out = capsys.readouterr().out
+    assert "alloc MiB" in out and "on cuda:0" in out

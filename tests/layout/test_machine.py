@@ -9,9 +9,11 @@ from dataclasses import replace
 
 import pytest
 
-from autopar.layout.cost import KERNEL_FLOOR_S, collective_seconds, compute_seconds
+from autopar.layout.cost import KERNEL_FLOOR_S, collective_seconds, compute_seconds, optimizer_seconds
 from autopar.layout.machine import ComputeProfile, LinkFit, MachineProfile, RateTable, overlap_fraction
 from autopar.layout.mesh import MeshSpec
+from autopar.layout.placement import Replicate, TensorSpec
+from autopar.planner.zero_pricing import zero_cost
 from autopar.plans import stage_mesh_of
 
 
@@ -60,8 +62,8 @@ def test_compute_profile_lookups_and_checks():
     assert profile.rate("matmul", "fp32", 1e6) == 10e9
     assert profile.rate("matmul", "fp16", 1e6) is None  # not measured
     assert profile.rate("attention", "fp32", 1e6) is None
-    with pytest.raises(ValueError, match="unknown op class 'conv'"):
-        ComputeProfile((("conv", "fp32", RateTable((1.0,), (1.0,))),))
+    with pytest.raises(ValueError, match="unknown op class 'gather'"):
+        ComputeProfile((("gather", "fp32", RateTable((1.0,), (1.0,))),))
     with pytest.raises(ValueError, match="unknown dtype 'fp8'"):
         ComputeProfile((("matmul", "fp8", RateTable((1.0,), (1.0,))),))
     with pytest.raises(ValueError, match="two tables"):
@@ -141,6 +143,38 @@ def test_compute_is_priced_at_the_measured_rate_of_its_class_size_and_dtype():
     assert compute_seconds(1.0, 1.0, mesh, op_class="matmul") == KERNEL_FLOOR_S
     with pytest.raises(ValueError, match="unknown op class 'gemm'"):
         compute_seconds(1.0, 1.0, mesh, op_class="gemm")
+
+
+def test_a_profile_without_the_newer_classes_prices_them_by_the_roofline():
+    # A version-4 file written before conv, pool and the optimizer step were measured.
+    mesh = MeshSpec.from_json(_mesh().to_json())
+    flops, nbytes = 1e9, 1e6
+    roofline = max(flops / mesh.peak_flops, nbytes / mesh.mem_bandwidth)
+    for op_class in ("conv", "pool"):
+        for backward in (False, True):
+            assert compute_seconds(flops, nbytes, mesh, op_class=op_class, backward=backward) == roofline
+    assert optimizer_seconds(1e6, mesh, optimizer_multiplier=2.0) == 0.0
+
+
+def test_the_optimizer_step_is_priced_per_parameter_byte_where_it_was_measured():
+    table = ("optimizer", "fp32", RateTable((1e3, 1e6), (1e7, 1e9)))
+    machine = replace(_profile(), compute=ComputeProfile(_profile().compute.tables + (table,)))
+    mesh = _mesh(machine=machine)
+    assert optimizer_seconds(1e6, mesh, optimizer_multiplier=2.0) == pytest.approx(1e6 / 1e9)
+    assert optimizer_seconds(1e3, mesh, optimizer_multiplier=2.0) == pytest.approx(1e3 / 1e7)
+    # The table is Adam's (m = 2, 7 bytes moved per parameter byte); SGD with momentum (m = 1) moves 5.
+    assert optimizer_seconds(1e6, mesh, optimizer_multiplier=1.0) == pytest.approx(5 / 7 * 1e6 / 1e9)
+    assert optimizer_seconds(0, mesh, optimizer_multiplier=2.0) == 0.0
+    assert optimizer_seconds(1e6, MeshSpec.preset("cpu", (2, 2)), optimizer_multiplier=2.0) == 0.0
+    with pytest.raises(ValueError, match="parameter bytes must be >= 0"):
+        optimizer_seconds(-1, mesh, optimizer_multiplier=2.0)
+    # A ZeRO rank steps its 1/dp of a replicated parameter; a frozen parameter is not stepped.
+    spec = TensorSpec((Replicate(), Replicate()))
+    local = 4 * 2**20
+    assert zero_cost(spec, mesh, local, stage=0, ndim=2, optimizer_multiplier=2.0)[3] == pytest.approx(local / 1e9)
+    assert zero_cost(spec, mesh, local, stage=1, ndim=2, optimizer_multiplier=2.0)[3] == pytest.approx(
+        optimizer_seconds(local / 4, mesh, optimizer_multiplier=2.0))
+    assert zero_cost(spec, mesh, local, stage=2, ndim=2, optimizer_multiplier=2.0, trainable=False)[2:] == (0, 0.0)
 
 
 def test_collectives_use_the_per_kind_fit_where_there_is_one():

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from autopar.layout.cost import collective_seconds, compute_seconds
-from autopar.layout.machine import ComputeProfile, LinkFit, MachineProfile, RateTable
+from autopar.layout.machine import OP_CLASSES, ComputeProfile, LinkFit, MachineProfile, RateTable
 from autopar.layout.mesh import MeshSpec
 from autopar.planner.options import PlanOptions
 from autopar.planner.orchestrate import plan_traced, trace_for_planning
@@ -30,7 +30,7 @@ class MLP(nn.Module):
 
 
 def _priced(**compute: float) -> Priced:
-    return Priced({c: compute.get(c, 0.0) for c in ("matmul", "attention", "elementwise", "norm", "other")},
+    return Priced({c: compute.get(c, 0.0) for c in OP_CLASSES},
                   compute.get("comm", 0.0))
 
 
@@ -71,8 +71,8 @@ def test_a_calibrated_mesh_keeps_its_curves_and_fits_scaled():
 
 
 def test_time_scales_are_checked():
-    with pytest.raises(ValueError, match="time_scale.*'conv'"):
-        MachineProfile(ComputeProfile(()), (), (2,), ("x",), time_scale=(("conv", 2.0),))
+    with pytest.raises(ValueError, match="time_scale.*'convolution'"):
+        MachineProfile(ComputeProfile(()), (), (2,), ("x",), time_scale=(("convolution", 2.0),))
     with pytest.raises(ValueError, match="time_scale.*-1"):
         MachineProfile(ComputeProfile(()), (), (2,), ("x",), time_scale=(("matmul", -1.0),))
 

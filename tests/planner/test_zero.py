@@ -76,3 +76,39 @@ def test_zero2_prices_whichever_gradient_sum_is_cheaper_on_calibrated_links(gpt2
     plan = plan_family(model, inputs, "zero2", mesh=mesh, options=PlanOptions(zero_stage="auto"))
     assert {n.zero_stage for n in plan.nodes if n.kind == "parameter" and n.zero_stage} == {2}
     assert plan.estimate.step_s > 0
+
+
+def test_a_calibrated_optimizer_step_is_priced_and_zero_divides_it():
+    """On a mesh that measured the AdamW step, each trainable parameter's option carries its
+    share of the step: the data-parallel plan pays it for every parameter on every rank, ZeRO-1
+    over the two replicas half of it (and its all-gather); the step shows in compute_s."""
+    from dataclasses import replace
+
+    import torch
+    from torch import nn
+
+    from autopar.layout.cost import optimizer_seconds
+    from autopar.layout.machine import ComputeProfile, MachineProfile, RateTable
+    from autopar.layout.mesh import MeshSpec
+    from autopar.planner.orchestrate import plan_family
+
+    class Mlp(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 64))
+
+        def forward(self, x):
+            return self.net(x).square().mean()
+
+    model, inputs = Mlp(), (torch.randn(16, 64),)
+    preset = MeshSpec.preset("cpu", (2,))
+    slow = ComputeProfile((("optimizer", "fp32", RateTable((1e3,), (1e8,))),))
+    mesh = replace(preset, machine=MachineProfile(slow, (), (2,), ("dp",)))
+    trainable = sum(p.numel() * p.element_size() for p in model.parameters())
+    step = optimizer_seconds(trainable, mesh, optimizer_multiplier=2.0)
+    assert step == pytest.approx(trainable / 1e8)
+    auto = PlanOptions(zero_stage="auto")
+    for family, share in (("data-parallel", 1.0), ("zero1", 0.5), ("zero2", 0.5)):
+        plain = plan_family(model, inputs, family, mesh=preset, options=auto)
+        priced = plan_family(model, inputs, family, mesh=mesh, options=auto)
+        assert priced.estimate.compute_s - plain.estimate.compute_s == pytest.approx(share * step, rel=1e-6), family

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import autopar
-from autopar.layout.machine import COMPUTE_BOUND, DTYPES, MEMORY_BOUND
+from autopar.layout.machine import BACKWARD_CLASSES, COMPUTE_BOUND, DTYPES, MEMORY_BOUND, OPTIMIZER
 from autopar.layout.mesh import MeshSpec
 from autopar.planner.options import PlanOptions
 from autopar.runtime.calibrate import calibrate, calibrate_detailed
@@ -46,12 +46,19 @@ def test_quick_calibration_measures_every_class_and_dtype(calibrated):
     machine = spec.machine
     assert machine.measured_shape == (2,) and "quick calibration" in machine.note
     sizes = {"matmul": len(QUICK_GRID.mm) + len(QUICK_GRID.bmm), "attention": len(QUICK_GRID.attention),
-             "elementwise": len(QUICK_GRID.elementwise), "norm": len(QUICK_GRID.norm_rows)}
-    for op_class in COMPUTE_BOUND + MEMORY_BOUND:
+             "conv": len(QUICK_GRID.conv), "conv_backward": len(QUICK_GRID.conv),
+             "elementwise": len(QUICK_GRID.elementwise), "norm": len(QUICK_GRID.norm_rows),
+             "pool": len(QUICK_GRID.pool), "pool_backward": len(QUICK_GRID.pool),
+             "batch_norm": len(QUICK_GRID.batch_norm)}
+    for op_class in COMPUTE_BOUND + MEMORY_BOUND + tuple(BACKWARD_CLASSES.values()):
         for dtype in DTYPES:
             table = machine.compute.table(op_class, dtype)
             assert table is not None, (op_class, dtype)
             assert 1 <= len(table.sizes) <= sizes[op_class] and all(r > 0 for r in table.rates)
+    # The optimizer step is measured in fp32 (it updates fp32 masters), one size per grid point.
+    steps = machine.compute.table(OPTIMIZER, "fp32")
+    assert steps.sizes == tuple(4.0 * n for n in QUICK_GRID.optimizer)
+    assert machine.compute.table(OPTIMIZER, "bf16") is None
     # The roofline's figures are the tables' steady states.
     assert spec.peak_flops == machine.compute.table("matmul", "fp32").rates[-1]
     assert spec.half_peak_flops == machine.compute.table("matmul", "bf16").rates[-1]

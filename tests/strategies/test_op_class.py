@@ -22,7 +22,11 @@ aten = torch.ops.aten
     (aten.mm.default, "matmul"), (aten.addmm.default, "matmul"), (aten.bmm.default, "matmul"),
     (aten.linear.default, "matmul"), (aten.scaled_dot_product_attention.default, "attention"),
     (aten.native_layer_norm.default, "norm"), (aten._softmax.default, "norm"), (aten.add.Tensor, "elementwise"),
-    (aten.gelu.default, "elementwise"), (aten.convolution.default, "other"), (aten.sum.dim_IntList, "other"),
+    (aten.gelu.default, "elementwise"), (aten.convolution.default, "conv"), (aten.conv2d.default, "conv"),
+    (aten.conv_transpose2d.input, "conv"), (aten.max_pool2d.default, "pool"),
+    (aten.adaptive_avg_pool2d.default, "pool"), (aten.batch_norm.default, "batch_norm"),
+    (aten._native_batch_norm_legit_functional.default, "batch_norm"), (aten.group_norm.default, "norm"),
+    (aten.sum.dim_IntList, "other"),
 ])
 def test_op_classes(target, expected):
     assert op_class(target) == expected
@@ -66,3 +70,37 @@ def test_a_strategy_is_priced_at_the_rate_of_its_local_shard():
     (relu_strategy, *_) = strategies_for(relu, mesh)
     moved = 2 * 128 * 256 * 4 / (4 if relu_strategy.work_split_axes else 1)
     assert relu_strategy.forward_compute_s == pytest.approx(moved / 1e9)
+
+
+class _ConvPool(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(8, 8, 3, padding=1, bias=False)
+
+    def forward(self, x):
+        return nn.functional.max_pool2d(self.conv(x), 3, 2, 1)
+
+
+def test_convolution_and_pool_backward_are_priced_at_their_own_rates():
+    traced = trace(_ConvPool(), (torch.randn(4, 8, 16, 16),))
+    (conv,) = [n for n in traced.compute_nodes() if op_class(n.target) == "conv"]
+    (pool,) = [n for n in traced.compute_nodes() if op_class(n.target) == "pool"]
+    preset = MeshSpec.preset("cpu", (1,))
+    compute = ComputeProfile((("conv", "fp32", RateTable((1e3,), (4e9,))),
+                              ("conv_backward", "fp32", RateTable((1e3,), (1e9,))),
+                              ("pool", "fp32", RateTable((1e3,), (1e8,))),
+                              ("pool_backward", "fp32", RateTable((1e3,), (2e9,)))))
+    mesh = replace(preset, machine=MachineProfile(compute, (), (1,), preset.axis_names))
+    (c,) = strategies_for(conv, mesh)
+    fwd_flops = 2.0 * 4 * 8 * 16 * 16 * 8 * 9
+    assert c.forward_compute_s == pytest.approx(fwd_flops / 4e9)
+    assert c.compute_s - c.forward_compute_s == pytest.approx(2 * fwd_flops / 1e9)  # input and weight gradients
+    (p,) = strategies_for(pool, mesh)
+    moved = (4 * 8 * 16 * 16 + 4 * 8 * 8 * 8) * 4
+    assert p.forward_compute_s == pytest.approx(moved / 1e8)
+    assert p.compute_s - p.forward_compute_s == pytest.approx(2 * moved / 2e9)
+    # Without a backward table the backward takes the forward's rate, as every other class does.
+    forward_only = replace(mesh, machine=MachineProfile(ComputeProfile(compute.tables[:1]), (), (1,),
+                                                        preset.axis_names))
+    (c,) = strategies_for(conv, forward_only)
+    assert c.compute_s - c.forward_compute_s == pytest.approx(2 * fwd_flops / 4e9)
