@@ -146,6 +146,7 @@ def cmd_inspect(args) -> int:
     check_model_spec(args.model, args.input)
     sink = StageSink(quiet=args.quiet)
     progress = api.Progress(verbose=True, sink=sink)
+    candidates: tuple[str, ...] = ()  # the default's pipelines considered, when a plan without one wins
     try:
         with progress.stage("build model", args.model):
             model, meta = load_model(args.model, batch=args.batch, seq=args.seq, layers=args.layers, inputs=args.input)
@@ -170,7 +171,7 @@ def cmd_inspect(args) -> int:
                 chosen = api.plan_auto(model, meta, mesh=mesh, options=options, progress=progress, key=key)
                 if chosen.flat is None or chosen.plan.pipeline is not None:
                     return _inspect_pipelined(chosen, args, t0=t0, sink=sink)
-                result = replace(chosen.flat, plan=chosen.plan)
+                result, candidates = chosen.flat, chosen.candidates
             else:
                 result = api.plan_model(model, meta, mesh=mesh,
                                         options=replace(options, pipeline=None) if args.verify else options,
@@ -186,6 +187,8 @@ def cmd_inspect(args) -> int:
         print(f"mesh search: {args.nodes} nodes x {args.devices_per_node} {args.preset} devices, "
               f"{len(search.rows)} meshes\n{search.table()}\n")
     print(render_text(report, layers=not args.no_layers))
+    if candidates:
+        print("\npipeline candidates:\n" + "\n".join(f"  {line}" for line in candidates))
     print(f"\nplanned in {report.wall_s:.1f}s" + "".join(f"; wrote {p}" for p in (args.json, args.html) if p))
     return _verify_locally(model, meta, result.plan, args.local) if args.verify else 0
 

@@ -329,9 +329,10 @@ def plan_pipelined(model: Any, meta_inputs: tuple | dict, *, mesh: MeshSpec | Se
 
 
 def _with_candidates(plan: Plan, lines: list[str], progress: Progress) -> Plan:
-    """``plan`` recording every candidate tried (``inspect`` shows them) and the call's stage timings."""
+    """A pipelined ``plan`` recording every candidate tried (``inspect`` shows them) and the call's
+    stage timings; a plan without a pipeline as it is (``plan_traced``'s, as ``plan_model`` gives it)."""
     if plan.pipeline is None:
-        return replace(plan, solver={**plan.solver, "pipeline_candidates": list(lines)})
+        return plan
     return replace(plan, timings={**plan.timings, **progress.timings},
                    solver={**plan.solver, "pipeline": {**plan.solver["pipeline"], "candidates": list(lines)}})
 
