@@ -345,8 +345,8 @@ def plan_auto(model: Any, meta_inputs: tuple | dict, *, mesh: MeshSpec | Sequenc
     given) and, where ``pipeline.candidates.blocker`` finds nothing against one, pipelines over
     mesh axis 0 -- each micro-batch count's search bounded by the best step so far, the plan
     without a pipeline's first, so a count whose step floor (``pipeline.bounds``: bubbles and
-    point-to-point priced as the search prices them) cannot beat it is not searched, and none is
-    traced when ``pipeline.candidates.work_floor`` already says no pipeline can. The faster plan
+    point-to-point priced as the search prices them) cannot beat it is not searched, and a count is
+    not even traced when ``pipeline.candidates.work_floor`` already says none of its pipelines can. The faster plan
     wins (ties: no pipeline); ``ValueError`` when neither fits. ``key``: the plan cache key the
     plan is stored under when it has no pipeline (``plan_auto_cached``)."""
     from autopar.planner.pipeline.candidates import blocker, work_floor
@@ -383,18 +383,27 @@ def plan_auto(model: Any, meta_inputs: tuple | dict, *, mesh: MeshSpec | Sequenc
         return flat_wins()
     incumbent = math.inf
     schedules = schedules_for(options.schedule)
+    counts = microbatch_counts(batch_size(meta_inputs), num_stages=stages, asked=options.microbatches)
     if flat is not None:
         incumbent = flat.plan.estimate.step_s
         lines.append(f"no pipeline: {incumbent * 1e3:.3f} ms/step")
-        counts = microbatch_counts(batch_size(meta_inputs), num_stages=stages, asked=options.microbatches)
-        floor = work_floor(flat.built, num_stages=stages, num_microbatches=counts, schedules=schedules)
-        if floor >= incumbent:
-            lines.append(f"pipeline {stages}: not searched: its work floor {floor * 1e3:.3f} ms/step does not beat "
-                         f"{incumbent * 1e3:.3f}")
+        floors = {m: work_floor(flat.built, num_stages=stages, num_microbatches=(m,), schedules=schedules)
+                  for m in counts}
+        lines += [f"pipeline {stages}: {m} micro-batches: not traced: its work floor {f * 1e3:.3f} ms/step does not "
+                  f"beat {incumbent * 1e3:.3f}" for m, f in floors.items() if f >= incumbent]
+        counts = tuple(m for m in counts if floors[m] < incumbent)
+        if not counts:
             return flat_wins()
-    staged = _stage_floors(model, meta_inputs, spec=spec, options=options, progress=progress, schedules=schedules)
-    best = _search_counts(staged, spec=spec, options=options, progress=progress, schedules=schedules, lines=lines,
-                          incumbent=incumbent)
+    try:
+        staged = _stage_floors(model, meta_inputs, spec=spec, options=options, progress=progress,
+                               schedules=schedules, counts=counts)
+        best = _search_counts(staged, spec=spec, options=options, progress=progress, schedules=schedules,
+                              lines=lines, incumbent=incumbent)
+    except ValueError as exc:  # a pipeline this model cannot have (say, a cut the stages refuse): a line, not
+        if flat is None:       # the end of the default plan -- unless nothing else fits
+            raise
+        best = None
+        lines.append(f"pipeline {stages}: no plan: {str(exc).splitlines()[0]}")
     if best is not None and best[0].estimate.step_s < incumbent:
         return PipelinedResult(_with_candidates(best[0], lines, progress), best[1], tuple(lines), flat)
     if flat is None:
@@ -416,16 +425,20 @@ def plan_auto_cached(model: Any, meta_inputs: tuple | dict, *, mesh: MeshSpec, o
 
 
 def _stage_floors(model, meta_inputs, *, spec: MeshSpec, options: PlanOptions, progress: Progress,
-                  schedules, family: str | None = None) -> dict[int, tuple[TracedGraph, StageCosts, float]]:
-    """Per micro-batch count: its graph, stage costs and step floor (one small solve per block
-    class), so that the counts can be searched lowest floor first (``autopar.planner.pipeline.bounds``)."""
+                  schedules, family: str | None = None,
+                  counts: tuple[int, ...] | None = None) -> dict[int, tuple[TracedGraph, StageCosts, float]]:
+    """Per micro-batch count (``counts``, default ``options.microbatches``'): its graph, stage
+    costs and step floor (one small solve per block class), so that the counts can be searched
+    lowest floor first (``autopar.planner.pipeline.bounds``)."""
     from autopar.planner.pipeline.bounds import config_floors
     from autopar.planner.pipeline.costs import stage_costs
     from autopar.planner.pipeline.geometry import batch_size, microbatch_counts
 
     stages = spec.shape[0]
     staged = {}
-    for m in microbatch_counts(batch_size(meta_inputs), num_stages=stages, asked=options.microbatches):
+    if counts is None:
+        counts = microbatch_counts(batch_size(meta_inputs), num_stages=stages, asked=options.microbatches)
+    for m in counts:
         traced, prof = _trace_and_profile(model, meta_inputs, precision=options.precision, progress=progress,
                                           microbatches=m, detail=f"micro-batch graph, {m} micro-batches")
         with progress.stage("pipeline floors", f"{m} micro-batches"):

@@ -43,6 +43,8 @@ def blocker(traced: TracedGraph, meta_inputs: Any, *, mesh: MeshSpec, options) -
         return f"sequence_parallel={options.sequence_parallel!r} is not pinned in pipeline stages"
     if options.checkpoint not in ("auto", "none"):
         return f"checkpoint={options.checkpoint!r}: pipelined stages decide recompute themselves (auto or none)"
+    if options.ep_size not in (None, 1):  # its axes are the whole mesh's; a stage runs on the sub-mesh
+        return f"ep_size={options.ep_size!r} is not pinned in pipeline stages"
     if options.zero_stage not in (0, 1):
         return f"zero_stage={options.zero_stage!r}: pipelined plans take ZeRO 0 or 1"
     found = block_container(traced)
