@@ -46,8 +46,8 @@ def test_pipeline_option_default_and_off_spellings():
 def test_default_picks_the_pipeline_where_it_wins_and_pipeline_1_turns_it_off():
     """On the cpu preset's (2,) the decoder's data-parallel step pays a latency-bound gradient
     all-reduce per bucket; two stages send one activation per micro-batch instead, and the
-    default keeps the faster pipeline (bubbles and point-to-point priced); ``pipeline=1`` and
-    None plan without one, at the step the default's candidates quote for it."""
+    default keeps the faster pipeline (bubbles and point-to-point priced); ``pipeline=1`` plans
+    without one, at the step the default's candidates quote for it."""
     model, inputs = qwen2_decoder()
     mesh = MeshSpec.preset("cpu", (2,))
     chosen = plan_auto(model, inputs, mesh=mesh, options=PlanOptions())
@@ -65,9 +65,8 @@ def test_default_picks_the_pipeline_where_it_wins_and_pipeline_1_turns_it_off():
     alone = work_floor(chosen.flat.built, num_stages=2, num_microbatches=counts,
                        schedules=(chosen.plan.pipeline.schedule,))
     assert floor <= alone <= chosen.plan.estimate.step_s
-    for off in (1, None):
-        p = plan(model, inputs, mesh=mesh, pipeline=off, cache=False)
-        assert p.pipeline is None and p.estimate.step_s == pytest.approx(flat.estimate.step_s)
+    off = plan(model, inputs, mesh=mesh, pipeline=1, cache=False)  # (None is the same record: the test above)
+    assert off.pipeline is None and off.estimate.step_s == pytest.approx(flat.estimate.step_s)
 
 
 def test_no_candidates_exit_before_any_micro_batch_trace():
