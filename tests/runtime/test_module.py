@@ -98,7 +98,8 @@ def test_meta_gpt2_materialised_shard_by_shard():
 
 # ----------------------------------------------------------------------------- plan files
 def _solve_body(rank, world, model, inputs, budget):
-    pm = autoparallelize(model, inputs, memory_budget=budget)  # mesh None: 1-D over the world
+    # mesh None: 1-D over the world; pipeline=1: the round trip of a module called as pm(...)
+    pm = autoparallelize(model, inputs, memory_budget=budget, pipeline=1)
     loss = loss_of(pm(**inputs))
     loss.backward()
     grads = {k: v.numpy() for k, v in pm.full_gradients().items()}
