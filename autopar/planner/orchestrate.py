@@ -346,9 +346,9 @@ def plan_auto(model: Any, meta_inputs: tuple | dict, *, mesh: MeshSpec | Sequenc
     mesh axis 0 -- each micro-batch count's search bounded by the best step so far, the plan
     without a pipeline's first, so a count whose step floor (``pipeline.bounds``: bubbles and
     point-to-point priced as the search prices them) cannot beat it is not searched, and a count is
-    not even traced when ``pipeline.candidates.work_floor`` already says none of its pipelines can. The faster plan
-    wins (ties: no pipeline); ``ValueError`` when neither fits. ``key``: the plan cache key the
-    plan is stored under when it has no pipeline (``plan_auto_cached``)."""
+    not even traced when ``pipeline.candidates.work_floor`` says none of its pipelines can. The
+    faster plan wins (ties: no pipeline); ``ValueError`` when neither fits. ``key``: the plan
+    cache key the plan is stored under when it has no pipeline (``plan_auto_cached``)."""
     from autopar.planner.pipeline.candidates import blocker, work_floor
     from autopar.planner.pipeline.geometry import batch_size, microbatch_counts
     from autopar.planner.pipeline.schedule import schedules_for
