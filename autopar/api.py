@@ -10,12 +10,14 @@ Both take the planning options as keywords, the fields of :class:`PlanOptions` (
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Sequence
 
 from autopar.agreement import _agree, _all_gather, _raise_failures, _ranks, _status, world_cluster
 from autopar.layout.mesh import MeshSpec, resolve_preset
 from autopar.planner.orchestrate import (PipelinedResult, PlanResult, cache_key, cached_plan, plan_and_store,
-                                         plan_mesh_auto, plan_model, plan_pipelined, plan_traced, trace_for_planning)
+                                         plan_auto, plan_auto_cached, plan_mesh_auto, plan_model, plan_pipelined,
+                                         plan_traced, trace_for_planning)
 from autopar.planner.options import OffloadPolicy, PlanOptions
 from autopar.plans import Plan
 from autopar.refine import RefineOptions
@@ -29,10 +31,9 @@ if TYPE_CHECKING:
     from autopar.runtime.module import AutoParallelModule
     from autopar.runtime.pipeline import PipelineModule
 
-__all__ = ["plan", "plan_model", "plan_traced", "plan_pipelined", "plan_mesh_auto", "autoparallelize", "PlanOptions",
-           "PlanResult", "PipelinedResult", "Progress", "OffloadPolicy", "RefineOptions", "trace_for_planning",
-           "world_cluster",
-           "_ranks"]
+__all__ = ["plan", "plan_model", "plan_traced", "plan_pipelined", "plan_auto", "plan_mesh_auto", "autoparallelize",
+           "PlanOptions", "PlanResult", "PipelinedResult", "Progress", "OffloadPolicy", "RefineOptions",
+           "trace_for_planning", "world_cluster", "_ranks"]
 
 
 def plan(model: Any, meta_inputs: tuple | dict, *, mesh: MeshSpec | Sequence[int] | str,
@@ -53,11 +54,14 @@ def plan(model: Any, meta_inputs: tuple | dict, *, mesh: MeshSpec | Sequence[int
     ``autopar.planner.checkpointing``), ``precision``/``reduce_dtype`` (``"fp32"``, ``"bf16"``,
     ``"fp16"`` compute with fp32 master weights, priced as it runs; what gradients are summed in),
     ``zero_stage`` (1/2 shard optimizer state (and gradients) over each parameter's replicated
-    axes; ``"auto"``: per parameter), ``pipeline`` (None, N: pipeline parallelism over mesh axis 0
-    of size N, stages and sharding planned together (``plan_pipelined``), or ``"auto"``: the faster
-    of none and one over axis 0) with ``microbatches`` and ``schedule`` (pipelined plans are not
-    cached), ``offload`` (``"none"``, ``"auto"`` or an ``OffloadPolicy``: parameters / optimizer
-    state on the mesh's host tier; ``Plan.offload`` records where each one lives).
+    axes; ``"auto"``: per parameter), ``pipeline`` (``"auto"``, the default: the plan without a
+    pipeline and, where the model has repeated blocks and mesh axis 0 more than one device,
+    pipelines over axis 0 whose step floor can beat it, the faster kept (``plan_auto``; under
+    ``mesh="auto"`` none); N: pipeline parallelism over mesh axis 0 of size N, stages and sharding
+    planned together (``plan_pipelined``); 1 or None: no pipeline) with ``microbatches`` and
+    ``schedule`` (pipelined plans are not cached), ``offload`` (``"none"``, ``"auto"`` or an
+    ``OffloadPolicy``: parameters / optimizer state on the mesh's host tier; ``Plan.offload``
+    records where each one lives).
 
     ``cache``: serve the plan from the on-disk plan cache when this model, inputs, mesh and options
     were planned before (no trace, no solve), and store it otherwise; ``AUTOPAR_CACHE=0`` switches
@@ -67,17 +71,20 @@ def plan(model: Any, meta_inputs: tuple | dict, *, mesh: MeshSpec | Sequence[int
         overrides["preset"] = resolve_preset(overrides.get("preset"), device)
     options = (options or PlanOptions()).override(overrides, caller="plan")
     progress = progress or Progress(verbose)
-    if options.pipeline is not None:
-        if isinstance(mesh, str) and mesh == "auto":
+    searched = isinstance(mesh, str) and mesh == "auto"
+    if isinstance(options.pipeline, int):
+        if searched:
             raise ValueError("pipeline= plans over the given mesh's first axis; mesh='auto' is not supported with it")
         return plan_pipelined(model, meta_inputs, mesh=mesh, options=options, progress=progress).plan
-    if isinstance(mesh, str) and mesh == "auto":
+    if searched:  # the mesh search plans without pipelines (pipeline="auto" is a candidate on a given mesh)
         return plan_mesh_auto(model, meta_inputs, nodes=nodes, devices_per_node=devices_per_node, options=options,
                               progress=progress).best.plan
     if nodes is not None or devices_per_node is not None:
         raise ValueError(f"nodes= and devices_per_node= go with mesh='auto', got mesh={mesh!r}")
     spec = options.mesh(mesh)  # a bad mesh fails before anything else
     key = cache_key(model, meta_inputs, mesh=spec, options=options, cache=cache)
+    if options.pipeline == "auto" and spec.shape[0] > 1:  # the default: pipelines over axis 0 are candidates
+        return plan_auto_cached(model, meta_inputs, mesh=spec, options=options, progress=progress, key=key)
     hit = cached_plan(key, mesh=spec, options=options, progress=progress)
     if hit is not None:
         return hit
@@ -113,7 +120,10 @@ def autoparallelize(model: nn.Module, meta_inputs: tuple | dict, *, mesh: MeshSp
     ``model.optimizer(torch.optim.AdamW, lr=...)`` (``autopar.runtime.zero``). ``pipeline``: rank 0
     plans the stages (``plan_pipelined``), every rank traces the micro-batch graph and builds its
     stages (``autopar.runtime.pipeline.build_pipeline``): a ``PipelineModule``
-    (``pm.step(**full_batch)`` runs forward and backward under the schedule). ``offload``: a plan
+    (``pm.step(**full_batch)`` runs forward and backward under the schedule) -- also when the
+    default ``"auto"`` finds a pipeline faster (check ``module.plan.pipeline``, or pass
+    ``pipeline=1`` for a module called as ``module(...)`` always); ``None`` here means no pipeline
+    (not "not given"), as ``1``; with ``verify`` on, ``"auto"`` plans without one. ``offload``: a plan
     that offloads (planned or given) runs in the chunk runtime (``module.gemini``,
     ``autopar.runtime.gemini``). ``cache``: rank 0 serves the plan from the plan cache when its
     structural key and this trace's graph hash match an entry, and stores what it solves.
@@ -158,8 +168,12 @@ def autoparallelize(model: nn.Module, meta_inputs: tuple | dict, *, mesh: MeshSp
         prep = exc
     _agree(prep, device=dev)
     assert isinstance(prep, Prepared)  # _agree raised otherwise
+    options = prep.options
+    if (verify is not False or refining is not None) and options is not None and options.pipeline == "auto":
+        # verify and refine run unpipelined plans only: no pipeline candidates
+        options = replace(options, pipeline=None)
     chosen = prep.plan if prep.plan is not None else solve_on_rank0(
-        prep.traced, mesh=prep.spec, options=prep.options, progress=progress, device=dev,
+        prep.traced, mesh=prep.spec, options=options, progress=progress, device=dev,
         cache_of=(model, meta_inputs) if cache else None, auto=prep.auto, source=(model, meta_inputs))
     if refining is not None:
         from autopar.planner.refit import check_refinable

@@ -63,7 +63,8 @@ def prepare(model, meta_inputs, *, mesh, plan, device, progress: Progress, optio
     spec = None if mesh is None else MeshSpec.coerce(mesh, preset=preset)
     if spec is not None and spec.num_devices != world:
         raise ValueError(f"mesh {spec.shape} has {spec.num_devices} devices but the process group has {world} ranks")
-    given = {k: v for k, v in overrides.items() if v is not None}
+    # None is "not given" but for pipeline, where it means none (as in PlanOptions; the default is "auto").
+    given = {k: v for k, v in overrides.items() if v is not None or k == "pipeline"}
     given = runtime_options(given, plan_given=plan is not None)  # offload: checked, ZeRO 0 unless given
     # Checked whether or not a plan is given: a bad value fails the same way everywhere.
     checked = (options or PlanOptions()).override(given, caller="autoparallelize")
@@ -120,21 +121,25 @@ def solve_on_rank0(traced: TracedGraph, *, mesh: MeshSpec | None, options: PlanO
 def _plan_on_rank0(traced: TracedGraph, *, mesh: MeshSpec | None, options: PlanOptions, progress: Progress,
                    cache_of: tuple | None, auto: tuple[int, int] | None, source: tuple | None) -> Plan:
     """A pipelined plan (traced per micro-batch count: needs the model), the fastest mesh's plan
-    (``auto``) or the plan on ``mesh``, cached under ``cache_of``'s key."""
+    (``auto``) or the plan on ``mesh`` (pipelines over its axis 0 candidates under
+    ``pipeline="auto"``: ``plan_auto``), cached under ``cache_of``'s key."""
     from autopar.planner import orchestrate
     from autopar.tracer import profile as profile_graph
 
-    if options.pipeline is not None:
+    if isinstance(options.pipeline, int):
         if auto is not None or source is None:
             raise ValueError("pipeline= needs a given mesh (not mesh='auto') whose first axis is the pipeline")
         return orchestrate.plan_pipelined(*source, mesh=mesh, options=options, progress=progress).plan
-    if auto is not None:
+    if auto is not None:  # the mesh search plans without pipelines
         start = time.perf_counter()
         with progress.stage("profile"):
             prof = profile_graph(traced)
         return orchestrate.search_traced(traced, prof, cluster=auto, options=options, progress=progress,
                                          start=start).best.plan
     key = None if cache_of is None else orchestrate.cache_key(*cache_of, mesh=mesh, options=options, cache=True)
+    if options.pipeline == "auto" and mesh.shape[0] > 1 and source is not None:  # the default: pipelines are candidates
+        return orchestrate.plan_auto_cached(*source, mesh=mesh, options=options, progress=progress, key=key,
+                                            traced=traced)
     return orchestrate.plan_traced_cached(traced, mesh=mesh, options=options, progress=progress, key=key)
 
 

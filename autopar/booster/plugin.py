@@ -75,6 +75,10 @@ class AutoParallelPlugin:
         pp_size: pipeline parallelism over mesh axis 0: ``None`` or 1 (none), N (that axis's
             size) or ``"auto"`` (the planner compares none with one over axis 0); the stage cuts
             and each stage's sharding are planned together (``autopar.plan``'s ``pipeline``).
+            ``None`` is the default here, not ``autopar.plan``'s ``"auto"``: a pipelined module
+            trains through ``Booster.execute_pipeline`` (the schedule runs forward and backward
+            together), not the notes' ``model(...)`` / ``booster.backward`` loop, so a plugin
+            that picked a pipeline on its own would break that loop; ``"auto"`` opts in.
         num_microbatches: micro-batches per step with a pipeline (``None``: the planner picks).
         pp_style: ``"auto"`` (the fastest), ``"gpipe"``, ``"1f1b"``, ``"interleaved"`` or
             ``"zbv"`` (zero-bubble; the long names ``"interleaved-1f1b"``/``"zero-bubble"`` too).
@@ -373,7 +377,8 @@ class AutoParallelPlugin:
                     zero_stage=None if self.plan is not None else
                     0 if (self.pipeline is not None or self.placement_policy in ("static", "auto"))
                     and self.zero_stage == "auto" else self.zero_stage,
-                    **({} if self.pipeline is None else
+                    # pp_size None means none here (autoparallelize's default is "auto"): see pp_size.
+                    **({"pipeline": 1} if self.pipeline is None else
                        {"pipeline": self.pipeline, "schedule": self.schedule(),
                         "microbatches": "auto" if self.num_microbatches is None else self.num_microbatches}))
 

@@ -137,7 +137,7 @@ def cmd_inspect(args) -> int:
             raise ValueError("--nodes and --devices-per-node go with --mesh auto")
         mesh = resolve_mesh(args.preset, args.mesh, flag=args.preset_flag)
     options = plan_options(args)  # the preset goes with the mesh (resolve_mesh: a name or a profiled JSON)
-    if options.pipeline is not None and auto:
+    if isinstance(options.pipeline, int) and auto:
         raise CliError("--pipeline plans over the given mesh's first axis, without --mesh auto")
     _check_family(args, auto=auto)
     _check_verify(args, mesh)
@@ -146,13 +146,14 @@ def cmd_inspect(args) -> int:
     check_model_spec(args.model, args.input)
     sink = StageSink(quiet=args.quiet)
     progress = api.Progress(verbose=True, sink=sink)
+    candidates: tuple[str, ...] = ()  # the default's pipelines considered, when a plan without one wins
     try:
         with progress.stage("build model", args.model):
             model, meta = load_model(args.model, batch=args.batch, seq=args.seq, layers=args.layers, inputs=args.input)
         with warnings.catch_warnings():
             # One summary line replaces a warning per replicated op.
             warnings.filterwarnings("ignore", message="no sharding rule")
-            if options.pipeline is not None:
+            if isinstance(options.pipeline, int):
                 return _inspect_pipelined(api.plan_pipelined(model, meta, mesh=mesh, options=options,
                                                              progress=progress, family=args.family),
                                           args, t0=t0, sink=sink)
@@ -164,9 +165,17 @@ def cmd_inspect(args) -> int:
                                             options=replace(options, preset=args.preset), progress=progress,
                                             time_budget=max(options.time_limit - (time.perf_counter() - t0), 1.0))
                 result = search.best
+            elif options.pipeline == "auto" and mesh.shape[0] > 1 and not args.verify:
+                # The default: pipelines over axis 0 are candidates; a plan without one is reported as usual.
+                key = api.cache_key(model, meta, mesh=mesh, options=options, cache=not args.no_cache)
+                chosen = api.plan_auto(model, meta, mesh=mesh, options=options, progress=progress, key=key)
+                if chosen.flat is None or chosen.plan.pipeline is not None:
+                    return _inspect_pipelined(chosen, args, t0=t0, sink=sink)
+                result, candidates = chosen.flat, chosen.candidates
             else:
-                result = api.plan_model(model, meta, mesh=mesh, options=options, progress=progress,
-                                        cache=not args.no_cache)
+                result = api.plan_model(model, meta, mesh=mesh,
+                                        options=replace(options, pipeline=None) if args.verify else options,
+                                        progress=progress, cache=not args.no_cache)
         with progress.stage("report"):
             report = _report(result, args)
     finally:
@@ -178,6 +187,8 @@ def cmd_inspect(args) -> int:
         print(f"mesh search: {args.nodes} nodes x {args.devices_per_node} {args.preset} devices, "
               f"{len(search.rows)} meshes\n{search.table()}\n")
     print(render_text(report, layers=not args.no_layers))
+    if candidates:
+        print("\npipeline candidates:\n" + "\n".join(f"  {line}" for line in candidates))
     print(f"\nplanned in {report.wall_s:.1f}s" + "".join(f"; wrote {p}" for p in (args.json, args.html) if p))
     return _verify_locally(model, meta, result.plan, args.local) if args.verify else 0
 
@@ -187,7 +198,7 @@ def _check_verify(args, mesh) -> None:
         raise CliError("--local N goes with --verify")
     if not args.verify:
         return
-    if args.pipeline is not None:
+    if _pipelined(args):
         raise CliError("--verify: pipelined plans are not verified yet")
     if args.local is None:
         raise CliError("--verify runs the plan on local processes: pass --local N (N = the mesh's devices)")
@@ -220,6 +231,11 @@ def _verify_locally(model, meta, plan, processes: int) -> int:
     return 0
 
 
+def _pipelined(args) -> bool:
+    """Whether ``--pipeline`` asks for a pipeline of a given size (its default "auto" only allows one)."""
+    return isinstance(args.pipeline, int) and args.pipeline > 1
+
+
 def _check_family(args, *, auto: bool) -> None:
     if args.family is None:
         return
@@ -229,7 +245,7 @@ def _check_family(args, *, auto: bool) -> None:
         raise CliError(f"--family {args.family!r}: known families are {', '.join(BASELINES + FIXED_FAMILIES)}")
     if auto:
         raise CliError("--family plans on the given mesh, without --mesh auto")
-    if args.verify or (args.html and args.pipeline is None):
+    if args.verify or (args.html and not _pipelined(args)):
         raise CliError("--family (without --pipeline) writes the plan's summary and --json; not --html or --verify")
 
 

@@ -129,10 +129,11 @@ def _zero_stage(value, name: str):
 
 def _pipeline(value, name: str):
     try:
-        return check_count(value, name=name, words=(None, "auto"))
+        value = check_count(value, name=name, words=(None, "auto"))
     except ValueError:  # the message says what the int means
-        raise ValueError(f"{name} must be None, 'auto' or a positive int (the size of mesh axis 0), "
+        raise ValueError(f"{name} must be 'auto', 1 or None (no pipeline) or an int > 1 (the size of mesh axis 0), "
                          f"got {value!r}") from None
+    return None if value == 1 else value  # one stage is no pipeline: one spelling of "off" in the record
 
 
 def _microbatches(value, name: str):
@@ -244,8 +245,9 @@ class PipelineOptions(_Checked):
     """Pipeline parallelism over mesh axis 0 (autopar.planner.pipeline.search)."""
 
     pipeline: int | Literal["auto"] | None = option(
-        None, "N: pipeline over mesh axis 0 (its size N); auto: the faster of none and one over axis 0",
-        check=_pipeline)
+        "auto", "auto: also plan pipelines over mesh axis 0 where the model has repeated blocks and one can beat "
+                "the plan without (autopar.planner.orchestrate.plan_auto); N: a pipeline over axis 0 (its size N); "
+                "1 (or None): no pipeline", check=_pipeline)
     microbatches: int | Literal["auto"] = option("auto", "micro-batches per step with a pipeline (auto: a few "
                                                          "divisors of the batch)", check=_microbatches)
     schedule: Schedule = option("auto", "the pipeline schedule (auto: the fastest)")
@@ -282,10 +284,12 @@ class PlanOptions(ParallelismOptions, PipelineOptions, PrecisionOptions, MemoryO
     """Every planning option in one flat record (the groups' fields; see each group's help lines)."""
 
     def _check_together(self) -> None:
-        if self.offload != "none" and self.pipeline is not None:
+        # A pipeline asked for by its size must be planned as asked; "auto" only plans pipelines
+        # where the other options allow one (autopar.planner.pipeline.candidates.blocker).
+        if self.offload != "none" and isinstance(self.pipeline, int):
             raise ValueError(f"offload={self.offload!r} is not planned with a pipeline yet "
                              f"(pipeline={self.pipeline!r})")
-        if self.sequence_parallel != "auto" and self.pipeline is not None:
+        if self.sequence_parallel != "auto" and isinstance(self.pipeline, int):
             raise ValueError(f"sequence_parallel={self.sequence_parallel!r} is not pinned in pipeline stages yet "
                              f"(pipeline={self.pipeline!r})")
         if self.sp_size is not None and self.sequence_parallel in ("auto", "off"):
@@ -318,7 +322,7 @@ class PlanOptions(ParallelismOptions, PipelineOptions, PrecisionOptions, MemoryO
                 + (f", ZeRO-{self.zero_stage}" if self.zero_stage else "")
                 + (", replicate fallback" if self.allow_replicate_fallback else "")
                 + (f", pipeline {self.pipeline} ({self.microbatches} micro-batches, schedule {self.schedule})"
-                   if self.pipeline is not None else "")
+                   if isinstance(self.pipeline, int) else "")
                 + (f", offload {self.offload}" if self.offload != "none" else "")
                 + (f", sequence parallel {self.sequence_parallel}" if self.sequence_parallel != "auto" else "")
                 + (f" over {self.sp_size} devices" if self.sp_size is not None else ""))

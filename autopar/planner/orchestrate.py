@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from autopar.tracer.profile import ModelProfile
 
 __all__ = ["PlanResult", "PipelinedResult", "trace_for_planning", "plan_model", "plan_traced", "plan_mesh_auto",
-           "search_traced", "plan_pipelined", "cache_key", "cached_plan"]
+           "search_traced", "plan_pipelined", "plan_auto", "plan_auto_cached", "cache_key", "cached_plan"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,11 +52,14 @@ class PlanResult:
 @dataclass(frozen=True, slots=True)
 class PipelinedResult:
     """A pipelined plan (or, under ``pipeline="auto"``, possibly a plain one), the graph it was
-    made for (the MICRO-batch trace when pipelined) and every candidate tried, as lines."""
+    made for (the MICRO-batch trace when pipelined) and every candidate tried, as lines.
+    ``flat``: the plan without a pipeline and what it was made from (``pipeline="auto"``; None
+    when none fits or it was not planned)."""
 
     plan: Plan
     traced: TracedGraph
     candidates: tuple[str, ...]
+    flat: PlanResult | None = None
 
 
 # ------------------------------------------------------------------------------------ trace
@@ -302,51 +305,138 @@ def plan_pipelined(model: Any, meta_inputs: tuple | dict, *, mesh: MeshSpec | Se
     progress = progress or Progress()
     spec = options.mesh(mesh)
     stages = spec.shape[0]
-    if options.pipeline != "auto" and options.pipeline != stages:
+    if family is not None and options.pipeline == "auto":
+        raise ValueError(f"family={family!r} plans a fixed configuration: give pipeline={stages}, not 'auto'")
+    if options.pipeline == "auto":  # what the other options rule out is no candidate there, not an error
+        return plan_auto(model, meta_inputs, mesh=spec, options=options, progress=progress)
+    if options.pipeline != stages:
         raise ValueError(f"pipeline={options.pipeline!r} runs over mesh axis 0, which has size {stages} in mesh "
                          f"{spec.shape}: give a mesh whose first axis has size {options.pipeline}")
     if options.checkpoint not in ("auto", "none"):
         raise ValueError(f"pipelined plans decide activation recompute per stage (whole blocks): give "
                          f"checkpoint='auto' (or 'none' for no recompute), got checkpoint={options.checkpoint!r}")
     check_pipeline_zero(options.zero_stage)
-    if family is not None and options.pipeline == "auto":
-        raise ValueError(f"family={family!r} plans a fixed configuration: give pipeline={stages}, not 'auto'")
     schedules = schedules_for(options.schedule)
     staged = _stage_floors(model, meta_inputs, spec=spec, options=options, progress=progress, schedules=schedules,
                            family=family)
     lines: list[str] = []
     best = _search_counts(staged, spec=spec, options=options, progress=progress, schedules=schedules, lines=lines)
-    if options.pipeline == "auto":
-        traced, prof = _trace_and_profile(model, meta_inputs, precision=options.precision, progress=progress,
-                                          detail="full batch, no pipeline")
-        try:
-            flat = plan_traced(traced, prof, mesh=spec, options=replace(options, pipeline=None, baselines=False),
-                               progress=progress).plan
-            lines.append(f"no pipeline: {flat.estimate.step_s * 1e3:.3f} ms/step")
-            if best is None or flat.estimate.step_s <= best[0].estimate.step_s:
-                best = (flat, traced)
-        except ValueError as exc:  # no plan without a pipeline fits the budget
-            lines.append(f"no pipeline: {str(exc).splitlines()[0]}")
     if best is None:
         raise ValueError(f"no pipelined plan of {stages} stages fits on mesh {spec.shape}: " + "; ".join(lines))
-    plan, traced = best
-    if plan.pipeline is not None:
-        plan = replace(plan, timings={**plan.timings, **progress.timings},
-                       solver={**plan.solver, "pipeline": {**plan.solver["pipeline"], "candidates": lines}})
-    return PipelinedResult(plan, traced, tuple(lines))
+    return PipelinedResult(_with_candidates(best[0], lines, progress), best[1], tuple(lines))
+
+
+def _with_candidates(plan: Plan, lines: list[str], progress: Progress) -> Plan:
+    """A pipelined ``plan`` recording every candidate tried (``inspect`` shows them) and the call's
+    stage timings; a plan without a pipeline as it is (``plan_traced``'s, as ``plan_model`` gives it)."""
+    if plan.pipeline is None:
+        return plan
+    return replace(plan, timings={**plan.timings, **progress.timings},
+                   solver={**plan.solver, "pipeline": {**plan.solver["pipeline"], "candidates": list(lines)}})
+
+
+def plan_auto(model: Any, meta_inputs: tuple | dict, *, mesh: MeshSpec | Sequence[int] | str, options: PlanOptions,
+              progress: Progress | None = None, traced: TracedGraph | None = None,
+              key: str | None = None) -> PipelinedResult:
+    """``pipeline="auto"`` (the default of ``autopar.plan`` and ``autoparallelize``): the plan
+    without a pipeline (``plan_traced`` of the full-batch graph ``traced``, traced here when not
+    given) and, where ``pipeline.candidates.blocker`` finds nothing against one, pipelines over
+    mesh axis 0 -- each micro-batch count's search bounded by the best step so far, the plan
+    without a pipeline's first, so a count whose step floor (``pipeline.bounds``: bubbles and
+    point-to-point priced as the search prices them) cannot beat it is not searched, and a count is
+    not even traced when ``pipeline.candidates.work_floor`` says none of its pipelines can. The
+    faster plan wins (ties: no pipeline); ``ValueError`` when neither fits. ``key``: the plan
+    cache key the plan is stored under when it has no pipeline (``plan_auto_cached``)."""
+    from autopar.planner.pipeline.candidates import blocker, work_floor
+    from autopar.planner.pipeline.geometry import batch_size, microbatch_counts
+    from autopar.planner.pipeline.schedule import schedules_for
+    from autopar.tracer import profile as profile_graph
+
+    progress = progress or Progress()
+    spec = options.mesh(mesh)
+    stages = spec.shape[0]
+    if traced is None:
+        traced, prof = _trace_and_profile(model, meta_inputs, precision=options.precision, progress=progress,
+                                          detail="full batch, no pipeline")
+    else:
+        with progress.stage("profile"):
+            prof = profile_graph(traced)
+    why = blocker(traced, meta_inputs, mesh=spec, options=options)
+    lines = [] if why is None else [f"pipeline {stages}: not a candidate: {why}"]
+    try:
+        flat: PlanResult | None = plan_traced(traced, prof, mesh=spec, options=replace(options, pipeline=None),
+                                              progress=progress)
+    except ValueError as exc:  # no plan without a pipeline fits the budget: a pipeline may
+        if why is not None:
+            raise
+        flat = None
+        lines.append(f"no pipeline: {str(exc).splitlines()[0]}")
+
+    def flat_wins() -> PipelinedResult:
+        plan = _with_candidates(flat.plan, lines, progress)
+        _store(key, plan)
+        return PipelinedResult(plan, traced, tuple(lines), flat)
+
+    if why is not None:
+        return flat_wins()
+    incumbent = math.inf
+    schedules = schedules_for(options.schedule)
+    counts = microbatch_counts(batch_size(meta_inputs), num_stages=stages, asked=options.microbatches)
+    if flat is not None:
+        incumbent = flat.plan.estimate.step_s
+        lines.append(f"no pipeline: {incumbent * 1e3:.3f} ms/step")
+        floors = {m: work_floor(flat.built, num_stages=stages, num_microbatches=(m,), schedules=schedules)
+                  for m in counts}
+        lines += [f"pipeline {stages}: {m} micro-batches: not traced: its work floor {f * 1e3:.3f} ms/step does not "
+                  f"beat {incumbent * 1e3:.3f}" for m, f in floors.items() if f >= incumbent]
+        counts = tuple(m for m in counts if floors[m] < incumbent)
+        if not counts:
+            return flat_wins()
+    try:
+        staged = _stage_floors(model, meta_inputs, spec=spec, options=options, progress=progress,
+                               schedules=schedules, counts=counts)
+        best = _search_counts(staged, spec=spec, options=options, progress=progress, schedules=schedules,
+                              lines=lines, incumbent=incumbent)
+    except ValueError as exc:  # a pipeline this model cannot have (say, a cut the stages refuse): a line, not
+        if flat is None:       # the end of the default plan -- unless nothing else fits
+            raise
+        best = None
+        lines.append(f"pipeline {stages}: no plan: {str(exc).splitlines()[0]}")
+    if best is not None and best[0].estimate.step_s < incumbent:
+        return PipelinedResult(_with_candidates(best[0], lines, progress), best[1], tuple(lines), flat)
+    if flat is None:
+        raise ValueError(f"no plan fits on mesh {spec.shape}, with or without a pipeline of {stages} stages: "
+                         + "; ".join(lines))
+    return flat_wins()
+
+
+def plan_auto_cached(model: Any, meta_inputs: tuple | dict, *, mesh: MeshSpec, options: PlanOptions,
+                     progress: Progress, key: str | None, traced: TracedGraph | None = None) -> Plan:
+    """``plan_auto``'s plan, served from and stored in the plan cache under ``key`` when it has no
+    pipeline (a pipelined plan is made for the micro-batch graph, which a lookup by the full
+    trace's hash cannot check: those are planned again, as ``pipeline=N`` plans are)."""
+    hit = cached_plan(key, mesh=mesh, options=options, progress=progress,
+                      graph_hash=None if traced is None else traced.graph_hash)
+    if hit is not None:
+        return hit
+    return plan_auto(model, meta_inputs, mesh=mesh, options=options, progress=progress, traced=traced, key=key).plan
 
 
 def _stage_floors(model, meta_inputs, *, spec: MeshSpec, options: PlanOptions, progress: Progress,
-                  schedules, family: str | None = None) -> dict[int, tuple[TracedGraph, StageCosts, float]]:
-    """Per micro-batch count: its graph, stage costs and step floor (one small solve per block
-    class), so that the counts can be searched lowest floor first (``autopar.planner.pipeline.bounds``)."""
+                  schedules, family: str | None = None,
+                  counts: tuple[int, ...] | None = None) -> dict[int, tuple[TracedGraph, StageCosts, float]]:
+    """Per micro-batch count (``counts``, default ``options.microbatches``'): its graph, stage
+    costs and step floor (one small solve per block class), so that the counts can be searched
+    lowest floor first (``autopar.planner.pipeline.bounds``)."""
     from autopar.planner.pipeline.bounds import config_floors
     from autopar.planner.pipeline.costs import stage_costs
     from autopar.planner.pipeline.geometry import batch_size, microbatch_counts
 
     stages = spec.shape[0]
     staged = {}
-    for m in microbatch_counts(batch_size(meta_inputs), num_stages=stages, asked=options.microbatches):
+    if counts is None:
+        counts = microbatch_counts(batch_size(meta_inputs), num_stages=stages, asked=options.microbatches)
+    for m in counts:
         traced, prof = _trace_and_profile(model, meta_inputs, precision=options.precision, progress=progress,
                                           microbatches=m, detail=f"micro-batch graph, {m} micro-batches")
         with progress.stage("pipeline floors", f"{m} micro-batches"):
@@ -358,9 +448,10 @@ def _stage_floors(model, meta_inputs, *, spec: MeshSpec, options: PlanOptions, p
 
 
 def _search_counts(staged: dict, *, spec: MeshSpec, options: PlanOptions, progress: Progress, schedules,
-                   lines: list[str]) -> tuple[Plan, TracedGraph] | None:
+                   lines: list[str], incumbent: float = math.inf) -> tuple[Plan, TracedGraph] | None:
     """The fastest pipelined plan over the micro-batch counts, each search bounded by the best
-    step so far: a count whose floor cannot beat it is not searched. ``lines`` gets every candidate."""
+    step so far (at first ``incumbent``: another plan's step): a count whose floor cannot beat it
+    is not searched. ``lines`` gets every candidate."""
     from autopar.planner.pipeline.bounds import in_bound_order
     from autopar.planner.pipeline.search import search_stages
 
@@ -380,7 +471,8 @@ def _search_counts(staged: dict, *, spec: MeshSpec, options: PlanOptions, progre
                      f"not beat {incumbent * 1e3:.3f}")
 
     in_bound_order({m: floor for m, (_, _, floor) in staged.items()}, search,
-                   step_of=lambda f: None if f.plan is None else f.plan.estimate.step_s, skipped=skipped)
+                   step_of=lambda f: None if f.plan is None else f.plan.estimate.step_s, skipped=skipped,
+                   incumbent=incumbent)
     best: tuple[Plan, Any] | None = None
     for m, result in sorted(found.items()):
         lines += [f"pipeline {stages}: {c}" for c in result.candidates]

@@ -132,10 +132,10 @@ def reference():
 
 def test_tensor_parallel_plan_on_2_trains_like_one_device(reference):
     model, inputs, want = reference
-    free = autopar.plan(model, inputs, mesh=(2,), checkpoint="none")
+    free = autopar.plan(model, inputs, mesh=(2,), checkpoint="none", pipeline=1)
     # 0.6 of the unconstrained peak: the replicated plan no longer fits, so the planner shards
     # weight matrices (the MLP's, the attention's QKV, the tied embedding).
-    plan = autopar.plan(model, inputs, mesh=(2,), checkpoint="none",
+    plan = autopar.plan(model, inputs, mesh=(2,), checkpoint="none", pipeline=1,
                         memory_budget=int(0.6 * free.estimate.peak_bytes))
     specs = _matrices(plan)
     assert sum(1 for s, _ in specs.values() if "S" in s) >= 4, specs

@@ -98,7 +98,8 @@ def test_meta_gpt2_materialised_shard_by_shard():
 
 # ----------------------------------------------------------------------------- plan files
 def _solve_body(rank, world, model, inputs, budget):
-    pm = autoparallelize(model, inputs, memory_budget=budget)  # mesh None: 1-D over the world
+    # mesh None: 1-D over the world; pipeline=1: the round trip of a module called as pm(...)
+    pm = autoparallelize(model, inputs, memory_budget=budget, pipeline=1)
     loss = loss_of(pm(**inputs))
     loss.backward()
     grads = {k: v.numpy() for k, v in pm.full_gradients().items()}
@@ -219,7 +220,7 @@ def test_clip_grad_norm_local_inputs_and_code():
 
 
 def _snapshot_body(rank, world_size, model, inputs):
-    module = autoparallelize(model, inputs, mesh=(2,))
+    module = autoparallelize(model, inputs, mesh=(2,), pipeline=1)  # the unpipelined module's snapshot
     loss, _ = module(**inputs)
     loss.backward()
     state, grads = module.full_state_dict(), module.full_gradients()

@@ -54,7 +54,7 @@ def _bf16_body(rank, world, model, inputs, reduce_dtypes):
 
 
 def _bf16_run(model, inputs, reduce_dtype, steps):
-    pm = autopar.autoparallelize(copy.deepcopy(model), inputs, mesh=(2, 2), precision="bf16",
+    pm = autopar.autoparallelize(copy.deepcopy(model), inputs, mesh=(2, 2), precision="bf16", pipeline=1,
                                  reduce_dtype=reduce_dtype, init_weights=False)
     pm.load_full_state_dict(model.state_dict())
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
@@ -132,7 +132,8 @@ def test_bf16_activation_estimate_halves_and_matches_what_is_saved():
 
 
 def _fp16_body(rank, world, model, inputs):
-    pm = autopar.autoparallelize(copy.deepcopy(model), inputs, mesh=(2,), precision="fp16", init_weights=False)
+    pm = autopar.autoparallelize(copy.deepcopy(model), inputs, mesh=(2,), precision="fp16", init_weights=False,
+                                 pipeline=1)
     pm.load_full_state_dict(model.state_dict())
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
     scaler = autopar.GradScaler("cpu", init_scale=2.0**12)

@@ -33,7 +33,7 @@ aten = torch.ops.aten
 def _random_plans(model, inputs, mesh: tuple[int, ...], seeds) -> tuple:
     """(trace, [plan with a random option per decision and a random half of the recompute units])."""
     traced = trace(model, inputs, decompose_if=needs_decomposition)
-    base = autopar.plan(model, inputs, mesh=mesh, cache=False)
+    base = autopar.plan(model, inputs, mesh=mesh, cache=False, pipeline=1)  # verify runs unpipelined plans
     options = PlanOptions()
     built = build_problem(traced, profile(traced), options.mesh(mesh), budget_bytes=None, options=options)
     units = sorted(segment_geometry(built.problem))
@@ -104,7 +104,7 @@ def _run_sabotaged(target, replacement):
     torch.manual_seed(0)
     model, inputs = Writes(), _inputs()
     traced = trace(model, inputs, decompose_if=needs_decomposition)
-    plan = autopar.plan(model, inputs, mesh=(2,), cache=False)
+    plan = autopar.plan(model, inputs, mesh=(2,), cache=False, pipeline=1)
     name, divergence, message = run_local(_sabotaged, 2, model, traced, plan, inputs, target, replacement,
                                           timeout=240)[0]
     assert divergence is not None, message

@@ -76,7 +76,7 @@ def test_fast_trace_and_profile_equal_the_full_path(name, depths, monkeypatch):
 
 def test_plan_keeps_objective_and_strategies(monkeypatch):
     model, inputs = zoo.build("gpt2", tiny=True, num_layers=6)
-    kwargs = dict(mesh=(2, 2), checkpoint="none", cache=False)
+    kwargs = dict(mesh=(2, 2), checkpoint="none", cache=False, pipeline=1)  # the full-batch trace's plan
     fast = autopar.plan(model, inputs, **kwargs)
     monkeypatch.setattr(trace_mod, "trace_shallow", lambda *a, **k: None)
     monkeypatch.setattr(depth, "block_structure", lambda *a, **k: None)  # profile and builder per node

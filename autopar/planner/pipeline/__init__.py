@@ -10,7 +10,9 @@ Modules, lowest first (each imports only those above it in this list):
 - ``bounds``: step floors of a configuration before its search, and search in floor order;
 - ``costs``: a stage range's Problem slice and its memoised intra-stage solves (``StageCosts``);
 - ``assemble``: the pipelined ``Plan`` of chosen cuts (and of the even cut);
-- ``search``: ``search_stages``, the schedules of one configuration searched in floor order.
+- ``search``: ``search_stages``, the schedules of one configuration searched in floor order;
+- ``candidates``: whether the default (``pipeline="auto"``) searches pipelines at all, before
+  any micro-batch trace (``blocker``, ``work_floor``).
 
 The package imports nothing on its own: ``import autopar.planner.pipeline.timeline`` (the
 report's) loads neither torch nor the solver.

@@ -326,7 +326,9 @@ def test_plugin_pipeline_knobs_map_to_plan_options():
     kw = AutoParallelPlugin(mesh=(2, 2), pp_size=2, num_microbatches=4, pp_style="zbv", num_model_chunks=2,
                             ).autoparallelize_kwargs()
     assert (kw["pipeline"], kw["microbatches"], kw["schedule"], kw["zero_stage"]) == (2, 4, "zero-bubble", 0)
-    assert "pipeline" not in AutoParallelPlugin(pp_size=1).autoparallelize_kwargs()
+    # pp_size None or 1: no pipeline, said explicitly (autoparallelize's own default is "auto")
+    assert AutoParallelPlugin(pp_size=1).autoparallelize_kwargs()["pipeline"] == 1
+    assert AutoParallelPlugin().autoparallelize_kwargs()["pipeline"] == 1
     assert AutoParallelPlugin(pp_size="auto").autoparallelize_kwargs()["microbatches"] == "auto"
     for bad, match in (({"pp_size": 0}, "pp_size must be"), ({"pp_size": 2, "pp_style": "dualpipe"}, "pp_style must"),
                        ({"pp_size": 2, "pp_style": "1f1b", "num_model_chunks": 2}, "with 1 model chunk"),

@@ -1,0 +1,96 @@
+"""Pipelines as candidates by default (issue 30, point 6): ``pipeline="auto"`` is the default of
+``autopar.plan`` and ``autoparallelize``; ``pipeline=1`` (or None) turns it off.
+
+The model is issue 30's Qwen2-style decoder (grouped-query attention, 4 blocks) at test sizes;
+the gloo run of the plan the default picks is ``tests/runtime/pipeline/test_default_pipeline.py``."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from autopar.api import PlanOptions, plan, plan_auto
+from autopar.layout.mesh import MeshSpec
+from autopar.planner.options import check_option
+from autopar.planner.pipeline.candidates import work_floor
+from autopar.plans import PIPELINE_SCHEDULES
+
+
+def qwen2_decoder(*, hidden=64, heads=4, vocab=128, batch=8, seq=32, device="meta"):
+    """Issue 30's Qwen2-style decoder (4 layers, 2 KV heads, untied head) at the given sizes; its
+    loss-only inputs (``labels`` = ``input_ids``) on ``device``."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden if hidden < 256 else 704,
+                         num_hidden_layers=4, num_attention_heads=heads, num_key_value_heads=2,
+                         max_position_embeddings=max(64, seq), attn_implementation="sdpa", use_cache=False,
+                         tie_word_embeddings=False)
+    model = Qwen2ForCausalLM(config).train()
+    ids = torch.randint(0, vocab, (batch, seq))
+    return model, {"input_ids": ids.to(device), "labels": ids.clone().to(device)}
+
+
+def test_pipeline_option_default_and_off_spellings():
+    assert PlanOptions().pipeline == "auto"
+    assert PlanOptions(pipeline=1).pipeline is None and PlanOptions(pipeline=None).pipeline is None
+    assert check_option("pipeline", 4) == 4
+    with pytest.raises(ValueError, match=r"pipeline must be 'auto', 1 or None \(no pipeline\) or an int > 1"):
+        PlanOptions(pipeline=0)
+    # "auto" is no pipeline where offload or a sequence pin rules one out; a size asked for is refused
+    assert PlanOptions(offload="auto").pipeline == "auto"
+    with pytest.raises(ValueError, match="not planned with a pipeline"):
+        PlanOptions(offload="auto", pipeline=2)
+
+
+def test_default_picks_the_pipeline_where_it_wins_and_pipeline_1_turns_it_off():
+    """On the cpu preset's (2,) the decoder's data-parallel step pays a latency-bound gradient
+    all-reduce per bucket; two stages send one activation per micro-batch instead, and the
+    default keeps the faster pipeline (bubbles and point-to-point priced); ``pipeline=1`` plans
+    without one, at the step the default's candidates quote for it."""
+    model, inputs = qwen2_decoder()
+    mesh = MeshSpec.preset("cpu", (2,))
+    chosen = plan_auto(model, inputs, mesh=mesh, options=PlanOptions())
+    assert chosen.plan.pipeline is not None and chosen.plan.pipeline.num_stages == 2, chosen.candidates
+    flat = chosen.flat.plan
+    assert chosen.plan.estimate.step_s < flat.estimate.step_s
+    assert chosen.candidates[0] == f"no pipeline: {flat.estimate.step_s * 1e3:.3f} ms/step"
+    # the chosen plan's estimate includes its bubble: (M v + bubble) times the slowest stage
+    record = chosen.plan.solver["pipeline"]
+    assert record["candidates"] == list(chosen.candidates)
+    # the work floor bounds the pipelined step from below (it prunes only what cannot win)
+    counts = (chosen.plan.pipeline.num_microbatches,)
+    floor = work_floor(chosen.flat.built, num_stages=2, num_microbatches=counts, schedules=PIPELINE_SCHEDULES)
+    assert 0 < floor <= chosen.plan.estimate.step_s
+    alone = work_floor(chosen.flat.built, num_stages=2, num_microbatches=counts,
+                       schedules=(chosen.plan.pipeline.schedule,))
+    assert floor <= alone <= chosen.plan.estimate.step_s
+    off = plan(model, inputs, mesh=mesh, pipeline=1, cache=False)  # (None is the same record: the test above)
+    assert off.pipeline is None and off.estimate.step_s == pytest.approx(flat.estimate.step_s)
+
+
+def test_no_candidates_exit_before_any_micro_batch_trace():
+    """Axis 0 of size 1, options the pipeline planner does not plan with, a batch no count of
+    micro-batches divides: no pipeline is a candidate, said in one line, and the plan is the
+    one without (no micro-batch graph traced: no 'pipeline floors' stage)."""
+    from autopar.stages import Progress
+
+    model, inputs = qwen2_decoder(batch=3)
+    progress = Progress()
+    chosen = plan_auto(model, inputs, mesh=MeshSpec.preset("cpu", (2,)), options=PlanOptions(), progress=progress)
+    assert chosen.plan.pipeline is None and "pipeline floors" not in progress.timings
+    assert chosen.candidates[0].startswith("pipeline 2: not a candidate: pipeline of 2 stages: no micro-batch count")
+    model, inputs = qwen2_decoder()
+    chosen = plan_auto(model, inputs, mesh=MeshSpec.preset("cpu", (2,)), options=PlanOptions(checkpoint="rotor"))
+    assert chosen.plan.pipeline is None and "checkpoint='rotor'" in chosen.candidates[0]
+
+
+@pytest.mark.full_sweep
+def test_issue_30_decoder_on_slow_links_pipelines_by_default():
+    """Issue 30's measured case at its sizes (hidden 256, 8 heads, vocab 1000, batch 8 x seq 128)
+    on (2,) with links 20x slower than the cpu preset's: the default picks 2 stages."""
+    model, inputs = qwen2_decoder(hidden=256, heads=8, vocab=1000, seq=128)
+    base = MeshSpec.preset("cpu", (2,))
+    slow = dataclasses.replace(base, beta=(base.beta[0] * 20,))
+    assert plan(model, inputs, mesh=slow, cache=False).pipeline is not None
+    assert plan(model, inputs, mesh=slow, pipeline=1, cache=False).pipeline is None
