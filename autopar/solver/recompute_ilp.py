@@ -91,9 +91,6 @@ __all__ = ["RecomputeModel", "RECOMPUTE_GAP"]
 # The joint ILP is solved to within this share of the step time (``autopar.solver.driver``:
 # a first plan by ``autopar.solver.dive``, proved against the relaxation or searched from).
 RECOMPUTE_GAP = 1e-3
-# Memory rows with more nonzeros than this in all are chained (``RecomputeModel._chained_rows``):
-# Mixtral-8x22B on 8x8 (56 blocks) wrote 617 rows of 591k nonzeros, whose LP relaxation took 92 s.
-CHAIN_NONZEROS = 200_000
 
 
 class RecomputeModel(IlpModel):
@@ -334,37 +331,11 @@ class RecomputeModel(IlpModel):
         extra = [v for v, _, _ in self.spans]
         kept = undominated_rows(coef, const)
         slot_cols = self.slot_columns()
-        columns = np.concatenate([slot_cols, np.array(extra, dtype=np.int64)])
-        # Above CHAIN_NONZEROS, each row is its predecessor plus what starts and ends between them
-        # (exact: the rows are linear in the same columns); a long model's rows hold every block's
-        # spans each, so written out they are dense.
-        live = (coef[kept] > 0.5 / MEM_UNIT) & (columns >= 0)
-        if live.sum() > CHAIN_NONZEROS:
-            self._chained_rows(coef[kept], const[kept], columns, p_terms + rhs_terms, upper=upper, p_const=p_const)
-            return len(kept)
         for k in kept:
             terms = self.row_terms(coef[k], slot_cols)
             terms += [(extra[c], 1.0) for c in np.flatnonzero(coef[k, offsets[-1]:] > 0.5)]
             self.lp.add_row(terms + p_terms + rhs_terms, upper=upper, const=float(const[k]) + p_const)
         return len(kept)
-
-    def _chained_rows(self, coef: np.ndarray, const: np.ndarray, columns: np.ndarray, bound: Terms, *,
-                      upper: float, p_const: float) -> None:
-        """Memory rows ``M_j + bound <= upper``, ``M_j = M_{j-1} + (coef_j - coef_{j-1}) . x +
-        (const_j - const_{j-1})``: each item enters the rows where it starts and ends, not every
-        row it is live in. Sub-byte differences are noise and dropped, as ``row_terms`` drops
-        sub-byte coefficients."""
-        prev_coef, prev_const, prev = np.zeros(coef.shape[1]), 0.0, None
-        for row, c in zip(coef, const):
-            diff = row - prev_coef
-            nz = np.flatnonzero((np.abs(diff) > 0.5 / MEM_UNIT) & (columns >= 0))
-            m = self.lp.add_column(lower=-np.inf)
-            terms = list(zip(columns[nz].tolist(), (-diff[nz]).tolist())) + [(m, 1.0)]
-            if prev is not None:
-                terms.append((prev, -1.0))
-            self.lp.add_row(terms, lower=0.0, upper=0.0, const=-(float(c) - prev_const))
-            self.lp.add_row([(m, 1.0)] + bound, upper=upper, const=p_const)
-            prev_coef, prev_const, prev = row, float(c), m
 
     def recomputed(self) -> tuple[str, ...]:
         return tuple(u for u in self.units if self.lp.value(self.r[u]) > 0.5)
