@@ -92,8 +92,9 @@ def _degree(hidden: str, gate_up: str, shape) -> int:
 
 
 def run_shape(shape: str, *, batch: int, seq: int, layers: int, tps, eps, nodes: int = 8, per_node: int = 8,
-              preset: str = "h100-80gb", say=print) -> list[dict]:
-    """Trace ``shape`` once; plan auto and every fixed configuration of ``tps`` x ``eps``; the rows."""
+              preset: str = "h100-80gb", zero_stage: int | str = 0, say=print) -> list[dict]:
+    """Trace ``shape`` once; plan auto and every fixed configuration of ``tps`` x ``eps`` (all with
+    ``zero_stage``); the rows."""
     from autopar.layout.mesh import MeshSpec
     from autopar.planner.baselines import expert_layouts, make_restriction
     from autopar.planner.options import PlanOptions
@@ -101,12 +102,13 @@ def run_shape(shape: str, *, batch: int, seq: int, layers: int, tps, eps, nodes:
     from autopar.tracer import profile
 
     model, inputs = model_and_inputs(batch=batch, seq=seq, layers=layers, shape=shape)
-    options = PlanOptions(preset=preset, precision="bf16")
+    options = PlanOptions(preset=preset, precision="bf16", zero_stage=zero_stage)
     start = time.perf_counter()
     traced = trace_for_planning(model, inputs, precision=options.precision)
     prof = profile(traced)
     trace_s = time.perf_counter() - start
-    say(f"{shape}: {layers} layers, batch {batch} x seq {seq}, {nodes} x {per_node} {preset}, bf16; traced and "
+    say(f"{shape}: {layers} layers, batch {batch} x seq {seq}, {nodes} x {per_node} {preset}, bf16, ZeRO stage "
+        f"{zero_stage}; traced and "
         f"profiled in {trace_s:.1f} s; load {os.getloadavg()[0]:.1f}")
     rows = []
 
@@ -115,7 +117,7 @@ def run_shape(shape: str, *, batch: int, seq: int, layers: int, tps, eps, nodes:
         try:
             plan = plan_traced(traced, prof, mesh=mesh, options=options, restrict=restrict).plan
         except ValueError as exc:
-            say(f"  {label:<22} no plan: {str(exc).splitlines()[0][:150]}")
+            say(f"  {label:<22} no plan: {str(exc).splitlines()[0][:240]}")
             rows.append({"config": label, "plan_s": time.perf_counter() - t0, "step_s": None, **extra})
             return
         row = _row(label, plan, time.perf_counter() - t0, trace_s=trace_s, **extra)
@@ -148,13 +150,15 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--layers", type=int, help="default: 56 (mixtral), 16 (deepseek)")
     p.add_argument("--tp", default="1,2,4,8", help="tensor-parallel sizes of the fixed configurations")
     p.add_argument("--ep", default="1,2,4,8", help="expert-parallel sizes of the fixed configurations")
+    p.add_argument("--zero-stage", default="0", help="ZeRO stage of every plan: 0, 1, 2 or auto (the solver's)")
     p.add_argument("--out")
     args = p.parse_args(argv)
+    zero = args.zero_stage if args.zero_stage == "auto" else int(args.zero_stage)
     tps, eps = {int(x) for x in args.tp.split(",")}, {int(x) for x in args.ep.split(",")}
     rows = []
     for shape in args.shape.split(","):
         layers = args.layers or {"mixtral": 56, "deepseek": 16}[shape]
-        rows += run_shape(shape, batch=args.batch, seq=args.seq, layers=layers, tps=tps, eps=eps)
+        rows += run_shape(shape, batch=args.batch, seq=args.seq, layers=layers, tps=tps, eps=eps, zero_stage=zero)
     if args.out:
         with open(args.out, "a") as f:
             for row in rows:
