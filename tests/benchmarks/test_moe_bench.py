@@ -68,8 +68,8 @@ def test_fixed_configuration_plans_expert_parallel_on_its_axis():
 @pytest.mark.parametrize("shape", ["mixtral", "deepseek"])
 def test_auto_chooses_expert_parallelism_and_beats_every_fixed_configuration(shape):
     bench = _load()
-    layers = {"mixtral": 56, "deepseek": 16}[shape]
-    rows = bench.run_shape(shape, batch=64, seq=4096, layers=layers, tps={1, 2, 4, 8}, eps={1, 2, 4, 8})
+    layers, batch = {"mixtral": (56, 64), "deepseek": (8, 16)}[shape]
+    rows = bench.run_shape(shape, batch=batch, seq=4096, layers=layers, tps={1, 2, 4, 8}, eps={1, 2, 4, 8})
     auto, fixed = rows[0], [r for r in rows[1:] if r["step_s"] is not None]
     assert auto["config"] == "auto" and fixed
     assert auto["expert_degree"] > 1
