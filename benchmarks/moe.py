@@ -99,6 +99,7 @@ def run_shape(shape: str, *, batch: int, seq: int, layers: int, tps, eps, nodes:
     from autopar.planner.baselines import expert_layouts, make_restriction
     from autopar.planner.options import PlanOptions
     from autopar.planner.orchestrate import plan_traced, trace_for_planning
+    from autopar.solver.driver import SolveTimeout
     from autopar.tracer import profile
 
     model, inputs = model_and_inputs(batch=batch, seq=seq, layers=layers, shape=shape)
@@ -116,7 +117,7 @@ def run_shape(shape: str, *, batch: int, seq: int, layers: int, tps, eps, nodes:
         t0 = time.perf_counter()
         try:
             plan = plan_traced(traced, prof, mesh=mesh, options=options, restrict=restrict).plan
-        except ValueError as exc:
+        except (ValueError, SolveTimeout) as exc:  # nothing fits the budget, or no plan found in time
             say(f"  {label:<22} no plan: {str(exc).splitlines()[0][:240]}")
             rows.append({"config": label, "plan_s": time.perf_counter() - t0, "step_s": None, **extra})
             return
