@@ -8,7 +8,6 @@ sweep: Mixtral-8x22B and the DeepSeek-V3-like shape on 8 x 8, auto against every
 from __future__ import annotations
 
 import importlib.util
-import math
 from pathlib import Path
 
 import pytest
@@ -75,5 +74,4 @@ def test_auto_chooses_expert_parallelism_and_beats_every_fixed_configuration(sha
     assert auto["expert_degree"] > 1
     assert auto["step_s"] <= min(r["step_s"] for r in fixed) * (1 + 1e-9)
     assert all(r["expert_degree"] == r["ep"] for r in fixed)
-    assert auto["plan_s"] + auto["trace_s"] < 60
-    assert math.isfinite(auto["peak_bytes"])
+    assert auto["peak_bytes"] <= 80 * 2**30
