@@ -21,8 +21,11 @@ Each is traced once and planned on the 8 x 8 cluster (``MeshSpec.cluster``, axis
 - every fixed configuration ``ep E x tp T x dp D`` (``autopar.planner.baselines.expert_layouts``:
   Megatron TP over T devices of a node, the experts split E ways with tokens sent by all-to-all
   over E of the D data-parallel ranks, mesh outer-to-inner (D/E, E, T)), each the same planner's
-  problem on its mesh restricted to that configuration (ZeRO stage and recompute still
-  optimised), in the same cost model.
+  problem on its mesh restricted to that configuration (recompute still planned; ZeRO as
+  ``--zero-stage``), in the same cost model. The experts op has no split of one expert's
+  matrices (its gate and up halves are concatenated), so a TP axis either splits the experts by
+  expert with the tokens whole (only while ``ep * tp`` divides the expert count) or runs them
+  whole on every TP rank.
 
 Printed per row: planning seconds, the estimate (step, compute, communication, peak) and how the
 first experts op is laid out; then the best fixed configuration and whether auto is at least as
