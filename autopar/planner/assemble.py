@@ -16,7 +16,7 @@ from autopar.plans import Estimate, NodeKind, NodePlan, Plan
 from autopar.solver.problem import Problem
 
 __all__ = ["assemble_plan", "node_plans", "estimate_of", "solver_stats", "applicable_baselines",
-           "baseline_problem", "family_built", "restricted_problem"]
+           "baseline_problem", "family_built", "restricted_built", "restricted_problem"]
 
 
 def assemble_plan(traced, built, *, choice: dict[str, str], evaluation, solution,
@@ -88,8 +88,14 @@ def family_built(name: str, traced, built):
     """``built`` restricted to family ``name``: the ``BuiltProblem`` whose problem is
     ``baseline_problem``'s and whose decisions keep the matching choices, so everything that
     reads a built problem (the pipeline stage search, ``assemble_plan``) plans within the family."""
+    return restricted_built(built, traced, _family_restriction(name, built), name)
+
+
+def restricted_built(built, traced, restriction, name: str):
+    """``built`` keeping only the choices ``restriction`` allows (``restricted_problem``), its
+    decisions' choices sliced to match."""
     keep: dict[str, list[int]] = {}
-    problem = restricted_problem(built, traced, _family_restriction(name, built), name, keep=keep)
+    problem = restricted_problem(built, traced, restriction, name, keep=keep)
     decisions = {n: d if n not in keep else replace(d, choices=tuple(d.choices[i] for i in keep[n]))
                  for n, d in built.decisions.items()}
     return replace(built, problem=problem, decisions=decisions)

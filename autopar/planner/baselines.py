@@ -36,6 +36,12 @@ The fixed-configuration families (``FIXED_FAMILIES``, planned by the booster's p
 data-parallel ones with a last ``sp`` axis (``... x sp``; ``sp`` alone: every axis sp). ``hybrid_layout`` maps
 ``HybridParallelPlugin``'s (and ``MoeHybridParallelPlugin``'s) sizes onto a mesh and one of these
 families.
+
+Fixed expert-parallel configurations (``expert_layouts``): every EP x TP x DP factorisation of a
+cluster -- Megatron TP inside a node, then the expert-parallel group, then plain data parallelism
+-- as a mesh and per-axis roles; ``make_restriction(..., expert_parallel=True)`` makes each
+``ep`` axis split every experts op's experts and tokens (all-to-all), so the degree is the
+configuration's. ``benchmarks/moe.py`` plans each one beside the planner's own plan.
 """
 
 from __future__ import annotations
@@ -51,8 +57,8 @@ from autopar.layout.placement import Partial, Replicate, Shard
 from autopar.strategies import input_nodes
 from autopar.tracer.graph import BUFFER, PARAMETER, PLACEHOLDER_KEY
 
-__all__ = ["BASELINES", "ZERO_BASELINES", "FIXED_FAMILIES", "FAMILY_ZERO", "HybridLayout", "baseline_roles",
-           "hybrid_layout", "make_restriction"]
+__all__ = ["BASELINES", "ZERO_BASELINES", "FIXED_FAMILIES", "FAMILY_ZERO", "ExpertLayout", "HybridLayout",
+           "baseline_roles", "expert_layouts", "hybrid_layout", "make_restriction"]
 
 BASELINES = ("data-parallel", "zero1", "zero2", "zero3", "megatron-tp", "dp x tp")
 ZERO_BASELINES = {"zero1": 1, "zero2": 2}  # family -> the ZeRO stage of its trainable parameters
@@ -77,6 +83,38 @@ class HybridLayout:
     axis_names: tuple[str, ...]
     family: str
     pipeline: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class ExpertLayout:
+    """One fixed EP x TP x DP configuration of a cluster: ``tp`` devices of a node split every
+    matrix (Megatron), ``ep`` data-parallel ranks split the experts (tokens sent by all-to-all),
+    ``dp`` data-parallel ranks in all (the ``ep`` ones included: ``ep`` divides ``dp``).
+    ``shape`` and ``roles``: its mesh, outer to inner (the rest of ``dp``, ``ep``, ``tp``; axes of
+    size 1 left out) and each axis's role for ``make_restriction``."""
+
+    ep: int
+    tp: int
+    dp: int
+    shape: tuple[int, ...]
+    roles: tuple[str, ...]
+
+    def __str__(self) -> str:
+        return f"ep {self.ep} x tp {self.tp} x dp {self.dp}"
+
+
+def expert_layouts(nodes: int, devices_per_node: int, *, experts: int) -> list[ExpertLayout]:
+    """Every ``ExpertLayout`` of ``nodes`` x ``devices_per_node`` devices whose ``tp`` divides a
+    node (TP stays on the intra-node links) and whose ``ep`` divides both the data-parallel
+    ranks and the ``experts`` count (every rank holds as many experts)."""
+    world, found = nodes * devices_per_node, []
+    for tp in (d for d in range(1, devices_per_node + 1) if devices_per_node % d == 0):
+        dp = world // tp
+        for ep in (e for e in range(1, dp + 1) if dp % e == 0 and experts % e == 0):
+            axes = [(size, role) for size, role in ((dp // ep, "dp"), (ep, "ep"), (tp, "megatron")) if size > 1]
+            axes = axes or [(1, "dp")]
+            found.append(ExpertLayout(ep, tp, dp, tuple(a for a, _ in axes), tuple(r for _, r in axes)))
+    return found
 
 
 # A data-parallel family -> the same with its data-parallel axis an ``ep`` axis.
@@ -191,13 +229,16 @@ def _ndim(node: fx.Node) -> int:
     return len(val.shape) if hasattr(val, "shape") else 0
 
 
-def make_restriction(roles: Sequence[str], *, zero_stage: int | None = None, mesh_shape: Sequence[int] = ()):
+def make_restriction(roles: Sequence[str], *, zero_stage: int | None = None, mesh_shape: Sequence[int] = (),
+                     expert_parallel: bool = False):
     """``allowed(kind, fx_node, choice)``: whether a decision's option keeps ``roles`` (one per mesh
     axis) and, unless ``zero_stage`` is None (a problem with one stage per layout), ZeRO stage
     ``zero_stage`` for trainable parameters (stage 0 for the others, and for all on a mesh
     without an axis to shard over); ``autopar.planner.assemble.restricted_problem`` slices the
-    built problem with it."""
+    built problem with it. ``expert_parallel``: on every ``ep`` axis each experts op splits its
+    experts and its tokens (the all-to-all dispatch), not merely may."""
     roles = tuple(roles)
+    ep_axes = tuple(a for a, r in enumerate(roles) if r == "ep") if expert_parallel else ()
     shardable = any(size > 1 for size in mesh_shape)
     sizes = tuple(mesh_shape) or (2,) * len(roles)  # no shape given: every axis may split
     # Per op, what each input slot reads: 0 an activation, 1 a weight, 2 a trainable weight of two
@@ -261,6 +302,9 @@ def make_restriction(roles: Sequence[str], *, zero_stage: int | None = None, mes
                                    for p, r, size in zip(spec.placements, roles, sizes))
 
     def _judge(kind: str, choice: Choice, slots: tuple[int, ...], matrix: bool, experts: bool) -> bool:
+        if kind == "op" and experts and not all(choice.input_specs[slot].placements[a] == Shard(0)
+                                                for a in ep_axes for slot in _EXPERT_SPLIT_SLOTS):
+            return False
         if kind in ("parameter", "buffer"):
             return weight_ok(choice.output_specs[0], matrix, whole=("dp", "ep", "sp"), experts=experts)
         # An op made from weights only (all its slots weights) outputs a weight copy.
@@ -281,6 +325,7 @@ def make_restriction(roles: Sequence[str], *, zero_stage: int | None = None, mes
 
 
 _EXPERTS = torch.ops.autopar.moe_experts.default
+_EXPERT_SPLIT_SLOTS = (0, 3)  # ``moe_experts``' hidden (the tokens) and gate_up (the experts)
 
 
 def _feeds_experts(node: fx.Node, memo: dict[fx.Node, bool], depth: int = 0) -> bool:

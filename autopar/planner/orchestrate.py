@@ -168,9 +168,12 @@ def plan_traced_cached(traced: TracedGraph, *, mesh: MeshSpec, options: PlanOpti
 
 def plan_traced(traced: TracedGraph, profile: ModelProfile, *, mesh: MeshSpec | Sequence[int] | str,
                 options: PlanOptions = PlanOptions(), progress: Progress | None = None,
-                fixed: Callable | None = None) -> PlanResult:
-    """The plan of an existing trace and profile (one trace serves many meshes); ``fixed``: ``build_problem``'s."""
-    from autopar.planner.assemble import applicable_baselines, assemble_plan
+                fixed: Callable | None = None, restrict: tuple[str, Callable] | None = None) -> PlanResult:
+    """The plan of an existing trace and profile (one trace serves many meshes); ``fixed``: ``build_problem``'s.
+    ``restrict``: (name, ``allowed(kind, fx_node, choice)``): the built problem kept to the options
+    it allows (``assemble.restricted_built``; a fixed configuration such as
+    ``baselines.expert_layouts``'), then planned as any other (recompute, offload)."""
+    from autopar.planner.assemble import applicable_baselines, assemble_plan, restricted_built
     from autopar.planner.builder import build_problem
     from autopar.planner.checkpointing import plan_recompute
     from autopar.planner.table_partition import TablePartition, fit_tables, with_tables
@@ -184,6 +187,8 @@ def plan_traced(traced: TracedGraph, profile: ModelProfile, *, mesh: MeshSpec | 
     with progress.stage("strategies", f"{sum(1 for _ in traced.compute_nodes())} ops on mesh {mesh}"):
         built = build_problem(traced, profile, mesh, budget_bytes=options.budget_bytes(mesh),
                               options=options, fixed=fixed)
+    if restrict is not None:
+        built = restricted_built(built, traced, restrict[1], restrict[0])
 
     def replan(b):
         return plan_recompute(traced, profile, b, mode=options.checkpoint, solver=options.solver,

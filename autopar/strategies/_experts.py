@@ -16,9 +16,11 @@ down (E, H, I), act) -> (T, H)``. Single-axis options besides replication:
 
 Over several axes the kernel does one exchange per axis that splits both the tokens and the
 experts, and drops at the source the pairs whose expert another rank of a token-replicated axis
-holds. Pricing (``_dispatch_comm``): the expected volume -- with routing balanced, a rank's
-``T_local * k`` pairs go to each expert rank alike, so ``(n-1)/n`` of them cross the axis, there
-and back, in forward and again in backward -- as all-to-alls of the pairs' rows.
+holds. Pricing (``_dispatch_comm``, ``routed_pairs``): the expected volume -- with routing
+balanced (each of ``E`` experts gets ``T * k / E`` pairs), a rank's ``T_local * k`` pairs go to
+each expert rank alike, so ``(n-1)/n`` of them cross each exchange's axis (priced on that axis's
+links), there and back in forward and again in backward, as all-to-alls of rows of ``H`` elements
+of the hidden dtype; the counts and the expert ids (int64, forward only) travel too.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from autopar.strategies.registry import AxisOption, OpInfo, Sample, register, re
 from autopar.strategies.samples import rand
 from autopar.tracer.experts import moe_experts
 
-__all__ = ["experts_rule", "experts_samples"]
+__all__ = ["experts_rule", "experts_samples", "routed_pairs"]
 
 R, P = Replicate(), Partial()
 KERNEL = "moe_experts_sharded"
@@ -43,19 +45,37 @@ _TOKENS = ("hidden", "top_k_index", "top_k_weights")
 
 
 def _dispatch_comm(info: OpInfo, input_specs, output_specs, mesh) -> tuple[float, float]:
-    """Forward and backward seconds of the expert-parallel exchanges (module docstring)."""
+    """Forward and backward seconds of the expert-parallel exchanges (module docstring): per axis
+    that splits both tokens and experts, in the kernel's order, the counts, the expert ids and the
+    pairs' rows there and the results back (forward), the rows' gradients back and there (backward)."""
     hidden, index = info.input("hidden"), info.input("top_k_index")
     expert_axes = input_specs[info.slot_index("gate_up")].shard_axes(0)
     token_axes = input_specs[info.slot_index("hidden")].shard_axes(0)
     axes = [a for a in expert_axes if a in token_axes]
     if not axes:
         return 0.0, 0.0
-    pairs_bytes = index.shape[0] * index.shape[1] * hidden.shape[1] * hidden.itemsize
-    # Each exchange carries every token-split rank's pairs; over the token axes other than this one
-    # the volume is already divided, which ``collective_seconds`` does not know: scale it down.
-    others = math.prod(mesh.shape[a] for a in token_axes if a not in axes)
-    one_way = collective_seconds("all_to_all", pairs_bytes / others, mesh, axes)
-    return 2 * one_way, 2 * one_way
+    pairs = routed_pairs(index.shape[0], index.shape[1], mesh.shape, token_axes=token_axes, expert_axes=expert_axes)
+    forward = backward = 0.0
+    for a in axes:
+        n = mesh.shape[a]
+        # ``collective_seconds`` takes the group's full size: n ranks' pairs (each sends (n-1)/n of its own)
+        rows = collective_seconds("all_to_all", pairs * hidden.shape[1] * hidden.itemsize * n, mesh, a)
+        ids = collective_seconds("all_to_all", pairs * index.itemsize * n, mesh, a)
+        counts = collective_seconds("all_to_all", n * n * index.itemsize, mesh, a)
+        forward += counts + ids + 2 * rows
+        backward += 2 * rows
+    return forward, backward
+
+
+def routed_pairs(tokens: int, k: int, mesh_shape, *, token_axes, expert_axes) -> float:
+    """Expected (token, expert) pairs one rank sends through each expert-parallel exchange, with
+    routing balanced (every expert gets ``tokens * k / E`` pairs): its ``tokens * k / T`` pairs
+    (``T``: the token split), less the pairs whose expert another rank of an expert-split axis
+    that keeps the tokens whole runs (dropped at the source, ``1/n`` kept per such axis). Each
+    exchange keeps the count: a rank sends ``(n-1)/n`` of them and receives as many."""
+    split = math.prod(mesh_shape[a] for a in token_axes)
+    split *= math.prod(mesh_shape[a] for a in expert_axes if a not in token_axes)
+    return tokens * k / split
 
 
 def experts_rule(info: OpInfo) -> list[AxisOption]:

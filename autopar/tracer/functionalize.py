@@ -280,12 +280,40 @@ def functionalize_activations(gm: fx.GraphModule) -> int:
                 rewriter.read(node)
     removed = rewriter.writers
     if removed:
+        # One pass over the graph drops the views the writes went through, now unread, but for
+        # those feeding a later write (kept alive by it): erasing each write, last first, frees
+        # them, and they go with it (``_erase_with_dead_inputs``). The same graph as a full
+        # ``eliminate_dead_code`` after each write, without a pass over the graph per write (a
+        # MoE model writes in place in every block: 56 blocks, 56 passes of 0.2 s each).
+        gm.graph.eliminate_dead_code()
         for writer in reversed(removed):  # last first: a view of an earlier write may feed a later one
-            gm.graph.eliminate_dead_code()  # the views the writes went through, now unread
+            _drop_dead_users(gm.graph, writer)
             if writer.users:  # every read was redirected above: a user left is a bug here
                 raise RuntimeError(f"functionalize: {writer.name} still has users {list(writer.users)}")
-            gm.graph.erase_node(writer)
-        gm.graph.eliminate_dead_code()
+            _erase_with_dead_inputs(gm.graph, writer)
         gm.graph.lint()
         gm.recompile()
     return len(removed)
+
+
+def _removable(node: fx.Node) -> bool:
+    """What ``eliminate_dead_code`` removes: an unread op without side effects."""
+    return not node.users and not node.is_impure()  # placeholders and the output are impure
+
+
+def _drop_dead_users(graph: fx.Graph, node: fx.Node) -> None:
+    """Erase the unread pure ops downstream of ``node`` (views of a write no one reads)."""
+    for user in list(node.users):
+        _drop_dead_users(graph, user)
+        if _removable(user):
+            _erase_with_dead_inputs(graph, user)
+
+
+def _erase_with_dead_inputs(graph: fx.Graph, node: fx.Node) -> None:
+    """Erase ``node``, then every op it read that is thereby left unread and pure, transitively."""
+    work = [node]
+    while work:
+        n = work.pop()
+        inputs = n.all_input_nodes
+        graph.erase_node(n)
+        work.extend(i for i in dict.fromkeys(inputs) if _removable(i))

@@ -1,8 +1,9 @@
 """Expert parallelism on gloo: experts split over a mesh axis, tokens sent by all-to-all, equal to one device.
 
-Mixtral tiny and Qwen2-MoE tiny (4 experts, top-2), pinned with ``ep_size``: loss and every
-gradient equal the single-device model's, on (2,), (4,) and (2, 2) (expert parallelism on one
-axis, the planner's choice on the other), and after AdamW steps the parameters too.
+Mixtral tiny, Qwen2-MoE tiny (4 experts, top-2) and DeepSeek-V3 tiny (shared plus 4 routed
+experts, top-2 within the best 1 of 2 groups), pinned with ``ep_size``: loss and every gradient
+equal the single-device model's, on (2,), (4,) and (2, 2) (expert parallelism on one axis, the
+planner's choice on the other), and after AdamW steps the parameters too.
 """
 
 from __future__ import annotations
@@ -61,7 +62,10 @@ def deepseek_v3():
     from tests.sweeps.hf_catalog import deepseek_entry
 
     torch.manual_seed(0)
-    return deepseek_entry().build()[0]
+    model = deepseek_entry().build()[0]
+    config = model.config  # routing limited to the best topk_group of n_group expert groups
+    assert config.n_group > config.topk_group >= 1 and config.n_shared_experts >= 1
+    return model
 
 
 @pytest.mark.parametrize("make,mesh", [
@@ -69,7 +73,8 @@ def deepseek_v3():
     pytest.param(qwen2_moe, (4,), id="qwen2moe-4", marks=pytest.mark.full_sweep),  # default suite's time
     pytest.param(qwen2_moe, (2, 2), id="qwen2moe-2x2"),
     pytest.param(mixtral, (2, 2), id="mixtral-2x2", marks=pytest.mark.full_sweep),
-    pytest.param(deepseek_v3, (2,), id="deepseek-v3-2")])
+    pytest.param(deepseek_v3, (2,), id="deepseek-v3-2"),
+    pytest.param(deepseek_v3, (2, 2), id="deepseek-v3-2x2", marks=pytest.mark.full_sweep)])
 def test_expert_parallel_equals_one_device(make, mesh):
     model, inputs = make(), _inputs()
     ep = mesh[0]
