@@ -27,14 +27,15 @@ per-node strategies. On each rank, for each stage it holds (rank r holds stages 
   pipeline axis from the last stage). Gradients land in ``.grad`` of ``parameters()`` (DTensors
   on the stage sub-mesh with the plan's placements, like ``AutoParallelModule``) and accumulate
   over calls until zeroed (``optimizer.zero_grad()``).
-- Micro-batch loss scaling. The schedule runs with ``scale_grads=False`` and a loss function
-  that returns the model's loss divided by the number of micro-batches M, so the gradient is
-  (1/M) * sum of the micro-batch gradients and the returned loss the mean of the micro-batch
-  losses. Both equal ONE full-batch backward of the model's loss exactly when the loss is a mean
-  over the batch in which every micro-batch has the same weight -- a mean over samples or tokens
-  with the same number of counted tokens per micro-batch (Hugging Face's causal-LM loss without
-  ``-100`` labels, or with the same number of them in every micro-batch); a sum-reduced loss
-  would need no division (not supported: the division is fixed).
+- Micro-batch loss weights. The schedule runs with ``scale_grads=False`` and a loss function
+  that returns micro-batch ``k``'s loss times its weight ``w_k`` (``weights.py``), so the
+  gradient and the returned loss are those of ONE full-batch backward: ``w_k = 1`` for a
+  sum-reduced loss; for a token mean (cross entropy / NLL averaged over the targets not
+  ``ignore_index``, Hugging Face's causal-LM loss) ``n_k / sum(n)``, ``n_k`` the micro-batch's
+  counted targets, read off the inputs before the step by the traced ops that make the target
+  (the label shift included); otherwise ``1/M``, exact for a mean over equal micro-batches.
+  Per-class loss weights, or a target that depends on parameters, raise ``NotImplementedError``.
+  A ``step_with`` criterion's loss is taken as a mean over equal micro-batches (``1/M``).
 - Tied weights read by stages on different pipeline ranks (GPT-2's ``wte``: the embedding in the
   first stage, the LM head in the last) live on each of those ranks; their gradients are summed
   over a process group of exactly those ranks (one group per sub-mesh coordinate) before

@@ -22,7 +22,7 @@ import torch.fx as fx
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
-from torch.distributed.pipelining.microbatch import TensorChunkSpec, _Replicate, sum_reducer
+from torch.distributed.pipelining.microbatch import TensorChunkSpec, _CustomReducer, _Replicate, sum_reducer
 from torch.distributed.pipelining.schedules import (Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
                                                     ScheduleInterleavedZeroBubble)
 
@@ -35,6 +35,7 @@ from autopar.runtime.parallel_module import clip_grad_norm
 from autopar.runtime.passes import STATE_KEY
 from autopar.runtime.pipeline.split import StageGraph, example_values
 from autopar.runtime.pipeline.state import PipelineState
+from autopar.runtime.pipeline.weights import LossWeights
 from autopar.runtime.process_mesh import ProcessMesh
 from autopar.strategies import rng
 from autopar.tracer.graph import BUFFER, INPUT, PARAMETER, TracedGraph, values_needing_grad
@@ -147,6 +148,13 @@ class PipelineModule(PipelineState, nn.Module):
         self._deferred = dict(deferred)  # parameter -> mesh axes its gradient is summed over per step
         self.boundary_layouts = dict(layouts)  # value crossing a cut -> the layout it is sent in
         self._draws = rng.graph_draws(traced.gm.graph)
+        # Each micro-batch's share of the full batch's loss (a token mean with ignored labels is
+        # not the mean of the micro-batches' means): set per call from its inputs.
+        self._loss_weights = LossWeights(traced, self.num_microbatches)
+        self._weights = torch.full((self.num_microbatches,), 1.0 / self.num_microbatches, dtype=torch.float64)
+        nodes = [a for a in traced.flat_outputs if isinstance(a, fx.Node)]
+        self._loss_out = nodes.index(traced.loss_node) if traced.loss_node in nodes else None
+        self._merged = 0  # micro-batches the weighted loss reducer has folded this call
 
     # ------------------------------------------------------------------------------ inputs
     def _flat_inputs(self, args: tuple, kwargs: dict) -> tuple[list[torch.Tensor], frozenset[str]]:
@@ -185,8 +193,9 @@ class PipelineModule(PipelineState, nn.Module):
         args_spec = tuple(_Replicate() if p.name in whole else TensorChunkSpec(0) for p in self._inputs)
         # The last stage's outputs: batch-major ones concatenated; scalars (the loss) summed, the
         # sum divided by M into the mean in ``_merged_outputs`` (torch's reducers only fold).
-        merge_spec = tuple(sum_reducer if meta.dim() == 0 else TensorChunkSpec(0)
-                           for meta in self._last_stage_outputs())
+        merge_spec = tuple(self._weighted_sum() if k == self._loss_out else
+                           sum_reducer if meta.dim() == 0 else TensorChunkSpec(0)
+                           for k, meta in enumerate(self._last_stage_outputs()))
         stages = self._pstages[0] if pipe.schedule in ("gpipe", "1f1b") else self._pstages
         self.schedule = SCHEDULES[pipe.schedule](stages, n_microbatches=self.num_microbatches, loss_fn=self._loss,
                                                  args_chunk_spec=args_spec, output_merge_spec=merge_spec,
@@ -194,12 +203,22 @@ class PipelineModule(PipelineState, nn.Module):
         self._whole = whole
         return self.schedule
 
+    def _weighted_sum(self) -> _CustomReducer:
+        """The loss output's merge: micro-batch ``k``'s loss times its weight (torch folds the
+        micro-batches in order, once per call)."""
+        def fold(total: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
+            weight = self._weights[self._merged].item()
+            self._merged += 1
+            return total + loss.detach() * weight
+        return _CustomReducer(torch.tensor(0.0), fold)
+
     def _loss(self, output: Any, target: torch.Tensor) -> torch.Tensor:
         """One micro-batch's loss, divided by M (see the contract: mean losses, equal micro-batch
         weights): the model's own, or ``step_with``'s criterion's."""
         out = output if isinstance(output, (tuple, list)) else (output,)
         if self._criterion is None:
-            loss = out[self._loss_at] / self.num_microbatches
+            k = int(target.reshape(-1)[0].item())  # ``_train`` passes arange(M) as the target
+            loss = out[self._loss_at] * self._weights[k].item()
         else:
             # ``target`` is this micro-batch's index (``step_with`` passes arange(M) as the target)
             micro = self._micro_batches[int(target.reshape(-1)[0].item())]
@@ -217,14 +236,15 @@ class PipelineModule(PipelineState, nn.Module):
         (``None``: the model's own loss): ``outputs`` is the model's output structure for one
         micro-batch, ``micro_batch`` that micro-batch of the inputs (the kwargs dict, the single
         positional argument, or ``(args, kwargs)``; cut by the micro-batch rule); it is divided by
-        the micro-batch count like the model's loss (a mean over equally weighted micro-batches).
+        the micro-batch count (a mean over equally weighted micro-batches; the model's own loss is
+        weighted by its counted targets instead: ``weights.py``).
         Returns ``(loss, outputs)`` on every rank, ``outputs`` the full-batch output structure
         when ``return_outputs`` (else None). The product notes' ``Booster.execute_pipeline`` runs
         this."""
         if criterion is not None and not callable(criterion):
             raise ValueError(f"criterion must be callable (outputs, inputs) -> loss or None, got {criterion!r}")
         inputs, whole = self._flat_inputs(args, kwargs)
-        self._begin_step(args, kwargs)
+        self._begin_step(args, kwargs, inputs=inputs, whole=whole, own_loss=criterion is None)
         self._criterion = criterion
         # Every rank takes the scale (its scaler's state starts with the first ``scale``), though
         # only the last stage multiplies a loss by it: the gradients every stage receives are scaled.
@@ -238,10 +258,16 @@ class PipelineModule(PipelineState, nn.Module):
             self._criterion, self._micro_batches, self._scale = None, [], None
         return loss, (self._merged_outputs(merged) if return_outputs else None)
 
-    def _begin_step(self, args: tuple, kwargs: dict) -> None:
+    def _begin_step(self, args: tuple, kwargs: dict, *, inputs: list[torch.Tensor], whole: frozenset[str],
+                    own_loss: bool) -> None:
         """One draw per full-batch step (``strategies/rng.py``), as the unpipelined module takes
         one per call: micro-batch ``k`` draws rows ``k * micro ...`` of every batch-major draw, so
-        the step draws what one call on the full batch draws."""
+        the step draws what one call on the full batch draws. The micro-batches' loss weights
+        (``weights.py``; a criterion's loss is a mean over equal micro-batches: 1/M)."""
+        m = self.num_microbatches
+        self._merged = 0
+        self._weights = (self._loss_weights.weights({p.name: v for p, v in zip(self._inputs, inputs)}, whole)
+                         if own_loss else torch.full((m,), 1.0 / m, dtype=torch.float64))
         draw = None
         if self._draws:
             micro = batch_size((args, kwargs)) // self.num_microbatches
@@ -276,7 +302,7 @@ class PipelineModule(PipelineState, nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Forward only: the model's outputs for the full batch, on every rank."""
         inputs, whole = self._flat_inputs(args, kwargs)
-        self._begin_step(args, kwargs)
+        self._begin_step(args, kwargs, inputs=inputs, whole=whole, own_loss=True)
         target = torch.zeros(self.num_microbatches, device=self._device)
         with torch.no_grad():
             merged = self._schedule_for(whole).eval(*inputs, target=target, losses=[], return_outputs=True)
@@ -297,8 +323,10 @@ class PipelineModule(PipelineState, nn.Module):
             value = None
             if last is not None:
                 value = merged[k].detach()
-                if meta.dim() == 0:  # summed over the micro-batches by ``sum_reducer``: their mean
+                if meta.dim() == 0 and k != self._loss_out:  # summed by ``sum_reducer``: their mean
                     value = (value / self.num_microbatches).to(meta.dtype)
+                elif k == self._loss_out:  # already weighted (``_weighted_sum``)
+                    value = value.to(meta.dtype)
             flat.append(self._from_last_stage(value, like=meta))
         if last is not None:
             last.output_chunks.clear()  # the merged copy is all that is kept

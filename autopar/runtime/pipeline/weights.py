@@ -1,0 +1,115 @@
+"""How much each micro-batch's loss weighs in the full batch's loss.
+
+A pipeline runs the model on M micro-batches and adds their losses. A sum-reduced loss adds up
+as is (weight 1). A mean over samples weighs each equal micro-batch 1/M. But the loss language
+models train on -- cross entropy averaged over the tokens whose label is not ``ignore_index`` --
+divides by a count that depends on the data: with padding (``-100`` labels) one micro-batch may
+count 100 tokens and the next 10, and the mean of their means is not the full batch's mean. The
+exact weight of micro-batch ``k`` is ``n_k / sum(n)``, ``n_k`` its counted targets.
+
+``n_k`` is read off the data before the step, so every micro-batch's backward (which 1F1B starts
+before the last forward) already has its weight: the traced graph's ops from the inputs to the
+loss's target (Hugging Face shifts and pads the labels inside the forward) are copied into a small
+graph and run on each micro-batch's inputs. Losses this cannot see through raise
+``NotImplementedError`` naming the node, rather than train with the wrong weights.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from autopar.tracer.graph import INPUT, TracedGraph
+
+__all__ = ["LossWeights"]
+
+aten = torch.ops.aten
+# loss op -> its positional layout: (target, weight, reduction, ignore_index) argument indices
+_LOSSES = {aten.cross_entropy_loss.default: (1, 2, 3, 4), aten.nll_loss.default: (1, 2, 3, 4),
+           aten.nll_loss_forward.default: (1, 2, 3, 4), aten.nll_loss2d.default: (1, 2, 3, 4)}
+_DEFAULTS = {2: None, 3: 1, 4: -100}  # weight, reduction (1 = mean), ignore_index
+# ops that pass the loss on unchanged on its way to the output
+_TRANSPARENT = {aten.to.dtype, aten._to_copy.default, aten.alias.default, aten.clone.default, aten.view.default,
+                aten.reshape.default}
+_SUM, _MEAN = 2, 1
+
+
+def _loss_op(loss: fx.Node) -> fx.Node | None:
+    node = loss
+    while node.op == "call_function" and node.target in _TRANSPARENT:
+        node = node.args[0]
+    if node.op == "call_function" and getattr(node.target, "__name__", "") == "getitem" and node.args[1] == 0:
+        node = node.args[0]  # nll_loss_forward returns (loss, total_weight)
+    return node if node.op == "call_function" and node.target in _LOSSES else None
+
+
+def _arg(node: fx.Node, index: int, name: str):
+    if len(node.args) > index:
+        return node.args[index]
+    return node.kwargs.get(name, _DEFAULTS[index])
+
+
+class LossWeights:
+    """The weight of each micro-batch's loss in the full batch's (module docstring)."""
+
+    def __init__(self, traced: TracedGraph, num_microbatches: int) -> None:
+        self.m = num_microbatches
+        self.reduction, self.target_graph, self.ignore_index = _MEAN, None, -100
+        loss = traced.loss_node
+        op = None if loss is None else _loss_op(loss)
+        if op is None:
+            return  # a mean over samples or an unreduced expression: equal micro-batches weigh 1/M
+        target_at, weight_at, reduction_at, ignore_at = _LOSSES[op.target]
+        self.reduction = _arg(op, reduction_at, "reduction")
+        target = op.args[target_at]
+        if self.reduction != _MEAN or not isinstance(target, fx.Node) or target.meta["val"].is_floating_point():
+            return  # a sum, or class probabilities (every row counts): no data-dependent denominator
+        if _arg(op, weight_at, "weight") is not None:
+            raise NotImplementedError(f"node {op.name!r} ({op.target}): a pipeline weighs micro-batches by their "
+                                      f"counted targets, and per-class loss weights are not supported there; "
+                                      f"plan without a pipeline (pipeline=1)")
+        self.ignore_index = _arg(op, ignore_at, "ignore_index")
+        self.target_graph, self.input_names = _target_graph(traced, target, op)
+
+    def weights(self, inputs: dict[str, torch.Tensor], whole: frozenset[str]) -> torch.Tensor:
+        """Float64 weights of the M micro-batches from the call's inputs (placeholder name ->
+        full-batch tensor; ``whole``: those every micro-batch gets whole)."""
+        if self.reduction == _SUM:
+            return torch.ones(self.m, dtype=torch.float64)
+        if self.target_graph is None:
+            return torch.full((self.m,), 1.0 / self.m, dtype=torch.float64)
+        counts = []
+        for k in range(self.m):
+            args = [inputs[n] if n in whole else inputs[n].tensor_split(self.m)[k] for n in self.input_names]
+            target = self.target_graph(*args)
+            counts.append(float((target != self.ignore_index).sum()))
+        total = sum(counts)
+        if total == 0:  # nothing counted: the full batch's loss is 0/0 as well; keep the plain mean
+            return torch.full((self.m,), 1.0 / self.m, dtype=torch.float64)
+        return torch.tensor(counts, dtype=torch.float64) / total
+
+
+def _target_graph(traced: TracedGraph, target: fx.Node, op: fx.Node) -> tuple[fx.GraphModule, list[str]]:
+    """The traced ops from the inputs to ``target``, as a graph of the inputs it reads (their
+    placeholder names, in its argument order)."""
+    kinds = {p.name: p.kind for p in traced.placeholders}
+    needed: set[fx.Node] = set()
+    stack = [target]
+    while stack:
+        node = stack.pop()
+        if node in needed:
+            continue
+        needed.add(node)
+        if node.op == "placeholder" and kinds.get(node.name) != INPUT:
+            raise NotImplementedError(f"node {op.name!r} ({op.target}): its target depends on {node.name!r}, not "
+                                      f"only on the inputs, so a pipeline cannot weigh micro-batches by their "
+                                      f"counted targets; plan without a pipeline (pipeline=1)")
+        stack.extend(node.all_input_nodes)
+    graph, env, names = fx.Graph(), {}, []
+    for node in traced.gm.graph.nodes:  # graph order is a topological order
+        if node in needed:
+            env[node] = graph.node_copy(node, lambda n: env[n])
+            if node.op == "placeholder":
+                names.append(node.name)
+    graph.output(env[target])
+    return fx.GraphModule(traced.gm, graph), names
