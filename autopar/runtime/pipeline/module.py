@@ -275,8 +275,8 @@ class PipelineModule(PipelineState, nn.Module):
         for stage in self._stages:
             stage.begin_step(draw)
 
-    def _train(self, inputs: list[torch.Tensor], whole: frozenset[str], *,
-               return_outputs: bool) -> tuple[torch.Tensor, Any]:
+    def _train(self, inputs: list[torch.Tensor], whole: frozenset[str], *, return_outputs: bool,
+               pending: dict[str, torch.Tensor] | None = None) -> tuple[torch.Tensor, Any]:
         # This step's gradients are summed (over data-parallel axes, over tied copies) on their
         # own, then added to what ``.grad`` held (gradients accumulate across steps until zeroed).
         for leaf in self._leaves.values():
@@ -291,16 +291,32 @@ class PipelineModule(PipelineState, nn.Module):
             grad = self._leaves[name].grad
             if not isinstance(dt, nn.Parameter) or grad is None:
                 continue
-            if dt.grad is not None:
-                grad = local_of(dt.grad) + grad
-            dt.grad = to_dtensor(grad, self._specs[name], self.pmesh, dt.shape)
+            if pending is not None:  # a training ``forward``: added when its loss's backward runs
+                pending[name] = grad
+            else:
+                self._add_gradient(name, grad)
         loss = torch.stack([x.detach() for x in losses]).sum() if losses else torch.zeros((), device=self._device)
         if self._scale is not None:  # the loss as computed (the scaled one was for backward)
             loss = loss / self._scale
         return self._from_last_stage(loss.to(self._loss_dtype())), merged
 
+    def _add_gradient(self, name: str, grad: torch.Tensor) -> None:
+        """Add this rank's local ``grad`` of parameter ``name`` to its DTensor's ``.grad``."""
+        dt = self._dtensors[name]
+        if dt.grad is not None:
+            grad = local_of(dt.grad) + grad
+        dt.grad = to_dtensor(grad, self._specs[name], self.pmesh, dt.shape)
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """Forward only: the model's outputs for the full batch, on every rank."""
+        """The model's outputs for the full batch, on every rank. In training mode with autograd
+        on, the loss is differentiable: the call runs the whole pipelined step (forward and
+        backward over the micro-batches) and keeps its gradients aside; ``loss.backward()`` (or
+        the backward of any function of the loss, a GradScaler's scaled loss included) adds them,
+        times the loss's incoming gradient, to ``.grad`` -- the plain module's training loop
+        (``model(**batch).loss.backward()``) trains a pipelined plan unchanged. The other outputs
+        carry no gradient. Otherwise forward only (no backward work)."""
+        if self.training and torch.is_grad_enabled() and self._loss_out is not None:
+            return self._training_forward(args, kwargs)
         inputs, whole = self._flat_inputs(args, kwargs)
         self._begin_step(args, kwargs, inputs=inputs, whole=whole, own_loss=True)
         target = torch.zeros(self.num_microbatches, device=self._device)
@@ -308,13 +324,21 @@ class PipelineModule(PipelineState, nn.Module):
             merged = self._schedule_for(whole).eval(*inputs, target=target, losses=[], return_outputs=True)
         return self._merged_outputs(merged)
 
+    def _training_forward(self, args: tuple, kwargs: dict) -> Any:
+        inputs, whole = self._flat_inputs(args, kwargs)
+        self._begin_step(args, kwargs, inputs=inputs, whole=whole, own_loss=True)
+        pending: dict[str, torch.Tensor] = {}
+        loss, merged = self._train(inputs, whole, return_outputs=True, pending=pending)
+        anchor = torch.zeros((), device=self._device, requires_grad=True)
+        return self._merged_outputs(merged, loss=_DeferredBackward.apply(anchor, loss, self, pending))
+
     def _structured(self, out: tuple[torch.Tensor, ...]) -> Any:
         """The model's output structure from the last stage's flat outputs (``None`` leaves back)."""
         it = iter(out)
         return self._traced.unflatten_outputs([next(it) if isinstance(a, fx.Node) else a
                                                for a in self._traced.flat_outputs])
 
-    def _merged_outputs(self, merged: Any) -> Any:
+    def _merged_outputs(self, merged: Any, *, loss: torch.Tensor | None = None) -> Any:
         """The schedule's merge of the last stage's micro-batch outputs (``merged``: None on ranks
         without the last stage) as one full-batch output structure, on every rank."""
         last = next((s for s in self._pstages if s.is_last), None)
@@ -330,6 +354,8 @@ class PipelineModule(PipelineState, nn.Module):
             flat.append(self._from_last_stage(value, like=meta))
         if last is not None:
             last.output_chunks.clear()  # the merged copy is all that is kept
+        if loss is not None:  # a training forward's differentiable loss
+            flat[self._loss_out] = loss
         return self._structured(tuple(flat))
 
     def _last_stage_outputs(self) -> list[torch.Tensor]:
@@ -437,3 +463,23 @@ class PipelineModule(PipelineState, nn.Module):
     @property
     def code(self) -> str:
         return "\n".join(f"# stage {m.stage.index}\n{m.gm.code}" for m in self._stages)
+
+
+class _DeferredBackward(torch.autograd.Function):
+    """The loss of a training ``forward`` whose step already ran: its backward adds the step's
+    gradients (``pending``), times the incoming gradient, to the parameters' ``.grad``. The
+    ``anchor`` (a leaf needing grad) makes autograd call it."""
+
+    @staticmethod
+    def forward(ctx, anchor: torch.Tensor, loss: torch.Tensor, module: PipelineModule,
+                pending: dict[str, torch.Tensor]) -> torch.Tensor:
+        ctx.module, ctx.pending = module, pending
+        return loss.detach().clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        scale = grad.to(torch.float64).item()
+        for name, step in ctx.pending.items():
+            ctx.module._add_gradient(name, step if scale == 1.0 else step * scale)
+        ctx.pending = {}  # a second backward through the same loss adds nothing more
+        return None, None, None, None

@@ -25,7 +25,7 @@ def _optimizer(padded):
     return (torch.optim.SGD, {"lr": 0.1}) if padded else (torch.optim.AdamW, {"lr": 1e-3})
 
 
-def _body(rank, world, model, inputs, want_loss, want_grads, want_params, padded):
+def _body(rank, world, model, inputs, want_loss, want_grads, want_params, padded, loop):
     from autopar.api import autoparallelize
     from autopar.runtime.pipeline import PipelineModule
 
@@ -34,9 +34,17 @@ def _body(rank, world, model, inputs, want_loss, want_grads, want_params, padded
         return [f"the default planned no pipeline: {type(pm).__name__}"]
     cls, kwargs = _optimizer(padded)
     opt = pm.optimizer(cls, **kwargs)
-    errors = close("forward-only loss", pm(**inputs).loss, want_loss)
+    with torch.no_grad():
+        errors = close("forward-only loss", pm(**inputs).loss, want_loss)
     for step in range(STEPS):
-        loss = pm.step(**inputs)
+        if loop:  # the plain module's loop: a training forward's loss is differentiable
+            loss = pm(**inputs).loss
+            (loss * 4.0).backward()  # any function of the loss: its gradient scales the step's
+            for p in pm.parameters():
+                if p.grad is not None:
+                    p.grad /= 4.0
+        else:
+            loss = pm.step(**inputs)
         if step == 0:
             errors += close("loss", loss, want_loss)
             grads = pm.full_gradients()
@@ -48,8 +56,9 @@ def _body(rank, world, model, inputs, want_loss, want_grads, want_params, padded
     return errors
 
 
-@pytest.mark.parametrize("padded", [False, True], ids=["full", "padded"])
-def test_default_pipeline_trains_like_single_device(padded):
+@pytest.mark.parametrize("padded, loop", [(False, False), (True, False), (True, True)],
+                         ids=["full", "padded", "padded-training-loop"])
+def test_default_pipeline_trains_like_single_device(padded, loop):
     model, inputs = qwen2_decoder(device="cpu")
     if padded:  # the first rows count far fewer tokens than the rest: micro-batch means differ in weight
         inputs["labels"][0, 4:] = -100
@@ -68,6 +77,6 @@ def test_default_pipeline_trains_like_single_device(padded):
         opt.step()
         opt.zero_grad()
     want_params = {k: p.detach().clone() for k, p in ref.named_parameters()}
-    errors = run_local(_body, 2, model, inputs, want_loss, want_grads, want_params, padded, timeout=300)
+    errors = run_local(_body, 2, model, inputs, want_loss, want_grads, want_params, padded, loop, timeout=300)
     flat = [e for rank_errors in errors for e in rank_errors]
     assert not flat, "\n".join(flat[:20])
