@@ -25,6 +25,7 @@ from autopar.runtime.dtensors import to_dtensor
 from autopar.runtime.materialize import local_shards
 from autopar.runtime.module import AutoParallelModule
 from autopar.runtime.early import hoist_early_sums
+from autopar.runtime.fold import fold_constants
 from autopar.runtime.passes import STATE_KEY, emit_local_graph
 from autopar.runtime.process_mesh import ProcessMesh
 from autopar.runtime.table_wise import check_tables, owners_of, to_table_dtensor
@@ -87,6 +88,7 @@ def build_module(model: nn.Module, traced, plan: Plan, *, device: torch.device, 
         if name not in state_names:
             root[target] = shards[name]  # lifted constants stay plain local tensors
     gm = fx.GraphModule(root, emitted.graph, class_name=f"AutoParallel{traced.model_name}")
+    fold_constants(gm)  # the attention mask from arange: computed once here, not every step
     shapes = {p.name: p.shape for p in traced.placeholders}
     for name in sorted(state_names):
         if name in owners:  # a table-wise table: whole on its owner, zero rows on its peers
