@@ -2,7 +2,9 @@
 computes the number of labels not ignored and issues its all-reduce at the start of forward (the
 labels' own ops hoisted there), the loss kernel divides by it at the end, and the step still
 equals the single-device one -- loss, every gradient, clipped AdamW steps -- when the ranks hold
-different numbers of ignored labels (-100), one rank none at all but ignored ones."""
+different numbers of ignored labels (-100), one rank none at all but ignored ones. The same run
+checks that GPT-2's attention mask is folded into a constant (``runtime.fold``) with the same
+values."""
 
 from __future__ import annotations
 
@@ -79,6 +81,8 @@ def test_denominator_summed_early_with_uneven_ignored_labels_equals_single_devic
             assert early < first_param, code  # issued before the model's first op reads a weight
             call = next(line for line in lines if f"= self.{kernel}(" in line)
             assert call.split("(", 1)[1].split(")")[0].endswith(f"{kernel}_early"), call
+        # GPT-2's causal mask and position ids read no input: folded at build (runtime/fold.py).
+        assert "self._autopar_folded." in codes[0] and "aten.arange" not in codes[0], codes[0]
 
 
 def test_pricing_unchanged_by_the_early_path():
