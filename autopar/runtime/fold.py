@@ -16,6 +16,9 @@ order, so a collective among them still meets its peers), or a custom kernel of 
 buffers), lifted constants (``get_attr``), random draws and recompute regions never fold. A
 folded value larger than ``FOLD_MAX_BYTES`` is left computed each step (memory held for the
 whole step is not worth a few microseconds): what it reads then stays folded instead.
+
+An attention call whose folded mask is, value for value, the causal one then runs with
+``is_causal=True`` and no mask (``_causal_attention``), as the eager model does.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ __all__ = ["FOLD_MAX_BYTES", "fold_constants"]
 
 FOLD_MAX_BYTES = 4 * 2**20
 HOLDER = "_autopar_folded"
+aten = torch.ops.aten
 
 
 def fold_constants(gm: fx.GraphModule) -> dict[str, torch.Tensor]:
@@ -78,9 +82,53 @@ def fold_constants(gm: fx.GraphModule) -> dict[str, torch.Tensor]:
     for node in reversed(list(graph.nodes)):
         if node in foldable and not node.users:
             graph.erase_node(node)
+    for name in _causal_attention(graph, values):
+        delattr(holder, name)
+        del values[name]
     graph.lint()
     gm.recompile()
     return values
+
+
+def _causal_attention(graph: fx.Graph, values: dict[str, torch.Tensor]) -> list[str]:
+    """Attention whose folded mask is exactly the causal one becomes ``is_causal=True`` without a
+    mask: the same values (torch's ``is_causal`` IS that mask, top-left aligned), and the CPU and
+    flash kernels skip the masked blocks instead of reading a mask -- what the eager model runs
+    (transformers passes ``is_causal`` unless traced). Returns the masks no longer read."""
+    dropped = []
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target is not aten.scaled_dot_product_attention.default:
+            continue
+        bound = node.target._schema.arguments
+        args = {a.name: v for a, v in zip(bound, node.args)} | dict(node.kwargs)
+        mask = args.get("attn_mask")
+        if not (isinstance(mask, fx.Node) and mask.op == "get_attr" and mask.target.startswith(f"{HOLDER}.")
+                and not args.get("is_causal", False)):
+            continue
+        name = mask.target.split(".", 1)[1]
+        if not _is_causal(values[name]):
+            continue
+        args["attn_mask"], args["is_causal"] = None, True
+        node.args, node.kwargs = (), args
+        if not mask.users:
+            graph.erase_node(mask)
+            dropped.append(name)
+    return dropped
+
+
+def _is_causal(mask: torch.Tensor) -> bool:
+    """Whether ``mask`` (boolean, or additive 0 / -inf) keeps exactly ``j <= i`` in every slice.
+    Its last two sizes are then the attention's (query, key) lengths: a mask that broadcasts over
+    either (size 1) is never taken for causal."""
+    if mask.dim() < 2 or min(mask.shape[-2:]) < 2:
+        return False
+    rows, cols = mask.shape[-2:]
+    keep = torch.ones(rows, cols, dtype=torch.bool, device=mask.device).tril()
+    if mask.dtype == torch.bool:
+        return bool((mask == keep).all())
+    if not mask.dtype.is_floating_point:
+        return False
+    return bool(((mask == 0) == keep).all() and (mask[..., ~keep] == float("-inf")).all())
 
 
 def _deterministic(node: fx.Node, gm: fx.GraphModule) -> bool:

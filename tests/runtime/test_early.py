@@ -83,6 +83,7 @@ def test_denominator_summed_early_with_uneven_ignored_labels_equals_single_devic
             assert call.split("(", 1)[1].split(")")[0].endswith(f"{kernel}_early"), call
         # GPT-2's causal mask and position ids read no input: folded at build (runtime/fold.py).
         assert "self._autopar_folded." in codes[0] and "aten.arange" not in codes[0], codes[0]
+        assert codes[0].count("is_causal = True") == 2, codes[0]  # tiny GPT-2's two blocks, as eager runs them
 
 
 def test_pricing_unchanged_by_the_early_path():

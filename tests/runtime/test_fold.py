@@ -55,3 +55,26 @@ def test_values_over_the_cap_are_computed_each_step(monkeypatch):
     torch.manual_seed(0)
     got = gm(x)
     assert torch.equal(got[1], torch.where(torch.arange(8.0)[None] <= torch.arange(8.0)[:, None], x, 0.0))
+
+
+def _attention(offset: int) -> fx.GraphModule:
+    """sdpa with a mask from ``arange``: key j visible from query i when ``j <= i + offset``."""
+    g = fx.Graph()
+    q, k, v = (g.placeholder(n) for n in "qkv")
+    rows = g.call_function(aten.unsqueeze.default, (g.call_function(aten.arange.default, (6,)), 1))
+    cols = g.call_function(aten.unsqueeze.default, (g.call_function(aten.arange.default, (6,)), 0))
+    mask = g.call_function(aten.le.Tensor, (cols, g.call_function(aten.add.Tensor, (rows, offset))))
+    mask = g.call_function(aten.expand.default, (mask, [2, 1, 6, 6]))
+    g.output(g.call_function(aten.scaled_dot_product_attention.default, (q, k, v, mask), {"scale": 0.5}))
+    return fx.GraphModule(torch.nn.Module(), g)
+
+
+def test_a_folded_causal_mask_becomes_is_causal_other_masks_stay():
+    q, k, v = (torch.randn(2, 3, 6, 4) for _ in range(3))
+    for offset, causal in ((0, True), (1, False), (-1, False)):
+        gm = _attention(offset)
+        want = gm(q, k, v)
+        values = fold_constants(gm)
+        assert ("is_causal = True" in gm.code) == causal, gm.code
+        assert (values == {}) == causal  # the causal mask is no longer kept at all
+        torch.testing.assert_close(gm(q, k, v), want)
