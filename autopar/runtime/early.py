@@ -14,8 +14,9 @@ it as an ``autopar.strategies.registry.EarlySum`` and the emitted graph computes
 ``EarlySumCall`` computes this rank's summand and all-reduces it asynchronously on the last
 axis to sum over (blocking on any axes before it: the sum over several mesh axes is one
 all-reduce per axis); the result is a ``runtime.pending.PendingTensor`` that the kernel's
-call waits for (``KernelCall``: the kernel computes on the plain value). ``hoist_early_sums`` then moves each such node, and the side-effect-free
-ops computing its inputs from the graph's inputs, to right after what they read, so the
+call waits for (``KernelCall``: the kernel computes on the plain value). ``hoist_early_sums``
+then moves each such node, and the side-effect-free ops computing its inputs from the graph's
+inputs, to right after what they read, so the
 all-reduce is in flight during the forward. The sum, its summand and its value are the ones the
 kernel would compute itself (the same collective on the same buffer), only waited on later.
 
