@@ -16,9 +16,9 @@ axis to sum over (blocking on any axes before it: the sum over several mesh axes
 all-reduce per axis); the result is a ``runtime.pending.PendingTensor`` that the kernel's
 call waits for (``KernelCall``: the kernel computes on the plain value). ``hoist_early_sums``
 then moves each such node, and the side-effect-free ops computing its inputs from the graph's
-inputs, to right after what they read, so the
-all-reduce is in flight during the forward. The sum, its summand and its value are the ones the
-kernel would compute itself (the same collective on the same buffer), only waited on later.
+inputs, to right after what they read, so the all-reduce is in flight during the forward. The
+sum, its summand and its value are the ones the kernel would compute itself (the same
+collective on the same buffer), only waited on later.
 
 The pass runs after recompute regions are cut (``build_module``), so it never moves a node out
 of or into a checkpointed region: an input produced inside a region keeps its consumers after it.
