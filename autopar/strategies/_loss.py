@@ -63,6 +63,8 @@ def _ce_comm(info: OpInfo, input_specs, output_specs, mesh) -> tuple[float, floa
         num = 4 if info.arg("label_smoothing") else 3  # max, sum-exp, target logit (+ logit sum)
         fwd += num * collective_seconds("all_reduce", per_sample, mesh, class_axes)
     if sample_axes and info.arg("reduction") == _MEAN:
+        # The denominator: the same one scalar all-reduce, which the runtime issues at the start of
+        # forward (``EarlySum``); still priced as waited on, the cost model having no forward stream.
         fwd += collective_seconds("all_reduce", x.itemsize, mesh, sample_axes)
     return fwd, 0.0  # the all-reduces' backward is the identity
 
