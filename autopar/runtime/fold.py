@@ -10,10 +10,10 @@ are erased.
 
 A node folds when all of its inputs fold and it is a deterministic op without side effect: an
 ATen op not tagged ``nondeterministic_seeded`` that writes none of its arguments, a ``getitem``
-of one, a layout conversion of one (``Collective``: every rank folds the same nodes in the same
-order, so a collective among them still meets its peers), or a custom kernel of such an op
-(``arange_shard``: this rank's rows of a batch index). Placeholders (inputs, parameters,
-buffers), lifted constants (``get_attr``), random draws and recompute regions never fold. A
+of one, or a custom kernel of such an op that reads no tensor (``arange_shard``: this rank's
+rows of a batch index). Placeholders (inputs, parameters, buffers), lifted constants
+(``get_attr``), collectives (every rank keeps issuing the same ones), random draws and
+recompute regions never fold. A
 folded value larger than ``FOLD_MAX_BYTES`` is left computed each step (memory held for the
 whole step is not worth a few microseconds): what it reads then stays folded instead.
 
@@ -32,7 +32,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch import nn
 
-from autopar.runtime.nodes import Collective, KernelCall
+from autopar.runtime.nodes import KernelCall
 
 __all__ = ["FOLD_MAX_BYTES", "fold_constants"]
 
@@ -135,10 +135,10 @@ def _deterministic(node: fx.Node, gm: fx.GraphModule) -> bool:
     if node.op == "call_function":
         return node.target is operator.getitem or _pure_op(node.target)
     if node.op == "call_module":
+        # A kernel reading no tensor (``arange_shard``): its value depends on this rank's
+        # coordinate only. Collectives never fold: ranks must keep issuing the same ones.
         module = gm.get_submodule(node.target)
-        if isinstance(module, Collective):
-            return True
-        return isinstance(module, KernelCall) and _pure_op(module.ctx.info.target)
+        return isinstance(module, KernelCall) and not node.all_input_nodes and _pure_op(module.ctx.info.target)
     return False
 
 
