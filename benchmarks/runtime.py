@@ -233,6 +233,8 @@ def _graph_comm(pm) -> dict:
         for name in names:
             if f"self.{name}(" in line:
                 calls[name] += 1
+        if "_early(" in line:  # a kernel's early sum (runtime/early.py): the loss denominator's all-reduce
+            calls["early_sum"] += 1
     return dict(calls)
 
 

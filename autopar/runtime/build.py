@@ -24,6 +24,8 @@ from autopar.runtime.draws import check_ranks_draw_alike
 from autopar.runtime.dtensors import to_dtensor
 from autopar.runtime.materialize import local_shards
 from autopar.runtime.module import AutoParallelModule
+from autopar.runtime.early import hoist_early_sums
+from autopar.runtime.fold import fold_constants
 from autopar.runtime.passes import STATE_KEY, emit_local_graph
 from autopar.runtime.process_mesh import ProcessMesh
 from autopar.runtime.table_wise import check_tables, owners_of, to_table_dtensor
@@ -70,11 +72,13 @@ def build_module(model: nn.Module, traced, plan: Plan, *, device: torch.device, 
         raise ValueError("the plan is pipelined (Plan.pipeline): build it with "
                          "autopar.runtime.pipeline.build_pipeline(model, micro_batch_trace, plan, device=...)")
     pmesh = ProcessMesh.from_spec(plan.mesh, device_type=device.type)
-    emitted = emit_local_graph(traced, plan, pmesh, device=device, local_inputs=local_inputs, pending_outputs=True)
+    emitted = emit_local_graph(traced, plan, pmesh, device=device, local_inputs=local_inputs, pending_outputs=True,
+                               early_sums=True)
     if plan.recompute:  # activation checkpointing: regions become torch.utils.checkpoint calls
         from autopar.runtime.recompute import apply_recompute
 
         apply_recompute(emitted.graph, emitted.modules, plan.recompute)
+    hoist_early_sums(emitted.graph, emitted.modules)  # after the regions: never across one
     owners = owners_of(plan)
     shards, stats = local_shards(model, traced, emitted.specs, pmesh, device=device, seed=seed,
                                  init_weights=init_weights, owners=owners)
@@ -84,6 +88,7 @@ def build_module(model: nn.Module, traced, plan: Plan, *, device: torch.device, 
         if name not in state_names:
             root[target] = shards[name]  # lifted constants stay plain local tensors
     gm = fx.GraphModule(root, emitted.graph, class_name=f"AutoParallel{traced.model_name}")
+    fold_constants(gm)  # the attention mask from arange: computed once here, not every step
     shapes = {p.name: p.shape for p in traced.placeholders}
     for name in sorted(state_names):
         if name in owners:  # a table-wise table: whole on its owner, zero rows on its peers

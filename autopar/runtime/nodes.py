@@ -16,7 +16,7 @@ from torch import nn
 
 from autopar.runtime.collectives import apply_step
 from autopar.runtime.kernels import DistComm, grad_all_reduce
-from autopar.runtime.pending import Inflight, all_reduce_pending
+from autopar.runtime.pending import Inflight, PendingTensor, all_reduce_pending
 from autopar.runtime.process_mesh import ProcessMesh
 from autopar.layout.conversion import ReshardStep
 from autopar.strategies.kernel_context import KernelContext
@@ -70,6 +70,9 @@ class KernelCall(nn.Module):
         self.name, self.fn, self.ctx, self.arg_names = name, fn, ctx, arg_names
 
     def forward(self, *values: Any) -> Any:
+        # An early sum (runtime/early.py) is waited for here, its reader: the kernel computes on a
+        # plain tensor, so autograd saves no PendingTensor (saved-tensor hooks read storages).
+        values = [v.resolved() if isinstance(v, PendingTensor) else v for v in values]
         # Positional: schema names such as ``self`` cannot be keyword arguments of a Module call.
         return self.fn(self.ctx, **dict(zip(self.arg_names, values)))
 

@@ -42,6 +42,7 @@ import torch.utils._pytree as pytree
 
 from autopar.plans import NodePlan, Plan
 from autopar.runtime.bucketing import GradBucketer, bucket_cap_bytes
+from autopar.runtime.early import EarlySumCall
 from autopar.runtime.nodes import Collective, GradAllReduce, KernelCall, kernel_context
 from autopar.runtime.process_mesh import ProcessMesh
 from autopar.runtime.table_wise import kernel_owners, owners_of
@@ -122,7 +123,7 @@ def find_strategy(node: fx.Node, node_plan: NodePlan, plan: Plan) -> Strategy:
 def emit_local_graph(traced: TracedGraph, plan: Plan, pmesh: ProcessMesh, *,
                      device: torch.device, local_inputs: bool = False, bucket_cap: int | None = None,
                      output_specs: dict[str, TensorSpec] | None = None,
-                     pending_outputs: bool = False) -> EmittedGraph:
+                     pending_outputs: bool = False, early_sums: bool = False) -> EmittedGraph:
     """``local_inputs``: user inputs arrive as this rank's piece under the plan's input layout
     (instead of the full value). ``bucket_cap``: bytes per gradient bucket, None for
     ``bucket_cap_bytes()``; 0 emits in-graph ``grad_all_reduce`` nodes (plain autograd, which
@@ -130,9 +131,11 @@ def emit_local_graph(traced: TracedGraph, plan: Plan, pmesh: ProcessMesh, *,
     value name -> the layout that output leaves in (default ``R``; a pipeline stage sends its
     boundary values in their producers' layouts). ``pending_outputs``: an output made replicated by
     one all-reduce (a data-parallel loss) is returned while that all-reduce is in flight, waited
-    on at its first read (:mod:`autopar.runtime.pending`)."""
+    on at its first read (:mod:`autopar.runtime.pending`). ``early_sums``: a kernel's ``EarlySum``
+    (a mean loss's denominator) is its own node, issued asynchronously and passed to the kernel
+    (:mod:`autopar.runtime.early`; ``hoist_early_sums`` then moves it to the start of forward)."""
     return _Emitter(traced, plan, pmesh, torch.device(device), local_inputs, bucket_cap, output_specs,
-                    pending_outputs=pending_outputs).run()
+                    pending_outputs=pending_outputs, early_sums=early_sums).run()
 
 
 def _as_tuple(val: Any) -> tuple:
@@ -146,9 +149,10 @@ def _where(node: fx.Node) -> str:
 class _Emitter:
     def __init__(self, traced: TracedGraph, plan: Plan, pmesh: ProcessMesh, device: torch.device,
                  local_inputs: bool, bucket_cap: int | None = None,
-                 output_specs: dict[str, TensorSpec] | None = None, *, pending_outputs: bool = False) -> None:
+                 output_specs: dict[str, TensorSpec] | None = None, *, pending_outputs: bool = False,
+                 early_sums: bool = False) -> None:
         self.output_specs = dict(output_specs or {})
-        self.pending_outputs = pending_outputs  # see emit_local_graph
+        self.pending_outputs, self.early_sums = pending_outputs, early_sums  # see emit_local_graph
         self.traced, self.plan, self.pmesh, self.device = traced, plan, pmesh, device
         self.local_inputs = local_inputs
         self.mesh_shape = tuple(pmesh.shape)
@@ -322,9 +326,17 @@ class _Emitter:
         # A table-wise table whole on one device (Plan.tables): the kernel reads its rows from there.
         weight = input_nodes(node)[0].name if input_nodes(node) else ""
         ctx = kernel_context(info, strategy, self.pmesh, owners=kernel_owners(weight, self.table_owners))
-        self.modules[name] = KernelCall(kernel.name, kernel.fn, ctx, tuple(bound))
+        args, names = tuple(bound.values()), tuple(bound)
+        axes = kernel.early.axes(ctx, bound) if self.early_sums and kernel.early is not None else ()
+        axes = tuple(a for a in axes if self.pmesh.axis_size(a) > 1)
+        if axes:  # the kernel's sum over ranks that its labels alone give: issued apart, early
+            early = self._unique(f"{strategy.kernel}_early")
+            self.modules[early] = EarlySumCall(kernel.name, kernel.early, ctx, axes, self.pmesh)
+            reads = tuple(bound.get(r) for r in kernel.early.reads)
+            args, names = (*args, self.graph.call_module(early, reads)), (*names, "early")
+        self.modules[name] = KernelCall(kernel.name, kernel.fn, ctx, names)
         self.kernels.append(name)
-        return self.graph.create_node("call_module", name, tuple(bound.values()), name=node.name)
+        return self.graph.create_node("call_module", name, args, name=node.name)
 
     def _unique(self, base: str) -> str:
         name, k = base, 1

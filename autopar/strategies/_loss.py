@@ -44,7 +44,7 @@ from autopar.layout.cost import collective_seconds
 from autopar.layout.placement import Partial, Replicate, Shard
 from autopar.strategies.kernel_context import KernelContext
 from autopar.strategies._loss_elementwise import reduced_option
-from autopar.strategies.registry import AxisOption, OpInfo, Sample, register, register_kernel
+from autopar.strategies.registry import AxisOption, EarlySum, OpInfo, Sample, register, register_kernel
 from autopar.strategies.samples import ints, rand
 
 aten = torch.ops.aten
@@ -63,13 +63,40 @@ def _ce_comm(info: OpInfo, input_specs, output_specs, mesh) -> tuple[float, floa
         num = 4 if info.arg("label_smoothing") else 3  # max, sum-exp, target logit (+ logit sum)
         fwd += num * collective_seconds("all_reduce", per_sample, mesh, class_axes)
     if sample_axes and info.arg("reduction") == _MEAN:
+        # The denominator: the same one scalar all-reduce, which the runtime issues at the start of
+        # forward (``EarlySum``); still priced as waited on, the cost model having no forward stream.
         fwd += collective_seconds("all_reduce", x.itemsize, mesh, sample_axes)
     return fwd, 0.0  # the all-reduces' backward is the identity
 
 
-@register_kernel("cross_entropy", comm_cost=_ce_comm)
+def _mean_axes(ctx: KernelContext, args: dict) -> tuple[int, ...]:
+    """``EarlySum.axes`` of a loss kernel: a ``mean`` sums its denominator over the sample axes."""
+    if args.get("reduction", _MEAN) != _MEAN:
+        return ()
+    return _sample_axes(ctx.spec("self"), _class_dim(ctx.info.input("self").ndim))
+
+
+def _denominator_summand(ctx: KernelContext, target, weight=None, ignore_index=-100):
+    """This rank's part of the ``mean`` denominator (``EarlySum.summand``)."""
+    return _denominator(target, target != ignore_index, weight, ctx.info.input("self").dtype)
+
+
+def _global_denominator(ctx: KernelContext, early, target, weight, ignore_index, axes):
+    """The ``mean`` denominator over all ranks: the runtime's early sum (issued when the target
+    existed, :class:`EarlySum`), else this rank's summand all-reduced here."""
+    if early is not None:
+        return early
+    return ctx.comm.all_reduce(_denominator_summand(ctx, target, weight, ignore_index), axes)
+
+
+# The denominator reads only the target and the class weight: the runtime sums it early.
+_EARLY_DENOMINATOR = EarlySum(reads=("target", "weight", "ignore_index"), axes=_mean_axes,
+                              summand=_denominator_summand)
+
+
+@register_kernel("cross_entropy", comm_cost=_ce_comm, early=_EARLY_DENOMINATOR)
 def cross_entropy(ctx: KernelContext, self, target, weight=None, reduction=_MEAN, ignore_index=-100,
-                  label_smoothing=0.0):
+                  label_smoothing=0.0, early=None):
     spec = ctx.spec("self")
     class_axes = spec.shard_axes(1)
     sample_axes = tuple(a for a, p in enumerate(spec.placements) if isinstance(p, Shard) and p.dim != 1)
@@ -85,7 +112,7 @@ def cross_entropy(ctx: KernelContext, self, target, weight=None, reduction=_MEAN
             return total
     if reduction == _SUM:
         return total
-    return total / ctx.comm.all_reduce(_denominator(target, valid, weight, self.dtype), sample_axes)
+    return total / _global_denominator(ctx, early, target, weight, ignore_index, sample_axes)
 
 
 def _denominator(target, valid, weight, dtype):
@@ -176,8 +203,8 @@ def _nll_comm(info: OpInfo, input_specs, output_specs, mesh) -> tuple[float, flo
     return 0.0, 0.0
 
 
-@register_kernel("nll_loss", comm_cost=_nll_comm)
-def nll_loss(ctx: KernelContext, self, target, weight=None, reduction=_MEAN, ignore_index=-100):
+@register_kernel("nll_loss", comm_cost=_nll_comm, early=_EARLY_DENOMINATOR)
+def nll_loss(ctx: KernelContext, self, target, weight=None, reduction=_MEAN, ignore_index=-100, early=None):
     cd = _class_dim(self.ndim)
     spec = ctx.spec("self")
     valid = target != ignore_index
@@ -194,7 +221,7 @@ def nll_loss(ctx: KernelContext, self, target, weight=None, reduction=_MEAN, ign
         total = ctx.info.target(self, target, weight, _SUM, ignore_index)
     if reduction == _SUM:
         return total
-    return total / ctx.comm.all_reduce(_denominator(target, valid, weight, self.dtype), _sample_axes(spec, cd))
+    return total / _global_denominator(ctx, early, target, weight, ignore_index, _sample_axes(spec, cd))
 
 
 def _nll_samples(kind: str):

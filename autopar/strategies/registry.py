@@ -31,7 +31,7 @@ from autopar.layout.placement import Partial, Placement, Replicate, TensorSpec
 from autopar.tracer.meta_keys import MODULE_KEY, export_module_path
 
 __all__ = [
-    "TensorMeta", "InputSlot", "OpInfo", "AxisOption", "Strategy", "RuleEntry", "LocalKernel",
+    "TensorMeta", "InputSlot", "OpInfo", "AxisOption", "Strategy", "RuleEntry", "LocalKernel", "EarlySum",
     "NoRuleError", "register", "register_kernel", "get_rule", "get_kernel", "registered_targets",
     "input_nodes", "call_op", "Sample", "local_arguments", "needs_no_decision", "draws_random",
 ]
@@ -462,6 +462,28 @@ class LocalKernel:
     comm_cost: Callable[..., tuple[float, float]]
     work_share: Callable[..., tuple[tuple[int, ...], float] | None] | None = None
     saved_bytes: Callable[..., int | None] | None = None
+    early: "EarlySum | None" = None
+
+
+@dataclass(frozen=True, slots=True)
+class EarlySum:
+    """A sum over ranks that a kernel needs and that reads none of its differentiable inputs (a
+    mean loss's denominator: how many targets are not ignored). The runtime computes this rank's
+    summand as soon as the arguments it reads exist and all-reduces it asynchronously, so the
+    ranks do not meet at the kernel; the kernel then receives the global sum as its keyword
+    argument ``early`` (None: the kernel all-reduces ``summand`` itself through ``ctx.comm``, as
+    the numerical check runs it -- the same summand and the same sum either way).
+
+    reads: the kernel arguments ``summand`` takes.
+    axes(ctx, args) -> the mesh axes to sum over, () when this call needs no such sum; ``args``
+    are the kernel's bound arguments as the emitter holds them (tensors are graph nodes there:
+    decide from the non-tensor arguments and ``ctx``'s specs).
+    summand(ctx, **reads) -> this rank's part, a tensor that takes no gradient.
+    """
+
+    reads: tuple[str, ...]
+    axes: Callable[..., tuple[int, ...]]
+    summand: Callable[..., Any]
 
 
 _RULES: dict[Any, RuleEntry] = {}
@@ -502,13 +524,14 @@ def register(*targets: Any, samples: Callable[[], list[Sample]], has_flops: bool
 
 def register_kernel(name: str, *, comm_cost: Callable[..., tuple[float, float]],
                     work_share: Callable[..., tuple[tuple[int, ...], float] | None] | None = None,
-                    saved_bytes: Callable[..., int | None] | None = None) -> Callable:
-    """Register a custom local kernel under ``name`` (decorator)."""
+                    saved_bytes: Callable[..., int | None] | None = None,
+                    early: EarlySum | None = None) -> Callable:
+    """Register a custom local kernel under ``name`` (decorator); ``early``: see ``EarlySum``."""
 
     def deco(fn: Callable) -> Callable:
         if name in _KERNELS:
             raise ValueError(f"local kernel {name!r} is already registered")
-        _KERNELS[name] = LocalKernel(name, fn, comm_cost, work_share, saved_bytes)
+        _KERNELS[name] = LocalKernel(name, fn, comm_cost, work_share, saved_bytes, early)
         return fn
 
     return deco

@@ -1,0 +1,176 @@
+"""Values the emitted graph computes from nothing a step passes in, computed once when it is built.
+
+A traced transformer builds its attention mask from ``arange``s of the (static) sequence and
+batch sizes every step: some forty small ops (GPT-2's causal mask, position ids, the
+packed-sequence check) whose result depends on no input, parameter or buffer.
+``fold_constants(gm)`` evaluates every such node once, on this rank, and replaces those that a
+step still reads by a ``get_attr`` of the value (``self._autopar_folded.<name>``: a plain
+attribute, in no state dict and not among the module's buffers); the nodes that computed them
+are erased.
+
+A node folds when all of its inputs fold and it is a deterministic op without side effect: an
+ATen op not tagged ``nondeterministic_seeded`` that writes none of its arguments, a ``getitem``
+of one, or a custom kernel of such an op that reads no tensor (``arange_shard``: this rank's
+rows of a batch index). Placeholders (inputs, parameters, buffers), lifted constants
+(``get_attr``), collectives (every rank keeps issuing the same ones), random draws and
+recompute regions never fold. A
+folded value larger than ``FOLD_MAX_BYTES`` is left computed each step (memory held for the
+whole step is not worth a few microseconds): what it reads then stays folded instead.
+
+An attention call whose folded mask is, value for value, the causal one then runs with
+``is_causal=True`` and no mask (``_causal_attention``), as the eager model does.
+"""
+
+from __future__ import annotations
+
+import operator
+import warnings
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+from torch import nn
+
+from autopar.runtime.nodes import KernelCall
+
+__all__ = ["FOLD_MAX_BYTES", "fold_constants"]
+
+FOLD_MAX_BYTES = 4 * 2**20
+HOLDER = "_autopar_folded"
+aten = torch.ops.aten
+
+
+def fold_constants(gm: fx.GraphModule) -> dict[str, torch.Tensor]:
+    """Fold ``gm``'s input-independent nodes in place (module docstring); returns the kept
+    values by attribute name."""
+    graph = gm.graph
+    foldable: set[fx.Node] = set()
+    for node in graph.nodes:
+        if _deterministic(node, gm) and all(dep in foldable for dep in node.all_input_nodes):
+            foldable.add(node)
+    if not foldable:
+        return {}
+    env: dict[fx.Node, Any] = {}
+    with torch.no_grad():
+        for node in graph.nodes:
+            if node in foldable:
+                env[node] = _run(node, env, gm)
+    while True:  # the values a step still reads; the too large ones are computed each step instead
+        kept = [n for n in foldable if any(u not in foldable for u in n.users)]
+        # A graph output is handed to the caller, who may write it: never a kept constant.
+        large = {n for n in kept if _nbytes(env[n]) > FOLD_MAX_BYTES or not _storable(env[n])
+                 or any(u.op == "output" for u in n.users)}
+        if not large:
+            break
+        foldable -= _descendants(large)
+    holder = gm.get_submodule(HOLDER) if hasattr(gm, HOLDER) else None
+    if kept and holder is None:
+        holder = nn.Module()
+        gm.add_submodule(HOLDER, holder)
+    values = {}
+    for node in kept:
+        name = node.name
+        # A plain attribute, not a buffer: no state dict entry, not one of the module's buffers.
+        object.__setattr__(holder, name, env[node])
+        values[name] = env[node]
+        with graph.inserting_before(node), warnings.catch_warnings():
+            # fx warns of a get_attr that is no parameter, buffer or module: a plain attribute, as meant.
+            warnings.filterwarnings("ignore", message="Attempted to insert a get_attr Node")
+            attr = graph.get_attr(f"{HOLDER}.{name}")
+        node.replace_all_uses_with(attr, delete_user_cb=lambda user: user not in foldable)
+    for node in reversed(list(graph.nodes)):
+        if node in foldable and not node.users:
+            graph.erase_node(node)
+    for name in _causal_attention(graph, values):
+        delattr(holder, name)
+        del values[name]
+    graph.lint()
+    gm.recompile()
+    return values
+
+
+def _causal_attention(graph: fx.Graph, values: dict[str, torch.Tensor]) -> list[str]:
+    """Attention whose folded mask is exactly the causal one becomes ``is_causal=True`` without a
+    mask: the same values (torch's ``is_causal`` IS that mask, top-left aligned), and the CPU and
+    flash kernels skip the masked blocks instead of reading a mask -- what the eager model runs
+    (transformers passes ``is_causal`` unless traced). Returns the masks no longer read."""
+    dropped = []
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target is not aten.scaled_dot_product_attention.default:
+            continue
+        bound = node.target._schema.arguments
+        args = {a.name: v for a, v in zip(bound, node.args)} | dict(node.kwargs)
+        mask = args.get("attn_mask")
+        if not (isinstance(mask, fx.Node) and mask.op == "get_attr" and mask.target.startswith(f"{HOLDER}.")
+                and not args.get("is_causal", False)):
+            continue
+        name = mask.target.split(".", 1)[1]
+        if not _is_causal(values[name]):
+            continue
+        args["attn_mask"], args["is_causal"] = None, True
+        node.args, node.kwargs = (), args
+        if not mask.users:
+            graph.erase_node(mask)
+            dropped.append(name)
+    return dropped
+
+
+def _is_causal(mask: torch.Tensor) -> bool:
+    """Whether ``mask`` (boolean, or additive 0 / -inf) keeps exactly ``j <= i`` in every slice.
+    Its last two sizes are then the attention's (query, key) lengths: a mask that broadcasts over
+    either (size 1) is never taken for causal."""
+    if mask.dim() < 2 or min(mask.shape[-2:]) < 2:
+        return False
+    rows, cols = mask.shape[-2:]
+    keep = torch.ones(rows, cols, dtype=torch.bool, device=mask.device).tril()
+    if mask.dtype == torch.bool:
+        return bool((mask == keep).all())
+    if not mask.dtype.is_floating_point:
+        return False
+    return bool(((mask == 0) == keep).all() and (mask[..., ~keep] == float("-inf")).all())
+
+
+def _deterministic(node: fx.Node, gm: fx.GraphModule) -> bool:
+    if node.op == "call_function":
+        return node.target is operator.getitem or _pure_op(node.target)
+    if node.op == "call_module":
+        # A kernel reading no tensor (``arange_shard``): its value depends on this rank's
+        # coordinate only. Collectives never fold: ranks must keep issuing the same ones.
+        module = gm.get_submodule(node.target)
+        return isinstance(module, KernelCall) and not node.all_input_nodes and _pure_op(module.ctx.info.target)
+    return False
+
+
+def _pure_op(target: Any) -> bool:
+    if not isinstance(target, torch._ops.OpOverload) or torch.Tag.nondeterministic_seeded in target.tags:
+        return False
+    return not any(a.alias_info is not None and a.alias_info.is_write for a in target._schema.arguments)
+
+
+def _run(node: fx.Node, env: dict[fx.Node, Any], gm: fx.GraphModule) -> Any:
+    args = pytree.tree_map_only(fx.Node, env.__getitem__, node.args)
+    kwargs = pytree.tree_map_only(fx.Node, env.__getitem__, node.kwargs)
+    if node.op == "call_module":
+        return gm.get_submodule(node.target)(*args, **kwargs)
+    return node.target(*args, **kwargs)
+
+
+def _storable(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and not value.requires_grad
+
+
+def _nbytes(value: Any) -> int:
+    if not isinstance(value, torch.Tensor):
+        return 0
+    return value.untyped_storage().nbytes()
+
+
+def _descendants(nodes: set[fx.Node]) -> set[fx.Node]:
+    out, stack = set(nodes), list(nodes)
+    while stack:
+        for user in stack.pop().users:
+            if user not in out:
+                out.add(user)
+                stack.append(user)
+    return out
