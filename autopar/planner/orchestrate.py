@@ -22,6 +22,7 @@ from autopar.planner.offload_fit import fit_device_room, with_offload
 from autopar.planner.options import PlanOptions
 from autopar.plans import BaselineResult, Plan
 from autopar.stages import Progress
+from autopar.tracer.errors import TraceError
 
 if TYPE_CHECKING:
     from autopar.planner.checkpointing import RecomputePlan
@@ -402,9 +403,9 @@ def plan_auto(model: Any, meta_inputs: tuple | dict, *, mesh: MeshSpec | Sequenc
                                schedules=schedules, counts=counts)
         best = _search_counts(staged, spec=spec, options=options, progress=progress, schedules=schedules,
                               lines=lines, incumbent=incumbent)
-    except ValueError as exc:  # a pipeline this model cannot have (say, a cut the stages refuse): a line, not
-        if flat is None:       # the end of the default plan -- unless nothing else fits
-            raise
+    except (ValueError, TraceError) as exc:  # a pipeline this model cannot have (a cut the stages refuse, a
+        if flat is None:                     # micro-batch graph that does not trace): a line, not the end of
+            raise                            # the default plan -- unless nothing else fits
         best = None
         lines.append(f"pipeline {stages}: no plan: {str(exc).splitlines()[0]}")
     if best is not None and best[0].estimate.step_s < incumbent:

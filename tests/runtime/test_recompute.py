@@ -102,7 +102,8 @@ def test_gpt2_tiny_recompute_budgets():
     base = make_plan(model, inputs, mesh=(2,), memory_budget=None, checkpoint="none")
     plans = [("none", base)]
     for frac in (1.0, 0.7, 0.5, 0.35):
-        p = make_plan(model, inputs, mesh=(2,), memory_budget=int(frac * base.estimate.peak_bytes))
+        p = make_plan(model, inputs, mesh=(2,), memory_budget=int(frac * base.estimate.peak_bytes),
+                      pipeline=1)  # recompute is what is tested: a pipeline would meet the budget too
         assert p.estimate.peak_bytes <= int(frac * base.estimate.peak_bytes)
         plans.append((f"{frac:.0%}", Plan.from_json(p.to_json())))  # the JSON round trip keeps regions
     assert [bool(p.recompute) for _, p in plans] == [False, False, True, True, True]

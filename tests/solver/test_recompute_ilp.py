@@ -126,7 +126,8 @@ def test_gpt2_tiny_budgets_monotone_and_no_worse_than_uniform_blocks():
     times = [base.estimate.step_s]
     for frac in (0.7, 0.5, 0.35):
         budget = int(frac * peak)
-        p = make_plan(model, inputs, mesh=(2,), memory_budget=budget, checkpoint="auto")
+        p = make_plan(model, inputs, mesh=(2,), memory_budget=budget, checkpoint="auto",
+                      pipeline=1)  # recompute is what is tested: a pipeline would meet the budget too
         assert p.estimate.peak_bytes <= budget
         assert p.recompute, f"{frac}: a plan under {frac:.0%} of the no-recompute peak must recompute"
         assert p.estimate.step_s >= times[-1] - 1e-12
