@@ -99,7 +99,7 @@ def build_problem(traced: TracedGraph, prof: ModelProfile, mesh: MeshSpec, *,
     ``bucket_cap``: bytes per gradient bucket the runtime will use (None: ``layout.buckets``'s; 0: none)."""
     with frozen_heap():  # the graph and profile are only read: full GC passes skip them
         return _Builder(traced, prof, mesh, budget_bytes=budget_bytes, options=options, fixed=fixed,
-                        bucket_cap=bucket_cap_bytes() if bucket_cap is None else bucket_cap).build()
+                        bucket_cap=bucket_cap).build()
 
 
 class _Builder:
@@ -109,8 +109,9 @@ class _Builder:
     def __init__(self, traced: TracedGraph, prof: ModelProfile, mesh: MeshSpec, *,
                  budget_bytes: int | None, options: PlanOptions,
                  fixed: Callable[[fx.Node], FixedAxis | None] | None = None, stamp_blocks: bool = True,
-                 bucket_cap: int = 0) -> None:
-        self.traced, self.prof, self.mesh, self.fixed, self.bucket_cap = traced, prof, mesh, fixed, bucket_cap
+                 bucket_cap: int | None = None) -> None:
+        self.traced, self.prof, self.mesh, self.fixed = traced, prof, mesh, fixed
+        self.bucket_cap = bucket_cap_bytes() if bucket_cap is None else bucket_cap
         self.budget, self.opts = budget_bytes, options
         ops = [n for n in traced.compute_nodes() if _has_tensor_output(n) and n.target is not operator.getitem]
         self.num_ops = len(ops)
