@@ -21,6 +21,7 @@ def _load():
     return module
 
 
+@pytest.mark.full_sweep  # a benchmark run end to end (its planning half: test_pipeline_plan_prunes_...)
 def test_pipeline_benchmark_runs_and_losses_agree(tmp_path, capsys):
     bench = _load()
     out = tmp_path / "pipeline.jsonl"

@@ -199,6 +199,7 @@ def test_inspect_custom_factory_with_inputs(tmp_path):
     assert_one_line_error(missing, "returned only a model", "--input")
 
 
+@pytest.mark.full_sweep  # the deprecated alias of `autopar calibrate` (tests/cli/test_calibrate.py)
 def test_profile_mesh_local_writes_a_loadable_mesh(tmp_path):
     from autopar.layout.mesh import MeshSpec
 

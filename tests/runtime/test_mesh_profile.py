@@ -66,6 +66,7 @@ def test_fit_is_symmetric_in_log_space_and_rejects_bad_input():
         fit_alpha_beta([(1e3, 1e-3), (1e4, 0.9e-3), (1e5, 1e-3)])
 
 
+@pytest.mark.full_sweep  # the deprecated alias of `autopar calibrate` (tests/runtime/test_calibrate.py)
 def test_profile_two_gloo_processes_fits_its_timings():
     profile = profile_mesh_detailed((2,), local=2, sizes=SIZES, repeats=5)
     mesh = profile.mesh
@@ -92,6 +93,7 @@ def test_profile_two_gloo_processes_fits_its_timings():
     assert MeshSpec.from_json(mesh.to_json()) == mesh
 
 
+@pytest.mark.full_sweep  # the deprecated alias of `autopar calibrate` (tests/runtime/test_calibrate.py)
 def test_profile_inside_an_existing_group_on_a_2x2_mesh():
     # run_local initialises the default group, as torchrun would: profile_mesh must reuse it.
     def worker(rank, world_size):

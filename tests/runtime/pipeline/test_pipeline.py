@@ -168,7 +168,8 @@ def _run(rank, world, model, traced, plans, batches, refs, adamw):
     return errors
 
 
-@pytest.mark.parametrize("name", ["gpt2", "llama-1b"])
+# the default run keeps its cheaper sibling; `pytest -m full_sweep` runs this one
+@pytest.mark.parametrize("name", ["gpt2", pytest.param("llama-1b", marks=pytest.mark.full_sweep)])
 def test_pipeline_schedules_match_single_device(name):
     torch.manual_seed(0)
     model, micro = zoo.build(name, tiny=True, num_layers=NUM_LAYERS, batch=MICRO_BATCH, device="cpu")

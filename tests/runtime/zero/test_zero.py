@@ -141,7 +141,8 @@ def _reduce_scatters_before_backward_ends(pm) -> list[tuple[int, int]]:
     return seen
 
 
-@pytest.mark.parametrize("name", ["gpt2", "llama-1b"])
+# the default run: gpt2
+@pytest.mark.parametrize("name", ["gpt2", pytest.param("llama-1b", marks=pytest.mark.full_sweep)])
 def test_zero_1_and_2_train_like_one_device(name):
     model, inputs = _model(name)
     want = _reference(model, inputs)
