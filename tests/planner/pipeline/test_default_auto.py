@@ -4,8 +4,6 @@
 The model is issue 30's Qwen2-style decoder (grouped-query attention, 4 blocks) at test sizes;
 the gloo run of the plan the default picks is ``tests/runtime/pipeline/test_default_pipeline.py``."""
 
-import dataclasses
-
 import pytest
 import torch
 
@@ -43,14 +41,24 @@ def test_pipeline_option_default_and_off_spellings():
         PlanOptions(offload="auto", pipeline=2)
 
 
+def tight_budget(model, inputs, mesh, *, fraction=0.6) -> int:
+    """``fraction`` of the peak of the plan without a pipeline: data parallelism no longer fits,
+    and the unpipelined plan pays recompute or ZeRO where two stages hold half the layers each."""
+    return int(fraction * plan(model, inputs, mesh=mesh, pipeline=1, cache=False).estimate.peak_bytes)
+
+
 def test_default_picks_the_pipeline_where_it_wins_and_pipeline_1_turns_it_off():
-    """On the cpu preset's (2,) the decoder's data-parallel step pays a latency-bound gradient
-    all-reduce per bucket; two stages send one activation per micro-batch instead, and the
-    default keeps the faster pipeline (bubbles and point-to-point priced); ``pipeline=1`` plans
-    without one, at the step the default's candidates quote for it."""
+    """On the cpu preset's (2,) at 60% of the unpipelined plan's peak (data parallelism does not
+    fit; the fidelity benchmark measured a 2-stage pipeline fastest at such budgets), two stages
+    beat the unpipelined plan's recompute and ZeRO, and the default keeps the faster pipeline
+    (bubbles and point-to-point priced); ``pipeline=1`` plans without one, at the step the
+    default's candidates quote for it. (At an ample budget the unpipelined plan wins here: its
+    gradient sums are priced per bucket.)"""
     model, inputs = qwen2_decoder()
     mesh = MeshSpec.preset("cpu", (2,))
-    chosen = plan_auto(model, inputs, mesh=mesh, options=PlanOptions())
+    budget = tight_budget(model, inputs, mesh)
+    options = PlanOptions(memory_budget=budget)
+    chosen = plan_auto(model, inputs, mesh=mesh, options=options)
     assert chosen.plan.pipeline is not None and chosen.plan.pipeline.num_stages == 2, chosen.candidates
     flat = chosen.flat.plan
     assert chosen.plan.estimate.step_s < flat.estimate.step_s
@@ -65,7 +73,7 @@ def test_default_picks_the_pipeline_where_it_wins_and_pipeline_1_turns_it_off():
     alone = work_floor(chosen.flat.built, num_stages=2, num_microbatches=counts,
                        schedules=(chosen.plan.pipeline.schedule,))
     assert floor <= alone <= chosen.plan.estimate.step_s
-    off = plan(model, inputs, mesh=mesh, pipeline=1, cache=False)  # (None is the same record: the test above)
+    off = plan(model, inputs, mesh=mesh, pipeline=1, memory_budget=budget, cache=False)  # None: the same record
     assert off.pipeline is None and off.estimate.step_s == pytest.approx(flat.estimate.step_s)
 
 
@@ -86,11 +94,11 @@ def test_no_candidates_exit_before_any_micro_batch_trace():
 
 
 @pytest.mark.full_sweep
-def test_issue_30_decoder_on_slow_links_pipelines_by_default():
-    """Issue 30's measured case at its sizes (hidden 256, 8 heads, vocab 1000, batch 8 x seq 128)
-    on (2,) with links 20x slower than the cpu preset's: the default picks 2 stages."""
+def test_issue_30_decoder_at_a_tight_budget_pipelines_by_default():
+    """Issue 30's case at its sizes (hidden 256, 8 heads, vocab 1000, batch 8 x seq 128) on (2,)
+    at 60% of the unpipelined plan's peak: the default picks 2 stages."""
     model, inputs = qwen2_decoder(hidden=256, heads=8, vocab=1000, seq=128)
-    base = MeshSpec.preset("cpu", (2,))
-    slow = dataclasses.replace(base, beta=(base.beta[0] * 20,))
-    assert plan(model, inputs, mesh=slow, cache=False).pipeline is not None
-    assert plan(model, inputs, mesh=slow, pipeline=1, cache=False).pipeline is None
+    mesh = MeshSpec.preset("cpu", (2,))
+    budget = tight_budget(model, inputs, mesh)
+    assert plan(model, inputs, mesh=mesh, memory_budget=budget, cache=False).pipeline is not None
+    assert plan(model, inputs, mesh=mesh, memory_budget=budget, pipeline=1, cache=False).pipeline is None
