@@ -7,7 +7,6 @@ import dataclasses
 
 import pytest
 import torch
-from torch import nn
 
 from autopar.layout.cost import collective_seconds, compute_seconds
 from autopar.layout.machine import OP_CLASSES, ComputeProfile, LinkFit, MachineProfile, RateTable
@@ -17,16 +16,7 @@ from autopar.planner.orchestrate import plan_traced, trace_for_planning
 from autopar.planner.refit import Priced, check_refinable, priced_parts, refit_mesh, replan
 from autopar.plans import RecomputeRegion
 from autopar.tracer import profile
-
-
-class MLP(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.a = nn.Linear(64, 256)
-        self.b = nn.Linear(256, 64)
-
-    def forward(self, x, y):
-        return nn.functional.mse_loss(self.b(torch.relu(self.a(x))), y)
+from tests.test_refine import MLP  # the model the refine runs train
 
 
 def _priced(**compute: float) -> Priced:
