@@ -155,6 +155,13 @@ class TinyLM(nn.Module):
         return nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
 
 
+def lm_batches(vocab: int, *, batch: int, seq: int, steps: int) -> list[dict[str, torch.Tensor]]:
+    """``steps`` language-model batches of random token ids and labels, the same every call."""
+    gen = torch.Generator().manual_seed(3)
+    return [{"input_ids": torch.randint(0, vocab, (batch, seq), generator=gen),
+             "labels": torch.randint(0, vocab, (batch, seq), generator=gen)} for _ in range(steps)]
+
+
 def _build(name: str):
     torch.manual_seed(0)
     if name.startswith("tinylm"):  # "tinylm4": 4 blocks (2 pipeline ranks x 2 model chunks)
@@ -162,10 +169,7 @@ def _build(name: str):
     else:
         model, _ = zoo.build(name, tiny=True, batch=BATCH, seq=SEQ, device="cpu")
         vocab = model.config.vocab_size
-    gen = torch.Generator().manual_seed(3)
-    batches = [{"input_ids": torch.randint(0, vocab, (BATCH, SEQ), generator=gen),
-                "labels": torch.randint(0, vocab, (BATCH, SEQ), generator=gen)} for _ in range(STEPS)]
-    return model, batches
+    return model, lm_batches(vocab, batch=BATCH, seq=SEQ, steps=STEPS)
 
 
 def _loss(out):

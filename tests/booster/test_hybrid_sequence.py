@@ -28,7 +28,7 @@ from autopar.booster import Booster, HybridParallelPlugin
 from autopar.booster.moe_hybrid import MoeHybridParallelPlugin
 from autopar.runtime.counting import count_collectives
 from autopar.runtime.launch import run_local
-from tests.booster.test_hybrid_plugin import EPS, LR, NOTES_PARAMS, _single_device
+from tests.booster.test_hybrid_plugin import EPS, LR, NOTES_PARAMS, _single_device, lm_batches
 
 WORLD, STEPS, BATCH, SEQ = 4, 5, 4, 64
 
@@ -97,11 +97,7 @@ def test_moe_plugin_takes_the_same_keywords():
 def _build():
     torch.manual_seed(0)
     model, _ = zoo.build("llama-1b", tiny=True, batch=BATCH, seq=SEQ, device="cpu")
-    gen = torch.Generator().manual_seed(3)
-    vocab = model.config.vocab_size
-    batches = [{"input_ids": torch.randint(0, vocab, (BATCH, SEQ), generator=gen),
-                "labels": torch.randint(0, vocab, (BATCH, SEQ), generator=gen)} for _ in range(STEPS)]
-    return model, batches
+    return model, lm_batches(model.config.vocab_size, batch=BATCH, seq=SEQ, steps=STEPS)
 
 
 def _train(rank, world, model, batches, options):

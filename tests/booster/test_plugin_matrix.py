@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from autopar import zoo
 from autopar.runtime.launch import run_local
+from tests.booster.test_hybrid_plugin import lm_batches
 
 WORLD, STEPS, BATCH, SEQ, LR = 4, 5, 8, 16, 1e-3
 # Adam divides by sqrt(v) + eps: a gradient that is zero in exact arithmetic (attention's key bias)
@@ -68,11 +69,7 @@ def _build(name: str):
         model = Qwen2ForCausalLM(config).train()
     else:
         model, _ = zoo.build(name, tiny=True, batch=BATCH, seq=SEQ, device="cpu")
-    vocab = model.config.vocab_size
-    gen = torch.Generator().manual_seed(3)
-    batches = [{"input_ids": torch.randint(0, vocab, (BATCH, SEQ), generator=gen),
-                "labels": torch.randint(0, vocab, (BATCH, SEQ), generator=gen)} for _ in range(STEPS)]
-    return model, batches
+    return model, lm_batches(model.config.vocab_size, batch=BATCH, seq=SEQ, steps=STEPS)
 
 
 def _scheduler(optimizer, warmup: bool):
