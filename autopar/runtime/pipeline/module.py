@@ -191,8 +191,9 @@ class PipelineModule(PipelineState, nn.Module):
         # torch cuts every tensor along dim 0 unless told otherwise: an input the rule keeps whole
         # is replicated into every micro-batch (torch's own spec for what it does not cut).
         args_spec = tuple(_Replicate() if p.name in whole else TensorChunkSpec(0) for p in self._inputs)
-        # The last stage's outputs: batch-major ones concatenated; scalars (the loss) summed, the
-        # sum divided by M into the mean in ``_merged_outputs`` (torch's reducers only fold).
+        # The last stage's outputs: batch-major ones concatenated; the loss summed with its
+        # micro-batch weights (``_weighted_sum``); other scalars summed, the sum divided by M into
+        # the mean in ``_merged_outputs`` (torch's reducers only fold).
         merge_spec = tuple(self._weighted_sum() if k == self._loss_out else
                            sum_reducer if meta.dim() == 0 else TensorChunkSpec(0)
                            for k, meta in enumerate(self._last_stage_outputs()))
@@ -213,8 +214,8 @@ class PipelineModule(PipelineState, nn.Module):
         return _CustomReducer(torch.tensor(0.0), fold)
 
     def _loss(self, output: Any, target: torch.Tensor) -> torch.Tensor:
-        """One micro-batch's loss, divided by M (see the contract: mean losses, equal micro-batch
-        weights): the model's own, or ``step_with``'s criterion's."""
+        """One micro-batch's loss times its weight (``weights.py``; see the contract): the model's
+        own, or ``step_with``'s criterion's, divided by M."""
         out = output if isinstance(output, (tuple, list)) else (output,)
         if self._criterion is None:
             k = int(target.reshape(-1)[0].item())  # ``_train`` passes arange(M) as the target
@@ -347,10 +348,10 @@ class PipelineModule(PipelineState, nn.Module):
             value = None
             if last is not None:
                 value = merged[k].detach()
-                if meta.dim() == 0 and k != self._loss_out:  # summed by ``sum_reducer``: their mean
-                    value = (value / self.num_microbatches).to(meta.dtype)
-                elif k == self._loss_out:  # already weighted (``_weighted_sum``)
+                if k == self._loss_out:  # already weighted (``_weighted_sum``)
                     value = value.to(meta.dtype)
+                elif meta.dim() == 0:  # summed over the micro-batches by ``sum_reducer``: their mean
+                    value = (value / self.num_microbatches).to(meta.dtype)
             flat.append(self._from_last_stage(value, like=meta))
         if last is not None:
             last.output_chunks.clear()  # the merged copy is all that is kept
