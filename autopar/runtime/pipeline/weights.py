@@ -24,10 +24,11 @@ from autopar.tracer.graph import INPUT, TracedGraph
 __all__ = ["LossWeights"]
 
 aten = torch.ops.aten
-# loss op -> its positional layout: (target, weight, reduction, ignore_index) argument indices
-_LOSSES = {aten.cross_entropy_loss.default: (1, 2, 3, 4), aten.nll_loss.default: (1, 2, 3, 4),
-           aten.nll_loss_forward.default: (1, 2, 3, 4), aten.nll_loss2d.default: (1, 2, 3, 4)}
-_DEFAULTS = {2: None, 3: 1, 4: -100}  # weight, reduction (1 = mean), ignore_index
+# The losses with a data-dependent mean; all take (self, target, weight, reduction, ignore_index).
+_LOSSES = {aten.cross_entropy_loss.default, aten.nll_loss.default, aten.nll_loss_forward.default,
+           aten.nll_loss2d.default}
+_TARGET = 1
+_ARGS = {"weight": (2, None), "reduction": (3, 1), "ignore_index": (4, -100)}  # position, default (1 = mean)
 # ops that pass the loss on unchanged on its way to the output
 _TRANSPARENT = {aten.to.dtype, aten._to_copy.default, aten.alias.default, aten.clone.default, aten.view.default,
                 aten.reshape.default}
@@ -43,10 +44,9 @@ def _loss_op(loss: fx.Node) -> fx.Node | None:
     return node if node.op == "call_function" and node.target in _LOSSES else None
 
 
-def _arg(node: fx.Node, index: int, name: str):
-    if len(node.args) > index:
-        return node.args[index]
-    return node.kwargs.get(name, _DEFAULTS[index])
+def _arg(node: fx.Node, name: str):
+    index, default = _ARGS[name]
+    return node.args[index] if len(node.args) > index else node.kwargs.get(name, default)
 
 
 class LossWeights:
@@ -59,16 +59,15 @@ class LossWeights:
         op = None if loss is None else _loss_op(loss)
         if op is None:
             return  # a mean over samples or an unreduced expression: equal micro-batches weigh 1/M
-        target_at, weight_at, reduction_at, ignore_at = _LOSSES[op.target]
-        self.reduction = _arg(op, reduction_at, "reduction")
-        target = op.args[target_at]
+        self.reduction = _arg(op, "reduction")
+        target = op.args[_TARGET]
         if self.reduction != _MEAN or not isinstance(target, fx.Node) or target.meta["val"].is_floating_point():
             return  # a sum, or class probabilities (every row counts): no data-dependent denominator
-        if _arg(op, weight_at, "weight") is not None:
+        if _arg(op, "weight") is not None:
             raise NotImplementedError(f"node {op.name!r} ({op.target}): a pipeline weighs micro-batches by their "
                                       f"counted targets, and per-class loss weights are not supported there; "
                                       f"plan without a pipeline (pipeline=1)")
-        self.ignore_index = _arg(op, ignore_at, "ignore_index")
+        self.ignore_index = _arg(op, "ignore_index")
         self.target_graph, self.input_names = _target_graph(traced, target, op)
 
     def weights(self, inputs: dict[str, torch.Tensor], whole: frozenset[str]) -> torch.Tensor:

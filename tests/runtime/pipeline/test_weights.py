@@ -1,0 +1,53 @@
+"""``runtime/pipeline/weights.py``: each micro-batch's weight in the full batch's loss, read off
+the inputs -- counted targets for a token mean with ignored labels, 1 for a sum, 1/M otherwise --
+and the losses it refuses (per-class weights)."""
+
+import pytest
+import torch
+from torch import nn
+
+from autopar.runtime.pipeline.weights import LossWeights
+from autopar.tracer import trace
+
+
+class Head(nn.Module):
+    def __init__(self, *, reduction="mean", weight=None, loss="ce") -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 5)
+        self.reduction, self.loss = reduction, loss
+        self.register_buffer("class_weight", weight)
+
+    def forward(self, x, labels):
+        logits = self.proj(x)[:, :-1].flatten(0, 1)  # shifted like a causal LM's
+        target = labels[:, 1:].flatten()
+        if self.loss == "mse":
+            return nn.functional.mse_loss(logits, torch.zeros_like(logits))
+        return nn.functional.cross_entropy(logits, target, weight=self.class_weight, reduction=self.reduction)
+
+
+def _inputs():
+    labels = torch.randint(0, 5, (4, 6))
+    labels[0, 2:] = -100  # micro-batch 0 (rows 0-1) counts 1 + 5 targets, micro-batch 1 counts 10
+    return {"x": torch.randn(4, 6, 8), "labels": labels}
+
+
+def _weights(model, inputs, m=2):
+    traced = trace(model, inputs)
+    by_name = {p.name: inputs[p.fqn] for p in traced.placeholders if p.fqn in inputs}
+    return LossWeights(traced, m).weights(by_name, frozenset())
+
+
+def test_a_token_mean_weighs_micro_batches_by_their_counted_targets():
+    inputs = _inputs()
+    assert _weights(Head(), inputs).tolist() == pytest.approx([6 / 16, 10 / 16])
+
+
+def test_a_sum_weighs_one_and_a_mean_over_samples_one_over_m():
+    inputs = _inputs()
+    assert _weights(Head(reduction="sum"), inputs).tolist() == [1.0, 1.0]
+    assert _weights(Head(loss="mse"), inputs).tolist() == [0.5, 0.5]
+
+
+def test_per_class_weights_are_refused_naming_the_node():
+    with pytest.raises(NotImplementedError, match="per-class loss weights.*pipeline=1"):
+        _weights(Head(weight=torch.ones(5)), _inputs())
