@@ -35,7 +35,8 @@ per-node strategies. On each rank, for each stage it holds (rank r holds stages 
   counted targets, read off the inputs before the step by the traced ops that make the target
   (the label shift included); otherwise ``1/M``, exact for a mean over equal micro-batches.
   Per-class loss weights, or a target that depends on parameters, raise ``NotImplementedError``.
-  A ``step_with`` criterion's loss is taken as a mean over equal micro-batches (``1/M``).
+  A ``step_with`` criterion (``Booster.execute_pipeline``'s) is traced once on meta tensors and
+  weighted the same way; one that cannot be traced (it reads values) keeps ``1/M`` with a warning.
 - Tied weights read by stages on different pipeline ranks (GPT-2's ``wte``: the embedding in the
   first stage, the LM head in the last) live on each of those ranks; their gradients are summed
   over a process group of exactly those ranks (one group per sub-mesh coordinate) before

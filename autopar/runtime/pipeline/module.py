@@ -136,6 +136,7 @@ class PipelineModule(PipelineState, nn.Module):
             raise ValueError(f"{traced.model_name} returns no loss: a pipeline trains on the model's own loss")
         self._criterion: Any = None  # set for one ``step_with`` call
         self._micro_batches: list[Any] = []
+        self._criterion_traced: tuple[Any, LossWeights] | None = None  # (criterion, its weights)
         # fp16: the GradScaler whose scale multiplies every micro-batch's loss (the Booster attaches
         # the optimizer's); its step unscales, and skips on every rank when any stage overflowed.
         self.loss_scaler: Any = None
@@ -215,15 +216,12 @@ class PipelineModule(PipelineState, nn.Module):
 
     def _loss(self, output: Any, target: torch.Tensor) -> torch.Tensor:
         """One micro-batch's loss times its weight (``weights.py``; see the contract): the model's
-        own, or ``step_with``'s criterion's, divided by M."""
+        own, or ``step_with``'s criterion's."""
         out = output if isinstance(output, (tuple, list)) else (output,)
-        if self._criterion is None:
-            k = int(target.reshape(-1)[0].item())  # ``_train`` passes arange(M) as the target
-            loss = out[self._loss_at] * self._weights[k].item()
-        else:
-            # ``target`` is this micro-batch's index (``step_with`` passes arange(M) as the target)
-            micro = self._micro_batches[int(target.reshape(-1)[0].item())]
-            loss = self._criterion(self._structured(out), micro) / self.num_microbatches
+        k = int(target.reshape(-1)[0].item())  # ``_train`` passes arange(M) as the target
+        loss = (out[self._loss_at] if self._criterion is None else
+                self._criterion(self._structured(out), self._micro_batches[k]))
+        loss = loss * self._weights[k].item()
         return loss if self._scale is None else loss * self._scale
 
     # ---------------------------------------------------------------------------- running
@@ -236,9 +234,9 @@ class PipelineModule(PipelineState, nn.Module):
         """``step`` with the loss taken from ``criterion(outputs, micro_batch)`` on the last stage
         (``None``: the model's own loss): ``outputs`` is the model's output structure for one
         micro-batch, ``micro_batch`` that micro-batch of the inputs (the kwargs dict, the single
-        positional argument, or ``(args, kwargs)``; cut by the micro-batch rule); it is divided by
-        the micro-batch count (a mean over equally weighted micro-batches; the model's own loss is
-        weighted by its counted targets instead: ``weights.py``).
+        positional argument, or ``(args, kwargs)``; cut by the micro-batch rule); each micro-batch's
+        loss is weighted as the model's own is (``weights.py``: the criterion is traced once for
+        its reduction -- counted targets for a token mean, 1 for a sum, 1/M otherwise).
         Returns ``(loss, outputs)`` on every rank, ``outputs`` the full-batch output structure
         when ``return_outputs`` (else None). The product notes' ``Booster.execute_pipeline`` runs
         this."""
@@ -253,18 +251,29 @@ class PipelineModule(PipelineState, nn.Module):
         if criterion is not None:
             batch: Any = kwargs if not args else args[0] if len(args) == 1 and not kwargs else (args, kwargs)
             self._micro_batches = split_micro_batches(batch, self.num_microbatches)
+            self._weights = self._criterion_weights(criterion).criterion_weights(self._micro_batches)
         try:
             loss, merged = self._train(inputs, whole, return_outputs=return_outputs)
         finally:
             self._criterion, self._micro_batches, self._scale = None, [], None
         return loss, (self._merged_outputs(merged) if return_outputs else None)
 
+    def _criterion_weights(self, criterion: Any) -> LossWeights:
+        """``criterion``'s micro-batch weights, traced at its first ``step_with`` (kept while the
+        same callable comes back, as in a training loop)."""
+        if self._criterion_traced is None or self._criterion_traced[0] is not criterion:
+            outputs = [torch.empty(a.meta["val"].shape, dtype=a.meta["val"].dtype, device="meta")
+                       for a in self._traced.flat_outputs if isinstance(a, fx.Node)]
+            self._criterion_traced = (criterion, LossWeights.of_criterion(
+                criterion, self._structured, outputs, self._micro_batches[0], self.num_microbatches))
+        return self._criterion_traced[1]
+
     def _begin_step(self, args: tuple, kwargs: dict, *, inputs: list[torch.Tensor], whole: frozenset[str],
                     own_loss: bool) -> None:
         """One draw per full-batch step (``strategies/rng.py``), as the unpipelined module takes
         one per call: micro-batch ``k`` draws rows ``k * micro ...`` of every batch-major draw, so
         the step draws what one call on the full batch draws. The micro-batches' loss weights
-        (``weights.py``; a criterion's loss is a mean over equal micro-batches: 1/M)."""
+        (``weights.py``; a criterion's are set by ``step_with``)."""
         m = self.num_microbatches
         self._merged = 0
         self._weights = (self._loss_weights.weights({p.name: v for p, v in zip(self._inputs, inputs)}, whole)

@@ -4,7 +4,8 @@ single-device model on gloo ranks: loss, every gradient and the parameters after
 steps (``pipeline=1``, which plans without one: ``tests/planner/pipeline/test_default_auto.py``)
 -- also with ``-100`` labels spread unevenly over the micro-batches, where the token-mean loss
 weighs each micro-batch by its counted tokens (``autopar/runtime/pipeline/weights.py``), not 1/M,
-and through the plain loop (``module(**batch).loss.backward()``)."""
+and through the plain loop (``module(**batch).loss.backward()``) or a ``step_with`` criterion
+(``Booster.execute_pipeline``'s), traced for its reduction like the model's own loss."""
 
 import copy
 
@@ -27,6 +28,12 @@ def _optimizer():
     return torch.optim.SGD, {"lr": 0.1}
 
 
+def shifted_token_mean(outputs, batch):
+    """The causal LM's loss written as a user's criterion: a token mean over labels not -100."""
+    logits = outputs.logits[:, :-1]
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch["labels"][:, 1:].reshape(-1))
+
+
 def _body(rank, world, model, inputs, want_loss, want_grads, want_params, padded, loop, budget):
     from autopar.api import autoparallelize
     from autopar.runtime.pipeline import PipelineModule
@@ -40,7 +47,9 @@ def _body(rank, world, model, inputs, want_loss, want_grads, want_params, padded
     with torch.no_grad():
         errors = close("forward-only loss", pm(**inputs).loss, want_loss)
     for step in range(STEPS):
-        if loop:  # the plain module's loop: a training forward's loss is differentiable
+        if loop == "criterion":
+            loss = pm.step_with(shifted_token_mean, **inputs)[0]
+        elif loop:  # the plain module's loop: a training forward's loss is differentiable
             loss = pm(**inputs).loss
             (loss * 4.0).backward()  # any function of the loss: its gradient scales the step's
             for p in pm.parameters():
@@ -59,8 +68,8 @@ def _body(rank, world, model, inputs, want_loss, want_grads, want_params, padded
     return errors
 
 
-@pytest.mark.parametrize("padded, loop", [(False, False), (True, False), (True, True)],
-                         ids=["full", "padded", "padded-training-loop"])
+@pytest.mark.parametrize("padded, loop", [(False, False), (True, False), (True, True), (True, "criterion")],
+                         ids=["full", "padded", "padded-training-loop", "padded-criterion"])
 def test_default_pipeline_trains_like_single_device(padded, loop):
     model, inputs = qwen2_decoder(device="cpu")
     if padded:  # the first rows count far fewer tokens than the rest: micro-batch means differ in weight

@@ -51,3 +51,34 @@ def test_a_sum_weighs_one_and_a_mean_over_samples_one_over_m():
 def test_per_class_weights_are_refused_naming_the_node():
     with pytest.raises(NotImplementedError, match="per-class loss weights.*pipeline=1"):
         _weights(Head(weight=torch.ones(5)), _inputs())
+
+
+def _criterion_weights(criterion, inputs, m=2):
+    """``LossWeights.of_criterion`` as ``step_with`` calls it: outputs ``(logits,)`` of one
+    micro-batch, the criterion reading them and the micro-batch dict."""
+    micro = {k: v.chunk(m)[0] for k, v in inputs.items()}
+    outputs = [torch.empty(micro["x"].shape[:2] + (5,))]
+    weights = LossWeights.of_criterion(criterion, lambda out: out[0], outputs, micro, m)
+    return weights.criterion_weights([{k: v.chunk(m)[i] for k, v in inputs.items()} for i in range(m)])
+
+
+def _shifted_ce(reduction):
+    def criterion(logits, batch):
+        return nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), batch["labels"][:, 1:].flatten(),
+                                           reduction=reduction)
+    return criterion
+
+
+def test_a_criterion_is_weighted_like_the_models_own_loss():
+    inputs = _inputs()
+    assert _criterion_weights(_shifted_ce("mean"), inputs).tolist() == pytest.approx([6 / 16, 10 / 16])
+    assert _criterion_weights(_shifted_ce("sum"), inputs).tolist() == [1.0, 1.0]
+    assert _criterion_weights(lambda logits, batch: logits.square().mean(), inputs).tolist() == [0.5, 0.5]
+
+
+def test_a_criterion_that_reads_values_keeps_one_over_m_and_warns(caplog):
+    def reads_values(logits, batch):
+        return logits.sum() / int(batch["labels"].ne(-100).sum().item())
+
+    assert _criterion_weights(reads_values, _inputs()).tolist() == [0.5, 0.5]
+    assert "could not be traced" in caplog.text
