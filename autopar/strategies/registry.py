@@ -368,24 +368,30 @@ class Strategy:
         """The output spec(s) as a tuple, whatever the op's arity."""
         return self.output_spec if isinstance(self.output_spec, tuple) else (self.output_spec,)
 
-    def grad_sync_s(self, slot: int, mesh, kind: str = "all_reduce") -> float:
+    def grad_sync_s(self, slot: int, mesh, kind: str = "all_reduce", *, bucket_cap: int = 0) -> float:
         """Seconds to sum input ``slot``'s partial gradient over its ``grad_partial_axes`` with
-        collective ``kind`` (the op prices an all-reduce; ZeRO-2 reduce-scatters parameters')."""
+        collective ``kind`` (the op prices an all-reduce; ZeRO-2 reduce-scatters parameters');
+        ``bucket_cap`` > 0: summed in a gradient bucket of that many bytes, paying its share of
+        the bucket's latency (``layout.cost.collective_seconds``)."""
         axes = self.grad_partial_axes[slot]
-        return collective_seconds(kind, self.grad_sync_bytes[slot], mesh, axes) if axes else 0.0
+        return collective_seconds(kind, self.grad_sync_bytes[slot], mesh, axes,
+                                  bucket_cap=bucket_cap) if axes else 0.0
 
-    def comm_seconds(self, mesh, *, skip: Iterable[int] = (), reduce_scatter: Iterable[int] = ()) -> float:
-        """``comm_s`` with the gradient sums of input slots ``skip`` left out (priced elsewhere)
-        and those of ``reduce_scatter`` priced as reduce-scatters (ZeRO-2); nothing given:
-        ``comm_s`` itself, bit for bit (the terms are added in ``combine._strategy``'s order).
+    def comm_seconds(self, mesh, *, skip: Iterable[int] = (), reduce_scatter: Iterable[int] = (),
+                     bucketed: Iterable[int] = (), bucket_cap: int = 0) -> float:
+        """``comm_s`` with the gradient sums of input slots ``skip`` left out (priced elsewhere),
+        those of ``reduce_scatter`` priced as reduce-scatters (ZeRO-2) and those of ``bucketed``
+        as gradient-bucket members of a ``bucket_cap``-byte bucket (``grad_sync_s``); nothing
+        given: ``comm_s`` itself, bit for bit (the terms are added in ``combine._strategy``'s order).
 
         Summed from its terms, never subtracted from ``comm_s``: ``(a + b) - b`` in floats need not
         be ``a``, and where every term is left out it came out a hair below zero (a negative cost
         the solver's records reject)."""
-        skip, reduce_scatter = set(skip), set(reduce_scatter)
+        skip, reduce_scatter, bucketed = set(skip), set(reduce_scatter), set(bucketed)
         if skip & reduce_scatter:
             raise ValueError(f"slots {sorted(skip & reduce_scatter)} both skipped and reduce-scattered")
-        grads = sum(self.grad_sync_s(i, mesh, "reduce_scatter" if i in reduce_scatter else "all_reduce")
+        grads = sum(self.grad_sync_s(i, mesh, "reduce_scatter" if i in reduce_scatter else "all_reduce",
+                                     bucket_cap=bucket_cap if i in bucketed else 0)
                     for i, axes in enumerate(self.grad_partial_axes) if axes and i not in skip)
         return self.forward_comm_s + (grads + self.kernel_bwd_comm_s)
 

@@ -137,7 +137,7 @@ def test_layout_options_hold_their_bytes():
     assert {o.name: o.param_bytes for o in built.problem.node(scale.name).options} == {"R": 16, "S0": 8}
 
 
-def test_edge_costs_are_the_planned_conversions():
+def test_edge_costs_are_the_planned_conversions_and_unbucketed_sums():
     traced, built = _build(Gated(), torch.randn(6, 4), mesh=MeshSpec.preset("cpu", (2, 2)))
     assert built.problem.edges
     for e in built.problem.edges:
@@ -152,6 +152,12 @@ def test_edge_costs_are_the_planned_conversions():
                     if a is not None and b is not None and a != b:
                         conv = plan_conversion(a, b, value.shape, value.itemsize, built.mesh)
                         want += conv.forward_s + conv.backward_s
+                        if slot in dst.bucketed and c_dst.strategy is not None:
+                            # a converted parameter's gradient is summed in-graph, not in a bucket:
+                            # the latency its reader's option priced as a bucket share, in full
+                            s = c_dst.strategy
+                            want += s.grad_sync_s(slot, built.mesh) - s.grad_sync_s(slot, built.mesh,
+                                                                                    bucket_cap=built.bucket_cap)
                 assert e.costs[i][j] == pytest.approx(want, rel=1e-12, abs=0.0), (e.src, e.dst, i, j)
 
 
