@@ -65,6 +65,7 @@ from autopar.layout.blocks import block_of
 from autopar.solver.problem import Edge, Node, Problem, StrategyOption
 from autopar.planner.pins import pins_of
 from autopar.strategies import FixedAxis, Strategy, input_nodes, strategies_for
+from autopar.strategies.grad_sums import comm_seconds, grad_sync_seconds, without_gradients
 from autopar.tracer.graph import PLACEHOLDER_KEY, TracedGraph, values_needing_grad
 from autopar.tracer.heap import frozen_heap
 from autopar.tracer.precision import compute_dtype
@@ -343,10 +344,10 @@ class _Builder:
             act = activation_bytes(node, s, slots, activations, full_bytes, rel_parts) if rel_parts else 0
             # A ZeRO-2-capable parameter's gradient sum: the cheaper of reduce-scatter and all-reduce
             # here, the rest on the edge (``zero2_extra_s``); a shared slot's on its edge. Summed afresh,
-            # not subtracted from comm_s (that left a tiny negative: Strategy.comm_seconds). A bucketed
+            # not subtracted from comm_s (that left a tiny negative: grad_sums.comm_seconds). A bucketed
             # slot's sum as a bucket member; a converted read's whole latency on its edge (``bucket_edges``).
             rs = tuple(slot for slot in zero2 if zero2_priced_rs(s, slot, self.mesh, bucket_cap=self.bucket_cap))
-            comm_s = s.comm_seconds(self.mesh, skip=shared, reduce_scatter=rs, bucketed=bucketed,
+            comm_s = comm_seconds(s, self.mesh, skip=shared, reduce_scatter=rs, bucketed=bucketed,
                                     bucket_cap=self.bucket_cap)
             name = _unique(s.name, taken)
             taken.add(name)
@@ -452,7 +453,7 @@ class _Builder:
         resolved = self._strategy_cache.get((key, no_grad))
         if resolved is None:
             resolved = self._strategy_cache[(key, no_grad)] = (
-                [s.without_gradients(no_grad, self.mesh) for s in cached]
+                [without_gradients(s, no_grad, self.mesh) for s in cached]
                 if any(s.grad_partial_axes[i] for s in cached for i in no_grad) else cached)
         return resolved
 
@@ -511,7 +512,7 @@ class _Builder:
         if matrix is None:
             matrix = np.zeros((len(src_choices), len(dst_choices)))
             for j, dst in enumerate(dst_choices):
-                cost = dst.strategy.grad_sync_s(slot, self.mesh) if dst.strategy is not None else 0.0
+                cost = grad_sync_seconds(dst.strategy, slot, self.mesh) if dst.strategy is not None else 0.0
                 if cost:
                     mine = sync_key(dst, slot)
                     for i, src in enumerate(src_choices):

@@ -23,6 +23,7 @@ from autopar.plans import NodeKind
 from autopar.planner.records import BuiltProblem, ChosenConversion, InputSlot
 from autopar.planner.zero_pricing import zero2_extra_s
 from autopar.strategies import Strategy
+from autopar.strategies.grad_sums import grad_sync_seconds
 
 __all__ = ["GradSync", "ReaderChain", "async_edge", "bucket_edges", "bucketed_async_s", "grad_syncs", "sync_key",
            "unique_conversions", "shared_savings", "zero2_capable", "zero2_edge"]
@@ -45,7 +46,7 @@ class GradSync:
     bucket_cap: int = 0  # that bucket's cap in bytes (``BuiltProblem.bucket_cap``; 0: no buckets)
 
     def seconds(self, mesh) -> float:
-        return self.strategy.grad_sync_s(self.slot, mesh, self.kind, bucket_cap=self.bucket_cap * self.bucketed)
+        return grad_sync_seconds(self.strategy, self.slot, mesh, self.kind, bucket_cap=self.bucket_cap * self.bucketed)
 
     def async_seconds(self, mesh) -> float:
         """Of ``seconds``, what a gradient bucket issues asynchronously (0 when not bucketed)."""
@@ -70,7 +71,7 @@ def bucket_edges(src_choices, value: InputSlot, dst_choices, slot: int, mesh, *,
         s = dst.strategy
         if s is None or not s.grad_partial_axes[slot] or zero2:
             continue
-        miss = s.grad_sync_s(slot, mesh) - s.grad_sync_s(slot, mesh, bucket_cap=bucket_cap)
+        miss = grad_sync_seconds(s, slot, mesh) - grad_sync_seconds(s, slot, mesh, bucket_cap=bucket_cap)
         for i, src in enumerate(src_choices):
             if src.output_specs[value.index] != dst.input_specs[slot]:
                 extra[i, j] = miss
@@ -129,7 +130,7 @@ def bucketed_async_s(strategy: Strategy, slot: int, mesh, kind: str = "all_reduc
     one mesh axis; over several, the first axis's collective only (``runtime.bucketing`` and
     ``runtime.zero.comm.ScatterWork`` issue that one asynchronously and the others when backward
     has ended), never more than the whole sum."""
-    total = strategy.grad_sync_s(slot, mesh, kind, bucket_cap=bucket_cap)
+    total = grad_sync_seconds(strategy, slot, mesh, kind, bucket_cap=bucket_cap)
     axes = [a for a in strategy.grad_partial_axes[slot] if mesh.shape[a] > 1]
     if len(axes) <= 1:
         return total

@@ -8,6 +8,7 @@ from autopar.layout.cost import collective_seconds, optimizer_seconds
 from autopar.layout.mesh import MeshSpec
 from autopar.layout.placement import TensorSpec, zero_split
 from autopar.strategies import Strategy
+from autopar.strategies.grad_sums import grad_sync_seconds
 
 __all__ = ["zero_cost", "zero2_extra_s", "zero2_priced_rs"]
 
@@ -55,8 +56,8 @@ def zero2_priced_rs(strategy: Strategy, slot: int, mesh: MeshSpec, *, bucket_cap
     (the cheaper of the two; else as an all-reduce)? The edge charges the rest (``zero2_extra_s``).
     ``bucket_cap``: the option prices the parameter's sum as a gradient-bucket member (it reads
     the parameter directly, ``Decision.bucketed``), 0 when the runtime buckets nothing."""
-    return (strategy.grad_sync_s(slot, mesh, "reduce_scatter", bucket_cap=bucket_cap)
-            <= strategy.grad_sync_s(slot, mesh, bucket_cap=bucket_cap))
+    return (grad_sync_seconds(strategy, slot, mesh, "reduce_scatter", bucket_cap=bucket_cap)
+            <= grad_sync_seconds(strategy, slot, mesh, bucket_cap=bucket_cap))
 
 
 def zero2_extra_s(strategy: Strategy, slot: int, mesh: MeshSpec, *, reduce_scatter: bool, bucketed: bool = False,
@@ -67,8 +68,8 @@ def zero2_extra_s(strategy: Strategy, slot: int, mesh: MeshSpec, *, reduce_scatt
     takes beyond what the consumer's option priced (``zero2_priced_rs``: the cheaper of the two
     bucketed sums) -- 0, or the larger less the smaller. Calibrated per-kind links may make
     either one the cheaper, so neither is assumed."""
-    rs = strategy.grad_sync_s(slot, mesh, "reduce_scatter", bucket_cap=bucket_cap)
-    ar = strategy.grad_sync_s(slot, mesh, bucket_cap=bucket_cap)
+    rs = grad_sync_seconds(strategy, slot, mesh, "reduce_scatter", bucket_cap=bucket_cap)
+    ar = grad_sync_seconds(strategy, slot, mesh, bucket_cap=bucket_cap)
     priced = min(rs, ar)
-    runs = rs if reduce_scatter else ar if bucketed else strategy.grad_sync_s(slot, mesh)
+    runs = rs if reduce_scatter else ar if bucketed else grad_sync_seconds(strategy, slot, mesh)
     return runs - priced if runs > priced else 0.0

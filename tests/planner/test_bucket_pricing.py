@@ -14,6 +14,7 @@ from autopar.layout.mesh import MeshSpec
 from autopar.planner.assemble import baseline_problem
 from autopar.planner.builder import build_problem
 from autopar.planner.executed import grad_syncs
+from autopar.strategies.grad_sums import grad_sync_seconds
 from autopar.solver.driver import solve
 from autopar.tracer import profile, trace
 
@@ -119,7 +120,7 @@ def test_a_converted_read_keeps_its_own_latency():
     assert not sync.bucketed and sync.seconds(built.mesh) == pytest.approx(
         ALPHA + BETA * sync.strategy.grad_sync_bytes[sync.slot])
     ev, ev_dp = built.problem.evaluate(gathered), built.problem.evaluate(dp)
-    bucketed = sync.strategy.grad_sync_s(sync.slot, built.mesh, bucket_cap=CAP)
+    bucketed = grad_sync_seconds(sync.strategy, sync.slot, built.mesh, bucket_cap=CAP)
     assert ev.comm_s + ev.reshard_s - (ev_dp.comm_s + ev_dp.reshard_s) >= sync.seconds(built.mesh) - bucketed > 0
     _, plain = _built(bucket_cap=0)
     # Gathering costs the same conversion either way; priced with buckets it also loses the

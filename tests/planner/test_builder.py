@@ -17,6 +17,7 @@ from autopar.planner.options import PlanOptions
 from autopar.planner.segments import mutates_state, op_segments
 from autopar.layout.blocks import block_of
 from autopar.strategies import input_nodes
+from autopar.strategies.grad_sums import grad_sync_seconds
 from autopar.tracer import profile, trace
 from autopar.tracer.depth import blocks_of
 from autopar.tracer.graph import BUFFER, CONSTANT, INPUT, PARAMETER
@@ -156,7 +157,7 @@ def test_edge_costs_are_the_planned_conversions_and_unbucketed_sums():
                             # a converted parameter's gradient is summed in-graph, not in a bucket:
                             # the latency its reader's option priced as a bucket share, in full
                             s = c_dst.strategy
-                            want += s.grad_sync_s(slot, built.mesh) - s.grad_sync_s(slot, built.mesh,
+                            want += grad_sync_seconds(s, slot, built.mesh) - grad_sync_seconds(s, slot, built.mesh,
                                                                                     bucket_cap=built.bucket_cap)
                 assert e.costs[i][j] == pytest.approx(want, rel=1e-12, abs=0.0), (e.src, e.dst, i, j)
 
