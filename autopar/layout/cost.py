@@ -116,13 +116,30 @@ def _link(mesh: MeshSpec, kind: str, axis: int) -> tuple[float, float]:
     return (mesh.alpha[axis], mesh.beta[axis]) if fit is None else (fit.alpha, fit.beta)
 
 
-def collective_seconds(kind: str, nbytes: float, mesh: MeshSpec, axes: Iterable[int] | int) -> float:
-    """Time of collective ``kind`` over mesh ``axes`` for a tensor of ``nbytes`` full size."""
+def collective_seconds(kind: str, nbytes: float, mesh: MeshSpec, axes: Iterable[int] | int, *,
+                       bucket_cap: int = 0) -> float:
+    """Time of collective ``kind`` over mesh ``axes`` for a tensor of ``nbytes`` full size.
+
+    ``bucket_cap`` > 0: the tensor is one gradient among others in a bucket of at most
+    ``bucket_cap`` bytes (``layout.buckets``; ``runtime.bucketing`` issues one collective per
+    bucket), so it pays its bandwidth term and its share of the bucket's latency::
+
+        alpha * min(1, nbytes / bucket_cap) + beta * nbytes * f(n)
+
+    Linear in the tensors a plan buckets (the ILP cannot know which land together: that depends
+    on the solution), exact for a full bucket and for a tensor of ``bucket_cap`` bytes or more
+    (alone in its bucket, one latency). The runtime's first bucket (1 MiB) and each group's last,
+    partly filled one pay a whole latency for less: a plan's bucketed sums are under-estimated by
+    less than two latencies per (mesh axes, dtype) group."""
     if isinstance(axes, int):
         axes = (axes,)
     n, alpha, beta = _group(mesh, axes, kind)
     if n == 1:
         return 0.0
+    if bucket_cap < 0:
+        raise ValueError(f"bucket cap must be >= 0 bytes, got {bucket_cap}")
+    if bucket_cap and kind in ("all_reduce", "reduce_scatter"):
+        alpha *= min(1.0, nbytes / bucket_cap)
     if kind in ("all_gather", "reduce_scatter"):
         return alpha + beta * nbytes * (n - 1) / n
     if kind == "all_reduce":

@@ -51,19 +51,21 @@ from autopar.layout.conversion import conversion_seconds
 from autopar.layout.mesh import MeshSpec
 from autopar.layout.placement import R, Shard, TensorSpec
 from autopar.planner.block_stamps import BlockStamps, Template
-from autopar.planner.executed import ReaderChain, async_edge, sync_key, zero2_capable
+from autopar.layout.buckets import bucket_cap_bytes
+from autopar.planner.executed import ReaderChain, bucket_edges, sync_key, zero2_capable, zero2_edge
 from autopar.planner.records import BuiltProblem, Choice, ChosenConversion, Decision, InputSlot
 from autopar.planner.saved_bytes import SELF, activation_bytes, global_bytes
 from autopar.planner.segments import (node_vals, op_segments, saved_by, segment_inputs, storage_base,
                                       without_stateful_segments)
 from autopar.planner.offload_pricing import offload_option, offload_tiers
 from autopar.planner.options import PlanOptions
-from autopar.planner.zero_pricing import zero2_extra_s, zero2_priced_rs, zero_cost
+from autopar.planner.zero_pricing import zero2_priced_rs, zero_cost
 from autopar.plans import NodeKind
 from autopar.layout.blocks import block_of
 from autopar.solver.problem import Edge, Node, Problem, StrategyOption
 from autopar.planner.pins import pins_of
 from autopar.strategies import FixedAxis, Strategy, input_nodes, strategies_for
+from autopar.strategies.grad_sums import comm_seconds, grad_sync_seconds, without_gradients
 from autopar.tracer.graph import PLACEHOLDER_KEY, TracedGraph, values_needing_grad
 from autopar.tracer.heap import frozen_heap
 from autopar.tracer.precision import compute_dtype
@@ -92,10 +94,13 @@ def layout_specs(shape: tuple[int, ...], mesh_shape: tuple[int, ...]) -> list[Te
 # --------------------------------------------------------------------------------- builder
 def build_problem(traced: TracedGraph, prof: ModelProfile, mesh: MeshSpec, *,
                   budget_bytes: int | None, options: PlanOptions = PlanOptions(),
-                  fixed: Callable[[fx.Node], FixedAxis | None] | None = None) -> BuiltProblem:
-    """``fixed``: op node -> the placements its strategies keep on one axis (mesh_search's 3-axis plans)."""
+                  fixed: Callable[[fx.Node], FixedAxis | None] | None = None,
+                  bucket_cap: int | None = None) -> BuiltProblem:
+    """``fixed``: op node -> the placements its strategies keep on one axis (mesh_search's 3-axis plans).
+    ``bucket_cap``: bytes per gradient bucket the runtime will use (None: ``layout.buckets``'s; 0: none)."""
     with frozen_heap():  # the graph and profile are only read: full GC passes skip them
-        return _Builder(traced, prof, mesh, budget_bytes=budget_bytes, options=options, fixed=fixed).build()
+        return _Builder(traced, prof, mesh, budget_bytes=budget_bytes, options=options, fixed=fixed,
+                        bucket_cap=bucket_cap).build()
 
 
 class _Builder:
@@ -104,8 +109,10 @@ class _Builder:
 
     def __init__(self, traced: TracedGraph, prof: ModelProfile, mesh: MeshSpec, *,
                  budget_bytes: int | None, options: PlanOptions,
-                 fixed: Callable[[fx.Node], FixedAxis | None] | None = None, stamp_blocks: bool = True) -> None:
+                 fixed: Callable[[fx.Node], FixedAxis | None] | None = None, stamp_blocks: bool = True,
+                 bucket_cap: int | None = None) -> None:
         self.traced, self.prof, self.mesh, self.fixed = traced, prof, mesh, fixed
+        self.bucket_cap = bucket_cap_bytes() if bucket_cap is None else bucket_cap
         self.budget, self.opts = budget_bytes, options
         ops = [n for n in traced.compute_nodes() if _has_tensor_output(n) and n.target is not operator.getitem]
         self.num_ops = len(ops)
@@ -170,7 +177,7 @@ class _Builder:
                                  base_of=self._storage_base)}
         return BuiltProblem(problem=problem, decisions=MappingProxyType(self.decisions),
                             sources=MappingProxyType(self.sources), fallbacks=tuple(self.fallbacks),
-                            mesh=self.mesh, segment_inputs=MappingProxyType(kept))
+                            mesh=self.mesh, segment_inputs=MappingProxyType(kept), bucket_cap=self.bucket_cap)
 
     def _edge_records(self) -> tuple[Edge, ...]:
         """The ``Problem``'s edges. Repeated blocks share cost matrices (``_edge_cache``): each
@@ -297,11 +304,11 @@ class _Builder:
         # Slots whose gradient sum a bucket takes (``executed.async_edge``): a parameter's, read directly.
         bucketed = tuple(slot for slot, v in enumerate(inputs)
                          if slot not in shared and v is not None and self._kind(v.producer) == NodeKind.PARAMETER)
-        key = (id(strategies), activations, rel_parts, zero2, tuple(shared))
+        key = (id(strategies), activations, rel_parts, zero2, tuple(shared), bucketed)
         opts = self._option_cache.get(key)
         if opts is None:
             opts = self._option_cache[key] = self._op_options(node, strategies, slots, activations, rel_parts,
-                                                              zero2, tuple(shared))
+                                                              zero2, tuple(shared), bucketed)
         decision = Decision(node.name, NodeKind.OP, self._choices_of(strategies), inputs, module=path,
                             op=str(node.target), bucketed=bucketed)
         self._add(decision, opts, live=live, block=block_of(path), signature=signature,
@@ -329,7 +336,7 @@ class _Builder:
 
     def _op_options(self, node: fx.Node, strategies: list[Strategy], slots: list[fx.Node],
                     activations: tuple[bool, ...], rel_parts: tuple, zero2: tuple[int, ...],
-                    shared: tuple[int, ...]) -> tuple[StrategyOption, ...]:
+                    shared: tuple[int, ...], bucketed: tuple[int, ...]) -> tuple[StrategyOption, ...]:
         full_bytes = global_bytes(node, slots, activations)
         opts: list[StrategyOption] = []
         taken: set[str] = set()
@@ -337,9 +344,11 @@ class _Builder:
             act = activation_bytes(node, s, slots, activations, full_bytes, rel_parts) if rel_parts else 0
             # A ZeRO-2-capable parameter's gradient sum: the cheaper of reduce-scatter and all-reduce
             # here, the rest on the edge (``zero2_extra_s``); a shared slot's on its edge. Summed afresh,
-            # not subtracted from comm_s (that left a tiny negative: Strategy.comm_seconds).
-            rs = tuple(slot for slot in zero2 if zero2_priced_rs(s, slot, self.mesh))
-            comm_s = s.comm_seconds(self.mesh, skip=shared, reduce_scatter=rs)
+            # not subtracted from comm_s (that left a tiny negative: grad_sums.comm_seconds). A bucketed
+            # slot's sum as a bucket member; a converted read's whole latency on its edge (``bucket_edges``).
+            rs = tuple(slot for slot in zero2 if zero2_priced_rs(s, slot, self.mesh, bucket_cap=self.bucket_cap))
+            comm_s = comm_seconds(s, self.mesh, skip=shared, reduce_scatter=rs, bucketed=bucketed,
+                                    bucket_cap=self.bucket_cap)
             name = _unique(s.name, taken)
             taken.add(name)
             # Backward compute: the op's whole compute less its forward part (clamped: both are
@@ -444,7 +453,7 @@ class _Builder:
         resolved = self._strategy_cache.get((key, no_grad))
         if resolved is None:
             resolved = self._strategy_cache[(key, no_grad)] = (
-                [s.without_gradients(no_grad, self.mesh) for s in cached]
+                [without_gradients(s, no_grad, self.mesh) for s in cached]
                 if any(s.grad_partial_axes[i] for s in cached for i in no_grad) else cached)
         return resolved
 
@@ -475,14 +484,16 @@ class _Builder:
             if value is None:
                 continue
             src = self.decisions[value.producer].choices
-            asy = None
+            miss = asy = None
             if slot in dst.bucketed:  # cached as the cost matrices: repeated blocks share them
                 key = ("async", tuple(map(id, src)), value.index, tuple(map(id, dst.choices)), slot)
                 if key not in self._edge_cache:
-                    kind = "reduce_scatter" if zero2_capable(self.decisions[value.producer]) else "all_reduce"
-                    self._edge_cache[key] = async_edge(src, value, dst.choices, slot, self.mesh, kind=kind)
-                asy = self._edge_cache[key]
-            self._add_edge(value.producer, dst.name, self._edge_matrix(src, value, dst.choices, slot), asy)
+                    self._edge_cache[key] = bucket_edges(src, value, dst.choices, slot, self.mesh,
+                                                         zero2=zero2_capable(self.decisions[value.producer]),
+                                                         bucket_cap=self.bucket_cap)
+                miss, asy = self._edge_cache[key]
+            matrix = self._edge_matrix(src, value, dst.choices, slot)
+            self._add_edge(value.producer, dst.name, matrix if miss is None else matrix + miss, asy)
 
     def _add_edge(self, src: str, dst: str, matrix: np.ndarray, asy: np.ndarray | None = None) -> None:
         if self._edge_log is not None:
@@ -501,7 +512,7 @@ class _Builder:
         if matrix is None:
             matrix = np.zeros((len(src_choices), len(dst_choices)))
             for j, dst in enumerate(dst_choices):
-                cost = dst.strategy.grad_sync_s(slot, self.mesh) if dst.strategy is not None else 0.0
+                cost = grad_sync_seconds(dst.strategy, slot, self.mesh) if dst.strategy is not None else 0.0
                 if cost:
                     mine = sync_key(dst, slot)
                     for i, src in enumerate(src_choices):
@@ -522,28 +533,14 @@ class _Builder:
             unique = np.array([self._conversion_row(a, dst_specs, value) for a in src_specs])
             matrix = unique[np.ix_(src_keys, dst_keys)]
             if any(c.zero_stage == 2 for c in src_choices):
-                matrix = matrix + self._zero2_edge(src_choices, value, dst_choices, slot)
+                matrix = matrix + zero2_edge(src_choices, value, dst_choices, slot, self.mesh,
+                                             bucket_cap=self.bucket_cap)
             self._edge_cache[key] = matrix
         return matrix
 
     def _zero2_slots(self, inputs: Sequence[InputSlot | None]) -> list[int]:
         """Input slots that read a parameter with a ZeRO-2 option."""
         return [slot for slot, v in enumerate(inputs) if v is not None and zero2_capable(self.decisions[v.producer])]
-
-    def _zero2_edge(self, src_choices: tuple[Choice, ...], value: InputSlot, dst_choices: tuple[Choice, ...],
-                    slot: int) -> np.ndarray:
-        """What the runtime's gradient sum costs beyond the consumer's priced one (``zero2_extra_s``):
-        a reduce-scatter straight into the pieces for a ZeRO-2 parameter read in its own layout, an
-        all-reduce for every other pair."""
-        extra = np.zeros((len(src_choices), len(dst_choices)))
-        for j, dst in enumerate(dst_choices):
-            if dst.strategy is None:
-                continue
-            costs = {own: zero2_extra_s(dst.strategy, slot, self.mesh, reduce_scatter=own) for own in (False, True)}
-            for i, src in enumerate(src_choices):
-                own = src.zero_stage == 2 and dst.input_specs[slot] == src.output_specs[value.index]
-                extra[i, j] = costs[own]
-        return extra
 
     def _conversion_row(self, a: TensorSpec | None, dsts: list[TensorSpec | None], value: InputSlot) -> list[float]:
         """Forward + backward seconds of converting ``value`` from ``a`` to each of ``dsts``

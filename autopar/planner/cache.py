@@ -55,6 +55,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from autopar.layout.buckets import bucket_cap_bytes
 from autopar.layout.mesh import MeshSpec
 from autopar.planner.options import PlanOptions
 from autopar.plans import COST_MODEL_VERSION, PLAN_VERSION, Plan
@@ -96,6 +97,7 @@ def structural_key(model: Any, meta_inputs: Any, *, mesh: MeshSpec, options: Pla
 
     feed("format", CACHE_FORMAT, *_versions())
     feed("mesh", mesh.to_json(), "budget", options.budget_bytes(mesh))
+    feed("bucket_cap", bucket_cap_bytes())  # the gradient sums are priced for it (``layout.buckets``)
     feed("options", sorted((k, repr(v)) for k, v in dataclasses.asdict(options).items() if k != "baselines"))
     feed("model", _class_name(type(model)))
     _feed_modules(model, feed)

@@ -21,10 +21,12 @@ from autopar.layout.cost import collective_seconds
 from autopar.layout.placement import TensorSpec
 from autopar.plans import NodeKind
 from autopar.planner.records import BuiltProblem, ChosenConversion, InputSlot
+from autopar.planner.zero_pricing import zero2_extra_s
 from autopar.strategies import Strategy
+from autopar.strategies.grad_sums import grad_sync_seconds
 
-__all__ = ["GradSync", "ReaderChain", "async_edge", "bucketed_async_s", "grad_syncs", "sync_key", "unique_conversions",
-           "shared_savings", "zero2_capable"]
+__all__ = ["GradSync", "ReaderChain", "async_edge", "bucket_edges", "bucketed_async_s", "grad_syncs", "sync_key",
+           "unique_conversions", "shared_savings", "zero2_capable", "zero2_edge"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,16 +43,62 @@ class GradSync:
     strategy: Strategy
     kind: str  # all_reduce | reduce_scatter
     bucketed: bool = False  # issued asynchronously in a gradient bucket (``Decision.bucketed``)
+    bucket_cap: int = 0  # that bucket's cap in bytes (``BuiltProblem.bucket_cap``; 0: no buckets)
 
     def seconds(self, mesh) -> float:
-        return self.strategy.grad_sync_s(self.slot, mesh, self.kind)
+        return grad_sync_seconds(self.strategy, self.slot, mesh, self.kind, bucket_cap=self.bucket_cap * self.bucketed)
 
     def async_seconds(self, mesh) -> float:
         """Of ``seconds``, what a gradient bucket issues asynchronously (0 when not bucketed)."""
-        return bucketed_async_s(self.strategy, self.slot, mesh, self.kind) if self.bucketed else 0.0
+        return bucketed_async_s(self.strategy, self.slot, mesh, self.kind,
+                                bucket_cap=self.bucket_cap) if self.bucketed else 0.0
 
 
-def async_edge(src_choices, value: InputSlot, dst_choices, slot: int, mesh, *, kind: str) -> np.ndarray | None:
+def bucket_edges(src_choices, value: InputSlot, dst_choices, slot: int, mesh, *, zero2: bool,
+                 bucket_cap: int) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """(the extra, the asynchronous) seconds of the edge into ``slot`` (a bucketed slot:
+    ``Decision.bucketed``, whose option priced its gradient sum as a member of a ``bucket_cap``
+    bucket) per (producer option, reader option); None where all are 0.
+
+    The runtime buckets the sum only where the reader takes the value in the producer's own
+    layout (``runtime.passes``); a converted read is summed in-graph at one whole latency: the
+    extra is that sum less the bucketed one (for a ZeRO-2-capable parameter, ``zero2`` -- the
+    parameter's own edge charges it, ``zero2_edge`` -- None here). The asynchronous part is the
+    bucketed sum (``bucketed_async_s``; a reduce-scatter for ``zero2``) on the own-layout pairs."""
+    kind = "reduce_scatter" if zero2 else "all_reduce"
+    extra = np.zeros((len(src_choices), len(dst_choices)))
+    for j, dst in enumerate(dst_choices):
+        s = dst.strategy
+        if s is None or not s.grad_partial_axes[slot] or zero2:
+            continue
+        miss = grad_sync_seconds(s, slot, mesh) - grad_sync_seconds(s, slot, mesh, bucket_cap=bucket_cap)
+        for i, src in enumerate(src_choices):
+            if src.output_specs[value.index] != dst.input_specs[slot]:
+                extra[i, j] = miss
+    asy = async_edge(src_choices, value, dst_choices, slot, mesh, kind=kind, bucket_cap=bucket_cap)
+    return (extra if extra.any() else None), asy
+
+
+def zero2_edge(src_choices, value: InputSlot, dst_choices, slot: int, mesh, *, bucket_cap: int) -> np.ndarray:
+    """What the runtime's gradient sum of a ZeRO-2-capable parameter costs beyond the consumer's
+    priced one (``zero_pricing.zero2_extra_s``): a reduce-scatter straight into the pieces for a
+    ZeRO-2 parameter read in its own layout, a bucketed all-reduce for another stage read so, an
+    in-graph all-reduce for a converted read."""
+    extra = np.zeros((len(src_choices), len(dst_choices)))
+    for j, dst in enumerate(dst_choices):
+        if dst.strategy is None:
+            continue
+        costs = {(rs, own): zero2_extra_s(dst.strategy, slot, mesh, reduce_scatter=rs, bucketed=own,
+                                          bucket_cap=bucket_cap) for rs, own in ((False, False), (False, True),
+                                                                                  (True, True))}
+        for i, src in enumerate(src_choices):
+            own = dst.input_specs[slot] == src.output_specs[value.index]
+            extra[i, j] = costs[(own and src.zero_stage == 2, own)]
+    return extra
+
+
+def async_edge(src_choices, value: InputSlot, dst_choices, slot: int, mesh, *, kind: str,
+               bucket_cap: int = 0) -> np.ndarray | None:
     """The asynchronous seconds of the edge into ``slot`` (a bucketed slot: ``Decision.bucketed``)
     per (producer option, reader option): the reader's gradient sum of that slot (``kind``,
     ``bucketed_async_s``) where it reads the value in the producer's own layout -- the runtime
@@ -59,7 +107,7 @@ def async_edge(src_choices, value: InputSlot, dst_choices, slot: int, mesh, *, k
 
     Counted synchronous although bucketed (an over-estimate of exposure): a parameter's later
     readers' sums (priced on the edge from the previous reader, ``ReaderChain``) and ZeRO-2's
-    all-reduce extra (``builder._zero2_edge``), and the sum of a mixed-precision cast of a
+    all-reduce extra (``zero2_edge``), and the sum of a mixed-precision cast of a
     parameter: the runtime buckets it only where parameter, cast and reader share one layout,
     a condition on three choices that a pairwise edge cannot state -- counted asynchronous on
     the cast -> reader edge, it was: the planner gathered fp32 masters before their casts to
@@ -69,23 +117,24 @@ def async_edge(src_choices, value: InputSlot, dst_choices, slot: int, mesh, *, k
         s = dst.strategy
         if s is None or not s.grad_partial_axes[slot]:
             continue
-        seconds = bucketed_async_s(s, slot, mesh, kind)
+        seconds = bucketed_async_s(s, slot, mesh, kind, bucket_cap=bucket_cap)
         for i, src in enumerate(src_choices):
             if src.output_specs[value.index] == dst.input_specs[slot]:
                 out[i, j] = seconds
     return out if out.any() else None
 
 
-def bucketed_async_s(strategy: Strategy, slot: int, mesh, kind: str = "all_reduce") -> float:
-    """Seconds of input ``slot``'s gradient sum (``kind``) that a gradient bucket leaves in flight
-    while backward goes on: the whole sum over one mesh axis; over several, the first axis's
-    collective only (``runtime.bucketing`` and ``runtime.zero.comm.ScatterWork`` issue that one
-    asynchronously and the others when backward has ended), never more than the whole sum."""
-    total = strategy.grad_sync_s(slot, mesh, kind)
+def bucketed_async_s(strategy: Strategy, slot: int, mesh, kind: str = "all_reduce", *, bucket_cap: int = 0) -> float:
+    """Seconds of input ``slot``'s gradient sum (``kind``, a member of a ``bucket_cap``-byte
+    bucket) that a gradient bucket leaves in flight while backward goes on: the whole sum over
+    one mesh axis; over several, the first axis's collective only (``runtime.bucketing`` and
+    ``runtime.zero.comm.ScatterWork`` issue that one asynchronously and the others when backward
+    has ended), never more than the whole sum."""
+    total = grad_sync_seconds(strategy, slot, mesh, kind, bucket_cap=bucket_cap)
     axes = [a for a in strategy.grad_partial_axes[slot] if mesh.shape[a] > 1]
     if len(axes) <= 1:
         return total
-    return min(collective_seconds(kind, strategy.grad_sync_bytes[slot], mesh, axes[0]), total)
+    return min(collective_seconds(kind, strategy.grad_sync_bytes[slot], mesh, axes[0], bucket_cap=bucket_cap), total)
 
 
 def _zero2_layouts(built: BuiltProblem, choice: Mapping[str, str]) -> dict[str, TensorSpec]:
@@ -108,7 +157,7 @@ class ReaderChain:
     patterns such as X, Y, X. Call ``previous`` once per (consumer, slot), in graph order.
 
     A value that is a parameter with a ZeRO-2 option is left out (its readers are priced
-    against the parameter's own choice: ``builder._zero2_edge``), and so is a second slot of the
+    against the parameter's own choice: ``zero2_edge``), and so is a second slot of the
     same reader (``x * x``: priced per slot)."""
 
     def __init__(self, decisions: Mapping[str, object]) -> None:
@@ -158,7 +207,7 @@ def grad_syncs(built: BuiltProblem, choice: Mapping[str, str]) -> tuple[list[Gra
             kind = "reduce_scatter" if zero2.get(value.producer) == spec else "all_reduce"
             # bucketed: a parameter's (``Decision.bucketed``) read in its producer's layout
             own = built.choice_of(value.producer, choice[value.producer]).output_specs[value.index] == spec
-            sync = GradSync(name, slot, value, spec, tuple(axes), s, kind, slot in d.bucketed and own)
+            sync = GradSync(name, slot, value, spec, tuple(axes), s, kind, slot in d.bucketed and own, built.bucket_cap)
             priced = prev is None or sync_key(built.choice_of(prev[0], choice[prev[0]]), prev[1]) != sync_key(c, slot)
             key = (value.producer, value.index) + sync_key(c, slot)
             issued = key not in first

@@ -125,6 +125,7 @@ class BuiltProblem:
     fallbacks: tuple[str, ...]
     mesh: MeshSpec
     segment_inputs: Mapping[str, tuple[SegmentInput, ...]]
+    bucket_cap: int = 0  # bytes per gradient bucket the sums were priced for (``layout.buckets``; 0: none)
 
     def decision(self, name: str) -> Decision:
         try:

@@ -8,6 +8,7 @@ from autopar.layout.cost import collective_seconds, optimizer_seconds
 from autopar.layout.mesh import MeshSpec
 from autopar.layout.placement import TensorSpec, zero_split
 from autopar.strategies import Strategy
+from autopar.strategies.grad_sums import grad_sync_seconds
 
 __all__ = ["zero_cost", "zero2_extra_s", "zero2_priced_rs"]
 
@@ -50,18 +51,25 @@ def zero_cost(spec: TensorSpec, mesh: MeshSpec, local_bytes: int, *, stage: int,
     return 1.0 + (1.0 + m) / dp, gather_s, 2, step_s
 
 
-def zero2_priced_rs(strategy: Strategy, slot: int, mesh: MeshSpec) -> bool:
+def zero2_priced_rs(strategy: Strategy, slot: int, mesh: MeshSpec, *, bucket_cap: int = 0) -> bool:
     """Is input ``slot``'s partial gradient priced in the consumer's option as a reduce-scatter
-    (the cheaper of the two; else as an all-reduce)? The edge charges the rest (``zero2_extra_s``)."""
-    return strategy.grad_sync_s(slot, mesh, "reduce_scatter") <= strategy.grad_sync_s(slot, mesh)
+    (the cheaper of the two; else as an all-reduce)? The edge charges the rest (``zero2_extra_s``).
+    ``bucket_cap``: the option prices the parameter's sum as a gradient-bucket member (it reads
+    the parameter directly, ``Decision.bucketed``), 0 when the runtime buckets nothing."""
+    return (grad_sync_seconds(strategy, slot, mesh, "reduce_scatter", bucket_cap=bucket_cap)
+            <= grad_sync_seconds(strategy, slot, mesh, bucket_cap=bucket_cap))
 
 
-def zero2_extra_s(strategy: Strategy, slot: int, mesh: MeshSpec, *, reduce_scatter: bool) -> float:
+def zero2_extra_s(strategy: Strategy, slot: int, mesh: MeshSpec, *, reduce_scatter: bool, bucketed: bool = False,
+                  bucket_cap: int = 0) -> float:
     """Seconds the gradient sum the runtime runs for input ``slot`` (a reduce-scatter into ZeRO-2
-    pieces when ``reduce_scatter``, else an all-reduce) takes beyond what the consumer's option
-    priced (``zero2_priced_rs``: the cheaper of the two) -- 0, or the larger less the smaller.
-    Calibrated per-kind links may make either one the cheaper, so neither is assumed."""
-    rs = strategy.grad_sync_s(slot, mesh, "reduce_scatter")
-    ar = strategy.grad_sync_s(slot, mesh)
-    runs, priced = (rs, min(rs, ar)) if reduce_scatter else (ar, min(rs, ar))
+    pieces when ``reduce_scatter``, else an all-reduce: in a ``bucket_cap``-byte gradient bucket
+    when ``bucketed``, the parameter read in its own layout; in-graph, one latency, otherwise)
+    takes beyond what the consumer's option priced (``zero2_priced_rs``: the cheaper of the two
+    bucketed sums) -- 0, or the larger less the smaller. Calibrated per-kind links may make
+    either one the cheaper, so neither is assumed."""
+    rs = grad_sync_seconds(strategy, slot, mesh, "reduce_scatter", bucket_cap=bucket_cap)
+    ar = grad_sync_seconds(strategy, slot, mesh, bucket_cap=bucket_cap)
+    priced = min(rs, ar)
+    runs = rs if reduce_scatter else ar if bucketed else grad_sync_seconds(strategy, slot, mesh)
     return runs - priced if runs > priced else 0.0

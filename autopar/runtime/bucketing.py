@@ -52,7 +52,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-import os
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
@@ -62,42 +61,14 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from autopar.layout.buckets import DEFAULT_CAP_MB, bucket_cap_bytes, first_cap_bytes_default
 from autopar.runtime.counting import record
 from autopar.runtime.dtensors import grad_like, local_of
 from autopar.runtime.process_mesh import ProcessMesh
 
 __all__ = ["DEFAULT_CAP_MB", "GradBucketer", "bucket_cap_bytes"]
 
-DEFAULT_CAP_MB = 25.0
 _MAX_OPEN_PASSES = 8  # nested (reentrant) backward passes open at once, at most
-ENV_VAR = "AUTOPAR_BUCKET_CAP_MB"
-DEFAULT_FIRST_CAP_MB = 1.0  # torch.distributed._DEFAULT_FIRST_BUCKET_BYTES, DDP's first bucket
-FIRST_ENV_VAR = "AUTOPAR_FIRST_BUCKET_CAP_MB"
-
-
-def bucket_cap_bytes() -> int:
-    """The bucket cap for newly emitted graphs: ``AUTOPAR_BUCKET_CAP_MB`` (MiB) or 25 MiB;
-    0 means no bucketing."""
-    raw = os.environ.get(ENV_VAR)
-    if raw is None or raw.strip() == "":
-        return int(DEFAULT_CAP_MB * 2**20)
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError(f"{ENV_VAR}={raw!r} is not a number of MiB") from None
-    if value < 0 or math.isnan(value):
-        raise ValueError(f"{ENV_VAR} must be >= 0, got {raw!r}")
-    return int(value * 2**20)
-
-
-def first_cap_bytes_default() -> int:
-    """The first bucket's cap: ``AUTOPAR_FIRST_BUCKET_CAP_MB`` (MiB) or DDP's 1 MiB; 0 means
-    no separate first cap (the first bucket is as large as the others)."""
-    raw = os.environ.get(FIRST_ENV_VAR, "").strip()
-    value = float(raw) if raw else DEFAULT_FIRST_CAP_MB
-    if value < 0 or math.isnan(value):
-        raise ValueError(f"{FIRST_ENV_VAR} must be >= 0, got {raw!r}")
-    return int(value * 2**20)
 
 
 @dataclass(frozen=True)

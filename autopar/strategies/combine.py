@@ -145,7 +145,7 @@ def _strategy(info: OpInfo, mesh: MeshSpec, combo: tuple[AxisOption, ...], in_sp
     bwd_c = compute_seconds(flops[1] / div, 2 * moved, mesh, backward=True, **kind) if differentiable else 0.0
     wire = tuple(int(in_bytes[i] * _widening(info.slots[i].meta, reduce_itemsize)) if axes else 0
                  for i, axes in enumerate(gp_axes))
-    # The terms are added in ``Strategy.comm_seconds``'s order, which recomputes comm_s without some.
+    # The terms are added in ``grad_sums.comm_seconds``'s order, which recomputes comm_s without some.
     grads = sum(collective_seconds("all_reduce", wire[i], mesh, axes) for i, axes in enumerate(gp_axes) if axes)
     fwd_comm = kb = 0.0
     if kernel is not None:

@@ -187,8 +187,10 @@ def test_booster_example_trains_like_one_device_and_checkpoints_across_meshes(tm
     torch.manual_seed(0)
     model, inputs = zoo.build("gpt2", tiny=True, device="cpu", batch=BATCH, seq=SEQ)
     dataset = TokenDataset(model.config.vocab_size, SAMPLES)
-    # budgets that make each mesh's plan shard parameters (as tests/runtime/test_reshard.py)
-    budgets = {shape: int(0.6 * make_plan(model, inputs, mesh=shape).estimate.peak_bytes) for shape in ((2,), (2, 2))}
+    # budgets that make each mesh's plan shard parameters (as tests/runtime/test_reshard.py): with
+    # bucketed gradient sums priced as they run, data parallelism (ZeRO, recompute) holds out longer
+    budgets = {shape: int(fraction * make_plan(model, inputs, mesh=shape).estimate.peak_bytes)
+               for shape, fraction in (((2,), 0.5), ((2, 2), 0.4))}
     batches = global_batches(dataset, STEPS + 2)
     want = single_device(model, batches)
 

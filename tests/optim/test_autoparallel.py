@@ -19,6 +19,7 @@ import autopar
 from autopar import zoo
 from autopar.optim import CAME, Adafactor, GaLoreAdamW, Lamb
 from autopar.runtime.launch import run_local
+from tests.budgets import between, smallest_budget
 
 pytestmark = pytest.mark.slow
 
@@ -132,11 +133,13 @@ def reference():
 
 def test_tensor_parallel_plan_on_2_trains_like_one_device(reference):
     model, inputs, want = reference
-    free = autopar.plan(model, inputs, mesh=(2,), checkpoint="none", pipeline=1)
-    # 0.6 of the unconstrained peak: the replicated plan no longer fits, so the planner shards
-    # weight matrices (the MLP's, the attention's QKV, the tied embedding).
-    plan = autopar.plan(model, inputs, mesh=(2,), checkpoint="none", pipeline=1,
-                        memory_budget=int(0.6 * free.estimate.peak_bytes))
+    options = dict(mesh=(2,), checkpoint="none", pipeline=1)
+    free = autopar.plan(model, inputs, **options)
+    # A quarter of the way from the smallest budget to the unconstrained peak: the replicated
+    # plan no longer fits, so the planner shards weight matrices (the MLP's, the attention's
+    # QKV, the tied embedding).
+    low = smallest_budget(lambda budget: autopar.plan(model, inputs, memory_budget=budget, **options))
+    plan = autopar.plan(model, inputs, memory_budget=between(low, free.estimate.peak_bytes, 0.25), **options)
     specs = _matrices(plan)
     assert sum(1 for s, _ in specs.values() if "S" in s) >= 4, specs
     _check(run_local(_body, 2, model, inputs, plan, timeout=TIMEOUT), want, model, "(2,) TP",

@@ -17,6 +17,7 @@ from autopar.planner.options import PlanOptions
 from autopar.planner.segments import mutates_state, op_segments
 from autopar.layout.blocks import block_of
 from autopar.strategies import input_nodes
+from autopar.strategies.grad_sums import grad_sync_seconds
 from autopar.tracer import profile, trace
 from autopar.tracer.depth import blocks_of
 from autopar.tracer.graph import BUFFER, CONSTANT, INPUT, PARAMETER
@@ -137,7 +138,7 @@ def test_layout_options_hold_their_bytes():
     assert {o.name: o.param_bytes for o in built.problem.node(scale.name).options} == {"R": 16, "S0": 8}
 
 
-def test_edge_costs_are_the_planned_conversions():
+def test_edge_costs_are_the_planned_conversions_and_unbucketed_sums():
     traced, built = _build(Gated(), torch.randn(6, 4), mesh=MeshSpec.preset("cpu", (2, 2)))
     assert built.problem.edges
     for e in built.problem.edges:
@@ -152,6 +153,12 @@ def test_edge_costs_are_the_planned_conversions():
                     if a is not None and b is not None and a != b:
                         conv = plan_conversion(a, b, value.shape, value.itemsize, built.mesh)
                         want += conv.forward_s + conv.backward_s
+                        if slot in dst.bucketed and c_dst.strategy is not None:
+                            # a converted parameter's gradient is summed in-graph, not in a bucket:
+                            # the latency its reader's option priced as a bucket share, in full
+                            s = c_dst.strategy
+                            want += grad_sync_seconds(s, slot, built.mesh) - grad_sync_seconds(s, slot, built.mesh,
+                                                                                    bucket_cap=built.bucket_cap)
                 assert e.costs[i][j] == pytest.approx(want, rel=1e-12, abs=0.0), (e.src, e.dst, i, j)
 
 

@@ -11,7 +11,6 @@ the same point on any machine, unlike a tiny wall-clock limit.
 from __future__ import annotations
 
 import functools
-import re
 
 import pytest
 
@@ -19,6 +18,7 @@ from autopar import zoo
 from autopar.api import PlanOptions, Progress, plan_traced
 from autopar.solver import ilp
 from autopar.tracer import profile, trace
+from tests.budgets import smallest_budget
 from tests.solver.test_incumbents import _no_plan
 
 
@@ -31,9 +31,8 @@ def gpt2():
 
 def _smallest_budget(gpt2, mesh, **options) -> int:
     traced, prof = gpt2
-    with pytest.raises(ValueError) as err:
-        plan_traced(traced, prof, mesh=mesh, options=PlanOptions(memory_budget=1, **options))
-    return int(re.search(r"smallest budget any plan meets is (?:between \d+ and )?(\d+) bytes", str(err.value))[1])
+    return smallest_budget(lambda budget: plan_traced(traced, prof, mesh=mesh,
+                                                      options=PlanOptions(memory_budget=budget, **options)))
 
 
 @pytest.fixture

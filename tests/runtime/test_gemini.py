@@ -66,11 +66,16 @@ def test_static_tiers_follow_gemini_fractions():
 
 
 def test_auto_tiers_keep_what_fits_beside_non_model_memory():
-    payload, optim = [100, 100, 100], [300, 300, 300]
+    payload, optim, none = [100, 100, 100], [300, 300, 300], [0, 0, 0]
     # 1000 B budget, 300 B non-model, 100 B kept free for a fetch: 600 B -> 3 payloads + 1 optimizer state
-    tiers = auto_tiers(payload, optim, budget=1000, non_model_peak=300, order=[2, 0, 1])
+    tiers = auto_tiers(payload, optim, grads=none, budget=1000, non_model_peak=300, order=[2, 0, 1])
     assert tiers == [(DEVICE, HOST), (DEVICE, HOST), (DEVICE, DEVICE)]
-    assert auto_tiers(payload, optim, budget=300, non_model_peak=300, order=[]) == [(HOST, HOST)] * 3
+    assert auto_tiers(payload, optim, grads=none, budget=300, non_model_peak=300, order=[]) == [(HOST, HOST)] * 3
+    # A device-home chunk's gradient chunk is on the device too: 600 B hold 3 payloads + gradients
+    # of 100 B each, nothing more (counting payloads alone put a 4th chunk's worth over budget).
+    tiers = auto_tiers(payload + [100], optim + [300], grads=[100] * 4, budget=1000, non_model_peak=300,
+                       order=[2, 0, 1, 3])
+    assert tiers == [(DEVICE, HOST), (DEVICE, HOST), (DEVICE, HOST), (HOST, HOST)]
 
 
 def test_shard_pieces_nest_the_axes_in_mesh_order():
@@ -265,7 +270,7 @@ def _auto_and_planned(rank, world, model, inputs, plan, tiers):
     for what in ("auto", "planned"):
         pm = autopar.autoparallelize(copy.deepcopy(model), inputs, plan=plan, init_weights=False)
         pm.load_full_state_dict(model.state_dict())
-        if what == "auto":  # GPT-2 tiny: 12 chunks of 64 KiB, ~0.86 MB non-model: room for about half
+        if what == "auto":  # GPT-2 tiny: 12 chunks of 64 KiB and their gradients: room for some
             policy = AutoPolicy(device_budget=AUTO_BUDGET)
         else:
             policy = gemini.PlannedPolicy(tiers=tiers)

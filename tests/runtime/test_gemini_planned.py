@@ -29,6 +29,7 @@ from autopar.layout.mesh import MeshSpec
 from autopar.offload import OffloadPolicy
 from autopar.runtime.gemini.chunk import DEVICE, HOST
 from autopar.runtime.launch import run_local
+from tests.budgets import between, smallest_budget
 
 STEPS, EPS, LR = 5, 1e-5, 1e-3
 
@@ -52,17 +53,23 @@ def _reference(model, inputs):
     return {k: v.detach() for k, v in m.state_dict().items()}
 
 
-def _tight_budget(model, inputs, mesh, frac: float = 0.5) -> int:
-    """``frac`` of the free plan's parameter bytes less than its peak: something must go to the host."""
-    free = autopar.plan(model, inputs, mesh=mesh, zero_stage=0, checkpoint="none", offload="auto")
-    return int(free.estimate.peak_bytes - frac * free.estimate.param_bytes)
+def _smallest(model, inputs, mesh, **options) -> int:
+    return smallest_budget(lambda budget: autopar.plan(model, inputs, mesh=mesh, memory_budget=budget, **options))
+
+
+def _tight_budget(model, inputs, mesh, *, zero_stage=0, fraction: float = 0.5) -> int:
+    """``fraction`` of the way from the smallest budget a plan with offload meets to the smallest
+    one without (no recompute either way): something must go to the host."""
+    options = dict(zero_stage=zero_stage, checkpoint="none")
+    return between(_smallest(model, inputs, mesh, offload="auto", **options),
+                   _smallest(model, inputs, mesh, **options), fraction)
 
 
 def _recompute_budget(model, inputs, mesh) -> int:
-    """Below what offload alone reaches with its stream room (1.25x the parameter bytes off the
-    free peak): the plan must offload AND recompute activations."""
-    free = autopar.plan(model, inputs, mesh=mesh, zero_stage=0, checkpoint="none", offload="auto")
-    return int(free.estimate.peak_bytes - 1.25 * free.estimate.param_bytes)
+    """The smallest budget offload alone meets in the ILP: its plans need device room on top (the
+    streamed parameters pinned at once), so the plan must offload AND recompute -- regions that
+    then re-read streamed chunks in backward."""
+    return _smallest(model, inputs, mesh, zero_stage=0, checkpoint="none", offload="auto")
 
 
 def _fast(shape):
@@ -127,10 +134,10 @@ def test_autoparallelize_offload_executes_the_plan_within_its_device_budget(tmp_
         # Offload and activation recompute planned jointly, both executed.
         jobs.append((name, model, inputs, _recompute_budget(model, inputs, (2,)), "auto", (2,), None, "auto"))
     # Offload and ZeRO planned jointly (a data-parallel plan: ZeRO-2 on replicated parameters;
-    # at 0.7 the plan takes both, with a ZeRO-2 gradient wait in its room).
+    # below what ZeRO alone reaches, the plan takes both, with a ZeRO-2 gradient wait in its room).
     model, inputs = _model("gpt2")
-    jobs.append(("gpt2", model, inputs, _tight_budget(model, inputs, _fast((2,)), 0.7), "none", _fast((2,)), "auto",
-                 "auto"))
+    jobs.append(("gpt2", model, inputs, _tight_budget(model, inputs, _fast((2,)), zero_stage="auto"), "none",
+                 _fast((2,)), "auto", "auto"))
     # ZeRO-Offload: ZeRO-2 with the optimizer state of the replicated parameters on the host.
     jobs.append(("gpt2", model, inputs, None, "none", _fast((2,)), 2, OffloadPolicy(offload_optim_frac=1.0)))
     for result in run_local(_train, 2, jobs, str(tmp_path), timeout=300):

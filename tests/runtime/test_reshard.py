@@ -21,6 +21,7 @@ from autopar.api import plan as make_plan
 from autopar.runtime.build import build_module
 from autopar.runtime.launch import run_local
 from autopar.tracer import trace
+from tests.budgets import between, smallest_budget
 
 pytestmark = pytest.mark.slow
 
@@ -88,9 +89,14 @@ def test_checkpoint_reshards_across_meshes_and_world_sizes(tmp_path):
     torch.manual_seed(0)
     model, inputs = zoo.build("gpt2", tiny=True, device="cpu")
     traced = trace(model, inputs)
-    replicated = make_plan(model, inputs, mesh=(2,), memory_budget=None)
-    budget = int(0.6 * replicated.estimate.peak_bytes)
-    plans = {shape: make_plan(model, inputs, mesh=shape, memory_budget=budget) for shape in ((2,), (2, 2), (4,))}
+    # Without a pipeline: its stages would hold whole parameters, and what is resharded here is
+    # DTensor pieces. A quarter of the way from mesh (2,)'s smallest budget (the largest of the
+    # three meshes') to its unconstrained peak: every mesh must shard parameters to fit.
+    replicated = make_plan(model, inputs, mesh=(2,), memory_budget=None, pipeline=1)
+    low = smallest_budget(lambda budget: make_plan(model, inputs, mesh=(2,), memory_budget=budget, pipeline=1))
+    budget = between(low, replicated.estimate.peak_bytes, 0.25)
+    plans = {shape: make_plan(model, inputs, mesh=shape, memory_budget=budget, pipeline=1)
+             for shape in ((2,), (2, 2), (4,))}
     layouts = {shape: plan.placements() for shape, plan in plans.items()}
     for shape, layout in layouts.items():  # so each rank's pieces differ between the meshes
         assert any("Shard(" in p for ps in layout.values() for p in ps), f"mesh {shape}: no sharded parameter"

@@ -14,6 +14,7 @@ from autopar.strategies import (
     NoRuleError, OpInfo, Sample, enumerate_strategies, estimate_flops, get_rule, input_nodes,
     strategies_for,
 )
+from autopar.strategies.grad_sums import comm_seconds, grad_sync_seconds, without_gradients
 from autopar.strategies.check import StrategyMismatch, check_strategy, reference, run_spmd
 from autopar.strategies.samples import ints, rand
 from autopar.tracer import trace
@@ -132,22 +133,22 @@ def test_comm_left_out_of_an_op_is_summed_not_subtracted():
         info = OpInfo.from_values(aten.where.self, args, {}, aten.where.self(*args))
     strategies = {s.name: s for s in enumerate_strategies(info, mesh)}
     dp = strategies["S0 x R x R -> S0"]
-    bias, scalar = dp.grad_sync_s(1, mesh), dp.grad_sync_s(2, mesh)
+    bias, scalar = grad_sync_seconds(dp, 1, mesh), grad_sync_seconds(dp, 2, mesh)
     assert dp.grad_partial_axes == ((), (0,), (0,))
     assert dp.comm_s - scalar - bias < 0, "these sizes no longer cancel on this preset: pick others"
-    assert dp.comm_seconds(mesh, skip=(1, 2)) == 0.0
-    assert dp.comm_seconds(mesh, skip=(1,)) == scalar
-    assert dp.comm_seconds(mesh, reduce_scatter=(1,), skip=(2,)) == dp.grad_sync_s(1, mesh, "reduce_scatter")
-    no_scalar = dp.without_gradients((2,), mesh)  # the scalar feeds no parameter: no gradient
-    assert no_scalar.comm_s == bias and no_scalar.comm_seconds(mesh, skip=(1,)) == 0.0
+    assert comm_seconds(dp, mesh, skip=(1, 2)) == 0.0
+    assert comm_seconds(dp, mesh, skip=(1,)) == scalar
+    assert comm_seconds(dp, mesh, reduce_scatter=(1,), skip=(2,)) == grad_sync_seconds(dp, 1, mesh, "reduce_scatter")
+    no_scalar = without_gradients(dp, (2,), mesh)  # the scalar feeds no parameter: no gradient
+    assert no_scalar.comm_s == bias and comm_seconds(no_scalar, mesh, skip=(1,)) == 0.0
     with pytest.raises(ValueError, match="both"):
-        dp.comm_seconds(mesh, skip=(1,), reduce_scatter=(1,))
+        comm_seconds(dp, mesh, skip=(1,), reduce_scatter=(1,))
     # Nothing left out: comm_s itself, bit for bit, kernels' own collectives included.
     sample = get_rule(aten.cross_entropy_loss.default).samples()[0]
     kernels = _strategies(aten.cross_entropy_loss.default, sample, (4,)).values()
     assert any(s.kernel is not None and s.forward_comm_s + s.kernel_bwd_comm_s > 0 for s in kernels)
-    assert all(s.comm_seconds(MeshSpec.preset("cpu", (4,))) == s.comm_s for s in kernels)
-    assert all(s.comm_seconds(mesh) == s.comm_s for s in strategies.values())
+    assert all(comm_seconds(s, MeshSpec.preset("cpu", (4,))) == s.comm_s for s in kernels)
+    assert all(comm_seconds(s, mesh) == s.comm_s for s in strategies.values())
 
 
 # ------------------------------------------------------------------- fx nodes, errors

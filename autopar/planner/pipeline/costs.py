@@ -416,7 +416,7 @@ def stage_costs(traced: TracedGraph, profile, *, mesh: MeshSpec, options,
     # No overlap inside a stage: the pipeline runtime sums data-parallel gradients once per step,
     # after the last micro-batch and on the critical path (``runtime.pipeline``: no buckets).
     sub = replace(stage_mesh_of(mesh), comm_overlap=0.0)
-    built = build_problem(traced, profile, sub, budget_bytes=None,
+    built = build_problem(traced, profile, sub, budget_bytes=None, bucket_cap=0,
                           options=replace(options, checkpoint="none", pipeline=None))
     if family is not None:
         built = family_built(family, traced, built)

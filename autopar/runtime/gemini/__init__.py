@@ -180,7 +180,8 @@ class Gemini:
             order = list(dict.fromkeys(manager.order))
             peak = max(manager.non_model_samples, default=0)
             self.place(auto_tiers([c.payload_bytes for c in manager.chunks], [c.optim_bytes for c in manager.chunks],
-                                  budget=self.policy.device_budget, non_model_peak=peak, order=order))
+                                  grads=[c.grad_bytes for c in manager.chunks], budget=self.policy.device_budget,
+                                  non_model_peak=peak, order=order))
 
     def place(self, tiers: list[tuple[str, str]], shards: list[bool] | None = None) -> None:
         """(payload tier, optimizer tier) per chunk, ``DEVICE`` or ``HOST``; ``shards``: per

@@ -164,18 +164,19 @@ def static_shards(payload: list[int], policy: StaticPolicy, shardable: list[bool
     return [i in first and ok for i, ok in enumerate(shardable)]
 
 
-def auto_tiers(payload: list[int], optim: list[int], *, budget: int, non_model_peak: int,
+def auto_tiers(payload: list[int], optim: list[int], *, grads: list[int], budget: int, non_model_peak: int,
                order: list[int]) -> list[tuple[str, str]]:
-    """Chunks kept on the device, first used first, while payloads fit in ``budget`` minus the
-    non-model peak (a fetched chunk needs room too: the largest payload stays free); then their
-    optimizer state while it fits. Everything else on the host."""
+    """Chunks kept on the device, first used first, while payloads and their gradient chunks
+    (a device-home chunk's gradient lives on the device too: ``grads``) fit in ``budget`` minus
+    the non-model peak (a fetched chunk needs room too: the largest payload stays free); then
+    their optimizer state while it fits. Everything else on the host."""
     room = budget - non_model_peak - (max(payload) if payload else 0)
     first = order + [i for i in range(len(payload)) if i not in order]
     tiers = [[HOST, HOST] for _ in payload]
     for i in first:
-        if payload[i] <= room:
+        if payload[i] + grads[i] <= room:
             tiers[i][0] = DEVICE
-            room -= payload[i]
+            room -= payload[i] + grads[i]
     for i in first:
         if tiers[i][0] == DEVICE and optim[i] <= room:
             tiers[i][1] = DEVICE

@@ -123,6 +123,12 @@ def check_pipelined(plan: Plan, traced, *, num_stages: int, schedule: str, num_m
     ops = [n.name for n in traced.nodes if n.op not in ("placeholder", "output")]
     assert set(stage_of) == set(ops)
     figures = plan.solver["pipeline"]["stages"]
+    # A rank holds all of its virtual stages at once: its bytes are their sums (the fullest rank's).
+    on_rank = [[f for k, f in enumerate(figures) if k % num_stages == r] for r in range(num_stages)]
+    assert plan.estimate.peak_bytes == max(sum(f["peak_bytes"] for f in fs) for fs in on_rank)
+    assert plan.estimate.param_bytes == max(sum(f["param_bytes"] for f in fs) for fs in on_rank)
+    if v > 1:
+        assert plan.estimate.peak_bytes > max(f["peak_bytes"] for f in figures)
     want = step_time(schedule, times=[f["time_s"] for f in figures], syncs=[f["sync_s"] for f in figures],
                      num_stages=num_stages, virtual_stages=v, num_microbatches=num_microbatches)
     assert plan.estimate.step_s == pytest.approx(want, rel=1e-9)

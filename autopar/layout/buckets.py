@@ -1,0 +1,42 @@
+"""The gradient bucket cap, shared by the runtime that fills buckets (``runtime.bucketing``)
+and the cost model that prices their collectives (``layout.cost.collective_seconds``'s
+``bucket_cap``): one place, so the planner amortises each bucket's latency over the bytes the
+runtime really packs into it. Device-free; no torch import."""
+
+from __future__ import annotations
+
+import math
+import os
+
+__all__ = ["DEFAULT_CAP_MB", "DEFAULT_FIRST_CAP_MB", "ENV_VAR", "FIRST_ENV_VAR", "bucket_cap_bytes",
+           "first_cap_bytes_default"]
+
+DEFAULT_CAP_MB = 25.0  # DDP's default bucket_cap_mb
+ENV_VAR = "AUTOPAR_BUCKET_CAP_MB"
+DEFAULT_FIRST_CAP_MB = 1.0  # torch.distributed._DEFAULT_FIRST_BUCKET_BYTES, DDP's first bucket
+FIRST_ENV_VAR = "AUTOPAR_FIRST_BUCKET_CAP_MB"
+
+
+def bucket_cap_bytes() -> int:
+    """The bucket cap for newly emitted graphs (and the plans priced for them):
+    ``AUTOPAR_BUCKET_CAP_MB`` (MiB) or 25 MiB; 0 means no bucketing."""
+    raw = os.environ.get(ENV_VAR)
+    if raw is None or raw.strip() == "":
+        return int(DEFAULT_CAP_MB * 2**20)
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"{ENV_VAR}={raw!r} is not a number of MiB") from None
+    if value < 0 or math.isnan(value):
+        raise ValueError(f"{ENV_VAR} must be >= 0, got {raw!r}")
+    return int(value * 2**20)
+
+
+def first_cap_bytes_default() -> int:
+    """The first bucket's cap: ``AUTOPAR_FIRST_BUCKET_CAP_MB`` (MiB) or DDP's 1 MiB; 0 means
+    no separate first cap (the first bucket is as large as the others)."""
+    raw = os.environ.get(FIRST_ENV_VAR, "").strip()
+    value = float(raw) if raw else DEFAULT_FIRST_CAP_MB
+    if value < 0 or math.isnan(value):
+        raise ValueError(f"{FIRST_ENV_VAR} must be >= 0, got {raw!r}")
+    return int(value * 2**20)
