@@ -31,7 +31,7 @@ import numpy as np
 from autopar.solver import incumbents
 from autopar.solver.ilp import HARD_FACTOR, INTEGRAL_TOL, MEM_UNIT, MIP_REL_GAP, IlpModel, Outcome, pick_backend
 from autopar.solver.problem import Problem, Solution
-from autopar.solver.dive import alternate
+from autopar.solver.dive import alternate, blockwise
 from autopar.solver.recompute_ilp import RECOMPUTE_GAP, RecomputeModel
 from autopar.solver.simplify import Reduced, simplify
 from autopar.solver.timeline import Evaluation, SegmentInputs
@@ -65,6 +65,11 @@ _DIVE_SHARE = 0.25
 # goes first and the search gets what it leaves, at most enough to prove a small model's plan
 # (ResNet's in about a second). The gap left is reported.
 _IMPROVE_SHARE, _SEARCH_SHARE = 0.1, 0.03
+# A joint model with more rows than this (its untied size) is not relaxed: its plan comes from its
+# block classes (``dive.blockwise``). Mixtral-8x22B on 8x8: 44,327 rows, a relaxation of 38 s under
+# load that ran out its share of the limit; its 4,969-row tied model relaxes in 0.6 s. Only
+# problems with this many recompute units (a deep stack of identical blocks) build the tied model.
+_BLOCKWISE_ROWS, _BLOCKWISE_UNITS = 30_000, 256
 _MIN_SEARCH_S = 0.2  # a search told less than this is not started (a run costs a fork and the model's transfer)
 
 
@@ -362,6 +367,11 @@ def _solve(problem: Problem, *, recompute_inputs: SegmentInputs | None, fixed: M
     t0 = time.perf_counter()
     reduced = simplified(problem, alias=alias, merge=merge)
     t1 = time.perf_counter()
+    if recompute_inputs is not None and not fixed and len(recompute_inputs) >= _BLOCKWISE_UNITS:
+        found = _blockwise_solution(problem, reduced, recompute_inputs, backend=backend, time_limit=time_limit,
+                                    symmetry=symmetry, simplify_s=t1 - t0)
+        if found is not None:
+            return found
     # The recompute ILP always has its memory rows: they are what its recompute decisions answer.
     binds = recompute_inputs is not None or reduced.memory_can_bind
     model = _model(problem, reduced, recompute_inputs, fixed=fixed, symmetry=symmetry)
@@ -421,6 +431,53 @@ def _solve(problem: Problem, *, recompute_inputs: SegmentInputs | None, fixed: M
                                  stats=stats, recompute=recompute, timings=timings)
     incumbents.remember(problem, choice, recompute, recompute_inputs)
     return solution
+
+
+def _blockwise_solution(problem: Problem, reduced: Reduced, recompute_inputs: SegmentInputs, *, backend: str,
+                        time_limit: float, symmetry: bool, simplify_s: float) -> Solution | None:
+    """The joint ILP's plan by ``dive.blockwise`` when the model is too big to relax in time
+    (``_BLOCKWISE_ROWS``, estimated from the tied model's shared rows); None otherwise, or when
+    the descent finds no plan (the caller then solves the full model). Status "feasible", bound
+    unknown: the tied relaxation is of a restriction."""
+    t0 = time.perf_counter()
+    budget = float(problem.budget_bytes)
+    tied = RecomputeModel(reduced, problem, recompute_inputs, "autopar_recompute_tied", order=symmetry,
+                          tie=len(recompute_inputs))
+    tied.build_fastest(budget)
+    if tied.lp.num_rows + tied.shared_rows <= _BLOCKWISE_ROWS:
+        return None
+    clock = _Clock(time.monotonic(), time_limit)
+
+    def sharding_model(decisions: dict[str, bool]) -> IlpModel:
+        sub = _model(problem, reduced, recompute_inputs, suffix="_dive", fixed=decisions, symmetry=symmetry)
+        sub.build_fastest(budget)
+        return sub
+
+    def recompute_model(options: list[int]) -> RecomputeModel:
+        sub = RecomputeModel(incumbents.restrict(reduced, [np.array([k]) for k in options]), problem,
+                             recompute_inputs, "autopar_recompute_rstep", order=symmetry)
+        sub.build_fastest(budget)
+        return sub
+
+    found = blockwise(tied, backend, sharding_model=sharding_model, recompute_model=recompute_model,
+                      limits=lambda: clock.step(_DIVE_SHARE))
+    if found is None:
+        return None
+    choice = reduced.expand(found.options)
+    ev = problem.evaluate(choice, recompute=found.recompute, segment_inputs=recompute_inputs)
+    # The restricted model keeps every term: its objective is the plan's (as _checked_solution checks).
+    assert abs(ev.objective - found.value) <= 1e-4 * (1 + abs(ev.objective)), (ev.objective, found.value)
+    if ev.peak_bytes > problem.budget_bytes:
+        raise RuntimeError(f"{backend}'s plan peaks at {ev.peak_bytes} bytes, over the budget "
+                           f"{problem.budget_bytes} (solver tolerance?); retry with the other backend")
+    incumbents.remember(problem, choice, found.recompute, recompute_inputs)
+    return Solution(choice=choice, objective=ev.objective, lp_bound=None, dual_bound=None, gap=None,
+                    status="feasible", backend=backend,
+                    timings={"simplify_s": simplify_s, "solve_s": time.perf_counter() - t0},
+                    peak_bytes=ev.peak_bytes, num_variables=tied.num_variables,
+                    num_constraints=tied.num_constraints, recompute=found.recompute,
+                    stats={**reduced.stats, **tied.stats, "blockwise_rounds": found.rounds,
+                           "tied_lp_bound": found.tied_lp})
 
 
 def _known_plan(exc: SolveTimeout, lp: Outcome | None, *, problem: Problem, recompute_inputs: SegmentInputs | None,
