@@ -200,3 +200,45 @@ def test_symmetry_rows_keep_the_optimum(budget):
     assert ordered.objective == pytest.approx(free.objective, rel=1e-9)
     assert ordered.objective == pytest.approx(brute_force_aliased(problem, inputs), rel=1e-9)
     assert ordered.peak_bytes <= budget
+
+
+def test_tied_model_shares_one_decision_per_block_class():
+    """``RecomputeModel(tie=...)``: identical units of identical blocks (blocks 1-5; block 0 reads
+    the embedding, so it is its own class) share one recompute column and their products and
+    span variables, so the model is smaller than the untied one by the rows it reports shared."""
+    from autopar.solver.driver import simplified
+    from autopar.solver.recompute_ilp import RecomputeModel
+
+    problem, inputs = repeated_blocks(6, 420)
+    reduced = simplified(problem)
+    untied = RecomputeModel(reduced, problem, inputs)
+    untied.build_fastest(420.0)
+    tied = RecomputeModel(reduced, problem, inputs, tie=len(inputs))
+    tied.build_fastest(420.0)
+    assert len({tied.r[f"blk.{i}.a"] for i in range(1, 6)}) == 1 and tied.r["blk.0.a"] != tied.r["blk.1.a"]
+    assert len({tied.r[f"blk.{i}"] for i in range(1, 6)}) == 1 and tied.r["blk.1"] != tied.r["blk.1.a"]
+    # block 0's fine segment c reads its own op a, as every block's does: one class with theirs
+    assert tied.r["blk.0.c"] == tied.r["blk.5.c"]
+    assert len(set(tied.r.values())) == 5 and len(set(untied.r.values())) == 18
+    assert tied.shared_rows > 0 and untied.shared_rows == 0
+    assert tied.lp.num_rows < untied.lp.num_rows
+
+
+@pytest.mark.parametrize("budget", [580, 420, 340])
+def test_blockwise_plan_matches_the_full_optimum(budget, monkeypatch):
+    """A joint model over ``_BLOCKWISE_ROWS`` is planned from its block classes
+    (``dive.blockwise``: the tied relaxation's sharding, then the exact recompute-only and
+    sharding steps): a plan of the full model, exactly evaluated, within the budget, here the
+    full model's optimum (six blocks: each block decides on its own in the recompute step)."""
+    from autopar.solver import driver
+
+    problem, inputs = repeated_blocks(6, budget)
+    full = solve(problem, recompute_inputs=inputs)
+    assert "blockwise_rounds" not in full.stats  # 18 units: below _BLOCKWISE_UNITS
+    monkeypatch.setattr(driver, "_BLOCKWISE_ROWS", 0)
+    monkeypatch.setattr(driver, "_BLOCKWISE_UNITS", 0)
+    found = solve(problem, recompute_inputs=inputs)
+    assert found.stats["blockwise_rounds"] >= 1 and found.status == "feasible" and found.gap is None
+    assert found.objective == pytest.approx(full.objective, rel=1e-9)
+    ev = problem.evaluate(found.choice, recompute=found.recompute, segment_inputs=inputs)
+    assert ev.objective == pytest.approx(found.objective) and ev.peak_bytes == found.peak_bytes <= budget
