@@ -36,7 +36,7 @@ from autopar.solver.recompute_ilp import RECOMPUTE_GAP, RecomputeModel
 from autopar.solver.simplify import Reduced, simplify
 from autopar.solver.timeline import Evaluation, SegmentInputs
 
-__all__ = ["solve", "minimum_budget", "fallback", "simplified", "remembering", "terse_infeasible", "SolveTimeout"]
+__all__ = ["solve", "minimum_budget", "parameter_floor", "fallback", "simplified", "remembering", "terse_infeasible", "SolveTimeout"]
 
 
 log = logging.getLogger(__name__)
@@ -70,6 +70,7 @@ _IMPROVE_SHARE, _SEARCH_SHARE = 0.1, 0.03
 # load that ran out its share of the limit; its 4,969-row tied model relaxes in 0.6 s. Only
 # problems with this many recompute units (a deep stack of identical blocks) build the tied model.
 _BLOCKWISE_ROWS, _BLOCKWISE_UNITS = 30_000, 256
+_FLOOR_NODES = 2_000  # from this size an infeasible budget below the parameters is reported without a solve
 _MIN_SEARCH_S = 0.2  # a search told less than this is not started (a run costs a fork and the model's transfer)
 
 
@@ -299,6 +300,9 @@ def _infeasible(problem: Problem, recompute_inputs: SegmentInputs | None, fixed:
     mesh = "x".join(map(str, problem.mesh_shape)) or "?"
     if _terse:
         return ValueError(f"memory budget {problem.budget_bytes} bytes per device cannot be met on mesh {mesh}")
+    below = _below_parameters(problem)
+    if below is not None:
+        return below
     try:
         achieved, lower = minimum_budget(problem, recompute_inputs=recompute_inputs, solver=backend,
                                          time_limit=time_limit, alias=alias)
@@ -320,6 +324,30 @@ def _infeasible(problem: Problem, recompute_inputs: SegmentInputs | None, fixed:
         f"memory budget {problem.budget_bytes} bytes ({problem.budget_bytes / 2**30:.3f} GiB) per device "
         f"cannot be met on mesh {mesh}{where}: the smallest budget any plan meets is {need}. {hint}"
     )
+
+
+def parameter_floor(problem: Problem) -> int:
+    """The fewest parameter bytes (gradients and optimizer state included) any plan holds: each
+    node's smallest option. They are held the whole step, so no plan, recomputing or not, peaks
+    lower."""
+    return sum(min(o.param_bytes for o in n.options) for n in problem.nodes)
+
+
+def _below_parameters(problem: Problem) -> ValueError | None:
+    """For a problem of at least ``_FLOOR_NODES`` nodes, the error for a budget below
+    ``parameter_floor``, found without a solve (an infeasible fixed configuration of Mixtral-8x22B
+    spent 60-90 s in ``minimum_budget`` to say so); None when the parameters fit or the problem is
+    small (its exact smallest budget is cheap, and a 1-byte budget's error is how users and the
+    tight-budget sweeps ask for it)."""
+    floor = parameter_floor(problem)
+    if problem.budget_bytes is None or floor <= problem.budget_bytes or problem.num_nodes < _FLOOR_NODES:
+        return None
+    mesh = "x".join(map(str, problem.mesh_shape)) or "?"
+    return ValueError(
+        f"memory budget {problem.budget_bytes} bytes ({problem.budget_bytes / 2**30:.3f} GiB) per device "
+        f"cannot be met on mesh {mesh}, with or without recompute: the smallest budget any plan meets is at least "
+        f"{floor} bytes ({floor / 2**30:.3f} GiB), what the parameters, their gradients and optimizer state "
+        f"alone take in every op's fewest-bytes layout. Try a bigger mesh, ZeRO, offload or a larger budget.")
 
 
 def solve(problem: Problem, *, recompute_inputs: SegmentInputs | None = None,
@@ -364,6 +392,9 @@ def _solve(problem: Problem, *, recompute_inputs: SegmentInputs | None, fixed: M
     if fixed and recompute_inputs is None:
         raise ValueError(f"fixed recompute decisions {dict(fixed)} need recompute_inputs")
     backend = pick_backend(solver)
+    below = _below_parameters(problem)
+    if below is not None:
+        raise below
     t0 = time.perf_counter()
     reduced = simplified(problem, alias=alias, merge=merge)
     t1 = time.perf_counter()
@@ -398,6 +429,8 @@ def _solve(problem: Problem, *, recompute_inputs: SegmentInputs | None, fixed: M
             # No known plan fits, and the relaxation's support alone admits none: the minimum-peak
             # plan fits every feasible budget, and with its options the neighbourhood has a plan.
             lp_values = _values(m)
+            if limits()["time_limit"] < _MIN_SEARCH_S:  # a run told 0.4 ms is a CBC retry's, not a search
+                return None
             try:
                 minimum_budget(problem, recompute_inputs=recompute_inputs, solver=backend,
                                time_limit=limits()["time_limit"], alias=alias)

@@ -5,6 +5,7 @@ budgets."""
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 
 import pytest
 
@@ -242,3 +243,23 @@ def test_blockwise_plan_matches_the_full_optimum(budget, monkeypatch):
     assert found.objective == pytest.approx(full.objective, rel=1e-9)
     ev = problem.evaluate(found.choice, recompute=found.recompute, segment_inputs=inputs)
     assert ev.objective == pytest.approx(found.objective) and ev.peak_bytes == found.peak_bytes <= budget
+
+
+def test_budget_below_the_parameters_is_reported_without_a_solve(monkeypatch):
+    """A budget below every plan's parameter bytes (each node's fewest: ``parameter_floor``) is
+    refused before any model is built on a large problem (``_FLOOR_NODES``), naming that floor;
+    a small one keeps its exact smallest budget (what a 1-byte budget's error reports)."""
+    from autopar.solver import driver
+
+    problem, inputs = repeated_blocks(2, None)
+    heavy = tuple(replace(n, options=tuple(replace(o, param_bytes=100 * (k + 1)) for k, o in enumerate(n.options)))
+                  if n.block else n for n in problem.nodes)
+    problem = replace(problem, nodes=heavy, budget_bytes=300)  # four ops of at least 100 bytes each
+    assert driver.parameter_floor(problem) == 400
+    with pytest.raises(ValueError, match="smallest budget any plan meets is 605 bytes"):  # exact: with activations
+        solve(problem, recompute_inputs=inputs)
+    monkeypatch.setattr(driver, "_FLOOR_NODES", 1)
+    monkeypatch.setattr(driver, "simplified", lambda *a, **k: pytest.fail("solved"))
+    for recompute in (inputs, None):
+        with pytest.raises(ValueError, match=r"smallest budget any plan meets is at least 400 bytes .*parameters"):
+            solve(problem, recompute_inputs=recompute)
