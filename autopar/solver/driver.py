@@ -32,7 +32,7 @@ from autopar.solver import incumbents
 from autopar.solver.ilp import HARD_FACTOR, INTEGRAL_TOL, MEM_UNIT, MIP_REL_GAP, IlpModel, Outcome, pick_backend
 from autopar.solver.problem import Problem, Solution
 from autopar.solver.dive import alternate, blockwise
-from autopar.solver.recompute_ilp import RECOMPUTE_GAP, RecomputeModel
+from autopar.solver.recompute_ilp import RECOMPUTE_GAP, RecomputeModel, floor_model
 from autopar.solver.simplify import Reduced, simplify
 from autopar.solver.timeline import Evaluation, SegmentInputs
 
@@ -400,7 +400,7 @@ def _solve(problem: Problem, *, recompute_inputs: SegmentInputs | None, fixed: M
     t1 = time.perf_counter()
     if recompute_inputs is not None and not fixed and len(recompute_inputs) >= _BLOCKWISE_UNITS:
         found = _blockwise_solution(problem, reduced, recompute_inputs, backend=backend, time_limit=time_limit,
-                                    symmetry=symmetry, simplify_s=t1 - t0)
+                                    symmetry=symmetry, alias=alias, simplify_s=t1 - t0)
         if found is not None:
             return found
     # The recompute ILP always has its memory rows: they are what its recompute decisions answer.
@@ -467,11 +467,12 @@ def _solve(problem: Problem, *, recompute_inputs: SegmentInputs | None, fixed: M
 
 
 def _blockwise_solution(problem: Problem, reduced: Reduced, recompute_inputs: SegmentInputs, *, backend: str,
-                        time_limit: float, symmetry: bool, simplify_s: float) -> Solution | None:
+                        time_limit: float, symmetry: bool, alias: bool, simplify_s: float) -> Solution | None:
     """The joint ILP's plan by ``dive.blockwise`` when the model is too big to relax in time
     (``_BLOCKWISE_ROWS``, estimated from the tied model's shared rows); None otherwise, or when
-    the descent finds no plan (the caller then solves the full model). Status "feasible", bound
-    unknown: the tied relaxation is of a restriction."""
+    the descent finds no plan (the caller then solves the full model), unless a relaxation of the
+    smallest peak (``recompute_ilp.floor_model``) shows the budget cannot be met: ValueError.
+    Status "feasible", bound unknown: the tied relaxation is of a restriction."""
     t0 = time.perf_counter()
     budget = float(problem.budget_bytes)
     tied = RecomputeModel(reduced, problem, recompute_inputs, "autopar_recompute_tied", order=symmetry,
@@ -495,6 +496,18 @@ def _blockwise_solution(problem: Problem, reduced: Reduced, recompute_inputs: Se
     found = blockwise(tied, backend, sharding_model=sharding_model, recompute_model=recompute_model,
                       limits=lambda: clock.step(_DIVE_SHARE))
     if found is None:
+        # No plan of the block classes: before the full model (whose relaxation this size does
+        # not finish in time, then a minimum-peak search as long), a bound that may refuse the budget.
+        floor = floor_model(simplify(problem.with_budget(0), alias=alias), problem, recompute_inputs)
+        lp = floor.run(backend, relax=True, **clock.step(_DIVE_SHARE))
+        least = int(np.floor(lp.value * MEM_UNIT)) if lp.status == "optimal" and lp.value is not None else 0
+        if least > problem.budget_bytes:
+            mesh = "x".join(map(str, problem.mesh_shape)) or "?"
+            raise ValueError(
+                f"memory budget {problem.budget_bytes} bytes ({budget / 2**30:.3f} GiB) per device cannot be met "
+                f"on mesh {mesh} even with recompute: the smallest budget any plan meets is at least {least} bytes "
+                f"({least / 2**30:.3f} GiB), the peak at the end of forward of a relaxation with every repeated "
+                f"block alike. Try a bigger mesh or a larger budget.")
         return None
     choice = reduced.expand(found.options)
     ev = problem.evaluate(choice, recompute=found.recompute, segment_inputs=recompute_inputs)

@@ -86,7 +86,7 @@ from autopar.solver.problem import Problem
 from autopar.solver.simplify import MemItem, Reduced, peak_candidates
 from autopar.solver.timeline import SegmentInputs, segment_geometry
 
-__all__ = ["RecomputeModel", "RECOMPUTE_GAP"]
+__all__ = ["RecomputeModel", "RECOMPUTE_GAP", "floor_model"]
 
 # The joint ILP is solved to within this share of the step time (``autopar.solver.driver``:
 # a first plan by ``autopar.solver.dive``, proved against the relaxation or searched from).
@@ -115,6 +115,7 @@ class RecomputeModel(IlpModel):
         self.num_order_rows = 0
         self._class_cache: dict[tuple, tuple[np.ndarray, dict[tuple, list[int]]]] = {}
         self._span_vars: dict[tuple, int] = {}  # (representative unit, kind) -> its span variable
+        self.turn_only = False  # memory rows: only the last forward start's (``floor_model``)
         self.shared_rows = 0  # rows tied units share: the untied model has num_rows + this (memory rows aside)
 
     def _input_vectors(self, inputs) -> dict[str, dict[int, np.ndarray]]:
@@ -365,6 +366,8 @@ class RecomputeModel(IlpModel):
                 plain.append(MemItem(it.group, g.bwd, it.end, it.bytes, it.segment))
         spans = [MemItem(-1, a, b, np.zeros(1)) for _, a, b in self.spans]
         cands = peak_candidates(plain + spans)
+        if self.turn_only and self.reduced.mem_items:  # (``floor_model``)
+            cands = [max(it.start for it in self.reduced.mem_items)]
         if not cands:
             self.lp.add_row(p_terms + rhs_terms, upper=upper, const=p_const)
             return 1
@@ -408,3 +411,16 @@ class RecomputeModel(IlpModel):
     @property
     def stats(self) -> dict[str, int]:
         return {"num_segments": len(self.units), "num_order_rows": self.num_order_rows}
+
+
+def floor_model(reduced: Reduced, problem: Problem, inputs: SegmentInputs) -> RecomputeModel:
+    """A relaxation of the joint model's smallest peak, block classes tied: every identical unit
+    shares its variables (``tie``) and only the memory row of the last forward start is kept.
+    Exact as a relaxation: there every forward part of every block is held, so the row reads the
+    tied units through their sum, and averaging a plan's recompute and product variables over
+    identical units (the hull rows are convex) gives a point of this model with the same row.
+    Its LP optimum (MiB) is a lower bound on any plan's peak, found in a block class's time."""
+    model = RecomputeModel(reduced, problem, inputs, "autopar_recompute_floor", tie=max(len(inputs), 1))
+    model.turn_only = True
+    model.build_min_peak()
+    return model

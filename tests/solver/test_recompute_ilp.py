@@ -263,3 +263,25 @@ def test_budget_below_the_parameters_is_reported_without_a_solve(monkeypatch):
     for recompute in (inputs, None):
         with pytest.raises(ValueError, match=r"smallest budget any plan meets is at least 400 bytes .*parameters"):
             solve(problem, recompute_inputs=recompute)
+
+
+def test_floor_model_bounds_the_smallest_peak_and_refuses_a_budget_below_it(monkeypatch):
+    """``floor_model``'s relaxation (block classes tied, the end-of-forward row only) is a lower
+    bound on the smallest peak with recompute; on the block-class path a budget below it is
+    refused at once, naming it."""
+    from autopar.solver import driver
+    from autopar.solver.ilp import MEM_UNIT
+    from autopar.solver.recompute_ilp import floor_model
+    from autopar.solver.simplify import simplify
+
+    problem, inputs = repeated_blocks(6, 1)
+    model = floor_model(simplify(problem.with_budget(0)), problem, inputs)
+    lp = model.run("highs", relax=True, time_limit=10)
+    achieved, lower = minimum_budget(problem, recompute_inputs=inputs)
+    least = int(lp.value * MEM_UNIT)
+    assert 0 < least <= lower <= achieved
+    monkeypatch.setattr(driver, "_BLOCKWISE_ROWS", 0)
+    monkeypatch.setattr(driver, "_BLOCKWISE_UNITS", 0)
+    monkeypatch.setattr(driver, "minimum_budget", lambda *a, **k: pytest.fail("searched for the minimum"))
+    with pytest.raises(ValueError, match=rf"even with recompute: the smallest budget any plan meets is at least {least} "):
+        solve(problem.with_budget(least - 1), recompute_inputs=inputs)
