@@ -36,7 +36,8 @@ from autopar.solver.recompute_ilp import RECOMPUTE_GAP, RecomputeModel, floor_mo
 from autopar.solver.simplify import Reduced, simplify
 from autopar.solver.timeline import Evaluation, SegmentInputs
 
-__all__ = ["solve", "minimum_budget", "parameter_floor", "fallback", "simplified", "remembering", "terse_infeasible", "SolveTimeout"]
+__all__ = ["solve", "minimum_budget", "parameter_floor", "fallback", "simplified", "remembering", "terse_infeasible",
+           "SolveTimeout"]
 
 
 log = logging.getLogger(__name__)
