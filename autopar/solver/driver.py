@@ -71,6 +71,7 @@ _IMPROVE_SHARE, _SEARCH_SHARE = 0.1, 0.03
 # load that ran out its share of the limit; its 4,969-row tied model relaxes in 0.6 s. Only
 # problems with this many recompute units (a deep stack of identical blocks) build the tied model.
 _BLOCKWISE_ROWS, _BLOCKWISE_UNITS = 30_000, 256
+_RSTEP_TIE = 4  # the finest recompute step decides per run of this many identical blocks (``dive.blockwise``)
 _FLOOR_NODES = 2_000  # from this size an infeasible budget below the parameters is reported without a solve
 _MIN_SEARCH_S = 0.2  # a search told less than this is not started (a run costs a fork and the model's transfer)
 
@@ -484,18 +485,19 @@ def _blockwise_solution(problem: Problem, reduced: Reduced, recompute_inputs: Se
     clock = _Clock(time.monotonic(), time_limit)
 
     def sharding_model(decisions: dict[str, bool]) -> IlpModel:
-        sub = _model(problem, reduced, recompute_inputs, suffix="_dive", fixed=decisions, symmetry=symmetry)
+        # No ordering rows: the decisions are fixed, and a run of blocks may recompute after one that does not.
+        sub = _model(problem, reduced, recompute_inputs, suffix="_dive", fixed=decisions, symmetry=False)
         sub.build_fastest(budget)
         return sub
 
-    def recompute_model(options: list[int]) -> RecomputeModel:
+    def recompute_model(options: list[int], tie: int) -> RecomputeModel:
         sub = RecomputeModel(incumbents.restrict(reduced, [np.array([k]) for k in options]), problem,
-                             recompute_inputs, "autopar_recompute_rstep", order=symmetry)
+                             recompute_inputs, "autopar_recompute_rstep", order=symmetry, tie=tie)
         sub.build_fastest(budget)
         return sub
 
     found = blockwise(tied, backend, sharding_model=sharding_model, recompute_model=recompute_model,
-                      limits=lambda: clock.step(_DIVE_SHARE))
+                      limits=lambda: clock.step(_DIVE_SHARE), ties=(len(recompute_inputs), _RSTEP_TIE))
     if found is None:
         # No plan of the block classes: before the full model (whose relaxation this size does
         # not finish in time, then a minimum-peak search as long), a bound that may refuse the budget.
