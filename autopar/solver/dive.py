@@ -122,7 +122,7 @@ def blockwise(tied: RecomputeModel, backend: str, *, sharding_model: Callable[[d
         best = BlockwisePlan(list(options), found[1], found[0], lp.value, k + 1)
         decisions = {u: u in best.recompute for u in tied.r}
         step = sharding_model(decisions)  # x-step: the best sharding for these decisions
-        moved = step.run(backend, **tolerance, **limits())
+        moved = step.run(backend, **tolerance, fallback=False, **limits())  # (a plan is in hand: no CBC retry)
         if moved.value is not None and moved.value < best.value - 1e-9:  # a plan too: these decisions, its sharding
             best = BlockwisePlan(step.choice(), best.recompute, moved.value, lp.value, k + 1)
         # The next r-step can only improve on the x-step's plan: not worth its run when that is
