@@ -100,7 +100,8 @@ def blockwise(tied: RecomputeModel, backend: str, *, sharding_model: Callable[[d
     tied (a few binaries: a plan in well under a second), then runs of a few blocks. Each block on
     its own was too slow a MIP (672 binaries in memory rows of ~600 terms: under load no plan in
     14 s, and the planner fell back to the minimum-peak plan, 2.6x slower; Mixtral-8x22B at load
-    9: 12.3 s to 3.02538 s, runs of 4 blocks 7.5 s to 3.02720 s). None when the relaxation fails
+    9: 12.3 s to 3.02538 s; at load 17 runs of 4 blocks 7.3 s and runs of 8 0.8 s, both to
+    3.02720 s). None when the relaxation fails
     or its sharding fits no recompute set. ``limits()``: each run's ``time_limit``/``hard_limit``."""
     lp = tied.run(backend, relax=True, **limits())
     if lp.status != "optimal" or lp.value is None:

@@ -71,7 +71,7 @@ _IMPROVE_SHARE, _SEARCH_SHARE = 0.1, 0.03
 # load that ran out its share of the limit; its 4,969-row tied model relaxes in 0.6 s. Only
 # problems with this many recompute units (a deep stack of identical blocks) build the tied model.
 _BLOCKWISE_ROWS, _BLOCKWISE_UNITS = 30_000, 256
-_RSTEP_TIE = 4  # the finest recompute step decides per run of this many identical blocks (``dive.blockwise``)
+_RSTEP_TIE = 8  # the finest recompute step decides per run of this many identical blocks (``dive.blockwise``)
 _FLOOR_NODES = 2_000  # from this size an infeasible budget below the parameters is reported without a solve
 _MIN_SEARCH_S = 0.2  # a search told less than this is not started (a run costs a fork and the model's transfer)
 

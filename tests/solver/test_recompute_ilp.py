@@ -223,6 +223,9 @@ def test_tied_model_shares_one_decision_per_block_class():
     assert len(set(tied.r.values())) == 5 and len(set(untied.r.values())) == 18
     assert tied.shared_rows > 0 and untied.shared_rows == 0
     assert tied.lp.num_rows < untied.lp.num_rows
+    runs = RecomputeModel(reduced, problem, inputs, tie=2)  # runs of two identical units: (1, 2), (3, 4), (5)
+    runs.build_fastest(420.0)
+    assert runs.r["blk.1.a"] == runs.r["blk.2.a"] != runs.r["blk.3.a"] == runs.r["blk.4.a"] != runs.r["blk.5.a"]
 
 
 @pytest.mark.parametrize("budget", [580, 420, 340])
@@ -238,6 +241,7 @@ def test_blockwise_plan_matches_the_full_optimum(budget, monkeypatch):
     assert "blockwise_rounds" not in full.stats  # 18 units: below _BLOCKWISE_UNITS
     monkeypatch.setattr(driver, "_BLOCKWISE_ROWS", 0)
     monkeypatch.setattr(driver, "_BLOCKWISE_UNITS", 0)
+    monkeypatch.setattr(driver, "_RSTEP_TIE", 1)  # the finest recompute step: each block on its own
     found = solve(problem, recompute_inputs=inputs)
     assert found.stats["blockwise_rounds"] >= 1 and found.status == "feasible" and found.gap is None
     assert found.objective == pytest.approx(full.objective, rel=1e-9)
