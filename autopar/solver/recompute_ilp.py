@@ -38,6 +38,12 @@ count per alias class ``k = sum_i r_i`` would not be exact here: which blocks ar
 changes which memory rows drop (a recomputed block frees memory only *before* its own backward),
 and the contribution at a candidate is ``min(k, #blocks live there)``, not linear in ``k``.
 
+Tying (``tie``): identical units (``_identity``, the same key as the symmetry rows below) in runs
+of ``tie`` share one ``r``, their products and their span variables, and a memory row counts
+how many of a variable's spans hold a candidate; a restriction (each plan of it is a plan of the
+full model, same time and peak) whose size is a block class's, not a depth's, and whose rows
+differing only in which identical block they see dominate one another (``autopar.solver.dive.blockwise``).
+
 Symmetry (``order``)
 --------------------
 Identical blocks share ``x`` but each has its own ``r``: the search meets every permutation of
