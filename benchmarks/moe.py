@@ -10,9 +10,10 @@ Shapes (transformers' models at published widths, bf16 compute with fp32 masters
 - ``deepseek``: DeepSeek-V3-like (hidden 7168, multi-head latent attention, 256 routed experts of
   intermediate 2048 plus one shared, top-8 with group-limited routing -- 8 groups, the best 4
   kept -- vocab 129280), 8 of its 61 layers (the first dense) at batch 16 x 4096: the full
-  depth's model state (~16 bytes a parameter over 671B parameters) does not fit 64 x 80 GB, and
-  at 16 layers and batch 64 the joint recompute ILP finds no plan within its time limit here
-  (the trace cuts the repeated blocks to four either way, ``autopar.tracer.unroll``).
+  depth's model state (~16 bytes a parameter over 671B parameters) does not fit 64 x 80 GB;
+  ``--layers 16 --batch 64`` plans too (its joint recompute ILP from its block classes,
+  ``autopar.solver.dive.blockwise``). The trace cuts the repeated blocks to four, the dense
+  first layer included (``autopar.tracer.unroll``, ``autopar.tracer.depth``).
 
 Each is traced once and planned on the 8 x 8 cluster (``MeshSpec.cluster``, axis 0 across nodes):
 

@@ -31,7 +31,7 @@ from autopar.layout.blocks import block_of, split_block
 from autopar.planner.records import Decision, InputSlot
 from autopar.plans import NodeKind
 from autopar.solver.problem import Node
-from autopar.tracer.depth import blocks_of
+from autopar.tracer.depth import blocks_of, tail_aligned
 from autopar.tracer.graph import BUFFER, MODULE_KEY, PARAMETER, TracedGraph
 
 __all__ = ["BlockStamps", "Template"]
@@ -95,8 +95,8 @@ class BlockStamps:
         if mine.keys() != theirs.keys():
             return None
         out = {theirs[rel]: mine[rel] for rel in theirs}
-        for d in range(t + 1):  # blocks 0 .. 2 -> k-2 .. k
-            out.update((a.name, b.name) for a, b in zip(blocks[t - d], blocks[k - d]))
+        for d in range(t + 1):  # blocks 0 .. 2 -> k-2 .. k (block 0 may differ: matched from the end)
+            out.update((a.name, b.name) for a, b in zip(*tail_aligned(blocks[t - d], blocks[k - d])))
         # Values taking a gradient (a frozen block prices no gradient sum) and storage owners
         # (the activation parts an option counts), in block k and the block it reads:
         needs_grad = self.needs_grad

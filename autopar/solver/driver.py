@@ -31,12 +31,13 @@ import numpy as np
 from autopar.solver import incumbents
 from autopar.solver.ilp import HARD_FACTOR, INTEGRAL_TOL, MEM_UNIT, MIP_REL_GAP, IlpModel, Outcome, pick_backend
 from autopar.solver.problem import Problem, Solution
-from autopar.solver.dive import alternate
-from autopar.solver.recompute_ilp import RECOMPUTE_GAP, RecomputeModel
+from autopar.solver.dive import alternate, blockwise
+from autopar.solver.recompute_ilp import RECOMPUTE_GAP, RecomputeModel, floor_model
 from autopar.solver.simplify import Reduced, simplify
 from autopar.solver.timeline import Evaluation, SegmentInputs
 
-__all__ = ["solve", "minimum_budget", "fallback", "simplified", "remembering", "terse_infeasible", "SolveTimeout"]
+__all__ = ["solve", "minimum_budget", "parameter_floor", "fallback", "simplified", "remembering", "terse_infeasible",
+           "SolveTimeout"]
 
 
 log = logging.getLogger(__name__)
@@ -65,6 +66,13 @@ _DIVE_SHARE = 0.25
 # goes first and the search gets what it leaves, at most enough to prove a small model's plan
 # (ResNet's in about a second). The gap left is reported.
 _IMPROVE_SHARE, _SEARCH_SHARE = 0.1, 0.03
+# A joint model with more rows than this (its untied size) is not relaxed: its plan comes from its
+# block classes (``dive.blockwise``). Mixtral-8x22B on 8x8: 44,327 rows, a relaxation of 38 s under
+# load that ran out its share of the limit; its 4,969-row tied model relaxes in 0.6 s. Only
+# problems with this many recompute units (a deep stack of identical blocks) build the tied model.
+_BLOCKWISE_ROWS, _BLOCKWISE_UNITS = 30_000, 256
+_RSTEP_TIE = 8  # the finest recompute step decides per run of this many identical blocks (``dive.blockwise``)
+_FLOOR_NODES = 2_000  # from this size an infeasible budget below the parameters is reported without a solve
 _MIN_SEARCH_S = 0.2  # a search told less than this is not started (a run costs a fork and the model's transfer)
 
 
@@ -294,6 +302,9 @@ def _infeasible(problem: Problem, recompute_inputs: SegmentInputs | None, fixed:
     mesh = "x".join(map(str, problem.mesh_shape)) or "?"
     if _terse:
         return ValueError(f"memory budget {problem.budget_bytes} bytes per device cannot be met on mesh {mesh}")
+    below = _below_parameters(problem)
+    if below is not None:
+        return below
     try:
         achieved, lower = minimum_budget(problem, recompute_inputs=recompute_inputs, solver=backend,
                                          time_limit=time_limit, alias=alias)
@@ -315,6 +326,30 @@ def _infeasible(problem: Problem, recompute_inputs: SegmentInputs | None, fixed:
         f"memory budget {problem.budget_bytes} bytes ({problem.budget_bytes / 2**30:.3f} GiB) per device "
         f"cannot be met on mesh {mesh}{where}: the smallest budget any plan meets is {need}. {hint}"
     )
+
+
+def parameter_floor(problem: Problem) -> int:
+    """The fewest parameter bytes (gradients and optimizer state included) any plan holds: each
+    node's smallest option. They are held the whole step, so no plan, recomputing or not, peaks
+    lower."""
+    return sum(min(o.param_bytes for o in n.options) for n in problem.nodes)
+
+
+def _below_parameters(problem: Problem) -> ValueError | None:
+    """For a problem of at least ``_FLOOR_NODES`` nodes, the error for a budget below
+    ``parameter_floor``, found without a solve (an infeasible fixed configuration of Mixtral-8x22B
+    spent 60-90 s in ``minimum_budget`` to say so); None when the parameters fit or the problem is
+    small (its exact smallest budget is cheap, and a 1-byte budget's error is how users and the
+    tight-budget sweeps ask for it)."""
+    floor = parameter_floor(problem)
+    if problem.budget_bytes is None or floor <= problem.budget_bytes or problem.num_nodes < _FLOOR_NODES:
+        return None
+    mesh = "x".join(map(str, problem.mesh_shape)) or "?"
+    return ValueError(
+        f"memory budget {problem.budget_bytes} bytes ({problem.budget_bytes / 2**30:.3f} GiB) per device "
+        f"cannot be met on mesh {mesh}, with or without recompute: the smallest budget any plan meets is at least "
+        f"{floor} bytes ({floor / 2**30:.3f} GiB), what the parameters, their gradients and optimizer state "
+        f"alone take in every op's fewest-bytes layout. Try a bigger mesh, ZeRO, offload or a larger budget.")
 
 
 def solve(problem: Problem, *, recompute_inputs: SegmentInputs | None = None,
@@ -359,9 +394,17 @@ def _solve(problem: Problem, *, recompute_inputs: SegmentInputs | None, fixed: M
     if fixed and recompute_inputs is None:
         raise ValueError(f"fixed recompute decisions {dict(fixed)} need recompute_inputs")
     backend = pick_backend(solver)
+    below = _below_parameters(problem)
+    if below is not None:
+        raise below
     t0 = time.perf_counter()
     reduced = simplified(problem, alias=alias, merge=merge)
     t1 = time.perf_counter()
+    if recompute_inputs is not None and not fixed and len(recompute_inputs) >= _BLOCKWISE_UNITS:
+        found = _blockwise_solution(problem, reduced, recompute_inputs, backend=backend, time_limit=time_limit,
+                                    symmetry=symmetry, alias=alias, simplify_s=t1 - t0)
+        if found is not None:
+            return found
     # The recompute ILP always has its memory rows: they are what its recompute decisions answer.
     binds = recompute_inputs is not None or reduced.memory_can_bind
     model = _model(problem, reduced, recompute_inputs, fixed=fixed, symmetry=symmetry)
@@ -388,6 +431,8 @@ def _solve(problem: Problem, *, recompute_inputs: SegmentInputs | None, fixed: M
             # No known plan fits, and the relaxation's support alone admits none: the minimum-peak
             # plan fits every feasible budget, and with its options the neighbourhood has a plan.
             lp_values = _values(m)
+            if limits()["time_limit"] < _MIN_SEARCH_S:  # a run told 0.4 ms is a CBC retry's, not a search
+                return None
             try:
                 minimum_budget(problem, recompute_inputs=recompute_inputs, solver=backend,
                                time_limit=limits()["time_limit"], alias=alias)
@@ -421,6 +466,67 @@ def _solve(problem: Problem, *, recompute_inputs: SegmentInputs | None, fixed: M
                                  stats=stats, recompute=recompute, timings=timings)
     incumbents.remember(problem, choice, recompute, recompute_inputs)
     return solution
+
+
+def _blockwise_solution(problem: Problem, reduced: Reduced, recompute_inputs: SegmentInputs, *, backend: str,
+                        time_limit: float, symmetry: bool, alias: bool, simplify_s: float) -> Solution | None:
+    """The joint ILP's plan by ``dive.blockwise`` when the model is too big to relax in time
+    (``_BLOCKWISE_ROWS``, estimated from the tied model's shared rows); None otherwise, or when
+    the descent finds no plan (the caller then solves the full model), unless a relaxation of the
+    smallest peak (``recompute_ilp.floor_model``) shows the budget cannot be met: ValueError.
+    Status "feasible", bound unknown: the tied relaxation is of a restriction."""
+    t0 = time.perf_counter()
+    budget = float(problem.budget_bytes)
+    tied = RecomputeModel(reduced, problem, recompute_inputs, "autopar_recompute_tied", order=symmetry,
+                          tie=len(recompute_inputs))
+    tied.build_fastest(budget)
+    if tied.lp.num_rows + tied.shared_rows <= _BLOCKWISE_ROWS:
+        return None
+    clock = _Clock(time.monotonic(), time_limit)
+
+    def sharding_model(decisions: dict[str, bool]) -> IlpModel:
+        # No ordering rows: the decisions are fixed, and a run of blocks may recompute after one that does not.
+        sub = _model(problem, reduced, recompute_inputs, suffix="_dive", fixed=decisions, symmetry=False)
+        sub.build_fastest(budget)
+        return sub
+
+    def recompute_model(options: list[int], tie: int) -> RecomputeModel:
+        sub = RecomputeModel(incumbents.restrict(reduced, [np.array([k]) for k in options]), problem,
+                             recompute_inputs, "autopar_recompute_rstep", order=symmetry, tie=tie)
+        sub.build_fastest(budget)
+        return sub
+
+    found = blockwise(tied, backend, sharding_model=sharding_model, recompute_model=recompute_model,
+                      limits=lambda: clock.step(_DIVE_SHARE), ties=(len(recompute_inputs), _RSTEP_TIE))
+    if found is None:
+        # No plan of the block classes: before the full model (whose relaxation this size does
+        # not finish in time, then a minimum-peak search as long), a bound that may refuse the budget.
+        floor = floor_model(simplify(problem.with_budget(0), alias=alias), problem, recompute_inputs)
+        lp = floor.run(backend, relax=True, **clock.step(_DIVE_SHARE))
+        least = int(np.floor(lp.value * MEM_UNIT)) if lp.status == "optimal" and lp.value is not None else 0
+        if least > problem.budget_bytes:
+            mesh = "x".join(map(str, problem.mesh_shape)) or "?"
+            raise ValueError(
+                f"memory budget {problem.budget_bytes} bytes ({budget / 2**30:.3f} GiB) per device cannot be met "
+                f"on mesh {mesh} even with recompute: the smallest budget any plan meets is at least {least} bytes "
+                f"({least / 2**30:.3f} GiB), the peak at the end of forward of a relaxation with every repeated "
+                f"block alike. Try a bigger mesh or a larger budget.")
+        return None
+    choice = reduced.expand(found.options)
+    ev = problem.evaluate(choice, recompute=found.recompute, segment_inputs=recompute_inputs)
+    # The restricted model keeps every term: its objective is the plan's (as _checked_solution checks).
+    assert abs(ev.objective - found.value) <= 1e-4 * (1 + abs(ev.objective)), (ev.objective, found.value)
+    if ev.peak_bytes > problem.budget_bytes:
+        raise RuntimeError(f"{backend}'s plan peaks at {ev.peak_bytes} bytes, over the budget "
+                           f"{problem.budget_bytes} (solver tolerance?); retry with the other backend")
+    incumbents.remember(problem, choice, found.recompute, recompute_inputs)
+    return Solution(choice=choice, objective=ev.objective, lp_bound=None, dual_bound=None, gap=None,
+                    status="feasible", backend=backend,
+                    timings={"simplify_s": simplify_s, "solve_s": time.perf_counter() - t0},
+                    peak_bytes=ev.peak_bytes, num_variables=tied.num_variables,
+                    num_constraints=tied.num_constraints, recompute=found.recompute,
+                    stats={**reduced.stats, **tied.stats, "blockwise_rounds": found.rounds,
+                           "tied_lp_bound": found.tied_lp})
 
 
 def _known_plan(exc: SolveTimeout, lp: Outcome | None, *, problem: Problem, recompute_inputs: SegmentInputs | None,

@@ -38,6 +38,12 @@ count per alias class ``k = sum_i r_i`` would not be exact here: which blocks ar
 changes which memory rows drop (a recomputed block frees memory only *before* its own backward),
 and the contribution at a candidate is ``min(k, #blocks live there)``, not linear in ``k``.
 
+Tying (``tie``): identical units (``_identity``, the same key as the symmetry rows below) in runs
+of ``tie`` share one ``r``, their products and their span variables, and a memory row counts
+how many of a variable's spans hold a candidate; a restriction (each plan of it is a plan of the
+full model, same time and peak) whose size is a block class's, not a depth's, and whose rows
+differing only in which identical block they see dominate one another (``autopar.solver.dive.blockwise``).
+
 Symmetry (``order``)
 --------------------
 Identical blocks share ``x`` but each has its own ``r``: the search meets every permutation of
@@ -86,7 +92,7 @@ from autopar.solver.problem import Problem
 from autopar.solver.simplify import MemItem, Reduced, peak_candidates
 from autopar.solver.timeline import SegmentInputs, segment_geometry
 
-__all__ = ["RecomputeModel", "RECOMPUTE_GAP"]
+__all__ = ["RecomputeModel", "RECOMPUTE_GAP", "floor_model"]
 
 # The joint ILP is solved to within this share of the step time (``autopar.solver.driver``:
 # a first plan by ``autopar.solver.dive``, proved against the relaxation or searched from).
@@ -100,10 +106,12 @@ class RecomputeModel(IlpModel):
     module docstring (exact: some optimum satisfies them)."""
 
     def __init__(self, reduced: Reduced, problem: Problem, inputs: SegmentInputs, name: str = "autopar_recompute",
-                 *, fixed: Mapping[str, bool] | None = None, order: bool = True):
+                 *, fixed: Mapping[str, bool] | None = None, order: bool = True, tie: int = 0):
         super().__init__(reduced, name)
         self.problem = problem
         self.fixed = dict(fixed or {})
+        self.tie = tie
+        self.rep: dict[str, str] = {}  # unit -> the unit whose variables it shares (``tie``; itself otherwise)
         self.geo = segment_geometry(problem)
         self.units = sorted(self.geo, key=lambda s: (self.geo[s].start, self.geo[s].parent is not None, s))
         self.r: dict[str, int] = {}  # unit -> its recompute binary's column
@@ -112,6 +120,9 @@ class RecomputeModel(IlpModel):
         self.order = order
         self.num_order_rows = 0
         self._class_cache: dict[tuple, tuple[np.ndarray, dict[tuple, list[int]]]] = {}
+        self._span_vars: dict[tuple, int] = {}  # (representative unit, kind) -> its span variable
+        self.turn_only = False  # memory rows: only the last forward start's (``floor_model``)
+        self.shared_rows = 0  # rows tied units share: the untied model has num_rows + this (memory rows aside)
 
     def _input_vectors(self, inputs) -> dict[str, dict[int, np.ndarray]]:
         member = {m.node: m for m in self.reduced.members}
@@ -152,49 +163,92 @@ class RecomputeModel(IlpModel):
                 prev = act_vecs[it.segment].get(it.group)
                 vec = it.bytes / MEM_UNIT
                 act_vecs[it.segment][it.group] = vec if prev is None else prev + vec
-        self.r = dict(zip(self.units, self.lp.add_binaries(len(self.units))))
+        self.rep = self._representatives(fwd_vecs, act_vecs) if self.tie else {u: u for u in self.units}
+        reps = list(dict.fromkeys(self.rep[u] for u in self.units))
+        columns = dict(zip(reps, self.lp.add_binaries(len(reps))))
+        self.r = {u: columns[self.rep[u]] for u in self.units}
         children: dict[str, list[str]] = defaultdict(list)
         for u in self.units:
             if self.geo[u].parent is not None:
                 children[self.geo[u].parent].append(u)
+        # Tied units (``tie``) share their products and span variables: one set per representative.
+        products: dict[tuple, tuple[list[Terms], int]] = {}  # -> (terms, rows they took)
+
+        def product(i: int, u: str, forms: list, tag: str) -> list[Terms]:
+            key = (self.rep[u], tag)
+            if key not in products:
+                rows = self.lp.num_rows
+                products[key] = (self._products(i, u, forms), 0)
+                products[key] = (products[key][0], self.lp.num_rows - rows)
+            else:
+                self.shared_rows += products[key][1]
+            return products[key][0]
+
         block_times: dict[str, Terms] = {}  # child -> A_child(x) * r_block
         for i, u in enumerate(self.units):
             if self.geo[u].parent is None and children.get(u):  # a block: J = c r, T = F r
                 kids = children[u]
-                f_r, c_r, *a_r = self._products(i, u, [fwd_vecs.get(u, {}), self.c_vec[u]]
-                                                + [act_vecs.get(v, {}) for v in kids])
+                f_r, c_r, *a_r = product(i, u, [fwd_vecs.get(u, {}), self.c_vec[u]]
+                                         + [act_vecs.get(v, {}) for v in kids], "block")
                 block_times.update(zip(kids, a_r))
-                objective.extend(f_r)
-                self._span_var(f"J_{i}", c_r, 0.0, self.geo[u].start, self.geo[u].end)
+                objective.extend(f_r)  # once per unit: tied units recompute each
+                self._span_var(f"J_{i}", c_r, 0.0, self.geo[u].start, self.geo[u].end, key=(self.rep[u], "J"))
+        exclusive: set[tuple[int, int]] = set()
         for i, u in enumerate(self.units):
             g = self.geo[u]
             if g.parent is None and children.get(u):
                 continue
             r, rb = self.r[u], self.r.get(g.parent) if g.parent is not None else None
-            f_r, a_r, c_r = self._products(i, u, [fwd_vecs.get(u, {}), act_vecs.get(u, {}), self.c_vec[u]])
+            f_r, a_r, c_r = product(i, u, [fwd_vecs.get(u, {}), act_vecs.get(u, {}), self.c_vec[u]], "unit")
             objective.extend(f_r)
             a_terms, a_const, _ = self._sum(act_vecs.get(u, {}))
             minus_a = [(v, -c) for v, c in a_r]
             # before the block's backward: A unless recomputed (alone or in the block), c if alone
             drop_block = [(v, -c) for v, c in block_times.get(u, ())] if rb is not None else []
             b_block = self.geo[g.parent].bwd if rb is not None else g.bwd
-            if rb is not None:
+            if rb is not None and (r, rb) in exclusive:
+                self.shared_rows += 1
+            elif rb is not None:
+                exclusive.add((r, rb))
                 self.lp.add_row([(r, 1.0), (rb, 1.0)], upper=1.0)
-            self._span_var(f"H_{i}", a_terms + minus_a + drop_block + c_r, a_const, g.start, b_block - 1)
+            key = (self.rep[u], self.rep.get(g.parent))  # H reads the block's decision too
+            self._span_var(f"H_{i}", a_terms + minus_a + drop_block + c_r, a_const, g.start, b_block - 1,
+                           key=(*key, "H"))
             if b_block < g.bwd:  # the block is rematerialised, this segment not yet (if alone)
-                self._span_var(f"H2_{i}", a_terms + minus_a + c_r, a_const, b_block, g.bwd - 1)
-            self._span_var(f"J_{i}", c_r, 0.0, g.bwd, g.end)
+                self._span_var(f"H2_{i}", a_terms + minus_a + c_r, a_const, b_block, g.bwd - 1, key=(*key, "H2"))
+            self._span_var(f"J_{i}", c_r, 0.0, g.bwd, g.end, key=(*key, "J"))
         for i, (unit, value) in enumerate(sorted(self.fixed.items())):
             if unit not in self.r:
                 raise ValueError(f"cannot fix unknown segment {unit!r}; known: {sorted(self.r)}")
             self.lp.add_row([(self.r[unit], 1.0)], lower=float(bool(value)), upper=float(bool(value)))
-        if self.order:
+        if self.order and not self.tie:  # tied identical units share r: nothing left to order
             self.num_order_rows = self._add_order(fwd_vecs, act_vecs)
 
-    def _span_var(self, name: str, terms: Terms, const: float, first: int, last: int) -> None:
-        """A variable equal to ``terms + const`` (MiB, >= 0), held on ``[first, last]``."""
-        var = self.lp.add_column()
-        self.lp.add_row(terms + [(var, -1.0)], lower=0.0, upper=0.0, const=const)
+    def _representatives(self, fwd_vecs, act_vecs) -> dict[str, str]:
+        """Unit -> the first unit identical to it (``_identity``): ``tie`` gives them one
+        recompute decision, a restriction of the model (every plan of it is a plan of the full
+        model, at the same time and peak)."""
+        first: dict[tuple, str] = {}
+        seen: dict[tuple, int] = defaultdict(int)
+        out = {}
+        for u, key in self._identity(fwd_vecs, act_vecs).items():
+            if key is None:
+                out[u] = u
+                continue
+            run = seen[key] // self.tie  # runs of ``tie`` consecutive identical units
+            seen[key] += 1
+            out[u] = first.setdefault((key, run), u)
+        return out
+
+    def _span_var(self, name: str, terms: Terms, const: float, first: int, last: int, *, key: tuple) -> None:
+        """A variable equal to ``terms + const`` (MiB, >= 0), held on ``[first, last]``; one
+        variable per ``key`` (tied units' spans hold the same amount)."""
+        var = self._span_vars.get(key)
+        if var is None:
+            var = self._span_vars[key] = self.lp.add_column()
+            self.lp.add_row(terms + [(var, -1.0)], lower=0.0, upper=0.0, const=const)
+        else:
+            self.shared_rows += 1
         self.spans.append((var, first, last))
 
     def _products(self, i: int, unit: str, forms: list[Mapping[int, np.ndarray]]) -> list[Terms]:
@@ -245,11 +299,10 @@ class RecomputeModel(IlpModel):
             hit = self._class_cache[key] = (low, classes)
         return hit
 
-    def _add_order(self, fwd_vecs, act_vecs) -> int:
-        """Symmetry-breaking rows between identical units of identical blocks (module docstring,
-        "Symmetry"): ``r_{u,i} >= r_{u,j} - w_i - w_j`` for a fine segment kind ``u`` and
-        ``w_i >= w_j`` for whole blocks, ``i`` the earlier of two consecutive identical
-        instances. Returns the number of rows added."""
+    def _identity(self, fwd_vecs, act_vecs) -> dict[str, tuple | None]:
+        """Per unit, a key equal for identical units of identical blocks (module docstring,
+        "Symmetry": the same kind in the same block list, the same forms ``F``, ``c``, ``A``, a
+        whole block's fine segments too); None outside a repeated block."""
         def form(vecs) -> tuple:
             return tuple(sorted((g, np.asarray(v, dtype=float).tobytes()) for g, v in vecs.items()))
 
@@ -260,18 +313,33 @@ class RecomputeModel(IlpModel):
         for u in self.units:
             if self.geo[u].parent is not None:
                 children[self.geo[u].parent].append(u)
-        chains: dict[tuple, list[str]] = defaultdict(list)  # kind + identical forms -> units by start
-        for u in self.units:  # sorted by start: earlier blocks first
+        out: dict[str, tuple | None] = {}
+        for u in self.units:
             g = self.geo[u]
             block = g.parent or u
             where = split_block(block)
-            if where is None or not self._backward_disjoint(children.get(block, ())):
+            if where is None:
+                out[u] = None
                 continue
-            kind = u[len(block):]
-            k = (where[0], kind, key(u))
+            k = (where[0], u[len(block):], key(u))
             if g.parent is None:  # a whole block: identical only with identical fine segments
                 k += tuple(sorted((v[len(u):], key(v)) for v in children.get(u, ())))
-            chains[k].append(u)
+            out[u] = k
+        return out
+
+    def _add_order(self, fwd_vecs, act_vecs) -> int:
+        """Symmetry-breaking rows between identical units of identical blocks (module docstring,
+        "Symmetry"): ``r_{u,i} >= r_{u,j} - w_i - w_j`` for a fine segment kind ``u`` and
+        ``w_i >= w_j`` for whole blocks, ``i`` the earlier of two consecutive identical
+        instances. Returns the number of rows added."""
+        children: dict[str, list[str]] = defaultdict(list)
+        for u in self.units:
+            if self.geo[u].parent is not None:
+                children[self.geo[u].parent].append(u)
+        chains: dict[tuple, list[str]] = defaultdict(list)  # kind + identical forms -> units by start
+        for u, k in self._identity(fwd_vecs, act_vecs).items():  # sorted by start: earlier blocks first
+            if k is not None and self._backward_disjoint(children.get(self.geo[u].parent or u, ())):
+                chains[k].append(u)
         rows = 0
         for units in chains.values():
             for early, late in zip(units, units[1:]):
@@ -304,11 +372,17 @@ class RecomputeModel(IlpModel):
                 plain.append(MemItem(it.group, g.bwd, it.end, it.bytes, it.segment))
         spans = [MemItem(-1, a, b, np.zeros(1)) for _, a, b in self.spans]
         cands = peak_candidates(plain + spans)
+        if self.turn_only and self.reduced.mem_items:  # (``floor_model``)
+            cands = [max(it.start for it in self.reduced.mem_items)]
         if not cands:
             self.lp.add_row(p_terms + rhs_terms, upper=upper, const=p_const)
             return 1
         offsets = np.cumsum([0] + [len(c) for c in self.reduced.cost])
-        width = offsets[-1] + len(self.spans)
+        # One column per span variable: a candidate counts how many of its spans hold it (tied
+        # units' spans share one), so rows differing only in which identical block they see dominate.
+        extra = list(dict.fromkeys(v for v, _, _ in self.spans))
+        column = {v: c for c, v in enumerate(extra)}
+        width = offsets[-1] + len(extra)
         coef = np.zeros((len(cands) + 1, width))
         const = np.zeros(len(cands) + 1)
 
@@ -325,15 +399,15 @@ class RecomputeModel(IlpModel):
             vec = it.bytes / MEM_UNIT
             low = float(vec.min())
             add(it.start, it.end, slice(offsets[it.group], offsets[it.group + 1]), vec - low, low)
-        for c, (_, a, b) in enumerate(self.spans):
-            add(a, b, [offsets[-1] + c], 1.0, 0.0)
+        for var, a, b in self.spans:
+            add(a, b, [offsets[-1] + column[var]], 1.0, 0.0)
         coef, const = np.cumsum(coef, axis=0)[:-1], np.cumsum(const)[:-1]
-        extra = [v for v, _, _ in self.spans]
         kept = undominated_rows(coef, const)
         slot_cols = self.slot_columns()
         for k in kept:
             terms = self.row_terms(coef[k], slot_cols)
-            terms += [(extra[c], 1.0) for c in np.flatnonzero(coef[k, offsets[-1]:] > 0.5)]
+            counts = coef[k, offsets[-1]:]
+            terms += [(extra[c], float(round(counts[c]))) for c in np.flatnonzero(counts > 0.5)]
             self.lp.add_row(terms + p_terms + rhs_terms, upper=upper, const=float(const[k]) + p_const)
         return len(kept)
 
@@ -343,3 +417,16 @@ class RecomputeModel(IlpModel):
     @property
     def stats(self) -> dict[str, int]:
         return {"num_segments": len(self.units), "num_order_rows": self.num_order_rows}
+
+
+def floor_model(reduced: Reduced, problem: Problem, inputs: SegmentInputs) -> RecomputeModel:
+    """A relaxation of the joint model's smallest peak, block classes tied: every identical unit
+    shares its variables (``tie``) and only the memory row of the last forward start is kept.
+    Exact as a relaxation: there every forward part of every block is held, so the row reads the
+    tied units through their sum, and averaging a plan's recompute and product variables over
+    identical units (the hull rows are convex) gives a point of this model with the same row.
+    Its LP optimum (MiB) is a lower bound on any plan's peak, found in a block class's time."""
+    model = RecomputeModel(reduced, problem, inputs, "autopar_recompute_floor", tie=max(len(inputs), 1))
+    model.turn_only = True
+    model.build_min_peak()
+    return model

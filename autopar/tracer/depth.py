@@ -1,6 +1,8 @@
 """Depth-independent profiling: profile a shallow cut of a graph of identical blocks, stamp the rest.
 
-A model of N identical blocks (``transformer.h.0`` ... ``transformer.h.{N-1}``) profiles each op of
+A model of N identical blocks (``transformer.h.0`` ... ``transformer.h.{N-1}``; block 0 may be of
+another kind, e.g. DeepSeek-V3's dense first layer before its MoE layers: blocks 1 .. N-1 must
+be identical, each reading the previous one by distance from its end) profiles each op of
 block k (0 < k < N-1) like the matching op of block 2: same op, shapes and wiring, so the same
 FLOPs, bytes and saved storages, up to renaming. :func:`block_structure` recognises that shape
 of graph (the graph before, N blocks in a row, the graph after; each block reading only itself,
@@ -100,7 +102,10 @@ def _signature(traced: TracedGraph, s: BlockStructure, k: int, label: int, index
                 kb, j = index[arg]
                 if kb not in (k, k - 1):
                     bad = True
-                return ("b", k - kb, j)
+                # The previous block's ops by their distance from its end: block 1 then reads a
+                # different first block (DeepSeek-V3's dense layer 0 before its MoE layers) as
+                # block 2 reads block 1.
+                return ("b", k - kb, j if kb == k else j - len(s.blocks[kb]))
             info = arg.meta.get(PLACEHOLDER_KEY)
             if info is not None and info.kind in (PARAMETER, BUFFER) and info.fqn.startswith(own + "."):
                 return ("w", info.fqn[len(own):])
@@ -153,8 +158,9 @@ def stamp(traced: TracedGraph, s: BlockStructure, shallow_nodes: tuple) -> list 
     keys = _storage_keys(shallow_nodes)
 
     def shift(src: int, dst: int) -> dict[str, str]:
-        """Names in blocks src-1, src -> the same ops in blocks dst-1, dst."""
-        return {**dict(zip(names[src - 1], names[dst - 1])), **dict(zip(names[src], names[dst]))}
+        """Names in blocks src-1, src -> the same ops in blocks dst-1, dst (the previous blocks
+        matched from their ends: block 0 may differ, ``_signature``)."""
+        return {**dict(zip(*tail_aligned(names[src - 1], names[dst - 1]))), **dict(zip(names[src], names[dst]))}
 
     ids: dict = {}  # storage key -> id in first-saved order, as a full profile numbers them
 
@@ -224,3 +230,10 @@ def _storage_keys(nodes: tuple) -> dict[int, tuple[str, int]]:
                 seen[sid] = (producer, count.get(producer, 0))
                 count[producer] = count.get(producer, 0) + 1
     return seen
+
+
+def tail_aligned(a, b) -> tuple:
+    """``a`` and ``b`` cut to their common length from the end: ops of a block the next one reads
+    by distance from its end (``_signature``), paired even when the first block is different."""
+    m = min(len(a), len(b))
+    return tuple(a[len(a) - m:]), tuple(b[len(b) - m:])

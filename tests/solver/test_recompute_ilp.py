@@ -5,6 +5,7 @@ budgets."""
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 
 import pytest
 
@@ -200,3 +201,92 @@ def test_symmetry_rows_keep_the_optimum(budget):
     assert ordered.objective == pytest.approx(free.objective, rel=1e-9)
     assert ordered.objective == pytest.approx(brute_force_aliased(problem, inputs), rel=1e-9)
     assert ordered.peak_bytes <= budget
+
+
+def test_tied_model_shares_one_decision_per_block_class():
+    """``RecomputeModel(tie=...)``: identical units of identical blocks (blocks 1-5; block 0 reads
+    the embedding, so it is its own class) share one recompute column and their products and
+    span variables, so the model is smaller than the untied one by the rows it reports shared."""
+    from autopar.solver.driver import simplified
+    from autopar.solver.recompute_ilp import RecomputeModel
+
+    problem, inputs = repeated_blocks(6, 420)
+    reduced = simplified(problem)
+    untied = RecomputeModel(reduced, problem, inputs)
+    untied.build_fastest(420.0)
+    tied = RecomputeModel(reduced, problem, inputs, tie=len(inputs))
+    tied.build_fastest(420.0)
+    assert len({tied.r[f"blk.{i}.a"] for i in range(1, 6)}) == 1 and tied.r["blk.0.a"] != tied.r["blk.1.a"]
+    assert len({tied.r[f"blk.{i}"] for i in range(1, 6)}) == 1 and tied.r["blk.1"] != tied.r["blk.1.a"]
+    # block 0's fine segment c reads its own op a, as every block's does: one class with theirs
+    assert tied.r["blk.0.c"] == tied.r["blk.5.c"]
+    assert len(set(tied.r.values())) == 5 and len(set(untied.r.values())) == 18
+    assert tied.shared_rows > 0 and untied.shared_rows == 0
+    assert tied.lp.num_rows < untied.lp.num_rows
+    runs = RecomputeModel(reduced, problem, inputs, tie=2)  # runs of two identical units: (1, 2), (3, 4), (5)
+    runs.build_fastest(420.0)
+    assert runs.r["blk.1.a"] == runs.r["blk.2.a"] != runs.r["blk.3.a"] == runs.r["blk.4.a"] != runs.r["blk.5.a"]
+
+
+@pytest.mark.parametrize("budget", [580, 420, 340])
+def test_blockwise_plan_matches_the_full_optimum(budget, monkeypatch):
+    """A joint model over ``_BLOCKWISE_ROWS`` is planned from its block classes
+    (``dive.blockwise``: the tied relaxation's sharding, then the exact recompute-only and
+    sharding steps): a plan of the full model, exactly evaluated, within the budget, here the
+    full model's optimum (six blocks: each block decides on its own in the recompute step)."""
+    from autopar.solver import driver
+
+    problem, inputs = repeated_blocks(6, budget)
+    full = solve(problem, recompute_inputs=inputs)
+    assert "blockwise_rounds" not in full.stats  # 18 units: below _BLOCKWISE_UNITS
+    monkeypatch.setattr(driver, "_BLOCKWISE_ROWS", 0)
+    monkeypatch.setattr(driver, "_BLOCKWISE_UNITS", 0)
+    monkeypatch.setattr(driver, "_RSTEP_TIE", 1)  # the finest recompute step: each block on its own
+    found = solve(problem, recompute_inputs=inputs)
+    assert found.stats["blockwise_rounds"] >= 1 and found.status == "feasible" and found.gap is None
+    assert found.objective == pytest.approx(full.objective, rel=1e-9)
+    ev = problem.evaluate(found.choice, recompute=found.recompute, segment_inputs=inputs)
+    assert ev.objective == pytest.approx(found.objective) and ev.peak_bytes == found.peak_bytes <= budget
+
+
+def test_budget_below_the_parameters_is_reported_without_a_solve(monkeypatch):
+    """A budget below every plan's parameter bytes (each node's fewest: ``parameter_floor``) is
+    refused before any model is built on a large problem (``_FLOOR_NODES``), naming that floor;
+    a small one keeps its exact smallest budget (what a 1-byte budget's error reports)."""
+    from autopar.solver import driver
+
+    problem, inputs = repeated_blocks(2, None)
+    heavy = tuple(replace(n, options=tuple(replace(o, param_bytes=100 * (k + 1)) for k, o in enumerate(n.options)))
+                  if n.block else n for n in problem.nodes)
+    problem = replace(problem, nodes=heavy, budget_bytes=300)  # four ops of at least 100 bytes each
+    assert driver.parameter_floor(problem) == 400
+    with pytest.raises(ValueError, match="smallest budget any plan meets is 605 bytes"):  # exact: with activations
+        solve(problem, recompute_inputs=inputs)
+    monkeypatch.setattr(driver, "_FLOOR_NODES", 1)
+    monkeypatch.setattr(driver, "simplified", lambda *a, **k: pytest.fail("solved"))
+    for recompute in (inputs, None):
+        with pytest.raises(ValueError, match=r"smallest budget any plan meets is at least 400 bytes .*parameters"):
+            solve(problem, recompute_inputs=recompute)
+
+
+def test_floor_model_bounds_the_smallest_peak_and_refuses_a_budget_below_it(monkeypatch):
+    """``floor_model``'s relaxation (block classes tied, the end-of-forward row only) is a lower
+    bound on the smallest peak with recompute; on the block-class path a budget below it is
+    refused at once, naming it."""
+    from autopar.solver import driver
+    from autopar.solver.ilp import MEM_UNIT
+    from autopar.solver.recompute_ilp import floor_model
+    from autopar.solver.simplify import simplify
+
+    problem, inputs = repeated_blocks(6, 1)
+    model = floor_model(simplify(problem.with_budget(0)), problem, inputs)
+    lp = model.run("highs", relax=True, time_limit=10)
+    achieved, lower = minimum_budget(problem, recompute_inputs=inputs)
+    least = int(lp.value * MEM_UNIT)
+    assert 0 < least <= lower <= achieved
+    monkeypatch.setattr(driver, "_BLOCKWISE_ROWS", 0)
+    monkeypatch.setattr(driver, "_BLOCKWISE_UNITS", 0)
+    monkeypatch.setattr(driver, "minimum_budget", lambda *a, **k: pytest.fail("searched for the minimum"))
+    want = rf"even with recompute: the smallest budget any plan meets is at least {least} bytes"
+    with pytest.raises(ValueError, match=want):
+        solve(problem.with_budget(least - 1), recompute_inputs=inputs)

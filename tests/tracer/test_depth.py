@@ -139,3 +139,33 @@ def test_non_identical_blocks_fall_back(monkeypatch):
     traced = trace(model, (torch.randn(4, 8),))
     assert traced.params[0].aliases == tuple(f"blocks.{i}.fc.weight" for i in range(7))
     assert used == {"expand": 0, "stamp": 0}
+
+
+class DenseFirst(nn.Module):
+    """A different first block (DeepSeek-V3's dense layer 0 before its MoE layers): more ops."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.up, self.down = nn.Linear(width, 2 * width), nn.Linear(2 * width, width)
+
+    def forward(self, x):
+        return x + torch.tanh(self.down(torch.relu(self.up(x))))
+
+
+def test_a_different_first_block_keeps_the_shortcuts(monkeypatch):
+    """Blocks 1 .. N-1 identical after a different block 0: found (block 1 reads block 0 as
+    block 2 reads block 1, by distance from its end), and the stamped profile and the cut trace
+    equal the full ones."""
+    used = spy(monkeypatch)
+    model = Stack([8] * 7, [1.0] * 7)
+    model.blocks[0] = DenseFirst(8)
+    full = trace(model, (torch.randn(4, 8),), by_blocks=False)
+    s = depth.block_structure(full)
+    assert s is not None and len(s.blocks) == 7 and len(s.blocks[0]) != len(s.blocks[1])
+    assert profile(full).nodes == profile(full, by_blocks=False).nodes
+    fast = trace(model, (torch.randn(4, 8),))
+    assert describe(fast) == describe(full)
+    assert used == {"expand": 1, "stamp": 1}
+    # A middle block that differs is still refused.
+    model.blocks[4].fc = nn.Linear(8, 8, bias=False)
+    assert depth.block_structure(trace(model, (torch.randn(4, 8),), by_blocks=False)) is None
