@@ -449,6 +449,8 @@ class _Emitter:
                 kwargs["src_dim"] = step.src_dim
             if step.dst_dim is not None:
                 kwargs["dst_dim"] = step.dst_dim
+            if step.segments != 1:
+                kwargs["segments"] = step.segments
             node = self.graph.call_module(self.comm_names[step.kind], (node,), kwargs)
         self.num_conversions += 1
         self.converted[key] = node

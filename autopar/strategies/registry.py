@@ -28,6 +28,7 @@ import torch.fx
 
 from autopar.layout.cost import collective_seconds
 from autopar.layout.placement import Partial, Placement, Replicate, TensorSpec
+from autopar.strategies.segments import fused_segments
 from autopar.tracer.meta_keys import MODULE_KEY, export_module_path
 
 __all__ = [
@@ -178,6 +179,9 @@ class OpInfo:
     multi_output: bool
     node_name: str = "?"
     module_path: str = ""
+    # Segment counts k whose S(d/k) the output may take: a fused projection's way to its cut
+    # (``strategies.segments``); () for every other op.
+    segments: tuple[int, ...] = ()
 
     # ------------------------------------------------------------------------ construction
     @classmethod
@@ -206,11 +210,12 @@ class OpInfo:
             for k, v in raw.items()
         }
         outputs, multi = _output_metas(node.meta.get("val"))
-        return cls(node.target, bound, _slots(raw, as_meta), outputs, multi, node.name, module_path_of(node))
+        return cls(node.target, bound, _slots(raw, as_meta), outputs, multi, node.name, module_path_of(node),
+                   fused_segments(node))
 
     @classmethod
     def from_values(cls, target: Any, args: Sequence[Any], kwargs: dict[str, Any], output: Any,
-                    *, node_name: str = "sample") -> "OpInfo":
+                    *, node_name: str = "sample", segments: tuple[int, ...] = ()) -> "OpInfo":
         """From concrete (or fake) tensors; used by the numerical check and cost estimates."""
         raw = bind(target, args, kwargs)
 
@@ -225,7 +230,7 @@ class OpInfo:
             for k, v in raw.items()
         }
         outputs, multi = _output_metas(output)
-        return cls(target, bound, _slots(raw, as_meta), outputs, multi, node_name, "")
+        return cls(target, bound, _slots(raw, as_meta), outputs, multi, node_name, "", tuple(segments))
 
     # ----------------------------------------------------------------------------- queries
     def arg(self, name: str) -> Any:
@@ -418,6 +423,7 @@ class Sample:
     kwargs: dict = field(default_factory=dict)
     label: str = ""
     no_grad: tuple[str, ...] = ()  # float inputs that take no gradient (e.g. a loss's class weight)
+    segments: tuple[int, ...] = ()  # the ``OpInfo.segments`` to check under (a fused projection's)
 
 
 # -------------------------------------------------------------------------------- registry
