@@ -45,7 +45,7 @@ from autopar.runtime.process_mesh import ProcessMesh
 from autopar.layout.conversion import ReshardStep, replicate_steps
 from autopar.layout.conversion import apply_step as reshard_apply_step
 from autopar.layout.placement import TensorSpec
-from autopar.strategies.segments import take_local
+from autopar.strategies.fused import take_local
 
 __all__ = [
     "COLLECTIVE_KINDS",

@@ -10,7 +10,7 @@ never ``P``. Indexing ops also split the *index*: with the data replicated, each
 share of the output positions exactly; the data's gradient (a scatter-add of the local output
 gradient) is then partial, and the derived ``grad_partial`` all-reduces it.
 
-A fused projection's cut (``strategies/segments.py``): a ``split`` / ``split_with_sizes`` /
+A fused projection's cut (``strategies/fused.py``): a ``split`` / ``split_with_sizes`` /
 ``chunk`` into exactly ``k`` equal parts takes its input segmented on the cut dim, ``S(d/k)``,
 and gives each part ``S(d)`` (each rank's local piece is its share of every part, in order; the
 local op cuts with the local part size: ``local_args``). ``cat`` of ``k`` equal parts whose
@@ -33,7 +33,7 @@ import torch
 from autopar.layout.placement import Partial, Replicate, Shard
 from autopar.strategies.registry import AxisOption, OpInfo, Sample, register
 from autopar.strategies.samples import ints, rand
-from autopar.strategies.segments import equal_parts
+from autopar.strategies.fused import equal_parts
 
 aten = torch.ops.aten
 R, P = Replicate(), Partial()

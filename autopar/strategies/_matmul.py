@@ -9,7 +9,7 @@ single-axis options from the labels:
   additive input (bias) must be ``Partial`` too, or it would be added once per rank;
 - carry a pending sum: one factor ``Partial``, the other factors replicated, additive inputs
   ``Partial`` -> ``Partial`` output (the op is linear in each factor). The work is not divided;
-- a fused projection (``info.segments``, ``strategies/segments.py``): split the LAST output label
+- a fused projection (``info.segments``, ``strategies/fused.py``): split the LAST output label
   into ``k`` segments, each split over the axis (``S(d/k)``), inputs holding it likewise -- the
   columns are independent, so any column subset is exact, and this one keeps q, k and v (or gate
   and up) of the same heads together.

@@ -29,7 +29,7 @@ import torch
 
 from autopar.layout.placement import Replicate, TensorSpec
 from autopar.strategies.kernel_context import KernelContext
-from autopar.strategies.segments import take_local
+from autopar.strategies.fused import take_local
 from autopar.strategies.registry import (OpInfo, Sample, Strategy, bind, call_op, get_kernel, get_rule,
                                         local_arguments)
 

@@ -28,7 +28,7 @@ import torch.fx
 
 from autopar.layout.cost import collective_seconds
 from autopar.layout.placement import Partial, Placement, Replicate, TensorSpec
-from autopar.strategies.segments import fused_segments
+from autopar.strategies.fused import fused_segments
 from autopar.tracer.meta_keys import MODULE_KEY, export_module_path
 
 __all__ = [
@@ -180,7 +180,7 @@ class OpInfo:
     node_name: str = "?"
     module_path: str = ""
     # Segment counts k whose S(d/k) the output may take: a fused projection's way to its cut
-    # (``strategies.segments``); () for every other op.
+    # (``strategies.fused``); () for every other op.
     segments: tuple[int, ...] = ()
 
     # ------------------------------------------------------------------------ construction
