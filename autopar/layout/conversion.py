@@ -134,7 +134,7 @@ def apply_step(spec: TensorSpec, step: ReshardStep) -> TensorSpec:
     kind = step.kind
     if kind in ("all_gather", "all_to_all"):
         if cur != Shard(step.src_dim, step.segments):
-            raise ValueError(f"step {step} needs {Shard(step.src_dim, step.segments)} on axis {step.axis}, "
+            raise ValueError(f"step {step} needs {Shard(step.src_dim, step.segments).compact} on axis {step.axis}, "
                              f"spec is {spec}")
         if max(spec.shard_axes(step.src_dim)) != step.axis:
             raise ValueError(
