@@ -5,7 +5,7 @@ Decisions (``Problem`` nodes), in graph order:
 - every **parameter** and **buffer** placeholder: its layout, one option per valid spec of ``R``, ``S(dim)``
   and a fused projection's ``S(dim/k)`` (``strategies.fused``) per mesh axis; ``param_bytes`` = local bytes x
   (1 parameter + 1 gradient + ``optimizer_multiplier`` state) for the whole step (gradients arrive in the
-  parameter's layout: the gradient-layout invariant). Tied weights: one decision. Parameters that a consumer needs replicated are
+  parameter's layout: the gradient-layout invariant). Tied weights: one decision. Those a reader needs whole are
   gathered on the edge: that is ZeRO-3/FSDP, priced by the same conversion planner.
 - every **user input**: its layout (the full input is on every rank; slicing it is free).
 - every **op** with a sharding rule: one option per ``Strategy``. Its activation (what autograd
@@ -75,7 +75,7 @@ __all__ = ["BuiltProblem", "Choice", "ChosenConversion", "Decision", "InputSlot"
 _AT_REST = (NodeKind.PARAMETER, NodeKind.BUFFER)
 
 
-def layout_specs(shape: tuple[int, ...], mesh_shape: tuple[int, ...], segments: tuple[int, ...] = ()) -> list[TensorSpec]:
+def layout_specs(shape: tuple[int, ...], mesh_shape: tuple[int, ...], segments: tuple = ()) -> list[TensorSpec]:
     """Every valid spec from ``R``/``S(dim)`` per axis, ``S(dim/k)`` for ``k`` in ``segments`` (no ``P``: at rest)."""
     per_axis = [R] + [Shard(d, k) for k in (1, *segments) for d in range(len(shape))]
     out = []

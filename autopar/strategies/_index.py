@@ -171,7 +171,8 @@ def _unbind_rule(info: OpInfo) -> list[AxisOption]:
 
 
 register(aten.split.Tensor, local_args=_local_split_sizes, samples=lambda: [
-    Sample((rand(4, 12, 8), 4, 1)), Sample((rand(8, 4), 4)), Sample((rand(4, 4, 24), 8, 2), label="fused-qkv")])(_split_rule)
+    Sample((rand(4, 12, 8), 4, 1)), Sample((rand(8, 4), 4)),
+    Sample((rand(4, 4, 24), 8, 2), label="fused-qkv")])(_split_rule)
 register(aten.split_with_sizes.default, local_args=_local_split_sizes, samples=lambda: [
     Sample((rand(4, 12, 8), [4, 8], 1)), Sample((rand(4, 24), [8, 8, 8], 1), label="fused-qkv")])(_split_rule)
 register(aten.chunk.default, samples=lambda: [

@@ -60,8 +60,8 @@ def einsum_options(info: OpInfo, factors: dict[str, str], out: str, *,
     if out:
         label, d = out[-1], len(out) - 1
         for k in info.segments:
-            ins = {name: Shard(lab.index(label), k) if info.input(name).shape[lab.index(label)] == out_sizes[label] else R
-                   for name, lab in present.items() if label in lab}
+            ins = {name: Shard(j, k) if info.input(name).shape[j] == out_sizes[label] else R
+                   for name, lab in present.items() if label in lab for j in [lab.index(label)]}
             options.append(info.option(Shard(d, k), **ins))
     contracted = [c for c in dict.fromkeys("".join(factors.values())) if c not in out]
     for label in contracted:

@@ -23,6 +23,7 @@ Steps 3-5 live in ``autopar.strategies.combine`` (the DTensor admission check us
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
 import torch.fx
@@ -32,6 +33,7 @@ from autopar.layout.placement import Placement
 from autopar.strategies.combine import build_strategies, estimate_flops, fits_axis, normalise_option, replicate_option
 from autopar.strategies.registry import AxisOption, NoRuleError, OpInfo, RuleEntry, Strategy, draws_random
 from autopar.strategies.derived import rule_for
+from autopar.strategies.fused import fused_segments
 
 __all__ = ["strategies_for", "enumerate_strategies", "axis_options", "FixedAxis", "axis_placements"]
 
@@ -58,7 +60,9 @@ def strategies_for(node: torch.fx.Node, mesh: MeshSpec, *, flops: tuple[float, f
     than the input (bf16 gradients summed in fp32: 4); None = the input's own.
     ``fixed``: only the strategies placing every tensor on one axis as given (``FixedAxis``).
     """
-    return enumerate_strategies(OpInfo.from_node(node), mesh, flops=flops,
+    # A fused projection's way to its cut may take S(d/k) (``strategies.fused``).
+    info = dataclasses.replace(OpInfo.from_node(node), segments=fused_segments(node))
+    return enumerate_strategies(info, mesh, flops=flops,
                                 allow_replicate_fallback=allow_replicate_fallback, reduce_itemsize=reduce_itemsize,
                                 fixed=fixed)
 

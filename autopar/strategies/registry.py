@@ -10,9 +10,8 @@ Vocabulary (see ``autopar/strategies/__init__.py`` for the how-to):
   the custom local kernel if "the same op on local shards" is not correct.
 - ``Strategy``    -- one candidate for the whole mesh (built by ``expand.py``), with costs.
 
-Input slots: the tensor arguments of the call in schema order, list arguments flattened (``cat``'s
-``tensors`` gives one slot per element). ``input_nodes(node)`` returns the fx nodes in the same
-order, so ``Strategy.input_specs[i]`` always belongs to ``input_nodes(node)[i]``.
+Input slots: the tensor arguments of the call in schema order, list arguments flattened (``cat``'s ``tensors``
+gives one slot per element); ``Strategy.input_specs[i]`` belongs to ``input_nodes(node)[i]`` (the nodes in that order).
 """
 
 from __future__ import annotations
@@ -28,7 +27,6 @@ import torch.fx
 
 from autopar.layout.cost import collective_seconds
 from autopar.layout.placement import Partial, Placement, Replicate, TensorSpec
-from autopar.strategies.fused import fused_segments
 from autopar.tracer.meta_keys import MODULE_KEY, export_module_path
 
 __all__ = [
@@ -179,9 +177,7 @@ class OpInfo:
     multi_output: bool
     node_name: str = "?"
     module_path: str = ""
-    # Segment counts k whose S(d/k) the output may take: a fused projection's way to its cut
-    # (``strategies.fused``); () for every other op.
-    segments: tuple[int, ...] = ()
+    segments: tuple[int, ...] = ()  # the k whose S(d/k) the output may take (``expand.strategies_for``)
 
     # ------------------------------------------------------------------------ construction
     @classmethod
@@ -210,8 +206,7 @@ class OpInfo:
             for k, v in raw.items()
         }
         outputs, multi = _output_metas(node.meta.get("val"))
-        return cls(node.target, bound, _slots(raw, as_meta), outputs, multi, node.name, module_path_of(node),
-                   fused_segments(node))
+        return cls(node.target, bound, _slots(raw, as_meta), outputs, multi, node.name, module_path_of(node))
 
     @classmethod
     def from_values(cls, target: Any, args: Sequence[Any], kwargs: dict[str, Any], output: Any,
