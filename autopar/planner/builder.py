@@ -12,9 +12,8 @@ Decisions (``Problem`` nodes), in graph order:
   saves for its backward, from the profile) scales with the strategy's local/global bytes and is
   live from the op's forward to its backward on a timeline ``fwd i -> i``, ``bwd i -> 2N-1-i``.
 
-Recompute segments: every op inside a repeated block gets ``Node.segment``, a contiguous run of
-ops of one module, and ``BuiltProblem.segment_inputs`` lists what each segment (and each block)
-keeps when recomputed (``autopar.planner.segments``).
+Recompute segments: every op inside a repeated block gets ``Node.segment``, a contiguous run of ops of one
+module, and ``BuiltProblem.segment_inputs`` lists what each segment (and block) keeps when recomputed.
 
 Values that need no decision resolve to their producer: ``getitem`` on a multi-output op reads
 the producer's output element ``k``; ops without tensor output (metadata asserts) are skipped.
@@ -198,7 +197,8 @@ class _Builder:
         # A lifted tensor constant is a buffer kept replicated.
         kind = NodeKind.BUFFER if ph.kind == NodeKind.CONSTANT else NodeKind(ph.kind)
         # Options and choices depend on the layout key only: each block's weights share them.
-        key = (ph.kind, shape, itemsize, ph.requires_grad and bool(shape), placeholder_segments(node))
+        segments = placeholder_segments(node) if kind == NodeKind.PARAMETER else ()  # a fused projection's weight
+        key = (ph.kind, shape, itemsize, ph.requires_grad and bool(shape), segments)
         tiers = ("device",)
         if self.offload_tiers is not None and key[-1]:
             tiers = self.offload_tiers.get(node.name, ("device", "o", "po"))
