@@ -13,8 +13,10 @@ gradient) is then partial, and the derived ``grad_partial`` all-reduces it.
 A fused projection's cut (``strategies/fused.py``): a ``split`` / ``split_with_sizes`` /
 ``chunk`` into exactly ``k`` equal parts takes its input segmented on the cut dim, ``S(d/k)``,
 and gives each part ``S(d)`` (each rank's local piece is its share of every part, in order; the
-local op cuts with the local part size: ``local_args``). ``cat`` of ``k`` equal parts whose
-output goes on to such a cut (``info.segments``) is the reverse.
+local op cuts with the local part size: ``local_args``); so does a ``slice`` that is one of the
+``k`` equal segments of a dim whose slices make such a cut (Phi-3's ``qkv[..., :q]``, ...: local
+bounds by ``local_args``). ``cat`` of ``k`` equal parts whose output goes on to such a cut
+(``info.segments``) is the reverse.
 
 Tuple outputs (``split``, ``unbind``): one placement per output element, all alike. Convention
 for ``operator.getitem(producer, k)``: its one input slot is the producer's element ``k``, so the
@@ -33,7 +35,7 @@ import torch
 from autopar.layout.placement import Partial, Replicate, Shard
 from autopar.strategies.registry import AxisOption, OpInfo, Sample, register
 from autopar.strategies.samples import ints, rand
-from autopar.strategies.fused import equal_parts
+from autopar.strategies.fused import equal_parts, slice_segment
 
 aten = torch.ops.aten
 R, P = Replicate(), Partial()
@@ -62,14 +64,37 @@ def _is_full_slice(info: OpInfo) -> bool:
     return (start in (None, 0)) and (end is None or end >= size) and step == 1
 
 
-@register(aten.slice.Tensor, samples=lambda: [
+def _fused_slice(info: OpInfo) -> tuple[int, int, int] | None:
+    """(dim, k, j) when the slice is segment ``j`` of a fused projection's ``k`` (``info.segments``)."""
+    dim = info.arg("dim") % info.input("self").ndim
+    seg = slice_segment(info.input("self").shape[dim], info.arg("start"), info.arg("end"), info.arg("step"))
+    return (dim, *seg) if seg is not None and seg[0] in info.segments else None
+
+
+def _local_slice(info: OpInfo, bound, input_specs, output_specs, mesh_shape):
+    """A segment of an ``S(d/k)`` input: this rank's piece of it is its ``j``-th local segment."""
+    fused = _fused_slice(info)
+    if fused is not None and input_specs[0].segments(fused[0]) == fused[1]:
+        dim, _, j = fused
+        length = output_specs[0].local_shape(info.output.shape, mesh_shape)[dim]
+        bound["start"], bound["end"] = j * length, (j + 1) * length
+    return bound
+
+
+@register(aten.slice.Tensor, local_args=_local_slice, samples=lambda: [
     Sample((rand(4, 8, 4), 1, 0, 4), label="head"),
     Sample((rand(4, 8), 1, 2, 9223372036854775807, 2), label="strided-to-end"),
     Sample((rand(4, 8), 0, 0, 9223372036854775807), label="full"),
+    Sample((rand(4, 24), 1, 8, 16), label="fused-qkv-k", segments=(3,)),  # Phi-3's qkv[..., q:q + kv]
+    Sample((rand(4, 24), -1, 16, 9223372036854775807), label="fused-qkv-v", segments=(3,)),
 ])
 def _slice(info: OpInfo) -> list[AxisOption]:
     # A full-range slice (export emits them for ``x[:, 1:]``-style code) cuts nothing.
-    return _untouched_dims(info, [] if _is_full_slice(info) else [info.arg("dim")])
+    options = _untouched_dims(info, [] if _is_full_slice(info) else [info.arg("dim")])
+    fused = _fused_slice(info)
+    if fused is not None:  # one part of a fused projection: S(d/k) in, that part split out
+        options.append(info.option(Shard(fused[0]), self=Shard(fused[0], fused[1])))
+    return options
 
 
 @register(aten.select.int, samples=lambda: [Sample((rand(4, 8, 4), 1, 3)), Sample((rand(4, 8), 0, -1))])

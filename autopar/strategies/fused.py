@@ -10,7 +10,9 @@ Offering ``S(d/k)`` to every op would multiply every strategy list; only the ops
 such a cut need it. ``fused_segments(node)`` walks forward from ``node`` through the ops that
 carry the layout unchanged (views, elementwise ops with that single tensor input) and returns the
 counts ``k`` of the cuts it reaches: a ``split`` / ``split_with_sizes`` / ``chunk`` into ``k >= 2``
-equal parts. The rules read it as ``OpInfo.segments`` and offer ``S(d/k)`` for those ``k`` only;
+equal parts, or ``k`` slices of one dim, each one of its ``k`` equal segments (Phi-3's
+``qkv[..., :q]``, ``qkv[..., q:2q]``, ...). A slice is itself given its cut's ``k``: its rule
+reads it from ``OpInfo.segments`` (``slice_segment``). The rules read it as ``OpInfo.segments`` and offer ``S(d/k)`` for those ``k`` only;
 whether a given ``S(d/k)`` is exact is still each rule's own (checked numerically like any
 option), so the walk decides what is offered, never what is correct. A parameter's segment
 counts are its readers' (``placeholder_segments``), so the planner offers it the same layouts.
@@ -27,7 +29,7 @@ from autopar.layout.placement import TensorSpec
 
 aten = torch.ops.aten
 
-__all__ = ["fused_segments", "placeholder_segments", "equal_parts", "take_local"]
+__all__ = ["fused_segments", "placeholder_segments", "equal_parts", "slice_segment", "take_local"]
 
 # Ops that hand their one tensor input's layout on unchanged in the split dim (up to renumbering).
 _CARRY = {
@@ -64,12 +66,60 @@ def _cut_parts(node: torch.fx.Node) -> int | None:
     return equal_parts(node.target, node.args[1], int(val.shape[dim % max(val.dim(), 1)]))
 
 
+def slice_segment(size: int, start, end, step) -> tuple[int, int] | None:
+    """``(k, j)`` when ``x[start:end:step]`` of a dim of ``size`` is its segment ``j`` of ``k >= 2``
+    equal segments, else None."""
+    start = 0 if start is None else (start + size if start < 0 else start)
+    end = size if end is None else min(end + size if end < 0 else end, size)
+    length = end - start
+    if step != 1 or length <= 0 or size % length or start % length or size // length < 2:
+        return None
+    return size // length, start // length
+
+
+def _slice_cut(source: torch.fx.Node, dim: int) -> int | None:
+    """``k`` when the slices of ``source`` on ``dim`` are its ``k`` equal segments, each once."""
+    val = source.meta.get("val")
+    if not isinstance(val, torch.Tensor):
+        return None
+    size = int(val.shape[dim])
+    found = set()
+    for user in source.users:
+        if user.target is aten.slice.Tensor and user.args[0] is source and _slice_dim(user, val.dim()) == dim:
+            args = list(user.args[2:]) + [None] * 3
+            seg = slice_segment(size, args[0], args[1], args[2] if args[2] is not None else 1)
+            if seg is None:
+                return None
+            found.add(seg)
+    counts = {k for k, _ in found}
+    if len(counts) != 1:
+        return None
+    k = counts.pop()
+    return k if len(found) == k else None  # every segment taken
+
+
+def _slice_dim(node: torch.fx.Node, ndim: int) -> int:
+    return (node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)) % max(ndim, 1)
+
+
 def fused_segments(node: torch.fx.Node) -> tuple[int, ...]:
-    """The segment counts of the cuts reachable from ``node`` through layout-carrying ops."""
+    """The segment counts of the cuts reachable from ``node`` through layout-carrying ops (and,
+    for a slice that is part of a cut, that cut's)."""
     found: set[int] = set()
+    source = node.args[0] if node.target is aten.slice.Tensor and node.args else None
+    if isinstance(source, torch.fx.Node) and isinstance(source.meta.get("val"), torch.Tensor):
+        k = _slice_cut(source, _slice_dim(node, source.meta["val"].dim()))
+        if k is not None:
+            found.add(k)
     frontier, seen = [(node, 0)], {node}
     while frontier:
         current, depth = frontier.pop()
+        val = current.meta.get("val")
+        for dim in {_slice_dim(u, val.dim()) for u in current.users if u.target is aten.slice.Tensor
+                    and u.args and u.args[0] is current} if isinstance(val, torch.Tensor) else ():
+            k = _slice_cut(current, dim)
+            if k is not None:
+                found.add(k)
         for user in current.users:
             if user in seen or user.op != "call_function":
                 continue
