@@ -50,6 +50,7 @@ from autopar.runtime.table_wise import local_shape as table_local_shape
 from autopar.layout.conversion import STEP_KINDS, plan_conversion
 from autopar.layout.placement import TensorSpec
 from autopar.strategies import OpInfo, Strategy, get_kernel, input_nodes, strategies_for
+from autopar.strategies.expand import op_info
 from autopar.strategies.fused import fused_segments
 from autopar.strategies.registry import bind, local_arguments, needs_no_decision
 from autopar.tracer.meta_keys import PARAM_CAST_KEY
@@ -293,7 +294,7 @@ class _Emitter:
         self._op(node, chosen)
 
     def _op(self, node: fx.Node, strategy: Strategy) -> None:
-        info = OpInfo.from_node(node)
+        info = op_info(node)  # with a fused projection's segments: a slice's local bounds depend on them
         raw = bind(node.target, node.args, node.kwargs)
         slot = 0
         bound: dict[str, Any] = {}

@@ -35,7 +35,7 @@ from autopar.strategies.registry import AxisOption, NoRuleError, OpInfo, RuleEnt
 from autopar.strategies.derived import rule_for
 from autopar.strategies.fused import fused_segments
 
-__all__ = ["strategies_for", "enumerate_strategies", "axis_options", "FixedAxis", "axis_placements"]
+__all__ = ["strategies_for", "op_info", "enumerate_strategies", "axis_options", "FixedAxis", "axis_placements"]
 
 # (axis, placement of each input slot, placement of each output) -- None: no constraint there
 FixedAxis = tuple[int, tuple[Placement | None, ...], tuple[Placement | None, ...]]
@@ -60,11 +60,15 @@ def strategies_for(node: torch.fx.Node, mesh: MeshSpec, *, flops: tuple[float, f
     than the input (bf16 gradients summed in fp32: 4); None = the input's own.
     ``fixed``: only the strategies placing every tensor on one axis as given (``FixedAxis``).
     """
-    # A fused projection's way to its cut may take S(d/k) (``strategies.fused``).
-    info = dataclasses.replace(OpInfo.from_node(node), segments=fused_segments(node))
-    return enumerate_strategies(info, mesh, flops=flops,
+    return enumerate_strategies(op_info(node), mesh, flops=flops,
                                 allow_replicate_fallback=allow_replicate_fallback, reduce_itemsize=reduce_itemsize,
                                 fixed=fixed)
+
+
+def op_info(node: torch.fx.Node) -> OpInfo:
+    """``OpInfo.from_node`` with the segment counts of a fused projection's way to its cut
+    (``strategies.fused``): what the rules and their ``local_args`` see of a graph node."""
+    return dataclasses.replace(OpInfo.from_node(node), segments=fused_segments(node))
 
 
 def enumerate_strategies(info: OpInfo, mesh: MeshSpec, *, flops: tuple[float, float] | None = None,

@@ -1,21 +1,22 @@
 """Fused projections: which ops may offer a segmented shard ``S(d/k)``, and local pieces of one.
 
 A fused projection computes several tensors in one matmul and cuts them apart later: GPT-2's
-``c_attn`` (``q|k|v``, then ``split(hidden, dim=2)``), Phi-3's ``qkv_proj`` (``split_with_sizes``)
+``c_attn`` (``q|k|v``, then ``split(hidden, dim=2)``), Phi-3's ``qkv_proj`` (three slices)
 and ``gate_up_proj`` (``chunk(2, -1)``). Split plainly over an axis, the fused output gives rank 0
 all of ``q`` and half of ``k``; split as ``S(d/k)`` (``layout.placement.Shard(d, segments=k)``)
 every rank holds its share of each part, and the cut turns it into a plain ``S(d)`` of each part.
 
-Offering ``S(d/k)`` to every op would multiply every strategy list; only the ops on the way to
-such a cut need it. ``fused_segments(node)`` walks forward from ``node`` through the ops that
-carry the layout unchanged (views, elementwise ops with that single tensor input) and returns the
-counts ``k`` of the cuts it reaches: a ``split`` / ``split_with_sizes`` / ``chunk`` into ``k >= 2``
-equal parts, or ``k`` slices of one dim, each one of its ``k`` equal segments (Phi-3's
-``qkv[..., :q]``, ``qkv[..., q:2q]``, ...). A slice is itself given its cut's ``k``: its rule
-reads it from ``OpInfo.segments`` (``slice_segment``). The rules read it as ``OpInfo.segments`` and offer ``S(d/k)`` for those ``k`` only;
-whether a given ``S(d/k)`` is exact is still each rule's own (checked numerically like any
-option), so the walk decides what is offered, never what is correct. A parameter's segment
-counts are its readers' (``placeholder_segments``), so the planner offers it the same layouts.
+Offering ``S(d/k)`` to every op would multiply every strategy list; only the ops on the way to such
+a cut need it. ``fused_segments(node)`` walks forward from ``node`` through the ops that carry the
+layout unchanged (views, elementwise ops with that single tensor input) and returns the counts ``k``
+of the cuts it reaches: a ``split`` / ``split_with_sizes`` / ``chunk`` into ``k >= 2`` equal parts,
+or ``k`` slices of one dim, each one of its ``k`` equal segments (Phi-3's ``qkv[..., :q]``,
+``qkv[..., q:2q]``, ...); a slice of such a cut is given its cut's ``k`` too. ``expand.op_info``
+hands them to the rules as ``OpInfo.segments`` (the runtime's local arguments see the same), which
+offer ``S(d/k)`` for those ``k`` only; whether a given ``S(d/k)`` is exact is still each rule's own
+(checked numerically like any option), so the walk decides what is offered, never what is correct. A
+parameter's segment counts are its readers' (``placeholder_segments``), so the planner offers it the
+same layouts.
 """
 
 from __future__ import annotations

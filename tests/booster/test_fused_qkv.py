@@ -159,3 +159,43 @@ def test_tp2_trains_like_one_device_and_round_trips_checkpoints(tmp_path):
 @pytest.mark.timeout(600)
 def test_tp2_x_dp2_trains_like_one_device_and_round_trips_checkpoints(tmp_path):
     _check(4, dict(tp_size=2, pp_size=1), tmp_path)
+
+
+def _phi3():
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    torch.manual_seed(0)
+    config = Phi3Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64,
+                        pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    config._attn_implementation = "sdpa"
+    return Phi3ForCausalLM(config)
+
+
+@pytest.mark.slow
+@pytest.mark.full_sweep
+@pytest.mark.timeout(420)
+def test_phi3_qkv_and_gate_up_split_per_part_train_like_one_device():
+    """Phi-3 cuts its fused ``qkv_proj`` by three slices and ``gate_up_proj`` by ``chunk(2)``:
+    both stored split per part (``S(0/3)``, ``S(0/2)``), attention head-parallel, and 5 AdamW
+    steps on tp=2 equal one device's."""
+    from tests.booster.test_hybrid_plugin import _train
+
+    model = _phi3()
+    batches = lm_batches(128, batch=BATCH, seq=SEQ, steps=STEPS)
+    ref_grads: dict = {}
+    ref_losses, ref_params = _single_device(model, batches, grads=ref_grads)
+    results = run_local(_train, 2, model, batches, dict(tp_size=2, pp_size=1, precision="fp32"), timeout=400)
+    for rank, (losses, state, plan, grads) in enumerate(results):
+        specs = {n.module: n.output_specs[0] for n in plan.nodes if n.kind == "parameter"}
+        assert specs["model.layers.0.self_attn.qkv_proj.weight"] == "S(0/3)", specs
+        assert specs["model.layers.0.mlp.gate_up_proj.weight"] == "S(0/2)", specs
+        attention = [n.input_specs[:3] for n in plan.nodes if n.op == str(SDPA)]
+        assert attention and all(s == "S1" for specs3 in attention for s in specs3), attention
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-4, atol=1e-6)
+        for key, value in ref_grads.items():
+            torch.testing.assert_close(grads[key], value, rtol=1e-4, atol=1e-6,
+                                       msg=lambda m, k=key: f"rank {rank} grad {k}: {m}")
+        for key, value in ref_params.items():
+            torch.testing.assert_close(state[key], value, rtol=1e-4, atol=1e-5,
+                                       msg=lambda m, k=key: f"rank {rank} {k}: {m}")
