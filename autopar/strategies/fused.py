@@ -78,10 +78,29 @@ def slice_segment(size: int, start, end, step) -> tuple[int, int] | None:
     return size // length, start // length
 
 
+_PROJECTIONS = {aten.mm.default, aten.addmm.default, aten.linear.default, aten.matmul.default}
+
+
+def _projected(node: torch.fx.Node) -> bool:
+    """Whether ``node`` is a matmul's output, up to layout-carrying ops: slices of anything else
+    (RoPE's halves of a head) are no fused projection's cut, and offering them ``S(d/k)`` would
+    only grow the problem."""
+    for _ in range(_MAX_DEPTH):
+        if node.op != "call_function":
+            return False
+        if node.target in _PROJECTIONS:
+            return True
+        if node.target not in _CARRY or not node.args or not isinstance(node.args[0], torch.fx.Node):
+            return False
+        node = node.args[0]
+    return False
+
+
 def _slice_cut(source: torch.fx.Node, dim: int) -> int | None:
-    """``k`` when the slices of ``source`` on ``dim`` are its ``k`` equal segments, each once."""
+    """``k`` when the slices of a projection's output ``source`` on ``dim`` are its ``k`` equal
+    segments, each once."""
     val = source.meta.get("val")
-    if not isinstance(val, torch.Tensor):
+    if not isinstance(val, torch.Tensor) or not _projected(source):
         return None
     size = int(val.shape[dim])
     found = set()
