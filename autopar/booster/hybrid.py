@@ -22,7 +22,8 @@ Conv1D; Phi-3's ``qkv_proj`` and ``gate_up_proj``) is stored and computed split 
 ``S(d/k)`` (Megatron's and Colossal-AI's ``n_fused``; ``autopar.strategies.fused``), so the
 attention runs head-parallel as with separate q/k/v projections. Where the layouts cannot follow
 Megatron: KV heads fewer than ``tp_size`` are gathered, as Megatron replicates them; a fused
-projection with unequal parts (GQA's q|k|v) is column-parallel and its parts gathered.
+projection with unequal parts (GQA's q|k|v) is not split per part, so the attention after it runs
+on whole q, k, v.
 """
 
 from __future__ import annotations
