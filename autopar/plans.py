@@ -277,15 +277,15 @@ class Plan:
 
     def placements(self) -> dict[str, tuple[str, ...]]:
         """Parameter and buffer FQN -> its layout as DTensor placements, one per mesh axis
-        (``"Shard(0)"``, ``"Replicate()"``), for users who shard by hand; a dim sharded by several
-        axes lists them in DTensor's default order (the lower mesh axis is the major piece).
+        (``"Shard(0)"``, ``"Replicate()"``, a fused projection's ``"_StridedShard(1, split_factor=3)"``),
+        for users who shard by hand; a dim sharded by several axes lists them in DTensor's default
+        order (the lower mesh axis is the major piece).
         ``autopar.runtime.dtensors.dtensor_placements`` gives the torch objects."""
         out = {}
         for n in self.nodes:
             if n.kind in (NodeKind.PARAMETER, NodeKind.BUFFER):
                 spec = TensorSpec.parse(n.output_specs[0])
-                out[n.module] = tuple(f"Shard({p.dim})" if isinstance(p, Shard) else "Replicate()"
-                                      for p in spec.placements)
+                out[n.module] = tuple(_dtensor_name(p) for p in spec.placements)
         return out
 
     def stage_mesh(self) -> MeshSpec:
@@ -451,3 +451,9 @@ def stage_mesh_of(mesh: MeshSpec, axis: int = 0) -> MeshSpec:
     if mesh.ndim == 1:
         return replace(mesh, shape=(1,), axis_names=(f"{mesh.axis_names[0]}_stage",))
     return mesh.select_axes([i for i in range(mesh.ndim) if i != axis])
+
+
+def _dtensor_name(p) -> str:
+    if not isinstance(p, Shard):
+        return "Replicate()"
+    return f"Shard({p.dim})" if p.segments == 1 else f"_StridedShard({p.dim}, split_factor={p.segments})"

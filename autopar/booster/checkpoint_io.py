@@ -287,6 +287,7 @@ def _lift(value: Any, param: torch.Tensor, where: str) -> Any:
     Scalars (step counts), DTensor state (torch's optimizers) and state of replicated
     parameters stay as they are (DCP treats plain tensors as replicated)."""
     from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
 
     if (not isinstance(param, DTensor) or not isinstance(value, torch.Tensor) or isinstance(value, DTensor)
             or value.dim() == 0 or all(isinstance(pl, Replicate) for pl in param.placements)):
@@ -299,7 +300,8 @@ def _lift(value: Any, param: torch.Tensor, where: str) -> Any:
             f"{list(param.shape)} ({param.placements}) is unknown; it cannot be resharded")
     placements, shape = [], list(value.shape)
     for axis, pl in enumerate(param.placements):
-        if isinstance(pl, Shard) and value.shape[pl.dim] == local.shape[pl.dim]:
+        # (a fused projection's S(d/k) is a _StridedShard: elementwise state is split like it)
+        if isinstance(pl, (Shard, _StridedShard)) and value.shape[pl.dim] == local.shape[pl.dim]:
             placements.append(pl)
             shape[pl.dim] *= param.device_mesh.size(axis)
         else:  # replicated, or a statistic reduced over this dim: the same on every shard of it
@@ -351,6 +353,22 @@ def _refuse_uneven(optimizer: BoostedOptimizer) -> None:
                         f"cannot describe; plan without table-wise tables to checkpoint the optimizer this way")
 
 
+def _refuse_strided(optimizer: BoostedOptimizer) -> None:
+    """NotImplementedError for a DCP directory of a parameter laid out ``S(d/k)`` (a fused
+    projection, DTensor's ``_StridedShard``): DCP describes a piece as one block of the tensor,
+    and such a piece is ``k`` blocks (it would save overlapping chunks that load wrong)."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    for group in optimizer.optim.param_groups:
+        for p in group["params"]:
+            if isinstance(p, DTensor) and any(isinstance(pl, _StridedShard) for pl in p.placements):
+                raise NotImplementedError(
+                    f"save_optimizer/load_optimizer: a parameter of shape {tuple(p.shape)} is split per fused part "
+                    f"({p.placements}: a fused projection such as GPT-2's c_attn), which torch.distributed.checkpoint "
+                    f"cannot describe; save the optimizer as one gathered file (shard=False)")
+
+
 def _optimizer_checkpoint(optimizer: BoostedOptimizer):
     """(the module holding the optimizer's parameters, its state dict, what DCP saves or fills:
     the state as DTensors and the fp16 scaler's state)."""
@@ -373,6 +391,7 @@ def save_optimizer(optimizer: BoostedOptimizer, path: str | os.PathLike, *, shar
         raise ValueError(f"shard must be a bool, got {shard!r}")
     _, _, state = _optimizer_checkpoint(optimizer)
     if shard:
+        _refuse_strided(optimizer)
         dcp.save(state, checkpoint_id=os.fspath(path))
         return
     full = _merged(_gathered(state))  # a collective per sharded tensor, every rank in the same order
@@ -403,6 +422,7 @@ def load_optimizer(optimizer: BoostedOptimizer, path: str | os.PathLike) -> None
                   for own_group, saved in zip(state["optim"]["param_groups"], full["optim"]["param_groups"])]
         state = {**placed, "optim": {**placed["optim"], "param_groups": groups}}
     elif os.path.isdir(path):
+        _refuse_strided(optimizer)
         dcp.load(state, checkpoint_id=path)
     else:
         raise ValueError(f"{path!r}: no such optimizer checkpoint (file or directory)")

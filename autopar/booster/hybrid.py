@@ -17,12 +17,13 @@ Sequence parallelism (``enable_sequence_parallelism=True``) takes the later rele
 (sp == tp, no axis of its own), ``"all_to_all"`` and ``"ring_attn"`` on an ``sp`` axis appended
 to the mesh (pp, dp, tp, sp), world = pp * dp * tp * sp (the product's axis order).
 
-Where the layouts cannot follow Megatron: a fused projection whose output is split into pieces
-(GPT-2's ``c_attn``, q, k and v in one Conv1D) is computed column-parallel, but its split does not
-align with the shards, so the attention between it and the row-parallel ``c_proj`` runs on
-gathered q, k, v (Megatron permutes that weight per rank; models with separate q/k/v projections,
-Llama's, run head-parallel attention). KV heads fewer than ``tp_size`` are gathered, as Megatron
-replicates them.
+A fused projection whose output is cut into equal parts (GPT-2's ``c_attn``, q, k and v in one
+Conv1D; Phi-3's ``qkv_proj`` and ``gate_up_proj``) is stored and computed split per part,
+``S(d/k)`` (Megatron's and Colossal-AI's ``n_fused``; ``autopar.strategies.fused``), so the
+attention runs head-parallel as with separate q/k/v projections. Where the layouts cannot follow
+Megatron: KV heads fewer than ``tp_size`` are gathered, as Megatron replicates them; a fused
+projection with unequal parts (GQA's q|k|v) is not split per part, so the attention after it runs
+on whole q, k, v.
 """
 
 from __future__ import annotations

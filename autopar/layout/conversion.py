@@ -17,6 +17,12 @@ reduce_scatter   P -> S(dst_dim)              reduce-scatter / all-gather
 to_partial       R -> P                       keep on coordinate 0, zeros elsewhere / identity
 ===============  ===========================  ==============================================
 
+A segmented shard ``S(d/k)`` (``placement.Shard(d, segments=k)``) is gathered and split by the
+same two kinds with ``segments=k``: the all-gather's pieces are reordered locally (coordinate-major
+to segment-major) after the collective, the split keeps this coordinate's piece of every segment;
+both cost what the plain step costs (the reorder is a local copy the plain step makes too). Every
+other change of a segmented layout goes through ``R``.
+
 Gradient layout invariant (docs/architecture.md, Invariants): the gradient of a value arrives in the same
 layout as the value, except that the gradient of a ``P`` value is replicated (each summand's
 gradient is the full gradient).
@@ -87,10 +93,14 @@ class ReshardStep:
     axis: int
     src_dim: int | None = None  # all_gather, all_to_all
     dst_dim: int | None = None  # split, all_to_all, reduce_scatter
+    segments: int = 1  # all_gather of / split into a segmented shard S(d/segments)
 
     def __post_init__(self) -> None:
         if self.kind not in STEP_KINDS:
             raise ValueError(f"unknown reshard step kind {self.kind!r}; expected one of {STEP_KINDS}")
+        if self.segments != 1 and self.kind not in ("all_gather", "split"):
+            raise ValueError(f"reshard step {self.kind} on axis {self.axis} got segments={self.segments}; "
+                             f"only all_gather and split move a segmented shard")
         needs_src = self.kind in ("all_gather", "all_to_all")
         needs_dst = self.kind in ("split", "all_to_all", "reduce_scatter")
         if (self.src_dim is not None) != needs_src or (self.dst_dim is not None) != needs_dst:
@@ -105,9 +115,9 @@ class ReshardStep:
         if self.kind == "all_to_all":
             dims = f" S{self.src_dim}->S{self.dst_dim}"
         elif self.src_dim is not None:
-            dims = f" S{self.src_dim}"
+            dims = f" {Shard(self.src_dim, self.segments).compact}"
         elif self.dst_dim is not None:
-            dims = f" S{self.dst_dim}"
+            dims = f" {Shard(self.dst_dim, self.segments).compact}"
         return f"{self.kind}[axis{self.axis}]{dims}"
 
 
@@ -123,8 +133,9 @@ def apply_step(spec: TensorSpec, step: ReshardStep) -> TensorSpec:
     cur = spec.placements[step.axis]
     kind = step.kind
     if kind in ("all_gather", "all_to_all"):
-        if cur != Shard(step.src_dim):
-            raise ValueError(f"step {step} needs S{step.src_dim} on axis {step.axis}, spec is {spec}")
+        if cur != Shard(step.src_dim, step.segments):
+            raise ValueError(f"step {step} needs {Shard(step.src_dim, step.segments).compact} on axis {step.axis}, "
+                             f"spec is {spec}")
         if max(spec.shard_axes(step.src_dim)) != step.axis:
             raise ValueError(
                 f"step {step} on {spec}: axis {step.axis} is not the minor-most axis sharding "
@@ -143,7 +154,10 @@ def apply_step(spec: TensorSpec, step: ReshardStep) -> TensorSpec:
             )
         if kind == "all_to_all" and step.dst_dim == step.src_dim:
             raise ValueError(f"step {step}: all_to_all needs two different dims")
-        return spec.with_placement(step.axis, Shard(step.dst_dim))
+        if step.segments > 1 and others:
+            raise ValueError(f"step {step} on {spec}: a segmented dim is sharded by one mesh axis only "
+                             f"(axes {others} already shard dim {step.dst_dim})")
+        return spec.with_placement(step.axis, Shard(step.dst_dim, step.segments))
     return spec.with_placement(step.axis, P if kind == "to_partial" else R)
 
 
@@ -200,9 +214,11 @@ def _step_extra_bytes(step: ReshardStep, local: int, mesh_shape: tuple[int, ...]
 
 
 # --------------------------------------------------------------------------------- layouts
-def valid_specs(shape: tuple[int, ...], mesh_shape: tuple[int, ...]) -> tuple[TensorSpec, ...]:
-    """Every layout of ``shape`` on ``mesh_shape``: R, P or S(dim) per axis, dims dividing evenly."""
-    options = [R, P] + [Shard(d) for d in range(len(shape))]
+def valid_specs(shape: tuple[int, ...], mesh_shape: tuple[int, ...],
+                segments: tuple[int, ...] = ()) -> tuple[TensorSpec, ...]:
+    """Every layout of ``shape`` on ``mesh_shape``: R, P or S(dim) per axis, dims dividing evenly;
+    also S(dim/k) for each segment count k in ``segments``."""
+    options = [R, P] + [Shard(d, k) for k in (1, *segments) for d in range(len(shape))]
     out = []
     for placements in itertools.product(options, repeat=len(mesh_shape)):
         spec = TensorSpec(placements)
@@ -211,16 +227,18 @@ def valid_specs(shape: tuple[int, ...], mesh_shape: tuple[int, ...]) -> tuple[Te
     return tuple(out)
 
 
-def _candidate_steps(spec: TensorSpec, num_dims: int, mesh_shape) -> list[ReshardStep]:
+def _candidate_steps(spec: TensorSpec, num_dims: int, mesh_shape, segments: tuple[int, ...] = ()) -> list[ReshardStep]:
     steps = []
     for axis, p in enumerate(spec.placements):
         if isinstance(p, Shard):
-            steps.append(ReshardStep("all_gather", axis, src_dim=p.dim))
-            steps += [ReshardStep("all_to_all", axis, src_dim=p.dim, dst_dim=d)
-                      for d in range(num_dims) if d != p.dim]
+            steps.append(ReshardStep("all_gather", axis, src_dim=p.dim, segments=p.segments))
+            if p.segments == 1:
+                steps += [ReshardStep("all_to_all", axis, src_dim=p.dim, dst_dim=d)
+                          for d in range(num_dims) if d != p.dim]
         elif isinstance(p, Replicate):
             steps.append(ReshardStep("to_partial", axis))
-            steps += [ReshardStep("split", axis, dst_dim=d) for d in range(num_dims)]
+            steps += [ReshardStep("split", axis, dst_dim=d, segments=k)
+                      for k in (1, *segments) for d in range(num_dims)]
         else:
             steps.append(ReshardStep("all_reduce", axis))
             steps += [ReshardStep("reduce_scatter", axis, dst_dim=d) for d in range(num_dims)]
@@ -237,15 +255,18 @@ class _Edge:
 
 
 @lru_cache(maxsize=256)
-def _layout_graph(shape: tuple[int, ...], itemsize: int, mesh: MeshSpec) -> dict[TensorSpec, tuple[_Edge, ...]]:
-    """Adjacency of the layout graph; built once per (shape, itemsize, mesh), shared by pairs."""
+def _layout_graph(shape: tuple[int, ...], itemsize: int, mesh: MeshSpec,
+                  segments: tuple[int, ...] = ()) -> dict[TensorSpec, tuple[_Edge, ...]]:
+    """Adjacency of the layout graph; built once per (shape, itemsize, mesh, segment counts),
+    shared by pairs. Segmented layouts join the graph only for the counts a pair names, so the
+    plain graph (every other tensor's) stays as small as before."""
     graph: dict[TensorSpec, tuple[_Edge, ...]] = {}
-    specs = valid_specs(shape, mesh.shape)
+    specs = valid_specs(shape, mesh.shape, segments)
     valid = {str(spec) for spec in specs}  # what ``is_valid`` accepts among the step results
     for spec in specs:
         local = _local_bytes(spec, shape, itemsize, mesh.shape)  # once per layout, not per step
         edges = []
-        for step in _candidate_steps(spec, len(shape), mesh.shape):
+        for step in _candidate_steps(spec, len(shape), mesh.shape, segments):
             try:
                 nxt = apply_step(spec, step)
             except ValueError:
@@ -368,8 +389,9 @@ class _IndexedGraph:
 
 
 @lru_cache(maxsize=256)
-def _indexed_graph(shape: tuple[int, ...], itemsize: int, mesh: MeshSpec) -> _IndexedGraph:
-    graph = _layout_graph(shape, itemsize, mesh)
+def _indexed_graph(shape: tuple[int, ...], itemsize: int, mesh: MeshSpec,
+                   segments: tuple[int, ...] = ()) -> _IndexedGraph:
+    graph = _layout_graph(shape, itemsize, mesh, segments)
     specs = tuple(graph)
     index = {str(spec): i for i, spec in enumerate(specs)}
     adjacency = tuple(tuple((index[str(e.dst)], e) for e in graph[spec]) for spec in specs)
@@ -378,13 +400,13 @@ def _indexed_graph(shape: tuple[int, ...], itemsize: int, mesh: MeshSpec) -> _In
 
 @lru_cache(maxsize=4096)
 def _shortest_tree(src: int, shape: tuple[int, ...], itemsize: int,
-                   mesh: MeshSpec) -> dict[int, tuple[int, _Edge]]:
+                   mesh: MeshSpec, segments: tuple[int, ...] = ()) -> dict[int, tuple[int, _Edge]]:
     """Dijkstra from layout number ``src`` (``_indexed_graph``) to every layout:
     ``{layout: (previous layout, edge)}``.
 
     One search serves every target of ``src`` (cost matrices ask for all of them).
     """
-    adjacency = _indexed_graph(shape, itemsize, mesh).adjacency
+    adjacency = _indexed_graph(shape, itemsize, mesh, segments).adjacency
     # Heap entries: (rounded cost, steps, tie counter, layout). The counter keeps the order of
     # equal entries deterministic (insertion order) and keeps layouts out of comparisons.
     counter = itertools.count()
@@ -423,10 +445,18 @@ def _path(prev: dict[int, tuple[int, _Edge]], src: int, dst: int) -> list[_Edge]
     return edges
 
 
+def _segment_counts(*specs: TensorSpec | str) -> tuple[int, ...]:
+    """The segment counts (> 1) the layouts name: the segmented layouts a search needs."""
+    counts = {p.segments for spec in specs for p in TensorSpec.parse(spec).placements
+              if isinstance(p, Shard) and p.segments > 1}
+    return tuple(sorted(counts))
+
+
 def _dijkstra(src: TensorSpec, dst: TensorSpec, shape, itemsize: int, mesh: MeshSpec) -> Conversion:
-    index = _indexed_graph(shape, itemsize, mesh).index
+    segments = _segment_counts(src, dst)
+    index = _indexed_graph(shape, itemsize, mesh, segments).index
     i, j = index[str(src)], index[str(dst)]
-    edges = _path(_shortest_tree(i, shape, itemsize, mesh), i, j)
+    edges = _path(_shortest_tree(i, shape, itemsize, mesh, segments), i, j)
     return Conversion(
         src=src,
         dst=dst,
@@ -442,9 +472,10 @@ def conversion_seconds(src: TensorSpec | str, dsts: Sequence[TensorSpec | str], 
     """``plan_conversion(src, dst, ...).total_s`` for every ``dst`` in ``dsts`` (the same floats),
     from one search: what a cost matrix row needs, without building a ``Conversion`` per pair."""
     shape = _check_args(shape, itemsize, mesh)
-    graph = _indexed_graph(shape, itemsize, mesh)
+    segments = _segment_counts(src, *dsts)
+    graph = _indexed_graph(shape, itemsize, mesh, segments)
     i = _layout_number(src, "source", shape, mesh, graph)
-    prev = _shortest_tree(i, shape, itemsize, mesh)
+    prev = _shortest_tree(i, shape, itemsize, mesh, segments)
     out = []
     for dst in dsts:
         edges = _path(prev, i, _layout_number(dst, "target", shape, mesh, graph))
@@ -470,7 +501,7 @@ def replicate_steps(spec: TensorSpec | str) -> tuple[ReshardStep, ...]:
     for axis in reversed(range(spec.num_axes)):
         p = spec.placements[axis]
         if isinstance(p, Shard):
-            steps.append(ReshardStep("all_gather", axis, src_dim=p.dim))
+            steps.append(ReshardStep("all_gather", axis, src_dim=p.dim, segments=p.segments))
         elif isinstance(p, Partial):
             steps.append(ReshardStep("all_reduce", axis))
     return tuple(steps)

@@ -3,6 +3,12 @@
 A ``TensorSpec`` holds one placement per *mesh axis*:
 
 - ``Shard(dim)``  -- the tensor's ``dim`` is split evenly over the axis (string ``S(dim)``),
+- ``Shard(dim, segments=k)`` -- the ``dim`` is cut into ``k`` equal segments and EACH segment is
+  split evenly over the axis (string ``S(dim/k)``): coordinate ``r`` holds ``[seg0_r | seg1_r |
+  ...]``. A fused projection's output (GPT-2's ``c_attn``: ``q|k|v`` on the last dim) split this
+  way gives every rank its heads of q, k and v alike (Megatron's and Colossal-AI's
+  ``n_fused=3``); DTensor's ``_StridedShard(dim, split_factor=k)`` is the same layout. A
+  segmented dim is sharded by that one mesh axis only (``validate`` refuses more),
 - ``Replicate()`` -- every device on the axis holds the whole value (``R``),
 - ``Partial()``   -- every device holds a summand; the value is the sum over the axis (``P``).
 
@@ -10,7 +16,8 @@ String form (documented contract, used in plans and strategy names): one token p
 concatenated, with ``S<dim>`` for shards. On a 2-D mesh ``"S0R"`` shards dim 0 over axis 0 and
 replicates over axis 1; ``"S0S0"`` shards dim 0 over both axes (axis 0 major, like DTensor);
 ``"S0S1"`` shards dim 0 over axis 0 and dim 1 over axis 1. The parser also accepts ``S(0)``
-tokens and commas (``"S(0),R"``); dims >= 10 print as ``S(10)`` so the form stays unambiguous.
+tokens and commas (``"S(0),R"``); dims >= 10 print as ``S(10)`` so the form stays unambiguous. A
+segmented shard prints as ``S(2/3)`` (dim 2, 3 segments) in both forms.
 
 Everything here is device-free: shapes in, shapes out. A dim that does not divide evenly is never
 silently sharded -- ``ValueError`` names the shape, the dim and the axis sizes.
@@ -39,16 +46,22 @@ __all__ = [
 @dataclass(frozen=True, slots=True)
 class Shard:
     dim: int
+    # 1: the dim is split into contiguous chunks; k > 1: each of its k equal segments is (module doc).
+    segments: int = 1
 
     def __post_init__(self) -> None:
         if not isinstance(self.dim, int) or self.dim < 0:
             raise ValueError(f"Shard dim must be a non-negative int, got {self.dim!r}")
+        if isinstance(self.segments, bool) or not isinstance(self.segments, int) or self.segments < 1:
+            raise ValueError(f"Shard segments must be a positive int, got {self.segments!r}")
 
     def __str__(self) -> str:
-        return f"S({self.dim})"
+        return f"S({self.dim})" if self.segments == 1 else f"S({self.dim}/{self.segments})"
 
     @property
     def compact(self) -> str:
+        if self.segments > 1:
+            return str(self)
         return f"S{self.dim}" if self.dim < 10 else f"S({self.dim})"
 
 
@@ -78,11 +91,11 @@ Placement = Union[Shard, Replicate, Partial]
 R = Replicate()
 P = Partial()
 
-_TOKEN = re.compile(r"\s*(?:S\((\d+)\)|S(\d)|(R)|(P))\s*,?")
+_TOKEN = re.compile(r"\s*(?:S\((\d+)(?:/(\d+))?\)|S(\d)|(R)|(P))\s*,?")
 
 
 def parse_placement(text: str) -> Placement:
-    """Parse one placement token: ``S(0)``, ``S0``, ``R`` or ``P``."""
+    """Parse one placement token: ``S(0)``, ``S0``, ``S(2/3)``, ``R`` or ``P``."""
     spec = TensorSpec.parse(text)
     if len(spec.placements) != 1:
         raise ValueError(f"expected one placement, got {text!r}")
@@ -108,7 +121,7 @@ class TensorSpec:
     # ----------------------------------------------------------------- construction / printing
     @classmethod
     def parse(cls, text: str) -> "TensorSpec":
-        """Parse ``"S0R"``, ``"S(0)R"``, ``"S(0),R"``, ``"RR"``, ``"P"``, ``"S(12)S1"``."""
+        """Parse ``"S0R"``, ``"S(0)R"``, ``"S(0),R"``, ``"RR"``, ``"P"``, ``"S(12)S1"``, ``"RS(1/3)"``."""
         if isinstance(text, TensorSpec):
             return text
         pos, out = 0, []
@@ -118,11 +131,11 @@ class TensorSpec:
             if m is None or m.end() == pos:
                 raise ValueError(
                     f"cannot parse tensor spec {text!r} at position {pos}: expected S<dim>, "
-                    f"S(<dim>), R or P per mesh axis"
+                    f"S(<dim>), S(<dim>/<segments>), R or P per mesh axis"
                 )
-            big, small, rep, par = m.groups()
+            big, segments, small, rep, par = m.groups()
             if big is not None or small is not None:
-                out.append(Shard(int(big if big is not None else small)))
+                out.append(Shard(int(big if big is not None else small), int(segments or 1)))
             elif rep:
                 out.append(R)
             else:
@@ -165,6 +178,13 @@ class TensorSpec:
     def sharded_dims(self) -> tuple[int, ...]:
         return tuple(sorted({p.dim for p in self.placements if isinstance(p, Shard)}))
 
+    def segments(self, dim: int) -> int:
+        """The segment count of tensor ``dim`` (1: not segmented or not sharded)."""
+        return max((p.segments for p in self.placements if isinstance(p, Shard) and p.dim == dim), default=1)
+
+    def is_segmented(self) -> bool:
+        return any(isinstance(p, Shard) and p.segments > 1 for p in self.placements)
+
     def with_placement(self, axis: int, placement: Placement) -> "TensorSpec":
         ps = list(self.placements)
         ps[axis] = placement
@@ -189,11 +209,19 @@ class TensorSpec:
                     f"{global_shape} has only {len(global_shape)} dims"
                 )
         for dim in self.sharded_dims():
-            n = self.num_shards(dim, mesh_shape)
-            if global_shape[dim] % n != 0:
+            n, k = self.num_shards(dim, mesh_shape), self.segments(dim)
+            if k > 1 and len(self.shard_axes(dim)) > 1:
+                # One axis per segmented dim: which axis would be the segment-major digit is
+                # not defined, and no fused projection needs it.
+                raise ValueError(
+                    f"spec {self}: dim {dim} is segmented ({k} segments) and sharded by mesh axes "
+                    f"{self.shard_axes(dim)}; a segmented dim is sharded by one mesh axis only"
+                )
+            if global_shape[dim] % (n * k) != 0:
                 raise ValueError(
                     f"spec {self}: dim {dim} of shape {global_shape} has size {global_shape[dim]}, "
-                    f"not divisible by {n} (mesh axes {self.shard_axes(dim)} of mesh {mesh_shape})"
+                    f"not divisible by {n * k} ({k} segment(s) x mesh axes {self.shard_axes(dim)} "
+                    f"of mesh {mesh_shape})"
                 )
 
     def is_valid(self, global_shape: Sequence[int], mesh_shape: Sequence[int]) -> bool:
@@ -217,8 +245,35 @@ class TensorSpec:
 
         For a dim sharded by several axes, the shard index is the mixed-radix number of the
         coordinates on those axes, major axis first (the lower axis index is the major digit).
-        Partial and replicated axes do not select a slice.
+        Partial and replicated axes do not select a slice. A segmented dim's piece is not one
+        slice: ``ValueError`` (use ``local_index``).
         """
+        if self.is_segmented():
+            raise ValueError(f"spec {self} has a segmented shard: its local piece is not one slice per dim "
+                             f"(use TensorSpec.local_index)")
+        return self._slices(global_shape, mesh_shape, coord)
+
+    def local_index(
+        self, global_shape: Sequence[int], mesh_shape: Sequence[int], coord: Sequence[int]
+    ) -> tuple[slice | tuple[int, ...], ...]:
+        """Like ``local_slices``, except that a segmented dim gives the tuple of its global
+        indices held at ``coord`` (``[seg0_r | seg1_r | ...]``, in local order): index the dims
+        one at a time (two index lists in one subscript would be broadcast together)."""
+        slices = self._slices(global_shape, mesh_shape, coord)
+        out: list[slice | tuple[int, ...]] = []
+        for dim, sl in enumerate(slices):
+            k = self.segments(dim)
+            if k == 1:
+                out.append(sl)
+                continue
+            seg = global_shape[dim] // k
+            chunk = sl.stop - sl.start  # the local size: k pieces of seg / n each
+            piece, index = chunk // k, sl.start // k  # ``sl`` as if the shard were plain: start = r * chunk
+            out.append(tuple(s * seg + index + i for s in range(k) for i in range(piece)))
+        return tuple(out)
+
+    def _slices(self, global_shape: Sequence[int], mesh_shape: Sequence[int],
+                coord: Sequence[int]) -> tuple[slice, ...]:
         local = self.local_shape(global_shape, mesh_shape)
         out = []
         for dim, size in enumerate(local):
@@ -241,6 +296,7 @@ def zero_split(spec: TensorSpec, ndim: int, mesh_shape: Sequence[int]) -> tuple[
     if not axes or ndim == 0:
         return None
     for dim in range(ndim):
-        if all(a < axes[0] for a in spec.shard_axes(dim)):
+        # A segmented dim's piece is not a block of the tensor: ZeRO splits another dim.
+        if spec.segments(dim) == 1 and all(a < axes[0] for a in spec.shard_axes(dim)):
             return dim, axes
     return None

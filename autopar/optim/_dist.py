@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["Layout", "layout_of", "local", "SumReducer", "local_range", "check_float", "state_like",
+__all__ = ["Layout", "layout_of", "local", "SumReducer", "local_range", "local_index", "check_float", "state_like",
            "elementwise_state", "closure_loss", "grads_of", "check_betas"]
 
 
@@ -34,6 +34,9 @@ class Layout:
     mesh: Any  # torch DeviceMesh or None
     dim_shards: tuple[tuple[int, ...], ...]
     mesh_sizes: tuple[int, ...] = ()
+    # per tensor dim, DTensor's ``_StridedShard`` split factor (a fused projection's ``S(d/k)``:
+    # each of k segments split), else 1; () for none
+    dim_factors: tuple[int, ...] = ()
 
     @property
     def is_sharded(self) -> bool:
@@ -51,20 +54,31 @@ class Layout:
 def layout_of(t: Tensor) -> Layout:
     """The :class:`Layout` of a plain tensor or a DTensor with ``Shard``/``Replicate`` placements.
 
-    Raises ValueError for placements the optimizers cannot reduce over (``Partial``: the local
-    values are not a block of the parameter; ``_StridedShard``: a block that is not contiguous)."""
+    A ``_StridedShard`` of a dim that no other mesh dim shards (a fused projection's ``S(d/k)``:
+    each of k segments split) is a partition of the elements like a ``Shard``: sums over it are
+    the same collectives; ``local_index`` gives its positions. Raises ValueError for placements
+    the optimizers cannot reduce over (``Partial``: the local values are not a block of the
+    parameter) and for a strided dim sharded by several mesh dims."""
     from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
 
     if not isinstance(t, DTensor):
         return Layout(None, tuple(() for _ in range(t.dim())))
     dims: list[list[int]] = [[] for _ in range(t.dim())]
+    factors = [1] * t.dim()
     for mesh_dim, placement in enumerate(t.placements):
-        if type(placement) is Shard:
-            dims[placement.dim % max(t.dim(), 1)].append(mesh_dim)
+        if type(placement) is Shard or type(placement) is _StridedShard:
+            d = placement.dim % max(t.dim(), 1)
+            dims[d].append(mesh_dim)
+            factors[d] = max(factors[d], getattr(placement, "split_factor", 1))
         elif not isinstance(placement, Replicate):
             raise ValueError(f"layer-wise optimizers need Shard or Replicate placements, got {placement!r} "
                              f"in {tuple(t.placements)} (redistribute the parameter first)")
-    return Layout(t.device_mesh, tuple(tuple(d) for d in dims), tuple(t.device_mesh.shape))
+    for d, f in enumerate(factors):
+        if f > 1 and len(dims[d]) > 1:
+            raise ValueError(f"layer-wise optimizers: dim {d} of {tuple(t.placements)} is strided and sharded by "
+                             f"mesh dims {dims[d]}; redistribute the parameter first")
+    return Layout(t.device_mesh, tuple(tuple(d) for d in dims), tuple(t.device_mesh.shape), tuple(factors))
 
 
 def local(t: Tensor) -> Tensor:
@@ -93,6 +107,25 @@ def local_range(layout: Layout, size: int, tensor_dim: int) -> tuple[int, int]:
     return start, start + length
 
 
+def local_index(layout: Layout, size: int, tensor_dim: int) -> slice | Tensor:
+    """This rank's positions along ``tensor_dim`` (global length ``size``): ``local_range`` as a
+    slice, or for a strided dim (``S(d/k)``) the index of its piece of every segment."""
+    factor = layout.dim_factors[tensor_dim] if layout.dim_factors else 1
+    if factor == 1:
+        return slice(*local_range(layout, size, tensor_dim))
+    (mesh_dim,) = layout.dim_shards[tensor_dim]
+    n, coord = layout.mesh_sizes[mesh_dim], layout.mesh.get_local_rank(mesh_dim)
+    segment = size // factor
+    piece = segment // n
+    return torch.cat([torch.arange(s * segment + coord * piece, s * segment + (coord + 1) * piece)
+                      for s in range(factor)])
+
+
+def _local_length(layout: Layout, size: int, tensor_dim: int) -> int:
+    index = local_index(layout, size, tensor_dim)
+    return index.stop - index.start if isinstance(index, slice) else len(index)
+
+
 def state_like(value: Tensor, param: Tensor, *, shape, dims: tuple[int | None, ...]) -> Tensor:
     """``value``, this rank's block of an optimizer state whose FULL-parameter shape is
     ``shape``, as a DTensor on ``param``'s mesh; ``value`` itself when ``param`` is plain.
@@ -104,19 +137,24 @@ def state_like(value: Tensor, param: Tensor, *, shape, dims: tuple[int | None, .
     the same on each. The DTensor owns ``value``'s storage: the optimizer goes on computing on
     ``local(state)``, and ``torch.distributed.checkpoint`` sees a tensor it can reshard."""
     from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
 
     if not isinstance(param, DTensor):
         return value
     assert len(dims) == param.dim(), (dims, tuple(param.shape))
     placements = []
     for pl in param.placements:
-        kept = dims[pl.dim % param.dim()] if type(pl) is Shard else None
-        placements.append(Replicate() if kept is None else Shard(kept))
+        kept = dims[pl.dim % param.dim()] if type(pl) in (Shard, _StridedShard) else None
+        if kept is None:
+            placements.append(Replicate())
+        else:  # a strided dim's state is strided alike (the same pieces)
+            placements.append(_StridedShard(kept, split_factor=pl.split_factor) if type(pl) is _StridedShard
+                              else Shard(kept))
     shape = torch.Size(shape)
     out = DTensor.from_local(value.contiguous(), param.device_mesh, placements, run_check=False,
                              shape=shape, stride=torch.empty(shape, device="meta").stride())
     # the block DTensor assigns this rank must be the one the optimizer computed
-    want = tuple(b - a for a, b in (local_range(layout_of(out), n, d) for d, n in enumerate(shape)))
+    want = tuple(_local_length(layout_of(out), n, d) for d, n in enumerate(shape))
     assert tuple(value.shape) == want, (tuple(value.shape), want, tuple(shape), placements)
     return out
 

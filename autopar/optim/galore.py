@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ._dist import SumReducer, check_betas, check_float, closure_loss, grads_of, local, local_range, state_like
+from ._dist import SumReducer, check_betas, check_float, closure_loss, grads_of, local, local_index, state_like
 
 __all__ = ["GaLoreAdamW"]
 
@@ -125,11 +125,9 @@ class GaLoreAdamW(torch.optim.Optimizer):
         m, n = p.shape
         right = m >= n
         if right:
-            lo, hi = local_range(layout, n, 1)
-            proj = vh[:rank, lo:hi]  # rank x n_local
+            proj = vh[:rank, local_index(layout, n, 1)]  # rank x n_local
         else:
-            lo, hi = local_range(layout, m, 0)
-            proj = u[lo:hi, :rank]  # m_local x rank
+            proj = u[local_index(layout, m, 0), :rank]  # m_local x rank
         proj = proj.to(p.dtype)
         if "proj" in state:  # in place: whoever holds the state (a checkpoint) sees the new one
             local(state["proj"]).copy_(proj)

@@ -2,20 +2,18 @@
 
 Decisions (``Problem`` nodes), in graph order:
 
-- every **parameter** and **buffer** placeholder: its layout, one option per valid spec built from
-  ``R`` and ``S(dim)`` on each mesh axis. A parameter option holds ``param_bytes`` = local bytes x
-  (1 parameter + 1 gradient + ``optimizer_multiplier`` optimizer state) for the whole step
-  (gradients arrive in the parameter's layout: the gradient-layout invariant). Tied weights are one
-  placeholder, so one decision. Sharded parameters that a consumer needs replicated are
+- every **parameter** and **buffer** placeholder: its layout, one option per valid spec of ``R``, ``S(dim)``
+  and a fused projection's ``S(dim/k)`` (``strategies.fused``) per mesh axis; ``param_bytes`` = local bytes x
+  (1 parameter + 1 gradient + ``optimizer_multiplier`` state) for the whole step (gradients arrive in the
+  parameter's layout: the gradient-layout invariant). Tied weights: one decision. Those a reader needs whole are
   gathered on the edge: that is ZeRO-3/FSDP, priced by the same conversion planner.
 - every **user input**: its layout (the full input is on every rank; slicing it is free).
 - every **op** with a sharding rule: one option per ``Strategy``. Its activation (what autograd
   saves for its backward, from the profile) scales with the strategy's local/global bytes and is
   live from the op's forward to its backward on a timeline ``fwd i -> i``, ``bwd i -> 2N-1-i``.
 
-Recompute segments: every op inside a repeated block gets ``Node.segment``, a contiguous run of
-ops of one module, and ``BuiltProblem.segment_inputs`` lists what each segment (and each block)
-keeps when recomputed (``autopar.planner.segments``).
+Recompute segments: every op inside a repeated block gets ``Node.segment``, a contiguous run of ops of one
+module, and ``BuiltProblem.segment_inputs`` lists what each segment (and block) keeps when recomputed.
 
 Values that need no decision resolve to their producer: ``getitem`` on a multi-output op reads
 the producer's output element ``k``; ops without tensor output (metadata asserts) are skipped.
@@ -65,6 +63,7 @@ from autopar.layout.blocks import block_of
 from autopar.solver.problem import Edge, Node, Problem, StrategyOption
 from autopar.planner.pins import pins_of
 from autopar.strategies import FixedAxis, Strategy, input_nodes, strategies_for
+from autopar.strategies.fused import fused_segments, placeholder_segments
 from autopar.strategies.grad_sums import comm_seconds, grad_sync_seconds, without_gradients
 from autopar.tracer.graph import PLACEHOLDER_KEY, TracedGraph, values_needing_grad
 from autopar.tracer.heap import frozen_heap
@@ -77,9 +76,9 @@ __all__ = ["BuiltProblem", "Choice", "ChosenConversion", "Decision", "InputSlot"
 _AT_REST = (NodeKind.PARAMETER, NodeKind.BUFFER)
 
 
-def layout_specs(shape: tuple[int, ...], mesh_shape: tuple[int, ...]) -> list[TensorSpec]:
-    """Every valid spec of a tensor from ``R``/``S(dim)`` per axis (no ``P``: values at rest)."""
-    per_axis = [R] + [Shard(d) for d in range(len(shape))]
+def layout_specs(shape: tuple[int, ...], mesh_shape: tuple[int, ...], segments: tuple = ()) -> list[TensorSpec]:
+    """Every valid spec from ``R``/``S(dim)`` per axis, ``S(dim/k)`` for ``k`` in ``segments`` (no ``P``: at rest)."""
+    per_axis = [R] + [Shard(d, k) for k in (1, *segments) for d in range(len(shape))]
     out = []
     for combo in itertools.product(per_axis, repeat=len(mesh_shape)):
         # A size-1 axis only replicates: sharding over it changes nothing but the name.
@@ -205,28 +204,29 @@ class _Builder:
         # A lifted tensor constant is a buffer kept replicated.
         kind = NodeKind.BUFFER if ph.kind == NodeKind.CONSTANT else NodeKind(ph.kind)
         # Options and choices depend on the layout key only: each block's weights share them.
-        key = (ph.kind, shape, itemsize, ph.requires_grad and bool(shape))
+        segments = placeholder_segments(node) if kind == NodeKind.PARAMETER else ()  # a fused projection's weight
+        key = (ph.kind, shape, itemsize, ph.requires_grad and bool(shape), segments)
         tiers = ("device",)
         if self.offload_tiers is not None and key[-1]:
             tiers = self.offload_tiers.get(node.name, ("device", "o", "po"))
             key = (*key, tiers)
         cached = self._placeholder_cache.get(key)
         if cached is None:
-            cached = self._placeholder_cache[key] = self._layout_options(ph.kind, kind, shape, itemsize,
-                                                                         trainable=key[3], tiers=tiers)
+            cached = self._placeholder_cache[key] = self._layout_options(
+                ph.kind, kind, shape, itemsize, trainable=key[3], tiers=tiers, segments=key[4])
         opts, choices = cached
         live = (0, max(2 * self.num_ops - 1, 0)) if kind == NodeKind.INPUT else None
         self._add(Decision(node.name, kind, choices, module=ph.fqn), opts, live=live,
                   block=block_of(ph.fqn), signature=f"{kind}{shape}{val.dtype}", vals=(val,))
 
     def _layout_options(self, ph_kind: str, kind: NodeKind, shape: tuple[int, ...], itemsize: int, *,
-                        trainable: bool, tiers: tuple[str, ...] = ("device",),
+                        trainable: bool, tiers: tuple[str, ...] = ("device",), segments: tuple[int, ...] = (),
                         ) -> tuple[tuple[StrategyOption, ...], tuple[Choice, ...]]:
         """A placeholder's options and choices: one per layout (and ZeRO stage, parameters)."""
         if ph_kind == NodeKind.CONSTANT:
             specs = [TensorSpec.replicated(self.mesh.ndim)]
         else:
-            specs = layout_specs(shape, self.mesh.shape)
+            specs = layout_specs(shape, self.mesh.shape, segments)  # S(d/k): a fused projection's weight
         opts, choices = [], []
         for spec in specs:
             local = math.prod(spec.local_shape(shape, self.mesh.shape)) * itemsize
@@ -475,7 +475,7 @@ class _Builder:
         outs = tuple((tuple(v.shape), str(v.dtype)) if isinstance(v, torch.Tensor) else None
                      for v in node_vals(node))
         kwargs = tuple(sorted((k, token(v)) for k, v in node.kwargs.items()))
-        return repr((str(node.target), token(node.args), kwargs, outs))
+        return repr((str(node.target), token(node.args), kwargs, outs, fused_segments(node)))
 
     # ---------------------------------------------------------------------------------- edges
     def _edges_into(self, dst: Decision) -> None:

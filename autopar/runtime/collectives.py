@@ -14,6 +14,10 @@ reduce_scatter   reduce-scatter P -> S(d)           all-gather
 to_partial       value on coordinate 0, else zeros  identity
 ===============  =================================  ==========================================
 
+A segmented shard ``S(d/k)`` (coordinate ``r`` holds ``[seg0_r | ... | seg(k-1)_r]``): its
+all-gather receives the pieces coordinate-major (``[r][segment][c]``) and reorders them
+segment-major (``_segment_major``); its split keeps this coordinate's piece of each segment.
+
 The backward column follows the gradient-layout invariant (docs/architecture.md): a gradient
 arrives in the same layout as its forward value, except that the gradient of a ``P`` value is
 replicated. Under that invariant the gradient of a replicated value is the same on every rank,
@@ -41,6 +45,7 @@ from autopar.runtime.process_mesh import ProcessMesh
 from autopar.layout.conversion import ReshardStep, replicate_steps
 from autopar.layout.conversion import apply_step as reshard_apply_step
 from autopar.layout.placement import TensorSpec
+from autopar.strategies.fused import take_local
 
 __all__ = [
     "COLLECTIVE_KINDS",
@@ -82,14 +87,26 @@ def _check_divisible(x: torch.Tensor, dim: int, ax: _Axis, what: str) -> None:
         )
 
 
-def _local_chunk(x: torch.Tensor, dim: int, ax: _Axis) -> torch.Tensor:
+def _local_chunk(x: torch.Tensor, dim: int, ax: _Axis, segments: int = 1) -> torch.Tensor:
     _check_divisible(x, dim, ax, "split")
+    if segments > 1:
+        if x.shape[dim] % (segments * ax.size):
+            raise ValueError(f"split on {ax}: dim {dim} of local shape {tuple(x.shape)} does not divide into "
+                             f"{segments} segments of {ax.size} pieces")
+        # (..., k, n, c, ...): keep piece ``coordinate`` of every segment.
+        parts = x.unflatten(dim, (segments, ax.size, -1)).select(dim + 1, ax.coordinate)
+        return parts.flatten(dim, dim + 1).clone(memory_format=torch.contiguous_format)
     size = x.shape[dim] // ax.size
     # A fresh contiguous tensor: later collectives need contiguity, and no view of x escapes.
     return x.narrow(dim, ax.coordinate * size, size).clone(memory_format=torch.contiguous_format)
 
 
-def _all_gather(x: torch.Tensor, dim: int, ax: _Axis) -> torch.Tensor:
+def _segment_major(x: torch.Tensor, dim: int, n: int, segments: int) -> torch.Tensor:
+    """Reorder ``dim`` from coordinate-major ``[n][segments][c]`` to ``[segments][n][c]``."""
+    return x.unflatten(dim, (n, segments, -1)).transpose(dim, dim + 1).flatten(dim, dim + 2).contiguous()
+
+
+def _all_gather(x: torch.Tensor, dim: int, ax: _Axis, segments: int = 1) -> torch.Tensor:
     if not 0 <= dim < x.dim():
         raise ValueError(f"all-gather on {ax}: dim {dim} out of range for shape {tuple(x.shape)}")
     # all_gather_single concatenates along dim 0; move ``dim`` there and back.
@@ -97,6 +114,8 @@ def _all_gather(x: torch.Tensor, dim: int, ax: _Axis) -> torch.Tensor:
     out = front.new_empty((front.shape[0] * ax.size, *front.shape[1:]))
     record("all_gather", out.numel() * out.element_size())
     dist.all_gather_single(out, front, group=ax.group)
+    if segments > 1:
+        return _segment_major(out, 0, ax.size, segments).movedim(0, dim).contiguous()
     return out.movedim(0, dim).contiguous()
 
 
@@ -142,24 +161,24 @@ def _zeros_off_origin(x: torch.Tensor, ax: _Axis) -> torch.Tensor:
 # ---------------------------------------------------------------- autograd functions, one per kind
 class _AllGather(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, dim: int, ax: _Axis):
-        ctx.dim, ctx.ax = dim, ax
-        return _all_gather(x, dim, ax)
+    def forward(ctx, x, dim: int, ax: _Axis, segments: int = 1):
+        ctx.dim, ctx.ax, ctx.segments = dim, ax, segments
+        return _all_gather(x, dim, ax, segments)
 
     @staticmethod
     def backward(ctx, grad):
-        return _local_chunk(grad, ctx.dim, ctx.ax), None, None
+        return _local_chunk(grad, ctx.dim, ctx.ax, ctx.segments), None, None, None
 
 
 class _Split(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, dim: int, ax: _Axis):
-        ctx.dim, ctx.ax = dim, ax
-        return _local_chunk(x, dim, ax)
+    def forward(ctx, x, dim: int, ax: _Axis, segments: int = 1):
+        ctx.dim, ctx.ax, ctx.segments = dim, ax, segments
+        return _local_chunk(x, dim, ax, segments)
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_gather(grad, ctx.dim, ctx.ax), None, None
+        return _all_gather(grad, ctx.dim, ctx.ax, ctx.segments), None, None, None
 
 
 class _AllToAll(torch.autograd.Function):
@@ -220,9 +239,9 @@ def apply_step(local: torch.Tensor, step: ReshardStep, pmesh: ProcessMesh) -> to
     """Execute one step on this rank's local piece (every rank of the axis group must call)."""
     ax = _Axis.of(pmesh, step.axis)
     if step.kind == "all_gather":
-        return _AllGather.apply(local, step.src_dim, ax)
+        return _AllGather.apply(local, step.src_dim, ax, step.segments)
     if step.kind == "split":
-        return _Split.apply(local, step.dst_dim, ax)
+        return _Split.apply(local, step.dst_dim, ax, step.segments)
     if step.kind == "all_to_all":
         return _AllToAll.apply(local, step.src_dim, step.dst_dim, ax)
     if step.kind == "all_reduce":
@@ -286,8 +305,7 @@ def distribute(global_tensor: torch.Tensor, spec: TensorSpec | str, pmesh: Proce
     *every* partial axis holds the value and the others hold zeros, so the pieces sum to it.
     """
     spec = TensorSpec.parse(spec)
-    slices = spec.local_slices(tuple(global_tensor.shape), pmesh.shape, pmesh.coordinate)
-    piece = global_tensor[slices].clone(memory_format=torch.contiguous_format)
+    piece = take_local(global_tensor, spec, pmesh.shape, pmesh.coordinate)
     if any(pmesh.coordinate[a] != 0 for a in spec.partial_axes()):
         return torch.zeros_like(piece)
     return piece

@@ -6,7 +6,10 @@ sharded by several axes (``S0S0``) needs no conversion: autopar's shard index is
 number of the coordinates on those axes with the lower axis as the major digit
 (``TensorSpec.local_slices``), which is DTensor's default order for ``(Shard(0), Shard(0))`` --
 mesh dim 0 splits first, mesh dim 1 splits each of its pieces (tests/runtime/test_dtensor.py
-checks it against ``distribute_tensor``). ``P`` never describes a value at rest: refused.
+checks it against ``distribute_tensor``). A segmented shard ``S(d/k)`` is DTensor's
+``_StridedShard(d, split_factor=k)``: the same pieces (``[seg0_r | ... ]`` on coordinate ``r``),
+so ``full_tensor`` and ``distribute_tensor`` (checkpoints, optimizer state) reorder them.
+``P`` never describes a value at rest: refused.
 
 The emitted graph runs on local tensors; ``to_dtensor`` wraps a local shard WITHOUT copying
 (``DTensor.from_local(..., run_check=False)`` with the global shape given), so the DTensor and
@@ -24,7 +27,7 @@ from typing import Sequence
 
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.placement_types import Placement
+from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 from autopar.layout.placement import Partial, TensorSpec
 from autopar.layout.placement import Shard as AutoparShard
@@ -39,7 +42,10 @@ def dtensor_placements(spec: TensorSpec) -> tuple[Placement, ...]:
     for p in spec.placements:
         if isinstance(p, Partial):
             raise ValueError(f"a value at rest cannot have a partial layout: {spec}")
-        out.append(Shard(p.dim) if isinstance(p, AutoparShard) else Replicate())
+        if isinstance(p, AutoparShard) and p.segments > 1:
+            out.append(_StridedShard(p.dim, split_factor=p.segments))
+        else:
+            out.append(Shard(p.dim) if isinstance(p, AutoparShard) else Replicate())
     return tuple(out)
 
 

@@ -4,7 +4,8 @@
 local piece of every parameter, buffer and lifted constant placeholder under its layout, keyed
 by placeholder name (parameters as ``nn.Parameter`` with the original ``requires_grad``).
 
-- A tensor with real data is sliced (``TensorSpec.local_slices`` at this rank's coordinate).
+- A tensor with real data is sliced (``TensorSpec.local_index`` at this rank's coordinate:
+  a segmented dim takes this rank's piece of every segment).
 - A tensor on ``meta`` is initialised the way the model would initialise it, one group at a time,
   so no rank ever holds the whole parameter set (a model on meta is never materialised whole):
 
@@ -40,6 +41,7 @@ from autopar.plans import TableOwner
 from autopar.runtime import table_wise
 from autopar.runtime.process_mesh import ProcessMesh
 from autopar.layout.placement import TensorSpec
+from autopar.strategies.fused import take_local
 from autopar.tracer.graph import PARAMETER, TracedGraph
 
 __all__ = ["local_shards", "slice_local", "MaterializeStats"]
@@ -56,8 +58,7 @@ def slice_local(full: torch.Tensor, spec: TensorSpec, pmesh: ProcessMesh) -> tor
     """This rank's piece of ``full`` under ``spec`` (a fresh contiguous tensor; no ``P``)."""
     if spec.has_partial():
         raise ValueError(f"a value at rest cannot have a partial layout: {spec}")
-    piece = full.detach()[spec.local_slices(tuple(full.shape), pmesh.shape, pmesh.coordinate)]
-    return piece.clone(memory_format=torch.contiguous_format)
+    return take_local(full.detach(), spec, pmesh.shape, pmesh.coordinate)
 
 
 def local_shards(model: nn.Module, traced: TracedGraph, specs: dict[str, TensorSpec], pmesh: ProcessMesh, *,

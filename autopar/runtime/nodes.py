@@ -36,13 +36,13 @@ class Collective(nn.Module):
         self.inflight = Inflight()
 
     def forward(self, x: torch.Tensor, *, axis: int, src_dim: int | None = None,
-                dst_dim: int | None = None, pending: bool = False) -> torch.Tensor:
+                dst_dim: int | None = None, segments: int = 1, pending: bool = False) -> torch.Tensor:
         if pending:
             if self.kind != "all_reduce":
                 raise ValueError(f"only an all_reduce can be left pending, not {self.kind}")
             if self.pmesh.axis_size(axis) > 1:
                 return all_reduce_pending(x, self.pmesh.group(axis), self.inflight)
-        return apply_step(x, ReshardStep(self.kind, axis, src_dim, dst_dim), self.pmesh)
+        return apply_step(x, ReshardStep(self.kind, axis, src_dim, dst_dim, segments), self.pmesh)
 
     def extra_repr(self) -> str:
         return self.kind

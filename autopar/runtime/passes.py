@@ -50,6 +50,8 @@ from autopar.runtime.table_wise import local_shape as table_local_shape
 from autopar.layout.conversion import STEP_KINDS, plan_conversion
 from autopar.layout.placement import TensorSpec
 from autopar.strategies import OpInfo, Strategy, get_kernel, input_nodes, strategies_for
+from autopar.strategies.expand import op_info
+from autopar.strategies.fused import fused_segments
 from autopar.strategies.registry import bind, local_arguments, needs_no_decision
 from autopar.tracer.meta_keys import PARAM_CAST_KEY
 from autopar.tracer.precision import compute_dtype
@@ -91,7 +93,9 @@ def _signature(node: fx.Node) -> Any:
 
     outs = tuple((tuple(v.shape), str(v.dtype)) if isinstance(v, torch.Tensor) else None
                  for v in _as_tuple(node.meta.get("val")))
-    return (str(node.target), token(node.args), tuple(sorted((k, token(v)) for k, v in node.kwargs.items())), outs)
+    # A fused projection's way to its cut has S(d/k) options that a same-shaped op elsewhere lacks.
+    return (str(node.target), token(node.args), tuple(sorted((k, token(v)) for k, v in node.kwargs.items())), outs,
+            fused_segments(node))
 
 
 def candidate_strategies(node: fx.Node, mesh, *, allow_replicate_fallback: bool) -> list[Strategy]:
@@ -290,7 +294,7 @@ class _Emitter:
         self._op(node, chosen)
 
     def _op(self, node: fx.Node, strategy: Strategy) -> None:
-        info = OpInfo.from_node(node)
+        info = op_info(node)  # with a fused projection's segments: a slice's local bounds depend on them
         raw = bind(node.target, node.args, node.kwargs)
         slot = 0
         bound: dict[str, Any] = {}
@@ -449,6 +453,8 @@ class _Emitter:
                 kwargs["src_dim"] = step.src_dim
             if step.dst_dim is not None:
                 kwargs["dst_dim"] = step.dst_dim
+            if step.segments != 1:
+                kwargs["segments"] = step.segments
             node = self.graph.call_module(self.comm_names[step.kind], (node,), kwargs)
         self.num_conversions += 1
         self.converted[key] = node

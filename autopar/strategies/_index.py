@@ -10,6 +10,14 @@ never ``P``. Indexing ops also split the *index*: with the data replicated, each
 share of the output positions exactly; the data's gradient (a scatter-add of the local output
 gradient) is then partial, and the derived ``grad_partial`` all-reduces it.
 
+A fused projection's cut (``strategies/fused.py``): a ``split`` / ``split_with_sizes`` /
+``chunk`` into exactly ``k`` equal parts takes its input segmented on the cut dim, ``S(d/k)``,
+and gives each part ``S(d)`` (each rank's local piece is its share of every part, in order; the
+local op cuts with the local part size: ``local_args``); so does a ``slice`` that is one of the
+``k`` equal segments of a dim whose slices make such a cut (Phi-3's ``qkv[..., :q]``, ...: local
+bounds by ``local_args``). ``cat`` of ``k`` equal parts whose output goes on to such a cut
+(``info.segments``) is the reverse.
+
 Tuple outputs (``split``, ``unbind``): one placement per output element, all alike. Convention
 for ``operator.getitem(producer, k)``: its one input slot is the producer's element ``k``, so the
 layout it receives is the producer's ``output_specs[k]``; getitem is the identity on it (every
@@ -27,6 +35,7 @@ import torch
 from autopar.layout.placement import Partial, Replicate, Shard
 from autopar.strategies.registry import AxisOption, OpInfo, Sample, register
 from autopar.strategies.samples import ints, rand
+from autopar.strategies.fused import equal_parts, slice_segment
 
 aten = torch.ops.aten
 R, P = Replicate(), Partial()
@@ -55,14 +64,37 @@ def _is_full_slice(info: OpInfo) -> bool:
     return (start in (None, 0)) and (end is None or end >= size) and step == 1
 
 
-@register(aten.slice.Tensor, samples=lambda: [
+def _fused_slice(info: OpInfo) -> tuple[int, int, int] | None:
+    """(dim, k, j) when the slice is segment ``j`` of a fused projection's ``k`` (``info.segments``)."""
+    dim = info.arg("dim") % info.input("self").ndim
+    seg = slice_segment(info.input("self").shape[dim], info.arg("start"), info.arg("end"), info.arg("step"))
+    return (dim, *seg) if seg is not None and seg[0] in info.segments else None
+
+
+def _local_slice(info: OpInfo, bound, input_specs, output_specs, mesh_shape):
+    """A segment of an ``S(d/k)`` input: this rank's piece of it is its ``j``-th local segment."""
+    fused = _fused_slice(info)
+    if fused is not None and input_specs[0].segments(fused[0]) == fused[1]:
+        dim, _, j = fused
+        length = output_specs[0].local_shape(info.output.shape, mesh_shape)[dim]
+        bound["start"], bound["end"] = j * length, (j + 1) * length
+    return bound
+
+
+@register(aten.slice.Tensor, local_args=_local_slice, samples=lambda: [
     Sample((rand(4, 8, 4), 1, 0, 4), label="head"),
     Sample((rand(4, 8), 1, 2, 9223372036854775807, 2), label="strided-to-end"),
     Sample((rand(4, 8), 0, 0, 9223372036854775807), label="full"),
+    Sample((rand(4, 24), 1, 8, 16), label="fused-qkv-k", segments=(3,)),  # Phi-3's qkv[..., q:q + kv]
+    Sample((rand(4, 24), -1, 16, 9223372036854775807), label="fused-qkv-v", segments=(3,)),
 ])
 def _slice(info: OpInfo) -> list[AxisOption]:
     # A full-range slice (export emits them for ``x[:, 1:]``-style code) cuts nothing.
-    return _untouched_dims(info, [] if _is_full_slice(info) else [info.arg("dim")])
+    options = _untouched_dims(info, [] if _is_full_slice(info) else [info.arg("dim")])
+    fused = _fused_slice(info)
+    if fused is not None:  # one part of a fused projection: S(d/k) in, that part split out
+        options.append(info.option(Shard(fused[0]), self=Shard(fused[0], fused[1])))
+    return options
 
 
 @register(aten.select.int, samples=lambda: [Sample((rand(4, 8, 4), 1, 3)), Sample((rand(4, 8), 0, -1))])
@@ -135,8 +167,27 @@ def _index_select(info: OpInfo) -> list[AxisOption]:
 
 
 # ---------------------------------------------------------------------------------- split
+_HOW = {aten.split.Tensor: "split_size", aten.split_with_sizes.default: "split_sizes", aten.chunk.default: "chunks"}
+
+
 def _split_rule(info: OpInfo) -> list[AxisOption]:
-    return _untouched_dims(info, [info.arg("dim")])
+    options = _untouched_dims(info, [info.arg("dim")])
+    dim = info.arg("dim") % info.input("self").ndim
+    parts = equal_parts(info.target, info.arg(_HOW[info.target]), info.input("self").shape[dim])
+    if parts is not None and parts == len(info.outputs):
+        options.append(info.option([Shard(dim)] * parts, self=Shard(dim, parts)))
+    return options
+
+
+def _local_split_sizes(info: OpInfo, bound, input_specs, output_specs, mesh_shape):
+    """The cut in local part sizes (a split dim's parts are smaller on every rank)."""
+    dim = info.arg("dim") % info.input("self").ndim
+    sizes = [spec.local_shape(meta.shape, mesh_shape)[dim] for spec, meta in zip(output_specs, info.outputs)]
+    if info.target is aten.split.Tensor:
+        bound["split_size"] = sizes[0]  # the last part may be shorter; parts are split alike or not at all
+    else:
+        bound["split_sizes"] = sizes
+    return bound
 
 
 def _unbind_rule(info: OpInfo) -> list[AxisOption]:
@@ -144,9 +195,13 @@ def _unbind_rule(info: OpInfo) -> list[AxisOption]:
     return _untouched_dims(info, [dim], lambda d: d if d < dim else d - 1)
 
 
-register(aten.split.Tensor, samples=lambda: [Sample((rand(4, 12, 8), 4, 1)), Sample((rand(8, 4), 4))])(_split_rule)
-register(aten.split_with_sizes.default, samples=lambda: [Sample((rand(4, 12, 8), [4, 8], 1))])(_split_rule)
-register(aten.chunk.default, samples=lambda: [Sample((rand(4, 12, 8), 3, -2))])(_split_rule)
+register(aten.split.Tensor, local_args=_local_split_sizes, samples=lambda: [
+    Sample((rand(4, 12, 8), 4, 1)), Sample((rand(8, 4), 4)),
+    Sample((rand(4, 4, 24), 8, 2), label="fused-qkv")])(_split_rule)
+register(aten.split_with_sizes.default, local_args=_local_split_sizes, samples=lambda: [
+    Sample((rand(4, 12, 8), [4, 8], 1)), Sample((rand(4, 24), [8, 8, 8], 1), label="fused-qkv")])(_split_rule)
+register(aten.chunk.default, samples=lambda: [
+    Sample((rand(4, 12, 8), 3, -2)), Sample((rand(4, 16), 2, -1), label="fused-gate-up")])(_split_rule)
 register(aten.unbind.int, samples=lambda: [Sample((rand(4, 3, 8), 1))])(_unbind_rule)
 
 
@@ -173,12 +228,16 @@ def _getitem(info: OpInfo) -> list[AxisOption]:
 @register(aten.cat.default, samples=lambda: [
     Sample(([rand(4, 4, 8), rand(4, 8, 8)], 1), label="dim-1"),
     Sample(([rand(4, 8), rand(4, 8), rand(4, 8)], -1), label="last-dim"),
+    Sample(([rand(4, 8), rand(4, 8), rand(4, 8)], -1), label="fused-parts", segments=(3,)),
 ])
 def _cat(info: OpInfo) -> list[AxisOption]:
     num = len(info.arg("tensors"))
     ndim = info.output.ndim
     dim = info.arg("dim") % ndim
     options = [info.option(Shard(d), tensors=[Shard(d)] * num) for d in range(ndim) if d != dim]
+    sizes = {t.shape[dim] for t in info.arg("tensors") if t is not None}
+    if num in info.segments and len(sizes) == 1:  # fused parts joined, to be cut again
+        options.append(info.option(Shard(dim, num), tensors=[Shard(dim)] * num))
     options.append(info.option(P, work_split=False, tensors=[P] * num))
     return options
 

@@ -8,7 +8,11 @@ single-axis options from the labels:
 - split a CONTRACTION label: every factor is sharded on it, the output is ``Partial``, and an
   additive input (bias) must be ``Partial`` too, or it would be added once per rank;
 - carry a pending sum: one factor ``Partial``, the other factors replicated, additive inputs
-  ``Partial`` -> ``Partial`` output (the op is linear in each factor). The work is not divided.
+  ``Partial`` -> ``Partial`` output (the op is linear in each factor). The work is not divided;
+- a fused projection (``info.segments``, ``strategies/fused.py``): split the LAST output label
+  into ``k`` segments, each split over the axis (``S(d/k)``), inputs holding it likewise -- the
+  columns are independent, so any column subset is exact, and this one keeps q, k and v (or gate
+  and up) of the same heads together.
 
 Replicated inputs of a split computation get partial gradients (derived centrally).
 """
@@ -53,6 +57,12 @@ def einsum_options(info: OpInfo, factors: dict[str, str], out: str, *,
                 # A broadcast (size-1) dim is read whole by every rank.
                 ins[name] = Shard(j) if info.input(name).shape[j] == out_sizes[label] else R
         options.append(info.option(Shard(d), **ins))
+    if out:
+        label, d = out[-1], len(out) - 1
+        for k in info.segments:
+            ins = {name: Shard(j, k) if info.input(name).shape[j] == out_sizes[label] else R
+                   for name, lab in present.items() if label in lab for j in [lab.index(label)]}
+            options.append(info.option(Shard(d, k), **ins))
     contracted = [c for c in dict.fromkeys("".join(factors.values())) if c not in out]
     for label in contracted:
         if not all(label in factors[n] for n in factors if n in present):
@@ -69,7 +79,8 @@ def einsum_options(info: OpInfo, factors: dict[str, str], out: str, *,
 
 
 # ------------------------------------------------------------------------------ the rules
-@register(aten.mm.default, has_flops=True, samples=lambda: [Sample((rand(8, 4), rand(4, 8)))])
+@register(aten.mm.default, has_flops=True, samples=lambda: [
+    Sample((rand(8, 4), rand(4, 8))), Sample((rand(8, 4), rand(4, 16)), label="fused", segments=(2,))])
 def _mm(info: OpInfo) -> list[AxisOption]:
     return einsum_options(info, {"self": "mk", "mat2": "kn"}, "mn")
 
@@ -79,6 +90,8 @@ def _addmm_samples() -> list[Sample]:
         Sample((rand(8), rand(4, 8), rand(8, 8)), {"beta": 0.5, "alpha": 2.0}, "bias-1d"),
         Sample((rand(4, 8), rand(4, 8), rand(8, 8)), label="bias-2d"),
         Sample((rand(1, 8), rand(4, 4), rand(4, 8)), label="bias-broadcast-rows"),
+        # GPT-2's c_attn: q|k|v fused in the columns, cut in three afterwards.
+        Sample((rand(24), rand(4, 8), rand(8, 24)), label="fused-qkv", segments=(3,)),
     ]
 
 
@@ -102,6 +115,9 @@ def _linear_samples() -> list[Sample]:
     return [
         Sample((rand(4, 8, 8), rand(4, 8), rand(4)), label="3d-bias"),
         Sample((rand(8, 4), rand(8, 4)), label="2d-nobias"),
+        # Phi-3's gate_up_proj (cut in two) and qkv_proj (in three).
+        Sample((rand(4, 4, 8), rand(16, 8)), label="fused-gate-up", segments=(2,)),
+        Sample((rand(4, 8), rand(24, 8), rand(24)), label="fused-qkv", segments=(3,)),
     ]
 
 

@@ -4,7 +4,9 @@ Single-axis options of an elementwise op with output shape ``O``:
 
 - split output dim ``d``: each tensor input is aligned to ``O`` from the right (broadcasting);
   an input that has dim ``d`` at full size is sharded on it, an input that lacks it or has
-  size 1 there is replicated (and so gets a partial gradient, derived centrally);
+  size 1 there is replicated (and so gets a partial gradient, derived centrally); likewise
+  segmented (``S(d/k)``) for the counts in ``info.segments`` (a fused projection on its way to
+  its cut: elementwise, any layout of the elements is exact when every input has the same);
 - pass a pending sum through where the op is linear: ``neg(P) -> P``; ``add/sub(P, P) -> P`` when
   both operands are tensors (a Python scalar would be added once per rank);
   ``mul(P, R) -> P`` either way round; ``div(P, R) -> P``; ``mul/div(P, scalar) -> P``. Every
@@ -31,15 +33,16 @@ def broadcast_options(info: OpInfo) -> list[AxisOption]:
     """Split each output dim; inputs follow it when they have it at full size, else replicate."""
     out = info.output
     options = []
-    for d in range(out.ndim):
-        ins = {}
-        for slot in info.slots:
-            meta = slot.meta
-            if meta is None:
-                continue
-            j = d - (out.ndim - meta.ndim)
-            ins[slot.arg] = Shard(j) if j >= 0 and meta.shape[j] == out.shape[d] else R
-        options.append(info.option(Shard(d), **ins))
+    for k in (1, *info.segments):
+        for d in range(out.ndim):
+            ins = {}
+            for slot in info.slots:
+                meta = slot.meta
+                if meta is None:
+                    continue
+                j = d - (out.ndim - meta.ndim)
+                ins[slot.arg] = Shard(j, k) if j >= 0 and meta.shape[j] == out.shape[d] else R
+            options.append(info.option(Shard(d, k), **ins))
     return options
 
 
@@ -90,6 +93,7 @@ def _binary_samples(positive: bool = False, scalar: bool = False) -> Callable[[]
             Sample((rand(4, 8, positive=positive), rand(4, 8, positive=positive)), label="same"),
             Sample((rand(4, 8, positive=positive), rand(8, positive=positive)), label="broadcast-rows"),
             Sample((rand(4, 1, positive=positive), rand(1, 4, 8, positive=positive)), label="broadcast-both"),
+            Sample((rand(4, 24, positive=positive), rand(24, positive=positive)), label="fused", segments=(3,)),
         ]
         if scalar:
             out.append(Sample((rand(4, 8, positive=positive), 1.5), label="scalar"))

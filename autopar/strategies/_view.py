@@ -14,6 +14,11 @@ one. Several mesh axes on the same major dim keep their major/minor order on bot
 
 Every op here is linear, so a pending sum passes through: ``P -> P`` (the work is not split).
 
+A segmented shard (``S(d/k)``, offered for the counts in ``info.segments``: a fused projection on
+its way to the cut) maps like a plain one: each segment is a contiguous range of the group, cut
+into ``n`` contiguous pieces, so a major dim's segmented split is the other side's major dim's
+(both dividing by ``k * n``, which ``expand.py`` checks).
+
 Runtime rewrite (``local_args``): ``view``/``reshape``/``_unsafe_view`` get the local output
 shape as ``size`` (``-1`` entries become explicit), ``unflatten`` its local ``sizes``, ``expand``
 the local ``size``. Splits are even, so the arguments are the same on every rank.
@@ -92,7 +97,8 @@ def reshape_dim_map(src: Sequence[int], dst: Sequence[int]) -> dict[int, int]:
 
 
 def _dim_map_options(info: OpInfo, dim_map: dict[int, int], name: str = "self") -> list[AxisOption]:
-    options = [info.option(Shard(out_dim), **{name: Shard(in_dim)}) for in_dim, out_dim in dim_map.items()]
+    options = [info.option(Shard(out_dim, k), **{name: Shard(in_dim, k)})
+               for k in (1, *info.segments) for in_dim, out_dim in dim_map.items()]
     options.append(info.option(P, work_split=False, **{name: P}))
     return options
 
@@ -141,6 +147,8 @@ def _squeeze_rule(info: OpInfo) -> list[AxisOption]:
 
 def _view_samples() -> list[Sample]:
     return [
+        Sample((rand(16, 24), [4, 4, 24]), label="fused-rows", segments=(3,)),
+        Sample((rand(4, 24, 2), [4, 48]), label="fused-merge", segments=(3,)),
         Sample((rand(4, 8, 16), [4, 8, 4, -1]), label="split-last"),
         Sample((rand(8, 4, 4), [-1, 16]), label="merge"),
         Sample((rand(4, 1, 8), [4, 8]), label="drop-size-1"),

@@ -29,6 +29,7 @@ import torch
 
 from autopar.layout.placement import Replicate, TensorSpec
 from autopar.strategies.kernel_context import KernelContext
+from autopar.strategies.fused import take_local
 from autopar.strategies.registry import (OpInfo, Sample, Strategy, bind, call_op, get_kernel, get_rule,
                                         local_arguments)
 
@@ -331,7 +332,7 @@ def reference(target: Any, sample: Sample, *, seed: int = 0) -> tuple[OpInfo, _R
         in_grads = [torch.zeros_like(t) if g is None and t.requires_grad else g for g, t in zip(in_grads, leaves)]
     # The output metadata of the call above: no second call, which would mutate the sample's
     # tensors for ops that write in place (batch norm's running statistics).
-    info = OpInfo.from_values(target, sample.args, sample.kwargs, raw)
+    info = OpInfo.from_values(target, sample.args, sample.kwargs, raw, segments=sample.segments)
     detached = [o.detach() if isinstance(o, torch.Tensor) else o for o in outs]
     return info, _Reference(bound, detached, grads, in_grads)
 
@@ -343,7 +344,7 @@ def _noise_key(spec: TensorSpec, coord: tuple[int, ...]) -> tuple[int, ...]:
 
 def _local_input(value: torch.Tensor, spec: TensorSpec, mesh_shape: tuple[int, ...], coord: tuple[int, ...],
                  gen: torch.Generator, noise: dict[tuple[int, ...], torch.Tensor]) -> torch.Tensor:
-    piece = value.detach()[spec.local_slices(value.shape, mesh_shape, coord)]
+    piece = take_local(value.detach(), spec, mesh_shape, coord)
     p_axes = spec.partial_axes()
     if not p_axes:
         return piece.clone()
@@ -390,7 +391,7 @@ def check_strategy(target: Any, sample: Sample, strategy: Strategy, mesh_shape: 
         pairs = []
         for o, g, spec in zip(outs, ref.out_grads, out_specs):
             if g is not None and isinstance(o, torch.Tensor) and o.requires_grad:
-                pairs.append((o, g[spec.local_slices(g.shape, mesh_shape, coord)]))
+                pairs.append((o, take_local(g, spec, mesh_shape, coord)))
         if pairs:
             torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
         grads = [t.grad if t.requires_grad else None for t in leaves]
@@ -417,7 +418,7 @@ def check_strategy(target: Any, sample: Sample, strategy: Strategy, mesh_shape: 
             continue
         for c in coords:
             got = _group_sum([results[g][0][j] for g in _group(c, spec.partial_axes(), mesh_shape)])
-            want = ref_out[spec.local_slices(ref_out.shape, mesh_shape, c)]
+            want = take_local(ref_out, spec, mesh_shape, c)
             problems += _compare(f"output {j} on rank {c}", got, want, rtol, atol)
     for i, (ref_grad, spec, axes) in enumerate(zip(ref.input_grads, strategy.input_specs, strategy.grad_partial_axes)):
         if ref_grad is None:
@@ -426,7 +427,7 @@ def check_strategy(target: Any, sample: Sample, strategy: Strategy, mesh_shape: 
             pieces = [results[g][1][i] for g in _group(c, axes, mesh_shape)]
             pieces = [torch.zeros(spec.local_shape(ref_grad.shape, mesh_shape), dtype=ref_grad.dtype)
                       if p is None else p for p in pieces]
-            want = ref_grad[spec.local_slices(ref_grad.shape, mesh_shape, c)]
+            want = take_local(ref_grad, spec, mesh_shape, c)
             problems += _compare(f"gradient of input {i} ({info.slots[i].arg}) on rank {c}",
                                  _group_sum(pieces), want, rtol, atol)
     if problems:

@@ -63,7 +63,7 @@ def normalise_option(info: OpInfo, opt: AxisOption) -> AxisOption:
 def fits_axis(info: OpInfo, opt: AxisOption, size: int) -> bool:
     metas = [s.meta for s in info.slots] + list(info.outputs)
     for meta, p in zip(metas, opt.inputs + opt.outputs):
-        if isinstance(p, Shard) and (meta is None or p.dim >= meta.ndim or meta.shape[p.dim] % size):
+        if isinstance(p, Shard) and (meta is None or p.dim >= meta.ndim or meta.shape[p.dim] % (size * p.segments)):
             return False
         if isinstance(p, Partial) and meta is not None and not meta.is_float:
             return False  # an integer tensor cannot be a pending sum

@@ -23,6 +23,7 @@ Steps 3-5 live in ``autopar.strategies.combine`` (the DTensor admission check us
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
 import torch.fx
@@ -32,8 +33,9 @@ from autopar.layout.placement import Placement
 from autopar.strategies.combine import build_strategies, estimate_flops, fits_axis, normalise_option, replicate_option
 from autopar.strategies.registry import AxisOption, NoRuleError, OpInfo, RuleEntry, Strategy, draws_random
 from autopar.strategies.derived import rule_for
+from autopar.strategies.fused import fused_segments
 
-__all__ = ["strategies_for", "enumerate_strategies", "axis_options", "FixedAxis", "axis_placements"]
+__all__ = ["strategies_for", "op_info", "enumerate_strategies", "axis_options", "FixedAxis", "axis_placements"]
 
 # (axis, placement of each input slot, placement of each output) -- None: no constraint there
 FixedAxis = tuple[int, tuple[Placement | None, ...], tuple[Placement | None, ...]]
@@ -58,9 +60,15 @@ def strategies_for(node: torch.fx.Node, mesh: MeshSpec, *, flops: tuple[float, f
     than the input (bf16 gradients summed in fp32: 4); None = the input's own.
     ``fixed``: only the strategies placing every tensor on one axis as given (``FixedAxis``).
     """
-    return enumerate_strategies(OpInfo.from_node(node), mesh, flops=flops,
+    return enumerate_strategies(op_info(node), mesh, flops=flops,
                                 allow_replicate_fallback=allow_replicate_fallback, reduce_itemsize=reduce_itemsize,
                                 fixed=fixed)
+
+
+def op_info(node: torch.fx.Node) -> OpInfo:
+    """``OpInfo.from_node`` with the segment counts of a fused projection's way to its cut
+    (``strategies.fused``): what the rules and their ``local_args`` see of a graph node."""
+    return dataclasses.replace(OpInfo.from_node(node), segments=fused_segments(node))
 
 
 def enumerate_strategies(info: OpInfo, mesh: MeshSpec, *, flops: tuple[float, float] | None = None,

@@ -10,9 +10,8 @@ Vocabulary (see ``autopar/strategies/__init__.py`` for the how-to):
   the custom local kernel if "the same op on local shards" is not correct.
 - ``Strategy``    -- one candidate for the whole mesh (built by ``expand.py``), with costs.
 
-Input slots: the tensor arguments of the call in schema order, list arguments flattened (``cat``'s
-``tensors`` gives one slot per element). ``input_nodes(node)`` returns the fx nodes in the same
-order, so ``Strategy.input_specs[i]`` always belongs to ``input_nodes(node)[i]``.
+Input slots: the tensor arguments of the call in schema order, list arguments flattened (``cat``'s ``tensors``
+gives one slot per element); ``Strategy.input_specs[i]`` belongs to ``input_nodes(node)[i]`` (the nodes in that order).
 """
 
 from __future__ import annotations
@@ -176,6 +175,7 @@ class OpInfo:
     multi_output: bool
     node_name: str = "?"
     module_path: str = ""
+    segments: tuple[int, ...] = ()  # the k whose S(d/k) the output may take (``expand.strategies_for``)
 
     # ------------------------------------------------------------------------ construction
     @classmethod
@@ -208,7 +208,7 @@ class OpInfo:
 
     @classmethod
     def from_values(cls, target: Any, args: Sequence[Any], kwargs: dict[str, Any], output: Any,
-                    *, node_name: str = "sample") -> "OpInfo":
+                    *, node_name: str = "sample", segments: tuple[int, ...] = ()) -> "OpInfo":
         """From concrete (or fake) tensors; used by the numerical check and cost estimates."""
         raw = bind(target, args, kwargs)
 
@@ -223,7 +223,7 @@ class OpInfo:
             for k, v in raw.items()
         }
         outputs, multi = _output_metas(output)
-        return cls(target, bound, _slots(raw, as_meta), outputs, multi, node_name, "")
+        return cls(target, bound, _slots(raw, as_meta), outputs, multi, node_name, "", tuple(segments))
 
     # ----------------------------------------------------------------------------- queries
     def arg(self, name: str) -> Any:
@@ -385,6 +385,7 @@ class Sample:
     kwargs: dict = field(default_factory=dict)
     label: str = ""
     no_grad: tuple[str, ...] = ()  # float inputs that take no gradient (e.g. a loss's class weight)
+    segments: tuple[int, ...] = ()  # the ``OpInfo.segments`` to check under (a fused projection's)
 
 
 # -------------------------------------------------------------------------------- registry

@@ -228,7 +228,7 @@ def _whole_matrices(plan, model) -> list[str]:
     whole = []
     for node in plan.nodes:
         if node.kind == "parameter" and shapes.get(node.module, 0) >= 2:
-            placements = re.findall(r"S\d+|R|P", node.output_specs[0])
+            placements = re.findall(r"S\(\d+(?:/\d+)?\)|S\d|R|P", node.output_specs[0])
             if not placements[-1].startswith("S"):
                 whole.append(f"{node.module}: {node.output_specs[0]}")
     return whole

@@ -122,7 +122,7 @@ def _mode_ran(plan, mode: str) -> list[str]:
     """What of ``mode``'s layout the plan lacks: the ring's sequence split (dim 2) or Ulysses' head
     split (dim 1) of every attention on the sp axis (the mesh's last), split_gather's norms split
     on the sequence (dim 1) on the tp axis (the last)."""
-    last = lambda spec: re.findall(r"S\d+|R|P", spec)[-1]  # noqa: E731 -- the last axis' placement
+    last = lambda spec: re.findall(r"S\(\d+(?:/\d+)?\)|S\d|R|P", spec)[-1]  # noqa: E731 -- the last axis' placement
     ops = [n for n in plan.nodes if n.kind == "op"]
     if mode in ("ring_attn", "all_to_all"):
         want = "S2" if mode == "ring_attn" else "S1"

@@ -383,3 +383,27 @@ def test_conversion_seconds_refuses_an_invalid_layout():
         conversion_seconds("R", ["S0", "S1"], (8, 6), 2, mesh)
     with pytest.raises(ValueError, match="invalid source layout"):
         conversion_seconds("S1", ["S0"], (8, 6), 2, mesh)
+
+
+def test_segmented_shard_conversions():
+    """``S(d/k)`` leaves and enters by an all-gather / split with ``segments=k`` priced as the
+    plain step, and reaches every other layout through R; the plain layout graph is unchanged."""
+    mesh = MeshSpec.preset("cpu", (2, 2))
+    shape = (4, 12)
+    gather = plan_conversion("RS(1/3)", "RR", shape, 4, mesh)
+    assert [str(s) for s in gather.steps] == ["all_gather[axis1] S(1/3)"]
+    plain = plan_conversion("RS1", "RR", shape, 4, mesh)
+    assert (gather.forward_s, gather.backward_s, gather.peak_extra_bytes) == (
+        plain.forward_s, plain.backward_s, plain.peak_extra_bytes)
+    split = plan_conversion("S0R", "S0S(1/3)", shape, 4, mesh)
+    assert split.steps == (ReshardStep("split", 1, dst_dim=1, segments=3),)
+    to_plain = plan_conversion("RS(1/3)", "RS1", shape, 4, mesh)
+    assert to_plain.specs == (TensorSpec.parse("RS(1/3)"), TensorSpec.parse("RR"), TensorSpec.parse("RS1"))
+    assert TensorSpec.parse("RS(1/3)") not in valid_specs(shape, (2, 2))
+    assert TensorSpec.parse("RS(1/3)") in valid_specs(shape, (2, 2), (3,))
+    with pytest.raises(ValueError, match="only all_gather and split move a segmented shard"):
+        ReshardStep("all_to_all", 0, src_dim=0, dst_dim=1, segments=3)
+    with pytest.raises(ValueError, match="needs S\\(1/3\\) on axis 1"):
+        apply_step(TensorSpec.parse("RS1"), ReshardStep("all_gather", 1, src_dim=1, segments=3))
+    with pytest.raises(ValueError, match="sharded by one mesh axis only"):
+        apply_step(TensorSpec.parse("S1R"), ReshardStep("split", 1, dst_dim=1, segments=3))

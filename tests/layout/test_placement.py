@@ -69,3 +69,25 @@ def test_zero_split_picks_a_dim_whose_shards_nest_above_the_replicated_axes():
     assert zero_split(spec("S0S1"), 2, (2, 2)) is None  # nothing replicated
     assert zero_split(spec("RR"), 2, (1, 2)) == (0, (1,))  # a size-1 axis splits nothing
     assert zero_split(spec("R"), 0, (2,)) is None
+
+
+def test_segmented_shard_prints_parses_validates_and_indexes():
+    """``S(d/k)``: each of the k equal segments of dim d split over the axis (a fused q|k|v)."""
+    from autopar.layout.placement import zero_split
+
+    spec = TensorSpec.parse("RS(1/3)")
+    assert spec.placements == (R, Shard(1, 3)) and str(spec) == "RS(1/3)" and spec != TensorSpec.parse("RS1")
+    assert str(Shard(2, 3)) == "S(2/3)" and TensorSpec.parse("S(2/3),R") == TensorSpec((Shard(2, 3), R))
+    assert spec.local_shape((4, 12), (2, 2)) == (4, 6)
+    # coordinate 1 of the axis holds the second half of every segment: q_1 | k_1 | v_1
+    assert spec.local_index((4, 12), (2, 2), (0, 1)) == (slice(0, 4), (2, 3, 6, 7, 10, 11))
+    with pytest.raises(ValueError, match="segmented shard: its local piece is not one slice"):
+        spec.local_slices((4, 12), (2, 2), (0, 1))
+    with pytest.raises(ValueError, match="not divisible by 6 .3 segment"):
+        TensorSpec.parse("S(0/3)").validate((8,), (2,))
+    with pytest.raises(ValueError, match="sharded by one mesh axis only"):
+        TensorSpec.parse("S0S(0/3)").validate((12,), (2, 2))
+    with pytest.raises(ValueError, match="segments must be a positive int"):
+        Shard(0, 0)
+    assert zero_split(TensorSpec.parse("RS(0/3)"), 2, (2, 2)) == (1, (0,))  # ZeRO never cuts the segments
+    assert zero_split(TensorSpec.parse("RS(0/3)"), 1, (2, 2)) is None

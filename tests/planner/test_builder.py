@@ -124,10 +124,12 @@ def test_layout_options_hold_their_bytes():
     traced, built = _build(Gated(), torch.randn(6, 4), options=PlanOptions(optimizer_multiplier=3.0))
     weight = next(d for d in built.decisions.values() if d.module == "up.weight")  # 16 x 4 float32
     options = {o.name: o for o in built.problem.node(weight.name).options}
-    assert set(options) == {"R", "S0", "S1"}
+    # ``up`` is a fused projection (its output is chunked in two): its weight may also be S(d/2)
+    assert set(options) == {"R", "S0", "S1", "S(0/2)", "S(1/2)"}
     # parameter + gradient + 3 optimizer-state bytes per local byte
     assert options["R"].param_bytes == 16 * 4 * 4 * (2 + 3)
     assert options["S0"].param_bytes == options["S1"].param_bytes == 16 * 4 * 4 * 5 // 2
+    assert options["S(0/2)"].param_bytes == options["S0"].param_bytes
     assert all(o.act_bytes == 0 for o in options.values()) and built.problem.node(weight.name).live is None
     x = next(d for d in built.decisions.values() if d.kind == NodeKind.INPUT)  # 6 x 4 float32
     node = built.problem.node(x.name)

@@ -8,7 +8,8 @@ Reference semantics (single-device identity): the forward output must be exactly
 local piece of the global tensor X (for partial axes: the pieces sum to it); feeding the global
 upstream gradient G in ``dst``'s gradient layout, the input gradient must be G in ``src``'s
 gradient layout. The gradient layout of a spec is its own layout with ``P`` read as ``R``
-(docs/architecture.md, Invariants), i.e. ``G[spec.local_slices(...)]`` on every rank.
+(docs/architecture.md, Invariants), i.e. ``G[spec.local_slices(...)]`` on every rank (``take_local``:
+a segmented shard's piece of every segment).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from autopar.runtime.launch import run_local
 from autopar.runtime.process_mesh import ProcessMesh
 from autopar.layout.conversion import ReshardStep, plan_conversion
 from autopar.layout.placement import TensorSpec
+from autopar.strategies.fused import take_local
 
 # The collectives each step kind must issue, forward and backward (the table in comm.py).
 FORWARD = {"all_gather": "all_gather", "all_to_all": "all_to_all", "all_reduce": "all_reduce",
@@ -61,19 +63,17 @@ def _check_case(pm: ProcessMesh, shape, src, dst, steps, conv=None) -> tuple[lis
         y = comm.convert(x, conv, pm) if conv is not None else comm.apply_steps(x, steps, pm, src=src)
     failures = []
     want_shape = dst.local_shape(shape, pm.shape)
-    dst_slices = dst.local_slices(shape, pm.shape, pm.coordinate)
     if tuple(y.shape) != want_shape:
         failures.append(f"{where}: local shape {tuple(y.shape)}, want {want_shape}")
     else:
         total = y.detach().clone()
         for axis in dst.partial_axes():  # raw dist calls: not counted, not part of the plan
             dist.all_reduce(total, group=pm.group(axis))
-        if not torch.equal(total, x_full[dst_slices]):
+        if not torch.equal(total, take_local(x_full, dst, pm.shape, pm.coordinate)):
             failures.append(f"{where}: forward value differs from dst's piece of X")
     with comm.count_collectives() as bwd:
-        y.backward(g_full[dst_slices].clone())
-    src_slices = src.local_slices(shape, pm.shape, pm.coordinate)
-    if x.grad is None or not torch.equal(x.grad, g_full[src_slices]):
+        y.backward(take_local(g_full, dst, pm.shape, pm.coordinate))
+    if x.grad is None or not torch.equal(x.grad, take_local(g_full, src, pm.shape, pm.coordinate)):
         failures.append(f"{where}: input gradient differs from src's gradient layout of G")
     return failures, fwd, bwd
 
@@ -285,6 +285,58 @@ def test_every_planned_conversion_on_gloo(mesh_shape):
         assert by_pair[((4, 8), "S0R", "S1R")] == ({"all_to_all": 1}, {"all_to_all": 1})
         assert by_pair[((4, 8), "RS1", "RS0")] == ({"all_to_all": 1}, {"all_to_all": 1})
         assert by_pair[((4, 8), "PR", "S0R")] == ({"reduce_scatter": 1}, {"all_gather": 1})
+
+
+SEGMENTED_TOKENS = ("R", "S0", "S1", "S(1/3)", "P")
+
+
+@pytest.mark.parametrize("mesh_shape", [(2,), (2, 2)], ids=["2", "2x2"])
+def test_planned_conversions_of_a_segmented_shard_on_gloo(mesh_shape):
+    """A fused projection's ``S(1/3)`` (q|k|v in the columns, each third split) to and from every
+    other layout, as planned, forward and backward; a segmented all-gather is ONE all-gather and
+    the split to it none (its backward one), as for a plain shard."""
+    mesh, shape = MeshSpec.preset("cpu", mesh_shape), (4, 12)
+    specs = [s for s in ("".join(t) for t in itertools.product(SEGMENTED_TOKENS, repeat=len(mesh_shape)))
+             if TensorSpec.parse(s).is_valid(shape, mesh_shape)]
+    cases = []
+    for src, dst in itertools.product(specs, repeat=2):
+        if "/" in src + dst:
+            conv = plan_conversion(src, dst, shape, 8, mesh)
+            cases.append((shape, str(conv.src), str(conv.dst), list(conv.steps), conv))
+    counts = _run_and_check(mesh_shape, cases)
+    by_pair = {(src, dst): c for (_, src, dst, *_), c in zip(cases, counts)}
+    if len(mesh_shape) == 1:
+        assert by_pair[("S(1/3)", "R")] == ({"all_gather": 1}, {})
+        assert by_pair[("R", "S(1/3)")] == ({}, {"all_gather": 1})
+        assert plan_conversion("S(1/3)", "R", shape, 8, mesh).total_s == plan_conversion("S1", "R", shape, 8,
+                                                                                         mesh).total_s
+    else:
+        assert by_pair[("S0S(1/3)", "S0R")] == ({"all_gather": 1}, {})
+
+
+def test_segmented_dtensor_is_a_strided_shard():
+    """A parameter laid out ``S(1/3)`` is the DTensor of ``_StridedShard(1, split_factor=3)``:
+    ``distribute_tensor`` gives every rank the piece autopar materialises, and ``full_tensor``
+    (checkpoints) reorders the pieces back."""
+    from torch.distributed.tensor import distribute_tensor
+
+    from autopar.runtime.dtensors import dtensor_placements, to_dtensor
+    from autopar.runtime.materialize import slice_local
+
+    def body(rank, world):
+        pm = ProcessMesh.create((2, 2))
+        full = torch.arange(4 * 12, dtype=torch.float64).reshape(4, 12)
+        out = []
+        for text in ("RS(1/3)", "S(1/3)S0", "S0S(1/3)"):
+            spec = TensorSpec.parse(text)
+            local = slice_local(full, spec, pm)
+            theirs = distribute_tensor(full, pm.device_mesh, dtensor_placements(spec)).to_local()
+            mine = to_dtensor(local, spec, pm, full.shape)
+            out.append((text, torch.equal(local, theirs), torch.equal(mine.full_tensor(), full)))
+        return out
+
+    for rank_out in run_local(body, 4, timeout=120):
+        assert all(same and whole for _, same, whole in rank_out), rank_out
 
 
 def test_all_to_all_of_a_channels_last_shard():
