@@ -353,20 +353,44 @@ def _refuse_uneven(optimizer: BoostedOptimizer) -> None:
                         f"cannot describe; plan without table-wise tables to checkpoint the optimizer this way")
 
 
-def _refuse_strided(optimizer: BoostedOptimizer) -> None:
-    """NotImplementedError for a DCP directory of a parameter laid out ``S(d/k)`` (a fused
-    projection, DTensor's ``_StridedShard``): DCP describes a piece as one block of the tensor,
-    and such a piece is ``k`` blocks (it would save overlapping chunks that load wrong)."""
+def _strided(value: Any) -> bool:
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.placement_types import _StridedShard
 
-    for group in optimizer.optim.param_groups:
-        for p in group["params"]:
-            if isinstance(p, DTensor) and any(isinstance(pl, _StridedShard) for pl in p.placements):
-                raise NotImplementedError(
-                    f"save_optimizer/load_optimizer: a parameter of shape {tuple(p.shape)} is split per fused part "
-                    f"({p.placements}: a fused projection such as GPT-2's c_attn), which torch.distributed.checkpoint "
-                    f"cannot describe; save the optimizer as one gathered file (shard=False)")
+    return isinstance(value, DTensor) and any(isinstance(pl, _StridedShard) for pl in value.placements)
+
+
+def _blockwise(value: Any) -> Any:
+    """``value`` (nested dicts and lists) with every ``S(d/k)`` DTensor -- a fused projection's
+    state, DTensor's ``_StridedShard``: ``k`` blocks per rank, which DCP cannot describe (it
+    takes a piece for one block) -- as the same tensor cut in plain blocks: a gather and a local
+    slice per such tensor, at checkpoint time only. The directory so holds the plain layout any
+    other plan loads."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    if _strided(value):
+        plain = [Shard(pl.dim) if isinstance(pl, _StridedShard) else pl for pl in value.placements]
+        return distribute_tensor(value.full_tensor(), value.device_mesh, plain, src_data_rank=None)
+    if isinstance(value, dict):
+        return {k: _blockwise(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_blockwise(v) for v in value]
+    return value
+
+
+def _restrided(loaded: Any, like: Any) -> Any:
+    """``_blockwise``'s reverse after a load: each tensor ``like`` holds ``S(d/k)`` back in that
+    layout (DCP filled the others in place)."""
+    from torch.distributed.tensor import distribute_tensor
+
+    if _strided(like):
+        return distribute_tensor(loaded.full_tensor(), like.device_mesh, like.placements, src_data_rank=None)
+    if isinstance(like, dict):
+        return {k: _restrided(loaded[k], v) for k, v in like.items()}
+    if isinstance(like, list):
+        return [_restrided(a, b) for a, b in zip(loaded, like)]
+    return loaded
 
 
 def _optimizer_checkpoint(optimizer: BoostedOptimizer):
@@ -391,8 +415,7 @@ def save_optimizer(optimizer: BoostedOptimizer, path: str | os.PathLike, *, shar
         raise ValueError(f"shard must be a bool, got {shard!r}")
     _, _, state = _optimizer_checkpoint(optimizer)
     if shard:
-        _refuse_strided(optimizer)
-        dcp.save(state, checkpoint_id=os.fspath(path))
+        dcp.save(_blockwise(state), checkpoint_id=os.fspath(path))
         return
     full = _merged(_gathered(state))  # a collective per sharded tensor, every rank in the same order
 
@@ -422,8 +445,9 @@ def load_optimizer(optimizer: BoostedOptimizer, path: str | os.PathLike) -> None
                   for own_group, saved in zip(state["optim"]["param_groups"], full["optim"]["param_groups"])]
         state = {**placed, "optim": {**placed["optim"], "param_groups": groups}}
     elif os.path.isdir(path):
-        _refuse_strided(optimizer)
-        dcp.load(state, checkpoint_id=path)
+        blocks = _blockwise(state)
+        dcp.load(blocks, checkpoint_id=path)
+        state = _restrided(blocks, state)
     else:
         raise ValueError(f"{path!r}: no such optimizer checkpoint (file or directory)")
     set_optimizer_state_dict(holder, optimizer.optim, optim_state_dict=_unlifted(state["optim"], own["state"]))
