@@ -130,9 +130,7 @@ def collective_seconds(kind: str, nbytes: float, mesh: MeshSpec, axes: Iterable[
     on the solution), exact for a full bucket and for a tensor of ``bucket_cap`` bytes or more
     (alone in its bucket, one latency). The runtime's first bucket (1 MiB) and each group's last,
     partly filled one pay a whole latency for less: a plan's bucketed sums are under-estimated by
-    less than two latencies per (mesh axes, dtype) group. ZeRO's parameter all-gathers after the
-    optimizer step are batched the same way (``runtime.zero.comm.gather_pieces``: one collective
-    per mesh axis and dtype for every piece), so ``all_gather`` takes the cap too."""
+    less than two latencies per (mesh axes, dtype) group."""
     if isinstance(axes, int):
         axes = (axes,)
     n, alpha, beta = _group(mesh, axes, kind)
@@ -140,7 +138,7 @@ def collective_seconds(kind: str, nbytes: float, mesh: MeshSpec, axes: Iterable[
         return 0.0
     if bucket_cap < 0:
         raise ValueError(f"bucket cap must be >= 0 bytes, got {bucket_cap}")
-    if bucket_cap and kind in ("all_reduce", "reduce_scatter", "all_gather"):
+    if bucket_cap and kind in ("all_reduce", "reduce_scatter"):
         alpha *= min(1.0, nbytes / bucket_cap)
     if kind in ("all_gather", "reduce_scatter"):
         return alpha + beta * nbytes * (n - 1) / n

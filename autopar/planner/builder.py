@@ -252,7 +252,7 @@ class _Builder:
         for want in wanted:
             per_byte, comm_s, stage, step_s = zero_cost(spec, self.mesh, local, stage=want, ndim=len(spec_shape),
                                                         optimizer_multiplier=self.opts.optimizer_multiplier,
-                                                        trainable=trainable, bucket_cap=self.bucket_cap)
+                                                        trainable=trainable)
             if stage in seen:
                 continue
             seen.add(stage)

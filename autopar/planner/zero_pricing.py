@@ -14,18 +14,13 @@ __all__ = ["zero_cost", "zero2_extra_s", "zero2_priced_rs"]
 
 
 def zero_cost(spec: TensorSpec, mesh: MeshSpec, local_bytes: int, *, stage: int, ndim: int,
-              optimizer_multiplier: float, trainable: bool = True,
-              bucket_cap: int = 0) -> tuple[float, float, int, float]:
+              optimizer_multiplier: float, trainable: bool = True) -> tuple[float, float, int, float]:
     """(bytes held per parameter byte, extra communication seconds per step, effective stage,
     optimizer step seconds) of an ``ndim``-dim parameter laid out ``spec`` under ZeRO ``stage``
     over the axes ``spec`` replicates it on (``layout.placement.zero_split``; ``dp``: their size
     product; none: stage 0). A frozen parameter (``trainable=False``) is stage 0 and not stepped;
     a trainable one's step updates its ``local_bytes``, a ZeRO rank's ``1/dp`` of them
-    (``layout.cost.optimizer_seconds``). ``bucket_cap`` > 0: the all-gather pays its share of one
-    latency, as a gradient-bucket member does (the runtime gathers every piece of a dtype in one
-    collective per mesh axis: ``runtime.zero.comm.gather_pieces``; the cap stands for that
-    batch's bytes, which depend on which parameters the solver puts under ZeRO). 0: a latency
-    per parameter (a pipeline stage's problem, built without buckets).
+    (``layout.cost.optimizer_seconds``).
 
     ====== ===================================== =====================================================
     stage  held: parameter + gradient + state    communication beyond stage 0
@@ -49,7 +44,7 @@ def zero_cost(spec: TensorSpec, mesh: MeshSpec, local_bytes: int, *, stage: int,
         return 2.0 + m, 0.0, 0, step_s
     axes = split[1]
     dp = math.prod(mesh.shape[a] for a in axes)
-    gather_s = collective_seconds("all_gather", local_bytes, mesh, axes, bucket_cap=bucket_cap)
+    gather_s = collective_seconds("all_gather", local_bytes, mesh, axes)
     step_s = optimizer_seconds(local_bytes / dp, mesh, optimizer_multiplier=m)
     if stage == 1:
         return 2.0 + m / dp, gather_s, 1, step_s

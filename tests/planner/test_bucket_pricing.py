@@ -11,12 +11,9 @@ from torch import nn
 from autopar.layout import buckets
 from autopar.layout.cost import collective_seconds
 from autopar.layout.mesh import MeshSpec
-from autopar.layout.placement import Replicate, TensorSpec
 from autopar.planner.assemble import baseline_problem
 from autopar.planner.builder import build_problem
 from autopar.planner.executed import grad_syncs
-from autopar.planner.options import PlanOptions
-from autopar.planner.zero_pricing import zero_cost
 from autopar.strategies.grad_sums import grad_sync_seconds
 from autopar.solver.driver import solve
 from autopar.tracer import profile, trace
@@ -66,8 +63,8 @@ def test_a_parameter_larger_than_the_cap_pays_its_own_latency():
 def test_unbucketed_collectives_are_unchanged():
     for kind in ("all_gather", "all_to_all", "all_reduce", "reduce_scatter"):
         assert collective_seconds(kind, 4096, MESH, 0, bucket_cap=0) == collective_seconds(kind, 4096, MESH, 0)
-    assert collective_seconds("all_to_all", 4096, MESH, 0, bucket_cap=CAP) == collective_seconds(
-        "all_to_all", 4096, MESH, 0)  # batched: gradient sums and ZeRO's gathers, nothing else
+    assert collective_seconds("all_gather", 4096, MESH, 0, bucket_cap=CAP) == collective_seconds(
+        "all_gather", 4096, MESH, 0)  # a bucket only sums gradients
     with pytest.raises(ValueError, match="bucket cap"):
         collective_seconds("all_reduce", 4096, MESH, 0, bucket_cap=-1)
 
@@ -133,26 +130,3 @@ def test_a_converted_read_keeps_its_own_latency():
     others = sum(ALPHA * (1 - s.strategy.grad_sync_bytes[s.slot] / CAP)
                  for s in grad_syncs(built, dp)[0] if s.value.producer == name)
     assert delta == pytest.approx(others, rel=1e-6)
-
-
-
-def test_zero_gathers_are_batched_like_buckets():
-    """ZeRO-1's all-gather of the updated parameters runs as one collective per mesh axis and
-    dtype for every piece (``runtime.zero.comm.gather_pieces``): each parameter's option pays its
-    share of that latency, not one latency each."""
-    local, spec = CAP // 8, TensorSpec((Replicate(),))
-    alone = zero_cost(spec, MESH, local, stage=1, ndim=2, optimizer_multiplier=2.0)[1]
-    batched = zero_cost(spec, MESH, local, stage=1, ndim=2, optimizer_multiplier=2.0, bucket_cap=CAP)[1]
-    assert alone == pytest.approx(ALPHA + BETA * local / 2)
-    assert batched == pytest.approx(ALPHA / 8 + BETA * local / 2)
-    # In the built problem: a replicated weight's ZeRO-1 option carries the batched gather.
-    d = 256
-    with torch.device("meta"):
-        model = Mlp(d, 2)
-    traced = trace(model, (torch.empty(64, d, device="meta"),))
-    built = build_problem(traced, profile(traced), MESH, budget_bytes=None, bucket_cap=CAP,
-                          options=PlanOptions(zero_stage=1))
-    weight = next(n for n in built.problem.nodes if n.name.endswith("layers_0_weight"))
-    (option,) = [o for o in weight.options if o.name == "R"]
-    assert option.comm_s == pytest.approx(collective_seconds("all_gather", d * d * 4, MESH, 0, bucket_cap=CAP))
-    assert option.comm_s < collective_seconds("all_gather", d * d * 4, MESH, 0)
