@@ -32,6 +32,7 @@ from autopar.solver import incumbents
 from autopar.solver.ilp import HARD_FACTOR, INTEGRAL_TOL, MEM_UNIT, MIP_REL_GAP, IlpModel, Outcome, pick_backend
 from autopar.solver.problem import Problem, Solution
 from autopar.solver.dive import alternate, blockwise
+from autopar.solver.floors import below_parameters, parameter_floor
 from autopar.solver.recompute_ilp import RECOMPUTE_GAP, RecomputeModel, floor_model
 from autopar.solver.simplify import Reduced, simplify
 from autopar.solver.timeline import Evaluation, SegmentInputs
@@ -45,6 +46,10 @@ log = logging.getLogger(__name__)
 
 class SolveTimeout(RuntimeError):
     """The solver found no plan within the time limit."""
+
+
+class _FitsAfterAll(SolveTimeout):
+    """The solver called a budget infeasible that a known plan meets: answered with that plan."""
 
 
 # The LP relaxation is told the first share of one call's time limit and stopped at the second,
@@ -72,7 +77,6 @@ _IMPROVE_SHARE, _SEARCH_SHARE = 0.1, 0.03
 # problems with this many recompute units (a deep stack of identical blocks) build the tied model.
 _BLOCKWISE_ROWS, _BLOCKWISE_UNITS = 30_000, 256
 _RSTEP_TIE = 8  # the finest recompute step decides per run of this many identical blocks (``dive.blockwise``)
-_FLOOR_NODES = 2_000  # from this size an infeasible budget below the parameters is reported without a solve
 _MIN_SEARCH_S = 0.2  # a search told less than this is not started (a run costs a fork and the model's transfer)
 
 
@@ -302,7 +306,7 @@ def _infeasible(problem: Problem, recompute_inputs: SegmentInputs | None, fixed:
     mesh = "x".join(map(str, problem.mesh_shape)) or "?"
     if _terse:
         return ValueError(f"memory budget {problem.budget_bytes} bytes per device cannot be met on mesh {mesh}")
-    below = _below_parameters(problem)
+    below = below_parameters(problem)
     if below is not None:
         return below
     try:
@@ -311,11 +315,12 @@ def _infeasible(problem: Problem, recompute_inputs: SegmentInputs | None, fixed:
     except SolveTimeout:
         return ValueError(f"memory budget {problem.budget_bytes} bytes per device cannot be met on mesh {mesh}; "
                           f"the smallest budget any plan meets was not found within the time limit")
-    # Only the sharding ILP's memory rows are exact; the recompute ILP counts a value several
-    # recomputed units read once per unit, so its "infeasible" may stand for a plan that fits.
-    if recompute_inputs is None and achieved <= problem.budget_bytes:
-        return RuntimeError(f"{backend} reported budget {problem.budget_bytes} infeasible, yet a plan with "
-                            f"peak {achieved} bytes fits it (solver tolerance?); retry with the other backend")
+    # The recompute ILP counts a value several recomputed units read once per unit, and a solver
+    # judges rows within its scaled tolerance: its "infeasible" may stand for a plan that fits.
+    # The minimum-peak plan is known (``minimum_budget`` remembered it): the caller answers with it.
+    if achieved <= problem.budget_bytes:
+        return _FitsAfterAll(f"{backend} reported budget {problem.budget_bytes} infeasible, yet the minimum-peak "
+                             f"plan (peak {achieved} bytes) fits it")
     need = f"{achieved} bytes ({achieved / 2**30:.3f} GiB)" if achieved == lower else (
         f"between {lower} and {achieved} bytes ({lower / 2**30:.3f}-{achieved / 2**30:.3f} GiB)")
     if recompute_inputs is None:
@@ -326,30 +331,6 @@ def _infeasible(problem: Problem, recompute_inputs: SegmentInputs | None, fixed:
         f"memory budget {problem.budget_bytes} bytes ({problem.budget_bytes / 2**30:.3f} GiB) per device "
         f"cannot be met on mesh {mesh}{where}: the smallest budget any plan meets is {need}. {hint}"
     )
-
-
-def parameter_floor(problem: Problem) -> int:
-    """The fewest parameter bytes (gradients and optimizer state included) any plan holds: each
-    node's smallest option. They are held the whole step, so no plan, recomputing or not, peaks
-    lower."""
-    return sum(min(o.param_bytes for o in n.options) for n in problem.nodes)
-
-
-def _below_parameters(problem: Problem) -> ValueError | None:
-    """For a problem of at least ``_FLOOR_NODES`` nodes, the error for a budget below
-    ``parameter_floor``, found without a solve (an infeasible fixed configuration of Mixtral-8x22B
-    spent 60-90 s in ``minimum_budget`` to say so); None when the parameters fit or the problem is
-    small (its exact smallest budget is cheap, and a 1-byte budget's error is how users and the
-    tight-budget sweeps ask for it)."""
-    floor = parameter_floor(problem)
-    if problem.budget_bytes is None or floor <= problem.budget_bytes or problem.num_nodes < _FLOOR_NODES:
-        return None
-    mesh = "x".join(map(str, problem.mesh_shape)) or "?"
-    return ValueError(
-        f"memory budget {problem.budget_bytes} bytes ({problem.budget_bytes / 2**30:.3f} GiB) per device "
-        f"cannot be met on mesh {mesh}, with or without recompute: the smallest budget any plan meets is at least "
-        f"{floor} bytes ({floor / 2**30:.3f} GiB), what the parameters, their gradients and optimizer state "
-        f"alone take in every op's fewest-bytes layout. Try a bigger mesh, ZeRO, offload or a larger budget.")
 
 
 def solve(problem: Problem, *, recompute_inputs: SegmentInputs | None = None,
@@ -394,7 +375,7 @@ def _solve(problem: Problem, *, recompute_inputs: SegmentInputs | None, fixed: M
     if fixed and recompute_inputs is None:
         raise ValueError(f"fixed recompute decisions {dict(fixed)} need recompute_inputs")
     backend = pick_backend(solver)
-    below = _below_parameters(problem)
+    below = below_parameters(problem)
     if below is not None:
         raise below
     t0 = time.perf_counter()
@@ -453,7 +434,11 @@ def _solve(problem: Problem, *, recompute_inputs: SegmentInputs | None, fixed: M
     except SolveTimeout as exc:  # the relaxation did not finish: no bound is known
         return _known_plan(exc, None, backend=backend, **known)
     if out.status == "infeasible":
-        raise _infeasible(problem, recompute_inputs, fixed, out.backend, max(clock.left(), 0.1 * time_limit), alias)
+        refused = _infeasible(problem, recompute_inputs, fixed, out.backend, max(clock.left(), 0.1 * time_limit),
+                              alias)
+        if isinstance(refused, _FitsAfterAll):
+            return _known_plan(refused, lp, backend=out.backend, **known)
+        raise refused
     if out.status == "no_solution":
         other = "cbc" if out.backend == "highs" else "highs"
         exc = SolveTimeout(f"{out.backend} found no plan within time_limit={time_limit}s{_note(out)} ({problem}); "

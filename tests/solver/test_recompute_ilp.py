@@ -251,9 +251,9 @@ def test_blockwise_plan_matches_the_full_optimum(budget, monkeypatch):
 
 def test_budget_below_the_parameters_is_reported_without_a_solve(monkeypatch):
     """A budget below every plan's parameter bytes (each node's fewest: ``parameter_floor``) is
-    refused before any model is built on a large problem (``_FLOOR_NODES``), naming that floor;
+    refused before any model is built on a large problem (``floors.FLOOR_NODES``), naming that floor;
     a small one keeps its exact smallest budget (what a 1-byte budget's error reports)."""
-    from autopar.solver import driver
+    from autopar.solver import driver, floors
 
     problem, inputs = repeated_blocks(2, None)
     heavy = tuple(replace(n, options=tuple(replace(o, param_bytes=100 * (k + 1)) for k, o in enumerate(n.options)))
@@ -262,7 +262,7 @@ def test_budget_below_the_parameters_is_reported_without_a_solve(monkeypatch):
     assert driver.parameter_floor(problem) == 400
     with pytest.raises(ValueError, match="smallest budget any plan meets is 605 bytes"):  # exact: with activations
         solve(problem, recompute_inputs=inputs)
-    monkeypatch.setattr(driver, "_FLOOR_NODES", 1)
+    monkeypatch.setattr(floors, "FLOOR_NODES", 1)
     monkeypatch.setattr(driver, "simplified", lambda *a, **k: pytest.fail("solved"))
     for recompute in (inputs, None):
         with pytest.raises(ValueError, match=r"smallest budget any plan meets is at least 400 bytes .*parameters"):
