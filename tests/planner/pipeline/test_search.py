@@ -3,7 +3,6 @@ GPT-2 / Llama tiny on (2, 2) and (4,), and pipeline='auto' choosing by link spee
 
 import dataclasses
 import itertools
-import math
 
 import pytest
 
@@ -86,9 +85,14 @@ def test_schedule_formulas():
             for k in range(4)] == [4, 3, 2, 1]
     assert [in_flight("1f1b", index=k, num_stages=4, virtual_stages=1, num_microbatches=2)
             for k in range(4)] == [2, 2, 2, 1]
-    # Megatron interleaved warm-up 2(S-r-1) + (v-1)S (+1 in flight) chunk passes over v chunks.
+    # Interleaved: each chunk's peak in torch's own order (stage k is rank k % S's chunk k // S).
+    # Rank 0 runs chunk 0's forwards of a round (2 micro-batches) before chunk 1's, so chunk 0
+    # holds 4 before its first backward; the rank's total never exceeds Megatron's warm-up + 1.
     assert [in_flight("interleaved-1f1b", index=k, num_stages=2, virtual_stages=2, num_microbatches=4)
-            for k in range(4)] == [math.ceil(5 / 2), math.ceil(3 / 2)] * 2
+            for k in range(4)] == [4, 3, 2, 1]
+    # Zero-bubble holds every micro-batch (the bound; ``pipeline.order``'s docstring has the measurement).
+    assert [in_flight("zero-bubble", index=k, num_stages=2, virtual_stages=2, num_microbatches=4)
+            for k in range(4)] == [4] * 4
     assert step_time("1f1b", times=[1.0, 2.0], syncs=[0.5, 0.1], num_stages=2, virtual_stages=1,
                      num_microbatches=4) == pytest.approx(5 * 2.0 + 0.5)
     with pytest.raises(ValueError, match="schedule 'pipedream'"):
@@ -129,6 +133,16 @@ def check_pipelined(plan: Plan, traced, *, num_stages: int, schedule: str, num_m
     assert [f["in_flight"] for f in figures] == [
         in_flight(schedule, index=k, num_stages=num_stages, virtual_stages=v, num_microbatches=num_microbatches)
         for k in range(num_stages * v)]
+    # The peak is the fullest rank's, its chunks together: above any one chunk's with two chunks,
+    # and within their sum (each chunk priced at its own in-flight peak, so a rank whose chunks
+    # fit ``budget / v`` fits the budget).
+    ranks = plan.solver["pipeline"]["rank_peak_bytes"]
+    assert len(ranks) == num_stages and plan.estimate.peak_bytes == max(ranks)
+    for r in range(num_stages):
+        chunks = [figures[c * num_stages + r]["peak_bytes"] for c in range(v)]
+        assert max(chunks) <= ranks[r] <= sum(chunks)
+        if v > 1:
+            assert ranks[r] > max(chunks)
     assert {n.name for n in plan.nodes} >= set(ops) & {n.name for n in plan.nodes}
     assert Plan.from_json(plan.to_json()).pipeline == pipe
     assert "ms/micro" in plan.summary()
