@@ -95,6 +95,12 @@ def test_schedule_formulas():
             for k in range(4)] == [4] * 4
     assert step_time("1f1b", times=[1.0, 2.0], syncs=[0.5, 0.1], num_stages=2, virtual_stages=1,
                      num_microbatches=4) == pytest.approx(5 * 2.0 + 0.5)
+    # Where ranks share cores, the fill and drain run faster by the calibrated idle speedup.
+    assert step_factor("1f1b", num_stages=4, virtual_stages=1, num_microbatches=8, idle_speedup=3.0) == 8 + 1
+    assert step_factor("zero-bubble", num_stages=4, virtual_stages=2, num_microbatches=8,
+                       idle_speedup=2.0) == pytest.approx(16 + 0.5)
+    assert step_time("1f1b", times=[1.0, 2.0], syncs=[0.5, 0.1], num_stages=2, virtual_stages=1,
+                     num_microbatches=4, idle_speedup=2.0) == pytest.approx(4.5 * 2.0 + 0.5)
     with pytest.raises(ValueError, match="schedule 'pipedream'"):
         in_flight("pipedream", index=0, num_stages=2, virtual_stages=1, num_microbatches=2)
 
@@ -485,3 +491,25 @@ def test_bounded_stage_solves_find_the_same_cuts_as_solving_every_stage(traced_m
         assert above[1].bounds == want[1].bounds and above[1].objective == pytest.approx(want[1].objective)
         below = schedule_cuts(_stage_costs(traced_models, "gpt2", (4, 2)), bound=want[1].objective * 0.999, **kw)
         assert below[1] is None and below[0].step_s is None and "no cut beats" in below[0].note
+
+
+def test_a_calibrated_idle_speedup_prices_the_bubble(traced_models):
+    """A machine whose busy ranks run faster while others wait (``MachineProfile.idle_speedup``)
+    shortens the fill and drain: the plan's step is the schedule's with the bubble divided by it."""
+    from autopar.layout.machine import ComputeProfile, MachineProfile
+
+    traced, prof = traced_models["llama-1b"]
+    preset = MeshSpec.preset("cpu", (2, 2))
+    machine = MachineProfile(ComputeProfile(()), (), (2, 2), preset.axis_names, idle_speedup=3.0)
+    steps = {}
+    for name, mesh in (("preset", preset), ("shared cores", dataclasses.replace(preset, machine=machine))):
+        found = search_stages(traced, prof, mesh=mesh, options=PlanOptions(), num_stages=2, num_microbatches=4,
+                              schedules=("1f1b",))
+        figures = found.plan.solver["pipeline"]["stages"]
+        speedup = 1.0 if mesh.machine is None else 3.0
+        assert found.plan.estimate.step_s == pytest.approx(step_time(
+            "1f1b", times=[f["time_s"] for f in figures], syncs=[f["sync_s"] for f in figures], num_stages=2,
+            virtual_stages=1, num_microbatches=4, idle_speedup=speedup), rel=1e-9)
+        assert found.plan.solver["pipeline"]["factor"] == 4 + 1 / speedup
+        steps[name] = found.plan.estimate.step_s
+    assert steps["shared cores"] < steps["preset"]
