@@ -16,7 +16,10 @@ fill and drain leave ranks waiting, whose cores the busy ranks take where ranks 
   Megatron's bubble divided by ``v``;
 - zero-bubble (torch's interleaved zero-bubble schedule, ZB-H1 of Qi et al. 2023): the
   weight-gradient passes fill about two thirds of the 1F1B bubble when forward, input-gradient
-  and weight-gradient passes take a third of ``t`` each: ``bubble = (S - 1) / 3``.
+  and weight-gradient passes take a third of ``t`` each: ``bubble = (S - 1) / 3`` (torch's own
+  order for it, played with equal thirds, gives exactly this), ``(S - 1) / idle_speedup`` where
+  that is smaller: the weight passes and the cores the waiting ranks lend recover the same idle
+  slots, not twice.
 
 Balanced chunks are assumed for interleaving (a rank's time per micro-batch is ``v`` times the
 slowest chunk's): the DP bounds the slowest chunk, which bounds every rank's sum.
@@ -115,8 +118,11 @@ def bubble(schedule: str, *, num_stages: int, idle_speedup: float = 1.0) -> floa
     cores the busy ones run that much faster (measured on 4 gloo ranks on 2 cores, GPT-2: the
     1F1B step at 0.73-0.87 of ``(M + S - 1) t``, 2 and 4 stages, 2-8 micro-batches)."""
     _check(schedule)
-    slots = (num_stages - 1) / 3 if schedule == "zero-bubble" else float(num_stages - 1)
-    return slots / idle_speedup
+    if schedule == "zero-bubble":
+        # The weight passes fill the idle slots with work a waiting rank's core would otherwise
+        # lend to the busy ranks: the two recover the same idle time and do not compound.
+        return (num_stages - 1) / max(3.0, idle_speedup)
+    return (num_stages - 1) / idle_speedup
 
 
 def step_factor(schedule: str, *, num_stages: int, virtual_stages: int, num_microbatches: int,

@@ -97,8 +97,11 @@ def test_schedule_formulas():
                      num_microbatches=4) == pytest.approx(5 * 2.0 + 0.5)
     # Where ranks share cores, the fill and drain run faster by the calibrated idle speedup.
     assert step_factor("1f1b", num_stages=4, virtual_stages=1, num_microbatches=8, idle_speedup=3.0) == 8 + 1
+    # Zero-bubble's weight passes and the idle speedup recover the same idle slots: the larger wins.
     assert step_factor("zero-bubble", num_stages=4, virtual_stages=2, num_microbatches=8,
-                       idle_speedup=2.0) == pytest.approx(16 + 0.5)
+                       idle_speedup=2.0) == pytest.approx(16 + 1)
+    assert step_factor("zero-bubble", num_stages=4, virtual_stages=2, num_microbatches=8,
+                       idle_speedup=6.0) == pytest.approx(16 + 0.5)
     assert step_time("1f1b", times=[1.0, 2.0], syncs=[0.5, 0.1], num_stages=2, virtual_stages=1,
                      num_microbatches=4, idle_speedup=2.0) == pytest.approx(4.5 * 2.0 + 0.5)
     with pytest.raises(ValueError, match="schedule 'pipedream'"):
