@@ -1,7 +1,8 @@
 """The Booster's plugins side by side: every applicable fixed configuration and the auto plan, same run.
 
     python benchmarks/plugins.py [--models gpt2,llama,cnn] [--world 4] [--batch 8] [--steps 6]
-                                 [--warmup 2] [--budgets ample,tight] [--out results.jsonl]
+                                 [--warmup 2] [--budgets ample,tight] [--profile 2x2.json --profile 4.json]
+                                 [--out results.jsonl]
 
 One model at a time is trained through the product notes' API -- ``Booster(plugin=...)``,
 ``booster.boost(model, optimizer, dataloader=plugin.prepare_dataloader(...))``, then
@@ -57,12 +58,16 @@ TARGET = 1.05
 TIGHT_FRACTION = 0.6  # of data parallelism's estimated peak
 
 
-def configs(budget: int | None, *, profile: str) -> dict[str, Callable[[], object]]:
-    """Configuration name -> plugin factory, at ``budget`` bytes per device (None: ample). Fixed
-    configurations ignore the budget (they are what they are); the auto plan plans for it on the
-    calibrated 2-D mesh ``profile`` (a machine profile's path) with pipelines searched."""
+def configs(budgets: dict[str, int | None], *, profile: str) -> dict[str, Callable[[], object]]:
+    """Configuration name -> plugin factory. Fixed configurations ignore the budget (they are
+    what they are: one of each serves every budget); the auto plan plans for each budget
+    (``budgets``: label -> bytes per device, None: ample) on the calibrated 2-D mesh ``profile``
+    (a machine profile's path) with pipelines searched: ``auto`` (ample) and ``auto@LABEL``."""
     from autopar.booster import (AutoParallelPlugin, GeminiPlugin, HybridParallelPlugin, LowLevelZeroPlugin,
                                  TorchDDPPlugin, TorchFSDPPlugin)
+
+    def auto(budget):
+        return lambda: AutoParallelPlugin(mesh=profile, pp_size="auto", memory_budget=budget)
 
     return {
         "torch-ddp": TorchDDPPlugin,
@@ -74,8 +79,12 @@ def configs(budget: int | None, *, profile: str) -> dict[str, Callable[[], objec
         # Two micro-batches per step: the fewest that overlap the stages at all.
         "tp2xpp2": lambda: HybridParallelPlugin(tp_size=2, pp_size=2, precision="fp32", num_microbatches=2),
         "pp2": lambda: HybridParallelPlugin(tp_size=1, pp_size=2, precision="fp32", num_microbatches=2),
-        "auto": lambda: AutoParallelPlugin(mesh=profile, pp_size="auto", memory_budget=budget),
+        **{auto_name(label): auto(budget) for label, budget in budgets.items()},
     }
+
+
+def auto_name(label: str) -> str:
+    return "auto" if label == "ample" else f"auto@{label}"
 
 
 def _dataset(inputs: dict) -> list[dict]:
@@ -118,11 +127,11 @@ def _step(booster, module, optimizer, batch) -> torch.Tensor:
     return loss.detach()
 
 
-def _worker(rank: int, world: int, model, inputs, budget, steps: int, warmup: int, profile: str,
+def _worker(rank: int, world: int, model, inputs, budgets: dict, steps: int, warmup: int, profile: str,
             device_type: str = "cpu") -> dict:
     device = rank_device(device_type)
     built, refused = {}, {}
-    for name, factory in configs(budget, profile=profile).items():
+    for name, factory in configs(budgets, profile=profile).items():
         try:
             built[name] = _boost(name, factory, model, inputs, world, device)
         except (ValueError, NotImplementedError) as exc:  # raised alike on every rank: this one does not apply
@@ -208,7 +217,8 @@ def _profiles(paths: list[str], world: int, device_type: str) -> dict[tuple[int,
 
 
 def report(model_name: str, label: str, budget, results: list[dict], families: dict) -> dict:
-    names = list(results[0]["times"])
+    """The table of one budget: the fixed configurations and the auto plan planned for it."""
+    names = [n for n in results[0]["times"] if not n.startswith("auto") or n == auto_name(label)]
     steps = len(results[0]["times"][names[0]])
     slowest = {n: [max(r["times"][n][i] for r in results) for i in range(steps)] for n in names}
     med = {n: statistics.median(slowest[n]) for n in names}
@@ -220,7 +230,8 @@ def report(model_name: str, label: str, budget, results: list[dict], families: d
         est[n] = (e.step_s, e.peak_bytes) if e is not None else results[0]["estimate"][n]
     fits = {n: budget is None or peak[n] <= budget for n in names}
     for n, why in results[0]["refused"].items():
-        print(f"  {n}: not run ({why})")
+        if not n.startswith("auto") or n == auto_name(label):
+            print(f"  {n}: not run ({why})")
     print(f"\n{model_name}, budget {label}" + (f" ({budget / 2**20:.1f} MiB/rank)" if budget else "")
           + f" on {results[0]['device']}  (load {os.getloadavg()[0]:.2f})")
     allocated = {n: max(r["allocated"][n] or 0 for r in results) for n in names}
@@ -240,7 +251,7 @@ def report(model_name: str, label: str, budget, results: list[dict], families: d
             continue
         best = min(fixed, key=med.__getitem__)
         r = med[auto] / med[best]
-        ratio = r if auto == "auto" else ratio
+        ratio = r
         print(f"{auto} / fastest fitting ({best}) = {r:.3f} (target <= {TARGET}: "
               f"{'met' if r <= TARGET and fits[auto] else 'MISSED'}); {auto} fits: {fits[auto]}")
     return {"model": model_name, "budget": label, "budget_bytes": budget, "median_s": med, "min_s": least,
@@ -263,19 +274,22 @@ def main(argv=None) -> list[dict]:
                    help="a machine profile JSON (autopar calibrate --out) of mesh (world,) or (2, world/2); "
                         "repeat for both; a missing one is calibrated first")
     args = p.parse_args(argv)
+    if any(label not in ("ample", "tight") for label in args.budgets.split(",")):
+        p.error(f"--budgets: expected ample and/or tight, got {args.budgets!r}")
     device_type, backend = default_device()
     profiles = _profiles(args.profile, args.world, device_type)
     records = []
     for name in args.models.split(","):
         model, inputs = build_model(name, batch=args.batch)
         families = _profile_estimates(model, inputs, args.world, profiles)
-        for label in args.budgets.split(","):
-            if label not in ("ample", "tight"):
-                p.error(f"--budgets: expected ample and/or tight, got {label!r}")
-            budget = None if label == "ample" else int(TIGHT_FRACTION * families["torch-ddp"].peak_bytes)
-            results = run_local(_worker, args.world, model, inputs, budget, args.steps, args.warmup,
-                                profiles[(2, args.world // 2)], device_type, backend=backend, timeout=1800)
-            record = report(name, label, budget, results, {k: v for k, v in families.items()})
+        budgets = {label: None if label == "ample" else int(TIGHT_FRACTION * families["torch-ddp"].peak_bytes)
+                   for label in args.budgets.split(",")}
+        # One launch per model: every configuration and the auto plan of every budget in the
+        # same interleaved rounds (the fixed ones are the same at any budget).
+        results = run_local(_worker, args.world, model, inputs, budgets, args.steps, args.warmup,
+                            profiles[(2, args.world // 2)], device_type, backend=backend, timeout=3600)
+        for label, budget in budgets.items():
+            record = report(name, label, budget, results, families)
             records.append(record)
             if args.out:
                 with open(args.out, "a") as f:
