@@ -171,8 +171,8 @@ def _worker(rank: int, world: int, model, inputs, budgets: dict, steps: int, war
 def _profile_estimates(model, inputs, world: int, profiles: dict[tuple[int, ...], str]) -> dict:
     """Each fixed configuration's estimate under the machine profiles (the auto plan prices with
     the 2-D one itself): its family planned here, on the profile of its mesh's shape. Torch's DDP
-    and FSDP2 run the data-parallel and ZeRO-3 families' layouts; Gemini's chunks have no
-    family of their own (its estimate is its data-parallel plan's, printed by the plugin)."""
+    and FSDP2 run the data-parallel and ZeRO-3 families' layouts; ``GeminiPlugin`` plans the
+    data-parallel family and runs it in chunks (its estimate is that plan's)."""
     from dataclasses import replace
 
     from autopar.layout.mesh import MeshSpec
@@ -185,6 +185,7 @@ def _profile_estimates(model, inputs, world: int, profiles: dict[tuple[int, ...]
     out = {"torch-ddp": plan_family(model, inputs, "data-parallel", mesh=flat, options=options).estimate}
     out["torch-fsdp2"] = plan_family(model, inputs, "zero3", mesh=flat, options=replace(
         options, memory_budget=sharded_state_budget(out["torch-ddp"], world))).estimate
+    out["gemini"] = out["torch-ddp"]  # GeminiPlugin's plan is the data-parallel family's, run in chunks
     for name, family in (("zero1", "zero1"), ("zero2", "zero2")):
         out[name] = plan_family(model, inputs, family, mesh=flat, options=replace(options, zero_stage="auto")).estimate
     for name, tp, pp in (("hybrid-tp2", 2, 1), ("tp2xpp2", 2, 2), ("pp2", 1, 2)):
