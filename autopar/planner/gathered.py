@@ -27,7 +27,7 @@ from autopar.strategies import input_nodes
 
 __all__ = ["saved_slots", "gathered_bytes", "with_gathered", "fit_gathered", "MAX_GATHER_REFITS"]
 
-MAX_GATHER_REFITS = 4
+MAX_GATHER_REFITS = 6
 
 
 def _meta(value, *, grad: bool) -> torch.Tensor:
@@ -137,30 +137,40 @@ def with_gathered(evaluation, extra: int):
 
 def fit_gathered(traced, built, rc, *, replan, progress=None):
     """``rc`` (``plan_recompute``'s outcome on ``built``) with its evaluation's peak raised by its
-    gathered copies (``gathered_bytes``), or a re-plan under a budget lowered by their overflow
-    (at least 1/64 of the budget each time, at most ``MAX_GATHER_REFITS`` times) whose peak with
-    them fits ``built``'s budget. ValueError naming the bytes when none does."""
+    gathered copies (``gathered_bytes``), or a re-plan whose peak with them fits ``built``'s
+    budget: solved under the budget less the overflow (then at least 1/64 of it lower each
+    time), or halfway back up towards the last budget whose plan did not fit when that had no
+    plan at all, at most ``MAX_GATHER_REFITS`` times (``offload_fit.fit_device_room``'s search).
+    ValueError naming the bytes when none fits."""
     from autopar.planner.offload_fit import replace_budget
+    from autopar.solver.driver import SolveTimeout
 
     budget = built.problem.budget_bytes
-    current = built
+    over, infeasible, failure, detail = budget, None, None, ""
     for attempt in range(MAX_GATHER_REFITS + 1):
-        extra = gathered_bytes(traced, built, rc.choice, regions=rc.regions)
-        peak = rc.evaluation.peak_bytes + extra
-        if budget is None or peak <= budget:
-            return replace(rc, evaluation=with_gathered(rc.evaluation, extra))
+        if rc is not None:
+            extra = gathered_bytes(traced, built, rc.choice, regions=rc.regions)
+            peak = rc.evaluation.peak_bytes + extra
+            if budget is None or peak <= budget:
+                return replace(rc, evaluation=with_gathered(rc.evaluation, extra))
+            detail = (f"{extra} B of parameters gathered for readers that save them put the peak {peak - budget} B "
+                      f"over the budget")
         if attempt == MAX_GATHER_REFITS:
             break
-        solved = current.problem.budget_bytes
-        current = replace_budget(current, min(solved - (peak - budget), solved - budget // 64))
-        detail = (f"{extra} B of parameters gathered for readers that save them put the peak {peak - budget} B over "
-                  f"the budget")
+        target = None if rc is None else min(budget - (peak - budget), over - budget // 64)
+        solved = target if target is not None and (infeasible is None or target > infeasible) else None
+        if solved is None:
+            if infeasible is None or over - infeasible < 2:
+                break
+            solved = (over + infeasible) // 2
         try:
-            with (progress.stage(f"gathered refit {attempt + 1}", f"{detail}: re-solving")
+            with (progress.stage(f"gathered refit {attempt + 1}", f"{detail}: re-solving under {solved} B")
                   if progress is not None else nullcontext()):
-                rc = replan(current)
-        except ValueError as exc:
-            raise ValueError(f"no plan fits the budget of {budget} B with the parameter copies its readers keep "
-                             f"for backward ({detail}); re-solving lower: {exc}") from None
+                rc = replan(replace_budget(built, solved))
+            over = solved
+        except (ValueError, SolveTimeout) as exc:  # no plan under ``solved`` (none found): try between it and ``over``
+            rc, infeasible, failure = None, solved, exc
     raise ValueError(f"no plan fits the budget of {budget} B with the parameter copies its readers keep for backward "
-                     f"after {MAX_GATHER_REFITS} re-solves under lower budgets (last: {detail}). Give a larger budget.")
+                     f"after {MAX_GATHER_REFITS} re-solves under lower budgets (last: {detail})"
+                     + (f"; under {infeasible} B: {failure}" if failure is not None else "")
+                     + ". Give a larger budget.")
