@@ -27,7 +27,7 @@ from autopar.strategies import input_nodes
 
 __all__ = ["saved_slots", "gathered_bytes", "with_gathered", "fit_gathered", "MAX_GATHER_REFITS"]
 
-MAX_GATHER_REFITS = 6
+MAX_GATHER_REFITS = 12
 
 
 def _meta(value, *, grad: bool) -> torch.Tensor:
