@@ -1,7 +1,8 @@
 """The Booster's plugins side by side: every applicable fixed configuration and the auto plan, same run.
 
     python benchmarks/plugins.py [--models gpt2,llama,cnn] [--world 4] [--batch 8] [--steps 6]
-                                 [--warmup 2] [--budgets ample,tight] [--out results.jsonl]
+                                 [--warmup 2] [--budgets ample,tight] [--profile 2x2.json --profile 4.json]
+                                 [--out results.jsonl]
 
 One model at a time is trained through the product notes' API -- ``Booster(plugin=...)``,
 ``booster.boost(model, optimizer, dataloader=plugin.prepare_dataloader(...))``, then
@@ -15,16 +16,23 @@ over its data-parallel size). After ``--warmup`` steps each, ``--steps`` rounds 
 rotating order (a barrier before each step; a step is the slowest rank's time; the figure is
 the median over rounds).
 
+The auto plan is ``AutoParallelPlugin(mesh=PROFILE, pp_size="auto")``: the machine profile of the
+(2, world / 2) mesh (``--profile``, else calibrated here first: ``autopar.calibrate``, as ``autopar
+calibrate --mesh 2x2 --local 4``), so it weighs pipelines over axis 0 and every 2-D layout as
+measured, and, when it picks a pipeline, it is stepped by ``booster.execute_pipeline`` exactly as
+the fixed pipelined configurations are. Every configuration's estimate is priced with the same
+profiles: the planned configurations' families (``HybridParallelPlugin``'s on the 2-D profile; the
+data-parallel, ZeRO and ZeRO-3 families of DDP, ``LowLevelZeroPlugin`` and FSDP2 on the (world,)
+profile, a second ``--profile`` or calibrated alike) are planned here in the parent with them.
+
 Budgets: ``ample`` (the device's capacity) and ``tight``: 60% of the peak the planner estimates
 for plain data parallelism, where data parallelism does not fit. A configuration fits a budget
 when its measured peak per rank (parameters, gradients, optimizer state and the peak of the
 bytes saved for backward, as ``fidelity.py`` measures them, each storage once; ``GeminiPlugin``:
 its chunk ledger's device peak plus the bytes its own saved-tensor hooks saw in the step) is
 within it; ``AutoParallelPlugin`` plans with that budget. Printed per (model, budget): median
-ms/step, measured peak MiB per rank,
-the plan's estimate (torch's engines: the data-parallel and ZeRO-3 families' estimates, the
-layouts they run), and auto / fastest fitting configuration -- issue 29's target is <= 1.05,
-and auto must fit wherever any configuration fits.
+ms/step, measured peak MiB per rank, the estimate under the profiles, and auto / fastest fitting
+configuration -- issue 29's target is <= 1.05, and auto must fit wherever any configuration fits.
 """
 
 from __future__ import annotations
@@ -50,14 +58,16 @@ TARGET = 1.05
 TIGHT_FRACTION = 0.6  # of data parallelism's estimated peak
 
 
-def configs(budget: int | None, *, world: int = 4, auto_pipeline: bool = False) -> dict[str, Callable[[], object]]:
-    """Configuration name -> plugin factory, at ``budget`` bytes per device (None: ample). Fixed
-    configurations ignore the budget (they are what they are); the auto plan plans for it.
-    ``auto_pipeline`` adds ``auto-pp``: ``AutoParallelPlugin`` on a (2, world / 2) mesh with
-    ``pp_size="auto"`` (the planner also weighs a pipeline over axis 0, and 2-D layouts), the
-    space the pipelined fixed configurations are in; plain ``auto`` plans a 1-D mesh without one."""
+def configs(budgets: dict[str, int | None], *, profile: str) -> dict[str, Callable[[], object]]:
+    """Configuration name -> plugin factory. Fixed configurations ignore the budget (they are
+    what they are: one of each serves every budget); the auto plan plans for each budget
+    (``budgets``: label -> bytes per device, None: ample) on the calibrated 2-D mesh ``profile``
+    (a machine profile's path) with pipelines searched: ``auto`` (ample) and ``auto@LABEL``."""
     from autopar.booster import (AutoParallelPlugin, GeminiPlugin, HybridParallelPlugin, LowLevelZeroPlugin,
                                  TorchDDPPlugin, TorchFSDPPlugin)
+
+    def auto(budget):
+        return lambda: AutoParallelPlugin(mesh=profile, pp_size="auto", memory_budget=budget)
 
     return {
         "torch-ddp": TorchDDPPlugin,
@@ -69,10 +79,12 @@ def configs(budget: int | None, *, world: int = 4, auto_pipeline: bool = False) 
         # Two micro-batches per step: the fewest that overlap the stages at all.
         "tp2xpp2": lambda: HybridParallelPlugin(tp_size=2, pp_size=2, precision="fp32", num_microbatches=2),
         "pp2": lambda: HybridParallelPlugin(tp_size=1, pp_size=2, precision="fp32", num_microbatches=2),
-        "auto": lambda: AutoParallelPlugin(memory_budget=budget),
-        **({"auto-pp": lambda: AutoParallelPlugin(mesh=(2, world // 2), pp_size="auto", memory_budget=budget)}
-           if auto_pipeline else {}),
+        **{auto_name(label): auto(budget) for label, budget in budgets.items()},
     }
+
+
+def auto_name(label: str) -> str:
+    return "auto" if label == "ample" else f"auto@{label}"
 
 
 def _dataset(inputs: dict) -> list[dict]:
@@ -115,11 +127,11 @@ def _step(booster, module, optimizer, batch) -> torch.Tensor:
     return loss.detach()
 
 
-def _worker(rank: int, world: int, model, inputs, budget, steps: int, warmup: int, auto_pipeline: bool,
+def _worker(rank: int, world: int, model, inputs, budgets: dict, steps: int, warmup: int, profile: str,
             device_type: str = "cpu") -> dict:
     device = rank_device(device_type)
     built, refused = {}, {}
-    for name, factory in configs(budget, world=world, auto_pipeline=auto_pipeline).items():
+    for name, factory in configs(budgets, profile=profile).items():
         try:
             built[name] = _boost(name, factory, model, inputs, world, device)
         except (ValueError, NotImplementedError) as exc:  # raised alike on every rank: this one does not apply
@@ -156,33 +168,71 @@ def _worker(rank: int, world: int, model, inputs, budget, steps: int, warmup: in
             "device": str(device)}
 
 
-def _family_estimates(model, inputs, world: int) -> dict:
-    """The data-parallel and ZeRO-3 families' estimates (what torch's DDP and FSDP2 run)."""
-    from autopar.planner.options import PlanOptions
-    from autopar.planner.orchestrate import plan_family
+def _profile_estimates(model, inputs, world: int, profiles: dict[tuple[int, ...], str]) -> dict:
+    """Each fixed configuration's estimate under the machine profiles (the auto plan prices with
+    the 2-D one itself): its family planned here, on the profile of its mesh's shape. Torch's DDP
+    and FSDP2 run the data-parallel and ZeRO-3 families' layouts; ``GeminiPlugin`` plans the
+    data-parallel family and runs it in chunks (its estimate is that plan's)."""
+    from dataclasses import replace
 
-    options = PlanOptions()
-    mesh = options.mesh((world,))
-    dp = plan_family(model, inputs, "data-parallel", mesh=mesh, options=options)
-    zero3 = plan_family(model, inputs, "zero3", mesh=mesh,
-                        options=PlanOptions(memory_budget=sharded_state_budget(dp.estimate, world)))
-    return {"torch-ddp": dp.estimate, "torch-fsdp2": zero3.estimate}
+    from autopar.layout.mesh import MeshSpec
+    from autopar.planner.baselines import hybrid_layout
+    from autopar.planner.options import PlanOptions
+    from autopar.planner.orchestrate import plan_family, plan_pipelined
+
+    flat = MeshSpec.from_profile(profiles[(world,)])
+    options = PlanOptions(checkpoint="none")
+    out = {"torch-ddp": plan_family(model, inputs, "data-parallel", mesh=flat, options=options).estimate}
+    out["torch-fsdp2"] = plan_family(model, inputs, "zero3", mesh=flat, options=replace(
+        options, memory_budget=sharded_state_budget(out["torch-ddp"], world))).estimate
+    out["gemini"] = out["torch-ddp"]  # GeminiPlugin's plan is the data-parallel family's, run in chunks
+    for name, family in (("zero1", "zero1"), ("zero2", "zero2")):
+        out[name] = plan_family(model, inputs, family, mesh=flat, options=replace(options, zero_stage="auto")).estimate
+    for name, tp, pp in (("hybrid-tp2", 2, 1), ("tp2xpp2", 2, 2), ("pp2", 1, 2)):
+        layout = hybrid_layout(world, tp_size=tp, pp_size=pp, zero_stage=0)
+        mesh = replace(MeshSpec.from_profile(profiles[layout.shape]), axis_names=layout.axis_names)
+        if layout.pipeline is None:
+            out[name] = plan_family(model, inputs, layout.family, mesh=mesh, options=options).estimate
+        else:
+            staged = replace(options, pipeline=layout.pipeline, microbatches=2, schedule="1f1b")
+            out[name] = plan_pipelined(model, inputs, mesh=mesh, options=staged, family=layout.family).plan.estimate
+    return out
+
+
+def _profiles(paths: list[str], world: int, device_type: str) -> dict[tuple[int, ...], str]:
+    """Shape -> machine profile path for the (world,) and (2, world / 2) meshes: the given ones,
+    the others calibrated here (all ranks busy at once, as the steps run)."""
+    import tempfile
+
+    import autopar
+    from autopar.layout.mesh import MeshSpec
+
+    found = {tuple(MeshSpec.load(p).shape): p for p in paths}
+    for shape in ((world,), (2, world // 2)):
+        if shape not in found:
+            out = os.path.join(tempfile.mkdtemp(prefix="autopar-plugins-"), "x".join(map(str, shape)) + ".json")
+            print(f"calibrating mesh {shape} on {world} local processes -> {out}", flush=True)
+            autopar.calibrate(shape, local=world, out=out, device=device_type)
+            found[shape] = out
+    return found
 
 
 def report(model_name: str, label: str, budget, results: list[dict], families: dict) -> dict:
-    names = list(results[0]["times"])
+    """The table of one budget: the fixed configurations and the auto plan planned for it."""
+    names = [n for n in results[0]["times"] if not n.startswith("auto") or n == auto_name(label)]
     steps = len(results[0]["times"][names[0]])
     slowest = {n: [max(r["times"][n][i] for r in results) for i in range(steps)] for n in names}
     med = {n: statistics.median(slowest[n]) for n in names}
     least = {n: min(slowest[n]) for n in names}  # the least disturbed round: a floor under load
     peak = {n: max(r["memory"][n] for r in results) for n in names}
     est = {}
-    for n in names:
-        e = results[0]["estimate"][n]
-        est[n] = e if e is not None else ((families[n].step_s, families[n].peak_bytes) if n in families else None)
+    for n in names:  # the profile's: the parent's plan of the family, or the auto plan's own
+        e = families.get(n)
+        est[n] = (e.step_s, e.peak_bytes) if e is not None else results[0]["estimate"][n]
     fits = {n: budget is None or peak[n] <= budget for n in names}
     for n, why in results[0]["refused"].items():
-        print(f"  {n}: not run ({why})")
+        if not n.startswith("auto") or n == auto_name(label):
+            print(f"  {n}: not run ({why})")
     print(f"\n{model_name}, budget {label}" + (f" ({budget / 2**20:.1f} MiB/rank)" if budget else "")
           + f" on {results[0]['device']}  (load {os.getloadavg()[0]:.2f})")
     allocated = {n: max(r["allocated"][n] or 0 for r in results) for n in names}
@@ -202,7 +252,7 @@ def report(model_name: str, label: str, budget, results: list[dict], families: d
             continue
         best = min(fixed, key=med.__getitem__)
         r = med[auto] / med[best]
-        ratio = r if auto == "auto" else ratio
+        ratio = r
         print(f"{auto} / fastest fitting ({best}) = {r:.3f} (target <= {TARGET}: "
               f"{'met' if r <= TARGET and fits[auto] else 'MISSED'}); {auto} fits: {fits[auto]}")
     return {"model": model_name, "budget": label, "budget_bytes": budget, "median_s": med, "min_s": least,
@@ -221,21 +271,26 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--out", help="append one JSON line per (model, budget)")
-    p.add_argument("--auto-pipeline", action="store_true",
-                   help="also AutoParallelPlugin on a (2, world/2) mesh with pp_size='auto' (auto-pp)")
+    p.add_argument("--profile", action="append", default=[],
+                   help="a machine profile JSON (autopar calibrate --out) of mesh (world,) or (2, world/2); "
+                        "repeat for both; a missing one is calibrated first")
     args = p.parse_args(argv)
+    if any(label not in ("ample", "tight") for label in args.budgets.split(",")):
+        p.error(f"--budgets: expected ample and/or tight, got {args.budgets!r}")
     device_type, backend = default_device()
+    profiles = _profiles(args.profile, args.world, device_type)
     records = []
     for name in args.models.split(","):
         model, inputs = build_model(name, batch=args.batch)
-        families = _family_estimates(model, inputs, args.world)
-        for label in args.budgets.split(","):
-            if label not in ("ample", "tight"):
-                p.error(f"--budgets: expected ample and/or tight, got {label!r}")
-            budget = None if label == "ample" else int(TIGHT_FRACTION * families["torch-ddp"].peak_bytes)
-            results = run_local(_worker, args.world, model, inputs, budget, args.steps, args.warmup,
-                                args.auto_pipeline, device_type, backend=backend, timeout=1800)
-            record = report(name, label, budget, results, {k: v for k, v in families.items()})
+        families = _profile_estimates(model, inputs, args.world, profiles)
+        budgets = {label: None if label == "ample" else int(TIGHT_FRACTION * families["torch-ddp"].peak_bytes)
+                   for label in args.budgets.split(",")}
+        # One launch per model: every configuration and the auto plan of every budget in the
+        # same interleaved rounds (the fixed ones are the same at any budget).
+        results = run_local(_worker, args.world, model, inputs, budgets, args.steps, args.warmup,
+                            profiles[(2, args.world // 2)], device_type, backend=backend, timeout=3600)
+        for label, budget in budgets.items():
+            record = report(name, label, budget, results, families)
             records.append(record)
             if args.out:
                 with open(args.out, "a") as f:

@@ -22,6 +22,9 @@ roofline. Its parts:
 
 - ``time_scale``: per op class, a model's timed steps over what the profile priced them at
   (``autoparallelize(refine=True)``): a factor on each kernel's priced seconds.
+- ``idle_speedup``: a rank's compute rate while half the ranks wait over its rate while all
+  compute (1 with a device per rank; up to 2 with twice the ranks of the host's cores): what a
+  pipeline bubble's busy ranks gain.
 
 The fraction of asynchronously issued communication hidden under concurrent compute is
 ``MeshSpec.comm_overlap`` (one field of the mesh, whoever fills it), not a field here.
@@ -198,6 +201,11 @@ class MachineProfile:
     # (``refine=True``, ``planner/refit.py``); each kernel of the class costs its priced seconds
     # times the factor, the per-kernel floor included (a rate scale would leave floor-bound kernels).
     time_scale: tuple[tuple[str, float], ...] = ()
+    # How much faster a rank computes while half the ranks wait than while all compute: above 1
+    # where ranks share cores (4 gloo ranks on 2 cores: an idle rank's core goes to a busy one),
+    # 1 where each rank has its own device. A pipeline's bubble is such a phase
+    # (``planner.pipeline.schedule.bubble``); calibration measures it (``runtime/calibrate.py``).
+    idle_speedup: float = 1.0
     # A mesh is a cache key (``layout.conversion``): hashing every rate each lookup would cost
     # ten times the preset mesh's whole hash, so the profile's is computed once.
     _hash: int = field(init=False, repr=False, compare=False, default=0)
@@ -215,8 +223,12 @@ class MachineProfile:
                 or not all(_positive(f) for _, f in self.time_scale):
             raise ValueError(f"MachineProfile.time_scale needs distinct op classes of {OP_CLASSES} with positive "
                              f"factors, got {self.time_scale}")
+        if not (_positive(self.idle_speedup) and self.idle_speedup >= 1):
+            raise ValueError(f"MachineProfile.idle_speedup must be a finite number >= 1, got {self.idle_speedup!r}")
+        object.__setattr__(self, "idle_speedup", float(self.idle_speedup))
         object.__setattr__(self, "_hash", hash((self.compute, self.links, self.measured_shape,
-                                                self.measured_axis_names, self.note, self.time_scale)))
+                                                self.measured_axis_names, self.note, self.time_scale,
+                                                self.idle_speedup)))
 
     def __hash__(self) -> int:
         return self._hash
@@ -240,7 +252,8 @@ class MachineProfile:
         return {"compute": self.compute.to_list(),
                 "links": [{"kind": f.kind, "axis": f.axis, "alpha": f.alpha, "beta": f.beta} for f in self.links],
                 "measured_shape": list(self.measured_shape), "measured_axis_names": list(self.measured_axis_names),
-                "note": self.note, **({"time_scale": dict(self.time_scale)} if self.time_scale else {})}
+                "note": self.note, **({"time_scale": dict(self.time_scale)} if self.time_scale else {}),
+                **({"idle_speedup": self.idle_speedup} if self.idle_speedup != 1.0 else {})}
 
     @classmethod
     def from_dict(cls, data: dict) -> "MachineProfile":
@@ -249,6 +262,7 @@ class MachineProfile:
                        links=tuple(LinkFit(**f) for f in data["links"]),
                        measured_shape=tuple(data["measured_shape"]),
                        measured_axis_names=tuple(data["measured_axis_names"]), note=data.get("note", ""),
-                       time_scale=tuple(data.get("time_scale", {}).items()))
+                       time_scale=tuple(data.get("time_scale", {}).items()),
+                       idle_speedup=data.get("idle_speedup", 1.0))
         except (KeyError, TypeError) as exc:
             raise ValueError(f"malformed machine profile in MeshSpec JSON: {type(exc).__name__}: {exc}") from None

@@ -177,6 +177,7 @@ def plan_traced(traced: TracedGraph, profile: ModelProfile, *, mesh: MeshSpec | 
     from autopar.planner.assemble import applicable_baselines, assemble_plan, restricted_built
     from autopar.planner.builder import build_problem
     from autopar.planner.checkpointing import plan_recompute
+    from autopar.planner.gathered import fit_gathered
     from autopar.planner.table_partition import TablePartition, fit_tables, with_tables
     from autopar.solver.driver import remembering
 
@@ -198,6 +199,7 @@ def plan_traced(traced: TracedGraph, profile: ModelProfile, *, mesh: MeshSpec | 
 
     with remembering():  # one scope for the re-solves (offload's refits): each one's plans are incumbents of the next
         rc = fit_device_room(traced, built, replan(built), options=options, replan=replan, progress=progress)
+        rc = fit_gathered(traced, built, rc, replan=replan, progress=progress)
         # Table-wise tables go whole onto one device each; a re-plan if the fullest then overflows.
         # (The chunk runtime that runs an offloading plan keeps every table evenly split.)
         tables = TablePartition()

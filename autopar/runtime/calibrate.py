@@ -16,7 +16,10 @@ its progress with ``verbose``:
    over all kinds (``MeshSpec.alpha``/``beta``) and one per kind and axis (``LinkFit``).
 3. **overlap**: an asynchronous all-reduce alone (``t_comm``), a matmul loop of about the same
    length alone (``t_comp``) and both at once (``t_both``), over every rank:
-   ``comm_overlap = (t_comm + t_comp - t_both) / min(t_comm, t_comp)`` clamped to [0, 1].
+   ``comm_overlap = (t_comm + t_comp - t_both) / min(t_comm, t_comp)`` clamped to [0, 1]; and
+   a matmul loop on every rank against the same loop on half of them while the rest wait:
+   ``MachineProfile.idle_speedup`` (what a pipeline bubble's busy ranks gain where ranks share
+   cores).
 
 All ranks return the same ``MeshSpec`` (with its ``MachineProfile``); ``out=`` writes it (rank 0).
 """
@@ -45,6 +48,8 @@ KiB, MiB = 1024, 1024**2
 QUICK_SIZES = {"cpu": [64 * KiB, 1 * MiB, 4 * MiB], "cuda": [1 * MiB, 8 * MiB, 64 * MiB]}
 OVERLAP_BYTES = {"cpu": 4 * MiB, "cuda": 256 * MiB}
 _PROBE = 8  # products in the first guess of the overlap stage's compute loop
+# Products in the idle-speedup loop (256^3 each: ~1-3 ms apiece on a shared CPU core).
+_IDLE_LOOP = 20
 
 
 class _Stages:
@@ -99,6 +104,29 @@ def measure_overlap(*, nbytes: int, repeats: int, device: torch.device) -> tuple
     # load between them swung it from 0 to 0.9 on a shared host.
     t_comm, t_comp, t_both = lockstep_medians([comm, compute, both], repeats=repeats, device=device)
     return overlap_fraction(t_comm, t_comp, t_both), {"comm": t_comm, "compute": t_comp, "both": t_both}
+
+
+def measure_idle_speedup(*, repeats: int, device: torch.device) -> tuple[float, dict[str, float]]:
+    """How much faster the lower half of the ranks run a matmul loop while the upper half waits
+    (at the next barrier, as a pipeline rank in its bubble waits on a receive) than while every
+    rank runs it: ``t_all / t_half``, at least 1, at most the world size. 1 on a GPU per rank;
+    4 gloo ranks on this 2-core host shared with other jobs measured 2.0-3.2 (more than the
+    ranks' fair share of the cores: the other jobs' threads take a busy rank's core less often
+    when fewer of ours compete), and 1F1B pipelines measured at 0.73-0.87 of their unscaled
+    step, which a bubble divided by ~3 matches (``planner.pipeline.schedule.bubble``)."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    a = torch.randn(256, 256, device=device)
+
+    def loop() -> None:
+        for _ in range(_IDLE_LOOP):
+            torch.mm(a, a)
+
+    def half() -> None:
+        if rank < max(1, world // 2):
+            loop()
+
+    t_all, t_half = lockstep_medians([loop, half], repeats=repeats, device=device)
+    return min(max(t_all / t_half, 1.0), float(world)), {"all": t_all, "half": t_half}
 
 
 # ------------------------------------------------------------------------------- collectives
@@ -167,11 +195,16 @@ def _in_group(shape: tuple[int, ...], device_type: str, sizes: Sequence[int], re
         overlap, parts = measure_overlap(nbytes=OVERLAP_BYTES[device_type], repeats=max(repeats, 9), device=device)
         say(f"all-reduce {parts['comm'] * 1e3:.2f} ms, compute {parts['compute'] * 1e3:.2f} ms, both "
             f"{parts['both'] * 1e3:.2f} ms: {overlap:.0%} of the collective hidden")
+    speedup = 1.0
+    if math.prod(shape) > 1:
+        speedup, parts = measure_idle_speedup(repeats=max(repeats, 9), device=device)
+        say(f"matmul loop {parts['all'] * 1e3:.2f} ms on every rank, {parts['half'] * 1e3:.2f} ms on half of them: "
+            f"{speedup:.2f}x while the other half waits")
     note = (f"{'quick ' if quick else ''}calibration of {shape} on {os.uname().nodename}, {device_type}, "
             f"{repeats} repetitions, load {load:.2f} at the start, "
             f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}")
     machine = MachineProfile(compute=compute, links=tuple(links), measured_shape=shape, measured_axis_names=names,
-                             note=note)
+                             note=note, idle_speedup=speedup)
     flops, half, bandwidth = device_figures(compute)
     mesh = MeshSpec(shape=shape, axis_names=names, alpha=tuple(alpha), beta=tuple(beta), peak_flops=flops,
                     mem_bandwidth=bandwidth, mem_capacity=_mem_capacity(device), name=f"profiled-{device_type}",

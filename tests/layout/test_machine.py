@@ -115,6 +115,19 @@ def test_older_versions_still_read_and_cannot_carry_a_machine():
         _mesh(shape=(4,), machine=_profile((2, 2)))
 
 
+def test_idle_speedup_round_trips_and_is_checked():
+    mesh = _mesh(machine=replace(_profile(), idle_speedup=2.5))
+    data = json.loads(mesh.to_json())
+    assert data["machine"]["idle_speedup"] == 2.5 and MeshSpec.from_json(mesh.to_json()) == mesh
+    assert "idle_speedup" not in json.loads(_mesh().to_json())["machine"]  # files before it read as 1
+    assert MeshSpec.from_json(_mesh().to_json()).machine.idle_speedup == 1.0
+    assert hash(mesh.machine) != hash(_profile())  # a mesh is a cache key
+    assert stage_mesh_of(mesh).machine.idle_speedup == 2.5  # a pipeline stage's sub-mesh keeps it
+    for bad in (0.5, math.inf, True, "2"):
+        with pytest.raises(ValueError, match="idle_speedup must be a finite number >= 1"):
+            replace(_profile(), idle_speedup=bad)
+
+
 def test_a_pipeline_stage_mesh_keeps_the_fits_of_its_axes():
     stage = stage_mesh_of(_mesh())  # drops axis 0: axis 1's all-gather fit becomes axis 0's
     assert stage.shape == (2,) and stage.machine.links == (LinkFit("all_gather", 0, 5e-4, 4e-9),)

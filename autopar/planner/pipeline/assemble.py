@@ -19,12 +19,13 @@ from autopar.planner.assemble import assemble_plan, solver_stats
 from autopar.planner.checkpointing import regions_of
 from autopar.planner.pipeline.costs import StageCost, StageCosts
 from autopar.planner.pipeline.geometry import even_stages
+from autopar.planner.pipeline.order import rank_counts
 from autopar.planner.pipeline.schedule import SCHEDULE_VIRTUAL_STAGES, PipelineCandidate
 from autopar.plans import PIPELINE_SCHEDULES, Estimate, PipelinePlan, Plan, stage_mesh_of
 from autopar.solver.problem import Solution
 from autopar.tracer.graph import TracedGraph
 
-__all__ = ["assemble_pipelined", "pipeline_plan", "rank_bytes"]
+__all__ = ["assemble_pipelined", "pipeline_plan", "rank_memory"]
 
 
 def assemble_pipelined(costs: StageCosts, traced: TracedGraph, bounds: tuple[int, ...], *, schedule: str,
@@ -58,9 +59,12 @@ def assemble_pipelined(costs: StageCosts, traced: TracedGraph, bounds: tuple[int
     sync = max(c.sync_s for c in stage_costs)
     step = factor * top.time_s + sync
     compute, reshard = factor * top.compute_s, factor * top.reshard_s
-    param_bytes, peak_bytes = rank_bytes(stage_costs, num_stages=num_stages)
+    v = SCHEDULE_VIRTUAL_STAGES[schedule]
+    ranks = rank_memory(stage_costs, schedule=schedule, num_stages=num_stages, num_microbatches=num_microbatches)
     estimate = Estimate(step_s=step, compute_s=compute, comm_s=max(step - compute - reshard, 0.0), reshard_s=reshard,
-                        param_bytes=param_bytes, peak_bytes=peak_bytes)
+                        param_bytes=max(sum(stage_costs[c * num_stages + r].param_bytes for c in range(v))
+                                        for r in range(num_stages)),
+                        peak_bytes=max(peak for _, peak in ranks))
     gap = max(c.gap for c in stage_costs)
     solution = Solution(choice=choice, objective=step, lp_bound=step * (1 - gap), dual_bound=step * (1 - gap),
                         gap=gap, status="optimal" if all(c.status == "optimal" for c in stage_costs) else "feasible",
@@ -78,6 +82,7 @@ def assemble_pipelined(costs: StageCosts, traced: TracedGraph, bounds: tuple[int
                         virtual_stages=SCHEDULE_VIRTUAL_STAGES[schedule],
                         stages=geo.stage_plans(bounds, num_stages=num_stages))
     record = {"factor": factor, "num_solves": costs.num_solves, "boundary_bytes": list(geo.boundary_bytes),
+              "rank_saved_bytes": [saved for saved, _ in ranks], "rank_peak_bytes": [peak for _, peak in ranks],
               "stages": [{"time_s": c.time_s, "sync_s": c.sync_s, "p2p_s": c.p2p_s, "peak_bytes": c.peak_bytes,
                           "param_bytes": c.param_bytes, "in_flight": c.in_flight, "saved_bytes": c.saved_bytes,
                           "in_flight_saved_bytes": c.in_flight * c.saved_bytes, "recompute": c.recompute}
@@ -87,19 +92,34 @@ def assemble_pipelined(costs: StageCosts, traced: TracedGraph, bounds: tuple[int
                    solver={**solver_stats(solution), "pipeline": record})
 
 
-def rank_bytes(stage_costs, *, num_stages: int) -> tuple[int, int]:
-    """(parameter bytes, peak bytes) of the fullest pipeline rank. Stage ``k`` runs on rank
-    ``k % num_stages``; a rank of an interleaved schedule holds its ``v`` virtual stages'
-    parameters and in-flight activations at once, so its figures are its stages' sums (each
-    stage was fitted within ``budget // v``: ``schedule._stage_budget``) -- the peak summed is
-    an upper bound, the stages' own peaks need not coincide. With one stage per rank: the
-    largest stage's figures. (Taking the largest stage for interleaved schedules too put GPT-2's
-    2 x 2 zero-bubble plan at half the bytes its ranks measured.)"""
-    params, peaks = [0] * num_stages, [0] * num_stages
-    for k, c in enumerate(stage_costs):
-        params[k % num_stages] += c.param_bytes
-        peaks[k % num_stages] += c.peak_bytes
-    return max(params), max(peaks)
+def rank_memory(stage_costs: list[StageCost], *, schedule: str, num_stages: int,
+                num_microbatches: int) -> list[tuple[int, int]]:
+    """Each pipeline rank's (saved bytes at its peak, peak bytes). One stage per rank: the stage's
+    own figures. With ``v`` chunks per rank (stage ``c * S + r`` is rank ``r``'s chunk ``c``): all
+    chunks' parameter bytes, the most saved bytes the chunks hold together at any point of
+    torch's order for the rank (``pipeline.order.rank_counts``; zero-bubble: every chunk its
+    ``in_flight``, the bound ``pipeline.schedule.in_flight`` prices) and the largest one-chunk
+    transient above its saved bytes (a rank runs one chunk at a time). This is the plan's
+    ``peak_bytes`` (it was the largest chunk's peak: about half the measured bytes of GPT-2's
+    interleaved ranks). It is at most the sum of the rank's chunk peaks (each chunk is priced at
+    its own in-flight peak, ``pipeline.order.chunk_peaks``), so chunks searched under ``budget /
+    v`` each keep the rank within the budget."""
+    v = len(stage_costs) // num_stages
+    if v == 1:
+        return [(c.in_flight * c.saved_bytes, c.peak_bytes) for c in stage_costs]
+    out = []
+    for r in range(num_stages):
+        chunks = [stage_costs[c * num_stages + r] for c in range(v)]
+        params = sum(c.param_bytes for c in chunks)
+        transient = max(max(c.peak_bytes - c.param_bytes - c.in_flight * c.saved_bytes, 0) for c in chunks)
+        if schedule == "interleaved-1f1b":
+            states = rank_counts(schedule, rank=r, num_stages=num_stages, virtual_stages=v,
+                                 num_microbatches=num_microbatches)
+            saved = max(sum(n * c.saved_bytes for n, c in zip(state, chunks)) for state in states)
+        else:
+            saved = sum(c.in_flight * c.saved_bytes for c in chunks)
+        out.append((saved, params + saved + transient))
+    return out
 
 
 def pipeline_plan(sub_plan: Plan, traced: TracedGraph, *, mesh: MeshSpec | tuple[int, ...] | str, num_stages: int,

@@ -36,7 +36,8 @@ from dataclasses import replace
 from typing import Callable, Hashable, TypeVar
 
 from autopar.planner.pipeline.geometry import StageGeometry
-from autopar.planner.pipeline.schedule import SCHEDULE_VIRTUAL_STAGES, best_cuts, stage_window, step_factor
+from autopar.planner.pipeline.schedule import (SCHEDULE_VIRTUAL_STAGES, best_cuts, idle_speedup, stage_window,
+                                              step_factor)
 from autopar.plans import NodeKind
 from autopar.solver.driver import SolveTimeout
 
@@ -123,7 +124,8 @@ def step_floor(costs, *, schedule: str, num_stages: int, num_microbatches: int,
     parts = num_stages * v
     if costs.num_blocks < parts:
         return math.inf
-    factor = step_factor(schedule, num_stages=num_stages, virtual_stages=v, num_microbatches=num_microbatches)
+    factor = step_factor(schedule, num_stages=num_stages, virtual_stages=v, num_microbatches=num_microbatches,
+                         idle_speedup=idle_speedup(costs.mesh))
     if floor_factor is not None and floor_factor < factor:
         raise ValueError(f"floor_factor {floor_factor} is below the schedule's step factor {factor}")
     sums = [0.0]
@@ -146,7 +148,7 @@ def config_floors(costs, *, schedules: tuple[str, ...], num_stages: int, num_mic
                   window: int | str | None = None) -> dict[str, float]:
     """``step_floor`` of each schedule, from one set of block floors (at the largest factor)."""
     top = max(step_factor(s, num_stages=num_stages, virtual_stages=SCHEDULE_VIRTUAL_STAGES[s],
-                          num_microbatches=num_microbatches) for s in schedules)
+                          num_microbatches=num_microbatches, idle_speedup=idle_speedup(costs.mesh)) for s in schedules)
     return {s: step_floor(costs, schedule=s, num_stages=num_stages, num_microbatches=num_microbatches, window=window,
                           floor_factor=top) for s in schedules}
 

@@ -23,7 +23,7 @@ from typing import Any
 
 from autopar.layout.mesh import MeshSpec
 from autopar.planner.pipeline.geometry import batch_size, block_container, microbatch_counts
-from autopar.planner.pipeline.schedule import SCHEDULE_VIRTUAL_STAGES, step_factor
+from autopar.planner.pipeline.schedule import SCHEDULE_VIRTUAL_STAGES, idle_speedup, step_factor
 from autopar.planner.records import BuiltProblem
 from autopar.plans import NodeKind
 from autopar.tracer.graph import TracedGraph
@@ -67,6 +67,7 @@ def work_floor(built: BuiltProblem, *, num_stages: int, num_microbatches: tuple[
     problem = built.problem
     single = sum(max((o.compute_s for o in node.options), default=0.0) for node in problem.nodes
                  if built.decision(node.name).kind == NodeKind.OP)
-    ratio = min(step_factor(s, num_stages=num_stages, virtual_stages=SCHEDULE_VIRTUAL_STAGES[s], num_microbatches=m)
+    ratio = min(step_factor(s, num_stages=num_stages, virtual_stages=SCHEDULE_VIRTUAL_STAGES[s], num_microbatches=m,
+                            idle_speedup=idle_speedup(built.mesh))
                 / (m * SCHEDULE_VIRTUAL_STAGES[s]) for s in schedules for m in num_microbatches)
     return single / built.mesh.num_devices * ratio

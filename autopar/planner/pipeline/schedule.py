@@ -1,4 +1,5 @@
-"""The pipeline schedules' cost formulas and the stage-cut dynamic program (torch-free, numpy-free).
+"""The pipeline schedules' cost formulas and the stage-cut dynamic program (numpy-free; torch only through
+``pipeline.order``, which reads the interleaved schedules' in-flight counts off torch's own action order).
 
 Notation: ``S`` pipeline ranks (mesh axis 0), ``v`` virtual stages per rank (K = S * v stages in
 pipeline order, stage k on rank ``k % S``), ``M`` micro-batches, ``t_k`` stage k's time for ONE
@@ -6,14 +7,19 @@ micro-batch (forward + backward, its sharded ops on the stage sub-mesh, plus sen
 forward and receiving its gradient back over axis 0's link), ``sync_k`` its once-per-step
 gradient synchronisation over the sub-mesh.
 
-Step time (``step_time``) = ``(M * v + bubble) * max_k t_k + max_k sync_k`` with
+Step time (``step_time``) = ``(M * v + bubble / idle_speedup) * max_k t_k + max_k sync_k``
+(``idle_speedup``: the calibrated machine's ``MachineProfile.idle_speedup``, 1 on a preset: the
+fill and drain leave ranks waiting, whose cores the busy ranks take where ranks share them) with
 
 - GPipe, 1F1B: ``bubble = S - 1`` (``(M + S - 1) * t``: the classic fill and drain);
 - interleaved 1F1B: ``bubble = S - 1`` in units of a chunk: ``(M + (S - 1) / v) * (v * t)``,
   Megatron's bubble divided by ``v``;
 - zero-bubble (torch's interleaved zero-bubble schedule, ZB-H1 of Qi et al. 2023): the
   weight-gradient passes fill about two thirds of the 1F1B bubble when forward, input-gradient
-  and weight-gradient passes take a third of ``t`` each: ``bubble = (S - 1) / 3``.
+  and weight-gradient passes take a third of ``t`` each: ``bubble = (S - 1) / 3`` (torch's own
+  order for it, played with equal thirds, gives exactly this), ``(S - 1) / idle_speedup`` where
+  that is smaller: the weight passes and the cores the waiting ranks lend recover the same idle
+  slots, not twice.
 
 Balanced chunks are assumed for interleaving (a rank's time per micro-batch is ``v`` times the
 slowest chunk's): the DP bounds the slowest chunk, which bounds every rank's sum.
@@ -22,11 +28,13 @@ In-flight micro-batches (``in_flight``), whose saved activations stage k holds a
 
 - GPipe: ``M`` (every forward runs before the first backward);
 - 1F1B: ``min(S - r, M)`` on rank ``r`` (its warm-up forwards plus the one in flight);
-- interleaved 1F1B: Megatron's warm-up on rank ``r`` is ``2 (S - r - 1) + (v - 1) S`` chunk
-  forwards, plus one in flight, capped at ``M v``; spread over the rank's ``v`` chunks:
-  ``ceil(min(2 (S - r - 1) + (v - 1) S + 1, M v) / v)`` per chunk;
-- zero-bubble: as interleaved 1F1B (ZB-H1 keeps 1F1B's activation peak; the deferred
-  weight-gradient passes hold only their inputs' gradients, which this count ignores).
+- interleaved 1F1B: the most micro-batches the chunk holds at any point of torch's own action
+  order for its rank (``pipeline.order.chunk_peaks``; a chunk's peak, the rank's chunks peaking
+  at different times -- ``pipeline.order.rank_counts`` gives the rank's exact mix);
+- zero-bubble: ``M``, as GPipe: torch's input-gradient pass keeps the gradients of the
+  intermediate values for the deferred weight-gradient pass, and measured (GPT-2, 2 ranks x 2
+  chunks, 8 micro-batches) rank 1 held 11 of its 16 chunk micro-batches' saved bytes, beyond any
+  1F1B-like count; every micro-batch is the bound that holds.
 
 ``best_cuts`` finds the contiguous cut of ``B`` blocks into ``K`` stages minimising
 ``factor * max_k t_k + max_k sync_k`` exactly: for each candidate bottleneck T (every stage time,
@@ -45,9 +53,11 @@ import math
 from dataclasses import dataclass
 from typing import Callable
 
+from autopar.planner.pipeline.order import chunk_peaks
 from autopar.plans import PIPELINE_SCHEDULES
 
-__all__ = ["SCHEDULE_VIRTUAL_STAGES", "stage_window", "schedules_for", "check_pipeline_zero", "bubble", "step_factor",
+__all__ = ["SCHEDULE_VIRTUAL_STAGES", "stage_window", "schedules_for", "check_pipeline_zero", "idle_speedup", "bubble",
+           "step_factor",
            "in_flight", "step_time", "Cuts", "best_cuts", "LazyCuts", "PipelineCandidate", "schedule_cuts"]
 
 # Virtual stages per rank each schedule is planned with (the runtime's torch schedules run
@@ -96,33 +106,48 @@ def _check(schedule: str) -> None:
         raise ValueError(f"pipeline schedule {schedule!r} is not one of {PIPELINE_SCHEDULES}")
 
 
-def bubble(schedule: str, *, num_stages: int) -> float:
-    """Idle slots, in units of the slowest stage's time per micro-batch (module docstring)."""
+def idle_speedup(mesh) -> float:
+    """The mesh's calibrated ``MachineProfile.idle_speedup`` (1: a preset, or a device per rank)."""
+    machine = getattr(mesh, "machine", None)
+    return 1.0 if machine is None else machine.idle_speedup
+
+
+def bubble(schedule: str, *, num_stages: int, idle_speedup: float = 1.0) -> float:
+    """Idle slots, in units of the slowest stage's time per micro-batch (module docstring),
+    divided by ``idle_speedup``: in the fill and drain some ranks wait, and where ranks share
+    cores the busy ones run that much faster (measured on 4 gloo ranks on 2 cores, GPT-2: the
+    1F1B step at 0.73-0.87 of ``(M + S - 1) t``, 2 and 4 stages, 2-8 micro-batches)."""
     _check(schedule)
-    return (num_stages - 1) / 3 if schedule == "zero-bubble" else float(num_stages - 1)
+    if schedule == "zero-bubble":
+        # The weight passes fill the idle slots with work a waiting rank's core would otherwise
+        # lend to the busy ranks: the two recover the same idle time and do not compound.
+        return (num_stages - 1) / max(3.0, idle_speedup)
+    return (num_stages - 1) / idle_speedup
 
 
-def step_factor(schedule: str, *, num_stages: int, virtual_stages: int, num_microbatches: int) -> float:
+def step_factor(schedule: str, *, num_stages: int, virtual_stages: int, num_microbatches: int,
+                idle_speedup: float = 1.0) -> float:
     """How many times the slowest stage's per-micro-batch time the step takes: ``M v + bubble``."""
-    return num_microbatches * virtual_stages + bubble(schedule, num_stages=num_stages)
+    return num_microbatches * virtual_stages + bubble(schedule, num_stages=num_stages, idle_speedup=idle_speedup)
 
 
 def in_flight(schedule: str, *, index: int, num_stages: int, virtual_stages: int, num_microbatches: int) -> int:
     """Micro-batches whose saved activations stage ``index`` holds at its peak (module docstring)."""
     _check(schedule)
     rank, m = index % num_stages, num_microbatches
-    if schedule == "gpipe":
+    if schedule in ("gpipe", "zero-bubble"):
         return m
     if virtual_stages == 1:
         return min(num_stages - rank, m)
-    warmup = 2 * (num_stages - rank - 1) + (virtual_stages - 1) * num_stages
-    return math.ceil(min(warmup + 1, m * virtual_stages) / virtual_stages)
+    return chunk_peaks(schedule, rank=rank, num_stages=num_stages, virtual_stages=virtual_stages,
+                       num_microbatches=m)[index // num_stages]
 
 
-def step_time(schedule: str, *, times, syncs, num_stages: int, virtual_stages: int, num_microbatches: int) -> float:
+def step_time(schedule: str, *, times, syncs, num_stages: int, virtual_stages: int, num_microbatches: int,
+              idle_speedup: float = 1.0) -> float:
     """The step's seconds for per-stage micro-batch ``times`` and gradient ``syncs``."""
     factor = step_factor(schedule, num_stages=num_stages, virtual_stages=virtual_stages,
-                         num_microbatches=num_microbatches)
+                         num_microbatches=num_microbatches, idle_speedup=idle_speedup)
     return factor * max(times) + max(syncs, default=0.0)
 
 
@@ -270,7 +295,8 @@ def schedule_cuts(costs, *, schedule: str, num_stages: int, num_microbatches: in
     window = stage_window(window, num_blocks=costs.num_blocks, parts=parts)
     if schedule == "zero-bubble":
         recompute = tuple(r for r in recompute if not r)  # the runtime refuses recompute under zero-bubble
-    factor = step_factor(schedule, num_stages=num_stages, virtual_stages=v, num_microbatches=num_microbatches)
+    factor = step_factor(schedule, num_stages=num_stages, virtual_stages=v, num_microbatches=num_microbatches,
+                         idle_speedup=idle_speedup(costs.mesh))
     flight = [in_flight(schedule, index=k, num_stages=num_stages, virtual_stages=v,
                         num_microbatches=num_microbatches) for k in range(parts)]
     stage_budget = _stage_budget(budget, v)

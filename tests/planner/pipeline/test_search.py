@@ -3,7 +3,6 @@ GPT-2 / Llama tiny on (2, 2) and (4,), and pipeline='auto' choosing by link spee
 
 import dataclasses
 import itertools
-import math
 
 import pytest
 
@@ -86,11 +85,25 @@ def test_schedule_formulas():
             for k in range(4)] == [4, 3, 2, 1]
     assert [in_flight("1f1b", index=k, num_stages=4, virtual_stages=1, num_microbatches=2)
             for k in range(4)] == [2, 2, 2, 1]
-    # Megatron interleaved warm-up 2(S-r-1) + (v-1)S (+1 in flight) chunk passes over v chunks.
+    # Interleaved: each chunk's peak in torch's own order (stage k is rank k % S's chunk k // S).
+    # Rank 0 runs chunk 0's forwards of a round (2 micro-batches) before chunk 1's, so chunk 0
+    # holds 4 before its first backward; the rank's total never exceeds Megatron's warm-up + 1.
     assert [in_flight("interleaved-1f1b", index=k, num_stages=2, virtual_stages=2, num_microbatches=4)
-            for k in range(4)] == [math.ceil(5 / 2), math.ceil(3 / 2)] * 2
+            for k in range(4)] == [4, 3, 2, 1]
+    # Zero-bubble holds every micro-batch (the bound; ``pipeline.order``'s docstring has the measurement).
+    assert [in_flight("zero-bubble", index=k, num_stages=2, virtual_stages=2, num_microbatches=4)
+            for k in range(4)] == [4] * 4
     assert step_time("1f1b", times=[1.0, 2.0], syncs=[0.5, 0.1], num_stages=2, virtual_stages=1,
                      num_microbatches=4) == pytest.approx(5 * 2.0 + 0.5)
+    # Where ranks share cores, the fill and drain run faster by the calibrated idle speedup.
+    assert step_factor("1f1b", num_stages=4, virtual_stages=1, num_microbatches=8, idle_speedup=3.0) == 8 + 1
+    # Zero-bubble's weight passes and the idle speedup recover the same idle slots: the larger wins.
+    assert step_factor("zero-bubble", num_stages=4, virtual_stages=2, num_microbatches=8,
+                       idle_speedup=2.0) == pytest.approx(16 + 1)
+    assert step_factor("zero-bubble", num_stages=4, virtual_stages=2, num_microbatches=8,
+                       idle_speedup=6.0) == pytest.approx(16 + 0.5)
+    assert step_time("1f1b", times=[1.0, 2.0], syncs=[0.5, 0.1], num_stages=2, virtual_stages=1,
+                     num_microbatches=4, idle_speedup=2.0) == pytest.approx(4.5 * 2.0 + 0.5)
     with pytest.raises(ValueError, match="schedule 'pipedream'"):
         in_flight("pipedream", index=0, num_stages=2, virtual_stages=1, num_microbatches=2)
 
@@ -123,18 +136,26 @@ def check_pipelined(plan: Plan, traced, *, num_stages: int, schedule: str, num_m
     ops = [n.name for n in traced.nodes if n.op not in ("placeholder", "output")]
     assert set(stage_of) == set(ops)
     figures = plan.solver["pipeline"]["stages"]
-    # A rank holds all of its virtual stages at once: its bytes are their sums (the fullest rank's).
+    # A rank holds all of its virtual stages at once: its parameter bytes are their sum (the
+    # fullest rank's); its peak below.
     on_rank = [[f for k, f in enumerate(figures) if k % num_stages == r] for r in range(num_stages)]
-    assert plan.estimate.peak_bytes == max(sum(f["peak_bytes"] for f in fs) for fs in on_rank)
     assert plan.estimate.param_bytes == max(sum(f["param_bytes"] for f in fs) for fs in on_rank)
-    if v > 1:
-        assert plan.estimate.peak_bytes > max(f["peak_bytes"] for f in figures)
     want = step_time(schedule, times=[f["time_s"] for f in figures], syncs=[f["sync_s"] for f in figures],
                      num_stages=num_stages, virtual_stages=v, num_microbatches=num_microbatches)
     assert plan.estimate.step_s == pytest.approx(want, rel=1e-9)
     assert [f["in_flight"] for f in figures] == [
         in_flight(schedule, index=k, num_stages=num_stages, virtual_stages=v, num_microbatches=num_microbatches)
         for k in range(num_stages * v)]
+    # The peak is the fullest rank's, its chunks together: above any one chunk's with two chunks,
+    # and within their sum (each chunk priced at its own in-flight peak, so a rank whose chunks
+    # fit ``budget / v`` fits the budget).
+    ranks = plan.solver["pipeline"]["rank_peak_bytes"]
+    assert len(ranks) == num_stages and plan.estimate.peak_bytes == max(ranks)
+    for r in range(num_stages):
+        chunks = [figures[c * num_stages + r]["peak_bytes"] for c in range(v)]
+        assert max(chunks) <= ranks[r] <= sum(chunks)
+        if v > 1:
+            assert ranks[r] > max(chunks)
     assert {n.name for n in plan.nodes} >= set(ops) & {n.name for n in plan.nodes}
     assert Plan.from_json(plan.to_json()).pipeline == pipe
     assert "ms/micro" in plan.summary()
@@ -477,3 +498,25 @@ def test_bounded_stage_solves_find_the_same_cuts_as_solving_every_stage(traced_m
         assert above[1].bounds == want[1].bounds and above[1].objective == pytest.approx(want[1].objective)
         below = schedule_cuts(_stage_costs(traced_models, "gpt2", (4, 2)), bound=want[1].objective * 0.999, **kw)
         assert below[1] is None and below[0].step_s is None and "no cut beats" in below[0].note
+
+
+def test_a_calibrated_idle_speedup_prices_the_bubble(traced_models):
+    """A machine whose busy ranks run faster while others wait (``MachineProfile.idle_speedup``)
+    shortens the fill and drain: the plan's step is the schedule's with the bubble divided by it."""
+    from autopar.layout.machine import ComputeProfile, MachineProfile
+
+    traced, prof = traced_models["llama-1b"]
+    preset = MeshSpec.preset("cpu", (2, 2))
+    machine = MachineProfile(ComputeProfile(()), (), (2, 2), preset.axis_names, idle_speedup=3.0)
+    steps = {}
+    for name, mesh in (("preset", preset), ("shared cores", dataclasses.replace(preset, machine=machine))):
+        found = search_stages(traced, prof, mesh=mesh, options=PlanOptions(), num_stages=2, num_microbatches=4,
+                              schedules=("1f1b",))
+        figures = found.plan.solver["pipeline"]["stages"]
+        speedup = 1.0 if mesh.machine is None else 3.0
+        assert found.plan.estimate.step_s == pytest.approx(step_time(
+            "1f1b", times=[f["time_s"] for f in figures], syncs=[f["sync_s"] for f in figures], num_stages=2,
+            virtual_stages=1, num_microbatches=4, idle_speedup=speedup), rel=1e-9)
+        assert found.plan.solver["pipeline"]["factor"] == 4 + 1 / speedup
+        steps[name] = found.plan.estimate.step_s
+    assert steps["shared cores"] < steps["preset"]

@@ -4,7 +4,9 @@ is within 10% of the plan's in-flight estimate.
 The plan (``autopar.api.plan_pipelined``, the stage search) records per stage
 (``plan.solver["pipeline"]["stages"][k]``) ``saved_bytes`` (what one micro-batch's forward keeps
 for backward on a device of that stage, user inputs left out) and ``in_flight_saved_bytes``
-(times the schedule's in-flight count: GPipe all M, 1F1B ``S - rank``). The runtime is measured
+(times the schedule's in-flight count: GPipe all M, 1F1B ``S - rank``) and per pipeline rank
+``rank_saved_bytes`` (an interleaved rank's two chunks together, as torch's order holds them:
+``pipeline.order``). The runtime is measured
 from OUTSIDE: during ``pm.step`` a ``saved_tensors_hooks`` pack hook wraps every saved tensor in
 a handle whose release (autograd dropping the saved variable after that node's backward) is
 observed with ``weakref.finalize``; bytes are counted per storage (a storage saved by several
@@ -14,7 +16,8 @@ the stage's peak; every handle must be released when the step ends.
 
 GPT-2 tiny and Llama tiny (4 blocks) on 4 gloo ranks: mesh (2, 2) with 2 stages (sharded inside
 the stage: fast links) and 4 micro-batches, mesh (4,) with 4 stages and 8 micro-batches;
-schedules gpipe and 1f1b in one launch per (model, mesh), each launch with a timeout.
+schedules gpipe and 1f1b (and interleaved 1F1B, 2 chunks per rank, on (2, 2)) in one launch per
+(model, mesh), each launch with a timeout.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ TOLERANCE = 0.10
 MICRO_BATCH = 2
 NUM_LAYERS = 4
 MICROBATCHES = {(2, 2): 4, (4,): 8}
-SCHEDULES = ("gpipe", "1f1b")
+SCHEDULES = {(2, 2): ("gpipe", "1f1b", "interleaved-1f1b"), (4,): ("gpipe", "1f1b")}  # 4 blocks: 2 x 2 chunks at most
 
 def fast_mesh(shape: tuple[int, ...]) -> MeshSpec:
     """The CPU preset with nearly free links, so the stages shard over the (2,) sub-mesh."""
@@ -110,7 +113,7 @@ def _check(name: str, shape: tuple[int, ...]) -> None:
     m = MICROBATCHES[shape]
     model, inputs = zoo.build(name, tiny=True, num_layers=NUM_LAYERS, batch=MICRO_BATCH * m, device="cpu")
     plans, traced = {}, None
-    for schedule in SCHEDULES:
+    for schedule in SCHEDULES[shape]:
         found = plan_pipelined(model, inputs, mesh=fast_mesh(shape),
                                options=PlanOptions(pipeline=shape[0], microbatches=m, schedule=schedule,
                                                    checkpoint="none"))
@@ -120,11 +123,13 @@ def _check(name: str, shape: tuple[int, ...]) -> None:
     errors = []
     for rank, by_schedule in enumerate(results):
         for schedule, (pp_rank, peak, live, loss) in by_schedule.items():
-            record = plans[schedule].solver["pipeline"]["stages"][pp_rank]
-            est = record["in_flight_saved_bytes"]
-            assert record["in_flight"] == (m if schedule == "gpipe" else min(shape[0] - pp_rank, m))
-            assert est == record["in_flight"] * record["saved_bytes"] > 0
-            label = f"{name} {shape} {schedule} rank {rank} (stage {pp_rank}, {record['in_flight']} in flight)"
+            pipe = plans[schedule].solver["pipeline"]
+            record = pipe["stages"][pp_rank]
+            est = pipe["rank_saved_bytes"][pp_rank]  # the rank's chunks together (interleaved: two)
+            if schedule != "interleaved-1f1b":
+                assert record["in_flight"] == (m if schedule == "gpipe" else min(shape[0] - pp_rank, m))
+                assert est == record["in_flight_saved_bytes"] == record["in_flight"] * record["saved_bytes"] > 0
+            label = f"{name} {shape} {schedule} rank {rank} (pipeline rank {pp_rank}, {record['in_flight']} in flight)"
             if live:
                 errors.append(f"{label}: {live} B still held after the step")
             if abs(peak - est) > TOLERANCE * est:

@@ -1,0 +1,176 @@
+"""Parameters gathered for a reader that saves them for backward: bytes the memory timeline misses.
+
+A parameter stored split (a ZeRO-3 layout, or a split its reader does not compute on) reaches a
+reader wanting more of it through a conversion on the edge (an all-gather). When the reader's
+backward needs that input -- a matmul's weight -- autograd keeps the converted copy from the
+reader's forward to its backward, beside the stored shard. The ``Problem`` prices the edge's
+seconds but gives an edge no bytes, so a plan's peak missed them: GPT-2 on a (2, 2) mesh at a
+tight budget stored each ``c_attn`` weight split on axis 1 and gathered it for its ``addmm``,
+and measured 2.2 MiB per rank above its estimate -- above the budget it was planned for.
+
+``gathered_bytes`` sums those copies for a choice (every one is alive at the end of forward, where
+the saved activations peak; a reader inside a recompute region keeps none: the region re-runs the
+conversion in backward). Which inputs an op keeps is read off torch itself: the op runs once on
+``meta`` tensors under ``saved_tensors_hooks`` (``saved_slots``). ``fit_gathered`` adds them to a
+plan's peak and re-solves under a budget lowered by the overflow while the sum does not fit.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from dataclasses import replace
+
+import torch
+
+from autopar.plans import NodeKind
+from autopar.strategies import input_nodes
+
+__all__ = ["saved_slots", "gathered_bytes", "with_gathered", "fit_gathered", "MAX_GATHER_REFITS"]
+
+MAX_GATHER_REFITS = 12
+
+
+def _meta(value, *, grad: bool) -> torch.Tensor:
+    t = torch.empty_strided(tuple(value.shape), tuple(value.stride()), dtype=value.dtype, device="meta")
+    return t.requires_grad_(grad and t.is_floating_point())
+
+
+def saved_slots(node: torch.fx.Node) -> frozenset[int]:
+    """The input slots (``input_nodes(node)`` order) whose tensor ``node``'s op saves for backward,
+    every floating input requiring grad. An op that does not run on ``meta`` counts every slot
+    (an upper bound: bytes not to miss)."""
+    slots = input_nodes(node)
+    vals = [s.meta.get("val") for s in slots]
+    key = (node.target, tuple((tuple(v.shape), tuple(v.stride()), v.dtype) if isinstance(v, torch.Tensor) else None
+                              for v in vals), _shape_free(node.args), _shape_free(node.kwargs))
+    return _cached_slots(key, node)
+
+
+# (op, input shapes/strides/dtypes, the other arguments) -> saved slots: a repeated block asks once.
+_SLOTS: dict[tuple, frozenset[int]] = {}
+
+
+def _cached_slots(key: tuple, node: torch.fx.Node) -> frozenset[int]:
+    if key not in _SLOTS:
+        _SLOTS[key] = _run_saved(node)
+    return _SLOTS[key]
+
+
+def _shape_free(value):
+    """The non-tensor part of an op's arguments (fx nodes as their position marker), hashable."""
+    if isinstance(value, torch.fx.Node):
+        return "<tensor>"
+    if isinstance(value, (list, tuple)):
+        return tuple(_shape_free(v) for v in value)
+    if isinstance(value, dict):
+        return tuple(sorted((k, _shape_free(v)) for k, v in value.items()))
+    return value if isinstance(value, (int, float, bool, str, type(None), torch.dtype)) else repr(value)
+
+
+def _run_saved(node: torch.fx.Node) -> frozenset[int]:
+    slots = input_nodes(node)
+    tensors: dict[torch.fx.Node, torch.Tensor] = {}
+    for s in slots:
+        val = s.meta.get("val")
+        if not isinstance(val, torch.Tensor):
+            return frozenset(range(len(slots)))
+        tensors.setdefault(s, _meta(val, grad=True))
+
+    def sub(value):
+        if isinstance(value, torch.fx.Node):
+            return tensors[value]
+        if isinstance(value, (list, tuple)):
+            return type(value)(sub(v) for v in value)
+        return value
+
+    saved: list[torch.Tensor] = []
+
+    def pack(t):
+        saved.append(t)
+        return t
+
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            node.target(*sub(node.args), **{k: sub(v) for k, v in node.kwargs.items()})
+    except Exception:  # noqa: BLE001 -- an op meta cannot run: assume it keeps every input
+        return frozenset(range(len(slots)))
+    return frozenset(i for i, s in enumerate(slots) if any(t is tensors[s] for t in saved))
+
+
+def gathered_bytes(traced, built, choice: dict[str, str], *, regions=()) -> int:
+    """Bytes per device of the converted parameter copies that readers of ``choice`` keep for
+    backward (module docstring): a reader whose input layout of a parameter holds more of it per
+    device than the parameter's stored layout, and whose op saves that input."""
+    recomputed = {name for region in regions for name in region.nodes}
+    mesh_shape = tuple(built.mesh.shape)
+    fx_nodes = {n.name: n for n in traced.nodes}
+    total = 0
+    for node in built.problem.nodes:
+        decision = built.decision(node.name)
+        if decision.kind != NodeKind.OP or node.name in recomputed:
+            continue
+        want_specs = built.choice_of(node.name, choice[node.name]).input_specs
+        for slot, value in enumerate(decision.inputs):
+            if value is None or slot >= len(want_specs) or want_specs[slot] is None:
+                continue
+            if built.decision(value.producer).kind != NodeKind.PARAMETER:
+                continue
+            have = built.choice_of(value.producer, choice[value.producer]).output_specs[value.index]
+            want = value.local_bytes(want_specs[slot], mesh_shape)
+            if have is None or want <= value.local_bytes(have, mesh_shape):
+                continue
+            if slot in saved_slots(fx_nodes[node.name]):
+                total += want
+    return total
+
+
+def with_gathered(evaluation, extra: int):
+    """``evaluation`` with ``extra`` bytes live at its activation peak (the end of forward, where
+    every kept copy is alive: the peak rises by exactly ``extra``)."""
+    if not extra:
+        return evaluation
+    acts = list(evaluation.activations) or [0]
+    at = acts.index(max(acts))
+    acts[at] += extra
+    return replace(evaluation, activations=tuple(acts))
+
+
+def fit_gathered(traced, built, rc, *, replan, progress=None):
+    """``rc`` (``plan_recompute``'s outcome on ``built``) with its evaluation's peak raised by its
+    gathered copies (``gathered_bytes``), or a re-plan whose peak with them fits ``built``'s
+    budget: solved under the budget less the overflow (then at least 1/64 of it lower each
+    time), or halfway back up towards the last budget whose plan did not fit when that had no
+    plan at all, at most ``MAX_GATHER_REFITS`` times (``offload_fit.fit_device_room``'s search).
+    ValueError naming the bytes when none fits."""
+    from autopar.planner.offload_fit import replace_budget
+    from autopar.solver.driver import SolveTimeout
+
+    budget = built.problem.budget_bytes
+    over, infeasible, failure, detail = budget, None, None, ""
+    for attempt in range(MAX_GATHER_REFITS + 1):
+        if rc is not None:
+            extra = gathered_bytes(traced, built, rc.choice, regions=rc.regions)
+            peak = rc.evaluation.peak_bytes + extra
+            if budget is None or peak <= budget:
+                return replace(rc, evaluation=with_gathered(rc.evaluation, extra))
+            detail = (f"{extra} B of parameters gathered for readers that save them put the peak {peak - budget} B "
+                      f"over the budget")
+        if attempt == MAX_GATHER_REFITS:
+            break
+        target = None if rc is None else min(budget - (peak - budget), over - budget // 64)
+        solved = target if target is not None and (infeasible is None or target > infeasible) else None
+        if solved is None:
+            if infeasible is None or over - infeasible < 2:
+                break
+            solved = (over + infeasible) // 2
+        try:
+            with (progress.stage(f"gathered refit {attempt + 1}", f"{detail}: re-solving under {solved} B")
+                  if progress is not None else nullcontext()):
+                rc = replan(replace_budget(built, solved))
+            over = solved
+        except (ValueError, SolveTimeout) as exc:  # no plan under ``solved`` (none found): try between it and ``over``
+            rc, infeasible, failure = None, solved, exc
+    raise ValueError(f"no plan fits the budget of {budget} B with the parameter copies its readers keep for backward "
+                     f"after {MAX_GATHER_REFITS} re-solves under lower budgets (last: {detail})"
+                     + (f"; under {infeasible} B: {failure}" if failure is not None else "")
+                     + ". Give a larger budget.")
