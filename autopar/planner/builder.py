@@ -207,7 +207,7 @@ class _Builder:
         segments = placeholder_segments(node) if kind == NodeKind.PARAMETER else ()  # a fused projection's weight
         key = (ph.kind, shape, itemsize, ph.requires_grad and bool(shape), segments)
         tiers = ("device",)
-        if self.offload_tiers is not None and key[-1]:
+        if self.offload_tiers is not None and key[3]:  # trainable: offload tiers
             tiers = self.offload_tiers.get(node.name, ("device", "o", "po"))
             key = (*key, tiers)
         cached = self._placeholder_cache.get(key)

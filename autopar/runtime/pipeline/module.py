@@ -235,7 +235,7 @@ class PipelineModule(PipelineState, nn.Module):
         (``None``: the model's own loss): ``outputs`` is the model's output structure for one
         micro-batch, ``micro_batch`` that micro-batch of the inputs (the kwargs dict, the single
         positional argument, or ``(args, kwargs)``; cut by the micro-batch rule); each micro-batch's
-        loss is weighted as the model's own is (``weights.py``: the criterion is traced once for
+        loss is weighted as the model's own is (``weights.py``: the criterion is called once on meta tensors, traced for
         its reduction -- counted targets for a token mean, 1 for a sum, 1/M otherwise).
         Returns ``(loss, outputs)`` on every rank, ``outputs`` the full-batch output structure
         when ``return_outputs`` (else None). The product notes' ``Booster.execute_pipeline`` runs
