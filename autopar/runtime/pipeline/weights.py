@@ -20,28 +20,13 @@ import torch
 import torch.fx as fx
 
 from autopar.tracer.graph import INPUT, TracedGraph
+from autopar.tracer.microbatch import COUNTED_LOSSES, loss_op, microbatch_hazard
 
 __all__ = ["LossWeights"]
 
-aten = torch.ops.aten
-# The losses with a data-dependent mean; all take (self, target, weight, reduction, ignore_index).
-_LOSSES = {aten.cross_entropy_loss.default, aten.nll_loss.default, aten.nll_loss_forward.default,
-           aten.nll_loss2d.default}
 _TARGET = 1
 _ARGS = {"weight": (2, None), "reduction": (3, 1), "ignore_index": (4, -100)}  # position, default (1 = mean)
-# ops that pass the loss on unchanged on its way to the output
-_TRANSPARENT = {aten.to.dtype, aten._to_copy.default, aten.alias.default, aten.clone.default, aten.view.default,
-                aten.reshape.default}
 _SUM, _MEAN = 2, 1
-
-
-def _loss_op(loss: fx.Node) -> fx.Node | None:
-    node = loss
-    while node.op == "call_function" and node.target in _TRANSPARENT:
-        node = node.args[0]
-    if node.op == "call_function" and getattr(node.target, "__name__", "") == "getitem" and node.args[1] == 0:
-        node = node.args[0]  # nll_loss_forward returns (loss, total_weight)
-    return node if node.op == "call_function" and node.target in _LOSSES else None
 
 
 def _arg(node: fx.Node, name: str):
@@ -55,10 +40,14 @@ class LossWeights:
     def __init__(self, traced: TracedGraph, num_microbatches: int) -> None:
         self.m = num_microbatches
         self.reduction, self.target_graph, self.ignore_index = _MEAN, None, -100
+        hazard = microbatch_hazard(traced)
+        if hazard is not None:
+            raise NotImplementedError(f"{traced.model_name} cannot run as a pipeline: {hazard}; plan without a "
+                                      f"pipeline (pipeline=1)")
         loss = traced.loss_node
-        op = None if loss is None else _loss_op(loss)
-        if op is None:
-            return  # a mean over samples or an unreduced expression: equal micro-batches weigh 1/M
+        op = None if loss is None else loss_op(loss)
+        if op is None or op.op != "call_function" or op.target not in COUNTED_LOSSES:
+            return  # a mean over every element (microbatch_hazard let it through): equal micro-batches weigh 1/M
         self.reduction = _arg(op, "reduction")
         target = op.args[_TARGET]
         if self.reduction != _MEAN or not isinstance(target, fx.Node) or target.meta["val"].is_floating_point():
