@@ -397,7 +397,11 @@ def _solve(problem: Problem, *, recompute_inputs: SegmentInputs | None, fixed: M
         if lp.status == "infeasible":
             raise _infeasible(problem, recompute_inputs, fixed, lp.backend, max(clock.left(), 0.1 * time_limit), alias)
         if lp.status != "optimal":
-            raise SolveTimeout(f"the LP relaxation did not finish within {time_limit}s{_note(lp)} ({problem})")
+            # The limit is wall-clock: on a machine shared with other jobs the solver gets a share of a
+            # core, so say which knob buys it more time rather than leave the user at a dead end.
+            raise SolveTimeout(f"the LP relaxation did not finish within {time_limit}s{_note(lp)} ({problem}); "
+                               f"the limit is wall-clock time per solve: on a busy machine give a larger "
+                               f"time_limit (plan/autoparallelize keyword, the CLI's --time-limit)")
 
     def sharding_model(decisions: dict[str, bool]) -> IlpModel:
         sub = _model(problem, reduced, recompute_inputs, suffix="_dive", fixed={**decisions, **(fixed or {})},

@@ -16,6 +16,13 @@ So there is one rule, here:
 A tensor whose dim 0 happens to equal the batch is batch-major by this rule whatever it means;
 the runtime checks every input against the traced shapes, so a disagreement is an error, never a
 silent mis-split.
+
+Cutting the batch must not change what the step computes (``microbatch_hazard``): a batch norm
+in training mode normalises each micro-batch by its own statistics (and updates its running ones
+once per micro-batch), and the micro-batch losses add up to the full batch's only for the losses
+whose weights the runtime knows (``autopar.runtime.pipeline.weights``: a counted cross entropy or
+nll loss, a sum, or a mean over equal micro-batches). Anything else would train silently on other
+gradients, so the planner plans no pipeline for it and the runtime refuses one.
 """
 
 from __future__ import annotations
@@ -25,7 +32,80 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-__all__ = ["batch_size", "is_batch_major", "micro_batch", "split_micro_batches"]
+__all__ = ["COUNTED_LOSSES", "batch_size", "is_batch_major", "known_weights", "loss_op", "micro_batch",
+           "microbatch_hazard",
+           "split_micro_batches"]
+
+aten = torch.ops.aten
+# The losses with a data-dependent mean (counted targets); all take (self, target, weight, reduction, ignore_index).
+COUNTED_LOSSES = {aten.cross_entropy_loss.default, aten.nll_loss.default, aten.nll_loss_forward.default,
+                  aten.nll_loss2d.default}
+# Elementwise losses reduced over every element: their mean over equal micro-batches is the full batch's.
+_ELEMENT_MEAN_LOSSES = {aten.mse_loss.default, aten.l1_loss.default, aten.smooth_l1_loss.default,
+                        aten.huber_loss.default, aten.binary_cross_entropy.default,
+                        aten.binary_cross_entropy_with_logits.default, aten.soft_margin_loss.default}
+# ops that pass the loss on unchanged on its way to the output
+_TRANSPARENT = {aten.to.dtype, aten._to_copy.default, aten.alias.default, aten.clone.default, aten.view.default,
+                aten.reshape.default}
+_MEAN = 1  # aten's reduction enum: 0 none, 1 mean, 2 sum
+
+
+def loss_op(loss: Any) -> Any:
+    """The op that computes the loss node ``loss``: past casts, views and copies, and past the
+    ``getitem`` of ``nll_loss_forward``'s (loss, total_weight)."""
+    node = loss
+    while node.op == "call_function" and node.target in _TRANSPARENT:
+        node = node.args[0]
+    if (node.op == "call_function" and getattr(node.target, "__name__", "") == "getitem" and node.args[1] == 0
+            and node.args[0].op == "call_function" and node.args[0].target in COUNTED_LOSSES):
+        node = node.args[0]
+    return node
+
+
+def _arg(node: Any, name: str, default: Any) -> Any:
+    """Argument ``name`` of an aten op node, positional or keyword (its schema gives the position)."""
+    for i, a in enumerate(node.target._schema.arguments):
+        if a.name == name:
+            return node.args[i] if len(node.args) > i else node.kwargs.get(name, default)
+    return default
+
+
+def _batch_statistics(node: Any) -> bool:
+    """Whether ``node`` normalises with statistics of its batch (batch norm in training mode or
+    without running statistics)."""
+    if node.op != "call_function" or "batch_norm" not in str(node.target):
+        return False
+    if node.target is aten.batch_norm.default:
+        return bool(_arg(node, "training", False)) or _arg(node, "running_mean", None) is None
+    return "no_training" not in str(node.target) and "no_update" not in str(node.target)
+
+
+def known_weights(op: Any) -> bool:
+    """Whether the loss ``op`` (``loss_op``'s) has micro-batch weights known from the data: a cross
+    entropy or nll loss (counted targets, or a sum), a mean-reduced element loss or a mean."""
+    if op.op != "call_function":
+        return False
+    return (op.target in COUNTED_LOSSES or op.target is aten.mean.default
+            or (op.target in _ELEMENT_MEAN_LOSSES and _arg(op, "reduction", _MEAN) == _MEAN))
+
+
+def microbatch_hazard(traced: Any) -> str | None:
+    """Why running ``traced`` (a ``TracedGraph``) on micro-batches would compute another step than
+    the full batch does (module docstring); None when it computes the same."""
+    for node in traced.gm.graph.nodes:
+        if _batch_statistics(node):
+            return (f"node {node.name!r} ({node.target}, module {traced.module_path(node) or '<root>'}) normalises "
+                    f"with its batch's statistics (batch norm in training mode): each micro-batch would use its own")
+    loss = traced.loss_node
+    if loss is None:
+        return None  # no loss: the pipeline module refuses the model itself
+    op = loss_op(loss)
+    if known_weights(op):
+        return None
+    what = op.target if op.op == "call_function" else op.op
+    return (f"the loss {op.name!r} ({what}, module {traced.module_path(op) or '<root>'}) is not one whose "
+            f"micro-batch weights are known (a cross entropy or nll loss, or a mean over every element): "
+            f"the micro-batch losses would not add up to the full batch's")
 
 
 def batch_size(inputs: Any) -> int:

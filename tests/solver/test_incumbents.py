@@ -79,7 +79,8 @@ def test_a_known_plan_that_does_not_fit_is_no_answer(backends):
         free = solve(problem.with_budget(10_000), recompute_inputs=inputs)  # a plan of the graph, over BUDGET
         assert free.peak_bytes > BUDGET
         backends(relaxation=False)
-        with pytest.raises(SolveTimeout, match="LP relaxation did not finish"):
+        # the message names the knob that buys the solver time (a busy machine hits wall-clock limits)
+        with pytest.raises(SolveTimeout, match="LP relaxation did not finish.*larger time_limit"):
             solve(problem, recompute_inputs=inputs)
 
 

@@ -25,29 +25,14 @@ import torch.utils._pytree as pytree
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from autopar.tracer.graph import INPUT, TracedGraph
+from autopar.tracer.microbatch import COUNTED_LOSSES, known_weights, loss_op, microbatch_hazard
 
 __all__ = ["LossWeights"]
 
-aten = torch.ops.aten
-# The losses with a data-dependent mean; all take (self, target, weight, reduction, ignore_index).
-_LOSSES = {aten.cross_entropy_loss.default, aten.nll_loss.default, aten.nll_loss_forward.default,
-           aten.nll_loss2d.default}
 _TARGET = 1
 _ARGS = {"weight": (2, None), "reduction": (3, 1), "ignore_index": (4, -100)}  # position, default (1 = mean)
-# ops that pass the loss on unchanged on its way to the output
-_TRANSPARENT = {aten.to.dtype, aten._to_copy.default, aten.alias.default, aten.clone.default, aten.view.default,
-                aten.reshape.default}
 _SUM, _MEAN = 2, 1
 _LOG = logging.getLogger(__name__)
-
-
-def _loss_op(loss: fx.Node) -> fx.Node | None:
-    node = loss
-    while node.op == "call_function" and node.target in _TRANSPARENT:
-        node = node.args[0]
-    if node.op == "call_function" and getattr(node.target, "__name__", "") == "getitem" and node.args[1] == 0:
-        node = node.args[0]  # nll_loss_forward returns (loss, total_weight)
-    return node if node.op == "call_function" and node.target in _LOSSES else None
 
 
 def _arg(node: fx.Node, name: str):
@@ -59,6 +44,10 @@ class LossWeights:
     """The weight of each micro-batch's loss in the full batch's (module docstring)."""
 
     def __init__(self, traced: TracedGraph, num_microbatches: int) -> None:
+        hazard = microbatch_hazard(traced)
+        if hazard is not None:
+            raise NotImplementedError(f"{traced.model_name} cannot run as a pipeline: {hazard}; plan without a "
+                                      f"pipeline (pipeline=1)")
         inputs = {p.name for p in traced.placeholders if p.kind == INPUT}
         self._read(traced.gm, traced.loss_node, inputs, num_microbatches)
 
@@ -93,7 +82,14 @@ class LossWeights:
         names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
         loss = next(n for n in gm.graph.nodes if n.op == "output").args[0]
         self.tensor_at, self.batch_names = at, names[len(outputs):]
-        self._read(gm, loss if isinstance(loss, fx.Node) else None, set(self.batch_names), num_microbatches)
+        loss = loss if isinstance(loss, fx.Node) else None
+        if loss is not None and not known_weights(loss_op(loss)):
+            # A composite (ce + aux) or hand-made reduction: the notes' execute_pipeline averages
+            # the micro-batch criteria, exact for means over equal micro-batches only.
+            _LOG.warning("pipeline: the criterion's loss (%s) is not a form whose micro-batch weights are known "
+                         "(a cross entropy or nll loss, or a mean over every element); its micro-batch losses "
+                         "weigh 1/M each", loss_op(loss).target)
+        self._read(gm, loss, set(self.batch_names), num_microbatches)
         return self
 
     def _read(self, gm: fx.GraphModule, loss: fx.Node | None, inputs: set[str], num_microbatches: int) -> None:
@@ -101,9 +97,9 @@ class LossWeights:
         ``inputs`` placeholders that computes the target."""
         self.m = num_microbatches
         self.reduction, self.target_graph, self.ignore_index = _MEAN, None, -100
-        op = None if loss is None else _loss_op(loss)
-        if op is None:
-            return  # a mean over samples or an unreduced expression: equal micro-batches weigh 1/M
+        op = None if loss is None else loss_op(loss)
+        if op is None or op.op != "call_function" or op.target not in COUNTED_LOSSES:
+            return  # a mean over every element (or an unknown form: see the callers): equal micro-batches weigh 1/M
         self.reduction = _arg(op, "reduction")
         target = op.args[_TARGET]
         if self.reduction != _MEAN or not isinstance(target, fx.Node) or target.meta["val"].is_floating_point():

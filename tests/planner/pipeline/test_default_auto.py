@@ -102,3 +102,33 @@ def test_issue_30_decoder_at_a_tight_budget_pipelines_by_default():
     budget = tight_budget(model, inputs, mesh)
     assert plan(model, inputs, mesh=mesh, memory_budget=budget, cache=False).pipeline is not None
     assert plan(model, inputs, mesh=mesh, memory_budget=budget, pipeline=1, cache=False).pipeline is None
+
+
+class BlocksWithBatchNorm(torch.nn.Module):
+    """Repeated blocks with a training batch norm each: micro-batches would normalise by their own
+    statistics (and a micro-batch of one sample cannot be traced at all)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.BatchNorm1d(16),
+                                                              torch.nn.Tanh()) for _ in range(4))
+        self.head = torch.nn.Linear(16, 5)
+
+    def forward(self, x, labels):
+        for block in self.blocks:
+            x = x + block(x)
+        return torch.nn.functional.cross_entropy(self.head(x), labels)
+
+
+def test_a_batch_norm_model_plans_without_a_pipeline_at_a_tight_budget():
+    # The default searched pipelines here, traced micro-batches of one sample and failed in the
+    # batch norm ("more than 1 value per channel"); a pipeline would also have trained on other
+    # statistics. The model plans without one, and an explicit pipeline names the node.
+    torch.manual_seed(0)
+    model = BlocksWithBatchNorm().double()
+    inputs = {"x": torch.randn(8, 16, dtype=torch.float64), "labels": torch.randint(0, 5, (8,))}
+    got = plan(model, inputs, mesh=(2,), memory_budget=tight_budget(model, inputs, MeshSpec.preset("cpu", (2,))),
+               cache=False)
+    assert got.pipeline is None
+    with pytest.raises(NotImplementedError, match=r"'batch_norm'.*module blocks\.0\.1.*pipeline=1"):
+        plan(model, inputs, mesh=(2,), pipeline=2, cache=False)

@@ -82,3 +82,44 @@ def test_a_criterion_that_reads_values_keeps_one_over_m_and_warns(caplog):
 
     assert _criterion_weights(reads_values, _inputs()).tolist() == [0.5, 0.5]
     assert "could not be traced" in caplog.text
+
+
+class SumOverConstant(nn.Module):
+    """A sum-reduced loss divided by a constant: the micro-batch losses must add up (weight 1),
+    and the plain 1/M of an unknown expression would have trained on 1/M of the gradients."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 5)
+
+    def forward(self, x, labels):
+        logp = torch.log_softmax(self.proj(x), dim=-1).flatten(0, 1)
+        return nn.functional.nll_loss(logp, labels.flatten(), reduction="sum") / 100.0
+
+
+class BatchNormed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj, self.norm = nn.Linear(8, 5), nn.BatchNorm1d(5)
+
+    def forward(self, x, labels):
+        return nn.functional.cross_entropy(self.norm(self.proj(x)), labels)
+
+
+def test_a_loss_of_unknown_micro_batch_weights_is_refused_naming_the_node():
+    with pytest.raises(NotImplementedError, match=r"the loss 'div' \(aten.div.Tensor.*pipeline=1"):
+        _weights(SumOverConstant(), _inputs())
+
+
+def test_batch_norm_with_batch_statistics_is_refused_and_blocks_auto_pipelines():
+    from autopar.layout.mesh import MeshSpec
+    from autopar.planner.options import PlanOptions
+    from autopar.planner.pipeline.candidates import blocker
+
+    model, inputs = BatchNormed(), {"x": torch.randn(8, 8), "labels": torch.randint(0, 5, (8,))}
+    with pytest.raises(NotImplementedError, match=r"'batch_norm'.*module norm.*batch norm in training mode"):
+        _weights(model, inputs)
+    traced = trace(model, inputs)
+    why = blocker(traced, inputs, mesh=MeshSpec.preset("cpu", (2,)), options=PlanOptions())
+    assert why is not None and "batch norm in training mode" in why
+    assert _weights(model.eval(), inputs).tolist() == [0.5, 0.5]  # running statistics: no coupling
