@@ -153,7 +153,7 @@ def fit_gathered(traced, built, rc, *, replan, progress=None):
     When none fits -- the planner's smallest budget is its ILP's, which leaves these copies out,
     so a budget just above it may not hold them -- the plan with the least overflow is kept
     and a warning names the bytes: a budget the planner reported as feasible gets a plan."""
-    from autopar.planner.offload_fit import replace_budget
+    from autopar.planner.offload_fit import lower_budget, replace_budget
     from autopar.solver.driver import SolveTimeout
 
     budget = built.problem.budget_bytes
@@ -171,11 +171,9 @@ def fit_gathered(traced, built, rc, *, replan, progress=None):
         if attempt == MAX_GATHER_REFITS or time.monotonic() - start > GATHER_REFIT_SECONDS:
             break
         target = None if rc is None else min(budget - (peak - budget), over - budget // 64)
-        solved = target if target is not None and (infeasible is None or target > infeasible) else None
+        solved = lower_budget(target, over=over, infeasible=infeasible)
         if solved is None:
-            if infeasible is None or over - infeasible < 2:
-                break
-            solved = (over + infeasible) // 2
+            break
         try:
             with (progress.stage(f"gathered refit {attempt + 1}", f"{detail}: re-solving under {solved} B")
                   if progress is not None else nullcontext()):

@@ -31,7 +31,7 @@ from autopar.planner.offload_pricing import OffloadCost, dtype_fraction, offload
 from autopar.tracer.graph import may_alias
 
 __all__ = ["offload_summary", "pinned_room", "check_host_capacity", "with_offload", "MAX_REFITS", "fit_device_room",
-           "replace_budget"]
+           "lower_budget", "replace_budget"]
 
 
 def offload_summary(traced, built, choice: dict[str, str], *, options, regions=()) -> tuple[dict, dict]:
@@ -148,6 +148,18 @@ def with_offload(plan, traced, built, choice: dict[str, str], *, options):
 MAX_REFITS = 5  # re-solves under a lowered budget before giving up
 
 
+def lower_budget(target: int | None, *, over: int, infeasible: int | None) -> int | None:
+    """The budget a refit solves under next: ``target`` unless it is not above the largest budget
+    found ``infeasible``, else halfway between that and ``over`` (the last budget solved whose
+    plan did not fit); None when no budget is left between them. The refits here and in
+    ``gathered.fit_gathered`` search alike."""
+    if target is not None and (infeasible is None or target > infeasible):
+        return target
+    if infeasible is None or over - infeasible < 2:
+        return None
+    return (over + infeasible) // 2
+
+
 def fit_device_room(traced, built, rc, *, options, replan, progress=None):
     """``rc`` (``plan_recompute``'s outcome on ``built``) or a re-plan that fits ``built``'s
     budget with the device room the ILP does not price (``offload_summary``: the stream buffer
@@ -178,11 +190,9 @@ def fit_device_room(traced, built, rc, *, options, replan, progress=None):
         target = budget - room if rc is not None else None
         if target is not None and over < budget:
             target = min(target, over - budget // 64)
-        solved = target if target is not None and (infeasible is None or target > infeasible) else None
+        solved = lower_budget(target, over=over, infeasible=infeasible)
         if solved is None:
-            if infeasible is None or over - infeasible < 2:
-                break
-            solved = (over + infeasible) // 2
+            break
         try:
             with (progress.stage(f"offload refit {attempt + 1}", f"{detail}: re-solving under {solved} B")
                   if progress is not None else _nothing()):

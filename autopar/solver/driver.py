@@ -32,7 +32,7 @@ from autopar.solver import incumbents
 from autopar.solver.ilp import HARD_FACTOR, INTEGRAL_TOL, MEM_UNIT, MIP_REL_GAP, IlpModel, Outcome, pick_backend
 from autopar.solver.problem import Problem, Solution
 from autopar.solver.dive import alternate, blockwise
-from autopar.solver.floors import below_parameters, parameter_floor
+from autopar.solver.floors import at_least, below_parameters, parameter_floor
 from autopar.solver.recompute_ilp import RECOMPUTE_GAP, RecomputeModel, floor_model
 from autopar.solver.simplify import Reduced, simplify
 from autopar.solver.timeline import Evaluation, SegmentInputs
@@ -494,12 +494,8 @@ def _blockwise_solution(problem: Problem, reduced: Reduced, recompute_inputs: Se
         lp = floor.run(backend, relax=True, **clock.step(_DIVE_SHARE))
         least = int(np.floor(lp.value * MEM_UNIT)) if lp.status == "optimal" and lp.value is not None else 0
         if least > problem.budget_bytes:
-            mesh = "x".join(map(str, problem.mesh_shape)) or "?"
-            raise ValueError(
-                f"memory budget {problem.budget_bytes} bytes ({budget / 2**30:.3f} GiB) per device cannot be met "
-                f"on mesh {mesh} even with recompute: the smallest budget any plan meets is at least {least} bytes "
-                f"({least / 2**30:.3f} GiB), the peak at the end of forward of a relaxation with every repeated "
-                f"block alike. Try a bigger mesh or a larger budget.")
+            raise at_least(problem, least, where="even with recompute", hint="a bigger mesh or a larger budget",
+                           why="the peak at the end of forward of a relaxation with every repeated block alike")
         return None
     choice = reduced.expand(found.options)
     ev = problem.evaluate(choice, recompute=found.recompute, segment_inputs=recompute_inputs)

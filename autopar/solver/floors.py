@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from autopar.solver.problem import Problem
 
-__all__ = ["FLOOR_NODES", "below_parameters", "parameter_floor"]
+__all__ = ["FLOOR_NODES", "at_least", "below_parameters", "parameter_floor"]
 
 FLOOR_NODES = 2_000  # from this size an infeasible budget below the parameters is reported without a solve
 
@@ -27,9 +27,15 @@ def below_parameters(problem: Problem) -> ValueError | None:
     floor = parameter_floor(problem)
     if problem.budget_bytes is None or floor <= problem.budget_bytes or problem.num_nodes < FLOOR_NODES:
         return None
+    return at_least(problem, floor, where="with or without recompute",
+                    why="what the parameters, their gradients and optimizer state alone take in every op's "
+                        "fewest-bytes layout", hint="a bigger mesh, ZeRO, offload or a larger budget")
+
+
+def at_least(problem: Problem, least: int, *, where: str, why: str, hint: str) -> ValueError:
+    """The refusal of ``problem``'s budget below ``least`` bytes, a bound found without a solve."""
     mesh = "x".join(map(str, problem.mesh_shape)) or "?"
     return ValueError(
         f"memory budget {problem.budget_bytes} bytes ({problem.budget_bytes / 2**30:.3f} GiB) per device "
-        f"cannot be met on mesh {mesh}, with or without recompute: the smallest budget any plan meets is at least "
-        f"{floor} bytes ({floor / 2**30:.3f} GiB), what the parameters, their gradients and optimizer state "
-        f"alone take in every op's fewest-bytes layout. Try a bigger mesh, ZeRO, offload or a larger budget.")
+        f"cannot be met on mesh {mesh} {where}: the smallest budget any plan meets is at least {least} bytes "
+        f"({least / 2**30:.3f} GiB), {why}. Try {hint}.")
