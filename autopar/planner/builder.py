@@ -94,12 +94,15 @@ def layout_specs(shape: tuple[int, ...], mesh_shape: tuple[int, ...], segments: 
 def build_problem(traced: TracedGraph, prof: ModelProfile, mesh: MeshSpec, *,
                   budget_bytes: int | None, options: PlanOptions = PlanOptions(),
                   fixed: Callable[[fx.Node], FixedAxis | None] | None = None,
-                  bucket_cap: int | None = None) -> BuiltProblem:
+                  bucket_cap: int | None = None, segmented: bool = False) -> BuiltProblem:
     """``fixed``: op node -> the placements its strategies keep on one axis (mesh_search's 3-axis plans).
-    ``bucket_cap``: bytes per gradient bucket the runtime will use (None: ``layout.buckets``'s; 0: none)."""
+    ``bucket_cap``: bytes per gradient bucket the runtime will use (None: ``layout.buckets``'s; 0: none).
+    ``segmented``: offer fused projections' parameters ``S(d/k)`` (the restricted Megatron-style plans); off,
+    every parameter is a plain DTensor layout, which ``torch.distributed.checkpoint`` saves from
+    ``model.state_dict()`` (it cannot describe a ``_StridedShard`` piece)."""
     with frozen_heap():  # the graph and profile are only read: full GC passes skip them
         return _Builder(traced, prof, mesh, budget_bytes=budget_bytes, options=options, fixed=fixed,
-                        bucket_cap=bucket_cap).build()
+                        bucket_cap=bucket_cap, segmented=segmented).build()
 
 
 class _Builder:
@@ -109,8 +112,8 @@ class _Builder:
     def __init__(self, traced: TracedGraph, prof: ModelProfile, mesh: MeshSpec, *,
                  budget_bytes: int | None, options: PlanOptions,
                  fixed: Callable[[fx.Node], FixedAxis | None] | None = None, stamp_blocks: bool = True,
-                 bucket_cap: int | None = None) -> None:
-        self.traced, self.prof, self.mesh, self.fixed = traced, prof, mesh, fixed
+                 bucket_cap: int | None = None, segmented: bool = False) -> None:
+        self.traced, self.prof, self.mesh, self.fixed, self.segmented = traced, prof, mesh, fixed, segmented
         self.bucket_cap = bucket_cap_bytes() if bucket_cap is None else bucket_cap
         self.budget, self.opts = budget_bytes, options
         ops = [n for n in traced.compute_nodes() if _has_tensor_output(n) and n.target is not operator.getitem]
@@ -204,7 +207,7 @@ class _Builder:
         # A lifted tensor constant is a buffer kept replicated.
         kind = NodeKind.BUFFER if ph.kind == NodeKind.CONSTANT else NodeKind(ph.kind)
         # Options and choices depend on the layout key only: each block's weights share them.
-        segments = placeholder_segments(node) if kind == NodeKind.PARAMETER else ()  # a fused projection's weight
+        segments = placeholder_segments(node) if kind == NodeKind.PARAMETER and self.segmented else ()  # fused
         key = (ph.kind, shape, itemsize, ph.requires_grad and bool(shape), segments)
         tiers = ("device",)
         if self.offload_tiers is not None and key[3]:  # trainable: offload tiers

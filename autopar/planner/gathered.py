@@ -11,15 +11,16 @@ and measured 2.2 MiB per rank above its estimate -- above the budget it was plan
 ``gathered_bytes`` sums those copies for a choice (every one is alive at the end of forward, where
 the saved activations peak; a reader inside a recompute region keeps none: the region re-runs the
 conversion in backward). Which inputs an op keeps is read off torch itself: the op runs once on
-``meta`` tensors under ``saved_tensors_hooks`` (``saved_slots``). ``fit_gathered`` adds them to a
-plan's peak and re-solves under a budget lowered by the overflow while the sum does not fit.
+``meta`` tensors under ``saved_tensors_hooks`` (``saved_slots``).
+
+The planner does not add them yet. Added after the solve, with re-solves under lower budgets, they
+made the ILP's reported smallest budget unmeetable (GPT-2 tiny on (2, 2): the copies are 28% of it)
+and planning near it 20x slower; they belong in the ILP as an edge's bytes, alive from the reader's
+forward to its backward, so that the smallest budget includes them.
 """
 
 from __future__ import annotations
 
-import logging
-import time
-from contextlib import nullcontext
 from dataclasses import replace
 
 import torch
@@ -27,15 +28,8 @@ import torch
 from autopar.plans import NodeKind
 from autopar.strategies import input_nodes
 
-__all__ = ["saved_slots", "gathered_bytes", "with_gathered", "fit_gathered", "MAX_GATHER_REFITS",
-           "GATHER_REFIT_SECONDS"]
+__all__ = ["saved_slots", "gathered_bytes", "with_gathered"]
 
-MAX_GATHER_REFITS = 12
-# Re-solves stop after this many seconds: near the smallest budget no plan may hold the copies,
-# and twelve solves there took GPT-2 tiny on (2, 2) from 5 s of planning to 60-130 s (at most
-# one more solve starts after this).
-GATHER_REFIT_SECONDS = 3.0
-log = logging.getLogger(__name__)
 
 
 def _meta(value, *, grad: bool) -> torch.Tensor:
@@ -141,49 +135,3 @@ def with_gathered(evaluation, extra: int):
     at = acts.index(max(acts))
     acts[at] += extra
     return replace(evaluation, activations=tuple(acts))
-
-
-def fit_gathered(traced, built, rc, *, replan, progress=None):
-    """``rc`` (``plan_recompute``'s outcome on ``built``) with its evaluation's peak raised by its
-    gathered copies (``gathered_bytes``), or a re-plan whose peak with them fits ``built``'s
-    budget: solved under the budget less the overflow (then at least 1/64 of it lower each
-    time), or halfway back up towards the last budget whose plan did not fit when that had no
-    plan at all, at most ``MAX_GATHER_REFITS`` times and ``GATHER_REFIT_SECONDS`` (``offload_fit.
-    fit_device_room``'s search).
-    When none fits -- the planner's smallest budget is its ILP's, which leaves these copies out,
-    so a budget just above it may not hold them -- the plan with the least overflow is kept
-    and a warning names the bytes: a budget the planner reported as feasible gets a plan."""
-    from autopar.planner.offload_fit import lower_budget, replace_budget
-    from autopar.solver.driver import SolveTimeout
-
-    budget = built.problem.budget_bytes
-    over, infeasible, best, start = budget, None, None, time.monotonic()
-    for attempt in range(MAX_GATHER_REFITS + 1):
-        if rc is not None:
-            extra = gathered_bytes(traced, built, rc.choice, regions=rc.regions)
-            peak = rc.evaluation.peak_bytes + extra
-            if budget is None or peak <= budget:
-                return replace(rc, evaluation=with_gathered(rc.evaluation, extra))
-            if best is None or peak < best[0]:
-                best = (peak, extra, rc)
-            detail = (f"{extra} B of parameters gathered for readers that save them put the peak {peak - budget} B "
-                      f"over the budget")
-        if attempt == MAX_GATHER_REFITS or time.monotonic() - start > GATHER_REFIT_SECONDS:
-            break
-        target = None if rc is None else min(budget - (peak - budget), over - budget // 64)
-        solved = lower_budget(target, over=over, infeasible=infeasible)
-        if solved is None:
-            break
-        try:
-            with (progress.stage(f"gathered refit {attempt + 1}", f"{detail}: re-solving under {solved} B")
-                  if progress is not None else nullcontext()):
-                rc = replan(replace_budget(built, solved))
-            over = solved
-        except (ValueError, SolveTimeout):  # no plan under ``solved`` (none found): try between it and ``over``
-            rc, infeasible = None, solved
-    peak, extra, rc = best
-    log.warning("autopar: the %d B of parameters this plan's readers gather and keep for backward put its peak "
-                "%d B over the budget of %d B, and no re-solve under a lower budget fits them; the plan is kept "
-                "(the smallest budget the planner reports leaves these copies out): give %d B more to stay "
-                "within it", extra, peak - budget, budget, peak - budget)
-    return replace(rc, evaluation=with_gathered(rc.evaluation, extra))

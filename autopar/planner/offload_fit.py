@@ -151,8 +151,7 @@ MAX_REFITS = 5  # re-solves under a lowered budget before giving up
 def lower_budget(target: int | None, *, over: int, infeasible: int | None) -> int | None:
     """The budget a refit solves under next: ``target`` unless it is not above the largest budget
     found ``infeasible``, else halfway between that and ``over`` (the last budget solved whose
-    plan did not fit); None when no budget is left between them. The refits here and in
-    ``gathered.fit_gathered`` search alike."""
+    plan did not fit); None when no budget is left between them."""
     if target is not None and (infeasible is None or target > infeasible):
         return target
     if infeasible is None or over - infeasible < 2:

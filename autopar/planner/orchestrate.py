@@ -177,7 +177,6 @@ def plan_traced(traced: TracedGraph, profile: ModelProfile, *, mesh: MeshSpec | 
     from autopar.planner.assemble import applicable_baselines, assemble_plan, restricted_built
     from autopar.planner.builder import build_problem
     from autopar.planner.checkpointing import plan_recompute
-    from autopar.planner.gathered import fit_gathered
     from autopar.planner.table_partition import TablePartition, fit_tables, with_tables
     from autopar.solver.driver import remembering
 
@@ -188,7 +187,7 @@ def plan_traced(traced: TracedGraph, profile: ModelProfile, *, mesh: MeshSpec | 
     progress = progress or Progress()
     with progress.stage("strategies", f"{sum(1 for _ in traced.compute_nodes())} ops on mesh {mesh}"):
         built = build_problem(traced, profile, mesh, budget_bytes=options.budget_bytes(mesh),
-                              options=options, fixed=fixed)
+                              options=options, fixed=fixed, segmented=restrict is not None)
     if restrict is not None:
         built = restricted_built(built, traced, restrict[1], restrict[0])
 
@@ -199,7 +198,6 @@ def plan_traced(traced: TracedGraph, profile: ModelProfile, *, mesh: MeshSpec | 
 
     with remembering():  # one scope for the re-solves (offload's refits): each one's plans are incumbents of the next
         rc = fit_device_room(traced, built, replan(built), options=options, replan=replan, progress=progress)
-        rc = fit_gathered(traced, built, rc, replan=replan, progress=progress)
         # Table-wise tables go whole onto one device each; a re-plan if the fullest then overflows.
         # (The chunk runtime that runs an offloading plan keeps every table evenly split.)
         tables = TablePartition()
@@ -510,7 +508,7 @@ def plan_family(model: Any, meta_inputs: tuple | dict, family: str, *, mesh: Mes
 
     traced = trace_for_planning(model, meta_inputs, precision=options.precision)
     built = build_problem(traced, profile_graph(traced), mesh, budget_bytes=options.budget_bytes(mesh),
-                          options=options)
+                          options=options, segmented=True)
     problem = baseline_problem(family, traced, built)
     solution = solve(problem, solver=options.solver, time_limit=options.time_limit)
     evaluation = estimate(built, problem, solution.choice, (), built.segment_inputs)

@@ -177,9 +177,7 @@ def fit_tables(traced, built, rc, *, replan, progress=None):
     then weighs against other placements. ValueError naming the overflow when no plan fits."""
     from autopar.planner.offload_fit import replace_budget
 
-    # A plan kept above the budget by the parameter copies no re-solve fits (``gathered.fit_gathered``,
-    # with a warning) is judged against its own peak: the tables must not add to it.
-    budget = None if built.problem.budget_bytes is None else max(built.problem.budget_bytes, rc.evaluation.peak_bytes)
+    budget = built.problem.budget_bytes
     best, current, placed, charged = None, built, None, False
     for attempt in range(MAX_TABLE_REFITS + 1):
         if charged:  # judged on the problem as priced, without the lookups charged for the re-solve

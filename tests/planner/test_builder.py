@@ -121,11 +121,15 @@ def test_input_slots_are_the_fx_producers():
 
 
 def test_layout_options_hold_their_bytes():
-    traced, built = _build(Gated(), torch.randn(6, 4), options=PlanOptions(optimizer_multiplier=3.0))
+    traced, built = _build(Gated(), torch.randn(6, 4), options=PlanOptions(optimizer_multiplier=3.0),
+                           segmented=True)
     weight = next(d for d in built.decisions.values() if d.module == "up.weight")  # 16 x 4 float32
     options = {o.name: o for o in built.problem.node(weight.name).options}
-    # ``up`` is a fused projection (its output is chunked in two): its weight may also be S(d/2)
+    # ``up`` is a fused projection (its output is chunked in two): its weight may also be S(d/2) in
+    # the restricted (Megatron-style) plans; the auto plan keeps parameters plain (DCP saves them)
     assert set(options) == {"R", "S0", "S1", "S(0/2)", "S(1/2)"}
+    plain = _build(Gated(), torch.randn(6, 4))[1]
+    assert {o.name for o in plain.problem.node(weight.name).options} == {"R", "S0", "S1"}
     # parameter + gradient + 3 optimizer-state bytes per local byte
     assert options["R"].param_bytes == 16 * 4 * 4 * (2 + 3)
     assert options["S0"].param_bytes == options["S1"].param_bytes == 16 * 4 * 4 * 5 // 2

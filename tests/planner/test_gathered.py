@@ -6,7 +6,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from autopar.api import plan
 from autopar.layout.mesh import MeshSpec
 from autopar.planner.builder import build_problem
 from autopar.planner.gathered import gathered_bytes, saved_slots, with_gathered
@@ -74,18 +73,3 @@ def test_with_gathered_raises_the_peak_by_exactly_the_copies():
 
     ev = Evaluation(1.0, 1.0, 0.0, 0.0, 100, (5, 40, 10))
     assert with_gathered(ev, 7).peak_bytes == 147 and with_gathered(ev, 0) is ev
-
-
-def test_a_tight_plan_counts_the_copies_and_fits_its_budget():
-    """At a budget below the replicated state the plan's peak is its timeline's plus the copies
-    its readers keep (none where the layouts are read as stored), within the budget."""
-    model, x = Mlp(), torch.randn(32, 64)
-    mesh = MeshSpec.preset("cpu", (2,))
-    free = plan(model, (x,), mesh=mesh, pipeline=1, checkpoint="none", cache=False)
-    budget = int(0.6 * free.estimate.peak_bytes)
-    tight = plan(model, (x,), mesh=mesh, pipeline=1, checkpoint="none", memory_budget=budget, cache=False)
-    traced = trace(model, (x,))
-    built = build_problem(traced, profile(traced), mesh, budget_bytes=budget)
-    choice = {n.name: n.strategy for n in tight.nodes}
-    copies = gathered_bytes(traced, built, choice)
-    assert tight.estimate.peak_bytes == built.problem.evaluate(choice).peak_bytes + copies <= budget

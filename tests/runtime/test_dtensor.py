@@ -21,6 +21,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from autopar import zoo
 from autopar.api import plan as make_plan
@@ -105,6 +106,8 @@ def grad_layout_errors(pm, label: str) -> list[str]:
 
 def _text(placement) -> str:
     """A torch placement in ``Plan.placements()``'s spelling."""
+    if isinstance(placement, _StridedShard):  # a fused projection's S(d/k)
+        return f"_StridedShard({placement.dim}, split_factor={placement.split_factor})"
     return f"Shard({placement.dim})" if isinstance(placement, Shard) else f"{type(placement).__name__}()"
 
 
