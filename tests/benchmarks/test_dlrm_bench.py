@@ -9,9 +9,7 @@ under 60 s.
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -21,15 +19,9 @@ from autopar.layout.placement import Partial, Replicate, Shard
 from autopar.planner.table_families import TABLE_FAMILIES, table_family_plan, table_roles
 from autopar.report.tables import torchrec_name
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "dlrm.py"
+from tests.benchmarks import load_script
+
 BAG = str(torch.ops.aten._embedding_bag.default)
-
-
-def _load():
-    spec = importlib.util.spec_from_file_location("bench_dlrm", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def small_dlrm(rows=(1 << 20, 4096, 128, 8)):
@@ -55,7 +47,7 @@ def test_small_dlrm_tables_and_families():
     from autopar.strategies import needs_decomposition
     from autopar.tracer import profile, trace
 
-    bench = _load()
+    bench = load_script("dlrm")
     model, inputs = small_dlrm()
     out = bench.plan_dlrm(model, inputs, mesh=(2, 4), preset="h100-80gb", memory="80GiB")
     tables = out["tables"]
@@ -89,7 +81,7 @@ def test_small_dlrm_tables_and_families():
 
 @pytest.mark.slow
 def test_criteo_1tb_on_8x8_plans_under_a_minute(tmp_path, capsys):
-    bench = _load()
+    bench = load_script("dlrm")
     out = tmp_path / "dlrm.json"
     assert bench.main(["--json", str(out)]) == 0
     record = json.loads(out.read_text())

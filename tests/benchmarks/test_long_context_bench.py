@@ -8,23 +8,13 @@ targets, estimate < 1,477 ms planned in < 60 s) runs under ``full_sweep``.
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "long_context.py"
-
-
-def _main(argv):
-    spec = importlib.util.spec_from_file_location("bench_long_context", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.main(argv)
+from tests.benchmarks import load_script
 
 
 def test_off_beside_auto(capsys):
-    auto, off = _main(["--seq", "8192", "--layers", "1"])
+    auto, off = load_script("long_context").main(["--seq", "8192", "--layers", "1"])
     assert (auto["sequence_parallel"], off["sequence_parallel"]) == ("auto", "off")
     assert off["step_s"] >= auto["step_s"] * (1 - 1e-9)
     text = capsys.readouterr().out
@@ -35,6 +25,6 @@ def test_off_beside_auto(capsys):
 @pytest.mark.slow
 @pytest.mark.full_sweep
 def test_the_issue_targets():
-    auto, off = _main([])
+    auto, off = load_script("long_context").main([])
     assert auto["step_s"] < 1.477 and auto["plan_s"] < 60
     assert off["step_s"] > auto["step_s"]

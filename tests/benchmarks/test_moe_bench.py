@@ -7,9 +7,6 @@ sweep: Mixtral-8x22B and the DeepSeek-V3-like shape on 8 x 8, auto against every
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -17,14 +14,7 @@ from autopar.layout.mesh import MeshSpec
 from autopar.layout.placement import Shard, TensorSpec
 from autopar.planner.baselines import expert_layouts, make_restriction
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "moe.py"
-
-
-def _load():
-    spec = importlib.util.spec_from_file_location("bench_moe", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from tests.benchmarks import load_script
 
 
 def test_expert_layouts_of_8x8():
@@ -66,7 +56,7 @@ def test_fixed_configuration_plans_expert_parallel_on_its_axis():
 @pytest.mark.timeout(3600)
 @pytest.mark.parametrize("shape", ["mixtral", "deepseek"])
 def test_auto_chooses_expert_parallelism_and_beats_every_fixed_configuration(shape):
-    bench = _load()
+    bench = load_script("moe")
     layers, batch = {"mixtral": (56, 64), "deepseek": (8, 16)}[shape]
     rows = bench.run_shape(shape, batch=batch, seq=4096, layers=layers, tps={1, 2, 4, 8}, eps={1, 2, 4, 8})
     auto, fixed = rows[0], [r for r in rows[1:] if r["step_s"] is not None]

@@ -4,26 +4,16 @@ and their losses equal the single-device loss. Timings are not checked (benchmar
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "pipeline.py"
-
-
-def _load():
-    spec = importlib.util.spec_from_file_location("bench_pipeline", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from tests.benchmarks import load_script
 
 
 @pytest.mark.full_sweep  # a benchmark run end to end (its planning half: test_pipeline_plan_prunes_...)
 def test_pipeline_benchmark_runs_and_losses_agree(tmp_path, capsys):
-    bench = _load()
+    bench = load_script("pipeline")
     out = tmp_path / "pipeline.jsonl"
     record = bench.main(["--hidden", "64", "--layers", "4", "--heads", "2", "--vocab", "128", "--seq", "16",
                          "--batch", "8", "--microbatches", "4", "--schedules", "1f1b", "--world", "2",
@@ -38,27 +28,16 @@ def test_pipeline_benchmark_runs_and_losses_agree(tmp_path, capsys):
 
 
 def test_pipeline_benchmark_refuses_bad_arguments():
-    bench = _load()
+    bench = load_script("pipeline")
     with pytest.raises(ValueError, match="--schedules takes gpipe and/or 1f1b"):
         bench.main(["--schedules", "zero-bubble"])
     with pytest.raises(ValueError, match="--microbatches 3 does not divide --batch 16"):
         bench.main(["--microbatches", "3"])
 
 
-PLAN_SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "pipeline_plan.py"
-
-
-def _load_plan_bench():
-    spec = importlib.util.spec_from_file_location("bench_pipeline_plan", PLAN_SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_pipeline_plan_configs_scale_the_batch_with_the_devices():
     """Megatron's space per case: B = N sequences, M = B / (b DP) >= PP, PP <= N / 8."""
-    bench = _load_plan_bench()
+    bench = load_script("pipeline_plan")
     found = bench.configs(64, [2, 4, 8, 16], batch=64, micro_sizes=(1, 2))
     assert (16, 1, 16) not in found and all(pp <= 8 for pp, _, _ in found)  # 64 devices: 8 nodes
     for pp, tp, m in found:
@@ -70,7 +49,7 @@ def test_pipeline_plan_configs_scale_the_batch_with_the_devices():
 
 
 def test_pipeline_plan_runs_one_configuration_and_autopar_is_not_slower(tmp_path, capsys):
-    bench = _load_plan_bench()
+    bench = load_script("pipeline_plan")
     out = tmp_path / "plan.jsonl"
     code = bench.main(["--models", "llama-70b", "--layers", "4", "--devices", "64", "--pp", "2", "--tp", "8",
                        "--micro-sizes", "2", "--seq", "128", "--schedules", "1f1b", "--jsonl", str(out)])
@@ -85,7 +64,7 @@ def test_pipeline_plan_runs_one_configuration_and_autopar_is_not_slower(tmp_path
 def test_pipeline_plan_prunes_configurations_by_their_floors(tmp_path):
     """Configurations are searched lowest floor first; one whose floor cannot beat the best step
     is reported as pruned (no step), and ``--exhaustive`` finds the same best step."""
-    bench = _load_plan_bench()
+    bench = load_script("pipeline_plan")
     args = ["--models", "gpt3-175b", "--layers", "4", "--devices", "64", "--pp", "2", "4", "--tp", "2", "8",
             "--micro-sizes", "1", "--seq", "128", "--schedules", "1f1b"]
     runs = {}
