@@ -140,7 +140,9 @@ def measure(steps: int) -> dict:
     model, inputs = zoo.build("gpt2", tiny=True, batch=4, seq=16, device="cpu")
     free = make_plan(model, inputs, mesh=(1,), zero_stage=0, checkpoint="none", offload="auto")
     budget = int(free.estimate.peak_bytes - 0.5 * free.estimate.param_bytes)
-    cuda = torch.cuda.is_available()
+    from autopar.runtime.links import cuda_present
+
+    cuda = cuda_present()  # not is_available(): its cuInit would leave the forked rank no GPU
     (got,) = run_local(_measure_rank, 1, model, inputs, budget, steps, "cuda:0" if cuda else "cpu",
                        backend="nccl" if cuda else "gloo", timeout=600)
     plan = Plan.from_json(got.pop("plan"))

@@ -197,7 +197,17 @@ def default_device() -> tuple[str, str]:
     """(device type, process-group backend) a measurement runs on unless told: ``("cuda",
     "nccl")`` where CUDA is available, else ``("cpu", "gloo")``. Calibration and the benchmarks
     ask this one rule."""
-    return ("cuda", "nccl") if torch.cuda.is_available() else ("cpu", "gloo")
+    return ("cuda", "nccl") if cuda_present() else ("cpu", "gloo")
+
+
+def cuda_present() -> bool:
+    """Whether a GPU is visible, asked without initialising CUDA in this process where possible:
+    ``torch.cuda.is_available()`` calls ``cuInit``, after which ranks forked from this process
+    cannot use the GPU ("initialization error"); NVML's device count does not touch the driver's
+    CUDA state (``torch.cuda.device_count`` falls back to the runtime only where NVML fails)."""
+    if torch.cuda.is_initialized():
+        return torch.cuda.is_available()
+    return torch.cuda.device_count() > 0
 
 
 def rank_device(device_type: str) -> torch.device:

@@ -18,10 +18,17 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmar
 
 
 def test_the_device_and_backend_come_from_the_environment():
-    with mock.patch("torch.cuda.is_available", return_value=True):
+    with mock.patch("torch.cuda.device_count", return_value=1):
         assert default_device() == ("cuda", "nccl")
-    with mock.patch("torch.cuda.is_available", return_value=False):
+    with mock.patch("torch.cuda.device_count", return_value=0):
         assert default_device() == ("cpu", "gloo")
+
+
+def test_asking_for_the_device_leaves_cuda_uninitialised_for_the_forked_ranks():
+    # is_available() runs cuInit; a rank forked after it cannot use the GPU.
+    with mock.patch("torch.cuda.is_available", side_effect=AssertionError("cuInit before fork")), \
+            mock.patch("torch.cuda.device_count", return_value=1):
+        assert default_device() == ("cuda", "nccl")
 
 
 def test_a_rank_takes_the_gpu_its_local_rank_names():
@@ -80,13 +87,13 @@ def test_calibration_runs_nccl_on_cuda_where_cuda_is_available():
         seen.update(world=world, device_type=args[1], backend=backend)
         return ["profile"] * world
 
-    with mock.patch("torch.cuda.is_available", return_value=True), \
+    with mock.patch("torch.cuda.device_count", return_value=1), \
             mock.patch("autopar.runtime.launch.run_local", fake_run_local):
         assert calibrate_module.calibrate_detailed((2,), local=2, quick=True) == "profile"
     assert seen == {"world": 2, "device_type": "cuda", "backend": "nccl"}
     # On CUDA the collective sizes are a GPU's (MiBs up), not the CPU's.
     assert calibrate_module.QUICK_SIZES["cuda"][0] >= 1 << 20
-    with mock.patch("torch.cuda.is_available", return_value=False), \
+    with mock.patch("torch.cuda.device_count", return_value=0), \
             mock.patch("autopar.runtime.launch.run_local", fake_run_local):
         calibrate_module.calibrate_detailed((2,), local=2, quick=True)
     assert seen["backend"] == "gloo" and seen["device_type"] == "cpu"
