@@ -46,6 +46,7 @@ from autopar.layout.conversion import ReshardStep, replicate_steps
 from autopar.layout.conversion import apply_step as reshard_apply_step
 from autopar.layout.placement import TensorSpec
 from autopar.strategies.fused import take_local
+from autopar.runtime.dist_ops import all_gather_single, reduce_scatter_single
 
 __all__ = [
     "COLLECTIVE_KINDS",
@@ -113,7 +114,7 @@ def _all_gather(x: torch.Tensor, dim: int, ax: _Axis, segments: int = 1) -> torc
     front = x.movedim(dim, 0).contiguous()
     out = front.new_empty((front.shape[0] * ax.size, *front.shape[1:]))
     record("all_gather", out.numel() * out.element_size())
-    dist.all_gather_single(out, front, group=ax.group)
+    all_gather_single(out, front, group=ax.group)
     if segments > 1:
         return _segment_major(out, 0, ax.size, segments).movedim(0, dim).contiguous()
     return out.movedim(0, dim).contiguous()
@@ -124,7 +125,7 @@ def _reduce_scatter(x: torch.Tensor, dim: int, ax: _Axis) -> torch.Tensor:
     front = x.movedim(dim, 0).contiguous()
     out = front.new_empty((front.shape[0] // ax.size, *front.shape[1:]))
     record("reduce_scatter", front.numel() * front.element_size())
-    dist.reduce_scatter_single(out, front, group=ax.group)
+    reduce_scatter_single(out, front, group=ax.group)
     return out.movedim(0, dim).contiguous()
 
 

@@ -1,13 +1,19 @@
 """Run a function on N local processes joined in a torch.distributed process group.
 
 Used by tests, ``make demo`` and ``calibrate --local N``. Processes start with the ``fork``
-method (about 0.04 s per launch against about 4 s with ``spawn``), so ``fn`` may be a closure
-or a test-local function. Each child initialises the default process group (gloo on CPU),
-calls ``fn(rank, world_size, *args, **kwargs)`` and sends its return value back (plain-pickled,
-so tensors are fine); the parent returns the values in rank order, or raises ``RuntimeError``
-carrying the first failing rank's traceback. A child that hangs (a mismatched collective) is
-killed after ``timeout`` seconds in all; one that dies without reporting (killed, a native
-crash) fails the run within a few seconds.
+method (about 0.04 s per launch against about 4 s with ``spawn``), so ``fn`` may be a closure or
+a test-local function -- except under a CUDA build of torch, which starts with ``spawn``
+(``start_method``): there the parent's first backward (planning traces one) starts the autograd
+engine's device threads and its first CUDA call initialises the driver, after which a forked
+child can run neither autograd ("Unable to handle autograd's threading in combination with fork-
+based multiprocessing", seen on an H200 machine with CUDA hidden) nor CUDA; ``fn`` and its
+arguments must then pickle. ``AUTOPAR_START_METHOD`` overrides the choice. Each child
+initialises the default process group (gloo on CPU), calls ``fn(rank, world_size, *args,
+**kwargs)`` and sends its return value back (plain-pickled, so tensors are fine); the parent
+returns the values in rank order, or raises ``RuntimeError`` carrying the first failing rank's
+traceback. A child that hangs (a mismatched collective) is killed after ``timeout`` seconds in
+all; one that dies without reporting (killed, a native crash) fails the run within a few
+seconds.
 
 ``launch`` / ``launch_from_torch`` are the product notes' launchers (a training script's first
 call): they join the default process group from explicit arguments or from the variables
@@ -82,6 +88,19 @@ def _check_alive(procs, results: dict, queue, deadline: float, timeout: float, w
                            f"(a collective that not every rank called?)")
 
 
+def start_method() -> str:
+    """``fork`` on a CPU build of torch, ``spawn`` on a CUDA/ROCm build (the module docstring says
+    why); the environment variable ``AUTOPAR_START_METHOD`` (fork, spawn, forkserver) wins."""
+    import torch
+
+    chosen = os.environ.get("AUTOPAR_START_METHOD")
+    if chosen is None:
+        return "spawn" if (torch.version.cuda or torch.version.hip) else "fork"
+    if chosen not in ("fork", "spawn", "forkserver"):
+        raise ValueError(f"AUTOPAR_START_METHOD={chosen!r}: expected fork, spawn or forkserver")
+    return chosen
+
+
 def run_local(
     fn: Callable[..., Any],
     world_size: int,
@@ -94,7 +113,7 @@ def run_local(
     """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` forked processes."""
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
-    ctx = mp.get_context("fork")
+    ctx = mp.get_context(start_method())
     queue = ctx.Queue()
     port = free_port()
     procs = [

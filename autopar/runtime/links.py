@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from autopar.layout.cost import collective_seconds
+from autopar.runtime.dist_ops import all_gather_single, reduce_scatter_single
 from autopar.layout.mesh import MeshSpec
 
 __all__ = [
@@ -262,11 +263,9 @@ def _op(kind: str, nbytes: int, n: int, group, device: torch.device):
     if kind == "all_reduce":
         return lambda: dist.all_reduce(full, group=group)
     if kind == "all_gather":
-        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        return lambda: gather(full, piece, group=group)
+        return lambda: all_gather_single(full, piece, group=group)
     if kind == "reduce_scatter":
-        scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-        return lambda: scatter(piece, full, group=group)
+        return lambda: reduce_scatter_single(piece, full, group=group)
     if kind == "all_to_all":
         recv = torch.empty_like(piece)  # each rank holds full/n and exchanges it
         return lambda: dist.all_to_all_single(recv, piece, group=group)

@@ -218,8 +218,10 @@ def _export(model: nn.Module, fake: dict, constants: dict, model_name: str, stac
     bound = "forward" in vars(model)
     original = model.forward
     model.forward = _traced_forward(original, constants, model_name)
-    emit_before = fx_config.do_not_emit_stack_traces
-    fx_config.do_not_emit_stack_traces = not stack_traces
+    # torch 2.13's switch; older releases (the GPU machines' images) always emit stack traces
+    emit_before = getattr(fx_config, "do_not_emit_stack_traces", None)
+    if emit_before is not None:
+        fx_config.do_not_emit_stack_traces = not stack_traces
     try:
         # export prints the partial graph on failure; the TraceError says it better
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()), \
@@ -230,7 +232,8 @@ def _export(model: nn.Module, fake: dict, constants: dict, model_name: str, stac
     except Exception as err:  # noqa: BLE001 - every export failure becomes a TraceError
         raise _diagnose(err, stack, model_name) from err
     finally:
-        fx_config.do_not_emit_stack_traces = emit_before
+        if emit_before is not None:
+            fx_config.do_not_emit_stack_traces = emit_before
         for hook in hooks:
             hook.remove()
         if bound:

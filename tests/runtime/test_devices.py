@@ -111,3 +111,20 @@ def test_the_benchmarks_read_the_cuda_allocators_peak_and_none_on_the_cpu():
     with mock.patch("torch.cuda.max_memory_allocated") as peak:
         assert PeakAllocated(torch.device("cpu")).peak() is None
     peak.assert_not_called()
+
+
+def test_local_ranks_fork_on_a_cpu_build_and_spawn_on_a_cuda_build():
+    from autopar.runtime.launch import start_method
+
+    with mock.patch.dict(os.environ, {}, clear=False):
+        os.environ.pop("AUTOPAR_START_METHOD", None)
+        with mock.patch("torch.version.cuda", None), mock.patch("torch.version.hip", None):
+            assert start_method() == "fork"
+        # a CUDA build's parent has started autograd's device threads by its first backward
+        with mock.patch("torch.version.cuda", "13.0"):
+            assert start_method() == "spawn"
+        with mock.patch.dict(os.environ, {"AUTOPAR_START_METHOD": "forkserver"}):
+            assert start_method() == "forkserver"
+        with mock.patch.dict(os.environ, {"AUTOPAR_START_METHOD": "threads"}), \
+                pytest.raises(ValueError, match="AUTOPAR_START_METHOD"):
+            start_method()

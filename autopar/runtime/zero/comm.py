@@ -22,10 +22,10 @@ from collections import defaultdict
 from typing import Sequence
 
 import torch
-import torch.distributed as dist
 
 from autopar.runtime.counting import record
 from autopar.runtime.dtensors import local_of
+from autopar.runtime.dist_ops import all_gather_single, reduce_scatter_single
 
 __all__ = ["ScatterWork", "chunk_sizes", "gather_pieces", "scatter_grads"]
 
@@ -87,7 +87,7 @@ def _gather_round(pieces: list, axis: int, levels: dict, blocks: dict) -> None:
         send[offset:offset + block.numel()].copy_(block)
     recv = send.new_empty(k * total)
     record("all_gather", recv.numel() * recv.element_size())
-    dist.all_gather_single(recv, send, group=mesh.get_group(axis))
+    all_gather_single(recv, send, group=mesh.get_group(axis))
     recv = recv.view(k, total)
     for p, sizes, rest, offset, seg in plan:
         width = math.prod(rest)
@@ -152,7 +152,7 @@ class ScatterWork:
                 start += sizes[c]
         recv = send.new_empty(total)
         record("reduce_scatter", send.numel() * send.element_size())
-        work = dist.reduce_scatter_single(recv, send.view(-1), group=mesh.get_group(axis), async_op=async_op)
+        work = reduce_scatter_single(recv, send.view(-1), group=mesh.get_group(axis), async_op=async_op)
 
         def finish() -> None:
             for i, sizes, coord, rest, offset in plan:
