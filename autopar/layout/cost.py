@@ -42,7 +42,8 @@ from autopar.layout.mesh import MeshSpec
 __all__ = ["KERNEL_FLOOR_S", "COLLECTIVES", "compute_seconds", "collective_seconds", "copy_seconds", "ring_seconds",
            "optimizer_bytes_per_byte", "optimizer_seconds"]
 
-# Launch overhead of one kernel: a node never costs less than this, however small.
+# Launch overhead of one kernel: a node never costs less than this, however small -- unless the
+# mesh's calibration measured the floor (``MachineProfile.kernel_floor_s``).
 KERNEL_FLOOR_S = 2e-6
 
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "split")
@@ -63,13 +64,14 @@ def compute_seconds(flops: float, nbytes: float, mesh: MeshSpec, *, itemsize: in
     if mesh.machine is None:
         return max(flop_s, byte_s, KERNEL_FLOOR_S)
     dtype = dtype or dtype_name(itemsize)
+    floor = KERNEL_FLOOR_S if mesh.machine.kernel_floor_s is None else mesh.machine.kernel_floor_s
     if op_class in COMPUTE_BOUND and flops > 0:
         rate = mesh.machine.compute.rate(op_class, dtype, flops, backward=backward)
         flop_s = flop_s if rate is None else flops / rate
     elif op_class in MEMORY_BOUND and nbytes > 0:
         rate = mesh.machine.compute.rate(op_class, dtype, nbytes, backward=backward)
         byte_s = byte_s if rate is None else nbytes / rate
-    return max(flop_s, byte_s, KERNEL_FLOOR_S) * mesh.machine.scale_of(op_class)
+    return max(flop_s, byte_s, floor) * mesh.machine.scale_of(op_class)
 
 
 # Bytes an Adam-style step moves per parameter byte: reads parameter, gradient and the ``m``

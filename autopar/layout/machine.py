@@ -25,6 +25,10 @@ roofline. Its parts:
 - ``idle_speedup``: a rank's compute rate while half the ranks wait over its rate while all
   compute (1 with a device per rank; up to 2 with twice the ranks of the host's cores): what a
   pipeline bubble's busy ranks gain.
+- ``kernel_floor_s``: what one op costs however small -- its dispatch and launch, measured on a
+  chain of one-element ops run forward and backward as a training step runs them (None: not
+  measured; ``layout.cost.KERNEL_FLOOR_S`` holds). On a GPU it sets the time of the many small
+  kernels a small model's step is made of.
 
 The fraction of asynchronously issued communication hidden under concurrent compute is
 ``MeshSpec.comm_overlap`` (one field of the mesh, whoever fills it), not a field here.
@@ -206,6 +210,8 @@ class MachineProfile:
     # 1 where each rank has its own device. A pipeline's bubble is such a phase
     # (``planner.pipeline.schedule.bubble``); calibration measures it (``runtime/calibrate.py``).
     idle_speedup: float = 1.0
+    # Seconds one kernel costs however small (dispatch + launch; None: the cost model's default).
+    kernel_floor_s: float | None = None
     # A mesh is a cache key (``layout.conversion``): hashing every rate each lookup would cost
     # ten times the preset mesh's whole hash, so the profile's is computed once.
     _hash: int = field(init=False, repr=False, compare=False, default=0)
@@ -226,9 +232,14 @@ class MachineProfile:
         if not (_positive(self.idle_speedup) and self.idle_speedup >= 1):
             raise ValueError(f"MachineProfile.idle_speedup must be a finite number >= 1, got {self.idle_speedup!r}")
         object.__setattr__(self, "idle_speedup", float(self.idle_speedup))
+        if self.kernel_floor_s is not None:
+            if not (_positive(self.kernel_floor_s) and self.kernel_floor_s < 1.0):
+                raise ValueError(f"MachineProfile.kernel_floor_s must be a positive number of seconds below 1, "
+                                 f"got {self.kernel_floor_s!r}")
+            object.__setattr__(self, "kernel_floor_s", float(self.kernel_floor_s))
         object.__setattr__(self, "_hash", hash((self.compute, self.links, self.measured_shape,
                                                 self.measured_axis_names, self.note, self.time_scale,
-                                                self.idle_speedup)))
+                                                self.idle_speedup, self.kernel_floor_s)))
 
     def __hash__(self) -> int:
         return self._hash
@@ -253,7 +264,8 @@ class MachineProfile:
                 "links": [{"kind": f.kind, "axis": f.axis, "alpha": f.alpha, "beta": f.beta} for f in self.links],
                 "measured_shape": list(self.measured_shape), "measured_axis_names": list(self.measured_axis_names),
                 "note": self.note, **({"time_scale": dict(self.time_scale)} if self.time_scale else {}),
-                **({"idle_speedup": self.idle_speedup} if self.idle_speedup != 1.0 else {})}
+                **({"idle_speedup": self.idle_speedup} if self.idle_speedup != 1.0 else {}),
+                **({"kernel_floor_s": self.kernel_floor_s} if self.kernel_floor_s is not None else {})}
 
     @classmethod
     def from_dict(cls, data: dict) -> "MachineProfile":
@@ -263,6 +275,6 @@ class MachineProfile:
                        measured_shape=tuple(data["measured_shape"]),
                        measured_axis_names=tuple(data["measured_axis_names"]), note=data.get("note", ""),
                        time_scale=tuple(data.get("time_scale", {}).items()),
-                       idle_speedup=data.get("idle_speedup", 1.0))
+                       idle_speedup=data.get("idle_speedup", 1.0), kernel_floor_s=data.get("kernel_floor_s"))
         except (KeyError, TypeError) as exc:
             raise ValueError(f"malformed machine profile in MeshSpec JSON: {type(exc).__name__}: {exc}") from None

@@ -10,7 +10,8 @@ its progress with ``verbose``:
 
 1. **compute** (``calibrate_compute``): achieved FLOP/s of matmul/bmm and attention and bytes/s
    of elementwise and normalisation ops over a grid of sizes, in fp32, bf16 and fp16 -> a
-   ``ComputeProfile``; the mesh's roofline peaks are its steady states.
+   ``ComputeProfile``; the mesh's roofline peaks are its steady states; and the cost of one
+   op however small (a chain of 0-dim ops forward and backward: ``kernel_floor_s``).
 2. **collectives** (``links.measure_axis``): all-reduce, all-gather, reduce-scatter and
    all-to-all over a range of sizes on every mesh axis of size > 1 -> one alpha/beta per axis
    over all kinds (``MeshSpec.alpha``/``beta``) and one per kind and axis (``LinkFit``).
@@ -37,7 +38,7 @@ import torch.distributed as dist
 from autopar.layout.machine import FLOP_KEYED, LinkFit, MachineProfile, overlap_fraction
 from autopar.layout.mesh import MeshSpec, default_axis_names, parse_mesh_shape
 from autopar.runtime.calibrate_compute import (GRID, MIN_REPETITION_S, QUICK_GRID, QUICK_REPETITION_S, device_figures,
-                                               measure_compute)
+                                               measure_compute, measure_kernel_floor)
 from autopar.runtime.links import (DEFAULT_SIZES, KINDS, MeshProfile, Timing, default_device, fit_alpha_beta,
                                    lockstep_median, lockstep_medians, measure_axis, rank_device, ranks_reduce,
                                    ring_factor)
@@ -186,6 +187,9 @@ def _in_group(shape: tuple[int, ...], device_type: str, sizes: Sequence[int], re
     for kernel, rate in measured:
         unit = "GFLOP/s" if kernel.op_class in FLOP_KEYED else "GB/s"
         say(f"{kernel.dtype} {kernel.label}: {rate / 1e9:.2f} {unit}")
+    floor = measure_kernel_floor(repeats=max(repeats, 9), device=device,
+                                 min_repetition_s=QUICK_REPETITION_S if quick else MIN_REPETITION_S)
+    say(f"kernel floor (one small op, forward and backward): {floor * 1e6:.1f} us")
     say.stage = "stage 2/3 collectives: "
     alpha, beta, links, timings = _collectives(device_mesh, shape, sizes, repeats, device, say)
     say.stage = "stage 3/3 overlap: "
@@ -204,7 +208,7 @@ def _in_group(shape: tuple[int, ...], device_type: str, sizes: Sequence[int], re
             f"{repeats} repetitions, load {load:.2f} at the start, "
             f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}")
     machine = MachineProfile(compute=compute, links=tuple(links), measured_shape=shape, measured_axis_names=names,
-                             note=note, idle_speedup=speedup)
+                             note=note, idle_speedup=speedup, kernel_floor_s=floor)
     flops, half, bandwidth = device_figures(compute)
     mesh = MeshSpec(shape=shape, axis_names=names, alpha=tuple(alpha), beta=tuple(beta), peak_flops=flops,
                     mem_bandwidth=bandwidth, mem_capacity=_mem_capacity(device), name=f"profiled-{device_type}",

@@ -29,6 +29,10 @@ The grid, per dtype (fp32, bf16, fp16):
 
 Only ``conv`` and ``pool`` have backward tables (``layout.machine.BACKWARD_CLASSES``): the cost
 model prices other classes' backward FLOPs (or bytes) at the forward rate for that size.
+
+Apart from the grid, ``measure_kernel_floor`` times what an op costs however small (its dispatch
+and launch: ``MachineProfile.kernel_floor_s``), which the grid's smallest calls do not show -- a
+size below them takes their rate -- and which sets a small model's step on a GPU.
 """
 
 from __future__ import annotations
@@ -273,6 +277,32 @@ def measure_compute(grid: Grid, *, repeats: int, device: torch.device | str = "c
         tables.setdefault((k.op_class, k.dtype), []).append((k.size, rate))
     profile = ComputeProfile(tuple((c, d, RateTable.of(pts)) for (c, d), pts in tables.items()))
     return profile, measured
+
+
+FLOOR_CHAIN = 64  # ops per chain: the barrier and the final gradient's accumulation are a small share
+
+
+def measure_kernel_floor(*, repeats: int, device: torch.device | str = "cpu",
+                         min_repetition_s: float = MIN_REPETITION_S) -> float:
+    """Seconds one op costs however small, as a training step runs ops: a chain of
+    ``FLOOR_CHAIN`` multiplications of a 0-dim tensor, forward (one Python dispatch per op, as the
+    emitted graph calls them) and backward (the autograd engine's node per op), timed in lockstep
+    on every rank; the median over its ``2 x FLOOR_CHAIN`` kernels. On a GPU that is the launch
+    rate of back-to-back kernels; on a CPU the dispatcher's cost per call. Collective over every
+    rank; every rank returns the same figure."""
+    device = torch.device(device)
+    x = torch.ones((), device=device, requires_grad=True)
+
+    def chain() -> None:
+        y = x
+        for _ in range(FLOOR_CHAIN):
+            y = y * 1.0
+        y.backward()
+        x.grad = None
+
+    (inner,) = _inner_counts([Kernel("other", "fp32", 1.0, "kernel floor", chain)], device, min_repetition_s)
+    (seconds,) = lockstep_medians([_repeated(chain, inner)], repeats=repeats, device=device, warm_up=False)
+    return seconds / (inner * 2 * FLOOR_CHAIN)
 
 
 def device_figures(profile: ComputeProfile) -> tuple[float, float | None, float]:

@@ -128,6 +128,22 @@ def test_idle_speedup_round_trips_and_is_checked():
             replace(_profile(), idle_speedup=bad)
 
 
+def test_the_kernel_floor_round_trips_is_checked_and_prices_the_smallest_op():
+    from autopar.layout.cost import KERNEL_FLOOR_S, compute_seconds
+
+    mesh = _mesh(machine=replace(_profile(), kernel_floor_s=15e-6))
+    assert MeshSpec.from_json(mesh.to_json()) == mesh and hash(mesh.machine) != hash(_profile())
+    assert "kernel_floor_s" not in json.loads(_mesh().to_json())["machine"]  # older files: the default
+    # A one-byte add costs the measured floor, not the default's 2 us; a large one its rate.
+    assert compute_seconds(0, 8, mesh, op_class="elementwise") == pytest.approx(15e-6)
+    assert compute_seconds(0, 8, _mesh(), op_class="elementwise") == pytest.approx(KERNEL_FLOOR_S)
+    big = compute_seconds(0, 1e9, mesh, op_class="elementwise")
+    assert big == compute_seconds(0, 1e9, _mesh(), op_class="elementwise") > 15e-6
+    for bad in (0.0, -1e-6, math.inf, 2.0, "1e-6"):
+        with pytest.raises(ValueError, match="kernel_floor_s must be a positive number"):
+            replace(_profile(), kernel_floor_s=bad)
+
+
 def test_a_pipeline_stage_mesh_keeps_the_fits_of_its_axes():
     stage = stage_mesh_of(_mesh())  # drops axis 0: axis 1's all-gather fit becomes axis 0's
     assert stage.shape == (2,) and stage.machine.links == (LinkFit("all_gather", 0, 5e-4, 4e-9),)

@@ -65,6 +65,7 @@ def test_quick_calibration_measures_every_class_and_dtype(calibrated):
     assert spec.mem_bandwidth == machine.compute.table("elementwise", "fp32").rates[-1]
     assert 0.0 <= spec.comm_overlap <= 1.0
     assert 1.0 <= machine.idle_speedup <= 2.0  # half of 2 ranks computing while the other waits
+    assert 1e-7 < machine.kernel_floor_s < 1e-3  # a CPU dispatches a small op in microseconds
     assert spec.alpha[0] > 0 and spec.beta[0] > 0
     # Each kind has its own fit exactly when its timings determine one.
     for kind in KINDS:
