@@ -437,7 +437,7 @@ def _stage_floors(model, meta_inputs, *, spec: MeshSpec, options: PlanOptions, p
     from autopar.planner.pipeline.bounds import config_floors
     from autopar.planner.pipeline.costs import stage_costs
     from autopar.planner.pipeline.geometry import batch_size, microbatch_counts
-    from autopar.tracer.microbatch import microbatch_hazard
+    from autopar.strategies.batch_flow import pipeline_hazard
 
     stages = spec.shape[0]
     staged = {}
@@ -446,7 +446,7 @@ def _stage_floors(model, meta_inputs, *, spec: MeshSpec, options: PlanOptions, p
     for m in counts:
         traced, prof = _trace_and_profile(model, meta_inputs, precision=options.precision, progress=progress,
                                           microbatches=m, detail=f"micro-batch graph, {m} micro-batches")
-        hazard = microbatch_hazard(traced)
+        hazard = pipeline_hazard(traced)
         if hazard is not None:  # the runtime would refuse the plan: say so before searching stages
             raise NotImplementedError(f"{traced.model_name} cannot be pipelined: {hazard}; plan without a "
                                       f"pipeline (pipeline=1)")

@@ -6,7 +6,7 @@ search costs a trace per micro-batch count and tens of stage solves, so two chec
 
 - ``blocker``: why no pipeline over mesh axis 0 can be planned at all (axis 0 of size 1, no
   repeated-block container with a block per stage, no micro-batch count, options the pipeline
-  planner does not plan with, a model that micro-batches change: ``microbatch_hazard``); read off
+  planner does not plan with, a model that micro-batches change: ``strategies.batch_flow.pipeline_hazard``); read off
   the full-batch trace already made;
 - ``work_floor``: a lower bound on every pipelined step from the plan without a pipeline's own
   problem. Each op's priced time does not fall as its work grows and does not fall faster than
@@ -28,7 +28,7 @@ from autopar.planner.pipeline.schedule import SCHEDULE_VIRTUAL_STAGES, idle_spee
 from autopar.planner.records import BuiltProblem
 from autopar.plans import NodeKind
 from autopar.tracer.graph import TracedGraph
-from autopar.tracer.microbatch import microbatch_hazard
+from autopar.strategies.batch_flow import pipeline_hazard
 
 __all__ = ["blocker", "work_floor"]
 
@@ -49,7 +49,7 @@ def blocker(traced: TracedGraph, meta_inputs: Any, *, mesh: MeshSpec, options) -
         return f"ep_size={options.ep_size!r} is not pinned in pipeline stages"
     if options.zero_stage not in (0, 1):
         return f"zero_stage={options.zero_stage!r}: pipelined plans take ZeRO 0 or 1"
-    hazard = microbatch_hazard(traced)
+    hazard = pipeline_hazard(traced)
     if hazard is not None:
         return hazard
     found = block_container(traced)

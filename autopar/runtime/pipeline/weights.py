@@ -25,7 +25,8 @@ import torch.utils._pytree as pytree
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from autopar.tracer.graph import INPUT, TracedGraph
-from autopar.tracer.microbatch import COUNTED_LOSSES, known_weights, loss_op, microbatch_hazard
+from autopar.strategies.batch_flow import pipeline_hazard
+from autopar.tracer.microbatch import COUNTED_LOSSES, known_weights, loss_op
 
 __all__ = ["LossWeights"]
 
@@ -44,7 +45,7 @@ class LossWeights:
     """The weight of each micro-batch's loss in the full batch's (module docstring)."""
 
     def __init__(self, traced: TracedGraph, num_microbatches: int) -> None:
-        hazard = microbatch_hazard(traced)
+        hazard = pipeline_hazard(traced)
         if hazard is not None:
             raise NotImplementedError(f"{traced.model_name} cannot run as a pipeline: {hazard}; plan without a "
                                       f"pipeline (pipeline=1)")

@@ -123,3 +123,26 @@ def test_batch_norm_with_batch_statistics_is_refused_and_blocks_auto_pipelines()
     why = blocker(traced, inputs, mesh=MeshSpec.preset("cpu", (2,)), options=PlanOptions())
     assert why is not None and "batch norm in training mode" in why
     assert _weights(model.eval(), inputs).tolist() == [0.5, 0.5]  # running statistics: no coupling
+
+
+class InBatchContrastive(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.text, self.image = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x, y):
+        logits = self.text(x) @ self.image(y).t()  # every text against every image of the batch
+        return nn.functional.cross_entropy(logits, torch.arange(x.shape[0]))
+
+
+def test_an_in_batch_contrastive_loss_is_refused_and_blocks_auto_pipelines():
+    # its cross entropy has known weights, but each micro-batch would contrast only its own samples
+    from autopar.layout.mesh import MeshSpec
+    from autopar.planner.options import PlanOptions
+    from autopar.planner.pipeline.candidates import blocker
+
+    model, inputs = InBatchContrastive(), {"x": torch.randn(8, 8), "y": torch.randn(8, 8)}
+    with pytest.raises(NotImplementedError, match=r"node 'matmul'.*combines samples of the batch.*pipeline=1"):
+        _weights(model, inputs)
+    why = blocker(trace(model, inputs), inputs, mesh=MeshSpec.preset("cpu", (2,)), options=PlanOptions())
+    assert why is not None and "node 'matmul'" in why
