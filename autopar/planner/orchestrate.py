@@ -322,6 +322,7 @@ def plan_pipelined(model: Any, meta_inputs: tuple | dict, *, mesh: MeshSpec | Se
         raise ValueError(f"pipelined plans decide activation recompute per stage (whole blocks): give "
                          f"checkpoint='auto' (or 'none' for no recompute), got checkpoint={options.checkpoint!r}")
     check_pipeline_zero(options.zero_stage)
+    _check_full_batch(model, meta_inputs, options=options, stages=stages)
     schedules = schedules_for(options.schedule)
     staged = _stage_floors(model, meta_inputs, spec=spec, options=options, progress=progress, schedules=schedules,
                            family=family)
@@ -426,6 +427,23 @@ def plan_auto_cached(model: Any, meta_inputs: tuple | dict, *, mesh: MeshSpec, o
     if hit is not None:
         return hit
     return plan_auto(model, meta_inputs, mesh=mesh, options=options, progress=progress, traced=traced, key=key).plan
+
+
+def _check_full_batch(model, meta_inputs, *, options: PlanOptions, stages: int) -> None:
+    """Refuse a pipeline whose forward combines samples of the batch, followed on the full batch's
+    graph where a micro-batch holds one sample (``strategies.batch_flow``: one sample has no batch
+    to follow); the default plan's ``blocker`` does the same on the trace it has."""
+    from autopar.planner.pipeline.geometry import batch_size, microbatch_counts
+    from autopar.strategies.batch_flow import batch_mixing, one_sample_micro_batches
+
+    counts = microbatch_counts(batch_size(meta_inputs), num_stages=stages, asked=options.microbatches)
+    if not one_sample_micro_batches(meta_inputs, counts):
+        return  # each micro-batch graph is followed in _stage_floors
+    traced = trace_for_planning(model, meta_inputs, precision=options.precision)
+    mixing = batch_mixing(traced, meta_inputs)
+    if mixing is not None:
+        raise NotImplementedError(f"{traced.model_name} cannot be pipelined: {mixing}; plan without a "
+                                  f"pipeline (pipeline=1)")
 
 
 def _stage_floors(model, meta_inputs, *, spec: MeshSpec, options: PlanOptions, progress: Progress,

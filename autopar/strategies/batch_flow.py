@@ -39,7 +39,7 @@ from autopar.strategies.registry import OpInfo, input_nodes, needs_no_decision
 from autopar.tracer.graph import INPUT
 from autopar.tracer.microbatch import batch_size, loss_op, microbatch_hazard
 
-__all__ = ["batch_mixing", "pipeline_hazard"]
+__all__ = ["batch_mixing", "pipeline_hazard", "one_sample_micro_batches"]
 
 # A tensor's state: an int is the dim that carries the batch; ``_SHARED`` marks a tensor no
 # batch-major input reaches (parameters, buffers, constants, what is computed from them and from
@@ -55,13 +55,23 @@ def pipeline_hazard(traced: Any, meta_inputs: Any = None) -> str | None:
     return microbatch_hazard(traced) or batch_mixing(traced, meta_inputs)
 
 
+def one_sample_micro_batches(meta_inputs: Any, counts: Any) -> bool:
+    """Whether some micro-batch count of ``counts`` cuts the batch of ``meta_inputs`` into single
+    samples, whose graphs ``batch_mixing`` cannot follow: the full batch's must be checked."""
+    return any(batch_size(meta_inputs) // m <= 1 for m in counts)
+
+
+def _batch_of(traced: Any, meta_inputs: Any) -> int:
+    if meta_inputs is not None:
+        return batch_size(meta_inputs)
+    inputs = [p for p in traced.placeholders if p.kind == INPUT and p.shape]
+    return inputs[0].shape[0] if inputs else 0
+
+
 def _batch_inputs(traced: Any, meta_inputs: Any) -> set[str]:
     """Names of the input placeholders cut into micro-batches."""
-    inputs = [p for p in traced.placeholders if p.kind == INPUT and p.shape]
-    if not inputs:
-        return set()
-    batch = batch_size(meta_inputs) if meta_inputs is not None else inputs[0].shape[0]
-    return {p.name for p in inputs if p.shape[0] == batch}
+    batch = _batch_of(traced, meta_inputs)
+    return {p.name for p in traced.placeholders if p.kind == INPUT and p.shape and p.shape[0] == batch}
 
 
 def _loss_path(traced: Any) -> set[fx.Node]:
@@ -128,8 +138,12 @@ def _follow(node: fx.Node, state: dict[fx.Node, Any]) -> tuple[Any, str | None]:
 
 def batch_mixing(traced: Any, meta_inputs: Any = None) -> str | None:
     """The first forward op whose output mixes samples of the batch before the loss (module
-    docstring), as a message naming it; None when every sample stays apart up to the loss."""
+    docstring), as a message naming it; None when every sample stays apart up to the loss, and
+    for a graph of one sample (a micro-batch of one: the planner checks the full batch's graph,
+    ``planner.orchestrate._check_full_batch``)."""
     cut = _batch_inputs(traced, meta_inputs)
+    if _batch_of(traced, meta_inputs) <= 1:
+        return None  # one sample: no batch to follow (views fold size-1 dims); the planner follows the full batch
     loss_path = _loss_path(traced)
     state: dict[fx.Node, Any] = {}
     for node in traced.gm.graph.nodes:

@@ -81,3 +81,12 @@ def test_the_zoos_transformers_keep_samples_apart(name):
 def test_a_training_batch_norm_is_found_by_the_statistics_check_first():
     model, inputs = zoo.build("resnet50", tiny=True, batch=4, seq=16, device="meta")
     assert "batch norm in training mode" in pipeline_hazard(trace(model, inputs), inputs)
+
+
+def test_one_sample_micro_batches_are_followed_on_the_full_batch():
+    import autopar
+
+    model, inputs = Contrastive(), {"x": torch.randn(2, 8), "y": torch.randn(2, 8)}
+    assert batch_mixing(trace(model, {k: v[:1] for k, v in inputs.items()})) is None  # nothing to follow
+    with pytest.raises(NotImplementedError, match=r"node 'matmul'.*pipeline=1"):
+        autopar.plan(model, inputs, mesh=(2,), pipeline=2, microbatches=2)
