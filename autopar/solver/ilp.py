@@ -25,11 +25,14 @@ Constraints, one method each
         ``x`` of each class). A 2-layer DeepseekV3 on 2x2: 212,599 edge columns -> 118,266.
     memory (``add_memory``):           ``P + M[k] <= budget`` at every peak candidate ``k``, with
         ``P = sum param[g][s] x[g,s]`` and ``M[k] = sum_{items i live at k} held_i``,
-        ``held_i = sum_s bytes_i[s] x[g_i,s]``. Candidates are the timeline points whose live
-        sets are maximal (``simplify.peak_candidates``); a candidate whose coefficients are
-        dominated by another's is dropped. Small models write each ``M[k]`` out; large ones
-        chain ``M[k] = M[k-1] + held(items starting at k) - held(items ending at k-1)`` (each
-        item appears twice, so the memory rows stay linear in size). Memory rows count MiB
+        ``held_i = sum_s bytes_i[s] x[g_i,s]``; a pairwise item (``Reduced.edge_items``: a parameter
+        copy its reader keeps) holds ``sum_{s,t} bytes_i[s,t] e[a,b,s,t]`` (exact as the edge
+        costs are: ``e`` is the chosen pair's indicator; its rows and columns grouped equal in
+        the items' matrices too; the minimum-peak model adds these edges' variables alone).
+        Candidates are the timeline points whose live sets are maximal (``simplify.peak_candidates``);
+        a candidate whose coefficients are dominated by another's is dropped. Small models write
+        each ``M[k]`` out; large ones chain ``M[k] = M[k-1] + held(items starting at k) -
+        held(items ending at k-1)`` (each item appears twice: memory rows stay linear in size). Memory rows count MiB
         (``MEM_UNIT``) rather than bytes, for the solvers' tolerances.
     overlap (``add_overlap``):         ``h <= rho (A0 + sum a[g][s] x[g,s] + sum M_ab[s,t] e[a,b,s,t])``
         and ``h <= W0 + sum w[g][s] x[g,s]``: ``a`` and ``M_ab`` the asynchronous communication
@@ -72,7 +75,7 @@ import numpy as np
 
 from autopar.solver.linear import LinearProgram, cbc_path, highs_available, silence_highs_banner, solve_cbc, \
     solve_highs
-from autopar.solver.simplify import Reduced, peak_candidates
+from autopar.solver.simplify import MemItem, Reduced, peak_candidates
 from autopar.solver.watchdog import run_in_child
 
 __all__ = ["IlpModel", "Outcome", "Terms", "undominated_rows", "available_backends", "pick_backend",
@@ -222,6 +225,8 @@ class IlpModel:
         self.objective: str | None = None  # "time" or "peak", once built
         self.hidden: tuple[int, Terms, float, Terms, float] | None = None  # add_overlap: h and its two bounds
         self.edge_async: list[tuple[np.ndarray, np.ndarray]] = []  # (edge columns, async seconds): add_overlap
+        # (start, end, edge columns, MiB per column) of each pairwise memory item: add_edge_marginals
+        self.edge_mem: list[tuple[int, int, np.ndarray, np.ndarray]] = []
 
     @property
     def name(self) -> str:
@@ -255,25 +260,36 @@ class IlpModel:
             self.x.append(xs)
             self.lp.add_rows([len(xs)], xs, np.ones(len(xs)), lower=1.0, upper=1.0)
 
-    def add_edge_marginals(self) -> None:
+    def add_edge_marginals(self, *, memory_only: bool = False) -> None:
         """The edge variables, their marginal rows and their costs (added to the objective
         directly: one array per edge). An edge with asynchronous seconds (``Reduced.overlap``)
-        groups rows and columns equal in both matrices, and keeps its variables and that matrix
-        for ``add_overlap``."""
-        asyncs = {} if self.reduced.overlap is None else self.reduced.overlap.edges
+        or pairwise memory items groups rows and columns equal in all those matrices, and keeps
+        its variables and those matrices for ``add_overlap`` and the memory rows (``edge_mem``).
+        ``memory_only``: the edges of pairwise memory items alone, without costs (minimum peak)."""
+        asyncs = {} if self.reduced.overlap is None or memory_only else self.reduced.overlap.edges
+        held: dict[tuple[int, int], list] = {}
+        for it in self.reduced.edge_items:
+            held.setdefault((it.a, it.b), []).append(it)
         for (a, b), mat in self.reduced.edges.items():
+            if memory_only and (a, b) not in held:
+                continue
             xa, xb = self.x[a], self.x[b]
             assert xa is not None and xb is not None, "edges of 1-option groups are folded by simplify"
             asy = asyncs.get((a, b))
-            # classes of equal rows, then of equal columns (module docstring), in both matrices
-            rows = _equal_lines(mat if asy is None else np.hstack([mat, asy]))
+            mems = [it.bytes for it in held.get((a, b), ())]
+            # classes of equal rows, then of equal columns (module docstring), in all the matrices
+            both = [mat] + ([] if asy is None else [asy]) + mems
+            rows = _equal_lines(np.hstack(both))
             reps = [r[0] for r in rows]
-            cols = _equal_lines(mat[reps].T if asy is None else np.vstack([mat[reps], asy[reps]]).T)
-            sub = mat[np.ix_(reps, [c[0] for c in cols])]
+            cols = _equal_lines(np.vstack([m[reps] for m in both]).T)
+            where = np.ix_(reps, [c[0] for c in cols])
+            sub = mat[where]
             ka, kb = sub.shape
             e = self.lp.add_columns(ka * kb).reshape(ka, kb)
             if asy is not None:
-                self.edge_async.append((e, asy[np.ix_(reps, [c[0] for c in cols])]))
+                self.edge_async.append((e, asy[where]))
+            self.edge_mem += [(it.start, it.end, e.reshape(-1), it.bytes[where].reshape(-1) / MEM_UNIT)
+                              for it in held.get((a, b), ())]
             # Row s: sum_t e[s,t] - sum_{k in class s} x_a[k] = 0; column t likewise.
             lengths, index, value = [], [], []
             for s, members in enumerate(rows):
@@ -285,8 +301,9 @@ class IlpModel:
                 index += e[:, t].tolist() + [xb[k] for k in members]
                 value += [1.0] * ka + [-1.0] * len(members)
             self.lp.add_rows(lengths, index, value, lower=0.0, upper=0.0)
-            where = np.nonzero(sub)
-            self.lp.add_objective_arrays(e[where], sub[where])
+            if not memory_only:
+                nz = np.nonzero(sub)
+                self.lp.add_objective_arrays(e[nz], sub[nz])
 
     def param_bytes(self) -> tuple[Terms, float]:
         terms, const = [], 0.0
@@ -313,12 +330,12 @@ class IlpModel:
         items = list(self.reduced.mem_items)
         p_terms, p_const = self.param_bytes()
         rhs_terms, upper = self.memory_rhs(budget=budget, peak=peak)
-        cands = peak_candidates(items)
+        cands = peak_candidates(items + self.edge_spans())
         if not cands:
             self.lp.add_row(p_terms + rhs_terms, upper=upper, const=p_const)
             return 1
         ranges = []
-        for it in items:
+        for it in items + self.edge_spans():
             a, b = bisect.bisect_left(cands, it.start), bisect.bisect_right(cands, it.end) - 1
             assert a <= b, f"{it} contains no peak candidate"
             ranges.append((a, b))
@@ -331,6 +348,10 @@ class IlpModel:
             self.lp.add_row(terms + p_terms + rhs_terms, upper=upper, const=const + p_const)
         return len(rows)
 
+    def edge_spans(self) -> list[MemItem]:
+        """The pairwise items' intervals (no bytes), for ``peak_candidates``."""
+        return [MemItem(-1, start, end, np.zeros(1)) for start, end, _, _ in self.edge_mem]
+
     def slot_columns(self) -> np.ndarray:
         """Per option slot (group ``g`` owns ``offsets[g]:offsets[g+1]``), its ``x`` column; -1
         for the slot of a 1-option group (a constant)."""
@@ -341,20 +362,24 @@ class IlpModel:
         return np.array(out, dtype=np.int64)
 
     def _dense_memory_rows(self, items, ranges, num_cands):
-        """Write each candidate's live total out; drop candidates dominated coefficient-wise."""
-        offsets = np.cumsum([0] + [len(c) for c in self.reduced.cost])
+        """Write each candidate's live total out; drop candidates dominated coefficient-wise.
+        Pairwise items (``edge_mem``, after ``items`` in ``ranges``) own slots past the options'."""
+        offsets = list(np.cumsum([0] + [len(c) for c in self.reduced.cost]))
+        for _, _, cols, _ in self.edge_mem:
+            offsets.append(offsets[-1] + len(cols))
         coef = np.zeros((num_cands + 1, offsets[-1]))
         const = np.zeros(num_cands + 1)
-        for it, (a, b) in zip(items, ranges):
-            vec = it.bytes / MEM_UNIT
+        vecs = [(it.group, it.bytes / MEM_UNIT) for it in items]
+        vecs += [(len(self.reduced.cost) + i, mib) for i, (_, _, _, mib) in enumerate(self.edge_mem)]
+        for (slot, vec), (a, b) in zip(vecs, ranges):
             low = vec.min()
-            sl = slice(offsets[it.group], offsets[it.group + 1])
+            sl = slice(offsets[slot], offsets[slot + 1])
             coef[a, sl] += vec - low
             coef[b + 1, sl] -= vec - low
             const[a] += low
             const[b + 1] -= low
         coef, const = np.cumsum(coef, axis=0)[:-1], np.cumsum(const)[:-1]
-        slot_cols = self.slot_columns()
+        slot_cols = np.concatenate([self.slot_columns()] + [cols for _, _, cols, _ in self.edge_mem])
         return [(self.row_terms(coef[k], slot_cols), float(const[k])) for k in undominated_rows(coef, const)]
 
     @staticmethod
@@ -373,6 +398,9 @@ class IlpModel:
             if b + 1 < num_cands:
                 leave[b + 1].append(i)
         held = [self.linear(it.group, it.bytes / MEM_UNIT) for it in items]  # MiB each item holds
+        for _, _, cols, mib in self.edge_mem:  # a pairwise item: its edge columns (one is 1)
+            held.append(([(int(c), float(v - mib.min())) for c, v in zip(cols, mib) if v > mib.min()],
+                         float(mib.min())))
         rows, prev = [], None
         for k in range(num_cands):
             m = self.lp.add_column()
@@ -444,6 +472,7 @@ class IlpModel:
         """The smallest peak any choice reaches, step time ignored (the objective counts MiB)."""
         self.objective = "peak"
         self.add_one_hot()
+        self.add_edge_marginals(memory_only=True)
         self.add_recompute([])
         peak = self.lp.add_column()
         self.add_memory(peak=peak)

@@ -18,6 +18,10 @@ the unit's backward begins). With a unit recomputed:
   first such unit's start to the last one's end;
 * step time grows by the forward seconds (``StrategyOption.forward_s``) of its nodes.
 
+An edge's memory (``Edge.mem``: a parameter copy its reader gathers and saves for backward) is
+held on the edge's ``mem_live`` whether or not the reader is recomputed: the ILPs count it so (an
+upper bound for a recomputed reader, whose checkpoint region re-gathers it in backward only).
+
 A unit is recomputed alone or inside its block, never both. No torch import.
 
 The functions here take a ``Problem`` (``autopar.solver.problem``) but name only the fields they
@@ -41,7 +45,7 @@ __all__ = ["Evaluation", "SegmentInput", "SegmentInputs", "SegmentGeometry", "Ti
 class Timed(Protocol):
     """What the evaluator reads of a ``autopar.solver.problem.Problem``: its nodes (``name``,
     ``options``, ``option_index``, ``live``, ``segment``), its edges (``src``, ``dst``,
-    ``costs``), its timeline's length and its ``comm_overlap``."""
+    ``costs``, ``async_array``, ``mem_array``, ``mem_live``), its timeline's length and its ``comm_overlap``."""
 
     nodes: tuple[Any, ...]
     edges: tuple[Any, ...]
@@ -200,6 +204,10 @@ def evaluate(problem: Timed, choice: Mapping[str, str], *, recompute: Iterable[s
         reshard += e.costs[pick[e.src]][pick[e.dst]]
         if e.async_array is not None:
             async_s += float(e.async_array[pick[e.src], pick[e.dst]])
+        if e.mem_array is not None:
+            c = int(e.mem_array[pick[e.src], pick[e.dst]])
+            delta[e.mem_live[0]] += c
+            delta[e.mem_live[1] + 1] -= c
     for c, first, last in _held_inputs(problem, segment_inputs or {}, pick, chosen, geo):
         delta[first] += c
         delta[last + 1] -= c
