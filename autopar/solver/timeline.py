@@ -39,7 +39,7 @@ from autopar.layout.blocks import block_of
 from autopar.solver.overlap import hidden_seconds
 
 __all__ = ["Evaluation", "SegmentInput", "SegmentInputs", "SegmentGeometry", "Timed", "segment_geometry", "evaluate",
-           "activation_bytes"]
+           "activation_bytes", "edge_bytes_at"]
 
 
 class Timed(Protocol):
@@ -217,6 +217,14 @@ def evaluate(problem: Timed, choice: Mapping[str, str], *, recompute: Iterable[s
     # Subtracted only when something hides: without overlap the objective is the plain sum, bit for bit.
     return Evaluation(total - hidden if hidden else total, compute + recompute_s, comm, reshard, params,
                       tuple(accumulate(delta)), async_s=async_s, hidden_s=hidden)
+
+
+def edge_bytes_at(problem: Timed, choice: Mapping[str, str], t: int) -> int:
+    """The part of ``evaluate``'s ``activations[t]`` held by edges (``Edge.mem``: parameter copies
+    readers gathered and keep for backward) under ``choice``."""
+    index = {n.name: n for n in problem.nodes}
+    return sum(int(e.mem_array[index[e.src].option_index(choice[e.src]), index[e.dst].option_index(choice[e.dst])])
+               for e in problem.edges if e.mem_array is not None and e.mem_live[0] <= t <= e.mem_live[1])
 
 
 def activation_bytes(problem: Timed, choice: Mapping[str, str], *, recompute: Iterable[str] = (),

@@ -13,6 +13,7 @@ from autopar.solver.driver import minimum_budget, solve
 from autopar.solver.ilp import available_backends
 from autopar.solver.problem import Edge, Node, Problem, StrategyOption
 from autopar.solver.simplify import EdgeItem, settle_edge_items, simplify
+from autopar.solver.timeline import edge_bytes_at
 
 BACKENDS = available_backends()
 MiB = 1 << 20
@@ -36,6 +37,10 @@ def test_the_copy_is_held_over_the_readers_interval_for_the_chosen_pair_only():
     assert ev.peak_bytes == 4 * MiB + 6 * MiB
     assert p.evaluate({"x": "R", "w": "R", "mm": "dp"}).activations == (MiB, 2 * MiB, 2 * MiB, MiB)
     assert p.evaluate({"x": "R", "w": "S0", "mm": "tp"}).activations == (MiB, 2 * MiB, 2 * MiB, MiB)
+    # the report's share of a point held by copies (``edge_bytes_at``)
+    split = {"x": "R", "w": "S0", "mm": "dp"}
+    assert [edge_bytes_at(p, split, t) for t in range(4)] == [0, 4 * MiB, 4 * MiB, 0]
+    assert edge_bytes_at(p, {**split, "w": "R"}, 1) == 0
     # a recomputed reader's copy counts on the whole interval too (the ILPs' rule)
     assert Problem.from_json(p.to_json()).evaluate({"x": "R", "w": "S0", "mm": "dp"}) == ev
     assert json.loads(p.to_json())["edges"][0]["mem_live"] == [1, 2]
