@@ -75,6 +75,7 @@ import numpy as np
 
 from autopar.solver.linear import LinearProgram, cbc_path, highs_available, silence_highs_banner, solve_cbc, \
     solve_highs
+from autopar.solver.memitems import equal_lines as _equal_lines, undominated_rows
 from autopar.solver.simplify import MemItem, Reduced, peak_candidates
 from autopar.solver.watchdog import run_in_child
 
@@ -148,28 +149,7 @@ class Outcome:
     note: str = ""  # what the watchdog did: a backend stopped, failed or replaced; "" when nothing
 
 
-def undominated_rows(coef: np.ndarray, const: np.ndarray) -> list[int]:
-    """Indices (ascending) of the memory rows ``const[k] + coef[k] . x`` that no other row
-    dominates coefficient-wise: a dominated row can never be the binding peak."""
-    order = np.argsort(-(const + coef.sum(axis=1)), kind="stable")
-    kept: list[int] = []
-    for k in order:
-        # Dominators are usually the largest rows, which come first: compare with those only,
-        # which bounds this loop to candidates x 64 x slots.
-        top = kept[:64]
-        if top and ((coef[top] >= coef[k] - 1e-12).all(axis=1) & (const[top] >= const[k] - 1e-12)).any():
-            continue
-        kept.append(int(k))
-    return sorted(kept)
 
-
-def _equal_lines(mat: np.ndarray) -> list[list[int]]:
-    """The row indices of ``mat`` grouped by equal rows (exactly equal: a class's cost is its
-    first row's), in order of first appearance."""
-    classes: dict[bytes, list[int]] = {}
-    for i, row in enumerate(np.ascontiguousarray(mat)):
-        classes.setdefault(row.tobytes(), []).append(i)
-    return list(classes.values())
 
 
 def _solve_highs(lp: LinearProgram, report, *, relax: bool, msg: bool, gap: float, deadline: float,
@@ -225,8 +205,11 @@ class IlpModel:
         self.objective: str | None = None  # "time" or "peak", once built
         self.hidden: tuple[int, Terms, float, Terms, float] | None = None  # add_overlap: h and its two bounds
         self.edge_async: list[tuple[np.ndarray, np.ndarray]] = []  # (edge columns, async seconds): add_overlap
-        # (start, end, edge columns, MiB per column) of each pairwise memory item: add_edge_marginals
-        self.edge_mem: list[tuple[int, int, np.ndarray, np.ndarray]] = []
+        # Pairwise memory items (add_edge_marginals): a column per distinct item holding its MiB above
+        # its minimum (one row over its edge's columns), and per item (start, end, that column's
+        # index in edge_held, the minimum): memory rows read one column per item, not its cells.
+        self.edge_held: list[int] = []
+        self.edge_mem: list[tuple[int, int, int, float]] = []
 
     @property
     def name(self) -> str:
@@ -268,6 +251,7 @@ class IlpModel:
         ``memory_only``: the edges of pairwise memory items alone, without costs (minimum peak)."""
         asyncs = {} if self.reduced.overlap is None or memory_only else self.reduced.overlap.edges
         held: dict[tuple[int, int], list] = {}
+        distinct: dict[tuple, int] = {}  # (pair, MiB matrix) -> index in edge_held: aliased blocks' items share
         for it in self.reduced.edge_items:
             held.setdefault((it.a, it.b), []).append(it)
         for (a, b), mat in self.reduced.edges.items():
@@ -288,8 +272,17 @@ class IlpModel:
             e = self.lp.add_columns(ka * kb).reshape(ka, kb)
             if asy is not None:
                 self.edge_async.append((e, asy[where]))
-            self.edge_mem += [(it.start, it.end, e.reshape(-1), it.bytes[where].reshape(-1) / MEM_UNIT)
-                              for it in held.get((a, b), ())]
+            for it in held.get((a, b), ()):
+                mib = it.bytes[where] / MEM_UNIT
+                low, key = float(mib.min()), (a, b, mib.tobytes())
+                if key not in distinct:
+                    nz = np.nonzero(mib > low)
+                    h = self.lp.add_column()
+                    self.lp.add_row([(h, 1.0)] + list(zip(e[nz].tolist(), (low - mib[nz]).tolist())),
+                                    lower=0.0, upper=0.0)
+                    distinct[key] = len(self.edge_held)
+                    self.edge_held.append(h)
+                self.edge_mem.append((it.start, it.end, distinct[key], low))
             # Row s: sum_t e[s,t] - sum_{k in class s} x_a[k] = 0; column t likewise.
             lengths, index, value = [], [], []
             for s, members in enumerate(rows):
@@ -339,7 +332,7 @@ class IlpModel:
             a, b = bisect.bisect_left(cands, it.start), bisect.bisect_right(cands, it.end) - 1
             assert a <= b, f"{it} contains no peak candidate"
             ranges.append((a, b))
-        slots = sum(len(c) for c in self.reduced.cost)
+        slots = sum(len(c) for c in self.reduced.cost) + len(self.edge_held)
         if len(cands) * slots <= _DENSE_MEMORY_LIMIT:
             rows = self._dense_memory_rows(items, ranges, len(cands))
         else:
@@ -363,23 +356,25 @@ class IlpModel:
 
     def _dense_memory_rows(self, items, ranges, num_cands):
         """Write each candidate's live total out; drop candidates dominated coefficient-wise.
-        Pairwise items (``edge_mem``, after ``items`` in ``ranges``) own slots past the options'."""
-        offsets = list(np.cumsum([0] + [len(c) for c in self.reduced.cost]))
-        for _, _, cols, _ in self.edge_mem:
-            offsets.append(offsets[-1] + len(cols))
-        coef = np.zeros((num_cands + 1, offsets[-1]))
+        Pairwise items (``edge_mem``, after ``items`` in ``ranges``): their columns' slots follow the options'."""
+        offsets = np.cumsum([0] + [len(c) for c in self.reduced.cost])
+        coef = np.zeros((num_cands + 1, offsets[-1] + len(self.edge_held)))
         const = np.zeros(num_cands + 1)
-        vecs = [(it.group, it.bytes / MEM_UNIT) for it in items]
-        vecs += [(len(self.reduced.cost) + i, mib) for i, (_, _, _, mib) in enumerate(self.edge_mem)]
-        for (slot, vec), (a, b) in zip(vecs, ranges):
+        for it, (a, b) in zip(items, ranges):
+            vec = it.bytes / MEM_UNIT
             low = vec.min()
-            sl = slice(offsets[slot], offsets[slot + 1])
+            sl = slice(offsets[it.group], offsets[it.group + 1])
             coef[a, sl] += vec - low
             coef[b + 1, sl] -= vec - low
             const[a] += low
             const[b + 1] -= low
+        for (_, _, k, low), (a, b) in zip(self.edge_mem, ranges[len(items):]):
+            coef[a, offsets[-1] + k] += 1.0
+            coef[b + 1, offsets[-1] + k] -= 1.0
+            const[a] += low
+            const[b + 1] -= low
         coef, const = np.cumsum(coef, axis=0)[:-1], np.cumsum(const)[:-1]
-        slot_cols = np.concatenate([self.slot_columns()] + [cols for _, _, cols, _ in self.edge_mem])
+        slot_cols = np.concatenate([self.slot_columns(), np.array(self.edge_held, dtype=np.int64)])
         return [(self.row_terms(coef[k], slot_cols), float(const[k])) for k in undominated_rows(coef, const)]
 
     @staticmethod
@@ -398,9 +393,7 @@ class IlpModel:
             if b + 1 < num_cands:
                 leave[b + 1].append(i)
         held = [self.linear(it.group, it.bytes / MEM_UNIT) for it in items]  # MiB each item holds
-        for _, _, cols, mib in self.edge_mem:  # a pairwise item: its edge columns (one is 1)
-            held.append(([(int(c), float(v - mib.min())) for c, v in zip(cols, mib) if v > mib.min()],
-                         float(mib.min())))
+        held += [([(self.edge_held[k], 1.0)], low) for _, _, k, low in self.edge_mem]  # pairwise items
         rows, prev = [], None
         for k in range(num_cands):
             m = self.lp.add_column()

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["MemItem", "EdgeItem", "settle_edge_items", "peak_candidates"]
+__all__ = ["MemItem", "EdgeItem", "settle_edge_items", "peak_candidates", "undominated_rows", "equal_lines"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,3 +93,27 @@ def peak_candidates(items: tuple[MemItem, ...] | list[MemItem]) -> list[int]:
         if nxt is None or heap[0] < nxt:
             out.append(p)
     return out
+
+
+def undominated_rows(coef: np.ndarray, const: np.ndarray) -> list[int]:
+    """Indices (ascending) of the memory rows ``const[k] + coef[k] . x`` that no other row
+    dominates coefficient-wise: a dominated row can never be the binding peak."""
+    order = np.argsort(-(const + coef.sum(axis=1)), kind="stable")
+    kept: list[int] = []
+    for k in order:
+        # Dominators are usually the largest rows, which come first: compare with those only,
+        # which bounds this loop to candidates x 64 x slots.
+        top = kept[:64]
+        if top and ((coef[top] >= coef[k] - 1e-12).all(axis=1) & (const[top] >= const[k] - 1e-12)).any():
+            continue
+        kept.append(int(k))
+    return sorted(kept)
+
+
+def equal_lines(mat: np.ndarray) -> list[list[int]]:
+    """The row indices of ``mat`` grouped by equal rows (exactly equal: a class's cost is its
+    first row's), in order of first appearance."""
+    classes: dict[bytes, list[int]] = {}
+    for i, row in enumerate(np.ascontiguousarray(mat)):
+        classes.setdefault(row.tobytes(), []).append(i)
+    return list(classes.values())

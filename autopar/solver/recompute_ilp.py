@@ -382,10 +382,9 @@ class RecomputeModel(IlpModel):
         # units' spans share one), so rows differing only in which identical block they see dominate.
         extra = list(dict.fromkeys(v for v, _, _ in self.spans))
         column = {v: c for c, v in enumerate(extra)}
-        # Then one column per cell of a pairwise item's edge (``IlpModel.edge_mem``: a parameter copy
-        # its reader keeps, held on its whole interval, recomputed or not: ``timeline``'s rule).
-        cells = np.concatenate([np.zeros(0, dtype=np.int64)] + [cols for _, _, cols, _ in self.edge_mem])
-        width = offsets[-1] + len(extra) + len(cells)
+        # Then the pairwise items' columns (``IlpModel.edge_held``: a parameter copy its reader
+        # keeps, held on its whole interval, recomputed or not: ``timeline``'s rule).
+        width = offsets[-1] + len(extra) + len(self.edge_held)
         coef = np.zeros((len(cands) + 1, width))
         const = np.zeros(len(cands) + 1)
 
@@ -404,10 +403,8 @@ class RecomputeModel(IlpModel):
             add(it.start, it.end, slice(offsets[it.group], offsets[it.group + 1]), vec - low, low)
         for var, a, b in self.spans:
             add(a, b, [offsets[-1] + column[var]], 1.0, 0.0)
-        at = offsets[-1] + len(extra)
-        for start, end, cols, mib in self.edge_mem:
-            add(start, end, slice(at, at + len(cols)), mib - mib.min(), float(mib.min()))
-            at += len(cols)
+        for start, end, k, low in self.edge_mem:
+            add(start, end, [offsets[-1] + len(extra) + k], 1.0, low)
         coef, const = np.cumsum(coef, axis=0)[:-1], np.cumsum(const)[:-1]
         kept = undominated_rows(coef, const)
         slot_cols = self.slot_columns()
@@ -416,7 +413,7 @@ class RecomputeModel(IlpModel):
             counts = coef[k, offsets[-1]:offsets[-1] + len(extra)]
             terms += [(extra[c], float(round(counts[c]))) for c in np.flatnonzero(counts > 0.5)]
             held = coef[k, offsets[-1] + len(extra):]
-            terms += [(int(cells[c]), float(held[c])) for c in np.flatnonzero(held > 0.5 / MEM_UNIT)]
+            terms += [(self.edge_held[c], float(round(held[c]))) for c in np.flatnonzero(held > 0.5)]
             self.lp.add_row(terms + p_terms + rhs_terms, upper=upper, const=float(const[k]) + p_const)
         return len(kept)
 
