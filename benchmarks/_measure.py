@@ -173,8 +173,13 @@ def spearman(xs: list[float], ys: list[float]) -> float:
 
 
 def sharded_state_budget(dp_estimate, devices: int) -> int:
-    """A budget that the data-parallel plan misses by most of its sharable state: the ZeRO-3
-    family's best plan under it shards (nearly) every parameter, as FSDP2 does. (At an ample
-    budget that family's best is to shard nothing, which is data parallelism again.)"""
+    """A budget that the data-parallel plan misses by most of its sharable state, with room for
+    the copies ZeRO-3's readers gather and keep for backward (at most the weights once, all alive
+    at the end of forward; the planner counts them): the ZeRO-3 family's best plan under it shards
+    (nearly) every parameter, as FSDP2 does. (At an ample budget that family's best is to shard
+    nothing, which is data parallelism again.)"""
+    from autopar.planner.options import PlanOptions
+
     sharable = dp_estimate.param_bytes * (devices - 1) / devices
-    return int(dp_estimate.peak_bytes - 0.9 * sharable)
+    weights = dp_estimate.param_bytes / (2 + PlanOptions().optimizer_multiplier)  # parameter, gradient, state
+    return int(dp_estimate.peak_bytes - 0.9 * sharable + weights)

@@ -29,12 +29,13 @@ synchronous. An op option's ``overlap_s`` is its backward compute, what such sum
 
 Edges carry, for every (producer option, consumer strategy) pair, the forward + backward seconds
 of the cheapest conversion from the producer's output spec to the spec the consumer's strategy
-requires (``autopar.layout.conversion.plan_conversion``; each distinct spec pair is planned once).
+requires (``autopar.layout.conversion.plan_conversion``; each distinct spec pair is planned once),
+and a parameter -> reader edge the bytes of the copy the reader gathers and saves, held from its
+forward to its backward (``Edge.mem``: ``saved_bytes.gathered_copies``, ``saved_slots``).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import math
 import operator
@@ -52,7 +53,7 @@ from autopar.planner.block_stamps import BlockStamps, Template
 from autopar.layout.buckets import bucket_cap_bytes
 from autopar.planner.executed import ReaderChain, bucket_edges, sync_key, zero2_capable, zero2_edge
 from autopar.planner.records import BuiltProblem, Choice, ChosenConversion, Decision, InputSlot
-from autopar.planner.saved_bytes import SELF, activation_bytes, global_bytes
+from autopar.planner.saved_bytes import SELF, activation_bytes, edge_copies, global_bytes
 from autopar.planner.segments import (node_vals, op_segments, saved_by, segment_inputs, storage_base,
                                       without_stateful_segments)
 from autopar.planner.offload_pricing import offload_option, offload_tiers
@@ -188,14 +189,25 @@ class _Builder:
         out = []
         for (src, dst), matrix in self.edges.items():
             asy = self.edge_async.get((src, dst))
-            template = made.get((id(matrix), id(asy)))
+            mem, live = self._copies(src, dst)
+            template = made.get((id(matrix), id(asy), id(mem)))
             if template is None:
-                edge = made[(id(matrix), id(asy))] = Edge(src, dst, tuple(map(tuple, matrix.tolist())),
-                                                          None if asy is None else asy.tolist())
+                edge = made[(id(matrix), id(asy), id(mem))] = Edge(
+                    src, dst, tuple(map(tuple, matrix.tolist())), None if asy is None else asy.tolist(),
+                    None if mem is None else mem.tolist(), None if mem is None else live)
             else:
-                edge = _moved_edge(template, src, dst)
+                edge = template.moved(src, dst, live)
             out.append(edge)
         return tuple(out)
+
+    def _copies(self, src: str, dst: str) -> tuple[np.ndarray | None, tuple[int, int] | None]:
+        """A parameter -> op edge's gathered copies the op saves (``Edge.mem``), held from its forward
+        to its backward."""
+        if self.decisions[src].kind != NodeKind.PARAMETER or self.decisions[dst].kind != NodeKind.OP:
+            return None, None
+        i = self.op_index[dst]
+        return edge_copies(self.decisions[src], self.decisions[dst], self.traced.node(dst), self.needs_grad,
+                           tuple(self.mesh.shape), self._edge_cache), (i, 2 * self.num_ops - 1 - i)
 
     # ----------------------------------------------------------------------------- decisions
     def _placeholder(self, node: fx.Node) -> None:
@@ -572,21 +584,6 @@ def _distinct(specs: list[TensorSpec | None]) -> tuple[list[int], list[TensorSpe
 
 
 # ----------------------------------------------------------------------------------- helpers
-def _moved_edge(template: Edge, src: str, dst: str) -> Edge:
-    """``template`` between ``src`` and ``dst``: its costs were validated when it was made, so
-    its repeats skip ``Edge.__post_init__`` (its rectangularity and finiteness checks hold)."""
-    assert src != dst, src
-    edge = object.__new__(Edge)
-    for name in _EDGE_FIELDS:
-        object.__setattr__(edge, name, getattr(template, name))
-    object.__setattr__(edge, "src", src)
-    object.__setattr__(edge, "dst", dst)
-    return edge
-
-
-_EDGE_FIELDS = tuple(f.name for f in dataclasses.fields(Edge))
-
-
 def _has_tensor_output(node: fx.Node) -> bool:
     return any(isinstance(v, torch.Tensor) for v in node_vals(node))
 

@@ -61,7 +61,7 @@ from autopar.planner.segments import holder_of_producer, mutates_state, segment_
 from autopar.layout.blocks import block_of
 from autopar.solver.overlap import hidden_seconds
 from autopar.solver.problem import Problem
-from autopar.solver.timeline import Evaluation, SegmentInput, activation_bytes, segment_geometry
+from autopar.solver.timeline import Evaluation, SegmentInput, activation_bytes, edge_bytes_at, segment_geometry
 
 __all__ = ["MODES", "RecomputePlan", "ChoiceCosts", "plan_recompute", "estimate", "recompute_lower_bound",
            "rotor_refine", "regions_of", "strip_segments"]
@@ -85,6 +85,12 @@ class RecomputePlan:
     method: str  # none | ilp | rotor
     activation_bytes: int
     info: dict = field(default_factory=dict)
+
+    @property
+    def copies_at_peak(self) -> int:
+        """Of the estimate's peak: parameter copies readers gathered and keep for backward (``Edge.mem``)."""
+        at = self.evaluation.peak_time
+        return 0 if at is None else edge_bytes_at(self.problem, self.choice, at)
 
 
 def strip_segments(problem: Problem) -> Problem:

@@ -68,6 +68,7 @@ class Timeline:
     evaluation: Evaluation
     forward_points: int  # points 0..forward_points-1 are the forward pass, the rest backward
     budget: int | None
+    copies: int = 0  # of the peak: parameter copies readers gathered and keep for backward (``Edge.mem``)
 
     def __str__(self) -> str:
         return (f"peak {self.evaluation.peak_bytes}B at t={self.evaluation.peak_time} of "
@@ -214,7 +215,7 @@ def memory_timeline(recompute: RecomputePlan) -> Timeline:
     """The memory timeline of the plan ``recompute`` describes: its evaluation (the one
     ``Problem.evaluate``, with its recompute units), so the chart's peak is ``Plan.estimate``'s."""
     problem = recompute.problem
-    return Timeline(recompute.evaluation, problem.timeline_length // 2, problem.budget_bytes)
+    return Timeline(recompute.evaluation, problem.timeline_length // 2, problem.budget_bytes, recompute.copies_at_peak)
 
 
 # ----------------------------------------------------------------------------- layer rows

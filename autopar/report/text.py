@@ -83,7 +83,8 @@ def _summary(report) -> list[str]:
         f"  step time      {fmt_ms(est.step_s)} = compute {fmt_ms(est.compute_s)} + communication "
         f"{fmt_ms(est.communication_s)} (in ops {fmt_ms(in_op)}, resharding {fmt_ms(est.reshard_s)}){hidden}",
         f"  peak memory    {used} per device; parameters + gradients + optimizer state "
-        f"{fmt_bytes(est.param_bytes)}",
+        f"{fmt_bytes(est.param_bytes)}" + (f"; parameter copies readers gathered and keep for backward "
+                                           f"{fmt_bytes(report.timeline.copies)}" if report.timeline.copies else ""),
         f"  solver         {solver.get('backend')} {solver.get('status')}: objective "
         f"{fmt_ms(solver.get('objective', 0.0))}, LP bound {fmt_ms(solver.get('lp_bound', 0.0))}, gap "
         f"{fmt_gap(solver.get('gap', 0.0))}; {solver.get('num_variables')} variables, "

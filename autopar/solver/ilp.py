@@ -25,11 +25,14 @@ Constraints, one method each
         ``x`` of each class). A 2-layer DeepseekV3 on 2x2: 212,599 edge columns -> 118,266.
     memory (``add_memory``):           ``P + M[k] <= budget`` at every peak candidate ``k``, with
         ``P = sum param[g][s] x[g,s]`` and ``M[k] = sum_{items i live at k} held_i``,
-        ``held_i = sum_s bytes_i[s] x[g_i,s]``. Candidates are the timeline points whose live
-        sets are maximal (``simplify.peak_candidates``); a candidate whose coefficients are
-        dominated by another's is dropped. Small models write each ``M[k]`` out; large ones
-        chain ``M[k] = M[k-1] + held(items starting at k) - held(items ending at k-1)`` (each
-        item appears twice, so the memory rows stay linear in size). Memory rows count MiB
+        ``held_i = sum_s bytes_i[s] x[g_i,s]``; a pairwise item (``Reduced.edge_items``: a parameter
+        copy its reader keeps) holds ``sum_{s,t} bytes_i[s,t] e[a,b,s,t]`` (exact as the edge
+        costs are: ``e`` is the chosen pair's indicator; its rows and columns grouped equal in
+        the items' matrices too; the minimum-peak model adds these edges' variables alone).
+        Candidates are the timeline points whose live sets are maximal (``simplify.peak_candidates``);
+        a candidate whose coefficients are dominated by another's is dropped. Small models write
+        each ``M[k]`` out; large ones chain ``M[k] = M[k-1] + held(items starting at k) -
+        held(items ending at k-1)`` (each item appears twice: memory rows stay linear in size). Memory rows count MiB
         (``MEM_UNIT``) rather than bytes, for the solvers' tolerances.
     overlap (``add_overlap``):         ``h <= rho (A0 + sum a[g][s] x[g,s] + sum M_ab[s,t] e[a,b,s,t])``
         and ``h <= W0 + sum w[g][s] x[g,s]``: ``a`` and ``M_ab`` the asynchronous communication
@@ -72,7 +75,8 @@ import numpy as np
 
 from autopar.solver.linear import LinearProgram, cbc_path, highs_available, silence_highs_banner, solve_cbc, \
     solve_highs
-from autopar.solver.simplify import Reduced, peak_candidates
+from autopar.solver.memitems import equal_lines as _equal_lines, undominated_rows
+from autopar.solver.simplify import MemItem, Reduced, peak_candidates
 from autopar.solver.watchdog import run_in_child
 
 __all__ = ["IlpModel", "Outcome", "Terms", "undominated_rows", "available_backends", "pick_backend",
@@ -145,28 +149,7 @@ class Outcome:
     note: str = ""  # what the watchdog did: a backend stopped, failed or replaced; "" when nothing
 
 
-def undominated_rows(coef: np.ndarray, const: np.ndarray) -> list[int]:
-    """Indices (ascending) of the memory rows ``const[k] + coef[k] . x`` that no other row
-    dominates coefficient-wise: a dominated row can never be the binding peak."""
-    order = np.argsort(-(const + coef.sum(axis=1)), kind="stable")
-    kept: list[int] = []
-    for k in order:
-        # Dominators are usually the largest rows, which come first: compare with those only,
-        # which bounds this loop to candidates x 64 x slots.
-        top = kept[:64]
-        if top and ((coef[top] >= coef[k] - 1e-12).all(axis=1) & (const[top] >= const[k] - 1e-12)).any():
-            continue
-        kept.append(int(k))
-    return sorted(kept)
 
-
-def _equal_lines(mat: np.ndarray) -> list[list[int]]:
-    """The row indices of ``mat`` grouped by equal rows (exactly equal: a class's cost is its
-    first row's), in order of first appearance."""
-    classes: dict[bytes, list[int]] = {}
-    for i, row in enumerate(np.ascontiguousarray(mat)):
-        classes.setdefault(row.tobytes(), []).append(i)
-    return list(classes.values())
 
 
 def _solve_highs(lp: LinearProgram, report, *, relax: bool, msg: bool, gap: float, deadline: float,
@@ -222,6 +205,11 @@ class IlpModel:
         self.objective: str | None = None  # "time" or "peak", once built
         self.hidden: tuple[int, Terms, float, Terms, float] | None = None  # add_overlap: h and its two bounds
         self.edge_async: list[tuple[np.ndarray, np.ndarray]] = []  # (edge columns, async seconds): add_overlap
+        # Pairwise memory items (add_edge_marginals): a column per distinct item holding its MiB above
+        # its minimum (one row over its edge's columns), and per item (start, end, that column's
+        # index in edge_held, the minimum): memory rows read one column per item, not its cells.
+        self.edge_held: list[int] = []
+        self.edge_mem: list[tuple[int, int, int, float]] = []
 
     @property
     def name(self) -> str:
@@ -255,25 +243,46 @@ class IlpModel:
             self.x.append(xs)
             self.lp.add_rows([len(xs)], xs, np.ones(len(xs)), lower=1.0, upper=1.0)
 
-    def add_edge_marginals(self) -> None:
+    def add_edge_marginals(self, *, memory_only: bool = False) -> None:
         """The edge variables, their marginal rows and their costs (added to the objective
         directly: one array per edge). An edge with asynchronous seconds (``Reduced.overlap``)
-        groups rows and columns equal in both matrices, and keeps its variables and that matrix
-        for ``add_overlap``."""
-        asyncs = {} if self.reduced.overlap is None else self.reduced.overlap.edges
+        or pairwise memory items groups rows and columns equal in all those matrices, and keeps
+        its variables and those matrices for ``add_overlap`` and the memory rows (``edge_mem``).
+        ``memory_only``: the edges of pairwise memory items alone, without costs (minimum peak)."""
+        asyncs = {} if self.reduced.overlap is None or memory_only else self.reduced.overlap.edges
+        held: dict[tuple[int, int], list] = {}
+        distinct: dict[tuple, int] = {}  # (pair, MiB matrix) -> index in edge_held: aliased blocks' items share
+        for it in self.reduced.edge_items:
+            held.setdefault((it.a, it.b), []).append(it)
         for (a, b), mat in self.reduced.edges.items():
+            if memory_only and (a, b) not in held:
+                continue
             xa, xb = self.x[a], self.x[b]
             assert xa is not None and xb is not None, "edges of 1-option groups are folded by simplify"
             asy = asyncs.get((a, b))
-            # classes of equal rows, then of equal columns (module docstring), in both matrices
-            rows = _equal_lines(mat if asy is None else np.hstack([mat, asy]))
+            mems = [it.bytes for it in held.get((a, b), ())]
+            # classes of equal rows, then of equal columns (module docstring), in all the matrices
+            both = [mat] + ([] if asy is None else [asy]) + mems
+            rows = _equal_lines(np.hstack(both))
             reps = [r[0] for r in rows]
-            cols = _equal_lines(mat[reps].T if asy is None else np.vstack([mat[reps], asy[reps]]).T)
-            sub = mat[np.ix_(reps, [c[0] for c in cols])]
+            cols = _equal_lines(np.vstack([m[reps] for m in both]).T)
+            where = np.ix_(reps, [c[0] for c in cols])
+            sub = mat[where]
             ka, kb = sub.shape
             e = self.lp.add_columns(ka * kb).reshape(ka, kb)
             if asy is not None:
-                self.edge_async.append((e, asy[np.ix_(reps, [c[0] for c in cols])]))
+                self.edge_async.append((e, asy[where]))
+            for it in held.get((a, b), ()):
+                mib = it.bytes[where] / MEM_UNIT
+                low, key = float(mib.min()), (a, b, mib.tobytes())
+                if key not in distinct:
+                    nz = np.nonzero(mib > low)
+                    h = self.lp.add_column()
+                    self.lp.add_row([(h, 1.0)] + list(zip(e[nz].tolist(), (low - mib[nz]).tolist())),
+                                    lower=0.0, upper=0.0)
+                    distinct[key] = len(self.edge_held)
+                    self.edge_held.append(h)
+                self.edge_mem.append((it.start, it.end, distinct[key], low))
             # Row s: sum_t e[s,t] - sum_{k in class s} x_a[k] = 0; column t likewise.
             lengths, index, value = [], [], []
             for s, members in enumerate(rows):
@@ -285,8 +294,9 @@ class IlpModel:
                 index += e[:, t].tolist() + [xb[k] for k in members]
                 value += [1.0] * ka + [-1.0] * len(members)
             self.lp.add_rows(lengths, index, value, lower=0.0, upper=0.0)
-            where = np.nonzero(sub)
-            self.lp.add_objective_arrays(e[where], sub[where])
+            if not memory_only:
+                nz = np.nonzero(sub)
+                self.lp.add_objective_arrays(e[nz], sub[nz])
 
     def param_bytes(self) -> tuple[Terms, float]:
         terms, const = [], 0.0
@@ -313,16 +323,16 @@ class IlpModel:
         items = list(self.reduced.mem_items)
         p_terms, p_const = self.param_bytes()
         rhs_terms, upper = self.memory_rhs(budget=budget, peak=peak)
-        cands = peak_candidates(items)
+        cands = peak_candidates(items + self.edge_spans())
         if not cands:
             self.lp.add_row(p_terms + rhs_terms, upper=upper, const=p_const)
             return 1
         ranges = []
-        for it in items:
+        for it in items + self.edge_spans():
             a, b = bisect.bisect_left(cands, it.start), bisect.bisect_right(cands, it.end) - 1
             assert a <= b, f"{it} contains no peak candidate"
             ranges.append((a, b))
-        slots = sum(len(c) for c in self.reduced.cost)
+        slots = sum(len(c) for c in self.reduced.cost) + len(self.edge_held)
         if len(cands) * slots <= _DENSE_MEMORY_LIMIT:
             rows = self._dense_memory_rows(items, ranges, len(cands))
         else:
@@ -330,6 +340,10 @@ class IlpModel:
         for terms, const in rows:
             self.lp.add_row(terms + p_terms + rhs_terms, upper=upper, const=const + p_const)
         return len(rows)
+
+    def edge_spans(self) -> list[MemItem]:
+        """The pairwise items' intervals (no bytes), for ``peak_candidates``."""
+        return [MemItem(-1, start, end, np.zeros(1)) for start, end, _, _ in self.edge_mem]
 
     def slot_columns(self) -> np.ndarray:
         """Per option slot (group ``g`` owns ``offsets[g]:offsets[g+1]``), its ``x`` column; -1
@@ -341,9 +355,10 @@ class IlpModel:
         return np.array(out, dtype=np.int64)
 
     def _dense_memory_rows(self, items, ranges, num_cands):
-        """Write each candidate's live total out; drop candidates dominated coefficient-wise."""
+        """Write each candidate's live total out; drop candidates dominated coefficient-wise.
+        Pairwise items (``edge_mem``, after ``items`` in ``ranges``): their columns' slots follow the options'."""
         offsets = np.cumsum([0] + [len(c) for c in self.reduced.cost])
-        coef = np.zeros((num_cands + 1, offsets[-1]))
+        coef = np.zeros((num_cands + 1, offsets[-1] + len(self.edge_held)))
         const = np.zeros(num_cands + 1)
         for it, (a, b) in zip(items, ranges):
             vec = it.bytes / MEM_UNIT
@@ -353,8 +368,13 @@ class IlpModel:
             coef[b + 1, sl] -= vec - low
             const[a] += low
             const[b + 1] -= low
+        for (_, _, k, low), (a, b) in zip(self.edge_mem, ranges[len(items):]):
+            coef[a, offsets[-1] + k] += 1.0
+            coef[b + 1, offsets[-1] + k] -= 1.0
+            const[a] += low
+            const[b + 1] -= low
         coef, const = np.cumsum(coef, axis=0)[:-1], np.cumsum(const)[:-1]
-        slot_cols = self.slot_columns()
+        slot_cols = np.concatenate([self.slot_columns(), np.array(self.edge_held, dtype=np.int64)])
         return [(self.row_terms(coef[k], slot_cols), float(const[k])) for k in undominated_rows(coef, const)]
 
     @staticmethod
@@ -373,6 +393,7 @@ class IlpModel:
             if b + 1 < num_cands:
                 leave[b + 1].append(i)
         held = [self.linear(it.group, it.bytes / MEM_UNIT) for it in items]  # MiB each item holds
+        held += [([(self.edge_held[k], 1.0)], low) for _, _, k, low in self.edge_mem]  # pairwise items
         rows, prev = [], None
         for k in range(num_cands):
             m = self.lp.add_column()
@@ -444,6 +465,7 @@ class IlpModel:
         """The smallest peak any choice reaches, step time ignored (the objective counts MiB)."""
         self.objective = "peak"
         self.add_one_hot()
+        self.add_edge_marginals(memory_only=True)
         self.add_recompute([])
         peak = self.lp.add_column()
         self.add_memory(peak=peak)

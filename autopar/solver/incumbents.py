@@ -40,7 +40,7 @@ import numpy as np
 from autopar.solver.ilp import IlpModel, Outcome
 from autopar.solver.problem import Problem
 from autopar.solver.recompute_ilp import RecomputeModel
-from autopar.solver.simplify import Member, MemItem, Reduced
+from autopar.solver.simplify import EdgeItem, Member, MemItem, Reduced, settle_edge_items
 from autopar.solver.timeline import Evaluation, SegmentInputs
 
 __all__ = ["KnownPlan", "keeping", "remember", "known", "fits", "fitting", "restrict", "neighbourhood"]
@@ -118,6 +118,11 @@ def restrict(reduced: Reduced, keep: list[np.ndarray]) -> Reduced:
     edges = {}
     for (a, b), mat in reduced.edges.items():
         constant += _fold_or_keep(edges, cost, a, b, mat[np.ix_(keep[a], keep[b])], keep)
+    # Pairwise memory items restricted alike; one touching a 1-option group is a MemItem now.
+    settled, pairs = settle_edge_items([EdgeItem(it.a, it.b, it.start, it.end, it.bytes[np.ix_(keep[it.a], keep[it.b])])
+                                        for it in reduced.edge_items], [len(k) for k in keep])
+    for it in pairs:
+        edges.setdefault((it.a, it.b), np.zeros(it.bytes.shape))
     overlap = reduced.overlap
     if overlap is not None:  # the edges' asynchronous seconds go where their edges went
         asy = [v[k].astype(float) for v, k in zip(overlap.async_s, keep)]
@@ -131,7 +136,7 @@ def restrict(reduced: Reduced, keep: list[np.ndarray]) -> Reduced:
         reduced, cost=tuple(cost), param=tuple(reduced.param[g][k] for g, k in enumerate(keep)),
         forward=tuple({s: v[k] for s, v in reduced.forward[g].items()} for g, k in enumerate(keep)),
         mem_items=tuple(MemItem(it.group, it.start, it.end, it.bytes[keep[it.group]], it.segment)
-                        for it in reduced.mem_items),
+                        for it in reduced.mem_items) + settled, edge_items=pairs,
         edges=edges, constant=constant,
         members=tuple(Member(m.node, m.group, tuple(m.option_names[k] for k in keep[m.group]))
                       for m in reduced.members),

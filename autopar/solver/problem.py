@@ -20,7 +20,9 @@ the ILP does):
   forward and backward pass, e.g. forward op ``i`` at ``i`` and its backward at
   ``2N-1-i``). A node's chosen ``act_bytes`` is held on every point of its closed interval
   ``live = (start, end)`` (typically: produced at ``start`` in forward, freed after its last
-  backward use at ``end``). Parameters, gradients and optimizer state (``param_bytes``) are
+  backward use at ``end``). An edge's ``mem[src choice][dst choice]`` (a parameter copy its
+  reader gathers and saves for backward: a property of the pair) is held likewise on the
+  edge's ``mem_live``. Parameters, gradients and optimizer state (``param_bytes``) are
   held for the whole step. Per-device peak = sum of ``param_bytes`` + max over time points of
   the ``act_bytes`` live there. The plan is feasible when peak <= ``budget_bytes``.
 
@@ -40,6 +42,7 @@ segments recomputed (``autopar.solver.timeline``); the recompute ILP
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import json
 import math
@@ -202,16 +205,26 @@ class Edge:
 
     ``async_costs[i][j]`` (None: all 0): seconds of ``dst``'s ``comm_s`` issued asynchronously
     when the pair is (i, j) -- a parameter's gradient sum is bucketed only when its reader takes
-    it in the parameter's own layout (``autopar.solver.overlap``)."""
+    it in the parameter's own layout (``autopar.solver.overlap``).
+
+    ``mem[i][j]`` (None: all 0): bytes per device held on the timeline points ``mem_live``
+    (closed) when the pair is (i, j) -- the copy of a parameter stored in ``src``'s layout that
+    ``dst``'s strategy gathers (converts) and autograd keeps from its forward to its backward
+    (``autopar.planner.saved_bytes.gathered_copies``). It counts in the memory rows like an
+    activation; a recomputed reader's copy is counted over the whole interval too (one rule for
+    the ILPs and the evaluator: an upper bound, checkpoint re-gathers it in backward)."""
 
     src: str
     dst: str
     costs: tuple[tuple[float, ...], ...]
     async_costs: tuple[tuple[float, ...], ...] | None = None
+    mem: tuple[tuple[int, ...], ...] | None = None
+    mem_live: tuple[int, int] | None = None
     # ``costs`` as a read-only float array, made once here: converting the nested tuples again
     # cost the solver 16 s of its 3-axis Llama-8B simplification (94M entries).
     array: np.ndarray = field(init=False, repr=False, compare=False)
     async_array: np.ndarray | None = field(init=False, repr=False, compare=False)
+    mem_array: np.ndarray | None = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "costs", tuple(tuple(float(c) for c in row) for row in self.costs))
@@ -231,6 +244,32 @@ class Edge:
         flat.flags.writeable = False
         object.__setattr__(self, "array", flat)
         object.__setattr__(self, "async_array", self._async_array(flat.shape))
+        object.__setattr__(self, "mem_array", self._mem_array(flat.shape))
+
+    def _mem_array(self, shape: tuple[int, ...]) -> np.ndarray | None:
+        if self.mem_live is not None:
+            object.__setattr__(self, "mem_live", tuple(self.mem_live))
+        if self.mem is None:
+            if self.mem_live is not None:
+                raise ValueError(f"edge {self.src!r} -> {self.dst!r}: mem_live {self.mem_live!r} without mem")
+            return None
+        mem = np.asarray(self.mem)
+        if mem.shape != shape or not np.issubdtype(mem.dtype, np.integer) or (mem < 0).any():
+            raise ValueError(f"edge {self.src!r} -> {self.dst!r}: mem must be a {shape} matrix of ints >= 0, "
+                             f"got shape {mem.shape} dtype {mem.dtype}")
+        live = self.mem_live
+        if not (isinstance(live, tuple) and len(live) == 2 and all(type(t) is int for t in live)
+                and 0 <= live[0] <= live[1]):
+            raise ValueError(f"edge {self.src!r} -> {self.dst!r}: mem_live must be (start, end) with "
+                             f"0 <= start <= end, got {live!r}")
+        if not mem.any():  # no bytes: one form for both
+            object.__setattr__(self, "mem", None)
+            object.__setattr__(self, "mem_live", None)
+            return None
+        object.__setattr__(self, "mem", tuple(map(tuple, mem.tolist())))
+        mem = mem.astype(np.int64)
+        mem.flags.writeable = False
+        return mem
 
     def _async_array(self, shape: tuple[int, ...]) -> np.ndarray | None:
         if self.async_costs is None:
@@ -247,11 +286,25 @@ class Edge:
         asy.flags.writeable = False
         return asy
 
+    def moved(self, src: str, dst: str, mem_live: tuple[int, int] | None) -> "Edge":
+        """This edge between ``src`` and ``dst`` (its ``mem`` held on ``mem_live``), unchecked: its
+        matrices were validated when it was made (a repeated block's edges reuse their template's)."""
+        if src == dst:
+            raise ValueError(f"edge {src!r} -> {dst!r} is a self-loop")
+        edge = object.__new__(Edge)
+        for f in dataclasses.fields(Edge):
+            object.__setattr__(edge, f.name, getattr(self, f.name))
+        object.__setattr__(edge, "src", src)
+        object.__setattr__(edge, "dst", dst)
+        object.__setattr__(edge, "mem_live", None if self.mem is None else tuple(mem_live))
+        return edge
+
     def restricted(self, rows, cols) -> "Edge":
         """This edge between the options ``rows`` of ``src`` and ``cols`` of ``dst``."""
         where = np.ix_(list(rows), list(cols))
         return Edge(self.src, self.dst, self.array[where].tolist(),
-                    None if self.async_array is None else self.async_array[where].tolist())
+                    None if self.async_array is None else self.async_array[where].tolist(),
+                    None if self.mem_array is None else self.mem_array[where].tolist(), self.mem_live)
 
     def __str__(self) -> str:
         return f"{self.src} -> {self.dst} ({len(self.costs)}x{len(self.costs[0])})"
@@ -314,6 +367,9 @@ class Problem:
             if (e.src, e.dst) in seen:
                 raise ValueError(f"duplicate edge {e.src!r} -> {e.dst!r}; sum their cost matrices")
             seen.add((e.src, e.dst))
+            if e.mem_live is not None and e.mem_live[1] >= self.timeline_length:
+                raise ValueError(f"edge {e.src!r} -> {e.dst!r}: mem_live {e.mem_live} outside the timeline "
+                                 f"0..{self.timeline_length - 1}")
             shape = (len(e.costs), len(e.costs[0]))
             want = (len(self.nodes[index[e.src]].options), len(self.nodes[index[e.dst]].options))
             if shape != want:
@@ -383,7 +439,9 @@ class Problem:
                 for n in self.nodes
             ],
             "edges": [{"src": e.src, "dst": e.dst, "costs": [list(r) for r in e.costs]}
-                      | ({} if e.async_array is None else {"async_costs": e.async_array.tolist()}) for e in self.edges],
+                      | ({} if e.async_array is None else {"async_costs": e.async_array.tolist()})
+                      | ({} if e.mem_array is None else {"mem": e.mem_array.tolist(), "mem_live": list(e.mem_live)})
+                      for e in self.edges],
         }
         return json.dumps(data)
 
@@ -399,7 +457,8 @@ class Problem:
                      None if n["live"] is None else tuple(n["live"]), n["block"], n["signature"], n["segment"])
                 for n in data["nodes"]
             )
-            edges = tuple(Edge(e["src"], e["dst"], e["costs"], e.get("async_costs")) for e in data["edges"])
+            edges = tuple(Edge(e["src"], e["dst"], e["costs"], e.get("async_costs"), e.get("mem"),
+                               tuple(e["mem_live"]) if "mem_live" in e else None) for e in data["edges"])
             # comm_overlap and the options' last two figures came later: absent, no overlap.
             return cls(nodes, edges, data["budget_bytes"], data["timeline_length"],
                        tuple(data["mesh_shape"]), data["meta"], data.get("comm_overlap", 0.0))

@@ -371,7 +371,7 @@ class RecomputeModel(IlpModel):
             else:  # the backward part; the forward part lives in H
                 plain.append(MemItem(it.group, g.bwd, it.end, it.bytes, it.segment))
         spans = [MemItem(-1, a, b, np.zeros(1)) for _, a, b in self.spans]
-        cands = peak_candidates(plain + spans)
+        cands = peak_candidates(plain + spans + self.edge_spans())
         if self.turn_only and self.reduced.mem_items:  # (``floor_model``)
             cands = [max(it.start for it in self.reduced.mem_items)]
         if not cands:
@@ -382,7 +382,9 @@ class RecomputeModel(IlpModel):
         # units' spans share one), so rows differing only in which identical block they see dominate.
         extra = list(dict.fromkeys(v for v, _, _ in self.spans))
         column = {v: c for c, v in enumerate(extra)}
-        width = offsets[-1] + len(extra)
+        # Then the pairwise items' columns (``IlpModel.edge_held``: a parameter copy its reader
+        # keeps, held on its whole interval, recomputed or not: ``timeline``'s rule).
+        width = offsets[-1] + len(extra) + len(self.edge_held)
         coef = np.zeros((len(cands) + 1, width))
         const = np.zeros(len(cands) + 1)
 
@@ -401,13 +403,17 @@ class RecomputeModel(IlpModel):
             add(it.start, it.end, slice(offsets[it.group], offsets[it.group + 1]), vec - low, low)
         for var, a, b in self.spans:
             add(a, b, [offsets[-1] + column[var]], 1.0, 0.0)
+        for start, end, k, low in self.edge_mem:
+            add(start, end, [offsets[-1] + len(extra) + k], 1.0, low)
         coef, const = np.cumsum(coef, axis=0)[:-1], np.cumsum(const)[:-1]
         kept = undominated_rows(coef, const)
         slot_cols = self.slot_columns()
         for k in kept:
             terms = self.row_terms(coef[k], slot_cols)
-            counts = coef[k, offsets[-1]:]
+            counts = coef[k, offsets[-1]:offsets[-1] + len(extra)]
             terms += [(extra[c], float(round(counts[c]))) for c in np.flatnonzero(counts > 0.5)]
+            held = coef[k, offsets[-1] + len(extra):]
+            terms += [(self.edge_held[c], float(round(held[c]))) for c in np.flatnonzero(held > 0.5)]
             self.lp.add_row(terms + p_terms + rhs_terms, upper=upper, const=float(const[k]) + p_const)
         return len(kept)
 

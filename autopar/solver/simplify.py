@@ -44,39 +44,34 @@ up, a follower's move onto its leader through ``t*`` like its cost, a separable 
 node costs ``cost - rho a`` and edge costs ``C - rho M`` (their regret terms), and with
 ``cost - w`` and ``C``. Without overlap the tests are the plain ones above, unchanged.
 
+Pairwise memory (``Edge.mem``: a parameter copy its reader keeps for backward) is an
+``EdgeItem``: bytes per (option of ``a``, option of ``b``) held on ``start..end``. Aliased members
+keep one item each (their own intervals); an item whose ends share a group is that group's
+``MemItem`` (the diagonal); a follower's items move onto its leader through ``t*`` (onto the
+leader itself: a ``MemItem``); dominance in memory asks an option to hold no more in every
+row of every item it is in. Frozen, an item touching a 1-option group, or separable into
+non-negative parts, becomes ``MemItem``s; the others keep an edge (cost matrix zero if
+their costs folded), whose variables the ILP's memory rows read.
+
 Transformations 2-4 repeat until nothing changes. No torch import.
 """
 
 from __future__ import annotations
 
-import heapq
 from collections import defaultdict
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from autopar.layout.blocks import split_block
+from autopar.solver.memitems import EdgeItem, MemItem, peak_candidates, settle_edge_items
 from autopar.solver.overlap import Overlap, overlap_active
 from autopar.solver.problem import Problem
 
-__all__ = ["MemItem", "Member", "Reduced", "simplify", "peak_candidates"]
+__all__ = ["MemItem", "EdgeItem", "Member", "Reduced", "simplify", "peak_candidates", "settle_edge_items"]
 
 # Costs are seconds of order 1e-6..1e2; dominance and separability tests allow float noise only.
 _EPS = 1e-12
-
-
-@dataclass(frozen=True, slots=True)
-class MemItem:
-    """``bytes[s]`` held on timeline points ``start..end`` when the group picks option ``s``."""
-
-    group: int
-    start: int
-    end: int
-    bytes: np.ndarray
-    segment: str | None = None
-
-    def __str__(self) -> str:
-        return f"mem[g{self.group} t{self.start}..{self.end} max {int(self.bytes.max())}B]"
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,7 +94,9 @@ class Reduced:
     param[g][s]:       bytes held for the whole step.
     forward[g]:        segment -> forward seconds per option (what recomputing would cost).
     mem_items:         activation memory items on the timeline.
-    edges:             ``(g1, g2)`` with ``g1 < g2`` -> cost matrix ``[s1, s2]`` (non-separable only).
+    edges:             ``(g1, g2)`` with ``g1 < g2`` -> cost matrix ``[s1, s2]`` (non-separable only,
+                       and every pair of an ``edge_items`` entry).
+    edge_items:        pairwise memory items (``a < b``; each pair in ``edges``).
     constant:          seconds that do not depend on any choice.
     memory_can_bind:   False when the budget is None or cannot be exceeded by any choice.
     overlap:           the overlap terms (``autopar.solver.overlap.Overlap``), None without overlap.
@@ -117,6 +114,7 @@ class Reduced:
     memory_can_bind: bool
     stats: dict[str, int] = field(default_factory=dict)
     overlap: Overlap | None = None
+    edge_items: tuple[EdgeItem, ...] = ()
 
     @property
     def num_groups(self) -> int:
@@ -175,6 +173,7 @@ class _Work:
         self.forward: dict[int, dict[str, np.ndarray]] = {}
         self.items: dict[int, list[MemItem]] = defaultdict(list)
         self.adj: dict[int, dict[int, np.ndarray]] = defaultdict(dict)  # adj[a][b] is [s_a, s_b]
+        self.eitems: dict[int, list[EdgeItem]] = defaultdict(list)  # group -> pairwise items touching it
         self.constant = 0.0
         # node -> (group, node option index for each group option)
         self.member: dict[str, tuple[int, np.ndarray]] = {}
@@ -214,6 +213,12 @@ class _Work:
             self.group_members[g].append(n.name)
         for e in problem.edges:
             ga, gb = groups[e.src], groups[e.dst]
+            if e.mem_array is not None:
+                mem = e.mem_array.astype(float)
+                if ga == gb:
+                    self.items[ga].append(MemItem(ga, e.mem_live[0], e.mem_live[1], np.diag(mem).copy()))
+                else:
+                    self.add_eitem(EdgeItem(ga, gb, e.mem_live[0], e.mem_live[1], mem))
             mat = e.array
             asy = e.async_array if self.rho is not None else None
             if ga == gb:  # both ends share one decision: only the diagonal is reachable
@@ -233,6 +238,14 @@ class _Work:
             held = self.aadj[a].get(b)
             self.aadj[a][b] = asy if held is None else held + asy
             self.aadj[b][a] = self.aadj[a][b].T
+
+    def add_eitem(self, it: EdgeItem) -> None:
+        self.eitems[it.a].append(it)
+        self.eitems[it.b].append(it)
+
+    def drop_eitem(self, it: EdgeItem) -> None:
+        for g in (it.a, it.b):
+            self.eitems[g] = [x for x in self.eitems[g] if x is not it]
 
     def drop_edge(self, a: int, b: int) -> None:
         del self.adj[a][b]
@@ -295,6 +308,9 @@ class _Work:
         vectors = list(self.forward[g].values())
         if memory:
             vectors += [self.param[g]] + [it.bytes for it in self.items[g]]
+            for it in self.eitems.get(g, ()):  # every row of a pairwise item: t' holds no more whatever the other picks
+                mat = it.oriented(g)
+                ok &= (mat[:, None, :] <= mat[None, :, :]).all(axis=2)
         for vec in vectors:
             ok &= vec[:, None] <= vec[None, :]
         return ok
@@ -331,6 +347,10 @@ class _Work:
             self.asy[g], self.ovl[g] = self.asy[g][kept], self.ovl[g][kept]
         self.forward[g] = {s: v[kept] for s, v in self.forward[g].items()}
         self.items[g] = [MemItem(g, it.start, it.end, it.bytes[kept], it.segment) for it in self.items[g]]
+        for it in list(self.eitems.get(g, ())):
+            self.drop_eitem(it)
+            self.add_eitem(EdgeItem(it.a, it.b, it.start, it.end,
+                                    it.bytes[kept, :] if it.a == g else it.bytes[:, kept]))
         for w in list(self.adj[g]):
             self.adj[g][w] = self.adj[g][w][kept, :]
             self.adj[w][g] = self.adj[g][w].T
@@ -365,6 +385,14 @@ class _Work:
             mine = self.forward[u].setdefault(seg, np.zeros(len(best)))
             self.forward[u][seg] = mine + vec[best]
         self.items[u] += [MemItem(u, it.start, it.end, it.bytes[best], it.segment) for it in self.items[v]]
+        for it in list(self.eitems.get(v, ())):  # v's pairwise items move onto u through best
+            self.drop_eitem(it)
+            w = it.b if it.a == v else it.a
+            moved = it.oriented(v)[best, :]  # [s_u, options of w]
+            if w == u:
+                self.items[u].append(MemItem(u, it.start, it.end, moved[rows, rows].copy()))
+            else:
+                self.add_eitem(EdgeItem(u, w, it.start, it.end, moved))
         self.drop_edge(u, v)
         for w, mat in list(self.adj[v].items()):
             asy = self.aadj[v].get(w)
@@ -374,7 +402,7 @@ class _Work:
             self.member[node] = (u, self.member[node][1][best])
         self.group_members[u] += self.group_members[v]
         for table in (self.cost, self.param, self.forward, self.items, self.adj, self.group_members, self.asy,
-                      self.ovl, self.aadj):
+                      self.ovl, self.aadj, self.eitems):
             table.pop(v, None)
         return True
 
@@ -435,6 +463,10 @@ def _worst_peak(work: _Work) -> float:
                 hit = largest[id(it.bytes)] = (it.bytes, float(it.bytes.max()))
             events[it.start] += hit[1]
             events[it.end + 1] -= hit[1]
+    for it in {id(it): it for items in work.eitems.values() for it in items}.values():
+        top = float(it.bytes.max())
+        events[it.start] += top
+        events[it.end + 1] -= top
     running, peak = 0.0, 0.0
     for t in sorted(events):
         running += events[t]
@@ -486,6 +518,12 @@ def _freeze(work: _Work, problem: Problem, memory: bool, stats: dict[str, int]) 
             if new[a] < new[b]:
                 edges[(new[a], new[b])] = mat
     items = tuple(MemItem(new[g], it.start, it.end, it.bytes, it.segment) for g in order for it in work.items[g])
+    pairs = [EdgeItem(new[it.a], new[it.b], it.start, it.end, it.bytes)
+             for it in {id(it): it for g in order for it in work.eitems.get(g, ())}.values()]
+    settled, pairs = settle_edge_items(pairs, [len(work.cost[g]) for g in order])
+    items += settled
+    for it in pairs:  # their variables: an edge, zero-cost where the costs folded
+        edges.setdefault((it.a, it.b), np.zeros(it.bytes.shape))
     picked: dict[tuple, tuple[str, ...]] = {}  # aliased nodes share their option names: build each once
 
     def option_names(node: str, idx: np.ndarray) -> tuple[str, ...]:
@@ -506,28 +544,5 @@ def _freeze(work: _Work, problem: Problem, memory: bool, stats: dict[str, int]) 
         forward=tuple(work.forward[g] for g in order), mem_items=items, edges=edges,
         constant=work.constant, members=members, budget_bytes=problem.budget_bytes,
         timeline_length=problem.timeline_length, memory_can_bind=memory, stats=stats, overlap=overlap,
+        edge_items=tuple(pairs),
     )
-
-
-def peak_candidates(items: tuple[MemItem, ...] | list[MemItem]) -> list[int]:
-    """Timeline points whose live item sets are maximal (no other point's set contains them).
-
-    The total of non-negative interval loads peaks at some interval start; a start ``p`` whose
-    live set is also live at the next start ``q`` (every live interval outlasts ``q``) is
-    dominated by ``q``. So ``p`` is a candidate iff some interval live at ``p`` ends before ``q``.
-    """
-    starts = sorted({it.start for it in items})
-    by_start: dict[int, list[int]] = defaultdict(list)
-    for it in items:
-        by_start[it.start].append(it.end)
-    heap: list[int] = []
-    out = []
-    for k, p in enumerate(starts):
-        for end in by_start[p]:
-            heapq.heappush(heap, end)
-        while heap and heap[0] < p:
-            heapq.heappop(heap)
-        nxt = starts[k + 1] if k + 1 < len(starts) else None
-        if nxt is None or heap[0] < nxt:
-            out.append(p)
-    return out

@@ -18,6 +18,10 @@ the unit's backward begins). With a unit recomputed:
   first such unit's start to the last one's end;
 * step time grows by the forward seconds (``StrategyOption.forward_s``) of its nodes.
 
+An edge's memory (``Edge.mem``: a parameter copy its reader gathers and saves for backward) is
+held on the edge's ``mem_live`` whether or not the reader is recomputed: the ILPs count it so (an
+upper bound for a recomputed reader, whose checkpoint region re-gathers it in backward only).
+
 A unit is recomputed alone or inside its block, never both. No torch import.
 
 The functions here take a ``Problem`` (``autopar.solver.problem``) but name only the fields they
@@ -35,13 +39,13 @@ from autopar.layout.blocks import block_of
 from autopar.solver.overlap import hidden_seconds
 
 __all__ = ["Evaluation", "SegmentInput", "SegmentInputs", "SegmentGeometry", "Timed", "segment_geometry", "evaluate",
-           "activation_bytes"]
+           "activation_bytes", "edge_bytes_at"]
 
 
 class Timed(Protocol):
     """What the evaluator reads of a ``autopar.solver.problem.Problem``: its nodes (``name``,
     ``options``, ``option_index``, ``live``, ``segment``), its edges (``src``, ``dst``,
-    ``costs``), its timeline's length and its ``comm_overlap``."""
+    ``costs``, ``async_array``, ``mem_array``, ``mem_live``), its timeline's length and its ``comm_overlap``."""
 
     nodes: tuple[Any, ...]
     edges: tuple[Any, ...]
@@ -200,6 +204,10 @@ def evaluate(problem: Timed, choice: Mapping[str, str], *, recompute: Iterable[s
         reshard += e.costs[pick[e.src]][pick[e.dst]]
         if e.async_array is not None:
             async_s += float(e.async_array[pick[e.src], pick[e.dst]])
+        if e.mem_array is not None:
+            c = int(e.mem_array[pick[e.src], pick[e.dst]])
+            delta[e.mem_live[0]] += c
+            delta[e.mem_live[1] + 1] -= c
     for c, first, last in _held_inputs(problem, segment_inputs or {}, pick, chosen, geo):
         delta[first] += c
         delta[last + 1] -= c
@@ -209,6 +217,14 @@ def evaluate(problem: Timed, choice: Mapping[str, str], *, recompute: Iterable[s
     # Subtracted only when something hides: without overlap the objective is the plain sum, bit for bit.
     return Evaluation(total - hidden if hidden else total, compute + recompute_s, comm, reshard, params,
                       tuple(accumulate(delta)), async_s=async_s, hidden_s=hidden)
+
+
+def edge_bytes_at(problem: Timed, choice: Mapping[str, str], t: int) -> int:
+    """The part of ``evaluate``'s ``activations[t]`` held by edges (``Edge.mem``: parameter copies
+    readers gathered and keep for backward) under ``choice``."""
+    index = {n.name: n for n in problem.nodes}
+    return sum(int(e.mem_array[index[e.src].option_index(choice[e.src]), index[e.dst].option_index(choice[e.dst])])
+               for e in problem.edges if e.mem_array is not None and e.mem_live[0] <= t <= e.mem_live[1])
 
 
 def activation_bytes(problem: Timed, choice: Mapping[str, str], *, recompute: Iterable[str] = (),
