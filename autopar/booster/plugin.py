@@ -416,8 +416,9 @@ class AutoParallelPlugin:
 
     def autoparallelize_kwargs(self) -> dict[str, Any]:
         """The ``autopar.autoparallelize`` keyword arguments this plugin stands for."""
-        return dict(mesh=None if self.candidates is not None else self.mesh, memory_budget=self.memory_budget, solver=self.solver,
-                    time_limit=self.time_limit, device=self.device, seed=self.seed,
+        # Candidate meshes are planned by family_plan: the plan it gives brings its own mesh.
+        return dict(mesh=None if self.candidates is not None else self.mesh, memory_budget=self.memory_budget,
+                    solver=self.solver, time_limit=self.time_limit, device=self.device, seed=self.seed,
                     optimizer_multiplier=self.optimizer_multiplier,
                     allow_replicate_fallback=self.allow_replicate_fallback,
                     checkpoint=self.checkpoint, ep_size=self.ep_size, sp_size=self.sp_size,

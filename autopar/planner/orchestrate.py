@@ -32,7 +32,8 @@ if TYPE_CHECKING:
     from autopar.tracer.profile import ModelProfile
 
 __all__ = ["PlanResult", "PipelinedResult", "trace_for_planning", "plan_model", "plan_traced", "plan_mesh_auto",
-           "search_traced", "plan_candidates", "plan_pipelined", "plan_auto", "plan_auto_cached", "cache_key", "cached_plan"]
+           "search_traced", "plan_candidates", "plan_pipelined", "plan_auto", "plan_auto_cached", "cache_key",
+           "cached_plan"]
 
 
 @dataclass(frozen=True, slots=True)
