@@ -49,7 +49,7 @@ from autopar.layout.mesh import MeshSpec
 from autopar.strategies import FixedAxis, axis_placements
 
 __all__ = ["MeshRow", "MeshSearch", "Pinned", "mesh_shapes", "predicted_seconds", "search_meshes", "search_given",
-           "pinned", "pins_of", "RESTRICT_MODES"]
+           "on_one_machine", "pinned", "pins_of", "RESTRICT_MODES"]
 
 RESTRICT_MODES = ("auto", "always", "never")
 
@@ -249,6 +249,33 @@ def search_meshes(plan_on: Callable[..., Any], *, nodes: int, devices_per_node: 
         if len(shape) > 3:
             search.exact(shape)
     return search.result(shapes)
+
+
+def on_one_machine(meshes: Sequence[MeshSpec]) -> list[MeshSpec]:
+    """Calibrated candidate meshes priced as one machine: each keeps its own links (per-axis
+    alpha/beta and per-kind link fits: what differs between arrangements of the ranks), and all
+    take the first calibrated one's machine-wide figures -- compute rate tables, time scales,
+    steady-state peaks, ``comm_overlap`` and ``idle_speedup``. Why: those describe the machine,
+    not how its ranks are arranged, and two calibrations taken minutes apart differ in them by
+    the load of the moment (4 gloo ranks on 2 shared cores: overlap 0% in a (4,) profile, 61% in
+    the (2, 2) one calibrated next; fp32 matmul 37 vs 40 GFLOP/s) -- a difference that would
+    pick the mesh, not the links. Meshes without a machine profile are returned as they are."""
+    from dataclasses import replace
+
+    meshes = list(meshes)
+    ref = next((m for m in meshes if m.machine is not None), None)
+    if ref is None:
+        return meshes
+    out = []
+    for mesh in meshes:
+        if mesh is ref or mesh.machine is None:
+            out.append(mesh)
+            continue
+        machine = replace(ref.machine, links=mesh.machine.links, measured_shape=mesh.machine.measured_shape,
+                          measured_axis_names=mesh.machine.measured_axis_names, note=mesh.machine.note)
+        out.append(replace(mesh, peak_flops=ref.peak_flops, half_peak_flops=ref.half_peak_flops,
+                           mem_bandwidth=ref.mem_bandwidth, comm_overlap=ref.comm_overlap, machine=machine))
+    return out
 
 
 def search_given(plan_on: Callable[[MeshSpec], Any], meshes: Sequence[MeshSpec], *,

@@ -306,11 +306,13 @@ def plan_candidates(model: Any, meta_inputs: tuple | dict, *, meshes: Sequence[M
     else ``plan_traced``; one full-batch trace serves them all. Why not ``mesh="auto"``: its
     candidates are priced by a preset's links, which on a shared or unusual machine (4 gloo
     ranks on 2 cores) rank a 1-D data-parallel mesh against a 2-D one wrongly; a profile per
-    shape prices each as measured. The chosen plan's ``solver["meshes"]`` lists every row."""
-    from autopar.planner.mesh_search import search_given
+    shape prices each as measured. Calibrated meshes are compared as one machine
+    (``mesh_search.on_one_machine``: each its own links, the first profile's compute, overlap
+    and idle speed-up). The chosen plan's ``solver["meshes"]`` lists every row."""
+    from autopar.planner.mesh_search import on_one_machine, search_given
 
     progress = progress or Progress()
-    specs = [options.mesh(m) for m in meshes]  # a bad mesh fails before the trace
+    specs = on_one_machine([options.mesh(m) for m in meshes])  # a bad mesh fails before the trace
     traced, prof = _trace_and_profile(model, meta_inputs, precision=options.precision, progress=progress)
 
     def plan_on(mesh: MeshSpec) -> Plan:

@@ -291,3 +291,29 @@ def test_search_given_reports_failures_and_refuses_mixed_candidates():
         search_given(plan_on, [meshes[1], meshes[1]])
     with pytest.raises(ValueError, match="at least one"):
         search_given(plan_on, [])
+
+
+def test_on_one_machine_keeps_each_meshes_links_and_shares_the_machine():
+    from dataclasses import replace
+
+    from autopar.layout.machine import ComputeProfile, LinkFit, MachineProfile, RateTable
+    from autopar.planner.mesh_search import on_one_machine
+
+    def calibrated(shape, rate, overlap, idle, alpha):
+        compute = ComputeProfile((("matmul", "fp32", RateTable((1e6, 1e9), (rate / 4, rate))),))
+        links = tuple(LinkFit("all_reduce", axis, alpha, 1e-9) for axis in range(len(shape)))
+        machine = MachineProfile(compute, links, shape, tuple(f"ax{i}" for i in range(len(shape))),
+                                 idle_speedup=idle)
+        return replace(MeshSpec.preset("cpu", shape), machine=machine, comm_overlap=overlap, peak_flops=rate,
+                       alpha=(alpha,) * len(shape))
+
+    flat, square = calibrated((4,), 37e9, 0.0, 2.0, 3e-3), calibrated((2, 2), 40e9, 0.6, 1.4, 2e-3)
+    a, b = on_one_machine([flat, square])
+    assert a is flat  # the reference: as calibrated
+    assert b.shape == (2, 2) and b.alpha == square.alpha and b.machine.links == square.machine.links
+    assert b.machine.measured_shape == (2, 2)
+    assert b.machine.compute == flat.machine.compute and b.peak_flops == 37e9
+    assert b.comm_overlap == 0.0 and b.machine.idle_speedup == 2.0
+    assert hash(b.machine) != hash(square.machine)  # a cache key: the shared figures are part of it
+    preset = MeshSpec.preset("cpu", (2, 2))
+    assert on_one_machine([preset, flat])[0] is preset and on_one_machine([preset])[0] is preset
