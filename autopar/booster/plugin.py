@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from autopar.layout.mesh import MeshSpec, is_profile_path, parse_mesh_shape
 from autopar.planner.options import ZERO_STAGES, check_choice, check_count, check_number, check_option
@@ -19,7 +19,7 @@ from autopar.planner.options import ZERO_STAGES, check_choice, check_count, chec
 if TYPE_CHECKING:
     from torch.utils.data import DataLoader, Dataset
 
-__all__ = ["AutoParallelPlugin", "ZERO_STAGES", "PP_STYLES", "PLANNING_NAMES"]
+__all__ = ["AutoParallelPlugin", "ZERO_STAGES", "PP_STYLES", "PLANNING_NAMES", "plan_on_rank0"]
 
 # The product notes' pipeline styles -> autopar's schedules (``autopar.plans.PIPELINE_SCHEDULES``).
 PP_STYLES = {"auto": "auto", "gpipe": "gpipe", "1f1b": "1f1b", "interleaved": "interleaved-1f1b",
@@ -384,7 +384,6 @@ class AutoParallelPlugin:
         plans (or applies ``plan``)."""
         if self.candidates is None:
             return None
-        from autopar.booster.low_level_zero import plan_on_rank0
         from autopar.runtime.build import runtime_device
 
         device = runtime_device(self.device)
@@ -522,3 +521,26 @@ def _one_mesh(mesh: Any) -> MeshSpec | tuple[int, ...]:
     except (ValueError, TypeError) as exc:
         raise ValueError(f"mesh must be None, a shape such as (2, 2) or '2x2', a MeshSpec, a profile JSON or a list "
                          f"of them, got {mesh!r} ({exc})") from None
+
+
+def plan_on_rank0(solve: Callable[[], Any], *, device, what: str):
+    """``solve()``'s ``Plan`` solved on rank 0 and broadcast to every rank; its error raises on
+    every rank as a ``ValueError`` starting with ``what`` (no rank waits alone)."""
+    import torch.distributed as dist
+
+    from autopar.plans import Plan
+
+    payload: list[Any] = [None]
+    if dist.get_rank() == 0:
+        try:
+            payload[0] = ("ok", solve().to_json())
+        except Exception as exc:  # noqa: BLE001 -- re-raised on every rank below
+            payload[0] = (type(exc).__name__, str(exc))
+    if device.type == "cuda" and dist.get_backend() == "nccl":
+        dist.broadcast_object_list(payload, src=0, device=device)
+    else:
+        dist.broadcast_object_list(payload, src=0)
+    status, text = payload[0]
+    if status != "ok":
+        raise ValueError(f"{what} failed on rank 0: {status}: {text}")
+    return Plan.from_json(text)
