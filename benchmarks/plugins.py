@@ -213,7 +213,11 @@ def _profile_estimates(model, inputs, world: int, profiles: dict[tuple[int, ...]
             out[name] = plan_family(model, inputs, layout.family, mesh=mesh, options=options).estimate
         else:
             staged = replace(options, pipeline=layout.pipeline, microbatches=2, schedule="1f1b")
-            out[name] = plan_pipelined(model, inputs, mesh=mesh, options=staged, family=layout.family).plan.estimate
+            try:
+                out[name] = plan_pipelined(model, inputs, mesh=mesh, options=staged,
+                                           family=layout.family).plan.estimate
+            except (ValueError, NotImplementedError) as exc:  # e.g. a training batch norm: the plugin refuses it too
+                print(f"  {name}: no estimate ({str(exc).splitlines()[0][:120]})")
     return out
 
 
