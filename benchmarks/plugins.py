@@ -58,16 +58,19 @@ TARGET = 1.05
 TIGHT_FRACTION = 0.6  # of data parallelism's estimated peak
 
 
-def configs(budgets: dict[str, int | None], *, profile: str) -> dict[str, Callable[[], object]]:
+def configs(budgets: dict[str, int | None], *, profiles: list[str]) -> dict[str, Callable[[], object]]:
     """Configuration name -> plugin factory. Fixed configurations ignore the budget (they are
     what they are: one of each serves every budget); the auto plan plans for each budget
-    (``budgets``: label -> bytes per device, None: ample) on the calibrated 2-D mesh ``profile``
-    (a machine profile's path) with pipelines searched: ``auto`` (ample) and ``auto@LABEL``."""
+    (``budgets``: label -> bytes per device, None: ample) on every calibrated mesh of
+    ``profiles`` (machine profiles' paths: the (world,) and (2, world / 2) meshes), pipelines over
+    axis 0 searched, the plan estimated fastest kept: ``auto`` (ample) and ``auto@LABEL``.
+    ``auto-1d`` / ``auto-2d`` (ample; only when ``--configs`` names them): the auto plan on one of
+    the two profiles alone, to see what the choice between them was worth."""
     from autopar.booster import (AutoParallelPlugin, GeminiPlugin, HybridParallelPlugin, LowLevelZeroPlugin,
                                  TorchDDPPlugin, TorchFSDPPlugin)
 
-    def auto(budget):
-        return lambda: AutoParallelPlugin(mesh=profile, pp_size="auto", memory_budget=budget)
+    def auto(budget, meshes=profiles):
+        return lambda: AutoParallelPlugin(mesh=list(meshes), pp_size="auto", memory_budget=budget)
 
     return {
         "torch-ddp": TorchDDPPlugin,
@@ -80,7 +83,12 @@ def configs(budgets: dict[str, int | None], *, profile: str) -> dict[str, Callab
         "tp2xpp2": lambda: HybridParallelPlugin(tp_size=2, pp_size=2, precision="fp32", num_microbatches=2),
         "pp2": lambda: HybridParallelPlugin(tp_size=1, pp_size=2, precision="fp32", num_microbatches=2),
         **{auto_name(label): auto(budget) for label, budget in budgets.items()},
+        "auto-1d": auto(None, profiles[:1]),
+        "auto-2d": auto(None, profiles[1:]),
     }
+
+
+OPTIONAL = ("auto-1d", "auto-2d")  # run only when --configs names them
 
 
 def auto_name(label: str) -> str:
@@ -127,16 +135,19 @@ def _step(booster, module, optimizer, batch) -> torch.Tensor:
     return loss.detach()
 
 
-def _worker(rank: int, world: int, model, inputs, budgets: dict, steps: int, warmup: int, profile: str,
-            device_type: str = "cpu") -> dict:
+def _worker(rank: int, world: int, model, inputs, budgets: dict, steps: int, warmup: int, profiles: list[str],
+            device_type: str = "cpu", only: tuple[str, ...] | None = None) -> dict:
     device = rank_device(device_type)
     built, refused = {}, {}
-    for name, factory in configs(budgets, profile=profile).items():
+    for name, factory in configs(budgets, profiles=profiles).items():
+        if (only is None and name in OPTIONAL) or (only is not None and name not in only
+                                                   and not (name.startswith("auto@") and "auto" in only)):
+            continue
         try:
             built[name] = _boost(name, factory, model, inputs, world, device)
         except (ValueError, NotImplementedError) as exc:  # raised alike on every rank: this one does not apply
             refused[name] = f"{type(exc).__name__}: {exc}"[:160]
-    memory, estimate, allocated = {}, {}, {}
+    memory, estimate, allocated, chosen = {}, {}, {}, {}
     for name, (booster, module, optimizer, batches) in built.items():
         for _ in range(warmup):
             _step(booster, module, optimizer, next(batches))
@@ -152,6 +163,10 @@ def _worker(rank: int, world: int, model, inputs, budgets: dict, steps: int, war
         allocated[name] = allocator.peak()
         plan = getattr(module, "plan", None)
         estimate[name] = None if plan is None else (plan.estimate.step_s, plan.estimate.peak_bytes)
+        if plan is not None and name.startswith("auto"):
+            pipe = plan.pipeline
+            chosen[name] = "x".join(map(str, plan.mesh.shape)) + (
+                "" if pipe is None else f", {pipe.schedule} {pipe.num_stages} stages x {pipe.num_microbatches} mb")
     names = list(built)
     times = {n: [] for n in names}
     watch = Stopwatch(device)
@@ -165,7 +180,7 @@ def _worker(rank: int, world: int, model, inputs, budgets: dict, steps: int, war
             _step(booster, module, optimizer, batch)
             times[name].append(watch.stop())
     return {"times": times, "memory": memory, "estimate": estimate, "refused": refused, "allocated": allocated,
-            "device": str(device)}
+            "chosen": chosen, "device": str(device)}
 
 
 def _profile_estimates(model, inputs, world: int, profiles: dict[tuple[int, ...], str]) -> dict:
@@ -177,10 +192,13 @@ def _profile_estimates(model, inputs, world: int, profiles: dict[tuple[int, ...]
 
     from autopar.layout.mesh import MeshSpec
     from autopar.planner.baselines import hybrid_layout
+    from autopar.planner.mesh_search import on_one_machine
     from autopar.planner.options import PlanOptions
     from autopar.planner.orchestrate import plan_family, plan_pipelined
 
-    flat = MeshSpec.from_profile(profiles[(world,)])
+    # As the auto plan compares them (plan_candidates): one machine, each mesh its own links.
+    flat, square = on_one_machine([MeshSpec.from_profile(profiles[(world,)]),
+                                   MeshSpec.from_profile(profiles[(2, world // 2)])])
     options = PlanOptions(checkpoint="none")
     out = {"torch-ddp": plan_family(model, inputs, "data-parallel", mesh=flat, options=options).estimate}
     out["torch-fsdp2"] = plan_family(model, inputs, "zero3", mesh=flat, options=replace(
@@ -190,12 +208,16 @@ def _profile_estimates(model, inputs, world: int, profiles: dict[tuple[int, ...]
         out[name] = plan_family(model, inputs, family, mesh=flat, options=replace(options, zero_stage="auto")).estimate
     for name, tp, pp in (("hybrid-tp2", 2, 1), ("tp2xpp2", 2, 2), ("pp2", 1, 2)):
         layout = hybrid_layout(world, tp_size=tp, pp_size=pp, zero_stage=0)
-        mesh = replace(MeshSpec.from_profile(profiles[layout.shape]), axis_names=layout.axis_names)
+        mesh = replace({flat.shape: flat, square.shape: square}[layout.shape], axis_names=layout.axis_names)
         if layout.pipeline is None:
             out[name] = plan_family(model, inputs, layout.family, mesh=mesh, options=options).estimate
         else:
             staged = replace(options, pipeline=layout.pipeline, microbatches=2, schedule="1f1b")
-            out[name] = plan_pipelined(model, inputs, mesh=mesh, options=staged, family=layout.family).plan.estimate
+            try:
+                out[name] = plan_pipelined(model, inputs, mesh=mesh, options=staged,
+                                           family=layout.family).plan.estimate
+            except (ValueError, NotImplementedError) as exc:  # e.g. a training batch norm: the plugin refuses it too
+                print(f"  {name}: no estimate ({str(exc).splitlines()[0][:120]})")
     return out
 
 
@@ -219,7 +241,8 @@ def _profiles(paths: list[str], world: int, device_type: str) -> dict[tuple[int,
 
 def report(model_name: str, label: str, budget, results: list[dict], families: dict) -> dict:
     """The table of one budget: the fixed configurations and the auto plan planned for it."""
-    names = [n for n in results[0]["times"] if not n.startswith("auto") or n == auto_name(label)]
+    names = [n for n in results[0]["times"]
+             if not n.startswith("auto") or n == auto_name(label) or (label == "ample" and n in OPTIONAL)]
     steps = len(results[0]["times"][names[0]])
     slowest = {n: [max(r["times"][n][i] for r in results) for i in range(steps)] for n in names}
     med = {n: statistics.median(slowest[n]) for n in names}
@@ -244,6 +267,9 @@ def report(model_name: str, label: str, budget, results: list[dict], families: d
         print(f"{n:<12} {med[n] * 1e3:9.1f} {least[n] * 1e3:8.1f} {peak[n] / 2**20:9.1f} "
               f"{'yes' if fits[n] else 'no':>5} "
               + (f"{e[0] * 1e3:8.1f} {e[1] / 2**20:8.1f}" if e else f"{'-':>8} {'-':>8}"))
+    for n, how in results[0]["chosen"].items():
+        if n in names:
+            print(f"{n}: mesh {how}")
     fixed = [n for n in names if not n.startswith("auto") and fits[n]]
     ratio = None
     for auto in (n for n in names if n.startswith("auto")):
@@ -252,12 +278,14 @@ def report(model_name: str, label: str, budget, results: list[dict], families: d
             continue
         best = min(fixed, key=med.__getitem__)
         r = med[auto] / med[best]
-        ratio = r
+        if auto == auto_name(label):
+            ratio = r
         print(f"{auto} / fastest fitting ({best}) = {r:.3f} (target <= {TARGET}: "
               f"{'met' if r <= TARGET and fits[auto] else 'MISSED'}); {auto} fits: {fits[auto]}")
     return {"model": model_name, "budget": label, "budget_bytes": budget, "median_s": med, "min_s": least,
             "peak_bytes": peak,
-            "fits": fits, "estimate": est, "auto_ratio": ratio, "load": os.getloadavg()[0]}
+            "fits": fits, "estimate": est, "auto_ratio": ratio, "chosen": results[0]["chosen"],
+            "load": os.getloadavg()[0]}
 
 
 def main(argv=None) -> list[dict]:
@@ -271,6 +299,8 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--out", help="append one JSON line per (model, budget)")
+    p.add_argument("--configs", help="only these configurations, comma-separated (auto brings its budgets' plans; "
+                                     f"{', '.join(OPTIONAL)} run only when named here)")
     p.add_argument("--profile", action="append", default=[],
                    help="a machine profile JSON (autopar calibrate --out) of mesh (world,) or (2, world/2); "
                         "repeat for both; a missing one is calibrated first")
@@ -288,7 +318,9 @@ def main(argv=None) -> list[dict]:
         # One launch per model: every configuration and the auto plan of every budget in the
         # same interleaved rounds (the fixed ones are the same at any budget).
         results = run_local(_worker, args.world, model, inputs, budgets, args.steps, args.warmup,
-                            profiles[(2, args.world // 2)], device_type, backend=backend, timeout=3600)
+                            [profiles[(args.world,)], profiles[(2, args.world // 2)]], device_type,
+                            None if args.configs is None else tuple(args.configs.split(",")),
+                            backend=backend, timeout=3600)
         for label, budget in budgets.items():
             record = report(name, label, budget, results, families)
             records.append(record)

@@ -38,7 +38,7 @@ from torch import nn
 from autopar.booster import checkpoint_io
 from autopar.booster.mixed_precision import FP16TorchMixedPrecision
 from autopar.booster.dataloader import GlobalBatchSampler, configure_for, first_batch_inputs, input_shapes
-from autopar.booster.optimizer import BoostedOptimizer, rebuild_optimizer, repoint_scheduler
+from autopar.booster.optimizer import BoostedOptimizer, foreach_over_dtensors, rebuild_optimizer, repoint_scheduler
 from autopar.booster.plugin import AutoParallelPlugin
 from autopar.booster.torch_plugins import Autocast, TorchDDPPlugin, TorchFSDPPlugin, TorchParallelModule
 from autopar.runtime.parallel_module import ParallelModule
@@ -167,6 +167,7 @@ class Booster:
                 if self.plugin.placement_policy is not None:  # chunked device/host memory (Gemini)
                     zero.append(None)
                     return self.plugin.wrap_gemini(module, cls, groups, kwargs)
+                groups, kwargs = foreach_over_dtensors(cls, groups, kwargs)
                 zero.append(module.optimizer(cls, groups, **kwargs))
                 return zero[0].optimizer
 

@@ -10,9 +10,9 @@ plan are thus the same kind of object (``Plan``): ``booster.boost(...)[0].plan``
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable
+from typing import Any
 
-from autopar.booster.plugin import AutoParallelPlugin
+from autopar.booster.plugin import AutoParallelPlugin, plan_on_rank0
 
 __all__ = ["LowLevelZeroPlugin", "LOW_LEVEL_ZERO_PARAMETERS", "OwnArguments", "plan_on_rank0", "family_plan_on_rank0"]
 
@@ -120,29 +120,6 @@ def family_plan_on_rank0(plugin: AutoParallelPlugin, model: Any, meta_inputs: tu
     device = runtime_device(plugin.device)
     return plan_on_rank0(lambda: _solve_family(plugin, model, meta_inputs, family, device), device=device,
                          what=f"{name}: planning the {family} family")
-
-
-def plan_on_rank0(solve: Callable[[], Any], *, device, what: str):
-    """``solve()``'s ``Plan`` solved on rank 0 and broadcast to every rank; its error raises on
-    every rank as a ``ValueError`` starting with ``what`` (no rank waits alone)."""
-    import torch.distributed as dist
-
-    from autopar.plans import Plan
-
-    payload: list[Any] = [None]
-    if dist.get_rank() == 0:
-        try:
-            payload[0] = ("ok", solve().to_json())
-        except Exception as exc:  # noqa: BLE001 -- re-raised on every rank below
-            payload[0] = (type(exc).__name__, str(exc))
-    if device.type == "cuda" and dist.get_backend() == "nccl":
-        dist.broadcast_object_list(payload, src=0, device=device)
-    else:
-        dist.broadcast_object_list(payload, src=0)
-    status, text = payload[0]
-    if status != "ok":
-        raise ValueError(f"{what} failed on rank 0: {status}: {text}")
-    return Plan.from_json(text)
 
 
 def _solve_family(plugin: AutoParallelPlugin, model: Any, meta_inputs: tuple | dict, family: str, device):

@@ -31,7 +31,11 @@ from autopar.runtime.amp import GradScaler
 from autopar.runtime.bucketing import GradBucketer
 from autopar.runtime.parallel_module import ParallelModule, clip_grad_norm
 
-__all__ = ["BoostedOptimizer", "rebuild_optimizer", "repoint_scheduler"]
+__all__ = ["BoostedOptimizer", "rebuild_optimizer", "repoint_scheduler", "foreach_over_dtensors"]
+
+# torch's optimizers whose foreach path runs on DTensor parameters (torch's own DTensor optimizer
+# tests cover these); any other class keeps what it was given.
+_FOREACH_ON_DTENSORS = ("Adam", "AdamW", "SGD", "Adagrad", "RMSprop", "Adamax", "NAdam", "RAdam")
 
 
 def _target_class(cls: type) -> type:
@@ -82,6 +86,22 @@ def rebuild_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module,
             for key in set(group) - set(rebuilt.defaults) - {"params", "initial_lr"}:
                 del group[key]
     return rebuilt
+
+
+def foreach_over_dtensors(cls: type, groups: list[dict], kwargs: dict) -> tuple[list[dict], dict]:
+    """``groups`` and ``kwargs`` for an optimizer over the boosted module's DTensor parameters
+    with torch's ``foreach`` implementation where it was left to torch (``foreach=None``, the
+    default), for torch's optimizers of ``_FOREACH_ON_DTENSORS``. Why: torch picks the per-tensor
+    loop on the CPU, and each DTensor op there costs its Python dispatch (~0.3 ms under load) per
+    parameter per op: AdamW over a Qwen2-style decoder's 51 tensors took 325 ms of CPU a step
+    on 4 gloo ranks against DDP's 128 ms on plain tensors; the foreach kernels dispatch once per
+    op for all parameters. Same algorithm and arithmetic; an explicit ``foreach=False`` (in the
+    defaults or a group) is kept."""
+    if cls.__module__.split(".")[:2] != ["torch", "optim"] or cls.__name__ not in _FOREACH_ON_DTENSORS \
+            or kwargs.get("foreach") is not None:
+        return groups, kwargs
+    groups = [{**g, "foreach": True} if g.get("foreach", None) is None else g for g in groups]
+    return groups, {**kwargs, "foreach": True}
 
 
 def _track_steps(opt: torch.optim.Optimizer) -> None:

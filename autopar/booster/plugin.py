@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from autopar.layout.mesh import MeshSpec, is_profile_path, parse_mesh_shape
 from autopar.planner.options import ZERO_STAGES, check_choice, check_count, check_number, check_option
@@ -19,7 +19,7 @@ from autopar.planner.options import ZERO_STAGES, check_choice, check_count, chec
 if TYPE_CHECKING:
     from torch.utils.data import DataLoader, Dataset
 
-__all__ = ["AutoParallelPlugin", "ZERO_STAGES", "PP_STYLES", "PLANNING_NAMES"]
+__all__ = ["AutoParallelPlugin", "ZERO_STAGES", "PP_STYLES", "PLANNING_NAMES", "plan_on_rank0"]
 
 # The product notes' pipeline styles -> autopar's schedules (``autopar.plans.PIPELINE_SCHEDULES``).
 PP_STYLES = {"auto": "auto", "gpipe": "gpipe", "1f1b": "1f1b", "interleaved": "interleaved-1f1b",
@@ -46,6 +46,11 @@ class AutoParallelPlugin:
         mesh: ``None`` (a 1-D mesh over the world size), a shape (``(2, 2)`` or ``"2x2"``; the
             device's cost preset), a ``MeshSpec``, or the path of a machine profile from
             ``autopar calibrate`` (its mesh, priced as measured). Its size must be the world size.
+            Or a list of them, e.g. ``["4.json", "2x2.json"]`` (the profiles of every shape the
+            world allows): rank 0 plans on each, pipelines over axis 0 included where ``pp_size``
+            asks, and every rank trains the plan estimated fastest
+            (``autopar.planner.orchestrate.plan_candidates``; ``module.plan.solver["meshes"]``
+            lists each candidate's estimate). Not with ``plan`` or ``refine``.
         memory_budget: bytes per device (an int or ``"16GiB"``); ``None`` = the device capacity.
         precision: ``"fp32"``, ``"bf16"`` or ``"fp16"`` compute with fp32 master weights and
             optimizer state. ``"fp16"`` makes the boosted optimizer own an ``autopar.GradScaler``
@@ -164,15 +169,11 @@ class AutoParallelPlugin:
     refine: Any = False
 
     def __post_init__(self) -> None:
-        if isinstance(self.mesh, (str, os.PathLike)) and is_profile_path(self.mesh):
-            object.__setattr__(self, "mesh", MeshSpec.from_profile(self.mesh))  # a calibrated machine
-        if self.mesh is not None and not isinstance(self.mesh, MeshSpec):
-            try:
-                shape = parse_mesh_shape(self.mesh)
-            except (ValueError, TypeError) as exc:
-                raise ValueError(f"mesh must be None, a shape such as (2, 2) or '2x2', a MeshSpec or a profile JSON, "
-                                 f"got {self.mesh!r} ({exc})") from None
-            object.__setattr__(self, "mesh", shape)
+        if _is_candidate_list(self.mesh):
+            object.__setattr__(self, "mesh", tuple(_one_mesh(m) for m in self.mesh))
+            self._check_candidates()
+        elif self.mesh is not None:
+            object.__setattr__(self, "mesh", _one_mesh(self.mesh))
         for name, option in PLANNING_NAMES.items():  # the planner's own checks, under the plugin's names
             value = getattr(self, name)
             if option == "schedule" or (value is None and name in _NONE_IS_DEFAULT):
@@ -207,6 +208,25 @@ class AutoParallelPlugin:
         self._check_scaler_bounds()
         self._check_pipeline()
         self._check_gemini()
+
+    @property
+    def candidates(self) -> tuple | None:
+        """The candidate meshes of a ``mesh`` list (MeshSpecs and shapes), or None."""
+        return self.mesh if isinstance(self.mesh, tuple) and self.mesh and not isinstance(self.mesh[0], int) else None
+
+    def _check_candidates(self) -> None:
+        meshes = self.candidates
+        if not meshes:
+            raise ValueError("mesh=[]: give at least one candidate mesh (a shape, a MeshSpec or a profile JSON)")
+        sizes = {(m.num_devices if isinstance(m, MeshSpec) else _product(m)) for m in meshes}
+        if len(sizes) > 1:
+            raise ValueError(f"mesh={list(self.mesh)!r}: the candidate meshes have different device counts "
+                             f"{sorted(sizes)}; each must be the world size")
+        if self.plan is not None:
+            raise ValueError("mesh= with several candidate meshes plans; plan= brings its own mesh: give one of them")
+        if self.refine:
+            raise ValueError("refine=True re-plans on the chosen plan's mesh only; with several candidate meshes give "
+                             "mesh= one of them (or leave refine off)")
 
     def _check_scaler_bounds(self) -> None:
         for name in ("min_scale", "max_scale"):
@@ -359,13 +379,45 @@ class AutoParallelPlugin:
     # ------------------------------------------------------------------------------ model
     def family_plan(self, model: Any, meta_inputs: tuple | dict) -> Any:
         """A fixed configuration's plan of ``model`` (a restricted plan of the planner, e.g.
-        ``LowLevelZeroPlugin``'s ZeRO family), or None: ``autoparallelize`` plans (or applies ``plan``)."""
-        return None
+        ``LowLevelZeroPlugin``'s ZeRO family); with several candidate meshes, the fastest of their
+        plans (``plan_candidates``), solved on rank 0 and broadcast; else None: ``autoparallelize``
+        plans (or applies ``plan``)."""
+        if self.candidates is None:
+            return None
+        from autopar.runtime.build import runtime_device
+
+        device = runtime_device(self.device)
+        return plan_on_rank0(lambda: self._plan_candidates(model, meta_inputs, device), device=device,
+                             what=f"AutoParallelPlugin: planning on the candidate meshes "
+                                  f"{[tuple(m.shape) if isinstance(m, MeshSpec) else m for m in self.candidates]}")
+
+    def _plan_candidates(self, model: Any, meta_inputs: tuple | dict, device) -> Any:
+        import torch.distributed as dist
+
+        from autopar.offload import runtime_options
+        from autopar.planner.options import PlanOptions
+        from autopar.planner.orchestrate import plan_candidates
+        from autopar.runtime.build import mesh_preset
+
+        world = dist.get_world_size() if dist.is_initialized() else None
+        options = PlanOptions(preset=mesh_preset(device))
+        kwargs = self.autoparallelize_kwargs()
+        names = set(options.__dataclass_fields__)
+        # As ``autoparallelize`` reads its overrides: None is "not given" but for pipeline (None: none).
+        given = runtime_options({k: v for k, v in kwargs.items() if k in names and (v is not None or k == "pipeline")},
+                                plan_given=False)
+        options = options.override(given, caller="AutoParallelPlugin")
+        meshes = [options.mesh(m) for m in self.candidates]
+        wrong = [tuple(m.shape) for m in meshes if world is not None and m.num_devices != world]
+        if wrong:
+            raise ValueError(f"mesh: the candidate meshes {wrong} do not have the world's {world} devices")
+        return plan_candidates(model, meta_inputs, meshes=meshes, options=options).best
 
     def autoparallelize_kwargs(self) -> dict[str, Any]:
         """The ``autopar.autoparallelize`` keyword arguments this plugin stands for."""
-        return dict(mesh=self.mesh, memory_budget=self.memory_budget, solver=self.solver,
-                    time_limit=self.time_limit, device=self.device, seed=self.seed,
+        # Candidate meshes are planned by family_plan: the plan it gives brings its own mesh.
+        return dict(mesh=None if self.candidates is not None else self.mesh, memory_budget=self.memory_budget,
+                    solver=self.solver, time_limit=self.time_limit, device=self.device, seed=self.seed,
                     optimizer_multiplier=self.optimizer_multiplier,
                     allow_replicate_fallback=self.allow_replicate_fallback,
                     checkpoint=self.checkpoint, ep_size=self.ep_size, sp_size=self.sp_size,
@@ -430,9 +482,8 @@ class AutoParallelPlugin:
         if dist.is_available() and dist.is_initialized():
             world = dist.get_world_size()
         elif self.mesh is not None:
-            world = 1
-            for n in (self.mesh.shape if isinstance(self.mesh, MeshSpec) else self.mesh):
-                world *= int(n)
+            mesh = self.mesh if self.candidates is None else self.candidates[0]  # all of one world size
+            world = mesh.num_devices if isinstance(mesh, MeshSpec) else _product(mesh)
         else:
             world = 1
         stages = self.pp_size if isinstance(self.pp_size, int) and self.pp_size > 1 else 1
@@ -445,3 +496,51 @@ def _rank() -> int:
     import torch.distributed as dist
 
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _product(shape: Sequence[int]) -> int:
+    n = 1
+    for k in shape:
+        n *= int(k)
+    return n
+
+
+def _is_candidate_list(mesh: Any) -> bool:
+    """A list of meshes (``mesh=["4.json", "2x2.json"]``), not one shape such as ``(2, 2)``."""
+    return isinstance(mesh, (list, tuple)) and not all(isinstance(k, int) and not isinstance(k, bool) for k in mesh)
+
+
+def _one_mesh(mesh: Any) -> MeshSpec | tuple[int, ...]:
+    """One mesh argument checked: a profile JSON's ``MeshSpec``, a ``MeshSpec``, or a shape."""
+    if isinstance(mesh, (str, os.PathLike)) and is_profile_path(mesh):
+        return MeshSpec.from_profile(mesh)  # a calibrated machine
+    if isinstance(mesh, MeshSpec):
+        return mesh
+    try:
+        return parse_mesh_shape(mesh)
+    except (ValueError, TypeError) as exc:
+        raise ValueError(f"mesh must be None, a shape such as (2, 2) or '2x2', a MeshSpec, a profile JSON or a list "
+                         f"of them, got {mesh!r} ({exc})") from None
+
+
+def plan_on_rank0(solve: Callable[[], Any], *, device, what: str):
+    """``solve()``'s ``Plan`` solved on rank 0 and broadcast to every rank; its error raises on
+    every rank as a ``ValueError`` starting with ``what`` (no rank waits alone)."""
+    import torch.distributed as dist
+
+    from autopar.plans import Plan
+
+    payload: list[Any] = [None]
+    if dist.get_rank() == 0:
+        try:
+            payload[0] = ("ok", solve().to_json())
+        except Exception as exc:  # noqa: BLE001 -- re-raised on every rank below
+            payload[0] = (type(exc).__name__, str(exc))
+    if device.type == "cuda" and dist.get_backend() == "nccl":
+        dist.broadcast_object_list(payload, src=0, device=device)
+    else:
+        dist.broadcast_object_list(payload, src=0)
+    status, text = payload[0]
+    if status != "ok":
+        raise ValueError(f"{what} failed on rank 0: {status}: {text}")
+    return Plan.from_json(text)

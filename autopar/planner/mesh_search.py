@@ -43,13 +43,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from autopar.layout.mesh import MeshSpec
 from autopar.strategies import FixedAxis, axis_placements
 
-__all__ = ["MeshRow", "MeshSearch", "Pinned", "mesh_shapes", "predicted_seconds", "search_meshes", "pinned",
-           "pins_of", "RESTRICT_MODES"]
+__all__ = ["MeshRow", "MeshSearch", "Pinned", "mesh_shapes", "predicted_seconds", "search_meshes", "search_given",
+           "on_one_machine", "pinned", "pins_of", "RESTRICT_MODES"]
 
 RESTRICT_MODES = ("auto", "always", "never")
 
@@ -249,6 +249,73 @@ def search_meshes(plan_on: Callable[..., Any], *, nodes: int, devices_per_node: 
         if len(shape) > 3:
             search.exact(shape)
     return search.result(shapes)
+
+
+def on_one_machine(meshes: Sequence[MeshSpec]) -> list[MeshSpec]:
+    """Calibrated candidate meshes priced as one machine: each keeps its own links (per-axis
+    alpha/beta and per-kind link fits: what differs between arrangements of the ranks), and all
+    take the first calibrated one's machine-wide figures -- compute rate tables, time scales,
+    steady-state peaks, ``comm_overlap`` and ``idle_speedup``. Why: those describe the machine,
+    not how its ranks are arranged, and two calibrations taken minutes apart differ in them by
+    the load of the moment (4 gloo ranks on 2 shared cores: overlap 0% in a (4,) profile, 61% in
+    the (2, 2) one calibrated next; fp32 matmul 37 vs 40 GFLOP/s) -- a difference that would
+    pick the mesh, not the links. Meshes without a machine profile are returned as they are."""
+    from dataclasses import replace
+
+    meshes = list(meshes)
+    ref = next((m for m in meshes if m.machine is not None), None)
+    if ref is None:
+        return meshes
+    out = []
+    for mesh in meshes:
+        if mesh is ref or mesh.machine is None:
+            out.append(mesh)
+            continue
+        machine = replace(ref.machine, links=mesh.machine.links, measured_shape=mesh.machine.measured_shape,
+                          measured_axis_names=mesh.machine.measured_axis_names, note=mesh.machine.note)
+        out.append(replace(mesh, peak_flops=ref.peak_flops, half_peak_flops=ref.half_peak_flops,
+                           mem_bandwidth=ref.mem_bandwidth, comm_overlap=ref.comm_overlap, machine=machine))
+    return out
+
+
+def search_given(plan_on: Callable[[MeshSpec], Any], meshes: Sequence[MeshSpec], *,
+                 estimate_of: Callable[[Any], Any] = lambda result: result.plan.estimate,
+                 report: Callable[[MeshRow], None] | None = None) -> MeshSearch:
+    """Plan each of the given ``meshes`` (of one device count, each priced by its own costs --
+    machine profiles of the shapes a world allows, from ``autopar calibrate``) with
+    ``plan_on(mesh)`` and keep the result estimated fastest (ties: fewer axes, then the given
+    order). A ``ValueError`` or ``RuntimeError`` of one mesh is its row's note; none feasible
+    raises a ``ValueError`` listing every row. Unlike ``search_meshes`` the shapes are the
+    caller's and the links their profiles' (no cluster preset), all planned exactly."""
+    meshes = list(meshes)
+    if not meshes:
+        raise ValueError("search_given needs at least one candidate mesh")
+    shapes = [tuple(m.shape) for m in meshes]
+    counts = {m.num_devices for m in meshes}
+    if len(counts) > 1:
+        raise ValueError(f"the candidate meshes {shapes} have different device counts {sorted(counts)}")
+    if len(set(shapes)) != len(shapes):
+        raise ValueError(f"the candidate meshes {shapes} repeat a shape: give one machine profile per shape")
+    rows, results = [], {}
+    for mesh, shape in zip(meshes, shapes):
+        t0 = time.perf_counter()
+        try:
+            result = plan_on(mesh)
+        except (ValueError, RuntimeError) as exc:
+            row = MeshRow(shape, None, None, time.perf_counter() - t0, _first_line(exc))
+        else:
+            est = estimate_of(result)
+            results[shape] = result
+            row = MeshRow(shape, est.step_s, est.peak_bytes, time.perf_counter() - t0)
+        rows.append(row)
+        if report is not None:
+            report(row)
+    feasible = [r for r in rows if r.feasible]
+    if not feasible:
+        detail = "; ".join(f"{'x'.join(map(str, r.shape))}: {r.note}" for r in rows)
+        raise ValueError(f"no candidate mesh has a plan ({detail})")
+    best = min(feasible, key=lambda r: (_rank(r), shapes.index(r.shape)))
+    return MeshSearch(tuple(rows), results[best.shape], best.shape)
 
 
 # A restricted 3-axis step builds and solves options of about a two-axis mesh's size, with

@@ -32,7 +32,8 @@ if TYPE_CHECKING:
     from autopar.tracer.profile import ModelProfile
 
 __all__ = ["PlanResult", "PipelinedResult", "trace_for_planning", "plan_model", "plan_traced", "plan_mesh_auto",
-           "search_traced", "plan_pipelined", "plan_auto", "plan_auto_cached", "cache_key", "cached_plan"]
+           "search_traced", "plan_candidates", "plan_pipelined", "plan_auto", "plan_auto_cached", "cache_key",
+           "cached_plan"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -292,6 +293,41 @@ def search_traced(traced: TracedGraph, prof: ModelProfile, *, cluster: tuple[int
                     for name in applicable_baselines(spec.ndim, zero=options.zero_stage == "auto"))
     best = replace(best, plan=replace(best.plan, baselines=results))
     return replace(found, best=best)
+
+
+def plan_candidates(model: Any, meta_inputs: tuple | dict, *, meshes: Sequence[MeshSpec | Sequence[int] | str],
+                    options: PlanOptions, progress: Progress | None = None):
+    """Plan ``model`` on each of ``meshes`` -- the arrangements of one world a user calibrated
+    (e.g. the machine profiles of (4,) and (2, 2) from ``autopar calibrate``), each priced by its
+    own profile -- with the same options, and keep the plan estimated fastest
+    (``mesh_search.search_given``; returns its ``MeshSearch`` of ``Plan``s). Per mesh: an int
+    ``options.pipeline`` is ``plan_pipelined`` (a mesh whose axis 0 is not that size gets a row
+    saying so), ``"auto"`` is ``plan_auto`` (pipelines over axis 0 are candidates there too),
+    else ``plan_traced``; one full-batch trace serves them all. Why not ``mesh="auto"``: its
+    candidates are priced by a preset's links, which on a shared or unusual machine (4 gloo
+    ranks on 2 cores) rank a 1-D data-parallel mesh against a 2-D one wrongly; a profile per
+    shape prices each as measured. Calibrated meshes are compared as one machine
+    (``mesh_search.on_one_machine``: each its own links, the first profile's compute, overlap
+    and idle speed-up). The chosen plan's ``solver["meshes"]`` lists every row."""
+    from autopar.planner.mesh_search import on_one_machine, search_given
+
+    progress = progress or Progress()
+    specs = on_one_machine([options.mesh(m) for m in meshes])  # a bad mesh fails before the trace
+    traced, prof = _trace_and_profile(model, meta_inputs, precision=options.precision, progress=progress)
+
+    def plan_on(mesh: MeshSpec) -> Plan:
+        with progress.stage(f"mesh {'x'.join(map(str, mesh.shape))}"):
+            if isinstance(options.pipeline, int):
+                return plan_pipelined(model, meta_inputs, mesh=mesh, options=options, progress=Progress()).plan
+            if options.pipeline == "auto" and mesh.shape[0] > 1:
+                return plan_auto(model, meta_inputs, mesh=mesh, options=options, progress=Progress(),
+                                 traced=traced).plan
+            return plan_traced(traced, prof, mesh=mesh, options=replace(options, pipeline=None),
+                               progress=Progress()).plan
+
+    found = search_given(plan_on, specs, estimate_of=lambda plan: plan.estimate)
+    rows = [str(row) + ("  <- chosen" if row.shape == found.best_shape else "") for row in found.rows]
+    return replace(found, best=replace(found.best, solver={**found.best.solver, "meshes": rows}))
 
 
 # ---------------------------------------------------------------------------------- pipeline

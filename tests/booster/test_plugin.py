@@ -72,3 +72,17 @@ def test_booster_checks_its_arguments():
         booster.save_model(model, "unused")
     with pytest.raises(ValueError, match="returned by Booster.boost"):
         booster.backward(torch.zeros(()), torch.optim.SGD(model.parameters(), lr=1.0))
+
+
+def test_a_list_of_meshes_is_candidates_planned_by_the_plugin():
+    flat, square = MeshSpec.preset("cpu", (4,)), MeshSpec.preset("cpu", (2, 2))
+    p = AutoParallelPlugin(mesh=[flat, "2x2"], pp_size="auto")
+    assert p.candidates == (flat, (2, 2)) and p.data_parallel_size() == 4
+    assert p.autoparallelize_kwargs()["mesh"] is None  # the chosen plan brings its mesh
+    assert AutoParallelPlugin(mesh=(2, 2)).candidates is None and AutoParallelPlugin().candidates is None
+    with pytest.raises(ValueError, match="different device counts"):
+        AutoParallelPlugin(mesh=[flat, (2,)])
+    with pytest.raises(ValueError, match="refine=True re-plans"):
+        AutoParallelPlugin(mesh=[flat, square], refine=True)
+    with pytest.raises(ValueError, match=r"mesh must be .*'2xq'"):
+        AutoParallelPlugin(mesh=[flat, "2xq"])

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from autopar import zoo
+from autopar.layout.mesh import MeshSpec
 from autopar.runtime.launch import run_local
 from tests.booster.test_hybrid_plugin import lm_batches
 
@@ -51,10 +52,20 @@ def _plugin(name: str, precision: str = "fp32"):
         "tp2xpp2": lambda: HybridParallelPlugin(tp_size=2, pp_size=2, precision=precision, num_microbatches=2),
         "pp2": lambda: HybridParallelPlugin(tp_size=1, pp_size=2, precision=precision, num_microbatches=2),
         "auto": lambda: AutoParallelPlugin(precision=precision),
+        # Candidate meshes: (4,) priced with links 1000x slower, so the plan on (2, 2) must win.
+        "auto-meshes": lambda: AutoParallelPlugin(mesh=[_slow_flat(), MeshSpec.preset("cpu", (2, 2))],
+                                                  pp_size="auto", precision=precision),
     }[name]()
 
 
-PLUGINS = ("torch-ddp", "torch-fsdp", "zero1", "zero2", "gemini", "tp2", "tp2xpp2", "pp2", "auto")
+def _slow_flat():
+    from dataclasses import replace
+
+    flat = MeshSpec.preset("cpu", (WORLD,))
+    return replace(flat, alpha=tuple(a * 1e3 for a in flat.alpha), beta=tuple(b * 1e3 for b in flat.beta))
+
+
+PLUGINS = ("torch-ddp", "torch-fsdp", "zero1", "zero2", "gemini", "tp2", "tp2xpp2", "pp2", "auto", "auto-meshes")
 MODELS = ("gpt2", "llama-8b", "qwen2")
 
 
@@ -152,7 +163,7 @@ def _check_fp32(plugin: str, model_name: str) -> None:
         for key, value in ref_params.items():
             torch.testing.assert_close(state[key], value, rtol=1e-4, atol=PARAM_ATOL,
                                        msg=lambda m, k=key: f"rank {rank} parameter {k}: {m}")
-        want = {"tp2": (2, 2), "tp2xpp2": (2, 2), "pp2": (2, 2)}.get(plugin)
+        want = {"tp2": (2, 2), "tp2xpp2": (2, 2), "pp2": (2, 2), "auto-meshes": (2, 2)}.get(plugin)
         assert want is None or mesh == want, (plugin, mesh)  # the plugin's layout, not a fallback
 
 

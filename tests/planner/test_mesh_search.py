@@ -240,3 +240,80 @@ def test_descent_keeps_the_best_step_stops_when_two_pins_gain_nothing_and_skips_
                           pins_of=lambda result: {})
     row = next(r for r in found.rows if r.shape == (2, 2, 2))
     assert row.step_s == 2.1 and "1 step, not refined (over 10% slower" in row.note and found.best_shape == (2, 4)
+
+
+# ------------------------------------------------------------- given meshes (calibrated profiles)
+def _slow_links(mesh: MeshSpec, factor: float) -> MeshSpec:
+    from dataclasses import replace
+
+    return replace(mesh, alpha=tuple(a * factor for a in mesh.alpha), beta=tuple(b * factor for b in mesh.beta))
+
+
+def test_plan_candidates_keeps_the_mesh_its_own_costs_price_fastest():
+    """Each given mesh is priced by its own links (as two machine profiles would be): whichever
+    mesh has the cheaper links wins, and the winner's plan lists every candidate's row."""
+    from autopar.planner.orchestrate import plan_candidates
+
+    torch.manual_seed(0)
+    model, inputs = zoo.build("gpt2", tiny=True, batch=8, seq=32, device="meta")
+    options = PlanOptions(checkpoint="none", pipeline=None)
+    flat, square = MeshSpec.preset("cpu", (4,)), MeshSpec.preset("cpu", (2, 2))
+    for slow, fast in ((flat, square), (square, flat)):
+        found = plan_candidates(model, inputs, meshes=[_slow_links(slow, 1e3), fast], options=options)
+        assert found.best_shape == fast.shape and found.best.mesh.shape == fast.shape
+        steps = {r.shape: r.step_s for r in found.rows}
+        assert steps[fast.shape] < steps[slow.shape]
+        assert found.best.estimate.step_s == steps[fast.shape]
+        assert len(found.best.solver["meshes"]) == 2
+        assert sum("<- chosen" in row for row in found.best.solver["meshes"]) == 1
+
+
+def test_search_given_reports_failures_and_refuses_mixed_candidates():
+    from autopar.planner.mesh_search import search_given
+
+    class Plan:
+        def __init__(self, step_s):
+            self.estimate = type("E", (), {"step_s": step_s, "peak_bytes": 1})()
+
+    def plan_on(mesh):
+        if mesh.shape == (2, 2):
+            raise ValueError("no plan fits\nmore")
+        return Plan(1.0)
+
+    meshes = [MeshSpec.preset("cpu", (2, 2)), MeshSpec.preset("cpu", (4,))]
+    found = search_given(plan_on, meshes, estimate_of=lambda p: p.estimate)
+    assert found.best_shape == (4,) and found.rows[0].note == "ValueError: no plan fits"
+    with pytest.raises(ValueError, match=r"no candidate mesh has a plan \(2x2: ValueError: no plan fits"):
+        search_given(plan_on, meshes[:1], estimate_of=lambda p: p.estimate)
+    with pytest.raises(ValueError, match="different device counts"):
+        search_given(plan_on, [meshes[1], MeshSpec.preset("cpu", (2,))])
+    with pytest.raises(ValueError, match="repeat a shape"):
+        search_given(plan_on, [meshes[1], meshes[1]])
+    with pytest.raises(ValueError, match="at least one"):
+        search_given(plan_on, [])
+
+
+def test_on_one_machine_keeps_each_meshes_links_and_shares_the_machine():
+    from dataclasses import replace
+
+    from autopar.layout.machine import ComputeProfile, LinkFit, MachineProfile, RateTable
+    from autopar.planner.mesh_search import on_one_machine
+
+    def calibrated(shape, rate, overlap, idle, alpha):
+        compute = ComputeProfile((("matmul", "fp32", RateTable((1e6, 1e9), (rate / 4, rate))),))
+        links = tuple(LinkFit("all_reduce", axis, alpha, 1e-9) for axis in range(len(shape)))
+        machine = MachineProfile(compute, links, shape, tuple(f"ax{i}" for i in range(len(shape))),
+                                 idle_speedup=idle)
+        return replace(MeshSpec.preset("cpu", shape), machine=machine, comm_overlap=overlap, peak_flops=rate,
+                       alpha=(alpha,) * len(shape))
+
+    flat, square = calibrated((4,), 37e9, 0.0, 2.0, 3e-3), calibrated((2, 2), 40e9, 0.6, 1.4, 2e-3)
+    a, b = on_one_machine([flat, square])
+    assert a is flat  # the reference: as calibrated
+    assert b.shape == (2, 2) and b.alpha == square.alpha and b.machine.links == square.machine.links
+    assert b.machine.measured_shape == (2, 2)
+    assert b.machine.compute == flat.machine.compute and b.peak_flops == 37e9
+    assert b.comm_overlap == 0.0 and b.machine.idle_speedup == 2.0
+    assert hash(b.machine) != hash(square.machine)  # a cache key: the shared figures are part of it
+    preset = MeshSpec.preset("cpu", (2, 2))
+    assert on_one_machine([preset, flat])[0] is preset and on_one_machine([preset])[0] is preset
