@@ -71,10 +71,9 @@ def _planned_collectives(rows, mesh_shape) -> tuple[Counter, Counter]:
     """(collectives, bytes) per kind that one step issues by the plan's communication rows, as
     the runtime issues them: a collective over several mesh axes runs as one per axis (a
     reduce-scatter's later rounds, an all-gather's earlier ones, move a 1/n-th as much per
-    axis already split); ZeRO's all-gathers after the step are one per mesh axis for all
-    parameters; local steps (split, to_partial) issue nothing."""
+    axis already split); ZeRO's all-gathers after the step are one per bucket (``_body``'s
+    tiny cap: one per parameter) and mesh axis; local steps (split, to_partial) issue nothing."""
     counts, nbytes = Counter(), Counter()
-    zero_axes = set()
     for row in rows:
         if row.kind not in COLLECTIVE_KINDS:
             assert not row.kind.startswith("kernel:"), f"a kernel's collectives are not itemised: {row}"
@@ -83,17 +82,14 @@ def _planned_collectives(rows, mesh_shape) -> tuple[Counter, Counter]:
         split = [math.prod(mesh_shape[a] for a in axes[:k]) for k in range(len(axes))]
         per_axis = sum(1 / s for s in split) if row.kind in ("reduce_scatter", "all_gather") else len(axes)
         nbytes[row.kind] += row.payload_bytes * per_axis
-        if row.source == "zero" and row.kind == "all_gather":
-            zero_axes.update(axes)
-        else:
-            counts[row.kind] += row.count * len(axes)
-    counts["all_gather"] += len(zero_axes)
+        counts[row.kind] += row.count * len(axes)
     return +counts, +nbytes
 
 
 def _body(rank, world, model, inputs, plans):
     # A bucket per gradient: the plan prices one all-reduce (or ZeRO-2 reduce-scatter) per
-    # partial gradient; default buckets would merge them (tests/runtime/test_bucketing.py).
+    # partial gradient, and ZeRO one all-gather per parameter, in the report's rows; default
+    # buckets would merge them (tests/runtime/test_bucketing.py, test_gather_buckets below).
     os.environ["AUTOPAR_BUCKET_CAP_MB"] = "1e-6"
     out = []
     for stage, plan in plans:
