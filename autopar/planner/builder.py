@@ -57,7 +57,7 @@ from autopar.planner.segments import (node_vals, op_segments, saved_by, segment_
                                       without_stateful_segments)
 from autopar.planner.offload_pricing import offload_option, offload_tiers
 from autopar.planner.options import PlanOptions
-from autopar.planner.zero_pricing import zero2_priced_rs, zero_cost
+from autopar.planner.zero_pricing import zero2_priced_rs, zero_cost, zero_gather_cap
 from autopar.plans import NodeKind
 from autopar.layout.blocks import block_of
 from autopar.solver.problem import Edge, Node, Problem, StrategyOption
@@ -115,6 +115,9 @@ class _Builder:
                  bucket_cap: int | None = None, segmented: bool = False) -> None:
         self.traced, self.prof, self.mesh, self.fixed, self.segmented = traced, prof, mesh, fixed, segmented
         self.bucket_cap = bucket_cap_bytes() if bucket_cap is None else bucket_cap
+        # ZeRO gathers are bucketed at the runtime's cap even where gradients are summed in-graph
+        # (a pipeline stage's ``bucket_cap=0``): ``runtime.zero.ZeroOptimizer``.
+        self.gather_cap = zero_gather_cap(traced.params)
         self.budget, self.opts = budget_bytes, options
         ops = [n for n in traced.compute_nodes() if _has_tensor_output(n) and n.target is not operator.getitem]
         self.num_ops = len(ops)
@@ -179,7 +182,8 @@ class _Builder:
                                  base_of=self._storage_base)}
         return BuiltProblem(problem=problem, decisions=MappingProxyType(self.decisions),
                             sources=MappingProxyType(self.sources), fallbacks=tuple(self.fallbacks),
-                            mesh=self.mesh, segment_inputs=MappingProxyType(kept), bucket_cap=self.bucket_cap)
+                            mesh=self.mesh, segment_inputs=MappingProxyType(kept), bucket_cap=self.bucket_cap,
+                            gather_cap=self.gather_cap)
 
     def _edge_records(self) -> tuple[Edge, ...]:
         """The ``Problem``'s edges. Repeated blocks share cost matrices (``_edge_cache``): each
@@ -255,7 +259,7 @@ class _Builder:
         for want in wanted:
             per_byte, comm_s, stage, step_s = zero_cost(spec, self.mesh, local, stage=want, ndim=len(spec_shape),
                                                         optimizer_multiplier=self.opts.optimizer_multiplier,
-                                                        trainable=trainable)
+                                                        gather_cap=self.gather_cap, trainable=trainable)
             if stage in seen:
                 continue
             seen.add(stage)
