@@ -75,8 +75,9 @@ def _signature(plan) -> tuple:
     return nodes, tuple(r.nodes for r in plan.recompute), stages
 
 
-def candidates(model, inputs, *, mesh) -> list[Candidate]:
-    """The distinct plans of one (model, mesh), planned in this process with ``mesh``'s costs."""
+def candidates(model, inputs, *, mesh, only: frozenset[str] | None = None) -> list[Candidate]:
+    """The distinct plans of one (model, mesh), planned in this process with ``mesh``'s costs;
+    ``only``: the names of the plans to keep (None: all), the others are not planned."""
     import autopar
     from autopar.planner.baselines import BASELINES, baseline_roles
     from autopar.planner.options import PlanOptions
@@ -84,6 +85,9 @@ def candidates(model, inputs, *, mesh) -> list[Candidate]:
 
     out: list[Candidate] = []
     seen: set = set()
+
+    def wanted(name: str) -> bool:
+        return only is None or name in only
 
     def add(name: str, plan, *, budget=None) -> None:
         sig = _signature(plan)
@@ -98,6 +102,9 @@ def candidates(model, inputs, *, mesh) -> list[Candidate]:
     for family in ("data-parallel", *(f for f in BASELINES if f != "data-parallel")):
         if baseline_roles(family, len(mesh.shape)) is None:
             continue
+        # data parallelism sets the auto budgets and ZeRO-3's, and prices torch DDP: always planned
+        if family != "data-parallel" and not (wanted(family) or (family == "zero3" and wanted("torch-fsdp2"))):
+            continue
         options = PlanOptions(zero_stage="auto" if family in ("zero1", "zero2") else 0)
         if family == "zero3" and "data-parallel" in families:
             options = PlanOptions(memory_budget=sharded_state_budget(families["data-parallel"].estimate,
@@ -108,19 +115,23 @@ def candidates(model, inputs, *, mesh) -> list[Candidate]:
             print(f"  {family}: {exc}", flush=True)
     dp = families.get("data-parallel")
     for name, fraction in (("auto", None), *((f"auto@{f:.0%}", f) for f in BUDGET_FRACTIONS)):
+        if not wanted(name):
+            continue
         budget = None if fraction is None or dp is None else int(fraction * dp.estimate.peak_bytes)
         try:
             add(name, autopar.plan(model, inputs, mesh=mesh, memory_budget=budget, cache=False), budget=budget)
         except ValueError as exc:
             print(f"  {name}: no plan ({exc})", flush=True)
     for family, plan in families.items():
-        add(family, plan)
+        if wanted(family):
+            add(family, plan)
     try:
-        add("pipeline-2", autopar.plan(model, inputs, mesh=mesh, pipeline=2, checkpoint="none", cache=False))
+        if wanted("pipeline-2"):
+            add("pipeline-2", autopar.plan(model, inputs, mesh=mesh, pipeline=2, checkpoint="none", cache=False))
     except (ValueError, NotImplementedError) as exc:
         print(f"  pipeline-2: {exc}", flush=True)
     for engine, family in (("ddp", "data-parallel"), ("fsdp2", "zero3")):
-        if family in families:
+        if family in families and wanted(f"torch-{engine}"):
             est = families[family].estimate
             out.append(Candidate(f"torch-{engine}", est.step_s, est.peak_bytes, engine=engine))
     return out
@@ -285,6 +296,8 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--out", help="append one JSON line per (model, mesh)")
+    p.add_argument("--plans", help="only these plans, comma-separated (auto, auto@60%%, auto@40%%, data-parallel, "
+                                   "zero1, zero2, zero3, megatron, ..., pipeline-2, torch-ddp, torch-fsdp2)")
     args = p.parse_args(argv)
     device_type, backend = default_device()
     records = []
@@ -295,7 +308,7 @@ def main(argv=None) -> list[dict]:
         for name in args.models.split(","):
             model, inputs = build_model(name, batch=args.batch)
             print(f"planning {name} on {shape} ...", flush=True)
-            cands = candidates(model, inputs, mesh=mesh)
+            cands = candidates(model, inputs, mesh=mesh, only=frozenset(args.plans.split(",")) if args.plans else None)
             results = run_local(_worker, math.prod(shape), cands, model, inputs, args.steps, args.warmup,
                                 device_type, backend=backend, timeout=1800)
             record = summarize(name, mesh, cands, results)
