@@ -240,7 +240,7 @@ def _batched_body(rank, world):
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
     from autopar.runtime.zero import piece_of
-    from autopar.runtime.zero.comm import gather_pieces, scatter_grads
+    from autopar.runtime.zero.comm import GatherPlan, ScatterPlan, gather_pieces, scatter_grads
 
     mesh = init_device_mesh("cpu", (2, 2))
     torch.manual_seed(0)
@@ -254,9 +254,19 @@ def _batched_body(rank, world):
     with torch.no_grad():
         for piece in pieces:  # an "optimizer step": every piece moves by its own amount
             local_of(piece.master).add_(1.0 + rank)
-    gather_pieces(pieces)
-    gathered = {p.name: p.param.full_tensor() for p in pieces}
+    with count_collectives() as one_each:
+        gather_pieces(pieces)
+    # (cloned: a replicated DTensor's full tensor is its local one, which the next gather writes)
+    gathered = {p.name: p.param.full_tensor().clone() for p in pieces}
     expected = {p.name: p.master.detach().full_tensor() for p in pieces}
+    # In buckets: with room for all, one all-gather per mesh axis carries every piece.
+    with torch.no_grad():
+        for piece in pieces:
+            local_of(piece.master).mul_(2.0)
+    with count_collectives() as bucketed:
+        GatherPlan(pieces, cap_bytes=1 << 20).run()
+    in_buckets = all(torch.equal(p.param.full_tensor(), 2 * expected[p.name]) for p in pieces)
+    gathers = (one_each["all_gather"], bucketed["all_gather"], in_buckets)
     # ZeRO-2: each rank's local gradient differs; partial on every ZeRO axis, or on the first only
     results = {}
     for partial_on in ("all", "first"):
@@ -276,10 +286,29 @@ def _batched_body(rank, world):
         for async_op in (False, True):
             got = scatter_grads(items, async_op=async_op).wait()
             results[partial_on, async_op] = all(torch.allclose(g, w) for g, w in zip(got, want))
-    return ({k: torch.equal(gathered[k], expected[k]) for k in gathered}, results)
+        # A kept plan, two passes: the second reuses the buffers, except a receive buffer the
+        # first pass's gradient still lives in (``master.grad`` kept: accumulation over steps).
+        plan = ScatterPlan([(p, partial, g.dtype) for p, g, partial in items])
+        passes = []
+        for scale in (1.0, 3.0):
+            work = plan.work()
+            for i, (p, g, _) in enumerate(items):
+                work.add(i, g * scale)
+            work.start(async_op=True)
+            passes.append(work.wait())
+            for p, mine in zip(pieces, passes[-1]):
+                p.master.grad = p.wrap(mine)
+        results[partial_on, "kept"] = all(torch.allclose(a, w) and torch.allclose(b, 3 * w)
+                                          for a, b, w in zip(*passes, want))
+        for p in pieces:
+            p.master.grad = None
+    return ({k: torch.equal(gathered[k], expected[k]) for k in gathered}, results, gathers)
 
 
 def test_batched_gather_and_reduce_scatter_match_dtensor_on_uneven_nested_pieces():
-    for gathered, scattered in run_local(_batched_body, 4, timeout=120):
+    for gathered, scattered, (one_each, bucketed, in_buckets) in run_local(_batched_body, 4, timeout=120):
         assert all(gathered.values()), gathered
-        assert all(scattered.values()) and len(scattered) == 4, scattered
+        assert all(scattered.values()) and len(scattered) == 6, scattered
+        # 4 pieces: RR on both axes, S0R / RS0 / RS1 on one each -- one gather per (piece, axis)
+        # without buckets, one per axis with them
+        assert (one_each, bucketed, in_buckets) == (5, 2, True)
