@@ -21,10 +21,12 @@ that split so that every rank sends the same number of elements:
   (``ScatterWork.add``, one copy, as a data-parallel bucket's), the first round can be left in
   flight, and this device's summed chunk is a view of the last round's receive buffer.
 
-The layouts are computed once and the buffers are kept across steps (a fresh allocation of a
-large buffer costs its page faults on every step on CPU): padding rows are zeroed once and never
-written; a receive buffer an earlier step's gradient still lives in (``master.grad``, when
-gradients accumulate over steps) is not reused.
+The layouts are computed once. The gather's buffers (at most ``cap_bytes``) and the
+reduce-scatter's receive buffers (the pieces' gradients, 1/dp of the parameters) are kept across
+steps -- a fresh allocation of a large buffer costs its page faults on every step on CPU -- but
+a receive buffer an earlier step's gradient still lives in (``master.grad``, when gradients
+accumulate over steps) is not reused. The reduce-scatter's send buffer (the full local
+gradients) lives only until its collective is done: holding it would undo ZeRO-2's saving.
 """
 
 from __future__ import annotations
@@ -245,7 +247,7 @@ class ScatterPlan:
         self.first = {m.item: (c, m) for c, rnd in enumerate(self.rounds[0][0] if self.rounds else ())
                       for m in rnd.members}
         self.keep = keep
-        self._kept: dict[tuple, torch.Tensor] = {}  # (role, round, collective, device) -> buffer
+        self._kept: dict[tuple, torch.Tensor] = {}  # (round, collective, device) -> receive buffer
         # The work holding the kept buffers until its ``wait`` (a weak reference: a backward pass
         # that raised is dropped with its work, and the buffers are free again).
         self._holder = lambda: None
@@ -258,17 +260,27 @@ class ScatterPlan:
             self._holder = weakref.ref(work)
         return work
 
-    def buffer(self, role: str, r: int, c: int, device: torch.device, *, own: bool) -> torch.Tensor:
-        """Round ``r``'s collective ``c``'s send (``k * seg``, zero padding) or receive
-        (``seg``) buffer; a kept receive buffer a piece's gradient still lives in is replaced."""
+    def send_buffer(self, r: int, c: int, device: torch.device) -> torch.Tensor:
+        """Round ``r``'s collective ``c``'s send buffer (``k`` segments of ``seg``), its padding
+        zeroed. Never kept: a full-size gradient buffer held between steps is what ZeRO-2 saves."""
         rnd = self.rounds[r][0][c]
-        numel = rnd.seg * rnd.k if role == "send" else rnd.seg
-        key = (role, r, c, device)
+        send = torch.empty(rnd.k * rnd.seg, dtype=rnd.dtype, device=device)
+        segs = send.view(rnd.k, rnd.seg)
+        for m in rnd.members:
+            most = max(m.level.sizes) * m.width
+            for chunk, n in enumerate(m.level.sizes):
+                if n * m.width < most:
+                    segs[chunk, m.offset + n * m.width:m.offset + most].zero_()
+        return send
+
+    def recv_buffer(self, r: int, c: int, device: torch.device, *, own: bool) -> torch.Tensor:
+        """Round ``r``'s collective ``c``'s receive buffer (``seg``): the kept one (``own``)
+        unless a piece's gradient still lives in it."""
+        rnd = self.rounds[r][0][c]
+        key = (r, c, device)
         buf = self._kept.get(key) if own else None
-        if buf is not None and role == "recv" and self._aliased(buf, rnd):
-            buf = None
-        if buf is None:
-            buf = (torch.zeros if role == "send" else torch.empty)(numel, dtype=rnd.dtype, device=device)
+        if buf is None or self._aliased(buf, rnd):
+            buf = torch.empty(rnd.seg, dtype=rnd.dtype, device=device)
             if own:
                 self._kept[key] = buf
         return buf
@@ -294,14 +306,14 @@ class ScatterWork:
         self.data: list[torch.Tensor | None] = [None] * n  # rows-first: the item's current block
         self.added = [False] * n
         self.sends: dict[int, torch.Tensor] = {}  # first-round collective -> its send buffer
-        self.pending: list[tuple] = []  # (work or None, round, collective, recv) in flight
+        self.pending: list[tuple] = []  # (work or None, round, collective, recv, send) in flight
         self.next_round = 0
         self.started = False
 
     def _send(self, c: int, device: torch.device) -> torch.Tensor:
         send = self.sends.get(c)
         if send is None:
-            send = self.sends[c] = self.plan.buffer("send", 0, c, device, own=self.own)
+            send = self.sends[c] = self.plan.send_buffer(0, c, device)
         return send
 
     @torch.no_grad()
@@ -350,7 +362,7 @@ class ScatterWork:
                         for chunk in range(rnd.k):
                             m.part(segs[chunk], chunk).zero_()
             else:
-                send = self.plan.buffer("send", r, c, device, own=self.own)
+                send = self.plan.send_buffer(r, c, device)
                 segs = send.view(rnd.k, rnd.seg)
                 for m in rnd.members:
                     block = self.data[m.item]
@@ -361,22 +373,22 @@ class ScatterWork:
                             part.zero_()
                         else:
                             part.copy_(block[lo:lo + m.level.sizes[chunk]])
-            recv = self.plan.buffer("recv", r, c, device, own=self.own)
+            recv = self.plan.recv_buffer(r, c, device, own=self.own)
             record("reduce_scatter", send.numel() * send.element_size())
             work = dist.reduce_scatter_single(recv, send, group=rnd.group(), async_op=async_op)
-            self.pending.append((work if async_op else None, r, c, recv))
+            self.pending.append((work if async_op else None, r, c, recv, send))
 
     def _device(self, rnd: _Round) -> torch.device:
         return local_of(self.plan.items[rnd.members[0].item][0].param).device
 
     def _drain(self) -> None:
-        for work, r, c, recv in self.pending:
+        for work, r, c, recv, _send in self.pending:  # (the send buffer lives until its collective is done)
             if work is not None:
                 work.wait()
             for m in self.plan.rounds[r][0][c].members:
                 if self.added[m.item]:
                     self.data[m.item] = m.part(recv, m.level.coord)
-        self.pending = []
+        self.pending, self.sends = [], {}
 
     def wait(self) -> list[torch.Tensor | None]:
         if not self.started:
