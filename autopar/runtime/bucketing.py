@@ -25,9 +25,10 @@ Here those parameters go through ``self.grad_bucket(w, axes=..., slot=k)`` inste
 ZeRO-2 parameters (``add_slot(..., shard=True)``) take the same path into *shard buckets*:
 each local partial gradient is copied as it arrives into the bucket's send buffer, laid out
 for the reduce-scatter (``runtime.zero.comm.ScatterPlan``, built once per bucket; the send
-buffer lives until its collective is done, the receive buffer is kept), and when the bucket is complete and its turn in the static order comes it is
-reduce-scattered -- one collective per mesh axis, the first left in flight while backward goes
-on -- straight into the optimizer pieces' gradients (views of the receive buffer, no copy).
+buffer lives until its collective is done, the receive buffer is kept), and when the bucket
+is complete and its turn in the static order comes it is reduce-scattered -- one collective per
+mesh axis, the first left in flight while backward goes on -- straight into the optimizer
+pieces' gradients (views of the receive buffer, no copy).
 
 The result equals the per-parameter all-reduce: ``grad += sum over ranks of the local partial
 gradient``, accumulation over several backward passes included (only the new contribution is
