@@ -96,14 +96,15 @@ def zero2_priced_rs(strategy: Strategy, slot: int, mesh: MeshSpec, *, bucket_cap
 
 def zero2_extra_s(strategy: Strategy, slot: int, mesh: MeshSpec, *, reduce_scatter: bool, bucketed: bool = False,
                   bucket_cap: int = 0) -> float:
-    """Seconds the gradient sum the runtime runs for input ``slot`` (a reduce-scatter into ZeRO-2
-    pieces when ``reduce_scatter``, else an all-reduce: in a ``bucket_cap``-byte gradient bucket
-    when ``bucketed``, the parameter read in its own layout; in-graph, one latency, otherwise)
-    takes beyond what the consumer's option priced (``zero2_priced_rs``: the cheaper of the two
-    bucketed sums) -- 0, or the larger less the smaller. Calibrated per-kind links may make
-    either one the cheaper, so neither is assumed."""
+    """Seconds the gradient sum the runtime runs for input ``slot`` (into ZeRO-2 pieces when
+    ``reduce_scatter``: the cheaper of a reduce-scatter and an all-reduce that keeps this
+    device's piece, ``runtime.zero.comm.ScatterPlan`` choosing by the same links; else an
+    all-reduce: in a ``bucket_cap``-byte gradient bucket when ``bucketed``, the parameter read in
+    its own layout; in-graph, one latency, otherwise) takes beyond what the consumer's option
+    priced (``zero2_priced_rs``: the cheaper of the two bucketed sums) -- 0, or the larger less
+    the smaller. Calibrated per-kind links may make either one the cheaper, so neither is assumed."""
     rs = grad_sync_seconds(strategy, slot, mesh, "reduce_scatter", bucket_cap=bucket_cap)
     ar = grad_sync_seconds(strategy, slot, mesh, bucket_cap=bucket_cap)
     priced = min(rs, ar)
-    runs = rs if reduce_scatter else ar if bucketed else grad_sync_seconds(strategy, slot, mesh)
+    runs = priced if reduce_scatter else ar if bucketed else grad_sync_seconds(strategy, slot, mesh)
     return runs - priced if runs > priced else 0.0

@@ -141,6 +141,7 @@ class GradBucketer(nn.Module):
         self._target: Callable[[str], torch.Tensor] | None = None  # see deliver_to
         self._piece: Callable[[str], Any] | None = None  # see deliver_shards_to
         self._scatter_plans: dict[int, Any] = {}  # shard bucket -> its ScatterPlan (for the pieces above)
+        self._mesh_spec: Any = None  # see deliver_shards_to
         self.stats: Counter = Counter()  # buckets / all_reduces / bytes issued (this process)
         self.sync = True  # False under no_sync(): forwards then accumulate their gradients locally
         self._stash: dict[int, torch.Tensor] = {}  # slot -> unreduced local gradient (no_sync steps)
@@ -192,10 +193,13 @@ class GradBucketer(nn.Module):
         whose local tensor the graph reads) instead of the tensor the graph passed in."""
         self._target = target
 
-    def deliver_shards_to(self, piece: Callable[[str], Any]) -> None:
+    def deliver_shards_to(self, piece: Callable[[str], Any], *, mesh: Any = None) -> None:
         """ZeRO-2 slots: ``piece(slot name)`` is the parameter's ``runtime.zero.Piece``, whose
-        ``master.grad`` receives this device's reduce-scattered piece of the gradient."""
-        self._piece = piece
+        ``master.grad`` receives this device's reduce-scattered piece of the gradient. ``mesh``:
+        the plan's ``MeshSpec``, whose calibrated links say where an all-reduce sums a shard
+        bucket faster than a reduce-scatter (``runtime.zero.comm.ScatterPlan``)."""
+        self._piece, self._mesh_spec = piece, mesh
+        self._scatter_plans.clear()  # (a new optimizer: new pieces)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -359,7 +363,7 @@ class GradBucketer(nn.Module):
                 raise RuntimeError(f"ZeRO-2 gradient of {s.name!r} has no optimizer piece to land in: build the "
                                    f"optimizer with model.optimizer(...)")
             items.append((piece, s.axes, s.dtype))
-        plan = ScatterPlan(items, keep=slots is None)
+        plan = ScatterPlan(items, keep=slots is None, mesh=self._mesh_spec)
         if slots is None:
             self._scatter_plans[b] = plan
         return plan

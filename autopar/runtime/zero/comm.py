@@ -40,6 +40,8 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
+from autopar.layout.cost import collective_seconds
+from autopar.layout.mesh import MeshSpec
 from autopar.runtime.counting import record
 from autopar.runtime.dtensors import local_of
 
@@ -79,6 +81,13 @@ def levels(piece) -> tuple[Level, ...]:
         start += sum(sizes[:coord])
         rows = sizes[coord]
     return tuple(out)
+
+
+def _all_reduce_cheaper(rnd: "_Round", mesh: MeshSpec) -> bool:
+    """Does ``mesh`` price an all-reduce of ``rnd``'s buffer below its reduce-scatter?"""
+    nbytes = rnd.k * rnd.seg * torch.empty((), dtype=rnd.dtype).element_size()
+    return (collective_seconds("all_reduce", nbytes, mesh, rnd.axis)
+            < collective_seconds("reduce_scatter", nbytes, mesh, rnd.axis))
 
 
 def _rows_first(t: torch.Tensor, dim: int) -> torch.Tensor:
@@ -215,11 +224,15 @@ class ScatterPlan:
     """The reduce-scatter of a fixed list of ``items`` -- (piece, the mesh axes its gradient
     is partial on, the dtype it is summed in) -- one round per mesh axis of the pieces, each
     a collective per (mesh, dtype) for every item partial on that axis (the module docstring).
-    ``keep``: keep the buffers for the next ``work`` (a shard bucket's plan, used every step)."""
+    ``keep``: keep the buffers for the next ``work`` (a shard bucket's plan, used every step).
+    ``mesh``: the plan's ``MeshSpec``; where its calibrated links price an all-reduce of a
+    collective's buffer below its reduce-scatter (gloo's reduce-scatter is not a ring of its
+    own), that collective all-reduces and keeps this device's segment -- the cheaper of the
+    two, which is what the planner prices (``planner.zero_pricing.zero2_extra_s``)."""
 
-    def __init__(self, items: Sequence[tuple], *, keep: bool = True) -> None:
+    def __init__(self, items: Sequence[tuple], *, keep: bool = True, mesh: MeshSpec | None = None) -> None:
         self.items = [(p, tuple(partial), dtype) for p, partial, dtype in items]
-        self.axes = sorted({a for p, _, _ in self.items for a in p.axes})
+        self.axes, links = sorted({a for p, _, _ in self.items for a in p.axes}), mesh
         lvs = [levels(p) for p, _, _ in self.items]
         # Per round (axis): its collectives and the items that keep their chunk without one.
         self.rounds: list[tuple[list[_Round], list[tuple[int, Level]]]] = []
@@ -243,6 +256,9 @@ class ScatterPlan:
                     seg += max(level.sizes) * math.prod(rest)
                 collectives.append(_Round(axis, mesh, dtype, tuple(out), seg))
             self.rounds.append((collectives, cut))
+        # (round, collective) -> summed by an all-reduce instead (``mesh``'s links say it is cheaper)
+        self.all_reduced = {(r, c): links is not None and _all_reduce_cheaper(rnd, links)
+                            for r, (collectives, _) in enumerate(self.rounds) for c, rnd in enumerate(collectives)}
         # item -> (its member in the first round's collective c) where it is one
         self.first = {m.item: (c, m) for c, rnd in enumerate(self.rounds[0][0] if self.rounds else ())
                       for m in rnd.members}
@@ -374,17 +390,24 @@ class ScatterWork:
                         else:
                             part.copy_(block[lo:lo + m.level.sizes[chunk]])
             recv = self.plan.recv_buffer(r, c, device, own=self.own)
-            record("reduce_scatter", send.numel() * send.element_size())
-            work = dist.reduce_scatter_single(recv, send, group=rnd.group(), async_op=async_op)
+            if self.plan.all_reduced[(r, c)]:
+                record("all_reduce", send.numel() * send.element_size())
+                work = dist.all_reduce(send, group=rnd.group(), async_op=async_op)
+            else:
+                record("reduce_scatter", send.numel() * send.element_size())
+                work = dist.reduce_scatter_single(recv, send, group=rnd.group(), async_op=async_op)
             self.pending.append((work if async_op else None, r, c, recv, send))
 
     def _device(self, rnd: _Round) -> torch.device:
         return local_of(self.plan.items[rnd.members[0].item][0].param).device
 
     def _drain(self) -> None:
-        for work, r, c, recv, _send in self.pending:  # (the send buffer lives until its collective is done)
+        for work, r, c, recv, send in self.pending:  # (the send buffer lives until its collective is done)
             if work is not None:
                 work.wait()
+            if self.plan.all_reduced[(r, c)]:  # every segment summed: keep this device's
+                rnd = self.plan.rounds[r][0][c]
+                recv.copy_(send.view(rnd.k, rnd.seg)[rnd.mesh.get_local_rank(rnd.axis)])
             for m in self.plan.rounds[r][0][c].members:
                 if self.added[m.item]:
                     self.data[m.item] = m.part(recv, m.level.coord)

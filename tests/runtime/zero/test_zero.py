@@ -240,9 +240,17 @@ def _batched_body(rank, world):
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
     from autopar.runtime.zero import piece_of
+    from dataclasses import replace
+
+    from autopar.layout.machine import ComputeProfile, LinkFit, MachineProfile
+    from autopar.layout.mesh import MeshSpec
     from autopar.runtime.zero.comm import GatherPlan, ScatterPlan, gather_pieces, scatter_grads
 
     mesh = init_device_mesh("cpu", (2, 2))
+    links = [LinkFit(kind, a, alpha, beta) for a in (0, 1)
+             for kind, alpha, beta in (("all_reduce", 1e-6, 1e-12), ("reduce_scatter", 1e-3, 1e-9))]
+    cheap_all_reduce = replace(MeshSpec.preset("cpu", (2, 2)), machine=MachineProfile(
+        ComputeProfile(()), tuple(links), (2, 2), ("a", "b"), note="all-reduce cheaper"))
     torch.manual_seed(0)
     layouts = {"RR": (Replicate(), Replicate()), "S0R": (Shard(0), Replicate()),
                "RS0": (Replicate(), Shard(0)), "RS1": (Replicate(), Shard(1))}
@@ -300,6 +308,15 @@ def _batched_body(rank, world):
                 p.master.grad = p.wrap(mine)
         results[partial_on, "kept"] = all(torch.allclose(a, w) and torch.allclose(b, 3 * w)
                                           for a, b, w in zip(*passes, want))
+        # Links where an all-reduce is the cheaper sum: every collective all-reduces, same pieces.
+        with count_collectives() as summed:
+            work = ScatterPlan([(p, partial, g.dtype) for p, g, partial in items], mesh=cheap_all_reduce).work()
+            for i, (p, g, _) in enumerate(items):
+                work.add(i, g)
+            work.start(async_op=True)
+            got = work.wait()
+        results[partial_on, "all-reduced"] = (all(torch.allclose(g, w) for g, w in zip(got, want))
+                                              and summed["all_reduce"] > 0 and not summed["reduce_scatter"])
         for p in pieces:
             p.master.grad = None
     return ({k: torch.equal(gathered[k], expected[k]) for k in gathered}, results, gathers)
@@ -308,7 +325,7 @@ def _batched_body(rank, world):
 def test_batched_gather_and_reduce_scatter_match_dtensor_on_uneven_nested_pieces():
     for gathered, scattered, (one_each, bucketed, in_buckets) in run_local(_batched_body, 4, timeout=120):
         assert all(gathered.values()), gathered
-        assert all(scattered.values()) and len(scattered) == 6, scattered
+        assert all(scattered.values()) and len(scattered) == 8, scattered
         # 4 pieces: RR on both axes, S0R / RS0 / RS1 on one each -- one gather per (piece, axis)
         # without buckets, one per axis with them
         assert (one_each, bucketed, in_buckets) == (5, 2, True)
