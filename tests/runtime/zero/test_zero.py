@@ -175,6 +175,11 @@ def test_zero_1_and_2_train_like_one_device(name):
 def _auto_body(rank, world, model, inputs, plan):
     pm = autopar.autoparallelize(copy.deepcopy(model), inputs, plan=plan, init_weights=False)
     pm.load_full_state_dict(model.state_dict())
+    # A first optimizer, dropped after one backward: its pieces must not keep receiving gradients
+    # (the bucketer's reduce-scatter plans are laid out for the pieces of the latest optimizer).
+    dropped = pm.optimizer(torch.optim.AdamW, lr=1e-3, eps=EPS)
+    pm(**inputs).loss.backward()
+    dropped.zero_grad()
     opt = pm.optimizer(torch.optim.AdamW, [{"params": list(pm.parameters()), "weight_decay": 0.05}],
                        lr=1e-3, eps=EPS)
     for _ in range(STEPS):
