@@ -75,9 +75,11 @@ def _signature(plan) -> tuple:
     return nodes, tuple(r.nodes for r in plan.recompute), stages
 
 
-def candidates(model, inputs, *, mesh, skip=frozenset()) -> list[Candidate]:
+def candidates(model, inputs, *, mesh, only: frozenset[str] | None = None,
+               skip: frozenset[str] = frozenset()) -> list[Candidate]:
     """The distinct plans of one (model, mesh), planned in this process with ``mesh``'s costs;
-    the names in ``skip`` (``--skip``) are neither planned nor timed."""
+    ``only``: the names of the plans to keep (None: all), ``skip``: names to leave out; the plans
+    not kept are not planned."""
     import autopar
     from autopar.planner.baselines import BASELINES, baseline_roles
     from autopar.planner.options import PlanOptions
@@ -85,6 +87,9 @@ def candidates(model, inputs, *, mesh, skip=frozenset()) -> list[Candidate]:
 
     out: list[Candidate] = []
     seen: set = set()
+
+    def wanted(name: str) -> bool:
+        return (only is None or name in only) and name not in skip
 
     def add(name: str, plan, *, budget=None) -> None:
         sig = _signature(plan)
@@ -99,6 +104,9 @@ def candidates(model, inputs, *, mesh, skip=frozenset()) -> list[Candidate]:
     for family in ("data-parallel", *(f for f in BASELINES if f != "data-parallel")):
         if baseline_roles(family, len(mesh.shape)) is None:
             continue
+        # data parallelism sets the auto budgets and ZeRO-3's, and prices torch DDP: always planned
+        if family != "data-parallel" and not (wanted(family) or (family == "zero3" and wanted("torch-fsdp2"))):
+            continue
         options = PlanOptions(zero_stage="auto" if family in ("zero1", "zero2") else 0)
         if family == "zero3" and "data-parallel" in families:
             options = PlanOptions(memory_budget=sharded_state_budget(families["data-parallel"].estimate,
@@ -109,28 +117,23 @@ def candidates(model, inputs, *, mesh, skip=frozenset()) -> list[Candidate]:
             print(f"  {family}: {exc}", flush=True)
     dp = families.get("data-parallel")
     for name, fraction in (("auto", None), *((f"auto@{f:.0%}", f) for f in BUDGET_FRACTIONS)):
+        if not wanted(name):
+            continue
         budget = None if fraction is None or dp is None else int(fraction * dp.estimate.peak_bytes)
         try:
             add(name, autopar.plan(model, inputs, mesh=mesh, memory_budget=budget, cache=False), budget=budget)
         except ValueError as exc:
             print(f"  {name}: no plan ({exc})", flush=True)
     for family, plan in families.items():
-        add(family, plan)
-    if "pipeline-2" in skip:
-        print("  pipeline-2: skipped (--skip)", flush=True)
-        return out + _engines(families, skip)
+        if wanted(family):
+            add(family, plan)
     try:
-        add("pipeline-2", autopar.plan(model, inputs, mesh=mesh, pipeline=2, checkpoint="none", cache=False))
+        if wanted("pipeline-2"):
+            add("pipeline-2", autopar.plan(model, inputs, mesh=mesh, pipeline=2, checkpoint="none", cache=False))
     except (ValueError, NotImplementedError) as exc:
         print(f"  pipeline-2: {exc}", flush=True)
-    return out + _engines(families, skip)
-
-
-def _engines(families: dict, skip) -> list[Candidate]:
-    """torch's DDP and FSDP2, priced by the families whose layouts they run."""
-    out = []
     for engine, family in (("ddp", "data-parallel"), ("fsdp2", "zero3")):
-        if family in families and f"torch-{engine}" not in skip:
+        if family in families and wanted(f"torch-{engine}"):
             est = families[family].estimate
             out.append(Candidate(f"torch-{engine}", est.step_s, est.peak_bytes, engine=engine))
     return out
@@ -295,8 +298,10 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--out", help="append one JSON line per (model, mesh)")
-    p.add_argument("--skip", default="", help="plans neither planned nor timed, e.g. pipeline-2,torch-fsdp2 "
-                   "(pipeline-2 needs torch >= 2.13: older stages ask integer inputs for gradients)")
+    p.add_argument("--plans", help="only these plans, comma-separated (auto, auto@60%%, auto@40%%, data-parallel, "
+                                   "zero1, zero2, zero3, megatron, ..., pipeline-2, torch-ddp, torch-fsdp2)")
+    p.add_argument("--skip", default="", help="plans left out, e.g. pipeline-2 (torch < 2.13's pipelining asks "
+                   "integer stage inputs for gradients)")
     args = p.parse_args(argv)
     device_type, backend = default_device()
     records = []
@@ -307,7 +312,8 @@ def main(argv=None) -> list[dict]:
         for name in args.models.split(","):
             model, inputs = build_model(name, batch=args.batch)
             print(f"planning {name} on {shape} ...", flush=True)
-            cands = candidates(model, inputs, mesh=mesh, skip=frozenset(filter(None, args.skip.split(","))))
+            cands = candidates(model, inputs, mesh=mesh, only=frozenset(args.plans.split(",")) if args.plans else None,
+                               skip=frozenset(filter(None, args.skip.split(","))))
             results = run_local(_worker, math.prod(shape), cands, model, inputs, args.steps, args.warmup,
                                 device_type, backend=backend, timeout=1800)
             record = summarize(name, mesh, cands, results)

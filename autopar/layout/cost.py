@@ -122,9 +122,10 @@ def collective_seconds(kind: str, nbytes: float, mesh: MeshSpec, axes: Iterable[
                        bucket_cap: int = 0) -> float:
     """Time of collective ``kind`` over mesh ``axes`` for a tensor of ``nbytes`` full size.
 
-    ``bucket_cap`` > 0: the tensor is one gradient among others in a bucket of at most
-    ``bucket_cap`` bytes (``layout.buckets``; ``runtime.bucketing`` issues one collective per
-    bucket), so it pays its bandwidth term and its share of the bucket's latency::
+    ``bucket_cap`` > 0: the tensor is one among others in a bucket of at most ``bucket_cap``
+    bytes (``layout.buckets``; ``runtime.bucketing`` issues one collective per bucket of
+    gradients, ``runtime.zero.comm.GatherPlan`` one per bucket of ZeRO pieces), so it pays its
+    bandwidth term and its share of the bucket's latency::
 
         alpha * min(1, nbytes / bucket_cap) + beta * nbytes * f(n)
 
@@ -140,7 +141,7 @@ def collective_seconds(kind: str, nbytes: float, mesh: MeshSpec, axes: Iterable[
         return 0.0
     if bucket_cap < 0:
         raise ValueError(f"bucket cap must be >= 0 bytes, got {bucket_cap}")
-    if bucket_cap and kind in ("all_reduce", "reduce_scatter"):
+    if bucket_cap and kind in ("all_reduce", "reduce_scatter", "all_gather"):
         alpha *= min(1.0, nbytes / bucket_cap)
     if kind in ("all_gather", "reduce_scatter"):
         return alpha + beta * nbytes * (n - 1) / n

@@ -58,7 +58,7 @@ from autopar.planner.segments import (node_vals, op_segments, saved_by, segment_
                                       without_stateful_segments)
 from autopar.planner.offload_pricing import offload_option, offload_tiers
 from autopar.planner.options import PlanOptions
-from autopar.planner.zero_pricing import zero2_priced_rs, zero_cost
+from autopar.planner.zero_pricing import zero2_priced_rs, zero_cost, zero_gather_cap
 from autopar.plans import NodeKind
 from autopar.layout.blocks import block_of
 from autopar.solver.problem import Edge, Node, Problem, StrategyOption
@@ -116,7 +116,7 @@ class _Builder:
                  bucket_cap: int | None = None, segmented: bool = False) -> None:
         self.traced, self.prof, self.mesh, self.fixed, self.segmented = traced, prof, mesh, fixed, segmented
         self.bucket_cap = bucket_cap_bytes() if bucket_cap is None else bucket_cap
-        self.budget, self.opts = budget_bytes, options
+        self.budget, self.opts, self.gather_cap = budget_bytes, options, zero_gather_cap(traced.params)
         ops = [n for n in traced.compute_nodes() if _has_tensor_output(n) and n.target is not operator.getitem]
         self.num_ops = len(ops)
         self.op_index = {n.name: i for i, n in enumerate(ops)}  # op decision -> its timeline slot
@@ -174,13 +174,13 @@ class _Builder:
         problem = without_stateful_segments(problem, self.traced)
         fine = {n.name: n.segment for n in problem.nodes if n.segment is not None}
         blocks = {name: block_of(seg) for name, seg in fine.items()}
-        kept = {**segment_inputs(self.traced, self.prof, self.decisions, self.mesh.shape, fine,
-                                 base_of=self._storage_base),
-                **segment_inputs(self.traced, self.prof, self.decisions, self.mesh.shape, blocks,
-                                 base_of=self._storage_base)}
-        return BuiltProblem(problem=problem, decisions=MappingProxyType(self.decisions),
+        kept = MappingProxyType({**segment_inputs(self.traced, self.prof, self.decisions, self.mesh.shape, fine,
+                                                  base_of=self._storage_base),
+                                 **segment_inputs(self.traced, self.prof, self.decisions, self.mesh.shape, blocks,
+                                                  base_of=self._storage_base)})
+        return BuiltProblem(problem=problem, decisions=MappingProxyType(self.decisions), mesh=self.mesh,
                             sources=MappingProxyType(self.sources), fallbacks=tuple(self.fallbacks),
-                            mesh=self.mesh, segment_inputs=MappingProxyType(kept), bucket_cap=self.bucket_cap)
+                            segment_inputs=kept, bucket_cap=self.bucket_cap, gather_cap=self.gather_cap)
 
     def _edge_records(self) -> tuple[Edge, ...]:
         """The ``Problem``'s edges. Repeated blocks share cost matrices (``_edge_cache``): each
@@ -267,7 +267,7 @@ class _Builder:
         for want in wanted:
             per_byte, comm_s, stage, step_s = zero_cost(spec, self.mesh, local, stage=want, ndim=len(spec_shape),
                                                         optimizer_multiplier=self.opts.optimizer_multiplier,
-                                                        trainable=trainable)
+                                                        gather_cap=self.gather_cap, trainable=trainable)
             if stage in seen:
                 continue
             seen.add(stage)

@@ -46,7 +46,11 @@ class GradSync:
     bucket_cap: int = 0  # that bucket's cap in bytes (``BuiltProblem.bucket_cap``; 0: no buckets)
 
     def seconds(self, mesh) -> float:
-        return grad_sync_seconds(self.strategy, self.slot, mesh, self.kind, bucket_cap=self.bucket_cap * self.bucketed)
+        cap = self.bucket_cap * self.bucketed
+        own = grad_sync_seconds(self.strategy, self.slot, mesh, self.kind, bucket_cap=cap)
+        if self.kind == "reduce_scatter":  # or an all-reduce where cheaper (``runtime.zero.comm.ScatterPlan``)
+            return min(own, grad_sync_seconds(self.strategy, self.slot, mesh, bucket_cap=cap))
+        return own
 
     def async_seconds(self, mesh) -> float:
         """Of ``seconds``, what a gradient bucket issues asynchronously (0 when not bucketed)."""

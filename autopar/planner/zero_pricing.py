@@ -3,24 +3,57 @@
 from __future__ import annotations
 
 import math
+from typing import Iterable
 
-from autopar.layout.cost import collective_seconds, optimizer_seconds
+from autopar.layout.buckets import bucket_cap_bytes
+from autopar.layout.cost import collective_seconds, copy_seconds, optimizer_seconds
 from autopar.layout.mesh import MeshSpec
 from autopar.layout.placement import TensorSpec, zero_split
 from autopar.strategies import Strategy
 from autopar.strategies.grad_sums import grad_sync_seconds
 
-__all__ = ["zero_cost", "zero2_extra_s", "zero2_priced_rs"]
+__all__ = ["zero_cost", "zero_gather_cap", "zero_gather_seconds", "zero2_extra_s", "zero2_priced_rs"]
+
+
+def zero_gather_cap(params: Iterable) -> int:
+    """Bytes per ZeRO all-gather bucket as priced for a model with placeholders ``params``
+    (``tracer.graph.Placeholder``): the runtime's cap (``layout.buckets.bucket_cap_bytes``; 0:
+    one collective per piece), or the model's trainable parameter bytes where they are fewer --
+    then every piece fits one collective per axis, which pays a whole latency, and each piece's
+    share is of the bytes there are to gather, not of a cap no bucket reaches."""
+    cap = bucket_cap_bytes()
+    total = sum(p.numel * p.dtype.itemsize for p in params if p.requires_grad)
+    return min(cap, total) if cap else 0
+
+
+def zero_gather_seconds(local_bytes: float, mesh: MeshSpec, axes: tuple[int, ...], *, cap: int) -> float:
+    """ZeRO's all-gather of a parameter's ``local_bytes`` over its ZeRO ``axes`` after the step,
+    as ``runtime.zero.comm.GatherPlan`` runs it: one collective per axis, from the last to the
+    first, each gathering the block the axes before it leave (``local_bytes`` over their sizes);
+    pieces share a collective up to ``cap`` gathered bytes (``layout.buckets``: the gradient
+    buckets' cap; 0: one each), so a piece pays its share of a bucket's latency
+    (``collective_seconds``' ``bucket_cap``); and the copies around it: this device's piece
+    into the send buffer, its peers' pieces out of the receive buffer into the parameter --
+    ``local_bytes`` read and written in all. Synchronous: the runtime waits for it in ``step``."""
+    seconds, block = copy_seconds(local_bytes, mesh), float(local_bytes)
+    for a in axes:
+        seconds += collective_seconds("all_gather", block, mesh, a, bucket_cap=cap)
+        block /= mesh.shape[a]
+    return seconds
 
 
 def zero_cost(spec: TensorSpec, mesh: MeshSpec, local_bytes: int, *, stage: int, ndim: int,
-              optimizer_multiplier: float, trainable: bool = True) -> tuple[float, float, int, float]:
+              optimizer_multiplier: float, gather_cap: int | None = None,
+              trainable: bool = True) -> tuple[float, float, int, float]:
     """(bytes held per parameter byte, extra communication seconds per step, effective stage,
     optimizer step seconds) of an ``ndim``-dim parameter laid out ``spec`` under ZeRO ``stage``
     over the axes ``spec`` replicates it on (``layout.placement.zero_split``; ``dp``: their size
     product; none: stage 0). A frozen parameter (``trainable=False``) is stage 0 and not stepped;
     a trainable one's step updates its ``local_bytes``, a ZeRO rank's ``1/dp`` of them
-    (``layout.cost.optimizer_seconds``).
+    (``layout.cost.optimizer_seconds``). The all-gather after the step is ``zero_gather_seconds``
+    with buckets of ``gather_cap`` bytes (None: ``layout.buckets.bucket_cap_bytes()``, the cap
+    ``runtime.zero.ZeroOptimizer`` gathers with -- also where gradients are summed in-graph, as
+    in a pipeline stage's problem).
 
     ====== ===================================== =====================================================
     stage  held: parameter + gradient + state    communication beyond stage 0
@@ -44,7 +77,8 @@ def zero_cost(spec: TensorSpec, mesh: MeshSpec, local_bytes: int, *, stage: int,
         return 2.0 + m, 0.0, 0, step_s
     axes = split[1]
     dp = math.prod(mesh.shape[a] for a in axes)
-    gather_s = collective_seconds("all_gather", local_bytes, mesh, axes)
+    cap = bucket_cap_bytes() if gather_cap is None else gather_cap
+    gather_s = zero_gather_seconds(local_bytes, mesh, axes, cap=cap)
     step_s = optimizer_seconds(local_bytes / dp, mesh, optimizer_multiplier=m)
     if stage == 1:
         return 2.0 + m / dp, gather_s, 1, step_s
@@ -62,14 +96,15 @@ def zero2_priced_rs(strategy: Strategy, slot: int, mesh: MeshSpec, *, bucket_cap
 
 def zero2_extra_s(strategy: Strategy, slot: int, mesh: MeshSpec, *, reduce_scatter: bool, bucketed: bool = False,
                   bucket_cap: int = 0) -> float:
-    """Seconds the gradient sum the runtime runs for input ``slot`` (a reduce-scatter into ZeRO-2
-    pieces when ``reduce_scatter``, else an all-reduce: in a ``bucket_cap``-byte gradient bucket
-    when ``bucketed``, the parameter read in its own layout; in-graph, one latency, otherwise)
-    takes beyond what the consumer's option priced (``zero2_priced_rs``: the cheaper of the two
-    bucketed sums) -- 0, or the larger less the smaller. Calibrated per-kind links may make
-    either one the cheaper, so neither is assumed."""
+    """Seconds the gradient sum the runtime runs for input ``slot`` (into ZeRO-2 pieces when
+    ``reduce_scatter``: the cheaper of a reduce-scatter and an all-reduce that keeps this
+    device's piece, ``runtime.zero.comm.ScatterPlan`` choosing by the same links; else an
+    all-reduce: in a ``bucket_cap``-byte gradient bucket when ``bucketed``, the parameter read in
+    its own layout; in-graph, one latency, otherwise) takes beyond what the consumer's option
+    priced (``zero2_priced_rs``: the cheaper of the two bucketed sums) -- 0, or the larger less
+    the smaller. Calibrated per-kind links may make either one the cheaper, so neither is assumed."""
     rs = grad_sync_seconds(strategy, slot, mesh, "reduce_scatter", bucket_cap=bucket_cap)
     ar = grad_sync_seconds(strategy, slot, mesh, bucket_cap=bucket_cap)
     priced = min(rs, ar)
-    runs = rs if reduce_scatter else ar if bucketed else grad_sync_seconds(strategy, slot, mesh)
+    runs = priced if reduce_scatter else ar if bucketed else grad_sync_seconds(strategy, slot, mesh)
     return runs - priced if runs > priced else 0.0

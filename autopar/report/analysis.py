@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from autopar.planner.executed import grad_syncs, unique_conversions
+from autopar.planner.zero_pricing import zero_gather_seconds
 from autopar.planner.records import BuiltProblem
 from autopar.plans import NodeKind
 from autopar.planner.checkpointing import RecomputePlan
@@ -160,7 +161,8 @@ def _grad_syncs(rows: dict, built: BuiltProblem, choice: dict[str, str], mesh: M
 
 def _zero(rows: dict, built: BuiltProblem, pick: dict[str, int], mesh: MeshSpec) -> None:
     """ZeRO's all-gather of every stage 1/2 parameter after the step (one row per parameter,
-    over the axes ``zero_split`` shards it on)."""
+    over the axes ``zero_split`` shards it on), priced as the option was
+    (``zero_pricing.zero_gather_seconds``: its share of a bucket)."""
     shapes = {v.producer: v for d in built.decisions.values() for v in d.inputs if v is not None}
     for name, decision in built.decisions.items():
         chosen = decision.choices[pick[name]]
@@ -171,7 +173,7 @@ def _zero(rows: dict, built: BuiltProblem, pick: dict[str, int], mesh: MeshSpec)
         _, axes = zero_split(spec, len(value.shape), mesh.shape)
         local = value.local_bytes(spec, mesh.shape)
         _add(rows, "all_gather", axis_label(mesh, axes), "zero", local,
-             collective_seconds("all_gather", local, mesh, axes))
+             zero_gather_seconds(local, mesh, axes, cap=built.gather_cap))
 
 
 def _resharding(rows: dict, built: BuiltProblem, choice: dict[str, str], mesh: MeshSpec,

@@ -23,10 +23,12 @@ Here those parameters go through ``self.grad_bucket(w, axes=..., slot=k)`` inste
   and the gradient lands in its ``.grad`` as a DTensor with the parameter's placements.
 
 ZeRO-2 parameters (``add_slot(..., shard=True)``) take the same path into *shard buckets*:
-their local partial gradients are kept (not copied into a flat buffer) and, when the bucket is
-complete and its turn in the static order comes, reduce-scattered in one batched collective per
-mesh axis straight into their optimizer pieces (``runtime.zero.comm.scatter_grads``, the first
-axis asynchronously); the full local gradient is freed as soon as its bucket leaves.
+each local partial gradient is copied as it arrives into the bucket's send buffer, laid out
+for the reduce-scatter (``runtime.zero.comm.ScatterPlan``, built once per bucket; the send
+buffer lives until its collective is done, the receive buffer is kept), and when the bucket
+is complete and its turn in the static order comes it is reduce-scattered -- one collective per
+mesh axis, the first left in flight while backward goes on -- straight into the optimizer
+pieces' gradients (views of the receive buffer, no copy).
 
 The result equals the per-parameter all-reduce: ``grad += sum over ranks of the local partial
 gradient``, accumulation over several backward passes included (only the new contribution is
@@ -103,10 +105,10 @@ class _Pass:
         self.params: dict[int, torch.Tensor] = {}
         # In issue order: (bucket, flat, all-reduce work, axes left) or, for a shard bucket,
         # (bucket, its slots, ScatterWork, ()).
+        self.scatters: dict[int, Any] = {}  # shard bucket -> its ScatterWork, filling (runtime.zero.comm)
         self.works: list[tuple[int, Any, Any, tuple[int, ...]]] = []
         self.next_issue = 0
         self.late: dict[int, torch.Tensor] = {}  # slot -> local gradient that came after its bucket left
-        self.shards: dict[int, torch.Tensor] = {}  # ZeRO-2 slot -> its local (partial) gradient
         self.late_shards: dict[int, torch.Tensor] = {}  # the same, after its bucket left
 
 
@@ -138,6 +140,8 @@ class GradBucketer(nn.Module):
         self._params: dict[int, torch.Tensor] = {}  # slot -> the parameter it last delivered to
         self._target: Callable[[str], torch.Tensor] | None = None  # see deliver_to
         self._piece: Callable[[str], Any] | None = None  # see deliver_shards_to
+        self._scatter_plans: dict[int, Any] = {}  # shard bucket -> its ScatterPlan (for the pieces above)
+        self._mesh_spec: Any = None  # see deliver_shards_to
         self.stats: Counter = Counter()  # buckets / all_reduces / bytes issued (this process)
         self.sync = True  # False under no_sync(): forwards then accumulate their gradients locally
         self._stash: dict[int, torch.Tensor] = {}  # slot -> unreduced local gradient (no_sync steps)
@@ -189,10 +193,13 @@ class GradBucketer(nn.Module):
         whose local tensor the graph reads) instead of the tensor the graph passed in."""
         self._target = target
 
-    def deliver_shards_to(self, piece: Callable[[str], Any]) -> None:
+    def deliver_shards_to(self, piece: Callable[[str], Any], *, mesh: Any = None) -> None:
         """ZeRO-2 slots: ``piece(slot name)`` is the parameter's ``runtime.zero.Piece``, whose
-        ``master.grad`` receives this device's reduce-scattered piece of the gradient."""
-        self._piece = piece
+        ``master.grad`` receives this device's reduce-scattered piece of the gradient. ``mesh``:
+        the plan's ``MeshSpec``, whose calibrated links say where an all-reduce sums a shard
+        bucket faster than a reduce-scatter (``runtime.zero.comm.ScatterPlan``)."""
+        self._piece, self._mesh_spec = piece, mesh
+        self._scatter_plans.clear()  # (a new optimizer: new pieces)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -234,12 +241,16 @@ class GradBucketer(nn.Module):
         b = self._bucket_of[slot]
         bucket = buckets[b]
         if bucket.shard:
-            pending = st.late_shards if b < st.next_issue else st.shards
-            prev = pending.get(slot)
-            pending[slot] = grad.detach().clone() if prev is None else prev + grad
-            if b >= st.next_issue:
-                st.ready[b].add(slot)
-                self._issue_ready(st)
+            if b < st.next_issue:  # its bucket already left: reduce this contribution at the end
+                prev = st.late_shards.get(slot)
+                st.late_shards[slot] = grad.detach().clone() if prev is None else prev + grad
+                return
+            work = st.scatters.get(b)
+            if work is None:
+                work = st.scatters[b] = self._scatter_plan(b).work()
+            work.add(bucket.slots.index(slot), grad)
+            st.ready[b].add(slot)
+            self._issue_ready(st)
             return
         if self._target is not None:
             param = self._target(self.slots[slot].name)
@@ -324,34 +335,44 @@ class GradBucketer(nn.Module):
 
     def _issue_shards(self, st: _Pass, b: int) -> None:
         """Start shard bucket ``b``'s reduce-scatter (its first mesh axis asynchronously)."""
-        slots = [slot for slot in self.buckets[b].slots if slot in st.shards]
-        if not slots:
+        work = st.scatters.pop(b, None)
+        if work is None:
             return  # no slot of this bucket received a gradient in this pass (same on every rank)
-        work = self._scatter({slot: st.shards.pop(slot) for slot in slots}, async_op=True)
-        st.works.append((b, slots, work, ()))
+        self._count_scatter(self.buckets[b].slots, work)
+        work.start(async_op=True)
+        st.works.append((b, self.buckets[b].slots, work, ()))
 
-    def _scatter(self, grads: dict[int, torch.Tensor], *, async_op: bool):
-        """Sum ZeRO-2 partial gradients over their partial axes, keeping only this device's piece
-        of each (``runtime.zero.comm.scatter_grads``: one reduce-scatter per mesh axis for all of
-        them; axes a gradient is not partial on keep the local chunk)."""
-        from autopar.runtime.zero.comm import scatter_grads  # zero.comm imports nothing of this module
+    def _count_scatter(self, slots: list[int], work) -> None:
+        self.stats["reduce_scatters"] += 1
+        self.stats["bytes"] += sum(self.slots[slot].numel * self.slots[slot].dtype.itemsize
+                                   for slot, added in zip(slots, work.added) if added)
 
+    def _scatter_plan(self, b: int, slots: list[int] | None = None):
+        """The reduce-scatter plan of shard bucket ``b`` (kept), or of ``slots`` (late
+        contributions: a one-off): each slot's piece, partial axes and dtype."""
+        from autopar.runtime.zero.comm import ScatterPlan  # zero.comm imports nothing of this module
+
+        plan = self._scatter_plans.get(b) if slots is None else None
+        if plan is not None:
+            return plan
         items = []
-        for slot, grad in grads.items():
+        for slot in self.buckets[b].slots if slots is None else slots:
             s = self.slots[slot]
             piece = self._piece(s.name) if self._piece is not None else None
             if piece is None:
                 raise RuntimeError(f"ZeRO-2 gradient of {s.name!r} has no optimizer piece to land in: build the "
                                    f"optimizer with model.optimizer(...)")
-            items.append((piece, grad.to(s.dtype), s.axes))
-        self.stats["reduce_scatters"] += 1
-        self.stats["bytes"] += sum(g.numel() * s.dtype.itemsize for g, s in
-                                   ((grads[slot], self.slots[slot]) for slot in grads))
-        return scatter_grads(items, async_op=async_op)
+            items.append((piece, s.axes, s.dtype))
+        plan = ScatterPlan(items, keep=slots is None, mesh=self._mesh_spec)
+        if slots is None:
+            self._scatter_plans[b] = plan
+        return plan
 
     def _deliver_shards(self, slots: list[int], work) -> None:
         with torch.no_grad():
             for slot, mine in zip(slots, work.wait()):
+                if mine is None:
+                    continue
                 master = self._piece(self.slots[slot].name).master
                 mine = mine.to(master.dtype)
                 if master.grad is None:
@@ -391,7 +412,12 @@ class GradBucketer(nn.Module):
         late_shards = None
         if st.late_shards:  # sorted: the same slots in the same order on every rank
             slots = sorted(st.late_shards)
-            late_shards = slots, self._scatter({slot: st.late_shards[slot] for slot in slots}, async_op=False)
+            work = self._scatter_plan(-1, slots).work()
+            for i, slot in enumerate(slots):
+                work.add(i, st.late_shards[slot])
+            self._count_scatter(slots, work)
+            work.start(async_op=False)
+            late_shards = slots, work
         for b, flat, work, rest in st.works:
             if buckets[b].shard:
                 self._deliver_shards(flat, work)

@@ -193,7 +193,7 @@ class AutoParallelModule(nn.Module):
         pieces = {p.name: p for p in optimizer.pieces}
         for m in self.graph_module.modules():
             if isinstance(m, GradBucketer):
-                m.deliver_shards_to(lambda name: pieces.get(name))
+                m.deliver_shards_to(lambda name: pieces.get(name), mesh=self.plan.mesh)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, *,
                         parameters: Iterable[torch.Tensor] | None = None) -> torch.Tensor:

@@ -112,3 +112,25 @@ def test_a_calibrated_optimizer_step_is_priced_and_zero_divides_it():
         plain = plan_family(model, inputs, family, mesh=preset, options=auto)
         priced = plan_family(model, inputs, family, mesh=mesh, options=auto)
         assert priced.estimate.compute_s - plain.estimate.compute_s == pytest.approx(share * step, rel=1e-6), family
+
+
+def test_zero_gathers_pay_a_latency_per_bucket_not_per_parameter(gpt2):
+    """``runtime.zero.comm.GatherPlan`` gathers the pieces in buckets, one collective each: a
+    piece pays its share of a bucket's latency. GPT-2 tiny's parameters total less than a bucket
+    (``zero_gather_cap``), so ZeRO-1 on (2,) gathers them all in one collective: the report's
+    gather rows (the options' pricing) sum to one latency, the bandwidth and the copies."""
+    from autopar.layout.cost import copy_seconds
+    from autopar.report import build_report
+
+    model, inputs = gpt2
+    result = plan_model(model, inputs, mesh=(2,), options=PlanOptions(checkpoint="none", zero_stage=1))
+    mesh, built = result.plan.mesh, result.built
+    trainable = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    assert built.gather_cap == trainable  # (tied weights once: ``named_parameters`` dedups them)
+    rows = [r for r in build_report(result.plan, result).comm if r.source == "zero" and r.kind == "all_gather"]
+    count, payload = sum(r.count for r in rows), sum(r.payload_bytes for r in rows)
+    seconds = sum(r.seconds for r in rows)
+    assert count >= 20  # every parameter a piece, each in one shared collective
+    latency = mesh.alpha[0] * payload / trainable
+    assert seconds == pytest.approx(latency + mesh.beta[0] * payload / 2 + copy_seconds(payload, mesh), rel=1e-6)
+    assert seconds < mesh.alpha[0] + mesh.beta[0] * payload  # per parameter it was count * alpha

@@ -19,8 +19,9 @@ and the updated pieces are all-gathered back into the replicated parameter after
   its gradient: the module refuses to run backward for an optimizer it does not know of.
 
 Every rank must call ``step`` (it ends in collectives). The all-gathers after the step and the
-ZeRO-2 reduce-scatters at the end of backward are batched: one collective per mesh axis and
-dtype for all pieces (:mod:`autopar.runtime.zero.comm`).
+ZeRO-2 reduce-scatters during backward are batched: one collective per bucket (the gradient
+buckets' cap, ``layout.buckets``), mesh axis and dtype, laid out once with their buffers kept
+(:mod:`autopar.runtime.zero.comm`).
 
 Modules: :mod:`~autopar.runtime.zero.pieces` (a parameter's piece on this device),
 :mod:`~autopar.runtime.zero.optimizer` (``ZeroOptimizer``, the inner optimizer over the pieces)

@@ -1,33 +1,53 @@
-"""Batched collectives of ZeRO pieces (:mod:`autopar.runtime.zero`): one per mesh axis and dtype.
+"""Batched collectives of ZeRO pieces (:mod:`autopar.runtime.zero`), laid out once, buffers kept.
 
 A piece is a nested block of its parameter's local tensor: ZeRO axes ``a1 < a2 < ...`` split
 tensor dim ``d`` in mesh order, each splitting the block the previous one left, with
 ``torch.chunk`` sizes (DTensor's ``Shard``: ``ceil(n/k)`` rows each, the last ones short or
-empty). Every collective carries all pieces at once, each piece's chunk padded to the largest
-chunk of that split so that every rank sends the same number of elements:
+empty) -- so every block, at every level, is a range of rows of the local tensor (``Level``).
+A collective carries many pieces at once, each piece's chunk padded to the largest chunk of
+that split so that every rank sends the same number of elements:
 
-- ``gather_pieces``: after the step, axes from the last to the first: all-gather each piece's
-  block over the axis and stitch the chunks into the block one level up; the top level is the
-  parameter's local tensor.
-- ``scatter_grads``: in backward, per bucket of ZeRO-2 gradients (``runtime.bucketing``), axes
-  from the first to the last: a partial gradient is reduce-scattered over an axis it is partial
-  on; on an axis where every device holds the same gradient (not partial) this device just
-  keeps its chunk. The first axis's collective can be left in flight (``ScatterWork``).
+- ``GatherPlan``: after the step, axes from the last to the first: each piece's block at that
+  level is all-gathered over the axis and its peers' chunks are copied straight into the rows
+  of the parameter's local tensor they belong to (this device's chunk is already there: the
+  piece is a view of it). Pieces go in buckets of at most ``cap_bytes`` gathered bytes (the
+  gradient buckets' cap, ``layout.buckets``; 0: one collective per piece), one collective per
+  bucket, mesh axis and dtype -- the planner prices each piece's share of a bucket's latency
+  (``planner.zero_pricing.zero_gather_seconds``).
+- ``ScatterPlan``: a ZeRO-2 gradient bucket (``runtime.bucketing``), axes from the first to the
+  last: a partial gradient is reduce-scattered over an axis it is partial on; on an axis where
+  every device holds the same gradient (not partial) this device just keeps its chunk. Each
+  gradient is copied into the first round's send buffer as it arrives in backward
+  (``ScatterWork.add``, one copy, as a data-parallel bucket's), the first round can be left in
+  flight, and this device's summed chunk is a view of the last round's receive buffer.
+
+The layouts are computed once. The gather's buffers (at most ``cap_bytes``) and the
+reduce-scatter's receive buffers (the pieces' gradients, 1/dp of the parameters) are kept across
+steps -- a fresh allocation of a large buffer costs its page faults on every step on CPU -- but
+a receive buffer an earlier step's gradient still lives in (``master.grad``, when gradients
+accumulate over steps) is not reused. The reduce-scatter's send buffer (the full local
+gradients) lives only until its collective is done: holding it would undo ZeRO-2's saving.
 """
 
 from __future__ import annotations
 
 import math
+import weakref
 from collections import defaultdict
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
+import torch.distributed as dist
 
+from autopar.layout.cost import collective_seconds
+from autopar.layout.mesh import MeshSpec
 from autopar.runtime.counting import record
-from autopar.runtime.dtensors import local_of
 from autopar.runtime.dist_ops import all_gather_single, reduce_scatter_single
+from autopar.runtime.dtensors import local_of
 
-__all__ = ["ScatterWork", "chunk_sizes", "gather_pieces", "scatter_grads"]
+__all__ = ["GatherPlan", "Level", "ScatterPlan", "ScatterWork", "chunk_sizes", "gather_pieces", "levels",
+           "scatter_grads"]
 
 
 def chunk_sizes(n: int, k: int) -> list[int]:
@@ -36,140 +56,383 @@ def chunk_sizes(n: int, k: int) -> list[int]:
     return [max(0, min(full, n - i * full)) for i in range(k)]
 
 
-def _levels(piece) -> list[tuple[int, list[int], int]]:
-    """Per ZeRO axis (in order): (axis, chunk sizes of the block it splits, this device's chunk)."""
+@dataclass(frozen=True)
+class Level:
+    """One ZeRO axis of a piece: it splits the block of rows ``start ..`` of the parameter's
+    local tensor into chunks of ``sizes`` rows; this device holds chunk ``coord``."""
+
+    axis: int
+    start: int
+    sizes: tuple[int, ...]
+    coord: int
+
+    def row(self, chunk: int) -> int:
+        """The first row of ``chunk`` in the local tensor."""
+        return self.start + sum(self.sizes[:chunk])
+
+
+def levels(piece) -> tuple[Level, ...]:
+    """``piece``'s ZeRO axes in mesh order, each with the block it splits."""
     mesh = piece.param.device_mesh
-    rows = local_of(piece.param).shape[piece.dim]
-    out = []
+    rows, start, out = local_of(piece.param).shape[piece.dim], 0, []
     for a in piece.axes:
-        sizes = chunk_sizes(rows, mesh.size(a))
+        sizes = tuple(chunk_sizes(rows, mesh.size(a)))
         coord = mesh.get_local_rank(a)
-        out.append((a, sizes, coord))
+        out.append(Level(a, start, sizes, coord))
+        start += sum(sizes[:coord])
         rows = sizes[coord]
-    return out
+    return tuple(out)
+
+
+def _all_reduce_cheaper(rnd: "_Round", mesh: MeshSpec) -> bool:
+    """Does ``mesh`` price an all-reduce of ``rnd``'s buffer below its reduce-scatter?"""
+    nbytes = rnd.k * rnd.seg * torch.empty((), dtype=rnd.dtype).element_size()
+    return (collective_seconds("all_reduce", nbytes, mesh, rnd.axis)
+            < collective_seconds("reduce_scatter", nbytes, mesh, rnd.axis))
 
 
 def _rows_first(t: torch.Tensor, dim: int) -> torch.Tensor:
     return t.movedim(dim, 0) if dim else t
 
 
-@torch.no_grad()
-def gather_pieces(pieces: Sequence) -> None:
-    """Every piece's block all-gathered back into its parameter's local tensor."""
-    if not pieces:
-        return
-    levels = {id(p): _levels(p) for p in pieces}
-    blocks = {id(p): _rows_first(local_of(p.master).detach(), p.dim).contiguous() for p in pieces}
-    for axis in sorted({a for p in pieces for a in p.axes}, reverse=True):
-        batch = defaultdict(list)  # (mesh, dtype) -> pieces split by this axis
-        for p in pieces:
-            if axis in p.axes:
-                batch[(p.param.device_mesh, p.master.dtype)].append(p)
-        for group in batch.values():
-            _gather_round(group, axis, levels, blocks)
-    for p in pieces:
-        _rows_first(local_of(p.param), p.dim).copy_(blocks[id(p)])
+@dataclass(frozen=True)
+class _Member:
+    """One tensor in one collective: its level, the shape of a row, its offset in every
+    rank's segment of the flat buffer (elements)."""
+
+    item: int
+    level: Level
+    rest: tuple[int, ...]
+    offset: int
+
+    @property
+    def width(self) -> int:
+        return math.prod(self.rest)
+
+    def part(self, seg: torch.Tensor, chunk: int) -> torch.Tensor:
+        """Chunk ``chunk``'s rows in ``seg`` (one rank's segment of the flat buffer)."""
+        n = self.level.sizes[chunk]
+        return seg[self.offset:self.offset + n * self.width].view(n, *self.rest)
 
 
-def _gather_round(pieces: list, axis: int, levels: dict, blocks: dict) -> None:
-    mesh = pieces[0].param.device_mesh
-    k = mesh.size(axis)
-    plan, total = [], 0
-    for p in pieces:
-        _, sizes, _ = next(lv for lv in levels[id(p)] if lv[0] == axis)
-        rest = blocks[id(p)].shape[1:]
-        seg = max(sizes) * math.prod(rest)
-        plan.append((p, sizes, rest, total, seg))
-        total += seg
-    send = blocks[id(pieces[0])].new_zeros(total)
-    for p, sizes, rest, offset, seg in plan:
-        block = blocks[id(p)].reshape(-1)
-        send[offset:offset + block.numel()].copy_(block)
-    recv = send.new_empty(k * total)
-    record("all_gather", recv.numel() * recv.element_size())
-    all_gather_single(recv, send, group=mesh.get_group(axis))
-    recv = recv.view(k, total)
-    for p, sizes, rest, offset, seg in plan:
-        width = math.prod(rest)
-        parts = [recv[c, offset:offset + sizes[c] * width].view(sizes[c], *rest) for c in range(k)]
-        blocks[id(p)] = torch.cat(parts, dim=0)
+@dataclass(frozen=True)
+class _Round:
+    """One collective over mesh ``axis`` of the group ``mesh`` for ``members`` of ``dtype``:
+    ``k`` segments of ``seg`` elements (the gathered, or the reduce-scattered, buffer)."""
+
+    axis: int
+    mesh: object
+    dtype: torch.dtype
+    members: tuple[_Member, ...]
+    seg: int
+
+    @property
+    def k(self) -> int:
+        return self.mesh.size(self.axis)
+
+    def group(self):
+        return self.mesh.get_group(self.axis)
 
 
-@torch.no_grad()
-def scatter_grads(items: Sequence[tuple], *, async_op: bool = False) -> "ScatterWork":
-    """``items``: (piece, the parameter's local partial gradient, the mesh axes it is partial
-    on). Starts the batched reduce-scatter; ``.wait()`` returns each piece's summed gradient
-    block (the master's local shape). ``async_op``: the first axis's collectives are left in
-    flight (the bucketer overlaps them with the rest of backward); the others run in ``wait``."""
-    return ScatterWork(items, async_op=async_op)
+class _Buffers:
+    """Flat buffers kept across steps, one per (role, device, dtype), grown to the largest
+    request; ``take`` hands out a prefix."""
+
+    def __init__(self) -> None:
+        self.kept: dict[tuple, torch.Tensor] = {}
+
+    def take(self, role: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        buf = self.kept.get((role, device, dtype))
+        if buf is None or buf.numel() < numel:
+            buf = self.kept[(role, device, dtype)] = torch.empty(numel, dtype=dtype, device=device)
+        return buf[:numel]
+
+
+# ----------------------------------------------------------------------------------- gather
+class GatherPlan:
+    """The all-gathers that put ``pieces`` (after the optimizer updated them) back into their
+    replicated parameters: buckets of at most ``cap_bytes`` gathered bytes per (mesh axis,
+    mesh, dtype), axes from the last to the first (the module docstring)."""
+
+    def __init__(self, pieces: Sequence, *, cap_bytes: int) -> None:
+        if cap_bytes < 0:
+            raise ValueError(f"cap_bytes must be >= 0, got {cap_bytes}")
+        self.pieces = list(pieces)
+        self.levels = [levels(p) for p in self.pieces]
+        self.rounds: list[_Round] = []
+        for axis in sorted({a for p in self.pieces for a in p.axes}, reverse=True):
+            groups = defaultdict(list)  # (mesh, dtype) -> (item, level) split by this axis
+            for i, p in enumerate(self.pieces):
+                level = next((lv for lv in self.levels[i] if lv.axis == axis), None)
+                if level is not None:
+                    groups[(p.param.device_mesh, p.master.dtype)].append((i, level))
+            for (mesh, dtype), items in groups.items():
+                self._bucket(axis, mesh, dtype, items, cap_bytes)
+        self.buffers = _Buffers()
+
+    def _bucket(self, axis: int, mesh, dtype: torch.dtype, items: list, cap_bytes: int) -> None:
+        """Pieces in order, a new collective where the gathered bytes would pass ``cap_bytes``."""
+        k, size = mesh.size(axis), torch.empty((), dtype=dtype).element_size()
+        members, seg = [], 0
+        for i, level in items:
+            p = self.pieces[i]
+            rest = tuple(_rows_first(local_of(p.param), p.dim).shape[1:])
+            n = max(level.sizes) * math.prod(rest)
+            if members and (not cap_bytes or (seg + n) * k * size > cap_bytes):
+                self.rounds.append(_Round(axis, mesh, dtype, tuple(members), seg))
+                members, seg = [], 0
+            members.append(_Member(i, level, rest, seg))
+            seg += n
+        if members:
+            self.rounds.append(_Round(axis, mesh, dtype, tuple(members), seg))
+
+    def _rows(self, item: int) -> torch.Tensor:
+        p = self.pieces[item]
+        return _rows_first(local_of(p.param), p.dim)
+
+    @torch.no_grad()
+    def run(self) -> None:
+        """Every piece's block all-gathered back into its parameter's local tensor."""
+        for p in self.pieces:  # a piece is a view of its rows; one that is not is copied in first
+            mine, rows = local_of(p.master), local_of(p.param)[p.slices]
+            if mine.data_ptr() != rows.data_ptr() or mine.stride() != rows.stride():
+                rows.copy_(mine)
+        for rnd in self.rounds:
+            device = local_of(self.pieces[rnd.members[0].item].param).device
+            send = self.buffers.take("send", rnd.seg, rnd.dtype, device)
+            recv = self.buffers.take("recv", rnd.k * rnd.seg, rnd.dtype, device)
+            for m in rnd.members:  # this device's block at this level, from the rows it lives in
+                lv = m.level
+                m.part(send, lv.coord).copy_(self._rows(m.item)[lv.row(lv.coord):lv.row(lv.coord + 1)])
+            record("all_gather", recv.numel() * recv.element_size())
+            all_gather_single(recv, send, group=rnd.group())
+            segs = recv.view(rnd.k, rnd.seg)
+            for m in rnd.members:
+                lv, rows = m.level, self._rows(m.item)
+                for c in range(rnd.k):
+                    if c != lv.coord and lv.sizes[c]:
+                        rows[lv.row(c):lv.row(c + 1)].copy_(m.part(segs[c], c))
+
+
+def gather_pieces(pieces: Sequence, *, cap_bytes: int = 0) -> None:
+    """``GatherPlan(pieces, cap_bytes=...).run()`` once (``cap_bytes`` 0: one bucket per piece)."""
+    if pieces:
+        GatherPlan(pieces, cap_bytes=cap_bytes).run()
+
+
+# ---------------------------------------------------------------------------------- scatter
+class ScatterPlan:
+    """The reduce-scatter of a fixed list of ``items`` -- (piece, the mesh axes its gradient
+    is partial on, the dtype it is summed in) -- one round per mesh axis of the pieces, each
+    a collective per (mesh, dtype) for every item partial on that axis (the module docstring).
+    ``keep``: keep the buffers for the next ``work`` (a shard bucket's plan, used every step).
+    ``mesh``: the plan's ``MeshSpec``; where its calibrated links price an all-reduce of a
+    collective's buffer below its reduce-scatter (gloo's reduce-scatter is not a ring of its
+    own), that collective all-reduces and keeps this device's segment -- the cheaper of the
+    two, which is what the planner prices (``planner.zero_pricing.zero2_extra_s``)."""
+
+    def __init__(self, items: Sequence[tuple], *, keep: bool = True, mesh: MeshSpec | None = None) -> None:
+        self.items = [(p, tuple(partial), dtype) for p, partial, dtype in items]
+        self.axes, links = sorted({a for p, _, _ in self.items for a in p.axes}), mesh
+        lvs = [levels(p) for p, _, _ in self.items]
+        # Per round (axis): its collectives and the items that keep their chunk without one.
+        self.rounds: list[tuple[list[_Round], list[tuple[int, Level]]]] = []
+        for axis in self.axes:
+            groups, cut = defaultdict(list), []
+            for i, (p, partial, dtype) in enumerate(self.items):
+                level = next((lv for lv in lvs[i] if lv.axis == axis), None)
+                if level is None:
+                    continue
+                if axis in partial:
+                    groups[(p.param.device_mesh, dtype)].append((i, level))
+                else:  # every device holds the same gradient here: keep this device's chunk
+                    cut.append((i, level))
+            collectives = []
+            for (mesh, dtype), members in groups.items():
+                out, seg = [], 0
+                for i, level in members:
+                    p = self.items[i][0]
+                    rest = tuple(_rows_first(local_of(p.param), p.dim).shape[1:])
+                    out.append(_Member(i, level, rest, seg))
+                    seg += max(level.sizes) * math.prod(rest)
+                collectives.append(_Round(axis, mesh, dtype, tuple(out), seg))
+            self.rounds.append((collectives, cut))
+        # (round, collective) -> summed by an all-reduce instead (``mesh``'s links say it is cheaper)
+        self.all_reduced = {(r, c): links is not None and _all_reduce_cheaper(rnd, links)
+                            for r, (collectives, _) in enumerate(self.rounds) for c, rnd in enumerate(collectives)}
+        # item -> (its member in the first round's collective c) where it is one
+        self.first = {m.item: (c, m) for c, rnd in enumerate(self.rounds[0][0] if self.rounds else ())
+                      for m in rnd.members}
+        self.keep = keep
+        self._kept: dict[tuple, torch.Tensor] = {}  # (round, collective, device) -> receive buffer
+        # The work holding the kept buffers until its ``wait`` (a weak reference: a backward pass
+        # that raised is dropped with its work, and the buffers are free again).
+        self._holder = lambda: None
+
+    def work(self) -> "ScatterWork":
+        """One backward pass's reduce-scatter over this plan (the kept buffers unless another
+        pass -- a reentrant backward inside this one -- holds them)."""
+        work = ScatterWork(self, own=self.keep and self._holder() is None)
+        if work.own:
+            self._holder = weakref.ref(work)
+        return work
+
+    def send_buffer(self, r: int, c: int, device: torch.device) -> torch.Tensor:
+        """Round ``r``'s collective ``c``'s send buffer (``k`` segments of ``seg``), its padding
+        zeroed. Never kept: a full-size gradient buffer held between steps is what ZeRO-2 saves."""
+        rnd = self.rounds[r][0][c]
+        send = torch.empty(rnd.k * rnd.seg, dtype=rnd.dtype, device=device)
+        segs = send.view(rnd.k, rnd.seg)
+        for m in rnd.members:
+            most = max(m.level.sizes) * m.width
+            for chunk, n in enumerate(m.level.sizes):
+                if n * m.width < most:
+                    segs[chunk, m.offset + n * m.width:m.offset + most].zero_()
+        return send
+
+    def recv_buffer(self, r: int, c: int, device: torch.device, *, own: bool) -> torch.Tensor:
+        """Round ``r``'s collective ``c``'s receive buffer (``seg``): the kept one (``own``)
+        unless a piece's gradient still lives in it."""
+        rnd = self.rounds[r][0][c]
+        key = (r, c, device)
+        buf = self._kept.get(key) if own else None
+        if buf is None or self._aliased(buf, rnd):
+            buf = torch.empty(rnd.seg, dtype=rnd.dtype, device=device)
+            if own:
+                self._kept[key] = buf
+        return buf
+
+    def _aliased(self, buf: torch.Tensor, rnd: _Round) -> bool:
+        ptr = buf.untyped_storage().data_ptr()
+        for m in rnd.members:
+            grad = self.items[m.item][0].master.grad
+            if grad is not None and local_of(grad).untyped_storage().data_ptr() == ptr:
+                return True
+        return False
 
 
 class ScatterWork:
-    """One batched ZeRO-2 reduce-scatter (``scatter_grads``), axes from the first to the last:
-    each axis's round depends on the block the previous one left."""
+    """One pass of a ``ScatterPlan``: ``add`` each item's local partial gradient as it
+    arrives, ``start`` the first round (``async_op``: left in flight), ``wait`` for the
+    rest; ``wait`` returns each item's summed block (the master's local shape; None for an
+    item that received no gradient)."""
 
-    def __init__(self, items: Sequence[tuple], *, async_op: bool) -> None:
-        self.items = list(items)
-        self.blocks = {i: _rows_first(grad, p.dim).contiguous() for i, (p, grad, _) in enumerate(self.items)}
-        self.levels = {i: _levels(p) for i, (p, _, _) in enumerate(self.items)}
-        self.axes = sorted({a for p, _, _ in self.items for a in p.axes})
-        self.pending: list[tuple] = []  # (work or None, finish) of the round in flight
-        self.next_axis = 0
-        if self.axes:
-            self._round(async_op=async_op)
+    def __init__(self, plan: ScatterPlan, *, own: bool) -> None:
+        self.plan, self.own = plan, own
+        n = len(plan.items)
+        self.data: list[torch.Tensor | None] = [None] * n  # rows-first: the item's current block
+        self.added = [False] * n
+        self.sends: dict[int, torch.Tensor] = {}  # first-round collective -> its send buffer
+        self.pending: list[tuple] = []  # (work or None, round, collective, recv, send) in flight
+        self.next_round = 0
+        self.started = False
 
-    def _round(self, *, async_op: bool) -> None:
-        axis = self.axes[self.next_axis]
-        self.next_axis += 1
-        batch = defaultdict(list)  # (mesh, dtype) -> items reduce-scattered over this axis
-        for i, (p, _, partial) in enumerate(self.items):
-            if axis not in p.axes:
-                continue
-            _, sizes, coord = next(lv for lv in self.levels[i] if lv[0] == axis)
-            if axis in partial:
-                batch[(p.param.device_mesh, self.blocks[i].dtype)].append(i)
-            else:  # every device holds the same gradient here: keep this device's chunk
-                start = sum(sizes[:coord])
-                self.blocks[i] = self.blocks[i][start:start + sizes[coord]]
-        for group in batch.values():
-            self.pending.append(self._scatter_round(group, axis, async_op=async_op))
+    def _send(self, c: int, device: torch.device) -> torch.Tensor:
+        send = self.sends.get(c)
+        if send is None:
+            send = self.sends[c] = self.plan.send_buffer(0, c, device)
+        return send
 
-    def _scatter_round(self, group: list[int], axis: int, *, async_op: bool) -> tuple:
-        mesh = self.items[group[0]][0].param.device_mesh
-        k = mesh.size(axis)
-        plan, total = [], 0
-        for i in group:
-            _, sizes, coord = next(lv for lv in self.levels[i] if lv[0] == axis)
-            rest = self.blocks[i].shape[1:]
-            plan.append((i, sizes, coord, rest, total))
-            total += max(sizes) * math.prod(rest)
-        send = self.blocks[group[0]].new_zeros(k, total)
-        for i, sizes, coord, rest, offset in plan:
-            start = 0
-            for c in range(k):
-                rows = self.blocks[i][start:start + sizes[c]].reshape(-1)
-                send[c, offset:offset + rows.numel()].copy_(rows)
-                start += sizes[c]
-        recv = send.new_empty(total)
-        record("reduce_scatter", send.numel() * send.element_size())
-        work = reduce_scatter_single(recv, send.view(-1), group=mesh.get_group(axis), async_op=async_op)
+    @torch.no_grad()
+    def add(self, i: int, grad: torch.Tensor) -> None:
+        """Item ``i``'s local partial gradient (the parameter's local shape); a second one in
+        the same pass is added to the first."""
+        if self.started:
+            raise RuntimeError(f"gradient of {self.plan.items[i][0].name!r} after its reduce-scatter left")
+        p, _, dtype = self.plan.items[i]
+        rows = _rows_first(grad, p.dim)
+        first = self.plan.first.get(i)
+        if first is None:  # not in the first collective: kept until its round (a copy: autograd's tensor)
+            self.data[i] = rows.to(dtype, copy=True) if self.data[i] is None else self.data[i].add_(rows)
+        else:
+            c, m = first
+            lv = m.level
+            segs = self._send(c, grad.device).view(len(lv.sizes), -1)
+            for chunk in range(len(lv.sizes)):
+                part, src = m.part(segs[chunk], chunk), rows[lv.row(chunk) - lv.start:lv.row(chunk + 1) - lv.start]
+                if self.added[i]:
+                    part.add_(src)
+                else:
+                    part.copy_(src)
+        self.added[i] = True
 
-        def finish() -> None:
-            for i, sizes, coord, rest, offset in plan:
-                self.blocks[i] = recv[offset:offset + sizes[coord] * math.prod(rest)].view(sizes[coord], *rest)
+    def start(self, *, async_op: bool) -> None:
+        """Issue the first round (a collective per (mesh, dtype)); ``async_op``: left in flight."""
+        self.started = True
+        if self.plan.rounds:
+            self._round(0, async_op=async_op)
 
-        return (work if async_op else None), finish
+    def _round(self, r: int, *, async_op: bool) -> None:
+        collectives, cut = self.plan.rounds[r]
+        self.next_round = r + 1
+        for i, level in cut:
+            if self.data[i] is not None:
+                lo = level.row(level.coord) - level.start
+                self.data[i] = self.data[i][lo:lo + level.sizes[level.coord]]
+        for c, rnd in enumerate(collectives):
+            device = self._device(rnd)
+            if r == 0:
+                send = self._send(c, device)
+                segs = send.view(rnd.k, rnd.seg)
+                for m in rnd.members:
+                    if not self.added[m.item]:  # no gradient this pass: its rows from the last must not count
+                        for chunk in range(rnd.k):
+                            m.part(segs[chunk], chunk).zero_()
+            else:
+                send = self.plan.send_buffer(r, c, device)
+                segs = send.view(rnd.k, rnd.seg)
+                for m in rnd.members:
+                    block = self.data[m.item]
+                    for chunk in range(rnd.k):
+                        lo = m.level.row(chunk) - m.level.start
+                        part = m.part(segs[chunk], chunk)
+                        if block is None:
+                            part.zero_()
+                        else:
+                            part.copy_(block[lo:lo + m.level.sizes[chunk]])
+            recv = self.plan.recv_buffer(r, c, device, own=self.own)
+            if self.plan.all_reduced[(r, c)]:
+                record("all_reduce", send.numel() * send.element_size())
+                work = dist.all_reduce(send, group=rnd.group(), async_op=async_op)
+            else:
+                record("reduce_scatter", send.numel() * send.element_size())
+                work = reduce_scatter_single(recv, send, group=rnd.group(), async_op=async_op)
+            self.pending.append((work if async_op else None, r, c, recv, send))
+
+    def _device(self, rnd: _Round) -> torch.device:
+        return local_of(self.plan.items[rnd.members[0].item][0].param).device
 
     def _drain(self) -> None:
-        for work, finish in self.pending:
+        for work, r, c, recv, send in self.pending:  # (the send buffer lives until its collective is done)
             if work is not None:
                 work.wait()
-            finish()
-        self.pending = []
+            if self.plan.all_reduced[(r, c)]:  # every segment summed: keep this device's
+                rnd = self.plan.rounds[r][0][c]
+                recv.copy_(send.view(rnd.k, rnd.seg)[rnd.mesh.get_local_rank(rnd.axis)])
+            for m in self.plan.rounds[r][0][c].members:
+                if self.added[m.item]:
+                    self.data[m.item] = m.part(recv, m.level.coord)
+        self.pending, self.sends = [], {}
 
-    def wait(self) -> list[torch.Tensor]:
+    def wait(self) -> list[torch.Tensor | None]:
+        if not self.started:
+            self.start(async_op=False)
         self._drain()
-        while self.next_axis < len(self.axes):
-            self._round(async_op=False)
+        while self.next_round < len(self.plan.rounds):
+            self._round(self.next_round, async_op=False)
             self._drain()
-        return [self.blocks[i].movedim(0, p.dim) if p.dim else self.blocks[i] for i, (p, _, _) in enumerate(self.items)]
+        if self.own:
+            self.plan._holder = lambda: None
+        return [None if d is None or not self.added[i] else d.movedim(0, p.dim) if p.dim else d
+                for i, (d, (p, _, _)) in enumerate(zip(self.data, self.plan.items))]
+
+
+@torch.no_grad()
+def scatter_grads(items: Sequence[tuple], *, async_op: bool = False) -> ScatterWork:
+    """``items``: (piece, the parameter's local partial gradient, the mesh axes it is partial
+    on); a one-off ``ScatterPlan`` with the work started (``.wait()`` gives the blocks)."""
+    work = ScatterPlan([(p, partial, grad.dtype) for p, grad, partial in items], keep=False).work()
+    for i, (_, grad, _) in enumerate(items):
+        work.add(i, grad)
+    work.start(async_op=async_op)
+    return work

@@ -7,9 +7,10 @@ from typing import Any, Iterable
 
 import torch
 
+from autopar.layout.buckets import bucket_cap_bytes
 from autopar.runtime.dtensors import local_of
 from autopar.runtime.parallel_module import ParallelModule
-from autopar.runtime.zero.comm import gather_pieces
+from autopar.runtime.zero.comm import GatherPlan
 from autopar.runtime.zero.pieces import Piece, piece_of
 
 __all__ = ["ZeroOptimizer"]
@@ -32,6 +33,9 @@ class ZeroOptimizer:
                 self.pieces.append(piece)
                 swap[id(param)] = piece.master
         self.optimizer = optimizer_class(_swapped(params, module, swap), **kwargs)
+        # Gathered in buckets of the gradient buckets' cap, as the planner prices them
+        # (``planner.zero_pricing.zero_gather_seconds``); laid out once, buffers kept.
+        self._gather = GatherPlan(self.pieces, cap_bytes=bucket_cap_bytes())
         self._state_module: torch.nn.Module | None = None
         module.attach_zero(self)
 
@@ -95,8 +99,8 @@ class ZeroOptimizer:
     @torch.no_grad()
     def all_gather(self) -> None:
         """Every piece back into its replicated parameter (after the inner optimizer's step):
-        one all-gather per mesh axis and dtype for all pieces (:mod:`autopar.runtime.zero.comm`)."""
-        gather_pieces(self.pieces)
+        one all-gather per bucket of pieces, mesh axis and dtype (:mod:`autopar.runtime.zero.comm`)."""
+        self._gather.run()
 
     def __repr__(self) -> str:
         stages = sorted({p.stage for p in self.pieces})

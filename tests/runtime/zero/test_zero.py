@@ -71,10 +71,9 @@ def _planned_collectives(rows, mesh_shape) -> tuple[Counter, Counter]:
     """(collectives, bytes) per kind that one step issues by the plan's communication rows, as
     the runtime issues them: a collective over several mesh axes runs as one per axis (a
     reduce-scatter's later rounds, an all-gather's earlier ones, move a 1/n-th as much per
-    axis already split); ZeRO's all-gathers after the step are one per mesh axis for all
-    parameters; local steps (split, to_partial) issue nothing."""
+    axis already split); ZeRO's all-gathers after the step are one per bucket (``_body``'s
+    tiny cap: one per parameter) and mesh axis; local steps (split, to_partial) issue nothing."""
     counts, nbytes = Counter(), Counter()
-    zero_axes = set()
     for row in rows:
         if row.kind not in COLLECTIVE_KINDS:
             assert not row.kind.startswith("kernel:"), f"a kernel's collectives are not itemised: {row}"
@@ -83,17 +82,14 @@ def _planned_collectives(rows, mesh_shape) -> tuple[Counter, Counter]:
         split = [math.prod(mesh_shape[a] for a in axes[:k]) for k in range(len(axes))]
         per_axis = sum(1 / s for s in split) if row.kind in ("reduce_scatter", "all_gather") else len(axes)
         nbytes[row.kind] += row.payload_bytes * per_axis
-        if row.source == "zero" and row.kind == "all_gather":
-            zero_axes.update(axes)
-        else:
-            counts[row.kind] += row.count * len(axes)
-    counts["all_gather"] += len(zero_axes)
+        counts[row.kind] += row.count * len(axes)
     return +counts, +nbytes
 
 
 def _body(rank, world, model, inputs, plans):
     # A bucket per gradient: the plan prices one all-reduce (or ZeRO-2 reduce-scatter) per
-    # partial gradient; default buckets would merge them (tests/runtime/test_bucketing.py).
+    # partial gradient, and ZeRO one all-gather per parameter, in the report's rows; default
+    # buckets would merge them (tests/runtime/test_bucketing.py, test_gather_buckets below).
     os.environ["AUTOPAR_BUCKET_CAP_MB"] = "1e-6"
     out = []
     for stage, plan in plans:
@@ -179,6 +175,11 @@ def test_zero_1_and_2_train_like_one_device(name):
 def _auto_body(rank, world, model, inputs, plan):
     pm = autopar.autoparallelize(copy.deepcopy(model), inputs, plan=plan, init_weights=False)
     pm.load_full_state_dict(model.state_dict())
+    # A first optimizer, dropped after one backward: its pieces must not keep receiving gradients
+    # (the bucketer's reduce-scatter plans are laid out for the pieces of the latest optimizer).
+    dropped = pm.optimizer(torch.optim.AdamW, lr=1e-3, eps=EPS)
+    pm(**inputs).loss.backward()
+    dropped.zero_grad()
     opt = pm.optimizer(torch.optim.AdamW, [{"params": list(pm.parameters()), "weight_decay": 0.05}],
                        lr=1e-3, eps=EPS)
     for _ in range(STEPS):
@@ -244,9 +245,17 @@ def _batched_body(rank, world):
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
     from autopar.runtime.zero import piece_of
-    from autopar.runtime.zero.comm import gather_pieces, scatter_grads
+    from dataclasses import replace
+
+    from autopar.layout.machine import ComputeProfile, LinkFit, MachineProfile
+    from autopar.layout.mesh import MeshSpec
+    from autopar.runtime.zero.comm import GatherPlan, ScatterPlan, gather_pieces, scatter_grads
 
     mesh = init_device_mesh("cpu", (2, 2))
+    links = [LinkFit(kind, a, alpha, beta) for a in (0, 1)
+             for kind, alpha, beta in (("all_reduce", 1e-6, 1e-12), ("reduce_scatter", 1e-3, 1e-9))]
+    cheap_all_reduce = replace(MeshSpec.preset("cpu", (2, 2)), machine=MachineProfile(
+        ComputeProfile(()), tuple(links), (2, 2), ("a", "b"), note="all-reduce cheaper"))
     torch.manual_seed(0)
     layouts = {"RR": (Replicate(), Replicate()), "S0R": (Shard(0), Replicate()),
                "RS0": (Replicate(), Shard(0)), "RS1": (Replicate(), Shard(1))}
@@ -258,9 +267,19 @@ def _batched_body(rank, world):
     with torch.no_grad():
         for piece in pieces:  # an "optimizer step": every piece moves by its own amount
             local_of(piece.master).add_(1.0 + rank)
-    gather_pieces(pieces)
-    gathered = {p.name: p.param.full_tensor() for p in pieces}
+    with count_collectives() as one_each:
+        gather_pieces(pieces)
+    # (cloned: a replicated DTensor's full tensor is its local one, which the next gather writes)
+    gathered = {p.name: p.param.full_tensor().clone() for p in pieces}
     expected = {p.name: p.master.detach().full_tensor() for p in pieces}
+    # In buckets: with room for all, one all-gather per mesh axis carries every piece.
+    with torch.no_grad():
+        for piece in pieces:
+            local_of(piece.master).mul_(2.0)
+    with count_collectives() as bucketed:
+        GatherPlan(pieces, cap_bytes=1 << 20).run()
+    in_buckets = all(torch.equal(p.param.full_tensor(), 2 * expected[p.name]) for p in pieces)
+    gathers = (one_each["all_gather"], bucketed["all_gather"], in_buckets)
     # ZeRO-2: each rank's local gradient differs; partial on every ZeRO axis, or on the first only
     results = {}
     for partial_on in ("all", "first"):
@@ -280,10 +299,38 @@ def _batched_body(rank, world):
         for async_op in (False, True):
             got = scatter_grads(items, async_op=async_op).wait()
             results[partial_on, async_op] = all(torch.allclose(g, w) for g, w in zip(got, want))
-    return ({k: torch.equal(gathered[k], expected[k]) for k in gathered}, results)
+        # A kept plan, two passes: the second reuses the buffers, except a receive buffer the
+        # first pass's gradient still lives in (``master.grad`` kept: accumulation over steps).
+        plan = ScatterPlan([(p, partial, g.dtype) for p, g, partial in items])
+        passes = []
+        for scale in (1.0, 3.0):
+            work = plan.work()
+            for i, (p, g, _) in enumerate(items):
+                work.add(i, g * scale)
+            work.start(async_op=True)
+            passes.append(work.wait())
+            for p, mine in zip(pieces, passes[-1]):
+                p.master.grad = p.wrap(mine)
+        results[partial_on, "kept"] = all(torch.allclose(a, w) and torch.allclose(b, 3 * w)
+                                          for a, b, w in zip(*passes, want))
+        # Links where an all-reduce is the cheaper sum: every collective all-reduces, same pieces.
+        with count_collectives() as summed:
+            work = ScatterPlan([(p, partial, g.dtype) for p, g, partial in items], mesh=cheap_all_reduce).work()
+            for i, (p, g, _) in enumerate(items):
+                work.add(i, g)
+            work.start(async_op=True)
+            got = work.wait()
+        results[partial_on, "all-reduced"] = (all(torch.allclose(g, w) for g, w in zip(got, want))
+                                              and summed["all_reduce"] > 0 and not summed["reduce_scatter"])
+        for p in pieces:
+            p.master.grad = None
+    return ({k: torch.equal(gathered[k], expected[k]) for k in gathered}, results, gathers)
 
 
 def test_batched_gather_and_reduce_scatter_match_dtensor_on_uneven_nested_pieces():
-    for gathered, scattered in run_local(_batched_body, 4, timeout=120):
+    for gathered, scattered, (one_each, bucketed, in_buckets) in run_local(_batched_body, 4, timeout=120):
         assert all(gathered.values()), gathered
-        assert all(scattered.values()) and len(scattered) == 4, scattered
+        assert all(scattered.values()) and len(scattered) == 8, scattered
+        # 4 pieces: RR on both axes, S0R / RS0 / RS1 on one each -- one gather per (piece, axis)
+        # without buckets, one per axis with them
+        assert (one_each, bucketed, in_buckets) == (5, 2, True)
