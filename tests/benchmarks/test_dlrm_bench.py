@@ -79,6 +79,8 @@ def test_small_dlrm_tables_and_families():
         table_family_plan(traced, tight.built, "data-parallel")
 
 
+# The full-size planning-time check (20 s): with the whole sweeps; test_small_dlrm_tables_and_families stays.
+@pytest.mark.full_sweep
 @pytest.mark.slow
 def test_criteo_1tb_on_8x8_plans_under_a_minute(tmp_path, capsys):
     bench = load_script("dlrm")

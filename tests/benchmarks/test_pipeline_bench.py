@@ -48,6 +48,8 @@ def test_pipeline_plan_configs_scale_the_batch_with_the_devices():
     assert len(found) == 21
 
 
+# Plans and runs a configuration end to end (17 s): with the whole sweeps; the floors' pruning test stays.
+@pytest.mark.full_sweep
 def test_pipeline_plan_runs_one_configuration_and_autopar_is_not_slower(tmp_path, capsys):
     bench = load_script("pipeline_plan")
     out = tmp_path / "plan.jsonl"

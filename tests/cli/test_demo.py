@@ -59,6 +59,8 @@ def test_first_loss_check_fails_loudly(monkeypatch):
         run_local(demo.train, 2, steps=1, batch=2, seq=16, memory_budget=None)  # no budget plans: faster
 
 
+# A second training run, launched by torchrun (19 s): with the whole sweeps; the demo's own run stays.
+@pytest.mark.full_sweep
 def test_runs_under_torchrun():
     torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable))
     assert torchrun is not None, "torchrun ships with torch"

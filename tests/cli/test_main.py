@@ -1,4 +1,5 @@
-"""The ``autopar`` command line, run for real (subprocess) on zoo models at their published size."""
+"""The ``autopar`` command line, run for real (subprocess) on zoo models at their published size; the
+bad-input cases through ``main(argv)`` in this process, one of them in a fresh one as well."""
 
 from __future__ import annotations
 
@@ -20,6 +21,31 @@ def run_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONWARNINGS="ignore")
     return subprocess.run([sys.executable, "-m", "autopar.cli.main", *args], capture_output=True, text=True,
                           timeout=timeout, cwd=ROOT, env=env)
+
+
+def run_cli_here(*args: str) -> subprocess.CompletedProcess:
+    """``autopar`` in this process (``main(argv)``, output captured): for checks of what one
+    command says, where a fresh interpreter per case (3-5 s) adds nothing but time."""
+    import contextlib
+    import io
+    import logging
+    import warnings
+
+    from autopar.cli.main import main
+
+    out, err = io.StringIO(), io.StringIO()
+    handler = logging.StreamHandler(err)  # what the command logs reaches its stderr, as in a process
+    logging.getLogger().addHandler(handler)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            try:
+                code = main(list(args))
+            except SystemExit as exc:  # argparse's usage errors
+                code = exc.code
+    finally:
+        logging.getLogger().removeHandler(handler)
+    return subprocess.CompletedProcess(["autopar", *args], code, out.getvalue(), err.getvalue())
 
 
 def assert_one_line_error(out: subprocess.CompletedProcess, *needles: str) -> str:
@@ -225,7 +251,12 @@ def test_profile_mesh_local_writes_a_loadable_mesh(tmp_path):
     (("profile-mesh", "--mesh", "2x2", "-o", "m.json"), ("--local N", "torchrun")),
 ])
 def test_bad_input_is_one_clear_line(args, needles):
-    assert_one_line_error(run_cli(*args, timeout=60), *needles)
+    assert_one_line_error(run_cli_here(*args), *needles)
+
+
+def test_bad_input_is_one_clear_line_in_a_fresh_process():
+    # the cases above run in this process; one as a user meets it, in a fresh interpreter
+    assert_one_line_error(run_cli("inspect", "gpt-5", "--mesh", "2x4", timeout=60), "unknown model 'gpt-5'")
 
 
 def test_infeasible_budget_names_the_smallest_budget():

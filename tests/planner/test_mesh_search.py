@@ -163,6 +163,8 @@ def _mlp_search(restrict: str):
     return search_meshes(plan_on, nodes=4, devices_per_node=4, device="h100-80gb", restrict=restrict), calls
 
 
+# Every 3-axis shape of 16 devices planned twice (20 s): with the whole sweeps (pytest -m full_sweep).
+@pytest.mark.full_sweep
 def test_every_three_axis_mesh_gets_a_restricted_plan_never_better_than_the_exact_one():
     restricted, calls = _mlp_search("always")
     exact, _ = _mlp_search("never")

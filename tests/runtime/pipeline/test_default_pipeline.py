@@ -68,7 +68,10 @@ def _body(rank, world, model, inputs, want_loss, want_grads, want_params, padded
     return errors
 
 
-@pytest.mark.parametrize("padded, loop", [(False, False), (True, False), (True, True), (True, "criterion")],
+# [full] and [padded-criterion] (uneven micro-batch weights through a criterion) by default; the
+# other two cases of the uneven weights with the whole sweeps (``pytest -m full_sweep``).
+@pytest.mark.parametrize("padded, loop", [(False, False), pytest.param(True, False, marks=pytest.mark.full_sweep),
+                                          pytest.param(True, True, marks=pytest.mark.full_sweep), (True, "criterion")],
                          ids=["full", "padded", "padded-training-loop", "padded-criterion"])
 def test_default_pipeline_trains_like_single_device(padded, loop):
     model, inputs = qwen2_decoder(device="cpu")
