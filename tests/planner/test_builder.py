@@ -362,7 +362,7 @@ def _assert_same_build(stamped, plain):
 
 
 @pytest.mark.parametrize("name", ["gpt2", "llama-1b", "bert-base"])
-@pytest.mark.parametrize("mesh_shape", [(2,), (2, 2), (2, 1, 2)])
+@pytest.mark.parametrize("mesh_shape", [(2,), (2, 2), pytest.param((2, 1, 2), marks=pytest.mark.full_sweep)])
 def test_stamped_blocks_equal_the_op_by_op_build(name, mesh_shape):
     """Blocks 3 .. N-1 stamped from block 2's records (``planner.block_stamps``) build the very
     Problem (byte for byte), decisions, sources and segment inputs of building every op."""

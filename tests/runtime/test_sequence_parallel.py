@@ -70,9 +70,10 @@ def _run(rank, world, model, inputs, traced, plans, ref):
     return errors
 
 
-# Llama with its padding mask runs in the default suite (about 30 s on 2 cores); the other three
-# with the whole sweeps (``pytest -m full_sweep``).
-CASES = [pytest.param("llama", True, id="llama-padding-mask")] + [
+# All four with the whole sweeps (``pytest -m full_sweep``: about 20 s each on 2 cores); the default
+# run splits sequences through the Booster (tests/booster/test_hybrid_sequence.py) and the ring
+# attention rules (tests/strategies/test_ring_attention.py).
+CASES = [pytest.param("llama", True, id="llama-padding-mask", marks=pytest.mark.full_sweep)] + [
     pytest.param(name, padded, id=f"{name}-{'padding-mask' if padded else 'causal'}", marks=pytest.mark.full_sweep)
     for name, padded in (("llama", False), ("qwen2", False), ("qwen2", True))]
 

@@ -46,10 +46,10 @@ def test_c_extension_is_built():
     assert c_extension_available(), "autopar._rotor is missing: run `pip install -e .`"
 
 
-def test_c_and_python_agree_exactly_on_200_random_chains():
+def test_c_and_python_agree_exactly_on_60_random_chains():
     rng = random.Random(20240611)
     num_feasible = 0
-    for case in range(200):
+    for case in range(60):
         num_stages = 2 + case % 59  # every length 2..60, some twice or more
         chain = random_chain(rng, num_stages)
         lo = min_budget(chain)
@@ -76,7 +76,7 @@ def test_c_and_python_agree_exactly_on_200_random_chains():
             mem = num_slots - sz.act[0]
             if mem >= 0:
                 assert checkpoint._dp("c", sz, mem) == checkpoint._dp("python", sz, mem)
-    assert num_feasible >= 150, num_feasible
+    assert num_feasible >= 45, num_feasible
 
 
 # ------------------------------------------------------------------------ brute force

@@ -468,6 +468,8 @@ def test_family_reuse_equals_solving_every_length(traced_models):
             assert got[1].peak_bytes == want[1].peak_bytes and got[2] == want[2]
 
 
+# with the whole sweeps (16 s): the bounds keep the optimum in test_bounds.py
+@pytest.mark.full_sweep
 def test_bounded_stage_solves_find_the_same_cuts_as_solving_every_stage(traced_models):
     """``schedule_cuts`` solves a budget-bound stage only when its lower bound (the shape's
     unconstrained optimum) can beat the best cut found: the same cut, modes and step as solving
