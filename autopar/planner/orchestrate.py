@@ -478,8 +478,11 @@ def _check_full_batch(model, meta_inputs, *, options: PlanOptions, stages: int) 
     traced = trace_for_planning(model, meta_inputs, precision=options.precision)
     mixing = batch_mixing(traced, meta_inputs)
     if mixing is not None:
-        raise NotImplementedError(f"{traced.model_name} cannot be pipelined: {mixing}; plan without a "
-                                  f"pipeline (pipeline=1)")
+        raise _not_pipelined(traced, mixing)
+
+
+def _not_pipelined(traced: TracedGraph, why: str) -> NotImplementedError:
+    return NotImplementedError(f"{traced.model_name} cannot be pipelined: {why}; plan without a pipeline (pipeline=1)")
 
 
 def _stage_floors(model, meta_inputs, *, spec: MeshSpec, options: PlanOptions, progress: Progress,
@@ -502,8 +505,7 @@ def _stage_floors(model, meta_inputs, *, spec: MeshSpec, options: PlanOptions, p
                                           microbatches=m, detail=f"micro-batch graph, {m} micro-batches")
         hazard = pipeline_hazard(traced)
         if hazard is not None:  # the runtime would refuse the plan: say so before searching stages
-            raise NotImplementedError(f"{traced.model_name} cannot be pipelined: {hazard}; plan without a "
-                                      f"pipeline (pipeline=1)")
+            raise _not_pipelined(traced, hazard)
         with progress.stage("pipeline floors", f"{m} micro-batches"):
             costs = stage_costs(traced, prof, mesh=spec, options=options, family=family)
             floor = min(config_floors(costs, schedules=schedules, num_stages=stages, num_microbatches=m,

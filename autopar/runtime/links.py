@@ -31,8 +31,8 @@ import torch
 import torch.distributed as dist
 
 from autopar.layout.cost import collective_seconds
-from autopar.runtime.dist_ops import all_gather_single, reduce_scatter_single
 from autopar.layout.mesh import MeshSpec
+from autopar.runtime.dist_ops import all_gather_single, reduce_scatter_single
 
 __all__ = [
     "KINDS",

@@ -68,9 +68,8 @@ def _batch_of(traced: Any, meta_inputs: Any) -> int:
     return inputs[0].shape[0] if inputs else 0
 
 
-def _batch_inputs(traced: Any, meta_inputs: Any) -> set[str]:
-    """Names of the input placeholders cut into micro-batches."""
-    batch = _batch_of(traced, meta_inputs)
+def _batch_inputs(traced: Any, batch: int) -> set[str]:
+    """Names of the input placeholders cut into micro-batches of a batch of ``batch``."""
     return {p.name for p in traced.placeholders if p.kind == INPUT and p.shape and p.shape[0] == batch}
 
 
@@ -90,8 +89,8 @@ def _loss_path(traced: Any) -> set[fx.Node]:
 
 def _fits(placement: Any, state: Any) -> bool:
     """Whether an input in ``state`` may take ``placement`` with no communication and no change
-    of meaning: the batch only as its own shard; a shared tensor replicated, or sliced along a dim
-    it spans the batch in (module docstring: the micro-batch's trace builds the same slice)."""
+    of meaning: the batch only as its own shard; a shared tensor replicated or sliced along any
+    dim (module docstring: the micro-batch's trace builds the same slice)."""
     if isinstance(state, int):
         return placement == Shard(state)
     return isinstance(placement, Replicate) or (isinstance(placement, Shard) and placement.segments == 1)
@@ -141,9 +140,10 @@ def batch_mixing(traced: Any, meta_inputs: Any = None) -> str | None:
     docstring), as a message naming it; None when every sample stays apart up to the loss, and
     for a graph of one sample (a micro-batch of one: the planner checks the full batch's graph,
     ``planner.orchestrate._check_full_batch``)."""
-    cut = _batch_inputs(traced, meta_inputs)
-    if _batch_of(traced, meta_inputs) <= 1:
+    batch = _batch_of(traced, meta_inputs)
+    if batch <= 1:
         return None  # one sample: no batch to follow (views fold size-1 dims); the planner follows the full batch
+    cut = _batch_inputs(traced, batch)
     loss_path = _loss_path(traced)
     state: dict[fx.Node, Any] = {}
     for node in traced.gm.graph.nodes:
