@@ -25,6 +25,7 @@ from autopar.runtime.dtensors import to_dtensor
 from autopar.runtime.materialize import local_shards
 from autopar.runtime.module import AutoParallelModule
 from autopar.runtime.early import hoist_early_sums
+from autopar.runtime.prefetch import prefetch_enabled, prefetch_gathers
 from autopar.runtime.fold import fold_constants
 from autopar.runtime.passes import STATE_KEY, emit_local_graph
 from autopar.runtime.process_mesh import ProcessMesh
@@ -79,6 +80,8 @@ def build_module(model: nn.Module, traced, plan: Plan, *, device: torch.device, 
 
         apply_recompute(emitted.graph, emitted.modules, plan.recompute)
     hoist_early_sums(emitted.graph, emitted.modules)  # after the regions: never across one
+    if prefetch_enabled():  # sharded parameters gathered one reader ahead (top level, like the sums)
+        prefetch_gathers(emitted.graph, emitted.modules, pmesh, state_key=STATE_KEY)
     owners = owners_of(plan)
     shards, stats = local_shards(model, traced, emitted.specs, pmesh, device=device, seed=seed,
                                  init_weights=init_weights, owners=owners)
