@@ -319,8 +319,9 @@ def _infeasible(problem: Problem, recompute_inputs: SegmentInputs | None, fixed:
     # judges rows within its scaled tolerance: its "infeasible" may stand for a plan that fits.
     # The minimum-peak plan is known (``minimum_budget`` remembered it): the caller answers with it.
     if achieved <= problem.budget_bytes:
+        # no " (" in the text: ``_known_plan`` logs what comes before one
         return _FitsAfterAll(f"{backend} reported budget {problem.budget_bytes} infeasible, yet the minimum-peak "
-                             f"plan (peak {achieved} bytes) fits it")
+                             f"plan, at {achieved} bytes, fits it")
     need = f"{achieved} bytes ({achieved / 2**30:.3f} GiB)" if achieved == lower else (
         f"between {lower} and {achieved} bytes ({lower / 2**30:.3f}-{achieved / 2**30:.3f} GiB)")
     if recompute_inputs is None:
