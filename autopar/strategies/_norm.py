@@ -13,10 +13,12 @@ Batch norm (``batch_norm``; ``input`` (N, C, *); ``weight``, ``bias``, ``running
 - split of a non-channel dim (batch, spatial): with running statistics in eval mode the op is
   elementwise per channel, so the plain op is exact. When batch statistics are used (training,
   or no running statistics) the ``sync_batch_norm`` kernel computes the GLOBAL per-channel mean
-  and variance (two all-reduces of per-channel sums: the mean, then the squared deviations --
-  the two-pass form keeps float32 precision), normalises the local shard with them, updates the
-  running statistics identically on every rank (unbiased variance over the global count), and in
-  backward all-reduces the two per-channel sums that the input gradient needs. The weight and
+  and variance in ONE collective (torch's ``SyncBatchNorm`` does the same: each rank's shard
+  count, mean and squared deviations -- Welford's, no cancellation of a sum of squares -- are
+  gathered and combined by Chan's parallel formula), normalises the local shard with them,
+  updates the running statistics identically on every rank (unbiased variance over the global
+  count), and in backward all-reduces the two per-channel sums that the input gradient needs
+  (the second collective; both are synchronous: the next op needs their result). The weight and
   bias gradients are local partial sums, all-reduced through the derived ``grad_partial``.
 
 Group norm (``group_norm``; statistics per (sample, group of C/G channels)):
@@ -102,13 +104,43 @@ def _per_channel(t: torch.Tensor, ndim: int) -> torch.Tensor:
     return t.view((1, -1) + (1,) * (ndim - 2))
 
 
+def _group_index(comm, axes: tuple[int, ...]) -> tuple[int, int]:
+    """(this rank's index among the ranks of ``axes``, their number): mixed radix, axes in order."""
+    index, size = 0, 1
+    for a in axes:
+        index, size = index * comm.size(a) + comm.coordinate(a), size * comm.size(a)
+    return index, size
+
+
+def _global_moments(x: torch.Tensor, dims: list[int], comm, axes: tuple[int, ...],
+                    count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-channel mean and biased variance of ``x`` over every rank of ``axes``, in ONE
+    collective. Each rank writes its shard's (count, mean, M2) -- ``var_mean``, one pass -- into
+    its own row of a zero table that a sum all-reduce fills: an all-gather (adding zeros is
+    exact, so every rank holds the same rows) through ``Comm``'s one reduction. The rows combine
+    by Chan's formula ``M2 = sum M2_i + sum n_i (mean_i - mean)^2``, as torch's ``SyncBatchNorm``
+    combines its gathered statistics: never the cancelling ``E[x^2] - E[x]^2``."""
+    local_var, local_mean = torch.var_mean(x, dims, correction=0)
+    n = x.numel() // max(x.shape[1], 1)
+    index, size = _group_index(comm, axes)
+    # At least float32: a half-precision count is inexact past 2048 elements per channel.
+    table = torch.zeros(size, 3, x.shape[1], dtype=torch.promote_types(x.dtype, torch.float32), device=x.device)
+    table[index, 0] = n
+    table[index, 1] = local_mean
+    table[index, 2] = local_var * n
+    table = comm.all_reduce(table, axes)
+    counts, means = table[:, 0], table[:, 1]
+    mean = (counts * means).sum(0) / count
+    var = (table[:, 2].sum(0) + (counts * (means - mean) ** 2).sum(0)) / count
+    return mean.to(x.dtype), var.to(x.dtype)
+
+
 class _SyncBatchNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, comm, axes, count, eps):  # noqa: D401
         dims = [d for d in range(x.ndim) if d != 1]
-        mean = comm.all_reduce(x.sum(dims), axes) / count
+        mean, var = _global_moments(x, dims, comm, axes, count)
         centred = x - _per_channel(mean, x.ndim)
-        var = comm.all_reduce((centred * centred).sum(dims), axes) / count
         rstd = torch.rsqrt(var + eps)
         xhat = centred * _per_channel(rstd, x.ndim)
         y = xhat
@@ -137,8 +169,11 @@ class _SyncBatchNorm(torch.autograd.Function):
 
 
 def _sync_bn_comm(info: OpInfo, input_specs, output_specs, mesh) -> tuple[float, float]:
+    # Forward: the (count, mean, M2) table of every rank of the batch axes (``_global_moments``);
+    # backward: the two per-channel sums.
     axes, channel_bytes = _channel_bytes(info, input_specs, mesh)
-    fwd = 2 * collective_seconds("all_reduce", channel_bytes, mesh, axes)
+    ranks = math.prod(mesh.shape[a] for a in axes)
+    fwd = collective_seconds("all_reduce", 3 * ranks * channel_bytes, mesh, axes)
     return fwd, collective_seconds("all_reduce", 2 * channel_bytes, mesh, axes)
 
 
