@@ -10,7 +10,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from autopar.layout.placement import TensorSpec, zero_split
-from autopar.runtime.dtensors import local_of
+from autopar.runtime.dtensors import grad_like, local_of
 
 __all__ = ["Piece", "piece_of"]
 
@@ -31,9 +31,10 @@ class Piece:
         return local_of(grad)[self.slices]
 
     def wrap(self, local: torch.Tensor) -> DTensor:
-        m = self.master
-        return DTensor.from_local(local, m.device_mesh, m.placements, run_check=False, shape=m.shape,
-                                  stride=m.stride())
+        """``local`` (this piece's gradient) as a DTensor laid out as the piece: the piece's own
+        spec reused (``dtensors.grad_like``), not ``from_local``'s autograd function, once per
+        piece per step."""
+        return grad_like(local, self.master)
 
 
 def piece_of(name: str, param: torch.nn.Parameter, stage: int, spec: TensorSpec) -> Piece | None:
