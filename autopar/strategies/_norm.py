@@ -181,7 +181,9 @@ class _SyncBatchNorm(torch.autograd.Function):
 def _sync_bn_comm(info: OpInfo, input_specs, output_specs, mesh) -> tuple[float, float]:
     # Forward: the (count, mean, M2) table of every rank of the batch axes (``_global_moments``);
     # backward: the two per-channel sums.
+    # Both in at least float32 (``_global_moments``).
     axes, channel_bytes = _channel_bytes(info, input_specs, mesh)
+    channel_bytes *= max(1, 4 // info.input("input").itemsize)
     ranks = math.prod(mesh.shape[a] for a in axes)
     fwd = collective_seconds("all_reduce", 3 * ranks * channel_bytes, mesh, axes)
     return fwd, collective_seconds("all_reduce", 2 * channel_bytes, mesh, axes)
