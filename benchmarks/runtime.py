@@ -27,7 +27,9 @@ same weights:
 ``--precision bf16|fp16``: autopar and plain compute in that dtype with fp32 master weights;
 Megatron and DDP run under ``torch.autocast`` of the same dtype.
 
-One training step = zero_grad, forward, backward, AdamW step. After warm-up they are timed
+One training step = zero_grad, forward, backward, AdamW step (autopar's built by
+``model.optimizer(torch.optim.AdamW, ...)``, as the Booster builds it; ``--dtensor-optimizer``:
+``torch.optim.AdamW(model.parameters())`` over the DTensors). After warm-up they are timed
 in interleaved rounds (rotating order) on the same inputs, so load on the machine hits them
 alike (``--impls autopar,plain,ddp``: only those, so more rounds fit in the same time).
 Printed: per-step median and spread per implementation, collectives and bytes per step, the
@@ -146,8 +148,11 @@ def _bench(rank: int, world: int, args, model, inputs) -> dict:
         "fsdp2": lambda: local_impl(fsdp2_model(model)),
     }
     impls = {name: builders[name]() for name in builders if name in args.impls}
-    # foreach AdamW for all (torch's GPU default); --per-tensor: the loop, torch's CPU default
-    opts = {name: (m.optimizer(torch.optim.AdamW, lr=1e-4, foreach=args.foreach) if name == "zero2"
+    # foreach AdamW for all (torch's GPU default); --per-tensor: the loop, torch's CPU default. autopar's
+    # through model.optimizer (as the Booster builds it: stepped on the local tensors, runtime.local_step);
+    # --dtensor-optimizer: torch's AdamW over the DTensor parameters themselves.
+    opts = {name: (m.optimizer(torch.optim.AdamW, lr=1e-4, foreach=args.foreach)
+                   if name == "zero2" or (name == "autopar" and not args.dtensor_optimizer)
                    else torch.optim.AdamW(m.parameters(), lr=1e-4, foreach=args.foreach))
             for name, (m, _) in impls.items()}
 
@@ -261,6 +266,9 @@ def main(argv=None) -> dict:
                         "GPU default and what autopar recommends on CPU, where the loop pays DTensor dispatch "
                         "for each of ~8 ops per parameter)")
     p.add_argument("--foreach", dest="foreach", action="store_true", help="AdamW(foreach=True) for all (the default)")
+    p.add_argument("--dtensor-optimizer", action="store_true",
+                   help="autopar's AdamW built by torch over its DTensor parameters (each foreach op through "
+                        "DTensor's dispatch) instead of model.optimizer(AdamW), which steps their local tensors")
     p.add_argument("--precision", default="fp32", choices=("fp32", "bf16", "fp16"),
                    help="autopar/plain compute dtype (fp32 masters); Megatron and DDP under torch.autocast")
     p.add_argument("--plan", default="auto", choices=("auto", "data-parallel"),
