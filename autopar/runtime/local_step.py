@@ -44,8 +44,13 @@ def elementwise(cls: type) -> bool:
 
 
 def _same_layout(t: Any, param: DTensor) -> bool:
-    return isinstance(t, DTensor) and t._spec.placements == param._spec.placements \
-        and t._spec.mesh == param._spec.mesh and t._local_tensor.shape == param._local_tensor.shape
+    if not isinstance(t, DTensor):
+        return False
+    mine, theirs = t._spec, param._spec
+    if mine is theirs:  # delivered gradients and the moments this module wraps share the parameter's spec
+        return True
+    return mine.placements == theirs.placements and mine.mesh == theirs.mesh \
+        and t._local_tensor.shape == param._local_tensor.shape
 
 
 def _swappable(optimizer: torch.optim.Optimizer) -> bool:
@@ -59,7 +64,7 @@ def _swappable(optimizer: torch.optim.Optimizer) -> bool:
             if p.grad is not None and not _same_layout(p.grad, p):
                 return False
             for key, v in state.get(p, {}).items():
-                if torch.is_tensor(v) and key not in _SCALAR_STATE and not _same_layout(v, p):
+                if isinstance(v, torch.Tensor) and key not in _SCALAR_STATE and not _same_layout(v, p):
                     return False
     return True
 
@@ -110,7 +115,7 @@ def stepping_locally(optimizer: torch.optim.Optimizer) -> Iterator[None]:
                 prev = old.get(key)
                 if isinstance(prev, DTensor) and prev._local_tensor is v:
                     merged[key] = prev  # updated in place: the same DTensor
-                elif torch.is_tensor(v) and key not in _SCALAR_STATE and not isinstance(v, DTensor):
+                elif isinstance(v, torch.Tensor) and key not in _SCALAR_STATE and not isinstance(v, DTensor):
                     merged[key] = grad_like(v, p)  # made by this step: the parameter's layout
                 else:
                     merged[key] = v
