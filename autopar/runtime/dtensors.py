@@ -103,8 +103,8 @@ class LocalLeaf:
     gradient goes to ``sink(grad)`` instead of accumulating in the leaf (default: into
     ``param.grad`` as a DTensor with its placements, accumulated like autograd does).
 
-    Made once per parameter (the module remakes it when the parameter or its local tensor is
-    replaced): the leaf shares the local tensor's storage and version counter, so the
+    Made once per parameter (the module remakes it when the parameter, its local tensor or that
+    tensor's memory is replaced): the leaf shares the local tensor's storage and version counter, so the
     optimizer's in-place updates are what the next forward reads. The gradient is taken by a
     pre-hook on the leaf's ``AccumulateGrad`` node (kept here: a leaf holds its accumulator only
     weakly), which hands it on and lets nothing accumulate -- one Python call per parameter in
@@ -124,8 +124,9 @@ class LocalLeaf:
         self.node.register_prehook(lambda grads: _take(ref, grads))
 
     def current(self, param: torch.Tensor) -> bool:
-        """Still the leaf of ``param`` (not replaced, nor its local tensor)?"""
-        return self.param is param and self.base is local_of(param)
+        """Still the leaf of ``param``: not replaced, nor its local tensor, nor that tensor's memory
+        (the chunk runtime points a local tensor at another buffer with ``set_``)?"""
+        return self.param is param and self.base is local_of(param) and self.leaf.data_ptr() == self.base.data_ptr()
 
     @torch.no_grad()
     def deliver(self, grad: torch.Tensor) -> None:
