@@ -162,8 +162,9 @@ def ddp_model(hf_model: nn.Module) -> nn.Module:
 
 
 def fsdp2_model(hf_model: nn.Module) -> nn.Module:
-    """torch's FSDP2 (``fully_shard``) around a copy of ``hf_model``: each GPT-2 block, then the
-    root, sharded over a 1-D mesh of every rank (CPU/gloo, or the ranks' GPUs under NCCL)."""
+    """torch's FSDP2 (``fully_shard``) around a copy of ``hf_model``: each block (GPT-2's or a
+    Llama-style decoder's), then the root, sharded over a 1-D mesh of every rank (CPU/gloo, or
+    the ranks' GPUs under NCCL)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -172,7 +173,8 @@ def fsdp2_model(hf_model: nn.Module) -> nn.Module:
     if cuda:
         model = model.to(torch.device("cuda", torch.cuda.current_device()))
     mesh = init_device_mesh("cuda" if cuda else "cpu", (dist.get_world_size(),))
-    for block in model.transformer.h:
+    blocks = model.transformer.h if hasattr(model, "transformer") else model.model.layers  # GPT-2, Llama/Qwen2
+    for block in blocks:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
     return model

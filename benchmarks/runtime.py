@@ -1,10 +1,11 @@
 """Time per training step of the emitted module against hand-written baselines, same run.
 
-    python benchmarks/runtime.py [--hidden 256 --layers 4 --heads 4 --vocab 128 --seq 128
-                                  --batch 8 --steps 20 --world 2 --out results.jsonl]
+    python benchmarks/runtime.py [--model gpt2|llama --hidden 256 --layers 4 --heads 4 --vocab 128
+                                  --seq 128 --batch 8 --steps 20 --world 2 --out results.jsonl]
 
 GPT-2-tiny family (the zoo's tiny GPT-2: vocab 128, dropout 0; hidden and depth raised by
-default so that compute, not fixed overhead, dominates), on ``--world`` local processes (gloo,
+default so that compute, not fixed overhead, dominates; ``--model llama``: issue 30's
+Qwen2-style decoder of ``_measure.build_model`` instead), on ``--world`` local processes (gloo,
 one thread each; under ``torchrun`` the job's ranks, NCCL on GPUs). Each rank builds, from the
 same weights:
 
@@ -26,7 +27,9 @@ same weights:
 ``--precision bf16|fp16``: autopar and plain compute in that dtype with fp32 master weights;
 Megatron and DDP run under ``torch.autocast`` of the same dtype.
 
-One training step = zero_grad, forward, backward, AdamW step. After warm-up they are timed
+One training step = zero_grad, forward, backward, AdamW step (autopar's built by
+``model.optimizer(torch.optim.AdamW, ...)``, as the Booster builds it; ``--dtensor-optimizer``:
+``torch.optim.AdamW(model.parameters())`` over the DTensors). After warm-up they are timed
 in interleaved rounds (rotating order) on the same inputs, so load on the machine hits them
 alike (``--impls autopar,plain,ddp``: only those, so more rounds fit in the same time).
 Printed: per-step median and spread per implementation, collectives and bytes per step, the
@@ -145,8 +148,11 @@ def _bench(rank: int, world: int, args, model, inputs) -> dict:
         "fsdp2": lambda: local_impl(fsdp2_model(model)),
     }
     impls = {name: builders[name]() for name in builders if name in args.impls}
-    # foreach AdamW for all (torch's GPU default); --per-tensor: the loop, torch's CPU default
-    opts = {name: (m.optimizer(torch.optim.AdamW, lr=1e-4, foreach=args.foreach) if name == "zero2"
+    # foreach AdamW for all (torch's GPU default); --per-tensor: the loop, torch's CPU default. autopar's
+    # through model.optimizer (as the Booster builds it: stepped on the local tensors, runtime.local_step);
+    # --dtensor-optimizer: torch's AdamW over the DTensor parameters themselves.
+    opts = {name: (m.optimizer(torch.optim.AdamW, lr=1e-4, foreach=args.foreach)
+                   if name == "zero2" or (name == "autopar" and not args.dtensor_optimizer)
                    else torch.optim.AdamW(m.parameters(), lr=1e-4, foreach=args.foreach))
             for name, (m, _) in impls.items()}
 
@@ -240,6 +246,10 @@ def _graph_comm(pm) -> dict:
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="gpt2", choices=("gpt2", "llama"),
+                   help="gpt2: the GPT-2 sized by --hidden/--layers/--heads/--vocab/--seq; llama: issue 30's "
+                        "Qwen2-style decoder of benchmarks/_measure.build_model (GQA, RoPE; its own sizes, "
+                        "--batch only)")
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--heads", type=int, default=4)
@@ -256,6 +266,9 @@ def main(argv=None) -> dict:
                         "GPU default and what autopar recommends on CPU, where the loop pays DTensor dispatch "
                         "for each of ~8 ops per parameter)")
     p.add_argument("--foreach", dest="foreach", action="store_true", help="AdamW(foreach=True) for all (the default)")
+    p.add_argument("--dtensor-optimizer", action="store_true",
+                   help="autopar's AdamW built by torch over its DTensor parameters (each foreach op through "
+                        "DTensor's dispatch) instead of model.optimizer(AdamW), which steps their local tensors")
     p.add_argument("--precision", default="fp32", choices=("fp32", "bf16", "fp16"),
                    help="autopar/plain compute dtype (fp32 masters); Megatron and DDP under torch.autocast")
     p.add_argument("--plan", default="auto", choices=("auto", "data-parallel"),
@@ -275,8 +288,22 @@ def main(argv=None) -> dict:
     if args.plan != "auto" and args.precision != "fp32":
         p.error("--plan data-parallel plans the fp32 trace: use it with --precision fp32")
 
-    model, inputs = gpt2_config_model(hidden=args.hidden, layers=args.layers, heads=args.heads, vocab=args.vocab,
-                                      seq=args.seq, batch=args.batch)
+    if args.model == "llama" and "megatron" in args.impls:
+        p.error("--impls megatron: the hand-written Megatron is GPT-2's; leave it out with --model llama")
+    if args.model == "gpt2":
+        model, inputs = gpt2_config_model(hidden=args.hidden, layers=args.layers, heads=args.heads,
+                                          vocab=args.vocab, seq=args.seq, batch=args.batch)
+        about = (f"GPT-2 hidden {args.hidden}, {args.layers} layers, {args.heads} heads, vocab {args.vocab}; "
+                 f"batch {args.batch} x seq {args.seq}")
+    else:
+        from _measure import build_model
+
+        wrapped, inputs = build_model("llama", batch=args.batch)
+        model = wrapped.model  # the HF model: each implementation wraps it as it needs
+        cfg = model.config
+        about = (f"Qwen2-style hidden {cfg.hidden_size}, {cfg.num_hidden_layers} layers, "
+                 f"{cfg.num_attention_heads}/{cfg.num_key_value_heads} heads, vocab {cfg.vocab_size}; "
+                 f"batch {args.batch} x seq {inputs['input_ids'].shape[1]}")
     load = os.getloadavg()[0]
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         dist.init_process_group(default_device()[1])
@@ -303,8 +330,7 @@ def main(argv=None) -> dict:
     best_name = min(others, key=med.__getitem__) if others else None
     ratio = med["autopar"] / med[best_name] if best_name else None
 
-    print(f"GPT-2 hidden {args.hidden}, {args.layers} layers, {args.heads} heads, vocab {args.vocab}; "
-          f"batch {args.batch} x seq {args.seq}; {world} processes on {r0['device']} "
+    print(f"{about}; {world} processes on {r0['device']} "
           f"({platform.processor() or platform.machine()}, {os.cpu_count()} cores, load {load:.2f} at start, "
           f"{os.getloadavg()[0]:.2f} at end)")
     print(r0["plan"])

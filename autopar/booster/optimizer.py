@@ -29,13 +29,11 @@ from torch import nn
 
 from autopar.runtime.amp import GradScaler
 from autopar.runtime.bucketing import GradBucketer
+from autopar.runtime.local_step import elementwise, stepping_locally
 from autopar.runtime.parallel_module import ParallelModule, clip_grad_norm
 
 __all__ = ["BoostedOptimizer", "rebuild_optimizer", "repoint_scheduler", "foreach_over_dtensors"]
 
-# torch's optimizers whose foreach path runs on DTensor parameters (torch's own DTensor optimizer
-# tests cover these); any other class keeps what it was given.
-_FOREACH_ON_DTENSORS = ("Adam", "AdamW", "SGD", "Adagrad", "RMSprop", "Adamax", "NAdam", "RAdam")
 
 
 def _target_class(cls: type) -> type:
@@ -91,14 +89,14 @@ def rebuild_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module,
 def foreach_over_dtensors(cls: type, groups: list[dict], kwargs: dict) -> tuple[list[dict], dict]:
     """``groups`` and ``kwargs`` for an optimizer over the boosted module's DTensor parameters
     with torch's ``foreach`` implementation where it was left to torch (``foreach=None``, the
-    default), for torch's optimizers of ``_FOREACH_ON_DTENSORS``. Why: torch picks the per-tensor
-    loop on the CPU, and each DTensor op there costs its Python dispatch (~0.3 ms under load) per
-    parameter per op: AdamW over a Qwen2-style decoder's 51 tensors took 325 ms of CPU a step
-    on 4 gloo ranks against DDP's 128 ms on plain tensors; the foreach kernels dispatch once per
-    op for all parameters. Same algorithm and arithmetic; an explicit ``foreach=False`` (in the
-    defaults or a group) is kept."""
-    if cls.__module__.split(".")[:2] != ["torch", "optim"] or cls.__name__ not in _FOREACH_ON_DTENSORS \
-            or kwargs.get("foreach") is not None:
+    default), for torch's elementwise optimizers (``runtime.local_step.ELEMENTWISE_OPTIMIZERS``).
+    Why: torch picks the per-tensor loop on the CPU, and each DTensor op there costs its Python
+    dispatch (~0.3 ms under load) per parameter per op: AdamW over a Qwen2-style decoder's 51
+    tensors took 325 ms of CPU a step on 4 gloo ranks against DDP's 128 ms on plain tensors; the
+    foreach kernels dispatch once per op for all parameters (and ``BoostedOptimizer.step`` runs
+    them on the local tensors: ``runtime.local_step``). Same algorithm and arithmetic; an
+    explicit ``foreach=False`` (in the defaults or a group) is kept."""
+    if not elementwise(cls) or kwargs.get("foreach") is not None:
         return groups, kwargs
     groups = [{**g, "foreach": True} if g.get("foreach", None) is None else g for g in groups]
     return groups, {**kwargs, "foreach": True}
@@ -258,7 +256,8 @@ class BoostedOptimizer:
             self._unscale_once()
             if self.max_norm > 0:
                 self.clip_grad_by_norm(self.max_norm, self.norm_type)
-            self.optim.step()
+            with stepping_locally(self.optim):  # same values, no DTensor dispatch (runtime.local_step)
+                self.optim.step()
             self._ready = False
             self._gather()
             return loss
@@ -267,7 +266,8 @@ class BoostedOptimizer:
         self._unscale_once()
         if self.max_norm > 0:
             self.clip_grad_by_norm(self.max_norm, self.norm_type)
-        result = self.scaler.step(self.optim)
+        with stepping_locally(self.optim):  # the scaler has unscaled: its step only reads found_inf
+            result = self.scaler.step(self.optim)
         self.scaler.update()
         self._ready = False
         self._gather()

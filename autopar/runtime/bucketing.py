@@ -7,7 +7,10 @@ Here those parameters go through ``self.grad_bucket(w, axes=..., slot=k)`` inste
 
 - forward is the identity (a view of ``w`` on the autograd tape, so every use of ``w`` in the
   graph -- GPT-2's tied ``wte`` is read by the embedding and the LM head -- feeds ONE node whose
-  backward receives the fully accumulated local gradient of this backward pass);
+  backward receives the fully accumulated local gradient of this backward pass). When ``w`` is
+  a parameter's ``dtensors.LocalLeaf`` read by this slot alone (``use_leaf``), forward returns
+  it as is and the leaf's accumulator hook hands its gradient over (``leaf_arrived``), as DDP's
+  hooks on the parameters' accumulators do: no autograd node per parameter per step;
 - its backward copies that local gradient into a flat bucket buffer and returns ``None`` (so
   autograd does not accumulate the unreduced value into ``w.grad``);
 - buckets are laid out statically when the graph is emitted: slots in reverse forward order
@@ -145,6 +148,10 @@ class GradBucketer(nn.Module):
         self.stats: Counter = Counter()  # buckets / all_reduces / bytes issued (this process)
         self.sync = True  # False under no_sync(): forwards then accumulate their gradients locally
         self._stash: dict[int, torch.Tensor] = {}  # slot -> unreduced local gradient (no_sync steps)
+        # slot -> the LocalLeaf tensor whose gradient arrives without an autograd node (use_leaf),
+        # and whether its last forward ran synced (read when its gradient arrives, as DDP does)
+        self._leaves: dict[int, torch.Tensor] = {}
+        self._leaf_sync: dict[int, bool] = {}
 
     # ------------------------------------------------------------------------- build time
     def add_slot(self, name: str, axes: Sequence[int], shape: Sequence[int], dtype: torch.dtype, *,
@@ -215,7 +222,23 @@ class GradBucketer(nn.Module):
     def forward(self, x: torch.Tensor, *, axes: tuple[int, ...], slot: int) -> torch.Tensor:
         if not (torch.is_grad_enabled() and x.requires_grad):
             return x
+        if self._leaves.get(slot) is x:  # the parameter's LocalLeaf: its gradient comes by leaf_arrived
+            self._leaf_sync[slot] = self.sync
+            return x
         return _BucketGrad.apply(x, self, slot, self.sync)
+
+    def use_leaf(self, slot: int, leaf: torch.Tensor) -> None:
+        """``leaf`` (a ``dtensors.LocalLeaf``'s tensor, read by this slot alone) hands its
+        gradient to ``leaf_arrived`` itself: the slot passes it through with no autograd node."""
+        self._leaves[slot] = leaf
+
+    def leaf_arrived(self, slot: int, leaf: torch.Tensor, grad: torch.Tensor) -> None:
+        """The gradient of ``slot``'s leaf, accumulated over this backward pass (as
+        ``_BucketGrad.backward`` receives it); reduced or stashed as its last forward said."""
+        if self._leaf_sync.get(slot, True):
+            self._arrive(slot, leaf, grad)
+        else:
+            self._stash_grad(slot, grad)
 
     def drop_unsynced(self) -> None:
         """Forget no_sync micro-steps' stashed gradients (``zero_grad``: they are part of the

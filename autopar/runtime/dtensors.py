@@ -13,17 +13,19 @@ so ``full_tensor`` and ``distribute_tensor`` (checkpoints, optimizer state) reor
 
 The emitted graph runs on local tensors; ``to_dtensor`` wraps a local shard WITHOUT copying
 (``DTensor.from_local(..., run_check=False)`` with the global shape given), so the DTensor and
-the graph's view share storage. ``local_views(tensors)`` is ``[t.to_local() for t in tensors]``
-as ONE autograd node whose backward delivers each gradient into the DTensor's ``.grad`` itself
-(a DTensor with its placements, accumulated like autograd does): per parameter, ``to_local``'s
-own backward and autograd's accumulation of a DTensor gradient (a wrapper it cannot steal, so it
-copies) cost about 0.2 ms on CPU, ten times this path. As with bucketed gradients, the gradients
-arrive in ``.grad`` (``loss.backward()``), not through ``torch.autograd.grad``.
+the graph's view share storage. The graph reads each trained parameter through a ``LocalLeaf``:
+its local tensor as a persistent leaf whose gradient is delivered into the DTensor's ``.grad``
+(a DTensor with its placements, accumulated like autograd does) or handed to the parameter's
+gradient bucket: per parameter, ``to_local``'s own backward and autograd's accumulation of a
+DTensor gradient (a wrapper it cannot steal, so it copies) cost about 0.2 ms on CPU. As with
+bucketed gradients, the gradients arrive in ``.grad`` (``loss.backward()``), not through
+``torch.autograd.grad``.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+import weakref
+from typing import Callable, Sequence
 
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -33,7 +35,7 @@ from autopar.layout.placement import Partial, TensorSpec
 from autopar.layout.placement import Shard as AutoparShard
 from autopar.runtime.process_mesh import ProcessMesh
 
-__all__ = ["dtensor_placements", "to_dtensor", "local_of", "local_views", "grad_like"]
+__all__ = ["dtensor_placements", "to_dtensor", "local_of", "LocalLeaf", "grad_like"]
 
 
 def dtensor_placements(spec: TensorSpec) -> tuple[Placement, ...]:
@@ -96,33 +98,49 @@ def grad_like(local: torch.Tensor, param: DTensor) -> DTensor:
     return DTensor(local, spec, requires_grad=False)
 
 
-def local_views(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """The local tensors of ``tensors`` (DTensors) for the graph; see the module docstring."""
-    out = [local_of(t) for t in tensors]
-    trained = [k for k, t in enumerate(tensors) if t.requires_grad]
-    if torch.is_grad_enabled() and trained:
-        # Only tensors that require grad go through the node: its outputs all require grad.
-        views = _LocalViews.apply(tuple(tensors[k] for k in trained), *(tensors[k] for k in trained))
-        for k, view in zip(trained, views):
-            out[k] = view
-    return out
+class LocalLeaf:
+    """``param``'s local tensor as a persistent autograd leaf the emitted graph reads, whose
+    gradient goes to ``sink(grad)`` instead of accumulating in the leaf (default: into
+    ``param.grad`` as a DTensor with its placements, accumulated like autograd does).
+
+    Made once per parameter (the module remakes it when the parameter, its local tensor or that
+    tensor's memory is replaced): the leaf shares the local tensor's storage and version counter, so the
+    optimizer's in-place updates are what the next forward reads. The gradient is taken by a
+    pre-hook on the leaf's ``AccumulateGrad`` node (kept here: a leaf holds its accumulator only
+    weakly), which hands it on and lets nothing accumulate -- one Python call per parameter in
+    backward and none in forward, where an autograd function over the local views cost one node
+    in forward and one call in backward per step, and a gradient bucket's own autograd function
+    (``runtime.bucketing``) one more of each per parameter."""
+
+    __slots__ = ("param", "base", "leaf", "node", "sink", "__weakref__")
+
+    def __init__(self, param: torch.Tensor, sink: "Callable[[torch.Tensor], None] | None" = None) -> None:
+        self.param = param
+        self.base = local_of(param)
+        self.leaf = self.base.detach().requires_grad_(True)
+        self.node = self.leaf.view_as(self.leaf).grad_fn.next_functions[0][0]
+        self.sink = self.deliver if sink is None else sink
+        ref = weakref.ref(self)  # the node is ours: a strong reference back would be a cycle
+        self.node.register_prehook(lambda grads: _take(ref, grads))
+
+    def current(self, param: torch.Tensor) -> bool:
+        """Still the leaf of ``param``: not replaced, nor its local tensor, nor that tensor's memory
+        (the chunk runtime points a local tensor at another buffer with ``set_``)?"""
+        return self.param is param and self.base is local_of(param) and self.leaf.data_ptr() == self.base.data_ptr()
+
+    @torch.no_grad()
+    def deliver(self, grad: torch.Tensor) -> None:
+        param = self.param
+        if param.grad is not None:
+            local_of(param.grad).add_(grad)
+        elif isinstance(param, DTensor):
+            param.grad = grad_like(grad.contiguous(), param)
+        else:
+            param.grad = grad.clone(memory_format=torch.contiguous_format)
 
 
-class _LocalViews(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, tensors: tuple, *_inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        ctx.tensors = tensors
-        ctx.set_materialize_grads(False)
-        return tuple(local_of(t).view_as(local_of(t)) for t in tensors)
-
-    @staticmethod
-    def backward(ctx, *grads: torch.Tensor | None):
-        with torch.no_grad():
-            for t, grad in zip(ctx.tensors, grads):
-                if grad is None or not t.requires_grad:
-                    continue
-                if t.grad is not None:
-                    local_of(t.grad).add_(grad)
-                else:
-                    t.grad = grad_like(grad.contiguous(), t)
-        return (None,) * (1 + len(ctx.tensors))
+def _take(ref: "weakref.ref[LocalLeaf]", grads: tuple) -> tuple:
+    leaf = ref()
+    if leaf is not None and grads[0] is not None:
+        leaf.sink(grads[0])
+    return (None,)  # nothing accumulates in the leaf itself

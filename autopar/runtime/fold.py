@@ -18,14 +18,16 @@ folded value larger than ``FOLD_MAX_BYTES`` is left computed each step (memory h
 whole step is not worth a few microseconds): what it reads then stays folded instead.
 
 An attention call whose folded mask is, value for value, the causal one then runs with
-``is_causal=True`` and no mask (``_causal_attention``), as the eager model does.
+``is_causal=True`` and no mask (``_causal_attention``), as the eager model does -- and, under
+grouped-query attention, on the key/value heads themselves (``enable_gqa=True``) instead of
+``repeat_kv``'s copies (``_grouped``), as the eager model does without a mask.
 """
 
 from __future__ import annotations
 
 import operator
 import warnings
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.fx as fx
@@ -41,9 +43,11 @@ HOLDER = "_autopar_folded"
 aten = torch.ops.aten
 
 
-def fold_constants(gm: fx.GraphModule) -> dict[str, torch.Tensor]:
+def fold_constants(gm: fx.GraphModule, *, ndim_of: Callable[[fx.Node], int | None] | None = None
+                   ) -> dict[str, torch.Tensor]:
     """Fold ``gm``'s input-independent nodes in place (module docstring); returns the kept
-    values by attribute name."""
+    values by attribute name. ``ndim_of(node)``: the rank of a node's value where known (the
+    traced graph's), which the grouped-attention rewrite checks; without it that rewrite is off."""
     graph = gm.graph
     foldable: set[fx.Node] = set()
     for node in graph.nodes:
@@ -82,7 +86,7 @@ def fold_constants(gm: fx.GraphModule) -> dict[str, torch.Tensor]:
     for node in reversed(list(graph.nodes)):
         if node in foldable and not node.users:
             graph.erase_node(node)
-    for name in _causal_attention(graph, values):
+    for name in _causal_attention(graph, values, ndim_of):
         delattr(holder, name)
         del values[name]
     graph.lint()
@@ -90,7 +94,8 @@ def fold_constants(gm: fx.GraphModule) -> dict[str, torch.Tensor]:
     return values
 
 
-def _causal_attention(graph: fx.Graph, values: dict[str, torch.Tensor]) -> list[str]:
+def _causal_attention(graph: fx.Graph, values: dict[str, torch.Tensor],
+                      ndim_of: Callable[[fx.Node], int | None] | None) -> list[str]:
     """Attention whose folded mask is exactly the causal one becomes ``is_causal=True`` without a
     mask: the same values (torch's ``is_causal`` IS that mask, top-left aligned), and the CPU and
     flash kernels skip the masked blocks instead of reading a mask -- what the eager model runs
@@ -109,11 +114,53 @@ def _causal_attention(graph: fx.Graph, values: dict[str, torch.Tensor]) -> list[
         if not _is_causal(values[name]):
             continue
         args["attn_mask"], args["is_causal"] = None, True
+        repeats = _grouped(args, ndim_of) if ndim_of is not None else []
         node.args, node.kwargs = (), args
+        for n in repeats:  # reshape, expand, unsqueeze: erased once nothing reads them
+            if not n.users:
+                graph.erase_node(n)
         if not mask.users:
             graph.erase_node(mask)
             dropped.append(name)
     return dropped
+
+
+def _grouped(args: dict[str, Any], ndim_of: Callable[[fx.Node], int | None]) -> list[fx.Node]:
+    """Grouped-query attention without a mask reads its key/value heads once, as the eager model
+    does then (transformers' ``use_gqa_in_sdpa``): ``key`` and ``value`` that are ``repeat_kv``'s
+    ``x.unsqueeze(2).expand(b, kv, g, s, d).reshape(b, kv * g, s, d)`` become ``x`` with
+    ``enable_gqa=True`` -- no repeated copies, and their gradients summed over the group inside
+    the kernel instead of by the expand's backward (the same terms; the CPU flash kernel, same
+    forward values, dk/dv within rounding). Rewrites ``args``; returns the repeat nodes."""
+    if args.get("enable_gqa", False) or args.get("attn_mask") is not None:
+        return []
+    sources = [_repeated(args.get(k), ndim_of) for k in ("key", "value")]
+    if None in sources or sources[0][1] != sources[1][1]:
+        return []
+    for k, (x, _, _) in zip(("key", "value"), sources):
+        args[k] = x
+    args["enable_gqa"] = True
+    return [n for _, _, chain in sources for n in chain]
+
+
+def _repeated(node: Any, ndim_of: Callable[[fx.Node], int | None]) -> tuple[fx.Node, int, list[fx.Node]] | None:
+    """(x, group size, the nodes) when ``node`` is ``x.unsqueeze(2).expand(b, kv, g, s, d)
+    .reshape(b, kv * g, s, d)`` of a 4-D ``x``, else None."""
+    if not (isinstance(node, fx.Node) and node.target in (aten.reshape.default, aten.view.default)):
+        return None
+    expand = node.args[0]
+    if not (isinstance(expand, fx.Node) and expand.target is aten.expand.default and len(expand.users) == 1):
+        return None
+    unsqueeze = expand.args[0]
+    if not (isinstance(unsqueeze, fx.Node) and unsqueeze.target is aten.unsqueeze.default
+            and unsqueeze.args[1] == 2 and len(unsqueeze.users) == 1):
+        return None
+    x, sizes, shape = unsqueeze.args[0], list(expand.args[1]), list(node.args[1])
+    if not (isinstance(x, fx.Node) and ndim_of(x) == 4 and len(sizes) == 5
+            and all(isinstance(v, int) for v in sizes + shape)
+            and shape == [sizes[0], sizes[1] * sizes[2], sizes[3], sizes[4]]):
+        return None
+    return x, sizes[2], [node, expand, unsqueeze]
 
 
 def _is_causal(mask: torch.Tensor) -> bool:

@@ -83,8 +83,8 @@ def grad_all_reduce(tensor: torch.Tensor, axes: Sequence[int], pmesh: ProcessMes
     """Megatron's "f": ``tensor`` unchanged, its gradient all-reduced over ``axes``, summed in
     ``reduce_dtype`` when that is wider than the gradient (a bf16 gradient summed in fp32)."""
     axes = _axes_tuple(axes)
-    if not axes or not tensor.is_floating_point():
-        return tensor
+    if not axes or not tensor.is_floating_point() or not (tensor.requires_grad and torch.is_grad_enabled()):
+        return tensor  # no gradient will come back (Qwen2's rotary cos/sin): no autograd node to make
     return _GradAllReduce.apply(tensor, axes, pmesh, reduce_dtype)
 
 

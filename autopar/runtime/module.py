@@ -13,8 +13,9 @@ Contract:
   ``device_mesh`` (a torch ``DeviceMesh`` whose dim names are the ``MeshSpec`` axis names),
   named ``graph_module.<canonical FQN>``, with the plan's layouts as placements
   (:mod:`autopar.runtime.dtensors`). The emitted graph runs on local tensors: ``forward``
-  passes their local views in (``local_views``), so no DTensor dispatch happens inside
-  forward or backward, and each gradient lands in ``.grad`` as a DTensor with the
+  passes their local tensors in (as persistent autograd leaves, ``dtensors.LocalLeaf``), so no
+  DTensor dispatch happens inside forward or backward, and each gradient lands in ``.grad`` as
+  a DTensor with the
   parameter's placements (replicated parameters receive the reduced gradient, identical on
   every replica; gradients come through ``loss.backward()``, not ``torch.autograd.grad``).
   torch's tools work unchanged on them: any ``torch.optim`` optimizer,
@@ -34,6 +35,7 @@ Contract:
 
 from __future__ import annotations
 
+import functools
 import inspect
 from typing import Any, Iterable, Iterator
 
@@ -45,7 +47,7 @@ from torch import nn
 from autopar.plans import Plan
 from autopar.runtime.bucketing import GradBucketer
 from autopar.runtime.collectives import gather_full
-from autopar.runtime.dtensors import local_of, local_views
+from autopar.runtime.dtensors import LocalLeaf, local_of
 from autopar.runtime import table_wise
 from autopar.runtime.materialize import slice_local
 from autopar.runtime.table_wise import owners_of
@@ -82,6 +84,8 @@ class AutoParallelModule(nn.Module):
         for m in graph_module.modules():
             if isinstance(m, GradBucketer):  # reduced gradients land in the DTensor parameters' .grad
                 m.deliver_to(self._state)
+        self._leaves: dict[str, LocalLeaf] = {}  # trained parameter -> the leaf the graph reads (_argument)
+        self._bucket_of = _sole_buckets(graph_module)
         self.input_specs = {p.fqn: TensorSpec.parse(plan.node(p.name).output_specs[0]) for p in self._inputs
                             if _has_decision(plan, p.name)}
         self._zero = None  # the ZeroOptimizer built by ``optimizer``
@@ -117,8 +121,25 @@ class AutoParallelModule(nn.Module):
         """The emitted graph's arguments for a call ``forward(*args, **kwargs)``: the inputs and
         the local views of the parameters and buffers, in placeholder order."""
         inputs = iter(self.flat_inputs(args, kwargs))
-        state = iter(local_views([self._state(name) for name in self._arg_state if name is not None]))
-        return [next(inputs) if name is None else next(state) for name in self._arg_state]
+        return [next(inputs) if name is None else self._argument(name) for name in self._arg_state]
+
+    def _argument(self, name: str) -> torch.Tensor:
+        """The local tensor of parameter or buffer ``name`` for the graph: a trained parameter's
+        ``LocalLeaf`` under grad mode (made once; remade when the parameter or its local tensor
+        was replaced), whose gradient its sole gradient bucket takes, if it has one, or lands in
+        the DTensor's ``.grad``."""
+        t = self._state(name)
+        if not (t.requires_grad and torch.is_grad_enabled()):
+            return local_of(t)
+        leaf = self._leaves.get(name)
+        if leaf is None or not leaf.current(t):
+            bucket = self._bucket_of.get(name)
+            leaf = self._leaves[name] = LocalLeaf(t)
+            if bucket is not None:
+                bucketer, slot = bucket
+                leaf.sink = functools.partial(bucketer.leaf_arrived, slot, leaf.leaf)
+                bucketer.use_leaf(slot, leaf.leaf)
+        return leaf.leaf
 
     def flat_inputs(self, args: tuple, kwargs: dict) -> list[torch.Tensor]:
         """The call's tensor inputs in traced order, checked against the traced shapes."""
@@ -284,6 +305,21 @@ class AutoParallelModule(nn.Module):
 
     def local_parameter_bytes(self) -> int:
         return sum(local_of(p).numel() * p.element_size() for p in self.parameters())
+
+
+def _sole_buckets(gm: fx.GraphModule) -> dict[str, tuple[GradBucketer, int]]:
+    """Parameter placeholder -> (its gradient bucketer, slot) where that bucket node reading it
+    is its only user: the parameter's whole gradient is the slot's."""
+    out = {}
+    for node in gm.graph.nodes:
+        if node.op != "placeholder" or not node.meta.get(STATE_KEY) or len(node.users) != 1:
+            continue
+        user = next(iter(node.users))
+        if user.op == "call_module" and user.args and user.args[0] is node:
+            mod = gm.get_submodule(user.target)
+            if isinstance(mod, GradBucketer):
+                out[node.name] = (mod, user.kwargs["slot"])
+    return out
 
 
 def _has_decision(plan: Plan, name: str) -> bool:

@@ -164,7 +164,34 @@ def _tied_runs(rank, world, model, traced, plan, a, b):
     out["two_forwards"] = _grads(pm)
     # Gradients stay identical on every replica (the local shards, not gathered copies).
     out["local"] = {n: p.grad.to_local().clone() for n, p in pm.named_parameters()}  # DTensor grads
+    # The graph reads each trained parameter as its persistent leaf: no autograd node per
+    # parameter per step (runtime.dtensors.LocalLeaf) ...
+    pm.zero_grad(set_to_none=True)
+    loss = loss_of(pm(**a))
+    out["nodes"] = _node_kinds(loss.grad_fn)
+    loss.backward()
+    # ... remade for a parameter replaced in the module (load_state_dict(assign=True) does so).
+    name, old = next((n, p) for n, p in pm.named_parameters() if n.rpartition(".")[2] == "w")
+    path, _, leaf = name.rpartition(".")
+    new = nn.Parameter(old.detach().clone())
+    pm.get_submodule(path)._parameters[leaf] = new
+    pm.zero_grad(set_to_none=True)
+    old.grad = None
+    loss_of(pm(**a)).backward()
+    out["replaced"] = _grads(pm)
+    out["old_grad"] = old.grad
     return out
+
+
+def _node_kinds(fn) -> set[str]:
+    seen, todo = set(), [fn]
+    while todo:
+        f = todo.pop()
+        if f is None or f in seen:
+            continue
+        seen.add(f)
+        todo.extend(g for g, _ in f.next_functions)
+    return {type(f).__name__ for f in seen}
 
 
 @pytest.mark.parametrize("shape", [(2,), (2, 2)], ids=["2", "2x2"])
@@ -186,6 +213,11 @@ def test_tied_weight_accumulation_and_two_forwards(shape):
             _assert_close(res["two_forwards"][k], ref_ab[k], f"rank {rank} two-forward grad {k}")
         for n, g in res["local"].items():
             assert torch.equal(g, results[0]["local"][n]), f"rank {rank}: {n} differs from rank 0"
+        assert not {"_BucketGradBackward", "_LocalViewsBackward"} & res["nodes"], res["nodes"]
+        assert "AccumulateGrad" in res["nodes"]
+        assert res["old_grad"] is None
+        for k in ref_a:
+            _assert_close(res["replaced"][k], ref_a[k], f"rank {rank} grad {k} after replacing w")
 
 
 def _after_failed_backward(rank, world, model, traced, plan, a):

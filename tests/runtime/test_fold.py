@@ -78,3 +78,47 @@ def test_a_folded_causal_mask_becomes_is_causal_other_masks_stay():
         assert ("is_causal = True" in gm.code) == causal, gm.code
         assert (values == {}) == causal  # the causal mask is no longer kept at all
         torch.testing.assert_close(gm(q, k, v), want)
+
+
+def _grouped_attention(offset: int, ndim: int = 4) -> fx.GraphModule:
+    """transformers' ``repeat_kv`` (2 key/value heads to 4) in front of a masked sdpa (``_attention``'s mask)."""
+    g = fx.Graph()
+    q, k, v = (g.placeholder(n) for n in "qkv")
+    rows = g.call_function(aten.unsqueeze.default, (g.call_function(aten.arange.default, (6,)), 1))
+    cols = g.call_function(aten.unsqueeze.default, (g.call_function(aten.arange.default, (6,)), 0))
+    mask = g.call_function(aten.le.Tensor, (cols, g.call_function(aten.add.Tensor, (rows, offset))))
+
+    def repeat(x):
+        x = g.call_function(aten.unsqueeze.default, (x, 2))
+        x = g.call_function(aten.expand.default, (x, [2, 2, 2, 6, 4]))
+        return g.call_function(aten.reshape.default, (x, [2, 4, 6, 4]))
+
+    g.output(g.call_function(aten.scaled_dot_product_attention.default, (q, repeat(k), repeat(v), mask),
+                             {"scale": 0.5}))
+    gm = fx.GraphModule(torch.nn.Module(), g)
+    for node in g.nodes:
+        node.meta["ndim"] = ndim if node.op == "placeholder" else None
+    return gm
+
+
+def test_grouped_attention_without_a_mask_reads_its_key_value_heads_once():
+    q, k, v = torch.randn(2, 4, 6, 4), torch.randn(2, 2, 6, 4), torch.randn(2, 2, 6, 4)
+    ndim_of = lambda node: node.meta.get("ndim")  # noqa: E731 -- the traced ranks: placeholders only here
+    for offset, causal in ((0, True), (1, False)):
+        gm = _grouped_attention(offset)
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        want = gm(*leaves)
+        want.sum().backward()
+        fold_constants(gm, ndim_of=ndim_of)
+        # Only once the mask is gone (causal), as transformers does eagerly: no repeated copies.
+        assert ("enable_gqa = True" in gm.code) == causal and ("expand" in gm.code) != causal, gm.code
+        got_leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        got = gm(*got_leaves)
+        got.sum().backward()
+        torch.testing.assert_close(got, want)
+        for a, b in zip(got_leaves, leaves):
+            torch.testing.assert_close(a.grad, b.grad)
+    # A rank it cannot confirm (or none given): the repeat stays.
+    for gm, kwargs in ((_grouped_attention(0, ndim=3), {"ndim_of": ndim_of}), (_grouped_attention(0), {})):
+        fold_constants(gm, **kwargs)
+        assert "is_causal = True" in gm.code and "enable_gqa" not in gm.code and "expand" in gm.code, gm.code

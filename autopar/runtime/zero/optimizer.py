@@ -9,6 +9,7 @@ import torch
 
 from autopar.layout.buckets import bucket_cap_bytes
 from autopar.runtime.dtensors import local_of
+from autopar.runtime.local_step import stepping_locally
 from autopar.runtime.parallel_module import ParallelModule
 from autopar.runtime.zero.comm import GatherPlan
 from autopar.runtime.zero.pieces import Piece, piece_of
@@ -86,7 +87,8 @@ class ZeroOptimizer:
         if closure is not None:
             raise ValueError("ZeroOptimizer.step does not take a closure (the module's forward is collective)")
         self.prepare_grads()
-        result = self.optimizer.step()
+        with stepping_locally(self.optimizer):  # same values, no DTensor dispatch (runtime.local_step)
+            result = self.optimizer.step()
         self.all_gather()
         return result
 
