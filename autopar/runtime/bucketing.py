@@ -399,8 +399,7 @@ class GradBucketer(nn.Module):
                 master = self._piece(self.slots[slot].name).master
                 mine = mine.to(master.dtype)
                 if master.grad is None:
-                    master.grad = DTensor.from_local(mine.contiguous(), master.device_mesh, master.placements,
-                                                     run_check=False, shape=master.shape, stride=master.stride())
+                    master.grad = grad_like(mine.contiguous(), master)  # a wrapper, not from_local, per piece
                 else:
                     local_of(master.grad).add_(mine)
 
