@@ -6,7 +6,8 @@ a kernel is the median over repetitions of the slowest rank's time (``links.lock
 A repetition runs a kernel ``inner`` times back to back (agreed by all ranks), enough for about
 ``MIN_REPETITION_S``: a 10-microsecond product is not lost in the timer's noise, and on a shared
 host a repetition spans several scheduler time slices, as a step does (a 1 ms burst can run
-between preemptions at a speed no step sees).
+between preemptions at a speed no step sees). A repetition holds every call's output until it
+ends (``_repeated``), so that each call writes into fresh pages as a step's ops do.
 
 The grid, per dtype (fp32, bf16, fp16):
 
