@@ -21,14 +21,15 @@ The grid, per dtype (fp32, bf16, fp16):
 - ``elementwise``: ``add`` of two tensors, keyed by the bytes one call reads and writes;
 - ``norm``: ``layer_norm`` over rows of 1024, keyed likewise;
 - ``batch_norm``: training-mode ``batch_norm`` of an NCHW tensor, keyed by the bytes of its
-  tensor arguments and output (what ``strategies.combine`` charges an op);
+  tensor arguments and output (what ``strategies.combine`` charges an op), and
+  ``batch_norm_backward``: its input and affine gradients, keyed by twice those;
 - ``pool``: ``max_pool2d`` (3x3, stride 2: a ResNet stem's) keyed by its input and output bytes,
   and ``pool_backward``: its input gradient, keyed by twice those (what the cost model charges a
   backward: ``strategies.combine``);
 - ``optimizer`` (fp32 only): one ``AdamW(foreach=True)`` step over 16 parameters of one size,
   keyed by one parameter's bytes, rate in parameter bytes per second (``layout.cost.optimizer_seconds``).
 
-Only ``conv`` and ``pool`` have backward tables (``layout.machine.BACKWARD_CLASSES``): the cost
+Only ``conv``, ``pool`` and ``batch_norm`` have backward tables (``layout.machine.BACKWARD_CLASSES``): the cost
 model prices other classes' backward FLOPs (or bytes) at the forward rate for that size.
 
 Apart from the grid, ``measure_kernel_floor`` times what an op costs however small (its dispatch
@@ -197,15 +198,21 @@ def _batch_norms(grid: Grid, dtype: str, device: torch.device) -> list[Kernel]:
     dt = TORCH_DTYPES[dtype]
     out = []
     for batch, channels, side in grid.batch_norm:
-        x = torch.randn(batch, channels, side, side, dtype=dt, device=device)
+        x = torch.randn(batch, channels, side, side, dtype=dt, device=device, requires_grad=True)
         stats = [torch.zeros(channels, dtype=dt, device=device), torch.ones(channels, dtype=dt, device=device)]
-        affine = [torch.ones(channels, dtype=dt, device=device), torch.zeros(channels, dtype=dt, device=device)]
+        affine = [torch.ones(channels, dtype=dt, device=device, requires_grad=True),
+                  torch.zeros(channels, dtype=dt, device=device, requires_grad=True)]
         moved = float(2 * x.numel() * x.element_size() + sum(t.numel() * t.element_size() for t in stats + affine))
 
         def run(x=x, stats=stats, affine=affine):
             return F.batch_norm(x, *stats, *affine, training=True)
 
-        out.append(Kernel("batch_norm", dtype, moved, f"batch_norm {batch}x{channels}x{side}x{side}", run))
+        label = f"batch_norm {batch}x{channels}x{side}x{side}"
+        out.append(Kernel("batch_norm", dtype, moved, label, run))
+        # Input and affine gradients, keyed by twice the forward's bytes (what the cost model
+        # charges a backward: ``strategies.combine``).
+        out.append(Kernel("batch_norm_backward", dtype, 2.0 * moved, f"{label} backward",
+                          _gradient(run(), (x, *affine))))
     return out
 
 

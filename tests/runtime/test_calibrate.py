@@ -49,7 +49,7 @@ def test_quick_calibration_measures_every_class_and_dtype(calibrated):
              "conv": len(QUICK_GRID.conv), "conv_backward": len(QUICK_GRID.conv),
              "elementwise": len(QUICK_GRID.elementwise), "norm": len(QUICK_GRID.norm_rows),
              "pool": len(QUICK_GRID.pool), "pool_backward": len(QUICK_GRID.pool),
-             "batch_norm": len(QUICK_GRID.batch_norm)}
+             "batch_norm": len(QUICK_GRID.batch_norm), "batch_norm_backward": len(QUICK_GRID.batch_norm)}
     for op_class in COMPUTE_BOUND + MEMORY_BOUND + tuple(BACKWARD_CLASSES.values()):
         for dtype in DTYPES:
             table = machine.compute.table(op_class, dtype)
