@@ -123,3 +123,25 @@ def test_batch_norm_backward_is_priced_at_its_own_rate():
                                                         preset.axis_names))
     (s,) = strategies_for(bn, forward_only)
     assert s.compute_s - s.forward_compute_s == pytest.approx(2 * moved / 1e8)
+
+
+class _Views(nn.Module):
+    def forward(self, x):
+        y = x.view(64, 128).transpose(0, 1)  # views both ways: headers only
+        a, b = y.split(64, dim=0)  # a view forward, a concatenation backward
+        return (a * 2 + b).sum()
+
+
+def test_a_view_moves_no_byte_and_a_split_pays_its_backward_concatenation():
+    from autopar.layout.cost import KERNEL_FLOOR_S
+
+    traced = trace(_Views(), (torch.randn(128, 64, requires_grad=True),))
+    mesh = MeshSpec.preset("cpu", (1,))
+    by_op = {str(n.target): strategies_for(n, mesh)[0] for n in traced.compute_nodes()}
+    for view in ("aten.view.default", "aten.transpose.int"):
+        s = by_op[view]  # the kernel floor forward and backward, however big the tensor
+        assert s.forward_compute_s == KERNEL_FLOOR_S and s.compute_s == pytest.approx(2 * KERNEL_FLOOR_S)
+    split = by_op["aten.split.Tensor"]
+    assert split.forward_compute_s == KERNEL_FLOOR_S
+    # its backward writes the input's gradient from the pieces': twice the bytes in and out
+    assert split.compute_s - split.forward_compute_s == pytest.approx(2 * 2 * 128 * 64 * 4 / mesh.mem_bandwidth)
