@@ -1,7 +1,7 @@
 """Fidelity of the cost model: estimate vs measured step time and memory over many plans, same run.
 
     python benchmarks/fidelity.py [--models gpt2,llama,cnn] [--meshes 2,2x2] [--profile PATH]
-                                  [--steps 8] [--warmup 2] [--out results.jsonl]
+                                  [--steps 8] [--warmup 2] [--out results.jsonl] [--parts]
 
 For each (model, mesh) the parent process plans at least 8 distinct plans with ONE mesh profile
 (``--profile``: a machine profile JSON from ``autopar calibrate``, or, without it, the mesh is
@@ -30,6 +30,8 @@ Printed per (model, mesh): estimate vs measured per plan, Spearman's rank correl
 median |estimate / measured - 1|, how far autopar's choice (at each budget) is from the fastest
 measured plan that fits that budget (by its measured bytes), and memory estimate vs measured;
 the targets are issue 30's (rho >= 0.9, median error <= 15%, choice within 3%, memory within 10%).
+``--parts``: each flat autopar plan's estimate and step read apart alike (``parts``): per op
+class, collectives, optimizer step, and the rest no part accounts for.
 """
 
 from __future__ import annotations
@@ -67,6 +69,7 @@ class Candidate:
     plan: object = None
     engine: str = "autopar"
     budget: int | None = None  # the auto plans' budget (None: ample)
+    options: object = None  # the PlanOptions it was planned with (``--parts`` re-prices it with them)
 
 
 def _signature(plan) -> tuple:
@@ -91,16 +94,17 @@ def candidates(model, inputs, *, mesh, only: frozenset[str] | None = None,
     def wanted(name: str) -> bool:
         return (only is None or name in only) and name not in skip
 
-    def add(name: str, plan, *, budget=None) -> None:
+    def add(name: str, plan, *, budget=None, options=None) -> None:
         sig = _signature(plan)
         if sig in seen:
             print(f"  {name}: same plan as one already listed", flush=True)
             return
         seen.add(sig)
-        out.append(Candidate(name, plan.estimate.step_s, plan.estimate.peak_bytes, plan, budget=budget))
+        out.append(Candidate(name, plan.estimate.step_s, plan.estimate.peak_bytes, plan, budget=budget,
+                             options=options))
         print(f"  {name}: {plan.estimate.step_s * 1e3:.1f} ms, {plan.estimate.peak_bytes / 2**20:.1f} MiB", flush=True)
 
-    families = {}
+    families, family_options = {}, {}
     for family in ("data-parallel", *(f for f in BASELINES if f != "data-parallel")):
         if baseline_roles(family, len(mesh.shape)) is None:
             continue
@@ -111,6 +115,7 @@ def candidates(model, inputs, *, mesh, only: frozenset[str] | None = None,
         if family == "zero3" and "data-parallel" in families:
             options = PlanOptions(memory_budget=sharded_state_budget(families["data-parallel"].estimate,
                                                                      math.prod(mesh.shape)))
+        family_options[family] = options
         try:
             families[family] = plan_family(model, inputs, family, mesh=mesh, options=options)
         except ValueError as exc:  # e.g. a family no layout of which fits
@@ -121,12 +126,13 @@ def candidates(model, inputs, *, mesh, only: frozenset[str] | None = None,
             continue
         budget = None if fraction is None or dp is None else int(fraction * dp.estimate.peak_bytes)
         try:
-            add(name, autopar.plan(model, inputs, mesh=mesh, memory_budget=budget, cache=False), budget=budget)
+            add(name, autopar.plan(model, inputs, mesh=mesh, memory_budget=budget, cache=False), budget=budget,
+                options=PlanOptions(memory_budget=budget))
         except ValueError as exc:
             print(f"  {name}: no plan ({exc})", flush=True)
     for family, plan in families.items():
         if wanted(family):
-            add(family, plan)
+            add(family, plan, options=family_options[family])
     try:
         if wanted("pipeline-2"):
             add("pipeline-2", autopar.plan(model, inputs, mesh=mesh, pipeline=2, checkpoint="none", cache=False))
@@ -177,8 +183,37 @@ def _engine(cand: Candidate, model, inputs, rank: int, world: int, device: torch
     return module, lambda: module(**inputs), optimizer
 
 
+def _parts_measured(step, name: str, device: torch.device, *, steps: int = 2) -> dict:
+    """One plan's step read apart by torch's profiler over ``steps`` steps: compute per op class and
+    the collectives (``runtime.refine.StepTimes``, as ``refine=True`` measures them) and the
+    optimizer's step (its outermost ``Optimizer.step`` events), seconds per step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from autopar.runtime.refine import StepTimes
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    dist.barrier()
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            step(name)
+    sync_device(device)
+    events = prof.events()
+    times = StepTimes.of_events(events, steps=steps, device_time=device.type == "cuda")
+
+    def outermost(e) -> bool:
+        parent = e.cpu_parent
+        while parent is not None:
+            if parent.name.startswith("Optimizer."):
+                return False
+            parent = parent.cpu_parent
+        return True
+
+    optimizer = sum(e.cpu_time_total for e in events if e.name.startswith("Optimizer.step") and outermost(e))
+    return {"compute": times.by_class(), "comm": times.comm, "optimizer": optimizer * 1e-6 / steps}
+
+
 def _worker(rank: int, world: int, cands: list[Candidate], model, inputs, steps: int, warmup: int,
-            device_type: str = "cpu") -> dict:
+            device_type: str = "cpu", parts: bool = False) -> dict:
     device = rank_device(device_type)
     built = {c.name: _engine(c, model, inputs, rank, world, device) for c in cands}
 
@@ -214,7 +249,10 @@ def _worker(rank: int, world: int, cands: list[Candidate], model, inputs, steps:
             watch.start()
             step(name)
             times[name].append(watch.stop())
-    return {"times": times, "memory": memory, "device": str(device)}
+    # After the timed rounds (the profiler slows a step down): the parts of autopar's flat plans.
+    measured_parts = {c.name: _parts_measured(step, c.name, device) for c in cands
+                      if parts and c.engine == "autopar" and c.plan.pipeline is None}
+    return {"times": times, "memory": memory, "device": str(device), "parts": measured_parts}
 
 
 # ---------------------------------------------------------------------------------- figures
@@ -272,6 +310,46 @@ def summarize(model_name: str, mesh, cands: list[Candidate], results: list[dict]
             "choice_ratio": {k: v[0] for k, v in choices.items()}, "load": os.getloadavg()[0]}
 
 
+def parts(model, inputs, cands: list[Candidate], results: list[dict], measured_s: dict[str, float]) -> dict:
+    """Priced vs measured per part for the plans the ranks profiled (``--parts``): each op class
+    (``planner.refit.priced_parts`` against ``runtime.refine.StepTimes``, the slowest rank's figure
+    per part), the collectives (priced: the links' seconds, hidden or not; measured: the backend's
+    wall time, waiting for peers included), the optimizer step (priced: the estimate's compute less
+    its ops'), and what no part accounts for: the measured step less its measured parts (Python,
+    the autograd engine, waits; the collectives counted whole although some ran under compute)."""
+    from autopar.layout.machine import OP_CLASSES
+    from autopar.planner.orchestrate import trace_for_planning
+    from autopar.planner.refit import priced_parts
+    from autopar.tracer import profile as profile_graph
+
+    names = [c for c in cands if c.name in results[0]["parts"]]
+    if not names:
+        return {}
+    traced = {}
+    out = {}
+    used = [k for k in OP_CLASSES if any(r["parts"][c.name]["compute"][k] for r in results for c in names)]
+    print(f"\nparts, ms per step, priced / measured ({', '.join(used)}, comm, optimizer; rest: measured step "
+          f"less its measured parts)")
+    for c in names:
+        precision = c.options.precision
+        if precision not in traced:
+            traced[precision] = trace_for_planning(model, inputs, precision=precision)
+        graph = traced[precision]
+        priced = priced_parts(graph, profile_graph(graph), c.plan, options=c.options)
+        meas = {k: max(r["parts"][c.name]["compute"][k] for r in results) for k in OP_CLASSES}
+        comm = max(r["parts"][c.name]["comm"] for r in results)
+        optimizer = max(r["parts"][c.name]["optimizer"] for r in results)
+        priced_opt = c.plan.estimate.compute_s - sum(priced.compute.values())
+        rest = measured_s[c.name] - sum(meas.values()) - optimizer - comm
+        cells = [f"{k} {priced.compute.get(k, 0.0) * 1e3:.1f}/{meas[k] * 1e3:.1f}" for k in used]
+        cells += [f"comm {priced.comm * 1e3:.1f}/{comm * 1e3:.1f}",
+                  f"optimizer {priced_opt * 1e3:.1f}/{optimizer * 1e3:.1f}", f"rest {rest * 1e3:.1f}"]
+        print(f"  {c.name:<14} " + "  ".join(cells))
+        out[c.name] = {"priced": {**priced.compute, "comm": priced.comm, "optimizer": priced_opt},
+                       "measured": {**meas, "comm": comm, "optimizer": optimizer, "rest": rest}}
+    return out
+
+
 def _mesh(shape: tuple[int, ...], profile: str | None, device_type: str):
     from autopar.layout.mesh import MeshSpec
     from autopar.runtime.calibrate import calibrate
@@ -300,6 +378,9 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--out", help="append one JSON line per (model, mesh)")
     p.add_argument("--plans", help="only these plans, comma-separated (auto, auto@60%%, auto@40%%, data-parallel, "
                                    "zero1, zero2, zero3, megatron, ..., pipeline-2, torch-ddp, torch-fsdp2)")
+    p.add_argument("--parts", action="store_true",
+                   help="also profile two steps of each autopar plan after the timed rounds and print the "
+                        "estimate and the step read apart per op class, collectives and optimizer")
     p.add_argument("--skip", default="", help="plans left out, e.g. pipeline-2 (torch < 2.13's pipelining asks "
                    "integer stage inputs for gradients)")
     args = p.parse_args(argv)
@@ -315,8 +396,10 @@ def main(argv=None) -> list[dict]:
             cands = candidates(model, inputs, mesh=mesh, only=frozenset(args.plans.split(",")) if args.plans else None,
                                skip=frozenset(filter(None, args.skip.split(","))))
             results = run_local(_worker, math.prod(shape), cands, model, inputs, args.steps, args.warmup,
-                                device_type, backend=backend, timeout=1800)
+                                device_type, args.parts, backend=backend, timeout=1800)
             record = summarize(name, mesh, cands, results)
+            if args.parts:
+                record["parts"] = parts(model, inputs, cands, results, record["measured_s"])
             records.append(record)
             if args.out:
                 with open(args.out, "a") as f:

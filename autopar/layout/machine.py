@@ -50,9 +50,10 @@ COMPUTE_BOUND = ("matmul", "attention", "conv")  # keyed by FLOPs per call, rate
 MEMORY_BOUND = ("elementwise", "norm", "batch_norm", "pool")  # keyed by bytes per call, rates in bytes/s
 # Classes whose backward kernels run at a rate of their own (measured apart, keyed by the
 # backward's FLOPs or bytes): a CPU convolution's backward runs well below its forward, a max
-# pool's backward (a scatter by the saved indices) well above it. The other classes' backward is
-# priced at the forward table's rate for its size.
-BACKWARD_CLASSES = {"conv": "conv_backward", "pool": "pool_backward"}
+# pool's backward (a scatter by the saved indices) well above it, and a training batch norm's
+# (one pass over the saved statistics) about 2-3x above its forward's two passes. The other
+# classes' backward is priced at the forward table's rate for its size.
+BACKWARD_CLASSES = {"conv": "conv_backward", "pool": "pool_backward", "batch_norm": "batch_norm_backward"}
 # The optimizer step (AdamW, foreach) keyed by the bytes of the parameters one step updates, rate
 # in those bytes per second: not an op of the graph, priced on each trainable parameter's option.
 OPTIMIZER = "optimizer"

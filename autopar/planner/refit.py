@@ -109,7 +109,10 @@ def priced_parts(traced: TracedGraph, prof: ModelProfile, plan: Plan, *, options
                    machine=None if mesh.machine is None else replace(mesh.machine, links=()))
     comm = []
     for on in (mesh, free):
-        built = build_problem(traced, prof, on, budget_bytes=options.budget_bytes(on), options=options)
+        # segmented: a restricted Megatron-style plan's fused projections are S(d/k) options, which
+        # only a segmented problem offers (it offers every other option as well).
+        built = build_problem(traced, prof, on, budget_bytes=options.budget_bytes(on), options=options,
+                              segmented=True)
         ev = _evaluate(built, plan)
         comm.append(ev.comm_s + ev.reshard_s)
         if on is mesh:

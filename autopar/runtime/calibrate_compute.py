@@ -6,7 +6,8 @@ a kernel is the median over repetitions of the slowest rank's time (``links.lock
 A repetition runs a kernel ``inner`` times back to back (agreed by all ranks), enough for about
 ``MIN_REPETITION_S``: a 10-microsecond product is not lost in the timer's noise, and on a shared
 host a repetition spans several scheduler time slices, as a step does (a 1 ms burst can run
-between preemptions at a speed no step sees).
+between preemptions at a speed no step sees). A repetition holds every call's output until it
+ends (``_repeated``), so that each call writes into fresh pages as a step's ops do.
 
 The grid, per dtype (fp32, bf16, fp16):
 
@@ -20,14 +21,15 @@ The grid, per dtype (fp32, bf16, fp16):
 - ``elementwise``: ``add`` of two tensors, keyed by the bytes one call reads and writes;
 - ``norm``: ``layer_norm`` over rows of 1024, keyed likewise;
 - ``batch_norm``: training-mode ``batch_norm`` of an NCHW tensor, keyed by the bytes of its
-  tensor arguments and output (what ``strategies.combine`` charges an op);
+  tensor arguments and output (what ``strategies.combine`` charges an op), and
+  ``batch_norm_backward``: its input and affine gradients, keyed by twice those;
 - ``pool``: ``max_pool2d`` (3x3, stride 2: a ResNet stem's) keyed by its input and output bytes,
   and ``pool_backward``: its input gradient, keyed by twice those (what the cost model charges a
   backward: ``strategies.combine``);
 - ``optimizer`` (fp32 only): one ``AdamW(foreach=True)`` step over 16 parameters of one size,
   keyed by one parameter's bytes, rate in parameter bytes per second (``layout.cost.optimizer_seconds``).
 
-Only ``conv`` and ``pool`` have backward tables (``layout.machine.BACKWARD_CLASSES``): the cost
+Only ``conv``, ``pool`` and ``batch_norm`` have backward tables (``layout.machine.BACKWARD_CLASSES``): the cost
 model prices other classes' backward FLOPs (or bytes) at the forward rate for that size.
 
 Apart from the grid, ``measure_kernel_floor`` times what an op costs however small (its dispatch
@@ -196,15 +198,21 @@ def _batch_norms(grid: Grid, dtype: str, device: torch.device) -> list[Kernel]:
     dt = TORCH_DTYPES[dtype]
     out = []
     for batch, channels, side in grid.batch_norm:
-        x = torch.randn(batch, channels, side, side, dtype=dt, device=device)
+        x = torch.randn(batch, channels, side, side, dtype=dt, device=device, requires_grad=True)
         stats = [torch.zeros(channels, dtype=dt, device=device), torch.ones(channels, dtype=dt, device=device)]
-        affine = [torch.ones(channels, dtype=dt, device=device), torch.zeros(channels, dtype=dt, device=device)]
+        affine = [torch.ones(channels, dtype=dt, device=device, requires_grad=True),
+                  torch.zeros(channels, dtype=dt, device=device, requires_grad=True)]
         moved = float(2 * x.numel() * x.element_size() + sum(t.numel() * t.element_size() for t in stats + affine))
 
         def run(x=x, stats=stats, affine=affine):
             return F.batch_norm(x, *stats, *affine, training=True)
 
-        out.append(Kernel("batch_norm", dtype, moved, f"batch_norm {batch}x{channels}x{side}x{side}", run))
+        label = f"batch_norm {batch}x{channels}x{side}x{side}"
+        out.append(Kernel("batch_norm", dtype, moved, label, run))
+        # Input and affine gradients, keyed by twice the forward's bytes (what the cost model
+        # charges a backward: ``strategies.combine``).
+        out.append(Kernel("batch_norm_backward", dtype, 2.0 * moved, f"{label} backward",
+                          _gradient(run(), (x, *affine))))
     return out
 
 
@@ -247,10 +255,36 @@ def _inner_counts(points: list[Kernel], device: torch.device, min_repetition_s: 
     return [int(c) for c in ranks_reduce(want, device)]
 
 
+# Bytes of outputs a repetition holds at most before letting them go (a step's activations are of
+# this order; the bound keeps the largest grid points' repetitions in memory).
+HOLD_BYTES = 256 << 20
+
+
+def _output_bytes(out: object) -> int:
+    if isinstance(out, torch.Tensor):
+        return out.untyped_storage().nbytes()
+    if isinstance(out, (tuple, list)):
+        return sum(_output_bytes(o) for o in out)
+    return 0
+
+
 def _repeated(run: Callable[[], object], inner: int) -> Callable[[], None]:
+    """``inner`` calls of ``run``, each output held until the repetition ends (or ``HOLD_BYTES``
+    are held), then all freed at once. A training step runs its kernels so: a forward keeps what
+    it computes for backward, so each op writes into memory the allocator has just taken from the
+    OS, and backward frees it in bulk, returning it. Writing the first time into such pages costs
+    a page fault each (on a CPU, more than the kernel's own time for a memory-bound op of a few
+    MiB), which a loop writing into the block it has just freed -- the same warm pages each call --
+    never pays: timed that way the elementwise ops of a GPT-2 step ran 2-4x faster than in the step."""
     def call() -> None:
+        held: list[object] = []
+        nbytes = 0
         for _ in range(inner):
-            run()
+            held.append(run())
+            nbytes += _output_bytes(held[-1])
+            if nbytes > HOLD_BYTES:
+                held.clear()
+                nbytes = 0
     return call
 
 

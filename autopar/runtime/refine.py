@@ -5,8 +5,11 @@ start of a later one: forward, backward, the optimizer step and everything in be
 ``StepTimes.of_events`` sorts what the profiler saw into the cost model's terms:
 
 - **compute** per op class (``layout.machine.OP_CLASSES``, by ``strategies.combine.op_class`` of
-  the ATen op each event names): the self time of every ATen event, except those run inside the
-  optimizer (``Optimizer.step``/``zero_grad``: the planner does not price the optimizer's kernels),
+  the ATen op each event names; an event of no class inside one of a class -- the backend kernel
+  ``aten::mkldnn_convolution`` inside ``aten::convolution``, the ``aten::empty`` of an op's output
+  -- counts as that op's, as the planner prices the op whole): the self time of every ATen event,
+  except those run inside the optimizer (``Optimizer.step``/``zero_grad``: the planner does not
+  price the optimizer's kernels),
   inside a collective (``c10d::``, the backend's own events) or inside the runtime's communication
   functions (``runtime.collectives``, ``kernels``, ``pending``, ``bucketing``: their copies and
   concatenations are part of the conversion the planner prices as communication);
@@ -100,9 +103,7 @@ class StepTimes:
                 continue
             if not name.startswith("aten::") or _inside(e, skip):
                 continue
-            if name not in classes:
-                classes[name] = op_class_of_event(name)
-            compute[classes[name]] += _seconds(e, device_time, total=False)
+            compute[_class_within(e, classes)] += _seconds(e, device_time, total=False)
         return cls(tuple(compute[c] / steps for c in OP_CLASSES), comm / steps, steps)
 
     def agreed(self, *, device: torch.device) -> "StepTimes":
@@ -112,6 +113,18 @@ class StepTimes:
         dist.all_reduce(values, op=dist.ReduceOp.MAX)
         out = values.tolist()
         return StepTimes(tuple(out[:-1]), out[-1], self.steps)
+
+
+def _class_within(event: Any, classes: dict[str, str]) -> str:
+    """The op class of ``event``'s ATen op, else of the nearest enclosing ATen op that has one
+    (``classes``: a cache by name); ``"other"`` when none has."""
+    while event is not None and event.name.startswith("aten::"):
+        if event.name not in classes:
+            classes[event.name] = op_class_of_event(event.name)
+        if classes[event.name] != "other":
+            return classes[event.name]
+        event = event.cpu_parent
+    return "other"
 
 
 def _seconds(event: Any, device_time: bool, *, total: bool) -> float:

@@ -43,7 +43,9 @@ def test_forced_stages_divide_state_and_gradients_over_the_replicas(gpt2):
 def test_auto_picks_zero_only_where_the_budget_needs_it(gpt2):
     free = _plan(gpt2, zero_stage="auto").plan
     assert {n.zero_stage for n in free.by_kind("parameter")} == {0}
-    tight_budget = int(0.93 * free.estimate.peak_bytes)
+    # 90%, not 93%: since views are priced as moving no byte (strategies.combine), a stage-0
+    # layout fits 93% of the free plan's peak at no extra price, so ZeRO is not needed there.
+    tight_budget = int(0.90 * free.estimate.peak_bytes)
     tight = _plan(gpt2, zero_stage="auto", memory_budget=tight_budget, baselines=True).plan
     stages = [n.zero_stage for n in tight.by_kind("parameter")]
     assert 2 in stages and tight.estimate.peak_bytes <= tight_budget

@@ -49,7 +49,7 @@ def test_quick_calibration_measures_every_class_and_dtype(calibrated):
              "conv": len(QUICK_GRID.conv), "conv_backward": len(QUICK_GRID.conv),
              "elementwise": len(QUICK_GRID.elementwise), "norm": len(QUICK_GRID.norm_rows),
              "pool": len(QUICK_GRID.pool), "pool_backward": len(QUICK_GRID.pool),
-             "batch_norm": len(QUICK_GRID.batch_norm)}
+             "batch_norm": len(QUICK_GRID.batch_norm), "batch_norm_backward": len(QUICK_GRID.batch_norm)}
     for op_class in COMPUTE_BOUND + MEMORY_BOUND + tuple(BACKWARD_CLASSES.values()):
         for dtype in DTYPES:
             table = machine.compute.table(op_class, dtype)
@@ -147,3 +147,29 @@ def test_calibrate_rejects_bad_arguments():
             calibrate((2,))
     finally:
         os.environ.update(env)
+
+
+def test_a_repetition_holds_each_output_until_it_ends_as_a_step_does(monkeypatch):
+    # Each call must write into memory the allocator takes fresh (a forward keeps what it
+    # computes), not into the block the previous call just freed: the outputs live until the
+    # repetition ends, or until HOLD_BYTES of them are held.
+    import weakref
+
+    from autopar.runtime import calibrate_compute
+
+    made: list = []
+    live_at_call: list[int] = []
+
+    def run():
+        live_at_call.append(sum(r() is not None for r in made))
+        out = torch.empty(1024)  # 4 KiB
+        made.append(weakref.ref(out))
+        return (out,)  # a gradient's tuple counts too
+
+    calibrate_compute._repeated(run, 5)()
+    assert live_at_call == [0, 1, 2, 3, 4] and all(r() is None for r in made)
+    made.clear()
+    live_at_call.clear()
+    monkeypatch.setattr(calibrate_compute, "HOLD_BYTES", 8 << 10)  # two outputs; the third lets them go
+    calibrate_compute._repeated(run, 5)()
+    assert live_at_call == [0, 1, 2, 0, 1] and all(r() is None for r in made)

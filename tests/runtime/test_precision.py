@@ -124,7 +124,10 @@ def test_bf16_activation_estimate_halves_and_matches_what_is_saved():
     model, inputs = _model(batch=32, seq=128)
     plans = [(p, make_plan(model, inputs, mesh=(2, 2), precision=p, checkpoint="none")) for p in ("fp32", "bf16")]
     est = {p: plan.checkpoint["activation_bytes"] for p, plan in plans}
-    assert 0.45 < est["bf16"] / est["fp32"] < 0.6, est
+    # Up to 0.65: since a view is priced as moving no byte (strategies.combine), a view costs the
+    # same sharded or replicated, and the bf16 plan (at the same step estimate within 1%) runs a few
+    # ops around views replicated that it ran sharded before: 0.63 of fp32's bytes (0.53 before).
+    assert 0.45 < est["bf16"] / est["fp32"] < 0.65, est
     assert plans[1][1].estimate.peak_bytes < plans[0][1].estimate.peak_bytes
     for rank_result in run_local(_saved_body, 4, model, inputs, plans, timeout=300):
         for precision, saved in rank_result:

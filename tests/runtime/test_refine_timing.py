@@ -53,3 +53,22 @@ def test_a_timer_stops_only_once_started_and_times_whole_steps():
         timer.stop(steps=1)
     with pytest.raises(ValueError, match="steps.*0"):
         StepTimes((0.0,) * len(OP_CLASSES), 0.0, 0)
+
+
+class _Event:
+    """A profiler event as ``StepTimes.of_events`` reads it (self and total CPU microseconds)."""
+
+    def __init__(self, name: str, self_us: float, parent: "_Event | None" = None) -> None:
+        self.name, self.cpu_parent = name, parent
+        self.self_cpu_time_total = self.cpu_time_total = self_us
+
+
+def test_a_classless_kernel_inside_a_classed_op_counts_as_that_op():
+    # aten::convolution dispatches to aten::mkldnn_convolution (no class of its own) and allocates
+    # its output with aten::empty: the planner prices the convolution whole, so all of it is conv.
+    conv = _Event("aten::convolution", 10.0)
+    events = [conv, _Event("aten::mkldnn_convolution", 300.0, conv), _Event("aten::empty", 5.0, conv),
+              _Event("aten::sum", 40.0), _Event("aten::empty", 7.0, _Event("aten::sum", 1.0))]
+    by = StepTimes.of_events(events, steps=1).by_class()
+    assert by["conv"] == pytest.approx(315e-6)
+    assert by["other"] == pytest.approx(40e-6 + 7e-6)

@@ -104,3 +104,44 @@ def test_convolution_and_pool_backward_are_priced_at_their_own_rates():
                                                         preset.axis_names))
     (c,) = strategies_for(conv, forward_only)
     assert c.compute_s - c.forward_compute_s == pytest.approx(2 * fwd_flops / 4e9)
+
+
+def test_batch_norm_backward_is_priced_at_its_own_rate():
+    # A training batch norm's backward (one pass over saved statistics) runs faster per byte than
+    # its forward's two: calibration measures it apart (``batch_norm_backward``).
+    traced = trace(nn.BatchNorm2d(8).train(), (torch.randn(4, 8, 16, 16),))
+    (bn,) = [n for n in traced.compute_nodes() if op_class(n.target) == "batch_norm"]
+    preset = MeshSpec.preset("cpu", (1,))
+    compute = ComputeProfile((("batch_norm", "fp32", RateTable((1e3,), (1e8,))),
+                              ("batch_norm_backward", "fp32", RateTable((1e3,), (4e8,)))))
+    mesh = replace(preset, machine=MachineProfile(compute, (), (1,), preset.axis_names))
+    (s,) = strategies_for(bn, mesh)
+    moved = s.forward_compute_s * 1e8  # the forward's bytes, at the forward's rate
+    assert moved > 2 * 4 * 8 * 16 * 16 * 4  # at least the input read and the output written
+    assert s.compute_s - s.forward_compute_s == pytest.approx(2 * moved / 4e8)
+    forward_only = replace(mesh, machine=MachineProfile(ComputeProfile(compute.tables[:1]), (), (1,),
+                                                        preset.axis_names))
+    (s,) = strategies_for(bn, forward_only)
+    assert s.compute_s - s.forward_compute_s == pytest.approx(2 * moved / 1e8)
+
+
+class _Views(nn.Module):
+    def forward(self, x):
+        y = x.view(64, 128).transpose(0, 1)  # views both ways: headers only
+        a, b = y.split(64, dim=0)  # a view forward, a concatenation backward
+        return (a * 2 + b).sum()
+
+
+def test_a_view_moves_no_byte_and_a_split_pays_its_backward_concatenation():
+    from autopar.layout.cost import KERNEL_FLOOR_S
+
+    traced = trace(_Views(), (torch.randn(128, 64, requires_grad=True),))
+    mesh = MeshSpec.preset("cpu", (1,))
+    by_op = {str(n.target): strategies_for(n, mesh)[0] for n in traced.compute_nodes()}
+    for view in ("aten.view.default", "aten.transpose.int"):
+        s = by_op[view]  # the kernel floor forward and backward, however big the tensor
+        assert s.forward_compute_s == KERNEL_FLOOR_S and s.compute_s == pytest.approx(2 * KERNEL_FLOOR_S)
+    split = by_op["aten.split.Tensor"]
+    assert split.forward_compute_s == KERNEL_FLOOR_S
+    # its backward writes the input's gradient from the pieces': twice the bytes in and out
+    assert split.compute_s - split.forward_compute_s == pytest.approx(2 * 2 * 128 * 64 * 4 / mesh.mem_bandwidth)
