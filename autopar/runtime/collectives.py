@@ -110,13 +110,24 @@ def _segment_major(x: torch.Tensor, dim: int, n: int, segments: int) -> torch.Te
 def _all_gather(x: torch.Tensor, dim: int, ax: _Axis, segments: int = 1) -> torch.Tensor:
     if not 0 <= dim < x.dim():
         raise ValueError(f"all-gather on {ax}: dim {dim} out of range for shape {tuple(x.shape)}")
-    # all_gather_single concatenates along dim 0; move ``dim`` there and back.
-    front = x.movedim(dim, 0).contiguous()
-    out = front.new_empty((front.shape[0] * ax.size, *front.shape[1:]))
-    record("all_gather", out.numel() * out.element_size())
+    front, out = gather_buffers(x, dim, ax.size)
     all_gather_single(out, front, group=ax.group)
+    return gathered(out, dim, ax.size, segments)
+
+
+def gather_buffers(x: torch.Tensor, dim: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(send, receive) of an all-gather of ``x``'s ``dim`` over ``size`` ranks: all_gather_single
+    concatenates along dim 0, so ``dim`` is moved there (``gathered`` moves it back)."""
+    front = x.movedim(dim, 0).contiguous()
+    out = front.new_empty((front.shape[0] * size, *front.shape[1:]))
+    record("all_gather", out.numel() * out.element_size())
+    return front, out
+
+
+def gathered(out: torch.Tensor, dim: int, size: int, segments: int = 1) -> torch.Tensor:
+    """A filled receive buffer of ``gather_buffers`` in the layout the gather yields."""
     if segments > 1:
-        return _segment_major(out, 0, ax.size, segments).movedim(0, dim).contiguous()
+        return _segment_major(out, 0, size, segments).movedim(0, dim).contiguous()
     return out.movedim(0, dim).contiguous()
 
 

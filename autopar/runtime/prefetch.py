@@ -35,8 +35,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from autopar.runtime.collectives import _Axis, _segment_major
-from autopar.runtime.counting import record
+from autopar.runtime.collectives import _Axis, gather_buffers, gathered
 from autopar.runtime.dist_ops import all_gather_single
 from autopar.runtime.nodes import Collective
 from autopar.runtime.process_mesh import ProcessMesh
@@ -78,9 +77,7 @@ class _Start(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, dim: int, ax: _Axis, key: str, inflight: _InFlight) -> torch.Tensor:
         ctx.dim, ctx.ax = dim, ax
-        send = x.movedim(dim, 0).contiguous()
-        out = send.new_empty((send.shape[0] * ax.size, *send.shape[1:]))
-        record("all_gather", out.numel() * out.element_size())
+        send, out = gather_buffers(x, dim, ax.size)
         inflight.put(key, all_gather_single(out, send, group=ax.group, async_op=True), send)
         return out
 
@@ -115,9 +112,7 @@ class GatherWait(nn.Module):
 
     def forward(self, buf: torch.Tensor, *, axis: int, src_dim: int, key: str, segments: int = 1) -> torch.Tensor:
         self.inflight.wait(key)
-        if segments > 1:
-            return _segment_major(buf, 0, self.pmesh.axis_size(axis), segments).movedim(0, src_dim).contiguous()
-        return buf.movedim(0, src_dim).contiguous() if src_dim else buf
+        return gathered(buf, src_dim, self.pmesh.axis_size(axis), segments)
 
 
 def _parameter_gathers(graph: fx.Graph, modules: dict[str, nn.Module], state_key: str) -> list[fx.Node]:
