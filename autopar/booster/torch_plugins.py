@@ -188,6 +188,7 @@ class _TorchPlugin:
         dtype; ``loss_scale`` (an ``FP16TorchMixedPrecision``, fp16 only) gives the optimizer a
         loss scaler of its settings."""
         _require_dist(type(self).__name__)
+        _per_rank_statistics_notice(type(self).__name__, model)
         # Names before wrapping: FSDP2 swaps the Parameter objects the optimizer holds.
         before = list(model.named_parameters(remove_duplicate=False))
         module = self.wrap(model)
@@ -223,6 +224,26 @@ class _TorchPlugin:
                                  drop_last: bool = False, **kwargs: Any) -> Any:
         """``prepare_dataloader`` under the name the notes' TorchFSDPPlugin example calls."""
         return self.prepare_dataloader(dataset, batch_size, shuffle, seed, drop_last, **kwargs)
+
+
+def _per_rank_statistics_notice(plugin: str, model: nn.Module) -> None:
+    """Say once, on rank 0, that torch's engines normalise each rank's share of the batch.
+
+    DDP and FSDP2 run a training-mode ``BatchNorm`` on the rank's samples only, so its batch
+    statistics (and running statistics) are not those of one device on the global batch:
+    the training differs, as it does under torch itself. That is the engines' documented
+    behaviour and the notes' plugins keep it; what a user comparing with one device needs is to
+    know it, with the two ways out."""
+    found = [name or type(m).__name__ for name, m in model.named_modules()
+             if isinstance(m, nn.modules.batchnorm._BatchNorm) and not isinstance(m, nn.SyncBatchNorm)
+             and m.training]
+    if not found or (dist.is_initialized() and dist.get_rank() != 0):
+        return
+    shown = ", ".join(found[:3]) + (f" and {len(found) - 3} more" if len(found) > 3 else "")
+    log.warning("%s: %s normalise each rank's share of the batch (torch's per-rank batch statistics), so "
+                "training differs from one device on the global batch; AutoParallelPlugin keeps global "
+                "statistics, and on CUDA torch.nn.SyncBatchNorm.convert_sync_batchnorm(model) before boost "
+                "does too", plugin, shown)
 
 
 @dataclass(frozen=True, slots=True)

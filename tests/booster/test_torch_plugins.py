@@ -20,6 +20,7 @@ import logging
 import pytest
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.fsdp import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
 
@@ -59,6 +60,19 @@ def test_ddp_arguments_reach_ddp_and_check_reduction_logs_once(caplog):
     assert len(caplog.records) == 1 and "check_reduction is ignored" in caplog.records[0].getMessage()
     with pytest.raises(ValueError, match="bucket_cap_mb"):
         TorchDDPPlugin(bucket_cap_mb=0)
+
+
+def test_training_batch_norm_is_named_as_per_rank_statistics(caplog):
+    from autopar.booster.torch_plugins import _per_rank_statistics_notice
+
+    cnn = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Sequential(nn.BatchNorm2d(4)))
+    with caplog.at_level(logging.INFO, logger="autopar.booster.torch_plugins"):
+        _per_rank_statistics_notice("TorchDDPPlugin", cnn)
+        _per_rank_statistics_notice("TorchDDPPlugin", cnn.eval())  # eval: running statistics, as one device
+        _per_rank_statistics_notice("TorchDDPPlugin", nn.Sequential(nn.SyncBatchNorm(4)).train())
+    assert len(caplog.records) == 1
+    said = caplog.records[0].getMessage()
+    assert "TorchDDPPlugin: 1, 3.0 normalise each rank's share" in said and "differs from one device" in said
 
 
 def test_fsdp_mapping_ignored_and_refused(caplog):
