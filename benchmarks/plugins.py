@@ -33,6 +33,10 @@ its chunk ledger's device peak plus the bytes its own saved-tensor hooks saw in 
 within it; ``AutoParallelPlugin`` plans with that budget. Printed per (model, budget): median
 ms/step, measured peak MiB per rank, the estimate under the profiles, and auto / fastest fitting
 configuration -- issue 29's target is <= 1.05, and auto must fit wherever any configuration fits.
+On a model with batch norm (the CNN) torch's engines normalise each rank's share of the batch, a
+different training from one device's, which every autopar configuration keeps (global statistics:
+two blocking collectives per batch norm); their rows say so, and the auto plan's ratio to the
+fastest configuration that keeps global statistics is printed beside the target's.
 """
 
 from __future__ import annotations
@@ -239,8 +243,18 @@ def _profiles(paths: list[str], world: int, device_type: str) -> dict[tuple[int,
     return found
 
 
-def report(model_name: str, label: str, budget, results: list[dict], families: dict) -> dict:
-    """The table of one budget: the fixed configurations and the auto plan planned for it."""
+PER_RANK_STATISTICS = ("torch-ddp", "torch-fsdp2")  # torch's engines: a batch norm sees the rank's samples
+
+
+def trains_batch_norm(model: torch.nn.Module) -> bool:
+    return any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.training for m in model.modules())
+
+
+def report(model_name: str, label: str, budget, results: list[dict], families: dict, *,
+           per_rank: tuple[str, ...] = ()) -> dict:
+    """The table of one budget: the fixed configurations and the auto plan planned for it.
+    ``per_rank``: the configurations whose batch norms normalise each rank's share of the batch
+    (torch's engines on a model with batch norm): marked, and a second ratio leaves them out."""
     names = [n for n in results[0]["times"]
              if not n.startswith("auto") or n == auto_name(label) or (label == "ample" and n in OPTIONAL)]
     steps = len(results[0]["times"][names[0]])
@@ -266,7 +280,8 @@ def report(model_name: str, label: str, budget, results: list[dict], families: d
         e = est[n]
         print(f"{n:<12} {med[n] * 1e3:9.1f} {least[n] * 1e3:8.1f} {peak[n] / 2**20:9.1f} "
               f"{'yes' if fits[n] else 'no':>5} "
-              + (f"{e[0] * 1e3:8.1f} {e[1] / 2**20:8.1f}" if e else f"{'-':>8} {'-':>8}"))
+              + (f"{e[0] * 1e3:8.1f} {e[1] / 2**20:8.1f}" if e else f"{'-':>8} {'-':>8}")
+              + ("  per-rank batch statistics" if n in per_rank else ""))
     for n, how in results[0]["chosen"].items():
         if n in names:
             print(f"{n}: mesh {how}")
@@ -282,6 +297,11 @@ def report(model_name: str, label: str, budget, results: list[dict], families: d
             ratio = r
         print(f"{auto} / fastest fitting ({best}) = {r:.3f} (target <= {TARGET}: "
               f"{'met' if r <= TARGET and fits[auto] else 'MISSED'}); {auto} fits: {fits[auto]}")
+        same = [n for n in fixed if n not in per_rank]
+        if per_rank and same and best in per_rank:
+            alike = min(same, key=med.__getitem__)
+            print(f"{auto} / fastest fitting with the global batch's statistics, as one device "
+                  f"({alike}) = {med[auto] / med[alike]:.3f}")
     return {"model": model_name, "budget": label, "budget_bytes": budget, "median_s": med, "min_s": least,
             "peak_bytes": peak,
             "fits": fits, "estimate": est, "auto_ratio": ratio, "chosen": results[0]["chosen"],
@@ -322,7 +342,8 @@ def main(argv=None) -> list[dict]:
                             None if args.configs is None else tuple(args.configs.split(",")),
                             backend=backend, timeout=3600)
         for label, budget in budgets.items():
-            record = report(name, label, budget, results, families)
+            record = report(name, label, budget, results, families,
+                            per_rank=PER_RANK_STATISTICS if trains_batch_norm(model) else ())
             records.append(record)
             if args.out:
                 with open(args.out, "a") as f:
