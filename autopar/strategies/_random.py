@@ -1,5 +1,8 @@
 """Random draws: dropout, ``bernoulli``, ``rrelu``, ``rand``/``randn`` (and ``*_like``), ``randint``,
-``randperm``, ``multinomial``. Local op: the ``random_draw`` kernel, for EVERY strategy.
+``randperm``, ``multinomial``, and the tensor fills of torch's distributions (``uniform_``,
+``normal_``, ``exponential_``, ``geometric_``, ``log_normal_``, ``cauchy_``: the functional ops the
+tracer makes of them, ``normal_`` as it stays). Local op: the ``random_draw`` kernel, for EVERY
+strategy.
 
 Each element is a function of the seed, the step, the op (traced node) and its GLOBAL index in
 the op's output (``autopar/strategies/rng.py``), so a rank of any plan draws exactly the numbers
@@ -12,19 +15,25 @@ or ``p=0``) runs the plain op.
 Single-axis options:
 - elementwise draws (dropout, ``native_dropout``, ``bernoulli``, ``rrelu``): every dim maps to itself; no
   ``P`` (a mask of summands is not the mask of the sum);
-- ``rand_like``/``randn_like``: the output takes the input's split dims; a ``P`` input gives a
-  replicated output (only the shape is read);
+- ``rand_like``/``randn_like`` and the distribution fills: the output takes the input's split
+  dims; a ``P`` input gives a replicated output (only the shape is read). A fill is the inverse
+  CDF of one uniform per element (``normal_``/``log_normal_``: one normal, Box-Muller), in float64
+  and then rounded to the tensor's dtype: ``uniform`` ``from + (to - from) u``, ``exponential``
+  ``-log(1 - u) / lambd``, ``geometric`` ``ceil(log(1 - u) / log(1 - p))`` (at least 1),
+  ``cauchy`` ``median + sigma tan(pi (u - 1/2))``, ``log_normal`` ``exp(mean + std z)``;
 - factories (``rand``, ``randn``, ``randint``): any output dim split;
 - ``randperm``: dim 0 split (each rank sorts the whole stream's keys and keeps its slice: a
   permutation is not elementwise, and O(n log n) on an index vector is cheap);
 - ``multinomial`` on (rows, categories): rows split.
 
-Any other random op (``normal``, ``uniform_``, ``exponential_`` ...) has no rule here, and
+Any other random op (``normal`` with tensor means, ``poisson``, ``binomial`` ...) has no rule here, and
 ``expand.enumerate_strategies`` refuses it with a ``NoRuleError`` even under the replicate
 fallback (each rank would draw from its own generator).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -96,6 +105,10 @@ def random_draw(ctx: KernelContext, **a):
         return (rng.uniform(key, _indices(ctx, draw, x.device)) < x.double()).to(x.dtype)
     out = ctx.info.output
     dtype = out.dtype  # the traced output's: a schema default dtype binds as an enum number
+    if target in _FILLS:
+        x = a["self"]
+        u = (rng.normal if target in _NORMAL_FILLS else rng.uniform)(key, _indices(ctx, draw, x.device))
+        return _FILLS[target](u, a).to(dtype)
     if target in (aten.rand_like.default, aten.randn_like.default):
         x = a["self"]
         fn = rng.uniform if target is aten.rand_like.default else rng.normal
@@ -132,6 +145,26 @@ def _multinomial(ctx: KernelContext, draw: rng.Draw, probs: torch.Tensor, num: i
     u = rng.uniform(draw.key(ctx.info.node_name, 1), _indices(ctx, draw, probs.device, shape=shape))
     race = -torch.log1p(-u) / probs
     return torch.topk(race, num, dim=-1, largest=False, sorted=True).indices
+
+
+# torch's distribution fills: their value from one float64 uniform (or normal) ``u`` per element
+# and the call's arguments (schema names, torch's defaults where the call left them out).
+_FILLS = {
+    aten.uniform.default: lambda u, a: a.get("from", 0.0) + (a.get("to", 1.0) - a.get("from", 0.0)) * u,
+    aten.exponential.default: lambda u, a: -torch.log1p(-u) / a.get("lambd", 1.0),
+    aten.geometric.default: lambda u, a: torch.ceil(torch.log1p(-u) / math.log1p(-a["p"])).clamp_(min=1),
+    aten.cauchy.default: lambda u, a: a.get("median", 0.0) + a.get("sigma", 1.0) * torch.tan(torch.pi * (u - 0.5)),
+    aten.log_normal.default: lambda u, a: torch.exp(a.get("mean", 1.0) + a.get("std", 2.0) * u),
+    aten.normal_.default: lambda u, a: a.get("mean", 0.0) + a.get("std", 1.0) * u,
+}
+# The in-place overloads where a trace keeps them (the filled tensor is a fresh buffer, as for
+# ``fill_``): the same values.
+_FILLS.update({aten.uniform_.default: _FILLS[aten.uniform.default],
+               aten.exponential_.default: _FILLS[aten.exponential.default],
+               aten.geometric_.default: _FILLS[aten.geometric.default],
+               aten.cauchy_.default: _FILLS[aten.cauchy.default],
+               aten.log_normal_.default: _FILLS[aten.log_normal.default]})
+_NORMAL_FILLS = (aten.normal_.default, aten.log_normal.default, aten.log_normal_.default)
 
 
 # -------------------------------------------------------------------------------- the rules
@@ -176,6 +209,18 @@ _RANDOM = {
         Sample((rand(4, 8, 4).sigmoid(),), label="probabilities", no_grad=("self",))]),
     aten.rand_like.default: (_like, lambda: [Sample((rand(4, 8, 4),), no_grad=("self",))]),
     aten.randn_like.default: (_like, lambda: [Sample((rand(4, 8),), _F64, no_grad=("self",))]),
+    aten.uniform.default: (_like, lambda: [Sample((rand(4, 8, 4), 0.9, 1.1), no_grad=("self",)),
+                                           Sample((rand(4, 8),), label="default", no_grad=("self",))]),
+    aten.exponential.default: (_like, lambda: [Sample((rand(4, 8, 4), 2.0), no_grad=("self",))]),
+    aten.geometric.default: (_like, lambda: [Sample((rand(4, 8, 4), 0.3), no_grad=("self",))]),
+    aten.cauchy.default: (_like, lambda: [Sample((rand(4, 8), 1.0, 0.5), no_grad=("self",))]),
+    aten.log_normal.default: (_like, lambda: [Sample((rand(4, 8), 0.0, 0.25), no_grad=("self",))]),
+    aten.normal_.default: (_like, lambda: [Sample((rand(4, 8, 4), 1.0, 2.0), no_grad=("self",))]),
+    aten.uniform_.default: (_like, lambda: [Sample((rand(4, 8), -1.0, 3.0), no_grad=("self",))]),
+    aten.exponential_.default: (_like, lambda: [Sample((rand(4, 8),), no_grad=("self",))]),
+    aten.geometric_.default: (_like, lambda: [Sample((rand(4, 8), 0.6), no_grad=("self",))]),
+    aten.cauchy_.default: (_like, lambda: [Sample((rand(4, 8),), no_grad=("self",))]),
+    aten.log_normal_.default: (_like, lambda: [Sample((rand(4, 8),), no_grad=("self",))]),
     aten.rand.default: (_factory, lambda: [Sample(([4, 8, 4],), _F64), Sample(([8, 4],), label="float32")]),
     aten.randn.default: (_factory, lambda: [Sample(([4, 8, 4],), _F64)]),
     aten.randint.default: (_factory, lambda: [Sample((10, [4, 8]))]),

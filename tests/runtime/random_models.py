@@ -83,7 +83,19 @@ def vit_drop_path():
     return _PixelLoss(tf.Dinov2Model(cfg), 32, 10), (torch.randn(BATCH, 3, 16, 16), torch.randint(0, 10, (BATCH,)))
 
 
-MODELS = {"gpt2": gpt2, "bert": bert, "vit-drop-path": vit_drop_path, "gpt-neox": gpt_neox}
+def phimoe():
+    """PhiMoE: training-mode routing samples with ``exponential_`` (Gumbel) and ``rand_like``
+    (Heun's third-order switch), inputs jittered by ``uniform_``."""
+    import transformers as tf
+
+    cfg = tf.PhimoeConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                          num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                          max_position_embeddings=SEQ, input_jitter_noise=0.01, attention_dropout=0.0)
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ))
+    return tf.PhimoeForCausalLM(cfg), {"input_ids": ids, "labels": ids}
+
+
+MODELS = {"gpt2": gpt2, "bert": bert, "vit-drop-path": vit_drop_path, "gpt-neox": gpt_neox, "phimoe": phimoe}
 
 
 def build(name: str):
@@ -104,7 +116,7 @@ def plan_for(traced, prof, shape, *, recompute: bool = False):
     return with_block_recompute(plan, traced) if recompute else plan
 
 
-DRAW_OPS = ("dropout", "rand", "bernoulli", "scaled_dot_product_attention")
+DRAW_OPS = ("dropout", "rand", "bernoulli", "scaled_dot_product_attention", "uniform", "exponential")
 
 
 def sharded_draws(plan) -> int:

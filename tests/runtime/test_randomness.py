@@ -57,6 +57,31 @@ def test_distributions():
     assert abs(torch.corrcoef(torch.stack([u[:-1], u[1:]]))[0, 1]) < 0.01
 
 
+def test_distribution_fills_have_their_distributions():
+    """``uniform_``, ``normal_``, ``exponential_``, ``geometric_``, ``cauchy_``, ``log_normal_``:
+    the kernel's inverse CDFs give torch's distributions (their parameters named as in the schema)."""
+    from autopar.strategies._random import _FILLS
+
+    aten = torch.ops.aten
+    idx = torch.arange(400_000)
+    u = rng.uniform(rng.Draw(0, 0).key("fill"), idx)
+    z = rng.normal(rng.Draw(0, 0).key("fill"), idx)
+    x = _FILLS[aten.uniform.default](u, {"from": 0.9, "to": 1.1})
+    assert 0.9 <= x.min() and x.max() < 1.1 and abs(x.mean() - 1.0) < 1e-3
+    x = _FILLS[aten.normal_.default](z, {"mean": 1.0, "std": 2.0})
+    assert abs(x.mean() - 1.0) < 0.02 and abs(x.std() - 2.0) < 0.02
+    x = _FILLS[aten.exponential.default](u, {"lambd": 2.0})
+    assert x.min() >= 0 and abs(x.mean() - 0.5) < 0.005 and abs(x.std() - 0.5) < 0.005
+    x = _FILLS[aten.geometric.default](u, {"p": 0.3})  # trials to the first success: 1, 2, ...
+    assert x.min() == 1 and torch.equal(x, x.round()) and abs(x.mean() - 1 / 0.3) < 0.03
+    assert abs((x == 1).double().mean() - 0.3) < 0.003
+    x = _FILLS[aten.cauchy.default](u, {"median": 1.0, "sigma": 0.5})
+    assert abs(x.median() - 1.0) < 0.01 and abs(((x - 1).abs() < 0.5).double().mean() - 0.5) < 0.003
+    x = _FILLS[aten.log_normal.default](z, {"mean": 0.0, "std": 0.25})
+    assert x.min() > 0 and abs(x.log().mean()) < 0.002 and abs(x.log().std() - 0.25) < 0.002
+    assert _FILLS[aten.uniform.default](u[:4], {}).max() < 1  # torch's defaults when the call left them out
+
+
 def test_manual_seed_fixes_the_draws_and_restarts_the_steps():
     autopar.manual_seed(3)
     a = [rng.next_draw() for _ in range(2)]
@@ -200,6 +225,18 @@ def test_ranks_holding_different_seeds_refuse_to_build(gpt2):
     model, _, traced, prof, _ = gpt2
     errors = run_local(_seeded_by_rank, 2, model, traced, rm.plan_for(traced, prof, (2,)), timeout=240)
     assert all(e is not None and "rank 1: seed 1 step 0" in e and "autopar.manual_seed" in e for e in errors), errors
+
+
+def test_phimoe_random_routing_same_on_a_sharded_mesh():
+    """PhiMoE in training mode samples its routing (``exponential_``, ``rand_like``) and jitters its
+    inputs (``uniform_``): two SGD steps on (2, 2) equal those on one rank (the full sweep adds
+    recompute and pipelines)."""
+    model, inputs = rm.build("phimoe")
+    traced, prof = rm.traced_of(model, inputs)
+    ref = rm.run_on(model, traced, rm.plan_for(traced, prof, (1,)), inputs, steps=2)
+    plan = rm.plan_for(traced, prof, (2, 2))
+    assert rm.sharded_draws(plan) > 0 and ref[3] > 0
+    rm.assert_same("phimoe (2, 2)", rm.run_on(model, traced, plan, inputs, steps=2), ref)
 
 
 @pytest.mark.slow

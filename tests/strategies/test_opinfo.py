@@ -40,19 +40,10 @@ MESHES = [(2,), (2, 2)]
 # check replication there.
 ODD_MESHES = [(3,), (5,)]
 
-_RANDOM = ("random: the op draws from torch's generator and has no mesh-invariant rule (strategies/_random.py), "
-           "so planning it is refused (NoRuleError: each rank would draw its own numbers)")
-
-
 XFAIL: dict[str, str] = {
-    # Random ops (OpInfo samples on which two calls differ; quirk "random") without a rule of
-    # strategies/_random.py (those, bernoulli and multinomial included, are compared exactly: the
-    # reference runs their counter-based kernel whole, check.run_whole).
-    "aten.exponential_.default@random": _RANDOM,
-    "aten.geometric_.default@random": _RANDOM,
-    "aten.log_normal_.default@random": _RANDOM,
-    "aten.normal_.default@random": _RANDOM,
-    "aten.uniform_.default@random": _RANDOM,
+    # (Random ops -- OpInfo samples on which two calls differ, quirk "random" -- are compared
+    # exactly when strategies/_random.py rules them: the reference runs their counter-based
+    # kernel whole, check.run_whole. A random op with no rule there would be listed here.)
     # The reference itself cannot be computed.
     "aten.linalg_eig.default": "reference backward raises: the gradient of complex eigenvectors is defined only "
                                "for losses invariant to their phase, and check.py draws a random output gradient",
