@@ -220,6 +220,20 @@ def _t(info: OpInfo) -> list[AxisOption]:
     return _dim_map_options(info, {d: ndim - 1 - d for d in range(ndim)})
 
 
+def _complex_samples() -> list[Sample]:
+    return [Sample((torch.complex(rand(4, 8), rand(4, 8)),))]
+
+
+# Complex <-> real pairs (FNet's ``fft(...).real``): the complex dims are the first dims of the real
+# view, whose last dim (real, imaginary) is never split; a pending sum passes through (linear).
+register(aten.view_as_real.default, samples=_complex_samples)(identity_options)
+
+
+@register(aten.view_as_complex.default, samples=lambda: [Sample((rand(4, 8, 2),))])
+def _view_as_complex(info: OpInfo) -> list[AxisOption]:
+    return _dim_map_options(info, {d: d for d in range(info.input("self").ndim - 1)})
+
+
 # Identity copies and aliases: every dim stays where it is.
 for _op in (aten.contiguous.default, aten.alias.default, aten.clone.default, aten.detach.default,
             aten.lift_fresh_copy.default):

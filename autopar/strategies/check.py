@@ -455,12 +455,13 @@ def _compare(what: str, got: Any, want: torch.Tensor, rtol: float, atol: float) 
         return [f"{what}: got {type(got).__name__}, expected a tensor"]
     if got.shape != want.shape:
         return [f"{what}: shape {tuple(got.shape)} != expected {tuple(want.shape)}"]
-    if want.dtype.is_floating_point:
+    if want.dtype.is_floating_point or want.dtype.is_complex:
         # NaN where the unsharded op gives NaN is the same answer (a function undefined there)
         ok = torch.allclose(got.to(want.dtype), want, rtol=rtol, atol=atol, equal_nan=True)
     else:
         ok = torch.equal(got, want)
     if ok:
         return []
-    err = (got.double() - want.double()).abs().max().item()
+    wide = torch.complex128 if want.dtype.is_complex else torch.float64
+    err = (got.to(wide) - want.to(wide)).abs().max().item()
     return [f"{what}: max abs error {err:.3g}"]

@@ -105,6 +105,8 @@ ARCHS: list[Arch] = [
     Arch("DistilBertForSequenceClassification", "DistilBertConfig", "seqcls", "encoder"),
     Arch("AlbertForSequenceClassification", "AlbertConfig", "seqcls", "encoder", sizes={"embedding_size": 32}),
     Arch("ElectraForSequenceClassification", "ElectraConfig", "seqcls", "encoder", sizes={"embedding_size": 32}),
+    # Token mixing by a 2-D Fourier transform (complex intermediates, ``view_as_real``) instead of attention.
+    Arch("FNetForSequenceClassification", "FNetConfig", "seqcls", "encoder"),
     # ---- encoder-decoder
     Arch("T5ForConditionalGeneration", "T5Config", "seq2seq", "encoder-decoder",
          extra={"decoder_start_token_id": 0}),  # T5's convention: decoding starts at the pad id
