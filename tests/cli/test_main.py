@@ -1,5 +1,8 @@
-"""The ``autopar`` command line, run for real (subprocess) on zoo models at their published size; the
-bad-input cases through ``main(argv)`` in this process, one of them in a fresh one as well."""
+"""The ``autopar`` command line on zoo models at their published size. A fresh interpreter
+(subprocess) where the process itself is checked: ``inspect gpt2``'s progress lines on a piped
+stderr, the pipeline page's stdout kept free of the solver's banner, one bad input as a user meets
+it; every other case through ``main(argv)`` in this process (output captured), where a fresh
+interpreter per case (2-5 s of imports) adds nothing but time."""
 
 from __future__ import annotations
 
@@ -158,7 +161,7 @@ def test_inspect_resnet50_on_profiled_mesh_file(tmp_path):
             "peak_flops": 100e12, "mem_bandwidth": 1e12, "mem_capacity": 16 * 2**30, "name": "lab"}
     path = tmp_path / "mesh.json"
     path.write_text(json.dumps(mesh))
-    out = run_cli("inspect", "resnet50", "--device", str(path), "--allow-fallback", "--no-baselines",
+    out = run_cli_here("inspect", "resnet50", "--device", str(path), "--allow-fallback", "--no-baselines",
                   "--json", str(tmp_path / "p.json"))
     assert out.returncode == 0, out.stderr[-3000:]
     assert "on mesh lab:8 (8 devices, axes dp=8)" in out.stdout
@@ -169,7 +172,7 @@ def test_inspect_resnet50_on_profiled_mesh_file(tmp_path):
 
 
 def test_coverage_gpt2():
-    out = run_cli("coverage", "gpt2")
+    out = run_cli_here("coverage", "gpt2")
     assert out.returncode == 0, out.stderr[-3000:]
     lines = out.stdout.splitlines()
     assert lines[0].split()[:3] == ["op", "count", "rule"]
@@ -194,7 +197,7 @@ def test_coverage_names_the_source_of_every_op(tmp_path):
         "        return torch.fft.rfft(y).real.sum()\n"  # fft: DTensor-derived, then view_as_real ...
         "def factory():\n"
         "    return Net(), {'x': torch.randn(4, 16)}\n")
-    out = run_cli("coverage", f"{src}:factory")
+    out = run_cli_here("coverage", f"{src}:factory")
     assert out.returncode == 0, out.stderr[-3000:]
     rows = {line.split()[0]: line.split()[2] for line in out.stdout.splitlines()[2:-1]}
     assert rows["aten.linear.default"] == "native"
@@ -217,11 +220,11 @@ def test_inspect_custom_factory_with_inputs(tmp_path):
         "def make():\n"
         "    with torch.device('meta'):\n"
         "        return Net()\n")
-    out = run_cli("inspect", f"{src}:make", "--mesh", "4", "--device", "h100-80gb", "--input", "x:float32[64,1024]",
-                  "--no-baselines", "--allow-fallback")
+    out = run_cli_here("inspect", f"{src}:make", "--mesh", "4", "--device", "h100-80gb", "--input",
+                       "x:float32[64,1024]", "--no-baselines", "--allow-fallback")
     assert out.returncode == 0, out.stderr[-3000:]
     assert "on mesh h100-80gb:4" in out.stdout and "fc1" in out.stdout and "fc2" in out.stdout
-    missing = run_cli("inspect", f"{src}:make", "--mesh", "4")
+    missing = run_cli_here("inspect", f"{src}:make", "--mesh", "4")
     assert_one_line_error(missing, "returned only a model", "--input")
 
 
@@ -260,20 +263,20 @@ def test_bad_input_is_one_clear_line_in_a_fresh_process():
 
 
 def test_infeasible_budget_names_the_smallest_budget():
-    out = run_cli("inspect", "mlp", "--mesh", "2", "--memory", "256MiB", "--no-baselines", "--allow-fallback")
+    out = run_cli_here("inspect", "mlp", "--mesh", "2", "--memory", "256MiB", "--no-baselines", "--allow-fallback")
     line = assert_one_line_error(out, "cannot be met on mesh 2", "smallest budget")
     assert re.search(r"\d+\.\d+ GiB", line)
 
 
 def test_unknown_checkpoint_mode_is_a_usage_error():
-    out = run_cli("inspect", "gpt2", "--mesh", "2x4", "--checkpoint", "sometimes")
+    out = run_cli_here("inspect", "gpt2", "--mesh", "2x4", "--checkpoint", "sometimes")
     assert out.returncode == 2 and "Traceback" not in out.stderr
     last = out.stderr.rstrip().splitlines()[-1]
     assert "argument --checkpoint: invalid choice: 'sometimes'" in last and "'rotor'" in last, out.stderr
 
 
 def test_unknown_option_is_a_usage_error():
-    out = run_cli("inspect", "gpt2", "--mesh", "2x4", "--colour")
+    out = run_cli_here("inspect", "gpt2", "--mesh", "2x4", "--colour")
     assert out.returncode == 2 and "unrecognized arguments: --colour" in out.stderr
     assert "Traceback" not in out.stderr
 
@@ -372,7 +375,7 @@ def test_inspect_precision_flag_plans_bf16_and_says_so(tmp_path, capsys):
     assert code == 0, err[-3000:]
     assert "precision      bf16 compute, fp32 master weights, gradients summed in fp32" in out
     assert json.loads(out_json.read_text())["precision"] == "bf16"
-    bad = run_cli("inspect", "gpt2", "--mesh", "2", "--precision", "int8")
+    bad = run_cli_here("inspect", "gpt2", "--mesh", "2", "--precision", "int8")
     assert bad.returncode == 2 and "invalid choice: 'int8'" in bad.stderr
 
 
@@ -387,7 +390,7 @@ def test_inspect_zero_stage_auto_shows_stages_and_zero_baselines(tmp_path, capsy
     assert code == 0, err[-3000:]
     # every parameter with a replicated axis at stage 2 (a norm sharded whole would show as stage 0)
     assert "ZeRO           stage " in out and "stage 2: " in out and "stage 1: " not in out
-    bad = run_cli("inspect", "gpt2", "--mesh", "2", "--zero-stage", "3")
+    bad = run_cli_here("inspect", "gpt2", "--mesh", "2", "--zero-stage", "3")
     assert bad.returncode == 2 and "invalid choice" in bad.stderr
 
 
@@ -430,7 +433,7 @@ def test_inspect_verify_runs_the_plan_on_local_processes(tmp_path, capsys):
     (("--local", "2"), "--local N goes with --verify"),
 ])
 def test_inspect_verify_flags_are_checked_first(extra, needle):
-    assert_one_line_error(run_cli("inspect", "gpt2", "--mesh", "2", *extra, timeout=60), needle)
+    assert_one_line_error(run_cli_here("inspect", "gpt2", "--mesh", "2", *extra), needle)
 
 
 # ------------------------------------------------------------------------------ inspect --family

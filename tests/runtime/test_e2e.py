@@ -168,12 +168,18 @@ def test_mlp_all_meshes_and_budgets():
     run_matrix("mlp", FULL)
 
 
-def test_gpt2_tied_embeddings_all_meshes_and_budgets():
-    run_matrix("gpt2", FULL)
+# The default run: gpt2 on the module contract's meshes (2,) and (2, 2), both budgets; the 1-D mesh
+# of 4 is the same code path at another width, run by default by test_mlp_all_meshes_and_budgets
+# (`pytest -m full_sweep` runs gpt2 on it too).
+@pytest.mark.parametrize("configs", [pytest.param(ZOO, id="contract-meshes"),
+                                     pytest.param(FULL, id="all", marks=pytest.mark.full_sweep)])
+def test_gpt2_tied_embeddings_all_meshes_and_budgets(configs):
+    run_matrix("gpt2", configs)
 
 
-# gpt2 runs every mesh and budget above; the others with the whole sweeps (`pytest -m full_sweep`);
-# a training batch norm by default in tests/runtime/test_batch_norm.py and the tight-budget sweep's ResNet
+# gpt2 runs every mesh and budget above (under full_sweep; by default all but (4,)); the others
+# with the whole sweeps (`pytest -m full_sweep`); a training batch norm by default in
+# tests/runtime/test_batch_norm.py and the tight-budget sweep's ResNet
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.full_sweep)
                                   for n in ("bert-base", "llama-1b", "vit-base", "resnet50")])
 def test_zoo_models(name):

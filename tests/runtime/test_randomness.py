@@ -5,10 +5,11 @@ element's global index only.
 same counter-based draws on whole tensors); the eager model draws from torch's generator instead
 (``autopar/strategies/rng.py``). Default suite: the generator's properties, the refusal of
 random ops without a rule, and GPT-2 tiny (dropout 0.1 everywhere, attention dropout inside
-SDPA) on (1,), (2, 2), recompute and a pipeline, plus ``verify`` on it. ``slow``: the whole
-matrix -- GPT-2, BERT, GPT-NeoX, DINOv2 with drop-path on (1,), (2,), (2, 2), (4,), with every block
-recomputed, through 2 pipeline stages (with and without recompute) -- and 20 training steps of
-GPT-2 on (2, 2).
+SDPA) on (1,), (2, 2), recompute and a pipeline, plus ``verify`` on it, and DINOv2's drop-path
+on (2,) and (2, 2), with and without recompute, and a recomputed pipeline; ``slow``: 20 training
+steps of GPT-2 on (2, 2). ``full_sweep``: the whole matrix -- GPT-2, BERT, GPT-NeoX, DINOv2 with
+drop-path on (1,), (2,), (2, 2), (4,), with every block recomputed, through 2 pipeline stages
+(with and without recompute).
 """
 
 from __future__ import annotations
@@ -239,22 +240,31 @@ def test_phimoe_random_routing_same_on_a_sharded_mesh():
     rm.assert_same("phimoe (2, 2)", rm.run_on(model, traced, plan, inputs, steps=2), ref)
 
 
+PIPELINES = (((2,), False), ((2, 2), False), ((2, 2), True))
+# The default run: drop_path (gpt2's dropout below) on a 1-D and a 2-D mesh, each with and without
+# recompute, and the pipeline whose stages are sharded and recomputed; (4,) is (2,) at another
+# width, and a pipeline without recompute runs by default in
+# test_gpt2_dropout_same_through_a_pipeline. `pytest -m full_sweep` runs the whole matrix.
+_DEFAULT = ([(2,), (2, 2)], (((2, 2), True),))
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("name", [n if n == "vit-drop-path" else pytest.param(n, marks=pytest.mark.full_sweep)
-                                  for n in sorted(rm.MODELS)])  # the default run: drop_path (gpt2's dropout below)
-def test_same_loss_and_gradients_on_every_mesh_under_recompute_and_pipelines(name):
+@pytest.mark.parametrize("name, meshes, pipelines", [
+    pytest.param("vit-drop-path", *_DEFAULT, id="vit-drop-path"),
+    *(pytest.param(n, MESHES, PIPELINES, id=f"{n}-all", marks=pytest.mark.full_sweep) for n in sorted(rm.MODELS))])
+def test_same_loss_and_gradients_on_every_mesh_under_recompute_and_pipelines(name, meshes, pipelines):
     model, inputs = rm.build(name)
     traced, prof = rm.traced_of(model, inputs)
     ref = rm.run_on(model, traced, rm.plan_for(traced, prof, (1,)), inputs, steps=2)
     assert ref[3] > 0
-    for shape in MESHES:
+    for shape in meshes:
         for recompute in (False, True):
             plan = rm.plan_for(traced, prof, shape, recompute=recompute)
             assert shape == (1,) or rm.sharded_draws(plan) > 0, f"{name} {shape}: no draw runs on shards"
             got = rm.run_on(model, traced, plan, inputs, steps=2)
             assert got[3] == ref[3]
             rm.assert_same(f"{name} {shape} recompute={recompute}", got, ref)
-    for shape, recompute in (((2,), False), ((2, 2), False), ((2, 2), True)):
+    for shape, recompute in pipelines:
         micro, plan = rm.pipeline_plan_for(model, inputs, shape, recompute=recompute)
         got = rm.run_pipeline(model, micro, plan, inputs, steps=2)
         assert (got[3] > 0) == recompute  # checkpoint regions inside the stages

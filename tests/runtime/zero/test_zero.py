@@ -19,13 +19,14 @@ import torch
 
 import autopar
 from autopar import zoo
-from autopar.api import plan_model
 from autopar.layout.placement import R, TensorSpec
 from autopar.planner.options import PlanOptions
+from autopar.planner.orchestrate import plan_traced, trace_for_planning
 from autopar.report import build_report
 from autopar.runtime.counting import COLLECTIVE_KINDS, count_collectives
 from autopar.runtime.dtensors import local_of
 from autopar.runtime.launch import run_local
+from autopar.tracer import profile
 
 pytestmark = pytest.mark.slow
 
@@ -142,11 +143,14 @@ def _reduce_scatters_before_backward_ends(pm) -> list[tuple[int, int]]:
 def test_zero_1_and_2_train_like_one_device(name):
     model, inputs = _model(name)
     want = _reference(model, inputs)
+    # one trace and profile for the six plans (``plan_model`` would trace the same graph each time)
+    traced = trace_for_planning(model, inputs, precision="fp32")
+    prof = profile(traced)
     for mesh in MESHES:
         world = math.prod(mesh)
         plans, planned = [], {}
         for stage in (1, 2):
-            result = plan_model(model, inputs, mesh=mesh, options=PlanOptions(zero_stage=stage, checkpoint="none"))
+            result = plan_traced(traced, prof, mesh=mesh, options=PlanOptions(zero_stage=stage, checkpoint="none"))
             plans.append((stage, result.plan))
             planned[stage] = _planned_collectives(build_report(result.plan, result).comm, mesh)
         results = run_local(_body, world, model, inputs, plans, timeout=300)
