@@ -33,6 +33,21 @@ def test_run_local_reports_failing_rank():
         run_local(boom, 2)
 
 
+def test_ranks_freeze_the_heap_they_inherit():
+    """What a rank inherits is out of its full collections; what it allocates is collected."""
+    import gc
+
+    def body(rank, world):
+        inherited = gc.get_freeze_count()
+        cycle = []
+        cycle.append(cycle)  # garbage only the cyclic collector frees
+        del cycle
+        return inherited, gc.collect(), gc.get_freeze_count() == inherited
+
+    for inherited, freed, kept in run_local(body, 2, timeout=60):
+        assert inherited > 1000 and freed >= 1 and kept
+
+
 def test_run_local_times_out_on_hang():
     def hang(rank, world_size):
         if rank == 0:
