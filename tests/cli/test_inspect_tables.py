@@ -2,12 +2,7 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
-REPO = Path(__file__).resolve().parents[2]
+from tests.cli.test_main import run_cli_here
 
 FACTORY = '''
 import torch
@@ -23,11 +18,9 @@ def make():
 def test_inspect_prints_the_owner_of_each_table_wise_table(tmp_path):
     src = tmp_path / "dlrm_tables.py"
     src.write_text(FACTORY)
-    # From the repository root, so that this checkout's autopar is the one imported.
-    out = subprocess.run([sys.executable, "-m", "autopar.cli.main", "inspect", f"{src}:make", "--mesh", "8",
-                          "--device", "h100-80gb", "--memory", "1GiB", "--no-baselines", "--no-cache", "--no-layers",
-                          "-q"], capture_output=True, text=True, timeout=300, cwd=REPO,
-                         env=dict(os.environ, PYTHONWARNINGS="ignore"))
+    # In this process (``main(argv)``): what the command prints is the check, not a fresh interpreter.
+    out = run_cli_here("inspect", f"{src}:make", "--mesh", "8", "--device", "h100-80gb", "--memory", "1GiB",
+                       "--no-baselines", "--no-cache", "--no-layers", "-q")
     assert out.returncode == 0, out.stderr[-3000:]
     lines = [line for line in out.stdout.splitlines() if line.strip().startswith("tables.")]
     assert len(lines) == 8 and all("table-wise over ax0" in line for line in lines), out.stdout
