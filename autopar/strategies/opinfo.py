@@ -235,35 +235,25 @@ class _Calls(torch.nn.Module):
                                                         for v in leaves]))
         self.calls = torch.nn.ModuleList(calls)
         self.arity = [c.constants.count(_TENSOR) for c in calls]
-        # [index of the call running, None once all returned]: a list, not an attribute set in
-        # forward (export treats assignments to module attributes as state)
-        self.running: list[int | None] = [None]
 
     def forward(self, *tensors: torch.Tensor) -> list:
         outs, start = [], 0
-        for k, (call, n) in enumerate(zip(self.calls, self.arity)):
-            self.running[0] = k
+        for call, n in zip(self.calls, self.arity):
             outs.append(call(*tensors[start:start + n]))
             start += n
-        self.running[0] = None
         return outs
 
 
-def samples_of(pending: list[_Pending], lookup: Callable[[Any], Any], *,
-               running: list[int | None] | None = None) -> list[OpInfoSample]:
+def samples_of(pending: list[_Pending], lookup: Callable[[Any], Any]) -> list[OpInfoSample]:
     """The autopar samples of some OpInfo samples: one per traced op node with a rule.
 
     The calls are traced together, as one module (export's fixed cost dominates on such small
     calls: one export for many samples is many times faster than one each).
-    Raises what the tracer raises when a call cannot be traced; ``running[0]`` then holds the
-    index of the call the trace was running when it failed (None: before the first call or
-    after the last).
+    Raises what the tracer raises when a call cannot be traced.
     """
     from autopar.tracer import trace
 
     module = _Calls(pending)
-    if running is not None:
-        module.running = running
     traced = trace(module, tuple(module.tensors), name="opinfo_samples")
     recorder = _Recorder(traced.gm)
     with torch.enable_grad():  # the sample's own requires_grad flags say what is differentiable
@@ -283,23 +273,17 @@ def samples_of(pending: list[_Pending], lookup: Callable[[Any], Any], *,
 
 def _traced_or_bisected(pending: list[_Pending], lookup: Callable[[Any], Any],
                         failures: dict[str, str]) -> list[OpInfoSample]:
-    """``samples_of`` on the batch; when some call spoils it, down to single samples (whose
-    errors are recorded in ``failures`` by OpInfo): the call the trace was running when it
-    failed alone and the calls on either side of it as two batches, else (a failure outside
-    the calls) each half. Either way the samples come out in the batch's order."""
-    running: list[int | None] = [None]
+    """``samples_of`` on the batch; when some call spoils it, on each half, down to single
+    samples (whose errors are recorded in ``failures`` by OpInfo)."""
     try:
-        return samples_of(pending, lookup, running=running)
+        return samples_of(pending, lookup)
     except Exception as exc:  # noqa: BLE001 - an untraceable call: find it, keep the rest
         if len(pending) == 1:
             failures.setdefault(full_name(pending[0].opinfo), f"{type(exc).__name__}: {exc}".splitlines()[0])
             return []
-    # Splitting at the failing call finds it in one more trace where halving takes about
-    # 2 log2(batch) (most of a batch's failures are such calls).
-    k = running[0]
-    parts = ([pending[:k], pending[k:k + 1], pending[k + 1:]] if k is not None
-             else [pending[:len(pending) // 2], pending[len(pending) // 2:]])
-    return [item for part in parts if part for item in _traced_or_bisected(part, lookup, failures)]
+    half = len(pending) // 2
+    return (_traced_or_bisected(pending[:half], lookup, failures)
+            + _traced_or_bisected(pending[half:], lookup, failures))
 
 
 def _call_index(module_path: str) -> int:
