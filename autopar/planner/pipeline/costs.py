@@ -23,6 +23,11 @@ step factor, recompute; then in-flight count and budget): identical middle range
 solve, and a range between a family's shortest and longest solved members takes their common
 optimum without a solve (``StageCosts._between``). Lower bounds without a solve
 (``quick_bound``) use the block floors of :mod:`autopar.planner.pipeline.bounds` once stored.
+At a tight budget many stages fit no layout: the solver's refusal used to find the smallest peak
+for an error message nobody read, once per refused (shape, factor, in flight, budget); now the
+refusal is terse and that peak is found once per (range geometry, in flight, recompute), the
+memory rows' only inputs, so each later budget below it is refused without a solve
+(``StageCosts._solve_fitting``).
 """
 
 from __future__ import annotations
