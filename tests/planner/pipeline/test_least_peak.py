@@ -46,6 +46,7 @@ def test_refusals_below_the_least_peak_skip_the_solve_and_agree_with_it(traced_m
     assert got[1].peak_bytes <= achieved and got[1].time_s == pytest.approx(want[1].time_s, rel=1e-6)
 
 
+@pytest.mark.full_sweep  # 40 s of cut searches; the refusals' test above stays in the default run
 def test_stage_costs_searches_the_same_cut_with_the_least_peak(traced_models):
     """The cut search over costs with the least-peak memo finds the cut, modes and step of the
     search without it, under a budget where some stages fit no layout."""
