@@ -277,8 +277,9 @@ def minimum_budget(problem: Problem, *, recompute_inputs: SegmentInputs | None =
     that minimises the peak, step time ignored) and a proven lower bound on the ILP's minimum
     (equal when proved optimal; never above ``achieved``). ``alias`` as in ``solve``: with it,
     "any plan" means any plan that ``solve`` can return. ``recompute_inputs``: plans may
-    recompute too (``solve``). ``rows``: a third figure, that bound not capped at ``achieved``:
-    the least peak the ILP's own memory rows allow (they may count more than ``evaluate``)."""
+    recompute too (``solve``). ``rows``: two more figures, that bound not capped at ``achieved``
+    (the least peak the ILP's own memory rows allow: they may count more than ``evaluate``) and
+    the rows' peak of the plan found."""
     backend = pick_backend(solver)
     # Budget 0 makes every simplification memory-safe, hence exact for the peak objective too.
     reduced = simplify(problem.with_budget(0), alias=alias, merge=True)
@@ -295,7 +296,8 @@ def minimum_budget(problem: Problem, *, recompute_inputs: SegmentInputs | None =
     if out.status == "optimal":
         bound = out.value
     least = int(np.ceil(bound * MEM_UNIT - 1e-3))
-    return (achieved, min(achieved, least), least) if rows else (achieved, min(achieved, least))
+    figures = (achieved, min(achieved, least))
+    return (*figures, least, int(out.value * MEM_UNIT)) if rows else figures
 
 
 def _infeasible(problem: Problem, recompute_inputs: SegmentInputs | None, fixed: Mapping[str, bool] | None,
@@ -423,11 +425,11 @@ def _solve(problem: Problem, *, recompute_inputs: SegmentInputs | None, fixed: M
                 return None
             peak = dict(recompute_inputs=recompute_inputs, solver=backend, alias=alias, rows=True)
             try:
-                achieved, _, least = minimum_budget(problem, time_limit=limits()["time_limit"], **peak)
-                if least <= problem.budget_bytes < achieved:  # unproven either way: half the time left to the
-                    # minimum, which ``fallback`` solves after a search that finds nothing; a search cannot
-                    # meet rows above the budget (Llama tiny on 2x2 at its reported minimum: 53 s, no plan)
-                    achieved, _, least = minimum_budget(problem, time_limit=clock.step(0.5)["time_limit"], **peak)
+                achieved, _, least, found_rows = minimum_budget(problem, time_limit=limits()["time_limit"], **peak)
+                if least <= problem.budget_bytes < found_rows:  # whether any plan meets the rows is open: half the
+                    # time left to the minimum (``fallback`` solves it after a search that finds nothing), as
+                    # no search meets rows above the budget (Llama tiny on 2x2 at its reported minimum: 53 s)
+                    achieved, _, least, _ = minimum_budget(problem, time_limit=clock.step(0.5)["time_limit"], **peak)
             except SolveTimeout:
                 return None
             if least > problem.budget_bytes * (1 + 1e-6) and achieved <= problem.budget_bytes:  # rows unmet: no search
