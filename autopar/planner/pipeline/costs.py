@@ -23,6 +23,11 @@ step factor, recompute; then in-flight count and budget): identical middle range
 solve, and a range between a family's shortest and longest solved members takes their common
 optimum without a solve (``StageCosts._between``). Lower bounds without a solve
 (``quick_bound``) use the block floors of :mod:`autopar.planner.pipeline.bounds` once stored.
+At a tight budget many stages fit no layout: the solver's refusal used to find the smallest peak
+for an error message nobody read, once per refused (shape, factor, in flight, budget); now the
+refusal is terse and that peak is found once per (range geometry, in flight, recompute), the
+memory rows' only inputs, so each later budget below it is refused without a solve
+(``StageCosts._solve_fitting``).
 """
 
 from __future__ import annotations
@@ -40,6 +45,8 @@ from autopar.planner.pipeline.geometry import StageGeometry
 from autopar.planner.pipeline.schedule import check_pipeline_zero
 from autopar.planner.records import BuiltProblem
 from autopar.plans import NodeKind, stage_mesh_of
+from autopar.solver.driver import SolveTimeout, terse_infeasible
+from autopar.solver.floors import below_parameters
 from autopar.solver.problem import Edge, Node, Problem, Solution, StrategyOption
 from autopar.solver.timeline import activation_bytes
 from autopar.tracer.graph import TracedGraph
@@ -128,11 +135,19 @@ class StageCosts:
     (``pipeline.bounds`` fills them; ``quick_bound`` reads them)."""
 
     def __init__(self, traced: TracedGraph, built: BuiltProblem, *, mesh: MeshSpec,
-                 solve: Callable[[Problem], Solution]) -> None:
+                 solve: Callable[[Problem], Solution],
+                 min_peak: Callable[[Problem], tuple[int, int]] | None = None) -> None:
         self.geometry = StageGeometry(traced, built)
         self.traced, self.built, self.mesh, self._solve = traced, built, mesh, solve
         self.num_blocks = self.geometry.num_blocks  # what every cut search over the costs asks first
         self.num_solves = self.num_reused = 0
+        # ``min_peak(slice)``: (achieved, proven lower bound) of its smallest peak (``solver.driver.
+        # minimum_budget``); None: a budget the stage cannot meet is left to ``solve``'s own error
+        # (which finds that figure for its message at every refusal). Given, ``least_peak`` keeps it
+        # per (range geometry, in flight, recompute) and ``num_unfit_skipped`` counts solves it spared.
+        self._min_peak = min_peak
+        self.least_peak: dict[tuple, tuple[int, int]] = {}
+        self.num_unfit_skipped = 0
         # (shortest, longest) stage length the current cut search asks for (``_between``); None: off
         self.lengths: tuple[int, int] | None = None
         self.memo = RangeMemo()
@@ -252,15 +267,55 @@ class StageCosts:
         ``[a, b)``, placeholders in ``fixed`` held to their option; None when nothing fits."""
         problem = self.slice(self.geometry.decisions(a, b), in_flight=in_flight, factor=factor, budget=budget,
                              fixed=fixed or {}, recompute=recompute)
-        try:
-            sol = self.solve(problem)
-        except ValueError:  # no layout of this stage fits the budget
+        sol = self._solve_fitting(problem, key=None if fixed or budget is None or self._min_peak is None
+                                  else (self.geometry.shape(a, b), in_flight, recompute))
+        if sol is None:  # no layout of this stage fits the budget
             return None
         held = [n.name for n in problem.nodes if n.name.endswith(HELD)]
         if any(sol.choice[h] != sol.choice[h[:-len(HELD)]] for h in held):
             return None  # only a layout change of a kept value (priced _TIE_S) fits: infeasible
         return self._figures(problem, b, sol.choice, in_flight=in_flight, factor=factor, recompute=recompute,
                              status=sol.status, gap=1.0 if sol.gap is None else sol.gap)  # None: no bound known
+
+    def _solve_fitting(self, problem: Problem, *, key: tuple | None) -> Solution | None:
+        """``solve(problem)``, None when no layout fits its budget. With ``key`` (the slice's range
+        geometry, in-flight count and recompute mode: what its memory rows depend on -- the step
+        factor only scales parameters' seconds, the budget is the right-hand side), the smallest
+        peak is found once per key: a refusal is asked for tersely (``terse_infeasible``: no
+        minimum-peak ILP for an error message nobody reads), and a budget below the key's proven
+        least peak is refused without a solve -- the same answer, as no layout peaks lower. A
+        refusal whose minimum-peak plan fits after all (the solver's row tolerance at a budget
+        right at the minimum) is solved again untersely, where ``solve`` answers with that plan."""
+        if key is not None and self._least_peak_floor(key) > problem.budget_bytes:
+            self.num_unfit_skipped += 1
+            return None
+        try:
+            if key is None:
+                return self.solve(problem)
+            with terse_infeasible():
+                return self.solve(problem)
+        except ValueError:
+            if key is None or below_parameters(problem) is not None:
+                return None
+        if key not in self.least_peak:
+            try:
+                self.least_peak[key] = self._min_peak(problem)
+            except SolveTimeout:  # as ``solve``'s untimely search for the figure: refused
+                return None
+        if self.least_peak[key][0] > problem.budget_bytes:
+            return None
+        try:
+            return self.solve(problem)
+        except ValueError:
+            return None
+
+    def _least_peak_floor(self, key: tuple) -> int:
+        """The largest proven least peak known for ``key``'s geometry and recompute mode with as
+        many micro-batches in flight or fewer (each further one adds bytes >= 0 to every layout's
+        peak: ``slice``); -1 when none is known."""
+        geometry, in_flight, recompute = key
+        return max((lower for (g, k, r), (_, lower) in self.least_peak.items()
+                    if g == geometry and r == recompute and k <= in_flight), default=-1)
 
     def _between(self, a: int, b: int, *, factor: float, recompute: bool) -> Found | None:
         """The unconstrained optimum of ``[a, b)`` without a solve when the family's shortest and
@@ -410,6 +465,7 @@ def stage_costs(traced: TracedGraph, profile, *, mesh: MeshSpec, options,
     sub-mesh (``HybridParallelPlugin``'s Megatron / data-parallel stages)."""
     from autopar.planner.assemble import family_built
     from autopar.planner.builder import build_problem
+    from autopar.solver.driver import minimum_budget
     from autopar.solver.driver import solve as solve_ilp
 
     check_pipeline_zero(options.zero_stage)
@@ -420,5 +476,8 @@ def stage_costs(traced: TracedGraph, profile, *, mesh: MeshSpec, options,
                           options=replace(options, checkpoint="none", pipeline=None))
     if family is not None:
         built = family_built(family, traced, built)
-    solve = solve or (lambda p: solve_ilp(p, solver=options.solver, time_limit=options.time_limit))
-    return StageCosts(traced, built, mesh=mesh, solve=solve)
+    if solve is not None:
+        return StageCosts(traced, built, mesh=mesh, solve=solve)
+    return StageCosts(traced, built, mesh=mesh,
+                      solve=lambda p: solve_ilp(p, solver=options.solver, time_limit=options.time_limit),
+                      min_peak=lambda p: minimum_budget(p, solver=options.solver, time_limit=options.time_limit))
