@@ -148,14 +148,14 @@ def _multinomial(ctx: KernelContext, draw: rng.Draw, probs: torch.Tensor, num: i
 
 
 # torch's distribution fills: their value from one float64 uniform (or normal) ``u`` per element
-# and the call's arguments (schema names, torch's defaults where the call left them out).
+# and the call's arguments (by schema name; ``registry.bind`` filled in the defaults).
 _FILLS = {
-    aten.uniform.default: lambda u, a: a.get("from", 0.0) + (a.get("to", 1.0) - a.get("from", 0.0)) * u,
-    aten.exponential.default: lambda u, a: -torch.log1p(-u) / a.get("lambd", 1.0),
+    aten.uniform.default: lambda u, a: a["from"] + (a["to"] - a["from"]) * u,
+    aten.exponential.default: lambda u, a: -torch.log1p(-u) / a["lambd"],
     aten.geometric.default: lambda u, a: torch.ceil(torch.log1p(-u) / math.log1p(-a["p"])).clamp_(min=1),
-    aten.cauchy.default: lambda u, a: a.get("median", 0.0) + a.get("sigma", 1.0) * torch.tan(torch.pi * (u - 0.5)),
-    aten.log_normal.default: lambda u, a: torch.exp(a.get("mean", 1.0) + a.get("std", 2.0) * u),
-    aten.normal_.default: lambda u, a: a.get("mean", 0.0) + a.get("std", 1.0) * u,
+    aten.cauchy.default: lambda u, a: a["median"] + a["sigma"] * torch.tan(torch.pi * (u - 0.5)),
+    aten.log_normal.default: lambda u, a: torch.exp(a["mean"] + a["std"] * u),
+    aten.normal_.default: lambda u, a: a["mean"] + a["std"] * u,
 }
 # The in-place overloads where a trace keeps them (the filled tensor is a fresh buffer, as for
 # ``fill_``): the same values.

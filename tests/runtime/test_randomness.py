@@ -62,6 +62,7 @@ def test_distribution_fills_have_their_distributions():
     """``uniform_``, ``normal_``, ``exponential_``, ``geometric_``, ``cauchy_``, ``log_normal_``:
     the kernel's inverse CDFs give torch's distributions (their parameters named as in the schema)."""
     from autopar.strategies._random import _FILLS
+    from autopar.strategies.registry import bind
 
     aten = torch.ops.aten
     idx = torch.arange(400_000)
@@ -80,7 +81,8 @@ def test_distribution_fills_have_their_distributions():
     assert abs(x.median() - 1.0) < 0.01 and abs(((x - 1).abs() < 0.5).double().mean() - 0.5) < 0.003
     x = _FILLS[aten.log_normal.default](z, {"mean": 0.0, "std": 0.25})
     assert x.min() > 0 and abs(x.log().mean()) < 0.002 and abs(x.log().std() - 0.25) < 0.002
-    assert _FILLS[aten.uniform.default](u[:4], {}).max() < 1  # torch's defaults when the call left them out
+    defaults = bind(aten.uniform.default, (u[:4],), {})  # as the kernel gets a call that left them out
+    assert _FILLS[aten.uniform.default](u[:4], defaults).max() < 1
 
 
 def test_manual_seed_fixes_the_draws_and_restarts_the_steps():
