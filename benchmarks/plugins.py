@@ -247,7 +247,9 @@ PER_RANK_STATISTICS = ("torch-ddp", "torch-fsdp2")  # torch's engines: a batch n
 
 
 def trains_batch_norm(model: torch.nn.Module) -> bool:
-    return any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.training for m in model.modules())
+    from autopar.booster.torch_plugins import per_rank_batch_norms
+
+    return bool(per_rank_batch_norms(model))
 
 
 def report(model_name: str, label: str, budget, results: list[dict], families: dict, *,

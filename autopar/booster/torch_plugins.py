@@ -30,7 +30,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from autopar.booster.optimizer import BoostedOptimizer, rebuild_optimizer, repoint_scheduler
 from autopar.runtime.parallel_module import clip_grad_norm
 
-__all__ = ["TorchDDPPlugin", "TorchFSDPPlugin", "TorchParallelModule", "Autocast"]
+__all__ = ["TorchDDPPlugin", "TorchFSDPPlugin", "TorchParallelModule", "Autocast", "per_rank_batch_norms"]
 
 log = logging.getLogger(__name__)
 
@@ -226,6 +226,14 @@ class _TorchPlugin:
         return self.prepare_dataloader(dataset, batch_size, shuffle, seed, drop_last, **kwargs)
 
 
+def per_rank_batch_norms(model: nn.Module) -> list[str]:
+    """The module paths of ``model``'s training-mode batch norms that torch's engines run on each
+    rank's samples alone (every ``_BatchNorm`` but ``SyncBatchNorm``)."""
+    return [name or type(m).__name__ for name, m in model.named_modules()
+            if isinstance(m, nn.modules.batchnorm._BatchNorm) and not isinstance(m, nn.SyncBatchNorm)
+            and m.training]
+
+
 def _per_rank_statistics_notice(plugin: str, model: nn.Module) -> None:
     """Say once, on rank 0, that torch's engines normalise each rank's share of the batch.
 
@@ -234,9 +242,7 @@ def _per_rank_statistics_notice(plugin: str, model: nn.Module) -> None:
     the training differs, as it does under torch itself. That is the engines' documented
     behaviour and the notes' plugins keep it; what a user comparing with one device needs is to
     know it, with the two ways out."""
-    found = [name or type(m).__name__ for name, m in model.named_modules()
-             if isinstance(m, nn.modules.batchnorm._BatchNorm) and not isinstance(m, nn.SyncBatchNorm)
-             and m.training]
+    found = per_rank_batch_norms(model)
     if not found or (dist.is_initialized() and dist.get_rank() != 0):
         return
     shown = ", ".join(found[:3]) + (f" and {len(found) - 3} more" if len(found) > 3 else "")
