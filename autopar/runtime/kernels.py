@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from autopar.runtime.counting import record
+from autopar.runtime.dist_ops import wait
 from autopar.runtime.process_mesh import ProcessMesh
 
 __all__ = ["DistComm", "grad_all_reduce", "all_reduce_axes", "all_to_all_rows"]
@@ -164,7 +165,7 @@ class DistComm:
         ops = [dist.P2POp(dist.isend, send, dist.get_global_rank(group, (coord + 1) % n), group=group),
                dist.P2POp(dist.irecv, received, dist.get_global_rank(group, (coord - 1) % n), group=group)]
         for work in dist.batch_isend_irecv(ops):
-            work.wait()
+            wait(work)
         return received
 
     def all_to_all(self, tensor: torch.Tensor, axis: int, send_counts: Sequence[int],
