@@ -6,11 +6,12 @@ torch 2.13 calls them ``all_gather_single`` / ``reduce_scatter_single``; earlier
 ``reduce_scatter_tensor``, the same operations under their old names. Every caller in the runtime
 takes them from here, so the runtime runs on both.
 
-``wait(work)``: ``work.wait()`` inside a profiler range named ``WAIT_EVENT``. torch's profiler
-records no event for a ``Work``'s wait, so without it the time a step spends waiting for a
-gradient bucket or a prefetched gather would be invisible to ``runtime.refine.StepTimes`` (the
-exposed part of an asynchronous collective); the range costs a few microseconds per wait when no
-profiler runs.
+``wait(work)``: ``work.wait()`` inside a profiler range named ``WAIT_EVENT``; ``waiting()``: that
+range around a synchronous collective called outside the runtime's communication functions.
+torch's profiler records no event for a ``Work``'s wait (a synchronous ``dist.all_reduce`` waits
+after its ``c10d::`` event has ended), so without it the time a step spends waiting for a gradient
+bucket, a prefetched gather or a blocking collective would be invisible to
+``runtime.refine.StepTimes``; the range costs a few microseconds when no profiler runs.
 """
 
 from __future__ import annotations
@@ -24,10 +25,15 @@ all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_
 reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 WAIT_EVENT = "autopar::wait"
 
-__all__ = ["WAIT_EVENT", "all_gather_single", "reduce_scatter_single", "wait"]
+__all__ = ["WAIT_EVENT", "all_gather_single", "reduce_scatter_single", "wait", "waiting"]
+
+
+def waiting() -> record_function:
+    """The profiler range ``WAIT_EVENT``: code inside it waits for collectives."""
+    return record_function(WAIT_EVENT)
 
 
 def wait(work: Any) -> Any:
     """``work.wait()`` (its result), timed by the profiler as ``WAIT_EVENT``."""
-    with record_function(WAIT_EVENT):
+    with waiting():
         return work.wait()

@@ -16,10 +16,12 @@ start of a later one: forward, backward, the optimizer step and everything in be
 - **communication**: the time the step is *held* by collectives, read on the threads that issue
   them (the training thread, autograd's): the wall time of every outermost collective span there --
   a runtime communication function (its copies included, as the planner prices a conversion
-  whole), a ``c10d::`` call (a synchronous one returns when the collective is done: gloo's
-  ``c10d::allreduce_`` spans the issuing thread's wait), and a wait for an asynchronous one
-  (``runtime.dist_ops.wait``'s ``autopar::wait`` range: a gradient bucket's, a prefetched
-  gather's, a pending output's) -- each counted once, a span inside another not again. The
+  whole), a ``c10d::`` call, and the runtime's ``autopar::wait`` range (``runtime.dist_ops``: a
+  wait for an asynchronous collective -- a gradient bucket's, a prefetched gather's, a pending
+  output's -- or a blocking one called outside those functions) -- each counted once, a span
+  inside another not again. torch records no event for a ``Work``'s wait (a synchronous
+  ``dist.all_reduce`` waits after its ``c10d::`` event ends): a blocking collective called
+  outside the runtime is seen only for its ``c10d::`` call. The
   backend's own events (``gloo:all_reduce`` ..., on its worker thread) run concurrently with
   those spans and are not counted: a synchronous collective's is inside its caller's wait, an
   asynchronous one's is hidden except for the wait. Why the issuing side: a blocking collective
