@@ -80,7 +80,7 @@ def test_a_classless_kernel_inside_a_classed_op_counts_as_that_op():
     assert by["other"] == pytest.approx(40e-6 + 7e-6)
 
 
-SKEW_S, HIDDEN_S, COMPUTE_S = 0.05, 0.06, 0.15
+SKEW_S, HIDDEN_S, COMPUTE_S = 0.1, 0.15, 0.4
 
 
 def _matmuls_for(seconds: float, a: torch.Tensor) -> None:
@@ -104,6 +104,9 @@ def _skewed_step(rank, world):
     comm.all_reduce(x, 0)  # connections up before the trace
     dist.barrier()
     with profile(activities=[ProfilerActivity.CPU]) as prof:
+        # The ranks' profilers start apart (tens of ms under load): meet again inside the trace,
+        # so the skew is the sleep's. (A barrier's wait has no event: it adds its c10d call only.)
+        dist.barrier()
         start = time.perf_counter()
         if rank == 1:
             time.sleep(SKEW_S)
@@ -128,6 +131,6 @@ def test_a_blocking_collective_counts_its_wait_and_a_hidden_one_only_its_exposed
     assert times.comm >= 0.8 * SKEW_S, (times, backend)
     assert times.comm < SKEW_S + 0.5 * HIDDEN_S, (times, backend)
     assert backend > times.comm - 0.01, (times, backend)  # (what the backend's events would have said)
-    assert times.by_class()["matmul"] >= 0.8 * COMPUTE_S
+    assert times.by_class()["matmul"] >= 0.5 * COMPUTE_S  # (the loop's Python between products is not an op)
     # compute and communication are disjoint spans of the step: together no more than its wall time
     assert sum(times.compute) + times.comm <= wall * 1.02 + 1e-3, (times, wall)
