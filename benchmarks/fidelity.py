@@ -313,10 +313,11 @@ def summarize(model_name: str, mesh, cands: list[Candidate], results: list[dict]
 def parts(model, inputs, cands: list[Candidate], results: list[dict], measured_s: dict[str, float]) -> dict:
     """Priced vs measured per part for the plans the ranks profiled (``--parts``): each op class
     (``planner.refit.priced_parts`` against ``runtime.refine.StepTimes``, the slowest rank's figure
-    per part), the collectives (priced: the links' seconds, hidden or not; measured: the backend's
-    wall time, waiting for peers included), the optimizer step (priced: the estimate's compute less
-    its ops'), and what no part accounts for: the measured step less its measured parts (Python,
-    the autograd engine, waits; the collectives counted whole although some ran under compute)."""
+    per part), the collectives (priced: the links' seconds less what the estimate hides under
+    compute, a blocking collective's ``MachineProfile.blocking_s`` included; measured: the time
+    collectives held the issuing thread, ``StepTimes``' rule), the optimizer step (priced: the
+    estimate's compute less its ops'), and what no part accounts for: the measured step less its
+    measured parts (Python, the autograd engine, hooks)."""
     from autopar.layout.machine import OP_CLASSES
     from autopar.planner.orchestrate import trace_for_planning
     from autopar.planner.refit import priced_parts

@@ -19,6 +19,15 @@ split (local)      ``2 * (nbytes / n) / mem_bandwidth``  (a copy of the local pi
 
 A collective over a single device (``n == 1``) costs nothing.
 
+A **synchronous** collective (``blocking=True``, the default: a conversion, an op's in-graph sum,
+a gradient summed in backward without a bucket -- the runtime's autograd functions wait for it
+before the next op runs) adds, on a calibrated mesh, its axes' ``MachineProfile.blocking_s``
+(the largest of them): what a blocking collective pays inside a step beyond the lockstep time
+the links were fitted on -- the ranks arrive apart and the waiting thread is woken late. An
+asynchronous one (``blocking=False``; every bucketed one, ``bucket_cap > 0``: gradient buckets,
+ZeRO's batched collectives) does not: it is waited on where backward or the step ends, and its
+exposure is the overlap model's (``MeshSpec.comm_overlap``, ``solver/overlap.py``).
+
 On a calibrated mesh (``MeshSpec.machine``, ``autopar.layout.machine``) the same formulas take
 measured figures: a collective the per-(kind, axis) ``alpha``/``beta`` where that kind was fitted
 on that axis (else the axis's all-kind fit); a kernel of a measured op class its achieved rate at
@@ -119,8 +128,9 @@ def _link(mesh: MeshSpec, kind: str, axis: int) -> tuple[float, float]:
 
 
 def collective_seconds(kind: str, nbytes: float, mesh: MeshSpec, axes: Iterable[int] | int, *,
-                       bucket_cap: int = 0) -> float:
-    """Time of collective ``kind`` over mesh ``axes`` for a tensor of ``nbytes`` full size.
+                       bucket_cap: int = 0, blocking: bool = True) -> float:
+    """Time of collective ``kind`` over mesh ``axes`` for a tensor of ``nbytes`` full size;
+    ``blocking``: issued synchronously inside the step (module docstring; a bucketed one never is).
 
     ``bucket_cap`` > 0: the tensor is one among others in a bucket of at most ``bucket_cap``
     bytes (``layout.buckets``; ``runtime.bucketing`` issues one collective per bucket of
@@ -134,8 +144,7 @@ def collective_seconds(kind: str, nbytes: float, mesh: MeshSpec, axes: Iterable[
     (alone in its bucket, one latency). The runtime's first bucket (1 MiB) and each group's last,
     partly filled one pay a whole latency for less: a plan's bucketed sums are under-estimated by
     less than two latencies per (mesh axes, dtype) group."""
-    if isinstance(axes, int):
-        axes = (axes,)
+    axes = (axes,) if isinstance(axes, int) else tuple(axes)
     n, alpha, beta = _group(mesh, axes, kind)
     if n == 1:
         return 0.0
@@ -143,6 +152,8 @@ def collective_seconds(kind: str, nbytes: float, mesh: MeshSpec, axes: Iterable[
         raise ValueError(f"bucket cap must be >= 0 bytes, got {bucket_cap}")
     if bucket_cap and kind in ("all_reduce", "reduce_scatter", "all_gather"):
         alpha *= min(1.0, nbytes / bucket_cap)
+    if blocking and not bucket_cap and kind != "split" and mesh.machine is not None:
+        alpha += max(mesh.machine.blocking(a) for a in axes if mesh.shape[a] > 1)
     if kind in ("all_gather", "reduce_scatter"):
         return alpha + beta * nbytes * (n - 1) / n
     if kind == "all_reduce":

@@ -29,6 +29,13 @@ roofline. Its parts:
   chain of one-element ops run forward and backward as a training step runs them (None: not
   measured; ``layout.cost.KERNEL_FLOOR_S`` holds). On a GPU it sets the time of the many small
   kernels a small model's step is made of.
+- ``blocking_s``: per mesh axis, what a synchronous (blocking) collective costs inside a step
+  beyond its lockstep ``alpha + beta * bytes``: the ranks reach it apart (the skew their compute
+  since the last one left) and the issuing thread, asleep in the wait, is woken late. The links'
+  fits are measured from a barrier, which takes both out; a step's in-graph collectives pay them.
+  Calibration measures it (``runtime/calibrate.py``, ``measure_blocking``); the cost model adds it
+  to every synchronous collective (``layout.cost.collective_seconds``). ``()``: not measured (a
+  profile written before it, JSON version 4): 0, priced as before.
 
 The fraction of asynchronously issued communication hidden under concurrent compute is
 ``MeshSpec.comm_overlap`` (one field of the mesh, whoever fills it), not a field here.
@@ -213,6 +220,9 @@ class MachineProfile:
     idle_speedup: float = 1.0
     # Seconds one kernel costs however small (dispatch + launch; None: the cost model's default).
     kernel_floor_s: float | None = None
+    # Per mesh axis (measured_shape's), seconds a blocking collective pays mid-step beyond its
+    # lockstep time (module docstring); () where not measured, an axis past its end: 0.
+    blocking_s: tuple[float, ...] = ()
     # A mesh is a cache key (``layout.conversion``): hashing every rate each lookup would cost
     # ten times the preset mesh's whole hash, so the profile's is computed once.
     _hash: int = field(init=False, repr=False, compare=False, default=0)
@@ -238,9 +248,14 @@ class MachineProfile:
                 raise ValueError(f"MachineProfile.kernel_floor_s must be a positive number of seconds below 1, "
                                  f"got {self.kernel_floor_s!r}")
             object.__setattr__(self, "kernel_floor_s", float(self.kernel_floor_s))
+        blocking = tuple(self.blocking_s)
+        if not all(_positive(b) or (isinstance(b, (int, float)) and b == 0) for b in blocking):
+            raise ValueError(f"MachineProfile.blocking_s needs one finite number of seconds >= 0 per mesh axis, "
+                             f"got {self.blocking_s!r}")
+        object.__setattr__(self, "blocking_s", tuple(float(b) for b in blocking))
         object.__setattr__(self, "_hash", hash((self.compute, self.links, self.measured_shape,
                                                 self.measured_axis_names, self.note, self.time_scale,
-                                                self.idle_speedup, self.kernel_floor_s)))
+                                                self.idle_speedup, self.kernel_floor_s, self.blocking_s)))
 
     def __hash__(self) -> int:
         return self._hash
@@ -248,6 +263,10 @@ class MachineProfile:
     def scale_of(self, op_class: str) -> float:
         """The ``time_scale`` factor of ``op_class`` (1: not refit)."""
         return next((f for c, f in self.time_scale if c == op_class), 1.0)
+
+    def blocking(self, axis: int) -> float:
+        """``blocking_s`` of mesh ``axis`` (0 where not measured)."""
+        return self.blocking_s[axis] if axis < len(self.blocking_s) else 0.0
 
     def link(self, kind: str, axis: int) -> LinkFit | None:
         for fit in self.links:
@@ -258,7 +277,8 @@ class MachineProfile:
     def select_axes(self, keep: Sequence[int]) -> "MachineProfile":
         """The profile of the sub-mesh made of axes ``keep`` (old indices, in their new order)."""
         where = {old: new for new, old in enumerate(keep)}
-        return replace(self, links=tuple(replace(f, axis=where[f.axis]) for f in self.links if f.axis in where))
+        return replace(self, links=tuple(replace(f, axis=where[f.axis]) for f in self.links if f.axis in where),
+                       blocking_s=tuple(self.blocking(old) for old in keep) if self.blocking_s else ())
 
     def to_dict(self) -> dict:
         return {"compute": self.compute.to_list(),
@@ -266,7 +286,8 @@ class MachineProfile:
                 "measured_shape": list(self.measured_shape), "measured_axis_names": list(self.measured_axis_names),
                 "note": self.note, **({"time_scale": dict(self.time_scale)} if self.time_scale else {}),
                 **({"idle_speedup": self.idle_speedup} if self.idle_speedup != 1.0 else {}),
-                **({"kernel_floor_s": self.kernel_floor_s} if self.kernel_floor_s is not None else {})}
+                **({"kernel_floor_s": self.kernel_floor_s} if self.kernel_floor_s is not None else {}),
+                **({"blocking_s": list(self.blocking_s)} if self.blocking_s else {})}
 
     @classmethod
     def from_dict(cls, data: dict) -> "MachineProfile":
@@ -276,6 +297,7 @@ class MachineProfile:
                        measured_shape=tuple(data["measured_shape"]),
                        measured_axis_names=tuple(data["measured_axis_names"]), note=data.get("note", ""),
                        time_scale=tuple(data.get("time_scale", {}).items()),
-                       idle_speedup=data.get("idle_speedup", 1.0), kernel_floor_s=data.get("kernel_floor_s"))
+                       idle_speedup=data.get("idle_speedup", 1.0), kernel_floor_s=data.get("kernel_floor_s"),
+                       blocking_s=tuple(data.get("blocking_s", ())))
         except (KeyError, TypeError) as exc:
             raise ValueError(f"malformed machine profile in MeshSpec JSON: {type(exc).__name__}: {exc}") from None

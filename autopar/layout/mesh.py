@@ -48,7 +48,9 @@ GiB = 1024**3
 # 2: half_peak_flops added and peak_flops became the fp32 peak (1: one peak, see from_json).
 # 3: the host tier (host_capacity, host_alpha, host_beta, host_mem_bandwidth); 2 has none.
 # 4: the calibrated machine (machine: a MachineProfile or null); comm_overlap is read from 3 too.
-JSON_VERSION = 4
+# 5: the machine's blocking_s (a blocking collective's mid-step wait per axis); a version-4 machine
+#    has none: 0, priced as it was.
+JSON_VERSION = 5
 
 
 @dataclass(frozen=True, slots=True)
@@ -370,13 +372,15 @@ class MeshSpec:
                 raise ValueError(f"malformed MeshSpec JSON: version {version} has no host tier (use version 3)")
         # comm_overlap may be absent in any version (files written before it): the field's
         # default, 0, prices communication in full as those files' plans were.
-        elif version not in (3, JSON_VERSION):
+        elif version not in (3, 4, JSON_VERSION):
             raise ValueError(f"MeshSpec JSON version {version} is not supported (expected 1 to {JSON_VERSION})")
         if version < 4 and data.get("machine") is not None:
             raise ValueError(f"malformed MeshSpec JSON: version {version} has no machine profile (use version 4)")
         if data.get("machine") is not None:
             if not isinstance(data["machine"], dict):
                 raise ValueError(f"malformed MeshSpec JSON: machine must be an object or null, got {data['machine']!r}")
+            if version < 5 and "blocking_s" in data["machine"]:
+                raise ValueError(f"malformed MeshSpec JSON: version {version} has no blocking_s (use version 5)")
             data["machine"] = MachineProfile.from_dict(data["machine"])
         try:
             return cls(**data)

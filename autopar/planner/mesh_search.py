@@ -253,7 +253,7 @@ def search_meshes(plan_on: Callable[..., Any], *, nodes: int, devices_per_node: 
 
 def on_one_machine(meshes: Sequence[MeshSpec]) -> list[MeshSpec]:
     """Calibrated candidate meshes priced as one machine: each keeps its own links (per-axis
-    alpha/beta and per-kind link fits: what differs between arrangements of the ranks), and all
+    alpha/beta, per-kind link fits and blocking waits: what differs between arrangements of the ranks), and all
     take the first calibrated one's machine-wide figures -- compute rate tables, time scales,
     steady-state peaks, ``comm_overlap`` and ``idle_speedup``. Why: those describe the machine,
     not how its ranks are arranged, and two calibrations taken minutes apart differ in them by
@@ -271,7 +271,8 @@ def on_one_machine(meshes: Sequence[MeshSpec]) -> list[MeshSpec]:
         if mesh is ref or mesh.machine is None:
             out.append(mesh)
             continue
-        machine = replace(ref.machine, links=mesh.machine.links, measured_shape=mesh.machine.measured_shape,
+        machine = replace(ref.machine, links=mesh.machine.links, blocking_s=mesh.machine.blocking_s,
+                          measured_shape=mesh.machine.measured_shape,
                           measured_axis_names=mesh.machine.measured_axis_names, note=mesh.machine.note)
         out.append(replace(mesh, peak_flops=ref.peak_flops, half_peak_flops=ref.half_peak_flops,
                            mem_bandwidth=ref.mem_bandwidth, comm_overlap=ref.comm_overlap, machine=machine))

@@ -4,10 +4,11 @@ measured, and the re-plan under it.
 ``priced_parts`` reads a plan's estimate apart the way the runtime measures a step
 (``autopar.runtime.refine.StepTimes``): compute seconds per op class (each op's chosen option's
 ``compute_s``, classed by ``strategies.combine.op_class``) and link seconds: the estimate's in-op
-communication plus its layout conversions, asynchronous parts included (the measured figure is
-the collectives' wall time, hidden or not), less what the same plan is priced at on free links
-(a conversion's local copy, ``split``, is priced as communication but runs as a copy, never as a
-collective the backend reports).
+communication plus its layout conversions, less the asynchronous part priced hidden under compute:
+the measured figure is the time collectives held the step (a synchronous one's wait, which
+``MachineProfile.blocking_s`` prices, and an asynchronous one's exposed wait), read as the wall
+time of the runtime's communication functions, so their local copies (a conversion's ``split``,
+priced as communication) are in both.
 
 ``refit_mesh`` scales the mesh's profile by measured / priced, per part:
 
@@ -15,9 +16,9 @@ collective the backend reports).
   class, the per-kernel floor included, so the refit mesh prices this plan's compute at what was
   measured; a mesh without a profile gets one holding only the factors, which leaves the rest of
   its pricing as it was);
-- every link's ``alpha`` and ``beta`` (the axis's and each per-kind ``LinkFit``) by the
-  communication ratio: the profiler does not say which mesh axis or which byte count a backend
-  event served, so the links are scaled together, keeping their measured shape.
+- every link's ``alpha`` and ``beta`` (the axis's and each per-kind ``LinkFit``) and each axis's
+  ``blocking_s`` by the communication ratio: the profiler does not say which mesh axis or which
+  byte count a collective served, so the links are scaled together, keeping their measured shape.
 
 A part the plan does not price or the step did not run (no collective in a replicated plan) keeps
 its figures.
@@ -105,24 +106,18 @@ def priced_parts(traced: TracedGraph, prof: ModelProfile, plan: Plan, *, options
     from autopar.strategies.combine import op_class
 
     mesh = plan.mesh if mesh is None else mesh
-    free = replace(mesh, alpha=(0.0,) * mesh.ndim, beta=(0.0,) * mesh.ndim,
-                   machine=None if mesh.machine is None else replace(mesh.machine, links=()))
-    comm = []
-    for on in (mesh, free):
-        # segmented: a restricted Megatron-style plan's fused projections are S(d/k) options, which
-        # only a segmented problem offers (it offers every other option as well).
-        built = build_problem(traced, prof, on, budget_bytes=options.budget_bytes(on), options=options,
-                              segmented=True)
-        ev = _evaluate(built, plan)
-        comm.append(ev.comm_s + ev.reshard_s)
-        if on is mesh:
-            choice = _choice(plan)
-            compute = dict.fromkeys(OP_CLASSES, 0.0)
-            for node in built.problem.nodes:
-                if built.decision(node.name).kind == NodeKind.OP:
-                    option = node.options[node.option_index(choice[node.name])]
-                    compute[op_class(traced.node(node.name).target)] += option.compute_s
-    return Priced(compute, max(comm[0] - comm[1], 0.0))
+    # segmented: a restricted Megatron-style plan's fused projections are S(d/k) options, which
+    # only a segmented problem offers (it offers every other option as well).
+    built = build_problem(traced, prof, mesh, budget_bytes=options.budget_bytes(mesh), options=options,
+                          segmented=True)
+    ev = _evaluate(built, plan)
+    choice = _choice(plan)
+    compute = dict.fromkeys(OP_CLASSES, 0.0)
+    for node in built.problem.nodes:
+        if built.decision(node.name).kind == NodeKind.OP:
+            option = node.options[node.option_index(choice[node.name])]
+            compute[op_class(traced.node(node.name).target)] += option.compute_s
+    return Priced(compute, max(ev.comm_s + ev.reshard_s - ev.hidden_s, 0.0))
 
 
 def _ratio(measured: float, priced: float) -> float | None:
@@ -137,13 +132,15 @@ def refit_mesh(mesh: MeshSpec, *, measured: Mapping[str, float], measured_comm: 
     machine = mesh.machine or MachineProfile(ComputeProfile(()), (), mesh.shape, mesh.axis_names)
     scale = tuple((c, machine.scale_of(c) * ratios.get(c, 1.0)) for c in OP_CLASSES
                   if c in ratios or machine.scale_of(c) != 1.0)
-    links, alpha, beta = machine.links, mesh.alpha, mesh.beta
+    links, alpha, beta, blocking = machine.links, mesh.alpha, mesh.beta, machine.blocking_s
     if comm is not None:
         ratios["comm"] = comm
         links = tuple(replace(f, alpha=f.alpha * comm, beta=f.beta * comm) for f in links)
         alpha, beta = tuple(a * comm for a in alpha), tuple(b * comm for b in beta)
+        blocking = tuple(b * comm for b in blocking)
     note = "refit to measured steps: " + ", ".join(f"{k} x{v:.3g}" for k, v in ratios.items())
-    machine = replace(machine, links=links, time_scale=scale, note=f"{machine.note}; {note}" if machine.note else note)
+    machine = replace(machine, links=links, blocking_s=blocking, time_scale=scale,
+                      note=f"{machine.note}; {note}" if machine.note else note)
     return replace(mesh, alpha=alpha, beta=beta, machine=machine, name=f"{mesh.name} (refit)"), ratios
 
 

@@ -68,6 +68,7 @@ from torch.distributed.tensor import DTensor
 
 from autopar.layout.buckets import DEFAULT_CAP_MB, bucket_cap_bytes, first_cap_bytes_default
 from autopar.runtime.counting import record
+from autopar.runtime.dist_ops import wait
 from autopar.runtime.dtensors import grad_like, local_of
 from autopar.runtime.process_mesh import ProcessMesh
 
@@ -393,7 +394,7 @@ class GradBucketer(nn.Module):
 
     def _deliver_shards(self, slots: list[int], work) -> None:
         with torch.no_grad():
-            for slot, mine in zip(slots, work.wait()):
+            for slot, mine in zip(slots, wait(work)):
                 if mine is None:
                     continue
                 master = self._piece(self.slots[slot].name).master
@@ -445,7 +446,7 @@ class GradBucketer(nn.Module):
                 self._deliver_shards(flat, work)
                 continue
             if work is not None:
-                work.wait()
+                wait(work)
             for axis in rest:
                 self._all_reduce(flat, axis, async_op=False)
             self._deliver(st, buckets[b], flat, sorted(st.ready[b]))

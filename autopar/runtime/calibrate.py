@@ -20,7 +20,8 @@ its progress with ``verbose``:
    ``comm_overlap = (t_comm + t_comp - t_both) / min(t_comm, t_comp)`` clamped to [0, 1]; and
    a matmul loop on every rank against the same loop on half of them while the rest wait:
    ``MachineProfile.idle_speedup`` (what a pipeline bubble's busy ranks gain where ranks share
-   cores).
+   cores); and per mesh axis, what a blocking collective costs mid-step beyond its lockstep time
+   (``measure_blocking``: ``MachineProfile.blocking_s``).
 
 All ranks return the same ``MeshSpec`` (with its ``MachineProfile``); ``out=`` writes it (rank 0).
 """
@@ -29,12 +30,15 @@ from __future__ import annotations
 
 import math
 import os
+import statistics
 import time
+from dataclasses import replace
 from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
+from autopar.layout.cost import collective_seconds
 from autopar.layout.machine import FLOP_KEYED, LinkFit, MachineProfile, overlap_fraction
 from autopar.layout.mesh import MeshSpec, default_axis_names, parse_mesh_shape
 from autopar.runtime.calibrate_compute import (GRID, MIN_REPETITION_S, QUICK_GRID, QUICK_REPETITION_S, device_figures,
@@ -43,7 +47,7 @@ from autopar.runtime.links import (DEFAULT_SIZES, KINDS, MeshProfile, Timing, de
                                    lockstep_median, lockstep_medians, measure_axis, rank_device, ranks_reduce,
                                    ring_factor)
 
-__all__ = ["calibrate", "calibrate_detailed", "measure_overlap", "QUICK_SIZES"]
+__all__ = ["calibrate", "calibrate_detailed", "measure_blocking", "measure_overlap", "QUICK_SIZES"]
 
 KiB, MiB = 1024, 1024**2
 QUICK_SIZES = {"cpu": [64 * KiB, 1 * MiB, 4 * MiB], "cuda": [1 * MiB, 8 * MiB, 64 * MiB]}
@@ -51,6 +55,13 @@ OVERLAP_BYTES = {"cpu": 4 * MiB, "cuda": 256 * MiB}
 _PROBE = 8  # products in the first guess of the overlap stage's compute loop
 # Products in the idle-speedup loop (256^3 each: ~1-3 ms apiece on a shared CPU core).
 _IDLE_LOOP = 20
+# The blocking stage: a small all-reduce (a batch norm's statistics, a loss term) after each of
+# ``_BLOCKING_CALLS`` compute bursts of about ``_BURST_S``, as a step's in-graph collectives come
+# between its ops; ``_BLOCKING_ROUNDS`` rounds at least (the figure is a median of differences).
+BLOCKING_BYTES = 4 * KiB
+_BLOCKING_CALLS = 32
+_BURST_S = 1e-3
+_BLOCKING_ROUNDS = 31
 
 
 class _Stages:
@@ -130,6 +141,52 @@ def measure_idle_speedup(*, repeats: int, device: torch.device) -> tuple[float, 
     return min(max(t_all / t_half, 1.0), float(world)), {"all": t_all, "half": t_half}
 
 
+def measure_blocking(group, *, rounds: int, device: torch.device, nbytes: int = BLOCKING_BYTES,
+                     calls: int = _BLOCKING_CALLS) -> tuple[float, dict[str, float]]:
+    """The seconds a synchronous all-reduce of ``nbytes`` over ``group`` holds a step, per call,
+    where it comes between compute as a step's in-graph collectives do; and the figures beside it.
+
+    Two callables, timed in lockstep (``links.lockstep_medians``) in each of ``rounds`` rounds,
+    interleaved: ``calls`` compute bursts of about ``_BURST_S`` each (``bursts``), and the same
+    bursts each followed by a blocking all-reduce with no barrier between them (``chain``: the
+    ranks reach each all-reduce apart, by what their bursts' times differ, and wait in it asleep,
+    as in a step). Per round ``(chain - bursts) / calls``; the figure is the median over rounds, a
+    difference taken within each round so that load changing between rounds cancels. Beside it:
+    its quartiles over rounds (``low``, ``high``: the spread) and the median burst (``burst``).
+    Calibration subtracts the lockstep price of the same all-reduce (the links' fit) to get
+    ``MachineProfile.blocking_s``."""
+    x = torch.ones(max(1, nbytes // 4), device=device)
+    a = torch.randn(128, 128, device=device)
+
+    def burst(count: int) -> Callable[[], None]:
+        def run() -> None:
+            for _ in range(count):
+                torch.mm(a, a).relu()  # a fresh output per product, as a step's ops allocate theirs
+        return run
+
+    # Every rank runs the same burst: sized on the slowest rank's probe of a few products.
+    t_probe = lockstep_median(burst(_PROBE), repeats=5, device=device)
+    count = int(ranks_reduce([float(max(1, round(_PROBE * _BURST_S / t_probe)))], device)[0])
+    one = burst(count)
+
+    def bursts() -> None:
+        for _ in range(calls):
+            one()
+
+    def chain() -> None:
+        for _ in range(calls):
+            one()
+            dist.all_reduce(x, group=group)
+
+    held, lengths = [], []
+    for r in range(rounds):
+        t_bursts, t_chain = lockstep_medians([bursts, chain], repeats=1, device=device, warm_up=r == 0)
+        held.append((t_chain - t_bursts) / calls)
+        lengths.append(t_bursts / calls)
+    low, mid, high = statistics.quantiles(held, n=4) if len(held) > 1 else held * 3
+    return mid, {"low": low, "high": high, "burst": statistics.median(lengths)}
+
+
 # ------------------------------------------------------------------------------- collectives
 def _fit_links(axis: int, n: int, measured: list[Timing], say: Callable[[str], None]) -> tuple[float, float, list]:
     """The axis's all-kind (alpha, beta) and its per-kind ``LinkFit``s (a kind whose timings
@@ -192,13 +249,16 @@ def _in_group(shape: tuple[int, ...], device_type: str, sizes: Sequence[int], re
     say(f"kernel floor (one small op, forward and backward): {floor * 1e6:.1f} us")
     say.stage = "stage 2/3 collectives: "
     alpha, beta, links, timings = _collectives(device_mesh, shape, sizes, repeats, device, say)
-    say.stage = "stage 3/3 overlap: "
+    say.stage = "stage 3/3 overlap and blocking: "
     overlap = 0.0
     if math.prod(shape) > 1:
         # A difference of three noisy times: more repetitions than elsewhere (it is one point).
         overlap, parts = measure_overlap(nbytes=OVERLAP_BYTES[device_type], repeats=max(repeats, 9), device=device)
         say(f"all-reduce {parts['comm'] * 1e3:.2f} ms, compute {parts['compute'] * 1e3:.2f} ms, both "
             f"{parts['both'] * 1e3:.2f} ms: {overlap:.0%} of the collective hidden")
+    rounds = max(repeats, 5 if quick else _BLOCKING_ROUNDS)
+    held = [measure_blocking(device_mesh.get_group(axis), rounds=rounds, device=device) if n > 1 else None
+            for axis, n in enumerate(shape)]
     speedup = 1.0
     if math.prod(shape) > 1:
         speedup, parts = measure_idle_speedup(repeats=max(repeats, 9), device=device)
@@ -213,6 +273,20 @@ def _in_group(shape: tuple[int, ...], device_type: str, sizes: Sequence[int], re
     mesh = MeshSpec(shape=shape, axis_names=names, alpha=tuple(alpha), beta=tuple(beta), peak_flops=flops,
                     mem_bandwidth=bandwidth, mem_capacity=_mem_capacity(device), name=f"profiled-{device_type}",
                     half_peak_flops=half, comm_overlap=overlap, machine=machine)
+    # What a blocking collective holds a step for beyond the lockstep price the fits give it.
+    blocking = []
+    for axis, measured in enumerate(held):
+        if measured is None:
+            blocking.append(0.0)
+            continue
+        seconds, parts = measured
+        lockstep = collective_seconds("all_reduce", BLOCKING_BYTES, mesh, axis)
+        blocking.append(max(seconds - lockstep, 0.0))
+        say(f"axis {axis}: a blocking {BLOCKING_BYTES // KiB} KiB all-reduce after each {parts['burst'] * 1e3:.2f} ms "
+            f"burst holds the step {seconds * 1e6:.0f} us (quartiles over rounds {parts['low'] * 1e6:.0f} to "
+            f"{parts['high'] * 1e6:.0f} us), priced {lockstep * 1e6:.0f} us in lockstep: "
+            f"{blocking[-1] * 1e6:.0f} us more per blocking collective")
+    mesh = replace(mesh, machine=replace(machine, blocking_s=tuple(blocking)))
     say.stage = ""
     say(f"done: fp32 matmul {flops / 1e9:.1f} GFLOP/s, bf16 {half / 1e9 if half else math.nan:.1f} GFLOP/s, "
         f"memory {bandwidth / 1e9:.2f} GB/s, overlap {overlap:.0%}")

@@ -84,7 +84,8 @@ class MeshProfile:
     timings: tuple[Timing, ...]
 
     def predicted(self, timing: Timing) -> float:
-        return collective_seconds(timing.kind, timing.nbytes, self.mesh, timing.axis)
+        # The timings were taken from a barrier: the lockstep price, without a blocking collective's mid-step wait.
+        return collective_seconds(timing.kind, timing.nbytes, self.mesh, timing.axis, blocking=False)
 
     def __str__(self) -> str:
         return f"{self.mesh} from {len(self.timings)} timings"

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch.utils._pytree import tree_map_only
 
 from autopar.runtime.counting import record
+from autopar.runtime.dist_ops import wait
 
 __all__ = ["PendingTensor", "Inflight", "all_reduce_pending"]
 
@@ -64,7 +65,7 @@ class _Handle:
     def wait(self) -> None:
         if self.work is not None:
             work, self.work = self.work, None
-            work.wait()
+            wait(work)
 
 
 class PendingTensor(torch.Tensor):

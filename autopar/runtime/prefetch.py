@@ -36,7 +36,7 @@ import torch.fx as fx
 from torch import nn
 
 from autopar.runtime.collectives import _Axis, gather_buffers, gathered
-from autopar.runtime.dist_ops import all_gather_single
+from autopar.runtime.dist_ops import all_gather_single, wait
 from autopar.runtime.nodes import Collective
 from autopar.runtime.process_mesh import ProcessMesh
 
@@ -58,7 +58,7 @@ class _InFlight:
 
     def put(self, key: str, work: Any, send: torch.Tensor) -> None:
         if key in self.works:  # a step that raised between start and wait: drain the old one
-            self.works.pop(key)[0].wait()
+            wait(self.works.pop(key)[0])
         self.works[key] = (work, send)  # the send buffer must outlive the collective
 
     def wait(self, key: str) -> None:
@@ -66,7 +66,7 @@ class _InFlight:
         if entry is None:
             raise RuntimeError(f"gather_wait for {key!r} without its gather_start: the prefetch pass "
                                f"placed a wait before its start")
-        entry[0].wait()
+        wait(entry[0])
 
 
 class _Start(torch.autograd.Function):

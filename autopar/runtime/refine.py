@@ -13,11 +13,26 @@ start of a later one: forward, backward, the optimizer step and everything in be
   inside a collective (``c10d::``, the backend's own events) or inside the runtime's communication
   functions (``runtime.collectives``, ``kernels``, ``pending``, ``bucketing``: their copies and
   concatenations are part of the conversion the planner prices as communication);
-- **communication**: the wall time of the backend's collective events (``gloo:all_reduce`` ...,
-  recorded on the backend's worker thread: the time the collective ran, waiting for its peers
-  included; NCCL's likewise), whatever issued them (conversions, in-op reductions, gradient buckets).
+- **communication**: the time the step is *held* by collectives, read on the threads that issue
+  them (the training thread, autograd's): the wall time of every outermost collective span there --
+  a runtime communication function (its copies included, as the planner prices a conversion
+  whole), a ``c10d::`` call, and the runtime's ``autopar::wait`` range (``runtime.dist_ops``: a
+  wait for an asynchronous collective -- a gradient bucket's, a prefetched gather's, a pending
+  output's -- or a blocking one called outside those functions) -- each counted once, a span
+  inside another not again. torch records no event for a ``Work``'s wait (a synchronous
+  ``dist.all_reduce`` waits after its ``c10d::`` event ends): a blocking collective called
+  outside the runtime is seen only for its ``c10d::`` call. The
+  backend's own events (``gloo:all_reduce`` ..., on its worker thread) run concurrently with
+  those spans and are not counted: a synchronous collective's is inside its caller's wait, an
+  asynchronous one's is hidden except for the wait. Why the issuing side: a blocking collective
+  mid-step holds the step for longer than the backend's event lasts (the ranks arrive apart,
+  the waiting thread is woken late: a CNN's channel-split plan measured ~2 ms per batch-norm
+  sum against ~0.3 ms of ``gloo:all_reduce``), and that is what the planner must price
+  (``MachineProfile.blocking_s``).
 
-On CUDA the device time of each event is used where it has one (the kernel's), else its CPU time.
+On CUDA the device time of each event is used where it has one (the kernel's), else its CPU time;
+communication there is the backend's events' device time (NCCL's kernels, which hold the
+stream; the issuing thread does not wait for them).
 Every figure is per step (the window's sum over its steps). ``agreed`` makes every rank hold the
 same figures: the maximum over ranks of each (a step waits for its slowest rank).
 
@@ -34,13 +49,16 @@ import torch
 import torch.distributed as dist
 
 from autopar.layout.machine import OP_CLASSES
+from autopar.runtime.dist_ops import WAIT_EVENT
 
 __all__ = ["StepTimes", "StepTimer", "op_class_of_event"]
 
-# Events of collectives: the backend's own (the time the collective ran) and the c10d entry points
-# (the issuing thread's call, which for an asynchronous collective returns at once).
+# Events of collectives: the backend's own (the time the collective ran, on its worker thread) and
+# the issuing thread's: the c10d entry points (an asynchronous one returns at once, a synchronous
+# one when done) and the runtime's waits for asynchronous ones.
 _BACKEND_PREFIXES = ("gloo:", "nccl:")
-_COLLECTIVE_PREFIXES = ("c10d::", "record_param_comms", *_BACKEND_PREFIXES)
+_ISSUING_PREFIXES = ("c10d::", "record_param_comms", WAIT_EVENT)
+_COLLECTIVE_PREFIXES = (*_ISSUING_PREFIXES, *_BACKEND_PREFIXES)
 # The optimizer's own kernels: not part of the step the planner prices.
 _OPTIMIZER_PREFIXES = ("Optimizer.",)
 
@@ -74,7 +92,8 @@ def op_class_of_event(name: str) -> str:
 @dataclass(frozen=True, slots=True)
 class StepTimes:
     """Seconds per training step: ``compute`` per op class (``OP_CLASSES`` order), ``comm`` the
-    collectives' wall time; ``steps``: how many steps the figures are the mean of."""
+    time collectives held the step (module docstring); ``steps``: how many steps the figures are
+    the mean of."""
 
     compute: tuple[float, ...]
     comm: float
@@ -98,8 +117,12 @@ class StepTimes:
         classes: dict[str, str] = {}
         for e in events:
             name = e.name
-            if name.startswith(_BACKEND_PREFIXES):
-                comm += _seconds(e, device_time, total=True)
+            if device_time:
+                if name.startswith(_BACKEND_PREFIXES):
+                    comm += _seconds(e, device_time, total=True)
+                    continue
+            elif (name in skip or name.startswith(_ISSUING_PREFIXES)) and not _inside(e, skip, comm_only=True):
+                comm += _seconds(e, False, total=True)
                 continue
             if not name.startswith("aten::") or _inside(e, skip):
                 continue
@@ -135,12 +158,14 @@ def _seconds(event: Any, device_time: bool, *, total: bool) -> float:
     return (event.cpu_time_total if total else event.self_cpu_time_total) * 1e-6
 
 
-def _inside(event: Any, skip: frozenset[str]) -> bool:
-    """Whether ``event`` ran inside the optimizer, a collective or a runtime communication function."""
+def _inside(event: Any, skip: frozenset[str], *, comm_only: bool = False) -> bool:
+    """Whether ``event`` ran inside a collective or a runtime communication function, or (unless
+    ``comm_only``) the optimizer."""
     parent = event.cpu_parent
     while parent is not None:
         name = parent.name
-        if name in skip or name.startswith(_COLLECTIVE_PREFIXES) or name.startswith(_OPTIMIZER_PREFIXES):
+        if name in skip or name.startswith(_COLLECTIVE_PREFIXES) \
+                or (not comm_only and name.startswith(_OPTIMIZER_PREFIXES)):
             return True
         parent = parent.cpu_parent
     return False

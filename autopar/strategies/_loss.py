@@ -64,8 +64,9 @@ def _ce_comm(info: OpInfo, input_specs, output_specs, mesh) -> tuple[float, floa
         fwd += num * collective_seconds("all_reduce", per_sample, mesh, class_axes)
     if sample_axes and info.arg("reduction") == _MEAN:
         # The denominator: the same one scalar all-reduce, which the runtime issues at the start of
-        # forward (``EarlySum``); still priced as waited on, the cost model having no forward stream.
-        fwd += collective_seconds("all_reduce", x.itemsize, mesh, sample_axes)
+        # forward (``EarlySum``); still priced as waited on, the cost model having no forward stream,
+        # but not as a blocking one: issued before forward's ops, it is done when they read it.
+        fwd += collective_seconds("all_reduce", x.itemsize, mesh, sample_axes, blocking=False)
     return fwd, 0.0  # the all-reduces' backward is the identity
 
 
@@ -199,7 +200,7 @@ def _nll_comm(info: OpInfo, input_specs, output_specs, mesh) -> tuple[float, flo
     x = info.input("self")
     axes = _sample_axes(input_specs[0], _class_dim(x.ndim))
     if axes and info.arg("reduction") == _MEAN:
-        return collective_seconds("all_reduce", x.itemsize, mesh, axes), 0.0  # the denominator
+        return collective_seconds("all_reduce", x.itemsize, mesh, axes, blocking=False), 0.0  # the early denominator
     return 0.0, 0.0
 
 

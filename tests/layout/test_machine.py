@@ -1,5 +1,5 @@
 """The measured machine (``layout/machine.py``): rate interpolation, the JSON round trip on
-``MeshSpec`` (version 4, older versions still read), and the cost model priced from it."""
+``MeshSpec`` (version 5, older versions still read), and the cost model priced from it."""
 
 from __future__ import annotations
 
@@ -87,10 +87,10 @@ def test_overlap_fraction_is_clamped():
 
 
 # ------------------------------------------------------------------------------------- JSON
-def test_calibrated_mesh_round_trips_as_version_4():
+def test_calibrated_mesh_round_trips_as_version_5():
     mesh = _mesh()
     data = json.loads(mesh.to_json())
-    assert data["version"] == 4 and data["comm_overlap"] == 0.4
+    assert data["version"] == 5 and data["comm_overlap"] == 0.4
     assert data["machine"]["compute"][0] == {"op_class": "matmul", "dtype": "fp32", "sizes": [1e6, 1e9],
                                              "rates": [10e9, 40e9]}
     assert data["machine"]["measured_shape"] == [2, 2]
@@ -113,6 +113,44 @@ def test_older_versions_still_read_and_cannot_carry_a_machine():
         _mesh(comm_overlap=1.5)
     with pytest.raises(ValueError, match=r"link fits for axes \[1\] of a 1-D mesh"):
         _mesh(shape=(4,), machine=_profile((2, 2)))
+
+
+def test_blocking_wait_round_trips_and_a_version_4_profile_reads_as_none():
+    mesh = _mesh(machine=replace(_profile(), blocking_s=(4e-4, 0.0)))
+    data = json.loads(mesh.to_json())
+    assert data["machine"]["blocking_s"] == [4e-4, 0.0] and MeshSpec.from_json(mesh.to_json()) == mesh
+    assert hash(mesh.machine) != hash(_profile())  # a mesh is a cache key
+    # A version-4 file (written before the blocking stage): none measured, priced as it was.
+    v4 = {**json.loads(_mesh().to_json()), "version": 4}
+    assert MeshSpec.from_json(json.dumps(v4)).machine.blocking_s == ()
+    with pytest.raises(ValueError, match="version 4 has no blocking_s"):
+        MeshSpec.from_json(json.dumps({**data, "version": 4}))
+    assert mesh.select_axes([1]).machine.blocking_s == (0.0,)  # a sub-mesh keeps its axes' figures
+    assert mesh.select_axes([0]).machine.blocking_s == (4e-4,)
+    for bad in ((-1e-3,), (math.nan, 0.0), ("1e-3",), (True,)):
+        with pytest.raises(ValueError, match="blocking_s needs one finite number of seconds >= 0"):
+            replace(_profile(), blocking_s=bad)
+
+
+def test_a_blocking_collective_pays_its_axes_wait_an_asynchronous_one_does_not():
+    base = _mesh()
+    mesh = _mesh(machine=replace(_profile(), blocking_s=(4e-4, 1e-4)))
+    for kind in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all"):
+        plain = collective_seconds(kind, 1e6, base, 0)
+        assert collective_seconds(kind, 1e6, mesh, 0) == pytest.approx(plain + 4e-4)
+        assert collective_seconds(kind, 1e6, mesh, 1) == pytest.approx(collective_seconds(kind, 1e6, base, 1) + 1e-4)
+        assert collective_seconds(kind, 1e6, mesh, 0, blocking=False) == plain
+    # one collective over both axes: one wait, its slowest axis's
+    assert collective_seconds("all_reduce", 1e6, mesh, (0, 1)) == pytest.approx(
+        collective_seconds("all_reduce", 1e6, base, (0, 1)) + 4e-4)
+    # a bucketed one is issued asynchronously: no wait, whatever ``blocking`` says
+    assert collective_seconds("all_reduce", 1e6, mesh, 0, bucket_cap=2**20) == \
+        collective_seconds("all_reduce", 1e6, base, 0, bucket_cap=2**20)
+    assert collective_seconds("split", 1e6, mesh, 0) == collective_seconds("split", 1e6, base, 0)  # a local copy
+    # an axis of size 1 never communicates, nor waits; a generator of axes is read once
+    flat = _mesh(shape=(1, 2), machine=replace(_profile((1, 2)), links=(), blocking_s=(9e-3, 1e-4)))
+    assert collective_seconds("all_reduce", 1e6, flat, iter((0, 1))) == pytest.approx(
+        collective_seconds("all_reduce", 1e6, flat, 1, blocking=False) + 1e-4)
 
 
 def test_idle_speedup_round_trips_and_is_checked():

@@ -43,12 +43,14 @@ def test_a_preset_mesh_is_refit_per_part():
 def test_a_calibrated_mesh_keeps_its_curves_and_fits_scaled():
     table = RateTable((1e6, 1e9), (1e9, 1e11))
     machine = MachineProfile(ComputeProfile((("matmul", "fp32", table),)),
-                             (LinkFit("all_gather", 0, 1e-4, 1e-9),), (2,), ("x",), note="calibrated")
+                             (LinkFit("all_gather", 0, 1e-4, 1e-9),), (2,), ("x",), note="calibrated",
+                             blocking_s=(2e-4,))
     mesh = dataclasses.replace(MeshSpec.preset("cpu", (2,)), machine=machine)
     # nothing measured for a part (no collective ran): it keeps its figures
     refit, ratios = refit_mesh(mesh, measured={"matmul": 2.0}, measured_comm=0.0, priced=_priced(matmul=1.0, comm=1.0))
     assert ratios == {"matmul": 2.0}
     assert refit.machine.compute == machine.compute and refit.machine.links == machine.links
+    assert refit.machine.blocking_s == machine.blocking_s
     assert refit.alpha == mesh.alpha and refit.machine.time_scale == (("matmul", 2.0),)
     for flops in (1e5, 1e7, 1e10):
         assert compute_seconds(flops, 1.0, refit, op_class="matmul") == pytest.approx(
@@ -57,6 +59,10 @@ def test_a_calibrated_mesh_keeps_its_curves_and_fits_scaled():
     assert again.machine.time_scale == (("matmul", 6.0),)  # factors compose
     fit = again.machine.link("all_gather", 0)
     assert (fit.alpha, fit.beta) == pytest.approx((3e-4, 3e-9))
+    # a blocking collective's mid-step wait is link time too: scaled with the links
+    assert again.machine.blocking_s == pytest.approx((6e-4,))
+    assert collective_seconds("all_gather", 1e6, again, 0) == pytest.approx(
+        3 * collective_seconds("all_gather", 1e6, mesh, 0))
     assert again.machine.note.startswith("calibrated; refit")
 
 

@@ -66,6 +66,9 @@ def test_quick_calibration_measures_every_class_and_dtype(calibrated):
     assert 0.0 <= spec.comm_overlap <= 1.0
     assert 1.0 <= machine.idle_speedup <= 2.0  # half of 2 ranks computing while the other waits
     assert 1e-7 < machine.kernel_floor_s < 1e-3  # a CPU dispatches a small op in microseconds
+    # one blocking wait per axis, beyond the lockstep price (0 where a step's blocking all-reduce
+    # held it no longer than the fit says); well under a 1 ms burst's worth on 2 gloo ranks
+    assert len(machine.blocking_s) == 1 and 0.0 <= machine.blocking_s[0] < 0.05
     assert spec.alpha[0] > 0 and spec.beta[0] > 0
     # Each kind has its own fit exactly when its timings determine one.
     for kind in KINDS:

@@ -43,7 +43,7 @@ import torch.distributed as dist
 from autopar.layout.cost import collective_seconds
 from autopar.layout.mesh import MeshSpec
 from autopar.runtime.counting import record
-from autopar.runtime.dist_ops import all_gather_single, reduce_scatter_single
+from autopar.runtime.dist_ops import all_gather_single, reduce_scatter_single, wait
 from autopar.runtime.dtensors import local_of
 
 __all__ = ["GatherPlan", "Level", "ScatterPlan", "ScatterWork", "chunk_sizes", "gather_pieces", "levels",
@@ -405,7 +405,7 @@ class ScatterWork:
     def _drain(self) -> None:
         for work, r, c, recv, send in self.pending:  # (the send buffer lives until its collective is done)
             if work is not None:
-                work.wait()
+                wait(work)
             if self.plan.all_reduced[(r, c)]:  # every segment summed: keep this device's
                 rnd = self.plan.rounds[r][0][c]
                 recv.copy_(send.view(rnd.k, rnd.seg)[rnd.mesh.get_local_rank(rnd.axis)])
