@@ -228,3 +228,28 @@ def test_a_forward_that_writes_a_parameter_is_a_clear_trace_error():
     err = info.value
     assert "writes parameter 'emb.weight' in place" in str(err)
     assert err.op == "aten.embedding_renorm_.default" and err.module_path == "emb" and "max_norm" in err.hint
+
+
+class SplitByCounts(nn.Module):
+    """JetMoE's experts: per-expert token counts read with ``.tolist()`` size a ``split``."""
+
+    def __init__(self):
+        super().__init__()
+        self.router = nn.Linear(8, 4)
+        self.experts = nn.Parameter(torch.randn(4, 8, 8))
+
+    def forward(self, x):
+        expert = self.router(x).argmax(-1, keepdim=True)
+        counts = torch.zeros(x.shape[0], 4).scatter(1, expert, 1).long().sum(0).tolist()
+        parts = x[expert.flatten().sort().indices].split(counts, dim=0)
+        return sum(nn.functional.linear(parts[i], self.experts[i]).sum() for i in range(4))
+
+
+def test_value_read_as_number_is_named_at_profiling():
+    from autopar.tracer import profile
+
+    traced = trace(SplitByCounts(), (torch.randn(6, 8),))  # export lets the unbacked sizes through
+    with pytest.raises(TraceError) as info:
+        profile(traced)
+    assert info.value.op in ("aten.item.default", "aten._local_scalar_dense.default")
+    assert ".tolist()" in info.value.hint and "shapes only" in info.value.hint
