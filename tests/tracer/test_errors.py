@@ -253,3 +253,32 @@ def test_value_read_as_number_is_named_at_profiling():
         profile(traced)
     assert info.value.op in ("aten.item.default", "aten._local_scalar_dense.default")
     assert ".tolist()" in info.value.hint and "shapes only" in info.value.hint
+
+
+class MaskOnlyEagerly(nn.Module):
+    """Switch Transformers' encoder: the default attention mask is built only when not compiling,
+    so under torch.export the model indexes ``None``; run eagerly, it works."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x, attention_mask=None):
+        if attention_mask is None and not torch.compiler.is_compiling():
+            attention_mask = torch.ones(x.shape[:2])
+        return (self.proj(x) * attention_mask[:, :, None]).sum()
+
+
+def test_error_only_under_export_says_so_and_what_to_pass():
+    model, x = MaskOnlyEagerly(), torch.randn(2, 4, 8)
+    model(x)  # eagerly it runs
+    with pytest.raises(TraceError) as info:
+        trace(model, (x,))
+    assert "only under torch.export" in info.value.hint and "attention_mask" in info.value.hint
+    assert "attention_mask[:, :, None]" in info.value.source
+    traced = trace(model, {"x": x, "attention_mask": torch.ones(2, 4)})  # the hint's way out
+    assert traced.loss_node is not None
+    # a model that fails eagerly too keeps the hint that says so
+    with pytest.raises(TraceError) as info:
+        trace(nn.Linear(8, 4), (torch.empty(2, 5),))
+    assert "fails the same way when run eagerly" in info.value.hint
