@@ -104,7 +104,8 @@ def trace(model: nn.Module, meta_inputs: tuple | dict, *, name: str | None = Non
         fake_mode = FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True)
         fake = {k: pytree.tree_map(lambda v: _to_fake(v, fake_mode, device), v)
                 for k, v in tensors.items()}
-        with _fake_state(module, fake_mode, device), hf.caches_off(module), experts_as_ops(module):
+        with _fake_state(module, fake_mode, device), hf.caches_off(module), experts_as_ops(module), \
+                _no_distribution_checks():
             ep = _export(module, fake, constants, model_name, stack_traces)
         return _build(module, ep, model_name)
 
@@ -117,6 +118,20 @@ def trace(model: nn.Module, meta_inputs: tuple | dict, *, name: str | None = Non
         if decompose_if is not None:  # the planner's "no rule, but a decomposition" (tracer/decompose.py)
             traced.decompose(decompose_if)
         return apply_precision(traced, precision, param_casts=param_casts)
+
+
+@contextlib.contextmanager
+def _no_distribution_checks():
+    """``torch.distributions`` without argument validation while tracing: a distribution checks
+    its parameters' values (``constraint.check(value).all()``, a branch on data), which shapes
+    alone cannot decide -- transformers' time-series heads (StudentT) fail export on it. The
+    check only ever raises; the values it would check do not exist until a step runs."""
+    saved = torch.distributions.Distribution._validate_args
+    torch.distributions.Distribution.set_default_validate_args(False)
+    try:
+        yield
+    finally:
+        torch.distributions.Distribution.set_default_validate_args(saved)
 
 
 # ---- inputs ------------------------------------------------------------------------------------

@@ -234,3 +234,26 @@ def test_graph_hash_follows_rewrites():
         with traced.graph.inserting_before(traced.output_node):
             traced.graph.call_function(torch.ops.aten.neg.default, (x,))
     assert traced.graph_hash == _pytree_graph_hash(traced) != first
+
+
+class StudentTHead(nn.Module):
+    """transformers' time-series heads: a distribution's negative log-likelihood as the loss."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(4, 3)
+
+    def forward(self, x, target):
+        df, loc, scale = self.proj(x).unbind(-1)
+        dist = torch.distributions.StudentT(2.0 + nn.functional.softplus(df), loc, nn.functional.softplus(scale))
+        return -dist.log_prob(target).mean()
+
+
+def test_distribution_argument_checks_are_off_while_tracing_only():
+    torch.manual_seed(0)
+    model, x, y = StudentTHead(), torch.randn(6, 4), torch.randn(6)
+    validate = torch.distributions.Distribution._validate_args
+    traced = trace(model, {"x": x, "target": y})  # the checks branch on values: export fails with them
+    assert torch.distributions.Distribution._validate_args == validate
+    (got,) = traced.gm(*traced.bind(model, {"x": x, "target": y}))
+    torch.testing.assert_close(got, model(x, y))
