@@ -140,7 +140,8 @@ ARCHS: list[Arch] = [
 # each matched on (2,) and (2, 2) at 1.1x its smallest budget; the full sweep runs them
 # (``test_transformers.py``), the default run a few (``test_held_out.py``). Tasks beyond ARCHS':
 # "audio" (raw waveform, class labels), "speech2seq" (log-mel features, token labels),
-# "contrastive" (image-text pairs, ``return_loss``), "forecast" (past and future series).
+# "contrastive" (image-text pairs, ``return_loss``), "forecast" (past and future series),
+# "probabilistic" (the same with time features and observed masks, a distribution's likelihood).
 # Family-specific non-size settings in ``sizes`` say why in a comment.
 HELD_OUT: list[Arch] = [
     # ---- encoders
@@ -257,6 +258,14 @@ HELD_OUT: list[Arch] = [
     Arch("PatchTSTForPrediction", "PatchTSTConfig", "forecast", "timeseries",
          sizes={"num_input_channels": 2, "context_length": 16, "patch_length": 4, "patch_stride": 4,
                 "prediction_length": 4}),
+    # probabilistic forecasts: a StudentT head's negative log-likelihood (torch.distributions);
+    # Informer's ProbSparse attention writes rows of a converted cumsum in place
+    *(Arch(model, config, "probabilistic", "timeseries", sizes={
+        "prediction_length": 4, "context_length": 8, "lags_sequence": [1, 2], "num_time_features": 1,
+        "d_model": 16, "encoder_ffn_dim": 32, "decoder_ffn_dim": 32, "encoder_attention_heads": 2,
+        "decoder_attention_heads": 2})
+      for model, config in (("TimeSeriesTransformerForPrediction", "TimeSeriesTransformerConfig"),
+                            ("InformerForPrediction", "InformerConfig"))),
 ]
 
 
@@ -322,6 +331,12 @@ def _inputs(arch: Arch, config) -> dict:
         return {"input_ids": torch.randint(0, config.text_config.vocab_size, (BATCH, SEQ)),
                 "pixel_values": torch.randn(BATCH, vision.num_channels, vision.image_size, vision.image_size),
                 "return_loss": True}
+    if arch.task == "probabilistic":  # the past reaches back by the largest lag
+        past, future, features = (config.context_length + max(config.lags_sequence), config.prediction_length,
+                                  config.num_time_features)
+        return {"past_values": torch.randn(BATCH, past), "past_time_features": torch.randn(BATCH, past, features),
+                "past_observed_mask": torch.ones(BATCH, past), "future_values": torch.randn(BATCH, future),
+                "future_time_features": torch.randn(BATCH, future, features)}
     if arch.task == "forecast":
         return {"past_values": torch.randn(BATCH, config.context_length, config.num_input_channels),
                 "future_values": torch.randn(BATCH, config.prediction_length, config.num_input_channels)}

@@ -1,5 +1,6 @@
 """Families the catalog had not seen (``hf_catalog.HELD_OUT``): speech (Whisper, Wav2Vec2, HuBERT,
-WavLM, Data2Vec-Audio), image-text (CLIP, SigLIP), time series (PatchTST), state-space and
+WavLM, Data2Vec-Audio), image-text (CLIP, SigLIP), time series (PatchTST; TimeSeriesTransformer and
+Informer, StudentT likelihoods), state-space and
 recurrent models (FalconMamba, Mamba-2, RWKV, RecurrentGemma, Bamba, LFM2, Jamba), more mixtures
 of experts (DBRX, GPT-OSS, MiniMax, GLM-4-MoE, ERNIE-4.5-MoE, NLLB-MoE, GraniteMoE), vision
 (Swin-V2, PoolFormer, MobileViT, LeViT, FocalNet, CvT, PVT), encoders and decoders -- each

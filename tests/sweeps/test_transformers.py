@@ -44,10 +44,11 @@ NOT_STRICT: dict[str, str] = {
 # (a layer-kind list per layer; backbone stage names per layer; the held-out families': GPT-Neo's
 # per-layer attention kinds, SmolLM3's per-layer RoPE flags, LFM2's attention layer indices,
 # ERNIE-4.5-MoE's last MoE layer, Mamba-2's time-step rank and RecurrentGemma's init scale from
-# the hidden size and depth, the speech models' and SigLIP's output widths = the hidden size).
+# the hidden size and depth, the speech models' and SigLIP's output widths = the hidden size, the
+# time-series models' input features from the lags and time features).
 DERIVED = {"layer_types", "stage_names", "out_features", "out_indices", "attention_layers", "no_rope_layers",
            "full_attn_idxs", "moe_layer_end_index", "time_step_rank", "final_w_init_variance_scale",
-           "output_hidden_size", "projection_size"}
+           "output_hidden_size", "projection_size", "feature_size"}
 
 
 def test_catalog_covers_the_required_kinds_from_default_configs():
@@ -62,7 +63,7 @@ def test_catalog_covers_the_required_kinds_from_default_configs():
 
 
 # The training targets of each task: the keyword the model's forward takes them by.
-TARGETS = {"contrastive": "return_loss", "forecast": "future_values"}
+TARGETS = {"contrastive": "return_loss", "forecast": "future_values", "probabilistic": "future_values"}
 
 
 def check_tiny_configs(archs: list[hf_catalog.Arch]) -> None:
