@@ -19,6 +19,7 @@ import io
 import logging
 import os
 import traceback
+import warnings
 from typing import Any, Callable
 
 import torch
@@ -35,6 +36,7 @@ from autopar.tracer.errors import TraceError
 from autopar.tracer.heap import frozen_heap
 from autopar.tracer.unroll import trace_shallow
 from autopar.tracer.experts import experts_as_ops
+from autopar.tracer.functions import custom_functions
 from autopar.tracer.meta_keys import export_module_path
 from autopar.tracer.precision import apply_precision, compute_dtype
 from autopar.tracer.graph import (BUFFER, CONSTANT, INPUT, MODULE_KEY, PARAMETER, PLACEHOLDER_KEY, Placeholder,
@@ -105,8 +107,12 @@ def trace(model: nn.Module, meta_inputs: tuple | dict, *, name: str | None = Non
         fake = {k: pytree.tree_map(lambda v: _to_fake(v, fake_mode, device), v)
                 for k, v in tensors.items()}
         with _fake_state(module, fake_mode, device), hf.caches_off(module), experts_as_ops(module), \
-                _no_distribution_checks():
+                _no_distribution_checks(), custom_functions() as functions:
             ep = _export(module, fake, constants, model_name, stack_traces)
+        if functions:
+            warnings.warn(f"{model_name} applies custom autograd.Function(s) {', '.join(functions)}: the traced "
+                          f"graph keeps their forward, and training differentiates it; their own backward is "
+                          f"not used (the same gradient only where it is the forward's derivative)", stacklevel=3)
         return _build(module, ep, model_name)
 
     with frozen_heap():  # the model and the interpreter's modules: out of full GC passes
