@@ -1,4 +1,4 @@
-"""Views and layout ops: view, reshape, flatten, unflatten, (un)squeeze, expand, permute, transpose,
+"""Views and layout ops: view, reshape, flatten, unflatten, (un)squeeze, expand, permute, transpose, unfold,
 identity copies. Local op: the same op on local shards, shape arguments rewritten to local sizes.
 
 Which input dim becomes which output dim
@@ -238,3 +238,26 @@ def _view_as_complex(info: OpInfo) -> list[AxisOption]:
 for _op in (aten.contiguous.default, aten.alias.default, aten.clone.default, aten.detach.default,
             aten.lift_fresh_copy.default):
     register(_op, samples=lambda: [Sample((rand(4, 8, 4),))])(identity_options)
+
+
+def _unfold_samples() -> list[Sample]:
+    return [Sample((rand(4, 16, 3), 1, 4, 4), label="patches"),
+            Sample((rand(4, 10, 3), -2, 4, 2), label="overlapping"),
+            Sample((rand(4, 3, 14), 2, 4, 4), label="remainder-dropped")]
+
+
+@register(aten.unfold.default, samples=_unfold_samples)
+def _unfold(info: OpInfo) -> list[AxisOption]:
+    """``x.unfold(dim, size, step)`` (PatchTST's patches): the windows of ``dim`` become that
+    dim, their elements a new last dim; every other dim keeps its index. ``dim`` itself splits
+    only when the windows tile it exactly (``step == size`` dividing its length): a shard then
+    holds whole windows, which ``expand.py``'s divisibility check on both sides keeps so.
+    Overlapping windows or a dropped remainder would straddle or shift at a shard's edge."""
+    shape = info.input("self").shape
+    ndim = len(shape)
+    dim = info.arg("dimension") % ndim if ndim else 0
+    size, step = info.arg("size"), info.arg("step")
+    dim_map = {d: d for d in range(ndim) if d != dim}
+    if ndim and size == step and shape[dim] % size == 0:
+        dim_map[dim] = dim
+    return _dim_map_options(info, dim_map)

@@ -116,7 +116,39 @@ def _capture(fn: Callable, node: fx.Node) -> fx.GraphModule | None:
     out = next(n for n in sub.graph.nodes if n.op == "output")
     if not all(isinstance(a, fx.Node) for a in pytree.tree_leaves(out.args[0])):
         return None  # an output that is not a tensor node (a Python number): keep the op whole
+    _keep_contiguous(sub, node)
     return sub
+
+
+def _keep_contiguous(sub: fx.GraphModule, node: fx.Node) -> None:
+    """An output that the op returns contiguous is contiguous in its decomposition too.
+
+    A decomposition may return another layout than the op's kernel: ``repeat``'s expands and
+    clones, and the clone keeps the permuted strides of its input (WavLM's relative position
+    bias, ``embedding(...).permute(2, 0, 1).unsqueeze(0).repeat(...)``), where the kernel returns
+    a contiguous tensor. The graph's next ``view`` was traced against the kernel's layout and
+    fails on the decomposition's, at profiling and on every rank. A contiguous copy restores
+    what the traced graph assumed (``clone`` has an identity rule)."""
+    out = next(n for n in sub.graph.nodes if n.op == "output")
+    pieces, spec = pytree.tree_flatten(out.args[0])
+    wanted = pytree.tree_leaves(node.meta.get("val"))
+    if len(wanted) != len(pieces):
+        return
+    changed = False
+    for i, (piece, want) in enumerate(zip(pieces, wanted)):
+        got = piece.meta.get("val")
+        if not (isinstance(got, torch.Tensor) and isinstance(want, torch.Tensor)):
+            continue
+        if want.is_contiguous() and not got.is_contiguous():
+            with sub.graph.inserting_before(out):
+                copy = sub.graph.call_function(torch.ops.aten.clone.default, (piece,),
+                                               {"memory_format": torch.contiguous_format})
+            copy.meta["val"] = got.clone(memory_format=torch.contiguous_format)
+            pieces[i], changed = copy, True
+    if changed:
+        out.args = (pytree.tree_unflatten(pieces, spec),)
+        sub.graph.lint()
+        sub.recompile()
 
 
 def _trainable_piece(node: fx.Node) -> bool:

@@ -23,7 +23,11 @@ autograd (``moe_experts_backward``), so the op saves only its inputs.
 Which modules: duck-typed, as ``transformers.integrations.moe.use_experts_implementation``
 shapes them -- 3-D ``gate_up_proj`` and ``down_proj`` parameters, ``num_experts``, the default
 gate (concatenated ``[gate; up]``, not transposed, no biases, no post-expert norm) and an
-activation this file knows (silu, gelu, gelu-tanh, relu). Any other experts module is traced through as it
+activation this file knows (silu, gelu, gelu-tanh, relu). Also DBRX's experts (``DbrxExperts``:
+no ``use_experts_implementation``; a Python loop over the experts the batch hits, which export
+cannot trace): flat ``mlp.w1``, ``mlp.v1``, ``mlp.w2`` of shape (E * I, H) are the same GLU,
+``gate_up = cat(w1, v1)`` and ``down = w2^T`` per expert, viewed as such in the graph (a split of
+the experts is a split of the flat rows). Any other experts module is traced through as it
 is (its ops keep their own rules). ``transformers`` is not imported.
 """
 
@@ -153,19 +157,54 @@ def is_experts_module(module: nn.Module) -> bool:
             and gate_up.shape[2] == down.shape[1] and gate_up.shape[1] == 2 * down.shape[2])
 
 
+def _flat_glu(module: nn.Module) -> tuple[int, int, int, str] | None:
+    """(experts, intermediate, hidden, act) of DBRX's experts module, else None: ``mlp.w1``,
+    ``mlp.v1``, ``mlp.w2`` all (E * I, H), ``num_experts``, ``ffn_hidden_size`` and
+    ``hidden_size`` ints, an activation this file knows (``mlp.activation_fn``)."""
+    mlp = getattr(module, "mlp", None)
+    weights = [getattr(mlp, name, None) for name in ("w1", "v1", "w2")]
+    if not all(isinstance(w, torch.Tensor) and w.dim() == 2 for w in weights):
+        return None
+    sizes = [getattr(module, name, None) for name in ("num_experts", "ffn_hidden_size", "hidden_size")]
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in sizes):
+        return None
+    experts, inter, hidden = sizes
+    act = _CLASS_TO_NAME.get(type(getattr(mlp, "activation_fn", None)).__name__)
+    if act is None or any(tuple(w.shape) != (experts * inter, hidden) for w in weights):
+        return None
+    return experts, inter, hidden, act
+
+
+def _flat_glu_forward(module: nn.Module, experts: int, inter: int, hidden: int, act: str):
+    def forward(hidden_states, top_k_index, top_k_weights):
+        mlp = module.mlp
+        gate_up = torch.cat([mlp.w1.view(experts, inter, hidden), mlp.v1.view(experts, inter, hidden)], dim=1)
+        down = mlp.w2.view(experts, inter, hidden).transpose(1, 2)
+        out = moe_experts(hidden_states.reshape(-1, hidden), top_k_index, top_k_weights, gate_up, down, act)
+        return out.view(hidden_states.shape[0], -1, hidden)
+
+    return forward
+
+
 @contextlib.contextmanager
 def experts_as_ops(model: nn.Module) -> Iterator[int]:
-    """While active, every experts module of ``model`` (``is_experts_module``) runs as
-    ``autopar::moe_experts``; yields how many. Restored afterwards, on failure too."""
+    """While active, every experts module of ``model`` (``is_experts_module``, or DBRX's flat
+    GLU experts) runs as ``autopar::moe_experts``; yields how many. Restored afterwards, on
+    failure too."""
     patched = []
     for module in model.modules():
-        if is_experts_module(module) and "forward" not in module.__dict__:
+        if "forward" in module.__dict__:
+            continue
+        if is_experts_module(module):
             act = _activation_name(module)
 
             def forward(hidden_states, top_k_index, top_k_weights, _m=module, _act=act):
                 return moe_experts(hidden_states, top_k_index, top_k_weights, _m.gate_up_proj, _m.down_proj, _act)
 
             module.forward = forward
+            patched.append(module)
+        elif (flat := _flat_glu(module)) is not None:
+            module.forward = _flat_glu_forward(module, *flat)
             patched.append(module)
     try:
         yield len(patched)

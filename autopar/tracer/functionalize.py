@@ -63,6 +63,24 @@ def _written_slot(node: fx.Node) -> int | None:
     return None
 
 
+# Conversions whose schema says "may alias": they do only when nothing changes.
+_CONVERSIONS = (aten.to.dtype, aten.to.dtype_layout, aten.to.device, aten.to.other)
+
+
+def _converts(node: fx.Node) -> bool:
+    """A conversion that made a new tensor: another dtype, device or layout, or ``copy=True``
+    (Informer's ``cumsum(dtype=float32).to(float64)``, then written in place: the write stays in
+    the copy)."""
+    src, out = node.args[0].meta.get("val"), node.meta.get("val")
+    if not (isinstance(src, torch.Tensor) and isinstance(out, torch.Tensor)):
+        return True  # unknown: not a view, as torch's own functionalization would not assume one
+    names = [a.name for a in node.target._schema.arguments]
+    at = names.index("copy")
+    copy = node.args[at] if len(node.args) > at else node.kwargs.get("copy", False)
+    return (src.dtype != out.dtype or src.device != out.device or src.stride() != out.stride()
+            or bool(copy))
+
+
 def _is_view(node: fx.Node) -> bool:
     """An op whose output aliases its first input (a view), or a getitem of a view list."""
     if node.op != "call_function":
@@ -71,6 +89,8 @@ def _is_view(node: fx.Node) -> bool:
         src = node.args[0]
         return isinstance(src, fx.Node) and _is_view(src)
     if not isinstance(node.target, torch._ops.OpOverload) or _written_slot(node) is not None:
+        return False
+    if node.target in _CONVERSIONS and _converts(node):
         return False
     schema = node.target._schema
     args, rets = schema.arguments, schema.returns
@@ -179,6 +199,8 @@ class _Rewriter:
             return self._emit(aten.slice_scatter.default, (parent, value, dim, start, end, step), {}, before, view)
         if target == aten.select.int:
             return self._emit(aten.select_scatter.default, (parent, value, args[1], args[2]), {}, before, view)
+        if target in _CONVERSIONS:  # one that aliases (``_is_view``): the same tensor
+            return value
         if target in _RESHAPES:
             shape = list(parent.meta["val"].shape)
             return self._emit(aten.reshape.default, (value, shape), {}, before, view)

@@ -246,8 +246,21 @@ def _run_node(node: fx.Node, env: dict, counter: _Counter) -> Any:
     except Exception as err:  # noqa: BLE001 - report which node failed, with its origin
         raise TraceError(f"profiling failed at node {node.name}", op=op_name(node),
                          module_path=node.meta.get("autopar_module", ""),
-                         source=_stack_line(node), hint="the op cannot run on fake tensors",
+                         source=_stack_line(node), hint=_run_hint(node),
                          cause=str(err).strip().splitlines()[0] if str(err).strip() else "") from err
+
+
+def _run_hint(node: fx.Node) -> str:
+    """What to do about a node that cannot run on fake tensors. ``item`` / ``_local_scalar_dense``
+    is a tensor's value read as a Python number (``.item()``, ``.tolist()``): export lets it through
+    as an unbacked size (JetMoE's ``expert_size.tolist()`` sizing a ``split``), but a plan is made
+    for shapes alone, and the value does not exist until the data does."""
+    if node.target in (_aten._local_scalar_dense.default, _aten.item.default):
+        return ("the forward reads a tensor's value as a Python number (.item() / .tolist()), "
+                "here to size or select tensors by data: a plan is made from shapes only; keep "
+                "the value a tensor (masks, torch.where, index_add over fixed shapes) or pass it "
+                "as a constant")
+    return "the op cannot run on fake tensors"
 
 
 def _fused_attention_dropout(args: tuple, kwargs: dict) -> tuple[tuple, dict]:

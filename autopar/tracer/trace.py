@@ -19,6 +19,7 @@ import io
 import logging
 import os
 import traceback
+import warnings
 from typing import Any, Callable
 
 import torch
@@ -35,6 +36,7 @@ from autopar.tracer.errors import TraceError
 from autopar.tracer.heap import frozen_heap
 from autopar.tracer.unroll import trace_shallow
 from autopar.tracer.experts import experts_as_ops
+from autopar.tracer.functions import custom_functions
 from autopar.tracer.meta_keys import export_module_path
 from autopar.tracer.precision import apply_precision, compute_dtype
 from autopar.tracer.graph import (BUFFER, CONSTANT, INPUT, MODULE_KEY, PARAMETER, PLACEHOLDER_KEY, Placeholder,
@@ -104,8 +106,13 @@ def trace(model: nn.Module, meta_inputs: tuple | dict, *, name: str | None = Non
         fake_mode = FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True)
         fake = {k: pytree.tree_map(lambda v: _to_fake(v, fake_mode, device), v)
                 for k, v in tensors.items()}
-        with _fake_state(module, fake_mode, device), hf.caches_off(module), experts_as_ops(module):
+        with _fake_state(module, fake_mode, device), hf.caches_off(module), experts_as_ops(module), \
+                _no_distribution_checks(), custom_functions() as functions:
             ep = _export(module, fake, constants, model_name, stack_traces)
+        if functions:
+            warnings.warn(f"{model_name} applies custom autograd.Function(s) {', '.join(functions)}: the traced "
+                          f"graph keeps their forward, and training differentiates it; their own backward is "
+                          f"not used (the same gradient only where it is the forward's derivative)", stacklevel=3)
         return _build(module, ep, model_name)
 
     with frozen_heap():  # the model and the interpreter's modules: out of full GC passes
@@ -117,6 +124,20 @@ def trace(model: nn.Module, meta_inputs: tuple | dict, *, name: str | None = Non
         if decompose_if is not None:  # the planner's "no rule, but a decomposition" (tracer/decompose.py)
             traced.decompose(decompose_if)
         return apply_precision(traced, precision, param_casts=param_casts)
+
+
+@contextlib.contextmanager
+def _no_distribution_checks():
+    """``torch.distributions`` without argument validation while tracing: a distribution checks
+    its parameters' values (``constraint.check(value).all()``, a branch on data), which shapes
+    alone cannot decide -- transformers' time-series heads (StudentT) fail export on it. The
+    check only ever raises; the values it would check do not exist until a step runs."""
+    saved = torch.distributions.Distribution._validate_args
+    torch.distributions.Distribution.set_default_validate_args(False)
+    try:
+        yield
+    finally:
+        torch.distributions.Distribution.set_default_validate_args(saved)
 
 
 # ---- inputs ------------------------------------------------------------------------------------
@@ -230,7 +251,9 @@ def _export(model: nn.Module, fake: dict, constants: dict, model_name: str, stac
     except TraceError:  # raised by _traced_forward: already names the output
         raise
     except Exception as err:  # noqa: BLE001 - every export failure becomes a TraceError
-        raise _diagnose(err, stack, model_name) from err
+        where = list(stack)  # the module export failed in, before an eager run moves the stack
+        raise _diagnose(err, where, model_name,
+                        eager=lambda: _eager_failure(original, args, kwargs, constants)) from err
     finally:
         if emit_before is not None:
             fx_config.do_not_emit_stack_traces = emit_before
@@ -292,11 +315,44 @@ def _quiet_torch_logs():
             logger.disabled = disabled
 
 
-def _diagnose(err: Exception, stack: list[str], model_name: str) -> TraceError:
+def _eager_failure(forward: Callable, args: tuple, kwargs: dict, constants: dict) -> BaseException | None:
+    """What ``forward`` raises outside torch.export on the same fake inputs and state (None: it
+    runs). Model code may branch on being exported (transformers' ``is_torchdynamo_compiling()``:
+    Switch Transformers then builds no default attention mask and indexes ``None``), so an error
+    in the model's code under export is not proof that the model fails when run."""
+    from torch._guards import detect_fake_mode
+
+    mode = detect_fake_mode(pytree.tree_leaves((args, kwargs)))
+    try:
+        with mode if mode is not None else contextlib.nullcontext(), torch.no_grad(), \
+                contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()), \
+                _quiet_torch_logs():
+            forward(*args, **constants, **kwargs)
+    except Exception as err:  # noqa: BLE001 - reported, not raised: export's error is the one to raise
+        return err
+    return None
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
+_EXPORT_ONLY = ("the model's code fails only under torch.export: on the same inputs, run eagerly, "
+                "it works -- it takes another path while exported (transformers' "
+                "is_torchdynamo_compiling() / is_tracing() checks, e.g. skipping a default "
+                "attention mask or building a 4-D one); pass the inputs that path leaves out "
+                "(an explicit attention_mask) or a config under which both paths agree")
+
+
+def _diagnose(err: Exception, stack: list[str], model_name: str, *,
+              eager: Callable[[], BaseException | None] = lambda: None) -> TraceError:
+    """``eager``: what the forward raises run eagerly on the same inputs (asked only where the
+    hint would otherwise claim that it fails the same way)."""
     op = _failing_op(err)
     source = _user_source(err)
     text = str(err)
-    first_line = text.strip().splitlines()[0] if text.strip() else type(err).__name__
+    first_line = _first_line(err)
     missing = _missing_config_attribute(err)
     if missing is not None:
         config, attr = missing
@@ -313,12 +369,20 @@ def _diagnose(err: Exception, stack: list[str], model_name: str) -> TraceError:
                 "torch.utils._pytree.register_pytree_node")
     elif "pytree" in text.lower() or "unsupported input" in text.lower() or "input type" in text:
         hint = "a non-tensor input cannot be traced: pass it as a constant (a Python value)"
-    elif _raised_in(err, _META_KERNEL_FILES):
-        hint = ("the op rejects the shapes or dtypes it was given (it would fail the same way "
-                "when run eagerly): check the shapes and dtypes of the inputs given to trace")
-    elif _raised_in_model_code(err):
-        hint = ("the model's own code raised this error (it would fail the same way when run "
-                "eagerly): check the inputs given to trace and the model's config")
+    elif _raised_in(err, _META_KERNEL_FILES) or _raised_in_model_code(err):
+        eager_err = eager()
+        if eager_err is None:
+            hint = _EXPORT_ONLY
+        else:
+            same = type(eager_err) is type(err) and _first_line(eager_err) == first_line
+            eagerly = ("it fails the same way when run eagerly" if same else
+                       f"run eagerly on the same fake inputs it fails otherwise: "
+                       f"{type(eager_err).__name__}: {_first_line(eager_err)}")
+            hint = (f"the op rejects the shapes or dtypes it was given ({eagerly}): check the "
+                    f"shapes and dtypes of the inputs given to trace"
+                    if _raised_in(err, _META_KERNEL_FILES) else
+                    f"the model's own code raised this error ({eagerly}): check the inputs "
+                    f"given to trace and the model's config")
     else:
         hint = "the op or Python construct is not supported by torch.export (non-strict)"
     return TraceError(f"cannot trace {model_name}: {type(err).__name__}", op=op,

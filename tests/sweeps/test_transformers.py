@@ -41,12 +41,17 @@ NOT_STRICT: dict[str, str] = {
 # Config fields a tiny config may differ in from the class defaults besides SHRINK, the
 # entry's own sizes/extra, dropout and out-of-vocabulary token ids: fields the config derives
 # from the shrunk sizes in its constructor.
-# (a layer-kind list per layer; backbone stage names per layer).
-DERIVED = {"layer_types", "stage_names", "out_features", "out_indices"}
+# (a layer-kind list per layer; backbone stage names per layer; the held-out families': GPT-Neo's
+# per-layer attention kinds, SmolLM3's per-layer RoPE flags, LFM2's attention layer indices,
+# ERNIE-4.5-MoE's last MoE layer, Mamba-2's time-step rank and RecurrentGemma's init scale from
+# the hidden size and depth, the speech models' and SigLIP's output widths = the hidden size, the
+# time-series models' input features from the lags and time features).
+DERIVED = {"layer_types", "stage_names", "out_features", "out_indices", "attention_layers", "no_rope_layers",
+           "full_attn_idxs", "moe_layer_end_index", "time_step_rank", "final_w_init_variance_scale",
+           "output_hidden_size", "projection_size", "feature_size"}
 
 
 def test_catalog_covers_the_required_kinds_from_default_configs():
-    import transformers
 
     assert len(hf_catalog.ARCHS) >= MIN_PASSING
     groups = {a.group for a in hf_catalog.ARCHS}
@@ -54,17 +59,34 @@ def test_catalog_covers_the_required_kinds_from_default_configs():
     names = [a.model for a in hf_catalog.ARCHS]
     assert len(names) == len(set(names))
     assert set(NOT_STRICT) <= set(names)
-    for arch in hf_catalog.ARCHS:
+    check_tiny_configs(hf_catalog.ARCHS)
+
+
+# The training targets of each task: the keyword the model's forward takes them by.
+TARGETS = {"contrastive": "return_loss", "forecast": "future_values", "probabilistic": "future_values"}
+
+
+def check_tiny_configs(archs: list[hf_catalog.Arch]) -> None:
+    """Each tiny config differs from its class's defaults in sizes, dropout and token ids only
+    (a composite config's sub-configs likewise, each checked the same way)."""
+    import transformers
+
+    for arch in archs:
         cls = getattr(transformers, arch.config)
         default, tiny = cls().to_dict(), hf_catalog.tiny_config(arch).to_dict()
         allowed = set(hf_catalog.SHRINK) | set(arch.sizes) | set(arch.extra) | DERIVED
+        if arch.sub_configs:
+            allowed |= set(getattr(cls, "sub_configs", {}))
+            for key, sub in cls.sub_configs.items():
+                check_tiny_configs([hf_catalog.Arch(arch.model, sub.__name__, arch.task, arch.group)])
         changed = {k for k in set(default) | set(tiny) if default.get(k) != tiny.get(k)}
         unexpected = sorted(k for k in changed - allowed if not (
             hf_catalog._is_dropout(k, default.get(k)) or k.endswith("_token_id")))
         assert not unexpected, f"{arch.model}: tiny config changes non-size fields {unexpected}"
         assert tiny.get("use_cache") == default.get("use_cache"), arch.model
         assert set(arch.extra) <= {"decoder_start_token_id"}, arch.model
-        assert "labels" in inspect.signature(getattr(transformers, arch.model).forward).parameters
+        target = TARGETS.get(arch.task, "labels")
+        assert target in inspect.signature(getattr(transformers, arch.model).forward).parameters, arch.model
 
 
 # Mesh (2,) in the default run; (2, 2) with the whole sweeps (``pytest -m full_sweep``): planning

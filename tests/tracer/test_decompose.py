@@ -59,3 +59,32 @@ def test_decomposed_graph_computes_the_model_and_its_gradients():
 def test_no_decomposition_when_every_op_has_a_rule():
     model, x = nn.Sequential(nn.Linear(8, 8), nn.GELU()), torch.randn(4, 8)
     assert trace(model, (x,), decompose_if=needs_decomposition).decomposed == {}
+
+
+class RepeatedBias(nn.Module):
+    """WavLM's relative position bias: a permuted embedding repeated per sample, then viewed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bias = nn.Embedding(10, 3)
+
+    def forward(self, x):
+        pos = torch.arange(5)
+        table = self.bias(pos[:, None] - pos[None, :] + 4).permute(2, 0, 1)  # (3, 5, 5), strided
+        bias = table.unsqueeze(0).repeat(x.shape[0], 1, 1, 1).view(-1, 5, 5)
+        return (x.repeat_interleave(3, 0) * bias).sum()
+
+
+def test_a_decomposition_keeps_the_contiguous_layout_the_graph_was_traced_with():
+    from autopar.tracer import profile
+
+    torch.manual_seed(0)
+    model, x = RepeatedBias(), torch.randn(2, 5, 5)
+    traced = trace(model, (x,), decompose_if=needs_decomposition)
+    assert "aten.repeat.default" in traced.decomposed
+    profile(traced)  # the view after the repeat's pieces runs on fake tensors
+    got = traced.gm(*traced.bind(model, {"x": x}))[0]
+    got.backward()
+    want = model(x)
+    (grad,) = torch.autograd.grad(want, [model.bias.weight])
+    assert torch.allclose(got, want) and torch.allclose(model.bias.weight.grad, grad)

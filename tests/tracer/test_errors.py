@@ -228,3 +228,57 @@ def test_a_forward_that_writes_a_parameter_is_a_clear_trace_error():
     err = info.value
     assert "writes parameter 'emb.weight' in place" in str(err)
     assert err.op == "aten.embedding_renorm_.default" and err.module_path == "emb" and "max_norm" in err.hint
+
+
+class SplitByCounts(nn.Module):
+    """JetMoE's experts: per-expert token counts read with ``.tolist()`` size a ``split``."""
+
+    def __init__(self):
+        super().__init__()
+        self.router = nn.Linear(8, 4)
+        self.experts = nn.Parameter(torch.randn(4, 8, 8))
+
+    def forward(self, x):
+        expert = self.router(x).argmax(-1, keepdim=True)
+        counts = torch.zeros(x.shape[0], 4).scatter(1, expert, 1).long().sum(0).tolist()
+        parts = x[expert.flatten().sort().indices].split(counts, dim=0)
+        return sum(nn.functional.linear(parts[i], self.experts[i]).sum() for i in range(4))
+
+
+def test_value_read_as_number_is_named_at_profiling():
+    from autopar.tracer import profile
+
+    traced = trace(SplitByCounts(), (torch.randn(6, 8),))  # export lets the unbacked sizes through
+    with pytest.raises(TraceError) as info:
+        profile(traced)
+    assert info.value.op in ("aten.item.default", "aten._local_scalar_dense.default")
+    assert ".tolist()" in info.value.hint and "shapes only" in info.value.hint
+
+
+class MaskOnlyEagerly(nn.Module):
+    """Switch Transformers' encoder: the default attention mask is built only when not compiling,
+    so under torch.export the model indexes ``None``; run eagerly, it works."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x, attention_mask=None):
+        if attention_mask is None and not torch.compiler.is_compiling():
+            attention_mask = torch.ones(x.shape[:2])
+        return (self.proj(x) * attention_mask[:, :, None]).sum()
+
+
+def test_error_only_under_export_says_so_and_what_to_pass():
+    model, x = MaskOnlyEagerly(), torch.randn(2, 4, 8)
+    model(x)  # eagerly it runs
+    with pytest.raises(TraceError) as info:
+        trace(model, (x,))
+    assert "only under torch.export" in info.value.hint and "attention_mask" in info.value.hint
+    assert "attention_mask[:, :, None]" in info.value.source
+    traced = trace(model, {"x": x, "attention_mask": torch.ones(2, 4)})  # the hint's way out
+    assert traced.loss_node is not None
+    # a model that fails eagerly too keeps the hint that says so
+    with pytest.raises(TraceError) as info:
+        trace(nn.Linear(8, 4), (torch.empty(2, 5),))
+    assert "fails the same way when run eagerly" in info.value.hint

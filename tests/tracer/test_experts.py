@@ -70,3 +70,33 @@ def test_other_experts_modules_are_traced_as_they_are():
     assert not is_experts_module(experts)
     with experts_as_ops(model) as count:
         assert count == 1
+
+
+def dbrx():
+    from transformers import DbrxConfig, DbrxForCausalLM
+
+    torch.manual_seed(0)
+    return DbrxForCausalLM(DbrxConfig(
+        vocab_size=101, d_model=32, n_heads=4, n_layers=2, max_seq_len=64,
+        attn_config={"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},
+        ffn_config={"ffn_hidden_size": 32, "moe_num_experts": 4, "moe_top_k": 2}))
+
+
+def test_dbrx_flat_experts_give_transformers_loss_and_gradients():
+    """DBRX's experts loop over the experts the batch hits (export cannot trace that); as the op
+    they trace, and compute what the loop does (the per-expert sums in another order: float32)."""
+    model = dbrx()
+    ids = torch.randint(0, 101, (2, 8), generator=torch.Generator().manual_seed(1))
+    ref = copy.deepcopy(model)
+    ref_loss = ref(input_ids=ids, labels=ids).loss
+    ref_loss.backward()
+    with experts_as_ops(model) as count:
+        assert count == 2
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=1e-6)
+    ref_grads = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, ref_grads[name].grad, rtol=1e-5, atol=1e-6, msg=name)
+    traced = trace(model, {"input_ids": ids, "labels": ids}, decompose_if=needs_decomposition)
+    assert sum(n.target is torch.ops.autopar.moe_experts.default for n in traced.graph.nodes) == 2

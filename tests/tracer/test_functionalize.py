@@ -122,3 +122,30 @@ class DiagonalWrite(nn.Module):
 def test_a_write_through_a_view_it_cannot_invert_is_a_clear_error():
     with pytest.raises(TraceError, match=r"in-place write 'copy_' .*diagonal.*cannot be inverted"):
         trace(DiagonalWrite(), (torch.randn(4, 4),))
+
+
+class ConvertedThenWritten(nn.Module):
+    """Informer's decoder attention: a float32 cumsum converted back, then rows overwritten. A
+    conversion that changes the dtype copies (the write stays in the copy); one that changes
+    nothing aliases (the write reaches its source, read again afterwards)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        context = x.cumsum(dim=0, dtype=torch.float32).to(x.dtype)  # float64 -> float32 -> float64: a copy
+        context[1] = x[0] * 3
+        same = x * 2
+        alias = same.to(x.dtype)  # no conversion: the same tensor
+        alias[0] = x[1]
+        return context.sum() + (same * x).sum()
+
+
+def test_writes_through_conversions_follow_what_aliases():
+    torch.manual_seed(0)
+    model, x = ConvertedThenWritten(), torch.randn(4, 3, dtype=torch.float64, requires_grad=True)
+    traced = trace(model, (x,))
+    assert not [n.name for n in traced.compute_nodes() if _written_slot(n) is not None]
+    want = model(x)
+    (want_grad,) = torch.autograd.grad(want, [x])
+    (got,) = traced.gm(*traced.bind(model, {"x": x}))
+    (got_grad,) = torch.autograd.grad(got, [x])
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(got_grad, want_grad)

@@ -1,5 +1,6 @@
 """trace(): every zoo model, shapes against real runs, metadata, tied weights, outputs, errors."""
 
+import pytest
 import torch
 import torch.fx as fx
 from torch import nn
@@ -234,3 +235,64 @@ def test_graph_hash_follows_rewrites():
         with traced.graph.inserting_before(traced.output_node):
             traced.graph.call_function(torch.ops.aten.neg.default, (x,))
     assert traced.graph_hash == _pytree_graph_hash(traced) != first
+
+
+class StudentTHead(nn.Module):
+    """transformers' time-series heads: a distribution's negative log-likelihood as the loss."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(4, 3)
+
+    def forward(self, x, target):
+        df, loc, scale = self.proj(x).unbind(-1)
+        dist = torch.distributions.StudentT(2.0 + nn.functional.softplus(df), loc, nn.functional.softplus(scale))
+        return -dist.log_prob(target).mean()
+
+
+def test_distribution_argument_checks_are_off_while_tracing_only():
+    torch.manual_seed(0)
+    model, x, y = StudentTHead(), torch.randn(6, 4), torch.randn(6)
+    validate = torch.distributions.Distribution._validate_args
+    traced = trace(model, {"x": x, "target": y})  # the checks branch on values: export fails with them
+    assert torch.distributions.Distribution._validate_args == validate
+    (got,) = traced.gm(*traced.bind(model, {"x": x, "target": y}))
+    torch.testing.assert_close(got, model(x, y))
+
+
+class _ReverseGradient(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return -grad
+
+
+class ReversesGradient(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return _ReverseGradient.apply(self.proj(x)).pow(2).sum()
+
+
+def test_a_custom_autograd_function_is_named_its_backward_is_not_kept():
+    import warnings
+
+    model, x = ReversesGradient(), torch.randn(3, 4)
+    apply = torch.autograd.Function.__dict__["apply"]
+    with pytest.warns(UserWarning, match=r"_ReverseGradient.*own backward is not used"):
+        traced = trace(model, {"x": x})
+    (got,) = traced.gm(*traced.bind(model, {"x": x}))
+    got.backward()
+    traced_grad = model.proj.weight.grad.clone()
+    model.zero_grad()
+    model(x).backward()
+    torch.testing.assert_close(traced_grad, -model.proj.weight.grad)  # what the warning says
+    assert torch.autograd.Function.__dict__["apply"] is apply  # restored
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        trace(nn.Linear(4, 2), (x,))  # no Function, no warning

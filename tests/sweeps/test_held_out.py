@@ -1,0 +1,64 @@
+"""Families the catalog had not seen (``hf_catalog.HELD_OUT``): speech (Whisper, Wav2Vec2, HuBERT,
+WavLM, Data2Vec-Audio), image-text (CLIP, SigLIP), time series (PatchTST; TimeSeriesTransformer and
+Informer, StudentT likelihoods), state-space and
+recurrent models (FalconMamba, Mamba-2, RWKV, RecurrentGemma, Bamba, LFM2, Jamba), more mixtures
+of experts (DBRX, GPT-OSS, MiniMax, GLM-4-MoE, ERNIE-4.5-MoE, NLLB-MoE, GraniteMoE), vision
+(Swin-V2, PoolFormer, MobileViT, LeViT, FocalNet, CvT, PVT), encoders and decoders -- each
+traced, planned without fallback and trained one step on gloo ranks like one device.
+
+The default run checks the three families whose fixes the probe made: PatchTST (a rule for
+``unfold``), WavLM (a decomposition that kept another layout than its op's kernel) and DBRX (its
+flat experts loop as ``autopar::moe_experts``), on mesh (2,). The whole list on (2,) and (2, 2),
+and at 1.1x the smallest budget on (2, 2), runs under ``full_sweep``.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from . import harness, hf_catalog
+from .test_transformers import check_tiny_configs
+
+FIXED = ["PatchTSTForPrediction", "WavLMForSequenceClassification", "DbrxForCausalLM"]
+
+
+def _failures(results: list[harness.Result]) -> list[str]:
+    return [f"{r.name}: {r.cause()}" for r in results if not r.strict_ok]
+
+
+def test_fixed_families_configs_change_sizes_only():
+    names = [a.model for a in hf_catalog.HELD_OUT]
+    assert len(names) == len(set(names)) and not set(names) & {a.model for a in hf_catalog.ARCHS}
+    assert set(FIXED) <= set(names)
+    check_tiny_configs([a for a in hf_catalog.HELD_OUT if a.model in FIXED])
+
+
+@pytest.mark.full_sweep
+def test_held_out_configs_change_sizes_only():  # building 53 default configs: ~15 s on 2 busy cores
+    check_tiny_configs(hf_catalog.HELD_OUT)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_fixed_families_match_one_device():
+    results = harness.sweep(hf_catalog.entries(FIXED, archs=hf_catalog.HELD_OUT), [(2,)], task_timeout=120)
+    failures = _failures(results)
+    assert not failures, "\n".join(failures)
+    assert not harness.replicated_plans({r.name: r for r in results})
+
+
+@pytest.mark.full_sweep
+@pytest.mark.timeout(3600)
+def test_every_held_out_family_matches_one_device():
+    results = harness.sweep(hf_catalog.entries(archs=hf_catalog.HELD_OUT), [(2,), (2, 2)], task_timeout=240)
+    failures = _failures(results)
+    assert not failures, "\n".join(failures) + "\n\nby cause:\n" + harness.format_failures(results)
+
+
+@pytest.mark.full_sweep
+@pytest.mark.timeout(3600)
+def test_every_held_out_family_at_a_tight_budget_matches_one_device():
+    results = harness.sweep(hf_catalog.entries(archs=hf_catalog.HELD_OUT), [(2, 2)], budget_factor=1.1,
+                            task_timeout=240)
+    failures = _failures(results)
+    assert not failures, "\n".join(failures)
