@@ -1,0 +1,93 @@
+"""Per-rank batch norm: ``autopar::chunked_batch_norm`` (``batch_norm_stats="per_rank"``).
+
+The op (``autopar.tracer.batch_stats``) normalises each of ``chunks`` equal contiguous pieces of
+the batch (dim 0) by its own statistics, ``chunks`` the world size. A family beside ``_norm.py``'s
+batch norm, whose global statistics cost two blocking collectives on a batch split; this one
+splits the batch with none for the normalisation:
+
+- channel split: exact with the plain op (statistics per channel); the per-channel tensors split
+  alike, each rank updating its slice of the running statistics;
+- batch split (``input`` S0 -> S0): a rank holds ``chunks / shards`` WHOLE chunks -- every mesh
+  axis size divides the world size and the split is contiguous, so ``shards`` divides ``chunks``
+  (``_local_chunks`` checks it and refuses otherwise) -- and runs the op on them, with no
+  collective in forward or backward; the weight and bias gradients are local partial sums,
+  all-reduced through the derived ``grad_partial`` like every batch-split norm's. With running
+  statistics, their one update needs every chunk's: the ``chunked_batch_norm_stats`` kernel
+  all-reduces the (2, C) sums of its chunks' means and unbiased variances over the batch axes,
+  once per call, off the gradient's path (under ``no_grad``, after the local normalisation; the
+  output does not wait on it). Without running statistics the plain op runs (``local_args``);
+- no spatial split: a chunk's statistics cover its spatial positions, which would need
+  all-reduced sums (what the rule avoids).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from autopar.layout.cost import collective_seconds
+from autopar.layout.placement import Shard
+from autopar.strategies._norm import _AFFINE, _STATS, _batch_axes, _channel_bytes, _per_channel_splits, _stats
+from autopar.strategies.kernel_context import KernelContext
+from autopar.strategies.registry import AxisOption, OpInfo, Sample, register, register_kernel
+from autopar.strategies.samples import rand
+from autopar.tracer.batch_stats import chunk_normalise, chunked_batch_norm, update_running
+
+__all__: list[str] = []
+
+
+def _local_chunks(info: OpInfo, spec, mesh_shape) -> int:
+    """The chunks a rank holds when ``spec`` splits the batch: ``chunks / shards``, refused when the
+    shards would cut a chunk (they cannot on a mesh of the world whose size ``chunks`` is)."""
+    chunks = info.arg("chunks")
+    shards = 1 if spec is None else spec.num_shards(0, mesh_shape)
+    if chunks % shards:
+        raise ValueError(f"{info.where()}: the batch split over {shards} devices would cut the {chunks} "
+                         f"per-rank chunks of chunked_batch_norm (the chunks are the world's ranks: plan it "
+                         f"on a mesh of that many devices)")
+    return chunks // shards
+
+
+def _local_args(info: OpInfo, bound, input_specs, output_specs, mesh_shape):
+    bound["chunks"] = _local_chunks(info, input_specs[info.slot_index("input")], mesh_shape)
+    return bound
+
+
+def _stats_comm(info: OpInfo, input_specs, output_specs, mesh) -> tuple[float, float]:
+    # One all-reduce of the (2, C) chunk-statistic sums, in the running statistics' dtype.
+    axes, channel_bytes = _channel_bytes(info, input_specs, mesh)
+    itemsize = info.input("running_mean").itemsize
+    channels = channel_bytes // info.input("input").itemsize
+    return collective_seconds("all_reduce", 2 * channels * itemsize, mesh, axes), 0.0
+
+
+@register_kernel("chunked_batch_norm_stats", comm_cost=_stats_comm)
+def chunked_batch_norm_stats(ctx: KernelContext, input, weight, bias, running_mean, running_var, momentum, eps,
+                             chunks):
+    spec = ctx.spec("input")
+    local = _local_chunks(ctx.info, spec, ctx.mesh_shape)
+    if input.shape[0] % local:
+        raise ValueError(f"{ctx.info.where()}: a local batch of {input.shape[0]} cannot hold {local} equal chunks")
+    y, sums = chunk_normalise(input, weight, bias, eps, local, stats_dtype=running_mean.dtype)
+    # The other ranks' chunks: one small sum over the batch axes, for the running statistics only.
+    update_running(running_mean, running_var, ctx.comm.all_reduce(sums, _batch_axes(spec)) / chunks, momentum)
+    return y
+
+
+def _rule(info: OpInfo) -> list[AxisOption]:
+    options = [info.option(Shard(1), input=Shard(1), **_per_channel_splits(info))]
+    kernel = "chunked_batch_norm_stats" if info.input("running_mean") is not None else None
+    options.append(info.option(Shard(0), input=Shard(0), kernel=kernel, grad_partial=_AFFINE))
+    return options
+
+
+def _samples() -> list[Sample]:
+    # chunks = 4: the world of the check's meshes (4,) and (2, 2), as the trace would set it.
+    return [
+        Sample((rand(8, 8, 2, 2), rand(8), rand(8), *_stats(), 0.1, 1e-5, 4), label="running-stats",
+               no_grad=_STATS),
+        Sample((rand(8, 8, 3), None, None, None, None, 0.1, 1e-5, 4), label="no-running-stats"),
+        Sample((rand(8, 4), rand(4), rand(4), None, None, 0.1, 1e-5, 4), label="2-d-affine"),
+    ]
+
+
+register(chunked_batch_norm, local_args=_local_args, samples=_samples)(_rule)
