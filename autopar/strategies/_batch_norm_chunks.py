@@ -22,7 +22,6 @@ splits the batch with none for the normalisation:
 
 from __future__ import annotations
 
-import torch
 
 from autopar.layout.cost import collective_seconds
 from autopar.layout.placement import Shard

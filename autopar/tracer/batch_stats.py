@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from autopar.tracer.meta_keys import MODULE_KEY
+from autopar.tracer.microbatch import _batch_statistics
 
 if TYPE_CHECKING:
     from autopar.tracer.graph import TracedGraph
@@ -108,9 +109,7 @@ def per_rank_batch_norms(traced: TracedGraph, chunks: int) -> int:
     if type(chunks) is not int or chunks < 1:
         raise ValueError(f"per-rank batch statistics need a positive number of chunks (the world size), "
                          f"got {chunks!r}")
-    aten = torch.ops.aten
-    found = [n for n in traced.gm.graph.nodes if n.op == "call_function" and n.target is aten.batch_norm.default
-             and (bool(_batch_norm_arg(n, 5, "training", False)) or _batch_norm_arg(n, 3, "running_mean", None) is None)]
+    found = [n for n in traced.gm.graph.nodes if n.target is torch.ops.aten.batch_norm.default and _batch_statistics(n)]
     for node in found:
         batch = node.args[0].meta["val"].shape[0]
         if batch % chunks:
