@@ -23,6 +23,8 @@ splits the batch with none for the normalisation:
 from __future__ import annotations
 
 
+import torch
+
 from autopar.layout.cost import collective_seconds
 from autopar.layout.placement import Shard
 from autopar.strategies._norm import _AFFINE, _STATS, _batch_axes, _channel_bytes, _per_channel_splits, _stats
@@ -52,11 +54,52 @@ def _local_args(info: OpInfo, bound, input_specs, output_specs, mesh_shape):
 
 
 def _stats_comm(info: OpInfo, input_specs, output_specs, mesh) -> tuple[float, float]:
-    # One all-reduce of the (2, C) chunk-statistic sums, in the running statistics' dtype.
+    # One all-reduce of the (2, C) chunk-statistic sums, in the running statistics' dtype, issued
+    # in forward and waited for in backward (``_RunningUpdate``): no rank waits on the others, so
+    # its latency is not on the step; its bytes are charged (the links and the sending CPU's).
     axes, channel_bytes = _channel_bytes(info, input_specs, mesh)
-    itemsize = info.input("running_mean").itemsize
-    channels = channel_bytes // info.input("input").itemsize
-    return collective_seconds("all_reduce", 2 * channels * itemsize, mesh, axes), 0.0
+    size = 2 * channel_bytes // info.input("input").itemsize * info.input("running_mean").itemsize
+    latency = collective_seconds("all_reduce", 0, mesh, axes)
+    return max(collective_seconds("all_reduce", size, mesh, axes) - latency, 0.0), 0.0
+
+
+class _RunningUpdate:
+    """One call's running-statistics update, applied once: when backward reaches the op (the sum
+    over ranks, issued in forward, long done by then), or before the same buffers' next update
+    (a forward whose backward never ran), or at once when no backward will come (no grad)."""
+
+    pending: dict[int, "_RunningUpdate"] = {}  # id(running_mean) -> its update not yet applied
+
+    def __init__(self, wait, running_mean, running_var, chunks: int, momentum: float) -> None:
+        self.wait, self.running_mean, self.running_var = wait, running_mean, running_var
+        self.chunks, self.momentum = chunks, momentum
+
+    def __call__(self) -> None:
+        if _RunningUpdate.pending.get(id(self.running_mean)) is self:
+            del _RunningUpdate.pending[id(self.running_mean)]
+        if self.wait is not None:
+            wait, self.wait = self.wait, None
+            update_running(self.running_mean, self.running_var, wait() / self.chunks, self.momentum)
+
+    @classmethod
+    def flush(cls, running_mean) -> None:
+        earlier = cls.pending.get(id(running_mean))
+        if earlier is not None:
+            earlier()
+
+
+class _UpdateInBackward(torch.autograd.Function):
+    """Identity; its backward applies the running-statistics update (``_RunningUpdate``)."""
+
+    @staticmethod
+    def forward(ctx, y, update):
+        ctx.update = update
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.update()
+        return grad, None
 
 
 @register_kernel("chunked_batch_norm_stats", comm_cost=_stats_comm)
@@ -66,10 +109,17 @@ def chunked_batch_norm_stats(ctx: KernelContext, input, weight, bias, running_me
     local = _local_chunks(ctx.info, spec, ctx.mesh_shape)
     if input.shape[0] % local:
         raise ValueError(f"{ctx.info.where()}: a local batch of {input.shape[0]} cannot hold {local} equal chunks")
+    _RunningUpdate.flush(running_mean)  # the previous call's, if its backward never ran: in call order
     y, sums = chunk_normalise(input, weight, bias, eps, local, stats_dtype=running_mean.dtype)
-    # The other ranks' chunks: one small sum over the batch axes, for the running statistics only.
-    update_running(running_mean, running_var, ctx.comm.all_reduce(sums, _batch_axes(spec)) / chunks, momentum)
-    return y
+    # The other ranks' chunks matter to the running statistics only: their sum is issued here and
+    # waited for in backward, so no rank waits for another in forward.
+    update = _RunningUpdate(ctx.comm.all_reduce_async(sums, _batch_axes(spec)), running_mean, running_var, chunks,
+                            momentum)
+    if not (torch.is_grad_enabled() and y.requires_grad):
+        update()
+        return y
+    _RunningUpdate.pending[id(running_mean)] = update
+    return _UpdateInBackward.apply(y, update)
 
 
 def _rule(info: OpInfo) -> list[AxisOption]:

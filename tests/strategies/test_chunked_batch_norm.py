@@ -20,6 +20,18 @@ from autopar.tracer.batch_stats import chunked_batch_norm
 from .test_sync_batch_norm import _Counting
 
 
+class _CountingAsync(_Counting):
+    """Counts the asynchronous sums apart (``counts["async"]``)."""
+
+    def __init__(self, comm) -> None:
+        super().__init__(comm)
+        self.counts["async"] = 0
+
+    def all_reduce_async(self, tensor, axes):
+        self.counts["async"] += 1
+        return self.comm.all_reduce_async(tensor, axes)
+
+
 def _data(chunks: int = 4, batch: int = 8):
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(batch, 4, 3, 3, generator=gen, dtype=torch.float64)
@@ -31,13 +43,18 @@ def _data(chunks: int = 4, batch: int = 8):
     return x, weight, bias, torch.randn(x.shape, generator=gen, dtype=torch.float64)
 
 
-def _per_chunk(x, weight, bias, chunks, momentum=0.1):
-    """torch's batch norm per chunk, and the documented running-statistics rule."""
+def _per_chunk(x, weight, bias, chunks, momentum=0.1, updates=1):
+    """torch's batch norm per chunk, and the documented running-statistics rule applied
+    ``updates`` times from (0, 1)."""
     pieces = x.chunk(chunks)
     y = torch.cat([F.batch_norm(p, None, None, weight, bias, True, 0.0, 1e-5) for p in pieces])
     mean = torch.stack([p.mean((0, 2, 3)) for p in pieces]).mean(0)
     var = torch.stack([p.var((0, 2, 3)) for p in pieces]).mean(0)
-    return y, momentum * mean, (1 - momentum) + momentum * var
+    running_mean, running_var = torch.zeros_like(mean), torch.ones_like(var)
+    for _ in range(updates):
+        running_mean = (1 - momentum) * running_mean + momentum * mean
+        running_var = (1 - momentum) * running_var + momentum * var
+    return y, running_mean, running_var
 
 
 def test_the_op_is_torch_batch_norm_per_chunk():
@@ -69,7 +86,7 @@ def test_batch_split_normalises_without_a_collective(shape, spec):
     kernel = get_kernel("chunked_batch_norm_stats").fn
 
     def rank(comm):
-        comm = _Counting(comm)
+        comm = _CountingAsync(comm)
         coord = tuple(comm.coordinate(a) for a in range(len(shape)))
         where = in_spec.local_slices(x.shape, shape, coord)
         ch = per_channel.local_slices((4,), shape, coord)
@@ -80,13 +97,23 @@ def test_batch_split_normalises_without_a_collective(shape, spec):
                             shape)
         y = kernel(ctx, local, w, b, mean, var, 0.1, 1e-5, 4)
         comm.phase = "backward"
-        y.backward(grad_y[where])
-        return where, ch, y.detach(), mean, var, comm.counts
+        before = mean.clone()
+        y.backward(grad_y[where])  # where the running statistics' update lands
+        once = (before, mean.clone(), var.clone())
+        with torch.no_grad():  # no backward to come: applied at once
+            kernel(ctx, local, w, b, mean, var, 0.1, 1e-5, 4)
+        kernel(ctx, local, w, b, mean, var, 0.1, 1e-5, 4)  # a backward that never runs ...
+        kernel(ctx, local, w, b, mean, var, 0.1, 1e-5, 4)  # ... is applied before the next update (pending)
+        return where, ch, y.detach(), once, (mean, var), dict(comm.counts)
 
-    for where, ch, y, mean, var, counts in run_spmd(rank, shape).values():
-        assert counts == {"forward": 1, "backward": 0}  # the running statistics' one sum; none in backward
+    for where, ch, y, once, thrice, counts in run_spmd(rank, shape).values():
+        # No collective normalises; the running statistics' one sum per call goes asynchronously.
+        assert counts == {"forward": 0, "backward": 0, "async": 4}, counts
         torch.testing.assert_close(y, want_y[where].detach())
-        torch.testing.assert_close((mean, var), (want_mean[ch], want_var[ch]))
+        assert torch.equal(once[0], torch.zeros(len(once[0]), dtype=torch.float64))  # not in forward
+        torch.testing.assert_close(once[1:], (want_mean[ch], want_var[ch]))
+        _, mean3, var3 = _per_chunk(x, weight, bias, 4, updates=3)
+        torch.testing.assert_close(thrice, (mean3[ch], var3[ch]))
 
 
 def test_no_spatial_split_and_priced_as_one_small_sum():
