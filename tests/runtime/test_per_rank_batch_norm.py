@@ -224,6 +224,8 @@ def test_tight_budget_equals_one_device():
     budget = between(smallest_budget(plan), free.estimate.peak_bytes, 1 / 3)
     tight = plan(budget)
     assert tight.estimate.peak_bytes <= budget
+    params = [n for n in tight.nodes if n.kind.value == "parameter"]
+    assert any(n.output_specs != ("R",) for n in params), "the tight budget must shard some parameter"
     ref = _reference(model, inputs, 4)
     for rank, out in enumerate(run_local(_run, 4, model, inputs, tight, False, timeout=240)):
         _same(out["autopar"], ref, rank)
