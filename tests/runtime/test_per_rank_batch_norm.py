@@ -243,3 +243,15 @@ def test_bad_input_errors():
     traced = trace_for_planning(model, _inputs(), precision="fp32")
     with pytest.raises(ValueError, match="batch_norm_chunks=None"):
         plan_traced(traced, profile(traced), mesh=(4,), options=PlanOptions(batch_norm_stats="per_rank"))
+
+
+@pytest.mark.full_sweep  # the default run covers the batch split, the channel x batch split and a tight budget
+@pytest.mark.parametrize("shape", [(2,), (4,), (2, 2)], ids=str)
+def test_auto_plan_equals_one_device(shape):
+    torch.manual_seed(0)
+    world = 2 if shape == (2,) else 4
+    model, inputs = CNN().double().train(), _inputs(chunks=world)
+    plan = autopar.plan(model, inputs, mesh=fast_mesh(shape), batch_norm_stats="per_rank", pipeline=None, cache=False)
+    ref = _reference(model, inputs, world)
+    for rank, out in enumerate(run_local(_run, world, model, inputs, plan, False, timeout=240)):
+        _same(out["autopar"], ref, rank)
