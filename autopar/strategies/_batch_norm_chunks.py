@@ -13,9 +13,12 @@ splits the batch with none for the normalisation:
   collective in forward or backward; the weight and bias gradients are local partial sums,
   all-reduced through the derived ``grad_partial`` like every batch-split norm's. With running
   statistics, their one update needs every chunk's: the ``chunked_batch_norm_stats`` kernel
-  all-reduces the (2, C) sums of its chunks' means and unbiased variances over the batch axes,
-  once per call, off the gradient's path (under ``no_grad``, after the local normalisation; the
-  output does not wait on it). Without running statistics the plain op runs (``local_args``);
+  sums the (2, C) sums of its chunks' means and unbiased variances over the batch axes, once per
+  call, with ``Comm.all_reduce_async``: issued in forward, waited for and applied when backward
+  reaches the op (long done by then: no rank waits for another), or at once under ``no_grad``,
+  or before the same buffers' next update when a backward never came (``_RunningUpdate``).
+  Priced by its bytes alone (its latency is off the step). Without running statistics the
+  plain op runs (``local_args``);
 - no spatial split: a chunk's statistics cover its spatial positions, which would need
   all-reduced sums (what the rule avoids).
 """
