@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from autopar.tracer.meta_keys import MODULE_KEY
-from autopar.tracer.microbatch import _batch_statistics
+from autopar.tracer.microbatch import _arg, _batch_statistics
 
 if TYPE_CHECKING:
     from autopar.tracer.graph import TracedGraph
@@ -98,10 +98,6 @@ def _chunked_batch_norm(input, weight, bias, running_mean, running_var, momentum
 chunked_batch_norm = torch.ops.autopar.chunked_batch_norm.default
 
 
-def _batch_norm_arg(node, index: int, name: str, default):
-    return node.args[index] if len(node.args) > index else node.kwargs.get(name, default)
-
-
 def per_rank_batch_norms(traced: TracedGraph, chunks: int) -> int:
     """Replace every ``aten.batch_norm`` of ``traced`` that uses batch statistics by
     ``chunked_batch_norm(..., chunks)`` (module docstring); returns how many. Eval-mode batch
@@ -123,11 +119,9 @@ def per_rank_batch_norms(traced: TracedGraph, chunks: int) -> int:
     with traced.rewriting():
         graph = traced.gm.graph
         for node in found:
-            names = ("input", "weight", "bias", "running_mean", "running_var", "training", "momentum", "eps")
-            bound = {n: _batch_norm_arg(node, i, n, None) for i, n in enumerate(names)}
-            momentum = bound["momentum"] if bound["momentum"] is not None else 0.1
-            args = (bound["input"], bound["weight"], bound["bias"], bound["running_mean"], bound["running_var"],
-                    float(momentum), float(bound["eps"] if bound["eps"] is not None else 1e-5), chunks)
+            # aten.batch_norm's arguments by name (momentum and eps have no default in its schema)
+            args = (*(_arg(node, n, None) for n in ("input", "weight", "bias", "running_mean", "running_var")),
+                    float(_arg(node, "momentum", None)), float(_arg(node, "eps", None)), chunks)
             with graph.inserting_before(node):
                 new = graph.call_function(chunked_batch_norm, args)
             new.meta = dict(node.meta)
