@@ -74,3 +74,9 @@ def test_per_rank_plugin_trains_as_torch_ddp():
             assert torch.allclose(params[name], want, rtol=1e-8, atol=1e-10), name
         # The default keeps the whole batch's statistics: another training.
         assert out["global"][0][0] != pytest.approx(ddp_losses[0], rel=1e-6)
+
+
+def test_the_plugin_checks_and_passes_the_option():
+    assert AutoParallelPlugin(batch_norm_stats="per_rank").autoparallelize_kwargs()["batch_norm_stats"] == "per_rank"
+    with pytest.raises(ValueError, match=r"batch_norm_stats must be one of \('global', 'per_rank'\), got 'local'"):
+        AutoParallelPlugin(batch_norm_stats="local")
