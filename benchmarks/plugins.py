@@ -201,7 +201,8 @@ def _worker(rank: int, world: int, model, inputs, budgets: dict, steps: int, war
 def _profile_estimates(model, inputs, world: int, profiles: dict[tuple[int, ...], str]) -> dict:
     """Each fixed configuration's estimate under the machine profiles (the auto plan prices with
     the 2-D one itself): its family planned here, on the profile of its mesh's shape. Torch's DDP
-    and FSDP2 run the data-parallel and ZeRO-3 families' layouts; ``GeminiPlugin`` plans the
+    and FSDP2 run the data-parallel and ZeRO-3 families' layouts (with per-rank batch statistics
+    on a model with training batch norms, as they compute); ``GeminiPlugin`` plans the
     data-parallel family and runs it in chunks (its estimate is that plan's)."""
     from dataclasses import replace
 
@@ -215,10 +216,12 @@ def _profile_estimates(model, inputs, world: int, profiles: dict[tuple[int, ...]
     flat, square = on_one_machine([MeshSpec.from_profile(profiles[(world,)]),
                                    MeshSpec.from_profile(profiles[(2, world // 2)])])
     options = PlanOptions(checkpoint="none")
-    out = {"torch-ddp": plan_family(model, inputs, "data-parallel", mesh=flat, options=options).estimate}
+    # Torch's engines normalise each rank's share of the batch: their families are priced so too.
+    torch_options = replace(options, batch_norm_stats="per_rank" if trains_batch_norm(model) else "global")
+    out = {"torch-ddp": plan_family(model, inputs, "data-parallel", mesh=flat, options=torch_options).estimate}
     out["torch-fsdp2"] = plan_family(model, inputs, "zero3", mesh=flat, options=replace(
-        options, memory_budget=sharded_state_budget(out["torch-ddp"], world))).estimate
-    out["gemini"] = out["torch-ddp"]  # GeminiPlugin's plan is the data-parallel family's, run in chunks
+        torch_options, memory_budget=sharded_state_budget(out["torch-ddp"], world))).estimate
+    out["gemini"] = plan_family(model, inputs, "data-parallel", mesh=flat, options=options).estimate
     for name, family in (("zero1", "zero1"), ("zero2", "zero2")):
         out[name] = plan_family(model, inputs, family, mesh=flat, options=replace(options, zero_stage="auto")).estimate
     for name, tp, pp in (("hybrid-tp2", 2, 1), ("tp2xpp2", 2, 2), ("pp2", 1, 2)):
