@@ -80,8 +80,11 @@ def prepare(model, meta_inputs, *, mesh, plan, device, progress: Progress, optio
         plan = plan if isinstance(plan, Plan) else Plan.load(os.fspath(plan))
         _check_plan_options(plan, **asked)
     with progress.stage("trace"):
+        # Per-rank batch statistics are one chunk per rank of this world, a given plan's too (its graph
+        # hash, checked at build, refuses a plan made with other statistics).
         traced = trace_for_planning(model, meta_inputs,
-                                    precision=plan.precision if plan_options is None else plan_options.precision)
+                                    precision=plan.precision if plan_options is None else plan_options.precision,
+                                    batch_norm_chunks=checked.batch_norm_chunks(world))
     fingerprint = _fingerprint(traced, meta_inputs, world=world, spec=spec, plan=plan, source=source,
                                device=device, options={**asked, **per_rank}, auto=auto)
     return Prepared(traced, spec, plan_options, plan, fingerprint, auto)

@@ -33,7 +33,8 @@ PLANNING_NAMES = {"memory_budget": "memory_budget", "precision": "precision", "z
                   "time_limit": "time_limit", "allow_replicate_fallback": "allow_replicate_fallback",
                   "optimizer_multiplier": "optimizer_multiplier", "pp_size": "pipeline",
                   "num_microbatches": "microbatches", "pp_style": "schedule", "offload": "offload",
-                  "sequence_parallel": "sequence_parallel", "sp_size": "sp_size", "ep_size": "ep_size"}
+                  "sequence_parallel": "sequence_parallel", "sp_size": "sp_size", "ep_size": "ep_size",
+                  "batch_norm_stats": "batch_norm_stats"}
 _NONE_IS_DEFAULT = ("memory_budget", "reduce_dtype", "time_limit", "pp_size", "num_microbatches", "ep_size",
                     "sp_size")
 
@@ -124,6 +125,10 @@ class AutoParallelPlugin:
             ``HybridParallelPlugin``'s ``enable_sequence_parallelism`` modes plan).
         sp_size: the devices a pinned ``sequence_parallel`` splits over (the innermost mesh axes
             multiplying to it; ``None``: the last axis of size > 1).
+        batch_norm_stats: ``"global"`` (a training batch norm normalises with the whole batch's
+            statistics on every plan) or ``"per_rank"`` (torch DDP's: each of world-size equal
+            contiguous chunks of the batch by its own statistics, no collective for them; the same
+            on every plan: ``autopar.tracer.batch_stats``).
         refine: ``False``, ``True`` or an ``autopar.refine.RefineOptions``: the boosted module times
             its first training steps, refits the profile and re-plans once, rebuilding itself and
             the boosted optimizer in place when the new plan is predicted faster
@@ -166,6 +171,7 @@ class AutoParallelPlugin:
     sequence_parallel: str = "auto"
     sp_size: int | None = None
     ep_size: int | None = None
+    batch_norm_stats: str = "global"
     refine: Any = False
 
     def __post_init__(self) -> None:
@@ -421,6 +427,7 @@ class AutoParallelPlugin:
                     optimizer_multiplier=self.optimizer_multiplier,
                     allow_replicate_fallback=self.allow_replicate_fallback,
                     checkpoint=self.checkpoint, ep_size=self.ep_size, sp_size=self.sp_size,
+                    batch_norm_stats=self.batch_norm_stats,
                     precision=self.precision, reduce_dtype=self.reduce_dtype, plan=self.plan,
                     **({"refine": self.refine} if self.refine else {}),
                     **({} if self.offload == "none" else {"offload": self.offload}),

@@ -241,15 +241,17 @@ def _per_rank_statistics_notice(plugin: str, model: nn.Module) -> None:
     statistics (and running statistics) are not those of one device on the global batch:
     the training differs, as it does under torch itself. That is the engines' documented
     behaviour and the notes' plugins keep it; what a user comparing with one device needs is to
-    know it, with the two ways out."""
+    know it, with the ways to the same training on autopar's plans (``AutoParallelPlugin(
+    batch_norm_stats="per_rank")``: these statistics, exactly) or to one device's."""
     found = per_rank_batch_norms(model)
     if not found or (dist.is_initialized() and dist.get_rank() != 0):
         return
     shown = ", ".join(found[:3]) + (f" and {len(found) - 3} more" if len(found) > 3 else "")
     log.warning("%s: %s normalise each rank's share of the batch (torch's per-rank batch statistics), so "
                 "training differs from one device on the global batch; AutoParallelPlugin keeps global "
-                "statistics, and on CUDA torch.nn.SyncBatchNorm.convert_sync_batchnorm(model) before boost "
-                "does too", plugin, shown)
+                "statistics (and on CUDA torch.nn.SyncBatchNorm.convert_sync_batchnorm(model) before boost does "
+                "too), while AutoParallelPlugin(batch_norm_stats='per_rank') trains with these per-rank "
+                "statistics on autopar's plans", plugin, shown)
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,7 +24,8 @@ from autopar.offload import OffloadPolicy, check_offload
 
 __all__ = ["PlanOptions", "SolverOptions", "MemoryOptions", "PrecisionOptions", "PipelineOptions", "ParallelismOptions",
            "OffloadPolicy", "SOLVERS", "SEQUENCE_MODES", "CHECKPOINT_MODES", "ZERO_STAGES", "PRECISION_NAMES",
-           "SCHEDULES", "OPTION_GROUPS", "check_option", "check_choice", "check_number", "check_count", "choices_of",
+           "SCHEDULES", "BATCH_NORM_STATS", "OPTION_GROUPS", "check_option", "check_choice", "check_number",
+           "check_count", "choices_of",
            "precision_name"]
 
 Solver = Literal["auto", "highs", "cbc"]  # ILP backends (autopar.solver.ilp); auto prefers HiGHS
@@ -33,6 +34,7 @@ Precision = Literal["fp32", "bf16", "fp16"]  # autopar.plans.PRECISIONS
 ZeroStage = Literal[0, 1, 2, "auto"]  # over each parameter's replicated axes (autopar.runtime.zero)
 Schedule = Literal["auto", "gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"]  # "auto" + plans.PIPELINE_SCHEDULES
 SequenceMode = Literal["auto", "off", "ring", "all_to_all", "split_gather"]  # see autopar.planner.sequence
+BatchNormStats = Literal["global", "per_rank"]  # per_rank: autopar.tracer.batch_stats
 
 SOLVERS = get_args(Solver)
 CHECKPOINT_MODES = get_args(CheckpointMode)
@@ -40,6 +42,7 @@ PRECISION_NAMES = get_args(Precision)
 ZERO_STAGES = get_args(ZeroStage)
 SCHEDULES = get_args(Schedule)
 SEQUENCE_MODES = get_args(SequenceMode)
+BATCH_NORM_STATS = get_args(BatchNormStats)
 
 
 # ------------------------------------------------------------------------------- checkers
@@ -261,7 +264,8 @@ def _degree(value, name: str):
 class ParallelismOptions(_Checked):
     """Degrees of parallelism the user pins instead of the planner choosing them: sequence-split
     attention (``autopar.planner.sequence``) and expert parallelism, both strategy filters
-    (``autopar.planner.pins``)."""
+    (``autopar.planner.pins``); and what data parallelism means for a training batch norm
+    (``batch_norm_stats``: a rewrite of the trace, ``autopar.tracer.batch_stats``)."""
 
     sequence_parallel: SequenceMode = option(
         "auto", "ring: attention split on the sequence (key/value blocks passed around); all_to_all (Ulysses): "
@@ -274,6 +278,10 @@ class ParallelismOptions(_Checked):
         None, "expert parallelism: every MoE experts op splits its experts over mesh axes of this total size, "
               "tokens sent to them by all-to-all; 1: experts never split (default: the planner decides)",
         check=_degree)
+    batch_norm_stats: BatchNormStats = option(
+        "global", "training batch norms: global (the whole batch's statistics on every plan) or per_rank (torch "
+                  "DDP's: each of world-size equal contiguous chunks of the batch by its own statistics, no "
+                  "collective; the same on every plan, autopar.tracer.batch_stats)")
 
 
 OPTION_GROUPS = (SolverOptions, MemoryOptions, PrecisionOptions, PipelineOptions, ParallelismOptions)
@@ -292,6 +300,9 @@ class PlanOptions(ParallelismOptions, PipelineOptions, PrecisionOptions, MemoryO
         if self.sequence_parallel != "auto" and isinstance(self.pipeline, int):
             raise ValueError(f"sequence_parallel={self.sequence_parallel!r} is not pinned in pipeline stages yet "
                              f"(pipeline={self.pipeline!r})")
+        if self.batch_norm_stats != "global" and isinstance(self.pipeline, int):
+            raise ValueError(f"batch_norm_stats={self.batch_norm_stats!r} is not planned with a pipeline "
+                             f"(pipeline={self.pipeline!r}): a micro-batch would cut the per-rank chunks")
         if self.sp_size is not None and self.sequence_parallel in ("auto", "off"):
             raise ValueError(f"sp_size={self.sp_size} pins the degree of a sequence_parallel mode ('ring', "
                              f"'all_to_all' or 'split_gather'), not of sequence_parallel={self.sequence_parallel!r}")
@@ -304,6 +315,11 @@ class PlanOptions(ParallelismOptions, PipelineOptions, PrecisionOptions, MemoryO
             if key not in names:
                 raise TypeError(f"{caller}() got an unexpected keyword argument {key!r}")
         return replace(self, **overrides) if overrides else self
+
+    def batch_norm_chunks(self, devices: int) -> int | None:
+        """The chunks a training batch norm's batch is cut into on a world of ``devices``
+        (``batch_norm_stats="per_rank"``: one per rank, ``autopar.tracer.batch_stats``); None: global."""
+        return devices if self.batch_norm_stats == "per_rank" else None
 
     def mesh(self, mesh: MeshSpec | tuple[int, ...] | str) -> MeshSpec:
         """``mesh`` as a MeshSpec: a shape gets this record's ``preset``."""
@@ -325,4 +341,5 @@ class PlanOptions(ParallelismOptions, PipelineOptions, PrecisionOptions, MemoryO
                    if isinstance(self.pipeline, int) else "")
                 + (f", offload {self.offload}" if self.offload != "none" else "")
                 + (f", sequence parallel {self.sequence_parallel}" if self.sequence_parallel != "auto" else "")
-                + (f" over {self.sp_size} devices" if self.sp_size is not None else ""))
+                + (f" over {self.sp_size} devices" if self.sp_size is not None else "")
+                + (f", {self.batch_norm_stats} batch statistics" if self.batch_norm_stats != "global" else ""))

@@ -66,15 +66,23 @@ class PipelinedResult:
 
 # ------------------------------------------------------------------------------------ trace
 def trace_for_planning(model: Any, meta_inputs: tuple | dict, *, precision: str,
-                       microbatches: int | None = None) -> TracedGraph:
+                       microbatches: int | None = None, batch_norm_chunks: int | None = None) -> TracedGraph:
     """The graph the planner plans: ops without a sharding rule but with a decomposition
     decomposed, ``precision``'s casts inserted. ``microbatches``: the graph of one of that many
-    micro-batches of ``meta_inputs``, with a cast per module (a pipeline stage owns its casts)."""
+    micro-batches of ``meta_inputs``, with a cast per module (a pipeline stage owns its casts).
+    ``batch_norm_chunks``: training batch norms normalise that many chunks of the batch each by
+    its own statistics (``PlanOptions.batch_norm_chunks``, ``autopar.tracer.batch_stats``); a
+    pipeline's micro-batch graph keeps them whole (``microbatch_hazard`` refuses them)."""
     from autopar.strategies import needs_decomposition
     from autopar.tracer import trace
 
     if microbatches is None:
-        return trace(model, meta_inputs, decompose_if=needs_decomposition, precision=precision)
+        traced = trace(model, meta_inputs, decompose_if=needs_decomposition, precision=precision)
+        if batch_norm_chunks is not None:
+            from autopar.tracer.batch_stats import per_rank_batch_norms
+
+            per_rank_batch_norms(traced, batch_norm_chunks)
+        return traced
     from autopar.planner.pipeline.geometry import PIPELINE_CASTS, micro_inputs
 
     return trace(model, micro_inputs(meta_inputs, microbatches), decompose_if=needs_decomposition,
@@ -82,11 +90,12 @@ def trace_for_planning(model: Any, meta_inputs: tuple | dict, *, precision: str,
 
 
 def _trace_and_profile(model, meta_inputs, *, precision: str, progress: Progress, microbatches: int | None = None,
-                       detail: str = "") -> tuple[TracedGraph, ModelProfile]:
+                       detail: str = "", batch_norm_chunks: int | None = None) -> tuple[TracedGraph, ModelProfile]:
     from autopar.tracer import profile as profile_graph
 
     with progress.stage("trace", detail):
-        traced = trace_for_planning(model, meta_inputs, precision=precision, microbatches=microbatches)
+        traced = trace_for_planning(model, meta_inputs, precision=precision, microbatches=microbatches,
+                                    batch_norm_chunks=batch_norm_chunks)
     with progress.stage("profile"):
         return traced, profile_graph(traced)
 
@@ -147,7 +156,8 @@ def plan_and_store(model, meta_inputs, *, mesh: MeshSpec, options: PlanOptions, 
                    key: str | None) -> PlanResult:
     """Trace, profile and ``plan_traced``; the plan is stored under ``key`` (None: not stored)."""
     progress = progress or Progress()
-    traced, prof = _trace_and_profile(model, meta_inputs, precision=options.precision, progress=progress)
+    traced, prof = _trace_and_profile(model, meta_inputs, precision=options.precision, progress=progress,
+                                      batch_norm_chunks=options.batch_norm_chunks(mesh.num_devices))
     result = plan_traced(traced, prof, mesh=mesh, options=options, progress=progress)
     _store(key, result.plan)
     return result
@@ -185,6 +195,11 @@ def plan_traced(traced: TracedGraph, profile: ModelProfile, *, mesh: MeshSpec | 
     if traced.precision != options.precision:
         raise ValueError(f"{traced.model_name} was traced for {traced.precision} compute but the options ask for "
                          f"{options.precision}: trace with precision={options.precision!r}")
+    chunks = options.batch_norm_chunks(mesh.num_devices)
+    if traced.batch_norm_chunks != chunks:
+        raise ValueError(f"{traced.model_name} was traced with batch_norm_chunks={traced.batch_norm_chunks} but "
+                         f"batch_norm_stats={options.batch_norm_stats!r} on {mesh.num_devices} devices needs "
+                         f"{chunks}: trace with trace_for_planning(..., batch_norm_chunks={chunks})")
     progress = progress or Progress()
     with progress.stage("strategies", f"{sum(1 for _ in traced.compute_nodes())} ops on mesh {mesh}"):
         built = build_problem(traced, profile, mesh, budget_bytes=options.budget_bytes(mesh),
@@ -263,7 +278,8 @@ def plan_mesh_auto(model: Any, meta_inputs: tuple | dict, *, nodes: int | None, 
         raise ValueError(f"mesh='auto' needs a device preset ({', '.join(sorted(PRESETS))}), got {options.preset!r}")
     start = time.perf_counter()
     progress = progress or Progress()
-    traced, prof = _trace_and_profile(model, meta_inputs, precision=options.precision, progress=progress)
+    traced, prof = _trace_and_profile(model, meta_inputs, precision=options.precision, progress=progress,
+                                      batch_norm_chunks=options.batch_norm_chunks(nodes * devices_per_node))
     return search_traced(traced, prof, cluster=(nodes, devices_per_node), options=options, progress=progress,
                          start=start, time_budget=time_budget, restrict=restrict)
 
@@ -313,7 +329,12 @@ def plan_candidates(model: Any, meta_inputs: tuple | dict, *, meshes: Sequence[M
 
     progress = progress or Progress()
     specs = on_one_machine([options.mesh(m) for m in meshes])  # a bad mesh fails before the trace
-    traced, prof = _trace_and_profile(model, meta_inputs, precision=options.precision, progress=progress)
+    worlds = sorted({s.num_devices for s in specs})
+    if options.batch_norm_stats == "per_rank" and len(worlds) > 1:
+        raise ValueError(f"batch_norm_stats='per_rank' cuts the batch into one chunk per rank: the candidate "
+                         f"meshes must have one world size, got {worlds} devices")
+    traced, prof = _trace_and_profile(model, meta_inputs, precision=options.precision, progress=progress,
+                                      batch_norm_chunks=options.batch_norm_chunks(worlds[0]))
 
     def plan_on(mesh: MeshSpec) -> Plan:
         with progress.stage(f"mesh {'x'.join(map(str, mesh.shape))}"):
@@ -400,7 +421,8 @@ def plan_auto(model: Any, meta_inputs: tuple | dict, *, mesh: MeshSpec | Sequenc
     stages = spec.shape[0]
     if traced is None:
         traced, prof = _trace_and_profile(model, meta_inputs, precision=options.precision, progress=progress,
-                                          detail="full batch, no pipeline")
+                                          detail="full batch, no pipeline",
+                                          batch_norm_chunks=options.batch_norm_chunks(spec.num_devices))
     else:
         with progress.stage("profile"):
             prof = profile_graph(traced)
@@ -562,7 +584,8 @@ def plan_family(model: Any, meta_inputs: tuple | dict, family: str, *, mesh: Mes
     from autopar.solver.driver import solve
     from autopar.tracer import profile as profile_graph
 
-    traced = trace_for_planning(model, meta_inputs, precision=options.precision)
+    traced = trace_for_planning(model, meta_inputs, precision=options.precision,
+                                batch_norm_chunks=options.batch_norm_chunks(mesh.num_devices))
     built = build_problem(traced, profile_graph(traced), mesh, budget_bytes=options.budget_bytes(mesh),
                           options=options, segmented=True)
     problem = baseline_problem(family, traced, built)

@@ -19,7 +19,7 @@ identity forward, and a sum all-reduce of the input's local gradient over those 
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -154,6 +154,19 @@ class DistComm:
         if op == "sum":
             return _SumAllReduce.apply(tensor, axes, self.pmesh)
         return all_reduce_axes(tensor, axes, self.pmesh, op)
+
+    def all_reduce_async(self, tensor: torch.Tensor, axes: int | Sequence[int]) -> Callable[[], torch.Tensor]:
+        axes = tuple(a for a in _axes_tuple(axes) if self.pmesh.axis_size(a) > 1)
+        out = tensor.detach().clone(memory_format=torch.contiguous_format)
+        if not axes:
+            return lambda: out
+        record("all_reduce", out.numel() * out.element_size())
+        work = dist.all_reduce(out, group=self.pmesh.group(axes[0]), async_op=True)
+
+        def wait() -> torch.Tensor:
+            work.wait()  # the first axis in flight since the call; any further axes after it
+            return all_reduce_axes(out, axes[1:], self.pmesh) if axes[1:] else out
+        return wait
 
     def shift(self, tensor: torch.Tensor, axis: int) -> torch.Tensor:
         n = self.pmesh.axis_size(axis)

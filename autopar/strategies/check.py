@@ -178,6 +178,10 @@ class SimComm:
             return _AllReduceSum.apply(tensor, self.world, axes, self.coord)
         return self.world.reduce(tensor.detach(), axes, self.coord, op)
 
+    def all_reduce_async(self, tensor: torch.Tensor, axes: int | Sequence[int]) -> Callable[[], torch.Tensor]:
+        done = self.all_reduce(tensor.detach(), axes)  # threads: issued and done here, read at wait()
+        return lambda: done
+
     def shift(self, tensor: torch.Tensor, axis: int) -> torch.Tensor:
         if self.world.mesh_shape[axis] == 1:
             return tensor

@@ -8,6 +8,9 @@ other ranks of a mesh axis group only through ``Comm``:
   its backward is the identity: under the gradient layout invariant the result is replicated,
   so its gradient arrives replicated and each rank keeps it for its own summand. ``op="max"``
   is not differentiable (the result never requires grad; kernels use it on detached values).
+- ``all_reduce_async(t, axes)`` -- the sum of ``all_reduce`` issued without waiting, no autograd:
+  returns ``wait()``, which gives the reduced tensor. For a value needed later than where it is
+  computed (the per-rank batch norm's running statistics, applied in its backward).
 - ``shift(t, axis)`` -- every rank of an ``axis`` group sends ``t`` to the next coordinate (the
   last to the first) and returns what the previous one sent: one step of a ring (ring attention).
   Not differentiable: kernels call it inside their own ``autograd.Function``.
@@ -30,7 +33,7 @@ The runtime backs this with torch.distributed process groups; the numerical chec
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Callable, Protocol, Sequence
 
 import torch
 
@@ -42,6 +45,8 @@ __all__ = ["Comm", "KernelContext"]
 
 class Comm(Protocol):
     def all_reduce(self, tensor: torch.Tensor, axes: int | Sequence[int], op: str = "sum") -> torch.Tensor: ...
+
+    def all_reduce_async(self, tensor: torch.Tensor, axes: int | Sequence[int]) -> Callable[[], torch.Tensor]: ...
 
     def shift(self, tensor: torch.Tensor, axis: int) -> torch.Tensor: ...
 

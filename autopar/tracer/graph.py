@@ -134,6 +134,8 @@ class TracedGraph:
         self.decomposed: dict[str, tuple[str, ...]] = {}
         self._by_fqn = {alias: p for p in placeholders for alias in p.aliases}
         self.precision = "fp32"  # what the ops compute in (``autopar.tracer.precision``)
+        # per-rank batch statistics: the chunks (world size) of ``autopar.tracer.batch_stats``; None: global
+        self.batch_norm_chunks: int | None = None
         self._hash: tuple[int, str] | None = None  # (node count, graph_hash): rewrites reset it
         # ``tracer.depth.blocks_of``'s answer: unknown until asked (or set by the unrolled trace);
         # rewrites reset it

@@ -93,6 +93,10 @@ def microbatch_hazard(traced: Any) -> str | None:
     """Why running ``traced`` (a ``TracedGraph``) on micro-batches would compute another step than
     the full batch does (module docstring); None when it computes the same."""
     for node in traced.gm.graph.nodes:
+        if _batch_statistics(node) and "chunked_batch_norm" in str(node.target):
+            return (f"node {node.name!r} (module {traced.module_path(node) or '<root>'}) normalises each rank's "
+                    f"chunk of the batch by its own statistics (batch_norm_stats='per_rank'): micro-batches would "
+                    f"cut those chunks")
         if _batch_statistics(node):
             return (f"node {node.name!r} ({node.target}, module {traced.module_path(node) or '<root>'}) normalises "
                     f"with its batch's statistics (batch norm in training mode): each micro-batch would use its own")

@@ -73,6 +73,7 @@ def test_training_batch_norm_is_named_as_per_rank_statistics(caplog):
     assert len(caplog.records) == 1
     said = caplog.records[0].getMessage()
     assert "TorchDDPPlugin: 1, 3.0 normalise each rank's share" in said and "differs from one device" in said
+    assert "AutoParallelPlugin(batch_norm_stats='per_rank') trains with these per-rank statistics" in said
 
 
 def test_fsdp_mapping_ignored_and_refused(caplog):

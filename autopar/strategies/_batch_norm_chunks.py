@@ -1,0 +1,145 @@
+"""Per-rank batch norm: ``autopar::chunked_batch_norm`` (``batch_norm_stats="per_rank"``).
+
+The op (``autopar.tracer.batch_stats``) normalises each of ``chunks`` equal contiguous pieces of
+the batch (dim 0) by its own statistics, ``chunks`` the world size. A family beside ``_norm.py``'s
+batch norm, whose global statistics cost two blocking collectives on a batch split; this one
+splits the batch with none for the normalisation:
+
+- channel split: exact with the plain op (statistics per channel); the per-channel tensors split
+  alike, each rank updating its slice of the running statistics;
+- batch split (``input`` S0 -> S0): a rank holds ``chunks / shards`` WHOLE chunks -- every mesh
+  axis size divides the world size and the split is contiguous, so ``shards`` divides ``chunks``
+  (``_local_chunks`` checks it and refuses otherwise) -- and runs the op on them, with no
+  collective in forward or backward; the weight and bias gradients are local partial sums,
+  all-reduced through the derived ``grad_partial`` like every batch-split norm's. With running
+  statistics, their one update needs every chunk's: the ``chunked_batch_norm_stats`` kernel
+  sums the (2, C) sums of its chunks' means and unbiased variances over the batch axes, once per
+  call, with ``Comm.all_reduce_async``: issued in forward, waited for and applied when backward
+  reaches the op (long done by then: no rank waits for another), or at once under ``no_grad``,
+  or before the same buffers' next update when a backward never came (``_RunningUpdate``).
+  Priced by its bytes alone (its latency is off the step). Without running statistics the
+  plain op runs (``local_args``);
+- no spatial split: a chunk's statistics cover its spatial positions, which would need
+  all-reduced sums (what the rule avoids).
+"""
+
+from __future__ import annotations
+
+
+import torch
+
+from autopar.layout.cost import collective_seconds
+from autopar.layout.placement import Shard
+from autopar.strategies._norm import _AFFINE, _STATS, _batch_axes, _channel_bytes, _per_channel_splits, _stats
+from autopar.strategies.kernel_context import KernelContext
+from autopar.strategies.registry import AxisOption, OpInfo, Sample, register, register_kernel
+from autopar.strategies.samples import rand
+from autopar.tracer.batch_stats import chunk_normalise, chunked_batch_norm, update_running
+
+__all__: list[str] = []
+
+
+def _local_chunks(info: OpInfo, spec, mesh_shape) -> int:
+    """The chunks a rank holds when ``spec`` splits the batch: ``chunks / shards``, refused when the
+    shards would cut a chunk (they cannot on a mesh of the world whose size ``chunks`` is)."""
+    chunks = info.arg("chunks")
+    shards = 1 if spec is None else spec.num_shards(0, mesh_shape)
+    if chunks % shards:
+        raise ValueError(f"{info.where()}: the batch split over {shards} devices would cut the {chunks} "
+                         f"per-rank chunks of chunked_batch_norm (the chunks are the world's ranks: plan it "
+                         f"on a mesh of that many devices)")
+    return chunks // shards
+
+
+def _local_args(info: OpInfo, bound, input_specs, output_specs, mesh_shape):
+    bound["chunks"] = _local_chunks(info, input_specs[info.slot_index("input")], mesh_shape)
+    return bound
+
+
+def _stats_comm(info: OpInfo, input_specs, output_specs, mesh) -> tuple[float, float]:
+    # One all-reduce of the (2, C) chunk-statistic sums, in the running statistics' dtype, issued
+    # in forward and waited for in backward (``_RunningUpdate``): no rank waits on the others, so
+    # its latency is not on the step; its bytes are charged (the links and the sending CPU's).
+    axes, channel_bytes = _channel_bytes(info, input_specs, mesh)
+    size = 2 * channel_bytes // info.input("input").itemsize * info.input("running_mean").itemsize
+    latency = collective_seconds("all_reduce", 0, mesh, axes)
+    return max(collective_seconds("all_reduce", size, mesh, axes) - latency, 0.0), 0.0
+
+
+class _RunningUpdate:
+    """One call's running-statistics update, applied once: when backward reaches the op (the sum
+    over ranks, issued in forward, long done by then), or before the same buffers' next update
+    (a forward whose backward never ran), or at once when no backward will come (no grad)."""
+
+    pending: dict[int, "_RunningUpdate"] = {}  # id(running_mean) -> its update not yet applied
+
+    def __init__(self, wait, running_mean, running_var, chunks: int, momentum: float) -> None:
+        self.wait, self.running_mean, self.running_var = wait, running_mean, running_var
+        self.chunks, self.momentum = chunks, momentum
+
+    def __call__(self) -> None:
+        if _RunningUpdate.pending.get(id(self.running_mean)) is self:
+            del _RunningUpdate.pending[id(self.running_mean)]
+        if self.wait is not None:
+            wait, self.wait = self.wait, None
+            update_running(self.running_mean, self.running_var, wait() / self.chunks, self.momentum)
+
+    @classmethod
+    def flush(cls, running_mean) -> None:
+        earlier = cls.pending.get(id(running_mean))
+        if earlier is not None:
+            earlier()
+
+
+class _UpdateInBackward(torch.autograd.Function):
+    """Identity; its backward applies the running-statistics update (``_RunningUpdate``)."""
+
+    @staticmethod
+    def forward(ctx, y, update):
+        ctx.update = update
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.update()
+        return grad, None
+
+
+@register_kernel("chunked_batch_norm_stats", comm_cost=_stats_comm)
+def chunked_batch_norm_stats(ctx: KernelContext, input, weight, bias, running_mean, running_var, momentum, eps,
+                             chunks):
+    spec = ctx.spec("input")
+    local = _local_chunks(ctx.info, spec, ctx.mesh_shape)
+    if input.shape[0] % local:
+        raise ValueError(f"{ctx.info.where()}: a local batch of {input.shape[0]} cannot hold {local} equal chunks")
+    _RunningUpdate.flush(running_mean)  # the previous call's, if its backward never ran: in call order
+    y, sums = chunk_normalise(input, weight, bias, eps, local, stats_dtype=running_mean.dtype)
+    # The other ranks' chunks matter to the running statistics only: their sum is issued here and
+    # waited for in backward, so no rank waits for another in forward.
+    update = _RunningUpdate(ctx.comm.all_reduce_async(sums, _batch_axes(spec)), running_mean, running_var, chunks,
+                            momentum)
+    if not (torch.is_grad_enabled() and y.requires_grad):
+        update()
+        return y
+    _RunningUpdate.pending[id(running_mean)] = update
+    return _UpdateInBackward.apply(y, update)
+
+
+def _rule(info: OpInfo) -> list[AxisOption]:
+    options = [info.option(Shard(1), input=Shard(1), **_per_channel_splits(info))]
+    kernel = "chunked_batch_norm_stats" if info.input("running_mean") is not None else None
+    options.append(info.option(Shard(0), input=Shard(0), kernel=kernel, grad_partial=_AFFINE))
+    return options
+
+
+def _samples() -> list[Sample]:
+    # chunks = 4: the world of the check's meshes (4,) and (2, 2), as the trace would set it.
+    return [
+        Sample((rand(8, 8, 2, 2), rand(8), rand(8), *_stats(), 0.1, 1e-5, 4), label="running-stats",
+               no_grad=_STATS),
+        Sample((rand(8, 8, 3), None, None, None, None, 0.1, 1e-5, 4), label="no-running-stats"),
+        Sample((rand(8, 4), rand(4), rand(4), None, None, 0.1, 1e-5, 4), label="2-d-affine"),
+    ]
+
+
+register(chunked_batch_norm, local_args=_local_args, samples=_samples)(_rule)
