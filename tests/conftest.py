@@ -2,6 +2,7 @@
 with its own empty plan cache directory (never the user's, never another test's entries)."""
 
 import itertools
+from pathlib import Path
 
 import pytest
 
@@ -55,3 +56,19 @@ def pytest_collection_modifyitems(config, items):
     suite that heap holds ~2M objects, and the three sweep files took 137 s there against 88 s
     in a fresh process (session 17, this 2-core host)."""
     items.sort(key=lambda item: not item.nodeid.startswith("tests/sweeps/"))
+
+
+def pytest_configure(config):
+    """The OpInfo sweep's samples are traced in a forked process from here, while the other test
+    files are collected (``tests/strategies/opinfo_sweep.py`` says why), when the run includes
+    ``test_opinfo.py``."""
+    from tests.strategies import opinfo_sweep
+
+    if opinfo_sweep.wanted(config.args, Path(config.invocation_params.dir)):
+        opinfo_sweep.start()
+
+
+def pytest_unconfigure(config):
+    from tests.strategies import opinfo_sweep
+
+    opinfo_sweep.stop()
