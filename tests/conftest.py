@@ -89,6 +89,6 @@ def pytest_configure(config):
 
 
 def pytest_unconfigure(config):
-    from tests.strategies import opinfo_sweep
-
-    opinfo_sweep.stop()
+    sweep = sys.modules.get("tests.strategies.opinfo_sweep")
+    if sweep is not None:
+        sweep.stop()
