@@ -2,6 +2,8 @@
 with its own empty plan cache directory (never the user's, never another test's entries)."""
 
 import itertools
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -25,6 +27,25 @@ def _own_plan_cache(_plan_cache_root, monkeypatch):
     """A fresh cache directory per test (created only when a plan is stored), so a test never
     reads a plan another test solved."""
     monkeypatch.setenv("AUTOPAR_CACHE_DIR", str(_plan_cache_root / str(next(_CACHE_DIRS))))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _drop_planning_caches():
+    """After each test file, the library's process-wide memo tables are emptied: a later file gets
+    nothing from them but a bigger heap (up to 65536 option tuples, 4096 strategy lists, 256
+    layout graphs, torch's fake-tensor dispatch cache), which every later fork copies the page
+    tables of and every full collection of this process walks. Only modules already imported."""
+    yield
+    modules = sys.modules
+    if "autopar.layout.conversion" in modules:
+        modules["autopar.layout.conversion"].clear_conversion_cache()
+    if "autopar.runtime.passes" in modules:
+        modules["autopar.runtime.passes"]._STRATEGY_CACHE.clear()
+    if "autopar.solver.problem" in modules:
+        modules["autopar.solver.problem"]._VALID_OPTIONS.clear()
+        modules["autopar.solver.problem"]._OPTION_INDEX.clear()
+    if "torch._subclasses.fake_tensor" in modules:
+        modules["torch._subclasses.fake_tensor"].FakeTensorMode.cache_clear()
 
 
 @pytest.fixture(params=[(2,), (4,)], ids=lambda s: "x".join(map(str, s)))
@@ -55,3 +76,19 @@ def pytest_collection_modifyitems(config, items):
     suite that heap holds ~2M objects, and the three sweep files took 137 s there against 88 s
     in a fresh process (session 17, this 2-core host)."""
     items.sort(key=lambda item: not item.nodeid.startswith("tests/sweeps/"))
+
+
+def pytest_configure(config):
+    """The OpInfo sweep's samples are traced in a forked process from here, while the other test
+    files are collected (``tests/strategies/opinfo_sweep.py`` says why), when the run includes
+    ``test_opinfo.py``."""
+    from tests.strategies import opinfo_sweep
+
+    if opinfo_sweep.wanted(config.args, Path(config.invocation_params.dir)):
+        opinfo_sweep.start()
+
+
+def pytest_unconfigure(config):
+    sweep = sys.modules.get("tests.strategies.opinfo_sweep")
+    if sweep is not None:
+        sweep.stop()

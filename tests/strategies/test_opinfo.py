@@ -8,7 +8,7 @@ often odd (5, 3): a sample with no sharded candidate there is also checked on th
 (3,), (5,) that has one; ``test_the_sweep_is_not_vacuous`` counts how many ops got a sharded
 candidate checked and fails if too few did.
 
-Expected failures are listed in ``XFAIL`` with their reason, keyed by
+Expected failures are listed in ``opinfo_sweep.XFAIL`` with their reason, keyed by
 - ``"<overload>"``: every sample of the op;
 - ``"<overload>@<OpInfo name>"`` or ``"<overload>@<OpInfo name>[<sample index>]"``: the samples
   from that OpInfo (or that one sample) only; the op's other samples are still checked;
@@ -28,77 +28,21 @@ import os
 import pytest
 import torch
 
-from autopar.layout.mesh import MeshSpec
-from autopar.strategies import enumerate_strategies, opinfo
+from autopar.strategies import opinfo
 from autopar.strategies.check import StrategyMismatch, check_strategy, reference
+
+from . import opinfo_sweep
 
 pytestmark = pytest.mark.slow
 
-MESHES = [(2,), (2, 2)]
-# For samples whose every dim is odd (OpInfo's sizes are 5 and 3 for most reductions): the first
-# of these that offers a sharded candidate is checked as well, so the sweep does not only
-# check replication there.
-ODD_MESHES = [(3,), (5,)]
+MESHES = opinfo_sweep.MESHES
+XFAIL = opinfo_sweep.XFAIL
+_bucket = opinfo_sweep.bucket
+_strategies = opinfo_sweep.strategies
+_meshes = opinfo_sweep.meshes
 
-XFAIL: dict[str, str] = {
-    # (Random ops -- OpInfo samples on which two calls differ, quirk "random" -- are compared
-    # exactly when strategies/_random.py rules them: the reference runs their counter-based
-    # kernel whole, check.run_whole. A random op with no rule there would be listed here.)
-    # The reference itself cannot be computed.
-    "aten.linalg_eig.default": "reference backward raises: the gradient of complex eigenvectors is defined only "
-                               "for losses invariant to their phase, and check.py draws a random output gradient",
-}
-
-
-def _bucket(item: opinfo.OpInfoSample) -> str:
-    """The most specific ``XFAIL`` key that names ``item``, else ``<overload>@<quirk>`` for a
-    sample with a quirk (it needs an entry), else its overload."""
-    target = str(item.target)
-    for key in (f"{target}@{item.source}[{item.index}]", f"{target}@{item.source}"):
-        if key in XFAIL:
-            return key
-    return f"{target}@{item.quirk}" if item.quirk else target
-
-
-def _opinfos():
-    """``AUTOPAR_OPINFO=add,nn.functional.linear`` restricts the sweep (while debugging a rule)."""
-    names = os.environ.get("AUTOPAR_OPINFO")
-    if not names:
-        return None
-    return [o for o in opinfo.op_db() if o.name in names.split(",")]
-
-
-def _sharded(strategy) -> bool:
-    specs = strategy.input_specs + strategy.output_specs
-    return not all(s is None or s.is_replicated() for s in specs)
-
-
-def _strategies(info, shape):
-    return enumerate_strategies(info, MeshSpec.preset("cpu", shape), flops=(0.0, 0.0))
-
-
-def _meshes(info) -> tuple[list[tuple[int, ...]], str]:
-    """The meshes to check ``info`` on and how its sharding gets checked there: ``MESHES``
-    ("even" when they offer a sharded candidate), plus the first of ``ODD_MESHES`` that does
-    when they offer none ("odd"; OpInfo's reductions use sizes 5 and 3 only), else "none"."""
-    if any(_sharded(st) for shape in MESHES for st in _strategies(info, shape)):
-        return MESHES, "even"
-    odd = next((shape for shape in ODD_MESHES if any(_sharded(st) for st in _strategies(info, shape))), None)
-    return (MESHES + [odd], "odd") if odd else (MESHES, "none")
-
-
-def _prefer(item: opinfo.OpInfoSample) -> tuple:
-    """``(class, tiebreak)`` for ``opinfo.collect``: samples without a quirk first, then those
-    whose sharding gets checked (on ``MESHES``, else on an odd mesh), then
-    ``opinfo.preference``."""
-    try:
-        kind = _meshes(opinfo.info_of(item))[1]
-    except Exception:  # noqa: BLE001 - a rule that raises: its test reports it
-        kind = "none"
-    return (item.quirk != "", ("even", "odd", "none").index(kind)), opinfo.preference(item)
-
-
-FOUND = opinfo.collect(opinfos=_opinfos(), bucket=_bucket, prefer=_prefer)
+# Traced in a forked process while pytest collected the other test files (opinfo_sweep says why).
+FOUND = opinfo_sweep.collection()
 GROUPS: dict[str, list[opinfo.OpInfoSample]] = collections.defaultdict(list)
 for _items in FOUND.samples.values():
     for _item in _items:
