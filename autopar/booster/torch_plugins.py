@@ -306,8 +306,13 @@ class TorchDDPPlugin(_TorchPlugin):
         device_type = _device_type()
         device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
         model = model.to(device)
+        kwargs = dict(self.ddp_kwargs)
+        if kwargs["broadcast_buffers"]:
+            # DDP's default syncs buffers each forward; torch 2.13 deprecates saying so explicitly
+            # (its replacement, ``forward_sync_buffers``, is absent from older torch).
+            del kwargs["broadcast_buffers"]
         ddp = nn.parallel.DistributedDataParallel(
-            model, device_ids=[device.index] if device_type == "cuda" else None, **self.ddp_kwargs)
+            model, device_ids=[device.index] if device_type == "cuda" else None, **kwargs)
         mesh = init_device_mesh(device_type, (dist.get_world_size(),))
         return TorchParallelModule(ddp, model=model, mesh=mesh)
 
