@@ -54,8 +54,12 @@ def mesh_preset(device: torch.device) -> str:
 def check_plan(plan: Plan, *, graph_hash: str, world_size: int, mesh: MeshSpec | None) -> None:
     """``ValueError`` saying what does not match: graph hash, world size or mesh."""
     if plan.graph_hash != graph_hash:
+        # batch_norm_stats="per_rank" rewrites the traced graph, and a Plan does not carry options.
+        per_rank = any("chunked_batch_norm" in n.op for n in plan.nodes)
+        hint = (" (it was made with batch_norm_stats='per_rank': apply it with that option too)" if per_rank
+                else " (or batch_norm_stats, which changes the traced graph, differs from the plan's)")
         raise ValueError(f"stale plan for {plan.model}: it was made for graph hash {plan.graph_hash}, this "
-                         f"model traces to {graph_hash} (the model, its inputs' shapes or autopar changed); "
+                         f"model traces to {graph_hash} (the model, its inputs' shapes or autopar changed){hint}; "
                          f"re-plan it")
     size = math.prod(plan.mesh.shape)
     if size != world_size:

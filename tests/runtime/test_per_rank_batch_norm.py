@@ -245,6 +245,17 @@ def test_bad_input_errors():
         plan_traced(traced, profile(traced), mesh=(4,), options=PlanOptions(batch_norm_stats="per_rank"))
 
 
+def test_a_per_rank_plan_applied_to_the_global_graph_names_the_option():
+    from autopar.runtime.build import check_plan
+
+    model = CNN().double().train()
+    plan = autopar.plan(model, _inputs(), mesh=(4,), batch_norm_stats="per_rank", pipeline=None, cache=False)
+    global_hash = autopar.plan(model, _inputs(), mesh=(4,), pipeline=None, cache=False).graph_hash
+    assert global_hash != plan.graph_hash
+    with pytest.raises(ValueError, match=r"stale plan.*made with batch_norm_stats='per_rank'"):
+        check_plan(plan, graph_hash=global_hash, world_size=4, mesh=None)
+
+
 @pytest.mark.full_sweep  # the default run covers the batch split, the channel x batch split and a tight budget
 @pytest.mark.parametrize("shape", [(2,), (4,), (2, 2)], ids=str)
 def test_auto_plan_equals_one_device(shape):
