@@ -221,7 +221,8 @@ def _profile_estimates(model, inputs, world: int, profiles: dict[tuple[int, ...]
     out = {"torch-ddp": plan_family(model, inputs, "data-parallel", mesh=flat, options=torch_options).estimate}
     out["torch-fsdp2"] = plan_family(model, inputs, "zero3", mesh=flat, options=replace(
         torch_options, memory_budget=sharded_state_budget(out["torch-ddp"], world))).estimate
-    out["gemini"] = plan_family(model, inputs, "data-parallel", mesh=flat, options=options).estimate
+    out["gemini"] = out["torch-ddp"] if torch_options == options else plan_family(  # global statistics
+        model, inputs, "data-parallel", mesh=flat, options=options).estimate
     for name, family in (("zero1", "zero1"), ("zero2", "zero2")):
         out[name] = plan_family(model, inputs, family, mesh=flat, options=replace(options, zero_stage="auto")).estimate
     for name, tp, pp in (("hybrid-tp2", 2, 1), ("tp2xpp2", 2, 2), ("pp2", 1, 2)):

@@ -163,10 +163,10 @@ class DistComm:
         record("all_reduce", out.numel() * out.element_size())
         work = dist.all_reduce(out, group=self.pmesh.group(axes[0]), async_op=True)
 
-        def wait() -> torch.Tensor:
-            work.wait()  # the first axis in flight since the call; any further axes after it
+        def result() -> torch.Tensor:
+            wait(work)  # the first axis in flight since the call; any further axes after it
             return all_reduce_axes(out, axes[1:], self.pmesh) if axes[1:] else out
-        return wait
+        return result
 
     def shift(self, tensor: torch.Tensor, axis: int) -> torch.Tensor:
         n = self.pmesh.axis_size(axis)

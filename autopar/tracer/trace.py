@@ -369,7 +369,7 @@ def _diagnose(err: Exception, stack: list[str], model_name: str, *,
                 "torch.utils._pytree.register_pytree_node")
     elif "pytree" in text.lower() or "unsupported input" in text.lower() or "input type" in text:
         hint = "a non-tensor input cannot be traced: pass it as a constant (a Python value)"
-    elif _raised_in(err, _META_KERNEL_FILES) or _raised_in_model_code(err):
+    elif (in_kernel := _raised_in(err, _META_KERNEL_FILES)) or _raised_in_model_code(err):
         eager_err = eager()
         if eager_err is None:
             hint = _EXPORT_ONLY
@@ -380,7 +380,7 @@ def _diagnose(err: Exception, stack: list[str], model_name: str, *,
                        f"{type(eager_err).__name__}: {_first_line(eager_err)}")
             hint = (f"the op rejects the shapes or dtypes it was given ({eagerly}): check the "
                     f"shapes and dtypes of the inputs given to trace"
-                    if _raised_in(err, _META_KERNEL_FILES) else
+                    if in_kernel else
                     f"the model's own code raised this error ({eagerly}): check the inputs "
                     f"given to trace and the model's config")
     else:
