@@ -14,7 +14,12 @@ calibrated here first -- ``autopar.calibrate`` on as many forked processes as it
   ZeRO-3, Megatron tensor parallel, and DP x TP on 2-D meshes;
 - a two-stage pipeline over mesh axis 0 (``pipeline=2``, ``checkpoint="none"``);
 - torch's ``DistributedDataParallel`` and FSDP2 (``fully_shard``) on the model itself, priced by
-  the data-parallel and ZeRO-3 families' estimates (the layouts they run).
+  the data-parallel and ZeRO-3 families' estimates (the layouts they run);
+- a model with training-mode batch norms (the CNN): torch's engines normalise each rank's share
+  of the batch, so they are priced by those families planned with ``batch_norm_stats="per_rank"``,
+  and ``auto-per-rank`` and ``data-parallel-per-rank`` (autopar computing what DDP computes) are
+  added. Choices are judged like for like: a global-statistics plan against the plans with
+  global statistics, a per-rank one against every plan.
 
 Identical plans (same strategy per node, ZeRO stages, recompute, stages) are kept once. Every
 rank then builds every plan from the same weights and times them in interleaved rounds (rotating
@@ -43,7 +48,7 @@ import math
 import os
 import statistics
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -70,6 +75,7 @@ class Candidate:
     engine: str = "autopar"
     budget: int | None = None  # the auto plans' budget (None: ample)
     options: object = None  # the PlanOptions it was planned with (``--parts`` re-prices it with them)
+    per_rank_stats: bool = False  # its batch norms normalise each rank's share (torch's engines, *-per-rank)
 
 
 def _signature(plan) -> tuple:
@@ -94,16 +100,17 @@ def candidates(model, inputs, *, mesh, only: frozenset[str] | None = None,
     def wanted(name: str) -> bool:
         return (only is None or name in only) and name not in skip
 
-    def add(name: str, plan, *, budget=None, options=None) -> None:
-        sig = _signature(plan)
+    def add(name: str, plan, *, budget=None, options=None, per_rank: bool = False) -> None:
+        sig = (per_rank, _signature(plan))
         if sig in seen:
             print(f"  {name}: same plan as one already listed", flush=True)
             return
         seen.add(sig)
         out.append(Candidate(name, plan.estimate.step_s, plan.estimate.peak_bytes, plan, budget=budget,
-                             options=options))
+                             options=options, per_rank_stats=per_rank))
         print(f"  {name}: {plan.estimate.step_s * 1e3:.1f} ms, {plan.estimate.peak_bytes / 2**20:.1f} MiB", flush=True)
 
+    per_rank = _trains_batch_norm(model)
     families, family_options = {}, {}
     for family in ("data-parallel", *(f for f in BASELINES if f != "data-parallel")):
         if baseline_roles(family, len(mesh.shape)) is None:
@@ -138,11 +145,55 @@ def candidates(model, inputs, *, mesh, only: frozenset[str] | None = None,
             add("pipeline-2", autopar.plan(model, inputs, mesh=mesh, pipeline=2, checkpoint="none", cache=False))
     except (ValueError, NotImplementedError) as exc:
         print(f"  pipeline-2: {exc}", flush=True)
+    engines = families
+    if per_rank:
+        engines = _per_rank_plans(model, inputs, mesh=mesh, families=families, family_options=family_options,
+                                  wanted=wanted, add=add)
     for engine, family in (("ddp", "data-parallel"), ("fsdp2", "zero3")):
-        if family in families and wanted(f"torch-{engine}"):
-            est = families[family].estimate
-            out.append(Candidate(f"torch-{engine}", est.step_s, est.peak_bytes, engine=engine))
+        if family in engines and wanted(f"torch-{engine}"):
+            est = engines[family].estimate
+            out.append(Candidate(f"torch-{engine}", est.step_s, est.peak_bytes, engine=engine,
+                                 per_rank_stats=per_rank))
     return out
+
+
+def _trains_batch_norm(model) -> bool:
+    from autopar.booster.torch_plugins import per_rank_batch_norms
+
+    return bool(per_rank_batch_norms(model))
+
+
+def _per_rank_plans(model, inputs, *, mesh, families: dict, family_options: dict, wanted, add) -> dict:
+    """A model with training batch norms: torch's DDP and FSDP2 normalise each rank's share of the
+    batch, which autopar plans as ``batch_norm_stats="per_rank"``. Adds ``auto-per-rank`` and
+    ``data-parallel-per-rank`` (the plans computing what DDP computes) and returns the families
+    that price torch's engines: the per-rank data-parallel and ZeRO-3 plans, the layouts DDP and
+    FSDP2 run with the statistics they keep (the global-statistics families would price batch
+    norm collectives they never issue)."""
+    import autopar
+    from autopar.planner.orchestrate import plan_family
+
+    engines = {}
+    for family in ("data-parallel", "zero3"):
+        if family not in families:
+            continue
+        options = replace(family_options[family], batch_norm_stats="per_rank")
+        try:
+            engines[family] = plan_family(model, inputs, family, mesh=mesh, options=options)
+        except ValueError as exc:
+            print(f"  {family}-per-rank: {exc}", flush=True)
+            continue
+        if family == "data-parallel" and wanted("data-parallel-per-rank"):
+            add("data-parallel-per-rank", engines[family], options=options, per_rank=True)
+    if wanted("auto-per-rank"):
+        from autopar.planner.options import PlanOptions
+
+        try:
+            add("auto-per-rank", autopar.plan(model, inputs, mesh=mesh, batch_norm_stats="per_rank", cache=False),
+                options=PlanOptions(batch_norm_stats="per_rank"), per_rank=True)
+        except ValueError as exc:
+            print(f"  auto-per-rank: no plan ({exc})", flush=True)
+    return engines
 
 
 # ---------------------------------------------------------------------------------- running
@@ -176,7 +227,8 @@ def _engine(cand: Candidate, model, inputs, rank: int, world: int, device: torch
     if cand.engine == "fsdp2":
         module = _fsdp2(model, device)
         return module, lambda: module(**local), torch.optim.AdamW(module.parameters(), lr=1e-4, foreach=True)
-    module = autoparallelize(copy.deepcopy(model), inputs, plan=cand.plan, device=device)
+    stats = {"batch_norm_stats": "per_rank"} if cand.per_rank_stats else {}
+    module = autoparallelize(copy.deepcopy(model), inputs, plan=cand.plan, device=device, **stats)
     optimizer = module.optimizer(torch.optim.AdamW, lr=1e-4, foreach=True)
     if cand.plan.pipeline is not None:
         return module, lambda: module.step(**inputs), optimizer
@@ -293,7 +345,10 @@ def summarize(model_name: str, mesh, cands: list[Candidate], results: list[dict]
             continue
         # What fits is what measured within the budget: an estimate that under-counts a plan's
         # bytes (a pipeline's, here) must not make it the plan to beat.
-        fits = [d for d in cands if c.budget is None or mem[d.name] <= c.budget] or [c]
+        # Like for like: a plan with the global batch's statistics is timed against the plans that
+        # compute them; a per-rank one (what torch's engines compute) against every plan.
+        alike = [d for d in cands if c.per_rank_stats or not d.per_rank_stats]
+        fits = [d for d in alike if c.budget is None or mem[d.name] <= c.budget] or [c]
         fastest = min(fits, key=lambda d: measured[d.name])
         choices[c.name] = (measured[c.name] / measured[fastest.name], fastest.name,
                            c.budget is None or mem[c.name] <= c.budget)
@@ -332,10 +387,10 @@ def parts(model, inputs, cands: list[Candidate], results: list[dict], measured_s
     print(f"\nparts, ms per step, priced / measured ({', '.join(used)}, comm, optimizer; rest: measured step "
           f"less its measured parts)")
     for c in names:
-        precision = c.options.precision
-        if precision not in traced:
-            traced[precision] = trace_for_planning(model, inputs, precision=precision)
-        graph = traced[precision]
+        key = (c.options.precision, c.options.batch_norm_chunks(math.prod(c.plan.mesh.shape)))
+        if key not in traced:
+            traced[key] = trace_for_planning(model, inputs, precision=key[0], batch_norm_chunks=key[1])
+        graph = traced[key]
         priced = priced_parts(graph, profile_graph(graph), c.plan, options=c.options)
         meas = {k: max(r["parts"][c.name]["compute"][k] for r in results) for k in OP_CLASSES}
         comm = max(r["parts"][c.name]["comm"] for r in results)

@@ -79,3 +79,38 @@ def test_fidelity_summary_judges_the_choice_by_measured_bytes(capsys):
     assert record["allocated_bytes"]["auto"] == 110 * mib and record["device"] == "cuda:0"
     out = capsys.readouterr().out
     assert "alloc MiB" in out and "on cuda:0" in out
+
+
+def test_fidelity_judges_a_global_statistics_choice_against_its_like():
+    from types import SimpleNamespace
+
+    import fidelity  # benchmarks/fidelity.py
+
+    mib = 2**20
+    cands = [fidelity.Candidate("auto", 1.0, mib), fidelity.Candidate("data-parallel", 1.2, mib),
+             fidelity.Candidate("auto-per-rank", 0.9, mib, per_rank_stats=True),
+             fidelity.Candidate("torch-ddp", 0.9, mib, engine="ddp", per_rank_stats=True)]
+    steps = {"auto": 1.1, "data-parallel": 1.2, "auto-per-rank": 1.0, "torch-ddp": 0.8}
+    rank = {"times": {n: [t] * 3 for n, t in steps.items()}, "device": "cpu",
+            "memory": {n: {"saved": 0, "state": mib, "allocated": None} for n in steps}}
+    record = fidelity.summarize("cnn", SimpleNamespace(shape=(2,)), cands, [rank])
+    # DDP normalises each rank's share of the batch: not the global plan's competitor, the per-rank one's.
+    assert record["choice_ratio"]["auto"] == pytest.approx(1.0)
+    assert record["choice_ratio"]["auto-per-rank"] == pytest.approx(1.0 / 0.8)
+
+
+def test_fidelity_prices_torch_engines_on_a_batch_norm_model_with_per_rank_statistics():
+    import fidelity  # benchmarks/fidelity.py
+    from _measure import build_model
+
+    import autopar
+
+    model, inputs = build_model("cnn", batch=8)
+    mesh = autopar.MeshSpec.preset("cpu", (2,))
+    cands = {c.name: c for c in fidelity.candidates(model, inputs, mesh=mesh, only=frozenset(
+        {"data-parallel", "data-parallel-per-rank", "torch-ddp"}))}
+    assert set(cands) == {"data-parallel", "data-parallel-per-rank", "torch-ddp"}
+    assert cands["torch-ddp"].per_rank_stats and cands["data-parallel-per-rank"].per_rank_stats
+    assert cands["torch-ddp"].estimate_s == cands["data-parallel-per-rank"].estimate_s
+    # The global plan's batch norms sum statistics over the ranks; the per-rank one's do not.
+    assert cands["data-parallel"].estimate_s > cands["data-parallel-per-rank"].estimate_s
