@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import math
 import os
+from typing import Sequence
 
 __all__ = ["DEFAULT_CAP_MB", "DEFAULT_FIRST_CAP_MB", "ENV_VAR", "FIRST_ENV_VAR", "bucket_cap_bytes",
-           "first_cap_bytes_default"]
+           "first_cap_bytes_default", "split_buckets"]
 
 DEFAULT_CAP_MB = 25.0  # DDP's default bucket_cap_mb
 ENV_VAR = "AUTOPAR_BUCKET_CAP_MB"
@@ -40,3 +41,22 @@ def first_cap_bytes_default() -> int:
     if value < 0 or math.isnan(value):
         raise ValueError(f"{FIRST_ENV_VAR} must be >= 0, got {raw!r}")
     return int(value * 2**20)
+
+
+def split_buckets(sizes: Sequence[int], *, cap: int, first_cap: int) -> list[list[int]]:
+    """Positions ``0 .. len(sizes) - 1`` (gradient bytes, in the order the gradients become ready)
+    cut into consecutive buckets: a new bucket where the next gradient would take the open one
+    past its cap -- ``first_cap`` for the first bucket, ``cap`` for the others; a gradient larger
+    than the cap fills a bucket alone. The runtime lays out its buckets so
+    (``runtime.bucketing``), and the planner prices the last one -- issued only when backward
+    has ended, so nothing hides it -- by the same cut (``planner.builder``)."""
+    buckets: list[list[int]] = []
+    filled = 0
+    for i, size in enumerate(sizes):
+        limit = first_cap if len(buckets) == 1 else cap
+        if not buckets or filled + size > limit:
+            buckets.append([])
+            filled = 0
+        buckets[-1].append(i)
+        filled += size
+    return buckets

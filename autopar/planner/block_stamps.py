@@ -15,7 +15,8 @@ and an op that fails a check is built on its own (the same records, computed):
 * per op: the decisions its inputs read hold the very ``Choice`` tuples block 2's inputs hold (so
   the same parameter layouts, ZeRO and offload options, hence the same edge matrices); the storages
   whose last saver it is (the profile's), renamed; the previous reader of each input
-  (``ReaderChain``, fed here in graph order as the per-op path feeds it), renamed.
+  (``ReaderChain``, fed here in graph order as the per-op path feeds it), renamed; no input is a
+  parameter of the last gradient bucket (``BuiltProblem.exposed``: its sum hides nothing).
 
 ``tests/planner/test_builder.py`` compares the stamped build with the op-by-op build.
 """
@@ -154,6 +155,8 @@ class BlockStamps:
                 continue
             mine = decisions.get(rename.get(v.producer, v.producer))
             if mine is None or mine.choices is not decisions[v.producer].choices:
+                return None
+            if v.producer in b.exposed or mine.name in b.exposed:  # the last bucket's sums hide nothing
                 return None
             inputs.append(InputSlot(mine.name, v.index, v.shape, v.itemsize))
         parts = b._saved_parts(node)

@@ -51,7 +51,7 @@ from autopar.layout.mesh import MeshSpec
 from autopar.layout.placement import R, Shard, TensorSpec
 from autopar.planner.block_stamps import BlockStamps, Template
 from autopar.layout.buckets import bucket_cap_bytes
-from autopar.planner.executed import ReaderChain, bucket_edges, sync_key, zero2_capable, zero2_edge
+from autopar.planner.executed import ReaderChain, bucket_edges, last_bucket_params, sync_key, zero2_capable, zero2_edge
 from autopar.planner.records import BuiltProblem, Choice, ChosenConversion, Decision, InputSlot
 from autopar.planner.saved_bytes import SELF, activation_bytes, edge_copies, global_bytes
 from autopar.planner.segments import (node_vals, op_segments, saved_by, segment_inputs, storage_base,
@@ -116,6 +116,7 @@ class _Builder:
                  bucket_cap: int | None = None, segmented: bool = False) -> None:
         self.traced, self.prof, self.mesh, self.fixed, self.segmented = traced, prof, mesh, fixed, segmented
         self.bucket_cap = bucket_cap_bytes() if bucket_cap is None else bucket_cap
+        self.exposed = last_bucket_params(traced, cap=self.bucket_cap)  # their sums: synchronous
         self.budget, self.opts, self.gather_cap = budget_bytes, options, zero_gather_cap(traced.params)
         ops = [n for n in traced.compute_nodes() if _has_tensor_output(n) and n.target is not operator.getitem]
         self.num_ops = len(ops)
@@ -180,7 +181,8 @@ class _Builder:
                                                   base_of=self._storage_base)})
         return BuiltProblem(problem=problem, decisions=MappingProxyType(self.decisions), mesh=self.mesh,
                             sources=MappingProxyType(self.sources), fallbacks=tuple(self.fallbacks),
-                            segment_inputs=kept, bucket_cap=self.bucket_cap, gather_cap=self.gather_cap)
+                            segment_inputs=kept, bucket_cap=self.bucket_cap, gather_cap=self.gather_cap,
+                            exposed=self.exposed)
 
     def _edge_records(self) -> tuple[Edge, ...]:
         """The ``Problem``'s edges. Repeated blocks share cost matrices (``_edge_cache``): each
@@ -507,6 +509,7 @@ class _Builder:
                                                          zero2=zero2_capable(self.decisions[value.producer]),
                                                          bucket_cap=self.bucket_cap)
                 miss, asy = self._edge_cache[key]
+                asy = None if value.producer in self.exposed else asy  # the last bucket hides nothing
             matrix = self._edge_matrix(src, value, dst.choices, slot)
             self._add_edge(value.producer, dst.name, matrix if miss is None else matrix + miss, asy)
 

@@ -17,6 +17,7 @@ from typing import Mapping
 
 import numpy as np
 
+from autopar.layout.buckets import first_cap_bytes_default, split_buckets
 from autopar.layout.cost import collective_seconds
 from autopar.layout.placement import TensorSpec
 from autopar.plans import NodeKind
@@ -25,8 +26,8 @@ from autopar.planner.zero_pricing import zero2_extra_s
 from autopar.strategies import Strategy
 from autopar.strategies.grad_sums import grad_sync_seconds
 
-__all__ = ["GradSync", "ReaderChain", "async_edge", "bucket_edges", "bucketed_async_s", "grad_syncs", "sync_key",
-           "unique_conversions", "shared_savings", "zero2_capable", "zero2_edge"]
+__all__ = ["GradSync", "ReaderChain", "async_edge", "bucket_edges", "bucketed_async_s", "grad_syncs",
+           "last_bucket_params", "sync_key", "unique_conversions", "shared_savings", "zero2_capable", "zero2_edge"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +45,7 @@ class GradSync:
     kind: str  # all_reduce | reduce_scatter
     bucketed: bool = False  # issued asynchronously in a gradient bucket (``Decision.bucketed``)
     bucket_cap: int = 0  # that bucket's cap in bytes (``BuiltProblem.bucket_cap``; 0: no buckets)
+    exposed: bool = False  # in the last bucket, issued as backward ends (``last_bucket_params``)
 
     def seconds(self, mesh) -> float:
         cap = self.bucket_cap * self.bucketed
@@ -55,7 +57,7 @@ class GradSync:
     def async_seconds(self, mesh) -> float:
         """Of ``seconds``, what a gradient bucket issues asynchronously (0 when not bucketed)."""
         return bucketed_async_s(self.strategy, self.slot, mesh, self.kind,
-                                bucket_cap=self.bucket_cap) if self.bucketed else 0.0
+                                bucket_cap=self.bucket_cap) if self.bucketed and not self.exposed else 0.0
 
 
 def bucket_edges(src_choices, value: InputSlot, dst_choices, slot: int, mesh, *, zero2: bool,
@@ -141,6 +143,28 @@ def bucketed_async_s(strategy: Strategy, slot: int, mesh, kind: str = "all_reduc
     return min(collective_seconds(kind, strategy.grad_sync_bytes[slot], mesh, axes[0], bucket_cap=bucket_cap), total)
 
 
+def last_bucket_params(traced, *, cap: int) -> frozenset[str]:
+    """The trainable parameters (placeholder names) whose gradients the runtime's LAST bucket
+    sums when every parameter is bucketed (data parallelism): the first ones forward reads,
+    whose gradients are ready only as backward ends -- that bucket is issued then and waited on
+    at once, so no compute hides it whatever ``comm_overlap`` says. Cut as the runtime cuts
+    (``layout.buckets.split_buckets``, in the order gradients become ready: reverse forward).
+    Empty without buckets (``cap`` 0). For other plans an approximation: a sharded parameter
+    leaves the buckets, and the runtime's last bucket then reaches further into the model."""
+    if cap <= 0:
+        return frozenset()
+    trainable = {p.name: p for p in traced.params if p.requires_grad}
+    order: list[str] = []
+    for node in traced.compute_nodes():
+        for arg in node.all_input_nodes:
+            if arg.name in trainable and arg.name not in order:
+                order.append(arg.name)
+    ready = order[::-1]
+    sizes = [trainable[n].numel * trainable[n].dtype.itemsize for n in ready]
+    buckets = split_buckets(sizes, cap=cap, first_cap=min(cap, first_cap_bytes_default() or cap))
+    return frozenset(ready[k] for k in buckets[-1]) if buckets else frozenset()
+
+
 def _zero2_layouts(built: BuiltProblem, choice: Mapping[str, str]) -> dict[str, TensorSpec]:
     out = {}
     for name, d in built.decisions.items():
@@ -211,7 +235,8 @@ def grad_syncs(built: BuiltProblem, choice: Mapping[str, str]) -> tuple[list[Gra
             kind = "reduce_scatter" if zero2.get(value.producer) == spec else "all_reduce"
             # bucketed: a parameter's (``Decision.bucketed``) read in its producer's layout
             own = built.choice_of(value.producer, choice[value.producer]).output_specs[value.index] == spec
-            sync = GradSync(name, slot, value, spec, tuple(axes), s, kind, slot in d.bucketed and own, built.bucket_cap)
+            sync = GradSync(name, slot, value, spec, tuple(axes), s, kind, slot in d.bucketed and own, built.bucket_cap,
+                            exposed=value.producer in built.exposed)
             priced = prev is None or sync_key(built.choice_of(prev[0], choice[prev[0]]), prev[1]) != sync_key(c, slot)
             key = (value.producer, value.index) + sync_key(c, slot)
             issued = key not in first

@@ -127,6 +127,7 @@ class BuiltProblem:
     segment_inputs: Mapping[str, tuple[SegmentInput, ...]]
     bucket_cap: int = 0  # bytes per gradient bucket the sums were priced for (``layout.buckets``; 0: none)
     gather_cap: int = 0  # bytes per ZeRO all-gather bucket the gathers were priced for (``zero_gather_cap``)
+    exposed: frozenset[str] = frozenset()  # parameters of the last gradient bucket (``executed.last_bucket_params``)
 
     def decision(self, name: str) -> Decision:
         try:

@@ -66,7 +66,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from autopar.layout.buckets import DEFAULT_CAP_MB, bucket_cap_bytes, first_cap_bytes_default
+from autopar.layout.buckets import DEFAULT_CAP_MB, bucket_cap_bytes, first_cap_bytes_default, split_buckets
 from autopar.runtime.counting import record
 from autopar.runtime.dist_ops import wait
 from autopar.runtime.dtensors import grad_like, local_of
@@ -170,25 +170,27 @@ class GradBucketer(nn.Module):
         return self._buckets
 
     def _layout(self) -> tuple[list[_Bucket], dict[int, int]]:
-        buckets: list[_Bucket] = []
-        open_: dict[tuple, int] = {}
-        first: dict[tuple, int] = {}  # key -> its first bucket, capped at first_cap_bytes
+        # Slots in the order their gradients become ready (reverse forward), one cut per
+        # (axes, dtype, shard) group (``layout.buckets.split_buckets``, the cut the planner
+        # prices); buckets numbered in the order that walk opens them, the order they are issued.
+        groups: dict[tuple, list[int]] = {}
         for slot in reversed(range(len(self.slots))):
             s = self.slots[slot]
-            key = (s.axes, s.dtype, s.shard)
-            size = s.numel * s.dtype.itemsize
-            b = open_.get(key)
-            cap = self.first_cap_bytes if b is not None and b == first.get(key) else self.cap_bytes
-            if b is not None and buckets[b].numel * s.dtype.itemsize + size > cap:
-                b = None
-            if b is None:
-                b = open_[key] = len(buckets)
-                first.setdefault(key, b)
-                buckets.append(_Bucket(s.axes, s.dtype, s.shard))
-            bucket = buckets[b]
-            bucket.offsets[slot] = bucket.numel
-            bucket.slots.append(slot)
-            bucket.numel += s.numel
+            groups.setdefault((s.axes, s.dtype, s.shard), []).append(slot)
+        cut = []
+        for (axes, dtype, shard), slots in groups.items():
+            sizes = [self.slots[i].numel * dtype.itemsize for i in slots]
+            for members in split_buckets(sizes, cap=self.cap_bytes, first_cap=self.first_cap_bytes):
+                cut.append((axes, dtype, shard, [slots[k] for k in members]))
+        cut.sort(key=lambda b: -b[3][0])  # opened when its first (highest-numbered) slot arrives
+        buckets: list[_Bucket] = []
+        for axes, dtype, shard, members in cut:
+            bucket = _Bucket(axes, dtype, shard)
+            for slot in members:
+                bucket.offsets[slot] = bucket.numel
+                bucket.slots.append(slot)
+                bucket.numel += self.slots[slot].numel
+            buckets.append(bucket)
         return buckets, {slot: b for b, bucket in enumerate(buckets) for slot in bucket.slots}
 
     def extra_repr(self) -> str:

@@ -13,9 +13,11 @@ Every communication cost the builder emits is one of two kinds:
   asynchronous part, ``StrategyOption.async_s``, adds to it).
 
 Asynchronous communication runs beside compute: the backward compute after its bucket is ready.
-That is approximated by the whole step's backward compute (``StrategyOption.overlap_s``; the
-last bucket, ready only when backward ends, is what ``comm_overlap`` < 1 leaves exposed among
-others). With ``A`` the chosen async seconds, ``W`` the chosen backward compute and ``rho`` the
+That is approximated by the whole step's backward compute (``StrategyOption.overlap_s``). The
+last bucket, issued only when backward ends, is not asynchronous at all: the builder counts the
+sums of its parameters synchronous (``planner.executed.last_bucket_params``, the runtime's own
+cut), so a small model whose gradients fill one bucket hides nothing, as it measures. With ``A``
+the chosen async seconds, ``W`` the chosen backward compute and ``rho`` the
 mesh's ``comm_overlap``::
 
     hidden  = min(rho * A, W)          (hidden <= rho * A and hidden <= W, as large as they allow)

@@ -109,7 +109,29 @@ def test_data_parallel_plan_priced_with_buckets_and_solver_agrees_with_evaluator
     family = solve(baseline_problem("data-parallel", traced, built))
     ev = built.problem.evaluate(family.choice)
     assert family.objective == pytest.approx(ev.objective, rel=1e-9)
-    assert ev.async_s == pytest.approx(sum(s.seconds(built.mesh) for s in grad_syncs(built, family.choice)[0]))
+    syncs = grad_syncs(built, family.choice)[0]
+    assert ev.async_s == pytest.approx(sum(s.async_seconds(built.mesh) for s in syncs))
+    # The last bucket (the first layers' sums, ready as backward ends) hides nothing: 1.6 MB of
+    # gradients, the first 1 MiB bucket takes layers 5-3 and layer 2's bias (ready before its
+    # weight, which forward reads first, through its transpose); the rest is the last bucket.
+    exposed = sorted(built.decisions[s.value.producer].module for s in syncs if s.exposed)
+    assert exposed == ["layers.0.bias", "layers.0.weight", "layers.1.bias", "layers.1.weight", "layers.2.weight"]
+    assert all(s.async_seconds(built.mesh) == 0.0 < s.seconds(built.mesh) for s in syncs if s.exposed)
+
+
+def test_the_last_bucket_is_cut_as_the_runtime_cuts_it():
+    from autopar.layout.buckets import split_buckets
+    from autopar.planner.executed import last_bucket_params
+
+    assert split_buckets([3, 3, 3, 10, 2, 2], cap=8, first_cap=4) == [[0], [1, 2], [3], [4, 5]]
+    assert split_buckets([5], cap=8, first_cap=4) == [[0]]
+    assert split_buckets([], cap=8, first_cap=4) == []
+    traced, built = _built()
+    assert built.exposed == last_bucket_params(traced, cap=CAP)
+    assert len(built.exposed) == 5 and not _built(bucket_cap=0)[1].exposed
+    # One bucket holds every gradient of a model under the first bucket's cap: all of it is exposed.
+    traced, built = _built(d=64)
+    assert built.exposed == {p.name for p in traced.params}
 
 
 def test_a_converted_read_keeps_its_own_latency():

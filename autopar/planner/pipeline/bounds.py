@@ -79,9 +79,13 @@ class BlockFloors:
         return self._blocks[j]
 
     def key(self, j: int, *, factor: float) -> tuple:
-        """Blocks of one class with the same shared pattern have one floor (one solve)."""
+        """Blocks of one class with the same shared pattern have one floor (one solve); a block
+        holding parameters of the last gradient bucket (``BuiltProblem.exposed``: their sums hide
+        nothing) is priced apart from its class."""
         geo = self.geometry
-        return j == 0, j == geo.num_blocks - 1, geo.block_class[j], factor, self.block(j)[1]
+        names, pattern = self.block(j)
+        return (j == 0, j == geo.num_blocks - 1, geo.block_class[j], factor, pattern,
+                not geo.built.exposed.isdisjoint(names))
 
     def range_floor(self, a: int, b: int, *, factor: float) -> float:
         """The sum of the floors of blocks ``[a, b)`` at the smallest factor >= ``factor`` stored

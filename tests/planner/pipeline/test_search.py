@@ -374,7 +374,9 @@ def _stage_costs(traced_models, name="llama-1b", shape=(2, 2)):
 
     traced, prof = traced_models[name]
     mesh = MeshSpec.preset("cpu", shape)
-    built = build_problem(traced, prof, stage_mesh_of(mesh), budget_bytes=None,
+    # As ``pipeline.costs.stage_costs`` builds a stage's problem: the pipeline runtime sums
+    # gradients once per step, unbucketed.
+    built = build_problem(traced, prof, stage_mesh_of(mesh), budget_bytes=None, bucket_cap=0,
                           options=PlanOptions(checkpoint="none"))
     return StageCosts(traced, built, mesh=mesh, solve=lambda p: solve(p, time_limit=30))
 
