@@ -19,7 +19,6 @@ import io
 import logging
 import os
 import traceback
-import warnings
 from typing import Any, Callable
 
 import torch
@@ -107,12 +106,8 @@ def trace(model: nn.Module, meta_inputs: tuple | dict, *, name: str | None = Non
         fake = {k: pytree.tree_map(lambda v: _to_fake(v, fake_mode, device), v)
                 for k, v in tensors.items()}
         with _fake_state(module, fake_mode, device), hf.caches_off(module), experts_as_ops(module), \
-                _no_distribution_checks(), custom_functions() as functions:
+                _no_distribution_checks(), custom_functions():  # each one op with its own backward
             ep = _export(module, fake, constants, model_name, stack_traces)
-        if functions:
-            warnings.warn(f"{model_name} applies custom autograd.Function(s) {', '.join(functions)}: the traced "
-                          f"graph keeps their forward, and training differentiates it; their own backward is "
-                          f"not used (the same gradient only where it is the forward's derivative)", stacklevel=3)
         return _build(module, ep, model_name)
 
     with frozen_heap():  # the model and the interpreter's modules: out of full GC passes
