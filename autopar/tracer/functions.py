@@ -53,7 +53,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode, register_flop_formula
 
 __all__ = ["FunctionCall", "OutputLayout", "autograd_function", "custom_functions", "function_call",
-           "call_function", "function_outputs"]
+           "call_function", "function_outputs", "register_call", "unaliased"]
 
 # Functions of these packages are their own machinery (torch's checkpoint, autopar's collectives).
 _OWN = ("torch.", "autopar.")
@@ -144,7 +144,8 @@ def call_function(call: FunctionCall, tensors) -> list[torch.Tensor]:
 
 
 # ---- registration at trace time ---------------------------------------------------------------
-def _register(cls: type, args: tuple, kwargs: dict) -> tuple[FunctionCall, list[torch.Tensor]]:
+def register_call(cls: type, args: tuple, kwargs: dict) -> tuple[FunctionCall, list[torch.Tensor]]:
+    """The registry entry of ``cls.apply(*args, **kwargs)`` and the op's tensor list."""
     leaves, spec = pytree.tree_flatten((args, kwargs))
     name = f"{cls.__module__}.{cls.__qualname__}"
     tensor_at, constants = [], []
@@ -187,7 +188,7 @@ def custom_functions() -> Iterator[list[str]]:
     def apply(cls, *args, **kwargs):
         if cls.__module__.startswith(_OWN) or getattr(_inside, "depth", 0):
             return _ORIGINAL_APPLY.__func__(cls, *args, **kwargs)
-        call, tensors = _register(cls, args, kwargs)
+        call, tensors = register_call(cls, args, kwargs)
         if call.name not in met:
             met.append(call.name)
         outs = autograd_function(call.key, tensors)
@@ -232,10 +233,10 @@ def _forward(key: str, tensors: list[torch.Tensor], *, fake: bool) -> list[torch
         raise NotImplementedError(
             f"autograd.Function {call.name} writes its inputs in place (ctx.mark_dirty): autopar traces a custom "
             f"Function as one functional op; return a new tensor instead")
-    return _unaliased(outs, tensors)
+    return unaliased(outs, tensors)
 
 
-def _unaliased(outs: list[torch.Tensor], tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+def unaliased(outs: list[torch.Tensor], tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """Outputs that share memory with an input or an earlier output, cloned (custom ops return
     fresh tensors)."""
     fresh: list[torch.Tensor] = []
