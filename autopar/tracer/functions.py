@@ -53,7 +53,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode, register_flop_formula
 
 __all__ = ["FunctionCall", "OutputLayout", "autograd_function", "custom_functions", "function_call",
-           "call_function", "function_outputs", "register_call", "unaliased"]
+           "call_function", "function_outputs", "register_call", "unaliased", "FunctionRefused",
+           "refused_function"]
 
 # Functions of these packages are their own machinery (torch's checkpoint, autopar's collectives).
 _OWN = ("torch.", "autopar.")
@@ -101,6 +102,21 @@ class OutputLayout:
         for position, tensor in zip(self.tensor_at, tensors, strict=True):
             leaves[position] = tensor
         return pytree.tree_unflatten(leaves, self.spec)
+
+
+class FunctionRefused(NotImplementedError):
+    """A user Function autopar cannot run as one op; the message names the class and why."""
+
+
+def refused_function(err: BaseException) -> bool:
+    """``err`` is, or was raised from, a ``FunctionRefused`` (export wraps it)."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        if isinstance(err, FunctionRefused):
+            return True
+        seen.add(id(err))
+        err = err.__cause__ or err.__context__
+    return False
 
 
 _CALLS: dict[str, FunctionCall] = {}
@@ -153,7 +169,7 @@ def register_call(cls: type, args: tuple, kwargs: dict) -> tuple[FunctionCall, l
         if isinstance(leaf, torch.Tensor):
             tensor_at.append(i)
         elif not isinstance(leaf, _CONSTANTS):
-            raise NotImplementedError(
+            raise FunctionRefused(
                 f"autograd.Function {name}: argument leaf {i} is a {type(leaf).__name__}; autopar traces a "
                 f"custom Function as one op whose non-tensor arguments must be Python constants (numbers, "
                 f"strings, dtypes, None, in tuples/lists/dicts) so every rank keys it alike: pass tensors "
@@ -211,7 +227,7 @@ class _Watch(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if torch.Tag.nondeterministic_seeded in getattr(func, "tags", ()):
-            raise NotImplementedError(
+            raise FunctionRefused(
                 f"autograd.Function {self.name} draws random numbers ({func}) in its forward: autopar runs a "
                 f"custom Function's own backward by recomputing its forward, which would draw other numbers; "
                 f"draw them outside the Function and pass them in")
@@ -230,7 +246,7 @@ def _forward(key: str, tensors: list[torch.Tensor], *, fake: bool) -> list[torch
             out = _apply(call, tensors)
     outs = [leaf for leaf in pytree.tree_leaves(out) if isinstance(leaf, torch.Tensor)]
     if [t._version for t in tensors] != versions:
-        raise NotImplementedError(
+        raise FunctionRefused(
             f"autograd.Function {call.name} writes its inputs in place (ctx.mark_dirty): autopar traces a custom "
             f"Function as one functional op; return a new tensor instead")
     return unaliased(outs, tensors)
@@ -255,7 +271,7 @@ def _record_outputs(call: FunctionCall, out: Any, flops: int) -> None:
     leaves, spec = pytree.tree_flatten(out)
     for i, leaf in enumerate(leaves):
         if not isinstance(leaf, (torch.Tensor, *_CONSTANTS)):
-            raise NotImplementedError(
+            raise FunctionRefused(
                 f"autograd.Function {call.name} returns a {type(leaf).__name__} (output leaf {i}): autopar traces "
                 f"a custom Function as one op returning tensors and Python constants only")
     tensor_at = tuple(i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor))

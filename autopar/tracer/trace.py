@@ -35,7 +35,7 @@ from autopar.tracer.errors import TraceError
 from autopar.tracer.heap import frozen_heap
 from autopar.tracer.unroll import trace_shallow
 from autopar.tracer.experts import experts_as_ops
-from autopar.tracer.functions import custom_functions
+from autopar.tracer.functions import custom_functions, refused_function
 from autopar.tracer.meta_keys import export_module_path
 from autopar.tracer.precision import apply_precision, compute_dtype
 from autopar.tracer.graph import (BUFFER, CONSTANT, INPUT, MODULE_KEY, PARAMETER, PLACEHOLDER_KEY, Placeholder,
@@ -354,6 +354,8 @@ def _diagnose(err: Exception, stack: list[str], model_name: str, *,
         hint = (f"the model's config ({type(config).__name__}) has no attribute {attr!r}, which "
                 f"the model's code reads: a setting missing from the config (the model fails "
                 f"the same way when run eagerly); set config.{attr} and trace again")
+    elif refused_function(err):
+        hint = "autopar runs each custom autograd.Function as one op with its own backward; change it as the cause says"
     elif "data-dependent" in text or "GuardOnDataDependent" in type(err).__name__:
         hint = ("data-dependent control flow or shape: the code branches on, or sizes a tensor "
                 "by, a tensor's value, unknown when tracing with shapes only; use torch.where / "

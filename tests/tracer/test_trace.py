@@ -1,6 +1,5 @@
 """trace(): every zoo model, shapes against real runs, metadata, tied weights, outputs, errors."""
 
-import pytest
 import torch
 import torch.fx as fx
 from torch import nn
