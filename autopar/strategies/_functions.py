@@ -7,8 +7,10 @@ rank runs the whole Function):
 - **elementwise, sharded alike**: when the call is *structurally* elementwise -- its forward and
   its backward, traced on fake tensors, are pointwise ops only and every tensor has the output's
   shape or is 0-d (``autopar.tracer.function_graphs``) -- every non-scalar input and every output
-  ``Shard(d)``, the 0-d inputs replicated. The kernel runs those traced graphs (not ``apply``) on
-  the shards, so a size the Function reads from its input is the global one, as on one device.
+  ``Shard(d)``, the 0-d inputs replicated. Along a dim whose size the Function does not read
+  (``PointwiseGraphs.size_free``) the plain op -- ``apply`` on the shards -- runs (and a pipeline
+  may split the batch there); along another, the kernel runs the traced graphs on the shards, so
+  a size the Function reads from its input is the global one, as on one device.
 
 Never ``Partial``: a Function's output is not known to be linear in anything.
 """
@@ -36,7 +38,7 @@ def function_rule(info: OpInfo) -> list[AxisOption]:
     graphs = pointwise_graphs(info.arg("key"), tuple(m.dtype for m in metas))
     if graphs is None or any(o.shape != graphs.shape for o in info.outputs):
         return []
-    return [info.option([Shard(d)] * len(info.outputs), kernel=KERNEL,
+    return [info.option([Shard(d)] * len(info.outputs), kernel=None if d in graphs.size_free else KERNEL,
                         tensors=[Shard(d) if m.ndim else R for m in metas])
             for d in range(len(graphs.shape))]
 
@@ -100,6 +102,18 @@ class _SampleReverse(torch.autograd.Function):
         return -ctx.scale * grad, None
 
 
+class _SampleMeanScale(torch.autograd.Function):
+    """Reads its last dim's size (``x / n``): split there, the kernel's traced graphs run."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2 / x.shape[-1]
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad / 3
+
+
 def function_samples() -> list[Sample]:
     from autopar.strategies.samples import rand
 
@@ -107,8 +121,10 @@ def function_samples() -> list[Sample]:
     x, y, s = rand(8, 4), rand(8, 4) * 3, rand()
     clip, clip_tensors = register_call(_SampleClip, (x, y, s), {})
     reverse, reverse_tensors = register_call(_SampleReverse, (x, 0.5), {})
+    mean, mean_tensors = register_call(_SampleMeanScale, (x,), {})
     return [Sample((clip.key, clip_tensors), label="two outputs, a 0-d scale"),
-            Sample((reverse.key, reverse_tensors), label="gradient reversal")]
+            Sample((reverse.key, reverse_tensors), label="gradient reversal"),
+            Sample((mean.key, mean_tensors), label="reads its size")]
 
 
 register(torch.ops.autopar.autograd_function.default, samples=function_samples, has_flops=True)(function_rule)

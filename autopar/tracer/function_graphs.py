@@ -13,9 +13,12 @@ and accepted only if
 - every tensor in both graphs (inputs, outputs, intermediates, constants) has the output's shape
   or is 0-d (a scalar: it stays replicated, and its gradient is summed over the shards).
 
-The graphs, not ``apply``, then run on each rank's shards (``autopar.strategies._functions``):
-sizes a Function reads from its inputs (``x.shape[-1]``) are baked in at the global shape, so a
-shard computes what the whole tensor computes there. Decided once per (key, dtypes) and cached.
+Along a dim whose size the Function does not read (``size_free``: its graphs traced with that
+dim at 1 and at half its size are the same ops with the same constants) ``apply`` itself may run
+on shards -- and on a pipeline's micro-batches. Along another dim (``x / x.shape[-1]``) the graphs,
+not ``apply``, run on each rank's shards (``autopar.strategies._functions``): the sizes they read
+are baked in at the global shape, so a shard computes what the whole tensor computes there.
+Decided once per (key, dtypes) and cached.
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ class PointwiseGraphs:
     grad_inputs: tuple[int, ...]  # input positions that take a gradient (floating point)
     grad_outputs: tuple[int, ...]  # output positions whose gradient the backward reads
     shape: tuple[int, ...]  # every output's (and every non-scalar input's) shape
+    size_free: tuple[int, ...]  # dims along which the graphs are the same at other sizes (below)
 
 
 _CACHE: dict[tuple[str, tuple[torch.dtype, ...]], PointwiseGraphs | None] = {}
@@ -66,8 +70,44 @@ def pointwise_graphs(key: str, dtypes: tuple[torch.dtype, ...] | None = None) ->
 
 
 def _analyse(call, dtypes) -> PointwiseGraphs | None:
+    traced = _trace(call, call.shapes, dtypes)
+    if traced is None:
+        return None
+    forward, backward, grad_inputs, grad_outputs, shape = traced
+    if not (_elementwise(forward, shape) and _elementwise(backward, shape)):
+        return None
+    return PointwiseGraphs(forward, backward, grad_inputs, grad_outputs, shape,
+                           tuple(d for d in range(len(shape)) if _size_free(call, dtypes, d, (forward, backward))))
+
+
+def _size_free(call, dtypes, dim: int, graphs) -> bool:
+    """The Function reads no size along ``dim``: traced with that dim at 1 and at half its size,
+    its graphs are the ones at the global size (same ops, same constants). Then ``apply`` itself
+    on a shard (or on a micro-batch) computes what the whole tensor computes there."""
+    size = next(s[dim] for s in call.shapes if len(s))
+    for other in {1, max(size // 2, 1)} - {size}:
+        shapes = tuple(tuple(other if i == dim else n for i, n in enumerate(s)) if len(s) else s
+                       for s in call.shapes)
+        traced = _trace(call, shapes, dtypes)
+        if traced is None or [_signature(g) for g in traced[:2]] != [_signature(g) for g in graphs]:
+            return False
+    return True
+
+
+def _signature(gm: fx.GraphModule) -> list:
+    """The graph's ops and their non-tensor arguments, sizes left out only where they are the values'
+    own (the traced values' shapes differ by construction)."""
+    index = {node: i for i, node in enumerate(gm.graph.nodes)}
+    constants = {n.target: getattr(gm, n.target).tolist() for n in gm.graph.nodes if n.op == "get_attr"}
+    return [(n.op, str(n.target), repr(fx.node.map_arg((n.args, n.kwargs), lambda a: index[a])),
+             constants.get(n.target)) for n in gm.graph.nodes]
+
+
+def _trace(call, shapes, dtypes):
+    """(forward, backward, grad_inputs, grad_outputs, shape) traced with ``make_fx`` on fake tensors,
+    or None when the outputs are not all of one non-scalar shape that every non-scalar input has."""
     with FakeTensorMode(allow_non_fake_inputs=True):
-        xs = [torch.empty(shape, dtype=dtype) for shape, dtype in zip(call.shapes, dtypes, strict=True)]
+        xs = [torch.empty(shape, dtype=dtype) for shape, dtype in zip(shapes, dtypes, strict=True)]
         with torch.no_grad():
             outs = call_function(call, xs)
         if not outs or outs[0].dim() == 0 or any(tuple(o.shape) != tuple(outs[0].shape) for o in outs):
@@ -84,9 +124,7 @@ def _analyse(call, dtypes) -> PointwiseGraphs | None:
     backward.recompile()
     for gm in forward, backward:
         _aliases_for_same_shape_views(gm)
-    if not (_elementwise(forward, shape) and _elementwise(backward, shape)):
-        return None
-    return PointwiseGraphs(forward, backward, grad_inputs, grad_outputs, shape)
+    return forward, backward, grad_inputs, grad_outputs, shape
 
 
 def _gradients(call, n: int, grad_inputs: tuple[int, ...], grad_outputs: tuple[int, ...]):

@@ -109,6 +109,7 @@ def test_elementwise_is_decided_from_structure():
     assert pointwise_graphs(keys[StraightThroughRound]) is not None
     assert pointwise_graphs(keys[SqrtBoundDerivative]) is not None
     assert pointwise_graphs(keys[CumulativeMix]) is None  # cumsum, and a reduction in its backward
+    assert pointwise_graphs(keys[SqrtBoundDerivative]).size_free == (0, 1)
 
 
 class ReadsItsSize(torch.autograd.Function):
@@ -132,6 +133,7 @@ def test_a_shard_computes_what_the_whole_tensor_computes():
     traced = trace(Model(), {"x": x})
     (node,) = [n for n in traced.nodes if n.target is torch.ops.autopar.autograd_function.default]
     graphs = pointwise_graphs(node.args[0])
+    assert graphs.size_free == (0,)  # it reads the size of dim 1: shards there run the graphs, not apply
     (local,) = graphs.forward(x[:, :2])
     torch.testing.assert_close(local, x[:, :2] / 8)
     (grad,) = graphs.backward(x[:, :2], torch.ones(4, 2))
