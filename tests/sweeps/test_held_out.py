@@ -20,6 +20,9 @@ from . import harness, hf_catalog
 from .test_transformers import check_tiny_configs
 
 FIXED = ["PatchTSTForPrediction", "WavLMForSequenceClassification", "DbrxForCausalLM"]
+# Custom autograd.Functions whose backward is not their forward's derivative: YOSO's attention
+# (YosoCumulation) and RecurrentGemma's clipped-gradient square root (SqrtBoundDerivative).
+FUNCTIONS = ["YosoForMaskedLM", "RecurrentGemmaForCausalLM"]
 
 
 def _failures(results: list[harness.Result]) -> list[str]:
@@ -31,6 +34,23 @@ def test_fixed_families_configs_change_sizes_only():
     assert len(names) == len(set(names)) and not set(names) & {a.model for a in hf_catalog.ARCHS}
     assert set(FIXED) <= set(names)
     check_tiny_configs([a for a in hf_catalog.HELD_OUT if a.model in FIXED])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_custom_function_families_match_one_device():
+    """Trained with the Functions' own backwards (one op each), on (2,) and at 1.1x the smallest
+    budget on (2, 2)."""
+    from autopar.tracer import trace
+
+    for arch in (a for a in hf_catalog.HELD_OUT if a.model in FUNCTIONS):
+        model, inputs = hf_catalog.build(arch)
+        assert trace(model, inputs).op_counts()["autopar.autograd_function.default"] >= 2, arch.model
+    entries = hf_catalog.entries(FUNCTIONS, archs=hf_catalog.HELD_OUT)
+    results = harness.sweep(entries, [(2,)], task_timeout=240)
+    results += harness.sweep(entries, [(2, 2)], budget_factor=1.1, task_timeout=240)
+    failures = _failures(results)
+    assert not failures, "\n".join(failures)
 
 
 @pytest.mark.full_sweep
