@@ -61,7 +61,7 @@ _OWN = ("torch.", "autopar.")
 _ORIGINAL_APPLY = torch.autograd.Function.__dict__["apply"]
 # Non-tensor leaves a call may carry: their repr is the same on every rank.
 _CONSTANTS = (int, float, bool, complex, str, type(None), torch.dtype, torch.device, torch.layout,
-              torch.memory_format, type(Ellipsis), slice)
+              torch.memory_format, torch.Size, type(Ellipsis), slice)
 _inside = threading.local()  # depth of autopar's own calls of Functions (not intercepted)
 
 
@@ -168,13 +168,14 @@ def register_call(cls: type, args: tuple, kwargs: dict) -> tuple[FunctionCall, l
     for i, leaf in enumerate(leaves):
         if isinstance(leaf, torch.Tensor):
             tensor_at.append(i)
-        elif not isinstance(leaf, _CONSTANTS):
+        elif isinstance(leaf, _CONSTANTS):
+            constants.append(leaf)
+        else:
             raise FunctionRefused(
                 f"autograd.Function {name}: argument leaf {i} is a {type(leaf).__name__}; autopar traces a "
                 f"custom Function as one op whose non-tensor arguments must be Python constants (numbers, "
                 f"strings, dtypes, None, in tuples/lists/dicts) so every rank keys it alike: pass tensors "
                 f"and constants instead")
-        constants.append(leaf)
     tensors = [leaves[i] for i in tensor_at]
     shapes = tuple(tuple(int(s) for s in t.shape) for t in tensors)
     dtypes = tuple(t.dtype for t in tensors)

@@ -293,3 +293,23 @@ def test_bf16_precision_runs_the_function_in_bf16():
     (loss,) = traced.gm(*traced.bind(model, x))
     loss.backward()
     assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in model.parameters())
+
+
+def test_a_fresh_process_computes_the_same_keys():
+    """Ranks trace for themselves: the key (class, source line, digest of constants, structure,
+    shapes and dtypes) may not depend on the process (ids, hash seeds)."""
+    import os
+    import subprocess
+    import sys
+
+    def keys_here():
+        traced = trace(Functions(), {"x": torch.zeros(4, 8), "scale": torch.zeros(4, 8)})
+        return sorted(n.args[0] for n in traced.nodes if n.target is torch.ops.autopar.autograd_function.default)
+
+    code = ("import torch; from tests.tracer.test_functions import Functions; from autopar.tracer import trace; "
+            "t = trace(Functions(), {'x': torch.zeros(4, 8), 'scale': torch.zeros(4, 8)}); "
+            "print(sorted(n.args[0] for n in t.nodes if n.target is torch.ops.autopar.autograd_function.default))")
+    env = {**os.environ, "PYTHONHASHSEED": "123"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300,
+                         check=True).stdout.strip().splitlines()[-1]
+    assert out == repr(keys_here())
