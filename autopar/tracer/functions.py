@@ -24,11 +24,12 @@ blocks shares one key (``unroll`` expands them) and every rank computes the same
 - backward: exactly the Function's own: the op saves its inputs and its backward runs ``apply``
   again on detached copies under ``enable_grad``, then ``torch.autograd.grad`` with the incoming
   gradients (``None`` for non-float inputs and unused ones), like ``torch.utils.checkpoint``.
-- refused (``NotImplementedError`` naming the class): a forward that draws random numbers (an op
-  tagged ``nondeterministic_seeded``: the backward's recompute would draw other numbers), one that
-  writes its inputs in place (``ctx.mark_dirty``; the op is functional), a non-tensor argument or
-  output other than a Python constant (its identity would differ across ranks), and an output
-  that depends on tensor values outside tensors (a data-dependent Python number).
+- refused (``FunctionRefused``, a ``NotImplementedError`` naming the class): a forward that draws
+  random numbers (an op tagged ``nondeterministic_seeded``: the backward's recompute would draw
+  other numbers), a backward that does (each rank would draw its own; it is run once on the fake
+  inputs to see), one that writes its inputs in place (``ctx.mark_dirty``; the op is functional),
+  a non-tensor argument or output other than a Python constant (its identity would differ across
+  ranks). An output computed from tensor values as a Python number fails on fake tensors already.
 - cost: the forward's FLOPs are counted once per key with ``FlopCounterMode`` on the fake inputs
   (``register_flop_formula``); the backward's ops are counted as they run (the recompute and the
   Function's backward).
@@ -220,18 +221,19 @@ def custom_functions() -> Iterator[list[str]]:
 
 # ---- the op -------------------------------------------------------------------------------------
 class _Watch(TorchDispatchMode):
-    """Refuses random draws inside a Function's forward (its backward recomputes the forward)."""
+    """Refuses random draws inside a Function: in its forward, the backward's recompute would draw
+    other numbers; in its backward, each rank would draw its own."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, where: str) -> None:
         super().__init__()
-        self.name = name
+        self.name, self.where = name, where
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if torch.Tag.nondeterministic_seeded in getattr(func, "tags", ()):
             raise FunctionRefused(
-                f"autograd.Function {self.name} draws random numbers ({func}) in its forward: autopar runs a "
-                f"custom Function's own backward by recomputing its forward, which would draw other numbers; "
-                f"draw them outside the Function and pass them in")
+                f"autograd.Function {self.name} draws random numbers ({func}) in its {self.where}: autopar runs a "
+                f"custom Function's own backward by recomputing its forward, on every rank alike, and each draw "
+                f"would differ; draw them outside the Function and pass them in")
         return func(*args, **(kwargs or {}))
 
 
@@ -240,17 +242,30 @@ def _forward(key: str, tensors: list[torch.Tensor], *, fake: bool) -> list[torch
     versions = [t._version for t in tensors]
     with torch.no_grad():
         if fake:
-            with _Watch(call.name), FlopCounterMode(display=False) as counter:
+            with _Watch(call.name, "forward"), FlopCounterMode(display=False) as counter:
                 out = _apply(call, tensors)
-            _record_outputs(call, out, counter.get_total_flops())
         else:
             out = _apply(call, tensors)
-    outs = [leaf for leaf in pytree.tree_leaves(out) if isinstance(leaf, torch.Tensor)]
     if [t._version for t in tensors] != versions:
         raise FunctionRefused(
             f"autograd.Function {call.name} writes its inputs in place (ctx.mark_dirty): autopar traces a custom "
             f"Function as one functional op; return a new tensor instead")
+    if fake and call.key not in _OUTPUTS:  # the key's first run: its layout, and a look at its backward
+        _watch_backward(call, tensors)
+        _record_outputs(call, out, counter.get_total_flops())
+    outs = [leaf for leaf in pytree.tree_leaves(out) if isinstance(leaf, torch.Tensor)]
     return unaliased(outs, tensors)
+
+
+def _watch_backward(call: FunctionCall, tensors: list[torch.Tensor]) -> None:
+    """The Function's backward once on the fake inputs, refusing random draws (``_Watch``)."""
+    with torch.enable_grad():
+        xs = [t.detach().requires_grad_(t.is_floating_point() or t.is_complex()) for t in tensors]
+        outs = [o for o in call_function(call, xs) if o.requires_grad]
+        wrt = [x for x in xs if x.requires_grad]
+        if outs and wrt:
+            with _Watch(call.name, "backward"):
+                torch.autograd.grad(outs, wrt, [torch.zeros_like(o) for o in outs], allow_unused=True)
 
 
 def unaliased(outs: list[torch.Tensor], tensors: list[torch.Tensor]) -> list[torch.Tensor]:

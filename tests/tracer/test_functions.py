@@ -150,6 +150,16 @@ class Noisy(torch.autograd.Function):
         return grad
 
 
+class NoisyGradient(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad + torch.rand_like(grad)
+
+
 class InPlace(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x):
@@ -181,7 +191,8 @@ class Applies(nn.Module):
         return (self.fn.apply(h, nn.Identity()) if self.fn is TakesAModule else self.fn.apply(h)).sum()
 
 
-@pytest.mark.parametrize("fn,what", [(Noisy, r"Noisy draws random numbers"),
+@pytest.mark.parametrize("fn,what", [(Noisy, r"Noisy draws random numbers .* in its forward"),
+                                     (NoisyGradient, r"NoisyGradient draws random numbers .* in its backward"),
                                      (InPlace, r"InPlace writes its inputs in place"),
                                      (TakesAModule, r"TakesAModule: argument leaf 1 is a Identity")])
 def test_what_cannot_be_one_op_is_refused_naming_the_class(fn, what):
