@@ -113,8 +113,8 @@ def _trace(call, shapes, dtypes):
         if not outs or outs[0].dim() == 0 or any(tuple(o.shape) != tuple(outs[0].shape) for o in outs):
             return None
         shape = tuple(outs[0].shape)
-        if any(x.dim() and tuple(x.shape) != shape for x in xs):
-            return None
+        if not any(x.dim() for x in xs) or any(x.dim() and tuple(x.shape) != shape for x in xs):
+            return None  # an output shaped by no input, or an input of another shape
         grad_inputs = tuple(i for i, x in enumerate(xs) if x.is_floating_point())
         grad_outputs = tuple(i for i, o in enumerate(outs) if o.is_floating_point())
         forward = make_fx(torch.no_grad()(lambda *ts: call_function(call, list(ts))))(*xs)
