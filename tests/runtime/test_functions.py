@@ -4,8 +4,10 @@ equal one device running the Functions' own backwards.
 The model applies a straight-through rounding and RecurrentGemma's clipped-gradient square root
 (structurally elementwise: they may be sharded like their input) and a Function mixing along the
 feature dim with a backward that is not its derivative (replicated only), on meshes (2,) and
-(2, 2), with an ample and a tight memory budget; and a Megatron tensor-parallel plan keeps the
+(2, 2), with an ample and a tight memory budget; a Megatron tensor-parallel plan keeps the
 elementwise Functions sharded between the column- and the row-split Linear (no gather around them).
+A deeper model's blocks run them inside recompute regions and in a pipeline (elementwise only: one
+that may combine samples blocks micro-batching), and at bf16.
 """
 
 from __future__ import annotations
