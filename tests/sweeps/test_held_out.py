@@ -8,8 +8,10 @@ traced, planned without fallback and trained one step on gloo ranks like one dev
 
 The default run checks the three families whose fixes the probe made: PatchTST (a rule for
 ``unfold``), WavLM (a decomposition that kept another layout than its op's kernel) and DBRX (its
-flat experts loop as ``autopar::moe_experts``), on mesh (2,). The whole list on (2,) and (2, 2),
-and at 1.1x the smallest budget on (2, 2), runs under ``full_sweep``.
+flat experts loop as ``autopar::moe_experts``), on mesh (2,); and the two whose custom
+autograd.Functions train with their own backward (``autopar::autograd_function``): YOSO's attention
+and RecurrentGemma's clipped square root, on (2,) and at 1.1x the smallest budget on (2, 2). The
+whole list on (2,) and (2, 2), and at 1.1x the smallest budget on (2, 2), runs under ``full_sweep``.
 """
 
 from __future__ import annotations
@@ -54,7 +56,7 @@ def test_custom_function_families_match_one_device():
 
 
 @pytest.mark.full_sweep
-def test_held_out_configs_change_sizes_only():  # building 53 default configs: ~15 s on 2 busy cores
+def test_held_out_configs_change_sizes_only():  # building 57 default configs: ~15 s on 2 busy cores
     check_tiny_configs(hf_catalog.HELD_OUT)
 
 
