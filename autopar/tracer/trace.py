@@ -19,7 +19,6 @@ import io
 import logging
 import os
 import traceback
-import warnings
 from typing import Any, Callable
 
 import torch
@@ -36,7 +35,7 @@ from autopar.tracer.errors import TraceError
 from autopar.tracer.heap import frozen_heap
 from autopar.tracer.unroll import trace_shallow
 from autopar.tracer.experts import experts_as_ops
-from autopar.tracer.functions import custom_functions
+from autopar.tracer.functions import custom_functions, refused_function
 from autopar.tracer.meta_keys import export_module_path
 from autopar.tracer.precision import apply_precision, compute_dtype
 from autopar.tracer.graph import (BUFFER, CONSTANT, INPUT, MODULE_KEY, PARAMETER, PLACEHOLDER_KEY, Placeholder,
@@ -107,12 +106,8 @@ def trace(model: nn.Module, meta_inputs: tuple | dict, *, name: str | None = Non
         fake = {k: pytree.tree_map(lambda v: _to_fake(v, fake_mode, device), v)
                 for k, v in tensors.items()}
         with _fake_state(module, fake_mode, device), hf.caches_off(module), experts_as_ops(module), \
-                _no_distribution_checks(), custom_functions() as functions:
+                _no_distribution_checks(), custom_functions():  # each one op with its own backward
             ep = _export(module, fake, constants, model_name, stack_traces)
-        if functions:
-            warnings.warn(f"{model_name} applies custom autograd.Function(s) {', '.join(functions)}: the traced "
-                          f"graph keeps their forward, and training differentiates it; their own backward is "
-                          f"not used (the same gradient only where it is the forward's derivative)", stacklevel=3)
         return _build(module, ep, model_name)
 
     with frozen_heap():  # the model and the interpreter's modules: out of full GC passes
@@ -359,6 +354,8 @@ def _diagnose(err: Exception, stack: list[str], model_name: str, *,
         hint = (f"the model's config ({type(config).__name__}) has no attribute {attr!r}, which "
                 f"the model's code reads: a setting missing from the config (the model fails "
                 f"the same way when run eagerly); set config.{attr} and trace again")
+    elif refused_function(err):
+        hint = "autopar runs each custom autograd.Function as one op with its own backward; change it as the cause says"
     elif "data-dependent" in text or "GuardOnDataDependent" in type(err).__name__:
         hint = ("data-dependent control flow or shape: the code branches on, or sizes a tensor "
                 "by, a tensor's value, unknown when tracing with shapes only; use torch.where / "

@@ -64,7 +64,7 @@ _DROPOUT_WORDS = ("dropout", "pdrop", "drop_path", "layerdrop", "drop_rate")
 class Arch:
     model: str                    # transformers class name
     config: str                   # its config class name
-    task: str                     # "causal" | "seqcls" | "seq2seq" | "image"
+    task: str                     # "causal" | "masked" | "seqcls" | "seq2seq" | "image" ...
     group: str                    # what the entry stands for (GQA decoder, MoE, ...)
     sizes: dict[str, Any] = field(default_factory=dict)  # family-specific size fields
     extra: dict[str, Any] = field(default_factory=dict)  # settings eager needs at all
@@ -145,6 +145,9 @@ ARCHS: list[Arch] = [
 # Family-specific non-size settings in ``sizes`` say why in a comment.
 HELD_OUT: list[Arch] = [
     # ---- encoders
+    # YOSO's attention is a custom autograd.Function (YosoCumulation, its expectation form: a
+    # backward that is not its forward's derivative), traced as one op trained with that backward.
+    Arch("YosoForMaskedLM", "YosoConfig", "masked", "encoder", sizes={"num_hidden_layers": 2}),
     Arch("ConvBertForSequenceClassification", "ConvBertConfig", "seqcls", "encoder",
          sizes={"embedding_size": 32, "conv_kernel_size": 3}),
     Arch("SqueezeBertForSequenceClassification", "SqueezeBertConfig", "seqcls", "encoder",
@@ -309,7 +312,7 @@ def _tiny(cls, arch: Arch):
 
 def _inputs(arch: Arch, config) -> dict:
     vocab = getattr(config, "vocab_size", VOCAB)
-    if arch.task == "causal":
+    if arch.task in ("causal", "masked"):  # masked LM: a label per position, as causal
         return {"input_ids": torch.randint(0, vocab, (BATCH, SEQ)),
                 "labels": torch.randint(0, vocab, (BATCH, SEQ))}
     if arch.task == "seqcls":

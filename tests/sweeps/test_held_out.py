@@ -8,8 +8,10 @@ traced, planned without fallback and trained one step on gloo ranks like one dev
 
 The default run checks the three families whose fixes the probe made: PatchTST (a rule for
 ``unfold``), WavLM (a decomposition that kept another layout than its op's kernel) and DBRX (its
-flat experts loop as ``autopar::moe_experts``), on mesh (2,). The whole list on (2,) and (2, 2),
-and at 1.1x the smallest budget on (2, 2), runs under ``full_sweep``.
+flat experts loop as ``autopar::moe_experts``), on mesh (2,); and the two whose custom
+autograd.Functions train with their own backward (``autopar::autograd_function``): YOSO's attention
+and RecurrentGemma's clipped square root, on (2,) and at 1.1x the smallest budget on (2, 2). The
+whole list on (2,) and (2, 2), and at 1.1x the smallest budget on (2, 2), runs under ``full_sweep``.
 """
 
 from __future__ import annotations
@@ -20,6 +22,9 @@ from . import harness, hf_catalog
 from .test_transformers import check_tiny_configs
 
 FIXED = ["PatchTSTForPrediction", "WavLMForSequenceClassification", "DbrxForCausalLM"]
+# Custom autograd.Functions whose backward is not their forward's derivative: YOSO's attention
+# (YosoCumulation) and RecurrentGemma's clipped-gradient square root (SqrtBoundDerivative).
+FUNCTIONS = ["YosoForMaskedLM", "RecurrentGemmaForCausalLM"]
 
 
 def _failures(results: list[harness.Result]) -> list[str]:
@@ -33,8 +38,25 @@ def test_fixed_families_configs_change_sizes_only():
     check_tiny_configs([a for a in hf_catalog.HELD_OUT if a.model in FIXED])
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_custom_function_families_match_one_device():
+    """Trained with the Functions' own backwards (one op each), on (2,) and at 1.1x the smallest
+    budget on (2, 2)."""
+    from autopar.tracer import trace
+
+    for arch in (a for a in hf_catalog.HELD_OUT if a.model in FUNCTIONS):
+        model, inputs = hf_catalog.build(arch)
+        assert trace(model, inputs).op_counts()["autopar.autograd_function.default"] >= 2, arch.model
+    entries = hf_catalog.entries(FUNCTIONS, archs=hf_catalog.HELD_OUT)
+    results = harness.sweep(entries, [(2,)], task_timeout=240)
+    results += harness.sweep(entries, [(2, 2)], budget_factor=1.1, task_timeout=240)
+    failures = _failures(results)
+    assert not failures, "\n".join(failures)
+
+
 @pytest.mark.full_sweep
-def test_held_out_configs_change_sizes_only():  # building 53 default configs: ~15 s on 2 busy cores
+def test_held_out_configs_change_sizes_only():  # building 57 default configs: ~15 s on 2 busy cores
     check_tiny_configs(hf_catalog.HELD_OUT)
 
 

@@ -1,6 +1,5 @@
 """trace(): every zoo model, shapes against real runs, metadata, tied weights, outputs, errors."""
 
-import pytest
 import torch
 import torch.fx as fx
 from torch import nn
@@ -279,20 +278,19 @@ class ReversesGradient(nn.Module):
         return _ReverseGradient.apply(self.proj(x)).pow(2).sum()
 
 
-def test_a_custom_autograd_function_is_named_its_backward_is_not_kept():
+def test_a_custom_autograd_function_trains_with_its_own_backward():
     import warnings
 
     model, x = ReversesGradient(), torch.randn(3, 4)
     apply = torch.autograd.Function.__dict__["apply"]
-    with pytest.warns(UserWarning, match=r"_ReverseGradient.*own backward is not used"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
         traced = trace(model, {"x": x})
+    assert traced.op_counts()["autopar.autograd_function.default"] == 1  # one op, not its inlined forward
     (got,) = traced.gm(*traced.bind(model, {"x": x}))
     got.backward()
     traced_grad = model.proj.weight.grad.clone()
     model.zero_grad()
     model(x).backward()
-    torch.testing.assert_close(traced_grad, -model.proj.weight.grad)  # what the warning says
+    torch.testing.assert_close(traced_grad, model.proj.weight.grad)  # the reversed gradient, as eager
     assert torch.autograd.Function.__dict__["apply"] is apply  # restored
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        trace(nn.Linear(4, 2), (x,))  # no Function, no warning
