@@ -34,6 +34,7 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from autopar.tracer import hf
 from autopar.tracer.errors import TraceError
 from autopar.tracer.heap import frozen_heap
+from autopar.tracer.outputs import register_dataclass_output
 from autopar.tracer.unroll import trace_shallow
 from autopar.tracer.experts import experts_as_ops
 from autopar.tracer.functions import custom_functions
@@ -289,6 +290,9 @@ def _check_outputs(output: Any, model_name: str) -> None:
     for name, leaf in leaves:
         if isinstance(leaf, _OUTPUT_LEAVES):
             continue
+        if register_dataclass_output(leaf):  # its fields are leaves now: check them (nested dataclasses too)
+            _check_outputs(output, model_name)
+            return
         holds = " holding tensors" if _has_tensor(list(getattr(leaf, "__dict__", {}).values())) else ""
         raise TraceError(
             f"cannot trace {model_name}: {name} is a {type(leaf).__name__}{holds}, which "
