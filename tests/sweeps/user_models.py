@@ -17,32 +17,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-B, T, D, V = 8, 16, 32, 64  # batch, sequence, width, vocabulary: divisible by every mesh axis
-
-
-@dataclass(frozen=True)
-class Case:
-    name: str
-    build: Callable[[], tuple[nn.Module, tuple, Any]]   # -> (model, inputs, targets or None)
-    loss_fn: Callable[[Any, Any], torch.Tensor]
-
-
-def _inside(out: Any, _targets: Any) -> torch.Tensor:
-    """The loss the model computed itself: ``out["loss"]``, ``out.loss`` or ``out[0]``."""
-    if isinstance(out, dict):
-        return out["loss"]
-    return out.loss if hasattr(out, "loss") else out[0]
-
-
-def _ids(n: int = V, shape: tuple = (B, T)) -> torch.Tensor:
-    return torch.randint(0, n, shape)
+from .user_cases import B, D, T, V, Case, ce as _ce, ids as _ids, inside as _inside, mse as _mse, tag_loss as _tag_loss
+from .user_models_more import MORE_CASES
 
 
 # -- 1. hand-tied LM: loss inside forward, dict output, label smoothing + ignore_index ---------------
@@ -164,10 +146,6 @@ def _rnn(cell):
     return lambda: (RNNTagger(cell), (_ids(),), torch.randint(0, 7, (B, T)))
 
 
-def _tag_loss(out, targets):
-    return F.cross_entropy(out.reshape(-1, out.shape[-1]), targets.reshape(-1))
-
-
 # -- 5. U-Net: GroupNorm / InstanceNorm, interpolate, ConvTranspose2d, skips ----------------------
 class TinyUNet(nn.Module):
     def __init__(self, c: int = 8):
@@ -191,10 +169,6 @@ class TinyUNet(nn.Module):
 
 def _unet():
     return TinyUNet(), (torch.randn(B, 3, 16, 16),), torch.randn(B, 3, 16, 16)
-
-
-def _mse(out, targets):
-    return F.mse_loss(out, targets)
 
 
 # -- 6. MLP-Mixer ---------------------------------------------------------------------------------
@@ -225,10 +199,6 @@ class Mixer(nn.Module):
 
 def _mixer():
     return Mixer(), (torch.randn(B, 3, 16, 16),), torch.randint(0, 10, (B,))
-
-
-def _ce(out, targets):
-    return F.cross_entropy(out, targets)
 
 
 # -- 7. 1-D conv audio model ----------------------------------------------------------------------
@@ -447,6 +417,7 @@ CASES: tuple[Case, ...] = (
     Case("param_twice_paramlist_moduledict", _routed, _inside),
     Case("einsum_attention", _einsum, _mse),
     Case("loss_outside_two_heads", _two_heads, _two_heads_loss),
+    *MORE_CASES,
 )
 
 

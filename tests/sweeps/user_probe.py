@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 import autopar
+from autopar.layout.mesh import MeshSpec
 from autopar.runtime.launch import run_local
 
 from .e2e import mesh_label
@@ -77,11 +78,11 @@ def reference(c: Case) -> dict:
     return {"model": model, "inputs": inputs, "targets": targets, "ref": ref}
 
 
-def smallest_budget(c: Case, model, inputs, shape) -> tuple[int, float]:
+def smallest_budget(c: Case, model, inputs, mesh: MeshSpec) -> tuple[int, float]:
     """(the smallest budget the planner names, the seconds that refusal took)."""
     start = time.perf_counter()
     try:
-        autopar.plan(model, inputs, mesh=fast_mesh(shape), memory_budget=1, cache=False)
+        autopar.plan(model, inputs, mesh=mesh, memory_budget=1, cache=False)
     except ValueError as exc:
         found = _SMALLEST.search(str(exc))
         if found is None:
@@ -163,13 +164,63 @@ def _via_booster(c: Case, prep: dict, spec, budget) -> Outcome:
     return out
 
 
-def _rank_main(rank: int, world: int, name: str, prep: dict, spec, budgets: dict) -> dict:
+def _flat_targets(targets) -> tuple:
+    if targets is None:
+        return ()
+    return tuple(targets) if isinstance(targets, (tuple, list)) else (targets,)
+
+
+def _via_loader(c: Case, prep: dict, spec, budget) -> Outcome:
+    """The Booster as the README trains: a map-style dataset of ``(inputs..., targets...)``
+    samples, ``plugin.prepare_dataloader``, ``boost(model, optimizer, criterion, loader)``, and a
+    loop over the loader (one global batch per epoch, the reference's batch every time)."""
+    from autopar.booster import AutoParallelPlugin, Booster
+
+    inputs, targets = prep["inputs"], _flat_targets(prep["targets"])
+    n_in = len(inputs)
+    dataset = list(zip(*inputs, *targets))
+    plugin = AutoParallelPlugin(mesh=spec, memory_budget=budget)
+    booster = Booster(plugin=plugin)
+    loader = plugin.prepare_dataloader(dataset, batch_size=len(dataset) // spec.num_devices, drop_last=True)
+    model = copy.deepcopy(prep["model"])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
+
+    def criterion(outputs, batch_targets):
+        if not targets:
+            return c.loss_fn(outputs, None)
+        return c.loss_fn(outputs, batch_targets[0] if len(batch_targets) == 1 else tuple(batch_targets))
+
+    start = time.perf_counter()
+    pm, opt, criterion, loader, _ = booster.boost(model, optimizer, criterion, loader)
+    out = Outcome(plan_s=time.perf_counter() - start, budget=budget, how="loader", note=_note(pm))
+    ref, tol = prep["ref"], _tolerances(c)
+    for step in range(STEPS):
+        for batch in loader:
+            opt.zero_grad()
+            loss = criterion(pm(*batch[:n_in]), batch[n_in:])
+            booster.backward(loss, opt)
+            if step == 0:
+                out.errors += _compare("loss", loss, ref["loss"], tol)
+                grads = pm.full_gradients()
+                for k, want in ref["grads"].items():
+                    if want is not None:
+                        out.errors += _compare(f"grad {k}", grads.get(k), want, tol)
+            opt.step()
+    state = pm.full_state_dict()
+    for k, want in ref["state"].items():
+        out.errors += _compare(f"state {k} after {STEPS} steps", state.get(k), want, tol)
+    return out
+
+
+_RUNNERS = {"api": _via_api, "booster": _via_booster, "loader": _via_loader}
+
+
+def _rank_main(rank: int, world: int, name: str, prep: dict, budgets: dict) -> dict:
     c = case(name)
     results = {}
-    for label, budget in budgets.items():
-        runner = _via_booster if label.endswith("booster") else _via_api
+    for label, (how, spec, budget) in budgets.items():
         try:
-            results[label] = runner(c, prep, spec, budget)
+            results[label] = _RUNNERS[how](c, prep, spec, budget)
         except Exception as exc:  # noqa: BLE001 -- the probe's result
             tb = traceback.extract_tb(exc.__traceback__)[-1]
             results[label] = Outcome(errors=[f"raised {type(exc).__name__}: {' '.join(str(exc).split())[:400]} "
@@ -177,24 +228,27 @@ def _rank_main(rank: int, world: int, name: str, prep: dict, spec, budgets: dict
     return results
 
 
-def probe(c: Case, shape: tuple[int, ...], *, booster: bool = True, timeout: float = 300.0) -> dict[str, Outcome]:
-    """Every budget of one case on one mesh, in one launch: label -> outcome."""
+def probe(c: Case, shape: tuple[int, ...], *, full: bool = True, timeout: float = 300.0) -> dict[str, Outcome]:
+    """Every budget of one case on one mesh, in one launch: label -> outcome. ``full``: also the
+    Booster runs and the plain ``cpu`` preset (the mesh a user names by its shape) at a tight budget."""
     prep = reference(c)
+    fast = fast_mesh(shape)
+    budgets: dict[str, tuple] = {"ample": ("api", fast, None)}
     try:
-        low, _ = smallest_budget(c, prep["model"], prep["inputs"], shape)
+        low, _ = smallest_budget(c, prep["model"], prep["inputs"], fast)
+        budgets["tight"] = ("api", fast, int(TIGHT * low))
+        if full:
+            budgets["ample-booster"] = ("booster", fast, None)
+            budgets["tight-loader"] = ("loader", fast, int(TIGHT * low))
+            plain = MeshSpec.preset("cpu", shape)
+            low, _ = smallest_budget(c, prep["model"], prep["inputs"], plain)
+            budgets["cpu-tight"] = ("api", plain, int(TIGHT * low))
     except Exception as exc:  # noqa: BLE001
         return {"tight": Outcome(errors=[f"smallest budget: {type(exc).__name__}: {exc}"[:500]])}
-    budgets = {"ample": None, "tight": int(TIGHT * low)}
-    if booster:
-        budgets["ample-booster"] = None
-    spec = fast_mesh(shape)
-    world = 1
-    for n in shape:
-        world *= n
     try:
-        per_rank = run_local(_rank_main, world, c.name, prep, spec, budgets, timeout=timeout)
+        per_rank = run_local(_rank_main, fast.num_devices, c.name, prep, budgets, timeout=timeout)
     except Exception as exc:  # noqa: BLE001 -- a dead or hung launch
-        return {label: Outcome(errors=[f"launch failed: {' '.join(str(exc).split())[-400:]}"], budget=b)
+        return {label: Outcome(errors=[f"launch failed: {' '.join(str(exc).split())[-400:]}"], budget=b[2])
                 for label, b in budgets.items()}
     merged = {}
     for label in budgets:
