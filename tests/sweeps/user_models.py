@@ -24,6 +24,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from .user_cases import B, D, T, V, Case, ce as _ce, ids as _ids, inside as _inside, mse as _mse, tag_loss as _tag_loss
+from .user_models_extra import EXTRA_CASES
 from .user_models_more import MORE_CASES
 
 
@@ -418,6 +419,7 @@ CASES: tuple[Case, ...] = (
     Case("einsum_attention", _einsum, _mse),
     Case("loss_outside_two_heads", _two_heads, _two_heads_loss),
     *MORE_CASES,
+    *EXTRA_CASES,
 )
 
 

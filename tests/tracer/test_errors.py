@@ -255,6 +255,25 @@ def test_value_read_as_number_is_named_at_profiling():
     assert ".tolist()" in info.value.hint and "shapes only" in info.value.hint
 
 
+class BooleanMaskIndex(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x, keep):
+        return self.proj(x[keep]).square().mean()  # rows chosen by a boolean mask: a data-dependent shape
+
+
+def test_boolean_mask_indexing_is_named_as_a_data_dependent_shape_at_profiling():
+    from autopar.tracer import profile
+
+    traced = trace(BooleanMaskIndex(), (torch.randn(6, 8), torch.tensor([True, False] * 3)))
+    with pytest.raises(TraceError) as info:
+        profile(traced)
+    assert info.value.op == "aten.index.Tensor"
+    assert "boolean-mask indexing x[mask]" in info.value.hint and "torch.where" in info.value.hint
+
+
 class MaskOnlyEagerly(nn.Module):
     """Switch Transformers' encoder: the default attention mask is built only when not compiling,
     so under torch.export the model indexes ``None``; run eagerly, it works."""
