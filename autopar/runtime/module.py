@@ -161,7 +161,9 @@ class AutoParallelModule(nn.Module):
                 got = (f"{value.dtype}{list(value.shape)}" if isinstance(value, torch.Tensor)
                        else type(value).__name__)
                 raise ValueError(f"input {p.fqn!r}: expected {p.dtype}{list(want)} "
-                                 f"({'local piece' if self.local_inputs else 'global value'}), got {got}")
+                                 f"({'local piece' if self.local_inputs else 'global value'}), got {got}: the "
+                                 f"plan is made for the traced shapes and dtypes; a short last batch: drop it "
+                                 f"(DataLoader(drop_last=True)) or pad it, another shape: autoparallelize for it")
             values.append(value)
         return values
 

@@ -1,5 +1,6 @@
 """A module runs the graph traced in one mode: called in the other mode it refuses where the model
-can tell the modes apart (batch norm, dropout), naming the module, and runs where it cannot.
+can tell the modes apart (batch norm, dropout), naming the module, and runs where it cannot. A
+call with another batch size (a short last batch) says what to do.
 
 Before, ``pm.eval()`` was ignored: a validation pass ran the training graph, normalised by the
 batch and wrote the batch norm's running statistics from the validation batch."""
@@ -43,6 +44,9 @@ def _body(rank, world, plain, normed, frozen, x):
     out = {}
     pm = autoparallelize(plain, (x,), mesh=(2,))
     want = pm(x).detach()
+    with pytest.raises(ValueError) as err:  # a short last batch: another shape than the plan's
+        pm(x[:6])
+    out["short_batch"] = str(err.value)
     pm.eval()
     out["plain_eval_same"] = torch.equal(pm(x).detach(), want)  # nothing tells the modes apart
     pm = autoparallelize(normed, (x,), mesh=(2,))
@@ -75,3 +79,4 @@ def test_a_module_refuses_the_mode_it_was_not_traced_in_where_the_model_tells_th
         assert said in result["normed_eval"]
         assert "model.eval() before autoparallelize" in result["normed_eval"]
         assert "traced and planned in evaluation mode" in result["frozen_train"]
+        assert "expected torch.float32[8, 8]" in result["short_batch"] and "drop_last=True" in result["short_batch"]
