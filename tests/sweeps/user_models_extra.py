@@ -2,7 +2,8 @@
 spectrogram front-ends, a spatial transformer, Python loops over RNN cells, WaveNet-style gated
 causal convolutions, a VQ-VAE straight-through estimator, autocast and forward hooks inside the
 model, metric losses, top-k routing with ``index_add``, an eval-mode batch norm in a training
-model, linear attention with ``cumsum``, an integer position buffer."""
+model, linear attention with ``cumsum``, an integer position buffer, a list input with a Python
+float argument."""
 
 from __future__ import annotations
 
@@ -228,6 +229,24 @@ def _linear_attention():
     return LinearAttention(), (ids,), ids.roll(-1, dims=1)
 
 
+# -- 34. inputs that are not one tensor each: a list of crops, lengths, a Python float -----------
+class MultiCrop(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(D, D)
+        self.head = nn.Linear(D, 5)
+
+    def forward(self, crops, lengths, temperature: float):
+        mask = (torch.arange(crops[0].shape[1])[None] < lengths[:, None]).to(crops[0].dtype)
+        pooled = [(torch.tanh(self.proj(c)) * mask[..., None]).sum(1) / mask.sum(1, keepdim=True) for c in crops]
+        return self.head(torch.stack(pooled).mean(0)) / temperature
+
+
+def _multi_crop():
+    crops = [torch.randn(B, T, D), torch.randn(B, T, D)]
+    return MultiCrop(), (crops, torch.randint(4, T + 1, (B,)), 0.7), torch.randint(0, 5, (B,))
+
+
 EXTRA_CASES: tuple[Case, ...] = (
     Case("stft_spectrogram", _spectro, _ce),
     Case("stn_grid_sample", _stn, _ce),
@@ -239,4 +258,5 @@ EXTRA_CASES: tuple[Case, ...] = (
     Case("topk_routing_index_add", _topk, _topk_loss),
     Case("eval_batchnorm_in_training", _frozen_bn, _ce),
     Case("linear_attention_cumsum", _linear_attention, _tag_loss),
+    Case("list_input_lengths_float_arg", _multi_crop, _ce),
 )

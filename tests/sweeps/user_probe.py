@@ -177,6 +177,8 @@ def _via_loader(c: Case, prep: dict, spec, budget) -> Outcome:
     from autopar.booster import AutoParallelPlugin, Booster
 
     inputs, targets = prep["inputs"], _flat_targets(prep["targets"])
+    if not all(isinstance(t, torch.Tensor) for t in (*inputs, *targets)):
+        return Outcome(budget=budget, how="loader", note="n/a: not one tensor per input")
     n_in = len(inputs)
     dataset = list(zip(*inputs, *targets))
     plugin = AutoParallelPlugin(mesh=spec, memory_budget=budget)
@@ -270,7 +272,8 @@ def main(names: list[str]) -> int:
     for c in cases:
         for shape in MESHES:
             for label, o in probe(c, shape).items():
-                status = "match" if not o.errors else "FAIL " + " | ".join(o.errors[:3])
+                status = ("n/a" if o.note.startswith("n/a") else "match") if not o.errors \
+                    else "FAIL " + " | ".join(o.errors[:3])
                 bad += bool(o.errors)
                 print(f"{c.name:34s} {mesh_label(shape):4s} {label:14s} budget={o.budget} "
                       f"plan={o.plan_s:5.1f}s {o.note:20s} {status}", flush=True)
