@@ -19,7 +19,7 @@ import pytest
 from . import user_probe
 from .user_models import CASES, case
 
-DEFAULT = (("mlp_mixer", (2,)), ("param_twice_paramlist_moduledict", (2, 2)))
+DEFAULT = (("mlp_mixer", (2,)), ("param_twice_paramlist_moduledict", (2,)))
 
 
 def _failures(name: str, shape: tuple[int, ...]) -> list[str]:
