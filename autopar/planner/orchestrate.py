@@ -515,6 +515,7 @@ def _stage_floors(model, meta_inputs, *, spec: MeshSpec, options: PlanOptions, p
     lowest floor first (``autopar.planner.pipeline.bounds``)."""
     from autopar.planner.pipeline.bounds import config_floors
     from autopar.planner.pipeline.costs import stage_costs
+    from autopar.planner.pipeline.candidates import without_loss
     from autopar.planner.pipeline.geometry import batch_size, microbatch_counts
     from autopar.strategies.batch_flow import pipeline_hazard
 
@@ -525,7 +526,7 @@ def _stage_floors(model, meta_inputs, *, spec: MeshSpec, options: PlanOptions, p
     for m in counts:
         traced, prof = _trace_and_profile(model, meta_inputs, precision=options.precision, progress=progress,
                                           microbatches=m, detail=f"micro-batch graph, {m} micro-batches")
-        hazard = pipeline_hazard(traced)
+        hazard = pipeline_hazard(traced) or without_loss(traced)
         if hazard is not None:  # the runtime would refuse the plan: say so before searching stages
             raise _not_pipelined(traced, hazard)
         with progress.stage("pipeline floors", f"{m} micro-batches"):

@@ -23,6 +23,7 @@ from autopar.plans import Plan
 from autopar.runtime.draws import check_ranks_draw_alike
 from autopar.runtime.dtensors import to_dtensor
 from autopar.runtime.materialize import local_shards
+from autopar.runtime.modes import traced_mode
 from autopar.runtime.module import AutoParallelModule
 from autopar.runtime.early import hoist_early_sums
 from autopar.runtime.prefetch import prefetch_enabled, prefetch_gathers
@@ -30,6 +31,7 @@ from autopar.runtime.fold import fold_constants
 from autopar.runtime.passes import STATE_KEY, TRACED_NAME_KEY, emit_local_graph
 from autopar.runtime.process_mesh import ProcessMesh
 from autopar.runtime.table_wise import check_tables, owners_of, to_table_dtensor
+from autopar.strategies import rng
 
 __all__ = ["build_module", "check_plan", "runtime_device", "mesh_preset", "attach_tensor"]
 
@@ -109,7 +111,7 @@ def build_module(model: nn.Module, traced, plan: Plan, *, device: torch.device, 
     module = AutoParallelModule(
         gm, traced=traced, plan=plan, pmesh=pmesh, specs=emitted.specs, attr_of=emitted.attr_of,
         signature=inspect.signature(model.forward), state_keys=tuple(model.state_dict(keep_vars=True)),
-        local_inputs=local_inputs)
+        local_inputs=local_inputs, mode=traced_mode(model, draws=rng.graph_draws(traced.gm.graph)))
     module.materialize_stats = stats
     module.num_conversions = emitted.num_conversions
     check_ranks_draw_alike(traced.gm.graph)

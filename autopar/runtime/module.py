@@ -50,6 +50,7 @@ from autopar.runtime.collectives import gather_full
 from autopar.runtime.dtensors import LocalLeaf, local_of
 from autopar.runtime import table_wise
 from autopar.runtime.materialize import slice_local
+from autopar.runtime.modes import TracedMode
 from autopar.runtime.table_wise import owners_of
 from autopar.runtime.parallel_module import ParallelModule, clip_grad_norm
 from autopar.runtime.passes import STATE_KEY
@@ -64,7 +65,7 @@ __all__ = ["AutoParallelModule", "clip_grad_norm_"]
 class AutoParallelModule(nn.Module):
     def __init__(self, graph_module: fx.GraphModule, *, traced: TracedGraph, plan: Plan, pmesh: ProcessMesh,
                  specs: dict[str, TensorSpec], attr_of: dict[str, str], signature: inspect.Signature,
-                 state_keys: tuple[str, ...], local_inputs: bool = False) -> None:
+                 state_keys: tuple[str, ...], local_inputs: bool = False, mode: TracedMode | None = None) -> None:
         super().__init__()
         self.graph_module = graph_module
         self.plan = plan
@@ -94,6 +95,9 @@ class AutoParallelModule(nn.Module):
         # Called with this module at the start of each training forward call (``autopar.refine``:
         # ``refine=True`` times the first steps there and may rebuild the module in place).
         self.step_hook = None
+        # The mode the graph was traced in; the other one refuses to run where the model can tell (modes.py).
+        self._mode = mode or TracedMode(True, None)
+        self.train(self._mode.training)
 
     # ------------------------------------------------------------------------------ running
     @property
@@ -106,6 +110,7 @@ class AutoParallelModule(nn.Module):
         return self.pmesh.device_mesh
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self._mode.check(self._traced.model_name, self.training)
         if self.step_hook is not None and torch.is_grad_enabled():
             self.step_hook(self)
         if self._zero is None and torch.is_grad_enabled() and self._zero2:
@@ -156,7 +161,9 @@ class AutoParallelModule(nn.Module):
                 got = (f"{value.dtype}{list(value.shape)}" if isinstance(value, torch.Tensor)
                        else type(value).__name__)
                 raise ValueError(f"input {p.fqn!r}: expected {p.dtype}{list(want)} "
-                                 f"({'local piece' if self.local_inputs else 'global value'}), got {got}")
+                                 f"({'local piece' if self.local_inputs else 'global value'}), got {got}: the "
+                                 f"plan is made for the traced shapes and dtypes; a short last batch: drop it "
+                                 f"(DataLoader(drop_last=True)) or pad it, another shape: autoparallelize for it")
             values.append(value)
         return values
 

@@ -79,7 +79,8 @@ from autopar.strategies.registry import (
 # Rule families, imported for their registrations.
 _FAMILIES = ("_matmul", "_einsum", "_pointwise", "_attention", "_embedding", "_embedding_bag", "_norm", "_loss",
              "_loss_elementwise", "_loss_margin", "_distance", "_view", "_index", "_scatter", "_sort",
-             "_reduction", "_factory", "_conv", "_pool", "_rnn", "_resample", "_moe", "_experts", "_functions", "_misc",
+             "_reduction", "_factory", "_conv", "_pool", "_rnn", "_resample", "_spectral", "_moe", "_experts",
+             "_functions", "_misc",
              "_random", "_batch_norm_chunks")
 for _name in _FAMILIES:
     importlib.import_module(f"{__name__}.{_name}")

@@ -1,4 +1,4 @@
-"""Row distances: ``cosine_similarity`` and ``pairwise_distance``.
+"""Row distances: ``cosine_similarity`` and ``pairwise_distance``; all-pairs ``_cdist_forward`` (below).
 
 Both broadcast ``x1`` and ``x2`` to a shape ``B`` and reduce one dim ``k`` of it (``dim`` for the
 cosine, the last dim for the distance) to one value per row. Single-axis options:
@@ -159,3 +159,27 @@ def _pairwise_samples() -> list[Sample]:
 
 register(aten.cosine_similarity.default, samples=_cosine_samples)(_distance_rule)
 register(aten.pairwise_distance.default, samples=_pairwise_samples)(_distance_rule)
+
+
+# ---------------------------------------------------------------------------------- cdist
+# ``_cdist_forward(x1 (*, P, M), x2 (*, R, M), p)`` -> (*, P, R): the distance of every row of x1 to
+# every row of x2 (``torch.cdist`` below 25 rows, or with p != 2). A batch dim splits both inputs
+# and the output; the rows of x1 split the output's rows (x2 replicated: partial gradient), the
+# rows of x2 its columns. The feature dim M is not split (a p-norm of the differences is not a
+# sum of per-shard norms). Same op on local shards.
+def _cdist_rule(info: OpInfo) -> list[AxisOption]:
+    x1, x2 = info.input("x1"), info.input("x2")
+    options = [info.option(Shard(x1.ndim - 2), x1=Shard(x1.ndim - 2)),
+               info.option(Shard(x1.ndim - 1), x2=Shard(x2.ndim - 2))]
+    if x1.ndim == x2.ndim and x1.shape[:-2] == x2.shape[:-2]:  # batch dims of equal size (no broadcast)
+        options += [info.option(Shard(d), x1=Shard(d), x2=Shard(d)) for d in range(x1.ndim - 2)]
+    return options
+
+
+def _cdist_samples() -> list[Sample]:
+    return [Sample((rand(8, 4), rand(4, 4), 2.0, None), label="p2"),
+            Sample((rand(4, 8, 4), rand(4, 4, 4), 1.0, None), label="batched-p1"),
+            Sample((rand(8, 4), rand(8, 4), 3.0, None), label="p3")]
+
+
+register(aten._cdist_forward.default, samples=_cdist_samples)(_cdist_rule)

@@ -17,6 +17,12 @@ sub-graph run with gradients switched off (Llama's rotary cos/sin tables). The b
 the rule, so it is replicated on purpose (``replicate_only``): every input is read whole and every
 output is whole, which is exact for any body. No gradient flows through it, so replication costs
 no communication in backward; its inputs and outputs are small tables built from buffers.
+
+``wrap_with_autocast(device_type, dtype, enabled, cache_enabled, body, *args)`` is a
+``torch.autocast`` region inside forward (``with torch.autocast("cuda", torch.bfloat16): ...``).
+Its body is opaque too and replicated the same way -- exact for any body, and gradients do flow
+through it: a replicated op's input gradients are whole on every rank, nothing to reduce. Its ops
+are not split (``precision="bf16"`` is the planned way to compute in 2 bytes).
 """
 
 from __future__ import annotations
@@ -95,4 +101,18 @@ def _wrap_samples() -> list[Sample]:
 
 @register(torch.ops.higher_order.wrap_with_set_grad_enabled, replicate_only=True, samples=_wrap_samples)
 def _wrap_with_set_grad_enabled(info: OpInfo) -> list[AxisOption]:
+    return []  # an opaque body: replicated (the all-replicate option is added centrally)
+
+
+def _autocast_body(x, weight):
+    return torch.nn.functional.linear(x, weight).relu()
+
+
+def _autocast_samples() -> list[Sample]:
+    body = torch.fx.symbolic_trace(_autocast_body)
+    return [Sample(("cpu", torch.bfloat16, True, False, body, rand(8, 4), rand(4, 4)), label="linear-relu")]
+
+
+@register(torch.ops.higher_order.wrap_with_autocast, replicate_only=True, samples=_autocast_samples)
+def _wrap_with_autocast(info: OpInfo) -> list[AxisOption]:
     return []  # an opaque body: replicated (the all-replicate option is added centrally)

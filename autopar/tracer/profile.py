@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, FakeTensorMode
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
@@ -246,11 +246,11 @@ def _run_node(node: fx.Node, env: dict, counter: _Counter) -> Any:
     except Exception as err:  # noqa: BLE001 - report which node failed, with its origin
         raise TraceError(f"profiling failed at node {node.name}", op=op_name(node),
                          module_path=node.meta.get("autopar_module", ""),
-                         source=_stack_line(node), hint=_run_hint(node),
+                         source=_stack_line(node), hint=_run_hint(node, err),
                          cause=str(err).strip().splitlines()[0] if str(err).strip() else "") from err
 
 
-def _run_hint(node: fx.Node) -> str:
+def _run_hint(node: fx.Node, err: Exception) -> str:
     """What to do about a node that cannot run on fake tensors. ``item`` / ``_local_scalar_dense``
     is a tensor's value read as a Python number (``.item()``, ``.tolist()``): export lets it through
     as an unbacked size (JetMoE's ``expert_size.tolist()`` sizing a ``split``), but a plan is made
@@ -260,6 +260,12 @@ def _run_hint(node: fx.Node) -> str:
                 "here to size or select tensors by data: a plan is made from shapes only; keep "
                 "the value a tensor (masks, torch.where, index_add over fixed shapes) or pass it "
                 "as a constant")
+    if isinstance(err, (DynamicOutputShapeException, DataDependentOutputException)):
+        # export lets these through with an unbacked size; the values they need exist only with the data
+        return ("the op's output shape or value depends on tensor values (boolean-mask indexing x[mask], "
+                "nonzero, masked_select, unique, repeat_interleave by a tensor): a plan is made from shapes "
+                "only; keep shapes fixed (torch.where, masked_fill, multiplying by the mask) or pass the "
+                "selection as a constant")
     return "the op cannot run on fake tensors"
 
 

@@ -32,7 +32,9 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from autopar.tracer import hf
 from autopar.tracer.errors import TraceError
+from autopar.tracer.guards import check_no_backward_hooks, check_no_parameter_writes, refusing_tensor_hooks
 from autopar.tracer.heap import frozen_heap
+from autopar.tracer.outputs import register_dataclass_output
 from autopar.tracer.unroll import trace_shallow
 from autopar.tracer.experts import experts_as_ops
 from autopar.tracer.functions import custom_functions, refused_function
@@ -229,6 +231,7 @@ def _export(model: nn.Module, fake: dict, constants: dict, model_name: str, stac
         if stack:
             stack.pop()
 
+    check_no_backward_hooks(model, model_name)
     hooks = [nn.modules.module.register_module_forward_pre_hook(push),
              nn.modules.module.register_module_forward_hook(pop)]
     bound = "forward" in vars(model)
@@ -241,7 +244,7 @@ def _export(model: nn.Module, fake: dict, constants: dict, model_name: str, stac
     try:
         # export prints the partial graph on failure; the TraceError says it better
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()), \
-                _quiet_torch_logs():
+                _quiet_torch_logs(), refusing_tensor_hooks(model_name, stack):
             return torch.export.export(model, args, kwargs=kwargs, strict=False)
     except TraceError:  # raised by _traced_forward: already names the output
         raise
@@ -284,6 +287,9 @@ def _check_outputs(output: Any, model_name: str) -> None:
     for name, leaf in leaves:
         if isinstance(leaf, _OUTPUT_LEAVES):
             continue
+        if register_dataclass_output(leaf):  # its fields are leaves now: check them (nested dataclasses too)
+            _check_outputs(output, model_name)
+            return
         holds = " holding tensors" if _has_tensor(list(getattr(leaf, "__dict__", {}).values())) else ""
         raise TraceError(
             f"cannot trace {model_name}: {name} is a {type(leaf).__name__}{holds}, which "
@@ -495,48 +501,12 @@ def _build(model: nn.Module, ep, model_name: str) -> TracedGraph:
         placeholders.append(info)
     for node in graph.nodes:
         node.meta[MODULE_KEY] = export_module_path(node)
-    _check_no_parameter_writes(graph, model_name)
+    check_no_parameter_writes(gm, model_name)
     graph.lint()
     gm.recompile()
     return TracedGraph(gm, placeholders=tuple(placeholders), in_spec=ep.call_spec.in_spec,
                        out_spec=ep.call_spec.out_spec, constants=dict(ep.constants),
                        loss_name=_loss_name(gm, ep), model_name=model_name)
-
-
-def _check_no_parameter_writes(graph: fx.Graph, model_name: str) -> None:
-    """A forward that writes a parameter in place (``nn.Embedding(max_norm=...)`` renormalises the
-    rows it reads) cannot be sharded: each rank would update only its copy or shard, differently
-    from one device. Say so instead of planning a silently wrong step."""
-    for node in graph.nodes:
-        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
-            continue
-        written = {a.name for a in node.target._schema.arguments
-                   if a.alias_info is not None and a.alias_info.is_write}
-        for name, value in zip((a.name for a in node.target._schema.arguments), node.args):
-            root = _alias_root(value) if isinstance(value, fx.Node) else None
-            info = root.meta.get(PLACEHOLDER_KEY) if root is not None else None
-            if name in written and info is not None and info.kind == PARAMETER:
-                raise TraceError(
-                    f"cannot trace {model_name}: the forward writes parameter {info.fqn!r} in place",
-                    op=str(node.target), module_path=node.meta.get(MODULE_KEY, ""),
-                    hint="a parameter updated by the forward itself cannot be sharded (each rank "
-                         "would update its own copy); e.g. nn.Embedding(max_norm=...) renormalises "
-                         "its weight: renormalise outside forward, or drop max_norm",
-                    cause=f"{node.target} writes its argument {name!r}")
-
-
-def _alias_root(node: fx.Node) -> fx.Node:
-    """The node whose storage ``node`` views: through ``detach``, ``view``, ``alias`` ... (ops
-    whose first argument and output share an alias set in the schema)."""
-    while node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) and node.args:
-        schema = node.target._schema
-        ret = schema.returns[0].alias_info if schema.returns else None
-        arg = schema.arguments[0].alias_info if schema.arguments else None
-        is_view = ret is not None and arg is not None and not ret.is_write and set(ret.before_set) & set(arg.before_set)
-        if not is_view or not isinstance(node.args[0], fx.Node):
-            break
-        node = node.args[0]
-    return node
 
 
 def _alias_groups(model: nn.Module) -> dict[str, tuple[str, ...]]:

@@ -255,6 +255,25 @@ def test_value_read_as_number_is_named_at_profiling():
     assert ".tolist()" in info.value.hint and "shapes only" in info.value.hint
 
 
+class BooleanMaskIndex(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x, keep):
+        return self.proj(x[keep]).square().mean()  # rows chosen by a boolean mask: a data-dependent shape
+
+
+def test_boolean_mask_indexing_is_named_as_a_data_dependent_shape_at_profiling():
+    from autopar.tracer import profile
+
+    traced = trace(BooleanMaskIndex(), (torch.randn(6, 8), torch.tensor([True, False] * 3)))
+    with pytest.raises(TraceError) as info:
+        profile(traced)
+    assert info.value.op == "aten.index.Tensor"
+    assert "boolean-mask indexing x[mask]" in info.value.hint and "torch.where" in info.value.hint
+
+
 class MaskOnlyEagerly(nn.Module):
     """Switch Transformers' encoder: the default attention mask is built only when not compiling,
     so under torch.export the model indexes ``None``; run eagerly, it works."""
@@ -282,3 +301,55 @@ def test_error_only_under_export_says_so_and_what_to_pass():
     with pytest.raises(TraceError) as info:
         trace(nn.Linear(8, 4), (torch.empty(2, 5),))
     assert "fails the same way when run eagerly" in info.value.hint
+
+
+class ClampsInNoGrad(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x):
+        with torch.no_grad():  # export keeps the region as a wrap_with_set_grad_enabled sub-graph
+            self.proj.weight.clamp_(-0.1, 0.1)
+        return self.proj(x).sum()
+
+
+def test_a_parameter_written_inside_no_grad_is_named():
+    # It planned, and a plan sharding the weight clamped a temporary: the parameters after the
+    # first step differed from one device.
+    with pytest.raises(TraceError, match="writes parameter 'proj.weight' in place") as info:
+        trace(ClampsInNoGrad(), (torch.randn(4, 8),))
+    assert info.value.op == "aten.clamp_.default" and "outside forward" in info.value.hint
+
+
+class Inner(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.proj(x)
+        h.register_hook(lambda grad: grad * 0.5)
+        return h
+
+
+class HookedOuter(nn.Module):
+    def __init__(self, backward_hook: bool = False):
+        super().__init__()
+        self.inner = Inner() if not backward_hook else nn.Linear(8, 8)
+        if backward_hook:
+            self.inner.register_full_backward_hook(lambda module, grad_in, grad_out: None)
+
+    def forward(self, x):
+        return self.inner(x).sum()
+
+
+@pytest.mark.parametrize("backward_hook", [False, True])
+def test_a_gradient_hook_registered_in_forward_is_named(backward_hook):
+    # It traced without the hook: every gradient before it silently lacked the hook's change.
+    said = r"module 'inner' \(Linear\) has a backward hook" if backward_hook else \
+        r"registers a gradient hook on a tensor \(Tensor.register_hook\)"
+    with pytest.raises(TraceError, match=said) as info:
+        trace(HookedOuter(backward_hook), (torch.randn(4, 8),))
+    assert info.value.module_path == "inner"
+    assert torch.Tensor.register_hook.__name__ == "register_hook"  # restored

@@ -6,8 +6,8 @@ search costs a trace per micro-batch count and tens of stage solves, so two chec
 
 - ``blocker``: why no pipeline over mesh axis 0 can be planned at all (axis 0 of size 1, no
   repeated-block container with a block per stage, no micro-batch count, options the pipeline
-  planner does not plan with, a model that micro-batches change: ``strategies.batch_flow.pipeline_hazard``); read off
-  the full-batch trace already made;
+  planner does not plan with, a model that micro-batches change: ``strategies.batch_flow.pipeline_hazard``, a
+  model that returns no loss: ``without_loss``); read off the full-batch trace already made;
 - ``work_floor``: a lower bound on every pipelined step from the plan without a pipeline's own
   problem. Each op's priced time does not fall as its work grows and does not fall faster than
   linearly when split (the roofline with its kernel floor: a split's seconds, times the ranks
@@ -30,7 +30,7 @@ from autopar.plans import NodeKind
 from autopar.tracer.graph import TracedGraph
 from autopar.strategies.batch_flow import pipeline_hazard
 
-__all__ = ["blocker", "work_floor"]
+__all__ = ["blocker", "without_loss", "work_floor"]
 
 
 def blocker(traced: TracedGraph, meta_inputs: Any, *, mesh: MeshSpec, options) -> str | None:
@@ -49,7 +49,7 @@ def blocker(traced: TracedGraph, meta_inputs: Any, *, mesh: MeshSpec, options) -
         return f"ep_size={options.ep_size!r} is not pinned in pipeline stages"
     if options.zero_stage not in (0, 1):
         return f"zero_stage={options.zero_stage!r}: pipelined plans take ZeRO 0 or 1"
-    hazard = pipeline_hazard(traced)
+    hazard = pipeline_hazard(traced) or without_loss(traced)
     if hazard is not None:
         return hazard
     found = block_container(traced)
@@ -61,6 +61,17 @@ def blocker(traced: TracedGraph, meta_inputs: Any, *, mesh: MeshSpec, options) -
     except ValueError as exc:
         return str(exc)
     return None
+
+
+def without_loss(traced: TracedGraph) -> str | None:
+    """Why a model whose forward returns no loss (the user's loop computes it from the outputs,
+    ``criterion(model(x), y)``) cannot be pipelined; None when it returns one. A pipeline's last
+    stage runs backward from the loss of each micro-batch inside the schedule, so the loss must
+    be an output of the traced graph (``runtime.pipeline.module`` refuses such a plan)."""
+    if traced.loss_node is not None:
+        return None
+    return (f"{traced.model_name} returns no loss (a loss computed outside forward): a pipeline's last stage "
+            f"runs backward from the model's own loss; return the loss from forward to pipeline it")
 
 
 def work_floor(built: BuiltProblem, *, num_stages: int, num_microbatches: tuple[int, ...],

@@ -12,6 +12,7 @@ from autopar.layout.mesh import MeshSpec
 from autopar.planner.options import check_option
 from autopar.planner.pipeline.candidates import work_floor
 from autopar.plans import PIPELINE_SCHEDULES
+from tests.budgets import smallest_budget
 
 
 def qwen2_decoder(*, hidden=64, heads=4, vocab=128, batch=8, seq=32, device="meta"):
@@ -131,4 +132,34 @@ def test_a_batch_norm_model_plans_without_a_pipeline_at_a_tight_budget():
                cache=False)
     assert got.pipeline is None
     with pytest.raises(NotImplementedError, match=r"'batch_norm'.*module blocks\.0\.1.*pipeline=1"):
+        plan(model, inputs, mesh=(2,), pipeline=2, cache=False)
+
+
+class BlocksWithoutLoss(torch.nn.Module):
+    """Repeated blocks whose forward returns the logits: the loss is the user's loop's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.Sequential(*(torch.nn.Sequential(torch.nn.LayerNorm(32), torch.nn.Linear(32, 64),
+                                                                torch.nn.GELU(), torch.nn.Linear(64, 32))
+                                            for _ in range(4)))
+        self.head = torch.nn.Linear(32, 10)
+
+    def forward(self, x):
+        return self.head(self.blocks(x).mean(1))
+
+
+def test_a_model_returning_no_loss_plans_without_a_pipeline():
+    # At 1.1x the smallest budget the default picked 2 stages (the plan without one pays
+    # recompute there), and every rank then failed to build it: a pipeline's last stage runs
+    # backward from the model's own loss. The default now plans without one and says why; an
+    # explicit pipeline is refused before any stage search.
+    torch.manual_seed(0)
+    model, inputs = BlocksWithoutLoss(), (torch.randn(8, 16, 32),)
+    mesh = MeshSpec.preset("cpu", (2,))
+    low = smallest_budget(lambda budget: plan(model, inputs, mesh=mesh, memory_budget=budget, cache=False))
+    chosen = plan_auto(model, inputs, mesh=mesh, options=PlanOptions(memory_budget=int(1.1 * low)))
+    assert chosen.plan.pipeline is None
+    assert "pipeline 2: not a candidate: BlocksWithoutLoss returns no loss" in chosen.candidates[0]
+    with pytest.raises(NotImplementedError, match="BlocksWithoutLoss cannot be pipelined: .*returns no loss"):
         plan(model, inputs, mesh=(2,), pipeline=2, cache=False)
