@@ -80,3 +80,34 @@ def test_a_module_refuses_the_mode_it_was_not_traced_in_where_the_model_tells_th
         assert "model.eval() before autoparallelize" in result["normed_eval"]
         assert "traced and planned in evaluation mode" in result["frozen_train"]
         assert "expected torch.float32[8, 8]" in result["short_batch"] and "drop_last=True" in result["short_batch"]
+
+
+class Blocks(nn.Module):
+    """Four identical blocks with dropout and a mean loss: a pipeline can cut it."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.1)) for _ in range(4))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x.mean()
+
+
+def _pipelined(rank, world, model, x):
+    pm = autoparallelize(model, (x,), mesh=(2,), pipeline=2, microbatches=2)
+    loss = pm.step(x)
+    pm.eval()
+    with pytest.raises(NotImplementedError) as err:
+        pm(x)
+    with pytest.raises(NotImplementedError):
+        pm.step(x)
+    return bool(torch.isfinite(loss)), str(err.value)
+
+
+@pytest.mark.timeout(180)
+def test_a_pipelined_module_refuses_the_mode_it_was_not_traced_in():
+    torch.manual_seed(0)
+    for ran, said in run_local(_pipelined, 2, Blocks(), torch.randn(8, 8), timeout=150):
+        assert ran and "traced and planned in training mode, and its dropout (Dropout 'blocks.0.1')" in said

@@ -22,12 +22,14 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from autopar.plans import Plan
 from autopar.runtime.draws import check_ranks_draw_alike
 from autopar.runtime.materialize import local_shards
+from autopar.runtime.modes import traced_mode
 from autopar.runtime.nodes import GradAllReduce
 from autopar.runtime.passes import STATE_KEY, emit_local_graph
 from autopar.runtime.pipeline.module import PipelineModule, StageModule
 from autopar.runtime.pipeline.split import boundary_layouts, split_stages
 from autopar.runtime.process_mesh import ProcessMesh
 from autopar.runtime.recompute import apply_recompute
+from autopar.strategies import rng
 from autopar.tracer.graph import INPUT, TracedGraph
 
 __all__ = ["build_pipeline", "pipeline_device_mesh"]
@@ -147,7 +149,7 @@ def build_pipeline(model: nn.Module, traced: TracedGraph, plan: Plan, *, device:
     return PipelineModule(plan=plan, traced=traced, device_mesh=device_mesh, pmesh=pmesh, stage_modules=modules,
                           layouts=layouts, leaves=shards, specs=specs, signature=inspect.signature(model.forward),
                           state_keys=state_keys, device=device, holders=held_by, deferred=deferred,
-                          tied_groups=tied)
+                          tied_groups=tied, mode=traced_mode(model, draws=rng.graph_draws(traced.gm.graph)))
 
 
 def _defer_gradient_sync(emitted) -> dict[str, tuple[int, ...]]:

@@ -30,6 +30,7 @@ from autopar.layout.placement import TensorSpec
 from autopar.plans import Plan
 from autopar.runtime.build import attach_tensor
 from autopar.runtime.dtensors import local_of, to_dtensor
+from autopar.runtime.modes import TracedMode
 from autopar.runtime.module import input_leaves
 from autopar.runtime.parallel_module import clip_grad_norm
 from autopar.runtime.passes import STATE_KEY
@@ -96,9 +97,12 @@ class PipelineModule(PipelineState, nn.Module):
                  stage_modules: list[StageModule], leaves: dict[str, torch.Tensor], specs: dict,
                  signature: inspect.Signature, state_keys: tuple[str, ...], device: torch.device,
                  holders: dict[str, tuple[int, ...]], deferred: dict[str, tuple[int, ...]],
-                 layouts: dict[str, TensorSpec], tied_groups: dict[str, Any]) -> None:
+                 layouts: dict[str, TensorSpec], tied_groups: dict[str, Any], mode: TracedMode | None = None) -> None:
         super().__init__()
         pipe = plan.pipeline
+        # The mode the stages were traced in; the other one refuses to run where the model can tell.
+        self._mode = mode or TracedMode(True, None)
+        self.train(self._mode.training)
         self.plan, self.pmesh, self.device_mesh = plan, pmesh, device_mesh
         self._traced, self._signature, self._state_keys, self._device = traced, signature, state_keys, device
         self._stages = list(stage_modules)  # a plain list: their leaves are not this module's parameters
@@ -240,6 +244,7 @@ class PipelineModule(PipelineState, nn.Module):
         Returns ``(loss, outputs)`` on every rank, ``outputs`` the full-batch output structure
         when ``return_outputs`` (else None). The product notes' ``Booster.execute_pipeline`` runs
         this."""
+        self._mode.check(self._traced.model_name, self.training)
         if criterion is not None and not callable(criterion):
             raise ValueError(f"criterion must be callable (outputs, inputs) -> loss or None, got {criterion!r}")
         inputs, whole = self._flat_inputs(args, kwargs)
@@ -325,6 +330,7 @@ class PipelineModule(PipelineState, nn.Module):
         times the loss's incoming gradient, to ``.grad`` -- the plain module's training loop
         (``model(**batch).loss.backward()``) trains a pipelined plan unchanged. The other outputs
         carry no gradient. Otherwise forward only (no backward work)."""
+        self._mode.check(self._traced.model_name, self.training)
         if self.training and torch.is_grad_enabled() and self._loss_out is not None:
             return self._training_forward(args, kwargs)
         inputs, whole = self._flat_inputs(args, kwargs)
