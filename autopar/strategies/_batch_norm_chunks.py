@@ -80,7 +80,6 @@ class _RunningUpdate:
     def __init__(self, wait, running_mean, running_var, chunks: int, momentum: float) -> None:
         self.wait, self.running_mean, self.running_var = wait, running_mean, running_var
         self.chunks, self.momentum = chunks, momentum
-        self.batch: _StatsBatch | None = None
 
     def __call__(self) -> None:
         if _RunningUpdate.pending.get(id(self.running_mean)) is self:
@@ -116,18 +115,18 @@ class _StatsBatch:
 
     @classmethod
     def join(cls, comm, axes, sums: torch.Tensor, running_mean, running_var, chunks: int,
-             momentum: float) -> _RunningUpdate:
-        """The update of one call whose local ``sums`` ride in the open batch of ``comm``/``axes``."""
+             momentum: float) -> tuple[_RunningUpdate, "_StatsBatch"]:
+        """(the update of one call whose local ``sums`` ride in the open batch of ``comm``/``axes``,
+        that batch)."""
         key = (comm, axes, sums.dtype, sums.device)
         batch = cls.open.get(key)
         if batch is None:
             batch = cls.open[key] = cls(comm, axes, key)
         update = _RunningUpdate(functools.partial(batch.result, len(batch.sums)), running_mean, running_var,
                                 chunks, momentum)
-        update.batch = batch
         batch.sums.append(sums)
         batch.updates.append(update)
-        return update
+        return update, batch
 
     def issue(self) -> None:
         if self.wait is not None:
@@ -155,22 +154,10 @@ class _StatsBatch:
             update()
 
 
-class _UpdateInBackward(torch.autograd.Function):
-    """Identity; its backward hands the running-statistics update to the end of this backward
-    (``_StatsBatch.reached_in_backward``)."""
-
-    @staticmethod
-    def forward(ctx, y, update):
-        ctx.update = update
-        return y.view_as(y)
-
-    @staticmethod
-    def backward(ctx, grad):
-        if ctx.update.batch is None:
-            ctx.update()
-        else:
-            ctx.update.batch.reached_in_backward()
-        return grad, None
+def _reached(batch: _StatsBatch, grad: torch.Tensor) -> None:
+    """The hook on a call's output: backward reached the op (a tensor hook, not an identity
+    autograd Function: no Python node per batch norm in forward)."""
+    batch.reached_in_backward()
 
 
 @register_kernel("chunked_batch_norm_stats", comm_cost=_stats_comm)
@@ -188,9 +175,11 @@ def chunked_batch_norm_stats(ctx: KernelContext, input, weight, bias, running_me
         return y
     # The other ranks' chunks matter to the running statistics only: their sum goes with this
     # forward's other calls' when backward starts (_StatsBatch), so no rank waits for another.
-    update = _StatsBatch.join(ctx.comm, tuple(_batch_axes(spec)), sums, running_mean, running_var, chunks, momentum)
+    update, batch = _StatsBatch.join(ctx.comm, tuple(_batch_axes(spec)), sums, running_mean, running_var, chunks,
+                                     momentum)
     _RunningUpdate.pending[id(running_mean)] = update
-    return _UpdateInBackward.apply(y, update)
+    y.register_hook(functools.partial(_reached, batch))
+    return y
 
 
 def _rule(info: OpInfo) -> list[AxisOption]:
