@@ -60,9 +60,10 @@ def _local_args(info: OpInfo, bound, input_specs, output_specs, mesh_shape):
 
 
 def _stats_comm(info: OpInfo, input_specs, output_specs, mesh) -> tuple[float, float]:
-    # One all-reduce of the (2, C) chunk-statistic sums, in the running statistics' dtype, issued
-    # in forward and waited for in backward (``_RunningUpdate``): no rank waits on the others, so
-    # its latency is not on the step; its bytes are charged (the links and the sending CPU's).
+    # The (2, C) chunk-statistic sums, in the running statistics' dtype, ride in the forward's one
+    # all-reduce of every call's (``_StatsBatch``), issued as backward starts and applied when it
+    # ends: no rank waits on the others, so its latency is not on the step; each call's bytes are
+    # charged (the links and the sending CPU's).
     axes, channel_bytes = _channel_bytes(info, input_specs, mesh)
     size = 2 * channel_bytes // info.input("input").itemsize * info.input("running_mean").itemsize
     latency = collective_seconds("all_reduce", 0, mesh, axes)
