@@ -151,8 +151,34 @@ class _StatsBatch:
             torch.autograd.Variable._execution_engine.queue_callback(self.apply)
 
     def apply(self) -> None:
-        for update in self.updates:
-            update()
+        """Every member's update not applied yet: the members alike (one graph's batch norms)
+        together, one division and four foreach ops -- per element the arithmetic of
+        ``update_running`` on each (on CPU torch's foreach ops loop over the per-tensor ones),
+        without a Python call, a grad-mode switch and four op calls per batch norm at the end
+        of backward."""
+        alike: dict[tuple, list[int]] = {}
+        for i, u in enumerate(self.updates):
+            if u.wait is not None:
+                alike.setdefault((u.chunks, u.momentum, u.running_var is None), []).append(i)
+        for (chunks, momentum, no_var), members in alike.items():
+            self.result(members[0])  # issued and waited for
+            scaled = [self.reduced[i].view(self.sums[i].shape) / chunks for i in members]
+            updates = [self.updates[i] for i in members]
+            for u in updates:
+                u.wait = None
+                if _RunningUpdate.pending.get(id(u.running_mean)) is u:
+                    del _RunningUpdate.pending[id(u.running_mean)]
+            with torch.no_grad():
+                _moving_average([u.running_mean for u in updates], [s[0] for s in scaled], momentum)
+                if not no_var:
+                    _moving_average([u.running_var for u in updates], [s[1] for s in scaled], momentum)
+
+
+def _moving_average(running: list[torch.Tensor], stats: list[torch.Tensor], momentum: float) -> None:
+    """``r.mul_(1 - momentum).add_(s, alpha=momentum)`` for each pair (``update_running``)."""
+    stats = [s.to(r.dtype) for r, s in zip(running, stats)]
+    torch._foreach_mul_(running, 1 - momentum)
+    torch._foreach_add_(running, stats, alpha=momentum)
 
 
 def _reached(batch: _StatsBatch, grad: torch.Tensor) -> None:
