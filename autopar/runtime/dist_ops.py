@@ -11,13 +11,17 @@ range around a synchronous collective called outside the runtime's communication
 torch's profiler records no event for a ``Work``'s wait (a synchronous ``dist.all_reduce`` waits
 after its ``c10d::`` event has ended), so without it the time a step spends waiting for a gradient
 bucket, a prefetched gather or a blocking collective would be invisible to
-``runtime.refine.StepTimes``; the range costs a few microseconds when no profiler runs.
+``runtime.refine.StepTimes``. The range is only opened while a profiler runs: opening one costs
+10-15 us even with none (a dispatcher call), about 20 times a step on a ResNet's data-parallel
+step before its batch norms' sums were coalesced.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from typing import Any, ContextManager
 
+import torch
 import torch.distributed as dist
 from torch.autograd.profiler import record_function
 
@@ -28,12 +32,15 @@ WAIT_EVENT = "autopar::wait"
 __all__ = ["WAIT_EVENT", "all_gather_single", "reduce_scatter_single", "wait", "waiting"]
 
 
-def waiting() -> record_function:
-    """The profiler range ``WAIT_EVENT``: code inside it waits for collectives."""
-    return record_function(WAIT_EVENT)
+def waiting() -> ContextManager:
+    """The profiler range ``WAIT_EVENT`` (nothing when no profiler runs): code inside it waits for
+    collectives."""
+    return record_function(WAIT_EVENT) if torch.autograd._profiler_enabled() else contextlib.nullcontext()
 
 
 def wait(work: Any) -> Any:
     """``work.wait()`` (its result), timed by the profiler as ``WAIT_EVENT``."""
-    with waiting():
+    if not torch.autograd._profiler_enabled():
+        return work.wait()
+    with record_function(WAIT_EVENT):
         return work.wait()

@@ -147,6 +147,14 @@ class DistComm:
     def __init__(self, pmesh: ProcessMesh) -> None:
         self.pmesh = pmesh
 
+    # Each kernel node has its own DistComm; those of one ProcessMesh are one communicator, so a
+    # kernel may coalesce its collectives with other nodes' (the per-rank batch norms' statistics).
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, DistComm) and other.pmesh is self.pmesh
+
+    def __hash__(self) -> int:
+        return id(self.pmesh)
+
     def all_reduce(self, tensor: torch.Tensor, axes: int | Sequence[int], op: str = "sum") -> torch.Tensor:
         axes = _axes_tuple(axes)
         if not axes:

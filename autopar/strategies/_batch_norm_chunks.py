@@ -14,17 +14,20 @@ splits the batch with none for the normalisation:
   all-reduced through the derived ``grad_partial`` like every batch-split norm's. With running
   statistics, their one update needs every chunk's: the ``chunked_batch_norm_stats`` kernel
   sums the (2, C) sums of its chunks' means and unbiased variances over the batch axes, once per
-  call, with ``Comm.all_reduce_async``: issued in forward, waited for and applied when backward
-  reaches the op (long done by then: no rank waits for another), or at once under ``no_grad``,
-  or before the same buffers' next update when a backward never came (``_RunningUpdate``).
-  Priced by its bytes alone (its latency is off the step). Without running statistics the
-  plain op runs (``local_args``);
+  call. The calls of one forward on one communicator share ONE ``Comm.all_reduce_async`` of their
+  sums laid end to end (``_StatsBatch``: a ResNet's 16 batch norms made 16 round trips, each a
+  wake-up of the collective thread on the forward's path; DDP issues none): issued when backward
+  reaches the first of them, so it flies under the rest of backward, and applied when that
+  backward ends; at once under ``no_grad``; or before the same buffers' next update when a
+  backward never came (``_RunningUpdate``). Priced by its bytes alone (its latency is off the
+  step). Without running statistics the plain op runs (``local_args``);
 - no spatial split: a chunk's statistics cover its spatial positions, which would need
   all-reduced sums (what the rule avoids).
 """
 
 from __future__ import annotations
 
+import functools
 
 import torch
 
@@ -57,9 +60,10 @@ def _local_args(info: OpInfo, bound, input_specs, output_specs, mesh_shape):
 
 
 def _stats_comm(info: OpInfo, input_specs, output_specs, mesh) -> tuple[float, float]:
-    # One all-reduce of the (2, C) chunk-statistic sums, in the running statistics' dtype, issued
-    # in forward and waited for in backward (``_RunningUpdate``): no rank waits on the others, so
-    # its latency is not on the step; its bytes are charged (the links and the sending CPU's).
+    # The (2, C) chunk-statistic sums, in the running statistics' dtype, ride in the forward's one
+    # all-reduce of every call's (``_StatsBatch``), issued as backward starts and applied when it
+    # ends: no rank waits on the others, so its latency is not on the step; each call's bytes are
+    # charged (the links and the sending CPU's).
     axes, channel_bytes = _channel_bytes(info, input_specs, mesh)
     size = 2 * channel_bytes // info.input("input").itemsize * info.input("running_mean").itemsize
     latency = collective_seconds("all_reduce", 0, mesh, axes)
@@ -67,9 +71,10 @@ def _stats_comm(info: OpInfo, input_specs, output_specs, mesh) -> tuple[float, f
 
 
 class _RunningUpdate:
-    """One call's running-statistics update, applied once: when backward reaches the op (the sum
-    over ranks, issued in forward, long done by then), or before the same buffers' next update
-    (a forward whose backward never ran), or at once when no backward will come (no grad)."""
+    """One call's running-statistics update, applied once: when the backward that reached the op
+    ends (its batch's sum, issued at the start of that backward, long done by then), or before the
+    same buffers' next update (a forward whose backward never ran), or at once when no backward
+    will come (no grad)."""
 
     pending: dict[int, "_RunningUpdate"] = {}  # id(running_mean) -> its update not yet applied
 
@@ -91,18 +96,95 @@ class _RunningUpdate:
             earlier()
 
 
-class _UpdateInBackward(torch.autograd.Function):
-    """Identity; its backward applies the running-statistics update (``_RunningUpdate``)."""
+class _StatsBatch:
+    """The local statistic sums of one forward's calls on one communicator and set of axes,
+    all-reduced as ONE flat tensor (the same elementwise sums as one all-reduce per call): it
+    collects until it is issued -- by the first backward to reach one of its calls (then every
+    member's update is applied when that backward ends), or by a member's update being needed
+    (``_RunningUpdate.flush``); calls after that open the next batch. Every rank runs the same
+    graph, so every rank issues the same batches at the same point of its collectives' order."""
 
-    @staticmethod
-    def forward(ctx, y, update):
-        ctx.update = update
-        return y.view_as(y)
+    open: dict[tuple, "_StatsBatch"] = {}  # (comm, axes, dtype, device) -> the batch still collecting
 
-    @staticmethod
-    def backward(ctx, grad):
-        ctx.update()
-        return grad, None
+    def __init__(self, comm, axes, key: tuple) -> None:
+        self.comm, self.axes, self.key = comm, axes, key
+        self.sums: list[torch.Tensor] = []
+        self.updates: list[_RunningUpdate] = []
+        self.wait = None  # the issued all-reduce's result function
+        self.reduced: list[torch.Tensor] | None = None
+        self.queued = False  # an end-of-backward application is queued
+
+    @classmethod
+    def join(cls, comm, axes, sums: torch.Tensor, running_mean, running_var, chunks: int,
+             momentum: float) -> tuple[_RunningUpdate, "_StatsBatch"]:
+        """(the update of one call whose local ``sums`` ride in the open batch of ``comm``/``axes``,
+        that batch)."""
+        key = (comm, axes, sums.dtype, sums.device)
+        batch = cls.open.get(key)
+        if batch is None:
+            batch = cls.open[key] = cls(comm, axes, key)
+        update = _RunningUpdate(functools.partial(batch.result, len(batch.sums)), running_mean, running_var,
+                                chunks, momentum)
+        batch.sums.append(sums)
+        batch.updates.append(update)
+        return update, batch
+
+    def issue(self) -> None:
+        if self.wait is not None:
+            return
+        if _StatsBatch.open.get(self.key) is self:
+            del _StatsBatch.open[self.key]
+        self.wait = self.comm.all_reduce_async(torch.cat([s.reshape(-1) for s in self.sums]), self.axes)
+
+    def result(self, index: int) -> torch.Tensor:
+        self.issue()
+        if self.reduced is None:
+            self.reduced = list(self.wait().split([s.numel() for s in self.sums]))
+        return self.reduced[index].view(self.sums[index].shape)
+
+    def reached_in_backward(self) -> None:
+        """A backward reached a member: issue now (it flies under the rest of backward) and apply
+        every member's update when this backward ends."""
+        self.issue()
+        if not self.queued:
+            self.queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self.apply)
+
+    def apply(self) -> None:
+        """Every member's update not applied yet: the members alike (one graph's batch norms)
+        together, one division and four foreach ops -- per element the arithmetic of
+        ``update_running`` on each (on CPU torch's foreach ops loop over the per-tensor ones),
+        without a Python call, a grad-mode switch and four op calls per batch norm at the end
+        of backward."""
+        alike: dict[tuple, list[int]] = {}
+        for i, u in enumerate(self.updates):
+            if u.wait is not None:
+                alike.setdefault((u.chunks, u.momentum, u.running_var is None), []).append(i)
+        for (chunks, momentum, no_var), members in alike.items():
+            self.result(members[0])  # issued and waited for
+            scaled = [self.reduced[i].view(self.sums[i].shape) / chunks for i in members]
+            updates = [self.updates[i] for i in members]
+            for u in updates:
+                u.wait = None
+                if _RunningUpdate.pending.get(id(u.running_mean)) is u:
+                    del _RunningUpdate.pending[id(u.running_mean)]
+            with torch.no_grad():
+                _moving_average([u.running_mean for u in updates], [s[0] for s in scaled], momentum)
+                if not no_var:
+                    _moving_average([u.running_var for u in updates], [s[1] for s in scaled], momentum)
+
+
+def _moving_average(running: list[torch.Tensor], stats: list[torch.Tensor], momentum: float) -> None:
+    """``r.mul_(1 - momentum).add_(s, alpha=momentum)`` for each pair (``update_running``)."""
+    stats = [s.to(r.dtype) for r, s in zip(running, stats)]
+    torch._foreach_mul_(running, 1 - momentum)
+    torch._foreach_add_(running, stats, alpha=momentum)
+
+
+def _reached(batch: _StatsBatch, grad: torch.Tensor) -> None:
+    """The hook on a call's output: backward reached the op (a tensor hook, not an identity
+    autograd Function: no Python node per batch norm in forward)."""
+    batch.reached_in_backward()
 
 
 @register_kernel("chunked_batch_norm_stats", comm_cost=_stats_comm)
@@ -114,15 +196,17 @@ def chunked_batch_norm_stats(ctx: KernelContext, input, weight, bias, running_me
         raise ValueError(f"{ctx.info.where()}: a local batch of {input.shape[0]} cannot hold {local} equal chunks")
     _RunningUpdate.flush(running_mean)  # the previous call's, if its backward never ran: in call order
     y, sums = chunk_normalise(input, weight, bias, eps, local, stats_dtype=running_mean.dtype)
-    # The other ranks' chunks matter to the running statistics only: their sum is issued here and
-    # waited for in backward, so no rank waits for another in forward.
-    update = _RunningUpdate(ctx.comm.all_reduce_async(sums, _batch_axes(spec)), running_mean, running_var, chunks,
-                            momentum)
-    if not (torch.is_grad_enabled() and y.requires_grad):
-        update()
+    if not (torch.is_grad_enabled() and y.requires_grad):  # no backward to come: summed and applied now
+        _RunningUpdate(ctx.comm.all_reduce_async(sums, _batch_axes(spec)), running_mean, running_var, chunks,
+                       momentum)()
         return y
+    # The other ranks' chunks matter to the running statistics only: their sum goes with this
+    # forward's other calls' when backward starts (_StatsBatch), so no rank waits for another.
+    update, batch = _StatsBatch.join(ctx.comm, tuple(_batch_axes(spec)), sums, running_mean, running_var, chunks,
+                                     momentum)
     _RunningUpdate.pending[id(running_mean)] = update
-    return _UpdateInBackward.apply(y, update)
+    y.register_hook(functools.partial(_reached, batch))
+    return y
 
 
 def _rule(info: OpInfo) -> list[AxisOption]:

@@ -62,11 +62,11 @@ def chunk_normalise(x: torch.Tensor, weight, bias, eps: float, chunks: int, *,
         if stats_dtype is None:
             outs.append(F.batch_norm(piece, None, None, weight, bias, training=True, eps=eps))
             continue
-        mean = x.new_zeros(x.shape[1], dtype=stats_dtype)
-        var = x.new_zeros(x.shape[1], dtype=stats_dtype)
-        outs.append(F.batch_norm(piece, mean, var, weight, bias, training=True, momentum=1.0, eps=eps))
-        stacked = torch.stack([mean, var])
-        sums = stacked if sums is None else sums + stacked
+        # Rows 0 and 1 of one (2, C) buffer take the piece's mean and variance: no stack after
+        # (zeros, not empty: momentum 1 still multiplies the old value by 0).
+        stats = x.new_zeros((2, x.shape[1]), dtype=stats_dtype)
+        outs.append(F.batch_norm(piece, stats[0], stats[1], weight, bias, training=True, momentum=1.0, eps=eps))
+        sums = stats if sums is None else sums + stats
     return (outs[0] if len(outs) == 1 else torch.cat(outs, 0)), sums
 
 
