@@ -154,12 +154,12 @@ def last_bucket_params(traced, *, cap: int) -> frozenset[str]:
     if cap <= 0:
         return frozenset()
     trainable = {p.name: p for p in traced.params if p.requires_grad}
-    order: list[str] = []
+    first_read: dict[str, None] = {}  # insertion-ordered set: a list's membership test is O(params) a read
     for node in traced.compute_nodes():
         for arg in node.all_input_nodes:
-            if arg.name in trainable and arg.name not in order:
-                order.append(arg.name)
-    ready = order[::-1]
+            if arg.name in trainable:
+                first_read.setdefault(arg.name)
+    ready = list(first_read)[::-1]
     sizes = [trainable[n].numel * trainable[n].dtype.itemsize for n in ready]
     buckets = split_buckets(sizes, cap=cap, first_cap=min(cap, first_cap_bytes_default() or cap))
     return frozenset(ready[k] for k in buckets[-1]) if buckets else frozenset()
