@@ -46,10 +46,12 @@ def first_cap_bytes_default() -> int:
 def split_buckets(sizes: Sequence[int], *, cap: int, first_cap: int) -> list[list[int]]:
     """Positions ``0 .. len(sizes) - 1`` (gradient bytes, in the order the gradients become ready)
     cut into consecutive buckets: a new bucket where the next gradient would take the open one
-    past its cap -- ``first_cap`` for the first bucket, ``cap`` for the others; a gradient larger
+    past its cap -- ``first_cap`` for the first bucket (at most ``cap``; 0: no separate first
+    cap), ``cap`` for the others; a gradient larger
     than the cap fills a bucket alone. The runtime lays out its buckets so
     (``runtime.bucketing``), and the planner prices the last one -- issued only when backward
     has ended, so nothing hides it -- by the same cut (``planner.builder``)."""
+    first_cap = min(cap, first_cap) if first_cap > 0 else cap
     buckets: list[list[int]] = []
     filled = 0
     for i, size in enumerate(sizes):

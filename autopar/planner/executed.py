@@ -161,7 +161,7 @@ def last_bucket_params(traced, *, cap: int) -> frozenset[str]:
                 first_read.setdefault(arg.name)
     ready = list(first_read)[::-1]
     sizes = [trainable[n].numel * trainable[n].dtype.itemsize for n in ready]
-    buckets = split_buckets(sizes, cap=cap, first_cap=min(cap, first_cap_bytes_default() or cap))
+    buckets = split_buckets(sizes, cap=cap, first_cap=first_cap_bytes_default())
     return frozenset(ready[k] for k in buckets[-1]) if buckets else frozenset()
 
 

@@ -128,8 +128,8 @@ class GradBucketer(nn.Module):
         # The first bucket to leave (per group of axes and dtype) is small, as DDP's: its
         # gradients are ready early in backward, so its all-reduce overlaps the rest of backward
         # instead of one 25 MiB bucket waiting for the last gradient of the step.
-        first = first_cap_bytes_default() if first_cap_bytes is None else first_cap_bytes
-        self.first_cap_bytes = min(self.cap_bytes, int(first)) if first > 0 else self.cap_bytes
+        # (clamped to ``cap_bytes``, 0 meaning none, where the cut is made: ``split_buckets``)
+        self.first_cap_bytes = int(first_cap_bytes_default() if first_cap_bytes is None else first_cap_bytes)
         self.slots: list[_Slot] = []
         self._buckets: list[_Bucket] | None = None
         self._bucket_of: dict[int, int] = {}
