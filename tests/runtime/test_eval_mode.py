@@ -1,0 +1,170 @@
+"""``model.eval()`` on a module traced in training mode: the eval-mode outputs one device computes.
+
+A validation pass in the middle of training (``pm.eval(); with torch.no_grad(): pm(batch)``) runs
+on a gathered eval-mode replica (``autopar/runtime/eval_replica.py``): batch norms use the running
+statistics the training steps updated, dropout is off, no gradient is tracked. Each model trains
+2 SGD steps on forked gloo ranks, evaluates a validation batch, goes back to ``.train()`` and
+trains a 3rd step. Reference: the same model on mesh ``(1,)`` (one rank: autopar's counter-based
+dropout draws, ``strategies/rng.py``, are one device's) for the 3 training steps without any
+evaluation, and the plain model loaded with its state after 2 steps, in ``.eval()``, for the
+validation batch. A budget below the full model's bytes is refused, naming it.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+import autopar
+from autopar.runtime.build import build_module
+from autopar.runtime.launch import run_local
+from tests.runtime import random_models as rm
+
+LR = 0.1
+
+
+class SmallCNN(nn.Module):
+    """Conv, batch norm, dropout, a linear head; the loss and the logits in a dict."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.bn = nn.BatchNorm2d(8)
+        self.drop = nn.Dropout(0.25)
+        self.head = nn.Linear(8 * 6 * 6, 5)
+
+    def forward(self, x, labels):
+        h = self.drop(torch.relu(self.bn(self.conv(x))))
+        logits = self.head(h.flatten(1))
+        return {"loss": nn.functional.cross_entropy(logits, labels), "logits": logits}
+
+
+def _cnn():
+    torch.manual_seed(0)
+    model = SmallCNN().train()
+    train = {"x": torch.randn(8, 3, 6, 6), "labels": torch.randint(0, 5, (8,))}
+    val = {"x": torch.randn(8, 3, 6, 6) * 2 + 1, "labels": torch.randint(0, 5, (8,))}
+    return model, train, val
+
+
+def _gpt2():
+    model, train = rm.build("gpt2")
+    ids = torch.randint(0, rm.VOCAB, (rm.BATCH, rm.SEQ), generator=torch.Generator().manual_seed(5))
+    return model, train, {"input_ids": ids, "labels": ids}
+
+
+MODELS = {"cnn": _cnn, "gpt2": _gpt2}
+
+
+class _Count(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def _step(pm, opt, batch) -> torch.Tensor:
+    opt.zero_grad()
+    loss = pm(**batch)["loss"]
+    loss.backward()
+    opt.step()
+    return loss.detach().clone()
+
+
+def _with_eval(rank, world, model, traced, plan, train, val):
+    """2 steps, an evaluation (twice: with and without no_grad), .train(), 1 step."""
+    counted = _Count()
+    logging.getLogger("autopar.runtime.eval_replica").addHandler(counted)
+    logging.getLogger("autopar.runtime.eval_replica").setLevel(logging.INFO)
+    autopar.manual_seed(rm.SEED)
+    pm = build_module(model, traced, plan, device=torch.device("cpu"))
+    opt = torch.optim.SGD(pm.parameters(), lr=LR)
+    losses = [_step(pm, opt, train) for _ in range(2)]
+    pm.eval()
+    with torch.no_grad():
+        first = pm(**val)
+    again = pm(**val)  # no new gather (nothing changed), and no gradient even outside no_grad
+    pm.train()
+    losses.append(_step(pm, opt, train))
+    pm.eval()  # after an update: gathered again, still one log line
+    after = pm(**val)["logits"]
+    return {"losses": torch.stack(losses), "loss": first["loss"], "logits": first["logits"],
+            "again_equal": torch.equal(again["logits"], first["logits"]),
+            "again_grad": again["logits"].requires_grad or again["loss"].requires_grad,
+            "after": after, "state": pm.full_state_dict(), "log": counted.lines}
+
+
+def _reference(rank, world, model, traced, plan, train, val):
+    """Mesh (1,): 3 training steps without evaluation; the plain model's eval after 2."""
+    autopar.manual_seed(rm.SEED)
+    pm = build_module(model, traced, plan, device=torch.device("cpu"))
+    opt = torch.optim.SGD(pm.parameters(), lr=LR)
+    losses, evals = [], []
+    for _ in range(3):
+        losses.append(_step(pm, opt, train))
+        plain = copy.deepcopy(model)
+        plain.load_state_dict(pm.full_state_dict())
+        with torch.no_grad():
+            evals.append(plain.eval()(**val))
+    return {"losses": torch.stack(losses), "loss": evals[1]["loss"], "logits": evals[1]["logits"],
+            "after": evals[2]["logits"], "state": pm.full_state_dict()}
+
+
+@pytest.fixture(scope="module", params=sorted(MODELS))
+def case(request):
+    model, train, val = MODELS[request.param]()
+    traced, prof = rm.traced_of(model, train)
+    ref = run_local(_reference, 1, model, traced, rm.plan_for(traced, prof, (1,)), train, val, timeout=240)[0]
+    return request.param, model, train, val, traced, prof, ref
+
+
+def _close(a, b) -> bool:
+    return torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("shape", [(2,), (2, 2)], ids=["2", "2x2"])
+def test_eval_in_the_middle_of_training_is_one_devices_eval(case, shape):
+    name, model, train, val, traced, prof, ref = case
+    plan = rm.plan_for(traced, prof, shape)
+    world = 2 if shape == (2,) else 4
+    results = run_local(_with_eval, world, model, traced, plan, train, val, timeout=420)
+    for rank, got in enumerate(results):
+        where = f"{name} on {shape}, rank {rank}"
+        assert _close(got["losses"], ref["losses"]), f"{where}: losses {got['losses']} != {ref['losses']}"
+        assert _close(got["logits"], ref["logits"]), f"{where}: eval logits differ"
+        assert _close(got["loss"], ref["loss"]), f"{where}: eval loss {got['loss']} != {ref['loss']}"
+        assert got["again_equal"] and not got["again_grad"], where
+        assert _close(got["after"], ref["after"]), f"{where}: eval after the 3rd step differs"
+        for k, want in ref["state"].items():
+            assert _close(got["state"][k], want), f"{where}: {k} after the 3rd step"
+        assert len(got["log"]) == 1 and "gathered eval-mode replica" in got["log"][0], got["log"]
+    # the evaluation really is eval mode: batch statistics or dropout would give other logits
+    plain = copy.deepcopy(model).train()
+    with torch.no_grad():
+        assert not torch.allclose(plain(**val)["logits"], ref["logits"], rtol=1e-3)
+
+
+def _over_budget(rank, world, model, traced, plan, train):
+    pm = build_module(model, traced, dataclasses.replace(plan, budget_bytes=1000), device=torch.device("cpu"))
+    pm(**train)["loss"].backward()  # training runs: only the replica is over the budget
+    pm.eval()
+    with pytest.raises(ValueError) as err:
+        pm(**train)
+    return str(err.value)
+
+
+@pytest.mark.timeout(240)
+def test_a_replica_over_the_budget_is_refused_naming_it():
+    model, train, _ = _cnn()
+    traced, prof = rm.traced_of(model, train)
+    for said in run_local(_over_budget, 2, model, traced, rm.plan_for(traced, prof, (2,)), train, timeout=200):
+        assert "SmallCNN in evaluation mode runs on a replica of the whole model" in said, said
+        assert "Plan.budget_bytes" in said and "1000 bytes (0.000 GiB) per device" in said, said
