@@ -85,7 +85,8 @@ def _with_eval(rank, world, model, traced, plan, train, val):
     logging.getLogger("autopar.runtime.eval_replica").setLevel(logging.INFO)
     autopar.manual_seed(rm.SEED)
     pm = build_module(model, traced, plan, device=torch.device("cpu"))
-    opt = torch.optim.SGD(pm.parameters(), lr=LR)
+    # torch's optimizer steps the DTensors, the module's steps their local tensors (ZeRO's path)
+    opt = torch.optim.SGD(pm.parameters(), lr=LR) if world == 2 else pm.optimizer(torch.optim.SGD, lr=LR)
     losses = [_step(pm, opt, train) for _ in range(2)]
     pm.eval()
     with torch.no_grad():
@@ -95,10 +96,15 @@ def _with_eval(rank, world, model, traced, plan, train, val):
     losses.append(_step(pm, opt, train))
     pm.eval()  # after an update: gathered again, still one log line
     after = pm(**val)["logits"]
-    return {"losses": torch.stack(losses), "loss": first["loss"], "logits": first["logits"],
+    state = pm.full_state_dict()
+    opt.step()  # an update while in eval mode (the 3rd step's gradients once more): seen
+    plain = copy.deepcopy(model)
+    plain.load_state_dict(pm.full_state_dict())
+    updated = torch.allclose(pm(**val)["logits"], plain.eval()(**val)["logits"], rtol=1e-5, atol=1e-6)
+    return {"updated": updated, "losses": torch.stack(losses), "loss": first["loss"], "logits": first["logits"],
             "again_equal": torch.equal(again["logits"], first["logits"]),
             "again_grad": again["logits"].requires_grad or again["loss"].requires_grad,
-            "after": after, "state": pm.full_state_dict(), "log": counted.lines}
+            "after": after, "state": state, "log": counted.lines}
 
 
 def _reference(rank, world, model, traced, plan, train, val):
@@ -141,7 +147,7 @@ def test_eval_in_the_middle_of_training_is_one_devices_eval(case, shape):
         assert _close(got["losses"], ref["losses"]), f"{where}: losses {got['losses']} != {ref['losses']}"
         assert _close(got["logits"], ref["logits"]), f"{where}: eval logits differ"
         assert _close(got["loss"], ref["loss"]), f"{where}: eval loss {got['loss']} != {ref['loss']}"
-        assert got["again_equal"] and not got["again_grad"], where
+        assert got["again_equal"] and not got["again_grad"] and got["updated"], where
         assert _close(got["after"], ref["after"]), f"{where}: eval after the 3rd step differs"
         for k, want in ref["state"].items():
             assert _close(got["state"][k], want), f"{where}: {k} after the 3rd step"
@@ -168,3 +174,73 @@ def test_a_replica_over_the_budget_is_refused_naming_it():
     for said in run_local(_over_budget, 2, model, traced, rm.plan_for(traced, prof, (2,)), train, timeout=200):
         assert "SmallCNN in evaluation mode runs on a replica of the whole model" in said, said
         assert "Plan.budget_bytes" in said and "1000 bytes (0.000 GiB) per device" in said, said
+
+
+def _reference_of(name: str):
+    model, train, val = MODELS[name]()
+    traced, prof = rm.traced_of(model, train)
+    ref = run_local(_reference, 1, model, traced, rm.plan_for(traced, prof, (1,)), train, val, timeout=240)[0]
+    return model, train, val, traced, prof, ref
+
+
+def _local_inputs(rank, world, model, traced, plan, train, val):
+    """Each rank passes its pieces of the inputs (the Booster's ``prepare_dataloader`` path)."""
+    from autopar.runtime.materialize import slice_local
+
+    autopar.manual_seed(rm.SEED)
+    pm = build_module(model, traced, plan, device=torch.device("cpu"), local_inputs=True)
+
+    def pieces(batch):
+        return {k: slice_local(v, pm.input_specs[k], pm.pmesh) if k in pm.input_specs else v
+                for k, v in batch.items()}
+
+    opt = torch.optim.SGD(pm.parameters(), lr=LR)
+    losses = [_step(pm, opt, pieces(train)) for _ in range(2)]
+    pm.eval()
+    with torch.no_grad():
+        out = pm(**pieces(val))
+    pm.train()
+    losses.append(_step(pm, opt, pieces(train)))
+    split = any(not s.is_replicated() for s in pm.input_specs.values())
+    return {"losses": torch.stack(losses), "logits": out["logits"], "split": split}
+
+
+@pytest.mark.timeout(300)
+def test_eval_with_local_inputs_gathers_the_pieces():
+    model, train, val, traced, prof, ref = _reference_of("cnn")
+    plan = rm.plan_for(traced, prof, (2,))
+    for got in run_local(_local_inputs, 2, model, traced, plan, train, val, timeout=240):
+        assert got["split"], "the plan should split the batch: else the pieces are whole"
+        assert _close(got["logits"], ref["logits"]) and _close(got["losses"], ref["losses"])
+
+
+def _pipeline(rank, world, model, traced, plan, train, val):
+    from autopar.runtime.pipeline import build_pipeline
+
+    autopar.manual_seed(rm.SEED)
+    pm = build_pipeline(model, traced, plan, device="cpu")
+    opt = torch.optim.SGD(pm.parameters(), lr=LR)
+
+    def step():
+        opt.zero_grad()
+        loss = pm.step(**train)
+        opt.step()
+        return loss.detach().clone()
+
+    losses = [step(), step()]
+    pm.eval()
+    with torch.no_grad():
+        out = pm(**val)
+    pm.train()
+    losses.append(step())
+    return {"losses": torch.stack(losses), "logits": out["logits"], "loss": out["loss"]}
+
+
+@pytest.mark.timeout(400)
+def test_a_pipelined_gpt2_evaluates_in_the_middle_of_training():
+    model, train, val, _, _, ref = _reference_of("gpt2")
+    traced, plan = rm.pipeline_plan_for(model, train, (2,))
+    assert plan.pipeline is not None
+    for got in run_local(_pipeline, 2, model, traced, plan, train, val, timeout=300):
+        assert _close(got["losses"], ref["losses"]), f"{got['losses']} != {ref['losses']}"
+        assert _close(got["logits"], ref["logits"]) and _close(got["loss"], ref["loss"])
