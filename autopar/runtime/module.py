@@ -9,6 +9,13 @@ Contract:
   still in flight, waited on at its first read (backward does not wait). With ``local_inputs=True``
   (see :func:`autopar.api.autoparallelize`), each rank passes only its own piece of
   every input, as laid out by ``input_specs``.
+- Evaluation mode: where the model tells the modes apart (batch norm, dropout, random ops), a
+  module traced in training mode and called after ``.eval()`` runs the original model in eval
+  mode on the full parameters and buffers gathered onto every rank
+  (:mod:`autopar.runtime.eval_replica`): same inputs (pieces under ``local_inputs`` are
+  gathered; whole global batches are taken too), the model's own output structure with full
+  values on every rank, no gradient; any batch size. ``.train()`` drops that copy and runs the
+  training graph again.
 - ``parameters()`` / ``named_parameters()`` and the buffers are ``DTensor``s on
   ``device_mesh`` (a torch ``DeviceMesh`` whose dim names are the ``MeshSpec`` axis names),
   named ``graph_module.<canonical FQN>``, with the plan's layouts as placements
@@ -145,8 +152,10 @@ class AutoParallelModule(nn.Module):
 
     def _full_call(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """The call's arguments with full inputs: under ``local_inputs`` each rank's pieces are
-        gathered (every rank calls, the same inputs in the same order); otherwise as given."""
-        if not self.local_inputs:
+        gathered (every rank calls, the same inputs in the same order), unless every input has
+        its whole traced shape (a validation loader's global batches: a piece of a split input
+        never has it); otherwise as given."""
+        if not self.local_inputs or self._whole_inputs(args, kwargs):
             return args, kwargs
         self.flat_inputs(args, kwargs)  # the pieces' shapes and dtypes, as a training call checks them
         bound = self._signature.bind(*args, **kwargs)
@@ -168,6 +177,11 @@ class AutoParallelModule(nn.Module):
             bound.arguments[var_kw] = {k: gathered.pop(k) for k in spread}
         bound.arguments.update(gathered)
         return bound.args, bound.kwargs
+
+    def _whole_inputs(self, args: tuple, kwargs: dict) -> bool:
+        leaves = input_leaves(self._signature, self._traced.model_name, args, kwargs)
+        return all(isinstance(leaves.get(p.fqn), torch.Tensor) and tuple(leaves[p.fqn].shape) == tuple(p.shape)
+                   for p in self._inputs)
 
     def _full_values_by_fqn(self) -> dict[str, torch.Tensor]:
         """Original FQN (every alias) -> full tensor of every parameter and buffer (a collective)."""

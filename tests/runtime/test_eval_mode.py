@@ -31,11 +31,11 @@ LR = 0.1
 class SmallCNN(nn.Module):
     """Conv, batch norm, dropout, a linear head; the loss and the logits in a dict."""
 
-    def __init__(self) -> None:
+    def __init__(self, p: float = 0.25) -> None:
         super().__init__()
         self.conv = nn.Conv2d(3, 8, 3, padding=1)
         self.bn = nn.BatchNorm2d(8)
-        self.drop = nn.Dropout(0.25)
+        self.drop = nn.Dropout(p)
         self.head = nn.Linear(8 * 6 * 6, 5)
 
     def forward(self, x, labels):
@@ -199,10 +199,11 @@ def _local_inputs(rank, world, model, traced, plan, train, val):
     pm.eval()
     with torch.no_grad():
         out = pm(**pieces(val))
+        whole = pm(**val)  # a validation loader's whole global batches are taken as they are
     pm.train()
     losses.append(_step(pm, opt, pieces(train)))
     split = any(not s.is_replicated() for s in pm.input_specs.values())
-    return {"losses": torch.stack(losses), "logits": out["logits"], "split": split}
+    return {"losses": torch.stack(losses), "logits": out["logits"], "whole": whole["logits"], "split": split}
 
 
 @pytest.mark.timeout(300)
@@ -212,6 +213,7 @@ def test_eval_with_local_inputs_gathers_the_pieces():
     for got in run_local(_local_inputs, 2, model, traced, plan, train, val, timeout=240):
         assert got["split"], "the plan should split the batch: else the pieces are whole"
         assert _close(got["logits"], ref["logits"]) and _close(got["losses"], ref["losses"])
+        assert _close(got["whole"], ref["logits"])
 
 
 def _pipeline(rank, world, model, traced, plan, train, val):
