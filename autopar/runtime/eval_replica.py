@@ -21,8 +21,8 @@ after ``model.eval()``, whatever the plan.
   id -- and one all-reduce of that verdict makes every rank gather again together (an empty
   shard need not see its version move). Writes through ``.data`` escape version counters: made
   in evaluation mode, they are seen after ``.train()`` and ``.eval()`` again.
-- Cost: the full parameters and buffers on every rank, logged once (``logging``, this module's
-  logger); more than the plan's per-device budget (``Plan.budget_bytes``, else the mesh's memory
+- Cost: the full parameters and buffers on every rank, logged once by rank 0 (``logging`` at
+  INFO, this module's logger); more than the plan's per-device budget (``Plan.budget_bytes``, else the mesh's memory
   capacity) is refused with a ``ValueError`` naming it.
 - Random ops that still draw in eval mode (a ``torch.rand`` the model calls whatever its mode)
   draw from torch's generator forked and seeded alike on every rank (autopar's seed and the eval
@@ -68,6 +68,7 @@ class EvalReplica:
         self._seen: tuple | None = None
         self._calls = 0
         self._logged = False
+        self._placed = False  # the tensors the trace does not carry moved to the module's device
 
     @classmethod
     def of(cls, model: nn.Module, traced: TracedGraph, *, mode: TracedMode) -> "EvalReplica | None":
@@ -106,6 +107,9 @@ class EvalReplica:
             self._state = None  # the old copy goes before the new one is gathered
             self._state = gather()
             self._announce()
+        if not self._placed:
+            _place(self._skeleton, device)
+            self._placed = True
         self._calls += 1
         with torch.no_grad(), _alike_draws(device, self._calls):
             return functional_call(self._skeleton, self._state, args, kwargs, tie_weights=True, strict=False)
@@ -137,8 +141,10 @@ class EvalReplica:
         return bool(flag.item())
 
     def _announce(self) -> None:
-        if not self._logged:
+        if not self._logged:  # once, on rank 0
             self._logged = True
+            if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
+                return
             log.info("%s: evaluation mode runs on a gathered eval-mode replica of the model on every rank "
                      "(full parameters and buffers: %s, gathered again after each update)",
                      self._model_name, _gib(self.full_bytes))
@@ -161,6 +167,19 @@ def _skeleton(model: nn.Module, carried: set[str]) -> nn.Module:
             memo[id(t)] = nn.Parameter(stand_in, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) \
                 else stand_in
     return copy.deepcopy(model, memo).eval()
+
+
+def _place(skeleton: nn.Module, device: torch.device) -> None:
+    """Move the skeleton's real tensors (those the trace does not carry: never trained) to
+    ``device``, where the gathered ones are; the meta stand-ins stay."""
+    for module in skeleton.modules():
+        for table in (module._parameters, module._buffers):
+            for key, t in table.items():
+                if t is None or t.is_meta or t.device == device:
+                    continue
+                moved = t.detach().to(device)
+                table[key] = nn.Parameter(moved, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) \
+                    else moved
 
 
 class _alike_draws:

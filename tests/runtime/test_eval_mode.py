@@ -151,7 +151,12 @@ def test_eval_in_the_middle_of_training_is_one_devices_eval(case, shape):
         assert _close(got["after"], ref["after"]), f"{where}: eval after the 3rd step differs"
         for k, want in ref["state"].items():
             assert _close(got["state"][k], want), f"{where}: {k} after the 3rd step"
-        assert len(got["log"]) == 1 and "gathered eval-mode replica" in got["log"][0], got["log"]
+        if rank == 0:  # one line, rank 0's
+            assert len(got["log"]) == 1 and "gathered eval-mode replica" in got["log"][0], got["log"]
+            distinct = {id(t): t for t in ref["state"].values()}.values()  # a tied weight once
+            assert f"{sum(t.numel() * t.element_size() for t in distinct)} bytes" in got["log"][0], got["log"]
+        else:
+            assert got["log"] == [], got["log"]
     # the evaluation really is eval mode: batch statistics or dropout would give other logits
     plain = copy.deepcopy(model).train()
     with torch.no_grad():
