@@ -121,9 +121,9 @@ class EvalReplica:
         if self.full_bytes > budget:
             raise ValueError(
                 f"{self._model_name} in evaluation mode runs on a replica of the whole model on every rank: its "
-                f"full parameters and buffers take {_gib(self.full_bytes)}, more than {what}, {_gib(budget)} per "
-                f"device. Evaluate in training mode's graph instead (autoparallelize the model in evaluation mode: "
-                f"model.eval() before autoparallelize, then load_full_state_dict from this one)")
+                f"full parameters and buffers alone take {_gib(self.full_bytes)}, more than {what}, {_gib(budget)} "
+                f"per device. To evaluate sharded, autoparallelize the model in evaluation mode (model.eval() "
+                f"before autoparallelize: a plan of its own) and load_full_state_dict from this one into it")
 
     def forget(self) -> None:
         """Drop the gathered state (the module goes back to training)."""

@@ -145,7 +145,10 @@ class AutoParallelModule(nn.Module):
         """An eval-mode call of a module traced in training mode: the original model in eval mode
         on the full parameters and buffers, on every rank (``eval_replica.py``)."""
         if self._evaluator is None:
-            self._mode.check(self._traced.model_name, self.training)  # built without one: the refusal
+            raise NotImplementedError(
+                f"{self._traced.model_name} is in evaluation mode and its {self._mode.sensitive} behaves differently "
+                f"there, but this module was built without an evaluation replica (build_module makes one): call "
+                f".train(), or build it with autopar.runtime.build.build_module")
         args, kwargs = self._full_call(args, kwargs)
         return self._evaluator.run(self, args, kwargs, plan=self.plan, device=mesh_device(self.device_mesh),
                                    gather=self._full_values_by_fqn, sensitive=self._mode.sensitive)

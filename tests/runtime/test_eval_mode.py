@@ -7,7 +7,8 @@ statistics the training steps updated, dropout is off, no gradient is tracked. E
 trains a 3rd step. Reference: the same model on mesh ``(1,)`` (one rank: autopar's counter-based
 dropout draws, ``strategies/rng.py``, are one device's) for the 3 training steps without any
 evaluation, and the plain model loaded with its state after 2 steps, in ``.eval()``, for the
-validation batch. A budget below the full model's bytes is refused, naming it.
+validation batch. A budget below the full model's bytes is refused, naming it, as is a
+mixed-precision plan (the replica would not compute by the precision pass's policy).
 """
 
 from __future__ import annotations
@@ -163,22 +164,29 @@ def test_eval_in_the_middle_of_training_is_one_devices_eval(case, shape):
         assert not torch.allclose(plain(**val)["logits"], ref["logits"], rtol=1e-3)
 
 
-def _over_budget(rank, world, model, traced, plan, train):
+def _refused(rank, world, model, traced, plan, train):
     pm = build_module(model, traced, dataclasses.replace(plan, budget_bytes=1000), device=torch.device("cpu"))
     pm(**train)["loss"].backward()  # training runs: only the replica is over the budget
     pm.eval()
-    with pytest.raises(ValueError) as err:
+    with pytest.raises(ValueError) as budget:
         pm(**train)
-    return str(err.value)
+    low = autopar.autoparallelize(model, train, mesh=(2,), precision="bf16", cache=False)
+    low.eval()
+    with pytest.raises(NotImplementedError) as precision:
+        low(**train)
+    return str(budget.value), str(precision.value)
 
 
 @pytest.mark.timeout(240)
-def test_a_replica_over_the_budget_is_refused_naming_it():
+def test_a_replica_over_the_budget_or_of_a_mixed_precision_plan_is_refused():
     model, train, _ = _cnn()
     traced, prof = rm.traced_of(model, train)
-    for said in run_local(_over_budget, 2, model, traced, rm.plan_for(traced, prof, (2,)), train, timeout=200):
+    for said, low in run_local(_refused, 2, model, traced, rm.plan_for(traced, prof, (2,)), train, timeout=200):
         assert "SmallCNN in evaluation mode runs on a replica of the whole model" in said, said
         assert "Plan.budget_bytes" in said and "1000 bytes (0.000 GiB) per device" in said, said
+        assert "autoparallelize the model in evaluation mode" in said, said
+        assert "SmallCNN was traced and planned in training mode, and its batch norm (BatchNorm2d 'bn')" in low, low
+        assert "the plan computes in bf16" in low, low
 
 
 def _reference_of(name: str):

@@ -336,7 +336,12 @@ class PipelineModule(PipelineState, nn.Module):
         carry no gradient. Otherwise forward only (no backward work); in evaluation mode, when the
         stages were traced in training mode and the model tells the modes apart (batch norm,
         dropout), the model's eval-mode outputs from a gathered replica (``eval_replica.py``)."""
-        if self._mode.replicated(self.training) and self._evaluator is not None:
+        if self._mode.replicated(self.training):
+            if self._evaluator is None:
+                raise NotImplementedError(
+                    f"{self._traced.model_name} is in evaluation mode and its {self._mode.sensitive} behaves "
+                    f"differently there, but this module was built without an evaluation replica (build_pipeline "
+                    f"makes one): call .train(), or build it with autopar.runtime.pipeline.build_pipeline")
             return self._evaluator.run(self, args, kwargs, plan=self.plan, device=self._device,
                                        gather=self._full_values_by_fqn, sensitive=self._mode.sensitive)
         self._mode.check(self._traced.model_name, self.training)
