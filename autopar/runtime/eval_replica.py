@@ -20,7 +20,9 @@ after ``model.eval()``, whatever the plan.
   step's and ``load_full_state_dict``'s writes the local tensor's, a replaced tensor has another
   id -- and one all-reduce of that verdict makes every rank gather again together (an empty
   shard need not see its version move). Writes through ``.data`` escape version counters: made
-  in evaluation mode, they are seen after ``.train()`` and ``.eval()`` again.
+  in evaluation mode, they are seen after ``.train()`` and ``.eval()`` again. A module in the
+  chunk runtime (``module.gemini``: its optimizer writes chunks, not the parameters' tensors)
+  gathers at every eval call.
 - Cost: the full parameters and buffers on every rank, logged once by rank 0 (``logging`` at
   INFO, this module's logger); more than the plan's per-device budget (``Plan.budget_bytes``, else the mesh's memory
   capacity) is refused with a ``ValueError`` naming it.
@@ -92,9 +94,10 @@ class EvalReplica:
         return cls(skeleton, model_name=traced.model_name, full_bytes=full_bytes)
 
     def run(self, owner: nn.Module, args: tuple, kwargs: dict, *, plan: Plan, device: torch.device,
-            gather: Callable[[], dict[str, torch.Tensor]], sensitive: str) -> Any:
+            gather: Callable[[], dict[str, torch.Tensor]], sensitive: str, always: bool = False) -> Any:
         """The model's eval-mode outputs for ``args``/``kwargs`` (full inputs) on every rank.
-        ``gather``: original FQN -> full tensor of every parameter and buffer (a collective)."""
+        ``gather``: original FQN -> full tensor of every parameter and buffer (a collective);
+        ``always``: gather at every call (updates the version check cannot see)."""
         if self._refusal is not None:
             raise NotImplementedError(
                 f"{self._model_name} was traced and planned in training mode, and its {sensitive} behaves "
@@ -103,7 +106,7 @@ class EvalReplica:
                 f"autoparallelize, then load_full_state_dict from this one)")
         self._check_budget(plan)
         device = torch.device(device)
-        if self._stale(owner, device):
+        if always or self._stale(owner, device):
             self._state = None  # the old copy goes before the new one is gathered
             self._state = gather()
             self._announce()

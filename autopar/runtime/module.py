@@ -150,8 +150,10 @@ class AutoParallelModule(nn.Module):
                 f"there, but this module was built without an evaluation replica (build_module makes one): call "
                 f".train(), or build it with autopar.runtime.build.build_module")
         args, kwargs = self._full_call(args, kwargs)
+        # The chunk runtime's optimizer writes its chunks, not the parameters' tensors: gather each call.
         return self._evaluator.run(self, args, kwargs, plan=self.plan, device=mesh_device(self.device_mesh),
-                                   gather=self._full_values_by_fqn, sensitive=self._mode.sensitive)
+                                   gather=self._full_values_by_fqn, sensitive=self._mode.sensitive,
+                                   always=getattr(self, "gemini", None) is not None)
 
     def _full_call(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """The call's arguments with full inputs: under ``local_inputs`` each rank's pieces are
@@ -187,9 +189,16 @@ class AutoParallelModule(nn.Module):
                    for p in self._inputs)
 
     def _full_values_by_fqn(self) -> dict[str, torch.Tensor]:
-        """Original FQN (every alias) -> full tensor of every parameter and buffer (a collective)."""
-        return {alias: value for name, value in self.full_placeholder_values().items()
-                for alias in self._placeholders[name].aliases}
+        """Original FQN (every alias) -> full tensor of every parameter and buffer (a collective).
+        Through ``full_state_items``, which the chunk runtime replaces (its parameters view working
+        copies that exist only while gathered); then the non-persistent buffers."""
+        out = collect_full_state(self.full_state_items(), self._state_keys)
+        listed = {name for name, *_ in self._state_order()}
+        for name, ph, local in self._tensors():
+            if name not in listed:
+                value = self._full(name, local.detach())
+                out.update({alias: value for alias in ph.aliases})
+        return out
 
     def graph_arguments(self, args: tuple, kwargs: dict) -> list[torch.Tensor]:
         """The emitted graph's arguments for a call ``forward(*args, **kwargs)``: the inputs and

@@ -16,6 +16,7 @@ import copy
 import pytest
 import torch
 
+from autopar.booster import Booster
 from autopar.runtime.launch import run_local
 from tests.runtime.test_eval_mode import SmallCNN
 
@@ -40,7 +41,7 @@ def criterion(outputs, batch):
 
 
 def _boosted(rank, world, model, train, val):
-    from autopar.booster import Booster, LowLevelZeroPlugin
+    from autopar.booster import LowLevelZeroPlugin
 
     # data parallel (ZeRO-1): the plan splits the batch, so each rank loads its piece of a training batch
     plugin = LowLevelZeroPlugin(stage=1, precision="fp32")
@@ -70,9 +71,9 @@ def _boosted(rank, world, model, train, val):
             "state": pm.full_state_dict()}
 
 
-def _one_device(model, train, val):
+def _one_device(model, train, val, *, optimizer=torch.optim.SGD):
     model = copy.deepcopy(model)
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    opt = optimizer(model.parameters(), lr=LR)
     train_batches = [train[i * BATCH:(i + 1) * BATCH] for i in range(3)]
     losses, evals = [], []
     for k, batch in enumerate(train_batches):
@@ -103,5 +104,48 @@ def test_a_booster_validation_pass_between_steps_is_one_devices():
         assert len(got["evals"]) == len(want_evals) == 2
         for g, w in zip(got["evals"], want_evals):
             assert torch.allclose(g, w, rtol=1e-5, atol=1e-6)
+        for k, w in want_state.items():
+            assert torch.allclose(got["state"][k].to(w.dtype), w, rtol=1e-5, atol=1e-6), k
+
+
+def _gemini(rank, world, model, batches, val):
+    from autopar.booster import GeminiPlugin
+
+    booster = Booster(GeminiPlugin(precision="fp32"))
+    pm, opt, *_ = booster.boost(model, torch.optim.AdamW(model.parameters(), lr=LR), meta_inputs=batches[0])
+    losses = []
+
+    def step(batch):
+        loss = pm(**batch)["loss"]
+        booster.backward(loss, opt)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach().clone())
+
+    step(batches[0])
+    step(batches[1])
+    pm.eval()
+    with torch.no_grad():
+        evals = [pm(**val[i * BATCH:(i + 1) * BATCH])["logits"] for i in range(len(val) // BATCH)]
+    pm.train()
+    step(batches[2])
+    chunked = pm.gemini is not None and all(c.sharded for c in pm.gemini.manager.chunks)
+    return {"losses": torch.stack(losses), "evals": evals, "chunked": chunked, "state": pm.full_state_dict()}
+
+
+@pytest.mark.timeout(300)
+def test_a_validation_pass_of_a_chunked_zero3_module_is_one_devices():
+    """``GeminiPlugin``: the parameters view chunk copies that exist only while gathered, and
+    the chunk optimizer writes the chunks; the eval pass gathers through the chunk runtime."""
+    torch.manual_seed(0)
+    model = SmallCNN(p=0.0).train()
+    train, val = Images(3 * BATCH, 0), Images(2 * BATCH, 1)
+    want_losses, want_evals, want_state = _one_device(model, train, val, optimizer=torch.optim.AdamW)
+    batches = [train[i * BATCH:(i + 1) * BATCH] for i in range(3)]
+    for got in run_local(_gemini, 2, model, batches, val, timeout=240):
+        assert got["chunked"]
+        assert torch.allclose(got["losses"], want_losses, rtol=1e-5, atol=1e-6), (got["losses"], want_losses)
+        for g, w in zip(got["evals"], want_evals, strict=True):
+            assert torch.allclose(g, w, rtol=1e-5, atol=1e-6), (g - w).abs().max()
         for k, w in want_state.items():
             assert torch.allclose(got["state"][k].to(w.dtype), w, rtol=1e-5, atol=1e-6), k
