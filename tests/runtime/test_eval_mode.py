@@ -259,3 +259,27 @@ def test_a_pipelined_gpt2_evaluates_in_the_middle_of_training():
     for got in run_local(_pipeline, 2, model, traced, plan, train, val, timeout=300):
         assert _close(got["losses"], ref["losses"]), f"{got['losses']} != {ref['losses']}"
         assert _close(got["logits"], ref["logits"]) and _close(got["loss"], ref["loss"])
+
+
+def _per_rank(rank, world, model, train, val):
+    pm = autopar.autoparallelize(model, train, mesh=(2,), batch_norm_stats="per_rank", cache=False)
+    opt = torch.optim.SGD(pm.parameters(), lr=LR)
+    _step(pm, opt, train)
+    pm.eval()
+    with torch.no_grad():
+        got = pm(**val)["logits"]
+    plain = copy.deepcopy(model)
+    plain.load_state_dict(pm.full_state_dict())
+    moved = not torch.equal(plain.bn.running_mean, model.bn.running_mean)
+    with torch.no_grad():
+        return moved, torch.allclose(got, plain.eval()(**val)["logits"], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.timeout(240)
+def test_eval_after_per_rank_batch_statistics_uses_the_running_statistics_they_wrote():
+    """``batch_norm_stats="per_rank"`` rewrites the trace's batch norms (one chunk per rank); the
+    replica is the original model, on the running statistics the training step wrote."""
+    _, train, val = _cnn()
+    torch.manual_seed(0)
+    for moved, same in run_local(_per_rank, 2, SmallCNN(p=0.0).train(), train, val, timeout=200):
+        assert moved and same
