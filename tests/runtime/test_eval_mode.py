@@ -283,3 +283,38 @@ def test_eval_after_per_rank_batch_statistics_uses_the_running_statistics_they_w
     torch.manual_seed(0)
     for moved, same in run_local(_per_rank, 2, SmallCNN(p=0.0).train(), train, val, timeout=200):
         assert moved and same
+
+
+class Jitter(nn.Module):
+    """Draws whatever its mode (``torch.rand_like`` outside any dropout)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.fc(x)
+        return h + torch.rand_like(h)
+
+
+def _jitter(rank, world, model, x):
+    autopar.manual_seed(rm.SEED)  # autopar's draws: one seed on every rank (checked at build)
+    pm = autopar.autoparallelize(model, (x,), mesh=(2,), cache=False)
+    torch.manual_seed(100 + rank)  # torch's own generators differ between the ranks
+    pm(x).sum().backward()
+    pm.eval()
+    before = torch.get_rng_state()
+    with torch.no_grad():
+        first, second = pm(x), pm(x)
+    return first, second, torch.equal(before, torch.get_rng_state())
+
+
+@pytest.mark.timeout(240)
+def test_draws_in_eval_mode_agree_across_ranks_and_leave_the_generator_alone():
+    torch.manual_seed(0)
+    model, x = Jitter().train(), torch.randn(4, 8)
+    (a1, a2, kept_a), (b1, b2, kept_b) = run_local(_jitter, 2, model, x, timeout=200)
+    assert torch.equal(a1, b1) and torch.equal(a2, b2) and kept_a and kept_b
+    assert not torch.equal(a1, a2)  # each eval call draws afresh
+    noise = a1 - model.fc(x).detach()
+    assert 0 <= noise.min() and noise.max() < 1
