@@ -7,8 +7,11 @@ statistics the training steps updated, dropout is off, no gradient is tracked. E
 trains a 3rd step. Reference: the same model on mesh ``(1,)`` (one rank: autopar's counter-based
 dropout draws, ``strategies/rng.py``, are one device's) for the 3 training steps without any
 evaluation, and the plain model loaded with its state after 2 steps, in ``.eval()``, for the
-validation batch. A budget below the full model's bytes is refused, naming it, as is a
-mixed-precision plan (the replica would not compute by the precision pass's policy).
+validation batch. Also: ``local_inputs`` pieces (and whole global batches) on (2,), a pipelined
+GPT-2 on 2 stages, eval after per-rank batch statistics, and a model that draws in eval mode
+(ranks agree, torch's generator untouched). A budget below the full model's bytes is refused,
+naming it, as is a mixed-precision plan (the replica would not compute by the precision pass's
+policy).
 """
 
 from __future__ import annotations
