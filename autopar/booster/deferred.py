@@ -40,6 +40,9 @@ class DeferredModule(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.module is None:
             self.module = self._build(args, kwargs)
+            # built in the mode the model was traced in; the mode this module was set to counts
+            # (a first call after ``.eval()`` evaluates)
+            self.module.train(self.training)
         return self.module(*args, **kwargs)
 
     def _built(self) -> nn.Module:
@@ -134,7 +137,7 @@ def boost_deferred(booster: Any, model: nn.Module, optimizer: torch.optim.Optimi
         booster._origins[deferred] = booster._origins[module]
         return module
 
-    deferred = DeferredModule(build)
+    deferred = DeferredModule(build).train(model.training)  # the mode the model will be traced in
     if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
         print("[autopar] boost: no dataloader or meta_inputs, so the model is planned at its first forward "
               "from that batch's shapes (every rank must call it with same-shaped inputs)", flush=True)

@@ -23,6 +23,7 @@ from autopar.plans import Plan
 from autopar.runtime.draws import check_ranks_draw_alike
 from autopar.runtime.dtensors import to_dtensor
 from autopar.runtime.materialize import local_shards
+from autopar.runtime.eval_replica import EvalReplica
 from autopar.runtime.modes import traced_mode
 from autopar.runtime.module import AutoParallelModule
 from autopar.runtime.early import hoist_early_sums
@@ -108,10 +109,11 @@ def build_module(model: nn.Module, traced, plan: Plan, *, device: torch.device, 
         if isinstance(shards[name], nn.Parameter):
             dtensor = nn.Parameter(dtensor, requires_grad=shards[name].requires_grad)
         attach_tensor(gm, emitted.attr_of[name], dtensor)
+    mode = traced_mode(model, draws=rng.graph_draws(traced.gm.graph))
     module = AutoParallelModule(
         gm, traced=traced, plan=plan, pmesh=pmesh, specs=emitted.specs, attr_of=emitted.attr_of,
         signature=inspect.signature(model.forward), state_keys=tuple(model.state_dict(keep_vars=True)),
-        local_inputs=local_inputs, mode=traced_mode(model, draws=rng.graph_draws(traced.gm.graph)))
+        local_inputs=local_inputs, mode=mode, evaluator=EvalReplica.of(model, traced, mode=mode))
     module.materialize_stats = stats
     module.num_conversions = emitted.num_conversions
     check_ranks_draw_alike(traced.gm.graph)

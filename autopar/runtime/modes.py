@@ -1,12 +1,20 @@
-"""The training mode a module's graph was traced in, and refusing to run it in the other one.
+"""The training mode a module's graph was traced in, and what runs in the other one.
 
 ``build_module`` emits the graph traced from the model in one mode (training, as a rule): a
 training batch norm normalises by the batch and updates its running statistics, dropout draws
-masks. ``model.eval()`` on the result flips ``training`` but cannot change that graph, so an
-evaluation loop would silently keep training-mode behaviour -- and write the batch norms' running
-statistics from validation batches. A module whose model has such parts refuses to run in the
-mode it was not traced in and says what to do; a model without them (the graph is the same in
-both modes as far as its modules tell) runs in either.
+masks. ``model.eval()`` on the result flips ``training`` but cannot change that graph: run as it
+is, an evaluation loop would keep training-mode behaviour and write the batch norms' running
+statistics from validation batches. So, where the model has such parts:
+
+- a module traced in TRAINING mode and called after ``.eval()`` evaluates on a gathered eval-mode
+  replica of the model (``runtime/eval_replica.py``: running statistics, no dropout, no draws,
+  no gradients -- one device's ``model.eval()``); ``.train()`` goes back to the training graph,
+  untouched by the evaluation. A pipeline's ``step`` (a training step) still refuses eval mode;
+- a module traced in EVALUATION mode refuses to run in training mode and says what to do (its
+  graph has no training computation to run).
+
+A model without such parts (the graph is the same in both modes as far as its modules tell)
+runs its one graph in either mode.
 """
 
 from __future__ import annotations
@@ -28,18 +36,27 @@ class TracedMode:
     training: bool
     sensitive: str | None
 
+    def replicated(self, training: bool) -> bool:
+        """Whether a forward in mode ``training`` runs on the eval replica: traced in training
+        mode, called in evaluation mode, and the model tells the two apart."""
+        return self.training and not training and self.sensitive is not None
+
     def check(self, model_name: str, training: bool) -> None:
-        """Raise when a module traced in one mode is called in the other and its model has parts
-        that behave differently there."""
+        """Raise when the module's graph is asked to run in the mode it was not traced in and its
+        model has parts that behave differently there (a forward that ``replicated`` sends to
+        the replica never gets here)."""
         if training == self.training or self.sensitive is None:
             return
-        traced, called = ("training", "evaluation") if self.training else ("evaluation", "training")
+        if self.training:  # a training step asked for in evaluation mode (a pipeline's ``step``)
+            raise NotImplementedError(
+                f"{model_name} is in evaluation mode and its {self.sensitive} behaves differently there: a "
+                f"training step runs the training-mode graph it was traced in. Call .train() before training; "
+                f"in evaluation mode, call the module (forward) for eval-mode outputs")
         raise NotImplementedError(
-            f"{model_name} was traced and planned in {traced} mode, and its {self.sensitive} behaves differently "
-            f"in {called} mode: this module runs the {traced}-mode graph whatever .train()/.eval() says. Set it "
-            f"back with .{'train' if self.training else 'eval'}(); for the {called}-mode computation, "
-            f"autoparallelize the model in that mode (model.{'eval' if self.training else 'train'}() before "
-            f"autoparallelize, then load_full_state_dict from this one)")
+            f"{model_name} was traced and planned in evaluation mode, and its {self.sensitive} behaves differently "
+            f"in training mode: this module has only the evaluation-mode graph. Set it back with .eval(); to "
+            f"train, autoparallelize the model in training mode (model.train() before autoparallelize, then "
+            f"load_full_state_dict from this one)")
 
 
 def traced_mode(model: nn.Module, *, draws: bool) -> TracedMode:

@@ -9,6 +9,13 @@ Contract:
   still in flight, waited on at its first read (backward does not wait). With ``local_inputs=True``
   (see :func:`autopar.api.autoparallelize`), each rank passes only its own piece of
   every input, as laid out by ``input_specs``.
+- Evaluation mode: where the model tells the modes apart (batch norm, dropout, random ops), a
+  module traced in training mode and called after ``.eval()`` runs the original model in eval
+  mode on the full parameters and buffers gathered onto every rank
+  (:mod:`autopar.runtime.eval_replica`): same inputs (pieces under ``local_inputs`` are
+  gathered; whole global batches are taken too), the model's own output structure with full
+  values on every rank, no gradient; any batch size. ``.train()`` drops that copy and runs the
+  training graph again.
 - ``parameters()`` / ``named_parameters()`` and the buffers are ``DTensor``s on
   ``device_mesh`` (a torch ``DeviceMesh`` whose dim names are the ``MeshSpec`` axis names),
   named ``graph_module.<canonical FQN>``, with the plan's layouts as placements
@@ -48,6 +55,7 @@ from autopar.plans import Plan
 from autopar.runtime.bucketing import GradBucketer
 from autopar.runtime.collectives import gather_full
 from autopar.runtime.dtensors import LocalLeaf, local_of
+from autopar.runtime.eval_replica import EvalReplica, mesh_device
 from autopar.runtime import table_wise
 from autopar.runtime.materialize import slice_local
 from autopar.runtime.modes import TracedMode
@@ -65,7 +73,8 @@ __all__ = ["AutoParallelModule", "clip_grad_norm_"]
 class AutoParallelModule(nn.Module):
     def __init__(self, graph_module: fx.GraphModule, *, traced: TracedGraph, plan: Plan, pmesh: ProcessMesh,
                  specs: dict[str, TensorSpec], attr_of: dict[str, str], signature: inspect.Signature,
-                 state_keys: tuple[str, ...], local_inputs: bool = False, mode: TracedMode | None = None) -> None:
+                 state_keys: tuple[str, ...], local_inputs: bool = False, mode: TracedMode | None = None,
+                 evaluator: EvalReplica | None = None) -> None:
         super().__init__()
         self.graph_module = graph_module
         self.plan = plan
@@ -95,8 +104,11 @@ class AutoParallelModule(nn.Module):
         # Called with this module at the start of each training forward call (``autopar.refine``:
         # ``refine=True`` times the first steps there and may rebuild the module in place).
         self.step_hook = None
-        # The mode the graph was traced in; the other one refuses to run where the model can tell (modes.py).
+        # The mode the graph was traced in (modes.py): where the model tells the modes apart, a
+        # training-traced module evaluates on a gathered replica (eval_replica.py); an eval-traced
+        # one refuses training.
         self._mode = mode or TracedMode(True, None)
+        self._evaluator = evaluator
         self.train(self._mode.training)
 
     # ------------------------------------------------------------------------------ running
@@ -110,6 +122,8 @@ class AutoParallelModule(nn.Module):
         return self.pmesh.device_mesh
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self._mode.replicated(self.training):
+            return self._evaluate(args, kwargs)
         self._mode.check(self._traced.model_name, self.training)
         if self.step_hook is not None and torch.is_grad_enabled():
             self.step_hook(self)
@@ -121,6 +135,70 @@ class AutoParallelModule(nn.Module):
                 f"(or plan with zero_stage=0 or 1)")
         with rng.module_call(self._draws):
             return self._traced.unflatten_outputs(list(self.graph_module(*self.graph_arguments(args, kwargs))))
+
+    def train(self, mode: bool = True) -> "AutoParallelModule":
+        if self._evaluator is not None:  # the eval replica's gathered state is not kept while training
+            self._evaluator.forget()
+        return super().train(mode)
+
+    def _evaluate(self, args: tuple, kwargs: dict) -> Any:
+        """An eval-mode call of a module traced in training mode: the original model in eval mode
+        on the full parameters and buffers, on every rank (``eval_replica.py``)."""
+        if self._evaluator is None:
+            raise NotImplementedError(
+                f"{self._traced.model_name} is in evaluation mode and its {self._mode.sensitive} behaves differently "
+                f"there, but this module was built without an evaluation replica (build_module makes one): call "
+                f".train(), or build it with autopar.runtime.build.build_module")
+        args, kwargs = self._full_call(args, kwargs)
+        # The chunk runtime's optimizer writes its chunks, not the parameters' tensors: gather each call.
+        return self._evaluator.run(self, args, kwargs, plan=self.plan, device=mesh_device(self.device_mesh),
+                                   gather=self._full_values_by_fqn, sensitive=self._mode.sensitive,
+                                   always=getattr(self, "gemini", None) is not None)
+
+    def _full_call(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """The call's arguments with full inputs: under ``local_inputs`` each rank's pieces are
+        gathered (every rank calls, the same inputs in the same order), unless every input has
+        its whole traced shape (a validation loader's global batches: a piece of a split input
+        never has it); otherwise as given."""
+        if not self.local_inputs or self._whole_inputs(args, kwargs):
+            return args, kwargs
+        self.flat_inputs(args, kwargs)  # the pieces' shapes and dtypes, as a training call checks them
+        bound = self._signature.bind(*args, **kwargs)
+        arguments = dict(bound.arguments)
+        var_kw = next((n for n, p in self._signature.parameters.items()
+                       if p.kind is inspect.Parameter.VAR_KEYWORD and n in arguments), None)
+        spread = arguments.pop(var_kw) if var_kw is not None else {}
+        arguments.update(spread)  # named as ``input_leaves`` names them
+
+        def full(path: tuple, value: Any) -> Any:
+            spec = self.input_specs.get(keyword_path(path))
+            if spec is None or not isinstance(value, torch.Tensor):
+                return value
+            with torch.no_grad():
+                return gather_full(value, spec, self.pmesh)
+
+        gathered = pytree.tree_map_with_path(full, arguments)
+        if var_kw is not None:
+            bound.arguments[var_kw] = {k: gathered.pop(k) for k in spread}
+        bound.arguments.update(gathered)
+        return bound.args, bound.kwargs
+
+    def _whole_inputs(self, args: tuple, kwargs: dict) -> bool:
+        leaves = input_leaves(self._signature, self._traced.model_name, args, kwargs)
+        return all(isinstance(leaves.get(p.fqn), torch.Tensor) and tuple(leaves[p.fqn].shape) == tuple(p.shape)
+                   for p in self._inputs)
+
+    def _full_values_by_fqn(self) -> dict[str, torch.Tensor]:
+        """Original FQN (every alias) -> full tensor of every parameter and buffer (a collective).
+        Through ``full_state_items``, which the chunk runtime replaces (its parameters view working
+        copies that exist only while gathered); then the non-persistent buffers."""
+        out = collect_full_state(self.full_state_items(), self._state_keys)
+        listed = {name for name, *_ in self._state_order()}
+        for name, ph, local in self._tensors():
+            if name not in listed:
+                value = self._full(name, local.detach())
+                out.update({alias: value for alias in ph.aliases})
+        return out
 
     def graph_arguments(self, args: tuple, kwargs: dict) -> list[torch.Tensor]:
         """The emitted graph's arguments for a call ``forward(*args, **kwargs)``: the inputs and

@@ -1,11 +1,16 @@
-"""A module runs the graph traced in one mode: called in the other mode it refuses where the model
-can tell the modes apart (batch norm, dropout), naming the module, and runs where it cannot. A
-call with another batch size (a short last batch) says what to do.
+"""A module runs the graph traced in one mode. Where the model can tell the modes apart (batch
+norm, dropout): traced in training mode and called after ``.eval()``, it evaluates on a gathered
+eval-mode replica (``tests/runtime/test_eval_mode.py`` checks its numbers against one device);
+traced in evaluation mode and called in training mode, it refuses, naming the module; a
+pipeline's ``step`` in evaluation mode refuses too. A model without such parts runs its one
+graph in either mode. A call with another batch size (a short last batch) says what to do.
 
 Before, ``pm.eval()`` was ignored: a validation pass ran the training graph, normalised by the
 batch and wrote the batch norm's running statistics from the validation batch."""
 
 from __future__ import annotations
+
+import copy
 
 import pytest
 import torch
@@ -51,9 +56,9 @@ def _body(rank, world, plain, normed, frozen, x):
     out["plain_eval_same"] = torch.equal(pm(x).detach(), want)  # nothing tells the modes apart
     pm = autoparallelize(normed, (x,), mesh=(2,))
     pm.eval()
-    with pytest.raises(NotImplementedError) as err:
-        pm(x)
-    out["normed_eval"] = str(err.value)
+    with torch.no_grad():  # the running statistics as built (nothing trained): the plain model's eval
+        out["normed_eval"] = torch.allclose(pm(x), normed.eval()(x), rtol=1e-5, atol=1e-6)
+        out["normed_eval_short"] = pm(x[:6]).shape == (6, 3)  # the replica takes a short last batch
     pm.train()
     out["normed_train_runs"] = pm(x).shape == (8, 3)
     pm = autoparallelize(frozen, (x,), mesh=(2,))  # traced in eval mode: the module starts there
@@ -68,17 +73,18 @@ def _body(rank, world, plain, normed, frozen, x):
 
 
 @pytest.mark.timeout(120)
-def test_a_module_refuses_the_mode_it_was_not_traced_in_where_the_model_tells_them_apart():
+def test_a_training_module_evaluates_and_an_evaluation_module_refuses_training():
     torch.manual_seed(0)
     normed, frozen = Net(norm=True), Net(norm=True).eval()
     frozen.bn.running_mean.uniform_(-1, 1)
-    for result in run_local(_body, 2, Net(norm=False), normed, frozen, torch.randn(8, 8)):
+    normed.bn.running_var.uniform_(0.5, 2)
+    for result in run_local(_body, 2, Net(norm=False), normed.train(), frozen, torch.randn(8, 8)):
         assert result["plain_eval_same"] and result["normed_train_runs"]
+        assert result["normed_eval"] and result["normed_eval_short"]
         assert result["frozen_starts_in_eval"] and result["frozen_matches_eval"]
-        said = "Net was traced and planned in training mode, and its batch norm (BatchNorm1d 'bn')"
-        assert said in result["normed_eval"]
-        assert "model.eval() before autoparallelize" in result["normed_eval"]
-        assert "traced and planned in evaluation mode" in result["frozen_train"]
+        said = "Net was traced and planned in evaluation mode, and its batch norm (BatchNorm1d 'bn')"
+        assert said in result["frozen_train"], result["frozen_train"]
+        assert "model.train() before autoparallelize" in result["frozen_train"]
         assert "expected torch.float32[8, 8]" in result["short_batch"] and "drop_last=True" in result["short_batch"]
 
 
@@ -100,14 +106,18 @@ def _pipelined(rank, world, model, x):
     loss = pm.step(x)
     pm.eval()
     with pytest.raises(NotImplementedError) as err:
-        pm(x)
-    with pytest.raises(NotImplementedError):
         pm.step(x)
-    return bool(torch.isfinite(loss)), str(err.value)
+    plain = copy.deepcopy(model)
+    plain.load_state_dict(pm.full_state_dict())
+    with torch.no_grad():
+        evaluated = torch.allclose(pm(x), plain.eval()(x), rtol=1e-5, atol=1e-6)
+    return bool(torch.isfinite(loss)), evaluated, str(err.value)
 
 
 @pytest.mark.timeout(180)
-def test_a_pipelined_module_refuses_the_mode_it_was_not_traced_in():
+def test_a_pipelined_module_evaluates_and_refuses_a_training_step_in_evaluation_mode():
     torch.manual_seed(0)
-    for ran, said in run_local(_pipelined, 2, Blocks(), torch.randn(8, 8), timeout=150):
-        assert ran and "traced and planned in training mode, and its dropout (Dropout 'blocks.0.1')" in said
+    for ran, evaluated, said in run_local(_pipelined, 2, Blocks(), torch.randn(8, 8), timeout=150):
+        assert ran and evaluated
+        assert "Blocks is in evaluation mode and its dropout (Dropout 'blocks.0.1')" in said, said
+        assert "Call .train() before training" in said, said

@@ -43,7 +43,9 @@ per-node strategies. On each rank, for each stage it holds (rank r holds stages 
   ``step`` returns, so the copies get equal gradients and stay equal under any optimizer.
 - ``pm(*args, **kwargs)``: forward only (``schedule.eval``), returns the model's output
   structure on every rank: batch-major outputs concatenated over micro-batches, scalar outputs
-  (the loss) averaged.
+  (the loss) averaged. In evaluation mode, where the model tells the modes apart (dropout) and
+  the stages were traced in training mode, the model's eval-mode outputs from a replica on the
+  gathered full state (:mod:`autopar.runtime.eval_replica`); ``step`` refuses evaluation mode.
 - ``full_state_dict()`` / ``full_gradients()``: EVERY rank returns the full dict (gathered over
   each stage's sub-mesh, then broadcast over the pipeline axis from the lowest pipeline rank that
   holds each tensor); every rank must call. ``load_full_state_dict(sd)`` slices a full state

@@ -22,6 +22,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from autopar.plans import Plan
 from autopar.runtime.draws import check_ranks_draw_alike
 from autopar.runtime.materialize import local_shards
+from autopar.runtime.eval_replica import EvalReplica
 from autopar.runtime.modes import traced_mode
 from autopar.runtime.nodes import GradAllReduce
 from autopar.runtime.passes import STATE_KEY, emit_local_graph
@@ -146,10 +147,11 @@ def build_pipeline(model: nn.Module, traced: TracedGraph, plan: Plan, *, device:
     trained = {p.name for p in traced.params if p.requires_grad}
     tied = _tied_groups({k: v for k, v in held_by.items() if k in trained}, device_mesh)
     check_ranks_draw_alike(traced.gm.graph)
+    mode = traced_mode(model, draws=rng.graph_draws(traced.gm.graph))
     return PipelineModule(plan=plan, traced=traced, device_mesh=device_mesh, pmesh=pmesh, stage_modules=modules,
                           layouts=layouts, leaves=shards, specs=specs, signature=inspect.signature(model.forward),
                           state_keys=state_keys, device=device, holders=held_by, deferred=deferred,
-                          tied_groups=tied, mode=traced_mode(model, draws=rng.graph_draws(traced.gm.graph)))
+                          tied_groups=tied, mode=mode, evaluator=EvalReplica.of(model, traced, mode=mode))
 
 
 def _defer_gradient_sync(emitted) -> dict[str, tuple[int, ...]]:

@@ -30,6 +30,7 @@ from autopar.layout.placement import TensorSpec
 from autopar.plans import Plan
 from autopar.runtime.build import attach_tensor
 from autopar.runtime.dtensors import local_of, to_dtensor
+from autopar.runtime.eval_replica import EvalReplica
 from autopar.runtime.modes import TracedMode
 from autopar.runtime.module import input_leaves
 from autopar.runtime.parallel_module import clip_grad_norm
@@ -97,11 +98,14 @@ class PipelineModule(PipelineState, nn.Module):
                  stage_modules: list[StageModule], leaves: dict[str, torch.Tensor], specs: dict,
                  signature: inspect.Signature, state_keys: tuple[str, ...], device: torch.device,
                  holders: dict[str, tuple[int, ...]], deferred: dict[str, tuple[int, ...]],
-                 layouts: dict[str, TensorSpec], tied_groups: dict[str, Any], mode: TracedMode | None = None) -> None:
+                 layouts: dict[str, TensorSpec], tied_groups: dict[str, Any], mode: TracedMode | None = None,
+                 evaluator: EvalReplica | None = None) -> None:
         super().__init__()
         pipe = plan.pipeline
-        # The mode the stages were traced in; the other one refuses to run where the model can tell.
+        # The mode the stages were traced in (modes.py): where the model tells the modes apart, an
+        # eval-mode forward of training-traced stages runs on a gathered replica (eval_replica.py).
         self._mode = mode or TracedMode(True, None)
+        self._evaluator = evaluator
         self.train(self._mode.training)
         self.plan, self.pmesh, self.device_mesh = plan, pmesh, device_mesh
         self._traced, self._signature, self._state_keys, self._device = traced, signature, state_keys, device
@@ -329,7 +333,17 @@ class PipelineModule(PipelineState, nn.Module):
         the backward of any function of the loss, a GradScaler's scaled loss included) adds them,
         times the loss's incoming gradient, to ``.grad`` -- the plain module's training loop
         (``model(**batch).loss.backward()``) trains a pipelined plan unchanged. The other outputs
-        carry no gradient. Otherwise forward only (no backward work)."""
+        carry no gradient. Otherwise forward only (no backward work); in evaluation mode, when the
+        stages were traced in training mode and the model tells the modes apart (batch norm,
+        dropout), the model's eval-mode outputs from a gathered replica (``eval_replica.py``)."""
+        if self._mode.replicated(self.training):
+            if self._evaluator is None:
+                raise NotImplementedError(
+                    f"{self._traced.model_name} is in evaluation mode and its {self._mode.sensitive} behaves "
+                    f"differently there, but this module was built without an evaluation replica (build_pipeline "
+                    f"makes one): call .train(), or build it with autopar.runtime.pipeline.build_pipeline")
+            return self._evaluator.run(self, args, kwargs, plan=self.plan, device=self._device,
+                                       gather=self._full_values_by_fqn, sensitive=self._mode.sensitive)
         self._mode.check(self._traced.model_name, self.training)
         if self.training and torch.is_grad_enabled() and self._loss_out is not None:
             return self._training_forward(args, kwargs)
@@ -339,6 +353,11 @@ class PipelineModule(PipelineState, nn.Module):
         with torch.no_grad():
             merged = self._schedule_for(whole).eval(*inputs, target=target, losses=[], return_outputs=True)
         return self._merged_outputs(merged)
+
+    def train(self, mode: bool = True) -> "PipelineModule":
+        if self._evaluator is not None:  # the eval replica's gathered state is not kept while training
+            self._evaluator.forget()
+        return super().train(mode)
 
     def _training_forward(self, args: tuple, kwargs: dict) -> Any:
         inputs, whole = self._flat_inputs(args, kwargs)

@@ -87,6 +87,14 @@ class PipelineState:
         return collect_full_state(self.full_state_items(), self._state_keys)
 
     @torch.no_grad()
+    def _full_values_by_fqn(self) -> dict[str, torch.Tensor]:
+        """Original FQN (every alias) -> full tensor of every parameter and buffer, non-persistent
+        buffers included (what the eval replica runs on), on every rank."""
+        values = self._gathered((PARAMETER, BUFFER), self._local)
+        return {alias: value for name, value in values.items() if value is not None
+                for alias in self._placeholders[name].aliases}
+
+    @torch.no_grad()
     def full_gradients(self) -> dict[str, torch.Tensor | None]:
         """Parameter FQN (tied aliases included) -> full gradient or None, on every rank."""
         def grad_of(name: str) -> torch.Tensor | None:
