@@ -334,12 +334,15 @@ class Plan:
             # The stage search (autopar.planner.pipeline.search) records per-stage figures.
             figures = self.solver.get("pipeline", {}).get("stages", ())
             if len(figures) == len(self.pipeline.stages):
+                # ms/micro includes p2p and the schedule actions' overhead ("actions"; 0 in plans
+                # written before it was priced).
                 lines.append(f"    {'stage':>5} {'rank':>4} {'blocks':>9} {'nodes':>6} {'ms/micro':>9} {'p2p ms':>7} "
-                             f"{'sync ms':>8} {'in flight':>9} {'peak GiB':>9}")
+                             f"{'actions':>7} {'sync ms':>8} {'in flight':>9} {'peak GiB':>9}")
                 for st, f in zip(self.pipeline.stages, figures):
                     blocks = f"{st.layers[0]}..{st.layers[1] - 1}"
                     lines.append(f"    {st.index:>5} {st.rank:>4} {blocks:>9} {len(st.nodes):>6} "
-                                 f"{f['time_s'] * 1e3:>9.3f} {f['p2p_s'] * 1e3:>7.3f} {f['sync_s'] * 1e3:>8.3f} "
+                                 f"{f['time_s'] * 1e3:>9.3f} {f['p2p_s'] * 1e3:>7.3f} "
+                                 f"{f.get('overhead_s', 0.0) * 1e3:>7.3f} {f['sync_s'] * 1e3:>8.3f} "
                                  f"{f['in_flight']:>9} {f['peak_bytes'] / 2**30:>9.3f}")
             else:
                 for st in self.pipeline.stages:

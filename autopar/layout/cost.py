@@ -38,6 +38,12 @@ measured backward rate; the optimizer step (``optimizer_seconds``) at the measur
 each times the profile's ``time_scale`` factor of the class where a model's timed steps refit it
 (``refine=True``). Other ops, unmeasured dtypes and uncalibrated meshes get the roofline as above,
 so a preset prices exactly as before.
+
+A pipeline schedule's action (a stage's forward or backward of one micro-batch under torch's
+schedules) costs ``pipeline_action_seconds(mesh)`` beyond its ops and transfers: the calibrated
+``MachineProfile.pipeline_action_s`` where measured, else the preset's default
+(``layout.mesh.preset_pipeline_action_s``); the pipeline cost model counts the actions
+(``planner.pipeline.schedule.action_overhead_s``).
 """
 
 from __future__ import annotations
@@ -46,10 +52,10 @@ import math
 from typing import Iterable
 
 from autopar.layout.machine import COMPUTE_BOUND, MEMORY_BOUND, OP_CLASSES, OPTIMIZER, dtype_name
-from autopar.layout.mesh import MeshSpec
+from autopar.layout.mesh import MeshSpec, preset_pipeline_action_s
 
 __all__ = ["KERNEL_FLOOR_S", "COLLECTIVES", "compute_seconds", "collective_seconds", "copy_seconds", "ring_seconds",
-           "optimizer_bytes_per_byte", "optimizer_seconds"]
+           "optimizer_bytes_per_byte", "optimizer_seconds", "pipeline_action_seconds"]
 
 # Launch overhead of one kernel: a node never costs less than this, however small -- unless the
 # mesh's calibration measured the floor (``MachineProfile.kernel_floor_s``).
@@ -179,3 +185,10 @@ def ring_seconds(block_bytes: float, mesh: MeshSpec, axes: Iterable[int], *, clo
         steps = turns if closed else turns - 1
         total += steps * (mesh.alpha[a] + mesh.beta[a] * block_bytes)
     return total
+
+
+def pipeline_action_seconds(mesh: MeshSpec) -> float:
+    """Seconds one pipeline schedule action costs on ``mesh`` beyond its ops and transfers: the
+    calibrated figure where the profile has one, else the preset's (module docstring)."""
+    measured = None if mesh.machine is None else mesh.machine.pipeline_action_s
+    return preset_pipeline_action_s(mesh.name) if measured is None else measured

@@ -36,6 +36,15 @@ roofline. Its parts:
   Calibration measures it (``runtime/calibrate.py``, ``measure_blocking``); the cost model adds it
   to every synchronous collective (``layout.cost.collective_seconds``). ``()``: not measured (a
   profile written before it, JSON version 4): 0, priced as before.
+- ``pipeline_action_s``: what one action of torch's pipeline schedule (a stage's forward or
+  backward of one micro-batch) costs beyond its ops and its point-to-point transfer's
+  ``alpha + beta * bytes``: the schedule's bookkeeping, the stage's buffers, the batched
+  send/receive set-up and the wake-up of a rank that slept in a receive. Calibration measures it
+  on a pipeline of trivial stages over mesh axis 0 (``runtime/calibrate_pipeline.py``); the
+  pipeline cost model adds it per action of each stage's micro-batch
+  (``planner.pipeline.schedule.action_overhead_s``). None: not measured (one rank, axis 0 of size
+  1, or a profile written before it, JSON version 5): the preset's default
+  (``layout.cost.pipeline_action_seconds``).
 
 The fraction of asynchronously issued communication hidden under concurrent compute is
 ``MeshSpec.comm_overlap`` (one field of the mesh, whoever fills it), not a field here.
@@ -223,6 +232,9 @@ class MachineProfile:
     # Per mesh axis (measured_shape's), seconds a blocking collective pays mid-step beyond its
     # lockstep time (module docstring); () where not measured, an axis past its end: 0.
     blocking_s: tuple[float, ...] = ()
+    # Seconds one pipeline schedule action costs beyond its work and transfer (module docstring);
+    # None: not measured, the preset's default (``layout.cost.pipeline_action_seconds``).
+    pipeline_action_s: float | None = None
     # A mesh is a cache key (``layout.conversion``): hashing every rate each lookup would cost
     # ten times the preset mesh's whole hash, so the profile's is computed once.
     _hash: int = field(init=False, repr=False, compare=False, default=0)
@@ -253,9 +265,18 @@ class MachineProfile:
             raise ValueError(f"MachineProfile.blocking_s needs one finite number of seconds >= 0 per mesh axis, "
                              f"got {self.blocking_s!r}")
         object.__setattr__(self, "blocking_s", tuple(float(b) for b in blocking))
+        if self.pipeline_action_s is not None:
+            # 0 is a measurement (the transfers' price covered the whole action), not a missing one.
+            action = self.pipeline_action_s
+            if not ((_positive(action) or (isinstance(action, (int, float)) and not isinstance(action, bool)
+                                          and action == 0)) and action < 1.0):
+                raise ValueError(f"MachineProfile.pipeline_action_s must be a finite number of seconds in [0, 1) "
+                                 f"or None, got {action!r}")
+            object.__setattr__(self, "pipeline_action_s", float(action))
         object.__setattr__(self, "_hash", hash((self.compute, self.links, self.measured_shape,
                                                 self.measured_axis_names, self.note, self.time_scale,
-                                                self.idle_speedup, self.kernel_floor_s, self.blocking_s)))
+                                                self.idle_speedup, self.kernel_floor_s, self.blocking_s,
+                                                self.pipeline_action_s)))
 
     def __hash__(self) -> int:
         return self._hash
@@ -287,7 +308,8 @@ class MachineProfile:
                 "note": self.note, **({"time_scale": dict(self.time_scale)} if self.time_scale else {}),
                 **({"idle_speedup": self.idle_speedup} if self.idle_speedup != 1.0 else {}),
                 **({"kernel_floor_s": self.kernel_floor_s} if self.kernel_floor_s is not None else {}),
-                **({"blocking_s": list(self.blocking_s)} if self.blocking_s else {})}
+                **({"blocking_s": list(self.blocking_s)} if self.blocking_s else {}),
+                **({"pipeline_action_s": self.pipeline_action_s} if self.pipeline_action_s is not None else {})}
 
     @classmethod
     def from_dict(cls, data: dict) -> "MachineProfile":
@@ -298,6 +320,7 @@ class MachineProfile:
                        measured_axis_names=tuple(data["measured_axis_names"]), note=data.get("note", ""),
                        time_scale=tuple(data.get("time_scale", {}).items()),
                        idle_speedup=data.get("idle_speedup", 1.0), kernel_floor_s=data.get("kernel_floor_s"),
-                       blocking_s=tuple(data.get("blocking_s", ())))
+                       blocking_s=tuple(data.get("blocking_s", ())),
+                       pipeline_action_s=data.get("pipeline_action_s"))
         except (KeyError, TypeError) as exc:
             raise ValueError(f"malformed machine profile in MeshSpec JSON: {type(exc).__name__}: {exc}") from None

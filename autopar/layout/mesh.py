@@ -42,7 +42,8 @@ from typing import Sequence
 
 from autopar.layout.machine import MachineProfile
 
-__all__ = ["MeshSpec", "PRESETS", "parse_mesh_shape", "parse_bytes", "resolve_preset", "is_profile_path"]
+__all__ = ["MeshSpec", "PRESETS", "parse_mesh_shape", "parse_bytes", "resolve_preset", "is_profile_path",
+           "preset_pipeline_action_s"]
 
 GiB = 1024**3
 # 2: half_peak_flops added and peak_flops became the fp32 peak (1: one peak, see from_json).
@@ -50,7 +51,9 @@ GiB = 1024**3
 # 4: the calibrated machine (machine: a MachineProfile or null); comm_overlap is read from 3 too.
 # 5: the machine's blocking_s (a blocking collective's mid-step wait per axis); a version-4 machine
 #    has none: 0, priced as it was.
-JSON_VERSION = 5
+# 6: the machine's pipeline_action_s (a pipeline schedule action's overhead); a version-5 machine has
+#    none: the preset's default (``layout.cost.pipeline_action_seconds``).
+JSON_VERSION = 6
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +72,9 @@ class _Device:
     host_beta: float = 0.0  # s per byte per direction on the device's host link
     host_mem_bandwidth: float = 0.0  # host memory bytes/s per device (CPU optimizer step)
     comm_overlap: float = 0.0  # share of async communication hidden under compute (module docstring)
+    # Seconds one pipeline schedule action costs beyond its work and transfer (``MachineProfile.
+    # pipeline_action_s``; the figure a mesh of this preset prices pipelines with).
+    pipeline_action_s: float = 0.0
 
 
 # Public spec-sheet numbers. FLOP/s are dense (no 2:4 sparsity): A100 fp32 19.5 T, bf16 312 T;
@@ -92,18 +98,28 @@ class _Device:
 # gradient all-reduce ~58 ms, i.e. about half of the all-reduce hid.
 _GPU_OVERLAP = 0.9
 _CPU_OVERLAP = 0.5
+#
+# Pipeline schedule actions (``MachineProfile.pipeline_action_s``). On a GPU an action is the
+# schedule's Python bookkeeping (a few us), the stage's buffer handling and a batched NCCL
+# send/receive launched on its own stream (~10 us apiece to issue): tens of microseconds, with
+# the ranks' waits for each other on the device, not in a sleeping thread. On this 2-core machine,
+# torch's 1F1B over 2 gloo ranks with trivial stages measured 3.7-4.4 ms per micro-batch at load
+# ~4 (two actions, less the links' ~0.4 ms price of its transfers): ~1.7 ms per action, mostly a
+# rank woken late from a receive it slept in (``runtime/calibrate_pipeline.py``).
+_GPU_ACTION_S = 30e-6
+_CPU_ACTION_S = 1.7e-3
 PRESETS: dict[str, _Device] = {
     "a100-80gb": _Device(
         peak_flops=19.5e12, half_peak_flops=312e12, mem_bandwidth=2.039e12, mem_capacity=80 * GiB, node_size=8,
         intra_alpha=10e-6, intra_beta=1 / 300e9, inter_alpha=25e-6, inter_beta=1 / 25e9,
         host_capacity=256 * 10**9, host_alpha=10e-6, host_beta=1 / 25e9, host_mem_bandwidth=51e9,
-        comm_overlap=_GPU_OVERLAP,
+        comm_overlap=_GPU_OVERLAP, pipeline_action_s=_GPU_ACTION_S,
     ),
     "h100-80gb": _Device(
         peak_flops=67e12, half_peak_flops=989e12, mem_bandwidth=3.35e12, mem_capacity=80 * GiB, node_size=8,
         intra_alpha=8e-6, intra_beta=1 / 450e9, inter_alpha=20e-6, inter_beta=1 / 50e9,
         host_capacity=256 * 10**9, host_alpha=10e-6, host_beta=1 / 50e9, host_mem_bandwidth=77e9,
-        comm_overlap=_GPU_OVERLAP,
+        comm_overlap=_GPU_OVERLAP, pipeline_action_s=_GPU_ACTION_S,
     ),
     # This kind of machine: 2 cores, gloo over loopback (~20 ms per 1 MB all-reduce on 4 ranks).
     # Without AVX512-BF16/AMX, bf16 and fp16 matmuls are emulated: ~1.3 GFLOP/s against ~73 fp32
@@ -113,7 +129,7 @@ PRESETS: dict[str, _Device] = {
         intra_alpha=200e-6, intra_beta=1 / 1e9, inter_alpha=200e-6, inter_beta=1 / 1e9,
         # Both tiers are this machine's memory: a "host link" is a memcpy (~10 GB/s, one core).
         host_capacity=24 * GiB, host_alpha=5e-6, host_beta=1 / 10e9, host_mem_bandwidth=10e9,
-        comm_overlap=_CPU_OVERLAP,
+        comm_overlap=_CPU_OVERLAP, pipeline_action_s=_CPU_ACTION_S,
     ),
 }
 
@@ -372,7 +388,7 @@ class MeshSpec:
                 raise ValueError(f"malformed MeshSpec JSON: version {version} has no host tier (use version 3)")
         # comm_overlap may be absent in any version (files written before it): the field's
         # default, 0, prices communication in full as those files' plans were.
-        elif version not in (3, 4, JSON_VERSION):
+        elif version not in (3, 4, 5, JSON_VERSION):
             raise ValueError(f"MeshSpec JSON version {version} is not supported (expected 1 to {JSON_VERSION})")
         if version < 4 and data.get("machine") is not None:
             raise ValueError(f"malformed MeshSpec JSON: version {version} has no machine profile (use version 4)")
@@ -381,6 +397,9 @@ class MeshSpec:
                 raise ValueError(f"malformed MeshSpec JSON: machine must be an object or null, got {data['machine']!r}")
             if version < 5 and "blocking_s" in data["machine"]:
                 raise ValueError(f"malformed MeshSpec JSON: version {version} has no blocking_s (use version 5)")
+            if version < 6 and "pipeline_action_s" in data["machine"]:
+                raise ValueError(f"malformed MeshSpec JSON: version {version} has no pipeline_action_s "
+                                 f"(use version 6)")
             data["machine"] = MachineProfile.from_dict(data["machine"])
         try:
             return cls(**data)
@@ -395,6 +414,15 @@ class MeshSpec:
     def load(cls, path: str) -> "MeshSpec":
         with open(path) as f:
             return cls.from_json(f.read())
+
+
+def preset_pipeline_action_s(name: str) -> float:
+    """The pipeline action overhead a mesh named ``name`` defaults to (``_Device.pipeline_action_s``):
+    its preset's; a calibrated mesh's (``profiled-cpu``, ``profiled-cuda``; a refit one's name
+    carries a suffix) its device's; a mesh built by hand the GPU figure."""
+    base = name.split(" ")[0]
+    base = {"profiled-cpu": "cpu"}.get(base, base)
+    return PRESETS[base].pipeline_action_s if base in PRESETS else _GPU_ACTION_S
 
 
 def resolve_preset(preset: str | None, device: str | None) -> str:

@@ -79,10 +79,12 @@ def _stage_table(plan) -> str:
         rows.append(f"<tr><td class=num>{st.index}</td><td class=num>{st.rank}</td>"
                     f"<td>{st.layers[0]}..{st.layers[1] - 1}</td><td class=num>{len(st.nodes)}</td>"
                     f"<td class=num>{fmt_ms(f['time_s'])}</td><td class=num>{fmt_ms(f['p2p_s'])}</td>"
+                    f"<td class=num>{fmt_ms(f.get('overhead_s', 0.0))}</td>"
                     f"<td class=num>{fmt_ms(f['sync_s'])}</td><td class=num>{f['in_flight']}</td>"
                     f"<td class=num>{fmt_bytes(f['peak_bytes'])}</td></tr>")
     return ('<table id="stages"><tr><th>stage</th><th>rank</th><th>blocks</th><th>nodes</th><th>per micro-batch</th>'
-            '<th>p2p</th><th>gradient sync</th><th>in flight</th><th>peak</th></tr>' + "".join(rows) + "</table>")
+            '<th>p2p</th><th>schedule actions</th><th>gradient sync</th><th>in flight</th><th>peak</th></tr>'
+            + "".join(rows) + "</table>")
 
 
 def render_pipeline(plan, *, candidates=None) -> str:

@@ -21,7 +21,9 @@ its progress with ``verbose``:
    a matmul loop on every rank against the same loop on half of them while the rest wait:
    ``MachineProfile.idle_speedup`` (what a pipeline bubble's busy ranks gain where ranks share
    cores); and per mesh axis, what a blocking collective costs mid-step beyond its lockstep time
-   (``measure_blocking``: ``MachineProfile.blocking_s``).
+   (``measure_blocking``: ``MachineProfile.blocking_s``); and, where mesh axis 0 can form a
+   pipeline of 2 stages or more, what one action of torch's pipeline schedule costs beyond its
+   transfers (``calibrate_pipeline``: ``MachineProfile.pipeline_action_s``; None elsewhere).
 
 All ranks return the same ``MeshSpec`` (with its ``MachineProfile``); ``out=`` writes it (rank 0).
 """
@@ -41,6 +43,7 @@ import torch.distributed as dist
 from autopar.layout.cost import collective_seconds
 from autopar.layout.machine import FLOP_KEYED, LinkFit, MachineProfile, overlap_fraction
 from autopar.layout.mesh import MeshSpec, default_axis_names, parse_mesh_shape
+from autopar.runtime.calibrate_pipeline import action_seconds, measure_pipeline_action, pipeline_bytes
 from autopar.runtime.calibrate_compute import (GRID, MIN_REPETITION_S, QUICK_GRID, QUICK_REPETITION_S, device_figures,
                                                measure_compute, measure_kernel_floor)
 from autopar.runtime.links import (DEFAULT_SIZES, KINDS, MeshProfile, Timing, default_device, fit_alpha_beta,
@@ -249,7 +252,7 @@ def _in_group(shape: tuple[int, ...], device_type: str, sizes: Sequence[int], re
     say(f"kernel floor (one small op, forward and backward): {floor * 1e6:.1f} us")
     say.stage = "stage 2/3 collectives: "
     alpha, beta, links, timings = _collectives(device_mesh, shape, sizes, repeats, device, say)
-    say.stage = "stage 3/3 overlap and blocking: "
+    say.stage = "stage 3/3 overlap, blocking and pipeline: "
     overlap = 0.0
     if math.prod(shape) > 1:
         # A difference of three noisy times: more repetitions than elsewhere (it is one point).
@@ -264,6 +267,9 @@ def _in_group(shape: tuple[int, ...], device_type: str, sizes: Sequence[int], re
         speedup, parts = measure_idle_speedup(repeats=max(repeats, 9), device=device)
         say(f"matmul loop {parts['all'] * 1e3:.2f} ms on every rank, {parts['half'] * 1e3:.2f} ms on half of them: "
             f"{speedup:.2f}x while the other half waits")
+    # A pipeline runs over mesh axis 0 (``planner.pipeline``): its groups run one each, at once.
+    pipelined = measure_pipeline_action(device_mesh.get_group(0), repeats=max(repeats, 5 if quick else 11),
+                                        device=device) if shape[0] > 1 else None
     note = (f"{'quick ' if quick else ''}calibration of {shape} on {os.uname().nodename}, {device_type}, "
             f"{repeats} repetitions, load {load:.2f} at the start, "
             f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}")
@@ -286,7 +292,17 @@ def _in_group(shape: tuple[int, ...], device_type: str, sizes: Sequence[int], re
             f"burst holds the step {seconds * 1e6:.0f} us (quartiles over rounds {parts['low'] * 1e6:.0f} to "
             f"{parts['high'] * 1e6:.0f} us), priced {lockstep * 1e6:.0f} us in lockstep: "
             f"{blocking[-1] * 1e6:.0f} us more per blocking collective")
-    mesh = replace(mesh, machine=replace(machine, blocking_s=tuple(blocking)))
+    action = None
+    if pipelined is not None:
+        per_microbatch, parts = pipelined
+        # The links' price of what a stage's micro-batch sends: its activation forward, its
+        # gradient back (``planner.pipeline.costs.StageCosts.p2p_s``).
+        p2p = 2 * (mesh.alpha[0] + mesh.beta[0] * pipeline_bytes())
+        action = action_seconds(per_microbatch, p2p_s=p2p)
+        say(f"1F1B over axis 0 (trivial stages): {parts['lo'] * 1e3:.2f} ms at {parts['m_lo']:.0f} micro-batches, "
+            f"{parts['hi'] * 1e3:.2f} ms at {parts['m_hi']:.0f}: {per_microbatch * 1e3:.3f} ms per micro-batch, "
+            f"{p2p * 1e3:.3f} ms of it priced as transfers: {action * 1e3:.3f} ms per schedule action")
+    mesh = replace(mesh, machine=replace(machine, blocking_s=tuple(blocking), pipeline_action_s=action))
     say.stage = ""
     say(f"done: fp32 matmul {flops / 1e9:.1f} GFLOP/s, bf16 {half / 1e9 if half else math.nan:.1f} GFLOP/s, "
         f"memory {bandwidth / 1e9:.2f} GB/s, overlap {overlap:.0%}")

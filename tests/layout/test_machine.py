@@ -1,5 +1,5 @@
 """The measured machine (``layout/machine.py``): rate interpolation, the JSON round trip on
-``MeshSpec`` (version 5, older versions still read), and the cost model priced from it."""
+``MeshSpec`` (version 6, older versions still read), and the cost model priced from it."""
 
 from __future__ import annotations
 
@@ -87,10 +87,10 @@ def test_overlap_fraction_is_clamped():
 
 
 # ------------------------------------------------------------------------------------- JSON
-def test_calibrated_mesh_round_trips_as_version_5():
+def test_calibrated_mesh_round_trips_as_version_6():
     mesh = _mesh()
     data = json.loads(mesh.to_json())
-    assert data["version"] == 5 and data["comm_overlap"] == 0.4
+    assert data["version"] == 6 and data["comm_overlap"] == 0.4
     assert data["machine"]["compute"][0] == {"op_class": "matmul", "dtype": "fp32", "sizes": [1e6, 1e9],
                                              "rates": [10e9, 40e9]}
     assert data["machine"]["measured_shape"] == [2, 2]
@@ -180,6 +180,37 @@ def test_the_kernel_floor_round_trips_is_checked_and_prices_the_smallest_op():
     for bad in (0.0, -1e-6, math.inf, 2.0, "1e-6"):
         with pytest.raises(ValueError, match="kernel_floor_s must be a positive number"):
             replace(_profile(), kernel_floor_s=bad)
+
+
+def test_the_pipeline_action_round_trips_is_checked_and_defaults_to_the_presets():
+    from autopar.layout.cost import pipeline_action_seconds
+    from autopar.layout.mesh import PRESETS
+
+    mesh = _mesh(machine=replace(_profile(), pipeline_action_s=1.2e-3))
+    data = json.loads(mesh.to_json())
+    assert data["machine"]["pipeline_action_s"] == 1.2e-3 and MeshSpec.from_json(mesh.to_json()) == mesh
+    assert hash(mesh.machine) != hash(_profile())  # a mesh is a cache key
+    assert stage_mesh_of(mesh).machine.pipeline_action_s == 1.2e-3  # a stage's sub-mesh keeps it
+    assert pipeline_action_seconds(mesh) == 1.2e-3
+    # 0 is a measurement (the transfers' price covered the whole action), not "unmeasured"
+    zero = _mesh(machine=replace(_profile(), pipeline_action_s=0))
+    assert pipeline_action_seconds(zero) == 0.0 and MeshSpec.from_json(zero.to_json()) == zero
+    # Not measured: absent from the file, the preset's default (a profiled CPU's: the cpu preset's).
+    assert "pipeline_action_s" not in json.loads(_mesh().to_json())["machine"]
+    cpu = PRESETS["cpu"].pipeline_action_s
+    assert pipeline_action_seconds(_mesh()) == cpu and pipeline_action_seconds(MeshSpec.preset("cpu", (2,))) == cpu
+    assert pipeline_action_seconds(replace(_mesh(), name="profiled-cpu (refit)")) == cpu
+    gpu = pipeline_action_seconds(MeshSpec.preset("h100-80gb", (8,)))
+    assert gpu == PRESETS["a100-80gb"].pipeline_action_s == pipeline_action_seconds(replace(_mesh(), name="custom"))
+    assert 1e-6 < gpu < 1e-4 < cpu < 1e-2  # a GPU's tens of microseconds, gloo's milliseconds
+    # A version-5 file (written before it): none measured; a version-5 file cannot carry one.
+    v5 = {**json.loads(_mesh().to_json()), "version": 5}
+    assert MeshSpec.from_json(json.dumps(v5)).machine.pipeline_action_s is None
+    with pytest.raises(ValueError, match="version 5 has no pipeline_action_s"):
+        MeshSpec.from_json(json.dumps({**data, "version": 5}))
+    for bad in (-1e-3, math.nan, math.inf, 1.5, "1e-3", True):
+        with pytest.raises(ValueError, match=r"pipeline_action_s must be a finite number of seconds in \[0, 1\)"):
+            replace(_profile(), pipeline_action_s=bad)
 
 
 def test_a_pipeline_stage_mesh_keeps_the_fits_of_its_axes():

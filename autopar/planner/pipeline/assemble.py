@@ -83,7 +83,8 @@ def assemble_pipelined(costs: StageCosts, traced: TracedGraph, bounds: tuple[int
                         stages=geo.stage_plans(bounds, num_stages=num_stages))
     record = {"factor": factor, "num_solves": costs.num_solves, "boundary_bytes": list(geo.boundary_bytes),
               "rank_saved_bytes": [saved for saved, _ in ranks], "rank_peak_bytes": [peak for _, peak in ranks],
-              "stages": [{"time_s": c.time_s, "sync_s": c.sync_s, "p2p_s": c.p2p_s, "peak_bytes": c.peak_bytes,
+              "stages": [{"time_s": c.time_s, "sync_s": c.sync_s, "p2p_s": c.p2p_s, "overhead_s": c.overhead_s,
+                          "peak_bytes": c.peak_bytes,
                           "param_bytes": c.param_bytes, "in_flight": c.in_flight, "saved_bytes": c.saved_bytes,
                           "in_flight_saved_bytes": c.in_flight * c.saved_bytes, "recompute": c.recompute}
                          for c in stage_costs],

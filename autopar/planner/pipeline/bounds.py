@@ -11,7 +11,8 @@ searched by ``autopar.planner.pipeline.search.search_stages``: tens of intra-sta
   ``[a, b)`` solves a problem whose decisions are the union of its blocks' and whose objective
   sums node and edge costs (all >= 0): dropping the edges between blocks, pricing the shared
   decisions 0 and letting each block choose them on its own only lowers the optimum, so
-  ``sum_j block_floor(j) + p2p(b) <= time_s + sync_s / factor`` of any plan of the stage, with or
+  ``sum_j block_floor(j) + schedule_s(b) <= time_s + sync_s / factor`` of any plan of the stage
+  (``schedule_s``: the cut's point-to-point and the schedule actions' overhead, in every stage time), with or
   without recompute (which only adds forward seconds) and under any budget;
 - the step of a cut is ``factor * max_k t_k + max_k sync_k >= factor * max_k (t_k + sync_k / factor)``,
   so ``factor * min over cuts of max_k floor(stage k)`` (``best_cuts`` over the floors, the
@@ -142,7 +143,7 @@ def step_floor(costs, *, schedule: str, num_stages: int, num_microbatches: int,
     def floor(k: int, a: int, b: int):
         if window is not None and abs((b - a) - even) > window:
             return None
-        return sums[b] - sums[a] + costs.p2p_s(b), 0.0
+        return sums[b] - sums[a] + costs.schedule_s(b), 0.0
 
     cuts = best_cuts(costs.num_blocks, parts, floor, factor=factor)
     return math.inf if cuts is None else cuts.objective

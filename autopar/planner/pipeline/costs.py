@@ -16,7 +16,13 @@ sub-mesh, restricted to the stage's decisions (``slice``), and solved. In the sl
 - values crossing the cut are sent replicated (``autopar.runtime.pipeline.split``); the
   conversions at each side of a boundary are not priced, the point-to-point transfer is:
   ``2 (alpha_0 + beta_0 * bytes)`` per micro-batch (activation forward, its gradient back)
-  over axis 0's link, part of the sending stage's time.
+  over axis 0's link, part of the sending stage's time;
+- every stage's micro-batch also pays the schedule's actions beyond their ops and transfers,
+  ``overhead_s = STAGE_ACTIONS x pipeline_action_s`` (``pipeline.schedule.action_overhead_s``:
+  forward and backward, each the machine's calibrated or preset per-action cost), the last
+  stage's too. ``schedule_s(b)`` is what the schedule adds to a stage ending at cut ``b``
+  (point-to-point plus overhead): every stage time and every bound on one includes it, so the
+  cut search, the assembled estimate, the report and ``inspect`` read one figure.
 
 Solves are memoised by range shape (``RangeMemo``: first?, last?, the blocks' structure classes,
 step factor, recompute; then in-flight count and budget): identical middle ranges share one
@@ -42,7 +48,7 @@ from autopar.layout.blocks import split_block
 from autopar.layout.mesh import MeshSpec
 from autopar.planner.pipeline.bounds import BlockFloors
 from autopar.planner.pipeline.geometry import StageGeometry
-from autopar.planner.pipeline.schedule import check_pipeline_zero
+from autopar.planner.pipeline.schedule import action_overhead_s, check_pipeline_zero
 from autopar.planner.records import BuiltProblem
 from autopar.plans import NodeKind, stage_mesh_of
 from autopar.solver.driver import SolveTimeout, terse_infeasible
@@ -66,11 +72,12 @@ _BOUND_SLACK = 1e-3
 @dataclass(frozen=True, slots=True)
 class StageCost:
     """One stage's figures: per micro-batch ``time_s`` (ops + resharding + its boundary's
-    point-to-point ``p2p_s``), once-per-step gradient ``sync_s``, per-device ``peak_bytes``
-    (with its in-flight micro-batches), ``param_bytes`` (parameters, gradients, optimizer) and
-    ``saved_bytes``: what ONE micro-batch's forward keeps saved for backward per device (user
-    inputs left out, as ``autopar.solver.timeline.activation_bytes``); the stage holds
-    ``in_flight * saved_bytes`` at its peak."""
+    point-to-point ``p2p_s`` + the schedule actions' ``overhead_s``), once-per-step gradient
+    ``sync_s``, per-device ``peak_bytes`` (with its in-flight micro-batches), ``param_bytes``
+    (parameters, gradients, optimizer) and ``saved_bytes``: what ONE micro-batch's forward keeps
+    saved for backward per device (user inputs left out, as
+    ``autopar.solver.timeline.activation_bytes``); the stage holds ``in_flight * saved_bytes`` at
+    its peak."""
 
     time_s: float
     sync_s: float
@@ -84,6 +91,7 @@ class StageCost:
     gap: float = 0.0
     saved_bytes: int = 0
     recompute: bool = False  # every block of the stage recomputed in backward (Megatron's "full")
+    overhead_s: float = 0.0  # the schedule's actions per micro-batch beyond their work (in ``time_s``)
 
 
 # A solved stage: (choice, its figures, bytes each further in-flight micro-batch adds).
@@ -153,6 +161,9 @@ class StageCosts:
         self.memo = RangeMemo()
         self.floors = BlockFloors(self.geometry)
         self._quick: dict[tuple, np.ndarray] = {}  # (factor, recompute) -> prefix sums of ops' cheapest options
+        # The same for every stage and schedule (``pipeline.schedule.STAGE_ACTIONS``): memoised
+        # figures keep it, only the point-to-point depends on where a range ends.
+        self.overhead_s = action_overhead_s(mesh)
 
     def p2p_s(self, b: int) -> float:
         """Forward send + backward receive over axis 0's link at cut ``b`` (0 at the model's end)."""
@@ -160,6 +171,11 @@ class StageCosts:
         if b >= self.num_blocks or crossing[b] == 0:
             return 0.0
         return 2 * (self.mesh.alpha[0] + self.mesh.beta[0] * crossing[b])
+
+    def schedule_s(self, b: int) -> float:
+        """What the schedule adds to the micro-batch of a stage ending at cut ``b`` beyond its ops:
+        the point-to-point at ``b`` and the actions' overhead (module docstring)."""
+        return self.p2p_s(b) + self.overhead_s
 
     def solve(self, problem: Problem) -> Solution:
         """One intra-stage solve, counted (``num_solves``); raises as the solver does."""
@@ -207,7 +223,7 @@ class StageCosts:
         where tighter, the sum of its blocks' floors (``pipeline.bounds.step_floor`` stored
         them, at a factor >= ``factor``: valid here) plus the point-to-point."""
         floor = self.floors.range_floor(a, b, factor=factor)
-        return max(floor + self.p2p_s(b), self._cheapest(a, b, factor=factor, recompute=recompute))
+        return max(floor + self.schedule_s(b), self._cheapest(a, b, factor=factor, recompute=recompute))
 
     def _cheapest(self, a: int, b: int, *, factor: float, recompute: bool) -> float:
         key = (factor, recompute)
@@ -222,7 +238,7 @@ class StageCosts:
                                                          for o in node.options)
             self._quick[key] = np.cumsum(per_block)
         sums = self._quick[key]
-        return float(sums[b] - sums[a]) * (1 - _BOUND_SLACK) + self.p2p_s(b)
+        return float(sums[b] - sums[a]) * (1 - _BOUND_SLACK) + self.schedule_s(b)
 
     def cost(self, a: int, b: int, *, in_flight: int, factor: float, budget: int | None,
              recompute: bool = False) -> StageCost | None:
@@ -376,11 +392,11 @@ class StageCosts:
         param_bytes = sum(chosen(n.name).param_bytes for n in problem.nodes
                           if n.name in kind and kind[n.name] != NodeKind.OP)
         extra = sum(self._in_flight_bytes(problem, n, c, recompute=recompute) for n, c in choice.items())
-        p2p = self.p2p_s(b)
-        cost = StageCost(time_s=ev.objective - sync / factor + p2p, sync_s=sync, p2p_s=p2p, compute_s=ev.compute_s,
-                         reshard_s=ev.reshard_s, peak_bytes=ev.peak_bytes, param_bytes=param_bytes,
-                         in_flight=in_flight, status=status, gap=gap,
-                         saved_bytes=activation_bytes(problem, choice), recompute=recompute)
+        cost = StageCost(time_s=ev.objective - sync / factor + self.schedule_s(b), sync_s=sync, p2p_s=self.p2p_s(b),
+                         compute_s=ev.compute_s, reshard_s=ev.reshard_s, peak_bytes=ev.peak_bytes,
+                         param_bytes=param_bytes, in_flight=in_flight, status=status, gap=gap,
+                         saved_bytes=activation_bytes(problem, choice), recompute=recompute,
+                         overhead_s=self.overhead_s)
         return {n: c for n, c in choice.items() if not n.endswith(HELD)}, cost, extra
 
     def _in_flight_bytes(self, problem: Problem, name: str, option: str, *, recompute: bool) -> int:

@@ -4,8 +4,11 @@
 Notation: ``S`` pipeline ranks (mesh axis 0), ``v`` virtual stages per rank (K = S * v stages in
 pipeline order, stage k on rank ``k % S``), ``M`` micro-batches, ``t_k`` stage k's time for ONE
 micro-batch (forward + backward, its sharded ops on the stage sub-mesh, plus sending its output
-forward and receiving its gradient back over axis 0's link), ``sync_k`` its once-per-step
-gradient synchronisation over the sub-mesh.
+forward and receiving its gradient back over axis 0's link, plus ``action_overhead_s``: the
+schedule's ``STAGE_ACTIONS = 2`` actions per micro-batch, forward and backward, each costing the
+machine's ``pipeline_action_s``), ``sync_k`` its once-per-step gradient synchronisation over the
+sub-mesh. Priced in one place, ``pipeline.costs.StageCosts`` (its ``StageCost.time_s``), which the
+cut search, the bounds, the assembled plan's estimate and the report all read.
 
 Step time (``step_time``) = ``(M * v + bubble / idle_speedup) * max_k t_k + max_k sync_k``
 (``idle_speedup``: the calibrated machine's ``MachineProfile.idle_speedup``, 1 on a preset: the
@@ -53,12 +56,23 @@ import math
 from dataclasses import dataclass
 from typing import Callable
 
+from autopar.layout.cost import pipeline_action_seconds
 from autopar.planner.pipeline.order import chunk_peaks
 from autopar.plans import PIPELINE_SCHEDULES
 
-__all__ = ["SCHEDULE_VIRTUAL_STAGES", "stage_window", "schedules_for", "check_pipeline_zero", "idle_speedup", "bubble",
+__all__ = ["SCHEDULE_VIRTUAL_STAGES", "STAGE_ACTIONS", "action_overhead_s",
+           "stage_window", "schedules_for", "check_pipeline_zero", "idle_speedup", "bubble",
            "step_factor",
            "in_flight", "step_time", "Cuts", "best_cuts", "LazyCuts", "PipelineCandidate", "schedule_cuts"]
+
+# Actions of one stage (chunk) per micro-batch that pay the machine's per-action overhead
+# (``layout.cost.pipeline_action_seconds``), the same under every schedule: GPipe, 1F1B and
+# interleaved 1F1B run a forward and a full backward; zero-bubble splits the backward into the
+# input-gradient pass (I, which sends the gradient back) and the weight-gradient pass (W, local to
+# the rank). Measured with trivial stages on 2 gloo ranks x 2 chunks (M = 2 vs 8, lockstep
+# medians): interleaved 1F1B 7.40 ms and zero-bubble 7.56 ms per micro-batch per rank, i.e. W adds
+# ~0.08 ms against ~1.85 ms for each transferring action: W is not counted.
+STAGE_ACTIONS = 2
 
 # Virtual stages per rank each schedule is planned with (the runtime's torch schedules run
 # gpipe/1f1b with one stage per rank; the interleaved ones with two or more).
@@ -104,6 +118,12 @@ def stage_window(window: int | str | None, *, num_blocks: int, parts: int) -> in
 def _check(schedule: str) -> None:
     if schedule not in PIPELINE_SCHEDULES:
         raise ValueError(f"pipeline schedule {schedule!r} is not one of {PIPELINE_SCHEDULES}")
+
+
+def action_overhead_s(mesh) -> float:
+    """Seconds the schedule's actions add to every stage's per-micro-batch time on ``mesh``:
+    ``STAGE_ACTIONS`` x the machine's per-action overhead (calibrated, else the preset's)."""
+    return STAGE_ACTIONS * pipeline_action_seconds(mesh)
 
 
 def idle_speedup(mesh) -> float:

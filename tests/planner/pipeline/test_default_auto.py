@@ -54,11 +54,21 @@ def test_default_picks_the_pipeline_where_it_wins_and_pipeline_1_turns_it_off():
     beat the unpipelined plan's recompute and ZeRO, and the default keeps the faster pipeline
     (bubbles and point-to-point priced); ``pipeline=1`` plans without one, at the step the
     default's candidates quote for it. (At an ample budget the winner turns on how the
-    gradient sums' latency is priced; a tight budget is where pipelines measured fastest.)"""
+    gradient sums' latency is priced; a tight budget is where pipelines measured fastest.)
+    Where the schedule's actions cost what the cpu preset says gloo's do (~1.7 ms each), this
+    tiny decoder's ~10 ms step has no room for them and no pipeline wins; the machine here
+    prices them as a GPU's (tens of microseconds)."""
+    from dataclasses import replace
+
+    from autopar.layout.machine import ComputeProfile, MachineProfile
+
     model, inputs = qwen2_decoder()
-    mesh = MeshSpec.preset("cpu", (2,))
-    budget = tight_budget(model, inputs, mesh)
+    preset = MeshSpec.preset("cpu", (2,))
+    budget = tight_budget(model, inputs, preset)
     options = PlanOptions(memory_budget=budget)
+    assert plan_auto(model, inputs, mesh=preset, options=options).plan.pipeline is None
+    mesh = replace(preset, machine=MachineProfile(ComputeProfile(()), (), (2,), preset.axis_names,
+                                                  pipeline_action_s=30e-6))
     chosen = plan_auto(model, inputs, mesh=mesh, options=options)
     assert chosen.plan.pipeline is not None and chosen.plan.pipeline.num_stages == 2, chosen.candidates
     flat = chosen.flat.plan
