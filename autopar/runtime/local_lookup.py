@@ -1,0 +1,106 @@
+"""A replicated embedding lookup that a plan then splits, looked up on the split indices instead.
+
+A data-parallel plan may read an untied embedding table whole, look up the FULL batch of
+replicated token ids on every rank, and split the result over the batch (the Qwen2-style
+decoder of ``benchmarks/_measure.py``: ``embedding(W, input_ids)`` then ``split``). The split's
+backward is then a blocking all-gather of the activation gradient at the very end of backward --
+queued on the process group behind the gradient buckets already in flight, so it waits for
+them -- followed by the table's backward over the whole batch on every rank; the forward looked
+up twice the rows it keeps.
+
+``split_lookup`` emits the same values the way DDP runs them: the ids are split (a local slice,
+no communication), the rank looks up its own rows, and the table's gradient -- now a partial sum
+over this rank's rows -- joins the gradient buckets (``runtime.bucketing``) like every other
+data-parallel weight. The forward value is bit-equal (a lookup copies rows); the table's gradient
+is the same sum of the same row gradients, added per rank and then across ranks (DDP's order).
+
+It applies only where that is the whole story: the table is a trained parameter read by this
+lookup alone, replicated and not ZeRO-sharded; the lookup is dense without ``scale_grad_by_freq``
+(whose counts are global); the ids are replicated integers; the target layout shards only dims
+of the ids (``S(d)``, no segments, no partial); and the replicated result has no other reader
+than the converting consumer (metadata checks without sizes aside).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+
+from autopar.layout.conversion import plan_conversion
+from autopar.layout.placement import Replicate, Shard, TensorSpec
+from autopar.strategies import input_nodes
+from autopar.strategies.registry import bind, needs_no_decision
+from autopar.tracer.graph import PARAMETER, PLACEHOLDER_KEY
+
+__all__ = ["split_lookup"]
+
+aten = torch.ops.aten
+
+
+def _readers(node: fx.Node) -> list[fx.Node]:
+    """``node``'s traced consumers that take a value (metadata asserts left out)."""
+    return [u for u in node.users if not (u.op == "call_function" and needs_no_decision(u))]
+
+
+def _sizeless_assert(node: fx.Node) -> bool:
+    """An emitted metadata check that reads no size or stride (it holds on any shard)."""
+    if node.op != "call_function" or node.target is not aten._assert_tensor_metadata.default:
+        return False
+    bound = bind(node.target, node.args, node.kwargs)
+    return bound.get("size") is None and bound.get("stride") is None
+
+
+def _ids_layout(want: TensorSpec, ids_rank: int) -> bool:
+    """``want`` shards some dims of the lookup's result that are dims of its ids, and nothing else."""
+    shards = [p for p in want.placements if isinstance(p, Shard)]
+    return (bool(shards) and len(shards) + sum(isinstance(p, Replicate) for p in want.placements) == want.num_axes
+            and all(p.segments == 1 and p.dim < ids_rank for p in shards))
+
+
+def split_lookup(em: Any, src: fx.Node, want: TensorSpec, consumer: fx.Node,
+                 add_bucket: Callable[[fx.Node, tuple[int, ...]], fx.Node]) -> fx.Node | None:
+    """``src`` (a traced replicated ``embedding``) emitted anew in layout ``want`` from split ids
+    and a bucketed table (see the module docstring), or None where that does not apply. ``em``:
+    the emitter (its graph, env, layout, plan, mesh and comm module names); ``add_bucket(table,
+    axes)``: a ``grad_bucket`` node of the table's emitted placeholder for partial ``axes``."""
+    if src.op != "call_function" or src.target is not aten.embedding.default or _readers(src) != [consumer]:
+        return None
+    if sum(a is src for a in input_nodes(consumer)) != 1:
+        return None
+    have = em.layout.get(src.name)
+    bound = bind(src.target, src.args, src.kwargs)
+    table, ids = bound.get("weight"), bound.get("indices")
+    if (not isinstance(have, TensorSpec) or not have.is_replicated() or bound.get("sparse")
+            or bound.get("scale_grad_by_freq") or not isinstance(table, fx.Node) or not isinstance(ids, fx.Node)):
+        return None
+    ph, ids_val = table.meta.get(PLACEHOLDER_KEY), ids.meta.get("val")
+    if (table.op != "placeholder" or ph is None or ph.kind != PARAMETER or not ph.requires_grad
+            or _readers(table) != [src] or em.decisions[table.name].zero_stage
+            or not isinstance(em.layout.get(table.name), TensorSpec) or not em.layout[table.name].is_replicated()):
+        return None
+    if (not isinstance(ids_val, torch.Tensor) or ids_val.dtype.is_floating_point or not _ids_layout(want, ids_val.dim())
+            or not isinstance(em.layout.get(ids.name), TensorSpec) or not em.layout[ids.name].is_replicated()):
+        return None
+    old = em.env[src.name]
+    if (old.args[:2] != (em.env[table.name], em.env[ids.name])
+            or not all(_sizeless_assert(u) for u in old.users)):
+        return None  # read through conversions, or read by a check of the full size
+    steps = plan_conversion(em.layout[ids.name], want, tuple(ids_val.shape), ids_val.dtype.itemsize,
+                            em.plan.mesh).steps
+    if any(step.kind != "split" for step in steps):
+        return None
+    axes = tuple(a for a, p in enumerate(want.placements) if isinstance(p, Shard))
+    with em.graph.inserting_before(old.next):
+        local_ids = em.env[ids.name]
+        for step in steps:  # local slices of the replicated ids, no communication
+            local_ids = em.graph.call_module(em.comm_names["split"], (local_ids,),
+                                             {"axis": step.axis, "dst_dim": step.dst_dim})
+        new = em.graph.create_node("call_function", old.target, (add_bucket(table, axes), local_ids, *old.args[2:]),
+                                   dict(old.kwargs))
+    new.meta.update(old.meta)
+    old.replace_all_uses_with(new)
+    em.graph.erase_node(old)
+    em.env[src.name], em.layout[src.name] = new, want
+    return new
