@@ -15,10 +15,12 @@ data-parallel weight. The forward value is bit-equal (a lookup copies rows); the
 is the same sum of the same row gradients, added per rank and then across ranks (DDP's order).
 
 It applies only where that is the whole story: the table is a trained parameter read by this
-lookup alone, replicated and not ZeRO-sharded; the lookup is dense without ``scale_grad_by_freq``
-(whose counts are global); the ids are replicated integers; the target layout shards only dims
-of the ids (``S(d)``, no segments, no partial); and the replicated result has no other reader
-than the converting consumer (metadata checks without sizes aside).
+lookup alone, replicated, not ZeRO-sharded nor table-wise, and no larger than the looked-up
+batch (``_small_table``: a large vocabulary keeps the plan's all-gather, which moves less); the
+lookup is dense without ``scale_grad_by_freq`` (whose counts are global); the ids are replicated
+integers; the target layout shards only dims of the ids (``S(d)``, no segments, no partial); and
+the replicated result has no other reader than the converting consumer (metadata checks without
+sizes aside).
 """
 
 from __future__ import annotations
@@ -59,6 +61,16 @@ def _ids_layout(want: TensorSpec, ids_rank: int) -> bool:
             and all(p.segments == 1 and p.dim < ids_rank for p in shards))
 
 
+def _small_table(table: fx.Node, lookup: fx.Node) -> bool:
+    """The table holds no more bytes than the looked-up batch: its gradient's all-reduce then moves
+    at most twice what the split's all-gather would, and saves that blocking collective and the
+    lookup of the other ranks' rows. A large vocabulary looked up by a small batch keeps the
+    plan's choice (a real Llama's table is 8x its batch's activation)."""
+    t, out = table.meta.get("val"), lookup.meta.get("val")
+    return (isinstance(t, torch.Tensor) and isinstance(out, torch.Tensor)
+            and t.numel() * t.element_size() <= out.numel() * out.element_size())
+
+
 def split_lookup(em: Any, src: fx.Node, want: TensorSpec, consumer: fx.Node,
                  add_bucket: Callable[[fx.Node, tuple[int, ...]], fx.Node]) -> fx.Node | None:
     """``src`` (a traced replicated ``embedding``) emitted anew in layout ``want`` from split ids
@@ -77,7 +89,8 @@ def split_lookup(em: Any, src: fx.Node, want: TensorSpec, consumer: fx.Node,
         return None
     ph, ids_val = table.meta.get(PLACEHOLDER_KEY), ids.meta.get("val")
     if (table.op != "placeholder" or ph is None or ph.kind != PARAMETER or not ph.requires_grad
-            or _readers(table) != [src] or em.decisions[table.name].zero_stage
+            or _readers(table) != [src] or em.decisions[table.name].zero_stage or table.name in em.table_owners
+            or not _small_table(table, src)
             or not isinstance(em.layout.get(table.name), TensorSpec) or not em.layout[table.name].is_replicated()):
         return None
     if (not isinstance(ids_val, torch.Tensor) or ids_val.dtype.is_floating_point or not _ids_layout(want, ids_val.dim())
