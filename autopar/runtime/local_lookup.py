@@ -21,10 +21,13 @@ lookup is dense without ``scale_grad_by_freq`` (whose counts are global); the id
 integers; the target layout shards only dims of the ids (``S(d)``, no segments, no partial); and
 the replicated result has no other reader than the converting consumer (metadata checks without
 sizes aside).
+
+``AUTOPAR_LOCAL_LOOKUP=0`` (read when a graph is emitted) keeps the plan's conversion (an A/B).
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any, Callable
 
 import torch
@@ -36,9 +39,14 @@ from autopar.strategies import input_nodes
 from autopar.strategies.registry import bind, needs_no_decision
 from autopar.tracer.graph import PARAMETER, PLACEHOLDER_KEY
 
-__all__ = ["split_lookup"]
+__all__ = ["local_lookup_enabled", "split_lookup"]
 
 aten = torch.ops.aten
+
+
+def local_lookup_enabled() -> bool:
+    """Whether emission applies ``split_lookup`` (``AUTOPAR_LOCAL_LOOKUP=0``: it does not)."""
+    return os.environ.get("AUTOPAR_LOCAL_LOOKUP", "1").strip().lower() not in ("0", "false", "off", "no")
 
 
 def _readers(node: fx.Node) -> list[fx.Node]:

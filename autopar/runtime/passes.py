@@ -43,7 +43,7 @@ import torch.utils._pytree as pytree
 from autopar.plans import NodePlan, Plan
 from autopar.runtime.bucketing import GradBucketer, bucket_cap_bytes
 from autopar.runtime.early import EarlySumCall
-from autopar.runtime.local_lookup import split_lookup
+from autopar.runtime.local_lookup import local_lookup_enabled, split_lookup
 from autopar.runtime.nodes import Collective, GradAllReduce, KernelCall, kernel_context
 from autopar.runtime.process_mesh import ProcessMesh
 from autopar.runtime.table_wise import kernel_owners, owners_of
@@ -63,7 +63,6 @@ __all__ = ["EmittedGraph", "STATE_KEY", "TRACED_NAME_KEY", "emit_local_graph", "
 
 GRAD_ALL_REDUCE = "grad_all_reduce"
 GRAD_BUCKET = "grad_bucket"
-LOCAL_LOOKUPS = True  # split_lookup on (benchmarks' A/B switch it off)
 TRACED_NAME_KEY = "autopar_traced_name"  # emitted node meta: the traced node it comes from
 STATE_KEY = "autopar_state"  # emitted placeholder meta: a parameter or buffer (not a user input)
 _SUFFIX = re.compile(r" #\d+$")
@@ -453,7 +452,7 @@ class _Emitter:
         key = (src.name, want)
         if key in self.converted:
             return self.converted[key]
-        if self.bucketer is not None and LOCAL_LOOKUPS:
+        if self.bucketer is not None and local_lookup_enabled():
             local = split_lookup(self, src, want, consumer, self._table_bucket)
             if local is not None:
                 self.converted[key] = local
