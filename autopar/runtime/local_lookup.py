@@ -73,7 +73,7 @@ def _small_table(table: fx.Node, lookup: fx.Node) -> bool:
     """The table holds no more bytes than the looked-up batch: its gradient's all-reduce then moves
     at most twice what the split's all-gather would, and saves that blocking collective and the
     lookup of the other ranks' rows. A large vocabulary looked up by a small batch keeps the
-    plan's choice (a real Llama's table is 8x its batch's activation)."""
+    plan's choice (Llama-3's 128k-row table outweighs any batch of fewer tokens)."""
     t, out = table.meta.get("val"), lookup.meta.get("val")
     return (isinstance(t, torch.Tensor) and isinstance(out, torch.Tensor)
             and t.numel() * t.element_size() <= out.numel() * out.element_size())
