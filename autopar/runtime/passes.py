@@ -43,6 +43,7 @@ import torch.utils._pytree as pytree
 from autopar.plans import NodePlan, Plan
 from autopar.runtime.bucketing import GradBucketer, bucket_cap_bytes
 from autopar.runtime.early import EarlySumCall
+from autopar.runtime.local_lookup import local_lookup_enabled, split_lookup
 from autopar.runtime.nodes import Collective, GradAllReduce, KernelCall, kernel_context
 from autopar.runtime.process_mesh import ProcessMesh
 from autopar.runtime.table_wise import kernel_owners, owners_of
@@ -421,6 +422,14 @@ class _Emitter:
         first.replace_input_with(param, bucket)
         return True
 
+    def _table_bucket(self, table: fx.Node, axes: tuple[int, ...]) -> fx.Node:
+        """A ``grad_bucket`` node of ``table``'s placeholder (``split_lookup``'s partial gradient)."""
+        ph = table.meta[PLACEHOLDER_KEY]
+        shape = self.layout[table.name].local_shape(tuple(ph.shape), self.mesh_shape)
+        slot = self.bucketer.add_slot(table.name, axes, shape, ph.dtype)
+        return self.graph.call_module(self.comm_names[GRAD_BUCKET], (self.env[table.name],),
+                                      {"axes": tuple(axes), "slot": slot})
+
     def _bucketable_parameter(self, src: fx.Node, want: TensorSpec) -> fx.Node | None:
         """The parameter placeholder whose gradient a bucket can take for ``src`` read as
         ``want``: ``src`` itself, or the parameter a mixed-precision cast ``src`` reads when the
@@ -443,6 +452,11 @@ class _Emitter:
         key = (src.name, want)
         if key in self.converted:
             return self.converted[key]
+        if self.bucketer is not None and local_lookup_enabled():
+            local = split_lookup(self, src, want, consumer, self._table_bucket)
+            if local is not None:
+                self.converted[key] = local
+                return local
         val = src.meta.get("val")
         if not isinstance(val, torch.Tensor):
             raise ValueError(f"{_where(consumer)}: input {src.name!r} is not a tensor but needs layout {want}")
