@@ -32,6 +32,8 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
+from autopar.tracer.functions import autograd_function, function_call, function_draws
+
 __all__ = ["COUNTED_LOSSES", "batch_size", "is_batch_major", "known_weights", "loss_op", "micro_batch",
            "microbatch_hazard",
            "split_micro_batches"]
@@ -80,6 +82,12 @@ def _batch_statistics(node: Any) -> bool:
     return "no_training" not in str(node.target) and "no_update" not in str(node.target)
 
 
+def _function_draws(node: Any) -> bool:
+    """A user autograd.Function call whose forward or backward draws (``tracer.functions``)."""
+    return (node.op == "call_function" and node.target is autograd_function._opoverload
+            and function_draws(node.args[0]))
+
+
 def known_weights(op: Any) -> bool:
     """Whether the loss ``op`` (``loss_op``'s) has micro-batch weights known from the data: a cross
     entropy or nll loss (counted targets, or a sum), a mean-reduced element loss or a mean."""
@@ -91,7 +99,8 @@ def known_weights(op: Any) -> bool:
 
 def microbatch_hazard(traced: Any) -> str | None:
     """Why running ``traced`` (a ``TracedGraph``) on micro-batches would compute another step than
-    the full batch does (module docstring); None when it computes the same."""
+    the full batch does (module docstring, and a user autograd.Function that draws random numbers,
+    ``tracer.functions``); None when it computes the same."""
     for node in traced.gm.graph.nodes:
         if _batch_statistics(node) and "chunked_batch_norm" in str(node.target):
             return (f"node {node.name!r} (module {traced.module_path(node) or '<root>'}) normalises each rank's "
@@ -100,6 +109,11 @@ def microbatch_hazard(traced: Any) -> str | None:
         if _batch_statistics(node):
             return (f"node {node.name!r} ({node.target}, module {traced.module_path(node) or '<root>'}) normalises "
                     f"with its batch's statistics (batch norm in training mode): each micro-batch would use its own")
+        if _function_draws(node):
+            return (f"node {node.name!r} (autograd.Function {function_call(node.args[0]).name}, module "
+                    f"{traced.module_path(node) or '<root>'}) draws random numbers from torch's generator, by "
+                    f"position in the tensor it fills: a micro-batch would draw the full batch's first numbers, "
+                    f"not its own rows")
     loss = traced.loss_node
     if loss is None:
         return None  # no loss: the pipeline module refuses the model itself
