@@ -34,9 +34,8 @@ from torch.utils import _pytree as pytree
 
 from autopar.tracer.functions import autograd_function, function_call, function_draws
 
-__all__ = ["COUNTED_LOSSES", "batch_size", "is_batch_major", "known_weights", "loss_op", "micro_batch",
-           "microbatch_hazard",
-           "split_micro_batches"]
+__all__ = ["COUNTED_LOSSES", "batch_size", "drawing_function", "is_batch_major", "known_weights", "loss_op",
+           "micro_batch", "microbatch_hazard", "split_micro_batches"]
 
 aten = torch.ops.aten
 # The losses with a data-dependent mean (counted targets); all take (self, target, weight, reduction, ignore_index).
@@ -82,10 +81,15 @@ def _batch_statistics(node: Any) -> bool:
     return "no_training" not in str(node.target) and "no_update" not in str(node.target)
 
 
-def _function_draws(node: Any) -> bool:
-    """A user autograd.Function call whose forward or backward draws (``tracer.functions``)."""
-    return (node.op == "call_function" and node.target is autograd_function._opoverload
-            and function_draws(node.args[0]))
+def drawing_function(traced: Any, node: Any) -> str | None:
+    """Why ``node``, a user autograd.Function call whose forward or backward draws random numbers
+    (``tracer.functions``), cannot run on micro-batches; None for any other node."""
+    if not (node.op == "call_function" and node.target is autograd_function._opoverload
+            and function_draws(node.args[0])):
+        return None
+    return (f"node {node.name!r} (autograd.Function {function_call(node.args[0]).name}, module "
+            f"{traced.module_path(node) or '<root>'}) draws random numbers from torch's generator, by position in "
+            f"the tensor it fills: a micro-batch would draw the full batch's first numbers, not its own rows")
 
 
 def known_weights(op: Any) -> bool:
@@ -109,11 +113,8 @@ def microbatch_hazard(traced: Any) -> str | None:
         if _batch_statistics(node):
             return (f"node {node.name!r} ({node.target}, module {traced.module_path(node) or '<root>'}) normalises "
                     f"with its batch's statistics (batch norm in training mode): each micro-batch would use its own")
-        if _function_draws(node):
-            return (f"node {node.name!r} (autograd.Function {function_call(node.args[0]).name}, module "
-                    f"{traced.module_path(node) or '<root>'}) draws random numbers from torch's generator, by "
-                    f"position in the tensor it fills: a micro-batch would draw the full batch's first numbers, "
-                    f"not its own rows")
+        if (why := drawing_function(traced, node)) is not None:
+            return why
     loss = traced.loss_node
     if loss is None:
         return None  # no loss: the pipeline module refuses the model itself

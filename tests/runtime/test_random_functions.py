@@ -25,6 +25,7 @@ from autopar.runtime.launch import run_local
 from autopar.runtime.nodes import KernelCall
 from autopar.strategies import rng
 from tests.runtime.random_models import assert_same, plan_for, traced_of
+from autopar.tracer.functions import function_call, function_draws
 from tests.tracer.test_functions import MaskDropout
 
 SEED, STEPS = 1234, 3
@@ -80,7 +81,8 @@ def _train(rank, world, model, traced, plan, inputs):
     losses, first = [], None
     for _ in range(STEPS):
         opt.zero_grad()
-        loss = pm(**inputs)
+        out = pm(**inputs)
+        loss = out if isinstance(out, torch.Tensor) else out.loss
         loss.backward()
         losses.append(loss.detach().clone())
         if first is None:
@@ -150,3 +152,47 @@ def test_drawing_functions_train_like_mesh_one(one_device, shape, recompute):
     got = _run(model, traced, plan, inputs)
     assert got[3] == 2
     assert_same(f"{shape} recompute={recompute}", got, want)
+
+
+@pytest.mark.timeout(300)
+def test_a_pipeline_is_refused_naming_the_drawing_function():
+    """A micro-batch would draw the full batch's first numbers from torch's generator, not its rows."""
+    model, inputs = _setup()
+    with pytest.raises(NotImplementedError, match=r"node 'autograd_function.*MaskDropout.*draws random numbers"):
+        autopar.plan(model, inputs, mesh=(2,), pipeline=2, cache=False)
+
+
+def _sew_d():
+    """HF SEW-D at its default dropout (0.1 hidden, activation, attention and final: ``XDropout``
+    inside ``StableDropout``), tiny; SpecAugment off (``mask_time_prob`` 0: it draws with numpy)."""
+    import transformers as tf
+
+    cfg = tf.SEWDConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+                        conv_dim=[16, 16, 16], conv_stride=[5, 2, 2], conv_kernel=[10, 3, 3],
+                        num_feat_extract_layers=3, num_conv_pos_embeddings=4, num_conv_pos_embedding_groups=4,
+                        squeeze_factor=2, mask_time_prob=0.0, classifier_proj_size=16, max_position_embeddings=64,
+                        position_buckets=16)
+    assert (cfg.hidden_dropout, cfg.activation_dropout, cfg.attention_dropout) == (0.1, 0.1, 0.1)  # the defaults
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(1)
+    inputs = {"input_values": torch.randn(4, 400, generator=gen), "labels": torch.randint(0, 2, (4,), generator=gen)}
+    return tf.SEWDForSequenceClassification(cfg).train(), inputs
+
+
+@pytest.mark.timeout(600)
+def test_sew_d_at_its_default_dropout_trains_on_two_ranks_like_mesh_one():
+    model, inputs = _sew_d()
+    traced, prof = traced_of(model, inputs)
+    drawing = [n for n in traced.nodes if n.target is OP and function_draws(n.args[0])]
+    assert {function_call(n.args[0]).name.rsplit(".", 1)[-1] for n in drawing} == {"XDropout"}
+    want = _run(model, traced, plan_for(traced, prof, (1,)), inputs)
+    got = _run(model, traced, plan_for(traced, prof, (2,)), inputs)
+    assert want[3] == got[3] == len(drawing)
+    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-6)  # every step: the draws agree
+    for name, g in want[1].items():
+        torch.testing.assert_close(got[1][name], g, rtol=1e-4, atol=1e-8, msg=name)
+    # AdamW steps each element by ~lr (1e-2) whatever its gradient's size: where |g| is near eps
+    # (1e-8) float summation noise (1e-10 here) moves the step by a percent; a wrong mask would
+    # change the loss curve and the gradients above.
+    for name, p in want[2].items():
+        torch.testing.assert_close(got[2][name], p, rtol=1e-4, atol=2e-4, msg=name)
