@@ -35,6 +35,7 @@ blocks shares one key (``unroll`` expands them) and every rank computes the same
   torch's generator. Such a call is only ever replicated (each rank draws the whole tensor) and is
   never cut into pipeline micro-batches (``tracer.microbatch``): torch's generator draws by
   position in the drawn tensor, and a shard or micro-batch would draw the whole one's first numbers.
+  Draws outside torch (Python's ``random``, numpy) are not seen and would differ in the recompute.
 - refused (``FunctionRefused``, a ``NotImplementedError`` naming the class): one that writes its
   inputs in place (``ctx.mark_dirty``; the op is functional), a non-tensor argument or output
   other than a Python constant (its identity would differ across ranks; a ``torch.Generator``
@@ -45,7 +46,7 @@ blocks shares one key (``unroll`` expands them) and every rank computes the same
   Function's backward).
 
 Sharding: ``autopar.strategies._functions`` (replicated always; sharded alike when structurally
-elementwise, ``autopar.tracer.function_graphs``).
+elementwise, ``autopar.tracer.function_graphs``, and drawing nothing).
 """
 
 from __future__ import annotations

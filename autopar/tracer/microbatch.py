@@ -21,8 +21,11 @@ Cutting the batch must not change what the step computes (``microbatch_hazard``)
 in training mode normalises each micro-batch by its own statistics (and updates its running ones
 once per micro-batch), and the micro-batch losses add up to the full batch's only for the losses
 whose weights the runtime knows (``autopar.runtime.pipeline.weights``: a counted cross entropy or
-nll loss, a sum, or a mean over equal micro-batches). Anything else would train silently on other
-gradients, so the planner plans no pipeline for it and the runtime refuses one.
+nll loss, a sum, or a mean over equal micro-batches); and a user autograd.Function that draws
+random numbers (``drawing_function``) draws from torch's generator by position in the tensor it
+fills, so a micro-batch would not draw its rows of the full batch's numbers. Anything else would
+train silently on other gradients, so the planner plans no pipeline for it and the runtime
+refuses one.
 """
 
 from __future__ import annotations
