@@ -13,6 +13,15 @@ rank runs the whole Function):
   a size the Function reads from its input is the global one, as on one device.
 
 Never ``Partial``: a Function's output is not known to be linear in anything.
+
+A Function that draws random numbers (``tracer.functions.function_draws``: SEW-D's ``XDropout``)
+is replicated only, and EVERY strategy (``register(kernel_for=...)``, a size-1 mesh too) runs the
+``autograd_function_seeded`` kernel: the op on a torch generator seeded with the key of autopar's
+current draw and the node (``strategies/rng.py``: the seed, the module call's step, the node's
+name), the same on every rank, so each replica draws what mesh ``(1,)`` draws, a recomputed
+region (``runtime.recompute.redrawing``) draws it again, and the op's backward reseeds it for its
+recompute. Not sharded: torch's generator draws by position in the tensor it fills, so a shard
+would draw the whole tensor's first numbers, not its own.
 """
 
 from __future__ import annotations
@@ -20,21 +29,24 @@ from __future__ import annotations
 import torch
 
 from autopar.layout.placement import Replicate, Shard
+from autopar.strategies import rng
 from autopar.strategies.kernel_context import KernelContext
 from autopar.strategies.registry import AxisOption, OpInfo, Sample, register, register_kernel
 from autopar.tracer.function_graphs import PointwiseGraphs, pointwise_graphs
-from autopar.tracer.functions import function_call, register_call, unaliased
+from autopar.tracer.functions import (autograd_function, function_call, function_draws, function_seed,
+                                      register_call, unaliased)
 
-__all__ = ["function_rule", "function_samples"]
+__all__ = ["function_rule", "function_samples", "function_kernel"]
 
 R = Replicate()
 KERNEL = "autograd_function_pointwise"
+SEEDED = "autograd_function_seeded"
 
 
 def function_rule(info: OpInfo) -> list[AxisOption]:
     metas = [slot.meta for slot in info.slots]
-    if any(m is None for m in metas) or any(o is None for o in info.outputs):
-        return []
+    if any(m is None for m in metas) or any(o is None for o in info.outputs) or function_draws(info.arg("key")):
+        return []  # a Function that draws: replicated (module docstring)
     graphs = pointwise_graphs(info.arg("key"), tuple(m.dtype for m in metas))
     if graphs is None or any(o.shape != graphs.shape for o in info.outputs):
         return []
@@ -69,6 +81,18 @@ def autograd_function_pointwise(ctx: KernelContext, key: str, tensors: list[torc
         raise NotImplementedError(f"autograd.Function {function_call(key).name} ({ctx.info.where()}) was planned "
                                   f"sharded as elementwise, but at dtypes {[t.dtype for t in tensors]} it is not")
     return list(_Pointwise.apply(graphs, *tensors))
+
+
+def function_kernel(info: OpInfo) -> str | None:
+    """``kernel_for``: the seeded kernel for a Function that draws, else the strategy's own."""
+    return SEEDED if function_draws(info.arg("key")) else None
+
+
+@register_kernel(SEEDED, comm_cost=lambda *_: (0.0, 0.0))
+def autograd_function_seeded(ctx: KernelContext, key: str, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The op on whole tensors, its draws seeded by autopar's draw and this node (module docstring)."""
+    with function_seed(rng.current().key(ctx.info.node_name)):
+        return autograd_function(key, tensors)
 
 
 # ---- samples: registered test Functions ---------------------------------------------------------
@@ -127,4 +151,5 @@ def function_samples() -> list[Sample]:
             Sample((mean.key, mean_tensors), label="reads its size")]
 
 
-register(torch.ops.autopar.autograd_function.default, samples=function_samples, has_flops=True)(function_rule)
+register(torch.ops.autopar.autograd_function.default, samples=function_samples, has_flops=True,
+         kernel_for=function_kernel)(function_rule)

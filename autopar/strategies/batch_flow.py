@@ -37,7 +37,7 @@ from autopar.strategies.combine import normalise_option
 from autopar.strategies.derived import rule_for
 from autopar.strategies.registry import OpInfo, input_nodes, needs_no_decision
 from autopar.tracer.graph import INPUT
-from autopar.tracer.microbatch import batch_size, loss_op, microbatch_hazard
+from autopar.tracer.microbatch import batch_size, drawing_function, loss_op, microbatch_hazard
 
 __all__ = ["batch_mixing", "pipeline_hazard", "one_sample_micro_batches"]
 
@@ -152,6 +152,8 @@ def batch_mixing(traced: Any, meta_inputs: Any = None) -> str | None:
             continue
         if node.op != "call_function":
             continue
+        if (drawing := drawing_function(traced, node)) is not None:
+            return drawing  # however it is placed: torch's generator draws by position in the tensor
         out, why = _follow(node, state)
         if why is None:
             state[node] = out

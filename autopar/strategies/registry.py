@@ -25,6 +25,7 @@ import torch
 import torch.fx
 
 from autopar.layout.placement import Partial, Placement, Replicate, TensorSpec
+from autopar.tracer.functions import function_draws
 from autopar.tracer.meta_keys import MODULE_KEY, export_module_path
 
 __all__ = [
@@ -551,11 +552,16 @@ def needs_no_decision(node: torch.fx.Node) -> bool:
     return not any(isinstance(v, torch.Tensor) for v in values)
 
 
+_FUNCTION = torch.ops.autopar.autograd_function.default  # a user autograd.Function (``tracer.functions``)
+
+
 def draws_random(target: Any, bound: dict[str, Any]) -> bool:
     """Whether a call (arguments bound by schema name) draws random numbers: an op tagged
     ``nondeterministic_seeded`` (dropout, ``rand``, ``bernoulli``, ``rrelu``, attention and RNNs
     with a dropout argument) unless it is off: ``train``/``training`` False or a literal dropout
-    probability of 0."""
+    probability of 0; a user autograd.Function whose forward or backward draws (``tracer.functions``)."""
+    if target is _FUNCTION:
+        return function_draws(bound["key"])
     if torch.Tag.nondeterministic_seeded not in getattr(target, "tags", ()):
         return False
     if bound.get("train") is False or bound.get("training") is False:

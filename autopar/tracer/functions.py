@@ -24,18 +24,29 @@ blocks shares one key (``unroll`` expands them) and every rank computes the same
 - backward: exactly the Function's own: the op saves its inputs and its backward runs ``apply``
   again on detached copies under ``enable_grad``, then ``torch.autograd.grad`` with the incoming
   gradients (``None`` for non-float inputs and unused ones), like ``torch.utils.checkpoint``.
-- refused (``FunctionRefused``, a ``NotImplementedError`` naming the class): a forward that draws
-  random numbers (an op tagged ``nondeterministic_seeded``: the backward's recompute would draw
-  other numbers), a backward that does (each rank would draw its own; it is run once on the fake
-  inputs to see), one that writes its inputs in place (``ctx.mark_dirty``; the op is functional),
-  a non-tensor argument or output other than a Python constant (its identity would differ across
-  ranks). An output computed from tensor values as a Python number fails on fake tensors already.
+- random draws (an op tagged ``nondeterministic_seeded`` in its forward or its backward, seen on
+  the fake inputs: ``OutputLayout.draws``; SEW-D's ``XDropout``): the call runs on its own
+  stream of torch's generator, forked and seeded with the call's ``seed`` (``seeded``): the
+  forward draws from it and the backward reseeds it, so the recompute draws the forward's numbers
+  exactly and the Function's own backward continues that stream. The seed comes from the runtime
+  kernel (``function_seed``; ``autopar.strategies._functions``: the key of autopar's draw and the
+  traced node, ``autopar/strategies/rng.py``, so every rank and mesh ``(1,)`` draw alike and a
+  recomputed region redraws the same); a graph run by hand, with no seed set, takes one from
+  torch's generator. Such a call is only ever replicated (each rank draws the whole tensor) and is
+  never cut into pipeline micro-batches (``tracer.microbatch``): torch's generator draws by
+  position in the drawn tensor, and a shard or micro-batch would draw the whole one's first numbers.
+  Draws outside torch (Python's ``random``, numpy) are not seen and would differ in the recompute.
+- refused (``FunctionRefused``, a ``NotImplementedError`` naming the class): one that writes its
+  inputs in place (``ctx.mark_dirty``; the op is functional), a non-tensor argument or output
+  other than a Python constant (its identity would differ across ranks; a ``torch.Generator``
+  argument among them). An output computed from tensor values as a Python number, or a draw
+  whose size is, fails on fake tensors already.
 - cost: the forward's FLOPs are counted once per key with ``FlopCounterMode`` on the fake inputs
   (``register_flop_formula``); the backward's ops are counted as they run (the recompute and the
   Function's backward).
 
 Sharding: ``autopar.strategies._functions`` (replicated always; sharded alike when structurally
-elementwise, ``autopar.tracer.function_graphs``).
+elementwise, ``autopar.tracer.function_graphs``, and drawing nothing).
 """
 
 from __future__ import annotations
@@ -54,8 +65,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode, register_flop_formula
 
 __all__ = ["FunctionCall", "OutputLayout", "autograd_function", "custom_functions", "function_call",
-           "call_function", "function_outputs", "register_call", "unaliased", "FunctionRefused",
-           "refused_function"]
+           "call_function", "function_outputs", "function_draws", "function_seed", "seeded", "register_call",
+           "unaliased", "FunctionRefused", "refused_function"]
 
 # Functions of these packages are their own machinery (torch's checkpoint, autopar's collectives).
 _OWN = ("torch.", "autopar.")
@@ -97,6 +108,7 @@ class OutputLayout:
     leaves: tuple  # constants, tensors as None
     tensor_at: tuple[int, ...]
     flops: int  # of the forward at the key's shapes
+    draws: tuple[str, ...] = ()  # the random ops its forward and backward draw with (module docstring)
 
     def rebuild(self, tensors) -> Any:
         leaves = list(self.leaves)
@@ -132,6 +144,12 @@ def function_call(key: str) -> FunctionCall:
         raise KeyError(f"autopar::autograd_function key {key!r} is unknown in this process: the model "
                        f"applying that autograd.Function must be traced here first (autopar.tracer.trace "
                        f"registers each call)") from None
+
+
+def function_draws(key: str) -> bool:
+    """Whether the call ``key`` draws random numbers (False until it has run on fake tensors)."""
+    layout = _OUTPUTS.get(key)
+    return layout is not None and bool(layout.draws)
 
 
 def function_outputs(key: str) -> OutputLayout:
@@ -221,28 +239,66 @@ def custom_functions() -> Iterator[list[str]]:
 
 # ---- the op -------------------------------------------------------------------------------------
 class _Watch(TorchDispatchMode):
-    """Refuses random draws inside a Function: in its forward, the backward's recompute would draw
-    other numbers; in its backward, each rank would draw its own."""
+    """Notes the random ops a Function draws with (on fake tensors: what runs is unchanged)."""
 
-    def __init__(self, name: str, where: str) -> None:
+    def __init__(self) -> None:
         super().__init__()
-        self.name, self.where = name, where
+        self.drawn: list[str] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if torch.Tag.nondeterministic_seeded in getattr(func, "tags", ()):
-            raise FunctionRefused(
-                f"autograd.Function {self.name} draws random numbers ({func}) in its {self.where}: autopar runs a "
-                f"custom Function's own backward by recomputing its forward, on every rank alike, and each draw "
-                f"would differ; draw them outside the Function and pass them in")
+        if torch.Tag.nondeterministic_seeded in getattr(func, "tags", ()) and str(func) not in self.drawn:
+            self.drawn.append(str(func))
         return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def function_seed(seed: int) -> Iterator[None]:
+    """``autograd_function`` calls of Functions that draw, on this thread while active, draw from a
+    stream seeded with ``seed`` (the runtime kernel wraps ONE call: every rank passes the same
+    seed; module docstring)."""
+    previous = getattr(_inside, "seed", None)
+    _inside.seed = int(seed)
+    try:
+        yield
+    finally:
+        _inside.seed = previous
+
+
+@contextlib.contextmanager
+def seeded(seed: int, tensors) -> Iterator[None]:
+    """torch's generator forked and seeded with ``seed`` -- the CPU one and those of the CUDA
+    devices of ``tensors`` and the current one -- and restored after (the caller's stream is
+    left as it was: a Function's draws take nothing from it)."""
+    cuda = {t.device.index for t in tensors if t.device.type == "cuda"}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        cuda.add(torch.cuda.current_device())
+    with torch.random.fork_rng(devices=sorted(cuda), device_type="cuda"):
+        torch.default_generator.manual_seed(seed)
+        for index in cuda:
+            torch.cuda.default_generators[index].manual_seed(seed)
+        yield
+
+
+def _call_seed() -> int:
+    """The seed of the call starting now: the kernel's (``function_seed``), else one drawn from
+    torch's generator (a traced graph run by hand draws like eager code, still exactly recomputed)."""
+    seed = getattr(_inside, "seed", None)
+    if seed is None:
+        seed = int(torch.empty((), dtype=torch.int64).random_())
+    return seed
 
 
 def _forward(key: str, tensors: list[torch.Tensor], *, fake: bool) -> list[torch.Tensor]:
     call = function_call(key)
     versions = [t._version for t in tensors]
+    _inside.last_seed = None  # a fake run's backward draws nothing real
     with torch.no_grad():
         if fake:
-            with _Watch(call.name, "forward"), FlopCounterMode(display=False) as counter:
+            with _Watch() as watch, FlopCounterMode(display=False) as counter:
+                out = _apply(call, tensors)
+        elif function_draws(key):
+            _inside.last_seed = seed = _call_seed()  # for ``_setup_context``, which runs next
+            with seeded(seed, tensors):
                 out = _apply(call, tensors)
         else:
             out = _apply(call, tensors)
@@ -251,21 +307,20 @@ def _forward(key: str, tensors: list[torch.Tensor], *, fake: bool) -> list[torch
             f"autograd.Function {call.name} writes its inputs in place (ctx.mark_dirty): autopar traces a custom "
             f"Function as one functional op; return a new tensor instead")
     if fake and call.key not in _OUTPUTS:  # the key's first run: its layout, and a look at its backward
-        _watch_backward(call, tensors)
-        _record_outputs(call, out, counter.get_total_flops())
+        _record_outputs(call, out, counter.get_total_flops(), tuple(watch.drawn) + _backward_draws(call, tensors))
     outs = [leaf for leaf in pytree.tree_leaves(out) if isinstance(leaf, torch.Tensor)]
     return unaliased(outs, tensors)
 
 
-def _watch_backward(call: FunctionCall, tensors: list[torch.Tensor]) -> None:
-    """The Function's backward once on the fake inputs, refusing random draws (``_Watch``)."""
-    with torch.enable_grad():
+def _backward_draws(call: FunctionCall, tensors: list[torch.Tensor]) -> tuple[str, ...]:
+    """The random ops the Function's backward draws with, run once on the fake inputs."""
+    with torch.enable_grad(), _Watch() as watch:
         xs = [t.detach().requires_grad_(t.is_floating_point() or t.is_complex()) for t in tensors]
         outs = [o for o in call_function(call, xs) if o.requires_grad]
         wrt = [x for x in xs if x.requires_grad]
         if outs and wrt:
-            with _Watch(call.name, "backward"):
-                torch.autograd.grad(outs, wrt, [torch.zeros_like(o) for o in outs], allow_unused=True)
+            torch.autograd.grad(outs, wrt, [torch.zeros_like(o) for o in outs], allow_unused=True)
+    return tuple(watch.drawn)
 
 
 def unaliased(outs: list[torch.Tensor], tensors: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -279,7 +334,7 @@ def unaliased(outs: list[torch.Tensor], tensors: list[torch.Tensor]) -> list[tor
     return fresh
 
 
-def _record_outputs(call: FunctionCall, out: Any, flops: int) -> None:
+def _record_outputs(call: FunctionCall, out: Any, flops: int, draws: tuple[str, ...]) -> None:
     """The output layout and FLOPs of the key, from its first run on fake tensors (later runs --
     the precision pass's, the planner's -- are the same call at other dtypes)."""
     if call.key in _OUTPUTS:
@@ -292,7 +347,8 @@ def _record_outputs(call: FunctionCall, out: Any, flops: int) -> None:
                 f"a custom Function as one op returning tensors and Python constants only")
     tensor_at = tuple(i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor))
     _OUTPUTS[call.key] = (OutputLayout(
-        spec, tuple(None if i in tensor_at else leaf for i, leaf in enumerate(leaves)), tensor_at, int(flops)))
+        spec, tuple(None if i in tensor_at else leaf for i, leaf in enumerate(leaves)), tensor_at, int(flops),
+                                          tuple(dict.fromkeys(draws))))
 
 
 @torch.library.custom_op("autopar::autograd_function", mutates_args=())
@@ -310,13 +366,16 @@ def _setup_context(ctx, inputs, output) -> None:
     key, tensors = inputs
     ctx.save_for_backward(*tensors)
     ctx.key = key
+    ctx.seed = getattr(_inside, "last_seed", None)  # the forward's, when it draws (``_forward``)
 
 
 def _backward(ctx, grads):
-    """The Function's own backward: ``apply`` again under autograd, then ``autograd.grad``."""
+    """The Function's own backward: ``apply`` again under autograd, then ``autograd.grad`` -- on
+    the forward's seeded stream when it draws, so the recompute draws the forward's numbers."""
     call = function_call(ctx.key)
-    with torch.enable_grad():
-        xs = [t.detach().requires_grad_(t.is_floating_point() or t.is_complex()) for t in ctx.saved_tensors]
+    saved = ctx.saved_tensors
+    with seeded(ctx.seed, saved) if ctx.seed is not None else contextlib.nullcontext(), torch.enable_grad():
+        xs = [t.detach().requires_grad_(t.is_floating_point() or t.is_complex()) for t in saved]
         outs = call_function(call, xs)
         pairs = [(o, g) for o, g in zip(outs, grads, strict=True) if o.requires_grad and g is not None]
         wrt = [x for x in xs if x.requires_grad]

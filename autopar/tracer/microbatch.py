@@ -21,8 +21,11 @@ Cutting the batch must not change what the step computes (``microbatch_hazard``)
 in training mode normalises each micro-batch by its own statistics (and updates its running ones
 once per micro-batch), and the micro-batch losses add up to the full batch's only for the losses
 whose weights the runtime knows (``autopar.runtime.pipeline.weights``: a counted cross entropy or
-nll loss, a sum, or a mean over equal micro-batches). Anything else would train silently on other
-gradients, so the planner plans no pipeline for it and the runtime refuses one.
+nll loss, a sum, or a mean over equal micro-batches); and a user autograd.Function that draws
+random numbers (``drawing_function``) draws from torch's generator by position in the tensor it
+fills, so a micro-batch would not draw its rows of the full batch's numbers. Anything else would
+train silently on other gradients, so the planner plans no pipeline for it and the runtime
+refuses one.
 """
 
 from __future__ import annotations
@@ -32,9 +35,10 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-__all__ = ["COUNTED_LOSSES", "batch_size", "is_batch_major", "known_weights", "loss_op", "micro_batch",
-           "microbatch_hazard",
-           "split_micro_batches"]
+from autopar.tracer.functions import autograd_function, function_call, function_draws
+
+__all__ = ["COUNTED_LOSSES", "batch_size", "drawing_function", "is_batch_major", "known_weights", "loss_op",
+           "micro_batch", "microbatch_hazard", "split_micro_batches"]
 
 aten = torch.ops.aten
 # The losses with a data-dependent mean (counted targets); all take (self, target, weight, reduction, ignore_index).
@@ -80,6 +84,17 @@ def _batch_statistics(node: Any) -> bool:
     return "no_training" not in str(node.target) and "no_update" not in str(node.target)
 
 
+def drawing_function(traced: Any, node: Any) -> str | None:
+    """Why ``node``, a user autograd.Function call whose forward or backward draws random numbers
+    (``tracer.functions``), cannot run on micro-batches; None for any other node."""
+    if not (node.op == "call_function" and node.target is autograd_function._opoverload
+            and function_draws(node.args[0])):
+        return None
+    return (f"node {node.name!r} (autograd.Function {function_call(node.args[0]).name}, module "
+            f"{traced.module_path(node) or '<root>'}) draws random numbers from torch's generator, by position in "
+            f"the tensor it fills: a micro-batch would draw the full batch's first numbers, not its own rows")
+
+
 def known_weights(op: Any) -> bool:
     """Whether the loss ``op`` (``loss_op``'s) has micro-batch weights known from the data: a cross
     entropy or nll loss (counted targets, or a sum), a mean-reduced element loss or a mean."""
@@ -91,7 +106,8 @@ def known_weights(op: Any) -> bool:
 
 def microbatch_hazard(traced: Any) -> str | None:
     """Why running ``traced`` (a ``TracedGraph``) on micro-batches would compute another step than
-    the full batch does (module docstring); None when it computes the same."""
+    the full batch does (module docstring, and a user autograd.Function that draws random numbers,
+    ``tracer.functions``); None when it computes the same."""
     for node in traced.gm.graph.nodes:
         if _batch_statistics(node) and "chunked_batch_norm" in str(node.target):
             return (f"node {node.name!r} (module {traced.module_path(node) or '<root>'}) normalises each rank's "
@@ -100,6 +116,8 @@ def microbatch_hazard(traced: Any) -> str | None:
         if _batch_statistics(node):
             return (f"node {node.name!r} ({node.target}, module {traced.module_path(node) or '<root>'}) normalises "
                     f"with its batch's statistics (batch norm in training mode): each micro-batch would use its own")
+        if (why := drawing_function(traced, node)) is not None:
+            return why
     loss = traced.loss_node
     if loss is None:
         return None  # no loss: the pipeline module refuses the model itself

@@ -6,7 +6,7 @@ from torch import nn
 
 from autopar.tracer import TraceError, profile, trace
 from autopar.tracer.function_graphs import pointwise_graphs
-from autopar.tracer.functions import function_call, refused_function
+from autopar.tracer.functions import function_call, function_draws, function_seed, refused_function
 
 _MAX_SQRT_GRADIENT = 1000.0
 
@@ -191,15 +191,74 @@ class Applies(nn.Module):
         return (self.fn.apply(h, nn.Identity()) if self.fn is TakesAModule else self.fn.apply(h)).sum()
 
 
-@pytest.mark.parametrize("fn,what", [(Noisy, r"Noisy draws random numbers .* in its forward"),
-                                     (NoisyGradient, r"NoisyGradient draws random numbers .* in its backward"),
-                                     (InPlace, r"InPlace writes its inputs in place"),
+@pytest.mark.parametrize("fn,what", [(InPlace, r"InPlace writes its inputs in place"),
                                      (TakesAModule, r"TakesAModule: argument leaf 1 is a Identity")])
 def test_what_cannot_be_one_op_is_refused_naming_the_class(fn, what):
     with pytest.raises(TraceError, match=what) as info:
         trace(Applies(fn), {"x": torch.randn(2, 4)})
     assert refused_function(info.value)  # a FunctionRefused (NotImplementedError) underneath
     assert "one op with its own backward" in str(info.value)
+
+
+class MaskDropout(torch.autograd.Function):
+    """Dropout drawing its keep-mask in forward and reusing the saved mask in backward (SEW-D's
+    ``XDropout``): a recompute drawing another mask would give a gradient of another mask."""
+
+    @staticmethod
+    def forward(ctx, x, p):
+        keep = torch.rand_like(x) >= p
+        ctx.save_for_backward(keep)
+        ctx.scale = 1 / (1 - p)
+        return x * keep * ctx.scale
+
+    @staticmethod
+    def backward(ctx, grad):
+        (keep,) = ctx.saved_tensors
+        return grad * keep * ctx.scale, None
+
+
+class Drops(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(4, 8))
+
+    def forward(self, x):
+        return MaskDropout.apply(self.w * x, 0.5).sum()
+
+
+def test_functions_that_draw_are_noted_and_others_not():
+    for fn, draws in ((Noisy, True), (NoisyGradient, True), (MaskDropout, True), (StraightThroughRound, False)):
+        traced = trace(Drops() if fn is MaskDropout else Applies(fn), {"x": torch.randn(2 if fn is not MaskDropout
+                                                                                        else 4, 8 if fn is
+                                                                                        MaskDropout else 4)})
+        (node,) = [n for n in traced.nodes if n.target is torch.ops.autopar.autograd_function.default]
+        assert function_draws(node.args[0]) is draws, fn
+
+
+def test_the_backward_recompute_draws_the_forwards_numbers():
+    """Run by hand (no seed given): each call draws a fresh mask from torch's generator, and its
+    backward's recompute redraws that mask; with ``function_seed`` the mask is the eager Function's
+    under that seed, and torch's own stream is left as it was."""
+    torch.manual_seed(0)
+    model, x = Drops(), torch.randn(4, 8)
+    traced = trace(model, {"x": x})
+    masks = []
+    for _ in range(2):
+        (loss,) = traced.gm(*traced.bind(model, {"x": x}))
+        keep = _grads(model, loss)["w"] / (2 * x)  # d/dw sum(w x keep 2) = 2 x keep
+        assert set(keep.unique().tolist()) <= {0.0, 1.0}
+        torch.testing.assert_close(loss, (model.w * x * keep * 2).sum().detach())  # the forward's mask
+        masks.append(keep)
+    assert not torch.equal(masks[0], masks[1])
+    before = torch.get_rng_state()
+    with function_seed(1234):
+        (loss,) = traced.gm(*traced.bind(model, {"x": x}))
+    got = _grads(model, loss)["w"]
+    assert torch.equal(torch.get_rng_state(), before)
+    with torch.random.fork_rng():
+        torch.manual_seed(1234)
+        want = _grads(model, MaskDropout.apply(model.w * x, 0.5).sum())["w"]
+    torch.testing.assert_close(got, want)
 
 
 class Outputs(torch.autograd.Function):
