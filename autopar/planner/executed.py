@@ -133,12 +133,15 @@ def async_edge(src_choices, value: InputSlot, dst_choices, slot: int, mesh, *, k
 def bucketed_async_s(strategy: Strategy, slot: int, mesh, kind: str = "all_reduce", *, bucket_cap: int = 0) -> float:
     """Seconds of input ``slot``'s gradient sum (``kind``, a member of a ``bucket_cap``-byte
     bucket) that a gradient bucket leaves in flight while backward goes on: the whole sum over
-    one mesh axis; over several, the first axis's collective only (``runtime.bucketing`` and
-    ``runtime.zero.comm.ScatterWork`` issue that one asynchronously and the others when backward
-    has ended), never more than the whole sum."""
+    one mesh axis, and an all-reduce's over several (``runtime.bucketing`` issues it as one
+    collective on the group spanning them, ``ProcessMesh.group_over``; priced as the per-axis
+    chain's seconds -- the profile fits links per axis -- and, on a pipeline stage's sub-mesh,
+    which still chains, an under-estimate of what waits); a reduce-scatter over several, the
+    first axis's collective only (``runtime.zero.comm.ScatterWork`` issues that one
+    asynchronously and the others when backward has ended), never more than the whole sum."""
     total = grad_sync_seconds(strategy, slot, mesh, kind, bucket_cap=bucket_cap)
     axes = [a for a in strategy.grad_partial_axes[slot] if mesh.shape[a] > 1]
-    if len(axes) <= 1:
+    if len(axes) <= 1 or kind == "all_reduce":
         return total
     return min(collective_seconds(kind, strategy.grad_sync_bytes[slot], mesh, axes[0], bucket_cap=bucket_cap), total)
 

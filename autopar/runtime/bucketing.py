@@ -18,7 +18,11 @@ Here those parameters go through ``self.grad_bucket(w, axes=..., slot=k)`` inste
   ``cap`` bytes each (25 MiB by default, like DDP), the first of each group at most 1 MiB
   (DDP's first bucket, ``AUTOPAR_FIRST_BUCKET_CAP_MB``). A bucket is all-reduced asynchronously as
   soon as it is complete and every bucket before it has been issued, so every rank issues the
-  same collectives in the same order and communication overlaps the rest of backward;
+  same collectives in the same order and communication overlaps the rest of backward; a
+  bucket summed over several mesh axes (data parallelism over both axes of a 2-D mesh) is ONE
+  all-reduce on the group spanning them (``ProcessMesh.group_over``), as DDP's over the world,
+  not a chain whose later axes could only run once backward has ended (a pipeline stage's
+  sub-mesh still chains: its group could not be made);
 - at the end of the backward pass (an autograd engine callback) the remaining buckets are
   issued, every pending all-reduce is waited on, and each slot's reduced gradient is added to
   ``w.grad`` (or becomes it: a view into the bucket, no copy). When the graph reads the local
@@ -356,8 +360,8 @@ class GradBucketer(nn.Module):
         if not axes:
             st.works.append((b, flat, None, ()))
             return
-        work = self._all_reduce(flat, axes[0], async_op=True)
-        st.works.append((b, flat, work, axes[1:]))
+        work, rest = self._all_reduce_over(flat, axes, async_op=True)
+        st.works.append((b, flat, work, rest))
 
     def _issue_shards(self, st: _Pass, b: int) -> None:
         """Start shard bucket ``b``'s reduce-scatter (its first mesh axis asynchronously)."""
@@ -406,11 +410,26 @@ class GradBucketer(nn.Module):
                 else:
                     local_of(master.grad).add_(mine)
 
-    def _all_reduce(self, flat: torch.Tensor, axis: int, *, async_op: bool):
+    def _all_reduce(self, flat: torch.Tensor, axis: int, *, async_op: bool, group=None):
         self.stats["all_reduces"] += 1
         self.stats["bytes"] += flat.numel() * flat.element_size()
         record("all_reduce", flat.numel() * flat.element_size())
-        return dist.all_reduce(flat, group=self.pmesh.group(axis), async_op=async_op)
+        return dist.all_reduce(flat, group=self.pmesh.group(axis) if group is None else group, async_op=async_op)
+
+    def _all_reduce_over(self, flat: torch.Tensor, axes: tuple[int, ...], *, async_op: bool):
+        """(work, axes left): the sum over several mesh axes as ONE collective on the group
+        spanning them (``ProcessMesh.group_over``: in flight beside backward as a whole, where
+        a chain would leave every axis but the first to the end of backward, synchronous), else
+        the first axis's collective, the others left to the caller (``_finish``), in order."""
+        group = self.pmesh.group_over(axes) if len(axes) > 1 else None
+        if group is not None:
+            return self._all_reduce(flat, axes[0], async_op=async_op, group=group), ()
+        work = self._all_reduce(flat, axes[0], async_op=async_op)
+        if not async_op:
+            for axis in axes[1:]:
+                self._all_reduce(flat, axis, async_op=False)
+            return work, ()
+        return work, axes[1:]
 
     def _finish(self, task: int) -> None:
         """End of the backward pass: issue what is left, wait, deliver into ``.grad``."""
@@ -430,9 +449,9 @@ class GradBucketer(nn.Module):
                 flat = torch.zeros(bucket.numel, dtype=bucket.dtype, device=st.late[slots[0]].device)
                 for slot in slots:
                     self._view(flat, bucket, slot).copy_(st.late[slot].reshape(self.slots[slot].shape))
-                for axis in bucket.axes:
-                    if self.pmesh.axis_size(axis) > 1:
-                        self._all_reduce(flat, axis, async_op=False)
+                axes = tuple(a for a in bucket.axes if self.pmesh.axis_size(a) > 1)
+                if axes:
+                    self._all_reduce_over(flat, axes, async_op=False)
                 late_flats.append((b, flat, slots))
         late_shards = None
         if st.late_shards:  # sorted: the same slots in the same order on every rank

@@ -49,6 +49,7 @@ class ProcessMesh:
         self.groups: tuple[dist.ProcessGroup, ...] = tuple(
             device_mesh.get_group(axis) for axis in range(len(self.shape))
         )
+        self._flat_groups: dict[tuple[int, ...], dist.ProcessGroup] = {}  # see group_over
         rank = dist.get_rank()
         for axis, group in enumerate(self.groups):
             group_rank = dist.get_group_rank(group, rank)
@@ -105,6 +106,23 @@ class ProcessMesh:
 
     def group(self, axis: int) -> dist.ProcessGroup:
         return self.groups[self._check_axis(axis)]
+
+    def group_over(self, axes: Sequence[int]) -> dist.ProcessGroup | None:
+        """One process group spanning mesh ``axes`` together (this rank's slice of the mesh
+        flattened over them: one collective where a chain of per-axis ones would run one after
+        another), or None where the mesh cannot make one: fewer than two axes, or a mesh that
+        is not the whole world (a pipeline stage's sub-mesh, whose ranks run backward at other
+        times than the rest of the world, which every group's creation needs). Created at the
+        first call, which every rank makes at the same point (the gradient buckets' static issue
+        order), then kept."""
+        axes = tuple(sorted(self._check_axis(a) for a in axes))
+        names = self.device_mesh.mesh_dim_names
+        if len(axes) < 2 or not names or self.num_devices != dist.get_world_size():
+            return None
+        if axes not in self._flat_groups:
+            flat = self.device_mesh[tuple(names[a] for a in axes)]._flatten()
+            self._flat_groups[axes] = flat.get_group(0)
+        return self._flat_groups[axes]
 
     def axis_coordinate(self, axis: int) -> int:
         return self.coordinate[self._check_axis(axis)]

@@ -268,3 +268,41 @@ def test_first_bucket_is_small_like_ddp():
         b.add_slot(f"w{k}", (0,), (2**19 // dtype.itemsize,), dtype)  # 0.5 MiB each
     assert [(bucket.dtype, bucket.slots) for bucket in b.buckets] == [
         (torch.float32, [5, 3]), (torch.bfloat16, [4, 2]), (torch.float32, [1]), (torch.bfloat16, [0])]
+
+
+def _spanning_runs(rank, world, model, traced, plan, inputs):
+    pm = _emit(model, traced, plan, 25)
+    bucketer = pm.graph_module.grad_bucket
+    groups = []
+    orig = dist.all_reduce
+
+    def recording(tensor, *args, group=None, **kwargs):
+        groups.append(None if group is None else dist.get_world_size(group))
+        return orig(tensor, *args, group=group, **kwargs)
+
+    loss = loss_of(pm(**inputs))
+    dist.all_reduce = recording
+    try:
+        loss.backward()
+    finally:
+        dist.all_reduce = orig
+    both = [b for b in bucketer.buckets if len(b.axes) == 2]
+    return {"grads": _grads(pm), "spanning": len(both), "stats": dict(bucketer.stats), "groups": groups}
+
+
+def test_a_bucket_over_both_axes_is_one_all_reduce_over_the_world():
+    """Data parallelism on (2, 2): each bucket's sum over both axes is one collective on the
+    group spanning them (4 ranks), in flight beside backward, not a chain of two whose second
+    waits for the end of backward; the gradients equal one device's."""
+    torch.manual_seed(2)
+    model = TiedNet(hidden=64)  # large enough that the plan splits the batch over both axes
+    inputs = {"x": torch.randn(16, 8, 64), "labels": torch.randint(0, 8, (16, 8))}
+    plan = restricted_plan(model, inputs, mesh=fast_mesh((2, 2)))
+    traced = trace(model, inputs)
+    ref = reference_grads(model, inputs)
+    for rank, res in enumerate(run_local(_spanning_runs, 4, model, traced, plan, inputs, timeout=120)):
+        assert res["spanning"] >= 1, res
+        assert res["stats"]["all_reduces"] == res["stats"]["buckets"], res["stats"]
+        assert res["groups"].count(4) >= res["spanning"], res["groups"]
+        for k, want in ref.items():
+            _assert_close(res["grads"][k], want, f"rank {rank} grad {k}")

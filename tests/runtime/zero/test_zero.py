@@ -72,7 +72,8 @@ def _planned_collectives(rows, mesh_shape) -> tuple[Counter, Counter]:
     """(collectives, bytes) per kind that one step issues by the plan's communication rows, as
     the runtime issues them: a collective over several mesh axes runs as one per axis (a
     reduce-scatter's later rounds, an all-gather's earlier ones, move a 1/n-th as much per
-    axis already split); ZeRO's all-gathers after the step are one per bucket (``_body``'s
+    axis already split), except a bucketed gradient all-reduce (source ``bucket``), one
+    collective on the group spanning its axes (``ProcessMesh.group_over``); ZeRO's all-gathers after the step are one per bucket (``_body``'s
     tiny cap: one per parameter) and mesh axis; local steps (split, to_partial) issue nothing."""
     counts, nbytes = Counter(), Counter()
     for row in rows:
@@ -81,9 +82,11 @@ def _planned_collectives(rows, mesh_shape) -> tuple[Counter, Counter]:
             continue
         axes = [int(a.split("(")[0].removeprefix("ax")) for a in row.axes.split("+")]
         split = [math.prod(mesh_shape[a] for a in axes[:k]) for k in range(len(axes))]
-        per_axis = sum(1 / s for s in split) if row.kind in ("reduce_scatter", "all_gather") else len(axes)
+        spanning = row.source == "bucket" and row.kind == "all_reduce"
+        per_axis = sum(1 / s for s in split) if row.kind in ("reduce_scatter", "all_gather") else \
+            1 if spanning else len(axes)
         nbytes[row.kind] += row.payload_bytes * per_axis
-        counts[row.kind] += row.count * len(axes)
+        counts[row.kind] += row.count * (1 if spanning else len(axes))
     return +counts, +nbytes
 
 
