@@ -74,7 +74,8 @@ def _planned_collectives(rows, mesh_shape) -> tuple[Counter, Counter]:
     reduce-scatter's later rounds, an all-gather's earlier ones, move a 1/n-th as much per
     axis already split), except a bucketed gradient all-reduce (source ``bucket``), one
     collective on the group spanning its axes (``ProcessMesh.group_over``); ZeRO's all-gathers
-    after the step are one per bucket (``_body``'s tiny cap: one per parameter) and mesh axis; local steps (split, to_partial) issue nothing."""
+    after the step are one per bucket (``_body``'s tiny cap: one per parameter) and mesh axis;
+    local steps (split, to_partial) issue nothing."""
     counts, nbytes = Counter(), Counter()
     for row in rows:
         if row.kind not in COLLECTIVE_KINDS:
