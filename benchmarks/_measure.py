@@ -130,7 +130,10 @@ class PeakAllocated:
 def state_bytes(params, optimizer) -> int:
     """A rank's bytes of parameters, gradients and optimizer state: every distinct storage once
     (local shards of DTensors), ZeRO's per-rank gradient pieces (``piece.master.grad``: a view
-    of the parameter's gradient at stage 1, a reduce-scattered piece of its own at stage 2)."""
+    of the parameter's gradient at stage 1, a reduce-scattered piece of its own at stage 2).
+    ``optimizer``: a ``ZeroOptimizer`` (its ``pieces``), the booster's optimizer (its ZeRO
+    optimizer is ``zero``: the pieces are found there -- a ZeRO-2 gradient is in no ``.grad``
+    of the module's parameters nor in the inner optimizer's state) or any optimizer."""
     seen: dict[int, int] = {}
 
     def add(t) -> None:
@@ -145,7 +148,8 @@ def state_bytes(params, optimizer) -> int:
         for v in state.values():
             if torch.is_tensor(v) and v.dim():  # not Adam's scalar step counts
                 add(v)
-    for piece in getattr(optimizer, "pieces", ()):  # ZeRO: this rank's pieces
+    zero = getattr(optimizer, "zero", None) or optimizer
+    for piece in getattr(zero, "pieces", ()):  # ZeRO: this rank's pieces
         add(piece.master.grad)
     return sum(seen.values())
 

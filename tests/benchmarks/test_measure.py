@@ -46,6 +46,9 @@ def test_state_bytes_count_each_storage_once_and_zero_gradient_pieces():
     assert state_bytes([weight], plain) == 4 * 1024  # parameter, gradient, two moments
     assert state_bytes([weight], SimpleNamespace(state=state, pieces=[stage1])) == 4 * 1024
     assert state_bytes([weight], SimpleNamespace(state=state, pieces=[stage2])) == 4 * 1024 + 512
+    # The booster's optimizer holds its ZeroOptimizer as ``zero``: the pieces are counted through it.
+    boosted = SimpleNamespace(state=state, zero=SimpleNamespace(state=state, pieces=[stage2]))
+    assert state_bytes([weight], boosted) == 4 * 1024 + 512
 
 
 def test_fidelity_takes_the_load_of_each_round_out():
