@@ -48,6 +48,18 @@ def tight_budget(model, inputs, mesh, *, fraction=0.6) -> int:
     return int(fraction * plan(model, inputs, mesh=mesh, pipeline=1, cache=False).estimate.peak_bytes)
 
 
+def cheap_actions(mesh: MeshSpec) -> MeshSpec:
+    """``mesh`` with the pipeline schedule's actions priced as a GPU's (30 us each) instead of
+    the cpu preset's gloo figure (~1.7 ms), which leaves a tiny decoder's ~10 ms step no room
+    for a pipeline."""
+    from dataclasses import replace
+
+    from autopar.layout.machine import ComputeProfile, MachineProfile
+
+    return replace(mesh, machine=MachineProfile(ComputeProfile(()), (), mesh.shape, mesh.axis_names,
+                                                pipeline_action_s=30e-6))
+
+
 def test_default_picks_the_pipeline_where_it_wins_and_pipeline_1_turns_it_off():
     """On the cpu preset's (2,) at 60% of the unpipelined plan's peak (data parallelism does not
     fit; the fidelity benchmark measured a 2-stage pipeline fastest at such budgets), two stages
@@ -58,17 +70,12 @@ def test_default_picks_the_pipeline_where_it_wins_and_pipeline_1_turns_it_off():
     Where the schedule's actions cost what the cpu preset says gloo's do (~1.7 ms each), this
     tiny decoder's ~10 ms step has no room for them and no pipeline wins; the machine here
     prices them as a GPU's (tens of microseconds)."""
-    from dataclasses import replace
-
-    from autopar.layout.machine import ComputeProfile, MachineProfile
-
     model, inputs = qwen2_decoder()
     preset = MeshSpec.preset("cpu", (2,))
     budget = tight_budget(model, inputs, preset)
     options = PlanOptions(memory_budget=budget)
     assert plan_auto(model, inputs, mesh=preset, options=options).plan.pipeline is None
-    mesh = replace(preset, machine=MachineProfile(ComputeProfile(()), (), (2,), preset.axis_names,
-                                                  pipeline_action_s=30e-6))
+    mesh = cheap_actions(preset)
     chosen = plan_auto(model, inputs, mesh=mesh, options=options)
     assert chosen.plan.pipeline is not None and chosen.plan.pipeline.num_stages == 2, chosen.candidates
     flat = chosen.flat.plan
