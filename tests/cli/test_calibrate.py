@@ -15,7 +15,8 @@ def test_calibrate_writes_a_profile_inspect_plans_with(tmp_path):
     out = run_cli("calibrate", "--local", "2", "--mesh", "2", "--quick", "--out", str(path))
     assert out.returncode == 0, out.stderr[-3000:]
     for stage in ("stage 1/3 compute: round 1/3", "stage 2/3 collectives: axis 0 (n=2) all kinds",
-                  "stage 3/3 overlap and blocking: all-reduce", "more per blocking collective"):
+                  "stage 3/3 overlap, blocking and pipeline: all-reduce", "more per blocking collective",
+                  "per schedule action"):
         assert stage in out.stdout, out.stdout[-3000:]
     assert f"wrote {path}" in out.stdout and "of a collective hidden under compute" in out.stdout
     spec = MeshSpec.load(str(path))
