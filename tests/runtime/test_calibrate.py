@@ -69,8 +69,10 @@ def test_quick_calibration_measures_every_class_and_dtype(calibrated):
     # one blocking wait per axis, beyond the lockstep price (0 where a step's blocking all-reduce
     # held it no longer than the fit says); well under a 1 ms burst's worth on 2 gloo ranks
     assert len(machine.blocking_s) == 1 and 0.0 <= machine.blocking_s[0] < 0.05
-    # 1F1B over the 2 ranks: each schedule action costs ~1.7 ms beyond its transfer on this host
-    assert 0.0 < machine.pipeline_action_s < 0.05
+    # 1F1B over the 2 ranks: each schedule action costs ~1.7 ms beyond its transfer on this host;
+    # 0 where the links' fitted alpha (noisy under load) prices the whole micro-batch as transfers
+    # (the measurement itself is positive: tests/runtime/test_calibrate_pipeline.py)
+    assert machine.pipeline_action_s is not None and 0.0 <= machine.pipeline_action_s < 0.05
     assert spec.alpha[0] > 0 and spec.beta[0] > 0
     # Each kind has its own fit exactly when its timings determine one.
     for kind in KINDS:
