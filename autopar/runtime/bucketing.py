@@ -410,24 +410,24 @@ class GradBucketer(nn.Module):
                 else:
                     local_of(master.grad).add_(mine)
 
-    def _all_reduce(self, flat: torch.Tensor, axis: int, *, async_op: bool, group=None):
+    def _all_reduce(self, flat: torch.Tensor, group: dist.ProcessGroup, *, async_op: bool):
         self.stats["all_reduces"] += 1
         self.stats["bytes"] += flat.numel() * flat.element_size()
         record("all_reduce", flat.numel() * flat.element_size())
-        return dist.all_reduce(flat, group=self.pmesh.group(axis) if group is None else group, async_op=async_op)
+        return dist.all_reduce(flat, group=group, async_op=async_op)
 
     def _all_reduce_over(self, flat: torch.Tensor, axes: tuple[int, ...], *, async_op: bool):
         """(work, axes left): the sum over several mesh axes as ONE collective on the group
         spanning them (``ProcessMesh.group_over``: in flight beside backward as a whole, where
         a chain would leave every axis but the first to the end of backward, synchronous), else
         the first axis's collective, the others left to the caller (``_finish``), in order."""
-        group = self.pmesh.group_over(axes) if len(axes) > 1 else None
-        if group is not None:
-            return self._all_reduce(flat, axes[0], async_op=async_op, group=group), ()
-        work = self._all_reduce(flat, axes[0], async_op=async_op)
+        spanning = self.pmesh.group_over(axes) if len(axes) > 1 else None
+        if spanning is not None:
+            return self._all_reduce(flat, spanning, async_op=async_op), ()
+        work = self._all_reduce(flat, self.pmesh.group(axes[0]), async_op=async_op)
         if not async_op:
             for axis in axes[1:]:
-                self._all_reduce(flat, axis, async_op=False)
+                self._all_reduce(flat, self.pmesh.group(axis), async_op=False)
             return work, ()
         return work, axes[1:]
 
@@ -469,7 +469,7 @@ class GradBucketer(nn.Module):
             if work is not None:
                 wait(work)
             for axis in rest:
-                self._all_reduce(flat, axis, async_op=False)
+                self._all_reduce(flat, self.pmesh.group(axis), async_op=False)
             self._deliver(st, buckets[b], flat, sorted(st.ready[b]))
         for b, flat, slots in late_flats:
             self._deliver(st, buckets[b], flat, slots)

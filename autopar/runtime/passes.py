@@ -375,10 +375,8 @@ class _Emitter:
                 owner = self.table_owners.get(param.name)  # a table-wise table: its owner's shape
                 shape = (want.local_shape(tuple(val.shape), self.mesh_shape) if owner is None
                          else table_local_shape(want, owner, tuple(val.shape), self.pmesh))
-                slot = self.bucketer.add_slot(param.name, axes, shape, dtype,
-                                              shard=self.decisions[param.name].zero_stage == 2)
-                self.converted[key] = self.graph.call_module(
-                    self.comm_names[GRAD_BUCKET], (node,), {"axes": tuple(axes), "slot": slot})
+                self.converted[key] = self._grad_bucket(param.name, node, axes, shape, dtype,
+                                                        shard=self.decisions[param.name].zero_stage == 2)
             if key not in self.converted and node is self.env[src.name] and self._bucket_chain(src, want, axes):
                 self.converted[key] = node  # its partial gradient flows to the parameter's bucket
             if key not in self.converted:
@@ -415,20 +413,23 @@ class _Emitter:
         first, param = self.env[chain[-1].name], self.env[node.name]
         if param not in first.all_input_nodes:
             return False  # read through a conversion: not the parameter at rest
-        slot = self.bucketer.add_slot(node.name, axes, want.local_shape(tuple(ph.shape), self.mesh_shape), ph.dtype,
-                                      shard=self.decisions[node.name].zero_stage == 2)
         with self.graph.inserting_before(first):
-            bucket = self.graph.call_module(self.comm_names[GRAD_BUCKET], (param,), {"axes": tuple(axes), "slot": slot})
+            bucket = self._grad_bucket(node.name, param, axes, want.local_shape(tuple(ph.shape), self.mesh_shape),
+                                       ph.dtype, shard=self.decisions[node.name].zero_stage == 2)
         first.replace_input_with(param, bucket)
         return True
+
+    def _grad_bucket(self, name: str, value: fx.Node, axes, shape, dtype, *, shard: bool = False) -> fx.Node:
+        """A ``grad_bucket`` node of ``value`` for parameter ``name``'s new slot (its local
+        ``shape`` and gradient ``dtype``, partial over ``axes``; ``shard``: ZeRO-2's)."""
+        slot = self.bucketer.add_slot(name, axes, shape, dtype, shard=shard)
+        return self.graph.call_module(self.comm_names[GRAD_BUCKET], (value,), {"axes": tuple(axes), "slot": slot})
 
     def _table_bucket(self, table: fx.Node, axes: tuple[int, ...]) -> fx.Node:
         """A ``grad_bucket`` node of ``table``'s placeholder (``split_lookup``'s partial gradient)."""
         ph = table.meta[PLACEHOLDER_KEY]
-        shape = self.layout[table.name].local_shape(tuple(ph.shape), self.mesh_shape)
-        slot = self.bucketer.add_slot(table.name, axes, shape, ph.dtype)
-        return self.graph.call_module(self.comm_names[GRAD_BUCKET], (self.env[table.name],),
-                                      {"axes": tuple(axes), "slot": slot})
+        return self._grad_bucket(table.name, self.env[table.name], axes,
+                                 self.layout[table.name].local_shape(tuple(ph.shape), self.mesh_shape), ph.dtype)
 
     def _bucketable_parameter(self, src: fx.Node, want: TensorSpec) -> fx.Node | None:
         """The parameter placeholder whose gradient a bucket can take for ``src`` read as
