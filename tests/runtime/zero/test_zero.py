@@ -1,7 +1,7 @@
 """ZeRO-1/2 over the plan's replicated axes (autopar.runtime.zero) on real gloo processes.
 
 GPT-2 tiny and Llama tiny on meshes (2,), (4,) and (2, 2), stages 1 and 2, AdamW through
-``model.optimizer``: the parameters after 5 steps equal single-device training; the optimizer
+``model.optimizer``: the parameters after 3 steps equal single-device training; the optimizer
 state held per rank is the plan's (1/dp of stage 0's), ZeRO-2's gradient pieces are 1/dp of the
 parameters; the collectives one training step issues are the plan's (``autopar inspect``'s
 communication rows); a plain optimizer is refused under ZeRO-2 with a clear error.
@@ -32,13 +32,13 @@ pytestmark = pytest.mark.slow
 
 # AdamW's eps raised to 1e-5 as in test_e2e.py: a gradient that is zero up to float noise (the key
 # projection's bias) would otherwise step lr * sign(noise), a coin flip between summation orders.
-STEPS, EPS = 5, 1e-5
+STEPS, EPS = 3, 1e-5  # >= 2: the second step applies moments ZeRO kept sharded
 MESHES = ((2,), (4,), (2, 2))
 
 
 def _model(name):
     torch.manual_seed(0)
-    return zoo.build(name, tiny=True, batch=16, seq=32, device="cpu")
+    return zoo.build(name, tiny=True, batch=8, seq=16, device="cpu")
 
 
 def _reference(model, inputs):
