@@ -17,10 +17,11 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.tensor import DTensor
 
 from autopar import zoo
-from autopar.api import plan as make_plan
+from autopar.planner.options import PlanOptions
+from autopar.planner.orchestrate import plan_traced, trace_for_planning
 from autopar.runtime.build import build_module
 from autopar.runtime.launch import run_local
-from autopar.tracer import trace
+from autopar.tracer import profile, trace
 from tests.budgets import between, smallest_budget
 
 pytestmark = pytest.mark.slow
@@ -89,13 +90,21 @@ def test_checkpoint_reshards_across_meshes_and_world_sizes(tmp_path):
     torch.manual_seed(0)
     model, inputs = zoo.build("gpt2", tiny=True, device="cpu")
     traced = trace(model, inputs)
+    # One planning trace and profile for the five plans (``autopar.plan`` would trace each anew).
+    planning = trace_for_planning(model, inputs, precision="fp32")
+    prof = profile(planning)
+
+    def make_plan(*, mesh, memory_budget):
+        return plan_traced(planning, prof, mesh=mesh, options=PlanOptions(memory_budget=memory_budget,
+                                                                          pipeline=1)).plan
+
     # Without a pipeline: its stages would hold whole parameters, and what is resharded here is
     # DTensor pieces. A quarter of the way from mesh (2,)'s smallest budget (the largest of the
     # three meshes') to its unconstrained peak: every mesh must shard parameters to fit.
-    replicated = make_plan(model, inputs, mesh=(2,), memory_budget=None, pipeline=1)
-    low = smallest_budget(lambda budget: make_plan(model, inputs, mesh=(2,), memory_budget=budget, pipeline=1))
+    replicated = make_plan(mesh=(2,), memory_budget=None)
+    low = smallest_budget(lambda budget: make_plan(mesh=(2,), memory_budget=budget))
     budget = between(low, replicated.estimate.peak_bytes, 0.25)
-    plans = {shape: make_plan(model, inputs, mesh=shape, memory_budget=budget, pipeline=1)
+    plans = {shape: make_plan(mesh=shape, memory_budget=budget)
              for shape in ((2,), (2, 2), (4,))}
     layouts = {shape: plan.placements() for shape, plan in plans.items()}
     for shape, layout in layouts.items():  # so each rank's pieces differ between the meshes

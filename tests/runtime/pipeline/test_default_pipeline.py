@@ -70,12 +70,20 @@ def _body(rank, world, model, inputs, want_loss, want_grads, want_params, padded
     return errors
 
 
+@pytest.fixture(scope="module")
+def budget() -> int:
+    """The tight budget, planned once for the module's cases (one model, one mesh: the labels
+    that differ between cases change no byte the plan counts)."""
+    model, inputs = qwen2_decoder(device="cpu")
+    return tight_budget(model, inputs, MeshSpec.preset("cpu", (2,)))
+
+
 # [full] and [padded-criterion] (uneven micro-batch weights through a criterion) by default; the
 # other two cases of the uneven weights with the whole sweeps (``pytest -m full_sweep``).
 @pytest.mark.parametrize("padded, loop", [(False, False), pytest.param(True, False, marks=pytest.mark.full_sweep),
                                           pytest.param(True, True, marks=pytest.mark.full_sweep), (True, "criterion")],
                          ids=["full", "padded", "padded-training-loop", "padded-criterion"])
-def test_default_pipeline_trains_like_single_device(padded, loop):
+def test_default_pipeline_trains_like_single_device(padded, loop, budget):
     model, inputs = qwen2_decoder(device="cpu")
     if padded:  # the first rows count far fewer tokens than the rest: micro-batch means differ in weight
         inputs["labels"][0, 4:] = -100
@@ -94,7 +102,7 @@ def test_default_pipeline_trains_like_single_device(padded, loop):
         opt.step()
         opt.zero_grad()
     want_params = {k: p.detach().clone() for k, p in ref.named_parameters()}
-    errors = run_local(_body, 2, model, inputs, want_loss, want_grads, want_params, padded, loop,
-                       tight_budget(model, inputs, MeshSpec.preset("cpu", (2,))), timeout=300)
+    errors = run_local(_body, 2, model, inputs, want_loss, want_grads, want_params, padded, loop, budget,
+                       timeout=300)
     flat = [e for rank_errors in errors for e in rank_errors]
     assert not flat, "\n".join(flat[:20])
