@@ -146,17 +146,28 @@ def _train(rank, world, model, traced, plan, inputs, steps, lr):
     return torch.stack(losses), first, pm.full_state_dict(), kernels
 
 
+def _train_each(rank, world, model, traced, plans, inputs, steps, lr):
+    return [_train(rank, world, model, traced, plan, inputs, steps, lr) for plan in plans]
+
+
 def run_on(model, traced, plan, inputs, *, steps: int = 1, lr: float = 0.1):
     """(loss curve, first step's gradients, final full state, random kernel calls in the code) on
     rank 0, after checking that every rank returned the same."""
+    return run_each(model, traced, [plan], inputs, steps=steps, lr=lr)[0]
+
+
+def run_each(model, traced, plans, inputs, *, steps: int = 1, lr: float = 0.1):
+    """``run_on`` for several plans of one mesh, in one launch: each from the same seed (the
+    draws restart with ``autopar.manual_seed``) and a fresh module."""
     world = 1
-    for s in plan.mesh.shape:
+    for s in plans[0].mesh.shape:
         world *= s
-    results = run_local(_train, world, model, traced, plan, inputs, steps, lr, timeout=240)
-    losses, grads, state, kernels = results[0]
+    assert all(p.mesh.shape == plans[0].mesh.shape for p in plans), [p.mesh.shape for p in plans]
+    results = run_local(_train_each, world, model, traced, plans, inputs, steps, lr, timeout=240)
     for other in results[1:]:
-        assert torch.equal(other[0], losses), "ranks disagree on the loss"
-    return losses, grads, state, kernels
+        for mine, theirs in zip(results[0], other):
+            assert torch.equal(theirs[0], mine[0]), "ranks disagree on the loss"
+    return results[0]
 
 
 def assert_same(label: str, got, want, *, rtol: float = 1e-4, atol: float = 1e-6) -> None:

@@ -7,7 +7,7 @@ table's placement pinned on mesh axis 0 (``fixed``: the rest of the plan, and ax
 mixing TorchRec's placements as autopar expresses them -- row-wise (partial sums, partial max),
 column-wise and data-parallel -- over every pooling mode; and every table family
 (``planner.table_families``: all tables row-wise, column-wise, data-parallel, dp x row-wise) on
-every axis at once. Each rank checks the loss, every gradient,
+every axis at once ((2,) with ``pytest -m full_sweep``). Each rank checks the loss, every gradient,
 the gradient norms and the state after clipped AdamW steps (``tests/runtime/test_e2e.check_module``).
 """
 
@@ -66,7 +66,9 @@ def tables_of(plan) -> dict[str, str]:
     return {n.module: n.strategy for n in plan.nodes if n.op in {str(op) for op in BAGS}}
 
 
-@pytest.mark.parametrize("shape", [(2,), (2, 2)])
+# (2,) with the whole sweeps: (2, 2) below pins the same placements on axis 0 (and solves axis 1)
+# and puts every table family on both axes; test_frozen_table_trains_like_one_device runs (2,).
+@pytest.mark.parametrize("shape", [pytest.param((2,), marks=pytest.mark.full_sweep), (2, 2)])
 def test_dlrm_trains_like_one_device(shape):
     torch.manual_seed(0)
     model, inputs = zoo.build("dlrm", tiny=True, device="cpu")

@@ -66,8 +66,9 @@ def test_two_axes_on_one_dim_follow_dtensor_order():
 
 def test_plan_exports_placements():
     model, inputs = zoo.build("mlp", tiny=True, device="cpu")
-    replicated = make_plan(model, inputs, mesh=(2,), memory_budget=None)
-    plan = make_plan(model, inputs, mesh=(2, 2), memory_budget=int(0.6 * replicated.estimate.peak_bytes))
+    # pipeline=1: the DTensor module is what is tested; no pipeline candidates searched
+    replicated = make_plan(model, inputs, mesh=(2,), memory_budget=None, pipeline=1)
+    plan = make_plan(model, inputs, mesh=(2, 2), memory_budget=int(0.6 * replicated.estimate.peak_bytes), pipeline=1)
     placements = plan.placements()
     assert set(placements) == {n for n, _ in model.named_parameters()} | {n for n, _ in model.named_buffers()}
     for node in plan.by_kind("parameter"):
@@ -154,8 +155,9 @@ def _checkpoint_body(rank, world, model, inputs, traced, plan, checkpoint_dir) -
 def test_distributed_checkpoint_restores_parameters_and_adamw_state(tmp_path):
     torch.manual_seed(0)
     model, inputs = zoo.build("gpt2", tiny=True, device="cpu")
-    replicated = make_plan(model, inputs, mesh=(2,), memory_budget=None)
-    plan = make_plan(model, inputs, mesh=(2, 2), memory_budget=int(0.6 * replicated.estimate.peak_bytes))
+    # pipeline=1: the DTensor module is what is tested; no pipeline candidates searched
+    replicated = make_plan(model, inputs, mesh=(2,), memory_budget=None, pipeline=1)
+    plan = make_plan(model, inputs, mesh=(2, 2), memory_budget=int(0.6 * replicated.estimate.peak_bytes), pipeline=1)
     assert any(not set(n.output_specs[0]) <= {"R"} for n in plan.by_kind("parameter")), "some sharded parameter"
     results = run_local(_checkpoint_body, 4, model, inputs, trace(model, inputs), plan, str(tmp_path), timeout=300)
     errors = [e for rank_errors in results for e in rank_errors]

@@ -161,11 +161,13 @@ def _function_nodes(plan):
 @pytest.mark.parametrize("budget", ["ample", "tight"])
 def test_custom_functions_train_like_one_device(mesh, budget):
     model, inputs = _setup()
-    ample = autopar.plan(model, inputs, mesh=_fast(mesh), cache=False)
+    # pipeline=1 throughout: no pipeline candidates searched (what is tested is the sharded Functions)
+    ample = autopar.plan(model, inputs, mesh=_fast(mesh), pipeline=1, cache=False)
     plan = ample
     if budget == "tight":
-        low = smallest_budget(lambda b: autopar.plan(model, inputs, mesh=_fast(mesh), memory_budget=b, cache=False))
-        plan = autopar.plan(model, inputs, mesh=_fast(mesh), cache=False,
+        low = smallest_budget(lambda b: autopar.plan(model, inputs, mesh=_fast(mesh), memory_budget=b, pipeline=1,
+                                                     cache=False))
+        plan = autopar.plan(model, inputs, mesh=_fast(mesh), pipeline=1, cache=False,
                             memory_budget=between(low, ample.estimate.peak_bytes, 0.25))
         assert plan.estimate.peak_bytes < ample.estimate.peak_bytes
     assert len(_function_nodes(plan)) == 3
@@ -195,7 +197,7 @@ def _deep(mix: bool = True):
 def test_recompute_regions_rerun_functions_like_one_device():
     """Half the no-recompute peak: blocks are recomputed in backward, their Functions with them."""
     model, inputs = _deep()
-    base = autopar.plan(model, inputs, mesh=(2,), memory_budget=None, checkpoint="none", cache=False)
+    base = autopar.plan(model, inputs, mesh=(2,), memory_budget=None, checkpoint="none", pipeline=1, cache=False)
     plan = autopar.plan(model, inputs, mesh=(2,), memory_budget=base.estimate.peak_bytes // 2, pipeline=1,
                         cache=False)
     assert any("autograd_function" in name for region in plan.recompute for name in region.nodes)

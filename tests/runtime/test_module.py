@@ -39,8 +39,10 @@ def max_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def tight_plan(model, inputs, mesh, fraction=0.6) -> Plan:
-    replicated = make_plan(model, inputs, mesh=mesh)
-    return make_plan(model, inputs, mesh=mesh, memory_budget=int(fraction * replicated.estimate.peak_bytes))
+    # pipeline=1: an AutoParallelModule is what is tested; no pipeline candidates searched
+    replicated = make_plan(model, inputs, mesh=mesh, pipeline=1)
+    return make_plan(model, inputs, mesh=mesh, memory_budget=int(fraction * replicated.estimate.peak_bytes),
+                     pipeline=1)
 
 
 # ------------------------------------------------------------------------------ meta models
@@ -124,7 +126,7 @@ def _apply_body(rank, world, model, inputs, path, stale_paths):
 def test_plan_round_trip_and_refusals(tmp_path):
     torch.manual_seed(0)
     model, inputs = zoo.build("gpt2", tiny=True, device="cpu")
-    replicated = make_plan(model, inputs, mesh=(2,))
+    replicated = make_plan(model, inputs, mesh=(2,), pipeline=1)
     solved = run_local(_solve_body, 2, model, inputs, int(0.6 * replicated.estimate.peak_bytes))
     plan_json, code, loss, grads = solved[0]
     assert all(s[0] == plan_json for s in solved), "ranks applied different plans"
@@ -197,7 +199,7 @@ def _clip_body(rank, world, model, inputs, plan, ref):
 def test_clip_grad_norm_local_inputs_and_code():
     torch.manual_seed(0)
     model, inputs = zoo.build("mlp", tiny=True, device="cpu")
-    plan = make_plan(model, inputs, mesh=_fast_mesh((2, 2)))
+    plan = make_plan(model, inputs, mesh=_fast_mesh((2, 2)), pipeline=1)
     assert any(not set(n.output_specs[0]) <= {"R"} for n in plan.by_kind("input")), "inputs should be split"
     ref_model = copy.deepcopy(model)
     loss, logits = ref_model(**inputs)

@@ -122,7 +122,8 @@ def test_bf16_activation_estimate_halves_and_matches_what_is_saved():
     """Not exactly half: the bf16 weight copies matmuls save are replicated, and the loss reads
     fp32 logits (as under autocast); at a batch where activations dominate it is ~0.57."""
     model, inputs = _model(batch=32, seq=128)
-    plans = [(p, make_plan(model, inputs, mesh=(2, 2), precision=p, checkpoint="none")) for p in ("fp32", "bf16")]
+    plans = [(p, make_plan(model, inputs, mesh=(2, 2), precision=p, checkpoint="none",
+                                                pipeline=1)) for p in ("fp32", "bf16")]
     est = {p: plan.checkpoint["activation_bytes"] for p, plan in plans}
     # Up to 0.65: since a view is priced as moving no byte (strategies.combine), a view costs the
     # same sharded or replicated, and the bf16 plan (at the same step estimate within 1%) runs a few
@@ -176,7 +177,7 @@ def _mismatch_body(rank, world, model, inputs, plan):
 
 def test_a_loaded_plan_brings_its_precision():
     model, inputs = _model()
-    plan = make_plan(model, inputs, mesh=(2,), precision="bf16")
+    plan = make_plan(model, inputs, mesh=(2,), precision="bf16", pipeline=1)
     assert plan.precision == "bf16" and "bf16 compute" in plan.summary()
     assert autopar.Plan.from_json(plan.to_json()).precision == "bf16"
     for result in run_local(_mismatch_body, 2, model, inputs, plan, timeout=300):

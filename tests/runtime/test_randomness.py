@@ -180,10 +180,10 @@ def gpt2():
 def test_gpt2_dropout_same_on_a_sharded_mesh_and_under_recompute(gpt2):
     model, inputs, traced, prof, ref = gpt2
     assert ref[3] == 7  # 5 dropouts + 2 attention dropouts inside SDPA, all drawn by the kernels
-    for recompute in (False, True):
-        plan = rm.plan_for(traced, prof, (2, 2), recompute=recompute)
-        assert rm.sharded_draws(plan) >= 7  # every dropout and attention runs on shards
-        rm.assert_same(f"(2, 2) recompute={recompute}", rm.run_on(model, traced, plan, inputs, steps=2), ref)
+    plans = {recompute: rm.plan_for(traced, prof, (2, 2), recompute=recompute) for recompute in (False, True)}
+    for recompute, got in zip(plans, rm.run_each(model, traced, list(plans.values()), inputs, steps=2)):
+        assert rm.sharded_draws(plans[recompute]) >= 7  # every dropout and attention runs on shards
+        rm.assert_same(f"(2, 2) recompute={recompute}", got, ref)
     # The plain model draws from torch's generator: another (valid) sample, not autopar's numbers.
     torch.manual_seed(rm.SEED)
     assert not torch.allclose(rm._call(model, inputs).detach(), ref[0][0])
@@ -259,11 +259,10 @@ def test_same_loss_and_gradients_on_every_mesh_under_recompute_and_pipelines(nam
     traced, prof = rm.traced_of(model, inputs)
     ref = rm.run_on(model, traced, rm.plan_for(traced, prof, (1,)), inputs, steps=2)
     assert ref[3] > 0
-    for shape in meshes:
-        for recompute in (False, True):
-            plan = rm.plan_for(traced, prof, shape, recompute=recompute)
-            assert shape == (1,) or rm.sharded_draws(plan) > 0, f"{name} {shape}: no draw runs on shards"
-            got = rm.run_on(model, traced, plan, inputs, steps=2)
+    for shape in meshes:  # one launch per mesh
+        plans = {recompute: rm.plan_for(traced, prof, shape, recompute=recompute) for recompute in (False, True)}
+        for recompute, got in zip(plans, rm.run_each(model, traced, list(plans.values()), inputs, steps=2)):
+            assert shape == (1,) or rm.sharded_draws(plans[recompute]) > 0, f"{name} {shape}: no draw runs on shards"
             assert got[3] == ref[3]
             rm.assert_same(f"{name} {shape} recompute={recompute}", got, ref)
     for shape, recompute in pipelines:

@@ -12,14 +12,15 @@ import pytest
 import torch
 
 from autopar import zoo
-from autopar.api import plan as make_plan
+from autopar.planner.options import PlanOptions
+from autopar.planner.orchestrate import plan_traced, trace_for_planning
 from autopar.plans import Plan
 from autopar.runtime.build import build_module
 from autopar.runtime.dtensors import local_of
 from autopar.runtime.recompute import CheckpointRegion, apply_recompute
 from autopar.runtime.passes import TRACED_NAME_KEY
 from autopar.runtime.launch import run_local
-from autopar.tracer import trace
+from autopar.tracer import profile, trace
 
 
 
@@ -99,11 +100,18 @@ def test_gpt2_tiny_recompute_budgets():
     torch.manual_seed(0)
     model, inputs = zoo.build("gpt2", tiny=True, batch=8, seq=128, num_layers=4, device="cpu")
     traced = trace(model, inputs)
-    base = make_plan(model, inputs, mesh=(2,), memory_budget=None, checkpoint="none")
+    # One planning trace and profile for the five plans (``autopar.plan`` would trace each anew);
+    # no pipeline: recompute is what is tested, and a pipeline would meet the budgets too.
+    planning = trace_for_planning(model, inputs, precision="fp32")
+    prof = profile(planning)
+
+    def make_plan(**options):
+        return plan_traced(planning, prof, mesh=(2,), options=PlanOptions(pipeline=1, **options)).plan
+
+    base = make_plan(memory_budget=None, checkpoint="none")
     plans = [("none", base)]
     for frac in (1.0, 0.7, 0.5, 0.35):
-        p = make_plan(model, inputs, mesh=(2,), memory_budget=int(frac * base.estimate.peak_bytes),
-                      pipeline=1)  # recompute is what is tested: a pipeline would meet the budget too
+        p = make_plan(memory_budget=int(frac * base.estimate.peak_bytes))
         assert p.estimate.peak_bytes <= int(frac * base.estimate.peak_bytes)
         plans.append((f"{frac:.0%}", Plan.from_json(p.to_json())))  # the JSON round trip keeps regions
     assert [bool(p.recompute) for _, p in plans] == [False, False, True, True, True]

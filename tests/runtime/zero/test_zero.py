@@ -199,8 +199,8 @@ def _auto_body(rank, world, model, inputs, plan):
 
 def test_auto_mixes_stages_under_a_tight_budget_and_trains_like_one_device():
     model, inputs = _model("gpt2")
-    free = autopar.plan(model, inputs, mesh=(2, 2), zero_stage="auto", checkpoint="none")
-    plan = autopar.plan(model, inputs, mesh=(2, 2), zero_stage="auto", checkpoint="none",
+    free = autopar.plan(model, inputs, mesh=(2, 2), zero_stage="auto", checkpoint="none", pipeline=1)
+    plan = autopar.plan(model, inputs, mesh=(2, 2), zero_stage="auto", checkpoint="none", pipeline=1,
                         memory_budget=int(0.93 * free.estimate.peak_bytes))
     stages = {n.zero_stage for n in plan.by_kind("parameter")}
     assert 2 in stages and 0 in stages, stages
