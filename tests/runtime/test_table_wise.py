@@ -10,7 +10,8 @@ on (2, 2), data-parallel over axis 0 and table-wise over axis 1; the planner's p
 with the all-replicated run; the loss, every gradient, the global gradient norm before each of 5
 clipped AdamW steps, the full state after them (each table gathered from its owner) and a reload
 of that state match the single-device model; the optimizer holds state for a table only on its
-owner, and the Booster's DCP optimizer checkpoint refuses it.
+owner, and the Booster's DCP optimizer checkpoint refuses it. (2,) runs with the whole sweeps
+(``pytest -m full_sweep``).
 """
 
 from __future__ import annotations
@@ -122,7 +123,9 @@ def _state_errors(label, pm, opt, plan, ref) -> list[str]:
     return errors
 
 
-@pytest.mark.parametrize("shape", [(2,), (2, 2)])
+# (2,) with the whole sweeps: (2, 2) pins the same placements on axis 0, puts every table
+# table-wise on both axes and adds data-parallel x table-wise.
+@pytest.mark.parametrize("shape", [pytest.param((2,), marks=pytest.mark.full_sweep), (2, 2)])
 def test_table_wise_dlrm_trains_like_one_device(shape):
     torch.manual_seed(0)
     model, inputs = zoo.build("dlrm", tiny=True, device="cpu")
