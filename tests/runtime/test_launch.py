@@ -57,7 +57,7 @@ def test_run_local_times_out_on_hang():
         return rank
 
     with pytest.raises(RuntimeError, match="did not finish"):
-        run_local(hang, 2, timeout=2)  # any limit shows it: rank 1 never joins
+        run_local(hang, 2, timeout=1)  # any limit shows it: rank 1 never joins
 
 
 def _dies(rank, world, then):
