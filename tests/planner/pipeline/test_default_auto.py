@@ -10,8 +10,10 @@ import torch
 from autopar.api import PlanOptions, plan, plan_auto
 from autopar.layout.mesh import MeshSpec
 from autopar.planner.options import check_option
+from autopar.planner.orchestrate import plan_traced, trace_for_planning
 from autopar.planner.pipeline.candidates import work_floor
 from autopar.plans import PIPELINE_SCHEDULES
+from autopar.tracer import profile
 from tests.budgets import smallest_budget
 
 
@@ -72,11 +74,15 @@ def test_default_picks_the_pipeline_where_it_wins_and_pipeline_1_turns_it_off():
     prices them as a GPU's (tens of microseconds)."""
     model, inputs = qwen2_decoder()
     preset = MeshSpec.preset("cpu", (2,))
-    budget = tight_budget(model, inputs, preset)
+    # One full-batch trace serves the budget and both meshes' plan_auto (only the final plan()
+    # below traces again: the public spelling of pipeline=1 is what it checks).
+    traced = trace_for_planning(model, inputs, precision=PlanOptions().precision)
+    free = plan_traced(traced, profile(traced), mesh=preset, options=PlanOptions(pipeline=None)).plan
+    budget = int(0.6 * free.estimate.peak_bytes)  # as tight_budget, on this trace
     options = PlanOptions(memory_budget=budget)
-    assert plan_auto(model, inputs, mesh=preset, options=options).plan.pipeline is None
+    assert plan_auto(model, inputs, mesh=preset, options=options, traced=traced).plan.pipeline is None
     mesh = cheap_actions(preset)
-    chosen = plan_auto(model, inputs, mesh=mesh, options=options)
+    chosen = plan_auto(model, inputs, mesh=mesh, options=options, traced=traced)
     assert chosen.plan.pipeline is not None and chosen.plan.pipeline.num_stages == 2, chosen.candidates
     flat = chosen.flat.plan
     assert chosen.plan.estimate.step_s < flat.estimate.step_s
