@@ -19,7 +19,9 @@ from tests.planner.pipeline.test_search import _stage_costs
 CASES = [("gpt2", (2, 2)), ("gpt2", (4, 2)), ("llama-1b", (2, 2))]
 
 
-@pytest.mark.parametrize("name,shape", CASES)
+# GPT-2 on (4, 2) runs with the whole sweeps: its floors are the same code as on (2, 2) at another
+# step factor, and gpt2-shape0 and llama-1b-shape2 of this test stay in the default run
+@pytest.mark.parametrize("name,shape", [CASES[0], pytest.param(*CASES[1], marks=pytest.mark.full_sweep), CASES[2]])
 def test_block_floors_bound_every_stage_range(traced_models, name, shape):
     """For every range [a, b) and both recompute modes, the sum of its blocks' floors plus the
     cut's point-to-point and the schedule actions' overhead (``schedule_s``) is at most the
