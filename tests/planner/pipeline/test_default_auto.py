@@ -90,12 +90,13 @@ def test_default_picks_the_pipeline_where_it_wins_and_pipeline_1_turns_it_off(mo
     # One full-batch trace serves the budget and both meshes' plan_auto (only the final plan()
     # below traces again: the public spelling of pipeline=1 is what it checks).
     traced = trace_for_planning(model, inputs, precision=PlanOptions().precision)
-    free = plan_traced(traced, profile(traced), mesh=preset, options=PlanOptions(pipeline=None)).plan
+    prof = profile(traced)
+    free = plan_traced(traced, prof, mesh=preset, options=PlanOptions(pipeline=None)).plan
     budget = int(0.6 * free.estimate.peak_bytes)  # as tight_budget, on this trace
     options = PlanOptions(memory_budget=budget)
-    assert plan_auto(model, inputs, mesh=preset, options=options, traced=traced).plan.pipeline is None
+    assert plan_auto(model, inputs, mesh=preset, options=options, traced=traced, profile=prof).plan.pipeline is None
     mesh = cheap_actions(preset)
-    chosen = plan_auto(model, inputs, mesh=mesh, options=options, traced=traced)
+    chosen = plan_auto(model, inputs, mesh=mesh, options=options, traced=traced, profile=prof)
     assert chosen.plan.pipeline is not None and chosen.plan.pipeline.num_stages == 2, chosen.candidates
     flat = chosen.flat.plan
     assert chosen.plan.estimate.step_s < flat.estimate.step_s
