@@ -10,7 +10,6 @@ import torch
 from autopar.api import PlanOptions, plan, plan_auto
 from autopar.layout.mesh import MeshSpec
 from autopar.planner.options import check_option
-from autopar.planner import orchestrate
 from autopar.planner.orchestrate import plan_traced, trace_for_planning
 from autopar.planner.pipeline.candidates import work_floor
 from autopar.plans import PIPELINE_SCHEDULES
@@ -63,7 +62,7 @@ def cheap_actions(mesh: MeshSpec) -> MeshSpec:
                                                 pipeline_action_s=30e-6))
 
 
-def test_default_picks_the_pipeline_where_it_wins_and_pipeline_1_turns_it_off(monkeypatch):
+def test_default_picks_the_pipeline_where_it_wins_and_pipeline_1_turns_it_off(micro_traces_once):
     """On the cpu preset's (2,) at 60% of the unpipelined plan's peak (data parallelism does not
     fit; the fidelity benchmark measured a 2-stage pipeline fastest at such budgets), two stages
     beat the unpipelined plan's recompute and ZeRO, and the default keeps the faster pipeline
@@ -75,20 +74,9 @@ def test_default_picks_the_pipeline_where_it_wins_and_pipeline_1_turns_it_off(mo
     prices them as a GPU's (tens of microseconds)."""
     model, inputs = qwen2_decoder()
     preset = MeshSpec.preset("cpu", (2,))
-    # Both meshes' plan_auto trace the same micro-batch graphs (the mesh is not in a trace): the
-    # second gets the first's, as a caller's own cache would.
-    micro, trace_and_profile = {}, orchestrate._trace_and_profile
-
-    def traced_once(model, meta_inputs, *, microbatches=None, **kw):
-        if microbatches is None:
-            return trace_and_profile(model, meta_inputs, **kw)
-        if microbatches not in micro:
-            micro[microbatches] = trace_and_profile(model, meta_inputs, microbatches=microbatches, **kw)
-        return micro[microbatches]
-
-    monkeypatch.setattr(orchestrate, "_trace_and_profile", traced_once)
-    # One full-batch trace serves the budget and both meshes' plan_auto (only the final plan()
-    # below traces again: the public spelling of pipeline=1 is what it checks).
+    # One full-batch trace serves the budget and both meshes' plan_auto, whose micro-batch graphs
+    # are the same: the second gets the first's (micro_traces_once). Only the final plan() below
+    # traces again: the public spelling of pipeline=1 is what it checks.
     traced = trace_for_planning(model, inputs, precision=PlanOptions().precision)
     prof = profile(traced)
     free = plan_traced(traced, prof, mesh=preset, options=PlanOptions(pipeline=None)).plan
