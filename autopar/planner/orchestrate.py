@@ -342,7 +342,7 @@ def plan_candidates(model: Any, meta_inputs: tuple | dict, *, meshes: Sequence[M
                 return plan_pipelined(model, meta_inputs, mesh=mesh, options=options, progress=Progress()).plan
             if options.pipeline == "auto" and mesh.shape[0] > 1:
                 return plan_auto(model, meta_inputs, mesh=mesh, options=options, progress=Progress(),
-                                 traced=traced).plan
+                                 traced=traced, profile=prof).plan
             return plan_traced(traced, prof, mesh=mesh, options=replace(options, pipeline=None),
                                progress=Progress()).plan
 
@@ -401,7 +401,7 @@ def _with_candidates(plan: Plan, lines: list[str], progress: Progress) -> Plan:
 
 def plan_auto(model: Any, meta_inputs: tuple | dict, *, mesh: MeshSpec | Sequence[int] | str, options: PlanOptions,
               progress: Progress | None = None, traced: TracedGraph | None = None,
-              key: str | None = None) -> PipelinedResult:
+              profile: ModelProfile | None = None, key: str | None = None) -> PipelinedResult:
     """``pipeline="auto"`` (the default of ``autopar.plan`` and ``autoparallelize``): the plan
     without a pipeline (``plan_traced`` of the full-batch graph ``traced``, traced here when not
     given) and, where ``pipeline.candidates.blocker`` finds nothing against one, pipelines over
@@ -409,8 +409,8 @@ def plan_auto(model: Any, meta_inputs: tuple | dict, *, mesh: MeshSpec | Sequenc
     without a pipeline's first, so a count whose step floor (``pipeline.bounds``: bubbles and
     point-to-point priced as the search prices them) cannot beat it is not searched, and a count is
     not even traced when ``pipeline.candidates.work_floor`` says none of its pipelines can. The
-    faster plan wins (ties: no pipeline); ``ValueError`` when neither fits. ``key``: the plan
-    cache key the plan is stored under when it has no pipeline (``plan_auto_cached``)."""
+    faster plan wins (ties: no pipeline); ``ValueError`` when neither fits. ``profile``: ``traced``'s,
+    if at hand. ``key``: the plan cache key the plan is stored under when it has no pipeline (``plan_auto_cached``)."""
     from autopar.planner.pipeline.candidates import blocker, work_floor
     from autopar.planner.pipeline.geometry import batch_size, microbatch_counts
     from autopar.planner.pipeline.schedule import schedules_for
@@ -423,7 +423,7 @@ def plan_auto(model: Any, meta_inputs: tuple | dict, *, mesh: MeshSpec | Sequenc
         traced, prof = _trace_and_profile(model, meta_inputs, precision=options.precision, progress=progress,
                                           detail="full batch, no pipeline",
                                           batch_norm_chunks=options.batch_norm_chunks(spec.num_devices))
-    else:
+    elif (prof := profile) is None:
         with progress.stage("profile"):
             prof = profile_graph(traced)
     why = blocker(traced, meta_inputs, mesh=spec, options=options)

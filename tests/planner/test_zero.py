@@ -5,6 +5,8 @@ import pytest
 from autopar import zoo
 from autopar.api import plan_model
 from autopar.planner.options import PlanOptions
+from autopar.planner.orchestrate import plan_traced, trace_for_planning
+from autopar.tracer import profile
 
 
 @pytest.fixture(scope="module")
@@ -12,9 +14,17 @@ def gpt2():
     return zoo.build("gpt2", tiny=True, batch=32, seq=64, device="cpu")
 
 
-def _plan(gpt2, **kw):
-    model, inputs = gpt2
-    return plan_model(model, inputs, mesh=(2, 2), options=PlanOptions(checkpoint="none", **kw))
+@pytest.fixture(scope="module")
+def gpt2_traced(gpt2):
+    """``gpt2`` traced and profiled once for the module's plans (``plan_model`` traces anew each
+    time; ``plan_traced`` is what it runs after the trace)."""
+    traced = trace_for_planning(*gpt2, precision=PlanOptions().precision)
+    return traced, profile(traced)
+
+
+def _plan(gpt2_traced, **kw):
+    options = PlanOptions(checkpoint="none", **kw)
+    return plan_traced(*gpt2_traced, mesh=options.mesh((2, 2)), options=options)
 
 
 def test_zero_stage_options_are_checked():
@@ -25,8 +35,8 @@ def test_zero_stage_options_are_checked():
             PlanOptions(zero_stage=bad)
 
 
-def test_forced_stages_divide_state_and_gradients_over_the_replicas(gpt2):
-    held = {z: _plan(gpt2, zero_stage=z).plan for z in (0, 1, 2)}
+def test_forced_stages_divide_state_and_gradients_over_the_replicas(gpt2_traced):
+    held = {z: _plan(gpt2_traced, zero_stage=z).plan for z in (0, 1, 2)}
     params = {z: p.estimate.param_bytes for z, p in held.items()}
     # every GPT-2 tiny parameter is replicated on the 4 devices here: P (params) + G + 2P (AdamW)
     # = 4P at stage 0; P + G + 2P/4 at stage 1; P + (G + 2P)/4 at stage 2
@@ -40,16 +50,16 @@ def test_forced_stages_divide_state_and_gradients_over_the_replicas(gpt2):
     assert held[1].estimate.step_s > held[0].estimate.step_s  # ZeRO-1 adds the all-gather
 
 
-def test_auto_picks_zero_only_where_the_budget_needs_it(gpt2):
-    free = _plan(gpt2, zero_stage="auto").plan
+def test_auto_picks_zero_only_where_the_budget_needs_it(gpt2_traced):
+    free = _plan(gpt2_traced, zero_stage="auto").plan
     assert {n.zero_stage for n in free.by_kind("parameter")} == {0}
     # 90%, not 93%: since views are priced as moving no byte (strategies.combine), a stage-0
     # layout fits 93% of the free plan's peak at no extra price, so ZeRO is not needed there.
     tight_budget = int(0.90 * free.estimate.peak_bytes)
-    tight = _plan(gpt2, zero_stage="auto", memory_budget=tight_budget, baselines=True).plan
+    tight = _plan(gpt2_traced, zero_stage="auto", memory_budget=tight_budget, baselines=True).plan
     stages = [n.zero_stage for n in tight.by_kind("parameter")]
     assert 2 in stages and tight.estimate.peak_bytes <= tight_budget
-    stage0 = _plan(gpt2, zero_stage=0, memory_budget=tight_budget).plan
+    stage0 = _plan(gpt2_traced, zero_stage=0, memory_budget=tight_budget).plan
     assert tight.estimate.step_s <= stage0.estimate.step_s + 1e-12
     names = {b.name for b in tight.baselines}
     assert {"zero1", "zero2", "data-parallel", "zero3"} <= names
@@ -57,7 +67,7 @@ def test_auto_picks_zero_only_where_the_budget_needs_it(gpt2):
         if b.feasible:
             assert tight.estimate.step_s <= b.estimate.step_s + 1e-12, b.name
     # the ZeRO families exist only where stages are a choice
-    assert not {"zero1", "zero2"} & {b.name for b in _plan(gpt2, baselines=True).plan.baselines}
+    assert not {"zero1", "zero2"} & {b.name for b in _plan(gpt2_traced, baselines=True).plan.baselines}
 
 
 def test_zero2_prices_whichever_gradient_sum_is_cheaper_on_calibrated_links(gpt2):

@@ -220,7 +220,7 @@ def test_pipeline_n_must_match_the_first_axis():
         plan(model, inputs, mesh=(2, 2), pipeline=2, checkpoint="rotor")
 
 
-def test_auto_picks_no_pipeline_on_fast_links_and_a_pipeline_across_slow_nodes():
+def test_auto_picks_no_pipeline_on_fast_links_and_a_pipeline_across_slow_nodes(micro_traces_once):
     # Four wide blocks (134M parameters each) on a long batch: compute-heavy, so sharding every
     # matmul over all 4 devices is best when the links are fast; across two nodes of two H100s
     # (axis 0 on the slow inter-node link) with memory too tight to replicate over axis 0,
@@ -278,10 +278,10 @@ def test_autoparallelize_pipeline_matches_single_device():
     assert not flat, "\n".join(flat[:20])
 
 
-def test_zero1_is_priced_in_the_stages_and_refused_beyond():
+def test_zero1_is_priced_in_the_stages_and_refused_beyond(micro_traces_once):
     """``zero_stage=1`` with a pipeline: each replicated parameter's optimizer state is split over
     its stage's replicas (less memory per stage) and the step pays the all-gather; ZeRO-2 and
-    "auto" are refused with the reason."""
+    "auto" are refused with the reason. (Both stages plan one micro-batch trace: micro_traces_once.)"""
     model, inputs = zoo.build("gpt2", tiny=True, num_layers=4, batch=8, device="meta")
     mesh = MeshSpec.preset("cpu", (2, 2))
     got = {z: plan_pipelined(model, inputs, mesh=mesh, options=PlanOptions(pipeline=2, microbatches=4, schedule="1f1b",
