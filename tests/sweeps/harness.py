@@ -98,6 +98,7 @@ class Result:
     ref_error: str | None = None
     meshes: dict[str, MeshResult] = field(default_factory=dict)
     nodes: int = 0
+    ops: dict[str, int] = field(default_factory=dict)  # op name -> nodes of the trace
     prep_s: float = 0.0
 
     @property
@@ -274,7 +275,8 @@ def _front(entry: Entry) -> tuple[_Prepared, Any]:
             # Exactly as plan() and autoparallelize() trace: unruled ops with a PyTorch
             # decomposition are decomposed at trace time.
             traced = trace(prep.model, prep.inputs, name=entry.name, decompose_if=needs_decomposition)
-        prep.result.nodes = sum(1 for _ in traced.compute_nodes())
+        prep.result.ops = dict(traced.op_counts())
+        prep.result.nodes = sum(prep.result.ops.values())
         prof = profile(traced)
         prep.traced = traced
     except TraceError as exc:
