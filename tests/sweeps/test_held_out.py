@@ -49,7 +49,7 @@ def test_custom_function_families_match_one_device(tight):
     if tight:
         results = harness.sweep(entries, [(2, 2)], budget_factor=1.1, task_timeout=240)
     else:
-        results = harness.sweep(entries, [(2,)], task_timeout=240, workers=2)
+        results = harness.sweep(entries, [(2,)], task_timeout=240)
     for r in results:
         assert r.ops.get("autopar.autograd_function.default", 0) >= 2, (r.name, r.cause())
     failures = _failures(results)
@@ -64,8 +64,7 @@ def test_held_out_configs_change_sizes_only():  # building 57 default configs: ~
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_fixed_families_match_one_device():
-    results = harness.sweep(hf_catalog.entries(FIXED, archs=hf_catalog.HELD_OUT), [(2,)], task_timeout=120,
-                            workers=2)
+    results = harness.sweep(hf_catalog.entries(FIXED, archs=hf_catalog.HELD_OUT), [(2,)], task_timeout=120)
     failures = _failures(results)
     assert not failures, "\n".join(failures)
     assert not harness.replicated_plans({r.name: r for r in results})
