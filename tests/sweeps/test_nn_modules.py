@@ -61,8 +61,7 @@ def test_every_torch_nn_module_is_sampled_or_excluded_with_a_reason():
 
 @pytest.fixture(scope="module")
 def results() -> dict[str, harness.Result]:
-    # Two sweeps at once: tracing ~190 small modules one after the other is most of the time.
-    return {r.name: r for r in harness.sweep(nn_catalog.entries(), [(2,)], workers=2)}
+    return {r.name: r for r in harness.sweep(nn_catalog.entries(), [(2,)])}
 
 
 @pytest.mark.slow
