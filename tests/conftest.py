@@ -33,8 +33,9 @@ def _own_plan_cache(_plan_cache_root, monkeypatch):
 def _drop_planning_caches():
     """After each test file, the library's process-wide memo tables are emptied: a later file gets
     nothing from them but a bigger heap (up to 65536 option tuples, 4096 strategy lists, 256
-    layout graphs, torch's fake-tensor dispatch cache), which every later fork copies the page
-    tables of and every full collection of this process walks. Only modules already imported."""
+    layout graphs, 4096 local indices of the strategy checks, torch's fake-tensor dispatch
+    cache), which every later fork copies the page tables of and every full collection of this
+    process walks. Only modules already imported."""
     yield
     modules = sys.modules
     if "autopar.layout.conversion" in modules:
@@ -44,6 +45,8 @@ def _drop_planning_caches():
     if "autopar.solver.problem" in modules:
         modules["autopar.solver.problem"]._VALID_OPTIONS.clear()
         modules["autopar.solver.problem"]._OPTION_INDEX.clear()
+    if "autopar.strategies.check" in modules:
+        modules["autopar.strategies.check"]._local_index.cache_clear()
     if "torch._subclasses.fake_tensor" in modules:
         modules["torch._subclasses.fake_tensor"].FakeTensorMode.cache_clear()
 

@@ -30,7 +30,8 @@ from autopar.layout.placement import TensorSpec
 
 aten = torch.ops.aten
 
-__all__ = ["fused_segments", "placeholder_segments", "equal_parts", "slice_segment", "take_local"]
+__all__ = ["fused_segments", "placeholder_segments", "equal_parts", "slice_segment", "take_local",
+           "take_index"]
 
 # Ops that hand their one tensor input's layout on unchanged in the split dim (up to renumbering).
 _CARRY = {
@@ -162,7 +163,11 @@ def take_local(full: torch.Tensor, spec: TensorSpec, mesh_shape: Sequence[int],
                coord: Sequence[int]) -> torch.Tensor:
     """The piece of ``full`` that the device at ``coord`` holds under ``spec`` (a fresh
     contiguous tensor; partial axes select nothing), segmented dims included."""
-    index = spec.local_index(tuple(full.shape), tuple(mesh_shape), tuple(coord))
+    return take_index(full, spec.local_index(tuple(full.shape), tuple(mesh_shape), tuple(coord)))
+
+
+def take_index(full: torch.Tensor, index: Sequence[slice | tuple[int, ...]]) -> torch.Tensor:
+    """``full`` at ``TensorSpec.local_index``'s ``index`` (a fresh contiguous tensor)."""
     piece = full[tuple(i if isinstance(i, slice) else slice(None) for i in index)]
     for dim, i in enumerate(index):
         if not isinstance(i, slice):  # one index list at a time: several would broadcast together

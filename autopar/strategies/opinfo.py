@@ -48,7 +48,7 @@ import torch.utils._pytree as pytree
 from autopar.strategies.registry import OpInfo, RuleEntry, Sample, bind, call_op
 
 __all__ = ["OpInfoSample", "Collection", "op_db", "rule_lookup", "candidate_opinfos",
-           "samples_of", "collect", "preference", "quirk", "info_of", "describe"]
+           "samples_of", "traced_batches", "collect", "preference", "quirk", "info_of", "describe"]
 
 # A sample whose tensors together hold more elements than this is not used: every candidate
 # strategy runs the op once per simulated rank, and OpInfo's small sizes (5, 10) already cover
@@ -318,9 +318,21 @@ def _first_samples(opinfo: Any, limit: int, failures: dict[str, str],
         yield i, s
 
 
+def traced_batches(batches: list[list[Any]]) -> list[tuple[list[OpInfoSample], dict[str, str]]]:
+    """Per batch of OpInfo samples (``collect``'s pending calls): its autopar samples and the
+    OpInfos it could not trace (name -> first error)."""
+    lookup = rule_lookup()
+    out = []
+    for pending in batches:
+        failures: dict[str, str] = {}
+        out.append((_traced_or_bisected(pending, lookup, failures), failures))
+    return out
+
+
 def collect(*, per_opinfo: int = 3, per_op: int = 3, batch: int = 24, seed: int = 0,
             opinfos: Iterable[Any] | None = None, bucket: Callable[[OpInfoSample], Any] | None = None,
-            prefer: Callable[[OpInfoSample], Any] | None = None) -> Collection:
+            prefer: Callable[[OpInfoSample], Any] | None = None,
+            trace_batches: Callable[[list[list[Any]]], list] | None = None) -> Collection:
     """OpInfo samples for every ruled overload they reach.
 
     ``per_opinfo``: samples traced per OpInfo; ``batch``: samples traced in one export;
@@ -328,7 +340,8 @@ def collect(*, per_opinfo: int = 3, per_op: int = 3, batch: int = 24, seed: int 
     them (the test keys expected failures by overload, OpInfo or quirk: each such group gets
     its own samples); the best ones by ``prefer(item) -> (class, tiebreak)`` (default
     ``preference``) are kept, from different OpInfos where the best class allows. Samples with a
-    ``quirk`` are kept only for ops that have no other sample.
+    ``quirk`` are kept only for ops that have no other sample. ``trace_batches``: what traces
+    the batches (default ``traced_batches``; a caller may spread them over processes).
     """
     lookup = rule_lookup()
     db = candidate_opinfos(op_db() if opinfos is None else opinfos, lookup)
@@ -341,8 +354,11 @@ def collect(*, per_opinfo: int = 3, per_op: int = 3, batch: int = 24, seed: int 
         pending = [_Pending(opinfo, i, s) for opinfo in db
                    for i, s in _first_samples(opinfo, per_opinfo, found.trace_failures)]
         found.traced = len(pending)
-        for start in range(0, len(pending), batch):
-            everything += _traced_or_bisected(pending[start:start + batch], lookup, found.trace_failures)
+        batches = [pending[start:start + batch] for start in range(0, len(pending), batch)]
+        for items, failures in (trace_batches or traced_batches)(batches):
+            everything += items
+            for name, error in failures.items():
+                found.trace_failures.setdefault(name, error)
         everything = [dataclasses.replace(item, quirk=_quirk_or_blank(item)) for item in everything]
     prefer = prefer or preference
     bucket = bucket or (lambda item: item.target)

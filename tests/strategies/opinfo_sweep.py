@@ -7,7 +7,8 @@ pytest process that work would be serial with importing the other ~170 test modu
 it leaves behind (``op_db``'s thousands of OpInfo objects, export's caches: ~300k objects,
 ~230 MB) would stay in the heap that every later forked rank and planner inherits. The child
 (``start``, called from ``tests/conftest.py`` when the run's paths include ``test_opinfo.py``)
-traces in parallel and sends back only the kept samples (small tensors, pickled);
+traces in parallel (half its batches in a process of its own: once the other files are imported,
+pytest only waits for it) and sends back only the kept samples (small tensors, pickled);
 ``collection`` waits for it when ``test_opinfo.py`` is imported, or collects in-process when no
 child was started (``python -m pytest tests/strategies/test_opinfo.py`` from a debugger, or a
 plain import).
@@ -93,8 +94,45 @@ def _prefer(item: opinfo.OpInfoSample) -> tuple:
     return (item.quirk != "", ("even", "odd", "none").index(kind)), opinfo.preference(item)
 
 
-def _collect() -> opinfo.Collection:
-    return opinfo.collect(opinfos=_opinfos(), bucket=bucket, prefer=_prefer)
+def _collect(*, split: bool = False) -> opinfo.Collection:
+    return opinfo.collect(opinfos=_opinfos(), bucket=bucket, prefer=_prefer,
+                          trace_batches=_traced_in_two if split else None)
+
+
+def _traced_in_two(batches: list) -> list:
+    """``opinfo.traced_batches``, the odd batches in a forked process: once pytest has imported
+    the other test files, its process only waits for this collector, so a second process keeps
+    the second core busy (tracing is CPU-bound, one thread each)."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover -- the child
+        code = 1
+        try:
+            os.close(read)
+            try:
+                payload = _dumps(("ok", opinfo.traced_batches(batches[1::2])))
+            except BaseException:  # noqa: BLE001 - back to the collector as text
+                payload = _dumps(("error", traceback.format_exc()))
+            with os.fdopen(write, "wb") as out:
+                out.write(payload)
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(write)
+    try:
+        even = opinfo.traced_batches(batches[::2])
+    finally:
+        with os.fdopen(read, "rb") as f:
+            data = f.read()
+        os.waitpid(pid, 0)
+    if not data:
+        raise RuntimeError("the OpInfo collector's helper process died without reporting")
+    kind, odd = _Unpickler(io.BytesIO(data)).load()
+    if kind == "error":
+        raise RuntimeError(f"tracing OpInfo samples failed in the collector's helper:\n{odd}")
+    merged = [None] * len(batches)
+    merged[::2], merged[1::2] = even, odd
+    return merged
 
 
 # ------------------------------------------------------------------------ the forked collector
@@ -148,7 +186,7 @@ def start() -> None:
             os.dup2(devnull, 2)
             torch.set_num_threads(1)  # the parent collects the other test files on the other core
             try:
-                payload = _dumps(("ok", _collect()))
+                payload = _dumps(("ok", _collect(split=True)))
             except BaseException:  # noqa: BLE001 - everything goes back to the parent as text
                 payload = _dumps(("error", traceback.format_exc()))
             with os.fdopen(write, "wb") as out:

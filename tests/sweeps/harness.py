@@ -14,6 +14,7 @@ each entry
 
 then ONE ``run_local`` launch per world size runs all entries' plans one after the other
 (``e2e``: per-entry isolation, a watchdog for hung entries). ``report`` formats the results.
+With ``workers=2`` two such sweeps run at once, each on half the entries (``_split``).
 """
 
 from __future__ import annotations
@@ -97,6 +98,7 @@ class Result:
     ref_error: str | None = None
     meshes: dict[str, MeshResult] = field(default_factory=dict)
     nodes: int = 0
+    ops: dict[str, int] = field(default_factory=dict)  # op name -> nodes of the trace
     prep_s: float = 0.0
 
     @property
@@ -273,7 +275,8 @@ def _front(entry: Entry) -> tuple[_Prepared, Any]:
             # Exactly as plan() and autoparallelize() trace: unruled ops with a PyTorch
             # decomposition are decomposed at trace time.
             traced = trace(prep.model, prep.inputs, name=entry.name, decompose_if=needs_decomposition)
-        prep.result.nodes = sum(1 for _ in traced.compute_nodes())
+        prep.result.ops = dict(traced.op_counts())
+        prep.result.nodes = sum(prep.result.ops.values())
         prof = profile(traced)
         prep.traced = traced
     except TraceError as exc:
@@ -365,13 +368,19 @@ class _Planner:
 
 def sweep(entries: Sequence[Entry], meshes: Sequence[Mesh], *, task_timeout: float = 60.0,
           plan_timeout: float = 300.0, jobs: int | None = None, budget_factor: float | None = None,
-          progress: Callable[[str], None] | None = None) -> list[Result]:
+          progress: Callable[[str], None] | None = None, workers: int = 1) -> list[Result]:
     """Prepare every entry (planning in up to ``jobs`` forked processes, default: the CPU count,
     at most 2), then run all of them end to end; one ``Result`` per entry, in order.
-    ``budget_factor``: plan each mesh at that multiple of its smallest budget (``_plan_on``)."""
+    ``budget_factor``: plan each mesh at that multiple of its smallest budget (``_plan_on``).
+    ``workers`` > 1: the entries are dealt to that many sweeps run at once (``_split``), each
+    planning in its own process."""
     names = [e.name for e in entries]
     if len(set(names)) != len(names):
         raise ValueError(f"duplicate entry names: {sorted({n for n in names if names.count(n) > 1})}")
+    if workers > 1 and len(entries) > 1:
+        return _split(entries, workers, lambda share: sweep(
+            share, meshes, task_timeout=task_timeout, plan_timeout=plan_timeout, jobs=1,
+            budget_factor=budget_factor, progress=progress))
     jobs = min(2, os.cpu_count() or 1) if jobs is None else jobs
     start = time.perf_counter()
     planner = _Planner(meshes, jobs, plan_timeout, budget_factor)
@@ -401,6 +410,56 @@ def sweep(entries: Sequence[Entry], meshes: Sequence[Mesh], *, task_timeout: flo
         progress(f"sweep of {len(preps)}: traced by {traced_at - start:.1f} s, planned by "
                  f"{planned_at - start:.1f} s, end to end {time.perf_counter() - planned_at:.1f} s")
     return [p.result for p in preps]
+
+
+def _split(entries: Sequence[Entry], workers: int, run: Callable[[list[Entry]], list[Result]]) -> list[Result]:
+    """``run`` on ``workers`` shares of the entries (dealt round-robin, so that a catalog's
+    expensive kinds spread), one share in this process and each other in a forked one whose
+    results come back pickled. Why: the parent traces its entries one after the other (the
+    trace, not the planning, is most of a sweep of small graphs), so one sweep keeps one core
+    busy; two sweeps at once keep both (each its own planning and end-to-end launch)."""
+    ctx = mp.get_context("fork")
+    shares = [list(entries[w::workers]) for w in range(workers)]
+    children = []
+    gc.freeze()  # as for the planning processes: the workers share the parent's pages
+    try:
+        for share in shares[1:]:
+            parent, child = ctx.Pipe(duplex=False)
+            # Not daemonic: a worker forks planning processes and gloo ranks of its own.
+            proc = ctx.Process(target=_worker, args=(run, share, child))
+            proc.start()
+            child.close()
+            children.append((proc, parent, share))
+        results = run(shares[0])
+        for proc, parent, share in children:
+            try:
+                kind, value = pickle.loads(parent.recv_bytes())
+            except (EOFError, OSError):
+                proc.join(timeout=5)
+                kind, value = "error", f"the sweep worker died (exit code {proc.exitcode})"
+            proc.join(timeout=30)
+            if kind == "ok":
+                results += value
+            else:
+                text = " ".join(str(value).split())[-300:]
+                results += [Result(e.name, e.group, ref_error=f"sweep worker failed: {text}") for e in share]
+    finally:
+        gc.unfreeze()
+        for proc, _, _ in children:
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=5)
+    by_name = {r.name: r for r in results}
+    return [by_name[e.name] for e in entries]
+
+
+def _worker(run: Callable[[list[Entry]], list[Result]], share: list[Entry], conn) -> None:
+    try:
+        payload = ("ok", run(share))
+    except BaseException:  # noqa: BLE001 -- sent back as text
+        payload = ("error", traceback.format_exc())
+    conn.send_bytes(pickle.dumps(payload))
+    conn.close()
 
 
 def __getattr__(name: str):
