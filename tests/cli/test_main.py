@@ -397,7 +397,7 @@ def test_inspect_zero_stage_auto_shows_stages_and_zero_baselines(tmp_path, capsy
 # ---------------------------------------------------------------------- inspect --pipeline --html
 def test_inspect_pipeline_html_shows_stages_and_the_schedule(tmp_path):
     page_file = tmp_path / "pp.html"
-    out = run_cli("inspect", "gpt2", "--layers", "4", "--batch", "8", "--seq", "128", "--mesh", "2x2",
+    out = run_cli("inspect", "gpt2", "--layers", "4", "--batch", "8", "--seq", "32", "--mesh", "2x2",
                   "--pipeline", "2", "--schedule", "zero-bubble", "--microbatches", "4", "--no-baselines", "-q",
                   "--html", str(page_file))
     assert out.returncode == 0, out.stderr[-3000:]
