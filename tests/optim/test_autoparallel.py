@@ -85,9 +85,11 @@ def _reference(model, inputs, name: str) -> dict[str, torch.Tensor]:
 
 
 def _body(rank, world, model, inputs, plan):
+    # One module (one trace and build per rank), reloaded with the initial weights before each
+    # optimizer: a fresh optimizer over it attaches its own ZeRO pieces.
+    pm = autopar.autoparallelize(copy.deepcopy(model), inputs, plan=plan, init_weights=False)
     out = {}
     for name, (cls, _, kw) in OPTIMIZERS.items():
-        pm = autopar.autoparallelize(copy.deepcopy(model), inputs, plan=plan, init_weights=False)
         pm.load_full_state_dict(model.state_dict())
         opt = pm.optimizer(cls, _params(name, _named(pm.parameters_by_fqn())), **kw)
         for _ in range(STEPS):
