@@ -70,7 +70,7 @@ def clip_runs():
     one launch for the three cases (each boosts its own copy of the model)."""
     torch.manual_seed(0)
     model, inputs = zoo.build("gpt2", tiny=True, device="cpu", batch=4, seq=16)
-    plan = make_plan(model, inputs, mesh=(2,), checkpoint="none", precision="fp16")
+    plan = make_plan(model, inputs, mesh=(2,), checkpoint="none", precision="fp16", pipeline=1)
     plans = {}
     for mode, zero_stage in CLIP_CASES:
         plans[mode, zero_stage] = plan
