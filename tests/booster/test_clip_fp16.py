@@ -55,17 +55,39 @@ def _reference_update(model, inputs, mode):
     return norm, {k: after[k] - before[k] for k in before}
 
 
-@pytest.mark.timeout(200)
-@pytest.mark.parametrize("mode,zero_stage", [("norm", 0), ("value", 0), ("norm", 2)])
-def test_user_clip_under_fp16_matches_fp32_reference(mode, zero_stage):
+CLIP_CASES = (("norm", 0), ("value", 0), ("norm", 2))
+
+
+def _boosted_updates(rank, world, model, inputs, cases):
+    """Every case's update, one after the other in the same 2 ranks (one launch for the three),
+    each on its own copy of the model."""
+    return [_boosted_update(rank, world, copy.deepcopy(model), inputs, mode, plan) for mode, plan in cases]
+
+
+@pytest.fixture(scope="module")
+def clip_runs():
+    """Per (mode, ZeRO stage): the reference (norm, update) and each rank's result. One plan and
+    one launch for the three cases (each boosts its own copy of the model)."""
     torch.manual_seed(0)
     model, inputs = zoo.build("gpt2", tiny=True, device="cpu", batch=4, seq=16)
-    want_norm, want = _reference_update(model, inputs, mode)
-    plan = make_plan(model, inputs, mesh=(2,), checkpoint="none", precision="fp16")
-    if zero_stage:  # the tiny model never needs ZeRO: ask for sharded gradient pieces by hand
-        plan = dataclasses.replace(plan, nodes=tuple(dataclasses.replace(n, zero_stage=zero_stage)
-                                                     if n.kind == "parameter" else n for n in plan.nodes))
-    for res in run_local(_boosted_update, 2, model, inputs, mode, plan, timeout=180):
+    plan = make_plan(model, inputs, mesh=(2,), checkpoint="none", precision="fp16", pipeline=1)
+    plans = {}
+    for mode, zero_stage in CLIP_CASES:
+        plans[mode, zero_stage] = plan
+        if zero_stage:  # the tiny model never needs ZeRO: ask for sharded gradient pieces by hand
+            plans[mode, zero_stage] = dataclasses.replace(plan, nodes=tuple(
+                dataclasses.replace(n, zero_stage=zero_stage) if n.kind == "parameter" else n for n in plan.nodes))
+    per_rank = run_local(_boosted_updates, 2, model, inputs, [(mode, plans[mode, z]) for mode, z in CLIP_CASES],
+                         timeout=180)
+    return {case: (_reference_update(model, inputs, case[0]), [ranks[i] for ranks in per_rank])
+            for i, case in enumerate(CLIP_CASES)}
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("mode,zero_stage", CLIP_CASES)
+def test_user_clip_under_fp16_matches_fp32_reference(mode, zero_stage, clip_runs):
+    (want_norm, want), results = clip_runs[mode, zero_stage]
+    for res in results:
         assert (res["pieces"] > 0) == (zero_stage == 2), res["pieces"]  # ZeRO-2: sharded gradient pieces
         assert res["scale"] == SCALE, "no overflow expected: the step must have been taken"
         if mode == "norm":
@@ -93,20 +115,35 @@ def _sharded_chunks(rank, world, model, inputs, norm_type):
     return norm, by_norm, pm.full_gradients(), (summary["sharded"], len(pm.gemini.manager.chunks))
 
 
-@pytest.mark.timeout(200)
-@pytest.mark.parametrize("norm_type", [2.0, float("inf")])
-def test_user_clip_counts_gradients_held_as_chunk_shards(norm_type):
-    """Sharded Gemini chunks keep gradients outside ``.grad`` (chunk shards): clipping by norm
-    counts them (their powers all-reduced) and scales them, clipping by value clamps them."""
+NORM_TYPES = (2.0, float("inf"))
+
+
+def _sharded_chunks_each(rank, world, model, inputs):
+    """Both norm types, one after the other in the same 2 ranks, each on its own copy of the model."""
+    return [_sharded_chunks(rank, world, copy.deepcopy(model), inputs, norm_type) for norm_type in NORM_TYPES]
+
+
+@pytest.fixture(scope="module")
+def chunk_runs():
+    """The tiny GPT-2, its inputs and, per norm type, each rank's result (one launch for both)."""
     torch.manual_seed(0)
     model, inputs = zoo.build("gpt2", tiny=True, device="cpu", batch=4, seq=16)
+    per_rank = run_local(_sharded_chunks_each, 2, model, inputs, timeout=180)
+    return model, inputs, {norm_type: [ranks[i] for ranks in per_rank] for i, norm_type in enumerate(NORM_TYPES)}
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("norm_type", NORM_TYPES)
+def test_user_clip_counts_gradients_held_as_chunk_shards(norm_type, chunk_runs):
+    """Sharded Gemini chunks keep gradients outside ``.grad`` (chunk shards): clipping by norm
+    counts them (their powers all-reduced) and scales them, clipping by value clamps them."""
+    model, inputs, results = chunk_runs
     ref = copy.deepcopy(model)
     ref(**inputs).loss.backward()
     want_norm = float(torch.nn.utils.clip_grad_norm_(ref.parameters(), SHARD_MAX_NORM, norm_type))
     assert want_norm > SHARD_MAX_NORM, "the reference must actually clip for the test to mean anything"
     want = {n: p.grad.clone() for n, p in ref.named_parameters()}
-    for norm, by_norm, by_value, (sharded, chunks) in run_local(_sharded_chunks, 2, model, inputs, norm_type,
-                                                                timeout=180):
+    for norm, by_norm, by_value, (sharded, chunks) in results[norm_type]:
         assert 0 < len(sharded) < chunks, (sharded, chunks)
         assert norm == pytest.approx(want_norm, rel=1e-4)
         for name, grad in want.items():

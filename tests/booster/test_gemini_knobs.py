@@ -95,7 +95,7 @@ def test_boost_with_offload_trains_and_checkpoints_like_one_device(tmp_path):
     from autopar.offload import OffloadPolicy
 
     fast = dataclasses.replace(MeshSpec.preset("cpu", (2,)), alpha=(1e-7,), beta=(1e-13,), name="fast-links")
-    offload_plan = make_plan(model, inputs, mesh=fast, zero_stage=2, checkpoint="none",
+    offload_plan = make_plan(model, inputs, mesh=fast, zero_stage=2, checkpoint="none", pipeline=1,
                              offload=OffloadPolicy(offload_optim_frac=1.0, offload_param_frac=0.5))
     assert {t for t in offload_plan.offload.values()} == {("host", "host"), ("device", "host")}
     zero2 = {n.module for n in offload_plan.nodes if n.kind == "parameter" and n.zero_stage == 2}

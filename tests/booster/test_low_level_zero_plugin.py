@@ -2,7 +2,8 @@
 
 On 2 gloo ranks GPT-2 tiny with ``stage=1`` and ``stage=2`` in fp32: 3 AdamW steps through the
 booster give the single-device losses and final parameters (rtol 1e-4), and the boosted module's
-``.plan`` is a ``Plan`` whose trainable parameters are all at the asked ZeRO stage.
+``.plan`` is a ``Plan`` whose trainable parameters are all at the asked ZeRO stage; stage 1 on
+the device and stage 2 with ``cpu_offload`` by default, the other two under ``full_sweep``.
 """
 
 from __future__ import annotations
@@ -97,8 +98,14 @@ def _body(rank, world, model, inputs, stage, cpu_offload=False):
     return losses, pm.full_state_dict(), pm.plan, stages, tiers
 
 
-@pytest.mark.parametrize("cpu_offload", [False, True], ids=["device", "cpu_offload"])
-@pytest.mark.parametrize("stage", [1, 2])
+# Stage 1 on the device and stage 2 offloaded stay in the default suite (each stage and each
+# optimizer-state tier once); the other two combinations are with the whole sweeps.
+@pytest.mark.parametrize("stage, cpu_offload", [
+    (1, False),
+    pytest.param(1, True, marks=pytest.mark.full_sweep),  # stage 1: [1-device]; offload: [2-cpu_offload]
+    pytest.param(2, False, marks=pytest.mark.full_sweep),  # stage 2: [2-cpu_offload]; device: [1-device]
+    (2, True),
+], ids=["1-device", "1-cpu_offload", "2-device", "2-cpu_offload"])
 def test_low_level_zero_trains_like_one_device(stage, cpu_offload):
     from autopar.plans import Plan
 

@@ -73,9 +73,18 @@ def _accumulate(rank, world, model, batches, backward_inside, plan):
             "update": {k: after[k] - before[k] for k in before}}
 
 
-@pytest.mark.timeout(200)
-@pytest.mark.parametrize("backward_inside,zero_stage", [(True, 0), (False, 0), (True, 2)])
-def test_no_sync_accumulation_equals_one_step_on_the_summed_batch(backward_inside, zero_stage):
+CASES = ((True, 0), (False, 0), (True, 2))  # (backward inside no_sync, ZeRO stage)
+
+
+def _accumulate_each(rank, world, model, batches, cases):
+    """Every case, one after the other in the same 2 ranks, each on its own copy of the model."""
+    return [_accumulate(rank, world, copy.deepcopy(model), batches, inside, plan) for inside, plan in cases]
+
+
+@pytest.fixture(scope="module")
+def accumulation():
+    """The single-device reference (summed micro-batch gradients, the update, one micro-batch's
+    gradient after ``zero_grad``) and each case's per-rank results: one plan, one launch."""
     torch.manual_seed(0)
     model, _ = zoo.build("gpt2", tiny=True, device="cpu", batch=BATCH, seq=SEQ)
     batches = micro_batches(model.config.vocab_size)
@@ -90,11 +99,20 @@ def test_no_sync_accumulation_equals_one_step_on_the_summed_batch(backward_insid
     ref.zero_grad()
     ref(**batches[1])[0].backward()
     want_alone = {n: p.grad.clone() for n, p in ref.named_parameters()}
-    plan = make_plan(model, batches[0], mesh=fast_mesh((2,)), checkpoint="none")
-    if zero_stage:  # ZeRO-2 by hand (the tiny model never needs it): reduce-scatters into pieces
-        plan = dataclasses.replace(plan, nodes=tuple(dataclasses.replace(n, zero_stage=zero_stage)
-                                                     if n.kind == "parameter" else n for n in plan.nodes))
-    for res in run_local(_accumulate, 2, model, batches, backward_inside, plan, timeout=180):
+    plan = make_plan(model, batches[0], mesh=fast_mesh((2,)), checkpoint="none", pipeline=1)
+    plans = {0: plan,  # ZeRO-2 by hand (the tiny model never needs it): reduce-scatters into pieces
+             2: dataclasses.replace(plan, nodes=tuple(dataclasses.replace(n, zero_stage=2)
+                                                      if n.kind == "parameter" else n for n in plan.nodes))}
+    per_rank = run_local(_accumulate_each, 2, model, batches, [(inside, plans[z]) for inside, z in CASES],
+                         timeout=180)
+    return (want_grads, want, want_alone), {case: [ranks[i] for ranks in per_rank] for i, case in enumerate(CASES)}
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("backward_inside,zero_stage", CASES)
+def test_no_sync_accumulation_equals_one_step_on_the_summed_batch(backward_inside, zero_stage, accumulation):
+    (want_grads, want, want_alone), results = accumulation
+    for res in results[backward_inside, zero_stage]:
         assert res["slots"] > 0, "the plan should reduce data-parallel gradients in buckets"
         assert (res["pieces"] > 0) == (zero_stage == 2), res["pieces"]
         # no bucketed collective during accumulation; the synced step reduces everything

@@ -1,5 +1,5 @@
-"""`make demo` at reduced size: 4 gloo processes, the Booster's (2, 2) plan with ZeRO under the demo's
-budget, the first-loss check, training.
+"""`make demo` at reduced size (2 of its 4 layers, 3 steps, sequence 32): 4 gloo processes, the
+Booster's (2, 2) plan with ZeRO under the demo's budget, the first-loss check, training.
 
 Also: the first-loss check fails loudly when the losses differ, and the script runs as the ranks
 of a real ``torchrun`` job (the path documented for GPUs; gloo here).
@@ -21,13 +21,13 @@ pytestmark = pytest.mark.slow
 
 
 def test_demo_trains_and_first_loss_matches_single_process(capfd):
-    result = demo.main(["--steps", "4", "--seq", "32"])
+    result = demo.main(["--steps", "3", "--seq", "32", "--layers", "2"])
     out = capfd.readouterr().out
     assert result["mesh"] == (2, 2)
     assert result["reference_loss"] is not None
     assert abs(result["first_loss"] - result["reference_loss"]) <= demo.RTOL_CPU * result["reference_loss"]
     losses = result["losses"]
-    assert len(losses) == 4 and all(a > b for a, b in zip(losses, losses[1:])), losses
+    assert len(losses) == 3 and all(a > b for a, b in zip(losses, losses[1:])), losses
     # No rank holds the whole model: (2, 2) shards the big matrices.
     assert result["local_parameter_bytes"] < 0.75 * result["full_parameter_bytes"]
     # The budget (halfway between the peaks without ZeRO and with ZeRO-2 everywhere) makes
@@ -56,7 +56,7 @@ def test_first_loss_check_fails_loudly(monkeypatch):
 
     monkeypatch.setattr(demo, "_reference_loss", off_by_one_percent)  # forked ranks inherit it
     with pytest.raises(RuntimeError, match="FirstLossMismatch"):
-        run_local(demo.train, 2, steps=1, batch=2, seq=16, memory_budget=None)  # no budget plans: faster
+        run_local(demo.train, 2, steps=1, batch=2, seq=16, memory_budget=None, layers=2)  # no budget plans: faster
 
 
 # A second training run, launched by torchrun (19 s): with the whole sweeps; the demo's own run stays.

@@ -282,6 +282,9 @@ def test_unknown_option_is_a_usage_error():
 
 
 # --------------------------------------------------------------- inspect: Hugging Face config.json
+# Where the pipeline is not the point: --pipeline 1 skips the default's pipeline floors (two more
+# traces of the micro-batch graphs); the default "auto" is inspected in gpt2_run (GPT-2 on 2x4).
+NO_PIPELINE = ("--pipeline", "1")
 _TINY_HF = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                 intermediate_size=128, vocab_size=128)
 
@@ -313,7 +316,7 @@ def test_inspect_hf_config_json_in_process(tmp_path, capsys, name, extra):
     path = _save_config(tmp_path, name, **_TINY_HF, **extra)
     with open(path) as f:
         assert json.load(f)["use_cache"] is True  # the default, as saved: the trace turns it off
-    code, out, err = _main(capsys, "inspect", path, "--mesh", "2", "--batch", "4", "--seq", "16",
+    code, out, err = _main(capsys, "inspect", path, "--mesh", "2", "--batch", "4", "--seq", "16", *NO_PIPELINE,
                            "--no-baselines", "-q")  # no fallback: every op has a rule
     assert code == 0, err[-3000:]
     with open(path) as f:
@@ -325,7 +328,7 @@ def test_inspect_hf_config_json_in_process(tmp_path, capsys, name, extra):
 def test_inspect_preset_and_its_old_name_device(tmp_path, capsys):
     path = _save_config(tmp_path, "llama", **_TINY_HF)
     for flag in ("--preset", "--device"):
-        code, out, err = _main(capsys, "inspect", path, "--mesh", "2", "--batch", "4", "--seq", "16",
+        code, out, err = _main(capsys, "inspect", path, "--mesh", "2", "--batch", "4", "--seq", "16", *NO_PIPELINE,
                                flag, "h100-80gb", "--no-baselines", "-q")
         assert code == 0, err[-3000:]
         assert "autopar plan: LlamaForCausalLM on mesh h100-80gb:2" in out, flag
@@ -334,7 +337,7 @@ def test_inspect_preset_and_its_old_name_device(tmp_path, capsys):
 def test_inspect_hf_config_folder_real_width_llama_on_2x4(tmp_path, capsys):
     # LlamaConfig() at its published defaults (hidden 4096, vocab 32000), 2 of its 32 layers to stay fast.
     path = _save_config(tmp_path, "llama")
-    code, out, err = _main(capsys, "inspect", os.path.dirname(path), "--mesh", "2x4", "--layers", "2",
+    code, out, err = _main(capsys, "inspect", os.path.dirname(path), "--mesh", "2x4", "--layers", "2", *NO_PIPELINE,
                            "--batch", "8", "--seq", "1024", "--no-baselines", "--no-layers",
                            "-q", "--json", str(tmp_path / "plan.json"))
     assert code == 0, err[-3000:]
@@ -371,7 +374,7 @@ def test_inspect_precision_flag_plans_bf16_and_says_so(tmp_path, capsys):
     path = _save_config(tmp_path, "llama", **_TINY_HF)
     out_json = tmp_path / "plan.json"
     code, out, err = _main(capsys, "inspect", path, "--mesh", "2", "--batch", "4", "--seq", "16", "--precision",
-                           "bf16", "--no-baselines", "-q", "--json", str(out_json))
+                           "bf16", *NO_PIPELINE, "--no-baselines", "-q", "--json", str(out_json))
     assert code == 0, err[-3000:]
     assert "precision      bf16 compute, fp32 master weights, gradients summed in fp32" in out
     assert json.loads(out_json.read_text())["precision"] == "bf16"
@@ -381,11 +384,11 @@ def test_inspect_precision_flag_plans_bf16_and_says_so(tmp_path, capsys):
 
 def test_inspect_zero_stage_auto_shows_stages_and_zero_baselines(tmp_path, capsys):
     path = _save_config(tmp_path, "llama", **_TINY_HF)
-    code, out, err = _main(capsys, "inspect", path, "--mesh", "2x2", "--batch", "8", "--seq", "32",
+    code, out, err = _main(capsys, "inspect", path, "--mesh", "2x2", "--batch", "8", "--seq", "32", *NO_PIPELINE,
                            "--zero-stage", "auto", "--preset", "cpu", "-q")
     assert code == 0, err[-3000:]
     assert "zero1" in out and "zero2" in out and "data-parallel" in out
-    code, out, err = _main(capsys, "inspect", path, "--mesh", "2x2", "--batch", "8", "--seq", "32",
+    code, out, err = _main(capsys, "inspect", path, "--mesh", "2x2", "--batch", "8", "--seq", "32", *NO_PIPELINE,
                            "--zero-stage", "2", "--preset", "cpu", "--no-baselines", "-q")
     assert code == 0, err[-3000:]
     # every parameter with a replicated axis at stage 2 (a norm sharded whole would show as stage 0)
@@ -397,7 +400,7 @@ def test_inspect_zero_stage_auto_shows_stages_and_zero_baselines(tmp_path, capsy
 # ---------------------------------------------------------------------- inspect --pipeline --html
 def test_inspect_pipeline_html_shows_stages_and_the_schedule(tmp_path):
     page_file = tmp_path / "pp.html"
-    out = run_cli("inspect", "gpt2", "--layers", "4", "--batch", "8", "--seq", "128", "--mesh", "2x2",
+    out = run_cli("inspect", "gpt2", "--layers", "4", "--batch", "8", "--seq", "32", "--mesh", "2x2",
                   "--pipeline", "2", "--schedule", "zero-bubble", "--microbatches", "4", "--no-baselines", "-q",
                   "--html", str(page_file))
     assert out.returncode == 0, out.stderr[-3000:]

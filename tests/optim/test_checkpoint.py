@@ -182,15 +182,23 @@ def _load_body(rank, world, make_opt, names, path):
     return loaded, [p.full_tensor().detach() for p in model.parameters()], [q.detach() for q in ref]
 
 
+LOAD_PLACEMENTS = (("S0", "S1"), ("R", "S1"))
+
+
+def _load_each(rank, world, make_opt, path):
+    """Both placements' loads, one after the other in the same 4 ranks (one launch)."""
+    return [_load_body(rank, world, make_opt, names, path) for names in LOAD_PLACEMENTS]
+
+
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
 def test_checkpoint_from_2_ranks_resumes_on_a_2x2_mesh_under_other_placements(name, tmp_path):
     make_opt = OPTIMIZERS[name]
     path = str(tmp_path / "ckpt")
     saved = run_local(_save_body, 2, make_opt, path, timeout=TIMEOUT)[0]
     assert any(k.endswith(("exp_avg", "row_var", "exp_avg_sq_row")) for k in saved), sorted(saved)
-    for names in (("S0", "S1"), ("R", "S1")):
-        for rank, (loaded, params, ref) in enumerate(run_local(_load_body, 4, make_opt, names, path,
-                                                               timeout=TIMEOUT)):
+    per_rank = run_local(_load_each, 4, make_opt, path, timeout=TIMEOUT)
+    for i, names in enumerate(LOAD_PLACEMENTS):
+        for rank, (loaded, params, ref) in enumerate(ranks[i] for ranks in per_rank):
             assert set(loaded) == set(saved), (names, sorted(set(loaded) ^ set(saved)))
             wrong = [k for k, v in saved.items() if not torch.equal(loaded[k], v)]
             assert not wrong, f"{names} rank {rank}: state not restored exactly: {wrong}"
