@@ -7,14 +7,11 @@ give the single-device loss, every gradient and the updated buffers on 4 gloo ra
 mismatch the harness adds the plan's own diagnosis (``autopar.runtime.verify``: the first
 diverging node).
 
-The default run checks a representative subset, one model per kind of graph -- an encoder-decoder,
-a CNN (batch-norm buffers) -- and DeepSeek-V3 (the model that trained with wrong gradients under
-pressure; the subset's decoder and mixture of experts: rotary attention, RMSNorm and gated MLPs as
-in Llama, plus latent attention and routed experts; Qwen2-MoE runs at its default budget in the
-transformers sweep and at a tight one with the whole catalog). Llama, the grouped-query decoder,
-runs at a tight budget with the whole catalog (its ops are DeepSeek-V3's but for ``repeat_kv``;
-tests/runtime/test_gemini_planned.py's default run trains Llama-tiny, grouped-query, at tight
-budgets like one device); the whole catalog runs under the ``full_sweep`` marker:
+The default run checks a representative subset, one model per kind of graph -- a grouped-query
+decoder (Llama), an encoder-decoder, a CNN (batch-norm buffers) -- and DeepSeek-V3 (the model that
+trained with wrong gradients under pressure; the subset's mixture of experts: latent attention and
+routed experts; Qwen2-MoE runs at its default budget in the transformers sweep and at a tight one
+with the whole catalog); the whole catalog runs under the ``full_sweep`` marker:
 ``.venv/bin/python -m pytest -m full_sweep tests/sweeps/test_tight_budgets.py``.
 """
 
@@ -26,7 +23,7 @@ from . import harness, hf_catalog
 
 MESHES = [(2, 2)]
 FACTOR = 1.1
-SUBSET = ["T5ForConditionalGeneration", "ResNetForImageClassification"]
+SUBSET = ["LlamaForCausalLM", "T5ForConditionalGeneration", "ResNetForImageClassification"]
 
 
 def _check(results: list[harness.Result]) -> None:
@@ -44,10 +41,10 @@ def _check(results: list[harness.Result]) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(1500)
 def test_representative_architectures_at_a_tight_budget_match_one_device():
-    # Two sweeps at once, DeepSeek-V3 (the most expensive to trace, plan and run) in one, T5 and
-    # ResNet in the other (``harness.sweep`` deals the entries round-robin).
-    t5, resnet = hf_catalog.entries(SUBSET)
-    entries = [t5, hf_catalog.deepseek_entry(), resnet]
+    # Two sweeps at once, DeepSeek-V3 (the most expensive to trace, plan and run) and ResNet in
+    # one, T5 and Llama in the other (``harness.sweep`` deals the entries round-robin).
+    llama, t5, resnet = hf_catalog.entries(SUBSET)
+    entries = [t5, hf_catalog.deepseek_entry(), resnet, llama]
     _check(harness.sweep(entries, MESHES, budget_factor=FACTOR, task_timeout=240, workers=2))
 
 
