@@ -100,7 +100,9 @@ def _skewed_step(rank, world):
     from autopar.runtime.process_mesh import ProcessMesh
 
     comm = DistComm(ProcessMesh(init_device_mesh("cpu", (2,))))
-    x, y, a = torch.ones(1024), torch.ones(1024), torch.randn(64, 64)
+    # products of about a millisecond: a few hundred profiler events, not tens of thousands (whose
+    # parsing took seconds)
+    x, y, a = torch.ones(1024), torch.ones(1024), torch.randn(256, 256)
     comm.all_reduce(x, 0)  # connections up before the trace
     dist.barrier()
     with profile(activities=[ProfilerActivity.CPU]) as prof:

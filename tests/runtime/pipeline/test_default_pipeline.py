@@ -34,16 +34,31 @@ def shifted_token_mean(outputs, batch):
     return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch["labels"][:, 1:].reshape(-1))
 
 
-def _body(rank, world, model, inputs, want_loss, want_grads, want_params, padded, loop, budget):
+def _body(rank, world, model, cases, budget):
+    """Every case in one launch: the first through the default planning (rank 0 solves, the
+    pipeline a candidate), the rest on that plan (``plan=``: the labels that differ between cases
+    change no byte the plan counts)."""
+    errors, plan = [], None
+    for label, loop, inputs, want in cases:
+        case_errors, plan = _case(copy.deepcopy(model), inputs, want, loop, budget, plan)
+        errors += [f"{label}: {e}" for e in case_errors]
+    return errors
+
+
+def _case(model, inputs, want, loop, budget, plan):
+    """One case's errors and the plan it ran (``plan``: None plans through the default)."""
     from autopar.api import autoparallelize
     from autopar.runtime.pipeline import PipelineModule
 
-    # pipeline: the default; the schedule's actions priced as a GPU's, where a pipeline wins for
-    # this tiny decoder (tests/planner/pipeline/test_default_auto.py)
-    pm = autoparallelize(model, inputs, mesh=cheap_actions(MeshSpec.preset("cpu", (2,))), memory_budget=budget,
-                         cache=False)
+    want_loss, want_grads, want_params = want
+    if plan is None:  # pipeline: the default; the schedule's actions priced as a GPU's, where a
+        # pipeline wins for this tiny decoder (tests/planner/pipeline/test_default_auto.py)
+        pm = autoparallelize(model, inputs, mesh=cheap_actions(MeshSpec.preset("cpu", (2,))), memory_budget=budget,
+                             cache=False)
+    else:
+        pm = autoparallelize(model, inputs, plan=plan)
     if not isinstance(pm, PipelineModule):
-        return [f"the default planned no pipeline: {type(pm).__name__}"]
+        return [f"the default planned no pipeline: {type(pm).__name__}"], pm.plan
     cls, kwargs = _optimizer()
     opt = pm.optimizer(cls, **kwargs)
     with torch.no_grad():
@@ -67,7 +82,7 @@ def _body(rank, world, model, inputs, want_loss, want_grads, want_params, padded
         opt.zero_grad()
     got = pm.full_state_dict()
     errors += [e for k, w in want_params.items() for e in close(f"param {k}", got.get(k), w)]
-    return errors
+    return errors, pm.plan
 
 
 @pytest.fixture(scope="module")
@@ -78,17 +93,11 @@ def budget() -> int:
     return tight_budget(model, inputs, MeshSpec.preset("cpu", (2,)))
 
 
-# [full] and [padded-criterion] (uneven micro-batch weights through a criterion) by default; the
-# other two cases of the uneven weights with the whole sweeps (``pytest -m full_sweep``).
-@pytest.mark.parametrize("padded, loop", [(False, False), pytest.param(True, False, marks=pytest.mark.full_sweep),
-                                          pytest.param(True, True, marks=pytest.mark.full_sweep), (True, "criterion")],
-                         ids=["full", "padded", "padded-training-loop", "padded-criterion"])
-def test_default_pipeline_trains_like_single_device(padded, loop, budget):
-    model, inputs = qwen2_decoder(device="cpu")
-    if padded:  # the first rows count far fewer tokens than the rest: micro-batch means differ in weight
-        inputs["labels"][0, 4:] = -100
-        inputs["labels"][1, 1:] = -100
-        inputs["labels"][5, 20:] = -100
+CASES = {"full": (False, False), "padded": (True, False), "padded-training-loop": (True, True),
+         "padded-criterion": (True, "criterion")}
+
+
+def _reference(model, inputs):
     ref = copy.deepcopy(model)
     cls, kwargs = _optimizer()
     opt = cls(ref.parameters(), **kwargs)
@@ -101,8 +110,26 @@ def test_default_pipeline_trains_like_single_device(padded, loop, budget):
             want_grads = {k: p.grad.clone() for k, p in ref.named_parameters()}
         opt.step()
         opt.zero_grad()
-    want_params = {k: p.detach().clone() for k, p in ref.named_parameters()}
-    errors = run_local(_body, 2, model, inputs, want_loss, want_grads, want_params, padded, loop, budget,
-                       timeout=300)
+    return want_loss, want_grads, {k: p.detach().clone() for k, p in ref.named_parameters()}
+
+
+# [full] and [padded-criterion] (uneven micro-batch weights through a criterion) by default, in one
+# launch (the second on the first's plan); the other two cases of the uneven weights with the whole
+# sweeps (``pytest -m full_sweep``), where the first again plans through the default.
+@pytest.mark.parametrize("names", [("full", "padded-criterion"),
+                                   pytest.param(("padded", "padded-training-loop"), marks=pytest.mark.full_sweep)],
+                         ids=["full+padded-criterion", "padded+padded-training-loop"])
+def test_default_pipeline_trains_like_single_device(names, budget):
+    model, _ = qwen2_decoder(device="cpu")
+    cases = []
+    for name in names:
+        padded, loop = CASES[name]
+        _, inputs = qwen2_decoder(device="cpu")
+        if padded:  # the first rows count far fewer tokens than the rest: micro-batch means differ in weight
+            inputs["labels"][0, 4:] = -100
+            inputs["labels"][1, 1:] = -100
+            inputs["labels"][5, 20:] = -100
+        cases.append((name, loop, inputs, _reference(model, inputs)))
+    errors = run_local(_body, 2, model, cases, budget, timeout=300)
     flat = [e for rank_errors in errors for e in rank_errors]
     assert not flat, "\n".join(flat[:20])

@@ -20,7 +20,7 @@ single-device reference computed before the fork:
 - 3 steps of AdamW over ``pm.parameters()``: every DTensor parameter the rank holds (both copies
   of a tied weight included) and ``full_state_dict()`` equal the reference.
 
-All (schedule, micro-batch) combinations of one (model, mesh) run in ONE launch; every launch
+All (schedule, micro-batch) combinations of one model, on both meshes, run in ONE launch; every launch
 has a timeout (gloo point-to-point has been reported to hang), so a failure never hangs CI.
 """
 
@@ -175,6 +175,12 @@ def _run(rank, world, model, traced, plans, batches, refs, adamw):
     return errors
 
 
+def _run_meshes(rank, world, model, traced, meshes, batches, refs):
+    """Both meshes' launches in one (the same 4 ranks), each mesh's errors labelled by it."""
+    return [f"mesh {shape}: {e}" for shape, plans, adamw in meshes
+            for e in _run(rank, world, model, traced, plans, batches, refs, adamw)]
+
+
 # the default run keeps gpt2 on DEFAULT_COMBOS; `pytest -m full_sweep` runs every combination, and llama
 @pytest.mark.parametrize("name, combos", [
     pytest.param("gpt2", DEFAULT_COMBOS, id="gpt2"),
@@ -190,6 +196,7 @@ def test_pipeline_schedules_match_single_device(name, combos):
         torch.manual_seed(m)
         _, batches[m] = zoo.build(name, tiny=True, num_layers=NUM_LAYERS, batch=MICRO_BATCH * m, device="cpu")
         refs[m] = reference(model, batches[m])
+    meshes = []
     for shape in ((2, 2), (4,)):
         mesh = fast_mesh(shape)
         sub = plan_traced(traced, prof, mesh=stage_mesh_of(mesh)).plan
@@ -204,11 +211,11 @@ def test_pipeline_schedules_match_single_device(name, combos):
                                                           virtual_stages=v)
         warm_strategy_cache(traced, next(iter(plans.values())))
         adamw = ADAMW[name][shape]
-        adamw = (adamw, min(m for s, _, m in combos[shape] if s == adamw))
-        errors = run_local(_run, 4, model, traced, plans, batches, refs, adamw, timeout=240)
-        assert len(errors) == 4
-        flat = [e for rank_errors in errors for e in rank_errors]
-        assert not flat, f"{name} mesh {shape}:\n" + "\n".join(flat[:20])
+        meshes.append((shape, plans, (adamw, min(m for s, _, m in combos[shape] if s == adamw))))
+    errors = run_local(_run_meshes, 4, model, traced, meshes, batches, refs, timeout=480)
+    assert len(errors) == 4
+    flat = [e for rank_errors in errors for e in rank_errors]
+    assert not flat, f"{name}:\n" + "\n".join(flat[:20])
 
 
 def test_meta_model_materialises_only_each_stages_parameters():
