@@ -22,6 +22,21 @@ def _plan_cache_root(tmp_path_factory):
         yield root
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _one_thread():
+    """One intra-op thread in the test process. Its single-device references and plans are of tiny
+    models, where a second thread only contends with the ranks, the forked sweep workers and the
+    other processes on a 2-core machine: a tiny GPT-2's reference steps took ~10 s with two
+    threads against 0.2 s with one under a load of 3. Forked ranks set their own
+    (``run_local(num_threads=)``)."""
+    import torch
+
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)
+
+
 @pytest.fixture(autouse=True)
 def _own_plan_cache(_plan_cache_root, monkeypatch):
     """A fresh cache directory per test (created only when a plan is stored), so a test never
