@@ -408,10 +408,9 @@ def plan_auto(model: Any, meta_inputs: tuple | dict, *, mesh: MeshSpec | Sequenc
     mesh axis 0 -- each micro-batch count's search bounded by the best step so far, the plan
     without a pipeline's first, so a count whose step floor (``pipeline.bounds``: bubbles,
     point-to-point and actions' overhead as the search prices them) cannot beat it is not
-    searched, nor traced when ``pipeline.candidates.work_floor`` (step factor x (ops over every
-    device + actions' overhead)) says none of its pipelines can. The faster plan wins (ties: no
-    pipeline); ``ValueError`` when neither fits. ``key``: the plan cache key the plan is stored
-    under when it has no pipeline (``plan_auto_cached``)."""
+    searched, nor traced when ``pipeline.candidates.work_floor`` (factor x (ops over all devices
+    + actions' overhead)) says none can. The faster plan wins (ties: no pipeline); ``ValueError``
+    when neither fits. ``key``: the plan cache key of a plan without a pipeline (``plan_auto_cached``)."""
     from autopar.planner.pipeline.candidates import blocker, work_floor
     from autopar.planner.pipeline.geometry import batch_size, microbatch_counts
     from autopar.planner.pipeline.schedule import schedules_for
