@@ -406,11 +406,11 @@ def plan_auto(model: Any, meta_inputs: tuple | dict, *, mesh: MeshSpec | Sequenc
     without a pipeline (``plan_traced`` of the full-batch graph ``traced``, traced here when not
     given) and, where ``pipeline.candidates.blocker`` finds nothing against one, pipelines over
     mesh axis 0 -- each micro-batch count's search bounded by the best step so far, the plan
-    without a pipeline's first, so a count whose step floor (``pipeline.bounds``: bubbles and
-    point-to-point priced as the search prices them) cannot beat it is not searched, and a count is
-    not even traced when ``pipeline.candidates.work_floor`` says none of its pipelines can. The
-    faster plan wins (ties: no pipeline); ``ValueError`` when neither fits. ``profile``: ``traced``'s,
-    if at hand. ``key``: the plan cache key the plan is stored under when it has no pipeline (``plan_auto_cached``)."""
+    without a pipeline's first, so a count whose step floor (``pipeline.bounds``: bubbles,
+    point-to-point and actions' overhead as the search prices them) cannot beat it is not
+    searched, nor traced when ``pipeline.candidates.work_floor`` (factor x (ops over all devices
+    + actions' overhead)) says none can. The faster plan wins (ties: no pipeline); ``ValueError``
+    when neither fits. ``profile``: ``traced``'s, if at hand; ``key``: ``plan_auto_cached``'s."""
     from autopar.planner.pipeline.candidates import blocker, work_floor
     from autopar.planner.pipeline.geometry import batch_size, microbatch_counts
     from autopar.planner.pipeline.schedule import schedules_for
