@@ -99,19 +99,25 @@ def _collect(*, split: bool = False) -> opinfo.Collection:
                           trace_batches=_traced_in_two if split else None)
 
 
-def _traced_in_two(batches: list) -> list:
-    """``opinfo.traced_batches``, the odd batches in a forked process: once pytest has imported
-    the other test files, its process only waits for this collector, so a second process keeps
-    the second core busy (tracing is CPU-bound, one thread each)."""
+def _fork_pickled(work, *, quiet: bool = False) -> tuple[int, int]:
+    """Run ``work()`` in a forked child that writes ``("ok", result)`` -- or ``("error",
+    traceback)``: everything goes back to the parent as text -- pickled to a pipe; returns the
+    child's pid and the pipe's read end. ``quiet``: the child's stdout/stderr go nowhere and it
+    runs one thread (the parent collects the other test files on the other core)."""
     read, write = os.pipe()
     pid = os.fork()
     if pid == 0:  # pragma: no cover -- the child
         code = 1
         try:
             os.close(read)
+            if quiet:
+                devnull = os.open(os.devnull, os.O_WRONLY)
+                os.dup2(devnull, 1)
+                os.dup2(devnull, 2)
+                torch.set_num_threads(1)
             try:
-                payload = _dumps(("ok", opinfo.traced_batches(batches[1::2])))
-            except BaseException:  # noqa: BLE001 - back to the collector as text
+                payload = _dumps(("ok", work()))
+            except BaseException:  # noqa: BLE001 - back to the parent as text
                 payload = _dumps(("error", traceback.format_exc()))
             with os.fdopen(write, "wb") as out:
                 out.write(payload)
@@ -119,6 +125,14 @@ def _traced_in_two(batches: list) -> list:
         finally:
             os._exit(code)
     os.close(write)
+    return pid, read
+
+
+def _traced_in_two(batches: list) -> list:
+    """``opinfo.traced_batches``, the odd batches in a forked process: once pytest has imported
+    the other test files, its process only waits for this collector, so a second process keeps
+    the second core busy (tracing is CPU-bound, one thread each)."""
+    pid, read = _fork_pickled(lambda: opinfo.traced_batches(batches[1::2]))
     try:
         even = opinfo.traced_batches(batches[::2])
     finally:
@@ -175,27 +189,7 @@ def start() -> None:
     global _child
     if _child is not None:
         return
-    read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover -- the child
-        code = 1
-        try:
-            os.close(read)
-            devnull = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(devnull, 1)
-            os.dup2(devnull, 2)
-            torch.set_num_threads(1)  # the parent collects the other test files on the other core
-            try:
-                payload = _dumps(("ok", _collect(split=True)))
-            except BaseException:  # noqa: BLE001 - everything goes back to the parent as text
-                payload = _dumps(("error", traceback.format_exc()))
-            with os.fdopen(write, "wb") as out:
-                out.write(payload)
-            code = 0
-        finally:
-            os._exit(code)
-    os.close(write)
-    _child = (pid, read)
+    _child = _fork_pickled(lambda: _collect(split=True), quiet=True)
 
 
 def stop() -> None:
