@@ -3,6 +3,7 @@ with its own empty plan cache directory (never the user's, never another test's 
 
 import itertools
 import sys
+import zlib
 from pathlib import Path
 
 import pytest
@@ -86,6 +87,46 @@ def any_mesh(request) -> MeshSpec:
     return MeshSpec.preset("cpu", request.param)
 
 
+def pytest_addoption(parser):
+    parser.addoption(
+        "--shard",
+        default=None,
+        metavar="K/N",
+        help="run only the test files of shard K of N (files split by a hash of their path); "
+        "`make test` runs two shards side by side",
+    )
+
+
+def _shard(config) -> tuple[int, int] | None:
+    value = config.getoption("--shard")
+    if value is None:
+        return None
+    try:
+        k, n = (int(part) for part in value.split("/"))
+    except ValueError:
+        raise pytest.UsageError(f"--shard={value!r}: expected K/N, e.g. 1/2") from None
+    if not 1 <= k <= n:
+        raise pytest.UsageError(f"--shard={value!r}: K must be between 1 and N")
+    return k, n
+
+
+def in_shard(config, path: Path) -> bool:
+    """Whether ``path`` (a test file) belongs to this run's ``--shard`` (every file without one)."""
+    shard = _shard(config)
+    if shard is None:
+        return True
+    k, n = shard
+    rel = path.resolve().relative_to(Path(config.rootpath).resolve()).as_posix()
+    return zlib.crc32(rel.encode()) % n == k - 1
+
+
+def pytest_ignore_collect(collection_path, config):
+    if collection_path.suffix == ".py" and collection_path.name.startswith("test_"):
+        if not in_shard(config, collection_path):
+            return True
+    return None
+
+
 def pytest_collection_modifyitems(config, items):
     """The sweeps (``tests/sweeps``) first, the rest in their usual order.
 
@@ -102,7 +143,9 @@ def pytest_configure(config):
     ``test_opinfo.py``."""
     from tests.strategies import opinfo_sweep
 
-    if opinfo_sweep.wanted(config.args, Path(config.invocation_params.dir)):
+    if opinfo_sweep.wanted(config.args, Path(config.invocation_params.dir)) and in_shard(
+        config, opinfo_sweep.TEST_FILE
+    ):
         opinfo_sweep.start()
 
 
