@@ -61,8 +61,8 @@ def _drop_planning_caches():
     if "autopar.solver.problem" in modules:
         modules["autopar.solver.problem"]._VALID_OPTIONS.clear()
         modules["autopar.solver.problem"]._OPTION_INDEX.clear()
-    if "autopar.strategies.check" in modules:
-        modules["autopar.strategies.check"]._local_index.cache_clear()
+    if "autopar.strategies.fused" in modules:
+        modules["autopar.strategies.fused"].local_index.cache_clear()
     if "torch._subclasses.fake_tensor" in modules:
         modules["torch._subclasses.fake_tensor"].FakeTensorMode.cache_clear()
 

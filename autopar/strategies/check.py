@@ -20,7 +20,6 @@ barrier so that the others raise instead of hanging.
 
 from __future__ import annotations
 
-import functools
 import itertools
 import threading
 from dataclasses import dataclass
@@ -30,7 +29,7 @@ import torch
 
 from autopar.layout.placement import Replicate, TensorSpec
 from autopar.strategies.kernel_context import KernelContext
-from autopar.strategies.fused import take_index
+from autopar.strategies.fused import take_local
 from autopar.strategies.registry import (OpInfo, Sample, Strategy, bind, call_op, get_kernel, get_rule,
                                         local_arguments)
 
@@ -340,20 +339,6 @@ def reference(target: Any, sample: Sample, *, seed: int = 0) -> tuple[OpInfo, _R
     info = OpInfo.from_values(target, sample.args, sample.kwargs, raw, segments=sample.segments)
     detached = [o.detach() if isinstance(o, torch.Tensor) else o for o in outs]
     return info, _Reference(bound, detached, grads, in_grads)
-
-
-@functools.lru_cache(maxsize=4096)
-def _local_index(spec: TensorSpec, shape: tuple[int, ...], mesh_shape: tuple[int, ...],
-                 coord: tuple[int, ...]) -> tuple:
-    # The sweeps check every strategy of a sample on the same few specs, shapes and coordinates:
-    # computing the index in Python was ~40 % of a check (the tensors' slicing is cheap).
-    return spec.local_index(shape, mesh_shape, coord)
-
-
-def take_local(full: torch.Tensor, spec: TensorSpec, mesh_shape: tuple[int, ...],
-               coord: tuple[int, ...]) -> torch.Tensor:
-    """``fused.take_local`` with the index memoised."""
-    return take_index(full, _local_index(spec, tuple(full.shape), tuple(mesh_shape), tuple(coord)))
 
 
 def _noise_key(spec: TensorSpec, coord: tuple[int, ...]) -> tuple[int, ...]:

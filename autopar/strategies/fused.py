@@ -21,6 +21,8 @@ same layouts.
 
 from __future__ import annotations
 
+import functools
+
 from typing import Sequence
 
 import torch
@@ -30,7 +32,7 @@ from autopar.layout.placement import TensorSpec
 
 aten = torch.ops.aten
 
-__all__ = ["fused_segments", "placeholder_segments", "equal_parts", "slice_segment", "take_local",
+__all__ = ["fused_segments", "placeholder_segments", "equal_parts", "slice_segment", "take_local", "local_index",
            "take_index"]
 
 # Ops that hand their one tensor input's layout on unchanged in the split dim (up to renumbering).
@@ -163,7 +165,16 @@ def take_local(full: torch.Tensor, spec: TensorSpec, mesh_shape: Sequence[int],
                coord: Sequence[int]) -> torch.Tensor:
     """The piece of ``full`` that the device at ``coord`` holds under ``spec`` (a fresh
     contiguous tensor; partial axes select nothing), segmented dims included."""
-    return take_index(full, spec.local_index(tuple(full.shape), tuple(mesh_shape), tuple(coord)))
+    return take_index(full, local_index(spec, tuple(full.shape), tuple(mesh_shape), tuple(coord)))
+
+
+@functools.lru_cache(maxsize=4096)
+def local_index(spec: TensorSpec, shape: tuple[int, ...], mesh_shape: tuple[int, ...],
+                coord: tuple[int, ...]) -> tuple:
+    """``spec.local_index``, memoised: the strategy checks take every strategy's pieces of a sample
+    on the same few specs, shapes and coordinates, where computing the index in Python was ~40%
+    of a check (the tensors' slicing is cheap)."""
+    return spec.local_index(shape, mesh_shape, coord)
 
 
 def take_index(full: torch.Tensor, index: Sequence[slice | tuple[int, ...]]) -> torch.Tensor:
