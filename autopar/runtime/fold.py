@@ -35,10 +35,10 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from autopar.runtime.nodes import KernelCall
+from autopar.tracer.attention_form import FOLD_MAX_BYTES, attention_args, is_causal_mask, pure_op, repeated_kv
 
 __all__ = ["FOLD_MAX_BYTES", "fold_constants"]
 
-FOLD_MAX_BYTES = 4 * 2**20
 HOLDER = "_autopar_folded"
 aten = torch.ops.aten
 
@@ -104,14 +104,13 @@ def _causal_attention(graph: fx.Graph, values: dict[str, torch.Tensor],
     for node in list(graph.nodes):
         if node.op != "call_function" or node.target is not aten.scaled_dot_product_attention.default:
             continue
-        bound = node.target._schema.arguments
-        args = {a.name: v for a, v in zip(bound, node.args)} | dict(node.kwargs)
+        args = attention_args(node)
         mask = args.get("attn_mask")
         if not (isinstance(mask, fx.Node) and mask.op == "get_attr" and mask.target.startswith(f"{HOLDER}.")
                 and not args.get("is_causal", False)):
             continue
         name = mask.target.split(".", 1)[1]
-        if not _is_causal(values[name]):
+        if not is_causal_mask(values[name]):
             continue
         args["attn_mask"], args["is_causal"] = None, True
         repeats = _grouped(args, ndim_of) if ndim_of is not None else []
@@ -134,7 +133,7 @@ def _grouped(args: dict[str, Any], ndim_of: Callable[[fx.Node], int | None]) -> 
     forward values, dk/dv within rounding). Rewrites ``args``; returns the repeat nodes."""
     if args.get("enable_gqa", False) or args.get("attn_mask") is not None:
         return []
-    sources = [_repeated(args.get(k), ndim_of) for k in ("key", "value")]
+    sources = [repeated_kv(args.get(k), ndim_of) for k in ("key", "value")]
     if None in sources or sources[0][1] != sources[1][1]:
         return []
     for k, (x, _, _) in zip(("key", "value"), sources):
@@ -143,56 +142,15 @@ def _grouped(args: dict[str, Any], ndim_of: Callable[[fx.Node], int | None]) -> 
     return [n for _, _, chain in sources for n in chain]
 
 
-def _repeated(node: Any, ndim_of: Callable[[fx.Node], int | None]) -> tuple[fx.Node, int, list[fx.Node]] | None:
-    """(x, group size, the nodes) when ``node`` is ``x.unsqueeze(2).expand(b, kv, g, s, d)
-    .reshape(b, kv * g, s, d)`` of a 4-D ``x``, else None."""
-    if not (isinstance(node, fx.Node) and node.target in (aten.reshape.default, aten.view.default)):
-        return None
-    expand = node.args[0]
-    if not (isinstance(expand, fx.Node) and expand.target is aten.expand.default and len(expand.users) == 1):
-        return None
-    unsqueeze = expand.args[0]
-    if not (isinstance(unsqueeze, fx.Node) and unsqueeze.target is aten.unsqueeze.default
-            and unsqueeze.args[1] == 2 and len(unsqueeze.users) == 1):
-        return None
-    x, sizes, shape = unsqueeze.args[0], list(expand.args[1]), list(node.args[1])
-    if not (isinstance(x, fx.Node) and ndim_of(x) == 4 and len(sizes) == 5
-            and all(isinstance(v, int) for v in sizes + shape)
-            and shape == [sizes[0], sizes[1] * sizes[2], sizes[3], sizes[4]]):
-        return None
-    return x, sizes[2], [node, expand, unsqueeze]
-
-
-def _is_causal(mask: torch.Tensor) -> bool:
-    """Whether ``mask`` (boolean, or additive 0 / -inf) keeps exactly ``j <= i`` in every slice.
-    Its last two sizes are then the attention's (query, key) lengths: a mask that broadcasts over
-    either (size 1) is never taken for causal."""
-    if mask.dim() < 2 or min(mask.shape[-2:]) < 2:
-        return False
-    rows, cols = mask.shape[-2:]
-    keep = torch.ones(rows, cols, dtype=torch.bool, device=mask.device).tril()
-    if mask.dtype == torch.bool:
-        return bool((mask == keep).all())
-    if not mask.dtype.is_floating_point:
-        return False
-    return bool(((mask == 0) == keep).all() and (mask[..., ~keep] == float("-inf")).all())
-
-
 def _deterministic(node: fx.Node, gm: fx.GraphModule) -> bool:
     if node.op == "call_function":
-        return node.target is operator.getitem or _pure_op(node.target)
+        return node.target is operator.getitem or pure_op(node.target)
     if node.op == "call_module":
         # A kernel reading no tensor (``arange_shard``): its value depends on this rank's
         # coordinate only. Collectives never fold: ranks must keep issuing the same ones.
         module = gm.get_submodule(node.target)
-        return isinstance(module, KernelCall) and not node.all_input_nodes and _pure_op(module.ctx.info.target)
+        return isinstance(module, KernelCall) and not node.all_input_nodes and pure_op(module.ctx.info.target)
     return False
-
-
-def _pure_op(target: Any) -> bool:
-    if not isinstance(target, torch._ops.OpOverload) or torch.Tag.nondeterministic_seeded in target.tags:
-        return False
-    return not any(a.alias_info is not None and a.alias_info.is_write for a in target._schema.arguments)
 
 
 def _run(node: fx.Node, env: dict[fx.Node, Any], gm: fx.GraphModule) -> Any:
