@@ -86,6 +86,7 @@ def fold_constants(gm: fx.GraphModule, *, ndim_of: Callable[[fx.Node], int | Non
     for node in reversed(list(graph.nodes)):
         if node in foldable and not node.users:
             graph.erase_node(node)
+    _regions_causal(gm, values, ndim_of)
     for name in _causal_attention(graph, values, ndim_of):
         delattr(holder, name)
         del values[name]
@@ -94,23 +95,46 @@ def fold_constants(gm: fx.GraphModule, *, ndim_of: Callable[[fx.Node], int | Non
     return values
 
 
+def _folded_name(mask: Any) -> str | None:
+    """The kept value's name when ``mask`` reads a folded value, else None."""
+    if isinstance(mask, fx.Node) and mask.op == "get_attr" and mask.target.startswith(f"{HOLDER}."):
+        return mask.target.split(".", 1)[1]
+    return None
+
+
+def _regions_causal(gm: fx.GraphModule, values: dict[str, torch.Tensor],
+                    ndim_of: Callable[[fx.Node], int | None] | None) -> None:
+    """``_causal_attention`` inside recompute regions (``runtime.recompute``: a sub-graph ``body``
+    called with the outer values, the folded mask among them): the recomputed attention runs in
+    the same form as the rest -- the form the profile prices it in (``tracer.attention_form``)."""
+    for node in gm.graph.nodes:
+        body = getattr(gm.get_submodule(node.target), "body", None) if node.op == "call_module" else None
+        if not isinstance(body, fx.GraphModule):
+            continue
+        inner = [n for n in body.graph.nodes if n.op == "placeholder"]
+        folded = {p: _folded_name(a) for p, a in zip(inner, node.args)}
+        _causal_attention(body.graph, values, ndim_of, folded={p: n for p, n in folded.items() if n})
+        body.graph.lint()
+        body.recompile()
+
+
 def _causal_attention(graph: fx.Graph, values: dict[str, torch.Tensor],
-                      ndim_of: Callable[[fx.Node], int | None] | None) -> list[str]:
+                      ndim_of: Callable[[fx.Node], int | None] | None,
+                      folded: dict[fx.Node, str] | None = None) -> list[str]:
     """Attention whose folded mask is exactly the causal one becomes ``is_causal=True`` without a
     mask: the same values (torch's ``is_causal`` IS that mask, top-left aligned), and the CPU and
     flash kernels skip the masked blocks instead of reading a mask -- what the eager model runs
-    (transformers passes ``is_causal`` unless traced). Returns the masks no longer read."""
+    (transformers passes ``is_causal`` unless traced). ``folded``: a region body's placeholders
+    that receive a folded value (by name); its masks are never erased. Returns the masks no
+    longer read."""
     dropped = []
     for node in list(graph.nodes):
         if node.op != "call_function" or node.target is not aten.scaled_dot_product_attention.default:
             continue
         args = attention_args(node)
         mask = args.get("attn_mask")
-        if not (isinstance(mask, fx.Node) and mask.op == "get_attr" and mask.target.startswith(f"{HOLDER}.")
-                and not args.get("is_causal", False)):
-            continue
-        name = mask.target.split(".", 1)[1]
-        if not is_causal_mask(values[name]):
+        name = folded.get(mask) if folded is not None else _folded_name(mask)
+        if name is None or args.get("is_causal", False) or not is_causal_mask(values[name]):
             continue
         args["attn_mask"], args["is_causal"] = None, True
         repeats = _grouped(args, ndim_of) if ndim_of is not None else []
@@ -118,7 +142,7 @@ def _causal_attention(graph: fx.Graph, values: dict[str, torch.Tensor],
         for n in repeats:  # reshape, expand, unsqueeze: erased once nothing reads them
             if not n.users:
                 graph.erase_node(n)
-        if not mask.users:
+        if folded is None and not mask.users:
             graph.erase_node(mask)
             dropped.append(name)
     return dropped
