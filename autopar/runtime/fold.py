@@ -35,7 +35,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from autopar.runtime.nodes import KernelCall
-from autopar.tracer.attention_form import FOLD_MAX_BYTES, attention_args, is_causal_mask, pure_op, repeated_kv
+from autopar.tracer.attention_form import FOLD_MAX_BYTES, attention_args, folded_args, pure_op
 
 __all__ = ["FOLD_MAX_BYTES", "fold_constants"]
 
@@ -121,12 +121,10 @@ def _regions_causal(gm: fx.GraphModule, values: dict[str, torch.Tensor],
 def _causal_attention(graph: fx.Graph, values: dict[str, torch.Tensor],
                       ndim_of: Callable[[fx.Node], int | None] | None,
                       folded: dict[fx.Node, str] | None = None) -> list[str]:
-    """Attention whose folded mask is exactly the causal one becomes ``is_causal=True`` without a
-    mask: the same values (torch's ``is_causal`` IS that mask, top-left aligned), and the CPU and
-    flash kernels skip the masked blocks instead of reading a mask -- what the eager model runs
-    (transformers passes ``is_causal`` unless traced). ``folded``: a region body's placeholders
-    that receive a folded value (by name); its masks are never erased. Returns the masks no
-    longer read."""
+    """Attention whose folded mask is exactly the causal one runs causal, without the mask, and
+    grouped on the key/value heads where it repeats them: ``tracer.attention_form.folded_args``,
+    the rewrite the profile prices. ``folded``: a region body's placeholders that receive a
+    folded value (by name); its masks are never erased. Returns the masks no longer read."""
     dropped = []
     for node in list(graph.nodes):
         if node.op != "call_function" or node.target is not aten.scaled_dot_product_attention.default:
@@ -134,36 +132,17 @@ def _causal_attention(graph: fx.Graph, values: dict[str, torch.Tensor],
         args = attention_args(node)
         mask = args.get("attn_mask")
         name = folded.get(mask) if folded is not None else _folded_name(mask)
-        if name is None or args.get("is_causal", False) or not is_causal_mask(values[name]):
+        form = folded_args(args, values[name], ndim_of) if name is not None else None
+        if form is None:
             continue
-        args["attn_mask"], args["is_causal"] = None, True
-        repeats = _grouped(args, ndim_of) if ndim_of is not None else []
-        node.args, node.kwargs = (), args
-        for n in repeats:  # reshape, expand, unsqueeze: erased once nothing reads them
+        node.args, node.kwargs = (), form[0]
+        for n in form[1]:  # reshape, expand, unsqueeze: erased once nothing reads them
             if not n.users:
                 graph.erase_node(n)
         if folded is None and not mask.users:
             graph.erase_node(mask)
             dropped.append(name)
     return dropped
-
-
-def _grouped(args: dict[str, Any], ndim_of: Callable[[fx.Node], int | None]) -> list[fx.Node]:
-    """Grouped-query attention without a mask reads its key/value heads once, as the eager model
-    does then (transformers' ``use_gqa_in_sdpa``): ``key`` and ``value`` that are ``repeat_kv``'s
-    ``x.unsqueeze(2).expand(b, kv, g, s, d).reshape(b, kv * g, s, d)`` become ``x`` with
-    ``enable_gqa=True`` -- no repeated copies, and their gradients summed over the group inside
-    the kernel instead of by the expand's backward (the same terms; the CPU flash kernel, same
-    forward values, dk/dv within rounding). Rewrites ``args``; returns the repeat nodes."""
-    if args.get("enable_gqa", False) or args.get("attn_mask") is not None:
-        return []
-    sources = [repeated_kv(args.get(k), ndim_of) for k in ("key", "value")]
-    if None in sources or sources[0][1] != sources[1][1]:
-        return []
-    for k, (x, _, _) in zip(("key", "value"), sources):
-        args[k] = x
-    args["enable_gqa"] = True
-    return [n for _, _, chain in sources for n in chain]
 
 
 def _deterministic(node: fx.Node, gm: fx.GraphModule) -> bool:

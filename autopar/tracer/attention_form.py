@@ -8,9 +8,11 @@ and -- grouped -- on the key/value heads themselves (``enable_gqa=True``), as th
 does. The profile (``tracer.profile``) prices the attention's saved bytes in that same form, or
 the planner would count a mask copy and repeated key/value heads that no step holds.
 
-The predicates here are shared by both: ``is_causal_mask`` (a value), ``repeated_kv`` (a graph
-pattern), ``pure_op`` (what may fold) and, for the profile, ``causal_attention`` (the attention
-nodes whose mask is input-independent and causal, evaluated once on real tensors).
+One rewrite serves both: ``folded_args`` (an attention's arguments and its mask's value -> the
+arguments it runs with: causal, no mask, grouped where key and value are ``repeated_kv``), which
+``runtime.fold`` applies to the graph it emits and the profile, through ``causal_attention`` (the
+attention nodes whose mask is input-independent -- ``pure_op`` all the way up -- evaluated once
+on real tensors), to the traced graph it prices.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
-__all__ = ["FOLD_MAX_BYTES", "attention_args", "causal_attention", "is_causal_mask", "pure_op", "repeated_kv"]
+__all__ = ["FOLD_MAX_BYTES", "attention_args", "causal_attention", "folded_args", "is_causal_mask", "pure_op",
+           "repeated_kv"]
 
 # A folded value larger than this is computed each step instead (``runtime.fold``): its mask is
 # then read as traced.
@@ -77,25 +80,49 @@ def attention_args(node: fx.Node) -> dict[str, Any]:
     return {a.name: v for a, v in zip(node.target._schema.arguments, node.args)} | dict(node.kwargs)
 
 
-def causal_attention(graph: fx.Graph) -> dict[str, dict[str, fx.Node]]:
-    """Attention node name -> its key/value sources where the runtime runs it grouped (empty:
-    causal, not grouped), for every attention whose mask the runtime folds to the causal one:
-    a mask computed by pure ops from no placeholder, attribute or module (``runtime.fold``
-    folds those), at most ``FOLD_MAX_BYTES``, that evaluates -- here, once, on real CPU
-    tensors -- to ``is_causal_mask``. Grouped: key and value both ``repeated_kv`` with one
-    group size (checked on the traced values' ranks)."""
-    out: dict[str, dict[str, fx.Node]] = {}
+def folded_args(args: dict[str, Any], mask: Any, ndim_of: Callable[[fx.Node], int | None] | None
+                ) -> tuple[dict[str, Any], list[fx.Node]] | None:
+    """The arguments an attention with arguments ``args`` (by schema name, ``attention_args``)
+    runs with once its mask folds to the value ``mask``, and the ``repeat_kv`` nodes it no longer
+    reads; None when it keeps its mask (not exactly causal, or already ``is_causal``).
+
+    Causal: ``is_causal=True`` and no mask -- the same values (torch's ``is_causal`` IS that mask,
+    top-left aligned), and the CPU and flash kernels skip the masked blocks instead of reading a
+    mask, as the eager model runs (transformers passes ``is_causal`` unless traced). Grouped
+    (``ndim_of`` given: the traced ranks the pattern checks): ``key`` and ``value`` that are both
+    ``repeated_kv`` with one group size become its input with ``enable_gqa=True`` -- no repeated
+    copies, and their gradients summed over the group inside the kernel instead of by the
+    expand's backward (the same terms; dk/dv within rounding), as the eager model does without
+    a mask (transformers' ``use_gqa_in_sdpa``)."""
+    if args.get("is_causal", False) or not isinstance(mask, torch.Tensor) or not is_causal_mask(mask):
+        return None
+    out = dict(args, attn_mask=None, is_causal=True)
+    if ndim_of is None or args.get("enable_gqa", False):
+        return out, []
+    sources = [repeated_kv(args.get(k), ndim_of) for k in ("key", "value")]
+    if None in sources or sources[0][1] != sources[1][1]:
+        return out, []
+    out.update(key=sources[0][0], value=sources[1][0], enable_gqa=True)
+    return out, [n for _, _, chain in sources for n in chain]
+
+
+def causal_attention(graph: fx.Graph) -> dict[str, dict[str, Any]]:
+    """Attention node name -> the arguments (``folded_args``, graph nodes) it runs with, for every
+    attention of the traced ``graph`` whose mask the runtime folds: a mask computed by pure ops
+    from no placeholder, attribute or module (``runtime.fold`` folds those), at most
+    ``FOLD_MAX_BYTES``, evaluated here once on real CPU tensors."""
+    out: dict[str, dict[str, Any]] = {}
     values: dict[fx.Node, Any] = {}
     for node in graph.nodes:
         if node.op != "call_function" or node.target is not SDPA:
             continue
         args = attention_args(node)
         mask = args.get("attn_mask")
-        if args.get("is_causal", False) or not isinstance(mask, fx.Node) or not _causal_constant(mask, values):
+        if args.get("is_causal", False) or not isinstance(mask, fx.Node):
             continue
-        sources = [repeated_kv(args.get(k), _traced_ndim) for k in ("key", "value")]
-        grouped = None not in sources and sources[0][1] == sources[1][1]
-        out[node.name] = {k: s[0] for k, s in zip(("key", "value"), sources)} if grouped else {}
+        form = folded_args(args, _constant(mask, values), _traced_ndim)
+        if form is not None:
+            out[node.name] = form[0]
     return out
 
 
@@ -104,14 +131,15 @@ def _traced_ndim(node: fx.Node) -> int | None:
     return val.dim() if isinstance(val, torch.Tensor) else None
 
 
-def _causal_constant(mask: fx.Node, values: dict[fx.Node, Any]) -> bool:
+def _constant(mask: fx.Node, values: dict[fx.Node, Any]) -> Any:
+    """``mask``'s value when the runtime folds it (input-independent, small enough), else None."""
     seen, stack = set(), [mask]
     while stack:  # the mask's ancestors; any that could not fold: the mask is read as traced
         n = stack.pop()
         if n in seen:
             continue
         if n.op != "call_function" or not (n.target is operator.getitem or pure_op(n.target)):
-            return False
+            return None
         seen.add(n)
         stack.extend(n.all_input_nodes)
     order = [n for n in mask.graph.nodes if n in seen and n not in values]
@@ -121,8 +149,8 @@ def _causal_constant(mask: fx.Node, values: dict[fx.Node, Any]) -> bool:
             args, kwargs = pytree.tree_map(_on_cpu, (args, kwargs))
             values[n] = n.target(*args, **kwargs)
     value = values[mask]
-    return (isinstance(value, torch.Tensor) and value.numel() * value.element_size() <= FOLD_MAX_BYTES
-            and is_causal_mask(value))
+    fits = isinstance(value, torch.Tensor) and value.untyped_storage().nbytes() <= FOLD_MAX_BYTES
+    return value if fits else None
 
 
 def _on_cpu(value: Any) -> Any:

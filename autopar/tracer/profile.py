@@ -240,12 +240,12 @@ def _on_cpu(value: Any) -> Any:
 
 
 def _run_node(node: fx.Node, env: dict, counter: _Counter, forms: dict | None = None) -> Any:
+    # An attention the runtime runs folded takes the arguments it runs with (``attention_form``).
+    node_args, node_kwargs = ((), forms[node.name]) if forms and node.name in forms else (node.args, node.kwargs)
     args, kwargs = pytree.tree_map(
-        lambda a: env[a] if isinstance(a, fx.Node) else _to_cpu(a), (node.args, node.kwargs))
+        lambda a: env[a] if isinstance(a, fx.Node) else _to_cpu(a), (node_args, node_kwargs))
     if node.target is _aten.scaled_dot_product_attention.default:
         args, kwargs = _fused_attention_dropout(args, kwargs)
-        if forms and node.name in forms:
-            args, kwargs = _folded_attention(node, args, kwargs, {k: env[v] for k, v in forms[node.name].items()})
     counter.current = node.name
     try:
         return node.target(*args, **kwargs)
@@ -287,17 +287,6 @@ def _fused_attention_dropout(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     if kwargs.get("dropout_p"):
         return args, {**kwargs, "dropout_p": 0.0}
     return args, kwargs
-
-
-def _folded_attention(node: fx.Node, args: tuple, kwargs: dict, sources: dict) -> tuple[tuple, dict]:
-    """Attention as the runtime runs it once its mask is folded (``attention_form``): causal,
-    no mask, and on the key/value heads ``sources`` (``repeat_kv``'s inputs) with
-    ``enable_gqa`` where grouped -- it saves neither a mask nor repeated heads."""
-    named = {a.name: v for a, v in zip(node.target._schema.arguments, args)} | kwargs
-    named["attn_mask"], named["is_causal"] = None, True
-    if sources:
-        named.update(sources, enable_gqa=True)
-    return (), named
 
 
 def _stack_line(node: fx.Node) -> str:

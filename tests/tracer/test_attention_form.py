@@ -49,8 +49,10 @@ def test_a_constant_causal_mask_runs_causal_on_the_key_value_heads():
     attn = _attention(traced)
     forms = causal_attention(traced.graph)
     assert set(forms) == {attn.name}
-    # grouped: key and value read repeat_kv's inputs, (B, KV, S, D) each
-    assert {k: tuple(v.meta["val"].shape) for k, v in forms[attn.name].items()} == {
+    # causal without the mask, grouped: key and value read repeat_kv's inputs, (B, KV, S, D) each
+    form = forms[attn.name]
+    assert form["attn_mask"] is None and form["is_causal"] and form["enable_gqa"]
+    assert {k: tuple(form[k].meta["val"].shape) for k in ("key", "value")} == {
         "key": (B, KV, S, D), "value": (B, KV, S, D)}
     # The profile saves the query, the two (B, KV, S, D) heads, the output and the logsumexp:
     # no mask copy, no repeated heads.
