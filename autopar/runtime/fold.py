@@ -35,9 +35,10 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from autopar.runtime.nodes import KernelCall
+from autopar.runtime.passes import TRACED_NAME_KEY
 from autopar.tracer.attention_form import FOLD_MAX_BYTES, attention_args, folded_args, pure_op
 
-__all__ = ["FOLD_MAX_BYTES", "fold_constants"]
+__all__ = ["FOLD_MAX_BYTES", "fold_constants", "traced_ndim"]
 
 HOLDER = "_autopar_folded"
 aten = torch.ops.aten
@@ -93,6 +94,17 @@ def fold_constants(gm: fx.GraphModule, *, ndim_of: Callable[[fx.Node], int | Non
     graph.lint()
     gm.recompile()
     return values
+
+
+def traced_ndim(traced, node: fx.Node) -> int | None:
+    """The rank of the traced value an emitted node computes (a local piece has the same), if
+    known: ``fold_constants``'s ``ndim_of`` for a graph emitted from ``traced``."""
+    name = node.meta.get(TRACED_NAME_KEY)
+    try:
+        val = traced.node(name).meta.get("val") if name else None
+    except KeyError:
+        return None
+    return val.dim() if isinstance(val, torch.Tensor) else None
 
 
 def _folded_name(mask: Any) -> str | None:

@@ -24,8 +24,8 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
-__all__ = ["FOLD_MAX_BYTES", "attention_args", "causal_attention", "folded_args", "is_causal_mask", "pure_op",
-           "repeated_kv"]
+__all__ = ["FOLD_MAX_BYTES", "attention_args", "causal_attention", "folded_args", "input_independent",
+           "is_causal_mask", "pure_op", "repeated_kv"]
 
 # A folded value larger than this is computed each step instead (``runtime.fold``): its mask is
 # then read as traced.
@@ -38,6 +38,17 @@ def pure_op(target: Any) -> bool:
     if not isinstance(target, torch._ops.OpOverload) or torch.Tag.nondeterministic_seeded in target.tags:
         return False
     return not any(a.alias_info is not None and a.alias_info.is_write for a in target._schema.arguments)
+
+
+def input_independent(graph: fx.Graph) -> set[fx.Node]:
+    """The traced nodes ``runtime.fold`` may fold: pure ops (and ``getitem``s of them) reading
+    only such nodes -- no placeholder (input, parameter, buffer, lifted constant), no attribute."""
+    out: set[fx.Node] = set()
+    for n in graph.nodes:
+        if (n.op == "call_function" and (n.target is operator.getitem or pure_op(n.target))
+                and all(dep in out for dep in n.all_input_nodes)):
+            out.add(n)
+    return out
 
 
 def is_causal_mask(mask: torch.Tensor) -> bool:
@@ -113,6 +124,7 @@ def causal_attention(graph: fx.Graph) -> dict[str, dict[str, Any]]:
     ``FOLD_MAX_BYTES``, evaluated here once on real CPU tensors."""
     out: dict[str, dict[str, Any]] = {}
     values: dict[fx.Node, Any] = {}
+    free = input_independent(graph)
     for node in graph.nodes:
         if node.op != "call_function" or node.target is not SDPA:
             continue
@@ -120,7 +132,7 @@ def causal_attention(graph: fx.Graph) -> dict[str, dict[str, Any]]:
         mask = args.get("attn_mask")
         if args.get("is_causal", False) or not isinstance(mask, fx.Node):
             continue
-        form = folded_args(args, _constant(mask, values), _traced_ndim)
+        form = folded_args(args, _constant(mask, values, free), _traced_ndim)
         if form is not None:
             out[node.name] = form[0]
     return out
@@ -131,17 +143,17 @@ def _traced_ndim(node: fx.Node) -> int | None:
     return val.dim() if isinstance(val, torch.Tensor) else None
 
 
-def _constant(mask: fx.Node, values: dict[fx.Node, Any]) -> Any:
-    """``mask``'s value when the runtime folds it (input-independent, small enough), else None."""
+def _constant(mask: fx.Node, values: dict[fx.Node, Any], free: set[fx.Node]) -> Any:
+    """``mask``'s value when the runtime folds it (in ``free``: input-independent; small enough),
+    else None."""
+    if mask not in free:  # some ancestor cannot fold: the mask is read as traced
+        return None
     seen, stack = set(), [mask]
-    while stack:  # the mask's ancestors; any that could not fold: the mask is read as traced
+    while stack:
         n = stack.pop()
-        if n in seen:
-            continue
-        if n.op != "call_function" or not (n.target is operator.getitem or pure_op(n.target)):
-            return None
-        seen.add(n)
-        stack.extend(n.all_input_nodes)
+        if n not in seen:
+            seen.add(n)
+            stack.extend(n.all_input_nodes)
     order = [n for n in mask.graph.nodes if n in seen and n not in values]
     with torch.no_grad():
         for n in order:
