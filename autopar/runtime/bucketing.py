@@ -406,7 +406,11 @@ class GradBucketer(nn.Module):
                 master = self._piece(self.slots[slot].name).master
                 mine = mine.to(master.dtype)
                 if master.grad is None:
-                    master.grad = grad_like(mine.contiguous(), master)  # a wrapper, not from_local, per piece
+                    # A view of the kept receive buffer, as it is: a contiguous copy of a piece that
+                    # ZeRO splits along a later dim (a column block) would hold its bytes twice, the
+                    # buffer staying alive through its row-block neighbours' views -- 1/dp each, as
+                    # priced (``planner.zero_pricing``). A wrapper, not from_local, per piece.
+                    master.grad = grad_like(mine, master)
                 else:
                     local_of(master.grad).add_(mine)
 
