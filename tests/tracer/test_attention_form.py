@@ -66,3 +66,31 @@ def test_a_mask_read_from_an_input_is_read_as_traced():
     attn = _attention(traced)
     # the repeated heads (B, H, S, D) are what the attention saves
     assert profile(traced)[attn.name].saved_bytes >= 4 * 4 * B * H * S * D
+
+
+def test_the_runtime_folds_to_the_form_the_profile_prices():
+    """One rewrite: ``runtime.fold`` on the traced graph runs the attention with the arguments
+    ``causal_attention`` gave the profile (by the nodes' names), and the repeats are gone."""
+    import copy
+
+    from autopar.runtime.fold import fold_constants
+
+    torch.manual_seed(0)
+    model = Grouped(False)
+    inputs = {"x": torch.randn(B, S, D), "keep": torch.ones(B, S, dtype=torch.bool)}
+    traced = trace(model, inputs, name="grouped")
+    form = causal_attention(traced.graph)[_attention(traced).name]
+    ndim = {n.name: n.meta["val"].dim() for n in traced.gm.graph.nodes if isinstance(n.meta.get("val"), torch.Tensor)}
+    gm = copy.deepcopy(traced.gm)
+    fold_constants(gm, ndim_of=lambda node: ndim.get(node.name))
+    ran = next(n for n in gm.graph.nodes if n.target is torch.ops.aten.scaled_dot_product_attention.default)
+    assert not ran.args
+
+    def names(args):
+        return {k: v.name if isinstance(v, torch.fx.Node) else v for k, v in args.items()}
+
+    assert names(ran.kwargs) == names(form)
+    assert not any(n.target is torch.ops.aten.expand.default for n in gm.graph.nodes)
+    args = traced.bind(model, inputs)
+    got, want = (torch.utils._pytree.tree_leaves(m(*args))[0] for m in (gm, traced.gm))
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-5) and torch.allclose(got, model(**inputs), rtol=1e-5, atol=1e-5)
