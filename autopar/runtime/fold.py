@@ -11,11 +11,12 @@ are erased.
 A node folds when all of its inputs fold and it is a deterministic op without side effect: an
 ATen op not tagged ``nondeterministic_seeded`` that writes none of its arguments, a ``getitem``
 of one, or a custom kernel of such an op that reads no tensor (``arange_shard``: this rank's
-rows of a batch index). Placeholders (inputs, parameters, buffers), lifted constants
-(``get_attr``), collectives (every rank keeps issuing the same ones), random draws and
-recompute regions never fold. A
-folded value larger than ``FOLD_MAX_BYTES`` is left computed each step (memory held for the
-whole step is not worth a few microseconds): what it reads then stays folded instead.
+rows of a batch index). A gradient all-reduce (identity forward) of such a value folds with it:
+no gradient reaches a constant, so no rank issues its collective. Placeholders (inputs,
+parameters, buffers), lifted constants (``get_attr``), other collectives (every rank keeps
+issuing the same ones), random draws and recompute regions never fold. A folded value larger
+than ``FOLD_MAX_BYTES`` is left computed each step (memory held for the whole step is not worth
+a few microseconds): what it reads then stays folded instead.
 
 An attention call whose folded mask is, value for value, the causal one then runs with
 ``is_causal=True`` and no mask (``_causal_attention``), as the eager model does -- and, under
@@ -34,7 +35,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch import nn
 
-from autopar.runtime.nodes import KernelCall
+from autopar.runtime.nodes import GradAllReduce, KernelCall
 from autopar.runtime.passes import TRACED_NAME_KEY
 from autopar.tracer.attention_form import FOLD_MAX_BYTES, attention_args, folded_args, pure_op
 
@@ -162,8 +163,13 @@ def _deterministic(node: fx.Node, gm: fx.GraphModule) -> bool:
         return node.target is operator.getitem or pure_op(node.target)
     if node.op == "call_module":
         # A kernel reading no tensor (``arange_shard``): its value depends on this rank's
-        # coordinate only. Collectives never fold: ranks must keep issuing the same ones.
+        # coordinate only. Collectives never fold: ranks must keep issuing the same ones -- but
+        # a gradient all-reduce is the identity forward, and reading only folded values (a float
+        # mask the emitter guards as it would any replicated value a sharded op reads) it gets
+        # no gradient, so it issues none on any rank.
         module = gm.get_submodule(node.target)
+        if isinstance(module, GradAllReduce):
+            return True  # folds when its input does (``fold_constants``)
         return isinstance(module, KernelCall) and not node.all_input_nodes and pure_op(module.ctx.info.target)
     return False
 
