@@ -399,20 +399,12 @@ class GradBucketer(nn.Module):
         return plan
 
     def _deliver_shards(self, slots: list[int], work) -> None:
+        from autopar.runtime.zero.comm import deliver_grad  # zero.comm imports nothing of this module
+
         with torch.no_grad():
             for slot, mine in zip(slots, wait(work)):
-                if mine is None:
-                    continue
-                master = self._piece(self.slots[slot].name).master
-                mine = mine.to(master.dtype)
-                if master.grad is None:
-                    # A view of the kept receive buffer, as it is: a contiguous copy of a piece that
-                    # ZeRO splits along a later dim (a column block) would hold its bytes twice, the
-                    # buffer staying alive through its row-block neighbours' views -- 1/dp each, as
-                    # priced (``planner.zero_pricing``). A wrapper, not from_local, per piece.
-                    master.grad = grad_like(mine, master)
-                else:
-                    local_of(master.grad).add_(mine)
+                if mine is not None:
+                    deliver_grad(self._piece(self.slots[slot].name).master, mine)
 
     def _all_reduce(self, flat: torch.Tensor, group: dist.ProcessGroup, *, async_op: bool):
         self.stats["all_reduces"] += 1
