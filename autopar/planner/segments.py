@@ -11,7 +11,10 @@ A recomputed segment keeps only its inputs (what ``torch.utils.checkpoint`` hold
 ``segment_inputs`` lists, per segment, the activation values it reads from outside with their
 local bytes per producer option. An input whose storage is counted by a node *outside* the
 segment (``saved_by``) is left out (that node holds it whatever the segment does), so a storage
-is never counted twice.
+is never counted twice. One counted inside (its last saver recomputed) that an earlier reader
+outside saves too is kept as that reader's copy, in the reader's input layout (``_kept_copy``:
+two column-parallel projections of one norm read its split output gathered, one conversion for
+both; the kept one holds the gathered copy, and so does the checkpoint).
 
 Blocks holding an op that changes model state when run again (``mutates_state``: a training
 batch norm, ``num_batches_tracked += 1``) get no segments (``without_stateful_segments``).
