@@ -19,9 +19,11 @@ than ``FOLD_MAX_BYTES`` is left computed each step (memory held for the whole st
 a few microseconds): what it reads then stays folded instead.
 
 An attention call whose folded mask is, value for value, the causal one then runs with
-``is_causal=True`` and no mask (``_causal_attention``), as the eager model does -- and, under
-grouped-query attention, on the key/value heads themselves (``enable_gqa=True``) instead of
-``repeat_kv``'s copies (``_grouped``), as the eager model does without a mask.
+``is_causal=True`` and no mask, as the eager model does -- and, under grouped-query attention,
+on the key/value heads themselves (``enable_gqa=True``) instead of ``repeat_kv``'s copies, as
+the eager model does without a mask: ``_causal_attention`` applies
+``tracer.attention_form.folded_args``, the one rewrite the profile prices too, here and inside
+recompute regions' bodies.
 """
 
 from __future__ import annotations
