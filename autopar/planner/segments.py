@@ -11,7 +11,10 @@ A recomputed segment keeps only its inputs (what ``torch.utils.checkpoint`` hold
 ``segment_inputs`` lists, per segment, the activation values it reads from outside with their
 local bytes per producer option. An input whose storage is counted by a node *outside* the
 segment (``saved_by``) is left out (that node holds it whatever the segment does), so a storage
-is never counted twice.
+is never counted twice. One counted inside (its last saver recomputed) that an earlier reader
+outside saves too is kept as that reader's copy, in the reader's input layout (``_kept_copy``:
+two column-parallel projections of one norm read its split output gathered, one conversion for
+both; the kept one holds the gathered copy, and so does the checkpoint).
 
 Blocks holding an op that changes model state when run again (``mutates_state``: a training
 batch norm, ``num_batches_tracked += 1``) get no segments (``without_stateful_segments``).
@@ -37,7 +40,7 @@ from autopar.tracer.graph import TracedGraph
 from autopar.tracer.profile import ModelProfile, _is_view
 
 __all__ = ["mutates_state", "op_segments", "without_stateful_segments", "saved_by", "holder_of_producer",
-           "segment_inputs", "storage_base", "node_vals"]
+           "savers_of_producer", "segment_inputs", "storage_base", "node_vals"]
 
 # Kinds whose values are held all step whatever is recomputed: never a segment's kept input.
 _HELD = (NodeKind.PARAMETER, NodeKind.BUFFER, NodeKind.INPUT)
@@ -146,6 +149,44 @@ def holder_of_producer(prof: ModelProfile) -> dict[str, str]:
     return out
 
 
+def savers_of_producer(prof: ModelProfile) -> dict[str, tuple[str, ...]]:
+    """Producer node -> every node saving a storage it made, in graph order."""
+    out: dict[str, list[str]] = {}
+    for p in prof.nodes:
+        for _, producer, _ in p.saved_parts:
+            names = out.setdefault(producer, [])
+            if not names or names[-1] != p.name:
+                names.append(p.name)
+    return {k: tuple(v) for k, v in out.items()}
+
+
+def _kept_copy(decisions: Mapping[str, Decision], seg: str, segment_of: Mapping[str, str],
+               savers: Iterable[str], base: str, traced: TracedGraph, mesh_shape: tuple[int, ...],
+               base_of: Callable[[fx.Node], str] | None) -> SegmentInput | None:
+    """What the runtime keeps of a value the segment reads whose last saver is inside it while an
+    earlier reader outside it saves it too: that reader's copy, in ITS input layout (a gathered
+    copy when it reads the value converted, as two column-parallel projections of one norm's
+    output do) -- it holds it whether or not the segment is recomputed, and the segment's
+    checkpoint keeps that same conversion's output (the emitter converts once for both). None
+    when no reader outside saves it (the segment keeps the value as its producer laid it out)."""
+    for name in reversed(tuple(savers)):
+        reader = decisions.get(name)
+        if reader is None or segment_of.get(name) == seg:
+            continue
+        for slot, value in enumerate(reader.inputs):
+            if value is None:
+                continue
+            node = traced.node(value.producer)
+            if (storage_base(node).name if base_of is None else base_of(node)) != base:
+                continue
+            sizes = tuple(value.local_bytes(c.input_specs[slot], mesh_shape)
+                          if slot < len(c.input_specs) and c.input_specs[slot] is not None else 0
+                          for c in reader.choices)
+            if all(sizes):
+                return SegmentInput(name, sizes)
+    return None
+
+
 def segment_inputs(traced: TracedGraph, prof: ModelProfile, decisions: Mapping[str, Decision],
                    mesh_shape: tuple[int, ...], segment_of: Mapping[str, str], *,
                    base_of: Callable[[fx.Node], str] | None = None) -> dict[str, tuple[SegmentInput, ...]]:
@@ -156,6 +197,7 @@ def segment_inputs(traced: TracedGraph, prof: ModelProfile, decisions: Mapping[s
     whatever the segment does). Non-float tensors count too: the checkpoint keeps every tensor
     input. ``base_of``: ``storage_base(node).name``, from the caller's cache."""
     holder = holder_of_producer(prof)
+    savers = savers_of_producer(prof)
     out: dict[str, list[SegmentInput]] = {}
     seen: set[tuple[str, str, int]] = set()
     # Local bytes per producer option: repeated blocks' producers share their choices, so each
@@ -178,8 +220,13 @@ def segment_inputs(traced: TracedGraph, prof: ModelProfile, decisions: Mapping[s
             vals = node_vals(src_node)
             if value.index >= len(vals) or not isinstance(vals[value.index], torch.Tensor):
                 continue
-            saver = holder.get(storage_base(src_node).name if base_of is None else base_of(src_node))
+            base = storage_base(src_node).name if base_of is None else base_of(src_node)
+            saver = holder.get(base)
             if saver is not None and segment_of.get(saver) != seg:
+                continue
+            copy = _kept_copy(decisions, seg, segment_of, savers.get(base, ()), base, traced, mesh_shape, base_of)
+            if copy is not None:
+                out.setdefault(seg, []).append(copy)
                 continue
             choices = decisions[src].choices
             key = (id(choices), value.index, value.shape, value.itemsize)

@@ -399,16 +399,12 @@ class GradBucketer(nn.Module):
         return plan
 
     def _deliver_shards(self, slots: list[int], work) -> None:
+        from autopar.runtime.zero.comm import deliver_grad  # zero.comm imports nothing of this module
+
         with torch.no_grad():
             for slot, mine in zip(slots, wait(work)):
-                if mine is None:
-                    continue
-                master = self._piece(self.slots[slot].name).master
-                mine = mine.to(master.dtype)
-                if master.grad is None:
-                    master.grad = grad_like(mine.contiguous(), master)  # a wrapper, not from_local, per piece
-                else:
-                    local_of(master.grad).add_(mine)
+                if mine is not None:
+                    deliver_grad(self._piece(self.slots[slot].name).master, mine)
 
     def _all_reduce(self, flat: torch.Tensor, group: dist.ProcessGroup, *, async_op: bool):
         self.stats["all_reduces"] += 1

@@ -28,8 +28,8 @@ from autopar.runtime.modes import traced_mode
 from autopar.runtime.module import AutoParallelModule
 from autopar.runtime.early import hoist_early_sums
 from autopar.runtime.prefetch import prefetch_enabled, prefetch_gathers
-from autopar.runtime.fold import fold_constants
-from autopar.runtime.passes import STATE_KEY, TRACED_NAME_KEY, emit_local_graph
+from autopar.runtime.fold import fold_constants, traced_ndim
+from autopar.runtime.passes import STATE_KEY, emit_local_graph
 from autopar.runtime.process_mesh import ProcessMesh
 from autopar.runtime.table_wise import check_tables, owners_of, to_table_dtensor
 from autopar.strategies import rng
@@ -99,7 +99,7 @@ def build_module(model: nn.Module, traced, plan: Plan, *, device: torch.device, 
             root[target] = shards[name]  # lifted constants stay plain local tensors
     gm = fx.GraphModule(root, emitted.graph, class_name=f"AutoParallel{traced.model_name}")
     # the attention mask from arange: computed once here, not every step
-    fold_constants(gm, ndim_of=lambda node: _traced_ndim(traced, node))
+    fold_constants(gm, ndim_of=lambda node: traced_ndim(traced, node))
     shapes = {p.name: p.shape for p in traced.placeholders}
     for name in sorted(state_names):
         if name in owners:  # a table-wise table: whole on its owner, zero rows on its peers
@@ -135,13 +135,3 @@ def attach_tensor(root: nn.Module, path: str, tensor: torch.Tensor) -> None:
         owner.register_parameter(leaf, tensor)
     else:
         owner.register_buffer(leaf, tensor)
-
-
-def _traced_ndim(traced, node: fx.Node) -> int | None:
-    """The rank of the traced value an emitted node computes (a local piece has the same), if known."""
-    name = node.meta.get(TRACED_NAME_KEY)
-    try:
-        val = traced.node(name).meta.get("val") if name else None
-    except KeyError:
-        return None
-    return val.dim() if isinstance(val, torch.Tensor) else None

@@ -11,16 +11,19 @@ are erased.
 A node folds when all of its inputs fold and it is a deterministic op without side effect: an
 ATen op not tagged ``nondeterministic_seeded`` that writes none of its arguments, a ``getitem``
 of one, or a custom kernel of such an op that reads no tensor (``arange_shard``: this rank's
-rows of a batch index). Placeholders (inputs, parameters, buffers), lifted constants
-(``get_attr``), collectives (every rank keeps issuing the same ones), random draws and
-recompute regions never fold. A
-folded value larger than ``FOLD_MAX_BYTES`` is left computed each step (memory held for the
-whole step is not worth a few microseconds): what it reads then stays folded instead.
+rows of a batch index). A gradient all-reduce (identity forward) of such a value folds with it:
+no gradient reaches a constant, so no rank issues its collective. Placeholders (inputs,
+parameters, buffers), lifted constants (``get_attr``), other collectives (every rank keeps
+issuing the same ones), random draws and recompute regions never fold. A folded value larger
+than ``FOLD_MAX_BYTES`` is left computed each step (memory held for the whole step is not worth
+a few microseconds): what it reads then stays folded instead.
 
 An attention call whose folded mask is, value for value, the causal one then runs with
-``is_causal=True`` and no mask (``_causal_attention``), as the eager model does -- and, under
-grouped-query attention, on the key/value heads themselves (``enable_gqa=True``) instead of
-``repeat_kv``'s copies (``_grouped``), as the eager model does without a mask.
+``is_causal=True`` and no mask, as the eager model does -- and, under grouped-query attention,
+on the key/value heads themselves (``enable_gqa=True``) instead of ``repeat_kv``'s copies, as
+the eager model does without a mask: ``_causal_attention`` applies
+``tracer.attention_form.folded_args``, the one rewrite the profile prices too, here and inside
+recompute regions' bodies.
 """
 
 from __future__ import annotations
@@ -34,11 +37,12 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch import nn
 
-from autopar.runtime.nodes import KernelCall
+from autopar.runtime.nodes import GradAllReduce, KernelCall
+from autopar.runtime.passes import TRACED_NAME_KEY
+from autopar.tracer.attention_form import FOLD_MAX_BYTES, attention_args, folded_args, pure_op
 
-__all__ = ["FOLD_MAX_BYTES", "fold_constants"]
+__all__ = ["FOLD_MAX_BYTES", "fold_constants", "traced_ndim"]
 
-FOLD_MAX_BYTES = 4 * 2**20
 HOLDER = "_autopar_folded"
 aten = torch.ops.aten
 
@@ -86,6 +90,7 @@ def fold_constants(gm: fx.GraphModule, *, ndim_of: Callable[[fx.Node], int | Non
     for node in reversed(list(graph.nodes)):
         if node in foldable and not node.users:
             graph.erase_node(node)
+    _regions_causal(gm, values, ndim_of)
     for name in _causal_attention(graph, values, ndim_of):
         delattr(holder, name)
         del values[name]
@@ -94,105 +99,81 @@ def fold_constants(gm: fx.GraphModule, *, ndim_of: Callable[[fx.Node], int | Non
     return values
 
 
+def traced_ndim(traced, node: fx.Node) -> int | None:
+    """The rank of the traced value an emitted node computes (a local piece has the same), if
+    known: ``fold_constants``'s ``ndim_of`` for a graph emitted from ``traced``."""
+    name = node.meta.get(TRACED_NAME_KEY)
+    try:
+        val = traced.node(name).meta.get("val") if name else None
+    except KeyError:
+        return None
+    return val.dim() if isinstance(val, torch.Tensor) else None
+
+
+def _folded_name(mask: Any) -> str | None:
+    """The kept value's name when ``mask`` reads a folded value, else None."""
+    if isinstance(mask, fx.Node) and mask.op == "get_attr" and mask.target.startswith(f"{HOLDER}."):
+        return mask.target.split(".", 1)[1]
+    return None
+
+
+def _regions_causal(gm: fx.GraphModule, values: dict[str, torch.Tensor],
+                    ndim_of: Callable[[fx.Node], int | None] | None) -> None:
+    """``_causal_attention`` inside recompute regions (``runtime.recompute``: a sub-graph ``body``
+    called with the outer values, the folded mask among them): the recomputed attention runs in
+    the same form as the rest -- the form the profile prices it in (``tracer.attention_form``)."""
+    for node in gm.graph.nodes:
+        body = getattr(gm.get_submodule(node.target), "body", None) if node.op == "call_module" else None
+        if not isinstance(body, fx.GraphModule):
+            continue
+        inner = [n for n in body.graph.nodes if n.op == "placeholder"]
+        folded = {p: _folded_name(a) for p, a in zip(inner, node.args)}
+        _causal_attention(body.graph, values, ndim_of, folded={p: n for p, n in folded.items() if n})
+        body.graph.lint()
+        body.recompile()
+
+
 def _causal_attention(graph: fx.Graph, values: dict[str, torch.Tensor],
-                      ndim_of: Callable[[fx.Node], int | None] | None) -> list[str]:
-    """Attention whose folded mask is exactly the causal one becomes ``is_causal=True`` without a
-    mask: the same values (torch's ``is_causal`` IS that mask, top-left aligned), and the CPU and
-    flash kernels skip the masked blocks instead of reading a mask -- what the eager model runs
-    (transformers passes ``is_causal`` unless traced). Returns the masks no longer read."""
+                      ndim_of: Callable[[fx.Node], int | None] | None,
+                      folded: dict[fx.Node, str] | None = None) -> list[str]:
+    """Attention whose folded mask is exactly the causal one runs causal, without the mask, and
+    grouped on the key/value heads where it repeats them: ``tracer.attention_form.folded_args``,
+    the rewrite the profile prices. ``folded``: a region body's placeholders that receive a
+    folded value (by name); its masks are never erased. Returns the masks no longer read."""
     dropped = []
     for node in list(graph.nodes):
         if node.op != "call_function" or node.target is not aten.scaled_dot_product_attention.default:
             continue
-        bound = node.target._schema.arguments
-        args = {a.name: v for a, v in zip(bound, node.args)} | dict(node.kwargs)
+        args = attention_args(node)
         mask = args.get("attn_mask")
-        if not (isinstance(mask, fx.Node) and mask.op == "get_attr" and mask.target.startswith(f"{HOLDER}.")
-                and not args.get("is_causal", False)):
+        name = folded.get(mask) if folded is not None else _folded_name(mask)
+        form = folded_args(args, values[name], ndim_of) if name is not None else None
+        if form is None:
             continue
-        name = mask.target.split(".", 1)[1]
-        if not _is_causal(values[name]):
-            continue
-        args["attn_mask"], args["is_causal"] = None, True
-        repeats = _grouped(args, ndim_of) if ndim_of is not None else []
-        node.args, node.kwargs = (), args
-        for n in repeats:  # reshape, expand, unsqueeze: erased once nothing reads them
+        node.args, node.kwargs = (), form[0]
+        for n in form[1]:  # reshape, expand, unsqueeze: erased once nothing reads them
             if not n.users:
                 graph.erase_node(n)
-        if not mask.users:
+        if folded is None and not mask.users:
             graph.erase_node(mask)
             dropped.append(name)
     return dropped
 
 
-def _grouped(args: dict[str, Any], ndim_of: Callable[[fx.Node], int | None]) -> list[fx.Node]:
-    """Grouped-query attention without a mask reads its key/value heads once, as the eager model
-    does then (transformers' ``use_gqa_in_sdpa``): ``key`` and ``value`` that are ``repeat_kv``'s
-    ``x.unsqueeze(2).expand(b, kv, g, s, d).reshape(b, kv * g, s, d)`` become ``x`` with
-    ``enable_gqa=True`` -- no repeated copies, and their gradients summed over the group inside
-    the kernel instead of by the expand's backward (the same terms; the CPU flash kernel, same
-    forward values, dk/dv within rounding). Rewrites ``args``; returns the repeat nodes."""
-    if args.get("enable_gqa", False) or args.get("attn_mask") is not None:
-        return []
-    sources = [_repeated(args.get(k), ndim_of) for k in ("key", "value")]
-    if None in sources or sources[0][1] != sources[1][1]:
-        return []
-    for k, (x, _, _) in zip(("key", "value"), sources):
-        args[k] = x
-    args["enable_gqa"] = True
-    return [n for _, _, chain in sources for n in chain]
-
-
-def _repeated(node: Any, ndim_of: Callable[[fx.Node], int | None]) -> tuple[fx.Node, int, list[fx.Node]] | None:
-    """(x, group size, the nodes) when ``node`` is ``x.unsqueeze(2).expand(b, kv, g, s, d)
-    .reshape(b, kv * g, s, d)`` of a 4-D ``x``, else None."""
-    if not (isinstance(node, fx.Node) and node.target in (aten.reshape.default, aten.view.default)):
-        return None
-    expand = node.args[0]
-    if not (isinstance(expand, fx.Node) and expand.target is aten.expand.default and len(expand.users) == 1):
-        return None
-    unsqueeze = expand.args[0]
-    if not (isinstance(unsqueeze, fx.Node) and unsqueeze.target is aten.unsqueeze.default
-            and unsqueeze.args[1] == 2 and len(unsqueeze.users) == 1):
-        return None
-    x, sizes, shape = unsqueeze.args[0], list(expand.args[1]), list(node.args[1])
-    if not (isinstance(x, fx.Node) and ndim_of(x) == 4 and len(sizes) == 5
-            and all(isinstance(v, int) for v in sizes + shape)
-            and shape == [sizes[0], sizes[1] * sizes[2], sizes[3], sizes[4]]):
-        return None
-    return x, sizes[2], [node, expand, unsqueeze]
-
-
-def _is_causal(mask: torch.Tensor) -> bool:
-    """Whether ``mask`` (boolean, or additive 0 / -inf) keeps exactly ``j <= i`` in every slice.
-    Its last two sizes are then the attention's (query, key) lengths: a mask that broadcasts over
-    either (size 1) is never taken for causal."""
-    if mask.dim() < 2 or min(mask.shape[-2:]) < 2:
-        return False
-    rows, cols = mask.shape[-2:]
-    keep = torch.ones(rows, cols, dtype=torch.bool, device=mask.device).tril()
-    if mask.dtype == torch.bool:
-        return bool((mask == keep).all())
-    if not mask.dtype.is_floating_point:
-        return False
-    return bool(((mask == 0) == keep).all() and (mask[..., ~keep] == float("-inf")).all())
-
-
 def _deterministic(node: fx.Node, gm: fx.GraphModule) -> bool:
     if node.op == "call_function":
-        return node.target is operator.getitem or _pure_op(node.target)
+        return node.target is operator.getitem or pure_op(node.target)
     if node.op == "call_module":
         # A kernel reading no tensor (``arange_shard``): its value depends on this rank's
-        # coordinate only. Collectives never fold: ranks must keep issuing the same ones.
+        # coordinate only. Collectives never fold: ranks must keep issuing the same ones -- but
+        # a gradient all-reduce is the identity forward, and reading only folded values (a float
+        # mask the emitter guards as it would any replicated value a sharded op reads) it gets
+        # no gradient, so it issues none on any rank.
         module = gm.get_submodule(node.target)
-        return isinstance(module, KernelCall) and not node.all_input_nodes and _pure_op(module.ctx.info.target)
+        if isinstance(module, GradAllReduce):
+            return True  # folds when its input does (``fold_constants``)
+        return isinstance(module, KernelCall) and not node.all_input_nodes and pure_op(module.ctx.info.target)
     return False
-
-
-def _pure_op(target: Any) -> bool:
-    if not isinstance(target, torch._ops.OpOverload) or torch.Tag.nondeterministic_seeded in target.tags:
-        return False
-    return not any(a.alias_info is not None and a.alias_info.is_write for a in target._schema.arguments)
 
 
 def _run(node: fx.Node, env: dict[fx.Node, Any], gm: fx.GraphModule) -> Any:

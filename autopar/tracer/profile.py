@@ -32,6 +32,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
+from autopar.tracer.attention_form import causal_attention
 from autopar.tracer.depth import blocks_of, shallow_graph, stamp
 from autopar.tracer import experts as _experts  # noqa: F401 -- registers the experts op's FLOP formulas first
 from autopar.tracer.heap import frozen_heap
@@ -175,6 +176,9 @@ def _profile_nodes(traced: TracedGraph) -> list[NodeProfile]:
             entry[1].append(producer.get(key, counter.current))
         return tensor
 
+    # Attention the runtime runs causal and grouped, without the traced mask (``attention_form``):
+    # its masks evaluated here, on real tensors, before the fake mode.
+    forms = causal_attention(traced.graph)
     with fake_mode, counter, torch.autograd.graph.saved_tensors_hooks(pack, _identity):
         for node in traced.graph.nodes:
             if node.op == "placeholder":
@@ -186,7 +190,7 @@ def _profile_nodes(traced: TracedGraph) -> list[NodeProfile]:
             elif node.op == "get_attr":
                 env[node] = _on_cpu(getattr(traced.gm, node.target))
             elif node.op == "call_function":
-                env[node] = _run_node(node, env, counter)
+                env[node] = _run_node(node, env, counter, forms)
                 for tensor in tensor_vals(env[node]):
                     producer.setdefault(_storage_key(tensor), node.name)
                 _claim_grad_fns(env[node], node.name, grad_owner, counter)
@@ -235,9 +239,11 @@ def _on_cpu(value: Any) -> Any:
     return module
 
 
-def _run_node(node: fx.Node, env: dict, counter: _Counter) -> Any:
+def _run_node(node: fx.Node, env: dict, counter: _Counter, forms: dict | None = None) -> Any:
+    # An attention the runtime runs folded takes the arguments it runs with (``attention_form``).
+    node_args, node_kwargs = ((), forms[node.name]) if forms and node.name in forms else (node.args, node.kwargs)
     args, kwargs = pytree.tree_map(
-        lambda a: env[a] if isinstance(a, fx.Node) else _to_cpu(a), (node.args, node.kwargs))
+        lambda a: env[a] if isinstance(a, fx.Node) else _to_cpu(a), (node_args, node_kwargs))
     if node.target is _aten.scaled_dot_product_attention.default:
         args, kwargs = _fused_attention_dropout(args, kwargs)
     counter.current = node.name

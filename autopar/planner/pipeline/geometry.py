@@ -36,6 +36,7 @@ from autopar.layout.blocks import block_of, split_block
 from autopar.plans import NodeKind, StagePlan
 from autopar.planner.records import BuiltProblem
 from autopar.solver.timeline import segment_geometry
+from autopar.tracer.attention_form import input_independent
 from autopar.tracer.graph import MODULE_KEY, TracedGraph
 
 __all__ = ["even_stages", "block_container", "StageGeometry", "batch_size", "micro_inputs", "microbatch_counts",
@@ -205,13 +206,16 @@ class StageGeometry:
         self.block_class = tuple(ids.setdefault(tuple(sigs[b]), len(ids)) for b in range(self.num_blocks))
 
     def _boundaries(self) -> None:
-        """Bytes crossing each cut ``b`` (between blocks b - 1 and b): tensors made before, read after."""
+        """Bytes crossing each cut ``b`` (between blocks b - 1 and b): tensors made before, read after.
+        An input-independent value (a causal mask from ``arange``s) is computed by every stage
+        reading it, never sent (``runtime.pipeline.split``)."""
         import torch
 
         delta = [0] * (self.num_blocks + 1)
         placeholders = {p.name: p for p in self.traced.placeholders}
+        free = input_independent(self.traced.gm.graph)
         for node in self.traced.nodes:
-            if node.op == "output":
+            if node.op == "output" or node in free:
                 continue
             if node.op == "placeholder":
                 if placeholders[node.name].kind != NodeKind.INPUT:

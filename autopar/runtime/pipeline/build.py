@@ -23,6 +23,7 @@ from autopar.plans import Plan
 from autopar.runtime.draws import check_ranks_draw_alike
 from autopar.runtime.materialize import local_shards
 from autopar.runtime.eval_replica import EvalReplica
+from autopar.runtime.fold import fold_constants, traced_ndim
 from autopar.runtime.modes import traced_mode
 from autopar.runtime.nodes import GradAllReduce
 from autopar.runtime.passes import STATE_KEY, emit_local_graph
@@ -141,6 +142,9 @@ def build_pipeline(model: nn.Module, traced: TracedGraph, plan: Plan, *, device:
             if name not in state_names:
                 root[target] = shards[name]  # lifted constants: plain local tensors
         gm = fx.GraphModule(root, e.graph, class_name=f"Pipeline{traced.model_name}Stage{g.index}")
+        # as build_module does: the stage computes its mask once, and its attention runs in the
+        # folded form the planner priced (``split`` gives every stage its own input-independent values)
+        fold_constants(gm, ndim_of=lambda node, traced=g.traced: traced_ndim(traced, node))
         modules.append(StageModule(gm, g, shards))
     state_keys = tuple(model.state_dict(keep_vars=True))
     held_by = {k: tuple(sorted(v)) for k, v in holders.items()}

@@ -15,7 +15,10 @@ the producer's ``val`` (so the plan's strategies for the stage's ops are found b
 the same argument metadata, and :mod:`autopar.runtime.pipeline` sends and receives it in the
 layout the plan's decision of that name gives: no conversion at a cut). Parameters, buffers and
 constants are placeholders of every stage that reads them (a tied weight read by two stages is
-in both).
+in both). So are the values computed from none of those (``tracer.attention_form.input_independent``:
+a causal mask built from ``arange``s): every stage reading one computes it itself, nothing sends
+it, and each stage's ``runtime.fold`` folds it -- its attention runs causal, without the mask,
+the form the planner priced -- where a received mask could not fold.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import torch.fx as fx
 from autopar.layout.placement import TensorSpec
 from autopar.plans import NodeKind, Plan, PipelinePlan
 from autopar.runtime.process_mesh import ProcessMesh
+from autopar.tracer.attention_form import input_independent
 from autopar.tracer.graph import INPUT, PLACEHOLDER_KEY, Placeholder, TracedGraph
 
 __all__ = ["StageGraph", "split_stages", "stage_of_nodes", "example_values", "boundary_layouts"]
@@ -88,8 +92,11 @@ def split_stages(traced: TracedGraph, pipeline: PipelinePlan) -> list[StageGraph
                 if src.name in made:
                     last_read[src.name] = max(last_read.get(src.name, -1), stage_of[node.name])
     order = {n.name: i for i, n in enumerate(traced.nodes)}
+    free = {n.name for n in input_independent(traced.gm.graph)}
     crossing = [[] for _ in range(num)]  # values sent from stage k to k + 1
     for name, k0 in made.items():
+        if name in free:  # every stage reading it computes it (module docstring)
+            continue
         for k in range(k0, last_read.get(name, k0)):
             crossing[k].append(name)
     for k in range(num):
@@ -103,13 +110,15 @@ def split_stages(traced: TracedGraph, pipeline: PipelinePlan) -> list[StageGraph
     for k in range(num):
         received = tuple(user_inputs) if k == 0 else tuple(crossing[k - 1])
         sent = tuple(outputs) if k == last else tuple(crossing[k])
-        stages.append(_stage_graph(traced, k, stage_of, received, sent, ph_of, unread if k == 0 else set()))
+        stages.append(_stage_graph(traced, k, stage_of, received, sent, ph_of, unread if k == 0 else set(), free))
     return stages
 
 
 def _stage_graph(traced: TracedGraph, k: int, stage_of: dict[str, int], received: tuple[str, ...],
-                 sent: tuple[str, ...], ph_of: dict[str, Placeholder], keep: set[str]) -> StageGraph:
-    mine = [n for n in traced.nodes if stage_of.get(n.name) == k]
+                 sent: tuple[str, ...], ph_of: dict[str, Placeholder], keep: set[str], free: set[str]
+                 ) -> StageGraph:
+    mine = _with_free_inputs(traced, [n for n in traced.nodes if stage_of.get(n.name) == k],
+                             [traced.node(name) for name in sent if name in free], free)
     read = {src.name for n in mine for src in n.all_input_nodes} | keep
     graph = fx.Graph()
     env: dict[str, fx.Node] = {}
@@ -163,6 +172,21 @@ def example_values(traced: TracedGraph, names: tuple[str, ...], layouts: dict[st
         # the receiving stage save what the plan (and one device) does not: 1.13-1.18x its bytes.
         out.append(torch.zeros(shape, dtype=v.dtype, device=device).requires_grad_(name in with_grad))
     return tuple(out)
+
+
+def _with_free_inputs(traced: TracedGraph, mine: list[fx.Node], sent: list[fx.Node], free: set[str]
+                      ) -> list[fx.Node]:
+    """``mine`` and the input-independent values (``free``) it reads or sends (``sent``) from
+    other stages, with theirs, in graph order: computed here rather than received."""
+    want = {n.name for n in mine}
+    stack = [src for n in mine for src in n.all_input_nodes if src.name in free and src.name not in want]
+    stack += sent
+    while stack:
+        n = stack.pop()
+        if n.name not in want:
+            want.add(n.name)
+            stack.extend(n.all_input_nodes)  # all free: an input-independent node reads only such
+    return [n for n in traced.nodes if n.name in want]
 
 
 def boundary_layouts(stage_plan: Plan, graphs: list[StageGraph], ndim: int) -> dict[str, TensorSpec]:

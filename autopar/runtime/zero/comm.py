@@ -44,10 +44,10 @@ from autopar.layout.cost import collective_seconds
 from autopar.layout.mesh import MeshSpec
 from autopar.runtime.counting import record
 from autopar.runtime.dist_ops import all_gather_single, reduce_scatter_single, wait
-from autopar.runtime.dtensors import local_of
+from autopar.runtime.dtensors import grad_like, local_of
 
-__all__ = ["GatherPlan", "Level", "ScatterPlan", "ScatterWork", "chunk_sizes", "gather_pieces", "levels",
-           "scatter_grads"]
+__all__ = ["GatherPlan", "Level", "ScatterPlan", "ScatterWork", "chunk_sizes", "deliver_grad", "gather_pieces",
+           "levels", "scatter_grads"]
 
 
 def chunk_sizes(n: int, k: int) -> list[int]:
@@ -425,6 +425,21 @@ class ScatterWork:
             self.plan._holder = lambda: None
         return [None if d is None or not self.added[i] else d.movedim(0, p.dim) if p.dim else d
                 for i, (d, (p, _, _)) in enumerate(zip(self.data, self.plan.items))]
+
+
+@torch.no_grad()
+def deliver_grad(master: torch.Tensor, mine: torch.Tensor) -> None:
+    """Add ``mine`` (a piece's summed block from ``ScatterWork.wait``) to ``master.grad``. The
+    first becomes it as it is, a view of the kept receive buffer: a contiguous copy of a piece
+    that ZeRO splits along a later dim (a column block, strided in the buffer) would hold its
+    bytes twice, the buffer staying alive through its row-block neighbours' views -- the
+    pieces' gradients are 1/dp of the parameters', as ``planner.zero_pricing`` prices them. A
+    wrapper (``grad_like``), not ``from_local``, once per piece per step."""
+    mine = mine.to(master.dtype)
+    if master.grad is None:
+        master.grad = grad_like(mine, master)
+    else:
+        local_of(master.grad).add_(mine)
 
 
 @torch.no_grad()

@@ -257,7 +257,7 @@ def _batched_body(rank, world):
 
     from autopar.layout.machine import ComputeProfile, LinkFit, MachineProfile
     from autopar.layout.mesh import MeshSpec
-    from autopar.runtime.zero.comm import GatherPlan, ScatterPlan, gather_pieces, scatter_grads
+    from autopar.runtime.zero.comm import GatherPlan, ScatterPlan, deliver_grad, gather_pieces, scatter_grads
 
     mesh = init_device_mesh("cpu", (2, 2))
     links = [LinkFit(kind, a, alpha, beta) for a in (0, 1)
@@ -316,11 +316,17 @@ def _batched_body(rank, world):
             for i, (p, g, _) in enumerate(items):
                 work.add(i, g * scale)
             work.start(async_op=True)
-            passes.append(work.wait())
-            for p, mine in zip(pieces, passes[-1]):
-                p.master.grad = p.wrap(mine)
+            got = work.wait()
+            passes.append([g.clone() for g in got])  # (the second delivery adds into the first's)
+            for p, mine in zip(pieces, got):
+                deliver_grad(p.master, mine)  # as the bucketer delivers them
+            if scale == 1.0:  # each piece's gradient lives in a kept receive buffer, never twice
+                kept = {b.untyped_storage().data_ptr() for b in plan._kept.values()}
+                results[partial_on, "in place"] = all(
+                    local_of(p.master.grad).untyped_storage().data_ptr() in kept for p in pieces)
         results[partial_on, "kept"] = all(torch.allclose(a, w) and torch.allclose(b, 3 * w)
-                                          for a, b, w in zip(*passes, want))
+                                          and torch.allclose(local_of(p.master.grad), 4 * w)
+                                          for a, b, w, p in zip(*passes, want, pieces))
         # Links where an all-reduce is the cheaper sum: every collective all-reduces, same pieces.
         with count_collectives() as summed:
             work = ScatterPlan([(p, partial, g.dtype) for p, g, partial in items], mesh=cheap_all_reduce).work()
@@ -338,7 +344,7 @@ def _batched_body(rank, world):
 def test_batched_gather_and_reduce_scatter_match_dtensor_on_uneven_nested_pieces():
     for gathered, scattered, (one_each, bucketed, in_buckets) in run_local(_batched_body, 4, timeout=120):
         assert all(gathered.values()), gathered
-        assert all(scattered.values()) and len(scattered) == 8, scattered
+        assert all(scattered.values()) and len(scattered) == 10, scattered
         # 4 pieces: RR on both axes, S0R / RS0 / RS1 on one each -- one gather per (piece, axis)
         # without buckets, one per axis with them
         assert (one_each, bucketed, in_buckets) == (5, 2, True)
