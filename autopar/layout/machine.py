@@ -18,7 +18,13 @@ roofline. Its parts:
   of equal FLOPs into one curve, which is what the grid then averages over.
 - ``LinkFit``: one collective kind's ``alpha``/``beta`` on one mesh axis (the per-axis fit of
   ``MeshSpec.alpha``/``beta`` is over all kinds at once; gloo's reduce-scatter costs about an
-  all-reduce, its all-to-all less, so one pair cannot fit them all).
+  all-reduce, its all-to-all less, so one pair cannot fit them all), or on the group of several
+  axes flattened into one (``LinkFit.axes``; calibration measures every set of two or more axes
+  of size > 1, ``runtime/calibrate.py``): a collective's latency grows with the ranks of its
+  group (4 gloo ranks on this 2-core host: all-reduce alpha 3.6 ms over 4 ranks, 0.45-1.1 ms over
+  2), so the per-axis fits of a 2x2 mesh do not price its 4-rank group. ``link_over`` finds the
+  fit of exactly a set of axes; a profile without one (JSON version 6 or before) prices as before
+  (``layout.cost``).
 
 - ``time_scale``: per op class, a model's timed steps over what the profile priced them at
   (``autoparallelize(refine=True)``): a factor on each kernel's priced seconds.
@@ -186,25 +192,58 @@ class ComputeProfile:
         return cls(tuple((i["op_class"], i["dtype"], RateTable(tuple(i["sizes"]), tuple(i["rates"]))) for i in items))
 
 
+def _axis_index(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
 @dataclass(frozen=True, slots=True)
 class LinkFit:
-    """Collective ``kind`` on mesh ``axis``: ``alpha`` s per call + ``beta`` s per byte on the
-    cost model's ring factor (``autopar.layout.cost``)."""
+    """Collective ``kind`` on the group of mesh ``axes``: ``alpha`` s per call + ``beta`` s per
+    byte on the cost model's ring factor (``autopar.layout.cost``) with ``n`` the group's ranks.
+
+    ``axes`` (increasing; ``()`` given: ``(axis,)``) is the group it was timed on: one axis, or
+    several flattened into one group (``LinkFit.over``), as the runtime issues a gradient bucket's
+    sum over several axes (``ProcessMesh.group_over``). ``axis`` is the first of them: a one-axis
+    fit reads as it did before several-axis fits existed."""
 
     kind: str
     axis: int
     alpha: float
     beta: float
+    axes: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.kind not in LINK_KINDS:
             raise ValueError(f"unknown collective kind {self.kind!r}; expected one of {LINK_KINDS}")
-        if isinstance(self.axis, bool) or not isinstance(self.axis, int) or self.axis < 0:
+        if not _axis_index(self.axis):
             raise ValueError(f"LinkFit axis must be a mesh axis index >= 0, got {self.axis!r}")
+        axes = tuple(self.axes) or (self.axis,)
+        if not all(_axis_index(a) for a in axes) or any(b <= a for a, b in zip(axes, axes[1:])) \
+                or axes[0] != self.axis:
+            raise ValueError(f"LinkFit axes must be increasing mesh axis indices starting at its axis "
+                             f"{self.axis!r}, got {self.axes!r}")
+        object.__setattr__(self, "axes", axes)
         # A fit's latency may come out 0 (clamped: noisy small sizes); its bandwidth term may not.
         if not (_positive(self.alpha) or self.alpha == 0.0) or not _positive(self.beta):
-            raise ValueError(f"LinkFit {self.kind} on axis {self.axis}: alpha must be >= 0 and beta positive, got "
+            raise ValueError(f"LinkFit {self.kind} on axes {self.axes}: alpha must be >= 0 and beta positive, got "
                              f"{self.alpha}, {self.beta}")
+
+    @classmethod
+    def over(cls, kind: str, axes: Sequence[int], alpha: float, beta: float) -> "LinkFit":
+        """The fit of ``kind`` on the group spanning mesh ``axes`` (in any order)."""
+        axes = tuple(sorted(axes))
+        if not axes:
+            raise ValueError(f"LinkFit {kind} needs at least one mesh axis")
+        return cls(kind, axes[0], alpha, beta, axes)
+
+    def to_dict(self) -> dict:
+        """Its JSON record; a one-axis fit's is the version-6 record (no ``axes``)."""
+        return {"kind": self.kind, "axis": self.axis, "alpha": self.alpha, "beta": self.beta,
+                **({"axes": list(self.axes)} if len(self.axes) > 1 else {})}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "LinkFit":
+        return cls(data["kind"], data["axis"], data["alpha"], data["beta"], tuple(data.get("axes", ())))
 
 
 @dataclass(frozen=True, slots=True)
@@ -243,9 +282,9 @@ class MachineProfile:
         object.__setattr__(self, "links", tuple(self.links))
         object.__setattr__(self, "measured_shape", tuple(self.measured_shape))
         object.__setattr__(self, "measured_axis_names", tuple(self.measured_axis_names))
-        keys = [(f.kind, f.axis) for f in self.links]
+        keys = [(f.kind, f.axes) for f in self.links]
         if len(set(keys)) != len(keys):
-            raise ValueError(f"MachineProfile has two link fits for one (kind, axis): {keys}")
+            raise ValueError(f"MachineProfile has two link fits for one (kind, axes): {keys}")
         object.__setattr__(self, "time_scale", tuple((str(c), float(f)) for c, f in self.time_scale))
         classes = [c for c, _ in self.time_scale]
         if any(c not in OP_CLASSES for c in classes) or len(set(classes)) != len(classes) \
@@ -290,20 +329,26 @@ class MachineProfile:
         return self.blocking_s[axis] if axis < len(self.blocking_s) else 0.0
 
     def link(self, kind: str, axis: int) -> LinkFit | None:
-        for fit in self.links:
-            if fit.kind == kind and fit.axis == axis:
-                return fit
-        return None
+        """The fit of ``kind`` on mesh ``axis`` alone."""
+        return self.link_over(kind, (axis,))
+
+    def link_over(self, kind: str, axes: Sequence[int]) -> LinkFit | None:
+        """The fit of ``kind`` on the group spanning exactly mesh ``axes`` (any order), if measured."""
+        axes = tuple(sorted(axes))
+        return next((f for f in self.links if f.kind == kind and f.axes == axes), None)
 
     def select_axes(self, keep: Sequence[int]) -> "MachineProfile":
-        """The profile of the sub-mesh made of axes ``keep`` (old indices, in their new order)."""
+        """The profile of the sub-mesh made of axes ``keep`` (old indices, in their new order);
+        a fit over several axes stays where all of them are kept (the same group of ranks)."""
         where = {old: new for new, old in enumerate(keep)}
-        return replace(self, links=tuple(replace(f, axis=where[f.axis]) for f in self.links if f.axis in where),
+        links = tuple(LinkFit.over(f.kind, [where[a] for a in f.axes], f.alpha, f.beta) for f in self.links
+                      if all(a in where for a in f.axes))
+        return replace(self, links=links,
                        blocking_s=tuple(self.blocking(old) for old in keep) if self.blocking_s else ())
 
     def to_dict(self) -> dict:
         return {"compute": self.compute.to_list(),
-                "links": [{"kind": f.kind, "axis": f.axis, "alpha": f.alpha, "beta": f.beta} for f in self.links],
+                "links": [f.to_dict() for f in self.links],
                 "measured_shape": list(self.measured_shape), "measured_axis_names": list(self.measured_axis_names),
                 "note": self.note, **({"time_scale": dict(self.time_scale)} if self.time_scale else {}),
                 **({"idle_speedup": self.idle_speedup} if self.idle_speedup != 1.0 else {}),
@@ -315,7 +360,7 @@ class MachineProfile:
     def from_dict(cls, data: dict) -> "MachineProfile":
         try:
             return cls(compute=ComputeProfile.from_list(data["compute"]),
-                       links=tuple(LinkFit(**f) for f in data["links"]),
+                       links=tuple(LinkFit.from_dict(f) for f in data["links"]),
                        measured_shape=tuple(data["measured_shape"]),
                        measured_axis_names=tuple(data["measured_axis_names"]), note=data.get("note", ""),
                        time_scale=tuple(data.get("time_scale", {}).items()),

@@ -14,7 +14,11 @@ its progress with ``verbose``:
    op however small (a chain of 0-dim ops forward and backward: ``kernel_floor_s``).
 2. **collectives** (``links.measure_axis``): all-reduce, all-gather, reduce-scatter and
    all-to-all over a range of sizes on every mesh axis of size > 1 -> one alpha/beta per axis
-   over all kinds (``MeshSpec.alpha``/``beta``) and one per kind and axis (``LinkFit``).
+   over all kinds (``MeshSpec.alpha``/``beta``) and one per kind and axis (``LinkFit``); then
+   the same on the group spanning each set of two or more such axes (``links.measure_group``,
+   ``spanned_axis_sets``: the mesh flattened over them, as a gradient bucket's sum over several
+   axes runs) -> one ``LinkFit`` per kind and set: a 4-rank group's latency is not its 2-rank
+   axes' (``layout.cost``).
 3. **overlap**: an asynchronous all-reduce alone (``t_comm``), a matmul loop of about the same
    length alone (``t_comp``) and both at once (``t_both``), over every rank:
    ``comm_overlap = (t_comm + t_comp - t_both) / min(t_comm, t_comp)`` clamped to [0, 1]; and
@@ -30,6 +34,7 @@ All ranks return the same ``MeshSpec`` (with its ``MachineProfile``); ``out=`` w
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import statistics
@@ -47,10 +52,11 @@ from autopar.runtime.calibrate_pipeline import action_seconds, measure_pipeline_
 from autopar.runtime.calibrate_compute import (GRID, MIN_REPETITION_S, QUICK_GRID, QUICK_REPETITION_S, device_figures,
                                                measure_compute, measure_kernel_floor)
 from autopar.runtime.links import (DEFAULT_SIZES, KINDS, MeshProfile, Timing, default_device, fit_alpha_beta,
-                                   lockstep_median, lockstep_medians, measure_axis, rank_device, ranks_reduce,
-                                   ring_factor)
+                                   lockstep_median, lockstep_medians, measure_axis, measure_group, rank_device,
+                                   ranks_reduce, ring_factor)
 
-__all__ = ["calibrate", "calibrate_detailed", "measure_blocking", "measure_overlap", "QUICK_SIZES"]
+__all__ = ["calibrate", "calibrate_detailed", "measure_blocking", "measure_overlap", "spanned_axis_sets",
+           "QUICK_SIZES"]
 
 KiB, MiB = 1024, 1024**2
 QUICK_SIZES = {"cpu": [64 * KiB, 1 * MiB, 4 * MiB], "cuda": [1 * MiB, 8 * MiB, 64 * MiB]}
@@ -191,11 +197,15 @@ def measure_blocking(group, *, rounds: int, device: torch.device, nbytes: int = 
 
 
 # ------------------------------------------------------------------------------- collectives
-def _fit_links(axis: int, n: int, measured: list[Timing], say: Callable[[str], None]) -> tuple[float, float, list]:
-    """The axis's all-kind (alpha, beta) and its per-kind ``LinkFit``s (a kind whose timings
-    do not grow with size keeps the all-kind figures: it gets no fit of its own)."""
+def _fit_links(axes: tuple[int, ...], n: int, measured: list[Timing],
+               say: Callable[[str], None]) -> tuple[float, float, list]:
+    """The group's all-kind (alpha, beta) and its per-kind ``LinkFit``s. A kind whose timings do
+    not grow with size gets no fit of its own: on one axis the axis's all-kind figures price it
+    (``MeshSpec.alpha``/``beta``); over several axes, where no mesh field holds them, the group's
+    all-kind fit is recorded as that kind's."""
+    where = f"axis {axes[0]}" if len(axes) == 1 else f"axes {axes}"
     alpha, beta = fit_alpha_beta([(t.nbytes * ring_factor(t.kind, n), t.seconds) for t in measured])
-    say(f"axis {axis} (n={n}) all kinds: alpha {alpha * 1e6:.1f} us, beta {beta * 1e9:.3f} ns/B "
+    say(f"{where} (n={n}) all kinds: alpha {alpha * 1e6:.1f} us, beta {beta * 1e9:.3f} ns/B "
         f"({1 / beta / 1e9:.2f} GB/s)")
     fits = []
     for kind in KINDS:
@@ -205,16 +215,28 @@ def _fit_links(axis: int, n: int, measured: list[Timing], say: Callable[[str], N
         try:
             a, b = fit_alpha_beta(mine)
         except ValueError as exc:
-            say(f"axis {axis} {kind}: no fit of its own ({exc}); it is priced by the all-kind fit")
-            continue
-        fits.append(LinkFit(kind, axis, a, b))
-        say(f"axis {axis} (n={n}) {kind}: alpha {a * 1e6:.1f} us, beta {b * 1e9:.3f} ns/B ({1 / b / 1e9:.2f} GB/s)")
+            if len(axes) == 1:
+                say(f"{where} {kind}: no fit of its own ({exc}); it is priced by the all-kind fit")
+                continue
+            say(f"{where} {kind}: no fit of its own ({exc}); the group's all-kind fit is recorded as its")
+            a, b = alpha, beta
+        fits.append(LinkFit.over(kind, axes, a, b))
+        say(f"{where} (n={n}) {kind}: alpha {a * 1e6:.1f} us, beta {b * 1e9:.3f} ns/B ({1 / b / 1e9:.2f} GB/s)")
     return alpha, beta, fits
+
+
+def spanned_axis_sets(shape: Sequence[int]) -> list[tuple[int, ...]]:
+    """Every set of two or more mesh axes of size > 1: the groups a collective over several axes
+    runs on (a gradient bucket's sum, ``ProcessMesh.group_over``), each priced by its own fit
+    (``layout.cost``). One on a 2-D mesh, four on a 3-D one of three such axes."""
+    wide = [a for a, n in enumerate(shape) if n > 1]
+    return [c for k in range(2, len(wide) + 1) for c in itertools.combinations(wide, k)]
 
 
 def _collectives(device_mesh, shape: tuple[int, ...], sizes: Sequence[int], repeats: int, device: torch.device,
                  say: Callable[[str], None]) -> tuple[list[float], list[float], list[LinkFit], list[Timing]]:
-    """Per axis: the all-kind alpha and beta (0 on an axis of size 1), the per-kind fits, the timings."""
+    """Per axis: the all-kind alpha and beta (0 on an axis of size 1); the per-kind fits of each
+    axis and of each set of several axes (``spanned_axis_sets``); the timings."""
     timings: list[Timing] = []
     alpha, beta, links = [], [], []
     for axis, n in enumerate(shape):
@@ -224,10 +246,14 @@ def _collectives(device_mesh, shape: tuple[int, ...], sizes: Sequence[int], repe
             continue
         measured = measure_axis(device_mesh, axis, sizes, device=device, repeats=repeats)
         timings += measured
-        a, b, fits = _fit_links(axis, n, measured, say)
+        a, b, fits = _fit_links((axis,), n, measured, say)
         alpha.append(a)
         beta.append(b)
         links += fits
+    for axes in spanned_axis_sets(shape):
+        measured = measure_group(device_mesh, axes, sizes, device=device, repeats=repeats)
+        timings += measured
+        links += _fit_links(axes, math.prod(shape[a] for a in axes), measured, say)[2]
     return alpha, beta, links, timings
 
 
