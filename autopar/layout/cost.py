@@ -26,8 +26,11 @@ collective cost the same whichever mesh names them: a (2, 2) mesh's 4-rank all-r
 as the (4,) mesh's, not at a 2-rank latency. Where the profile has no such fit (a preset, a
 profile written before them, JSON version 6 or before, or a set calibration did not measure) the
 fallback is the slowest of the axes' own links, a ring bottlenecked by its slowest hop: the best
-the per-axis figures say, though it under-prices the latency of a bigger group (a ring of ``n``
-ranks takes ``2(n-1)`` hops; a 2-rank fit's alpha paid ``2``).
+the per-axis figures say, though it under-prices the latency of a bigger group (an all-reduce's
+ring over ``n`` ranks takes ``2(n-1)`` steps; a 2-rank fit's alpha covers 2). Either way a
+collective over several axes is priced as one collective on their group, as the runtime issues
+a gradient bucket's sum; an in-graph sum over several axes runs as a chain of per-axis
+collectives (``runtime.kernels.all_reduce_axes``), which one group's price only approximates.
 
 A **synchronous** collective (``blocking=True``, the default: a conversion, an op's in-graph sum,
 a gradient summed in backward without a bucket -- the runtime's autograd functions wait for it
@@ -44,8 +47,8 @@ blocking sum over several axes runs as a chain of per-axis collectives
 
 On a calibrated mesh (``MeshSpec.machine``, ``autopar.layout.machine``) the same formulas take
 measured figures: a collective the per-(kind, axes) ``alpha``/``beta`` where that kind was fitted
-on that group (above; else, per axis, the axis's all-kind fit); a kernel of a measured op class its achieved rate at
-its size and dtype instead of the peak: ``flops / rate(flops)`` for matmul and attention,
+on that group (above; else, per axis, the axis's all-kind fit); a kernel of a measured op class
+its achieved rate at its size and dtype instead of the peak: ``flops / rate(flops)`` for matmul and attention,
 ``nbytes / rate(nbytes)`` for elementwise, normalisation and pooling ops, each still no less than
 its other roofline term and the kernel floor; a convolution's or pool's backward at its own
 measured backward rate; the optimizer step (``optimizer_seconds``) at the measured AdamW rate;
@@ -180,7 +183,7 @@ def collective_seconds(kind: str, nbytes: float, mesh: MeshSpec, axes: Iterable[
     if bucket_cap and kind in ("all_reduce", "reduce_scatter", "all_gather"):
         alpha *= min(1.0, nbytes / bucket_cap)
     if blocking and not bucket_cap and kind != "split" and mesh.machine is not None:
-        alpha += max(mesh.machine.blocking(a) for a in axes if mesh.shape[a] > 1)
+        alpha += mesh.machine.blocking_of([a for a in axes if mesh.shape[a] > 1])
     if kind in ("all_gather", "reduce_scatter"):
         return alpha + beta * nbytes * (n - 1) / n
     if kind == "all_reduce":

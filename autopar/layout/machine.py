@@ -42,6 +42,11 @@ roofline. Its parts:
   Calibration measures it (``runtime/calibrate.py``, ``measure_blocking``); the cost model adds it
   to every synchronous collective (``layout.cost.collective_seconds``). ``()``: not measured (a
   profile written before it, JSON version 4): 0, priced as before.
+- ``blocking_over``: the same per set of two or more mesh axes of size > 1 (JSON version 7): what
+  a blocking sum over all of them holds a step beyond its lockstep price (the fit of their
+  spanning group, ``link_over``), measured on what the runtime issues for it -- a chain of
+  per-axis all-reduces (``runtime.kernels.all_reduce_axes``), each axis's ranks arriving apart.
+  ``blocking_of`` reads it; a set not measured: the largest of its axes' ``blocking_s``.
 - ``pipeline_action_s``: what one action of torch's pipeline schedule (a stage's forward or
   backward of one micro-batch) costs beyond its ops and its point-to-point transfer's
   ``alpha + beta * bytes``: the schedule's bookkeeping, the stage's buffers, the batched
@@ -246,6 +251,25 @@ class LinkFit:
         return cls(data["kind"], data["axis"], data["alpha"], data["beta"], tuple(data.get("axes", ())))
 
 
+def _blocking_over(items) -> tuple[tuple[tuple[int, ...], float], ...]:
+    """``MachineProfile.blocking_over`` checked: distinct increasing sets of >= 2 axes, seconds >= 0."""
+    out = []
+    for item in items:
+        try:
+            axes, seconds = item
+            axes = tuple(axes)
+        except (TypeError, ValueError):
+            axes, seconds = (), None
+        if len(axes) < 2 or not all(_axis_index(a) for a in axes) or any(b <= a for a, b in zip(axes, axes[1:])) \
+                or not (_positive(seconds) or (isinstance(seconds, (int, float)) and seconds == 0)):
+            raise ValueError(f"MachineProfile.blocking_over needs (increasing mesh axes, two or more; seconds >= 0) "
+                             f"pairs, got {item!r}")
+        out.append((axes, float(seconds)))
+    if len({a for a, _ in out}) != len(out):
+        raise ValueError(f"MachineProfile.blocking_over has two figures for one set of axes: {items!r}")
+    return tuple(out)
+
+
 @dataclass(frozen=True, slots=True)
 class MachineProfile:
     """What calibration measured: compute rates, per-kind link fits, and where: the mesh shape
@@ -271,6 +295,8 @@ class MachineProfile:
     # Per mesh axis (measured_shape's), seconds a blocking collective pays mid-step beyond its
     # lockstep time (module docstring); () where not measured, an axis past its end: 0.
     blocking_s: tuple[float, ...] = ()
+    # ((mesh axes, seconds), ...): the same for a blocking sum over several axes (module docstring).
+    blocking_over: tuple[tuple[tuple[int, ...], float], ...] = ()
     # Seconds one pipeline schedule action costs beyond its work and transfer (module docstring);
     # None: not measured, the preset's default (``layout.cost.pipeline_action_seconds``).
     pipeline_action_s: float | None = None
@@ -304,6 +330,7 @@ class MachineProfile:
             raise ValueError(f"MachineProfile.blocking_s needs one finite number of seconds >= 0 per mesh axis, "
                              f"got {self.blocking_s!r}")
         object.__setattr__(self, "blocking_s", tuple(float(b) for b in blocking))
+        object.__setattr__(self, "blocking_over", _blocking_over(self.blocking_over))
         if self.pipeline_action_s is not None:
             # 0 is a measurement (the transfers' price covered the whole action), not a missing one.
             action = self.pipeline_action_s
@@ -315,6 +342,7 @@ class MachineProfile:
         object.__setattr__(self, "_hash", hash((self.compute, self.links, self.measured_shape,
                                                 self.measured_axis_names, self.note, self.time_scale,
                                                 self.idle_speedup, self.kernel_floor_s, self.blocking_s,
+                                                self.blocking_over,
                                                 self.pipeline_action_s)))
 
     def __hash__(self) -> int:
@@ -327,6 +355,13 @@ class MachineProfile:
     def blocking(self, axis: int) -> float:
         """``blocking_s`` of mesh ``axis`` (0 where not measured)."""
         return self.blocking_s[axis] if axis < len(self.blocking_s) else 0.0
+
+    def blocking_of(self, axes: Sequence[int]) -> float:
+        """What a blocking collective over mesh ``axes`` (those of size > 1) holds a step beyond
+        its lockstep price: the figure measured on exactly that set, else the largest of its axes'."""
+        axes = tuple(sorted(axes))
+        measured = next((b for a, b in self.blocking_over if a == axes), None) if len(axes) > 1 else None
+        return max((self.blocking(a) for a in axes), default=0.0) if measured is None else measured
 
     def link(self, kind: str, axis: int) -> LinkFit | None:
         """The fit of ``kind`` on mesh ``axis`` alone."""
@@ -343,7 +378,9 @@ class MachineProfile:
         where = {old: new for new, old in enumerate(keep)}
         links = tuple(LinkFit.over(f.kind, [where[a] for a in f.axes], f.alpha, f.beta) for f in self.links
                       if all(a in where for a in f.axes))
-        return replace(self, links=links,
+        over = tuple((tuple(sorted(where[a] for a in axes)), b) for axes, b in self.blocking_over
+                     if all(a in where for a in axes))
+        return replace(self, links=links, blocking_over=over,
                        blocking_s=tuple(self.blocking(old) for old in keep) if self.blocking_s else ())
 
     def to_dict(self) -> dict:
@@ -354,6 +391,8 @@ class MachineProfile:
                 **({"idle_speedup": self.idle_speedup} if self.idle_speedup != 1.0 else {}),
                 **({"kernel_floor_s": self.kernel_floor_s} if self.kernel_floor_s is not None else {}),
                 **({"blocking_s": list(self.blocking_s)} if self.blocking_s else {}),
+                **({"blocking_over": [{"axes": list(a), "seconds": b} for a, b in self.blocking_over]}
+                   if self.blocking_over else {}),
                 **({"pipeline_action_s": self.pipeline_action_s} if self.pipeline_action_s is not None else {})}
 
     @classmethod
@@ -366,6 +405,7 @@ class MachineProfile:
                        time_scale=tuple(data.get("time_scale", {}).items()),
                        idle_speedup=data.get("idle_speedup", 1.0), kernel_floor_s=data.get("kernel_floor_s"),
                        blocking_s=tuple(data.get("blocking_s", ())),
+                       blocking_over=tuple((tuple(b["axes"]), b["seconds"]) for b in data.get("blocking_over", ())),
                        pipeline_action_s=data.get("pipeline_action_s"))
         except (KeyError, TypeError) as exc:
             raise ValueError(f"malformed machine profile in MeshSpec JSON: {type(exc).__name__}: {exc}") from None

@@ -53,8 +53,8 @@ GiB = 1024**3
 #    has none: 0, priced as it was.
 # 6: the machine's pipeline_action_s (a pipeline schedule action's overhead); a version-5 machine has
 #    none: the preset's default (``layout.cost.pipeline_action_seconds``).
-# 7: link fits over several mesh axes (a link's "axes"); a version-6 machine has per-axis fits only,
-#    priced as it was (``layout.cost``).
+# 7: link fits and blocking waits over several mesh axes (a link's "axes", the machine's
+#    blocking_over); a version-6 machine has per-axis ones only, priced as it was (``layout.cost``).
 JSON_VERSION = 7
 
 
@@ -402,9 +402,10 @@ class MeshSpec:
                 raise ValueError(f"malformed MeshSpec JSON: version {version} has no pipeline_action_s "
                                  f"(use version 6)")
             links = data["machine"].get("links")
-            if version < 7 and isinstance(links, list) and any(isinstance(f, dict) and "axes" in f for f in links):
+            if version < 7 and ("blocking_over" in data["machine"] or isinstance(links, list) and any(
+                    isinstance(f, dict) and "axes" in f for f in links)):
                 raise ValueError(f"malformed MeshSpec JSON: version {version} has no link fits over several axes "
-                                 f"(use version 7)")
+                                 f"or blocking_over (use version 7)")
             data["machine"] = MachineProfile.from_dict(data["machine"])
         try:
             return cls(**data)

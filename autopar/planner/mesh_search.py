@@ -273,6 +273,7 @@ def on_one_machine(meshes: Sequence[MeshSpec]) -> list[MeshSpec]:
             out.append(mesh)
             continue
         machine = replace(ref.machine, links=mesh.machine.links, blocking_s=mesh.machine.blocking_s,
+                          blocking_over=mesh.machine.blocking_over,
                           measured_shape=mesh.machine.measured_shape,
                           measured_axis_names=mesh.machine.measured_axis_names, note=mesh.machine.note)
         out.append(replace(mesh, peak_flops=ref.peak_flops, half_peak_flops=ref.half_peak_flops,

@@ -25,7 +25,9 @@ its progress with ``verbose``:
    a matmul loop on every rank against the same loop on half of them while the rest wait:
    ``MachineProfile.idle_speedup`` (what a pipeline bubble's busy ranks gain where ranks share
    cores); and per mesh axis, what a blocking collective costs mid-step beyond its lockstep time
-   (``measure_blocking``: ``MachineProfile.blocking_s``); and, where mesh axis 0 can form a
+   (``measure_blocking``: ``MachineProfile.blocking_s``), and per set of several axes what a
+   blocking sum over them -- the runtime's chain of per-axis all-reduces -- costs beyond its
+   group's lockstep price (``MachineProfile.blocking_over``); and, where mesh axis 0 can form a
    pipeline of 2 stages or more, what one action of torch's pipeline schedule costs beyond its
    transfers (``calibrate_pipeline``: ``MachineProfile.pipeline_action_s``; None elsewhere).
 
@@ -150,10 +152,13 @@ def measure_idle_speedup(*, repeats: int, device: torch.device) -> tuple[float, 
     return min(max(t_all / t_half, 1.0), float(world)), {"all": t_all, "half": t_half}
 
 
-def measure_blocking(group, *, rounds: int, device: torch.device, nbytes: int = BLOCKING_BYTES,
+def measure_blocking(groups, *, rounds: int, device: torch.device, nbytes: int = BLOCKING_BYTES,
                      calls: int = _BLOCKING_CALLS) -> tuple[float, dict[str, float]]:
-    """The seconds a synchronous all-reduce of ``nbytes`` over ``group`` holds a step, per call,
+    """The seconds a synchronous all-reduce of ``nbytes`` over ``groups`` holds a step, per call,
     where it comes between compute as a step's in-graph collectives do; and the figures beside it.
+    ``groups``: one process group, or a sequence of them summed over one after another -- a sum
+    over several mesh axes as the runtime issues it, a chain of per-axis all-reduces
+    (``runtime.kernels.all_reduce_axes``).
 
     Two callables, timed in lockstep (``links.lockstep_medians``) in each of ``rounds`` rounds,
     interleaved: ``calls`` compute bursts of about ``_BURST_S`` each (``bursts``), and the same
@@ -164,6 +169,7 @@ def measure_blocking(group, *, rounds: int, device: torch.device, nbytes: int = 
     its quartiles over rounds (``low``, ``high``: the spread) and the median burst (``burst``).
     Calibration subtracts the lockstep price of the same all-reduce (the links' fit) to get
     ``MachineProfile.blocking_s``."""
+    chain_of = list(groups) if isinstance(groups, (list, tuple)) else [groups]
     x = torch.ones(max(1, nbytes // 4), device=device)
     a = torch.randn(128, 128, device=device)
 
@@ -185,7 +191,8 @@ def measure_blocking(group, *, rounds: int, device: torch.device, nbytes: int = 
     def chain() -> None:
         for _ in range(calls):
             one()
-            dist.all_reduce(x, group=group)
+            for group in chain_of:
+                dist.all_reduce(x, group=group)
 
     held, lengths = [], []
     for r in range(rounds):
@@ -288,6 +295,9 @@ def _in_group(shape: tuple[int, ...], device_type: str, sizes: Sequence[int], re
     rounds = max(repeats, 5 if quick else _BLOCKING_ROUNDS)
     held = [measure_blocking(device_mesh.get_group(axis), rounds=rounds, device=device) if n > 1 else None
             for axis, n in enumerate(shape)]
+    # A blocking sum over several axes runs as a chain of per-axis all-reduces: timed so.
+    held_over = {axes: measure_blocking([device_mesh.get_group(a) for a in axes], rounds=rounds, device=device)
+                 for axes in spanned_axis_sets(shape)}
     speedup = 1.0
     if math.prod(shape) > 1:
         speedup, parts = measure_idle_speedup(repeats=max(repeats, 9), device=device)
@@ -318,6 +328,13 @@ def _in_group(shape: tuple[int, ...], device_type: str, sizes: Sequence[int], re
             f"burst holds the step {seconds * 1e6:.0f} us (quartiles over rounds {parts['low'] * 1e6:.0f} to "
             f"{parts['high'] * 1e6:.0f} us), priced {lockstep * 1e6:.0f} us in lockstep: "
             f"{blocking[-1] * 1e6:.0f} us more per blocking collective")
+    blocking_over = []
+    for axes, (seconds, parts) in held_over.items():
+        lockstep = collective_seconds("all_reduce", BLOCKING_BYTES, mesh, axes, blocking=False)
+        blocking_over.append((axes, max(seconds - lockstep, 0.0)))
+        say(f"axes {axes}: a blocking {BLOCKING_BYTES // KiB} KiB sum over them (a chain of per-axis all-reduces) "
+            f"holds the step {seconds * 1e6:.0f} us (quartiles {parts['low'] * 1e6:.0f} to {parts['high'] * 1e6:.0f} "
+            f"us), priced {lockstep * 1e6:.0f} us in lockstep on their group: {blocking_over[-1][1] * 1e6:.0f} us more")
     action = None
     if pipelined is not None:
         per_microbatch, parts = pipelined
@@ -328,7 +345,8 @@ def _in_group(shape: tuple[int, ...], device_type: str, sizes: Sequence[int], re
         say(f"1F1B over axis 0 (trivial stages): {parts['lo'] * 1e3:.2f} ms at {parts['m_lo']:.0f} micro-batches, "
             f"{parts['hi'] * 1e3:.2f} ms at {parts['m_hi']:.0f}: {per_microbatch * 1e3:.3f} ms per micro-batch, "
             f"{p2p * 1e3:.3f} ms of it priced as transfers: {action * 1e3:.3f} ms per schedule action")
-    mesh = replace(mesh, machine=replace(machine, blocking_s=tuple(blocking), pipeline_action_s=action))
+    mesh = replace(mesh, machine=replace(machine, blocking_s=tuple(blocking), blocking_over=tuple(blocking_over),
+                                         pipeline_action_s=action))
     say.stage = ""
     say(f"done: fp32 matmul {flops / 1e9:.1f} GFLOP/s, bf16 {half / 1e9 if half else math.nan:.1f} GFLOP/s, "
         f"memory {bandwidth / 1e9:.2f} GB/s, overlap {overlap:.0%}")

@@ -113,6 +113,9 @@ def test_profile_inside_an_existing_group_on_a_2x2_mesh():
     spanning = mesh.machine.link_over("all_reduce", (0, 1))
     assert collective_seconds("all_reduce", MiB, mesh, (0, 1), blocking=False) == pytest.approx(
         spanning.alpha + spanning.beta * MiB * 2 * 3 / 4)
+    # And a blocking sum over both axes, timed as the runtime chains it.
+    assert [axes for axes, _ in mesh.machine.blocking_over] == [(0, 1)]
+    assert 0.0 <= mesh.machine.blocking_of((0, 1)) < 0.1
     assert MeshSpec.from_json(mesh.to_json()) == mesh
 
 
