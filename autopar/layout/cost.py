@@ -40,10 +40,11 @@ the links were fitted on -- the ranks arrive apart and the waiting thread is wok
 asynchronous one (``blocking=False``; every bucketed one, ``bucket_cap > 0``: gradient buckets,
 ZeRO's batched collectives) does not: it is waited on where backward or the step ends, and its
 exposure is the overlap model's (``MeshSpec.comm_overlap``, ``solver/overlap.py``). Over several
-axes it is the largest per-axis figure, never one measured on their spanning group: the runtime
-issues no blocking collective on that group (only bucketed, asynchronous sums go there); a
-blocking sum over several axes runs as a chain of per-axis collectives
-(``runtime.kernels.all_reduce_axes``), each axis's ranks arriving apart as that axis's did.
+axes (of size > 1) it is the figure measured on exactly that set (``MachineProfile.blocking_of``:
+``blocking_over``, timed on what the runtime issues for it -- a chain of per-axis all-reduces,
+``runtime.kernels.all_reduce_axes``; only bucketed, asynchronous sums use the spanning group --
+beyond the group fit's lockstep price), else the largest of its axes' ``blocking_s``: a (2, 2)
+mesh's blocking sum over both axes waits as its 4 ranks do, not as a 2-rank axis does.
 
 On a calibrated mesh (``MeshSpec.machine``, ``autopar.layout.machine``) the same formulas take
 measured figures: a collective the per-(kind, axes) ``alpha``/``beta`` where that kind was fitted
