@@ -248,6 +248,9 @@ class LinkFit:
 
     @classmethod
     def from_dict(cls, data: dict) -> "LinkFit":
+        unknown = set(data) - {"kind", "axis", "alpha", "beta", "axes"}
+        if unknown:
+            raise TypeError(f"unexpected link fit fields {sorted(unknown)}")
         return cls(data["kind"], data["axis"], data["alpha"], data["beta"], tuple(data.get("axes", ())))
 
 

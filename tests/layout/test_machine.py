@@ -388,6 +388,10 @@ def test_fits_over_several_axes_round_trip_and_a_version_6_profile_prices_as_bef
         max(1e-3, old.alpha[1]) + max(2e-9, old.beta[1]) * 1e6 * 2 * 3 / 4)
     with pytest.raises(ValueError, match="version 6 has no link fits over several axes"):
         MeshSpec.from_json(json.dumps({**data, "version": 6}))
+    bad = json.loads(mesh.to_json())
+    bad["machine"]["links"][0]["group"] = [0, 1]
+    with pytest.raises(ValueError, match="malformed machine profile.*unexpected link fit fields"):
+        MeshSpec.from_json(json.dumps(bad))
     with pytest.raises(ValueError, match=r"link fits for axes \[2\] of a 2-D mesh"):
         _mesh(machine=replace(_profile(), links=(LinkFit.over("all_reduce", (0, 2), 1e-3, 1e-9),)))
 
