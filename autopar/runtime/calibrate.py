@@ -225,7 +225,7 @@ def _fit_links(axes: tuple[int, ...], n: int, measured: list[Timing],
             if len(axes) == 1:
                 say(f"{where} {kind}: no fit of its own ({exc}); it is priced by the all-kind fit")
                 continue
-            say(f"{where} {kind}: no fit of its own ({exc}); the group's all-kind fit is recorded as its")
+            say(f"{where} {kind}: no fit of its own ({exc}); the group's all-kind fit is recorded as its own")
             a, b = alpha, beta
         fits.append(LinkFit.over(kind, axes, a, b))
         say(f"{where} (n={n}) {kind}: alpha {a * 1e6:.1f} us, beta {b * 1e9:.3f} ns/B ({1 / b / 1e9:.2f} GB/s)")
