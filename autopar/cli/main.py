@@ -9,6 +9,7 @@ usage errors (unknown options) with argparse's status 2.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import time
@@ -347,6 +348,10 @@ def cmd_calibrate(args) -> int:
     for name, size, a, b in zip(mesh.axis_names, mesh.shape, mesh.alpha, mesh.beta):
         bw = f"{1 / b / 1e9:.2f} GB/s" if b else "n/a"
         print(f"axis {name} (n={size}): alpha {a * 1e6:.1f} us, beta {b * 1e9:.3f} ns/B ({bw})")
+    for fit in mesh.machine.links if mesh.machine is not None else ():
+        if len(fit.axes) > 1 and fit.kind == "all_reduce":  # the group a bucket over several axes sums on
+            names, size = "+".join(mesh.axis_names[a] for a in fit.axes), math.prod(mesh.shape[a] for a in fit.axes)
+            print(f"axes {names} (n={size}) all-reduce: alpha {fit.alpha * 1e6:.1f} us, beta {fit.beta * 1e9:.3f} ns/B")
     half = f", bf16 {mesh.half_peak_flops / 1e9:.1f} GFLOP/s" if mesh.half_peak_flops else ""
     print(f"device: {mesh.peak_flops / 1e9:.1f} GFLOP/s fp32 matmul{half}, {mesh.mem_bandwidth / 1e9:.2f} GB/s; "
           f"{mesh.comm_overlap:.0%} of a collective hidden under compute; wrote {args.out}")

@@ -5,9 +5,8 @@ Compute: roofline ``max(flops / peak, bytes / mem_bandwidth)`` with a per-kernel
 bf16/fp16 peak for 2-byte floats, the fp32 peak otherwise).
 
 Communication over mesh axes ``axes`` of a tensor whose *full* size (over those axes) is
-``nbytes``, with ``n`` the product of the axis sizes, ``alpha``/``beta`` the slowest of the
-axes (a collective over several axes is one ring through the whole group, bottlenecked by its
-slowest link):
+``nbytes``, with ``n`` the product of the axis sizes and ``alpha``/``beta`` the group's link
+(below); a collective over several axes is one ring through the whole group:
 
 =================  ======================================================
 all-gather         ``alpha + beta * nbytes * (n-1)/n``  (``nbytes`` = gathered output)
@@ -19,6 +18,20 @@ split (local)      ``2 * (nbytes / n) / mem_bandwidth``  (a copy of the local pi
 
 A collective over a single device (``n == 1``) costs nothing.
 
+The group's ``alpha``/``beta``: over one axis (of size > 1), that axis's. Over several, the fit
+measured on exactly the group they span (``MachineProfile.link_over``: calibration times each
+kind on every set of two or more axes of size > 1, flattened into one group as the runtime's
+gradient buckets issue their sums, ``ProcessMesh.group_over``), so the same ranks doing the same
+collective cost the same whichever mesh names them: a (2, 2) mesh's 4-rank all-reduce is priced
+as the (4,) mesh's, not at a 2-rank latency. Where the profile has no such fit (a preset, a
+profile written before them, JSON version 6 or before, or a set calibration did not measure) the
+fallback is the slowest of the axes' own links, a ring bottlenecked by its slowest hop: the best
+the per-axis figures say, though it under-prices the latency of a bigger group (an all-reduce's
+ring over ``n`` ranks takes ``2(n-1)`` steps; a 2-rank fit's alpha covers 2). Either way a
+collective over several axes is priced as one collective on their group, as the runtime issues
+a gradient bucket's sum; an in-graph sum over several axes runs as a chain of per-axis
+collectives (``runtime.kernels.all_reduce_axes``), which one group's price only approximates.
+
 A **synchronous** collective (``blocking=True``, the default: a conversion, an op's in-graph sum,
 a gradient summed in backward without a bucket -- the runtime's autograd functions wait for it
 before the next op runs) adds, on a calibrated mesh, its axes' ``MachineProfile.blocking_s``
@@ -26,12 +39,17 @@ before the next op runs) adds, on a calibrated mesh, its axes' ``MachineProfile.
 the links were fitted on -- the ranks arrive apart and the waiting thread is woken late. An
 asynchronous one (``blocking=False``; every bucketed one, ``bucket_cap > 0``: gradient buckets,
 ZeRO's batched collectives) does not: it is waited on where backward or the step ends, and its
-exposure is the overlap model's (``MeshSpec.comm_overlap``, ``solver/overlap.py``).
+exposure is the overlap model's (``MeshSpec.comm_overlap``, ``solver/overlap.py``). Over several
+axes (of size > 1) it is the figure measured on exactly that set (``MachineProfile.blocking_of``:
+``blocking_over``, timed on what the runtime issues for it -- a chain of per-axis all-reduces,
+``runtime.kernels.all_reduce_axes``; only bucketed, asynchronous sums use the spanning group --
+beyond the group fit's lockstep price), else the largest of its axes' ``blocking_s``: a (2, 2)
+mesh's blocking sum over both axes waits as its 4 ranks do, not as a 2-rank axis does.
 
 On a calibrated mesh (``MeshSpec.machine``, ``autopar.layout.machine``) the same formulas take
-measured figures: a collective the per-(kind, axis) ``alpha``/``beta`` where that kind was fitted
-on that axis (else the axis's all-kind fit); a kernel of a measured op class its achieved rate at
-its size and dtype instead of the peak: ``flops / rate(flops)`` for matmul and attention,
+measured figures: a collective the per-(kind, axes) ``alpha``/``beta`` where that kind was fitted
+on that group (above; else, per axis, the axis's all-kind fit); a kernel of a measured op class
+its achieved rate at its size and dtype instead of the peak: ``flops / rate(flops)`` for matmul and attention,
 ``nbytes / rate(nbytes)`` for elementwise, normalisation and pooling ops, each still no less than
 its other roofline term and the kernel floor; a convolution's or pool's backward at its own
 measured backward rate; the optimizer step (``optimizer_seconds``) at the measured AdamW rate;
@@ -116,6 +134,8 @@ def copy_seconds(nbytes: float, mesh: MeshSpec) -> float:
 
 
 def _group(mesh: MeshSpec, axes: Iterable[int], kind: str) -> tuple[int, float, float]:
+    """(ranks, alpha, beta) of ``kind`` over mesh ``axes``: the fit measured on exactly the
+    group they span where the profile has one, else the slowest axis's (module docstring)."""
     axes = tuple(axes)
     if not axes:
         raise ValueError("a collective needs at least one mesh axis")
@@ -123,6 +143,11 @@ def _group(mesh: MeshSpec, axes: Iterable[int], kind: str) -> tuple[int, float, 
         if not 0 <= a < mesh.ndim:
             raise ValueError(f"mesh axis {a} out of range for mesh {mesh.shape}")
     n = math.prod(mesh.shape[a] for a in axes)
+    # An axis of size 1 adds no rank: the group over (0, 1, 2) of a 2x2x1 mesh is (0, 1)'s.
+    spanning = sorted({a for a in axes if mesh.shape[a] > 1})
+    fit = mesh.machine.link_over(kind, spanning) if mesh.machine is not None and len(spanning) > 1 else None
+    if fit is not None:
+        return n, fit.alpha, fit.beta
     links = [_link(mesh, kind, a) for a in axes]
     return n, max(alpha for alpha, _ in links), max(beta for _, beta in links)
 
@@ -159,7 +184,7 @@ def collective_seconds(kind: str, nbytes: float, mesh: MeshSpec, axes: Iterable[
     if bucket_cap and kind in ("all_reduce", "reduce_scatter", "all_gather"):
         alpha *= min(1.0, nbytes / bucket_cap)
     if blocking and not bucket_cap and kind != "split" and mesh.machine is not None:
-        alpha += max(mesh.machine.blocking(a) for a in axes if mesh.shape[a] > 1)
+        alpha += mesh.machine.blocking_of([a for a in axes if mesh.shape[a] > 1])
     if kind in ("all_gather", "reduce_scatter"):
         return alpha + beta * nbytes * (n - 1) / n
     if kind == "all_reduce":

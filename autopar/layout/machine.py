@@ -18,7 +18,13 @@ roofline. Its parts:
   of equal FLOPs into one curve, which is what the grid then averages over.
 - ``LinkFit``: one collective kind's ``alpha``/``beta`` on one mesh axis (the per-axis fit of
   ``MeshSpec.alpha``/``beta`` is over all kinds at once; gloo's reduce-scatter costs about an
-  all-reduce, its all-to-all less, so one pair cannot fit them all).
+  all-reduce, its all-to-all less, so one pair cannot fit them all), or on the group of several
+  axes flattened into one (``LinkFit.axes``; calibration measures every set of two or more axes
+  of size > 1, ``runtime/calibrate.py``): a collective's latency grows with the ranks of its
+  group (4 gloo ranks on this 2-core host: all-reduce alpha 3.6 ms over 4 ranks, 0.45-1.1 ms over
+  2), so the per-axis fits of a 2x2 mesh do not price its 4-rank group. ``link_over`` finds the
+  fit of exactly a set of axes; a profile without one (JSON version 6 or before) prices as before
+  (``layout.cost``).
 
 - ``time_scale``: per op class, a model's timed steps over what the profile priced them at
   (``autoparallelize(refine=True)``): a factor on each kernel's priced seconds.
@@ -36,6 +42,11 @@ roofline. Its parts:
   Calibration measures it (``runtime/calibrate.py``, ``measure_blocking``); the cost model adds it
   to every synchronous collective (``layout.cost.collective_seconds``). ``()``: not measured (a
   profile written before it, JSON version 4): 0, priced as before.
+- ``blocking_over``: the same per set of two or more mesh axes of size > 1 (JSON version 7): what
+  a blocking sum over all of them holds a step beyond its lockstep price (the fit of their
+  spanning group, ``link_over``), measured on what the runtime issues for it -- a chain of
+  per-axis all-reduces (``runtime.kernels.all_reduce_axes``), each axis's ranks arriving apart.
+  ``blocking_of`` reads it; a set not measured: the largest of its axes' ``blocking_s``.
 - ``pipeline_action_s``: what one action of torch's pipeline schedule (a stage's forward or
   backward of one micro-batch) costs beyond its ops and its point-to-point transfer's
   ``alpha + beta * bytes``: the schedule's bookkeeping, the stage's buffers, the batched
@@ -186,25 +197,80 @@ class ComputeProfile:
         return cls(tuple((i["op_class"], i["dtype"], RateTable(tuple(i["sizes"]), tuple(i["rates"]))) for i in items))
 
 
+def _axis_index(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
 @dataclass(frozen=True, slots=True)
 class LinkFit:
-    """Collective ``kind`` on mesh ``axis``: ``alpha`` s per call + ``beta`` s per byte on the
-    cost model's ring factor (``autopar.layout.cost``)."""
+    """Collective ``kind`` on the group of mesh ``axes``: ``alpha`` s per call + ``beta`` s per
+    byte on the cost model's ring factor (``autopar.layout.cost``) with ``n`` the group's ranks.
+
+    ``axes`` (increasing; ``()`` given: ``(axis,)``) is the group it was timed on: one axis, or
+    several flattened into one group (``LinkFit.over``), as the runtime issues a gradient bucket's
+    sum over several axes (``ProcessMesh.group_over``). ``axis`` is the first of them: a one-axis
+    fit reads as it did before several-axis fits existed."""
 
     kind: str
     axis: int
     alpha: float
     beta: float
+    axes: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.kind not in LINK_KINDS:
             raise ValueError(f"unknown collective kind {self.kind!r}; expected one of {LINK_KINDS}")
-        if isinstance(self.axis, bool) or not isinstance(self.axis, int) or self.axis < 0:
+        if not _axis_index(self.axis):
             raise ValueError(f"LinkFit axis must be a mesh axis index >= 0, got {self.axis!r}")
+        axes = tuple(self.axes) or (self.axis,)
+        if not all(_axis_index(a) for a in axes) or any(b <= a for a, b in zip(axes, axes[1:])) \
+                or axes[0] != self.axis:
+            raise ValueError(f"LinkFit axes must be increasing mesh axis indices starting at its axis "
+                             f"{self.axis!r}, got {self.axes!r}")
+        object.__setattr__(self, "axes", axes)
         # A fit's latency may come out 0 (clamped: noisy small sizes); its bandwidth term may not.
         if not (_positive(self.alpha) or self.alpha == 0.0) or not _positive(self.beta):
-            raise ValueError(f"LinkFit {self.kind} on axis {self.axis}: alpha must be >= 0 and beta positive, got "
+            raise ValueError(f"LinkFit {self.kind} on axes {self.axes}: alpha must be >= 0 and beta positive, got "
                              f"{self.alpha}, {self.beta}")
+
+    @classmethod
+    def over(cls, kind: str, axes: Sequence[int], alpha: float, beta: float) -> "LinkFit":
+        """The fit of ``kind`` on the group spanning mesh ``axes`` (in any order)."""
+        axes = tuple(sorted(axes))
+        if not axes:
+            raise ValueError(f"LinkFit {kind} needs at least one mesh axis")
+        return cls(kind, axes[0], alpha, beta, axes)
+
+    def to_dict(self) -> dict:
+        """Its JSON record; a one-axis fit's is the version-6 record (no ``axes``)."""
+        return {"kind": self.kind, "axis": self.axis, "alpha": self.alpha, "beta": self.beta,
+                **({"axes": list(self.axes)} if len(self.axes) > 1 else {})}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "LinkFit":
+        unknown = set(data) - {"kind", "axis", "alpha", "beta", "axes"}
+        if unknown:
+            raise TypeError(f"unexpected link fit fields {sorted(unknown)}")
+        return cls(data["kind"], data["axis"], data["alpha"], data["beta"], tuple(data.get("axes", ())))
+
+
+def _blocking_over(items) -> tuple[tuple[tuple[int, ...], float], ...]:
+    """``MachineProfile.blocking_over`` checked: distinct increasing sets of >= 2 axes, seconds >= 0."""
+    out = []
+    for item in items:
+        try:
+            axes, seconds = item
+            axes = tuple(axes)
+        except (TypeError, ValueError):
+            axes, seconds = (), None
+        if len(axes) < 2 or not all(_axis_index(a) for a in axes) or any(b <= a for a, b in zip(axes, axes[1:])) \
+                or not (_positive(seconds) or (isinstance(seconds, (int, float)) and seconds == 0)):
+            raise ValueError(f"MachineProfile.blocking_over needs (increasing mesh axes, two or more; seconds >= 0) "
+                             f"pairs, got {item!r}")
+        out.append((axes, float(seconds)))
+    if len({a for a, _ in out}) != len(out):
+        raise ValueError(f"MachineProfile.blocking_over has two figures for one set of axes: {items!r}")
+    return tuple(out)
 
 
 @dataclass(frozen=True, slots=True)
@@ -232,6 +298,8 @@ class MachineProfile:
     # Per mesh axis (measured_shape's), seconds a blocking collective pays mid-step beyond its
     # lockstep time (module docstring); () where not measured, an axis past its end: 0.
     blocking_s: tuple[float, ...] = ()
+    # ((mesh axes, seconds), ...): the same for a blocking sum over several axes (module docstring).
+    blocking_over: tuple[tuple[tuple[int, ...], float], ...] = ()
     # Seconds one pipeline schedule action costs beyond its work and transfer (module docstring);
     # None: not measured, the preset's default (``layout.cost.pipeline_action_seconds``).
     pipeline_action_s: float | None = None
@@ -243,9 +311,9 @@ class MachineProfile:
         object.__setattr__(self, "links", tuple(self.links))
         object.__setattr__(self, "measured_shape", tuple(self.measured_shape))
         object.__setattr__(self, "measured_axis_names", tuple(self.measured_axis_names))
-        keys = [(f.kind, f.axis) for f in self.links]
+        keys = [(f.kind, f.axes) for f in self.links]
         if len(set(keys)) != len(keys):
-            raise ValueError(f"MachineProfile has two link fits for one (kind, axis): {keys}")
+            raise ValueError(f"MachineProfile has two link fits for one (kind, axes): {keys}")
         object.__setattr__(self, "time_scale", tuple((str(c), float(f)) for c, f in self.time_scale))
         classes = [c for c, _ in self.time_scale]
         if any(c not in OP_CLASSES for c in classes) or len(set(classes)) != len(classes) \
@@ -265,6 +333,7 @@ class MachineProfile:
             raise ValueError(f"MachineProfile.blocking_s needs one finite number of seconds >= 0 per mesh axis, "
                              f"got {self.blocking_s!r}")
         object.__setattr__(self, "blocking_s", tuple(float(b) for b in blocking))
+        object.__setattr__(self, "blocking_over", _blocking_over(self.blocking_over))
         if self.pipeline_action_s is not None:
             # 0 is a measurement (the transfers' price covered the whole action), not a missing one.
             action = self.pipeline_action_s
@@ -276,6 +345,7 @@ class MachineProfile:
         object.__setattr__(self, "_hash", hash((self.compute, self.links, self.measured_shape,
                                                 self.measured_axis_names, self.note, self.time_scale,
                                                 self.idle_speedup, self.kernel_floor_s, self.blocking_s,
+                                                self.blocking_over,
                                                 self.pipeline_action_s)))
 
     def __hash__(self) -> int:
@@ -289,38 +359,56 @@ class MachineProfile:
         """``blocking_s`` of mesh ``axis`` (0 where not measured)."""
         return self.blocking_s[axis] if axis < len(self.blocking_s) else 0.0
 
+    def blocking_of(self, axes: Sequence[int]) -> float:
+        """What a blocking collective over mesh ``axes`` (those of size > 1) holds a step beyond
+        its lockstep price: the figure measured on exactly that set, else the largest of its axes'."""
+        axes = tuple(sorted(axes))
+        measured = next((b for a, b in self.blocking_over if a == axes), None) if len(axes) > 1 else None
+        return max((self.blocking(a) for a in axes), default=0.0) if measured is None else measured
+
     def link(self, kind: str, axis: int) -> LinkFit | None:
-        for fit in self.links:
-            if fit.kind == kind and fit.axis == axis:
-                return fit
-        return None
+        """The fit of ``kind`` on mesh ``axis`` alone."""
+        return self.link_over(kind, (axis,))
+
+    def link_over(self, kind: str, axes: Sequence[int]) -> LinkFit | None:
+        """The fit of ``kind`` on the group spanning exactly mesh ``axes`` (any order), if measured."""
+        axes = tuple(sorted(axes))
+        return next((f for f in self.links if f.kind == kind and f.axes == axes), None)
 
     def select_axes(self, keep: Sequence[int]) -> "MachineProfile":
-        """The profile of the sub-mesh made of axes ``keep`` (old indices, in their new order)."""
+        """The profile of the sub-mesh made of axes ``keep`` (old indices, in their new order);
+        a fit over several axes stays where all of them are kept (the same group of ranks)."""
         where = {old: new for new, old in enumerate(keep)}
-        return replace(self, links=tuple(replace(f, axis=where[f.axis]) for f in self.links if f.axis in where),
+        links = tuple(LinkFit.over(f.kind, [where[a] for a in f.axes], f.alpha, f.beta) for f in self.links
+                      if all(a in where for a in f.axes))
+        over = tuple((tuple(sorted(where[a] for a in axes)), b) for axes, b in self.blocking_over
+                     if all(a in where for a in axes))
+        return replace(self, links=links, blocking_over=over,
                        blocking_s=tuple(self.blocking(old) for old in keep) if self.blocking_s else ())
 
     def to_dict(self) -> dict:
         return {"compute": self.compute.to_list(),
-                "links": [{"kind": f.kind, "axis": f.axis, "alpha": f.alpha, "beta": f.beta} for f in self.links],
+                "links": [f.to_dict() for f in self.links],
                 "measured_shape": list(self.measured_shape), "measured_axis_names": list(self.measured_axis_names),
                 "note": self.note, **({"time_scale": dict(self.time_scale)} if self.time_scale else {}),
                 **({"idle_speedup": self.idle_speedup} if self.idle_speedup != 1.0 else {}),
                 **({"kernel_floor_s": self.kernel_floor_s} if self.kernel_floor_s is not None else {}),
                 **({"blocking_s": list(self.blocking_s)} if self.blocking_s else {}),
+                **({"blocking_over": [{"axes": list(a), "seconds": b} for a, b in self.blocking_over]}
+                   if self.blocking_over else {}),
                 **({"pipeline_action_s": self.pipeline_action_s} if self.pipeline_action_s is not None else {})}
 
     @classmethod
     def from_dict(cls, data: dict) -> "MachineProfile":
         try:
             return cls(compute=ComputeProfile.from_list(data["compute"]),
-                       links=tuple(LinkFit(**f) for f in data["links"]),
+                       links=tuple(LinkFit.from_dict(f) for f in data["links"]),
                        measured_shape=tuple(data["measured_shape"]),
                        measured_axis_names=tuple(data["measured_axis_names"]), note=data.get("note", ""),
                        time_scale=tuple(data.get("time_scale", {}).items()),
                        idle_speedup=data.get("idle_speedup", 1.0), kernel_floor_s=data.get("kernel_floor_s"),
                        blocking_s=tuple(data.get("blocking_s", ())),
+                       blocking_over=tuple((tuple(b["axes"]), b["seconds"]) for b in data.get("blocking_over", ())),
                        pipeline_action_s=data.get("pipeline_action_s"))
         except (KeyError, TypeError) as exc:
             raise ValueError(f"malformed machine profile in MeshSpec JSON: {type(exc).__name__}: {exc}") from None

@@ -53,7 +53,9 @@ GiB = 1024**3
 #    has none: 0, priced as it was.
 # 6: the machine's pipeline_action_s (a pipeline schedule action's overhead); a version-5 machine has
 #    none: the preset's default (``layout.cost.pipeline_action_seconds``).
-JSON_VERSION = 6
+# 7: link fits and blocking waits over several mesh axes (a link's "axes", the machine's
+#    blocking_over); a version-6 machine has per-axis ones only, priced as it was (``layout.cost``).
+JSON_VERSION = 7
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,10 +201,9 @@ class MeshSpec:
             return
         if not isinstance(self.machine, MachineProfile):
             raise ValueError(f"MeshSpec.machine must be a MachineProfile or None, got {type(self.machine).__name__}")
-        bad = [f for f in self.machine.links if f.axis >= self.ndim]
+        bad = sorted({a for f in self.machine.links for a in f.axes if a >= self.ndim})
         if bad:
-            raise ValueError(f"machine profile has link fits for axes {sorted({f.axis for f in bad})} of a "
-                             f"{self.ndim}-D mesh {self.shape}")
+            raise ValueError(f"machine profile has link fits for axes {bad} of a {self.ndim}-D mesh {self.shape}")
 
     def select_axes(self, keep: Sequence[int], *, axis_names: Sequence[str] | None = None) -> "MeshSpec":
         """The sub-mesh of axes ``keep`` (their links, per-kind fits and device kept)."""
@@ -388,7 +389,7 @@ class MeshSpec:
                 raise ValueError(f"malformed MeshSpec JSON: version {version} has no host tier (use version 3)")
         # comm_overlap may be absent in any version (files written before it): the field's
         # default, 0, prices communication in full as those files' plans were.
-        elif version not in (3, 4, 5, JSON_VERSION):
+        elif version not in (3, 4, 5, 6, JSON_VERSION):
             raise ValueError(f"MeshSpec JSON version {version} is not supported (expected 1 to {JSON_VERSION})")
         if version < 4 and data.get("machine") is not None:
             raise ValueError(f"malformed MeshSpec JSON: version {version} has no machine profile (use version 4)")
@@ -400,6 +401,11 @@ class MeshSpec:
             if version < 6 and "pipeline_action_s" in data["machine"]:
                 raise ValueError(f"malformed MeshSpec JSON: version {version} has no pipeline_action_s "
                                  f"(use version 6)")
+            links = data["machine"].get("links")
+            if version < 7 and ("blocking_over" in data["machine"] or isinstance(links, list) and any(
+                    isinstance(f, dict) and "axes" in f for f in links)):
+                raise ValueError(f"malformed MeshSpec JSON: version {version} has no link fits over several axes "
+                                 f"or blocking_over (use version 7)")
             data["machine"] = MachineProfile.from_dict(data["machine"])
         try:
             return cls(**data)

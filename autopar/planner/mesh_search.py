@@ -253,7 +253,8 @@ def search_meshes(plan_on: Callable[..., Any], *, nodes: int, devices_per_node: 
 
 def on_one_machine(meshes: Sequence[MeshSpec]) -> list[MeshSpec]:
     """Calibrated candidate meshes priced as one machine: each keeps its own links (per-axis
-    alpha/beta, per-kind link fits and blocking waits: what differs between arrangements of the ranks), and all
+    alpha/beta, per-kind link fits -- on each axis and on each group of several axes -- and blocking
+    waits: what differs between arrangements of the ranks), and all
     take the first calibrated one's machine-wide figures -- compute rate tables, time scales,
     steady-state peaks, ``comm_overlap`` and ``idle_speedup``. Why: those describe the machine,
     not how its ranks are arranged, and two calibrations taken minutes apart differ in them by
@@ -272,6 +273,7 @@ def on_one_machine(meshes: Sequence[MeshSpec]) -> list[MeshSpec]:
             out.append(mesh)
             continue
         machine = replace(ref.machine, links=mesh.machine.links, blocking_s=mesh.machine.blocking_s,
+                          blocking_over=mesh.machine.blocking_over,
                           measured_shape=mesh.machine.measured_shape,
                           measured_axis_names=mesh.machine.measured_axis_names, note=mesh.machine.note)
         out.append(replace(mesh, peak_flops=ref.peak_flops, half_peak_flops=ref.half_peak_flops,

@@ -16,9 +16,10 @@ priced as communication) are in both.
   class, the per-kernel floor included, so the refit mesh prices this plan's compute at what was
   measured; a mesh without a profile gets one holding only the factors, which leaves the rest of
   its pricing as it was);
-- every link's ``alpha`` and ``beta`` (the axis's and each per-kind ``LinkFit``) and each axis's
-  ``blocking_s`` by the communication ratio: the profiler does not say which mesh axis or which
-  byte count a collective served, so the links are scaled together, keeping their measured shape.
+- every link's ``alpha`` and ``beta`` (the axis's and each per-kind ``LinkFit``, over one axis or
+  several) and each axis's ``blocking_s`` (and each set of axes' ``blocking_over``) by the
+  communication ratio: the profiler does not say which mesh axis or which byte count a collective
+  served, so the links are scaled together, keeping their measured shape.
 
 A part the plan does not price or the step did not run (no collective in a replicated plan) keeps
 its figures.
@@ -138,6 +139,7 @@ def refit_mesh(mesh: MeshSpec, *, measured: Mapping[str, float], measured_comm: 
         links = tuple(replace(f, alpha=f.alpha * comm, beta=f.beta * comm) for f in links)
         alpha, beta = tuple(a * comm for a in alpha), tuple(b * comm for b in beta)
         blocking = tuple(b * comm for b in blocking)
+        machine = replace(machine, blocking_over=tuple((axes, b * comm) for axes, b in machine.blocking_over))
     note = "refit to measured steps: " + ", ".join(f"{k} x{v:.3g}" for k, v in ratios.items())
     machine = replace(machine, links=links, blocking_s=blocking, time_scale=scale,
                       note=f"{machine.note}; {note}" if machine.note else note)

@@ -14,14 +14,20 @@ its progress with ``verbose``:
    op however small (a chain of 0-dim ops forward and backward: ``kernel_floor_s``).
 2. **collectives** (``links.measure_axis``): all-reduce, all-gather, reduce-scatter and
    all-to-all over a range of sizes on every mesh axis of size > 1 -> one alpha/beta per axis
-   over all kinds (``MeshSpec.alpha``/``beta``) and one per kind and axis (``LinkFit``).
+   over all kinds (``MeshSpec.alpha``/``beta``) and one per kind and axis (``LinkFit``); then
+   the same on the group spanning each set of two or more such axes (``links.measure_group``,
+   ``spanned_axis_sets``: the mesh flattened over them, as a gradient bucket's sum over several
+   axes runs) -> one ``LinkFit`` per kind and set: a 4-rank group's latency is not its 2-rank
+   axes' (``layout.cost``).
 3. **overlap**: an asynchronous all-reduce alone (``t_comm``), a matmul loop of about the same
    length alone (``t_comp``) and both at once (``t_both``), over every rank:
    ``comm_overlap = (t_comm + t_comp - t_both) / min(t_comm, t_comp)`` clamped to [0, 1]; and
    a matmul loop on every rank against the same loop on half of them while the rest wait:
    ``MachineProfile.idle_speedup`` (what a pipeline bubble's busy ranks gain where ranks share
    cores); and per mesh axis, what a blocking collective costs mid-step beyond its lockstep time
-   (``measure_blocking``: ``MachineProfile.blocking_s``); and, where mesh axis 0 can form a
+   (``measure_blocking``: ``MachineProfile.blocking_s``), and per set of several axes what a
+   blocking sum over them -- the runtime's chain of per-axis all-reduces -- costs beyond its
+   group's lockstep price (``MachineProfile.blocking_over``); and, where mesh axis 0 can form a
    pipeline of 2 stages or more, what one action of torch's pipeline schedule costs beyond its
    transfers (``calibrate_pipeline``: ``MachineProfile.pipeline_action_s``; None elsewhere).
 
@@ -30,6 +36,7 @@ All ranks return the same ``MeshSpec`` (with its ``MachineProfile``); ``out=`` w
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import statistics
@@ -47,10 +54,11 @@ from autopar.runtime.calibrate_pipeline import action_seconds, measure_pipeline_
 from autopar.runtime.calibrate_compute import (GRID, MIN_REPETITION_S, QUICK_GRID, QUICK_REPETITION_S, device_figures,
                                                measure_compute, measure_kernel_floor)
 from autopar.runtime.links import (DEFAULT_SIZES, KINDS, MeshProfile, Timing, default_device, fit_alpha_beta,
-                                   lockstep_median, lockstep_medians, measure_axis, rank_device, ranks_reduce,
-                                   ring_factor)
+                                   lockstep_median, lockstep_medians, measure_axis, measure_group, rank_device,
+                                   ranks_reduce, ring_factor)
 
-__all__ = ["calibrate", "calibrate_detailed", "measure_blocking", "measure_overlap", "QUICK_SIZES"]
+__all__ = ["calibrate", "calibrate_detailed", "measure_blocking", "measure_overlap", "spanned_axis_sets",
+           "QUICK_SIZES"]
 
 KiB, MiB = 1024, 1024**2
 QUICK_SIZES = {"cpu": [64 * KiB, 1 * MiB, 4 * MiB], "cuda": [1 * MiB, 8 * MiB, 64 * MiB]}
@@ -144,10 +152,13 @@ def measure_idle_speedup(*, repeats: int, device: torch.device) -> tuple[float, 
     return min(max(t_all / t_half, 1.0), float(world)), {"all": t_all, "half": t_half}
 
 
-def measure_blocking(group, *, rounds: int, device: torch.device, nbytes: int = BLOCKING_BYTES,
+def measure_blocking(groups, *, rounds: int, device: torch.device, nbytes: int = BLOCKING_BYTES,
                      calls: int = _BLOCKING_CALLS) -> tuple[float, dict[str, float]]:
-    """The seconds a synchronous all-reduce of ``nbytes`` over ``group`` holds a step, per call,
+    """The seconds a synchronous all-reduce of ``nbytes`` over ``groups`` holds a step, per call,
     where it comes between compute as a step's in-graph collectives do; and the figures beside it.
+    ``groups``: one process group, or a sequence of them summed over one after another -- a sum
+    over several mesh axes as the runtime issues it, a chain of per-axis all-reduces
+    (``runtime.kernels.all_reduce_axes``).
 
     Two callables, timed in lockstep (``links.lockstep_medians``) in each of ``rounds`` rounds,
     interleaved: ``calls`` compute bursts of about ``_BURST_S`` each (``bursts``), and the same
@@ -158,6 +169,7 @@ def measure_blocking(group, *, rounds: int, device: torch.device, nbytes: int = 
     its quartiles over rounds (``low``, ``high``: the spread) and the median burst (``burst``).
     Calibration subtracts the lockstep price of the same all-reduce (the links' fit) to get
     ``MachineProfile.blocking_s``."""
+    chain_of = list(groups) if isinstance(groups, (list, tuple)) else [groups]
     x = torch.ones(max(1, nbytes // 4), device=device)
     a = torch.randn(128, 128, device=device)
 
@@ -179,7 +191,8 @@ def measure_blocking(group, *, rounds: int, device: torch.device, nbytes: int = 
     def chain() -> None:
         for _ in range(calls):
             one()
-            dist.all_reduce(x, group=group)
+            for group in chain_of:
+                dist.all_reduce(x, group=group)
 
     held, lengths = [], []
     for r in range(rounds):
@@ -191,11 +204,15 @@ def measure_blocking(group, *, rounds: int, device: torch.device, nbytes: int = 
 
 
 # ------------------------------------------------------------------------------- collectives
-def _fit_links(axis: int, n: int, measured: list[Timing], say: Callable[[str], None]) -> tuple[float, float, list]:
-    """The axis's all-kind (alpha, beta) and its per-kind ``LinkFit``s (a kind whose timings
-    do not grow with size keeps the all-kind figures: it gets no fit of its own)."""
+def _fit_links(axes: tuple[int, ...], n: int, measured: list[Timing],
+               say: Callable[[str], None]) -> tuple[float, float, list]:
+    """The group's all-kind (alpha, beta) and its per-kind ``LinkFit``s. A kind whose timings do
+    not grow with size gets no fit of its own: on one axis the axis's all-kind figures price it
+    (``MeshSpec.alpha``/``beta``); over several axes, where no mesh field holds them, the group's
+    all-kind fit is recorded as that kind's."""
+    where = f"axis {axes[0]}" if len(axes) == 1 else f"axes {axes}"
     alpha, beta = fit_alpha_beta([(t.nbytes * ring_factor(t.kind, n), t.seconds) for t in measured])
-    say(f"axis {axis} (n={n}) all kinds: alpha {alpha * 1e6:.1f} us, beta {beta * 1e9:.3f} ns/B "
+    say(f"{where} (n={n}) all kinds: alpha {alpha * 1e6:.1f} us, beta {beta * 1e9:.3f} ns/B "
         f"({1 / beta / 1e9:.2f} GB/s)")
     fits = []
     for kind in KINDS:
@@ -205,16 +222,28 @@ def _fit_links(axis: int, n: int, measured: list[Timing], say: Callable[[str], N
         try:
             a, b = fit_alpha_beta(mine)
         except ValueError as exc:
-            say(f"axis {axis} {kind}: no fit of its own ({exc}); it is priced by the all-kind fit")
-            continue
-        fits.append(LinkFit(kind, axis, a, b))
-        say(f"axis {axis} (n={n}) {kind}: alpha {a * 1e6:.1f} us, beta {b * 1e9:.3f} ns/B ({1 / b / 1e9:.2f} GB/s)")
+            if len(axes) == 1:
+                say(f"{where} {kind}: no fit of its own ({exc}); it is priced by the all-kind fit")
+                continue
+            say(f"{where} {kind}: no fit of its own ({exc}); the group's all-kind fit is recorded as its own")
+            a, b = alpha, beta
+        fits.append(LinkFit.over(kind, axes, a, b))
+        say(f"{where} (n={n}) {kind}: alpha {a * 1e6:.1f} us, beta {b * 1e9:.3f} ns/B ({1 / b / 1e9:.2f} GB/s)")
     return alpha, beta, fits
+
+
+def spanned_axis_sets(shape: Sequence[int]) -> list[tuple[int, ...]]:
+    """Every set of two or more mesh axes of size > 1: the groups a collective over several axes
+    runs on (a gradient bucket's sum, ``ProcessMesh.group_over``), each priced by its own fit
+    (``layout.cost``). One on a 2-D mesh, four on a 3-D one of three such axes."""
+    wide = [a for a, n in enumerate(shape) if n > 1]
+    return [c for k in range(2, len(wide) + 1) for c in itertools.combinations(wide, k)]
 
 
 def _collectives(device_mesh, shape: tuple[int, ...], sizes: Sequence[int], repeats: int, device: torch.device,
                  say: Callable[[str], None]) -> tuple[list[float], list[float], list[LinkFit], list[Timing]]:
-    """Per axis: the all-kind alpha and beta (0 on an axis of size 1), the per-kind fits, the timings."""
+    """Per axis: the all-kind alpha and beta (0 on an axis of size 1); the per-kind fits of each
+    axis and of each set of several axes (``spanned_axis_sets``); the timings."""
     timings: list[Timing] = []
     alpha, beta, links = [], [], []
     for axis, n in enumerate(shape):
@@ -224,10 +253,14 @@ def _collectives(device_mesh, shape: tuple[int, ...], sizes: Sequence[int], repe
             continue
         measured = measure_axis(device_mesh, axis, sizes, device=device, repeats=repeats)
         timings += measured
-        a, b, fits = _fit_links(axis, n, measured, say)
+        a, b, fits = _fit_links((axis,), n, measured, say)
         alpha.append(a)
         beta.append(b)
         links += fits
+    for axes in spanned_axis_sets(shape):
+        measured = measure_group(device_mesh, axes, sizes, device=device, repeats=repeats)
+        timings += measured
+        links += _fit_links(axes, math.prod(shape[a] for a in axes), measured, say)[2]
     return alpha, beta, links, timings
 
 
@@ -262,6 +295,9 @@ def _in_group(shape: tuple[int, ...], device_type: str, sizes: Sequence[int], re
     rounds = max(repeats, 5 if quick else _BLOCKING_ROUNDS)
     held = [measure_blocking(device_mesh.get_group(axis), rounds=rounds, device=device) if n > 1 else None
             for axis, n in enumerate(shape)]
+    # A blocking sum over several axes runs as a chain of per-axis all-reduces: timed so.
+    held_over = {axes: measure_blocking([device_mesh.get_group(a) for a in axes], rounds=rounds, device=device)
+                 for axes in spanned_axis_sets(shape)}
     speedup = 1.0
     if math.prod(shape) > 1:
         speedup, parts = measure_idle_speedup(repeats=max(repeats, 9), device=device)
@@ -292,6 +328,13 @@ def _in_group(shape: tuple[int, ...], device_type: str, sizes: Sequence[int], re
             f"burst holds the step {seconds * 1e6:.0f} us (quartiles over rounds {parts['low'] * 1e6:.0f} to "
             f"{parts['high'] * 1e6:.0f} us), priced {lockstep * 1e6:.0f} us in lockstep: "
             f"{blocking[-1] * 1e6:.0f} us more per blocking collective")
+    blocking_over = []
+    for axes, (seconds, parts) in held_over.items():
+        lockstep = collective_seconds("all_reduce", BLOCKING_BYTES, mesh, axes, blocking=False)
+        blocking_over.append((axes, max(seconds - lockstep, 0.0)))
+        say(f"axes {axes}: a blocking {BLOCKING_BYTES // KiB} KiB sum over them (a chain of per-axis all-reduces) "
+            f"holds the step {seconds * 1e6:.0f} us (quartiles {parts['low'] * 1e6:.0f} to {parts['high'] * 1e6:.0f} "
+            f"us), priced {lockstep * 1e6:.0f} us in lockstep on their group: {blocking_over[-1][1] * 1e6:.0f} us more")
     action = None
     if pipelined is not None:
         per_microbatch, parts = pipelined
@@ -302,7 +345,8 @@ def _in_group(shape: tuple[int, ...], device_type: str, sizes: Sequence[int], re
         say(f"1F1B over axis 0 (trivial stages): {parts['lo'] * 1e3:.2f} ms at {parts['m_lo']:.0f} micro-batches, "
             f"{parts['hi'] * 1e3:.2f} ms at {parts['m_hi']:.0f}: {per_microbatch * 1e3:.3f} ms per micro-batch, "
             f"{p2p * 1e3:.3f} ms of it priced as transfers: {action * 1e3:.3f} ms per schedule action")
-    mesh = replace(mesh, machine=replace(machine, blocking_s=tuple(blocking), pipeline_action_s=action))
+    mesh = replace(mesh, machine=replace(machine, blocking_s=tuple(blocking), blocking_over=tuple(blocking_over),
+                                         pipeline_action_s=action))
     say.stage = ""
     say(f"done: fp32 matmul {flops / 1e9:.1f} GFLOP/s, bf16 {half / 1e9 if half else math.nan:.1f} GFLOP/s, "
         f"memory {bandwidth / 1e9:.2f} GB/s, overlap {overlap:.0%}")

@@ -2,7 +2,9 @@
 
 ``measure_axis`` times all-reduce, all-gather, reduce-scatter and all-to-all (the same
 torch.distributed calls that ``autopar.runtime.collectives`` issues) over a range of full-tensor
-sizes on every group of one mesh axis at once (the training pattern). Every timed repetition
+sizes on every group of one mesh axis at once (the training pattern); ``measure_group`` the same
+on the group spanning several axes (the mesh flattened over them, ``spanning_group``, as the
+runtime's ``ProcessMesh.group_over`` forms it). Every timed repetition
 starts in lockstep (a barrier), ends when the device is done (CUDA: timed by events, read after
 synchronising: ``Stopwatch``), and runs
 round-robin over all (collective, size) points so a burst of outside load spreads over every
@@ -14,8 +16,8 @@ The fit (``fit_alpha_beta``): one ``alpha`` and one ``beta`` by least squares ag
 model of ``autopar.layout.cost`` (``t = alpha + beta * nbytes * f(kind, n)``) on log residuals
 ``log(model / t)``, so that 64 KiB calls weigh as much as 16 MiB ones and a 2x over-prediction
 counts like a 2x under-prediction; both parameters come out strictly positive. Calibration fits
-it per axis over all four kinds (``MeshSpec.alpha``/``beta``) and per kind and axis
-(``MachineProfile.links``). Axes of size 1 never communicate: alpha = beta = 0 there.
+it per axis over all four kinds (``MeshSpec.alpha``/``beta``) and per kind and axis -- or set of
+axes -- (``MachineProfile.links``). Axes of size 1 never communicate: alpha = beta = 0 there.
 """
 
 from __future__ import annotations
@@ -48,6 +50,8 @@ __all__ = [
     "slowest_medians",
     "time_collective",
     "measure_axis",
+    "measure_group",
+    "spanning_group",
     "fit_alpha_beta",
     "ring_factor",
 ]
@@ -65,15 +69,21 @@ MIN_BANDWIDTH_SHARE = 0.05
 
 @dataclass(frozen=True, slots=True)
 class Timing:
-    """One measured point: ``kind`` on mesh ``axis`` for a tensor of ``nbytes`` full size."""
+    """One measured point: ``kind`` on mesh ``axis`` -- or on the group spanning mesh ``axes``
+    (increasing, the first ``axis``; ``()``: ``(axis,)``) -- for a tensor of ``nbytes`` full size."""
 
     axis: int
     kind: str
     nbytes: int
     seconds: float  # median over repetitions of the slowest rank's time
+    axes: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "axes", tuple(self.axes) or (self.axis,))
 
     def __str__(self) -> str:
-        return f"axis{self.axis} {self.kind:<14} {self.nbytes:>11,d} B  {self.seconds * 1e3:9.3f} ms"
+        where = f"axis{self.axis}" if len(self.axes) == 1 else f"axes{''.join(map(str, self.axes))}"
+        return f"{where} {self.kind:<14} {self.nbytes:>11,d} B  {self.seconds * 1e3:9.3f} ms"
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,7 +95,7 @@ class MeshProfile:
 
     def predicted(self, timing: Timing) -> float:
         # The timings were taken from a barrier: the lockstep price, without a blocking collective's mid-step wait.
-        return collective_seconds(timing.kind, timing.nbytes, self.mesh, timing.axis, blocking=False)
+        return collective_seconds(timing.kind, timing.nbytes, self.mesh, timing.axes, blocking=False)
 
     def __str__(self) -> str:
         return f"{self.mesh} from {len(self.timings)} timings"
@@ -345,21 +355,44 @@ def measure_axis(device_mesh, axis: int, sizes: Sequence[int], *, device: torch.
     Collective over all ranks; every rank returns the same list (per point, the median over
     repetitions of the slowest rank's time).
     """
+    return measure_group(device_mesh, (axis,), sizes, device=device, repeats=repeats, kinds=kinds, verbose=verbose)
+
+
+def spanning_group(device_mesh, axes: Sequence[int]):
+    """This rank's process group over mesh ``axes`` together: the axis's own for one axis, else
+    the mesh flattened over them, formed as the runtime forms the group a gradient bucket's sum
+    over several axes runs on (``ProcessMesh.group_over``). Collective over every rank the
+    first time for a set of axes."""
+    axes = tuple(sorted(axes))
+    if len(axes) == 1:
+        return device_mesh.get_group(axes[0])
+    names = device_mesh.mesh_dim_names
+    if not names:
+        raise ValueError(f"a group over mesh axes {axes} needs a device mesh with axis names")
+    return device_mesh[tuple(names[a] for a in axes)]._flatten().get_group(0)
+
+
+def measure_group(device_mesh, axes: Sequence[int], sizes: Sequence[int], *, device: torch.device | str = "cpu",
+                  repeats: int = 5, kinds: Sequence[str] = KINDS, verbose: bool = False) -> list[Timing]:
+    """``measure_axis`` on the group spanning mesh ``axes`` (``spanning_group``): every such
+    group at once, the same points, the same lockstep medians."""
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     device = torch.device(device)
-    group = device_mesh.get_group(axis)
-    n = device_mesh.shape[axis]
+    axes = tuple(sorted(axes))
+    group = spanning_group(device_mesh, axes)
+    n = math.prod(device_mesh.shape[a] for a in axes)
     points = [(k, int(s)) for k in kinds for s in sizes]
     ops = [_op(k, s, n, group, device) for k, s in points]
+    where = f"axis {axes[0]}" if len(axes) == 1 else f"axes {axes}"
 
     def on_round(r: int) -> None:
         if verbose and dist.get_rank() == 0:
-            print(f"[calibrate] axis {axis} (n={n}): round {r + 1}/{repeats} of {len(points)} "
+            print(f"[calibrate] {where} (n={n}): round {r + 1}/{repeats} of {len(points)} "
                   f"collectives ({', '.join(kinds)})", flush=True)
 
     seconds = lockstep_medians(ops, repeats=repeats, device=device, group=group, on_round=on_round)
-    out = [Timing(axis, k, s, t) for (k, s), t in zip(points, seconds)]
+    out = [Timing(axes[0], k, s, t, axes) for (k, s), t in zip(points, seconds)]
     if verbose and dist.get_rank() == 0:
         for timing in out:
             print(f"[calibrate] n={n} {timing}", flush=True)

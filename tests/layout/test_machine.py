@@ -1,5 +1,5 @@
 """The measured machine (``layout/machine.py``): rate interpolation, the JSON round trip on
-``MeshSpec`` (version 6, older versions still read), and the cost model priced from it."""
+``MeshSpec`` (version 7, older versions still read), and the cost model priced from it."""
 
 from __future__ import annotations
 
@@ -87,10 +87,10 @@ def test_overlap_fraction_is_clamped():
 
 
 # ------------------------------------------------------------------------------------- JSON
-def test_calibrated_mesh_round_trips_as_version_6():
+def test_calibrated_mesh_round_trips_as_version_7():
     mesh = _mesh()
     data = json.loads(mesh.to_json())
-    assert data["version"] == 6 and data["comm_overlap"] == 0.4
+    assert data["version"] == 7 and data["comm_overlap"] == 0.4
     assert data["machine"]["compute"][0] == {"op_class": "matmul", "dtype": "fp32", "sizes": [1e6, 1e9],
                                              "rates": [10e9, 40e9]}
     assert data["machine"]["measured_shape"] == [2, 2]
@@ -286,6 +286,128 @@ def test_collectives_use_the_per_kind_fit_where_there_is_one():
     assert collective_seconds("all_reduce", nbytes, mesh, (0, 1)) == pytest.approx(
         max(1e-3, mesh.alpha[1]) + max(2e-9, mesh.beta[1]) * nbytes * 2 * 3 / 4)
     assert math.isclose(collective_seconds("split", nbytes, mesh, 0), 2 * nbytes / 2 / mesh.mem_bandwidth)
+
+
+# ------------------------------------------------------------------- fits over several axes
+def _spanning(shape=(2, 2), *, alpha=3.6e-3, beta=1.04e-9, axes=(0, 1)) -> MeshSpec:
+    """``_mesh`` whose profile also has an all-reduce fitted on the group spanning ``axes``."""
+    machine = _profile(shape[:2])
+    machine = replace(machine, links=machine.links + (LinkFit.over("all_reduce", axes, alpha, beta),),
+                      measured_shape=shape, measured_axis_names=("ax0", "ax1", "ax2")[:len(shape)])
+    return _mesh(shape, machine=machine)
+
+
+def test_a_collective_over_several_axes_is_priced_by_the_fit_of_exactly_that_group():
+    mesh, nbytes = _spanning(), 1 << 20
+    assert mesh.machine.link_over("all_reduce", (1, 0)).axes == (0, 1)
+    assert mesh.machine.link("all_reduce", 0).alpha == 1e-3  # the one-axis fit is still its axis's
+    four = 3.6e-3 + 1.04e-9 * nbytes * 2 * 3 / 4
+    assert collective_seconds("all_reduce", nbytes, mesh, (0, 1), blocking=False) == pytest.approx(four)
+    assert collective_seconds("all_reduce", nbytes, mesh, (1, 0), blocking=False) == pytest.approx(four)
+    # The same 4 ranks doing the same collective cost the same whichever mesh names them.
+    line = _mesh((4,), machine=MachineProfile(_profile().compute, (LinkFit("all_reduce", 0, 3.6e-3, 1.04e-9),),
+                                              (4,), ("ax0",)))
+    assert collective_seconds("all_reduce", nbytes, line, 0, blocking=False) == pytest.approx(four)
+    # A bucket member pays its share of the group's latency.
+    assert collective_seconds("all_reduce", nbytes, mesh, (0, 1), bucket_cap=4 << 20) == pytest.approx(
+        3.6e-3 / 4 + 1.04e-9 * nbytes * 2 * 3 / 4)
+    # A kind not fitted on the group: the slowest of its axes' links (the fallback, as before).
+    assert collective_seconds("all_gather", nbytes, mesh, (0, 1)) == pytest.approx(
+        max(mesh.alpha[0], 5e-4) + max(mesh.beta[0], 4e-9) * nbytes * 3 / 4)
+    # One axis alone is that axis's fit, never the group's.
+    assert collective_seconds("all_reduce", nbytes, mesh, 0) == pytest.approx(1e-3 + 2e-9 * nbytes)
+
+
+def test_axes_of_size_one_add_no_rank_to_the_group_and_a_bigger_group_has_its_own_fit():
+    nbytes = 1 << 20
+    flat = _spanning((2, 2, 1))
+    assert collective_seconds("all_reduce", nbytes, flat, (0, 1, 2), blocking=False) == \
+        collective_seconds("all_reduce", nbytes, flat, (0, 1), blocking=False) == \
+        pytest.approx(3.6e-3 + 1.04e-9 * nbytes * 2 * 3 / 4)
+    # The (0, 1) group's fit does not price the 8 ranks of (0, 1, 2) nor the (0, 2) group.
+    cube = _spanning((2, 2, 2))
+    fallback = _mesh((2, 2, 2), machine=replace(cube.machine, links=_profile().links))
+    for axes in ((0, 1, 2), (0, 2)):
+        assert collective_seconds("all_reduce", nbytes, cube, axes) == \
+            collective_seconds("all_reduce", nbytes, fallback, axes)
+
+
+def test_a_blocking_collective_over_several_axes_adds_its_slowest_axis_wait_to_the_group_fit():
+    mesh = _spanning()
+    mesh = replace(mesh, machine=replace(mesh.machine, blocking_s=(4e-4, 1e-4)))
+    assert collective_seconds("all_reduce", 1e6, mesh, (0, 1)) == pytest.approx(
+        collective_seconds("all_reduce", 1e6, mesh, (0, 1), blocking=False) + 4e-4)
+
+
+def test_a_blocking_sum_over_several_axes_pays_the_wait_measured_on_exactly_them():
+    # Measured on the runtime's chain of per-axis all-reduces: 2.5 ms beyond the group's lockstep price.
+    mesh = _spanning((2, 2, 2))
+    mesh = replace(mesh, machine=replace(mesh.machine, blocking_s=(4e-4, 1e-4, 2e-4),
+                                         blocking_over=(((0, 1), 2.5e-3),)))
+    lockstep = collective_seconds("all_reduce", 1e6, mesh, (0, 1), blocking=False)
+    assert collective_seconds("all_reduce", 1e6, mesh, (1, 0)) == pytest.approx(lockstep + 2.5e-3)
+    assert mesh.machine.blocking_of((0, 1)) == 2.5e-3
+    # A set not measured, or one axis: the largest of its axes' own waits, as before.
+    assert mesh.machine.blocking_of((1, 2)) == 2e-4 and mesh.machine.blocking_of((0,)) == 4e-4
+    assert collective_seconds("all_reduce", 1e6, mesh, (0, 1, 2)) == pytest.approx(
+        collective_seconds("all_reduce", 1e6, mesh, (0, 1, 2), blocking=False) + 4e-4)
+    # Bucketed or asynchronous sums wait for nothing; an axis of size 1 adds no rank to the set.
+    assert collective_seconds("all_reduce", 1e6, mesh, (0, 1), bucket_cap=1 << 20) == \
+        collective_seconds("all_reduce", 1e6, mesh, (0, 1), bucket_cap=1 << 20, blocking=False)
+    flat = replace(_spanning((2, 2, 1)), machine=replace(mesh.machine, measured_shape=(2, 2, 1)))
+    assert collective_seconds("all_reduce", 1e6, flat, (0, 1, 2)) == pytest.approx(
+        collective_seconds("all_reduce", 1e6, flat, (0, 1), blocking=False) + 2.5e-3)
+    # JSON, the sub-mesh of its axes (reordered), and the checks.
+    assert MeshSpec.from_json(mesh.to_json()) == mesh and hash(mesh.machine) != hash(_spanning((2, 2, 2)).machine)
+    assert json.loads(mesh.to_json())["machine"]["blocking_over"] == [{"axes": [0, 1], "seconds": 2.5e-3}]
+    assert mesh.select_axes([1, 0]).machine.blocking_over == (((0, 1), 2.5e-3),)
+    assert mesh.select_axes([0, 2]).machine.blocking_over == ()
+    v6 = {**json.loads(_mesh().to_json()), "version": 6}
+    v6["machine"]["blocking_over"] = [{"axes": [0, 1], "seconds": 1e-3}]
+    with pytest.raises(ValueError, match="version 6 has no link fits over several axes or blocking_over"):
+        MeshSpec.from_json(json.dumps(v6))
+    for bad in ((((0,), 1e-3),), (((1, 0), 1e-3),), (((0, 1), -1e-3),), (((0, 1), "1"),), ((0, 1),),
+                (((0, 1), 1e-3), ((0, 1), 2e-3))):
+        with pytest.raises(ValueError, match="blocking_over"):
+            replace(_profile(), blocking_over=bad)
+
+
+def test_fits_over_several_axes_round_trip_and_a_version_6_profile_prices_as_before():
+    mesh = _spanning()
+    data = json.loads(mesh.to_json())
+    assert data["machine"]["links"][-1] == {"kind": "all_reduce", "axis": 0, "alpha": 3.6e-3, "beta": 1.04e-9,
+                                            "axes": [0, 1]}
+    # A one-axis fit's record is the version-6 one: files written before read unchanged.
+    assert data["machine"]["links"][0] == {"kind": "all_reduce", "axis": 0, "alpha": 1e-3, "beta": 2e-9}
+    assert MeshSpec.from_json(mesh.to_json()) == mesh and hash(mesh.machine) != hash(_profile())
+    # A version-6 file as it was written (per-axis fits only): read, and priced by the old rule.
+    v6 = {**json.loads(_mesh().to_json()), "version": 6}
+    old = MeshSpec.from_json(json.dumps(v6))
+    assert old == _mesh() and all(f.axes == (f.axis,) for f in old.machine.links)
+    assert collective_seconds("all_reduce", 1e6, old, (0, 1)) == pytest.approx(
+        max(1e-3, old.alpha[1]) + max(2e-9, old.beta[1]) * 1e6 * 2 * 3 / 4)
+    with pytest.raises(ValueError, match="version 6 has no link fits over several axes"):
+        MeshSpec.from_json(json.dumps({**data, "version": 6}))
+    bad = json.loads(mesh.to_json())
+    bad["machine"]["links"][0]["group"] = [0, 1]
+    with pytest.raises(ValueError, match="malformed machine profile.*unexpected link fit fields"):
+        MeshSpec.from_json(json.dumps(bad))
+    with pytest.raises(ValueError, match=r"link fits for axes \[2\] of a 2-D mesh"):
+        _mesh(machine=replace(_profile(), links=(LinkFit.over("all_reduce", (0, 2), 1e-3, 1e-9),)))
+
+
+def test_a_fit_over_several_axes_is_checked_and_kept_by_a_sub_mesh_holding_all_of_them():
+    assert LinkFit.over("all_gather", (1, 0), 1e-3, 1e-9) == LinkFit("all_gather", 0, 1e-3, 1e-9, (0, 1))
+    for bad in ((1, 0), (0, 0), (1, 2), (0, -1)):
+        with pytest.raises(ValueError, match="LinkFit axes must be increasing mesh axis indices"):
+            LinkFit("all_reduce", 0, 1e-3, 1e-9, bad)
+    with pytest.raises(ValueError, match="two link fits for one"):
+        replace(_profile(), links=(LinkFit.over("all_reduce", (0, 1), 1e-3, 1e-9),) * 2)
+    cube = _spanning((2, 2, 2), axes=(0, 2))
+    kept = cube.select_axes([2, 0]).machine  # reordered: the same two groups of ranks
+    assert kept.link_over("all_reduce", (0, 1)) == LinkFit.over("all_reduce", (0, 1), 3.6e-3, 1.04e-9)
+    assert cube.select_axes([0, 1]).machine.link_over("all_reduce", (0, 1)) is None  # axis 2 dropped
+    assert stage_mesh_of(_spanning()).machine.links == (LinkFit("all_gather", 0, 5e-4, 4e-9),)
 
 
 # ------------------------------------------------------------------------ profile as preset

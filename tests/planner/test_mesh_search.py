@@ -304,8 +304,10 @@ def test_on_one_machine_keeps_each_meshes_links_and_shares_the_machine():
     def calibrated(shape, rate, overlap, idle, alpha):
         compute = ComputeProfile((("matmul", "fp32", RateTable((1e6, 1e9), (rate / 4, rate))),))
         links = tuple(LinkFit("all_reduce", axis, alpha, 1e-9) for axis in range(len(shape)))
+        if len(shape) > 1:  # the 4-rank group spanning both axes, fitted on its own
+            links += (LinkFit.over("all_reduce", range(len(shape)), 3e-3, 1e-9),)
         machine = MachineProfile(compute, links, shape, tuple(f"ax{i}" for i in range(len(shape))),
-                                 idle_speedup=idle)
+                                 idle_speedup=idle, blocking_over=(((0, 1), 1e-3),) if len(shape) > 1 else ())
         return replace(MeshSpec.preset("cpu", shape), machine=machine, comm_overlap=overlap, peak_flops=rate,
                        alpha=(alpha,) * len(shape))
 
@@ -313,6 +315,8 @@ def test_on_one_machine_keeps_each_meshes_links_and_shares_the_machine():
     a, b = on_one_machine([flat, square])
     assert a is flat  # the reference: as calibrated
     assert b.shape == (2, 2) and b.alpha == square.alpha and b.machine.links == square.machine.links
+    assert b.machine.link_over("all_reduce", (0, 1)).alpha == 3e-3  # the group's fit travels with its mesh
+    assert b.machine.blocking_of((0, 1)) == 1e-3  # and so does its blocking wait
     assert b.machine.measured_shape == (2, 2)
     assert b.machine.compute == flat.machine.compute and b.peak_flops == 37e9
     assert b.comm_overlap == 0.0 and b.machine.idle_speedup == 2.0

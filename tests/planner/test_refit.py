@@ -66,6 +66,17 @@ def test_a_calibrated_mesh_keeps_its_curves_and_fits_scaled():
     assert again.machine.note.startswith("calibrated; refit")
 
 
+def test_the_fits_and_waits_over_several_axes_are_scaled_with_the_links():
+    machine = MachineProfile(ComputeProfile(()), (LinkFit("all_reduce", 0, 1e-4, 1e-9),
+                                                 LinkFit.over("all_reduce", (0, 1), 3e-4, 2e-9)),
+                             (2, 2), ("x", "y"), blocking_s=(1e-4, 1e-4), blocking_over=(((0, 1), 5e-4),))
+    mesh = dataclasses.replace(MeshSpec.preset("cpu", (2, 2)), machine=machine)
+    refit, _ = refit_mesh(mesh, measured={}, measured_comm=3.0, priced=_priced(comm=1.0))
+    assert refit.machine.blocking_over == (((0, 1), pytest.approx(1.5e-3)),)
+    assert collective_seconds("all_reduce", 1e6, refit, (0, 1)) == pytest.approx(
+        3 * collective_seconds("all_reduce", 1e6, mesh, (0, 1)))
+
+
 def test_time_scales_are_checked():
     with pytest.raises(ValueError, match="time_scale.*'convolution'"):
         MachineProfile(ComputeProfile(()), (), (2,), ("x",), time_scale=(("convolution", 2.0),))

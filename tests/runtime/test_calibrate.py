@@ -14,10 +14,10 @@ import autopar
 from autopar.layout.machine import BACKWARD_CLASSES, COMPUTE_BOUND, DTYPES, MEMORY_BOUND, OPTIMIZER
 from autopar.layout.mesh import MeshSpec
 from autopar.planner.options import PlanOptions
-from autopar.runtime.calibrate import calibrate, calibrate_detailed
+from autopar.runtime.calibrate import _fit_links, calibrate, calibrate_detailed, spanned_axis_sets
 from autopar.runtime.calibrate_compute import QUICK_GRID
 from autopar.runtime.launch import run_local
-from autopar.runtime.links import KINDS, fit_alpha_beta, ring_factor, slowest_medians
+from autopar.runtime.links import KINDS, Timing, fit_alpha_beta, ring_factor, slowest_medians
 
 
 def _slowest(rank, world):
@@ -84,6 +84,31 @@ def test_quick_calibration_measures_every_class_and_dtype(calibrated):
             assert fit is None
         else:
             assert (fit.alpha, fit.beta) == pytest.approx(expected)
+
+
+def test_every_set_of_several_wide_axes_is_a_group_to_calibrate():
+    # (A 2x2 calibration on 4 ranks: tests/runtime/test_mesh_profile.py, full sweep.)
+    assert spanned_axis_sets((4,)) == [] and spanned_axis_sets((2, 1)) == []
+    assert spanned_axis_sets((2, 2)) == [(0, 1)] and spanned_axis_sets((2, 1, 2)) == [(0, 2)]
+    assert spanned_axis_sets((2, 2, 2)) == [(0, 1), (0, 2), (1, 2), (0, 1, 2)]
+
+
+def test_a_group_of_several_axes_gets_a_fit_per_kind_its_own_where_its_timings_grow():
+    # Model timings of a 4-rank group: every kind grows with size but all-to-all, which is flat.
+    sizes, alpha, beta = (64 * 1024, 1 << 20, 4 << 20), 3e-3, 1e-9
+    timings = [Timing(0, k, s, 2e-3 if k == "all_to_all" else alpha + beta * s * ring_factor(k, 4), (0, 1))
+               for k in KINDS for s in sizes]
+    assert str(timings[0]).startswith("axes01 all_reduce")
+    _, _, fits = _fit_links((0, 1), 4, timings, lambda line: None)
+    by_kind = {f.kind: f for f in fits}
+    assert set(by_kind) == set(KINDS) and all(f.axes == (0, 1) for f in fits)
+    assert (by_kind["all_reduce"].alpha, by_kind["all_reduce"].beta) == pytest.approx((alpha, beta), rel=1e-3)
+    # Flat all-to-all: no fit of its own; no mesh field holds a group's figures, so its all-kind fit is recorded.
+    group = fit_alpha_beta([(t.nbytes * ring_factor(t.kind, 4), t.seconds) for t in timings])
+    assert (by_kind["all_to_all"].alpha, by_kind["all_to_all"].beta) == pytest.approx(group)
+    # On one axis the same flat kind gets none (the axis's all-kind alpha/beta price it).
+    one = [Timing(0, t.kind, t.nbytes, t.seconds) for t in timings]
+    assert "all_to_all" not in {f.kind for f in _fit_links((0,), 4, one, lambda line: None)[2]}
 
 
 class _Regression(nn.Module):

@@ -105,6 +105,18 @@ def test_profile_inside_an_existing_group_on_a_2x2_mesh():
     assert mesh.shape == (2, 2)
     assert all(a > 0 for a in mesh.alpha) and all(b > 0 for b in mesh.beta)
     assert math.isfinite(mesh.peak_flops)
+    # Beside each axis's fits, every kind fitted on the 4-rank group spanning both axes (the
+    # group a gradient bucket's sum over both runs on), and it is what prices that collective.
+    assert {(f.kind, f.axes) for f in mesh.machine.links if len(f.axes) > 1} == {(k, (0, 1)) for k in KINDS}
+    assert {(f.kind, f.axes) for f in mesh.machine.links if len(f.axes) == 1} <= {(k, (a,)) for k in KINDS
+                                                                                 for a in (0, 1)}
+    spanning = mesh.machine.link_over("all_reduce", (0, 1))
+    assert collective_seconds("all_reduce", MiB, mesh, (0, 1), blocking=False) == pytest.approx(
+        spanning.alpha + spanning.beta * MiB * 2 * 3 / 4)
+    # And a blocking sum over both axes, timed as the runtime chains it.
+    assert [axes for axes, _ in mesh.machine.blocking_over] == [(0, 1)]
+    assert 0.0 <= mesh.machine.blocking_of((0, 1)) < 0.1
+    assert MeshSpec.from_json(mesh.to_json()) == mesh
 
 
 def test_profile_rejects_bad_arguments():
