@@ -61,7 +61,9 @@ class AutoParallelPlugin:
             gradients) of each parameter over the mesh axes its layout replicates it on
             (``autopar.runtime.zero``; ZeRO-3 is one of the plan's layouts). ``"auto"``: the
             planner picks the stage per parameter, pricing memory and communication with the
-            layouts (stage 0 wherever the budget does not need more).
+            layouts (stage 0 wherever the budget does not need more); with a pipeline, 0 in
+            its stages (they run no ZeRO; under ``pp_size="auto"`` the plan without a pipeline
+            keeps the solver's choice).
         max_norm: clip gradients to this global L2 norm in ``optimizer.step()``; 0 = no clipping.
         checkpoint: activation recompute planning (``autopar.plan``'s ``checkpoint``).
         reduce_dtype: what gradients are summed in (``None`` = fp32).
@@ -432,9 +434,10 @@ class AutoParallelPlugin:
                     **({"refine": self.refine} if self.refine else {}),
                     **({} if self.offload == "none" else {"offload": self.offload}),
                     **({} if self.sequence_parallel == "auto" else {"sequence_parallel": self.sequence_parallel}),
-                    # Pipelined stages and Gemini's own policies run without ZeRO: "auto" means 0 there.
+                    # Pipelined stages and Gemini's own policies run without ZeRO: "auto" means 0 there
+                    # (under pp_size="auto" the planner keeps it for the candidate without a pipeline).
                     zero_stage=None if self.plan is not None else
-                    0 if (self.pipeline is not None or self.placement_policy in ("static", "auto"))
+                    0 if (self.pipeline not in (None, "auto") or self.placement_policy in ("static", "auto"))
                     and self.zero_stage == "auto" else self.zero_stage,
                     # pp_size None means none here (autoparallelize's default is "auto"): see pp_size.
                     **({"pipeline": 1} if self.pipeline is None else

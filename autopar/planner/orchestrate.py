@@ -409,8 +409,9 @@ def plan_auto(model: Any, meta_inputs: tuple | dict, *, mesh: MeshSpec | Sequenc
     without a pipeline's first, so a count whose step floor (``pipeline.bounds``: bubbles,
     point-to-point and actions' overhead as the search prices them) cannot beat it is not
     searched, nor traced when ``pipeline.candidates.work_floor`` (factor x (ops over all devices
-    + actions' overhead)) says none can. The faster plan wins (ties: no pipeline); ``ValueError``
-    when neither fits. ``profile``: ``traced``'s, if at hand; ``key``: ``plan_auto_cached``'s."""
+    + actions' overhead)) says none can; ``zero_stage="auto"`` is 0 in their stages (no ZeRO there).
+    The faster plan wins (ties: no pipeline); ``ValueError`` when neither fits. ``profile``:
+    ``traced``'s, if at hand; ``key``: ``plan_auto_cached``'s."""
     from autopar.planner.pipeline.candidates import blocker, work_floor
     from autopar.planner.pipeline.geometry import batch_size, microbatch_counts
     from autopar.planner.pipeline.schedule import schedules_for
@@ -426,7 +427,8 @@ def plan_auto(model: Any, meta_inputs: tuple | dict, *, mesh: MeshSpec | Sequenc
     elif (prof := profile) is None:
         with progress.stage("profile"):
             prof = profile_graph(traced)
-    why = blocker(traced, meta_inputs, mesh=spec, options=options)
+    staged_options = replace(options, zero_stage=0) if options.zero_stage == "auto" else options
+    why = blocker(traced, meta_inputs, mesh=spec, options=staged_options)
     lines = [] if why is None else [f"pipeline {stages}: not a candidate: {why}"]
     try:
         flat: PlanResult | None = plan_traced(traced, prof, mesh=spec, options=replace(options, pipeline=None),
@@ -458,9 +460,9 @@ def plan_auto(model: Any, meta_inputs: tuple | dict, *, mesh: MeshSpec | Sequenc
         if not counts:
             return flat_wins()
     try:
-        staged = _stage_floors(model, meta_inputs, spec=spec, options=options, progress=progress,
+        staged = _stage_floors(model, meta_inputs, spec=spec, options=staged_options, progress=progress,
                                schedules=schedules, counts=counts)
-        best = _search_counts(staged, spec=spec, options=options, progress=progress, schedules=schedules,
+        best = _search_counts(staged, spec=spec, options=staged_options, progress=progress, schedules=schedules,
                               lines=lines, incumbent=incumbent)
     except (ValueError, TraceError) as exc:  # a pipeline this model cannot have (a cut the stages refuse, a
         if flat is None:                     # micro-batch graph that does not trace): a line, not the end of
@@ -577,8 +579,7 @@ def plan_family(model: Any, meta_inputs: tuple | dict, family: str, *, mesh: Mes
     ``"zero1"``, or a fixed configuration's, ``"dp x megatron"``) for ``model`` on ``mesh``: the
     planner's own problem restricted to the family, solved and assembled (no recompute), with
     ``options.offload`` applied. What a fixed-configuration plugin (``LowLevelZeroPlugin``,
-    ``HybridParallelPlugin``) runs: the same kind of ``Plan`` as the
-    auto plan, inspectable alike."""
+    ``HybridParallelPlugin``) runs: the same kind of ``Plan`` as the auto plan, inspectable alike."""
     from autopar.planner.assemble import assemble_plan, baseline_problem
     from autopar.planner.builder import build_problem
     from autopar.planner.checkpointing import estimate

@@ -48,6 +48,12 @@ def test_zero_stage_reaches_autoparallelize(stage, planned):
     assert AutoParallelPlugin(zero_stage=stage).autoparallelize_kwargs()["zero_stage"] == planned
 
 
+@pytest.mark.parametrize("pp_size,planned", [(None, "auto"), ("auto", "auto"), (2, 0)])
+def test_zero_stage_auto_under_a_pipeline(pp_size, planned):
+    # pp_size="auto": the planner keeps "auto" for the plan without a pipeline (0 in its stages).
+    assert AutoParallelPlugin(pp_size=pp_size).autoparallelize_kwargs()["zero_stage"] == planned
+
+
 def test_good_arguments_are_normalised():
     p = AutoParallelPlugin(mesh="2x2", memory_budget="1GiB", precision="bfloat16", zero_stage=0, max_norm=1,
                            reduce_dtype=torch.float32, device="cpu")

@@ -119,6 +119,17 @@ def test_no_candidates_exit_before_any_micro_batch_trace():
     assert chosen.plan.pipeline is None and "checkpoint='rotor'" in chosen.candidates[0]
 
 
+def test_zero_stage_auto_keeps_pipelines_as_candidates():
+    """``zero_stage="auto"`` (the plugin's default) is the solver's per-parameter choice for the
+    plan without a pipeline and ZeRO-0 in pipelined stages (which run none): the pipeline stays a
+    candidate instead of being refused for the ZeRO option."""
+    model, inputs = qwen2_decoder()
+    chosen = plan_auto(model, inputs, mesh=MeshSpec.preset("cpu", (2,)), options=PlanOptions(zero_stage="auto"))
+    assert chosen.candidates and not any("not a candidate" in line for line in chosen.candidates), chosen.candidates
+    assert any(line.startswith("pipeline 2: ") for line in chosen.candidates), chosen.candidates
+    assert chosen.plan.pipeline is None  # cpu preset actions: the work floor prunes the pipeline
+
+
 @pytest.mark.full_sweep
 def test_issue_30_decoder_at_a_tight_budget_pipelines_by_default():
     """Issue 30's case at its sizes (hidden 256, 8 heads, vocab 1000, batch 8 x seq 128) on (2,)
