@@ -410,7 +410,7 @@ def plan_auto(model: Any, meta_inputs: tuple | dict, *, mesh: MeshSpec | Sequenc
     point-to-point and actions' overhead as the search prices them) cannot beat it is not
     searched, nor traced when ``pipeline.candidates.work_floor`` (factor x (ops over all devices
     + actions' overhead)) says none can; ``zero_stage="auto"`` is 0 in their stages (no ZeRO there).
-    The faster plan wins (ties: no pipeline); ``ValueError`` if neither fits. ``profile``, ``key``: ``traced``'s, the cache's."""
+    The faster plan wins (ties: no pipeline), ``ValueError`` if neither fits; ``profile``/``key``: traced's/cache's."""
     from autopar.planner.pipeline.candidates import blocker, work_floor
     from autopar.planner.pipeline.geometry import batch_size, microbatch_counts
     from autopar.planner.pipeline.schedule import schedules_for
