@@ -8,9 +8,11 @@ sub-mesh, restricted to the stage's decisions (``slice``), and solved. In the sl
   every op option that is saved for backward (a live interval in the Problem) carries
   ``(k - 1) * act_bytes`` more ``param_bytes`` (held the whole step), so the ILP's memory
   constraint sees one micro-batch's activation timeline plus k - 1 micro-batches' saved bytes;
-- parameter options (whose ``comm_s`` is the gradient synchronisation over the sub-mesh)
-  are scaled by ``1 / factor`` (``factor = M v + bubble``): the step runs every other option
-  ``factor`` times on the bottleneck stage but synchronises gradients once, so the ILP
+- parameter options (the optimizer step, ZeRO's gather) and the gradient sums an op's option
+  prices for the parameters it reads in their own layout (``Decision.bucketed``;
+  ``_parameter_sums``) are scaled by ``1 / factor`` (``factor = M v + bubble``): the step runs
+  every other cost ``factor`` times on the bottleneck stage but updates and synchronises the
+  parameters once (the pipeline runtime sums gradients after the last micro-batch), so the ILP
   minimises this stage's share of the step;
 - a stage with ``v`` virtual stages per rank gets ``budget / v`` (its rank holds v chunks);
 - values crossing the cut are sent replicated (``autopar.runtime.pipeline.split``); the
@@ -55,6 +57,7 @@ from autopar.solver.driver import SolveTimeout, terse_infeasible
 from autopar.solver.floors import below_parameters
 from autopar.solver.problem import Edge, Node, Problem, Solution, StrategyOption
 from autopar.solver.timeline import activation_bytes
+from autopar.strategies.grad_sums import grad_sync_seconds
 from autopar.tracer.graph import TracedGraph
 
 __all__ = ["HELD", "StageCost", "RangeMemo", "StageCosts", "stage_costs"]
@@ -411,6 +414,19 @@ class StageCosts:
             return 0
         return base.options[base.option_index(option)].act_bytes
 
+    def _parameter_sums(self, name: str, option: str) -> float:
+        """Seconds of op ``name``'s option ``option`` that sum its parameters' partial gradients
+        (``Decision.bucketed``: parameters read in their own layout; a stage prices them unbucketed).
+        The pipeline runtime sums them once per step, after the last micro-batch."""
+        decision = self.built.decision(name)
+        if not decision.bucketed:
+            return 0.0
+        strategy = self.built.choice_of(name, option).strategy
+        if strategy is None:
+            return 0.0
+        return sum(grad_sync_seconds(strategy, slot, self.built.mesh) for slot in decision.bucketed
+                   if strategy.grad_partial_axes[slot])
+
     def slice(self, names: set[str], *, in_flight: int, factor: float, budget: int | None,
               fixed: dict[str, str], recompute: bool = False) -> Problem:
         """The Problem restricted to ``names`` and priced for the stage (module docstring).
@@ -439,6 +455,8 @@ class StageCosts:
             opts = []
             for i in idx:
                 o = node.options[i]
+                if kind == NodeKind.OP and (sums := self._parameter_sums(node.name, o.name)):
+                    o = replace(o, comm_s=max(o.comm_s - sums + sums / factor, 0.0))
                 if kind == NodeKind.PARAMETER:
                     o = replace(o, compute_s=o.compute_s / factor, comm_s=o.comm_s / factor)
                 elif unit is not None:
