@@ -98,10 +98,13 @@ class _Restricted:
 
     def __init__(self, built, problem):
         self.problem, self._built = problem, built
-        self.segment_inputs = built.segment_inputs
+        self.segment_inputs, self.mesh = built.segment_inputs, built.mesh
 
     def decision(self, name):
         return self._built.decision(name)
+
+    def choice_of(self, name, option):  # option names are the full problem's
+        return self._built.choice_of(name, option)
 
 
 @dataclass
