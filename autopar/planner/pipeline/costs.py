@@ -162,6 +162,7 @@ class StageCosts:
         # (shortest, longest) stage length the current cut search asks for (``_between``); None: off
         self.lengths: tuple[int, int] | None = None
         self.memo = RangeMemo()
+        self._sums: dict[tuple[str, str], float] = {}  # _parameter_sums by (op, option): every slice asks
         self.floors = BlockFloors(self.geometry)
         self._quick: dict[tuple, np.ndarray] = {}  # (factor, recompute) -> prefix sums of ops' cheapest options
         # The same for every stage and schedule (``pipeline.schedule.STAGE_ACTIONS``): memoised
@@ -418,14 +419,14 @@ class StageCosts:
         """Seconds of op ``name``'s option ``option`` that sum its parameters' partial gradients
         (``Decision.bucketed``: parameters read in their own layout; a stage prices them unbucketed).
         The pipeline runtime sums them once per step, after the last micro-batch."""
-        decision = self.built.decision(name)
-        if not decision.bucketed:
-            return 0.0
-        strategy = self.built.choice_of(name, option).strategy
-        if strategy is None:
-            return 0.0
-        return sum(grad_sync_seconds(strategy, slot, self.built.mesh) for slot in decision.bucketed
-                   if strategy.grad_partial_axes[slot])
+        key = (name, option)
+        if key not in self._sums:
+            decision = self.built.decision(name)
+            strategy = self.built.choice_of(name, option).strategy if decision.bucketed else None
+            self._sums[key] = 0.0 if strategy is None else sum(
+                grad_sync_seconds(strategy, slot, self.built.mesh) for slot in decision.bucketed
+                if strategy.grad_partial_axes[slot])
+        return self._sums[key]
 
     def slice(self, names: set[str], *, in_flight: int, factor: float, budget: int | None,
               fixed: dict[str, str], recompute: bool = False) -> Problem:
