@@ -22,7 +22,6 @@ same layouts.
 from __future__ import annotations
 
 import functools
-
 from typing import Sequence
 
 import torch
