@@ -135,8 +135,8 @@ def measure_idle_speedup(*, repeats: int, device: torch.device) -> tuple[float, 
     rank runs it: ``t_all / t_half``, at least 1, at most the world size. 1 on a GPU per rank;
     4 gloo ranks on this 2-core host shared with other jobs measured 2.0-3.2 (more than the
     ranks' fair share of the cores: the other jobs' threads take a busy rank's core less often
-    when fewer of ours compete), and 1F1B pipelines measured at 0.73-0.87 of their unscaled
-    step, which a bubble divided by ~3 matches (``planner.pipeline.schedule.bubble``)."""
+    when fewer of ours compete); ``planner.pipeline.schedule.bubble`` turns it into what the
+    waiting half of the ranks costs a pipeline's step."""
     world, rank = dist.get_world_size(), dist.get_rank()
     a = torch.randn(256, 256, device=device)
 

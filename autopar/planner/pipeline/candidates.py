@@ -14,7 +14,7 @@ search costs a trace per micro-batch count and tens of stage solves, so two chec
 The work floor. ``S`` ranks (axis 0), ``D`` devices, ``v`` chunks per rank (``K = S v`` stages),
 ``M`` micro-batches, ``W`` the full batch's one-device op seconds. The search prices every step as
 ``factor * max_k t_k + max_k sync_k`` (``schedule.step_time``; ``factor = M v + bubble``, bubble
-divided by the machine's ``idle_speedup`` as ``step_factor`` does) with each stage (chunk) time
+scaled by the machine's ``idle_speedup`` as ``step_factor`` does) with each stage (chunk) time
 ``t_k = ops_k + reshard_k + p2p_k + O`` (``costs.StageCost.time_s``), where ``O =
 STAGE_ACTIONS x pipeline_action_s`` (``schedule.action_overhead_s``) is the SAME for every chunk of
 every schedule: zero-bubble's split backward adds a weight-gradient action that is not counted

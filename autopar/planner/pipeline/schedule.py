@@ -10,19 +10,26 @@ machine's ``pipeline_action_s``), ``sync_k`` its once-per-step gradient synchron
 sub-mesh. Priced in one place, ``pipeline.costs.StageCosts`` (its ``StageCost.time_s``), which the
 cut search, the bounds, the assembled plan's estimate and the report all read.
 
-Step time (``step_time``) = ``(M * v + bubble / idle_speedup) * max_k t_k + max_k sync_k``
-(``idle_speedup``: the calibrated machine's ``MachineProfile.idle_speedup``, 1 on a preset: the
-fill and drain leave ranks waiting, whose cores the busy ranks take where ranks share them) with
+Step time (``step_time``) = ``(M * v + bubble) * max_k t_k + max_k sync_k`` with the idle slots
 
-- GPipe, 1F1B: ``bubble = S - 1`` (``(M + S - 1) * t``: the classic fill and drain);
-- interleaved 1F1B: ``bubble = S - 1`` in units of a chunk: ``(M + (S - 1) / v) * (v * t)``,
-  Megatron's bubble divided by ``v``;
+- GPipe, 1F1B: ``S - 1`` (``(M + S - 1) * t``: the classic fill and drain);
+- interleaved 1F1B: ``S - 1`` in units of a chunk: ``(M + (S - 1) / v) * (v * t)``, Megatron's
+  bubble divided by ``v``;
 - zero-bubble (torch's interleaved zero-bubble schedule, ZB-H1 of Qi et al. 2023): the
   weight-gradient passes fill about two thirds of the 1F1B bubble when forward, input-gradient
-  and weight-gradient passes take a third of ``t`` each: ``bubble = (S - 1) / 3`` (torch's own
-  order for it, played with equal thirds, gives exactly this), ``(S - 1) / idle_speedup`` where
-  that is smaller: the weight passes and the cores the waiting ranks lend recover the same idle
-  slots, not twice.
+  and weight-gradient passes take a third of ``t`` each: ``(S - 1) / 3`` (torch's own order for
+  it, played with equal thirds, gives exactly this);
+
+scaled by ``2 / idle_speedup - 1`` (``bubble``; ``idle_speedup``: the calibrated machine's
+``MachineProfile.idle_speedup``, 1 on a preset, where the scale is 1). Why: every rank waits
+``bubble * t`` of the step, with about half the ranks waiting at any time it waits (exactly so
+for 2 ranks: played out, their waits never coincide; the fill's and drain's staircases average
+half for more). So ``2 * bubble * t`` of the step runs half the ranks, and where ranks share
+cores those run ``idle_speedup`` times faster: that part takes ``2 * bubble * t / idle_speedup``,
+the step ``(M v - bubble + 2 bubble / idle_speedup) t``. With 2 ranks on 2 stages and 2
+micro-batches this is exact for the played-out 1F1B order; ``idle_speedup = 2`` (waiting ranks
+lend all their cores) leaves ``M v t``, the ranks' own work, and the scale is clamped at 0 there
+(a larger measured speedup is other jobs yielding, which no schedule can bank on).
 
 Balanced chunks are assumed for interleaving (a rank's time per micro-batch is ``v`` times the
 slowest chunk's): the DP bounds the slowest chunk, which bounds every rank's sum.
@@ -133,16 +140,15 @@ def idle_speedup(mesh) -> float:
 
 
 def bubble(schedule: str, *, num_stages: int, idle_speedup: float = 1.0) -> float:
-    """Idle slots, in units of the slowest stage's time per micro-batch (module docstring),
-    divided by ``idle_speedup``: in the fill and drain some ranks wait, and where ranks share
-    cores the busy ones run that much faster (measured on 4 gloo ranks on 2 cores, GPT-2: the
-    1F1B step at 0.73-0.87 of ``(M + S - 1) t``, 2 and 4 stages, 2-8 micro-batches)."""
+    """Idle slots per rank, in units of the slowest stage's time per micro-batch, as they cost
+    the step (module docstring): the schedule's ``S - 1`` (zero-bubble: a third of it) scaled by
+    ``max(0, 2 / idle_speedup - 1)`` -- the half of the ranks still busy in those slots run
+    ``idle_speedup`` times faster where ranks share cores (on 4 gloo ranks on 2 cores, GPT-2's
+    2-stage 1F1B with 2 micro-batches measured 1.8-1.9 times its priced stage time, where the
+    unscaled formula says 3)."""
     _check(schedule)
-    if schedule == "zero-bubble":
-        # The weight passes fill the idle slots with work a waiting rank's core would otherwise
-        # lend to the busy ranks: the two recover the same idle time and do not compound.
-        return (num_stages - 1) / max(3.0, idle_speedup)
-    return (num_stages - 1) / idle_speedup
+    slots = (num_stages - 1) / 3.0 if schedule == "zero-bubble" else float(num_stages - 1)
+    return slots * max(0.0, 2.0 / idle_speedup - 1.0)
 
 
 def step_factor(schedule: str, *, num_stages: int, virtual_stages: int, num_microbatches: int,

@@ -95,15 +95,52 @@ def test_schedule_formulas():
             for k in range(4)] == [4] * 4
     assert step_time("1f1b", times=[1.0, 2.0], syncs=[0.5, 0.1], num_stages=2, virtual_stages=1,
                      num_microbatches=4) == pytest.approx(5 * 2.0 + 0.5)
-    # Where ranks share cores, the fill and drain run faster by the calibrated idle speedup.
-    assert step_factor("1f1b", num_stages=4, virtual_stages=1, num_microbatches=8, idle_speedup=3.0) == 8 + 1
-    # Zero-bubble's weight passes and the idle speedup recover the same idle slots: the larger wins.
+    # Where ranks share cores, the half of the ranks busy while the others wait run faster:
+    # 2 * bubble of the step at idle_speedup s costs bubble * (2 / s - 1).
+    assert step_factor("1f1b", num_stages=4, virtual_stages=1, num_microbatches=8,
+                       idle_speedup=1.6) == pytest.approx(8 + 3 * 0.25)
+    # Waiting ranks lending all their cores (s = 2) leave the ranks' own work; a larger measured
+    # speedup (other jobs yielding) does not make a step shorter than that.
+    for s in (2.0, 3.0):
+        assert step_factor("1f1b", num_stages=4, virtual_stages=1, num_microbatches=8, idle_speedup=s) == 8
     assert step_factor("zero-bubble", num_stages=4, virtual_stages=2, num_microbatches=8,
-                       idle_speedup=2.0) == pytest.approx(16 + 1)
+                       idle_speedup=1.6) == pytest.approx(16 + 0.25)
     assert step_factor("zero-bubble", num_stages=4, virtual_stages=2, num_microbatches=8,
-                       idle_speedup=6.0) == pytest.approx(16 + 0.5)
+                       idle_speedup=6.0) == pytest.approx(16)
     assert step_time("1f1b", times=[1.0, 2.0], syncs=[0.5, 0.1], num_stages=2, virtual_stages=1,
-                     num_microbatches=4, idle_speedup=2.0) == pytest.approx(4.5 * 2.0 + 0.5)
+                     num_microbatches=4, idle_speedup=4 / 3) == pytest.approx(4.5 * 2.0 + 0.5)
+
+
+def test_the_idle_scale_matches_a_played_out_two_stage_1f1b():
+    """2 ranks, 1F1B, forward and backward half a stage time each, waiting ranks' cores lent to
+    the busy one: playing the order out slot by slot gives the formula's step."""
+    def played(m: int, s: float) -> float:
+        # Half-slot timeline of 2-stage 1F1B: rank 0 F0..; rank 1 starts half a slot late.
+        # Per half-slot, each rank is busy or waiting; a half-slot with one rank waiting runs 1/s.
+        done = {}  # (rank, kind, micro-batch) -> finish half-slot
+        order = {0: ["F0"] + [x for i in range(1, m) for x in (f"F{i}", f"B{i - 1}")] + [f"B{m - 1}"],
+                 1: [x for i in range(m) for x in (f"F{i}", f"B{i}")]}
+        free, busy = {0: 0, 1: 0}, {0: set(), 1: set()}
+        for _ in range(4 * m):
+            for r in (0, 1):
+                if not order[r]:
+                    continue
+                op = order[r][0]
+                kind, i = op[0], int(op[1:])
+                dep = (0, "F", i) if (r, kind) == (1, "F") else (1, "B", i) if (r, kind) == (0, "B") else None
+                if dep is not None and dep not in done:
+                    continue
+                start = max(free[r], done.get(dep, 0))
+                done[(r, kind, i)] = free[r] = start + 1
+                busy[r].update({start})
+                order[r].pop(0)
+        end = max(free.values())
+        return sum(1.0 if all(h in busy[r] for r in (0, 1)) else 1.0 / s for h in range(end)) / 2
+
+    for m in (2, 3, 4, 8):
+        for s in (1.0, 1.6, 2.0):
+            assert played(m, s) == pytest.approx(step_factor("1f1b", num_stages=2, virtual_stages=1,
+                                                             num_microbatches=m, idle_speedup=s)), (m, s)
     with pytest.raises(ValueError, match="schedule 'pipedream'"):
         in_flight("pipedream", index=0, num_stages=2, virtual_stages=1, num_microbatches=2)
 
@@ -515,22 +552,23 @@ def test_bounded_stage_solves_find_the_same_cuts_as_solving_every_stage(traced_m
 
 def test_a_calibrated_idle_speedup_prices_the_bubble(traced_models):
     """A machine whose busy ranks run faster while others wait (``MachineProfile.idle_speedup``)
-    shortens the fill and drain: the plan's step is the schedule's with the bubble divided by it."""
+    shortens the fill and drain: the plan's step is the schedule's with the bubble scaled by
+    ``2 / idle_speedup - 1``."""
     from autopar.layout.machine import ComputeProfile, MachineProfile
 
     traced, prof = traced_models["llama-1b"]
     preset = MeshSpec.preset("cpu", (2, 2))
-    machine = MachineProfile(ComputeProfile(()), (), (2, 2), preset.axis_names, idle_speedup=3.0)
+    machine = MachineProfile(ComputeProfile(()), (), (2, 2), preset.axis_names, idle_speedup=1.6)
     steps = {}
     for name, mesh in (("preset", preset), ("shared cores", dataclasses.replace(preset, machine=machine))):
         found = search_stages(traced, prof, mesh=mesh, options=PlanOptions(), num_stages=2, num_microbatches=4,
                               schedules=("1f1b",))
         figures = found.plan.solver["pipeline"]["stages"]
-        speedup = 1.0 if mesh.machine is None else 3.0
+        speedup = 1.0 if mesh.machine is None else 1.6
         assert found.plan.estimate.step_s == pytest.approx(step_time(
             "1f1b", times=[f["time_s"] for f in figures], syncs=[f["sync_s"] for f in figures], num_stages=2,
             virtual_stages=1, num_microbatches=4, idle_speedup=speedup), rel=1e-9)
-        assert found.plan.solver["pipeline"]["factor"] == 4 + 1 / speedup
+        assert found.plan.solver["pipeline"]["factor"] == pytest.approx(4 + (2 / speedup - 1))
         steps[name] = found.plan.estimate.step_s
     assert steps["shared cores"] < steps["preset"]
 
