@@ -12,8 +12,8 @@ sub-mesh, restricted to the stage's decisions (``slice``), and solved. In the sl
   prices for the parameters it reads in their own layout (``Decision.bucketed``;
   ``_parameter_sums``) are scaled by ``1 / factor`` (``factor = M v + bubble``): the step runs
   every other cost ``factor`` times on the bottleneck stage but updates and synchronises the
-  parameters once (the pipeline runtime sums gradients after the last micro-batch), so the ILP
-  minimises this stage's share of the step;
+  parameters once (the pipeline runtime sums gradients after the last micro-batch, in buckets:
+  the sums are priced as bucket members), so the ILP minimises this stage's share of the step;
 - a stage with ``v`` virtual stages per rank gets ``budget / v`` (its rank holds v chunks);
 - values crossing the cut are sent replicated (``autopar.runtime.pipeline.split``); the
   conversions at each side of a boundary are not priced, the point-to-point transfer is:
@@ -52,6 +52,7 @@ from autopar.planner.pipeline.bounds import BlockFloors
 from autopar.planner.pipeline.geometry import StageGeometry
 from autopar.planner.pipeline.schedule import action_overhead_s, check_pipeline_zero
 from autopar.planner.records import BuiltProblem
+from autopar.planner.zero_pricing import zero_gather_cap
 from autopar.plans import NodeKind, stage_mesh_of
 from autopar.solver.driver import SolveTimeout, terse_infeasible
 from autopar.solver.floors import below_parameters
@@ -162,7 +163,8 @@ class StageCosts:
         # (shortest, longest) stage length the current cut search asks for (``_between``); None: off
         self.lengths: tuple[int, int] | None = None
         self.memo = RangeMemo()
-        self._sums: dict[tuple[str, str], float] = {}  # _parameter_sums by (op, option): every slice asks
+        self._sums: dict[tuple[str, str], tuple[float, float]] = {}  # _parameter_sums by (op, option)
+        self.sum_cap = zero_gather_cap(traced.params)  # the bucket the runtime's deferred sums price in
         self.floors = BlockFloors(self.geometry)
         self._quick: dict[tuple, np.ndarray] = {}  # (factor, recompute) -> prefix sums of ops' cheapest options
         # The same for every stage and schedule (``pipeline.schedule.STAGE_ACTIONS``): memoised
@@ -415,17 +417,21 @@ class StageCosts:
             return 0
         return base.options[base.option_index(option)].act_bytes
 
-    def _parameter_sums(self, name: str, option: str) -> float:
+    def _parameter_sums(self, name: str, option: str) -> tuple[float, float]:
         """Seconds of op ``name``'s option ``option`` that sum its parameters' partial gradients
-        (``Decision.bucketed``: parameters read in their own layout; a stage prices them unbucketed).
-        The pipeline runtime sums them once per step, after the last micro-batch."""
+        (``Decision.bucketed``: parameters read in their own layout): (as its option prices them,
+        one collective each; as the pipeline runtime runs them, once per step after the last
+        micro-batch in buckets -- ``runtime.pipeline.grad_sums`` -- each paying its share of a
+        bucket's latency, the bucket no larger than the model's trainable bytes:
+        ``zero_pricing.zero_gather_cap``, the same rule as ZeRO's gather buckets)."""
         key = (name, option)
         if key not in self._sums:
             decision = self.built.decision(name)
             strategy = self.built.choice_of(name, option).strategy if decision.bucketed else None
-            self._sums[key] = 0.0 if strategy is None else sum(
-                grad_sync_seconds(strategy, slot, self.built.mesh) for slot in decision.bucketed
-                if strategy.grad_partial_axes[slot])
+            slots = [] if strategy is None else [s for s in decision.bucketed if strategy.grad_partial_axes[s]]
+            self._sums[key] = (
+                sum(grad_sync_seconds(strategy, s, self.built.mesh) for s in slots),
+                sum(grad_sync_seconds(strategy, s, self.built.mesh, bucket_cap=self.sum_cap) for s in slots))
         return self._sums[key]
 
     def slice(self, names: set[str], *, in_flight: int, factor: float, budget: int | None,
@@ -456,8 +462,8 @@ class StageCosts:
             opts = []
             for i in idx:
                 o = node.options[i]
-                if kind == NodeKind.OP and (sums := self._parameter_sums(node.name, o.name)):
-                    o = replace(o, comm_s=max(o.comm_s - sums + sums / factor, 0.0))
+                if kind == NodeKind.OP and (sums := self._parameter_sums(node.name, o.name))[0]:
+                    o = replace(o, comm_s=max(o.comm_s - sums[0] + sums[1] / factor, 0.0))
                 if kind == NodeKind.PARAMETER:
                     o = replace(o, compute_s=o.compute_s / factor, comm_s=o.comm_s / factor)
                 elif unit is not None:
@@ -505,7 +511,7 @@ def stage_costs(traced: TracedGraph, profile, *, mesh: MeshSpec, options,
 
     check_pipeline_zero(options.zero_stage)
     # No overlap inside a stage: the pipeline runtime sums data-parallel gradients once per step,
-    # after the last micro-batch and on the critical path (``runtime.pipeline``: no buckets).
+    # after the last micro-batch and on the critical path (``runtime.pipeline.grad_sums``).
     sub = replace(stage_mesh_of(mesh), comm_overlap=0.0)
     built = build_problem(traced, profile, sub, budget_bytes=None, bucket_cap=0,
                           options=replace(options, checkpoint="none", pipeline=None))

@@ -35,6 +35,7 @@ from autopar.runtime.modes import TracedMode
 from autopar.runtime.module import input_leaves
 from autopar.runtime.parallel_module import clip_grad_norm
 from autopar.runtime.passes import STATE_KEY
+from autopar.runtime.pipeline.grad_sums import DeferredSums
 from autopar.runtime.pipeline.split import StageGraph, example_values
 from autopar.runtime.pipeline.state import PipelineState
 from autopar.runtime.pipeline.weights import LossWeights
@@ -155,6 +156,7 @@ class PipelineModule(PipelineState, nn.Module):
         self._last_rank = pipe.stages[-1].rank
         self._tied_groups = dict(tied_groups)  # tied parameter -> group of the pipeline ranks holding it
         self._deferred = dict(deferred)  # parameter -> mesh axes its gradient is summed over per step
+        self._sums: DeferredSums | None = None  # their buckets (``grad_sums``), at the first step
         self.boundary_layouts = dict(layouts)  # value crossing a cut -> the layout it is sent in
         self._draws = rng.graph_draws(traced.gm.graph)
         # Each micro-batch's share of the full batch's loss (a token mean with ignored labels is
@@ -420,12 +422,9 @@ class PipelineModule(PipelineState, nn.Module):
         """Once per step: data-parallel sums inside the stage (taken out of the graph), then the
         sum of a tied weight's copies over the pipeline ranks holding it (sums commute). Only the
         step's gradients are in the leaves (``step`` adds them to ``.grad`` afterwards)."""
-        for name, axes in self._deferred.items():
-            leaf = self._leaves[name]
-            if leaf.grad is None:  # every rank of the stage sees the same graph: all skip or none
-                continue
-            for axis in axes:
-                dist.all_reduce(leaf.grad, group=self.pmesh.group(axis))
+        if self._sums is None:  # laid out once, at the first step, as every rank reaches it
+            self._sums = DeferredSums(self._deferred, self._leaves, pmesh=self.pmesh)
+        self._sums.run(self._leaves)
         for name, group in self._tied_groups.items():
             leaf = self._leaves.get(name)
             if group is None or leaf is None:

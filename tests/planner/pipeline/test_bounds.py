@@ -81,7 +81,10 @@ def test_floors_tighten_the_search_without_changing_its_optimum(traced_models):
     want = schedule_cuts(_stage_costs(traced_models, "gpt2", (4, 2)), budget=budget, prune=False, **kw)
     got_plain = schedule_cuts(plain, budget=budget, **kw)
     got = schedule_cuts(floored, budget=budget, **kw)
-    assert floored.quick_bound(0, 2, factor=factor) > plain.quick_bound(0, 2, factor=factor)
+    # The floors bind somewhere (here the first and last blocks, whose embedding and head the
+    # ops' cheapest options price below what the block's own solve proves).
+    assert any(floored.quick_bound(a, b, factor=factor) > plain.quick_bound(a, b, factor=factor)
+               for a in range(floored.num_blocks) for b in range(a + 1, floored.num_blocks + 1))
     for found in (got, got_plain):
         assert found[1].objective == pytest.approx(want[1].objective, rel=1e-9)
         assert found[1].bounds == want[1].bounds and found[5] == want[5]

@@ -505,7 +505,10 @@ def test_family_reuse_equals_solving_every_length(traced_models):
     solve_all._between = lambda *args, **kw: None
     found = [schedule_cuts(c, schedule="1f1b", num_stages=2, num_microbatches=4, budget=None, recompute=(False,))
              for c in (reuse, solve_all)]
-    assert reuse.num_reused > 0 and reuse.num_solves < solve_all.num_solves
+    # Whether reuse also saves solves depends on the costs: since a stage's deferred gradient
+    # sums are priced as bucket members, the lazy search's own bounds skip about as many ranges
+    # here (11 solves with reuse, 10 without); the values must agree either way.
+    assert reuse.num_reused > 0
     assert found[0][1].objective == pytest.approx(found[1][1].objective, rel=1e-9)
     assert found[0][1].bounds == found[1][1].bounds
     for key, got in reuse.memo.entries.items():
@@ -576,8 +579,9 @@ def test_a_calibrated_idle_speedup_prices_the_bubble(traced_models):
 def test_a_stage_sums_its_parameters_gradients_once_per_step(traced_models):
     """An op's option prices the data-parallel sums of the parameters it reads in their own layout
     (``Decision.bucketed``); the pipeline runtime runs them once per step, after the last
-    micro-batch, so the stage's slice divides them by the step factor as it divides the
-    parameters' own options -- per micro-batch they made replicated compute look cheaper."""
+    micro-batch in buckets (``runtime.pipeline.grad_sums``), so the stage's slice prices them
+    as bucket members divided by the step factor, as it divides the parameters' own options --
+    per micro-batch they made replicated compute look cheaper."""
     from autopar.strategies.grad_sums import grad_sync_seconds
 
     costs = _stage_costs(traced_models)
@@ -592,9 +596,11 @@ def test_a_stage_sums_its_parameters_gradients_once_per_step(traced_models):
         base = costs.built.problem.node(node.name)
         for option in node.options:
             strategy = costs.built.choice_of(node.name, option.name).strategy
-            sums = sum(grad_sync_seconds(strategy, slot, costs.built.mesh) for slot in decision.bucketed
-                       if strategy.grad_partial_axes[slot])
+            slots = [s for s in decision.bucketed if strategy.grad_partial_axes[s]]
+            sums = sum(grad_sync_seconds(strategy, s, costs.built.mesh) for s in slots)
+            bucketed = sum(grad_sync_seconds(strategy, s, costs.built.mesh, bucket_cap=costs.sum_cap) for s in slots)
+            assert bucketed < sums or not slots  # a share of one latency, not one each
             before = base.options[base.option_index(option.name)].comm_s
-            assert option.comm_s == pytest.approx(max(before - sums * (1 - 1 / factor), 0.0), abs=1e-15)
+            assert option.comm_s == pytest.approx(max(before - sums + bucketed / factor, 0.0), abs=1e-15)
             checked += sums > 0
     assert checked > 0  # batch-split readers of replicated parameters were among them
