@@ -18,7 +18,8 @@ Step time (``step_time``) = ``(M * v + bubble) * max_k t_k + max_k sync_k`` with
 - zero-bubble (torch's interleaved zero-bubble schedule, ZB-H1 of Qi et al. 2023): the
   weight-gradient passes fill about two thirds of the 1F1B bubble when forward, input-gradient
   and weight-gradient passes take a third of ``t`` each: ``(S - 1) / 3`` (torch's own order for
-  it, played with equal thirds, gives exactly this);
+  it, played with equal thirds, gives exactly this), and the whole step ``1 + SPLIT_BACKWARD``
+  times longer: the split backward's two autograd calls cost more compute than one;
 
 scaled by ``2 / idle_speedup - 1`` (``bubble``; ``idle_speedup``: the calibrated machine's
 ``MachineProfile.idle_speedup``, 1 on a preset, where the scale is 1). Why: every rank waits
@@ -67,7 +68,7 @@ from autopar.layout.cost import pipeline_action_seconds
 from autopar.planner.pipeline.order import chunk_peaks
 from autopar.plans import PIPELINE_SCHEDULES
 
-__all__ = ["SCHEDULE_VIRTUAL_STAGES", "STAGE_ACTIONS", "action_overhead_s",
+__all__ = ["SCHEDULE_VIRTUAL_STAGES", "SPLIT_BACKWARD", "STAGE_ACTIONS", "action_overhead_s",
            "stage_window", "schedules_for", "check_pipeline_zero", "idle_speedup", "bubble",
            "step_factor",
            "in_flight", "step_time", "Cuts", "best_cuts", "LazyCuts", "PipelineCandidate", "schedule_cuts"]
@@ -80,6 +81,14 @@ __all__ = ["SCHEDULE_VIRTUAL_STAGES", "STAGE_ACTIONS", "action_overhead_s",
 # medians): interleaved 1F1B 7.40 ms and zero-bubble 7.56 ms per micro-batch per rank, i.e. W adds
 # ~0.08 ms against ~1.85 ms for each transferring action: W is not counted.
 STAGE_ACTIONS = 2
+
+# What torch's split backward adds to zero-bubble's compute, as a fraction of a chunk's time per
+# micro-batch: the input-gradient and weight-gradient passes are two autograd calls over the
+# chunk where the other schedules run one (measured on 2 gloo ranks x 2 chunks, GPT-2 with real
+# stages: ~5 ms per chunk micro-batch more than one full backward, ~7% of a 75 ms chunk; in
+# proportion to the compute, unlike the per-action overhead). Without it zero-bubble was priced
+# 3% below interleaved 1F1B and measured 8% above it.
+SPLIT_BACKWARD = {"zero-bubble": 0.07}
 
 # Virtual stages per rank each schedule is planned with (the runtime's torch schedules run
 # gpipe/1f1b with one stage per rank; the interleaved ones with two or more).
@@ -153,8 +162,10 @@ def bubble(schedule: str, *, num_stages: int, idle_speedup: float = 1.0) -> floa
 
 def step_factor(schedule: str, *, num_stages: int, virtual_stages: int, num_microbatches: int,
                 idle_speedup: float = 1.0) -> float:
-    """How many times the slowest stage's per-micro-batch time the step takes: ``M v + bubble``."""
-    return num_microbatches * virtual_stages + bubble(schedule, num_stages=num_stages, idle_speedup=idle_speedup)
+    """How many times the slowest stage's per-micro-batch time the step takes: ``M v + bubble``,
+    times ``1 + SPLIT_BACKWARD`` for a schedule that splits the backward."""
+    slots = num_microbatches * virtual_stages + bubble(schedule, num_stages=num_stages, idle_speedup=idle_speedup)
+    return slots * (1.0 + SPLIT_BACKWARD.get(schedule, 0.0))
 
 
 def in_flight(schedule: str, *, index: int, num_stages: int, virtual_stages: int, num_microbatches: int) -> int:

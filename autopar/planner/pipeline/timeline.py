@@ -32,6 +32,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from autopar.planner.pipeline.schedule import SPLIT_BACKWARD
 from autopar.plans import PIPELINE_SCHEDULES
 
 __all__ = ["Pass", "Timeline", "simulate", "rank_order"]
@@ -111,6 +112,9 @@ def simulate(schedule: str, *, times: list[float], syncs: list[float] | None = N
         raise ValueError(f"stage times must be finite and >= 0, got {times}")
     syncs = list(syncs) if syncs is not None else [0.0] * num_stages
     split = schedule == "zero-bubble"
+    # The split backward's two autograd calls cost more than one (``schedule.SPLIT_BACKWARD``):
+    # spread over the chunk's passes, as the step formula scales the whole step.
+    times = [t * (1.0 + SPLIT_BACKWARD.get(schedule, 0.0)) for t in times]
     dur = {"F": [t / 3 for t in times], "B": [t / 3 if split else 2 * t / 3 for t in times],
            "W": [t / 3 for t in times]}
     orders = [rank_order(schedule, rank=r, num_ranks=num_ranks, virtual_stages=virtual_stages,
