@@ -21,6 +21,14 @@ that split so that every rank sends the same number of elements:
   (``ScatterWork.add``, one copy, as a data-parallel bucket's), the first round can be left in
   flight, and this device's summed chunk is a view of the last round's receive buffer.
 
+Every copy is one strided view per run of equal chunks (``Level.spans``: ``torch.chunk``'s
+sizes make one run, or two with a short last chunk), not one per chunk: a piece's gradient goes
+into the send buffer in one copy as a data-parallel bucket's does, and the gather's views of its
+buffers and of the parameters are laid out once (rebuilt only when a local tensor or its memory
+is replaced) and copied in one ``torch._foreach_copy_`` on each side of the collective -- a
+slice, a view and a copy per chunk per piece per step cost GPT-2's ZeRO-2 step about 15 ms of
+Python on this host (session 23).
+
 The layouts are computed once. The gather's buffers (at most ``cap_bytes``) and the
 reduce-scatter's receive buffers (the pieces' gradients, 1/dp of the parameters) are kept across
 steps -- a fresh allocation of a large buffer costs its page faults on every step on CPU -- but
