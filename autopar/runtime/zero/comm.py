@@ -55,8 +55,8 @@ from autopar.runtime.counting import record
 from autopar.runtime.dist_ops import all_gather_single, reduce_scatter_single, wait
 from autopar.runtime.dtensors import grad_like, local_of
 
-__all__ = ["GatherPlan", "Level", "ScatterPlan", "ScatterWork", "chunk_sizes", "deliver_grad", "gather_pieces",
-           "levels", "scatter_grads"]
+__all__ = ["GatherPlan", "Level", "ScatterPlan", "ScatterWork", "Scratch", "chunk_sizes", "deliver_grad",
+           "gather_pieces", "levels", "scatter_grads"]
 
 
 def chunk_sizes(n: int, k: int) -> list[int]:
@@ -259,6 +259,16 @@ class GatherPlan:
             if out_of_recv[0]:
                 torch._foreach_copy_(*out_of_recv)
 
+    def scratch(self, device: torch.device) -> torch.Tensor:
+        """The largest receive buffer on ``device``, as bytes (empty: none), at its final size:
+        idle between the gathers after the step, it holds ZeRO-2's send buffers in backward
+        (``Scratch``)."""
+        self._program()
+        bufs = [b for (role, dev, _), b in self.buffers.kept.items() if role == "recv" and dev == device]
+        if not bufs:
+            return torch.empty(0, dtype=torch.uint8, device=device)
+        return max(bufs, key=lambda b: b.numel() * b.element_size()).view(torch.uint8)
+
     def _tensors(self) -> list[torch.Tensor]:
         return [t for p in self.pieces for t in (local_of(p.param), local_of(p.master))]
 
@@ -311,6 +321,29 @@ def gather_pieces(pieces: Sequence, *, cap_bytes: int = 0) -> None:
 
 
 # ---------------------------------------------------------------------------------- scatter
+class Scratch:
+    """Memory a backward pass's ZeRO-2 send buffers borrow: the gather's receive buffer, kept and
+    idle from one step's gather to the next. A fresh send buffer every step cost its page faults
+    on CPU (GPT-2's ZeRO-2: 1,400 a step a rank), one kept per bucket would hold the gradient
+    ZeRO-2 saves. ``reserve`` gives each shard bucket's collective a disjoint byte range (buckets
+    are in flight together); one past the buffer's end is fresh."""
+
+    def __init__(self, gather: GatherPlan) -> None:
+        self.gather, self.used = gather, 0
+        self._bytes: dict[torch.device, torch.Tensor] = {}
+
+    def reserve(self, nbytes: int, *, align: int) -> int:
+        at = -(-self.used // align) * align
+        self.used = at + nbytes
+        return at
+
+    def take(self, at: int, nbytes: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
+        arena = self._bytes.get(device)
+        if arena is None:
+            arena = self._bytes[device] = self.gather.scratch(device)
+        return arena[at:at + nbytes].view(dtype) if at + nbytes <= arena.numel() else None
+
+
 class ScatterPlan:
     """The reduce-scatter of a fixed list of ``items`` -- (piece, the mesh axes its gradient
     is partial on, the dtype it is summed in) -- one round per mesh axis of the pieces, each
@@ -319,9 +352,12 @@ class ScatterPlan:
     ``mesh``: the plan's ``MeshSpec``; where its calibrated links price an all-reduce of a
     collective's buffer below its reduce-scatter (gloo's reduce-scatter is not a ring of its
     own), that collective all-reduces and keeps this device's segment -- the cheaper of the
-    two, which is what the planner prices (``planner.zero_pricing.zero2_extra_s``)."""
+    two, which is what the planner prices (``planner.zero_pricing.zero2_extra_s``).
+    ``scratch``: where the first round's send buffers live for the pass that owns the kept
+    buffers (``Scratch``; None: fresh ones)."""
 
-    def __init__(self, items: Sequence[tuple], *, keep: bool = True, mesh: MeshSpec | None = None) -> None:
+    def __init__(self, items: Sequence[tuple], *, keep: bool = True, mesh: MeshSpec | None = None,
+                 scratch: Scratch | None = None) -> None:
         self.items = [(p, tuple(partial), dtype) for p, partial, dtype in items]
         self.axes, links = sorted({a for p, _, _ in self.items for a in p.axes}), mesh
         lvs = [levels(p) for p, _, _ in self.items]
@@ -357,7 +393,11 @@ class ScatterPlan:
         # short chunk (zeroed in each fresh buffer)
         self.pads = {(r, c): _pads(rnd) for r, (collectives, _) in enumerate(self.rounds)
                      for c, rnd in enumerate(collectives)}
-        self.keep = keep
+        self.keep, self.scratch = keep, scratch
+        self._at = {}  # first-round collective -> (its byte offset in ``scratch``, bytes)
+        for c, rnd in enumerate(self.rounds[0][0] if self.rounds and scratch is not None else ()):
+            size = torch.empty((), dtype=rnd.dtype).element_size()
+            self._at[c] = (scratch.reserve(rnd.k * rnd.seg * size, align=size), rnd.k * rnd.seg * size)
         self._kept: dict[tuple, torch.Tensor] = {}  # (round, collective, device) -> receive buffer
         # The work holding the kept buffers until its ``wait`` (a weak reference: a backward pass
         # that raised is dropped with its work, and the buffers are free again).
@@ -371,11 +411,16 @@ class ScatterPlan:
             self._holder = weakref.ref(work)
         return work
 
-    def send_buffer(self, r: int, c: int, device: torch.device) -> torch.Tensor:
+    def send_buffer(self, r: int, c: int, device: torch.device, *, own: bool = False) -> torch.Tensor:
         """Round ``r``'s collective ``c``'s send buffer (``k`` segments of ``seg``), its padding
-        zeroed. Never kept: a full-size gradient buffer held between steps is what ZeRO-2 saves."""
+        zeroed. Never kept: a full-size gradient buffer held between steps is what ZeRO-2 saves;
+        the first round's of the pass that ``own``s the plan's buffers is borrowed (``scratch``)."""
         rnd = self.rounds[r][0][c]
-        send = torch.empty(rnd.k * rnd.seg, dtype=rnd.dtype, device=device)
+        send = None
+        if r == 0 and own and c in self._at:
+            send = self.scratch.take(*self._at[c], rnd.dtype, device)
+        if send is None:
+            send = torch.empty(rnd.k * rnd.seg, dtype=rnd.dtype, device=device)
         for lo, hi in self.pads[(r, c)]:
             send[lo:hi].zero_()
         return send
@@ -436,7 +481,7 @@ class ScatterWork:
     def _send(self, c: int, device: torch.device) -> torch.Tensor:
         send = self.sends.get(c)
         if send is None:
-            send = self.sends[c] = self.plan.send_buffer(0, c, device)
+            send = self.sends[c] = self.plan.send_buffer(0, c, device, own=self.own)
         return send
 
     @torch.no_grad()
