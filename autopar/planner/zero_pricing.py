@@ -43,20 +43,21 @@ def zero_gather_seconds(local_bytes: float, mesh: MeshSpec, axes: tuple[int, ...
     return seconds
 
 
-def zero2_copy_seconds(local_bytes: float, mesh: MeshSpec, axes: tuple[int, ...]) -> float:
+def zero2_copy_seconds(local_bytes: float, mesh: MeshSpec, axes: tuple[int, ...], *, fresh: float = 1.0) -> float:
     """What ZeRO-2's gradient path costs a parameter of ``local_bytes`` beyond data parallelism's
-    bucket, as ``runtime.zero.comm.ScatterPlan`` runs it: its send buffer lives only until its
-    collective is done (holding it would undo ZeRO-2's saving), so every step writes fresh memory
-    -- on a CPU host, page faults the size of the parameter (a data-parallel bucket is kept
-    across steps), priced as one write of ``local_bytes``; and where the links price the
-    all-reduce of a gradient bucket (``layout.buckets``' cap) below its reduce-scatter over the
-    first ZeRO axis (the runtime's choice, ``_all_reduce_cheaper``), this device's summed piece
-    is copied out of it (``local_bytes / dp``). Measured on 4 gloo ranks (GPT-2-style decoder,
-    13.6 MiB of gradients a rank, session 23): about 1,400 page faults a step a rank in the send
-    buffers' first touch, none in data parallelism's."""
+    bucket, as ``runtime.zero.comm.ScatterPlan`` runs it: where the links price the all-reduce of
+    a gradient bucket (``layout.buckets``' cap) below its reduce-scatter over the first ZeRO axis
+    (the runtime's choice, ``_all_reduce_cheaper``), this device's summed piece is copied out of
+    it (``local_bytes / dp``); and the ``fresh`` share of its send buffer is new memory every
+    step -- page faults on a CPU host, priced as one write of those bytes (a data-parallel bucket
+    is kept). The send buffers borrow the gather's receive buffer (``runtime.zero.comm.Scratch``,
+    at most the buckets' cap): ``zero_cost`` prices none fresh where the model's trainable bytes
+    fit it (``zero_gather_cap`` below the cap), all of them otherwise (an over-estimate by the
+    cap's share). Measured on 4 gloo ranks (GPT-2-style decoder, session 23):
+    1,400 page faults a step a rank when every send buffer was fresh, none in data parallelism."""
     if not axes or not local_bytes:
         return 0.0
-    seconds = local_bytes / mesh.mem_bandwidth
+    seconds = fresh * local_bytes / mesh.mem_bandwidth
     first, bucket = axes[0], bucket_cap_bytes() or local_bytes
     if collective_seconds("all_reduce", bucket, mesh, first) < collective_seconds("reduce_scatter", bucket, mesh,
                                                                                   first):
@@ -105,7 +106,8 @@ def zero_cost(spec: TensorSpec, mesh: MeshSpec, local_bytes: int, *, stage: int,
     step_s = optimizer_seconds(local_bytes / dp, mesh, optimizer_multiplier=m)
     if stage == 1:
         return 2.0 + m / dp, gather_s, 1, step_s
-    return 1.0 + (1.0 + m) / dp, gather_s + zero2_copy_seconds(local_bytes, mesh, axes), 2, step_s
+    fresh = 0.0 if 0 < cap < bucket_cap_bytes() else 1.0  # (the whole model fits the borrowed buffer)
+    return 1.0 + (1.0 + m) / dp, gather_s + zero2_copy_seconds(local_bytes, mesh, axes, fresh=fresh), 2, step_s
 
 
 def zero2_priced_rs(strategy: Strategy, slot: int, mesh: MeshSpec, *, bucket_cap: int = 0) -> bool:
