@@ -25,16 +25,16 @@ Every copy is one strided view per run of equal chunks (``Level.spans``: ``torch
 sizes make one run, or two with a short last chunk), not one per chunk: a piece's gradient goes
 into the send buffer in one copy as a data-parallel bucket's does, and the gather's views of its
 buffers and of the parameters are laid out once (rebuilt only when a local tensor or its memory
-is replaced) and copied in one ``torch._foreach_copy_`` on each side of the collective -- a
-slice, a view and a copy per chunk per piece per step cost GPT-2's ZeRO-2 step about 15 ms of
-Python on this host (session 23).
+is replaced) and copied in one ``torch._foreach_copy_`` on each side of the collective (a copy
+per chunk per piece cost GPT-2's ZeRO-2 step about 15 ms of Python here, session 23).
 
 The layouts are computed once. The gather's buffers (at most ``cap_bytes``) and the
 reduce-scatter's receive buffers (the pieces' gradients, 1/dp of the parameters) are kept across
 steps -- a fresh allocation of a large buffer costs its page faults on every step on CPU -- but
 a receive buffer an earlier step's gradient still lives in (``master.grad``, when gradients
 accumulate over steps) is not reused. The reduce-scatter's send buffer (the full local
-gradients) lives only until its collective is done: holding it would undo ZeRO-2's saving.
+gradients) is never held across steps (that would undo ZeRO-2's saving): it borrows the
+gather's receive buffer, idle in backward (``Scratch``), fresh where that is too small.
 """
 
 from __future__ import annotations
