@@ -6,14 +6,14 @@ import math
 from typing import Iterable
 
 from autopar.layout.buckets import bucket_cap_bytes
-from autopar.layout.cost import collective_seconds, copy_seconds, optimizer_seconds
+from autopar.layout.cost import collective_seconds, compute_seconds, copy_seconds, optimizer_seconds
 from autopar.layout.mesh import MeshSpec
 from autopar.layout.placement import TensorSpec, zero_split
 from autopar.strategies import Strategy
 from autopar.strategies.grad_sums import grad_sync_seconds
 
-__all__ = ["zero_cost", "zero_gather_cap", "zero_gather_seconds", "zero2_copy_seconds", "zero2_extra_s",
-           "zero2_priced_rs"]
+__all__ = ["ZERO2_PIECE_OPS", "zero_cost", "zero_gather_cap", "zero_gather_seconds", "zero2_copy_seconds",
+           "zero2_extra_s", "zero2_priced_rs"]
 
 
 def zero_gather_cap(params: Iterable) -> int:
@@ -43,6 +43,11 @@ def zero_gather_seconds(local_bytes: float, mesh: MeshSpec, axes: tuple[int, ...
     return seconds
 
 
+# Tensor ops a ZeRO-2 piece's gradient runs each step beyond a data-parallel slot's one copy:
+# as_strided, narrow and unflatten into the send buffer, the slice and view of its summed piece.
+ZERO2_PIECE_OPS = 5
+
+
 def zero2_copy_seconds(local_bytes: float, mesh: MeshSpec, axes: tuple[int, ...], *, fresh: float = 1.0) -> float:
     """What ZeRO-2's gradient path costs a parameter of ``local_bytes`` beyond data parallelism's
     bucket, as ``runtime.zero.comm.ScatterPlan`` runs it: where the links price the all-reduce of
@@ -54,10 +59,13 @@ def zero2_copy_seconds(local_bytes: float, mesh: MeshSpec, axes: tuple[int, ...]
     at most the buckets' cap): ``zero_cost`` prices none fresh where the model's trainable bytes
     fit it (``zero_gather_cap`` below the cap), all of them otherwise (an over-estimate by the
     cap's share). Measured on 4 gloo ranks (GPT-2-style decoder, session 23):
-    1,400 page faults a step a rank when every send buffer was fresh, none in data parallelism."""
+    1,400 page faults a step a rank when every send buffer was fresh, none in data parallelism.
+    And the piece's own small ops each step, ``ZERO2_PIECE_OPS`` beyond a bucket slot's one copy
+    (its views into the send and receive buffers), each at least a kernel's floor
+    (``compute_seconds`` of nothing: the calibrated ``kernel_floor_s``)."""
     if not axes or not local_bytes:
         return 0.0
-    seconds = fresh * local_bytes / mesh.mem_bandwidth
+    seconds = fresh * local_bytes / mesh.mem_bandwidth + ZERO2_PIECE_OPS * compute_seconds(0.0, 0.0, mesh)
     first, bucket = axes[0], bucket_cap_bytes() or local_bytes
     if collective_seconds("all_reduce", bucket, mesh, first) < collective_seconds("reduce_scatter", bucket, mesh,
                                                                                   first):
