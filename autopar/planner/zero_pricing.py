@@ -6,13 +6,14 @@ import math
 from typing import Iterable
 
 from autopar.layout.buckets import bucket_cap_bytes
-from autopar.layout.cost import collective_seconds, copy_seconds, optimizer_seconds
+from autopar.layout.cost import collective_seconds, compute_seconds, copy_seconds, optimizer_seconds
 from autopar.layout.mesh import MeshSpec
 from autopar.layout.placement import TensorSpec, zero_split
 from autopar.strategies import Strategy
 from autopar.strategies.grad_sums import grad_sync_seconds
 
-__all__ = ["zero_cost", "zero_gather_cap", "zero_gather_seconds", "zero2_extra_s", "zero2_priced_rs"]
+__all__ = ["ZERO2_PIECE_OPS", "zero_cost", "zero_gather_cap", "zero_gather_seconds", "zero2_copy_seconds",
+           "zero2_extra_s", "zero2_priced_rs"]
 
 
 def zero_gather_cap(params: Iterable) -> int:
@@ -42,6 +43,36 @@ def zero_gather_seconds(local_bytes: float, mesh: MeshSpec, axes: tuple[int, ...
     return seconds
 
 
+# Tensor ops a ZeRO-2 piece's gradient runs each step beyond a data-parallel slot's one copy:
+# as_strided, narrow and unflatten into the send buffer, the slice and view of its summed piece.
+ZERO2_PIECE_OPS = 5
+
+
+def zero2_copy_seconds(local_bytes: float, mesh: MeshSpec, axes: tuple[int, ...], *, fresh: float = 1.0) -> float:
+    """What ZeRO-2's gradient path costs a parameter of ``local_bytes`` beyond data parallelism's
+    bucket, as ``runtime.zero.comm.ScatterPlan`` runs it: where the links price the all-reduce of
+    a gradient bucket (``layout.buckets``' cap) below its reduce-scatter over the first ZeRO axis
+    (the runtime's choice, ``_all_reduce_cheaper``), this device's summed piece is copied out of
+    it (``local_bytes / dp``); and the ``fresh`` share of its send buffer is new memory every
+    step -- page faults on a CPU host, priced as one write of those bytes (a data-parallel bucket
+    is kept). The send buffers borrow the gather's receive buffer (``runtime.zero.comm.Scratch``,
+    at most the buckets' cap): ``zero_cost`` prices none fresh where the model's trainable bytes
+    fit it (``zero_gather_cap`` below the cap), all of them otherwise (an over-estimate by the
+    cap's share). Measured on 4 gloo ranks (GPT-2-style decoder, session 23):
+    1,400 page faults a step a rank when every send buffer was fresh, none in data parallelism.
+    And the piece's own small ops each step, ``ZERO2_PIECE_OPS`` beyond a bucket slot's one copy
+    (its views into the send and receive buffers), each at least a kernel's floor
+    (``compute_seconds`` of nothing: the calibrated ``kernel_floor_s``)."""
+    if not axes or not local_bytes:
+        return 0.0
+    seconds = fresh * local_bytes / mesh.mem_bandwidth + ZERO2_PIECE_OPS * compute_seconds(0.0, 0.0, mesh)
+    first, bucket = axes[0], bucket_cap_bytes() or local_bytes
+    if collective_seconds("all_reduce", bucket, mesh, first) < collective_seconds("reduce_scatter", bucket, mesh,
+                                                                                  first):
+        seconds += copy_seconds(local_bytes / math.prod(mesh.shape[a] for a in axes), mesh)
+    return seconds
+
+
 def zero_cost(spec: TensorSpec, mesh: MeshSpec, local_bytes: int, *, stage: int, ndim: int,
               optimizer_multiplier: float, gather_cap: int | None = None,
               trainable: bool = True) -> tuple[float, float, int, float]:
@@ -60,8 +91,9 @@ def zero_cost(spec: TensorSpec, mesh: MeshSpec, local_bytes: int, *, stage: int,
     ====== ===================================== =====================================================
     0      ``2 + m``                             --
     1      ``2 + m/dp``                          all-gather of the updated parameter
-    2      ``1 + (1 + m)/dp``                    the same all-gather; a consumer's partial gradient
-                                                 is reduce-scattered instead of all-reduced
+    2      ``1 + (1 + m)/dp``                    the same all-gather and ``zero2_copy_seconds``; a
+                                                 consumer's partial gradient is reduce-scattered
+                                                 instead of all-reduced
                                                  (the consumer is priced with the cheaper of
                                                  reduce-scatter and all-reduce, its edge with what
                                                  the runtime's sum costs beyond: ``zero2_extra_s``)
@@ -82,7 +114,8 @@ def zero_cost(spec: TensorSpec, mesh: MeshSpec, local_bytes: int, *, stage: int,
     step_s = optimizer_seconds(local_bytes / dp, mesh, optimizer_multiplier=m)
     if stage == 1:
         return 2.0 + m / dp, gather_s, 1, step_s
-    return 1.0 + (1.0 + m) / dp, gather_s, 2, step_s
+    fresh = 0.0 if 0 < cap < bucket_cap_bytes() else 1.0  # (the whole model fits the borrowed buffer)
+    return 1.0 + (1.0 + m) / dp, gather_s + zero2_copy_seconds(local_bytes, mesh, axes, fresh=fresh), 2, step_s
 
 
 def zero2_priced_rs(strategy: Strategy, slot: int, mesh: MeshSpec, *, bucket_cap: int = 0) -> bool:

@@ -150,6 +150,7 @@ class GradBucketer(nn.Module):
         self._piece: Callable[[str], Any] | None = None  # see deliver_shards_to
         self._scatter_plans: dict[int, Any] = {}  # shard bucket -> its ScatterPlan (for the pieces above)
         self._mesh_spec: Any = None  # see deliver_shards_to
+        self._scratch: Any = None  # see deliver_shards_to
         self.stats: Counter = Counter()  # buckets / all_reduces / bytes issued (this process)
         self.sync = True  # False under no_sync(): forwards then accumulate their gradients locally
         self._stash: dict[int, torch.Tensor] = {}  # slot -> unreduced local gradient (no_sync steps)
@@ -207,12 +208,14 @@ class GradBucketer(nn.Module):
         whose local tensor the graph reads) instead of the tensor the graph passed in."""
         self._target = target
 
-    def deliver_shards_to(self, piece: Callable[[str], Any], *, mesh: Any = None) -> None:
+    def deliver_shards_to(self, piece: Callable[[str], Any], *, mesh: Any = None, scratch: Any = None) -> None:
         """ZeRO-2 slots: ``piece(slot name)`` is the parameter's ``runtime.zero.Piece``, whose
         ``master.grad`` receives this device's reduce-scattered piece of the gradient. ``mesh``:
         the plan's ``MeshSpec``, whose calibrated links say where an all-reduce sums a shard
-        bucket faster than a reduce-scatter (``runtime.zero.comm.ScatterPlan``)."""
-        self._piece, self._mesh_spec = piece, mesh
+        bucket faster than a reduce-scatter (``runtime.zero.comm.ScatterPlan``); ``scratch``: the
+        optimizer's ``runtime.zero.comm.Scratch``, shared by every bucketer of the module, which
+        the shard buckets' send buffers borrow."""
+        self._piece, self._mesh_spec, self._scratch = piece, mesh, scratch
         self._scatter_plans.clear()  # (a new optimizer: new pieces)
 
     @contextlib.contextmanager
@@ -393,7 +396,8 @@ class GradBucketer(nn.Module):
                 raise RuntimeError(f"ZeRO-2 gradient of {s.name!r} has no optimizer piece to land in: build the "
                                    f"optimizer with model.optimizer(...)")
             items.append((piece, s.axes, s.dtype))
-        plan = ScatterPlan(items, keep=slots is None, mesh=self._mesh_spec)
+        plan = ScatterPlan(items, keep=slots is None, mesh=self._mesh_spec,
+                           scratch=self._scratch if slots is None else None)
         if slots is None:
             self._scatter_plans[b] = plan
         return plan

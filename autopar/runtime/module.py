@@ -297,9 +297,10 @@ class AutoParallelModule(nn.Module):
         """Record the ZeRO optimizer whose pieces receive the reduce-scattered gradients."""
         self._zero = optimizer
         pieces = {p.name: p for p in optimizer.pieces}
+        scratch = getattr(optimizer, "scratch", None)  # (one for all bucketers: disjoint ranges)
         for m in self.graph_module.modules():
             if isinstance(m, GradBucketer):
-                m.deliver_shards_to(lambda name: pieces.get(name), mesh=self.plan.mesh)
+                m.deliver_shards_to(lambda name: pieces.get(name), mesh=self.plan.mesh, scratch=scratch)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, *,
                         parameters: Iterable[torch.Tensor] | None = None) -> torch.Tensor:

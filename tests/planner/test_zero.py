@@ -146,3 +146,38 @@ def test_zero_gathers_pay_a_latency_per_bucket_not_per_parameter(gpt2):
     latency = mesh.alpha[0] * payload / trainable
     assert seconds == pytest.approx(latency + mesh.beta[0] * payload / 2 + copy_seconds(payload, mesh), rel=1e-6)
     assert seconds < mesh.alpha[0] + mesh.beta[0] * payload  # per parameter it was count * alpha
+
+
+def test_zero2_prices_the_piece_it_copies_out_and_any_fresh_send_buffer():
+    """ZeRO-2's gradient path costs what data parallelism's does plus, where the links make the
+    all-reduce of a bucket the cheaper sum (gloo: ``ScatterPlan`` then keeps this device's
+    segment), a copy of the piece out of it; and a send buffer in fresh memory every step (page
+    faults on a CPU host: a write of the parameter's bytes) unless the model fits the gather's
+    receive buffer, which the send buffers borrow (``gather_cap`` below the buckets' cap). Stage 1
+    pays neither. Before: ZeRO-2 measured 1.07-1.18x data parallelism, priced 1.01x (session 23)."""
+    from dataclasses import replace
+
+    from autopar.layout.buckets import bucket_cap_bytes
+    from autopar.layout.cost import compute_seconds, copy_seconds
+    from autopar.layout.machine import ComputeProfile, LinkFit, MachineProfile
+    from autopar.layout.mesh import MeshSpec
+    from autopar.layout.placement import TensorSpec
+    from autopar.planner.zero_pricing import ZERO2_PIECE_OPS, zero_cost
+
+    preset = MeshSpec.preset("cpu", (4,))
+
+    def mesh(ar_beta, rs_beta):
+        links = (LinkFit("all_reduce", 0, 1e-4, ar_beta), LinkFit("reduce_scatter", 0, 1e-4, rs_beta),
+                 LinkFit("all_gather", 0, 1e-4, 1e-9))
+        return replace(preset, machine=MachineProfile(ComputeProfile(()), links, (4,), ("dp",)))
+
+    spec, local = TensorSpec.parse("R"), 4 * 2**20  # a replicated 2-D weight on mesh (4,)
+    write = local / preset.mem_bandwidth
+    ops = ZERO2_PIECE_OPS * compute_seconds(0.0, 0.0, mesh(1e-9, 6e-9))  # the piece's small ops
+    for m, piece_copy in ((mesh(1e-9, 6e-9), copy_seconds(local / 4, preset)), (mesh(6e-9, 1e-9), 0.0)):
+        for cap, fresh in ((None, write), (bucket_cap_bytes(), write), (bucket_cap_bytes() // 2, 0.0)):
+            _, one, stage1, _ = zero_cost(spec, m, local, stage=1, ndim=2, optimizer_multiplier=2.0, gather_cap=cap)
+            _, two, stage2, _ = zero_cost(spec, m, local, stage=2, ndim=2, optimizer_multiplier=2.0, gather_cap=cap)
+            assert (stage1, stage2) == (1, 2)
+            assert two - one == pytest.approx(fresh + piece_copy + ops, rel=1e-9), (cap, piece_copy)
+        assert zero_cost(spec, m, local, stage=0, ndim=2, optimizer_multiplier=2.0)[1] == 0.0

@@ -21,16 +21,25 @@ that split so that every rank sends the same number of elements:
   (``ScatterWork.add``, one copy, as a data-parallel bucket's), the first round can be left in
   flight, and this device's summed chunk is a view of the last round's receive buffer.
 
+Every copy is one strided view per run of equal chunks (``Level.spans``: ``torch.chunk``'s
+sizes make one run, or two with a short last chunk), not one per chunk: a piece's gradient goes
+into the send buffer in one copy as a data-parallel bucket's does, and the gather's views of its
+buffers and of the parameters are laid out once (rebuilt only when a local tensor or its memory
+is replaced) and copied in one ``torch._foreach_copy_`` on each side of the collective (a copy
+per chunk per piece cost GPT-2's ZeRO-2 step about 15 ms of Python here, session 23).
+
 The layouts are computed once. The gather's buffers (at most ``cap_bytes``) and the
 reduce-scatter's receive buffers (the pieces' gradients, 1/dp of the parameters) are kept across
 steps -- a fresh allocation of a large buffer costs its page faults on every step on CPU -- but
 a receive buffer an earlier step's gradient still lives in (``master.grad``, when gradients
 accumulate over steps) is not reused. The reduce-scatter's send buffer (the full local
-gradients) lives only until its collective is done: holding it would undo ZeRO-2's saving.
+gradients) is never held across steps (that would undo ZeRO-2's saving): it borrows the
+gather's receive buffer, idle in backward (``Scratch``), fresh where that is too small.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import weakref
 from collections import defaultdict
@@ -46,8 +55,8 @@ from autopar.runtime.counting import record
 from autopar.runtime.dist_ops import all_gather_single, reduce_scatter_single, wait
 from autopar.runtime.dtensors import grad_like, local_of
 
-__all__ = ["GatherPlan", "Level", "ScatterPlan", "ScatterWork", "chunk_sizes", "deliver_grad", "gather_pieces",
-           "levels", "scatter_grads"]
+__all__ = ["GatherPlan", "Level", "ScatterPlan", "ScatterWork", "Scratch", "chunk_sizes", "deliver_grad",
+           "gather_pieces", "levels", "scatter_grads"]
 
 
 def chunk_sizes(n: int, k: int) -> list[int]:
@@ -69,6 +78,31 @@ class Level:
     def row(self, chunk: int) -> int:
         """The first row of ``chunk`` in the local tensor."""
         return self.start + sum(self.sizes[:chunk])
+
+    def spans(self, *, skip: int | None = None) -> tuple["_Span", ...]:
+        """The non-empty chunks (but ``skip``) as runs of neighbours of equal size: ``torch.chunk``'s
+        ``full, ..., full, short, 0, ...`` is one run or two -- each run one strided copy, where a
+        copy per chunk cost a slice, a view and a copy per chunk per piece per step."""
+        out, j, k = [], 0, len(self.sizes)
+        while j < k:
+            if j == skip or not self.sizes[j]:
+                j += 1
+                continue
+            end = j + 1
+            while end < k and end != skip and self.sizes[end] == self.sizes[j]:
+                end += 1
+            out.append(_Span(j, end - j, self.sizes[j]))
+            j = end
+        return tuple(out)
+
+
+@dataclass(frozen=True)
+class _Span:
+    """Chunks ``first .. first + n`` of a level, ``rows`` rows each."""
+
+    first: int
+    n: int
+    rows: int
 
 
 def levels(piece) -> tuple[Level, ...]:
@@ -113,6 +147,24 @@ class _Member:
         """Chunk ``chunk``'s rows in ``seg`` (one rank's segment of the flat buffer)."""
         n = self.level.sizes[chunk]
         return seg[self.offset:self.offset + n * self.width].view(n, *self.rest)
+
+    def in_buffer(self, buf: torch.Tensor, seg: int, span: _Span) -> torch.Tensor:
+        """``span``'s chunks in the flat buffer ``buf`` (one segment of ``seg`` elements per
+        chunk), shaped ``(n, rows, *rest)``: one strided view across the segments."""
+        stride = [math.prod(self.rest[i:]) for i in range(1, len(self.rest) + 1)]
+        return buf.as_strided((span.n, span.rows, *self.rest), (seg, self.width, *stride),
+                              buf.storage_offset() + span.first * seg + self.offset)
+
+    def in_rows(self, rows: torch.Tensor, span: _Span, *, base: int = 0) -> torch.Tensor:
+        """``span``'s chunks in ``rows`` (rows first, its row 0 the local tensor's row ``base``),
+        shaped ``(n, rows, *rest)``."""
+        start = self.level.row(span.first) - base
+        return rows.narrow(0, start, span.n * span.rows).unflatten(0, (span.n, span.rows))
+
+    @functools.cached_property
+    def spans(self) -> tuple[_Span, ...]:
+        """Every chunk of the level, as ``Level.spans`` runs (none: a row of no elements)."""
+        return self.level.spans() if self.width else ()
 
 
 @dataclass(frozen=True)
@@ -169,6 +221,7 @@ class GatherPlan:
             for (mesh, dtype), items in groups.items():
                 self._bucket(axis, mesh, dtype, items, cap_bytes)
         self.buffers = _Buffers()
+        self._built: tuple | None = None  # (key, the tensors it names, the program): ``_program``
 
     def _bucket(self, axis: int, mesh, dtype: torch.dtype, items: list, cap_bytes: int) -> None:
         """Pieces in order, a new collective where the gathered bytes would pass ``cap_bytes``."""
@@ -192,26 +245,73 @@ class GatherPlan:
 
     @torch.no_grad()
     def run(self) -> None:
-        """Every piece's block all-gathered back into its parameter's local tensor."""
-        for p in self.pieces:  # a piece is a view of its rows; one that is not is copied in first
+        """Every piece's block all-gathered back into its parameter's local tensor: per round,
+        one batched copy in (``_foreach_copy_``), the collective, one batched copy out -- the
+        views laid out once (``_program``)."""
+        copy_in, rounds = self._program()
+        for rows, mine in copy_in:  # a piece is a view of its rows; one that is not is copied in first
+            rows.copy_(mine)
+        for group, send, recv, into_send, out_of_recv in rounds:
+            if into_send[0]:
+                torch._foreach_copy_(*into_send)
+            record("all_gather", recv.numel() * recv.element_size())
+            all_gather_single(recv, send, group=group)
+            if out_of_recv[0]:
+                torch._foreach_copy_(*out_of_recv)
+
+    def scratch(self, device: torch.device) -> torch.Tensor:
+        """The largest receive buffer on ``device``, as bytes (empty: none), at its final size:
+        idle between the gathers after the step, it holds ZeRO-2's send buffers in backward
+        (``Scratch``)."""
+        self._program()
+        bufs = [b for (role, dev, _), b in self.buffers.kept.items() if role == "recv" and dev == device]
+        if not bufs:
+            return torch.empty(0, dtype=torch.uint8, device=device)
+        return max(bufs, key=lambda b: b.numel() * b.element_size()).view(torch.uint8)
+
+    def _tensors(self) -> list[torch.Tensor]:
+        return [t for p in self.pieces for t in (local_of(p.param), local_of(p.master))]
+
+    def _program(self) -> tuple[list, list]:
+        """(masters to copy into their rows, per round: its group, send and receive buffers and
+        the (destinations, sources) of its copies in and out), built once and again only when a
+        parameter's or piece's local tensor, or its memory, was replaced (``load_state_dict``
+        with ``assign``, ``.to()``, the chunk runtime's ``set_``)."""
+        tensors = self._tensors()
+        key = [(id(t), t.data_ptr()) for t in tensors]
+        if self._built is not None and self._built[0] == key:
+            return self._built[2]
+        copy_in = []
+        for p in self.pieces:
             mine, rows = local_of(p.master), local_of(p.param)[p.slices]
             if mine.data_ptr() != rows.data_ptr() or mine.stride() != rows.stride():
-                rows.copy_(mine)
+                copy_in.append((rows, mine))
+        need: dict[tuple, int] = defaultdict(int)  # the buffers at their largest first: views stay valid
+        for rnd in self.rounds:
+            device = local_of(self.pieces[rnd.members[0].item].param).device
+            need[("send", device, rnd.dtype)] = max(need[("send", device, rnd.dtype)], rnd.seg)
+            need[("recv", device, rnd.dtype)] = max(need[("recv", device, rnd.dtype)], rnd.k * rnd.seg)
+        for (role, device, dtype), numel in need.items():
+            self.buffers.take(role, numel, dtype, device)
+        rounds = []
         for rnd in self.rounds:
             device = local_of(self.pieces[rnd.members[0].item].param).device
             send = self.buffers.take("send", rnd.seg, rnd.dtype, device)
             recv = self.buffers.take("recv", rnd.k * rnd.seg, rnd.dtype, device)
-            for m in rnd.members:  # this device's block at this level, from the rows it lives in
-                lv = m.level
-                m.part(send, lv.coord).copy_(self._rows(m.item)[lv.row(lv.coord):lv.row(lv.coord + 1)])
-            record("all_gather", recv.numel() * recv.element_size())
-            all_gather_single(recv, send, group=rnd.group())
-            segs = recv.view(rnd.k, rnd.seg)
+            into_send, out_of_recv = ([], []), ([], [])
             for m in rnd.members:
                 lv, rows = m.level, self._rows(m.item)
-                for c in range(rnd.k):
-                    if c != lv.coord and lv.sizes[c]:
-                        rows[lv.row(c):lv.row(c + 1)].copy_(m.part(segs[c], c))
+                if m.width and lv.sizes[lv.coord]:  # this device's block at this level, from its rows
+                    n = lv.sizes[lv.coord]  # (the send buffer is one segment: its chunk 0)
+                    into_send[0].append(m.in_buffer(send, rnd.seg, _Span(0, 1, n)))
+                    into_send[1].append(m.in_rows(rows, _Span(lv.coord, 1, n)))
+                for span in (lv.spans(skip=lv.coord) if m.width else ()):  # the peers' blocks
+                    out_of_recv[0].append(m.in_rows(rows, span))
+                    out_of_recv[1].append(m.in_buffer(recv, rnd.seg, span))
+            rounds.append((rnd.group(), send, recv, into_send, out_of_recv))
+        # (the tensors themselves are held: an id is only unique while its object lives)
+        self._built = (key, tensors, (copy_in, rounds))
+        return self._built[2]
 
 
 def gather_pieces(pieces: Sequence, *, cap_bytes: int = 0) -> None:
@@ -221,6 +321,29 @@ def gather_pieces(pieces: Sequence, *, cap_bytes: int = 0) -> None:
 
 
 # ---------------------------------------------------------------------------------- scatter
+class Scratch:
+    """Memory a backward pass's ZeRO-2 send buffers borrow: the gather's receive buffer, kept and
+    idle from one step's gather to the next. A fresh send buffer every step cost its page faults
+    on CPU (GPT-2's ZeRO-2: 1,400 a step a rank), one kept per bucket would hold the gradient
+    ZeRO-2 saves. ``reserve`` gives each shard bucket's collective a disjoint byte range (buckets
+    are in flight together); one past the buffer's end is fresh."""
+
+    def __init__(self, gather: GatherPlan) -> None:
+        self.gather, self.used = gather, 0
+        self._bytes: dict[torch.device, torch.Tensor] = {}
+
+    def reserve(self, nbytes: int, *, align: int) -> int:
+        at = -(-self.used // align) * align
+        self.used = at + nbytes
+        return at
+
+    def take(self, at: int, nbytes: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
+        arena = self._bytes.get(device)
+        if arena is None:
+            arena = self._bytes[device] = self.gather.scratch(device)
+        return arena[at:at + nbytes].view(dtype) if at + nbytes <= arena.numel() else None
+
+
 class ScatterPlan:
     """The reduce-scatter of a fixed list of ``items`` -- (piece, the mesh axes its gradient
     is partial on, the dtype it is summed in) -- one round per mesh axis of the pieces, each
@@ -229,9 +352,12 @@ class ScatterPlan:
     ``mesh``: the plan's ``MeshSpec``; where its calibrated links price an all-reduce of a
     collective's buffer below its reduce-scatter (gloo's reduce-scatter is not a ring of its
     own), that collective all-reduces and keeps this device's segment -- the cheaper of the
-    two, which is what the planner prices (``planner.zero_pricing.zero2_extra_s``)."""
+    two, which is what the planner prices (``planner.zero_pricing.zero2_extra_s``).
+    ``scratch``: where the first round's send buffers live for the pass that owns the kept
+    buffers (``Scratch``; None: fresh ones)."""
 
-    def __init__(self, items: Sequence[tuple], *, keep: bool = True, mesh: MeshSpec | None = None) -> None:
+    def __init__(self, items: Sequence[tuple], *, keep: bool = True, mesh: MeshSpec | None = None,
+                 scratch: Scratch | None = None) -> None:
         self.items = [(p, tuple(partial), dtype) for p, partial, dtype in items]
         self.axes, links = sorted({a for p, _, _ in self.items for a in p.axes}), mesh
         lvs = [levels(p) for p, _, _ in self.items]
@@ -263,7 +389,15 @@ class ScatterPlan:
         # item -> (its member in the first round's collective c) where it is one
         self.first = {m.item: (c, m) for c, rnd in enumerate(self.rounds[0][0] if self.rounds else ())
                       for m in rnd.members}
-        self.keep = keep
+        # (round, collective) -> the (start, end) element ranges of its send buffer that pad a
+        # short chunk (zeroed in each fresh buffer)
+        self.pads = {(r, c): _pads(rnd) for r, (collectives, _) in enumerate(self.rounds)
+                     for c, rnd in enumerate(collectives)}
+        self.keep, self.scratch = keep, scratch
+        self._at = {}  # first-round collective -> (its byte offset in ``scratch``, bytes)
+        for c, rnd in enumerate(self.rounds[0][0] if self.rounds and scratch is not None else ()):
+            size = torch.empty((), dtype=rnd.dtype).element_size()
+            self._at[c] = (scratch.reserve(rnd.k * rnd.seg * size, align=size), rnd.k * rnd.seg * size)
         self._kept: dict[tuple, torch.Tensor] = {}  # (round, collective, device) -> receive buffer
         # The work holding the kept buffers until its ``wait`` (a weak reference: a backward pass
         # that raised is dropped with its work, and the buffers are free again).
@@ -277,17 +411,18 @@ class ScatterPlan:
             self._holder = weakref.ref(work)
         return work
 
-    def send_buffer(self, r: int, c: int, device: torch.device) -> torch.Tensor:
+    def send_buffer(self, r: int, c: int, device: torch.device, *, own: bool = False) -> torch.Tensor:
         """Round ``r``'s collective ``c``'s send buffer (``k`` segments of ``seg``), its padding
-        zeroed. Never kept: a full-size gradient buffer held between steps is what ZeRO-2 saves."""
+        zeroed. Never kept: a full-size gradient buffer held between steps is what ZeRO-2 saves;
+        the first round's of the pass that ``own``s the plan's buffers is borrowed (``scratch``)."""
         rnd = self.rounds[r][0][c]
-        send = torch.empty(rnd.k * rnd.seg, dtype=rnd.dtype, device=device)
-        segs = send.view(rnd.k, rnd.seg)
-        for m in rnd.members:
-            most = max(m.level.sizes) * m.width
-            for chunk, n in enumerate(m.level.sizes):
-                if n * m.width < most:
-                    segs[chunk, m.offset + n * m.width:m.offset + most].zero_()
+        send = None
+        if r == 0 and own and c in self._at:
+            send = self.scratch.take(*self._at[c], rnd.dtype, device)
+        if send is None:
+            send = torch.empty(rnd.k * rnd.seg, dtype=rnd.dtype, device=device)
+        for lo, hi in self.pads[(r, c)]:
+            send[lo:hi].zero_()
         return send
 
     def recv_buffer(self, r: int, c: int, device: torch.device, *, own: bool) -> torch.Tensor:
@@ -311,6 +446,22 @@ class ScatterPlan:
         return False
 
 
+def _pads(rnd: _Round) -> list[tuple[int, int]]:
+    """The element ranges of ``rnd``'s send buffer (``k`` segments of ``seg``) that pad a chunk
+    shorter than its member's largest, adjacent ranges merged."""
+    out: list[list[int]] = []
+    for chunk in range(rnd.k):
+        for m in rnd.members:
+            most, n = max(m.level.sizes) * m.width, m.level.sizes[chunk] * m.width
+            lo, hi = chunk * rnd.seg + m.offset + n, chunk * rnd.seg + m.offset + most
+            if n < most:
+                if out and out[-1][1] == lo:
+                    out[-1][1] = hi
+                else:
+                    out.append([lo, hi])
+    return [(lo, hi) for lo, hi in out]
+
+
 class ScatterWork:
     """One pass of a ``ScatterPlan``: ``add`` each item's local partial gradient as it
     arrives, ``start`` the first round (``async_op``: left in flight), ``wait`` for the
@@ -330,7 +481,7 @@ class ScatterWork:
     def _send(self, c: int, device: torch.device) -> torch.Tensor:
         send = self.sends.get(c)
         if send is None:
-            send = self.sends[c] = self.plan.send_buffer(0, c, device)
+            send = self.sends[c] = self.plan.send_buffer(0, c, device, own=self.own)
         return send
 
     @torch.no_grad()
@@ -344,12 +495,11 @@ class ScatterWork:
         first = self.plan.first.get(i)
         if first is None:  # not in the first collective: kept until its round (a copy: autograd's tensor)
             self.data[i] = rows.to(dtype, copy=True) if self.data[i] is None else self.data[i].add_(rows)
-        else:
+        else:  # straight into the send buffer: one strided copy per run of equal chunks
             c, m = first
-            lv = m.level
-            segs = self._send(c, grad.device).view(len(lv.sizes), -1)
-            for chunk in range(len(lv.sizes)):
-                part, src = m.part(segs[chunk], chunk), rows[lv.row(chunk) - lv.start:lv.row(chunk + 1) - lv.start]
+            send, seg = self._send(c, grad.device), self.plan.rounds[0][0][c].seg
+            for span in m.spans:
+                part, src = m.in_buffer(send, seg, span), m.in_rows(rows, span, base=m.level.start)
                 if self.added[i]:
                     part.add_(src)
                 else:
@@ -373,23 +523,20 @@ class ScatterWork:
             device = self._device(rnd)
             if r == 0:
                 send = self._send(c, device)
-                segs = send.view(rnd.k, rnd.seg)
                 for m in rnd.members:
                     if not self.added[m.item]:  # no gradient this pass: its rows from the last must not count
-                        for chunk in range(rnd.k):
-                            m.part(segs[chunk], chunk).zero_()
+                        for span in m.spans:
+                            m.in_buffer(send, rnd.seg, span).zero_()
             else:
                 send = self.plan.send_buffer(r, c, device)
-                segs = send.view(rnd.k, rnd.seg)
                 for m in rnd.members:
                     block = self.data[m.item]
-                    for chunk in range(rnd.k):
-                        lo = m.level.row(chunk) - m.level.start
-                        part = m.part(segs[chunk], chunk)
+                    for span in m.spans:
+                        part = m.in_buffer(send, rnd.seg, span)
                         if block is None:
                             part.zero_()
                         else:
-                            part.copy_(block[lo:lo + m.level.sizes[chunk]])
+                            part.copy_(m.in_rows(block, span, base=m.level.start))
             recv = self.plan.recv_buffer(r, c, device, own=self.own)
             if self.plan.all_reduced[(r, c)]:
                 record("all_reduce", send.numel() * send.element_size())

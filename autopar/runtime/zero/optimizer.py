@@ -11,7 +11,7 @@ from autopar.layout.buckets import bucket_cap_bytes
 from autopar.runtime.dtensors import local_of
 from autopar.runtime.local_step import stepping_locally
 from autopar.runtime.parallel_module import ParallelModule
-from autopar.runtime.zero.comm import GatherPlan
+from autopar.runtime.zero.comm import GatherPlan, Scratch
 from autopar.runtime.zero.pieces import Piece, piece_of
 
 __all__ = ["ZeroOptimizer"]
@@ -37,6 +37,8 @@ class ZeroOptimizer:
         # Gathered in buckets of the gradient buckets' cap, as the planner prices them
         # (``planner.zero_pricing.zero_gather_seconds``); laid out once, buffers kept.
         self._gather = GatherPlan(self.pieces, cap_bytes=bucket_cap_bytes())
+        # ZeRO-2's send buffers borrow the gather's receive buffer in backward (comm.Scratch)
+        self.scratch = Scratch(self._gather)
         self._state_module: torch.nn.Module | None = None
         module.attach_zero(self)
 

@@ -257,7 +257,8 @@ def _batched_body(rank, world):
 
     from autopar.layout.machine import ComputeProfile, LinkFit, MachineProfile
     from autopar.layout.mesh import MeshSpec
-    from autopar.runtime.zero.comm import GatherPlan, ScatterPlan, deliver_grad, gather_pieces, scatter_grads
+    from autopar.runtime.zero.comm import (GatherPlan, ScatterPlan, Scratch, deliver_grad, gather_pieces,
+                                          scatter_grads)
 
     mesh = init_device_mesh("cpu", (2, 2))
     links = [LinkFit(kind, a, alpha, beta) for a in (0, 1)
@@ -309,12 +310,17 @@ def _batched_body(rank, world):
             results[partial_on, async_op] = all(torch.allclose(g, w) for g, w in zip(got, want))
         # A kept plan, two passes: the second reuses the buffers, except a receive buffer the
         # first pass's gradient still lives in (``master.grad`` kept: accumulation over steps).
-        plan = ScatterPlan([(p, partial, g.dtype) for p, g, partial in items])
+        # Its send buffers borrow the gather's receive buffer, which still gathers right after.
+        gather = GatherPlan(pieces, cap_bytes=1 << 20)
+        plan = ScatterPlan([(p, partial, g.dtype) for p, g, partial in items], scratch=Scratch(gather))
         passes = []
         for scale in (1.0, 3.0):
             work = plan.work()
             for i, (p, g, _) in enumerate(items):
                 work.add(i, g * scale)
+            recv = {b.untyped_storage().data_ptr() for (role, *_), b in gather.buffers.kept.items() if role == "recv"}
+            results[partial_on, "borrowed", scale] = bool(work.sends) and all(
+                b.untyped_storage().data_ptr() in recv for b in work.sends.values())
             work.start(async_op=True)
             got = work.wait()
             passes.append([g.clone() for g in got])  # (the second delivery adds into the first's)
@@ -327,6 +333,9 @@ def _batched_body(rank, world):
         results[partial_on, "kept"] = all(torch.allclose(a, w) and torch.allclose(b, 3 * w)
                                           and torch.allclose(local_of(p.master.grad), 4 * w)
                                           for a, b, w, p in zip(*passes, want, pieces))
+        gather.run()
+        results[partial_on, "gathers after"] = all(torch.equal(p.param.full_tensor(), 2 * expected[p.name])
+                                                   for p in pieces)
         # Links where an all-reduce is the cheaper sum: every collective all-reduces, same pieces.
         with count_collectives() as summed:
             work = ScatterPlan([(p, partial, g.dtype) for p, g, partial in items], mesh=cheap_all_reduce).work()
@@ -344,7 +353,7 @@ def _batched_body(rank, world):
 def test_batched_gather_and_reduce_scatter_match_dtensor_on_uneven_nested_pieces():
     for gathered, scattered, (one_each, bucketed, in_buckets) in run_local(_batched_body, 4, timeout=120):
         assert all(gathered.values()), gathered
-        assert all(scattered.values()) and len(scattered) == 10, scattered
+        assert all(scattered.values()) and len(scattered) == 16, scattered
         # 4 pieces: RR on both axes, S0R / RS0 / RS1 on one each -- one gather per (piece, axis)
         # without buckets, one per axis with them
         assert (one_each, bucketed, in_buckets) == (5, 2, True)
