@@ -94,7 +94,9 @@ def test_boost_with_offload_trains_and_checkpoints_like_one_device(tmp_path):
     from autopar.api import plan as make_plan
     from autopar.offload import OffloadPolicy
 
-    fast = dataclasses.replace(MeshSpec.preset("cpu", (2,)), alpha=(1e-7,), beta=(1e-13,), name="fast-links")
+    # Cheap links, not free ones: a free all-gather per op made sharded weights cheaper than
+    # ZeRO-2's per-piece work, and this test is about a ZeRO-2 plan's offload.
+    fast = dataclasses.replace(MeshSpec.preset("cpu", (2,)), alpha=(1e-5,), beta=(1e-13,), name="fast-links")
     offload_plan = make_plan(model, inputs, mesh=fast, zero_stage=2, checkpoint="none", pipeline=1,
                              offload=OffloadPolicy(offload_optim_frac=1.0, offload_param_frac=0.5))
     assert {t for t in offload_plan.offload.values()} == {("host", "host"), ("device", "host")}

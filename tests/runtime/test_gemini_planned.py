@@ -78,9 +78,11 @@ def _recompute_budget(model, inputs, mesh) -> int:
 
 def _fast(shape):
     """Cheap links: data-parallel plans, where ZeRO has replicated parameters to shard. No
-    overlap credit (the scenarios below were sized with every collective priced in full)."""
+    overlap credit (the scenarios below were sized with every collective priced in full). Not
+    free: 10 us a collective keeps a sharded weight's all-gather per reader dearer than ZeRO-2's
+    per-piece work (``planner.zero_pricing.zero2_copy_seconds``)."""
     mesh = MeshSpec.preset("cpu", shape)
-    return dataclasses.replace(mesh, alpha=(1e-7,) * len(shape), beta=(1e-13,) * len(shape), name="fast-links",
+    return dataclasses.replace(mesh, alpha=(1e-5,) * len(shape), beta=(1e-13,) * len(shape), name="fast-links",
                                comm_overlap=0.0)
 
 
