@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from autopar.layout.buckets import bucket_cap_bytes, split_buckets
+from autopar.runtime.dist_ops import wait
 from autopar.runtime.process_mesh import ProcessMesh
 
 __all__ = ["DeferredSums"]
@@ -61,16 +62,19 @@ class DeferredSums:
         for bucket in self.buckets:
             grads = [leaves[n].grad for n in bucket.names if leaves[n].grad is not None]
             if grads:
-                flat = grads[0].reshape(-1) if len(grads) == 1 else torch.cat([g.reshape(-1) for g in grads])
-                pending.append((bucket, grads, flat))
+                # One contiguous gradient is summed in place; anything else through a flat copy
+                # (``reshape`` of a non-contiguous one would copy, and the sum would be lost).
+                alone = len(grads) == 1 and grads[0].is_contiguous()
+                flat = grads[0].view(-1) if alone else torch.cat([g.reshape(-1) for g in grads])
+                pending.append((bucket, None if alone else grads, flat))
         chains = [self._groups(b) for b, _, _ in pending]
         for step in range(max(map(len, chains), default=0)):
             works = [dist.all_reduce(flat, group=chain[step], async_op=True)
                      for chain, (_, _, flat) in zip(chains, pending) if step < len(chain)]
             for work in works:
-                work.wait()
+                wait(work)
         for _, grads, flat in pending:
-            if len(grads) > 1:
+            if grads is not None:
                 for g, piece in zip(grads, torch.split(flat, [g.numel() for g in grads])):
                     g.copy_(piece.view_as(g))
 

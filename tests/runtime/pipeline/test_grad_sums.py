@@ -73,3 +73,16 @@ def test_deferred_sums_in_buckets_equal_the_per_parameter_sums(spanning):
             if cap:
                 assert sorted(map(sorted, res["buckets"])) == [["a", "b", "c", "frozen"], ["d"]]
                 assert sorted(res["calls"]) == sorted([4] * d_calls + [7 + 15 + 8])
+
+
+def _sum_transposed(rank: int, world: int) -> torch.Tensor:
+    pmesh = ProcessMesh(init_device_mesh("cpu", (2,), mesh_dim_names=("dp",)))
+    leaf = torch.zeros(3, 5, requires_grad=True)
+    leaf.grad = torch.full((5, 3), float(rank + 1)).t()  # alone in its bucket, not contiguous
+    DeferredSums({"w": (0,)}, {"w": leaf}, pmesh=pmesh).run({"w": leaf})
+    return leaf.grad.clone()
+
+
+def test_a_lone_non_contiguous_gradient_is_summed_in_place():
+    for got in run_local(_sum_transposed, 2, timeout=120):
+        assert torch.equal(got, torch.full((3, 5), 3.0))
