@@ -4,6 +4,7 @@ allocator's peak where there is one, and Spearman's rank correlation."""
 
 from __future__ import annotations
 
+import math
 import os
 import statistics
 import sys
@@ -152,6 +153,19 @@ def state_bytes(params, optimizer) -> int:
     for piece in getattr(zero, "pieces", ()):  # ZeRO: this rank's pieces
         add(piece.master.grad)
     return sum(seen.values())
+
+
+def round_normalized(times: dict[str, list[float]]) -> dict[str, float]:
+    """Each plan's step seconds with the load drift between rounds taken out: in round ``r``
+    every plan ran once, back to back, so their times share that round's load. A plan's figure
+    is the median over rounds of its time over the round's geometric mean, times the median
+    round mean -- on a steady machine the plain median, on a shared one (outside load swinging
+    2x between rounds) a ranking that does not depend on which round a plan drew."""
+    names = list(times)
+    rounds = len(times[names[0]])
+    means = [math.exp(statistics.fmean(math.log(times[n][r]) for n in names)) for r in range(rounds)]
+    scale = statistics.median(means)
+    return {n: scale * statistics.median(times[n][r] / means[r] for r in range(rounds)) for n in names}
 
 
 def spearman(xs: list[float], ys: list[float]) -> float:

@@ -54,8 +54,8 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _measure import (PeakAllocated, SavedBytes, build_model, sharded_state_budget, spearman,  # noqa: E402
-                      state_bytes)
+from _measure import (PeakAllocated, SavedBytes, build_model, round_normalized, sharded_state_budget,  # noqa: E402
+                      spearman, state_bytes)
 
 from autopar.runtime.links import Stopwatch, default_device, rank_device, sync_device  # noqa: E402
 
@@ -308,19 +308,6 @@ def _worker(rank: int, world: int, cands: list[Candidate], model, inputs, steps:
 
 
 # ---------------------------------------------------------------------------------- figures
-def round_normalized(times: dict[str, list[float]]) -> dict[str, float]:
-    """Each plan's step seconds with the load drift between rounds taken out: in round ``r``
-    every plan ran once, back to back, so their times share that round's load. A plan's figure
-    is the median over rounds of its time over the round's geometric mean, times the median
-    round mean -- on a steady machine the plain median, on a shared one (outside load swinging
-    2x between rounds) a ranking that does not depend on which round a plan drew."""
-    names = list(times)
-    rounds = len(times[names[0]])
-    means = [math.exp(statistics.fmean(math.log(times[n][r]) for n in names)) for r in range(rounds)]
-    scale = statistics.median(means)
-    return {n: scale * statistics.median(times[n][r] / means[r] for r in range(rounds)) for n in names}
-
-
 def summarize(model_name: str, mesh, cands: list[Candidate], results: list[dict]) -> dict:
     steps = len(results[0]["times"][cands[0].name])
     measured = round_normalized({c.name: [max(r["times"][c.name][i] for r in results) for i in range(steps)]

@@ -14,7 +14,8 @@ stepped by ``booster.execute_pipeline`` over two micro-batches) and with
 fed the same global batch (``--batch`` samples per step: each plugin's ``batch_size`` is that
 over its data-parallel size). After ``--warmup`` steps each, ``--steps`` rounds time them in
 rotating order (a barrier before each step; a step is the slowest rank's time; the figure is
-the median over rounds).
+the median over rounds of its share of the round, ``round_normalized`` as in ``fidelity.py``:
+the load that changes between rounds cancels; ``min ms`` is the least disturbed round).
 
 The auto plan is ``AutoParallelPlugin(mesh=PROFILE, pp_size="auto")``: the machine profile of the
 (2, world / 2) mesh (``--profile``, else calibrated here first: ``autopar.calibrate``, as ``autopar
@@ -49,7 +50,6 @@ import copy
 import itertools
 import json
 import os
-import statistics
 import sys
 from typing import Callable
 
@@ -57,7 +57,8 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _measure import PeakAllocated, SavedBytes, build_model, sharded_state_budget, state_bytes  # noqa: E402
+from _measure import (PeakAllocated, SavedBytes, build_model, round_normalized,  # noqa: E402
+                      sharded_state_budget, state_bytes)
 
 from autopar.runtime.links import Stopwatch, default_device, rank_device, sync_device  # noqa: E402
 
@@ -280,8 +281,9 @@ def report(model_name: str, label: str, budget, results: list[dict], families: d
              if not n.startswith("auto") or n in mine or (label == "ample" and n in OPTIONAL)]
     per_rank = (*per_rank, auto_name(label, per_rank=True))
     steps = len(results[0]["times"][names[0]])
-    slowest = {n: [max(r["times"][n][i] for r in results) for i in range(steps)] for n in names}
-    med = {n: statistics.median(slowest[n]) for n in names}
+    every = list(results[0]["times"])  # every configuration ran once a round: the round's load is theirs
+    slowest = {n: [max(r["times"][n][i] for r in results) for i in range(steps)] for n in every}
+    med = {n: s for n, s in round_normalized(slowest).items() if n in names}
     least = {n: min(slowest[n]) for n in names}  # the least disturbed round: a floor under load
     peak = {n: max(r["memory"][n] for r in results) for n in names}
     est = {}

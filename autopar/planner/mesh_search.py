@@ -49,7 +49,7 @@ from autopar.layout.mesh import MeshSpec
 from autopar.strategies import FixedAxis, axis_placements
 
 __all__ = ["MeshRow", "MeshSearch", "Pinned", "mesh_shapes", "predicted_seconds", "search_meshes", "search_given",
-           "on_one_machine", "pinned", "pins_of", "RESTRICT_MODES"]
+           "on_one_machine", "pinned", "pooled_links", "rank_groups", "pins_of", "RESTRICT_MODES"]
 
 RESTRICT_MODES = ("auto", "always", "never")
 
@@ -260,7 +260,15 @@ def on_one_machine(meshes: Sequence[MeshSpec]) -> list[MeshSpec]:
     not how its ranks are arranged, and two calibrations taken minutes apart differ in them by
     the load of the moment (4 gloo ranks on 2 shared cores: overlap 0% in a (4,) profile, 61% in
     the (2, 2) one calibrated next; fp32 matmul 37 vs 40 GFLOP/s) -- a difference that would
-    pick the mesh, not the links. Meshes without a machine profile are returned as they are."""
+    pick the mesh, not the links.
+
+    A group of ranks two meshes both have is one set of links, so it gets one price: where the
+    same partition of the ranks is a mesh axis (or set of axes) in several profiles -- the (4,)
+    mesh's axis and the (2, 2) mesh's group spanning both axes are the same 4 ranks -- each
+    collective kind fitted on it is priced by the mean of the profiles' fits (``pooled_links``).
+    Why: two calibrations of that one group differed by 20% in all-reduce latency (5.1 vs 4.2 ms),
+    which priced data parallelism 3% faster on (2, 2) than on (4,) -- the same collectives on
+    the same ranks. Meshes without a machine profile are returned as they are."""
     from dataclasses import replace
 
     meshes = list(meshes)
@@ -278,6 +286,59 @@ def on_one_machine(meshes: Sequence[MeshSpec]) -> list[MeshSpec]:
                           measured_axis_names=mesh.machine.measured_axis_names, note=mesh.machine.note)
         out.append(replace(mesh, peak_flops=ref.peak_flops, half_peak_flops=ref.half_peak_flops,
                            mem_bandwidth=ref.mem_bandwidth, comm_overlap=ref.comm_overlap, machine=machine))
+    return pooled_links(out)
+
+
+def rank_groups(shape: Sequence[int], axes: Sequence[int]) -> frozenset[frozenset[int]]:
+    """The groups of ranks (row-major, as ``init_device_mesh`` lays them out) that a collective
+    over mesh ``axes`` of a mesh of ``shape`` runs on: the partition that names the group."""
+    import numpy as np
+
+    ranks = np.arange(int(np.prod(shape))).reshape(tuple(shape))
+    moved = np.moveaxis(ranks, tuple(axes), tuple(range(len(shape) - len(axes), len(shape))))
+    width = int(np.prod([shape[a] for a in axes]))
+    return frozenset(frozenset(int(r) for r in row) for row in moved.reshape(-1, width))
+
+
+def pooled_links(meshes: Sequence[MeshSpec]) -> list[MeshSpec]:
+    """``meshes`` with every collective kind on a group of ranks that several of them measured
+    priced by the mean of their fits (``on_one_machine``). A mesh's fit of a kind on one axis is
+    its per-kind fit, else the axis's all-kind ``alpha``/``beta``; on several axes only a per-kind
+    fit counts (a fallback there is not a measurement of the group). Blocking waits are left as
+    measured: a sum over several axes blocks as a chain of per-axis all-reduces, a different
+    collective from one all-reduce on the same ranks."""
+    import itertools
+    from dataclasses import replace
+
+    from autopar.layout.machine import LINK_KINDS, LinkFit
+
+    seen: dict[tuple, list[tuple[int, tuple[int, ...], float, float]]] = {}
+    for i, mesh in enumerate(meshes):
+        if mesh.machine is None:
+            continue
+        wide = [a for a, n in enumerate(mesh.shape) if n > 1]
+        for axes in (c for k in range(1, len(wide) + 1) for c in itertools.combinations(wide, k)):
+            group = rank_groups(mesh.shape, axes)
+            for kind in LINK_KINDS:
+                fit = mesh.machine.link_over(kind, axes)
+                if fit is not None:
+                    seen.setdefault((group, kind), []).append((i, axes, fit.alpha, fit.beta))
+                elif len(axes) == 1:
+                    seen.setdefault((group, kind), []).append((i, axes, mesh.alpha[axes[0]], mesh.beta[axes[0]]))
+    pooled: dict[int, dict[tuple, LinkFit]] = {}
+    for (_, kind), fits in seen.items():
+        if len({i for i, *_ in fits}) < 2:
+            continue
+        alpha = sum(f[2] for f in fits) / len(fits)
+        beta = sum(f[3] for f in fits) / len(fits)
+        for i, axes, _, _ in fits:
+            pooled.setdefault(i, {})[kind, axes] = LinkFit.over(kind, axes, alpha, beta)
+    out = list(meshes)
+    for i, fits in pooled.items():
+        machine = out[i].machine
+        links = tuple(fits.pop((f.kind, f.axes), f) for f in machine.links) + tuple(fits.values())
+        if links != machine.links:
+            out[i] = replace(out[i], machine=replace(machine, links=links))
     return out
 
 

@@ -51,15 +51,15 @@ def test_state_bytes_count_each_storage_once_and_zero_gradient_pieces():
     assert state_bytes([weight], boosted) == 4 * 1024 + 512
 
 
-def test_fidelity_takes_the_load_of_each_round_out():
-    import fidelity  # benchmarks/fidelity.py
+def test_fidelity_and_plugins_take_the_load_of_each_round_out():
+    from _measure import round_normalized  # benchmarks/_measure.py, what fidelity.py and plugins.py report
 
     # Round 2 ran at twice the load: every plan twice as slow. The ratio between plans holds.
     times = {"a": [1.0, 2.0, 1.0], "b": [2.0, 4.0, 2.0], "c": [4.0, 8.0, 4.0]}
-    got = fidelity.round_normalized(times)
+    got = round_normalized(times)
     assert got == pytest.approx({"a": 1.0, "b": 2.0, "c": 4.0})
     # A plan that drew a loaded round alone does not pass a faster one.
-    got = fidelity.round_normalized({"fast": [1.0, 1.0, 3.0], "slow": [1.5, 1.5, 1.5]})
+    got = round_normalized({"fast": [1.0, 1.0, 3.0], "slow": [1.5, 1.5, 1.5]})
     assert got["fast"] < got["slow"]
 
 

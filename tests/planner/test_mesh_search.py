@@ -323,3 +323,48 @@ def test_on_one_machine_keeps_each_meshes_links_and_shares_the_machine():
     assert hash(b.machine) != hash(square.machine)  # a cache key: the shared figures are part of it
     preset = MeshSpec.preset("cpu", (2, 2))
     assert on_one_machine([preset, flat])[0] is preset and on_one_machine([preset])[0] is preset
+
+
+def test_rank_groups_name_the_same_ranks_whichever_mesh_names_them():
+    from autopar.planner.mesh_search import rank_groups
+
+    assert rank_groups((2, 2), (0, 1)) == rank_groups((4,), (0,)) == frozenset({frozenset(range(4))})
+    assert rank_groups((2, 2), (0,)) == frozenset({frozenset({0, 2}), frozenset({1, 3})})
+    assert rank_groups((2, 2), (1,)) == frozenset({frozenset({0, 1}), frozenset({2, 3})})
+    assert rank_groups((2, 2, 2), (0, 1)) == rank_groups((4, 2), (0,))
+    assert rank_groups((2, 4), (1,)) == rank_groups((2, 2, 2), (1, 2)) != rank_groups((2, 2, 2), (0, 2))
+
+
+def test_one_group_of_ranks_gets_one_price_on_every_mesh():
+    """The (4,) mesh's axis and the (2, 2) mesh's spanning group are the same 4 ranks: each kind
+    fitted on both is priced by the mean of the two fits on both meshes; what only one mesh has
+    (its 2-rank axes, a kind fitted on one of them) stays as measured."""
+    from dataclasses import replace
+
+    from autopar.layout.cost import collective_seconds
+    from autopar.layout.machine import ComputeProfile, LinkFit, MachineProfile, RateTable
+    from autopar.planner.mesh_search import on_one_machine
+
+    compute = ComputeProfile((("matmul", "fp32", RateTable((1e6, 1e9), (1e10, 4e10))),))
+
+    def calibrated(shape, links, alpha):
+        machine = MachineProfile(compute, links, shape, tuple(f"ax{i}" for i in range(len(shape))))
+        return replace(MeshSpec.preset("cpu", shape), machine=machine, alpha=(alpha,) * len(shape),
+                       beta=(2e-9,) * len(shape))
+
+    flat = calibrated((4,), (LinkFit("all_reduce", 0, 5e-3, 1.2e-9),), 4e-3)
+    square = calibrated((2, 2), (LinkFit("all_reduce", 1, 2.4e-3, 0.9e-9),
+                                 LinkFit.over("all_reduce", (0, 1), 3e-3, 1.0e-9),
+                                 LinkFit.over("all_gather", (0, 1), 2e-3, 2e-9)), 1e-3)
+    a, b = on_one_machine([flat, square])
+    for mesh, axes in ((a, (0,)), (b, (0, 1))):
+        fit = mesh.machine.link_over("all_reduce", axes)
+        assert (fit.alpha, fit.beta) == pytest.approx((4e-3, 1.1e-9))
+        # all_gather: the (2, 2) group's own fit and the (4,) axis's all-kind figures, pooled.
+        fit = mesh.machine.link_over("all_gather", axes)
+        assert (fit.alpha, fit.beta) == pytest.approx((3e-3, 2e-9))
+    for nbytes in (4, 1 << 20):
+        assert collective_seconds("all_reduce", nbytes, a, (0,), blocking=False) == pytest.approx(
+            collective_seconds("all_reduce", nbytes, b, (0, 1), blocking=False))
+    assert b.machine.link("all_reduce", 1) == square.machine.link("all_reduce", 1)  # a 2-rank axis: its own
+    assert b.machine.link_over("reduce_scatter", (0, 1)) is None  # measured on one mesh only: not pooled
