@@ -14,15 +14,13 @@ Decisions (``Problem`` nodes), in graph order:
 
 Recompute segments: every op inside a repeated block gets ``Node.segment``, a contiguous run of ops of one
 module, and ``BuiltProblem.segment_inputs`` lists what each segment (and block) keeps when recomputed.
-
 Values that need no decision resolve to their producer: ``getitem`` on a multi-output op reads
 the producer's output element ``k``; ops without tensor output (metadata asserts) are skipped.
 The graph **output** is one more (single-option) decision: the model returns full values, so
-each returned tensor pays its conversion to replicated on the edge into it.
-
+each returned tensor pays its conversion to replicated on the edge into it (a scalar loss's sum,
+left in flight by the runtime, its bytes' time only: ``executed.pending_output_refund``).
 The result (``autopar.planner.records``) is built once, then frozen: one ``Decision`` per
 ``Problem`` node (its kind, its ``Choice`` per option, the ``InputSlot`` each input slot reads).
-
 Overlap (``autopar.solver.overlap``): a parameter's gradient sum, read directly in its own layout, is
 asynchronous (an edge's ``async_costs``: ``executed.async_edge`` says which and why); all else is
 synchronous. An op option's ``overlap_s`` is its backward compute, what such sums hide under.
@@ -51,7 +49,8 @@ from autopar.layout.mesh import MeshSpec
 from autopar.layout.placement import R, Shard, TensorSpec
 from autopar.planner.block_stamps import BlockStamps, Template
 from autopar.layout.buckets import bucket_cap_bytes
-from autopar.planner.executed import ReaderChain, bucket_edges, last_bucket_params, sync_key, zero2_capable, zero2_edge
+from autopar.planner.executed import (ReaderChain, bucket_edges, last_bucket_params, pending_output_refund, sync_key,
+                                      zero2_capable, zero2_edge)
 from autopar.planner.records import BuiltProblem, Choice, ChosenConversion, Decision, InputSlot
 from autopar.planner.saved_bytes import SELF, activation_bytes, edge_copies, global_bytes
 from autopar.planner.segments import (node_vals, op_segments, saved_by, segment_inputs, storage_base,
@@ -405,6 +404,10 @@ class _Builder:
         self._add(decision, [StrategyOption("R", compute_s=0.0)], live=None, block=None, signature="output",
                   vals=())
         self._edges_into(decision)
+        for value in filter(None, decision.inputs):  # a scalar loss's sum is left in flight
+            refund = pending_output_refund(self.decisions[value.producer].choices, value, self.mesh)
+            if refund is not None:
+                self.edges[value.producer, node.name] = self.edges[value.producer, node.name] - refund
 
     def _add(self, decision: Decision, opts: list[StrategyOption], *, live, block, signature: str,
              vals: Sequence[Any], segment: str | None = None) -> None:
@@ -578,11 +581,9 @@ def _distinct(specs: list[TensorSpec | None]) -> tuple[list[int], list[TensorSpe
     seen: dict[str, int] = {}
     distinct, index = [], []
     for spec in specs:
-        key = "-" if spec is None else str(spec)
-        if key not in seen:
-            seen[key] = len(distinct)
+        index.append(k := seen.setdefault("-" if spec is None else str(spec), len(distinct)))
+        if k == len(distinct):
             distinct.append(spec)
-        index.append(seen[key])
     return index, distinct
 
 
@@ -594,7 +595,4 @@ def _has_tensor_output(node: fx.Node) -> bool:
 def _unique(name: str, taken: set[str]) -> str:
     if name not in taken:
         return name
-    k = 2
-    while f"{name} #{k}" in taken:
-        k += 1
-    return f"{name} #{k}"
+    return next(f"{name} #{k}" for k in itertools.count(2) if f"{name} #{k}" not in taken)

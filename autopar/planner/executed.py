@@ -12,12 +12,14 @@ count what runs: ``shared_savings`` is the difference.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Mapping
 
 import numpy as np
 
 from autopar.layout.buckets import first_cap_bytes_default, split_buckets
+from autopar.layout.conversion import plan_conversion
 from autopar.layout.cost import collective_seconds
 from autopar.layout.placement import TensorSpec
 from autopar.plans import NodeKind
@@ -27,7 +29,8 @@ from autopar.strategies import Strategy
 from autopar.strategies.grad_sums import grad_sync_seconds
 
 __all__ = ["GradSync", "ReaderChain", "async_edge", "bucket_edges", "bucketed_async_s", "grad_syncs",
-           "last_bucket_params", "sync_key", "unique_conversions", "shared_savings", "zero2_capable", "zero2_edge"]
+           "last_bucket_params", "pending_output_refund", "sync_key", "unique_conversions", "shared_savings",
+           "zero2_capable", "zero2_edge"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,6 +169,32 @@ def last_bucket_params(traced, *, cap: int) -> frozenset[str]:
     sizes = [trainable[n].numel * trainable[n].dtype.itemsize for n in ready]
     buckets = split_buckets(sizes, cap=cap, first_cap=first_cap_bytes_default())
     return frozenset(ready[k] for k in buckets[-1]) if buckets else frozenset()
+
+
+def pending_output_refund(src_choices, value: InputSlot, mesh) -> np.ndarray | None:
+    """Per producer option, what the graph output's edge from it over-prices (a column; None where
+    nothing): a scalar output (the loss) whose conversion to replicated is all-reduces only is
+    left in flight by the runtime, one all-reduce on the group of those axes
+    (``runtime.passes._pending_reduce``), and waited on where the value is first read -- after
+    backward, which starts at once: its latency runs under backward, and it costs the step its
+    bytes' time only (``t(bytes) - t(0)``, asynchronous), not a blocking conversion's price.
+    Not for other outputs: their readers (a loss computed outside the model) wait at once; nor
+    in a pipeline stage, whose graph sums its loss at once (``StageCosts`` prices it back)."""
+    if value is None or math.prod(value.shape) != 1:
+        return None
+    full = TensorSpec.replicated(len(mesh.shape))
+    refund = np.zeros((len(src_choices), 1))
+    for i, c in enumerate(src_choices):
+        spec = c.output_specs[value.index]
+        if spec is None or spec == full:
+            continue
+        conv = plan_conversion(spec, full, value.shape, value.itemsize, mesh)
+        if conv.steps and all(s.kind == "all_reduce" for s in conv.steps):
+            axes = tuple(sorted(s.axis for s in conv.steps))
+            pending = (collective_seconds("all_reduce", value.itemsize, mesh, axes, blocking=False)
+                       - collective_seconds("all_reduce", 0, mesh, axes, blocking=False))
+            refund[i, 0] = max(conv.total_s - pending, 0.0)
+    return refund if refund.any() else None
 
 
 def _zero2_layouts(built: BuiltProblem, choice: Mapping[str, str]) -> dict[str, TensorSpec]:

@@ -27,21 +27,28 @@ __all__ = ["Collective", "GradAllReduce", "KernelCall"]
 class Collective(nn.Module):
     """One reshard step kind (``all_gather``, ``split``, ``all_to_all``, ``all_reduce``,
     ``reduce_scatter``, ``to_partial``) on one mesh axis per call. ``pending=True`` (an
-    ``all_reduce`` of a graph output): issued asynchronously, the result a ``PendingTensor``
-    waited on at its first read (:mod:`autopar.runtime.pending`)."""
+    ``all_reduce`` of a graph output, over ``axes``: ``(axis,)`` or several): issued
+    asynchronously, one collective on the group spanning them, the result a ``PendingTensor``
+    waited on at its first read (:mod:`autopar.runtime.pending`); where no such group can be made
+    (``ProcessMesh.group_over``), a chain of blocking all-reduces."""
 
     def __init__(self, kind: str, pmesh: ProcessMesh) -> None:
         super().__init__()
         self.kind, self.pmesh = kind, pmesh
         self.inflight = Inflight()
 
-    def forward(self, x: torch.Tensor, *, axis: int, src_dim: int | None = None,
-                dst_dim: int | None = None, segments: int = 1, pending: bool = False) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, *, axis: int, src_dim: int | None = None, dst_dim: int | None = None,
+                segments: int = 1, pending: bool = False, axes: tuple[int, ...] = ()) -> torch.Tensor:
         if pending:
             if self.kind != "all_reduce":
                 raise ValueError(f"only an all_reduce can be left pending, not {self.kind}")
-            if self.pmesh.axis_size(axis) > 1:
-                return all_reduce_pending(x, self.pmesh.group(axis), self.inflight)
+            wide = [a for a in (axes or (axis,)) if self.pmesh.axis_size(a) > 1]
+            group = self.pmesh.group(wide[0]) if len(wide) == 1 else self.pmesh.group_over(wide) if wide else None
+            if group is not None:
+                return all_reduce_pending(x, group, self.inflight)
+            for a in wide:
+                x = apply_step(x, ReshardStep("all_reduce", a), self.pmesh)
+            return x
         return apply_step(x, ReshardStep(self.kind, axis, src_dim, dst_dim, segments), self.pmesh)
 
     def extra_repr(self) -> str:

@@ -493,16 +493,18 @@ class _Emitter:
         self.graph.output(pytree.tree_map(full, node.args[0], is_leaf=lambda x: isinstance(x, fx.Node)))
 
     def _pending_reduce(self, src: fx.Node, want: TensorSpec) -> fx.Node | None:
-        """An output whose conversion to ``want`` is one all-reduce (a ``P`` loss): that
-        all-reduce left in flight (``pending=True``), unless another consumer already converts it."""
+        """An output whose conversion to ``want`` is all-reduces only (a ``P`` loss, over one
+        mesh axis or several): one all-reduce over them left in flight (``pending=True``),
+        unless another consumer already converts it."""
         have, val = self.layout.get(src.name), src.meta.get("val")
         if (src.name, want) in self.converted or isinstance(have, tuple) or not isinstance(val, torch.Tensor):
             return None
         steps = plan_conversion(have, want, tuple(val.shape), val.dtype.itemsize, self.plan.mesh).steps
-        if len(steps) != 1 or steps[0].kind != "all_reduce":
+        if not steps or any(s.kind != "all_reduce" for s in steps):
             return None
+        axes = tuple(sorted(s.axis for s in steps))
         node = self.graph.call_module(self.comm_names["all_reduce"], (self.env[src.name],),
-                                      {"axis": steps[0].axis, "pending": True})
+                                      {"axis": axes[0], "pending": True, **({"axes": axes} if len(axes) > 1 else {})})
         self.num_conversions += 1
         self.converted[(src.name, want)] = node
         return node

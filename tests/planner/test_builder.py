@@ -10,6 +10,8 @@ from torch import nn
 
 from autopar import zoo
 from autopar.layout.conversion import plan_conversion
+from autopar.layout.cost import collective_seconds
+from autopar.planner.executed import pending_output_refund
 from autopar.layout.mesh import MeshSpec
 from autopar.plans import Estimate, NodeKind, NodePlan, Plan
 from autopar.planner.builder import build_problem
@@ -159,6 +161,13 @@ def test_edge_costs_are_the_planned_conversions_and_unbucketed_sums():
                     if a is not None and b is not None and a != b:
                         conv = plan_conversion(a, b, value.shape, value.itemsize, built.mesh)
                         want += conv.forward_s + conv.backward_s
+                        if dst.kind == NodeKind.OUTPUT and value.shape == () and conv.steps and all(
+                                step.kind == "all_reduce" for step in conv.steps):
+                            # a scalar loss's sum, left in flight: its bytes' time, not its latency
+                            axes = tuple(sorted(step.axis for step in conv.steps))
+                            want += (collective_seconds("all_reduce", value.itemsize, built.mesh, axes, blocking=False)
+                                     - collective_seconds("all_reduce", 0, built.mesh, axes, blocking=False)
+                                     - conv.forward_s - conv.backward_s)
                         if slot in dst.bucketed and c_dst.strategy is not None:
                             # a converted parameter's gradient is summed in-graph, not in a bucket:
                             # the latency its reader's option priced as a bucket share, in full
@@ -175,7 +184,11 @@ def test_conversions_of_a_choice_are_the_edges_it_pays():
     assert convs
     pick = {n.name: n.option_index(choice[n.name]) for n in built.problem.nodes}
     edge_s = sum(e.costs[pick[e.src]][pick[e.dst]] for e in built.problem.edges)
-    assert sum(c.conversion.forward_s + c.conversion.backward_s for c in convs) == pytest.approx(edge_s)
+    # but the scalar loss's sum: left in flight, priced at its bytes' time on the output edge
+    out = next(d for d in built.decisions.values() if d.kind == NodeKind.OUTPUT)
+    refund = sum(r[pick[v.producer], 0] for v in out.inputs if v is not None and (
+        r := pending_output_refund(built.decisions[v.producer].choices, v, built.mesh)) is not None)
+    assert sum(c.conversion.forward_s + c.conversion.backward_s for c in convs) == pytest.approx(edge_s + refund)
     for c in convs:
         value = built.decisions[c.consumer].inputs[c.slot]
         assert value.producer == c.producer

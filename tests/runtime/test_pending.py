@@ -86,21 +86,26 @@ def _steps(rank, world, model, traced, plan, a, b):
 
 
 @pytest.mark.slow
-def test_data_parallel_loss_is_pending_and_exact_on_two_ranks():
+@pytest.mark.parametrize("shape", [(2,), (2, 2)], ids=["2", "2x2"])
+def test_data_parallel_loss_is_pending_and_exact(shape):
+    """On (2, 2) the batch splits over both axes and the loss is a sum over both: one all-reduce
+    on the group spanning them, left in flight like the one-axis sum (not a blocking chain)."""
     torch.manual_seed(3)
     model, a = zoo.build("gpt2", tiny=True, device="cpu")
     b = {k: v.roll(1, dims=0) for k, v in a.items()}
-    plan = restricted_plan(model, a, mesh=fast_mesh((2,)))
+    plan = restricted_plan(model, a, mesh=fast_mesh(shape))
     traced = trace(model, a)
     with torch.no_grad():
         ref_loss = float(loss_of(model(**a)))
     ref = reference_grads(model, a)
-    results = run_local(_steps, 2, model, traced, plan, a, b, timeout=300)
+    results = run_local(_steps, len(shape) * 2, model, traced, plan, a, b, timeout=300)
     for rank, res in enumerate(results):
         assert "pending = True" in res["code"], res["code"]
+        assert ("axes = (0, 1)" in res["code"]) == (len(shape) == 2), res["code"]
         # The position embedding (looked up replicated, added to the batch-split token embedding)
         # is bucketed like every other weight: no blocking all-reduce of its activation gradient.
-        assert "self.grad_all_reduce(" not in res["code"] and "wpe_weight, axes = (0,), slot = 1)" in res["code"]
+        axes = tuple(range(len(shape)))
+        assert "self.grad_all_reduce(" not in res["code"] and f"wpe_weight, axes = {axes}, slot = 1)" in res["code"]
         assert res["pending"] and res["logits"], rank
         assert res["loss"] == pytest.approx(ref_loss, rel=1e-5)
         assert res["eval"] == res["loss"]

@@ -51,6 +51,7 @@ from autopar.layout.mesh import MeshSpec
 from autopar.planner.pipeline.bounds import BlockFloors
 from autopar.planner.pipeline.geometry import StageGeometry
 from autopar.planner.pipeline.schedule import action_overhead_s, check_pipeline_zero
+from autopar.planner.executed import pending_output_refund
 from autopar.planner.records import BuiltProblem
 from autopar.planner.zero_pricing import zero_gather_cap
 from autopar.plans import NodeKind, stage_mesh_of
@@ -434,6 +435,18 @@ class StageCosts:
                 sum(grad_sync_seconds(strategy, s, self.built.mesh, bucket_cap=self.sum_cap) for s in slots))
         return self._sums[key]
 
+    def _blocking_loss_sum(self, edge: Edge) -> Edge:
+        """``edge`` with the last stage's loss sum priced blocking: the flat graph leaves a scalar
+        output's all-reduce in flight (``executed.pending_output_refund``, taken off the builder's
+        output edges), a stage's graph sums its loss for the schedule's backward at once."""
+        out = self.built.decisions[edge.dst]
+        if out.kind != NodeKind.OUTPUT:
+            return edge
+        src = self.built.decisions[edge.src].choices
+        refunds = [r for v in out.inputs if v is not None and v.producer == edge.src
+                   and (r := pending_output_refund(src, v, self.built.mesh)) is not None]
+        return replace(edge, costs=edge.array + sum(refunds)) if refunds else edge
+
     def slice(self, names: set[str], *, in_flight: int, factor: float, budget: int | None,
               fixed: dict[str, str], recompute: bool = False) -> Problem:
         """The Problem restricted to ``names`` and priced for the stage (module docstring).
@@ -476,6 +489,7 @@ class StageCosts:
         edges = []
         for e in base.edges:
             if e.src in keep and e.dst in keep:
+                e = self._blocking_loss_sum(e)
                 if len(keep[e.src]) == len(e.costs) and len(keep[e.dst]) == len(e.costs[0]):
                     edges.append(e)
                 else:

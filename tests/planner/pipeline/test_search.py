@@ -606,3 +606,29 @@ def test_a_stage_sums_its_parameters_gradients_once_per_step(traced_models):
             assert option.comm_s == pytest.approx(max(before - sums + bucketed / factor, 0.0), abs=1e-15)
             checked += sums > 0
     assert checked > 0  # batch-split readers of replicated parameters were among them
+
+
+def test_the_last_stage_sums_its_loss_blocking_where_the_flat_graph_leaves_it_in_flight(traced_models):
+    """The flat problem prices a scalar loss's sum at its bytes' time (the runtime leaves it in
+    flight, ``executed.pending_output_refund``); a stage's graph sums it for the schedule at once,
+    so the last stage's slice prices the blocking conversion, as ``plan_conversion`` does."""
+    from autopar.layout.conversion import plan_conversion
+    from autopar.layout.placement import TensorSpec
+    from autopar.planner.executed import pending_output_refund
+    from autopar.plans import NodeKind
+
+    costs = _stage_costs(traced_models)
+    built = costs.built
+    out = next(d for d in built.decisions.values() if d.kind == NodeKind.OUTPUT)
+    loss = next(v for v in out.inputs if v is not None and v.shape == ())
+    src = built.decisions[loss.producer].choices
+    refund = pending_output_refund(src, loss, built.mesh)
+    assert refund is not None and refund.max() > 0  # some loss layout is a partial sum
+    flat = next(e for e in built.problem.edges if (e.src, e.dst) == (loss.producer, out.name))
+    last = costs.slice(costs.geometry.decisions(3, 4), in_flight=1, factor=3.0, budget=None, fixed={})
+    edge = next(e for e in last.edges if (e.src, e.dst) == (loss.producer, out.name))
+    full = TensorSpec.replicated(len(built.mesh.shape))
+    for i, c in enumerate(src):
+        conv = plan_conversion(c.output_specs[loss.index], full, loss.shape, loss.itemsize, built.mesh)
+        assert edge.costs[i][0] == pytest.approx(conv.total_s, rel=1e-12, abs=1e-15)
+        assert flat.costs[i][0] == pytest.approx(conv.total_s - refund[i, 0], rel=1e-12, abs=1e-15)
