@@ -29,8 +29,8 @@ from autopar.strategies import Strategy
 from autopar.strategies.grad_sums import grad_sync_seconds
 
 __all__ = ["GradSync", "ReaderChain", "async_edge", "bucket_edges", "bucketed_async_s", "grad_syncs",
-           "last_bucket_params", "pending_output_refund", "sync_key", "unique_conversions", "shared_savings",
-           "zero2_capable", "zero2_edge"]
+           "last_bucket_params", "pending_output_refund", "pending_output_seconds", "sync_key",
+           "unique_conversions", "shared_savings", "zero2_capable", "zero2_edge"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,29 +171,36 @@ def last_bucket_params(traced, *, cap: int) -> frozenset[str]:
     return frozenset(ready[k] for k in buckets[-1]) if buckets else frozenset()
 
 
+def pending_output_seconds(spec: TensorSpec | None, value: InputSlot, mesh) -> float | None:
+    """What the graph output ``value``, held as ``spec``, costs the step to make replicated when
+    the runtime leaves that in flight, or None where it does not price so: a scalar output (the
+    loss) whose conversion is all-reduces only becomes one all-reduce on the group of those axes
+    (``runtime.passes._pending_reduce``), waited on where the value is first read -- after
+    backward, which starts at once -- so its latency runs under backward and the step pays its
+    bytes' time only (``t(bytes) - t(0)``, asynchronous), not a blocking conversion's price.
+    Not other outputs: their readers (a loss computed outside the model) wait at once; nor a
+    pipeline stage's loss, which its graph sums at once (``StageCosts`` prices it back)."""
+    full = TensorSpec.replicated(len(mesh.shape))
+    if value is None or spec is None or spec == full or math.prod(value.shape) != 1:
+        return None
+    steps = plan_conversion(spec, full, value.shape, value.itemsize, mesh).steps
+    if not steps or any(s.kind != "all_reduce" for s in steps):
+        return None
+    axes = tuple(sorted(s.axis for s in steps))
+    return (collective_seconds("all_reduce", value.itemsize, mesh, axes, blocking=False)
+            - collective_seconds("all_reduce", 0, mesh, axes, blocking=False))
+
+
 def pending_output_refund(src_choices, value: InputSlot, mesh) -> np.ndarray | None:
     """Per producer option, what the graph output's edge from it over-prices (a column; None where
-    nothing): a scalar output (the loss) whose conversion to replicated is all-reduces only is
-    left in flight by the runtime, one all-reduce on the group of those axes
-    (``runtime.passes._pending_reduce``), and waited on where the value is first read -- after
-    backward, which starts at once: its latency runs under backward, and it costs the step its
-    bytes' time only (``t(bytes) - t(0)``, asynchronous), not a blocking conversion's price.
-    Not for other outputs: their readers (a loss computed outside the model) wait at once; nor
-    in a pipeline stage, whose graph sums its loss at once (``StageCosts`` prices it back)."""
-    if value is None or math.prod(value.shape) != 1:
-        return None
-    full = TensorSpec.replicated(len(mesh.shape))
+    nothing): the blocking conversion less ``pending_output_seconds``."""
     refund = np.zeros((len(src_choices), 1))
+    full = TensorSpec.replicated(len(mesh.shape))
     for i, c in enumerate(src_choices):
-        spec = c.output_specs[value.index]
-        if spec is None or spec == full:
-            continue
-        conv = plan_conversion(spec, full, value.shape, value.itemsize, mesh)
-        if conv.steps and all(s.kind == "all_reduce" for s in conv.steps):
-            axes = tuple(sorted(s.axis for s in conv.steps))
-            pending = (collective_seconds("all_reduce", value.itemsize, mesh, axes, blocking=False)
-                       - collective_seconds("all_reduce", 0, mesh, axes, blocking=False))
-            refund[i, 0] = max(conv.total_s - pending, 0.0)
+        spec = None if value is None else c.output_specs[value.index]
+        pending = pending_output_seconds(spec, value, mesh)
+        if pending is not None:
+            refund[i, 0] = max(plan_conversion(spec, full, value.shape, value.itemsize, mesh).total_s - pending, 0.0)
     return refund if refund.any() else None
 
 

@@ -24,7 +24,7 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from autopar.planner.executed import grad_syncs, unique_conversions
+from autopar.planner.executed import grad_syncs, pending_output_seconds, unique_conversions
 from autopar.planner.zero_pricing import zero_gather_seconds
 from autopar.planner.records import BuiltProblem
 from autopar.plans import NodeKind
@@ -50,7 +50,7 @@ class CommRow:
 
     kind: str  # all_reduce | all_gather | reduce_scatter | all_to_all | split | to_partial | kernel:<name>
     axes: str  # "ax1(4)", "ax0(2)+ax1(4)", or "-" when a kernel does not say
-    source: str  # "in-op", "reshard", "recompute" or "zero"
+    source: str  # "in-op", "bucket", "reshard", "recompute", "zero" or "pending" (the loss's sum in flight)
     count: int = 0
     payload_bytes: int = 0  # full tensor bytes per collective, summed (0 when unknown)
     seconds: float = 0.0
@@ -183,6 +183,11 @@ def _resharding(rows: dict, built: BuiltProblem, choice: dict[str, str], mesh: M
     for cc in unique_conversions(built, choice)[0]:
         value = built.decisions[cc.consumer].inputs[cc.slot]
         spec = cc.conversion.src
+        out = built.decisions[cc.consumer].kind == NodeKind.OUTPUT  # the loss's sum, left in flight:
+        if out and (pending := pending_output_seconds(spec, value, mesh)) is not None:  # ``executed``
+            axes = tuple(sorted(step.axis for step in cc.conversion.steps))
+            _add(rows, "all_reduce", axis_label(mesh, axes), "pending", value.itemsize, pending)
+            continue
         for step in cc.conversion.steps:
             parts = _step_parts(step, spec, value.shape, value.itemsize, mesh)
             if cc.consumer in recomputed:
@@ -197,7 +202,8 @@ def comm_breakdown(built: BuiltProblem, choice: dict[str, str], mesh: MeshSpec, 
     """Communication of one training step, per (kind, axes, source), most expensive first, as
     the runtime issues it (``planner.executed``: a shared conversion or gradient sum once).
     ``source``: "in-op" (strategies' own), "bucket" (parameters' gradient sums, all-reduced
-    asynchronously in buckets), "reshard" (conversions on edges), "recompute" (the forward of
+    asynchronously in buckets), "reshard" (conversions on edges), "pending" (a scalar loss's sum
+    left in flight: its bytes' time, ``executed.pending_output_seconds``), "recompute" (the forward of
     conversions into the ``recomputed`` ops, again) or "zero" (ZeRO's gather after the step and
     ZeRO-2's gradient reduce-scatters). ``hidden_share``: the fraction of every asynchronous
     collective hidden under compute (the plan's ``hidden_s / async_s``)."""

@@ -439,10 +439,11 @@ class StageCosts:
         """``edge`` with the last stage's loss sum priced blocking: the flat graph leaves a scalar
         output's all-reduce in flight (``executed.pending_output_refund``, taken off the builder's
         output edges), a stage's graph sums its loss for the schedule's backward at once."""
-        out = self.built.decisions[edge.dst]
+        out = self.built.decision(edge.dst)
         if out.kind != NodeKind.OUTPUT:
             return edge
-        src = self.built.decisions[edge.src].choices
+        # per option of the Problem's node (a baseline family's problem keeps some of them)
+        src = [self.built.choice_of(edge.src, o.name) for o in self.built.problem.node(edge.src).options]
         refunds = [r for v in out.inputs if v is not None and v.producer == edge.src
                    and (r := pending_output_refund(src, v, self.built.mesh)) is not None]
         return replace(edge, costs=edge.array + sum(refunds)) if refunds else edge
