@@ -63,7 +63,9 @@ def _child(rank, world_size, port, backend, fn, args, kwargs, queue, num_threads
     # Ranks share 2 cores here; one intra-op thread each avoids oversubscription.
     torch.set_num_threads(num_threads)
     try:
-        dist.init_process_group(backend, rank=rank, world_size=world_size)
+        # The parent holds the store's port (``run_local``): every rank is a client of it.
+        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
         try:
             result = fn(rank, world_size, *args, **kwargs)
         finally:
@@ -124,7 +126,13 @@ def run_local(
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     ctx = mp.get_context(start_method())
     queue = ctx.Queue()
-    port = free_port()
+    # The rendezvous store lives in this process, bound from the start: a port merely found free
+    # and released could be taken before rank 0 bound it (two test shards launch ranks at once;
+    # once, a rank of one joined the other's mesh: "Connection closed by peer" at connectFullMesh).
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
+    port = store.port
     procs = [
         ctx.Process(
             target=_child,
