@@ -1,6 +1,6 @@
 """The Booster's plugins side by side: every applicable fixed configuration and the auto plan, same run.
 
-    python benchmarks/plugins.py [--models gpt2,llama,cnn] [--world 4] [--batch 8] [--steps 6]
+    python benchmarks/plugins.py [--models gpt2,llama,cnn] [--world 4] [--batch 8] [--steps 20]
                                  [--warmup 2] [--budgets ample,tight] [--profile 2x2.json --profile 4.json]
                                  [--out results.jsonl]
 
@@ -341,7 +341,9 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--budgets", default="ample,tight")
     p.add_argument("--world", type=int, default=4)
     p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--steps", type=int, default=20,
+                   help="timed rounds (10-step medians of one configuration move +-10%% between runs "
+                        "on a shared 2-core host; 20 rank the plans)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--out", help="append one JSON line per (model, budget)")
     p.add_argument("--configs", help="only these configurations, comma-separated (auto brings its budgets' plans; "
