@@ -417,19 +417,17 @@ class GradBucketer(nn.Module):
         return dist.all_reduce(flat, group=group, async_op=async_op)
 
     def _all_reduce_over(self, flat: torch.Tensor, axes: tuple[int, ...], *, async_op: bool):
-        """(work, axes left): the sum over several mesh axes as ONE collective on the group
-        spanning them (``ProcessMesh.group_over``: in flight beside backward as a whole, where
+        """(work, groups left): the sum over several mesh axes as ONE collective on the group
+        spanning them (``ProcessMesh.groups_over``: in flight beside backward as a whole, where
         a chain would leave every axis but the first to the end of backward, synchronous), else
-        the first axis's collective, the others left to the caller (``_finish``), in order."""
-        spanning = self.pmesh.group_over(axes) if len(axes) > 1 else None
-        if spanning is not None:
-            return self._all_reduce(flat, spanning, async_op=async_op), ()
-        work = self._all_reduce(flat, self.pmesh.group(axes[0]), async_op=async_op)
+        the first axis's collective, the others' groups left to the caller (``_finish``), in order."""
+        first, *rest = self.pmesh.groups_over(axes)
+        work = self._all_reduce(flat, first, async_op=async_op)
         if not async_op:
-            for axis in axes[1:]:
-                self._all_reduce(flat, self.pmesh.group(axis), async_op=False)
+            for group in rest:
+                self._all_reduce(flat, group, async_op=False)
             return work, ()
-        return work, axes[1:]
+        return work, tuple(rest)
 
     def _finish(self, task: int) -> None:
         """End of the backward pass: issue what is left, wait, deliver into ``.grad``."""
@@ -468,8 +466,8 @@ class GradBucketer(nn.Module):
                 continue
             if work is not None:
                 wait(work)
-            for axis in rest:
-                self._all_reduce(flat, self.pmesh.group(axis), async_op=False)
+            for group in rest:
+                self._all_reduce(flat, group, async_op=False)
             self._deliver(st, buckets[b], flat, sorted(st.ready[b]))
         for b, flat, slots in late_flats:
             self._deliver(st, buckets[b], flat, slots)

@@ -43,10 +43,11 @@ class Collective(nn.Module):
             if self.kind != "all_reduce":
                 raise ValueError(f"only an all_reduce can be left pending, not {self.kind}")
             wide = [a for a in (axes or (axis,)) if self.pmesh.axis_size(a) > 1]
-            group = self.pmesh.group(wide[0]) if len(wide) == 1 else self.pmesh.group_over(wide) if wide else None
-            if group is not None:
-                return all_reduce_pending(x, group, self.inflight)
-            for a in wide:
+            if not wide:
+                return x
+            if len(groups := self.pmesh.groups_over(wide)) == 1:
+                return all_reduce_pending(x, groups[0], self.inflight)
+            for a in wide:  # no group spans them (a stage's sub-mesh): a chain, blocking
                 x = apply_step(x, ReshardStep("all_reduce", a), self.pmesh)
             return x
         return apply_step(x, ReshardStep(self.kind, axis, src_dim, dst_dim, segments), self.pmesh)

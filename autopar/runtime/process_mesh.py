@@ -124,6 +124,12 @@ class ProcessMesh:
             self._flat_groups[axes] = flat.get_group(0)
         return self._flat_groups[axes]
 
+    def groups_over(self, axes: Sequence[int]) -> list[dist.ProcessGroup]:
+        """The groups a sum over mesh ``axes`` runs on, one after another: the group spanning
+        them where the mesh forms one (``group_over``), else one per axis, in ``axes``' order."""
+        spanning = self.group_over(axes) if len(axes) > 1 else None
+        return [spanning] if spanning is not None else [self.group(a) for a in axes]
+
     def axis_coordinate(self, axis: int) -> int:
         return self.coordinate[self._check_axis(axis)]
 

@@ -79,7 +79,5 @@ class DeferredSums:
                     g.copy_(piece.view_as(g))
 
     def _groups(self, bucket: _Bucket) -> list:
-        """The process groups ``bucket`` is summed over, one after another: the group spanning
-        its axes where the mesh forms one, else one per axis."""
-        spanning = self.pmesh.group_over(bucket.axes) if len(bucket.axes) > 1 else None
-        return [spanning] if spanning is not None else [self.pmesh.group(a) for a in bucket.axes]
+        """The process groups ``bucket`` is summed over, one after another."""
+        return self.pmesh.groups_over(bucket.axes)
