@@ -11,14 +11,15 @@ it as an ``autopar.strategies.registry.EarlySum`` and the emitted graph computes
     ...                                                            # the whole forward
     loss = self.cross_entropy(logits, labels_local, None, 1, -100, 0.0, early)
 
-``EarlySumCall`` computes this rank's summand and all-reduces it asynchronously on the last
-axis to sum over (blocking on any axes before it: the sum over several mesh axes is one
-all-reduce per axis); the result is a ``runtime.pending.PendingTensor`` that the kernel's
-call waits for (``KernelCall``: the kernel computes on the plain value). ``hoist_early_sums``
-then moves each such node, and the side-effect-free ops computing its inputs from the graph's
-inputs, to right after what they read, so the all-reduce is in flight during the forward. The
-sum, its summand and its value are the ones the kernel would compute itself (the same
-collective on the same buffer), only waited on later.
+``EarlySumCall`` computes this rank's summand and all-reduces it asynchronously, over several
+mesh axes on the group spanning them (``ProcessMesh.groups_over``; where the mesh forms none, a
+stage's sub-mesh, blocking on every axis but the last); the result is a
+``runtime.pending.PendingTensor`` that the kernel's call waits for (``KernelCall``: the kernel
+computes on the plain value). ``hoist_early_sums`` then moves each such node, and the
+side-effect-free ops computing its inputs from the graph's inputs, to right after what they
+read, so the all-reduce is in flight during the forward. The sum, its summand and its value
+are the ones the kernel would compute itself (the same collective on the same buffer), only
+waited on later.
 
 The pass runs after recompute regions are cut (``build_module``), so it never moves a node out
 of or into a checkpointed region: an input produced inside a region keeps its consumers after it.
@@ -59,8 +60,11 @@ class EarlySumCall(nn.Module):
             raise ValueError(f"the early sum of kernel {self.kernel!r} (node {self.ctx.info.node_name}) "
                              f"returned {type(part).__name__}, not a tensor")
         part = part.detach()
+        wide = [a for a in self.axes if self.pmesh.axis_size(a) > 1]
+        if len(wide) > 1 and len(groups := self.pmesh.groups_over(wide)) == 1:  # one group spans them
+            return all_reduce_pending(part, groups[0], self.inflight)
         *first, last = self.axes
-        if first:  # all but the last axis block (a sum over several axes is one all-reduce per axis)
+        if first:  # no group spans them (a stage's sub-mesh): all but the last axis block
             part = all_reduce_axes(part, first, self.pmesh)
         return all_reduce_pending(part, self.pmesh.group(last), self.inflight)
 

@@ -8,6 +8,7 @@ values."""
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 
@@ -59,19 +60,22 @@ def _run(rank, world, cases):
     return errors, codes
 
 
-def _case(label, model, inputs):
-    plan = restricted_plan(model, inputs, mesh=fast_mesh((2,)))
+def _case(label, model, inputs, shape=(2,)):
+    plan = restricted_plan(model, inputs, mesh=fast_mesh(shape))
     return label, model, trace(model, inputs), plan, inputs, reference(model, inputs)
 
 
 @pytest.mark.slow
-def test_denominator_summed_early_with_uneven_ignored_labels_equals_single_device():
+@pytest.mark.parametrize("shape", [(2,), (2, 2)], ids=["2", "2x2"])
+def test_denominator_summed_early_with_uneven_ignored_labels_equals_single_device(shape):
+    """On (2, 2) the batch splits over both axes: the denominator is one sum on the group
+    spanning them, in flight like the one-axis sum (no blocking all-reduce at forward's start)."""
     torch.manual_seed(5)
     gpt2, inputs = zoo.build("gpt2", tiny=True, device="cpu")
     inputs = {**inputs, "labels": _uneven_ignored(inputs["labels"])}
     nll_inputs = {"input_ids": torch.randint(0, 64, (8, 64)), "labels": _uneven_ignored(torch.randint(0, 64, (8, 64)))}
-    cases = [_case("gpt2 cross_entropy", gpt2, inputs), _case("nll_loss", NllNet(), nll_inputs)]
-    results = run_local(_run, 2, cases, timeout=300)
+    cases = [_case("gpt2 cross_entropy", gpt2, inputs, shape), _case("nll_loss", NllNet(), nll_inputs, shape)]
+    results = run_local(_run, math.prod(shape), cases, timeout=300)
     for rank, (errors, codes) in enumerate(results):
         assert not errors, f"rank {rank}: " + "\n".join(errors)
         for code, kernel in zip(codes, ("cross_entropy", "nll_loss")):
