@@ -307,6 +307,14 @@ class Conversion:
     def count(self, kind: str) -> int:
         return sum(1 for s in self.steps if s.kind == kind)
 
+    @property
+    def sum_axes(self) -> tuple[int, ...] | None:
+        """The mesh axes, sorted, of a conversion made of all-reduces only (a partial sum made
+        whole: one collective on their group where the runtime leaves it in flight); else None."""
+        if not self.steps or any(s.kind != "all_reduce" for s in self.steps):
+            return None
+        return tuple(sorted(s.axis for s in self.steps))
+
     def __str__(self) -> str:
         body = " ; ".join(str(s) for s in self.steps) if self.steps else "identity"
         return f"{self.src} -> {self.dst}: {body}"

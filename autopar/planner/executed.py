@@ -183,10 +183,9 @@ def pending_output_seconds(spec: TensorSpec | None, value: InputSlot, mesh) -> f
     full = TensorSpec.replicated(len(mesh.shape))
     if value is None or spec is None or spec == full or math.prod(value.shape) != 1:
         return None
-    steps = plan_conversion(spec, full, value.shape, value.itemsize, mesh).steps
-    if not steps or any(s.kind != "all_reduce" for s in steps):
+    axes = plan_conversion(spec, full, value.shape, value.itemsize, mesh).sum_axes
+    if axes is None:
         return None
-    axes = tuple(sorted(s.axis for s in steps))
     return (collective_seconds("all_reduce", value.itemsize, mesh, axes, blocking=False)
             - collective_seconds("all_reduce", 0, mesh, axes, blocking=False))
 

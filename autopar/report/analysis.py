@@ -185,8 +185,7 @@ def _resharding(rows: dict, built: BuiltProblem, choice: dict[str, str], mesh: M
         spec = cc.conversion.src
         out = built.decisions[cc.consumer].kind == NodeKind.OUTPUT  # the loss's sum, left in flight:
         if out and (pending := pending_output_seconds(spec, value, mesh)) is not None:  # ``executed``
-            axes = tuple(sorted(step.axis for step in cc.conversion.steps))
-            _add(rows, "all_reduce", axis_label(mesh, axes), "pending", value.itemsize, pending)
+            _add(rows, "all_reduce", axis_label(mesh, cc.conversion.sum_axes), "pending", value.itemsize, pending)
             continue
         for step in cc.conversion.steps:
             parts = _step_parts(step, spec, value.shape, value.itemsize, mesh)

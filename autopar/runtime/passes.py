@@ -499,10 +499,9 @@ class _Emitter:
         have, val = self.layout.get(src.name), src.meta.get("val")
         if (src.name, want) in self.converted or isinstance(have, tuple) or not isinstance(val, torch.Tensor):
             return None
-        steps = plan_conversion(have, want, tuple(val.shape), val.dtype.itemsize, self.plan.mesh).steps
-        if not steps or any(s.kind != "all_reduce" for s in steps):
+        axes = plan_conversion(have, want, tuple(val.shape), val.dtype.itemsize, self.plan.mesh).sum_axes
+        if axes is None:
             return None
-        axes = tuple(sorted(s.axis for s in steps))
         node = self.graph.call_module(self.comm_names["all_reduce"], (self.env[src.name],),
                                       {"axis": axes[0], "pending": True, **({"axes": axes} if len(axes) > 1 else {})})
         self.num_conversions += 1
