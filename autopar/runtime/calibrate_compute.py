@@ -11,8 +11,14 @@ ends (``_repeated``), so that each call writes into fresh pages as a step's ops 
 
 The grid, per dtype (fp32, bf16, fp16):
 
-- ``matmul``: ``mm`` over square, small and skinny (M, N, K) and a few ``bmm`` batches, keyed by
-  the FLOPs of one call (``2 M N K``, times the batch);
+- ``matmul``: the three products of a linear layer's training step at a few (tokens, in, out) --
+  forward ``x @ w.T``, input gradient ``dy @ w``, weight gradient ``dy.T @ x``, all of one FLOP
+  count, so one size's rate is their mean: the products a step runs, not square ones, whose rate
+  they do not share (in one run on this 2-core host, 512 tokens of a 256 -> 1024 layer's forward
+  ran at 80 GFLOP/s and its input gradient at 106, a 512-cube at 95; the rate at 67 MFLOP was a
+  lone K=64 ``bmm``'s, 25% below the 512 x 256 x 256 products it priced) -- plus a few skinny
+  ``mm`` (M, N, K) and ``bmm`` batches, keyed by the FLOPs of one call (``2 M N K``, times the
+  batch);
 - ``attention``: ``scaled_dot_product_attention`` at a few (sequence, head dim), keyed by torch's
   own FLOP count (``torch.utils.flop_counter.sdpa_flop_count``);
 - ``conv``: ``conv2d`` at a few (batch, channels, image size, kernel), keyed by its FLOPs, and
@@ -60,12 +66,14 @@ TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.flo
 
 @dataclass(frozen=True, slots=True)
 class Grid:
-    """What to measure: mm (M, N, K), bmm (B, M, N, K), attention (sequence, head dim) at batch 1
+    """What to measure: linear layers (tokens, in, out), each as its three products of a step, mm
+    (M, N, K), bmm (B, M, N, K), attention (sequence, head dim) at batch 1
     and 4 heads, conv2d (batch, channels in = out, image side, kernel side; stride 1, same
     padding), elementwise numels, layer-norm rows of ``NORM_WIDTH``, max-pool inputs (batch,
     channels, image side), batch-norm inputs (batch, channels, image side), optimizer parameter
     numels (16 parameters each)."""
 
+    linear: tuple[tuple[int, int, int], ...]
     mm: tuple[tuple[int, int, int], ...]
     bmm: tuple[tuple[int, int, int, int], ...]
     attention: tuple[tuple[int, int], ...]
@@ -78,8 +86,8 @@ class Grid:
 
 
 NORM_WIDTH = 1024
-GRID = Grid(mm=((64, 64, 64), (256, 256, 256), (512, 512, 512), (1024, 1024, 1024), (16, 1024, 1024),
-                (1024, 16, 1024), (2048, 64, 2048)),
+GRID = Grid(linear=((64, 64, 64), (256, 256, 256), (512, 256, 256), (512, 256, 1024), (1024, 1024, 1024)),
+            mm=((16, 1024, 1024), (1024, 16, 1024), (2048, 64, 2048)),
             bmm=((8, 64, 64, 64), (8, 256, 256, 64)),
             attention=((128, 32), (128, 64), (512, 64), (1024, 64)),
             conv=((2, 16, 16, 3), (4, 32, 32, 3), (4, 64, 16, 3), (4, 128, 8, 3), (8, 64, 32, 3), (4, 64, 16, 1)),
@@ -88,7 +96,7 @@ GRID = Grid(mm=((64, 64, 64), (256, 256, 256), (512, 512, 512), (1024, 1024, 102
             pool=((2, 16, 16), (4, 32, 32), (8, 64, 32)),
             batch_norm=((2, 16, 16), (4, 32, 32), (4, 128, 16), (8, 64, 32)),
             optimizer=(1 << 8, 1 << 12, 1 << 16, 1 << 18))
-QUICK_GRID = Grid(mm=((64, 64, 64), (256, 256, 256), (16, 512, 512)), bmm=((4, 64, 64, 64),),
+QUICK_GRID = Grid(linear=((64, 64, 64), (256, 256, 256)), mm=((16, 512, 512),), bmm=((4, 64, 64, 64),),
                   attention=((128, 64), (256, 64)), conv=((2, 16, 16, 3), (4, 32, 16, 3)),
                   elementwise=(1 << 14, 1 << 20), norm_rows=(16, 1024), pool=((2, 16, 16), (4, 32, 16)),
                   batch_norm=((2, 16, 16), (4, 32, 16)),
@@ -111,6 +119,13 @@ class Kernel:
 def _matmuls(grid: Grid, dtype: str, device: torch.device) -> list[Kernel]:
     dt = TORCH_DTYPES[dtype]
     out = []
+    for tokens, d_in, d_out in grid.linear:
+        x, w = torch.randn(tokens, d_in, dtype=dt, device=device), torch.randn(d_out, d_in, dtype=dt, device=device)
+        dy, flops = torch.randn(tokens, d_out, dtype=dt, device=device), 2.0 * tokens * d_in * d_out
+        label = f"linear {tokens}x{d_in}->{d_out}"
+        out += [Kernel("matmul", dtype, flops, f"{label} forward", lambda x=x, w=w: F.linear(x, w)),
+                Kernel("matmul", dtype, flops, f"{label} input grad", lambda dy=dy, w=w: torch.mm(dy, w)),
+                Kernel("matmul", dtype, flops, f"{label} weight grad", lambda dy=dy, x=x: torch.mm(dy.t(), x))]
     for m, n, k in grid.mm:
         a, b = torch.randn(m, k, dtype=dt, device=device), torch.randn(k, n, dtype=dt, device=device)
         out.append(Kernel("matmul", dtype, 2.0 * m * n * k, f"mm {m}x{n}x{k}", lambda a=a, b=b: torch.mm(a, b)))

@@ -45,7 +45,8 @@ def test_quick_calibration_measures_every_class_and_dtype(calibrated):
     assert MeshSpec.load(path) == spec and spec.shape == (2,) and spec.name == "profiled-cpu"
     machine = spec.machine
     assert machine.measured_shape == (2,) and "quick calibration" in machine.note
-    sizes = {"matmul": len(QUICK_GRID.mm) + len(QUICK_GRID.bmm), "attention": len(QUICK_GRID.attention),
+    sizes = {"matmul": 3 * len(QUICK_GRID.linear) + len(QUICK_GRID.mm) + len(QUICK_GRID.bmm),
+             "attention": len(QUICK_GRID.attention),
              "conv": len(QUICK_GRID.conv), "conv_backward": len(QUICK_GRID.conv),
              "elementwise": len(QUICK_GRID.elementwise), "norm": len(QUICK_GRID.norm_rows),
              "pool": len(QUICK_GRID.pool), "pool_backward": len(QUICK_GRID.pool),
