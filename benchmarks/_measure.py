@@ -155,6 +155,14 @@ def state_bytes(params, optimizer) -> int:
     return sum(seen.values())
 
 
+def slowest_per_round(results: list[dict]) -> dict[str, list[float]]:
+    """Each configuration's step seconds per round from every rank's ``results[rank]["times"]``:
+    a round's step is its slowest rank's (every rank waits for it at the next collective)."""
+    names = list(results[0]["times"])
+    rounds = len(results[0]["times"][names[0]])
+    return {n: [max(r["times"][n][i] for r in results) for i in range(rounds)] for n in names}
+
+
 def round_normalized(times: dict[str, list[float]]) -> dict[str, float]:
     """Each plan's step seconds with the load drift between rounds taken out: in round ``r``
     every plan ran once, back to back, so their times share that round's load. A plan's figure

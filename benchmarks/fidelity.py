@@ -55,7 +55,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _measure import (PeakAllocated, SavedBytes, build_model, round_normalized, sharded_state_budget,  # noqa: E402
-                      spearman, state_bytes)
+                      slowest_per_round, spearman, state_bytes)
 
 from autopar.runtime.links import Stopwatch, default_device, rank_device, sync_device  # noqa: E402
 
@@ -309,9 +309,7 @@ def _worker(rank: int, world: int, cands: list[Candidate], model, inputs, steps:
 
 # ---------------------------------------------------------------------------------- figures
 def summarize(model_name: str, mesh, cands: list[Candidate], results: list[dict]) -> dict:
-    steps = len(results[0]["times"][cands[0].name])
-    measured = round_normalized({c.name: [max(r["times"][c.name][i] for r in results) for i in range(steps)]
-                                 for c in cands})
+    measured = round_normalized(slowest_per_round(results))
     mem = {c.name: max(r["memory"][c.name]["saved"] + r["memory"][c.name]["state"] for r in results) for c in cands}
     allocated = {c.name: max(r["memory"][c.name]["allocated"] or 0 for r in results) for c in cands}
     on_gpu = any(allocated.values())

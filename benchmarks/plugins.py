@@ -58,7 +58,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _measure import (PeakAllocated, SavedBytes, build_model, round_normalized,  # noqa: E402
-                      sharded_state_budget, state_bytes)
+                      sharded_state_budget, slowest_per_round, state_bytes)
 
 from autopar.runtime.links import Stopwatch, default_device, rank_device, sync_device  # noqa: E402
 
@@ -280,9 +280,7 @@ def report(model_name: str, label: str, budget, results: list[dict], families: d
     names = [n for n in results[0]["times"]
              if not n.startswith("auto") or n in mine or (label == "ample" and n in OPTIONAL)]
     per_rank = (*per_rank, auto_name(label, per_rank=True))
-    steps = len(results[0]["times"][names[0]])
-    every = list(results[0]["times"])  # every configuration ran once a round: the round's load is theirs
-    slowest = {n: [max(r["times"][n][i] for r in results) for i in range(steps)] for n in every}
+    slowest = slowest_per_round(results)  # every configuration ran once a round: the round's load is theirs
     med = {n: s for n, s in round_normalized(slowest).items() if n in names}
     least = {n: min(slowest[n]) for n in names}  # the least disturbed round: a floor under load
     peak = {n: max(r["memory"][n] for r in results) for n in names}

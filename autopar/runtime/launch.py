@@ -43,7 +43,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _child(rank, world_size, port, backend, fn, args, kwargs, queue, num_threads) -> None:
+def _child(rank, world_size, listener, port, backend, fn, args, kwargs, queue, num_threads) -> None:
     import gc
 
     import torch
@@ -63,8 +63,12 @@ def _child(rank, world_size, port, backend, fn, args, kwargs, queue, num_threads
     # Ranks share 2 cores here; one intra-op thread each avoids oversubscription.
     torch.set_num_threads(num_threads)
     try:
-        # The parent holds the store's port (``run_local``): every rank is a client of it.
-        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False)
+        # Rank 0 serves the store on the socket the parent bound (``run_local``), the others join it.
+        if listener is not None:
+            store = dist.TCPStore("127.0.0.1", port, world_size, is_master=True, master_listen_fd=listener.detach(),
+                                  wait_for_workers=False)
+        else:
+            store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
         try:
             result = fn(rank, world_size, *args, **kwargs)
@@ -126,23 +130,30 @@ def run_local(
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     ctx = mp.get_context(start_method())
     queue = ctx.Queue()
-    # The rendezvous store lives in this process, bound from the start: a port merely found free
-    # and released could be taken before rank 0 bound it (two test shards launch ranks at once;
-    # once, a rank of one joined the other's mesh: "Connection closed by peer" at connectFullMesh).
-    import torch.distributed as dist
-
-    store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
-    port = store.port
+    # The rendezvous port is bound here and listened on from the start, and rank 0 serves the store
+    # on that very socket: a port merely found free and released could be taken before rank 0 bound
+    # it (two test shards launch ranks at once; once, a rank of one joined the other's mesh:
+    # "Connection closed by peer" at connectFullMesh). The store itself is not started here: its
+    # server thread, busy with one rank's connection while the next rank forks, left that child a
+    # locked resolver mutex (``getnameinfo``), and it hung in its own connect until the timeout.
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(128)
+    port = listener.getsockname()[1]
     procs = [
         ctx.Process(
             target=_child,
-            args=(rank, world_size, port, backend, fn, args, kwargs, queue, num_threads),
+            args=(rank, world_size, listener if rank == 0 else None, port, backend, fn, args, kwargs, queue,
+                  num_threads),
             daemon=True,
         )
         for rank in range(world_size)
     ]
-    for p in procs:
-        p.start()
+    try:
+        for p in procs:
+            p.start()
+    finally:
+        listener.close()  # rank 0 holds its own descriptor of it now
     results: dict[int, Any] = {}
     failure: tuple[int, str] | None = None
     finished = False

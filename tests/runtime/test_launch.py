@@ -33,6 +33,25 @@ def test_run_local_reports_failing_rank():
         run_local(boom, 2)
 
 
+def test_the_parent_runs_no_store_thread_its_ranks_could_fork_into(monkeypatch):
+    """The parent binds the rendezvous port but serves nothing: a store started in it runs a
+    server thread, and a rank forked while that thread held a libc lock (the resolver's, formatting
+    an earlier rank's address) hung in its own connect. Rank 0 serves the store on the parent's
+    socket (so no other job can take the port between the two)."""
+    import os
+
+    parent, real = os.getpid(), dist.TCPStore
+
+    def store(*args, **kwargs):
+        if os.getpid() == parent:
+            raise AssertionError("run_local started a TCPStore in the parent")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(dist, "TCPStore", store)
+    for _ in range(3):
+        assert run_local(_allreduce, 4, 0.0) == [6.0] * 4
+
+
 def test_ranks_freeze_the_heap_they_inherit():
     """What a rank inherits is out of its full collections; what it allocates is collected."""
     import gc
