@@ -120,12 +120,15 @@ def optimizer_seconds(param_bytes: float, mesh: MeshSpec, *, optimizer_multiplie
     a spec sheet says nothing of the optimizer's many small passes, and presets price as before."""
     if param_bytes < 0:
         raise ValueError(f"parameter bytes must be >= 0, got {param_bytes}")
-    rate = None if mesh.machine is None or not param_bytes else mesh.machine.compute.rate(OPTIMIZER, "fp32",
-                                                                                            param_bytes)
-    if rate is None:
+    table = None if mesh.machine is None or not param_bytes else mesh.machine.compute.table(OPTIMIZER, "fp32")
+    if table is None:
         return 0.0
+    # Below the smallest parameter measured its time holds, not its rate: a foreach step's work per
+    # tensor is flat there (54-60 us per parameter from 128 B to 4 KiB on a 2-core host), so a
+    # ZeRO shard of a small parameter costs its step what the whole one did.
+    size = max(param_bytes, table.sizes[0])
     scale = optimizer_bytes_per_byte(optimizer_multiplier) / optimizer_bytes_per_byte(2.0)
-    return param_bytes * scale / rate
+    return size * scale / table.at(size)
 
 
 def copy_seconds(nbytes: float, mesh: MeshSpec) -> float:

@@ -11,9 +11,12 @@ roofline. Its parts:
   per-channel statistics over an NCHW tensor run far below a row-wise layer norm's rate on a
   CPU); ``conv`` and ``pool`` have backward tables
   of their own (``BACKWARD_CLASSES``); ``optimizer`` is the AdamW step per parameter byte.
-  A size between two measured ones is interpolated linearly in
-  log(size); beyond the ends the nearest measured rate holds (a rate is an efficiency, which
-  flattens at both ends, unlike a time). Small and skinny products are measured, so they are
+  Between two measured sizes the rate follows the power law through them (log(rate) linear in
+  log(size)): exact where the time is flat (a call's fixed work -- AdamW's step over 16 params
+  took 54-60 us per param from 128 B to 4 KiB) as where the rate is, where a rate linear in
+  log(size) priced the flat stretch's middle 40% low; beyond the ends the nearest measured rate
+  holds (a rate is an efficiency, which flattens at both ends, unlike a time; the cost model
+  floors a kernel's time, ``layout.cost``). Small and skinny products are measured, so they are
   priced at their real, lower efficiency: keying by FLOPs merges a skinny and a square product
   of equal FLOPs into one curve, which is what the grid then averages over.
 - ``LinkFit``: one collective kind's ``alpha``/``beta`` on one mesh axis (the per-axis fit of
@@ -138,7 +141,8 @@ class RateTable:
         return cls(tuple(sizes), tuple(math.exp(sum(map(math.log, by_size[s])) / len(by_size[s])) for s in sizes))
 
     def at(self, size: float) -> float:
-        """The rate at ``size`` (> 0): linear in log(size) between measured sizes, the end rate beyond."""
+        """The rate at ``size`` (> 0): log(rate) linear in log(size) between measured sizes (the
+        power law through them), the end rate beyond."""
         if not size > 0:
             raise ValueError(f"a call size must be positive, got {size}")
         i = bisect.bisect_left(self.sizes, size)
@@ -148,7 +152,7 @@ class RateTable:
             return self.rates[-1]
         lo, hi = math.log(self.sizes[i - 1]), math.log(self.sizes[i])
         w = (math.log(size) - lo) / (hi - lo)
-        return self.rates[i - 1] + w * (self.rates[i] - self.rates[i - 1])
+        return self.rates[i - 1] ** (1.0 - w) * self.rates[i] ** w
 
     def to_dict(self) -> dict:
         return {"sizes": list(self.sizes), "rates": list(self.rates)}

@@ -34,13 +34,16 @@ def _mesh(shape=(2, 2), **kw) -> MeshSpec:
 
 
 # ------------------------------------------------------------------------------ rate tables
-def test_rate_table_interpolates_in_log_size_and_holds_its_ends():
+def test_rate_table_follows_the_power_law_between_points_and_holds_its_ends():
     table = RateTable((1e3, 1e5, 1e7), (1.0, 3.0, 2.0))
     assert table.at(1e3) == 1.0 and table.at(1e5) == 3.0 and table.at(1e7) == 2.0
-    assert table.at(1e4) == pytest.approx(2.0)  # halfway in log(size)
-    assert table.at(1e6) == pytest.approx(2.5)
-    assert table.at(10 ** 3.5) == pytest.approx(1.5)
+    assert table.at(1e4) == pytest.approx(3.0 ** 0.5)  # halfway in log(size): halfway in log(rate)
+    assert table.at(1e6) == pytest.approx(6.0 ** 0.5)
+    assert table.at(10 ** 3.5) == pytest.approx(3.0 ** 0.25)
     assert table.at(1.0) == 1.0 and table.at(1e12) == 2.0  # beyond the ends: the end rates
+    # A flat time between two points (a call's fixed work) stays flat: the rate grows with the size.
+    flat = RateTable((1e3, 1e5), (1e3 / 50e-6, 1e5 / 50e-6))
+    assert [s / flat.at(s) for s in (1e3, 3e3, 1e4, 4e4, 1e5)] == pytest.approx([50e-6] * 5)
     with pytest.raises(ValueError, match="positive"):
         table.at(0)
 
@@ -229,9 +232,10 @@ def test_compute_is_priced_at_the_measured_rate_of_its_class_size_and_dtype():
     assert compute_seconds(flops, 0, mesh, itemsize=2, op_class="matmul") == pytest.approx(flops / 200e9)
     assert compute_seconds(flops, 0, mesh, itemsize=2, op_class="matmul", dtype="fp16") == pytest.approx(
         flops / mesh.half_peak_flops)
-    # Memory-bound classes: bytes over the measured bandwidth at that size (10^5.5 B: halfway).
+    # Memory-bound classes: bytes over the measured bandwidth at that size (10^5.5 B: halfway in
+    # log size, the rates' geometric mean).
     mid = 10 ** 5.5
-    assert compute_seconds(0, mid, mesh, op_class="elementwise") == pytest.approx(mid / 27.5e9)
+    assert compute_seconds(0, mid, mesh, op_class="elementwise") == pytest.approx(mid / (50e9 * 5e9) ** 0.5)
     assert compute_seconds(10.0, 1e6, mesh, op_class="norm") == pytest.approx(1e6 / 3e9)
     # Other ops and uncalibrated meshes: the roofline, exactly as before.
     for m in (mesh, preset):
@@ -260,6 +264,9 @@ def test_the_optimizer_step_is_priced_per_parameter_byte_where_it_was_measured()
     mesh = _mesh(machine=machine)
     assert optimizer_seconds(1e6, mesh, optimizer_multiplier=2.0) == pytest.approx(1e6 / 1e9)
     assert optimizer_seconds(1e3, mesh, optimizer_multiplier=2.0) == pytest.approx(1e3 / 1e7)
+    # Below the smallest parameter measured, its time: a foreach step's per-tensor work is flat
+    # there, so a ZeRO shard of a small parameter steps no faster than the whole one.
+    assert optimizer_seconds(250, mesh, optimizer_multiplier=2.0) == pytest.approx(1e3 / 1e7)
     # The table is Adam's (m = 2, 7 bytes moved per parameter byte); SGD with momentum (m = 1) moves 5.
     assert optimizer_seconds(1e6, mesh, optimizer_multiplier=1.0) == pytest.approx(5 / 7 * 1e6 / 1e9)
     assert optimizer_seconds(0, mesh, optimizer_multiplier=2.0) == 0.0

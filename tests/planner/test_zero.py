@@ -114,7 +114,8 @@ def test_a_calibrated_optimizer_step_is_priced_and_zero_divides_it():
 
     model, inputs = Mlp(), (torch.randn(16, 64),)
     preset = MeshSpec.preset("cpu", (2,))
-    slow = ComputeProfile((("optimizer", "fp32", RateTable((1e3,), (1e8,))),))
+    # Measured down to the smallest shard here (below it a parameter's time would hold, not its rate).
+    slow = ComputeProfile((("optimizer", "fp32", RateTable((100.0,), (1e8,))),))
     mesh = replace(preset, machine=MachineProfile(slow, (), (2,), ("dp",)))
     trainable = sum(p.numel() * p.element_size() for p in model.parameters())
     step = optimizer_seconds(trainable, mesh, optimizer_multiplier=2.0)

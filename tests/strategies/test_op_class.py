@@ -60,9 +60,9 @@ def test_a_strategy_is_priced_at_the_rate_of_its_local_shard():
     whole = 2.0 * 128 * 256 * 256  # forward FLOPs of the whole product (2^24); backward twice that
     replicated = next(s for s in priced.values() if not s.work_split_axes)
     split = next(s for s in priced.values() if s.work_split_axes == (0,))
-    # Forward 2^24 FLOPs (halfway in log size: 1.5 GFLOP/s), backward 2^25 (1 GFLOP/s).
-    assert replicated.forward_compute_s == pytest.approx(whole / 1.5e9)
-    assert replicated.compute_s == pytest.approx(whole / 1.5e9 + 2 * whole / 1e9)
+    # Forward 2^24 FLOPs (halfway in log size: sqrt(2) GFLOP/s), backward 2^25 (1 GFLOP/s).
+    assert replicated.forward_compute_s == pytest.approx(whole / 2 ** 0.5 / 1e9)
+    assert replicated.compute_s == pytest.approx(whole / 2 ** 0.5 / 1e9 + 2 * whole / 1e9)
     # A quarter each: 2^22 (beyond the small end: 2 GFLOP/s) forward, 2^23 backward.
     assert split.compute_s == pytest.approx(whole / 4 / 2e9 + 2 * whole / 4 / 2e9)
     # The preset prices the same strategy by its peak (compute-bound at this size), as before.
