@@ -33,7 +33,9 @@ The grid, per dtype (fp32, bf16, fp16):
   and ``pool_backward``: its input gradient, keyed by twice those (what the cost model charges a
   backward: ``strategies.combine``);
 - ``optimizer`` (fp32 only): one ``AdamW(foreach=True)`` step over 16 parameters of one size,
-  keyed by one parameter's bytes, rate in parameter bytes per second (``layout.cost.optimizer_seconds``).
+  keyed by one parameter's bytes, rate in parameter bytes per second (``layout.cost.optimizer_seconds``),
+  every 4x from 1 KiB: the step's time per parameter is flat up to a few KiB (its per-tensor work),
+  which a grid 16x apart blurred into a slope that made a ZeRO shard of a bias look cheaper.
 
 Only ``conv``, ``pool`` and ``batch_norm`` have backward tables (``layout.machine.BACKWARD_CLASSES``): the cost
 model prices other classes' backward FLOPs (or bytes) at the forward rate for that size.
@@ -95,7 +97,7 @@ GRID = Grid(linear=((64, 64, 64), (256, 256, 256), (512, 256, 256), (512, 256, 1
             norm_rows=(16, 256, 4096),
             pool=((2, 16, 16), (4, 32, 32), (8, 64, 32)),
             batch_norm=((2, 16, 16), (4, 32, 32), (4, 128, 16), (8, 64, 32)),
-            optimizer=(1 << 8, 1 << 12, 1 << 16, 1 << 18))
+            optimizer=(1 << 8, 1 << 10, 1 << 12, 1 << 14, 1 << 16, 1 << 18))
 QUICK_GRID = Grid(linear=((64, 64, 64), (256, 256, 256)), mm=((16, 512, 512),), bmm=((4, 64, 64, 64),),
                   attention=((128, 64), (256, 64)), conv=((2, 16, 16, 3), (4, 32, 16, 3)),
                   elementwise=(1 << 14, 1 << 20), norm_rows=(16, 1024), pool=((2, 16, 16), (4, 32, 16)),
