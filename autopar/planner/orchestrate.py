@@ -185,7 +185,7 @@ def plan_traced(traced: TracedGraph, profile: ModelProfile, *, mesh: MeshSpec | 
     ``restrict``: (name, ``allowed(kind, fx_node, choice)``): the built problem kept to the options
     it allows (``assemble.restricted_built``; a fixed configuration such as
     ``baselines.expert_layouts``'), then planned as any other (recompute, offload)."""
-    from autopar.planner.assemble import applicable_baselines, assemble_plan, restricted_built
+    from autopar.planner.assemble import applicable_baselines, assemble_plan, restricted_built, seed_data_parallel
     from autopar.planner.builder import build_problem
     from autopar.planner.checkpointing import plan_recompute
     from autopar.planner.table_partition import TablePartition, fit_tables, with_tables
@@ -213,6 +213,9 @@ def plan_traced(traced: TracedGraph, profile: ModelProfile, *, mesh: MeshSpec | 
                               solve_plain=lambda p: _solve(p, options=options, progress=progress, stage="solve"))
 
     with remembering():  # one scope for the re-solves (offload's refits): each one's plans are incumbents of the next
+        if restrict is None and fixed is None:  # a tenth of the limit: a restricted problem, solved in ms
+            seed = replace(options, time_limit=0.1 * options.time_limit)
+            seed_data_parallel(traced, built, lambda p: _solve(p, options=seed, progress=progress, stage="seed"))
         rc = fit_device_room(traced, built, replan(built), options=options, replan=replan, progress=progress)
         # Table-wise tables go whole onto one device each; a re-plan if the fullest then overflows.
         # (The chunk runtime that runs an offloading plan keeps every table evenly split.)

@@ -482,7 +482,8 @@ class Solution:
                      when unknown).
     gap:             ``(objective - dual_bound) / objective``: how far from optimal it may be
                      (None when the bound is unknown).
-    status:          ``"optimal"`` or ``"feasible"`` (stopped at the time limit with a plan).
+    status:          ``"optimal"`` or ``"feasible"`` (stopped at the time limit with a plan, or a
+                     known plan that the planner's estimate prices below the ILP's optimum).
     backend:         ``"highs"`` or ``"cbc"``.
     timings:         seconds per phase: ``simplify_s``, ``build_s``, ``lp_s``, ``solve_s``.
     peak_bytes:      per-device peak memory of the plan (``Problem.evaluate``).
