@@ -9,11 +9,11 @@ choice and its evaluation in one place.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any, Callable
+from typing import Any
 
 from autopar.planner.baselines import BASELINES, FAMILY_ZERO, ZERO_BASELINES, baseline_roles, make_restriction
 from autopar.plans import Estimate, NodeKind, NodePlan, Plan
-from autopar.solver.problem import Problem, Solution
+from autopar.solver.problem import Problem
 
 __all__ = ["assemble_plan", "node_plans", "estimate_of", "solver_stats", "applicable_baselines",
            "baseline_problem", "family_built", "restricted_built", "restricted_problem"]
@@ -84,19 +84,21 @@ def baseline_problem(name: str, traced, built) -> Problem:
     return restricted_problem(built, traced, _family_restriction(name, built), name)
 
 
-def seed_data_parallel(traced, built, solve: Callable[[Problem], Solution]) -> None:
+def seed_data_parallel(traced, built, options) -> None:
     """Keep the data-parallel family's plan as a known plan of ``built.problem`` (``solver.incumbents``,
     inside the planning call's ``remembering``), so that a solve of the full problem stopped short of
     its optimum never answers with a plan its cost model prices above data parallelism
     (``solver.driver``): among near-ties such a stop kept GPT-2 on 2x2 on a layout 0.1% above it
-    that measured 17% slower. Nothing when the family does not apply or finds no plan."""
+    that measured 17% slower. Nothing when the family does not apply or finds no plan within a tenth
+    of ``options.time_limit`` (a restricted problem: milliseconds)."""
     from autopar.solver import incumbents
-    from autopar.solver.driver import SolveTimeout
+    from autopar.solver.driver import SolveTimeout, solve
 
     if "data-parallel" not in applicable_baselines(built.mesh.ndim):
         return
     try:
-        solution = solve(baseline_problem("data-parallel", traced, built))
+        solution = solve(baseline_problem("data-parallel", traced, built), solver=options.solver,
+                         time_limit=0.1 * options.time_limit)
     except (ValueError, SolveTimeout):
         return
     incumbents.remember(built.problem, solution.choice)

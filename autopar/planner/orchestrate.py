@@ -3,11 +3,10 @@
 ``trace_for_planning`` is the one trace the planner plans on (unruled ops decomposed, the
 precision's casts; per micro-batch for a pipeline). ``plan_traced`` turns a trace and its profile
 into a ``PlanResult``: strategies -> problem -> recompute and offload planning -> baselines ->
-``Plan``. ``plan_model`` traces first (and fills the plan cache), ``plan_mesh_auto`` plans every
-1-3 axis mesh of a cluster from one trace, ``plan_pipelined`` searches stage cuts over mesh axis
-0 per micro-batch count and schedule. ``autopar.plan`` and ``autoparallelize`` (rank 0) call these.
-
-Torch is imported inside the functions only, so importing the planner's options stays cheap.
+``Plan``. ``plan_model`` traces first (and fills the plan cache), ``plan_mesh_auto`` plans every 1-3
+axis mesh of a cluster from one trace, ``plan_pipelined`` searches stage cuts over mesh axis 0 per
+micro-batch count and schedule. ``autopar.plan`` and ``autoparallelize`` (rank 0) call these. Torch
+is imported inside the functions only, so importing the planner's options stays cheap.
 """
 
 from __future__ import annotations
@@ -213,9 +212,7 @@ def plan_traced(traced: TracedGraph, profile: ModelProfile, *, mesh: MeshSpec | 
                               solve_plain=lambda p: _solve(p, options=options, progress=progress, stage="solve"))
 
     with remembering():  # one scope for the re-solves (offload's refits): each one's plans are incumbents of the next
-        if restrict is None and fixed is None:  # a tenth of the limit: a restricted problem, solved in ms
-            seed = replace(options, time_limit=0.1 * options.time_limit)
-            seed_data_parallel(traced, built, lambda p: _solve(p, options=seed, progress=progress, stage="seed"))
+        seed_data_parallel(traced, built, options)  # a restricted ``built`` (a fixed configuration) refuses it
         rc = fit_device_room(traced, built, replan(built), options=options, replan=replan, progress=progress)
         # Table-wise tables go whole onto one device each; a re-plan if the fullest then overflows.
         # (The chunk runtime that runs an offloading plan keeps every table evenly split.)

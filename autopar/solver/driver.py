@@ -466,24 +466,8 @@ def _solve(problem: Problem, *, recompute_inputs: SegmentInputs | None, fixed: M
     solution = _checked_solution(choice, ev, out, lp, budget=problem.budget_bytes, backend=out.backend, model=model,
                                  stats=stats, recompute=recompute, timings=timings)
     incumbents.remember(problem, choice, recompute, recompute_inputs)
-    return solution if solution.gap == 0 else _unless_known_beats(solution, problem, recompute_inputs, fixed)
+    return solution if solution.gap == 0 else incumbents.unless_faster(solution, problem, recompute_inputs, fixed)
 
-
-def _unless_known_beats(solution: Solution, problem: Problem, inputs: SegmentInputs | None,
-                        fixed: Mapping[str, bool] | None) -> Solution:
-    """``solution``, not proven optimal (stopped at its time limit, or within the MIP gap), or the
-    fastest known plan that fits when that one is faster (``incumbents``; with ``fixed`` decisions,
-    one that keeps them): a search stopped at its time limit among near-ties kept a plan 0.1%
-    above the data-parallel one the planner seeds (GPT-2 on 2x2), which measured 17% slower."""
-    keeps = [(plan, ev) for plan, ev in incumbents.fits(problem, inputs)
-             if not fixed or all((u in plan.recompute) == bool(v) for u, v in fixed.items())]
-    if not keeps or keeps[0][1].objective >= solution.objective:
-        return solution
-    plan, ev = keeps[0]
-    bound = None if solution.dual_bound is None else min(solution.dual_bound, ev.objective)
-    gap = None if bound is None else (ev.objective - bound) / ev.objective if ev.objective > 0 else 0.0
-    return dataclasses.replace(solution, choice=dict(plan.choice), objective=ev.objective, dual_bound=bound,
-                               gap=gap, peak_bytes=ev.peak_bytes, recompute=plan.recompute)
 
 
 def _blockwise_solution(problem: Problem, reduced: Reduced, recompute_inputs: SegmentInputs, *, backend: str,
@@ -550,8 +534,7 @@ def _known_plan(exc: SolveTimeout, lp: Outcome | None, *, problem: Problem, reco
     (``incumbents.fitting``; with ``fixed`` decisions, only one that keeps them), status
     "feasible", its gap against the relaxation ``lp`` (None, with the bound, when the
     relaxation did not finish: the bound is unknown); raises ``exc`` when no known plan fits."""
-    keeps = [(plan, ev) for plan, ev in incumbents.fits(problem, recompute_inputs)
-             if not fixed or all((u in plan.recompute) == bool(v) for u, v in fixed.items())]
+    keeps = incumbents.fits(problem, recompute_inputs, fixed=fixed)
     if not keeps:
         raise exc
     plan, ev = keeps[0]

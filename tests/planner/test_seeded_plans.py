@@ -1,5 +1,5 @@
 """The planner's answer is never priced above the data-parallel plan it seeds (``assemble.seed_data_parallel``,
-``checkpointing._unless_known_beats``; ``solver.driver._unless_known_beats`` for a search stopped short).
+``checkpointing._unless_known_beats``; ``solver.incumbents.unless_faster`` for a search stopped short).
 
 The profiles under ``data/`` are calibrations of a 2-core host (``autopar calibrate --local 4``,
 meshes (4,) and (2, 2)), kept so the planner sees the figures it planned with there."""
