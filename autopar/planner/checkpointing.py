@@ -172,10 +172,8 @@ def _unless_known_beats(built, plain: Problem, sol, inputs, method: str, info: d
             continue
         other = estimate(built, built.problem, plan.choice, (), inputs, costs=costs)
         if other.objective < best.evaluation.objective:
-            gap = None if sol.dual_bound is None else (ev.objective - sol.dual_bound) / ev.objective
-            known = replace(sol, choice=dict(plan.choice), objective=ev.objective, peak_bytes=ev.peak_bytes,
-                            status="feasible", gap=gap)
-            best = _finish(built, built.problem, plan.choice, known, (), inputs, method, info, ev=other)
+            best = _finish(built, built.problem, plan.choice, incumbents.adopted(sol, plan, ev), (), inputs, method,
+                           info, ev=other)
     return best
 
 

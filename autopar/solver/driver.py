@@ -469,7 +469,6 @@ def _solve(problem: Problem, *, recompute_inputs: SegmentInputs | None, fixed: M
     return solution if solution.gap == 0 else incumbents.unless_faster(solution, problem, recompute_inputs, fixed)
 
 
-
 def _blockwise_solution(problem: Problem, reduced: Reduced, recompute_inputs: SegmentInputs, *, backend: str,
                         time_limit: float, symmetry: bool, alias: bool, simplify_s: float) -> Solution | None:
     """The joint ILP's plan by ``dive.blockwise`` when the model is too big to relax in time

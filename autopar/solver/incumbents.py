@@ -43,7 +43,7 @@ from autopar.solver.recompute_ilp import RecomputeModel
 from autopar.solver.simplify import EdgeItem, Member, MemItem, Reduced, settle_edge_items
 from autopar.solver.timeline import Evaluation, SegmentInputs
 
-__all__ = ["KnownPlan", "keeping", "remember", "known", "fits", "fitting", "unless_faster", "restrict",
+__all__ = ["KnownPlan", "keeping", "remember", "known", "fits", "fitting", "unless_faster", "adopted", "restrict",
            "neighbourhood"]
 
 _MAX_KNOWN = 16  # plans kept per call (oldest dropped): each costs an evaluation when a solve falls back
@@ -123,7 +123,12 @@ def unless_faster(solution: Solution, problem: Problem, inputs: SegmentInputs | 
     keeps = fits(problem, inputs, fixed=fixed)
     if not keeps or keeps[0][1].objective >= solution.objective:
         return solution
-    plan, ev = keeps[0]
+    return adopted(solution, *keeps[0])
+
+
+def adopted(solution: Solution, plan: KnownPlan, ev: Evaluation) -> Solution:
+    """``solution`` answering with the known ``plan`` (``ev``: its evaluation on the solved problem)
+    instead: status "feasible", its gap against ``solution``'s bound."""
     bound = None if solution.dual_bound is None else min(solution.dual_bound, ev.objective)
     gap = None if bound is None else (ev.objective - bound) / ev.objective if ev.objective > 0 else 0.0
     return replace(solution, choice=dict(plan.choice), objective=ev.objective, dual_bound=bound, gap=gap,
