@@ -307,12 +307,12 @@ class _Builder:
         live = (i, 2 * self.num_ops - 1 - i) if parts else None
         activations = tuple(self._kind(src.name) not in _AT_REST for src in slots)
         inputs = tuple(self._value_of(src) for src in slots)
-        zero2 = tuple(self._zero2_slots(inputs))
         # A value an earlier op reads too: its gradient sum is priced on the edge from that
         # reader, where their layouts differ (``planner.executed.ReaderChain``).
         if shared is None:  # (a stamp that failed its last check asked the chain already)
             shared = {slot: prev for slot, v in enumerate(inputs)
                       if (prev := self.chain.previous(node.name, slot, v)) is not None}
+        zero2 = tuple(slot for slot in self._zero2_slots(inputs) if slot not in shared)
         # The options are a function of the strategy list (so of the signature), which slots
         # are activations, the saved parts relative to this node, and the ZeRO-2 / shared
         # slots: repeated blocks compute them once.
@@ -332,7 +332,7 @@ class _Builder:
         template = self._stamps is not None and node.name in self._stamps.is_template
         if template:
             self._edge_log = []
-        self._edges_into(decision)
+        self._edges_into(decision, shared=tuple(shared))
         for slot, (reader, reader_slot) in shared.items():
             self._add_edge(reader, decision.name, self._shared_sync_edge(self.decisions[reader].choices, reader_slot,
                                                                           decision.choices, slot))
@@ -498,8 +498,10 @@ class _Builder:
         return repr((str(node.target), token(node.args), kwargs, outs, fused_segments(node)))
 
     # ---------------------------------------------------------------------------------- edges
-    def _edges_into(self, dst: Decision) -> None:
-        """One edge per producer feeding ``dst``; a producer read by several slots: summed."""
+    def _edges_into(self, dst: Decision, *, shared: tuple[int, ...] = ()) -> None:
+        """One edge per producer feeding ``dst``; a producer read by several slots: summed. A
+        ``shared`` slot (a later reader of its value: ``ReaderChain``) is summed with its previous
+        reader's gradient, so a ZeRO-2 parameter's sum extra (``zero2_edge``) is not charged again."""
         for slot, value in enumerate(dst.inputs):
             if value is None:
                 continue
@@ -513,7 +515,7 @@ class _Builder:
                                                          bucket_cap=self.bucket_cap)
                 miss, asy = self._edge_cache[key]
                 asy = None if value.producer in self.exposed else asy  # the last bucket hides nothing
-            matrix = self._edge_matrix(src, value, dst.choices, slot)
+            matrix = self._edge_matrix(src, value, dst.choices, slot, zero2=slot not in shared)
             self._add_edge(value.producer, dst.name, matrix if miss is None else matrix + miss, asy)
 
     def _add_edge(self, src: str, dst: str, matrix: np.ndarray, asy: np.ndarray | None = None) -> None:
@@ -542,10 +544,10 @@ class _Builder:
         return matrix
 
     def _edge_matrix(self, src_choices: tuple[Choice, ...], value: InputSlot, dst_choices: tuple[Choice, ...],
-                     slot: int) -> np.ndarray:
+                     slot: int, *, zero2: bool = True) -> np.ndarray:
         # Keyed by the choice objects themselves: identical repeated blocks share them.
         key = (tuple(map(id, src_choices)), value.index, tuple(map(id, dst_choices)), slot, value.shape,
-               value.itemsize)
+               value.itemsize, zero2)
         matrix = self._edge_cache.get(key)
         if matrix is None:
             # Options share few distinct specs: cost each distinct pair once, expand by index.
@@ -553,7 +555,7 @@ class _Builder:
             dst_keys, dst_specs = _distinct([c.input_specs[slot] for c in dst_choices])
             unique = np.array([self._conversion_row(a, dst_specs, value) for a in src_specs])
             matrix = unique[np.ix_(src_keys, dst_keys)]
-            if any(c.zero_stage == 2 for c in src_choices):
+            if zero2 and any(c.zero_stage == 2 for c in src_choices):
                 matrix = matrix + zero2_edge(src_choices, value, dst_choices, slot, self.mesh,
                                              bucket_cap=self.bucket_cap)
             self._edge_cache[key] = matrix

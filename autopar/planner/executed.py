@@ -222,16 +222,16 @@ class ReaderChain:
     (the three projections of one normalised activation sum one gradient), an over-estimate for
     patterns such as X, Y, X. Call ``previous`` once per (consumer, slot), in graph order.
 
-    A value that is a parameter with a ZeRO-2 option is left out (its readers are priced
-    against the parameter's own choice: ``zero2_edge``), and so is a second slot of the
-    same reader (``x * x``: priced per slot)."""
+    A parameter with a ZeRO-2 option is chained too (its first reader's sum extra is priced
+    against the parameter's own choice, ``zero2_edge``; a tied parameter's later readers share
+    that sum). A second slot of the same reader (``x * x``) is priced per slot."""
 
     def __init__(self, decisions: Mapping[str, object]) -> None:
         self.decisions = decisions
         self._last: dict[tuple[str, int], tuple[str, int]] = {}
 
     def previous(self, consumer: str, slot: int, value: InputSlot | None) -> tuple[str, int] | None:
-        if value is None or zero2_capable(self.decisions[value.producer]):
+        if value is None:
             return None
         key = (value.producer, value.index)
         prev = self._last.get(key)

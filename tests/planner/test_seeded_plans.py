@@ -48,3 +48,32 @@ def test_the_auto_plan_is_never_priced_above_data_parallelism():
     auto = autopar.plan(model, inputs, mesh=square, zero_stage="auto", pipeline=1, cache=False, checkpoint="none")
     dp = plan_family(model, inputs, "data-parallel", mesh=square, options=PlanOptions(zero_stage="auto"))
     assert auto.estimate.step_s <= dp.estimate.step_s * (1 + 1e-9), (auto.estimate, dp.estimate)
+
+
+def test_a_tied_parameter_with_a_zero2_option_is_summed_once_in_the_ilp():
+    """The tied token table's gradient is one sum whichever ZeRO stages are on offer: a
+    ``zero_stage="auto"`` build prices the data-parallel plan exactly as a ``zero_stage=0`` one.
+    Its ZeRO-2 option used to take the table out of the reader chain, so each reader priced its
+    own sum (1.45 ms twice over on this profile) and the ILP, and the seed solved on it, optimised
+    against a plan that does not run."""
+    from autopar.planner.assemble import baseline_problem
+    from autopar.planner.builder import build_problem
+    from autopar.planner.checkpointing import estimate
+    from autopar.planner.orchestrate import trace_for_planning
+    from autopar.solver.driver import solve
+    from autopar.tracer import profile as profile_graph
+
+    mesh = MeshSpec.load(os.path.join(DATA, "cpu_2x2.json"))
+    model, inputs = _gpt2()
+    traced = trace_for_planning(model, inputs, precision="fp32")
+    prof = profile_graph(traced)
+    priced = {}
+    for zero in (0, "auto"):
+        options = PlanOptions(zero_stage=zero)
+        built = build_problem(traced, prof, mesh, budget_bytes=options.budget_bytes(mesh), options=options,
+                              segmented=True)
+        family = baseline_problem("data-parallel", traced, built)
+        solution = solve(family, time_limit=30)
+        priced[zero] = (solution.objective, estimate(built, family, solution.choice, (),
+                                                      built.segment_inputs).objective)
+    assert priced["auto"][0] == priced[0][0] and priced["auto"][1] == priced[0][1], priced
