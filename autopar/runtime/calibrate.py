@@ -22,7 +22,7 @@ its progress with ``verbose``:
 3. **overlap**: an asynchronous all-reduce alone (``t_comm``), a matmul loop of about the same
    length alone (``t_comp``) and both at once (``t_both``), over every rank:
    ``comm_overlap = (t_comm + t_comp - t_both) / min(t_comm, t_comp)`` clamped to [0, 1]; and
-   a matmul loop on every rank against the same loop on half of them while the rest wait:
+   an MLP stack's forward on every rank against the same on half of them while the rest wait:
    ``MachineProfile.idle_speedup`` (what a pipeline bubble's busy ranks gain where ranks share
    cores); and per mesh axis, what a blocking collective costs mid-step beyond its lockstep time
    (``measure_blocking``: ``MachineProfile.blocking_s``), and per set of several axes what a
@@ -46,6 +46,7 @@ from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from autopar.layout.cost import collective_seconds
 from autopar.layout.machine import FLOP_KEYED, LinkFit, MachineProfile, overlap_fraction
@@ -64,8 +65,9 @@ KiB, MiB = 1024, 1024**2
 QUICK_SIZES = {"cpu": [64 * KiB, 1 * MiB, 4 * MiB], "cuda": [1 * MiB, 8 * MiB, 64 * MiB]}
 OVERLAP_BYTES = {"cpu": 4 * MiB, "cuda": 256 * MiB}
 _PROBE = 8  # products in the first guess of the overlap stage's compute loop
-# Products in the idle-speedup loop (256^3 each: ~1-3 ms apiece on a shared CPU core).
-_IDLE_LOOP = 20
+# The idle-speedup burst: the forward of an MLP stack of this many layers on 1024 tokens of
+# width 256 (~45 ms on half of 4 ranks sharing 2 cores; long beside a scheduler's time slice).
+_IDLE_LAYERS = 4
 # The blocking stage: a small all-reduce (a batch norm's statistics, a loss term) after each of
 # ``_BLOCKING_CALLS`` compute bursts of about ``_BURST_S``, as a step's in-graph collectives come
 # between its ops; ``_BLOCKING_ROUNDS`` rounds at least (the figure is a median of differences).
@@ -130,25 +132,35 @@ def measure_overlap(*, nbytes: int, repeats: int, device: torch.device) -> tuple
 
 
 def measure_idle_speedup(*, repeats: int, device: torch.device) -> tuple[float, dict[str, float]]:
-    """How much faster the lower half of the ranks run a matmul loop while the upper half waits
+    """How much faster the lower half of the ranks run a step-like burst while the upper half waits
     (at the next barrier, as a pipeline rank in its bubble waits on a receive) than while every
-    rank runs it: ``t_all / t_half``, at least 1, at most the world size. 1 on a GPU per rank;
-    4 gloo ranks on this 2-core host shared with other jobs measured 2.0-3.2 (more than the
-    ranks' fair share of the cores: the other jobs' threads take a busy rank's core less often
-    when fewer of ours compete); ``planner.pipeline.schedule.bubble`` turns it into what the
-    waiting half of the ranks costs a pipeline's step."""
-    world, rank = dist.get_world_size(), dist.get_rank()
-    a = torch.randn(256, 256, device=device)
+    rank runs it: ``t_all / t_half``, at least 1, at most the world size. 1 on a GPU per rank.
 
-    def loop() -> None:
-        for _ in range(_IDLE_LOOP):
-            torch.mm(a, a)
+    The burst is an MLP stack's forward (linear layers, GELU, layer norm), its activations held
+    as a forward holds them for backward: the work a pipeline's busy ranks do. What the waiting
+    ranks lend depends on the work. On 4 gloo ranks sharing 2 cores, measured back to back: a
+    loop of 256^3 products ran 1.5-1.6x faster on half the ranks, a memory-bound elementwise loop
+    2.3x, this burst 1.9x -- and a two-stage, two-micro-batch 1F1B pipeline of GPT-2 and of a
+    Qwen2 decoder measured 13% faster than data parallelism, which only a bubble of nearly no cost
+    explains (a product loop's 1.5 priced it 10% slower). ``planner.pipeline.schedule.bubble``
+    turns the figure into what the waiting half of the ranks costs a pipeline's step."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    x = torch.randn(1024, 256, device=device)
+    up, down = torch.randn(1024, 256, device=device), torch.randn(256, 1024, device=device)
+
+    def burst() -> None:
+        held, h = [], x
+        for _ in range(_IDLE_LAYERS):
+            u = F.linear(h, up)
+            g = F.gelu(u)
+            h = F.layer_norm(F.linear(g, down) + h, (h.shape[-1],))
+            held += [u, g, h]
 
     def half() -> None:
         if rank < max(1, world // 2):
-            loop()
+            burst()
 
-    t_all, t_half = lockstep_medians([loop, half], repeats=repeats, device=device)
+    t_all, t_half = lockstep_medians([burst, half], repeats=repeats, device=device)
     return min(max(t_all / t_half, 1.0), float(world)), {"all": t_all, "half": t_half}
 
 
@@ -301,8 +313,8 @@ def _in_group(shape: tuple[int, ...], device_type: str, sizes: Sequence[int], re
     speedup = 1.0
     if math.prod(shape) > 1:
         speedup, parts = measure_idle_speedup(repeats=max(repeats, 9), device=device)
-        say(f"matmul loop {parts['all'] * 1e3:.2f} ms on every rank, {parts['half'] * 1e3:.2f} ms on half of them: "
-            f"{speedup:.2f}x while the other half waits")
+        say(f"an MLP stack's forward {parts['all'] * 1e3:.2f} ms on every rank, {parts['half'] * 1e3:.2f} ms on "
+            f"half of them: {speedup:.2f}x while the other half waits")
     # A pipeline runs over mesh axis 0 (``planner.pipeline``): its groups run one each, at once.
     pipelined = measure_pipeline_action(device_mesh.get_group(0), repeats=max(repeats, 5 if quick else 11),
                                         device=device) if shape[0] > 1 else None
