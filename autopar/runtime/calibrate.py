@@ -131,7 +131,8 @@ def measure_overlap(*, nbytes: int, repeats: int, device: torch.device) -> tuple
     return overlap_fraction(t_comm, t_comp, t_both), {"comm": t_comm, "compute": t_comp, "both": t_both}
 
 
-def measure_idle_speedup(*, repeats: int, device: torch.device) -> tuple[float, dict[str, float]]:
+def measure_idle_speedup(*, repeats: int, device: torch.device,
+                         layers: int = _IDLE_LAYERS) -> tuple[float, dict[str, float]]:
     """How much faster the lower half of the ranks run a step-like burst while the upper half waits
     (at the next barrier, as a pipeline rank in its bubble waits on a receive) than while every
     rank runs it: ``t_all / t_half``, at least 1, at most the world size. 1 on a GPU per rank.
@@ -143,14 +144,15 @@ def measure_idle_speedup(*, repeats: int, device: torch.device) -> tuple[float, 
     2.3x, this burst 1.9x -- and a two-stage, two-micro-batch 1F1B pipeline of GPT-2 and of a
     Qwen2 decoder measured 13% faster than data parallelism, which only a bubble of nearly no cost
     explains (a product loop's 1.5 priced it 10% slower). ``planner.pipeline.schedule.bubble``
-    turns the figure into what the waiting half of the ranks costs a pipeline's step."""
+    turns the figure into what the waiting half of the ranks costs a pipeline's step. ``layers``:
+    the stack's depth (one in a quick calibration: a noisier figure, a quarter of the time)."""
     world, rank = dist.get_world_size(), dist.get_rank()
     x = torch.randn(1024, 256, device=device)
     up, down = torch.randn(1024, 256, device=device), torch.randn(256, 1024, device=device)
 
     def burst() -> None:
         held, h = [], x
-        for _ in range(_IDLE_LAYERS):
+        for _ in range(layers):
             u = F.linear(h, up)
             g = F.gelu(u)
             h = F.layer_norm(F.linear(g, down) + h, (h.shape[-1],))
@@ -312,7 +314,8 @@ def _in_group(shape: tuple[int, ...], device_type: str, sizes: Sequence[int], re
                  for axes in spanned_axis_sets(shape)}
     speedup = 1.0
     if math.prod(shape) > 1:
-        speedup, parts = measure_idle_speedup(repeats=max(repeats, 9), device=device)
+        speedup, parts = measure_idle_speedup(repeats=max(repeats, 5 if quick else 9), device=device,
+                                              layers=1 if quick else _IDLE_LAYERS)
         say(f"an MLP stack's forward {parts['all'] * 1e3:.2f} ms on every rank, {parts['half'] * 1e3:.2f} ms on "
             f"half of them: {speedup:.2f}x while the other half waits")
     # A pipeline runs over mesh axis 0 (``planner.pipeline``): its groups run one each, at once.
