@@ -155,6 +155,16 @@ def state_bytes(params, optimizer) -> int:
     return sum(seen.values())
 
 
+def plan_signature(plan) -> tuple:
+    """What a plan runs, without its estimate: every node's strategy and ZeRO stage, the
+    recomputed segments, the mesh, and the pipeline's stages, schedule and micro-batches. Two
+    configurations with one signature run one program: their measured gap is the run's noise."""
+    nodes = tuple((n.name, str(n.strategy), n.zero_stage) for n in plan.nodes)
+    pipe = plan.pipeline
+    stages = None if pipe is None else (tuple(s.layers for s in pipe.stages), pipe.schedule, pipe.num_microbatches)
+    return nodes, tuple(r.nodes for r in plan.recompute), tuple(plan.mesh.shape), stages
+
+
 def slowest_per_round(results: list[dict]) -> dict[str, list[float]]:
     """Each configuration's step seconds per round from every rank's ``results[rank]["times"]``:
     a round's step is its slowest rank's (every rank waits for it at the next collective)."""

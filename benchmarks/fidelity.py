@@ -54,8 +54,8 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _measure import (PeakAllocated, SavedBytes, build_model, round_normalized, sharded_state_budget,  # noqa: E402
-                      slowest_per_round, spearman, state_bytes)
+from _measure import (PeakAllocated, SavedBytes, build_model, plan_signature, round_normalized,  # noqa: E402
+                      sharded_state_budget, slowest_per_round, spearman, state_bytes)
 
 from autopar.runtime.links import Stopwatch, default_device, rank_device, sync_device  # noqa: E402
 
@@ -78,12 +78,6 @@ class Candidate:
     per_rank_stats: bool = False  # its batch norms normalise each rank's share (torch's engines, *-per-rank)
 
 
-def _signature(plan) -> tuple:
-    nodes = tuple((n.name, n.strategy, n.zero_stage) for n in plan.nodes)
-    stages = None if plan.pipeline is None else tuple(s.layers for s in plan.pipeline.stages)
-    return nodes, tuple(r.nodes for r in plan.recompute), stages
-
-
 def candidates(model, inputs, *, mesh, only: frozenset[str] | None = None,
                skip: frozenset[str] = frozenset()) -> list[Candidate]:
     """The distinct plans of one (model, mesh), planned in this process with ``mesh``'s costs;
@@ -101,7 +95,7 @@ def candidates(model, inputs, *, mesh, only: frozenset[str] | None = None,
         return (only is None or name in only) and name not in skip
 
     def add(name: str, plan, *, budget=None, options=None, per_rank: bool = False) -> None:
-        sig = (per_rank, _signature(plan))
+        sig = (per_rank, plan_signature(plan))
         if sig in seen:
             print(f"  {name}: same plan as one already listed", flush=True)
             return

@@ -11,10 +11,10 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
 
 
-def _results(times: dict[str, float]) -> list[dict]:
+def _results(times: dict[str, float], signature: dict[str, str] | None = None) -> list[dict]:
     return [{"times": {n: [t] * 3 for n, t in times.items()}, "memory": {n: 10 * 2**20 for n in times},
              "allocated": {n: None for n in times}, "estimate": {n: (t, 10 * 2**20) for n, t in times.items()},
-             "refused": {}, "chosen": {"auto": "2x2"}, "device": "cpu"}]
+             "refused": {}, "chosen": {"auto": "2x2"}, "signature": signature or {}, "device": "cpu"}]
 
 
 def test_per_rank_statistics_are_marked_and_compared_like_for_like(capsys):
@@ -46,3 +46,20 @@ def test_without_batch_norm_the_target_counts_every_configuration(capsys):
     record = plugins.report("gpt2", "ample", None, _results({"torch-ddp": 0.100, "zero1": 0.200, "auto": 0.110}), {})
     assert abs(record["auto_ratio"] - 1.1) < 1e-9 and record["per_rank_ratio"] is None
     assert "auto / fastest fitting (torch-ddp) = 1.100 (target <= 1.05: MISSED)" in capsys.readouterr().out
+
+
+def test_a_configuration_running_the_auto_plan_is_its_twin_not_its_target(capsys):
+    """pp2 and the auto plan were one program (same signature) measured 6% apart in one run: the
+    target is the fastest configuration running another plan, and the twins' spread is printed."""
+    import plugins
+
+    times = {"torch-ddp": 0.2695, "pp2": 0.2579, "zero1": 0.3045, "auto": 0.2743}
+    signature = {"torch-ddp": None, "pp2": "pipeline", "zero1": "zero1", "auto": "pipeline"}
+    record = plugins.report("gpt2", "ample", None, _results(times, signature), {})
+    out = capsys.readouterr().out
+    assert "auto runs the same plan as pp2: measured 274.3, 257.9 ms" in out
+    assert "auto / fastest fitting with another plan (torch-ddp) = 1.018 (target <= 1.05: met)" in out
+    assert abs(record["auto_ratio"] - 0.2743 / 0.2695) < 1e-9
+    record = plugins.report("gpt2", "ample", None, _results({"pp2": 0.25, "auto": 0.26},
+                                                             {"pp2": "p", "auto": "p"}), {})
+    assert record["auto_ratio"] is None and "every fitting configuration runs auto's plan" in capsys.readouterr().out
