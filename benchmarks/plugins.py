@@ -342,7 +342,7 @@ def report(model_name: str, label: str, budget, results: list[dict], families: d
         print(f"{auto} / fastest fitting{what}{other} ({best}) = {r:.3f} (target <= {TARGET}: "
               f"{'met' if r <= TARGET and fits[auto] else 'MISSED'}); {auto} fits: {fits[auto]}")
         overall = min(fixed, key=med.__getitem__)
-        if overall != best:  # for the record: the global-statistics plan against torch's engines too
+        if what and overall != best:  # for the record: the global-statistics plan against torch's engines too
             print(f"{auto} / fastest fitting of all ({overall}, per-rank statistics) = {med[auto] / med[overall]:.3f}")
     return {"model": model_name, "budget": label, "budget_bytes": budget, "median_s": med, "min_s": least,
             "peak_bytes": peak, "fits": fits, "estimate": est, **ratios, "chosen": results[0]["chosen"],
