@@ -7,7 +7,7 @@ A repetition runs a kernel ``inner`` times back to back (agreed by all ranks), e
 ``MIN_REPETITION_S``: a 10-microsecond product is not lost in the timer's noise, and on a shared
 host a repetition spans several scheduler time slices, as a step does (a 1 ms burst can run
 between preemptions at a speed no step sees). A repetition holds every call's output until it
-ends (``_repeated``), so that each call writes into fresh pages as a step's ops do.
+ends (up to ``HOLD_BYTES``: ``_repeated``), so that each call writes where a step's ops write.
 
 The grid, per dtype (fp32, bf16, fp16):
 
@@ -274,7 +274,14 @@ def _inner_counts(points: list[Kernel], device: torch.device, min_repetition_s: 
 
 # Bytes of outputs a repetition holds at most before letting them go (a step's activations are of
 # this order; the bound keeps the largest grid points' repetitions in memory).
-HOLD_BYTES = 256 << 20
+# What a repetition holds at most (see ``_repeated``). 16 MiB: on this project's 2-core host, two
+# ranks' fp32 ``add`` ran at 15-31 GB/s holding nothing, 15-23 holding 16 MiB, and 4-8 holding 64
+# or 256 MiB (every call faulting in fresh pages, memory the allocator had returned to the OS
+# between repetitions), while the elementwise ops of GPT-2's and a Qwen2 decoder's data-parallel
+# steps, profiled (``benchmarks/fidelity.py --parts``), ran at ~13-15 GB/s: the priced 256 MiB
+# figure put them at 2.5-3x their measured time. A layer norm gained 1.5x from it, a linear
+# layer's products 10-15%, AdamW nothing.
+HOLD_BYTES = 16 << 20
 
 
 def _output_bytes(out: object) -> int:
@@ -288,11 +295,13 @@ def _output_bytes(out: object) -> int:
 def _repeated(run: Callable[[], object], inner: int) -> Callable[[], None]:
     """``inner`` calls of ``run``, each output held until the repetition ends (or ``HOLD_BYTES``
     are held), then all freed at once. A training step runs its kernels so: a forward keeps what
-    it computes for backward, so each op writes into memory the allocator has just taken from the
-    OS, and backward frees it in bulk, returning it. Writing the first time into such pages costs
-    a page fault each (on a CPU, more than the kernel's own time for a memory-bound op of a few
-    MiB), which a loop writing into the block it has just freed -- the same warm pages each call --
-    never pays: timed that way the elementwise ops of a GPT-2 step ran 2-4x faster than in the step."""
+    it computes for backward and backward frees it, so an op writes into memory other ops wrote
+    and freed a little earlier, not into the block the same op freed a call ago -- a loop
+    rewriting that block (the same cache-warm pages each call) ran a GPT-2 step's elementwise ops
+    2-4x faster than the step -- nor, mostly, into pages fresh from the OS, whose first write
+    costs a fault each (more than a memory-bound kernel of a few MiB): held past the allocator's
+    trim threshold (tens of MiB), every call paid them and ran 2.5-3x slower than the step
+    (``HOLD_BYTES`` says which figures)."""
     def call() -> None:
         held: list[object] = []
         nbytes = 0

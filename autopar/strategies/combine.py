@@ -139,7 +139,7 @@ def _strategy(info: OpInfo, mesh: MeshSpec, combo: tuple[AxisOption, ...], in_sp
     # nor does its backward where that is a view of the gradient too: it costs the kernel floor
     # (dispatch). Priced as a copy, GPT-2's 48 views of 4 MiB activations cost a quarter of its step.
     moved = 0 if _is_view(info.target) else sum(in_bytes) + out_bytes
-    moved_bwd = 0 if _op_name(info.target) in _VIEW_BACKWARDS else 2 * (sum(in_bytes) + out_bytes)
+    moved_bwd = _backward_bytes(info, in_bytes, out_bytes)
     differentiable = any(s.meta is not None and s.meta.is_float for s in info.slots) and any(
         m is not None and m.is_float for m in info.outputs
     )
@@ -197,6 +197,39 @@ _MATMULS = frozenset({"mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "addb
 # expand's a sum, a slice's or select's a scatter into zeros: those move bytes).
 _VIEW_BACKWARDS = frozenset({"view", "reshape", "_reshape_alias", "transpose", "t", "permute", "unsqueeze",
                              "squeeze", "alias", "detach", "flatten", "unflatten", "view_as", "movedim"})
+
+
+# Elementwise sums whose gradient reaches each summand of the output's shape as it is: autograd
+# hands the output gradient on without a kernel (``AddBackward0``). Only a summand broadcast to
+# the output (its gradient is a sum over the broadcast dims), a scaled one (``alpha``) and sub's
+# subtrahend (a negation) cost a pass over the gradient. Priced as a pass over the output and two
+# more, GPT-2's 20 residual and mask sums cost 18 ms of backward that no kernel ran.
+_PASS_THROUGH_BACKWARDS = frozenset({"add", "sub"})
+# A single tensor scaled by a number: the backward is the gradient scaled once (one read, one write).
+_SCALING_BACKWARDS = frozenset({"mul", "div", "neg"})
+
+
+def _backward_bytes(info: OpInfo, in_bytes: tuple[int, ...], out_bytes: int) -> int:
+    """Bytes the op's backward moves on one device: by default its gradient kernels read the output
+    gradient and the saved inputs and write the input gradients, twice the forward's traffic;
+    nothing for a view whose backward is a view; per summand for a sum (``_PASS_THROUGH_BACKWARDS``)
+    and one scaling pass for a scaled tensor (``_SCALING_BACKWARDS``)."""
+    name = _op_name(info.target)
+    if name in _VIEW_BACKWARDS:
+        return 0
+    floats = [i for i, s in enumerate(info.slots) if s.meta is not None and s.meta.is_float]
+    out = info.outputs[0] if len(info.outputs) == 1 else None
+    if name in _PASS_THROUGH_BACKWARDS and out is not None:
+        scaled = name == "sub" or info.bound.get("alpha", 1) != 1
+
+        def handed_on(i: int) -> bool:  # the output gradient is this summand's gradient as it is
+            meta = info.slots[i].meta
+            return meta.shape == out.shape and meta.dtype == out.dtype and not (scaled and info.slots[i].arg == "other")
+
+        return sum(out_bytes + in_bytes[i] for i in floats if not handed_on(i))
+    if name in _SCALING_BACKWARDS and len(floats) == 1 and out is not None:
+        return out_bytes + in_bytes[floats[0]]
+    return 2 * (sum(in_bytes) + out_bytes)
 
 
 def _op_name(target: Any) -> str:

@@ -145,3 +145,33 @@ def test_a_view_moves_no_byte_and_a_split_pays_its_backward_concatenation():
     assert split.forward_compute_s == KERNEL_FLOOR_S
     # its backward writes the input's gradient from the pieces': twice the bytes in and out
     assert split.compute_s - split.forward_compute_s == pytest.approx(2 * 2 * 128 * 64 * 4 / mesh.mem_bandwidth)
+
+
+class _Sums(nn.Module):
+    def forward(self, x, y, bias):
+        h = x + y  # same shapes: autograd hands the gradient on to both
+        h = h + bias  # bias broadcast: its gradient is a sum over the rows
+        h = h - y  # the subtrahend's gradient is negated
+        h = h * 0.5  # one tensor scaled by a number
+        return (h * x).sum()  # a product of two tensors: a kernel per input
+
+
+def test_a_sums_backward_moves_only_what_autograd_computes():
+    from autopar.layout.cost import KERNEL_FLOOR_S
+
+    traced = trace(_Sums(), (torch.randn(64, 128, requires_grad=True), torch.randn(64, 128, requires_grad=True),
+                             torch.randn(128, requires_grad=True)))
+    mesh = MeshSpec.preset("cpu", (1,))
+    full, row = 64 * 128 * 4, 128 * 4
+    ops = [n for n in traced.compute_nodes() if str(n.target) in ("aten.add.Tensor", "aten.sub.Tensor",
+                                                                     "aten.mul.Tensor")]
+    backward = [strategies_for(n, mesh)[0] for n in ops]
+    backward = [s.compute_s - s.forward_compute_s for s in backward]
+    bw = mesh.mem_bandwidth
+    assert [str(n.target) for n in ops] == ["aten.add.Tensor", "aten.add.Tensor", "aten.sub.Tensor",
+                                            "aten.mul.Tensor", "aten.mul.Tensor"]
+    assert backward[0] == pytest.approx(KERNEL_FLOOR_S)  # x + y: no byte
+    assert backward[1] == pytest.approx(max((full + row) / bw, KERNEL_FLOOR_S))  # the bias's sum
+    assert backward[2] == pytest.approx(max(2 * full / bw, KERNEL_FLOOR_S))  # -y: one pass
+    assert backward[3] == pytest.approx(max(2 * full / bw, KERNEL_FLOOR_S))  # * 0.5: one pass
+    assert backward[4] == pytest.approx(max(2 * 3 * full / bw, KERNEL_FLOOR_S))  # h * x: twice the forward
