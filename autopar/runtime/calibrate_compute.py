@@ -8,6 +8,9 @@ A repetition runs a kernel ``inner`` times back to back (agreed by all ranks), e
 host a repetition spans several scheduler time slices, as a step does (a 1 ms burst can run
 between preemptions at a speed no step sees). A repetition holds every call's output until it
 ends (up to ``HOLD_BYTES``: ``_repeated``), so that each call writes where a step's ops write.
+Per (class, dtype) the points are probed smallest first, and once one call takes longer than
+``SLOW_CALLS`` repetitions the larger points are left out (``_inner_counts``): CPU fp16
+convolutions' backward, at 0.14 GFLOP/s, held a (2, 2) calibration over a minute.
 
 The grid, per dtype (fp32, bf16, fp16):
 
@@ -258,18 +261,41 @@ def kernels(grid: Grid, device: torch.device) -> list[Kernel]:
     return out + _optimizers(grid, device)
 
 
-def _inner_counts(points: list[Kernel], device: torch.device, min_repetition_s: float) -> list[int]:
-    """Calls per timed repetition, the same on every rank (the largest any rank asks for)."""
-    want = []
-    for k in points:
+# Per (class, dtype), once a grid point's one call takes longer than this many repetitions
+# (``MIN_REPETITION_S``), the larger points are not timed: a kernel far slower than the rest would
+# hold every rank that long per call. On the 2-core host fp16 convolutions' backward ran at
+# 0.13-0.15 GFLOP/s at every grid size (torch's CPU path without a fast kernel): 12 s of each
+# 19 s round, the larger points 1-9 s per call.
+SLOW_CALLS = 10
+
+
+def _inner_counts(points: list[Kernel], device: torch.device,
+                  min_repetition_s: float) -> tuple[list[Kernel], list[int]]:
+    """The points worth timing and their calls per timed repetition, the same on every rank (the
+    largest count any rank asks for). Per (class, dtype), smallest first, each point is probed
+    with one call after a warm-up, until one's call (its slowest rank's) takes longer than
+    ``SLOW_CALLS`` repetitions: that point is timed, the larger ones are left out, and the table
+    ends there (beyond its last size a table holds its last rate: ``RateTable.at``)."""
+    kept, want = [], []
+    slow: set[tuple[str, str]] = set()
+    for k in sorted(points, key=lambda k: (k.op_class, k.dtype, k.size)):
+        table = (k.op_class, k.dtype)
+        if table in slow:
+            continue
         k.run()  # warm-up (kernel selection, first-touch pages) before the probe
         sync_device(device)
         t0 = time.perf_counter()
         k.run()
         sync_device(device)
         one = max(time.perf_counter() - t0, 1e-7)
-        want.append(float(min(1000, max(1, math.ceil(min_repetition_s / one)))))
-    return [int(c) for c in ranks_reduce(want, device)]
+        # Both agreed at once: the slowest rank's call (which decides, on every rank alike, whether
+        # the next point is timed) and the most calls any rank asks for.
+        slowest, calls = ranks_reduce([one, float(min(1000, max(1, math.ceil(min_repetition_s / one))))], device)
+        if slowest > SLOW_CALLS * min_repetition_s:
+            slow.add(table)
+        kept.append(k)
+        want.append(int(calls))
+    return kept, want
 
 
 # Bytes of outputs a repetition holds at most before letting them go (a step's activations are of
@@ -321,8 +347,7 @@ def measure_compute(grid: Grid, *, repeats: int, device: torch.device | str = "c
     repetition about ``min_repetition_s`` long. Collective over every rank; every rank returns
     the same figures."""
     device = torch.device(device)
-    points = kernels(grid, device)
-    inner = _inner_counts(points, device, min_repetition_s)
+    points, inner = _inner_counts(kernels(grid, device), device, min_repetition_s)
 
     def on_round(r: int) -> None:
         if progress is not None:
@@ -360,7 +385,7 @@ def measure_kernel_floor(*, repeats: int, device: torch.device | str = "cpu",
         y.backward()
         x.grad = None
 
-    (inner,) = _inner_counts([Kernel("other", "fp32", 1.0, "kernel floor", chain)], device, min_repetition_s)
+    _, (inner,) = _inner_counts([Kernel("other", "fp32", 1.0, "kernel floor", chain)], device, min_repetition_s)
     (seconds,) = lockstep_medians([_repeated(chain, inner)], repeats=repeats, device=device, warm_up=False)
     return seconds / (inner * 2 * FLOOR_CHAIN)
 

@@ -206,3 +206,29 @@ def test_a_repetition_holds_each_output_until_it_ends_as_a_step_does(monkeypatch
     monkeypatch.setattr(calibrate_compute, "HOLD_BYTES", 8 << 10)  # two outputs; the third lets them go
     calibrate_compute._repeated(run, 5)()
     assert live_at_call == [0, 1, 2, 0, 1] and all(r() is None for r in made)
+
+
+def _probed(rank, world):
+    import time
+
+    from autopar.runtime.calibrate_compute import Kernel, _inner_counts
+
+    ran: set[float] = set()
+
+    def kernel(size: float, seconds: float, op_class: str = "elementwise") -> Kernel:
+        def run():
+            ran.add(size)
+            time.sleep(seconds)
+        return Kernel(op_class, "fp32", size, f"{op_class} {size:g}", run)
+
+    # Smallest first per table: the 1 KB call takes 30 ms, above SLOW_CALLS (10) repetitions of
+    # 2 ms, so the 100 KB point is never called. A table's first point is always timed.
+    points = [kernel(1e3, 0.03), kernel(1e5, 0.0), kernel(10.0, 0.0), kernel(1e9, 0.0, "norm")]
+    kept, counts = _inner_counts(points, torch.device("cpu"), 2e-3)
+    return [k.label for k in kept], len(counts), sorted(ran)
+
+
+def test_a_grid_point_predicted_far_slower_than_a_repetition_is_left_out():
+    labels, counts, ran = run_local(_probed, 2, timeout=120)[0]
+    assert labels == ["elementwise 10", "elementwise 1000", "norm 1e+09"] and counts == 3
+    assert ran == [10.0, 1e3, 1e9]  # the left-out point never ran
