@@ -183,9 +183,9 @@ def test_calibrate_rejects_bad_arguments():
 
 
 def test_a_repetition_holds_each_output_until_it_ends_as_a_step_does(monkeypatch):
-    # Each call must write into memory the allocator takes fresh (a forward keeps what it
-    # computes), not into the block the previous call just freed: the outputs live until the
-    # repetition ends, or until HOLD_BYTES of them are held.
+    # Each call must not write into the block the previous call just freed (a forward keeps
+    # what it computes): the outputs live until the repetition ends, or until HOLD_BYTES of them
+    # are held.
     import weakref
 
     from autopar.runtime import calibrate_compute
