@@ -28,8 +28,9 @@ def llama():
     model, inputs = zoo.build("llama-1b", tiny=True, batch=4, seq=16, device="meta")
     free = plan_model(model, inputs, mesh=(2,), options=PlanOptions(checkpoint="none")).plan.estimate.peak_bytes
     # a budget under which Megatron must shard the projections (column-parallel: partial input gradients);
-    # below about 0.65 of the free plan's peak (bucketed gradient sums priced) it row-splits some instead
-    return plan_model(model, inputs, mesh=(2,), options=PlanOptions(checkpoint="none", memory_budget=int(0.7 * free)))
+    # at 0.7 of the free plan's peak the family may keep attention's replicated (its sums' backward
+    # priced as autograd runs it, session 27), and at 0.6-0.65 it shards all of them
+    return plan_model(model, inputs, mesh=(2,), options=PlanOptions(checkpoint="none", memory_budget=int(0.63 * free)))
 
 
 def test_megatron_projections_share_one_gradient_sum_and_are_priced_once(llama):
