@@ -298,15 +298,13 @@ def _inner_counts(points: list[Kernel], device: torch.device,
     return kept, want
 
 
-# Bytes of outputs a repetition holds at most before letting them go (a step's activations are of
-# this order; the bound keeps the largest grid points' repetitions in memory).
-# What a repetition holds at most (see ``_repeated``). 16 MiB: on this project's 2-core host, two
-# ranks' fp32 ``add`` ran at 15-31 GB/s holding nothing, 15-23 holding 16 MiB, and 4-8 holding 64
-# or 256 MiB (every call faulting in fresh pages, memory the allocator had returned to the OS
-# between repetitions), while the elementwise ops of GPT-2's and a Qwen2 decoder's data-parallel
-# steps, profiled (``benchmarks/fidelity.py --parts``), ran at ~13-15 GB/s: the priced 256 MiB
-# figure put them at 2.5-3x their measured time. A layer norm gained 1.5x from it, a linear
-# layer's products 10-15%, AdamW nothing.
+# Bytes of outputs a repetition holds at most before letting them go (``_repeated``). 16 MiB: on
+# this project's 2-core host, two ranks' fp32 ``add`` ran at 15-31 GB/s holding nothing, 15-23
+# holding 16 MiB, and 4-8 holding 64 or 256 MiB (every call faulting in fresh pages, memory the
+# allocator had returned to the OS between repetitions), while the elementwise ops of GPT-2's and
+# a Qwen2 decoder's data-parallel steps, profiled (``benchmarks/fidelity.py --parts``), ran at
+# ~13-15 GB/s: the priced 256 MiB figure put them at 2.5-3x their measured time. A layer norm
+# gained 1.5x from it, a linear layer's products 10-15%, AdamW nothing.
 HOLD_BYTES = 16 << 20
 
 

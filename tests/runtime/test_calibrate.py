@@ -228,7 +228,7 @@ def _probed(rank, world):
     return [k.label for k in kept], len(counts), sorted(ran)
 
 
-def test_a_grid_point_predicted_far_slower_than_a_repetition_is_left_out():
+def test_the_points_above_a_call_slower_than_slow_calls_repetitions_are_left_out():
     labels, counts, ran = run_local(_probed, 2, timeout=120)[0]
     assert labels == ["elementwise 10", "elementwise 1000", "norm 1e+09"] and counts == 3
     assert ran == [10.0, 1e3, 1e9]  # the left-out point never ran
