@@ -61,7 +61,11 @@ A pipeline schedule's action (a stage's forward or backward of one micro-batch u
 schedules) costs ``pipeline_action_seconds(mesh)`` beyond its ops and transfers: the calibrated
 ``MachineProfile.pipeline_action_s`` where measured, else the preset's default
 (``layout.mesh.preset_pipeline_action_s``); the pipeline cost model counts the actions
-(``planner.pipeline.schedule.action_overhead_s``).
+(``planner.pipeline.schedule.action_overhead_s``). Its point-to-point transfer of ``nbytes`` over
+mesh axis 0 costs ``pipeline_transfer_seconds(mesh, nbytes)``: ``alpha + beta * nbytes`` of the
+axis, with the calibrated ``MachineProfile.pipeline_transfer_s`` for ``alpha`` where the probe of
+torch's schedule measured its transfers below the axis's fit (a send/receive pair waits on one
+peer, not on a lockstep group).
 """
 
 from __future__ import annotations
@@ -73,7 +77,8 @@ from autopar.layout.machine import COMPUTE_BOUND, MEMORY_BOUND, OP_CLASSES, OPTI
 from autopar.layout.mesh import MeshSpec, preset_pipeline_action_s
 
 __all__ = ["KERNEL_FLOOR_S", "COLLECTIVES", "compute_seconds", "collective_seconds", "copy_seconds", "ring_seconds",
-           "optimizer_bytes_per_byte", "optimizer_seconds", "pipeline_action_seconds"]
+           "optimizer_bytes_per_byte", "optimizer_seconds", "pipeline_action_seconds",
+           "pipeline_transfer_seconds"]
 
 # Launch overhead of one kernel: a node never costs less than this, however small -- unless the
 # mesh's calibration measured the floor (``MachineProfile.kernel_floor_s``).
@@ -220,3 +225,10 @@ def pipeline_action_seconds(mesh: MeshSpec) -> float:
     calibrated figure where the profile has one, else the preset's (module docstring)."""
     measured = None if mesh.machine is None else mesh.machine.pipeline_action_s
     return preset_pipeline_action_s(mesh.name) if measured is None else measured
+
+
+def pipeline_transfer_seconds(mesh: MeshSpec, nbytes: float) -> float:
+    """Seconds one point-to-point transfer of ``nbytes`` between pipeline stages (over mesh axis 0)
+    costs on ``mesh`` (module docstring)."""
+    measured = None if mesh.machine is None else mesh.machine.pipeline_transfer_s
+    return (mesh.alpha[0] if measured is None else measured) + mesh.beta[0] * nbytes

@@ -59,6 +59,13 @@ roofline. Its parts:
   (``planner.pipeline.schedule.action_overhead_s``). None: not measured (one rank, axis 0 of size
   1, or a profile written before it, JSON version 5): the preset's default
   (``layout.cost.pipeline_action_seconds``).
+- ``pipeline_transfer_s``: the latency of one point-to-point transfer of that schedule over mesh
+  axis 0 (JSON version 8), where the same probe ran its micro-batch faster than the links' fit
+  prices its two transfers: a send/receive pair is not a lockstep collective, and on 4 gloo ranks
+  sharing 2 cores the 4-rank axis's fitted ``alpha`` (3.2 ms) priced a trivial 1F1B micro-batch at
+  6.4 ms where it took 3.4. None: the axis's ``alpha`` prices it (the probe's micro-batch took at
+  least that; what it took beyond is ``pipeline_action_s``), as in a profile written before it.
+  ``layout.cost.pipeline_transfer_seconds`` reads it.
 
 The fraction of asynchronously issued communication hidden under concurrent compute is
 ``MeshSpec.comm_overlap`` (one field of the mesh, whoever fills it), not a field here.
@@ -307,6 +314,9 @@ class MachineProfile:
     # Seconds one pipeline schedule action costs beyond its work and transfer (module docstring);
     # None: not measured, the preset's default (``layout.cost.pipeline_action_seconds``).
     pipeline_action_s: float | None = None
+    # Seconds of latency one pipeline point-to-point transfer pays over mesh axis 0, where measured
+    # below the links' alpha (module docstring); None: the axis's alpha.
+    pipeline_transfer_s: float | None = None
     # A mesh is a cache key (``layout.conversion``): hashing every rate each lookup would cost
     # ten times the preset mesh's whole hash, so the profile's is computed once.
     _hash: int = field(init=False, repr=False, compare=False, default=0)
@@ -346,11 +356,17 @@ class MachineProfile:
                 raise ValueError(f"MachineProfile.pipeline_action_s must be a finite number of seconds in [0, 1) "
                                  f"or None, got {action!r}")
             object.__setattr__(self, "pipeline_action_s", float(action))
+        if self.pipeline_transfer_s is not None:
+            latency = self.pipeline_transfer_s
+            if isinstance(latency, bool) or not isinstance(latency, (int, float)) or not 0 <= latency < 1.0:
+                raise ValueError(f"MachineProfile.pipeline_transfer_s must be a finite number of seconds in [0, 1) "
+                                 f"or None, got {latency!r}")
+            object.__setattr__(self, "pipeline_transfer_s", float(latency))
         object.__setattr__(self, "_hash", hash((self.compute, self.links, self.measured_shape,
                                                 self.measured_axis_names, self.note, self.time_scale,
                                                 self.idle_speedup, self.kernel_floor_s, self.blocking_s,
-                                                self.blocking_over,
-                                                self.pipeline_action_s)))
+                                                self.blocking_over, self.pipeline_action_s,
+                                                self.pipeline_transfer_s)))
 
     def __hash__(self) -> int:
         return self._hash
@@ -400,7 +416,8 @@ class MachineProfile:
                 **({"blocking_s": list(self.blocking_s)} if self.blocking_s else {}),
                 **({"blocking_over": [{"axes": list(a), "seconds": b} for a, b in self.blocking_over]}
                    if self.blocking_over else {}),
-                **({"pipeline_action_s": self.pipeline_action_s} if self.pipeline_action_s is not None else {})}
+                **({"pipeline_action_s": self.pipeline_action_s} if self.pipeline_action_s is not None else {}),
+                **({"pipeline_transfer_s": self.pipeline_transfer_s} if self.pipeline_transfer_s is not None else {})}
 
     @classmethod
     def from_dict(cls, data: dict) -> "MachineProfile":
@@ -413,6 +430,7 @@ class MachineProfile:
                        idle_speedup=data.get("idle_speedup", 1.0), kernel_floor_s=data.get("kernel_floor_s"),
                        blocking_s=tuple(data.get("blocking_s", ())),
                        blocking_over=tuple((tuple(b["axes"]), b["seconds"]) for b in data.get("blocking_over", ())),
-                       pipeline_action_s=data.get("pipeline_action_s"))
+                       pipeline_action_s=data.get("pipeline_action_s"),
+                       pipeline_transfer_s=data.get("pipeline_transfer_s"))
         except (KeyError, TypeError) as exc:
             raise ValueError(f"malformed machine profile in MeshSpec JSON: {type(exc).__name__}: {exc}") from None

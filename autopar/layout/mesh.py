@@ -55,7 +55,9 @@ GiB = 1024**3
 #    none: the preset's default (``layout.cost.pipeline_action_seconds``).
 # 7: link fits and blocking waits over several mesh axes (a link's "axes", the machine's
 #    blocking_over); a version-6 machine has per-axis ones only, priced as it was (``layout.cost``).
-JSON_VERSION = 7
+# 8: the machine's pipeline_transfer_s (a pipeline point-to-point's measured latency); a version-7
+#    machine has none: the links' alpha prices it, as it did.
+JSON_VERSION = 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -389,7 +391,7 @@ class MeshSpec:
                 raise ValueError(f"malformed MeshSpec JSON: version {version} has no host tier (use version 3)")
         # comm_overlap may be absent in any version (files written before it): the field's
         # default, 0, prices communication in full as those files' plans were.
-        elif version not in (3, 4, 5, 6, JSON_VERSION):
+        elif version not in (3, 4, 5, 6, 7, JSON_VERSION):
             raise ValueError(f"MeshSpec JSON version {version} is not supported (expected 1 to {JSON_VERSION})")
         if version < 4 and data.get("machine") is not None:
             raise ValueError(f"malformed MeshSpec JSON: version {version} has no machine profile (use version 4)")
@@ -406,6 +408,9 @@ class MeshSpec:
                     isinstance(f, dict) and "axes" in f for f in links)):
                 raise ValueError(f"malformed MeshSpec JSON: version {version} has no link fits over several axes "
                                  f"or blocking_over (use version 7)")
+            if version < 8 and "pipeline_transfer_s" in data["machine"]:
+                raise ValueError(f"malformed MeshSpec JSON: version {version} has no pipeline_transfer_s "
+                                 f"(use version 8)")
             data["machine"] = MachineProfile.from_dict(data["machine"])
         try:
             return cls(**data)

@@ -17,7 +17,8 @@ priced as communication) are in both.
   measured; a mesh without a profile gets one holding only the factors, which leaves the rest of
   its pricing as it was);
 - every link's ``alpha`` and ``beta`` (the axis's and each per-kind ``LinkFit``, over one axis or
-  several) and each axis's ``blocking_s`` (and each set of axes' ``blocking_over``) by the
+  several), each axis's ``blocking_s`` (and each set of axes' ``blocking_over``) and a pipeline
+  transfer's measured latency (``pipeline_transfer_s``) by the
   communication ratio: the profiler does not say which mesh axis or which byte count a collective
   served, so the links are scaled together, keeping their measured shape.
 
@@ -139,7 +140,9 @@ def refit_mesh(mesh: MeshSpec, *, measured: Mapping[str, float], measured_comm: 
         links = tuple(replace(f, alpha=f.alpha * comm, beta=f.beta * comm) for f in links)
         alpha, beta = tuple(a * comm for a in alpha), tuple(b * comm for b in beta)
         blocking = tuple(b * comm for b in blocking)
-        machine = replace(machine, blocking_over=tuple((axes, b * comm) for axes, b in machine.blocking_over))
+        transfer = None if machine.pipeline_transfer_s is None else machine.pipeline_transfer_s * comm
+        machine = replace(machine, blocking_over=tuple((axes, b * comm) for axes, b in machine.blocking_over),
+                          pipeline_transfer_s=transfer)
     note = "refit to measured steps: " + ", ".join(f"{k} x{v:.3g}" for k, v in ratios.items())
     machine = replace(machine, links=links, blocking_s=blocking, time_scale=scale,
                       note=f"{machine.note}; {note}" if machine.note else note)

@@ -29,7 +29,9 @@ its progress with ``verbose``:
    blocking sum over them -- the runtime's chain of per-axis all-reduces -- costs beyond its
    group's lockstep price (``MachineProfile.blocking_over``); and, where mesh axis 0 can form a
    pipeline of 2 stages or more, what one action of torch's pipeline schedule costs beyond its
-   transfers (``calibrate_pipeline``: ``MachineProfile.pipeline_action_s``; None elsewhere).
+   transfers (``calibrate_pipeline``: ``MachineProfile.pipeline_action_s``; None elsewhere), or,
+   where the links' fit prices its transfers above the whole micro-batch, a transfer's latency
+   (``MachineProfile.pipeline_transfer_s``).
 
 All ranks return the same ``MeshSpec`` (with its ``MachineProfile``); ``out=`` writes it (rank 0).
 """
@@ -51,7 +53,7 @@ import torch.nn.functional as F
 from autopar.layout.cost import collective_seconds
 from autopar.layout.machine import FLOP_KEYED, LinkFit, MachineProfile, overlap_fraction
 from autopar.layout.mesh import MeshSpec, default_axis_names, parse_mesh_shape
-from autopar.runtime.calibrate_pipeline import action_seconds, measure_pipeline_action, pipeline_bytes
+from autopar.runtime.calibrate_pipeline import measure_pipeline_action, pipeline_bytes, split_microbatch
 from autopar.runtime.calibrate_compute import (GRID, MIN_REPETITION_S, QUICK_GRID, QUICK_REPETITION_S, device_figures,
                                                measure_compute, measure_kernel_floor)
 from autopar.runtime.links import (DEFAULT_SIZES, KINDS, MeshProfile, Timing, default_device, fit_alpha_beta,
@@ -350,18 +352,19 @@ def _in_group(shape: tuple[int, ...], device_type: str, sizes: Sequence[int], re
         say(f"axes {axes}: a blocking {BLOCKING_BYTES // KiB} KiB sum over them (a chain of per-axis all-reduces) "
             f"holds the step {seconds * 1e6:.0f} us (quartiles {parts['low'] * 1e6:.0f} to {parts['high'] * 1e6:.0f} "
             f"us), priced {lockstep * 1e6:.0f} us in lockstep on their group: {blocking_over[-1][1] * 1e6:.0f} us more")
-    action = None
+    action = transfer = None
     if pipelined is not None:
         per_microbatch, parts = pipelined
         # The links' price of what a stage's micro-batch sends: its activation forward, its
         # gradient back (``planner.pipeline.costs.StageCosts.p2p_s``).
         p2p = 2 * (mesh.alpha[0] + mesh.beta[0] * pipeline_bytes())
-        action = action_seconds(per_microbatch, p2p_s=p2p)
+        transfer, action = split_microbatch(per_microbatch, alpha=mesh.alpha[0], beta=mesh.beta[0])
+        lower = "" if transfer is None else f"; a transfer's latency {transfer * 1e3:.3f} ms, not the links' alpha"
         say(f"1F1B over axis 0 (trivial stages): {parts['lo'] * 1e3:.2f} ms at {parts['m_lo']:.0f} micro-batches, "
             f"{parts['hi'] * 1e3:.2f} ms at {parts['m_hi']:.0f}: {per_microbatch * 1e3:.3f} ms per micro-batch, "
-            f"{p2p * 1e3:.3f} ms of it priced as transfers: {action * 1e3:.3f} ms per schedule action")
+            f"{p2p * 1e3:.3f} ms of it priced as transfers: {action * 1e3:.3f} ms per schedule action{lower}")
     mesh = replace(mesh, machine=replace(machine, blocking_s=tuple(blocking), blocking_over=tuple(blocking_over),
-                                         pipeline_action_s=action))
+                                         pipeline_action_s=action, pipeline_transfer_s=transfer))
     say.stage = ""
     say(f"done: fp32 matmul {flops / 1e9:.1f} GFLOP/s, bf16 {half / 1e9 if half else math.nan:.1f} GFLOP/s, "
         f"memory {bandwidth / 1e9:.2f} GB/s, overlap {overlap:.0%}")

@@ -17,7 +17,12 @@ per micro-batch on each rank (forward, backward), so the action's overhead is
 ``(t - p2p) / 2``, with ``p2p`` the links' price of the activation sent forward and its gradient
 sent back (``planner.pipeline.costs.StageCosts.p2p_s``'s formula). Calibration stores it as
 ``MachineProfile.pipeline_action_s``; the pipeline cost model adds it once per action of a
-stage's micro-batch (``planner.pipeline.schedule.action_overhead_s``).
+stage's micro-batch (``planner.pipeline.schedule.action_overhead_s``). Where ``t`` is below
+``p2p`` the links' fit over-prices a point-to-point transfer (it is fitted on lockstep
+collectives: on 4 gloo ranks sharing 2 cores axis 0's fit priced the trivial micro-batch's two
+transfers at 6.4 ms, and it took 3.4): the overhead is 0 and each transfer's latency is what the
+micro-batch took, ``t / 2 - beta * bytes`` (``MachineProfile.pipeline_transfer_s``,
+``split_microbatch``), so a trivial stage's micro-batch is priced at what it measured either way.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ from torch import nn
 from autopar.runtime.links import lockstep_medians
 
 __all__ = ["PIPELINE_MICROBATCHES", "PIPELINE_WIDTH", "PIPELINE_ROWS", "pipeline_bytes", "measure_pipeline_action",
-           "action_seconds"]
+           "split_microbatch"]
 
 # Micro-batch counts per stage count S: (S, 4 S) -- 1F1B needs at least S, and the difference of
 # 3 S micro-batches is long enough against a repetition's noise (~6 ms on 2 ranks of this host).
@@ -90,6 +95,11 @@ def measure_pipeline_action(group, *, repeats: int, device: torch.device) -> tup
     return per_microbatch, {"lo": t_lo, "hi": t_hi, "m_lo": float(m_lo), "m_hi": float(m_hi)}
 
 
-def action_seconds(per_microbatch: float, *, p2p_s: float) -> float:
-    """The overhead of one action: a 1F1B micro-batch's stage time less its transfers, per action (>= 0)."""
-    return max(per_microbatch - p2p_s, 0.0) / _ONE_F_ONE_B_ACTIONS
+def split_microbatch(per_microbatch: float, *, alpha: float, beta: float) -> tuple[float | None, float]:
+    """A trivial-stage 1F1B micro-batch's time read apart (module docstring): (the latency of one of
+    its two transfers where the links' ``alpha``/``beta`` price them above the whole micro-batch,
+    else None; one action's overhead beyond the transfers, >= 0)."""
+    p2p = 2 * (alpha + beta * pipeline_bytes())
+    if per_microbatch >= p2p:
+        return None, (per_microbatch - p2p) / _ONE_F_ONE_B_ACTIONS
+    return max(per_microbatch / 2 - beta * pipeline_bytes(), 0.0), 0.0

@@ -93,7 +93,7 @@ def test_overlap_fraction_is_clamped():
 def test_calibrated_mesh_round_trips_as_version_7():
     mesh = _mesh()
     data = json.loads(mesh.to_json())
-    assert data["version"] == 7 and data["comm_overlap"] == 0.4
+    assert data["version"] == 8 and data["comm_overlap"] == 0.4
     assert data["machine"]["compute"][0] == {"op_class": "matmul", "dtype": "fp32", "sizes": [1e6, 1e9],
                                              "rates": [10e9, 40e9]}
     assert data["machine"]["measured_shape"] == [2, 2]
@@ -214,6 +214,29 @@ def test_the_pipeline_action_round_trips_is_checked_and_defaults_to_the_presets(
     for bad in (-1e-3, math.nan, math.inf, 1.5, "1e-3", True):
         with pytest.raises(ValueError, match=r"pipeline_action_s must be a finite number of seconds in \[0, 1\)"):
             replace(_profile(), pipeline_action_s=bad)
+
+
+def test_a_pipeline_transfers_measured_latency_round_trips_and_prices_it_else_the_axis_alpha():
+    from autopar.layout.cost import pipeline_transfer_seconds
+
+    plain = _mesh()
+    assert pipeline_transfer_seconds(plain, 1000) == pytest.approx(plain.alpha[0] + plain.beta[0] * 1000)
+    assert "pipeline_transfer_s" not in json.loads(plain.to_json())["machine"]
+    mesh = _mesh(machine=replace(_profile(), pipeline_transfer_s=0.4e-3))
+    assert pipeline_transfer_seconds(mesh, 1000) == pytest.approx(0.4e-3 + mesh.beta[0] * 1000)
+    data = json.loads(mesh.to_json())
+    assert data["version"] == 8 and data["machine"]["pipeline_transfer_s"] == 0.4e-3
+    assert MeshSpec.from_json(mesh.to_json()) == mesh and hash(mesh.machine) != hash(_profile())
+    assert stage_mesh_of(mesh).machine.pipeline_transfer_s == 0.4e-3  # a stage's sub-mesh keeps it
+    zero = _mesh(machine=replace(_profile(), pipeline_transfer_s=0))
+    assert pipeline_transfer_seconds(zero, 0) == 0.0 and MeshSpec.from_json(zero.to_json()) == zero
+    # A version-7 file has none (the alpha prices it, as it did) and cannot carry one.
+    assert MeshSpec.from_json(json.dumps({**json.loads(plain.to_json()), "version": 7})) == plain
+    with pytest.raises(ValueError, match="version 7 has no pipeline_transfer_s"):
+        MeshSpec.from_json(json.dumps({**data, "version": 7}))
+    for bad in (-1e-3, math.nan, math.inf, 1.5, "1e-3", True):
+        with pytest.raises(ValueError, match=r"pipeline_transfer_s must be a finite number of seconds in \[0, 1\)"):
+            replace(_profile(), pipeline_transfer_s=bad)
 
 
 def test_a_pipeline_stage_mesh_keeps_the_fits_of_its_axes():

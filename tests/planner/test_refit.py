@@ -69,10 +69,12 @@ def test_a_calibrated_mesh_keeps_its_curves_and_fits_scaled():
 def test_the_fits_and_waits_over_several_axes_are_scaled_with_the_links():
     machine = MachineProfile(ComputeProfile(()), (LinkFit("all_reduce", 0, 1e-4, 1e-9),
                                                  LinkFit.over("all_reduce", (0, 1), 3e-4, 2e-9)),
-                             (2, 2), ("x", "y"), blocking_s=(1e-4, 1e-4), blocking_over=(((0, 1), 5e-4),))
+                             (2, 2), ("x", "y"), blocking_s=(1e-4, 1e-4), blocking_over=(((0, 1), 5e-4),),
+                             pipeline_transfer_s=2e-4)
     mesh = dataclasses.replace(MeshSpec.preset("cpu", (2, 2)), machine=machine)
     refit, _ = refit_mesh(mesh, measured={}, measured_comm=3.0, priced=_priced(comm=1.0))
     assert refit.machine.blocking_over == (((0, 1), pytest.approx(1.5e-3)),)
+    assert refit.machine.pipeline_transfer_s == pytest.approx(6e-4)  # a pipeline transfer's latency too
     assert collective_seconds("all_reduce", 1e6, refit, (0, 1)) == pytest.approx(
         3 * collective_seconds("all_reduce", 1e6, mesh, (0, 1)))
 

@@ -74,6 +74,10 @@ def test_quick_calibration_measures_every_class_and_dtype(calibrated):
     # 0 where the links' fitted alpha (noisy under load) prices the whole micro-batch as transfers
     # (the measurement itself is positive: tests/runtime/test_calibrate_pipeline.py)
     assert machine.pipeline_action_s is not None and 0.0 <= machine.pipeline_action_s < 0.05
+    # a transfer's own latency only where the fit priced the micro-batch's transfers above it,
+    # and then below the fit's alpha with no action overhead left
+    transfer = machine.pipeline_transfer_s
+    assert transfer is None or (0.0 <= transfer <= spec.alpha[0] and machine.pipeline_action_s == 0.0)
     assert spec.alpha[0] > 0 and spec.beta[0] > 0
     # Each kind has its own fit exactly when its timings determine one.
     for kind in KINDS:

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from autopar.runtime.calibrate_pipeline import action_seconds, measure_pipeline_action, pipeline_bytes
+from autopar.runtime.calibrate_pipeline import measure_pipeline_action, pipeline_bytes, split_microbatch
 from autopar.runtime.launch import run_local
 
 
@@ -34,14 +34,23 @@ def test_two_ranks_measure_a_positive_action_overhead():
     assert 1e-5 < per_microbatch < 0.05
     # priced against the cpu preset's transfer (2 x 200 us), what remains is each action's share
     p2p = 2 * (200e-6 + pipeline_bytes() / 1e9)
-    action = action_seconds(per_microbatch, p2p_s=p2p)
-    assert action > 0 and action == pytest.approx((per_microbatch - p2p) / 2)
+    transfer, action = split_microbatch(per_microbatch, alpha=200e-6, beta=1e-9)
+    assert transfer is None and action > 0 and action == pytest.approx((per_microbatch - p2p) / 2)
 
 
-def test_the_action_is_what_the_transfers_leave_never_negative():
-    assert action_seconds(3e-3, p2p_s=1e-3) == pytest.approx(1e-3)
-    assert action_seconds(1e-3, p2p_s=2e-3) == 0.0
-    assert pipeline_bytes() == 2 * 16 * 4
+def test_a_micro_batch_is_read_apart_into_transfers_and_actions_summing_to_what_it_took():
+    beta, nbytes = 1e-9, pipeline_bytes()
+    assert nbytes == 2 * 16 * 4
+    # Above the links' price of its two transfers: they keep the links' alpha, the rest is the actions'.
+    transfer, action = split_microbatch(3e-3, alpha=0.5e-3, beta=beta)
+    assert transfer is None and action == pytest.approx((3e-3 - 2 * (0.5e-3 + beta * nbytes)) / 2)
+    # Below it (the 4-rank fit's alpha on a shared host): no action overhead, and each transfer's
+    # latency is half the micro-batch less its bytes, so the two price it at what it took.
+    transfer, action = split_microbatch(3.4e-3, alpha=3.2e-3, beta=beta)
+    assert action == 0.0 and transfer == pytest.approx(1.7e-3 - beta * nbytes)
+    assert 2 * (transfer + beta * nbytes) == pytest.approx(3.4e-3)
+    # never a negative latency
+    assert split_microbatch(0.0, alpha=1e-3, beta=beta) == (0.0, 0.0)
 
 
 def test_one_rank_is_no_pipeline():

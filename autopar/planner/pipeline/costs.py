@@ -18,7 +18,8 @@ sub-mesh, restricted to the stage's decisions (``slice``), and solved. In the sl
 - values crossing the cut are sent replicated (``autopar.runtime.pipeline.split``); the
   conversions at each side of a boundary are not priced, the point-to-point transfer is:
   ``2 (alpha_0 + beta_0 * bytes)`` per micro-batch (activation forward, its gradient back)
-  over axis 0's link, part of the sending stage's time;
+  over axis 0's link (``layout.cost.pipeline_transfer_seconds``: ``alpha_0`` the calibrated
+  ``MachineProfile.pipeline_transfer_s`` where measured), part of the sending stage's time;
 - every stage's micro-batch also pays the schedule's actions beyond their ops and transfers,
   ``overhead_s = STAGE_ACTIONS x pipeline_action_s`` (``pipeline.schedule.action_overhead_s``:
   forward and backward, each the machine's calibrated or preset per-action cost), the last
@@ -47,6 +48,7 @@ from typing import Callable
 import numpy as np
 
 from autopar.layout.blocks import split_block
+from autopar.layout.cost import pipeline_transfer_seconds
 from autopar.layout.mesh import MeshSpec
 from autopar.planner.pipeline.bounds import BlockFloors
 from autopar.planner.pipeline.geometry import StageGeometry
@@ -173,11 +175,12 @@ class StageCosts:
         self.overhead_s = action_overhead_s(mesh)
 
     def p2p_s(self, b: int) -> float:
-        """Forward send + backward receive over axis 0's link at cut ``b`` (0 at the model's end)."""
+        """Forward send + backward receive over axis 0 at cut ``b`` (0 at the model's end), each
+        ``layout.cost.pipeline_transfer_seconds``."""
         crossing = self.geometry.boundary_bytes
         if b >= self.num_blocks or crossing[b] == 0:
             return 0.0
-        return 2 * (self.mesh.alpha[0] + self.mesh.beta[0] * crossing[b])
+        return 2 * pipeline_transfer_seconds(self.mesh, crossing[b])
 
     def schedule_s(self, b: int) -> float:
         """What the schedule adds to the micro-batch of a stage ending at cut ``b`` beyond its ops:

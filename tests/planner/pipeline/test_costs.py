@@ -13,9 +13,10 @@ from autopar.planner.pipeline.schedule import STAGE_ACTIONS, action_overhead_s, 
 from autopar.planner.pipeline.search import search_stages
 
 
-def _mesh(action_s: float | None) -> MeshSpec:
+def _mesh(action_s: float | None, transfer_s: float | None = None) -> MeshSpec:
     preset = MeshSpec.preset("cpu", (2, 2))
-    machine = MachineProfile(ComputeProfile(()), (), (2, 2), preset.axis_names, pipeline_action_s=action_s)
+    machine = MachineProfile(ComputeProfile(()), (), (2, 2), preset.axis_names, pipeline_action_s=action_s,
+                             pipeline_transfer_s=transfer_s)
     return dataclasses.replace(preset, machine=machine)
 
 
@@ -44,6 +45,23 @@ def test_a_pipeline_step_pays_every_stage_actions_overhead(traced_models, schedu
         schedule, times=[f["time_s"] for f in record["stages"]], syncs=[f["sync_s"] for f in record["stages"]],
         num_stages=2, virtual_stages=v, num_microbatches=microbatches), rel=1e-9)
     assert " actions " in paid.summary() and "   8.000 " in paid.summary()  # the stage table's column
+
+
+def test_a_measured_transfer_latency_prices_each_stage_point_to_point(traced_models):
+    """``MachineProfile.pipeline_transfer_s`` replaces axis 0's alpha in every point-to-point (two
+    per micro-batch at each cut): a stage's ``p2p_s`` drops by twice the difference (every cut of
+    a GPT-2 carries one residual stream's bytes), the step with it; the last stage sends nothing."""
+    traced, prof = traced_models["gpt2"]
+    found = {}
+    for transfer_s in (None, 0.0):
+        found[transfer_s] = search_stages(traced, prof, mesh=_mesh(0.0, transfer_s), options=PlanOptions(),
+                                          num_stages=2, num_microbatches=4, schedules=("1f1b",)).plan
+    alpha = _mesh(0.0).alpha[0]
+    fitted, measured = (found[k].solver["pipeline"]["stages"] for k in (None, 0.0))
+    assert fitted[-1]["p2p_s"] == measured[-1]["p2p_s"] == 0.0
+    first, low = fitted[0], measured[0]
+    assert first["p2p_s"] - low["p2p_s"] == pytest.approx(2 * alpha, rel=1e-9)
+    assert found[0.0].estimate.step_s < found[None].estimate.step_s
 
 
 def test_an_unmeasured_overhead_is_the_presets():
