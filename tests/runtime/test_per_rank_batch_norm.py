@@ -11,7 +11,10 @@ every plan. Checked here:
     (2, 2)) equals the one-device chunked reference -- loss, gradients, parameters and running
     statistics -- written here with ``F.batch_norm`` per chunk, not with autopar's op;
 (c) the auto plan at a tight budget (a third of the way from the smallest budget to the
-    unconstrained peak) equals the same reference.
+    unconstrained peak) equals the same reference;
+(d) the data-parallel plan on mesh (2, 2), the batch split over both axes, equals it too, and
+    the running statistics' sums over both axes go as ONE collective on the group spanning them
+    (``DistComm.all_reduce_async``), not a chain whose second all-reduce blocks the end of backward.
 
 The data makes the chunks' statistics differ from each other and from the batch's, so a global
 batch norm (or chunks in another order) fails every comparison.
@@ -265,4 +268,31 @@ def test_auto_plan_equals_one_device(shape):
     plan = autopar.plan(model, inputs, mesh=fast_mesh(shape), batch_norm_stats="per_rank", pipeline=None, cache=False)
     ref = _reference(model, inputs, world)
     for rank, out in enumerate(run_local(_run, world, model, inputs, plan, False, timeout=240)):
+        _same(out["autopar"], ref, rank)
+
+
+def _sum_over_both_axes(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from autopar.runtime.counting import count_collectives
+    from autopar.runtime.kernels import DistComm
+    from autopar.runtime.process_mesh import ProcessMesh
+
+    comm = DistComm(ProcessMesh(init_device_mesh("cpu", (2, 2), mesh_dim_names=("a", "b"))))
+    with count_collectives() as counts:
+        result = comm.all_reduce_async(torch.full((3,), float(rank + 1)), (0, 1))
+        summed = result()
+    return summed.tolist(), counts["all_reduce"]
+
+
+def test_data_parallel_plan_over_both_axes_of_a_2d_mesh_equals_one_device():
+    for summed, issued in run_local(_sum_over_both_axes, 4, timeout=120):
+        assert summed == [10.0] * 3 and issued == 1  # 1 + 2 + 3 + 4, one collective
+    torch.manual_seed(0)
+    model, inputs = CNN().double().train(), _inputs()
+    plan = plan_family(model, inputs, "data-parallel", mesh=fast_mesh((2, 2)),
+                       options=PlanOptions(batch_norm_stats="per_rank"))
+    assert [n.input_specs[0] for n in _bn_nodes(plan)[:2]] == ["S0S0", "S0S0"], [n.input_specs for n in _bn_nodes(plan)]
+    ref = _reference(model, inputs, 4)
+    for rank, out in enumerate(run_local(_run, 4, model, inputs, plan, True, timeout=240)):
         _same(out["autopar"], ref, rank)
