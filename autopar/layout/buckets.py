@@ -45,20 +45,22 @@ def first_cap_bytes_default() -> int:
 
 def split_buckets(sizes: Sequence[int], *, cap: int, first_cap: int) -> list[list[int]]:
     """Positions ``0 .. len(sizes) - 1`` (gradient bytes, in the order the gradients become ready)
-    cut into consecutive buckets: a new bucket where the next gradient would take the open one
-    past its cap -- ``first_cap`` for the first bucket (at most ``cap``; 0: no separate first
-    cap), ``cap`` for the others; a gradient larger
-    than the cap fills a bucket alone. The runtime lays out its buckets so
+    cut into consecutive buckets as torch DDP cuts them: each gradient joins the open bucket, which
+    closes once it holds its cap or more -- ``first_cap`` for the first bucket (at most ``cap``; 0:
+    no separate first cap), ``cap`` for the others -- so the gradient that crosses a cap rides in
+    the bucket it fills. Why DDP's cut: a large gradient right after a few small ones (a ResNet's
+    last convolution after its classifier) then leaves in the first bucket, early in backward,
+    instead of opening the bucket that waits for the rest. The runtime lays out its buckets so
     (``runtime.bucketing``), and the planner prices the last one -- issued only when backward
     has ended, so nothing hides it -- by the same cut (``planner.builder``)."""
     first_cap = min(cap, first_cap) if first_cap > 0 else cap
     buckets: list[list[int]] = []
-    filled = 0
+    filled, closed = 0, True
     for i, size in enumerate(sizes):
-        limit = first_cap if len(buckets) == 1 else cap
-        if not buckets or filled + size > limit:
+        if closed:
             buckets.append([])
-            filled = 0
+            filled, closed = 0, False
         buckets[-1].append(i)
         filled += size
+        closed = filled >= (first_cap if len(buckets) == 1 else cap)
     return buckets

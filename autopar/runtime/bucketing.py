@@ -14,9 +14,10 @@ Here those parameters go through ``self.grad_bucket(w, axes=..., slot=k)`` inste
 - its backward copies that local gradient into a flat bucket buffer and returns ``None`` (so
   autograd does not accumulate the unreduced value into ``w.grad``);
 - buckets are laid out statically when the graph is emitted: slots in reverse forward order
-  (roughly the order their gradients become ready), grouped by (mesh axes, dtype), about
-  ``cap`` bytes each (25 MiB by default, like DDP), the first of each group at most 1 MiB
-  (DDP's first bucket, ``AUTOPAR_FIRST_BUCKET_CAP_MB``). A bucket is all-reduced asynchronously as
+  (roughly the order their gradients become ready), grouped by (mesh axes, dtype), cut as DDP
+  cuts them (``layout.buckets.split_buckets``: a bucket closes once it holds ``cap`` bytes, 25
+  MiB by default, the first of each group once it holds 1 MiB, DDP's first bucket,
+  ``AUTOPAR_FIRST_BUCKET_CAP_MB``). A bucket is all-reduced asynchronously as
   soon as it is complete and every bucket before it has been issued, so every rank issues the
   same collectives in the same order and communication overlaps the rest of backward; a
   bucket summed over several mesh axes (data parallelism over both axes of a 2-D mesh) is ONE

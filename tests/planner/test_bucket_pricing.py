@@ -112,10 +112,11 @@ def test_data_parallel_plan_priced_with_buckets_and_solver_agrees_with_evaluator
     syncs = grad_syncs(built, family.choice)[0]
     assert ev.async_s == pytest.approx(sum(s.async_seconds(built.mesh) for s in syncs))
     # The last bucket (the first layers' sums, ready as backward ends) hides nothing: 1.6 MB of
-    # gradients, the first 1 MiB bucket takes layers 5-3 and layer 2's bias (ready before its
-    # weight, which forward reads first, through its transpose); the rest is the last bucket.
+    # gradients, the first bucket takes layers 5-3, layer 2's bias (ready before its weight, which
+    # forward reads first, through its transpose) and, as DDP cuts, the weight that takes it past
+    # its 1 MiB cap (layer 2's); the rest is the last bucket.
     exposed = sorted(built.decisions[s.value.producer].module for s in syncs if s.exposed)
-    assert exposed == ["layers.0.bias", "layers.0.weight", "layers.1.bias", "layers.1.weight", "layers.2.weight"]
+    assert exposed == ["layers.0.bias", "layers.0.weight", "layers.1.bias", "layers.1.weight"]
     assert all(s.async_seconds(built.mesh) == 0.0 < s.seconds(built.mesh) for s in syncs if s.exposed)
 
 
@@ -123,12 +124,16 @@ def test_the_last_bucket_is_cut_as_the_runtime_cuts_it():
     from autopar.layout.buckets import split_buckets
     from autopar.planner.executed import last_bucket_params
 
-    assert split_buckets([3, 3, 3, 10, 2, 2], cap=8, first_cap=4) == [[0], [1, 2], [3], [4, 5]]
+    # DDP's cut: a bucket closes once it holds its cap (the first its first cap), the gradient
+    # crossing it included; what is left when the gradients run out is the last bucket.
+    assert split_buckets([3, 3, 3, 10, 2, 2], cap=8, first_cap=4) == [[0, 1], [2, 3], [4, 5]]
+    assert split_buckets([10, 1, 1], cap=8, first_cap=4) == [[0], [1, 2]]  # one larger than the cap: alone
+    assert split_buckets([2, 2, 8, 8], cap=8, first_cap=0) == [[0, 1, 2], [3]]  # no first cap: all at cap
     assert split_buckets([5], cap=8, first_cap=4) == [[0]]
     assert split_buckets([], cap=8, first_cap=4) == []
     traced, built = _built()
     assert built.exposed == last_bucket_params(traced, cap=CAP)
-    assert len(built.exposed) == 5 and not _built(bucket_cap=0)[1].exposed
+    assert len(built.exposed) == 4 and not _built(bucket_cap=0)[1].exposed
     # One bucket holds every gradient of a model under the first bucket's cap: all of it is exposed.
     traced, built = _built(d=64)
     assert built.exposed == {p.name for p in traced.params}
