@@ -119,6 +119,16 @@ def _positive(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
 
 
+def _optional_seconds(name: str, value: Any) -> float | None:
+    """``value`` as a float of seconds in [0, 1), or None; else a ``ValueError`` naming ``name``."""
+    if value is None:
+        return None
+    if not ((_positive(value) or (isinstance(value, (int, float)) and not isinstance(value, bool) and value == 0))
+            and value < 1.0):
+        raise ValueError(f"MachineProfile.{name} must be a finite number of seconds in [0, 1) or None, got {value!r}")
+    return float(value)
+
+
 @dataclass(frozen=True, slots=True)
 class RateTable:
     """Achieved rate at measured call sizes: ``sizes`` strictly increasing, ``rates`` positive."""
@@ -348,20 +358,10 @@ class MachineProfile:
                              f"got {self.blocking_s!r}")
         object.__setattr__(self, "blocking_s", tuple(float(b) for b in blocking))
         object.__setattr__(self, "blocking_over", _blocking_over(self.blocking_over))
-        if self.pipeline_action_s is not None:
-            # 0 is a measurement (the transfers' price covered the whole action), not a missing one.
-            action = self.pipeline_action_s
-            if not ((_positive(action) or (isinstance(action, (int, float)) and not isinstance(action, bool)
-                                          and action == 0)) and action < 1.0):
-                raise ValueError(f"MachineProfile.pipeline_action_s must be a finite number of seconds in [0, 1) "
-                                 f"or None, got {action!r}")
-            object.__setattr__(self, "pipeline_action_s", float(action))
-        if self.pipeline_transfer_s is not None:
-            latency = self.pipeline_transfer_s
-            if isinstance(latency, bool) or not isinstance(latency, (int, float)) or not 0 <= latency < 1.0:
-                raise ValueError(f"MachineProfile.pipeline_transfer_s must be a finite number of seconds in [0, 1) "
-                                 f"or None, got {latency!r}")
-            object.__setattr__(self, "pipeline_transfer_s", float(latency))
+        # 0 is a measurement (the transfers' price covered the whole action; a transfer took
+        # nothing beyond its bytes), not a missing one: None is.
+        for name in ("pipeline_action_s", "pipeline_transfer_s"):
+            object.__setattr__(self, name, _optional_seconds(name, getattr(self, name)))
         object.__setattr__(self, "_hash", hash((self.compute, self.links, self.measured_shape,
                                                 self.measured_axis_names, self.note, self.time_scale,
                                                 self.idle_speedup, self.kernel_floor_s, self.blocking_s,

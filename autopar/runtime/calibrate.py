@@ -50,7 +50,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from autopar.layout.cost import collective_seconds
+from autopar.layout.cost import collective_seconds, pipeline_transfer_seconds
 from autopar.layout.machine import FLOP_KEYED, LinkFit, MachineProfile, overlap_fraction
 from autopar.layout.mesh import MeshSpec, default_axis_names, parse_mesh_shape
 from autopar.runtime.calibrate_pipeline import measure_pipeline_action, pipeline_bytes, split_microbatch
@@ -356,8 +356,8 @@ def _in_group(shape: tuple[int, ...], device_type: str, sizes: Sequence[int], re
     if pipelined is not None:
         per_microbatch, parts = pipelined
         # The links' price of what a stage's micro-batch sends: its activation forward, its
-        # gradient back (``planner.pipeline.costs.StageCosts.p2p_s``).
-        p2p = 2 * (mesh.alpha[0] + mesh.beta[0] * pipeline_bytes())
+        # gradient back (``planner.pipeline.costs.StageCosts.p2p_s``; no transfer latency measured yet).
+        p2p = 2 * pipeline_transfer_seconds(mesh, pipeline_bytes())
         transfer, action = split_microbatch(per_microbatch, alpha=mesh.alpha[0], beta=mesh.beta[0])
         lower = "" if transfer is None else f"; a transfer's latency {transfer * 1e3:.3f} ms, not the links' alpha"
         say(f"1F1B over axis 0 (trivial stages): {parts['lo'] * 1e3:.2f} ms at {parts['m_lo']:.0f} micro-batches, "

@@ -177,11 +177,8 @@ class DistComm:
 
         def result() -> torch.Tensor:
             wait(work)
-            with waiting():
-                for group in rest:  # no spanning group (a pipeline stage's sub-mesh): the chain
-                    record("all_reduce", out.numel() * out.element_size())
-                    dist.all_reduce(out, group=group)
-            return out
+            # no spanning group (a pipeline stage's sub-mesh): the other axes' chain, after the first
+            return all_reduce_axes(out, axes[1:], self.pmesh) if rest else out
         return result
 
     def shift(self, tensor: torch.Tensor, axis: int) -> torch.Tensor:
