@@ -32,8 +32,8 @@ roofline. Its parts:
 - ``time_scale``: per op class, a model's timed steps over what the profile priced them at
   (``autoparallelize(refine=True)``): a factor on each kernel's priced seconds.
 - ``idle_speedup``: a rank's compute rate while half the ranks wait over its rate while all
-  compute (1 with a device per rank; up to 2 with twice the ranks of the host's cores): what a
-  pipeline bubble's busy ranks gain.
+  compute (1 with a device or cores of its own per rank, where calibration does not measure it; up
+  to 2 with twice the ranks of the host's cores): what a pipeline bubble's busy ranks gain.
 - ``kernel_floor_s``: what one op costs however small -- its dispatch and launch, measured on a
   chain of one-element ops run forward and backward as a training step runs them (None: not
   measured; ``layout.cost.KERNEL_FLOOR_S`` holds). On a GPU it sets the time of the many small

@@ -24,7 +24,7 @@ its progress with ``verbose``:
    ``comm_overlap = (t_comm + t_comp - t_both) / min(t_comm, t_comp)`` clamped to [0, 1]; and
    an MLP stack's forward on every rank against the same on half of them while the rest wait:
    ``MachineProfile.idle_speedup`` (what a pipeline bubble's busy ranks gain where ranks share
-   cores); and per mesh axis, what a blocking collective costs mid-step beyond its lockstep time
+   cores; 1 without measuring where every rank computes on cores of its own, ``shares_cores``); and per mesh axis, what a blocking collective costs mid-step beyond its lockstep time
    (``measure_blocking``: ``MachineProfile.blocking_s``), and per set of several axes what a
    blocking sum over them -- the runtime's chain of per-axis all-reduces -- costs beyond its
    group's lockstep price (``MachineProfile.blocking_over``); and, where mesh axis 0 can form a
@@ -60,8 +60,8 @@ from autopar.runtime.links import (DEFAULT_SIZES, KINDS, MeshProfile, Timing, de
                                    lockstep_median, lockstep_medians, measure_axis, measure_group, rank_device,
                                    ranks_reduce, ring_factor)
 
-__all__ = ["calibrate", "calibrate_detailed", "measure_blocking", "measure_overlap", "spanned_axis_sets",
-           "QUICK_SIZES"]
+__all__ = ["calibrate", "calibrate_detailed", "measure_blocking", "measure_overlap", "ranks_share_cores",
+           "shares_cores", "spanned_axis_sets", "QUICK_SIZES"]
 
 KiB, MiB = 1024, 1024**2
 QUICK_SIZES = {"cpu": [64 * KiB, 1 * MiB, 4 * MiB], "cuda": [1 * MiB, 8 * MiB, 64 * MiB]}
@@ -166,6 +166,38 @@ def measure_idle_speedup(*, repeats: int, device: torch.device,
 
     t_all, t_half = lockstep_medians([burst, half], repeats=repeats, device=device)
     return min(max(t_all / t_half, 1.0), float(world)), {"all": t_all, "half": t_half}
+
+
+def shares_cores(ranks: Sequence[tuple[str, str, int, int]]) -> bool:
+    """Whether some ranks' compute competes for the same cores or device, from each rank's
+    ``(host, device, compute threads, cores it may run on)``: on a host, the CPU ranks' threads
+    outnumber its cores, or two ranks drive one accelerator. Only there does a pipeline bubble's
+    waiting rank lend its share to the busy ones (``MachineProfile.idle_speedup``)."""
+    cpu_threads: dict[str, int] = {}
+    cpu_cores: dict[str, int] = {}
+    devices: set[tuple[str, str]] = set()
+    for host, device, threads, cores in ranks:
+        if device == "cpu":
+            cpu_threads[host] = cpu_threads.get(host, 0) + threads
+            cpu_cores[host] = max(cpu_cores.get(host, 0), cores)
+        elif (host, device) in devices:
+            return True
+        else:
+            devices.add((host, device))
+    return any(cpu_threads[host] > cpu_cores[host] for host in cpu_threads)
+
+
+def _rank_seat(device: torch.device) -> tuple[str, str, int, int]:
+    """This rank's ``(host, device, compute threads, cores it may run on)`` for ``shares_cores``."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return os.uname().nodename, str(device), torch.get_num_threads(), cores
+
+
+def ranks_share_cores(device: torch.device) -> bool:
+    """``shares_cores`` over every rank of the default group (collective; the same answer on each)."""
+    seats: list = [None] * dist.get_world_size()
+    dist.all_gather_object(seats, _rank_seat(device))
+    return shares_cores(seats)
 
 
 def measure_blocking(groups, *, rounds: int, device: torch.device, nbytes: int = BLOCKING_BYTES,
@@ -315,7 +347,14 @@ def _in_group(shape: tuple[int, ...], device_type: str, sizes: Sequence[int], re
     held_over = {axes: measure_blocking([device_mesh.get_group(a) for a in axes], rounds=rounds, device=device)
                  for axes in spanned_axis_sets(shape)}
     speedup = 1.0
-    if math.prod(shape) > 1:
+    if math.prod(shape) > 1 and not ranks_share_cores(device):
+        # Where every rank has cores (or a device) of its own, a waiting rank lends the busy ones
+        # nothing. The burst still ran 1.33x faster on one of 2 ranks on 2 cores (memory
+        # bandwidth), but GPT-2's 1F1B over those 2 ranks measured 259-265 ms against 225 priced
+        # with a full bubble, and 203 with the burst's figure: the bubble cost all of it.
+        say("every rank computes on cores of its own: a pipeline's waiting ranks lend the others nothing "
+            "(idle speedup 1)")
+    elif math.prod(shape) > 1:
         speedup, parts = measure_idle_speedup(repeats=max(repeats, 5 if quick else 9), device=device,
                                               layers=1 if quick else _IDLE_LAYERS)
         say(f"an MLP stack's forward {parts['all'] * 1e3:.2f} ms on every rank, {parts['half'] * 1e3:.2f} ms on "
