@@ -51,7 +51,9 @@ measured figures: a collective the per-(kind, axes) ``alpha``/``beta`` where tha
 on that group (above; else, per axis, the axis's all-kind fit); a kernel of a measured op class
 its achieved rate at its size and dtype instead of the peak: ``flops / rate(flops)`` for matmul and attention,
 ``nbytes / rate(nbytes)`` for elementwise, normalisation and pooling ops, each still no less than
-its other roofline term and the kernel floor; a convolution's or pool's backward at its own
+its other roofline term and the kernel floor -- an elementwise math function (``tanh``,
+``exp``, ``sqrt`` ...) its ``MachineProfile.pointwise`` factor times the class's (``add``'s)
+time at its bytes, forward and backward apart; a convolution's or pool's backward at its own
 measured backward rate; the optimizer step (``optimizer_seconds``) at the measured AdamW rate;
 each times the profile's ``time_scale`` factor of the class where a model's timed steps refit it
 (``refine=True``). Other ops, unmeasured dtypes and uncalibrated meshes get the roofline as above,
@@ -88,12 +90,14 @@ COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "spli
 
 
 def compute_seconds(flops: float, nbytes: float, mesh: MeshSpec, *, itemsize: int = 4, op_class: str = "other",
-                    dtype: str | None = None, backward: bool = False) -> float:
+                    dtype: str | None = None, backward: bool = False, op: str | None = None) -> float:
     """Time of one kernel moving ``nbytes`` and doing ``flops`` on one device, computing in
     ``itemsize``-byte floats (2: bf16/fp16, at the half-precision peak). ``op_class`` (one of
     ``OP_CLASSES``) and ``dtype`` (``"fp32"``, ``"bf16"``, ``"fp16"``; None: from ``itemsize``)
     pick the measured rate on a calibrated mesh, ``backward`` the class's backward rate where it
-    has its own (``machine.BACKWARD_CLASSES``); see the module docstring."""
+    has its own (``machine.BACKWARD_CLASSES``); ``op``: the ATen op's name (``"tanh"``), whose
+    measured ``MachineProfile.pointwise`` factor scales an elementwise kernel's rate; see the
+    module docstring."""
     if flops < 0 or nbytes < 0:
         raise ValueError(f"flops and bytes must be >= 0, got {flops}, {nbytes}")
     if op_class not in OP_CLASSES:
@@ -109,6 +113,8 @@ def compute_seconds(flops: float, nbytes: float, mesh: MeshSpec, *, itemsize: in
     elif op_class in MEMORY_BOUND and nbytes > 0:
         rate = mesh.machine.compute.rate(op_class, dtype, nbytes, backward=backward)
         byte_s = byte_s if rate is None else nbytes / rate
+        if op_class == "elementwise" and op is not None:
+            byte_s *= mesh.machine.pointwise_factor(op, backward=backward)
     return max(flop_s, byte_s, floor) * mesh.machine.scale_of(op_class)
 
 

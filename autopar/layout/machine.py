@@ -66,6 +66,14 @@ roofline. Its parts:
   6.4 ms where it took 3.4. None: the axis's ``alpha`` prices it (the probe's micro-batch took at
   least that; what it took beyond is ``pipeline_action_s``), as in a profile written before it.
   ``layout.cost.pipeline_transfer_seconds`` reads it.
+- ``pointwise``: per pointwise ATen op whose kernel computes more than it moves (``tanh``,
+  ``exp``, ``sqrt``, ``erf`` ...: ``POINTWISE_MEASURED``), how many times the ``elementwise``
+  class's rate at its bytes one forward call and one backward call take (JSON version 9). The
+  class is timed on ``add``; on a 2-core host ``tanh`` ran 26 times slower per byte, ``sqrt`` 40,
+  ``sigmoid`` 4, while their backward kernels (``tanh_backward``: a multiply-add) ran near
+  ``add``'s rate -- GPT-2's ``gelu_new`` priced its ``tanh`` at a fifth of what a step measured.
+  ``layout.cost.compute_seconds`` multiplies an elementwise kernel of such an op by its factor;
+  an op not measured (or a profile written before it): 1, priced as before.
 
 The fraction of asynchronously issued communication hidden under concurrent compute is
 ``MeshSpec.comm_overlap`` (one field of the mesh, whoever fills it), not a field here.
@@ -79,7 +87,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
 
 __all__ = ["OP_CLASSES", "COMPUTE_BOUND", "MEMORY_BOUND", "BACKWARD_CLASSES", "OPTIMIZER", "MEASURED_CLASSES",
-           "FLOP_KEYED", "DTYPES", "LINK_KINDS", "RateTable", "ComputeProfile",
+           "FLOP_KEYED", "DTYPES", "LINK_KINDS", "POINTWISE_MEASURED", "RateTable", "ComputeProfile",
            "LinkFit", "MachineProfile", "dtype_name", "overlap_fraction"]
 
 OP_CLASSES = ("matmul", "attention", "conv", "elementwise", "norm", "batch_norm", "pool", "other")
@@ -98,6 +106,10 @@ OPTIMIZER = "optimizer"
 FLOP_KEYED = COMPUTE_BOUND + tuple(BACKWARD_CLASSES[c] for c in COMPUTE_BOUND if c in BACKWARD_CLASSES)
 MEASURED_CLASSES = COMPUTE_BOUND + MEMORY_BOUND + tuple(BACKWARD_CLASSES.values()) + (OPTIMIZER,)
 DTYPES = ("fp32", "bf16", "fp16")
+# Pointwise ops calibration times against ``add`` (``MachineProfile.pointwise``): the ATen names of
+# the math functions models call -- activations (GELU's erf and tanh forms, SiLU's sigmoid), RMS
+# and layer norms' rsqrt, rotary embeddings' sin and cos, softmax-style exp and log.
+POINTWISE_MEASURED = ("tanh", "sigmoid", "silu", "gelu", "erf", "exp", "log", "sqrt", "rsqrt", "sin", "cos")
 LINK_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 
 
@@ -294,6 +306,20 @@ def _blocking_over(items) -> tuple[tuple[tuple[int, ...], float], ...]:
     return tuple(out)
 
 
+def _pointwise(items) -> tuple[tuple[str, float, float], ...]:
+    """``MachineProfile.pointwise`` checked: distinct op names, two positive finite factors each."""
+    out = []
+    for item in items:
+        if not (isinstance(item, (tuple, list)) and len(item) == 3 and isinstance(item[0], str)
+                and _positive(item[1]) and _positive(item[2])):
+            raise ValueError(f"MachineProfile.pointwise needs (op name, forward factor, backward factor) triples "
+                             f"with positive factors, got {item!r}")
+        out.append((item[0], float(item[1]), float(item[2])))
+    if len({op for op, _, _ in out}) != len(out):
+        raise ValueError(f"MachineProfile.pointwise has two entries for one op: {items!r}")
+    return tuple(out)
+
+
 @dataclass(frozen=True, slots=True)
 class MachineProfile:
     """What calibration measured: compute rates, per-kind link fits, and where: the mesh shape
@@ -327,6 +353,9 @@ class MachineProfile:
     # Seconds of latency one pipeline point-to-point transfer pays over mesh axis 0, where measured
     # below the links' alpha (module docstring); None: the axis's alpha.
     pipeline_transfer_s: float | None = None
+    # ((ATen op name, forward factor, backward factor), ...) over the elementwise rate (module
+    # docstring); () where not measured.
+    pointwise: tuple[tuple[str, float, float], ...] = ()
     # A mesh is a cache key (``layout.conversion``): hashing every rate each lookup would cost
     # ten times the preset mesh's whole hash, so the profile's is computed once.
     _hash: int = field(init=False, repr=False, compare=False, default=0)
@@ -362,11 +391,12 @@ class MachineProfile:
         # nothing beyond its bytes), not a missing one: None is.
         for name in ("pipeline_action_s", "pipeline_transfer_s"):
             object.__setattr__(self, name, _optional_seconds(name, getattr(self, name)))
+        object.__setattr__(self, "pointwise", _pointwise(self.pointwise))
         object.__setattr__(self, "_hash", hash((self.compute, self.links, self.measured_shape,
                                                 self.measured_axis_names, self.note, self.time_scale,
                                                 self.idle_speedup, self.kernel_floor_s, self.blocking_s,
                                                 self.blocking_over, self.pipeline_action_s,
-                                                self.pipeline_transfer_s)))
+                                                self.pipeline_transfer_s, self.pointwise)))
 
     def __hash__(self) -> int:
         return self._hash
@@ -374,6 +404,11 @@ class MachineProfile:
     def scale_of(self, op_class: str) -> float:
         """The ``time_scale`` factor of ``op_class`` (1: not refit)."""
         return next((f for c, f in self.time_scale if c == op_class), 1.0)
+
+    def pointwise_factor(self, op: str, *, backward: bool = False) -> float:
+        """``pointwise``'s forward (or backward) factor of ATen op ``op`` (1: not measured)."""
+        found = next((f for f in self.pointwise if f[0] == op), None)
+        return 1.0 if found is None else found[2 if backward else 1]
 
     def blocking(self, axis: int) -> float:
         """``blocking_s`` of mesh ``axis`` (0 where not measured)."""
@@ -417,7 +452,8 @@ class MachineProfile:
                 **({"blocking_over": [{"axes": list(a), "seconds": b} for a, b in self.blocking_over]}
                    if self.blocking_over else {}),
                 **({"pipeline_action_s": self.pipeline_action_s} if self.pipeline_action_s is not None else {}),
-                **({"pipeline_transfer_s": self.pipeline_transfer_s} if self.pipeline_transfer_s is not None else {})}
+                **({"pipeline_transfer_s": self.pipeline_transfer_s} if self.pipeline_transfer_s is not None else {}),
+                **({"pointwise": {op: [f, b] for op, f, b in self.pointwise}} if self.pointwise else {})}
 
     @classmethod
     def from_dict(cls, data: dict) -> "MachineProfile":
@@ -431,6 +467,7 @@ class MachineProfile:
                        blocking_s=tuple(data.get("blocking_s", ())),
                        blocking_over=tuple((tuple(b["axes"]), b["seconds"]) for b in data.get("blocking_over", ())),
                        pipeline_action_s=data.get("pipeline_action_s"),
-                       pipeline_transfer_s=data.get("pipeline_transfer_s"))
+                       pipeline_transfer_s=data.get("pipeline_transfer_s"),
+                       pointwise=tuple((op, *fb) for op, fb in data.get("pointwise", {}).items()))
         except (KeyError, TypeError) as exc:
             raise ValueError(f"malformed machine profile in MeshSpec JSON: {type(exc).__name__}: {exc}") from None

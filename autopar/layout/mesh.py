@@ -57,7 +57,9 @@ GiB = 1024**3
 #    blocking_over); a version-6 machine has per-axis ones only, priced as it was (``layout.cost``).
 # 8: the machine's pipeline_transfer_s (a pipeline point-to-point's measured latency); a version-7
 #    machine has none: the links' alpha prices it, as it did.
-JSON_VERSION = 8
+# 9: the machine's pointwise factors (math functions' kernels over the elementwise rate); a
+#    version-8 machine has none: every pointwise op at the elementwise rate, as it was.
+JSON_VERSION = 9
 
 
 @dataclass(frozen=True, slots=True)
@@ -391,7 +393,7 @@ class MeshSpec:
                 raise ValueError(f"malformed MeshSpec JSON: version {version} has no host tier (use version 3)")
         # comm_overlap may be absent in any version (files written before it): the field's
         # default, 0, prices communication in full as those files' plans were.
-        elif version not in (3, 4, 5, 6, 7, JSON_VERSION):
+        elif version not in (3, 4, 5, 6, 7, 8, JSON_VERSION):
             raise ValueError(f"MeshSpec JSON version {version} is not supported (expected 1 to {JSON_VERSION})")
         if version < 4 and data.get("machine") is not None:
             raise ValueError(f"malformed MeshSpec JSON: version {version} has no machine profile (use version 4)")
@@ -411,6 +413,8 @@ class MeshSpec:
             if version < 8 and "pipeline_transfer_s" in data["machine"]:
                 raise ValueError(f"malformed MeshSpec JSON: version {version} has no pipeline_transfer_s "
                                  f"(use version 8)")
+            if version < 9 and "pointwise" in data["machine"]:
+                raise ValueError(f"malformed MeshSpec JSON: version {version} has no pointwise factors (use version 9)")
             data["machine"] = MachineProfile.from_dict(data["machine"])
         try:
             return cls(**data)

@@ -11,7 +11,9 @@ its progress with ``verbose``:
 1. **compute** (``calibrate_compute``): achieved FLOP/s of matmul/bmm and attention and bytes/s
    of elementwise and normalisation ops over a grid of sizes, in fp32, bf16 and fp16 -> a
    ``ComputeProfile``; the mesh's roofline peaks are its steady states; and the cost of one
-   op however small (a chain of 0-dim ops forward and backward: ``kernel_floor_s``).
+   op however small (a chain of 0-dim ops forward and backward: ``kernel_floor_s``); and how many
+   times ``add``'s time per byte math functions take, forward and backward (``tanh``, ``exp``,
+   ``sqrt`` ...: ``MachineProfile.pointwise``, ``measure_pointwise``).
 2. **collectives** (``links.measure_axis``): all-reduce, all-gather, reduce-scatter and
    all-to-all over a range of sizes on every mesh axis of size > 1 -> one alpha/beta per axis
    over all kinds (``MeshSpec.alpha``/``beta``) and one per kind and axis (``LinkFit``); then
@@ -24,7 +26,8 @@ its progress with ``verbose``:
    ``comm_overlap = (t_comm + t_comp - t_both) / min(t_comm, t_comp)`` clamped to [0, 1]; and
    an MLP stack's forward on every rank against the same on half of them while the rest wait:
    ``MachineProfile.idle_speedup`` (what a pipeline bubble's busy ranks gain where ranks share
-   cores; 1 without measuring where every rank computes on cores of its own, ``shares_cores``); and per mesh axis, what a blocking collective costs mid-step beyond its lockstep time
+   cores; 1 without measuring where every rank computes on cores of its own, ``shares_cores``);
+   and per mesh axis, what a blocking collective costs mid-step beyond its lockstep time
    (``measure_blocking``: ``MachineProfile.blocking_s``), and per set of several axes what a
    blocking sum over them -- the runtime's chain of per-axis all-reduces -- costs beyond its
    group's lockstep price (``MachineProfile.blocking_over``); and, where mesh axis 0 can form a
@@ -55,7 +58,7 @@ from autopar.layout.machine import FLOP_KEYED, LinkFit, MachineProfile, overlap_
 from autopar.layout.mesh import MeshSpec, default_axis_names, parse_mesh_shape
 from autopar.runtime.calibrate_pipeline import measure_pipeline_action, pipeline_bytes, split_microbatch
 from autopar.runtime.calibrate_compute import (GRID, MIN_REPETITION_S, QUICK_GRID, QUICK_REPETITION_S, device_figures,
-                                               measure_compute, measure_kernel_floor)
+                                               measure_compute, measure_kernel_floor, measure_pointwise)
 from autopar.runtime.links import (DEFAULT_SIZES, KINDS, MeshProfile, Timing, default_device, fit_alpha_beta,
                                    lockstep_median, lockstep_medians, measure_axis, measure_group, rank_device,
                                    ranks_reduce, ring_factor)
@@ -331,6 +334,10 @@ def _in_group(shape: tuple[int, ...], device_type: str, sizes: Sequence[int], re
     floor = measure_kernel_floor(repeats=max(repeats, 9), device=device,
                                  min_repetition_s=QUICK_REPETITION_S if quick else MIN_REPETITION_S)
     say(f"kernel floor (one small op, forward and backward): {floor * 1e6:.1f} us")
+    pointwise = measure_pointwise(repeats=repeats, device=device,
+                                  min_repetition_s=QUICK_REPETITION_S if quick else MIN_REPETITION_S)
+    say("pointwise math over add's rate per byte, forward/backward: "
+        + ", ".join(f"{op} {f:.1f}/{b:.1f}" for op, f, b in pointwise))
     say.stage = "stage 2/3 collectives: "
     alpha, beta, links, timings = _collectives(device_mesh, shape, sizes, repeats, device, say)
     say.stage = "stage 3/3 overlap, blocking and pipeline: "
@@ -366,7 +373,7 @@ def _in_group(shape: tuple[int, ...], device_type: str, sizes: Sequence[int], re
             f"{repeats} repetitions, load {load:.2f} at the start, "
             f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}")
     machine = MachineProfile(compute=compute, links=tuple(links), measured_shape=shape, measured_axis_names=names,
-                             note=note, idle_speedup=speedup, kernel_floor_s=floor)
+                             note=note, idle_speedup=speedup, kernel_floor_s=floor, pointwise=pointwise)
     flops, half, bandwidth = device_figures(compute)
     mesh = MeshSpec(shape=shape, axis_names=names, alpha=tuple(alpha), beta=tuple(beta), peak_flops=flops,
                     mem_bandwidth=bandwidth, mem_capacity=_mem_capacity(device), name=f"profiled-{device_type}",

@@ -59,10 +59,10 @@ import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 
-from autopar.layout.machine import DTYPES, ComputeProfile, RateTable
+from autopar.layout.machine import DTYPES, POINTWISE_MEASURED, ComputeProfile, RateTable
 from autopar.runtime.links import lockstep_medians, ranks_reduce, sync_device
 
-__all__ = ["Grid", "Kernel", "GRID", "QUICK_GRID", "kernels", "measure_compute", "device_figures"]
+__all__ = ["Grid", "Kernel", "GRID", "QUICK_GRID", "kernels", "measure_compute", "measure_pointwise", "device_figures"]
 
 MIN_REPETITION_S = 10e-3
 QUICK_REPETITION_S = 2e-3
@@ -386,6 +386,43 @@ def measure_kernel_floor(*, repeats: int, device: torch.device | str = "cpu",
     _, (inner,) = _inner_counts([Kernel("other", "fp32", 1.0, "kernel floor", chain)], device, min_repetition_s)
     (seconds,) = lockstep_medians([_repeated(chain, inner)], repeats=repeats, device=device, warm_up=False)
     return seconds / (inner * 2 * FLOOR_CHAIN)
+
+
+POINTWISE_NUMEL = 1 << 18  # elements per call of ``measure_pointwise``: 1 MiB of fp32, a mid-size activation
+
+
+def measure_pointwise(*, repeats: int, device: torch.device | str = "cpu", numel: int = POINTWISE_NUMEL,
+                      min_repetition_s: float = MIN_REPETITION_S) -> tuple[tuple[str, float, float], ...]:
+    """``MachineProfile.pointwise``: for each op of ``POINTWISE_MEASURED``, its forward kernel's
+    and its backward's seconds on ``numel`` fp32 elements over what ``add``'s rate gives their
+    bytes as the cost model counts them (forward: input and output; backward: twice that, the
+    default of ``strategies.combine``), ``add`` timed at the same size in the same lockstep rounds
+    (a ratio within one run: load drifting between rounds cancels). The backward is autograd's
+    (``torch.autograd.grad`` through the op's one node), as a step runs it. fp32 only: the
+    factors are applied to every dtype's elementwise rate. Collective over every rank; every rank
+    returns the same figures."""
+    device = torch.device(device)
+    positive = torch.rand(numel, device=device) + 0.5  # inside every function's domain
+    a, b = torch.randn(numel, device=device), torch.randn(numel, device=device)
+    grad = torch.randn(numel, device=device)
+    kernels_ = [Kernel("elementwise", "fp32", 3.0 * numel * 4, "add", lambda: torch.add(a, b))]
+    for op in POINTWISE_MEASURED:
+        fn = getattr(torch.ops.aten, op).default
+        x = positive.clone().requires_grad_(True)
+        y = fn(x)
+        kernels_.append(Kernel("elementwise", "fp32", 2.0 * numel * 4, op, lambda fn=fn, x=positive: fn(x)))
+        kernels_.append(Kernel("elementwise", "fp32", 4.0 * numel * 4, f"{op} backward",
+                               lambda x=x, y=y: torch.autograd.grad(y, x, grad, retain_graph=True)[0]))
+    points, inner = _inner_counts(kernels_, device, min_repetition_s)
+    if len(points) != len(kernels_):  # left out past a call of SLOW_CALLS repetitions: none at 1 MiB
+        untimed = sorted({k.label for k in kernels_} - {k.label for k in points})
+        raise RuntimeError(f"calibration: pointwise kernels {untimed} took too long to time")
+    seconds = lockstep_medians([_repeated(k.run, c) for k, c in zip(points, inner)], repeats=repeats, device=device,
+                               warm_up=False)
+    per_byte = {k.label: t / (c * k.size) for k, c, t in zip(points, inner, seconds)}
+    add = per_byte["add"]
+    return tuple((op, max(per_byte[op] / add, 1e-3), max(per_byte[f"{op} backward"] / add, 1e-3))
+                 for op in POINTWISE_MEASURED)
 
 
 def device_figures(profile: ComputeProfile) -> tuple[float, float | None, float]:

@@ -144,7 +144,8 @@ def _strategy(info: OpInfo, mesh: MeshSpec, combo: tuple[AxisOption, ...], in_sp
         m is not None and m.is_float for m in info.outputs
     )
     itemsize = _compute_itemsize(info)
-    kind = {"itemsize": itemsize, "op_class": op_class(info.target), "dtype": _compute_dtype(info, itemsize)}
+    kind = {"itemsize": itemsize, "op_class": op_class(info.target), "dtype": _compute_dtype(info, itemsize),
+            "op": _op_name(info.target)}
     fwd_c = compute_seconds(flops[0] / div, moved, mesh, **kind)
     # Backward reads the output gradient and the saved inputs and writes the input gradients.
     bwd_c = compute_seconds(flops[1] / div, moved_bwd, mesh, backward=True, **kind) if differentiable else 0.0

@@ -1,5 +1,5 @@
 """The measured machine (``layout/machine.py``): rate interpolation, the JSON round trip on
-``MeshSpec`` (version 7, older versions still read), and the cost model priced from it."""
+``MeshSpec`` (version 9, older versions still read), and the cost model priced from it."""
 
 from __future__ import annotations
 
@@ -90,10 +90,10 @@ def test_overlap_fraction_is_clamped():
 
 
 # ------------------------------------------------------------------------------------- JSON
-def test_calibrated_mesh_round_trips_as_version_7():
+def test_calibrated_mesh_round_trips_as_the_current_version():
     mesh = _mesh()
     data = json.loads(mesh.to_json())
-    assert data["version"] == 8 and data["comm_overlap"] == 0.4
+    assert data["version"] == 9 and data["comm_overlap"] == 0.4
     assert data["machine"]["compute"][0] == {"op_class": "matmul", "dtype": "fp32", "sizes": [1e6, 1e9],
                                              "rates": [10e9, 40e9]}
     assert data["machine"]["measured_shape"] == [2, 2]
@@ -225,7 +225,7 @@ def test_a_pipeline_transfers_measured_latency_round_trips_and_prices_it_else_th
     mesh = _mesh(machine=replace(_profile(), pipeline_transfer_s=0.4e-3))
     assert pipeline_transfer_seconds(mesh, 1000) == pytest.approx(0.4e-3 + mesh.beta[0] * 1000)
     data = json.loads(mesh.to_json())
-    assert data["version"] == 8 and data["machine"]["pipeline_transfer_s"] == 0.4e-3
+    assert data["version"] == 9 and data["machine"]["pipeline_transfer_s"] == 0.4e-3
     assert MeshSpec.from_json(mesh.to_json()) == mesh and hash(mesh.machine) != hash(_profile())
     assert stage_mesh_of(mesh).machine.pipeline_transfer_s == 0.4e-3  # a stage's sub-mesh keeps it
     zero = _mesh(machine=replace(_profile(), pipeline_transfer_s=0))
@@ -237,6 +237,32 @@ def test_a_pipeline_transfers_measured_latency_round_trips_and_prices_it_else_th
     for bad in (-1e-3, math.nan, math.inf, 1.5, "1e-3", True):
         with pytest.raises(ValueError, match=r"pipeline_transfer_s must be a finite number of seconds in \[0, 1\)"):
             replace(_profile(), pipeline_transfer_s=bad)
+
+
+def test_pointwise_factors_round_trip_are_checked_and_scale_only_their_elementwise_op():
+    mesh = _mesh(machine=replace(_profile(), pointwise=(("tanh", 16.0, 1.5), ("exp", 6.0, 1.2))))
+    data = json.loads(mesh.to_json())
+    assert data["version"] == 9 and data["machine"]["pointwise"] == {"tanh": [16.0, 1.5], "exp": [6.0, 1.2]}
+    assert MeshSpec.from_json(mesh.to_json()) == mesh and hash(mesh.machine) != hash(_profile())
+    assert stage_mesh_of(mesh).machine.pointwise == mesh.machine.pointwise  # a stage's sub-mesh keeps them
+    nbytes = 10 ** 5.5
+    add = compute_seconds(0, nbytes, mesh, op_class="elementwise", op="add")
+    assert add == compute_seconds(0, nbytes, mesh, op_class="elementwise")  # not measured: factor 1
+    assert compute_seconds(0, nbytes, mesh, op_class="elementwise", op="tanh") == pytest.approx(16 * add)
+    assert compute_seconds(0, nbytes, mesh, op_class="elementwise", op="tanh", backward=True) == pytest.approx(
+        1.5 * add)
+    # Another class of the same name is not an elementwise kernel; a preset has no factors.
+    assert compute_seconds(0, 1e6, mesh, op_class="norm", op="tanh") == compute_seconds(0, 1e6, mesh, op_class="norm")
+    preset = MeshSpec.preset("cpu", (2, 2))
+    assert compute_seconds(0, 1e6, preset, op_class="elementwise", op="tanh") == compute_seconds(0, 1e6, preset)
+    # A version-8 file has none (every pointwise op at the add rate, as it was) and cannot carry them.
+    plain = _mesh()
+    assert MeshSpec.from_json(json.dumps({**json.loads(plain.to_json()), "version": 8})) == plain
+    with pytest.raises(ValueError, match="version 8 has no pointwise factors"):
+        MeshSpec.from_json(json.dumps({**data, "version": 8}))
+    for bad in ((("tanh", 0.0, 1.0),), (("tanh", 1.0),), ((3, 1.0, 1.0),), (("tanh", 2.0, 1.0), ("tanh", 3.0, 1.0))):
+        with pytest.raises(ValueError, match="MachineProfile.pointwise"):
+            replace(_profile(), pointwise=bad)
 
 
 def test_a_pipeline_stage_mesh_keeps_the_fits_of_its_axes():

@@ -46,7 +46,7 @@ def test_half_peak_is_validated_and_optional():
 def test_json_round_trips_both_peaks():
     mesh = MeshSpec.preset("h100-80gb", (2, 8))
     data = json.loads(mesh.to_json())
-    assert data["version"] == 8 and data["half_peak_flops"] == 989e12 and data["peak_flops"] == 67e12
+    assert data["version"] == 9 and data["half_peak_flops"] == 989e12 and data["peak_flops"] == 67e12
     assert MeshSpec.from_json(mesh.to_json()) == mesh
     cpu = MeshSpec.preset("cpu", (2,))
     assert json.loads(cpu.to_json())["half_peak_flops"] == 1e9
@@ -61,14 +61,14 @@ def test_json_version_1_prices_as_before():
     mesh = MeshSpec.from_json(json.dumps(v1))
     assert mesh.peak_flops == mesh.half_peak_flops == 300e12
     assert mesh.flops_at(4) == mesh.flops_at(2) == 300e12
-    assert MeshSpec.from_json(mesh.to_json()) == mesh  # re-saved as version 8
+    assert MeshSpec.from_json(mesh.to_json()) == mesh  # re-saved as version 9
     unversioned = dict(v1)
     del unversioned["version"]
     assert MeshSpec.from_json(json.dumps(unversioned)) == mesh
     with pytest.raises(ValueError, match="version 1 has no half_peak_flops"):
         MeshSpec.from_json(json.dumps({**v1, "half_peak_flops": 1e12}))
-    with pytest.raises(ValueError, match="version 9 is not supported"):
-        MeshSpec.from_json(json.dumps({**v1, "version": 9}))
+    with pytest.raises(ValueError, match="version 10 is not supported"):
+        MeshSpec.from_json(json.dumps({**v1, "version": 10}))
     assert mesh.host_capacity is None  # no host tier before version 3
 
 

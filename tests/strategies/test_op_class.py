@@ -72,6 +72,26 @@ def test_a_strategy_is_priced_at_the_rate_of_its_local_shard():
     assert relu_strategy.forward_compute_s == pytest.approx(moved / 1e9)
 
 
+class _Tanh(nn.Module):
+    def forward(self, x):
+        return torch.tanh(x) + x
+
+
+def test_a_math_function_is_priced_at_its_measured_factor_over_the_elementwise_rate():
+    # tanh computes far more per byte than add, the class's calibrated kernel; its backward (a
+    # multiply-add on the saved output) does not: calibration measures both apart.
+    traced = trace(_Tanh(), (torch.randn(128, 256, requires_grad=True),))
+    nodes = {str(n.target): n for n in traced.compute_nodes()}
+    tanh, add = nodes["aten.tanh.default"], nodes["aten.add.Tensor"]
+    plain = _calibrated(MeshSpec.preset("cpu", (1,)))
+    mesh = replace(plain, machine=replace(plain.machine, pointwise=(("tanh", 16.0, 1.5),)))
+    (before,), (after,) = strategies_for(tanh, plain), strategies_for(tanh, mesh)
+    assert after.forward_compute_s == pytest.approx(16 * before.forward_compute_s)
+    backward = before.compute_s - before.forward_compute_s
+    assert after.compute_s - after.forward_compute_s == pytest.approx(1.5 * backward)
+    assert strategies_for(add, mesh)[0].compute_s == strategies_for(add, plain)[0].compute_s  # not measured: 1
+
+
 class _ConvPool(nn.Module):
     def __init__(self):
         super().__init__()
