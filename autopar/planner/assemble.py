@@ -84,24 +84,27 @@ def baseline_problem(name: str, traced, built) -> Problem:
     return restricted_problem(built, traced, _family_restriction(name, built), name)
 
 
-def seed_data_parallel(traced, built, options) -> None:
+def seed_data_parallel(traced, built, options):
     """Keep the data-parallel family's plan as a known plan of ``built.problem`` (``solver.incumbents``,
     inside the planning call's ``remembering``), so that a solve of the full problem stopped short of
     its optimum never answers with a plan its cost model prices above data parallelism
     (``solver.driver``): among near-ties such a stop kept GPT-2 on 2x2 on a layout 0.1% above it
     that measured 17% slower. Nothing when the family does not apply or finds no plan within a tenth
-    of ``options.time_limit`` (a restricted problem: milliseconds)."""
+    of ``options.time_limit`` (a restricted problem: milliseconds). Returns (the family's problem,
+    its solution) when that solution is optimal -- the data-parallel baseline's, which
+    ``plan_traced`` then does not solve again -- else None."""
     from autopar.solver import incumbents
     from autopar.solver.driver import SolveTimeout, solve
 
     if "data-parallel" not in applicable_baselines(built.mesh.ndim):
-        return
+        return None
     try:
-        solution = solve(baseline_problem("data-parallel", traced, built), solver=options.solver,
-                         time_limit=0.1 * options.time_limit)
+        problem = baseline_problem("data-parallel", traced, built)
+        solution = solve(problem, solver=options.solver, time_limit=0.1 * options.time_limit)
     except (ValueError, SolveTimeout):
-        return
+        return None
     incumbents.remember(built.problem, solution.choice)
+    return (problem, solution) if solution.status == "optimal" else None
 
 
 def family_built(name: str, traced, built):

@@ -212,7 +212,7 @@ def plan_traced(traced: TracedGraph, profile: ModelProfile, *, mesh: MeshSpec | 
                               solve_plain=lambda p: _solve(p, options=options, progress=progress, stage="solve"))
 
     with remembering():  # one scope for the re-solves (offload's refits): each one's plans are incumbents of the next
-        seed_data_parallel(traced, built, options)  # a restricted ``built`` (a fixed configuration) refuses it
+        seeded = seed_data_parallel(traced, built, options)  # a restricted ``built`` (a fixed configuration) refuses it
         rc = fit_device_room(traced, built, replan(built), options=options, replan=replan, progress=progress)
         # Table-wise tables go whole onto one device each; a re-plan if the fullest then overflows.
         # (The chunk runtime that runs an offloading plan keeps every table evenly split.)
@@ -221,7 +221,8 @@ def plan_traced(traced: TracedGraph, profile: ModelProfile, *, mesh: MeshSpec | 
             rc, tables = fit_tables(traced, built, rc, replan=replan, progress=progress)
     results = ()
     if options.baselines:
-        results = tuple(_baseline(name, traced, built, options=options, progress=progress)
+        results = tuple(_baseline(name, traced, built, options=options, progress=progress,
+                                  solved=seeded if name == "data-parallel" else None)
                         for name in applicable_baselines(mesh.ndim, zero=options.zero_stage == "auto"))
     assembled = assemble_plan(
         traced, built, choice=rc.choice, evaluation=rc.evaluation, solution=rc.solution,
@@ -242,17 +243,23 @@ def _solve(problem, *, options: PlanOptions, progress: Progress, stage: str):
         return solve(problem, solver=options.solver, time_limit=options.time_limit)
 
 
-def _baseline(name: str, traced, built, *, options: PlanOptions, progress: Progress) -> BaselineResult:
+def _baseline(name: str, traced, built, *, options: PlanOptions, progress: Progress,
+              solved: tuple | None = None) -> BaselineResult:
+    """Family ``name``'s best plan on ``built``; ``solved``: (its problem, an optimal solution) found
+    already (the data-parallel seed's), not solved again."""
     from autopar.planner.assemble import baseline_problem, estimate_of
     from autopar.planner.checkpointing import estimate
     from autopar.solver.driver import SolveTimeout
 
-    try:
-        with progress.stage(f"baseline {name}"):
-            problem = baseline_problem(name, traced, built)
-        solution = _solve(problem, options=options, progress=progress, stage=f"baseline {name} solve")
-    except (ValueError, SolveTimeout) as exc:  # the family cannot fit the budget (or has no legal layout), or
-        return BaselineResult(name, False, None, str(exc).splitlines()[0])  # no plan of it was found in time
+    if solved is not None:
+        problem, solution = solved
+    else:
+        try:
+            with progress.stage(f"baseline {name}"):
+                problem = baseline_problem(name, traced, built)
+            solution = _solve(problem, options=options, progress=progress, stage=f"baseline {name} solve")
+        except (ValueError, SolveTimeout) as exc:  # the family cannot fit the budget (or has no legal layout),
+            return BaselineResult(name, False, None, str(exc).splitlines()[0])  # or no plan of it in time
     evaluation = estimate(built, problem, solution.choice, (), built.segment_inputs)
     return BaselineResult(name, True, estimate_of(evaluation))
 
