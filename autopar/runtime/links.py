@@ -14,8 +14,10 @@ rule for any callable, and the compute measurements use it too.
 
 The fit (``fit_alpha_beta``): one ``alpha`` and one ``beta`` by least squares against the ring
 model of ``autopar.layout.cost`` (``t = alpha + beta * nbytes * f(kind, n)``) on log residuals
-``log(model / t)``, so that 64 KiB calls weigh as much as 16 MiB ones and a 2x over-prediction
-counts like a 2x under-prediction; both parameters come out strictly positive. Calibration fits
+``log(model / t)``, so that 4 KiB calls weigh as much as 16 MiB ones and a 2x over-prediction
+counts like a 2x under-prediction, a point more than 1.5x off the fit weighing less (Huber's
+loss: a host state lasting seconds once tripled a few sizes' medians); both parameters come out
+strictly positive. Calibration fits
 it per axis over all four kinds (``MeshSpec.alpha``/``beta``) and per kind and axis -- or set of
 axes -- (``MachineProfile.links``). Axes of size 1 never communicate: alpha = beta = 0 there.
 """
@@ -59,7 +61,7 @@ __all__ = [
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 KiB, MiB = 1024, 1024**2
 DEFAULT_SIZES = {
-    "cpu": [64 * KiB, 256 * KiB, 1 * MiB, 4 * MiB, 16 * MiB],
+    "cpu": [4 * KiB, 64 * KiB, 256 * KiB, 1 * MiB, 4 * MiB, 16 * MiB],
     "cuda": [1 * MiB, 4 * MiB, 16 * MiB, 64 * MiB, 256 * MiB],
 }
 _ITEMSIZE = 4  # float32 buffers
@@ -127,20 +129,45 @@ def _linear_relative_fit(pts: list[tuple[float, float]]) -> tuple[float, float]:
     return max(alpha, 1e-3 * t_min), max(beta, 1e-3 * t_min / max(x_max, 1.0))
 
 
-def _lm_step(pts, p: float, q: float, damping: float, current: float, loss):
+def _weighted_log_fit(pts, weights, p: float, q: float, iterations: int) -> tuple[float, float]:
+    """(log alpha, log beta) minimising ``sum w (log(alpha + beta x) - log t)^2`` from (p, q)."""
+    def loss(p: float, q: float) -> float:
+        # A wild trial step (noisy, non-monotone timings) can leave exp's range: an infinite
+        # loss rejects it, as any worse step is rejected, and the damping grows.
+        try:
+            a, b = math.exp(p), math.exp(q)
+            return sum(w * (math.log(a + b * x) - math.log(t)) ** 2 for (x, t), w in zip(pts, weights))
+        except (OverflowError, ValueError):
+            return math.inf
+
+    damping, current = 1e-3, loss(p, q)
+    for _ in range(iterations):
+        step = _lm_step(pts, weights, p, q, damping, current, loss)
+        if step is None:  # no damping makes progress: (p, q) is as good as it gets
+            break
+        dp, dq, trial, damping = step
+        p, q = p + dp, q + dq
+        improvement, current = current - trial, trial
+        damping = max(damping / 10, 1e-9)
+        if improvement <= 1e-14 * max(current, 1e-30) and abs(dp) + abs(dq) < 1e-10:
+            break
+    return p, q
+
+
+def _lm_step(pts, weights, p: float, q: float, damping: float, current: float, loss):
     """One Levenberg-Marquardt step from (log alpha, log beta) = (p, q): (dp, dq, new loss, the
     damping that gave it), or None when no damping up to 1e12 lowers the loss."""
     a, b = math.exp(p), math.exp(q)
     jtj = [[0.0, 0.0], [0.0, 0.0]]
     jtr = [0.0, 0.0]
-    for x, t in pts:
+    for (x, t), w in zip(pts, weights):
         m = a + b * x
         r = math.log(m) - math.log(t)
         j = (a / m, b * x / m)  # d r / d(log alpha), d r / d(log beta)
         for i in range(2):
-            jtr[i] += j[i] * r
+            jtr[i] += w * j[i] * r
             for k in range(2):
-                jtj[i][k] += j[i] * j[k]
+                jtj[i][k] += w * j[i] * j[k]
     while damping <= 1e12:
         h00, h11 = jtj[0][0] * (1 + damping), jtj[1][1] * (1 + damping)
         det = h00 * h11 - jtj[0][1] * jtj[1][0]
@@ -154,14 +181,24 @@ def _lm_step(pts, p: float, q: float, damping: float, current: float, loss):
     return None
 
 
+# Huber's threshold on a point's log residual (``fit_alpha_beta``): a call within 1.5x of the fit
+# weighs in full, one further off by ``HUBER_LOG / |residual|``.
+HUBER_LOG = math.log(1.5)
+_REWEIGHTS = 8  # rounds of reweighting at most (the weights settle in two or three)
+
+
 def fit_alpha_beta(points: Sequence[tuple[float, float]], *, iterations: int = 100) -> tuple[float, float]:
-    """Least squares of ``log(alpha + beta * x) - log(t)`` over ``points`` = ``(x, t)``.
+    """Least squares of ``log(alpha + beta * x) - log(t)`` over ``points`` = ``(x, t)``, robust
+    to a point far off the rest.
 
     ``x = nbytes * ring_factor(kind, n)``, ``t`` measured seconds. Log residuals weigh a 2x
     over-prediction like a 2x under-prediction and small calls like large ones; fitting
-    ``log alpha`` and ``log beta`` (Levenberg-Marquardt) keeps both strictly positive.
-    ``ValueError`` when the sizes are too small for bandwidth to show (see
-    ``MIN_BANDWIDTH_SHARE``).
+    ``log alpha`` and ``log beta`` (Levenberg-Marquardt) keeps both strictly positive. A point
+    more than 1.5x off the fit weighs less (Huber's loss, by iterative reweighting): on this
+    project's 2-core host a 2-rank all-reduce of 256 KiB-4 MiB once took ~3.5 ms in one pass of
+    lockstep repetitions and 0.6-1.5 ms in the next, and plain least squares turned such points
+    into latencies of 1-2.6 ms where 4 KiB calls took 0.5-0.7. ``ValueError`` when the sizes are
+    too small for bandwidth to show (see ``MIN_BANDWIDTH_SHARE``).
     """
     pts = [(float(x), float(t)) for x, t in points]
     if len(pts) < 2 or any(not t > 0 or not x >= 0 for x, t in pts):
@@ -170,27 +207,14 @@ def fit_alpha_beta(points: Sequence[tuple[float, float]], *, iterations: int = 1
         raise ValueError(f"need >= 2 distinct sizes to separate alpha from beta, got {pts}")
     alpha, beta = _linear_relative_fit(pts)
     p, q = math.log(alpha), math.log(beta)
-
-    def loss(p: float, q: float) -> float:
-        # A wild trial step (noisy, non-monotone timings) can leave exp's range: an infinite
-        # loss rejects it, as any worse step is rejected, and the damping grows.
-        try:
-            a, b = math.exp(p), math.exp(q)
-            return sum((math.log(a + b * x) - math.log(t)) ** 2 for x, t in pts)
-        except (OverflowError, ValueError):
-            return math.inf
-
-    damping, current = 1e-3, loss(p, q)
-    for _ in range(iterations):
-        step = _lm_step(pts, p, q, damping, current, loss)
-        if step is None:  # no damping makes progress: (p, q) is as good as it gets
+    weights = [1.0] * len(pts)
+    for _ in range(_REWEIGHTS):
+        p, q = _weighted_log_fit(pts, weights, p, q, iterations)
+        a, b = math.exp(p), math.exp(q)
+        new = [min(1.0, HUBER_LOG / max(abs(math.log(a + b * x) - math.log(t)), 1e-300)) for x, t in pts]
+        if max(abs(w - v) for w, v in zip(weights, new)) < 1e-6:
             break
-        dp, dq, trial, damping = step
-        p, q = p + dp, q + dq
-        improvement, current = current - trial, trial
-        damping = max(damping / 10, 1e-9)
-        if improvement <= 1e-14 * max(current, 1e-30) and abs(dp) + abs(dq) < 1e-10:
-            break
+        weights = new
     alpha, beta = math.exp(p), math.exp(q)
     # If even the largest call is (nearly) all latency, the data do not determine beta: a tiny
     # fitted beta would tell the planner that bandwidth is free. Refuse rather than mislead.

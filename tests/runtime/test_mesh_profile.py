@@ -165,3 +165,16 @@ def test_fit_survives_noisy_timings():
         fitted += 1
         assert alpha > 0 and beta > 0, (points, alpha, beta)
     assert fitted > 50
+
+
+def test_fit_weighs_a_point_far_off_the_rest_less():
+    # A 2-rank all-reduce's lockstep medians: 0.6 ms latency, 1.25 GB/s, but a 256 KiB point caught
+    # in a slow state of the host at 3.5 ms. Least squares would pull the latency towards it; the
+    # robust fit keeps it near what the small calls took.
+    alpha, beta = 0.6e-3, 0.8e-9
+    sizes = [4096, 65536, 262144, 1 << 20, 1 << 22, 1 << 24]
+    points = [(x, alpha + beta * x) for x in sizes]
+    points[2] = (262144, 3.5e-3)
+    fitted_alpha, fitted_beta = fit_alpha_beta(points)
+    # (least squares of the log residuals, every point weighing in full: 0.92 ms)
+    assert fitted_alpha == pytest.approx(alpha, rel=0.2) and fitted_beta == pytest.approx(beta, rel=0.05)
