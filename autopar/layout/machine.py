@@ -72,6 +72,8 @@ roofline. Its parts:
   class is timed on ``add``; on a 2-core host ``tanh`` ran 26 times slower per byte, ``sqrt`` 40,
   ``sigmoid`` 4, while their backward kernels (``tanh_backward``: a multiply-add) ran near
   ``add``'s rate -- GPT-2's ``gelu_new`` priced its ``tanh`` at a fifth of what a step measured.
+  Each factor is at least 1 (a kernel that moves what ``add`` moves; measured below, a backward
+  graph's saved tensors sat in cache where ``add`` read cold inputs).
   ``layout.cost.compute_seconds`` multiplies an elementwise kernel of such an op by its factor;
   an op not measured (or a profile written before it): 1, priced as before.
 

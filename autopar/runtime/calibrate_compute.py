@@ -27,7 +27,9 @@ The grid, per dtype (fp32, bf16, fp16):
 - ``conv``: ``conv2d`` at a few (batch, channels, image size, kernel), keyed by its FLOPs, and
   ``conv_backward``: the same convolution's input and weight gradients, keyed by their FLOPs
   (both counted by ``torch.utils.flop_counter``, as the tracer's profile counts them);
-- ``elementwise``: ``add`` of two tensors, keyed by the bytes one call reads and writes;
+- ``elementwise``: ``add`` of two tensors, keyed by the bytes one call reads and writes, each call
+  on inputs no recent call read (``_cold_copies``: past the last-level cache, as a step's
+  elementwise ops read activations written a while ago);
 - ``norm``: ``layer_norm`` over rows of 1024, keyed likewise;
 - ``batch_norm``: training-mode ``batch_norm`` of an NCHW tensor, keyed by the bytes of its
   tensor arguments and output (what ``strategies.combine`` charges an op), and
@@ -50,6 +52,7 @@ size below them takes their rate -- and which sets a small model's step on a GPU
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from dataclasses import dataclass
@@ -151,15 +154,34 @@ def _attention(grid: Grid, dtype: str, device: torch.device) -> list[Kernel]:
     return out
 
 
+# Bytes of inputs an elementwise kernel cycles through (``_cold_copies``): past a CPU's last-level
+# cache, so each call reads memory no recent call touched.
+COLD_BYTES = 64 << 20
+
+
+def _cold_copies(make: Callable[[], object], nbytes: int, device: torch.device):
+    """An endless cycle over copies of ``make()``'s inputs (``nbytes`` each), as many as fill
+    ``COLD_BYTES`` on a CPU (one on a GPU, whose kernels stream from memory anyway): a step's
+    elementwise op reads an activation some other op wrote a while ago, or one saved in forward,
+    not the tensor its own previous call read, which a loop over one input finds in cache. On
+    this project's 2-core host one rank's fp32 ``add`` ran at 56-90 GB/s over one input pair and
+    23-33 GB/s cycling through 96 MiB of pairs, and a GPT-2 step's ``mul``/``add``/``pow`` took
+    1.6-2.8 times what the one-pair rate priced them at."""
+    count = max(1, COLD_BYTES // max(nbytes, 1)) if device.type == "cpu" else 1
+    copies = [make() for _ in range(min(count, 4096))]
+    return itertools.cycle(copies)
+
+
 def _memory_bound(grid: Grid, dtype: str, device: torch.device) -> list[Kernel]:
     dt = TORCH_DTYPES[dtype]
     item = torch.empty((), dtype=dt).element_size()
     out = []
     for numel in grid.elementwise:
-        x, y = torch.randn(numel, dtype=dt, device=device), torch.randn(numel, dtype=dt, device=device)
+        pairs = _cold_copies(lambda: (torch.randn(numel, dtype=dt, device=device),
+                                      torch.randn(numel, dtype=dt, device=device)), 2 * numel * item, device)
         # Reads two tensors, writes one: the bytes the cost model charges an elementwise op.
         out.append(Kernel("elementwise", dtype, 3.0 * numel * item, f"add {numel:,}",
-                          lambda x=x, y=y: torch.add(x, y)))
+                          lambda pairs=pairs: torch.add(*next(pairs))))
     for rows in grid.norm_rows:
         x = torch.randn(rows, NORM_WIDTH, dtype=dt, device=device)
         out.append(Kernel("norm", dtype, 2.0 * x.numel() * item, f"layer_norm {rows}x{NORM_WIDTH}",
@@ -397,20 +419,22 @@ def measure_pointwise(*, repeats: int, device: torch.device | str = "cpu", numel
     and its backward's seconds on ``numel`` fp32 elements over what ``add``'s rate gives their
     bytes as the cost model counts them (forward: input and output; backward: twice that, the
     default of ``strategies.combine``), ``add`` timed at the same size in the same lockstep rounds
-    (a ratio within one run: load drifting between rounds cancels). The backward is autograd's
-    (``torch.autograd.grad`` through the op's one node), as a step runs it. fp32 only: the
+    (a ratio within one run: load drifting between rounds cancels), forward inputs cycled through
+    cold copies as the ``elementwise`` class's are (``_cold_copies``); each factor at least 1. The
+    backward is autograd's (``torch.autograd.grad`` through the op's one node), as a step runs it. fp32 only: the
     factors are applied to every dtype's elementwise rate. Collective over every rank; every rank
     returns the same figures."""
     device = torch.device(device)
-    positive = torch.rand(numel, device=device) + 0.5  # inside every function's domain
-    a, b = torch.randn(numel, device=device), torch.randn(numel, device=device)
+    positive = _cold_copies(lambda: torch.rand(numel, device=device) + 0.5, numel * 4, device)  # every domain
+    pairs = _cold_copies(lambda: (torch.randn(numel, device=device), torch.randn(numel, device=device)),
+                         2 * numel * 4, device)
     grad = torch.randn(numel, device=device)
-    kernels_ = [Kernel("elementwise", "fp32", 3.0 * numel * 4, "add", lambda: torch.add(a, b))]
+    kernels_ = [Kernel("elementwise", "fp32", 3.0 * numel * 4, "add", lambda: torch.add(*next(pairs)))]
     for op in POINTWISE_MEASURED:
         fn = getattr(torch.ops.aten, op).default
-        x = positive.clone().requires_grad_(True)
+        x = next(positive).clone().requires_grad_(True)
         y = fn(x)
-        kernels_.append(Kernel("elementwise", "fp32", 2.0 * numel * 4, op, lambda fn=fn, x=positive: fn(x)))
+        kernels_.append(Kernel("elementwise", "fp32", 2.0 * numel * 4, op, lambda fn=fn: fn(next(positive))))
         kernels_.append(Kernel("elementwise", "fp32", 4.0 * numel * 4, f"{op} backward",
                                lambda x=x, y=y: torch.autograd.grad(y, x, grad, retain_graph=True)[0]))
     points, inner = _inner_counts(kernels_, device, min_repetition_s)
@@ -421,7 +445,10 @@ def measure_pointwise(*, repeats: int, device: torch.device | str = "cpu", numel
                                warm_up=False)
     per_byte = {k.label: t / (c * k.size) for k, c, t in zip(points, inner, seconds)}
     add = per_byte["add"]
-    return tuple((op, max(per_byte[op] / add, 1e-3), max(per_byte[f"{op} backward"] / add, 1e-3))
+    # At least 1: no such kernel moves fewer bytes than ``add`` charges it. The backward's graph is
+    # one (its saved tensors in cache, where ``add`` cycles through cold inputs): tanh's, a
+    # multiply-add, came out 0.7.
+    return tuple((op, max(per_byte[op] / add, 1.0), max(per_byte[f"{op} backward"] / add, 1.0))
                  for op in POINTWISE_MEASURED)
 
 
