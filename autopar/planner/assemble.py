@@ -12,10 +12,10 @@ from dataclasses import replace
 from typing import Any
 
 from autopar.planner.baselines import BASELINES, FAMILY_ZERO, ZERO_BASELINES, baseline_roles, make_restriction
-from autopar.plans import Estimate, NodeKind, NodePlan, Plan
+from autopar.plans import BaselineResult, Estimate, NodeKind, NodePlan, Plan
 from autopar.solver.problem import Problem
 
-__all__ = ["assemble_plan", "node_plans", "estimate_of", "solver_stats", "applicable_baselines",
+__all__ = ["assemble_plan", "node_plans", "estimate_of", "solver_stats", "applicable_baselines", "baseline_result",
            "baseline_problem", "family_built", "restricted_built", "restricted_problem"]
 
 
@@ -105,6 +105,22 @@ def seed_data_parallel(traced, built, options):
         return None
     incumbents.remember(built.problem, solution.choice)
     return (problem, solution) if solution.status == "optimal" else None
+
+
+def baseline_result(name: str, traced, built, *, solve, progress, solved: tuple | None = None) -> BaselineResult:
+    """Family ``name``'s best plan on ``built`` as a ``BaselineResult`` (refused: why), solved by
+    ``solve(problem, stage name)``; ``solved``: (its problem, an optimal solution) found already
+    (``seed_data_parallel``'s), not solved again."""
+    from autopar.planner.checkpointing import estimate
+    from autopar.solver.driver import SolveTimeout
+
+    try:
+        with progress.stage(f"baseline {name}"):
+            problem, solution = solved or (baseline_problem(name, traced, built), None)
+        solution = solution or solve(problem, f"baseline {name} solve")
+    except (ValueError, SolveTimeout) as exc:  # the family cannot fit the budget (or has no legal layout), or
+        return BaselineResult(name, False, None, str(exc).splitlines()[0])  # no plan of it was found in time
+    return BaselineResult(name, True, estimate_of(estimate(built, problem, solution.choice, (), built.segment_inputs)))
 
 
 def family_built(name: str, traced, built):

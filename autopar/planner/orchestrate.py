@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 from autopar.layout.mesh import MeshSpec
 from autopar.planner.offload_fit import fit_device_room, with_offload
 from autopar.planner.options import PlanOptions
-from autopar.plans import BaselineResult, Plan
+from autopar.plans import Plan
 from autopar.stages import Progress
 from autopar.tracer.errors import TraceError
 
@@ -184,7 +184,8 @@ def plan_traced(traced: TracedGraph, profile: ModelProfile, *, mesh: MeshSpec | 
     ``restrict``: (name, ``allowed(kind, fx_node, choice)``): the built problem kept to the options
     it allows (``assemble.restricted_built``; a fixed configuration such as
     ``baselines.expert_layouts``'), then planned as any other (recompute, offload)."""
-    from autopar.planner.assemble import applicable_baselines, assemble_plan, restricted_built, seed_data_parallel
+    from autopar.planner.assemble import (applicable_baselines, assemble_plan, baseline_result, restricted_built,
+                                          seed_data_parallel)
     from autopar.planner.builder import build_problem
     from autopar.planner.checkpointing import plan_recompute
     from autopar.planner.table_partition import TablePartition, fit_tables, with_tables
@@ -221,9 +222,9 @@ def plan_traced(traced: TracedGraph, profile: ModelProfile, *, mesh: MeshSpec | 
             rc, tables = fit_tables(traced, built, rc, replan=replan, progress=progress)
     results = ()
     if options.baselines:
-        results = tuple(_baseline(name, traced, built, options=options, progress=progress,
-                                  solved=seeded if name == "data-parallel" else None)
-                        for name in applicable_baselines(mesh.ndim, zero=options.zero_stage == "auto"))
+        results = tuple(baseline_result(n, traced, built, solve=_stage_solver(options, progress),
+                                        progress=progress, solved=seeded if n == "data-parallel" else None)
+                        for n in applicable_baselines(mesh.ndim, zero=options.zero_stage == "auto"))
     assembled = assemble_plan(
         traced, built, choice=rc.choice, evaluation=rc.evaluation, solution=rc.solution,
         timings=progress.timings, baselines=results, recompute=rc.regions,
@@ -236,32 +237,16 @@ def plan_traced(traced: TracedGraph, profile: ModelProfile, *, mesh: MeshSpec | 
     return PlanResult(assembled, traced, profile, built, rc)
 
 
+def _stage_solver(options: PlanOptions, progress: Progress) -> Callable:
+    """``solve(problem, stage)`` as ``_solve`` with these options: what ``baseline_result`` calls."""
+    return lambda problem, stage: _solve(problem, options=options, progress=progress, stage=stage)
+
+
 def _solve(problem, *, options: PlanOptions, progress: Progress, stage: str):
     from autopar.solver.driver import solve
 
     with progress.stage(stage, f"{problem.num_nodes} decisions, {problem.num_edges} edges"):
         return solve(problem, solver=options.solver, time_limit=options.time_limit)
-
-
-def _baseline(name: str, traced, built, *, options: PlanOptions, progress: Progress,
-              solved: tuple | None = None) -> BaselineResult:
-    """Family ``name``'s best plan on ``built``; ``solved``: (its problem, an optimal solution) found
-    already (the data-parallel seed's), not solved again."""
-    from autopar.planner.assemble import baseline_problem, estimate_of
-    from autopar.planner.checkpointing import estimate
-    from autopar.solver.driver import SolveTimeout
-
-    if solved is not None:
-        problem, solution = solved
-    else:
-        try:
-            with progress.stage(f"baseline {name}"):
-                problem = baseline_problem(name, traced, built)
-            solution = _solve(problem, options=options, progress=progress, stage=f"baseline {name} solve")
-        except (ValueError, SolveTimeout) as exc:  # the family cannot fit the budget (or has no legal layout),
-            return BaselineResult(name, False, None, str(exc).splitlines()[0])  # or no plan of it in time
-    evaluation = estimate(built, problem, solution.choice, (), built.segment_inputs)
-    return BaselineResult(name, True, estimate_of(evaluation))
 
 
 # ------------------------------------------------------------------------------ mesh search
@@ -308,11 +293,11 @@ def search_traced(traced: TracedGraph, prof: ModelProfile, *, cluster: tuple[int
                           time_budget=budget - (time.perf_counter() - start), restrict=restrict)
     if not options.baselines:
         return found
-    from autopar.planner.assemble import applicable_baselines
+    from autopar.planner.assemble import applicable_baselines, baseline_result
 
     best = found.best
     spec = best.plan.mesh
-    results = tuple(_baseline(name, traced, best.built, options=options, progress=progress)
+    results = tuple(baseline_result(name, traced, best.built, solve=_stage_solver(options, progress), progress=progress)
                     for name in applicable_baselines(spec.ndim, zero=options.zero_stage == "auto"))
     best = replace(best, plan=replace(best.plan, baselines=results))
     return replace(found, best=best)
