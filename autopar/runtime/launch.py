@@ -13,7 +13,9 @@ initialises the default process group (gloo on CPU), calls ``fn(rank, world_size
 returns the values in rank order, or raises ``RuntimeError`` carrying the first failing rank's
 traceback. A child that hangs (a mismatched collective) is killed after ``timeout`` seconds in
 all; one that dies without reporting (killed, a native crash) fails the run within a few
-seconds.
+seconds. A launch whose ranks fail to join the process group -- gloo's loopback connect rarely
+reports "Connection closed by peer" under load -- is made again once on a fresh port (``fn`` had
+run on no rank), with a line on stderr.
 
 ``launch`` / ``launch_from_torch`` are the product notes' launchers (a training script's first
 call): they join the default process group from explicit arguments or from the variables
@@ -28,6 +30,7 @@ import os
 import pickle
 import queue as pyqueue
 import socket
+import sys
 import argparse
 import contextlib
 import time
@@ -70,6 +73,10 @@ def _child(rank, world_size, listener, port, backend, fn, args, kwargs, queue, n
         else:
             store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
+    except BaseException:  # noqa: BLE001 -- before ``fn``: the parent may launch again
+        queue.put((rank, _RENDEZVOUS, traceback.format_exc()))
+        return
+    try:
         try:
             result = fn(rank, world_size, *args, **kwargs)
         finally:
@@ -82,6 +89,11 @@ def _child(rank, world_size, listener, port, backend, fn, args, kwargs, queue, n
 
 
 _POLL_S = 0.5  # how often the parent looks for ranks that died without reporting
+# A child's report that joining the process group failed, before ``fn`` ran on any rank: gloo's
+# full-mesh connect on loopback was seen, about once in a few thousand launches under the test
+# suite's load (sessions 28 and 29), to report "Connection closed by peer" at connectFullMesh.
+_RENDEZVOUS = "rendezvous"
+RENDEZVOUS_TRIES = 2  # launches at most when the ranks fail to join the group
 
 
 def _check_alive(procs, results: dict, queue, deadline: float, timeout: float, world_size: int) -> None:
@@ -125,9 +137,31 @@ def run_local(
     num_threads: int = 1,
     **kwargs: Any,
 ) -> list[Any]:
-    """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` forked processes."""
+    """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` forked processes. A launch
+    whose ranks fail to join the process group (before ``fn`` ran anywhere) is made again on a
+    fresh port, ``RENDEZVOUS_TRIES`` launches at most, each with its own ``timeout``."""
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
+    attempt = 1
+    while True:
+        try:
+            return _run_once(fn, world_size, args, kwargs, backend=backend, timeout=timeout, num_threads=num_threads)
+        except _RendezvousFailed as exc:
+            if attempt >= RENDEZVOUS_TRIES:
+                raise RuntimeError(str(exc)) from None
+            print(f"run_local: the {world_size} ranks failed to join the process group "
+                  f"({exc.summary}); launching again", file=sys.stderr, flush=True)
+            attempt += 1
+
+
+class _RendezvousFailed(Exception):
+    def __init__(self, message: str, summary: str) -> None:
+        super().__init__(message)
+        self.summary = summary
+
+
+def _run_once(fn, world_size: int, args: tuple, kwargs: dict, *, backend: str, timeout: float,
+              num_threads: int) -> list[Any]:
     ctx = mp.get_context(start_method())
     queue = ctx.Queue()
     # The rendezvous port is bound here and listened on from the start, and rank 0 serves the store
@@ -156,6 +190,7 @@ def run_local(
         listener.close()  # rank 0 holds its own descriptor of it now
     results: dict[int, Any] = {}
     failure: tuple[int, str] | None = None
+    rendezvous = False
     finished = False
     deadline = time.monotonic() + timeout
     try:
@@ -165,6 +200,10 @@ def run_local(
             except pyqueue.Empty:
                 _check_alive(procs, results, queue, deadline, timeout, world_size)
                 continue
+            if ok == _RENDEZVOUS:
+                failure = (rank, value)
+                rendezvous = True
+                break
             if not ok:
                 failure = (rank, value)
                 break
@@ -178,6 +217,10 @@ def run_local(
             if p.is_alive():
                 p.kill()
                 p.join(timeout=1)
+    if failure is not None and rendezvous:
+        rank, tb = failure
+        last = tb.strip().splitlines()[-1] if tb.strip() else "no traceback"
+        raise _RendezvousFailed(f"rank {rank} of {world_size} failed to join the process group:\n{tb}", last[:200])
     if failure is not None:
         rank, tb = failure
         # A rank that died silently is usually the cause of the others' collective errors.
