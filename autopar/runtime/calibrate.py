@@ -354,18 +354,19 @@ def _in_group(shape: tuple[int, ...], device_type: str, sizes: Sequence[int], re
     held_over = {axes: measure_blocking([device_mesh.get_group(a) for a in axes], rounds=rounds, device=device)
                  for axes in spanned_axis_sets(shape)}
     speedup = 1.0
-    if math.prod(shape) > 1 and not ranks_share_cores(device):
-        # Where every rank has cores (or a device) of its own, a waiting rank lends the busy ones
-        # nothing. The burst still ran 1.33x faster on one of 2 ranks on 2 cores (memory
-        # bandwidth), but GPT-2's 1F1B over those 2 ranks measured 259-265 ms against 225 priced
-        # with a full bubble, and 203 with the burst's figure: the bubble cost all of it.
-        say("every rank computes on cores of its own: a pipeline's waiting ranks lend the others nothing "
-            "(idle speedup 1)")
-    elif math.prod(shape) > 1:
-        speedup, parts = measure_idle_speedup(repeats=max(repeats, 5 if quick else 9), device=device,
-                                              layers=1 if quick else _IDLE_LAYERS)
-        say(f"an MLP stack's forward {parts['all'] * 1e3:.2f} ms on every rank, {parts['half'] * 1e3:.2f} ms on "
-            f"half of them: {speedup:.2f}x while the other half waits")
+    if math.prod(shape) > 1:
+        if ranks_share_cores(device):
+            speedup, parts = measure_idle_speedup(repeats=max(repeats, 5 if quick else 9), device=device,
+                                                  layers=1 if quick else _IDLE_LAYERS)
+            say(f"an MLP stack's forward {parts['all'] * 1e3:.2f} ms on every rank, {parts['half'] * 1e3:.2f} ms "
+                f"on half of them: {speedup:.2f}x while the other half waits")
+        else:
+            # Where every rank has cores (or a device) of its own, a waiting rank lends the busy ones
+            # nothing. The burst still ran 1.33x faster on one of 2 ranks on 2 cores (memory
+            # bandwidth), but GPT-2's 1F1B over those 2 ranks measured 259-265 ms against 225 priced
+            # with a full bubble, and 203 with the burst's figure: the bubble cost all of it.
+            say("every rank computes on cores of its own: a pipeline's waiting ranks lend the others nothing "
+                "(idle speedup 1)")
     # A pipeline runs over mesh axis 0 (``planner.pipeline``): its groups run one each, at once.
     pipelined = measure_pipeline_action(device_mesh.get_group(0), repeats=max(repeats, 5 if quick else 11),
                                         device=device) if shape[0] > 1 else None

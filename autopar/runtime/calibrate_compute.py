@@ -172,16 +172,20 @@ def _cold_copies(make: Callable[[], object], nbytes: int, device: torch.device):
     return itertools.cycle(copies)
 
 
+def _cold_add(numel: int, dtype: str, device: torch.device, label: str) -> Kernel:
+    """The ``elementwise`` class's kernel: ``add`` of two ``numel`` tensors read cold (``_cold_copies``),
+    keyed by the bytes the cost model charges an elementwise op (two read, one written)."""
+    dt = TORCH_DTYPES[dtype]
+    item = torch.empty((), dtype=dt).element_size()
+    pairs = _cold_copies(lambda: (torch.randn(numel, dtype=dt, device=device),
+                                  torch.randn(numel, dtype=dt, device=device)), 2 * numel * item, device)
+    return Kernel("elementwise", dtype, 3.0 * numel * item, label, lambda: torch.add(*next(pairs)))
+
+
 def _memory_bound(grid: Grid, dtype: str, device: torch.device) -> list[Kernel]:
     dt = TORCH_DTYPES[dtype]
     item = torch.empty((), dtype=dt).element_size()
-    out = []
-    for numel in grid.elementwise:
-        pairs = _cold_copies(lambda: (torch.randn(numel, dtype=dt, device=device),
-                                      torch.randn(numel, dtype=dt, device=device)), 2 * numel * item, device)
-        # Reads two tensors, writes one: the bytes the cost model charges an elementwise op.
-        out.append(Kernel("elementwise", dtype, 3.0 * numel * item, f"add {numel:,}",
-                          lambda pairs=pairs: torch.add(*next(pairs))))
+    out = [_cold_add(numel, dtype, device, f"add {numel:,}") for numel in grid.elementwise]
     for rows in grid.norm_rows:
         x = torch.randn(rows, NORM_WIDTH, dtype=dt, device=device)
         out.append(Kernel("norm", dtype, 2.0 * x.numel() * item, f"layer_norm {rows}x{NORM_WIDTH}",
@@ -426,10 +430,8 @@ def measure_pointwise(*, repeats: int, device: torch.device | str = "cpu", numel
     returns the same figures."""
     device = torch.device(device)
     positive = _cold_copies(lambda: torch.rand(numel, device=device) + 0.5, numel * 4, device)  # every domain
-    pairs = _cold_copies(lambda: (torch.randn(numel, device=device), torch.randn(numel, device=device)),
-                         2 * numel * 4, device)
     grad = torch.randn(numel, device=device)
-    kernels_ = [Kernel("elementwise", "fp32", 3.0 * numel * 4, "add", lambda: torch.add(*next(pairs)))]
+    kernels_ = [_cold_add(numel, "fp32", device, "add")]
     for op in POINTWISE_MEASURED:
         fn = getattr(torch.ops.aten, op).default
         x = next(positive).clone().requires_grad_(True)

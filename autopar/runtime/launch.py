@@ -200,12 +200,8 @@ def _run_once(fn, world_size: int, args: tuple, kwargs: dict, *, backend: str, t
             except pyqueue.Empty:
                 _check_alive(procs, results, queue, deadline, timeout, world_size)
                 continue
-            if ok == _RENDEZVOUS:
-                failure = (rank, value)
-                rendezvous = True
-                break
-            if not ok:
-                failure = (rank, value)
+            if ok is not True:  # False: fn raised; _RENDEZVOUS: the rank could not join the group
+                failure, rendezvous = (rank, value), ok == _RENDEZVOUS
                 break
             results[rank] = pickle.loads(value)
         finished = failure is None
