@@ -76,9 +76,13 @@ _IDLE_LAYERS = 4
 # The blocking stage: a small all-reduce (a batch norm's statistics, a loss term) after each of
 # ``_BLOCKING_CALLS`` compute bursts of about ``_BURST_S``, as a step's in-graph collectives come
 # between its ops; ``_BLOCKING_ROUNDS`` rounds at least (the figure is a median of differences).
+# The burst is as long as the compute between a step's blocking collectives: what one holds grows
+# with it (2 ranks on 2 cores: 1.1 ms after 0.25 ms bursts, 1.3-1.8 after 1 ms, 3.0-3.3 after
+# 4 ms), and a ResNet's channel-split convolutions or a decoder's Megatron sums run 3-15 ms
+# apart (a 1 ms burst priced the ResNet's 12 blocking sums 1.1 ms each; they held 2-4 ms).
 BLOCKING_BYTES = 4 * KiB
-_BLOCKING_CALLS = 32
-_BURST_S = 1e-3
+_BLOCKING_CALLS = 16
+_BURST_S = 4e-3
 _BLOCKING_ROUNDS = 31
 
 
