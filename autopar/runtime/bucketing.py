@@ -73,7 +73,7 @@ from torch.distributed.tensor import DTensor
 
 from autopar.layout.buckets import DEFAULT_CAP_MB, bucket_cap_bytes, first_cap_bytes_default, split_buckets
 from autopar.runtime.counting import record
-from autopar.runtime.dist_ops import wait
+from autopar.runtime.dist_ops import blocking, issue, wait
 from autopar.runtime.dtensors import grad_like, local_of
 from autopar.runtime.process_mesh import ProcessMesh
 
@@ -415,7 +415,7 @@ class GradBucketer(nn.Module):
         self.stats["all_reduces"] += 1
         self.stats["bytes"] += flat.numel() * flat.element_size()
         record("all_reduce", flat.numel() * flat.element_size())
-        return dist.all_reduce(flat, group=group, async_op=async_op)
+        return issue(dist.all_reduce, flat, group=group) if async_op else blocking(dist.all_reduce, flat, group=group)
 
     def _all_reduce_over(self, flat: torch.Tensor, axes: tuple[int, ...], *, async_op: bool):
         """(work, groups left): the sum over several mesh axes as ONE collective on the group

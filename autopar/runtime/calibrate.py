@@ -56,6 +56,8 @@ import torch.nn.functional as F
 from autopar.layout.cost import collective_seconds, pipeline_transfer_seconds
 from autopar.layout.machine import FLOP_KEYED, LinkFit, MachineProfile, overlap_fraction
 from autopar.layout.mesh import MeshSpec, default_axis_names, parse_mesh_shape
+from autopar.runtime.dist_ops import blocking, wait
+from autopar.runtime.seats import configure_waits, ranks_share_cores, shares_cores
 from autopar.runtime.calibrate_pipeline import measure_pipeline_action, pipeline_bytes, split_microbatch
 from autopar.runtime.calibrate_compute import (GRID, MIN_REPETITION_S, QUICK_GRID, QUICK_REPETITION_S, device_figures,
                                                measure_compute, measure_kernel_floor, measure_pointwise)
@@ -107,7 +109,7 @@ def measure_overlap(*, nbytes: int, repeats: int, device: torch.device) -> tuple
     a = torch.randn(256, 256, device=device)
 
     def comm() -> None:
-        dist.all_reduce(full, async_op=True).wait()
+        blocking(dist.all_reduce, full)
 
     def matmuls(count: int) -> Callable[[], None]:
         def run() -> None:
@@ -131,7 +133,7 @@ def measure_overlap(*, nbytes: int, repeats: int, device: torch.device) -> tuple
     def both() -> None:
         work = dist.all_reduce(full, async_op=True)
         compute()
-        work.wait()
+        wait(work)
 
     # The three figures come from the same rounds (comm, compute, both back to back in each):
     # the fraction is a difference of them, and timed one after another a change of outside
@@ -175,38 +177,6 @@ def measure_idle_speedup(*, repeats: int, device: torch.device,
     return min(max(t_all / t_half, 1.0), float(world)), {"all": t_all, "half": t_half}
 
 
-def shares_cores(ranks: Sequence[tuple[str, str, int, int]]) -> bool:
-    """Whether some ranks' compute competes for the same cores or device, from each rank's
-    ``(host, device, compute threads, cores it may run on)``: on a host, the CPU ranks' threads
-    outnumber its cores, or two ranks drive one accelerator. Only there does a pipeline bubble's
-    waiting rank lend its share to the busy ones (``MachineProfile.idle_speedup``)."""
-    cpu_threads: dict[str, int] = {}
-    cpu_cores: dict[str, int] = {}
-    devices: set[tuple[str, str]] = set()
-    for host, device, threads, cores in ranks:
-        if device == "cpu":
-            cpu_threads[host] = cpu_threads.get(host, 0) + threads
-            cpu_cores[host] = max(cpu_cores.get(host, 0), cores)
-        elif (host, device) in devices:
-            return True
-        else:
-            devices.add((host, device))
-    return any(cpu_threads[host] > cpu_cores[host] for host in cpu_threads)
-
-
-def _rank_seat(device: torch.device) -> tuple[str, str, int, int]:
-    """This rank's ``(host, device, compute threads, cores it may run on)`` for ``shares_cores``."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return os.uname().nodename, str(device), torch.get_num_threads(), cores
-
-
-def ranks_share_cores(device: torch.device) -> bool:
-    """``shares_cores`` over every rank of the default group (collective; the same answer on each)."""
-    seats: list = [None] * dist.get_world_size()
-    dist.all_gather_object(seats, _rank_seat(device))
-    return shares_cores(seats)
-
-
 def measure_blocking(groups, *, rounds: int, device: torch.device, nbytes: int = BLOCKING_BYTES,
                      calls: int = _BLOCKING_CALLS) -> tuple[float, dict[str, float]]:
     """The seconds a synchronous all-reduce of ``nbytes`` over ``groups`` holds a step, per call,
@@ -247,7 +217,7 @@ def measure_blocking(groups, *, rounds: int, device: torch.device, nbytes: int =
         for _ in range(calls):
             one()
             for group in chain_of:
-                dist.all_reduce(x, group=group)
+                blocking(dist.all_reduce, x, group=group)
 
     held, lengths = [], []
     for r in range(rounds):
@@ -329,6 +299,8 @@ def _in_group(shape: tuple[int, ...], device_type: str, sizes: Sequence[int], re
     names = default_axis_names(len(shape))
     device_mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
     say = _Stages(verbose)
+    # Collectives are timed waited for as the runtime will wait for them on these ranks.
+    polled = configure_waits(device)
     say.stage = "stage 1/3 compute: "
     compute, measured = measure_compute(QUICK_GRID if quick else GRID, repeats=repeats, device=device, progress=say,
                                         min_repetition_s=QUICK_REPETITION_S if quick else MIN_REPETITION_S)
@@ -343,6 +315,7 @@ def _in_group(shape: tuple[int, ...], device_type: str, sizes: Sequence[int], re
     say("pointwise math over add's rate per byte, forward/backward: "
         + ", ".join(f"{op} {f:.1f}/{b:.1f}" for op, f, b in pointwise))
     say.stage = "stage 2/3 collectives: "
+    say("ranks poll their collectives (each has cores of its own)" if polled else "ranks sleep in their collectives")
     alpha, beta, links, timings = _collectives(device_mesh, shape, sizes, repeats, device, say)
     say.stage = "stage 3/3 overlap, blocking and pipeline: "
     overlap = 0.0

@@ -46,7 +46,7 @@ from autopar.layout.conversion import ReshardStep, replicate_steps
 from autopar.layout.conversion import apply_step as reshard_apply_step
 from autopar.layout.placement import TensorSpec
 from autopar.strategies.fused import take_local
-from autopar.runtime.dist_ops import all_gather_single, reduce_scatter_single
+from autopar.runtime.dist_ops import all_gather_single, blocking, reduce_scatter_single
 
 __all__ = [
     "COLLECTIVE_KINDS",
@@ -111,7 +111,7 @@ def _all_gather(x: torch.Tensor, dim: int, ax: _Axis, segments: int = 1) -> torc
     if not 0 <= dim < x.dim():
         raise ValueError(f"all-gather on {ax}: dim {dim} out of range for shape {tuple(x.shape)}")
     front, out = gather_buffers(x, dim, ax.size)
-    all_gather_single(out, front, group=ax.group)
+    blocking(all_gather_single, out, front, group=ax.group)
     return gathered(out, dim, ax.size, segments)
 
 
@@ -136,14 +136,14 @@ def _reduce_scatter(x: torch.Tensor, dim: int, ax: _Axis) -> torch.Tensor:
     front = x.movedim(dim, 0).contiguous()
     out = front.new_empty((front.shape[0] // ax.size, *front.shape[1:]))
     record("reduce_scatter", front.numel() * front.element_size())
-    reduce_scatter_single(out, front, group=ax.group)
+    blocking(reduce_scatter_single, out, front, group=ax.group)
     return out.movedim(0, dim).contiguous()
 
 
 def _all_reduce(x: torch.Tensor, ax: _Axis) -> torch.Tensor:
     out = x.clone(memory_format=torch.contiguous_format)  # never reduce autograd's input in place
     record("all_reduce", out.numel() * out.element_size())
-    dist.all_reduce(out, group=ax.group)
+    blocking(dist.all_reduce, out, group=ax.group)
     return out
 
 
@@ -160,7 +160,7 @@ def _all_to_all(x: torch.Tensor, src_dim: int, dst_dim: int, ax: _Axis) -> torch
     send = torch.stack(x.chunk(ax.size, dim=dst_dim)).contiguous()
     recv = torch.empty_like(send, memory_format=torch.contiguous_format)
     record("all_to_all", send.numel() * send.element_size() * ax.size)  # the full size, as priced
-    dist.all_to_all_single(recv, send, group=ax.group)
+    blocking(dist.all_to_all_single, recv, send, group=ax.group)
     return torch.cat(recv.unbind(0), dim=src_dim)
 
 

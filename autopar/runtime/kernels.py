@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from autopar.runtime.counting import record
-from autopar.runtime.dist_ops import wait, waiting
+from autopar.runtime.dist_ops import blocking, issue, wait, waiting
 from autopar.runtime.process_mesh import ProcessMesh
 
 __all__ = ["DistComm", "grad_all_reduce", "all_reduce_axes", "all_to_all_rows"]
@@ -47,7 +47,7 @@ def all_reduce_axes(tensor: torch.Tensor, axes: Sequence[int], pmesh: ProcessMes
         for axis in axes:
             if pmesh.axis_size(axis) > 1:
                 record("all_reduce", out.numel() * out.element_size())
-                dist.all_reduce(out, op=_OPS[op], group=pmesh.group(axis))
+                blocking(dist.all_reduce, out, op=_OPS[op], group=pmesh.group(axis))
     return out
 
 
@@ -98,8 +98,8 @@ def all_to_all_rows(tensor: torch.Tensor, axis: int, pmesh: ProcessMesh, send_co
     if pmesh.axis_size(axis) == 1:
         return out.copy_(rows)
     record("all_to_all", rows.numel() * rows.element_size())
-    dist.all_to_all_single(out, rows, output_split_sizes=list(recv_counts), input_split_sizes=list(send_counts),
-                           group=pmesh.group(axis))
+    blocking(dist.all_to_all_single, out, rows, output_split_sizes=list(recv_counts),
+             input_split_sizes=list(send_counts), group=pmesh.group(axis))
     return out
 
 
@@ -173,7 +173,7 @@ class DistComm:
         # (on a (2, 2) mesh of 4 gloo ranks on 2 cores that one held the end of backward 1-19 ms).
         first, *rest = self.pmesh.groups_over(axes)
         record("all_reduce", out.numel() * out.element_size())
-        work = dist.all_reduce(out, group=first, async_op=True)
+        work = issue(dist.all_reduce, out, group=first)
 
         def result() -> torch.Tensor:
             wait(work)

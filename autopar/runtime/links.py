@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from autopar.layout.cost import collective_seconds
 from autopar.layout.mesh import MeshSpec
-from autopar.runtime.dist_ops import all_gather_single, reduce_scatter_single
+from autopar.runtime.dist_ops import all_gather_single, blocking, reduce_scatter_single
 
 __all__ = [
     "KINDS",
@@ -296,14 +296,14 @@ def _op(kind: str, nbytes: int, n: int, group, device: torch.device):
     full = torch.ones(numel, device=device)
     piece = torch.ones(numel // n, device=device)
     if kind == "all_reduce":
-        return lambda: dist.all_reduce(full, group=group)
+        return lambda: blocking(dist.all_reduce, full, group=group)
     if kind == "all_gather":
-        return lambda: all_gather_single(full, piece, group=group)
+        return lambda: blocking(all_gather_single, full, piece, group=group)
     if kind == "reduce_scatter":
-        return lambda: reduce_scatter_single(piece, full, group=group)
+        return lambda: blocking(reduce_scatter_single, piece, full, group=group)
     if kind == "all_to_all":
         recv = torch.empty_like(piece)  # each rank holds full/n and exchanges it
-        return lambda: dist.all_to_all_single(recv, piece, group=group)
+        return lambda: blocking(dist.all_to_all_single, recv, piece, group=group)
     raise ValueError(f"unknown collective {kind!r}; expected one of {KINDS}")
 
 

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch.utils._pytree import tree_map_only
 
 from autopar.runtime.counting import record
-from autopar.runtime.dist_ops import wait
+from autopar.runtime.dist_ops import issue, wait
 
 __all__ = ["PendingTensor", "Inflight", "all_reduce_pending"]
 
@@ -122,7 +122,7 @@ class _PendingAllReduce(torch.autograd.Function):
         inflight.wait_all()  # the previous step's value, if nobody read it
         out = x.detach().clone(memory_format=torch.contiguous_format)  # never reduce autograd's input
         record("all_reduce", out.numel() * out.element_size())
-        work = dist.all_reduce(out, group=group, async_op=True)
+        work = issue(dist.all_reduce, out, group=group)
         return PendingTensor(out, inflight.add(work))
 
     @staticmethod

@@ -36,7 +36,7 @@ import torch.fx as fx
 from torch import nn
 
 from autopar.runtime.collectives import _Axis, gather_buffers, gathered
-from autopar.runtime.dist_ops import all_gather_single, wait
+from autopar.runtime.dist_ops import all_gather_single, issue, wait
 from autopar.runtime.nodes import Collective
 from autopar.runtime.process_mesh import ProcessMesh
 
@@ -78,7 +78,7 @@ class _Start(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, dim: int, ax: _Axis, key: str, inflight: _InFlight) -> torch.Tensor:
         ctx.dim, ctx.ax = dim, ax
         send, out = gather_buffers(x, dim, ax.size)
-        inflight.put(key, all_gather_single(out, send, group=ax.group, async_op=True), send)
+        inflight.put(key, issue(all_gather_single, out, send, group=ax.group), send)
         return out
 
     @staticmethod

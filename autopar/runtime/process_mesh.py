@@ -18,10 +18,12 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
+import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from autopar.layout.mesh import MeshSpec, default_axis_names, parse_mesh_shape
+from autopar.runtime.seats import configure_waits
 
 __all__ = ["ProcessMesh"]
 
@@ -59,6 +61,8 @@ class ProcessMesh:
                     f"rank {rank}: group rank {group_rank} on mesh axis {axis} differs from the "
                     f"mesh coordinate {self.coordinate}"
                 )
+        # how this process waits for its collectives (``runtime.seats``: poll where ranks have cores)
+        self.polls: bool = configure_waits(torch.device(device_mesh.device_type))
 
     # --------------------------------------------------------------------------- factories
     @classmethod

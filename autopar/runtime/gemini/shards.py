@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from autopar.runtime.dist_ops import all_gather_single, reduce_scatter_single
+from autopar.runtime.dist_ops import all_gather_single, blocking, reduce_scatter_single
 
 __all__ = ["gather_into", "scatter_sum", "check_same_chunks"]
 
@@ -29,7 +29,7 @@ def gather_into(out: torch.Tensor, shard: torch.Tensor, chunk, pmesh) -> None:
     for depth in reversed(range(len(chunk.dp_axes))):
         axis, size = chunk.dp_axes[depth], chunk.dp_sizes[depth]
         dest = out if depth == 0 else torch.empty(block.numel() * size, dtype=block.dtype, device=block.device)
-        all_gather_single(dest, block.contiguous(), group=pmesh.group(axis))
+        blocking(all_gather_single, dest, block.contiguous(), group=pmesh.group(axis))
         block = dest
     if not chunk.dp_axes:
         out.copy_(shard)
@@ -46,7 +46,7 @@ def scatter_sum(full: torch.Tensor, partial_axes: tuple[int, ...], chunk, pmesh)
         n = block.numel() // size
         if axis in partial_axes:
             dest = torch.empty(n, dtype=block.dtype, device=block.device)
-            reduce_scatter_single(dest, block, group=pmesh.group(axis))
+            blocking(reduce_scatter_single, dest, block, group=pmesh.group(axis))
             block = dest
         else:
             block = block[coord * n:(coord + 1) * n]

@@ -52,7 +52,7 @@ import torch.distributed as dist
 from autopar.layout.cost import collective_seconds
 from autopar.layout.mesh import MeshSpec
 from autopar.runtime.counting import record
-from autopar.runtime.dist_ops import all_gather_single, reduce_scatter_single, wait
+from autopar.runtime.dist_ops import all_gather_single, blocking, issue, reduce_scatter_single, wait
 from autopar.runtime.dtensors import grad_like, local_of
 
 __all__ = ["GatherPlan", "Level", "ScatterPlan", "ScatterWork", "Scratch", "chunk_sizes", "deliver_grad",
@@ -255,7 +255,7 @@ class GatherPlan:
             if into_send[0]:
                 torch._foreach_copy_(*into_send)
             record("all_gather", recv.numel() * recv.element_size())
-            all_gather_single(recv, send, group=group)
+            blocking(all_gather_single, recv, send, group=group)
             if out_of_recv[0]:
                 torch._foreach_copy_(*out_of_recv)
 
@@ -540,7 +540,7 @@ class ScatterWork:
             recv = self.plan.recv_buffer(r, c, device, own=self.own)
             if self.plan.all_reduced[(r, c)]:
                 record("all_reduce", send.numel() * send.element_size())
-                work = dist.all_reduce(send, group=rnd.group(), async_op=async_op)
+                work = (issue if async_op else blocking)(dist.all_reduce, send, group=rnd.group())
             else:
                 record("reduce_scatter", send.numel() * send.element_size())
                 work = reduce_scatter_single(recv, send, group=rnd.group(), async_op=async_op)
