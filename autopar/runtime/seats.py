@@ -8,8 +8,9 @@ of every rank of the default group (collective).
 ``configure_waits(device)`` (collective) switches ``dist_ops``' polling waits on where every CPU
 rank has cores of its own and off elsewhere. Why: a rank that sleeps in a blocking gloo collective
 is woken late -- its idle vCPU halts -- and on 2 ranks of a 2-core host a blocking all-reduce held
-a step 1.3-2.4 ms where the rank polled with ``sched_yield`` 0.5-1.1 ms; a ResNet's channel-split
-step with 4 blocking sums ran 75 -> 66 ms, GPT-2's ZeRO-3 step 240 -> 217 ms. Where ranks share
+a step 1.3-2.4 ms where the rank polled with ``sched_yield`` 0.5-1.9 ms; a ResNet's channel-split
+step with 4 blocking sums ran 78 -> 70 ms, GPT-2's ZeRO-3 step 238 -> 217 ms and its Megatron step
+238 -> 209 ms. Where ranks share
 cores the polling rank takes the core a peer computes on: a data-parallel ResNet step on 4 ranks of
 2 cores ran 118 -> 129-146 ms, so there the ranks sleep. ``AUTOPAR_POLL_WAITS=1`` / ``0`` forces
 the policy (a benchmark comparing the two).
