@@ -56,7 +56,7 @@ import torch.nn.functional as F
 from autopar.layout.cost import collective_seconds, pipeline_transfer_seconds
 from autopar.layout.machine import FLOP_KEYED, LinkFit, MachineProfile, overlap_fraction
 from autopar.layout.mesh import MeshSpec, default_axis_names, parse_mesh_shape
-from autopar.runtime.dist_ops import blocking, wait
+from autopar.runtime.dist_ops import blocking, issue, wait
 from autopar.runtime.seats import configure_waits, ranks_share_cores, shares_cores
 from autopar.runtime.calibrate_pipeline import measure_pipeline_action, pipeline_bytes, split_microbatch
 from autopar.runtime.calibrate_compute import (GRID, MIN_REPETITION_S, QUICK_GRID, QUICK_REPETITION_S, device_figures,
@@ -131,7 +131,7 @@ def measure_overlap(*, nbytes: int, repeats: int, device: torch.device) -> tuple
     compute = matmuls(loops)
 
     def both() -> None:
-        work = dist.all_reduce(full, async_op=True)
+        work = issue(dist.all_reduce, full)  # waited for as the runtime waits for a gradient bucket
         compute()
         wait(work)
 
